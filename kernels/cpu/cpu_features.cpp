@@ -1,0 +1,60 @@
+#include "kernels/cpu/cpu_features.h"
+
+#include <atomic>
+#include <cstdlib>
+#include <cstring>
+
+namespace moeline::kernels {
+namespace {
+
+Isa detect() {
+  __builtin_cpu_init();
+  if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+      __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq")) {
+    return Isa::kAvx512;
+  }
+  if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) return Isa::kAvx2;
+  return Isa::kPortable;
+}
+
+bool supports(Isa wanted) { return static_cast<int>(wanted) <= static_cast<int>(detect()); }
+
+Isa initial_isa() {
+  Isa isa = detect();
+  if (const char* forced = std::getenv("MOELINE_KERNELS")) {
+    for (Isa candidate : {Isa::kPortable, Isa::kAvx2, Isa::kAvx512}) {
+      if (isa_name(candidate) == forced && supports(candidate)) isa = candidate;
+    }
+  }
+  return isa;
+}
+
+std::atomic<Isa>& active() {
+  static std::atomic<Isa> isa{initial_isa()};
+  return isa;
+}
+
+}  // namespace
+
+Isa best_supported_isa() { return detect(); }
+Isa active_isa() { return active().load(std::memory_order_relaxed); }
+
+bool set_active_isa(Isa isa) {
+  if (!supports(isa)) return false;
+  active().store(isa);
+  return true;
+}
+
+std::string_view isa_name(Isa isa) {
+  switch (isa) {
+    case Isa::kPortable:
+      return "portable";
+    case Isa::kAvx2:
+      return "avx2";
+    case Isa::kAvx512:
+      return "avx512";
+  }
+  return "?";
+}
+
+}  // namespace moeline::kernels

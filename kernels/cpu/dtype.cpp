@@ -1,0 +1,40 @@
+#include "kernels/cpu/dtype.h"
+
+#include <cmath>
+
+namespace moeline::kernels {
+
+// IEEE 754 binary16, including subnormals, infinities and NaN; only used off the hot path (the
+// SIMD paths convert with F16C instructions).
+float f16_to_float(uint16_t bits) {
+  const uint32_t sign = static_cast<uint32_t>(bits & 0x8000u) << 16;
+  const uint32_t exponent = (bits >> 10) & 0x1fu;
+  const uint32_t mantissa = bits & 0x3ffu;
+  float magnitude;
+  if (exponent == 0) {
+    magnitude = std::ldexp(static_cast<float>(mantissa), -24);
+  } else if (exponent == 31) {
+    magnitude = mantissa ? NAN : INFINITY;
+  } else {
+    magnitude = std::ldexp(static_cast<float>(mantissa | 0x400u), static_cast<int>(exponent) - 25);
+  }
+  return sign ? -magnitude : magnitude;
+}
+
+void widen(const void* src, DType dtype, int64_t count, float* dst) {
+  for (int64_t i = 0; i < count; ++i) {
+    switch (dtype) {
+      case DType::kF32:
+        dst[i] = static_cast<const float*>(src)[i];
+        break;
+      case DType::kBF16:
+        dst[i] = bf16_to_float(static_cast<const uint16_t*>(src)[i]);
+        break;
+      case DType::kF16:
+        dst[i] = f16_to_float(static_cast<const uint16_t*>(src)[i]);
+        break;
+    }
+  }
+}
+
+}  // namespace moeline::kernels

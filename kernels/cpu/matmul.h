@@ -1,0 +1,39 @@
+#pragma once
+// y = x · Wᵀ for a batch of independent tasks (all projections of a layer, all active experts of a
+// step), run on the thread pool in one dispatch. W is a weight matrix [out, in] in F32, BF16 or
+// F16 used in place; x and y are F32.
+//
+// Determinism: every y element is the dot product of one x row and one W row accumulated in a
+// fixed lane/order pattern that does not depend on n, the tile a row falls in, or the thread
+// count. A sequence's results are therefore bit-identical whatever else is in its batch.
+
+#include <cstdint>
+#include <span>
+
+#include "kernels/cpu/dtype.h"
+#include "kernels/cpu/thread_pool.h"
+
+namespace moeline::kernels {
+
+struct MatmulTask {
+  const float* x = nullptr;  // [n, w.cols], rows x_stride floats apart
+  int64_t n = 0;
+  MatrixView w;
+  float* y = nullptr;  // [n, w.rows], rows y_stride floats apart
+  int64_t x_stride = 0;  // 0 means w.cols
+  int64_t y_stride = 0;  // 0 means w.rows
+};
+
+void matmul(ThreadPool& pool, std::span<const MatmulTask> tasks);
+void matmul(ThreadPool& pool, const MatmulTask& task);
+
+// Computes rows [row_begin, row_end) of W for every x row, on the calling thread.
+void matmul_rows(const MatmulTask& task, int64_t row_begin, int64_t row_end);
+
+namespace detail {
+void matmul_rows_portable(const MatmulTask& task, int64_t row_begin, int64_t row_end);
+void matmul_rows_avx2(const MatmulTask& task, int64_t row_begin, int64_t row_end);
+void matmul_rows_avx512(const MatmulTask& task, int64_t row_begin, int64_t row_end);
+}  // namespace detail
+
+}  // namespace moeline::kernels

@@ -1,0 +1,51 @@
+// AVX2 + FMA path: 8 lanes, 2 weight rows × 4 tokens = 8 accumulators of the 16 ymm registers.
+#include <immintrin.h>
+
+#include "kernels/cpu/matmul_impl.h"
+
+namespace moeline::kernels::detail {
+namespace {
+
+struct Avx2 {
+  using V = __m256;
+  static constexpr int kLanes = 8;
+  static constexpr int kMR = 2;
+  static constexpr int kNR = 4;
+  static V zero() { return _mm256_setzero_ps(); }
+  static V load_f32(const float* p) { return _mm256_loadu_ps(p); }
+  static V load_bf16(const uint16_t* p) {
+    const __m256i widened = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+    return _mm256_castsi256_ps(_mm256_slli_epi32(widened, 16));
+  }
+  static V load_f16(const uint16_t* p) {
+    return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  }
+  static V fmadd(V a, V b, V c) { return _mm256_fmadd_ps(a, b, c); }
+  static float reduce(V v) {
+    __m128 sum = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    __m128 odd = _mm_movehdup_ps(sum);
+    sum = _mm_add_ps(sum, odd);
+    odd = _mm_movehl_ps(odd, sum);
+    return _mm_cvtss_f32(_mm_add_ss(sum, odd));
+  }
+  static void widen_row(const void* row, DType dtype, int64_t K, float* dst) {
+    if (dtype == DType::kF32) {
+      std::memcpy(dst, row, static_cast<size_t>(K) * sizeof(float));
+      return;
+    }
+    const auto* src = static_cast<const uint16_t*>(row);
+    int64_t k = 0;
+    for (; k + kLanes <= K; k += kLanes) {
+      _mm256_storeu_ps(dst + k, dtype == DType::kBF16 ? load_bf16(src + k) : load_f16(src + k));
+    }
+    widen(src + k, dtype, K - k, dst + k);
+  }
+};
+
+}  // namespace
+
+void matmul_rows_avx2(const MatmulTask& task, int64_t row_begin, int64_t row_end) {
+  MatmulKernel<Avx2>::run(task, row_begin, row_end);
+}
+
+}  // namespace moeline::kernels::detail

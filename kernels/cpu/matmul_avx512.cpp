@@ -1,0 +1,45 @@
+// AVX-512 path: 16 lanes, 4 weight rows × 6 tokens = 24 accumulators of the 32 zmm registers.
+#include <immintrin.h>
+
+#include "kernels/cpu/matmul_impl.h"
+
+namespace moeline::kernels::detail {
+namespace {
+
+struct Avx512 {
+  using V = __m512;
+  static constexpr int kLanes = 16;
+  static constexpr int kMR = 4;
+  static constexpr int kNR = 6;
+  static V zero() { return _mm512_setzero_ps(); }
+  static V load_f32(const float* p) { return _mm512_loadu_ps(p); }
+  static V load_bf16(const uint16_t* p) {
+    const __m512i widened = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+    return _mm512_castsi512_ps(_mm512_slli_epi32(widened, 16));
+  }
+  static V load_f16(const uint16_t* p) {
+    return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+  }
+  static V fmadd(V a, V b, V c) { return _mm512_fmadd_ps(a, b, c); }
+  static float reduce(V v) { return _mm512_reduce_add_ps(v); }
+  static void widen_row(const void* row, DType dtype, int64_t K, float* dst) {
+    if (dtype == DType::kF32) {
+      std::memcpy(dst, row, static_cast<size_t>(K) * sizeof(float));
+      return;
+    }
+    const auto* src = static_cast<const uint16_t*>(row);
+    int64_t k = 0;
+    for (; k + kLanes <= K; k += kLanes) {
+      _mm512_storeu_ps(dst + k, dtype == DType::kBF16 ? load_bf16(src + k) : load_f16(src + k));
+    }
+    widen(src + k, dtype, K - k, dst + k);
+  }
+};
+
+}  // namespace
+
+void matmul_rows_avx512(const MatmulTask& task, int64_t row_begin, int64_t row_end) {
+  MatmulKernel<Avx512>::run(task, row_begin, row_end);
+}
+
+}  // namespace moeline::kernels::detail

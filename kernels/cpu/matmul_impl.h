@@ -1,0 +1,150 @@
+#pragma once
+// The matmul algorithm, written once and instantiated per instruction set: each matmul_*.cpp
+// defines a `Simd` traits type (vector type, lane count, tile shape, loads, fused multiply-add,
+// reduction) in an anonymous namespace and includes this file. Internal to kernels/cpu.
+//
+// Shape of the computation: an MR-row × NR-token tile keeps MR*NR vector accumulators, each
+// summing one (row, token) dot product lane-wise over k; the lanes are reduced once at the end.
+// For large n the MR weight rows are first widened to F32 in a per-thread buffer, so the
+// conversion is paid once per token block rather than once per token tile; widening is exact, so
+// both routes give identical bits.
+
+#include <algorithm>
+#include <array>
+#include <cstring>
+#include <utility>
+#include <vector>
+
+#include "kernels/cpu/matmul.h"
+
+namespace moeline::kernels::detail {
+
+template <class Simd>
+struct MatmulKernel {
+  using V = typename Simd::V;
+  static constexpr int kLanes = Simd::kLanes;
+  static constexpr int kMR = Simd::kMR;
+  static constexpr int kNR = Simd::kNR;
+  // Tokens per block when packing: the block's x rows stay in L2 while every row tile passes.
+  static constexpr int64_t kTokenBlock = 64;
+  // From this many tokens on, widening the weight tile once beats widening it per token tile.
+  static constexpr int64_t kPackFromTokens = 2 * kNR;
+
+  static V load(const void* row, DType dtype, int64_t k) {
+    switch (dtype) {
+      case DType::kF32:
+        return Simd::load_f32(static_cast<const float*>(row) + k);
+      case DType::kBF16:
+        return Simd::load_bf16(static_cast<const uint16_t*>(row) + k);
+      case DType::kF16:
+        return Simd::load_f16(static_cast<const uint16_t*>(row) + k);
+    }
+    return Simd::zero();
+  }
+
+  // The ragged end of a row, widened through a zero-padded buffer: the same path for every tile.
+  static V load_tail(const void* row, DType dtype, int64_t k, int64_t count) {
+    alignas(64) float buffer[kLanes] = {};
+    widen(static_cast<const std::byte*>(row) + k * static_cast<int64_t>(dtype_size(dtype)), dtype,
+          count, buffer);
+    return Simd::load_f32(buffer);
+  }
+
+  template <int M, int N, DType W>
+  static void tile(const void* const* w_rows, const float* const* x_rows, int64_t K, float* y,
+                   int64_t y_stride) {
+    V acc[M][N];
+    for (int m = 0; m < M; ++m)
+      for (int t = 0; t < N; ++t) acc[m][t] = Simd::zero();
+    const int64_t k_full = K - K % kLanes;
+    for (int64_t k = 0; k < k_full; k += kLanes) {
+      V w[M];
+      for (int m = 0; m < M; ++m) w[m] = load(w_rows[m], W, k);
+      for (int t = 0; t < N; ++t) {
+        const V x = Simd::load_f32(x_rows[t] + k);
+        for (int m = 0; m < M; ++m) acc[m][t] = Simd::fmadd(w[m], x, acc[m][t]);
+      }
+    }
+    if (k_full < K) {
+      const int64_t rest = K - k_full;
+      V w[M];
+      for (int m = 0; m < M; ++m) w[m] = load_tail(w_rows[m], W, k_full, rest);
+      for (int t = 0; t < N; ++t) {
+        const V x = load_tail(x_rows[t], DType::kF32, k_full, rest);
+        for (int m = 0; m < M; ++m) acc[m][t] = Simd::fmadd(w[m], x, acc[m][t]);
+      }
+    }
+    for (int t = 0; t < N; ++t)
+      for (int m = 0; m < M; ++m) y[t * y_stride + m] = Simd::reduce(acc[m][t]);
+  }
+
+  using TileFn = void (*)(const void* const*, const float* const*, int64_t, float*, int64_t);
+
+  template <DType W, int M, int... Ns>
+  static constexpr std::array<TileFn, kNR> tiles_for_rows(std::integer_sequence<int, Ns...>) {
+    return {&tile<M, Ns + 1, W>...};
+  }
+  template <DType W, int... Ms>
+  static constexpr std::array<std::array<TileFn, kNR>, kMR> tile_table(
+      std::integer_sequence<int, Ms...>) {
+    return {tiles_for_rows<W, Ms + 1>(std::make_integer_sequence<int, kNR>{})...};
+  }
+  template <DType W>
+  static constexpr auto kTiles = tile_table<W>(std::make_integer_sequence<int, kMR>{});
+
+  static TileFn pick(DType dtype, int rows, int tokens) {
+    switch (dtype) {
+      case DType::kF32:
+        return kTiles<DType::kF32>[rows - 1][tokens - 1];
+      case DType::kBF16:
+        return kTiles<DType::kBF16>[rows - 1][tokens - 1];
+      case DType::kF16:
+        return kTiles<DType::kF16>[rows - 1][tokens - 1];
+    }
+    return nullptr;
+  }
+
+  static void run_tokens(const void* const* w_rows, DType dtype, int rows, const MatmulTask& task,
+                         int64_t x_stride, int64_t y_stride, int64_t row, int64_t t_begin,
+                         int64_t t_end) {
+    const float* x_rows[kNR];
+    for (int64_t t = t_begin; t < t_end; t += kNR) {
+      const int tokens = static_cast<int>(std::min<int64_t>(kNR, t_end - t));
+      for (int i = 0; i < tokens; ++i) x_rows[i] = task.x + (t + i) * x_stride;
+      pick(dtype, rows, tokens)(w_rows, x_rows, task.w.cols, task.y + t * y_stride + row,
+                                y_stride);
+    }
+  }
+
+  static void run(const MatmulTask& task, int64_t row_begin, int64_t row_end) {
+    const int64_t K = task.w.cols;
+    const int64_t x_stride = task.x_stride ? task.x_stride : K;
+    const int64_t y_stride = task.y_stride ? task.y_stride : task.w.rows;
+    const bool pack = task.w.dtype != DType::kF32 && task.n >= kPackFromTokens;
+    const void* w_rows[kMR];
+    if (!pack) {
+      for (int64_t row = row_begin; row < row_end; row += kMR) {
+        const int rows = static_cast<int>(std::min<int64_t>(kMR, row_end - row));
+        for (int m = 0; m < rows; ++m) w_rows[m] = task.w.row(row + m);
+        run_tokens(w_rows, task.w.dtype, rows, task, x_stride, y_stride, row, 0, task.n);
+      }
+      return;
+    }
+    thread_local std::vector<float> packed;
+    if (packed.size() < static_cast<size_t>(kMR * K)) packed.resize(static_cast<size_t>(kMR * K));
+    for (int64_t t0 = 0; t0 < task.n; t0 += kTokenBlock) {
+      const int64_t t1 = std::min(task.n, t0 + kTokenBlock);
+      for (int64_t row = row_begin; row < row_end; row += kMR) {
+        const int rows = static_cast<int>(std::min<int64_t>(kMR, row_end - row));
+        for (int m = 0; m < rows; ++m) {
+          float* dst = packed.data() + m * K;
+          Simd::widen_row(task.w.row(row + m), task.w.dtype, K, dst);
+          w_rows[m] = dst;
+        }
+        run_tokens(w_rows, DType::kF32, rows, task, x_stride, y_stride, row, t0, t1);
+      }
+    }
+  }
+};
+
+}  // namespace moeline::kernels::detail

@@ -1,0 +1,29 @@
+// Portable path: plain C++ with one lane; correct everywhere, fast nowhere.
+#include "kernels/cpu/matmul_impl.h"
+
+namespace moeline::kernels::detail {
+namespace {
+
+struct Portable {
+  using V = float;
+  static constexpr int kLanes = 1;
+  static constexpr int kMR = 4;
+  static constexpr int kNR = 4;
+  static V zero() { return 0.0f; }
+  static V load_f32(const float* p) { return *p; }
+  static V load_bf16(const uint16_t* p) { return bf16_to_float(*p); }
+  static V load_f16(const uint16_t* p) { return f16_to_float(*p); }
+  static V fmadd(V a, V b, V c) { return a * b + c; }
+  static float reduce(V v) { return v; }
+  static void widen_row(const void* row, DType dtype, int64_t K, float* dst) {
+    widen(row, dtype, K, dst);
+  }
+};
+
+}  // namespace
+
+void matmul_rows_portable(const MatmulTask& task, int64_t row_begin, int64_t row_end) {
+  MatmulKernel<Portable>::run(task, row_begin, row_end);
+}
+
+}  // namespace moeline::kernels::detail

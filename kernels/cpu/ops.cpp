@@ -1,0 +1,84 @@
+#include "kernels/cpu/ops.h"
+
+#include <algorithm>
+#include <cmath>
+
+namespace moeline::kernels {
+
+#if defined(__x86_64__)
+#define MOELINE_CLONES __attribute__((target_clones("avx512f", "avx2", "default")))
+#else
+#define MOELINE_CLONES
+#endif
+
+void rms_norm(const float* x, int64_t n, int64_t dim, int64_t x_stride, VectorView weight,
+              float eps, float* out, int64_t out_stride) {
+  for (int64_t r = 0; r < n; ++r) {
+    const float* row = x + r * x_stride;
+    float* dst = out + r * out_stride;
+    double sum_squares = 0.0;
+    for (int64_t i = 0; i < dim; ++i) sum_squares += static_cast<double>(row[i]) * row[i];
+    const float inv_rms =
+        static_cast<float>(1.0 / std::sqrt(sum_squares / static_cast<double>(dim) + eps));
+    for (int64_t i = 0; i < dim; ++i) dst[i] = row[i] * inv_rms * weight[i];
+  }
+}
+
+void rope_angles(int64_t position, int64_t head_dim, double theta, float* cos_sin) {
+  const int64_t half = head_dim / 2;
+  for (int64_t i = 0; i < half; ++i) {
+    const double inv_freq = std::pow(theta, -2.0 * static_cast<double>(i) / head_dim);
+    const double angle = static_cast<double>(position) * inv_freq;
+    cos_sin[i] = static_cast<float>(std::cos(angle));
+    cos_sin[half + i] = static_cast<float>(std::sin(angle));
+  }
+}
+
+void rope_rotate_half(float* vectors, int64_t heads, int64_t head_dim, const float* cos_sin) {
+  const int64_t half = head_dim / 2;
+  const float* cos = cos_sin;
+  const float* sin = cos_sin + half;
+  for (int64_t h = 0; h < heads; ++h) {
+    float* v = vectors + h * head_dim;
+    for (int64_t i = 0; i < half; ++i) {
+      const float first = v[i];
+      const float second = v[i + half];
+      v[i] = first * cos[i] - second * sin[i];
+      v[i + half] = second * cos[i] + first * sin[i];
+    }
+  }
+}
+
+void softmax(float* x, int64_t n) {
+  const float max = *std::max_element(x, x + n);
+  double sum = 0.0;
+  for (int64_t i = 0; i < n; ++i) {
+    x[i] = std::exp(x[i] - max);
+    sum += x[i];
+  }
+  const float inv = static_cast<float>(1.0 / sum);
+  for (int64_t i = 0; i < n; ++i) x[i] *= inv;
+}
+
+MOELINE_CLONES void silu_mul(float* gate, const float* up, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) gate[i] = gate[i] / (1.0f + std::exp(-gate[i])) * up[i];
+}
+
+MOELINE_CLONES void axpy(float a, const float* x, float* y, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) y[i] += a * x[i];
+}
+
+// Sixteen independent partial sums: vectorisable without reassociation, and the same order on
+// every call, so a dot product gives the same bits in prefill and in decode.
+MOELINE_CLONES float dot(const float* a, const float* b, int64_t n) {
+  float partial[16] = {};
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16)
+    for (int lane = 0; lane < 16; ++lane) partial[lane] += a[i + lane] * b[i + lane];
+  for (int lane = 0; i < n; ++i, ++lane) partial[lane] += a[i] * b[i];
+  float sum = 0.0f;
+  for (float p : partial) sum += p;
+  return sum;
+}
+
+}  // namespace moeline::kernels

@@ -1,0 +1,34 @@
+#pragma once
+// Element-wise and row-wise ops of the forward pass. All act on F32 activations; weights (norm
+// scales) may be any DType and are read in place.
+
+#include <cstdint>
+
+#include "kernels/cpu/dtype.h"
+
+namespace moeline::kernels {
+
+// out = x / sqrt(mean(x²) + eps) * weight, row by row (n rows of `dim`); out may alias x. The mean
+// is accumulated in double so that long rows lose nothing to summation order.
+void rms_norm(const float* x, int64_t n, int64_t dim, int64_t x_stride, VectorView weight,
+              float eps, float* out, int64_t out_stride);
+
+// cos/sin of position * inv_freq for the rotate-half RoPE layout of Hugging Face Llama-style
+// models; `cos_sin` receives head_dim/2 cosines followed by head_dim/2 sines.
+void rope_angles(int64_t position, int64_t head_dim, double theta, float* cos_sin);
+
+// Rotates `heads` consecutive vectors of head_dim in place (pairs i and i + head_dim/2).
+void rope_rotate_half(float* vectors, int64_t heads, int64_t head_dim, const float* cos_sin);
+
+// In-place softmax over n values, computed stably (max subtracted).
+void softmax(float* x, int64_t n);
+
+// gate[i] = silu(gate[i]) * up[i]
+void silu_mul(float* gate, const float* up, int64_t n);
+
+// y += a * x
+void axpy(float a, const float* x, float* y, int64_t n);
+
+float dot(const float* a, const float* b, int64_t n);
+
+}  // namespace moeline::kernels

@@ -1,0 +1,72 @@
+// Qwen3-MoE (modeling_qwen3_moe.py): per-head RMSNorm of q and k before RoPE; softmax router,
+// top-k, renormalised only when norm_topk_prob; dense MLP layers where mlp_only_layers or
+// decoder_sparse_step say so; sliding window only when use_sliding_window is true.
+#include "model/arch/arch.h"
+
+#include <algorithm>
+
+#include "model/status.h"
+
+namespace moeline::model::arch {
+
+const TensorNames kQwen3MoeNames = {
+    .embed_tokens = "model.embed_tokens.weight",
+    .final_norm = "model.norm.weight",
+    .lm_head = "lm_head.weight",
+    .input_norm = "model.layers.{L}.input_layernorm.weight",
+    .post_attention_norm = "model.layers.{L}.post_attention_layernorm.weight",
+    .q_proj = "model.layers.{L}.self_attn.q_proj.weight",
+    .k_proj = "model.layers.{L}.self_attn.k_proj.weight",
+    .v_proj = "model.layers.{L}.self_attn.v_proj.weight",
+    .o_proj = "model.layers.{L}.self_attn.o_proj.weight",
+    .q_bias = "model.layers.{L}.self_attn.q_proj.bias",
+    .k_bias = "model.layers.{L}.self_attn.k_proj.bias",
+    .v_bias = "model.layers.{L}.self_attn.v_proj.bias",
+    .o_bias = "model.layers.{L}.self_attn.o_proj.bias",
+    .q_norm = "model.layers.{L}.self_attn.q_norm.weight",
+    .k_norm = "model.layers.{L}.self_attn.k_norm.weight",
+    .router = "model.layers.{L}.mlp.gate.weight",
+    .expert_gate = "model.layers.{L}.mlp.experts.{E}.gate_proj.weight",
+    .expert_up = "model.layers.{L}.mlp.experts.{E}.up_proj.weight",
+    .expert_down = "model.layers.{L}.mlp.experts.{E}.down_proj.weight",
+    .dense_gate = "model.layers.{L}.mlp.gate_proj.weight",
+    .dense_up = "model.layers.{L}.mlp.up_proj.weight",
+    .dense_down = "model.layers.{L}.mlp.down_proj.weight",
+};
+
+void parse_qwen3_moe(const nlohmann::json& config, ModelConfig& out) {
+  out.family = model::Family::kQwen3Moe;
+  parse_common(config, out);
+  out.qk_norm = true;
+  out.attention_bias = bool_or(config, "attention_bias", false);
+  out.num_experts = require_int(config, "num_experts");
+  out.experts_per_token = require_int(config, "num_experts_per_tok");
+  out.expert_intermediate_size = require_int(config, "moe_intermediate_size");
+  out.dense_intermediate_size = int_or(config, "intermediate_size", 0);
+  out.norm_topk_prob = bool_or(config, "norm_topk_prob", false);
+  out.sliding_window =
+      bool_or(config, "use_sliding_window", false) ? int_or(config, "sliding_window", 0) : 0;
+
+  const int64_t sparse_step = int_or(config, "decoder_sparse_step", 1);
+  if (sparse_step < 1) throw ModelError("config.json: decoder_sparse_step must be >= 1");
+  std::vector<int64_t> mlp_only;
+  if (config.contains("mlp_only_layers") && !config["mlp_only_layers"].is_null()) {
+    try {
+      mlp_only = config["mlp_only_layers"].get<std::vector<int64_t>>();
+    } catch (const nlohmann::json::exception&) {
+      throw ModelError("config.json: mlp_only_layers must be a list of layer indices");
+    }
+  }
+  out.layer_is_moe.resize(static_cast<size_t>(out.num_layers));
+  for (int64_t layer = 0; layer < out.num_layers; ++layer) {
+    const bool dense_listed = std::find(mlp_only.begin(), mlp_only.end(), layer) != mlp_only.end();
+    out.layer_is_moe[static_cast<size_t>(layer)] =
+        !dense_listed && out.num_experts > 0 && (layer + 1) % sparse_step == 0;
+  }
+  const bool any_dense =
+      std::find(out.layer_is_moe.begin(), out.layer_is_moe.end(), false) != out.layer_is_moe.end();
+  if (any_dense && out.dense_intermediate_size <= 0)
+    throw ModelError("config.json: intermediate_size is needed for the dense MLP layers");
+}
+
+}  // namespace moeline::model::arch

@@ -1,0 +1,196 @@
+#include "model/config.h"
+
+#include <fstream>
+#include <nlohmann/json.hpp>
+#include <sstream>
+
+#include "model/arch/arch.h"
+#include "model/status.h"
+
+namespace moeline::model {
+namespace arch {
+
+namespace {
+using nlohmann::json;
+
+[[noreturn]] void bad_key(const char* key, const std::string& why) {
+  throw ModelError(std::string("config.json: \"") + key + "\" " + why);
+}
+
+const json* present(const json& config, const char* key) {
+  auto it = config.find(key);
+  return it == config.end() || it->is_null() ? nullptr : &*it;
+}
+}  // namespace
+
+int64_t require_int(const json& config, const char* key) {
+  const json* value = present(config, key);
+  if (!value) bad_key(key, "is missing");
+  if (!value->is_number_integer()) bad_key(key, "must be an integer");
+  return value->get<int64_t>();
+}
+
+int64_t int_or(const json& config, const char* key, int64_t fallback) {
+  return present(config, key) ? require_int(config, key) : fallback;
+}
+
+double number_or(const json& config, const char* key, double fallback) {
+  const json* value = present(config, key);
+  if (!value) return fallback;
+  if (!value->is_number()) bad_key(key, "must be a number");
+  return value->get<double>();
+}
+
+bool bool_or(const json& config, const char* key, bool fallback) {
+  const json* value = present(config, key);
+  if (!value) return fallback;
+  if (!value->is_boolean()) bad_key(key, "must be true or false");
+  return value->get<bool>();
+}
+
+void parse_common(const json& config, ModelConfig& out) {
+  out.vocab_size = require_int(config, "vocab_size");
+  out.hidden_size = require_int(config, "hidden_size");
+  out.num_layers = require_int(config, "num_hidden_layers");
+  out.num_heads = require_int(config, "num_attention_heads");
+  out.num_kv_heads = int_or(config, "num_key_value_heads", out.num_heads);
+  if (out.num_heads <= 0) bad_key("num_attention_heads", "must be positive");
+  out.head_dim = int_or(config, "head_dim", 0);
+  if (out.head_dim == 0) {
+    if (out.hidden_size % out.num_heads != 0)
+      bad_key("hidden_size", "is not a multiple of num_attention_heads and head_dim is not set");
+    out.head_dim = out.hidden_size / out.num_heads;
+  }
+  out.max_position_embeddings = int_or(config, "max_position_embeddings", 0);
+  out.rope_theta = number_or(config, "rope_theta", 10000.0);
+  out.rms_norm_eps = static_cast<float>(number_or(config, "rms_norm_eps", 1e-6));
+  out.tie_word_embeddings = bool_or(config, "tie_word_embeddings", false);
+  if (const json* act = present(config, "hidden_act"); act && *act != "silu")
+    bad_key("hidden_act", "is " + act->dump() + "; only \"silu\" is supported");
+  if (const json* scaling = present(config, "rope_scaling")) {
+    const json* type = scaling->is_object() ? present(*scaling, "rope_type") : nullptr;
+    if (!type && scaling->is_object()) type = present(*scaling, "type");
+    if (!type || *type != "default")
+      bad_key("rope_scaling", "is " + scaling->dump() + "; only null or \"default\" is supported");
+  }
+  if (const json* bos = present(config, "bos_token_id"); bos && bos->is_number_integer())
+    out.bos_token_id = bos->get<int64_t>();
+}
+
+}  // namespace arch
+
+namespace {
+
+using nlohmann::json;
+
+json read_json(const std::filesystem::path& path) {
+  std::ifstream in(path);
+  if (!in) throw ModelError(path.string() + ": cannot open");
+  try {
+    return json::parse(in);
+  } catch (const json::exception& e) {
+    throw ModelError(path.filename().string() + ": not valid JSON: " + e.what());
+  }
+}
+
+std::vector<int64_t> token_ids(const json& value) {
+  if (value.is_number_integer()) return {value.get<int64_t>()};
+  std::vector<int64_t> ids;
+  if (value.is_array())
+    for (const json& id : value)
+      if (id.is_number_integer()) ids.push_back(id.get<int64_t>());
+  return ids;
+}
+
+void validate(const ModelConfig& c) {
+  auto positive = [](int64_t value, const char* what) {
+    if (value <= 0) throw ModelError(std::string("config.json: ") + what + " must be positive");
+  };
+  positive(c.vocab_size, "vocab_size");
+  positive(c.hidden_size, "hidden_size");
+  positive(c.num_layers, "num_hidden_layers");
+  positive(c.num_kv_heads, "num_key_value_heads");
+  positive(c.head_dim, "head_dim");
+  positive(c.num_experts, "the number of experts");
+  positive(c.experts_per_token, "num_experts_per_tok");
+  positive(c.expert_intermediate_size, "the expert intermediate size");
+  if (c.num_heads % c.num_kv_heads != 0)
+    throw ModelError("config.json: num_attention_heads must be a multiple of num_key_value_heads");
+  if (c.head_dim % 2 != 0) throw ModelError("config.json: head_dim must be even for RoPE");
+  if (c.experts_per_token > c.num_experts)
+    throw ModelError("config.json: num_experts_per_tok exceeds the number of experts");
+  if (c.sliding_window < 0) throw ModelError("config.json: sliding_window must be positive");
+}
+
+}  // namespace
+
+ModelConfig ModelConfig::load(const std::filesystem::path& dir) {
+  const auto config_path = dir / "config.json";
+  if (!std::filesystem::exists(config_path))
+    throw ModelError(dir.string() + ": no config.json (is this a Hugging Face model folder?)");
+  const json config = read_json(config_path);
+  if (!config.is_object()) throw ModelError("config.json: not a JSON object");
+  const auto type = config.find("model_type");
+  if (type == config.end() || !type->is_string())
+    throw ModelError("config.json: \"model_type\" is missing");
+  const arch::Family* family = arch::find_family(type->get<std::string>());
+  if (!family)
+    throw ModelError("config.json: model_type \"" + type->get<std::string>() +
+                     "\" is not supported (supported: " + arch::supported_model_types() + ")");
+  ModelConfig out;
+  out.model_type = type->get<std::string>();
+  family->parse(config, out);
+  validate(out);
+
+  if (config.contains("eos_token_id")) out.eos_token_ids = token_ids(config["eos_token_id"]);
+  const auto generation_path = dir / "generation_config.json";
+  if (std::filesystem::exists(generation_path)) {
+    const json generation = read_json(generation_path);
+    if (generation.contains("eos_token_id")) out.eos_token_ids = token_ids(generation["eos_token_id"]);
+  }
+  return out;
+}
+
+std::string ModelConfig::summary() const {
+  std::ostringstream out;
+  out << "model_type=" << model_type << " layers=" << num_layers << " hidden=" << hidden_size
+      << " heads=" << num_heads << " kv_heads=" << num_kv_heads << " head_dim=" << head_dim
+      << " experts=" << num_experts << " top_k=" << experts_per_token
+      << " expert_intermediate=" << expert_intermediate_size << " vocab=" << vocab_size;
+  return out.str();
+}
+
+namespace arch {
+
+namespace {
+constexpr Family kFamilies[] = {
+    {"mixtral", &parse_mixtral, &kMixtralNames},
+    {"qwen3_moe", &parse_qwen3_moe, &kQwen3MoeNames},
+};
+}  // namespace
+
+const Family* find_family(std::string_view model_type) {
+  for (const Family& family : kFamilies)
+    if (family.model_type == model_type) return &family;
+  return nullptr;
+}
+
+std::string supported_model_types() {
+  std::string names;
+  for (const Family& family : kFamilies) names += (names.empty() ? "" : ", ") + std::string(family.model_type);
+  return names;
+}
+
+std::string tensor_name(std::string_view pattern, int64_t layer, int64_t expert) {
+  std::string name(pattern);
+  auto replace = [&name](std::string_view key, int64_t value) {
+    for (size_t at = name.find(key); at != std::string::npos; at = name.find(key))
+      name.replace(at, key.size(), std::to_string(value));
+  };
+  replace("{L}", layer);
+  if (expert >= 0) replace("{E}", expert);
+  return name;
+}
+
+}  // namespace arch
+}  // namespace moeline::model

@@ -1,0 +1,295 @@
+#include "model/forward.h"
+
+#include <algorithm>
+#include <cmath>
+#include <numeric>
+#include <string>
+
+#include "kernels/cpu/matmul.h"
+#include "kernels/cpu/ops.h"
+
+namespace moeline::model {
+namespace {
+
+using kernels::MatmulTask;
+
+void add_bias(float* rows, int64_t n, const kernels::VectorView& bias) {
+  if (!bias) return;
+  for (int64_t t = 0; t < n; ++t)
+    for (int64_t i = 0; i < bias.size; ++i) rows[t * bias.size + i] += bias[i];
+}
+
+void add_rows(float* dst, const float* src, int64_t count) {
+  for (int64_t i = 0; i < count; ++i) dst[i] += src[i];
+}
+
+// silu(gate) * up over many rows, spread over the pool: exp() over every expert activation of a
+// long prompt is worth parallelising.
+void silu_mul_parallel(kernels::ThreadPool& pool, float* gate, const float* up, int64_t count) {
+  pool.run([&](int thread, int threads) {
+    auto [begin, end] = kernels::ThreadPool::split(count, thread, threads, 64);
+    if (begin < end) kernels::silu_mul(gate + begin, up + begin, end - begin);
+  });
+}
+
+// Indices of the k largest scores, highest first; ties go to the lower expert id.
+void top_k(const float* scores, int64_t experts, int64_t k, int32_t* chosen) {
+  for (int64_t j = 0; j < k; ++j) {
+    int32_t best = -1;
+    for (int32_t e = 0; e < experts; ++e) {
+      if (std::find(chosen, chosen + j, e) != chosen + j) continue;
+      if (best < 0 || scores[e] > scores[best]) best = e;
+    }
+    chosen[j] = best;
+  }
+}
+
+template <class T>
+T* grow(std::vector<T>& buffer, int64_t size) {
+  if (static_cast<int64_t>(buffer.size()) < size) buffer.resize(static_cast<size_t>(size));
+  return buffer.data();
+}
+
+}  // namespace
+
+Engine::Engine(const Model& model, offload::ExpertProvider& experts, kernels::ThreadPool& pool,
+               KvCache& cache)
+    : model_(model), experts_(experts), pool_(pool), cache_(cache) {}
+
+Status Engine::validate(std::span<const SequenceInput> batch) {
+  const ModelConfig& c = model_.config();
+  int64_t blocks_needed = 0;
+  for (size_t i = 0; i < batch.size(); ++i) {
+    const SequenceInput& input = batch[i];
+    for (size_t j = 0; j < i; ++j)
+      if (batch[j].sequence == input.sequence)
+        return Error{"a sequence appears twice in one forward batch"};
+    for (int32_t token : input.tokens)
+      if (token < 0 || token >= c.vocab_size)
+        return Error{"token id " + std::to_string(token) + " is outside the vocabulary [0, " +
+                     std::to_string(c.vocab_size) + ")"};
+    const int64_t end = input.sequence->length() + static_cast<int64_t>(input.tokens.size());
+    if (c.max_position_embeddings > 0 && end > c.max_position_embeddings)
+      return Error{"sequence of " + std::to_string(end) + " tokens exceeds the model's context of " +
+                   std::to_string(c.max_position_embeddings) + " (max_position_embeddings)"};
+    const int64_t blocks = (end + kBlockTokens - 1) / kBlockTokens -
+                           static_cast<int64_t>(input.sequence->block_table().size());
+    blocks_needed += std::max<int64_t>(0, blocks);
+  }
+  if (blocks_needed > cache_.pool().free_blocks())
+    return Error{"KV cache full: the batch needs " + std::to_string(blocks_needed) +
+                 " more blocks, " + std::to_string(cache_.pool().free_blocks()) + " are free"};
+  return Status::ok_status();
+}
+
+Status Engine::forward(std::span<const SequenceInput> batch, std::vector<float>& logits) {
+  if (Status status = validate(batch); !status.ok()) return status;
+  const ModelConfig& c = model_.config();
+  const int64_t H = c.hidden_size;
+  const int64_t head_dim = c.head_dim;
+
+  int64_t n = 0;
+  for (const SequenceInput& input : batch) n += static_cast<int64_t>(input.tokens.size());
+  token_refs_.clear();
+  token_block_tables_.clear();
+  float* hidden = grow(hidden_, n * H);
+  float* rope = grow(rope_, n * head_dim);
+  for (const SequenceInput& input : batch) {
+    const bool reserved = input.sequence->reserve(cache_.pool(), static_cast<int64_t>(input.tokens.size()));
+    (void)reserved;  // validate() checked the pool has room for the whole batch
+    for (size_t i = 0; i < input.tokens.size(); ++i) {
+      const int64_t t = static_cast<int64_t>(token_refs_.size());
+      const int64_t position = input.sequence->length() + static_cast<int64_t>(i);
+      token_refs_.push_back({input.sequence->id(), position});
+      token_block_tables_.push_back(input.sequence->block_table().data());
+      kernels::widen(model_.embed_tokens().row(input.tokens[i]), model_.embed_tokens().dtype,
+                         H, hidden + t * H);
+      kernels::rope_angles(position, head_dim, c.rope_theta, rope + t * head_dim);
+    }
+  }
+
+  for (int64_t layer = 0; layer < c.num_layers; ++layer) {
+    attention_block(layer, n);
+    if (model_.layer(layer).is_moe) {
+      moe_block(layer, n);
+    } else {
+      dense_mlp_block(layer, n);
+    }
+  }
+
+  // Final norm and LM head only for the rows whose logits are wanted.
+  int64_t wanted = 0;
+  int64_t row = 0;
+  float* normed = grow(normed_, n * H);
+  for (const SequenceInput& input : batch) {
+    row += static_cast<int64_t>(input.tokens.size());
+    if (input.want_logits && !input.tokens.empty()) {
+      kernels::rms_norm(hidden + (row - 1) * H, 1, H, H, model_.final_norm(), c.rms_norm_eps,
+                        normed + wanted * H, H);
+      ++wanted;
+    }
+    input.sequence->commit(input.tokens);
+  }
+  logits.resize(static_cast<size_t>(wanted * c.vocab_size));
+  if (wanted > 0) {
+    kernels::matmul(pool_, MatmulTask{.x = normed, .n = wanted, .w = model_.lm_head(), .y = logits.data()});
+  }
+  return Status::ok_status();
+}
+
+void Engine::attention_block(int64_t layer, int64_t n) {
+  const ModelConfig& c = model_.config();
+  const LayerWeights& w = model_.layer(layer);
+  const int64_t H = c.hidden_size;
+  const int64_t head_dim = c.head_dim;
+  const int64_t q_width = c.num_heads * head_dim;
+  const int64_t kv_width = c.num_kv_heads * head_dim;
+  float* hidden = hidden_.data();
+  float* normed = grow(normed_, n * H);
+  float* q = grow(q_, n * q_width);
+  float* k = grow(k_, n * kv_width);
+  float* v = grow(v_, n * kv_width);
+  float* attended = grow(attended_, n * q_width);
+  float* projected = grow(projected_, n * H);
+
+  kernels::rms_norm(hidden, n, H, H, w.input_norm, c.rms_norm_eps, normed, H);
+  const MatmulTask qkv[] = {{.x = normed, .n = n, .w = w.q_proj, .y = q},
+                            {.x = normed, .n = n, .w = w.k_proj, .y = k},
+                            {.x = normed, .n = n, .w = w.v_proj, .y = v}};
+  kernels::matmul(pool_, qkv);
+  add_bias(q, n, w.q_bias);
+  add_bias(k, n, w.k_bias);
+  add_bias(v, n, w.v_bias);
+  if (c.qk_norm) {
+    kernels::rms_norm(q, n * c.num_heads, head_dim, head_dim, w.q_norm, c.rms_norm_eps, q, head_dim);
+    kernels::rms_norm(k, n * c.num_kv_heads, head_dim, head_dim, w.k_norm, c.rms_norm_eps, k,
+                      head_dim);
+  }
+
+  const kernels::PagedKvLayer kv = cache_.layer(layer);
+  queries_.clear();
+  for (int64_t t = 0; t < n; ++t) {
+    const float* angles = rope_.data() + t * head_dim;
+    kernels::rope_rotate_half(q + t * q_width, c.num_heads, head_dim, angles);
+    kernels::rope_rotate_half(k + t * kv_width, c.num_kv_heads, head_dim, angles);
+    const int64_t position = token_refs_[static_cast<size_t>(t)].position;
+    const int32_t block = token_block_tables_[static_cast<size_t>(t)][position / kBlockTokens];
+    for (int64_t head = 0; head < c.num_kv_heads; ++head) {
+      std::copy_n(k + t * kv_width + head * head_dim, head_dim, kv.key(block, head, position % kBlockTokens));
+      std::copy_n(v + t * kv_width + head * head_dim, head_dim, kv.value(block, head, position % kBlockTokens));
+    }
+    queries_.push_back({q + t * q_width, attended + t * q_width,
+                        token_block_tables_[static_cast<size_t>(t)], position});
+  }
+  const float scale = static_cast<float>(1.0 / std::sqrt(static_cast<double>(head_dim)));
+  kernels::paged_attention(pool_, kv, queries_, c.num_heads, scale, c.sliding_window);
+
+  kernels::matmul(pool_, MatmulTask{.x = attended, .n = n, .w = w.o_proj, .y = projected});
+  add_bias(projected, n, w.o_bias);
+  add_rows(hidden, projected, n * H);
+}
+
+void Engine::dense_mlp_block(int64_t layer, int64_t n) {
+  const ModelConfig& c = model_.config();
+  const LayerWeights& w = model_.layer(layer);
+  const int64_t H = c.hidden_size;
+  const int64_t inter = c.dense_intermediate_size;
+  float* normed = grow(normed_, n * H);
+  float* gate = grow(expert_gate_, n * inter);
+  float* up = grow(expert_up_, n * inter);
+  float* out = grow(expert_out_, n * H);
+  kernels::rms_norm(hidden_.data(), n, H, H, w.post_attention_norm, c.rms_norm_eps, normed, H);
+  const MatmulTask gate_up[] = {{.x = normed, .n = n, .w = w.dense_gate, .y = gate},
+                                {.x = normed, .n = n, .w = w.dense_up, .y = up}};
+  kernels::matmul(pool_, gate_up);
+  silu_mul_parallel(pool_, gate, up, n * inter);
+  kernels::matmul(pool_, MatmulTask{.x = gate, .n = n, .w = w.dense_down, .y = out});
+  add_rows(hidden_.data(), out, n * H);
+}
+
+void Engine::moe_block(int64_t layer, int64_t n) {
+  const ModelConfig& c = model_.config();
+  const LayerWeights& w = model_.layer(layer);
+  const int64_t H = c.hidden_size;
+  const int64_t E = c.num_experts;
+  const int64_t K = c.experts_per_token;
+  const int64_t inter = c.expert_intermediate_size;
+  float* normed = grow(normed_, n * H);
+  float* scores = grow(router_scores_, n * E);
+  float* weights = grow(chosen_weights_, n * K);
+  int32_t* chosen = grow(chosen_experts_, n * K);
+
+  kernels::rms_norm(hidden_.data(), n, H, H, w.post_attention_norm, c.rms_norm_eps, normed, H);
+  kernels::matmul(pool_, MatmulTask{.x = normed, .n = n, .w = w.router, .y = scores});
+  for (int64_t t = 0; t < n; ++t) {
+    float* row = scores + t * E;
+    kernels::softmax(row, E);
+    top_k(row, E, K, chosen + t * K);
+    double sum = 0.0;
+    for (int64_t j = 0; j < K; ++j) sum += row[chosen[t * K + j]];
+    for (int64_t j = 0; j < K; ++j) {
+      const float p = row[chosen[t * K + j]];
+      weights[t * K + j] = c.norm_topk_prob ? static_cast<float>(p / sum) : p;
+    }
+  }
+  if (observer_) {
+    observer_->on_router(RouterEvent{layer, E, K, std::span(token_refs_.data(), static_cast<size_t>(n)),
+                                     scores, chosen, weights});
+  }
+
+  // Group the (token, expert) pairs by expert (counting sort), so each expert runs once on all its
+  // tokens, and gather its input rows.
+  int32_t* offsets = grow(expert_offsets_, E + 1);
+  std::fill(offsets, offsets + E + 1, 0);
+  for (int64_t i = 0; i < n * K; ++i) ++offsets[chosen[i] + 1];
+  std::partial_sum(offsets, offsets + E + 1, offsets);
+  int32_t* rows = grow(expert_rows_, n * K);
+  float* row_weights = grow(expert_row_weights_, n * K);
+  float* expert_in = grow(expert_in_, n * K * H);
+  expert_cursor_.assign(offsets, offsets + E);
+  for (int64_t t = 0; t < n; ++t) {
+    for (int64_t j = 0; j < K; ++j) {
+      const int32_t slot = expert_cursor_[static_cast<size_t>(chosen[t * K + j])]++;
+      rows[slot] = static_cast<int32_t>(t);
+      row_weights[slot] = weights[t * K + j];
+      std::copy_n(normed + t * H, H, expert_in + slot * H);
+    }
+  }
+
+  float* gate = grow(expert_gate_, n * K * inter);
+  float* up = grow(expert_up_, n * K * inter);
+  float* out = grow(expert_out_, n * K * H);
+  std::vector<MatmulTask>& tasks = expert_tasks_;
+  std::vector<offload::ExpertWeights>& acquired = acquired_experts_;
+  tasks.clear();
+  acquired.assign(static_cast<size_t>(E), {});
+  for (int64_t e = 0; e < E; ++e) {
+    const int64_t count = offsets[e + 1] - offsets[e];
+    if (count == 0) continue;
+    acquired[static_cast<size_t>(e)] = experts_.acquire(static_cast<int>(layer), static_cast<int>(e));
+    const int64_t first = offsets[e];
+    tasks.push_back({.x = expert_in + first * H, .n = count, .w = acquired[static_cast<size_t>(e)].gate, .y = gate + first * inter});
+    tasks.push_back({.x = expert_in + first * H, .n = count, .w = acquired[static_cast<size_t>(e)].up, .y = up + first * inter});
+  }
+  kernels::matmul(pool_, tasks);
+  silu_mul_parallel(pool_, gate, up, n * K * inter);
+  tasks.clear();
+  for (int64_t e = 0; e < E; ++e) {
+    const int64_t count = offsets[e + 1] - offsets[e];
+    if (count == 0) continue;
+    tasks.push_back({.x = gate + offsets[e] * inter, .n = count, .w = acquired[static_cast<size_t>(e)].down, .y = out + offsets[e] * H});
+  }
+  kernels::matmul(pool_, tasks);
+  for (int64_t e = 0; e < E; ++e)
+    if (offsets[e + 1] > offsets[e]) experts_.release(static_cast<int>(layer), static_cast<int>(e));
+
+  // Sum the weighted expert outputs per token in ascending expert order (as the reference
+  // implementation does), then add to the residual stream.
+  float* moe_out = grow(moe_out_, n * H);
+  std::fill(moe_out, moe_out + n * H, 0.0f);
+  for (int64_t slot = 0; slot < n * K; ++slot)
+    kernels::axpy(row_weights[slot], out + slot * H, moe_out + rows[slot] * H, H);
+  add_rows(hidden_.data(), moe_out, n * H);
+}
+
+}  // namespace moeline::model

@@ -1,0 +1,72 @@
+#pragma once
+// The batched forward pass. One call runs the new tokens of several sequences — a long prompt
+// chunk for one, a single decode token for another — through every layer together: projections
+// and experts are batched across sequences, attention reads each sequence's own paged KV. The
+// result of a sequence does not depend on what else is in the batch.
+//
+// Expert weights come only from the ExpertProvider, acquired per layer and released before the
+// next. Buffers grow to the largest batch seen and are reused; steady-state calls allocate nothing.
+// Not thread-safe: one Engine per scheduler thread (it uses the thread pool internally).
+
+#include <cstdint>
+#include <span>
+#include <vector>
+
+#include "kernels/cpu/attention.h"
+#include "kernels/cpu/matmul.h"
+#include "kernels/cpu/thread_pool.h"
+#include "model/kv_cache.h"
+#include "model/model.h"
+#include "model/router_observer.h"
+#include "model/status.h"
+#include "offload/expert_provider.h"
+
+namespace moeline::model {
+
+struct SequenceInput {
+  Sequence* sequence = nullptr;
+  std::span<const int32_t> tokens;  // appended at positions sequence->length() onwards
+  bool want_logits = true;          // logits of the last of these tokens
+};
+
+class Engine {
+ public:
+  Engine(const Model& model, offload::ExpertProvider& experts, kernels::ThreadPool& pool,
+         KvCache& cache);
+
+  void set_router_observer(RouterObserver* observer) { observer_ = observer; }
+  const Model& model() const { return model_; }
+  KvCache& cache() { return cache_; }
+
+  // On success `logits` holds [sequences wanting logits, vocab] in batch order and each sequence
+  // has grown by its tokens. On error (bad token id, context or KV pool exhausted) nothing changed.
+  Status forward(std::span<const SequenceInput> batch, std::vector<float>& logits);
+
+ private:
+  Status validate(std::span<const SequenceInput> batch);
+  void attention_block(int64_t layer, int64_t tokens);
+  void moe_block(int64_t layer, int64_t tokens);
+  void dense_mlp_block(int64_t layer, int64_t tokens);
+
+  const Model& model_;
+  offload::ExpertProvider& experts_;
+  kernels::ThreadPool& pool_;
+  KvCache& cache_;
+  RouterObserver* observer_ = nullptr;
+
+  // Per-token bookkeeping for the current batch.
+  std::vector<RoutedToken> token_refs_;
+  std::vector<kernels::AttentionQuery> queries_;
+  std::vector<const int32_t*> token_block_tables_;
+  // Activations, [tokens, width] row-major.
+  std::vector<float> hidden_, normed_, q_, k_, v_, attended_, projected_, rope_;
+  // MoE scratch.
+  std::vector<float> router_scores_, chosen_weights_, expert_in_, expert_gate_, expert_up_,
+      expert_out_, moe_out_;
+  std::vector<float> expert_row_weights_;
+  std::vector<int32_t> chosen_experts_, expert_offsets_, expert_rows_, expert_cursor_;
+  std::vector<kernels::MatmulTask> expert_tasks_;
+  std::vector<offload::ExpertWeights> acquired_experts_;
+};
+
+}  // namespace moeline::model

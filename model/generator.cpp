@@ -1,0 +1,105 @@
+#include "model/generator.h"
+
+#include <algorithm>
+#include <chrono>
+#include <memory>
+
+namespace moeline::model {
+namespace {
+
+double seconds_since(std::chrono::steady_clock::time_point start) {
+  return std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+}
+
+// Returns the sequences' blocks to the pool however generation ends.
+struct SequenceSet {
+  BlockPool& pool;
+  std::vector<std::unique_ptr<Sequence>> sequences;
+  ~SequenceSet() {
+    for (auto& sequence : sequences) sequence->release(pool);
+  }
+};
+
+}  // namespace
+
+const char* finish_reason_name(FinishReason reason) {
+  switch (reason) {
+    case FinishReason::kStop:
+      return "stop";
+    case FinishReason::kLength:
+      return "length";
+  }
+  return "?";
+}
+
+Expected<std::vector<GenerationResult>> Generator::generate(
+    const std::vector<GenerationRequest>& requests) {
+  const ModelConfig& config = engine_.model().config();
+  const int64_t vocab = config.vocab_size;
+  for (const GenerationRequest& request : requests) {
+    if (request.prompt.empty()) return Error{"the prompt is empty"};
+    if (Status status = request.sampling.validate(); !status.ok()) return status.error();
+  }
+
+  SequenceSet set{engine_.cache().pool(), {}};
+  std::vector<Sampler> samplers;
+  std::vector<std::vector<int32_t>> stops;
+  for (const GenerationRequest& request : requests) {
+    set.sequences.push_back(std::make_unique<Sequence>(
+        next_sequence_id_++, engine_.model().model_id(), namespace_id(request.cache_namespace)));
+    samplers.emplace_back(request.sampling);
+    std::vector<int32_t> stop = request.sampling.stop_token_ids;
+    if (!request.sampling.ignore_eos)
+      for (int64_t eos : config.eos_token_ids) stop.push_back(static_cast<int32_t>(eos));
+    stops.push_back(std::move(stop));
+  }
+
+  std::vector<GenerationResult> results(requests.size());
+  std::vector<SequenceInput> batch;
+  std::vector<float> logits;
+  auto start = std::chrono::steady_clock::now();
+  for (size_t i = 0; i < requests.size(); ++i)
+    batch.push_back({set.sequences[i].get(), requests[i].prompt, true});
+  if (Status status = engine_.forward(batch, logits); !status.ok()) return status.error();
+  const double prefill_seconds = seconds_since(start);
+
+  std::vector<size_t> active;
+  std::vector<int32_t> next_tokens(requests.size());
+  auto take = [&](size_t i, const float* row) {
+    const int32_t token = samplers[i].sample(row, vocab);
+    results[i].tokens.push_back(token);
+    next_tokens[i] = token;
+    if (std::find(stops[i].begin(), stops[i].end(), token) != stops[i].end()) {
+      results[i].finish_reason = FinishReason::kStop;
+      return false;
+    }
+    return static_cast<int64_t>(results[i].tokens.size()) < requests[i].sampling.max_tokens;
+  };
+  for (size_t i = 0; i < requests.size(); ++i) {
+    const float* row = logits.data() + static_cast<int64_t>(i) * vocab;
+    results[i].prompt_logits.assign(row, row + vocab);
+    results[i].prefill_seconds = prefill_seconds;
+    if (take(i, row)) active.push_back(i);
+  }
+
+  start = std::chrono::steady_clock::now();
+  while (!active.empty()) {
+    batch.clear();
+    for (size_t i : active) batch.push_back({set.sequences[i].get(), std::span(&next_tokens[i], 1), true});
+    if (Status status = engine_.forward(batch, logits); !status.ok()) return status.error();
+    std::vector<size_t> still_active;
+    for (size_t slot = 0; slot < active.size(); ++slot) {
+      const size_t i = active[slot];
+      if (take(i, logits.data() + static_cast<int64_t>(slot) * vocab)) {
+        still_active.push_back(i);
+      } else {
+        results[i].decode_seconds = seconds_since(start);
+        set.sequences[i]->release(engine_.cache().pool());
+      }
+    }
+    active.swap(still_active);
+  }
+  return results;
+}
+
+}  // namespace moeline::model

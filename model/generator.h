@@ -1,0 +1,43 @@
+#pragma once
+// Generation on top of the Engine, in one process: all requests are prefilled together, then
+// decoded in one batch per step; a request leaves the batch when it stops (a stop or end-of-
+// sequence token) or reaches max_tokens, and its KV blocks go back to the pool. This is the
+// engine-level baseline that the decode stage's continuous batching must match.
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "model/forward.h"
+#include "model/sampling.h"
+
+namespace moeline::model {
+
+struct GenerationRequest {
+  std::vector<int32_t> prompt;
+  SamplingParams sampling;
+  std::string cache_namespace;
+};
+
+enum class FinishReason { kStop, kLength };
+const char* finish_reason_name(FinishReason reason);
+
+struct GenerationResult {
+  std::vector<int32_t> tokens;  // generated tokens, the stop token included when one ended it
+  FinishReason finish_reason = FinishReason::kLength;
+  std::vector<float> prompt_logits;  // logits at the last prompt position
+  double prefill_seconds = 0.0;
+  double decode_seconds = 0.0;
+};
+
+class Generator {
+ public:
+  explicit Generator(Engine& engine) : engine_(engine) {}
+  Expected<std::vector<GenerationResult>> generate(const std::vector<GenerationRequest>& requests);
+
+ private:
+  Engine& engine_;
+  uint64_t next_sequence_id_ = 1;
+};
+
+}  // namespace moeline::model

@@ -1,0 +1,88 @@
+#include "model/kv_cache.h"
+
+#include <xxhash.h>
+
+#include "kernels/cpu/dtype.h"
+
+namespace moeline::model {
+
+BlockPool::BlockPool(int32_t blocks) : ref_counts_(static_cast<size_t>(blocks), 0) {
+  free_list_.reserve(static_cast<size_t>(blocks));
+  // Lowest ids on top, so a fresh pool hands out 0, 1, 2, ...
+  for (int32_t block = blocks - 1; block >= 0; --block) free_list_.push_back(block);
+}
+
+std::optional<int32_t> BlockPool::allocate() {
+  if (free_list_.empty()) return std::nullopt;
+  const int32_t block = free_list_.back();
+  free_list_.pop_back();
+  ref_counts_[static_cast<size_t>(block)] = 1;
+  return block;
+}
+
+void BlockPool::retain(int32_t block) { ++ref_counts_[static_cast<size_t>(block)]; }
+
+void BlockPool::release(int32_t block) {
+  int32_t& count = ref_counts_[static_cast<size_t>(block)];
+  if (count > 0 && --count == 0) free_list_.push_back(block);
+}
+
+KvCache::KvCache(const ModelConfig& config, int32_t blocks)
+    : layers_(config.num_layers),
+      kv_heads_(config.num_kv_heads),
+      head_dim_(config.head_dim),
+      storage_(static_cast<size_t>(layers_ * 2 * blocks * kBlockTokens * kv_heads_ * head_dim_)),
+      pool_(blocks) {}
+
+kernels::PagedKvLayer KvCache::layer(int64_t index) {
+  const int64_t block_floats = kBlockTokens * kv_heads_ * head_dim_;
+  const int64_t half = static_cast<int64_t>(pool_.capacity()) * block_floats;
+  float* base = storage_.data() + index * 2 * half;
+  return kernels::PagedKvLayer{base, base + half, kBlockTokens, kv_heads_, head_dim_};
+}
+
+size_t KvCache::bytes_per_token(const ModelConfig& config) {
+  return static_cast<size_t>(config.num_layers * 2 * config.num_kv_heads * config.head_dim) *
+         sizeof(float);
+}
+
+uint64_t block_key(uint64_t parent_key, std::span<const int32_t> tokens, uint64_t model_id,
+                   uint64_t cache_namespace) {
+  // The chain, model and tenant become the seed of the hash over the block's tokens.
+  const uint64_t context[3] = {parent_key, model_id, cache_namespace};
+  return XXH3_64bits_withSeed(tokens.data(), tokens.size_bytes(), XXH3_64bits(context, sizeof context));
+}
+
+uint64_t namespace_id(std::string_view cache_namespace) {
+  return XXH3_64bits(cache_namespace.data(), cache_namespace.size());
+}
+
+bool Sequence::reserve(BlockPool& pool, int64_t more) {
+  const int64_t needed_blocks = (length() + more + kBlockTokens - 1) / kBlockTokens;
+  const int64_t missing = needed_blocks - static_cast<int64_t>(block_table_.size());
+  if (missing <= 0) return true;
+  if (missing > pool.free_blocks()) return false;
+  for (int64_t i = 0; i < missing; ++i) block_table_.push_back(*pool.allocate());
+  return true;
+}
+
+void Sequence::commit(std::span<const int32_t> tokens) {
+  tokens_.insert(tokens_.end(), tokens.begin(), tokens.end());
+  const size_t full_blocks = tokens_.size() / kBlockTokens;
+  while (block_keys_.size() < full_blocks) {
+    const size_t index = block_keys_.size();
+    const uint64_t parent = index == 0 ? 0 : block_keys_.back();
+    block_keys_.push_back(block_key(
+        parent, std::span(tokens_).subspan(index * kBlockTokens, kBlockTokens), model_id_,
+        namespace_));
+  }
+}
+
+void Sequence::release(BlockPool& pool) {
+  for (int32_t block : block_table_) pool.release(block);
+  block_table_.clear();
+  tokens_.clear();
+  block_keys_.clear();
+}
+
+}  // namespace moeline::model

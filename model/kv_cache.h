@@ -1,0 +1,82 @@
+#pragma once
+// The paged KV cache. Memory is a pool of fixed blocks of kBlockTokens token slots shared by all
+// layers (block b of every layer belongs to the same tokens). A Sequence owns a block table that
+// maps its positions onto blocks, and the hash-chained key of every full block:
+//   key(block i) = XXH3(key(block i-1), tokens of block i, model id, cache namespace)
+// so equal keys mean equal token prefixes of the same model and tenant — the basis of prefix reuse.
+//
+// BlockPool allocation and release are O(1) (a free list); blocks are reference counted so that
+// a later prefix cache can share them. Not thread-safe: one scheduler owns a pool.
+
+#include <cstdint>
+#include <optional>
+#include <span>
+#include <string_view>
+#include <vector>
+
+#include "kernels/cpu/attention.h"
+#include "model/config.h"
+
+namespace moeline::model {
+
+inline constexpr int64_t kBlockTokens = 16;
+
+class BlockPool {
+ public:
+  explicit BlockPool(int32_t blocks);
+  std::optional<int32_t> allocate();
+  void retain(int32_t block);
+  void release(int32_t block);
+  int32_t capacity() const { return static_cast<int32_t>(ref_counts_.size()); }
+  int32_t free_blocks() const { return static_cast<int32_t>(free_list_.size()); }
+  int32_t ref_count(int32_t block) const { return ref_counts_[static_cast<size_t>(block)]; }
+
+ private:
+  std::vector<int32_t> free_list_;
+  std::vector<int32_t> ref_counts_;
+};
+
+class KvCache {
+ public:
+  KvCache(const ModelConfig& config, int32_t blocks);
+  kernels::PagedKvLayer layer(int64_t index);
+  BlockPool& pool() { return pool_; }
+  size_t bytes() const { return storage_.size() * sizeof(float); }
+  static size_t bytes_per_token(const ModelConfig& config);
+
+ private:
+  int64_t layers_, kv_heads_, head_dim_;
+  std::vector<float> storage_;  // [layer][keys|values][block][kv_head][slot][head_dim]
+  BlockPool pool_;
+};
+
+uint64_t block_key(uint64_t parent_key, std::span<const int32_t> tokens, uint64_t model_id,
+                   uint64_t cache_namespace);
+uint64_t namespace_id(std::string_view cache_namespace);
+
+class Sequence {
+ public:
+  Sequence(uint64_t id, uint64_t model_id, uint64_t cache_namespace)
+      : id_(id), model_id_(model_id), namespace_(cache_namespace) {}
+
+  uint64_t id() const { return id_; }
+  // Tokens whose K and V are in the cache; the next token goes to position length().
+  int64_t length() const { return static_cast<int64_t>(tokens_.size()); }
+  std::span<const int32_t> tokens() const { return tokens_; }
+  const std::vector<int32_t>& block_table() const { return block_table_; }
+  const std::vector<uint64_t>& block_keys() const { return block_keys_; }
+
+  // Makes room for `more` tokens; false (and nothing allocated) when the pool is too small.
+  bool reserve(BlockPool& pool, int64_t more);
+  // Records tokens whose KV has just been written, and keys every block they complete.
+  void commit(std::span<const int32_t> tokens);
+  void release(BlockPool& pool);
+
+ private:
+  uint64_t id_, model_id_, namespace_;
+  std::vector<int32_t> tokens_;
+  std::vector<int32_t> block_table_;
+  std::vector<uint64_t> block_keys_;
+};
+
+}  // namespace moeline::model

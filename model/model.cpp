@@ -1,0 +1,194 @@
+#include "model/model.h"
+
+#include <xxhash.h>
+
+#include <fstream>
+#include <set>
+#include <sstream>
+
+#include "model/arch/arch.h"
+
+namespace moeline::model {
+namespace {
+
+using kernels::MatrixView;
+using kernels::VectorView;
+
+// Resolves tensor names against the checkpoint, checking dtype and exact shape, and remembers
+// which tensors were used so that a misnamed tensor can be pointed out next to the missing one.
+class TensorBinder {
+ public:
+  explicit TensorBinder(const Checkpoint& checkpoint) : checkpoint_(checkpoint) {}
+
+  MatrixView matrix(const std::string& name, int64_t rows, int64_t cols) {
+    const TensorInfo& tensor = require(name, {rows, cols});
+    return MatrixView{tensor.data, supported_dtype(tensor), rows, cols};
+  }
+  VectorView vector(const std::string& name, int64_t size) {
+    const TensorInfo& tensor = require(name, {size});
+    return VectorView{tensor.data, supported_dtype(tensor), size};
+  }
+
+ private:
+  const TensorInfo& require(const std::string& name, const std::vector<int64_t>& shape) {
+    const TensorInfo* tensor = checkpoint_.find(name);
+    if (!tensor) throw ModelError(missing_message(name, shape));
+    used_.insert(name);
+    if (tensor->shape != shape) {
+      TensorInfo expected;
+      expected.shape = shape;
+      throw ModelError(tensor->file_name() + ": tensor '" + name + "' has shape " +
+                       tensor->shape_string() + ", expected " + expected.shape_string() +
+                       " from config.json");
+    }
+    return *tensor;
+  }
+
+  std::string missing_message(const std::string& name, const std::vector<int64_t>& shape) const {
+    TensorInfo expected;
+    expected.shape = shape;
+    std::string message = checkpoint_.describe() + ": tensor '" + name + "' (shape " +
+                          expected.shape_string() + ") is missing";
+    std::string unexpected;
+    int listed = 0;
+    for (const auto& [other, info] : checkpoint_.tensors()) {
+      if (used_.count(other) || listed >= 3) continue;
+      if (expected_prefix(other, name)) {
+        unexpected += (listed++ ? ", '" : "'") + other + "'";
+      }
+    }
+    if (!unexpected.empty()) message += "; the checkpoint has unexpected tensor(s) " + unexpected;
+    return message;
+  }
+
+  // Same layer (everything up to the last two name components) as the missing tensor.
+  static bool expected_prefix(const std::string& candidate, const std::string& missing) {
+    size_t cut = missing.rfind('.');
+    if (cut != std::string::npos && cut > 0) cut = missing.rfind('.', cut - 1);
+    if (cut == std::string::npos) return false;
+    return candidate.compare(0, cut, missing, 0, cut) == 0;
+  }
+
+  const Checkpoint& checkpoint_;
+  std::set<std::string> used_;
+};
+
+uint64_t hash_model(const std::filesystem::path& dir, const Checkpoint& checkpoint) {
+  XXH3_state_t* state = XXH3_createState();
+  XXH3_64bits_reset(state);
+  std::ifstream config(dir / "config.json", std::ios::binary);
+  std::stringstream text;
+  text << config.rdbuf();
+  const std::string config_text = text.str();
+  XXH3_64bits_update(state, config_text.data(), config_text.size());
+  // Names, dtypes, shapes and the first bytes of every tensor: two seeds of the same shape differ.
+  for (const auto& [name, tensor] : checkpoint.tensors()) {
+    XXH3_64bits_update(state, name.data(), name.size());
+    XXH3_64bits_update(state, tensor.dtype_name.data(), tensor.dtype_name.size());
+    XXH3_64bits_update(state, tensor.shape.data(), tensor.shape.size() * sizeof(int64_t));
+    XXH3_64bits_update(state, tensor.data, std::min<size_t>(tensor.bytes, 256));
+  }
+  const uint64_t digest = XXH3_64bits_digest(state);
+  XXH3_freeState(state);
+  return digest;
+}
+
+}  // namespace
+
+Expected<std::unique_ptr<Model>> Model::load(const std::filesystem::path& dir) {
+  try {
+    std::unique_ptr<Model> model(new Model());
+    model->dir_ = dir;
+    model->config_ = ModelConfig::load(dir);
+    model->checkpoint_ = Checkpoint::open(dir);
+    model->load_weights();
+    model->model_id_ = hash_model(dir, model->checkpoint_);
+    return model;
+  } catch (const ModelError& e) {
+    return Error{e.what()};
+  } catch (const std::exception& e) {
+    return Error{dir.string() + ": " + e.what()};
+  }
+}
+
+void Model::load_weights() {
+  const ModelConfig& c = config_;
+  const arch::TensorNames& names = *arch::find_family(c.model_type)->names;
+  TensorBinder bind(checkpoint_);
+  const int64_t q_width = c.num_heads * c.head_dim;
+  const int64_t kv_width = c.num_kv_heads * c.head_dim;
+
+  embed_tokens_ = bind.matrix(std::string(names.embed_tokens), c.vocab_size, c.hidden_size);
+  final_norm_ = bind.vector(std::string(names.final_norm), c.hidden_size);
+  lm_head_ = c.tie_word_embeddings
+                 ? embed_tokens_
+                 : bind.matrix(std::string(names.lm_head), c.vocab_size, c.hidden_size);
+
+  layers_.resize(static_cast<size_t>(c.num_layers));
+  experts_.resize(static_cast<size_t>(c.num_layers));
+  for (int64_t l = 0; l < c.num_layers; ++l) {
+    auto name = [l](std::string_view pattern, int64_t expert = -1) {
+      return arch::tensor_name(pattern, l, expert);
+    };
+    LayerWeights& layer = layers_[static_cast<size_t>(l)];
+    layer.input_norm = bind.vector(name(names.input_norm), c.hidden_size);
+    layer.post_attention_norm = bind.vector(name(names.post_attention_norm), c.hidden_size);
+    layer.q_proj = bind.matrix(name(names.q_proj), q_width, c.hidden_size);
+    layer.k_proj = bind.matrix(name(names.k_proj), kv_width, c.hidden_size);
+    layer.v_proj = bind.matrix(name(names.v_proj), kv_width, c.hidden_size);
+    layer.o_proj = bind.matrix(name(names.o_proj), c.hidden_size, q_width);
+    if (c.attention_bias) {
+      layer.q_bias = bind.vector(name(names.q_bias), q_width);
+      layer.k_bias = bind.vector(name(names.k_bias), kv_width);
+      layer.v_bias = bind.vector(name(names.v_bias), kv_width);
+      layer.o_bias = bind.vector(name(names.o_bias), c.hidden_size);
+    }
+    if (c.qk_norm) {
+      layer.q_norm = bind.vector(name(names.q_norm), c.head_dim);
+      layer.k_norm = bind.vector(name(names.k_norm), c.head_dim);
+    }
+    layer.is_moe = c.layer_is_moe[static_cast<size_t>(l)];
+    if (!layer.is_moe) {
+      const int64_t inter = c.dense_intermediate_size;
+      layer.dense_gate = bind.matrix(name(names.dense_gate), inter, c.hidden_size);
+      layer.dense_up = bind.matrix(name(names.dense_up), inter, c.hidden_size);
+      layer.dense_down = bind.matrix(name(names.dense_down), c.hidden_size, inter);
+      continue;
+    }
+    layer.router = bind.matrix(name(names.router), c.num_experts, c.hidden_size);
+    auto& experts = experts_[static_cast<size_t>(l)];
+    const int64_t inter = c.expert_intermediate_size;
+    for (int64_t e = 0; e < c.num_experts; ++e) {
+      experts.push_back(offload::ExpertWeights{
+          bind.matrix(name(names.expert_gate, e), inter, c.hidden_size),
+          bind.matrix(name(names.expert_up, e), inter, c.hidden_size),
+          bind.matrix(name(names.expert_down, e), c.hidden_size, inter)});
+    }
+  }
+}
+
+size_t Model::bytes_touched_per_token() const {
+  const ModelConfig& c = config_;
+  size_t bytes = embed_tokens_.bytes() / static_cast<size_t>(c.vocab_size) + lm_head_.bytes();
+  for (int64_t l = 0; l < c.num_layers; ++l) {
+    const LayerWeights& layer = layers_[static_cast<size_t>(l)];
+    bytes += layer.q_proj.bytes() + layer.k_proj.bytes() + layer.v_proj.bytes() + layer.o_proj.bytes();
+    if (layer.is_moe) {
+      bytes += layer.router.bytes() +
+               static_cast<size_t>(c.experts_per_token) * experts_[static_cast<size_t>(l)][0].bytes();
+    } else {
+      bytes += layer.dense_gate.bytes() + layer.dense_up.bytes() + layer.dense_down.bytes();
+    }
+  }
+  return bytes;
+}
+
+std::string Model::dtype_summary() const {
+  std::set<std::string> dtypes;
+  for (const auto& [name, tensor] : checkpoint_.tensors()) dtypes.insert(tensor.dtype_name);
+  std::string out;
+  for (const auto& dtype : dtypes) out += (out.empty() ? "" : "+") + dtype;
+  return out;
+}
+
+}  // namespace moeline::model

@@ -1,0 +1,69 @@
+#pragma once
+// A loaded checkpoint: its config, the mapped safetensors and typed views of every tensor the
+// forward pass reads, each checked for presence, dtype and exact shape at load time. Expert
+// weights are handed to an offload::ExpertProvider (the resident one here) rather than kept by
+// the model, so the forward pass reaches them only through the provider.
+//
+// Owns the mapping; views stay valid for the Model's lifetime. Immutable after load, so it may be
+// shared by threads.
+
+#include <cstdint>
+#include <filesystem>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "kernels/cpu/dtype.h"
+#include "model/config.h"
+#include "model/safetensors.h"
+#include "model/status.h"
+#include "offload/expert_provider.h"
+
+namespace moeline::model {
+
+struct LayerWeights {
+  kernels::VectorView input_norm, post_attention_norm;
+  kernels::MatrixView q_proj, k_proj, v_proj, o_proj;
+  kernels::VectorView q_bias, k_bias, v_bias, o_bias;  // empty unless attention_bias
+  kernels::VectorView q_norm, k_norm;                   // empty unless qk_norm
+  bool is_moe = true;
+  kernels::MatrixView router;                           // [experts, hidden]
+  kernels::MatrixView dense_gate, dense_up, dense_down;  // dense MLP layers only
+};
+
+class Model {
+ public:
+  static Expected<std::unique_ptr<Model>> load(const std::filesystem::path& dir);
+
+  const ModelConfig& config() const { return config_; }
+  const LayerWeights& layer(int64_t index) const { return layers_[static_cast<size_t>(index)]; }
+  const kernels::MatrixView& embed_tokens() const { return embed_tokens_; }
+  const kernels::MatrixView& lm_head() const { return lm_head_; }
+  const kernels::VectorView& final_norm() const { return final_norm_; }
+  // Every expert's views, by layer; what an ExpertProvider serves.
+  const std::vector<std::vector<offload::ExpertWeights>>& experts() const { return experts_; }
+  const std::filesystem::path& dir() const { return dir_; }
+  // Identifies the weights and config (hash of config.json and the tensor headers): part of every
+  // KV block key, so caches of different models never mix.
+  uint64_t model_id() const { return model_id_; }
+  size_t mapped_bytes() const { return checkpoint_.mapped_bytes(); }
+  // Bytes of weights one decoded token reads: attention, the router, top-k experts per MoE layer
+  // (dense MLP otherwise), one embedding row and the LM head.
+  size_t bytes_touched_per_token() const;
+  std::string dtype_summary() const;
+
+ private:
+  Model() = default;
+  void load_weights();
+
+  std::filesystem::path dir_;
+  ModelConfig config_;
+  Checkpoint checkpoint_;
+  std::vector<LayerWeights> layers_;
+  std::vector<std::vector<offload::ExpertWeights>> experts_;
+  kernels::MatrixView embed_tokens_, lm_head_;
+  kernels::VectorView final_norm_;
+  uint64_t model_id_ = 0;
+};
+
+}  // namespace moeline::model

@@ -1,0 +1,33 @@
+#pragma once
+// A hook into every MoE layer's routing decision, fed from the forward pass itself (no second
+// pass): signatures, router-health statistics and the offload predictor are built on it. Called on
+// the forward pass's thread, once per MoE layer per forward; the pointers are valid only during the
+// call, so an observer copies what it keeps.
+
+#include <cstdint>
+#include <span>
+
+namespace moeline::model {
+
+struct RoutedToken {
+  uint64_t sequence_id;
+  int64_t position;
+};
+
+struct RouterEvent {
+  int64_t layer;
+  int64_t experts;
+  int64_t top_k;
+  std::span<const RoutedToken> tokens;
+  const float* scores;   // [tokens, experts]: softmax router probabilities
+  const int32_t* chosen;  // [tokens, top_k]: expert ids, highest score first
+  const float* weights;   // [tokens, top_k]: the weights applied to the chosen experts' outputs
+};
+
+class RouterObserver {
+ public:
+  virtual ~RouterObserver() = default;
+  virtual void on_router(const RouterEvent& event) = 0;
+};
+
+}  // namespace moeline::model

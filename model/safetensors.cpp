@@ -1,0 +1,197 @@
+#include "model/safetensors.h"
+
+#include <fcntl.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <cstring>
+#include <fstream>
+#include <nlohmann/json.hpp>
+#include <set>
+#include <sstream>
+
+namespace moeline::model {
+namespace {
+
+namespace fs = std::filesystem;
+using nlohmann::json;
+
+// A safetensors header beyond this is certainly corrupt; real ones are a few MB at most.
+constexpr uint64_t kMaxHeaderBytes = 256ull << 20;
+
+size_t header_dtype_size(const std::string& dtype) {
+  if (dtype == "F64" || dtype == "I64" || dtype == "U64") return 8;
+  if (dtype == "F32" || dtype == "I32" || dtype == "U32") return 4;
+  if (dtype == "F16" || dtype == "BF16" || dtype == "I16" || dtype == "U16") return 2;
+  if (dtype == "I8" || dtype == "U8" || dtype == "BOOL" || dtype == "F8_E4M3" || dtype == "F8_E5M2")
+    return 1;
+  return 0;
+}
+
+[[noreturn]] void fail(const fs::path& file, const std::string& what) {
+  throw ModelError(file.filename().string() + ": " + what);
+}
+
+}  // namespace
+
+MappedFile::MappedFile(const fs::path& path) : path_(path) {
+  const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+  if (fd < 0) throw ModelError(path.string() + ": cannot open: " + std::strerror(errno));
+  struct stat info {};
+  if (::fstat(fd, &info) != 0) {
+    const int saved = errno;
+    ::close(fd);
+    throw ModelError(path.string() + ": cannot stat: " + std::strerror(saved));
+  }
+  size_ = static_cast<size_t>(info.st_size);
+  if (size_ > 0) {
+    void* mapped = ::mmap(nullptr, size_, PROT_READ, MAP_PRIVATE, fd, 0);
+    if (mapped == MAP_FAILED) {
+      const int saved = errno;
+      ::close(fd);
+      throw ModelError(path.string() + ": cannot map: " + std::strerror(saved));
+    }
+    data_ = static_cast<std::byte*>(mapped);
+  }
+  ::close(fd);
+}
+
+MappedFile::~MappedFile() {
+  if (data_) ::munmap(data_, size_);
+}
+
+std::string TensorInfo::shape_string() const {
+  std::ostringstream out;
+  out << '[';
+  for (size_t i = 0; i < shape.size(); ++i) out << (i ? ", " : "") << shape[i];
+  out << ']';
+  return out.str();
+}
+
+int64_t TensorInfo::elements() const {
+  int64_t count = 1;
+  for (int64_t dim : shape) count *= dim;
+  return count;
+}
+
+Checkpoint Checkpoint::open(const fs::path& dir) {
+  Checkpoint checkpoint;
+  const fs::path index_path = dir / "model.safetensors.index.json";
+  const fs::path single_path = dir / "model.safetensors";
+  if (fs::exists(index_path)) {
+    json index;
+    try {
+      std::ifstream in(index_path);
+      index = json::parse(in);
+    } catch (const json::exception& e) {
+      fail(index_path, std::string("not valid JSON: ") + e.what());
+    }
+    if (!index.contains("weight_map") || !index["weight_map"].is_object())
+      fail(index_path, "has no \"weight_map\" object");
+    std::map<std::string, std::vector<std::string>> names_by_shard;
+    for (const auto& [tensor, shard] : index["weight_map"].items()) {
+      if (!shard.is_string()) fail(index_path, "weight_map entry for '" + tensor + "' is not a file name");
+      names_by_shard[shard.get<std::string>()].push_back(tensor);
+    }
+    for (const auto& [shard, names] : names_by_shard) {
+      const fs::path shard_path = dir / shard;
+      if (shard.find('/') != std::string::npos || !fs::exists(shard_path))
+        fail(index_path, "names shard '" + shard + "' (for tensor '" + names.front() +
+                             "'), which does not exist in " + dir.string());
+      checkpoint.add_file(shard_path, &names);
+    }
+  } else if (fs::exists(single_path)) {
+    checkpoint.add_file(single_path, nullptr);
+  } else {
+    throw ModelError(dir.string() + ": no model.safetensors or model.safetensors.index.json");
+  }
+  return checkpoint;
+}
+
+void Checkpoint::add_file(const fs::path& path, const std::vector<std::string>* expected_names) {
+  auto file = std::make_unique<MappedFile>(path);
+  if (file->size() < 8) fail(path, "truncated: shorter than the 8-byte header length");
+  uint64_t header_bytes = 0;
+  std::memcpy(&header_bytes, file->data(), 8);
+  if (header_bytes > kMaxHeaderBytes || header_bytes > file->size() - 8)
+    fail(path, "header length " + std::to_string(header_bytes) + " runs past the end of the " +
+                   std::to_string(file->size()) + "-byte file (truncated or corrupt)");
+  json header;
+  try {
+    header = json::parse(std::string_view(reinterpret_cast<const char*>(file->data()) + 8,
+                                          static_cast<size_t>(header_bytes)));
+  } catch (const json::exception& e) {
+    fail(path, std::string("header is not valid JSON: ") + e.what());
+  }
+  if (!header.is_object()) fail(path, "header is not a JSON object");
+  const std::byte* payload = file->data() + 8 + header_bytes;
+  const size_t payload_bytes = file->size() - 8 - static_cast<size_t>(header_bytes);
+
+  for (const auto& [name, entry] : header.items()) {
+    if (name == "__metadata__") continue;
+    const std::string where = "tensor '" + name + "'";
+    try {
+      TensorInfo info;
+      info.name = name;
+      info.file = file.get();
+      info.dtype_name = entry.at("dtype").get<std::string>();
+      info.shape = entry.at("shape").get<std::vector<int64_t>>();
+      const auto offsets = entry.at("data_offsets").get<std::vector<uint64_t>>();
+      if (offsets.size() != 2 || offsets[0] > offsets[1])
+        fail(path, where + " has invalid data_offsets");
+      for (int64_t dim : info.shape)
+        if (dim < 0) fail(path, where + " has a negative dimension");
+      if (offsets[1] > payload_bytes)
+        fail(path, where + " ends at byte " + std::to_string(offsets[1]) + " of the data, but the "
+                       "file holds only " + std::to_string(payload_bytes) +
+                       " data bytes (truncated file)");
+      const size_t element_bytes = header_dtype_size(info.dtype_name);
+      info.bytes = static_cast<size_t>(offsets[1] - offsets[0]);
+      if (element_bytes != 0 &&
+          info.bytes != static_cast<size_t>(info.elements()) * element_bytes)
+        fail(path, where + " has " + std::to_string(info.bytes) + " bytes but shape " +
+                       info.shape_string() + " of " + info.dtype_name + " needs " +
+                       std::to_string(static_cast<size_t>(info.elements()) * element_bytes));
+      info.data = payload + offsets[0];
+      if (!tensors_.emplace(name, std::move(info)).second)
+        fail(path, where + " appears in more than one file");
+    } catch (const json::exception& e) {
+      fail(path, where + " has a malformed header entry: " + e.what());
+    }
+  }
+  if (expected_names) {
+    for (const std::string& name : *expected_names)
+      if (!tensors_.count(name))
+        fail(path, "index lists tensor '" + name + "' in this shard, but the shard has no such tensor");
+  }
+  files_.push_back(std::move(file));
+}
+
+const TensorInfo* Checkpoint::find(const std::string& name) const {
+  auto it = tensors_.find(name);
+  return it == tensors_.end() ? nullptr : &it->second;
+}
+
+size_t Checkpoint::mapped_bytes() const {
+  size_t total = 0;
+  for (const auto& file : files_) total += file->size();
+  return total;
+}
+
+std::string Checkpoint::describe() const {
+  std::string names;
+  for (const auto& file : files_) names += (names.empty() ? "" : ", ") + file->path().filename().string();
+  return names;
+}
+
+kernels::DType supported_dtype(const TensorInfo& tensor) {
+  if (tensor.dtype_name == "F32") return kernels::DType::kF32;
+  if (tensor.dtype_name == "BF16") return kernels::DType::kBF16;
+  if (tensor.dtype_name == "F16") return kernels::DType::kF16;
+  throw ModelError(tensor.file_name() + ": tensor '" + tensor.name + "' has dtype " +
+                   tensor.dtype_name + ", which moeline does not support (F32, BF16, F16)");
+}
+
+}  // namespace moeline::model

@@ -1,0 +1,33 @@
+// `moeline <command>`: one executable for every role. Today: `run`; the stage processes, `stack`,
+// `client` and `load` join with the pipeline issue.
+#include <cstring>
+#include <iostream>
+#include <string>
+
+#include "stages/run_command.h"
+
+namespace {
+
+constexpr const char* kUsage = R"(usage: moeline <command> [options]
+
+commands:
+  run        load a checkpoint and generate in this process (moeline run --help)
+  version    print the version
+)";
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  if (argc < 2 || std::strcmp(argv[1], "--help") == 0 || std::strcmp(argv[1], "help") == 0) {
+    std::cout << kUsage;
+    return argc < 2 ? 2 : 0;
+  }
+  const std::string command = argv[1];
+  if (command == "run") return moeline::stages::run_command(argc - 2, argv + 2);
+  if (command == "version") {
+    std::cout << "moeline 0.1.0\n";
+    return 0;
+  }
+  std::cerr << "moeline: error: unknown command '" << command << "'\n" << kUsage;
+  return 2;
+}

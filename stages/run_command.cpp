@@ -1,0 +1,208 @@
+#include "stages/run_command.h"
+
+#include <algorithm>
+#include <charconv>
+#include <chrono>
+#include <cstdio>
+#include <iostream>
+#include <map>
+#include <nlohmann/json.hpp>
+#include <optional>
+#include <stdexcept>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "kernels/cpu/cpu_features.h"
+#include "kernels/cpu/thread_pool.h"
+#include "model/forward.h"
+#include "model/generator.h"
+#include "model/model.h"
+#include "offload/resident_provider.h"
+#include "stages/npy.h"
+
+namespace moeline::stages {
+namespace {
+
+constexpr const char* kUsage = R"(usage: moeline run --model DIR --tokens 1,2,3 [options]
+
+Loads a Hugging Face checkpoint (Mixtral or Qwen3-MoE) and generates in this process.
+
+  --model DIR          checkpoint folder (config.json + safetensors)
+  --tokens IDS         prompt token ids, comma-separated
+  --max-tokens N       tokens to generate (default 16)
+  --temperature T      0 = greedy (default 0)
+  --top-k K            keep the K most likely tokens (default 0 = all)
+  --top-p P            nucleus sampling mass in (0, 1] (default 1)
+  --seed S             seed for sampling (same seed, same tokens)
+  --stop-ids IDS       extra stop token ids, comma-separated (end-of-sequence ids always stop)
+  --ignore-eos         do not stop at the model's end-of-sequence tokens
+  --threads N          compute threads (default: all cores)
+  --json               print one JSON object at the end instead of the ids
+  --logits-out FILE    write the last prompt position's logits as float32 .npy [vocab_size]
+)";
+
+class UsageError : public std::runtime_error {
+ public:
+  using std::runtime_error::runtime_error;
+};
+
+template <class T>
+T parse_number(const std::string& flag, const std::string& text) {
+  T value{};
+  const char* end = text.data() + text.size();
+  auto [ptr, ec] = std::from_chars(text.data(), end, value);
+  if (ec != std::errc() || ptr != end || text.empty())
+    throw UsageError(flag + " expects a number, got '" + text + "'");
+  return value;
+}
+
+std::vector<int32_t> parse_ids(const std::string& flag, const std::string& text) {
+  std::vector<int32_t> ids;
+  size_t start = 0;
+  while (start <= text.size()) {
+    size_t comma = text.find(',', start);
+    if (comma == std::string::npos) comma = text.size();
+    std::string item = text.substr(start, comma - start);
+    item.erase(0, item.find_first_not_of(' '));
+    item.erase(item.find_last_not_of(' ') + 1);
+    ids.push_back(parse_number<int32_t>(flag, item));
+    start = comma + 1;
+  }
+  return ids;
+}
+
+struct RunOptions {
+  std::string model_dir;
+  std::vector<int32_t> tokens;
+  model::SamplingParams sampling;
+  int threads = 0;
+  bool json = false;
+  std::string logits_out;
+};
+
+RunOptions parse(int argc, char** argv) {
+  RunOptions options;
+  const std::map<std::string, bool> flags_with_value = {
+      {"--model", true},  {"--tokens", true},    {"--max-tokens", true}, {"--temperature", true},
+      {"--top-k", true},  {"--top-p", true},     {"--seed", true},       {"--stop-ids", true},
+      {"--threads", true}, {"--logits-out", true}, {"--json", false},    {"--ignore-eos", false},
+      {"--prompt", true}};
+  for (int i = 0; i < argc; ++i) {
+    const std::string flag = argv[i];
+    auto known = flags_with_value.find(flag);
+    if (known == flags_with_value.end()) throw UsageError("unknown option '" + flag + "'");
+    std::string value;
+    if (known->second) {
+      if (i + 1 >= argc) throw UsageError(flag + " needs a value");
+      value = argv[++i];
+    }
+    if (flag == "--model") options.model_dir = value;
+    else if (flag == "--tokens") options.tokens = parse_ids(flag, value);
+    else if (flag == "--max-tokens") options.sampling.max_tokens = parse_number<int64_t>(flag, value);
+    else if (flag == "--temperature") options.sampling.temperature = parse_number<double>(flag, value);
+    else if (flag == "--top-k") options.sampling.top_k = parse_number<int64_t>(flag, value);
+    else if (flag == "--top-p") options.sampling.top_p = parse_number<double>(flag, value);
+    else if (flag == "--seed") options.sampling.seed = parse_number<uint64_t>(flag, value);
+    else if (flag == "--stop-ids") options.sampling.stop_token_ids = parse_ids(flag, value);
+    else if (flag == "--threads") options.threads = parse_number<int>(flag, value);
+    else if (flag == "--logits-out") options.logits_out = value;
+    else if (flag == "--json") options.json = true;
+    else if (flag == "--ignore-eos") options.sampling.ignore_eos = true;
+    else if (flag == "--prompt")
+      throw UsageError("--prompt needs the tokenizer, which this build does not have yet; use --tokens");
+  }
+  if (options.model_dir.empty()) throw UsageError("--model DIR is required");
+  if (options.tokens.empty()) throw UsageError("--tokens is required (comma-separated ids)");
+  if (options.threads < 0) throw UsageError("--threads must be >= 1");
+  if (options.threads == 0)
+    options.threads = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
+  if (model::Status status = options.sampling.validate(); !status.ok())
+    throw UsageError(status.error().message);
+  return options;
+}
+
+double seconds_since(std::chrono::steady_clock::time_point start) {
+  return std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+}
+
+int fail(const std::string& message, int code) {
+  std::cerr << "moeline: error: " << message << '\n';
+  return code;
+}
+
+}  // namespace
+
+int run_command(int argc, char** argv) {
+  for (int i = 0; i < argc; ++i) {
+    if (std::string(argv[i]) == "--help") {
+      std::cout << kUsage;
+      return 0;
+    }
+  }
+  RunOptions options;
+  try {
+    options = parse(argc, argv);
+  } catch (const UsageError& e) {
+    std::cerr << kUsage;
+    return fail(e.what(), 2);
+  }
+
+  const auto load_start = std::chrono::steady_clock::now();
+  auto loaded = model::Model::load(options.model_dir);
+  if (!loaded) return fail(loaded.error().message, 2);
+  const model::Model& model = **loaded;
+  const model::ModelConfig& config = model.config();
+  std::cerr << "stage=run event=model_loaded dir=" << options.model_dir << ' ' << config.summary()
+            << " dtype=" << model.dtype_summary() << " threads=" << options.threads
+            << " isa=" << kernels::isa_name(kernels::active_isa())
+            << " load_seconds=" << seconds_since(load_start) << '\n';
+
+  int64_t context = static_cast<int64_t>(options.tokens.size()) + options.sampling.max_tokens;
+  if (config.max_position_embeddings > 0)
+    context = std::min(context, config.max_position_embeddings);
+  const auto blocks = static_cast<int32_t>((context + model::kBlockTokens - 1) / model::kBlockTokens);
+
+  kernels::ThreadPool pool(options.threads);
+  offload::ResidentExpertProvider experts(model.experts());
+  model::KvCache cache(config, blocks);
+  model::Engine engine(model, experts, pool, cache);
+  model::Generator generator(engine);
+  model::GenerationRequest request{options.tokens, options.sampling, ""};
+  auto generated = generator.generate({request});
+  if (!generated) return fail(generated.error().message, 2);
+  const model::GenerationResult& result = generated->front();
+
+  if (!options.logits_out.empty() &&
+      !write_npy(options.logits_out, result.prompt_logits, {config.vocab_size}))
+    return fail("cannot write " + options.logits_out, 1);
+
+  const double prompt_tokens = static_cast<double>(options.tokens.size());
+  const double decoded = static_cast<double>(result.tokens.size()) - 1;
+  const double prefill_rate = prompt_tokens / std::max(result.prefill_seconds, 1e-9);
+  const double decode_rate = decoded > 0 ? decoded / std::max(result.decode_seconds, 1e-9) : 0.0;
+  std::cerr << "stage=run event=generated prompt_tokens=" << options.tokens.size()
+            << " completion_tokens=" << result.tokens.size()
+            << " finish_reason=" << model::finish_reason_name(result.finish_reason)
+            << " prefill_tokens_per_second=" << prefill_rate
+            << " decode_tokens_per_second=" << decode_rate << '\n';
+
+  if (options.json) {
+    nlohmann::json out = {
+        {"ids", result.tokens},
+        {"finish_reason", model::finish_reason_name(result.finish_reason)},
+        {"usage", {{"prompt_tokens", options.tokens.size()}, {"completion_tokens", result.tokens.size()}}},
+        {"timings",
+         {{"prefill_seconds", result.prefill_seconds},
+          {"decode_seconds", result.decode_seconds},
+          {"prefill_tokens_per_second", prefill_rate},
+          {"decode_tokens_per_second", decode_rate}}}};
+    std::cout << out.dump() << '\n';
+  } else {
+    for (size_t i = 0; i < result.tokens.size(); ++i) std::cout << (i ? "," : "") << result.tokens[i];
+    std::cout << '\n';
+  }
+  return 0;
+}
+
+}  // namespace moeline::stages

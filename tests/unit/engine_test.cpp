@@ -1,0 +1,263 @@
+// Properties of the forward pass on tiny generated models (tests/CMakeLists.txt makes them with
+// scripts/make-model). Agreement with the independent NumPy reference is checked separately by
+// tests/reference/test_logits.py; here: cached decode equals recomputation, a sequence's logits do
+// not depend on its batch, kernel paths agree, BF16 stays within its rounding, observers see the
+// routing, and bad input is refused without side effects.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <memory>
+#include <numeric>
+#include <vector>
+
+#include "kernels/cpu/cpu_features.h"
+#include "model/forward.h"
+#include "model/generator.h"
+#include "offload/resident_provider.h"
+
+namespace moeline::model {
+namespace {
+
+std::unique_ptr<Model> load(const std::string& name) {
+  auto loaded = Model::load(std::string(MOELINE_TEST_MODELS) + "/" + name);
+  if (!loaded) ADD_FAILURE() << loaded.error().message;
+  return loaded ? std::move(*loaded) : nullptr;
+}
+
+double relative_l2(const float* a, const float* b, int64_t n) {
+  double diff = 0.0, norm = 0.0;
+  for (int64_t i = 0; i < n; ++i) {
+    diff += (static_cast<double>(a[i]) - b[i]) * (static_cast<double>(a[i]) - b[i]);
+    norm += static_cast<double>(b[i]) * b[i];
+  }
+  return std::sqrt(diff / norm);
+}
+
+std::vector<int32_t> prompt(int length, int salt, int64_t vocab) {
+  std::vector<int32_t> tokens(static_cast<size_t>(length));
+  for (int i = 0; i < length; ++i) tokens[static_cast<size_t>(i)] = static_cast<int32_t>((i * 37 + salt * 11 + 3) % vocab);
+  return tokens;
+}
+
+struct Harness {
+  explicit Harness(const Model& model, int threads = 2, int32_t blocks = 64)
+      : pool(threads), experts(model.experts()), cache(model.config(), blocks),
+        engine(model, experts, pool, cache) {}
+  kernels::ThreadPool pool;
+  offload::ResidentExpertProvider experts;
+  KvCache cache;
+  Engine engine;
+};
+
+// Logits of the last token of `tokens`, computed by one fresh prefill.
+std::vector<float> prefill_logits(Harness& h, const std::vector<int32_t>& tokens) {
+  Sequence sequence(99, 0, 0);
+  std::vector<float> logits;
+  const SequenceInput input{&sequence, tokens, true};
+  EXPECT_TRUE(h.engine.forward(std::span(&input, 1), logits).ok());
+  sequence.release(h.cache.pool());
+  return logits;
+}
+
+class EngineOnModel : public ::testing::TestWithParam<const char*> {};
+
+TEST_P(EngineOnModel, CachedDecodeEqualsFullRecomputation) {
+  auto model = load(GetParam());
+  ASSERT_TRUE(model);
+  Harness h(*model);
+  const int64_t vocab = model->config().vocab_size;
+  std::vector<int32_t> tokens = prompt(13, 1, vocab);
+  Sequence sequence(1, 0, 0);
+  std::vector<float> logits;
+  SequenceInput input{&sequence, tokens, true};
+  ASSERT_TRUE(h.engine.forward(std::span(&input, 1), logits).ok());
+  // Decode 24 tokens one at a time (crossing a block boundary) and compare every step with a
+  // prefill of the whole sequence so far. The operations per token are the same in both routes,
+  // in the same order, so the results agree to the last bit; 1e-6 leaves room for nothing else.
+  for (int step = 0; step < 24; ++step) {
+    const int32_t next = argmax(logits.data(), vocab);
+    tokens.push_back(next);
+    input = {&sequence, std::span(&tokens.back(), 1), true};
+    ASSERT_TRUE(h.engine.forward(std::span(&input, 1), logits).ok());
+    const std::vector<float> full = prefill_logits(h, tokens);
+    ASSERT_LE(relative_l2(logits.data(), full.data(), vocab), 1e-6) << "step " << step;
+  }
+}
+
+TEST_P(EngineOnModel, SequenceLogitsDoNotDependOnTheBatch) {
+  auto model = load(GetParam());
+  ASSERT_TRUE(model);
+  const int64_t vocab = model->config().vocab_size;
+  const std::vector<std::vector<int32_t>> prompts = {prompt(5, 1, vocab), prompt(33, 2, vocab),
+                                                     prompt(1, 3, vocab), prompt(17, 4, vocab)};
+  Harness alone_h(*model, 1);
+  std::vector<std::vector<float>> alone;
+  for (const auto& p : prompts) alone.push_back(prefill_logits(alone_h, p));
+
+  Harness h(*model, 2);
+  std::vector<std::unique_ptr<Sequence>> sequences;
+  std::vector<SequenceInput> batch;
+  for (size_t i = 0; i < prompts.size(); ++i) {
+    sequences.push_back(std::make_unique<Sequence>(i, 0, 0));
+    batch.push_back({sequences.back().get(), prompts[i], true});
+  }
+  std::vector<float> logits;
+  ASSERT_TRUE(h.engine.forward(batch, logits).ok());
+  for (size_t i = 0; i < prompts.size(); ++i)
+    for (int64_t v = 0; v < vocab; ++v)
+      ASSERT_EQ(logits[i * vocab + v], alone[i][v]) << "sequence " << i << " vocab " << v;
+
+  // A mixed step: sequence 0 decodes one token while a new sequence prefills beside it.
+  Sequence newcomer(10, 0, 0);
+  const int32_t next = argmax(logits.data(), vocab);
+  std::vector<SequenceInput> mixed = {{sequences[0].get(), std::span(&next, 1), true},
+                                      {&newcomer, prompts[1], true}};
+  ASSERT_TRUE(h.engine.forward(mixed, logits).ok());
+  std::vector<int32_t> extended = prompts[0];
+  extended.push_back(next);
+  const auto expected = prefill_logits(alone_h, extended);
+  for (int64_t v = 0; v < vocab; ++v) ASSERT_EQ(logits[v], expected[v]);
+  for (int64_t v = 0; v < vocab; ++v) ASSERT_EQ(logits[vocab + v], alone[1][v]);
+}
+
+TEST_P(EngineOnModel, KernelPathsAgree) {
+  auto model = load(GetParam());
+  ASSERT_TRUE(model);
+  const auto tokens = prompt(21, 5, model->config().vocab_size);
+  const kernels::Isa saved = kernels::active_isa();
+  ASSERT_TRUE(kernels::set_active_isa(kernels::Isa::kPortable));
+  Harness h(*model);
+  const auto portable = prefill_logits(h, tokens);
+  for (kernels::Isa isa : {kernels::Isa::kAvx2, kernels::Isa::kAvx512}) {
+    if (!kernels::set_active_isa(isa)) continue;
+    const auto fast = prefill_logits(h, tokens);
+    // Different lane counts sum in different orders: F32 rounding, ~1e-7 per op, grows to ~1e-6.
+    EXPECT_LE(relative_l2(fast.data(), portable.data(), model->config().vocab_size), 1e-5)
+        << kernels::isa_name(isa);
+  }
+  kernels::set_active_isa(saved);
+}
+
+INSTANTIATE_TEST_SUITE_P(TinyModels, EngineOnModel,
+                         ::testing::Values("mixtral-f32", "qwen3-f32", "mixtral-bf16", "qwen3-bf16"));
+
+TEST(Engine, Bf16WeightsStayWithinBf16Rounding) {
+  // mixtral-bf16 has the same seed as mixtral-f32: the same weights rounded to BF16 (relative
+  // error ≤ 2^-9 ≈ 0.2% each). Through 2 layers of random rounding errors the logits move by about
+  // that much relative to their norm; 2% allows an order of magnitude for accumulation, and a
+  // routing flip (two router scores within 0.2%) would show up far above it.
+  auto f32 = load("mixtral-f32");
+  auto bf16 = load("mixtral-bf16");
+  ASSERT_TRUE(f32 && bf16);
+  Harness hf(*f32), hb(*bf16);
+  for (int salt = 0; salt < 4; ++salt) {
+    const auto tokens = prompt(9 + salt * 7, salt, f32->config().vocab_size);
+    const auto a = prefill_logits(hf, tokens);
+    const auto b = prefill_logits(hb, tokens);
+    const double error = relative_l2(b.data(), a.data(), f32->config().vocab_size);
+    EXPECT_LE(error, 2e-2) << "prompt " << salt;
+    EXPECT_GT(error, 0.0) << "BF16 and F32 models should not be identical";
+  }
+}
+
+class RecordingObserver : public RouterObserver {
+ public:
+  void on_router(const RouterEvent& event) override {
+    layers.push_back(event.layer);
+    for (size_t t = 0; t < event.tokens.size(); ++t) {
+      const float* scores = event.scores + t * event.experts;
+      double weight_sum = 0.0;
+      for (int64_t j = 0; j < event.top_k; ++j) {
+        const int32_t chosen = event.chosen[t * event.top_k + j];
+        weight_sum += event.weights[t * event.top_k + j];
+        // Every unchosen expert scores no higher than every chosen one.
+        for (int64_t e = 0; e < event.experts; ++e) {
+          bool is_chosen = false;
+          for (int64_t i = 0; i < event.top_k; ++i) is_chosen |= event.chosen[t * event.top_k + i] == e;
+          if (!is_chosen) {
+            EXPECT_LE(scores[e], scores[chosen]);
+          }
+        }
+      }
+      weight_sums.push_back(weight_sum);
+      double score_sum = 0.0;
+      for (int64_t e = 0; e < event.experts; ++e) score_sum += scores[e];
+      EXPECT_NEAR(score_sum, 1.0, 1e-5);
+      positions.push_back(event.tokens[t].position);
+    }
+  }
+  std::vector<int64_t> layers;
+  std::vector<double> weight_sums;
+  std::vector<int64_t> positions;
+};
+
+TEST(Engine, RouterObserverSeesEveryMoeLayerAndToken) {
+  auto model = load("qwen3-bf16");  // layer 0 is dense (mlp_only_layers=[0])
+  ASSERT_TRUE(model);
+  Harness h(*model);
+  RecordingObserver observer;
+  h.engine.set_router_observer(&observer);
+  prefill_logits(h, prompt(6, 0, model->config().vocab_size));
+  std::vector<int64_t> expected_layers;
+  for (int64_t l = 0; l < model->config().num_layers; ++l)
+    if (model->config().layer_is_moe[static_cast<size_t>(l)]) expected_layers.push_back(l);
+  EXPECT_EQ(observer.layers, expected_layers);
+  ASSERT_EQ(observer.positions.size(), 6 * expected_layers.size());
+  EXPECT_EQ(observer.positions[5], 5);
+  for (double sum : observer.weight_sums) EXPECT_NEAR(sum, 1.0, 1e-5);  // norm_topk_prob: true
+}
+
+TEST(Engine, BadInputIsRefusedWithoutSideEffects) {
+  auto model = load("mixtral-f32");
+  ASSERT_TRUE(model);
+  Harness h(*model, 2, /*blocks=*/2);
+  Sequence sequence(1, 0, 0);
+  std::vector<float> logits;
+  const std::vector<int32_t> bad = {1, static_cast<int32_t>(model->config().vocab_size)};
+  SequenceInput input{&sequence, bad, true};
+  Status status = h.engine.forward(std::span(&input, 1), logits);
+  ASSERT_FALSE(status.ok());
+  EXPECT_NE(status.error().message.find("vocabulary"), std::string::npos);
+  EXPECT_EQ(sequence.length(), 0);
+
+  const auto long_prompt = prompt(40, 0, model->config().vocab_size);  // 3 blocks, pool has 2
+  input = {&sequence, long_prompt, true};
+  status = h.engine.forward(std::span(&input, 1), logits);
+  ASSERT_FALSE(status.ok());
+  EXPECT_NE(status.error().message.find("KV cache full"), std::string::npos);
+  EXPECT_EQ(h.cache.pool().free_blocks(), 2);
+  EXPECT_EQ(sequence.length(), 0);
+}
+
+TEST(Generator, StopsAtStopTokensAndMaxTokensAndReturnsBlocks) {
+  auto model = load("mixtral-f32");
+  ASSERT_TRUE(model);
+  Harness h(*model);
+  Generator generator(h.engine);
+  GenerationRequest request{prompt(7, 2, model->config().vocab_size), {.max_tokens = 9, .ignore_eos = true}, ""};
+  auto first = generator.generate({request});
+  ASSERT_TRUE(first.ok());
+  ASSERT_EQ((*first)[0].tokens.size(), 9u);
+  EXPECT_EQ((*first)[0].finish_reason, FinishReason::kLength);
+  // Stop on the third generated token: generation ends there, with reason "stop".
+  request.sampling.stop_token_ids = {(*first)[0].tokens[2]};
+  auto stopped = generator.generate({request});
+  ASSERT_TRUE(stopped.ok());
+  const auto& tokens = (*stopped)[0].tokens;
+  EXPECT_EQ((*stopped)[0].finish_reason, FinishReason::kStop);
+  EXPECT_LE(tokens.size(), 3u);
+  EXPECT_EQ(tokens.back(), (*first)[0].tokens[2]);
+  EXPECT_EQ(h.cache.pool().free_blocks(), h.cache.pool().capacity());
+
+  // Batched generation gives each request what it gets alone.
+  GenerationRequest other{prompt(30, 5, model->config().vocab_size), {.max_tokens = 5, .ignore_eos = true}, ""};
+  request.sampling.stop_token_ids.clear();
+  auto both = generator.generate({request, other});
+  auto other_alone = generator.generate({other});
+  ASSERT_TRUE(both.ok() && other_alone.ok());
+  EXPECT_EQ((*both)[0].tokens, (*first)[0].tokens);
+  EXPECT_EQ((*both)[1].tokens, (*other_alone)[0].tokens);
+}
+
+}  // namespace
+}  // namespace moeline::model

@@ -1,0 +1,155 @@
+// Matmul paths against a double-precision reference, and the determinism contract: a row's result
+// is bit-identical whatever the batch size, tile position, thread count.
+#include "kernels/cpu/matmul.h"
+
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <random>
+#include <vector>
+
+#include "kernels/cpu/cpu_features.h"
+
+namespace moeline::kernels {
+namespace {
+
+struct Weights {
+  std::vector<float> f32;
+  std::vector<uint16_t> raw;  // BF16/F16 bits
+  DType dtype;
+  int64_t rows, cols;
+  MatrixView view() const {
+    return {dtype == DType::kF32 ? static_cast<const void*>(f32.data()) : raw.data(), dtype, rows, cols};
+  }
+};
+
+uint16_t float_to_f16(float value) {
+  // Only for test data in the normal range: round to nearest even via the 11-bit mantissa.
+  uint32_t bits;
+  std::memcpy(&bits, &value, 4);
+  const uint32_t sign = (bits >> 16) & 0x8000u;
+  const int exponent = static_cast<int>((bits >> 23) & 0xff) - 127 + 15;
+  uint32_t mantissa = bits & 0x7fffffu;
+  if (exponent <= 0) return static_cast<uint16_t>(sign);
+  uint32_t half = (static_cast<uint32_t>(exponent) << 10) | (mantissa >> 13);
+  const uint32_t rest = mantissa & 0x1fffu;
+  if (rest > 0x1000u || (rest == 0x1000u && (half & 1u))) ++half;
+  return static_cast<uint16_t>(sign | half);
+}
+
+Weights make_weights(DType dtype, int64_t rows, int64_t cols, uint32_t seed) {
+  std::mt19937 rng(seed);
+  std::normal_distribution<float> normal(0.0f, 1.0f / std::sqrt(static_cast<float>(cols)));
+  Weights w{{}, {}, dtype, rows, cols};
+  w.f32.resize(static_cast<size_t>(rows * cols));
+  w.raw.resize(w.f32.size());
+  for (size_t i = 0; i < w.f32.size(); ++i) {
+    float value = normal(rng);
+    if (dtype == DType::kBF16) {
+      w.raw[i] = float_to_bf16(value);
+      value = bf16_to_float(w.raw[i]);
+    } else if (dtype == DType::kF16) {
+      w.raw[i] = float_to_f16(value);
+      value = f16_to_float(w.raw[i]);
+    }
+    w.f32[i] = value;  // exactly the stored weight, for the reference
+  }
+  return w;
+}
+
+std::vector<float> make_input(int64_t n, int64_t cols, uint32_t seed) {
+  std::mt19937 rng(seed);
+  std::normal_distribution<float> normal(0.0f, 1.0f);
+  std::vector<float> x(static_cast<size_t>(n * cols));
+  for (float& value : x) value = normal(rng);
+  return x;
+}
+
+std::vector<Isa> supported_isas() {
+  std::vector<Isa> isas = {Isa::kPortable};
+  if (best_supported_isa() != Isa::kPortable) isas.push_back(Isa::kAvx2);
+  if (best_supported_isa() == Isa::kAvx512) isas.push_back(Isa::kAvx512);
+  return isas;
+}
+
+class IsaGuard {
+ public:
+  explicit IsaGuard(Isa isa) : saved_(active_isa()) { EXPECT_TRUE(set_active_isa(isa)); }
+  ~IsaGuard() { set_active_isa(saved_); }
+
+ private:
+  Isa saved_;
+};
+
+TEST(Matmul, MatchesDoubleReferenceOnEveryPathAndDtype) {
+  ThreadPool pool(2);
+  for (Isa isa : supported_isas()) {
+    IsaGuard guard(isa);
+    for (DType dtype : {DType::kF32, DType::kBF16, DType::kF16}) {
+      // Shapes with ragged rows (not a multiple of any tile) and ragged K (not a lane multiple).
+      for (auto [rows, cols, n] : {std::tuple{7, 37, 1}, {33, 64, 5}, {19, 100, 13}, {64, 259, 40}}) {
+        const Weights w = make_weights(dtype, rows, cols, 7);
+        const std::vector<float> x = make_input(n, cols, 9);
+        std::vector<float> y(static_cast<size_t>(n * rows));
+        matmul(pool, MatmulTask{.x = x.data(), .n = n, .w = w.view(), .y = y.data()});
+        for (int64_t t = 0; t < n; ++t) {
+          for (int64_t r = 0; r < rows; ++r) {
+            double expected = 0.0, magnitude = 0.0;
+            for (int64_t k = 0; k < cols; ++k) {
+              const double term = static_cast<double>(x[t * cols + k]) * w.f32[r * cols + k];
+              expected += term;
+              magnitude += std::abs(term);
+            }
+            // F32 accumulation of `cols` terms: error bounded by ~cols * 2^-24 * sum|terms|.
+            const double tolerance = static_cast<double>(cols) * 6e-8 * magnitude + 1e-7;
+            ASSERT_NEAR(y[t * rows + r], expected, tolerance)
+                << isa_name(isa) << ' ' << dtype_name(dtype) << " rows=" << rows
+                << " cols=" << cols << " n=" << n << " t=" << t << " r=" << r;
+          }
+        }
+      }
+    }
+  }
+}
+
+TEST(Matmul, RowResultDoesNotDependOnBatchOrThreads) {
+  for (Isa isa : supported_isas()) {
+    IsaGuard guard(isa);
+    for (DType dtype : {DType::kF32, DType::kBF16}) {
+      const int64_t rows = 45, cols = 131, n = 29;  // n large enough to take the packed route
+      const Weights w = make_weights(dtype, rows, cols, 3);
+      const std::vector<float> x = make_input(n, cols, 4);
+      ThreadPool two(2), one(1);
+      std::vector<float> batched(static_cast<size_t>(n * rows));
+      matmul(two, MatmulTask{.x = x.data(), .n = n, .w = w.view(), .y = batched.data()});
+      for (int64_t t = 0; t < n; ++t) {
+        std::vector<float> alone(static_cast<size_t>(rows));
+        matmul(one, MatmulTask{.x = x.data() + t * cols, .n = 1, .w = w.view(), .y = alone.data()});
+        for (int64_t r = 0; r < rows; ++r)
+          ASSERT_EQ(batched[t * rows + r], alone[r]) << isa_name(isa) << " t=" << t << " r=" << r;
+      }
+    }
+  }
+}
+
+TEST(Matmul, StridedInputAndOutput) {
+  ThreadPool pool(2);
+  const Weights w = make_weights(DType::kBF16, 10, 32, 5);
+  const std::vector<float> x = make_input(3, 48, 6);  // rows 48 apart, only 32 used
+  std::vector<float> y(3 * 16, -1.0f);                // rows 16 apart, only 10 written
+  matmul(pool, MatmulTask{.x = x.data(), .n = 3, .w = w.view(), .y = y.data(), .x_stride = 48, .y_stride = 16});
+  for (int64_t t = 0; t < 3; ++t) {
+    for (int64_t r = 0; r < 16; ++r) {
+      if (r >= 10) {
+        EXPECT_EQ(y[t * 16 + r], -1.0f);
+        continue;
+      }
+      double expected = 0.0;
+      for (int64_t k = 0; k < 32; ++k) expected += static_cast<double>(x[t * 48 + k]) * w.f32[r * 32 + k];
+      EXPECT_NEAR(y[t * 16 + r], expected, 1e-5);
+    }
+  }
+}
+
+}  // namespace
+}  // namespace moeline::kernels
