@@ -11,6 +11,7 @@ struct Avx2 {
   static constexpr int kLanes = 8;
   static constexpr int kMR = 2;
   static constexpr int kNR = 4;
+  static void prefetch(const char* p) { _mm_prefetch(p, _MM_HINT_T0); }
   static V zero() { return _mm256_setzero_ps(); }
   static V load_f32(const float* p) { return _mm256_loadu_ps(p); }
   static V load_bf16(const uint16_t* p) {

@@ -11,6 +11,7 @@ struct Avx512 {
   static constexpr int kLanes = 16;
   static constexpr int kMR = 4;
   static constexpr int kNR = 6;
+  static void prefetch(const char* p) { _mm_prefetch(p, _MM_HINT_T0); }
   static V zero() { return _mm512_setzero_ps(); }
   static V load_f32(const float* p) { return _mm512_loadu_ps(p); }
   static V load_bf16(const uint16_t* p) {

@@ -9,6 +9,7 @@ struct Portable {
   static constexpr int kLanes = 1;
   static constexpr int kMR = 4;
   static constexpr int kNR = 4;
+  static void prefetch(const char*) {}
   static V zero() { return 0.0f; }
   static V load_f32(const float* p) { return *p; }
   static V load_bf16(const uint16_t* p) { return bf16_to_float(*p); }

@@ -1,0 +1,196 @@
+// moeline_bench: prefill and decode throughput of the in-process engine on one checkpoint, next to
+// the machine's measured read bandwidth, printed as one JSON object. scripts/bench runs it per
+// thread count (one process each, so peak RSS is per configuration) and prints the table.
+//
+//   moeline_bench --model DIR [--threads N] [--prompt 512] [--decode 128] [--repeat 3]
+//
+// Decode roofline = read bandwidth / bytes of weights one decoded token touches (attention, router,
+// top-k experts per layer, LM head): the speed at which decode would only wait for memory.
+#include <immintrin.h>
+#include <sys/resource.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cstdlib>
+#include <cstring>
+#include <fstream>
+#include <iostream>
+#include <nlohmann/json.hpp>
+#include <string>
+#include <vector>
+
+#include "kernels/cpu/cpu_features.h"
+#include "kernels/cpu/thread_pool.h"
+#include "model/forward.h"
+#include "model/model.h"
+#include "model/sampling.h"
+#include "offload/resident_provider.h"
+
+namespace {
+
+using Clock = std::chrono::steady_clock;
+using moeline::kernels::ThreadPool;
+
+double seconds_since(Clock::time_point start) {
+  return std::chrono::duration<double>(Clock::now() - start).count();
+}
+
+// Sums a buffer with wide loads and independent accumulators: the read rate a well-vectorised
+// kernel can reach, which is what the weights-streaming decode competes with.
+__attribute__((target("avx512f"))) float sum_avx512(const float* data, size_t count) {
+  __m512 acc[8];
+  for (auto& a : acc) a = _mm512_setzero_ps();
+  for (size_t i = 0; i + 128 <= count; i += 128)
+    for (int j = 0; j < 8; ++j) acc[j] = _mm512_add_ps(acc[j], _mm512_loadu_ps(data + i + 16 * j));
+  for (int j = 1; j < 8; ++j) acc[0] = _mm512_add_ps(acc[0], acc[j]);
+  alignas(64) float lanes[16];
+  _mm512_store_ps(lanes, acc[0]);
+  float sum = 0;
+  for (float lane : lanes) sum += lane;
+  return sum;
+}
+
+__attribute__((target("avx2"))) float sum_avx2(const float* data, size_t count) {
+  __m256 acc[8];
+  for (auto& a : acc) a = _mm256_setzero_ps();
+  for (size_t i = 0; i + 64 <= count; i += 64)
+    for (int j = 0; j < 8; ++j) acc[j] = _mm256_add_ps(acc[j], _mm256_loadu_ps(data + i + 8 * j));
+  for (int j = 1; j < 8; ++j) acc[0] = _mm256_add_ps(acc[0], acc[j]);
+  alignas(32) float lanes[8];
+  _mm256_store_ps(lanes, acc[0]);
+  float sum = 0;
+  for (float lane : lanes) sum += lane;
+  return sum;
+}
+
+// GB/s reading 1 GiB with every thread of the pool, best of `repeat`.
+double read_bandwidth(ThreadPool& pool, int repeat) {
+  const size_t count = (size_t{1} << 30) / sizeof(float);
+  std::vector<float> buffer(count, 1.0f);
+  const bool avx512 = moeline::kernels::best_supported_isa() == moeline::kernels::Isa::kAvx512;
+  double best = 0.0;
+  volatile float sink = 0.0f;
+  for (int r = 0; r < repeat + 1; ++r) {
+    std::vector<float> partial(static_cast<size_t>(pool.size()));
+    const auto start = Clock::now();
+    pool.run([&](int thread, int threads) {
+      auto [begin, end] = ThreadPool::split(static_cast<int64_t>(count), thread, threads, 1024);
+      const float* data = buffer.data() + begin;
+      const size_t n = static_cast<size_t>(end - begin);
+      partial[static_cast<size_t>(thread)] = avx512 ? sum_avx512(data, n) : sum_avx2(data, n);
+    });
+    const double seconds = seconds_since(start);
+    for (float p : partial) sink = sink + p;
+    if (r > 0) best = std::max(best, static_cast<double>(count * sizeof(float)) / seconds / 1e9);
+  }
+  return best;
+}
+
+long peak_rss_kib() {
+  std::ifstream status("/proc/self/status");
+  std::string line;
+  while (std::getline(status, line))
+    if (line.rfind("VmHWM:", 0) == 0) return std::strtol(line.c_str() + 6, nullptr, 10);
+  return 0;
+}
+
+struct Options {
+  std::string model_dir;
+  int threads = 1;
+  int prompt = 512;
+  int decode = 128;
+  int repeat = 3;
+};
+
+Options parse(int argc, char** argv) {
+  Options options;
+  for (int i = 1; i + 1 < argc; i += 2) {
+    const std::string flag = argv[i];
+    const std::string value = argv[i + 1];
+    if (flag == "--model") options.model_dir = value;
+    else if (flag == "--threads") options.threads = std::stoi(value);
+    else if (flag == "--prompt") options.prompt = std::stoi(value);
+    else if (flag == "--decode") options.decode = std::stoi(value);
+    else if (flag == "--repeat") options.repeat = std::stoi(value);
+    else throw std::invalid_argument("unknown option " + flag);
+  }
+  if (options.model_dir.empty()) throw std::invalid_argument("--model DIR is required");
+  return options;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  namespace model = moeline::model;
+  Options options;
+  try {
+    options = parse(argc, argv);
+  } catch (const std::exception& e) {
+    std::cerr << "moeline_bench: " << e.what()
+              << "\nusage: moeline_bench --model DIR [--threads N] [--prompt 512] [--decode 128] "
+                 "[--repeat 3]\n";
+    return 2;
+  }
+  auto loaded = model::Model::load(options.model_dir);
+  if (!loaded) {
+    std::cerr << "moeline_bench: " << loaded.error().message << '\n';
+    return 2;
+  }
+  const model::Model& m = **loaded;
+  const int64_t vocab = m.config().vocab_size;
+  ThreadPool pool(options.threads);
+  moeline::offload::ResidentExpertProvider experts(m.experts());
+  const int64_t context = options.prompt + options.decode;
+  model::KvCache cache(m.config(), static_cast<int32_t>((context + 15) / 16));
+  model::Engine engine(m, experts, pool, cache);
+
+  std::vector<int32_t> prompt(static_cast<size_t>(options.prompt));
+  for (int i = 0; i < options.prompt; ++i)
+    prompt[static_cast<size_t>(i)] = static_cast<int32_t>((i * 7919 + 13) % vocab);
+
+  std::vector<float> logits;
+  double best_prefill = 1e30, best_decode = 1e30;
+  // Run 0 is a warm-up: it faults the mapped weights in, as a server's first request would.
+  for (int r = 0; r <= options.repeat; ++r) {
+    model::Sequence sequence(1, m.model_id(), 0);
+    model::SequenceInput input{&sequence, prompt, true};
+    auto start = Clock::now();
+    if (!engine.forward(std::span(&input, 1), logits).ok()) return 1;
+    const double prefill = seconds_since(start);
+    int32_t next = model::argmax(logits.data(), vocab);
+    start = Clock::now();
+    for (int step = 0; step < options.decode; ++step) {
+      input = {&sequence, std::span(&next, 1), true};
+      if (!engine.forward(std::span(&input, 1), logits).ok()) return 1;
+      next = model::argmax(logits.data(), vocab);
+    }
+    const double decode = seconds_since(start);
+    sequence.release(cache.pool());
+    if (r > 0) {
+      best_prefill = std::min(best_prefill, prefill);
+      best_decode = std::min(best_decode, decode);
+    }
+  }
+  const double bandwidth = read_bandwidth(pool, options.repeat);
+  const double bytes_per_token = static_cast<double>(m.bytes_touched_per_token());
+  const double decode_rate = options.decode / best_decode;
+  const double roofline = bandwidth * 1e9 / bytes_per_token;
+  nlohmann::json out = {
+      {"model", options.model_dir},
+      {"weights", m.dtype_summary()},
+      {"isa", std::string(moeline::kernels::isa_name(moeline::kernels::active_isa()))},
+      {"threads", options.threads},
+      {"prompt_tokens", options.prompt},
+      {"decode_tokens", options.decode},
+      {"prefill_tokens_per_second", options.prompt / best_prefill},
+      {"decode_tokens_per_second", decode_rate},
+      {"read_bandwidth_gb_per_second", bandwidth},
+      {"weight_bytes_per_decoded_token", bytes_per_token},
+      {"decode_roofline_tokens_per_second", roofline},
+      {"decode_fraction_of_roofline", decode_rate / roofline},
+      {"mapped_weight_bytes", m.mapped_bytes()},
+      {"kv_cache_bytes", cache.bytes()},
+      {"peak_rss_bytes", peak_rss_kib() * 1024}};
+  std::cout << out.dump() << '\n';
+  return 0;
+}
