@@ -14,63 +14,62 @@ namespace {
 using kernels::MatrixView;
 using kernels::VectorView;
 
-// Resolves tensor names against the checkpoint, checking dtype and exact shape, and remembers
-// which tensors were used so that a misnamed tensor can be pointed out next to the missing one.
+// Resolves tensor names against the checkpoint, checking dtype and exact shape. A missing tensor is
+// reported once every name has been tried, so the message can list the checkpoint's tensors that
+// nothing asked for — usually the misnamed one.
 class TensorBinder {
  public:
   explicit TensorBinder(const Checkpoint& checkpoint) : checkpoint_(checkpoint) {}
 
   MatrixView matrix(const std::string& name, int64_t rows, int64_t cols) {
-    const TensorInfo& tensor = require(name, {rows, cols});
-    return MatrixView{tensor.data, supported_dtype(tensor), rows, cols};
+    const TensorInfo* tensor = find(name, {rows, cols});
+    return tensor ? MatrixView{tensor->data, supported_dtype(*tensor), rows, cols} : MatrixView{};
   }
   VectorView vector(const std::string& name, int64_t size) {
-    const TensorInfo& tensor = require(name, {size});
-    return VectorView{tensor.data, supported_dtype(tensor), size};
+    const TensorInfo* tensor = find(name, {size});
+    return tensor ? VectorView{tensor->data, supported_dtype(*tensor), size} : VectorView{};
+  }
+
+  // Throws for the first missing tensor, naming the unused ones.
+  void finish() const {
+    if (missing_.empty()) return;
+    std::string message = checkpoint_.describe() + ": tensor '" + missing_ + "' (shape " +
+                          missing_shape_ + ") is missing";
+    std::string unused;
+    int listed = 0;
+    for (const auto& [name, info] : checkpoint_.tensors()) {
+      if (used_.count(name)) continue;
+      if (listed++ < 5) unused += (unused.empty() ? "'" : ", '") + name + "'";
+    }
+    if (listed > 5) unused += " and " + std::to_string(listed - 5) + " more";
+    if (!unused.empty()) message += "; tensors in the checkpoint that nothing uses: " + unused;
+    throw ModelError(message);
   }
 
  private:
-  const TensorInfo& require(const std::string& name, const std::vector<int64_t>& shape) {
+  const TensorInfo* find(const std::string& name, const std::vector<int64_t>& shape) {
+    TensorInfo expected;
+    expected.shape = shape;
     const TensorInfo* tensor = checkpoint_.find(name);
-    if (!tensor) throw ModelError(missing_message(name, shape));
+    if (!tensor) {
+      if (missing_.empty()) {
+        missing_ = name;
+        missing_shape_ = expected.shape_string();
+      }
+      return nullptr;
+    }
     used_.insert(name);
     if (tensor->shape != shape) {
-      TensorInfo expected;
-      expected.shape = shape;
       throw ModelError(tensor->file_name() + ": tensor '" + name + "' has shape " +
                        tensor->shape_string() + ", expected " + expected.shape_string() +
                        " from config.json");
     }
-    return *tensor;
-  }
-
-  std::string missing_message(const std::string& name, const std::vector<int64_t>& shape) const {
-    TensorInfo expected;
-    expected.shape = shape;
-    std::string message = checkpoint_.describe() + ": tensor '" + name + "' (shape " +
-                          expected.shape_string() + ") is missing";
-    std::string unexpected;
-    int listed = 0;
-    for (const auto& [other, info] : checkpoint_.tensors()) {
-      if (used_.count(other) || listed >= 3) continue;
-      if (expected_prefix(other, name)) {
-        unexpected += (listed++ ? ", '" : "'") + other + "'";
-      }
-    }
-    if (!unexpected.empty()) message += "; the checkpoint has unexpected tensor(s) " + unexpected;
-    return message;
-  }
-
-  // Same layer (everything up to the last two name components) as the missing tensor.
-  static bool expected_prefix(const std::string& candidate, const std::string& missing) {
-    size_t cut = missing.rfind('.');
-    if (cut != std::string::npos && cut > 0) cut = missing.rfind('.', cut - 1);
-    if (cut == std::string::npos) return false;
-    return candidate.compare(0, cut, missing, 0, cut) == 0;
+    return tensor;
   }
 
   const Checkpoint& checkpoint_;
   std::set<std::string> used_;
+  std::string missing_, missing_shape_;
 };
 
 uint64_t hash_model(const std::filesystem::path& dir, const Checkpoint& checkpoint) {
@@ -165,6 +164,7 @@ void Model::load_weights() {
           bind.matrix(name(names.expert_down, e), c.hidden_size, inter)});
     }
   }
+  bind.finish();
 }
 
 size_t Model::bytes_touched_per_token() const {
