@@ -108,12 +108,18 @@ Options parse(int argc, char** argv) {
   for (int i = 1; i + 1 < argc; i += 2) {
     const std::string flag = argv[i];
     const std::string value = argv[i + 1];
-    if (flag == "--model") options.model_dir = value;
-    else if (flag == "--threads") options.threads = std::stoi(value);
-    else if (flag == "--prompt") options.prompt = std::stoi(value);
-    else if (flag == "--decode") options.decode = std::stoi(value);
-    else if (flag == "--repeat") options.repeat = std::stoi(value);
-    else throw std::invalid_argument("unknown option " + flag);
+    if (flag == "--model")
+      options.model_dir = value;
+    else if (flag == "--threads")
+      options.threads = std::stoi(value);
+    else if (flag == "--prompt")
+      options.prompt = std::stoi(value);
+    else if (flag == "--decode")
+      options.decode = std::stoi(value);
+    else if (flag == "--repeat")
+      options.repeat = std::stoi(value);
+    else
+      throw std::invalid_argument("unknown option " + flag);
   }
   if (options.model_dir.empty()) throw std::invalid_argument("--model DIR is required");
   return options;

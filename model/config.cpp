@@ -146,7 +146,8 @@ ModelConfig ModelConfig::load(const std::filesystem::path& dir) {
   const auto generation_path = dir / "generation_config.json";
   if (std::filesystem::exists(generation_path)) {
     const json generation = read_json(generation_path);
-    if (generation.contains("eos_token_id")) out.eos_token_ids = token_ids(generation["eos_token_id"]);
+    if (generation.contains("eos_token_id"))
+      out.eos_token_ids = token_ids(generation["eos_token_id"]);
   }
   return out;
 }
@@ -177,7 +178,8 @@ const Family* find_family(std::string_view model_type) {
 
 std::string supported_model_types() {
   std::string names;
-  for (const Family& family : kFamilies) names += (names.empty() ? "" : ", ") + std::string(family.model_type);
+  for (const Family& family : kFamilies)
+    names += (names.empty() ? "" : ", ") + std::string(family.model_type);
   return names;
 }
 

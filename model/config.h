@@ -27,14 +27,14 @@ struct ModelConfig {
   float rms_norm_eps = 1e-5f;
   bool tie_word_embeddings = false;
   bool attention_bias = false;
-  bool qk_norm = false;  // Qwen3: RMSNorm over each head of q and k before RoPE
+  bool qk_norm = false;        // Qwen3: RMSNorm over each head of q and k before RoPE
   int64_t sliding_window = 0;  // 0: full causal attention
 
   // Mixture of experts.
   int64_t num_experts = 0;
   int64_t experts_per_token = 0;
   int64_t expert_intermediate_size = 0;
-  bool norm_topk_prob = true;  // renormalise the chosen experts' weights to sum to 1
+  bool norm_topk_prob = true;           // renormalise the chosen experts' weights to sum to 1
   int64_t dense_intermediate_size = 0;  // Qwen3 layers that use a dense MLP instead
   std::vector<bool> layer_is_moe;
 

@@ -70,7 +70,8 @@ Status Engine::validate(std::span<const SequenceInput> batch) {
                      std::to_string(c.vocab_size) + ")"};
     const int64_t end = input.sequence->length() + static_cast<int64_t>(input.tokens.size());
     if (c.max_position_embeddings > 0 && end > c.max_position_embeddings)
-      return Error{"sequence of " + std::to_string(end) + " tokens exceeds the model's context of " +
+      return Error{"sequence of " + std::to_string(end) +
+                   " tokens exceeds the model's context of " +
                    std::to_string(c.max_position_embeddings) + " (max_position_embeddings)"};
     const int64_t blocks = (end + kBlockTokens - 1) / kBlockTokens -
                            static_cast<int64_t>(input.sequence->block_table().size());
@@ -95,15 +96,16 @@ Status Engine::forward(std::span<const SequenceInput> batch, std::vector<float>&
   float* hidden = grow(hidden_, n * H);
   float* rope = grow(rope_, n * head_dim);
   for (const SequenceInput& input : batch) {
-    const bool reserved = input.sequence->reserve(cache_.pool(), static_cast<int64_t>(input.tokens.size()));
+    const bool reserved =
+        input.sequence->reserve(cache_.pool(), static_cast<int64_t>(input.tokens.size()));
     (void)reserved;  // validate() checked the pool has room for the whole batch
     for (size_t i = 0; i < input.tokens.size(); ++i) {
       const int64_t t = static_cast<int64_t>(token_refs_.size());
       const int64_t position = input.sequence->length() + static_cast<int64_t>(i);
       token_refs_.push_back({input.sequence->id(), position});
       token_block_tables_.push_back(input.sequence->block_table().data());
-      kernels::widen(model_.embed_tokens().row(input.tokens[i]), model_.embed_tokens().dtype,
-                         H, hidden + t * H);
+      kernels::widen(model_.embed_tokens().row(input.tokens[i]), model_.embed_tokens().dtype, H,
+                     hidden + t * H);
       kernels::rope_angles(position, head_dim, c.rope_theta, rope + t * head_dim);
     }
   }
@@ -132,7 +134,8 @@ Status Engine::forward(std::span<const SequenceInput> batch, std::vector<float>&
   }
   logits.resize(static_cast<size_t>(wanted * c.vocab_size));
   if (wanted > 0) {
-    kernels::matmul(pool_, MatmulTask{.x = normed, .n = wanted, .w = model_.lm_head(), .y = logits.data()});
+    kernels::matmul(
+        pool_, MatmulTask{.x = normed, .n = wanted, .w = model_.lm_head(), .y = logits.data()});
   }
   return Status::ok_status();
 }
@@ -161,7 +164,8 @@ void Engine::attention_block(int64_t layer, int64_t n) {
   add_bias(k, n, w.k_bias);
   add_bias(v, n, w.v_bias);
   if (c.qk_norm) {
-    kernels::rms_norm(q, n * c.num_heads, head_dim, head_dim, w.q_norm, c.rms_norm_eps, q, head_dim);
+    kernels::rms_norm(q, n * c.num_heads, head_dim, head_dim, w.q_norm, c.rms_norm_eps, q,
+                      head_dim);
     kernels::rms_norm(k, n * c.num_kv_heads, head_dim, head_dim, w.k_norm, c.rms_norm_eps, k,
                       head_dim);
   }
@@ -175,8 +179,10 @@ void Engine::attention_block(int64_t layer, int64_t n) {
     const int64_t position = token_refs_[static_cast<size_t>(t)].position;
     const int32_t block = token_block_tables_[static_cast<size_t>(t)][position / kBlockTokens];
     for (int64_t head = 0; head < c.num_kv_heads; ++head) {
-      std::copy_n(k + t * kv_width + head * head_dim, head_dim, kv.key(block, head, position % kBlockTokens));
-      std::copy_n(v + t * kv_width + head * head_dim, head_dim, kv.value(block, head, position % kBlockTokens));
+      std::copy_n(k + t * kv_width + head * head_dim, head_dim,
+                  kv.key(block, head, position % kBlockTokens));
+      std::copy_n(v + t * kv_width + head * head_dim, head_dim,
+                  kv.value(block, head, position % kBlockTokens));
     }
     queries_.push_back({q + t * q_width, attended + t * q_width,
                         token_block_tables_[static_cast<size_t>(t)], position});
@@ -233,8 +239,9 @@ void Engine::moe_block(int64_t layer, int64_t n) {
     }
   }
   if (observer_) {
-    observer_->on_router(RouterEvent{layer, E, K, std::span(token_refs_.data(), static_cast<size_t>(n)),
-                                     scores, chosen, weights});
+    observer_->on_router(RouterEvent{layer, E, K,
+                                     std::span(token_refs_.data(), static_cast<size_t>(n)), scores,
+                                     chosen, weights});
   }
 
   // Group the (token, expert) pairs by expert (counting sort), so each expert runs once on all its
@@ -266,10 +273,17 @@ void Engine::moe_block(int64_t layer, int64_t n) {
   for (int64_t e = 0; e < E; ++e) {
     const int64_t count = offsets[e + 1] - offsets[e];
     if (count == 0) continue;
-    acquired[static_cast<size_t>(e)] = experts_.acquire(static_cast<int>(layer), static_cast<int>(e));
+    acquired[static_cast<size_t>(e)] =
+        experts_.acquire(static_cast<int>(layer), static_cast<int>(e));
     const int64_t first = offsets[e];
-    tasks.push_back({.x = expert_in + first * H, .n = count, .w = acquired[static_cast<size_t>(e)].gate, .y = gate + first * inter});
-    tasks.push_back({.x = expert_in + first * H, .n = count, .w = acquired[static_cast<size_t>(e)].up, .y = up + first * inter});
+    tasks.push_back({.x = expert_in + first * H,
+                     .n = count,
+                     .w = acquired[static_cast<size_t>(e)].gate,
+                     .y = gate + first * inter});
+    tasks.push_back({.x = expert_in + first * H,
+                     .n = count,
+                     .w = acquired[static_cast<size_t>(e)].up,
+                     .y = up + first * inter});
   }
   kernels::matmul(pool_, tasks);
   silu_mul_parallel(pool_, gate, up, n * K * inter);
@@ -277,7 +291,10 @@ void Engine::moe_block(int64_t layer, int64_t n) {
   for (int64_t e = 0; e < E; ++e) {
     const int64_t count = offsets[e + 1] - offsets[e];
     if (count == 0) continue;
-    tasks.push_back({.x = gate + offsets[e] * inter, .n = count, .w = acquired[static_cast<size_t>(e)].down, .y = out + offsets[e] * H});
+    tasks.push_back({.x = gate + offsets[e] * inter,
+                     .n = count,
+                     .w = acquired[static_cast<size_t>(e)].down,
+                     .y = out + offsets[e] * H});
   }
   kernels::matmul(pool_, tasks);
   for (int64_t e = 0; e < E; ++e)

@@ -85,7 +85,8 @@ Expected<std::vector<GenerationResult>> Generator::generate(
   start = std::chrono::steady_clock::now();
   while (!active.empty()) {
     batch.clear();
-    for (size_t i : active) batch.push_back({set.sequences[i].get(), std::span(&next_tokens[i], 1), true});
+    for (size_t i : active)
+      batch.push_back({set.sequences[i].get(), std::span(&next_tokens[i], 1), true});
     if (Status status = engine_.forward(batch, logits); !status.ok()) return status.error();
     std::vector<size_t> still_active;
     for (size_t slot = 0; slot < active.size(); ++slot) {

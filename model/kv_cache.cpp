@@ -20,7 +20,9 @@ std::optional<int32_t> BlockPool::allocate() {
   return block;
 }
 
-void BlockPool::retain(int32_t block) { ++ref_counts_[static_cast<size_t>(block)]; }
+void BlockPool::retain(int32_t block) {
+  ++ref_counts_[static_cast<size_t>(block)];
+}
 
 void BlockPool::release(int32_t block) {
   int32_t& count = ref_counts_[static_cast<size_t>(block)];
@@ -50,7 +52,8 @@ uint64_t block_key(uint64_t parent_key, std::span<const int32_t> tokens, uint64_
                    uint64_t cache_namespace) {
   // The chain, model and tenant become the seed of the hash over the block's tokens.
   const uint64_t context[3] = {parent_key, model_id, cache_namespace};
-  return XXH3_64bits_withSeed(tokens.data(), tokens.size_bytes(), XXH3_64bits(context, sizeof context));
+  return XXH3_64bits_withSeed(tokens.data(), tokens.size_bytes(),
+                              XXH3_64bits(context, sizeof context));
 }
 
 uint64_t namespace_id(std::string_view cache_namespace) {
@@ -72,9 +75,9 @@ void Sequence::commit(std::span<const int32_t> tokens) {
   while (block_keys_.size() < full_blocks) {
     const size_t index = block_keys_.size();
     const uint64_t parent = index == 0 ? 0 : block_keys_.back();
-    block_keys_.push_back(block_key(
-        parent, std::span(tokens_).subspan(index * kBlockTokens, kBlockTokens), model_id_,
-        namespace_));
+    block_keys_.push_back(block_key(parent,
+                                    std::span(tokens_).subspan(index * kBlockTokens, kBlockTokens),
+                                    model_id_, namespace_));
   }
 }
 

@@ -158,10 +158,10 @@ void Model::load_weights() {
     auto& experts = experts_[static_cast<size_t>(l)];
     const int64_t inter = c.expert_intermediate_size;
     for (int64_t e = 0; e < c.num_experts; ++e) {
-      experts.push_back(offload::ExpertWeights{
-          bind.matrix(name(names.expert_gate, e), inter, c.hidden_size),
-          bind.matrix(name(names.expert_up, e), inter, c.hidden_size),
-          bind.matrix(name(names.expert_down, e), c.hidden_size, inter)});
+      experts.push_back(
+          offload::ExpertWeights{bind.matrix(name(names.expert_gate, e), inter, c.hidden_size),
+                                 bind.matrix(name(names.expert_up, e), inter, c.hidden_size),
+                                 bind.matrix(name(names.expert_down, e), c.hidden_size, inter)});
     }
   }
   bind.finish();
@@ -172,10 +172,11 @@ size_t Model::bytes_touched_per_token() const {
   size_t bytes = embed_tokens_.bytes() / static_cast<size_t>(c.vocab_size) + lm_head_.bytes();
   for (int64_t l = 0; l < c.num_layers; ++l) {
     const LayerWeights& layer = layers_[static_cast<size_t>(l)];
-    bytes += layer.q_proj.bytes() + layer.k_proj.bytes() + layer.v_proj.bytes() + layer.o_proj.bytes();
+    bytes +=
+        layer.q_proj.bytes() + layer.k_proj.bytes() + layer.v_proj.bytes() + layer.o_proj.bytes();
     if (layer.is_moe) {
-      bytes += layer.router.bytes() +
-               static_cast<size_t>(c.experts_per_token) * experts_[static_cast<size_t>(l)][0].bytes();
+      bytes += layer.router.bytes() + static_cast<size_t>(c.experts_per_token) *
+                                          experts_[static_cast<size_t>(l)][0].bytes();
     } else {
       bytes += layer.dense_gate.bytes() + layer.dense_up.bytes() + layer.dense_down.bytes();
     }

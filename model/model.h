@@ -25,9 +25,9 @@ struct LayerWeights {
   kernels::VectorView input_norm, post_attention_norm;
   kernels::MatrixView q_proj, k_proj, v_proj, o_proj;
   kernels::VectorView q_bias, k_bias, v_bias, o_bias;  // empty unless attention_bias
-  kernels::VectorView q_norm, k_norm;                   // empty unless qk_norm
+  kernels::VectorView q_norm, k_norm;                  // empty unless qk_norm
   bool is_moe = true;
-  kernels::MatrixView router;                           // [experts, hidden]
+  kernels::MatrixView router;                            // [experts, hidden]
   kernels::MatrixView dense_gate, dense_up, dense_down;  // dense MLP layers only
 };
 

@@ -36,9 +36,9 @@ size_t header_dtype_size(const std::string& dtype) {
 
 // Maps the file at a 2 MiB-aligned address and asks for huge pages, so that the kernel can read the
 // file into 2 MiB page-cache folios and map them with huge page-table entries: decode streams every
-// weight once per token, and with 4 KiB mappings it pays a page walk every 4 KiB (about 8% of decode
-// speed on the benchmark shape, docs/PERFORMANCE.md). Pages already cached in small folios stay
-// small; it is advice, and the mapping works the same without it.
+// weight once per token, and with 4 KiB mappings it pays a page walk every 4 KiB (about 8% of
+// decode speed on the benchmark shape, docs/PERFORMANCE.md). Pages already cached in small folios
+// stay small; it is advice, and the mapping works the same without it.
 void* map_aligned(int fd, size_t size) {
   constexpr size_t kHuge = size_t{2} << 20;
   void* reserved = ::mmap(nullptr, size + kHuge, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
@@ -49,7 +49,8 @@ void* map_aligned(int fd, size_t size) {
   const uintptr_t tail = aligned + size;
   const uintptr_t reserved_end = start + size + kHuge;
   if (reserved_end > tail) ::munmap(reinterpret_cast<void*>(tail), reserved_end - tail);
-  void* mapped = ::mmap(reinterpret_cast<void*>(aligned), size, PROT_READ, MAP_PRIVATE | MAP_FIXED, fd, 0);
+  void* mapped =
+      ::mmap(reinterpret_cast<void*>(aligned), size, PROT_READ, MAP_PRIVATE | MAP_FIXED, fd, 0);
   if (mapped != MAP_FAILED) ::madvise(mapped, size, MADV_HUGEPAGE);
   return mapped;
 }
@@ -112,7 +113,8 @@ Checkpoint Checkpoint::open(const fs::path& dir) {
       fail(index_path, "has no \"weight_map\" object");
     std::map<std::string, std::vector<std::string>> names_by_shard;
     for (const auto& [tensor, shard] : index["weight_map"].items()) {
-      if (!shard.is_string()) fail(index_path, "weight_map entry for '" + tensor + "' is not a file name");
+      if (!shard.is_string())
+        fail(index_path, "weight_map entry for '" + tensor + "' is not a file name");
       names_by_shard[shard.get<std::string>()].push_back(tensor);
     }
     for (const auto& [shard, names] : names_by_shard) {
@@ -164,13 +166,13 @@ void Checkpoint::add_file(const fs::path& path, const std::vector<std::string>* 
       for (int64_t dim : info.shape)
         if (dim < 0) fail(path, where + " has a negative dimension");
       if (offsets[1] > payload_bytes)
-        fail(path, where + " ends at byte " + std::to_string(offsets[1]) + " of the data, but the "
-                       "file holds only " + std::to_string(payload_bytes) +
-                       " data bytes (truncated file)");
+        fail(path, where + " ends at byte " + std::to_string(offsets[1]) +
+                       " of the data, but the "
+                       "file holds only " +
+                       std::to_string(payload_bytes) + " data bytes (truncated file)");
       const size_t element_bytes = header_dtype_size(info.dtype_name);
       info.bytes = static_cast<size_t>(offsets[1] - offsets[0]);
-      if (element_bytes != 0 &&
-          info.bytes != static_cast<size_t>(info.elements()) * element_bytes)
+      if (element_bytes != 0 && info.bytes != static_cast<size_t>(info.elements()) * element_bytes)
         fail(path, where + " has " + std::to_string(info.bytes) + " bytes but shape " +
                        info.shape_string() + " of " + info.dtype_name + " needs " +
                        std::to_string(static_cast<size_t>(info.elements()) * element_bytes));
@@ -184,7 +186,8 @@ void Checkpoint::add_file(const fs::path& path, const std::vector<std::string>* 
   if (expected_names) {
     for (const std::string& name : *expected_names)
       if (!tensors_.count(name))
-        fail(path, "index lists tensor '" + name + "' in this shard, but the shard has no such tensor");
+        fail(path,
+             "index lists tensor '" + name + "' in this shard, but the shard has no such tensor");
   }
   files_.push_back(std::move(file));
 }
@@ -202,7 +205,8 @@ size_t Checkpoint::mapped_bytes() const {
 
 std::string Checkpoint::describe() const {
   std::string names;
-  for (const auto& file : files_) names += (names.empty() ? "" : ", ") + file->path().filename().string();
+  for (const auto& file : files_)
+    names += (names.empty() ? "" : ", ") + file->path().filename().string();
   return names;
 }
 

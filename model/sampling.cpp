@@ -10,7 +10,8 @@ Status SamplingParams::validate() const {
   if (!std::isfinite(temperature) || temperature < 0.0)
     return Error{"temperature must be a finite number >= 0 (0 means greedy), got " +
                  std::to_string(temperature)};
-  if (top_k < 0) return Error{"top_k must be >= 0 (0 means no limit), got " + std::to_string(top_k)};
+  if (top_k < 0)
+    return Error{"top_k must be >= 0 (0 means no limit), got " + std::to_string(top_k)};
   if (!std::isfinite(top_p) || top_p <= 0.0 || top_p > 1.0)
     return Error{"top_p must be in (0, 1], got " + std::to_string(top_p)};
   if (max_tokens < 1) return Error{"max_tokens must be >= 1, got " + std::to_string(max_tokens)};
@@ -20,7 +21,9 @@ Status SamplingParams::validate() const {
 Sampler::Sampler(const SamplingParams& params)
     : params_(params), rng_(params.seed ? *params.seed : std::random_device{}()) {}
 
-double Sampler::uniform() { return static_cast<double>(rng_() >> 11) * 0x1.0p-53; }
+double Sampler::uniform() {
+  return static_cast<double>(rng_() >> 11) * 0x1.0p-53;
+}
 
 int32_t argmax(const float* logits, int64_t vocab) {
   return static_cast<int32_t>(std::max_element(logits, logits + vocab) - logits);
@@ -47,7 +50,8 @@ int32_t Sampler::sample(const float* logits, int64_t vocab) {
   const double max_logit = logits[order_[0]];
   double total = 0.0;
   for (int64_t i = 0; i < kept; ++i) {
-    const double p = std::exp((logits[order_[static_cast<size_t>(i)]] - max_logit) / params_.temperature);
+    const double p =
+        std::exp((logits[order_[static_cast<size_t>(i)]] - max_logit) / params_.temperature);
     probabilities_[static_cast<size_t>(i)] = p;
     total += p;
   }

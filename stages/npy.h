@@ -1,5 +1,6 @@
 #pragma once
-// Writes a float32 NumPy .npy file (format version 1.0), the interface other tools read logits from.
+// Writes a float32 NumPy .npy file (format version 1.0), the interface other tools read logits
+// from.
 
 #include <cstdint>
 #include <filesystem>

@@ -84,9 +84,9 @@ struct RunOptions {
 RunOptions parse(int argc, char** argv) {
   RunOptions options;
   const std::map<std::string, bool> flags_with_value = {
-      {"--model", true},  {"--tokens", true},    {"--max-tokens", true}, {"--temperature", true},
-      {"--top-k", true},  {"--top-p", true},     {"--seed", true},       {"--stop-ids", true},
-      {"--threads", true}, {"--logits-out", true}, {"--json", false},    {"--ignore-eos", false},
+      {"--model", true},   {"--tokens", true},     {"--max-tokens", true}, {"--temperature", true},
+      {"--top-k", true},   {"--top-p", true},      {"--seed", true},       {"--stop-ids", true},
+      {"--threads", true}, {"--logits-out", true}, {"--json", false},      {"--ignore-eos", false},
       {"--prompt", true}};
   for (int i = 0; i < argc; ++i) {
     const std::string flag = argv[i];
@@ -97,20 +97,33 @@ RunOptions parse(int argc, char** argv) {
       if (i + 1 >= argc) throw UsageError(flag + " needs a value");
       value = argv[++i];
     }
-    if (flag == "--model") options.model_dir = value;
-    else if (flag == "--tokens") options.tokens = parse_ids(flag, value);
-    else if (flag == "--max-tokens") options.sampling.max_tokens = parse_number<int64_t>(flag, value);
-    else if (flag == "--temperature") options.sampling.temperature = parse_number<double>(flag, value);
-    else if (flag == "--top-k") options.sampling.top_k = parse_number<int64_t>(flag, value);
-    else if (flag == "--top-p") options.sampling.top_p = parse_number<double>(flag, value);
-    else if (flag == "--seed") options.sampling.seed = parse_number<uint64_t>(flag, value);
-    else if (flag == "--stop-ids") options.sampling.stop_token_ids = parse_ids(flag, value);
-    else if (flag == "--threads") options.threads = parse_number<int>(flag, value);
-    else if (flag == "--logits-out") options.logits_out = value;
-    else if (flag == "--json") options.json = true;
-    else if (flag == "--ignore-eos") options.sampling.ignore_eos = true;
+    if (flag == "--model")
+      options.model_dir = value;
+    else if (flag == "--tokens")
+      options.tokens = parse_ids(flag, value);
+    else if (flag == "--max-tokens")
+      options.sampling.max_tokens = parse_number<int64_t>(flag, value);
+    else if (flag == "--temperature")
+      options.sampling.temperature = parse_number<double>(flag, value);
+    else if (flag == "--top-k")
+      options.sampling.top_k = parse_number<int64_t>(flag, value);
+    else if (flag == "--top-p")
+      options.sampling.top_p = parse_number<double>(flag, value);
+    else if (flag == "--seed")
+      options.sampling.seed = parse_number<uint64_t>(flag, value);
+    else if (flag == "--stop-ids")
+      options.sampling.stop_token_ids = parse_ids(flag, value);
+    else if (flag == "--threads")
+      options.threads = parse_number<int>(flag, value);
+    else if (flag == "--logits-out")
+      options.logits_out = value;
+    else if (flag == "--json")
+      options.json = true;
+    else if (flag == "--ignore-eos")
+      options.sampling.ignore_eos = true;
     else if (flag == "--prompt")
-      throw UsageError("--prompt needs the tokenizer, which this build does not have yet; use --tokens");
+      throw UsageError(
+          "--prompt needs the tokenizer, which this build does not have yet; use --tokens");
   }
   if (options.model_dir.empty()) throw UsageError("--model DIR is required");
   if (options.tokens.empty()) throw UsageError("--tokens is required (comma-separated ids)");
@@ -161,7 +174,8 @@ int run_command(int argc, char** argv) {
   int64_t context = static_cast<int64_t>(options.tokens.size()) + options.sampling.max_tokens;
   if (config.max_position_embeddings > 0)
     context = std::min(context, config.max_position_embeddings);
-  const auto blocks = static_cast<int32_t>((context + model::kBlockTokens - 1) / model::kBlockTokens);
+  const auto blocks =
+      static_cast<int32_t>((context + model::kBlockTokens - 1) / model::kBlockTokens);
 
   kernels::ThreadPool pool(options.threads);
   offload::ResidentExpertProvider experts(model.experts());
@@ -191,7 +205,8 @@ int run_command(int argc, char** argv) {
     nlohmann::json out = {
         {"ids", result.tokens},
         {"finish_reason", model::finish_reason_name(result.finish_reason)},
-        {"usage", {{"prompt_tokens", options.tokens.size()}, {"completion_tokens", result.tokens.size()}}},
+        {"usage",
+         {{"prompt_tokens", options.tokens.size()}, {"completion_tokens", result.tokens.size()}}},
         {"timings",
          {{"prefill_seconds", result.prefill_seconds},
           {"decode_seconds", result.decode_seconds},
@@ -199,7 +214,8 @@ int run_command(int argc, char** argv) {
           {"decode_tokens_per_second", decode_rate}}}};
     std::cout << out.dump() << '\n';
   } else {
-    for (size_t i = 0; i < result.tokens.size(); ++i) std::cout << (i ? "," : "") << result.tokens[i];
+    for (size_t i = 0; i < result.tokens.size(); ++i)
+      std::cout << (i ? "," : "") << result.tokens[i];
     std::cout << '\n';
   }
   return 0;

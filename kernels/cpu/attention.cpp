@@ -9,8 +9,8 @@
 namespace moeline::kernels {
 namespace {
 
-void attend_one(const PagedKvLayer& kv, const AttentionQuery& query, int64_t head,
-                int64_t group, float scale, int64_t sliding_window, std::vector<float>& scores) {
+void attend_one(const PagedKvLayer& kv, const AttentionQuery& query, int64_t head, int64_t group,
+                float scale, int64_t sliding_window, std::vector<float>& scores) {
   const int64_t head_dim = kv.head_dim;
   const int64_t kv_head = head / group;
   const int64_t first =
@@ -42,8 +42,9 @@ void attend_one(const PagedKvLayer& kv, const AttentionQuery& query, int64_t hea
 
 }  // namespace
 
-void paged_attention(ThreadPool& pool, const PagedKvLayer& kv, std::span<const AttentionQuery> queries,
-                     int64_t heads, float scale, int64_t sliding_window) {
+void paged_attention(ThreadPool& pool, const PagedKvLayer& kv,
+                     std::span<const AttentionQuery> queries, int64_t heads, float scale,
+                     int64_t sliding_window) {
   const int64_t group = heads / kv.kv_heads;
   const int64_t work = static_cast<int64_t>(queries.size()) * heads;
   pool.run([&](int thread, int threads) {

@@ -34,7 +34,8 @@ struct AttentionQuery {
   int64_t position = 0;  // the query token's position; keys 0..position are in the cache
 };
 
-void paged_attention(ThreadPool& pool, const PagedKvLayer& kv, std::span<const AttentionQuery> queries,
-                     int64_t heads, float scale, int64_t sliding_window);
+void paged_attention(ThreadPool& pool, const PagedKvLayer& kv,
+                     std::span<const AttentionQuery> queries, int64_t heads, float scale,
+                     int64_t sliding_window);
 
 }  // namespace moeline::kernels

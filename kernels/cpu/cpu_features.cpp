@@ -17,7 +17,9 @@ Isa detect() {
   return Isa::kPortable;
 }
 
-bool supports(Isa wanted) { return static_cast<int>(wanted) <= static_cast<int>(detect()); }
+bool supports(Isa wanted) {
+  return static_cast<int>(wanted) <= static_cast<int>(detect());
+}
 
 Isa initial_isa() {
   Isa isa = detect();
@@ -36,8 +38,12 @@ std::atomic<Isa>& active() {
 
 }  // namespace
 
-Isa best_supported_isa() { return detect(); }
-Isa active_isa() { return active().load(std::memory_order_relaxed); }
+Isa best_supported_isa() {
+  return detect();
+}
+Isa active_isa() {
+  return active().load(std::memory_order_relaxed);
+}
 
 bool set_active_isa(Isa isa) {
   if (!supports(isa)) return false;

@@ -29,6 +29,8 @@ void matmul(ThreadPool& pool, std::span<const MatmulTask> tasks) {
   });
 }
 
-void matmul(ThreadPool& pool, const MatmulTask& task) { matmul(pool, std::span(&task, 1)); }
+void matmul(ThreadPool& pool, const MatmulTask& task) {
+  matmul(pool, std::span(&task, 1));
+}
 
 }  // namespace moeline::kernels

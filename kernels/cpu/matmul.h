@@ -19,7 +19,7 @@ struct MatmulTask {
   const float* x = nullptr;  // [n, w.cols], rows x_stride floats apart
   int64_t n = 0;
   MatrixView w;
-  float* y = nullptr;  // [n, w.rows], rows y_stride floats apart
+  float* y = nullptr;    // [n, w.rows], rows y_stride floats apart
   int64_t x_stride = 0;  // 0 means w.cols
   int64_t y_stride = 0;  // 0 means w.rows
 };

@@ -15,7 +15,8 @@ struct Avx2 {
   static V zero() { return _mm256_setzero_ps(); }
   static V load_f32(const float* p) { return _mm256_loadu_ps(p); }
   static V load_bf16(const uint16_t* p) {
-    const __m256i widened = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+    const __m256i widened =
+        _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
     return _mm256_castsi256_ps(_mm256_slli_epi32(widened, 16));
   }
   static V load_f16(const uint16_t* p) {

@@ -15,7 +15,8 @@ struct Avx512 {
   static V zero() { return _mm512_setzero_ps(); }
   static V load_f32(const float* p) { return _mm512_loadu_ps(p); }
   static V load_bf16(const uint16_t* p) {
-    const __m512i widened = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+    const __m512i widened =
+        _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
     return _mm512_castsi512_ps(_mm512_slli_epi32(widened, 16));
   }
   static V load_f16(const uint16_t* p) {

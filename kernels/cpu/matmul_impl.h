@@ -119,8 +119,7 @@ struct MatmulKernel {
     for (int64_t t = t_begin; t < t_end; t += kNR) {
       const int tokens = static_cast<int>(std::min<int64_t>(kNR, t_end - t));
       for (int i = 0; i < tokens; ++i) x_rows[i] = task.x + (t + i) * x_stride;
-      pick(dtype, rows, tokens)(w_rows, x_rows, task.w.cols, task.y + t * y_stride + row,
-                                y_stride);
+      pick(dtype, rows, tokens)(w_rows, x_rows, task.w.cols, task.y + t * y_stride + row, y_stride);
     }
   }
 

@@ -11,9 +11,12 @@
 
 namespace moeline::kernels {
 namespace {
-// About 50-100 µs of spinning: long enough to bridge the gap between two ops of one forward pass,
-// short enough not to burn a core while the process is idle.
-constexpr int kSpinIterations = 20000;
+// Roughly 100-300 µs of spinning (a pause is 40-140 cycles): long enough to bridge the gap between
+// two ops of one forward pass, short enough not to burn a core while the process is idle.
+constexpr int kSpinIterations = 2000;
+// The caller waiting for stragglers yields after this many pauses, so that when the machine is
+// oversubscribed (more runnable threads than cores) a descheduled worker gets the core back.
+constexpr int kWaitSpinsBeforeYield = 1000;
 }  // namespace
 
 ThreadPool::ThreadPool(int threads) {
@@ -40,7 +43,13 @@ void ThreadPool::run(const std::function<void(int, int)>& fn) {
   generation_.fetch_add(1, std::memory_order_release);
   generation_.notify_all();
   fn(0, threads);
-  while (pending_.load(std::memory_order_acquire) != 0) MOELINE_CPU_RELAX();
+  for (int spin = 0; pending_.load(std::memory_order_acquire) != 0; ++spin) {
+    if (spin < kWaitSpinsBeforeYield) {
+      MOELINE_CPU_RELAX();
+    } else {
+      std::this_thread::yield();
+    }
+  }
 }
 
 void ThreadPool::worker_loop(int index) {

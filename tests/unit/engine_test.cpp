@@ -35,13 +35,16 @@ double relative_l2(const float* a, const float* b, int64_t n) {
 
 std::vector<int32_t> prompt(int length, int salt, int64_t vocab) {
   std::vector<int32_t> tokens(static_cast<size_t>(length));
-  for (int i = 0; i < length; ++i) tokens[static_cast<size_t>(i)] = static_cast<int32_t>((i * 37 + salt * 11 + 3) % vocab);
+  for (int i = 0; i < length; ++i)
+    tokens[static_cast<size_t>(i)] = static_cast<int32_t>((i * 37 + salt * 11 + 3) % vocab);
   return tokens;
 }
 
 struct Harness {
   explicit Harness(const Model& model, int threads = 2, int32_t blocks = 64)
-      : pool(threads), experts(model.experts()), cache(model.config(), blocks),
+      : pool(threads),
+        experts(model.experts()),
+        cache(model.config(), blocks),
         engine(model, experts, pool, cache) {}
   kernels::ThreadPool pool;
   offload::ResidentExpertProvider experts;
@@ -139,7 +142,8 @@ TEST_P(EngineOnModel, KernelPathsAgree) {
 }
 
 INSTANTIATE_TEST_SUITE_P(TinyModels, EngineOnModel,
-                         ::testing::Values("mixtral-f32", "qwen3-f32", "mixtral-bf16", "qwen3-bf16"));
+                         ::testing::Values("mixtral-f32", "qwen3-f32", "mixtral-bf16",
+                                           "qwen3-bf16"));
 
 TEST(Engine, Bf16WeightsStayWithinBf16Rounding) {
   // mixtral-bf16 has the same seed as mixtral-f32: the same weights rounded to BF16 (relative
@@ -173,7 +177,8 @@ class RecordingObserver : public RouterObserver {
         // Every unchosen expert scores no higher than every chosen one.
         for (int64_t e = 0; e < event.experts; ++e) {
           bool is_chosen = false;
-          for (int64_t i = 0; i < event.top_k; ++i) is_chosen |= event.chosen[t * event.top_k + i] == e;
+          for (int64_t i = 0; i < event.top_k; ++i)
+            is_chosen |= event.chosen[t * event.top_k + i] == e;
           if (!is_chosen) {
             EXPECT_LE(scores[e], scores[chosen]);
           }
@@ -234,7 +239,8 @@ TEST(Generator, StopsAtStopTokensAndMaxTokensAndReturnsBlocks) {
   ASSERT_TRUE(model);
   Harness h(*model);
   Generator generator(h.engine);
-  GenerationRequest request{prompt(7, 2, model->config().vocab_size), {.max_tokens = 9, .ignore_eos = true}, ""};
+  GenerationRequest request{
+      prompt(7, 2, model->config().vocab_size), {.max_tokens = 9, .ignore_eos = true}, ""};
   auto first = generator.generate({request});
   ASSERT_TRUE(first.ok());
   ASSERT_EQ((*first)[0].tokens.size(), 9u);
@@ -250,7 +256,8 @@ TEST(Generator, StopsAtStopTokensAndMaxTokensAndReturnsBlocks) {
   EXPECT_EQ(h.cache.pool().free_blocks(), h.cache.pool().capacity());
 
   // Batched generation gives each request what it gets alone.
-  GenerationRequest other{prompt(30, 5, model->config().vocab_size), {.max_tokens = 5, .ignore_eos = true}, ""};
+  GenerationRequest other{
+      prompt(30, 5, model->config().vocab_size), {.max_tokens = 5, .ignore_eos = true}, ""};
   request.sampling.stop_token_ids.clear();
   auto both = generator.generate({request, other});
   auto other_alone = generator.generate({other});

@@ -19,7 +19,8 @@ struct Weights {
   DType dtype;
   int64_t rows, cols;
   MatrixView view() const {
-    return {dtype == DType::kF32 ? static_cast<const void*>(f32.data()) : raw.data(), dtype, rows, cols};
+    return {dtype == DType::kF32 ? static_cast<const void*>(f32.data()) : raw.data(), dtype, rows,
+            cols};
   }
 };
 
@@ -87,7 +88,8 @@ TEST(Matmul, MatchesDoubleReferenceOnEveryPathAndDtype) {
     IsaGuard guard(isa);
     for (DType dtype : {DType::kF32, DType::kBF16, DType::kF16}) {
       // Shapes with ragged rows (not a multiple of any tile) and ragged K (not a lane multiple).
-      for (auto [rows, cols, n] : {std::tuple{7, 37, 1}, {33, 64, 5}, {19, 100, 13}, {64, 259, 40}}) {
+      for (auto [rows, cols, n] :
+           {std::tuple{7, 37, 1}, {33, 64, 5}, {19, 100, 13}, {64, 259, 40}}) {
         const Weights w = make_weights(dtype, rows, cols, 7);
         const std::vector<float> x = make_input(n, cols, 9);
         std::vector<float> y(static_cast<size_t>(n * rows));
@@ -103,8 +105,8 @@ TEST(Matmul, MatchesDoubleReferenceOnEveryPathAndDtype) {
             // F32 accumulation of `cols` terms: error bounded by ~cols * 2^-24 * sum|terms|.
             const double tolerance = static_cast<double>(cols) * 6e-8 * magnitude + 1e-7;
             ASSERT_NEAR(y[t * rows + r], expected, tolerance)
-                << isa_name(isa) << ' ' << dtype_name(dtype) << " rows=" << rows
-                << " cols=" << cols << " n=" << n << " t=" << t << " r=" << r;
+                << isa_name(isa) << ' ' << dtype_name(dtype) << " rows=" << rows << " cols=" << cols
+                << " n=" << n << " t=" << t << " r=" << r;
           }
         }
       }
@@ -137,7 +139,9 @@ TEST(Matmul, StridedInputAndOutput) {
   const Weights w = make_weights(DType::kBF16, 10, 32, 5);
   const std::vector<float> x = make_input(3, 48, 6);  // rows 48 apart, only 32 used
   std::vector<float> y(3 * 16, -1.0f);                // rows 16 apart, only 10 written
-  matmul(pool, MatmulTask{.x = x.data(), .n = 3, .w = w.view(), .y = y.data(), .x_stride = 48, .y_stride = 16});
+  matmul(pool,
+         MatmulTask{
+             .x = x.data(), .n = 3, .w = w.view(), .y = y.data(), .x_stride = 48, .y_stride = 16});
   for (int64_t t = 0; t < 3; ++t) {
     for (int64_t r = 0; r < 16; ++r) {
       if (r >= 10) {
@@ -145,7 +149,8 @@ TEST(Matmul, StridedInputAndOutput) {
         continue;
       }
       double expected = 0.0;
-      for (int64_t k = 0; k < 32; ++k) expected += static_cast<double>(x[t * 48 + k]) * w.f32[r * 32 + k];
+      for (int64_t k = 0; k < 32; ++k)
+        expected += static_cast<double>(x[t * 48 + k]) * w.f32[r * 32 + k];
       EXPECT_NEAR(y[t * 16 + r], expected, 1e-5);
     }
   }

@@ -41,7 +41,8 @@ TEST(Sampling, FrequenciesFollowTheTemperedSoftmax) {
   for (int i = 0; i < 6; ++i) {
     const double p = expected[i] / total;
     // 5 standard deviations of a binomial proportion: fails only if the sampler is wrong.
-    EXPECT_NEAR(counts[i] / static_cast<double>(draws), p, 5 * std::sqrt(p * (1 - p) / draws) + 1e-4)
+    EXPECT_NEAR(counts[i] / static_cast<double>(draws), p,
+                5 * std::sqrt(p * (1 - p) / draws) + 1e-4)
         << "token " << i;
   }
 }
