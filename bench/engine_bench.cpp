@@ -147,7 +147,7 @@ int main(int argc, char** argv) {
   const int64_t vocab = m.config().vocab_size;
   ThreadPool pool(options.threads);
   moeline::offload::ResidentExpertProvider experts(m.experts());
-  const int64_t context = options.prompt + options.decode;
+  const int64_t context = std::max(options.prompt, options.decode + 1);
   model::KvCache cache(m.config(), static_cast<int32_t>((context + 15) / 16));
   model::Engine engine(m, experts, pool, cache);
 
@@ -158,21 +158,28 @@ int main(int argc, char** argv) {
   std::vector<float> logits;
   double best_prefill = 1e30, best_decode = 1e30;
   // Run 0 is a warm-up: it faults the mapped weights in, as a server's first request would.
+  // Prefill: the whole prompt in one forward. Decode: like llama-bench's tg test, `decode` tokens
+  // one at a time from a one-token context, each step greedy on the previous step's logits.
   for (int r = 0; r <= options.repeat; ++r) {
-    model::Sequence sequence(1, m.model_id(), 0);
-    model::SequenceInput input{&sequence, prompt, true};
+    model::Sequence prefilled(1, m.model_id(), 0);
+    model::SequenceInput input{&prefilled, prompt, true};
     auto start = Clock::now();
     if (!engine.forward(std::span(&input, 1), logits).ok()) return 1;
     const double prefill = seconds_since(start);
+    prefilled.release(cache.pool());
+
+    model::Sequence decoded(2, m.model_id(), 0);
+    input = {&decoded, std::span(prompt).first(1), true};
+    if (!engine.forward(std::span(&input, 1), logits).ok()) return 1;
     int32_t next = model::argmax(logits.data(), vocab);
     start = Clock::now();
     for (int step = 0; step < options.decode; ++step) {
-      input = {&sequence, std::span(&next, 1), true};
+      input = {&decoded, std::span(&next, 1), true};
       if (!engine.forward(std::span(&input, 1), logits).ok()) return 1;
       next = model::argmax(logits.data(), vocab);
     }
     const double decode = seconds_since(start);
-    sequence.release(cache.pool());
+    decoded.release(cache.pool());
     if (r > 0) {
       best_prefill = std::min(best_prefill, prefill);
       best_decode = std::min(best_decode, decode);
