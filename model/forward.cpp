@@ -26,6 +26,10 @@ void add_rows(float* dst, const float* src, int64_t count) {
 // silu(gate) * up over many rows, spread over the pool: exp() over every expert activation of a
 // long prompt is worth parallelising.
 void silu_mul_parallel(kernels::ThreadPool& pool, float* gate, const float* up, int64_t count) {
+  if (count < (int64_t{1} << 16)) {  // a decode step's worth: cheaper than waking the pool
+    kernels::silu_mul(gate, up, count);
+    return;
+  }
   pool.run([&](int thread, int threads) {
     auto [begin, end] = kernels::ThreadPool::split(count, thread, threads, 64);
     if (begin < end) kernels::silu_mul(gate + begin, up + begin, end - begin);

@@ -47,14 +47,22 @@ void paged_attention(ThreadPool& pool, const PagedKvLayer& kv,
                      int64_t sliding_window) {
   const int64_t group = heads / kv.kv_heads;
   const int64_t work = static_cast<int64_t>(queries.size()) * heads;
-  pool.run([&](int thread, int threads) {
+  // Items (query, head) first, first + stride, ...: strided, not contiguous, because causal
+  // queries late in a prompt cost more than early ones.
+  auto attend_items = [&](int64_t first, int64_t stride) {
     thread_local std::vector<float> scores;
-    // Strided, not contiguous: causal queries late in a prompt cost more than early ones.
-    for (int64_t item = thread; item < work; item += threads) {
+    for (int64_t item = first; item < work; item += stride) {
       attend_one(kv, queries[static_cast<size_t>(item / heads)], item % heads, group, scale,
                  sliding_window, scores);
     }
-  });
+  };
+  int64_t keys = 0;
+  for (const AttentionQuery& query : queries) keys += query.position + 1;
+  if (keys * heads * kv.head_dim < (int64_t{1} << 16)) {
+    attend_items(0, 1);  // a short decode step: cheaper on this thread than waking the pool
+    return;
+  }
+  pool.run([&](int thread, int threads) { attend_items(thread, threads); });
 }
 
 }  // namespace moeline::kernels

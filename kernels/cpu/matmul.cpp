@@ -6,6 +6,9 @@ namespace moeline::kernels {
 namespace {
 // Thread boundaries fall on multiples of the widest row tile so tiles never straddle threads.
 constexpr int64_t kRowAlign = 8;
+// Below this much weight traffic (bytes × tokens) a dispatch to the pool costs more than the work:
+// such tasks (a router, a small batch's tiny projection) run on the calling thread.
+constexpr size_t kInlineBytes = 256 << 10;
 }  // namespace
 
 void matmul_rows(const MatmulTask& task, int64_t row_begin, int64_t row_end) {
@@ -20,6 +23,13 @@ void matmul_rows(const MatmulTask& task, int64_t row_begin, int64_t row_end) {
 }
 
 void matmul(ThreadPool& pool, std::span<const MatmulTask> tasks) {
+  size_t work = 0;
+  for (const MatmulTask& task : tasks) work += task.w.bytes() * static_cast<size_t>(task.n);
+  if (work < kInlineBytes) {
+    for (const MatmulTask& task : tasks)
+      if (task.n > 0) matmul_rows(task, 0, task.w.rows);
+    return;
+  }
   pool.run([&](int thread, int threads) {
     for (const MatmulTask& task : tasks) {
       if (task.n == 0) continue;
