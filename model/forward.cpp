@@ -5,6 +5,7 @@
 #include <numeric>
 #include <string>
 
+#include "kernels/check.h"
 #include "kernels/cpu/matmul.h"
 #include "kernels/cpu/ops.h"
 
@@ -102,7 +103,7 @@ Status Engine::forward(std::span<const SequenceInput> batch, std::vector<float>&
   for (const SequenceInput& input : batch) {
     const bool reserved =
         input.sequence->reserve(cache_.pool(), static_cast<int64_t>(input.tokens.size()));
-    (void)reserved;  // validate() checked the pool has room for the whole batch
+    MOELINE_CHECK(reserved, "validate() found room for the whole batch");
     for (size_t i = 0; i < input.tokens.size(); ++i) {
       const int64_t t = static_cast<int64_t>(token_refs_.size());
       const int64_t position = input.sequence->length() + static_cast<int64_t>(i);
