@@ -30,18 +30,7 @@ struct Avx2 {
     odd = _mm_movehl_ps(odd, sum);
     return _mm_cvtss_f32(_mm_add_ss(sum, odd));
   }
-  static void widen_row(const void* row, DType dtype, int64_t K, float* dst) {
-    if (dtype == DType::kF32) {
-      std::memcpy(dst, row, static_cast<size_t>(K) * sizeof(float));
-      return;
-    }
-    const auto* src = static_cast<const uint16_t*>(row);
-    int64_t k = 0;
-    for (; k + kLanes <= K; k += kLanes) {
-      _mm256_storeu_ps(dst + k, dtype == DType::kBF16 ? load_bf16(src + k) : load_f16(src + k));
-    }
-    widen(src + k, dtype, K - k, dst + k);
-  }
+  static void store(float* p, V v) { _mm256_storeu_ps(p, v); }
 };
 
 }  // namespace

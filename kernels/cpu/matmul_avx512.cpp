@@ -24,18 +24,7 @@ struct Avx512 {
   }
   static V fmadd(V a, V b, V c) { return _mm512_fmadd_ps(a, b, c); }
   static float reduce(V v) { return _mm512_reduce_add_ps(v); }
-  static void widen_row(const void* row, DType dtype, int64_t K, float* dst) {
-    if (dtype == DType::kF32) {
-      std::memcpy(dst, row, static_cast<size_t>(K) * sizeof(float));
-      return;
-    }
-    const auto* src = static_cast<const uint16_t*>(row);
-    int64_t k = 0;
-    for (; k + kLanes <= K; k += kLanes) {
-      _mm512_storeu_ps(dst + k, dtype == DType::kBF16 ? load_bf16(src + k) : load_f16(src + k));
-    }
-    widen(src + k, dtype, K - k, dst + k);
-  }
+  static void store(float* p, V v) { _mm512_storeu_ps(p, v); }
 };
 
 }  // namespace

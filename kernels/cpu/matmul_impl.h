@@ -57,6 +57,19 @@ struct MatmulKernel {
     return Simd::load_f32(buffer);
   }
 
+  static void widen_row(const void* row, DType dtype, int64_t K, float* dst) {
+    if (dtype == DType::kF32) {
+      std::memcpy(dst, row, static_cast<size_t>(K) * sizeof(float));
+      return;
+    }
+    const auto* src = static_cast<const uint16_t*>(row);
+    int64_t k = 0;
+    for (; k + kLanes <= K; k += kLanes)
+      Simd::store(dst + k,
+                  dtype == DType::kBF16 ? Simd::load_bf16(src + k) : Simd::load_f16(src + k));
+    widen(src + k, dtype, K - k, dst + k);
+  }
+
   template <int M, int N, DType W>
   static void tile(const void* const* w_rows, const float* const* x_rows, int64_t K, float* y,
                    int64_t y_stride) {
@@ -161,7 +174,7 @@ struct MatmulKernel {
         const int rows = static_cast<int>(std::min<int64_t>(kMR, row_end - row));
         for (int m = 0; m < rows; ++m) {
           float* dst = packed.data() + m * K;
-          Simd::widen_row(task.w.row(row + m), task.w.dtype, K, dst);
+          widen_row(task.w.row(row + m), task.w.dtype, K, dst);
           w_rows[m] = dst;
         }
         run_tokens(w_rows, DType::kF32, rows, task, x_stride, y_stride, row, t0, t1);

@@ -16,9 +16,7 @@ struct Portable {
   static V load_f16(const uint16_t* p) { return f16_to_float(*p); }
   static V fmadd(V a, V b, V c) { return a * b + c; }
   static float reduce(V v) { return v; }
-  static void widen_row(const void* row, DType dtype, int64_t K, float* dst) {
-    widen(row, dtype, K, dst);
-  }
+  static void store(float* p, V v) { *p = v; }
 };
 
 }  // namespace
