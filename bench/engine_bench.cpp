@@ -7,7 +7,7 @@
 // Decode roofline = read bandwidth / bytes of weights one decoded token touches (attention, router,
 // top-k experts per layer, LM head): the speed at which decode would only wait for memory.
 #include <immintrin.h>
-#include <sys/resource.h>
+#include <sys/mman.h>
 
 #include <algorithm>
 #include <chrono>
@@ -63,26 +63,32 @@ __attribute__((target("avx2"))) float sum_avx2(const float* data, size_t count) 
   return sum;
 }
 
-// GB/s reading 1 GiB with every thread of the pool, best of `repeat`.
-double read_bandwidth(ThreadPool& pool, int repeat) {
-  const size_t count = (size_t{1} << 30) / sizeof(float);
-  std::vector<float> buffer(count, 1.0f);
+// GB/s reading 1 GiB with every thread of the pool (best of two passes after one that faults the
+// pages in). The buffer is mapped and unmapped here so that it never counts in the engine's RSS.
+double read_bandwidth(ThreadPool& pool) {
+  const size_t bytes = size_t{1} << 30;
+  const size_t count = bytes / sizeof(float);
+  void* mapped = mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+  if (mapped == MAP_FAILED) return 0.0;
+  auto* buffer = static_cast<float*>(mapped);
+  std::fill(buffer, buffer + count, 1.0f);
   const bool avx512 = moeline::kernels::best_supported_isa() == moeline::kernels::Isa::kAvx512;
   double best = 0.0;
   volatile float sink = 0.0f;
-  for (int r = 0; r < repeat + 1; ++r) {
+  for (int pass = 0; pass < 3; ++pass) {
     std::vector<float> partial(static_cast<size_t>(pool.size()));
     const auto start = Clock::now();
     pool.run([&](int thread, int threads) {
       auto [begin, end] = ThreadPool::split(static_cast<int64_t>(count), thread, threads, 1024);
-      const float* data = buffer.data() + begin;
       const size_t n = static_cast<size_t>(end - begin);
-      partial[static_cast<size_t>(thread)] = avx512 ? sum_avx512(data, n) : sum_avx2(data, n);
+      partial[static_cast<size_t>(thread)] =
+          avx512 ? sum_avx512(buffer + begin, n) : sum_avx2(buffer + begin, n);
     });
     const double seconds = seconds_since(start);
     for (float p : partial) sink = sink + p;
-    if (r > 0) best = std::max(best, static_cast<double>(count * sizeof(float)) / seconds / 1e9);
+    if (pass > 0) best = std::max(best, static_cast<double>(bytes) / seconds / 1e9);
   }
+  munmap(mapped, bytes);
   return best;
 }
 
@@ -160,6 +166,8 @@ int main(int argc, char** argv) {
   // Run 0 is a warm-up: it faults the mapped weights in, as a server's first request would.
   // Prefill: the whole prompt in one forward. Decode: like llama-bench's tg test, `decode` tokens
   // one at a time from a one-token context, each step greedy on the previous step's logits.
+  double bandwidth = 0.0;
+  long peak_rss = 0;
   for (int r = 0; r <= options.repeat; ++r) {
     model::Sequence prefilled(1, m.model_id(), 0);
     model::SequenceInput input{&prefilled, prompt, true};
@@ -180,15 +188,16 @@ int main(int argc, char** argv) {
     }
     const double decode = seconds_since(start);
     decoded.release(cache.pool());
+    // The engine's resident set: mapped weights touched, KV cache, activations.
+    peak_rss = std::max(peak_rss, proc_field_bytes("/proc/self/status", "VmRSS:"));
     if (r > 0) {
       best_prefill = std::min(best_prefill, prefill);
       best_decode = std::min(best_decode, decode);
+      // Sampled between the runs, not once at the end: the VM's bandwidth drifts over minutes.
+      bandwidth = std::max(bandwidth, read_bandwidth(pool));
     }
   }
-  // Before the bandwidth test, whose 1 GiB buffer is not the engine's.
-  const long peak_rss = proc_field_bytes("/proc/self/status", "VmHWM:");
   const long huge_mapped = proc_field_bytes("/proc/self/smaps_rollup", "FilePmdMapped:");
-  const double bandwidth = read_bandwidth(pool, options.repeat);
   const double bytes_per_token = static_cast<double>(m.bytes_touched_per_token());
   const double decode_rate = options.decode / best_decode;
   const double roofline = bandwidth * 1e9 / bytes_per_token;

@@ -11,9 +11,9 @@
 
 namespace moeline::kernels {
 namespace {
-// Roughly 100-300 µs of spinning (a pause is 40-140 cycles): long enough to bridge the gap between
-// two ops of one forward pass, short enough not to burn a core while the process is idle.
-constexpr int kSpinIterations = 2000;
+// About 100 µs of spinning (a pause is ~10 ns on the reference VM): long enough to bridge the gap
+// between two ops of one forward pass, short enough not to burn a core while the process is idle.
+constexpr int kSpinIterations = 10000;
 // The caller waiting for stragglers yields after this many pauses, so that when the machine is
 // oversubscribed (more runnable threads than cores) a descheduled worker gets the core back.
 constexpr int kWaitSpinsBeforeYield = 1000;
