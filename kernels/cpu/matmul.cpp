@@ -1,5 +1,9 @@
 #include "kernels/cpu/matmul.h"
 
+#include <algorithm>
+#include <atomic>
+#include <vector>
+
 #include "kernels/cpu/cpu_features.h"
 
 namespace moeline::kernels {
@@ -22,6 +26,36 @@ void matmul_rows(const MatmulTask& task, int64_t row_begin, int64_t row_end) {
   }
 }
 
+namespace {
+
+// One thread's share of a task's rows, [front, back), packed in one word so that the owner (taking
+// from the front) and a thief (taking from the back) agree on what is left with one atomic.
+struct alignas(64) RowShare {
+  std::atomic<uint64_t> bounds{0};
+
+  void reset(int64_t front, int64_t back) {
+    bounds.store(static_cast<uint64_t>(front) | static_cast<uint64_t>(back) << 32,
+                 std::memory_order_relaxed);
+  }
+  // Claims up to `rows` rows from the front (owner) or the back (thief); false when none are left.
+  bool claim(int64_t rows, bool from_front, int64_t& begin, int64_t& end) {
+    uint64_t current = bounds.load(std::memory_order_relaxed);
+    for (;;) {
+      const int64_t front = static_cast<int64_t>(current & 0xffffffffu);
+      const int64_t back = static_cast<int64_t>(current >> 32);
+      if (front >= back) return false;
+      begin = from_front ? front : std::max(front, back - rows);
+      end = from_front ? std::min(back, front + rows) : back;
+      const uint64_t next = from_front
+                                ? static_cast<uint64_t>(end) | static_cast<uint64_t>(back) << 32
+                                : static_cast<uint64_t>(front) | static_cast<uint64_t>(begin) << 32;
+      if (bounds.compare_exchange_weak(current, next, std::memory_order_relaxed)) return true;
+    }
+  }
+};
+
+}  // namespace
+
 void matmul(ThreadPool& pool, std::span<const MatmulTask> tasks) {
   size_t work = 0;
   for (const MatmulTask& task : tasks) work += task.w.bytes() * static_cast<size_t>(task.n);
@@ -30,11 +64,36 @@ void matmul(ThreadPool& pool, std::span<const MatmulTask> tasks) {
       if (task.n > 0) matmul_rows(task, 0, task.w.rows);
     return;
   }
-  pool.run([&](int thread, int threads) {
-    for (const MatmulTask& task : tasks) {
-      if (task.n == 0) continue;
-      auto [begin, end] = ThreadPool::split(task.w.rows, thread, threads, kRowAlign);
-      if (begin < end) matmul_rows(task, begin, end);
+  // Each thread owns a contiguous share of every task's rows and streams through it from the
+  // front; a thread that finishes its share early takes rows from the back of a slower thread's
+  // share. Owning one long run keeps a single prefetch stream per thread (decode is memory-bound);
+  // stealing absorbs the thread that was woken late or slowed by the memory system.
+  const int threads = pool.size();
+  thread_local std::vector<RowShare> shares;
+  if (shares.size() < tasks.size() * static_cast<size_t>(threads))
+    shares = std::vector<RowShare>(tasks.size() * static_cast<size_t>(threads));
+  for (size_t t = 0; t < tasks.size(); ++t) {
+    for (int thread = 0; thread < threads; ++thread) {
+      auto [begin, end] = tasks[t].n > 0
+                              ? ThreadPool::split(tasks[t].w.rows, thread, threads, kRowAlign)
+                              : std::pair<int64_t, int64_t>{0, 0};
+      shares[t * static_cast<size_t>(threads) + static_cast<size_t>(thread)].reset(begin, end);
+    }
+  }
+  RowShare* share = shares.data();
+  pool.run([&](int thread, int count) {
+    for (size_t t = 0; t < tasks.size(); ++t) {
+      const MatmulTask& task = tasks[t];
+      // Few tokens: small claims cost nothing (a row is a whole dot product per token). Many
+      // tokens: claims as large as the packing block, so packed weight tiles are reused.
+      const int64_t claim_rows = task.n <= 8 ? 16 : 64;
+      int64_t begin = 0, end = 0;
+      RowShare* own = share + t * static_cast<size_t>(count);
+      while (own[thread].claim(claim_rows, true, begin, end)) matmul_rows(task, begin, end);
+      for (int other = 1; other < count; ++other) {
+        RowShare& victim = own[(thread + other) % count];
+        while (victim.claim(claim_rows, false, begin, end)) matmul_rows(task, begin, end);
+      }
     }
   });
 }
