@@ -73,7 +73,12 @@ Expected<std::vector<GenerationResult>> Generator::generate(
       results[i].finish_reason = FinishReason::kStop;
       return false;
     }
-    return static_cast<int64_t>(results[i].tokens.size()) < requests[i].sampling.max_tokens;
+    const auto generated = static_cast<int64_t>(results[i].tokens.size());
+    // The next step feeds this token at position prompt + generated - 1: stop at the context.
+    const bool context_full = config.max_position_embeddings > 0 &&
+                              static_cast<int64_t>(requests[i].prompt.size()) + generated >
+                                  config.max_position_embeddings;
+    return generated < requests[i].sampling.max_tokens && !context_full;
   };
   for (size_t i = 0; i < requests.size(); ++i) {
     const float* row = logits.data() + static_cast<int64_t>(i) * vocab;

@@ -171,9 +171,13 @@ int run_command(int argc, char** argv) {
             << " isa=" << kernels::isa_name(kernels::active_isa())
             << " load_seconds=" << seconds_since(load_start) << '\n';
 
-  int64_t context = static_cast<int64_t>(options.tokens.size()) + options.sampling.max_tokens;
-  if (config.max_position_embeddings > 0)
-    context = std::min(context, config.max_position_embeddings);
+  // KV room for the prompt and every token asked for, up to the model's context (or, for configs
+  // that do not state one, a bound that keeps a huge --max-tokens from allocating without limit).
+  constexpr int64_t kContextWithoutLimit = 32768;
+  const int64_t limit =
+      config.max_position_embeddings > 0 ? config.max_position_embeddings : kContextWithoutLimit;
+  const int64_t context =
+      std::min(static_cast<int64_t>(options.tokens.size()) + options.sampling.max_tokens, limit);
   const auto blocks =
       static_cast<int32_t>((context + model::kBlockTokens - 1) / model::kBlockTokens);
 

@@ -266,5 +266,22 @@ TEST(Generator, StopsAtStopTokensAndMaxTokensAndReturnsBlocks) {
   EXPECT_EQ((*both)[1].tokens, (*other_alone)[0].tokens);
 }
 
+TEST(Generator, EndsWithLengthAtTheModelsContextInsteadOfFailing) {
+  auto model = load("mixtral-f32");
+  ASSERT_TRUE(model);
+  const int64_t context = model->config().max_position_embeddings;
+  ASSERT_GT(context, 2);
+  Harness h(*model, 2, static_cast<int32_t>(context / kBlockTokens + 1));
+  Generator generator(h.engine);
+  GenerationRequest request{prompt(static_cast<int>(context - 2), 1, model->config().vocab_size),
+                            {.max_tokens = 10, .ignore_eos = true},
+                            ""};
+  auto result = generator.generate({request});
+  ASSERT_TRUE(result.ok()) << result.error().message;
+  // Tokens fed at positions context-2 (prompt end), context-2+1 and context-1: three sampled.
+  EXPECT_EQ((*result)[0].tokens.size(), 3u);
+  EXPECT_EQ((*result)[0].finish_reason, FinishReason::kLength);
+}
+
 }  // namespace
 }  // namespace moeline::model
