@@ -162,8 +162,12 @@ void Checkpoint::add_file(const fs::path& path, const std::vector<std::string>* 
       const auto offsets = entry.at("data_offsets").get<std::vector<uint64_t>>();
       if (offsets.size() != 2 || offsets[0] > offsets[1])
         fail(path, where + " has invalid data_offsets");
-      for (int64_t dim : info.shape)
+      int64_t elements = 1;
+      for (int64_t dim : info.shape) {
         if (dim < 0) fail(path, where + " has a negative dimension");
+        if (__builtin_mul_overflow(elements, dim, &elements))
+          fail(path, where + " has a shape whose size overflows");
+      }
       if (offsets[1] > payload_bytes)
         fail(path, where + " ends at byte " + std::to_string(offsets[1]) +
                        " of the data, but the "
