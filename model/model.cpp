@@ -25,6 +25,13 @@ class TensorBinder {
     const TensorInfo* tensor = find(name, {rows, cols});
     return tensor ? MatrixView{tensor->data, supported_dtype(*tensor), rows, cols} : MatrixView{};
   }
+  // A stacked [count, rows, cols] tensor, viewed as [count * rows, cols].
+  MatrixView stacked(const std::string& name, int64_t count, int64_t rows, int64_t cols) {
+    const TensorInfo* tensor = find(name, {count, rows, cols});
+    return tensor ? MatrixView{tensor->data, supported_dtype(*tensor), count * rows, cols}
+                  : MatrixView{};
+  }
+  bool has(const std::string& name) const { return checkpoint_.find(name) != nullptr; }
   VectorView vector(const std::string& name, int64_t size) {
     const TensorInfo* tensor = find(name, {size});
     return tensor ? VectorView{tensor->data, supported_dtype(*tensor), size} : VectorView{};
@@ -71,6 +78,11 @@ class TensorBinder {
   std::set<std::string> used_;
   std::string missing_, missing_shape_;
 };
+
+// Rows [first, first + count) of a matrix, as a matrix of their own.
+MatrixView row_slice(const MatrixView& matrix, int64_t first, int64_t count) {
+  return MatrixView{matrix.row(first), matrix.dtype, count, matrix.cols};
+}
 
 uint64_t hash_model(const std::filesystem::path& dir, const Checkpoint& checkpoint) {
   XXH3_state_t* state = XXH3_createState();
@@ -154,14 +166,30 @@ void Model::load_weights() {
       layer.dense_down = bind.matrix(name(names.dense_down), c.hidden_size, inter);
       continue;
     }
-    layer.router = bind.matrix(name(names.router), c.num_experts, c.hidden_size);
+    const bool alternative_router = !names.router_alternative.empty() &&
+                                    !bind.has(name(names.router)) &&
+                                    bind.has(name(names.router_alternative));
+    layer.router = bind.matrix(name(alternative_router ? names.router_alternative : names.router),
+                               c.num_experts, c.hidden_size);
     auto& experts = experts_[static_cast<size_t>(l)];
     const int64_t inter = c.expert_intermediate_size;
+    const int64_t H = c.hidden_size;
+    if (bind.has(name(names.fused_gate_up))) {
+      const MatrixView gate_up =
+          bind.stacked(name(names.fused_gate_up), c.num_experts, 2 * inter, H);
+      const MatrixView down = bind.stacked(name(names.fused_down), c.num_experts, H, inter);
+      if (!gate_up.data || !down.data) continue;  // reported by bind.finish()
+      for (int64_t e = 0; e < c.num_experts; ++e) {
+        experts.push_back(offload::ExpertWeights{row_slice(gate_up, e * 2 * inter, inter),
+                                                 row_slice(gate_up, e * 2 * inter + inter, inter),
+                                                 row_slice(down, e * H, H)});
+      }
+      continue;
+    }
     for (int64_t e = 0; e < c.num_experts; ++e) {
-      experts.push_back(
-          offload::ExpertWeights{bind.matrix(name(names.expert_gate, e), inter, c.hidden_size),
-                                 bind.matrix(name(names.expert_up, e), inter, c.hidden_size),
-                                 bind.matrix(name(names.expert_down, e), c.hidden_size, inter)});
+      experts.push_back(offload::ExpertWeights{bind.matrix(name(names.expert_gate, e), inter, H),
+                                               bind.matrix(name(names.expert_up, e), inter, H),
+                                               bind.matrix(name(names.expert_down, e), H, inter)});
     }
   }
   bind.finish();

@@ -21,7 +21,12 @@ struct TensorNames {
   std::string_view q_bias, k_bias, v_bias, o_bias;
   std::string_view q_norm, k_norm;
   std::string_view router;
+  // Checkpoints written by newer transformers versions name the router differently (empty: none).
+  std::string_view router_alternative;
   std::string_view expert_gate, expert_up, expert_down;
+  // The stacked layout of the same experts: gate_up [experts, 2 * intermediate, hidden] (gate rows
+  // first, then up rows, per expert) and down [experts, hidden, intermediate].
+  std::string_view fused_gate_up, fused_down;
   std::string_view dense_gate, dense_up, dense_down;
 };
 
