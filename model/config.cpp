@@ -48,6 +48,30 @@ bool bool_or(const json& config, const char* key, bool fallback) {
   return value->get<bool>();
 }
 
+double rope_theta_or(const json& config, double fallback) {
+  // transformers 5 writes RoPE settings as "rope_parameters": {"rope_type": ..., "rope_theta": ...}
+  // and may leave out the top-level rope_theta; older files have only the top-level key.
+  const json* parameters = present(config, "rope_parameters");
+  if (!parameters) return number_or(config, "rope_theta", fallback);
+  if (!parameters->is_object()) bad_key("rope_parameters", "must be an object");
+  for (const auto& [key, value] : parameters->items())
+    if (value.is_object())
+      bad_key("rope_parameters",
+              "has per-layer-type settings ('" + key + "'), which these model families do not use");
+  const json* type = present(*parameters, "rope_type");
+  if (type && *type != "default")
+    bad_key("rope_parameters", "has rope_type " + type->dump() + "; only \"default\" is supported");
+  if (const json* partial = present(*parameters, "partial_rotary_factor");
+      partial && (!partial->is_number() || partial->get<double>() != 1.0))
+    bad_key("rope_parameters",
+            "has partial_rotary_factor " + partial->dump() + "; only 1 is supported");
+  if (const json* theta = present(*parameters, "rope_theta")) {
+    if (!theta->is_number()) bad_key("rope_parameters", "has a rope_theta that is not a number");
+    return theta->get<double>();
+  }
+  return number_or(config, "rope_theta", fallback);
+}
+
 void parse_common(const json& config, ModelConfig& out) {
   out.vocab_size = require_int(config, "vocab_size");
   out.hidden_size = require_int(config, "hidden_size");
@@ -62,7 +86,7 @@ void parse_common(const json& config, ModelConfig& out) {
     out.head_dim = out.hidden_size / out.num_heads;
   }
   out.max_position_embeddings = int_or(config, "max_position_embeddings", 0);
-  out.rope_theta = number_or(config, "rope_theta", 10000.0);
+  out.rope_theta = rope_theta_or(config, 10000.0);
   out.rms_norm_eps = static_cast<float>(number_or(config, "rms_norm_eps", 1e-6));
   out.tie_word_embeddings = bool_or(config, "tie_word_embeddings", false);
   if (const json* act = present(config, "hidden_act"); act && *act != "silu")

@@ -47,6 +47,8 @@ int64_t require_int(const nlohmann::json& config, const char* key);
 int64_t int_or(const nlohmann::json& config, const char* key, int64_t fallback);
 double number_or(const nlohmann::json& config, const char* key, double fallback);
 bool bool_or(const nlohmann::json& config, const char* key, bool fallback);
+// rope_parameters.rope_theta (transformers 5), else the top-level rope_theta, else `fallback`.
+double rope_theta_or(const nlohmann::json& config, double fallback);
 void parse_common(const nlohmann::json& config, ModelConfig& out);
 
 void parse_mixtral(const nlohmann::json& config, ModelConfig& out);

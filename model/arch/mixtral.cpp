@@ -36,7 +36,7 @@ void parse_mixtral(const nlohmann::json& config, ModelConfig& out) {
   out.family = model::Family::kMixtral;
   parse_common(config, out);
   // MixtralConfig's own defaults, which differ from the shared ones.
-  out.rope_theta = number_or(config, "rope_theta", 1e6);
+  out.rope_theta = rope_theta_or(config, 1e6);
   out.rms_norm_eps = static_cast<float>(number_or(config, "rms_norm_eps", 1e-5));
   out.num_experts = require_int(config, "num_local_experts");
   out.experts_per_token = require_int(config, "num_experts_per_tok");

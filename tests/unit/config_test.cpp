@@ -93,6 +93,20 @@ TEST(Config, ExplicitValuesWin) {
   EXPECT_EQ(load(m).sliding_window, 0);
 }
 
+TEST(Config, RopeParametersOfTransformers5) {
+  json c = qwen3();
+  c["rope_parameters"] = {{"rope_type", "default"}, {"rope_theta", 1e6}};
+  EXPECT_DOUBLE_EQ(load(c).rope_theta, 1e6);  // not Qwen3's default of 10000
+  json m = mixtral();
+  m["rope_parameters"] = {{"rope_theta", 5e5}};
+  m["rope_theta"] = 1e6;  // rope_parameters is the newer, authoritative form
+  EXPECT_DOUBLE_EQ(load(m).rope_theta, 5e5);
+  m["rope_parameters"] = {{"rope_type", "yarn"}, {"rope_theta", 5e5}, {"factor", 4}};
+  EXPECT_NE(error_of(m).find("rope_parameters"), std::string::npos);
+  m["rope_parameters"] = {{"rope_theta", 5e5}, {"partial_rotary_factor", 0.5}};
+  EXPECT_NE(error_of(m).find("partial_rotary_factor"), std::string::npos);
+}
+
 TEST(Config, DenseLayersOfQwen3) {
   json c = qwen3();
   c["num_hidden_layers"] = 4;
