@@ -4,6 +4,8 @@
 
 #include <gtest/gtest.h>
 
+#include <unistd.h>
+
 #include <filesystem>
 #include <fstream>
 #include <nlohmann/json.hpp>
@@ -32,14 +34,19 @@ json qwen3() {
   return c;
 }
 
+// Writes the files into a fresh folder, parses them, and removes the folder again.
 ModelConfig load(const json& config, const json& generation = nullptr) {
-  const fs::path dir =
-      fs::temp_directory_path() /
-      ("moeline-config-" + std::to_string(::testing::UnitTest::GetInstance()->random_seed()) +
-       ::testing::UnitTest::GetInstance()->current_test_info()->name());
+  const auto* test = ::testing::UnitTest::GetInstance()->current_test_info();
+  const fs::path dir = fs::temp_directory_path() /
+                       ("moeline-config-" + std::to_string(::getpid()) + "-" + test->name());
+  fs::remove_all(dir);
   fs::create_directories(dir);
   std::ofstream(dir / "config.json") << config.dump();
   if (!generation.is_null()) std::ofstream(dir / "generation_config.json") << generation.dump();
+  struct Cleanup {
+    fs::path dir;
+    ~Cleanup() { fs::remove_all(dir); }
+  } cleanup{dir};
   return ModelConfig::load(dir);
 }
 
