@@ -10,6 +10,7 @@ struct Avx2 {
   using V = __m256;
   static constexpr int kLanes = 8;
   static constexpr int kMR = 2;
+  static constexpr int kDirectRows = 2;
   static constexpr int kNR = 4;
   static void prefetch(const char* p) { _mm_prefetch(p, _MM_HINT_T0); }
   static V zero() { return _mm256_setzero_ps(); }

@@ -10,6 +10,7 @@ struct Avx512 {
   using V = __m512;
   static constexpr int kLanes = 16;
   static constexpr int kMR = 4;
+  static constexpr int kDirectRows = 1;
   static constexpr int kNR = 6;
   static void prefetch(const char* p) { _mm_prefetch(p, _MM_HINT_T0); }
   static V zero() { return _mm512_setzero_ps(); }

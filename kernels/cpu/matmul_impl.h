@@ -29,11 +29,13 @@ struct MatmulKernel {
   static constexpr int64_t kTokenBlock = 64;
   // From this many tokens on, widening the weight tile once beats widening it per token tile.
   static constexpr int64_t kPackFromTokens = 2 * kNR;
-  // Unpacked (few tokens: decode) the weights stream from memory once, one row at a time: a
-  // single stream per thread keeps more of the memory bandwidth busy than several interleaved
-  // short ones (measured: 1 row 15.0 GB/s, 2 rows 12.9, 4 rows 12.2 on one core, against 15.3 for
-  // a plain read). Each row's sum is the same whatever the tile, so results do not change.
-  static constexpr int kDirectRows = 1;
+  // Unpacked (few tokens: decode) the weights stream from memory once, kDirectRows rows at a time.
+  // On AVX-512 one row: a single stream per thread keeps more of the memory bandwidth busy than
+  // several interleaved short ones (measured: 1 row 15.0 GB/s, 2 rows 12.9, 4 rows 12.2 on one
+  // core, against 15.3 for a plain read). With 8 lanes one row's chain of dependent FMAs is too
+  // slow to keep up with memory, so AVX2 takes more rows. Each row's sum is the same whatever the
+  // tile, so results do not change.
+  static constexpr int kDirectRows = Simd::kDirectRows;
   // Distance of the software prefetch along each row (512–2048 tried on the benchmark shape).
   static constexpr int64_t kPrefetchBytes = 1024;
 

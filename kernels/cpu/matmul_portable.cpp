@@ -8,6 +8,7 @@ struct Portable {
   using V = float;
   static constexpr int kLanes = 1;
   static constexpr int kMR = 4;
+  static constexpr int kDirectRows = 1;
   static constexpr int kNR = 4;
   static void prefetch(const char*) {}
   static V zero() { return 0.0f; }
