@@ -149,15 +149,17 @@ struct MatmulKernel {
     const int64_t y_stride = task.y_stride ? task.y_stride : task.w.rows;
     const bool pack = task.w.dtype != DType::kF32 && task.n >= kPackFromTokens;
     const void* w_rows[kMR];
+    if (!pack) {
+      // Start the stream: the first kPrefetchBytes of the range would otherwise be demand misses.
+      const char* start = reinterpret_cast<const char*>(task.w.row(row_begin));
+      for (int64_t offset = 0; offset < kPrefetchBytes; offset += 64)
+        Simd::prefetch(start + offset);
+    }
     if (!pack && kDirectRows == 1 && task.n <= kNR) {
       // The decode case: one tile kernel for every row, called directly.
       const TileFn tile_fn = pick(task.w.dtype, 1, static_cast<int>(task.n));
       const float* x_rows[kNR];
       for (int t = 0; t < task.n; ++t) x_rows[t] = task.x + t * x_stride;
-      // Start the stream: the first kPrefetchBytes of the range would otherwise be demand misses.
-      const char* start = reinterpret_cast<const char*>(task.w.row(row_begin));
-      for (int64_t offset = 0; offset < kPrefetchBytes; offset += 64)
-        Simd::prefetch(start + offset);
       for (int64_t row = row_begin; row < row_end; ++row) {
         w_rows[0] = task.w.row(row);
         tile_fn(w_rows, x_rows, K, task.y + row, y_stride);
