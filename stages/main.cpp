@@ -5,14 +5,17 @@
 #include <string>
 
 #include "stages/run_command.h"
+#include "stages/tokenize_command.h"
 
 namespace {
 
 constexpr const char* kUsage = R"(usage: moeline <command> [options]
 
 commands:
-  run        load a checkpoint and generate in this process (moeline run --help)
-  version    print the version
+  run          load a checkpoint and generate in this process (moeline run --help)
+  tokenize     text on stdin -> token ids as a JSON array (moeline tokenize --help)
+  detokenize   JSON array of token ids on stdin -> text (moeline detokenize --help)
+  version      print the version
 )";
 
 }  // namespace
@@ -24,6 +27,8 @@ int main(int argc, char** argv) {
   }
   const std::string command = argv[1];
   if (command == "run") return moeline::stages::run_command(argc - 2, argv + 2);
+  if (command == "tokenize") return moeline::stages::tokenize_command(argc - 2, argv + 2);
+  if (command == "detokenize") return moeline::stages::detokenize_command(argc - 2, argv + 2);
   if (command == "version") {
     std::cout << "moeline 0.1.0\n";
     return 0;

@@ -1,0 +1,137 @@
+#include "stages/tokenize_command.h"
+
+#include <cstring>
+#include <filesystem>
+#include <iostream>
+#include <iterator>
+#include <nlohmann/json.hpp>
+#include <string>
+#include <vector>
+
+#include "model/tokenizer/tokenizer.h"
+
+namespace moeline::stages {
+namespace {
+
+constexpr const char* kTokenizeUsage = R"(usage: moeline tokenize --tokenizer PATH [--no-special]
+
+Reads UTF-8 text on stdin and prints its token ids as one JSON array.
+
+  --tokenizer PATH   tokenizer.json, or a model folder that holds one
+  --no-special       do not apply the post-processor (no BOS/EOS added); special-token strings
+                     in the text are still recognised, as in the reference library
+)";
+
+constexpr const char* kDetokenizeUsage = R"(usage: moeline detokenize --tokenizer PATH [--skip-special]
+
+Reads a JSON array of token ids on stdin and prints the decoded text.
+
+  --tokenizer PATH   tokenizer.json, or a model folder that holds one
+  --skip-special     leave special tokens out of the text
+)";
+
+std::string resolve(const std::string& path) {
+  std::error_code ec;
+  if (std::filesystem::is_directory(path, ec)) return (std::filesystem::path(path) / "tokenizer.json").string();
+  return path;
+}
+
+struct Args {
+  std::string tokenizer;
+  bool flag = false;
+  bool help = false;
+};
+
+// Parses --tokenizer and one boolean flag; returns false (after printing why) on a usage error.
+bool parse(int argc, char** argv, const char* flag_name, const char* usage, Args& args) {
+  for (int i = 0; i < argc; ++i) {
+    const std::string a = argv[i];
+    if (a == "--help" || a == "-h") {
+      args.help = true;
+    } else if (a == "--tokenizer" && i + 1 < argc) {
+      args.tokenizer = argv[++i];
+    } else if (a == flag_name) {
+      args.flag = true;
+    } else {
+      std::cerr << "moeline: error: unexpected argument '" << a << "'\n" << usage;
+      return false;
+    }
+  }
+  if (!args.help && args.tokenizer.empty()) {
+    std::cerr << "moeline: error: --tokenizer PATH is required\n" << usage;
+    return false;
+  }
+  return true;
+}
+
+std::string read_stdin() {
+  std::cin >> std::noskipws;
+  return std::string(std::istreambuf_iterator<char>(std::cin), std::istreambuf_iterator<char>());
+}
+
+}  // namespace
+
+int tokenize_command(int argc, char** argv) {
+  Args args;
+  if (!parse(argc, argv, "--no-special", kTokenizeUsage, args)) return 2;
+  if (args.help) {
+    std::cout << kTokenizeUsage;
+    return 0;
+  }
+  auto tokenizer = model::Tokenizer::load(resolve(args.tokenizer));
+  if (!tokenizer.ok()) {
+    std::cerr << "moeline: error: " << tokenizer.error().message << "\n";
+    return 1;
+  }
+  const std::string input = read_stdin();
+  auto ids = tokenizer->encode(input, {.add_special_tokens = !args.flag});
+  if (!ids.ok()) {
+    std::cerr << "moeline: error: " << ids.error().message << "\n";
+    return 1;
+  }
+  std::string out = "[";
+  for (std::size_t i = 0; i < ids->size(); ++i) {
+    if (i) out += ',';
+    out += std::to_string((*ids)[i]);
+  }
+  out += "]\n";
+  std::cout << out;
+  return 0;
+}
+
+int detokenize_command(int argc, char** argv) {
+  Args args;
+  if (!parse(argc, argv, "--skip-special", kDetokenizeUsage, args)) return 2;
+  if (args.help) {
+    std::cout << kDetokenizeUsage;
+    return 0;
+  }
+  auto tokenizer = model::Tokenizer::load(resolve(args.tokenizer));
+  if (!tokenizer.ok()) {
+    std::cerr << "moeline: error: " << tokenizer.error().message << "\n";
+    return 1;
+  }
+  std::vector<std::int32_t> ids;
+  try {
+    const auto parsed = nlohmann::json::parse(read_stdin());
+    if (!parsed.is_array()) throw std::invalid_argument("expected a JSON array of token ids");
+    for (const auto& v : parsed) {
+      if (!v.is_number_integer() || v.get<std::int64_t>() < 0 || v.get<std::int64_t>() > INT32_MAX) {
+        throw std::invalid_argument("expected non-negative integer token ids, got " + v.dump());
+      }
+      ids.push_back(v.get<std::int32_t>());
+    }
+  } catch (const std::exception& e) {
+    std::cerr << "moeline: error: stdin: " << e.what() << "\n";
+    return 1;
+  }
+  auto text = tokenizer->decode(ids, {.skip_special_tokens = args.flag});
+  if (!text.ok()) {
+    std::cerr << "moeline: error: " << text.error().message << "\n";
+    return 1;
+  }
+  std::cout << *text;
+  return 0;
+}
+
+}  // namespace moeline::stages

@@ -1,0 +1,9 @@
+#pragma once
+// `moeline tokenize` and `moeline detokenize`: the tokenizer on the command line, reading stdin.
+
+namespace moeline::stages {
+
+int tokenize_command(int argc, char** argv);
+int detokenize_command(int argc, char** argv);
+
+}  // namespace moeline::stages
