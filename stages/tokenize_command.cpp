@@ -22,7 +22,8 @@ Reads UTF-8 text on stdin and prints its token ids as one JSON array.
                      in the text are still recognised, as in the reference library
 )";
 
-constexpr const char* kDetokenizeUsage = R"(usage: moeline detokenize --tokenizer PATH [--skip-special]
+constexpr const char* kDetokenizeUsage =
+    R"(usage: moeline detokenize --tokenizer PATH [--skip-special]
 
 Reads a JSON array of token ids on stdin and prints the decoded text.
 
@@ -32,7 +33,8 @@ Reads a JSON array of token ids on stdin and prints the decoded text.
 
 std::string resolve(const std::string& path) {
   std::error_code ec;
-  if (std::filesystem::is_directory(path, ec)) return (std::filesystem::path(path) / "tokenizer.json").string();
+  if (std::filesystem::is_directory(path, ec))
+    return (std::filesystem::path(path) / "tokenizer.json").string();
   return path;
 }
 
@@ -116,7 +118,8 @@ int detokenize_command(int argc, char** argv) {
     const auto parsed = nlohmann::json::parse(read_stdin());
     if (!parsed.is_array()) throw std::invalid_argument("expected a JSON array of token ids");
     for (const auto& v : parsed) {
-      if (!v.is_number_integer() || v.get<std::int64_t>() < 0 || v.get<std::int64_t>() > INT32_MAX) {
+      if (!v.is_number_integer() || v.get<std::int64_t>() < 0 ||
+          v.get<std::int64_t>() > INT32_MAX) {
         throw std::invalid_argument("expected non-negative integer token ids, got " + v.dump());
       }
       ids.push_back(v.get<std::int32_t>());

@@ -134,7 +134,8 @@ void split_piece(Piece&& piece, const std::vector<MatchSpan>& matches, SplitBeha
   bool first = true;
   for (const Span& p : parts) {
     if (p.is_match || p.begin == p.end) continue;  // is_match here means "remove"
-    out.push_back({std::string(s.substr(p.begin, p.end - p.begin)), piece.at_start && p.begin == 0});
+    out.push_back(
+        {std::string(s.substr(p.begin, p.end - p.begin)), piece.at_start && p.begin == 0});
     (void)first;
     first = false;
   }
@@ -413,8 +414,8 @@ class MetaspacePreTokenizer final : public PreTokenizer {
     for (Piece& p : pieces) {
       p.text = space.replace_all(p.text, replacement_);
       const bool starts = p.text.compare(0, replacement_.size(), replacement_) == 0;
-      if (!starts && (scheme_ == PrependScheme::kAlways ||
-                      (scheme_ == PrependScheme::kFirst && p.at_start))) {
+      if (!starts &&
+          (scheme_ == PrependScheme::kAlways || (scheme_ == PrependScheme::kFirst && p.at_start))) {
         p.text.insert(0, replacement_);
       }
     }
@@ -475,13 +476,14 @@ std::unique_ptr<PreTokenizer> make_pre_tokenizer(json::element e, const std::str
         json::bool_or(o, "invert", false, where));
   }
   if (type == "ByteLevel") {
-    return std::make_unique<ByteLevelPreTokenizer>(json::bool_or(o, "add_prefix_space", true, where),
-                                                   json::bool_or(o, "use_regex", true, where));
+    return std::make_unique<ByteLevelPreTokenizer>(
+        json::bool_or(o, "add_prefix_space", true, where),
+        json::bool_or(o, "use_regex", true, where));
   }
   if (type == "Metaspace") {
-    return std::make_unique<MetaspacePreTokenizer>(
-        parse_replacement(o, where), parse_prepend_scheme(o, where),
-        json::bool_or(o, "split", true, where));
+    return std::make_unique<MetaspacePreTokenizer>(parse_replacement(o, where),
+                                                   parse_prepend_scheme(o, where),
+                                                   json::bool_or(o, "split", true, where));
   }
   if (type == "Digits") {
     const bool individual = json::bool_or(o, "individual_digits", false, where);
@@ -531,7 +533,8 @@ namespace {
 
 class SequenceDecoder final : public Decoder {
  public:
-  explicit SequenceDecoder(std::vector<std::unique_ptr<Decoder>> parts) : parts_(std::move(parts)) {}
+  explicit SequenceDecoder(std::vector<std::unique_ptr<Decoder>> parts)
+      : parts_(std::move(parts)) {}
   void decode_chain(std::vector<std::string>& tokens) const override {
     for (const auto& p : parts_) p->decode_chain(tokens);
   }
@@ -743,7 +746,8 @@ std::unique_ptr<Decoder> make_decoder(json::element e, const std::string& where)
                                               parse_prepend_scheme(o, where));
   }
   if (type == "BPEDecoder") {
-    return std::make_unique<BpeSuffixDecoder>(std::string(json::string_or(o, "suffix", "</w>", where)));
+    return std::make_unique<BpeSuffixDecoder>(
+        std::string(json::string_or(o, "suffix", "</w>", where)));
   }
   json::fail(where, "unsupported decoder type \"" + std::string(type) +
                         "\" (supported: Sequence, ByteLevel, ByteFallback, Fuse, Strip, Replace, "
@@ -814,7 +818,8 @@ std::unique_ptr<PostProcessor> make_post_processor(json::element e, const std::s
     std::vector<std::unique_ptr<PostProcessor>> parts;
     std::size_t i = 0;
     for (json::element child : json::as_array(json::required(o, "processors", where), where)) {
-      parts.push_back(make_post_processor(child, where + ".processors[" + std::to_string(i++) + "]"));
+      parts.push_back(
+          make_post_processor(child, where + ".processors[" + std::to_string(i++) + "]"));
     }
     return std::make_unique<SequenceProcessor>(std::move(parts));
   }
@@ -824,8 +829,8 @@ std::unique_ptr<PostProcessor> make_post_processor(json::element e, const std::s
         {false, {pair_id(o, "cls", where)}}, {true, {}}, {false, {pair_id(o, "sep", where)}}});
   }
   if (type == "TemplateProcessing") {
-    json::object specials = json::as_object(json::required(o, "special_tokens", where),
-                                            where + ".special_tokens");
+    json::object specials =
+        json::as_object(json::required(o, "special_tokens", where), where + ".special_tokens");
     std::vector<TemplateProcessor::Item> items;
     std::size_t i = 0;
     for (json::element piece : json::as_array(json::required(o, "single", where), where)) {
@@ -841,8 +846,8 @@ std::unique_ptr<PostProcessor> make_post_processor(json::element e, const std::s
           json::fail(at, "special token \"" + std::string(name) + "\" is not in special_tokens");
         }
         std::vector<std::int32_t> ids;
-        for (json::element id : json::as_array(
-                 json::required(json::as_object(*entry, at), "ids", at), at + ".ids")) {
+        for (json::element id :
+             json::as_array(json::required(json::as_object(*entry, at), "ids", at), at + ".ids")) {
           ids.push_back(static_cast<std::int32_t>(json::as_int(id, at + ".ids")));
         }
         items.push_back({false, std::move(ids)});
@@ -921,7 +926,8 @@ Bpe::Bpe(std::vector<std::string_view> tokens, std::vector<bool> present,
   }
   if (options_.unk_token) {
     const std::int32_t unk = vocab_.get(*options_.unk_token);
-    if (unk < 0) throw ModelError("model.unk_token \"" + *options_.unk_token + "\" is not in the vocab");
+    if (unk < 0)
+      throw ModelError("model.unk_token \"" + *options_.unk_token + "\" is not in the vocab");
     unk_id_ = unk;
   }
   static const char* kHex = "0123456789ABCDEF";
@@ -1000,7 +1006,8 @@ void Bpe::merge_word(std::string_view w, std::vector<std::int32_t>& out) const {
   // Pending unknown token (id, bytes); id < 0 when none.
   std::int32_t unk = -1;
   std::uint32_t unk_len = 0;
-  const bool affixes = !options_.continuing_subword_prefix.empty() || !options_.end_of_word_suffix.empty();
+  const bool affixes =
+      !options_.continuing_subword_prefix.empty() || !options_.end_of_word_suffix.empty();
   std::string scratch;
   for (std::size_t i = 0; i < w.size();) {
     const std::size_t begin = i;
@@ -1050,9 +1057,9 @@ void Bpe::merge_word(std::string_view w, std::vector<std::int32_t>& out) const {
     const Symbol& left = symbols[pos];
     if (left.next < 0) return;
     std::uint64_t value;
-    if (merges_.get((std::uint64_t(std::uint32_t(left.id)) << 32) |
-                        std::uint32_t(symbols[left.next].id),
-                    value)) {
+    if (merges_.get(
+            (std::uint64_t(std::uint32_t(left.id)) << 32) | std::uint32_t(symbols[left.next].id),
+            value)) {
       heap.push_back({static_cast<std::uint32_t>(value >> 32), static_cast<std::uint32_t>(pos),
                       static_cast<std::int32_t>(value & 0xFFFFFFFFu)});
       std::push_heap(heap.begin(), heap.end());

@@ -44,8 +44,8 @@ enum class SplitBehavior { kRemoved, kIsolated, kMergedWithPrevious, kMergedWith
 
 // Cuts `piece` at `matches` (sorted, non-overlapping) the way NormalizedString::split does and
 // appends the non-empty parts to `out`.
-void split_piece(Piece&& piece, const std::vector<text::MatchSpan>& matches,
-                 SplitBehavior behavior, bool invert, std::vector<Piece>& out);
+void split_piece(Piece&& piece, const std::vector<text::MatchSpan>& matches, SplitBehavior behavior,
+                 bool invert, std::vector<Piece>& out);
 
 class Normalizer {
  public:
@@ -93,6 +93,7 @@ class Bpe {
   std::optional<std::int32_t> token_to_id(std::string_view token) const;
   std::optional<std::string_view> id_to_token(std::int32_t id) const;
   std::size_t id_count() const { return tokens_.size(); }
+  std::size_t vocab_entries() const { return vocab_.size(); }
 
  private:
   void merge_word(std::string_view piece, std::vector<std::int32_t>& out) const;

@@ -63,7 +63,7 @@ inline element required(object o, std::string_view key, const std::string& where
 }
 
 inline std::string_view string_or(object o, std::string_view key, std::string_view fallback,
-                                   const std::string& where) {
+                                  const std::string& where) {
   auto e = member(o, key);
   return e ? as_string(*e, where + "." + std::string(key)) : fallback;
 }

@@ -60,11 +60,10 @@ void Regex::find_all(std::string_view text, std::vector<MatchSpan>& out) const {
   std::size_t search_from = 0;
   std::size_t last_match_end = std::string_view::npos;
   while (search_from <= text.size()) {
-    const int rc =
-        code_->jit ? pcre2_jit_match(code_->code, subject, text.size(), search_from, 0, state.data,
-                                     state.context)
-                   : pcre2_match(code_->code, subject, text.size(), search_from,
-                                 PCRE2_NO_UTF_CHECK, state.data, state.context);
+    const int rc = code_->jit ? pcre2_jit_match(code_->code, subject, text.size(), search_from, 0,
+                                                state.data, state.context)
+                              : pcre2_match(code_->code, subject, text.size(), search_from,
+                                            PCRE2_NO_UTF_CHECK, state.data, state.context);
     if (rc == PCRE2_ERROR_NOMATCH) return;
     if (rc < 0) {
       throw ModelError("regular expression " + pattern_ + " failed: " + pcre2_message(rc));

@@ -1,9 +1,9 @@
 #include "model/tokenizer/tokenizer.h"
 
 #include <algorithm>
+#include <array>
 #include <fstream>
 #include <sstream>
-#include <array>
 #include <tuple>
 #include <unordered_map>
 #include <unordered_set>
@@ -51,7 +51,8 @@ class TokenTrie {
   bool empty() const { return nodes_.empty(); }
 
   // The next match at or after `from`: (begin, end, token index), or begin == npos.
-  std::tuple<std::size_t, std::size_t, std::int32_t> find(std::string_view s, std::size_t from) const {
+  std::tuple<std::size_t, std::size_t, std::int32_t> find(std::string_view s,
+                                                          std::size_t from) const {
     for (std::size_t i = from; i < s.size(); ++i) {
       if (!first_byte_[static_cast<unsigned char>(s[i])]) continue;
       std::size_t node = 0, best_end = 0;
@@ -231,18 +232,20 @@ std::unique_ptr<tok::Bpe> load_bpe(tok::json::object m, const std::string& where
   if (auto type = json::member(m, "type")) {
     const std::string_view t = json::as_string(*type, where + ".type");
     if (t != "BPE") {
-      json::fail(where + ".type", "unsupported model type \"" + std::string(t) +
-                                      "\" (supported: BPE)");
+      json::fail(where + ".type",
+                 "unsupported model type \"" + std::string(t) + "\" (supported: BPE)");
     }
   }
   if (auto dropout = json::member(m, "dropout")) {
     double d = 0;
     if (dropout->get(d) || d != 0.0) {
-      json::fail(where + ".dropout", "BPE dropout makes encoding random; only null or 0 is supported");
+      json::fail(where + ".dropout",
+                 "BPE dropout makes encoding random; only null or 0 is supported");
     }
   }
   tok::Bpe::Options options;
-  if (auto unk = json::member(m, "unk_token")) options.unk_token = std::string(json::as_string(*unk, where + ".unk_token"));
+  if (auto unk = json::member(m, "unk_token"))
+    options.unk_token = std::string(json::as_string(*unk, where + ".unk_token"));
   options.continuing_subword_prefix = json::string_or(m, "continuing_subword_prefix", "", where);
   options.end_of_word_suffix = json::string_or(m, "end_of_word_suffix", "", where);
   options.fuse_unk = json::bool_or(m, "fuse_unk", false, where);
@@ -276,7 +279,8 @@ std::unique_ptr<tok::Bpe> load_bpe(tok::json::object m, const std::string& where
   std::vector<std::string_view> tokens;
   std::vector<bool> present;
   for (auto field : vocab) {
-    const std::int64_t id = json::as_int(field.value, where + ".vocab[\"" + std::string(field.key) + "\"]");
+    const std::int64_t id =
+        json::as_int(field.value, where + ".vocab[\"" + std::string(field.key) + "\"]");
     if (id < 0 || id > (1 << 30)) {
       json::fail(where + ".vocab[\"" + std::string(field.key) + "\"]", "id out of range");
     }
@@ -297,17 +301,19 @@ std::unique_ptr<tok::Bpe> load_bpe(tok::json::object m, const std::string& where
     if (!e.get(s)) {
       const std::size_t space = s.find(' ');
       if (space == std::string_view::npos || s.find(' ', space + 1) != std::string_view::npos) {
-        json::fail(at, "expected \"left right\" with exactly one space, got \"" + std::string(s) + "\"");
+        json::fail(
+            at, "expected \"left right\" with exactly one space, got \"" + std::string(s) + "\"");
       }
       pairs.emplace_back(keep(s.substr(0, space)), keep(s.substr(space + 1)));
     } else {
       json::array parts = json::as_array(e, at);
       if (parts.size() != 2) json::fail(at, "expected [left, right]");
-      pairs.emplace_back(keep(json::as_string(parts.at(0), at)), keep(json::as_string(parts.at(1), at)));
+      pairs.emplace_back(keep(json::as_string(parts.at(0), at)),
+                         keep(json::as_string(parts.at(1), at)));
     }
   }
-  return std::make_unique<tok::Bpe>(std::move(tokens), std::move(present), pairs, std::move(options),
-                                    std::move(arena));
+  return std::make_unique<tok::Bpe>(std::move(tokens), std::move(present), pairs,
+                                    std::move(options), std::move(arena));
 }
 
 std::shared_ptr<TokenizerImpl> build(std::string_view json_text, const std::string& origin) {
@@ -323,23 +329,31 @@ std::shared_ptr<TokenizerImpl> build(std::string_view json_text, const std::stri
 
   impl->model = load_bpe(json::as_object(json::required(doc, "model", origin), origin + ": model"),
                          origin + ": model");
-  if (auto n = json::member(doc, "normalizer")) impl->normalizer = tok::make_normalizer(*n, origin + ": normalizer");
-  if (auto p = json::member(doc, "pre_tokenizer")) impl->pre_tokenizer = tok::make_pre_tokenizer(*p, origin + ": pre_tokenizer");
-  if (auto p = json::member(doc, "post_processor")) impl->post_processor = tok::make_post_processor(*p, origin + ": post_processor");
-  if (auto d = json::member(doc, "decoder")) impl->decoder = tok::make_decoder(*d, origin + ": decoder");
+  if (auto n = json::member(doc, "normalizer"))
+    impl->normalizer = tok::make_normalizer(*n, origin + ": normalizer");
+  if (auto p = json::member(doc, "pre_tokenizer"))
+    impl->pre_tokenizer = tok::make_pre_tokenizer(*p, origin + ": pre_tokenizer");
+  if (auto p = json::member(doc, "post_processor"))
+    impl->post_processor = tok::make_post_processor(*p, origin + ": post_processor");
+  if (auto d = json::member(doc, "decoder"))
+    impl->decoder = tok::make_decoder(*d, origin + ": decoder");
 
+  // Ids as the reference assigns them on load (the file's ids are only checked there): a token
+  // already in the model's vocabulary keeps that id, a new one takes the next id after the model's
+  // vocabulary (counted in entries) or after the largest added id.
   std::size_t max_id = impl->model->id_count();
+  std::unordered_map<std::string, std::int32_t> added_ids;
+  std::int64_t next_id = static_cast<std::int64_t>(impl->model->vocab_entries());
   if (auto list = json::member(doc, "added_tokens")) {
     std::size_t i = 0;
     for (json::element e : json::as_array(*list, origin + ": added_tokens")) {
       const std::string at = origin + ": added_tokens[" + std::to_string(i++) + "]";
       json::object o = json::as_object(e, at);
       AddedToken t;
-      const std::int64_t id = json::as_int(json::required(o, "id", at), at + ".id");
-      if (id < 0 || id > (1 << 30)) json::fail(at + ".id", "id out of range");
-      t.id = static_cast<std::int32_t>(id);
+      const std::int64_t declared = json::as_int(json::required(o, "id", at), at + ".id");
+      if (declared < 0 || declared > (1 << 30)) json::fail(at + ".id", "id out of range");
       t.content = json::as_string(json::required(o, "content", at), at + ".content");
-      if (t.content.empty()) json::fail(at + ".content", "an added token cannot be empty");
+      if (t.content.empty()) continue;  // the reference ignores empty tokens
       t.single_word = json::bool_or(o, "single_word", false, at);
       t.lstrip = json::bool_or(o, "lstrip", false, at);
       t.rstrip = json::bool_or(o, "rstrip", false, at);
@@ -348,6 +362,14 @@ std::shared_ptr<TokenizerImpl> build(std::string_view json_text, const std::stri
       if (text::find_invalid_utf8(t.content) != std::string_view::npos) {
         json::fail(at + ".content", "not valid UTF-8");
       }
+      if (auto it = added_ids.find(t.content); it != added_ids.end()) {
+        t.id = it->second;
+      } else if (auto model_id = impl->model->token_to_id(t.content)) {
+        t.id = *model_id;
+      } else {
+        t.id = static_cast<std::int32_t>(next_id++);
+      }
+      added_ids[t.content] = t.id;
       max_id = std::max(max_id, static_cast<std::size_t>(t.id) + 1);
       impl->added_by_id[t.id] = impl->added.size();
       if (t.special) impl->special_contents.insert(t.content);
@@ -419,7 +441,8 @@ Expected<std::string> Tokenizer::decode(const std::vector<std::int32_t>& ids,
   for (std::int32_t id : ids) {
     auto text = impl_->token_text(id);
     if (!text) {
-      return Error{"token id " + std::to_string(id) + " is not in the tokenizer's vocabulary (size " +
+      return Error{"token id " + std::to_string(id) +
+                   " is not in the tokenizer's vocabulary (size " +
                    std::to_string(impl_->vocab_size) + ")"};
     }
     if (options.skip_special_tokens && impl_->special_contents.count(*text)) continue;
@@ -443,7 +466,9 @@ Expected<std::string> Tokenizer::decode(const std::vector<std::int32_t>& ids,
   return out;
 }
 
-std::size_t Tokenizer::vocab_size() const { return impl_->vocab_size; }
+std::size_t Tokenizer::vocab_size() const {
+  return impl_->vocab_size;
+}
 
 std::optional<std::int32_t> Tokenizer::token_to_id(std::string_view token) const {
   for (const AddedToken& t : impl_->added) {
@@ -469,43 +494,64 @@ DecodeStream::DecodeStream(const Tokenizer& tokenizer, DecodeOptions options)
     : tokenizer_(&tokenizer), options_(options) {}
 
 namespace {
+
 bool ends_with_replacement(const std::string& s) {
   return s.size() >= 3 && s.compare(s.size() - 3, 3, "\xEF\xBF\xBD") == 0;
 }
+
+bool starts_with_replacement(const std::string& s) {
+  return s.compare(0, 3, "\xEF\xBF\xBD") == 0;
+}
+
 }  // namespace
 
+Expected<std::string> DecodeStream::decode_range(std::size_t begin, std::size_t end) const {
+  return tokenizer_->decode(
+      std::vector<std::int32_t>(ids_.begin() + static_cast<std::ptrdiff_t>(begin),
+                                ids_.begin() + static_cast<std::ptrdiff_t>(end)),
+      options_);
+}
+
 Expected<std::string> DecodeStream::step(std::int32_t id) {
-  if (prefix_.empty() && !ids_.empty()) {
-    auto p = tokenizer_->decode(ids_, options_);
-    if (!p.ok()) return p.error();
-    if (!ends_with_replacement(*p)) {
-      prefix_ = std::move(*p);
-      prefix_index_ = ids_.size();
-    }
-  }
   ids_.push_back(id);
-  auto full = tokenizer_->decode(ids_, options_);
+  auto full = decode_range(window_, ids_.size());
   if (!full.ok()) {
     ids_.pop_back();
     return full.error();
   }
   const std::string& s = *full;
-  if (s.size() <= prefix_.size() || ends_with_replacement(s) || s.compare(0, prefix_.size(), prefix_) != 0) {
-    return std::string();
+  if (s.size() <= prefix_.size() || ends_with_replacement(s) ||
+      s.compare(0, prefix_.size(), prefix_) != 0) {
+    return std::string();  // nothing final yet (an incomplete character, or a token that adds no
+                           // text)
   }
   std::string piece = s.substr(prefix_.size());
-  const std::size_t new_prefix_index = ids_.size() - prefix_index_;
-  ids_.erase(ids_.begin(), ids_.begin() + static_cast<std::ptrdiff_t>(prefix_index_));
-  auto p = tokenizer_->decode(ids_, options_);
-  if (!p.ok()) return p.error();
-  prefix_ = std::move(*p);
-  prefix_index_ = new_prefix_index;
+
+  // The next window starts at the last token emitted, reaching back while that start decodes to
+  // nothing or to a broken character: decoders that strip leading spaces or drop the first
+  // token's marker (Strip, Metaspace) must not act on text that is already out.
+  const std::size_t emitted = ids_.size();
+  std::size_t start = emitted - 1;
+  std::string prefix;
+  while (true) {
+    auto p = decode_range(start, emitted);
+    if (!p.ok()) return p.error();
+    prefix = std::move(*p);
+    if ((!prefix.empty() && !starts_with_replacement(prefix)) || start == 0 ||
+        emitted - start >= kMaxWindow) {
+      break;
+    }
+    --start;
+  }
+  // Forget what lies before the window so memory stays bounded on long streams.
+  ids_.erase(ids_.begin(), ids_.begin() + static_cast<std::ptrdiff_t>(start));
+  window_ = 0;
+  prefix_ = std::move(prefix);
   return piece;
 }
 
 Expected<std::string> DecodeStream::finish() {
-  if (ids_.empty()) return std::string();
-  auto full = tokenizer_->decode(ids_, options_);
+  auto full = decode_range(window_, ids_.size());
   if (!full.ok()) return full.error();
   std::string rest;
   if (full->size() > prefix_.size() && full->compare(0, prefix_.size(), prefix_) == 0) {
@@ -513,7 +559,7 @@ Expected<std::string> DecodeStream::finish() {
   }
   ids_.clear();
   prefix_.clear();
-  prefix_index_ = 0;
+  window_ = 0;
   return rest;
 }
 

@@ -57,8 +57,9 @@ class Tokenizer {
 
 // Incremental detokenisation for streaming. Each call returns the text that became final with the
 // new token: never a partial UTF-8 character, and the concatenation of every piece (finish()
-// included) equals Tokenizer::decode of all the ids. Same algorithm as the reference library's
-// DecodeStream, so its pieces match too.
+// included) equals Tokenizer::decode of all the ids. Like the reference library's DecodeStream it
+// decodes a short window of recent ids, but the window reaches back past tokens that decode to
+// nothing on their own, which keeps the pieces exact for decoders that strip leading text.
 class DecodeStream {
  public:
   DecodeStream(const Tokenizer& tokenizer, DecodeOptions options = {});
@@ -69,9 +70,12 @@ class DecodeStream {
  private:
   const Tokenizer* tokenizer_;
   DecodeOptions options_;
-  std::vector<std::int32_t> ids_;
-  std::string prefix_;
-  std::size_t prefix_index_ = 0;
+  static constexpr std::size_t kMaxWindow = 64;
+  Expected<std::string> decode_range(std::size_t begin, std::size_t end) const;
+
+  std::vector<std::int32_t> ids_;  // the window's ids, then those not yet emitted
+  std::size_t window_ = 0;
+  std::string prefix_;  // decode of the window's already-emitted ids
 };
 
 }  // namespace moeline::model

@@ -112,8 +112,20 @@ std::string from_utf8_lossy(std::string_view bytes) {
 
 bool is_white_space(char32_t cp) {
   switch (cp) {
-    case 0x09: case 0x0A: case 0x0B: case 0x0C: case 0x0D: case 0x20: case 0x85: case 0xA0:
-    case 0x1680: case 0x2028: case 0x2029: case 0x202F: case 0x205F: case 0x3000:
+    case 0x09:
+    case 0x0A:
+    case 0x0B:
+    case 0x0C:
+    case 0x0D:
+    case 0x20:
+    case 0x85:
+    case 0xA0:
+    case 0x1680:
+    case 0x2028:
+    case 0x2029:
+    case 0x202F:
+    case 0x205F:
+    case 0x3000:
       return true;
     default:
       return cp >= 0x2000 && cp <= 0x200A;
@@ -133,10 +145,17 @@ bool is_word_char(char32_t cp) {
   }
   if (cp == 0x200C || cp == 0x200D) return true;
   switch (category(cp)) {
-    case UTF8PROC_CATEGORY_LU: case UTF8PROC_CATEGORY_LL: case UTF8PROC_CATEGORY_LT:
-    case UTF8PROC_CATEGORY_LM: case UTF8PROC_CATEGORY_LO: case UTF8PROC_CATEGORY_MN:
-    case UTF8PROC_CATEGORY_MC: case UTF8PROC_CATEGORY_ME: case UTF8PROC_CATEGORY_ND:
-    case UTF8PROC_CATEGORY_NL: case UTF8PROC_CATEGORY_PC:
+    case UTF8PROC_CATEGORY_LU:
+    case UTF8PROC_CATEGORY_LL:
+    case UTF8PROC_CATEGORY_LT:
+    case UTF8PROC_CATEGORY_LM:
+    case UTF8PROC_CATEGORY_LO:
+    case UTF8PROC_CATEGORY_MN:
+    case UTF8PROC_CATEGORY_MC:
+    case UTF8PROC_CATEGORY_ME:
+    case UTF8PROC_CATEGORY_ND:
+    case UTF8PROC_CATEGORY_NL:
+    case UTF8PROC_CATEGORY_PC:
       return true;
     default:
       return false;
@@ -159,8 +178,12 @@ bool is_punctuation(char32_t cp) {
            (cp >= 123 && cp <= 126);
   }
   switch (category(cp)) {
-    case UTF8PROC_CATEGORY_PC: case UTF8PROC_CATEGORY_PD: case UTF8PROC_CATEGORY_PS:
-    case UTF8PROC_CATEGORY_PE: case UTF8PROC_CATEGORY_PI: case UTF8PROC_CATEGORY_PF:
+    case UTF8PROC_CATEGORY_PC:
+    case UTF8PROC_CATEGORY_PD:
+    case UTF8PROC_CATEGORY_PS:
+    case UTF8PROC_CATEGORY_PE:
+    case UTF8PROC_CATEGORY_PI:
+    case UTF8PROC_CATEGORY_PF:
     case UTF8PROC_CATEGORY_PO:
       return true;
     default:
@@ -186,16 +209,23 @@ std::string normalize(std::string_view s, NormalForm form) {
 
   int options = UTF8PROC_STABLE;
   switch (form) {
-    case NormalForm::kNFC: options |= UTF8PROC_COMPOSE; break;
-    case NormalForm::kNFD: options |= UTF8PROC_DECOMPOSE; break;
-    case NormalForm::kNFKC: options |= UTF8PROC_COMPOSE | UTF8PROC_COMPAT; break;
-    case NormalForm::kNFKD: options |= UTF8PROC_DECOMPOSE | UTF8PROC_COMPAT; break;
+    case NormalForm::kNFC:
+      options |= UTF8PROC_COMPOSE;
+      break;
+    case NormalForm::kNFD:
+      options |= UTF8PROC_DECOMPOSE;
+      break;
+    case NormalForm::kNFKC:
+      options |= UTF8PROC_COMPOSE | UTF8PROC_COMPAT;
+      break;
+    case NormalForm::kNFKD:
+      options |= UTF8PROC_DECOMPOSE | UTF8PROC_COMPAT;
+      break;
   }
   utf8proc_uint8_t* out = nullptr;
-  const utf8proc_ssize_t n =
-      utf8proc_map(reinterpret_cast<const utf8proc_uint8_t*>(s.data()),
-                   static_cast<utf8proc_ssize_t>(s.size()), &out,
-                   static_cast<utf8proc_option_t>(options));
+  const utf8proc_ssize_t n = utf8proc_map(reinterpret_cast<const utf8proc_uint8_t*>(s.data()),
+                                          static_cast<utf8proc_ssize_t>(s.size()), &out,
+                                          static_cast<utf8proc_option_t>(options));
   if (n < 0) {
     throw ModelError(std::string("unicode normalisation failed: ") +
                      utf8proc_errmsg(static_cast<utf8proc_ssize_t>(n)));
@@ -227,7 +257,8 @@ struct ByteLevelTables {
     int extra = 0;
     for (int b = 0; b < 256; ++b) {
       const bool printable = (b >= '!' && b <= '~') || (b >= 0xA1 && b <= 0xAC) || (b >= 0xAE);
-      const char32_t cp = printable ? static_cast<char32_t>(b) : static_cast<char32_t>(256 + extra++);
+      const char32_t cp =
+          printable ? static_cast<char32_t>(b) : static_cast<char32_t>(256 + extra++);
       append_utf8(chars[b], cp);
       bytes[cp] = b;
     }
@@ -239,7 +270,9 @@ const ByteLevelTables& byte_level_tables() {
 }
 }  // namespace
 
-const std::array<std::string, 256>& byte_level_chars() { return byte_level_tables().chars; }
+const std::array<std::string, 256>& byte_level_chars() {
+  return byte_level_tables().chars;
+}
 
 int byte_level_byte(char32_t cp) {
   return cp < 512 ? byte_level_tables().bytes[cp] : -1;
