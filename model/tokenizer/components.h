@@ -94,6 +94,8 @@ class Bpe {
   std::optional<std::string_view> id_to_token(std::int32_t id) const;
   std::size_t id_count() const { return tokens_.size(); }
   std::size_t vocab_entries() const { return vocab_.size(); }
+  // Whether `id` is one of the <0xXX> tokens byte fallback produces.
+  bool is_fallback_byte(std::int32_t id) const;
 
  private:
   void merge_word(std::string_view piece, std::vector<std::int32_t>& out) const;

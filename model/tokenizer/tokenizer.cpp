@@ -486,6 +486,10 @@ bool Tokenizer::is_special(std::int32_t id) const {
   return it != impl_->added_by_id.end() && impl_->added[it->second].special;
 }
 
+bool Tokenizer::is_fallback_byte(std::int32_t id) const {
+  return !impl_->added_by_id.count(id) && impl_->model->is_fallback_byte(id);
+}
+
 // ---------------------------------------------------------------------------------------------
 // Streaming
 // ---------------------------------------------------------------------------------------------
@@ -519,6 +523,9 @@ Expected<std::string> DecodeStream::step(std::int32_t id) {
     ids_.pop_back();
     return full.error();
   }
+  // A run of fallback bytes decodes as a whole: one byte more can turn characters already
+  // decoded into replacement characters. Nothing is final until the run ends.
+  if (tokenizer_->is_fallback_byte(id)) return std::string();
   const std::string& s = *full;
   if (s.size() <= prefix_.size() || ends_with_replacement(s) ||
       s.compare(0, prefix_.size(), prefix_) != 0) {

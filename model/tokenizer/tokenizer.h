@@ -47,6 +47,8 @@ class Tokenizer {
   std::optional<std::int32_t> token_to_id(std::string_view token) const;
   std::optional<std::string> id_to_token(std::int32_t id) const;
   bool is_special(std::int32_t id) const;
+  // A byte-fallback token (<0xXX>): its text depends on the bytes around it.
+  bool is_fallback_byte(std::int32_t id) const;
 
   const TokenizerImpl& impl() const { return *impl_; }
 
