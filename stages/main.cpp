@@ -15,6 +15,7 @@ commands:
   run          load a checkpoint and generate in this process (moeline run --help)
   tokenize     text on stdin -> token ids as a JSON array (moeline tokenize --help)
   detokenize   JSON array of token ids on stdin -> text (moeline detokenize --help)
+  chat-template  JSON messages on stdin -> the model's chat prompt (moeline chat-template --help)
   version      print the version
 )";
 
@@ -28,6 +29,7 @@ int main(int argc, char** argv) {
   const std::string command = argv[1];
   if (command == "run") return moeline::stages::run_command(argc - 2, argv + 2);
   if (command == "tokenize") return moeline::stages::tokenize_command(argc - 2, argv + 2);
+  if (command == "chat-template") return moeline::stages::chat_template_command(argc - 2, argv + 2);
   if (command == "detokenize") return moeline::stages::detokenize_command(argc - 2, argv + 2);
   if (command == "version") {
     std::cout << "moeline 0.1.0\n";

@@ -4,6 +4,7 @@
 #include <charconv>
 #include <chrono>
 #include <cstdio>
+#include <filesystem>
 #include <iostream>
 #include <map>
 #include <nlohmann/json.hpp>
@@ -18,18 +19,25 @@
 #include "model/forward.h"
 #include "model/generator.h"
 #include "model/model.h"
+#include "model/tokenizer/chat_template.h"
+#include "model/tokenizer/tokenizer.h"
 #include "offload/resident_provider.h"
 #include "stages/npy.h"
 
 namespace moeline::stages {
 namespace {
 
-constexpr const char* kUsage = R"(usage: moeline run --model DIR --tokens 1,2,3 [options]
+constexpr const char* kUsage =
+    R"(usage: moeline run --model DIR (--prompt TEXT [--chat] | --tokens 1,2,3) [options]
 
 Loads a Hugging Face checkpoint (Mixtral or Qwen3-MoE) and generates in this process.
 
-  --model DIR          checkpoint folder (config.json + safetensors)
-  --tokens IDS         prompt token ids, comma-separated
+  --model DIR          checkpoint folder (config.json + safetensors + tokenizer.json)
+  --prompt TEXT        prompt text, tokenized with the model's tokenizer.json; prints the text
+  --chat               wrap --prompt as a user turn with the model's chat template
+                       (tokenizer_config.json) and end with the assistant's turn
+  --system TEXT        with --chat: a system message before the user turn
+  --tokens IDS         prompt token ids, comma-separated; prints the ids
   --max-tokens N       tokens to generate (default 16)
   --temperature T      0 = greedy (default 0)
   --top-k K            keep the K most likely tokens (default 0 = all)
@@ -75,6 +83,9 @@ std::vector<int32_t> parse_ids(const std::string& flag, const std::string& text)
 struct RunOptions {
   std::string model_dir;
   std::vector<int32_t> tokens;
+  std::optional<std::string> prompt;
+  std::optional<std::string> system;
+  bool chat = false;
   model::SamplingParams sampling;
   int threads = 0;
   bool json = false;
@@ -87,7 +98,7 @@ RunOptions parse(int argc, char** argv) {
       {"--model", true},   {"--tokens", true},     {"--max-tokens", true}, {"--temperature", true},
       {"--top-k", true},   {"--top-p", true},      {"--seed", true},       {"--stop-ids", true},
       {"--threads", true}, {"--logits-out", true}, {"--json", false},      {"--ignore-eos", false},
-      {"--prompt", true}};
+      {"--prompt", true},  {"--chat", false},      {"--system", true}};
   for (int i = 0; i < argc; ++i) {
     const std::string flag = argv[i];
     auto known = flags_with_value.find(flag);
@@ -122,11 +133,20 @@ RunOptions parse(int argc, char** argv) {
     else if (flag == "--ignore-eos")
       options.sampling.ignore_eos = true;
     else if (flag == "--prompt")
-      throw UsageError(
-          "--prompt needs the tokenizer, which this build does not have yet; use --tokens");
+      options.prompt = value;
+    else if (flag == "--chat")
+      options.chat = true;
+    else if (flag == "--system")
+      options.system = value;
   }
   if (options.model_dir.empty()) throw UsageError("--model DIR is required");
-  if (options.tokens.empty()) throw UsageError("--tokens is required (comma-separated ids)");
+  if (options.prompt && !options.tokens.empty())
+    throw UsageError("give either --prompt or --tokens, not both");
+  if (!options.prompt && options.tokens.empty())
+    throw UsageError("--prompt TEXT or --tokens IDS is required");
+  if ((options.chat || options.system) && !options.prompt)
+    throw UsageError("--chat and --system go with --prompt");
+  if (options.system && !options.chat) throw UsageError("--system needs --chat");
   if (options.threads < 0) throw UsageError("--threads must be >= 1");
   if (options.threads == 0)
     options.threads = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
@@ -159,6 +179,33 @@ int run_command(int argc, char** argv) {
   } catch (const UsageError& e) {
     std::cerr << kUsage;
     return fail(e.what(), 2);
+  }
+
+  // Text in, text out: the tokenizer (and for --chat the template) load before the weights so a
+  // bad prompt fails fast.
+  std::optional<model::Tokenizer> tokenizer;
+  if (options.prompt) {
+    auto loaded_tokenizer = model::Tokenizer::load(
+        (std::filesystem::path(options.model_dir) / "tokenizer.json").string());
+    if (!loaded_tokenizer) return fail(loaded_tokenizer.error().message, 2);
+    tokenizer = std::move(*loaded_tokenizer);
+    std::string text = *options.prompt;
+    if (options.chat) {
+      auto chat = model::ChatTemplate::load(
+          (std::filesystem::path(options.model_dir) / "tokenizer_config.json").string());
+      if (!chat) return fail(chat.error().message, 2);
+      std::vector<model::ChatMessage> messages;
+      if (options.system) messages.push_back({"system", *options.system});
+      messages.push_back({"user", text});
+      auto rendered = chat->render(messages);
+      if (!rendered) return fail(rendered.error().message, 2);
+      text = std::move(*rendered);
+    }
+    // A rendered chat already carries its special tokens (as transformers' apply_chat_template).
+    auto ids = tokenizer->encode(text, {.add_special_tokens = !options.chat});
+    if (!ids) return fail("--prompt: " + ids.error().message, 2);
+    if (ids->empty()) return fail("--prompt: the prompt has no tokens", 2);
+    options.tokens = std::move(*ids);
   }
 
   const auto load_start = std::chrono::steady_clock::now();
@@ -205,6 +252,18 @@ int run_command(int argc, char** argv) {
             << " prefill_tokens_per_second=" << prefill_rate
             << " decode_tokens_per_second=" << decode_rate << '\n';
 
+  std::string text;
+  if (tokenizer) {
+    // Ids the model can emit but the tokenizer has no text for are left out of the text.
+    std::vector<int32_t> known;
+    for (int32_t id : result.tokens) {
+      if (tokenizer->id_to_token(id)) known.push_back(id);
+    }
+    auto decoded_text = tokenizer->decode(known, {.skip_special_tokens = true});
+    if (!decoded_text) return fail(decoded_text.error().message, 1);
+    text = std::move(*decoded_text);
+  }
+
   if (options.json) {
     nlohmann::json out = {
         {"ids", result.tokens},
@@ -216,7 +275,10 @@ int run_command(int argc, char** argv) {
           {"decode_seconds", result.decode_seconds},
           {"prefill_tokens_per_second", prefill_rate},
           {"decode_tokens_per_second", decode_rate}}}};
-    std::cout << out.dump() << '\n';
+    if (tokenizer) out["text"] = text;
+    std::cout << out.dump(-1, ' ', false, nlohmann::json::error_handler_t::replace) << '\n';
+  } else if (tokenizer) {
+    std::cout << text << '\n';
   } else {
     for (size_t i = 0; i < result.tokens.size(); ++i)
       std::cout << (i ? "," : "") << result.tokens[i];

@@ -8,6 +8,7 @@
 #include <string>
 #include <vector>
 
+#include "model/tokenizer/chat_template.h"
 #include "model/tokenizer/tokenizer.h"
 
 namespace moeline::stages {
@@ -31,10 +32,20 @@ Reads a JSON array of token ids on stdin and prints the decoded text.
   --skip-special     leave special tokens out of the text
 )";
 
-std::string resolve(const std::string& path) {
+constexpr const char* kChatTemplateUsage =
+    R"(usage: moeline chat-template --tokenizer PATH [--no-generation-prompt] [--no-thinking]
+
+Reads a JSON array of messages ([{"role": "user", "content": "..."}, ...]) on stdin and prints the
+prompt the model's chat template makes of them.
+
+  --tokenizer PATH         tokenizer_config.json, or a model folder that holds one
+  --no-generation-prompt   do not end with the opening of the assistant's turn
+  --no-thinking            Qwen3: enable_thinking=false (an empty thinking block)
+)";
+
+std::string resolve(const std::string& path, const char* file = "tokenizer.json") {
   std::error_code ec;
-  if (std::filesystem::is_directory(path, ec))
-    return (std::filesystem::path(path) / "tokenizer.json").string();
+  if (std::filesystem::is_directory(path, ec)) return (std::filesystem::path(path) / file).string();
   return path;
 }
 
@@ -129,6 +140,60 @@ int detokenize_command(int argc, char** argv) {
     return 1;
   }
   auto text = tokenizer->decode(ids, {.skip_special_tokens = args.flag});
+  if (!text.ok()) {
+    std::cerr << "moeline: error: " << text.error().message << "\n";
+    return 1;
+  }
+  std::cout << *text;
+  return 0;
+}
+
+int chat_template_command(int argc, char** argv) {
+  std::string path;
+  model::ChatOptions options;
+  for (int i = 0; i < argc; ++i) {
+    const std::string a = argv[i];
+    if (a == "--help" || a == "-h") {
+      std::cout << kChatTemplateUsage;
+      return 0;
+    }
+    if (a == "--tokenizer" && i + 1 < argc) {
+      path = argv[++i];
+    } else if (a == "--no-generation-prompt") {
+      options.add_generation_prompt = false;
+    } else if (a == "--no-thinking") {
+      options.enable_thinking = false;
+    } else {
+      std::cerr << "moeline: error: unexpected argument '" << a << "'\n" << kChatTemplateUsage;
+      return 2;
+    }
+  }
+  if (path.empty()) {
+    std::cerr << "moeline: error: --tokenizer PATH is required\n" << kChatTemplateUsage;
+    return 2;
+  }
+  auto chat = model::ChatTemplate::load(resolve(path, "tokenizer_config.json"));
+  if (!chat.ok()) {
+    std::cerr << "moeline: error: " << chat.error().message << "\n";
+    return 1;
+  }
+  std::vector<model::ChatMessage> messages;
+  try {
+    const auto parsed = nlohmann::json::parse(read_stdin());
+    if (!parsed.is_array()) throw std::invalid_argument("expected a JSON array of messages");
+    for (const auto& m : parsed) {
+      if (!m.is_object() || !m.contains("role") || !m["role"].is_string() ||
+          !m.contains("content") || !m["content"].is_string()) {
+        throw std::invalid_argument("each message needs string \"role\" and \"content\", got " +
+                                    m.dump());
+      }
+      messages.push_back({m["role"].get<std::string>(), m["content"].get<std::string>()});
+    }
+  } catch (const std::exception& e) {
+    std::cerr << "moeline: error: stdin: " << e.what() << "\n";
+    return 1;
+  }
+  auto text = chat->render(messages, options);
   if (!text.ok()) {
     std::cerr << "moeline: error: " << text.error().message << "\n";
     return 1;

@@ -5,5 +5,6 @@ namespace moeline::stages {
 
 int tokenize_command(int argc, char** argv);
 int detokenize_command(int argc, char** argv);
+int chat_template_command(int argc, char** argv);
 
 }  // namespace moeline::stages

