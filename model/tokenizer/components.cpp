@@ -243,7 +243,11 @@ Pattern parse_pattern(json::element e, const std::string& where) {
     return Pattern::literal(std::string(json::as_string(*s, where + ".String")));
   }
   if (auto r = json::member(o, "Regex")) {
-    return Pattern::regex(json::as_string(*r, where + ".Regex"));
+    try {
+      return Pattern::regex(json::as_string(*r, where + ".Regex"));
+    } catch (const ModelError& error) {
+      json::fail(where + ".Regex", error.what());
+    }
   }
   json::fail(where, "expected {\"String\": ...} or {\"Regex\": ...}");
 }
@@ -914,7 +918,7 @@ struct MergeCandidate {
 
 Bpe::Bpe(std::vector<std::string_view> tokens, std::vector<bool> present,
          const std::vector<std::pair<std::string_view, std::string_view>>& merges, Options options,
-         std::string arena)
+         std::unique_ptr<const std::string> arena)
     : arena_(std::move(arena)),
       tokens_(std::move(tokens)),
       present_(std::move(present)),

@@ -87,7 +87,7 @@ class Bpe {
   // `tokens[id]` is the token text of id (empty and absent for holes in the id range).
   Bpe(std::vector<std::string_view> tokens, std::vector<bool> present,
       const std::vector<std::pair<std::string_view, std::string_view>>& merges, Options options,
-      std::string arena);
+      std::unique_ptr<const std::string> arena);
 
   void tokenize(std::string_view piece, std::vector<std::int32_t>& out) const;
   std::optional<std::int32_t> token_to_id(std::string_view token) const;
@@ -100,7 +100,9 @@ class Bpe {
  private:
   void merge_word(std::string_view piece, std::vector<std::int32_t>& out) const;
 
-  std::string arena_;  // owns the token text the views below point into
+  // Owns the token text the views below point into; held by pointer so that moving the model
+  // never moves the characters (a short std::string keeps them inline).
+  std::unique_ptr<const std::string> arena_;
   std::vector<std::string_view> tokens_;
   std::vector<bool> present_;
   FlatStringMap vocab_;

@@ -268,12 +268,12 @@ std::unique_ptr<tok::Bpe> load_bpe(tok::json::object m, const std::string& where
       }
     }
   }
-  std::string arena;
-  arena.reserve(bytes);
+  auto arena = std::make_unique<std::string>();
+  arena->reserve(bytes);  // never reallocates below, so the views stay valid
   auto keep = [&](std::string_view s) {
-    const std::size_t at = arena.size();
-    arena.append(s);
-    return std::string_view(arena.data() + at, s.size());
+    const std::size_t at = arena->size();
+    arena->append(s);
+    return std::string_view(arena->data() + at, s.size());
   };
 
   std::vector<std::string_view> tokens;
@@ -400,7 +400,8 @@ Expected<Tokenizer> Tokenizer::from_json(std::string_view json_text, const std::
   try {
     return Tokenizer(build(json_text, origin));
   } catch (const ModelError& e) {
-    return Error{e.what()};
+    const std::string message = e.what();
+    return Error{message.rfind(origin, 0) == 0 ? message : origin + ": " + message};
   } catch (const std::bad_alloc&) {
     return Error{origin + ": out of memory while loading the tokenizer"};
   }

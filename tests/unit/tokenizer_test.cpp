@@ -1,0 +1,178 @@
+// Tokenizer properties that the parity test (tests/parity) does not reach: error values for bad
+// input, streaming at UTF-8 boundaries, thread safety, and round trips on the generated models'
+// tokenizers.
+#include <gtest/gtest.h>
+
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "model/tokenizer/chat_template.h"
+#include "model/tokenizer/tokenizer.h"
+#include "model/tokenizer/unicode.h"
+
+namespace moeline::model {
+namespace {
+
+std::string model_tokenizer(const char* name) {
+  return std::string(MOELINE_TEST_MODELS) + "/" + name + "/tokenizer.json";
+}
+
+const std::vector<std::string> kSamples = {
+    "Hello world", "  two  spaces\tand\ttabs\n\nnewlines",
+    "你好，世界",  "日本語のテキスト",
+    "한국어",      "🤷‍♂️👨‍👩‍👧‍👦 emoji",
+    "café",        "x = f(1, 2) // code",
+    "1234567890",  "",
+};
+
+TEST(Tokenizer, ByteLevelRoundTripsEveryValidText) {
+  auto tok = Tokenizer::load(model_tokenizer("qwen3-f32"));
+  ASSERT_TRUE(tok.ok()) << tok.error().message;
+  for (const std::string& s : kSamples) {
+    auto ids = tok->encode(s, {.add_special_tokens = false});
+    ASSERT_TRUE(ids.ok()) << ids.error().message;
+    auto back = tok->decode(*ids);
+    ASSERT_TRUE(back.ok());
+    // NFC leaves these samples unchanged, so byte-level BPE must give back the exact bytes.
+    EXPECT_EQ(*back, s);
+    for (int32_t id : *ids) EXPECT_LT(static_cast<std::size_t>(id), tok->vocab_size());
+  }
+}
+
+TEST(Tokenizer, ByteFallbackRoundTripsAndAddsBos) {
+  auto tok = Tokenizer::load(model_tokenizer("mixtral-f32"));
+  ASSERT_TRUE(tok.ok()) << tok.error().message;
+  for (const std::string& s : kSamples) {
+    auto ids = tok->encode(s);
+    ASSERT_TRUE(ids.ok());
+    ASSERT_FALSE(ids->empty());
+    EXPECT_EQ(ids->front(), 1) << "the post-processor adds <s>";
+    auto back = tok->decode(*ids, {.skip_special_tokens = true});
+    ASSERT_TRUE(back.ok());
+    EXPECT_EQ(*back, s);
+  }
+}
+
+TEST(Tokenizer, InvalidUtf8IsAnErrorNamingTheOffset) {
+  auto tok = Tokenizer::load(model_tokenizer("qwen3-f32"));
+  ASSERT_TRUE(tok.ok());
+  for (const std::string& bad : {std::string("ok\xff"), std::string("ab\xe4\xbd"),
+                                 std::string("\xc0\x80"), std::string("x\xed\xa0\x80")}) {
+    auto ids = tok->encode(bad);
+    ASSERT_FALSE(ids.ok());
+    EXPECT_NE(ids.error().message.find("not valid UTF-8"), std::string::npos);
+    EXPECT_NE(ids.error().message.find("offset"), std::string::npos);
+  }
+}
+
+TEST(Tokenizer, UnknownIdIsAnError) {
+  auto tok = Tokenizer::load(model_tokenizer("qwen3-f32"));
+  ASSERT_TRUE(tok.ok());
+  auto text = tok->decode({1, static_cast<int32_t>(tok->vocab_size()) + 5});
+  ASSERT_FALSE(text.ok());
+  EXPECT_NE(text.error().message.find("not in the tokenizer's vocabulary"), std::string::npos);
+}
+
+TEST(Tokenizer, StreamNeverSplitsACharacterAndJoinsToTheFullDecode) {
+  for (const char* model : {"qwen3-f32", "mixtral-f32"}) {
+    auto tok = Tokenizer::load(model_tokenizer(model));
+    ASSERT_TRUE(tok.ok());
+    for (const std::string& s : kSamples) {
+      auto ids = tok->encode(s);
+      ASSERT_TRUE(ids.ok());
+      DecodeStream stream(*tok);
+      std::string joined;
+      for (int32_t id : *ids) {
+        auto piece = stream.step(id);
+        ASSERT_TRUE(piece.ok());
+        EXPECT_EQ(text::find_invalid_utf8(*piece), std::string::npos);
+        EXPECT_EQ(piece->find("\xEF\xBF\xBD"), std::string::npos) << model << ": " << s;
+        joined += *piece;
+      }
+      auto rest = stream.finish();
+      ASSERT_TRUE(rest.ok());
+      joined += *rest;
+      EXPECT_EQ(joined, *tok->decode(*ids)) << model << ": " << s;
+    }
+  }
+}
+
+TEST(Tokenizer, StreamHoldsAnIncompleteCharacterUntilItCompletes) {
+  auto tok = Tokenizer::load(model_tokenizer("qwen3-f32"));
+  ASSERT_TRUE(tok.ok());
+  // One byte-level token per byte of a 4-byte emoji: nothing may come out before the fourth.
+  std::vector<int32_t> ids;
+  for (unsigned char b : std::string("\xF0\x9F\xA4\xB7")) {
+    ids.push_back(*tok->token_to_id(text::byte_level_chars()[b]));
+  }
+  DecodeStream stream(*tok);
+  for (std::size_t i = 0; i + 1 < ids.size(); ++i) EXPECT_EQ(*stream.step(ids[i]), "");
+  EXPECT_EQ(*stream.step(ids.back()), "\xF0\x9F\xA4\xB7");
+}
+
+TEST(Tokenizer, MalformedFilesAreErrorsThatSayWhere) {
+  const std::vector<std::pair<std::string, std::string>> cases = {
+      {"{", "not valid JSON"},
+      {"[]", "expected an object"},
+      {R"({"model": {"type": "WordPiece", "vocab": {}}})", "unsupported model type \"WordPiece\""},
+      {R"({"model": {"type": "BPE", "vocab": {"a": 0}, "merges": ["a b"]}})",
+       "token \"b\" is not in the vocab"},
+      {R"({"model": {"type": "BPE", "vocab": {"a": 0}, "merges": ["a"]}})", "exactly one space"},
+      {R"({"model": {"type": "BPE", "vocab": {"a": -1}, "merges": []}})", "id out of range"},
+      {R"({"model": {"type": "BPE", "vocab": {"a": "x"}, "merges": []}})", "expected an integer"},
+      {R"({"model": {"type": "BPE", "merges": []}})", "missing key \"vocab\""},
+      {R"({"model": {"type": "BPE", "vocab": {}, "merges": []},
+           "normalizer": {"type": "Precompiled"}})",
+       "unsupported normalizer type \"Precompiled\""},
+      {R"({"model": {"type": "BPE", "vocab": {}, "merges": []},
+           "pre_tokenizer": {"type": "Split", "pattern": {"Regex": "(unclosed"},
+                             "behavior": "Isolated"}})",
+       "does not compile"},
+      {R"({"model": {"type": "BPE", "vocab": {}, "merges": []},
+           "decoder": {"type": "Strip", "content": "ab", "start": 1, "stop": 0}})",
+       "exactly one character"},
+      {R"({"model": {"type": "BPE", "vocab": {}, "merges": [], "dropout": 0.1}})", "dropout"},
+      {R"({"model": {"type": "BPE", "vocab": {}, "merges": [], "unk_token": "<unk>"}})",
+       "unk_token"},
+  };
+  for (const auto& [json, expected] : cases) {
+    auto tok = Tokenizer::from_json(json, "test.json");
+    ASSERT_FALSE(tok.ok()) << json;
+    EXPECT_NE(tok.error().message.find(expected), std::string::npos)
+        << "got: " << tok.error().message;
+    EXPECT_EQ(tok.error().message.rfind("test.json", 0), 0u) << tok.error().message;
+  }
+  EXPECT_FALSE(Tokenizer::load("/nonexistent/tokenizer.json").ok());
+}
+
+TEST(Tokenizer, ConcurrentEncodesAgree) {
+  auto tok = Tokenizer::load(model_tokenizer("qwen3-f32"));
+  ASSERT_TRUE(tok.ok());
+  std::string text;
+  for (int i = 0; i < 200; ++i) text += kSamples[i % kSamples.size()] + " ";
+  const auto expected = *tok->encode(text);
+  std::vector<std::thread> threads;
+  std::vector<int> ok(4, 0);
+  for (int t = 0; t < 4; ++t) {
+    threads.emplace_back([&, t] {
+      bool all = true;
+      for (int k = 0; k < 20; ++k) all = all && *tok->encode(text) == expected;
+      ok[t] = all;
+    });
+  }
+  for (auto& th : threads) th.join();
+  for (int v : ok) EXPECT_TRUE(v);
+}
+
+TEST(ChatTemplate, UnknownTemplatesAndRolesAreRefused) {
+  EXPECT_FALSE(ChatTemplate::from_template("{{ messages }}", "", "").ok());
+  auto mistral = ChatTemplate::from_template("[INST]", "<s>", "</s>");
+  ASSERT_TRUE(mistral.ok());
+  EXPECT_FALSE(mistral->render({{"tool", "x"}}).ok());
+  EXPECT_FALSE(mistral->render({}).ok());
+  EXPECT_EQ(*mistral->render({{"user", "hi"}, {"assistant", "yo"}}), "<s>[INST] hi [/INST]yo</s>");
+}
+
+}  // namespace
+}  // namespace moeline::model
