@@ -316,10 +316,10 @@ std::unique_ptr<tok::Bpe> load_bpe(tok::json::object m, const std::string& where
                                     std::move(options), std::move(arena));
 }
 
-std::shared_ptr<TokenizerImpl> build(std::string_view json_text, const std::string& origin) {
+std::shared_ptr<TokenizerImpl> build(const simdjson::padded_string& padded,
+                                     const std::string& origin) {
   namespace json = tok::json;
   simdjson::dom::parser parser;
-  simdjson::padded_string padded(json_text);
   json::element root;
   if (auto error = parser.parse(padded).get(root)) {
     throw ModelError(origin + ": not valid JSON (" + simdjson::error_message(error) + ")");
@@ -398,7 +398,7 @@ std::shared_ptr<TokenizerImpl> build(std::string_view json_text, const std::stri
 
 Expected<Tokenizer> Tokenizer::from_json(std::string_view json_text, const std::string& origin) {
   try {
-    return Tokenizer(build(json_text, origin));
+    return Tokenizer(build(simdjson::padded_string(json_text), origin));
   } catch (const ModelError& e) {
     const std::string message = e.what();
     return Error{message.rfind(origin, 0) == 0 ? message : origin + ": " + message};
@@ -408,12 +408,18 @@ Expected<Tokenizer> Tokenizer::from_json(std::string_view json_text, const std::
 }
 
 Expected<Tokenizer> Tokenizer::load(const std::string& path) {
-  std::ifstream in(path, std::ios::binary);
-  if (!in) return Error{path + ": cannot open tokenizer file"};
-  std::ostringstream buffer;
-  buffer << in.rdbuf();
-  if (!in.good() && !in.eof()) return Error{path + ": read error"};
-  return from_json(buffer.view(), path);
+  simdjson::padded_string content;
+  if (simdjson::padded_string::load(path).get(content)) {
+    return Error{path + ": cannot open tokenizer file"};
+  }
+  try {
+    return Tokenizer(build(content, path));
+  } catch (const ModelError& e) {
+    const std::string message = e.what();
+    return Error{message.rfind(path, 0) == 0 ? message : path + ": " + message};
+  } catch (const std::bad_alloc&) {
+    return Error{path + ": out of memory while loading the tokenizer"};
+  }
 }
 
 Expected<std::vector<std::int32_t>> Tokenizer::encode(std::string_view input,
