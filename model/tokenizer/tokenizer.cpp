@@ -227,6 +227,10 @@ std::optional<std::string> TokenizerImpl::token_text(std::int32_t id) const {
 
 namespace {
 
+// Real vocabularies stay below a million entries; the bound keeps a corrupt id from sizing the
+// id table to gigabytes.
+constexpr std::int64_t kMaxTokenId = (1 << 24) - 1;
+
 std::unique_ptr<tok::Bpe> load_bpe(tok::json::object m, const std::string& where) {
   namespace json = tok::json;
   if (auto type = json::member(m, "type")) {
@@ -281,8 +285,9 @@ std::unique_ptr<tok::Bpe> load_bpe(tok::json::object m, const std::string& where
   for (auto field : vocab) {
     const std::int64_t id =
         json::as_int(field.value, where + ".vocab[\"" + std::string(field.key) + "\"]");
-    if (id < 0 || id > (1 << 30)) {
-      json::fail(where + ".vocab[\"" + std::string(field.key) + "\"]", "id out of range");
+    if (id < 0 || id > kMaxTokenId) {
+      json::fail(where + ".vocab[\"" + std::string(field.key) + "\"]",
+                 "id out of range (0.." + std::to_string(kMaxTokenId) + ")");
     }
     if (static_cast<std::size_t>(id) >= tokens.size()) {
       tokens.resize(static_cast<std::size_t>(id) + 1);
@@ -351,7 +356,9 @@ std::shared_ptr<TokenizerImpl> build(const simdjson::padded_string& padded,
       json::object o = json::as_object(e, at);
       AddedToken t;
       const std::int64_t declared = json::as_int(json::required(o, "id", at), at + ".id");
-      if (declared < 0 || declared > (1 << 30)) json::fail(at + ".id", "id out of range");
+      if (declared < 0 || declared > kMaxTokenId) {
+        json::fail(at + ".id", "id out of range (0.." + std::to_string(kMaxTokenId) + ")");
+      }
       t.content = json::as_string(json::required(o, "content", at), at + ".content");
       if (t.content.empty()) continue;  // the reference ignores empty tokens
       t.single_word = json::bool_or(o, "single_word", false, at);
