@@ -4,6 +4,7 @@
 #include <charconv>
 #include <chrono>
 #include <cstdio>
+#include <cstdlib>
 #include <filesystem>
 #include <iostream>
 #include <map>
@@ -32,7 +33,8 @@ constexpr const char* kUsage =
 
 Loads a Hugging Face checkpoint (Mixtral or Qwen3-MoE) and generates in this process.
 
-  --model DIR          checkpoint folder (config.json + safetensors + tokenizer.json)
+  --model DIR          checkpoint folder (config.json + safetensors + tokenizer.json); default:
+                       $MOELINE_MODEL, else the embedded demo model (models/demo-qwen3-moe)
   --prompt TEXT        prompt text, tokenized with the model's tokenizer.json; prints the text
   --chat               wrap --prompt as a user turn with the model's chat template
                        (tokenizer_config.json) and end with the assistant's turn
@@ -92,6 +94,13 @@ struct RunOptions {
   std::string logits_out;
 };
 
+// The model `moeline run` uses without --model: $MOELINE_MODEL, else the demo model that ships in
+// the source tree.
+std::string default_model_dir() {
+  if (const char* env = std::getenv("MOELINE_MODEL"); env != nullptr && *env != '\0') return env;
+  return MOELINE_DEFAULT_MODEL;
+}
+
 RunOptions parse(int argc, char** argv) {
   RunOptions options;
   const std::map<std::string, bool> flags_with_value = {
@@ -139,7 +148,7 @@ RunOptions parse(int argc, char** argv) {
     else if (flag == "--system")
       options.system = value;
   }
-  if (options.model_dir.empty()) throw UsageError("--model DIR is required");
+  if (options.model_dir.empty()) options.model_dir = default_model_dir();
   if (options.prompt && !options.tokens.empty())
     throw UsageError("give either --prompt or --tokens, not both");
   if (!options.prompt && options.tokens.empty())
@@ -153,6 +162,13 @@ RunOptions parse(int argc, char** argv) {
   if (model::Status status = options.sampling.validate(); !status.ok())
     throw UsageError(status.error().message);
   return options;
+}
+
+bool has_model_flag(int argc, char** argv) {
+  for (int i = 0; i < argc; ++i) {
+    if (std::string(argv[i]) == "--model") return true;
+  }
+  return false;
 }
 
 double seconds_since(std::chrono::steady_clock::time_point start) {
@@ -181,6 +197,12 @@ int run_command(int argc, char** argv) {
     return fail(e.what(), 2);
   }
 
+  if (std::error_code ec; !std::filesystem::is_directory(options.model_dir, ec)) {
+    return fail(
+        "model folder " + options.model_dir + " does not exist" +
+            (has_model_flag(argc, argv) ? "" : " (no --model given: this is the default model)"),
+        2);
+  }
   // Text in, text out: the tokenizer (and for --chat the template) load before the weights so a
   // bad prompt fails fast.
   std::optional<model::Tokenizer> tokenizer;

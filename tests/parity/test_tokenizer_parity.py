@@ -159,6 +159,8 @@ def main():
     ap.add_argument("--node-modules", required=True)
     ap.add_argument("--workdir", required=True)
     ap.add_argument("--make-model", help="also check the tokenizers make-model attaches")
+    ap.add_argument("--extra", action="append", default=[], metavar="NAME=TOKENIZER_JSON",
+                    help="another tokenizer file to check (e.g. the demo model's)")
     args = ap.parse_args()
     os.makedirs(args.workdir, exist_ok=True)
 
@@ -175,6 +177,10 @@ def main():
                 run([args.make_model, "--arch", arch, "--preset", preset, "--tokenizer-only",
                      "--out", out])
                 tokenizers.append((f"make-model-{arch}-{preset}", os.path.join(out, "tokenizer.json")))
+
+    for item in args.extra:
+        name, _, path = item.partition("=")
+        tokenizers.append((name, path))
 
     failures, checked = [], 0
     for name, path in tokenizers:

@@ -319,6 +319,10 @@ def moe(model, layer, x, c, stats):
         gap = float(np.min(kth - nxt))
         stats["min_router_gap"] = min(stats.get("min_router_gap", np.inf), gap)
 
+    if stats is not None:
+        counts = stats.setdefault("expert_counts", {})
+        counts[layer] = counts.get(layer, 0) + np.bincount(top.reshape(-1), minlength=ne)
+
     out = np.zeros_like(x)
     for e in range(ne):
         rows, slot = np.nonzero(top == e)
@@ -333,7 +337,8 @@ def forward_logits(model, tokens, stats=None):
     """Logits for every position, float64 [len(tokens), vocab]. Positions start at 0.
 
     If `stats` is a dict it receives "min_router_gap": the smallest margin between the k-th and
-    (k+1)-th router probability over all tokens and MoE layers (inf when no MoE layer).
+    (k+1)-th router probability over all tokens and MoE layers (inf when no MoE layer), and
+    "expert_counts": {layer: per-expert count of top-k selections}, accumulated across calls.
     """
     c = model.config
     tokens = np.asarray(tokens, dtype=np.int64)
