@@ -131,13 +131,10 @@ void split_piece(Piece&& piece, const std::vector<MatchSpan>& matches, SplitBeha
       break;
     }
   }
-  bool first = true;
   for (const Span& p : parts) {
     if (p.is_match || p.begin == p.end) continue;  // is_match here means "remove"
     out.push_back(
         {std::string(s.substr(p.begin, p.end - p.begin)), piece.at_start && p.begin == 0});
-    (void)first;
-    first = false;
   }
 }
 
