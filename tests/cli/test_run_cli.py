@@ -72,7 +72,7 @@ def main():
         "non-numeric token": (["--tokens", "1,x,3"], "--tokens"),
         "token outside the vocabulary": (["--tokens", f"1,{vocab}"], "vocabulary"),
         "unknown option": (["--tokens", "1", "--frobnicate"], "--frobnicate"),
-        "missing model folder": (["--tokens", "1"], "no config.json"),
+        "missing model folder": (["--tokens", "1"], "does not exist"),
     }
     for name, (extra, needle) in bad_inputs.items():
         model_args = ["--model", model] if name != "missing model folder" else ["--model", "/nonexistent/model"]
