@@ -3,6 +3,10 @@
 // tokenizers.
 #include <gtest/gtest.h>
 
+#include <fstream>
+#include <iostream>
+#include <iterator>
+#include <random>
 #include <string>
 #include <thread>
 #include <vector>
@@ -172,6 +176,75 @@ TEST(ChatTemplate, UnknownTemplatesAndRolesAreRefused) {
   EXPECT_FALSE(mistral->render({{"tool", "x"}}).ok());
   EXPECT_FALSE(mistral->render({}).ok());
   EXPECT_EQ(*mistral->render({{"user", "hi"}, {"assistant", "yo"}}), "<s>[INST] hi [/INST]yo</s>");
+}
+
+}  // namespace
+}  // namespace moeline::model
+
+namespace moeline::model {
+namespace {
+
+// Seeded random inputs: arbitrary bytes into encode, arbitrary ids into decode and the stream,
+// and corrupted tokenizer files into the loader. None may crash; every failure is an Error.
+TEST(TokenizerRobustness, RandomBytesIdsAndCorruptFilesNeverCrash) {
+  std::mt19937_64 rng(1234);
+  for (const char* name : {"qwen3-f32", "mixtral-f32"}) {
+    auto tok = Tokenizer::load(model_tokenizer(name));
+    ASSERT_TRUE(tok.ok());
+    for (int i = 0; i < 2000; ++i) {
+      std::string bytes(rng() % 64, '\0');
+      for (char& c : bytes) c = static_cast<char>(rng() % 256);
+      auto ids = tok->encode(bytes);
+      const bool valid = text::find_invalid_utf8(bytes) == std::string::npos;
+      ASSERT_EQ(ids.ok(), valid) << "encode must fail exactly on invalid UTF-8";
+      if (valid) {
+        auto back = tok->decode(*ids, {.skip_special_tokens = true});
+        ASSERT_TRUE(back.ok());
+      }
+      std::vector<int32_t> random_ids(rng() % 16);
+      for (int32_t& id : random_ids) id = static_cast<int32_t>(rng() % (tok->vocab_size() + 8));
+      auto text = tok->decode(random_ids);
+      bool all_known = true;
+      for (int32_t id : random_ids) all_known = all_known && tok->id_to_token(id).has_value();
+      ASSERT_EQ(text.ok(), all_known);
+      if (all_known) {
+        DecodeStream stream(*tok);
+        std::string joined;
+        for (int32_t id : random_ids) joined += *stream.step(id);
+        joined += *stream.finish();
+        ASSERT_EQ(joined, *text);
+      }
+    }
+  }
+  std::ifstream in(model_tokenizer("qwen3-f32"));
+  const std::string good((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  int loaded = 0;
+  for (int i = 0; i < 300; ++i) {
+    std::string bad = good;
+    const int edits = 1 + static_cast<int>(rng() % 4);
+    for (int e = 0; e < edits && !bad.empty(); ++e) {
+      const std::size_t at = rng() % bad.size();
+      switch (rng() % 3) {
+        case 0:
+          bad[at] = static_cast<char>(rng() % 256);
+          break;
+        case 1:
+          bad.erase(at, 1 + rng() % 32);
+          break;
+        default:
+          bad.resize(at);
+          break;
+      }
+    }
+    auto tok = Tokenizer::from_json(bad, "corrupt.json");
+    if (tok.ok()) {
+      ++loaded;  // a corruption that still parses (inside a token's text, say) must still encode
+      EXPECT_TRUE(tok->encode("Hello world \xE4\xBD\xA0\xE5\xA5\xBD").ok());
+    } else {
+      EXPECT_EQ(tok.error().message.rfind("corrupt.json", 0), 0u) << tok.error().message;
+    }
+  }
+  std::cout << "corrupt files that still loaded: " << loaded << " of 300\n";
 }
 
 }  // namespace
