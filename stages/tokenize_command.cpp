@@ -77,6 +77,12 @@ bool parse(int argc, char** argv, const char* flag_name, const char* usage, Args
   return true;
 }
 
+// One `moeline: error:` line; exit status 1.
+int fail(const std::string& message) {
+  std::cerr << "moeline: error: " << message << "\n";
+  return 1;
+}
+
 std::string read_stdin() {
   std::cin >> std::noskipws;
   return std::string(std::istreambuf_iterator<char>(std::cin), std::istreambuf_iterator<char>());
@@ -93,14 +99,12 @@ int tokenize_command(int argc, char** argv) {
   }
   auto tokenizer = model::Tokenizer::load(resolve(args.tokenizer));
   if (!tokenizer.ok()) {
-    std::cerr << "moeline: error: " << tokenizer.error().message << "\n";
-    return 1;
+    return fail(tokenizer.error().message);
   }
   const std::string input = read_stdin();
   auto ids = tokenizer->encode(input, {.add_special_tokens = !args.flag});
   if (!ids.ok()) {
-    std::cerr << "moeline: error: " << ids.error().message << "\n";
-    return 1;
+    return fail(ids.error().message);
   }
   std::string out = "[";
   for (std::size_t i = 0; i < ids->size(); ++i) {
@@ -121,8 +125,7 @@ int detokenize_command(int argc, char** argv) {
   }
   auto tokenizer = model::Tokenizer::load(resolve(args.tokenizer));
   if (!tokenizer.ok()) {
-    std::cerr << "moeline: error: " << tokenizer.error().message << "\n";
-    return 1;
+    return fail(tokenizer.error().message);
   }
   std::vector<std::int32_t> ids;
   try {
@@ -136,13 +139,11 @@ int detokenize_command(int argc, char** argv) {
       ids.push_back(v.get<std::int32_t>());
     }
   } catch (const std::exception& e) {
-    std::cerr << "moeline: error: stdin: " << e.what() << "\n";
-    return 1;
+    return fail(std::string("stdin: ") + e.what());
   }
   auto text = tokenizer->decode(ids, {.skip_special_tokens = args.flag});
   if (!text.ok()) {
-    std::cerr << "moeline: error: " << text.error().message << "\n";
-    return 1;
+    return fail(text.error().message);
   }
   std::cout << *text;
   return 0;
@@ -174,8 +175,7 @@ int chat_template_command(int argc, char** argv) {
   }
   auto chat = model::ChatTemplate::load(resolve(path, "tokenizer_config.json"));
   if (!chat.ok()) {
-    std::cerr << "moeline: error: " << chat.error().message << "\n";
-    return 1;
+    return fail(chat.error().message);
   }
   std::vector<model::ChatMessage> messages;
   try {
@@ -190,13 +190,11 @@ int chat_template_command(int argc, char** argv) {
       messages.push_back({m["role"].get<std::string>(), m["content"].get<std::string>()});
     }
   } catch (const std::exception& e) {
-    std::cerr << "moeline: error: stdin: " << e.what() << "\n";
-    return 1;
+    return fail(std::string("stdin: ") + e.what());
   }
   auto text = chat->render(messages, options);
   if (!text.ok()) {
-    std::cerr << "moeline: error: " << text.error().message << "\n";
-    return 1;
+    return fail(text.error().message);
   }
   std::cout << *text;
   return 0;

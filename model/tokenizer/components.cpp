@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <atomic>
 #include <unordered_map>
+#include <utility>
 
 #include "model/tokenizer/factories.h"
 #include "model/tokenizer/json_util.h"
@@ -174,23 +175,10 @@ class StripNormalizer final : public Normalizer {
  public:
   StripNormalizer(bool left, bool right) : left_(left), right_(right) {}
   void normalize(std::string& s) const override {
-    std::size_t begin = 0, end = s.size();
-    if (left_) {
-      while (begin < end) {
-        std::size_t i = begin;
-        if (!text::is_white_space(text::next_code_point(s, i))) break;
-        begin = i;
-      }
-    }
-    if (right_) {
-      while (end > begin) {
-        const char32_t cp = text::last_code_point(std::string_view(s).substr(0, end));
-        if (!text::is_white_space(cp)) break;
-        std::size_t back = end - 1;
-        while ((static_cast<unsigned char>(s[back]) & 0xC0) == 0x80) --back;
-        end = back;
-      }
-    }
+    const std::size_t begin = left_ ? text::leading_white_space(s) : 0;
+    const std::size_t end =
+        right_ ? text::trailing_white_space_start(std::string_view(s).substr(begin)) + begin
+               : s.size();
     s = s.substr(begin, end - begin);
   }
 
@@ -253,18 +241,26 @@ std::string_view type_of(json::object o, const std::string& where) {
   return json::as_string(json::required(o, "type", where), where + ".type");
 }
 
+// The components of a "Sequence": `make` applied to each element of the list under `key`.
+template <class Make>
+auto parse_sequence(json::object o, std::string_view key, const std::string& where, Make make) {
+  const std::string list = where + "." + std::string(key);
+  std::vector<decltype(make(std::declval<json::element>(), std::string()))> parts;
+  std::size_t i = 0;
+  for (json::element child : json::as_array(json::required(o, key, where), list)) {
+    parts.push_back(make(child, list + "[" + std::to_string(i++) + "]"));
+  }
+  return parts;
+}
+
 }  // namespace
 
 std::unique_ptr<Normalizer> make_normalizer(json::element e, const std::string& where) {
   json::object o = json::as_object(e, where);
   const std::string_view type = type_of(o, where);
   if (type == "Sequence") {
-    std::vector<std::unique_ptr<Normalizer>> parts;
-    std::size_t i = 0;
-    for (json::element child : json::as_array(json::required(o, "normalizers", where), where)) {
-      parts.push_back(make_normalizer(child, where + ".normalizers[" + std::to_string(i++) + "]"));
-    }
-    return std::make_unique<SequenceNormalizer>(std::move(parts));
+    return std::make_unique<SequenceNormalizer>(
+        parse_sequence(o, "normalizers", where, make_normalizer));
   }
   if (type == "NFC") return std::make_unique<UnicodeNormalizer>(text::NormalForm::kNFC);
   if (type == "NFD") return std::make_unique<UnicodeNormalizer>(text::NormalForm::kNFD);
@@ -409,11 +405,13 @@ std::string parse_replacement(json::object o, const std::string& where) {
 class MetaspacePreTokenizer final : public PreTokenizer {
  public:
   MetaspacePreTokenizer(std::string replacement, PrependScheme scheme, bool split)
-      : replacement_(std::move(replacement)), scheme_(scheme), split_(split) {}
+      : replacement_(std::move(replacement)),
+        scheme_(scheme),
+        split_(split),
+        marker_(Pattern::literal(replacement_)) {}
   void pre_tokenize(std::vector<Piece>& pieces) const override {
-    const Pattern space = Pattern::literal(" ");
     for (Piece& p : pieces) {
-      p.text = space.replace_all(p.text, replacement_);
+      p.text = space_.replace_all(p.text, replacement_);
       const bool starts = p.text.compare(0, replacement_.size(), replacement_) == 0;
       if (!starts &&
           (scheme_ == PrependScheme::kAlways || (scheme_ == PrependScheme::kFirst && p.at_start))) {
@@ -421,9 +419,8 @@ class MetaspacePreTokenizer final : public PreTokenizer {
       }
     }
     if (split_) {
-      const Pattern marker = Pattern::literal(replacement_);
       split_all(
-          pieces, [&](std::string_view s, std::vector<MatchSpan>& m) { marker.find_all(s, m); },
+          pieces, [&](std::string_view s, std::vector<MatchSpan>& m) { marker_.find_all(s, m); },
           SplitBehavior::kMergedWithNext, false);
     }
   }
@@ -432,6 +429,8 @@ class MetaspacePreTokenizer final : public PreTokenizer {
   std::string replacement_;
   PrependScheme scheme_;
   bool split_;
+  Pattern space_ = Pattern::literal(" ");
+  Pattern marker_;
 };
 
 template <class Pred>
@@ -461,13 +460,8 @@ std::unique_ptr<PreTokenizer> make_pre_tokenizer(json::element e, const std::str
   json::object o = json::as_object(e, where);
   const std::string_view type = type_of(o, where);
   if (type == "Sequence") {
-    std::vector<std::unique_ptr<PreTokenizer>> parts;
-    std::size_t i = 0;
-    for (json::element child : json::as_array(json::required(o, "pretokenizers", where), where)) {
-      parts.push_back(
-          make_pre_tokenizer(child, where + ".pretokenizers[" + std::to_string(i++) + "]"));
-    }
-    return std::make_unique<SequencePreTokenizer>(std::move(parts));
+    return std::make_unique<SequencePreTokenizer>(
+        parse_sequence(o, "pretokenizers", where, make_pre_tokenizer));
   }
   if (type == "Split") {
     return std::make_unique<SplitPreTokenizer>(
@@ -715,12 +709,7 @@ std::unique_ptr<Decoder> make_decoder(json::element e, const std::string& where)
   json::object o = json::as_object(e, where);
   const std::string_view type = type_of(o, where);
   if (type == "Sequence") {
-    std::vector<std::unique_ptr<Decoder>> parts;
-    std::size_t i = 0;
-    for (json::element child : json::as_array(json::required(o, "decoders", where), where)) {
-      parts.push_back(make_decoder(child, where + ".decoders[" + std::to_string(i++) + "]"));
-    }
-    return std::make_unique<SequenceDecoder>(std::move(parts));
+    return std::make_unique<SequenceDecoder>(parse_sequence(o, "decoders", where, make_decoder));
   }
   if (type == "ByteLevel") return std::make_unique<ByteLevelDecoder>();
   if (type == "ByteFallback") return std::make_unique<ByteFallbackDecoder>();
@@ -816,13 +805,8 @@ std::unique_ptr<PostProcessor> make_post_processor(json::element e, const std::s
   json::object o = json::as_object(e, where);
   const std::string_view type = type_of(o, where);
   if (type == "Sequence") {
-    std::vector<std::unique_ptr<PostProcessor>> parts;
-    std::size_t i = 0;
-    for (json::element child : json::as_array(json::required(o, "processors", where), where)) {
-      parts.push_back(
-          make_post_processor(child, where + ".processors[" + std::to_string(i++) + "]"));
-    }
-    return std::make_unique<SequenceProcessor>(std::move(parts));
+    return std::make_unique<SequenceProcessor>(
+        parse_sequence(o, "processors", where, make_post_processor));
   }
   if (type == "ByteLevel") return std::make_unique<NoOpProcessor>();
   if (type == "BertProcessing" || type == "RobertaProcessing") {

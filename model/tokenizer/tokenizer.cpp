@@ -121,29 +121,6 @@ bool starts_with_word(std::string_view s) {
 bool ends_with_word(std::string_view s) {
   return !s.empty() && text::is_word_char(text::last_code_point(s));
 }
-// Start of the run of whitespace that ends `s`.
-std::size_t trailing_space_start(std::string_view s) {
-  std::size_t end = s.size();
-  while (end > 0) {
-    std::size_t back = end - 1;
-    while (back > 0 && (static_cast<unsigned char>(s[back]) & 0xC0) == 0x80) --back;
-    std::size_t i = back;
-    if (!text::is_white_space(text::next_code_point(s, i))) break;
-    end = back;
-  }
-  return end;
-}
-// Length of the run of whitespace that starts `s`.
-std::size_t leading_space_length(std::string_view s) {
-  std::size_t i = 0;
-  while (i < s.size()) {
-    std::size_t j = i;
-    if (!text::is_white_space(text::next_code_point(s, j))) break;
-    i = j;
-  }
-  return i;
-}
-
 }  // namespace
 
 void TokenizerImpl::split_added(Segment&& segment, const TokenTrie& trie,
@@ -166,8 +143,9 @@ void TokenizerImpl::split_added(Segment&& segment, const TokenTrie& trie,
       const bool stop_space = end == s.size() || !starts_with_word(s.substr(end));
       if (!start_space || !stop_space) continue;
     }
-    if (token.lstrip) begin = std::max(trailing_space_start(s.substr(0, begin)), start_offset);
-    if (token.rstrip) end += leading_space_length(s.substr(end));
+    if (token.lstrip)
+      begin = std::max(text::trailing_white_space_start(s.substr(0, begin)), start_offset);
+    if (token.rstrip) end += text::leading_white_space(s.substr(end));
     if (start_offset < begin) {
       out.push_back({{std::string(s.substr(start_offset, begin - start_offset)),
                       at_start && start_offset == 0},
@@ -403,9 +381,13 @@ std::shared_ptr<TokenizerImpl> build(const simdjson::padded_string& padded,
 
 }  // namespace
 
-Expected<Tokenizer> Tokenizer::from_json(std::string_view json_text, const std::string& origin) {
+namespace {
+
+// build() with its exceptions turned into an Error that starts with the file's name.
+Expected<std::shared_ptr<TokenizerImpl>> build_or_error(const simdjson::padded_string& json_text,
+                                                        const std::string& origin) {
   try {
-    return Tokenizer(build(simdjson::padded_string(json_text), origin));
+    return build(json_text, origin);
   } catch (const ModelError& e) {
     const std::string message = e.what();
     return Error{message.rfind(origin, 0) == 0 ? message : origin + ": " + message};
@@ -414,19 +396,22 @@ Expected<Tokenizer> Tokenizer::from_json(std::string_view json_text, const std::
   }
 }
 
+}  // namespace
+
+Expected<Tokenizer> Tokenizer::from_json(std::string_view json_text, const std::string& origin) {
+  auto impl = build_or_error(simdjson::padded_string(json_text), origin);
+  if (!impl.ok()) return impl.error();
+  return Tokenizer(std::move(*impl));
+}
+
 Expected<Tokenizer> Tokenizer::load(const std::string& path) {
   simdjson::padded_string content;
   if (simdjson::padded_string::load(path).get(content)) {
     return Error{path + ": cannot open tokenizer file"};
   }
-  try {
-    return Tokenizer(build(content, path));
-  } catch (const ModelError& e) {
-    const std::string message = e.what();
-    return Error{message.rfind(path, 0) == 0 ? message : path + ": " + message};
-  } catch (const std::bad_alloc&) {
-    return Error{path + ": out of memory while loading the tokenizer"};
-  }
+  auto impl = build_or_error(content, path);
+  if (!impl.ok()) return impl.error();
+  return Tokenizer(std::move(*impl));
 }
 
 Expected<std::vector<std::int32_t>> Tokenizer::encode(std::string_view input,

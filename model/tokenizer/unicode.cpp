@@ -132,6 +132,28 @@ bool is_white_space(char32_t cp) {
   }
 }
 
+std::size_t leading_white_space(std::string_view s) {
+  std::size_t i = 0;
+  while (i < s.size()) {
+    std::size_t next = i;
+    if (!is_white_space(next_code_point(s, next))) break;
+    i = next;
+  }
+  return i;
+}
+
+std::size_t trailing_white_space_start(std::string_view s) {
+  std::size_t end = s.size();
+  while (end > 0) {
+    std::size_t back = end - 1;
+    while (back > 0 && (static_cast<unsigned char>(s[back]) & 0xC0) == 0x80) --back;
+    std::size_t i = back;
+    if (!is_white_space(next_code_point(s, i))) break;
+    end = back;
+  }
+  return end;
+}
+
 namespace {
 utf8proc_category_t category(char32_t cp) {
   return static_cast<utf8proc_category_t>(utf8proc_category(static_cast<utf8proc_int32_t>(cp)));

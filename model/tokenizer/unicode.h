@@ -54,6 +54,10 @@ std::string from_utf8_lossy(std::string_view bytes);
 
 // Unicode White_Space (what Rust's char::is_whitespace and regex \s test).
 bool is_white_space(char32_t cp);
+// Byte length of the run of White_Space that starts valid UTF-8 `s`.
+std::size_t leading_white_space(std::string_view s);
+// Byte offset where the run of White_Space that ends valid UTF-8 `s` begins (s.size() if none).
+std::size_t trailing_white_space_start(std::string_view s);
 // Rust regex's \w: alphabetic, marks, decimal digits, connector punctuation, joiners.
 bool is_word_char(char32_t cp);
 bool is_combining_mark(char32_t cp);
