@@ -88,6 +88,7 @@ struct RunOptions {
   std::optional<std::string> prompt;
   std::optional<std::string> system;
   bool chat = false;
+  bool default_model = false;  // no --model: the embedded model (or $MOELINE_MODEL)
   model::SamplingParams sampling;
   int threads = 0;
   bool json = false;
@@ -148,7 +149,10 @@ RunOptions parse(int argc, char** argv) {
     else if (flag == "--system")
       options.system = value;
   }
-  if (options.model_dir.empty()) options.model_dir = default_model_dir();
+  if (options.model_dir.empty()) {
+    options.model_dir = default_model_dir();
+    options.default_model = true;
+  }
   if (options.prompt && !options.tokens.empty())
     throw UsageError("give either --prompt or --tokens, not both");
   if (!options.prompt && options.tokens.empty())
@@ -162,13 +166,6 @@ RunOptions parse(int argc, char** argv) {
   if (model::Status status = options.sampling.validate(); !status.ok())
     throw UsageError(status.error().message);
   return options;
-}
-
-bool has_model_flag(int argc, char** argv) {
-  for (int i = 0; i < argc; ++i) {
-    if (std::string(argv[i]) == "--model") return true;
-  }
-  return false;
 }
 
 double seconds_since(std::chrono::steady_clock::time_point start) {
@@ -198,10 +195,9 @@ int run_command(int argc, char** argv) {
   }
 
   if (std::error_code ec; !std::filesystem::is_directory(options.model_dir, ec)) {
-    return fail(
-        "model folder " + options.model_dir + " does not exist" +
-            (has_model_flag(argc, argv) ? "" : " (no --model given: this is the default model)"),
-        2);
+    return fail("model folder " + options.model_dir + " does not exist" +
+                    (options.default_model ? " (no --model given: this is the default model)" : ""),
+                2);
   }
   // Text in, text out: the tokenizer (and for --chat the template) load before the weights so a
   // bad prompt fails fast.
