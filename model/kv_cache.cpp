@@ -2,6 +2,8 @@
 
 #include <xxhash.h>
 
+#include <algorithm>
+
 #include "kernels/cpu/dtype.h"
 
 namespace moeline::model {
@@ -46,6 +48,36 @@ kernels::PagedKvLayer KvCache::layer(int64_t index) {
 size_t KvCache::bytes_per_token(const ModelConfig& config) {
   return static_cast<size_t>(config.num_layers * 2 * config.num_kv_heads * config.head_dim) *
          sizeof(float);
+}
+
+size_t KvCache::block_bytes() const {
+  return static_cast<size_t>(layers_ * 2 * kBlockTokens * kv_heads_ * head_dim_) * sizeof(float);
+}
+
+void KvCache::export_block(int32_t block, void* out) const {
+  const int64_t block_floats = kBlockTokens * kv_heads_ * head_dim_;
+  const int64_t half = static_cast<int64_t>(pool_.capacity()) * block_floats;
+  auto* dst = static_cast<float*>(out);
+  for (int64_t layer = 0; layer < layers_; ++layer) {
+    for (int64_t part = 0; part < 2; ++part) {
+      const float* src = storage_.data() + layer * 2 * half + part * half + block * block_floats;
+      std::copy(src, src + block_floats, dst);
+      dst += block_floats;
+    }
+  }
+}
+
+void KvCache::import_block(int32_t block, const void* in) {
+  const int64_t block_floats = kBlockTokens * kv_heads_ * head_dim_;
+  const int64_t half = static_cast<int64_t>(pool_.capacity()) * block_floats;
+  const auto* src = static_cast<const float*>(in);
+  for (int64_t layer = 0; layer < layers_; ++layer) {
+    for (int64_t part = 0; part < 2; ++part) {
+      float* dst = storage_.data() + layer * 2 * half + part * half + block * block_floats;
+      std::copy(src, src + block_floats, dst);
+      src += block_floats;
+    }
+  }
 }
 
 uint64_t block_key(uint64_t parent_key, std::span<const int32_t> tokens, uint64_t model_id,

@@ -43,6 +43,14 @@ class KvCache {
   BlockPool& pool() { return pool_; }
   size_t bytes() const { return storage_.size() * sizeof(float); }
   static size_t bytes_per_token(const ModelConfig& config);
+  // One block of every layer, keys then values per layer, each [kv_head][slot][head_dim] F32: the
+  // unit KV moves in between processes.
+  size_t block_bytes() const;
+  void export_block(int32_t block, void* out) const;
+  void import_block(int32_t block, const void* in);
+  int64_t layers() const { return layers_; }
+  int64_t kv_heads() const { return kv_heads_; }
+  int64_t head_dim() const { return head_dim_; }
 
  private:
   int64_t layers_, kv_heads_, head_dim_;

@@ -25,6 +25,11 @@ double Sampler::uniform() {
   return static_cast<double>(rng_() >> 11) * 0x1.0p-53;
 }
 
+// Each sample draws exactly one uniform when sampling, none when greedy.
+void Sampler::skip(int64_t samples) {
+  if (params_.temperature != 0.0) rng_.discard(static_cast<unsigned long long>(samples));
+}
+
 int32_t argmax(const float* logits, int64_t vocab) {
   return static_cast<int32_t>(std::max_element(logits, logits + vocab) - logits);
 }

@@ -31,6 +31,9 @@ class Sampler {
  public:
   explicit Sampler(const SamplingParams& params);
   int32_t sample(const float* logits, int64_t vocab);
+  // Advances the generator as `samples` calls to sample() would: a stage that continues a
+  // sequence another process started (decode after prefill) draws exactly the same numbers.
+  void skip(int64_t samples);
 
  private:
   double uniform();

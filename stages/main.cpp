@@ -4,6 +4,11 @@
 #include <iostream>
 #include <string>
 
+#include "stages/decode/decode.h"
+#include "stages/gateway/gateway.h"
+#include "stages/offload_manager/offload_manager.h"
+#include "stages/prefill/prefill.h"
+#include "stages/probe/probe.h"
 #include "stages/run_command.h"
 #include "stages/tokenize_command.h"
 
@@ -17,6 +22,13 @@ commands:
   detokenize   JSON array of token ids on stdin -> text (moeline detokenize --help)
   chat-template  JSON messages on stdin -> the model's chat prompt (moeline chat-template --help)
   version      print the version
+
+stage processes (each: moeline <stage> --help):
+  gateway      client endpoint, tokenizer, request tracking; the hub the stages connect to
+  probe        reuse lookup for every job
+  prefill      batched prefill, first token, KV handoff
+  decode       continuous batching decode
+  offload      expert residency and usage (offload manager)
 )";
 
 }  // namespace
@@ -31,6 +43,11 @@ int main(int argc, char** argv) {
   if (command == "tokenize") return moeline::stages::tokenize_command(argc - 2, argv + 2);
   if (command == "chat-template") return moeline::stages::chat_template_command(argc - 2, argv + 2);
   if (command == "detokenize") return moeline::stages::detokenize_command(argc - 2, argv + 2);
+  if (command == "gateway") return moeline::stages::gateway_main(argc - 2, argv + 2);
+  if (command == "probe") return moeline::stages::probe_main(argc - 2, argv + 2);
+  if (command == "prefill") return moeline::stages::prefill_main(argc - 2, argv + 2);
+  if (command == "decode") return moeline::stages::decode_main(argc - 2, argv + 2);
+  if (command == "offload") return moeline::stages::offload_main(argc - 2, argv + 2);
   if (command == "version") {
     std::cout << "moeline 0.1.0\n";
     return 0;

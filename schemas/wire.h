@@ -1,0 +1,113 @@
+#pragma once
+// The wire codec (DESIGN.md, "Wire contract"). A message is a ZeroMQ multipart:
+//   [16-byte envelope header][FlatBuffers body][bulk frame]...
+// The header carries a magic, the schema version and the message type; the body is one table of
+// that type, finished with its family's file identifier. Bulk frames (KV blocks) travel as their
+// own frames, never copied into the body, and are described (size, xxHash) by the body.
+//
+// decode() checks everything before anyone reads a field: frame count and sizes, magic, schema
+// major, a known type, and the FlatBuffers Verifier for exactly that type. Bodies and bulk frames
+// are handed out 8-byte aligned (copied once only when ZeroMQ gave an unaligned buffer).
+//
+// Thread-safety: free functions, no shared state.
+
+#include <flatbuffers/flatbuffers.h>
+
+#include <cstdint>
+#include <optional>
+#include <span>
+#include <string>
+#include <vector>
+#include <zmq.hpp>
+
+#include "client_generated.h"
+#include "common_generated.h"
+#include "control_generated.h"
+#include "offload_generated.h"
+#include "pipeline_generated.h"
+
+namespace moeline::wire {
+
+// Additive change bumps the minor, a break the major (peers of another major are refused).
+inline constexpr uint16_t kSchemaMajor = 1;
+inline constexpr uint16_t kSchemaMinor = 0;
+inline constexpr char kMagic[4] = {'M', 'O', 'E', 'L'};
+inline constexpr size_t kHeaderBytes = 16;
+
+struct Limits {
+  size_t max_body_bytes = size_t{4} << 20;
+  size_t max_bulk_frames = 4096;
+  size_t max_bulk_bytes = size_t{8} << 30;
+};
+
+// Why a message was refused; `reason` is the metric label, `detail` the log / error text.
+struct WireError {
+  std::string reason;  // truncated, bad_magic, version, unknown_type, oversized, malformed
+  std::string detail;
+};
+
+// A frame's bytes, 8-byte aligned: the ZeroMQ message itself when it already is, else a copy.
+class AlignedFrame {
+ public:
+  AlignedFrame() = default;
+  explicit AlignedFrame(zmq::message_t&& message);
+  const uint8_t* data() const;
+  size_t size() const { return size_; }
+  std::span<const uint8_t> bytes() const { return {data(), size_}; }
+  // The original message, for forwarding without a copy.
+  zmq::message_t& message() { return message_; }
+
+ private:
+  zmq::message_t message_;
+  std::vector<uint64_t> copy_;
+  size_t size_ = 0;
+};
+
+struct Message {
+  MessageType type = MessageType::Hello;
+  uint16_t minor = 0;
+  AlignedFrame header;
+  AlignedFrame body;
+  std::vector<AlignedFrame> bulk;
+
+  template <class Table>
+  const Table* as() const {
+    return flatbuffers::GetRoot<Table>(body.data());
+  }
+  // The frames again, ready to forward to another peer (bulk frames are not copied).
+  std::vector<zmq::message_t> release_frames();
+};
+
+struct Decoded {
+  std::optional<Message> message;
+  std::optional<WireError> error;
+  // The type from the header even when the body was refused (0 if the header was unreadable).
+  uint16_t raw_type = 0;
+};
+
+const char* message_type_name(MessageType type);
+const char* stage_name(StageKind stage);
+
+// `frames` excludes any routing identity.
+Decoded decode(std::vector<zmq::message_t>&& frames, const Limits& limits = {});
+
+// Finishes `builder` with the identifier of `type`'s family and frames the message.
+std::vector<zmq::message_t> encode(MessageType type, flatbuffers::FlatBufferBuilder& builder,
+                                   std::vector<zmq::message_t> bulk = {});
+std::vector<zmq::message_t> encode_with_version(MessageType type,
+                                                flatbuffers::FlatBufferBuilder& builder,
+                                                uint16_t major, uint16_t minor);
+
+// Sends the frames (prefixed by `identity` when given, for ROUTER sockets). False when the socket
+// would block (ROUTER to a vanished peer) or is closed.
+bool send(zmq::socket_t& socket, std::vector<zmq::message_t>&& frames,
+          const std::string* identity = nullptr, bool dont_wait = false);
+// Receives one multipart message (all frames); nullopt when nothing is waiting (non-blocking).
+std::optional<std::vector<zmq::message_t>> receive(zmq::socket_t& socket, bool dont_wait);
+
+uint64_t checksum(std::span<const uint8_t> bytes);
+// Checks that bulk frames match their descriptors (count, sizes, xxHash).
+std::optional<std::string> check_bulk(const flatbuffers::Vector<flatbuffers::Offset<BulkFrame>>* frames,
+                                      const std::vector<AlignedFrame>& bulk);
+
+}  // namespace moeline::wire

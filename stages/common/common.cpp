@@ -1,0 +1,83 @@
+#include "stages/common/common.h"
+
+#include <xxhash.h>
+
+#include <cstdlib>
+#include <iostream>
+
+#include "model/kv_cache.h"
+
+namespace moeline::stages {
+
+model::SamplingParams from_wire(const wire::SamplingParams* sampling) {
+  model::SamplingParams params;
+  if (sampling == nullptr) return params;
+  params.temperature = sampling->temperature();
+  params.top_k = sampling->top_k();
+  params.top_p = sampling->top_p();
+  if (sampling->has_seed()) params.seed = sampling->seed();
+  params.max_tokens = sampling->max_tokens();
+  if (sampling->stop_token_ids())
+    params.stop_token_ids.assign(sampling->stop_token_ids()->begin(),
+                                 sampling->stop_token_ids()->end());
+  params.ignore_eos = sampling->ignore_eos();
+  return params;
+}
+
+flatbuffers::Offset<wire::SamplingParams> to_wire(flatbuffers::FlatBufferBuilder& builder,
+                                                  const model::SamplingParams& sampling) {
+  auto stops = builder.CreateVector(sampling.stop_token_ids);
+  return wire::CreateSamplingParams(builder, sampling.temperature, sampling.top_k, sampling.top_p,
+                                    sampling.seed.value_or(0), sampling.seed.has_value(),
+                                    sampling.max_tokens, stops, sampling.ignore_eos);
+}
+
+uint64_t settings_hash(uint64_t model_id) {
+  const uint64_t parts[3] = {model_id, static_cast<uint64_t>(model::kBlockTokens),
+                             sizeof(float)};
+  return XXH3_64bits(parts, sizeof parts);
+}
+
+std::string default_model_dir() {
+  if (const char* env = std::getenv("MOELINE_MODEL"); env != nullptr && *env != '\0') return env;
+  return MOELINE_DEFAULT_MODEL;
+}
+
+std::vector<runtime::ConfigKey> common_keys(const char* default_http) {
+  return {
+      {"model", default_model_dir(), "checkpoint folder (config.json, safetensors, tokenizer.json)"},
+      {"http", default_http, "HOST:PORT for /metrics and /healthz (port 0: any free port)"},
+      {"port-file", "", "write the HTTP port chosen here to this file"},
+      {"replica", "", "name of this process in logs and metrics (default: stage-host-pid)"},
+      {"heartbeat-ms", "500", "heartbeat interval"},
+      {"peer-timeout-ms", "3000", "a peer silent this long is considered dead"},
+      {"watchdog-ms", "30000", "/healthz fails when the stage loop stalls this long"},
+  };
+}
+
+std::vector<runtime::ConfigKey> worker_keys() {
+  std::vector<runtime::ConfigKey> keys = common_keys();
+  keys.push_back({"hub", "tcp://127.0.0.1:5556", "the gateway's hub endpoint to connect to"});
+  keys.push_back({"threads", "0", "compute threads (0: all cores)"});
+  return keys;
+}
+
+int run_stage(const char* stage, const std::vector<runtime::ConfigKey>& keys, int argc,
+              char** argv, int (*body)(const runtime::Config&)) {
+  try {
+    runtime::Config config = runtime::Config::load(stage, keys, argc, argv);
+    if (config.help_requested()) {
+      std::cout << runtime::Config::usage(stage, keys);
+      return 0;
+    }
+    return body(config);
+  } catch (const runtime::ConfigError& e) {
+    std::cerr << runtime::Config::usage(stage, keys) << "moeline: error: " << e.what() << '\n';
+    return 2;
+  } catch (const std::exception& e) {
+    std::cerr << "moeline: error: " << stage << ": " << e.what() << '\n';
+    return 1;
+  }
+}
+
+}  // namespace moeline::stages

@@ -1,0 +1,34 @@
+#pragma once
+// What the stage processes share beyond the runtime: converting sampling parameters between the
+// wire and the engine, the settings hash peers must agree on, and the keys every stage accepts.
+
+#include <cstdint>
+#include <vector>
+
+#include "model/sampling.h"
+#include "schemas/wire.h"
+#include "stages/runtime/config.h"
+
+namespace moeline::stages {
+
+model::SamplingParams from_wire(const wire::SamplingParams* sampling);
+flatbuffers::Offset<wire::SamplingParams> to_wire(flatbuffers::FlatBufferBuilder& builder,
+                                                  const model::SamplingParams& sampling);
+
+// Hash of what every process of a stack must agree on: the model (its id covers config.json and
+// the tensor headers), the KV block size and the KV dtype.
+uint64_t settings_hash(uint64_t model_id);
+
+// Keys of every stage (model, http, port-file, replica, heartbeat-ms, peer-timeout-ms,
+// watchdog-ms) and of every worker stage (hub).
+std::vector<runtime::ConfigKey> common_keys(const char* default_http = "127.0.0.1:0");
+std::vector<runtime::ConfigKey> worker_keys();
+// The model folder a stage uses when --model is not given.
+std::string default_model_dir();
+
+// Runs a stage's main under the shared error handling: a ConfigError prints the usage and exits
+// 2; any other exception logs and exits 1.
+int run_stage(const char* stage, const std::vector<runtime::ConfigKey>& keys, int argc,
+              char** argv, int (*body)(const runtime::Config&));
+
+}  // namespace moeline::stages

@@ -1,0 +1,123 @@
+#include "stages/common/worker.h"
+
+#include <thread>
+
+#include "stages/common/common.h"
+
+namespace moeline::stages {
+
+void ExpertUsageCounter::on_router(const model::RouterEvent& event) {
+  const auto tokens = static_cast<int64_t>(event.tokens.size());
+  for (int64_t t = 0; t < tokens; ++t)
+    for (int64_t k = 0; k < event.top_k; ++k)
+      ++counts_[static_cast<size_t>(event.layer * experts_ + event.chosen[t * event.top_k + k])];
+  if (event.layer == 0 || tokens_ == 0) tokens_ += static_cast<uint64_t>(tokens);
+}
+
+std::vector<zmq::message_t> ExpertUsageCounter::take(const std::string& replica) {
+  flatbuffers::FlatBufferBuilder builder(counts_.size() * 8 + 128);
+  auto counts = builder.CreateVector(counts_);
+  builder.Finish(wire::CreateExpertUsage(builder, static_cast<uint32_t>(layers_),
+                                         static_cast<uint32_t>(experts_), counts, tokens_,
+                                         builder.CreateString(replica)),
+                 wire::ExpertPlanIdentifier());
+  std::fill(counts_.begin(), counts_.end(), 0);
+  tokens_ = 0;
+  return wire::encode(wire::MessageType::ExpertUsage, builder);
+}
+
+namespace {
+
+std::string replica_name(const runtime::Config& config, const char* stage) {
+  return config.text("replica").empty() ? runtime::default_replica_name(stage)
+                                        : config.text("replica");
+}
+
+}  // namespace
+
+ComputeWorker::ComputeWorker(const runtime::Config& config, const char* stage,
+                             wire::StageKind kind)
+    : service(stage, replica_name(config, stage)) {
+  runtime::StageService::install_signal_handlers();
+  service.set_watchdog_limit(std::chrono::milliseconds(config.integer("watchdog-ms")));
+  auto loaded = model::Model::load(config.text("model"));
+  if (!loaded) throw std::runtime_error(loaded.error().message);
+  model = std::move(*loaded);
+  service.log.info("model_loaded", {{"dir", config.text("model")},
+                                    {"model_id", model->model_id()},
+                                    {"dtype", model->dtype_summary()}});
+  int threads = static_cast<int>(config.integer("threads"));
+  if (threads <= 0) threads = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
+  pool = std::make_unique<kernels::ThreadPool>(threads);
+  experts = std::make_unique<offload::ResidentExpertProvider>(model->experts());
+  const model::ModelConfig& cfg = model->config();
+  usage = std::make_unique<ExpertUsageCounter>(cfg.num_layers, std::max<int64_t>(1, cfg.num_experts));
+  service.start_http(config.text("http"), config.text("port-file"), [this] {
+    return nlohmann::json{{"hub_accepted", link && link->accepted()},
+                          {"expert_plan", plan_received_}};
+  });
+  runtime::LinkSettings settings;
+  settings.hub = config.text("hub");
+  settings.stage = kind;
+  settings.replica = service.log.replica();
+  settings.settings_hash = settings_hash(model->model_id());
+  settings.heartbeat_ms = static_cast<int>(config.integer("heartbeat-ms"));
+  settings.peer_timeout_ms = static_cast<int>(config.integer("peer-timeout-ms"));
+  settings.http_port = service.http_port();
+  link = std::make_unique<runtime::HubLink>(context, settings, service.log, service.metrics);
+}
+
+void ComputeWorker::create_engine(int32_t kv_blocks) {
+  cache = std::make_unique<model::KvCache>(model->config(), kv_blocks);
+  engine = std::make_unique<model::Engine>(*model, *experts, *pool, *cache);
+  engine->set_router_observer(usage.get());
+  service.log.info("kv_cache", {{"blocks", kv_blocks},
+                                {"bytes", static_cast<uint64_t>(cache->bytes())}});
+}
+
+bool ComputeWorker::maintain(uint32_t free_credits) {
+  if (link->rejected()) return false;
+  const auto now = std::chrono::steady_clock::now();
+  if (link->needs_hello()) {
+    plan_received_ = false;
+    plan_requested_ = false;
+    link->hello(0);
+  }
+  // Ask for the plan once accepted, and again if the answer is slow (no offload manager yet).
+  if (link->accepted() && !plan_received_ &&
+      (!plan_requested_ || now - plan_requested_at_ > std::chrono::seconds(2))) {
+    flatbuffers::FlatBufferBuilder builder(128);
+    builder.Finish(wire::CreateExpertPlanRequest(builder, model->model_id(),
+                                                 builder.CreateString(link->identity())),
+                   wire::ExpertPlanIdentifier());
+    link->send(wire::encode(wire::MessageType::ExpertPlanRequest, builder));
+    plan_requested_ = true;
+    plan_requested_at_ = now;
+  }
+  if (ready() && !usage->empty() && now - last_usage_report_ > std::chrono::seconds(1)) {
+    link->send(usage->take(service.log.replica()));
+    last_usage_report_ = now;
+  }
+  service.set_ready(ready());
+  (void)free_credits;
+  return true;
+}
+
+bool ComputeWorker::handle(const wire::Message& message, uint32_t free_credits) {
+  if (message.type != wire::MessageType::ExpertPlan) return false;
+  const auto* plan = message.as<wire::ExpertPlan>();
+  if (plan->model_id() != model->model_id()) {
+    service.log.error("expert_plan_mismatch", {{"model_id", plan->model_id()}});
+    return true;
+  }
+  if (!plan_received_) {
+    plan_received_ = true;
+    service.log.info("expert_plan", {{"tier", plan->tier() ? plan->tier()->str() : ""},
+                                     {"all_resident", plan->all_resident()},
+                                     {"credits", free_credits}});
+    link->grant(free_credits);
+  }
+  return true;
+}
+
+}  // namespace moeline::stages

@@ -1,0 +1,67 @@
+#pragma once
+// The part of a compute stage (prefill, decode) that is not its loop: the checkpoint, the engine's
+// pieces, the link to the hub, and the handshake with the offload manager. A compute process
+// says hello with no credit, asks the offload manager where the experts are (ExpertPlan) and only
+// then grants its capacity: no job reaches it before it knows how to reach every expert. It also
+// counts the tokens each expert sees (a RouterObserver) and reports them to the offload manager.
+
+#include <chrono>
+#include <memory>
+#include <zmq.hpp>
+
+#include "kernels/cpu/thread_pool.h"
+#include "model/forward.h"
+#include "model/model.h"
+#include "model/router_observer.h"
+#include "offload/resident_provider.h"
+#include "stages/runtime/config.h"
+#include "stages/runtime/link.h"
+#include "stages/runtime/service.h"
+
+namespace moeline::stages {
+
+class ExpertUsageCounter : public model::RouterObserver {
+ public:
+  ExpertUsageCounter(int64_t layers, int64_t experts)
+      : layers_(layers), experts_(experts), counts_(static_cast<size_t>(layers * experts)) {}
+  void on_router(const model::RouterEvent& event) override;
+  bool empty() const { return tokens_ == 0; }
+  // Builds an ExpertUsage message of the counts since the last call and resets them.
+  std::vector<zmq::message_t> take(const std::string& replica);
+
+ private:
+  int64_t layers_, experts_;
+  std::vector<uint64_t> counts_;
+  uint64_t tokens_ = 0;
+};
+
+class ComputeWorker {
+ public:
+  // Loads the model and starts HTTP; `kv_blocks` sizes this process's KV cache.
+  ComputeWorker(const runtime::Config& config, const char* stage, wire::StageKind kind);
+  void create_engine(int32_t kv_blocks);
+
+  // Keeps the link alive: hellos (again after a hub restart), the expert plan, usage reports.
+  // `free_credits` is the capacity free right now. False when the hub refused this process.
+  bool maintain(uint32_t free_credits);
+  // Consumes link-level messages of the compute stages (ExpertPlan); true if it did.
+  bool handle(const wire::Message& message, uint32_t free_credits);
+  bool ready() const { return plan_received_ && link->accepted(); }
+
+  runtime::StageService service;
+  zmq::context_t context{1};
+  std::unique_ptr<model::Model> model;
+  std::unique_ptr<kernels::ThreadPool> pool;
+  std::unique_ptr<offload::ResidentExpertProvider> experts;
+  std::unique_ptr<model::KvCache> cache;
+  std::unique_ptr<model::Engine> engine;
+  std::unique_ptr<ExpertUsageCounter> usage;
+  std::unique_ptr<runtime::HubLink> link;
+
+ private:
+  bool plan_received_ = false;
+  bool plan_requested_ = false;
+  std::chrono::steady_clock::time_point plan_requested_at_, last_usage_report_;
+};
+
+}  // namespace moeline::stages

@@ -1,0 +1,348 @@
+#include "stages/decode/decode.h"
+
+#include <algorithm>
+#include <chrono>
+#include <deque>
+#include <map>
+
+#include "model/sampling.h"
+#include "stages/common/common.h"
+#include "stages/common/worker.h"
+
+namespace moeline::stages {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+struct Stream {
+  uint64_t request_id = 0;
+  uint32_t attempt = 0;
+  std::vector<int32_t> prompt;
+  int32_t next_token = 0;
+  int64_t generated = 1;  // the first token came from prefill
+  model::SamplingParams sampling;
+  std::vector<int32_t> stops;
+  std::unique_ptr<model::Sequence> sequence;
+  std::unique_ptr<model::Sampler> sampler;
+  Clock::time_point joined, last_token;
+  wire::Message handoff;  // kept until admitted (its bulk frame holds the KV)
+};
+
+class DecodeStage {
+ public:
+  explicit DecodeStage(const runtime::Config& config)
+      : worker_(config, "decode", wire::StageKind::Decode),
+        max_batch_(static_cast<uint32_t>(config.integer("max-batch"))),
+        metrics_(worker_.service.metrics) {
+    const model::ModelConfig& cfg = worker_.model->config();
+    context_ = cfg.max_position_embeddings > 0 ? cfg.max_position_embeddings : 32768;
+    int64_t blocks = config.integer("kv-blocks");
+    if (blocks <= 0) {
+      // Every slot can hold a sequence as long as the context, within the memory budget.
+      const int64_t per_sequence = (context_ + model::kBlockTokens - 1) / model::kBlockTokens;
+      const auto budget = runtime::parse_bytes(config.text("kv-bytes"));
+      const auto block_bytes = model::KvCache::bytes_per_token(cfg) * model::kBlockTokens;
+      blocks = std::min<int64_t>(per_sequence * max_batch_,
+                                 static_cast<int64_t>(budget / block_bytes));
+      blocks = std::max<int64_t>(blocks, per_sequence);
+    }
+    worker_.create_engine(static_cast<int32_t>(blocks));
+    for (int64_t eos : cfg.eos_token_ids) eos_.push_back(static_cast<int32_t>(eos));
+    kv_used_ = &metrics_.gauge("moeline_decode_kv_blocks", "KV blocks", {{"state", "used"}});
+    kv_free_ = &metrics_.gauge("moeline_decode_kv_blocks", "KV blocks", {{"state", "free"}});
+    queue_depth_ =
+        &metrics_.gauge("moeline_decode_queue_depth", "Sequences waiting for KV room to join");
+    active_ = &metrics_.gauge("moeline_decode_active_sequences", "Sequences in the running batch");
+    batch_size_ = &metrics_.histogram("moeline_decode_batch_size", "Sequences per decode step",
+                                      runtime::size_buckets());
+    step_ = &metrics_.histogram("moeline_decode_step_seconds", "One decode step (forward+sample)",
+                                runtime::latency_buckets());
+    ttft_ = &metrics_.histogram("moeline_decode_ttft_seconds",
+                                "Handoff received to the second token (first decoded here)",
+                                runtime::latency_buckets());
+    tpot_ = &metrics_.histogram("moeline_decode_time_per_output_token_seconds",
+                                "Time between a sequence's tokens", runtime::latency_buckets());
+    e2e_ = &metrics_.histogram("moeline_decode_e2e_seconds", "Handoff received to last token",
+                               runtime::latency_buckets());
+    for (const char* outcome : {"stop", "length", "failed", "cancelled"})
+      outcomes_[outcome] = &metrics_.counter("moeline_decode_requests_total",
+                                             "Sequences by outcome", {{"outcome", outcome}});
+    tokens_total_ = &metrics_.counter("moeline_decode_tokens_total", "Tokens generated");
+  }
+
+  int run() {
+    auto& log = worker_.service.log;
+    log.info("started", {{"max_batch", max_batch_},
+                         {"kv_blocks", worker_.cache->pool().capacity()}});
+    while (!runtime::StageService::stop_requested()) {
+      worker_.service.tick();
+      if (!worker_.maintain(free_credits())) {
+        log.error("exiting", {{"reason", worker_.link->reject_reason()}});
+        return 3;
+      }
+      // Step boundary: take everything that arrived, admit what fits, run one step.
+      const bool busy = !active_streams_.empty();
+      bool first = true;
+      while (auto message = worker_.link->receive(first && !busy ? 50 : 0)) {
+        dispatch(*message);
+        first = false;
+      }
+      admit();
+      if (!active_streams_.empty()) step();
+      update_gauges();
+    }
+    log.info("stopped");
+    return 0;
+  }
+
+ private:
+  uint32_t held() const { return static_cast<uint32_t>(active_streams_.size() + waiting_.size()); }
+  uint32_t free_credits() const { return max_batch_ > held() ? max_batch_ - held() : 0; }
+
+  void update_gauges() {
+    const auto& pool = worker_.cache->pool();
+    kv_used_->set(pool.capacity() - pool.free_blocks());
+    kv_free_->set(pool.free_blocks());
+    queue_depth_->set(static_cast<double>(waiting_.size()));
+    active_->set(static_cast<double>(active_streams_.size()));
+    worker_.link->set_load(static_cast<uint32_t>(waiting_.size()),
+                           static_cast<uint32_t>(active_streams_.size()),
+                           static_cast<uint32_t>(pool.capacity() - pool.free_blocks()),
+                           static_cast<uint32_t>(pool.free_blocks()));
+  }
+
+  void dispatch(wire::Message& message) {
+    if (worker_.handle(message, free_credits())) return;
+    switch (message.type) {
+      case wire::MessageType::PrefillDone:
+        return accept(message);
+      case wire::MessageType::CancelJob: {
+        const auto* cancel = message.as<wire::CancelJob>();
+        return cancel_stream(cancel->request_id(), cancel->attempt());
+      }
+      case wire::MessageType::Hello:
+      case wire::MessageType::HelloReply:
+      case wire::MessageType::Heartbeat:
+      case wire::MessageType::Credit:
+      case wire::MessageType::ErrorReply:
+      case wire::MessageType::GenerateRequest:
+      case wire::MessageType::CancelRequest:
+      case wire::MessageType::Feedback:
+      case wire::MessageType::StreamEvent:
+      case wire::MessageType::ProbeJob:
+      case wire::MessageType::ProbePlan:
+      case wire::MessageType::PrefillJob:
+      case wire::MessageType::TokenBatch:
+      case wire::MessageType::JobFailed:
+      case wire::MessageType::ExpertPlanRequest:
+      case wire::MessageType::ExpertPlan:
+      case wire::MessageType::ExpertUsage:
+      case wire::MessageType::ControlCommand:
+      case wire::MessageType::ControlReply:
+        worker_.service.log.warn("unexpected_message",
+                                 {{"type", wire::message_type_name(message.type)}});
+        return;
+    }
+  }
+
+  void job_failed(uint64_t request_id, uint32_t attempt, wire::ErrorCode code,
+                  const std::string& text) {
+    flatbuffers::FlatBufferBuilder builder(256);
+    builder.Finish(wire::CreateJobFailed(builder, request_id, attempt, code,
+                                         builder.CreateString(text)),
+                   wire::PrefillJobIdentifier());
+    worker_.link->send(wire::encode(wire::MessageType::JobFailed, builder));
+    outcomes_["failed"]->inc();
+    worker_.service.log.warn("job_failed", {{"request_id", request_id}, {"reason", text}});
+    worker_.link->grant(1);
+  }
+
+  void accept(wire::Message& message) {
+    const auto* done = message.as<wire::PrefillDone>();
+    const model::KvCache& cache = *worker_.cache;
+    const auto* layout = done->layout();
+    const size_t prompt = done->tokens() ? done->tokens()->size() : 0;
+    const size_t blocks = (prompt + model::kBlockTokens - 1) / model::kBlockTokens;
+    std::string problem;
+    if (auto bad = wire::check_bulk(done->frames(), message.bulk)) problem = *bad;
+    else if (layout == nullptr || layout->layers() != cache.layers() ||
+             layout->kv_heads() != cache.kv_heads() || layout->head_dim() != cache.head_dim() ||
+             layout->block_tokens() != model::kBlockTokens || layout->blocks() != blocks ||
+             !layout->dtype() || layout->dtype()->str() != "f32")
+      problem = "KV layout does not match this decode replica's cache";
+    else if (message.bulk.size() != 1 || message.bulk[0].size() != blocks * cache.block_bytes())
+      problem = "KV frame has the wrong size";
+    if (!problem.empty()) return job_failed(done->request_id(), done->attempt(),
+                                            wire::ErrorCode::MalformedMessage, problem);
+
+    Stream stream;
+    stream.request_id = done->request_id();
+    stream.attempt = done->attempt();
+    stream.prompt.assign(done->tokens()->begin(), done->tokens()->end());
+    stream.next_token = done->first_token();
+    stream.sampling = from_wire(done->sampling());
+    stream.stops = stream.sampling.stop_token_ids;
+    if (!stream.sampling.ignore_eos) stream.stops.insert(stream.stops.end(), eos_.begin(), eos_.end());
+    stream.sequence = std::make_unique<model::Sequence>(
+        stream.request_id, worker_.model->model_id(),
+        model::namespace_id(done->cache_namespace() ? done->cache_namespace()->str() : ""));
+    stream.sampler = std::make_unique<model::Sampler>(stream.sampling);
+    stream.sampler->skip(1);  // the first token was drawn by prefill from the same generator
+    stream.joined = Clock::now();
+    if (reserve_tokens(stream) > context_ + model::kBlockTokens ||
+        blocks_for(stream) > worker_.cache->pool().capacity())
+      return job_failed(stream.request_id, stream.attempt, wire::ErrorCode::Overloaded,
+                        "sequence needs more KV blocks than this decode replica has");
+    stream.handoff = std::move(message);
+    waiting_.push_back(std::move(stream));
+  }
+
+  int64_t reserve_tokens(const Stream& stream) const {
+    return std::min<int64_t>(static_cast<int64_t>(stream.prompt.size()) + stream.sampling.max_tokens,
+                             context_);
+  }
+  int32_t blocks_for(const Stream& stream) const {
+    return static_cast<int32_t>((reserve_tokens(stream) + model::kBlockTokens - 1) /
+                                model::kBlockTokens);
+  }
+
+  // FIFO admission: the head waits for room rather than being overtaken by smaller sequences, so
+  // a long request cannot starve.
+  void admit() {
+    model::KvCache& cache = *worker_.cache;
+    while (!waiting_.empty()) {
+      Stream& stream = waiting_.front();
+      if (blocks_for(stream) > cache.pool().free_blocks()) break;
+      stream.sequence->reserve(cache.pool(), reserve_tokens(stream));
+      const uint8_t* kv = stream.handoff.bulk[0].data();
+      const size_t blocks = (stream.prompt.size() + model::kBlockTokens - 1) / model::kBlockTokens;
+      for (size_t b = 0; b < blocks; ++b)
+        cache.import_block(stream.sequence->block_table()[b], kv + b * cache.block_bytes());
+      stream.sequence->commit(stream.prompt);
+      stream.handoff = wire::Message{};
+      stream.last_token = Clock::now();
+      active_streams_.push_back(std::move(stream));
+      waiting_.pop_front();
+    }
+  }
+
+  void cancel_stream(uint64_t request_id, uint32_t attempt) {
+    auto matches = [&](const Stream& s) {
+      return s.request_id == request_id && s.attempt == attempt;
+    };
+    for (auto it = active_streams_.begin(); it != active_streams_.end(); ++it) {
+      if (!matches(*it)) continue;
+      it->sequence->release(worker_.cache->pool());
+      active_streams_.erase(it);
+      outcomes_["cancelled"]->inc();
+      worker_.link->grant(1);
+      return;
+    }
+    for (auto it = waiting_.begin(); it != waiting_.end(); ++it) {
+      if (!matches(*it)) continue;
+      waiting_.erase(it);
+      outcomes_["cancelled"]->inc();
+      worker_.link->grant(1);
+      return;
+    }
+  }
+
+  void step() {
+    const model::ModelConfig& cfg = worker_.model->config();
+    inputs_.clear();
+    for (Stream& stream : active_streams_)
+      inputs_.push_back({stream.sequence.get(), std::span(&stream.next_token, 1), true});
+    const auto start = Clock::now();
+    model::Status status = worker_.engine->forward(inputs_, logits_);
+    if (!status.ok()) {
+      // Refuse every sequence of the step rather than stream garbage.
+      for (Stream& stream : active_streams_) {
+        stream.sequence->release(worker_.cache->pool());
+        job_failed(stream.request_id, stream.attempt, wire::ErrorCode::Internal,
+                   status.error().message);
+      }
+      active_streams_.clear();
+      return;
+    }
+    flatbuffers::FlatBufferBuilder builder(64 + active_streams_.size() * 48);
+    std::vector<flatbuffers::Offset<wire::TokenUpdate>> updates;
+    std::vector<Stream> still;
+    uint32_t finished = 0;
+    const auto now = Clock::now();
+    for (size_t i = 0; i < active_streams_.size(); ++i) {
+      Stream& stream = active_streams_[i];
+      const int32_t token =
+          stream.sampler->sample(logits_.data() + static_cast<int64_t>(i) * cfg.vocab_size,
+                                 cfg.vocab_size);
+      ++stream.generated;
+      stream.next_token = token;
+      tpot_->observe(std::chrono::duration<double>(now - stream.last_token).count());
+      if (stream.generated == 2)
+        ttft_->observe(std::chrono::duration<double>(now - stream.joined).count());
+      stream.last_token = now;
+      // model::Generator's rule: a stop token, max_tokens, or the next position past the context.
+      const char* finish = "";
+      if (std::find(stream.stops.begin(), stream.stops.end(), token) != stream.stops.end())
+        finish = "stop";
+      else if (stream.generated >= stream.sampling.max_tokens ||
+               (cfg.max_position_embeddings > 0 &&
+                static_cast<int64_t>(stream.prompt.size()) + stream.generated >
+                    cfg.max_position_embeddings))
+        finish = "length";
+      updates.push_back(wire::CreateTokenUpdate(builder, stream.request_id, stream.attempt, token,
+                                                builder.CreateString(finish)));
+      if (*finish != '\0') {
+        stream.sequence->release(worker_.cache->pool());
+        outcomes_[finish]->inc();
+        e2e_->observe(std::chrono::duration<double>(now - stream.joined).count());
+        ++finished;
+      } else {
+        still.push_back(std::move(stream));
+      }
+    }
+    const auto step_us = std::chrono::duration_cast<std::chrono::microseconds>(now - start).count();
+    builder.Finish(wire::CreateTokenBatch(builder, builder.CreateVector(updates),
+                                          static_cast<uint32_t>(inputs_.size()),
+                                          static_cast<uint32_t>(step_us)),
+                   wire::PrefillJobIdentifier());
+    worker_.link->send(wire::encode(wire::MessageType::TokenBatch, builder));
+    batch_size_->observe(static_cast<double>(inputs_.size()));
+    step_->observe(static_cast<double>(step_us) * 1e-6);
+    tokens_total_->inc(static_cast<double>(inputs_.size()));
+    active_streams_ = std::move(still);
+    worker_.link->grant(finished);
+  }
+
+  ComputeWorker worker_;
+  uint32_t max_batch_;
+  int64_t context_ = 0;
+  runtime::Registry& metrics_;
+  std::vector<int32_t> eos_;
+  std::deque<Stream> waiting_;
+  std::vector<Stream> active_streams_;
+  std::vector<model::SequenceInput> inputs_;
+  std::vector<float> logits_;
+  runtime::Gauge *kv_used_, *kv_free_, *queue_depth_, *active_;
+  runtime::Histogram *batch_size_, *step_, *ttft_, *tpot_, *e2e_;
+  runtime::Counter* tokens_total_;
+  std::map<std::string, runtime::Counter*> outcomes_;
+};
+
+std::vector<runtime::ConfigKey> decode_keys() {
+  std::vector<runtime::ConfigKey> keys = worker_keys();
+  keys.push_back({"max-batch", "64", "sequences in the running batch (its credit)"});
+  keys.push_back({"kv-blocks", "0", "KV cache blocks (0: enough for max-batch full contexts, "
+                                    "within --kv-bytes)"});
+  keys.push_back({"kv-bytes", "2GiB", "memory budget for the KV cache when --kv-blocks is 0"});
+  return keys;
+}
+
+int decode_body(const runtime::Config& config) { return DecodeStage(config).run(); }
+
+}  // namespace
+
+int decode_main(int argc, char** argv) {
+  return run_stage("decode", decode_keys(), argc, argv, decode_body);
+}
+
+}  // namespace moeline::stages

@@ -1,0 +1,772 @@
+#include "stages/gateway/gateway.h"
+
+#include <algorithm>
+#include <chrono>
+#include <deque>
+#include <map>
+#include <random>
+#include <unordered_map>
+
+#include "model/model.h"
+#include "model/tokenizer/tokenizer.h"
+#include "stages/common/common.h"
+#include "stages/runtime/hub.h"
+#include "stages/runtime/service.h"
+
+namespace moeline::stages {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+double ms_between(Clock::time_point from, Clock::time_point to) {
+  return std::chrono::duration<double, std::milli>(to - from).count();
+}
+
+struct Request {
+  uint64_t id = 0;
+  std::string client;
+  uint64_t client_request_id = 0;
+  std::vector<int32_t> prompt;
+  model::SamplingParams sampling;
+  std::string cache_namespace;
+  uint32_t attempt = 1;
+  std::string owner;  // the replica holding it; empty while queued in the gateway
+  Clock::time_point received, deadline, prefill_dispatched, first_token;
+  bool has_first_token = false;
+  std::vector<int32_t> sent;  // tokens the client has
+  size_t position = 0;        // tokens of the current attempt received so far
+  std::unique_ptr<model::DecodeStream> text;
+  std::string reuse_level = "none";
+  uint32_t reused_tokens = 0;
+  double prefill_ms = 0;
+};
+
+struct Handoff {
+  uint64_t id;
+  uint32_t attempt;
+  wire::Message message;
+};
+
+class Gateway {
+ public:
+  explicit Gateway(const runtime::Config& config)
+      : service_("gateway", config.text("replica").empty() ? runtime::default_replica_name("gateway")
+                                                           : config.text("replica")),
+        metrics_(service_.metrics),
+        log_(service_.log) {
+    runtime::StageService::install_signal_handlers();
+    service_.set_watchdog_limit(std::chrono::milliseconds(config.integer("watchdog-ms")));
+    auto loaded = model::Model::load(config.text("model"));
+    if (!loaded) throw std::runtime_error(loaded.error().message);
+    model_ = std::move(*loaded);
+    auto tokenizer = model::Tokenizer::load(
+        (std::filesystem::path(config.text("model")) / "tokenizer.json").string());
+    if (!tokenizer) throw std::runtime_error(tokenizer.error().message);
+    tokenizer_ = std::make_unique<model::Tokenizer>(std::move(*tokenizer));
+    const model::ModelConfig& cfg = model_->config();
+    context_ = cfg.max_position_embeddings > 0 ? cfg.max_position_embeddings : 32768;
+    max_prompt_tokens_ = config.integer("max-prompt-tokens");
+    if (max_prompt_tokens_ <= 0 || max_prompt_tokens_ >= context_) max_prompt_tokens_ = context_ - 1;
+    max_prompt_bytes_ = static_cast<size_t>(runtime::parse_bytes(config.text("max-prompt-bytes")));
+    default_deadline_ = std::chrono::milliseconds(config.integer("default-deadline-ms"));
+    max_deadline_ = std::chrono::milliseconds(config.integer("max-deadline-ms"));
+    max_retries_ = static_cast<uint32_t>(config.integer("max-retries"));
+    max_in_flight_ = static_cast<size_t>(config.integer("max-in-flight"));
+    max_decode_backlog_ = static_cast<size_t>(config.integer("max-decode-backlog"));
+    limits_.max_body_bytes = runtime::parse_bytes(config.text("max-message-bytes"));
+    for (const std::string& tenant : split(config.text("tenants"))) tenants_.push_back(tenant);
+
+    service_.start_http(config.text("http"), config.text("port-file"), [this] {
+      return nlohmann::json{{"in_flight", in_flight_.load()}};
+    });
+    client_ = std::make_unique<zmq::socket_t>(context_zmq_, zmq::socket_type::router);
+    client_->set(zmq::sockopt::router_mandatory, true);
+    client_->set(zmq::sockopt::linger, 0);
+    client_->set(zmq::sockopt::sndhwm, 0);
+    client_->set(zmq::sockopt::rcvhwm, 0);
+    // A hard cap below which the codec answers oversized messages with a clear error.
+    client_->set(zmq::sockopt::maxmsgsize, static_cast<int64_t>(limits_.max_body_bytes * 16));
+    client_->bind(config.text("client-bind"));
+    hub_ = std::make_unique<runtime::Hub>(
+        context_zmq_, config.text("hub-bind"), settings_hash(model_->model_id()),
+        static_cast<int>(config.integer("heartbeat-ms")),
+        static_cast<int>(config.integer("peer-timeout-ms")), log_, metrics_);
+    log_.info("listening", {{"client", config.text("client-bind")},
+                            {"hub", config.text("hub-bind")},
+                            {"model_id", model_->model_id()},
+                            {"max_prompt_tokens", max_prompt_tokens_}});
+    register_metrics();
+  }
+
+  int run() {
+    while (!runtime::StageService::stop_requested()) {
+      service_.tick();
+      zmq::pollitem_t items[] = {{client_->handle(), 0, ZMQ_POLLIN, 0},
+                                 {hub_->socket().handle(), 0, ZMQ_POLLIN, 0}};
+      try {
+        zmq::poll(items, 2, std::chrono::milliseconds(10));
+      } catch (const zmq::error_t&) {
+        continue;  // a signal; the loop condition decides
+      }
+      // Bounded bursts keep one side from starving the other.
+      for (int i = 0; i < 256; ++i) {
+        auto frames = wire::receive(*client_, true);
+        if (!frames) break;
+        on_client(std::move(*frames));
+      }
+      for (int i = 0; i < 256; ++i) {
+        auto incoming = hub_->receive();
+        if (!incoming) break;
+        on_stage(*incoming);
+      }
+      for (const runtime::Peer& dead : hub_->tick()) on_peer_lost(dead);
+      expire_deadlines();
+      dispatch();
+      service_.set_ready(true);
+      update_gauges();
+    }
+    log_.info("stopped", {{"in_flight", requests_.size()}});
+    return 0;
+  }
+
+ private:
+  static std::vector<std::string> split(const std::string& text) {
+    std::vector<std::string> out;
+    size_t start = 0;
+    while (start < text.size()) {
+      size_t comma = text.find(',', start);
+      if (comma == std::string::npos) comma = text.size();
+      if (comma > start) out.push_back(text.substr(start, comma - start));
+      start = comma + 1;
+    }
+    return out;
+  }
+
+  void register_metrics() {
+    for (const char* queue : {"probe", "prefill", "decode"})
+      queue_gauges_[queue] = &metrics_.gauge("moeline_gateway_queue_depth",
+                                             "Requests waiting in the gateway for a replica",
+                                             {{"queue", queue}});
+    in_flight_gauge_ = &metrics_.gauge("moeline_gateway_in_flight_requests", "Requests in flight");
+    kv_used_ = &metrics_.gauge("moeline_gateway_kv_blocks",
+                               "KV blocks of all decode replicas (from heartbeats)",
+                               {{"state", "used"}});
+    kv_free_ = &metrics_.gauge("moeline_gateway_kv_blocks",
+                               "KV blocks of all decode replicas (from heartbeats)",
+                               {{"state", "free"}});
+    batch_size_ = &metrics_.histogram("moeline_gateway_batch_size",
+                                      "Decode batch size reported with each token batch",
+                                      runtime::size_buckets());
+    ttft_ = &metrics_.histogram("moeline_gateway_ttft_seconds", "Request received to first token sent",
+                                runtime::latency_buckets());
+    tpot_ = &metrics_.histogram("moeline_gateway_time_per_output_token_seconds",
+                                "Mean time between a request's tokens after the first",
+                                runtime::latency_buckets());
+    e2e_ = &metrics_.histogram("moeline_gateway_e2e_seconds", "Request received to its last event",
+                               runtime::latency_buckets());
+    queue_time_ = &metrics_.histogram("moeline_gateway_queue_seconds",
+                                      "Request received to dispatched to prefill",
+                                      runtime::latency_buckets());
+    retries_ = &metrics_.counter("moeline_gateway_retries_total",
+                                 "Requests restarted after the replica holding them died");
+    feedback_ = &metrics_.counter("moeline_gateway_feedback_total", "Feedback messages received");
+    for (const char* outcome :
+         {"stop", "length", "cancelled", "deadline_exceeded", "stage_failed", "failed", "rejected"})
+      outcome_counter(outcome);
+  }
+
+  runtime::Counter& outcome_counter(const std::string& outcome) {
+    auto& slot = outcomes_[outcome];
+    if (slot == nullptr)
+      slot = &metrics_.counter("moeline_gateway_requests_total", "Requests by outcome",
+                               {{"outcome", outcome}});
+    return *slot;
+  }
+
+  void count_rejection(const std::string& reason) {
+    metrics_
+        .counter("moeline_gateway_rejected_total", "Requests and frames refused at the gateway",
+                 {{"reason", reason}})
+        .inc();
+  }
+
+  void update_gauges() {
+    queue_gauges_["probe"]->set(static_cast<double>(probe_queue_.size()));
+    queue_gauges_["prefill"]->set(static_cast<double>(prefill_queue_.size()));
+    queue_gauges_["decode"]->set(static_cast<double>(decode_queue_.size()));
+    in_flight_gauge_->set(static_cast<double>(requests_.size()));
+    in_flight_.store(requests_.size());
+    double used = 0, free = 0;
+    for (const auto& [identity, peer] : hub_->peers()) {
+      if (peer.stage != wire::StageKind::Decode) continue;
+      used += peer.kv_used;
+      free += peer.kv_free;
+    }
+    kv_used_->set(used);
+    kv_free_->set(free);
+  }
+
+  // ---- to clients ----
+
+  void send_client(const std::string& client, std::vector<zmq::message_t>&& frames) {
+    // A client that went away cannot be reached (ROUTER_MANDATORY): its requests end anyway.
+    wire::send(*client_, std::move(frames), &client, true);
+  }
+
+  void send_event(const std::string& client, uint64_t client_request_id, uint64_t request_id,
+                  wire::EventKind kind, const std::string& text = {},
+                  const std::vector<int32_t>& tokens = {}, const std::string& finish = {},
+                  wire::ErrorCode code = wire::ErrorCode::None, const std::string& error = {},
+                  const Request* done = nullptr) {
+    flatbuffers::FlatBufferBuilder builder(256 + text.size());
+    auto text_offset = builder.CreateString(text);
+    auto tokens_offset = builder.CreateVector(tokens);
+    auto finish_offset = builder.CreateString(finish);
+    auto error_offset = builder.CreateString(error);
+    flatbuffers::Offset<wire::Usage> usage = 0;
+    flatbuffers::Offset<wire::Timings> timings = 0;
+    if (done != nullptr) {
+      const auto now = Clock::now();
+      usage = wire::CreateUsage(builder, static_cast<uint32_t>(done->prompt.size()),
+                                static_cast<uint32_t>(done->sent.size()), done->reused_tokens,
+                                builder.CreateString(done->reuse_level));
+      const double queue_ms =
+          done->prefill_dispatched == Clock::time_point{} ? 0 : ms_between(done->received, done->prefill_dispatched);
+      timings = wire::CreateTimings(builder, queue_ms, done->prefill_ms,
+                                    done->has_first_token ? ms_between(done->received, done->first_token) : 0,
+                                    ms_between(done->received, now));
+    }
+    builder.Finish(wire::CreateStreamEvent(builder, client_request_id, request_id, kind,
+                                           text_offset, tokens_offset, finish_offset, usage,
+                                           timings, code, error_offset),
+                   wire::GenerateRequestIdentifier());
+    send_client(client, wire::encode(wire::MessageType::StreamEvent, builder));
+  }
+
+  void reject(const std::string& client, uint64_t client_request_id, wire::ErrorCode code,
+              const std::string& reason, const std::string& text) {
+    count_rejection(reason);
+    outcome_counter("rejected").inc();
+    if (uint64_t suppressed = 0; reject_log_.allow(suppressed))
+      log_.warn("request_rejected", {{"reason", reason}, {"detail", text}, {"suppressed", suppressed}});
+    send_event(client, client_request_id, 0, wire::EventKind::Error, {}, {}, {}, code, text);
+  }
+
+  void reply_error(const std::string& client, wire::ErrorCode code, const std::string& text,
+                   uint64_t client_request_id = 0) {
+    flatbuffers::FlatBufferBuilder builder(256);
+    builder.Finish(wire::CreateErrorReply(builder, code, builder.CreateString(text), client_request_id),
+                   wire::HelloIdentifier());
+    send_client(client, wire::encode(wire::MessageType::ErrorReply, builder));
+  }
+
+  // ---- from clients ----
+
+  void on_client(std::vector<zmq::message_t>&& frames) {
+    if (frames.empty()) return;
+    const std::string client = frames.front().to_string();
+    frames.erase(frames.begin());
+    wire::Decoded decoded = wire::decode(std::move(frames), limits_);
+    if (decoded.error) {
+      count_rejection("frame_" + decoded.error->reason);
+      metrics_
+          .counter("moeline_wire_rejected_frames_total", "Received messages refused by the wire codec",
+                   {{"peer", "client"}, {"reason", decoded.error->reason}})
+          .inc();
+      if (uint64_t suppressed = 0; frame_log_.allow(suppressed))
+        log_.warn("frame_rejected", {{"reason", decoded.error->reason},
+                                     {"detail", decoded.error->detail},
+                                     {"suppressed", suppressed}});
+      reply_error(client,
+                  decoded.error->reason == "version" ? wire::ErrorCode::VersionMismatch
+                                                     : wire::ErrorCode::MalformedMessage,
+                  decoded.error->detail);
+      return;
+    }
+    wire::Message& message = *decoded.message;
+    switch (message.type) {
+      case wire::MessageType::GenerateRequest:
+        return on_generate(client, *message.as<wire::GenerateRequest>());
+      case wire::MessageType::CancelRequest:
+        return on_cancel(client, message.as<wire::CancelRequest>()->client_request_id());
+      case wire::MessageType::Feedback: {
+        const auto* feedback = message.as<wire::Feedback>();
+        feedback_->inc();
+        log_.info("feedback", {{"client_request_id", feedback->client_request_id()},
+                               {"score", static_cast<double>(feedback->score())}});
+        return;
+      }
+      case wire::MessageType::ControlCommand:
+        return on_control(client, *message.as<wire::ControlCommand>());
+      case wire::MessageType::Hello:
+      case wire::MessageType::HelloReply:
+      case wire::MessageType::Heartbeat:
+      case wire::MessageType::Credit:
+      case wire::MessageType::ErrorReply:
+      case wire::MessageType::StreamEvent:
+      case wire::MessageType::ProbeJob:
+      case wire::MessageType::ProbePlan:
+      case wire::MessageType::PrefillJob:
+      case wire::MessageType::PrefillDone:
+      case wire::MessageType::TokenBatch:
+      case wire::MessageType::JobFailed:
+      case wire::MessageType::CancelJob:
+      case wire::MessageType::ExpertPlanRequest:
+      case wire::MessageType::ExpertPlan:
+      case wire::MessageType::ExpertUsage:
+      case wire::MessageType::ControlReply:
+        count_rejection("unexpected_type");
+        reply_error(client, wire::ErrorCode::InvalidRequest,
+                    std::string("a client may not send ") + wire::message_type_name(message.type));
+        return;
+    }
+  }
+
+  void on_generate(const std::string& client, const wire::GenerateRequest& request) {
+    const uint64_t crid = request.client_request_id();
+    if (by_client_.count({client, crid}))
+      return reject(client, crid, wire::ErrorCode::InvalidRequest, "duplicate_id",
+                    "client_request_id " + std::to_string(crid) + " is already in flight");
+    if (requests_.size() >= max_in_flight_)
+      return reject(client, crid, wire::ErrorCode::Overloaded, "overloaded",
+                    "the gateway has " + std::to_string(requests_.size()) +
+                        " requests in flight (limit " + std::to_string(max_in_flight_) + ")");
+    std::string tenant = request.tenant() ? request.tenant()->str() : "";
+    if (tenant.empty()) tenant = "default";
+    if (tenant.size() > 64 || !std::all_of(tenant.begin(), tenant.end(), [](char c) {
+          return std::isalnum(static_cast<unsigned char>(c)) || c == '-' || c == '_' || c == '.';
+        }))
+      return reject(client, crid, wire::ErrorCode::UnknownTenant, "bad_tenant",
+                    "tenant names are 1-64 characters of [A-Za-z0-9._-]");
+    if (!tenants_.empty() && std::find(tenants_.begin(), tenants_.end(), tenant) == tenants_.end())
+      return reject(client, crid, wire::ErrorCode::UnknownTenant, "unknown_tenant",
+                    "unknown tenant '" + tenant + "'");
+    model::SamplingParams sampling = from_wire(request.sampling());
+    if (model::Status status = sampling.validate(); !status.ok())
+      return reject(client, crid, wire::ErrorCode::InvalidSampling, "invalid_sampling",
+                    status.error().message);
+    const bool has_prompt = request.prompt() != nullptr && request.prompt()->size() > 0;
+    const bool has_tokens = request.tokens() != nullptr && request.tokens()->size() > 0;
+    if (has_prompt == has_tokens)
+      return reject(client, crid, wire::ErrorCode::InvalidRequest, "no_prompt",
+                    "give either a prompt or tokens");
+    std::vector<int32_t> prompt;
+    if (has_prompt) {
+      if (request.prompt()->size() > max_prompt_bytes_)
+        return reject(client, crid, wire::ErrorCode::PromptTooLong, "prompt_too_long",
+                      "prompt of " + std::to_string(request.prompt()->size()) +
+                          " bytes exceeds the limit of " + std::to_string(max_prompt_bytes_));
+      auto ids = tokenizer_->encode(request.prompt()->string_view(),
+                                    {.add_special_tokens = request.add_special_tokens()});
+      if (!ids)
+        return reject(client, crid, wire::ErrorCode::InvalidRequest, "bad_prompt",
+                      ids.error().message);
+      prompt = std::move(*ids);
+      if (prompt.empty())
+        return reject(client, crid, wire::ErrorCode::InvalidRequest, "no_prompt",
+                      "the prompt has no tokens");
+    } else {
+      prompt.assign(request.tokens()->begin(), request.tokens()->end());
+      const int64_t vocab = model_->config().vocab_size;
+      for (int32_t token : prompt)
+        if (token < 0 || token >= vocab)
+          return reject(client, crid, wire::ErrorCode::InvalidRequest, "bad_token",
+                        "token id " + std::to_string(token) + " is outside the vocabulary [0, " +
+                            std::to_string(vocab) + ")");
+    }
+    if (static_cast<int64_t>(prompt.size()) > max_prompt_tokens_)
+      return reject(client, crid, wire::ErrorCode::PromptTooLong, "prompt_too_long",
+                    "prompt of " + std::to_string(prompt.size()) + " tokens exceeds the limit of " +
+                        std::to_string(max_prompt_tokens_));
+    // Every sampled request gets a seed, so that a retry after a replica dies replays the
+    // tokens the client already has instead of diverging from them.
+    if (sampling.temperature > 0 && !sampling.seed) sampling.seed = seed_source_();
+
+    Request r;
+    r.id = next_request_id_++;
+    r.client = client;
+    r.client_request_id = crid;
+    r.prompt = std::move(prompt);
+    r.sampling = std::move(sampling);
+    // Server-derived: a client names its tenant, never the namespace its cache entries live in.
+    r.cache_namespace = "tenant:" + tenant;
+    r.received = Clock::now();
+    auto deadline = request.deadline_ms() > 0 ? std::chrono::milliseconds(request.deadline_ms())
+                                              : default_deadline_;
+    r.deadline = r.received + std::min(deadline, max_deadline_);
+    r.text = std::make_unique<model::DecodeStream>(*tokenizer_,
+                                                   model::DecodeOptions{.skip_special_tokens = true});
+    send_event(client, crid, r.id, wire::EventKind::Accepted);
+    by_client_[{client, crid}] = r.id;
+    probe_queue_.push_back({r.id, r.attempt});
+    requests_.emplace(r.id, std::move(r));
+  }
+
+  void on_cancel(const std::string& client, uint64_t crid) {
+    auto it = by_client_.find({client, crid});
+    if (it == by_client_.end()) return;  // already finished: nothing to do
+    Request& r = requests_.at(it->second);
+    log_.info("request_cancelled", {{"request_id", r.id}, {"tokens", r.sent.size()}});
+    finish(r, "cancelled");
+  }
+
+  void on_control(const std::string& client, const wire::ControlCommand& command) {
+    const std::string name = command.command() ? command.command()->str() : "";
+    nlohmann::json body;
+    bool ok = true;
+    std::string text = "ok";
+    if (name == "status") {
+      body["in_flight"] = requests_.size();
+      body["queues"] = {{"probe", probe_queue_.size()},
+                        {"prefill", prefill_queue_.size()},
+                        {"decode", decode_queue_.size()}};
+      body["peers"] = nlohmann::json::array();
+      for (const auto& [identity, peer] : hub_->peers())
+        body["peers"].push_back({{"stage", wire::stage_name(peer.stage)},
+                                 {"replica", peer.replica},
+                                 {"pid", peer.pid},
+                                 {"credits", peer.credits},
+                                 {"queue_depth", peer.queue_depth},
+                                 {"active", peer.active},
+                                 {"http_port", peer.http_port}});
+    } else {
+      ok = false;
+      text = "unknown command '" + name + "' (known: status)";
+    }
+    flatbuffers::FlatBufferBuilder builder(512);
+    builder.Finish(wire::CreateControlReply(builder, ok, builder.CreateString(text),
+                                            builder.CreateString(body.dump())),
+                   wire::ControlCommandIdentifier());
+    send_client(client, wire::encode(wire::MessageType::ControlReply, builder));
+  }
+
+  // ---- request lifecycle ----
+
+  Request* find(uint64_t id, uint32_t attempt) {
+    auto it = requests_.find(id);
+    if (it == requests_.end() || it->second.attempt != attempt) return nullptr;
+    return &it->second;
+  }
+
+  void cancel_at_owner(Request& r) {
+    if (r.owner.empty()) return;
+    flatbuffers::FlatBufferBuilder builder(64);
+    builder.Finish(wire::CreateCancelJob(builder, r.id, r.attempt), wire::PrefillJobIdentifier());
+    hub_->send(r.owner, wire::encode(wire::MessageType::CancelJob, builder), false);
+    r.owner.clear();
+  }
+
+  void erase(Request& r) {
+    by_client_.erase({r.client, r.client_request_id});
+    requests_.erase(r.id);  // queue entries for it are skipped when they come up
+  }
+
+  void finish(Request& r, const std::string& reason) {
+    cancel_at_owner(r);
+    std::string tail;
+    if (auto rest = r.text->finish(); rest) tail = std::move(*rest);
+    const auto now = Clock::now();
+    e2e_->observe(std::chrono::duration<double>(now - r.received).count());
+    if (r.sent.size() > 1 && r.has_first_token)
+      tpot_->observe(std::chrono::duration<double>(now - r.first_token).count() /
+                     static_cast<double>(r.sent.size() - 1));
+    outcome_counter(reason).inc();
+    send_event(r.client, r.client_request_id, r.id, wire::EventKind::Finished, tail, {}, reason,
+               wire::ErrorCode::None, {}, &r);
+    erase(r);
+  }
+
+  void fail(Request& r, wire::ErrorCode code, const std::string& outcome, const std::string& text) {
+    cancel_at_owner(r);
+    outcome_counter(outcome).inc();
+    e2e_->observe(std::chrono::duration<double>(Clock::now() - r.received).count());
+    log_.warn("request_failed", {{"request_id", r.id}, {"outcome", outcome}, {"detail", text}});
+    send_event(r.client, r.client_request_id, r.id, wire::EventKind::Error, {}, {}, {}, code, text,
+               &r);
+    erase(r);
+  }
+
+  // A token of the current attempt. Tokens the client already has (from an attempt that died)
+  // must match; new ones are streamed.
+  void on_token(Request& r, int32_t token, const std::string& finish_reason) {
+    const size_t index = r.position++;
+    if (index < r.sent.size()) {
+      if (r.sent[index] != token)
+        return fail(r, wire::ErrorCode::StageFailed, "stage_failed",
+                    "the retried request diverged from the tokens already streamed");
+    } else {
+      r.sent.push_back(token);
+      if (!r.has_first_token) {
+        r.has_first_token = true;
+        r.first_token = Clock::now();
+        ttft_->observe(std::chrono::duration<double>(r.first_token - r.received).count());
+      }
+      std::string delta;
+      if (tokenizer_->id_to_token(token)) {
+        auto piece = r.text->step(token);
+        if (piece) delta = std::move(*piece);
+      }
+      send_event(r.client, r.client_request_id, r.id, wire::EventKind::Delta, delta, {token});
+    }
+    if (!finish_reason.empty()) {
+      r.owner.clear();  // the replica has already let it go
+      finish(r, finish_reason);
+    }
+  }
+
+  void retry_or_fail(Request& r, const std::string& why) {
+    if (r.attempt > max_retries_)
+      return fail(r, wire::ErrorCode::StageFailed, "stage_failed",
+                  why + "; gave up after " + std::to_string(r.attempt) + " attempts");
+    retries_->inc();
+    log_.warn("request_retry", {{"request_id", r.id}, {"attempt", r.attempt + 1}, {"reason", why}});
+    r.owner.clear();
+    ++r.attempt;
+    r.position = 0;
+    probe_queue_.push_back({r.id, r.attempt});
+  }
+
+  void on_peer_lost(const runtime::Peer& dead) {
+    std::vector<uint64_t> held;
+    for (auto& [id, r] : requests_)
+      if (r.owner == dead.identity) held.push_back(id);
+    for (uint64_t id : held) {
+      Request& r = requests_.at(id);
+      r.owner.clear();
+      retry_or_fail(r, std::string(wire::stage_name(dead.stage)) + " replica " + dead.replica +
+                           " died");
+    }
+    // Plans and expert usage waiting on a lost offload manager are simply asked again by the
+    // compute stages; nothing else is held per peer.
+  }
+
+  void expire_deadlines() {
+    const auto now = Clock::now();
+    if (now - last_deadline_scan_ < std::chrono::milliseconds(20)) return;
+    last_deadline_scan_ = now;
+    std::vector<uint64_t> expired;
+    for (auto& [id, r] : requests_)
+      if (now >= r.deadline) expired.push_back(id);
+    for (uint64_t id : expired) {
+      Request& r = requests_.at(id);
+      fail(r, wire::ErrorCode::DeadlineExceeded, "deadline_exceeded",
+           "deadline of " + std::to_string(static_cast<int64_t>(ms_between(r.received, r.deadline))) +
+               " ms exceeded after " + std::to_string(r.sent.size()) + " tokens");
+    }
+  }
+
+  // ---- to and from stages ----
+
+  void dispatch() {
+    while (!probe_queue_.empty()) {
+      auto [id, attempt] = probe_queue_.front();
+      Request* r = find(id, attempt);
+      if (r == nullptr) {
+        probe_queue_.pop_front();
+        continue;
+      }
+      runtime::Peer* probe = hub_->pick(wire::StageKind::Probe);
+      if (probe == nullptr) break;
+      flatbuffers::FlatBufferBuilder builder(128 + r->prompt.size() * 4);
+      builder.Finish(wire::CreateProbeJob(builder, r->id, r->attempt, builder.CreateVector(r->prompt),
+                                          builder.CreateString(r->cache_namespace)),
+                     wire::PrefillJobIdentifier());
+      const std::string identity = probe->identity;
+      if (!hub_->send(identity, wire::encode(wire::MessageType::ProbeJob, builder), true)) break;
+      r->owner = identity;
+      probe_queue_.pop_front();
+    }
+    while (!prefill_queue_.empty() && decode_queue_.size() < max_decode_backlog_) {
+      auto [id, attempt] = prefill_queue_.front();
+      Request* r = find(id, attempt);
+      if (r == nullptr) {
+        prefill_queue_.pop_front();
+        continue;
+      }
+      runtime::Peer* prefill = hub_->pick(wire::StageKind::Prefill);
+      if (prefill == nullptr) break;
+      flatbuffers::FlatBufferBuilder builder(256 + r->prompt.size() * 4);
+      auto tokens = builder.CreateVector(r->prompt);
+      auto sampling = to_wire(builder, r->sampling);
+      builder.Finish(wire::CreatePrefillJob(builder, r->id, r->attempt, tokens, sampling,
+                                            builder.CreateString(r->cache_namespace),
+                                            builder.CreateString(r->reuse_level)),
+                     wire::PrefillJobIdentifier());
+      const std::string identity = prefill->identity;
+      if (!hub_->send(identity, wire::encode(wire::MessageType::PrefillJob, builder), true)) break;
+      r->owner = identity;
+      if (r->attempt == 1 || r->prefill_dispatched == Clock::time_point{}) {
+        r->prefill_dispatched = Clock::now();
+        queue_time_->observe(std::chrono::duration<double>(r->prefill_dispatched - r->received).count());
+      }
+      prefill_queue_.pop_front();
+    }
+    while (!decode_queue_.empty()) {
+      Handoff& handoff = decode_queue_.front();
+      Request* r = find(handoff.id, handoff.attempt);
+      if (r == nullptr) {
+        decode_queue_.pop_front();
+        continue;
+      }
+      runtime::Peer* decode = hub_->pick(wire::StageKind::Decode);
+      if (decode == nullptr) break;
+      const std::string identity = decode->identity;
+      // The KV frame moves on without a copy.
+      if (!hub_->send(identity, handoff.message.release_frames(), true)) {
+        // The frames are gone with a failed send: start this request over.
+        decode_queue_.pop_front();
+        retry_or_fail(*r, "decode replica unreachable");
+        continue;
+      }
+      r->owner = identity;
+      decode_queue_.pop_front();
+    }
+  }
+
+  void forward_to_offload(wire::Message& message) {
+    runtime::Peer* offload = hub_->pick(wire::StageKind::OffloadManager);
+    if (offload == nullptr) return;  // compute stages ask again; usage is advisory
+    const std::string identity = offload->identity;
+    hub_->send(identity, message.release_frames(), false);
+  }
+
+  void on_stage(runtime::Hub::Incoming& incoming) {
+    wire::Message& message = incoming.message;
+    switch (message.type) {
+      case wire::MessageType::ProbePlan: {
+        const auto* plan = message.as<wire::ProbePlan>();
+        Request* r = find(plan->request_id(), plan->attempt());
+        if (r == nullptr) return;
+        r->owner.clear();
+        r->reuse_level = plan->reuse_level() ? plan->reuse_level()->str() : "none";
+        r->reused_tokens = plan->reused_tokens();
+        prefill_queue_.push_back({r->id, r->attempt});
+        return;
+      }
+      case wire::MessageType::PrefillDone: {
+        const auto* done = message.as<wire::PrefillDone>();
+        Request* r = find(done->request_id(), done->attempt());
+        if (r == nullptr) return;
+        r->owner.clear();
+        r->prefill_ms = static_cast<double>(done->prefill_us()) / 1000.0;
+        const std::string finish = done->finish_reason() ? done->finish_reason()->str() : "";
+        const uint64_t id = r->id;
+        const uint32_t attempt = r->attempt;
+        on_token(*r, done->first_token(), finish);
+        if (finish.empty() && find(id, attempt) != nullptr)
+          decode_queue_.push_back({id, attempt, std::move(message)});
+        return;
+      }
+      case wire::MessageType::TokenBatch: {
+        const auto* batch = message.as<wire::TokenBatch>();
+        batch_size_->observe(batch->batch_size());
+        if (batch->updates() == nullptr) return;
+        for (const wire::TokenUpdate* update : *batch->updates()) {
+          Request* r = find(update->request_id(), update->attempt());
+          if (r == nullptr) continue;  // cancelled or retried meanwhile
+          on_token(*r, update->token(),
+                   update->finish_reason() ? update->finish_reason()->str() : "");
+        }
+        return;
+      }
+      case wire::MessageType::JobFailed: {
+        const auto* failed = message.as<wire::JobFailed>();
+        Request* r = find(failed->request_id(), failed->attempt());
+        if (r == nullptr) return;
+        r->owner.clear();
+        return fail(*r, failed->code(), "failed",
+                    failed->message() ? failed->message()->str() : "a stage refused the job");
+      }
+      case wire::MessageType::ExpertPlanRequest:
+      case wire::MessageType::ExpertUsage:
+        return forward_to_offload(message);
+      case wire::MessageType::ExpertPlan: {
+        const auto* plan = message.as<wire::ExpertPlan>();
+        const std::string requester = plan->requester() ? plan->requester()->str() : "";
+        hub_->send(requester, message.release_frames(), false);
+        return;
+      }
+      case wire::MessageType::ErrorReply:
+        log_.warn("stage_error", {{"peer", incoming.identity},
+                                  {"detail", message.as<wire::ErrorReply>()->message()
+                                                 ? message.as<wire::ErrorReply>()->message()->str()
+                                                 : ""}});
+        return;
+      case wire::MessageType::Hello:
+      case wire::MessageType::HelloReply:
+      case wire::MessageType::Heartbeat:
+      case wire::MessageType::Credit:
+      case wire::MessageType::GenerateRequest:
+      case wire::MessageType::CancelRequest:
+      case wire::MessageType::Feedback:
+      case wire::MessageType::StreamEvent:
+      case wire::MessageType::ProbeJob:
+      case wire::MessageType::PrefillJob:
+      case wire::MessageType::CancelJob:
+      case wire::MessageType::ControlCommand:
+      case wire::MessageType::ControlReply:
+        log_.warn("unexpected_message", {{"peer", incoming.identity},
+                                         {"type", wire::message_type_name(message.type)}});
+        return;
+    }
+  }
+
+  runtime::StageService service_;
+  runtime::Registry& metrics_;
+  runtime::Logger& log_;
+  zmq::context_t context_zmq_{1};
+  std::unique_ptr<zmq::socket_t> client_;
+  std::unique_ptr<runtime::Hub> hub_;
+  std::unique_ptr<model::Model> model_;
+  std::unique_ptr<model::Tokenizer> tokenizer_;
+  wire::Limits limits_;
+  int64_t context_ = 0, max_prompt_tokens_ = 0;
+  size_t max_prompt_bytes_ = 0, max_in_flight_ = 0, max_decode_backlog_ = 0;
+  uint32_t max_retries_ = 2;
+  std::chrono::milliseconds default_deadline_{0}, max_deadline_{0};
+  std::vector<std::string> tenants_;
+  std::mt19937_64 seed_source_{std::random_device{}()};
+
+  std::unordered_map<uint64_t, Request> requests_;
+  std::map<std::pair<std::string, uint64_t>, uint64_t> by_client_;
+  std::deque<std::pair<uint64_t, uint32_t>> probe_queue_, prefill_queue_;
+  std::deque<Handoff> decode_queue_;
+  uint64_t next_request_id_ = 1;
+  Clock::time_point last_deadline_scan_;
+  std::atomic<size_t> in_flight_{0};
+
+  std::map<std::string, runtime::Gauge*> queue_gauges_;
+  runtime::Gauge *in_flight_gauge_ = nullptr, *kv_used_ = nullptr, *kv_free_ = nullptr;
+  runtime::Histogram *batch_size_ = nullptr, *ttft_ = nullptr, *tpot_ = nullptr, *e2e_ = nullptr,
+                     *queue_time_ = nullptr;
+  runtime::Counter *retries_ = nullptr, *feedback_ = nullptr;
+  std::map<std::string, runtime::Counter*> outcomes_;
+  runtime::RateLimited reject_log_, frame_log_;
+};
+
+std::vector<runtime::ConfigKey> gateway_keys() {
+  std::vector<runtime::ConfigKey> keys = common_keys();
+  keys.push_back({"client-bind", "tcp://127.0.0.1:5555", "client endpoint (ROUTER)"});
+  keys.push_back({"hub-bind", "tcp://127.0.0.1:5556", "endpoint the stage processes connect to"});
+  keys.push_back({"max-prompt-tokens", "0", "longest prompt accepted (0: the context minus one)"});
+  keys.push_back({"max-prompt-bytes", "1MiB", "longest prompt text accepted"});
+  keys.push_back({"max-message-bytes", "4MiB", "largest client message accepted"});
+  keys.push_back({"default-deadline-ms", "300000", "deadline of a request that sets none"});
+  keys.push_back({"max-deadline-ms", "3600000", "upper bound on any request's deadline"});
+  keys.push_back({"max-retries", "2", "restarts of a request whose replica died"});
+  keys.push_back({"max-in-flight", "4096", "requests in flight before new ones are refused"});
+  keys.push_back({"max-decode-backlog", "64",
+                  "prefilled requests waiting for a decode replica before prefill pauses"});
+  keys.push_back({"tenants", "", "comma-separated tenant names accepted (empty: any)"});
+  return keys;
+}
+
+int gateway_body(const runtime::Config& config) { return Gateway(config).run(); }
+
+}  // namespace
+
+int gateway_main(int argc, char** argv) {
+  return run_stage("gateway", gateway_keys(), argc, argv, gateway_body);
+}
+
+}  // namespace moeline::stages

@@ -1,0 +1,317 @@
+#include "stages/prefill/prefill.h"
+
+#include <algorithm>
+#include <chrono>
+#include <deque>
+
+#include "model/sampling.h"
+#include "stages/common/common.h"
+#include "stages/common/worker.h"
+
+namespace moeline::stages {
+namespace {
+
+struct Job {
+  uint64_t request_id = 0;
+  uint32_t attempt = 0;
+  std::vector<int32_t> tokens;
+  model::SamplingParams sampling;
+  std::string cache_namespace;
+  std::chrono::steady_clock::time_point received;
+};
+
+class PrefillStage {
+ public:
+  explicit PrefillStage(const runtime::Config& config)
+      : worker_(config, "prefill", wire::StageKind::Prefill),
+        queue_capacity_(static_cast<uint32_t>(config.integer("queue"))),
+        max_batch_tokens_(config.integer("max-batch-tokens")),
+        metrics_(worker_.service.metrics) {
+    const model::ModelConfig& cfg = worker_.model->config();
+    context_ = cfg.max_position_embeddings > 0 ? cfg.max_position_embeddings : 32768;
+    // Room for one full batch, or one prompt as long as the context, whichever is larger.
+    const int64_t tokens = std::max(max_batch_tokens_, context_);
+    const auto blocks = static_cast<int32_t>((tokens + model::kBlockTokens - 1) /
+                                                 model::kBlockTokens +
+                                             queue_capacity_);
+    worker_.create_engine(blocks);
+    for (int64_t eos : cfg.eos_token_ids) eos_.push_back(static_cast<int32_t>(eos));
+    kv_used_ = &metrics_.gauge("moeline_prefill_kv_blocks", "KV blocks", {{"state", "used"}});
+    kv_free_ = &metrics_.gauge("moeline_prefill_kv_blocks", "KV blocks", {{"state", "free"}});
+    queue_depth_ = &metrics_.gauge("moeline_prefill_queue_depth", "Jobs waiting for a batch");
+    batch_size_ = &metrics_.histogram("moeline_prefill_batch_size", "Prompts per prefill batch",
+                                      runtime::size_buckets());
+    batch_tokens_ = &metrics_.histogram("moeline_prefill_batch_tokens", "Tokens per prefill batch",
+                                        {16, 64, 256, 1024, 4096, 16384});
+    ttft_ = &metrics_.histogram("moeline_prefill_ttft_seconds",
+                                "Job received to first token sampled, in this stage",
+                                runtime::latency_buckets());
+    tpot_ = &metrics_.histogram("moeline_prefill_time_per_output_token_seconds",
+                                "Prefill produces one token per job: equal to the job time",
+                                runtime::latency_buckets());
+    e2e_ = &metrics_.histogram("moeline_prefill_e2e_seconds", "Job received to PrefillDone sent",
+                               runtime::latency_buckets());
+    for (const char* outcome : {"done", "finished", "failed", "cancelled"})
+      outcomes_[outcome] = &metrics_.counter("moeline_prefill_requests_total",
+                                             "Prefill jobs by outcome", {{"outcome", outcome}});
+    tokens_total_ = &metrics_.counter("moeline_prefill_tokens_total", "Prompt tokens prefilled");
+  }
+
+  int run() {
+    auto& log = worker_.service.log;
+    log.info("started", {{"queue", queue_capacity_}, {"max_batch_tokens", max_batch_tokens_}});
+    while (!runtime::StageService::stop_requested()) {
+      worker_.service.tick();
+      if (!worker_.maintain(free_credits())) {
+        log.error("exiting", {{"reason", worker_.link->reject_reason()}});
+        return 3;
+      }
+      // Block briefly when idle; just drain when there is work.
+      auto message = worker_.link->receive(queue_.empty() ? 50 : 0);
+      if (message) {
+        dispatch(*message);
+        continue;
+      }
+      if (!queue_.empty()) run_batch();
+      update_gauges();
+    }
+    log.info("stopped");
+    return 0;
+  }
+
+ private:
+  uint32_t free_credits() const {
+    return queue_capacity_ > queue_.size() ? queue_capacity_ - static_cast<uint32_t>(queue_.size())
+                                           : 0;
+  }
+
+  void update_gauges() {
+    kv_used_->set(worker_.cache->pool().capacity() - worker_.cache->pool().free_blocks());
+    kv_free_->set(worker_.cache->pool().free_blocks());
+    queue_depth_->set(static_cast<double>(queue_.size()));
+    worker_.link->set_load(static_cast<uint32_t>(queue_.size()), 0,
+                           static_cast<uint32_t>(worker_.cache->pool().capacity() -
+                                                 worker_.cache->pool().free_blocks()),
+                           static_cast<uint32_t>(worker_.cache->pool().free_blocks()));
+  }
+
+  void dispatch(wire::Message& message) {
+    if (worker_.handle(message, free_credits())) return;
+    switch (message.type) {
+      case wire::MessageType::PrefillJob:
+        return accept(*message.as<wire::PrefillJob>());
+      case wire::MessageType::CancelJob: {
+        const auto* cancel = message.as<wire::CancelJob>();
+        auto it = std::find_if(queue_.begin(), queue_.end(), [&](const Job& job) {
+          return job.request_id == cancel->request_id() && job.attempt == cancel->attempt();
+        });
+        if (it != queue_.end()) {
+          queue_.erase(it);
+          outcomes_["cancelled"]->inc();
+          worker_.link->grant(1);
+        }
+        return;
+      }
+      case wire::MessageType::Hello:
+      case wire::MessageType::HelloReply:
+      case wire::MessageType::Heartbeat:
+      case wire::MessageType::Credit:
+      case wire::MessageType::ErrorReply:
+      case wire::MessageType::GenerateRequest:
+      case wire::MessageType::CancelRequest:
+      case wire::MessageType::Feedback:
+      case wire::MessageType::StreamEvent:
+      case wire::MessageType::ProbeJob:
+      case wire::MessageType::ProbePlan:
+      case wire::MessageType::PrefillDone:
+      case wire::MessageType::TokenBatch:
+      case wire::MessageType::JobFailed:
+      case wire::MessageType::ExpertPlanRequest:
+      case wire::MessageType::ExpertPlan:
+      case wire::MessageType::ExpertUsage:
+      case wire::MessageType::ControlCommand:
+      case wire::MessageType::ControlReply:
+        worker_.service.log.warn("unexpected_message",
+                                 {{"type", wire::message_type_name(message.type)}});
+        return;
+    }
+  }
+
+  void accept(const wire::PrefillJob& wire_job) {
+    Job job;
+    job.request_id = wire_job.request_id();
+    job.attempt = wire_job.attempt();
+    if (wire_job.tokens()) job.tokens.assign(wire_job.tokens()->begin(), wire_job.tokens()->end());
+    job.sampling = from_wire(wire_job.sampling());
+    job.cache_namespace = wire_job.cache_namespace() ? wire_job.cache_namespace()->str() : "";
+    job.received = std::chrono::steady_clock::now();
+    // The gateway validated the request; a job that still cannot run is refused, not run.
+    const int64_t vocab = worker_.model->config().vocab_size;
+    std::string problem;
+    if (job.tokens.empty()) problem = "empty prompt";
+    if (static_cast<int64_t>(job.tokens.size()) > context_)
+      problem = "prompt of " + std::to_string(job.tokens.size()) + " tokens exceeds the context of " +
+                std::to_string(context_);
+    for (int32_t token : job.tokens)
+      if (token < 0 || token >= vocab) problem = "token id " + std::to_string(token) + " out of range";
+    if (model::Status status = job.sampling.validate(); !status.ok()) problem = status.error().message;
+    if (!problem.empty()) {
+      fail(job, wire::ErrorCode::InvalidRequest, problem);
+      worker_.link->grant(1);
+      return;
+    }
+    queue_.push_back(std::move(job));
+  }
+
+  void fail(const Job& job, wire::ErrorCode code, const std::string& text) {
+    flatbuffers::FlatBufferBuilder builder(256);
+    builder.Finish(wire::CreateJobFailed(builder, job.request_id, job.attempt, code,
+                                         builder.CreateString(text)),
+                   wire::PrefillJobIdentifier());
+    worker_.link->send(wire::encode(wire::MessageType::JobFailed, builder));
+    outcomes_["failed"]->inc();
+    worker_.service.log.warn("job_failed", {{"request_id", job.request_id}, {"reason", text}});
+  }
+
+  void run_batch() {
+    // FIFO: take jobs while the batch stays within the token budget (always at least one).
+    std::vector<Job> batch;
+    int64_t tokens = 0;
+    while (!queue_.empty()) {
+      const auto size = static_cast<int64_t>(queue_.front().tokens.size());
+      if (!batch.empty() && tokens + size > max_batch_tokens_) break;
+      tokens += size;
+      batch.push_back(std::move(queue_.front()));
+      queue_.pop_front();
+    }
+    const model::ModelConfig& cfg = worker_.model->config();
+    model::BlockPool& pool = worker_.cache->pool();
+    const auto taken = static_cast<uint32_t>(batch.size());
+    std::vector<std::unique_ptr<model::Sequence>> sequences;
+    std::vector<model::SequenceInput> inputs;
+    std::vector<Job> runnable;
+    runnable.reserve(batch.size());
+    for (Job& job : batch) {
+      auto sequence = std::make_unique<model::Sequence>(
+          next_sequence_id_++, worker_.model->model_id(), model::namespace_id(job.cache_namespace));
+      if (!sequence->reserve(pool, static_cast<int64_t>(job.tokens.size()))) {
+        // Cannot happen with the cache sized for a full batch; refuse rather than corrupt.
+        fail(job, wire::ErrorCode::Overloaded, "prefill KV cache full");
+        continue;
+      }
+      runnable.push_back(std::move(job));
+      inputs.push_back({sequence.get(), runnable.back().tokens, true});
+      sequences.push_back(std::move(sequence));
+    }
+    batch = std::move(runnable);
+    const auto start = std::chrono::steady_clock::now();
+    std::vector<float> logits;
+    model::Status status = worker_.engine->forward(inputs, logits);
+    const auto done = std::chrono::steady_clock::now();
+    batch_size_->observe(static_cast<double>(inputs.size()));
+    batch_tokens_->observe(static_cast<double>(tokens));
+    for (size_t i = 0; i < inputs.size(); ++i) {
+      Job& job = batch[i];
+      if (!status.ok()) {
+        fail(job, wire::ErrorCode::Internal, status.error().message);
+      } else {
+        finish_job(job, *sequences[i], logits.data() + static_cast<int64_t>(i) * cfg.vocab_size,
+                   std::chrono::duration<double>(done - start).count());
+      }
+      sequences[i]->release(pool);
+    }
+    worker_.link->grant(taken);
+  }
+
+  void finish_job(const Job& job, const model::Sequence& sequence, const float* logits,
+                  double forward_seconds) {
+    const model::ModelConfig& cfg = worker_.model->config();
+    model::Sampler sampler(job.sampling);
+    const int32_t first = sampler.sample(logits, cfg.vocab_size);
+    const auto sampled = std::chrono::steady_clock::now();
+    ttft_->observe(std::chrono::duration<double>(sampled - job.received).count());
+    tokens_total_->inc(static_cast<double>(job.tokens.size()));
+
+    // The same stopping rule as model::Generator: a stop token, max_tokens, or the context.
+    std::string finish;
+    bool stop = std::find(job.sampling.stop_token_ids.begin(), job.sampling.stop_token_ids.end(),
+                          first) != job.sampling.stop_token_ids.end();
+    if (!job.sampling.ignore_eos) stop = stop || std::find(eos_.begin(), eos_.end(), first) != eos_.end();
+    if (stop) {
+      finish = "stop";
+    } else if (job.sampling.max_tokens <= 1 ||
+               (cfg.max_position_embeddings > 0 &&
+                static_cast<int64_t>(job.tokens.size()) + 1 > cfg.max_position_embeddings)) {
+      finish = "length";
+    }
+
+    flatbuffers::FlatBufferBuilder builder(1024);
+    std::vector<zmq::message_t> bulk;
+    flatbuffers::Offset<wire::KvLayout> layout = 0;
+    flatbuffers::Offset<flatbuffers::Vector<flatbuffers::Offset<wire::BulkFrame>>> frames = 0;
+    if (finish.empty()) {
+      const model::KvCache& cache = *worker_.cache;
+      const size_t blocks = (job.tokens.size() + model::kBlockTokens - 1) / model::kBlockTokens;
+      zmq::message_t kv(blocks * cache.block_bytes());
+      auto* out = static_cast<uint8_t*>(kv.data());
+      for (size_t b = 0; b < blocks; ++b)
+        cache.export_block(sequence.block_table()[b], out + b * cache.block_bytes());
+      const uint64_t sum = wire::checksum({out, kv.size()});
+      std::vector<flatbuffers::Offset<wire::BulkFrame>> described = {
+          wire::CreateBulkFrame(builder, kv.size(), sum)};
+      frames = builder.CreateVector(described);
+      layout = wire::CreateKvLayout(builder, static_cast<uint32_t>(cache.layers()),
+                                    static_cast<uint32_t>(cache.kv_heads()),
+                                    static_cast<uint32_t>(cache.head_dim()),
+                                    static_cast<uint32_t>(model::kBlockTokens),
+                                    builder.CreateString("f32"), static_cast<uint32_t>(blocks));
+      bulk.push_back(std::move(kv));
+    }
+    auto tokens = builder.CreateVector(job.tokens);
+    auto finish_text = builder.CreateString(finish);
+    auto sampling = to_wire(builder, job.sampling);
+    auto name_space = builder.CreateString(job.cache_namespace);
+    auto replica = builder.CreateString(worker_.service.log.replica());
+    builder.Finish(
+        wire::CreatePrefillDone(builder, job.request_id, job.attempt, tokens, first, finish_text,
+                                sampling, name_space, layout, frames,
+                                static_cast<uint64_t>(forward_seconds * 1e6), replica),
+        wire::PrefillJobIdentifier());
+    worker_.link->send(wire::encode(wire::MessageType::PrefillDone, builder, std::move(bulk)));
+    const double total =
+        std::chrono::duration<double>(std::chrono::steady_clock::now() - job.received).count();
+    tpot_->observe(total);
+    e2e_->observe(total);
+    outcomes_[finish.empty() ? "done" : "finished"]->inc();
+  }
+
+  ComputeWorker worker_;
+  uint32_t queue_capacity_;
+  int64_t max_batch_tokens_;
+  int64_t context_ = 0;
+  runtime::Registry& metrics_;
+  std::deque<Job> queue_;
+  std::vector<int32_t> eos_;
+  uint64_t next_sequence_id_ = 1;
+  runtime::Gauge *kv_used_, *kv_free_, *queue_depth_;
+  runtime::Histogram *batch_size_, *batch_tokens_, *ttft_, *tpot_, *e2e_;
+  runtime::Counter* tokens_total_;
+  std::map<std::string, runtime::Counter*> outcomes_;
+};
+
+std::vector<runtime::ConfigKey> prefill_keys() {
+  std::vector<runtime::ConfigKey> keys = worker_keys();
+  keys.push_back({"queue", "8", "jobs this replica accepts ahead of its batches (its credit)"});
+  keys.push_back({"max-batch-tokens", "2048", "prompt tokens per prefill batch"});
+  return keys;
+}
+
+int prefill_body(const runtime::Config& config) { return PrefillStage(config).run(); }
+
+}  // namespace
+
+int prefill_main(int argc, char** argv) {
+  return run_stage("prefill", prefill_keys(), argc, argv, prefill_body);
+}
+
+}  // namespace moeline::stages

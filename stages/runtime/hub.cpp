@@ -1,0 +1,189 @@
+#include "stages/runtime/hub.h"
+
+namespace moeline::runtime {
+
+Hub::Hub(zmq::context_t& context, const std::string& bind, uint64_t settings_hash,
+         int heartbeat_ms, int peer_timeout_ms, Logger& log, Registry& metrics)
+    : socket_(context, zmq::socket_type::router),
+      settings_hash_(settings_hash),
+      heartbeat_(heartbeat_ms),
+      timeout_(peer_timeout_ms),
+      log_(log),
+      metrics_(metrics) {
+  socket_.set(zmq::sockopt::router_mandatory, true);
+  socket_.set(zmq::sockopt::linger, 0);
+  socket_.set(zmq::sockopt::sndhwm, 0);
+  socket_.set(zmq::sockopt::rcvhwm, 0);
+  socket_.bind(bind);
+  update_gauges();
+}
+
+void Hub::update_gauges() {
+  for (auto stage : {wire::StageKind::Probe, wire::StageKind::Prefill, wire::StageKind::Decode,
+                     wire::StageKind::OffloadManager}) {
+    metrics_.gauge("moeline_hub_peers", "Connected stage processes by kind",
+                   {{"stage", wire::stage_name(stage)}})
+        .set(static_cast<double>(count(stage)));
+  }
+}
+
+void Hub::reply_error(const std::string& identity, wire::ErrorCode code, const std::string& text) {
+  flatbuffers::FlatBufferBuilder builder(256);
+  builder.Finish(wire::CreateErrorReply(builder, code, builder.CreateString(text)),
+                 wire::HelloIdentifier());
+  wire::send(socket_, wire::encode(wire::MessageType::ErrorReply, builder), &identity, true);
+}
+
+void Hub::on_hello(const std::string& identity, const wire::Message& message) {
+  const auto* hello = message.as<wire::Hello>();
+  std::string refusal;
+  if (hello->schema_major() != wire::kSchemaMajor) {
+    refusal = "schema major " + std::to_string(hello->schema_major()) + ", the hub speaks " +
+              std::to_string(wire::kSchemaMajor);
+  } else if (hello->settings_hash() != settings_hash_) {
+    refusal = "settings hash " + std::to_string(hello->settings_hash()) + " differs from the hub's " +
+              std::to_string(settings_hash_) + " (another model or KV layout)";
+  }
+  flatbuffers::FlatBufferBuilder builder(256);
+  builder.Finish(wire::CreateHelloReply(builder, refusal.empty(), builder.CreateString(refusal),
+                                        settings_hash_),
+                 wire::HelloIdentifier());
+  wire::send(socket_, wire::encode(wire::MessageType::HelloReply, builder), &identity, true);
+  const std::string replica = hello->replica() ? hello->replica()->str() : "";
+  if (!refusal.empty()) {
+    metrics_.counter("moeline_hub_hellos_refused_total", "Peers refused at hello").inc();
+    log_.error("peer_refused", {{"peer", replica}, {"reason", refusal}});
+    return;
+  }
+  Peer& peer = peers_[identity];
+  const bool known = !peer.identity.empty();
+  peer.identity = identity;
+  peer.stage = hello->stage();
+  peer.replica = replica;
+  // A hello resets the peer's credit to what it says is free now (after a hub restart, jobs of
+  // the old hub may still be running there).
+  peer.credits = hello->credits();
+  peer.pid = hello->pid();
+  peer.http_port = hello->http_port();
+  peer.last_seen = std::chrono::steady_clock::now();
+  log_.info(known ? "peer_rehello" : "peer_joined",
+            {{"peer", replica}, {"stage", wire::stage_name(peer.stage)}, {"credits", peer.credits},
+             {"pid", peer.pid}, {"schema_minor", hello->schema_minor()}});
+  update_gauges();
+}
+
+std::optional<Hub::Incoming> Hub::receive() {
+  while (true) {
+    auto frames = wire::receive(socket_, true);
+    if (!frames) return std::nullopt;
+    if (frames->empty()) continue;
+    std::string identity = frames->front().to_string();
+    frames->erase(frames->begin());
+    wire::Decoded decoded = wire::decode(std::move(*frames));
+    if (decoded.error) {
+      metrics_
+          .counter("moeline_wire_rejected_frames_total", "Received messages refused by the wire codec",
+                   {{"peer", "stage"}, {"reason", decoded.error->reason}})
+          .inc();
+      if (uint64_t suppressed = 0; log_limit_.allow(suppressed))
+        log_.warn("frame_rejected", {{"reason", decoded.error->reason},
+                                     {"detail", decoded.error->detail},
+                                     {"suppressed", suppressed}});
+      reply_error(identity, wire::ErrorCode::MalformedMessage, decoded.error->detail);
+      continue;
+    }
+    wire::Message& message = *decoded.message;
+    if (message.type == wire::MessageType::Hello) {
+      on_hello(identity, message);
+      continue;
+    }
+    if (message.type == wire::MessageType::Heartbeat) {
+      const auto* heartbeat = message.as<wire::Heartbeat>();
+      const std::string main = heartbeat->peer() ? heartbeat->peer()->str() : identity;
+      if (auto it = peers_.find(main); it != peers_.end()) {
+        it->second.last_seen = std::chrono::steady_clock::now();
+        it->second.queue_depth = heartbeat->queue_depth();
+        it->second.active = heartbeat->active();
+        it->second.kv_used = heartbeat->kv_blocks_used();
+        it->second.kv_free = heartbeat->kv_blocks_free();
+      }
+      continue;
+    }
+    auto it = peers_.find(identity);
+    if (it == peers_.end()) {
+      // A worker that was connected to a previous hub process: it must say hello again.
+      reply_error(identity, wire::ErrorCode::HelloRequired, "unknown peer: say hello first");
+      continue;
+    }
+    it->second.last_seen = std::chrono::steady_clock::now();
+    if (message.type == wire::MessageType::Credit) {
+      it->second.credits += message.as<wire::Credit>()->credits();
+      continue;
+    }
+    return Incoming{std::move(identity), std::move(message)};
+  }
+}
+
+Peer* Hub::peer(const std::string& identity) {
+  auto it = peers_.find(identity);
+  return it == peers_.end() ? nullptr : &it->second;
+}
+
+Peer* Hub::pick(wire::StageKind stage) {
+  Peer* best = nullptr;
+  for (auto& [identity, peer] : peers_) {
+    if (peer.stage != stage || peer.credits == 0) continue;
+    if (best == nullptr || peer.credits > best->credits) best = &peer;
+  }
+  return best;
+}
+
+bool Hub::any(wire::StageKind stage) const { return count(stage) > 0; }
+
+size_t Hub::count(wire::StageKind stage) const {
+  size_t n = 0;
+  for (const auto& [identity, peer] : peers_) n += peer.stage == stage;
+  return n;
+}
+
+bool Hub::send(const std::string& identity, std::vector<zmq::message_t>&& frames, bool job) {
+  auto it = peers_.find(identity);
+  if (it == peers_.end()) return false;
+  if (!wire::send(socket_, std::move(frames), &identity, true)) return false;
+  if (job && it->second.credits > 0) --it->second.credits;
+  return true;
+}
+
+std::vector<Peer> Hub::tick() {
+  const auto now = std::chrono::steady_clock::now();
+  std::vector<Peer> dead;
+  for (auto it = peers_.begin(); it != peers_.end();) {
+    if (now - it->second.last_seen > timeout_) {
+      log_.error("peer_lost", {{"peer", it->second.replica},
+                               {"stage", wire::stage_name(it->second.stage)},
+                               {"silent_ms", std::chrono::duration_cast<std::chrono::milliseconds>(
+                                                 now - it->second.last_seen)
+                                                 .count()}});
+      metrics_
+          .counter("moeline_hub_peers_lost_total", "Peers dropped after missing heartbeats",
+                   {{"stage", wire::stage_name(it->second.stage)}})
+          .inc();
+      dead.push_back(std::move(it->second));
+      it = peers_.erase(it);
+    } else {
+      ++it;
+    }
+  }
+  if (!dead.empty()) update_gauges();
+  if (now - last_heartbeat_ >= heartbeat_) {
+    last_heartbeat_ = now;
+    for (auto& [identity, peer] : peers_) {
+      flatbuffers::FlatBufferBuilder builder(64);
+      builder.Finish(wire::CreateHeartbeat(builder, 0, 0, 0), wire::HelloIdentifier());
+      wire::send(socket_, wire::encode(wire::MessageType::Heartbeat, builder), &identity, true);
+    }
+  }
+  return dead;
+}
+
+}  // namespace moeline::runtime

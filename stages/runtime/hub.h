@@ -1,0 +1,77 @@
+#pragma once
+// The hub end of the stage links: a ROUTER that worker stages (probe, prefill, decode, offload)
+// connect to. It answers hellos (refusing another schema major or settings hash, loudly), tracks
+// each peer's credits and liveness from heartbeats, and picks the peer of a kind with the most
+// free credit for the next job. A peer silent for longer than the timeout is dropped and returned
+// by tick(), so its owner can retry or fail the jobs that peer held.
+//
+// The gateway is the hub of a stack; `moeline load` is a hub for one stage driven directly.
+// Not thread-safe: the owning loop drives it.
+
+#include <chrono>
+#include <cstdint>
+#include <map>
+#include <optional>
+#include <string>
+#include <vector>
+#include <zmq.hpp>
+
+#include "schemas/wire.h"
+#include "stages/runtime/log.h"
+#include "stages/runtime/metrics.h"
+
+namespace moeline::runtime {
+
+struct Peer {
+  std::string identity;
+  wire::StageKind stage = wire::StageKind::Prefill;
+  std::string replica;
+  uint32_t credits = 0;
+  uint32_t queue_depth = 0, active = 0, kv_used = 0, kv_free = 0;
+  uint32_t pid = 0;
+  uint16_t http_port = 0;
+  std::chrono::steady_clock::time_point last_seen;
+};
+
+class Hub {
+ public:
+  Hub(zmq::context_t& context, const std::string& bind, uint64_t settings_hash, int heartbeat_ms,
+      int peer_timeout_ms, Logger& log, Registry& metrics);
+
+  zmq::socket_t& socket() { return socket_; }
+
+  struct Incoming {
+    std::string identity;
+    wire::Message message;
+  };
+  // One waiting message for the owner (non-blocking). Hellos, heartbeats and credits are handled
+  // here; refused frames are counted, logged and answered.
+  std::optional<Incoming> receive();
+
+  Peer* peer(const std::string& identity);
+  // The live peer of this kind with the most credit; nullptr when none has any.
+  Peer* pick(wire::StageKind stage);
+  bool any(wire::StageKind stage) const;
+  size_t count(wire::StageKind stage) const;
+  // Sends to a peer; `job` spends one of its credits. False if the peer is gone.
+  bool send(const std::string& identity, std::vector<zmq::message_t>&& frames, bool job);
+  // Heartbeats to every peer when due; returns the peers that timed out (now forgotten).
+  std::vector<Peer> tick();
+  const std::map<std::string, Peer>& peers() const { return peers_; }
+
+ private:
+  void on_hello(const std::string& identity, const wire::Message& message);
+  void reply_error(const std::string& identity, wire::ErrorCode code, const std::string& text);
+  void update_gauges();
+
+  zmq::socket_t socket_;
+  uint64_t settings_hash_;
+  std::chrono::milliseconds heartbeat_, timeout_;
+  Logger& log_;
+  Registry& metrics_;
+  std::map<std::string, Peer> peers_;
+  std::chrono::steady_clock::time_point last_heartbeat_;
+  RateLimited log_limit_;
+};
+
+}  // namespace moeline::runtime

@@ -1,0 +1,152 @@
+#include "stages/runtime/link.h"
+
+#include <unistd.h>
+
+#include <random>
+
+namespace moeline::runtime {
+namespace {
+
+std::string random_suffix() {
+  std::random_device device;
+  char text[9];
+  std::snprintf(text, sizeof text, "%08x", device());
+  return text;
+}
+
+uint64_t unix_ns() {
+  return static_cast<uint64_t>(std::chrono::duration_cast<std::chrono::nanoseconds>(
+                                   std::chrono::system_clock::now().time_since_epoch())
+                                   .count());
+}
+
+}  // namespace
+
+HubLink::HubLink(zmq::context_t& context, LinkSettings settings, Logger& log, Registry& metrics)
+    : context_(context),
+      settings_(std::move(settings)),
+      log_(log),
+      // A new identity per process: a restarted replica is a new peer, never mistaken for the
+      // one that died with jobs in flight.
+      identity_(settings_.replica + "#" + random_suffix()),
+      socket_(context_, zmq::socket_type::dealer),
+      last_hub_message_(std::chrono::steady_clock::now()),
+      rejected_frames_(metrics.counter("moeline_wire_rejected_frames_total",
+                                       "Received messages refused by the wire codec",
+                                       {{"peer", "hub"}})),
+      reconnects_(metrics.counter("moeline_link_hellos_total",
+                                  "Hellos sent to the hub (the first and every reconnect)")) {
+  socket_.set(zmq::sockopt::routing_id, identity_);
+  socket_.set(zmq::sockopt::linger, 0);
+  socket_.set(zmq::sockopt::sndhwm, 0);
+  socket_.set(zmq::sockopt::rcvhwm, 0);
+  socket_.connect(settings_.hub);
+  heartbeat_thread_ = std::thread([this] { heartbeat_loop(); });
+}
+
+HubLink::~HubLink() {
+  stopping_.store(true);
+  if (heartbeat_thread_.joinable()) heartbeat_thread_.join();
+}
+
+void HubLink::heartbeat_loop() {
+  zmq::socket_t side(context_, zmq::socket_type::dealer);
+  side.set(zmq::sockopt::routing_id, identity_ + "/hb");
+  side.set(zmq::sockopt::linger, 0);
+  side.set(zmq::sockopt::sndhwm, 4);
+  side.connect(settings_.hub);
+  while (!stopping_.load()) {
+    flatbuffers::FlatBufferBuilder builder(128);
+    builder.Finish(wire::CreateHeartbeat(builder, unix_ns(), queue_depth_.load(), active_.load(),
+                                         builder.CreateString(identity_), kv_used_.load(),
+                                         kv_free_.load()),
+                   wire::HelloIdentifier());
+    wire::send(side, wire::encode(wire::MessageType::Heartbeat, builder), nullptr, true);
+    // Drain anything the hub says on this side connection (nothing is expected).
+    while (wire::receive(side, true)) {
+    }
+    for (int slept = 0; slept < settings_.heartbeat_ms && !stopping_.load(); slept += 20)
+      std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  }
+}
+
+void HubLink::hello(uint32_t credits) {
+  flatbuffers::FlatBufferBuilder builder(256);
+  builder.Finish(wire::CreateHello(builder, settings_.stage, builder.CreateString(settings_.replica),
+                                   wire::kSchemaMajor, wire::kSchemaMinor,
+                                   builder.CreateString("moeline 0.1.0"), settings_.settings_hash,
+                                   credits, static_cast<uint32_t>(::getpid()), settings_.http_port),
+                 wire::HelloIdentifier());
+  wire::send(socket_, wire::encode(wire::MessageType::Hello, builder));
+  reconnects_.inc();
+  needs_hello_ = false;
+  accepted_ = false;
+  last_hub_message_ = std::chrono::steady_clock::now();
+  log_.info("hello_sent", {{"hub", settings_.hub}, {"credits", credits}});
+}
+
+bool HubLink::send(std::vector<zmq::message_t>&& frames) {
+  return wire::send(socket_, std::move(frames));
+}
+
+void HubLink::grant(uint32_t credits) {
+  if (credits == 0) return;
+  flatbuffers::FlatBufferBuilder builder(64);
+  builder.Finish(wire::CreateCredit(builder, credits), wire::HelloIdentifier());
+  send(wire::encode(wire::MessageType::Credit, builder));
+}
+
+std::optional<wire::Message> HubLink::receive(int timeout_ms) {
+  const auto until = std::chrono::steady_clock::now() + std::chrono::milliseconds(timeout_ms);
+  while (true) {
+    const auto now = std::chrono::steady_clock::now();
+    if (!needs_hello_ && now - last_hub_message_ > std::chrono::milliseconds(settings_.peer_timeout_ms)) {
+      log_.warn("hub_silent", {{"hub", settings_.hub}, {"timeout_ms", settings_.peer_timeout_ms}});
+      needs_hello_ = true;
+      return std::nullopt;
+    }
+    const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(until - now).count();
+    zmq::pollitem_t item{socket_.handle(), 0, ZMQ_POLLIN, 0};
+    try {
+      zmq::poll(&item, 1, std::chrono::milliseconds(std::max<int64_t>(0, left)));
+    } catch (const zmq::error_t&) {
+      return std::nullopt;  // interrupted by a signal: the loop checks its stop flag
+    }
+    if (!(item.revents & ZMQ_POLLIN)) return std::nullopt;
+    auto frames = wire::receive(socket_, true);
+    if (!frames) continue;
+    last_hub_message_ = std::chrono::steady_clock::now();
+    wire::Decoded decoded = wire::decode(std::move(*frames));
+    if (decoded.error) {
+      rejected_frames_.inc();
+      if (uint64_t suppressed = 0; log_limit_.allow(suppressed))
+        log_.warn("frame_rejected", {{"reason", decoded.error->reason},
+                                     {"detail", decoded.error->detail},
+                                     {"suppressed", suppressed}});
+      continue;
+    }
+    wire::Message& message = *decoded.message;
+    // Link-level messages stop here; the stage's own dispatch (an exhaustive switch) sees the rest.
+    if (message.type == wire::MessageType::HelloReply) {
+      const auto* reply = message.as<wire::HelloReply>();
+      if (!reply->accepted()) {
+        reject_reason_ = reply->reason() ? reply->reason()->str() : "refused";
+        log_.error("hello_refused", {{"hub", settings_.hub}, {"reason", reject_reason_}});
+        return std::nullopt;
+      }
+      accepted_ = true;
+      log_.info("hello_accepted", {{"hub", settings_.hub}});
+      continue;
+    }
+    if (message.type == wire::MessageType::Heartbeat) continue;
+    if (message.type == wire::MessageType::ErrorReply &&
+        message.as<wire::ErrorReply>()->code() == wire::ErrorCode::HelloRequired) {
+      log_.warn("hub_restarted", {{"hub", settings_.hub}});
+      needs_hello_ = true;
+      return std::nullopt;
+    }
+    return std::move(message);
+  }
+}
+
+}  // namespace moeline::runtime

@@ -1,0 +1,82 @@
+#pragma once
+// A worker stage's connection to the hub (the gateway): a DEALER that says hello (stage, schema
+// version, settings hash, credits), exchanges heartbeats and carries jobs and results. Heartbeats
+// go out on a side connection from their own thread, so a long forward pass never makes the hub
+// think this process died. When the hub goes quiet or answers HelloRequired (it restarted), the
+// link asks the stage to say hello again; when it refuses the hello (another model or schema
+// major) rejected() turns true and the stage exits with the reason.
+//
+// Not thread-safe apart from set_load(): the stage loop owns it.
+
+#include <atomic>
+#include <chrono>
+#include <cstdint>
+#include <optional>
+#include <string>
+#include <thread>
+#include <vector>
+#include <zmq.hpp>
+
+#include "schemas/wire.h"
+#include "stages/runtime/log.h"
+#include "stages/runtime/metrics.h"
+
+namespace moeline::runtime {
+
+struct LinkSettings {
+  std::string hub;  // endpoint to connect to
+  wire::StageKind stage = wire::StageKind::Prefill;
+  std::string replica;
+  uint64_t settings_hash = 0;
+  int heartbeat_ms = 500;
+  int peer_timeout_ms = 3000;
+  uint16_t http_port = 0;
+};
+
+class HubLink {
+ public:
+  HubLink(zmq::context_t& context, LinkSettings settings, Logger& log, Registry& metrics);
+  ~HubLink();
+  HubLink(const HubLink&) = delete;
+  HubLink& operator=(const HubLink&) = delete;
+
+  // Says hello with `credits` jobs of capacity free now.
+  void hello(uint32_t credits);
+  bool send(std::vector<zmq::message_t>&& frames);
+  void grant(uint32_t credits);
+  // Waits up to timeout_ms for a message for the stage; link messages (hello replies, heartbeats)
+  // are handled here, refused frames counted and logged.
+  std::optional<wire::Message> receive(int timeout_ms);
+  bool needs_hello() const { return needs_hello_; }
+  bool accepted() const { return accepted_; }
+  bool rejected() const { return !reject_reason_.empty(); }
+  const std::string& reject_reason() const { return reject_reason_; }
+  const std::string& identity() const { return identity_; }
+  void set_load(uint32_t queue_depth, uint32_t active, uint32_t kv_used = 0, uint32_t kv_free = 0) {
+    queue_depth_.store(queue_depth);
+    active_.store(active);
+    kv_used_.store(kv_used);
+    kv_free_.store(kv_free);
+  }
+
+ private:
+  void heartbeat_loop();
+
+  zmq::context_t& context_;
+  LinkSettings settings_;
+  Logger& log_;
+  std::string identity_;
+  zmq::socket_t socket_;
+  bool needs_hello_ = true;
+  bool accepted_ = false;
+  std::string reject_reason_;
+  std::chrono::steady_clock::time_point last_hub_message_;
+  Counter& rejected_frames_;
+  Counter& reconnects_;
+  RateLimited log_limit_;
+  std::atomic<uint32_t> queue_depth_{0}, active_{0}, kv_used_{0}, kv_free_{0};
+  std::atomic<bool> stopping_{false};
+  std::thread heartbeat_thread_;
+};
+
+}  // namespace moeline::runtime

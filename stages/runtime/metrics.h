@@ -1,0 +1,82 @@
+#pragma once
+// Prometheus metrics: counters, gauges and histograms in families (one name, help and type, many
+// label sets), rendered in the text exposition format for /metrics. Recording is lock-free
+// (atomics); registering takes a lock and returns a reference that stays valid for the registry's
+// lifetime, so hot paths look a series up once and keep it.
+
+#include <atomic>
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <vector>
+
+namespace moeline::runtime {
+
+using Labels = std::vector<std::pair<std::string, std::string>>;
+
+class Counter {
+ public:
+  void inc(double by = 1.0) { value_.fetch_add(by, std::memory_order_relaxed); }
+  double value() const { return value_.load(std::memory_order_relaxed); }
+
+ private:
+  std::atomic<double> value_{0.0};
+};
+
+class Gauge {
+ public:
+  void set(double value) { value_.store(value, std::memory_order_relaxed); }
+  void add(double by) { value_.fetch_add(by, std::memory_order_relaxed); }
+  double value() const { return value_.load(std::memory_order_relaxed); }
+
+ private:
+  std::atomic<double> value_{0.0};
+};
+
+class Histogram {
+ public:
+  explicit Histogram(std::vector<double> bounds);
+  void observe(double value);
+  const std::vector<double>& bounds() const { return bounds_; }
+  // Cumulative counts per bound, then +Inf.
+  std::vector<uint64_t> cumulative() const;
+  double sum() const { return sum_.load(std::memory_order_relaxed); }
+  uint64_t count() const { return count_.load(std::memory_order_relaxed); }
+
+ private:
+  std::vector<double> bounds_;
+  std::unique_ptr<std::atomic<uint64_t>[]> buckets_;
+  std::atomic<double> sum_{0.0};
+  std::atomic<uint64_t> count_{0};
+};
+
+// Latency buckets in seconds, 100 µs to 60 s.
+std::vector<double> latency_buckets();
+// Small-count buckets (batch sizes, queue depths): 1, 2, 4, ... 1024.
+std::vector<double> size_buckets();
+
+class Registry {
+ public:
+  Counter& counter(const std::string& name, const std::string& help, const Labels& labels = {});
+  Gauge& gauge(const std::string& name, const std::string& help, const Labels& labels = {});
+  Histogram& histogram(const std::string& name, const std::string& help,
+                       const std::vector<double>& bounds, const Labels& labels = {});
+  std::string render() const;
+
+ private:
+  struct Family {
+    std::string type, help;
+    std::map<std::string, std::unique_ptr<Counter>> counters;
+    std::map<std::string, std::unique_ptr<Gauge>> gauges;
+    std::map<std::string, std::unique_ptr<Histogram>> histograms;
+  };
+  Family& family(const std::string& name, const std::string& type, const std::string& help);
+  mutable std::mutex mutex_;
+  std::map<std::string, Family> families_;
+};
+
+std::string render_labels(const Labels& labels);
+
+}  // namespace moeline::runtime

@@ -1,0 +1,100 @@
+#include "stages/runtime/service.h"
+
+#include <httplib.h>
+#include <signal.h>
+#include <unistd.h>
+
+#include <fstream>
+
+namespace moeline::runtime {
+namespace {
+
+std::atomic<bool> g_stop{false};
+
+void on_signal(int) { g_stop.store(true); }
+
+}  // namespace
+
+StageService::StageService(std::string stage, std::string replica)
+    : log(std::move(stage), std::move(replica)), last_tick_ns_(now_ns()) {
+  metrics.gauge("moeline_process_start_time_seconds", "Unix time the process started")
+      .set(static_cast<double>(std::time(nullptr)));
+}
+
+StageService::~StageService() {
+  if (server_) server_->stop();
+  if (http_thread_.joinable()) http_thread_.join();
+}
+
+int64_t StageService::now_ns() {
+  return std::chrono::duration_cast<std::chrono::nanoseconds>(
+             std::chrono::steady_clock::now().time_since_epoch())
+      .count();
+}
+
+bool StageService::healthy() const {
+  const int64_t idle_ms = (now_ns() - last_tick_ns_.load(std::memory_order_relaxed)) / 1'000'000;
+  return ready_.load() && idle_ms <= watchdog_ms_;
+}
+
+void StageService::start_http(const std::string& address, const std::string& port_file,
+                              std::function<nlohmann::json()> health_detail) {
+  const auto colon = address.rfind(':');
+  if (colon == std::string::npos)
+    throw std::runtime_error("--http expects HOST:PORT, got '" + address + "'");
+  const std::string host = address.substr(0, colon);
+  const int port = std::stoi(address.substr(colon + 1));
+  server_ = std::make_unique<httplib::Server>();
+  server_->Get("/metrics", [this](const httplib::Request&, httplib::Response& response) {
+    response.set_content(metrics.render(), "text/plain; version=0.0.4; charset=utf-8");
+  });
+  server_->Get("/healthz", [this, health_detail](const httplib::Request&,
+                                                 httplib::Response& response) {
+    const int64_t idle_ms =
+        (now_ns() - last_tick_ns_.load(std::memory_order_relaxed)) / 1'000'000;
+    nlohmann::json body = {{"stage", log.stage()},
+                           {"replica", log.replica()},
+                           {"ready", ready_.load()},
+                           {"loop_idle_ms", idle_ms},
+                           {"pid", ::getpid()}};
+    if (health_detail) body.update(health_detail());
+    const bool ok = healthy();
+    body["status"] = ok ? "ok" : (ready_.load() ? "stalled" : "starting");
+    response.status = ok ? 200 : 503;
+    response.set_content(body.dump(), "application/json");
+  });
+  int bound = port;
+  if (port == 0) {
+    bound = server_->bind_to_any_port(host);
+  } else if (!server_->bind_to_port(host, port)) {
+    bound = -1;
+  }
+  if (bound <= 0) throw std::runtime_error("cannot listen for HTTP on " + address);
+  port_ = static_cast<uint16_t>(bound);
+  if (!port_file.empty()) {
+    const std::string temporary = port_file + ".tmp";
+    std::ofstream(temporary) << port_ << '\n';
+    std::rename(temporary.c_str(), port_file.c_str());
+  }
+  http_thread_ = std::thread([this] { server_->listen_after_bind(); });
+  log.info("http_listening", {{"address", host + ":" + std::to_string(port_)}});
+}
+
+void StageService::install_signal_handlers() {
+  struct sigaction action {};
+  action.sa_handler = on_signal;
+  sigemptyset(&action.sa_mask);
+  sigaction(SIGTERM, &action, nullptr);
+  sigaction(SIGINT, &action, nullptr);
+  signal(SIGPIPE, SIG_IGN);
+}
+
+bool StageService::stop_requested() { return g_stop.load(); }
+
+std::string default_replica_name(const std::string& stage) {
+  char host[256] = {};
+  gethostname(host, sizeof host - 1);
+  return stage + "-" + host + "-" + std::to_string(::getpid());
+}
+
+}  // namespace moeline::runtime

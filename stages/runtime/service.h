@@ -1,0 +1,64 @@
+#pragma once
+// What every stage process has besides its loop: the logger, the metrics registry, an HTTP
+// endpoint with /metrics (Prometheus text) and /healthz, a watchdog, and a stop flag set by
+// SIGTERM / SIGINT.
+//
+// The watchdog: the stage loop calls tick() every iteration; when it has not for longer than the
+// limit (a loop stuck in a forward pass or a deadlock), /healthz answers 503 and the supervisor
+// (moeline stack, or the container runtime) replaces the process.
+
+#include <atomic>
+#include <chrono>
+#include <functional>
+#include <memory>
+#include <nlohmann/json.hpp>
+#include <string>
+#include <thread>
+
+#include "stages/runtime/log.h"
+#include "stages/runtime/metrics.h"
+
+namespace httplib {
+class Server;
+}
+
+namespace moeline::runtime {
+
+class StageService {
+ public:
+  StageService(std::string stage, std::string replica);
+  ~StageService();
+  StageService(const StageService&) = delete;
+  StageService& operator=(const StageService&) = delete;
+
+  // Serves /metrics and /healthz on "host:port" (port 0: any free port; written to port_file when
+  // one is given). `health_detail` adds fields to the /healthz JSON; it runs on the HTTP thread.
+  void start_http(const std::string& address, const std::string& port_file,
+                  std::function<nlohmann::json()> health_detail = {});
+  uint16_t http_port() const { return port_; }
+
+  void tick() { last_tick_ns_.store(now_ns(), std::memory_order_relaxed); }
+  void set_watchdog_limit(std::chrono::milliseconds limit) { watchdog_ms_ = limit.count(); }
+  void set_ready(bool ready) { ready_.store(ready); }
+  bool healthy() const;
+
+  static void install_signal_handlers();
+  static bool stop_requested();
+
+  Logger log;
+  Registry metrics;
+
+ private:
+  static int64_t now_ns();
+  std::unique_ptr<httplib::Server> server_;
+  std::thread http_thread_;
+  uint16_t port_ = 0;
+  std::atomic<int64_t> last_tick_ns_;
+  std::atomic<bool> ready_{false};
+  int64_t watchdog_ms_ = 30000;
+};
+
+// "moeline-<stage>-<hostname>-<pid>": unique per process, stable in logs.
+std::string default_replica_name(const std::string& stage);
+
+}  // namespace moeline::runtime
