@@ -4,12 +4,14 @@
 #include <iostream>
 #include <string>
 
+#include "sdk/client_command.h"
 #include "stages/decode/decode.h"
 #include "stages/gateway/gateway.h"
 #include "stages/offload_manager/offload_manager.h"
 #include "stages/prefill/prefill.h"
 #include "stages/probe/probe.h"
 #include "stages/run_command.h"
+#include "stages/stack/stack.h"
 #include "stages/tokenize_command.h"
 
 namespace {
@@ -21,6 +23,8 @@ commands:
   tokenize     text on stdin -> token ids as a JSON array (moeline tokenize --help)
   detokenize   JSON array of token ids on stdin -> text (moeline detokenize --help)
   chat-template  JSON messages on stdin -> the model's chat prompt (moeline chat-template --help)
+  stack        start, inspect, stop a local stack (moeline stack --help)
+  client       talk to a stack: generate, status (moeline client --help)
   version      print the version
 
 stage processes (each: moeline <stage> --help):
@@ -43,6 +47,8 @@ int main(int argc, char** argv) {
   if (command == "tokenize") return moeline::stages::tokenize_command(argc - 2, argv + 2);
   if (command == "chat-template") return moeline::stages::chat_template_command(argc - 2, argv + 2);
   if (command == "detokenize") return moeline::stages::detokenize_command(argc - 2, argv + 2);
+  if (command == "stack") return moeline::stages::stack_command(argc - 2, argv + 2);
+  if (command == "client") return moeline::sdk::client_command(argc - 2, argv + 2);
   if (command == "gateway") return moeline::stages::gateway_main(argc - 2, argv + 2);
   if (command == "probe") return moeline::stages::probe_main(argc - 2, argv + 2);
   if (command == "prefill") return moeline::stages::prefill_main(argc - 2, argv + 2);

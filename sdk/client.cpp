@@ -1,0 +1,244 @@
+#include "sdk/client.h"
+
+#include "schemas/wire.h"
+
+namespace moeline::sdk {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+Event to_event(const wire::StreamEvent& e) {
+  Event event;
+  event.client_request_id = e.client_request_id();
+  event.request_id = e.request_id();
+  switch (e.kind()) {
+    case wire::EventKind::Accepted:
+      event.kind = EventKind::kAccepted;
+      break;
+    case wire::EventKind::Delta:
+      event.kind = EventKind::kDelta;
+      break;
+    case wire::EventKind::Finished:
+      event.kind = EventKind::kFinished;
+      break;
+    case wire::EventKind::Error:
+      event.kind = EventKind::kError;
+      break;
+  }
+  if (e.text()) event.text = e.text()->str();
+  if (e.token_ids()) event.token_ids.assign(e.token_ids()->begin(), e.token_ids()->end());
+  if (e.finish_reason()) event.finish_reason = e.finish_reason()->str();
+  if (const auto* usage = e.usage()) {
+    event.usage = {usage->prompt_tokens(), usage->completion_tokens(), usage->reused_tokens(),
+                   usage->reuse_level() ? usage->reuse_level()->str() : ""};
+  }
+  if (const auto* timings = e.timings())
+    event.timings = {timings->queue_ms(), timings->prefill_ms(), timings->ttft_ms(),
+                     timings->total_ms()};
+  event.error_code = static_cast<int>(e.error_code());
+  event.error_name = error_name(event.error_code);
+  if (e.error_message()) event.error_message = e.error_message()->str();
+  return event;
+}
+
+}  // namespace
+
+const char* error_name(int code) {
+  const char* name = wire::EnumNameErrorCode(static_cast<wire::ErrorCode>(code));
+  return name != nullptr && *name != '\0' ? name : "Unknown";
+}
+
+Client::Client(std::string endpoint, std::chrono::milliseconds timeout)
+    : endpoint_(std::move(endpoint)), timeout_(timeout) {
+  open();
+}
+
+Client::~Client() {
+  for (auto& [id, _] : in_flight_) {
+    try {
+      cancel(id);
+    } catch (...) {
+    }
+  }
+}
+
+void Client::open() {
+  socket_ = std::make_unique<zmq::socket_t>(context_, zmq::socket_type::dealer);
+  socket_->set(zmq::sockopt::linger, 200);
+  socket_->set(zmq::sockopt::sndhwm, 0);
+  socket_->set(zmq::sockopt::rcvhwm, 0);
+  socket_->connect(endpoint_);
+}
+
+void Client::reconnect() {
+  in_flight_.clear();
+  pending_.clear();
+  control_replies_.clear();
+  open();
+}
+
+uint64_t Client::start(const GenerateOptions& options) {
+  const uint64_t id = next_id_++;
+  flatbuffers::FlatBufferBuilder builder(256 + options.prompt.size() + options.tokens.size() * 4);
+  auto stops = builder.CreateVector(options.stop_token_ids);
+  auto sampling = wire::CreateSamplingParams(builder, options.temperature, options.top_k,
+                                             options.top_p, options.seed.value_or(0),
+                                             options.seed.has_value(), options.max_tokens, stops,
+                                             options.ignore_eos);
+  auto prompt = options.prompt.empty() ? 0 : builder.CreateString(options.prompt);
+  auto tokens = options.tokens.empty() ? 0 : builder.CreateVector(options.tokens);
+  auto tenant = builder.CreateString(options.tenant);
+  builder.Finish(wire::CreateGenerateRequest(builder, id, prompt, tokens, sampling, tenant,
+                                             options.deadline_ms, options.add_special_tokens),
+                 wire::GenerateRequestIdentifier());
+  if (!wire::send(*socket_, wire::encode(wire::MessageType::GenerateRequest, builder)))
+    throw std::runtime_error("cannot send to " + endpoint_);
+  in_flight_[id] = true;
+  return id;
+}
+
+std::optional<Event> Client::receive(std::chrono::milliseconds timeout) {
+  const auto until = Clock::now() + timeout;
+  while (true) {
+    const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(until - Clock::now());
+    zmq::pollitem_t item{socket_->handle(), 0, ZMQ_POLLIN, 0};
+    zmq::poll(&item, 1, std::max(left, std::chrono::milliseconds(0)));
+    if (!(item.revents & ZMQ_POLLIN)) return std::nullopt;
+    auto frames = wire::receive(*socket_, true);
+    if (!frames) continue;
+    wire::Decoded decoded = wire::decode(std::move(*frames));
+    if (decoded.error)
+      throw std::runtime_error("bad reply from the gateway: " + decoded.error->detail);
+    const wire::Message& message = *decoded.message;
+    if (message.type == wire::MessageType::StreamEvent) {
+      Event event = to_event(*message.as<wire::StreamEvent>());
+      if (!in_flight_.count(event.client_request_id)) continue;  // a request we gave up on
+      if (event.terminal()) in_flight_.erase(event.client_request_id);
+      return event;
+    }
+    if (message.type == wire::MessageType::ControlReply) {
+      const auto* reply = message.as<wire::ControlReply>();
+      if (!reply->ok())
+        throw ClientError(static_cast<int>(wire::ErrorCode::InvalidRequest), "InvalidRequest",
+                          reply->message() ? reply->message()->str() : "control command refused");
+      control_replies_.push_back(reply->json() ? reply->json()->str() : "{}");
+      continue;
+    }
+    if (message.type == wire::MessageType::ErrorReply) {
+      const auto* error = message.as<wire::ErrorReply>();
+      const int code = static_cast<int>(error->code());
+      const std::string text = error->message() ? error->message()->str() : "";
+      if (in_flight_.count(error->client_request_id())) {
+        Event event;
+        event.client_request_id = error->client_request_id();
+        event.kind = EventKind::kError;
+        event.error_code = code;
+        event.error_name = error_name(code);
+        event.error_message = text;
+        in_flight_.erase(error->client_request_id());
+        return event;
+      }
+      throw ClientError(code, error_name(code), text);
+    }
+    throw std::runtime_error(std::string("unexpected ") + wire::message_type_name(message.type) +
+                             " from the gateway");
+  }
+}
+
+std::optional<Event> Client::next_event(std::chrono::milliseconds timeout) {
+  if (!pending_.empty()) {
+    Event event = std::move(pending_.front());
+    pending_.pop_front();
+    return event;
+  }
+  return receive(timeout);
+}
+
+Result Client::generate(const GenerateOptions& options,
+                        const std::function<void(const Event&)>& on_event) {
+  const uint64_t id = start(options);
+  Result result;
+  auto take = [&](const Event& event) -> bool {
+    if (on_event) on_event(event);
+    result.request_id = event.request_id;
+    switch (event.kind) {
+      case EventKind::kAccepted:
+        return false;
+      case EventKind::kDelta:
+        result.ids.insert(result.ids.end(), event.token_ids.begin(), event.token_ids.end());
+        result.text += event.text;
+        return false;
+      case EventKind::kFinished:
+        result.text += event.text;
+        result.finish_reason = event.finish_reason;
+        result.usage = event.usage;
+        result.timings = event.timings;
+        return true;
+      case EventKind::kError:
+        throw ClientError(event.error_code, event.error_name, event.error_message);
+    }
+    return false;
+  };
+  // Events of this request that arrived while someone waited for another.
+  for (auto it = pending_.begin(); it != pending_.end();) {
+    if (it->client_request_id != id) {
+      ++it;
+      continue;
+    }
+    Event event = std::move(*it);
+    it = pending_.erase(it);
+    if (take(event)) return result;
+  }
+  while (true) {
+    std::optional<Event> event = receive(timeout_);
+    if (!event) {
+      cancel(id);
+      reconnect();
+      throw TimeoutError("no answer from " + endpoint_ + " within " +
+                         std::to_string(timeout_.count()) + " ms");
+    }
+    if (event->client_request_id != id) {
+      pending_.push_back(std::move(*event));
+      continue;
+    }
+    if (take(*event)) return result;
+  }
+}
+
+void Client::cancel(uint64_t client_request_id) {
+  flatbuffers::FlatBufferBuilder builder(64);
+  builder.Finish(wire::CreateCancelRequest(builder, client_request_id),
+                 wire::GenerateRequestIdentifier());
+  wire::send(*socket_, wire::encode(wire::MessageType::CancelRequest, builder), nullptr, true);
+}
+
+void Client::feedback(uint64_t client_request_id, float score, const std::string& comment) {
+  flatbuffers::FlatBufferBuilder builder(128 + comment.size());
+  builder.Finish(wire::CreateFeedback(builder, client_request_id, score,
+                                      builder.CreateString(comment)),
+                 wire::GenerateRequestIdentifier());
+  wire::send(*socket_, wire::encode(wire::MessageType::Feedback, builder));
+}
+
+std::string Client::control(const std::string& command, const std::string& arguments) {
+  flatbuffers::FlatBufferBuilder builder(128);
+  builder.Finish(wire::CreateControlCommand(builder, builder.CreateString(command),
+                                            builder.CreateString(arguments)),
+                 wire::ControlCommandIdentifier());
+  wire::send(*socket_, wire::encode(wire::MessageType::ControlCommand, builder));
+  const auto until = Clock::now() + timeout_;
+  while (control_replies_.empty()) {
+    const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(until - Clock::now());
+    if (left.count() <= 0) {
+      reconnect();
+      throw TimeoutError("no answer from " + endpoint_ + " within " +
+                         std::to_string(timeout_.count()) + " ms");
+    }
+    if (auto event = receive(left)) pending_.push_back(std::move(*event));
+  }
+  std::string reply = std::move(control_replies_.front());
+  control_replies_.pop_front();
+  return reply;
+}
+
+}  // namespace moeline::sdk

@@ -1,0 +1,136 @@
+#pragma once
+// The C++ client of a moeline stack. It speaks the wire contract only (schemas/), never engine
+// internals. One Client is one DEALER connection to the gateway's client endpoint; any number of
+// requests may be in flight on it at once.
+//
+//   moeline::sdk::Client client("ipc:///run/moeline/client.sock");
+//   auto result = client.generate({.prompt = "to swim:", .max_tokens = 16},
+//                                 [](const Event& e) { std::cout << e.text << std::flush; });
+//
+// Blocking: generate() returns when the request finishes (its events go to the callback as they
+// arrive). Concurrent: start() several requests, then next_event() returns events of any of them.
+// A wait longer than the timeout cancels what is in flight, reconnects (a fresh socket) and throws
+// TimeoutError. An Error event becomes a ClientError in generate().
+//
+// Not thread-safe: one thread per Client.
+
+#include <chrono>
+#include <cstdint>
+#include <deque>
+#include <functional>
+#include <map>
+#include <memory>
+#include <optional>
+#include <stdexcept>
+#include <string>
+#include <vector>
+#include <zmq.hpp>
+
+namespace moeline::sdk {
+
+struct GenerateOptions {
+  std::string prompt;            // text, tokenized by the gateway; or
+  std::vector<int32_t> tokens;   // token ids
+  int64_t max_tokens = 16;
+  double temperature = 0.0;      // 0: greedy
+  int64_t top_k = 0;
+  double top_p = 1.0;
+  std::optional<uint64_t> seed;
+  std::vector<int32_t> stop_token_ids;
+  bool ignore_eos = false;
+  std::string tenant;
+  uint32_t deadline_ms = 0;      // 0: the gateway's default
+  bool add_special_tokens = true;
+};
+
+struct Usage {
+  uint32_t prompt_tokens = 0, completion_tokens = 0, reused_tokens = 0;
+  std::string reuse_level;
+};
+
+struct Timings {
+  double queue_ms = 0, prefill_ms = 0, ttft_ms = 0, total_ms = 0;
+};
+
+enum class EventKind { kAccepted, kDelta, kFinished, kError };
+
+struct Event {
+  uint64_t client_request_id = 0;
+  uint64_t request_id = 0;
+  EventKind kind = EventKind::kAccepted;
+  std::string text;
+  std::vector<int32_t> token_ids;
+  std::string finish_reason;
+  Usage usage;
+  Timings timings;
+  int error_code = 0;
+  std::string error_name;
+  std::string error_message;
+  bool terminal() const { return kind == EventKind::kFinished || kind == EventKind::kError; }
+};
+
+struct Result {
+  uint64_t request_id = 0;
+  std::vector<int32_t> ids;
+  std::string text;
+  std::string finish_reason;
+  Usage usage;
+  Timings timings;
+};
+
+class ClientError : public std::runtime_error {
+ public:
+  ClientError(int code, std::string name, const std::string& message)
+      : std::runtime_error(name + ": " + message), code_(code), name_(std::move(name)) {}
+  int code() const { return code_; }
+  const std::string& name() const { return name_; }
+
+ private:
+  int code_;
+  std::string name_;
+};
+
+class TimeoutError : public std::runtime_error {
+ public:
+  using std::runtime_error::runtime_error;
+};
+
+class Client {
+ public:
+  explicit Client(std::string endpoint,
+                  std::chrono::milliseconds timeout = std::chrono::seconds(60));
+  ~Client();
+  Client(const Client&) = delete;
+  Client& operator=(const Client&) = delete;
+
+  // Sends the request; returns its client_request_id.
+  uint64_t start(const GenerateOptions& options);
+  // The next event of any request in flight; nullopt after `timeout` without one.
+  std::optional<Event> next_event(std::chrono::milliseconds timeout);
+  Result generate(const GenerateOptions& options,
+                  const std::function<void(const Event&)>& on_event = {});
+  void cancel(uint64_t client_request_id);
+  void feedback(uint64_t client_request_id, float score, const std::string& comment = {});
+  // An operator command ("status"); returns the reply's JSON text.
+  std::string control(const std::string& command, const std::string& arguments = {});
+  // Drops every request in flight and opens a fresh connection.
+  void reconnect();
+  size_t in_flight() const { return in_flight_.size(); }
+
+ private:
+  std::optional<Event> receive(std::chrono::milliseconds timeout);
+  void open();
+
+  std::string endpoint_;
+  std::chrono::milliseconds timeout_;
+  zmq::context_t context_{1};
+  std::unique_ptr<zmq::socket_t> socket_;
+  uint64_t next_id_ = 1;
+  std::map<uint64_t, bool> in_flight_;
+  std::deque<Event> pending_;  // events received while waiting for another request's
+  std::deque<std::string> control_replies_;
+};
+
+const char* error_name(int code);
+
+}  // namespace moeline::sdk

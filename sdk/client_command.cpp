@@ -1,0 +1,198 @@
+#include "sdk/client_command.h"
+
+#include <charconv>
+#include <cstring>
+#include <iostream>
+#include <map>
+#include <nlohmann/json.hpp>
+
+#include "sdk/client.h"
+
+namespace moeline::sdk {
+namespace {
+
+constexpr const char* kUsage =
+    R"(usage: moeline client generate --endpoint EP (--prompt TEXT | --tokens 1,2,3) [options]
+       moeline client status --endpoint EP
+
+generate streams the text to stdout as it arrives; with --json it prints one JSON object at the
+end instead: ids, text, finish_reason, usage, timings (milliseconds).
+
+  --endpoint EP        the gateway's client endpoint (ipc://... or tcp://host:port);
+                       default: $MOELINE_ENDPOINT
+  --prompt TEXT        prompt text (tokenized by the gateway)
+  --tokens IDS         prompt token ids, comma-separated
+  --max-tokens N       tokens to generate (default 16)
+  --temperature T      0 = greedy (default 0)
+  --top-k K            keep the K most likely tokens (default 0 = all)
+  --top-p P            nucleus mass in (0, 1] (default 1)
+  --seed S             sampling seed
+  --stop-ids IDS       extra stop token ids
+  --ignore-eos         do not stop at end-of-sequence tokens
+  --no-special         do not add the tokenizer's special tokens (BOS) to --prompt
+  --tenant NAME        tenant (default: "default")
+  --deadline-ms N      the request's deadline (default: the gateway's)
+  --timeout-ms N       give up when the stack is silent this long (default 60000)
+  --json               one JSON object at the end
+)";
+
+class UsageError : public std::runtime_error {
+ public:
+  using std::runtime_error::runtime_error;
+};
+
+template <class T>
+T number(const std::string& flag, const std::string& text) {
+  T value{};
+  if constexpr (std::is_floating_point_v<T>) {
+    char* end = nullptr;
+    value = static_cast<T>(std::strtod(text.c_str(), &end));
+    if (text.empty() || end != text.c_str() + text.size())
+      throw UsageError(flag + " expects a number, got '" + text + "'");
+  } else {
+    auto [ptr, ec] = std::from_chars(text.data(), text.data() + text.size(), value);
+    if (ec != std::errc() || ptr != text.data() + text.size() || text.empty())
+      throw UsageError(flag + " expects an integer, got '" + text + "'");
+  }
+  return value;
+}
+
+std::vector<int32_t> ids(const std::string& flag, const std::string& text) {
+  std::vector<int32_t> out;
+  size_t start = 0;
+  while (start <= text.size()) {
+    size_t comma = text.find(',', start);
+    if (comma == std::string::npos) comma = text.size();
+    std::string item = text.substr(start, comma - start);
+    item.erase(0, item.find_first_not_of(' '));
+    item.erase(item.find_last_not_of(' ') + 1);
+    out.push_back(number<int32_t>(flag, item));
+    start = comma + 1;
+  }
+  return out;
+}
+
+nlohmann::json usage_json(const Usage& usage) {
+  return {{"prompt_tokens", usage.prompt_tokens},
+          {"completion_tokens", usage.completion_tokens},
+          {"reused_tokens", usage.reused_tokens},
+          {"reuse_level", usage.reuse_level}};
+}
+
+nlohmann::json timings_json(const Timings& timings) {
+  return {{"queue_ms", timings.queue_ms},
+          {"prefill_ms", timings.prefill_ms},
+          {"ttft_ms", timings.ttft_ms},
+          {"total_ms", timings.total_ms}};
+}
+
+int generate(int argc, char** argv) {
+  GenerateOptions options;
+  std::string endpoint;
+  if (const char* env = std::getenv("MOELINE_ENDPOINT")) endpoint = env;
+  bool json = false;
+  int64_t timeout_ms = 60000;
+  bool has_prompt = false;
+  const std::map<std::string, bool> takes_value = {
+      {"--endpoint", true},    {"--prompt", true},      {"--tokens", true},
+      {"--max-tokens", true},  {"--temperature", true}, {"--top-k", true},
+      {"--top-p", true},       {"--seed", true},        {"--stop-ids", true},
+      {"--tenant", true},      {"--deadline-ms", true}, {"--timeout-ms", true},
+      {"--json", false},       {"--ignore-eos", false}, {"--no-special", false}};
+  for (int i = 0; i < argc; ++i) {
+    const std::string flag = argv[i];
+    auto known = takes_value.find(flag);
+    if (known == takes_value.end()) throw UsageError("unknown option '" + flag + "'");
+    std::string value;
+    if (known->second) {
+      if (i + 1 >= argc) throw UsageError(flag + " needs a value");
+      value = argv[++i];
+    }
+    if (flag == "--endpoint") endpoint = value;
+    else if (flag == "--prompt") options.prompt = value, has_prompt = true;
+    else if (flag == "--tokens") options.tokens = ids(flag, value);
+    else if (flag == "--max-tokens") options.max_tokens = number<int64_t>(flag, value);
+    else if (flag == "--temperature") options.temperature = number<double>(flag, value);
+    else if (flag == "--top-k") options.top_k = number<int64_t>(flag, value);
+    else if (flag == "--top-p") options.top_p = number<double>(flag, value);
+    else if (flag == "--seed") options.seed = number<uint64_t>(flag, value);
+    else if (flag == "--stop-ids") options.stop_token_ids = ids(flag, value);
+    else if (flag == "--tenant") options.tenant = value;
+    else if (flag == "--deadline-ms") options.deadline_ms = number<uint32_t>(flag, value);
+    else if (flag == "--timeout-ms") timeout_ms = number<int64_t>(flag, value);
+    else if (flag == "--json") json = true;
+    else if (flag == "--ignore-eos") options.ignore_eos = true;
+    else if (flag == "--no-special") options.add_special_tokens = false;
+  }
+  if (endpoint.empty()) throw UsageError("--endpoint is required (or set MOELINE_ENDPOINT)");
+  if (has_prompt == !options.tokens.empty())
+    throw UsageError("give either --prompt TEXT or --tokens IDS");
+  if (has_prompt && options.prompt.empty()) throw UsageError("--prompt is empty");
+
+  Client client(endpoint, std::chrono::milliseconds(timeout_ms));
+  try {
+    Result result = client.generate(options, [&](const Event& event) {
+      if (!json && !event.text.empty()) std::cout << event.text << std::flush;
+    });
+    if (json) {
+      nlohmann::json out = {{"request_id", result.request_id},
+                            {"ids", result.ids},
+                            {"text", result.text},
+                            {"finish_reason", result.finish_reason},
+                            {"usage", usage_json(result.usage)},
+                            {"timings", timings_json(result.timings)}};
+      std::cout << out.dump(-1, ' ', false, nlohmann::json::error_handler_t::replace) << '\n';
+    } else {
+      std::cout << '\n';
+    }
+    return 0;
+  } catch (const ClientError& e) {
+    if (!json) std::cout << '\n';
+    std::cerr << "moeline: error: " << e.what() << '\n';
+    return 1;
+  } catch (const TimeoutError& e) {
+    std::cerr << "moeline: error: " << e.what() << '\n';
+    return 1;
+  }
+}
+
+int status(int argc, char** argv) {
+  std::string endpoint;
+  if (const char* env = std::getenv("MOELINE_ENDPOINT")) endpoint = env;
+  for (int i = 0; i < argc; ++i) {
+    if (std::strcmp(argv[i], "--endpoint") == 0 && i + 1 < argc) endpoint = argv[++i];
+    else throw UsageError(std::string("unknown option '") + argv[i] + "'");
+  }
+  if (endpoint.empty()) throw UsageError("--endpoint is required");
+  Client client(endpoint, std::chrono::seconds(10));
+  std::cout << nlohmann::json::parse(client.control("status")).dump(2) << '\n';
+  return 0;
+}
+
+}  // namespace
+
+int client_command(int argc, char** argv) {
+  if (argc < 1 || std::strcmp(argv[0], "--help") == 0) {
+    std::cout << kUsage;
+    return argc < 1 ? 2 : 0;
+  }
+  for (int i = 1; i < argc; ++i)
+    if (std::strcmp(argv[i], "--help") == 0) {
+      std::cout << kUsage;
+      return 0;
+    }
+  const std::string sub = argv[0];
+  try {
+    if (sub == "generate") return generate(argc - 1, argv + 1);
+    if (sub == "status") return status(argc - 1, argv + 1);
+    throw UsageError("unknown client command '" + sub + "'");
+  } catch (const UsageError& e) {
+    std::cerr << kUsage << "moeline: error: " << e.what() << '\n';
+    return 2;
+  } catch (const std::exception& e) {
+    std::cerr << "moeline: error: " << e.what() << '\n';
+    return 1;
+  }
+}
+
+}  // namespace moeline::sdk

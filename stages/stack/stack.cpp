@@ -1,0 +1,466 @@
+#include "stages/stack/stack.h"
+
+#include <fcntl.h>
+#include <httplib.h>
+#include <signal.h>
+#include <sys/stat.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <iostream>
+#include <nlohmann/json.hpp>
+#include <thread>
+
+#include "stages/runtime/config.h"
+#include "stages/runtime/log.h"
+
+namespace moeline::stages {
+namespace {
+
+namespace fs = std::filesystem;
+using Clock = std::chrono::steady_clock;
+
+constexpr const char* kUsage =
+    R"(usage: moeline stack up --model DIR --run-dir DIR [--prefill N] [--decode M] [--config FILE]
+                        [--threads T] [--timeout-s S]
+       moeline stack status --run-dir DIR [--json]
+       moeline stack down --run-dir DIR
+
+up       start gateway, probe, offload manager, N prefill and M decode processes over ipc:// in
+         DIR, supervised (a stage that dies is restarted); returns when all are healthy and
+         prints the client endpoint
+status   each stage's pid, health and restarts (exit 1 when the stack is not healthy)
+down     stop every stage and the supervisor
+
+  --model DIR       checkpoint folder (default: $MOELINE_MODEL, else the embedded demo model)
+  --run-dir DIR     sockets, logs and stack.json go here
+  --prefill N       prefill processes (default 1)
+  --decode M        decode processes (default 1)
+  --config FILE     stage config file passed to every stage (see `moeline <stage> --help`)
+  --threads T       compute threads per prefill/decode process (default: cores / (N + M))
+  --timeout-s S     how long `up` waits for the stack to be healthy (default 120)
+)";
+
+struct StageProcess {
+  std::string name;   // gateway, probe, offload, prefill-0, decode-1, ...
+  std::string stage;  // the subcommand
+  std::vector<std::string> args;
+  pid_t pid = 0;
+  int restarts = 0;
+  std::vector<Clock::time_point> recent_starts;
+  Clock::time_point restart_at{};
+  int stalled_checks = 0;
+};
+
+std::atomic<bool> g_stop{false};
+void on_signal(int) { g_stop.store(true); }
+
+std::string self_exe() {
+  std::error_code ec;
+  fs::path path = fs::read_symlink("/proc/self/exe", ec);
+  return ec ? "moeline" : path.string();
+}
+
+bool alive(pid_t pid) { return pid > 0 && ::kill(pid, 0) == 0; }
+
+int read_port(const fs::path& file) {
+  std::ifstream in(file);
+  int port = 0;
+  in >> port;
+  return in ? port : 0;
+}
+
+// GET /healthz: 200, 503 (the stage answers but is not ready or has stalled), or -1 (no answer).
+int health(int port, std::string* body = nullptr) {
+  if (port <= 0) return -1;
+  httplib::Client client("127.0.0.1", port);
+  client.set_connection_timeout(1, 0);
+  client.set_read_timeout(2, 0);
+  auto response = client.Get("/healthz");
+  if (!response) return -1;
+  if (body) *body = response->body;
+  return response->status;
+}
+
+class Supervisor {
+ public:
+  Supervisor(fs::path run_dir, std::vector<StageProcess> stages)
+      : run_dir_(std::move(run_dir)), stages_(std::move(stages)), log_("stack", "supervisor") {}
+
+  int run() {
+    struct sigaction action {};
+    action.sa_handler = on_signal;
+    sigemptyset(&action.sa_mask);
+    sigaction(SIGTERM, &action, nullptr);
+    sigaction(SIGINT, &action, nullptr);
+    for (StageProcess& stage : stages_) start(stage);
+    write_state();
+    auto last_health = Clock::now();
+    while (!g_stop.load()) {
+      int status = 0;
+      pid_t pid;
+      while ((pid = ::waitpid(-1, &status, WNOHANG)) > 0) {
+        for (StageProcess& stage : stages_) {
+          if (stage.pid != pid) continue;
+          log_.error("stage_exited", {{"stage", stage.name}, {"pid", static_cast<int64_t>(pid)},
+                                      {"code", WIFEXITED(status) ? WEXITSTATUS(status) : -1},
+                                      {"signal", WIFSIGNALED(status) ? WTERMSIG(status) : 0}});
+          stage.pid = 0;
+          schedule_restart(stage);
+        }
+      }
+      const auto now = Clock::now();
+      for (StageProcess& stage : stages_) {
+        if (stage.pid == 0 && now >= stage.restart_at) {
+          ++stage.restarts;
+          start(stage);
+          write_state();
+        }
+      }
+      if (now - last_health > std::chrono::seconds(2)) {
+        last_health = now;
+        check_stalls();
+      }
+      std::this_thread::sleep_for(std::chrono::milliseconds(50));
+    }
+    stop_all();
+    return 0;
+  }
+
+ private:
+  void schedule_restart(StageProcess& stage) {
+    // Restart at once, but back off when a stage keeps dying (a bad config, a missing model).
+    const auto now = Clock::now();
+    std::erase_if(stage.recent_starts,
+                  [&](Clock::time_point t) { return now - t > std::chrono::seconds(30); });
+    stage.restart_at = stage.recent_starts.size() >= 5 ? now + std::chrono::seconds(5) : now;
+  }
+
+  void check_stalls() {
+    for (StageProcess& stage : stages_) {
+      if (stage.pid == 0) continue;
+      std::string body;
+      const int code = health(read_port(run_dir_ / (stage.name + ".port")), &body);
+      const bool stalled = code == 503 && body.find("\"stalled\"") != std::string::npos;
+      stage.stalled_checks = stalled ? stage.stalled_checks + 1 : 0;
+      if (stage.stalled_checks >= 3) {
+        log_.error("stage_stalled", {{"stage", stage.name}, {"pid", static_cast<int64_t>(stage.pid)}});
+        ::kill(stage.pid, SIGKILL);  // waitpid sees it and restarts it
+        stage.stalled_checks = 0;
+      }
+    }
+  }
+
+  void start(StageProcess& stage) {
+    fs::remove(run_dir_ / (stage.name + ".port"));
+    const std::string log_file = (run_dir_ / "logs" / (stage.name + ".log")).string();
+    const std::string exe = self_exe();
+    const pid_t pid = ::fork();
+    if (pid == 0) {
+      const int fd = ::open(log_file.c_str(), O_WRONLY | O_CREAT | O_APPEND, 0644);
+      if (fd >= 0) {
+        ::dup2(fd, STDOUT_FILENO);
+        ::dup2(fd, STDERR_FILENO);
+        ::close(fd);
+      }
+      ::setpgid(0, 0);
+      std::vector<std::string> args = {exe, stage.stage};
+      args.insert(args.end(), stage.args.begin(), stage.args.end());
+      args.push_back("--port-file");
+      args.push_back((run_dir_ / (stage.name + ".port")).string());
+      args.push_back("--replica");
+      args.push_back(stage.name);
+      std::vector<char*> argv;
+      for (std::string& arg : args) argv.push_back(arg.data());
+      argv.push_back(nullptr);
+      ::execv(exe.c_str(), argv.data());
+      std::perror("exec moeline");
+      ::_exit(127);
+    }
+    stage.pid = pid;
+    stage.recent_starts.push_back(Clock::now());
+    log_.info("stage_started", {{"stage", stage.name}, {"pid", static_cast<int64_t>(pid)},
+                                {"restarts", stage.restarts}});
+  }
+
+  void stop_all() {
+    log_.info("stopping", {{"stages", stages_.size()}});
+    for (StageProcess& stage : stages_)
+      if (stage.pid > 0) ::kill(stage.pid, SIGTERM);
+    const auto until = Clock::now() + std::chrono::seconds(10);
+    while (Clock::now() < until) {
+      bool any = false;
+      for (StageProcess& stage : stages_) {
+        if (stage.pid > 0 && ::waitpid(stage.pid, nullptr, WNOHANG) == stage.pid) stage.pid = 0;
+        any = any || stage.pid > 0;
+      }
+      if (!any) break;
+      std::this_thread::sleep_for(std::chrono::milliseconds(50));
+    }
+    for (StageProcess& stage : stages_) {
+      if (stage.pid > 0) {
+        log_.warn("stage_killed", {{"stage", stage.name}});
+        ::kill(stage.pid, SIGKILL);
+        ::waitpid(stage.pid, nullptr, 0);
+        stage.pid = 0;
+      }
+    }
+    write_state();
+    fs::remove(run_dir_ / "supervisor.pid");
+    log_.info("stopped");
+  }
+
+  void write_state() {
+    nlohmann::json state = {{"endpoint", "ipc://" + (run_dir_ / "client.sock").string()},
+                            {"supervisor_pid", ::getpid()},
+                            {"stages", nlohmann::json::array()}};
+    for (const StageProcess& stage : stages_)
+      state["stages"].push_back({{"name", stage.name},
+                                 {"stage", stage.stage},
+                                 {"pid", stage.pid},
+                                 {"restarts", stage.restarts},
+                                 {"port_file", (run_dir_ / (stage.name + ".port")).string()},
+                                 {"log", (run_dir_ / "logs" / (stage.name + ".log")).string()}});
+    const fs::path temporary = run_dir_ / "stack.json.tmp";
+    std::ofstream(temporary) << state.dump(2) << '\n';
+    fs::rename(temporary, run_dir_ / "stack.json");
+  }
+
+  fs::path run_dir_;
+  std::vector<StageProcess> stages_;
+  runtime::Logger log_;
+};
+
+pid_t supervisor_pid(const fs::path& run_dir) {
+  std::ifstream in(run_dir / "supervisor.pid");
+  pid_t pid = 0;
+  in >> pid;
+  return in && alive(pid) ? pid : 0;
+}
+
+struct StageHealth {
+  std::string name;
+  int pid = 0, restarts = 0, http = 0, port = 0;
+};
+
+std::vector<StageHealth> stage_health(const fs::path& run_dir) {
+  std::ifstream in(run_dir / "stack.json");
+  if (!in) return {};
+  nlohmann::json state = nlohmann::json::parse(in, nullptr, false);
+  std::vector<StageHealth> out;
+  if (!state.is_object()) return out;
+  for (const auto& stage : state["stages"]) {
+    StageHealth h;
+    h.name = stage.value("name", "");
+    h.pid = stage.value("pid", 0);
+    h.restarts = stage.value("restarts", 0);
+    h.port = read_port(stage.value("port_file", ""));
+    h.http = alive(h.pid) ? health(h.port) : -1;
+    out.push_back(h);
+  }
+  return out;
+}
+
+int up(int argc, char** argv) {
+  std::vector<runtime::ConfigKey> keys = {
+      {"model", "", "checkpoint folder"},
+      {"run-dir", "", "run directory"},
+      {"prefill", "1", "prefill processes"},
+      {"decode", "1", "decode processes"},
+      {"threads", "0", "threads per compute process"},
+      {"timeout-s", "120", "seconds to wait for health"},
+      {"stage-config", "", ""}};
+  // --config is the stage config file, passed through: take it out before parsing.
+  std::string stage_config;
+  std::vector<char*> rest;
+  for (int i = 0; i < argc; ++i) {
+    if (std::strcmp(argv[i], "--config") == 0 && i + 1 < argc) {
+      stage_config = argv[++i];
+      continue;
+    }
+    rest.push_back(argv[i]);
+  }
+  runtime::Config config =
+      runtime::Config::load("stack", keys, static_cast<int>(rest.size()), rest.data());
+  if (config.text("run-dir").empty()) throw runtime::ConfigError("--run-dir is required");
+  std::string model = config.text("model");
+  if (model.empty()) {
+    const char* env = std::getenv("MOELINE_MODEL");
+    model = env != nullptr && *env != '\0' ? env : MOELINE_DEFAULT_MODEL;
+  }
+  if (!fs::is_directory(model)) throw runtime::ConfigError("model folder " + model + " does not exist");
+  const int prefill = static_cast<int>(config.integer("prefill"));
+  const int decode = static_cast<int>(config.integer("decode"));
+  if (prefill < 1 || decode < 1) throw runtime::ConfigError("--prefill and --decode must be >= 1");
+  if (!stage_config.empty() && !fs::exists(stage_config))
+    throw runtime::ConfigError("config file " + stage_config + " does not exist");
+  int threads = static_cast<int>(config.integer("threads"));
+  if (threads <= 0)
+    threads = std::max(1, static_cast<int>(std::thread::hardware_concurrency()) / (prefill + decode));
+
+  const fs::path run_dir = fs::absolute(config.text("run-dir"));
+  fs::create_directories(run_dir / "logs");
+  if (pid_t pid = supervisor_pid(run_dir))
+    throw std::runtime_error("a stack is already running in " + run_dir.string() +
+                             " (supervisor pid " + std::to_string(pid) + "); stack down first");
+  // ipc:// paths are limited to ~107 bytes by the socket address.
+  const std::string hub = "ipc://" + (run_dir / "hub.sock").string();
+  const std::string endpoint = "ipc://" + (run_dir / "client.sock").string();
+  if (endpoint.size() > 100) throw runtime::ConfigError("--run-dir path is too long for ipc://");
+  fs::remove(run_dir / "stack.json");
+
+  std::vector<std::string> common = {"--model", fs::absolute(model).string()};
+  if (!stage_config.empty()) {
+    common.push_back("--config");
+    common.push_back(fs::absolute(stage_config).string());
+  }
+  auto worker = [&](std::vector<std::string> extra) {
+    std::vector<std::string> args = common;
+    args.push_back("--hub");
+    args.push_back(hub);
+    args.insert(args.end(), extra.begin(), extra.end());
+    return args;
+  };
+  std::vector<StageProcess> stages;
+  std::vector<std::string> gateway_args = common;
+  gateway_args.insert(gateway_args.end(), {"--client-bind", endpoint, "--hub-bind", hub});
+  stages.push_back({"gateway", "gateway", gateway_args});
+  stages.push_back({"probe", "probe", worker({})});
+  stages.push_back({"offload", "offload", worker({})});
+  for (int i = 0; i < prefill; ++i)
+    stages.push_back({"prefill-" + std::to_string(i), "prefill",
+                      worker({"--threads", std::to_string(threads)})});
+  for (int i = 0; i < decode; ++i)
+    stages.push_back({"decode-" + std::to_string(i), "decode",
+                      worker({"--threads", std::to_string(threads)})});
+
+  std::cout.flush();
+  const pid_t child = ::fork();
+  if (child < 0) throw std::runtime_error("fork failed");
+  if (child == 0) {
+    ::setsid();
+    const int fd = ::open((run_dir / "supervisor.log").c_str(), O_WRONLY | O_CREAT | O_APPEND, 0644);
+    const int null = ::open("/dev/null", O_RDONLY);
+    if (null >= 0) ::dup2(null, STDIN_FILENO);
+    if (fd >= 0) {
+      ::dup2(fd, STDOUT_FILENO);
+      ::dup2(fd, STDERR_FILENO);
+    }
+    std::ofstream(run_dir / "supervisor.pid") << ::getpid() << '\n';
+    ::_exit(Supervisor(run_dir, std::move(stages)).run());
+  }
+
+  const auto until = Clock::now() + std::chrono::seconds(config.integer("timeout-s"));
+  while (Clock::now() < until) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(100));
+    int status = 0;
+    if (::waitpid(child, &status, WNOHANG) == child)
+      throw std::runtime_error("the supervisor exited; see " + (run_dir / "supervisor.log").string());
+    auto health = stage_health(run_dir);
+    if (health.empty()) continue;
+    bool all = true;
+    for (const StageHealth& h : health) all = all && h.http == 200;
+    if (all) {
+      std::cout << endpoint << std::endl;
+      std::cerr << "moeline: stack up in " << run_dir.string() << ": " << health.size()
+                << " stages healthy (gateway, probe, offload, " << prefill << " prefill, " << decode
+                << " decode)\n";
+      return 0;
+    }
+  }
+  std::cerr << "moeline: error: the stack did not become healthy within "
+            << config.integer("timeout-s") << " s; stages:\n";
+  for (const StageHealth& h : stage_health(run_dir))
+    std::cerr << "  " << h.name << " pid=" << h.pid << " http=" << h.http
+              << " log=" << (run_dir / "logs" / (h.name + ".log")).string() << '\n';
+  ::kill(child, SIGTERM);
+  return 1;
+}
+
+int status(int argc, char** argv) {
+  std::vector<runtime::ConfigKey> keys = {{"run-dir", "", "run directory"},
+                                          {"json", "false", "JSON output", true}};
+  runtime::Config config = runtime::Config::load("stack", keys, argc, argv);
+  if (config.text("run-dir").empty()) throw runtime::ConfigError("--run-dir is required");
+  const fs::path run_dir = fs::absolute(config.text("run-dir"));
+  const pid_t supervisor = supervisor_pid(run_dir);
+  auto health = stage_health(run_dir);
+  bool healthy = supervisor != 0 && !health.empty();
+  nlohmann::json out = {{"run_dir", run_dir.string()},
+                        {"supervisor_pid", supervisor},
+                        {"endpoint", "ipc://" + (run_dir / "client.sock").string()},
+                        {"stages", nlohmann::json::array()}};
+  for (const StageHealth& h : health) {
+    healthy = healthy && h.http == 200;
+    out["stages"].push_back({{"name", h.name},
+                             {"pid", h.pid},
+                             {"restarts", h.restarts},
+                             {"http_port", h.port},
+                             {"healthy", h.http == 200}});
+  }
+  out["healthy"] = healthy;
+  if (config.flag("json")) {
+    std::cout << out.dump(2) << '\n';
+  } else if (supervisor == 0) {
+    std::cout << "no stack running in " << run_dir.string() << '\n';
+  } else {
+    std::cout << "stack in " << run_dir.string() << " (supervisor " << supervisor << "), endpoint "
+              << out["endpoint"].get<std::string>() << '\n';
+    std::printf("%-12s %8s %8s %10s %s\n", "stage", "pid", "restarts", "http", "health");
+    for (const StageHealth& h : health)
+      std::printf("%-12s %8d %8d %10d %s\n", h.name.c_str(), h.pid, h.restarts, h.port,
+                  h.http == 200 ? "ok" : (h.http == -1 ? "down" : "unhealthy"));
+  }
+  return healthy ? 0 : 1;
+}
+
+int down(int argc, char** argv) {
+  std::vector<runtime::ConfigKey> keys = {{"run-dir", "", "run directory"}};
+  runtime::Config config = runtime::Config::load("stack", keys, argc, argv);
+  if (config.text("run-dir").empty()) throw runtime::ConfigError("--run-dir is required");
+  const fs::path run_dir = fs::absolute(config.text("run-dir"));
+  const pid_t supervisor = supervisor_pid(run_dir);
+  if (supervisor == 0) {
+    std::cout << "no stack running in " << run_dir.string() << '\n';
+    return 0;
+  }
+  ::kill(supervisor, SIGTERM);
+  const auto until = Clock::now() + std::chrono::seconds(20);
+  while (alive(supervisor) && Clock::now() < until)
+    std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  if (alive(supervisor)) {
+    std::cerr << "moeline: error: the supervisor (pid " << supervisor
+              << ") did not stop within 20 s\n";
+    return 1;
+  }
+  std::cout << "stack in " << run_dir.string() << " stopped\n";
+  return 0;
+}
+
+}  // namespace
+
+int stack_command(int argc, char** argv) {
+  if (argc < 1 || std::strcmp(argv[0], "--help") == 0) {
+    std::cout << kUsage;
+    return argc < 1 ? 2 : 0;
+  }
+  const std::string sub = argv[0];
+  try {
+    if (sub == "up") return up(argc - 1, argv + 1);
+    if (sub == "status") return status(argc - 1, argv + 1);
+    if (sub == "down") return down(argc - 1, argv + 1);
+    throw runtime::ConfigError("unknown stack command '" + sub + "'");
+  } catch (const runtime::ConfigError& e) {
+    std::cerr << kUsage << "moeline: error: " << e.what() << '\n';
+    return 2;
+  } catch (const std::exception& e) {
+    std::cerr << "moeline: error: " << e.what() << '\n';
+    return 1;
+  }
+}
+
+}  // namespace moeline::stages
