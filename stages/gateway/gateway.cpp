@@ -612,11 +612,17 @@ class Gateway {
       if (decode == nullptr) break;
       const std::string identity = decode->identity;
       // The KV frame moves on without a copy.
-      if (!hub_->send(identity, handoff.message.release_frames(), true)) {
-        // The frames are gone with a failed send: start this request over.
-        decode_queue_.pop_front();
-        retry_or_fail(*r, "decode replica unreachable");
-        continue;
+      std::vector<zmq::message_t> frames = handoff.message.release_frames();
+      if (!hub_->send(identity, frames, true)) {
+        // That replica is gone; the handoff waits for another (the frames were not sent).
+        wire::Decoded again = wire::decode(std::move(frames));
+        if (!again.message) {
+          decode_queue_.pop_front();
+          retry_or_fail(*r, "decode replica unreachable");
+          continue;
+        }
+        handoff.message = std::move(*again.message);
+        break;
       }
       r->owner = identity;
       decode_queue_.pop_front();

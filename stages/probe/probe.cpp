@@ -21,6 +21,8 @@ int probe_body(const runtime::Config& config) {
   service.start_http(config.text("http"), config.text("port-file"));
   auto& metrics = service.metrics;
   auto& lookups = metrics.counter("moeline_probe_lookups_total", "Jobs looked up");
+  auto& planned = metrics.counter("moeline_probe_requests_total", "Jobs by outcome",
+                                  {{"outcome", "planned"}});
   auto& latency = metrics.histogram("moeline_probe_latency_seconds", "Lookup time per job",
                                     runtime::latency_buckets());
   auto& batch = metrics.histogram("moeline_probe_batch_size", "Jobs handled per loop iteration",
@@ -63,6 +65,7 @@ int probe_body(const runtime::Config& config) {
           link.send(wire::encode(wire::MessageType::ProbePlan, builder));
           link.grant(1);
           lookups.inc();
+          planned.inc();
           latency.observe(std::chrono::duration<double>(took).count());
           ++handled;
           break;

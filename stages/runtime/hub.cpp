@@ -1,5 +1,7 @@
 #include "stages/runtime/hub.h"
 
+#include <algorithm>
+
 namespace moeline::runtime {
 
 Hub::Hub(zmq::context_t& context, const std::string& bind, uint64_t settings_hash,
@@ -146,10 +148,16 @@ size_t Hub::count(wire::StageKind stage) const {
   return n;
 }
 
-bool Hub::send(const std::string& identity, std::vector<zmq::message_t>&& frames, bool job) {
+bool Hub::send(const std::string& identity, std::vector<zmq::message_t>& frames, bool job) {
   auto it = peers_.find(identity);
   if (it == peers_.end()) return false;
-  if (!wire::send(socket_, std::move(frames), &identity, true)) return false;
+  if (!wire::send(socket_, std::move(frames), &identity, true)) {
+    // ROUTER_MANDATORY: the peer's connection is gone (a killed process) — no need to wait for
+    // its heartbeats to stop.
+    unreachable_.push_back(identity);
+    it->second.credits = 0;
+    return false;
+  }
   if (job && it->second.credits > 0) --it->second.credits;
   return true;
 }
@@ -158,8 +166,11 @@ std::vector<Peer> Hub::tick() {
   const auto now = std::chrono::steady_clock::now();
   std::vector<Peer> dead;
   for (auto it = peers_.begin(); it != peers_.end();) {
-    if (now - it->second.last_seen > timeout_) {
+    const bool unreachable =
+        std::find(unreachable_.begin(), unreachable_.end(), it->first) != unreachable_.end();
+    if (unreachable || now - it->second.last_seen > timeout_) {
       log_.error("peer_lost", {{"peer", it->second.replica},
+                               {"reason", unreachable ? "unreachable" : "heartbeat_timeout"},
                                {"stage", wire::stage_name(it->second.stage)},
                                {"silent_ms", std::chrono::duration_cast<std::chrono::milliseconds>(
                                                  now - it->second.last_seen)
@@ -174,6 +185,7 @@ std::vector<Peer> Hub::tick() {
       ++it;
     }
   }
+  unreachable_.clear();
   if (!dead.empty()) update_gauges();
   if (now - last_heartbeat_ >= heartbeat_) {
     last_heartbeat_ = now;

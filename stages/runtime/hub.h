@@ -53,9 +53,15 @@ class Hub {
   Peer* pick(wire::StageKind stage);
   bool any(wire::StageKind stage) const;
   size_t count(wire::StageKind stage) const;
-  // Sends to a peer; `job` spends one of its credits. False if the peer is gone.
-  bool send(const std::string& identity, std::vector<zmq::message_t>&& frames, bool job);
-  // Heartbeats to every peer when due; returns the peers that timed out (now forgotten).
+  // Sends to a peer; `job` spends one of its credits. False if the peer is gone: it is then
+  // reported dead by the next tick() (no more work goes to it), and the frames not sent stay in
+  // `frames`.
+  bool send(const std::string& identity, std::vector<zmq::message_t>& frames, bool job);
+  bool send(const std::string& identity, std::vector<zmq::message_t>&& frames, bool job) {
+    return send(identity, frames, job);
+  }
+  // Heartbeats to every peer when due; returns the peers that timed out or could not be reached
+  // (now forgotten).
   std::vector<Peer> tick();
   const std::map<std::string, Peer>& peers() const { return peers_; }
 
@@ -70,6 +76,7 @@ class Hub {
   Logger& log_;
   Registry& metrics_;
   std::map<std::string, Peer> peers_;
+  std::vector<std::string> unreachable_;
   std::chrono::steady_clock::time_point last_heartbeat_;
   RateLimited log_limit_;
 };

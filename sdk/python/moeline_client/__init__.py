@@ -378,6 +378,7 @@ class Client:
             elif event.kind == "error":
                 raise GenerateError(event.error_code, event.error_message, event.client_request_id)
             elif event.kind == "finished":
+                text.append(event.text)  # text held back until the end (an incomplete character)
                 return Result(ids=ids, text="".join(text), finish_reason=event.finish_reason,
                               usage=event.usage or {}, timings=event.timings or {},
                               request_id=request_id, client_request_id=event.client_request_id)

@@ -1,0 +1,298 @@
+// Writes the golden wire buffers of the current schema version (tests/compat/README.md): one file
+// per message type, every field set to a fixed, non-default value, so that the compat test can
+// prove that today's reader still reads these bytes. Deterministic: the same build writes the same
+// bytes. Run by hand when a schema version is released, never by ctest; a released version's
+// files are never rewritten (the tool refuses to overwrite without --overwrite).
+//
+//   moeline_make_golden <tests/compat> [--overwrite]   writes <tests/compat>/v<major>.<minor>/
+
+#include <cstdint>
+#include <cstdio>
+#include <filesystem>
+#include <fstream>
+#include <string>
+#include <vector>
+
+#include "schemas/wire.h"
+
+namespace {
+
+namespace wire = moeline::wire;
+using flatbuffers::FlatBufferBuilder;
+
+std::vector<zmq::message_t> hello() {
+  FlatBufferBuilder b;
+  b.Finish(wire::CreateHelloDirect(b, wire::StageKind::Prefill, "prefill-0", 1, 0, "golden-1.0",
+                                   0x0123456789abcdefULL, 4, 4242, 9102),
+           wire::HelloIdentifier());
+  return wire::encode(wire::MessageType::Hello, b);
+}
+
+std::vector<zmq::message_t> hello_reply() {
+  FlatBufferBuilder b;
+  b.Finish(wire::CreateHelloReplyDirect(b, true, "welcome", 0xfedcba9876543210ULL),
+           wire::HelloIdentifier());
+  return wire::encode(wire::MessageType::HelloReply, b);
+}
+
+std::vector<zmq::message_t> heartbeat() {
+  FlatBufferBuilder b;
+  b.Finish(wire::CreateHeartbeatDirect(b, 1700000000123456789ULL, 3, 2, "decode-1", 120, 904),
+           wire::HelloIdentifier());
+  return wire::encode(wire::MessageType::Heartbeat, b);
+}
+
+std::vector<zmq::message_t> credit() {
+  FlatBufferBuilder b;
+  b.Finish(wire::CreateCredit(b, 8), wire::HelloIdentifier());
+  return wire::encode(wire::MessageType::Credit, b);
+}
+
+std::vector<zmq::message_t> error_reply() {
+  FlatBufferBuilder b;
+  b.Finish(wire::CreateErrorReplyDirect(b, wire::ErrorCode::PromptTooLong,
+                                        "prompt of 9000 tokens exceeds 8192", 77),
+           wire::HelloIdentifier());
+  return wire::encode(wire::MessageType::ErrorReply, b);
+}
+
+std::vector<zmq::message_t> generate_request() {
+  FlatBufferBuilder b;
+  const std::vector<int32_t> stop = {2, 32000};
+  const auto sampling =
+      wire::CreateSamplingParamsDirect(b, 0.7, 40, 0.9, 1234, true, 64, &stop, true);
+  const std::vector<int32_t> tokens = {1, 2, 3, 4};
+  b.Finish(wire::CreateGenerateRequestDirect(b, 1001, "Hello, world", &tokens, sampling, "acme",
+                                             30000, false),
+           wire::GenerateRequestIdentifier());
+  return wire::encode(wire::MessageType::GenerateRequest, b);
+}
+
+std::vector<zmq::message_t> cancel_request() {
+  FlatBufferBuilder b;
+  b.Finish(wire::CreateCancelRequest(b, 1001), wire::GenerateRequestIdentifier());
+  return wire::encode(wire::MessageType::CancelRequest, b);
+}
+
+std::vector<zmq::message_t> feedback() {
+  FlatBufferBuilder b;
+  b.Finish(wire::CreateFeedbackDirect(b, 1001, -0.5f, "too long"),
+           wire::GenerateRequestIdentifier());
+  return wire::encode(wire::MessageType::Feedback, b);
+}
+
+std::vector<zmq::message_t> stream_event() {
+  FlatBufferBuilder b;
+  const auto usage = wire::CreateUsageDirect(b, 12, 5, 8, "prefix");
+  const auto timings = wire::CreateTimings(b, 1.5, 20.25, 22.0, 80.125);
+  const std::vector<int32_t> token_ids = {0, 13};
+  b.Finish(wire::CreateStreamEventDirect(b, 1001, 555, wire::EventKind::Finished, "!", &token_ids,
+                                         "stop", usage, timings, wire::ErrorCode::Cancelled,
+                                         "cancelled by the client"),
+           wire::GenerateRequestIdentifier());
+  return wire::encode(wire::MessageType::StreamEvent, b);
+}
+
+std::vector<zmq::message_t> probe_job() {
+  FlatBufferBuilder b;
+  const std::vector<int32_t> tokens = {1, 15043, 29892};
+  b.Finish(wire::CreateProbeJobDirect(b, 555, 2, &tokens, "acme/ns"),
+           wire::PrefillJobIdentifier());
+  return wire::encode(wire::MessageType::ProbeJob, b);
+}
+
+std::vector<zmq::message_t> probe_plan() {
+  FlatBufferBuilder b;
+  b.Finish(wire::CreateProbePlanDirect(b, 555, 2, "prefix", 16, 350), wire::PrefillJobIdentifier());
+  return wire::encode(wire::MessageType::ProbePlan, b);
+}
+
+flatbuffers::Offset<wire::SamplingParams> pipeline_sampling(FlatBufferBuilder& b) {
+  const std::vector<int32_t> stop = {2};
+  return wire::CreateSamplingParamsDirect(b, 1.0, 50, 0.95, 7, true, 32, &stop, false);
+}
+
+std::vector<zmq::message_t> prefill_job() {
+  FlatBufferBuilder b;
+  const auto sampling = pipeline_sampling(b);
+  const std::vector<int32_t> tokens = {1, 15043, 29892};
+  b.Finish(wire::CreatePrefillJobDirect(b, 555, 2, &tokens, sampling, "acme/ns", "none"),
+           wire::PrefillJobIdentifier());
+  return wire::encode(wire::MessageType::PrefillJob, b);
+}
+
+// One block of one layer, keys then values, [1 head][2 tokens][4 dims] of f32: 64 bytes.
+std::vector<uint8_t> kv_bytes() {
+  std::vector<uint8_t> bytes(64);
+  for (size_t i = 0; i < bytes.size(); ++i) bytes[i] = static_cast<uint8_t>(i * 7 + 3);
+  return bytes;
+}
+
+std::vector<zmq::message_t> prefill_done() {
+  FlatBufferBuilder b;
+  const std::vector<uint8_t> kv = kv_bytes();
+  const auto sampling = pipeline_sampling(b);
+  const auto layout = wire::CreateKvLayoutDirect(b, 1, 1, 4, 2, "f32", 1);
+  const std::vector<flatbuffers::Offset<wire::BulkFrame>> frames = {
+      wire::CreateBulkFrame(b, kv.size(), wire::checksum(kv))};
+  const std::vector<int32_t> tokens = {1, 15043, 29892};
+  b.Finish(wire::CreatePrefillDoneDirect(b, 555, 2, &tokens, 306, "", sampling, "acme/ns", layout,
+                                         &frames, 12345, "prefill-0"),
+           wire::PrefillJobIdentifier());
+  std::vector<zmq::message_t> bulk;
+  bulk.emplace_back(kv.data(), kv.size());
+  return wire::encode(wire::MessageType::PrefillDone, b, std::move(bulk));
+}
+
+std::vector<zmq::message_t> token_batch() {
+  FlatBufferBuilder b;
+  const std::vector<flatbuffers::Offset<wire::TokenUpdate>> updates = {
+      wire::CreateTokenUpdateDirect(b, 555, 2, 306, ""),
+      wire::CreateTokenUpdateDirect(b, 556, 1, 2, "stop")};
+  b.Finish(wire::CreateTokenBatchDirect(b, &updates, 2, 850), wire::PrefillJobIdentifier());
+  return wire::encode(wire::MessageType::TokenBatch, b);
+}
+
+std::vector<zmq::message_t> job_failed() {
+  FlatBufferBuilder b;
+  b.Finish(wire::CreateJobFailedDirect(b, 555, 2, wire::ErrorCode::StageFailed,
+                                       "decode replica died"),
+           wire::PrefillJobIdentifier());
+  return wire::encode(wire::MessageType::JobFailed, b);
+}
+
+std::vector<zmq::message_t> cancel_job() {
+  FlatBufferBuilder b;
+  b.Finish(wire::CreateCancelJob(b, 555, 3), wire::PrefillJobIdentifier());
+  return wire::encode(wire::MessageType::CancelJob, b);
+}
+
+std::vector<zmq::message_t> expert_plan_request() {
+  FlatBufferBuilder b;
+  b.Finish(wire::CreateExpertPlanRequestDirect(b, 0x1122334455667788ULL, "decode-1"),
+           wire::ExpertPlanIdentifier());
+  return wire::encode(wire::MessageType::ExpertPlanRequest, b);
+}
+
+std::vector<zmq::message_t> expert_plan() {
+  FlatBufferBuilder b;
+  b.Finish(wire::CreateExpertPlanDirect(b, 0x1122334455667788ULL, true, 2, 8, uint64_t{1} << 20,
+                                        "resident", "decode-1"),
+           wire::ExpertPlanIdentifier());
+  return wire::encode(wire::MessageType::ExpertPlan, b);
+}
+
+std::vector<zmq::message_t> expert_usage() {
+  FlatBufferBuilder b;
+  const std::vector<uint64_t> counts = {5, 0, 3, 8, 2, 7, 1, 6};
+  b.Finish(wire::CreateExpertUsageDirect(b, 2, 4, &counts, 16, "decode-1"),
+           wire::ExpertPlanIdentifier());
+  return wire::encode(wire::MessageType::ExpertUsage, b);
+}
+
+std::vector<zmq::message_t> control_command() {
+  FlatBufferBuilder b;
+  b.Finish(wire::CreateControlCommandDirect(b, "drain", "{\"stage\":\"decode\"}"),
+           wire::ControlCommandIdentifier());
+  return wire::encode(wire::MessageType::ControlCommand, b);
+}
+
+std::vector<zmq::message_t> control_reply() {
+  FlatBufferBuilder b;
+  b.Finish(wire::CreateControlReplyDirect(b, true, "draining", "{\"draining\":true}"),
+           wire::ControlCommandIdentifier());
+  return wire::encode(wire::MessageType::ControlReply, b);
+}
+
+// A switch without default: a new message type needs a golden buffer before it compiles.
+std::vector<zmq::message_t> golden(wire::MessageType type) {
+  switch (type) {
+    case wire::MessageType::Hello:
+      return hello();
+    case wire::MessageType::HelloReply:
+      return hello_reply();
+    case wire::MessageType::Heartbeat:
+      return heartbeat();
+    case wire::MessageType::Credit:
+      return credit();
+    case wire::MessageType::ErrorReply:
+      return error_reply();
+    case wire::MessageType::GenerateRequest:
+      return generate_request();
+    case wire::MessageType::CancelRequest:
+      return cancel_request();
+    case wire::MessageType::Feedback:
+      return feedback();
+    case wire::MessageType::StreamEvent:
+      return stream_event();
+    case wire::MessageType::ProbeJob:
+      return probe_job();
+    case wire::MessageType::ProbePlan:
+      return probe_plan();
+    case wire::MessageType::PrefillJob:
+      return prefill_job();
+    case wire::MessageType::PrefillDone:
+      return prefill_done();
+    case wire::MessageType::TokenBatch:
+      return token_batch();
+    case wire::MessageType::JobFailed:
+      return job_failed();
+    case wire::MessageType::CancelJob:
+      return cancel_job();
+    case wire::MessageType::ExpertPlanRequest:
+      return expert_plan_request();
+    case wire::MessageType::ExpertPlan:
+      return expert_plan();
+    case wire::MessageType::ExpertUsage:
+      return expert_usage();
+    case wire::MessageType::ControlCommand:
+      return control_command();
+    case wire::MessageType::ControlReply:
+      return control_reply();
+  }
+  return {};
+}
+
+// Each frame as a u32 little-endian length followed by its bytes.
+std::string serialize(const std::vector<zmq::message_t>& frames) {
+  std::string out;
+  for (const zmq::message_t& frame : frames) {
+    const auto size = static_cast<uint32_t>(frame.size());
+    for (int shift = 0; shift < 32; shift += 8) out.push_back(static_cast<char>(size >> shift));
+    out.append(static_cast<const char*>(frame.data()), frame.size());
+  }
+  return out;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  namespace fs = std::filesystem;
+  const bool overwrite = argc == 3 && std::string(argv[2]) == "--overwrite";
+  if (argc != 2 && !overwrite) {
+    std::fprintf(stderr, "usage: %s <tests/compat directory> [--overwrite]\n", argv[0]);
+    return 2;
+  }
+  const fs::path dir = fs::path(argv[1]) / ("v" + std::to_string(wire::kSchemaMajor) + "." +
+                                            std::to_string(wire::kSchemaMinor));
+  fs::create_directories(dir);
+  int written = 0;
+  for (const wire::MessageType type : wire::EnumValuesMessageType()) {
+    const fs::path path = dir / (std::string(wire::message_type_name(type)) + ".bin");
+    if (fs::exists(path) && !overwrite) {
+      std::fprintf(stderr, "refusing to overwrite %s (released golden buffers never change)\n",
+                   path.c_str());
+      return 1;
+    }
+    const std::string bytes = serialize(golden(type));
+    std::ofstream file(path, std::ios::binary | std::ios::trunc);
+    file.write(bytes.data(), static_cast<std::streamsize>(bytes.size()));
+    if (!file) {
+      std::fprintf(stderr, "cannot write %s\n", path.c_str());
+      return 1;
+    }
+    ++written;
+  }
+  std::printf("wrote %d golden buffers to %s\n", written, dir.c_str());
+  return 0;
+}

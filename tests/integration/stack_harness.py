@@ -1,0 +1,150 @@
+"""Shared by the integration tests: a real local stack (`moeline stack up`) in a temporary run
+directory, its stages' /metrics, and `moeline run` as the in-process reference."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+
+
+def add_python_paths(build_python, sdk_python):
+    for path in (build_python, sdk_python):
+        if path not in sys.path:
+            sys.path.insert(0, path)
+
+
+class Stack:
+    """`moeline stack up` on enter, `moeline stack down` on exit (logs printed on failure)."""
+
+    def __init__(self, moeline, model, run_dir, prefill=1, decode=1, config=None, threads=1):
+        self.moeline, self.model, self.run_dir = moeline, model, run_dir
+        self.prefill, self.decode, self.config, self.threads = prefill, decode, config, threads
+        self.endpoint = None
+
+    def __enter__(self):
+        os.makedirs(self.run_dir, exist_ok=True)
+        cmd = [self.moeline, "stack", "up", "--model", self.model, "--run-dir", self.run_dir,
+               "--prefill", str(self.prefill), "--decode", str(self.decode),
+               "--threads", str(self.threads), "--timeout-s", "90"]
+        if self.config:
+            path = os.path.join(self.run_dir, "stages.json")
+            with open(path, "w") as f:
+                json.dump(self.config, f)
+            cmd += ["--config", path]
+        out = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+        if out.returncode != 0:
+            self.dump_logs()
+            raise AssertionError(f"stack up failed ({out.returncode}): {out.stderr}")
+        self.endpoint = out.stdout.strip().splitlines()[-1]
+        assert self.endpoint.startswith("ipc://"), out.stdout
+        return self
+
+    def __exit__(self, exc_type, exc, tb):
+        if exc_type is not None:
+            self.dump_logs()
+        out = subprocess.run([self.moeline, "stack", "down", "--run-dir", self.run_dir],
+                             capture_output=True, text=True, timeout=60)
+        assert out.returncode == 0, out.stderr
+        return False
+
+    def dump_logs(self):
+        logs = os.path.join(self.run_dir, "logs")
+        for name in sorted(os.listdir(logs)) if os.path.isdir(logs) else []:
+            with open(os.path.join(logs, name), errors="replace") as f:
+                tail = f.read().splitlines()[-25:]
+            print(f"---- {name} (last lines) ----\n" + "\n".join(tail), file=sys.stderr)
+
+    def state(self):
+        with open(os.path.join(self.run_dir, "stack.json")) as f:
+            return json.load(f)
+
+    def stage(self, name):
+        for stage in self.state()["stages"]:
+            if stage["name"] == name:
+                return stage
+        raise KeyError(name)
+
+    def http_port(self, name):
+        with open(self.stage(name)["port_file"]) as f:
+            return int(f.read())
+
+    def metrics_text(self, name):
+        url = f"http://127.0.0.1:{self.http_port(name)}/metrics"
+        with urllib.request.urlopen(url, timeout=5) as response:
+            return response.read().decode()
+
+    def metrics(self, name):
+        """{(metric sample name, frozenset(labels)): value} parsed by prometheus_client."""
+        from prometheus_client.parser import text_string_to_metric_families
+        out = {}
+        for family in text_string_to_metric_families(self.metrics_text(name)):
+            for sample in family.samples:
+                out[(sample.name, frozenset(sample.labels.items()))] = sample.value
+        return out
+
+    def metric(self, name, sample, **labels):
+        return self.metrics(name).get((sample, frozenset(labels.items())), 0.0)
+
+    def kill(self, name, sig=signal.SIGKILL):
+        pid = self.stage(name)["pid"]
+        os.kill(pid, sig)
+        return pid
+
+    def wait_restarted(self, name, old_pid, timeout=30):
+        deadline = time.time() + timeout
+        while time.time() < deadline:
+            stage = self.stage(name)
+            if stage["pid"] not in (0, old_pid):
+                return stage
+            time.sleep(0.1)
+        raise AssertionError(f"{name} was not restarted within {timeout} s")
+
+
+def reference(moeline, model, max_tokens, tokens=None, prompt=None, temperature=0.0, seed=None,
+              ignore_eos=False):
+    """`moeline run` in one process: the correctness baseline."""
+    cmd = [moeline, "run", "--model", model, "--max-tokens", str(max_tokens), "--json",
+           "--threads", "1"]
+    cmd += ["--tokens", ",".join(map(str, tokens))] if tokens is not None else ["--prompt", prompt]
+    if temperature:
+        cmd += ["--temperature", str(temperature)]
+    if seed is not None:
+        cmd += ["--seed", str(seed)]
+    if ignore_eos:
+        cmd += ["--ignore-eos"]
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    return json.loads(out.stdout)
+
+
+def run_concurrently(client, requests, timeout=120):
+    """Starts every request at once on one connection and collects each one's events.
+    Returns {index: {"ids", "text", "finish_reason", "error", "usage", "timings"}}."""
+    crid_to_index = {}
+    for index, request in enumerate(requests):
+        crid_to_index[client.start(**request)] = index
+    results = {i: {"ids": [], "text": "", "finish_reason": None, "error": None} for i in
+               range(len(requests))}
+    pending = set(crid_to_index)
+    deadline = time.time() + timeout
+    while pending:
+        left = deadline - time.time()
+        if left <= 0:
+            raise AssertionError(f"{len(pending)} requests never ended (hung)")
+        event = client.next_event(timeout=left)
+        result = results[crid_to_index[event.client_request_id]]
+        if event.kind == "delta":
+            result["ids"] += event.token_ids
+            result["text"] += event.text
+        elif event.kind == "finished":
+            result["text"] += event.text
+            result["finish_reason"] = event.finish_reason
+            result["usage"], result["timings"] = event.usage, event.timings
+        elif event.kind == "error":
+            result["error"] = (event.error_code, event.error_message)
+        if event.terminal:
+            pending.discard(event.client_request_id)
+    return results

@@ -1,0 +1,458 @@
+#!/usr/bin/env python3
+"""The stage pipeline end to end, with real processes: `moeline stack up` (gateway, probe, offload
+manager, prefill and decode over ipc://), the Python SDK and `moeline client` as clients, and
+`moeline run` (the whole engine in one process) as the reference.
+
+Cases (--case, one per CTest entry):
+  parity    64 concurrent streams, greedy and seeded sampling, token prompts and text prompts:
+            ids (and text) identical to `moeline run`, with 1 and with 2 decode replicas
+  errors    cancel frees the sequence; an expired deadline is an explicit error; malformed,
+            truncated, oversized, wrong-major and unknown-type frames, over-long prompts, bad
+            sampling parameters and unknown tenants are refused with clear errors and counted;
+            the stack keeps serving
+  recovery  kill -9 of a decode and of a prefill process mid-stream: every request completes
+            (identical to the reference) or ends with an explicit error; none hangs
+  metrics   every stage's /metrics parses as Prometheus text and carries what it must
+  cli       `moeline client generate` (--json and streaming), `moeline stack status|down`
+"""
+
+import argparse
+import json
+import os
+import random
+import shutil
+import struct
+import subprocess
+import sys
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+from stack_harness import Stack, add_python_paths, reference, run_concurrently  # noqa: E402
+
+FAST_FAILURE = {"heartbeat-ms": 100, "peer-timeout-ms": 1000}
+WORDS = ["to swim:", "to eat:", "mountain:", "bread:", "ocean:", "a small dog:", "to run fast:",
+         "the color of the sky:", "volcano:", "happiness:"]
+
+
+def check(condition, message):
+    if not condition:
+        raise AssertionError(message)
+
+
+def workload(vocab, count, seed):
+    """Mixed requests: random token prompts of 1..200 tokens (several KV blocks), text prompts,
+    and seeded sampling."""
+    rng = random.Random(seed)
+    requests = []
+    for i in range(count):
+        max_tokens = rng.randint(1, 40)
+        if i % 8 == 3:
+            requests.append({"prompt": WORDS[i % len(WORDS)], "max_tokens": max_tokens})
+        else:
+            length = rng.choice([1, 5, 15, 16, 17, 40, 100, 200])
+            tokens = [rng.randrange(vocab) for _ in range(length)]
+            request = {"tokens": tokens, "max_tokens": max_tokens}
+            if i % 8 == 5:
+                request.update(temperature=0.8, seed=1000 + i)
+            requests.append(request)
+    return requests
+
+
+def references(args, requests):
+    out = []
+    for request in requests:
+        out.append(reference(args.moeline, args.model, request["max_tokens"],
+                             tokens=request.get("tokens"), prompt=request.get("prompt"),
+                             temperature=request.get("temperature", 0.0),
+                             seed=request.get("seed"), ignore_eos=request.get("ignore_eos", False)))
+    return out
+
+
+def compare(results, requests, expected, allow_errors=False):
+    completed = 0
+    for i, (request, want) in enumerate(zip(requests, expected)):
+        got = results[i]
+        if got["error"] is not None:
+            check(allow_errors, f"request {i} failed: {got['error']}")
+            code, message = got["error"]
+            check(code != 0 and message, f"request {i}: an error without code or message")
+            continue
+        check(got["ids"] == want["ids"],
+              f"request {i} ({ {k: v for k, v in request.items() if k != 'tokens'} }): stack ids "
+              f"{got['ids']} != run ids {want['ids']}")
+        check(got["finish_reason"] == want["finish_reason"],
+              f"request {i}: finish {got['finish_reason']} != {want['finish_reason']}")
+        if "prompt" in request:
+            check(got["text"] == want["text"], f"request {i}: text {got['text']!r} != "
+                  f"{want['text']!r}")
+        completed += 1
+    return completed
+
+
+def vocab_of(model):
+    with open(os.path.join(model, "config.json")) as f:
+        return json.load(f)["vocab_size"]
+
+
+def case_parity(args):
+    from moeline_client import Client
+    requests = workload(vocab_of(args.model), 64, seed=7)
+    expected = references(args, requests)
+    for decode in (1, 2):
+        run_dir = os.path.join(args.workdir, f"parity-{decode}")
+        with Stack(args.moeline, args.model, run_dir, decode=decode) as stack:
+            with Client(stack.endpoint, timeout=120) as client:
+                results = run_concurrently(client, requests)
+            compare(results, requests, expected)
+            if decode == 2:
+                served = [stack.metric(f"decode-{i}", "moeline_decode_tokens_total")
+                          for i in range(2)]
+                check(all(n > 0 for n in served), f"both decode replicas should serve: {served}")
+            print(f"ok parity: 64 concurrent streams identical to moeline run, {decode} decode")
+
+
+def raw_socket(endpoint):
+    import zmq
+    socket = zmq.Context.instance().socket(zmq.DEALER)
+    socket.setsockopt(zmq.LINGER, 0)
+    socket.setsockopt(zmq.RCVTIMEO, 5000)
+    socket.connect(endpoint)
+    return socket
+
+
+def expect_error_reply(socket, frames, want_code, label):
+    from moeline_client import decode_message, error_code_name
+    from moeline.wire import ErrorReply, MessageType
+    socket.send_multipart(frames)
+    reply = decode_message(socket.recv_multipart())
+    check(reply.type == MessageType.MessageType.ErrorReply,
+          f"{label}: expected an ErrorReply, got type {reply.type}")
+    error = ErrorReply.ErrorReply.GetRootAs(reply.body, 0)
+    check(error.Code() == want_code, f"{label}: code {error_code_name(error.Code())}, want "
+          f"{error_code_name(want_code)}")
+    check(len(error.Message() or b"") > 0, f"{label}: the error has no message")
+    print(f"ok errors: {label} -> {error_code_name(error.Code())}: {error.Message().decode()}")
+
+
+def wait_for(predicate, timeout, message):
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        if predicate():
+            return
+        time.sleep(0.05)
+    raise AssertionError(message)
+
+
+def case_errors(args):
+    from moeline_client import Client, GenerateError, encode_generate, encode_message
+    from moeline.wire import ErrorCode, MessageType
+    E = ErrorCode.ErrorCode
+    T = MessageType.MessageType
+    run_dir = os.path.join(args.workdir, "errors")
+    config = {"gateway": {"tenants": "default,acme"}}
+    with Stack(args.moeline, args.model, run_dir, config=config) as stack:
+        with Client(stack.endpoint, timeout=60) as client:
+            # Cancel mid-stream: the stream ends "cancelled" and decode frees the sequence.
+            crid = client.start(tokens=[1, 2, 3], max_tokens=480, ignore_eos=True)
+            seen = 0
+            while True:
+                event = client.next_event(timeout=30)
+                if event.kind == "delta":
+                    seen += 1
+                    if seen == 3:
+                        client.cancel(crid)
+                if event.terminal:
+                    break
+            check(event.kind == "finished" and event.finish_reason == "cancelled",
+                  f"cancel: ended with {event.kind} {event.finish_reason}")
+            check(event.usage["completion_tokens"] < 480, "cancel: the request ran to the end")
+            wait_for(lambda: stack.metric("decode-0", "moeline_decode_active_sequences") == 0 and
+                     stack.metric("decode-0", "moeline_decode_kv_blocks", state="used") == 0,
+                     10, "cancel: decode still holds the sequence or its KV blocks")
+            check(stack.metric("decode-0", "moeline_decode_requests_total", outcome="cancelled") >= 1,
+                  "cancel: decode did not count a cancelled sequence")
+            print(f"ok errors: cancel after {event.usage['completion_tokens']} tokens freed the "
+                  "sequence and its KV blocks")
+
+            # Deadline.
+            try:
+                client.generate(tokens=[4, 5, 6], max_tokens=480, ignore_eos=True, deadline_ms=60)
+                raise AssertionError("deadline: the request finished despite a 60 ms deadline")
+            except GenerateError as e:
+                check(e.code == E.DeadlineExceeded and "deadline" in str(e), f"deadline: {e}")
+                print(f"ok errors: expired deadline -> {e}")
+            wait_for(lambda: stack.metric("decode-0", "moeline_decode_active_sequences") == 0, 10,
+                     "deadline: decode still runs the expired sequence")
+
+            # Invalid requests, each a clear error.
+            vocab = vocab_of(args.model)
+            invalid = [
+                ("over-long prompt", dict(tokens=[1] * 600, max_tokens=4), E.PromptTooLong),
+                ("over-long text", dict(prompt="word " * 2000, max_tokens=4), E.PromptTooLong),
+                ("negative temperature", dict(tokens=[1], temperature=-1.0), E.InvalidSampling),
+                ("top_p 0", dict(tokens=[1], top_p=0.0), E.InvalidSampling),
+                ("max_tokens 0", dict(tokens=[1], max_tokens=0), E.InvalidSampling),
+                ("token outside the vocabulary", dict(tokens=[vocab + 5]), E.InvalidRequest),
+                ("unknown tenant", dict(tokens=[1], tenant="mallory"), E.UnknownTenant),
+            ]
+            for label, request, code in invalid:
+                try:
+                    client.generate(**request)
+                    raise AssertionError(f"{label}: accepted")
+                except GenerateError as e:
+                    check(e.code == code, f"{label}: code {e.code} ({e}), want {code}")
+                    print(f"ok errors: {label} -> {e}")
+            result = client.generate(tokens=[1, 2], max_tokens=4, tenant="acme")
+            check(len(result.ids) >= 1, "a known tenant is served")
+
+        # Malformed frames straight at the client endpoint.
+        socket = raw_socket(stack.endpoint)
+        good = encode_generate(99, tokens=[1, 2, 3], max_tokens=2)
+        header, body = good
+        expect_error_reply(socket, [b"garbage"], E.MalformedMessage, "a single frame")
+        expect_error_reply(socket, [b"XXXX" + header[4:], body], E.MalformedMessage, "bad magic")
+        expect_error_reply(socket, [header, body[: len(body) // 2]], E.MalformedMessage,
+                           "truncated body")
+        expect_error_reply(socket, [header[:10], body], E.MalformedMessage, "truncated header")
+        noise = bytes(random.Random(1).randrange(256) for _ in range(len(body)))
+        expect_error_reply(socket, [header, noise], E.MalformedMessage, "random body")
+        expect_error_reply(socket, encode_message(T.GenerateRequest, body, major=2),
+                           E.VersionMismatch, "schema major 2")
+        expect_error_reply(socket, encode_message(999, body), E.MalformedMessage,
+                           "unknown message type")
+        huge = b"\0" * (5 << 20)
+        expect_error_reply(socket, encode_message(T.GenerateRequest, huge), E.MalformedMessage,
+                           "oversized body")
+        expect_error_reply(socket, encode_message(T.StreamEvent, body), E.MalformedMessage,
+                           "a body of another message type")
+        socket.close()
+
+        # Malformed frames and a wrong-major hello at the hub (the stages' endpoint).
+        import zmq
+        from moeline.wire import Hello, HelloReply, StageKind
+        import flatbuffers
+        hub = "ipc://" + os.path.join(run_dir, "hub.sock")
+        socket = raw_socket(hub)
+        expect_error_reply(socket, [b"\x01\x02"], E.MalformedMessage, "garbage at the hub")
+        b = flatbuffers.Builder(64)
+        replica = b.CreateString("impostor")
+        Hello.Start(b)
+        Hello.AddStage(b, StageKind.StageKind.Decode)
+        Hello.AddReplica(b, replica)
+        Hello.AddSchemaMajor(b, 2)
+        Hello.AddSettingsHash(b, 42)
+        b.Finish(Hello.End(b), file_identifier=b"MLCM")
+        socket.send_multipart(encode_message(T.Hello, bytes(b.Output())))
+        from moeline_client import decode_message
+        reply = decode_message(socket.recv_multipart())
+        check(reply.type == T.HelloReply, f"hello: got type {reply.type}")
+        hello_reply = HelloReply.HelloReply.GetRootAs(reply.body, 0)
+        check(not hello_reply.Accepted() and b"schema major 2" in hello_reply.Reason(),
+              f"hello with major 2: {hello_reply.Reason()}")
+        print(f"ok errors: hello with schema major 2 refused: {hello_reply.Reason().decode()}")
+        socket.close()
+
+        # Counted in the metrics, and the stack still serves.
+        gateway = stack.metrics("gateway")
+        rejected = {dict(labels).get("reason"): value for (name, labels), value in gateway.items()
+                    if name == "moeline_wire_rejected_frames_total"
+                    and dict(labels).get("peer") == "client"}
+        for reason in ("truncated", "bad_magic", "malformed", "version", "unknown_type",
+                       "oversized"):
+            check(rejected.get(reason, 0) >= 1, f"metrics: no rejected frame counted as {reason}: "
+                  f"{rejected}")
+        for reason in ("prompt_too_long", "invalid_sampling", "unknown_tenant", "bad_token"):
+            check(stack.metric("gateway", "moeline_gateway_rejected_total", reason=reason) >= 1,
+                  f"metrics: no request rejected for {reason}")
+        check(stack.metric("gateway", "moeline_hub_hellos_refused_total") >= 1,
+              "metrics: the refused hello is not counted")
+        check(stack.metric("gateway", "moeline_gateway_requests_total",
+                           outcome="deadline_exceeded") >= 1, "metrics: deadline not counted")
+        with Client(stack.endpoint, timeout=60) as client:
+            result = client.generate(tokens=[1, 2, 3], max_tokens=3)
+            check(len(result.ids) >= 1, "the stack stopped serving after bad input")
+        status = subprocess.run([args.moeline, "stack", "status", "--run-dir", run_dir],
+                                capture_output=True, text=True)
+        check(status.returncode == 0 and "restarts" in status.stdout,
+              f"a stage died after bad input:\n{status.stdout}")
+        check(all(s["restarts"] == 0 for s in stack.state()["stages"]),
+              "a stage restarted after bad input")
+        print("ok errors: bad input counted in metrics; no stage restarted; the stack serves")
+
+
+def case_recovery(args):
+    from moeline_client import Client
+    vocab = vocab_of(args.model)
+    rng = random.Random(11)
+    for victim in ("decode-0", "prefill-0"):
+        if victim.startswith("decode"):
+            requests = [{"tokens": [rng.randrange(vocab) for _ in range(rng.choice([3, 20, 60]))],
+                         "max_tokens": 120, "ignore_eos": True} for _ in range(24)]
+        else:
+            # Long prompts keep the prefill queue busy when it is killed.
+            requests = [{"tokens": [rng.randrange(vocab) for _ in range(300)], "max_tokens": 8}
+                        for _ in range(48)]
+        for i in range(0, len(requests), 6):
+            requests[i].update(temperature=0.9, seed=500 + i)
+        expected = references(args, requests)
+        run_dir = os.path.join(args.workdir, f"recovery-{victim}")
+        config = {**FAST_FAILURE}
+        with Stack(args.moeline, args.model, run_dir, prefill=2, decode=2, config=config) as stack:
+            with Client(stack.endpoint, timeout=120) as client:
+                crid_to_index = {client.start(**r): i for i, r in enumerate(requests)}
+                results = {i: {"ids": [], "text": "", "finish_reason": None, "error": None}
+                           for i in range(len(requests))}
+                pending = set(crid_to_index)
+                killed = None
+                deltas = 0
+                deadline = time.time() + 120
+                while pending:
+                    check(time.time() < deadline, f"{len(pending)} requests hung after kill -9")
+                    event = client.next_event(timeout=deadline - time.time())
+                    result = results[crid_to_index[event.client_request_id]]
+                    if event.kind == "delta":
+                        result["ids"] += event.token_ids
+                        deltas += 1
+                        # Mid-stream: once most requests are streaming.
+                        if killed is None and deltas >= len(requests):
+                            killed = stack.kill(victim)
+                    elif event.kind == "finished":
+                        result["finish_reason"] = event.finish_reason
+                    elif event.kind == "error":
+                        result["error"] = (event.error_code, event.error_message)
+                    if event.terminal:
+                        pending.discard(event.client_request_id)
+            completed = compare(results, requests, expected, allow_errors=True)
+            stack.wait_restarted(victim, killed)
+            retries = stack.metric("gateway", "moeline_gateway_retries_total")
+            check(retries >= 1, f"kill -9 {victim}: no request was retried (killed too late?)")
+            errors = len(requests) - completed
+            print(f"ok recovery: kill -9 {victim} mid-stream: {completed} completed identical to "
+                  f"the reference, {errors} explicit errors, 0 hung; {int(retries)} retried; "
+                  "restarted by the supervisor")
+            wait_for(lambda: subprocess.run([args.moeline, "stack", "status", "--run-dir", run_dir],
+                                            capture_output=True).returncode == 0, 30,
+                     "the stack did not become healthy again")
+            with Client(stack.endpoint, timeout=60) as client:
+                check(len(client.generate(tokens=[1, 2], max_tokens=2).ids) >= 1,
+                      "the stack does not serve after the restart")
+
+
+REQUIRED = {
+    "gateway": ["queue_depth", "batch_size", "ttft_seconds", "time_per_output_token_seconds",
+                "e2e_seconds", "kv_blocks", "requests_total"],
+    "prefill-0": ["queue_depth", "batch_size", "ttft_seconds", "time_per_output_token_seconds",
+                  "e2e_seconds", "kv_blocks", "requests_total"],
+    "decode-0": ["queue_depth", "batch_size", "ttft_seconds", "time_per_output_token_seconds",
+                 "e2e_seconds", "kv_blocks", "requests_total"],
+    "probe": ["queue_depth", "batch_size", "latency_seconds", "requests_total"],
+    "offload": ["expert_tokens_total", "load_imbalance"],
+}
+
+
+def case_metrics(args):
+    from moeline_client import Client
+    from prometheus_client.parser import text_string_to_metric_families
+    run_dir = os.path.join(args.workdir, "metrics")
+    with Stack(args.moeline, args.model, run_dir) as stack:
+        with Client(stack.endpoint, timeout=60) as client:
+            run_concurrently(client, workload(vocab_of(args.model), 16, seed=3))
+        time.sleep(1.5)  # expert usage reaches the offload manager about once a second
+        for name, wanted in REQUIRED.items():
+            families = {f.name: f for f in text_string_to_metric_families(stack.metrics_text(name))}
+            stage = name.split("-")[0]
+            for suffix in wanted:
+                family = f"moeline_{stage}_{suffix}"
+                if suffix.endswith("_total"):
+                    family = family[: -len("_total")]  # the parser names counters without it
+                check(family in families, f"{name}: no {family} in /metrics "
+                      f"(has {sorted(families)})")
+            if stage in ("gateway", "prefill", "decode"):
+                kv = {s.labels.get("state") for s in families[f"moeline_{stage}_kv_blocks"].samples}
+                check(kv == {"used", "free"}, f"{name}: kv_blocks states {kv}")
+            print(f"ok metrics: {name} /metrics parses ({len(families)} families)")
+        check(stack.metric("gateway", "moeline_gateway_requests_total", outcome="stop") +
+              stack.metric("gateway", "moeline_gateway_requests_total", outcome="length") == 16,
+              "gateway outcomes do not add up to the 16 requests")
+        check(stack.metric("gateway", "moeline_gateway_ttft_seconds_count") == 16,
+              "gateway TTFT histogram does not count 16 requests")
+        routed = stack.metric("offload", "moeline_offload_routed_tokens_total")
+        check(routed > 0, "the offload manager received no expert usage")
+        print("ok metrics: outcomes, TTFT counts and expert usage add up")
+
+
+def case_cli(args):
+    run_dir = os.path.join(args.workdir, "cli")
+    with Stack(args.moeline, args.model, run_dir, decode=1) as stack:
+        want = reference(args.moeline, args.model, 12, prompt="to swim:")
+        out = subprocess.run([args.moeline, "client", "generate", "--endpoint", stack.endpoint,
+                              "--prompt", "to swim:", "--max-tokens", "12", "--json"],
+                             capture_output=True, text=True, timeout=60)
+        check(out.returncode == 0, out.stderr)
+        got = json.loads(out.stdout)
+        for key in ("ids", "text", "finish_reason"):
+            check(got[key] == want[key], f"client --json {key}: {got[key]!r} != {want[key]!r}")
+        check(got["usage"]["prompt_tokens"] == want["usage"]["prompt_tokens"], "usage")
+        check(set(got["timings"]) >= {"queue_ms", "prefill_ms", "ttft_ms", "total_ms"}, "timings")
+        check(set(got["usage"]) >= {"prompt_tokens", "completion_tokens", "reused_tokens"}, "usage")
+        print("ok cli: client generate --json matches moeline run")
+        out = subprocess.run([args.moeline, "client", "generate", "--endpoint", stack.endpoint,
+                              "--prompt", "to swim:", "--max-tokens", "12"],
+                             capture_output=True, text=True, timeout=60)
+        check(out.returncode == 0 and out.stdout.strip() == want["text"].strip(),
+              f"streamed text {out.stdout!r} != {want['text']!r}")
+        out = subprocess.run([args.moeline, "client", "generate", "--endpoint", stack.endpoint,
+                              "--tokens", ",".join(["1"] * 600)], capture_output=True, text=True)
+        check(out.returncode == 1 and "PromptTooLong" in out.stderr, f"over-long: {out.stderr}")
+        out = subprocess.run([args.moeline, "client", "generate", "--endpoint", stack.endpoint,
+                              "--temperature", "x", "--prompt", "a"], capture_output=True, text=True)
+        check(out.returncode == 2 and "--temperature" in out.stderr, f"bad flag: {out.stderr}")
+        print("ok cli: streamed text, errors and usage errors")
+        out = subprocess.run([args.moeline, "stack", "status", "--run-dir", run_dir, "--json"],
+                             capture_output=True, text=True)
+        status = json.loads(out.stdout)
+        check(out.returncode == 0 and status["healthy"] and len(status["stages"]) == 5,
+              f"stack status: {out.stdout}")
+        again = subprocess.run([args.moeline, "stack", "up", "--run-dir", run_dir, "--model",
+                                args.model], capture_output=True, text=True)
+        check(again.returncode == 1 and "already running" in again.stderr,
+              f"a second stack up in the same run dir: {again.stderr}")
+        print("ok cli: stack status, and a second stack up is refused")
+    out = subprocess.run([args.moeline, "stack", "status", "--run-dir", run_dir],
+                         capture_output=True, text=True)
+    check(out.returncode == 1 and "no stack running" in out.stdout, f"after down: {out.stdout}")
+    leftovers = subprocess.run(["pgrep", "-f", run_dir], capture_output=True, text=True).stdout
+    check(not leftovers.strip(), f"processes left after stack down: {leftovers}")
+    print("ok cli: stack down stopped every process")
+
+
+CASES = {"parity": case_parity, "errors": case_errors, "recovery": case_recovery,
+         "metrics": case_metrics, "cli": case_cli}
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--moeline", required=True)
+    parser.add_argument("--model", required=True)
+    parser.add_argument("--python-build", required=True, help="build/python (generated wire code)")
+    parser.add_argument("--python-sdk", required=True, help="sdk/python")
+    parser.add_argument("--workdir", required=True)
+    parser.add_argument("--case", choices=sorted(CASES), action="append")
+    args = parser.parse_args()
+    add_python_paths(args.python_build, args.python_sdk)
+    # ipc:// paths must stay short: run directories live under /tmp.
+    args.workdir = os.path.abspath(args.workdir)
+    if len(args.workdir) > 60:
+        short = os.path.join("/tmp", "moeline-it-" + str(abs(hash(args.workdir)) % 10**8))
+        shutil.rmtree(short, ignore_errors=True)
+        args.workdir = short
+    os.makedirs(args.workdir, exist_ok=True)
+    for name in args.case or sorted(CASES):
+        CASES[name](args)
+    print("all ok")
+
+
+if __name__ == "__main__":
+    main()

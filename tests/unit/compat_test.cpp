@@ -1,0 +1,345 @@
+// Golden wire buffers (tests/compat/README.md): today's reader must still read the bytes of every
+// released schema version. The expected values are hard-coded on purpose — they are the values
+// tests/compat/make_golden.cpp wrote when the version was released, not whatever it writes now.
+
+#include <gtest/gtest.h>
+
+#include <cstdint>
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <functional>
+#include <iterator>
+#include <map>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "schemas/wire.h"
+
+namespace moeline::wire {
+namespace {
+
+namespace fs = std::filesystem;
+
+const fs::path kCompatDir = MOELINE_COMPAT_DIR;
+
+struct Expectation {
+  MessageType type;
+  uint16_t minor;
+  std::function<void(const Message&)> check;
+};
+
+std::vector<int32_t> ints(const flatbuffers::Vector<int32_t>* v) {
+  return v == nullptr ? std::vector<int32_t>{} : std::vector<int32_t>(v->begin(), v->end());
+}
+
+std::string str(const flatbuffers::String* s) { return s == nullptr ? "<absent>" : s->str(); }
+
+void check_pipeline_sampling(const SamplingParams* s) {
+  ASSERT_NE(s, nullptr);
+  EXPECT_EQ(s->temperature(), 1.0);
+  EXPECT_EQ(s->top_k(), 50);
+  EXPECT_EQ(s->top_p(), 0.95);
+  EXPECT_EQ(s->seed(), 7u);
+  EXPECT_TRUE(s->has_seed());
+  EXPECT_EQ(s->max_tokens(), 32);
+  EXPECT_EQ(ints(s->stop_token_ids()), (std::vector<int32_t>{2}));
+  EXPECT_FALSE(s->ignore_eos());
+}
+
+// Schema 1.0, written by make_golden at the release of 1.0.
+std::map<std::string, Expectation> v1_0() {
+  std::map<std::string, Expectation> e;
+  e["Hello"] = {MessageType::Hello, 0, [](const Message& m) {
+                  const auto* t = m.as<Hello>();
+                  EXPECT_EQ(t->stage(), StageKind::Prefill);
+                  EXPECT_EQ(str(t->replica()), "prefill-0");
+                  EXPECT_EQ(t->schema_major(), 1);
+                  EXPECT_EQ(t->schema_minor(), 0);
+                  EXPECT_EQ(str(t->build()), "golden-1.0");
+                  EXPECT_EQ(t->settings_hash(), 0x0123456789abcdefULL);
+                  EXPECT_EQ(t->credits(), 4u);
+                  EXPECT_EQ(t->pid(), 4242u);
+                  EXPECT_EQ(t->http_port(), 9102);
+                }};
+  e["HelloReply"] = {MessageType::HelloReply, 0, [](const Message& m) {
+                       const auto* t = m.as<HelloReply>();
+                       EXPECT_TRUE(t->accepted());
+                       EXPECT_EQ(str(t->reason()), "welcome");
+                       EXPECT_EQ(t->settings_hash(), 0xfedcba9876543210ULL);
+                     }};
+  e["Heartbeat"] = {MessageType::Heartbeat, 0, [](const Message& m) {
+                      const auto* t = m.as<Heartbeat>();
+                      EXPECT_EQ(t->sent_unix_ns(), 1700000000123456789ULL);
+                      EXPECT_EQ(t->queue_depth(), 3u);
+                      EXPECT_EQ(t->active(), 2u);
+                      EXPECT_EQ(str(t->peer()), "decode-1");
+                      EXPECT_EQ(t->kv_blocks_used(), 120u);
+                      EXPECT_EQ(t->kv_blocks_free(), 904u);
+                    }};
+  e["Credit"] = {MessageType::Credit, 0,
+                 [](const Message& m) { EXPECT_EQ(m.as<Credit>()->credits(), 8u); }};
+  e["ErrorReply"] = {MessageType::ErrorReply, 0, [](const Message& m) {
+                       const auto* t = m.as<ErrorReply>();
+                       EXPECT_EQ(t->code(), ErrorCode::PromptTooLong);
+                       EXPECT_EQ(str(t->message()), "prompt of 9000 tokens exceeds 8192");
+                       EXPECT_EQ(t->client_request_id(), 77u);
+                     }};
+  e["GenerateRequest"] = {MessageType::GenerateRequest, 0, [](const Message& m) {
+                            const auto* t = m.as<GenerateRequest>();
+                            EXPECT_EQ(t->client_request_id(), 1001u);
+                            EXPECT_EQ(str(t->prompt()), "Hello, world");
+                            EXPECT_EQ(ints(t->tokens()), (std::vector<int32_t>{1, 2, 3, 4}));
+                            EXPECT_EQ(str(t->tenant()), "acme");
+                            EXPECT_EQ(t->deadline_ms(), 30000u);
+                            EXPECT_FALSE(t->add_special_tokens());
+                            const SamplingParams* s = t->sampling();
+                            ASSERT_NE(s, nullptr);
+                            EXPECT_EQ(s->temperature(), 0.7);
+                            EXPECT_EQ(s->top_k(), 40);
+                            EXPECT_EQ(s->top_p(), 0.9);
+                            EXPECT_EQ(s->seed(), 1234u);
+                            EXPECT_TRUE(s->has_seed());
+                            EXPECT_EQ(s->max_tokens(), 64);
+                            EXPECT_EQ(ints(s->stop_token_ids()), (std::vector<int32_t>{2, 32000}));
+                            EXPECT_TRUE(s->ignore_eos());
+                          }};
+  e["CancelRequest"] = {MessageType::CancelRequest, 0, [](const Message& m) {
+                          EXPECT_EQ(m.as<CancelRequest>()->client_request_id(), 1001u);
+                        }};
+  e["Feedback"] = {MessageType::Feedback, 0, [](const Message& m) {
+                     const auto* t = m.as<Feedback>();
+                     EXPECT_EQ(t->client_request_id(), 1001u);
+                     EXPECT_EQ(t->score(), -0.5f);
+                     EXPECT_EQ(str(t->comment()), "too long");
+                   }};
+  e["StreamEvent"] = {MessageType::StreamEvent, 0, [](const Message& m) {
+                        const auto* t = m.as<StreamEvent>();
+                        EXPECT_EQ(t->client_request_id(), 1001u);
+                        EXPECT_EQ(t->request_id(), 555u);
+                        EXPECT_EQ(t->kind(), EventKind::Finished);
+                        EXPECT_EQ(str(t->text()), "!");
+                        EXPECT_EQ(ints(t->token_ids()), (std::vector<int32_t>{0, 13}));
+                        EXPECT_EQ(str(t->finish_reason()), "stop");
+                        EXPECT_EQ(t->error_code(), ErrorCode::Cancelled);
+                        EXPECT_EQ(str(t->error_message()), "cancelled by the client");
+                        ASSERT_NE(t->usage(), nullptr);
+                        EXPECT_EQ(t->usage()->prompt_tokens(), 12u);
+                        EXPECT_EQ(t->usage()->completion_tokens(), 5u);
+                        EXPECT_EQ(t->usage()->reused_tokens(), 8u);
+                        EXPECT_EQ(str(t->usage()->reuse_level()), "prefix");
+                        ASSERT_NE(t->timings(), nullptr);
+                        EXPECT_EQ(t->timings()->queue_ms(), 1.5);
+                        EXPECT_EQ(t->timings()->prefill_ms(), 20.25);
+                        EXPECT_EQ(t->timings()->ttft_ms(), 22.0);
+                        EXPECT_EQ(t->timings()->total_ms(), 80.125);
+                      }};
+  e["ProbeJob"] = {MessageType::ProbeJob, 0, [](const Message& m) {
+                     const auto* t = m.as<ProbeJob>();
+                     EXPECT_EQ(t->request_id(), 555u);
+                     EXPECT_EQ(t->attempt(), 2u);
+                     EXPECT_EQ(ints(t->tokens()), (std::vector<int32_t>{1, 15043, 29892}));
+                     EXPECT_EQ(str(t->cache_namespace()), "acme/ns");
+                   }};
+  e["ProbePlan"] = {MessageType::ProbePlan, 0, [](const Message& m) {
+                      const auto* t = m.as<ProbePlan>();
+                      EXPECT_EQ(t->request_id(), 555u);
+                      EXPECT_EQ(t->attempt(), 2u);
+                      EXPECT_EQ(str(t->reuse_level()), "prefix");
+                      EXPECT_EQ(t->reused_tokens(), 16u);
+                      EXPECT_EQ(t->probe_us(), 350u);
+                    }};
+  e["PrefillJob"] = {MessageType::PrefillJob, 0, [](const Message& m) {
+                       const auto* t = m.as<PrefillJob>();
+                       EXPECT_EQ(t->request_id(), 555u);
+                       EXPECT_EQ(t->attempt(), 2u);
+                       EXPECT_EQ(ints(t->tokens()), (std::vector<int32_t>{1, 15043, 29892}));
+                       check_pipeline_sampling(t->sampling());
+                       EXPECT_EQ(str(t->cache_namespace()), "acme/ns");
+                       EXPECT_EQ(str(t->reuse_level()), "none");
+                     }};
+  e["PrefillDone"] = {MessageType::PrefillDone, 0, [](const Message& m) {
+                        const auto* t = m.as<PrefillDone>();
+                        EXPECT_EQ(t->request_id(), 555u);
+                        EXPECT_EQ(t->attempt(), 2u);
+                        EXPECT_EQ(ints(t->tokens()), (std::vector<int32_t>{1, 15043, 29892}));
+                        EXPECT_EQ(t->first_token(), 306);
+                        EXPECT_EQ(str(t->finish_reason()), "");
+                        check_pipeline_sampling(t->sampling());
+                        EXPECT_EQ(str(t->cache_namespace()), "acme/ns");
+                        EXPECT_EQ(t->prefill_us(), 12345u);
+                        EXPECT_EQ(str(t->replica()), "prefill-0");
+                        const KvLayout* layout = t->layout();
+                        ASSERT_NE(layout, nullptr);
+                        EXPECT_EQ(layout->layers(), 1u);
+                        EXPECT_EQ(layout->kv_heads(), 1u);
+                        EXPECT_EQ(layout->head_dim(), 4u);
+                        EXPECT_EQ(layout->block_tokens(), 2u);
+                        EXPECT_EQ(str(layout->dtype()), "f32");
+                        EXPECT_EQ(layout->blocks(), 1u);
+                        ASSERT_NE(t->frames(), nullptr);
+                        ASSERT_EQ(t->frames()->size(), 1u);
+                        EXPECT_EQ(t->frames()->Get(0)->bytes(), 64u);
+                        EXPECT_EQ(check_bulk(t->frames(), m.bulk), std::nullopt);
+                        ASSERT_EQ(m.bulk.size(), 1u);
+                        ASSERT_EQ(m.bulk[0].size(), 64u);
+                        for (size_t i = 0; i < 64; ++i)
+                          EXPECT_EQ(m.bulk[0].data()[i], static_cast<uint8_t>(i * 7 + 3)) << i;
+                      }};
+  e["TokenBatch"] = {MessageType::TokenBatch, 0, [](const Message& m) {
+                       const auto* t = m.as<TokenBatch>();
+                       EXPECT_EQ(t->batch_size(), 2u);
+                       EXPECT_EQ(t->step_us(), 850u);
+                       ASSERT_NE(t->updates(), nullptr);
+                       ASSERT_EQ(t->updates()->size(), 2u);
+                       const TokenUpdate* a = t->updates()->Get(0);
+                       const TokenUpdate* b = t->updates()->Get(1);
+                       EXPECT_EQ(a->request_id(), 555u);
+                       EXPECT_EQ(a->attempt(), 2u);
+                       EXPECT_EQ(a->token(), 306);
+                       EXPECT_EQ(str(a->finish_reason()), "");
+                       EXPECT_EQ(b->request_id(), 556u);
+                       EXPECT_EQ(b->attempt(), 1u);
+                       EXPECT_EQ(b->token(), 2);
+                       EXPECT_EQ(str(b->finish_reason()), "stop");
+                     }};
+  e["JobFailed"] = {MessageType::JobFailed, 0, [](const Message& m) {
+                      const auto* t = m.as<JobFailed>();
+                      EXPECT_EQ(t->request_id(), 555u);
+                      EXPECT_EQ(t->attempt(), 2u);
+                      EXPECT_EQ(t->code(), ErrorCode::StageFailed);
+                      EXPECT_EQ(str(t->message()), "decode replica died");
+                    }};
+  e["CancelJob"] = {MessageType::CancelJob, 0, [](const Message& m) {
+                      EXPECT_EQ(m.as<CancelJob>()->request_id(), 555u);
+                      EXPECT_EQ(m.as<CancelJob>()->attempt(), 3u);
+                    }};
+  e["ExpertPlanRequest"] = {MessageType::ExpertPlanRequest, 0, [](const Message& m) {
+                              const auto* t = m.as<ExpertPlanRequest>();
+                              EXPECT_EQ(t->model_id(), 0x1122334455667788ULL);
+                              EXPECT_EQ(str(t->replica()), "decode-1");
+                            }};
+  e["ExpertPlan"] = {MessageType::ExpertPlan, 0, [](const Message& m) {
+                       const auto* t = m.as<ExpertPlan>();
+                       EXPECT_EQ(t->model_id(), 0x1122334455667788ULL);
+                       EXPECT_TRUE(t->all_resident());
+                       EXPECT_EQ(t->layers(), 2u);
+                       EXPECT_EQ(t->experts_per_layer(), 8u);
+                       EXPECT_EQ(t->expert_bytes(), uint64_t{1} << 20);
+                       EXPECT_EQ(str(t->tier()), "resident");
+                       EXPECT_EQ(str(t->requester()), "decode-1");
+                     }};
+  e["ExpertUsage"] = {MessageType::ExpertUsage, 0, [](const Message& m) {
+                        const auto* t = m.as<ExpertUsage>();
+                        EXPECT_EQ(t->layers(), 2u);
+                        EXPECT_EQ(t->experts(), 4u);
+                        ASSERT_NE(t->counts(), nullptr);
+                        EXPECT_EQ(std::vector<uint64_t>(t->counts()->begin(), t->counts()->end()),
+                                  (std::vector<uint64_t>{5, 0, 3, 8, 2, 7, 1, 6}));
+                        EXPECT_EQ(t->tokens(), 16u);
+                        EXPECT_EQ(str(t->replica()), "decode-1");
+                      }};
+  e["ControlCommand"] = {MessageType::ControlCommand, 0, [](const Message& m) {
+                           const auto* t = m.as<ControlCommand>();
+                           EXPECT_EQ(str(t->command()), "drain");
+                           EXPECT_EQ(str(t->arguments()), "{\"stage\":\"decode\"}");
+                         }};
+  e["ControlReply"] = {MessageType::ControlReply, 0, [](const Message& m) {
+                         const auto* t = m.as<ControlReply>();
+                         EXPECT_TRUE(t->ok());
+                         EXPECT_EQ(str(t->message()), "draining");
+                         EXPECT_EQ(str(t->json()), "{\"draining\":true}");
+                       }};
+  return e;
+}
+
+// Every released version: directory name -> file stem -> expectation.
+const std::map<std::string, std::map<std::string, Expectation>>& released() {
+  static const std::map<std::string, std::map<std::string, Expectation>> versions = {
+      {"v1.0", v1_0()}};
+  return versions;
+}
+
+// The file format: frames, each a u32 little-endian length and that many bytes, nothing else.
+std::optional<std::vector<zmq::message_t>> read_frames(const fs::path& path) {
+  std::ifstream file(path, std::ios::binary);
+  if (!file) return std::nullopt;
+  const std::string bytes((std::istreambuf_iterator<char>(file)), std::istreambuf_iterator<char>());
+  std::vector<zmq::message_t> frames;
+  size_t at = 0;
+  while (at < bytes.size()) {
+    if (bytes.size() - at < 4) return std::nullopt;
+    uint32_t size = 0;
+    for (int i = 0; i < 4; ++i)
+      size |= uint32_t{static_cast<uint8_t>(bytes[at + static_cast<size_t>(i)])} << (8 * i);
+    at += 4;
+    if (bytes.size() - at < size) return std::nullopt;
+    frames.emplace_back(bytes.data() + at, size);
+    at += size;
+  }
+  return frames;
+}
+
+TEST(WireCompat, EveryGoldenBufferDecodesToTheValuesItWasWrittenWith) {
+  int checked = 0;
+  for (const fs::directory_entry& dir : fs::directory_iterator(kCompatDir)) {
+    const std::string version = dir.path().filename().string();
+    if (!dir.is_directory() || version.rfind('v', 0) != 0) continue;
+    const auto expectations = released().find(version);
+    for (const fs::directory_entry& entry : fs::directory_iterator(dir.path())) {
+      const std::string name = version + "/" + entry.path().filename().string();
+      SCOPED_TRACE(name);
+      // A golden buffer nobody checks proves nothing: every file needs its expectations.
+      ASSERT_TRUE(expectations != released().end()) << "no expectations for version " << version;
+      ASSERT_EQ(entry.path().extension(), ".bin");
+      const auto expectation = expectations->second.find(entry.path().stem().string());
+      ASSERT_TRUE(expectation != expectations->second.end()) << "no expectations for " << name;
+
+      std::optional<std::vector<zmq::message_t>> frames = read_frames(entry.path());
+      ASSERT_TRUE(frames.has_value()) << "not a sequence of length-prefixed frames";
+      Decoded decoded = decode(std::move(*frames));
+      ASSERT_FALSE(decoded.error.has_value()) << decoded.error->reason << ": "
+                                              << decoded.error->detail;
+      ASSERT_TRUE(decoded.message.has_value());
+      EXPECT_EQ(decoded.message->type, expectation->second.type);
+      EXPECT_EQ(decoded.message->minor, expectation->second.minor);
+      if (decoded.message->type != MessageType::PrefillDone) EXPECT_TRUE(decoded.message->bulk.empty());
+      expectation->second.check(*decoded.message);
+      ++checked;
+    }
+  }
+  EXPECT_GE(checked, 21);
+}
+
+TEST(WireCompat, EveryExpectationHasItsGoldenBuffer) {
+  for (const auto& [version, expectations] : released()) {
+    for (const auto& [stem, expectation] : expectations) {
+      EXPECT_EQ(stem, message_type_name(expectation.type));
+      EXPECT_TRUE(fs::is_regular_file(kCompatDir / version / (stem + ".bin")))
+          << version << "/" << stem << ".bin is missing";
+    }
+  }
+}
+
+TEST(WireCompat, Version1_0CoversEveryMessageTypeOfThatVersion) {
+  // The 21 types of schema 1.0; types added later belong to a later version's directory.
+  const std::vector<MessageType> v1_0_types = {
+      MessageType::Hello,          MessageType::HelloReply,        MessageType::Heartbeat,
+      MessageType::Credit,         MessageType::ErrorReply,        MessageType::GenerateRequest,
+      MessageType::CancelRequest,  MessageType::Feedback,          MessageType::StreamEvent,
+      MessageType::ProbeJob,       MessageType::ProbePlan,         MessageType::PrefillJob,
+      MessageType::PrefillDone,    MessageType::TokenBatch,        MessageType::JobFailed,
+      MessageType::CancelJob,      MessageType::ExpertPlanRequest, MessageType::ExpertPlan,
+      MessageType::ExpertUsage,    MessageType::ControlCommand,    MessageType::ControlReply};
+  const auto& expectations = released().at("v1.0");
+  EXPECT_EQ(expectations.size(), v1_0_types.size());
+  for (const MessageType type : v1_0_types) {
+    const std::string stem = message_type_name(type);
+    EXPECT_TRUE(expectations.contains(stem)) << stem;
+    EXPECT_TRUE(fs::is_regular_file(kCompatDir / "v1.0" / (stem + ".bin"))) << stem;
+  }
+}
+
+}  // namespace
+}  // namespace moeline::wire
