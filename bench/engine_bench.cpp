@@ -15,6 +15,7 @@
 #include <cstring>
 #include <fstream>
 #include <iostream>
+#include <memory>
 #include <nlohmann/json.hpp>
 #include <string>
 #include <vector>
@@ -107,6 +108,7 @@ struct Options {
   int prompt = 512;
   int decode = 128;
   int repeat = 3;
+  int batch = 1;  // sequences decoded together (batched decode)
 };
 
 Options parse(int argc, char** argv) {
@@ -124,6 +126,8 @@ Options parse(int argc, char** argv) {
       options.decode = std::stoi(value);
     else if (flag == "--repeat")
       options.repeat = std::stoi(value);
+    else if (flag == "--batch")
+      options.batch = std::max(1, std::stoi(value));
     else
       throw std::invalid_argument("unknown option " + flag);
   }
@@ -141,7 +145,7 @@ int main(int argc, char** argv) {
   } catch (const std::exception& e) {
     std::cerr << "moeline_bench: " << e.what()
               << "\nusage: moeline_bench --model DIR [--threads N] [--prompt 512] [--decode 128] "
-                 "[--repeat 3]\n";
+                 "[--repeat 3] [--batch 1]\n";
     return 2;
   }
   auto loaded = model::Model::load(options.model_dir);
@@ -154,7 +158,9 @@ int main(int argc, char** argv) {
   ThreadPool pool(options.threads);
   moeline::offload::ResidentExpertProvider experts(m.experts());
   const int64_t context = std::max(options.prompt, options.decode + 1);
-  model::KvCache cache(m.config(), static_cast<int32_t>((context + 15) / 16));
+  model::KvCache cache(m.config(),
+                       static_cast<int32_t>(std::max<int64_t>((context + 15) / 16,
+                                                              options.batch * ((options.decode + 16) / 16 + 1))));
   model::Engine engine(m, experts, pool, cache);
 
   std::vector<int32_t> prompt(static_cast<size_t>(options.prompt));
@@ -176,18 +182,27 @@ int main(int argc, char** argv) {
     const double prefill = seconds_since(start);
     prefilled.release(cache.pool());
 
-    model::Sequence decoded(2, m.model_id(), 0);
-    input = {&decoded, std::span(prompt).first(1), true};
-    if (!engine.forward(std::span(&input, 1), logits).ok()) return 1;
-    int32_t next = model::argmax(logits.data(), vocab);
+    // `batch` sequences, each from its own one-token context, decoded together step by step.
+    std::vector<std::unique_ptr<model::Sequence>> decoded;
+    std::vector<int32_t> next(static_cast<size_t>(options.batch));
+    std::vector<model::SequenceInput> inputs;
+    for (int b = 0; b < options.batch; ++b) {
+      decoded.push_back(std::make_unique<model::Sequence>(2 + b, m.model_id(), 0));
+      inputs.push_back({decoded.back().get(), std::span(prompt).subspan(static_cast<size_t>(b % options.prompt), 1), true});
+    }
+    if (!engine.forward(inputs, logits).ok()) return 1;
+    for (int b = 0; b < options.batch; ++b)
+      next[static_cast<size_t>(b)] = model::argmax(logits.data() + b * vocab, vocab);
     start = Clock::now();
     for (int step = 0; step < options.decode; ++step) {
-      input = {&decoded, std::span(&next, 1), true};
-      if (!engine.forward(std::span(&input, 1), logits).ok()) return 1;
-      next = model::argmax(logits.data(), vocab);
+      for (int b = 0; b < options.batch; ++b)
+        inputs[static_cast<size_t>(b)] = {decoded[static_cast<size_t>(b)].get(), std::span(&next[static_cast<size_t>(b)], 1), true};
+      if (!engine.forward(inputs, logits).ok()) return 1;
+      for (int b = 0; b < options.batch; ++b)
+        next[static_cast<size_t>(b)] = model::argmax(logits.data() + b * vocab, vocab);
     }
     const double decode = seconds_since(start);
-    decoded.release(cache.pool());
+    for (auto& sequence : decoded) sequence->release(cache.pool());
     // The engine's resident set: mapped weights touched, KV cache, activations.
     peak_rss = std::max(peak_rss, proc_field_bytes("/proc/self/status", "VmRSS:"));
     if (r > 0) {
@@ -199,7 +214,8 @@ int main(int argc, char** argv) {
   }
   const long huge_mapped = proc_field_bytes("/proc/self/smaps_rollup", "FilePmdMapped:");
   const double bytes_per_token = static_cast<double>(m.bytes_touched_per_token());
-  const double decode_rate = options.decode / best_decode;
+  // Tokens per second over all sequences of the batch.
+  const double decode_rate = static_cast<double>(options.decode) * options.batch / best_decode;
   const double roofline = bandwidth * 1e9 / bytes_per_token;
   nlohmann::json out = {
       {"model", options.model_dir},
@@ -208,6 +224,7 @@ int main(int argc, char** argv) {
       {"threads", options.threads},
       {"prompt_tokens", options.prompt},
       {"decode_tokens", options.decode},
+      {"decode_batch", options.batch},
       {"prefill_tokens_per_second", options.prompt / best_prefill},
       {"decode_tokens_per_second", decode_rate},
       {"read_bandwidth_gb_per_second", bandwidth},

@@ -5,8 +5,13 @@
 // that type, finished with its family's file identifier. Bulk frames (KV blocks) travel as their
 // own frames, never copied into the body, and are described (size, xxHash) by the body.
 //
-// decode() checks everything before anyone reads a field: frame count and sizes, magic, schema
-// major, a known type, and the FlatBuffers Verifier for exactly that type. Bodies and bulk frames
+// The header, little-endian: "MOEL", u16 schema major, u16 minor, u16 message type, u16 flags (0),
+// u32 body length.
+//
+// decode() checks everything before anyone reads a field of the body: frame count and sizes,
+// magic, schema major, a known type, and the FlatBuffers Verifier for exactly that type. Bulk
+// frames are checked against their descriptors (count, size, xxHash) by check_bulk(), which the
+// receiver calls with the table that describes them. Bodies and bulk frames
 // are handed out 8-byte aligned (copied once only when ZeroMQ gave an unaligned buffer).
 //
 // Thread-safety: free functions, no shared state.

@@ -7,6 +7,7 @@
 #include "sdk/client_command.h"
 #include "stages/decode/decode.h"
 #include "stages/gateway/gateway.h"
+#include "stages/load/load.h"
 #include "stages/offload_manager/offload_manager.h"
 #include "stages/prefill/prefill.h"
 #include "stages/probe/probe.h"
@@ -25,6 +26,7 @@ commands:
   chat-template  JSON messages on stdin -> the model's chat prompt (moeline chat-template --help)
   stack        start, inspect, stop a local stack (moeline stack --help)
   client       talk to a stack: generate, status (moeline client --help)
+  load         load generator for the stack or one stage (moeline load --help)
   version      print the version
 
 stage processes (each: moeline <stage> --help):
@@ -49,6 +51,7 @@ int main(int argc, char** argv) {
   if (command == "detokenize") return moeline::stages::detokenize_command(argc - 2, argv + 2);
   if (command == "stack") return moeline::stages::stack_command(argc - 2, argv + 2);
   if (command == "client") return moeline::sdk::client_command(argc - 2, argv + 2);
+  if (command == "load") return moeline::stages::load_command(argc - 2, argv + 2);
   if (command == "gateway") return moeline::stages::gateway_main(argc - 2, argv + 2);
   if (command == "probe") return moeline::stages::probe_main(argc - 2, argv + 2);
   if (command == "prefill") return moeline::stages::prefill_main(argc - 2, argv + 2);

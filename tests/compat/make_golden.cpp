@@ -96,8 +96,7 @@ std::vector<zmq::message_t> stream_event() {
 std::vector<zmq::message_t> probe_job() {
   FlatBufferBuilder b;
   const std::vector<int32_t> tokens = {1, 15043, 29892};
-  b.Finish(wire::CreateProbeJobDirect(b, 555, 2, &tokens, "acme/ns"),
-           wire::PrefillJobIdentifier());
+  b.Finish(wire::CreateProbeJobDirect(b, 555, 2, &tokens, "acme/ns"), wire::PrefillJobIdentifier());
   return wire::encode(wire::MessageType::ProbeJob, b);
 }
 
@@ -155,9 +154,9 @@ std::vector<zmq::message_t> token_batch() {
 
 std::vector<zmq::message_t> job_failed() {
   FlatBufferBuilder b;
-  b.Finish(wire::CreateJobFailedDirect(b, 555, 2, wire::ErrorCode::StageFailed,
-                                       "decode replica died"),
-           wire::PrefillJobIdentifier());
+  b.Finish(
+      wire::CreateJobFailedDirect(b, 555, 2, wire::ErrorCode::StageFailed, "decode replica died"),
+      wire::PrefillJobIdentifier());
   return wire::encode(wire::MessageType::JobFailed, b);
 }
 
@@ -273,8 +272,11 @@ int main(int argc, char** argv) {
     std::fprintf(stderr, "usage: %s <tests/compat directory> [--overwrite]\n", argv[0]);
     return 2;
   }
-  const fs::path dir = fs::path(argv[1]) / ("v" + std::to_string(wire::kSchemaMajor) + "." +
-                                            std::to_string(wire::kSchemaMinor));
+  std::string version = "v";
+  version += std::to_string(wire::kSchemaMajor);
+  version += '.';
+  version += std::to_string(wire::kSchemaMinor);
+  const fs::path dir = fs::path(argv[1]) / version;
   fs::create_directories(dir);
   int written = 0;
   for (const wire::MessageType type : wire::EnumValuesMessageType()) {

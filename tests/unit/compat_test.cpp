@@ -34,7 +34,9 @@ std::vector<int32_t> ints(const flatbuffers::Vector<int32_t>* v) {
   return v == nullptr ? std::vector<int32_t>{} : std::vector<int32_t>(v->begin(), v->end());
 }
 
-std::string str(const flatbuffers::String* s) { return s == nullptr ? "<absent>" : s->str(); }
+std::string str(const flatbuffers::String* s) {
+  return s == nullptr ? "<absent>" : s->str();
+}
 
 void check_pipeline_sampling(const SamplingParams* s) {
   ASSERT_NE(s, nullptr);
@@ -299,12 +301,14 @@ TEST(WireCompat, EveryGoldenBufferDecodesToTheValuesItWasWrittenWith) {
       std::optional<std::vector<zmq::message_t>> frames = read_frames(entry.path());
       ASSERT_TRUE(frames.has_value()) << "not a sequence of length-prefixed frames";
       Decoded decoded = decode(std::move(*frames));
-      ASSERT_FALSE(decoded.error.has_value()) << decoded.error->reason << ": "
-                                              << decoded.error->detail;
+      ASSERT_FALSE(decoded.error.has_value())
+          << decoded.error->reason << ": " << decoded.error->detail;
       ASSERT_TRUE(decoded.message.has_value());
       EXPECT_EQ(decoded.message->type, expectation->second.type);
       EXPECT_EQ(decoded.message->minor, expectation->second.minor);
-      if (decoded.message->type != MessageType::PrefillDone) EXPECT_TRUE(decoded.message->bulk.empty());
+      if (decoded.message->type != MessageType::PrefillDone) {
+        EXPECT_TRUE(decoded.message->bulk.empty());
+      }
       expectation->second.check(*decoded.message);
       ++checked;
     }
@@ -325,13 +329,13 @@ TEST(WireCompat, EveryExpectationHasItsGoldenBuffer) {
 TEST(WireCompat, Version1_0CoversEveryMessageTypeOfThatVersion) {
   // The 21 types of schema 1.0; types added later belong to a later version's directory.
   const std::vector<MessageType> v1_0_types = {
-      MessageType::Hello,          MessageType::HelloReply,        MessageType::Heartbeat,
-      MessageType::Credit,         MessageType::ErrorReply,        MessageType::GenerateRequest,
-      MessageType::CancelRequest,  MessageType::Feedback,          MessageType::StreamEvent,
-      MessageType::ProbeJob,       MessageType::ProbePlan,         MessageType::PrefillJob,
-      MessageType::PrefillDone,    MessageType::TokenBatch,        MessageType::JobFailed,
-      MessageType::CancelJob,      MessageType::ExpertPlanRequest, MessageType::ExpertPlan,
-      MessageType::ExpertUsage,    MessageType::ControlCommand,    MessageType::ControlReply};
+      MessageType::Hello,         MessageType::HelloReply,        MessageType::Heartbeat,
+      MessageType::Credit,        MessageType::ErrorReply,        MessageType::GenerateRequest,
+      MessageType::CancelRequest, MessageType::Feedback,          MessageType::StreamEvent,
+      MessageType::ProbeJob,      MessageType::ProbePlan,         MessageType::PrefillJob,
+      MessageType::PrefillDone,   MessageType::TokenBatch,        MessageType::JobFailed,
+      MessageType::CancelJob,     MessageType::ExpertPlanRequest, MessageType::ExpertPlan,
+      MessageType::ExpertUsage,   MessageType::ControlCommand,    MessageType::ControlReply};
   const auto& expectations = released().at("v1.0");
   EXPECT_EQ(expectations.size(), v1_0_types.size());
   for (const MessageType type : v1_0_types) {

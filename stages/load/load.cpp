@@ -1,0 +1,440 @@
+#include "stages/load/load.h"
+
+#include <fcntl.h>
+#include <signal.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <iostream>
+#include <map>
+#include <nlohmann/json.hpp>
+#include <random>
+#include <thread>
+
+#include "model/kv_cache.h"
+#include "model/model.h"
+#include "sdk/client.h"
+#include "stages/common/common.h"
+#include "stages/runtime/config.h"
+#include "stages/runtime/hub.h"
+
+namespace moeline::stages {
+namespace {
+
+namespace fs = std::filesystem;
+using Clock = std::chrono::steady_clock;
+
+double ms(Clock::duration d) { return std::chrono::duration<double, std::milli>(d).count(); }
+
+struct Samples {
+  std::vector<double> ttft_ms, tpot_ms, e2e_ms;
+  uint64_t started = 0, completed = 0, errors = 0, prompt_tokens = 0, output_tokens = 0;
+};
+
+nlohmann::json percentiles(std::vector<double> values) {
+  if (values.empty()) return nullptr;
+  std::sort(values.begin(), values.end());
+  auto at = [&](double q) {
+    const double index = q * static_cast<double>(values.size() - 1);
+    const auto lo = static_cast<size_t>(std::floor(index));
+    const auto hi = std::min(lo + 1, values.size() - 1);
+    return values[lo] + (values[hi] - values[lo]) * (index - static_cast<double>(lo));
+  };
+  double sum = 0;
+  for (double v : values) sum += v;
+  return {{"p50", at(0.5)},  {"p90", at(0.9)}, {"p99", at(0.99)},
+          {"mean", sum / static_cast<double>(values.size())}, {"count", values.size()}};
+}
+
+// When the next request may start: at once while fewer than `concurrency` are in flight
+// (closed loop), or on a fixed schedule of `rate` per second (open loop).
+class Pacer {
+ public:
+  Pacer(int concurrency, double rate) : concurrency_(concurrency), rate_(rate) {}
+  bool may_start(size_t in_flight, Clock::time_point now) {
+    if (rate_ <= 0) return static_cast<int>(in_flight) < concurrency_;
+    if (next_ == Clock::time_point{}) next_ = now;
+    if (now < next_) return false;
+    next_ += std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(1.0 / rate_));
+    return true;
+  }
+
+ private:
+  int concurrency_;
+  double rate_;
+  Clock::time_point next_{};
+};
+
+std::vector<int32_t> synthetic_prompt(std::mt19937_64& rng, int64_t length, int64_t vocab) {
+  std::vector<int32_t> tokens(static_cast<size_t>(length));
+  for (auto& token : tokens) token = static_cast<int32_t>(rng() % static_cast<uint64_t>(vocab));
+  return tokens;
+}
+
+struct LoadOptions {
+  std::string target, endpoint, model;
+  int concurrency = 1;
+  double rate = 0;
+  double duration_s = 10;
+  int64_t prompt_tokens = 128, max_tokens = 64;
+  int threads = 0;
+  bool json = false;
+};
+
+Samples drive_stack(const LoadOptions& o, int64_t vocab) {
+  sdk::Client client(o.endpoint, std::chrono::seconds(120));
+  Pacer pacer(o.concurrency, o.rate);
+  std::mt19937_64 rng(1);
+  struct Live {
+    Clock::time_point start, last;
+    bool first = false;
+    size_t tokens = 0;
+  };
+  std::map<uint64_t, Live> live;
+  Samples s;
+  const auto end = Clock::now() + std::chrono::duration_cast<Clock::duration>(
+                                      std::chrono::duration<double>(o.duration_s));
+  while (Clock::now() < end || !live.empty()) {
+    const auto now = Clock::now();
+    while (now < end && pacer.may_start(live.size(), now)) {
+      sdk::GenerateOptions request;
+      request.tokens = synthetic_prompt(rng, o.prompt_tokens, vocab);
+      request.max_tokens = o.max_tokens;
+      request.ignore_eos = true;
+      live[client.start(request)] = {Clock::now(), Clock::now()};
+      ++s.started;
+      s.prompt_tokens += static_cast<uint64_t>(o.prompt_tokens);
+    }
+    auto event = client.next_event(std::chrono::milliseconds(o.rate > 0 ? 1 : 100));
+    if (!event) continue;
+    auto it = live.find(event->client_request_id);
+    if (it == live.end()) continue;
+    Live& l = it->second;
+    const auto t = Clock::now();
+    if (event->kind == sdk::EventKind::kDelta) {
+      if (!l.first) {
+        s.ttft_ms.push_back(ms(t - l.start));
+        l.first = true;
+      } else {
+        s.tpot_ms.push_back(ms(t - l.last));
+      }
+      l.last = t;
+      l.tokens += event->token_ids.size();
+    } else if (event->terminal()) {
+      if (event->kind == sdk::EventKind::kFinished) {
+        ++s.completed;
+        s.e2e_ms.push_back(ms(t - l.start));
+        s.output_tokens += l.tokens;
+      } else {
+        ++s.errors;
+      }
+      live.erase(it);
+    }
+  }
+  return s;
+}
+
+// One stage process connected to this process as its hub.
+class StageUnderLoad {
+ public:
+  StageUnderLoad(const LoadOptions& o, const model::Model& model, zmq::context_t& context,
+                 runtime::Logger& log, runtime::Registry& metrics)
+      : dir_(fs::temp_directory_path() / ("moeline-load-" + std::to_string(::getpid()))) {
+    fs::create_directories(dir_);
+    const std::string endpoint = "ipc://" + (dir_ / "hub.sock").string();
+    hub = std::make_unique<runtime::Hub>(context, endpoint, settings_hash(model.model_id()), 500,
+                                         5000, log, metrics);
+    const std::string exe = fs::read_symlink("/proc/self/exe").string();
+    std::vector<std::string> args = {exe, o.target, "--model", o.model, "--hub", endpoint,
+                                     "--replica", o.target + "-under-load"};
+    if (o.threads > 0) {
+      args.push_back("--threads");
+      args.push_back(std::to_string(o.threads));
+    }
+    if (o.target == "decode") {
+      args.push_back("--max-batch");
+      args.push_back(std::to_string(std::max(o.concurrency, 1)));
+    }
+    const std::string log_file = (dir_ / "stage.log").string();
+    pid_ = ::fork();
+    if (pid_ == 0) {
+      // The stage's own log stays out of the report; it is printed if the stage fails.
+      const int fd = ::open(log_file.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
+      if (fd >= 0) {
+        ::dup2(fd, STDOUT_FILENO);
+        ::dup2(fd, STDERR_FILENO);
+      }
+      std::vector<char*> argv;
+      for (std::string& arg : args) argv.push_back(arg.data());
+      argv.push_back(nullptr);
+      ::execv(exe.c_str(), argv.data());
+      ::_exit(127);
+    }
+  }
+  void print_log() const {
+    std::ifstream in(dir_ / "stage.log");
+    std::cerr << in.rdbuf();
+  }
+  ~StageUnderLoad() {
+    if (pid_ > 0) {
+      ::kill(pid_, SIGTERM);
+      ::waitpid(pid_, nullptr, 0);
+    }
+    std::error_code ec;
+    fs::remove_all(dir_, ec);
+  }
+  // Serves the stage's expert-plan request; returns the peer once it has granted credit.
+  runtime::Peer* wait_ready(const model::Model& model) {
+    const auto until = Clock::now() + std::chrono::seconds(60);
+    while (Clock::now() < until) {
+      while (auto incoming = hub->receive()) {
+        if (incoming->message.type != wire::MessageType::ExpertPlanRequest) continue;
+        flatbuffers::FlatBufferBuilder builder(128);
+        builder.Finish(wire::CreateExpertPlan(builder, model.model_id(), true, 0, 0, 0,
+                                              builder.CreateString("resident"),
+                                              builder.CreateString(incoming->identity)),
+                       wire::ExpertPlanIdentifier());
+        hub->send(incoming->identity, wire::encode(wire::MessageType::ExpertPlan, builder), false);
+      }
+      hub->tick();
+      for (const auto& [identity, peer] : hub->peers())
+        if (peer.credits > 0) return hub->peer(identity);
+      std::this_thread::sleep_for(std::chrono::milliseconds(5));
+    }
+    throw std::runtime_error("the " + std::string("stage under load did not become ready"));
+  }
+  std::unique_ptr<runtime::Hub> hub;
+
+ private:
+  fs::path dir_;
+  pid_t pid_ = 0;
+};
+
+Samples drive_stage_loop(const LoadOptions& o, const model::Model& model, StageUnderLoad& stage);
+
+Samples drive_stage(const LoadOptions& o, const model::Model& model) {
+  zmq::context_t context(1);
+  runtime::Logger log("load", "load");
+  runtime::Registry metrics;
+  StageUnderLoad stage(o, model, context, log, metrics);
+  try {
+    return drive_stage_loop(o, model, stage);
+  } catch (...) {
+    stage.print_log();
+    throw;
+  }
+}
+
+Samples drive_stage_loop(const LoadOptions& o, const model::Model& model, StageUnderLoad& stage) {
+  runtime::Peer* peer = stage.wait_ready(model);
+  const std::string identity = peer->identity;
+  runtime::Hub& hub = *stage.hub;
+  const model::ModelConfig& cfg = model.config();
+  const int64_t vocab = cfg.vocab_size;
+  Pacer pacer(o.concurrency, o.rate);
+  std::mt19937_64 rng(1);
+  model::SamplingParams sampling;
+  sampling.max_tokens = o.max_tokens;
+  sampling.ignore_eos = true;
+
+  // Synthetic KV for decode jobs: the right layout, small values (decode does not care what the
+  // prompt was; it reads the cache like any other).
+  const size_t blocks = static_cast<size_t>((o.prompt_tokens + model::kBlockTokens - 1) /
+                                            model::kBlockTokens);
+  const size_t block_bytes = model::KvCache::bytes_per_token(cfg) * model::kBlockTokens;
+  std::vector<float> kv(blocks * block_bytes / sizeof(float));
+  for (size_t i = 0; i < kv.size(); ++i) kv[i] = static_cast<float>((i * 2654435761u) % 1000) * 1e-4f;
+  const uint64_t kv_sum = wire::checksum({reinterpret_cast<const uint8_t*>(kv.data()), kv.size() * 4});
+
+  struct Live {
+    Clock::time_point start, last;
+    int64_t tokens = 0;
+  };
+  std::map<uint64_t, Live> live;
+  uint64_t next_id = 1;
+  Samples s;
+  const auto end = Clock::now() + std::chrono::duration_cast<Clock::duration>(
+                                      std::chrono::duration<double>(o.duration_s));
+  while (Clock::now() < end || !live.empty()) {
+    const auto now = Clock::now();
+    if (Clock::now() > end + std::chrono::seconds(120)) throw std::runtime_error("stage stopped answering");
+    runtime::Peer* p = hub.peer(identity);
+    if (p == nullptr) throw std::runtime_error("the stage under load died");
+    while (now < end && p->credits > 0 && pacer.may_start(live.size(), now)) {
+      const uint64_t id = next_id++;
+      std::vector<int32_t> prompt = synthetic_prompt(rng, o.prompt_tokens, vocab);
+      flatbuffers::FlatBufferBuilder builder(1024 + prompt.size() * 4);
+      auto tokens = builder.CreateVector(prompt);
+      auto sampling_offset = to_wire(builder, sampling);
+      auto name_space = builder.CreateString("tenant:load");
+      if (o.target == "prefill") {
+        builder.Finish(wire::CreatePrefillJob(builder, id, 1, tokens, sampling_offset, name_space,
+                                              builder.CreateString("none")),
+                       wire::PrefillJobIdentifier());
+        hub.send(identity, wire::encode(wire::MessageType::PrefillJob, builder), true);
+      } else {
+        std::vector<flatbuffers::Offset<wire::BulkFrame>> frames = {
+            wire::CreateBulkFrame(builder, kv.size() * 4, kv_sum)};
+        auto described = builder.CreateVector(frames);
+        auto layout = wire::CreateKvLayout(
+            builder, static_cast<uint32_t>(cfg.num_layers), static_cast<uint32_t>(cfg.num_kv_heads),
+            static_cast<uint32_t>(cfg.head_dim), static_cast<uint32_t>(model::kBlockTokens),
+            builder.CreateString("f32"), static_cast<uint32_t>(blocks));
+        builder.Finish(wire::CreatePrefillDone(builder, id, 1, tokens, 1, builder.CreateString(""),
+                                               sampling_offset, name_space, layout, described, 0,
+                                               builder.CreateString("load")),
+                       wire::PrefillJobIdentifier());
+        std::vector<zmq::message_t> bulk;
+        bulk.emplace_back(kv.data(), kv.size() * 4);
+        hub.send(identity, wire::encode(wire::MessageType::PrefillDone, builder, std::move(bulk)),
+                 true);
+      }
+      live[id] = {Clock::now(), Clock::now()};
+      ++s.started;
+      s.prompt_tokens += static_cast<uint64_t>(o.prompt_tokens);
+      p = hub.peer(identity);
+    }
+    zmq::pollitem_t item{hub.socket().handle(), 0, ZMQ_POLLIN, 0};
+    zmq::poll(&item, 1, std::chrono::milliseconds(1));
+    hub.tick();
+    while (auto incoming = hub.receive()) {
+      const auto t = Clock::now();
+      wire::Message& message = incoming->message;
+      if (message.type == wire::MessageType::PrefillDone) {
+        const auto* done = message.as<wire::PrefillDone>();
+        auto it = live.find(done->request_id());
+        if (it == live.end()) continue;
+        s.ttft_ms.push_back(ms(t - it->second.start));
+        s.e2e_ms.push_back(ms(t - it->second.start));
+        ++s.completed;
+        ++s.output_tokens;
+        live.erase(it);
+      } else if (message.type == wire::MessageType::TokenBatch) {
+        const auto* batch = message.as<wire::TokenBatch>();
+        for (const wire::TokenUpdate* update : *batch->updates()) {
+          auto it = live.find(update->request_id());
+          if (it == live.end()) continue;
+          Live& l = it->second;
+          if (l.tokens == 0) s.ttft_ms.push_back(ms(t - l.start));
+          else s.tpot_ms.push_back(ms(t - l.last));
+          l.last = t;
+          ++l.tokens;
+          if (update->finish_reason() && update->finish_reason()->size() > 0) {
+            s.e2e_ms.push_back(ms(t - l.start));
+            s.output_tokens += static_cast<uint64_t>(l.tokens);
+            ++s.completed;
+            live.erase(it);
+          }
+        }
+      } else if (message.type == wire::MessageType::JobFailed) {
+        live.erase(message.as<wire::JobFailed>()->request_id());
+        ++s.errors;
+      }
+    }
+  }
+  return s;
+}
+
+int load_body(const runtime::Config& config) {
+  LoadOptions o;
+  o.target = config.text("target");
+  o.endpoint = config.text("endpoint");
+  o.model = config.text("model");
+  o.concurrency = static_cast<int>(config.integer("concurrency"));
+  o.rate = config.number("rate");
+  o.duration_s = config.number("duration-s");
+  o.prompt_tokens = config.integer("prompt-tokens");
+  o.max_tokens = config.integer("max-tokens");
+  o.threads = static_cast<int>(config.integer("threads"));
+  o.json = config.flag("json");
+  if (o.target != "stack" && o.target != "prefill" && o.target != "decode")
+    throw runtime::ConfigError("--target must be stack, prefill or decode");
+  if (o.concurrency < 1) throw runtime::ConfigError("--concurrency must be >= 1");
+  if (o.rate < 0 || o.duration_s <= 0 || o.prompt_tokens < 1 || o.max_tokens < 1)
+    throw runtime::ConfigError("--rate >= 0, --duration-s > 0, --prompt-tokens and --max-tokens >= 1");
+  auto loaded = model::Model::load(o.model);
+  if (!loaded) throw std::runtime_error(loaded.error().message);
+  const model::Model& model = **loaded;
+  const int64_t context = model.config().max_position_embeddings;
+  if (context > 0 && o.prompt_tokens + o.max_tokens > context)
+    throw runtime::ConfigError("--prompt-tokens + --max-tokens exceeds the model's context of " +
+                               std::to_string(context));
+  if (o.target == "stack" && o.endpoint.empty())
+    throw runtime::ConfigError("--endpoint is required for --target stack");
+
+  const auto start = Clock::now();
+  Samples s = o.target == "stack" ? drive_stack(o, model.config().vocab_size)
+                                  : drive_stage(o, model);
+  const double elapsed = std::chrono::duration<double>(Clock::now() - start).count();
+  nlohmann::json out = {
+      {"target", o.target},
+      {"concurrency", o.rate > 0 ? nlohmann::json(nullptr) : nlohmann::json(o.concurrency)},
+      {"rate_per_s", o.rate > 0 ? nlohmann::json(o.rate) : nlohmann::json(nullptr)},
+      {"duration_s", elapsed},
+      {"prompt_tokens", o.prompt_tokens},
+      {"max_tokens", o.max_tokens},
+      {"requests", s.started},
+      {"completed", s.completed},
+      {"errors", s.errors},
+      {"requests_per_s", static_cast<double>(s.completed) / elapsed},
+      {"prompt_tokens_per_s", static_cast<double>(s.prompt_tokens) / elapsed},
+      {"output_tokens_per_s", static_cast<double>(s.output_tokens) / elapsed},
+      {"ttft_ms", percentiles(s.ttft_ms)},
+      {"tpot_ms", percentiles(s.tpot_ms)},
+      {"e2e_ms", percentiles(s.e2e_ms)}};
+  if (o.json) {
+    std::cout << out.dump() << '\n';
+  } else {
+    std::printf("target %s, %s, %.1f s, prompt %lld tokens, up to %lld output tokens\n",
+                o.target.c_str(),
+                o.rate > 0 ? ("rate " + std::to_string(o.rate) + "/s").c_str()
+                           : ("concurrency " + std::to_string(o.concurrency)).c_str(),
+                elapsed, static_cast<long long>(o.prompt_tokens),
+                static_cast<long long>(o.max_tokens));
+    std::printf("requests %llu completed %llu errors %llu | %.2f req/s, %.1f prompt tok/s, %.1f "
+                "output tok/s\n",
+                static_cast<unsigned long long>(s.started),
+                static_cast<unsigned long long>(s.completed),
+                static_cast<unsigned long long>(s.errors), out["requests_per_s"].get<double>(),
+                out["prompt_tokens_per_s"].get<double>(), out["output_tokens_per_s"].get<double>());
+    std::printf("%-10s %10s %10s %10s %10s %8s\n", "latency", "p50 ms", "p90 ms", "p99 ms",
+                "mean ms", "n");
+    for (const char* key : {"ttft_ms", "tpot_ms", "e2e_ms"}) {
+      const auto& p = out[key];
+      if (p.is_null()) continue;
+      std::printf("%-10s %10.3f %10.3f %10.3f %10.3f %8zu\n", key, p["p50"].get<double>(),
+                  p["p90"].get<double>(), p["p99"].get<double>(), p["mean"].get<double>(),
+                  p["count"].get<size_t>());
+    }
+  }
+  return s.errors == 0 ? 0 : 1;
+}
+
+std::vector<runtime::ConfigKey> load_keys() {
+  return {
+      {"target", "stack", "stack (through the gateway), prefill or decode (that stage alone)"},
+      {"endpoint", "", "the gateway's client endpoint (--target stack)"},
+      {"model", default_model_dir(), "checkpoint (vocabulary; the stage to start for prefill|decode)"},
+      {"concurrency", "1", "requests in flight (closed loop)"},
+      {"rate", "0", "requests per second (open loop; overrides --concurrency)"},
+      {"duration-s", "10", "how long to start requests"},
+      {"prompt-tokens", "128", "synthetic prompt length"},
+      {"max-tokens", "64", "tokens generated per request (end-of-sequence ignored)"},
+      {"threads", "0", "threads of the stage under load (0: all cores)"},
+      {"json", "false", "print one JSON object", true},
+  };
+}
+
+}  // namespace
+
+int load_command(int argc, char** argv) {
+  return run_stage("load", load_keys(), argc, argv, load_body);
+}
+
+}  // namespace moeline::stages
