@@ -78,8 +78,8 @@ int read_port(const fs::path& file) {
 int health(int port, std::string* body = nullptr) {
   if (port <= 0) return -1;
   httplib::Client client("127.0.0.1", port);
-  client.set_connection_timeout(1, 0);
-  client.set_read_timeout(2, 0);
+  client.set_connection_timeout(0, 500'000);
+  client.set_read_timeout(1, 0);
   auto response = client.Get("/healthz");
   if (!response) return -1;
   if (body) *body = response->body;
@@ -121,7 +121,7 @@ class Supervisor {
           write_state();
         }
       }
-      if (now - last_health > std::chrono::seconds(2)) {
+      if (now - last_health > std::chrono::seconds(1)) {
         last_health = now;
         check_stalls();
       }
@@ -140,15 +140,23 @@ class Supervisor {
     stage.restart_at = stage.recent_starts.size() >= 5 ? now + std::chrono::seconds(5) : now;
   }
 
+  // A stage whose loop stalled (/healthz says so) or that stopped answering at all once it was
+  // listening (SIGSTOP, a wedged process) for three checks in a row is killed; waitpid then
+  // restarts it. A stage without its port file yet is still starting (loading its model: the
+  // HTTP endpoint opens after that) and is left alone.
   void check_stalls() {
     for (StageProcess& stage : stages_) {
       if (stage.pid == 0) continue;
       std::string body;
-      const int code = health(read_port(run_dir_ / (stage.name + ".port")), &body);
-      const bool stalled = code == 503 && body.find("\"stalled\"") != std::string::npos;
+      const int port = read_port(run_dir_ / (stage.name + ".port"));
+      const int code = health(port, &body);
+      const bool stalled = (code == 503 && body.find("\"stalled\"") != std::string::npos) ||
+                           (code == -1 && port > 0);
       stage.stalled_checks = stalled ? stage.stalled_checks + 1 : 0;
       if (stage.stalled_checks >= 3) {
-        log_.error("stage_stalled", {{"stage", stage.name}, {"pid", static_cast<int64_t>(stage.pid)}});
+        log_.error("stage_stalled", {{"stage", stage.name},
+                                     {"pid", static_cast<int64_t>(stage.pid)},
+                                     {"health", code == -1 ? "no answer" : "loop stalled"}});
         ::kill(stage.pid, SIGKILL);  // waitpid sees it and restarts it
         stage.stalled_checks = 0;
       }
@@ -182,6 +190,7 @@ class Supervisor {
       ::_exit(127);
     }
     stage.pid = pid;
+    stage.stalled_checks = 0;
     stage.recent_starts.push_back(Clock::now());
     log_.info("stage_started", {{"stage", stage.name}, {"pid", static_cast<int64_t>(pid)},
                                 {"restarts", stage.restarts}});

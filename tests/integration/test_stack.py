@@ -21,6 +21,7 @@ import json
 import os
 import random
 import shutil
+import signal
 import struct
 import subprocess
 import sys
@@ -285,7 +286,9 @@ def case_recovery(args):
     from moeline_client import Client
     vocab = vocab_of(args.model)
     rng = random.Random(11)
-    for victim in ("decode-0", "prefill-0"):
+    for victim in os.environ.get("MOELINE_RECOVERY_VICTIMS", "decode-0,prefill-0,decode-1 stopped").split(","):
+        stop_only = victim.endswith(" stopped")
+        victim = victim.split()[0]
         if victim.startswith("decode"):
             requests = [{"tokens": [rng.randrange(vocab) for _ in range(rng.choice([3, 20, 60]))],
                          "max_tokens": 120, "ignore_eos": True} for _ in range(24)]
@@ -316,7 +319,10 @@ def case_recovery(args):
                         deltas += 1
                         # Mid-stream: once most requests are streaming.
                         if killed is None and deltas >= len(requests):
-                            killed = stack.kill(victim)
+                            # SIGSTOP: alive but silent — heartbeats stop, /healthz stops
+                            # answering; the gateway must fail over, the supervisor replace it.
+                            killed = stack.kill(victim, signal.SIGSTOP if stop_only else
+                                                signal.SIGKILL)
                     elif event.kind == "finished":
                         result["finish_reason"] = event.finish_reason
                     elif event.kind == "error":
@@ -326,9 +332,10 @@ def case_recovery(args):
             completed = compare(results, requests, expected, allow_errors=True)
             stack.wait_restarted(victim, killed)
             retries = stack.metric("gateway", "moeline_gateway_retries_total")
-            check(retries >= 1, f"kill -9 {victim}: no request was retried (killed too late?)")
+            check(retries >= 1, f"{victim}: no request was retried (killed too late?)")
             errors = len(requests) - completed
-            print(f"ok recovery: kill -9 {victim} mid-stream: {completed} completed identical to "
+            how = "SIGSTOP" if stop_only else "kill -9"
+            print(f"ok recovery: {how} {victim} mid-stream: {completed} completed identical to "
                   f"the reference, {errors} explicit errors, 0 hung; {int(retries)} retried; "
                   "restarted by the supervisor")
             wait_for(lambda: subprocess.run([args.moeline, "stack", "status", "--run-dir", run_dir],
