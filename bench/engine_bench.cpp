@@ -159,8 +159,8 @@ int main(int argc, char** argv) {
   moeline::offload::ResidentExpertProvider experts(m.experts());
   const int64_t context = std::max(options.prompt, options.decode + 1);
   model::KvCache cache(m.config(),
-                       static_cast<int32_t>(std::max<int64_t>((context + 15) / 16,
-                                                              options.batch * ((options.decode + 16) / 16 + 1))));
+                       static_cast<int32_t>(std::max<int64_t>(
+                           (context + 15) / 16, options.batch * ((options.decode + 16) / 16 + 1))));
   model::Engine engine(m, experts, pool, cache);
 
   std::vector<int32_t> prompt(static_cast<size_t>(options.prompt));
@@ -188,7 +188,9 @@ int main(int argc, char** argv) {
     std::vector<model::SequenceInput> inputs;
     for (int b = 0; b < options.batch; ++b) {
       decoded.push_back(std::make_unique<model::Sequence>(2 + b, m.model_id(), 0));
-      inputs.push_back({decoded.back().get(), std::span(prompt).subspan(static_cast<size_t>(b % options.prompt), 1), true});
+      inputs.push_back({decoded.back().get(),
+                        std::span(prompt).subspan(static_cast<size_t>(b % options.prompt), 1),
+                        true});
     }
     if (!engine.forward(inputs, logits).ok()) return 1;
     for (int b = 0; b < options.batch; ++b)
@@ -196,7 +198,8 @@ int main(int argc, char** argv) {
     start = Clock::now();
     for (int step = 0; step < options.decode; ++step) {
       for (int b = 0; b < options.batch; ++b)
-        inputs[static_cast<size_t>(b)] = {decoded[static_cast<size_t>(b)].get(), std::span(&next[static_cast<size_t>(b)], 1), true};
+        inputs[static_cast<size_t>(b)] = {decoded[static_cast<size_t>(b)].get(),
+                                          std::span(&next[static_cast<size_t>(b)], 1), true};
       if (!engine.forward(inputs, logits).ok()) return 1;
       for (int b = 0; b < options.batch; ++b)
         next[static_cast<size_t>(b)] = model::argmax(logits.data() + b * vocab, vocab);

@@ -112,7 +112,8 @@ std::optional<std::vector<zmq::message_t>> receive(zmq::socket_t& socket, bool d
 
 uint64_t checksum(std::span<const uint8_t> bytes);
 // Checks that bulk frames match their descriptors (count, sizes, xxHash).
-std::optional<std::string> check_bulk(const flatbuffers::Vector<flatbuffers::Offset<BulkFrame>>* frames,
-                                      const std::vector<AlignedFrame>& bulk);
+std::optional<std::string> check_bulk(
+    const flatbuffers::Vector<flatbuffers::Offset<BulkFrame>>* frames,
+    const std::vector<AlignedFrame>& bulk);
 
 }  // namespace moeline::wire

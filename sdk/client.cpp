@@ -81,10 +81,9 @@ uint64_t Client::start(const GenerateOptions& options) {
   const uint64_t id = next_id_++;
   flatbuffers::FlatBufferBuilder builder(256 + options.prompt.size() + options.tokens.size() * 4);
   auto stops = builder.CreateVector(options.stop_token_ids);
-  auto sampling = wire::CreateSamplingParams(builder, options.temperature, options.top_k,
-                                             options.top_p, options.seed.value_or(0),
-                                             options.seed.has_value(), options.max_tokens, stops,
-                                             options.ignore_eos);
+  auto sampling = wire::CreateSamplingParams(
+      builder, options.temperature, options.top_k, options.top_p, options.seed.value_or(0),
+      options.seed.has_value(), options.max_tokens, stops, options.ignore_eos);
   auto prompt = options.prompt.empty() ? 0 : builder.CreateString(options.prompt);
   auto tokens = options.tokens.empty() ? 0 : builder.CreateVector(options.tokens);
   auto tenant = builder.CreateString(options.tenant);
@@ -214,9 +213,9 @@ void Client::cancel(uint64_t client_request_id) {
 
 void Client::feedback(uint64_t client_request_id, float score, const std::string& comment) {
   flatbuffers::FlatBufferBuilder builder(128 + comment.size());
-  builder.Finish(wire::CreateFeedback(builder, client_request_id, score,
-                                      builder.CreateString(comment)),
-                 wire::GenerateRequestIdentifier());
+  builder.Finish(
+      wire::CreateFeedback(builder, client_request_id, score, builder.CreateString(comment)),
+      wire::GenerateRequestIdentifier());
   wire::send(*socket_, wire::encode(wire::MessageType::Feedback, builder));
 }
 

@@ -29,17 +29,17 @@
 namespace moeline::sdk {
 
 struct GenerateOptions {
-  std::string prompt;            // text, tokenized by the gateway; or
-  std::vector<int32_t> tokens;   // token ids
+  std::string prompt;           // text, tokenized by the gateway; or
+  std::vector<int32_t> tokens;  // token ids
   int64_t max_tokens = 16;
-  double temperature = 0.0;      // 0: greedy
+  double temperature = 0.0;  // 0: greedy
   int64_t top_k = 0;
   double top_p = 1.0;
   std::optional<uint64_t> seed;
   std::vector<int32_t> stop_token_ids;
   bool ignore_eos = false;
   std::string tenant;
-  uint32_t deadline_ms = 0;      // 0: the gateway's default
+  uint32_t deadline_ms = 0;  // 0: the gateway's default
   bool add_special_tokens = true;
 };
 

@@ -94,11 +94,11 @@ int generate(int argc, char** argv) {
   int64_t timeout_ms = 60000;
   bool has_prompt = false;
   const std::map<std::string, bool> takes_value = {
-      {"--endpoint", true},    {"--prompt", true},      {"--tokens", true},
-      {"--max-tokens", true},  {"--temperature", true}, {"--top-k", true},
-      {"--top-p", true},       {"--seed", true},        {"--stop-ids", true},
-      {"--tenant", true},      {"--deadline-ms", true}, {"--timeout-ms", true},
-      {"--json", false},       {"--ignore-eos", false}, {"--no-special", false}};
+      {"--endpoint", true},   {"--prompt", true},      {"--tokens", true},
+      {"--max-tokens", true}, {"--temperature", true}, {"--top-k", true},
+      {"--top-p", true},      {"--seed", true},        {"--stop-ids", true},
+      {"--tenant", true},     {"--deadline-ms", true}, {"--timeout-ms", true},
+      {"--json", false},      {"--ignore-eos", false}, {"--no-special", false}};
   for (int i = 0; i < argc; ++i) {
     const std::string flag = argv[i];
     auto known = takes_value.find(flag);
@@ -108,21 +108,36 @@ int generate(int argc, char** argv) {
       if (i + 1 >= argc) throw UsageError(flag + " needs a value");
       value = argv[++i];
     }
-    if (flag == "--endpoint") endpoint = value;
-    else if (flag == "--prompt") options.prompt = value, has_prompt = true;
-    else if (flag == "--tokens") options.tokens = ids(flag, value);
-    else if (flag == "--max-tokens") options.max_tokens = number<int64_t>(flag, value);
-    else if (flag == "--temperature") options.temperature = number<double>(flag, value);
-    else if (flag == "--top-k") options.top_k = number<int64_t>(flag, value);
-    else if (flag == "--top-p") options.top_p = number<double>(flag, value);
-    else if (flag == "--seed") options.seed = number<uint64_t>(flag, value);
-    else if (flag == "--stop-ids") options.stop_token_ids = ids(flag, value);
-    else if (flag == "--tenant") options.tenant = value;
-    else if (flag == "--deadline-ms") options.deadline_ms = number<uint32_t>(flag, value);
-    else if (flag == "--timeout-ms") timeout_ms = number<int64_t>(flag, value);
-    else if (flag == "--json") json = true;
-    else if (flag == "--ignore-eos") options.ignore_eos = true;
-    else if (flag == "--no-special") options.add_special_tokens = false;
+    if (flag == "--endpoint")
+      endpoint = value;
+    else if (flag == "--prompt")
+      options.prompt = value, has_prompt = true;
+    else if (flag == "--tokens")
+      options.tokens = ids(flag, value);
+    else if (flag == "--max-tokens")
+      options.max_tokens = number<int64_t>(flag, value);
+    else if (flag == "--temperature")
+      options.temperature = number<double>(flag, value);
+    else if (flag == "--top-k")
+      options.top_k = number<int64_t>(flag, value);
+    else if (flag == "--top-p")
+      options.top_p = number<double>(flag, value);
+    else if (flag == "--seed")
+      options.seed = number<uint64_t>(flag, value);
+    else if (flag == "--stop-ids")
+      options.stop_token_ids = ids(flag, value);
+    else if (flag == "--tenant")
+      options.tenant = value;
+    else if (flag == "--deadline-ms")
+      options.deadline_ms = number<uint32_t>(flag, value);
+    else if (flag == "--timeout-ms")
+      timeout_ms = number<int64_t>(flag, value);
+    else if (flag == "--json")
+      json = true;
+    else if (flag == "--ignore-eos")
+      options.ignore_eos = true;
+    else if (flag == "--no-special")
+      options.add_special_tokens = false;
   }
   if (endpoint.empty()) throw UsageError("--endpoint is required (or set MOELINE_ENDPOINT)");
   if (has_prompt == !options.tokens.empty())
@@ -160,8 +175,10 @@ int status(int argc, char** argv) {
   std::string endpoint;
   if (const char* env = std::getenv("MOELINE_ENDPOINT")) endpoint = env;
   for (int i = 0; i < argc; ++i) {
-    if (std::strcmp(argv[i], "--endpoint") == 0 && i + 1 < argc) endpoint = argv[++i];
-    else throw UsageError(std::string("unknown option '") + argv[i] + "'");
+    if (std::strcmp(argv[i], "--endpoint") == 0 && i + 1 < argc)
+      endpoint = argv[++i];
+    else
+      throw UsageError(std::string("unknown option '") + argv[i] + "'");
   }
   if (endpoint.empty()) throw UsageError("--endpoint is required");
   Client client(endpoint, std::chrono::seconds(10));

@@ -6,6 +6,7 @@
 #include <iostream>
 
 #include "model/kv_cache.h"
+#include "stages/runtime/service.h"
 
 namespace moeline::stages {
 
@@ -33,9 +34,27 @@ flatbuffers::Offset<wire::SamplingParams> to_wire(flatbuffers::FlatBufferBuilder
 }
 
 uint64_t settings_hash(uint64_t model_id) {
-  const uint64_t parts[3] = {model_id, static_cast<uint64_t>(model::kBlockTokens),
-                             sizeof(float)};
+  const uint64_t parts[3] = {model_id, static_cast<uint64_t>(model::kBlockTokens), sizeof(float)};
   return XXH3_64bits(parts, sizeof parts);
+}
+
+std::string replica_name(const runtime::Config& config, const char* stage) {
+  return config.text("replica").empty() ? runtime::default_replica_name(stage)
+                                        : config.text("replica");
+}
+
+runtime::LinkSettings link_settings(const runtime::Config& config, wire::StageKind stage,
+                                    const std::string& replica, uint64_t model_id,
+                                    uint16_t http_port) {
+  runtime::LinkSettings settings;
+  settings.hub = config.text("hub");
+  settings.stage = stage;
+  settings.replica = replica;
+  settings.settings_hash = settings_hash(model_id);
+  settings.heartbeat_ms = static_cast<int>(config.integer("heartbeat-ms"));
+  settings.peer_timeout_ms = static_cast<int>(config.integer("peer-timeout-ms"));
+  settings.http_port = http_port;
+  return settings;
 }
 
 std::string default_model_dir() {
@@ -45,7 +64,8 @@ std::string default_model_dir() {
 
 std::vector<runtime::ConfigKey> common_keys(const char* default_http) {
   return {
-      {"model", default_model_dir(), "checkpoint folder (config.json, safetensors, tokenizer.json)"},
+      {"model", default_model_dir(),
+       "checkpoint folder (config.json, safetensors, tokenizer.json)"},
       {"http", default_http, "HOST:PORT for /metrics and /healthz (port 0: any free port)"},
       {"port-file", "", "write the HTTP port chosen here to this file"},
       {"replica", "", "name of this process in logs and metrics (default: stage-host-pid)"},
@@ -62,8 +82,8 @@ std::vector<runtime::ConfigKey> worker_keys() {
   return keys;
 }
 
-int run_stage(const char* stage, const std::vector<runtime::ConfigKey>& keys, int argc,
-              char** argv, int (*body)(const runtime::Config&)) {
+int run_stage(const char* stage, const std::vector<runtime::ConfigKey>& keys, int argc, char** argv,
+              int (*body)(const runtime::Config&)) {
   try {
     runtime::Config config = runtime::Config::load(stage, keys, argc, argv);
     if (config.help_requested()) {

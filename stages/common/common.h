@@ -8,6 +8,7 @@
 #include "model/sampling.h"
 #include "schemas/wire.h"
 #include "stages/runtime/config.h"
+#include "stages/runtime/link.h"
 
 namespace moeline::stages {
 
@@ -23,12 +24,18 @@ uint64_t settings_hash(uint64_t model_id);
 // watchdog-ms) and of every worker stage (hub).
 std::vector<runtime::ConfigKey> common_keys(const char* default_http = "127.0.0.1:0");
 std::vector<runtime::ConfigKey> worker_keys();
+// --replica, or "<stage>-<host>-<pid>".
+std::string replica_name(const runtime::Config& config, const char* stage);
+// The link settings of a worker stage from its config (hub, heartbeats, timeouts).
+runtime::LinkSettings link_settings(const runtime::Config& config, wire::StageKind stage,
+                                    const std::string& replica, uint64_t model_id,
+                                    uint16_t http_port);
 // The model folder a stage uses when --model is not given.
 std::string default_model_dir();
 
 // Runs a stage's main under the shared error handling: a ConfigError prints the usage and exits
 // 2; any other exception logs and exits 1.
-int run_stage(const char* stage, const std::vector<runtime::ConfigKey>& keys, int argc,
-              char** argv, int (*body)(const runtime::Config&));
+int run_stage(const char* stage, const std::vector<runtime::ConfigKey>& keys, int argc, char** argv,
+              int (*body)(const runtime::Config&));
 
 }  // namespace moeline::stages

@@ -26,17 +26,7 @@ std::vector<zmq::message_t> ExpertUsageCounter::take(const std::string& replica)
   return wire::encode(wire::MessageType::ExpertUsage, builder);
 }
 
-namespace {
-
-std::string replica_name(const runtime::Config& config, const char* stage) {
-  return config.text("replica").empty() ? runtime::default_replica_name(stage)
-                                        : config.text("replica");
-}
-
-}  // namespace
-
-ComputeWorker::ComputeWorker(const runtime::Config& config, const char* stage,
-                             wire::StageKind kind)
+ComputeWorker::ComputeWorker(const runtime::Config& config, const char* stage, wire::StageKind kind)
     : service(stage, replica_name(config, stage)) {
   runtime::StageService::install_signal_handlers();
   service.set_watchdog_limit(std::chrono::milliseconds(config.integer("watchdog-ms")));
@@ -51,19 +41,14 @@ ComputeWorker::ComputeWorker(const runtime::Config& config, const char* stage,
   pool = std::make_unique<kernels::ThreadPool>(threads);
   experts = std::make_unique<offload::ResidentExpertProvider>(model->experts());
   const model::ModelConfig& cfg = model->config();
-  usage = std::make_unique<ExpertUsageCounter>(cfg.num_layers, std::max<int64_t>(1, cfg.num_experts));
+  usage =
+      std::make_unique<ExpertUsageCounter>(cfg.num_layers, std::max<int64_t>(1, cfg.num_experts));
   service.start_http(config.text("http"), config.text("port-file"), [this] {
     return nlohmann::json{{"hub_accepted", link && link->accepted()},
                           {"expert_plan", plan_received_}};
   });
-  runtime::LinkSettings settings;
-  settings.hub = config.text("hub");
-  settings.stage = kind;
-  settings.replica = service.log.replica();
-  settings.settings_hash = settings_hash(model->model_id());
-  settings.heartbeat_ms = static_cast<int>(config.integer("heartbeat-ms"));
-  settings.peer_timeout_ms = static_cast<int>(config.integer("peer-timeout-ms"));
-  settings.http_port = service.http_port();
+  runtime::LinkSettings settings =
+      link_settings(config, kind, service.log.replica(), model->model_id(), service.http_port());
   link = std::make_unique<runtime::HubLink>(context, settings, service.log, service.metrics);
 }
 
@@ -71,11 +56,11 @@ void ComputeWorker::create_engine(int32_t kv_blocks) {
   cache = std::make_unique<model::KvCache>(model->config(), kv_blocks);
   engine = std::make_unique<model::Engine>(*model, *experts, *pool, *cache);
   engine->set_router_observer(usage.get());
-  service.log.info("kv_cache", {{"blocks", kv_blocks},
-                                {"bytes", static_cast<uint64_t>(cache->bytes())}});
+  service.log.info("kv_cache",
+                   {{"blocks", kv_blocks}, {"bytes", static_cast<uint64_t>(cache->bytes())}});
 }
 
-bool ComputeWorker::maintain(uint32_t free_credits) {
+bool ComputeWorker::maintain() {
   if (link->rejected()) return false;
   const auto now = std::chrono::steady_clock::now();
   if (link->needs_hello()) {
@@ -99,7 +84,6 @@ bool ComputeWorker::maintain(uint32_t free_credits) {
     last_usage_report_ = now;
   }
   service.set_ready(ready());
-  (void)free_credits;
   return true;
 }
 

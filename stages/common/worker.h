@@ -42,9 +42,10 @@ class ComputeWorker {
   void create_engine(int32_t kv_blocks);
 
   // Keeps the link alive: hellos (again after a hub restart), the expert plan, usage reports.
-  // `free_credits` is the capacity free right now. False when the hub refused this process.
-  bool maintain(uint32_t free_credits);
-  // Consumes link-level messages of the compute stages (ExpertPlan); true if it did.
+  // False when the hub refused this process.
+  bool maintain();
+  // Consumes link-level messages of the compute stages (ExpertPlan: then grants `free_credits`,
+  // the capacity free right now); true if it did.
   bool handle(const wire::Message& message, uint32_t free_credits);
   bool ready() const { return plan_received_ && link->accepted(); }
 

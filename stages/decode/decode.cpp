@@ -42,8 +42,8 @@ class DecodeStage {
       const int64_t per_sequence = (context_ + model::kBlockTokens - 1) / model::kBlockTokens;
       const auto budget = runtime::parse_bytes(config.text("kv-bytes"));
       const auto block_bytes = model::KvCache::bytes_per_token(cfg) * model::kBlockTokens;
-      blocks = std::min<int64_t>(per_sequence * max_batch_,
-                                 static_cast<int64_t>(budget / block_bytes));
+      blocks =
+          std::min<int64_t>(per_sequence * max_batch_, static_cast<int64_t>(budget / block_bytes));
       blocks = std::max<int64_t>(blocks, per_sequence);
     }
     worker_.create_engine(static_cast<int32_t>(blocks));
@@ -72,11 +72,11 @@ class DecodeStage {
 
   int run() {
     auto& log = worker_.service.log;
-    log.info("started", {{"max_batch", max_batch_},
-                         {"kv_blocks", worker_.cache->pool().capacity()}});
+    log.info("started",
+             {{"max_batch", max_batch_}, {"kv_blocks", worker_.cache->pool().capacity()}});
     while (!runtime::StageService::stop_requested()) {
       worker_.service.tick();
-      if (!worker_.maintain(free_credits())) {
+      if (!worker_.maintain()) {
         log.error("exiting", {{"reason", worker_.link->reject_reason()}});
         return 3;
       }
@@ -148,9 +148,9 @@ class DecodeStage {
   void job_failed(uint64_t request_id, uint32_t attempt, wire::ErrorCode code,
                   const std::string& text) {
     flatbuffers::FlatBufferBuilder builder(256);
-    builder.Finish(wire::CreateJobFailed(builder, request_id, attempt, code,
-                                         builder.CreateString(text)),
-                   wire::PrefillJobIdentifier());
+    builder.Finish(
+        wire::CreateJobFailed(builder, request_id, attempt, code, builder.CreateString(text)),
+        wire::PrefillJobIdentifier());
     worker_.link->send(wire::encode(wire::MessageType::JobFailed, builder));
     outcomes_["failed"]->inc();
     worker_.service.log.warn("job_failed", {{"request_id", request_id}, {"reason", text}});
@@ -164,7 +164,8 @@ class DecodeStage {
     const size_t prompt = done->tokens() ? done->tokens()->size() : 0;
     const size_t blocks = (prompt + model::kBlockTokens - 1) / model::kBlockTokens;
     std::string problem;
-    if (auto bad = wire::check_bulk(done->frames(), message.bulk)) problem = *bad;
+    if (auto bad = wire::check_bulk(done->frames(), message.bulk))
+      problem = *bad;
     else if (layout == nullptr || layout->layers() != cache.layers() ||
              layout->kv_heads() != cache.kv_heads() || layout->head_dim() != cache.head_dim() ||
              layout->block_tokens() != model::kBlockTokens || layout->blocks() != blocks ||
@@ -172,8 +173,9 @@ class DecodeStage {
       problem = "KV layout does not match this decode replica's cache";
     else if (message.bulk.size() != 1 || message.bulk[0].size() != blocks * cache.block_bytes())
       problem = "KV frame has the wrong size";
-    if (!problem.empty()) return job_failed(done->request_id(), done->attempt(),
-                                            wire::ErrorCode::MalformedMessage, problem);
+    if (!problem.empty())
+      return job_failed(done->request_id(), done->attempt(), wire::ErrorCode::MalformedMessage,
+                        problem);
 
     Stream stream;
     stream.request_id = done->request_id();
@@ -182,15 +184,15 @@ class DecodeStage {
     stream.next_token = done->first_token();
     stream.sampling = from_wire(done->sampling());
     stream.stops = stream.sampling.stop_token_ids;
-    if (!stream.sampling.ignore_eos) stream.stops.insert(stream.stops.end(), eos_.begin(), eos_.end());
+    if (!stream.sampling.ignore_eos)
+      stream.stops.insert(stream.stops.end(), eos_.begin(), eos_.end());
     stream.sequence = std::make_unique<model::Sequence>(
         stream.request_id, worker_.model->model_id(),
         model::namespace_id(done->cache_namespace() ? done->cache_namespace()->str() : ""));
     stream.sampler = std::make_unique<model::Sampler>(stream.sampling);
     stream.sampler->skip(1);  // the first token was drawn by prefill from the same generator
     stream.joined = Clock::now();
-    if (reserve_tokens(stream) > context_ + model::kBlockTokens ||
-        blocks_for(stream) > worker_.cache->pool().capacity())
+    if (blocks_for(stream) > worker_.cache->pool().capacity())
       return job_failed(stream.request_id, stream.attempt, wire::ErrorCode::Overloaded,
                         "sequence needs more KV blocks than this decode replica has");
     stream.handoff = std::move(message);
@@ -198,8 +200,8 @@ class DecodeStage {
   }
 
   int64_t reserve_tokens(const Stream& stream) const {
-    return std::min<int64_t>(static_cast<int64_t>(stream.prompt.size()) + stream.sampling.max_tokens,
-                             context_);
+    return std::min<int64_t>(
+        static_cast<int64_t>(stream.prompt.size()) + stream.sampling.max_tokens, context_);
   }
   int32_t blocks_for(const Stream& stream) const {
     return static_cast<int32_t>((reserve_tokens(stream) + model::kBlockTokens - 1) /
@@ -271,9 +273,8 @@ class DecodeStage {
     const auto now = Clock::now();
     for (size_t i = 0; i < active_streams_.size(); ++i) {
       Stream& stream = active_streams_[i];
-      const int32_t token =
-          stream.sampler->sample(logits_.data() + static_cast<int64_t>(i) * cfg.vocab_size,
-                                 cfg.vocab_size);
+      const int32_t token = stream.sampler->sample(
+          logits_.data() + static_cast<int64_t>(i) * cfg.vocab_size, cfg.vocab_size);
       ++stream.generated;
       stream.next_token = token;
       tpot_->observe(std::chrono::duration<double>(now - stream.last_token).count());
@@ -331,13 +332,16 @@ class DecodeStage {
 std::vector<runtime::ConfigKey> decode_keys() {
   std::vector<runtime::ConfigKey> keys = worker_keys();
   keys.push_back({"max-batch", "64", "sequences in the running batch (its credit)"});
-  keys.push_back({"kv-blocks", "0", "KV cache blocks (0: enough for max-batch full contexts, "
-                                    "within --kv-bytes)"});
+  keys.push_back({"kv-blocks", "0",
+                  "KV cache blocks (0: enough for max-batch full contexts, "
+                  "within --kv-bytes)"});
   keys.push_back({"kv-bytes", "2GiB", "memory budget for the KV cache when --kv-blocks is 0"});
   return keys;
 }
 
-int decode_body(const runtime::Config& config) { return DecodeStage(config).run(); }
+int decode_body(const runtime::Config& config) {
+  return DecodeStage(config).run();
+}
 
 }  // namespace
 

@@ -50,8 +50,7 @@ struct Handoff {
 class Gateway {
  public:
   explicit Gateway(const runtime::Config& config)
-      : service_("gateway", config.text("replica").empty() ? runtime::default_replica_name("gateway")
-                                                           : config.text("replica")),
+      : service_("gateway", replica_name(config, "gateway")),
         metrics_(service_.metrics),
         log_(service_.log) {
     runtime::StageService::install_signal_handlers();
@@ -66,7 +65,8 @@ class Gateway {
     const model::ModelConfig& cfg = model_->config();
     context_ = cfg.max_position_embeddings > 0 ? cfg.max_position_embeddings : 32768;
     max_prompt_tokens_ = config.integer("max-prompt-tokens");
-    if (max_prompt_tokens_ <= 0 || max_prompt_tokens_ >= context_) max_prompt_tokens_ = context_ - 1;
+    if (max_prompt_tokens_ <= 0 || max_prompt_tokens_ >= context_)
+      max_prompt_tokens_ = context_ - 1;
     max_prompt_bytes_ = static_cast<size_t>(runtime::parse_bytes(config.text("max-prompt-bytes")));
     default_deadline_ = std::chrono::milliseconds(config.integer("default-deadline-ms"));
     max_deadline_ = std::chrono::milliseconds(config.integer("max-deadline-ms"));
@@ -144,21 +144,21 @@ class Gateway {
 
   void register_metrics() {
     for (const char* queue : {"probe", "prefill", "decode"})
-      queue_gauges_[queue] = &metrics_.gauge("moeline_gateway_queue_depth",
-                                             "Requests waiting in the gateway for a replica",
-                                             {{"queue", queue}});
+      queue_gauges_[queue] =
+          &metrics_.gauge("moeline_gateway_queue_depth",
+                          "Requests waiting in the gateway for a replica", {{"queue", queue}});
     in_flight_gauge_ = &metrics_.gauge("moeline_gateway_in_flight_requests", "Requests in flight");
-    kv_used_ = &metrics_.gauge("moeline_gateway_kv_blocks",
-                               "KV blocks of all decode replicas (from heartbeats)",
-                               {{"state", "used"}});
-    kv_free_ = &metrics_.gauge("moeline_gateway_kv_blocks",
-                               "KV blocks of all decode replicas (from heartbeats)",
-                               {{"state", "free"}});
+    kv_used_ =
+        &metrics_.gauge("moeline_gateway_kv_blocks",
+                        "KV blocks of all decode replicas (from heartbeats)", {{"state", "used"}});
+    kv_free_ =
+        &metrics_.gauge("moeline_gateway_kv_blocks",
+                        "KV blocks of all decode replicas (from heartbeats)", {{"state", "free"}});
     batch_size_ = &metrics_.histogram("moeline_gateway_batch_size",
                                       "Decode batch size reported with each token batch",
                                       runtime::size_buckets());
-    ttft_ = &metrics_.histogram("moeline_gateway_ttft_seconds", "Request received to first token sent",
-                                runtime::latency_buckets());
+    ttft_ = &metrics_.histogram("moeline_gateway_ttft_seconds",
+                                "Request received to first token sent", runtime::latency_buckets());
     tpot_ = &metrics_.histogram("moeline_gateway_time_per_output_token_seconds",
                                 "Mean time between a request's tokens after the first",
                                 runtime::latency_buckets());
@@ -230,16 +230,18 @@ class Gateway {
       usage = wire::CreateUsage(builder, static_cast<uint32_t>(done->prompt.size()),
                                 static_cast<uint32_t>(done->sent.size()), done->reused_tokens,
                                 builder.CreateString(done->reuse_level));
-      const double queue_ms =
-          done->prefill_dispatched == Clock::time_point{} ? 0 : ms_between(done->received, done->prefill_dispatched);
-      timings = wire::CreateTimings(builder, queue_ms, done->prefill_ms,
-                                    done->has_first_token ? ms_between(done->received, done->first_token) : 0,
-                                    ms_between(done->received, now));
+      const double queue_ms = done->prefill_dispatched == Clock::time_point{}
+                                  ? 0
+                                  : ms_between(done->received, done->prefill_dispatched);
+      timings = wire::CreateTimings(
+          builder, queue_ms, done->prefill_ms,
+          done->has_first_token ? ms_between(done->received, done->first_token) : 0,
+          ms_between(done->received, now));
     }
-    builder.Finish(wire::CreateStreamEvent(builder, client_request_id, request_id, kind,
-                                           text_offset, tokens_offset, finish_offset, usage,
-                                           timings, code, error_offset),
-                   wire::GenerateRequestIdentifier());
+    builder.Finish(
+        wire::CreateStreamEvent(builder, client_request_id, request_id, kind, text_offset,
+                                tokens_offset, finish_offset, usage, timings, code, error_offset),
+        wire::GenerateRequestIdentifier());
     send_client(client, wire::encode(wire::MessageType::StreamEvent, builder));
   }
 
@@ -248,15 +250,17 @@ class Gateway {
     count_rejection(reason);
     outcome_counter("rejected").inc();
     if (uint64_t suppressed = 0; reject_log_.allow(suppressed))
-      log_.warn("request_rejected", {{"reason", reason}, {"detail", text}, {"suppressed", suppressed}});
+      log_.warn("request_rejected",
+                {{"reason", reason}, {"detail", text}, {"suppressed", suppressed}});
     send_event(client, client_request_id, 0, wire::EventKind::Error, {}, {}, {}, code, text);
   }
 
   void reply_error(const std::string& client, wire::ErrorCode code, const std::string& text,
                    uint64_t client_request_id = 0) {
     flatbuffers::FlatBufferBuilder builder(256);
-    builder.Finish(wire::CreateErrorReply(builder, code, builder.CreateString(text), client_request_id),
-                   wire::HelloIdentifier());
+    builder.Finish(
+        wire::CreateErrorReply(builder, code, builder.CreateString(text), client_request_id),
+        wire::HelloIdentifier());
     send_client(client, wire::encode(wire::MessageType::ErrorReply, builder));
   }
 
@@ -270,7 +274,8 @@ class Gateway {
     if (decoded.error) {
       count_rejection("frame_" + decoded.error->reason);
       metrics_
-          .counter("moeline_wire_rejected_frames_total", "Received messages refused by the wire codec",
+          .counter("moeline_wire_rejected_frames_total",
+                   "Received messages refused by the wire codec",
                    {{"peer", "client"}, {"reason", decoded.error->reason}})
           .inc();
       if (uint64_t suppressed = 0; frame_log_.allow(suppressed))
@@ -394,8 +399,8 @@ class Gateway {
     auto deadline = request.deadline_ms() > 0 ? std::chrono::milliseconds(request.deadline_ms())
                                               : default_deadline_;
     r.deadline = r.received + std::min(deadline, max_deadline_);
-    r.text = std::make_unique<model::DecodeStream>(*tokenizer_,
-                                                   model::DecodeOptions{.skip_special_tokens = true});
+    r.text = std::make_unique<model::DecodeStream>(
+        *tokenizer_, model::DecodeOptions{.skip_special_tokens = true});
     send_event(client, crid, r.id, wire::EventKind::Accepted);
     by_client_[{client, crid}] = r.id;
     probe_queue_.push_back({r.id, r.attempt});
@@ -533,8 +538,8 @@ class Gateway {
     for (uint64_t id : held) {
       Request& r = requests_.at(id);
       r.owner.clear();
-      retry_or_fail(r, std::string(wire::stage_name(dead.stage)) + " replica " + dead.replica +
-                           " died");
+      retry_or_fail(
+          r, std::string(wire::stage_name(dead.stage)) + " replica " + dead.replica + " died");
     }
     // Plans and expert usage waiting on a lost offload manager are simply asked again by the
     // compute stages; nothing else is held per peer.
@@ -550,7 +555,8 @@ class Gateway {
     for (uint64_t id : expired) {
       Request& r = requests_.at(id);
       fail(r, wire::ErrorCode::DeadlineExceeded, "deadline_exceeded",
-           "deadline of " + std::to_string(static_cast<int64_t>(ms_between(r.received, r.deadline))) +
+           "deadline of " +
+               std::to_string(static_cast<int64_t>(ms_between(r.received, r.deadline))) +
                " ms exceeded after " + std::to_string(r.sent.size()) + " tokens");
     }
   }
@@ -568,9 +574,10 @@ class Gateway {
       runtime::Peer* probe = hub_->pick(wire::StageKind::Probe);
       if (probe == nullptr) break;
       flatbuffers::FlatBufferBuilder builder(128 + r->prompt.size() * 4);
-      builder.Finish(wire::CreateProbeJob(builder, r->id, r->attempt, builder.CreateVector(r->prompt),
-                                          builder.CreateString(r->cache_namespace)),
-                     wire::PrefillJobIdentifier());
+      builder.Finish(
+          wire::CreateProbeJob(builder, r->id, r->attempt, builder.CreateVector(r->prompt),
+                               builder.CreateString(r->cache_namespace)),
+          wire::PrefillJobIdentifier());
       const std::string identity = probe->identity;
       if (!hub_->send(identity, wire::encode(wire::MessageType::ProbeJob, builder), true)) break;
       r->owner = identity;
@@ -597,7 +604,8 @@ class Gateway {
       r->owner = identity;
       if (r->attempt == 1 || r->prefill_dispatched == Clock::time_point{}) {
         r->prefill_dispatched = Clock::now();
-        queue_time_->observe(std::chrono::duration<double>(r->prefill_dispatched - r->received).count());
+        queue_time_->observe(
+            std::chrono::duration<double>(r->prefill_dispatched - r->received).count());
       }
       prefill_queue_.pop_front();
     }
@@ -711,8 +719,8 @@ class Gateway {
       case wire::MessageType::CancelJob:
       case wire::MessageType::ControlCommand:
       case wire::MessageType::ControlReply:
-        log_.warn("unexpected_message", {{"peer", incoming.identity},
-                                         {"type", wire::message_type_name(message.type)}});
+        log_.warn("unexpected_message",
+                  {{"peer", incoming.identity}, {"type", wire::message_type_name(message.type)}});
         return;
     }
   }
@@ -767,7 +775,9 @@ std::vector<runtime::ConfigKey> gateway_keys() {
   return keys;
 }
 
-int gateway_body(const runtime::Config& config) { return Gateway(config).run(); }
+int gateway_body(const runtime::Config& config) {
+  return Gateway(config).run();
+}
 
 }  // namespace
 

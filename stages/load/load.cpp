@@ -30,7 +30,9 @@ namespace {
 namespace fs = std::filesystem;
 using Clock = std::chrono::steady_clock;
 
-double ms(Clock::duration d) { return std::chrono::duration<double, std::milli>(d).count(); }
+double ms(Clock::duration d) {
+  return std::chrono::duration<double, std::milli>(d).count();
+}
 
 struct Samples {
   std::vector<double> ttft_ms, tpot_ms, e2e_ms;
@@ -48,8 +50,11 @@ nlohmann::json percentiles(std::vector<double> values) {
   };
   double sum = 0;
   for (double v : values) sum += v;
-  return {{"p50", at(0.5)},  {"p90", at(0.9)}, {"p99", at(0.99)},
-          {"mean", sum / static_cast<double>(values.size())}, {"count", values.size()}};
+  return {{"p50", at(0.5)},
+          {"p90", at(0.9)},
+          {"p99", at(0.99)},
+          {"mean", sum / static_cast<double>(values.size())},
+          {"count", values.size()}};
 }
 
 // When the next request may start: at once while fewer than `concurrency` are in flight
@@ -61,7 +66,8 @@ class Pacer {
     if (rate_ <= 0) return static_cast<int>(in_flight) < concurrency_;
     if (next_ == Clock::time_point{}) next_ = now;
     if (now < next_) return false;
-    next_ += std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(1.0 / rate_));
+    next_ +=
+        std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(1.0 / rate_));
     return true;
   }
 
@@ -151,8 +157,8 @@ class StageUnderLoad {
     hub = std::make_unique<runtime::Hub>(context, endpoint, settings_hash(model.model_id()), 500,
                                          5000, log, metrics);
     const std::string exe = fs::read_symlink("/proc/self/exe").string();
-    std::vector<std::string> args = {exe, o.target, "--model", o.model, "--hub", endpoint,
-                                     "--replica", o.target + "-under-load"};
+    std::vector<std::string> args = {exe,     o.target, "--model",   o.model,
+                                     "--hub", endpoint, "--replica", o.target + "-under-load"};
     if (o.threads > 0) {
       args.push_back("--threads");
       args.push_back(std::to_string(o.threads));
@@ -245,12 +251,14 @@ Samples drive_stage_loop(const LoadOptions& o, const model::Model& model, StageU
 
   // Synthetic KV for decode jobs: the right layout, small values (decode does not care what the
   // prompt was; it reads the cache like any other).
-  const size_t blocks = static_cast<size_t>((o.prompt_tokens + model::kBlockTokens - 1) /
-                                            model::kBlockTokens);
+  const size_t blocks =
+      static_cast<size_t>((o.prompt_tokens + model::kBlockTokens - 1) / model::kBlockTokens);
   const size_t block_bytes = model::KvCache::bytes_per_token(cfg) * model::kBlockTokens;
   std::vector<float> kv(blocks * block_bytes / sizeof(float));
-  for (size_t i = 0; i < kv.size(); ++i) kv[i] = static_cast<float>((i * 2654435761u) % 1000) * 1e-4f;
-  const uint64_t kv_sum = wire::checksum({reinterpret_cast<const uint8_t*>(kv.data()), kv.size() * 4});
+  for (size_t i = 0; i < kv.size(); ++i)
+    kv[i] = static_cast<float>((i * 2654435761u) % 1000) * 1e-4f;
+  const uint64_t kv_sum =
+      wire::checksum({reinterpret_cast<const uint8_t*>(kv.data()), kv.size() * 4});
 
   struct Live {
     Clock::time_point start, last;
@@ -263,7 +271,8 @@ Samples drive_stage_loop(const LoadOptions& o, const model::Model& model, StageU
                                       std::chrono::duration<double>(o.duration_s));
   while (Clock::now() < end || !live.empty()) {
     const auto now = Clock::now();
-    if (Clock::now() > end + std::chrono::seconds(120)) throw std::runtime_error("stage stopped answering");
+    if (Clock::now() > end + std::chrono::seconds(120))
+      throw std::runtime_error("stage stopped answering");
     runtime::Peer* p = hub.peer(identity);
     if (p == nullptr) throw std::runtime_error("the stage under load died");
     while (now < end && p->credits > 0 && pacer.may_start(live.size(), now)) {
@@ -321,8 +330,10 @@ Samples drive_stage_loop(const LoadOptions& o, const model::Model& model, StageU
           auto it = live.find(update->request_id());
           if (it == live.end()) continue;
           Live& l = it->second;
-          if (l.tokens == 0) s.ttft_ms.push_back(ms(t - l.start));
-          else s.tpot_ms.push_back(ms(t - l.last));
+          if (l.tokens == 0)
+            s.ttft_ms.push_back(ms(t - l.start));
+          else
+            s.tpot_ms.push_back(ms(t - l.last));
           l.last = t;
           ++l.tokens;
           if (update->finish_reason() && update->finish_reason()->size() > 0) {
@@ -357,7 +368,8 @@ int load_body(const runtime::Config& config) {
     throw runtime::ConfigError("--target must be stack, prefill or decode");
   if (o.concurrency < 1) throw runtime::ConfigError("--concurrency must be >= 1");
   if (o.rate < 0 || o.duration_s <= 0 || o.prompt_tokens < 1 || o.max_tokens < 1)
-    throw runtime::ConfigError("--rate >= 0, --duration-s > 0, --prompt-tokens and --max-tokens >= 1");
+    throw runtime::ConfigError(
+        "--rate >= 0, --duration-s > 0, --prompt-tokens and --max-tokens >= 1");
   auto loaded = model::Model::load(o.model);
   if (!loaded) throw std::runtime_error(loaded.error().message);
   const model::Model& model = **loaded;
@@ -369,8 +381,8 @@ int load_body(const runtime::Config& config) {
     throw runtime::ConfigError("--endpoint is required for --target stack");
 
   const auto start = Clock::now();
-  Samples s = o.target == "stack" ? drive_stack(o, model.config().vocab_size)
-                                  : drive_stage(o, model);
+  Samples s =
+      o.target == "stack" ? drive_stack(o, model.config().vocab_size) : drive_stage(o, model);
   const double elapsed = std::chrono::duration<double>(Clock::now() - start).count();
   nlohmann::json out = {
       {"target", o.target},
@@ -391,18 +403,17 @@ int load_body(const runtime::Config& config) {
   if (o.json) {
     std::cout << out.dump() << '\n';
   } else {
-    std::printf("target %s, %s, %.1f s, prompt %lld tokens, up to %lld output tokens\n",
-                o.target.c_str(),
-                o.rate > 0 ? ("rate " + std::to_string(o.rate) + "/s").c_str()
-                           : ("concurrency " + std::to_string(o.concurrency)).c_str(),
-                elapsed, static_cast<long long>(o.prompt_tokens),
-                static_cast<long long>(o.max_tokens));
-    std::printf("requests %llu completed %llu errors %llu | %.2f req/s, %.1f prompt tok/s, %.1f "
-                "output tok/s\n",
-                static_cast<unsigned long long>(s.started),
-                static_cast<unsigned long long>(s.completed),
-                static_cast<unsigned long long>(s.errors), out["requests_per_s"].get<double>(),
-                out["prompt_tokens_per_s"].get<double>(), out["output_tokens_per_s"].get<double>());
+    std::printf(
+        "target %s, %s, %.1f s, prompt %lld tokens, up to %lld output tokens\n", o.target.c_str(),
+        o.rate > 0 ? ("rate " + std::to_string(o.rate) + "/s").c_str()
+                   : ("concurrency " + std::to_string(o.concurrency)).c_str(),
+        elapsed, static_cast<long long>(o.prompt_tokens), static_cast<long long>(o.max_tokens));
+    std::printf(
+        "requests %llu completed %llu errors %llu | %.2f req/s, %.1f prompt tok/s, %.1f "
+        "output tok/s\n",
+        static_cast<unsigned long long>(s.started), static_cast<unsigned long long>(s.completed),
+        static_cast<unsigned long long>(s.errors), out["requests_per_s"].get<double>(),
+        out["prompt_tokens_per_s"].get<double>(), out["output_tokens_per_s"].get<double>());
     std::printf("%-10s %10s %10s %10s %10s %8s\n", "latency", "p50 ms", "p90 ms", "p99 ms",
                 "mean ms", "n");
     for (const char* key : {"ttft_ms", "tpot_ms", "e2e_ms"}) {
@@ -420,7 +431,8 @@ std::vector<runtime::ConfigKey> load_keys() {
   return {
       {"target", "stack", "stack (through the gateway), prefill or decode (that stage alone)"},
       {"endpoint", "", "the gateway's client endpoint (--target stack)"},
-      {"model", default_model_dir(), "checkpoint (vocabulary; the stage to start for prefill|decode)"},
+      {"model", default_model_dir(),
+       "checkpoint (vocabulary; the stage to start for prefill|decode)"},
       {"concurrency", "1", "requests in flight (closed loop)"},
       {"rate", "0", "requests per second (open loop; overrides --concurrency)"},
       {"duration-s", "10", "how long to start requests"},

@@ -13,9 +13,7 @@ namespace {
 
 int offload_body(const runtime::Config& config) {
   runtime::StageService::install_signal_handlers();
-  runtime::StageService service("offload", config.text("replica").empty()
-                                               ? runtime::default_replica_name("offload")
-                                               : config.text("replica"));
+  runtime::StageService service("offload", replica_name(config, "offload"));
   service.set_watchdog_limit(std::chrono::milliseconds(config.integer("watchdog-ms")));
   auto loaded = model::Model::load(config.text("model"));
   if (!loaded) throw std::runtime_error(loaded.error().message);
@@ -37,25 +35,19 @@ int offload_body(const runtime::Config& config) {
   std::vector<runtime::Counter*> per_expert(totals.size());
   std::vector<runtime::Gauge*> imbalance(static_cast<size_t>(layers));
   for (int64_t l = 0; l < layers; ++l) {
-    imbalance[static_cast<size_t>(l)] =
-        &metrics.gauge("moeline_offload_load_imbalance",
-                       "std/mean of per-expert token counts since start",
-                       {{"layer", std::to_string(l)}});
+    imbalance[static_cast<size_t>(l)] = &metrics.gauge(
+        "moeline_offload_load_imbalance", "std/mean of per-expert token counts since start",
+        {{"layer", std::to_string(l)}});
     for (int64_t e = 0; e < experts; ++e)
-      per_expert[static_cast<size_t>(l * experts + e)] = &metrics.counter(
-          "moeline_offload_expert_tokens_total", "Tokens routed to each expert",
-          {{"layer", std::to_string(l)}, {"expert", std::to_string(e)}});
+      per_expert[static_cast<size_t>(l * experts + e)] =
+          &metrics.counter("moeline_offload_expert_tokens_total", "Tokens routed to each expert",
+                           {{"layer", std::to_string(l)}, {"expert", std::to_string(e)}});
   }
 
   zmq::context_t context(1);
-  runtime::LinkSettings settings;
-  settings.hub = config.text("hub");
-  settings.stage = wire::StageKind::OffloadManager;
-  settings.replica = service.log.replica();
-  settings.settings_hash = settings_hash(model.model_id());
-  settings.heartbeat_ms = static_cast<int>(config.integer("heartbeat-ms"));
-  settings.peer_timeout_ms = static_cast<int>(config.integer("peer-timeout-ms"));
-  settings.http_port = service.http_port();
+  runtime::LinkSettings settings =
+      link_settings(config, wire::StageKind::OffloadManager, service.log.replica(),
+                    model.model_id(), service.http_port());
   runtime::HubLink link(context, settings, service.log, metrics);
 
   while (!runtime::StageService::stop_requested()) {
@@ -71,11 +63,10 @@ int offload_body(const runtime::Config& config) {
         flatbuffers::FlatBufferBuilder builder(256);
         auto tier = builder.CreateString("resident");
         auto requester = builder.CreateString(request->replica() ? request->replica()->str() : "");
-        builder.Finish(wire::CreateExpertPlan(builder, model.model_id(), true,
-                                              static_cast<uint32_t>(layers),
-                                              static_cast<uint32_t>(experts), expert_bytes, tier,
-                                              requester),
-                       wire::ExpertPlanIdentifier());
+        builder.Finish(
+            wire::CreateExpertPlan(builder, model.model_id(), true, static_cast<uint32_t>(layers),
+                                   static_cast<uint32_t>(experts), expert_bytes, tier, requester),
+            wire::ExpertPlanIdentifier());
         link.send(wire::encode(wire::MessageType::ExpertPlan, builder));
         plans.inc();
         break;
@@ -89,7 +80,8 @@ int offload_body(const runtime::Config& config) {
         }
         for (size_t i = 0; i < totals.size(); ++i) {
           totals[i] += usage->counts()->Get(static_cast<flatbuffers::uoffset_t>(i));
-          per_expert[i]->inc(static_cast<double>(usage->counts()->Get(static_cast<flatbuffers::uoffset_t>(i))));
+          per_expert[i]->inc(
+              static_cast<double>(usage->counts()->Get(static_cast<flatbuffers::uoffset_t>(i))));
         }
         routed.inc(static_cast<double>(usage->tokens()));
         for (int64_t l = 0; l < layers; ++l) {

@@ -31,9 +31,8 @@ class PrefillStage {
     context_ = cfg.max_position_embeddings > 0 ? cfg.max_position_embeddings : 32768;
     // Room for one full batch, or one prompt as long as the context, whichever is larger.
     const int64_t tokens = std::max(max_batch_tokens_, context_);
-    const auto blocks = static_cast<int32_t>((tokens + model::kBlockTokens - 1) /
-                                                 model::kBlockTokens +
-                                             queue_capacity_);
+    const auto blocks = static_cast<int32_t>(
+        (tokens + model::kBlockTokens - 1) / model::kBlockTokens + queue_capacity_);
     worker_.create_engine(blocks);
     for (int64_t eos : cfg.eos_token_ids) eos_.push_back(static_cast<int32_t>(eos));
     kv_used_ = &metrics_.gauge("moeline_prefill_kv_blocks", "KV blocks", {{"state", "used"}});
@@ -62,7 +61,7 @@ class PrefillStage {
     log.info("started", {{"queue", queue_capacity_}, {"max_batch_tokens", max_batch_tokens_}});
     while (!runtime::StageService::stop_requested()) {
       worker_.service.tick();
-      if (!worker_.maintain(free_credits())) {
+      if (!worker_.maintain()) {
         log.error("exiting", {{"reason", worker_.link->reject_reason()}});
         return 3;
       }
@@ -150,11 +149,13 @@ class PrefillStage {
     std::string problem;
     if (job.tokens.empty()) problem = "empty prompt";
     if (static_cast<int64_t>(job.tokens.size()) > context_)
-      problem = "prompt of " + std::to_string(job.tokens.size()) + " tokens exceeds the context of " +
-                std::to_string(context_);
+      problem = "prompt of " + std::to_string(job.tokens.size()) +
+                " tokens exceeds the context of " + std::to_string(context_);
     for (int32_t token : job.tokens)
-      if (token < 0 || token >= vocab) problem = "token id " + std::to_string(token) + " out of range";
-    if (model::Status status = job.sampling.validate(); !status.ok()) problem = status.error().message;
+      if (token < 0 || token >= vocab)
+        problem = "token id " + std::to_string(token) + " out of range";
+    if (model::Status status = job.sampling.validate(); !status.ok())
+      problem = status.error().message;
     if (!problem.empty()) {
       fail(job, wire::ErrorCode::InvalidRequest, problem);
       worker_.link->grant(1);
@@ -236,7 +237,8 @@ class PrefillStage {
     std::string finish;
     bool stop = std::find(job.sampling.stop_token_ids.begin(), job.sampling.stop_token_ids.end(),
                           first) != job.sampling.stop_token_ids.end();
-    if (!job.sampling.ignore_eos) stop = stop || std::find(eos_.begin(), eos_.end(), first) != eos_.end();
+    if (!job.sampling.ignore_eos)
+      stop = stop || std::find(eos_.begin(), eos_.end(), first) != eos_.end();
     if (stop) {
       finish = "stop";
     } else if (job.sampling.max_tokens <= 1 ||
@@ -260,11 +262,10 @@ class PrefillStage {
       std::vector<flatbuffers::Offset<wire::BulkFrame>> described = {
           wire::CreateBulkFrame(builder, kv.size(), sum)};
       frames = builder.CreateVector(described);
-      layout = wire::CreateKvLayout(builder, static_cast<uint32_t>(cache.layers()),
-                                    static_cast<uint32_t>(cache.kv_heads()),
-                                    static_cast<uint32_t>(cache.head_dim()),
-                                    static_cast<uint32_t>(model::kBlockTokens),
-                                    builder.CreateString("f32"), static_cast<uint32_t>(blocks));
+      layout = wire::CreateKvLayout(
+          builder, static_cast<uint32_t>(cache.layers()), static_cast<uint32_t>(cache.kv_heads()),
+          static_cast<uint32_t>(cache.head_dim()), static_cast<uint32_t>(model::kBlockTokens),
+          builder.CreateString("f32"), static_cast<uint32_t>(blocks));
       bulk.push_back(std::move(kv));
     }
     auto tokens = builder.CreateVector(job.tokens);
@@ -272,11 +273,10 @@ class PrefillStage {
     auto sampling = to_wire(builder, job.sampling);
     auto name_space = builder.CreateString(job.cache_namespace);
     auto replica = builder.CreateString(worker_.service.log.replica());
-    builder.Finish(
-        wire::CreatePrefillDone(builder, job.request_id, job.attempt, tokens, first, finish_text,
-                                sampling, name_space, layout, frames,
-                                static_cast<uint64_t>(forward_seconds * 1e6), replica),
-        wire::PrefillJobIdentifier());
+    builder.Finish(wire::CreatePrefillDone(builder, job.request_id, job.attempt, tokens, first,
+                                           finish_text, sampling, name_space, layout, frames,
+                                           static_cast<uint64_t>(forward_seconds * 1e6), replica),
+                   wire::PrefillJobIdentifier());
     worker_.link->send(wire::encode(wire::MessageType::PrefillDone, builder, std::move(bulk)));
     const double total =
         std::chrono::duration<double>(std::chrono::steady_clock::now() - job.received).count();
@@ -306,7 +306,9 @@ std::vector<runtime::ConfigKey> prefill_keys() {
   return keys;
 }
 
-int prefill_body(const runtime::Config& config) { return PrefillStage(config).run(); }
+int prefill_body(const runtime::Config& config) {
+  return PrefillStage(config).run();
+}
 
 }  // namespace
 

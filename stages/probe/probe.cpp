@@ -12,17 +12,15 @@ namespace {
 
 int probe_body(const runtime::Config& config) {
   runtime::StageService::install_signal_handlers();
-  runtime::StageService service("probe", config.text("replica").empty()
-                                             ? runtime::default_replica_name("probe")
-                                             : config.text("replica"));
+  runtime::StageService service("probe", replica_name(config, "probe"));
   service.set_watchdog_limit(std::chrono::milliseconds(config.integer("watchdog-ms")));
   auto model = model::Model::load(config.text("model"));
   if (!model) throw std::runtime_error(model.error().message);
   service.start_http(config.text("http"), config.text("port-file"));
   auto& metrics = service.metrics;
   auto& lookups = metrics.counter("moeline_probe_lookups_total", "Jobs looked up");
-  auto& planned = metrics.counter("moeline_probe_requests_total", "Jobs by outcome",
-                                  {{"outcome", "planned"}});
+  auto& planned =
+      metrics.counter("moeline_probe_requests_total", "Jobs by outcome", {{"outcome", "planned"}});
   auto& latency = metrics.histogram("moeline_probe_latency_seconds", "Lookup time per job",
                                     runtime::latency_buckets());
   auto& batch = metrics.histogram("moeline_probe_batch_size", "Jobs handled per loop iteration",
@@ -32,14 +30,9 @@ int probe_body(const runtime::Config& config) {
   const auto credits = static_cast<uint32_t>(config.integer("queue"));
 
   zmq::context_t context(1);
-  runtime::LinkSettings settings;
-  settings.hub = config.text("hub");
-  settings.stage = wire::StageKind::Probe;
-  settings.replica = service.log.replica();
-  settings.settings_hash = settings_hash((*model)->model_id());
-  settings.heartbeat_ms = static_cast<int>(config.integer("heartbeat-ms"));
-  settings.peer_timeout_ms = static_cast<int>(config.integer("peer-timeout-ms"));
-  settings.http_port = service.http_port();
+  runtime::LinkSettings settings =
+      link_settings(config, wire::StageKind::Probe, service.log.replica(), (*model)->model_id(),
+                    service.http_port());
   runtime::HubLink link(context, settings, service.log, metrics);
   queue_depth.set(0);
 
@@ -90,7 +83,8 @@ int probe_body(const runtime::Config& config) {
         case wire::MessageType::ExpertUsage:
         case wire::MessageType::ControlCommand:
         case wire::MessageType::ControlReply:
-          service.log.warn("unexpected_message", {{"type", wire::message_type_name(message->type)}});
+          service.log.warn("unexpected_message",
+                           {{"type", wire::message_type_name(message->type)}});
           break;
       }
     }

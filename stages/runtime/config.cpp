@@ -112,8 +112,12 @@ const Config::Value& Config::find(const std::string& name) const {
   return it->second;
 }
 
-const std::string& Config::text(const std::string& name) const { return find(name).text; }
-const std::string& Config::source(const std::string& name) const { return find(name).source; }
+const std::string& Config::text(const std::string& name) const {
+  return find(name).text;
+}
+const std::string& Config::source(const std::string& name) const {
+  return find(name).source;
+}
 
 int64_t Config::integer(const std::string& name) const {
   const Value& value = find(name);
@@ -121,8 +125,8 @@ int64_t Config::integer(const std::string& name) const {
   const char* end = value.text.data() + value.text.size();
   auto [ptr, ec] = std::from_chars(value.text.data(), end, out);
   if (ec != std::errc() || ptr != end || value.text.empty())
-    throw ConfigError(name + " expects an integer, got '" + value.text + "' (from " +
-                      value.source + ")");
+    throw ConfigError(name + " expects an integer, got '" + value.text + "' (from " + value.source +
+                      ")");
   return out;
 }
 
@@ -175,12 +179,19 @@ uint64_t parse_bytes(const std::string& text) {
     throw ConfigError("'" + text + "' is not a size (e.g. 512MiB)");
   }
   std::string unit = text.substr(pos);
-  static const std::map<std::string, double> units = {
-      {"", 1},          {"B", 1},         {"KB", 1e3},      {"MB", 1e6},
-      {"GB", 1e9},      {"KiB", 1024.0},  {"MiB", 1048576.0}, {"GiB", 1073741824.0},
-      {"TB", 1e12},     {"TiB", 1099511627776.0}};
+  static const std::map<std::string, double> units = {{"", 1},
+                                                      {"B", 1},
+                                                      {"KB", 1e3},
+                                                      {"MB", 1e6},
+                                                      {"GB", 1e9},
+                                                      {"KiB", 1024.0},
+                                                      {"MiB", 1048576.0},
+                                                      {"GiB", 1073741824.0},
+                                                      {"TB", 1e12},
+                                                      {"TiB", 1099511627776.0}};
   auto it = units.find(unit);
-  if (it == units.end() || value < 0) throw ConfigError("'" + text + "' is not a size (e.g. 512MiB)");
+  if (it == units.end() || value < 0)
+    throw ConfigError("'" + text + "' is not a size (e.g. 512MiB)");
   return static_cast<uint64_t>(value * it->second);
 }
 

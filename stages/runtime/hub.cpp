@@ -4,8 +4,8 @@
 
 namespace moeline::runtime {
 
-Hub::Hub(zmq::context_t& context, const std::string& bind, uint64_t settings_hash,
-         int heartbeat_ms, int peer_timeout_ms, Logger& log, Registry& metrics)
+Hub::Hub(zmq::context_t& context, const std::string& bind, uint64_t settings_hash, int heartbeat_ms,
+         int peer_timeout_ms, Logger& log, Registry& metrics)
     : socket_(context, zmq::socket_type::router),
       settings_hash_(settings_hash),
       heartbeat_(heartbeat_ms),
@@ -23,8 +23,9 @@ Hub::Hub(zmq::context_t& context, const std::string& bind, uint64_t settings_has
 void Hub::update_gauges() {
   for (auto stage : {wire::StageKind::Probe, wire::StageKind::Prefill, wire::StageKind::Decode,
                      wire::StageKind::OffloadManager}) {
-    metrics_.gauge("moeline_hub_peers", "Connected stage processes by kind",
-                   {{"stage", wire::stage_name(stage)}})
+    metrics_
+        .gauge("moeline_hub_peers", "Connected stage processes by kind",
+               {{"stage", wire::stage_name(stage)}})
         .set(static_cast<double>(count(stage)));
   }
 }
@@ -43,8 +44,9 @@ void Hub::on_hello(const std::string& identity, const wire::Message& message) {
     refusal = "schema major " + std::to_string(hello->schema_major()) + ", the hub speaks " +
               std::to_string(wire::kSchemaMajor);
   } else if (hello->settings_hash() != settings_hash_) {
-    refusal = "settings hash " + std::to_string(hello->settings_hash()) + " differs from the hub's " +
-              std::to_string(settings_hash_) + " (another model or KV layout)";
+    refusal = "settings hash " + std::to_string(hello->settings_hash()) +
+              " differs from the hub's " + std::to_string(settings_hash_) +
+              " (another model or KV layout)";
   }
   flatbuffers::FlatBufferBuilder builder(256);
   builder.Finish(wire::CreateHelloReply(builder, refusal.empty(), builder.CreateString(refusal),
@@ -68,9 +70,11 @@ void Hub::on_hello(const std::string& identity, const wire::Message& message) {
   peer.pid = hello->pid();
   peer.http_port = hello->http_port();
   peer.last_seen = std::chrono::steady_clock::now();
-  log_.info(known ? "peer_rehello" : "peer_joined",
-            {{"peer", replica}, {"stage", wire::stage_name(peer.stage)}, {"credits", peer.credits},
-             {"pid", peer.pid}, {"schema_minor", hello->schema_minor()}});
+  log_.info(known ? "peer_rehello" : "peer_joined", {{"peer", replica},
+                                                     {"stage", wire::stage_name(peer.stage)},
+                                                     {"credits", peer.credits},
+                                                     {"pid", peer.pid},
+                                                     {"schema_minor", hello->schema_minor()}});
   update_gauges();
 }
 
@@ -84,7 +88,8 @@ std::optional<Hub::Incoming> Hub::receive() {
     wire::Decoded decoded = wire::decode(std::move(*frames));
     if (decoded.error) {
       metrics_
-          .counter("moeline_wire_rejected_frames_total", "Received messages refused by the wire codec",
+          .counter("moeline_wire_rejected_frames_total",
+                   "Received messages refused by the wire codec",
                    {{"peer", "stage"}, {"reason", decoded.error->reason}})
           .inc();
       if (uint64_t suppressed = 0; log_limit_.allow(suppressed))
@@ -140,7 +145,9 @@ Peer* Hub::pick(wire::StageKind stage) {
   return best;
 }
 
-bool Hub::any(wire::StageKind stage) const { return count(stage) > 0; }
+bool Hub::any(wire::StageKind stage) const {
+  return count(stage) > 0;
+}
 
 size_t Hub::count(wire::StageKind stage) const {
   size_t n = 0;

@@ -57,10 +57,10 @@ void HubLink::heartbeat_loop() {
   side.connect(settings_.hub);
   while (!stopping_.load()) {
     flatbuffers::FlatBufferBuilder builder(128);
-    builder.Finish(wire::CreateHeartbeat(builder, unix_ns(), queue_depth_.load(), active_.load(),
-                                         builder.CreateString(identity_), kv_used_.load(),
-                                         kv_free_.load()),
-                   wire::HelloIdentifier());
+    builder.Finish(
+        wire::CreateHeartbeat(builder, unix_ns(), queue_depth_.load(), active_.load(),
+                              builder.CreateString(identity_), kv_used_.load(), kv_free_.load()),
+        wire::HelloIdentifier());
     wire::send(side, wire::encode(wire::MessageType::Heartbeat, builder), nullptr, true);
     // Drain anything the hub says on this side connection (nothing is expected).
     while (wire::receive(side, true)) {
@@ -72,11 +72,12 @@ void HubLink::heartbeat_loop() {
 
 void HubLink::hello(uint32_t credits) {
   flatbuffers::FlatBufferBuilder builder(256);
-  builder.Finish(wire::CreateHello(builder, settings_.stage, builder.CreateString(settings_.replica),
-                                   wire::kSchemaMajor, wire::kSchemaMinor,
-                                   builder.CreateString("moeline 0.1.0"), settings_.settings_hash,
-                                   credits, static_cast<uint32_t>(::getpid()), settings_.http_port),
-                 wire::HelloIdentifier());
+  builder.Finish(
+      wire::CreateHello(builder, settings_.stage, builder.CreateString(settings_.replica),
+                        wire::kSchemaMajor, wire::kSchemaMinor,
+                        builder.CreateString("moeline 0.1.0"), settings_.settings_hash, credits,
+                        static_cast<uint32_t>(::getpid()), settings_.http_port),
+      wire::HelloIdentifier());
   wire::send(socket_, wire::encode(wire::MessageType::Hello, builder));
   reconnects_.inc();
   needs_hello_ = false;
@@ -100,7 +101,8 @@ std::optional<wire::Message> HubLink::receive(int timeout_ms) {
   const auto until = std::chrono::steady_clock::now() + std::chrono::milliseconds(timeout_ms);
   while (true) {
     const auto now = std::chrono::steady_clock::now();
-    if (!needs_hello_ && now - last_hub_message_ > std::chrono::milliseconds(settings_.peer_timeout_ms)) {
+    if (!needs_hello_ &&
+        now - last_hub_message_ > std::chrono::milliseconds(settings_.peer_timeout_ms)) {
       log_.warn("hub_silent", {{"hub", settings_.hub}, {"timeout_ms", settings_.peer_timeout_ms}});
       needs_hello_ = true;
       return std::nullopt;

@@ -17,8 +17,8 @@
 
 namespace moeline::runtime {
 
-using LogValue = std::variant<std::string, const char*, int64_t, uint64_t, int, unsigned, double,
-                              bool>;
+using LogValue =
+    std::variant<std::string, const char*, int64_t, uint64_t, int, unsigned, double, bool>;
 using LogField = std::pair<const char*, LogValue>;
 
 class Logger {

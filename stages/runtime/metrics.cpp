@@ -91,8 +91,7 @@ Registry::Family& Registry::family(const std::string& name, const std::string& t
   return it->second;
 }
 
-Counter& Registry::counter(const std::string& name, const std::string& help,
-                           const Labels& labels) {
+Counter& Registry::counter(const std::string& name, const std::string& help, const Labels& labels) {
   std::lock_guard lock(mutex_);
   auto& slot = family(name, "counter", help).counters[render_labels(labels)];
   if (!slot) slot = std::make_unique<Counter>();
@@ -130,8 +129,8 @@ std::string Registry::render() const {
       for (size_t i = 0; i <= bounds.size(); ++i) {
         const std::string le =
             "le=\"" + (i < bounds.size() ? format_number(bounds[i]) : std::string("+Inf")) + "\"";
-        out += name + "_bucket" + with_label(labels, le) + " " + std::to_string(cumulative[i]) +
-               "\n";
+        out +=
+            name + "_bucket" + with_label(labels, le) + " " + std::to_string(cumulative[i]) + "\n";
       }
       out += name + "_sum" + labels + " " + format_number(histogram->sum()) + "\n";
       out += name + "_count" + labels + " " + std::to_string(cumulative.back()) + "\n";

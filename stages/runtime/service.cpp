@@ -11,7 +11,9 @@ namespace {
 
 std::atomic<bool> g_stop{false};
 
-void on_signal(int) { g_stop.store(true); }
+void on_signal(int) {
+  g_stop.store(true);
+}
 
 }  // namespace
 
@@ -50,8 +52,7 @@ void StageService::start_http(const std::string& address, const std::string& por
   });
   server_->Get("/healthz", [this, health_detail](const httplib::Request&,
                                                  httplib::Response& response) {
-    const int64_t idle_ms =
-        (now_ns() - last_tick_ns_.load(std::memory_order_relaxed)) / 1'000'000;
+    const int64_t idle_ms = (now_ns() - last_tick_ns_.load(std::memory_order_relaxed)) / 1'000'000;
     nlohmann::json body = {{"stage", log.stage()},
                            {"replica", log.replica()},
                            {"ready", ready_.load()},
@@ -89,7 +90,9 @@ void StageService::install_signal_handlers() {
   signal(SIGPIPE, SIG_IGN);
 }
 
-bool StageService::stop_requested() { return g_stop.load(); }
+bool StageService::stop_requested() {
+  return g_stop.load();
+}
 
 std::string default_replica_name(const std::string& stage) {
   char host[256] = {};

@@ -57,7 +57,9 @@ struct StageProcess {
 };
 
 std::atomic<bool> g_stop{false};
-void on_signal(int) { g_stop.store(true); }
+void on_signal(int) {
+  g_stop.store(true);
+}
 
 std::string self_exe() {
   std::error_code ec;
@@ -65,7 +67,9 @@ std::string self_exe() {
   return ec ? "moeline" : path.string();
 }
 
-bool alive(pid_t pid) { return pid > 0 && ::kill(pid, 0) == 0; }
+bool alive(pid_t pid) {
+  return pid > 0 && ::kill(pid, 0) == 0;
+}
 
 int read_port(const fs::path& file) {
   std::ifstream in(file);
@@ -106,7 +110,8 @@ class Supervisor {
       while ((pid = ::waitpid(-1, &status, WNOHANG)) > 0) {
         for (StageProcess& stage : stages_) {
           if (stage.pid != pid) continue;
-          log_.error("stage_exited", {{"stage", stage.name}, {"pid", static_cast<int64_t>(pid)},
+          log_.error("stage_exited", {{"stage", stage.name},
+                                      {"pid", static_cast<int64_t>(pid)},
                                       {"code", WIFEXITED(status) ? WEXITSTATUS(status) : -1},
                                       {"signal", WIFSIGNALED(status) ? WTERMSIG(status) : 0}});
           stage.pid = 0;
@@ -192,8 +197,9 @@ class Supervisor {
     stage.pid = pid;
     stage.stalled_checks = 0;
     stage.recent_starts.push_back(Clock::now());
-    log_.info("stage_started", {{"stage", stage.name}, {"pid", static_cast<int64_t>(pid)},
-                                {"restarts", stage.restarts}});
+    log_.info(
+        "stage_started",
+        {{"stage", stage.name}, {"pid", static_cast<int64_t>(pid)}, {"restarts", stage.restarts}});
   }
 
   void stop_all() {
@@ -275,14 +281,13 @@ std::vector<StageHealth> stage_health(const fs::path& run_dir) {
 }
 
 int up(int argc, char** argv) {
-  std::vector<runtime::ConfigKey> keys = {
-      {"model", "", "checkpoint folder"},
-      {"run-dir", "", "run directory"},
-      {"prefill", "1", "prefill processes"},
-      {"decode", "1", "decode processes"},
-      {"threads", "0", "threads per compute process"},
-      {"timeout-s", "120", "seconds to wait for health"},
-      {"stage-config", "", ""}};
+  std::vector<runtime::ConfigKey> keys = {{"model", "", "checkpoint folder"},
+                                          {"run-dir", "", "run directory"},
+                                          {"prefill", "1", "prefill processes"},
+                                          {"decode", "1", "decode processes"},
+                                          {"threads", "0", "threads per compute process"},
+                                          {"timeout-s", "120", "seconds to wait for health"},
+                                          {"stage-config", "", ""}};
   // --config is the stage config file, passed through: take it out before parsing.
   std::string stage_config;
   std::vector<char*> rest;
@@ -301,7 +306,8 @@ int up(int argc, char** argv) {
     const char* env = std::getenv("MOELINE_MODEL");
     model = env != nullptr && *env != '\0' ? env : MOELINE_DEFAULT_MODEL;
   }
-  if (!fs::is_directory(model)) throw runtime::ConfigError("model folder " + model + " does not exist");
+  if (!fs::is_directory(model))
+    throw runtime::ConfigError("model folder " + model + " does not exist");
   const int prefill = static_cast<int>(config.integer("prefill"));
   const int decode = static_cast<int>(config.integer("decode"));
   if (prefill < 1 || decode < 1) throw runtime::ConfigError("--prefill and --decode must be >= 1");
@@ -309,7 +315,8 @@ int up(int argc, char** argv) {
     throw runtime::ConfigError("config file " + stage_config + " does not exist");
   int threads = static_cast<int>(config.integer("threads"));
   if (threads <= 0)
-    threads = std::max(1, static_cast<int>(std::thread::hardware_concurrency()) / (prefill + decode));
+    threads =
+        std::max(1, static_cast<int>(std::thread::hardware_concurrency()) / (prefill + decode));
 
   const fs::path run_dir = fs::absolute(config.text("run-dir"));
   fs::create_directories(run_dir / "logs");
@@ -344,15 +351,16 @@ int up(int argc, char** argv) {
     stages.push_back({"prefill-" + std::to_string(i), "prefill",
                       worker({"--threads", std::to_string(threads)})});
   for (int i = 0; i < decode; ++i)
-    stages.push_back({"decode-" + std::to_string(i), "decode",
-                      worker({"--threads", std::to_string(threads)})});
+    stages.push_back(
+        {"decode-" + std::to_string(i), "decode", worker({"--threads", std::to_string(threads)})});
 
   std::cout.flush();
   const pid_t child = ::fork();
   if (child < 0) throw std::runtime_error("fork failed");
   if (child == 0) {
     ::setsid();
-    const int fd = ::open((run_dir / "supervisor.log").c_str(), O_WRONLY | O_CREAT | O_APPEND, 0644);
+    const int fd =
+        ::open((run_dir / "supervisor.log").c_str(), O_WRONLY | O_CREAT | O_APPEND, 0644);
     const int null = ::open("/dev/null", O_RDONLY);
     if (null >= 0) ::dup2(null, STDIN_FILENO);
     if (fd >= 0) {
@@ -368,7 +376,8 @@ int up(int argc, char** argv) {
     std::this_thread::sleep_for(std::chrono::milliseconds(100));
     int status = 0;
     if (::waitpid(child, &status, WNOHANG) == child)
-      throw std::runtime_error("the supervisor exited; see " + (run_dir / "supervisor.log").string());
+      throw std::runtime_error("the supervisor exited; see " +
+                               (run_dir / "supervisor.log").string());
     auto health = stage_health(run_dir);
     if (health.empty()) continue;
     bool all = true;
