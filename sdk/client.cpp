@@ -71,6 +71,8 @@ void Client::open() {
 }
 
 void Client::reconnect() {
+  // The gateway would otherwise keep generating for a connection nobody reads any more.
+  for (const auto& [id, _] : in_flight_) cancel(id);
   in_flight_.clear();
   pending_.clear();
   control_replies_.clear();
@@ -121,6 +123,7 @@ std::optional<Event> Client::receive(std::chrono::milliseconds timeout) {
         throw ClientError(static_cast<int>(wire::ErrorCode::InvalidRequest), "InvalidRequest",
                           reply->message() ? reply->message()->str() : "control command refused");
       control_replies_.push_back(reply->json() ? reply->json()->str() : "{}");
+      if (awaiting_control_) return std::nullopt;
       continue;
     }
     if (message.type == wire::MessageType::ErrorReply) {
@@ -226,6 +229,11 @@ std::string Client::control(const std::string& command, const std::string& argum
                  wire::ControlCommandIdentifier());
   wire::send(*socket_, wire::encode(wire::MessageType::ControlCommand, builder));
   const auto until = Clock::now() + timeout_;
+  awaiting_control_ = true;
+  struct Reset {
+    bool& flag;
+    ~Reset() { flag = false; }
+  } reset{awaiting_control_};
   while (control_replies_.empty()) {
     const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(until - Clock::now());
     if (left.count() <= 0) {

@@ -113,7 +113,7 @@ class Client {
   void feedback(uint64_t client_request_id, float score, const std::string& comment = {});
   // An operator command ("status"); returns the reply's JSON text.
   std::string control(const std::string& command, const std::string& arguments = {});
-  // Drops every request in flight and opens a fresh connection.
+  // Cancels every request in flight (best effort), drops them and opens a fresh connection.
   void reconnect();
   size_t in_flight() const { return in_flight_.size(); }
 
@@ -129,6 +129,7 @@ class Client {
   std::map<uint64_t, bool> in_flight_;
   std::deque<Event> pending_;  // events received while waiting for another request's
   std::deque<std::string> control_replies_;
+  bool awaiting_control_ = false;  // receive() returns as soon as a control reply is queued
 };
 
 const char* error_name(int code);

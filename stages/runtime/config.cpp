@@ -2,6 +2,7 @@
 
 #include <cctype>
 #include <charconv>
+#include <cmath>
 #include <cstdlib>
 #include <fstream>
 #include <sstream>
@@ -190,9 +191,11 @@ uint64_t parse_bytes(const std::string& text) {
                                                       {"TB", 1e12},
                                                       {"TiB", 1099511627776.0}};
   auto it = units.find(unit);
-  if (it == units.end() || value < 0)
+  const double bytes = value * (it == units.end() ? 0.0 : it->second);
+  // 2^64: anything at or above it (and NaN, infinities) is not a size a uint64 can hold.
+  if (it == units.end() || !std::isfinite(value) || value < 0 || bytes >= 18446744073709551616.0)
     throw ConfigError("'" + text + "' is not a size (e.g. 512MiB)");
-  return static_cast<uint64_t>(value * it->second);
+  return static_cast<uint64_t>(bytes);
 }
 
 }  // namespace moeline::runtime

@@ -94,7 +94,7 @@ void Logger::write(const char* level, const char* event,
 bool RateLimited::allow(uint64_t& suppressed) {
   std::lock_guard lock(mutex_);
   const auto now = std::chrono::steady_clock::now();
-  if (now - last_ < interval_) {
+  if (last_ && now - *last_ < interval_) {
     ++skipped_;
     return false;
   }

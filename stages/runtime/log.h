@@ -12,6 +12,7 @@
 #include <cstdint>
 #include <initializer_list>
 #include <mutex>
+#include <optional>
 #include <string>
 #include <variant>
 
@@ -45,7 +46,7 @@ class RateLimited {
  private:
   std::mutex mutex_;
   std::chrono::milliseconds interval_;
-  std::chrono::steady_clock::time_point last_{};
+  std::optional<std::chrono::steady_clock::time_point> last_;  // none: the first call passes
   uint64_t skipped_ = 0;
 };
 

@@ -1,5 +1,6 @@
 #include "stages/runtime/metrics.h"
 
+#include <charconv>
 #include <cmath>
 #include <sstream>
 #include <stdexcept>
@@ -20,13 +21,31 @@ std::string escape_label(const std::string& value) {
   return out;
 }
 
+// HELP text: backslash and newline escaped, as the exposition format requires.
+std::string escape_help(const std::string& text) {
+  std::string out;
+  for (char c : text) {
+    if (c == '\\') {
+      out += "\\\\";
+    } else if (c == '\n') {
+      out += "\\n";
+    } else {
+      out += c;
+    }
+  }
+  return out;
+}
+
+// The shortest text that reads back as the same double ("0.1", not "0.10000000000000001").
 std::string format_number(double value) {
   if (std::isinf(value)) return value > 0 ? "+Inf" : "-Inf";
   if (std::isnan(value)) return "NaN";
-  std::ostringstream out;
-  out.precision(17);
-  out << value;
-  return out.str();
+  // Counts print as integers ("200000", not "2e+05").
+  if (value == std::floor(value) && std::fabs(value) < 9007199254740992.0)
+    return std::to_string(static_cast<int64_t>(value));
+  char text[32];
+  auto [end, ec] = std::to_chars(text, text + sizeof text, value);
+  return ec == std::errc() ? std::string(text, end) : std::to_string(value);
 }
 
 // Inserts `extra` into an already rendered label set ("{a="1"}" + le -> "{a="1",le="..."}").
@@ -117,7 +136,7 @@ std::string Registry::render() const {
   std::lock_guard lock(mutex_);
   std::string out;
   for (const auto& [name, family] : families_) {
-    out += "# HELP " + name + " " + family.help + "\n";
+    out += "# HELP " + name + " " + escape_help(family.help) + "\n";
     out += "# TYPE " + name + " " + family.type + "\n";
     for (const auto& [labels, counter] : family.counters)
       out += name + labels + " " + format_number(counter->value()) + "\n";
