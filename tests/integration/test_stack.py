@@ -31,7 +31,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 from stack_harness import Stack, add_python_paths, reference, run_concurrently  # noqa: E402
 
-FAST_FAILURE = {"heartbeat-ms": 100, "peer-timeout-ms": 1000}
+FAST_FAILURE = {"heartbeat-ms": 100, "peer-timeout-ms": 1500}
 WORDS = ["to swim:", "to eat:", "mountain:", "bread:", "ocean:", "a small dog:", "to run fast:",
          "the color of the sky:", "volcano:", "happiness:"]
 
@@ -317,8 +317,10 @@ def case_recovery(args):
                     if event.kind == "delta":
                         result["ids"] += event.token_ids
                         deltas += 1
-                        # Mid-stream: once most requests are streaming.
-                        if killed is None and deltas >= len(requests):
+                        # Mid-stream: for decode once most requests stream, for prefill at the
+                        # first token (its queue is full of long prompts then).
+                        kill_after = len(requests) if victim.startswith("decode") else 1
+                        if killed is None and deltas >= kill_after:
                             # SIGSTOP: alive but silent — heartbeats stop, /healthz stops
                             # answering; the gateway must fail over, the supervisor replace it.
                             killed = stack.kill(victim, signal.SIGSTOP if stop_only else
