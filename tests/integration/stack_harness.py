@@ -26,6 +26,9 @@ class Stack:
 
     def __enter__(self):
         os.makedirs(self.run_dir, exist_ok=True)
+        # A stack left behind by an interrupted earlier run would hold the run directory.
+        subprocess.run([self.moeline, "stack", "down", "--run-dir", self.run_dir],
+                       capture_output=True, timeout=60)
         cmd = [self.moeline, "stack", "up", "--model", self.model, "--run-dir", self.run_dir,
                "--prefill", str(self.prefill), "--decode", str(self.decode),
                "--threads", str(self.threads), "--timeout-s", "90"]
