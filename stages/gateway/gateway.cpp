@@ -170,8 +170,8 @@ class Gateway {
     retries_ = &metrics_.counter("moeline_gateway_retries_total",
                                  "Requests restarted after the replica holding them died");
     feedback_ = &metrics_.counter("moeline_gateway_feedback_total", "Feedback messages received");
-    for (const char* outcome :
-         {"stop", "length", "cancelled", "deadline_exceeded", "stage_failed", "failed", "rejected"})
+    for (const char* outcome : {"stop", "length", "cancelled", "client_gone", "deadline_exceeded",
+                                "stage_failed", "failed", "rejected"})
       outcome_counter(outcome);
   }
 
@@ -208,12 +208,12 @@ class Gateway {
 
   // ---- to clients ----
 
-  void send_client(const std::string& client, std::vector<zmq::message_t>&& frames) {
-    // A client that went away cannot be reached (ROUTER_MANDATORY): its requests end anyway.
-    wire::send(*client_, std::move(frames), &client, true);
+  // False when the client's connection is gone (ROUTER_MANDATORY reports it).
+  bool send_client(const std::string& client, std::vector<zmq::message_t>&& frames) {
+    return wire::send(*client_, std::move(frames), &client, true);
   }
 
-  void send_event(const std::string& client, uint64_t client_request_id, uint64_t request_id,
+  bool send_event(const std::string& client, uint64_t client_request_id, uint64_t request_id,
                   wire::EventKind kind, const std::string& text = {},
                   const std::vector<int32_t>& tokens = {}, const std::string& finish = {},
                   wire::ErrorCode code = wire::ErrorCode::None, const std::string& error = {},
@@ -242,7 +242,7 @@ class Gateway {
         wire::CreateStreamEvent(builder, client_request_id, request_id, kind, text_offset,
                                 tokens_offset, finish_offset, usage, timings, code, error_offset),
         wire::GenerateRequestIdentifier());
-    send_client(client, wire::encode(wire::MessageType::StreamEvent, builder));
+    return send_client(client, wire::encode(wire::MessageType::StreamEvent, builder));
   }
 
   void reject(const std::string& client, uint64_t client_request_id, wire::ErrorCode code,
@@ -453,8 +453,14 @@ class Gateway {
     return &it->second;
   }
 
+  // Tells the prefill or decode replica holding the request to drop it (a probe answers at once,
+  // there is nothing to cancel there).
   void cancel_at_owner(Request& r) {
-    if (r.owner.empty()) return;
+    const runtime::Peer* owner = r.owner.empty() ? nullptr : hub_->peer(r.owner);
+    if (owner == nullptr || owner->stage == wire::StageKind::Probe) {
+      r.owner.clear();
+      return;
+    }
     flatbuffers::FlatBufferBuilder builder(64);
     builder.Finish(wire::CreateCancelJob(builder, r.id, r.attempt), wire::PrefillJobIdentifier());
     hub_->send(r.owner, wire::encode(wire::MessageType::CancelJob, builder), false);
@@ -511,7 +517,14 @@ class Gateway {
         auto piece = r.text->step(token);
         if (piece) delta = std::move(*piece);
       }
-      send_event(r.client, r.client_request_id, r.id, wire::EventKind::Delta, delta, {token});
+      if (!send_event(r.client, r.client_request_id, r.id, wire::EventKind::Delta, delta,
+                      {token})) {
+        // Nobody is listening any more: stop spending compute on it.
+        log_.info("client_gone", {{"request_id", r.id}, {"tokens", r.sent.size()}});
+        cancel_at_owner(r);
+        outcome_counter("client_gone").inc();
+        return erase(r);
+      }
     }
     if (!finish_reason.empty()) {
       r.owner.clear();  // the replica has already let it go

@@ -207,6 +207,20 @@ def case_errors(args):
             result = client.generate(tokens=[1, 2], max_tokens=4, tenant="acme")
             check(len(result.ids) >= 1, "a known tenant is served")
 
+        # A client that disconnects mid-stream: the gateway notices (its next token cannot be
+        # delivered) and stops the work.
+        socket = raw_socket(stack.endpoint)
+        socket.send_multipart(encode_generate(7, tokens=[9, 8, 7], max_tokens=480, ignore_eos=True))
+        for _ in range(3):
+            socket.recv_multipart()  # Accepted, then deltas
+        socket.close(linger=0)
+        wait_for(lambda: stack.metric("gateway", "moeline_gateway_requests_total",
+                                      outcome="client_gone") >= 1, 10,
+                 "a vanished client's request was not stopped")
+        wait_for(lambda: stack.metric("decode-0", "moeline_decode_active_sequences") == 0, 10,
+                 "decode still runs a vanished client's request")
+        print("ok errors: a client that disconnects mid-stream: its request is stopped")
+
         # Malformed frames straight at the client endpoint.
         socket = raw_socket(stack.endpoint)
         good = encode_generate(99, tokens=[1, 2, 3], max_tokens=2)
