@@ -422,6 +422,14 @@ class Gateway {
     std::string text = "ok";
     if (name == "status") {
       body["in_flight"] = requests_.size();
+      // Where each request is: waiting in the gateway, or held by a replica of some stage.
+      std::map<std::string, size_t> where = {
+          {"queued", 0}, {"probe", 0}, {"prefill", 0}, {"decode", 0}};
+      for (const auto& [id, r] : requests_) {
+        const runtime::Peer* owner = r.owner.empty() ? nullptr : hub_->peer(r.owner);
+        ++where[owner ? wire::stage_name(owner->stage) : "queued"];
+      }
+      body["requests"] = where;
       body["queues"] = {{"probe", probe_queue_.size()},
                         {"prefill", prefill_queue_.size()},
                         {"decode", decode_queue_.size()}};
