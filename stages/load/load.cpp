@@ -364,6 +364,7 @@ int load_body(const runtime::Config& config) {
   o.max_tokens = config.integer("max-tokens");
   o.threads = static_cast<int>(config.integer("threads"));
   o.json = config.flag("json");
+  if (o.target == "prefill") o.max_tokens = 1;  // prefill's output is the first token
   if (o.target != "stack" && o.target != "prefill" && o.target != "decode")
     throw runtime::ConfigError("--target must be stack, prefill or decode");
   if (o.concurrency < 1) throw runtime::ConfigError("--concurrency must be >= 1");
@@ -403,11 +404,13 @@ int load_body(const runtime::Config& config) {
   if (o.json) {
     std::cout << out.dump() << '\n';
   } else {
-    std::printf(
-        "target %s, %s, %.1f s, prompt %lld tokens, up to %lld output tokens\n", o.target.c_str(),
-        o.rate > 0 ? ("rate " + std::to_string(o.rate) + "/s").c_str()
-                   : ("concurrency " + std::to_string(o.concurrency)).c_str(),
-        elapsed, static_cast<long long>(o.prompt_tokens), static_cast<long long>(o.max_tokens));
+    char rate_text[64];
+    std::snprintf(rate_text, sizeof rate_text, "rate %g/s", o.rate);
+    const std::string load_text =
+        o.rate > 0 ? rate_text : "concurrency " + std::to_string(o.concurrency);
+    std::printf("target %s, %s, %.1f s, prompt %lld tokens, up to %lld output tokens\n",
+                o.target.c_str(), load_text.c_str(), elapsed,
+                static_cast<long long>(o.prompt_tokens), static_cast<long long>(o.max_tokens));
     std::printf(
         "requests %llu completed %llu errors %llu | %.2f req/s, %.1f prompt tok/s, %.1f "
         "output tok/s\n",
