@@ -101,6 +101,11 @@ bool Sequence::reserve(BlockPool& pool, int64_t more) {
   return true;
 }
 
+void Sequence::share_block(BlockPool& pool, int32_t block) {
+  pool.retain(block);
+  block_table_.push_back(block);
+}
+
 void Sequence::commit(std::span<const int32_t> tokens) {
   tokens_.insert(tokens_.end(), tokens.begin(), tokens.end());
   const size_t full_blocks = tokens_.size() / kBlockTokens;

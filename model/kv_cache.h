@@ -76,6 +76,9 @@ class Sequence {
 
   // Makes room for `more` tokens; false (and nothing allocated) when the pool is too small.
   bool reserve(BlockPool& pool, int64_t more);
+  // Appends an already filled block to an empty sequence's table (taking a reference): a reused
+  // prefix, possibly shared by several sequences. The prefix's tokens are then commit()ted.
+  void share_block(BlockPool& pool, int32_t block);
   // Records tokens whose KV has just been written, and keys every block they complete.
   void commit(std::span<const int32_t> tokens);
   void release(BlockPool& pool);

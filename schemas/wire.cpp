@@ -54,6 +54,8 @@ bool verify_body(MessageType type, const uint8_t* data, size_t size, bool& known
       return verify_table<JobFailed>(data, size, PrefillJobIdentifier());
     case MessageType::CancelJob:
       return verify_table<CancelJob>(data, size, PrefillJobIdentifier());
+    case MessageType::SnapshotPut:
+      return verify_table<SnapshotPut>(data, size, PrefillJobIdentifier());
     case MessageType::ExpertPlanRequest:
       return verify_table<ExpertPlanRequest>(data, size, ExpertPlanIdentifier());
     case MessageType::ExpertPlan:
@@ -89,6 +91,7 @@ const char* identifier_of(MessageType type) {
     case MessageType::TokenBatch:
     case MessageType::JobFailed:
     case MessageType::CancelJob:
+    case MessageType::SnapshotPut:
       return PrefillJobIdentifier();
     case MessageType::ExpertPlanRequest:
     case MessageType::ExpertPlan:

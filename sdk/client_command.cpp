@@ -14,6 +14,7 @@ namespace {
 constexpr const char* kUsage =
     R"(usage: moeline client generate --endpoint EP (--prompt TEXT | --tokens 1,2,3) [options]
        moeline client status --endpoint EP
+       moeline client reuse --endpoint EP --levels prefix,full,result|all|none [--tenant NAME]
 
 generate streams the text to stdout as it arrives; with --json it prints one JSON object at the
 end instead: ids, text, finish_reason, usage, timings (milliseconds).
@@ -171,6 +172,31 @@ int generate(int argc, char** argv) {
   }
 }
 
+// Turns exact reuse levels on or off, for one tenant or (no --tenant) for all; effective for the
+// next request.
+int reuse(int argc, char** argv) {
+  std::string endpoint, levels, tenant = "*";
+  if (const char* env = std::getenv("MOELINE_ENDPOINT")) endpoint = env;
+  for (int i = 0; i < argc; ++i) {
+    const std::string flag = argv[i];
+    if (i + 1 >= argc) throw UsageError(flag + " needs a value");
+    if (flag == "--endpoint")
+      endpoint = argv[++i];
+    else if (flag == "--levels")
+      levels = argv[++i];
+    else if (flag == "--tenant")
+      tenant = argv[++i];
+    else
+      throw UsageError("unknown option '" + flag + "'");
+  }
+  if (endpoint.empty()) throw UsageError("--endpoint is required");
+  if (levels.empty()) throw UsageError("--levels is required (prefix,full,result, all or none)");
+  Client client(endpoint, std::chrono::seconds(10));
+  const nlohmann::json args = {{"levels", levels}, {"tenant", tenant}};
+  std::cout << nlohmann::json::parse(client.control("reuse", args.dump())).dump(2) << '\n';
+  return 0;
+}
+
 int status(int argc, char** argv) {
   std::string endpoint;
   if (const char* env = std::getenv("MOELINE_ENDPOINT")) endpoint = env;
@@ -202,6 +228,7 @@ int client_command(int argc, char** argv) {
   try {
     if (sub == "generate") return generate(argc - 1, argv + 1);
     if (sub == "status") return status(argc - 1, argv + 1);
+    if (sub == "reuse") return reuse(argc - 1, argv + 1);
     throw UsageError("unknown client command '" + sub + "'");
   } catch (const UsageError& e) {
     std::cerr << kUsage << "moeline: error: " << e.what() << '\n';

@@ -134,6 +134,7 @@ class DecodeStage {
       case wire::MessageType::PrefillJob:
       case wire::MessageType::TokenBatch:
       case wire::MessageType::JobFailed:
+      case wire::MessageType::SnapshotPut:
       case wire::MessageType::ExpertPlanRequest:
       case wire::MessageType::ExpertPlan:
       case wire::MessageType::ExpertUsage:

@@ -4,11 +4,14 @@
 #include <chrono>
 #include <deque>
 #include <map>
+#include <optional>
 #include <random>
 #include <unordered_map>
 
+#include "model/kv_cache.h"
 #include "model/model.h"
 #include "model/tokenizer/tokenizer.h"
+#include "reuse/records.h"
 #include "stages/common/common.h"
 #include "stages/runtime/hub.h"
 #include "stages/runtime/service.h"
@@ -38,6 +41,11 @@ struct Request {
   std::unique_ptr<model::DecodeStream> text;
   std::string reuse_level = "none";
   uint32_t reused_tokens = 0;
+  uint32_t allowed_levels = 0;        // reuse levels this request may use (policy at intake)
+  bool client_deterministic = false;  // greedy or a seed the client chose: result reuse applies
+  uint64_t prompt_key = 0;            // reuse key of the whole prompt
+  std::optional<wire::Message> prefix_plan;  // a prefix plan's KV, until dispatched to prefill
+  uint64_t prefix_key = 0;
   double prefill_ms = 0;
 };
 
@@ -75,6 +83,13 @@ class Gateway {
     max_decode_backlog_ = static_cast<size_t>(config.integer("max-decode-backlog"));
     limits_.max_body_bytes = runtime::parse_bytes(config.text("max-message-bytes"));
     for (const std::string& tenant : split(config.text("tenants"))) tenants_.push_back(tenant);
+    for (const std::string& tenant : split(config.text("shared-tenants")))
+      shared_tenants_.push_back(tenant);
+    try {
+      default_levels_ = reuse::parse_levels(config.text("reuse-levels"));
+    } catch (const std::invalid_argument& e) {
+      throw runtime::ConfigError(std::string("--reuse-levels: ") + e.what());
+    }
 
     service_.start_http(config.text("http"), config.text("port-file"), [this] {
       return nlohmann::json{{"in_flight", in_flight_.load()}};
@@ -316,6 +331,7 @@ class Gateway {
       case wire::MessageType::TokenBatch:
       case wire::MessageType::JobFailed:
       case wire::MessageType::CancelJob:
+      case wire::MessageType::SnapshotPut:
       case wire::MessageType::ExpertPlanRequest:
       case wire::MessageType::ExpertPlan:
       case wire::MessageType::ExpertUsage:
@@ -385,6 +401,7 @@ class Gateway {
                         std::to_string(max_prompt_tokens_));
     // Every sampled request gets a seed, so that a retry after a replica dies replays the
     // tokens the client already has instead of diverging from them.
+    const bool client_seeded = sampling.seed.has_value();
     if (sampling.temperature > 0 && !sampling.seed) sampling.seed = seed_source_();
 
     Request r;
@@ -394,7 +411,16 @@ class Gateway {
     r.prompt = std::move(prompt);
     r.sampling = std::move(sampling);
     // Server-derived: a client names its tenant, never the namespace its cache entries live in.
-    r.cache_namespace = "tenant:" + tenant;
+    // Tenants an operator marked shared reuse each other's work; every other tenant only its own.
+    const bool shared =
+        std::find(shared_tenants_.begin(), shared_tenants_.end(), tenant) != shared_tenants_.end();
+    r.cache_namespace = shared ? std::string("shared") : "tenant:" + tenant;
+    r.client_deterministic = r.sampling.temperature == 0 || client_seeded;
+    r.allowed_levels = levels_for(r.cache_namespace);
+    if (!r.client_deterministic) r.allowed_levels &= ~uint32_t{reuse::kResult};
+    const uint64_t ns = model::namespace_id(r.cache_namespace);
+    r.prompt_key = reuse::prompt_key(r.prompt, reuse::block_chain(r.prompt, model_->model_id(), ns),
+                                     model_->model_id(), ns);
     r.received = Clock::now();
     auto deadline = request.deadline_ms() > 0 ? std::chrono::milliseconds(request.deadline_ms())
                                               : default_deadline_;
@@ -420,7 +446,34 @@ class Gateway {
     nlohmann::json body;
     bool ok = true;
     std::string text = "ok";
-    if (name == "status") {
+    if (name == "reuse") {
+      // {"tenant": "acme" | "*", "levels": "prefix,full"}: effective for the next request.
+      nlohmann::json args = nlohmann::json::parse(
+          command.arguments() ? command.arguments()->str() : "{}", nullptr, false);
+      try {
+        if (!args.is_object() || !args.contains("levels") || !args["levels"].is_string())
+          throw std::invalid_argument(
+              "reuse expects {\"levels\": \"prefix,full,result|none|all\", \"tenant\": "
+              "\"NAME|*\"}");
+        const uint32_t levels = reuse::parse_levels(args["levels"].get<std::string>());
+        const std::string tenant = args.value("tenant", "*");
+        if (tenant == "*") {
+          default_levels_ = levels;
+          namespace_levels_.clear();
+        } else {
+          const bool shared = std::find(shared_tenants_.begin(), shared_tenants_.end(), tenant) !=
+                              shared_tenants_.end();
+          namespace_levels_[shared ? "shared" : "tenant:" + tenant] = levels;
+        }
+        log_.info("reuse_policy", {{"tenant", tenant}, {"levels", reuse::levels_text(levels)}});
+        text = "reuse for " + tenant + ": " + reuse::levels_text(levels);
+      } catch (const std::invalid_argument& e) {
+        ok = false;
+        text = e.what();
+      }
+      body["reuse"] = reuse_policy_json();
+    } else if (name == "status") {
+      body["reuse"] = reuse_policy_json();
       body["in_flight"] = requests_.size();
       // Where each request is: waiting in the gateway, or held by a replica of some stage.
       std::map<std::string, size_t> where = {
@@ -444,7 +497,7 @@ class Gateway {
                                  {"http_port", peer.http_port}});
     } else {
       ok = false;
-      text = "unknown command '" + name + "' (known: status)";
+      text = "unknown command '" + name + "' (known: status, reuse)";
     }
     flatbuffers::FlatBufferBuilder builder(512);
     builder.Finish(wire::CreateControlReply(builder, ok, builder.CreateString(text),
@@ -482,6 +535,9 @@ class Gateway {
 
   void finish(Request& r, const std::string& reason) {
     cancel_at_owner(r);
+    if ((reason == "stop" || reason == "length") && (r.allowed_levels & reuse::kResult) &&
+        r.reuse_level != "result" && !r.sent.empty())
+      store_result(r, reason);
     std::string tail;
     if (auto rest = r.text->finish(); rest) tail = std::move(*rest);
     const auto now = Clock::now();
@@ -549,6 +605,10 @@ class Gateway {
     r.owner.clear();
     ++r.attempt;
     r.position = 0;
+    r.prefix_plan.reset();
+    r.reuse_level = "none";
+    r.reused_tokens = 0;
+    r.prefix_key = 0;
     probe_queue_.push_back({r.id, r.attempt});
   }
 
@@ -582,6 +642,55 @@ class Gateway {
     }
   }
 
+  // ---- reuse ----
+
+  uint32_t levels_for(const std::string& cache_namespace) const {
+    auto it = namespace_levels_.find(cache_namespace);
+    return it == namespace_levels_.end() ? default_levels_ : it->second;
+  }
+
+  nlohmann::json reuse_policy_json() const {
+    nlohmann::json namespaces = nlohmann::json::object();
+    for (const auto& [name, levels] : namespace_levels_)
+      namespaces[name] = reuse::levels_text(levels);
+    return {{"default", reuse::levels_text(default_levels_)},
+            {"namespaces", namespaces},
+            {"shared_tenants", shared_tenants_}};
+  }
+
+  // Every probe gets the entries (each keeps its own store).
+  void forward_to_probes(std::vector<zmq::message_t>&& frames) {
+    std::vector<std::string> probes;
+    for (const auto& [identity, peer] : hub_->peers())
+      if (peer.stage == wire::StageKind::Probe) probes.push_back(identity);
+    for (size_t i = 0; i < probes.size(); ++i) {
+      std::vector<zmq::message_t> copy;
+      if (i + 1 < probes.size()) {
+        for (zmq::message_t& frame : frames) copy.emplace_back().copy(frame);  // shares the data
+      } else {
+        copy = std::move(frames);
+      }
+      hub_->send(probes[i], copy, false);
+    }
+  }
+
+  // A deterministic request's completion, for an identical request to replay.
+  void store_result(const Request& r, const std::string& reason) {
+    const std::string record = reuse::encode(reuse::ResultRecord{r.sent, reason});
+    flatbuffers::FlatBufferBuilder builder(256);
+    std::vector<flatbuffers::Offset<wire::SnapshotEntry>> entries = {
+        wire::CreateSnapshotEntry(builder, reuse::result_entry(r.prompt_key, r.sampling), 'R')};
+    std::vector<flatbuffers::Offset<wire::BulkFrame>> frames = {wire::CreateBulkFrame(
+        builder, record.size(),
+        wire::checksum({reinterpret_cast<const uint8_t*>(record.data()), record.size()}))};
+    builder.Finish(wire::CreateSnapshotPut(builder, builder.CreateVector(entries),
+                                           builder.CreateVector(frames)),
+                   wire::PrefillJobIdentifier());
+    std::vector<zmq::message_t> bulk;
+    bulk.emplace_back(record.data(), record.size());
+    forward_to_probes(wire::encode(wire::MessageType::SnapshotPut, builder, std::move(bulk)));
+  }
+
   // ---- to and from stages ----
 
   void dispatch() {
@@ -595,10 +704,12 @@ class Gateway {
       runtime::Peer* probe = hub_->pick(wire::StageKind::Probe);
       if (probe == nullptr) break;
       flatbuffers::FlatBufferBuilder builder(128 + r->prompt.size() * 4);
-      builder.Finish(
-          wire::CreateProbeJob(builder, r->id, r->attempt, builder.CreateVector(r->prompt),
-                               builder.CreateString(r->cache_namespace)),
-          wire::PrefillJobIdentifier());
+      auto tokens = builder.CreateVector(r->prompt);
+      auto name_space = builder.CreateString(r->cache_namespace);
+      auto sampling = to_wire(builder, r->sampling);
+      builder.Finish(wire::CreateProbeJob(builder, r->id, r->attempt, tokens, name_space, sampling,
+                                          r->allowed_levels),
+                     wire::PrefillJobIdentifier());
       const std::string identity = probe->identity;
       if (!hub_->send(identity, wire::encode(wire::MessageType::ProbeJob, builder), true)) break;
       r->owner = identity;
@@ -611,17 +722,58 @@ class Gateway {
         prefill_queue_.pop_front();
         continue;
       }
-      runtime::Peer* prefill = hub_->pick(wire::StageKind::Prefill);
+      // Jobs that reuse the same cached prefix go to the same replica, so that one prefill
+      // batch holds those blocks once.
+      runtime::Peer* prefill = nullptr;
+      if (r->prefix_key != 0) {
+        if (auto it = prefix_affinity_.find(r->prefix_key); it != prefix_affinity_.end()) {
+          runtime::Peer* preferred = hub_->peer(it->second);
+          if (preferred != nullptr && preferred->credits > 0) prefill = preferred;
+        }
+      }
+      if (prefill == nullptr) prefill = hub_->pick(wire::StageKind::Prefill);
       if (prefill == nullptr) break;
-      flatbuffers::FlatBufferBuilder builder(256 + r->prompt.size() * 4);
+      flatbuffers::FlatBufferBuilder builder(512 + r->prompt.size() * 4);
       auto tokens = builder.CreateVector(r->prompt);
       auto sampling = to_wire(builder, r->sampling);
+      flatbuffers::Offset<wire::KvLayout> layout = 0;
+      flatbuffers::Offset<flatbuffers::Vector<flatbuffers::Offset<wire::BulkFrame>>> frames = 0;
+      std::vector<zmq::message_t> bulk;
+      if (r->prefix_plan) {
+        // The prefix's KV moves on to prefill without a copy.
+        const auto* plan = r->prefix_plan->as<wire::ProbePlan>();
+        const wire::KvLayout* l = plan->layout();
+        layout = wire::CreateKvLayout(builder, l->layers(), l->kv_heads(), l->head_dim(),
+                                      l->block_tokens(), builder.CreateString("f32"), l->blocks());
+        std::vector<flatbuffers::Offset<wire::BulkFrame>> described;
+        for (const wire::BulkFrame* frame : *plan->frames())
+          described.push_back(wire::CreateBulkFrame(builder, frame->bytes(), frame->xxh3()));
+        frames = builder.CreateVector(described);
+        for (wire::AlignedFrame& frame : r->prefix_plan->bulk)
+          bulk.push_back(std::move(frame.message()));
+      }
+      const uint32_t store_levels = r->allowed_levels & (reuse::kPrefix | reuse::kFull);
       builder.Finish(wire::CreatePrefillJob(builder, r->id, r->attempt, tokens, sampling,
                                             builder.CreateString(r->cache_namespace),
-                                            builder.CreateString(r->reuse_level)),
+                                            builder.CreateString(r->reuse_level),
+                                            r->prefix_plan ? r->reused_tokens : 0, frames, layout,
+                                            store_levels, r->prefix_key),
                      wire::PrefillJobIdentifier());
       const std::string identity = prefill->identity;
-      if (!hub_->send(identity, wire::encode(wire::MessageType::PrefillJob, builder), true)) break;
+      std::vector<zmq::message_t> job =
+          wire::encode(wire::MessageType::PrefillJob, builder, std::move(bulk));
+      if (!hub_->send(identity, job, true)) {
+        // That replica is gone; the next try recomputes the prefix rather than keep its KV here.
+        r->prefix_plan.reset();
+        r->reuse_level = "none";
+        r->reused_tokens = 0;
+        break;
+      }
+      r->prefix_plan.reset();
+      if (r->prefix_key != 0) {
+        if (prefix_affinity_.size() > 65536) prefix_affinity_.clear();
+        prefix_affinity_[r->prefix_key] = identity;
+      }
       r->owner = identity;
       if (r->attempt == 1 || r->prefill_dispatched == Clock::time_point{}) {
         r->prefill_dispatched = Clock::now();
@@ -673,8 +825,32 @@ class Gateway {
         Request* r = find(plan->request_id(), plan->attempt());
         if (r == nullptr) return;
         r->owner.clear();
-        r->reuse_level = plan->reuse_level() ? plan->reuse_level()->str() : "none";
-        r->reused_tokens = plan->reused_tokens();
+        const std::string level = plan->reuse_level() ? plan->reuse_level()->str() : "none";
+        if (level == "result" && plan->completion() && plan->completion()->size() > 0) {
+          // The completion of an identical deterministic request: replayed, nothing computed.
+          r->reuse_level = level;
+          r->reused_tokens = plan->reused_tokens();
+          const std::string finish = plan->finish_reason() ? plan->finish_reason()->str() : "stop";
+          const uint64_t id = r->id;
+          const uint32_t attempt = r->attempt;
+          const auto* completion = plan->completion();
+          for (flatbuffers::uoffset_t i = 0; i < completion->size(); ++i) {
+            Request* live = find(id, attempt);
+            if (live == nullptr) break;
+            on_token(*live, completion->Get(i), i + 1 == completion->size() ? finish : "");
+          }
+          return;
+        }
+        if (level == "prefix" && plan->reused_tokens() > 0 && plan->layout() != nullptr) {
+          if (auto bad = wire::check_bulk(plan->frames(), message.bulk)) {
+            log_.warn("probe_plan_refused", {{"request_id", r->id}, {"reason", *bad}});
+          } else {
+            r->reuse_level = level;
+            r->reused_tokens = plan->reused_tokens();
+            r->prefix_key = plan->prefix_key();
+            r->prefix_plan = std::move(message);
+          }
+        }
         prefill_queue_.push_back({r->id, r->attempt});
         return;
       }
@@ -684,6 +860,10 @@ class Gateway {
         if (r == nullptr) return;
         r->owner.clear();
         r->prefill_ms = static_cast<double>(done->prefill_us()) / 1000.0;
+        if (done->reuse_level() && done->reuse_level()->size() > 0) {
+          r->reuse_level = done->reuse_level()->str();
+          r->reused_tokens = done->reused_tokens();
+        }
         const std::string finish = done->finish_reason() ? done->finish_reason()->str() : "";
         const uint64_t id = r->id;
         const uint32_t attempt = r->attempt;
@@ -715,6 +895,8 @@ class Gateway {
       case wire::MessageType::ExpertPlanRequest:
       case wire::MessageType::ExpertUsage:
         return forward_to_offload(message);
+      case wire::MessageType::SnapshotPut:
+        return forward_to_probes(message.release_frames());
       case wire::MessageType::ExpertPlan: {
         const auto* plan = message.as<wire::ExpertPlan>();
         const std::string requester = plan->requester() ? plan->requester()->str() : "";
@@ -759,7 +941,10 @@ class Gateway {
   size_t max_prompt_bytes_ = 0, max_in_flight_ = 0, max_decode_backlog_ = 0;
   uint32_t max_retries_ = 2;
   std::chrono::milliseconds default_deadline_{0}, max_deadline_{0};
-  std::vector<std::string> tenants_;
+  std::vector<std::string> tenants_, shared_tenants_;
+  uint32_t default_levels_ = reuse::kAllLevels;
+  std::map<std::string, uint32_t> namespace_levels_;
+  std::unordered_map<uint64_t, std::string> prefix_affinity_;
   std::mt19937_64 seed_source_{std::random_device{}()};
 
   std::unordered_map<uint64_t, Request> requests_;
@@ -793,6 +978,12 @@ std::vector<runtime::ConfigKey> gateway_keys() {
   keys.push_back({"max-decode-backlog", "64",
                   "prefilled requests waiting for a decode replica before prefill pauses"});
   keys.push_back({"tenants", "", "comma-separated tenant names accepted (empty: any)"});
+  keys.push_back({"shared-tenants", "",
+                  "tenants whose cache entries are shared with each other (default: none; every "
+                  "tenant reuses only its own work)"});
+  keys.push_back({"reuse-levels", "prefix,full,result",
+                  "exact reuse levels on by default (prefix, full, result, all, none); change at "
+                  "run time with `moeline client reuse`"});
   return keys;
 }
 

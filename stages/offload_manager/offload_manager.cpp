@@ -112,6 +112,7 @@ int offload_body(const runtime::Config& config) {
       case wire::MessageType::PrefillDone:
       case wire::MessageType::TokenBatch:
       case wire::MessageType::JobFailed:
+      case wire::MessageType::SnapshotPut:
       case wire::MessageType::CancelJob:
       case wire::MessageType::ExpertPlan:
       case wire::MessageType::ControlCommand:

@@ -3,8 +3,11 @@
 #include <algorithm>
 #include <chrono>
 #include <deque>
+#include <optional>
+#include <unordered_map>
 
 #include "model/sampling.h"
+#include "reuse/records.h"
 #include "stages/common/common.h"
 #include "stages/common/worker.h"
 
@@ -18,6 +21,12 @@ struct Job {
   model::SamplingParams sampling;
   std::string cache_namespace;
   std::chrono::steady_clock::time_point received;
+  // Prefix reuse: the first `reused` tokens' KV (whole blocks) came with the job.
+  uint32_t reused = 0;
+  std::string reuse_level;
+  wire::AlignedFrame prefix_kv;
+  uint32_t store_levels = 0;  // which entries to put back into the probe's store
+  int64_t computed() const { return static_cast<int64_t>(tokens.size()) - reused; }
 };
 
 class PrefillStage {
@@ -54,6 +63,8 @@ class PrefillStage {
       outcomes_[outcome] = &metrics_.counter("moeline_prefill_requests_total",
                                              "Prefill jobs by outcome", {{"outcome", outcome}});
     tokens_total_ = &metrics_.counter("moeline_prefill_tokens_total", "Prompt tokens prefilled");
+    reused_tokens_total_ = &metrics_.counter("moeline_prefill_reused_tokens_total",
+                                             "Prompt tokens whose KV came from the store");
   }
 
   int run() {
@@ -98,7 +109,7 @@ class PrefillStage {
     if (worker_.handle(message, free_credits())) return;
     switch (message.type) {
       case wire::MessageType::PrefillJob:
-        return accept(*message.as<wire::PrefillJob>());
+        return accept(message);
       case wire::MessageType::CancelJob: {
         const auto* cancel = message.as<wire::CancelJob>();
         auto it = std::find_if(queue_.begin(), queue_.end(), [&](const Job& job) {
@@ -125,6 +136,7 @@ class PrefillStage {
       case wire::MessageType::PrefillDone:
       case wire::MessageType::TokenBatch:
       case wire::MessageType::JobFailed:
+      case wire::MessageType::SnapshotPut:
       case wire::MessageType::ExpertPlanRequest:
       case wire::MessageType::ExpertPlan:
       case wire::MessageType::ExpertUsage:
@@ -136,7 +148,8 @@ class PrefillStage {
     }
   }
 
-  void accept(const wire::PrefillJob& wire_job) {
+  void accept(wire::Message& message) {
+    const wire::PrefillJob& wire_job = *message.as<wire::PrefillJob>();
     Job job;
     job.request_id = wire_job.request_id();
     job.attempt = wire_job.attempt();
@@ -161,6 +174,28 @@ class PrefillStage {
       worker_.link->grant(1);
       return;
     }
+    job.store_levels = wire_job.store_levels();
+    job.reuse_level = wire_job.reuse_level() ? wire_job.reuse_level()->str() : "";
+    if (wire_job.reused_tokens() > 0) {
+      // A prefix that does not fit this replica's cache exactly is recomputed, never trusted.
+      const uint32_t reused = wire_job.reused_tokens();
+      const model::KvCache& cache = *worker_.cache;
+      const wire::KvLayout* layout = wire_job.layout();
+      const bool usable =
+          reused % model::kBlockTokens == 0 && reused < job.tokens.size() && layout != nullptr &&
+          layout->layers() == cache.layers() && layout->kv_heads() == cache.kv_heads() &&
+          layout->head_dim() == cache.head_dim() && layout->block_tokens() == model::kBlockTokens &&
+          layout->blocks() == reused / model::kBlockTokens &&
+          !wire::check_bulk(wire_job.frames(), message.bulk) && message.bulk.size() == 1 &&
+          message.bulk[0].size() == layout->blocks() * cache.block_bytes();
+      if (usable) {
+        job.reused = reused;
+        job.prefix_kv = std::move(message.bulk[0]);
+      } else {
+        worker_.service.log.warn("prefix_refused", {{"request_id", job.request_id}});
+        job.reuse_level = "none";
+      }
+    }
     queue_.push_back(std::move(job));
   }
 
@@ -179,7 +214,7 @@ class PrefillStage {
     std::vector<Job> batch;
     int64_t tokens = 0;
     while (!queue_.empty()) {
-      const auto size = static_cast<int64_t>(queue_.front().tokens.size());
+      const int64_t size = queue_.front().computed();
       if (!batch.empty() && tokens + size > max_batch_tokens_) break;
       tokens += size;
       batch.push_back(std::move(queue_.front()));
@@ -192,16 +227,45 @@ class PrefillStage {
     std::vector<model::SequenceInput> inputs;
     std::vector<Job> runnable;
     runnable.reserve(batch.size());
+    // Reused blocks by key: jobs of one batch that reuse the same prefix share its blocks.
+    std::unordered_map<uint64_t, int32_t> shared;
     for (Job& job : batch) {
-      auto sequence = std::make_unique<model::Sequence>(
-          next_sequence_id_++, worker_.model->model_id(), model::namespace_id(job.cache_namespace));
-      if (!sequence->reserve(pool, static_cast<int64_t>(job.tokens.size()))) {
+      const uint64_t ns = model::namespace_id(job.cache_namespace);
+      auto sequence =
+          std::make_unique<model::Sequence>(next_sequence_id_++, worker_.model->model_id(), ns);
+      bool room = true;
+      if (job.reused > 0) {
+        const std::span<const int32_t> prefix(job.tokens.data(), job.reused);
+        const std::vector<uint64_t> chain =
+            reuse::block_chain(prefix, worker_.model->model_id(), ns);
+        for (size_t b = 0; b < chain.size() && room; ++b) {
+          if (auto it = shared.find(chain[b]); it != shared.end()) {
+            sequence->share_block(pool, it->second);
+            continue;
+          }
+          std::optional<int32_t> block = pool.allocate();
+          if (!block) {
+            room = false;
+            break;
+          }
+          worker_.cache->import_block(*block,
+                                      job.prefix_kv.data() + b * worker_.cache->block_bytes());
+          sequence->share_block(pool, *block);
+          pool.release(*block);  // the sequence holds it now
+          shared[chain[b]] = *block;
+        }
+        if (room) sequence->commit(prefix);
+        reused_tokens_total_->inc(job.reused);
+      }
+      if (!room || !sequence->reserve(pool, job.computed())) {
         // Cannot happen with the cache sized for a full batch; refuse rather than corrupt.
+        sequence->release(pool);
         fail(job, wire::ErrorCode::Overloaded, "prefill KV cache full");
         continue;
       }
       runnable.push_back(std::move(job));
-      inputs.push_back({sequence.get(), runnable.back().tokens, true});
+      const Job& kept = runnable.back();
+      inputs.push_back({sequence.get(), std::span(kept.tokens).subspan(kept.reused), true});
       sequences.push_back(std::move(sequence));
     }
     batch = std::move(runnable);
@@ -231,7 +295,7 @@ class PrefillStage {
     const int32_t first = sampler.sample(logits, cfg.vocab_size);
     const auto sampled = std::chrono::steady_clock::now();
     ttft_->observe(std::chrono::duration<double>(sampled - job.received).count());
-    tokens_total_->inc(static_cast<double>(job.tokens.size()));
+    tokens_total_->inc(static_cast<double>(job.computed()));
 
     // The same stopping rule as model::Generator: a stop token, max_tokens, or the context.
     std::string finish;
@@ -273,16 +337,63 @@ class PrefillStage {
     auto sampling = to_wire(builder, job.sampling);
     auto name_space = builder.CreateString(job.cache_namespace);
     auto replica = builder.CreateString(worker_.service.log.replica());
+    auto level = builder.CreateString(job.reused > 0 ? "prefix" : "");
     builder.Finish(wire::CreatePrefillDone(builder, job.request_id, job.attempt, tokens, first,
                                            finish_text, sampling, name_space, layout, frames,
-                                           static_cast<uint64_t>(forward_seconds * 1e6), replica),
+                                           static_cast<uint64_t>(forward_seconds * 1e6), replica,
+                                           level, job.reused),
                    wire::PrefillJobIdentifier());
     worker_.link->send(wire::encode(wire::MessageType::PrefillDone, builder, std::move(bulk)));
+    put_snapshots(job, sequence, logits);
     const double total =
         std::chrono::duration<double>(std::chrono::steady_clock::now() - job.received).count();
     tpot_->observe(total);
     e2e_->observe(total);
     outcomes_[finish.empty() ? "done" : "finished"]->inc();
+  }
+
+  // What this prefill computed goes back to the probe's store: each new full block (prefix
+  // reuse) and the prompt's first-token logits with its partial last block (full reuse).
+  void put_snapshots(const Job& job, const model::Sequence& sequence, const float* logits) {
+    if (job.store_levels == 0) return;
+    const model::KvCache& cache = *worker_.cache;
+    const uint64_t model_id = worker_.model->model_id();
+    const uint64_t ns = model::namespace_id(job.cache_namespace);
+    const std::vector<uint64_t> chain = reuse::block_chain(job.tokens, model_id, ns);
+    flatbuffers::FlatBufferBuilder builder(1024);
+    std::vector<flatbuffers::Offset<wire::SnapshotEntry>> entries;
+    std::vector<flatbuffers::Offset<wire::BulkFrame>> frames;
+    std::vector<zmq::message_t> bulk;
+    auto add = [&](uint64_t key, uint8_t kind, zmq::message_t frame) {
+      entries.push_back(wire::CreateSnapshotEntry(builder, key, kind));
+      frames.push_back(wire::CreateBulkFrame(
+          builder, frame.size(),
+          wire::checksum({static_cast<const uint8_t*>(frame.data()), frame.size()})));
+      bulk.push_back(std::move(frame));
+    };
+    if (job.store_levels & reuse::kPrefix) {
+      for (size_t b = job.reused / model::kBlockTokens; b < chain.size(); ++b) {
+        zmq::message_t frame(cache.block_bytes());
+        cache.export_block(sequence.block_table()[b], frame.data());
+        add(reuse::block_entry(chain[b]), 'B', std::move(frame));
+      }
+    }
+    if (job.store_levels & reuse::kFull) {
+      reuse::PromptRecord record;
+      record.logits.assign(logits, logits + worker_.model->config().vocab_size);
+      if (job.tokens.size() % model::kBlockTokens != 0) {
+        record.tail_kv.resize(cache.block_bytes());
+        cache.export_block(sequence.block_table()[chain.size()], record.tail_kv.data());
+      }
+      const std::string bytes = reuse::encode(record);
+      add(reuse::prompt_entry(reuse::prompt_key(job.tokens, chain, model_id, ns)), 'P',
+          zmq::message_t(bytes.data(), bytes.size()));
+    }
+    if (entries.empty()) return;
+    builder.Finish(wire::CreateSnapshotPut(builder, builder.CreateVector(entries),
+                                           builder.CreateVector(frames)),
+                   wire::PrefillJobIdentifier());
+    worker_.link->send(wire::encode(wire::MessageType::SnapshotPut, builder, std::move(bulk)));
   }
 
   ComputeWorker worker_;
@@ -295,7 +406,7 @@ class PrefillStage {
   uint64_t next_sequence_id_ = 1;
   runtime::Gauge *kv_used_, *kv_free_, *queue_depth_;
   runtime::Histogram *batch_size_, *batch_tokens_, *ttft_, *tpot_, *e2e_;
-  runtime::Counter* tokens_total_;
+  runtime::Counter *tokens_total_, *reused_tokens_total_;
   std::map<std::string, runtime::Counter*> outcomes_;
 };
 

@@ -345,7 +345,8 @@ int up(int argc, char** argv) {
   std::vector<std::string> gateway_args = common;
   gateway_args.insert(gateway_args.end(), {"--client-bind", endpoint, "--hub-bind", hub});
   stages.push_back({"gateway", "gateway", gateway_args});
-  stages.push_back({"probe", "probe", worker({})});
+  // The probe's snapshot store keeps its disk tier in the run directory: it survives restarts.
+  stages.push_back({"probe", "probe", worker({"--store-path", (run_dir / "store").string()})});
   stages.push_back({"offload", "offload", worker({})});
   for (int i = 0; i < prefill; ++i)
     stages.push_back({"prefill-" + std::to_string(i), "prefill",

@@ -93,31 +93,9 @@ std::vector<zmq::message_t> stream_event() {
   return wire::encode(wire::MessageType::StreamEvent, b);
 }
 
-std::vector<zmq::message_t> probe_job() {
-  FlatBufferBuilder b;
-  const std::vector<int32_t> tokens = {1, 15043, 29892};
-  b.Finish(wire::CreateProbeJobDirect(b, 555, 2, &tokens, "acme/ns"), wire::PrefillJobIdentifier());
-  return wire::encode(wire::MessageType::ProbeJob, b);
-}
-
-std::vector<zmq::message_t> probe_plan() {
-  FlatBufferBuilder b;
-  b.Finish(wire::CreateProbePlanDirect(b, 555, 2, "prefix", 16, 350), wire::PrefillJobIdentifier());
-  return wire::encode(wire::MessageType::ProbePlan, b);
-}
-
 flatbuffers::Offset<wire::SamplingParams> pipeline_sampling(FlatBufferBuilder& b) {
   const std::vector<int32_t> stop = {2};
   return wire::CreateSamplingParamsDirect(b, 1.0, 50, 0.95, 7, true, 32, &stop, false);
-}
-
-std::vector<zmq::message_t> prefill_job() {
-  FlatBufferBuilder b;
-  const auto sampling = pipeline_sampling(b);
-  const std::vector<int32_t> tokens = {1, 15043, 29892};
-  b.Finish(wire::CreatePrefillJobDirect(b, 555, 2, &tokens, sampling, "acme/ns", "none"),
-           wire::PrefillJobIdentifier());
-  return wire::encode(wire::MessageType::PrefillJob, b);
 }
 
 // One block of one layer, keys then values, [1 head][2 tokens][4 dims] of f32: 64 bytes.
@@ -125,6 +103,63 @@ std::vector<uint8_t> kv_bytes() {
   std::vector<uint8_t> bytes(64);
   for (size_t i = 0; i < bytes.size(); ++i) bytes[i] = static_cast<uint8_t>(i * 7 + 3);
   return bytes;
+}
+
+// 1.1: sampling and allowed reuse levels.
+std::vector<zmq::message_t> probe_job() {
+  FlatBufferBuilder b;
+  const auto sampling = pipeline_sampling(b);
+  const std::vector<int32_t> tokens = {1, 15043, 29892};
+  b.Finish(wire::CreateProbeJobDirect(b, 555, 2, &tokens, "acme/ns", sampling, 5),
+           wire::PrefillJobIdentifier());
+  return wire::encode(wire::MessageType::ProbeJob, b);
+}
+
+// 1.1: the prefix's KV as a bulk frame, a completion, the prefix key.
+std::vector<zmq::message_t> probe_plan() {
+  FlatBufferBuilder b;
+  const std::vector<uint8_t> kv = kv_bytes();
+  const auto layout = wire::CreateKvLayoutDirect(b, 1, 1, 4, 2, "f32", 1);
+  const std::vector<flatbuffers::Offset<wire::BulkFrame>> frames = {
+      wire::CreateBulkFrame(b, kv.size(), wire::checksum(kv))};
+  const std::vector<int32_t> completion = {306, 2};
+  b.Finish(wire::CreateProbePlanDirect(b, 555, 2, "prefix", 16, 350, &frames, layout, &completion,
+                                       "stop", 0x0badc0ffee0ddf00ULL),
+           wire::PrefillJobIdentifier());
+  std::vector<zmq::message_t> bulk;
+  bulk.emplace_back(kv.data(), kv.size());
+  return wire::encode(wire::MessageType::ProbePlan, b, std::move(bulk));
+}
+
+// 1.1: reused tokens with their KV, the levels to store back, the prefix key.
+std::vector<zmq::message_t> prefill_job() {
+  FlatBufferBuilder b;
+  const std::vector<uint8_t> kv = kv_bytes();
+  const auto sampling = pipeline_sampling(b);
+  const auto layout = wire::CreateKvLayoutDirect(b, 1, 1, 4, 2, "f32", 1);
+  const std::vector<flatbuffers::Offset<wire::BulkFrame>> frames = {
+      wire::CreateBulkFrame(b, kv.size(), wire::checksum(kv))};
+  const std::vector<int32_t> tokens = {1, 15043, 29892};
+  b.Finish(wire::CreatePrefillJobDirect(b, 555, 2, &tokens, sampling, "acme/ns", "prefix", 2,
+                                        &frames, layout, 3, 0x0badc0ffee0ddf00ULL),
+           wire::PrefillJobIdentifier());
+  std::vector<zmq::message_t> bulk;
+  bulk.emplace_back(kv.data(), kv.size());
+  return wire::encode(wire::MessageType::PrefillJob, b, std::move(bulk));
+}
+
+// 1.1: store entries, each record one bulk frame.
+std::vector<zmq::message_t> snapshot_put() {
+  FlatBufferBuilder b;
+  const std::vector<uint8_t> kv = kv_bytes();
+  const std::vector<flatbuffers::Offset<wire::SnapshotEntry>> entries = {
+      wire::CreateSnapshotEntry(b, 0x1111222233334444ULL, 'B')};
+  const std::vector<flatbuffers::Offset<wire::BulkFrame>> frames = {
+      wire::CreateBulkFrame(b, kv.size(), wire::checksum(kv))};
+  b.Finish(wire::CreateSnapshotPutDirect(b, &entries, &frames), wire::PrefillJobIdentifier());
+  std::vector<zmq::message_t> bulk;
+  bulk.emplace_back(kv.data(), kv.size());
+  return wire::encode(wire::MessageType::SnapshotPut, b, std::move(bulk));
 }
 
 std::vector<zmq::message_t> prefill_done() {
@@ -136,7 +171,7 @@ std::vector<zmq::message_t> prefill_done() {
       wire::CreateBulkFrame(b, kv.size(), wire::checksum(kv))};
   const std::vector<int32_t> tokens = {1, 15043, 29892};
   b.Finish(wire::CreatePrefillDoneDirect(b, 555, 2, &tokens, 306, "", sampling, "acme/ns", layout,
-                                         &frames, 12345, "prefill-0"),
+                                         &frames, 12345, "prefill-0", "prefix", 2),
            wire::PrefillJobIdentifier());
   std::vector<zmq::message_t> bulk;
   bulk.emplace_back(kv.data(), kv.size());
@@ -238,6 +273,8 @@ std::vector<zmq::message_t> golden(wire::MessageType type) {
       return job_failed();
     case wire::MessageType::CancelJob:
       return cancel_job();
+    case wire::MessageType::SnapshotPut:
+      return snapshot_put();
     case wire::MessageType::ExpertPlanRequest:
       return expert_plan_request();
     case wire::MessageType::ExpertPlan:

@@ -256,10 +256,71 @@ std::map<std::string, Expectation> v1_0() {
   return e;
 }
 
+// Schema 1.1 (reuse): every 1.0 type again, with minor 1, the new fields of ProbeJob, ProbePlan,
+// PrefillJob and PrefillDone, and SnapshotPut.
+std::map<std::string, Expectation> v1_1() {
+  std::map<std::string, Expectation> e = v1_0();
+  for (auto& [stem, expectation] : e) expectation.minor = 1;
+  auto also = [&e](const std::string& stem, std::function<void(const Message&)> more) {
+    auto before = e.at(stem).check;
+    e.at(stem).check = [before, more](const Message& m) {
+      before(m);
+      more(m);
+    };
+  };
+  auto check_kv = [](const Message& m, const KvLayout* layout,
+                     const flatbuffers::Vector<flatbuffers::Offset<BulkFrame>>* frames) {
+    ASSERT_NE(layout, nullptr);
+    EXPECT_EQ(layout->blocks(), 1u);
+    EXPECT_EQ(check_bulk(frames, m.bulk), std::nullopt);
+    ASSERT_EQ(m.bulk.size(), 1u);
+    EXPECT_EQ(m.bulk[0].size(), 64u);
+  };
+  also("ProbeJob", [](const Message& m) {
+    const auto* t = m.as<ProbeJob>();
+    check_pipeline_sampling(t->sampling());
+    EXPECT_EQ(t->allowed_levels(), 5u);
+  });
+  also("ProbePlan", [check_kv](const Message& m) {
+    const auto* t = m.as<ProbePlan>();
+    check_kv(m, t->layout(), t->frames());
+    EXPECT_EQ(ints(t->completion()), (std::vector<int32_t>{306, 2}));
+    EXPECT_EQ(str(t->finish_reason()), "stop");
+    EXPECT_EQ(t->prefix_key(), 0x0badc0ffee0ddf00ULL);
+  });
+  e["PrefillJob"] = {MessageType::PrefillJob, 1, [check_kv](const Message& m) {
+                       const auto* t = m.as<PrefillJob>();
+                       EXPECT_EQ(t->request_id(), 555u);
+                       EXPECT_EQ(t->attempt(), 2u);
+                       EXPECT_EQ(ints(t->tokens()), (std::vector<int32_t>{1, 15043, 29892}));
+                       check_pipeline_sampling(t->sampling());
+                       EXPECT_EQ(str(t->cache_namespace()), "acme/ns");
+                       EXPECT_EQ(str(t->reuse_level()), "prefix");
+                       EXPECT_EQ(t->reused_tokens(), 2u);
+                       check_kv(m, t->layout(), t->frames());
+                       EXPECT_EQ(t->store_levels(), 3u);
+                       EXPECT_EQ(t->prefix_key(), 0x0badc0ffee0ddf00ULL);
+                     }};
+  also("PrefillDone", [](const Message& m) {
+    const auto* t = m.as<PrefillDone>();
+    EXPECT_EQ(str(t->reuse_level()), "prefix");
+    EXPECT_EQ(t->reused_tokens(), 2u);
+  });
+  e["SnapshotPut"] = {MessageType::SnapshotPut, 1, [](const Message& m) {
+                        const auto* t = m.as<SnapshotPut>();
+                        ASSERT_NE(t->entries(), nullptr);
+                        ASSERT_EQ(t->entries()->size(), 1u);
+                        EXPECT_EQ(t->entries()->Get(0)->key(), 0x1111222233334444ULL);
+                        EXPECT_EQ(t->entries()->Get(0)->kind(), 'B');
+                        EXPECT_EQ(check_bulk(t->frames(), m.bulk), std::nullopt);
+                      }};
+  return e;
+}
+
 // Every released version: directory name -> file stem -> expectation.
 const std::map<std::string, std::map<std::string, Expectation>>& released() {
   static const std::map<std::string, std::map<std::string, Expectation>> versions = {
-      {"v1.0", v1_0()}};
+      {"v1.0", v1_0()}, {"v1.1", v1_1()}};
   return versions;
 }
 
@@ -306,7 +367,10 @@ TEST(WireCompat, EveryGoldenBufferDecodesToTheValuesItWasWrittenWith) {
       ASSERT_TRUE(decoded.message.has_value());
       EXPECT_EQ(decoded.message->type, expectation->second.type);
       EXPECT_EQ(decoded.message->minor, expectation->second.minor);
-      if (decoded.message->type != MessageType::PrefillDone) {
+      // Bulk frames only where the schema describes them.
+      const MessageType type = decoded.message->type;
+      if (type != MessageType::PrefillDone && type != MessageType::ProbePlan &&
+          type != MessageType::PrefillJob && type != MessageType::SnapshotPut) {
         EXPECT_TRUE(decoded.message->bulk.empty());
       }
       expectation->second.check(*decoded.message);
@@ -342,6 +406,19 @@ TEST(WireCompat, Version1_0CoversEveryMessageTypeOfThatVersion) {
     const std::string stem = message_type_name(type);
     EXPECT_TRUE(expectations.contains(stem)) << stem;
     EXPECT_TRUE(fs::is_regular_file(kCompatDir / "v1.0" / (stem + ".bin"))) << stem;
+  }
+}
+
+TEST(WireCompat, TheCurrentVersionCoversEveryMessageType) {
+  std::string current = "v";
+  current += std::to_string(kSchemaMajor);
+  current += '.';
+  current += std::to_string(kSchemaMinor);
+  ASSERT_TRUE(released().contains(current)) << "no golden buffers for the current version";
+  for (const MessageType type : EnumValuesMessageType()) {
+    const std::string stem = message_type_name(type);
+    EXPECT_TRUE(released().at(current).contains(stem)) << stem;
+    EXPECT_TRUE(fs::is_regular_file(kCompatDir / current / (stem + ".bin"))) << stem;
   }
 }
 

@@ -157,8 +157,8 @@ bool aligned(const void* p) {
 TEST(WireRoundTrip, HeaderFollowsTheDocumentedLayout) {
   std::vector<zmq::message_t> frames = make_hello();
   ASSERT_EQ(frames.size(), 2u);
-  EXPECT_EQ(bytes_of(frames[0]),
-            bytes_of(header(1, 0, 1, static_cast<uint32_t>(frames[1].size()))));
+  EXPECT_EQ(bytes_of(frames[0]), bytes_of(header(kSchemaMajor, kSchemaMinor, 1,
+                                                 static_cast<uint32_t>(frames[1].size()))));
 }
 
 TEST(WireRoundTrip, Hello) {
@@ -629,6 +629,14 @@ size_t touch(const Message& m) {
     case MessageType::CancelJob:
       n += m.as<CancelJob>()->attempt();
       break;
+    case MessageType::SnapshotPut: {
+      const auto* t = m.as<SnapshotPut>();
+      if (t->entries())
+        for (const SnapshotEntry* entry : *t->entries()) n += entry->key() + entry->kind();
+      if (t->frames())
+        for (const BulkFrame* frame : *t->frames()) n += frame->bytes();
+      break;
+    }
     case MessageType::ExpertPlanRequest:
       s(m.as<ExpertPlanRequest>()->replica());
       break;

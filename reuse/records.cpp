@@ -1,0 +1,170 @@
+#include "reuse/records.h"
+
+#include <xxhash.h>
+
+#include <cstring>
+#include <stdexcept>
+
+#include "model/kv_cache.h"
+
+namespace moeline::reuse {
+namespace {
+
+// Distinct key spaces for the three kinds of entry.
+uint64_t tagged(uint64_t key, uint64_t tag) {
+  const uint64_t parts[2] = {key, tag};
+  return XXH3_64bits(parts, sizeof parts);
+}
+
+void append_u32(std::string& out, uint32_t value) {
+  out.append(reinterpret_cast<const char*>(&value), 4);
+}
+
+uint32_t read_u32(const std::string& in, size_t offset) {
+  uint32_t value;
+  std::memcpy(&value, in.data() + offset, 4);
+  return value;
+}
+
+}  // namespace
+
+const char* level_name(uint32_t level) {
+  switch (level) {
+    case kPrefix:
+      return "prefix";
+    case kFull:
+      return "full";
+    case kResult:
+      return "result";
+    default:
+      return "none";
+  }
+}
+
+uint32_t parse_levels(const std::string& text) {
+  uint32_t mask = 0;
+  size_t start = 0;
+  while (start < text.size()) {
+    size_t comma = text.find(',', start);
+    if (comma == std::string::npos) comma = text.size();
+    const std::string item = text.substr(start, comma - start);
+    if (item == "prefix")
+      mask |= kPrefix;
+    else if (item == "full")
+      mask |= kFull;
+    else if (item == "result")
+      mask |= kResult;
+    else if (item == "all")
+      mask |= kAllLevels;
+    else if (item != "none" && !item.empty())
+      throw std::invalid_argument("unknown reuse level '" + item +
+                                  "' (known: prefix, full, result, all, none)");
+    start = comma + 1;
+  }
+  return mask;
+}
+
+std::string levels_text(uint32_t mask) {
+  std::string out;
+  for (uint32_t level : {kPrefix, kFull, kResult}) {
+    if (!(mask & level)) continue;
+    if (!out.empty()) out += ',';
+    out += level_name(level);
+  }
+  return out.empty() ? "none" : out;
+}
+
+std::vector<uint64_t> block_chain(std::span<const int32_t> tokens, uint64_t model_id,
+                                  uint64_t cache_namespace) {
+  std::vector<uint64_t> chain;
+  const size_t blocks = tokens.size() / model::kBlockTokens;
+  chain.reserve(blocks);
+  for (size_t b = 0; b < blocks; ++b)
+    chain.push_back(model::block_key(chain.empty() ? 0 : chain.back(),
+                                     tokens.subspan(b * model::kBlockTokens, model::kBlockTokens),
+                                     model_id, cache_namespace));
+  return chain;
+}
+
+uint64_t prompt_key(std::span<const int32_t> tokens, const std::vector<uint64_t>& chain,
+                    uint64_t model_id, uint64_t cache_namespace) {
+  const size_t covered = chain.size() * model::kBlockTokens;
+  const uint64_t parent = chain.empty() ? 0 : chain.back();
+  // The partial block is hashed with its length (an empty tail hashes differently from none).
+  return model::block_key(
+      parent, tokens.subspan(covered), model_id,
+      cache_namespace ^ (0x9e3779b97f4a7c15ULL * (tokens.size() - covered + 1)));
+}
+
+uint64_t block_entry(uint64_t block_key) {
+  return tagged(block_key, 'B');
+}
+uint64_t prompt_entry(uint64_t key) {
+  return tagged(key, 'P');
+}
+
+uint64_t result_entry(uint64_t key, const model::SamplingParams& s) {
+  // Greedy ignores the sampling knobs; a seeded draw depends on all of them.
+  const bool greedy = s.temperature == 0.0;
+  std::string material;
+  material.append(reinterpret_cast<const char*>(&key), 8);
+  const double temperature = greedy ? 0.0 : s.temperature;
+  const int64_t top_k = greedy ? 0 : s.top_k;
+  const double top_p = greedy ? 1.0 : s.top_p;
+  const uint64_t seed = greedy ? 0 : s.seed.value_or(0);
+  material.append(reinterpret_cast<const char*>(&temperature), 8);
+  material.append(reinterpret_cast<const char*>(&top_k), 8);
+  material.append(reinterpret_cast<const char*>(&top_p), 8);
+  material.append(reinterpret_cast<const char*>(&seed), 8);
+  material.append(reinterpret_cast<const char*>(&s.max_tokens), 8);
+  material.push_back(s.ignore_eos ? 1 : 0);
+  for (int32_t stop : s.stop_token_ids) material.append(reinterpret_cast<const char*>(&stop), 4);
+  return tagged(XXH3_64bits(material.data(), material.size()), 'R');
+}
+
+std::string encode(const PromptRecord& record) {
+  std::string out;
+  append_u32(out, static_cast<uint32_t>(record.logits.size()));
+  append_u32(out, static_cast<uint32_t>(record.tail_kv.size()));
+  out.append(reinterpret_cast<const char*>(record.logits.data()), record.logits.size() * 4);
+  out += record.tail_kv;
+  return out;
+}
+
+std::optional<PromptRecord> decode_prompt(const std::string& bytes, size_t vocab,
+                                          size_t block_bytes) {
+  if (bytes.size() < 8) return std::nullopt;
+  const uint32_t logits = read_u32(bytes, 0);
+  const uint32_t tail = read_u32(bytes, 4);
+  if (logits != vocab || (tail != 0 && tail != block_bytes) ||
+      bytes.size() != 8 + static_cast<size_t>(logits) * 4 + tail)
+    return std::nullopt;
+  PromptRecord record;
+  record.logits.resize(logits);
+  std::memcpy(record.logits.data(), bytes.data() + 8, static_cast<size_t>(logits) * 4);
+  record.tail_kv = bytes.substr(8 + static_cast<size_t>(logits) * 4);
+  return record;
+}
+
+std::string encode(const ResultRecord& record) {
+  std::string out;
+  append_u32(out, static_cast<uint32_t>(record.tokens.size()));
+  append_u32(out, static_cast<uint32_t>(record.finish_reason.size()));
+  out.append(reinterpret_cast<const char*>(record.tokens.data()), record.tokens.size() * 4);
+  out += record.finish_reason;
+  return out;
+}
+
+std::optional<ResultRecord> decode_result(const std::string& bytes) {
+  if (bytes.size() < 8) return std::nullopt;
+  const uint32_t tokens = read_u32(bytes, 0);
+  const uint32_t finish = read_u32(bytes, 4);
+  if (bytes.size() != 8 + static_cast<size_t>(tokens) * 4 + finish) return std::nullopt;
+  ResultRecord record;
+  record.tokens.resize(tokens);
+  std::memcpy(record.tokens.data(), bytes.data() + 8, static_cast<size_t>(tokens) * 4);
+  record.finish_reason = bytes.substr(8 + static_cast<size_t>(tokens) * 4);
+  return record;
+}
+
+}  // namespace moeline::reuse

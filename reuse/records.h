@@ -1,0 +1,58 @@
+#pragma once
+// Keys and records of exact reuse.
+//
+// Keys: a KV block is keyed by its hash chain (model::block_key: parent key, tokens, model id,
+// cache namespace), so equal keys mean equal token prefixes of the same model and tenant. A
+// prompt's key extends the chain over its last, partial block. A result's key is the prompt's key
+// and every sampling parameter that decides the completion. Each kind of entry gets its own key
+// space in the store.
+//
+// Records are what the store holds: a block's KV as the wire carries it (model::KvCache block
+// layout), a prompt record (the first-token logits and the KV of the partial last block), a result
+// record (the completion and its finish reason).
+
+#include <cstdint>
+#include <optional>
+#include <span>
+#include <string>
+#include <vector>
+
+#include "model/sampling.h"
+
+namespace moeline::reuse {
+
+enum ReuseLevel : uint32_t { kPrefix = 1, kFull = 2, kResult = 4 };
+inline constexpr uint32_t kAllLevels = kPrefix | kFull | kResult;
+const char* level_name(uint32_t level);
+// "prefix,full,result" <-> mask; throws std::invalid_argument naming an unknown level.
+uint32_t parse_levels(const std::string& text);
+std::string levels_text(uint32_t mask);
+
+// Keys of the prompt's full blocks, in order.
+std::vector<uint64_t> block_chain(std::span<const int32_t> tokens, uint64_t model_id,
+                                  uint64_t cache_namespace);
+// The whole prompt's key: the chain extended over the partial last block (if any).
+uint64_t prompt_key(std::span<const int32_t> tokens, const std::vector<uint64_t>& chain,
+                    uint64_t model_id, uint64_t cache_namespace);
+
+uint64_t block_entry(uint64_t block_key);
+uint64_t prompt_entry(uint64_t prompt_key);
+// Only for deterministic sampling (greedy, or a seed the client chose).
+uint64_t result_entry(uint64_t prompt_key, const model::SamplingParams& sampling);
+
+struct PromptRecord {
+  std::vector<float> logits;
+  std::string tail_kv;  // one KV block holding the partial last block's tokens; empty if none
+};
+std::string encode(const PromptRecord& record);
+std::optional<PromptRecord> decode_prompt(const std::string& bytes, size_t vocab,
+                                          size_t block_bytes);
+
+struct ResultRecord {
+  std::vector<int32_t> tokens;
+  std::string finish_reason;
+};
+std::string encode(const ResultRecord& record);
+std::optional<ResultRecord> decode_result(const std::string& bytes);
+
+}  // namespace moeline::reuse

@@ -1,0 +1,235 @@
+#include "reuse/snapshot_store.h"
+
+#include <rocksdb/db.h>
+#include <rocksdb/options.h>
+#include <xxhash.h>
+
+#include <cstring>
+#include <stdexcept>
+
+namespace moeline::reuse {
+namespace {
+
+constexpr size_t kDiskHeader = 16;  // u64 checksum of what follows, u64 sequence
+
+std::string disk_key(uint64_t key) {
+  std::string out(8, '\0');
+  for (int i = 0; i < 8; ++i) out[static_cast<size_t>(i)] = static_cast<char>(key >> (56 - 8 * i));
+  return out;
+}
+
+uint64_t parse_disk_key(const rocksdb::Slice& slice) {
+  uint64_t key = 0;
+  for (size_t i = 0; i < 8 && i < slice.size(); ++i)
+    key = (key << 8) | static_cast<uint8_t>(slice.data()[i]);
+  return key;
+}
+
+uint64_t read_u64(const char* p) {
+  uint64_t value;
+  std::memcpy(&value, p, 8);
+  return value;
+}
+
+}  // namespace
+
+SnapshotStore::SnapshotStore(StoreOptions options) : options_(std::move(options)) {
+  if (options_.disk_path.empty() || options_.disk_bytes == 0) return;
+  rocksdb::Options db_options;
+  db_options.create_if_missing = true;
+  // KV blocks and logits do not compress; large values live in blob files so that compaction
+  // does not rewrite them.
+  db_options.compression = rocksdb::kNoCompression;
+  db_options.enable_blob_files = true;
+  db_options.min_blob_size = 4096;
+  db_options.blob_compression_type = rocksdb::kNoCompression;
+  db_options.enable_blob_garbage_collection = true;
+  db_options.write_buffer_size = 64 << 20;
+  db_options.max_background_jobs = 2;
+  rocksdb::DB* db = nullptr;
+  rocksdb::Status status = rocksdb::DB::Open(db_options, options_.disk_path, &db);
+  if (!status.ok())
+    throw std::runtime_error("cannot open the snapshot disk tier at " + options_.disk_path + ": " +
+                             status.ToString());
+  db_.reset(db);
+  load_disk_index();
+}
+
+SnapshotStore::~SnapshotStore() = default;
+
+void SnapshotStore::load_disk_index() {
+  std::unique_ptr<rocksdb::Iterator> it(db_->NewIterator(rocksdb::ReadOptions()));
+  for (it->SeekToFirst(); it->Valid(); it->Next()) {
+    const rocksdb::Slice value = it->value();
+    if (value.size() < kDiskHeader) continue;  // dropped when read
+    const uint64_t sequence = read_u64(value.data() + 8);
+    const uint64_t key = parse_disk_key(it->key());
+    disk_[key] = {value.size(), sequence};
+    disk_order_[sequence] = key;
+    stats_.disk_bytes += value.size();
+    next_sequence_ = std::max(next_sequence_, sequence + 1);
+  }
+  stats_.disk_entries = disk_.size();
+  enforce_disk_budget();
+}
+
+bool SnapshotStore::contains(uint64_t key) const {
+  return ram_.count(key) != 0 || disk_.count(key) != 0;
+}
+
+void SnapshotStore::put(uint64_t key, std::string value) {
+  auto shared = std::make_shared<const std::string>(std::move(value));
+  if (auto it = ram_.find(key); it != ram_.end()) {
+    // Same key, same content (keys hash what the value was computed from): keep it, count a use.
+    touch(key, it->second);
+    return;
+  }
+  insert_ram(key, std::move(shared), false);
+}
+
+void SnapshotStore::insert_ram(uint64_t key, Value value, bool is_protected) {
+  if (value->size() > options_.ram_bytes) {
+    spill(key, value);  // larger than the whole RAM tier: straight to disk
+    return;
+  }
+  const bool segmented = options_.policy == EvictionPolicy::kSegmentedLru;
+  std::list<uint64_t>& segment = segmented && is_protected ? protected_ : probation_;
+  segment.push_front(key);
+  (segmented && is_protected ? protected_bytes_ : probation_bytes_) += value->size();
+  stats_.ram_bytes += value->size();
+  ram_[key] = Entry{std::move(value), segmented && is_protected, segment.begin()};
+  stats_.ram_entries = ram_.size();
+  // Restored entries enter the protected segment: keep it within its share, or it would crowd
+  // probation out and every new entry would be evicted as it is inserted.
+  if (segmented && is_protected) enforce_protected_budget();
+  enforce_ram_budget();
+}
+
+void SnapshotStore::touch(uint64_t key, Entry& entry) {
+  if (options_.policy == EvictionPolicy::kLru || entry.is_protected) {
+    std::list<uint64_t>& segment = entry.is_protected ? protected_ : probation_;
+    segment.splice(segment.begin(), segment, entry.position);
+    return;
+  }
+  // Second use: probation -> protected.
+  probation_.erase(entry.position);
+  probation_bytes_ -= entry.value->size();
+  protected_.push_front(key);
+  protected_bytes_ += entry.value->size();
+  entry.position = protected_.begin();
+  entry.is_protected = true;
+  enforce_protected_budget();
+}
+
+void SnapshotStore::enforce_protected_budget() {
+  // An over-full protected segment demotes its oldest back to probation, where it may be evicted.
+  const auto protected_budget =
+      static_cast<uint64_t>(static_cast<double>(options_.ram_bytes) * options_.protected_fraction);
+  while (protected_bytes_ > protected_budget && protected_.size() > 1) {
+    const uint64_t oldest = protected_.back();
+    Entry& demoted = ram_.at(oldest);
+    protected_.pop_back();
+    protected_bytes_ -= demoted.value->size();
+    probation_.push_front(oldest);
+    probation_bytes_ += demoted.value->size();
+    demoted.position = probation_.begin();
+    demoted.is_protected = false;
+  }
+}
+
+void SnapshotStore::enforce_ram_budget() {
+  while (stats_.ram_bytes > options_.ram_bytes) {
+    const bool from_probation = !probation_.empty();
+    const uint64_t victim = from_probation ? probation_.back() : protected_.back();
+    evict(victim);
+  }
+}
+
+void SnapshotStore::evict(uint64_t key) {
+  auto it = ram_.find(key);
+  Entry& entry = it->second;
+  const uint64_t bytes = entry.value->size();
+  if (entry.is_protected) {
+    protected_.erase(entry.position);
+    protected_bytes_ -= bytes;
+  } else {
+    probation_.erase(entry.position);
+    probation_bytes_ -= bytes;
+  }
+  stats_.ram_bytes -= bytes;
+  ++stats_.evictions;
+  Value value = std::move(entry.value);
+  ram_.erase(it);
+  stats_.ram_entries = ram_.size();
+  spill(key, value);
+}
+
+void SnapshotStore::spill(uint64_t key, const Value& value) {
+  if (!db_ || disk_.count(key)) return;
+  const uint64_t sequence = next_sequence_++;
+  std::string record(kDiskHeader + value->size(), '\0');
+  std::memcpy(record.data() + 8, &sequence, 8);
+  std::memcpy(record.data() + kDiskHeader, value->data(), value->size());
+  const uint64_t checksum = XXH3_64bits(record.data() + 8, record.size() - 8);
+  std::memcpy(record.data(), &checksum, 8);
+  if (!db_->Put(rocksdb::WriteOptions(), disk_key(key), record).ok()) return;
+  disk_[key] = {record.size(), sequence};
+  disk_order_[sequence] = key;
+  stats_.disk_bytes += record.size();
+  stats_.disk_entries = disk_.size();
+  ++stats_.spills;
+  enforce_disk_budget();
+}
+
+void SnapshotStore::enforce_disk_budget() {
+  while (stats_.disk_bytes > options_.disk_bytes && !disk_order_.empty()) {
+    const auto oldest = disk_order_.begin();
+    const uint64_t key = oldest->second;
+    db_->Delete(rocksdb::WriteOptions(), disk_key(key));
+    stats_.disk_bytes -= disk_.at(key).bytes;
+    disk_.erase(key);
+    disk_order_.erase(oldest);
+    ++stats_.disk_evictions;
+  }
+  stats_.disk_entries = disk_.size();
+}
+
+Value SnapshotStore::read_disk(uint64_t key) {
+  auto it = disk_.find(key);
+  if (it == disk_.end() || !db_) return nullptr;
+  std::string record;
+  rocksdb::Status status = db_->Get(rocksdb::ReadOptions(), disk_key(key), &record);
+  bool valid = status.ok() && record.size() >= kDiskHeader &&
+               read_u64(record.data()) == XXH3_64bits(record.data() + 8, record.size() - 8);
+  if (!valid) {
+    // Never served: dropped and counted.
+    ++stats_.corrupt;
+    db_->Delete(rocksdb::WriteOptions(), disk_key(key));
+    stats_.disk_bytes -= it->second.bytes;
+    disk_order_.erase(it->second.sequence);
+    disk_.erase(it);
+    stats_.disk_entries = disk_.size();
+    return nullptr;
+  }
+  return std::make_shared<const std::string>(record.substr(kDiskHeader));
+}
+
+Value SnapshotStore::get(uint64_t key) {
+  if (auto it = ram_.find(key); it != ram_.end()) {
+    ++stats_.hits_ram;
+    touch(key, it->second);
+    return it->second.value;
+  }
+  Value value = read_disk(key);
+  if (!value) {
+    ++stats_.misses;
+    return nullptr;
+  }
+  ++stats_.hits_disk;
+  ++stats_.restores;
+  // Back in RAM as an entry that has proven itself (it was used before it spilled).
+  insert_ram(key, value, true);
+  return value;
+}
+
+}  // namespace moeline::reuse

@@ -1,0 +1,475 @@
+// The snapshot store (RAM tier eviction, RocksDB disk tier: spill, restore, budget, checksums,
+// restart) on real RocksDB in temporary folders, and the reuse keys and records.
+#include <gtest/gtest.h>
+#include <rocksdb/db.h>
+#include <rocksdb/options.h>
+#include <unistd.h>
+
+#include <cstdlib>
+#include <filesystem>
+#include <memory>
+#include <numeric>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+#include "model/kv_cache.h"
+#include "reuse/records.h"
+#include "reuse/snapshot_store.h"
+
+namespace moeline::reuse {
+namespace {
+
+namespace fs = std::filesystem;
+
+constexpr uint64_t kKiB = 1024;
+// What the disk tier adds to every value: u64 checksum, u64 sequence (snapshot_store.cpp).
+constexpr uint64_t kDiskHeader = 16;
+
+// A unique folder under the system's temporary folder, removed with everything in it.
+class TempDir {
+ public:
+  TempDir() {
+    std::string pattern = (fs::temp_directory_path() / "moeline-reuse-test-XXXXXX").string();
+    if (mkdtemp(pattern.data()) == nullptr) throw std::runtime_error("mkdtemp failed");
+    path_ = pattern;
+  }
+  ~TempDir() {
+    std::error_code ignored;
+    fs::remove_all(path_, ignored);
+  }
+  TempDir(const TempDir&) = delete;
+  TempDir& operator=(const TempDir&) = delete;
+  std::string db() const { return (path_ / "db").string(); }
+
+ private:
+  fs::path path_;
+};
+
+// Distinct, recognisable contents per key.
+std::string value_of(uint64_t key, uint64_t bytes) {
+  std::string value(bytes, '\0');
+  for (size_t i = 0; i < value.size(); ++i)
+    value[i] = static_cast<char>((key * 131 + i * 7) & 0xff);
+  return value;
+}
+
+StoreOptions ram_only(uint64_t ram_bytes, EvictionPolicy policy = EvictionPolicy::kSegmentedLru) {
+  StoreOptions options;
+  options.ram_bytes = ram_bytes;
+  options.disk_path.clear();
+  options.policy = policy;
+  return options;
+}
+
+StoreOptions with_disk(const TempDir& dir, uint64_t ram_bytes, uint64_t disk_bytes = 1 << 30) {
+  StoreOptions options;
+  options.ram_bytes = ram_bytes;
+  options.disk_bytes = disk_bytes;
+  options.disk_path = dir.db();
+  return options;
+}
+
+std::string disk_key(uint64_t key) {
+  std::string out(8, '\0');
+  for (int i = 0; i < 8; ++i) out[static_cast<size_t>(i)] = static_cast<char>(key >> (56 - 8 * i));
+  return out;
+}
+
+TEST(SnapshotStore, PutThenGetFromRam) {
+  SnapshotStore store(ram_only(64 * kKiB));
+  store.put(7, value_of(7, 4 * kKiB));
+  ASSERT_TRUE(store.contains(7));
+  Value value = store.get(7);
+  ASSERT_NE(value, nullptr);
+  EXPECT_EQ(*value, value_of(7, 4 * kKiB));
+  EXPECT_EQ(store.get(8), nullptr);
+  EXPECT_FALSE(store.contains(8));
+  EXPECT_EQ(store.stats().hits_ram, 1u);
+  EXPECT_EQ(store.stats().misses, 1u);
+  EXPECT_EQ(store.stats().ram_entries, 1u);
+  EXPECT_EQ(store.stats().ram_bytes, 4 * kKiB);
+}
+
+TEST(SnapshotStore, RamBudgetIsNeverExceeded) {
+  for (EvictionPolicy policy : {EvictionPolicy::kSegmentedLru, EvictionPolicy::kLru}) {
+    SnapshotStore store(ram_only(50 * kKiB, policy));
+    uint64_t evictions_seen = 0;
+    for (uint64_t key = 1; key <= 200; ++key) {
+      store.put(key, value_of(key, (1 + key % 7) * kKiB));
+      // Re-use some entries so that the protected segment fills too.
+      if (key % 3 == 0) store.get(key - 1);
+      ASSERT_LE(store.stats().ram_bytes, store.options().ram_bytes) << "after key " << key;
+      evictions_seen = store.stats().evictions;
+    }
+    EXPECT_GT(evictions_seen, 0u);
+  }
+}
+
+// A key used on every round against bursts of one-off entries, each as large as the whole RAM
+// budget (10 bursts: 10x the budget). Segmented LRU keeps it; plain LRU loses it to every burst.
+uint64_t hot_key_ram_hits(EvictionPolicy policy) {
+  constexpr uint64_t kBudget = 64 * kKiB, kEntry = 4 * kKiB, kHot = 1'000'000;
+  SnapshotStore store(ram_only(kBudget, policy));
+  store.put(kHot, value_of(kHot, kEntry));
+  store.get(kHot);  // its second use
+  const uint64_t warm_hits = store.stats().hits_ram;
+  uint64_t next_one_off = 1;
+  for (int round = 0; round < 10; ++round) {
+    if (!store.get(kHot)) store.put(kHot, value_of(kHot, kEntry));
+    for (uint64_t bytes = 0; bytes < kBudget; bytes += kEntry, ++next_one_off)
+      store.put(next_one_off, value_of(next_one_off, kEntry));
+  }
+  EXPECT_EQ((next_one_off - 1) * kEntry, 10 * kBudget);
+  return store.stats().hits_ram - warm_hits;  // one-offs are never read: these are the hot key's
+}
+
+TEST(SnapshotStore, SegmentedLruResistsScans) {
+  EXPECT_EQ(hot_key_ram_hits(EvictionPolicy::kSegmentedLru), 10u);
+  // Plain LRU: a hit in the first round only (before the first burst), then a miss every round.
+  EXPECT_EQ(hot_key_ram_hits(EvictionPolicy::kLru), 1u);
+}
+
+TEST(SnapshotStore, EvictionSpillsToDiskAndGetRestores) {
+  TempDir dir;
+  SnapshotStore store(with_disk(dir, 16 * kKiB));
+  for (uint64_t key = 1; key <= 10; ++key) store.put(key, value_of(key, 4 * kKiB));
+  EXPECT_EQ(store.stats().evictions, 6u);
+  EXPECT_EQ(store.stats().spills, 6u);
+  EXPECT_EQ(store.stats().disk_entries, 6u);
+  EXPECT_EQ(store.stats().disk_bytes, 6 * (4 * kKiB + kDiskHeader));
+  EXPECT_EQ(store.stats().ram_entries, 4u);
+  for (uint64_t key = 1; key <= 10; ++key) EXPECT_TRUE(store.contains(key)) << key;
+
+  Value value = store.get(1);  // the oldest: spilled first
+  ASSERT_NE(value, nullptr);
+  EXPECT_EQ(*value, value_of(1, 4 * kKiB));
+  EXPECT_EQ(store.stats().hits_disk, 1u);
+  EXPECT_EQ(store.stats().restores, 1u);
+  EXPECT_EQ(store.stats().hits_ram, 0u);
+  // Restored: the next read is served from RAM.
+  ASSERT_NE(store.get(1), nullptr);
+  EXPECT_EQ(store.stats().hits_ram, 1u);
+  EXPECT_EQ(store.stats().hits_disk, 1u);
+  EXPECT_LE(store.stats().ram_bytes, 16 * kKiB);
+}
+
+// Restored entries count as used twice (protected); they must not crowd new entries out of RAM.
+TEST(SnapshotStore, RestoresRespectTheProtectedBudget) {
+  TempDir dir;
+  constexpr uint64_t kEntry = 4 * kKiB;
+  SnapshotStore store(with_disk(dir, 10 * kEntry));
+  for (uint64_t key = 1; key <= 20; ++key) store.put(key, value_of(key, kEntry));
+  for (uint64_t key = 1; key <= 20; ++key) ASSERT_NE(store.get(key), nullptr) << key;
+  store.put(100, value_of(100, kEntry));
+  const uint64_t hits_ram = store.stats().hits_ram;
+  ASSERT_NE(store.get(100), nullptr);
+  EXPECT_EQ(store.stats().hits_ram, hits_ram + 1) << "a new entry was evicted as it was inserted";
+}
+
+TEST(SnapshotStore, DiskBudgetEvictsOldestFirst) {
+  TempDir dir;
+  constexpr uint64_t kEntry = 4 * kKiB;
+  // A 1-byte RAM tier: every value goes straight to disk, in put order.
+  SnapshotStore store(with_disk(dir, 1, 3 * (kEntry + kDiskHeader)));
+  for (uint64_t key = 1; key <= 5; ++key) store.put(key, value_of(key, kEntry));
+  EXPECT_EQ(store.stats().disk_evictions, 2u);
+  EXPECT_EQ(store.stats().disk_entries, 3u);
+  EXPECT_LE(store.stats().disk_bytes, 3 * (kEntry + kDiskHeader));
+  EXPECT_FALSE(store.contains(1));
+  EXPECT_FALSE(store.contains(2));
+  for (uint64_t key = 3; key <= 5; ++key) {
+    Value value = store.get(key);
+    ASSERT_NE(value, nullptr) << key;
+    EXPECT_EQ(*value, value_of(key, kEntry));
+  }
+  EXPECT_EQ(store.get(1), nullptr);
+}
+
+TEST(SnapshotStore, CorruptDiskRecordIsDroppedNotServed) {
+  TempDir dir;
+  constexpr uint64_t kEntry = 4 * kKiB;
+  {
+    SnapshotStore store(with_disk(dir, 1));
+    for (uint64_t key = 1; key <= 3; ++key) store.put(key, value_of(key, kEntry));
+    ASSERT_EQ(store.stats().disk_entries, 3u);
+  }
+  {
+    rocksdb::Options options;
+    rocksdb::DB* raw = nullptr;
+    ASSERT_TRUE(rocksdb::DB::Open(options, dir.db(), &raw).ok());
+    std::unique_ptr<rocksdb::DB> db(raw);
+    std::string record;
+    ASSERT_TRUE(db->Get(rocksdb::ReadOptions(), disk_key(2), &record).ok());
+    ASSERT_EQ(record.size(), kEntry + kDiskHeader);
+    record[kDiskHeader + 100] = static_cast<char>(record[kDiskHeader + 100] ^ 0x5a);  // the payload
+    ASSERT_TRUE(db->Put(rocksdb::WriteOptions(), disk_key(2), record).ok());
+  }
+  {
+    SnapshotStore store(with_disk(dir, 1));
+    ASSERT_EQ(store.stats().disk_entries, 3u);
+    EXPECT_EQ(store.get(2), nullptr);
+    EXPECT_EQ(store.stats().corrupt, 1u);
+    EXPECT_FALSE(store.contains(2));
+    EXPECT_EQ(store.stats().disk_entries, 2u);
+    EXPECT_EQ(store.stats().disk_bytes, 2 * (kEntry + kDiskHeader));
+    Value intact = store.get(3);
+    ASSERT_NE(intact, nullptr);
+    EXPECT_EQ(*intact, value_of(3, kEntry));
+  }
+  // Deleted from disk as well, not only from the index.
+  SnapshotStore store(with_disk(dir, 1));
+  EXPECT_EQ(store.stats().disk_entries, 2u);
+  EXPECT_FALSE(store.contains(2));
+}
+
+TEST(SnapshotStore, SpilledEntriesSurviveRestart) {
+  TempDir dir;
+  constexpr uint64_t kEntry = 4 * kKiB;
+  StoreStats before;
+  {
+    SnapshotStore store(with_disk(dir, 8 * kKiB));
+    for (uint64_t key = 1; key <= 6; ++key) store.put(key, value_of(key, kEntry));
+    before = store.stats();
+    ASSERT_EQ(before.disk_entries, 4u);  // 1..4 spilled; 5 and 6 only in RAM
+  }
+  SnapshotStore store(with_disk(dir, 8 * kKiB));
+  EXPECT_EQ(store.stats().disk_entries, before.disk_entries);
+  EXPECT_EQ(store.stats().disk_bytes, before.disk_bytes);
+  EXPECT_EQ(store.stats().ram_entries, 0u);
+  for (uint64_t key = 1; key <= 4; ++key) {
+    Value value = store.get(key);
+    ASSERT_NE(value, nullptr) << key;
+    EXPECT_EQ(*value, value_of(key, kEntry));
+  }
+  EXPECT_EQ(store.stats().hits_disk, 4u);
+  // What was only in RAM is gone with the process.
+  EXPECT_EQ(store.get(5), nullptr);
+}
+
+// The disk tier's age order is restored too: after a restart, new spills are younger than old ones.
+TEST(SnapshotStore, DiskAgeOrderSurvivesRestart) {
+  TempDir dir;
+  constexpr uint64_t kEntry = 4 * kKiB, kRecord = kEntry + kDiskHeader;
+  {
+    SnapshotStore store(with_disk(dir, 1, 3 * kRecord));
+    for (uint64_t key = 1; key <= 3; ++key) store.put(key, value_of(key, kEntry));
+  }
+  SnapshotStore store(with_disk(dir, 1, 3 * kRecord));
+  ASSERT_EQ(store.stats().disk_entries, 3u);
+  store.put(10, value_of(10, kEntry));
+  EXPECT_EQ(store.stats().disk_evictions, 1u);
+  EXPECT_FALSE(store.contains(1));
+  for (uint64_t key : {2, 3, 10}) EXPECT_TRUE(store.contains(key)) << key;
+}
+
+TEST(SnapshotStore, ValueLargerThanRamGoesStraightToDisk) {
+  TempDir dir;
+  SnapshotStore store(with_disk(dir, 16 * kKiB));
+  store.put(1, value_of(1, 32 * kKiB));
+  EXPECT_EQ(store.stats().ram_bytes, 0u);
+  EXPECT_EQ(store.stats().ram_entries, 0u);
+  EXPECT_EQ(store.stats().evictions, 0u);
+  EXPECT_EQ(store.stats().spills, 1u);
+  EXPECT_EQ(store.stats().disk_entries, 1u);
+  Value value = store.get(1);
+  ASSERT_NE(value, nullptr);
+  EXPECT_EQ(*value, value_of(1, 32 * kKiB));
+  EXPECT_EQ(store.stats().hits_disk, 1u);
+  EXPECT_EQ(store.stats().ram_bytes, 0u);
+}
+
+TEST(SnapshotStore, NoDiskTierWithoutPath) {
+  SnapshotStore store(ram_only(16 * kKiB));
+  for (uint64_t key = 1; key <= 10; ++key) store.put(key, value_of(key, 4 * kKiB));
+  EXPECT_EQ(store.stats().evictions, 6u);
+  EXPECT_EQ(store.stats().spills, 0u);
+  EXPECT_EQ(store.stats().disk_entries, 0u);
+  EXPECT_FALSE(store.contains(1));
+  EXPECT_EQ(store.get(1), nullptr);
+  EXPECT_EQ(store.stats().misses, 1u);
+  // A value larger than RAM with nowhere to go is dropped.
+  store.put(99, value_of(99, 32 * kKiB));
+  EXPECT_FALSE(store.contains(99));
+}
+
+// --- records ---------------------------------------------------------------------------------
+
+std::vector<int32_t> tokens_of(size_t count, int32_t first = 1) {
+  std::vector<int32_t> tokens(count);
+  std::iota(tokens.begin(), tokens.end(), first);
+  return tokens;
+}
+
+constexpr size_t kBlock = static_cast<size_t>(model::kBlockTokens);
+
+TEST(ReuseKeys, EqualInputsGiveEqualKeys) {
+  const auto tokens = tokens_of(3 * kBlock + 5);
+  const auto a = block_chain(tokens, 11, 22), b = block_chain(tokens, 11, 22);
+  ASSERT_EQ(a.size(), 3u);
+  EXPECT_EQ(a, b);
+  EXPECT_EQ(prompt_key(tokens, a, 11, 22), prompt_key(tokens, b, 11, 22));
+}
+
+TEST(ReuseKeys, AnyDifferenceGivesDifferentKeys) {
+  const auto tokens = tokens_of(3 * kBlock + 5);
+  const auto chain = block_chain(tokens, 11, 22);
+  const uint64_t key = prompt_key(tokens, chain, 11, 22);
+
+  auto changed = tokens;
+  changed[kBlock + 3] += 1000;  // inside the second block
+  const auto changed_chain = block_chain(changed, 11, 22);
+  EXPECT_EQ(changed_chain[0], chain[0]);  // the prefix before the change is shared
+  EXPECT_NE(changed_chain[1], chain[1]);
+  EXPECT_NE(changed_chain[2], chain[2]);  // and everything after it differs
+  EXPECT_NE(prompt_key(changed, changed_chain, 11, 22), key);
+
+  const auto other_model = block_chain(tokens, 12, 22);
+  const auto other_namespace = block_chain(tokens, 11, 23);
+  for (size_t b = 0; b < chain.size(); ++b) {
+    EXPECT_NE(other_model[b], chain[b]);
+    EXPECT_NE(other_namespace[b], chain[b]);
+  }
+  EXPECT_NE(prompt_key(tokens, other_model, 12, 22), key);
+  EXPECT_NE(prompt_key(tokens, other_namespace, 11, 23), key);
+}
+
+TEST(ReuseKeys, PartialLastBlockAndLengthChangeThePromptKey) {
+  auto a = tokens_of(2 * kBlock + 5);
+  auto b = a;
+  b.back() += 1;  // differs only in the partial last block
+  const auto chain_a = block_chain(a, 1, 0), chain_b = block_chain(b, 1, 0);
+  EXPECT_EQ(chain_a, chain_b);
+  EXPECT_NE(prompt_key(a, chain_a, 1, 0), prompt_key(b, chain_b, 1, 0));
+
+  // A prompt vs the same prompt plus one token: at a block boundary and inside a block.
+  for (size_t length : {2 * kBlock, 2 * kBlock - 1, 2 * kBlock + 3}) {
+    const auto shorter = tokens_of(length), longer = tokens_of(length + 1);
+    EXPECT_NE(prompt_key(shorter, block_chain(shorter, 1, 0), 1, 0),
+              prompt_key(longer, block_chain(longer, 1, 0), 1, 0))
+        << length;
+  }
+}
+
+TEST(ReuseKeys, EntryKindsHaveSeparateKeySpaces) {
+  const uint64_t base = 0x1234'5678'9abc'def0ULL;
+  model::SamplingParams greedy;
+  const uint64_t b = block_entry(base), p = prompt_entry(base), r = result_entry(base, greedy);
+  EXPECT_NE(b, p);
+  EXPECT_NE(b, r);
+  EXPECT_NE(p, r);
+  EXPECT_NE(b, base);
+  EXPECT_NE(p, base);
+}
+
+TEST(ReuseKeys, ResultKeyDependsOnWhatDecidesTheCompletion) {
+  const uint64_t base = 42;
+  model::SamplingParams greedy;
+  const uint64_t key = result_entry(base, greedy);
+
+  auto knobs = greedy;
+  knobs.top_k = 5;
+  knobs.top_p = 0.5;
+  knobs.seed = 9;
+  EXPECT_EQ(result_entry(base, knobs), key) << "greedy ignores top_k, top_p and seed";
+
+  model::SamplingParams sampled;
+  sampled.temperature = 0.7;
+  sampled.seed = 1;
+  const uint64_t sampled_key = result_entry(base, sampled);
+  EXPECT_NE(sampled_key, key);
+  auto other = sampled;
+  other.top_k = 5;
+  EXPECT_NE(result_entry(base, other), sampled_key);
+  other = sampled;
+  other.top_p = 0.9;
+  EXPECT_NE(result_entry(base, other), sampled_key);
+  other = sampled;
+  other.seed = 2;
+  EXPECT_NE(result_entry(base, other), sampled_key);
+  other = sampled;
+  other.temperature = 0.8;
+  EXPECT_NE(result_entry(base, other), sampled_key);
+
+  auto changed = greedy;
+  changed.max_tokens = greedy.max_tokens + 1;
+  EXPECT_NE(result_entry(base, changed), key);
+  changed = greedy;
+  changed.stop_token_ids = {7};
+  EXPECT_NE(result_entry(base, changed), key);
+  auto two_stops = changed;
+  two_stops.stop_token_ids = {7, 8};
+  EXPECT_NE(result_entry(base, two_stops), result_entry(base, changed));
+  changed = greedy;
+  changed.ignore_eos = true;
+  EXPECT_NE(result_entry(base, changed), key);
+  EXPECT_NE(result_entry(base + 1, greedy), key);
+}
+
+TEST(ReuseRecords, PromptRecordRoundTripsAndRejectsBadSizes) {
+  constexpr size_t kVocab = 50, kBlockBytes = 96;
+  PromptRecord record;
+  record.logits.resize(kVocab);
+  for (size_t i = 0; i < kVocab; ++i) record.logits[i] = 0.25f * static_cast<float>(i) - 3.0f;
+  record.tail_kv = std::string(kBlockBytes, 'k');
+  const std::string bytes = encode(record);
+  auto decoded = decode_prompt(bytes, kVocab, kBlockBytes);
+  ASSERT_TRUE(decoded.has_value());
+  EXPECT_EQ(decoded->logits, record.logits);
+  EXPECT_EQ(decoded->tail_kv, record.tail_kv);
+
+  PromptRecord no_tail{record.logits, {}};
+  auto decoded_no_tail = decode_prompt(encode(no_tail), kVocab, kBlockBytes);
+  ASSERT_TRUE(decoded_no_tail.has_value());
+  EXPECT_TRUE(decoded_no_tail->tail_kv.empty());
+
+  for (size_t cut : {size_t{0}, size_t{4}, size_t{7}, size_t{8}, bytes.size() - 1})
+    EXPECT_FALSE(decode_prompt(bytes.substr(0, cut), kVocab, kBlockBytes).has_value()) << cut;
+  EXPECT_FALSE(decode_prompt(bytes + "x", kVocab, kBlockBytes).has_value());
+  EXPECT_FALSE(decode_prompt(bytes, kVocab + 1, kBlockBytes).has_value());  // another vocabulary
+  EXPECT_FALSE(decode_prompt(bytes, kVocab, kBlockBytes * 2).has_value());  // another block size
+  PromptRecord short_tail{record.logits, std::string(kBlockBytes - 1, 'k')};
+  EXPECT_FALSE(decode_prompt(encode(short_tail), kVocab, kBlockBytes).has_value());
+}
+
+TEST(ReuseRecords, ResultRecordRoundTripsAndRejectsBadSizes) {
+  ResultRecord record{{5, -1, 70000, 3}, "stop"};
+  const std::string bytes = encode(record);
+  auto decoded = decode_result(bytes);
+  ASSERT_TRUE(decoded.has_value());
+  EXPECT_EQ(decoded->tokens, record.tokens);
+  EXPECT_EQ(decoded->finish_reason, "stop");
+
+  auto empty = decode_result(encode(ResultRecord{}));
+  ASSERT_TRUE(empty.has_value());
+  EXPECT_TRUE(empty->tokens.empty());
+  EXPECT_TRUE(empty->finish_reason.empty());
+
+  for (size_t cut : {size_t{0}, size_t{3}, size_t{8}, bytes.size() - 1})
+    EXPECT_FALSE(decode_result(bytes.substr(0, cut)).has_value()) << cut;
+  EXPECT_FALSE(decode_result(bytes + "x").has_value());
+}
+
+TEST(ReuseLevels, ParseAndPrint) {
+  EXPECT_EQ(parse_levels("prefix"), uint32_t{kPrefix});
+  EXPECT_EQ(parse_levels("prefix,result"), uint32_t{kPrefix | kResult});
+  EXPECT_EQ(parse_levels("full,prefix,full"), uint32_t{kPrefix | kFull});
+  EXPECT_EQ(parse_levels("all"), kAllLevels);
+  EXPECT_EQ(parse_levels("none"), 0u);
+  EXPECT_EQ(parse_levels(""), 0u);
+  EXPECT_EQ(levels_text(0), "none");
+  EXPECT_EQ(levels_text(kAllLevels), "prefix,full,result");
+  EXPECT_EQ(levels_text(kPrefix | kResult), "prefix,result");
+  for (uint32_t mask = 0; mask <= kAllLevels; ++mask)
+    EXPECT_EQ(parse_levels(levels_text(mask)), mask) << mask;
+  EXPECT_THROW(parse_levels("prefix,bogus"), std::invalid_argument);
+  EXPECT_THROW(parse_levels("Prefix"), std::invalid_argument);
+  try {
+    parse_levels("bogus");
+  } catch (const std::invalid_argument& error) {
+    EXPECT_NE(std::string(error.what()).find("bogus"), std::string::npos);
+  }
+}
+
+}  // namespace
+}  // namespace moeline::reuse
