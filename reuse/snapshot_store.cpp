@@ -194,6 +194,11 @@ void SnapshotStore::enforce_disk_budget() {
   stats_.disk_entries = disk_.size();
 }
 
+void SnapshotStore::flush() {
+  if (!db_) return;
+  for (const auto& [key, entry] : ram_) spill(key, entry.value);
+}
+
 Value SnapshotStore::read_disk(uint64_t key) {
   auto it = disk_.find(key);
   if (it == disk_.end() || !db_) return nullptr;

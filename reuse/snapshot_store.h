@@ -57,6 +57,8 @@ class SnapshotStore {
   void put(uint64_t key, std::string value);
   // RAM first, then disk (restored into RAM); nullptr on a miss.
   Value get(uint64_t key);
+  // Writes every RAM entry not yet on disk to the disk tier (a graceful stop keeps them).
+  void flush();
   // True if either tier holds the key (no promotion, no restore, no stats).
   bool contains(uint64_t key) const;
   const StoreStats& stats() const { return stats_; }

@@ -71,7 +71,8 @@ class Probe {
       if (handled) batch_->observe(handled);
       update_gauges();
     }
-    service_.log.info("stopped");
+    store_->flush();
+    service_.log.info("stopped", {{"disk_entries", store_->stats().disk_entries}});
     return 0;
   }
 

@@ -450,8 +450,104 @@ def case_cli(args):
     print("ok cli: stack down stopped every process")
 
 
+def case_reuse(args):
+    """Exact reuse with real processes: prefix, full and result hits give the tokens `moeline run`
+    gives; tenants never hit each other; the policy switches at run time; after kill -9 of the
+    probe its disk tier still serves hits."""
+    from moeline_client import Client
+    vocab = vocab_of(args.model)
+    rng = random.Random(5)
+    system = [rng.randrange(vocab) for _ in range(48)]  # three full blocks shared by many prompts
+
+    def suffix(n):
+        return [rng.randrange(vocab) for _ in range(n)]
+
+    first_wave = [{"tokens": system + suffix(n), "max_tokens": 12} for n in (5, 9, 16, 23, 30)]
+    base = first_wave[0]
+    run_dir = os.path.join(args.workdir, "reuse")
+    # A RAM tier of about three KV blocks: most entries spill to the disk tier.
+    config = {**FAST_FAILURE, "probe": {"store-ram-bytes": "300KiB"}}
+    with Stack(args.moeline, args.model, run_dir, config=config) as stack:
+        with Client(stack.endpoint, timeout=120) as client:
+            def generate(request, tenant=""):
+                result = client.generate(**request, tenant=tenant)
+                want = reference(args.moeline, args.model, request["max_tokens"],
+                                 tokens=request["tokens"],
+                                 temperature=request.get("temperature", 0.0),
+                                 seed=request.get("seed"))
+                if request.get("temperature", 0.0) == 0 or request.get("seed") is not None:
+                    check(result.ids == want["ids"],
+                          f"reuse changed the output ({result.usage}): {result.ids} != {want['ids']}")
+                return result
+
+            for request in first_wave:
+                generate(request)
+            cases = [
+                ("exact greedy repeat", base, "result", len(base["tokens"])),
+                ("same prompt, other max_tokens", {**base, "max_tokens": 7}, "full",
+                 len(base["tokens"])),
+                ("shared system prompt, new suffix", {"tokens": system + suffix(11),
+                                                      "max_tokens": 12}, "prefix", 48),
+                ("partial overlap (one block)", {"tokens": system[:20] + suffix(20),
+                                                 "max_tokens": 12}, "prefix", 16),
+            ]
+            for label, request, level, reused in cases:
+                usage = generate(request).usage
+                check(usage["reuse_level"] == level and usage["reused_tokens"] == reused,
+                      f"{label}: {usage}, want {level} with {reused} tokens")
+                print(f"ok reuse: {label} -> {level}, {reused} tokens reused, identical to run")
+
+            seeded = {"tokens": system + suffix(7), "max_tokens": 12, "temperature": 0.8, "seed": 3}
+            generate(seeded)
+            usage = generate(seeded).usage
+            check(usage["reuse_level"] == "result", f"seeded repeat: {usage}")
+            unseeded = {"tokens": system + suffix(7), "max_tokens": 12, "temperature": 0.8}
+            client.generate(**unseeded)
+            usage = client.generate(**unseeded).usage
+            check(usage["reuse_level"] != "result", f"an unseeded sampled request replayed: {usage}")
+            print(f"ok reuse: seeded sampling replays its result; unseeded does not "
+                  f"({usage['reuse_level']})")
+
+            usage = client.generate(**base, tenant="other").usage
+            check(usage["reuse_level"] == "none" and usage["reused_tokens"] == 0,
+                  f"another tenant hit this tenant's entries: {usage}")
+            print("ok reuse: another tenant with the same prompt reuses nothing")
+
+            out = subprocess.run([args.moeline, "client", "reuse", "--endpoint", stack.endpoint,
+                                  "--levels", "none"], capture_output=True, text=True)
+            check(out.returncode == 0, out.stderr)
+            usage = generate(base).usage
+            check(usage["reuse_level"] == "none", f"reuse switched off, still {usage}")
+            out = subprocess.run([args.moeline, "client", "reuse", "--endpoint", stack.endpoint,
+                                  "--levels", "prefix"], capture_output=True, text=True)
+            usage = generate(base).usage
+            check(usage["reuse_level"] == "prefix", f"only prefix allowed, got {usage}")
+            subprocess.run([args.moeline, "client", "reuse", "--endpoint", stack.endpoint,
+                            "--levels", "all"], capture_output=True, text=True, check=True)
+            print("ok reuse: levels switched off and on at run time")
+
+        spills = stack.metric("probe", "moeline_probe_store_spills")
+        check(spills > 0, "nothing spilled to the disk tier")
+        old = stack.kill("probe")
+        stack.wait_restarted("probe", old)
+        wait_for(lambda: subprocess.run([args.moeline, "stack", "status", "--run-dir", run_dir],
+                                        capture_output=True).returncode == 0, 30,
+                 "the stack did not recover after kill -9 of the probe")
+        with Client(stack.endpoint, timeout=120) as client:
+            request = {"tokens": system + suffix(13), "max_tokens": 12}
+            result = client.generate(**request)
+            want = reference(args.moeline, args.model, 12, tokens=request["tokens"])
+            check(result.ids == want["ids"], "output changed after the probe restart")
+            check(result.usage["reuse_level"] == "prefix" and result.usage["reused_tokens"] == 48,
+                  f"after kill -9 of the probe: {result.usage}")
+        restores = stack.metric("probe", "moeline_probe_store_restores")
+        check(restores > 0, "the restarted probe restored nothing from disk")
+        print(f"ok reuse: kill -9 of the probe: the disk tier ({int(spills)} spills) serves the "
+              f"shared prefix after the restart ({int(restores)} restores)")
+
+
 CASES = {"parity": case_parity, "errors": case_errors, "recovery": case_recovery,
-         "metrics": case_metrics, "cli": case_cli}
+         "metrics": case_metrics, "cli": case_cli, "reuse": case_reuse}
 
 
 def main():
