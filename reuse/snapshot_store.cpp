@@ -2,6 +2,7 @@
 
 #include <rocksdb/db.h>
 #include <rocksdb/options.h>
+#include <rocksdb/write_batch.h>
 #include <xxhash.h>
 
 #include <cstring>
@@ -12,17 +13,27 @@ namespace {
 
 constexpr size_t kDiskHeader = 16;  // u64 checksum of what follows, u64 sequence
 
-std::string disk_key(uint64_t key) {
-  std::string out(8, '\0');
-  for (int i = 0; i < 8; ++i) out[static_cast<size_t>(i)] = static_cast<char>(key >> (56 - 8 * i));
+// Two keys per entry: 'd' + key holds the record, 'm' + key a small index entry (sequence and
+// size), so that opening the store reads the index, not every record.
+std::string disk_key(uint64_t key, char space = 'd') {
+  std::string out(9, space);
+  for (int i = 0; i < 8; ++i)
+    out[static_cast<size_t>(i) + 1] = static_cast<char>(key >> (56 - 8 * i));
   return out;
 }
 
 uint64_t parse_disk_key(const rocksdb::Slice& slice) {
   uint64_t key = 0;
-  for (size_t i = 0; i < 8 && i < slice.size(); ++i)
+  for (size_t i = 1; i < 9 && i < slice.size(); ++i)
     key = (key << 8) | static_cast<uint8_t>(slice.data()[i]);
   return key;
+}
+
+void erase_disk(rocksdb::DB& db, uint64_t key) {
+  rocksdb::WriteBatch batch;
+  batch.Delete(disk_key(key));
+  batch.Delete(disk_key(key, 'm'));
+  db.Write(rocksdb::WriteOptions(), &batch);
 }
 
 uint64_t read_u64(const char* p) {
@@ -59,14 +70,15 @@ SnapshotStore::~SnapshotStore() = default;
 
 void SnapshotStore::load_disk_index() {
   std::unique_ptr<rocksdb::Iterator> it(db_->NewIterator(rocksdb::ReadOptions()));
-  for (it->SeekToFirst(); it->Valid(); it->Next()) {
+  for (it->Seek("m"); it->Valid() && it->key().starts_with("m"); it->Next()) {
     const rocksdb::Slice value = it->value();
-    if (value.size() < kDiskHeader) continue;  // dropped when read
-    const uint64_t sequence = read_u64(value.data() + 8);
+    if (value.size() != 16) continue;
+    const uint64_t sequence = read_u64(value.data());
+    const uint64_t bytes = read_u64(value.data() + 8);
     const uint64_t key = parse_disk_key(it->key());
-    disk_[key] = {value.size(), sequence};
+    disk_[key] = {bytes, sequence};
     disk_order_[sequence] = key;
-    stats_.disk_bytes += value.size();
+    stats_.disk_bytes += bytes;
     next_sequence_ = std::max(next_sequence_, sequence + 1);
   }
   stats_.disk_entries = disk_.size();
@@ -167,15 +179,31 @@ void SnapshotStore::evict(uint64_t key) {
 void SnapshotStore::spill(uint64_t key, const Value& value) {
   if (!db_ || disk_.count(key)) return;
   const uint64_t sequence = next_sequence_++;
-  std::string record(kDiskHeader + value->size(), '\0');
-  std::memcpy(record.data() + 8, &sequence, 8);
-  std::memcpy(record.data() + kDiskHeader, value->data(), value->size());
-  const uint64_t checksum = XXH3_64bits(record.data() + 8, record.size() - 8);
-  std::memcpy(record.data(), &checksum, 8);
-  if (!db_->Put(rocksdb::WriteOptions(), disk_key(key), record).ok()) return;
-  disk_[key] = {record.size(), sequence};
+  // [checksum][sequence] then the value, written without first copying them into one buffer.
+  XXH3_state_t* state = XXH3_createState();
+  XXH3_64bits_reset(state);
+  XXH3_64bits_update(state, &sequence, 8);
+  XXH3_64bits_update(state, value->data(), value->size());
+  const uint64_t checksum = XXH3_64bits_digest(state);
+  XXH3_freeState(state);
+  char header[kDiskHeader];
+  std::memcpy(header, &checksum, 8);
+  std::memcpy(header + 8, &sequence, 8);
+  const uint64_t bytes = kDiskHeader + value->size();
+  const std::string data_key = disk_key(key);
+  const rocksdb::Slice key_part(data_key);
+  const rocksdb::Slice value_parts[2] = {rocksdb::Slice(header, kDiskHeader),
+                                         rocksdb::Slice(*value)};
+  char index[16];
+  std::memcpy(index, &sequence, 8);
+  std::memcpy(index + 8, &bytes, 8);
+  rocksdb::WriteBatch batch;
+  batch.Put(rocksdb::SliceParts(&key_part, 1), rocksdb::SliceParts(value_parts, 2));
+  batch.Put(disk_key(key, 'm'), rocksdb::Slice(index, 16));
+  if (!db_->Write(rocksdb::WriteOptions(), &batch).ok()) return;
+  disk_[key] = {bytes, sequence};
   disk_order_[sequence] = key;
-  stats_.disk_bytes += record.size();
+  stats_.disk_bytes += bytes;
   stats_.disk_entries = disk_.size();
   ++stats_.spills;
   enforce_disk_budget();
@@ -185,7 +213,7 @@ void SnapshotStore::enforce_disk_budget() {
   while (stats_.disk_bytes > options_.disk_bytes && !disk_order_.empty()) {
     const auto oldest = disk_order_.begin();
     const uint64_t key = oldest->second;
-    db_->Delete(rocksdb::WriteOptions(), disk_key(key));
+    erase_disk(*db_, key);
     stats_.disk_bytes -= disk_.at(key).bytes;
     disk_.erase(key);
     disk_order_.erase(oldest);
@@ -202,21 +230,27 @@ void SnapshotStore::flush() {
 Value SnapshotStore::read_disk(uint64_t key) {
   auto it = disk_.find(key);
   if (it == disk_.end() || !db_) return nullptr;
-  std::string record;
-  rocksdb::Status status = db_->Get(rocksdb::ReadOptions(), disk_key(key), &record);
-  bool valid = status.ok() && record.size() >= kDiskHeader &&
-               read_u64(record.data()) == XXH3_64bits(record.data() + 8, record.size() - 8);
+  rocksdb::PinnableSlice record;
+  // Our own checksum covers the whole record; RocksDB's block and blob CRCs would check it twice.
+  rocksdb::ReadOptions read_options;
+  read_options.verify_checksums = false;
+  rocksdb::Status status =
+      db_->Get(read_options, db_->DefaultColumnFamily(), disk_key(key), &record);
+  const bool valid = status.ok() && record.size() >= kDiskHeader &&
+                     read_u64(record.data()) ==
+                         XXH3_64bits(record.data() + 8, record.size() - 8);
   if (!valid) {
     // Never served: dropped and counted.
     ++stats_.corrupt;
-    db_->Delete(rocksdb::WriteOptions(), disk_key(key));
+    erase_disk(*db_, key);
     stats_.disk_bytes -= it->second.bytes;
     disk_order_.erase(it->second.sequence);
     disk_.erase(it);
     stats_.disk_entries = disk_.size();
     return nullptr;
   }
-  return std::make_shared<const std::string>(record.substr(kDiskHeader));
+  return std::make_shared<const std::string>(record.data() + kDiskHeader,
+                                            record.size() - kDiskHeader);
 }
 
 Value SnapshotStore::get(uint64_t key) {

@@ -70,9 +70,11 @@ StoreOptions with_disk(const TempDir& dir, uint64_t ram_bytes, uint64_t disk_byt
   return options;
 }
 
+// The store's record key: 'd' and the 8-byte big-endian store key.
 std::string disk_key(uint64_t key) {
-  std::string out(8, '\0');
-  for (int i = 0; i < 8; ++i) out[static_cast<size_t>(i)] = static_cast<char>(key >> (56 - 8 * i));
+  std::string out(9, 'd');
+  for (int i = 0; i < 8; ++i)
+    out[static_cast<size_t>(i) + 1] = static_cast<char>(key >> (56 - 8 * i));
   return out;
 }
 
