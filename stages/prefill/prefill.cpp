@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <chrono>
 #include <deque>
+#include <memory>
 #include <optional>
 #include <unordered_map>
 
@@ -311,18 +312,24 @@ class PrefillStage {
       finish = "length";
     }
 
+    // The prompt's KV, exported once: the decode handoff and the store's new blocks are views of
+    // this one buffer (no copies).
+    const model::KvCache& cache = *worker_.cache;
+    const size_t blocks = (job.tokens.size() + model::kBlockTokens - 1) / model::kBlockTokens;
+    auto exported = std::make_shared<std::vector<uint8_t>>(blocks * cache.block_bytes());
+    for (size_t b = 0; b < blocks; ++b)
+      cache.export_block(sequence.block_table()[b], exported->data() + b * cache.block_bytes());
+    // The store's entries go out first: a request that follows this one (the client may send it
+    // as soon as it sees the first token) then finds them in the probe.
+    put_snapshots(job, exported, logits);
+
     flatbuffers::FlatBufferBuilder builder(1024);
     std::vector<zmq::message_t> bulk;
     flatbuffers::Offset<wire::KvLayout> layout = 0;
     flatbuffers::Offset<flatbuffers::Vector<flatbuffers::Offset<wire::BulkFrame>>> frames = 0;
     if (finish.empty()) {
-      const model::KvCache& cache = *worker_.cache;
-      const size_t blocks = (job.tokens.size() + model::kBlockTokens - 1) / model::kBlockTokens;
-      zmq::message_t kv(blocks * cache.block_bytes());
-      auto* out = static_cast<uint8_t*>(kv.data());
-      for (size_t b = 0; b < blocks; ++b)
-        cache.export_block(sequence.block_table()[b], out + b * cache.block_bytes());
-      const uint64_t sum = wire::checksum({out, kv.size()});
+      zmq::message_t kv = view(exported, 0, exported->size());
+      const uint64_t sum = wire::checksum({static_cast<const uint8_t*>(kv.data()), kv.size()});
       std::vector<flatbuffers::Offset<wire::BulkFrame>> described = {
           wire::CreateBulkFrame(builder, kv.size(), sum)};
       frames = builder.CreateVector(described);
@@ -344,7 +351,6 @@ class PrefillStage {
                                            level, job.reused),
                    wire::PrefillJobIdentifier());
     worker_.link->send(wire::encode(wire::MessageType::PrefillDone, builder, std::move(bulk)));
-    put_snapshots(job, sequence, logits);
     const double total =
         std::chrono::duration<double>(std::chrono::steady_clock::now() - job.received).count();
     tpot_->observe(total);
@@ -354,7 +360,18 @@ class PrefillStage {
 
   // What this prefill computed goes back to the probe's store: each new full block (prefix
   // reuse) and the prompt's first-token logits with its partial last block (full reuse).
-  void put_snapshots(const Job& job, const model::Sequence& sequence, const float* logits) {
+  // A ZeroMQ message over part of a shared buffer; the buffer lives until its last view is sent.
+  static zmq::message_t view(const std::shared_ptr<std::vector<uint8_t>>& buffer, size_t offset,
+                             size_t bytes) {
+    auto* keep = new std::shared_ptr<std::vector<uint8_t>>(buffer);
+    return zmq::message_t(
+        buffer->data() + offset, bytes,
+        [](void*, void* hint) { delete static_cast<std::shared_ptr<std::vector<uint8_t>>*>(hint); },
+        keep);
+  }
+
+  void put_snapshots(const Job& job, const std::shared_ptr<std::vector<uint8_t>>& exported,
+                     const float* logits) {
     if (job.store_levels == 0) return;
     const model::KvCache& cache = *worker_.cache;
     const uint64_t model_id = worker_.model->model_id();
@@ -372,18 +389,16 @@ class PrefillStage {
       bulk.push_back(std::move(frame));
     };
     if (job.store_levels & reuse::kPrefix) {
-      for (size_t b = job.reused / model::kBlockTokens; b < chain.size(); ++b) {
-        zmq::message_t frame(cache.block_bytes());
-        cache.export_block(sequence.block_table()[b], frame.data());
-        add(reuse::block_entry(chain[b]), 'B', std::move(frame));
-      }
+      for (size_t b = job.reused / model::kBlockTokens; b < chain.size(); ++b)
+        add(reuse::block_entry(chain[b]), 'B',
+            view(exported, b * cache.block_bytes(), cache.block_bytes()));
     }
     if (job.store_levels & reuse::kFull) {
       reuse::PromptRecord record;
       record.logits.assign(logits, logits + worker_.model->config().vocab_size);
       if (job.tokens.size() % model::kBlockTokens != 0) {
-        record.tail_kv.resize(cache.block_bytes());
-        cache.export_block(sequence.block_table()[chain.size()], record.tail_kv.data());
+        const auto* tail = exported->data() + chain.size() * cache.block_bytes();
+        record.tail_kv.assign(reinterpret_cast<const char*>(tail), cache.block_bytes());
       }
       const std::string bytes = reuse::encode(record);
       add(reuse::prompt_entry(reuse::prompt_key(job.tokens, chain, model_id, ns)), 'P',
