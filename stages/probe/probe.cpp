@@ -172,7 +172,8 @@ class Probe {
       service_.log.warn("snapshot_refused", {{"reason", "entries and frames differ in number"}});
       return;
     }
-    for (size_t i = 0; i < entries; ++i) {
+    // Deepest first (entries come in chain order): the head of a chain ends up the most recent.
+    for (size_t i = entries; i-- > 0;) {
       const auto* entry = put->entries()->Get(static_cast<flatbuffers::uoffset_t>(i));
       const auto bytes = message.bulk[i].bytes();
       // A block must be exactly one block of this model's KV.
@@ -183,13 +184,21 @@ class Probe {
     }
   }
 
-  // The longest run of cached blocks from the start (values in order); stops at the first miss.
+  // The longest run of cached blocks from the start (values in order). The blocks are read
+  // deepest first, so that the head of the chain is the most recently used: a chain is only
+  // useful from its first block on, so its first blocks are the last ones to evict.
   std::vector<reuse::Value> cached_prefix(const std::vector<uint64_t>& chain, size_t limit) {
-    std::vector<reuse::Value> blocks;
-    for (size_t b = 0; b < chain.size() && b < limit; ++b) {
-      reuse::Value value = store_->get(reuse::block_entry(chain[b]));
-      if (!value || value->size() != block_bytes_) break;
-      blocks.push_back(std::move(value));
+    size_t run = 0;
+    while (run < chain.size() && run < limit && store_->contains(reuse::block_entry(chain[run])))
+      ++run;
+    std::vector<reuse::Value> blocks(run);
+    for (size_t b = run; b-- > 0;) blocks[b] = store_->get(reuse::block_entry(chain[b]));
+    // A record that failed its checksum on disk ends the run there.
+    for (size_t b = 0; b < run; ++b) {
+      if (!blocks[b] || blocks[b]->size() != block_bytes_) {
+        blocks.resize(b);
+        break;
+      }
     }
     return blocks;
   }

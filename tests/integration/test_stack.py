@@ -497,6 +497,15 @@ def case_reuse(args):
                       f"{label}: {usage}, want {level} with {reused} tokens")
                 print(f"ok reuse: {label} -> {level}, {reused} tokens reused, identical to run")
 
+            # Many jobs on the same cached prefix at once: one prefill batch shares its blocks.
+            wave = [{"tokens": system + suffix(6 + i), "max_tokens": 12} for i in range(6)]
+            results = run_concurrently(client, wave)
+            for i, request in enumerate(wave):
+                want = reference(args.moeline, args.model, 12, tokens=request["tokens"])
+                check(results[i]["ids"] == want["ids"], f"concurrent prefix hit {i} differs")
+                check(results[i]["usage"]["reused_tokens"] >= 48, f"wave {i}: {results[i]['usage']}")
+            print("ok reuse: 6 concurrent jobs on one cached prefix, identical to run")
+
             seeded = {"tokens": system + suffix(7), "max_tokens": 12, "temperature": 0.8, "seed": 3}
             generate(seeded)
             usage = generate(seeded).usage
