@@ -11,7 +11,9 @@
 namespace moeline::reuse {
 namespace {
 
-constexpr size_t kDiskHeader = 16;  // u64 checksum of what follows, u64 sequence
+// A record is the value, then u64 sequence, then u64 xxHash of everything before it: with the
+// trailer at the end, a record read into a string becomes the value by truncation (no copy).
+constexpr size_t kDiskTrailer = 16;
 
 // Two keys per entry: 'd' + key holds the record, 'm' + key a small index entry (sequence and
 // size), so that opening the store reads the index, not every record.
@@ -179,21 +181,21 @@ void SnapshotStore::evict(uint64_t key) {
 void SnapshotStore::spill(uint64_t key, const Value& value) {
   if (!db_ || disk_.count(key)) return;
   const uint64_t sequence = next_sequence_++;
-  // [checksum][sequence] then the value, written without first copying them into one buffer.
+  // Written from its parts, without first copying them into one buffer.
   XXH3_state_t* state = XXH3_createState();
   XXH3_64bits_reset(state);
-  XXH3_64bits_update(state, &sequence, 8);
   XXH3_64bits_update(state, value->data(), value->size());
+  XXH3_64bits_update(state, &sequence, 8);
   const uint64_t checksum = XXH3_64bits_digest(state);
   XXH3_freeState(state);
-  char header[kDiskHeader];
-  std::memcpy(header, &checksum, 8);
-  std::memcpy(header + 8, &sequence, 8);
-  const uint64_t bytes = kDiskHeader + value->size();
+  char trailer[kDiskTrailer];
+  std::memcpy(trailer, &sequence, 8);
+  std::memcpy(trailer + 8, &checksum, 8);
+  const uint64_t bytes = value->size() + kDiskTrailer;
   const std::string data_key = disk_key(key);
   const rocksdb::Slice key_part(data_key);
-  const rocksdb::Slice value_parts[2] = {rocksdb::Slice(header, kDiskHeader),
-                                         rocksdb::Slice(*value)};
+  const rocksdb::Slice value_parts[2] = {rocksdb::Slice(*value),
+                                         rocksdb::Slice(trailer, kDiskTrailer)};
   char index[16];
   std::memcpy(index, &sequence, 8);
   std::memcpy(index + 8, &bytes, 8);
@@ -230,15 +232,14 @@ void SnapshotStore::flush() {
 Value SnapshotStore::read_disk(uint64_t key) {
   auto it = disk_.find(key);
   if (it == disk_.end() || !db_) return nullptr;
-  rocksdb::PinnableSlice record;
+  auto record = std::make_shared<std::string>();
   // Our own checksum covers the whole record; RocksDB's block and blob CRCs would check it twice.
   rocksdb::ReadOptions read_options;
   read_options.verify_checksums = false;
-  rocksdb::Status status =
-      db_->Get(read_options, db_->DefaultColumnFamily(), disk_key(key), &record);
-  const bool valid = status.ok() && record.size() >= kDiskHeader &&
-                     read_u64(record.data()) ==
-                         XXH3_64bits(record.data() + 8, record.size() - 8);
+  rocksdb::Status status = db_->Get(read_options, disk_key(key), record.get());
+  const bool valid = status.ok() && record->size() >= kDiskTrailer &&
+                     read_u64(record->data() + record->size() - 8) ==
+                         XXH3_64bits(record->data(), record->size() - 8);
   if (!valid) {
     // Never served: dropped and counted.
     ++stats_.corrupt;
@@ -249,8 +250,8 @@ Value SnapshotStore::read_disk(uint64_t key) {
     stats_.disk_entries = disk_.size();
     return nullptr;
   }
-  return std::make_shared<const std::string>(record.data() + kDiskHeader,
-                                            record.size() - kDiskHeader);
+  record->resize(record->size() - kDiskTrailer);
+  return record;
 }
 
 Value SnapshotStore::get(uint64_t key) {

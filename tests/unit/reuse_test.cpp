@@ -24,7 +24,7 @@ namespace fs = std::filesystem;
 
 constexpr uint64_t kKiB = 1024;
 // What the disk tier adds to every value: u64 checksum, u64 sequence (snapshot_store.cpp).
-constexpr uint64_t kDiskHeader = 16;
+constexpr uint64_t kDiskTrailer = 16;
 
 // A unique folder under the system's temporary folder, removed with everything in it.
 class TempDir {
@@ -139,7 +139,7 @@ TEST(SnapshotStore, EvictionSpillsToDiskAndGetRestores) {
   EXPECT_EQ(store.stats().evictions, 6u);
   EXPECT_EQ(store.stats().spills, 6u);
   EXPECT_EQ(store.stats().disk_entries, 6u);
-  EXPECT_EQ(store.stats().disk_bytes, 6 * (4 * kKiB + kDiskHeader));
+  EXPECT_EQ(store.stats().disk_bytes, 6 * (4 * kKiB + kDiskTrailer));
   EXPECT_EQ(store.stats().ram_entries, 4u);
   for (uint64_t key = 1; key <= 10; ++key) EXPECT_TRUE(store.contains(key)) << key;
 
@@ -173,11 +173,11 @@ TEST(SnapshotStore, DiskBudgetEvictsOldestFirst) {
   TempDir dir;
   constexpr uint64_t kEntry = 4 * kKiB;
   // A 1-byte RAM tier: every value goes straight to disk, in put order.
-  SnapshotStore store(with_disk(dir, 1, 3 * (kEntry + kDiskHeader)));
+  SnapshotStore store(with_disk(dir, 1, 3 * (kEntry + kDiskTrailer)));
   for (uint64_t key = 1; key <= 5; ++key) store.put(key, value_of(key, kEntry));
   EXPECT_EQ(store.stats().disk_evictions, 2u);
   EXPECT_EQ(store.stats().disk_entries, 3u);
-  EXPECT_LE(store.stats().disk_bytes, 3 * (kEntry + kDiskHeader));
+  EXPECT_LE(store.stats().disk_bytes, 3 * (kEntry + kDiskTrailer));
   EXPECT_FALSE(store.contains(1));
   EXPECT_FALSE(store.contains(2));
   for (uint64_t key = 3; key <= 5; ++key) {
@@ -203,8 +203,8 @@ TEST(SnapshotStore, CorruptDiskRecordIsDroppedNotServed) {
     std::unique_ptr<rocksdb::DB> db(raw);
     std::string record;
     ASSERT_TRUE(db->Get(rocksdb::ReadOptions(), disk_key(2), &record).ok());
-    ASSERT_EQ(record.size(), kEntry + kDiskHeader);
-    record[kDiskHeader + 100] = static_cast<char>(record[kDiskHeader + 100] ^ 0x5a);  // the payload
+    ASSERT_EQ(record.size(), kEntry + kDiskTrailer);
+    record[100] = static_cast<char>(record[100] ^ 0x5a);  // the payload (the trailer follows it)
     ASSERT_TRUE(db->Put(rocksdb::WriteOptions(), disk_key(2), record).ok());
   }
   {
@@ -214,7 +214,7 @@ TEST(SnapshotStore, CorruptDiskRecordIsDroppedNotServed) {
     EXPECT_EQ(store.stats().corrupt, 1u);
     EXPECT_FALSE(store.contains(2));
     EXPECT_EQ(store.stats().disk_entries, 2u);
-    EXPECT_EQ(store.stats().disk_bytes, 2 * (kEntry + kDiskHeader));
+    EXPECT_EQ(store.stats().disk_bytes, 2 * (kEntry + kDiskTrailer));
     Value intact = store.get(3);
     ASSERT_NE(intact, nullptr);
     EXPECT_EQ(*intact, value_of(3, kEntry));
@@ -252,7 +252,7 @@ TEST(SnapshotStore, SpilledEntriesSurviveRestart) {
 // The disk tier's age order is restored too: after a restart, new spills are younger than old ones.
 TEST(SnapshotStore, DiskAgeOrderSurvivesRestart) {
   TempDir dir;
-  constexpr uint64_t kEntry = 4 * kKiB, kRecord = kEntry + kDiskHeader;
+  constexpr uint64_t kEntry = 4 * kKiB, kRecord = kEntry + kDiskTrailer;
   {
     SnapshotStore store(with_disk(dir, 1, 3 * kRecord));
     for (uint64_t key = 1; key <= 3; ++key) store.put(key, value_of(key, kEntry));
