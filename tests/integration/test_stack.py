@@ -466,7 +466,8 @@ def case_reuse(args):
     base = first_wave[0]
     run_dir = os.path.join(args.workdir, "reuse")
     # A RAM tier of about three KV blocks: most entries spill to the disk tier.
-    config = {**FAST_FAILURE, "probe": {"store-ram-bytes": "300KiB"}}
+    config = {**FAST_FAILURE, "probe": {"store-ram-bytes": "300KiB"},
+              "gateway": {"shared-tenants": "team-1,team-2"}}
     with Stack(args.moeline, args.model, run_dir, config=config) as stack:
         with Client(stack.endpoint, timeout=120) as client:
             def generate(request, tenant=""):
@@ -521,6 +522,11 @@ def case_reuse(args):
             check(usage["reuse_level"] == "none" and usage["reused_tokens"] == 0,
                   f"another tenant hit this tenant's entries: {usage}")
             print("ok reuse: another tenant with the same prompt reuses nothing")
+            shared = {"tokens": system + suffix(9), "max_tokens": 12}
+            client.generate(**shared, tenant="team-1")
+            usage = generate(shared, tenant="team-2").usage
+            check(usage["reuse_level"] == "result", f"tenants marked shared did not share: {usage}")
+            print("ok reuse: tenants an operator marked shared reuse each other's work")
 
             out = subprocess.run([args.moeline, "client", "reuse", "--endpoint", stack.endpoint,
                                   "--levels", "none"], capture_output=True, text=True)
