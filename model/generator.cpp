@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <chrono>
 #include <memory>
+#include <string_view>
 
 namespace moeline::model {
 namespace {
@@ -32,6 +33,19 @@ const char* finish_reason_name(FinishReason reason) {
   return "?";
 }
 
+const char* finish_after(int32_t token, int64_t generated, int64_t prompt_tokens,
+                         const SamplingParams& sampling, const std::vector<int32_t>& eos,
+                         int64_t max_position) {
+  const auto& stops = sampling.stop_token_ids;
+  if (std::find(stops.begin(), stops.end(), token) != stops.end()) return "stop";
+  if (!sampling.ignore_eos && std::find(eos.begin(), eos.end(), token) != eos.end()) return "stop";
+  // The next step would feed this token at position prompt + generated - 1.
+  if (generated >= sampling.max_tokens ||
+      (max_position > 0 && prompt_tokens + generated > max_position))
+    return "length";
+  return "";
+}
+
 Expected<std::vector<GenerationResult>> Generator::generate(
     const std::vector<GenerationRequest>& requests) {
   const ModelConfig& config = engine_.model().config();
@@ -43,15 +57,11 @@ Expected<std::vector<GenerationResult>> Generator::generate(
 
   SequenceSet set{engine_.cache().pool(), {}};
   std::vector<Sampler> samplers;
-  std::vector<std::vector<int32_t>> stops;
+  const std::vector<int32_t> eos(config.eos_token_ids.begin(), config.eos_token_ids.end());
   for (const GenerationRequest& request : requests) {
     set.sequences.push_back(std::make_unique<Sequence>(
         next_sequence_id_++, engine_.model().model_id(), namespace_id(request.cache_namespace)));
     samplers.emplace_back(request.sampling);
-    std::vector<int32_t> stop = request.sampling.stop_token_ids;
-    if (!request.sampling.ignore_eos)
-      for (int64_t eos : config.eos_token_ids) stop.push_back(static_cast<int32_t>(eos));
-    stops.push_back(std::move(stop));
   }
 
   std::vector<GenerationResult> results(requests.size());
@@ -69,16 +79,12 @@ Expected<std::vector<GenerationResult>> Generator::generate(
     const int32_t token = samplers[i].sample(row, vocab);
     results[i].tokens.push_back(token);
     next_tokens[i] = token;
-    if (std::find(stops[i].begin(), stops[i].end(), token) != stops[i].end()) {
-      results[i].finish_reason = FinishReason::kStop;
-      return false;
-    }
-    const auto generated = static_cast<int64_t>(results[i].tokens.size());
-    // The next step feeds this token at position prompt + generated - 1: stop at the context.
-    const bool context_full = config.max_position_embeddings > 0 &&
-                              static_cast<int64_t>(requests[i].prompt.size()) + generated >
-                                  config.max_position_embeddings;
-    return generated < requests[i].sampling.max_tokens && !context_full;
+    const std::string_view finish =
+        finish_after(token, static_cast<int64_t>(results[i].tokens.size()),
+                     static_cast<int64_t>(requests[i].prompt.size()), requests[i].sampling, eos,
+                     config.max_position_embeddings);
+    if (finish == "stop") results[i].finish_reason = FinishReason::kStop;
+    return finish.empty();
   };
   for (size_t i = 0; i < requests.size(); ++i) {
     const float* row = logits.data() + static_cast<int64_t>(i) * vocab;

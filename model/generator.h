@@ -30,6 +30,14 @@ struct GenerationResult {
   double decode_seconds = 0.0;
 };
 
+// The stopping rule every path shares (this generator, the prefill, probe and decode stages): after
+// the `generated`-th token `token` of a `prompt_tokens`-token prompt, the request ends with "stop"
+// (a stop token: the request's, or an end-of-sequence id unless ignored), "length" (max_tokens,
+// or the next position would pass `max_position`, when > 0), or goes on ("").
+const char* finish_after(int32_t token, int64_t generated, int64_t prompt_tokens,
+                         const SamplingParams& sampling, const std::vector<int32_t>& eos,
+                         int64_t max_position);
+
 class Generator {
  public:
   explicit Generator(Engine& engine) : engine_(engine) {}

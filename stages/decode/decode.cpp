@@ -5,6 +5,7 @@
 #include <deque>
 #include <map>
 
+#include "model/generator.h"
 #include "model/sampling.h"
 #include "stages/common/common.h"
 #include "stages/common/worker.h"
@@ -21,7 +22,6 @@ struct Stream {
   int32_t next_token = 0;
   int64_t generated = 1;  // the first token came from prefill
   model::SamplingParams sampling;
-  std::vector<int32_t> stops;
   std::unique_ptr<model::Sequence> sequence;
   std::unique_ptr<model::Sampler> sampler;
   Clock::time_point joined, last_token;
@@ -184,9 +184,6 @@ class DecodeStage {
     stream.prompt.assign(done->tokens()->begin(), done->tokens()->end());
     stream.next_token = done->first_token();
     stream.sampling = from_wire(done->sampling());
-    stream.stops = stream.sampling.stop_token_ids;
-    if (!stream.sampling.ignore_eos)
-      stream.stops.insert(stream.stops.end(), eos_.begin(), eos_.end());
     stream.sequence = std::make_unique<model::Sequence>(
         stream.request_id, worker_.model->model_id(),
         model::namespace_id(done->cache_namespace() ? done->cache_namespace()->str() : ""));
@@ -282,15 +279,9 @@ class DecodeStage {
       if (stream.generated == 2)
         ttft_->observe(std::chrono::duration<double>(now - stream.joined).count());
       stream.last_token = now;
-      // model::Generator's rule: a stop token, max_tokens, or the next position past the context.
-      const char* finish = "";
-      if (std::find(stream.stops.begin(), stream.stops.end(), token) != stream.stops.end())
-        finish = "stop";
-      else if (stream.generated >= stream.sampling.max_tokens ||
-               (cfg.max_position_embeddings > 0 &&
-                static_cast<int64_t>(stream.prompt.size()) + stream.generated >
-                    cfg.max_position_embeddings))
-        finish = "length";
+      const char* finish =
+          model::finish_after(token, stream.generated, static_cast<int64_t>(stream.prompt.size()),
+                              stream.sampling, eos_, cfg.max_position_embeddings);
       updates.push_back(wire::CreateTokenUpdate(builder, stream.request_id, stream.attempt, token,
                                                 builder.CreateString(finish)));
       if (*finish != '\0') {

@@ -7,6 +7,7 @@
 #include <optional>
 #include <unordered_map>
 
+#include "model/generator.h"
 #include "model/sampling.h"
 #include "reuse/records.h"
 #include "stages/common/common.h"
@@ -298,19 +299,9 @@ class PrefillStage {
     ttft_->observe(std::chrono::duration<double>(sampled - job.received).count());
     tokens_total_->inc(static_cast<double>(job.computed()));
 
-    // The same stopping rule as model::Generator: a stop token, max_tokens, or the context.
-    std::string finish;
-    bool stop = std::find(job.sampling.stop_token_ids.begin(), job.sampling.stop_token_ids.end(),
-                          first) != job.sampling.stop_token_ids.end();
-    if (!job.sampling.ignore_eos)
-      stop = stop || std::find(eos_.begin(), eos_.end(), first) != eos_.end();
-    if (stop) {
-      finish = "stop";
-    } else if (job.sampling.max_tokens <= 1 ||
-               (cfg.max_position_embeddings > 0 &&
-                static_cast<int64_t>(job.tokens.size()) + 1 > cfg.max_position_embeddings)) {
-      finish = "length";
-    }
+    const std::string finish =
+        model::finish_after(first, 1, static_cast<int64_t>(job.tokens.size()), job.sampling, eos_,
+                            cfg.max_position_embeddings);
 
     // The prompt's KV, exported once: the decode handoff and the store's new blocks are views of
     // this one buffer (no copies).

@@ -4,6 +4,7 @@
 #include <chrono>
 #include <map>
 
+#include "model/generator.h"
 #include "model/kv_cache.h"
 #include "model/model.h"
 #include "model/sampling.h"
@@ -322,19 +323,8 @@ class Probe {
     const model::ModelConfig& cfg = model_->config();
     model::Sampler sampler(sampling);
     const int32_t first = sampler.sample(prompt.logits.data(), cfg.vocab_size);
-    // The same stopping rule as prefill and model::Generator.
-    std::string finish;
-    bool stop = std::find(sampling.stop_token_ids.begin(), sampling.stop_token_ids.end(), first) !=
-                sampling.stop_token_ids.end();
-    if (!sampling.ignore_eos)
-      stop = stop || std::find(eos_.begin(), eos_.end(), first) != eos_.end();
-    if (stop) {
-      finish = "stop";
-    } else if (sampling.max_tokens <= 1 ||
-               (cfg.max_position_embeddings > 0 &&
-                static_cast<int64_t>(tokens.size()) + 1 > cfg.max_position_embeddings)) {
-      finish = "length";
-    }
+    const std::string finish = model::finish_after(first, 1, static_cast<int64_t>(tokens.size()),
+                                                   sampling, eos_, cfg.max_position_embeddings);
     flatbuffers::FlatBufferBuilder builder(512 + tokens.size() * 4);
     std::vector<zmq::message_t> bulk;
     flatbuffers::Offset<wire::KvLayout> kv_layout = 0;

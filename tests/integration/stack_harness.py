@@ -3,6 +3,7 @@ directory, its stages' /metrics, and `moeline run` as the in-process reference."
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -26,9 +27,12 @@ class Stack:
 
     def __enter__(self):
         os.makedirs(self.run_dir, exist_ok=True)
-        # A stack left behind by an interrupted earlier run would hold the run directory.
+        # A stack left behind by an interrupted earlier run would hold the run directory, and an
+        # earlier run's snapshot store would serve this run's requests: start clean.
         subprocess.run([self.moeline, "stack", "down", "--run-dir", self.run_dir],
                        capture_output=True, timeout=60)
+        shutil.rmtree(self.run_dir, ignore_errors=True)
+        os.makedirs(self.run_dir, exist_ok=True)
         cmd = [self.moeline, "stack", "up", "--model", self.model, "--run-dir", self.run_dir,
                "--prefill", str(self.prefill), "--decode", str(self.decode),
                "--threads", str(self.threads), "--timeout-s", "90"]
