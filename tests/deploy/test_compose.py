@@ -23,7 +23,7 @@ SCALABLE = ("probe", "prefill", "decode")
 WORKERS = ("probe", "prefill", "decode", "offload")
 HUB = "tcp://gateway:5556"
 RUNTIME_PACKAGES = ("libzmq5", "libpcre2-8-0", "libutf8proc2", "libsimdjson14", "libmimalloc2.0",
-                    "libxxhash0", "libcpp-httplib0.11", "curl")
+                    "libxxhash0", "libcpp-httplib0.11", "librocksdb7.8", "curl")
 
 
 def check(name, condition, detail=""):
