@@ -381,6 +381,21 @@ int up(int argc, char** argv) {
                                (run_dir / "supervisor.log").string());
     auto health = stage_health(run_dir);
     if (health.empty()) continue;
+    // A stage that keeps dying while the stack starts will not come up by waiting: say why now.
+    for (const StageHealth& h : health) {
+      if (h.restarts < 3) continue;
+      const fs::path log = run_dir / "logs" / (h.name + ".log");
+      std::cerr << "moeline: error: stage " << h.name << " exited " << h.restarts + 1
+                << " times while the stack started; the end of " << log.string() << ":\n";
+      std::ifstream in(log);
+      std::vector<std::string> lines;
+      for (std::string line; std::getline(in, line);) lines.push_back(line);
+      for (size_t i = lines.size() > 8 ? lines.size() - 8 : 0; i < lines.size(); ++i)
+        std::cerr << "  " << lines[i] << '\n';
+      ::kill(child, SIGTERM);
+      ::waitpid(child, nullptr, 0);
+      return 1;
+    }
     bool all = true;
     for (const StageHealth& h : health) all = all && h.http == 200;
     if (all) {

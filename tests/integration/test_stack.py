@@ -449,6 +449,21 @@ def case_cli(args):
     check(not leftovers.strip(), f"processes left after stack down: {leftovers}")
     print("ok cli: stack down stopped every process")
 
+    # A checkpoint that cannot load: `stack up` fails fast with the stage's own error.
+    broken = os.path.join(args.workdir, "broken-model")
+    os.makedirs(broken, exist_ok=True)
+    for name in ("config.json", "tokenizer.json"):
+        shutil.copy(os.path.join(args.model, name), broken)
+    with open(os.path.join(args.model, "model.safetensors"), "rb") as f, \
+            open(os.path.join(broken, "model.safetensors"), "wb") as g:
+        g.write(f.read(1000))
+    out = subprocess.run([args.moeline, "stack", "up", "--model", broken, "--run-dir",
+                          os.path.join(args.workdir, "broken")], capture_output=True, text=True,
+                         timeout=120)
+    check(out.returncode == 1 and "truncated or corrupt" in out.stderr,
+          f"stack up on a corrupt checkpoint: {out.returncode} {out.stderr}")
+    print("ok cli: stack up on a corrupt checkpoint fails at once with the stage's error")
+
 
 def case_reuse(args):
     """Exact reuse with real processes: prefix, full and result hits give the tokens `moeline run`
