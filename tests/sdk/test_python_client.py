@@ -196,9 +196,9 @@ def check_encoding(mc, wire):
                                 stop_token_ids=[5, 6], ignore_eos=True, tenant="t1", deadline_ms=1500,
                                 add_special_tokens=False)
     magic, major, minor, kind, flags, size = struct.unpack("<4sHHHHI", frames[0])
-    check("header: magic, version 1.0, type, flags, body length",
+    check("header: magic, version 1.x, type, flags, body length",
           (magic, major, minor, kind, flags, size) ==
-          (b"MOEL", 1, 0, mc.MessageType.GenerateRequest, 0, len(frames[1])))
+          (b"MOEL", 1, mc.SCHEMA_MINOR, mc.MessageType.GenerateRequest, 0, len(frames[1])))
     body = frames[1]
     check("body carries the client family identifier MLCL",
           wire.GenerateRequest.GenerateRequest.GenerateRequestBufferHasIdentifier(body, 0))
@@ -221,12 +221,13 @@ def check_encoding(mc, wire):
           isinstance(raises(lambda: mc.encode_generate(1), ValueError), ValueError))
     m = mc.decode_message(frames)
     check("decode_message splits what encode_message framed",
-          (m.type, m.minor, m.body, m.bulk) == (mc.MessageType.GenerateRequest, 0, body, []))
+          (m.type, m.minor, m.body, m.bulk) ==
+          (mc.MessageType.GenerateRequest, mc.SCHEMA_MINOR, body, []))
     for name, bad, needle in (
             ("one frame", frames[:1], "header and a body"),
             ("short header", [frames[0][:15], body], "16"),
             ("wrong magic", [b"XXXX" + frames[0][4:], body], "magic"),
-            ("wrong major", mc.encode_message(10, body, major=2), "schema 2.0"),
+            ("wrong major", mc.encode_message(10, body, major=2, minor=0), "schema 2.0"),
             ("body length", [frames[0], body + b"\0"], "header says")):
         error = raises(lambda: mc.decode_message(bad), mc.ProtocolError)
         check(f"decode_message refuses {name}", isinstance(error, mc.ProtocolError) and needle in str(error),
