@@ -91,12 +91,15 @@ struct LoadOptions {
   int64_t prompt_tokens = 128, max_tokens = 64;
   int threads = 0;
   bool json = false;
+  // Prompts differ from run to run unless a seed is given: the stack's snapshot store would
+  // otherwise answer a repeated run from its cache.
+  uint64_t seed = 0;
 };
 
 Samples drive_stack(const LoadOptions& o, int64_t vocab) {
   sdk::Client client(o.endpoint, std::chrono::seconds(120));
   Pacer pacer(o.concurrency, o.rate);
-  std::mt19937_64 rng(1);
+  std::mt19937_64 rng(o.seed);
   struct Live {
     Clock::time_point start, last;
     bool first = false;
@@ -244,7 +247,7 @@ Samples drive_stage_loop(const LoadOptions& o, const model::Model& model, StageU
   const model::ModelConfig& cfg = model.config();
   const int64_t vocab = cfg.vocab_size;
   Pacer pacer(o.concurrency, o.rate);
-  std::mt19937_64 rng(1);
+  std::mt19937_64 rng(o.seed);
   model::SamplingParams sampling;
   sampling.max_tokens = o.max_tokens;
   sampling.ignore_eos = true;
@@ -364,6 +367,9 @@ int load_body(const runtime::Config& config) {
   o.max_tokens = config.integer("max-tokens");
   o.threads = static_cast<int>(config.integer("threads"));
   o.json = config.flag("json");
+  o.seed = static_cast<uint64_t>(config.integer("seed"));
+  if (o.seed == 0)
+    o.seed = (static_cast<uint64_t>(std::random_device{}()) << 32) | std::random_device{}();
   if (o.target == "prefill") o.max_tokens = 1;  // prefill's output is the first token
   if (o.target != "stack" && o.target != "prefill" && o.target != "decode")
     throw runtime::ConfigError("--target must be stack, prefill or decode");
@@ -392,6 +398,7 @@ int load_body(const runtime::Config& config) {
       {"duration_s", elapsed},
       {"prompt_tokens", o.prompt_tokens},
       {"max_tokens", o.max_tokens},
+      {"seed", o.seed},
       {"requests", s.started},
       {"completed", s.completed},
       {"errors", s.errors},
@@ -443,6 +450,9 @@ std::vector<runtime::ConfigKey> load_keys() {
       {"max-tokens", "64", "tokens generated per request (end-of-sequence ignored)"},
       {"threads", "0", "threads of the stage under load (0: all cores)"},
       {"json", "false", "print one JSON object", true},
+      {"seed", "0",
+       "seed of the synthetic prompts (0: a new one each run, so that the stack's "
+       "snapshot store cannot answer a repeated run from its cache)"},
   };
 }
 

@@ -307,12 +307,15 @@ class PrefillStage {
     // this one buffer (no copies).
     const model::KvCache& cache = *worker_.cache;
     const size_t blocks = (job.tokens.size() + model::kBlockTokens - 1) / model::kBlockTokens;
-    auto exported = std::make_shared<std::vector<uint8_t>>(blocks * cache.block_bytes());
-    for (size_t b = 0; b < blocks; ++b)
-      cache.export_block(sequence.block_table()[b], exported->data() + b * cache.block_bytes());
-    // The store's entries go out first: a request that follows this one (the client may send it
-    // as soon as it sees the first token) then finds them in the probe.
-    put_snapshots(job, exported, logits);
+    std::shared_ptr<std::vector<uint8_t>> exported;
+    if (finish.empty() || job.store_levels != 0) {
+      exported = std::make_shared<std::vector<uint8_t>>(blocks * cache.block_bytes());
+      for (size_t b = 0; b < blocks; ++b)
+        cache.export_block(sequence.block_table()[b], exported->data() + b * cache.block_bytes());
+      // The store's entries go out first: a request that follows this one (the client may send
+      // it as soon as it sees the first token) then finds them in the probe.
+      put_snapshots(job, exported, logits);
+    }
 
     flatbuffers::FlatBufferBuilder builder(1024);
     std::vector<zmq::message_t> bulk;
