@@ -1,0 +1,67 @@
+#pragma once
+// The approximate-reuse index: FAISS HNSW over inner product (signatures are unit vectors, so inner
+// product is cosine), one partition per cache namespace so that a tenant's lookups never see
+// another tenant's entries. HNSW cannot delete: removed entries become tombstones, filtered out at
+// search time, and a partition is rebuilt from its live vectors once tombstones pass a fraction of
+// it. Entries carry the caller's 64-bit id (the snapshot's prompt key).
+//
+// Not thread-safe: the probe's loop owns it.
+
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <span>
+#include <string>
+#include <unordered_map>
+#include <unordered_set>
+#include <vector>
+
+namespace faiss {
+struct IndexHNSWFlat;
+}
+
+namespace moeline::reuse {
+
+struct IndexOptions {
+  int dimension = 256;
+  int m = 32;
+  int ef_construction = 200;
+  int ef_search = 64;
+  double rebuild_tombstone_fraction = 0.25;
+};
+
+class SimilarityIndex {
+ public:
+  explicit SimilarityIndex(IndexOptions options);
+  ~SimilarityIndex();
+  SimilarityIndex(const SimilarityIndex&) = delete;
+  SimilarityIndex& operator=(const SimilarityIndex&) = delete;
+
+  // Adds (or replaces) the entry `id` of the namespace; `vector` has `dimension` entries.
+  void add(const std::string& cache_namespace, uint64_t id, std::span<const float> vector);
+  void remove(const std::string& cache_namespace, uint64_t id);
+
+  struct Hit {
+    uint64_t id;
+    float score;  // inner product (cosine for unit vectors)
+  };
+  // The k best live entries, best first.
+  std::vector<Hit> search(const std::string& cache_namespace, std::span<const float> vector,
+                          int k) const;
+
+  size_t size(const std::string& cache_namespace) const;
+  size_t tombstones(const std::string& cache_namespace) const;
+  uint64_t rebuilds() const { return rebuilds_; }
+  const IndexOptions& options() const { return options_; }
+
+ private:
+  struct Partition;
+  Partition& partition(const std::string& cache_namespace);
+  void rebuild(Partition& partition);
+
+  IndexOptions options_;
+  std::map<std::string, std::unique_ptr<Partition>> partitions_;
+  uint64_t rebuilds_ = 0;
+};
+
+}  // namespace moeline::reuse
