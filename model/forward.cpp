@@ -88,8 +88,7 @@ Status Engine::validate(std::span<const SequenceInput> batch) {
   return Status::ok_status();
 }
 
-Status Engine::forward(std::span<const SequenceInput> batch, std::vector<float>& logits) {
-  if (Status status = validate(batch); !status.ok()) return status;
+int64_t Engine::run_layers(std::span<const SequenceInput> batch, int64_t layers) {
   const ModelConfig& c = model_.config();
   const int64_t H = c.hidden_size;
   const int64_t head_dim = c.head_dim;
@@ -115,7 +114,7 @@ Status Engine::forward(std::span<const SequenceInput> batch, std::vector<float>&
     }
   }
 
-  for (int64_t layer = 0; layer < c.num_layers; ++layer) {
+  for (int64_t layer = 0; layer < layers; ++layer) {
     attention_block(layer, n);
     if (model_.layer(layer).is_moe) {
       moe_block(layer, n);
@@ -123,6 +122,22 @@ Status Engine::forward(std::span<const SequenceInput> batch, std::vector<float>&
       dense_mlp_block(layer, n);
     }
   }
+  return n;
+}
+
+Status Engine::forward_layers(std::span<const SequenceInput> batch, int64_t layers) {
+  if (Status status = validate(batch); !status.ok()) return status;
+  run_layers(batch, std::clamp<int64_t>(layers, 0, model_.config().num_layers));
+  for (const SequenceInput& input : batch) input.sequence->commit(input.tokens);
+  return Status::ok_status();
+}
+
+Status Engine::forward(std::span<const SequenceInput> batch, std::vector<float>& logits) {
+  if (Status status = validate(batch); !status.ok()) return status;
+  const ModelConfig& c = model_.config();
+  const int64_t H = c.hidden_size;
+  const int64_t n = run_layers(batch, c.num_layers);
+  float* hidden = hidden_.data();
 
   // Final norm and LM head only for the rows whose logits are wanted.
   int64_t wanted = 0;

@@ -41,9 +41,15 @@ class Engine {
   // On success `logits` holds [sequences wanting logits, vocab] in batch order and each sequence
   // has grown by its tokens. On error (bad token id, context or KV pool exhausted) nothing changed.
   Status forward(std::span<const SequenceInput> batch, std::vector<float>& logits);
+  // Runs only the first `layers` layers (no final norm, no logits): what a router observer needs
+  // from them — the probe's activation signatures — at a fraction of a prefill. The sequences
+  // hold KV for those layers only; release them afterwards, never decode from them.
+  Status forward_layers(std::span<const SequenceInput> batch, int64_t layers);
 
  private:
   Status validate(std::span<const SequenceInput> batch);
+  // The shared body: embeds, runs `layers` layers; returns the number of new tokens.
+  int64_t run_layers(std::span<const SequenceInput> batch, int64_t layers);
   void attention_block(int64_t layer, int64_t tokens);
   void moe_block(int64_t layer, int64_t tokens);
   void dense_mlp_block(int64_t layer, int64_t tokens);

@@ -5,6 +5,8 @@
 // routing, and bad input is refused without side effects.
 #include <gtest/gtest.h>
 
+#include <map>
+
 #include <cmath>
 #include <memory>
 #include <numeric>
@@ -295,6 +297,47 @@ TEST(Generator, EndsWithLengthAtTheModelsContextInsteadOfFailing) {
   // Tokens fed at positions context-2 (prompt end), context-2+1 and context-1: three sampled.
   EXPECT_EQ((*result)[0].tokens.size(), 3u);
   EXPECT_EQ((*result)[0].finish_reason, FinishReason::kLength);
+}
+
+}  // namespace
+}  // namespace moeline::model
+
+namespace moeline::model {
+namespace {
+
+// Router scores per layer, as the observer saw them.
+class ScoreRecorder : public RouterObserver {
+ public:
+  void on_router(const RouterEvent& event) override {
+    auto& scores = by_layer[event.layer];
+    scores.insert(scores.end(), event.scores,
+                  event.scores + static_cast<int64_t>(event.tokens.size()) * event.experts);
+  }
+  std::map<int64_t, std::vector<float>> by_layer;
+};
+
+// The probe's signatures come from a forward of the first layers only: their router scores must be
+// exactly those of a full prefill, and nothing past them may run.
+TEST(Engine, ForwardOfTheFirstLayersSeesTheSameRouterScores) {
+  auto model = load("qwen3-f32");  // two MoE layers
+  ASSERT_TRUE(model);
+  const std::vector<int32_t> tokens = prompt(21, 3, model->config().vocab_size);
+  Harness full_h(*model);
+  ScoreRecorder full;
+  full_h.engine.set_router_observer(&full);
+  prefill_logits(full_h, tokens);
+  ASSERT_EQ(full.by_layer.size(), 2u);
+
+  Harness partial_h(*model);
+  ScoreRecorder partial;
+  partial_h.engine.set_router_observer(&partial);
+  Sequence sequence(1, 0, 0);
+  SequenceInput input{&sequence, tokens, false};
+  ASSERT_TRUE(partial_h.engine.forward_layers(std::span(&input, 1), 1).ok());
+  sequence.release(partial_h.cache.pool());
+  ASSERT_EQ(partial.by_layer.size(), 1u) << "layer 0 only: nothing past it runs";
+  EXPECT_EQ(partial.by_layer.at(0), full.by_layer.at(0)) << "bit-identical router scores";
+  EXPECT_EQ(partial_h.cache.pool().free_blocks(), partial_h.cache.pool().capacity());
 }
 
 }  // namespace
