@@ -12,6 +12,7 @@
 #include "stages/prefill/prefill.h"
 #include "stages/probe/probe.h"
 #include "stages/run_command.h"
+#include "stages/signature_command.h"
 #include "stages/stack/stack.h"
 #include "stages/tokenize_command.h"
 
@@ -27,6 +28,7 @@ commands:
   stack        start, inspect, stop a local stack (moeline stack --help)
   client       talk to a stack: generate, status (moeline client --help)
   load         load generator for the stack or one stage (moeline load --help)
+  signature    activation signatures of prompts, JSON lines in and out (moeline signature --help)
   version      print the version
 
 stage processes (each: moeline <stage> --help):
@@ -51,6 +53,7 @@ int main(int argc, char** argv) {
   if (command == "detokenize") return moeline::stages::detokenize_command(argc - 2, argv + 2);
   if (command == "stack") return moeline::stages::stack_command(argc - 2, argv + 2);
   if (command == "client") return moeline::sdk::client_command(argc - 2, argv + 2);
+  if (command == "signature") return moeline::stages::signature_command(argc - 2, argv + 2);
   if (command == "load") return moeline::stages::load_command(argc - 2, argv + 2);
   if (command == "gateway") return moeline::stages::gateway_main(argc - 2, argv + 2);
   if (command == "probe") return moeline::stages::probe_main(argc - 2, argv + 2);

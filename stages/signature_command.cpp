@@ -1,0 +1,103 @@
+#include "stages/signature_command.h"
+
+#include <filesystem>
+#include <iostream>
+#include <nlohmann/json.hpp>
+#include <string>
+#include <thread>
+
+#include "kernels/cpu/thread_pool.h"
+#include "model/forward.h"
+#include "model/model.h"
+#include "model/tokenizer/tokenizer.h"
+#include "offload/resident_provider.h"
+#include "reuse/signature.h"
+#include "stages/common/common.h"
+
+namespace moeline::stages {
+namespace {
+
+std::vector<runtime::ConfigKey> signature_keys() {
+  return {
+      {"model", default_model_dir(), "checkpoint folder"},
+      {"layers", "2", "MoE layers pooled (the first k)"},
+      {"dimension", "256", "projected dimension when the concatenation is larger"},
+      {"threads", "0", "compute threads (0: all cores)"},
+  };
+}
+
+// Reads JSON lines {"prompt": TEXT} (or {"tokens": [...]}) on stdin; prints each with its
+// signature and its top-k expert sets as JSON lines.
+int signature_body(const runtime::Config& config) {
+  const std::string dir = config.text("model");
+  auto loaded = model::Model::load(dir);
+  if (!loaded) throw std::runtime_error(loaded.error().message);
+  const model::Model& m = **loaded;
+  auto tokenizer = model::Tokenizer::load((std::filesystem::path(dir) / "tokenizer.json").string());
+  if (!tokenizer) throw std::runtime_error(tokenizer.error().message);
+  const model::ModelConfig& cfg = m.config();
+  std::vector<int64_t> moe_layers;
+  for (int64_t l = 0; l < cfg.num_layers; ++l)
+    if (cfg.layer_is_moe[static_cast<size_t>(l)]) moe_layers.push_back(l);
+  reuse::SignatureOptions options;
+  options.layers = static_cast<int>(config.integer("layers"));
+  options.dimension = static_cast<int>(config.integer("dimension"));
+  if (options.layers < 1 || options.dimension < 1)
+    throw runtime::ConfigError("--layers and --dimension must be >= 1");
+  // Run the layers up to the k-th MoE layer, no further.
+  const size_t k = std::min(moe_layers.size(), static_cast<size_t>(options.layers));
+  const int64_t run = k == 0 ? 0 : moe_layers[k - 1] + 1;
+
+  int threads = static_cast<int>(config.integer("threads"));
+  if (threads <= 0) threads = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
+  kernels::ThreadPool pool(threads);
+  offload::ResidentExpertProvider experts(m.experts());
+  const int64_t context = cfg.max_position_embeddings > 0 ? cfg.max_position_embeddings : 32768;
+  model::KvCache cache(
+      cfg, static_cast<int32_t>((context + model::kBlockTokens - 1) / model::kBlockTokens));
+  model::Engine engine(m, experts, pool, cache);
+  reuse::SignatureAccumulator accumulator(moe_layers, std::max<int64_t>(1, cfg.num_experts),
+                                          options);
+  engine.set_router_observer(&accumulator);
+
+  std::string line;
+  uint64_t id = 1;
+  while (std::getline(std::cin, line)) {
+    if (line.empty()) continue;
+    nlohmann::json in = nlohmann::json::parse(line, nullptr, false);
+    if (!in.is_object()) throw std::runtime_error("stdin: each line must be a JSON object");
+    std::vector<int32_t> tokens;
+    if (in.contains("tokens")) {
+      tokens = in["tokens"].get<std::vector<int32_t>>();
+    } else {
+      auto ids = tokenizer->encode(in.value("prompt", ""));
+      if (!ids) throw std::runtime_error(ids.error().message);
+      tokens = std::move(*ids);
+    }
+    if (tokens.empty()) throw std::runtime_error("stdin: a prompt without tokens");
+    model::Sequence sequence(id, m.model_id(), 0);
+    accumulator.watch(id, 0);
+    model::SequenceInput input{&sequence, tokens, false};
+    if (model::Status status = engine.forward_layers(std::span(&input, 1), run); !status.ok())
+      throw std::runtime_error(status.error().message);
+    sequence.release(cache.pool());
+    nlohmann::json out = in;
+    out["tokens"] = tokens;
+    out["signature"] = accumulator.signature(id);
+    nlohmann::json sets = nlohmann::json::array();
+    for (const auto& set : accumulator.expert_sets(id)) sets.push_back(set);
+    out["experts"] = sets;
+    accumulator.forget(id);
+    std::cout << out.dump() << '\n';
+    ++id;
+  }
+  return 0;
+}
+
+}  // namespace
+
+int signature_command(int argc, char** argv) {
+  return run_stage("signature", signature_keys(), argc, argv, signature_body);
+}
+
+}  // namespace moeline::stages
