@@ -6,6 +6,7 @@
 #include <map>
 #include <nlohmann/json.hpp>
 
+#include "sdk/cli_args.h"
 #include "sdk/client.h"
 
 namespace moeline::sdk {
@@ -37,41 +38,10 @@ end instead: ids, text, finish_reason, usage, timings (milliseconds).
   --json               one JSON object at the end
 )";
 
-class UsageError : public std::runtime_error {
+class UsageError : public std::invalid_argument {
  public:
-  using std::runtime_error::runtime_error;
+  using std::invalid_argument::invalid_argument;
 };
-
-template <class T>
-T number(const std::string& flag, const std::string& text) {
-  T value{};
-  if constexpr (std::is_floating_point_v<T>) {
-    char* end = nullptr;
-    value = static_cast<T>(std::strtod(text.c_str(), &end));
-    if (text.empty() || end != text.c_str() + text.size())
-      throw UsageError(flag + " expects a number, got '" + text + "'");
-  } else {
-    auto [ptr, ec] = std::from_chars(text.data(), text.data() + text.size(), value);
-    if (ec != std::errc() || ptr != text.data() + text.size() || text.empty())
-      throw UsageError(flag + " expects an integer, got '" + text + "'");
-  }
-  return value;
-}
-
-std::vector<int32_t> ids(const std::string& flag, const std::string& text) {
-  std::vector<int32_t> out;
-  size_t start = 0;
-  while (start <= text.size()) {
-    size_t comma = text.find(',', start);
-    if (comma == std::string::npos) comma = text.size();
-    std::string item = text.substr(start, comma - start);
-    item.erase(0, item.find_first_not_of(' '));
-    item.erase(item.find_last_not_of(' ') + 1);
-    out.push_back(number<int32_t>(flag, item));
-    start = comma + 1;
-  }
-  return out;
-}
 
 nlohmann::json usage_json(const Usage& usage) {
   return {{"prompt_tokens", usage.prompt_tokens},
@@ -114,25 +84,25 @@ int generate(int argc, char** argv) {
     else if (flag == "--prompt")
       options.prompt = value, has_prompt = true;
     else if (flag == "--tokens")
-      options.tokens = ids(flag, value);
+      options.tokens = parse_id_list(flag, value);
     else if (flag == "--max-tokens")
-      options.max_tokens = number<int64_t>(flag, value);
+      options.max_tokens = parse_number<int64_t>(flag, value);
     else if (flag == "--temperature")
-      options.temperature = number<double>(flag, value);
+      options.temperature = parse_number<double>(flag, value);
     else if (flag == "--top-k")
-      options.top_k = number<int64_t>(flag, value);
+      options.top_k = parse_number<int64_t>(flag, value);
     else if (flag == "--top-p")
-      options.top_p = number<double>(flag, value);
+      options.top_p = parse_number<double>(flag, value);
     else if (flag == "--seed")
-      options.seed = number<uint64_t>(flag, value);
+      options.seed = parse_number<uint64_t>(flag, value);
     else if (flag == "--stop-ids")
-      options.stop_token_ids = ids(flag, value);
+      options.stop_token_ids = parse_id_list(flag, value);
     else if (flag == "--tenant")
       options.tenant = value;
     else if (flag == "--deadline-ms")
-      options.deadline_ms = number<uint32_t>(flag, value);
+      options.deadline_ms = parse_number<uint32_t>(flag, value);
     else if (flag == "--timeout-ms")
-      timeout_ms = number<int64_t>(flag, value);
+      timeout_ms = parse_number<int64_t>(flag, value);
     else if (flag == "--json")
       json = true;
     else if (flag == "--ignore-eos")
@@ -230,7 +200,7 @@ int client_command(int argc, char** argv) {
     if (sub == "status") return status(argc - 1, argv + 1);
     if (sub == "reuse") return reuse(argc - 1, argv + 1);
     throw UsageError("unknown client command '" + sub + "'");
-  } catch (const UsageError& e) {
+  } catch (const std::invalid_argument& e) {
     std::cerr << kUsage << "moeline: error: " << e.what() << '\n';
     return 2;
   } catch (const std::exception& e) {

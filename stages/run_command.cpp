@@ -23,6 +23,7 @@
 #include "model/tokenizer/chat_template.h"
 #include "model/tokenizer/tokenizer.h"
 #include "offload/resident_provider.h"
+#include "sdk/cli_args.h"
 #include "stages/npy.h"
 
 namespace moeline::stages {
@@ -52,35 +53,13 @@ Loads a Hugging Face checkpoint (Mixtral or Qwen3-MoE) and generates in this pro
   --logits-out FILE    write the last prompt position's logits as float32 .npy [vocab_size]
 )";
 
-class UsageError : public std::runtime_error {
+class UsageError : public std::invalid_argument {
  public:
-  using std::runtime_error::runtime_error;
+  using std::invalid_argument::invalid_argument;
 };
 
-template <class T>
-T parse_number(const std::string& flag, const std::string& text) {
-  T value{};
-  const char* end = text.data() + text.size();
-  auto [ptr, ec] = std::from_chars(text.data(), end, value);
-  if (ec != std::errc() || ptr != end || text.empty())
-    throw UsageError(flag + " expects a number, got '" + text + "'");
-  return value;
-}
-
-std::vector<int32_t> parse_ids(const std::string& flag, const std::string& text) {
-  std::vector<int32_t> ids;
-  size_t start = 0;
-  while (start <= text.size()) {
-    size_t comma = text.find(',', start);
-    if (comma == std::string::npos) comma = text.size();
-    std::string item = text.substr(start, comma - start);
-    item.erase(0, item.find_first_not_of(' '));
-    item.erase(item.find_last_not_of(' ') + 1);
-    ids.push_back(parse_number<int32_t>(flag, item));
-    start = comma + 1;
-  }
-  return ids;
-}
+using sdk::parse_id_list;
+using sdk::parse_number;
 
 struct RunOptions {
   std::string model_dir;
@@ -121,7 +100,7 @@ RunOptions parse(int argc, char** argv) {
     if (flag == "--model")
       options.model_dir = value;
     else if (flag == "--tokens")
-      options.tokens = parse_ids(flag, value);
+      options.tokens = parse_id_list(flag, value);
     else if (flag == "--max-tokens")
       options.sampling.max_tokens = parse_number<int64_t>(flag, value);
     else if (flag == "--temperature")
@@ -133,7 +112,7 @@ RunOptions parse(int argc, char** argv) {
     else if (flag == "--seed")
       options.sampling.seed = parse_number<uint64_t>(flag, value);
     else if (flag == "--stop-ids")
-      options.sampling.stop_token_ids = parse_ids(flag, value);
+      options.sampling.stop_token_ids = parse_id_list(flag, value);
     else if (flag == "--threads")
       options.threads = parse_number<int>(flag, value);
     else if (flag == "--logits-out")
@@ -189,7 +168,7 @@ int run_command(int argc, char** argv) {
   RunOptions options;
   try {
     options = parse(argc, argv);
-  } catch (const UsageError& e) {
+  } catch (const std::invalid_argument& e) {  // UsageError, or a flag's value
     std::cerr << kUsage;
     return fail(e.what(), 2);
   }

@@ -288,15 +288,7 @@ class Gateway {
     wire::Decoded decoded = wire::decode(std::move(frames), limits_);
     if (decoded.error) {
       count_rejection("frame_" + decoded.error->reason);
-      metrics_
-          .counter("moeline_wire_rejected_frames_total",
-                   "Received messages refused by the wire codec",
-                   {{"peer", "client"}, {"reason", decoded.error->reason}})
-          .inc();
-      if (uint64_t suppressed = 0; frame_log_.allow(suppressed))
-        log_.warn("frame_rejected", {{"reason", decoded.error->reason},
-                                     {"detail", decoded.error->detail},
-                                     {"suppressed", suppressed}});
+      runtime::report_rejected_frame(metrics_, log_, frame_log_, "client", *decoded.error);
       reply_error(client,
                   decoded.error->reason == "version" ? wire::ErrorCode::VersionMismatch
                                                      : wire::ErrorCode::MalformedMessage,

@@ -87,15 +87,7 @@ std::optional<Hub::Incoming> Hub::receive() {
     frames->erase(frames->begin());
     wire::Decoded decoded = wire::decode(std::move(*frames));
     if (decoded.error) {
-      metrics_
-          .counter("moeline_wire_rejected_frames_total",
-                   "Received messages refused by the wire codec",
-                   {{"peer", "stage"}, {"reason", decoded.error->reason}})
-          .inc();
-      if (uint64_t suppressed = 0; log_limit_.allow(suppressed))
-        log_.warn("frame_rejected", {{"reason", decoded.error->reason},
-                                     {"detail", decoded.error->detail},
-                                     {"suppressed", suppressed}});
+      report_rejected_frame(metrics_, log_, log_limit_, "stage", *decoded.error);
       reply_error(identity, wire::ErrorCode::MalformedMessage, decoded.error->detail);
       continue;
     }

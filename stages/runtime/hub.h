@@ -17,6 +17,7 @@
 #include <zmq.hpp>
 
 #include "schemas/wire.h"
+#include "stages/runtime/link.h"
 #include "stages/runtime/log.h"
 #include "stages/runtime/metrics.h"
 

@@ -22,6 +22,17 @@ uint64_t unix_ns() {
 
 }  // namespace
 
+void report_rejected_frame(Registry& metrics, const Logger& log, RateLimited& limit,
+                           const char* peer, const wire::WireError& error) {
+  metrics
+      .counter("moeline_wire_rejected_frames_total", "Received messages refused by the wire codec",
+               {{"peer", peer}, {"reason", error.reason}})
+      .inc();
+  if (uint64_t suppressed = 0; limit.allow(suppressed))
+    log.warn("frame_rejected",
+             {{"reason", error.reason}, {"detail", error.detail}, {"suppressed", suppressed}});
+}
+
 HubLink::HubLink(zmq::context_t& context, LinkSettings settings, Logger& log, Registry& metrics)
     : context_(context),
       settings_(std::move(settings)),
@@ -31,9 +42,7 @@ HubLink::HubLink(zmq::context_t& context, LinkSettings settings, Logger& log, Re
       identity_(settings_.replica + "#" + random_suffix()),
       socket_(context_, zmq::socket_type::dealer),
       last_hub_message_(std::chrono::steady_clock::now()),
-      rejected_frames_(metrics.counter("moeline_wire_rejected_frames_total",
-                                       "Received messages refused by the wire codec",
-                                       {{"peer", "hub"}})),
+      metrics_(metrics),
       reconnects_(metrics.counter("moeline_link_hellos_total",
                                   "Hellos sent to the hub (the first and every reconnect)")) {
   socket_.set(zmq::sockopt::routing_id, identity_);
@@ -120,11 +129,7 @@ std::optional<wire::Message> HubLink::receive(int timeout_ms) {
     last_hub_message_ = std::chrono::steady_clock::now();
     wire::Decoded decoded = wire::decode(std::move(*frames));
     if (decoded.error) {
-      rejected_frames_.inc();
-      if (uint64_t suppressed = 0; log_limit_.allow(suppressed))
-        log_.warn("frame_rejected", {{"reason", decoded.error->reason},
-                                     {"detail", decoded.error->detail},
-                                     {"suppressed", suppressed}});
+      report_rejected_frame(metrics_, log_, log_limit_, "hub", *decoded.error);
       continue;
     }
     wire::Message& message = *decoded.message;

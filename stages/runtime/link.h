@@ -33,6 +33,11 @@ struct LinkSettings {
   uint16_t http_port = 0;
 };
 
+// One refused frame: counted by peer and reason in moeline_wire_rejected_frames_total and logged,
+// at most once per interval of `limit` (with how many were suppressed).
+void report_rejected_frame(Registry& metrics, const Logger& log, RateLimited& limit,
+                           const char* peer, const wire::WireError& error);
+
 class HubLink {
  public:
   HubLink(zmq::context_t& context, LinkSettings settings, Logger& log, Registry& metrics);
@@ -71,7 +76,7 @@ class HubLink {
   bool accepted_ = false;
   std::string reject_reason_;
   std::chrono::steady_clock::time_point last_hub_message_;
-  Counter& rejected_frames_;
+  Registry& metrics_;
   Counter& reconnects_;
   RateLimited log_limit_;
   std::atomic<uint32_t> queue_depth_{0}, active_{0}, kv_used_{0}, kv_free_{0};
