@@ -36,6 +36,10 @@ const char* level_name(uint32_t level) {
       return "full";
     case kResult:
       return "result";
+    case kResponse:
+      return "response";
+    case kBlend:
+      return "blend";
     default:
       return "none";
   }
@@ -54,11 +58,20 @@ uint32_t parse_levels(const std::string& text) {
       mask |= kFull;
     else if (item == "result")
       mask |= kResult;
+    else if (item == "response")
+      mask |= kResponse;
+    else if (item == "blend")
+      mask |= kBlend;
+    else if (item == "exact")
+      mask |= kExactLevels;
+    else if (item == "approximate")
+      mask |= kApproximateLevels;
     else if (item == "all")
       mask |= kAllLevels;
     else if (item != "none" && !item.empty())
-      throw std::invalid_argument("unknown reuse level '" + item +
-                                  "' (known: prefix, full, result, all, none)");
+      throw std::invalid_argument(
+          "unknown reuse level '" + item +
+          "' (known: prefix, full, result, response, blend, exact, approximate, all, none)");
     start = comma + 1;
   }
   return mask;
@@ -66,7 +79,7 @@ uint32_t parse_levels(const std::string& text) {
 
 std::string levels_text(uint32_t mask) {
   std::string out;
-  for (uint32_t level : {kPrefix, kFull, kResult}) {
+  for (uint32_t level : {kPrefix, kFull, kResult, kResponse, kBlend}) {
     if (!(mask & level)) continue;
     if (!out.empty()) out += ',';
     out += level_name(level);
@@ -164,6 +177,56 @@ std::optional<ResultRecord> decode_result(const std::string& bytes) {
   record.tokens.resize(tokens);
   std::memcpy(record.tokens.data(), bytes.data() + 8, static_cast<size_t>(tokens) * 4);
   record.finish_reason = bytes.substr(8 + static_cast<size_t>(tokens) * 4);
+  return record;
+}
+
+uint64_t signature_entry(uint64_t key) {
+  return tagged(key, 'S');
+}
+
+namespace {
+constexpr uint32_t kSignatureMagic = 0x4749534d;  // "MSIG"
+}
+
+std::string encode(const SignatureRecord& record) {
+  std::string out;
+  append_u32(out, kSignatureMagic);
+  append_u32(out, static_cast<uint32_t>(record.tokens.size()));
+  append_u32(out, static_cast<uint32_t>(record.signature.size()));
+  append_u32(out, static_cast<uint32_t>(record.cache_namespace.size()));
+  out.append(reinterpret_cast<const char*>(record.tokens.data()), record.tokens.size() * 4);
+  out.append(reinterpret_cast<const char*>(record.signature.data()), record.signature.size() * 4);
+  out += record.cache_namespace;
+  return out;
+}
+
+std::optional<SignatureRecord> decode_signature(const std::string& bytes) {
+  if (bytes.size() < 16 || read_u32(bytes, 0) != kSignatureMagic) return std::nullopt;
+  const size_t tokens = read_u32(bytes, 4), dims = read_u32(bytes, 8), name = read_u32(bytes, 12);
+  if (bytes.size() != 16 + tokens * 4 + dims * 4 + name) return std::nullopt;
+  SignatureRecord record;
+  record.tokens.resize(tokens);
+  record.signature.resize(dims);
+  std::memcpy(record.tokens.data(), bytes.data() + 16, tokens * 4);
+  std::memcpy(record.signature.data(), bytes.data() + 16 + tokens * 4, dims * 4);
+  record.cache_namespace = bytes.substr(16 + tokens * 4 + dims * 4);
+  return record;
+}
+
+std::string encode(const QualityRecord& record) {
+  std::string out;
+  append_u32(out, static_cast<uint32_t>(record.cell));
+  out.push_back(record.correct ? 1 : 0);
+  out.append(reinterpret_cast<const char*>(&record.kl), 4);
+  return out;
+}
+
+std::optional<QualityRecord> decode_quality(const std::string& bytes) {
+  if (bytes.size() != 9 || static_cast<uint8_t>(bytes[4]) > 1) return std::nullopt;
+  QualityRecord record;
+  record.cell = static_cast<int32_t>(read_u32(bytes, 0));
+  record.correct = bytes[4] == 1;
+  std::memcpy(&record.kl, bytes.data() + 5, 4);
   return record;
 }
 

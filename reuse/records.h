@@ -21,10 +21,14 @@
 
 namespace moeline::reuse {
 
-enum ReuseLevel : uint32_t { kPrefix = 1, kFull = 2, kResult = 4 };
-inline constexpr uint32_t kAllLevels = kPrefix | kFull | kResult;
+// Exact levels (prefix, full, result) and the approximate modes (response, blend).
+enum ReuseLevel : uint32_t { kPrefix = 1, kFull = 2, kResult = 4, kResponse = 8, kBlend = 16 };
+inline constexpr uint32_t kExactLevels = kPrefix | kFull | kResult;
+inline constexpr uint32_t kApproximateLevels = kResponse | kBlend;
+inline constexpr uint32_t kAllLevels = kExactLevels | kApproximateLevels;
 const char* level_name(uint32_t level);
-// "prefix,full,result" <-> mask; throws std::invalid_argument naming an unknown level.
+// "prefix,full,result,response,blend" <-> mask ("exact", "approximate", "all", "none" also
+// parse); throws std::invalid_argument naming an unknown level.
 uint32_t parse_levels(const std::string& text);
 std::string levels_text(uint32_t mask);
 
@@ -54,5 +58,27 @@ struct ResultRecord {
 };
 std::string encode(const ResultRecord& record);
 std::optional<ResultRecord> decode_result(const std::string& bytes);
+
+// A prompt's activation signature, stored for the approximate-reuse index (keyed by
+// signature_entry(prompt key)): what the index needs to be rebuilt after a restart, and the
+// donor's tokens (for the kind of difference and for aligning a blend).
+struct SignatureRecord {
+  std::string cache_namespace;
+  std::vector<int32_t> tokens;
+  std::vector<float> signature;
+};
+uint64_t signature_entry(uint64_t prompt_key);
+std::string encode(const SignatureRecord& record);
+std::optional<SignatureRecord> decode_signature(const std::string& bytes);
+
+// A shadow check's outcome, for the probe's decision rule (SnapshotPut kind 'Q', keyed by the
+// donor's prompt key).
+struct QualityRecord {
+  int32_t cell = 0;
+  bool correct = false;
+  float kl = 0;  // KL(full || reused) of the first-token distributions, when measured
+};
+std::string encode(const QualityRecord& record);
+std::optional<QualityRecord> decode_quality(const std::string& bytes);
 
 }  // namespace moeline::reuse

@@ -87,6 +87,15 @@ void SnapshotStore::load_disk_index() {
   enforce_disk_budget();
 }
 
+std::vector<uint64_t> SnapshotStore::keys() const {
+  std::vector<uint64_t> out;
+  out.reserve(ram_.size() + disk_.size());
+  for (const auto& [key, entry] : ram_) out.push_back(key);
+  for (const auto& [key, entry] : disk_)
+    if (!ram_.count(key)) out.push_back(key);
+  return out;
+}
+
 bool SnapshotStore::contains(uint64_t key) const {
   return ram_.count(key) != 0 || disk_.count(key) != 0;
 }

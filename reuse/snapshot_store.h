@@ -21,6 +21,7 @@
 #include <optional>
 #include <string>
 #include <unordered_map>
+#include <vector>
 
 namespace rocksdb {
 class DB;
@@ -61,6 +62,8 @@ class SnapshotStore {
   void flush();
   // True if either tier holds the key (no promotion, no restore, no stats).
   bool contains(uint64_t key) const;
+  // Every key either tier holds (what a restart rebuilds an index from).
+  std::vector<uint64_t> keys() const;
   const StoreStats& stats() const { return stats_; }
   const StoreOptions& options() const { return options_; }
 

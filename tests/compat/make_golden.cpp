@@ -63,7 +63,7 @@ std::vector<zmq::message_t> generate_request() {
       wire::CreateSamplingParamsDirect(b, 0.7, 40, 0.9, 1234, true, 64, &stop, true);
   const std::vector<int32_t> tokens = {1, 2, 3, 4};
   b.Finish(wire::CreateGenerateRequestDirect(b, 1001, "Hello, world", &tokens, sampling, "acme",
-                                             30000, false),
+                                             30000, false, "approximate"),
            wire::GenerateRequestIdentifier());
   return wire::encode(wire::MessageType::GenerateRequest, b);
 }
@@ -83,7 +83,7 @@ std::vector<zmq::message_t> feedback() {
 
 std::vector<zmq::message_t> stream_event() {
   FlatBufferBuilder b;
-  const auto usage = wire::CreateUsageDirect(b, 12, 5, 8, "prefix");
+  const auto usage = wire::CreateUsageDirect(b, 12, 5, 8, "prefix", "shadow", 0.96875f);
   const auto timings = wire::CreateTimings(b, 1.5, 20.25, 22.0, 80.125);
   const std::vector<int32_t> token_ids = {0, 13};
   b.Finish(wire::CreateStreamEventDirect(b, 1001, 555, wire::EventKind::Finished, "!", &token_ids,
@@ -123,8 +123,10 @@ std::vector<zmq::message_t> probe_plan() {
   const std::vector<flatbuffers::Offset<wire::BulkFrame>> frames = {
       wire::CreateBulkFrame(b, kv.size(), wire::checksum(kv))};
   const std::vector<int32_t> completion = {306, 2};
+  const std::vector<uint8_t> mask = {1, 0, 1};
   b.Finish(wire::CreateProbePlanDirect(b, 555, 2, "prefix", 16, 350, &frames, layout, &completion,
-                                       "stop", 0x0badc0ffee0ddf00ULL),
+                                       "stop", 0x0badc0ffee0ddf00ULL, "blend",
+                                       0x00d0d0d0d0d0d0d0ULL, 0.9375f, 5003, &mask, 0.15f, "blend"),
            wire::PrefillJobIdentifier());
   std::vector<zmq::message_t> bulk;
   bulk.emplace_back(kv.data(), kv.size());
@@ -140,9 +142,11 @@ std::vector<zmq::message_t> prefill_job() {
   const std::vector<flatbuffers::Offset<wire::BulkFrame>> frames = {
       wire::CreateBulkFrame(b, kv.size(), wire::checksum(kv))};
   const std::vector<int32_t> tokens = {1, 15043, 29892};
-  b.Finish(wire::CreatePrefillJobDirect(b, 555, 2, &tokens, sampling, "acme/ns", "prefix", 2,
-                                        &frames, layout, 3, 0x0badc0ffee0ddf00ULL),
-           wire::PrefillJobIdentifier());
+  const std::vector<uint8_t> mask = {1, 0, 1};
+  b.Finish(
+      wire::CreatePrefillJobDirect(b, 555, 2, &tokens, sampling, "acme/ns", "prefix", 2, &frames,
+                                   layout, 3, 0x0badc0ffee0ddf00ULL, &mask, 0.15f, true),
+      wire::PrefillJobIdentifier());
   std::vector<zmq::message_t> bulk;
   bulk.emplace_back(kv.data(), kv.size());
   return wire::encode(wire::MessageType::PrefillJob, b, std::move(bulk));
@@ -171,7 +175,8 @@ std::vector<zmq::message_t> prefill_done() {
       wire::CreateBulkFrame(b, kv.size(), wire::checksum(kv))};
   const std::vector<int32_t> tokens = {1, 15043, 29892};
   b.Finish(wire::CreatePrefillDoneDirect(b, 555, 2, &tokens, 306, "", sampling, "acme/ns", layout,
-                                         &frames, 12345, "prefill-0", "prefix", 2),
+                                         &frames, 12345, "prefill-0", "prefix", 2, 1, true, 0.125f,
+                                         true),
            wire::PrefillJobIdentifier());
   std::vector<zmq::message_t> bulk;
   bulk.emplace_back(kv.data(), kv.size());

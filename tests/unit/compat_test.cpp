@@ -317,10 +317,59 @@ std::map<std::string, Expectation> v1_1() {
   return e;
 }
 
+// Schema 1.2 (approximate reuse): every 1.1 type again, with minor 2, and the new fields of
+// GenerateRequest, Usage (in StreamEvent), ProbePlan, PrefillJob and PrefillDone.
+std::map<std::string, Expectation> v1_2() {
+  std::map<std::string, Expectation> e = v1_1();
+  for (auto& [stem, expectation] : e) expectation.minor = 2;
+  auto also = [&e](const std::string& stem, std::function<void(const Message&)> more) {
+    auto before = e.at(stem).check;
+    e.at(stem).check = [before, more](const Message& m) {
+      before(m);
+      more(m);
+    };
+  };
+  auto bytes = [](const flatbuffers::Vector<uint8_t>* v) {
+    return v ? std::vector<uint8_t>(v->begin(), v->end()) : std::vector<uint8_t>{};
+  };
+  also("GenerateRequest",
+       [](const Message& m) { EXPECT_EQ(str(m.as<GenerateRequest>()->reuse()), "approximate"); });
+  also("StreamEvent", [](const Message& m) {
+    const auto* usage = m.as<StreamEvent>()->usage();
+    ASSERT_NE(usage, nullptr);
+    EXPECT_EQ(str(usage->approximate()), "shadow");
+    EXPECT_EQ(usage->similarity(), 0.96875f);
+  });
+  also("ProbePlan", [bytes](const Message& m) {
+    const auto* t = m.as<ProbePlan>();
+    EXPECT_EQ(str(t->approximate()), "blend");
+    EXPECT_EQ(t->donor_key(), 0x00d0d0d0d0d0d0d0ULL);
+    EXPECT_EQ(t->similarity(), 0.9375f);
+    EXPECT_EQ(t->cell(), 5003);
+    EXPECT_EQ(bytes(t->blend_mask()), (std::vector<uint8_t>{1, 0, 1}));
+    EXPECT_EQ(t->recompute_fraction(), 0.15f);
+    EXPECT_EQ(str(t->shadow_mode()), "blend");
+  });
+  also("PrefillJob", [bytes](const Message& m) {
+    const auto* t = m.as<PrefillJob>();
+    EXPECT_EQ(bytes(t->blend_mask()), (std::vector<uint8_t>{1, 0, 1}));
+    EXPECT_EQ(t->recompute_fraction(), 0.15f);
+    EXPECT_TRUE(t->shadow());
+  });
+  also("PrefillDone", [](const Message& m) {
+    const auto* t = m.as<PrefillDone>();
+    EXPECT_EQ(t->recomputed_tokens(), 1u);
+    EXPECT_TRUE(t->shadow_checked());
+    EXPECT_EQ(t->shadow_kl(), 0.125f);
+    EXPECT_TRUE(t->shadow_top1());
+  });
+  return e;
+}
+
 // Every released version: directory name -> file stem -> expectation.
 const std::map<std::string, std::map<std::string, Expectation>>& released() {
   static const std::map<std::string, std::map<std::string, Expectation>> versions = {
-      {"v1.0", v1_0()}, {"v1.1", v1_1()}};
+      {"v1.0", v1_0()}, {"v1.1", v1_1()}, {"v1.2", v1_2()}};
   return versions;
 }
 

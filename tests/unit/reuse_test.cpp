@@ -452,6 +452,32 @@ TEST(ReuseRecords, ResultRecordRoundTripsAndRejectsBadSizes) {
   EXPECT_FALSE(decode_result(bytes + "x").has_value());
 }
 
+TEST(Records, SignatureAndQualityRoundTripAndRefuseDamage) {
+  SignatureRecord signature{"tenant:acme", {5, 6, 7}, {0.6f, 0.8f}};
+  const std::string bytes = encode(signature);
+  auto back = decode_signature(bytes);
+  ASSERT_TRUE(back.has_value());
+  EXPECT_EQ(back->cache_namespace, "tenant:acme");
+  EXPECT_EQ(back->tokens, signature.tokens);
+  EXPECT_EQ(back->signature, signature.signature);
+  for (size_t cut : {size_t{0}, size_t{15}, bytes.size() - 1})
+    EXPECT_FALSE(decode_signature(bytes.substr(0, cut)).has_value()) << cut;
+  EXPECT_FALSE(decode_signature("XXXX" + bytes.substr(4)).has_value());
+  // A signature entry lives in its own key space.
+  EXPECT_NE(signature_entry(42), prompt_entry(42));
+
+  QualityRecord quality{3007, true, 0.25f};
+  auto q = decode_quality(encode(quality));
+  ASSERT_TRUE(q.has_value());
+  EXPECT_EQ(q->cell, 3007);
+  EXPECT_TRUE(q->correct);
+  EXPECT_FLOAT_EQ(q->kl, 0.25f);
+  EXPECT_FALSE(decode_quality(encode(quality) + "x").has_value());
+  std::string bad = encode(quality);
+  bad[4] = 7;
+  EXPECT_FALSE(decode_quality(bad).has_value());
+}
+
 TEST(ReuseLevels, ParseAndPrint) {
   EXPECT_EQ(parse_levels("prefix"), uint32_t{kPrefix});
   EXPECT_EQ(parse_levels("prefix,result"), uint32_t{kPrefix | kResult});
@@ -460,7 +486,10 @@ TEST(ReuseLevels, ParseAndPrint) {
   EXPECT_EQ(parse_levels("none"), 0u);
   EXPECT_EQ(parse_levels(""), 0u);
   EXPECT_EQ(levels_text(0), "none");
-  EXPECT_EQ(levels_text(kAllLevels), "prefix,full,result");
+  EXPECT_EQ(levels_text(kAllLevels), "prefix,full,result,response,blend");
+  EXPECT_EQ(parse_levels("exact"), kExactLevels);
+  EXPECT_EQ(parse_levels("approximate"), uint32_t{kResponse | kBlend});
+  EXPECT_EQ(parse_levels("exact,blend"), kExactLevels | kBlend);
   EXPECT_EQ(levels_text(kPrefix | kResult), "prefix,result");
   for (uint32_t mask = 0; mask <= kAllLevels; ++mask)
     EXPECT_EQ(parse_levels(levels_text(mask)), mask) << mask;

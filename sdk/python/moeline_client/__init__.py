@@ -49,7 +49,7 @@ __all__ = [
 # Must match schemas/wire.h: a peer of another major is refused, a newer minor is read as far as
 # this code knows (fields are only ever added).
 SCHEMA_MAJOR = 1
-SCHEMA_MINOR = 1  # schema 1.1 (exact reuse); a client of any 1.x speaks to any 1.x gateway
+SCHEMA_MINOR = 2  # schema 1.2 (approximate reuse); a client of any 1.x speaks to any 1.x gateway
 MAGIC = b"MOEL"
 _HEADER = struct.Struct("<4sHHHHI")
 assert _HEADER.size == 16
