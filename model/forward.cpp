@@ -88,7 +88,7 @@ Status Engine::validate(std::span<const SequenceInput> batch) {
   return Status::ok_status();
 }
 
-int64_t Engine::run_layers(std::span<const SequenceInput> batch, int64_t layers) {
+int64_t Engine::embed(std::span<const SequenceInput> batch) {
   const ModelConfig& c = model_.config();
   const int64_t H = c.hidden_size;
   const int64_t head_dim = c.head_dim;
@@ -113,16 +113,106 @@ int64_t Engine::run_layers(std::span<const SequenceInput> batch, int64_t layers)
       kernels::rope_angles(position, head_dim, c.rope_theta, rope + t * head_dim);
     }
   }
+  return n;
+}
 
-  for (int64_t layer = 0; layer < layers; ++layer) {
-    attention_block(layer, n);
-    if (model_.layer(layer).is_moe) {
-      moe_block(layer, n);
+void Engine::run_layer(int64_t layer, int64_t n) {
+  attention_block(layer, n);
+  if (model_.layer(layer).is_moe) {
+    moe_block(layer, n);
+  } else {
+    dense_mlp_block(layer, n);
+  }
+}
+
+int64_t Engine::run_layers(std::span<const SequenceInput> batch, int64_t layers) {
+  const int64_t n = embed(batch);
+  for (int64_t layer = 0; layer < layers; ++layer) run_layer(layer, n);
+  return n;
+}
+
+void Engine::lm_head(std::span<const int64_t> rows, std::vector<float>& logits) {
+  const ModelConfig& c = model_.config();
+  const int64_t H = c.hidden_size;
+  const auto wanted = static_cast<int64_t>(rows.size());
+  float* normed = grow(normed_, std::max<int64_t>(wanted, 1) * H);
+  for (int64_t i = 0; i < wanted; ++i)
+    kernels::rms_norm(hidden_.data() + rows[static_cast<size_t>(i)] * H, 1, H, H,
+                      model_.final_norm(), c.rms_norm_eps, normed + i * H, H);
+  logits.resize(static_cast<size_t>(wanted * c.vocab_size));
+  if (wanted > 0) {
+    kernels::matmul(
+        pool_, MatmulTask{.x = normed, .n = wanted, .w = model_.lm_head(), .y = logits.data()});
+  }
+}
+
+Status Engine::forward_blend(const BlendInput& input, std::vector<float>& logits,
+                             int64_t& recomputed) {
+  const ModelConfig& c = model_.config();
+  const auto n = static_cast<int64_t>(input.tokens.size());
+  if (input.sequence == nullptr || input.sequence->length() != 0)
+    return Error{"a blended prefill starts from an empty sequence"};
+  if (n == 0 || input.donor_mask.size() != input.tokens.size() || input.donor_kv == nullptr)
+    return Error{"a blended prefill needs one donor-mask entry per token and the donor's KV"};
+  if (!(input.recompute_fraction >= 0 && input.recompute_fraction <= 1))
+    return Error{"recompute fraction must be in [0, 1]"};
+  const SequenceInput batch[] = {{input.sequence, input.tokens, true}};
+  if (Status status = validate(batch); !status.ok()) return status;
+  embed(batch);
+  const std::vector<int32_t>& table = input.sequence->block_table();
+  for (size_t b = 0; b < table.size(); ++b)
+    cache_.import_block(table[b], input.donor_kv + b * cache_.block_bytes());
+
+  const int64_t select = std::clamp<int64_t>(input.select_layer, 0, c.num_layers - 1);
+  std::vector<float> deviation(static_cast<size_t>(n), 0.0f);
+  for (int64_t layer = 0; layer <= select; ++layer) {
+    if (layer == select) kv_deviation_ = deviation.data();
+    run_layer(layer, n);
+    kv_deviation_ = nullptr;
+  }
+
+  // Which rows run the remaining layers: every row without donor KV, the last row, and the most
+  // deviating recompute_fraction of the donor's rows.
+  std::vector<uint8_t> keep(static_cast<size_t>(n), 0);
+  std::vector<int64_t> donor_rows;
+  for (int64_t t = 0; t < n; ++t) {
+    if (!input.donor_mask[static_cast<size_t>(t)] || t == n - 1) {
+      keep[static_cast<size_t>(t)] = 1;
     } else {
-      dense_mlp_block(layer, n);
+      donor_rows.push_back(t);
     }
   }
-  return n;
+  const auto extra = static_cast<size_t>(
+      std::ceil(input.recompute_fraction * static_cast<double>(donor_rows.size())));
+  std::partial_sort(
+      donor_rows.begin(),
+      donor_rows.begin() + static_cast<std::ptrdiff_t>(std::min(extra, donor_rows.size())),
+      donor_rows.end(), [&](int64_t a, int64_t b) {
+        return deviation[static_cast<size_t>(a)] > deviation[static_cast<size_t>(b)];
+      });
+  for (size_t i = 0; i < std::min(extra, donor_rows.size()); ++i)
+    keep[static_cast<size_t>(donor_rows[i])] = 1;
+
+  // Compact the kept rows (in order) to the front; the later layers run only them.
+  const int64_t H = c.hidden_size;
+  const int64_t head_dim = c.head_dim;
+  int64_t kept = 0;
+  for (int64_t t = 0; t < n; ++t) {
+    if (!keep[static_cast<size_t>(t)]) continue;
+    if (kept != t) {
+      std::copy_n(hidden_.data() + t * H, H, hidden_.data() + kept * H);
+      std::copy_n(rope_.data() + t * head_dim, head_dim, rope_.data() + kept * head_dim);
+      token_refs_[static_cast<size_t>(kept)] = token_refs_[static_cast<size_t>(t)];
+      token_block_tables_[static_cast<size_t>(kept)] = token_block_tables_[static_cast<size_t>(t)];
+    }
+    ++kept;
+  }
+  for (int64_t layer = select + 1; layer < c.num_layers; ++layer) run_layer(layer, kept);
+  const int64_t last[] = {kept - 1};
+  lm_head(last, logits);
+  input.sequence->commit(input.tokens);
+  recomputed = kept;
+  return Status::ok_status();
 }
 
 Status Engine::forward_layers(std::span<const SequenceInput> batch, int64_t layers) {
@@ -134,29 +224,18 @@ Status Engine::forward_layers(std::span<const SequenceInput> batch, int64_t laye
 
 Status Engine::forward(std::span<const SequenceInput> batch, std::vector<float>& logits) {
   if (Status status = validate(batch); !status.ok()) return status;
-  const ModelConfig& c = model_.config();
-  const int64_t H = c.hidden_size;
-  const int64_t n = run_layers(batch, c.num_layers);
-  float* hidden = hidden_.data();
+  run_layers(batch, model_.config().num_layers);
 
   // Final norm and LM head only for the rows whose logits are wanted.
-  int64_t wanted = 0;
+  std::vector<int64_t>& rows = logit_rows_;
+  rows.clear();
   int64_t row = 0;
-  float* normed = grow(normed_, n * H);
   for (const SequenceInput& input : batch) {
     row += static_cast<int64_t>(input.tokens.size());
-    if (input.want_logits && !input.tokens.empty()) {
-      kernels::rms_norm(hidden + (row - 1) * H, 1, H, H, model_.final_norm(), c.rms_norm_eps,
-                        normed + wanted * H, H);
-      ++wanted;
-    }
+    if (input.want_logits && !input.tokens.empty()) rows.push_back(row - 1);
     input.sequence->commit(input.tokens);
   }
-  logits.resize(static_cast<size_t>(wanted * c.vocab_size));
-  if (wanted > 0) {
-    kernels::matmul(
-        pool_, MatmulTask{.x = normed, .n = wanted, .w = model_.lm_head(), .y = logits.data()});
-  }
+  lm_head(rows, logits);
   return Status::ok_status();
 }
 
@@ -198,6 +277,19 @@ void Engine::attention_block(int64_t layer, int64_t n) {
     kernels::rope_rotate_half(k + t * kv_width, c.num_kv_heads, head_dim, angles);
     const int64_t position = token_refs_[static_cast<size_t>(t)].position;
     const int32_t block = token_block_tables_[static_cast<size_t>(t)][position / kBlockTokens];
+    if (kv_deviation_ != nullptr) {
+      double squared = 0;
+      for (int64_t head = 0; head < c.num_kv_heads; ++head) {
+        const float* old_k = kv.key(block, head, position % kBlockTokens);
+        const float* old_v = kv.value(block, head, position % kBlockTokens);
+        const float* new_k = k + t * kv_width + head * head_dim;
+        const float* new_v = v + t * kv_width + head * head_dim;
+        for (int64_t d = 0; d < head_dim; ++d)
+          squared += double(new_k[d] - old_k[d]) * (new_k[d] - old_k[d]) +
+                     double(new_v[d] - old_v[d]) * (new_v[d] - old_v[d]);
+      }
+      kv_deviation_[t] = static_cast<float>(squared);
+    }
     for (int64_t head = 0; head < c.num_kv_heads; ++head) {
       std::copy_n(k + t * kv_width + head * head_dim, head_dim,
                   kv.key(block, head, position % kBlockTokens));

@@ -46,10 +46,32 @@ class Engine {
   // hold KV for those layers only; release them afterwards, never decode from them.
   Status forward_layers(std::span<const SequenceInput> batch, int64_t layers);
 
+  // Blended reuse (after CacheBlend): `sequence` is empty; `donor_kv` holds one KV block per block
+  // of `tokens` (KvCache block layout) with a donor's KV, already re-positioned, wherever
+  // donor_mask is 1. Layers 0..select_layer run every token; at select_layer each donor token's
+  // fresh K/V is compared with the donor's (how much its changed context moved it). Past it only
+  // the tokens without donor KV, the most deviating `recompute_fraction` of the others, and the
+  // last token run; the rest keep the donor's KV. `logits` gets the last token's logits;
+  // `recomputed` the number of tokens that ran every layer.
+  struct BlendInput {
+    Sequence* sequence = nullptr;
+    std::span<const int32_t> tokens;
+    const uint8_t* donor_kv = nullptr;
+    std::span<const uint8_t> donor_mask;
+    double recompute_fraction = 0.15;
+    int64_t select_layer = 1;
+  };
+  Status forward_blend(const BlendInput& input, std::vector<float>& logits, int64_t& recomputed);
+
  private:
   Status validate(std::span<const SequenceInput> batch);
   // The shared body: embeds, runs `layers` layers; returns the number of new tokens.
   int64_t run_layers(std::span<const SequenceInput> batch, int64_t layers);
+  // Reserves the batch's blocks and embeds its tokens; returns the number of new tokens.
+  int64_t embed(std::span<const SequenceInput> batch);
+  void run_layer(int64_t layer, int64_t tokens);
+  // Final norm and LM head for `rows` (row indices of hidden_), into logits.
+  void lm_head(std::span<const int64_t> rows, std::vector<float>& logits);
   void attention_block(int64_t layer, int64_t tokens);
   void moe_block(int64_t layer, int64_t tokens);
   void dense_mlp_block(int64_t layer, int64_t tokens);
@@ -59,6 +81,9 @@ class Engine {
   kernels::ThreadPool& pool_;
   KvCache& cache_;
   RouterObserver* observer_ = nullptr;
+  // While set, attention_block adds each row's squared distance between its fresh K/V and what the
+  // cache held before (blended reuse's deviation).
+  float* kv_deviation_ = nullptr;
 
   // Per-token bookkeeping for the current batch.
   std::vector<RoutedToken> token_refs_;
@@ -70,6 +95,7 @@ class Engine {
   std::vector<float> router_scores_, chosen_weights_, expert_in_, expert_gate_, expert_up_,
       expert_out_, moe_out_;
   std::vector<float> expert_row_weights_;
+  std::vector<int64_t> logit_rows_;
   std::vector<int32_t> chosen_experts_, expert_offsets_, expert_rows_, expert_cursor_;
   std::vector<kernels::MatmulTask> expert_tasks_;
   std::vector<offload::ExpertWeights> acquired_experts_;
