@@ -16,6 +16,8 @@
 #include "model/forward.h"
 #include "model/generator.h"
 #include "offload/resident_provider.h"
+#include "reuse/approximate.h"
+#include "reuse/blend.h"
 
 namespace moeline::model {
 namespace {
@@ -442,6 +444,52 @@ TEST(EngineBlend, RecomputesUnalignedTokensAndTheMostDeviatingFraction) {
   // More recomputation can only help here: everything recomputed is exact.
   BlendRun exact = blend(h, tokens, donor, mask, 1.0, 1);
   EXPECT_LE(relative_l2(exact.logits.data(), full.data(), vocab), 1e-6);
+}
+
+// Layer 0's K/V depend only on the token and its position, so a donor's layer-0 KV transplanted to
+// the aligned positions of a shifted prompt (two tokens inserted in front, one changed) must equal
+// that prompt's own layer-0 KV: values copied, keys re-rotated by the shift. Tolerance 1e-5
+// relative: a rotation by delta after one by j, in f32, against one by i = j + delta.
+TEST(EngineBlend, TransplantedKeysAreRotatedToTheirNewPositions) {
+  auto model = load("qwen3-f32");  // q/k norms before RoPE
+  ASSERT_TRUE(model);
+  const ModelConfig& c = model->config();
+  Harness h(*model);
+  const std::vector<int32_t> donor_tokens = prompt(29, 9, c.vocab_size);
+  std::vector<int32_t> tokens = {5, 6};
+  tokens.insert(tokens.end(), donor_tokens.begin(), donor_tokens.end());
+  tokens[20] = (tokens[20] + 3) % static_cast<int32_t>(c.vocab_size);
+  const std::vector<int32_t> alignment = reuse::align_tokens(tokens, donor_tokens);
+  ASSERT_EQ(alignment[2], 0);
+  ASSERT_EQ(alignment[20], -1);
+  const reuse::KvGeometry geometry{c.num_layers, c.num_kv_heads, c.head_dim, kBlockTokens,
+                                   c.rope_theta};
+  const std::vector<uint8_t> moved =
+      reuse::transplant_kv(prefill_kv(h, donor_tokens), alignment, geometry);
+  const std::vector<uint8_t> own = prefill_kv(h, tokens);
+  ASSERT_EQ(moved.size(), own.size());
+  const int64_t part = c.num_kv_heads * kBlockTokens * c.head_dim;
+  const int64_t block_floats = 2 * c.num_layers * part;
+  const auto* a = reinterpret_cast<const float*>(moved.data());
+  const auto* b = reinterpret_cast<const float*>(own.data());
+  int compared = 0;
+  for (size_t i = 0; i < tokens.size(); ++i) {
+    const int64_t blk = static_cast<int64_t>(i) / kBlockTokens,
+                  slot = static_cast<int64_t>(i) % kBlockTokens;
+    for (int64_t kv = 0; kv < 2; ++kv) {
+      for (int64_t head = 0; head < c.num_kv_heads; ++head) {
+        const int64_t at =
+            blk * block_floats + kv * part + (head * kBlockTokens + slot) * c.head_dim;
+        if (alignment[i] < 0) {
+          for (int64_t d = 0; d < c.head_dim; ++d) ASSERT_EQ(a[at + d], 0.0f);
+          continue;
+        }
+        EXPECT_LE(relative_l2(a + at, b + at, c.head_dim), 1e-5) << "position " << i;
+        ++compared;
+      }
+    }
+  }
+  EXPECT_EQ(compared, 2 * static_cast<int>(c.num_kv_heads) * 28);
 }
 
 TEST(EngineBlend, RefusesBadInputWithoutSideEffects) {
