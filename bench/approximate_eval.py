@@ -21,7 +21,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 
 def signatures(moeline, model, prompts, layers):
     lines = "".join(json.dumps({"prompt": p}) + "\n" for p in prompts)
-    cmd = [moeline, "signature", "--layers", str(layers)] + (["--model", model] if model else [])
+    cmd = [moeline, "signature", "--signature-layers", str(layers)] + (["--model", model] if model else [])
     out = subprocess.run(cmd, input=lines, capture_output=True, text=True, check=True)
     rows = [json.loads(line) for line in out.stdout.splitlines()]
     return {row["prompt"]: row for row in rows}

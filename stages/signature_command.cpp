@@ -17,13 +17,13 @@
 namespace moeline::stages {
 namespace {
 
-std::vector<runtime::ConfigKey> signature_keys() {
-  return {
+std::vector<runtime::ConfigKey> command_keys() {
+  std::vector<runtime::ConfigKey> keys = {
       {"model", default_model_dir(), "checkpoint folder"},
-      {"layers", "2", "MoE layers pooled (the first k)"},
-      {"dimension", "256", "projected dimension when the concatenation is larger"},
       {"threads", "0", "compute threads (0: all cores)"},
   };
+  for (const runtime::ConfigKey& key : stages::signature_keys()) keys.push_back(key);
+  return keys;
 }
 
 // Reads JSON lines {"prompt": TEXT} (or {"tokens": [...]}) on stdin; prints each with its
@@ -36,17 +36,10 @@ int signature_body(const runtime::Config& config) {
   auto tokenizer = model::Tokenizer::load((std::filesystem::path(dir) / "tokenizer.json").string());
   if (!tokenizer) throw std::runtime_error(tokenizer.error().message);
   const model::ModelConfig& cfg = m.config();
-  std::vector<int64_t> moe_layers;
-  for (int64_t l = 0; l < cfg.num_layers; ++l)
-    if (cfg.layer_is_moe[static_cast<size_t>(l)]) moe_layers.push_back(l);
-  reuse::SignatureOptions options;
-  options.layers = static_cast<int>(config.integer("layers"));
-  options.dimension = static_cast<int>(config.integer("dimension"));
-  if (options.layers < 1 || options.dimension < 1)
-    throw runtime::ConfigError("--layers and --dimension must be >= 1");
+  const std::vector<int64_t> moe_layers = moe_layer_indices(cfg);
+  const reuse::SignatureOptions options = signature_options(config);
   // Run the layers up to the k-th MoE layer, no further.
-  const size_t k = std::min(moe_layers.size(), static_cast<size_t>(options.layers));
-  const int64_t run = k == 0 ? 0 : moe_layers[k - 1] + 1;
+  const int64_t run = layers_for_signature(cfg, options.layers);
 
   int threads = static_cast<int>(config.integer("threads"));
   if (threads <= 0) threads = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
@@ -97,7 +90,7 @@ int signature_body(const runtime::Config& config) {
 }  // namespace
 
 int signature_command(int argc, char** argv) {
-  return run_stage("signature", signature_keys(), argc, argv, signature_body);
+  return run_stage("signature", command_keys(), argc, argv, signature_body);
 }
 
 }  // namespace moeline::stages

@@ -1,5 +1,7 @@
 #include "stages/common/common.h"
 
+#include <algorithm>
+
 #include <xxhash.h>
 
 #include <cstdlib>
@@ -73,6 +75,33 @@ std::vector<runtime::ConfigKey> common_keys(const char* default_http) {
       {"peer-timeout-ms", "3000", "a peer silent this long is considered dead"},
       {"watchdog-ms", "30000", "/healthz fails when the stage loop stalls this long"},
   };
+}
+
+std::vector<runtime::ConfigKey> signature_keys() {
+  return {{"signature-layers", "2", "activation signatures pool the first k MoE layers' routers"},
+          {"signature-dimension", "256", "signatures are projected to this when larger"}};
+}
+
+reuse::SignatureOptions signature_options(const runtime::Config& config) {
+  reuse::SignatureOptions options;
+  options.layers = static_cast<int>(config.integer("signature-layers"));
+  options.dimension = static_cast<int>(config.integer("signature-dimension"));
+  if (options.layers < 1 || options.dimension < 1)
+    throw runtime::ConfigError("--signature-layers and --signature-dimension must be >= 1");
+  return options;
+}
+
+std::vector<int64_t> moe_layer_indices(const model::ModelConfig& config) {
+  std::vector<int64_t> layers;
+  for (int64_t l = 0; l < config.num_layers; ++l)
+    if (config.layer_is_moe[static_cast<size_t>(l)]) layers.push_back(l);
+  return layers;
+}
+
+int64_t layers_for_signature(const model::ModelConfig& config, int k) {
+  const std::vector<int64_t> moe = moe_layer_indices(config);
+  const size_t used = std::min(moe.size(), static_cast<size_t>(std::max(k, 0)));
+  return used == 0 ? 0 : moe[used - 1] + 1;
 }
 
 std::vector<runtime::ConfigKey> worker_keys() {

@@ -5,7 +5,9 @@
 #include <cstdint>
 #include <vector>
 
+#include "model/config.h"
 #include "model/sampling.h"
+#include "reuse/signature.h"
 #include "schemas/wire.h"
 #include "stages/runtime/config.h"
 #include "stages/runtime/link.h"
@@ -30,6 +32,16 @@ std::string replica_name(const runtime::Config& config, const char* stage);
 runtime::LinkSettings link_settings(const runtime::Config& config, wire::StageKind stage,
                                     const std::string& replica, uint64_t model_id,
                                     uint16_t http_port);
+// Activation signatures (approximate reuse): the probe computes them for lookups and prefill for
+// what it stores, so both take the same keys (--signature-layers, --signature-dimension) and must
+// be given the same values.
+std::vector<runtime::ConfigKey> signature_keys();
+reuse::SignatureOptions signature_options(const runtime::Config& config);
+// The model's MoE layer indices in order (dense layers have no router).
+std::vector<int64_t> moe_layer_indices(const model::ModelConfig& config);
+// How many layers a forward must run to see the first `k` MoE layers' routers.
+int64_t layers_for_signature(const model::ModelConfig& config, int k);
+
 // The model folder a stage uses when --model is not given.
 std::string default_model_dir();
 

@@ -3,12 +3,22 @@
 #include <algorithm>
 #include <chrono>
 #include <map>
+#include <set>
+#include <unordered_map>
 
+#include "kernels/cpu/thread_pool.h"
+#include "model/forward.h"
 #include "model/generator.h"
 #include "model/kv_cache.h"
 #include "model/model.h"
 #include "model/sampling.h"
+#include "model/tokenizer/tokenizer.h"
+#include "offload/resident_provider.h"
+#include "reuse/approximate.h"
+#include "reuse/blend.h"
 #include "reuse/records.h"
+#include "reuse/signature.h"
+#include "reuse/similarity_index.h"
 #include "reuse/snapshot_store.h"
 #include "stages/common/common.h"
 #include "stages/runtime/link.h"
@@ -18,6 +28,18 @@ namespace moeline::stages {
 namespace {
 
 using Clock = std::chrono::steady_clock;
+
+// What approximate reuse made of a lookup (ProbePlan.approximate and the fields that go with it).
+struct ApproximateOutcome {
+  std::string outcome;      // "" (not asked), response, blend, shadow, no_candidate, rejected
+  std::string shadow_mode;  // for shadow: response or blend
+  uint64_t donor = 0;
+  float similarity = 0;
+  int cell = 0;
+  reuse::ResultRecord donor_result;  // response (served, or to compare with)
+  std::vector<uint8_t> kv;           // blend: the prompt's blocks with the donor's KV
+  std::vector<uint8_t> mask;         // blend: 1 where the KV is the donor's
+};
 
 class Probe {
  public:
@@ -49,6 +71,8 @@ class Probe {
                        {"disk_entries", store_->stats().disk_entries},
                        {"policy", policy}});
 
+    open_approximate(config, options);
+
     service_.start_http(config.text("http"), config.text("port-file"));
     register_metrics();
     credits_ = static_cast<uint32_t>(config.integer("queue"));
@@ -56,6 +80,74 @@ class Probe {
         link_settings(config, wire::StageKind::Probe, service_.log.replica(), model_->model_id(),
                       service_.http_port());
     link_ = std::make_unique<runtime::HubLink>(context_, settings, service_.log, metrics_);
+  }
+
+  // Approximate reuse: an engine for the first layers (lookup signatures), the index with its
+  // signature records (a store of their own, rebuilt into the index at start), the decision rule.
+  void open_approximate(const runtime::Config& config, const reuse::StoreOptions& store) {
+    const model::ModelConfig& cfg = model_->config();
+    auto tokenizer = model::Tokenizer::load((model_->dir() / "tokenizer.json").string());
+    if (!tokenizer) throw std::runtime_error(tokenizer.error().message);
+    tokenizer_ = std::make_unique<model::Tokenizer>(std::move(*tokenizer));
+    signature_options_ = signature_options(config);
+    signature_layers_ = layers_for_signature(cfg, signature_options_.layers);
+    const std::vector<int64_t> moe = moe_layer_indices(cfg);
+    const int64_t experts = std::max<int64_t>(1, cfg.num_experts);
+    const int64_t concatenated =
+        static_cast<int64_t>(std::min(moe.size(), static_cast<size_t>(signature_options_.layers))) *
+        experts;
+    signature_dimension_ =
+        static_cast<int>(std::min<int64_t>(concatenated, signature_options_.dimension));
+    max_signature_tokens_ = config.integer("signature-max-tokens");
+    if (cfg.max_position_embeddings > 0)
+      max_signature_tokens_ = std::min(max_signature_tokens_, cfg.max_position_embeddings);
+    int threads = static_cast<int>(config.integer("threads"));
+    if (threads <= 0) threads = 1;
+    pool_ = std::make_unique<kernels::ThreadPool>(threads);
+    experts_ = std::make_unique<offload::ResidentExpertProvider>(model_->experts());
+    cache_ = std::make_unique<model::KvCache>(
+        cfg, static_cast<int32_t>((max_signature_tokens_ + model::kBlockTokens - 1) /
+                                  model::kBlockTokens));
+    engine_ = std::make_unique<model::Engine>(*model_, *experts_, *pool_, *cache_);
+    accumulator_ =
+        std::make_unique<reuse::SignatureAccumulator>(moe, experts, signature_options_);
+    engine_->set_router_observer(accumulator_.get());
+
+    reuse::IndexOptions index;
+    index.dimension = std::max(1, signature_dimension_);
+    index.m = static_cast<int>(config.integer("index-m"));
+    index.ef_construction = static_cast<int>(config.integer("index-ef-construction"));
+    index.ef_search = static_cast<int>(config.integer("index-ef-search"));
+    index_ = std::make_unique<reuse::SimilarityIndex>(index);
+
+    reuse::DecisionOptions decision;
+    decision.threshold = static_cast<float>(config.number("approximate-threshold"));
+    decision.max_error = config.number("approximate-max-error");
+    decision.shadow_fraction = config.number("approximate-shadow-fraction");
+    decision.bin_width = config.number("approximate-bin-width");
+    try {
+      rule_ = std::make_unique<reuse::DecisionRule>(decision);
+    } catch (const std::invalid_argument& e) {
+      throw runtime::ConfigError(e.what());
+    }
+    recompute_fraction_ = config.number("approximate-recompute-fraction");
+    if (!(recompute_fraction_ >= 0 && recompute_fraction_ <= 1))
+      throw runtime::ConfigError("--approximate-recompute-fraction must be in [0, 1]");
+
+    reuse::StoreOptions options;
+    options.ram_bytes = runtime::parse_bytes(config.text("signature-store-bytes"));
+    options.disk_bytes = store.disk_bytes;
+    options.disk_path = store.disk_path.empty() ? "" : store.disk_path + "/signatures";
+    signatures_ = std::make_unique<reuse::SnapshotStore>(options);
+    size_t indexed = 0;
+    for (uint64_t key : signatures_->keys()) {
+      reuse::Value value = signatures_->get(key);
+      auto record = value ? reuse::decode_signature(*value) : std::nullopt;
+      if (record && index_signature(*record)) ++indexed;
+    }
+    service_.log.info("index_rebuilt", {{"entries", indexed},
+                                        {"dimension", index.dimension},
+                                        {"signature_layers", signature_options_.layers}});
   }
 
   int run() {
@@ -73,6 +165,7 @@ class Probe {
       update_gauges();
     }
     store_->flush();
+    signatures_->flush();
     service_.log.info("stopped", {{"disk_entries", store_->stats().disk_entries}});
     return 0;
   }
@@ -82,7 +175,7 @@ class Probe {
     lookups_ = &metrics_.counter("moeline_probe_lookups_total", "Jobs looked up");
     lookup_tokens_ = &metrics_.counter("moeline_probe_lookup_tokens_total",
                                        "Prompt tokens of the jobs looked up");
-    for (const char* level : {"none", "prefix", "full", "result"}) {
+    for (const char* level : {"none", "prefix", "full", "result", "response", "blend"}) {
       hits_[level] = &metrics_.counter(
           "moeline_probe_hits_total", "Jobs by the reuse level that served them (request-weighted)",
           {{"level", level}});
@@ -105,6 +198,37 @@ class Probe {
       entries_[tier] = &metrics_.gauge("moeline_probe_store_entries",
                                        "Snapshot store entries by tier", {{"tier", tier}});
     }
+    for (const char* outcome : {"response", "blend", "shadow", "no_candidate", "rejected"})
+      approximate_[outcome] = &metrics_.counter(
+          "moeline_probe_approximate_total",
+          "Lookups that asked for approximate reuse, by outcome (response/blend: served hits; "
+          "shadow: candidate computed in full and compared; rejected: candidate refused)",
+          {{"outcome", outcome}});
+    for (const char* mode : {"response", "blend"}) {
+      candidates_[mode] = &metrics_.counter("moeline_probe_approximate_candidates_total",
+                                            "Candidates at or above the threshold, by mode",
+                                            {{"mode", mode}});
+      served_[mode] = &metrics_.counter("moeline_probe_approximate_served_total",
+                                        "Approximate hits served, by mode", {{"mode", mode}});
+    }
+    for (const char* result : {"agreed", "disagreed"})
+      checks_[result] = &metrics_.counter("moeline_probe_shadow_checks_total",
+                                          "Shadow check outcomes received", {{"result", result}});
+    agreement_ = &metrics_.gauge("moeline_probe_shadow_agreement",
+                                 "Share of shadow checks that agreed (all received)");
+    error_estimate_ = &metrics_.gauge(
+        "moeline_probe_approximate_error_bound",
+        "Upper 95% bound of the false-reuse rate, in the best-evidenced cell of the decision rule");
+    index_entries_ = &metrics_.gauge("moeline_probe_index_entries", "Live signatures in the index");
+    index_tombstones_ =
+        &metrics_.gauge("moeline_probe_index_tombstones", "Removed entries not yet rebuilt away");
+    index_rebuilds_ = &metrics_.gauge("moeline_probe_index_rebuilds", "Index rebuilds (total)");
+    signature_seconds_ = &metrics_.histogram(
+        "moeline_probe_signature_seconds",
+        "Partial forward for a lookup's signature (compare with prefill time per job)",
+        runtime::latency_buckets());
+    refused_records_ = &metrics_.counter("moeline_probe_refused_records_total",
+                                         "Signature or quality records refused (malformed)");
     const std::vector<std::pair<const char*, const char*>> counters = {
         {"evictions", "Entries evicted from the RAM tier"},
         {"spills", "Entries written to the disk tier"},
@@ -128,6 +252,14 @@ class Probe {
     store_counters_["disk_evictions"]->set(static_cast<double>(s.disk_evictions));
     store_counters_["corrupt_entries"]->set(static_cast<double>(s.corrupt));
     queue_depth_->set(0);
+    size_t live = 0, dead = 0;
+    for (const std::string& name : namespaces_) {
+      live += index_->size(name);
+      dead += index_->tombstones(name);
+    }
+    index_entries_->set(static_cast<double>(live));
+    index_tombstones_->set(static_cast<double>(dead));
+    index_rebuilds_->set(static_cast<double>(index_->rebuilds()));
   }
 
   void dispatch(wire::Message& message) {
@@ -177,12 +309,196 @@ class Probe {
     for (size_t i = entries; i-- > 0;) {
       const auto* entry = put->entries()->Get(static_cast<flatbuffers::uoffset_t>(i));
       const auto bytes = message.bulk[i].bytes();
+      std::string record(reinterpret_cast<const char*>(bytes.data()), bytes.size());
+      if (entry->kind() == 'S') {
+        put_signature(std::move(record));
+        continue;
+      }
+      if (entry->kind() == 'Q') {
+        record_quality(entry->key(), record);
+        continue;
+      }
       // A block must be exactly one block of this model's KV.
       if (entry->kind() == 'B' && bytes.size() != block_bytes_) continue;
-      store_->put(entry->key(),
-                  std::string(reinterpret_cast<const char*>(bytes.data()), bytes.size()));
+      store_->put(entry->key(), std::move(record));
       puts_->inc();
     }
+  }
+
+  // A signature record from prefill: stored (keyed by the prompt it describes, which its tokens and
+  // namespace determine: nothing to trust about the key) and indexed.
+  void put_signature(std::string bytes) {
+    auto record = reuse::decode_signature(bytes);
+    if (!record || !index_signature(*record)) {
+      refused_records_->inc();
+      uint64_t suppressed = 0;
+      if (refusal_log_.allow(suppressed))
+        service_.log.warn("signature_refused",
+                          {{"reason", record ? "dimension or tokens do not fit this model"
+                                             : "malformed record"},
+                           {"suppressed", suppressed}});
+      return;
+    }
+    signatures_->put(reuse::signature_entry(donor_key(*record)), std::move(bytes));
+  }
+
+  uint64_t donor_key(const reuse::SignatureRecord& record) const {
+    const uint64_t ns = model::namespace_id(record.cache_namespace);
+    const std::vector<uint64_t> chain = reuse::block_chain(record.tokens, model_->model_id(), ns);
+    return reuse::prompt_key(record.tokens, chain, model_->model_id(), ns);
+  }
+
+  bool index_signature(const reuse::SignatureRecord& record) {
+    if (static_cast<int>(record.signature.size()) != index_->options().dimension ||
+        record.tokens.empty())
+      return false;
+    const int64_t vocab = model_->config().vocab_size;
+    for (int32_t t : record.tokens)
+      if (t < 0 || t >= vocab) return false;
+    index_->add(record.cache_namespace, donor_key(record), record.signature);
+    namespaces_.insert(record.cache_namespace);
+    return true;
+  }
+
+  void record_quality(uint64_t donor, const std::string& bytes) {
+    auto quality = reuse::decode_quality(bytes);
+    if (!quality) {
+      refused_records_->inc();
+      return;
+    }
+    rule_->record(quality->cell, donor, quality->correct);
+    checks_[quality->correct ? "agreed" : "disagreed"]->inc();
+    ++checks_total_;
+    checks_agreed_ += quality->correct ? 1 : 0;
+    agreement_->set(static_cast<double>(checks_agreed_) / static_cast<double>(checks_total_));
+    double best = 1.0;
+    for (const auto& [cell, counts] : rule_->cells()) best = std::min(best, rule_->error_bound(cell));
+    error_estimate_->set(best);
+    service_.log.info("shadow_check", {{"donor", donor},
+                                       {"cell", rule_->cell_name(quality->cell)},
+                                       {"correct", quality->correct},
+                                       {"kl", static_cast<double>(quality->kl)},
+                                       {"error_bound", rule_->error_bound(quality->cell)}});
+  }
+
+  // The signature of `tokens`, pooled over positions from `from` on: the first layers only.
+  std::vector<float> lookup_signature(const std::vector<int32_t>& tokens, int64_t from) {
+    if (static_cast<int64_t>(tokens.size()) > max_signature_tokens_ || signature_layers_ == 0)
+      return {};
+    const auto start = Clock::now();
+    const uint64_t id = next_sequence_id_++;
+    model::Sequence sequence(id, model_->model_id(), 0);
+    accumulator_->watch(id, from);
+    const model::SequenceInput input{&sequence, tokens, false};
+    model::Status status = engine_->forward_layers(std::span(&input, 1), signature_layers_);
+    std::vector<float> signature = status.ok() ? accumulator_->signature(id) : std::vector<float>{};
+    accumulator_->forget(id);
+    sequence.release(cache_->pool());
+    signature_seconds_->observe(std::chrono::duration<double>(Clock::now() - start).count());
+    return signature;
+  }
+
+  std::string token_text(int32_t token) {
+    auto it = token_texts_.find(token);
+    if (it != token_texts_.end()) return it->second;
+    auto text = tokenizer_->decode({token}, model::DecodeOptions{});
+    return token_texts_[token] = text ? *text : std::string();
+  }
+
+  // The nearest cached prompt of the namespace that has what a mode needs, and what the decision
+  // rule makes of it. `from`: the exact prefix hit's length (pooled signatures leave it out).
+  ApproximateOutcome approximate(const std::vector<int32_t>& tokens, const std::string& name_space,
+                                 uint64_t key, const model::SamplingParams& sampling,
+                                 uint32_t allowed, int64_t from) {
+    ApproximateOutcome result;
+    result.outcome = "no_candidate";
+    const std::vector<float> signature = lookup_signature(tokens, from);
+    if (signature.empty()) return result;
+    const float threshold = rule_->options().threshold;
+    for (const reuse::SimilarityIndex::Hit& hit : index_->search(name_space, signature, 4)) {
+      if (hit.id == key) continue;
+      if (hit.score < threshold) break;
+      reuse::Value stored = signatures_->get(reuse::signature_entry(hit.id));
+      auto donor = stored ? reuse::decode_signature(*stored) : std::nullopt;
+      if (!donor) {
+        index_->remove(name_space, hit.id);  // its record is gone: a tombstone from now on
+        continue;
+      }
+      std::optional<reuse::ResultRecord> answer;
+      if (allowed & reuse::kResponse) {
+        if (reuse::Value value = store_->get(reuse::result_entry(hit.id, sampling)))
+          answer = reuse::decode_result(*value);
+        if (answer && answer->tokens.empty()) answer.reset();
+      }
+      std::vector<uint8_t> kv, mask;
+      if (!answer && (allowed & reuse::kBlend)) blend_kv(tokens, *donor, hit.id, kv, mask);
+      if (!answer && kv.empty()) continue;  // nothing of it that this request could use
+      const char* mode = answer ? "response" : "blend";
+      candidates_[mode]->inc();
+      const reuse::DifferenceKind kind = reuse::classify_difference(
+          tokens, donor->tokens, [this](int32_t t) { return token_text(t); });
+      const reuse::Decision decision = rule_->decide(hit.score, kind, hit.id);
+      result.donor = hit.id;
+      result.similarity = hit.score;
+      result.cell = decision.cell;
+      if (answer) result.donor_result = std::move(*answer);
+      result.kv = std::move(kv);
+      result.mask = std::move(mask);
+      switch (decision.action) {
+        case reuse::Decision::kServe:
+          result.outcome = mode;
+          served_[mode]->inc();
+          break;
+        case reuse::Decision::kShadow:
+          result.outcome = "shadow";
+          result.shadow_mode = mode;
+          break;
+        case reuse::Decision::kReject:
+          result.outcome = "rejected";
+          break;
+      }
+      service_.log.info("approximate_candidate", {{"donor", hit.id},
+                                                  {"similarity", static_cast<double>(hit.score)},
+                                                   {"mode", mode},
+                                                   {"difference", reuse::difference_name(kind)},
+                                                   {"decision", result.outcome},
+                                                   {"reason", decision.reason},
+                                                   {"error_bound", decision.error_bound}});
+      return result;
+    }
+    return result;
+  }
+
+  // The donor's KV moved to this prompt's aligned positions, if the donor's whole prompt is
+  // cached (its blocks, and the prompt record's partial last block).
+  void blend_kv(const std::vector<int32_t>& tokens, const reuse::SignatureRecord& donor,
+                uint64_t donor_key, std::vector<uint8_t>& kv, std::vector<uint8_t>& mask) {
+    const std::vector<int32_t> alignment = reuse::align_tokens(tokens, donor.tokens);
+    size_t aligned = 0;
+    for (int32_t a : alignment) aligned += a >= 0 ? 1 : 0;
+    if (aligned == 0) return;
+    const uint64_t ns = model::namespace_id(donor.cache_namespace);
+    const std::vector<uint64_t> chain = reuse::block_chain(donor.tokens, model_->model_id(), ns);
+    std::vector<reuse::Value> blocks = cached_prefix(chain, chain.size());
+    if (blocks.size() != chain.size()) return;
+    if (donor.tokens.size() % model::kBlockTokens != 0) {
+      reuse::Value value = store_->get(reuse::prompt_entry(donor_key));
+      auto prompt = value ? reuse::decode_prompt(*value,
+                                                 static_cast<size_t>(model_->config().vocab_size),
+                                                 block_bytes_)
+                          : std::nullopt;
+      if (!prompt || prompt->tail_kv.empty()) return;
+      blocks.push_back(std::make_shared<const std::string>(std::move(prompt->tail_kv)));
+    }
+    std::vector<uint8_t> donor_kv;
+    donor_kv.reserve(blocks.size() * block_bytes_);
+    for (const reuse::Value& block : blocks) donor_kv.insert(donor_kv.end(), block->begin(), block->end());
+    const model::ModelConfig& cfg = model_->config();
+    const reuse::KvGeometry geometry{cfg.num_layers, cfg.num_kv_heads, cfg.head_dim,
+                                     model::kBlockTokens, cfg.rope_theta};
+    kv = reuse::transplant_kv(donor_kv, alignment, geometry);
+    mask.resize(tokens.size());
+    for (size_t i = 0; i < tokens.size(); ++i) mask[i] = alignment[i] >= 0 ? 1 : 0;
   }
 
   // The longest run of cached blocks from the start (values in order). The blocks are read
@@ -271,6 +587,23 @@ class Probe {
       reused_blocks = blocks.size();
       if (reused_blocks > 0) level = "prefix";
     }
+    ApproximateOutcome approximate_outcome;
+    if (!tokens.empty() && (allowed & reuse::kApproximateLevels)) {
+      approximate_outcome =
+          approximate(tokens, name_space, key, sampling, allowed,
+                      static_cast<int64_t>(reused_blocks * model::kBlockTokens));
+      approximate_[approximate_outcome.outcome]->inc();
+      const ApproximateOutcome& a = approximate_outcome;
+      if (a.outcome == "response") {
+        answer_result(job, tokens, a.donor_result, &a);
+        return done("response", tokens.size(), start);
+      }
+      if (a.outcome == "blend" || (a.outcome == "shadow" && a.shadow_mode == "blend")) {
+        send_blend(job, a, start);
+        return done(a.outcome == "blend" ? "blend" : level, a.outcome == "blend" ? 0 : 0, start,
+                    tokens.size());
+      }
+    }
     flatbuffers::FlatBufferBuilder builder(256);
     std::vector<zmq::message_t> bulk;
     flatbuffers::Offset<wire::KvLayout> kv_layout = 0;
@@ -284,11 +617,29 @@ class Probe {
     }
     const auto reused = static_cast<uint32_t>(reused_blocks * model::kBlockTokens);
     const auto took = std::chrono::duration_cast<std::chrono::microseconds>(Clock::now() - start);
-    builder.Finish(
-        wire::CreateProbePlan(builder, job.request_id(), job.attempt(), builder.CreateString(level),
-                              reused, static_cast<uint32_t>(took.count()), frames, kv_layout, 0, 0,
-                              reused_blocks > 0 ? chain[reused_blocks - 1] : 0),
-        wire::PrefillJobIdentifier());
+    // A shadow of response reuse: computed in full as usual, with the donor's answer to compare.
+    const ApproximateOutcome& a = approximate_outcome;
+    flatbuffers::Offset<flatbuffers::Vector<int32_t>> completion = 0;
+    if (a.outcome == "shadow") completion = builder.CreateVector(a.donor_result.tokens);
+    wire::ProbePlanBuilder plan(builder);
+    auto level_text = builder.CreateString(level);
+    auto approximate_text = builder.CreateString(a.outcome);
+    auto shadow_mode = builder.CreateString(a.shadow_mode);
+    plan.add_request_id(job.request_id());
+    plan.add_attempt(job.attempt());
+    plan.add_reuse_level(level_text);
+    plan.add_reused_tokens(reused);
+    plan.add_probe_us(static_cast<uint32_t>(took.count()));
+    if (!frames.IsNull()) plan.add_frames(frames);
+    if (!kv_layout.IsNull()) plan.add_layout(kv_layout);
+    if (!completion.IsNull()) plan.add_completion(completion);
+    plan.add_prefix_key(reused_blocks > 0 ? chain[reused_blocks - 1] : 0);
+    plan.add_approximate(approximate_text);
+    plan.add_shadow_mode(shadow_mode);
+    plan.add_donor_key(a.donor);
+    plan.add_similarity(a.similarity);
+    plan.add_cell(a.cell);
+    builder.Finish(plan.Finish(), wire::PrefillJobIdentifier());
     link_->send(wire::encode(wire::MessageType::ProbePlan, builder, std::move(bulk)));
     done(level, reused, start, tokens.size());
   }
@@ -304,16 +655,46 @@ class Probe {
     latency_->observe(std::chrono::duration<double>(Clock::now() - start).count());
   }
 
+  // A finished completion to replay: the prompt's own (result level) or, for response reuse
+  // (`approximate` given), the donor's.
   void answer_result(const wire::ProbeJob& job, const std::vector<int32_t>& tokens,
-                     const reuse::ResultRecord& result) {
+                     const reuse::ResultRecord& result,
+                     const ApproximateOutcome* approximate = nullptr) {
     flatbuffers::FlatBufferBuilder builder(256 + result.tokens.size() * 4);
     auto completion = builder.CreateVector(result.tokens);
     auto finish = builder.CreateString(result.finish_reason);
-    builder.Finish(wire::CreateProbePlan(
-                       builder, job.request_id(), job.attempt(), builder.CreateString("result"),
-                       static_cast<uint32_t>(tokens.size()), 0, 0, 0, completion, finish, 0),
+    auto level = builder.CreateString(approximate ? "response" : "result");
+    auto outcome = builder.CreateString(approximate ? approximate->outcome : "");
+    builder.Finish(wire::CreateProbePlan(builder, job.request_id(), job.attempt(), level,
+                                         approximate ? 0 : static_cast<uint32_t>(tokens.size()), 0,
+                                         0, 0, completion, finish, 0, outcome,
+                                         approximate ? approximate->donor : 0,
+                                         approximate ? approximate->similarity : 0.0f,
+                                         approximate ? approximate->cell : 0),
                    wire::PrefillJobIdentifier());
     link_->send(wire::encode(wire::MessageType::ProbePlan, builder));
+  }
+
+  // Blended reuse (served, or shadowed: prefill then also computes in full, serves that and
+  // reports how the blend compared): the prompt's blocks with the donor's KV, and the mask.
+  void send_blend(const wire::ProbeJob& job, const ApproximateOutcome& a, Clock::time_point start) {
+    flatbuffers::FlatBufferBuilder builder(512 + a.mask.size());
+    std::vector<zmq::message_t> bulk;
+    bulk.emplace_back(a.kv.data(), a.kv.size());
+    auto frames = builder.CreateVector(std::vector<flatbuffers::Offset<wire::BulkFrame>>{
+        wire::CreateBulkFrame(builder, a.kv.size(), wire::checksum(a.kv))});
+    auto kv_layout = layout(builder, a.kv.size() / block_bytes_);
+    auto mask = builder.CreateVector(a.mask);
+    auto level = builder.CreateString("blend");
+    auto outcome = builder.CreateString(a.outcome);
+    auto shadow_mode = builder.CreateString(a.shadow_mode);
+    const auto took = std::chrono::duration_cast<std::chrono::microseconds>(Clock::now() - start);
+    builder.Finish(wire::CreateProbePlan(builder, job.request_id(), job.attempt(), level, 0,
+                                         static_cast<uint32_t>(took.count()), frames, kv_layout, 0,
+                                         0, 0, outcome, a.donor, a.similarity, a.cell, mask,
+                                         static_cast<float>(recompute_fraction_), shadow_mode),
+                   wire::PrefillJobIdentifier());
+    link_->send(wire::encode(wire::MessageType::ProbePlan, builder, std::move(bulk)));
   }
 
   // A full hit: what prefill would have answered, from the store.
@@ -367,6 +748,30 @@ class Probe {
   std::map<std::string, runtime::Gauge*> bytes_, entries_, store_counters_;
   runtime::Histogram *latency_ = nullptr, *batch_ = nullptr;
   runtime::Gauge* queue_depth_ = nullptr;
+
+  // Approximate reuse.
+  std::unique_ptr<model::Tokenizer> tokenizer_;
+  std::unordered_map<int32_t, std::string> token_texts_;
+  reuse::SignatureOptions signature_options_;
+  int64_t signature_layers_ = 0, max_signature_tokens_ = 0;
+  int signature_dimension_ = 0;
+  double recompute_fraction_ = 0.15;
+  std::unique_ptr<kernels::ThreadPool> pool_;
+  std::unique_ptr<offload::ResidentExpertProvider> experts_;
+  std::unique_ptr<model::KvCache> cache_;
+  std::unique_ptr<model::Engine> engine_;
+  std::unique_ptr<reuse::SignatureAccumulator> accumulator_;
+  std::unique_ptr<reuse::SimilarityIndex> index_;
+  std::unique_ptr<reuse::SnapshotStore> signatures_;
+  std::unique_ptr<reuse::DecisionRule> rule_;
+  std::set<std::string> namespaces_;
+  uint64_t next_sequence_id_ = 1, checks_total_ = 0, checks_agreed_ = 0;
+  runtime::RateLimited refusal_log_;
+  std::map<std::string, runtime::Counter*> approximate_, candidates_, served_, checks_;
+  runtime::Gauge *agreement_ = nullptr, *error_estimate_ = nullptr, *index_entries_ = nullptr,
+                 *index_tombstones_ = nullptr, *index_rebuilds_ = nullptr;
+  runtime::Histogram* signature_seconds_ = nullptr;
+  runtime::Counter* refused_records_ = nullptr;
 };
 
 std::vector<runtime::ConfigKey> probe_keys() {
@@ -377,6 +782,23 @@ std::vector<runtime::ConfigKey> probe_keys() {
   keys.push_back({"store-path", "", "disk tier folder (empty: no disk tier)"});
   keys.push_back(
       {"store-policy", "slru", "RAM eviction: slru (segmented LRU, scan-resistant) or lru"});
+  for (const runtime::ConfigKey& key : signature_keys()) keys.push_back(key);
+  keys.push_back({"signature-max-tokens", "4096",
+                  "longest prompt a lookup computes a signature for (longer: no approximate reuse)"});
+  keys.push_back({"signature-store-bytes", "64MiB",
+                  "RAM budget of the signature records (disk: store-path/signatures)"});
+  keys.push_back({"index-m", "32", "HNSW M (links per node)"});
+  keys.push_back({"index-ef-construction", "200", "HNSW efConstruction"});
+  keys.push_back({"index-ef-search", "64", "HNSW efSearch"});
+  keys.push_back({"approximate-threshold", "0.93", "candidates at signature cosine >= this"});
+  keys.push_back({"approximate-max-error", "0.01",
+                  "delta: serve a cell's candidates only while the upper 95% bound of its "
+                  "false-reuse rate is at most this"});
+  keys.push_back({"approximate-shadow-fraction", "0.05",
+                  "share of served approximate hits also computed in full and compared"});
+  keys.push_back({"approximate-bin-width", "0.01", "similarity bins of the decision rule's cells"});
+  keys.push_back({"approximate-recompute-fraction", "0.15",
+                  "blended reuse recomputes this share of the donor's tokens (most deviating)"});
   return keys;
 }
 

@@ -28,7 +28,7 @@ def main():
     rows = [json.loads(line) for line in first.stdout.splitlines()]
     assert len(rows) == 3, rows
     for k, dimension in ((1, 256), (2, 256), (2, 4)):
-        out = run(args.moeline, args.model, lines, "--layers", str(k), "--dimension", str(dimension))
+        out = run(args.moeline, args.model, lines, "--signature-layers", str(k), "--signature-dimension", str(dimension))
         assert out.returncode == 0, out.stderr
         signature = json.loads(out.stdout.splitlines()[0])["signature"]
         assert len(signature) == min(k * experts, dimension), (k, dimension, len(signature))
@@ -40,8 +40,8 @@ def main():
     print("ok signature: deterministic, unit length, k layers of experts or the projection")
     bad = run(args.moeline, args.model, ["not json\n"])
     assert bad.returncode == 1 and "JSON object" in bad.stderr, bad.stderr
-    flag = run(args.moeline, args.model, lines, "--layers", "0")
-    assert flag.returncode == 2 and "--layers" in flag.stderr, flag.stderr
+    flag = run(args.moeline, args.model, lines, "--signature-layers", "0")
+    assert flag.returncode == 2 and "--signature-layers" in flag.stderr, flag.stderr
     print("ok signature: bad input and bad flags are clear errors")
     return 0
 
