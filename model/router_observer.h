@@ -6,6 +6,7 @@
 
 #include <cstdint>
 #include <span>
+#include <vector>
 
 namespace moeline::model {
 
@@ -28,6 +29,18 @@ class RouterObserver {
  public:
   virtual ~RouterObserver() = default;
   virtual void on_router(const RouterEvent& event) = 0;
+};
+
+// Several observers on one engine (expert usage and signatures, say), called in the order added.
+class RouterFanout : public RouterObserver {
+ public:
+  void add(RouterObserver* observer) { observers_.push_back(observer); }
+  void on_router(const RouterEvent& event) override {
+    for (RouterObserver* observer : observers_) observer->on_router(event);
+  }
+
+ private:
+  std::vector<RouterObserver*> observers_;
 };
 
 }  // namespace moeline::model

@@ -55,7 +55,8 @@ ComputeWorker::ComputeWorker(const runtime::Config& config, const char* stage, w
 void ComputeWorker::create_engine(int32_t kv_blocks) {
   cache = std::make_unique<model::KvCache>(model->config(), kv_blocks);
   engine = std::make_unique<model::Engine>(*model, *experts, *pool, *cache);
-  engine->set_router_observer(usage.get());
+  observers.add(usage.get());
+  engine->set_router_observer(&observers);
   service.log.info("kv_cache",
                    {{"blocks", kv_blocks}, {"bytes", static_cast<uint64_t>(cache->bytes())}});
 }

@@ -57,6 +57,8 @@ class ComputeWorker {
   std::unique_ptr<model::KvCache> cache;
   std::unique_ptr<model::Engine> engine;
   std::unique_ptr<ExpertUsageCounter> usage;
+  // The engine's observers: usage first; a stage may add its own.
+  model::RouterFanout observers;
   std::unique_ptr<runtime::HubLink> link;
 
  private:

@@ -1,6 +1,7 @@
 #include "stages/prefill/prefill.h"
 
 #include <algorithm>
+#include <cmath>
 #include <chrono>
 #include <deque>
 #include <memory>
@@ -10,6 +11,7 @@
 #include "model/generator.h"
 #include "model/sampling.h"
 #include "reuse/records.h"
+#include "reuse/signature.h"
 #include "stages/common/common.h"
 #include "stages/common/worker.h"
 
@@ -28,8 +30,34 @@ struct Job {
   std::string reuse_level;
   wire::AlignedFrame prefix_kv;
   uint32_t store_levels = 0;  // which entries to put back into the probe's store
+  // Blended reuse: the prompt's blocks with a donor's KV where blend_mask is 1. A shadow job also
+  // computes in full, serves that, and reports how the blend compared.
+  bool blend = false, shadow = false;
+  std::vector<uint8_t> blend_mask;
+  float recompute_fraction = 0.15f;
+  wire::AlignedFrame blend_kv;
+  int64_t recomputed = 0;
+  std::vector<float> blend_logits;  // a shadow job's blended first-token logits
   int64_t computed() const { return static_cast<int64_t>(tokens.size()) - reused; }
 };
+
+// KL(p || q) of the softmax distributions of two logit vectors, in nats.
+double softmax_kl(const float* p_logits, const float* q_logits, int64_t n) {
+  const float p_max = *std::max_element(p_logits, p_logits + n);
+  const float q_max = *std::max_element(q_logits, q_logits + n);
+  double p_sum = 0, q_sum = 0;
+  for (int64_t i = 0; i < n; ++i) {
+    p_sum += std::exp(static_cast<double>(p_logits[i] - p_max));
+    q_sum += std::exp(static_cast<double>(q_logits[i] - q_max));
+  }
+  const double p_log_z = std::log(p_sum) + p_max, q_log_z = std::log(q_sum) + q_max;
+  double kl = 0;
+  for (int64_t i = 0; i < n; ++i) {
+    const double log_p = p_logits[i] - p_log_z, log_q = q_logits[i] - q_log_z;
+    kl += std::exp(log_p) * (log_p - log_q);
+  }
+  return std::max(0.0, kl);
+}
 
 class PrefillStage {
  public:
@@ -45,6 +73,14 @@ class PrefillStage {
     const auto blocks = static_cast<int32_t>(
         (tokens + model::kBlockTokens - 1) / model::kBlockTokens + queue_capacity_);
     worker_.create_engine(blocks);
+    signature_options_ = signature_options(config);
+    signatures_ = std::make_unique<reuse::SignatureAccumulator>(
+        moe_layer_indices(cfg), std::max<int64_t>(1, cfg.num_experts), signature_options_);
+    worker_.observers.add(signatures_.get());
+    blend_select_layer_ = config.integer("blend-select-layer");
+    if (blend_select_layer_ < 0 || blend_select_layer_ >= cfg.num_layers)
+      throw runtime::ConfigError("--blend-select-layer must be in [0, " +
+                                 std::to_string(cfg.num_layers) + ")");
     for (int64_t eos : cfg.eos_token_ids) eos_.push_back(static_cast<int32_t>(eos));
     kv_used_ = &metrics_.gauge("moeline_prefill_kv_blocks", "KV blocks", {{"state", "used"}});
     kv_free_ = &metrics_.gauge("moeline_prefill_kv_blocks", "KV blocks", {{"state", "free"}});
@@ -67,6 +103,16 @@ class PrefillStage {
     tokens_total_ = &metrics_.counter("moeline_prefill_tokens_total", "Prompt tokens prefilled");
     reused_tokens_total_ = &metrics_.counter("moeline_prefill_reused_tokens_total",
                                              "Prompt tokens whose KV came from the store");
+    blend_jobs_ = &metrics_.counter("moeline_prefill_blend_jobs_total",
+                                    "Blended prefills served (a donor's KV, part recomputed)");
+    blend_recomputed_ = &metrics_.counter("moeline_prefill_blend_recomputed_tokens_total",
+                                          "Tokens a blended prefill recomputed in every layer");
+    blend_tokens_ = &metrics_.counter("moeline_prefill_blend_tokens_total",
+                                      "Prompt tokens of blended prefills (served and shadowed)");
+    shadow_jobs_ = &metrics_.counter("moeline_prefill_blend_shadow_total",
+                                     "Blends also computed in full and compared");
+    blend_refused_ = &metrics_.counter("moeline_prefill_blend_refused_total",
+                                       "Blend jobs whose KV did not fit (computed in full)");
   }
 
   int run() {
@@ -198,7 +244,77 @@ class PrefillStage {
         job.reuse_level = "none";
       }
     }
+    if (job.reuse_level == "blend") accept_blend(wire_job, message, job);
     queue_.push_back(std::move(job));
+  }
+
+  // A blend whose KV does not fit this replica exactly is computed in full, never trusted.
+  void accept_blend(const wire::PrefillJob& wire_job, wire::Message& message, Job& job) {
+    const model::KvCache& cache = *worker_.cache;
+    const wire::KvLayout* layout = wire_job.layout();
+    const size_t blocks = (job.tokens.size() + model::kBlockTokens - 1) / model::kBlockTokens;
+    const bool usable =
+        job.reused == 0 && wire_job.blend_mask() &&
+        wire_job.blend_mask()->size() == job.tokens.size() && layout != nullptr &&
+        layout->layers() == cache.layers() && layout->kv_heads() == cache.kv_heads() &&
+        layout->head_dim() == cache.head_dim() && layout->block_tokens() == model::kBlockTokens &&
+        layout->blocks() == blocks && !wire::check_bulk(wire_job.frames(), message.bulk) &&
+        message.bulk.size() == 1 && message.bulk[0].size() == blocks * cache.block_bytes() &&
+        wire_job.recompute_fraction() >= 0 && wire_job.recompute_fraction() <= 1;
+    if (!usable) {
+      blend_refused_->inc();
+      worker_.service.log.warn("blend_refused", {{"request_id", job.request_id}});
+      job.reuse_level = "none";
+      return;
+    }
+    job.blend = true;
+    job.shadow = wire_job.shadow();
+    job.blend_mask.assign(wire_job.blend_mask()->begin(), wire_job.blend_mask()->end());
+    job.recompute_fraction = wire_job.recompute_fraction();
+    job.blend_kv = std::move(message.bulk[0]);
+    // What a blend computed is approximate: none of it goes into the exact store (a shadow job's
+    // full computation does).
+    if (!job.shadow) job.store_levels = 0;
+  }
+
+  // Runs a blend job's blended prefill. Served: finishes it (true). Shadow: keeps the blend's
+  // logits and leaves the job to the full batch (false).
+  bool run_blend(Job& job) {
+    model::BlockPool& pool = worker_.cache->pool();
+    const uint64_t ns = model::namespace_id(job.cache_namespace);
+    model::Sequence sequence(next_sequence_id_++, worker_.model->model_id(), ns);
+    model::Engine::BlendInput input{&sequence,
+                                    job.tokens,
+                                    static_cast<const uint8_t*>(job.blend_kv.data()),
+                                    job.blend_mask,
+                                    job.recompute_fraction,
+                                    blend_select_layer_};
+    std::vector<float> logits;
+    const auto start = std::chrono::steady_clock::now();
+    model::Status status = worker_.engine->forward_blend(input, logits, job.recomputed);
+    const double seconds =
+        std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+    blend_tokens_->inc(static_cast<double>(job.tokens.size()));
+    if (!status.ok()) {
+      sequence.release(pool);
+      worker_.service.log.warn("blend_failed",
+                               {{"request_id", job.request_id}, {"reason", status.error().message}});
+      job.blend = job.shadow = false;
+      job.reuse_level = "none";
+      return false;
+    }
+    blend_recomputed_->inc(static_cast<double>(job.recomputed));
+    if (job.shadow) {
+      shadow_jobs_->inc();
+      job.blend_logits = std::move(logits);
+      sequence.release(pool);
+      job.blend = false;
+      return false;
+    }
+    blend_jobs_->inc();
+    finish_job(job, sequence, logits.data(), seconds);
+    sequence.release(pool);
+    return true;
   }
 
   void fail(const Job& job, wire::ErrorCode code, const std::string& text) {
@@ -225,6 +341,7 @@ class PrefillStage {
     const model::ModelConfig& cfg = worker_.model->config();
     model::BlockPool& pool = worker_.cache->pool();
     const auto taken = static_cast<uint32_t>(batch.size());
+    std::erase_if(batch, [this](Job& job) { return job.blend && run_blend(job); });
     std::vector<std::unique_ptr<model::Sequence>> sequences;
     std::vector<model::SequenceInput> inputs;
     std::vector<Job> runnable;
@@ -265,6 +382,8 @@ class PrefillStage {
         fail(job, wire::ErrorCode::Overloaded, "prefill KV cache full");
         continue;
       }
+      if (job.store_levels & reuse::kApproximateLevels)
+        signatures_->watch(sequence->id(), static_cast<int64_t>(job.reused));
       runnable.push_back(std::move(job));
       const Job& kept = runnable.back();
       inputs.push_back({sequence.get(), std::span(kept.tokens).subspan(kept.reused), true});
@@ -285,6 +404,7 @@ class PrefillStage {
         finish_job(job, *sequences[i], logits.data() + static_cast<int64_t>(i) * cfg.vocab_size,
                    std::chrono::duration<double>(done - start).count());
       }
+      signatures_->forget(sequences[i]->id());
       sequences[i]->release(pool);
     }
     worker_.link->grant(taken);
@@ -314,7 +434,7 @@ class PrefillStage {
         cache.export_block(sequence.block_table()[b], exported->data() + b * cache.block_bytes());
       // The store's entries go out first: a request that follows this one (the client may send
       // it as soon as it sees the first token) then finds them in the probe.
-      put_snapshots(job, exported, logits);
+      put_snapshots(job, sequence.id(), exported, logits);
     }
 
     flatbuffers::FlatBufferBuilder builder(1024);
@@ -338,11 +458,21 @@ class PrefillStage {
     auto sampling = to_wire(builder, job.sampling);
     auto name_space = builder.CreateString(job.cache_namespace);
     auto replica = builder.CreateString(worker_.service.log.replica());
-    auto level = builder.CreateString(job.reused > 0 ? "prefix" : "");
+    auto level =
+        builder.CreateString(job.blend ? "blend" : job.reused > 0 ? "prefix" : "");
+    const bool checked = !job.blend_logits.empty();
+    const double kl =
+        checked ? softmax_kl(logits, job.blend_logits.data(), cfg.vocab_size) : 0.0;
+    const bool top1 = checked && model::argmax(logits, cfg.vocab_size) ==
+                                     model::argmax(job.blend_logits.data(), cfg.vocab_size);
+    const auto reused = static_cast<uint32_t>(
+        job.blend ? static_cast<int64_t>(job.tokens.size()) - job.recomputed : job.reused);
     builder.Finish(wire::CreatePrefillDone(builder, job.request_id, job.attempt, tokens, first,
                                            finish_text, sampling, name_space, layout, frames,
                                            static_cast<uint64_t>(forward_seconds * 1e6), replica,
-                                           level, job.reused),
+                                           level, reused,
+                                           static_cast<uint32_t>(job.blend ? job.recomputed : 0),
+                                           checked, static_cast<float>(kl), top1),
                    wire::PrefillJobIdentifier());
     worker_.link->send(wire::encode(wire::MessageType::PrefillDone, builder, std::move(bulk)));
     const double total =
@@ -364,8 +494,8 @@ class PrefillStage {
         keep);
   }
 
-  void put_snapshots(const Job& job, const std::shared_ptr<std::vector<uint8_t>>& exported,
-                     const float* logits) {
+  void put_snapshots(const Job& job, uint64_t sequence_id,
+                     const std::shared_ptr<std::vector<uint8_t>>& exported, const float* logits) {
     if (job.store_levels == 0) return;
     const model::KvCache& cache = *worker_.cache;
     const uint64_t model_id = worker_.model->model_id();
@@ -398,6 +528,19 @@ class PrefillStage {
       add(reuse::prompt_entry(reuse::prompt_key(job.tokens, chain, model_id, ns)), 'P',
           zmq::message_t(bytes.data(), bytes.size()));
     }
+    if (job.store_levels & reuse::kApproximateLevels) {
+      // The prompt's activation signature (the probe's index), pooled over what this prefill
+      // computed: the same function the probe applies at lookup.
+      reuse::SignatureRecord record;
+      record.cache_namespace = job.cache_namespace;
+      record.tokens = job.tokens;
+      record.signature = signatures_->signature(sequence_id);
+      if (!record.signature.empty()) {
+        const std::string bytes = reuse::encode(record);
+        add(reuse::signature_entry(reuse::prompt_key(job.tokens, chain, model_id, ns)), 'S',
+            zmq::message_t(bytes.data(), bytes.size()));
+      }
+    }
     if (entries.empty()) return;
     builder.Finish(wire::CreateSnapshotPut(builder, builder.CreateVector(entries),
                                            builder.CreateVector(frames)),
@@ -415,7 +558,11 @@ class PrefillStage {
   uint64_t next_sequence_id_ = 1;
   runtime::Gauge *kv_used_, *kv_free_, *queue_depth_;
   runtime::Histogram *batch_size_, *batch_tokens_, *ttft_, *tpot_, *e2e_;
-  runtime::Counter *tokens_total_, *reused_tokens_total_;
+  runtime::Counter *tokens_total_, *reused_tokens_total_, *blend_jobs_, *blend_recomputed_,
+      *blend_tokens_, *shadow_jobs_, *blend_refused_;
+  reuse::SignatureOptions signature_options_;
+  std::unique_ptr<reuse::SignatureAccumulator> signatures_;
+  int64_t blend_select_layer_ = 1;
   std::map<std::string, runtime::Counter*> outcomes_;
 };
 
@@ -423,6 +570,9 @@ std::vector<runtime::ConfigKey> prefill_keys() {
   std::vector<runtime::ConfigKey> keys = worker_keys();
   keys.push_back({"queue", "8", "jobs this replica accepts ahead of its batches (its credit)"});
   keys.push_back({"max-batch-tokens", "2048", "prompt tokens per prefill batch"});
+  for (const runtime::ConfigKey& key : signature_keys()) keys.push_back(key);
+  keys.push_back({"blend-select-layer", "1",
+                  "blended reuse runs every token through this layer, then only the recomputed"});
   return keys;
 }
 
