@@ -29,8 +29,12 @@ Event to_event(const wire::StreamEvent& e) {
   if (e.token_ids()) event.token_ids.assign(e.token_ids()->begin(), e.token_ids()->end());
   if (e.finish_reason()) event.finish_reason = e.finish_reason()->str();
   if (const auto* usage = e.usage()) {
-    event.usage = {usage->prompt_tokens(), usage->completion_tokens(), usage->reused_tokens(),
-                   usage->reuse_level() ? usage->reuse_level()->str() : ""};
+    event.usage = {usage->prompt_tokens(),
+                   usage->completion_tokens(),
+                   usage->reused_tokens(),
+                   usage->reuse_level() ? usage->reuse_level()->str() : "",
+                   usage->approximate() ? usage->approximate()->str() : "",
+                   usage->similarity()};
   }
   if (const auto* timings = e.timings())
     event.timings = {timings->queue_ms(), timings->prefill_ms(), timings->ttft_ms(),
@@ -89,9 +93,11 @@ uint64_t Client::start(const GenerateOptions& options) {
   auto prompt = options.prompt.empty() ? 0 : builder.CreateString(options.prompt);
   auto tokens = options.tokens.empty() ? 0 : builder.CreateVector(options.tokens);
   auto tenant = builder.CreateString(options.tenant);
-  builder.Finish(wire::CreateGenerateRequest(builder, id, prompt, tokens, sampling, tenant,
-                                             options.deadline_ms, options.add_special_tokens),
-                 wire::GenerateRequestIdentifier());
+  auto reuse = options.reuse.empty() ? 0 : builder.CreateString(options.reuse);
+  builder.Finish(
+      wire::CreateGenerateRequest(builder, id, prompt, tokens, sampling, tenant,
+                                  options.deadline_ms, options.add_special_tokens, reuse),
+      wire::GenerateRequestIdentifier());
   if (!wire::send(*socket_, wire::encode(wire::MessageType::GenerateRequest, builder)))
     throw std::runtime_error("cannot send to " + endpoint_);
   in_flight_[id] = true;

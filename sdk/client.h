@@ -41,11 +41,19 @@ struct GenerateOptions {
   std::string tenant;
   uint32_t deadline_ms = 0;  // 0: the gateway's default
   bool add_special_tokens = true;
+  // Which reuse the request opts into: "" (the tenant's exact levels), "exact", "none",
+  // "approximate" (also response and blended reuse, where the tenant allows them), "response",
+  // "blend".
+  std::string reuse;
 };
 
 struct Usage {
   uint32_t prompt_tokens = 0, completion_tokens = 0, reused_tokens = 0;
-  std::string reuse_level;
+  std::string reuse_level;  // none, prefix, full, result, response, blend
+  // For a request that asked for approximate reuse: what became of it (response, blend, shadow,
+  // no_candidate, rejected, disabled, not_allowed), and the nearest cached prompt's similarity.
+  std::string approximate;
+  float similarity = 0;
 };
 
 struct Timings {

@@ -15,10 +15,15 @@ namespace {
 constexpr const char* kUsage =
     R"(usage: moeline client generate --endpoint EP (--prompt TEXT | --tokens 1,2,3) [options]
        moeline client status --endpoint EP
-       moeline client reuse --endpoint EP --levels prefix,full,result|all|none [--tenant NAME]
+       moeline client reuse --endpoint EP --levels LEVELS [--tenant NAME]
+       moeline client approximate --endpoint EP on|off
 
 generate streams the text to stdout as it arrives; with --json it prints one JSON object at the
 end instead: ids, text, finish_reason, usage, timings (milliseconds).
+
+reuse LEVELS: prefix, full, result, response, blend (comma-separated), or exact, approximate, all,
+none; for one tenant or (no --tenant) for all. approximate turns approximate reuse on or off for
+the whole stack (an operator's switch; the rollback controller may also turn it off).
 
   --endpoint EP        the gateway's client endpoint (ipc://... or tcp://host:port);
                        default: $MOELINE_ENDPOINT
@@ -33,6 +38,10 @@ end instead: ids, text, finish_reason, usage, timings (milliseconds).
   --ignore-eos         do not stop at end-of-sequence tokens
   --no-special         do not add the tokenizer's special tokens (BOS) to --prompt
   --tenant NAME        tenant (default: "default")
+  --reuse MODE         exact (default), none, or approximate: also reuse the work of a nearly
+                       identical earlier prompt (its answer for a deterministic request, or its KV
+                       blended with a partial recomputation) where the tenant allows it and the
+                       decision rule judges it safe; usage.approximate says what became of it
   --deadline-ms N      the request's deadline (default: the gateway's)
   --timeout-ms N       give up when the stack is silent this long (default 60000)
   --json               one JSON object at the end
@@ -44,10 +53,9 @@ class UsageError : public std::invalid_argument {
 };
 
 nlohmann::json usage_json(const Usage& usage) {
-  return {{"prompt_tokens", usage.prompt_tokens},
-          {"completion_tokens", usage.completion_tokens},
-          {"reused_tokens", usage.reused_tokens},
-          {"reuse_level", usage.reuse_level}};
+  return {{"prompt_tokens", usage.prompt_tokens}, {"completion_tokens", usage.completion_tokens},
+          {"reused_tokens", usage.reused_tokens}, {"reuse_level", usage.reuse_level},
+          {"approximate", usage.approximate},     {"similarity", usage.similarity}};
 }
 
 nlohmann::json timings_json(const Timings& timings) {
@@ -69,7 +77,8 @@ int generate(int argc, char** argv) {
       {"--max-tokens", true}, {"--temperature", true}, {"--top-k", true},
       {"--top-p", true},      {"--seed", true},        {"--stop-ids", true},
       {"--tenant", true},     {"--deadline-ms", true}, {"--timeout-ms", true},
-      {"--json", false},      {"--ignore-eos", false}, {"--no-special", false}};
+      {"--reuse", true},      {"--json", false},       {"--ignore-eos", false},
+      {"--no-special", false}};
   for (int i = 0; i < argc; ++i) {
     const std::string flag = argv[i];
     auto known = takes_value.find(flag);
@@ -99,6 +108,8 @@ int generate(int argc, char** argv) {
       options.stop_token_ids = parse_id_list(flag, value);
     else if (flag == "--tenant")
       options.tenant = value;
+    else if (flag == "--reuse")
+      options.reuse = value;
     else if (flag == "--deadline-ms")
       options.deadline_ms = parse_number<uint32_t>(flag, value);
     else if (flag == "--timeout-ms")
@@ -114,6 +125,10 @@ int generate(int argc, char** argv) {
   if (has_prompt == !options.tokens.empty())
     throw UsageError("give either --prompt TEXT or --tokens IDS");
   if (has_prompt && options.prompt.empty()) throw UsageError("--prompt is empty");
+  if (!options.reuse.empty() && options.reuse != "exact" && options.reuse != "none" &&
+      options.reuse != "approximate" && options.reuse != "response" && options.reuse != "blend")
+    throw UsageError("--reuse must be exact, none, approximate, response or blend, not '" +
+                     options.reuse + "'");
 
   Client client(endpoint, std::chrono::milliseconds(timeout_ms));
   try {
@@ -167,6 +182,27 @@ int reuse(int argc, char** argv) {
   return 0;
 }
 
+// Turns approximate reuse on or off for the whole stack (after a rollback: on again).
+int approximate(int argc, char** argv) {
+  std::string endpoint, state;
+  if (const char* env = std::getenv("MOELINE_ENDPOINT")) endpoint = env;
+  for (int i = 0; i < argc; ++i) {
+    const std::string arg = argv[i];
+    if (arg == "--endpoint" && i + 1 < argc)
+      endpoint = argv[++i];
+    else if ((arg == "on" || arg == "off") && state.empty())
+      state = arg;
+    else
+      throw UsageError("unknown argument '" + arg + "'");
+  }
+  if (endpoint.empty()) throw UsageError("--endpoint is required");
+  if (state.empty()) throw UsageError("say on or off");
+  Client client(endpoint, std::chrono::seconds(10));
+  const nlohmann::json args = {{"enabled", state == "on"}};
+  std::cout << nlohmann::json::parse(client.control("approximate", args.dump())).dump(2) << '\n';
+  return 0;
+}
+
 int status(int argc, char** argv) {
   std::string endpoint;
   if (const char* env = std::getenv("MOELINE_ENDPOINT")) endpoint = env;
@@ -199,6 +235,7 @@ int client_command(int argc, char** argv) {
     if (sub == "generate") return generate(argc - 1, argv + 1);
     if (sub == "status") return status(argc - 1, argv + 1);
     if (sub == "reuse") return reuse(argc - 1, argv + 1);
+    if (sub == "approximate") return approximate(argc - 1, argv + 1);
     throw UsageError("unknown client command '" + sub + "'");
   } catch (const std::invalid_argument& e) {
     std::cerr << kUsage << "moeline: error: " << e.what() << '\n';

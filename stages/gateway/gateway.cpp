@@ -11,6 +11,7 @@
 #include "model/kv_cache.h"
 #include "model/model.h"
 #include "model/tokenizer/tokenizer.h"
+#include "reuse/approximate.h"
 #include "reuse/records.h"
 #include "stages/common/common.h"
 #include "stages/runtime/hub.h"
@@ -47,6 +48,16 @@ struct Request {
   std::optional<wire::Message> prefix_plan;  // a prefix plan's KV, until dispatched to prefill
   uint64_t prefix_key = 0;
   double prefill_ms = 0;
+  // Approximate reuse: the namespace's levels (what prefill stores signatures for), the outcome
+  // (Usage.approximate; empty when the request did not ask), and a pending shadow check.
+  uint32_t namespace_levels = 0;
+  std::string approximate;
+  float similarity = 0;
+  uint64_t donor = 0;
+  int32_t cell = 0;
+  bool blend_plan = false, blend_shadow = false;
+  std::string shadow_mode;  // "response": compare the finished tokens with donor_completion
+  std::vector<int32_t> donor_completion;
 };
 
 struct Handoff {
@@ -90,6 +101,22 @@ class Gateway {
     } catch (const std::invalid_argument& e) {
       throw runtime::ConfigError(std::string("--reuse-levels: ") + e.what());
     }
+    reuse::RollbackOptions rollback;
+    rollback.hit_window_s = config.number("approximate-hit-window-s");
+    rollback.min_hit_rate = config.number("approximate-min-hit-rate");
+    rollback.min_lookups = static_cast<uint64_t>(config.integer("approximate-min-lookups"));
+    rollback.agreement_window_s = config.number("approximate-agreement-window-s");
+    rollback.max_agreement_drop = config.number("approximate-max-agreement-drop");
+    rollback.min_checks = static_cast<uint64_t>(config.integer("approximate-min-checks"));
+    rollback.feedback_window_s = config.number("approximate-feedback-window-s");
+    rollback.max_negative_feedback = config.number("approximate-max-negative-feedback");
+    rollback.min_served = static_cast<uint64_t>(config.integer("approximate-min-served"));
+    rollback.probation_s = config.number("approximate-probation-s");
+    controller_ = std::make_unique<reuse::RollbackController>(rollback, seconds_now());
+    if (!config.flag("approximate-enabled"))
+      controller_->set_enabled(seconds_now(), false, "configured_off");
+    shadow_tokens_ = static_cast<size_t>(std::max<int64_t>(1, config.integer("shadow-tokens")));
+    blend_max_kl_ = config.number("blend-max-kl");
 
     service_.start_http(config.text("http"), config.text("port-file"), [this] {
       return nlohmann::json{{"in_flight", in_flight_.load()}};
@@ -136,6 +163,7 @@ class Gateway {
       }
       for (const runtime::Peer& dead : hub_->tick()) on_peer_lost(dead);
       expire_deadlines();
+      update_controller();
       dispatch();
       service_.set_ready(true);
       update_gauges();
@@ -185,9 +213,122 @@ class Gateway {
     retries_ = &metrics_.counter("moeline_gateway_retries_total",
                                  "Requests restarted after the replica holding them died");
     feedback_ = &metrics_.counter("moeline_gateway_feedback_total", "Feedback messages received");
+    approximate_enabled_ = &metrics_.gauge(
+        "moeline_gateway_approximate_enabled",
+        "1 while approximate reuse is on (the rollback controller or an operator turns it off)");
+    shadow_agreement_ = &metrics_.gauge("moeline_gateway_shadow_agreement",
+                                        "Shadow checks that agreed, over the controller's window");
+    shadow_counter_[0] = &metrics_.counter("moeline_gateway_shadow_checks_total",
+                                           "Shadow checks by result", {{"result", "disagreed"}});
+    shadow_counter_[1] = &metrics_.counter("moeline_gateway_shadow_checks_total",
+                                           "Shadow checks by result", {{"result", "agreed"}});
+    for (const char* kind : {"negative", "positive"})
+      reused_feedback_[kind] =
+          &metrics_.counter("moeline_gateway_approximate_feedback_total",
+                            "Feedback on answers served by approximate reuse", {{"kind", kind}});
+    for (const char* outcome :
+         {"response", "blend", "shadow", "no_candidate", "rejected", "disabled", "not_allowed"})
+      approximate_counter(outcome);
+    for (const char* reason :
+         {"low_hit_rate", "agreement_drop", "negative_feedback", "operator", "probation_passed"})
+      transition_counter(reason);
     for (const char* outcome : {"stop", "length", "cancelled", "client_gone", "deadline_exceeded",
                                 "stage_failed", "failed", "rejected"})
       outcome_counter(outcome);
+  }
+
+  static double seconds_now() {
+    return std::chrono::duration<double>(Clock::now().time_since_epoch()).count();
+  }
+
+  // The rollback controller, evaluated every loop iteration (cheap). A change takes effect for
+  // the next request the gateway takes in: it strips the approximate levels at intake, so every
+  // probe sees it at once.
+  void update_controller() {
+    const double now = seconds_now();
+    if (controller_->update(now)) announce_controller();
+    approximate_enabled_->set(controller_->enabled() ? 1 : 0);
+  }
+
+  void announce_controller() {
+    approximate_enabled_->set(controller_->enabled() ? 1 : 0);
+    transition_counter(controller_->reason()).inc();
+    const double now = seconds_now();
+    const auto agreement = controller_->agreement(now);
+    const auto baseline = controller_->baseline();
+    log_.warn("approximate_reuse", {{"state", controller_->enabled() ? "on" : "off"},
+                                    {"reason", controller_->reason()},
+                                    {"hit_rate", controller_->hit_rate(now)},
+                                    {"agreement", agreement ? *agreement : -1.0},
+                                    {"baseline", baseline ? *baseline : -1.0}});
+  }
+
+  runtime::Counter& transition_counter(const std::string& reason) {
+    auto& slot = transitions_[reason];
+    if (slot == nullptr)
+      slot =
+          &metrics_.counter("moeline_gateway_approximate_transitions_total",
+                            "Approximate reuse turned on or off, by reason", {{"reason", reason}});
+    return *slot;
+  }
+
+  runtime::Counter& approximate_counter(const std::string& outcome) {
+    auto& slot = approximate_outcomes_[outcome];
+    if (slot == nullptr)
+      slot = &metrics_.counter("moeline_gateway_approximate_requests_total",
+                               "Requests that asked for approximate reuse, by outcome",
+                               {{"outcome", outcome}});
+    return *slot;
+  }
+
+  nlohmann::json controller_json() {
+    const double now = seconds_now();
+    nlohmann::json out = {{"enabled", controller_->enabled()},
+                          {"reason", controller_->reason()},
+                          {"changed_s_ago", now - controller_->changed_at()},
+                          {"transitions", controller_->transitions()},
+                          {"hit_rate", controller_->hit_rate(now)}};
+    auto agreement = controller_->agreement(now);
+    auto baseline = controller_->baseline();
+    auto negative = controller_->negative_rate(now);
+    out["agreement"] = agreement ? nlohmann::json(*agreement) : nlohmann::json(nullptr);
+    out["agreement_baseline"] = baseline ? nlohmann::json(*baseline) : nlohmann::json(nullptr);
+    out["negative_feedback_rate"] = negative ? nlohmann::json(*negative) : nlohmann::json(nullptr);
+    return out;
+  }
+
+  // A shadow check's outcome: to the controller, and to every probe's decision rule.
+  void report_shadow(const Request& r, bool correct, float kl) {
+    controller_->on_shadow(seconds_now(), correct);
+    shadow_counter_[correct ? 1 : 0]->inc();
+    const auto agreement = controller_->agreement(seconds_now());
+    if (agreement) shadow_agreement_->set(*agreement);
+    const std::string record = reuse::encode(reuse::QualityRecord{r.cell, correct, kl});
+    flatbuffers::FlatBufferBuilder builder(128);
+    std::vector<flatbuffers::Offset<wire::SnapshotEntry>> entries = {
+        wire::CreateSnapshotEntry(builder, r.donor, 'Q')};
+    std::vector<flatbuffers::Offset<wire::BulkFrame>> frames = {wire::CreateBulkFrame(
+        builder, record.size(),
+        wire::checksum({reinterpret_cast<const uint8_t*>(record.data()), record.size()}))};
+    builder.Finish(wire::CreateSnapshotPut(builder, builder.CreateVector(entries),
+                                           builder.CreateVector(frames)),
+                   wire::PrefillJobIdentifier());
+    std::vector<zmq::message_t> bulk;
+    bulk.emplace_back(record.data(), record.size());
+    forward_to_probes(wire::encode(wire::MessageType::SnapshotPut, builder, std::move(bulk)));
+    log_.info("shadow_check", {{"request_id", r.id},
+                               {"mode", r.shadow_mode.empty() ? "blend" : r.shadow_mode},
+                               {"donor", r.donor},
+                               {"correct", correct},
+                               {"kl", static_cast<double>(kl)}});
+  }
+
+  // Response reuse's shadow: the full computation's first tokens against the donor's answer.
+  bool same_answer(const std::vector<int32_t>& computed, const std::vector<int32_t>& donor) const {
+    const size_t n = std::min(shadow_tokens_, std::max(computed.size(), donor.size()));
+    for (size_t i = 0; i < n; ++i)
+      if (i >= computed.size() || i >= donor.size() || computed[i] != donor[i]) return false;
+    return true;
   }
 
   runtime::Counter& outcome_counter(const std::string& outcome) {
@@ -244,7 +385,8 @@ class Gateway {
       const auto now = Clock::now();
       usage = wire::CreateUsage(builder, static_cast<uint32_t>(done->prompt.size()),
                                 static_cast<uint32_t>(done->sent.size()), done->reused_tokens,
-                                builder.CreateString(done->reuse_level));
+                                builder.CreateString(done->reuse_level),
+                                builder.CreateString(done->approximate), done->similarity);
       const double queue_ms = done->prefill_dispatched == Clock::time_point{}
                                   ? 0
                                   : ms_between(done->received, done->prefill_dispatched);
@@ -306,6 +448,13 @@ class Gateway {
         feedback_->inc();
         log_.info("feedback", {{"client_request_id", feedback->client_request_id()},
                                {"score", static_cast<double>(feedback->score())}});
+        // Feedback on an answer approximate reuse served feeds the rollback controller.
+        if (auto it = approximately_served_.find({client, feedback->client_request_id()});
+            it != approximately_served_.end()) {
+          const bool negative = feedback->score() < 0;
+          controller_->on_feedback(seconds_now(), negative);
+          reused_feedback_[negative ? "negative" : "positive"]->inc();
+        }
         return;
       }
       case wire::MessageType::ControlCommand:
@@ -391,6 +540,12 @@ class Gateway {
       return reject(client, crid, wire::ErrorCode::PromptTooLong, "prompt_too_long",
                     "prompt of " + std::to_string(prompt.size()) + " tokens exceeds the limit of " +
                         std::to_string(max_prompt_tokens_));
+    const std::optional<uint32_t> asked =
+        requested_levels(request.reuse() ? request.reuse()->str() : "");
+    if (!asked)
+      return reject(client, crid, wire::ErrorCode::InvalidRequest, "bad_reuse",
+                    "unknown reuse '" + request.reuse()->str() +
+                        "' (known: exact, approximate, response, blend, none)");
     // Every sampled request gets a seed, so that a retry after a replica dies replays the
     // tokens the client already has instead of diverging from them.
     const bool client_seeded = sampling.seed.has_value();
@@ -408,8 +563,20 @@ class Gateway {
         std::find(shared_tenants_.begin(), shared_tenants_.end(), tenant) != shared_tenants_.end();
     r.cache_namespace = shared ? std::string("shared") : "tenant:" + tenant;
     r.client_deterministic = r.sampling.temperature == 0 || client_seeded;
-    r.allowed_levels = levels_for(r.cache_namespace);
-    if (!r.client_deterministic) r.allowed_levels &= ~uint32_t{reuse::kResult};
+    r.namespace_levels = levels_for(r.cache_namespace);
+    r.allowed_levels = r.namespace_levels & *asked;
+    if (!r.client_deterministic) r.allowed_levels &= ~uint32_t{reuse::kResult | reuse::kResponse};
+    if (*asked & reuse::kApproximateLevels) {
+      if (!(r.namespace_levels & *asked & reuse::kApproximateLevels)) {
+        r.approximate = "not_allowed";
+      } else if (!controller_->enabled()) {
+        r.approximate = "disabled";
+      }
+      if (!r.approximate.empty()) {
+        r.allowed_levels &= ~reuse::kApproximateLevels;
+        approximate_counter(r.approximate).inc();
+      }
+    }
     const uint64_t ns = model::namespace_id(r.cache_namespace);
     r.prompt_key = reuse::prompt_key(r.prompt, reuse::block_chain(r.prompt, model_->model_id(), ns),
                                      model_->model_id(), ns);
@@ -464,8 +631,25 @@ class Gateway {
         text = e.what();
       }
       body["reuse"] = reuse_policy_json();
+    } else if (name == "approximate") {
+      // {"enabled": true|false}: an operator's switch (on again after a rollback, or off).
+      nlohmann::json args = nlohmann::json::parse(
+          command.arguments() ? command.arguments()->str() : "{}", nullptr, false);
+      if (!args.is_object() || !args.contains("enabled") || !args["enabled"].is_boolean()) {
+        ok = false;
+        text = "approximate expects {\"enabled\": true|false}";
+      } else {
+        const bool enabled = args["enabled"].get<bool>();
+        if (enabled != controller_->enabled()) {
+          controller_->set_enabled(seconds_now(), enabled, "operator");
+          announce_controller();
+        }
+        text = std::string("approximate reuse ") + (enabled ? "on" : "off");
+      }
+      body["approximate"] = controller_json();
     } else if (name == "status") {
       body["reuse"] = reuse_policy_json();
+      body["approximate"] = controller_json();
       body["in_flight"] = requests_.size();
       // Where each request is: waiting in the gateway, or held by a replica of some stage.
       std::map<std::string, size_t> where = {
@@ -489,7 +673,7 @@ class Gateway {
                                  {"http_port", peer.http_port}});
     } else {
       ok = false;
-      text = "unknown command '" + name + "' (known: status, reuse)";
+      text = "unknown command '" + name + "' (known: status, reuse, approximate)";
     }
     flatbuffers::FlatBufferBuilder builder(512);
     builder.Finish(wire::CreateControlReply(builder, ok, builder.CreateString(text),
@@ -527,9 +711,22 @@ class Gateway {
 
   void finish(Request& r, const std::string& reason) {
     cancel_at_owner(r);
+    const bool approximate_answer = r.reuse_level == "response" || r.reuse_level == "blend";
+    // Only what was computed for this very prompt becomes its result.
     if ((reason == "stop" || reason == "length") && (r.allowed_levels & reuse::kResult) &&
-        r.reuse_level != "result" && !r.sent.empty())
+        r.reuse_level != "result" && !approximate_answer && !r.sent.empty())
       store_result(r, reason);
+    if ((reason == "stop" || reason == "length") && r.shadow_mode == "response")
+      report_shadow(r, same_answer(r.sent, r.donor_completion), 0.0f);
+    if (approximate_answer) {
+      approximately_served_[{r.client, r.client_request_id}] = true;
+      served_order_.push_back({r.client, r.client_request_id});
+      if (served_order_.size() > 65536) {
+        approximately_served_.erase(served_order_.front());
+        served_order_.pop_front();
+      }
+    }
+
     std::string tail;
     if (auto rest = r.text->finish(); rest) tail = std::move(*rest);
     const auto now = Clock::now();
@@ -601,6 +798,8 @@ class Gateway {
     r.reuse_level = "none";
     r.reused_tokens = 0;
     r.prefix_key = 0;
+    r.blend_plan = r.blend_shadow = false;
+    r.shadow_mode.clear();
     probe_queue_.push_back({r.id, r.attempt});
   }
 
@@ -635,6 +834,16 @@ class Gateway {
   }
 
   // ---- reuse ----
+
+  // What a request's reuse field opts into (nullopt: not a known value).
+  static std::optional<uint32_t> requested_levels(const std::string& reuse) {
+    if (reuse.empty() || reuse == "exact") return reuse::kExactLevels;
+    if (reuse == "none") return 0u;
+    if (reuse == "approximate") return reuse::kAllLevels;
+    if (reuse == "response") return reuse::kExactLevels | reuse::kResponse;
+    if (reuse == "blend") return reuse::kExactLevels | reuse::kBlend;
+    return std::nullopt;
+  }
 
   uint32_t levels_for(const std::string& cache_namespace) const {
     auto it = namespace_levels_.find(cache_namespace);
@@ -744,12 +953,23 @@ class Gateway {
         for (wire::AlignedFrame& frame : r->prefix_plan->bulk)
           bulk.push_back(std::move(frame.message()));
       }
-      const uint32_t store_levels = r->allowed_levels & (reuse::kPrefix | reuse::kFull);
-      builder.Finish(wire::CreatePrefillJob(builder, r->id, r->attempt, tokens, sampling,
-                                            builder.CreateString(r->cache_namespace),
-                                            builder.CreateString(r->reuse_level),
-                                            r->prefix_plan ? r->reused_tokens : 0, frames, layout,
-                                            store_levels, r->prefix_key),
+      // Prefill stores the prompt's blocks and record as allowed, and its signature where the
+      // namespace allows approximate reuse (so that later prompts find it).
+      const uint32_t store_levels = (r->allowed_levels & (reuse::kPrefix | reuse::kFull)) |
+                                    (r->namespace_levels & reuse::kApproximateLevels);
+      flatbuffers::Offset<flatbuffers::Vector<uint8_t>> mask = 0;
+      float recompute = 0;
+      if (r->blend_plan && r->prefix_plan) {
+        const auto* plan = r->prefix_plan->as<wire::ProbePlan>();
+        mask = builder.CreateVector(plan->blend_mask()->data(), plan->blend_mask()->size());
+        recompute = plan->recompute_fraction();
+      }
+      const std::string level = r->blend_plan ? "blend" : r->reuse_level;
+      builder.Finish(wire::CreatePrefillJob(
+                         builder, r->id, r->attempt, tokens, sampling,
+                         builder.CreateString(r->cache_namespace), builder.CreateString(level),
+                         r->prefix_plan && !r->blend_plan ? r->reused_tokens : 0, frames, layout,
+                         store_levels, r->prefix_key, mask, recompute, r->blend_shadow),
                      wire::PrefillJobIdentifier());
       const std::string identity = prefill->identity;
       std::vector<zmq::message_t> job =
@@ -759,6 +979,7 @@ class Gateway {
         r->prefix_plan.reset();
         r->reuse_level = "none";
         r->reused_tokens = 0;
+        r->blend_plan = r->blend_shadow = false;
         break;
       }
       r->prefix_plan.reset();
@@ -818,8 +1039,37 @@ class Gateway {
         if (r == nullptr) return;
         r->owner.clear();
         const std::string level = plan->reuse_level() ? plan->reuse_level()->str() : "none";
-        if (level == "result" && plan->completion() && plan->completion()->size() > 0) {
-          // The completion of an identical deterministic request: replayed, nothing computed.
+        const std::string outcome = plan->approximate() ? plan->approximate()->str() : "";
+        if (!outcome.empty()) {
+          r->approximate = outcome;
+          r->similarity = plan->similarity();
+          r->donor = plan->donor_key();
+          r->cell = plan->cell();
+          approximate_counter(outcome).inc();
+          controller_->on_lookup(seconds_now(), outcome == "response" || outcome == "blend");
+          if (outcome == "shadow" && plan->shadow_mode() &&
+              plan->shadow_mode()->str() == "response" && plan->completion()) {
+            r->shadow_mode = "response";
+            r->donor_completion.assign(plan->completion()->begin(), plan->completion()->end());
+          }
+        }
+        if (level == "blend" && plan->layout() != nullptr && plan->blend_mask() != nullptr &&
+            plan->blend_mask()->size() == r->prompt.size()) {
+          if (auto bad = wire::check_bulk(plan->frames(), message.bulk)) {
+            log_.warn("probe_plan_refused", {{"request_id", r->id}, {"reason", *bad}});
+          } else {
+            r->blend_plan = true;
+            r->blend_shadow = outcome == "shadow";
+            r->prefix_plan = std::move(message);
+          }
+          prefill_queue_.push_back({r->id, r->attempt});
+          return;
+        }
+        if ((level == "result" || level == "response") && plan->completion() &&
+            plan->completion()->size() > 0) {
+          // A finished completion replayed, nothing computed: an identical deterministic
+          // request's (result), or a near-identical one's that the decision rule let through
+          // (response).
           r->reuse_level = level;
           r->reused_tokens = plan->reused_tokens();
           const std::string finish = plan->finish_reason() ? plan->finish_reason()->str() : "stop";
@@ -855,6 +1105,11 @@ class Gateway {
         if (done->reuse_level() && done->reuse_level()->size() > 0) {
           r->reuse_level = done->reuse_level()->str();
           r->reused_tokens = done->reused_tokens();
+        }
+        if (done->shadow_checked() && r->blend_shadow) {
+          r->blend_shadow = false;
+          report_shadow(*r, done->shadow_top1() && done->shadow_kl() <= blend_max_kl_,
+                        done->shadow_kl());
         }
         const std::string finish = done->finish_reason() ? done->finish_reason()->str() : "";
         const uint64_t id = r->id;
@@ -954,6 +1209,15 @@ class Gateway {
   runtime::Counter *retries_ = nullptr, *feedback_ = nullptr;
   std::map<std::string, runtime::Counter*> outcomes_;
   runtime::RateLimited reject_log_, frame_log_;
+
+  std::unique_ptr<reuse::RollbackController> controller_;
+  size_t shadow_tokens_ = 8;
+  double blend_max_kl_ = 0.05;
+  std::map<std::pair<std::string, uint64_t>, bool> approximately_served_;
+  std::deque<std::pair<std::string, uint64_t>> served_order_;
+  runtime::Gauge *approximate_enabled_ = nullptr, *shadow_agreement_ = nullptr;
+  runtime::Counter* shadow_counter_[2] = {nullptr, nullptr};
+  std::map<std::string, runtime::Counter*> transitions_, approximate_outcomes_, reused_feedback_;
 };
 
 std::vector<runtime::ConfigKey> gateway_keys() {
@@ -974,8 +1238,33 @@ std::vector<runtime::ConfigKey> gateway_keys() {
                   "tenants whose cache entries are shared with each other (default: none; every "
                   "tenant reuses only its own work)"});
   keys.push_back({"reuse-levels", "prefix,full,result",
-                  "exact reuse levels on by default (prefix, full, result, all, none); change at "
-                  "run time with `moeline client reuse`"});
+                  "reuse levels a namespace allows by default (prefix, full, result, response, "
+                  "blend; exact, approximate, all, none); approximate modes also need the "
+                  "request to opt in; change at run time with `moeline client reuse`"});
+  keys.push_back({"approximate-enabled", "true",
+                  "approximate reuse on at start (the rollback controller may turn it off)"});
+  keys.push_back(
+      {"approximate-hit-window-s", "300", "rollback: the served hit rate over this window..."});
+  keys.push_back({"approximate-min-hit-rate", "0.05", "...must not stay under this"});
+  keys.push_back({"approximate-min-lookups", "20", "...judged with at least this many lookups"});
+  keys.push_back(
+      {"approximate-agreement-window-s", "300", "rollback: shadow agreement over this window..."});
+  keys.push_back({"approximate-max-agreement-drop", "0.03",
+                  "...must not fall more than this below its baseline (the first checks)"});
+  keys.push_back({"approximate-min-checks", "20",
+                  "...judged with at least this many checks (also the baseline's size)"});
+  keys.push_back({"approximate-feedback-window-s", "300",
+                  "rollback: negative feedback on reused answers over this window..."});
+  keys.push_back({"approximate-max-negative-feedback", "0.005",
+                  "...must not pass this share of reused answers"});
+  keys.push_back({"approximate-min-served", "20", "...judged with this much feedback"});
+  keys.push_back({"approximate-probation-s", "0",
+                  "after a rollback, on again after this long (0: only an operator turns it on)"});
+  keys.push_back(
+      {"shadow-tokens", "8", "response reuse's shadow check compares this many first tokens"});
+  keys.push_back({"blend-max-kl", "0.05",
+                  "a blend's shadow check agrees when the top token matches and KL(full||blend) "
+                  "is at most this (nats)"});
   return keys;
 }
 

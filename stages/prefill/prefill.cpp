@@ -1,8 +1,8 @@
 #include "stages/prefill/prefill.h"
 
 #include <algorithm>
-#include <cmath>
 #include <chrono>
+#include <cmath>
 #include <deque>
 #include <memory>
 #include <optional>
@@ -297,8 +297,8 @@ class PrefillStage {
     blend_tokens_->inc(static_cast<double>(job.tokens.size()));
     if (!status.ok()) {
       sequence.release(pool);
-      worker_.service.log.warn("blend_failed",
-                               {{"request_id", job.request_id}, {"reason", status.error().message}});
+      worker_.service.log.warn(
+          "blend_failed", {{"request_id", job.request_id}, {"reason", status.error().message}});
       job.blend = job.shadow = false;
       job.reuse_level = "none";
       return false;
@@ -458,22 +458,20 @@ class PrefillStage {
     auto sampling = to_wire(builder, job.sampling);
     auto name_space = builder.CreateString(job.cache_namespace);
     auto replica = builder.CreateString(worker_.service.log.replica());
-    auto level =
-        builder.CreateString(job.blend ? "blend" : job.reused > 0 ? "prefix" : "");
+    auto level = builder.CreateString(job.blend ? "blend" : job.reused > 0 ? "prefix" : "");
     const bool checked = !job.blend_logits.empty();
-    const double kl =
-        checked ? softmax_kl(logits, job.blend_logits.data(), cfg.vocab_size) : 0.0;
+    const double kl = checked ? softmax_kl(logits, job.blend_logits.data(), cfg.vocab_size) : 0.0;
     const bool top1 = checked && model::argmax(logits, cfg.vocab_size) ==
                                      model::argmax(job.blend_logits.data(), cfg.vocab_size);
     const auto reused = static_cast<uint32_t>(
         job.blend ? static_cast<int64_t>(job.tokens.size()) - job.recomputed : job.reused);
-    builder.Finish(wire::CreatePrefillDone(builder, job.request_id, job.attempt, tokens, first,
-                                           finish_text, sampling, name_space, layout, frames,
-                                           static_cast<uint64_t>(forward_seconds * 1e6), replica,
-                                           level, reused,
-                                           static_cast<uint32_t>(job.blend ? job.recomputed : 0),
-                                           checked, static_cast<float>(kl), top1),
-                   wire::PrefillJobIdentifier());
+    builder.Finish(
+        wire::CreatePrefillDone(builder, job.request_id, job.attempt, tokens, first, finish_text,
+                                sampling, name_space, layout, frames,
+                                static_cast<uint64_t>(forward_seconds * 1e6), replica, level,
+                                reused, static_cast<uint32_t>(job.blend ? job.recomputed : 0),
+                                checked, static_cast<float>(kl), top1),
+        wire::PrefillJobIdentifier());
     worker_.link->send(wire::encode(wire::MessageType::PrefillDone, builder, std::move(bulk)));
     const double total =
         std::chrono::duration<double>(std::chrono::steady_clock::now() - job.received).count();

@@ -109,8 +109,7 @@ class Probe {
         cfg, static_cast<int32_t>((max_signature_tokens_ + model::kBlockTokens - 1) /
                                   model::kBlockTokens));
     engine_ = std::make_unique<model::Engine>(*model_, *experts_, *pool_, *cache_);
-    accumulator_ =
-        std::make_unique<reuse::SignatureAccumulator>(moe, experts, signature_options_);
+    accumulator_ = std::make_unique<reuse::SignatureAccumulator>(moe, experts, signature_options_);
     engine_->set_router_observer(accumulator_.get());
 
     reuse::IndexOptions index;
@@ -205,9 +204,9 @@ class Probe {
           "shadow: candidate computed in full and compared; rejected: candidate refused)",
           {{"outcome", outcome}});
     for (const char* mode : {"response", "blend"}) {
-      candidates_[mode] = &metrics_.counter("moeline_probe_approximate_candidates_total",
-                                            "Candidates at or above the threshold, by mode",
-                                            {{"mode", mode}});
+      candidates_[mode] =
+          &metrics_.counter("moeline_probe_approximate_candidates_total",
+                            "Candidates at or above the threshold, by mode", {{"mode", mode}});
       served_[mode] = &metrics_.counter("moeline_probe_approximate_served_total",
                                         "Approximate hits served, by mode", {{"mode", mode}});
     }
@@ -333,10 +332,10 @@ class Probe {
       refused_records_->inc();
       uint64_t suppressed = 0;
       if (refusal_log_.allow(suppressed))
-        service_.log.warn("signature_refused",
-                          {{"reason", record ? "dimension or tokens do not fit this model"
-                                             : "malformed record"},
-                           {"suppressed", suppressed}});
+        service_.log.warn(
+            "signature_refused",
+            {{"reason", record ? "dimension or tokens do not fit this model" : "malformed record"},
+             {"suppressed", suppressed}});
       return;
     }
     signatures_->put(reuse::signature_entry(donor_key(*record)), std::move(bytes));
@@ -372,7 +371,8 @@ class Probe {
     checks_agreed_ += quality->correct ? 1 : 0;
     agreement_->set(static_cast<double>(checks_agreed_) / static_cast<double>(checks_total_));
     double best = 1.0;
-    for (const auto& [cell, counts] : rule_->cells()) best = std::min(best, rule_->error_bound(cell));
+    for (const auto& [cell, counts] : rule_->cells())
+      best = std::min(best, rule_->error_bound(cell));
     error_estimate_->set(best);
     service_.log.info("shadow_check", {{"donor", donor},
                                        {"cell", rule_->cell_name(quality->cell)},
@@ -459,11 +459,11 @@ class Probe {
       }
       service_.log.info("approximate_candidate", {{"donor", hit.id},
                                                   {"similarity", static_cast<double>(hit.score)},
-                                                   {"mode", mode},
-                                                   {"difference", reuse::difference_name(kind)},
-                                                   {"decision", result.outcome},
-                                                   {"reason", decision.reason},
-                                                   {"error_bound", decision.error_bound}});
+                                                  {"mode", mode},
+                                                  {"difference", reuse::difference_name(kind)},
+                                                  {"decision", result.outcome},
+                                                  {"reason", decision.reason},
+                                                  {"error_bound", decision.error_bound}});
       return result;
     }
     return result;
@@ -483,16 +483,17 @@ class Probe {
     if (blocks.size() != chain.size()) return;
     if (donor.tokens.size() % model::kBlockTokens != 0) {
       reuse::Value value = store_->get(reuse::prompt_entry(donor_key));
-      auto prompt = value ? reuse::decode_prompt(*value,
-                                                 static_cast<size_t>(model_->config().vocab_size),
-                                                 block_bytes_)
-                          : std::nullopt;
+      auto prompt =
+          value ? reuse::decode_prompt(*value, static_cast<size_t>(model_->config().vocab_size),
+                                       block_bytes_)
+                : std::nullopt;
       if (!prompt || prompt->tail_kv.empty()) return;
       blocks.push_back(std::make_shared<const std::string>(std::move(prompt->tail_kv)));
     }
     std::vector<uint8_t> donor_kv;
     donor_kv.reserve(blocks.size() * block_bytes_);
-    for (const reuse::Value& block : blocks) donor_kv.insert(donor_kv.end(), block->begin(), block->end());
+    for (const reuse::Value& block : blocks)
+      donor_kv.insert(donor_kv.end(), block->begin(), block->end());
     const model::ModelConfig& cfg = model_->config();
     const reuse::KvGeometry geometry{cfg.num_layers, cfg.num_kv_heads, cfg.head_dim,
                                      model::kBlockTokens, cfg.rope_theta};
@@ -589,9 +590,8 @@ class Probe {
     }
     ApproximateOutcome approximate_outcome;
     if (!tokens.empty() && (allowed & reuse::kApproximateLevels)) {
-      approximate_outcome =
-          approximate(tokens, name_space, key, sampling, allowed,
-                      static_cast<int64_t>(reused_blocks * model::kBlockTokens));
+      approximate_outcome = approximate(tokens, name_space, key, sampling, allowed,
+                                        static_cast<int64_t>(reused_blocks * model::kBlockTokens));
       approximate_[approximate_outcome.outcome]->inc();
       const ApproximateOutcome& a = approximate_outcome;
       if (a.outcome == "response") {
@@ -665,13 +665,13 @@ class Probe {
     auto finish = builder.CreateString(result.finish_reason);
     auto level = builder.CreateString(approximate ? "response" : "result");
     auto outcome = builder.CreateString(approximate ? approximate->outcome : "");
-    builder.Finish(wire::CreateProbePlan(builder, job.request_id(), job.attempt(), level,
-                                         approximate ? 0 : static_cast<uint32_t>(tokens.size()), 0,
-                                         0, 0, completion, finish, 0, outcome,
-                                         approximate ? approximate->donor : 0,
-                                         approximate ? approximate->similarity : 0.0f,
-                                         approximate ? approximate->cell : 0),
-                   wire::PrefillJobIdentifier());
+    builder.Finish(
+        wire::CreateProbePlan(builder, job.request_id(), job.attempt(), level,
+                              approximate ? 0 : static_cast<uint32_t>(tokens.size()), 0, 0, 0,
+                              completion, finish, 0, outcome, approximate ? approximate->donor : 0,
+                              approximate ? approximate->similarity : 0.0f,
+                              approximate ? approximate->cell : 0),
+        wire::PrefillJobIdentifier());
     link_->send(wire::encode(wire::MessageType::ProbePlan, builder));
   }
 
@@ -783,8 +783,9 @@ std::vector<runtime::ConfigKey> probe_keys() {
   keys.push_back(
       {"store-policy", "slru", "RAM eviction: slru (segmented LRU, scan-resistant) or lru"});
   for (const runtime::ConfigKey& key : signature_keys()) keys.push_back(key);
-  keys.push_back({"signature-max-tokens", "4096",
-                  "longest prompt a lookup computes a signature for (longer: no approximate reuse)"});
+  keys.push_back(
+      {"signature-max-tokens", "4096",
+       "longest prompt a lookup computes a signature for (longer: no approximate reuse)"});
   keys.push_back({"signature-store-bytes", "64MiB",
                   "RAM budget of the signature records (disk: store-path/signatures)"});
   keys.push_back({"index-m", "32", "HNSW M (links per node)"});

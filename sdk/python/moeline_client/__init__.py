@@ -168,20 +168,32 @@ def _text(value: Optional[bytes]) -> str:
     return value.decode("utf-8", "replace") if value else ""
 
 
+REUSE_MODES = ("", "exact", "none", "approximate", "response", "blend")
+
+
 def encode_generate(client_request_id: int, prompt: Optional[str] = None,
                     tokens: Optional[Sequence[int]] = None, *, max_tokens: int = 16,
                     temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
                     seed: Optional[int] = None, stop_token_ids: Sequence[int] = (),
                     ignore_eos: bool = False, tenant: str = "", deadline_ms: int = 0,
-                    add_special_tokens: bool = True) -> List[bytes]:
-    """A GenerateRequest, framed. The keywords are those of Client.start/stream/generate."""
+                    add_special_tokens: bool = True, reuse: str = "") -> List[bytes]:
+    """A GenerateRequest, framed. The keywords are those of Client.start/stream/generate.
+
+    reuse: "" or "exact" (the tenant's exact reuse), "none", or "approximate" (also the work of a
+    nearly identical earlier prompt, where the tenant allows it and the decision rule judges it
+    safe; usage["approximate"] says what became of it), "response" or "blend" (one mode only).
+    """
     if (prompt is None) == (tokens is None):
         raise ValueError("give exactly one of prompt (text) or tokens (ids)")
+    if reuse not in REUSE_MODES:
+        raise ValueError("reuse must be exact, none, approximate, response or blend (or empty), "
+                         f"not {reuse!r}")
     b = flatbuffers.Builder(256)
     # Children (strings, vectors, sub-tables) must be built before the table that points to them.
     prompt_off = b.CreateString(prompt) if prompt is not None else None
     tokens_off = _int_vector(b, list(tokens)) if tokens is not None else None
     tenant_off = b.CreateString(tenant) if tenant else None
+    reuse_off = b.CreateString(reuse) if reuse else None
     stops_off = _int_vector(b, list(stop_token_ids)) if stop_token_ids else None
     _sampling.Start(b)
     _sampling.AddTemperature(b, float(temperature))
@@ -206,6 +218,8 @@ def encode_generate(client_request_id: int, prompt: Optional[str] = None,
         _generate.AddTenant(b, tenant_off)
     _generate.AddDeadlineMs(b, int(deadline_ms))
     _generate.AddAddSpecialTokens(b, bool(add_special_tokens))
+    if reuse_off is not None:
+        _generate.AddReuse(b, reuse_off)
     return _finish(b, _generate.End(b), MessageType.GenerateRequest)
 
 
@@ -245,7 +259,8 @@ def _parse_stream_event(body: bytes) -> Event:
     u = e.Usage()
     if u is not None:
         usage = {"prompt_tokens": u.PromptTokens(), "completion_tokens": u.CompletionTokens(),
-                 "reused_tokens": u.ReusedTokens(), "reuse_level": _text(u.ReuseLevel())}
+                 "reused_tokens": u.ReusedTokens(), "reuse_level": _text(u.ReuseLevel()),
+                 "approximate": _text(u.Approximate()), "similarity": u.Similarity()}
     t = e.Timings()
     if t is not None:
         timings = {"queue_ms": t.QueueMs(), "prefill_ms": t.PrefillMs(), "ttft_ms": t.TtftMs(),
