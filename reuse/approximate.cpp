@@ -107,8 +107,8 @@ double wilson_upper(uint64_t failures, uint64_t trials) {
 DecisionRule::DecisionRule(DecisionOptions options) : options_(options), random_(options.seed) {
   if (!(options.threshold > -1.0f && options.threshold <= 1.0f))
     throw std::invalid_argument("approximate threshold must be in (-1, 1]");
-  if (!(options.max_error > 0 && options.max_error < 1))
-    throw std::invalid_argument("approximate max error (delta) must be in (0, 1)");
+  if (!(options.max_error > 0 && options.max_error <= 1))
+    throw std::invalid_argument("approximate max error (delta) must be in (0, 1]");
   if (!(options.shadow_fraction >= 0 && options.shadow_fraction <= 1))
     throw std::invalid_argument("shadow fraction must be in [0, 1]");
   if (!(options.bin_width > 0)) throw std::invalid_argument("bin width must be > 0");
@@ -145,7 +145,8 @@ Decision DecisionRule::decide(float score, DifferenceKind kind, uint64_t donor) 
     decision.reason = "donor_failed_check";
     return decision;
   }
-  if (decision.error_bound > options_.max_error) {
+  // delta = 1 states no bound at all (evaluation and tests): every candidate is served.
+  if (options_.max_error < 1 && decision.error_bound > options_.max_error) {
     // Not proven safe yet: computed in full, and compared (the evidence that may prove it).
     decision.action = Decision::kShadow;
     decision.reason = "error_bound";

@@ -43,7 +43,7 @@ DifferenceKind classify_difference(std::span<const int32_t> query, std::span<con
 
 struct DecisionOptions {
   float threshold = 0.93f;        // candidate at cosine >= threshold
-  double max_error = 0.01;        // delta: bound on the false-reuse rate of what is served
+  double max_error = 0.01;  // delta: bound on the false-reuse rate of what is served (1: none)
   double shadow_fraction = 0.05;  // of served hits, also computed in full
   double bin_width = 0.01;        // similarity bins of a cell
   uint64_t seed = 0x5eed;

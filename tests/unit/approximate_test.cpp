@@ -87,9 +87,22 @@ TEST(DecisionRule, SamplesShadowChecksAtTheConfiguredFraction) {
   EXPECT_NEAR(shadowed, 1000, 170);
 }
 
+TEST(DecisionRule, DeltaOfOneStatesNoBound) {
+  DecisionOptions options;
+  options.max_error = 1;
+  options.shadow_fraction = 0;
+  DecisionRule rule(options);
+  EXPECT_EQ(rule.decide(0.95f, DifferenceKind::kNumber, 1).action, Decision::kServe);
+  // A donor that failed is still never served.
+  rule.record(rule.cell_of(0.95f, DifferenceKind::kNumber), 1, false);
+  EXPECT_EQ(rule.decide(0.95f, DifferenceKind::kNumber, 1).action, Decision::kReject);
+}
+
 TEST(DecisionRule, RefusesNonsenseOptions) {
   DecisionOptions bad;
   bad.max_error = 0;
+  EXPECT_THROW(DecisionRule{bad}, std::invalid_argument);
+  bad.max_error = 1.5;
   EXPECT_THROW(DecisionRule{bad}, std::invalid_argument);
   bad = {};
   bad.shadow_fraction = 1.5;
