@@ -4,6 +4,7 @@
 #include <chrono>
 #include <deque>
 #include <map>
+#include <mutex>
 #include <optional>
 #include <random>
 #include <unordered_map>
@@ -115,11 +116,13 @@ class Gateway {
     controller_ = std::make_unique<reuse::RollbackController>(rollback, seconds_now());
     if (!config.flag("approximate-enabled"))
       controller_->set_enabled(seconds_now(), false, "configured_off");
+    approximate_state_ = {{"enabled", controller_->enabled()}, {"reason", controller_->reason()}};
     shadow_tokens_ = static_cast<size_t>(std::max<int64_t>(1, config.integer("shadow-tokens")));
     blend_max_kl_ = config.number("blend-max-kl");
 
     service_.start_http(config.text("http"), config.text("port-file"), [this] {
-      return nlohmann::json{{"in_flight", in_flight_.load()}};
+      std::lock_guard<std::mutex> lock(approximate_state_mutex_);
+      return nlohmann::json{{"in_flight", in_flight_.load()}, {"approximate", approximate_state_}};
     });
     client_ = std::make_unique<zmq::socket_t>(context_zmq_, zmq::socket_type::router);
     client_->set(zmq::sockopt::router_mandatory, true);
@@ -252,6 +255,14 @@ class Gateway {
 
   void announce_controller() {
     approximate_enabled_->set(controller_->enabled() ? 1 : 0);
+    {
+      std::lock_guard<std::mutex> lock(approximate_state_mutex_);
+      approximate_state_ = {{"enabled", controller_->enabled()},
+                            {"reason", controller_->reason()},
+                            {"changed_unix_s", std::chrono::duration<double>(
+                                                   std::chrono::system_clock::now().time_since_epoch())
+                                                   .count()}};
+    }
     transition_counter(controller_->reason()).inc();
     const double now = seconds_now();
     const auto agreement = controller_->agreement(now);
@@ -1211,6 +1222,9 @@ class Gateway {
   runtime::RateLimited reject_log_, frame_log_;
 
   std::unique_ptr<reuse::RollbackController> controller_;
+  // What /healthz (the HTTP thread) reports of it.
+  std::mutex approximate_state_mutex_;
+  nlohmann::json approximate_state_ = {{"enabled", true}, {"reason", "initial"}};
   size_t shadow_tokens_ = 8;
   double blend_max_kl_ = 0.05;
   std::map<std::pair<std::string, uint64_t>, bool> approximately_served_;

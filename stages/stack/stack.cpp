@@ -260,6 +260,7 @@ pid_t supervisor_pid(const fs::path& run_dir) {
 struct StageHealth {
   std::string name;
   int pid = 0, restarts = 0, http = 0, port = 0;
+  nlohmann::json detail;  // the /healthz body, when it is JSON
 };
 
 std::vector<StageHealth> stage_health(const fs::path& run_dir) {
@@ -274,7 +275,9 @@ std::vector<StageHealth> stage_health(const fs::path& run_dir) {
     h.pid = stage.value("pid", 0);
     h.restarts = stage.value("restarts", 0);
     h.port = read_port(stage.value("port_file", ""));
-    h.http = alive(h.pid) ? health(h.port) : -1;
+    std::string body;
+    h.http = alive(h.pid) ? health(h.port, &body) : -1;
+    h.detail = nlohmann::json::parse(body, nullptr, false);
     out.push_back(h);
   }
   return out;
@@ -437,6 +440,10 @@ int status(int argc, char** argv) {
                              {"healthy", h.http == 200}});
   }
   out["healthy"] = healthy;
+  // The gateway knows whether approximate reuse is on (the rollback controller's state).
+  for (const StageHealth& h : health)
+    if (h.name == "gateway" && h.detail.is_object() && h.detail.contains("approximate"))
+      out["approximate"] = h.detail["approximate"];
   if (config.flag("json")) {
     std::cout << out.dump(2) << '\n';
   } else if (supervisor == 0) {
@@ -448,6 +455,11 @@ int status(int argc, char** argv) {
     for (const StageHealth& h : health)
       std::printf("%-12s %8d %8d %10d %s\n", h.name.c_str(), h.pid, h.restarts, h.port,
                   h.http == 200 ? "ok" : (h.http == -1 ? "down" : "unhealthy"));
+    if (out.contains("approximate")) {
+      const nlohmann::json& a = out["approximate"];
+      std::cout << "approximate reuse: " << (a.value("enabled", false) ? "on" : "off") << " ("
+                << a.value("reason", "") << ")\n";
+    }
   }
   return healthy ? 0 : 1;
 }

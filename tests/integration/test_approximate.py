@@ -1,0 +1,308 @@
+#!/usr/bin/env python3
+"""Approximate reuse end to end, with real processes (`moeline stack up`, the Python SDK,
+`moeline client`, `moeline run` as the reference).
+
+Cases (--case, one per CTest entry):
+  approximate  requests opt in (and a tenant must allow it); response reuse serves the nearest
+               cached prompt's answer; blended reuse with everything recomputed gives exactly the
+               tokens of `moeline run` (the transplant, the mask and the import are right); the
+               index is rebuilt from the disk tier after the probe restarts
+  rollback     each trigger of the rollback controller with short windows — low hit rate, a drop
+               of shadow agreement below its baseline, negative feedback on reused answers — turns
+               approximate reuse off (status, /healthz, metrics, `moeline stack status`) within
+               seconds; exact reuse keeps working; an operator turns it on again
+"""
+
+import argparse
+import json
+import os
+import random
+import shutil
+import signal
+import subprocess
+import sys
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+from stack_harness import Stack, add_python_paths, reference  # noqa: E402
+
+# Every cached prompt of the tenant is a candidate (cosine > -0.99), and no error bound holds a
+# candidate back (delta 1): the tests choose what is served by what they put in each tenant.
+OPEN_RULE = {"approximate-threshold": -0.99, "approximate-max-error": 1,
+             "approximate-shadow-fraction": 0}
+
+
+def check(condition, message):
+    if not condition:
+        raise AssertionError(message)
+
+
+def vocab_of(model):
+    with open(os.path.join(model, "config.json")) as f:
+        return json.load(f)["vocab_size"]
+
+
+def status(moeline, endpoint):
+    out = subprocess.run([moeline, "client", "status", "--endpoint", endpoint],
+                         capture_output=True, text=True, timeout=30)
+    check(out.returncode == 0, out.stderr)
+    return json.loads(out.stdout)
+
+
+def approximate_state(moeline, endpoint):
+    return status(moeline, endpoint)["approximate"]
+
+
+def wait_until_off(moeline, endpoint, timeout):
+    """Seconds until the controller reports off (polled); raises after `timeout`."""
+    start = time.time()
+    while time.time() - start < timeout:
+        state = approximate_state(moeline, endpoint)
+        if not state["enabled"]:
+            return time.time() - start, state
+        time.sleep(0.1)
+    raise AssertionError(f"approximate reuse still on after {timeout} s: {state}")
+
+
+def case_approximate(args):
+    from moeline_client import Client
+    vocab = vocab_of(args.model)
+    rng = random.Random(11)
+    donor = [rng.randrange(vocab) for _ in range(40)]
+    near = list(donor)
+    near[30] = (near[30] + 1) % vocab
+    config = {"gateway": {"reuse-levels": "all"},
+              "probe": {**OPEN_RULE, "approximate-recompute-fraction": 1.0}}
+    run_dir = os.path.join(args.workdir, "approximate")
+    with Stack(args.moeline, args.model, run_dir, config=config) as stack:
+        with Client(stack.endpoint, timeout=120) as client:
+            # Without the opt-in nothing changes.
+            plain = client.generate(tokens=donor, max_tokens=8, tenant="t1")
+            check(plain.usage["approximate"] == "", f"not asked, yet {plain.usage}")
+            want_donor = reference(args.moeline, args.model, 8, tokens=donor)
+            check(plain.ids == want_donor["ids"], "the donor's answer differs from run")
+
+            # Response reuse: the nearest cached prompt's answer, for a deterministic request.
+            served = client.generate(tokens=near, max_tokens=8, tenant="t1", reuse="approximate")
+            check(served.usage["approximate"] == "response" and
+                  served.usage["reuse_level"] == "response",
+                  f"a near-duplicate was not served by response reuse: {served.usage}")
+            check(served.ids == want_donor["ids"], "response reuse did not replay the donor")
+            check(served.usage["similarity"] > 0.9,
+                  f"one changed token in 40, similarity {served.usage['similarity']}")
+            print(f"ok approximate: response reuse replays the donor's answer "
+                  f"(similarity {served.usage['similarity']:.4f})")
+
+            # Another tenant never sees t1's prompts.
+            other = client.generate(tokens=near, max_tokens=8, tenant="t2", reuse="approximate")
+            check(other.usage["approximate"] == "no_candidate", f"tenant leak: {other.usage}")
+
+            # A tenant that does not allow approximate reuse: asked, not given, and said so.
+            subprocess.run([args.moeline, "client", "reuse", "--endpoint", stack.endpoint,
+                            "--tenant", "closed", "--levels", "exact"], check=True,
+                           capture_output=True)
+            client.generate(tokens=donor, max_tokens=8, tenant="closed")
+            closed = client.generate(tokens=near, max_tokens=8, tenant="closed",
+                                     reuse="approximate")
+            check(closed.usage["approximate"] == "not_allowed", f"{closed.usage}")
+            check(closed.ids == reference(args.moeline, args.model, 8, tokens=near)["ids"],
+                  "a request refused approximate reuse was not computed in full")
+            print("ok approximate: other tenants see nothing; a tenant that does not allow it "
+                  "gets exact reuse and usage says not_allowed")
+
+            # Blended reuse with every token recomputed (recompute fraction 1): exactly the
+            # tokens of a full prefill, though the KV started as the donor's, moved.
+            shifted = [7, 8] + near  # two tokens in front: every donor token moves by 2
+            blended = client.generate(tokens=shifted, max_tokens=8, tenant="t1", reuse="blend")
+            check(blended.usage["approximate"] == "blend" and
+                  blended.usage["reuse_level"] == "blend", f"not blended: {blended.usage}")
+            want = reference(args.moeline, args.model, 8, tokens=shifted)
+            check(blended.ids == want["ids"],
+                  f"blend with full recomputation differs: {blended.ids} != {want['ids']}")
+            check(stack.metric("prefill-0", "moeline_prefill_blend_jobs_total") >= 1,
+                  "prefill counted no blend")
+            print("ok approximate: a blend recomputing everything equals `moeline run` exactly")
+
+            # The CLI says which level served the request.
+            out = subprocess.run([args.moeline, "client", "generate", "--endpoint", stack.endpoint,
+                                  "--tokens", ",".join(map(str, near)), "--max-tokens", "8",
+                                  "--tenant", "t3", "--reuse", "approximate", "--json"],
+                                 capture_output=True, text=True, timeout=60)
+            check(out.returncode == 0, out.stderr)
+            usage = json.loads(out.stdout)["usage"]
+            check(usage["approximate"] == "no_candidate" and usage["reuse_level"] == "none",
+                  f"client --json: {usage}")
+            out = subprocess.run([args.moeline, "client", "generate", "--endpoint", stack.endpoint,
+                                  "--tokens", "1,2", "--reuse", "sometimes"],
+                                 capture_output=True, text=True, timeout=60)
+            check(out.returncode == 2 and "--reuse" in out.stderr, out.stderr)
+            # The SDK refuses an unknown mode before sending it.
+            try:
+                client.generate(tokens=near, reuse="sometimes")
+                check(False, "an unknown reuse mode was sent")
+            except ValueError:
+                pass
+
+        # A graceful restart of the probe: the index comes back from the disk tier.
+        entries = stack.metric("probe", "moeline_probe_index_entries")
+        check(entries >= 2, f"index holds {entries} entries")
+        old = stack.kill("probe", signal.SIGTERM)
+        stack.wait_restarted("probe", old)
+        deadline = time.time() + 30
+        while time.time() < deadline:
+            if subprocess.run([args.moeline, "stack", "status", "--run-dir", run_dir],
+                              capture_output=True).returncode == 0:
+                break
+            time.sleep(0.1)
+        check(stack.metric("probe", "moeline_probe_index_entries") == entries,
+              "the restarted probe did not rebuild its index from disk")
+        with Client(stack.endpoint, timeout=120) as client:
+            again = list(near)
+            again[35] = (again[35] + 1) % vocab
+            result = client.generate(tokens=again, max_tokens=8, tenant="t1", reuse="response")
+            check(result.usage["approximate"] == "response",
+                  f"after the probe restart: {result.usage}")
+        print(f"ok approximate: after a probe restart its index ({int(entries)} entries) is "
+              "rebuilt from the disk tier and serves")
+
+
+def first_token_pairs(client, vocab, rng, want_agree, want_disagree):
+    """Donor/query pairs whose full computations give the same first token (agree) or not."""
+    agree, disagree = [], []
+    for _ in range(200):
+        if len(agree) >= want_agree and len(disagree) >= want_disagree:
+            break
+        donor = [rng.randrange(vocab) for _ in range(24)]
+        query = list(donor)
+        query[rng.randrange(8, 23)] = rng.randrange(vocab)
+        a = client.generate(tokens=donor, max_tokens=1, tenant="reference", reuse="none").ids
+        b = client.generate(tokens=query, max_tokens=1, tenant="reference", reuse="none").ids
+        (agree if a == b else disagree).append((donor, query))
+    check(len(agree) >= want_agree and len(disagree) >= want_disagree,
+          f"found {len(agree)} agreeing and {len(disagree)} disagreeing pairs")
+    return agree[:want_agree], disagree[:want_disagree]
+
+
+def rollback_stack(args, name, gateway, probe):
+    config = {"gateway": {"reuse-levels": "all", "approximate-min-lookups": 100000,
+                          "approximate-min-checks": 100000, "approximate-min-served": 100000,
+                          **gateway},
+              "probe": {**OPEN_RULE, **probe}}
+    return Stack(args.moeline, args.model, os.path.join(args.workdir, name), config=config)
+
+
+def after_rollback(args, stack, client, reason, trigger_time, exact_prompt):
+    """The state says off, with the reason, everywhere it is shown; exact reuse still works; an
+    operator turns it on again."""
+    _, state = wait_until_off(args.moeline, stack.endpoint, 30)
+    took = time.time() - trigger_time  # from the triggering request's end to seeing it off
+    check(state["reason"] == reason, f"off for {state['reason']}, want {reason}")
+    check(took < 30, f"the change took {took:.1f} s to show")
+    check(stack.metric("gateway", "moeline_gateway_approximate_enabled") == 0,
+          "the metric still says on")
+    check(stack.metric("gateway", "moeline_gateway_approximate_transitions_total",
+                       reason=reason) == 1, "no transition counted")
+    out = subprocess.run([args.moeline, "stack", "status", "--run-dir", stack.run_dir],
+                         capture_output=True, text=True, timeout=30)
+    check(f"approximate reuse: off ({reason})" in out.stdout, out.stdout)
+    refused = client.generate(tokens=exact_prompt, max_tokens=4, tenant="fresh",
+                              reuse="approximate")
+    check(refused.usage["approximate"] == "disabled", f"still approximate: {refused.usage}")
+    repeat = client.generate(tokens=exact_prompt, max_tokens=4, tenant="fresh",
+                             reuse="approximate")
+    check(repeat.usage["reuse_level"] == "result",
+          f"exact reuse stopped working after the rollback: {repeat.usage}")
+    out = subprocess.run([args.moeline, "client", "approximate", "--endpoint", stack.endpoint,
+                          "on"], capture_output=True, text=True, timeout=30)
+    check(out.returncode == 0, out.stderr)
+    check(approximate_state(args.moeline, stack.endpoint)["enabled"], "the operator's on failed")
+    print(f"ok rollback: {reason} turned approximate reuse off, shown {took:.2f} s after the "
+          "trigger; exact reuse kept working; an operator turned it on again")
+
+
+def case_rollback(args):
+    from moeline_client import Client
+    vocab = vocab_of(args.model)
+    rng = random.Random(23)
+    exact_prompt = [rng.randrange(vocab) for _ in range(20)]
+
+    # Low hit rate: nothing to reuse in fresh tenants, for a whole (2 s) window.
+    gateway = {"approximate-hit-window-s": 2, "approximate-min-lookups": 4}
+    with rollback_stack(args, "rollback-hits", gateway, {}) as stack:
+        with Client(stack.endpoint, timeout=120) as client:
+            time.sleep(2.1)  # a whole window since the gateway started
+            for i in range(4):  # min-lookups: the fourth one's plan turns it off
+                prompt = [rng.randrange(vocab) for _ in range(20)]
+                result = client.generate(tokens=prompt, max_tokens=2, tenant=f"lonely{i}",
+                                         reuse="approximate")
+                check(result.usage["approximate"] == "no_candidate", f"{result.usage}")
+            after_rollback(args, stack, client, "low_hit_rate", time.time(), exact_prompt)
+
+    # Agreement drop: every hit is shadowed (computed in full, first token compared); the first
+    # two agree (the baseline: 100%), the third does not (67% over the window).
+    gateway = {"approximate-min-checks": 2, "approximate-agreement-window-s": 120,
+               "shadow-tokens": 1}
+    with rollback_stack(args, "rollback-agree", gateway,
+                        {"approximate-shadow-fraction": 1}) as stack:
+        with Client(stack.endpoint, timeout=120) as client:
+            agree, disagree = first_token_pairs(client, vocab, rng, 2, 1)
+            for i, (donor, query) in enumerate(agree + disagree):
+                client.generate(tokens=donor, max_tokens=1, tenant=f"pair{i}")
+                result = client.generate(tokens=query, max_tokens=1, tenant=f"pair{i}",
+                                         reuse="approximate")
+                check(result.usage["approximate"] == "shadow", f"pair {i}: {result.usage}")
+                check(result.usage["reuse_level"] != "response",
+                      "a shadowed request was not computed in full")
+            # The outcomes reach the probe's decision rule too (asynchronously).
+            deadline = time.time() + 10
+            while stack.metric("probe", "moeline_probe_shadow_checks_total",
+                               result="disagreed") < 1:
+                check(time.time() < deadline, "the probe did not learn the shadow checks")
+                time.sleep(0.05)
+            after_rollback(args, stack, client, "agreement_drop", time.time(), exact_prompt)
+
+    # Negative feedback on answers served by response reuse.
+    gateway = {"approximate-min-served": 2, "approximate-feedback-window-s": 120}
+    with rollback_stack(args, "rollback-feedback", gateway, {}) as stack:
+        with Client(stack.endpoint, timeout=120) as client:
+            donor = [rng.randrange(vocab) for _ in range(24)]
+            client.generate(tokens=donor, max_tokens=4, tenant="fb")
+            for position in (10, 15):
+                query = list(donor)
+                query[position] = (query[position] + 1) % vocab
+                result = client.generate(tokens=query, max_tokens=4, tenant="fb",
+                                         reuse="approximate")
+                check(result.usage["approximate"] == "response", f"{result.usage}")
+                client.feedback(result.client_request_id, -1.0, "wrong answer")
+            trigger = time.time()
+            after_rollback(args, stack, client, "negative_feedback", trigger, exact_prompt)
+
+
+CASES = {"approximate": case_approximate, "rollback": case_rollback}
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--moeline", required=True)
+    parser.add_argument("--model", required=True)
+    parser.add_argument("--python-build", required=True, help="build/python (generated wire code)")
+    parser.add_argument("--python-sdk", required=True, help="sdk/python")
+    parser.add_argument("--workdir", required=True)
+    parser.add_argument("--case", choices=sorted(CASES), action="append")
+    args = parser.parse_args()
+    add_python_paths(args.python_build, args.python_sdk)
+    args.workdir = os.path.abspath(args.workdir)
+    if len(args.workdir) > 60:
+        short = os.path.join("/tmp", "moeline-it-" + str(abs(hash(args.workdir)) % 10**8))
+        shutil.rmtree(short, ignore_errors=True)
+        args.workdir = short
+    os.makedirs(args.workdir, exist_ok=True)
+    for name in args.case or sorted(CASES):
+        CASES[name](args)
+    print("all approximate-reuse cases passed")
+
+
+if __name__ == "__main__":
+    main()
