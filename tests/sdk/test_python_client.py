@@ -240,18 +240,21 @@ def check_client(mc, wire, endpoint):
     T = mc.MessageType
     try:
         with mc.Client(endpoint, timeout=5.0) as client:
-            result = client.generate("hello", max_tokens=3, seed=42, tenant="acme")
+            result = client.generate("hello", max_tokens=3, seed=42, tenant="acme",
+                                     reuse="approximate")
             check("generate: ids, text, finish reason, request id",
                   (result.ids, result.text, result.finish_reason, result.request_id,
                    result.client_request_id) == ([1, 2, 3], "abc\u00e9", "length", 1001, 1), f"{result}")
             check("generate: usage and timings dicts",
                   result.usage == {"prompt_tokens": 5, "completion_tokens": 3, "reused_tokens": 2,
-                                   "reuse_level": "prefix"} and result.timings["total_ms"] == 9.0,
+                                   "reuse_level": "prefix", "approximate": "", "similarity": 0.0}
+                  and result.timings["total_ms"] == 9.0,
                   f"{result.usage} {result.timings}")
             sent = gateway.last(T.GenerateRequest)
-            check("the gateway read the request's tenant, seed and max_tokens",
+            check("the gateway read the request's tenant, seed, max_tokens and reuse",
                   (sent.Tenant(), sent.Sampling().Seed(), sent.Sampling().HasSeed(),
-                   sent.Sampling().MaxTokens()) == (b"acme", 42, True, 3))
+                   sent.Sampling().MaxTokens(), sent.Reuse()) == (b"acme", 42, True, 3,
+                                                                  b"approximate"))
 
             kinds = [e.kind for e in client.stream("hello")]
             check("stream: accepted, deltas, then finished", kinds ==

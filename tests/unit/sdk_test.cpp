@@ -363,7 +363,8 @@ TEST_F(SdkTest, GenerateRequestCarriesTheOptions) {
                      .ignore_eos = true,
                      .tenant = "acme",
                      .deadline_ms = 1500,
-                     .add_special_tokens = false});
+                     .add_special_tokens = false,
+                     .reuse = "approximate"});
   client().generate({.tokens = {9, 8, 7}});
 
   const std::vector<Received> sent = gateway_.received(wire::MessageType::GenerateRequest);
@@ -380,6 +381,8 @@ TEST_F(SdkTest, GenerateRequestCarriesTheOptions) {
   EXPECT_EQ(r->tenant()->str(), "acme");
   EXPECT_EQ(r->deadline_ms(), 1500u);
   EXPECT_FALSE(r->add_special_tokens());
+  ASSERT_NE(r->reuse(), nullptr);
+  EXPECT_EQ(r->reuse()->str(), "approximate");
   const auto* s = r->sampling();
   ASSERT_NE(s, nullptr);
   EXPECT_EQ(s->max_tokens(), 33);
@@ -403,6 +406,7 @@ TEST_F(SdkTest, GenerateRequestCarriesTheOptions) {
   EXPECT_EQ(r->deadline_ms(), 0u);
   EXPECT_TRUE(r->add_special_tokens());
   EXPECT_TRUE(r->tenant() == nullptr || r->tenant()->str().empty());
+  EXPECT_EQ(r->reuse(), nullptr) << "no reuse field: the tenant's exact levels";
   s = r->sampling();
   ASSERT_NE(s, nullptr);
   EXPECT_FALSE(s->has_seed());
