@@ -63,6 +63,13 @@ const char* difference_name(DifferenceKind kind) {
   return "?";
 }
 
+double changed_fraction(std::span<const int32_t> query, std::span<const int32_t> donor) {
+  const size_t total = query.size() + donor.size();
+  if (total == 0) return 0;
+  return static_cast<double>(minus(query, donor).size() + minus(donor, query).size()) /
+         static_cast<double>(total);
+}
+
 DifferenceKind classify_difference(std::span<const int32_t> query, std::span<const int32_t> donor,
                                    const std::function<std::string(int32_t)>& text_of) {
   std::vector<int32_t> differing = minus(query, donor);
@@ -114,10 +121,18 @@ DecisionRule::DecisionRule(DecisionOptions options) : options_(options), random_
   if (!(options.bin_width > 0)) throw std::invalid_argument("bin width must be > 0");
 }
 
-int DecisionRule::cell_of(float score, DifferenceKind kind) const {
+namespace {
+// Upper edges of the changed-share buckets; the last bucket is everything above.
+constexpr double kChangedEdges[] = {0.02, 0.05, 0.1, 0.25};
+constexpr int kChangedBuckets = 5;
+}  // namespace
+
+int DecisionRule::cell_of(float score, DifferenceKind kind, double changed) const {
   const double above = std::max(0.0, static_cast<double>(score) - options_.threshold);
   const int bin = std::min(999, static_cast<int>(std::floor(above / options_.bin_width)));
-  return static_cast<int>(kind) * 1000 + bin;
+  int bucket = 0;
+  while (bucket < kChangedBuckets - 1 && changed > kChangedEdges[bucket]) ++bucket;
+  return (static_cast<int>(kind) * kChangedBuckets + bucket) * 1000 + bin;
 }
 
 std::string DecisionRule::cell_name(int cell) const {
@@ -133,15 +148,19 @@ double DecisionRule::error_bound(int cell) const {
   return it == cells_.end() ? 1.0 : wilson_upper(it->second.failures, it->second.checks);
 }
 
-Decision DecisionRule::decide(float score, DifferenceKind kind, uint64_t donor) {
+uint64_t DecisionRule::donor_key(uint64_t donor, int cell) {
+  return donor * 0x9e3779b97f4a7c15ULL + static_cast<uint64_t>(cell / 1000 / kChangedBuckets);
+}
+
+Decision DecisionRule::decide(float score, DifferenceKind kind, double changed, uint64_t donor) {
   Decision decision;
-  decision.cell = cell_of(score, kind);
+  decision.cell = cell_of(score, kind, changed);
   decision.error_bound = error_bound(decision.cell);
   if (score < options_.threshold) {
     decision.reason = "below_threshold";
     return decision;
   }
-  if (failed_donors_.count(donor)) {
+  if (failed_donors_.count(donor_key(donor, decision.cell))) {
     decision.reason = "donor_failed_check";
     return decision;
   }
@@ -164,7 +183,7 @@ void DecisionRule::record(int cell, uint64_t donor, bool correct) {
   ++counts.checks;
   if (!correct) {
     ++counts.failures;
-    failed_donors_.insert(donor);
+    failed_donors_.insert(donor_key(donor, cell));
   }
 }
 

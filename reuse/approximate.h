@@ -8,10 +8,11 @@
 //   decision rule learns separately for each kind of difference.
 // - DecisionRule: candidates are taken at signature cosine >= threshold; a candidate is served
 //   only while the one-sided 95% upper confidence bound (Wilson) of the false-reuse rate of its
-//   neighbourhood — the cell (kind of difference, similarity bin) — is at most delta. The counts
+//   neighbourhood — the cell (kind of difference, share of the prompt changed, similarity bin) —
+//   is at most delta. The counts
 //   come from shadow checks: every candidate not served is computed in full anyway and compared
 //   (free evidence), and a fraction of served hits is computed in full too. A donor that once
-//   failed a check is never served again (per-entry learning).
+//   failed a check is never served again for that kind of difference (per-entry learning).
 // - RollbackController: turns approximate reuse off when, over its windows, the served hit rate
 //   stays under its floor, the shadow agreement drops below its baseline, or negative feedback
 //   on reused answers passes its ceiling; off until an operator turns it on or a probation passes.
@@ -37,12 +38,16 @@ enum class DifferenceKind : uint8_t { kNone, kFormat, kContent, kName, kNegation
 const char* difference_name(DifferenceKind kind);
 inline constexpr int kDifferenceKinds = 6;
 
+// The share of the two prompts' tokens that the other lacks (multiset symmetric difference over
+// both lengths): a changed word is 1/4 of a short prompt and 1/100 of a long one.
+double changed_fraction(std::span<const int32_t> query, std::span<const int32_t> donor);
+
 // `text_of` decodes one token id to its text.
 DifferenceKind classify_difference(std::span<const int32_t> query, std::span<const int32_t> donor,
                                    const std::function<std::string(int32_t)>& text_of);
 
 struct DecisionOptions {
-  float threshold = 0.93f;        // candidate at cosine >= threshold
+  float threshold = 0.93f;  // candidate at cosine >= threshold
   double max_error = 0.01;  // delta: bound on the false-reuse rate of what is served (1: none)
   double shadow_fraction = 0.05;  // of served hits, also computed in full
   double bin_width = 0.01;        // similarity bins of a cell
@@ -60,12 +65,12 @@ struct Decision {
 class DecisionRule {
  public:
   explicit DecisionRule(DecisionOptions options);
-  // `score` is the candidate's cosine (>= threshold).
-  Decision decide(float score, DifferenceKind kind, uint64_t donor);
+  // `score` is the candidate's cosine (>= threshold); `changed`: changed_fraction of the pair.
+  Decision decide(float score, DifferenceKind kind, double changed, uint64_t donor);
   // A shadow check's outcome for a candidate of that cell and donor.
   void record(int cell, uint64_t donor, bool correct);
 
-  int cell_of(float score, DifferenceKind kind) const;
+  int cell_of(float score, DifferenceKind kind, double changed) const;
   double error_bound(int cell) const;
   struct Counts {
     uint64_t checks = 0, failures = 0;
@@ -75,6 +80,8 @@ class DecisionRule {
   const DecisionOptions& options() const { return options_; }
 
  private:
+  // A donor and a kind of difference (the cell's kind), as one key.
+  static uint64_t donor_key(uint64_t donor, int cell);
   DecisionOptions options_;
   std::map<int, Counts> cells_;
   std::unordered_set<uint64_t> failed_donors_;

@@ -437,7 +437,8 @@ class Probe {
       candidates_[mode]->inc();
       const reuse::DifferenceKind kind = reuse::classify_difference(
           tokens, donor->tokens, [this](int32_t t) { return token_text(t); });
-      const reuse::Decision decision = rule_->decide(hit.score, kind, hit.id);
+      const reuse::Decision decision =
+          rule_->decide(hit.score, kind, reuse::changed_fraction(tokens, donor->tokens), hit.id);
       result.donor = hit.id;
       result.similarity = hit.score;
       result.cell = decision.cell;

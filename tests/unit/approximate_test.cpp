@@ -38,6 +38,19 @@ TEST(ClassifyDifference, NamesEachKind) {
   EXPECT_EQ(kind({1, 2, 10, 6}, {1, 9, 11, 8}), DifferenceKind::kNumber);
 }
 
+TEST(ChangedFraction, CountsTheSymmetricDifferenceOverBothLengths) {
+  EXPECT_DOUBLE_EQ(
+      changed_fraction(std::vector<int32_t>{1, 2, 3, 4}, std::vector<int32_t>{1, 2, 3, 4}), 0.0);
+  // One token replaced in 4: 2 of 8 tokens differ.
+  EXPECT_DOUBLE_EQ(
+      changed_fraction(std::vector<int32_t>{1, 2, 3, 4}, std::vector<int32_t>{1, 2, 3, 5}), 0.25);
+  // One token inserted in 100.
+  std::vector<int32_t> long_prompt(100, 7), longer = long_prompt;
+  longer.push_back(8);
+  EXPECT_NEAR(changed_fraction(longer, long_prompt), 1.0 / 201, 1e-12);
+  EXPECT_DOUBLE_EQ(changed_fraction(std::vector<int32_t>{}, std::vector<int32_t>{}), 0.0);
+}
+
 TEST(Wilson, MatchesTheClosedForm) {
   EXPECT_DOUBLE_EQ(wilson_upper(0, 0), 1.0);
   // p = 0: z^2/(n + z^2); with z = 1.6449, n = 270 gives 0.00992.
@@ -54,35 +67,44 @@ TEST(DecisionRule, ShadowsUntilTheBoundIsProvenThenServes) {
   options.shadow_fraction = 0;
   DecisionRule rule(options);
   const float score = 0.955f;
-  Decision first = rule.decide(score, DifferenceKind::kFormat, 1);
+  Decision first = rule.decide(score, DifferenceKind::kFormat, 0.01, 1);
   EXPECT_EQ(first.action, Decision::kShadow);
   EXPECT_STREQ(first.reason, "error_bound");
   for (int i = 0; i < 300; ++i) rule.record(first.cell, 100 + i, true);
-  Decision proven = rule.decide(score, DifferenceKind::kFormat, 1);
+  Decision proven = rule.decide(score, DifferenceKind::kFormat, 0.01, 1);
   EXPECT_EQ(proven.action, Decision::kServe);
   EXPECT_LE(proven.error_bound, options.max_error);
-  // Another kind of difference, or another similarity bin, has its own evidence.
-  EXPECT_EQ(rule.decide(score, DifferenceKind::kNumber, 1).action, Decision::kShadow);
-  EXPECT_EQ(rule.decide(0.985f, DifferenceKind::kFormat, 1).action, Decision::kShadow);
+  // Another kind of difference, another share of the prompt changed, or another similarity bin
+  // has its own evidence.
+  EXPECT_EQ(rule.decide(score, DifferenceKind::kNumber, 0.01, 1).action, Decision::kShadow);
+  EXPECT_EQ(rule.decide(score, DifferenceKind::kFormat, 0.3, 1).action, Decision::kShadow);
+  EXPECT_NE(rule.cell_of(score, DifferenceKind::kFormat, 0.01),
+            rule.cell_of(score, DifferenceKind::kFormat, 0.03));
+  EXPECT_EQ(rule.cell_of(score, DifferenceKind::kFormat, 0.01),
+            rule.cell_of(score, DifferenceKind::kFormat, 0.02));
+  EXPECT_EQ(rule.decide(0.985f, DifferenceKind::kFormat, 0.01, 1).action, Decision::kShadow);
   // Below the threshold: not a candidate.
-  EXPECT_EQ(rule.decide(0.9f, DifferenceKind::kFormat, 1).action, Decision::kReject);
-  // Failures raise the bound past delta, and the donor that failed is never served again.
+  EXPECT_EQ(rule.decide(0.9f, DifferenceKind::kFormat, 0.01, 1).action, Decision::kReject);
+  // Failures raise the bound past delta, and the donor that failed is never served again for
+  // that kind of difference (another kind has nothing against it).
   rule.record(first.cell, 7, false);
-  EXPECT_EQ(rule.decide(score, DifferenceKind::kFormat, 7).action, Decision::kReject);
+  EXPECT_EQ(rule.decide(score, DifferenceKind::kFormat, 0.01, 7).action, Decision::kReject);
+  EXPECT_EQ(rule.decide(0.985f, DifferenceKind::kFormat, 0.01, 7).action, Decision::kReject);
+  EXPECT_EQ(rule.decide(score, DifferenceKind::kNumber, 0.01, 7).action, Decision::kShadow);
   for (int i = 0; i < 3; ++i) rule.record(first.cell, 8 + i, false);
   EXPECT_GT(rule.error_bound(first.cell), options.max_error);
-  EXPECT_EQ(rule.decide(score, DifferenceKind::kFormat, 1).action, Decision::kShadow);
+  EXPECT_EQ(rule.decide(score, DifferenceKind::kFormat, 0.01, 1).action, Decision::kShadow);
 }
 
 TEST(DecisionRule, SamplesShadowChecksAtTheConfiguredFraction) {
   DecisionOptions options;
   options.shadow_fraction = 0.2;
   DecisionRule rule(options);
-  const int cell = rule.cell_of(0.97f, DifferenceKind::kFormat);
+  const int cell = rule.cell_of(0.97f, DifferenceKind::kFormat, 0.01);
   for (int i = 0; i < 1000; ++i) rule.record(cell, 1000 + i, true);
   int shadowed = 0;
   for (int i = 0; i < 5000; ++i)
-    shadowed += rule.decide(0.97f, DifferenceKind::kFormat, 1).action == Decision::kShadow;
+    shadowed += rule.decide(0.97f, DifferenceKind::kFormat, 0.01, 1).action == Decision::kShadow;
   // Binomial(5000, 0.2): sd 28; 6 sd either side.
   EXPECT_NEAR(shadowed, 1000, 170);
 }
@@ -92,10 +114,10 @@ TEST(DecisionRule, DeltaOfOneStatesNoBound) {
   options.max_error = 1;
   options.shadow_fraction = 0;
   DecisionRule rule(options);
-  EXPECT_EQ(rule.decide(0.95f, DifferenceKind::kNumber, 1).action, Decision::kServe);
+  EXPECT_EQ(rule.decide(0.95f, DifferenceKind::kNumber, 0.01, 1).action, Decision::kServe);
   // A donor that failed is still never served.
-  rule.record(rule.cell_of(0.95f, DifferenceKind::kNumber), 1, false);
-  EXPECT_EQ(rule.decide(0.95f, DifferenceKind::kNumber, 1).action, Decision::kReject);
+  rule.record(rule.cell_of(0.95f, DifferenceKind::kNumber, 0.01), 1, false);
+  EXPECT_EQ(rule.decide(0.95f, DifferenceKind::kNumber, 0.01, 1).action, Decision::kReject);
 }
 
 TEST(DecisionRule, RefusesNonsenseOptions) {

@@ -1,0 +1,280 @@
+// moeline_approximate_bench: the decision rule of approximate reuse on an evaluation set of prompt
+// pairs (tests/eval/approximate_pairs.jsonl), against the fixed threshold alone. One JSON object.
+//
+//   moeline_approximate_bench --model DIR --pairs FILE [--threshold 0.93] [--delta 0.01]
+//       [--shadow-fraction 0.05] [--shadow-tokens 8] [--layers 2] [--calibration 0.5] [--seed 1]
+//       [--passes 1]
+//
+// For each pair (a cached donor a, a new request b) it computes what the stack computes — b's and
+// a's activation signatures (the probe's partial forward), the kind of difference, and both
+// prompts' greedy answers of --shadow-tokens tokens (what a shadow check compares). A served
+// response reuse is *false* when b's own answer differs from a's (what reuse would have returned);
+// the set's labels ("match": should / must not be interchangeable) are reported too.
+//
+// The rule learns online, as in the stack: a calibration share of the pairs (shuffled, seeded) is
+// seen first — each candidate computed in full and checked, as every unproven candidate is — and
+// the rest is the held-out evaluation, where the rule serves, shadows a sample of what it serves,
+// and keeps learning from every candidate it does not serve. --passes repeats the calibration share
+// (a long-running stack sees many more checks than one pass of this set).
+#include <algorithm>
+#include <cmath>
+#include <filesystem>
+#include <fstream>
+#include <iostream>
+#include <map>
+#include <nlohmann/json.hpp>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "kernels/cpu/thread_pool.h"
+#include "model/forward.h"
+#include "model/generator.h"
+#include "model/model.h"
+#include "model/tokenizer/tokenizer.h"
+#include "offload/resident_provider.h"
+#include "reuse/approximate.h"
+#include "reuse/signature.h"
+
+namespace {
+
+using namespace moeline;
+
+struct Prompt {
+  std::vector<int32_t> tokens;
+  std::vector<float> signature;
+  std::vector<int32_t> answer;
+  std::vector<float> logits;
+};
+
+struct Pair {
+  std::string kind;
+  bool match = false;
+  const Prompt* a = nullptr;
+  const Prompt* b = nullptr;
+  float similarity = 0;
+  reuse::DifferenceKind difference = reuse::DifferenceKind::kNone;
+  bool same_answer = false;
+  uint64_t donor = 0;
+  double changed = 0;
+};
+
+double kl(const std::vector<float>& p_logits, const std::vector<float>& q_logits) {
+  auto log_softmax = [](const std::vector<float>& x) {
+    const float top = *std::max_element(x.begin(), x.end());
+    double sum = 0;
+    for (float v : x) sum += std::exp(static_cast<double>(v - top));
+    std::vector<double> out(x.size());
+    for (size_t i = 0; i < x.size(); ++i) out[i] = x[i] - top - std::log(sum);
+    return out;
+  };
+  const std::vector<double> p = log_softmax(p_logits), q = log_softmax(q_logits);
+  double total = 0;
+  for (size_t i = 0; i < p.size(); ++i) total += std::exp(p[i]) * (p[i] - q[i]);
+  return total;
+}
+
+struct Tally {
+  int match = 0, match_served = 0, mismatch = 0, mismatch_served = 0;
+  int agree = 0, agree_served = 0, served = 0, served_wrong = 0;
+  void add(const Pair& p, bool served_it) {
+    (p.match ? match : mismatch) += 1;
+    if (served_it) (p.match ? match_served : mismatch_served) += 1;
+    if (p.same_answer) agree += 1;
+    if (p.same_answer && served_it) agree_served += 1;
+    if (served_it) {
+      served += 1;
+      if (!p.same_answer) served_wrong += 1;
+    }
+  }
+  static double rate(int a, int b) { return b == 0 ? 0.0 : static_cast<double>(a) / b; }
+  nlohmann::json json() const {
+    return {{"hit_rate_label", rate(match_served, match)},
+            {"false_reuse_label", rate(mismatch_served, mismatch)},
+            {"hit_rate_output", rate(agree_served, agree)},
+            {"false_reuse_output", rate(served_wrong, served)},
+            {"served", served},
+            {"served_wrong", served_wrong},
+            {"pairs_match", match},
+            {"pairs_must_not", mismatch},
+            {"pairs_same_answer", agree}};
+  }
+};
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  std::map<std::string, std::string> flags = {{"--model", ""},
+                                              {"--pairs", ""},
+                                              {"--threshold", "0.93"},
+                                              {"--delta", "0.01"},
+                                              {"--shadow-fraction", "0.05"},
+                                              {"--shadow-tokens", "8"},
+                                              {"--layers", "2"},
+                                              {"--calibration", "0.5"},
+                                              {"--seed", "1"},
+                                              {"--passes", "1"},
+                                              {"--threads", "2"}};
+  for (int i = 1; i + 1 < argc; i += 2) {
+    if (!flags.count(argv[i])) {
+      std::cerr << "unknown flag " << argv[i] << '\n';
+      return 2;
+    }
+    flags[argv[i]] = argv[i + 1];
+  }
+  auto loaded = model::Model::load(flags["--model"]);
+  if (!loaded) {
+    std::cerr << loaded.error().message << '\n';
+    return 1;
+  }
+  const model::Model& m = **loaded;
+  const model::ModelConfig& cfg = m.config();
+  auto tokenizer =
+      model::Tokenizer::load((std::filesystem::path(flags["--model"]) / "tokenizer.json").string());
+  if (!tokenizer) {
+    std::cerr << tokenizer.error().message << '\n';
+    return 1;
+  }
+  kernels::ThreadPool pool(std::stoi(flags["--threads"]));
+  offload::ResidentExpertProvider experts(m.experts());
+  model::KvCache cache(cfg, 64);
+  model::Engine engine(m, experts, pool, cache);
+  std::vector<int64_t> moe;
+  for (int64_t l = 0; l < cfg.num_layers; ++l)
+    if (cfg.layer_is_moe[static_cast<size_t>(l)]) moe.push_back(l);
+  reuse::SignatureOptions options;
+  options.layers = std::stoi(flags["--layers"]);
+  reuse::SignatureAccumulator accumulator(moe, std::max<int64_t>(1, cfg.num_experts), options);
+  const size_t k = std::min(moe.size(), static_cast<size_t>(options.layers));
+  const int64_t run_layers = k == 0 ? 0 : moe[k - 1] + 1;
+  model::Generator generator(engine);
+  const int shadow_tokens = std::stoi(flags["--shadow-tokens"]);
+
+  std::map<std::string, Prompt> prompts;
+  uint64_t next_id = 1;
+  auto prompt_of = [&](const std::string& text) -> const Prompt* {
+    auto [it, fresh] = prompts.try_emplace(text);
+    if (!fresh) return &it->second;
+    Prompt& p = it->second;
+    auto ids = tokenizer->encode(text);
+    if (!ids) throw std::runtime_error(ids.error().message);
+    p.tokens = *ids;
+    const uint64_t id = next_id++;
+    model::Sequence sequence(id, m.model_id(), 0);
+    accumulator.watch(id, 0);
+    engine.set_router_observer(&accumulator);
+    const model::SequenceInput input{&sequence, p.tokens, false};
+    if (!engine.forward_layers(std::span(&input, 1), run_layers).ok())
+      throw std::runtime_error("forward failed");
+    p.signature = accumulator.signature(id);
+    accumulator.forget(id);
+    sequence.release(cache.pool());
+    engine.set_router_observer(nullptr);
+    model::SamplingParams greedy;
+    greedy.max_tokens = shadow_tokens;
+    auto out = generator.generate({{p.tokens, greedy, ""}});
+    if (!out) throw std::runtime_error(out.error().message);
+    p.answer = out->front().tokens;
+    p.logits = out->front().prompt_logits;
+    return &p;
+  };
+  auto text_of = [&](int32_t t) {
+    auto text = tokenizer->decode({t}, model::DecodeOptions{});
+    return text ? *text : std::string();
+  };
+
+  std::vector<Pair> pairs;
+  std::ifstream in(flags["--pairs"]);
+  if (!in) {
+    std::cerr << "cannot read " << flags["--pairs"] << '\n';
+    return 1;
+  }
+  double kl_same = 0, kl_other = 0;
+  int n_same = 0, n_other = 0;
+  for (std::string line; std::getline(in, line);) {
+    if (line.empty()) continue;
+    const nlohmann::json row = nlohmann::json::parse(line);
+    Pair p;
+    p.kind = row.at("kind");
+    p.match = row.at("match");
+    p.a = prompt_of(row.at("a"));
+    p.b = prompt_of(row.at("b"));
+    p.similarity = reuse::cosine(p.a->signature, p.b->signature);
+    p.difference = reuse::classify_difference(p.b->tokens, p.a->tokens, text_of);
+    p.changed = reuse::changed_fraction(p.b->tokens, p.a->tokens);
+    p.same_answer = p.a->answer == p.b->answer;
+    p.donor = std::hash<std::string>{}(row.at("a").get<std::string>());
+    const double d = kl(p.b->logits, p.a->logits);
+    (p.same_answer ? kl_same : kl_other) += d;
+    (p.same_answer ? n_same : n_other) += 1;
+    pairs.push_back(p);
+  }
+  std::mt19937_64 rng(std::stoull(flags["--seed"]));
+  std::shuffle(pairs.begin(), pairs.end(), rng);
+  const size_t calibration =
+      static_cast<size_t>(std::stod(flags["--calibration"]) * static_cast<double>(pairs.size()));
+
+  reuse::DecisionOptions decision;
+  decision.threshold = std::stof(flags["--threshold"]);
+  decision.max_error = std::stod(flags["--delta"]);
+  decision.shadow_fraction = std::stod(flags["--shadow-fraction"]);
+  decision.seed = std::stoull(flags["--seed"]);
+  reuse::DecisionRule rule(decision);
+  const int passes = std::stoi(flags["--passes"]);
+  for (int pass = 0; pass < passes; ++pass)
+    for (size_t i = 0; i < calibration; ++i) {
+      const Pair& p = pairs[i];
+      if (p.similarity < decision.threshold) continue;
+      // Calibration: every candidate computed in full and compared. Repeated passes use fresh
+      // donor identities (another tenant's copy of the same pair).
+      rule.record(rule.cell_of(p.similarity, p.difference, p.changed),
+                  p.donor + static_cast<uint64_t>(pass), p.same_answer);
+    }
+
+  Tally threshold_only, with_rule;
+  std::map<std::string, Tally> threshold_by_kind, rule_by_kind;
+  int shadowed = 0;
+  for (size_t i = calibration; i < pairs.size(); ++i) {
+    const Pair& p = pairs[i];
+    const bool candidate = p.similarity >= decision.threshold;
+    threshold_only.add(p, candidate);
+    threshold_by_kind[p.kind].add(p, candidate);
+    bool served = false;
+    if (candidate) {
+      const reuse::Decision d =
+          rule.decide(p.similarity, p.difference, p.changed, p.donor + 1000003);
+      served = d.action == reuse::Decision::kServe;
+      if (d.action == reuse::Decision::kShadow) {
+        ++shadowed;
+        rule.record(d.cell, p.donor + 1000003, p.same_answer);
+      }
+    }
+    with_rule.add(p, served);
+    rule_by_kind[p.kind].add(p, served);
+  }
+  nlohmann::json cells = nlohmann::json::object();
+  for (const auto& [cell, counts] : rule.cells())
+    cells[rule.cell_name(cell)] = {{"checks", counts.checks},
+                                   {"failures", counts.failures},
+                                   {"error_bound", rule.error_bound(cell)}};
+  nlohmann::json by_kind = nlohmann::json::object();
+  for (const auto& [kind, tally] : threshold_by_kind)
+    by_kind[kind] = {{"threshold", tally.json()}, {"rule", rule_by_kind[kind].json()}};
+  nlohmann::json out = {{"pairs", pairs.size()},
+                        {"calibration_pairs", calibration},
+                        {"passes", passes},
+                        {"threshold", decision.threshold},
+                        {"delta", decision.max_error},
+                        {"shadow_tokens", shadow_tokens},
+                        {"signature_layers", options.layers},
+                        {"threshold_only", threshold_only.json()},
+                        {"rule", with_rule.json()},
+                        {"rule_shadow_checks_in_evaluation", shadowed},
+                        {"by_kind", by_kind},
+                        {"cells", cells},
+                        {"mean_kl_first_token",
+                         {{"same_answer", n_same ? kl_same / n_same : 0.0},
+                          {"different_answer", n_other ? kl_other / n_other : 0.0}}}};
+  std::cout << out.dump(2) << '\n';
+  return 0;
+}
