@@ -1,7 +1,7 @@
 // moeline_approximate_bench: the decision rule of approximate reuse on an evaluation set of prompt
 // pairs (tests/eval/approximate_pairs.jsonl), against the fixed threshold alone. One JSON object.
 //
-//   moeline_approximate_bench --model DIR --pairs FILE [--threshold 0.93] [--delta 0.01]
+//   moeline_approximate_bench --model DIR --pairs FILE [--threshold 0.93] [--deltas 0.01,0.1]
 //       [--shadow-fraction 0.05] [--shadow-tokens 8] [--layers 2] [--calibration 0.5] [--seed 1]
 //       [--passes 1]
 //
@@ -24,6 +24,7 @@
 #include <map>
 #include <nlohmann/json.hpp>
 #include <random>
+#include <sstream>
 #include <string>
 #include <vector>
 
@@ -107,7 +108,7 @@ int main(int argc, char** argv) {
   std::map<std::string, std::string> flags = {{"--model", ""},
                                               {"--pairs", ""},
                                               {"--threshold", "0.93"},
-                                              {"--delta", "0.01"},
+                                              {"--deltas", "0.01"},
                                               {"--shadow-fraction", "0.05"},
                                               {"--shadow-tokens", "8"},
                                               {"--layers", "2"},
@@ -214,67 +215,74 @@ int main(int argc, char** argv) {
   const size_t calibration =
       static_cast<size_t>(std::stod(flags["--calibration"]) * static_cast<double>(pairs.size()));
 
-  reuse::DecisionOptions decision;
-  decision.threshold = std::stof(flags["--threshold"]);
-  decision.max_error = std::stod(flags["--delta"]);
-  decision.shadow_fraction = std::stod(flags["--shadow-fraction"]);
-  decision.seed = std::stoull(flags["--seed"]);
-  reuse::DecisionRule rule(decision);
-  const int passes = std::stoi(flags["--passes"]);
-  for (int pass = 0; pass < passes; ++pass)
-    for (size_t i = 0; i < calibration; ++i) {
-      const Pair& p = pairs[i];
-      if (p.similarity < decision.threshold) continue;
-      // Calibration: every candidate computed in full and compared. Repeated passes use fresh
-      // donor identities (another tenant's copy of the same pair).
-      rule.record(rule.cell_of(p.similarity, p.difference, p.changed),
-                  p.donor + static_cast<uint64_t>(pass), p.same_answer);
-    }
-
-  Tally threshold_only, with_rule;
-  std::map<std::string, Tally> threshold_by_kind, rule_by_kind;
-  int shadowed = 0;
-  for (size_t i = calibration; i < pairs.size(); ++i) {
-    const Pair& p = pairs[i];
-    const bool candidate = p.similarity >= decision.threshold;
-    threshold_only.add(p, candidate);
-    threshold_by_kind[p.kind].add(p, candidate);
-    bool served = false;
-    if (candidate) {
-      const reuse::Decision d =
-          rule.decide(p.similarity, p.difference, p.changed, p.donor + 1000003);
-      served = d.action == reuse::Decision::kServe;
-      if (d.action == reuse::Decision::kShadow) {
-        ++shadowed;
-        rule.record(d.cell, p.donor + 1000003, p.same_answer);
-      }
-    }
-    with_rule.add(p, served);
-    rule_by_kind[p.kind].add(p, served);
+  std::vector<double> deltas;
+  {
+    std::stringstream list(flags["--deltas"]);
+    for (std::string item; std::getline(list, item, ',');) deltas.push_back(std::stod(item));
   }
-  nlohmann::json cells = nlohmann::json::object();
-  for (const auto& [cell, counts] : rule.cells())
-    cells[rule.cell_name(cell)] = {{"checks", counts.checks},
-                                   {"failures", counts.failures},
-                                   {"error_bound", rule.error_bound(cell)}};
-  nlohmann::json by_kind = nlohmann::json::object();
-  for (const auto& [kind, tally] : threshold_by_kind)
-    by_kind[kind] = {{"threshold", tally.json()}, {"rule", rule_by_kind[kind].json()}};
   nlohmann::json out = {{"pairs", pairs.size()},
                         {"calibration_pairs", calibration},
-                        {"passes", passes},
-                        {"threshold", decision.threshold},
-                        {"delta", decision.max_error},
+                        {"passes", std::stoi(flags["--passes"])},
+                        {"threshold", std::stod(flags["--threshold"])},
                         {"shadow_tokens", shadow_tokens},
                         {"signature_layers", options.layers},
-                        {"threshold_only", threshold_only.json()},
-                        {"rule", with_rule.json()},
-                        {"rule_shadow_checks_in_evaluation", shadowed},
-                        {"by_kind", by_kind},
-                        {"cells", cells},
                         {"mean_kl_first_token",
                          {{"same_answer", n_same ? kl_same / n_same : 0.0},
-                          {"different_answer", n_other ? kl_other / n_other : 0.0}}}};
+                          {"different_answer", n_other ? kl_other / n_other : 0.0}}},
+                        {"runs", nlohmann::json::array()}};
+  for (double delta : deltas) {
+    reuse::DecisionOptions decision;
+    decision.threshold = std::stof(flags["--threshold"]);
+    decision.max_error = delta;
+    decision.shadow_fraction = std::stod(flags["--shadow-fraction"]);
+    decision.seed = std::stoull(flags["--seed"]);
+    reuse::DecisionRule rule(decision);
+    const int passes = std::stoi(flags["--passes"]);
+    for (int pass = 0; pass < passes; ++pass)
+      for (size_t i = 0; i < calibration; ++i) {
+        const Pair& p = pairs[i];
+        if (p.similarity < decision.threshold) continue;
+        // Calibration: every candidate computed in full and compared. Repeated passes use fresh
+        // donor identities (another tenant's copy of the same pair).
+        rule.record(rule.cell_of(p.similarity, p.difference, p.changed),
+                    p.donor + static_cast<uint64_t>(pass), p.same_answer);
+      }
+    Tally threshold_only, with_rule;
+    std::map<std::string, Tally> threshold_by_kind, rule_by_kind;
+    int shadowed = 0;
+    for (size_t i = calibration; i < pairs.size(); ++i) {
+      const Pair& p = pairs[i];
+      const bool candidate = p.similarity >= decision.threshold;
+      threshold_only.add(p, candidate);
+      threshold_by_kind[p.kind].add(p, candidate);
+      bool served = false;
+      if (candidate) {
+        const reuse::Decision d =
+            rule.decide(p.similarity, p.difference, p.changed, p.donor + 1000003);
+        served = d.action == reuse::Decision::kServe;
+        if (d.action == reuse::Decision::kShadow) {
+          ++shadowed;
+          rule.record(d.cell, p.donor + 1000003, p.same_answer);
+        }
+      }
+      with_rule.add(p, served);
+      rule_by_kind[p.kind].add(p, served);
+    }
+    nlohmann::json cells = nlohmann::json::object();
+    for (const auto& [cell, counts] : rule.cells())
+      cells[rule.cell_name(cell)] = {{"checks", counts.checks},
+                                     {"failures", counts.failures},
+                                     {"error_bound", rule.error_bound(cell)}};
+    nlohmann::json by_kind = nlohmann::json::object();
+    for (const auto& [kind, tally] : threshold_by_kind)
+      by_kind[kind] = {{"threshold", tally.json()}, {"rule", rule_by_kind[kind].json()}};
+    out["runs"].push_back({{"delta", delta},
+                           {"threshold_only", threshold_only.json()},
+                           {"rule", with_rule.json()},
+                           {"rule_shadow_checks_in_evaluation", shadowed},
+                           {"by_kind", by_kind},
+                           {"cells", cells}});
+  }
   std::cout << out.dump(2) << '\n';
   return 0;
 }

@@ -137,9 +137,16 @@ int DecisionRule::cell_of(float score, DifferenceKind kind, double changed) cons
 
 std::string DecisionRule::cell_name(int cell) const {
   const double low = options_.threshold + (cell % 1000) * options_.bin_width;
-  char text[64];
-  std::snprintf(text, sizeof(text), "%s@%.3f",
-                difference_name(static_cast<DifferenceKind>(cell / 1000)), low);
+  const int bucket = (cell / 1000) % kChangedBuckets;
+  const auto kind = static_cast<DifferenceKind>(cell / 1000 / kChangedBuckets);
+  char text[96];
+  if (bucket < kChangedBuckets - 1) {
+    std::snprintf(text, sizeof(text), "%s/changed<=%.2f/cos>=%.3f", difference_name(kind),
+                  kChangedEdges[bucket], low);
+  } else {
+    std::snprintf(text, sizeof(text), "%s/changed>%.2f/cos>=%.3f", difference_name(kind),
+                  kChangedEdges[kChangedBuckets - 2], low);
+  }
   return text;
 }
 

@@ -96,6 +96,14 @@ TEST(DecisionRule, ShadowsUntilTheBoundIsProvenThenServes) {
   EXPECT_EQ(rule.decide(score, DifferenceKind::kFormat, 0.01, 1).action, Decision::kShadow);
 }
 
+TEST(DecisionRule, NamesItsCells) {
+  DecisionRule rule(DecisionOptions{});
+  EXPECT_EQ(rule.cell_name(rule.cell_of(0.955f, DifferenceKind::kNumber, 0.01)),
+            "number/changed<=0.02/cos>=0.950");
+  EXPECT_EQ(rule.cell_name(rule.cell_of(0.999f, DifferenceKind::kFormat, 0.5)),
+            "format/changed>0.25/cos>=0.990");
+}
+
 TEST(DecisionRule, SamplesShadowChecksAtTheConfiguredFraction) {
   DecisionOptions options;
   options.shadow_fraction = 0.2;
