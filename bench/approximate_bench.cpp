@@ -2,7 +2,7 @@
 // pairs (tests/eval/approximate_pairs.jsonl), against the fixed threshold alone. One JSON object.
 //
 //   moeline_approximate_bench --model DIR --pairs FILE [--threshold 0.93] [--deltas 0.01,0.1]
-//       [--shadow-fraction 0.05] [--shadow-tokens 8] [--layers 2] [--calibration 0.5] [--seed 1]
+//       [--shadow-fraction 0.05] [--shadow-tokens 8] [--layers 1] [--calibration 0.5] [--seed 1]
 //       [--passes 1]
 //
 // For each pair (a cached donor a, a new request b) it computes what the stack computes — b's and
@@ -111,7 +111,7 @@ int main(int argc, char** argv) {
                                               {"--deltas", "0.01"},
                                               {"--shadow-fraction", "0.05"},
                                               {"--shadow-tokens", "8"},
-                                              {"--layers", "2"},
+                                              {"--layers", "1"},
                                               {"--calibration", "0.5"},
                                               {"--seed", "1"},
                                               {"--passes", "1"},

@@ -217,7 +217,11 @@ Status Engine::forward_blend(const BlendInput& input, std::vector<float>& logits
 
 Status Engine::forward_layers(std::span<const SequenceInput> batch, int64_t layers) {
   if (Status status = validate(batch); !status.ok()) return status;
-  run_layers(batch, std::clamp<int64_t>(layers, 0, model_.config().num_layers));
+  const int64_t run = std::clamp<int64_t>(layers, 0, model_.config().num_layers);
+  // The last layer's experts feed nothing a router observer sees: stop at its router.
+  routers_only_layer_ = run - 1;
+  run_layers(batch, run);
+  routers_only_layer_ = -1;
   for (const SequenceInput& input : batch) input.sequence->commit(input.tokens);
   return Status::ok_status();
 }
@@ -355,6 +359,7 @@ void Engine::moe_block(int64_t layer, int64_t n) {
                                      std::span(token_refs_.data(), static_cast<size_t>(n)), scores,
                                      chosen, weights});
   }
+  if (layer == routers_only_layer_) return;
 
   // Group the (token, expert) pairs by expert (counting sort), so each expert runs once on all its
   // tokens, and gather its input rows.

@@ -42,8 +42,9 @@ class Engine {
   // has grown by its tokens. On error (bad token id, context or KV pool exhausted) nothing changed.
   Status forward(std::span<const SequenceInput> batch, std::vector<float>& logits);
   // Runs only the first `layers` layers (no final norm, no logits): what a router observer needs
-  // from them — the probe's activation signatures — at a fraction of a prefill. The sequences
-  // hold KV for those layers only; release them afterwards, never decode from them.
+  // from them — the probe's activation signatures — at a fraction of a prefill. The last layer
+  // stops at its router (its experts feed nothing the observer sees). The sequences hold KV for
+  // those layers only; release them afterwards, never decode from them.
   Status forward_layers(std::span<const SequenceInput> batch, int64_t layers);
 
   // Blended reuse (after CacheBlend): `sequence` is empty; `donor_kv` holds one KV block per block
@@ -84,6 +85,8 @@ class Engine {
   // While set, attention_block adds each row's squared distance between its fresh K/V and what the
   // cache held before (blended reuse's deviation).
   float* kv_deviation_ = nullptr;
+  // forward_layers: this layer's MoE block stops after its router (-1: none).
+  int64_t routers_only_layer_ = -1;
 
   // Per-token bookkeeping for the current batch.
   std::vector<RoutedToken> token_refs_;

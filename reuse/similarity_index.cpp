@@ -1,6 +1,7 @@
 #include "reuse/similarity_index.h"
 
 #include <faiss/IndexHNSW.h>
+#include <omp.h>
 
 #include <algorithm>
 #include <stdexcept>
@@ -115,6 +116,10 @@ std::vector<SimilarityIndex::Hit> SimilarityIndex::search(const std::string& cac
     hits.push_back({p.ids[static_cast<size_t>(label)], scores[static_cast<size_t>(i)]});
   }
   return hits;
+}
+
+void SimilarityIndex::search_on_one_thread() {
+  omp_set_num_threads(1);
 }
 
 size_t SimilarityIndex::size(const std::string& cache_namespace) const {

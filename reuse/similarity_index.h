@@ -49,6 +49,10 @@ class SimilarityIndex {
   std::vector<Hit> search(const std::string& cache_namespace, std::span<const float> vector,
                           int k) const;
 
+  // FAISS runs on OpenMP, process-wide. A probe searches one prompt at a time, where a thread
+  // team only adds wake-up latency: it calls this once (it has no other OpenMP work).
+  static void search_on_one_thread();
+
   size_t size(const std::string& cache_namespace) const;
   size_t tombstones(const std::string& cache_namespace) const;
   uint64_t rebuilds() const { return rebuilds_; }

@@ -78,7 +78,9 @@ std::vector<runtime::ConfigKey> common_keys(const char* default_http) {
 }
 
 std::vector<runtime::ConfigKey> signature_keys() {
-  return {{"signature-layers", "2", "activation signatures pool the first k MoE layers' routers"},
+  return {{"signature-layers", "1",
+           "activation signatures pool the first k MoE layers' routers (1: the probe costs 2-5% "
+           "of a prefill, see docs/PERFORMANCE.md)"},
           {"signature-dimension", "256", "signatures are projected to this when larger"}};
 }
 

@@ -118,6 +118,7 @@ class Probe {
     index.ef_construction = static_cast<int>(config.integer("index-ef-construction"));
     index.ef_search = static_cast<int>(config.integer("index-ef-search"));
     index_ = std::make_unique<reuse::SimilarityIndex>(index);
+    reuse::SimilarityIndex::search_on_one_thread();
 
     reuse::DecisionOptions decision;
     decision.threshold = static_cast<float>(config.number("approximate-threshold"));

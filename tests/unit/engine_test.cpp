@@ -348,6 +348,58 @@ TEST(Engine, ForwardOfTheFirstLayersSeesTheSameRouterScores) {
 namespace moeline::model {
 namespace {
 
+// Counts which layers' experts a forward acquires.
+class CountingProvider : public offload::ExpertProvider {
+ public:
+  explicit CountingProvider(offload::ExpertProvider& inner) : inner_(inner) {}
+  int layers() const override { return inner_.layers(); }
+  int experts_per_layer() const override { return inner_.experts_per_layer(); }
+  offload::ExpertWeights acquire(int layer, int expert) override {
+    ++acquired[layer];
+    return inner_.acquire(layer, expert);
+  }
+  void release(int layer, int expert) override { inner_.release(layer, expert); }
+  std::map<int, int> acquired;
+
+ private:
+  offload::ExpertProvider& inner_;
+};
+
+// Signatures over two MoE layers: the second layer's router scores are exactly a full prefill's
+// (so the first layer's experts ran), and the second layer's experts never run.
+TEST(Engine, ForwardLayersStopsAtTheLastRouter) {
+  auto model = load("qwen3-f32");
+  ASSERT_TRUE(model);
+  const std::vector<int32_t> tokens = prompt(21, 4, model->config().vocab_size);
+  Harness full_h(*model);
+  ScoreRecorder full;
+  full_h.engine.set_router_observer(&full);
+  prefill_logits(full_h, tokens);
+
+  kernels::ThreadPool pool(2);
+  offload::ResidentExpertProvider resident(model->experts());
+  CountingProvider counting(resident);
+  KvCache cache(model->config(), 64);
+  Engine engine(*model, counting, pool, cache);
+  ScoreRecorder partial;
+  engine.set_router_observer(&partial);
+  Sequence sequence(1, 0, 0);
+  SequenceInput input{&sequence, tokens, false};
+  ASSERT_TRUE(engine.forward_layers(std::span(&input, 1), 2).ok());
+  sequence.release(cache.pool());
+  EXPECT_EQ(partial.by_layer.at(1), full.by_layer.at(1)) << "bit-identical router scores";
+  EXPECT_GT(counting.acquired[0], 0);
+  EXPECT_EQ(counting.acquired.count(1), 0u) << "the last layer's experts ran";
+  // A full forward afterwards is unaffected.
+  Sequence again(2, 0, 0);
+  std::vector<float> logits;
+  SequenceInput whole{&again, tokens, true};
+  ASSERT_TRUE(engine.forward(std::span(&whole, 1), logits).ok());
+  EXPECT_GT(counting.acquired[1], 0);
+  EXPECT_EQ(logits, prefill_logits(full_h, tokens));
+  again.release(cache.pool());
+}
+
 // Blended reuse: a prompt's KV partly from a donor. Checked against a plain prefill at the two
 // ends where the answer is known exactly — everything recomputed, or a donor that is the same
 // prompt — and for how many tokens it recomputes in between.
