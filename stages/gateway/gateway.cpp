@@ -52,11 +52,13 @@ struct Request {
   // Approximate reuse: the namespace's levels (what prefill stores signatures for), the outcome
   // (Usage.approximate; empty when the request did not ask), and a pending shadow check.
   uint32_t namespace_levels = 0;
+  uint32_t probe_us = 0;  // the probe's lookup time (signature and index search included)
   std::string approximate;
   float similarity = 0;
   uint64_t donor = 0;
   int32_t cell = 0;
   bool blend_plan = false, blend_shadow = false;
+  bool shadow_sampled = false;  // the shadow check is of a hit the rule would have served
   std::string shadow_mode;  // "response": compare the finished tokens with donor_completion
   std::vector<int32_t> donor_completion;
 };
@@ -219,8 +221,13 @@ class Gateway {
     approximate_enabled_ = &metrics_.gauge(
         "moeline_gateway_approximate_enabled",
         "1 while approximate reuse is on (the rollback controller or an operator turns it off)");
+    probe_fraction_ = &metrics_.histogram(
+        "moeline_gateway_probe_prefill_ratio",
+        "A request's probe lookup time over its prefill's forward time (requests prefilled)",
+        {0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1, 2});
     shadow_agreement_ = &metrics_.gauge("moeline_gateway_shadow_agreement",
-                                        "Shadow checks that agreed, over the controller's window");
+                                        "Sampled shadow checks (of hits the rule serves) that "
+                                        "agreed, over the controller's window");
     shadow_counter_[0] = &metrics_.counter("moeline_gateway_shadow_checks_total",
                                            "Shadow checks by result", {{"result", "disagreed"}});
     shadow_counter_[1] = &metrics_.counter("moeline_gateway_shadow_checks_total",
@@ -308,12 +315,16 @@ class Gateway {
     return out;
   }
 
-  // A shadow check's outcome: to the controller, and to every probe's decision rule.
+  // A shadow check's outcome: to every probe's decision rule, and — for a check of a hit the rule
+  // would have served — to the controller (checks of unproven candidates are how the rule learns;
+  // they fail often by design and say nothing about what is served).
   void report_shadow(const Request& r, bool correct, float kl) {
-    controller_->on_shadow(seconds_now(), correct);
+    if (r.shadow_sampled) {
+      controller_->on_shadow(seconds_now(), correct);
+      const auto agreement = controller_->agreement(seconds_now());
+      if (agreement) shadow_agreement_->set(*agreement);
+    }
     shadow_counter_[correct ? 1 : 0]->inc();
-    const auto agreement = controller_->agreement(seconds_now());
-    if (agreement) shadow_agreement_->set(*agreement);
     const std::string record = reuse::encode(reuse::QualityRecord{r.cell, correct, kl});
     flatbuffers::FlatBufferBuilder builder(128);
     std::vector<flatbuffers::Offset<wire::SnapshotEntry>> entries = {
@@ -1049,6 +1060,7 @@ class Gateway {
         Request* r = find(plan->request_id(), plan->attempt());
         if (r == nullptr) return;
         r->owner.clear();
+        r->probe_us = plan->probe_us();
         const std::string level = plan->reuse_level() ? plan->reuse_level()->str() : "none";
         const std::string outcome = plan->approximate() ? plan->approximate()->str() : "";
         if (!outcome.empty()) {
@@ -1056,6 +1068,7 @@ class Gateway {
           r->similarity = plan->similarity();
           r->donor = plan->donor_key();
           r->cell = plan->cell();
+          r->shadow_sampled = plan->shadow_sampled();
           approximate_counter(outcome).inc();
           controller_->on_lookup(seconds_now(), outcome == "response" || outcome == "blend");
           if (outcome == "shadow" && plan->shadow_mode() &&
@@ -1071,6 +1084,7 @@ class Gateway {
           } else {
             r->blend_plan = true;
             r->blend_shadow = outcome == "shadow";
+            r->prefix_key = plan->prefix_key();  // same donor, same prefill replica
             r->prefix_plan = std::move(message);
           }
           prefill_queue_.push_back({r->id, r->attempt});
@@ -1113,6 +1127,9 @@ class Gateway {
         if (r == nullptr) return;
         r->owner.clear();
         r->prefill_ms = static_cast<double>(done->prefill_us()) / 1000.0;
+        if (done->prefill_us() > 0 && r->probe_us > 0)
+          probe_fraction_->observe(static_cast<double>(r->probe_us) /
+                                   static_cast<double>(done->prefill_us()));
         if (done->reuse_level() && done->reuse_level()->size() > 0) {
           r->reuse_level = done->reuse_level()->str();
           r->reused_tokens = done->reused_tokens();
@@ -1230,6 +1247,7 @@ class Gateway {
   std::map<std::pair<std::string, uint64_t>, bool> approximately_served_;
   std::deque<std::pair<std::string, uint64_t>> served_order_;
   runtime::Gauge *approximate_enabled_ = nullptr, *shadow_agreement_ = nullptr;
+  runtime::Histogram* probe_fraction_ = nullptr;
   runtime::Counter* shadow_counter_[2] = {nullptr, nullptr};
   std::map<std::string, runtime::Counter*> transitions_, approximate_outcomes_, reused_feedback_;
 };

@@ -29,10 +29,14 @@ namespace {
 
 using Clock = std::chrono::steady_clock;
 
+// Index neighbours considered per lookup.
+constexpr int kCandidates = 8;
+
 // What approximate reuse made of a lookup (ProbePlan.approximate and the fields that go with it).
 struct ApproximateOutcome {
   std::string outcome;      // "" (not asked), response, blend, shadow, no_candidate, rejected
   std::string shadow_mode;  // for shadow: response or blend
+  bool sampled = false;     // a shadow of a hit the rule would have served
   uint64_t donor = 0;
   float similarity = 0;
   int cell = 0;
@@ -110,7 +114,11 @@ class Probe {
                                   model::kBlockTokens));
     engine_ = std::make_unique<model::Engine>(*model_, *experts_, *pool_, *cache_);
     accumulator_ = std::make_unique<reuse::SignatureAccumulator>(moe, experts, signature_options_);
-    engine_->set_router_observer(accumulator_.get());
+    whole_accumulator_ =
+        std::make_unique<reuse::SignatureAccumulator>(moe, experts, signature_options_);
+    observers_.add(accumulator_.get());
+    observers_.add(whole_accumulator_.get());
+    engine_->set_router_observer(&observers_);
 
     reuse::IndexOptions index;
     index.dimension = std::max(1, signature_dimension_);
@@ -382,21 +390,28 @@ class Probe {
                                        {"error_bound", rule_->error_bound(quality->cell)}});
   }
 
-  // The signature of `tokens`, pooled over positions from `from` on: the first layers only.
-  std::vector<float> lookup_signature(const std::vector<int32_t>& tokens, int64_t from) {
+  // Two signatures of `tokens` from one partial forward (the first layers only): pooled over
+  // positions from `from` on (past the exact prefix hit, so that a shared template does not
+  // dominate) and over the whole prompt. Stored signatures were pooled past whatever prefix hit
+  // their own prefill had — none for a prompt computed cold — so a lookup asks with both.
+  std::pair<std::vector<float>, std::vector<float>> lookup_signatures(
+      const std::vector<int32_t>& tokens, int64_t from) {
     if (static_cast<int64_t>(tokens.size()) > max_signature_tokens_ || signature_layers_ == 0)
       return {};
     const auto start = Clock::now();
     const uint64_t id = next_sequence_id_++;
     model::Sequence sequence(id, model_->model_id(), 0);
     accumulator_->watch(id, from);
+    whole_accumulator_->watch(id, 0);
     const model::SequenceInput input{&sequence, tokens, false};
     model::Status status = engine_->forward_layers(std::span(&input, 1), signature_layers_);
-    std::vector<float> signature = status.ok() ? accumulator_->signature(id) : std::vector<float>{};
+    std::pair<std::vector<float>, std::vector<float>> out;
+    if (status.ok()) out = {accumulator_->signature(id), whole_accumulator_->signature(id)};
     accumulator_->forget(id);
+    whole_accumulator_->forget(id);
     sequence.release(cache_->pool());
     signature_seconds_->observe(std::chrono::duration<double>(Clock::now() - start).count());
-    return signature;
+    return out;
   }
 
   std::string token_text(int32_t token) {
@@ -413,61 +428,87 @@ class Probe {
                                  uint32_t allowed, int64_t from) {
     ApproximateOutcome result;
     result.outcome = "no_candidate";
-    const std::vector<float> signature = lookup_signature(tokens, from);
-    if (signature.empty()) return result;
+    const auto [past_prefix, whole] = lookup_signatures(tokens, from);
+    if (past_prefix.empty() && whole.empty()) return result;
     const float threshold = rule_->options().threshold;
-    for (const reuse::SimilarityIndex::Hit& hit : index_->search(name_space, signature, 4)) {
-      if (hit.id == key) continue;
-      if (hit.score < threshold) break;
+    // The nearest few by signature are the candidates; of those with what this request can use,
+    // the one closest in tokens (smallest share changed) is the donor: the signature finds the
+    // neighbourhood, the tokens pick within it.
+    struct Candidate {
+      reuse::SimilarityIndex::Hit hit;
+      reuse::SignatureRecord donor;
+      double changed = 1;
+    };
+    std::optional<Candidate> best;
+    std::vector<reuse::SimilarityIndex::Hit> hits;
+    for (const std::vector<float>* signature : {&past_prefix, &whole}) {
+      if (signature->empty() || (signature == &whole && from == 0)) continue;
+      for (const reuse::SimilarityIndex::Hit& hit :
+           index_->search(name_space, *signature, kCandidates))
+        if (hit.score >= threshold && hit.id != key) hits.push_back(hit);
+    }
+    std::sort(hits.begin(), hits.end(), [](const auto& a, const auto& b) {
+      return a.id != b.id ? a.id < b.id : a.score > b.score;
+    });
+    hits.erase(std::unique(hits.begin(), hits.end(),
+                           [](const auto& a, const auto& b) { return a.id == b.id; }),
+               hits.end());
+    for (const reuse::SimilarityIndex::Hit& hit : hits) {
       reuse::Value stored = signatures_->get(reuse::signature_entry(hit.id));
       auto donor = stored ? reuse::decode_signature(*stored) : std::nullopt;
       if (!donor) {
         index_->remove(name_space, hit.id);  // its record is gone: a tombstone from now on
         continue;
       }
-      std::optional<reuse::ResultRecord> answer;
-      if (allowed & reuse::kResponse) {
-        if (reuse::Value value = store_->get(reuse::result_entry(hit.id, sampling)))
-          answer = reuse::decode_result(*value);
-        if (answer && answer->tokens.empty()) answer.reset();
-      }
-      std::vector<uint8_t> kv, mask;
-      if (!answer && (allowed & reuse::kBlend)) blend_kv(tokens, *donor, hit.id, kv, mask);
-      if (!answer && kv.empty()) continue;  // nothing of it that this request could use
-      const char* mode = answer ? "response" : "blend";
-      candidates_[mode]->inc();
-      const reuse::DifferenceKind kind = reuse::classify_difference(
-          tokens, donor->tokens, [this](int32_t t) { return token_text(t); });
-      const reuse::Decision decision =
-          rule_->decide(hit.score, kind, reuse::changed_fraction(tokens, donor->tokens), hit.id);
-      result.donor = hit.id;
-      result.similarity = hit.score;
-      result.cell = decision.cell;
-      if (answer) result.donor_result = std::move(*answer);
-      result.kv = std::move(kv);
-      result.mask = std::move(mask);
-      switch (decision.action) {
-        case reuse::Decision::kServe:
-          result.outcome = mode;
-          served_[mode]->inc();
-          break;
-        case reuse::Decision::kShadow:
-          result.outcome = "shadow";
-          result.shadow_mode = mode;
-          break;
-        case reuse::Decision::kReject:
-          result.outcome = "rejected";
-          break;
-      }
-      service_.log.info("approximate_candidate", {{"donor", hit.id},
-                                                  {"similarity", static_cast<double>(hit.score)},
-                                                  {"mode", mode},
-                                                  {"difference", reuse::difference_name(kind)},
-                                                  {"decision", result.outcome},
-                                                  {"reason", decision.reason},
-                                                  {"error_bound", decision.error_bound}});
-      return result;
+      const double changed = reuse::changed_fraction(tokens, donor->tokens);
+      if (!best || changed < best->changed) best = Candidate{hit, std::move(*donor), changed};
     }
+    if (!best) return result;
+    const reuse::SimilarityIndex::Hit& hit = best->hit;
+    const reuse::SignatureRecord& donor = best->donor;
+    std::optional<reuse::ResultRecord> answer;
+    if (allowed & reuse::kResponse) {
+      if (reuse::Value value = store_->get(reuse::result_entry(hit.id, sampling)))
+        answer = reuse::decode_result(*value);
+      if (answer && answer->tokens.empty()) answer.reset();
+    }
+    std::vector<uint8_t> kv, mask;
+    if (!answer && (allowed & reuse::kBlend)) blend_kv(tokens, donor, hit.id, kv, mask);
+    if (!answer && kv.empty()) return result;  // nothing of it that this request could use
+    const char* mode = answer ? "response" : "blend";
+    candidates_[mode]->inc();
+    const reuse::DifferenceKind kind = reuse::classify_difference(
+        tokens, donor.tokens, [this](int32_t t) { return token_text(t); });
+    const reuse::Decision decision = rule_->decide(hit.score, kind, best->changed, hit.id);
+    result.donor = hit.id;
+    result.similarity = hit.score;
+    result.cell = decision.cell;
+    if (answer) result.donor_result = std::move(*answer);
+    result.kv = std::move(kv);
+    result.mask = std::move(mask);
+    switch (decision.action) {
+      case reuse::Decision::kServe:
+        result.outcome = mode;
+        served_[mode]->inc();
+        break;
+      case reuse::Decision::kShadow:
+        result.outcome = "shadow";
+        result.shadow_mode = mode;
+        result.sampled = std::string_view(decision.reason) == "sampled";
+        break;
+      case reuse::Decision::kReject:
+        result.outcome = "rejected";
+        break;
+    }
+    service_.log.info("approximate_candidate", {{"donor", hit.id},
+                                                {"similarity", static_cast<double>(hit.score)},
+                                                {"changed", best->changed},
+                                                {"mode", mode},
+                                                {"difference", reuse::difference_name(kind)},
+                                                {"cell", rule_->cell_name(decision.cell)},
+                                                {"decision", result.outcome},
+                                                {"reason", decision.reason},
+                                                {"error_bound", decision.error_bound}});
     return result;
   }
 
@@ -641,6 +682,7 @@ class Probe {
     plan.add_donor_key(a.donor);
     plan.add_similarity(a.similarity);
     plan.add_cell(a.cell);
+    plan.add_shadow_sampled(a.sampled);
     builder.Finish(plan.Finish(), wire::PrefillJobIdentifier());
     link_->send(wire::encode(wire::MessageType::ProbePlan, builder, std::move(bulk)));
     done(level, reused, start, tokens.size());
@@ -678,7 +720,8 @@ class Probe {
   }
 
   // Blended reuse (served, or shadowed: prefill then also computes in full, serves that and
-  // reports how the blend compared): the prompt's blocks with the donor's KV, and the mask.
+  // reports how the blend compared): the prompt's blocks with the donor's KV, and the mask. The
+  // donor's key is the plan's affinity key: jobs blending from one donor go to one prefill replica.
   void send_blend(const wire::ProbeJob& job, const ApproximateOutcome& a, Clock::time_point start) {
     flatbuffers::FlatBufferBuilder builder(512 + a.mask.size());
     std::vector<zmq::message_t> bulk;
@@ -693,8 +736,9 @@ class Probe {
     const auto took = std::chrono::duration_cast<std::chrono::microseconds>(Clock::now() - start);
     builder.Finish(wire::CreateProbePlan(builder, job.request_id(), job.attempt(), level, 0,
                                          static_cast<uint32_t>(took.count()), frames, kv_layout, 0,
-                                         0, 0, outcome, a.donor, a.similarity, a.cell, mask,
-                                         static_cast<float>(recompute_fraction_), shadow_mode),
+                                         0, a.donor, outcome, a.donor, a.similarity, a.cell, mask,
+                                         static_cast<float>(recompute_fraction_), shadow_mode,
+                                         a.sampled),
                    wire::PrefillJobIdentifier());
     link_->send(wire::encode(wire::MessageType::ProbePlan, builder, std::move(bulk)));
   }
@@ -762,7 +806,8 @@ class Probe {
   std::unique_ptr<offload::ResidentExpertProvider> experts_;
   std::unique_ptr<model::KvCache> cache_;
   std::unique_ptr<model::Engine> engine_;
-  std::unique_ptr<reuse::SignatureAccumulator> accumulator_;
+  std::unique_ptr<reuse::SignatureAccumulator> accumulator_, whole_accumulator_;
+  model::RouterFanout observers_;
   std::unique_ptr<reuse::SimilarityIndex> index_;
   std::unique_ptr<reuse::SnapshotStore> signatures_;
   std::unique_ptr<reuse::DecisionRule> rule_;

@@ -126,7 +126,8 @@ std::vector<zmq::message_t> probe_plan() {
   const std::vector<uint8_t> mask = {1, 0, 1};
   b.Finish(wire::CreateProbePlanDirect(b, 555, 2, "prefix", 16, 350, &frames, layout, &completion,
                                        "stop", 0x0badc0ffee0ddf00ULL, "blend",
-                                       0x00d0d0d0d0d0d0d0ULL, 0.9375f, 5003, &mask, 0.15f, "blend"),
+                                       0x00d0d0d0d0d0d0d0ULL, 0.9375f, 5003, &mask, 0.15f, "blend",
+                                       true),
            wire::PrefillJobIdentifier());
   std::vector<zmq::message_t> bulk;
   bulk.emplace_back(kv.data(), kv.size());

@@ -349,6 +349,7 @@ std::map<std::string, Expectation> v1_2() {
     EXPECT_EQ(bytes(t->blend_mask()), (std::vector<uint8_t>{1, 0, 1}));
     EXPECT_EQ(t->recompute_fraction(), 0.15f);
     EXPECT_EQ(str(t->shadow_mode()), "blend");
+    EXPECT_TRUE(t->shadow_sampled());
   });
   also("PrefillJob", [bytes](const Message& m) {
     const auto* t = m.as<PrefillJob>();
