@@ -60,21 +60,6 @@ struct Pair {
   double changed = 0;
 };
 
-double kl(const std::vector<float>& p_logits, const std::vector<float>& q_logits) {
-  auto log_softmax = [](const std::vector<float>& x) {
-    const float top = *std::max_element(x.begin(), x.end());
-    double sum = 0;
-    for (float v : x) sum += std::exp(static_cast<double>(v - top));
-    std::vector<double> out(x.size());
-    for (size_t i = 0; i < x.size(); ++i) out[i] = x[i] - top - std::log(sum);
-    return out;
-  };
-  const std::vector<double> p = log_softmax(p_logits), q = log_softmax(q_logits);
-  double total = 0;
-  for (size_t i = 0; i < p.size(); ++i) total += std::exp(p[i]) * (p[i] - q[i]);
-  return total;
-}
-
 struct Tally {
   int match = 0, match_served = 0, mismatch = 0, mismatch_served = 0;
   int agree = 0, agree_served = 0, served = 0, served_wrong = 0;
@@ -205,7 +190,7 @@ int main(int argc, char** argv) {
     p.changed = reuse::changed_fraction(p.b->tokens, p.a->tokens);
     p.same_answer = p.a->answer == p.b->answer;
     p.donor = std::hash<std::string>{}(row.at("a").get<std::string>());
-    const double d = kl(p.b->logits, p.a->logits);
+    const double d = reuse::softmax_kl(p.b->logits, p.a->logits);
     (p.same_answer ? kl_same : kl_other) += d;
     (p.same_answer ? n_same : n_other) += 1;
     pairs.push_back(p);

@@ -34,8 +34,10 @@ std::vector<int64_t> list(const std::string& text) {
 }  // namespace
 
 int main(int argc, char** argv) {
-  std::map<std::string, std::string> flags = {{"--model", ""},     {"--tokens", "256,1024"},
-                                              {"--layers", "1,2"}, {"--threads", "1"},
+  std::map<std::string, std::string> flags = {{"--model", ""},
+                                              {"--tokens", "256,1024"},
+                                              {"--layers", "1,2"},
+                                              {"--threads", "1"},
                                               {"--repeat", "3"}};
   for (int i = 1; i + 1 < argc; i += 2) {
     if (!flags.count(argv[i])) {

@@ -209,7 +209,9 @@ double RollbackController::rate(const std::deque<Event>& events) {
 }
 
 void RollbackController::on_lookup(double now_s, bool served) {
-  if (enabled_) lookups_.push_back({now_s, served});
+  if (!enabled_) return;
+  lookups_.push_back({now_s, served});
+  if (served) served_.push_back({now_s, true});
 }
 
 void RollbackController::on_shadow(double now_s, bool agreed) {
@@ -222,7 +224,7 @@ void RollbackController::on_shadow(double now_s, bool agreed) {
 }
 
 void RollbackController::on_feedback(double now_s, bool negative) {
-  if (enabled_) feedback_.push_back({now_s, negative});
+  if (enabled_ && negative) feedback_.push_back({now_s, true});
 }
 
 double RollbackController::hit_rate(double now_s) {
@@ -243,14 +245,16 @@ std::optional<double> RollbackController::agreement(double now_s) {
 
 std::optional<double> RollbackController::negative_rate(double now_s) {
   trim(feedback_, now_s - options_.feedback_window_s);
-  if (feedback_.empty()) return std::nullopt;
-  return rate(feedback_);
+  trim(served_, now_s - options_.feedback_window_s);
+  if (served_.empty()) return std::nullopt;
+  return static_cast<double>(feedback_.size()) / static_cast<double>(served_.size());
 }
 
 void RollbackController::reset(double now_s) {
   lookups_.clear();
   checks_.clear();
   feedback_.clear();
+  served_.clear();
   baseline_checks_ = baseline_agreed_ = 0;
   changed_at_ = now_s;
 }
@@ -287,12 +291,31 @@ bool RollbackController::update(double now_s) {
     }
   }
   auto negative = negative_rate(now_s);
-  if (negative && feedback_.size() >= options_.min_served &&
+  if (negative && served_.size() >= options_.min_served &&
       *negative > options_.max_negative_feedback) {
     set_enabled(now_s, false, "negative_feedback");
     return true;
   }
   return false;
+}
+
+double softmax_kl(std::span<const float> p_logits, std::span<const float> q_logits) {
+  const size_t n = std::min(p_logits.size(), q_logits.size());
+  if (n == 0) return 0;
+  const float p_max = *std::max_element(p_logits.begin(), p_logits.begin() + n);
+  const float q_max = *std::max_element(q_logits.begin(), q_logits.begin() + n);
+  double p_sum = 0, q_sum = 0;
+  for (size_t i = 0; i < n; ++i) {
+    p_sum += std::exp(static_cast<double>(p_logits[i] - p_max));
+    q_sum += std::exp(static_cast<double>(q_logits[i] - q_max));
+  }
+  const double p_log_z = std::log(p_sum) + p_max, q_log_z = std::log(q_sum) + q_max;
+  double kl = 0;
+  for (size_t i = 0; i < n; ++i) {
+    const double log_p = p_logits[i] - p_log_z, log_q = q_logits[i] - q_log_z;
+    kl += std::exp(log_p) * (log_p - log_q);
+  }
+  return std::max(0.0, kl);
 }
 
 std::vector<int32_t> align_tokens(std::span<const int32_t> query, std::span<const int32_t> donor,

@@ -98,9 +98,10 @@ struct RollbackOptions {
   double agreement_window_s = 300;   // shadow agreement over this window...
   double max_agreement_drop = 0.03;  // ...must not fall this far below the baseline
   uint64_t min_checks = 20;          // (judged with this many checks; the baseline is the first)
-  double feedback_window_s = 300;    // negative feedback on reused answers over this window...
+  double feedback_window_s = 300;    // negative feedback over answers served by approximate
+                                     // reuse, both over this window...
   double max_negative_feedback = 0.005;  // ...must not pass this share of reused answers
-  uint64_t min_served = 20;
+  uint64_t min_served = 20;              // (judged once this many were served in the window)
   double probation_s = 0;  // off for this long, then on again; 0: until an operator says so
 };
 
@@ -111,7 +112,8 @@ class RollbackController {
   // A request that asked for approximate reuse was looked up (served: an approximate hit served).
   void on_lookup(double now_s, bool served);
   void on_shadow(double now_s, bool agreed);
-  // Feedback on an answer served by approximate reuse.
+  // Feedback on an answer served by approximate reuse (only negative feedback counts: the rate is
+  // negative feedback over answers served, whether or not their users said anything).
   void on_feedback(double now_s, bool negative);
   // Evaluates the triggers and the probation; returns true when the state changed.
   bool update(double now_s);
@@ -141,9 +143,13 @@ class RollbackController {
   std::string reason_ = "initial";
   double changed_at_ = 0;
   uint64_t transitions_ = 0;
-  std::deque<Event> lookups_, checks_, feedback_;
+  std::deque<Event> lookups_, checks_, feedback_, served_;
   uint64_t baseline_checks_ = 0, baseline_agreed_ = 0;
 };
+
+// KL(p || q), in nats, of the softmax distributions of two logit vectors of one length: how far a
+// reused first-token distribution (q) is from the one the full computation gives (p).
+double softmax_kl(std::span<const float> p_logits, std::span<const float> q_logits);
 
 // For each position of `query`, the position of `donor` holding the same token in the aligned
 // region, or -1: the common prefix, the common suffix, and a longest common subsequence of what is

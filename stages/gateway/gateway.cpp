@@ -59,7 +59,7 @@ struct Request {
   int32_t cell = 0;
   bool blend_plan = false, blend_shadow = false;
   bool shadow_sampled = false;  // the shadow check is of a hit the rule would have served
-  std::string shadow_mode;  // "response": compare the finished tokens with donor_completion
+  std::string shadow_mode;      // "response": compare the finished tokens with donor_completion
   std::vector<int32_t> donor_completion;
 };
 
@@ -264,11 +264,12 @@ class Gateway {
     approximate_enabled_->set(controller_->enabled() ? 1 : 0);
     {
       std::lock_guard<std::mutex> lock(approximate_state_mutex_);
-      approximate_state_ = {{"enabled", controller_->enabled()},
-                            {"reason", controller_->reason()},
-                            {"changed_unix_s", std::chrono::duration<double>(
-                                                   std::chrono::system_clock::now().time_since_epoch())
-                                                   .count()}};
+      approximate_state_ = {
+          {"enabled", controller_->enabled()},
+          {"reason", controller_->reason()},
+          {"changed_unix_s",
+           std::chrono::duration<double>(std::chrono::system_clock::now().time_since_epoch())
+               .count()}};
     }
     transition_counter(controller_->reason()).inc();
     const double now = seconds_now();

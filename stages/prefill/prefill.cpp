@@ -10,6 +10,7 @@
 
 #include "model/generator.h"
 #include "model/sampling.h"
+#include "reuse/approximate.h"
 #include "reuse/records.h"
 #include "reuse/signature.h"
 #include "stages/common/common.h"
@@ -40,24 +41,6 @@ struct Job {
   std::vector<float> blend_logits;  // a shadow job's blended first-token logits
   int64_t computed() const { return static_cast<int64_t>(tokens.size()) - reused; }
 };
-
-// KL(p || q) of the softmax distributions of two logit vectors, in nats.
-double softmax_kl(const float* p_logits, const float* q_logits, int64_t n) {
-  const float p_max = *std::max_element(p_logits, p_logits + n);
-  const float q_max = *std::max_element(q_logits, q_logits + n);
-  double p_sum = 0, q_sum = 0;
-  for (int64_t i = 0; i < n; ++i) {
-    p_sum += std::exp(static_cast<double>(p_logits[i] - p_max));
-    q_sum += std::exp(static_cast<double>(q_logits[i] - q_max));
-  }
-  const double p_log_z = std::log(p_sum) + p_max, q_log_z = std::log(q_sum) + q_max;
-  double kl = 0;
-  for (int64_t i = 0; i < n; ++i) {
-    const double log_p = p_logits[i] - p_log_z, log_q = q_logits[i] - q_log_z;
-    kl += std::exp(log_p) * (log_p - log_q);
-  }
-  return std::max(0.0, kl);
-}
 
 class PrefillStage {
  public:
@@ -460,7 +443,9 @@ class PrefillStage {
     auto replica = builder.CreateString(worker_.service.log.replica());
     auto level = builder.CreateString(job.blend ? "blend" : job.reused > 0 ? "prefix" : "");
     const bool checked = !job.blend_logits.empty();
-    const double kl = checked ? softmax_kl(logits, job.blend_logits.data(), cfg.vocab_size) : 0.0;
+    const double kl =
+        checked ? reuse::softmax_kl({logits, static_cast<size_t>(cfg.vocab_size)}, job.blend_logits)
+                : 0.0;
     const bool top1 = checked && model::argmax(logits, cfg.vocab_size) ==
                                      model::argmax(job.blend_logits.data(), cfg.vocab_size);
     const auto reused = static_cast<uint32_t>(

@@ -235,6 +235,15 @@ class Probe {
         "moeline_probe_signature_seconds",
         "Partial forward for a lookup's signature (compare with prefill time per job)",
         runtime::latency_buckets());
+    shadow_kl_ = &metrics_.histogram(
+        "moeline_probe_shadow_kl",
+        "Response-reuse shadow checks: KL(full || donor) of the first-token distributions (nats)",
+        {0.001, 0.01, 0.05, 0.1, 0.5, 1, 2, 5});
+    for (const char* result : {"agreed", "disagreed"})
+      top1_[result] = &metrics_.counter(
+          "moeline_probe_shadow_top1_total",
+          "Response-reuse shadow checks: top-1 first token of the full computation vs the donor's",
+          {{"result", result}});
     refused_records_ = &metrics_.counter("moeline_probe_refused_records_total",
                                          "Signature or quality records refused (malformed)");
     const std::vector<std::pair<const char*, const char*>> counters = {
@@ -318,6 +327,7 @@ class Probe {
       const auto* entry = put->entries()->Get(static_cast<flatbuffers::uoffset_t>(i));
       const auto bytes = message.bulk[i].bytes();
       std::string record(reinterpret_cast<const char*>(bytes.data()), bytes.size());
+      if (entry->kind() == 'P') compare_first_tokens(entry->key(), record);
       if (entry->kind() == 'S') {
         put_signature(std::move(record));
         continue;
@@ -366,6 +376,31 @@ class Probe {
     index_->add(record.cache_namespace, donor_key(record), record.signature);
     namespaces_.insert(record.cache_namespace);
     return true;
+  }
+
+  // A response-reuse shadow check's first-token distributions: when prefill stores the shadowed
+  // prompt's record (its full computation's logits), against the donor's stored logits. (The
+  // gateway judges the check by the first tokens; this measures how far apart they were.)
+  void compare_first_tokens(uint64_t prompt_entry, const std::string& bytes) {
+    auto pending = pending_kl_.find(prompt_entry);
+    if (pending == pending_kl_.end()) return;
+    const uint64_t donor = pending->second;
+    pending_kl_.erase(pending);
+    const auto vocab = static_cast<size_t>(model_->config().vocab_size);
+    auto full = reuse::decode_prompt(bytes, vocab, block_bytes_);
+    reuse::Value stored = store_->get(reuse::prompt_entry(donor));
+    auto reused = stored ? reuse::decode_prompt(*stored, vocab, block_bytes_) : std::nullopt;
+    if (!full || !reused) return;
+    const double kl = reuse::softmax_kl(full->logits, reused->logits);
+    const bool top1 = model::argmax(full->logits.data(), static_cast<int64_t>(vocab)) ==
+                      model::argmax(reused->logits.data(), static_cast<int64_t>(vocab));
+    shadow_kl_->observe(kl);
+    top1_[top1 ? "agreed" : "disagreed"]->inc();
+  }
+
+  void expect_first_tokens(uint64_t prompt_key, uint64_t donor) {
+    if (pending_kl_.size() >= 4096) pending_kl_.clear();  // bounded; a lost comparison is harmless
+    pending_kl_[reuse::prompt_entry(prompt_key)] = donor;
   }
 
   void record_quality(uint64_t donor, const std::string& bytes) {
@@ -637,6 +672,7 @@ class Probe {
                                         static_cast<int64_t>(reused_blocks * model::kBlockTokens));
       approximate_[approximate_outcome.outcome]->inc();
       const ApproximateOutcome& a = approximate_outcome;
+      if (a.outcome == "shadow" && a.shadow_mode == "response") expect_first_tokens(key, a.donor);
       if (a.outcome == "response") {
         answer_result(job, tokens, a.donor_result, &a);
         return done("response", tokens.size(), start);
@@ -734,12 +770,12 @@ class Probe {
     auto outcome = builder.CreateString(a.outcome);
     auto shadow_mode = builder.CreateString(a.shadow_mode);
     const auto took = std::chrono::duration_cast<std::chrono::microseconds>(Clock::now() - start);
-    builder.Finish(wire::CreateProbePlan(builder, job.request_id(), job.attempt(), level, 0,
-                                         static_cast<uint32_t>(took.count()), frames, kv_layout, 0,
-                                         0, a.donor, outcome, a.donor, a.similarity, a.cell, mask,
-                                         static_cast<float>(recompute_fraction_), shadow_mode,
-                                         a.sampled),
-                   wire::PrefillJobIdentifier());
+    builder.Finish(
+        wire::CreateProbePlan(builder, job.request_id(), job.attempt(), level, 0,
+                              static_cast<uint32_t>(took.count()), frames, kv_layout, 0, 0, a.donor,
+                              outcome, a.donor, a.similarity, a.cell, mask,
+                              static_cast<float>(recompute_fraction_), shadow_mode, a.sampled),
+        wire::PrefillJobIdentifier());
     link_->send(wire::encode(wire::MessageType::ProbePlan, builder, std::move(bulk)));
   }
 
@@ -817,7 +853,9 @@ class Probe {
   std::map<std::string, runtime::Counter*> approximate_, candidates_, served_, checks_;
   runtime::Gauge *agreement_ = nullptr, *error_estimate_ = nullptr, *index_entries_ = nullptr,
                  *index_tombstones_ = nullptr, *index_rebuilds_ = nullptr;
-  runtime::Histogram* signature_seconds_ = nullptr;
+  runtime::Histogram *signature_seconds_ = nullptr, *shadow_kl_ = nullptr;
+  std::map<std::string, runtime::Counter*> top1_;
+  std::unordered_map<uint64_t, uint64_t> pending_kl_;  // shadowed prompt's entry -> donor
   runtime::Counter* refused_records_ = nullptr;
 };
 

@@ -262,6 +262,25 @@ def case_rollback(args):
                 time.sleep(0.05)
             after_rollback(args, stack, client, "agreement_drop", time.time(), exact_prompt)
 
+            # A blend's shadow check: prefill computes the blend and the full prompt, serves the
+            # full one (identical to `moeline run`) and reports how the blend compared.
+            donor, _ = agree[0]
+            query = list(donor)
+            query[20] = (query[20] + 1) % vocab  # a prompt this stack has not seen
+            seeded = {"max_tokens": 6, "temperature": 0.9, "seed": 77}
+            result = client.generate(tokens=query, tenant="pair0", reuse="blend", **seeded)
+            check(result.usage["approximate"] == "shadow", f"blend shadow: {result.usage}")
+            want = reference(args.moeline, args.model, 6, tokens=query, temperature=0.9, seed=77)
+            check(result.ids == want["ids"], "a blend shadow did not serve the full computation")
+            check(stack.metric("prefill-0", "moeline_prefill_blend_shadow_total") == 1,
+                  "prefill did not shadow the blend")
+            # Response shadows also measured the first-token distributions at the probe.
+            top1 = sum(stack.metric("probe", "moeline_probe_shadow_top1_total", result=r)
+                       for r in ("agreed", "disagreed"))
+            check(top1 >= 3, f"{top1} response shadows measured at the probe")
+            print("ok rollback: a blend's shadow serves the full computation and reports the "
+                  "comparison; response shadows are measured at the probe too")
+
     # Negative feedback on answers served by response reuse.
     gateway = {"approximate-min-served": 2, "approximate-feedback-window-s": 120}
     with rollback_stack(args, "rollback-feedback", gateway, {}) as stack:

@@ -4,6 +4,7 @@
 
 #include <gtest/gtest.h>
 
+#include <cmath>
 #include <map>
 #include <string>
 
@@ -193,11 +194,16 @@ TEST(Rollback, NegativeFeedbackTurnsItOffAndProbationBringsItBack) {
   RollbackOptions o = short_windows();
   o.probation_s = 30;
   RollbackController c(o, 0);
-  for (int i = 0; i < 199; ++i) c.on_feedback(i * 0.01, false);
+  // 400 answers served (and 5 lookups not served, which do not count).
+  for (int i = 0; i < 400; ++i) c.on_lookup(i * 0.005, true);
+  for (int i = 0; i < 5; ++i) c.on_lookup(2, false);
+  for (int i = 0; i < 50; ++i) c.on_feedback(2, false);  // positive feedback does not dilute it
+  c.on_feedback(2, true);
+  c.on_feedback(2, true);  // 2 of 400 served = 0.5%: not above the ceiling
   EXPECT_FALSE(c.update(2));
-  c.on_feedback(2, true);  // 1/200 = 0.5%: not above the ceiling
-  EXPECT_FALSE(c.update(2));
-  c.on_feedback(2.1, true);  // 2/201 > 0.5%
+  ASSERT_TRUE(c.negative_rate(2).has_value());
+  EXPECT_DOUBLE_EQ(*c.negative_rate(2), 0.005);
+  c.on_feedback(2.1, true);  // 3 of 400
   EXPECT_TRUE(c.update(2.1));
   EXPECT_EQ(c.reason(), "negative_feedback");
   EXPECT_FALSE(c.update(20));
@@ -205,6 +211,13 @@ TEST(Rollback, NegativeFeedbackTurnsItOffAndProbationBringsItBack) {
   EXPECT_TRUE(c.enabled());
   EXPECT_EQ(c.reason(), "probation_passed");
   EXPECT_EQ(c.transitions(), 2u);
+}
+
+TEST(Rollback, FeedbackIsJudgedOnlyWithEnoughServedAnswers) {
+  RollbackController c(short_windows(), 0);
+  for (int i = 0; i < 5; ++i) c.on_lookup(1, true);
+  for (int i = 0; i < 5; ++i) c.on_feedback(1, true);
+  EXPECT_FALSE(c.update(1)) << "5 served answers, min_served 10";
 }
 
 TEST(Rollback, OffStaysOffUntilAnOperatorTurnsItOn) {
@@ -216,6 +229,17 @@ TEST(Rollback, OffStaysOffUntilAnOperatorTurnsItOn) {
   c.set_enabled(1001, true, "operator");
   EXPECT_TRUE(c.enabled());
   EXPECT_EQ(c.transitions(), 2u);
+}
+
+TEST(SoftmaxKl, MatchesTheClosedForm) {
+  // p = softmax(0, 0) = (1/2, 1/2); q = softmax(ln 3, 0) = (3/4, 1/4):
+  // KL = 1/2 ln(2/3) + 1/2 ln 2 = 1/2 ln(4/3).
+  const std::vector<float> p = {0.0f, 0.0f}, q = {std::log(3.0f), 0.0f};
+  EXPECT_NEAR(softmax_kl(p, q), 0.5 * std::log(4.0 / 3.0), 1e-6);
+  EXPECT_NEAR(softmax_kl(p, p), 0.0, 1e-12);
+  // Shifting logits changes nothing (softmax is shift-invariant).
+  const std::vector<float> shifted = {100.0f, 100.0f};
+  EXPECT_NEAR(softmax_kl(shifted, q), 0.5 * std::log(4.0 / 3.0), 1e-5);
 }
 
 TEST(AlignTokens, PrefixSuffixAndCommonSubsequence) {
