@@ -28,6 +28,7 @@
 #include <string>
 #include <vector>
 
+#include "bench/bench_args.h"
 #include "kernels/cpu/thread_pool.h"
 #include "model/forward.h"
 #include "model/generator.h"
@@ -101,26 +102,12 @@ int main(int argc, char** argv) {
                                               {"--seed", "1"},
                                               {"--passes", "1"},
                                               {"--threads", "2"}};
-  for (int i = 1; i + 1 < argc; i += 2) {
-    if (!flags.count(argv[i])) {
-      std::cerr << "unknown flag " << argv[i] << '\n';
-      return 2;
-    }
-    flags[argv[i]] = argv[i + 1];
-  }
-  auto loaded = model::Model::load(flags["--model"]);
-  if (!loaded) {
-    std::cerr << loaded.error().message << '\n';
-    return 1;
-  }
-  const model::Model& m = **loaded;
+  flags = bench::parse_flags(argc, argv, flags);
+  const std::unique_ptr<model::Model> loaded = bench::load_model(flags["--model"]);
+  const model::Model& m = *loaded;
   const model::ModelConfig& cfg = m.config();
-  auto tokenizer =
-      model::Tokenizer::load((std::filesystem::path(flags["--model"]) / "tokenizer.json").string());
-  if (!tokenizer) {
-    std::cerr << tokenizer.error().message << '\n';
-    return 1;
-  }
+  const model::Tokenizer tokenizer_value = bench::load_tokenizer(flags["--model"]);
+  const model::Tokenizer* tokenizer = &tokenizer_value;
   kernels::ThreadPool pool(std::stoi(flags["--threads"]));
   offload::ResidentExpertProvider experts(m.experts());
   model::KvCache cache(cfg, 64);
@@ -200,11 +187,7 @@ int main(int argc, char** argv) {
   const size_t calibration =
       static_cast<size_t>(std::stod(flags["--calibration"]) * static_cast<double>(pairs.size()));
 
-  std::vector<double> deltas;
-  {
-    std::stringstream list(flags["--deltas"]);
-    for (std::string item; std::getline(list, item, ',');) deltas.push_back(std::stod(item));
-  }
+  const std::vector<double> deltas = bench::parse_list<double>(flags["--deltas"]);
   nlohmann::json out = {{"pairs", pairs.size()},
                         {"calibration_pairs", calibration},
                         {"passes", std::stoi(flags["--passes"])},

@@ -28,15 +28,7 @@ import tempfile
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, "..", "tests", "integration"))
-from stack_harness import Stack, add_python_paths  # noqa: E402
-
-
-def percentile(values, q):
-    values = sorted(values)
-    index = q * (len(values) - 1)
-    lo = int(index)
-    hi = min(lo + 1, len(values) - 1)
-    return values[lo] + (values[hi] - values[lo]) * (index - lo)
+from stack_harness import Stack, add_python_paths, percentile  # noqa: E402
 
 
 def main():

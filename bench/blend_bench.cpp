@@ -26,6 +26,7 @@
 #include <string>
 #include <vector>
 
+#include "bench/bench_args.h"
 #include "kernels/cpu/thread_pool.h"
 #include "model/forward.h"
 #include "model/model.h"
@@ -81,23 +82,12 @@ int main(int argc, char** argv) {
       {"--continuation", "32"}, {"--stride", "48"}, {"--fractions", "0,0.15,0.3,1"},
       {"--select-layer", "1"},  {"--threads", "1"}, {"--repeat", "3"},
       {"--seed", "1"}};
-  for (int i = 1; i + 1 < argc; i += 2) {
-    if (!flags.count(argv[i])) {
-      std::cerr << "unknown flag " << argv[i] << '\n';
-      return 2;
-    }
-    flags[argv[i]] = argv[i + 1];
-  }
-  auto loaded = model::Model::load(flags["--model"]);
-  if (!loaded) {
-    std::cerr << loaded.error().message << '\n';
-    return 1;
-  }
-  const model::Model& m = **loaded;
+  flags = bench::parse_flags(argc, argv, flags);
+  const std::unique_ptr<model::Model> loaded = bench::load_model(flags["--model"]);
+  const model::Model& m = *loaded;
   const model::ModelConfig& cfg = m.config();
-  auto tokenizer =
-      model::Tokenizer::load((std::filesystem::path(flags["--model"]) / "tokenizer.json").string());
-  if (!tokenizer) return 1;
+  const model::Tokenizer tokenizer_value = bench::load_tokenizer(flags["--model"]);
+  const model::Tokenizer* tokenizer = &tokenizer_value;
   std::ifstream in(flags["--text"]);
   std::stringstream text;
   text << in.rdbuf();
@@ -111,11 +101,7 @@ int main(int argc, char** argv) {
   const int64_t continuation = std::stoll(flags["--continuation"]);
   const int64_t stride = std::stoll(flags["--stride"]);
   const int repeat = std::stoi(flags["--repeat"]);
-  std::vector<double> fractions;
-  {
-    std::stringstream list(flags["--fractions"]);
-    for (std::string item; std::getline(list, item, ',');) fractions.push_back(std::stod(item));
-  }
+  const std::vector<double> fractions = bench::parse_list<double>(flags["--fractions"]);
   kernels::ThreadPool pool(std::stoi(flags["--threads"]));
   offload::ResidentExpertProvider experts(m.experts());
   model::KvCache cache(cfg, static_cast<int32_t>(4 * (context + continuation) / 16 + 8));

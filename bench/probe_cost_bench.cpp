@@ -14,6 +14,7 @@
 #include <string>
 #include <vector>
 
+#include "bench/bench_args.h"
 #include "kernels/cpu/thread_pool.h"
 #include "model/forward.h"
 #include "model/model.h"
@@ -24,13 +25,6 @@ namespace {
 using namespace moeline;
 using Clock = std::chrono::steady_clock;
 
-std::vector<int64_t> list(const std::string& text) {
-  std::vector<int64_t> out;
-  std::stringstream in(text);
-  for (std::string item; std::getline(in, item, ',');) out.push_back(std::stoll(item));
-  return out;
-}
-
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -39,23 +33,13 @@ int main(int argc, char** argv) {
                                               {"--layers", "1,2"},
                                               {"--threads", "1"},
                                               {"--repeat", "3"}};
-  for (int i = 1; i + 1 < argc; i += 2) {
-    if (!flags.count(argv[i])) {
-      std::cerr << "unknown flag " << argv[i] << '\n';
-      return 2;
-    }
-    flags[argv[i]] = argv[i + 1];
-  }
-  auto loaded = model::Model::load(flags["--model"]);
-  if (!loaded) {
-    std::cerr << loaded.error().message << '\n';
-    return 1;
-  }
-  const model::Model& m = **loaded;
+  flags = bench::parse_flags(argc, argv, flags);
+  const std::unique_ptr<model::Model> loaded = bench::load_model(flags["--model"]);
+  const model::Model& m = *loaded;
   const model::ModelConfig& cfg = m.config();
   kernels::ThreadPool pool(std::stoi(flags["--threads"]));
   offload::ResidentExpertProvider experts(m.experts());
-  const std::vector<int64_t> sizes = list(flags["--tokens"]);
+  const std::vector<int64_t> sizes = bench::parse_list<int64_t>(flags["--tokens"]);
   const int64_t longest = *std::max_element(sizes.begin(), sizes.end());
   model::KvCache cache(cfg, static_cast<int32_t>(longest / model::kBlockTokens + 2));
   model::Engine engine(m, experts, pool, cache);
@@ -87,7 +71,7 @@ int main(int argc, char** argv) {
       if (!engine.forward(std::span(&input, 1), logits).ok()) std::abort();
       sequence.release(cache.pool());
     });
-    for (int64_t k : list(flags["--layers"])) {
+    for (int64_t k : bench::parse_list<int64_t>(flags["--layers"])) {
       const size_t used = std::min(moe.size(), static_cast<size_t>(k));
       const int64_t run = used == 0 ? 0 : moe[used - 1] + 1;
       const double probe = best_of([&] {

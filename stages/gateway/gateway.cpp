@@ -326,19 +326,7 @@ class Gateway {
       if (agreement) shadow_agreement_->set(*agreement);
     }
     shadow_counter_[correct ? 1 : 0]->inc();
-    const std::string record = reuse::encode(reuse::QualityRecord{r.cell, correct, kl});
-    flatbuffers::FlatBufferBuilder builder(128);
-    std::vector<flatbuffers::Offset<wire::SnapshotEntry>> entries = {
-        wire::CreateSnapshotEntry(builder, r.donor, 'Q')};
-    std::vector<flatbuffers::Offset<wire::BulkFrame>> frames = {wire::CreateBulkFrame(
-        builder, record.size(),
-        wire::checksum({reinterpret_cast<const uint8_t*>(record.data()), record.size()}))};
-    builder.Finish(wire::CreateSnapshotPut(builder, builder.CreateVector(entries),
-                                           builder.CreateVector(frames)),
-                   wire::PrefillJobIdentifier());
-    std::vector<zmq::message_t> bulk;
-    bulk.emplace_back(record.data(), record.size());
-    forward_to_probes(wire::encode(wire::MessageType::SnapshotPut, builder, std::move(bulk)));
+    put_to_probes(r.donor, 'Q', reuse::encode(reuse::QualityRecord{r.cell, correct, kl}));
     log_.info("shadow_check", {{"request_id", r.id},
                                {"mode", r.shadow_mode.empty() ? "blend" : r.shadow_mode},
                                {"donor", r.donor},
@@ -900,10 +888,15 @@ class Gateway {
 
   // A deterministic request's completion, for an identical request to replay.
   void store_result(const Request& r, const std::string& reason) {
-    const std::string record = reuse::encode(reuse::ResultRecord{r.sent, reason});
+    put_to_probes(reuse::result_entry(r.prompt_key, r.sampling), 'R',
+                  reuse::encode(reuse::ResultRecord{r.sent, reason}));
+  }
+
+  // One SnapshotPut entry, its record as the bulk frame, to every probe.
+  void put_to_probes(uint64_t key, uint8_t kind, const std::string& record) {
     flatbuffers::FlatBufferBuilder builder(256);
     std::vector<flatbuffers::Offset<wire::SnapshotEntry>> entries = {
-        wire::CreateSnapshotEntry(builder, reuse::result_entry(r.prompt_key, r.sampling), 'R')};
+        wire::CreateSnapshotEntry(builder, key, kind)};
     std::vector<flatbuffers::Offset<wire::BulkFrame>> frames = {wire::CreateBulkFrame(
         builder, record.size(),
         wire::checksum({reinterpret_cast<const uint8_t*>(record.data()), record.size()}))};

@@ -1,6 +1,7 @@
 """Shared by the integration tests: a real local stack (`moeline stack up`) in a temporary run
 directory, its stages' /metrics, and `moeline run` as the in-process reference."""
 
+import argparse
 import json
 import os
 import shutil
@@ -155,3 +156,36 @@ def run_concurrently(client, requests, timeout=120):
         if event.terminal:
             pending.discard(event.client_request_id)
     return results
+
+
+def percentile(values, q):
+    """The q-quantile (0..1) of values, linearly interpolated."""
+    values = sorted(values)
+    index = q * (len(values) - 1)
+    lo = int(index)
+    hi = min(lo + 1, len(values) - 1)
+    return values[lo] + (values[hi] - values[lo]) * (index - lo)
+
+
+def run_cases(cases, description):
+    """The integration tests' command line: --moeline, --model, the Python paths, a work
+    directory (under /tmp when long: ipc:// paths must stay short), and --case (default: all)."""
+    parser = argparse.ArgumentParser(description=description,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--moeline", required=True)
+    parser.add_argument("--model", required=True)
+    parser.add_argument("--python-build", required=True, help="build/python (generated wire code)")
+    parser.add_argument("--python-sdk", required=True, help="sdk/python")
+    parser.add_argument("--workdir", required=True)
+    parser.add_argument("--case", choices=sorted(cases), action="append")
+    args = parser.parse_args()
+    add_python_paths(args.python_build, args.python_sdk)
+    args.workdir = os.path.abspath(args.workdir)
+    if len(args.workdir) > 60:
+        short = os.path.join("/tmp", "moeline-it-" + str(abs(hash(args.workdir)) % 10**8))
+        shutil.rmtree(short, ignore_errors=True)
+        args.workdir = short
+    os.makedirs(args.workdir, exist_ok=True)
+    for name in args.case or sorted(cases):
+        cases[name](args)
+    print("all ok")

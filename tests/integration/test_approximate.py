@@ -13,11 +13,9 @@ Cases (--case, one per CTest entry):
                seconds; exact reuse keeps working; an operator turns it on again
 """
 
-import argparse
 import json
 import os
 import random
-import shutil
 import signal
 import subprocess
 import sys
@@ -25,7 +23,7 @@ import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
-from stack_harness import Stack, add_python_paths, reference  # noqa: E402
+from stack_harness import Stack, reference, run_cases  # noqa: E402
 
 # Every cached prompt of the tenant is a candidate (cosine > -0.99), and no error bound holds a
 # candidate back (delta 1): the tests choose what is served by what they put in each tenant.
@@ -302,25 +300,7 @@ CASES = {"approximate": case_approximate, "rollback": case_rollback}
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--moeline", required=True)
-    parser.add_argument("--model", required=True)
-    parser.add_argument("--python-build", required=True, help="build/python (generated wire code)")
-    parser.add_argument("--python-sdk", required=True, help="sdk/python")
-    parser.add_argument("--workdir", required=True)
-    parser.add_argument("--case", choices=sorted(CASES), action="append")
-    args = parser.parse_args()
-    add_python_paths(args.python_build, args.python_sdk)
-    args.workdir = os.path.abspath(args.workdir)
-    if len(args.workdir) > 60:
-        short = os.path.join("/tmp", "moeline-it-" + str(abs(hash(args.workdir)) % 10**8))
-        shutil.rmtree(short, ignore_errors=True)
-        args.workdir = short
-    os.makedirs(args.workdir, exist_ok=True)
-    for name in args.case or sorted(CASES):
-        CASES[name](args)
-    print("all approximate-reuse cases passed")
+    run_cases(CASES, __doc__)
 
 
 if __name__ == "__main__":

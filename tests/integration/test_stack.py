@@ -16,7 +16,6 @@ Cases (--case, one per CTest entry):
   cli       `moeline client generate` (--json and streaming), `moeline stack status|down`
 """
 
-import argparse
 import json
 import os
 import random
@@ -29,7 +28,7 @@ import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
-from stack_harness import Stack, add_python_paths, reference, run_concurrently  # noqa: E402
+from stack_harness import Stack, reference, run_cases, run_concurrently  # noqa: E402
 
 FAST_FAILURE = {"heartbeat-ms": 100, "peer-timeout-ms": 1500}
 WORDS = ["to swim:", "to eat:", "mountain:", "bread:", "ocean:", "a small dog:", "to run fast:",
@@ -581,26 +580,7 @@ CASES = {"parity": case_parity, "errors": case_errors, "recovery": case_recovery
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--moeline", required=True)
-    parser.add_argument("--model", required=True)
-    parser.add_argument("--python-build", required=True, help="build/python (generated wire code)")
-    parser.add_argument("--python-sdk", required=True, help="sdk/python")
-    parser.add_argument("--workdir", required=True)
-    parser.add_argument("--case", choices=sorted(CASES), action="append")
-    args = parser.parse_args()
-    add_python_paths(args.python_build, args.python_sdk)
-    # ipc:// paths must stay short: run directories live under /tmp.
-    args.workdir = os.path.abspath(args.workdir)
-    if len(args.workdir) > 60:
-        short = os.path.join("/tmp", "moeline-it-" + str(abs(hash(args.workdir)) % 10**8))
-        shutil.rmtree(short, ignore_errors=True)
-        args.workdir = short
-    os.makedirs(args.workdir, exist_ok=True)
-    for name in args.case or sorted(CASES):
-        CASES[name](args)
-    print("all ok")
+    run_cases(CASES, __doc__)
 
 
 if __name__ == "__main__":

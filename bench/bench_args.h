@@ -1,0 +1,66 @@
+#pragma once
+// What the approximate-reuse bench drivers share: "--name value" flags over defaults, comma lists,
+// and the checkpoint (with its tokenizer) they run on. Errors end the process with a message: these
+// are command-line tools, not library code.
+#include <cstdlib>
+#include <filesystem>
+#include <iostream>
+#include <map>
+#include <memory>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include "model/model.h"
+#include "model/tokenizer/tokenizer.h"
+
+namespace moeline::bench {
+
+using Flags = std::map<std::string, std::string>;
+
+// Every flag must be one of `defaults`' keys; exits 2 naming an unknown one.
+inline Flags parse_flags(int argc, char** argv, Flags defaults) {
+  for (int i = 1; i + 1 < argc; i += 2) {
+    if (!defaults.count(argv[i])) {
+      std::cerr << "unknown flag " << argv[i] << " (known:";
+      for (const auto& [name, value] : defaults) std::cerr << ' ' << name;
+      std::cerr << ")\n";
+      std::exit(2);
+    }
+    defaults[argv[i]] = argv[i + 1];
+  }
+  if (argc % 2 == 0) {
+    std::cerr << argv[argc - 1] << " needs a value\n";
+    std::exit(2);
+  }
+  return defaults;
+}
+
+template <typename T>
+std::vector<T> parse_list(const std::string& text) {
+  std::vector<T> out;
+  std::stringstream in(text);
+  for (std::string item; std::getline(in, item, ',');)
+    out.push_back(static_cast<T>(std::stod(item)));
+  return out;
+}
+
+inline std::unique_ptr<model::Model> load_model(const std::string& dir) {
+  auto loaded = model::Model::load(dir);
+  if (!loaded) {
+    std::cerr << loaded.error().message << '\n';
+    std::exit(1);
+  }
+  return std::move(*loaded);
+}
+
+inline model::Tokenizer load_tokenizer(const std::string& dir) {
+  auto tokenizer = model::Tokenizer::load((std::filesystem::path(dir) / "tokenizer.json").string());
+  if (!tokenizer) {
+    std::cerr << tokenizer.error().message << '\n';
+    std::exit(1);
+  }
+  return std::move(*tokenizer);
+}
+
+}  // namespace moeline::bench
