@@ -151,8 +151,22 @@ std::string DecisionRule::cell_name(int cell) const {
 }
 
 double DecisionRule::error_bound(int cell) const {
-  auto it = cells_.find(cell);
-  return it == cells_.end() ? 1.0 : wilson_upper(it->second.failures, it->second.checks);
+  // The cell's own evidence, and — assuming a more similar candidate of the same kind and size of
+  // change is at least as safe as a less similar one — the evidence of this cell and every less
+  // similar bin of its neighbourhood pooled, whose rate bounds this cell's too. The tighter wins,
+  // unless the cell has failed checks itself.
+  auto own = cells_.find(cell);
+  const double bound =
+      own == cells_.end() ? 1.0 : wilson_upper(own->second.failures, own->second.checks);
+  // A bin that has failed itself is judged on its own evidence.
+  if (own != cells_.end() && own->second.failures > 0) return bound;
+  const int first = cell - cell % 1000;
+  Counts pooled;
+  for (auto it = cells_.lower_bound(first); it != cells_.end() && it->first <= cell; ++it) {
+    pooled.checks += it->second.checks;
+    pooled.failures += it->second.failures;
+  }
+  return std::min(bound, wilson_upper(pooled.failures, pooled.checks));
 }
 
 uint64_t DecisionRule::donor_key(uint64_t donor, int cell) {

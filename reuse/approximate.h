@@ -9,7 +9,9 @@
 // - DecisionRule: candidates are taken at signature cosine >= threshold; a candidate is served
 //   only while the one-sided 95% upper confidence bound (Wilson) of the false-reuse rate of its
 //   neighbourhood — the cell (kind of difference, share of the prompt changed, similarity bin) —
-//   is at most delta. The counts
+//   is at most delta. A cell also borrows the evidence of the less similar bins of its kind and
+//   size of change (pooled with its own), on the assumption that a more similar candidate is not
+//   less safe: a bin proven safe vouches for the bins above it, never for those below. The counts
 //   come from shadow checks: every candidate not served is computed in full anyway and compared
 //   (free evidence), and a fraction of served hits is computed in full too. A donor that once
 //   failed a check is never served again for that kind of difference (per-entry learning).

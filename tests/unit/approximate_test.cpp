@@ -83,7 +83,7 @@ TEST(DecisionRule, ShadowsUntilTheBoundIsProvenThenServes) {
             rule.cell_of(score, DifferenceKind::kFormat, 0.03));
   EXPECT_EQ(rule.cell_of(score, DifferenceKind::kFormat, 0.01),
             rule.cell_of(score, DifferenceKind::kFormat, 0.02));
-  EXPECT_EQ(rule.decide(0.985f, DifferenceKind::kFormat, 0.01, 1).action, Decision::kShadow);
+  EXPECT_EQ(rule.decide(0.935f, DifferenceKind::kFormat, 0.01, 1).action, Decision::kShadow);
   // Below the threshold: not a candidate.
   EXPECT_EQ(rule.decide(0.9f, DifferenceKind::kFormat, 0.01, 1).action, Decision::kReject);
   // Failures raise the bound past delta, and the donor that failed is never served again for
@@ -95,6 +95,28 @@ TEST(DecisionRule, ShadowsUntilTheBoundIsProvenThenServes) {
   for (int i = 0; i < 3; ++i) rule.record(first.cell, 8 + i, false);
   EXPECT_GT(rule.error_bound(first.cell), options.max_error);
   EXPECT_EQ(rule.decide(score, DifferenceKind::kFormat, 0.01, 1).action, Decision::kShadow);
+}
+
+TEST(DecisionRule, ABinBorrowsTheEvidenceOfLessSimilarBinsOnly) {
+  DecisionOptions options;
+  options.shadow_fraction = 0;
+  DecisionRule rule(options);
+  const int low = rule.cell_of(0.935f, DifferenceKind::kFormat, 0.01);
+  for (int i = 0; i < 300; ++i) rule.record(low, 500 + i, true);
+  // Proven at 0.93: 0.95 and 0.99 of the same kind and size of change are served too...
+  EXPECT_EQ(rule.decide(0.955f, DifferenceKind::kFormat, 0.01, 1).action, Decision::kServe);
+  EXPECT_EQ(rule.decide(0.995f, DifferenceKind::kFormat, 0.01, 1).action, Decision::kServe);
+  // ...but another size of change is not, and evidence from above never vouches for below.
+  EXPECT_EQ(rule.decide(0.955f, DifferenceKind::kFormat, 0.2, 1).action, Decision::kShadow);
+  DecisionRule high_only(options);
+  const int high = high_only.cell_of(0.995f, DifferenceKind::kFormat, 0.01);
+  for (int i = 0; i < 300; ++i) high_only.record(high, 500 + i, true);
+  EXPECT_EQ(high_only.decide(0.955f, DifferenceKind::kFormat, 0.01, 1).action, Decision::kShadow);
+  // A bin that has failed itself is judged on its own evidence, however good its neighbourhood.
+  const int middle = rule.cell_of(0.965f, DifferenceKind::kFormat, 0.01);
+  for (int i = 0; i < 400; ++i) rule.record(middle, 900 + i, i != 0);
+  EXPECT_GT(rule.error_bound(middle), options.max_error);
+  EXPECT_EQ(rule.decide(0.965f, DifferenceKind::kFormat, 0.01, 2).action, Decision::kShadow);
 }
 
 TEST(DecisionRule, NamesItsCells) {
