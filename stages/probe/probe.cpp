@@ -4,6 +4,7 @@
 #include <chrono>
 #include <map>
 #include <set>
+#include <thread>
 #include <unordered_map>
 
 #include "kernels/cpu/thread_pool.h"
@@ -106,12 +107,15 @@ class Probe {
     if (cfg.max_position_embeddings > 0)
       max_signature_tokens_ = std::min(max_signature_tokens_, cfg.max_position_embeddings);
     int threads = static_cast<int>(config.integer("threads"));
-    if (threads <= 0) threads = 1;
+    if (threads <= 0) threads = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
     pool_ = std::make_unique<kernels::ThreadPool>(threads);
     experts_ = std::make_unique<offload::ResidentExpertProvider>(model_->experts());
+    // KV only for the layers a signature runs (a partial forward never reads past them).
+    model::ModelConfig signature_config = cfg;
+    signature_config.num_layers = std::max<int64_t>(1, signature_layers_);
     cache_ = std::make_unique<model::KvCache>(
-        cfg, static_cast<int32_t>((max_signature_tokens_ + model::kBlockTokens - 1) /
-                                  model::kBlockTokens));
+        signature_config, static_cast<int32_t>((max_signature_tokens_ + model::kBlockTokens - 1) /
+                                               model::kBlockTokens));
     engine_ = std::make_unique<model::Engine>(*model_, *experts_, *pool_, *cache_);
     accumulator_ = std::make_unique<reuse::SignatureAccumulator>(moe, experts, signature_options_);
     whole_accumulator_ =
