@@ -188,28 +188,48 @@ namespace {
 constexpr uint32_t kSignatureMagic = 0x4749534d;  // "MSIG"
 }
 
+// Layout: magic, token count, dimension, namespace length, set count (u32 each), the tokens, the
+// signature, the namespace, then each expert set as a u32 size and its ids.
 std::string encode(const SignatureRecord& record) {
   std::string out;
   append_u32(out, kSignatureMagic);
   append_u32(out, static_cast<uint32_t>(record.tokens.size()));
   append_u32(out, static_cast<uint32_t>(record.signature.size()));
   append_u32(out, static_cast<uint32_t>(record.cache_namespace.size()));
+  append_u32(out, static_cast<uint32_t>(record.expert_sets.size()));
   out.append(reinterpret_cast<const char*>(record.tokens.data()), record.tokens.size() * 4);
   out.append(reinterpret_cast<const char*>(record.signature.data()), record.signature.size() * 4);
   out += record.cache_namespace;
+  for (const std::set<int32_t>& set : record.expert_sets) {
+    append_u32(out, static_cast<uint32_t>(set.size()));
+    for (int32_t expert : set) append_u32(out, static_cast<uint32_t>(expert));
+  }
   return out;
 }
 
 std::optional<SignatureRecord> decode_signature(const std::string& bytes) {
-  if (bytes.size() < 16 || read_u32(bytes, 0) != kSignatureMagic) return std::nullopt;
-  const size_t tokens = read_u32(bytes, 4), dims = read_u32(bytes, 8), name = read_u32(bytes, 12);
-  if (bytes.size() != 16 + tokens * 4 + dims * 4 + name) return std::nullopt;
+  if (bytes.size() < 20 || read_u32(bytes, 0) != kSignatureMagic) return std::nullopt;
+  const size_t tokens = read_u32(bytes, 4), dims = read_u32(bytes, 8), name = read_u32(bytes, 12),
+               sets = read_u32(bytes, 16);
+  size_t at = 20 + tokens * 4 + dims * 4 + name;
+  if (bytes.size() < at || tokens > bytes.size() || dims > bytes.size() || sets > bytes.size())
+    return std::nullopt;
   SignatureRecord record;
   record.tokens.resize(tokens);
   record.signature.resize(dims);
-  std::memcpy(record.tokens.data(), bytes.data() + 16, tokens * 4);
-  std::memcpy(record.signature.data(), bytes.data() + 16 + tokens * 4, dims * 4);
-  record.cache_namespace = bytes.substr(16 + tokens * 4 + dims * 4);
+  std::memcpy(record.tokens.data(), bytes.data() + 20, tokens * 4);
+  std::memcpy(record.signature.data(), bytes.data() + 20 + tokens * 4, dims * 4);
+  record.cache_namespace = bytes.substr(20 + tokens * 4 + dims * 4, name);
+  record.expert_sets.resize(sets);
+  for (std::set<int32_t>& set : record.expert_sets) {
+    if (bytes.size() < at + 4) return std::nullopt;
+    const size_t size = read_u32(bytes, at);
+    at += 4;
+    if (size > (bytes.size() - at) / 4) return std::nullopt;
+    for (size_t i = 0; i < size; ++i, at += 4)
+      set.insert(static_cast<int32_t>(read_u32(bytes, at)));
+  }
+  if (at != bytes.size()) return std::nullopt;
   return record;
 }
 

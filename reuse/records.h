@@ -13,6 +13,7 @@
 
 #include <cstdint>
 #include <optional>
+#include <set>
 #include <span>
 #include <string>
 #include <vector>
@@ -66,6 +67,8 @@ struct SignatureRecord {
   std::string cache_namespace;
   std::vector<int32_t> tokens;
   std::vector<float> signature;
+  // Per pooled layer, the experts chosen for any pooled token (the Jaccard metric's sets).
+  std::vector<std::set<int32_t>> expert_sets;
 };
 uint64_t signature_entry(uint64_t prompt_key);
 std::string encode(const SignatureRecord& record);

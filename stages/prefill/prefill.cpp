@@ -518,6 +518,7 @@ class PrefillStage {
       record.cache_namespace = job.cache_namespace;
       record.tokens = job.tokens;
       record.signature = signatures_->signature(sequence_id);
+      record.expert_sets = signatures_->expert_sets(sequence_id);
       if (!record.signature.empty()) {
         const std::string bytes = reuse::encode(record);
         add(reuse::signature_entry(reuse::prompt_key(job.tokens, chain, model_id, ns)), 'S',

@@ -33,6 +33,8 @@ using Clock = std::chrono::steady_clock;
 // Index neighbours considered per lookup.
 constexpr int kCandidates = 8;
 
+enum class Metric { kCosine, kEuclidean, kJaccard };
+
 // What approximate reuse made of a lookup (ProbePlan.approximate and the fields that go with it).
 struct ApproximateOutcome {
   std::string outcome;      // "" (not asked), response, blend, shadow, no_candidate, rejected
@@ -141,6 +143,17 @@ class Probe {
       rule_ = std::make_unique<reuse::DecisionRule>(decision);
     } catch (const std::invalid_argument& e) {
       throw runtime::ConfigError(e.what());
+    }
+    const std::string metric = config.text("approximate-metric");
+    if (metric == "cosine") {
+      metric_ = Metric::kCosine;
+    } else if (metric == "euclidean") {
+      metric_ = Metric::kEuclidean;
+    } else if (metric == "jaccard") {
+      metric_ = Metric::kJaccard;
+    } else {
+      throw runtime::ConfigError(
+          "--approximate-metric must be cosine, euclidean or jaccard, got '" + metric + "'");
     }
     recompute_fraction_ = config.number("approximate-recompute-fraction");
     if (!(recompute_fraction_ >= 0 && recompute_fraction_ <= 1))
@@ -433,10 +446,14 @@ class Probe {
   // positions from `from` on (past the exact prefix hit, so that a shared template does not
   // dominate) and over the whole prompt. Stored signatures were pooled past whatever prefix hit
   // their own prefill had — none for a prompt computed cold — so a lookup asks with both.
-  std::pair<std::vector<float>, std::vector<float>> lookup_signatures(
-      const std::vector<int32_t>& tokens, int64_t from) {
+  struct LookupSignatures {
+    std::vector<float> past_prefix, whole;
+    std::vector<std::set<int32_t>> past_prefix_sets, whole_sets;
+  };
+  LookupSignatures lookup_signatures(const std::vector<int32_t>& tokens, int64_t from) {
+    LookupSignatures out;
     if (static_cast<int64_t>(tokens.size()) > max_signature_tokens_ || signature_layers_ == 0)
-      return {};
+      return out;
     const auto start = Clock::now();
     const uint64_t id = next_sequence_id_++;
     model::Sequence sequence(id, model_->model_id(), 0);
@@ -444,13 +461,45 @@ class Probe {
     whole_accumulator_->watch(id, 0);
     const model::SequenceInput input{&sequence, tokens, false};
     model::Status status = engine_->forward_layers(std::span(&input, 1), signature_layers_);
-    std::pair<std::vector<float>, std::vector<float>> out;
-    if (status.ok()) out = {accumulator_->signature(id), whole_accumulator_->signature(id)};
+    if (status.ok()) {
+      out.past_prefix = accumulator_->signature(id);
+      out.past_prefix_sets = accumulator_->expert_sets(id);
+      if (from > 0) {
+        out.whole = whole_accumulator_->signature(id);
+        out.whole_sets = whole_accumulator_->expert_sets(id);
+      }
+    }
     accumulator_->forget(id);
     whole_accumulator_->forget(id);
     sequence.release(cache_->pool());
     signature_seconds_->observe(std::chrono::duration<double>(Clock::now() - start).count());
     return out;
+  }
+
+  // The similarity of a lookup to a stored prompt in the configured metric (Euclidean as
+  // 1 - distance / 2, so that every metric reads "higher is closer", up to 1): the better of the
+  // two poolings.
+  float similarity(const LookupSignatures& lookup, const reuse::SignatureRecord& donor) const {
+    float best = -1.0f;
+    const std::pair<const std::vector<float>*, const std::vector<std::set<int32_t>>*> pools[] = {
+        {&lookup.past_prefix, &lookup.past_prefix_sets}, {&lookup.whole, &lookup.whole_sets}};
+    for (const auto& [vector, sets] : pools) {
+      if (vector->empty() || vector->size() != donor.signature.size()) continue;
+      float score = 0;
+      switch (metric_) {
+        case Metric::kCosine:
+          score = reuse::cosine(*vector, donor.signature);
+          break;
+        case Metric::kEuclidean:
+          score = 1.0f - reuse::euclidean(*vector, donor.signature) / 2.0f;
+          break;
+        case Metric::kJaccard:
+          score = reuse::jaccard(*sets, donor.expert_sets);
+          break;
+      }
+      best = std::max(best, score);
+    }
+    return best;
   }
 
   std::string token_text(int32_t token) {
@@ -467,10 +516,11 @@ class Probe {
                                  uint32_t allowed, int64_t from) {
     ApproximateOutcome result;
     result.outcome = "no_candidate";
-    const auto [past_prefix, whole] = lookup_signatures(tokens, from);
-    if (past_prefix.empty() && whole.empty()) return result;
+    const LookupSignatures lookup = lookup_signatures(tokens, from);
+    if (lookup.past_prefix.empty() && lookup.whole.empty()) return result;
     const float threshold = rule_->options().threshold;
-    // The nearest few by signature are the candidates; of those with what this request can use,
+    // The index's nearest few (by cosine, both poolings) are the candidates; those at or above the
+    // threshold in the configured metric qualify, and of those with what this request can use,
     // the one closest in tokens (smallest share changed) is the donor: the signature finds the
     // neighbourhood, the tokens pick within it.
     struct Candidate {
@@ -480,25 +530,25 @@ class Probe {
     };
     std::optional<Candidate> best;
     std::vector<reuse::SimilarityIndex::Hit> hits;
-    for (const std::vector<float>* signature : {&past_prefix, &whole}) {
-      if (signature->empty() || (signature == &whole && from == 0)) continue;
+    for (const std::vector<float>* signature : {&lookup.past_prefix, &lookup.whole}) {
+      if (signature->empty()) continue;
       for (const reuse::SimilarityIndex::Hit& hit :
            index_->search(name_space, *signature, kCandidates))
-        if (hit.score >= threshold && hit.id != key) hits.push_back(hit);
+        if (hit.id != key) hits.push_back(hit);
     }
-    std::sort(hits.begin(), hits.end(), [](const auto& a, const auto& b) {
-      return a.id != b.id ? a.id < b.id : a.score > b.score;
-    });
+    std::sort(hits.begin(), hits.end(), [](const auto& a, const auto& b) { return a.id < b.id; });
     hits.erase(std::unique(hits.begin(), hits.end(),
                            [](const auto& a, const auto& b) { return a.id == b.id; }),
                hits.end());
-    for (const reuse::SimilarityIndex::Hit& hit : hits) {
+    for (reuse::SimilarityIndex::Hit hit : hits) {
       reuse::Value stored = signatures_->get(reuse::signature_entry(hit.id));
       auto donor = stored ? reuse::decode_signature(*stored) : std::nullopt;
       if (!donor) {
         index_->remove(name_space, hit.id);  // its record is gone: a tombstone from now on
         continue;
       }
+      hit.score = similarity(lookup, *donor);
+      if (hit.score < threshold) continue;
       const double changed = reuse::changed_fraction(tokens, donor->tokens);
       if (!best || changed < best->changed) best = Candidate{hit, std::move(*donor), changed};
     }
@@ -842,6 +892,7 @@ class Probe {
   int64_t signature_layers_ = 0, max_signature_tokens_ = 0;
   int signature_dimension_ = 0;
   double recompute_fraction_ = 0.15;
+  Metric metric_ = Metric::kCosine;
   std::unique_ptr<kernels::ThreadPool> pool_;
   std::unique_ptr<offload::ResidentExpertProvider> experts_;
   std::unique_ptr<model::KvCache> cache_;
@@ -880,7 +931,11 @@ std::vector<runtime::ConfigKey> probe_keys() {
   keys.push_back({"index-m", "32", "HNSW M (links per node)"});
   keys.push_back({"index-ef-construction", "200", "HNSW efConstruction"});
   keys.push_back({"index-ef-search", "64", "HNSW efSearch"});
-  keys.push_back({"approximate-threshold", "0.93", "candidates at signature cosine >= this"});
+  keys.push_back({"approximate-metric", "cosine",
+                  "signature similarity: cosine, euclidean (as 1 - distance / 2) or jaccard (over "
+                  "the chosen experts per layer)"});
+  keys.push_back({"approximate-threshold", "0.93",
+                  "candidates at signature similarity >= this (in --approximate-metric)"});
   keys.push_back({"approximate-max-error", "0.01",
                   "delta: serve a cell's candidates only while the upper 95% bound of its "
                   "false-reuse rate is at most this"});

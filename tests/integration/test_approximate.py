@@ -164,6 +164,21 @@ def case_approximate(args):
         print(f"ok approximate: after a probe restart its index ({int(entries)} entries) is "
               "rebuilt from the disk tier and serves")
 
+    # The alternative metrics: Jaccard over the chosen experts per layer (similarity in [0, 1]).
+    config["probe"]["approximate-metric"] = "jaccard"
+    with Stack(args.moeline, args.model, os.path.join(args.workdir, "jaccard"),
+               config=config) as stack:
+        with Client(stack.endpoint, timeout=120) as client:
+            client.generate(tokens=donor, max_tokens=8, tenant="t1")
+            served = client.generate(tokens=near, max_tokens=8, tenant="t1", reuse="approximate")
+            check(served.usage["approximate"] == "response" and
+                  0.0 <= served.usage["similarity"] <= 1.0, f"jaccard: {served.usage}")
+    out = subprocess.run([args.moeline, "probe", "--approximate-metric", "manhattan"],
+                         capture_output=True, text=True, timeout=60)
+    check(out.returncode == 2 and "--approximate-metric" in out.stderr, out.stderr)
+    print(f"ok approximate: the Jaccard metric serves (similarity "
+          f"{served.usage['similarity']:.3f}); an unknown metric is refused at start")
+
 
 def first_token_pairs(client, vocab, rng, want_agree, want_disagree):
     """Donor/query pairs whose full computations give the same first token (agree) or not."""

@@ -453,16 +453,22 @@ TEST(ReuseRecords, ResultRecordRoundTripsAndRejectsBadSizes) {
 }
 
 TEST(Records, SignatureAndQualityRoundTripAndRefuseDamage) {
-  SignatureRecord signature{"tenant:acme", {5, 6, 7}, {0.6f, 0.8f}};
+  SignatureRecord signature{"tenant:acme", {5, 6, 7}, {0.6f, 0.8f}, {{1, 4}, {}, {0, 7, 9}}};
   const std::string bytes = encode(signature);
   auto back = decode_signature(bytes);
   ASSERT_TRUE(back.has_value());
   EXPECT_EQ(back->cache_namespace, "tenant:acme");
   EXPECT_EQ(back->tokens, signature.tokens);
   EXPECT_EQ(back->signature, signature.signature);
-  for (size_t cut : {size_t{0}, size_t{15}, bytes.size() - 1})
+  EXPECT_EQ(back->expert_sets, signature.expert_sets);
+  for (size_t cut : {size_t{0}, size_t{15}, size_t{21}, bytes.size() - 1})
     EXPECT_FALSE(decode_signature(bytes.substr(0, cut)).has_value()) << cut;
   EXPECT_FALSE(decode_signature("XXXX" + bytes.substr(4)).has_value());
+  EXPECT_FALSE(decode_signature(bytes + "x").has_value());
+  // A set size that runs past the end.
+  std::string overrun = bytes;
+  overrun[overrun.size() - 16] = 100;
+  EXPECT_FALSE(decode_signature(overrun).has_value());
   // A signature entry lives in its own key space.
   EXPECT_NE(signature_entry(42), prompt_entry(42));
 
