@@ -733,8 +733,9 @@ class Probe {
       }
       if (a.outcome == "blend" || (a.outcome == "shadow" && a.shadow_mode == "blend")) {
         send_blend(job, a, start);
-        return done(a.outcome == "blend" ? "blend" : level, a.outcome == "blend" ? 0 : 0, start,
-                    tokens.size());
+        // How many tokens a blend reuses is prefill's to decide; a blend's plan carries no exact
+        // prefix (a shadowed blend is computed in full).
+        return done(a.outcome == "blend" ? "blend" : "none", 0, start, tokens.size());
       }
     }
     flatbuffers::FlatBufferBuilder builder(256);
