@@ -509,26 +509,18 @@ class Probe {
     return token_texts_[token] = text ? *text : std::string();
   }
 
-  // The nearest cached prompt of the namespace that has what a mode needs, and what the decision
-  // rule makes of it. `from`: the exact prefix hit's length (pooled signatures leave it out).
-  ApproximateOutcome approximate(const std::vector<int32_t>& tokens, const std::string& name_space,
-                                 uint64_t key, const model::SamplingParams& sampling,
-                                 uint32_t allowed, int64_t from) {
-    ApproximateOutcome result;
-    result.outcome = "no_candidate";
-    const LookupSignatures lookup = lookup_signatures(tokens, from);
-    if (lookup.past_prefix.empty() && lookup.whole.empty()) return result;
-    const float threshold = rule_->options().threshold;
-    // The index's nearest few (by cosine, both poolings) are the candidates; those at or above the
-    // threshold in the configured metric qualify, and of those with what this request can use,
-    // the one closest in tokens (smallest share changed) is the donor: the signature finds the
-    // neighbourhood, the tokens pick within it.
-    struct Candidate {
-      reuse::SimilarityIndex::Hit hit;
-      reuse::SignatureRecord donor;
-      double changed = 1;
-    };
-    std::optional<Candidate> best;
+  struct Donor {
+    reuse::SimilarityIndex::Hit hit;  // score: the similarity in the configured metric
+    reuse::SignatureRecord record;
+    double changed = 1;  // changed_fraction against the lookup's prompt
+  };
+
+  // The index's nearest few (by cosine, both poolings) are the candidates; those at or above the
+  // threshold in the configured metric qualify, and the one closest in tokens (smallest share
+  // changed) is the donor: the signature finds the neighbourhood, the tokens pick within it.
+  std::optional<Donor> nearest_donor(const std::vector<int32_t>& tokens,
+                                     const std::string& name_space, uint64_t key,
+                                     const LookupSignatures& lookup) {
     std::vector<reuse::SimilarityIndex::Hit> hits;
     for (const std::vector<float>* signature : {&lookup.past_prefix, &lookup.whole}) {
       if (signature->empty()) continue;
@@ -540,21 +532,35 @@ class Probe {
     hits.erase(std::unique(hits.begin(), hits.end(),
                            [](const auto& a, const auto& b) { return a.id == b.id; }),
                hits.end());
+    std::optional<Donor> best;
     for (reuse::SimilarityIndex::Hit hit : hits) {
       reuse::Value stored = signatures_->get(reuse::signature_entry(hit.id));
-      auto donor = stored ? reuse::decode_signature(*stored) : std::nullopt;
-      if (!donor) {
+      auto record = stored ? reuse::decode_signature(*stored) : std::nullopt;
+      if (!record) {
         index_->remove(name_space, hit.id);  // its record is gone: a tombstone from now on
         continue;
       }
-      hit.score = similarity(lookup, *donor);
-      if (hit.score < threshold) continue;
-      const double changed = reuse::changed_fraction(tokens, donor->tokens);
-      if (!best || changed < best->changed) best = Candidate{hit, std::move(*donor), changed};
+      hit.score = similarity(lookup, *record);
+      if (hit.score < rule_->options().threshold) continue;
+      const double changed = reuse::changed_fraction(tokens, record->tokens);
+      if (!best || changed < best->changed) best = Donor{hit, std::move(*record), changed};
     }
+    return best;
+  }
+
+  // The nearest cached prompt of the namespace that has what a mode needs, and what the decision
+  // rule makes of it. `from`: the exact prefix hit's length (pooled signatures leave it out).
+  ApproximateOutcome approximate(const std::vector<int32_t>& tokens, const std::string& name_space,
+                                 uint64_t key, const model::SamplingParams& sampling,
+                                 uint32_t allowed, int64_t from) {
+    ApproximateOutcome result;
+    result.outcome = "no_candidate";
+    const LookupSignatures lookup = lookup_signatures(tokens, from);
+    if (lookup.past_prefix.empty() && lookup.whole.empty()) return result;
+    const std::optional<Donor> best = nearest_donor(tokens, name_space, key, lookup);
     if (!best) return result;
     const reuse::SimilarityIndex::Hit& hit = best->hit;
-    const reuse::SignatureRecord& donor = best->donor;
+    const reuse::SignatureRecord& donor = best->record;
     std::optional<reuse::ResultRecord> answer;
     if (allowed & reuse::kResponse) {
       if (reuse::Value value = store_->get(reuse::result_entry(hit.id, sampling)))
