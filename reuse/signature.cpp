@@ -1,5 +1,7 @@
 #include "reuse/signature.h"
 
+#include "model/kv_cache.h"
+
 #include <algorithm>
 #include <cmath>
 #include <map>
@@ -16,13 +18,38 @@ SignatureAccumulator::SignatureAccumulator(std::vector<int64_t> moe_layers, int6
   for (size_t i = 0; i < k; ++i) slot_of_layer_[moe_layers[i]] = static_cast<int>(i);
 }
 
-void SignatureAccumulator::watch(uint64_t sequence_id, int64_t from_position) {
+void RouterSums::add(const RouterSums& other) {
+  if (sums.size() != other.sums.size() || tokens.size() != other.tokens.size()) return;
+  for (size_t i = 0; i < sums.size(); ++i) sums[i] += other.sums[i];
+  for (size_t i = 0; i < tokens.size(); ++i) tokens[i] += other.tokens[i];
+  for (size_t i = 0; i < chosen.size() && i < other.chosen.size(); ++i)
+    chosen[i].insert(other.chosen[i].begin(), other.chosen[i].end());
+}
+
+RouterSums SignatureAccumulator::empty_sums() const {
+  RouterSums sums;
+  sums.sums.assign(slot_of_layer_.size() * static_cast<size_t>(experts_), 0.0);
+  sums.tokens.assign(slot_of_layer_.size(), 0);
+  sums.chosen.assign(slot_of_layer_.size(), {});
+  return sums;
+}
+
+void SignatureAccumulator::watch(uint64_t sequence_id, int64_t from_position, bool per_block) {
   Pool pool;
   pool.from_position = from_position;
-  pool.sums.assign(slot_of_layer_.size() * static_cast<size_t>(experts_), 0.0);
-  pool.tokens.assign(slot_of_layer_.size(), 0);
-  pool.chosen.assign(slot_of_layer_.size(), {});
+  pool.per_block = per_block;
+  pool.total = empty_sums();
   pools_[sequence_id] = std::move(pool);
+}
+
+void SignatureAccumulator::add(uint64_t sequence_id, const RouterSums& sums) {
+  auto pool = pools_.find(sequence_id);
+  if (pool != pools_.end()) pool->second.total.add(sums);
+}
+
+std::map<int64_t, RouterSums> SignatureAccumulator::block_sums(uint64_t sequence_id) const {
+  auto pool = pools_.find(sequence_id);
+  return pool == pools_.end() ? std::map<int64_t, RouterSums>{} : pool->second.blocks;
 }
 
 void SignatureAccumulator::forget(uint64_t sequence_id) {
@@ -32,25 +59,32 @@ void SignatureAccumulator::forget(uint64_t sequence_id) {
 void SignatureAccumulator::on_router(const model::RouterEvent& event) {
   auto slot = slot_of_layer_.find(event.layer);
   if (slot == slot_of_layer_.end() || event.experts != experts_) return;
+  const auto layer = static_cast<size_t>(slot->second);
+  auto add_token = [&](RouterSums& into, size_t t) {
+    double* sums = into.sums.data() + layer * static_cast<size_t>(experts_);
+    const float* scores = event.scores + static_cast<int64_t>(t) * experts_;
+    for (int64_t e = 0; e < experts_; ++e) sums[e] += scores[e];
+    ++into.tokens[layer];
+    for (int64_t k = 0; k < event.top_k; ++k)
+      into.chosen[layer].insert(event.chosen[static_cast<int64_t>(t) * event.top_k + k]);
+  };
   for (size_t t = 0; t < event.tokens.size(); ++t) {
     auto pool = pools_.find(event.tokens[t].sequence_id);
     if (pool == pools_.end() || event.tokens[t].position < pool->second.from_position) continue;
     Pool& p = pool->second;
-    double* sums =
-        p.sums.data() + static_cast<size_t>(slot->second) * static_cast<size_t>(experts_);
-    const float* scores = event.scores + static_cast<int64_t>(t) * experts_;
-    for (int64_t e = 0; e < experts_; ++e) sums[e] += scores[e];
-    ++p.tokens[static_cast<size_t>(slot->second)];
-    for (int64_t k = 0; k < event.top_k; ++k)
-      p.chosen[static_cast<size_t>(slot->second)].insert(
-          event.chosen[static_cast<int64_t>(t) * event.top_k + k]);
+    add_token(p.total, t);
+    if (p.per_block) {
+      auto [block, fresh] = p.blocks.try_emplace(event.tokens[t].position / model::kBlockTokens);
+      if (fresh) block->second = empty_sums();
+      add_token(block->second, t);
+    }
   }
 }
 
 std::vector<float> SignatureAccumulator::signature(uint64_t sequence_id) const {
   auto pool = pools_.find(sequence_id);
   if (pool == pools_.end()) return {};
-  const Pool& p = pool->second;
+  const RouterSums& p = pool->second.total;
   std::vector<float> concatenated(p.sums.size());
   for (size_t layer = 0; layer < p.tokens.size(); ++layer) {
     if (p.tokens[layer] == 0) return {};
@@ -66,7 +100,7 @@ std::vector<float> SignatureAccumulator::signature(uint64_t sequence_id) const {
 
 std::vector<std::set<int32_t>> SignatureAccumulator::expert_sets(uint64_t sequence_id) const {
   auto pool = pools_.find(sequence_id);
-  return pool == pools_.end() ? std::vector<std::set<int32_t>>{} : pool->second.chosen;
+  return pool == pools_.end() ? std::vector<std::set<int32_t>>{} : pool->second.total.chosen;
 }
 
 bool normalize(std::vector<float>& vector) {

@@ -13,6 +13,7 @@
 // Not thread-safe: one per engine (the forward pass's thread).
 
 #include <cstdint>
+#include <map>
 #include <set>
 #include <span>
 #include <unordered_map>
@@ -28,13 +29,27 @@ struct SignatureOptions {
   uint64_t projection_seed = 0x6d6f656c696e65ULL;
 };
 
+// Router scores pooled over some tokens, for the first k MoE layers: per layer, the score sums, the
+// token count and the experts chosen. Sums over disjoint tokens add up.
+struct RouterSums {
+  std::vector<double> sums;     // [k layers][experts]
+  std::vector<int64_t> tokens;  // per pooled layer
+  std::vector<std::set<int32_t>> chosen;
+  void add(const RouterSums& other);
+};
+
 class SignatureAccumulator : public model::RouterObserver {
  public:
   // `moe_layers`: the model's MoE layer indices in order (dense layers have no router).
   SignatureAccumulator(std::vector<int64_t> moe_layers, int64_t experts, SignatureOptions options);
 
-  // Pools the sequence's tokens at positions >= from_position (the part no prefix hit covers).
-  void watch(uint64_t sequence_id, int64_t from_position);
+  // Pools the sequence's tokens at positions >= from_position (the part no prefix hit covers);
+  // `per_block` also keeps the sums of each KV block (block_sums).
+  void watch(uint64_t sequence_id, int64_t from_position, bool per_block = false);
+  // Adds sums pooled elsewhere — a cached prefix's blocks, not recomputed — to the sequence's pool.
+  void add(uint64_t sequence_id, const RouterSums& sums);
+  // Per KV block index, the sums of the block's pooled tokens (watch with per_block).
+  std::map<int64_t, RouterSums> block_sums(uint64_t sequence_id) const;
   void forget(uint64_t sequence_id);
   void on_router(const model::RouterEvent& event) override;
 
@@ -47,10 +62,11 @@ class SignatureAccumulator : public model::RouterObserver {
  private:
   struct Pool {
     int64_t from_position = 0;
-    std::vector<double> sums;     // [k layers][experts]
-    std::vector<int64_t> tokens;  // per pooled layer
-    std::vector<std::set<int32_t>> chosen;
+    bool per_block = false;
+    RouterSums total;
+    std::map<int64_t, RouterSums> blocks;
   };
+  RouterSums empty_sums() const;
   std::unordered_map<int64_t, int> slot_of_layer_;
   int64_t experts_;
   SignatureOptions options_;

@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <chrono>
+#include <deque>
 #include <map>
 #include <set>
 #include <thread>
@@ -32,6 +33,8 @@ using Clock = std::chrono::steady_clock;
 
 // Index neighbours considered per lookup.
 constexpr int kCandidates = 8;
+// Full blocks whose router sums the probe remembers (a few hundred bytes each).
+constexpr size_t kRememberedBlocks = 65536;
 
 enum class Metric { kCosine, kEuclidean, kJaccard };
 
@@ -261,6 +264,10 @@ class Probe {
           "moeline_probe_shadow_top1_total",
           "Response-reuse shadow checks: top-1 first token of the full computation vs the donor's",
           {{"result", result}});
+    prefix_imports_ = &metrics_.counter(
+        "moeline_probe_signature_prefix_imports_total",
+        "Lookups whose signature imported the cached prefix (KV and router sums) instead of "
+        "recomputing it");
     refused_records_ = &metrics_.counter("moeline_probe_refused_records_total",
                                          "Signature or quality records refused (malformed)");
     const std::vector<std::pair<const char*, const char*>> counters = {
@@ -450,16 +457,48 @@ class Probe {
     std::vector<float> past_prefix, whole;
     std::vector<std::set<int32_t>> past_prefix_sets, whole_sets;
   };
-  LookupSignatures lookup_signatures(const std::vector<int32_t>& tokens, int64_t from) {
+  //
+  // When the exact prefix's blocks are at hand (`prefix_blocks`, the prefix plan's) and an earlier
+  // lookup left their router sums, the prefix is not recomputed: its blocks' KV is imported (the
+  // signature layers of each record) and their sums added to the whole-prompt pool; only the rest
+  // of the prompt runs. Either way the full blocks computed here leave their sums for later.
+  LookupSignatures lookup_signatures(const std::vector<int32_t>& tokens, int64_t from,
+                                     const std::vector<uint64_t>& chain,
+                                     const std::vector<reuse::Value>& prefix_blocks) {
     LookupSignatures out;
     if (static_cast<int64_t>(tokens.size()) > max_signature_tokens_ || signature_layers_ == 0)
       return out;
     const auto start = Clock::now();
+    const auto covered = static_cast<size_t>(from / model::kBlockTokens);
+    std::vector<const reuse::RouterSums*> cached_sums;
+    bool import = from > 0 && prefix_blocks.size() >= covered;
+    for (size_t b = 0; import && b < covered; ++b) {
+      auto it = block_sums_.find(chain[b]);
+      if (it == block_sums_.end())
+        import = false;
+      else
+        cached_sums.push_back(&it->second);
+    }
     const uint64_t id = next_sequence_id_++;
     model::Sequence sequence(id, model_->model_id(), 0);
+    model::BlockPool& pool = cache_->pool();
+    if (import) {
+      // The cache serves one lookup at a time and holds the longest prompt: there is room.
+      for (size_t b = 0; b < covered; ++b) {
+        const int32_t block = *pool.allocate();
+        cache_->import_block(block, prefix_blocks[b]->data());
+        sequence.share_block(pool, block);
+        pool.release(block);
+      }
+      sequence.commit(std::span(tokens.data(), static_cast<size_t>(from)));
+      prefix_imports_->inc();
+    }
     accumulator_->watch(id, from);
-    whole_accumulator_->watch(id, 0);
-    const model::SequenceInput input{&sequence, tokens, false};
+    whole_accumulator_->watch(id, import ? from : 0, /*per_block=*/true);
+    for (const reuse::RouterSums* sums : cached_sums) whole_accumulator_->add(id, *sums);
+    const std::span<const int32_t> run =
+        import ? std::span(tokens).subspan(static_cast<size_t>(from)) : std::span(tokens);
+    const model::SequenceInput input{&sequence, run, false};
     model::Status status = engine_->forward_layers(std::span(&input, 1), signature_layers_);
     if (status.ok()) {
       out.past_prefix = accumulator_->signature(id);
@@ -468,12 +507,28 @@ class Probe {
         out.whole = whole_accumulator_->signature(id);
         out.whole_sets = whole_accumulator_->expert_sets(id);
       }
+      for (const auto& [block, sums] : whole_accumulator_->block_sums(id))
+        if (static_cast<size_t>(block) < chain.size() &&
+            std::all_of(sums.tokens.begin(), sums.tokens.end(),
+                        [](int64_t n) { return n == model::kBlockTokens; }))
+          remember_block_sums(chain[static_cast<size_t>(block)], sums);
     }
     accumulator_->forget(id);
     whole_accumulator_->forget(id);
-    sequence.release(cache_->pool());
+    sequence.release(pool);
     signature_seconds_->observe(std::chrono::duration<double>(Clock::now() - start).count());
     return out;
+  }
+
+  // Router sums of full blocks by block key (bounded, oldest first out: a lost entry only means
+  // recomputing that prefix once more).
+  void remember_block_sums(uint64_t block_key, const reuse::RouterSums& sums) {
+    if (!block_sums_.emplace(block_key, sums).second) return;
+    block_sums_order_.push_back(block_key);
+    while (block_sums_order_.size() > kRememberedBlocks) {
+      block_sums_.erase(block_sums_order_.front());
+      block_sums_order_.pop_front();
+    }
   }
 
   // The similarity of a lookup to a stored prompt in the configured metric (Euclidean as
@@ -552,10 +607,11 @@ class Probe {
   // rule makes of it. `from`: the exact prefix hit's length (pooled signatures leave it out).
   ApproximateOutcome approximate(const std::vector<int32_t>& tokens, const std::string& name_space,
                                  uint64_t key, const model::SamplingParams& sampling,
-                                 uint32_t allowed, int64_t from) {
+                                 uint32_t allowed, int64_t from, const std::vector<uint64_t>& chain,
+                                 const std::vector<reuse::Value>& prefix_blocks) {
     ApproximateOutcome result;
     result.outcome = "no_candidate";
-    const LookupSignatures lookup = lookup_signatures(tokens, from);
+    const LookupSignatures lookup = lookup_signatures(tokens, from, chain, prefix_blocks);
     if (lookup.past_prefix.empty() && lookup.whole.empty()) return result;
     const std::optional<Donor> best = nearest_donor(tokens, name_space, key, lookup);
     if (!best) return result;
@@ -728,8 +784,9 @@ class Probe {
     }
     ApproximateOutcome approximate_outcome;
     if (!tokens.empty() && (allowed & reuse::kApproximateLevels)) {
-      approximate_outcome = approximate(tokens, name_space, key, sampling, allowed,
-                                        static_cast<int64_t>(reused_blocks * model::kBlockTokens));
+      approximate_outcome =
+          approximate(tokens, name_space, key, sampling, allowed,
+                      static_cast<int64_t>(reused_blocks * model::kBlockTokens), chain, blocks);
       approximate_[approximate_outcome.outcome]->inc();
       const ApproximateOutcome& a = approximate_outcome;
       if (a.outcome == "shadow" && a.shadow_mode == "response") expect_first_tokens(key, a.donor);
@@ -918,6 +975,9 @@ class Probe {
   runtime::Histogram *signature_seconds_ = nullptr, *shadow_kl_ = nullptr;
   std::map<std::string, runtime::Counter*> top1_;
   std::unordered_map<uint64_t, uint64_t> pending_kl_;  // shadowed prompt's entry -> donor
+  std::unordered_map<uint64_t, reuse::RouterSums> block_sums_;
+  std::deque<uint64_t> block_sums_order_;
+  runtime::Counter* prefix_imports_ = nullptr;
   runtime::Counter* refused_records_ = nullptr;
 };
 

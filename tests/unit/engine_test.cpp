@@ -18,6 +18,7 @@
 #include "offload/resident_provider.h"
 #include "reuse/approximate.h"
 #include "reuse/blend.h"
+#include "reuse/signature.h"
 
 namespace moeline::model {
 namespace {
@@ -542,6 +543,70 @@ TEST(EngineBlend, TransplantedKeysAreRotatedToTheirNewPositions) {
     }
   }
   EXPECT_EQ(compared, 2 * static_cast<int>(c.num_kv_heads) * 28);
+}
+
+// The probe's shortcut for a prompt whose prefix is cached: import the prefix blocks' KV (only the
+// signature layers of each block record), run the first layers over the rest, and add the prefix
+// blocks' router sums kept from an earlier lookup. The signature must be a full lookup's.
+TEST(EngineSignature, ImportedPrefixGivesTheFullLookupsSignature) {
+  auto model = load("qwen3-f32");
+  ASSERT_TRUE(model);
+  const ModelConfig& c = model->config();
+  std::vector<int64_t> moe;
+  for (int64_t l = 0; l < c.num_layers; ++l)
+    if (c.layer_is_moe[static_cast<size_t>(l)]) moe.push_back(l);
+  reuse::SignatureOptions options;
+  options.layers = 1;
+  const std::vector<int32_t> tokens = prompt(41, 12, c.vocab_size);
+  const int64_t prefix = 32;  // two cached blocks
+
+  // An earlier lookup of a prompt with the same prefix: the block sums, kept.
+  Harness full_h(*model);
+  reuse::SignatureAccumulator full(moe, c.num_experts, options);
+  full_h.engine.set_router_observer(&full);
+  full.watch(1, 0, true);
+  Sequence first(1, 0, 0);
+  SequenceInput input{&first, tokens, false};
+  ASSERT_TRUE(full_h.engine.forward_layers(std::span(&input, 1), 1).ok());
+  const std::vector<float> want = full.signature(1);
+  const std::map<int64_t, reuse::RouterSums> blocks = full.block_sums(1);
+  first.release(full_h.cache.pool());
+  ASSERT_EQ(blocks.size(), 3u);
+  ASSERT_EQ(blocks.at(0).tokens[0], kBlockTokens);
+
+  // The prefix's KV as the store holds it (a prefill's blocks, every layer).
+  Harness prefill_h(*model);
+  const std::vector<uint8_t> kv = prefill_kv(prefill_h, tokens);
+
+  // The probe: a cache of the signature layers only.
+  ModelConfig reduced = c;
+  reduced.num_layers = 1;
+  kernels::ThreadPool pool(2);
+  offload::ResidentExpertProvider experts(model->experts());
+  KvCache cache(reduced, 8);
+  Engine engine(*model, experts, pool, cache);
+  reuse::SignatureAccumulator probe(moe, c.num_experts, options);
+  engine.set_router_observer(&probe);
+  Sequence sequence(2, 0, 0);
+  for (int64_t b = 0; b < prefix / kBlockTokens; ++b) {
+    std::optional<int32_t> block = cache.pool().allocate();
+    ASSERT_TRUE(block.has_value());
+    cache.import_block(*block, kv.data() + b * prefill_h.cache.block_bytes());
+    sequence.share_block(cache.pool(), *block);
+    cache.pool().release(*block);
+  }
+  sequence.commit(std::span(tokens.data(), static_cast<size_t>(prefix)));
+  probe.watch(2, prefix);
+  for (int64_t b = 0; b < prefix / kBlockTokens; ++b) probe.add(2, blocks.at(b));
+  SequenceInput rest{&sequence, std::span(tokens).subspan(static_cast<size_t>(prefix)), false};
+  ASSERT_TRUE(engine.forward_layers(std::span(&rest, 1), 1).ok());
+  const std::vector<float> got = probe.signature(2);
+  sequence.release(cache.pool());
+  ASSERT_EQ(got.size(), want.size());
+  // Attention over imported KV against KV computed in the same pass: batch-invariant to 1e-6
+  // per value (EngineOnModel tests), so the pooled, normalised signature agrees to 1e-5.
+  EXPECT_LE(relative_l2(got.data(), want.data(), static_cast<int64_t>(want.size())), 1e-5);
+  EXPECT_EQ(probe.expert_sets(2), full.expert_sets(1)) << "sets: cached and fresh";
 }
 
 TEST(EngineBlend, RefusesBadInputWithoutSideEffects) {
