@@ -204,6 +204,25 @@ std::string encode(const SignatureRecord& record) {
     append_u32(out, static_cast<uint32_t>(set.size()));
     for (int32_t expert : set) append_u32(out, static_cast<uint32_t>(expert));
   }
+  // Block sums: count, then per block its index, layer count, value count, the sums (f32), the
+  // token counts, and its expert sets.
+  append_u32(out, static_cast<uint32_t>(record.block_sums.size()));
+  for (const auto& [block, sums] : record.block_sums) {
+    append_u32(out, block);
+    append_u32(out, static_cast<uint32_t>(sums.tokens.size()));
+    append_u32(out, static_cast<uint32_t>(sums.sums.size()));
+    for (double v : sums.sums) {
+      const auto f = static_cast<float>(v);
+      out.append(reinterpret_cast<const char*>(&f), 4);
+    }
+    for (int64_t n : sums.tokens) append_u32(out, static_cast<uint32_t>(n));
+    for (size_t l = 0; l < sums.tokens.size(); ++l) {
+      const std::set<int32_t> none;
+      const std::set<int32_t>& set = l < sums.chosen.size() ? sums.chosen[l] : none;
+      append_u32(out, static_cast<uint32_t>(set.size()));
+      for (int32_t expert : set) append_u32(out, static_cast<uint32_t>(expert));
+    }
+  }
   return out;
 }
 
@@ -221,13 +240,47 @@ std::optional<SignatureRecord> decode_signature(const std::string& bytes) {
   std::memcpy(record.signature.data(), bytes.data() + 20 + tokens * 4, dims * 4);
   record.cache_namespace = bytes.substr(20 + tokens * 4 + dims * 4, name);
   record.expert_sets.resize(sets);
-  for (std::set<int32_t>& set : record.expert_sets) {
-    if (bytes.size() < at + 4) return std::nullopt;
-    const size_t size = read_u32(bytes, at);
+  // A u32 at `at` (advancing it), or false when the bytes end first.
+  auto next = [&](size_t& value) {
+    if (bytes.size() < at + 4) return false;
+    value = read_u32(bytes, at);
     at += 4;
-    if (size > (bytes.size() - at) / 4) return std::nullopt;
+    return true;
+  };
+  auto read_set = [&](std::set<int32_t>& set) {
+    size_t size = 0;
+    if (!next(size) || size > (bytes.size() - at) / 4) return false;
     for (size_t i = 0; i < size; ++i, at += 4)
       set.insert(static_cast<int32_t>(read_u32(bytes, at)));
+    return true;
+  };
+  for (std::set<int32_t>& set : record.expert_sets)
+    if (!read_set(set)) return std::nullopt;
+  size_t blocks = 0;
+  if (!next(blocks) || blocks > bytes.size()) return std::nullopt;
+  record.block_sums.resize(blocks);
+  for (auto& [block, sums] : record.block_sums) {
+    size_t index = 0, layers = 0, values = 0;
+    if (!next(index) || !next(layers) || !next(values) || layers > bytes.size() ||
+        values > (bytes.size() - at) / 4)
+      return std::nullopt;
+    block = static_cast<uint32_t>(index);
+    sums.sums.resize(values);
+    for (double& v : sums.sums) {
+      float f;
+      std::memcpy(&f, bytes.data() + at, 4);
+      v = f;
+      at += 4;
+    }
+    sums.tokens.resize(layers);
+    for (int64_t& n : sums.tokens) {
+      size_t count = 0;
+      if (!next(count)) return std::nullopt;
+      n = static_cast<int64_t>(count);
+    }
+    sums.chosen.resize(layers);
+    for (std::set<int32_t>& set : sums.chosen)
+      if (!read_set(set)) return std::nullopt;
   }
   if (at != bytes.size()) return std::nullopt;
   return record;

@@ -19,6 +19,7 @@
 #include <vector>
 
 #include "model/sampling.h"
+#include "reuse/signature.h"
 
 namespace moeline::reuse {
 
@@ -69,6 +70,10 @@ struct SignatureRecord {
   std::vector<float> signature;
   // Per pooled layer, the experts chosen for any pooled token (the Jaccard metric's sets).
   std::vector<std::set<int32_t>> expert_sets;
+  // The router sums of each full KV block the prefill computed (block index, sums): a later
+  // lookup whose exact prefix covers those blocks imports them instead of recomputing them. The
+  // probe keeps them in memory, not in its store.
+  std::vector<std::pair<uint32_t, RouterSums>> block_sums;
 };
 uint64_t signature_entry(uint64_t prompt_key);
 std::string encode(const SignatureRecord& record);

@@ -366,7 +366,7 @@ class PrefillStage {
         continue;
       }
       if (job.store_levels & reuse::kApproximateLevels)
-        signatures_->watch(sequence->id(), static_cast<int64_t>(job.reused));
+        signatures_->watch(sequence->id(), static_cast<int64_t>(job.reused), /*per_block=*/true);
       runnable.push_back(std::move(job));
       const Job& kept = runnable.back();
       inputs.push_back({sequence.get(), std::span(kept.tokens).subspan(kept.reused), true});
@@ -519,6 +519,10 @@ class PrefillStage {
       record.tokens = job.tokens;
       record.signature = signatures_->signature(sequence_id);
       record.expert_sets = signatures_->expert_sets(sequence_id);
+      for (const auto& [block, sums] : signatures_->block_sums(sequence_id))
+        if (std::all_of(sums.tokens.begin(), sums.tokens.end(),
+                        [](int64_t n) { return n == model::kBlockTokens; }))
+          record.block_sums.emplace_back(static_cast<uint32_t>(block), sums);
       if (!record.signature.empty()) {
         const std::string bytes = reuse::encode(record);
         add(reuse::signature_entry(reuse::prompt_key(job.tokens, chain, model_id, ns)), 'S',

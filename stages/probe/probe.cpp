@@ -33,8 +33,8 @@ using Clock = std::chrono::steady_clock;
 
 // Index neighbours considered per lookup.
 constexpr int kCandidates = 8;
-// Full blocks whose router sums the probe remembers (a few hundred bytes each).
-constexpr size_t kRememberedBlocks = 65536;
+// Memory for the router sums of full blocks the probe remembers (the prefix-import shortcut).
+constexpr size_t kRememberedBytes = size_t{32} << 20;
 
 enum class Metric { kCosine, kEuclidean, kJaccard };
 
@@ -108,6 +108,7 @@ class Probe {
         experts;
     signature_dimension_ =
         static_cast<int>(std::min<int64_t>(concatenated, signature_options_.dimension));
+    block_sums_width_ = static_cast<size_t>(std::max<int64_t>(1, concatenated));
     max_signature_tokens_ = config.integer("signature-max-tokens");
     if (cfg.max_position_embeddings > 0)
       max_signature_tokens_ = std::min(max_signature_tokens_, cfg.max_position_embeddings);
@@ -353,7 +354,7 @@ class Probe {
       std::string record(reinterpret_cast<const char*>(bytes.data()), bytes.size());
       if (entry->kind() == 'P') compare_first_tokens(entry->key(), record);
       if (entry->kind() == 'S') {
-        put_signature(std::move(record));
+        put_signature(record);
         continue;
       }
       if (entry->kind() == 'Q') {
@@ -369,7 +370,7 @@ class Probe {
 
   // A signature record from prefill: stored (keyed by the prompt it describes, which its tokens and
   // namespace determine: nothing to trust about the key) and indexed.
-  void put_signature(std::string bytes) {
+  void put_signature(const std::string& bytes) {
     auto record = reuse::decode_signature(bytes);
     if (!record || !index_signature(*record)) {
       refused_records_->inc();
@@ -381,7 +382,17 @@ class Probe {
              {"suppressed", suppressed}});
       return;
     }
-    signatures_->put(reuse::signature_entry(donor_key(*record)), std::move(bytes));
+    // The block sums are for lookups over this prompt's prefixes: kept in memory, not stored.
+    if (!record->block_sums.empty()) {
+      const uint64_t ns = model::namespace_id(record->cache_namespace);
+      const std::vector<uint64_t> chain =
+          reuse::block_chain(record->tokens, model_->model_id(), ns);
+      for (const auto& [block, sums] : record->block_sums)
+        if (block < chain.size() && sums.sums.size() == block_sums_width_)
+          remember_block_sums(chain[block], sums);
+      record->block_sums.clear();
+    }
+    signatures_->put(reuse::signature_entry(donor_key(*record)), reuse::encode(*record));
   }
 
   uint64_t donor_key(const reuse::SignatureRecord& record) const {
@@ -525,7 +536,10 @@ class Probe {
   void remember_block_sums(uint64_t block_key, const reuse::RouterSums& sums) {
     if (!block_sums_.emplace(block_key, sums).second) return;
     block_sums_order_.push_back(block_key);
-    while (block_sums_order_.size() > kRememberedBlocks) {
+    // A byte budget: each entry holds a sum per expert of each signature layer.
+    const size_t limit =
+        std::max<size_t>(1024, kRememberedBytes / (block_sums_width_ * sizeof(double) + 128));
+    while (block_sums_order_.size() > limit) {
       block_sums_.erase(block_sums_order_.front());
       block_sums_order_.pop_front();
     }
@@ -977,6 +991,7 @@ class Probe {
   std::unordered_map<uint64_t, uint64_t> pending_kl_;  // shadowed prompt's entry -> donor
   std::unordered_map<uint64_t, reuse::RouterSums> block_sums_;
   std::deque<uint64_t> block_sums_order_;
+  size_t block_sums_width_ = 1;  // values per block's sums: signature layers x experts
   runtime::Counter* prefix_imports_ = nullptr;
   runtime::Counter* refused_records_ = nullptr;
 };

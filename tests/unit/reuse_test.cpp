@@ -453,7 +453,9 @@ TEST(ReuseRecords, ResultRecordRoundTripsAndRejectsBadSizes) {
 }
 
 TEST(Records, SignatureAndQualityRoundTripAndRefuseDamage) {
-  SignatureRecord signature{"tenant:acme", {5, 6, 7}, {0.6f, 0.8f}, {{1, 4}, {}, {0, 7, 9}}};
+  RouterSums block{{0.25, 1.5, 3.0, 0.0}, {16, 16}, {{1, 2}, {3}}};
+  SignatureRecord signature{
+      "tenant:acme", {5, 6, 7}, {0.6f, 0.8f}, {{1, 4}, {}, {0, 7, 9}}, {{2, block}, {3, block}}};
   const std::string bytes = encode(signature);
   auto back = decode_signature(bytes);
   ASSERT_TRUE(back.has_value());
@@ -461,13 +463,18 @@ TEST(Records, SignatureAndQualityRoundTripAndRefuseDamage) {
   EXPECT_EQ(back->tokens, signature.tokens);
   EXPECT_EQ(back->signature, signature.signature);
   EXPECT_EQ(back->expert_sets, signature.expert_sets);
+  ASSERT_EQ(back->block_sums.size(), 2u);
+  EXPECT_EQ(back->block_sums[1].first, 3u);
+  EXPECT_EQ(back->block_sums[1].second.sums, block.sums);  // exact in f32
+  EXPECT_EQ(back->block_sums[1].second.tokens, block.tokens);
+  EXPECT_EQ(back->block_sums[1].second.chosen, block.chosen);
   for (size_t cut : {size_t{0}, size_t{15}, size_t{21}, bytes.size() - 1})
     EXPECT_FALSE(decode_signature(bytes.substr(0, cut)).has_value()) << cut;
   EXPECT_FALSE(decode_signature("XXXX" + bytes.substr(4)).has_value());
   EXPECT_FALSE(decode_signature(bytes + "x").has_value());
-  // A set size that runs past the end.
+  // A length that runs past the end.
   std::string overrun = bytes;
-  overrun[overrun.size() - 16] = 100;
+  overrun[overrun.size() - 8] = 100;
   EXPECT_FALSE(decode_signature(overrun).has_value());
   // A signature entry lives in its own key space.
   EXPECT_NE(signature_entry(42), prompt_entry(42));
