@@ -103,11 +103,10 @@ int main(int argc, char** argv) {
                                               {"--passes", "1"},
                                               {"--threads", "2"}};
   flags = bench::parse_flags(argc, argv, flags);
-  const std::unique_ptr<model::Model> loaded = bench::load_model(flags["--model"]);
-  const model::Model& m = *loaded;
+  const bench::Checkpoint checkpoint = bench::load_checkpoint(flags["--model"]);
+  const model::Model& m = *checkpoint.model;
   const model::ModelConfig& cfg = m.config();
-  const model::Tokenizer tokenizer_value = bench::load_tokenizer(flags["--model"]);
-  const model::Tokenizer* tokenizer = &tokenizer_value;
+  const model::Tokenizer* tokenizer = &checkpoint.tokenizer;
   kernels::ThreadPool pool(std::stoi(flags["--threads"]));
   offload::ResidentExpertProvider experts(m.experts());
   model::KvCache cache(cfg, 64);

@@ -54,6 +54,18 @@ inline std::unique_ptr<model::Model> load_model(const std::string& dir) {
   return std::move(*loaded);
 }
 
+// A checkpoint and its tokenizer.
+struct Checkpoint {
+  std::unique_ptr<model::Model> model;
+  model::Tokenizer tokenizer;
+};
+
+inline model::Tokenizer load_tokenizer(const std::string& dir);
+
+inline Checkpoint load_checkpoint(const std::string& dir) {
+  return {load_model(dir), load_tokenizer(dir)};
+}
+
 inline model::Tokenizer load_tokenizer(const std::string& dir) {
   auto tokenizer = model::Tokenizer::load((std::filesystem::path(dir) / "tokenizer.json").string());
   if (!tokenizer) {

@@ -83,11 +83,10 @@ int main(int argc, char** argv) {
       {"--select-layer", "1"},  {"--threads", "1"}, {"--repeat", "3"},
       {"--seed", "1"}};
   flags = bench::parse_flags(argc, argv, flags);
-  const std::unique_ptr<model::Model> loaded = bench::load_model(flags["--model"]);
-  const model::Model& m = *loaded;
+  const bench::Checkpoint checkpoint = bench::load_checkpoint(flags["--model"]);
+  const model::Model& m = *checkpoint.model;
   const model::ModelConfig& cfg = m.config();
-  const model::Tokenizer tokenizer_value = bench::load_tokenizer(flags["--model"]);
-  const model::Tokenizer* tokenizer = &tokenizer_value;
+  const model::Tokenizer* tokenizer = &checkpoint.tokenizer;
   std::ifstream in(flags["--text"]);
   std::stringstream text;
   text << in.rdbuf();
