@@ -150,18 +150,19 @@ Status Engine::forward_blend(const BlendInput& input, std::vector<float>& logits
                              int64_t& recomputed) {
   const ModelConfig& c = model_.config();
   const auto n = static_cast<int64_t>(input.tokens.size());
-  if (input.sequence == nullptr || input.sequence->length() != 0)
-    return Error{"a blended prefill starts from an empty sequence"};
+  if (input.sequence == nullptr || input.sequence->length() % kBlockTokens != 0)
+    return Error{"a blended prefill continues a sequence of whole blocks (an exact prefix)"};
   if (n == 0 || input.donor_mask.size() != input.tokens.size() || input.donor_kv == nullptr)
     return Error{"a blended prefill needs one donor-mask entry per token and the donor's KV"};
   if (!(input.recompute_fraction >= 0 && input.recompute_fraction <= 1))
     return Error{"recompute fraction must be in [0, 1]"};
   const SequenceInput batch[] = {{input.sequence, input.tokens, true}};
   if (Status status = validate(batch); !status.ok()) return status;
+  const auto first_new_block = static_cast<size_t>(input.sequence->length() / kBlockTokens);
   embed(batch);
   const std::vector<int32_t>& table = input.sequence->block_table();
-  for (size_t b = 0; b < table.size(); ++b)
-    cache_.import_block(table[b], input.donor_kv + b * cache_.block_bytes());
+  for (size_t b = first_new_block; b < table.size(); ++b)
+    cache_.import_block(table[b], input.donor_kv + (b - first_new_block) * cache_.block_bytes());
 
   const int64_t select = std::clamp<int64_t>(input.select_layer, 0, c.num_layers - 1);
   std::vector<float> deviation(static_cast<size_t>(n), 0.0f);

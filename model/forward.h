@@ -47,9 +47,9 @@ class Engine {
   // those layers only; release them afterwards, never decode from them.
   Status forward_layers(std::span<const SequenceInput> batch, int64_t layers);
 
-  // Blended reuse (after CacheBlend): `sequence` is empty; `donor_kv` holds one KV block per block
-  // of `tokens` (KvCache block layout) with a donor's KV, already re-positioned, wherever
-  // donor_mask is 1. Layers 0..select_layer run every token; at select_layer each donor token's
+  // Blended reuse (after CacheBlend): `sequence` is empty or holds an exact prefix of whole blocks
+  // (never recomputed); `donor_kv` holds one KV block per block of `tokens` (KvCache block
+  // layout) with a donor's KV, already re-positioned, wherever donor_mask is 1. Layers 0..select_layer run every token; at select_layer each donor token's
   // fresh K/V is compared with the donor's (how much its changed context moved it). Past it only
   // the tokens without donor KV, the most deviating `recompute_fraction` of the others, and the
   // last token run; the rest keep the donor's KV. `logits` gets the last token's logits;

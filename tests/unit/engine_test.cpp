@@ -609,6 +609,49 @@ TEST(EngineSignature, ImportedPrefixGivesTheFullLookupsSignature) {
   EXPECT_EQ(probe.expert_sets(2), full.expert_sets(1)) << "sets: cached and fresh";
 }
 
+// A blend continuing an exact prefix (shared blocks, never recomputed): with everything after it
+// recomputed it is a plain prefill; a prefix of a partial block is refused.
+TEST(EngineBlend, ContinuesAnExactPrefixOfWholeBlocks) {
+  auto model = load("mixtral-f32");
+  ASSERT_TRUE(model);
+  Harness h(*model);
+  const int64_t vocab = model->config().vocab_size;
+  const std::vector<int32_t> tokens = prompt(45, 13, vocab);
+  const std::vector<uint8_t> own = prefill_kv(h, tokens);
+  const std::vector<float> full = prefill_logits(h, tokens);
+  const size_t prefix = 32, bytes = h.cache.block_bytes();
+  Sequence sequence(21, 0, 0);
+  for (size_t b = 0; b < prefix / kBlockTokens; ++b) {
+    std::optional<int32_t> block = h.cache.pool().allocate();
+    ASSERT_TRUE(block.has_value());
+    h.cache.import_block(*block, own.data() + b * bytes);
+    sequence.share_block(h.cache.pool(), *block);
+    h.cache.pool().release(*block);
+  }
+  sequence.commit(std::span(tokens.data(), prefix));
+  // The rest's "donor" KV: garbage, all of it recomputed.
+  std::vector<uint8_t> garbage(own.size() - (prefix / kBlockTokens) * bytes);
+  auto* floats = reinterpret_cast<float*>(garbage.data());
+  for (size_t i = 0; i < garbage.size() / 4; ++i) floats[i] = std::cos(static_cast<float>(i));
+  const std::span<const int32_t> rest = std::span(tokens).subspan(prefix);
+  std::vector<uint8_t> mask(rest.size(), 1);
+  Engine::BlendInput input{&sequence, rest, garbage.data(), mask, 1.0, 1};
+  std::vector<float> logits;
+  int64_t recomputed = 0;
+  ASSERT_TRUE(h.engine.forward_blend(input, logits, recomputed).ok());
+  EXPECT_EQ(recomputed, static_cast<int64_t>(rest.size())) << "the prefix is not recomputed";
+  EXPECT_LE(relative_l2(logits.data(), full.data(), vocab), 1e-6);
+  sequence.release(h.cache.pool());
+
+  Sequence odd(22, 0, 0);
+  const SequenceInput three{&odd, std::span(tokens.data(), 3), false};
+  ASSERT_TRUE(h.engine.forward_layers(std::span(&three, 1), 1).ok());
+  Engine::BlendInput partial{&odd, rest, garbage.data(), mask, 1.0, 1};
+  EXPECT_FALSE(h.engine.forward_blend(partial, logits, recomputed).ok());
+  odd.release(h.cache.pool());
+  EXPECT_EQ(h.cache.pool().free_blocks(), h.cache.pool().capacity());
+}
+
 TEST(EngineBlend, RefusesBadInputWithoutSideEffects) {
   auto model = load("mixtral-f32");
   ASSERT_TRUE(model);
