@@ -984,8 +984,8 @@ class Gateway {
       builder.Finish(wire::CreatePrefillJob(
                          builder, r->id, r->attempt, tokens, sampling,
                          builder.CreateString(r->cache_namespace), builder.CreateString(level),
-                         r->prefix_plan && !r->blend_plan ? r->reused_tokens : 0, frames, layout,
-                         store_levels, r->prefix_key, mask, recompute, r->blend_shadow),
+                         r->prefix_plan ? r->reused_tokens : 0, frames, layout, store_levels,
+                         r->prefix_key, mask, recompute, r->blend_shadow),
                      wire::PrefillJobIdentifier());
       const std::string identity = prefill->identity;
       std::vector<zmq::message_t> job =
@@ -1078,7 +1078,8 @@ class Gateway {
           } else {
             r->blend_plan = true;
             r->blend_shadow = outcome == "shadow";
-            r->prefix_key = plan->prefix_key();  // same donor, same prefill replica
+            r->reused_tokens = plan->reused_tokens();  // the exact prefix the blend continues
+            r->prefix_key = plan->prefix_key();        // same template or donor, same replica
             r->prefix_plan = std::move(message);
           }
           prefill_queue_.push_back({r->id, r->attempt});

@@ -207,7 +207,7 @@ class PrefillStage {
     }
     job.store_levels = wire_job.store_levels();
     job.reuse_level = wire_job.reuse_level() ? wire_job.reuse_level()->str() : "";
-    if (wire_job.reused_tokens() > 0) {
+    if (wire_job.reused_tokens() > 0 && job.reuse_level != "blend") {
       // A prefix that does not fit this replica's cache exactly is recomputed, never trusted.
       const uint32_t reused = wire_job.reused_tokens();
       const model::KvCache& cache = *worker_.cache;
@@ -236,8 +236,11 @@ class PrefillStage {
     const model::KvCache& cache = *worker_.cache;
     const wire::KvLayout* layout = wire_job.layout();
     const size_t blocks = (job.tokens.size() + model::kBlockTokens - 1) / model::kBlockTokens;
+    // The frame holds every block of the prompt; the first reused_tokens (whole blocks) are an
+    // exact prefix, imported and never recomputed.
+    const uint32_t prefix = wire_job.reused_tokens();
     const bool usable =
-        job.reused == 0 && wire_job.blend_mask() &&
+        prefix % model::kBlockTokens == 0 && prefix < job.tokens.size() && wire_job.blend_mask() &&
         wire_job.blend_mask()->size() == job.tokens.size() && layout != nullptr &&
         layout->layers() == cache.layers() && layout->kv_heads() == cache.kv_heads() &&
         layout->head_dim() == cache.head_dim() && layout->block_tokens() == model::kBlockTokens &&
@@ -252,6 +255,7 @@ class PrefillStage {
     }
     job.blend = true;
     job.shadow = wire_job.shadow();
+    job.reused = prefix;
     job.blend_mask.assign(wire_job.blend_mask()->begin(), wire_job.blend_mask()->end());
     job.recompute_fraction = wire_job.recompute_fraction();
     job.blend_kv = std::move(message.bulk[0]);
@@ -260,16 +264,16 @@ class PrefillStage {
     if (!job.shadow) job.store_levels = 0;
   }
 
-  // Runs a blend job's blended prefill. Served: finishes it (true). Shadow: keeps the blend's
-  // logits and leaves the job to the full batch (false).
-  bool run_blend(Job& job) {
-    model::BlockPool& pool = worker_.cache->pool();
-    const uint64_t ns = model::namespace_id(job.cache_namespace);
-    model::Sequence sequence(next_sequence_id_++, worker_.model->model_id(), ns);
+  // Runs a blend job's blended prefill on `sequence` (holding the job's exact prefix, if any).
+  // Served: finishes the job (true). Shadow: keeps the blend's logits and leaves the job to the
+  // full batch (false); so does a blend that failed (computed in full instead).
+  bool run_blend(Job& job, model::Sequence& sequence) {
+    const size_t prefix_blocks = job.reused / model::kBlockTokens;
     model::Engine::BlendInput input{&sequence,
-                                    job.tokens,
-                                    static_cast<const uint8_t*>(job.blend_kv.data()),
-                                    job.blend_mask,
+                                    std::span(job.tokens).subspan(job.reused),
+                                    static_cast<const uint8_t*>(job.blend_kv.data()) +
+                                        prefix_blocks * worker_.cache->block_bytes(),
+                                    std::span(job.blend_mask).subspan(job.reused),
                                     job.recompute_fraction,
                                     blend_select_layer_};
     std::vector<float> logits;
@@ -279,24 +283,21 @@ class PrefillStage {
         std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
     blend_tokens_->inc(static_cast<double>(job.tokens.size()));
     if (!status.ok()) {
-      sequence.release(pool);
       worker_.service.log.warn(
           "blend_failed", {{"request_id", job.request_id}, {"reason", status.error().message}});
       job.blend = job.shadow = false;
-      job.reuse_level = "none";
+      job.reuse_level = job.reused > 0 ? "prefix" : "none";
       return false;
     }
     blend_recomputed_->inc(static_cast<double>(job.recomputed));
     if (job.shadow) {
       shadow_jobs_->inc();
       job.blend_logits = std::move(logits);
-      sequence.release(pool);
       job.blend = false;
       return false;
     }
     blend_jobs_->inc();
     finish_job(job, sequence, logits.data(), seconds);
-    sequence.release(pool);
     return true;
   }
 
@@ -324,44 +325,55 @@ class PrefillStage {
     const model::ModelConfig& cfg = worker_.model->config();
     model::BlockPool& pool = worker_.cache->pool();
     const auto taken = static_cast<uint32_t>(batch.size());
-    std::erase_if(batch, [this](Job& job) { return job.blend && run_blend(job); });
     std::vector<std::unique_ptr<model::Sequence>> sequences;
     std::vector<model::SequenceInput> inputs;
     std::vector<Job> runnable;
     runnable.reserve(batch.size());
-    // Reused blocks by key: jobs of one batch that reuse the same prefix share its blocks.
+    // Reused blocks by key: jobs of one batch that reuse the same prefix — exact prefix hits, and
+    // blends from one donor over one template — share its blocks. The batch holds a reference to
+    // each until it ends (a blend's sequence is released before the next job runs).
     std::unordered_map<uint64_t, int32_t> shared;
-    for (Job& job : batch) {
+    std::vector<int32_t> held;
+    auto start_sequence = [&](const Job& job) -> std::unique_ptr<model::Sequence> {
       const uint64_t ns = model::namespace_id(job.cache_namespace);
       auto sequence =
           std::make_unique<model::Sequence>(next_sequence_id_++, worker_.model->model_id(), ns);
-      bool room = true;
-      if (job.reused > 0) {
-        const std::span<const int32_t> prefix(job.tokens.data(), job.reused);
-        const std::vector<uint64_t> chain =
-            reuse::block_chain(prefix, worker_.model->model_id(), ns);
-        for (size_t b = 0; b < chain.size() && room; ++b) {
-          if (auto it = shared.find(chain[b]); it != shared.end()) {
-            sequence->share_block(pool, it->second);
-            continue;
-          }
-          std::optional<int32_t> block = pool.allocate();
-          if (!block) {
-            room = false;
-            break;
-          }
-          worker_.cache->import_block(*block,
-                                      job.prefix_kv.data() + b * worker_.cache->block_bytes());
-          sequence->share_block(pool, *block);
-          pool.release(*block);  // the sequence holds it now
-          shared[chain[b]] = *block;
+      if (job.reused == 0) return sequence;
+      const std::span<const int32_t> prefix(job.tokens.data(), job.reused);
+      // A blend's frame starts with its exact prefix's blocks.
+      const auto* source = static_cast<const uint8_t*>(
+          job.blend_kv.size() > 0 ? job.blend_kv.data() : job.prefix_kv.data());
+      const std::vector<uint64_t> chain = reuse::block_chain(prefix, worker_.model->model_id(), ns);
+      for (size_t b = 0; b < chain.size(); ++b) {
+        if (auto it = shared.find(chain[b]); it != shared.end()) {
+          sequence->share_block(pool, it->second);
+          continue;
         }
-        if (room) sequence->commit(prefix);
-        reused_tokens_total_->inc(job.reused);
+        std::optional<int32_t> block = pool.allocate();
+        if (!block) {
+          sequence->release(pool);
+          return nullptr;
+        }
+        worker_.cache->import_block(*block, source + b * worker_.cache->block_bytes());
+        sequence->share_block(pool, *block);
+        held.push_back(*block);
+        shared[chain[b]] = *block;
       }
-      if (!room || !sequence->reserve(pool, job.computed())) {
-        // Cannot happen with the cache sized for a full batch; refuse rather than corrupt.
+      sequence->commit(prefix);
+      return sequence;
+    };
+    for (Job& job : batch) {
+      auto sequence = start_sequence(job);
+      if (sequence && job.blend) {
+        const bool served = run_blend(job, *sequence);
         sequence->release(pool);
+        if (served) continue;
+        sequence = start_sequence(job);  // a shadow (or a failed blend): computed in full too
+      }
+      if (job.reused > 0) reused_tokens_total_->inc(job.reused);
+      if (!sequence || !sequence->reserve(pool, job.computed())) {
+        // Cannot happen with the cache sized for a full batch; refuse rather than corrupt.
+        if (sequence) sequence->release(pool);
         fail(job, wire::ErrorCode::Overloaded, "prefill KV cache full");
         continue;
       }
@@ -390,6 +402,7 @@ class PrefillStage {
       signatures_->forget(sequences[i]->id());
       sequences[i]->release(pool);
     }
+    for (int32_t block : held) pool.release(block);
     worker_.link->grant(taken);
   }
 

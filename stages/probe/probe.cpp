@@ -809,7 +809,7 @@ class Probe {
         return done("response", tokens.size(), start);
       }
       if (a.outcome == "blend" || (a.outcome == "shadow" && a.shadow_mode == "blend")) {
-        send_blend(job, a, start);
+        send_blend(job, a, start, blocks, reused_blocks > 0 ? chain[reused_blocks - 1] : a.donor);
         // How many tokens a blend reuses is prefill's to decide; a blend's plan carries no exact
         // prefix (a shadowed blend is computed in full).
         return done(a.outcome == "blend" ? "blend" : "none", 0, start, tokens.size());
@@ -888,24 +888,32 @@ class Probe {
   }
 
   // Blended reuse (served, or shadowed: prefill then also computes in full, serves that and
-  // reports how the blend compared): the prompt's blocks with the donor's KV, and the mask. The
-  // donor's key is the plan's affinity key: jobs blending from one donor go to one prefill replica.
-  void send_blend(const wire::ProbeJob& job, const ApproximateOutcome& a, Clock::time_point start) {
+  // reports how the blend compared): the prompt's blocks — the exact prefix's, then the donor's
+  // KV moved into place — and the mask. The affinity key (the exact prefix's last block, or the
+  // donor) sends jobs over one template, or from one donor, to one prefill replica.
+  void send_blend(const wire::ProbeJob& job, const ApproximateOutcome& a, Clock::time_point start,
+                  const std::vector<reuse::Value>& prefix, uint64_t affinity) {
+    // The exact prefix's blocks replace the transplant's first blocks: prefill imports them as
+    // they are and never recomputes them (and jobs over one template share them).
+    std::vector<uint8_t> kv = a.kv;
+    for (size_t b = 0; b < prefix.size() && (b + 1) * block_bytes_ <= kv.size(); ++b)
+      std::copy(prefix[b]->begin(), prefix[b]->end(), kv.begin() + b * block_bytes_);
     flatbuffers::FlatBufferBuilder builder(512 + a.mask.size());
     std::vector<zmq::message_t> bulk;
-    bulk.emplace_back(a.kv.data(), a.kv.size());
+    bulk.emplace_back(kv.data(), kv.size());
     auto frames = builder.CreateVector(std::vector<flatbuffers::Offset<wire::BulkFrame>>{
-        wire::CreateBulkFrame(builder, a.kv.size(), wire::checksum(a.kv))});
-    auto kv_layout = layout(builder, a.kv.size() / block_bytes_);
+        wire::CreateBulkFrame(builder, kv.size(), wire::checksum(kv))});
+    auto kv_layout = layout(builder, kv.size() / block_bytes_);
     auto mask = builder.CreateVector(a.mask);
     auto level = builder.CreateString("blend");
     auto outcome = builder.CreateString(a.outcome);
     auto shadow_mode = builder.CreateString(a.shadow_mode);
     const auto took = std::chrono::duration_cast<std::chrono::microseconds>(Clock::now() - start);
     builder.Finish(
-        wire::CreateProbePlan(builder, job.request_id(), job.attempt(), level, 0,
-                              static_cast<uint32_t>(took.count()), frames, kv_layout, 0, 0, a.donor,
-                              outcome, a.donor, a.similarity, a.cell, mask,
+        wire::CreateProbePlan(builder, job.request_id(), job.attempt(), level,
+                              static_cast<uint32_t>(prefix.size() * model::kBlockTokens),
+                              static_cast<uint32_t>(took.count()), frames, kv_layout, 0, 0,
+                              affinity, outcome, a.donor, a.similarity, a.cell, mask,
                               static_cast<float>(recompute_fraction_), shadow_mode, a.sampled),
         wire::PrefillJobIdentifier());
     link_->send(wire::encode(wire::MessageType::ProbePlan, builder, std::move(bulk)));

@@ -23,7 +23,7 @@ import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
-from stack_harness import Stack, reference, run_cases  # noqa: E402
+from stack_harness import Stack, reference, run_cases, run_concurrently  # noqa: E402
 
 # Every cached prompt of the tenant is a candidate (cosine > -0.99), and no error bound holds a
 # candidate back (delta 1): the tests choose what is served by what they put in each tenant.
@@ -118,9 +118,32 @@ def case_approximate(args):
             want = reference(args.moeline, args.model, 8, tokens=shifted)
             check(blended.ids == want["ids"],
                   f"blend with full recomputation differs: {blended.ids} != {want['ids']}")
-            check(stack.metric("prefill-0", "moeline_prefill_blend_jobs_total") >= 1,
+            # A blend that continues an exact prefix (the donor's first two blocks): the prefix
+            # is imported as it is, never recomputed; the rest is blended (here: recomputed).
+            late = list(donor)
+            late[37] = (late[37] + 1) % vocab
+            continued = client.generate(tokens=late, max_tokens=8, tenant="t1", reuse="blend")
+            check(continued.usage["reuse_level"] == "blend" and
+                  continued.usage["reused_tokens"] == 32,
+                  f"a blend over a cached prefix: {continued.usage}")
+            check(continued.ids == reference(args.moeline, args.model, 8, tokens=late)["ids"],
+                  "a blend over an exact prefix differs from run")
+            # Several at once over the same template: one prefill batch shares the prefix blocks.
+            wave = []
+            for i in range(4):
+                prompt = list(donor)
+                prompt[33 + i] = (prompt[33 + i] + 3) % vocab
+                wave.append({"tokens": prompt, "max_tokens": 6, "tenant": "t1", "reuse": "blend"})
+            results = run_concurrently(client, wave)
+            for i, request in enumerate(wave):
+                want = reference(args.moeline, args.model, 6, tokens=request["tokens"])
+                check(results[i]["ids"] == want["ids"] and
+                      results[i]["usage"]["reuse_level"] == "blend",
+                      f"concurrent blend {i}: {results[i]['usage']}")
+            check(stack.metric("prefill-0", "moeline_prefill_blend_jobs_total") >= 6,
                   "prefill counted no blend")
-            print("ok approximate: a blend recomputing everything equals `moeline run` exactly")
+            print("ok approximate: blends recomputing everything equal `moeline run` exactly "
+                  "(shifted, over an exact prefix, four at once over one template)")
 
             # The CLI says which level served the request.
             out = subprocess.run([args.moeline, "client", "generate", "--endpoint", stack.endpoint,
