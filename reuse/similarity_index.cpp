@@ -68,6 +68,10 @@ void SimilarityIndex::remove(const std::string& cache_namespace, uint64_t id) {
     rebuild(p);
 }
 
+void SimilarityIndex::clear() {
+  partitions_.clear();
+}
+
 // A fresh graph over the live vectors (read back from the flat storage), labels renumbered.
 void SimilarityIndex::rebuild(Partition& p) {
   auto fresh = std::make_unique<faiss::IndexHNSWFlat>(options_.dimension, options_.m,

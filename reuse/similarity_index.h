@@ -40,6 +40,8 @@ class SimilarityIndex {
   // Adds (or replaces) the entry `id` of the namespace; `vector` has `dimension` entries.
   void add(const std::string& cache_namespace, uint64_t id, std::span<const float> vector);
   void remove(const std::string& cache_namespace, uint64_t id);
+  // Drops every partition (the caller re-adds what is still live).
+  void clear();
 
   struct Hit {
     uint64_t id;

@@ -168,15 +168,33 @@ class Probe {
     options.disk_bytes = store.disk_bytes;
     options.disk_path = store.disk_path.empty() ? "" : store.disk_path + "/signatures";
     signatures_ = std::make_unique<reuse::SnapshotStore>(options);
+    service_.log.info("index_rebuilt", {{"entries", rebuild_index()},
+                                        {"dimension", index.dimension},
+                                        {"signature_layers", signature_options_.layers}});
+  }
+
+  // The index from the signature store: at start, and when the index holds far more entries than
+  // the store (records the store evicted leave entries behind until a lookup meets them).
+  size_t rebuild_index() {
+    index_->clear();
+    namespaces_.clear();
     size_t indexed = 0;
     for (uint64_t key : signatures_->keys()) {
       reuse::Value value = signatures_->get(key);
       auto record = value ? reuse::decode_signature(*value) : std::nullopt;
       if (record && index_signature(*record)) ++indexed;
     }
-    service_.log.info("index_rebuilt", {{"entries", indexed},
-                                        {"dimension", index.dimension},
-                                        {"signature_layers", signature_options_.layers}});
+    return indexed;
+  }
+
+  void reconcile_index() {
+    if (++signature_puts_ % 1024 != 0) return;
+    size_t indexed = 0;
+    for (const std::string& name : namespaces_) indexed += index_->size(name);
+    const reuse::StoreStats& stored = signatures_->stats();
+    if (indexed <= 2 * (stored.ram_entries + stored.disk_entries) + 1024) return;
+    const size_t live = rebuild_index();
+    service_.log.info("index_reconciled", {{"entries_before", indexed}, {"entries", live}});
   }
 
   int run() {
@@ -393,6 +411,7 @@ class Probe {
       record->block_sums.clear();
     }
     signatures_->put(reuse::signature_entry(donor_key(*record)), reuse::encode(*record));
+    reconcile_index();
   }
 
   uint64_t donor_key(const reuse::SignatureRecord& record) const {
@@ -1000,6 +1019,7 @@ class Probe {
   std::unordered_map<uint64_t, reuse::RouterSums> block_sums_;
   std::deque<uint64_t> block_sums_order_;
   size_t block_sums_width_ = 1;  // values per block's sums: signature layers x experts
+  uint64_t signature_puts_ = 0;
   runtime::Counter* prefix_imports_ = nullptr;
   runtime::Counter* refused_records_ = nullptr;
 };

@@ -64,6 +64,19 @@ TEST(SimilarityIndex, NamespacesNeverSeeEachOther) {
   EXPECT_EQ(index.size("tenant:b"), 0u);
 }
 
+TEST(SimilarityIndex, ClearDropsEverythingAndAcceptsNewEntries) {
+  std::mt19937_64 rng(4);
+  SimilarityIndex index({.dimension = 16});
+  const std::vector<float> v = random_unit(rng, 16);
+  index.add("tenant:a", 1, v);
+  index.clear();
+  EXPECT_EQ(index.size("tenant:a"), 0u);
+  EXPECT_TRUE(index.search("tenant:a", v, 3).empty());
+  index.add("tenant:a", 2, v);
+  ASSERT_EQ(index.search("tenant:a", v, 3).size(), 1u);
+  EXPECT_EQ(index.search("tenant:a", v, 3)[0].id, 2u);
+}
+
 TEST(SimilarityIndex, RemovedEntriesAreNeverReturnedAndReplacementsAre) {
   std::mt19937_64 rng(3);
   SimilarityIndex index({.dimension = 16, .rebuild_tombstone_fraction = 0.9});
