@@ -22,8 +22,10 @@ STAGES = ("gateway", "probe", "prefill", "decode", "offload")
 SCALABLE = ("probe", "prefill", "decode")
 WORKERS = ("probe", "prefill", "decode", "offload")
 HUB = "tcp://gateway:5556"
+# libgomp1, libblas3 and liblapack3: FAISS (linked statically) runs on OpenMP and BLAS/LAPACK.
 RUNTIME_PACKAGES = ("libzmq5", "libpcre2-8-0", "libutf8proc2", "libsimdjson14", "libmimalloc2.0",
-                    "libxxhash0", "libcpp-httplib0.11", "librocksdb7.8", "curl")
+                    "libxxhash0", "libcpp-httplib0.11", "librocksdb7.8", "libgomp1", "libblas3",
+                    "liblapack3", "curl")
 
 
 def check(name, condition, detail=""):
