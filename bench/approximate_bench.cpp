@@ -111,14 +111,11 @@ int main(int argc, char** argv) {
   offload::ResidentExpertProvider experts(m.experts());
   model::KvCache cache(cfg, 64);
   model::Engine engine(m, experts, pool, cache);
-  std::vector<int64_t> moe;
-  for (int64_t l = 0; l < cfg.num_layers; ++l)
-    if (cfg.layer_is_moe[static_cast<size_t>(l)]) moe.push_back(l);
   reuse::SignatureOptions options;
   options.layers = std::stoi(flags["--layers"]);
-  reuse::SignatureAccumulator accumulator(moe, std::max<int64_t>(1, cfg.num_experts), options);
-  const size_t k = std::min(moe.size(), static_cast<size_t>(options.layers));
-  const int64_t run_layers = k == 0 ? 0 : moe[k - 1] + 1;
+  reuse::SignatureAccumulator accumulator(model::moe_layer_indices(cfg),
+                                          std::max<int64_t>(1, cfg.num_experts), options);
+  const int64_t run_layers = model::layers_through_moe(cfg, options.layers);
   model::Generator generator(engine);
   const int shadow_tokens = std::stoi(flags["--shadow-tokens"]);
 

@@ -43,9 +43,6 @@ int main(int argc, char** argv) {
   const int64_t longest = *std::max_element(sizes.begin(), sizes.end());
   model::KvCache cache(cfg, static_cast<int32_t>(longest / model::kBlockTokens + 2));
   model::Engine engine(m, experts, pool, cache);
-  std::vector<int64_t> moe;
-  for (int64_t l = 0; l < cfg.num_layers; ++l)
-    if (cfg.layer_is_moe[static_cast<size_t>(l)]) moe.push_back(l);
   const int repeat = std::stoi(flags["--repeat"]);
   std::mt19937 rng(5);
   nlohmann::json out = {{"model_layers", cfg.num_layers},
@@ -72,8 +69,7 @@ int main(int argc, char** argv) {
       sequence.release(cache.pool());
     });
     for (int64_t k : bench::parse_list<int64_t>(flags["--layers"])) {
-      const size_t used = std::min(moe.size(), static_cast<size_t>(k));
-      const int64_t run = used == 0 ? 0 : moe[used - 1] + 1;
+      const int64_t run = model::layers_through_moe(cfg, static_cast<int>(k));
       const double probe = best_of([&] {
         model::Sequence sequence(2, m.model_id(), 0);
         const model::SequenceInput input{&sequence, tokens, false};

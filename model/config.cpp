@@ -1,5 +1,6 @@
 #include "model/config.h"
 
+#include <algorithm>
 #include <fstream>
 #include <nlohmann/json.hpp>
 #include <sstream>
@@ -219,4 +220,17 @@ std::string tensor_name(std::string_view pattern, int64_t layer, int64_t expert)
 }
 
 }  // namespace arch
+std::vector<int64_t> moe_layer_indices(const ModelConfig& config) {
+  std::vector<int64_t> layers;
+  for (int64_t l = 0; l < config.num_layers; ++l)
+    if (config.layer_is_moe[static_cast<size_t>(l)]) layers.push_back(l);
+  return layers;
+}
+
+int64_t layers_through_moe(const ModelConfig& config, int k) {
+  const std::vector<int64_t> moe = moe_layer_indices(config);
+  const size_t used = std::min(moe.size(), static_cast<size_t>(std::max(k, 0)));
+  return used == 0 ? 0 : moe[used - 1] + 1;
+}
+
 }  // namespace moeline::model

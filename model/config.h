@@ -47,4 +47,9 @@ struct ModelConfig {
   std::string summary() const;
 };
 
+// The MoE layer indices in order (dense layers have no router).
+std::vector<int64_t> moe_layer_indices(const ModelConfig& config);
+// How many layers a forward must run to see the first `k` MoE layers' routers.
+int64_t layers_through_moe(const ModelConfig& config, int k);
+
 }  // namespace moeline::model

@@ -36,10 +36,10 @@ int signature_body(const runtime::Config& config) {
   auto tokenizer = model::Tokenizer::load((std::filesystem::path(dir) / "tokenizer.json").string());
   if (!tokenizer) throw std::runtime_error(tokenizer.error().message);
   const model::ModelConfig& cfg = m.config();
-  const std::vector<int64_t> moe_layers = moe_layer_indices(cfg);
+  const std::vector<int64_t> moe_layers = model::moe_layer_indices(cfg);
   const reuse::SignatureOptions options = signature_options(config);
   // Run the layers up to the k-th MoE layer, no further.
-  const int64_t run = layers_for_signature(cfg, options.layers);
+  const int64_t run = model::layers_through_moe(cfg, options.layers);
 
   int threads = static_cast<int>(config.integer("threads"));
   if (threads <= 0) threads = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));

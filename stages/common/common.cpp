@@ -93,19 +93,6 @@ reuse::SignatureOptions signature_options(const runtime::Config& config) {
   return options;
 }
 
-std::vector<int64_t> moe_layer_indices(const model::ModelConfig& config) {
-  std::vector<int64_t> layers;
-  for (int64_t l = 0; l < config.num_layers; ++l)
-    if (config.layer_is_moe[static_cast<size_t>(l)]) layers.push_back(l);
-  return layers;
-}
-
-int64_t layers_for_signature(const model::ModelConfig& config, int k) {
-  const std::vector<int64_t> moe = moe_layer_indices(config);
-  const size_t used = std::min(moe.size(), static_cast<size_t>(std::max(k, 0)));
-  return used == 0 ? 0 : moe[used - 1] + 1;
-}
-
 std::vector<runtime::ConfigKey> worker_keys() {
   std::vector<runtime::ConfigKey> keys = common_keys();
   keys.push_back({"hub", "tcp://127.0.0.1:5556", "the gateway's hub endpoint to connect to"});

@@ -5,7 +5,6 @@
 #include <cstdint>
 #include <vector>
 
-#include "model/config.h"
 #include "model/sampling.h"
 #include "reuse/signature.h"
 #include "schemas/wire.h"
@@ -37,10 +36,6 @@ runtime::LinkSettings link_settings(const runtime::Config& config, wire::StageKi
 // be given the same values.
 std::vector<runtime::ConfigKey> signature_keys();
 reuse::SignatureOptions signature_options(const runtime::Config& config);
-// The model's MoE layer indices in order (dense layers have no router).
-std::vector<int64_t> moe_layer_indices(const model::ModelConfig& config);
-// How many layers a forward must run to see the first `k` MoE layers' routers.
-int64_t layers_for_signature(const model::ModelConfig& config, int k);
 
 // The model folder a stage uses when --model is not given.
 std::string default_model_dir();

@@ -58,7 +58,7 @@ class PrefillStage {
     worker_.create_engine(blocks);
     signature_options_ = signature_options(config);
     signatures_ = std::make_unique<reuse::SignatureAccumulator>(
-        moe_layer_indices(cfg), std::max<int64_t>(1, cfg.num_experts), signature_options_);
+        model::moe_layer_indices(cfg), std::max<int64_t>(1, cfg.num_experts), signature_options_);
     worker_.observers.add(signatures_.get());
     blend_select_layer_ = config.integer("blend-select-layer");
     if (blend_select_layer_ < 0 || blend_select_layer_ >= cfg.num_layers)

@@ -100,8 +100,8 @@ class Probe {
     if (!tokenizer) throw std::runtime_error(tokenizer.error().message);
     tokenizer_ = std::make_unique<model::Tokenizer>(std::move(*tokenizer));
     signature_options_ = signature_options(config);
-    signature_layers_ = layers_for_signature(cfg, signature_options_.layers);
-    const std::vector<int64_t> moe = moe_layer_indices(cfg);
+    signature_layers_ = model::layers_through_moe(cfg, signature_options_.layers);
+    const std::vector<int64_t> moe = model::moe_layer_indices(cfg);
     const int64_t experts = std::max<int64_t>(1, cfg.num_experts);
     const int64_t concatenated =
         static_cast<int64_t>(std::min(moe.size(), static_cast<size_t>(signature_options_.layers))) *
@@ -465,9 +465,8 @@ class Probe {
     }
     rule_->record(quality->cell, donor, quality->correct);
     checks_[quality->correct ? "agreed" : "disagreed"]->inc();
-    ++checks_total_;
-    checks_agreed_ += quality->correct ? 1 : 0;
-    agreement_->set(static_cast<double>(checks_agreed_) / static_cast<double>(checks_total_));
+    const double agreed = checks_["agreed"]->value();
+    agreement_->set(agreed / (agreed + checks_["disagreed"]->value()));
     double best = 1.0;
     for (const auto& [cell, counts] : rule_->cells())
       best = std::min(best, rule_->error_bound(cell));
@@ -828,7 +827,8 @@ class Probe {
         return done("response", tokens.size(), start);
       }
       if (a.outcome == "blend" || (a.outcome == "shadow" && a.shadow_mode == "blend")) {
-        send_blend(job, a, start, blocks, reused_blocks > 0 ? chain[reused_blocks - 1] : a.donor);
+        send_blend(job, approximate_outcome, start, blocks,
+                   reused_blocks > 0 ? chain[reused_blocks - 1] : a.donor);
         // How many tokens a blend reuses is prefill's to decide; a blend's plan carries no exact
         // prefix (a shadowed blend is computed in full).
         return done(a.outcome == "blend" ? "blend" : "none", 0, start, tokens.size());
@@ -910,11 +910,11 @@ class Probe {
   // reports how the blend compared): the prompt's blocks — the exact prefix's, then the donor's
   // KV moved into place — and the mask. The affinity key (the exact prefix's last block, or the
   // donor) sends jobs over one template, or from one donor, to one prefill replica.
-  void send_blend(const wire::ProbeJob& job, const ApproximateOutcome& a, Clock::time_point start,
+  void send_blend(const wire::ProbeJob& job, ApproximateOutcome& a, Clock::time_point start,
                   const std::vector<reuse::Value>& prefix, uint64_t affinity) {
     // The exact prefix's blocks replace the transplant's first blocks: prefill imports them as
     // they are and never recomputes them (and jobs over one template share them).
-    std::vector<uint8_t> kv = a.kv;
+    std::vector<uint8_t>& kv = a.kv;
     for (size_t b = 0; b < prefix.size() && (b + 1) * block_bytes_ <= kv.size(); ++b)
       std::copy(prefix[b]->begin(), prefix[b]->end(), kv.begin() + b * block_bytes_);
     flatbuffers::FlatBufferBuilder builder(512 + a.mask.size());
@@ -1008,7 +1008,7 @@ class Probe {
   std::unique_ptr<reuse::SnapshotStore> signatures_;
   std::unique_ptr<reuse::DecisionRule> rule_;
   std::set<std::string> namespaces_;
-  uint64_t next_sequence_id_ = 1, checks_total_ = 0, checks_agreed_ = 0;
+  uint64_t next_sequence_id_ = 1;
   runtime::RateLimited refusal_log_;
   std::map<std::string, runtime::Counter*> approximate_, candidates_, served_, checks_;
   runtime::Gauge *agreement_ = nullptr, *error_estimate_ = nullptr, *index_entries_ = nullptr,

@@ -552,9 +552,7 @@ TEST(EngineSignature, ImportedPrefixGivesTheFullLookupsSignature) {
   auto model = load("qwen3-f32");
   ASSERT_TRUE(model);
   const ModelConfig& c = model->config();
-  std::vector<int64_t> moe;
-  for (int64_t l = 0; l < c.num_layers; ++l)
-    if (c.layer_is_moe[static_cast<size_t>(l)]) moe.push_back(l);
+  const std::vector<int64_t> moe = moe_layer_indices(c);
   reuse::SignatureOptions options;
   options.layers = 1;
   const std::vector<int32_t> tokens = prompt(41, 12, c.vocab_size);
