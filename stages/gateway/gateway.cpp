@@ -7,6 +7,7 @@
 #include <mutex>
 #include <optional>
 #include <random>
+#include <set>
 #include <unordered_map>
 
 #include "model/kv_cache.h"
@@ -460,8 +461,7 @@ class Gateway {
         log_.info("feedback", {{"client_request_id", feedback->client_request_id()},
                                {"score", static_cast<double>(feedback->score())}});
         // Feedback on an answer approximate reuse served feeds the rollback controller.
-        if (auto it = approximately_served_.find({client, feedback->client_request_id()});
-            it != approximately_served_.end()) {
+        if (approximately_served_.count({client, feedback->client_request_id()})) {
           const bool negative = feedback->score() < 0;
           controller_->on_feedback(seconds_now(), negative);
           reused_feedback_[negative ? "negative" : "positive"]->inc();
@@ -730,7 +730,7 @@ class Gateway {
     if ((reason == "stop" || reason == "length") && r.shadow_mode == "response")
       report_shadow(r, same_answer(r.sent, r.donor_completion), 0.0f);
     if (approximate_answer) {
-      approximately_served_[{r.client, r.client_request_id}] = true;
+      approximately_served_.insert({r.client, r.client_request_id});
       served_order_.push_back({r.client, r.client_request_id});
       if (served_order_.size() > 65536) {
         approximately_served_.erase(served_order_.front());
@@ -1239,7 +1239,7 @@ class Gateway {
   nlohmann::json approximate_state_ = {{"enabled", true}, {"reason", "initial"}};
   size_t shadow_tokens_ = 8;
   double blend_max_kl_ = 0.05;
-  std::map<std::pair<std::string, uint64_t>, bool> approximately_served_;
+  std::set<std::pair<std::string, uint64_t>> approximately_served_;
   std::deque<std::pair<std::string, uint64_t>> served_order_;
   runtime::Gauge *approximate_enabled_ = nullptr, *shadow_agreement_ = nullptr;
   runtime::Histogram* probe_fraction_ = nullptr;
