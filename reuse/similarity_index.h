@@ -17,7 +17,7 @@
 #include <vector>
 
 namespace faiss {
-struct IndexHNSWFlat;
+struct IndexHNSW;
 }
 
 namespace moeline::reuse {
@@ -29,6 +29,10 @@ struct IndexOptions {
   int ef_search = 64;
   double rebuild_tombstone_fraction = 0.25;
 };
+
+// The score the index gives `query` against a stored vector: their inner product, with the stored
+// vector rounded to half precision as the index keeps it (exposed for its test).
+float stored_inner_product(std::span<const float> query, std::span<const float> stored);
 
 class SimilarityIndex {
  public:
