@@ -3,13 +3,20 @@
 //
 //   moeline_approximate_bench --model DIR --pairs FILE [--threshold 0.93] [--deltas 0.01,0.1]
 //       [--shadow-fraction 0.05] [--shadow-tokens 8] [--layers 1] [--calibration 0.5] [--seed 1]
-//       [--passes 1]
+//       [--passes 1] [--mode response|blend] [--recompute-fraction 0.15] [--blend-max-kl 0.05]
+//       [--select-layer 1]
 //
 // For each pair (a cached donor a, a new request b) it computes what the stack computes — b's and
 // a's activation signatures (the probe's partial forward), the kind of difference, and both
 // prompts' greedy answers of --shadow-tokens tokens (what a shadow check compares). A served
 // response reuse is *false* when b's own answer differs from a's (what reuse would have returned);
 // the set's labels ("match": should / must not be interchangeable) are reported too.
+//
+// --mode blend judges blended KV reuse instead: b is prefilled from a's KV moved to b's aligned
+// positions (reuse::transplant_kv) and blended (Engine::forward_blend at --recompute-fraction), as
+// prefill does for a blend plan. A served blend is *false* when its first-token distribution fails
+// the gateway's blend shadow check against b's full prefill: top-1 differs, or KL(full || blend) >
+// --blend-max-kl.
 //
 // The rule learns online, as in the stack: a calibration share of the pairs (shuffled, seeded) is
 // seen first — each candidate computed in full and checked, as every unproven candidate is — and
@@ -36,6 +43,7 @@
 #include "model/tokenizer/tokenizer.h"
 #include "offload/resident_provider.h"
 #include "reuse/approximate.h"
+#include "reuse/blend.h"
 #include "reuse/signature.h"
 
 namespace {
@@ -47,6 +55,7 @@ struct Prompt {
   std::vector<float> signature;
   std::vector<int32_t> answer;
   std::vector<float> logits;
+  std::vector<uint8_t> kv;  // (blend mode) the prompt's KV, as the store would hold it
 };
 
 struct Pair {
@@ -56,7 +65,8 @@ struct Pair {
   const Prompt* b = nullptr;
   float similarity = 0;
   reuse::DifferenceKind difference = reuse::DifferenceKind::kNone;
-  bool same_answer = false;
+  bool same_answer = false;  // response: same greedy answer; blend: the blend passes the check
+  double blend_kl = 0;
   uint64_t donor = 0;
   double changed = 0;
 };
@@ -101,7 +111,11 @@ int main(int argc, char** argv) {
                                               {"--calibration", "0.5"},
                                               {"--seed", "1"},
                                               {"--passes", "1"},
-                                              {"--threads", "2"}};
+                                              {"--threads", "2"},
+                                              {"--mode", "response"},
+                                              {"--recompute-fraction", "0.15"},
+                                              {"--blend-max-kl", "0.05"},
+                                              {"--select-layer", "1"}};
   flags = bench::parse_flags(argc, argv, flags);
   const bench::Checkpoint checkpoint = bench::load_checkpoint(flags["--model"]);
   const model::Model& m = *checkpoint.model;
@@ -109,7 +123,14 @@ int main(int argc, char** argv) {
   const model::Tokenizer* tokenizer = &checkpoint.tokenizer;
   kernels::ThreadPool pool(std::stoi(flags["--threads"]));
   offload::ResidentExpertProvider experts(m.experts());
-  model::KvCache cache(cfg, 64);
+  const std::string mode_name = flags["--mode"];
+  if (mode_name != "response" && mode_name != "blend") {
+    std::cerr << "--mode: response or blend\n";
+    return 2;
+  }
+  const reuse::ReuseMode mode =
+      mode_name == "blend" ? reuse::ReuseMode::kBlend : reuse::ReuseMode::kResponse;
+  model::KvCache cache(cfg, 256);
   model::Engine engine(m, experts, pool, cache);
   reuse::SignatureOptions options;
   options.layers = std::stoi(flags["--layers"]);
@@ -145,7 +166,47 @@ int main(int argc, char** argv) {
     if (!out) throw std::runtime_error(out.error().message);
     p.answer = out->front().tokens;
     p.logits = out->front().prompt_logits;
+    if (mode == reuse::ReuseMode::kBlend) {
+      model::Sequence full(next_id++, m.model_id(), 0);
+      std::vector<float> logits;
+      const model::SequenceInput whole{&full, p.tokens, true};
+      if (!engine.forward(std::span(&whole, 1), logits).ok())
+        throw std::runtime_error("forward failed");
+      p.kv = bench::export_kv(cache, full);
+      full.release(cache.pool());
+    }
     return &p;
+  };
+  const reuse::KvGeometry geometry{cfg.num_layers, cfg.num_kv_heads, cfg.head_dim,
+                                   model::kBlockTokens, cfg.rope_theta};
+  const double recompute_fraction = std::stod(flags["--recompute-fraction"]);
+  const double blend_max_kl = std::stod(flags["--blend-max-kl"]);
+  const int64_t select_layer = std::stoll(flags["--select-layer"]);
+  int64_t blend_tokens = 0, blend_recomputed = 0;
+  // b prefilled from a's KV, as prefill runs a blend plan; judged as the gateway judges a blend
+  // shadow. Returns KL(full || blend), or -1 when the top-1 token differs.
+  auto blend_check = [&](const Prompt& donor, const Prompt& request) {
+    const std::vector<int32_t> alignment = reuse::align_tokens(request.tokens, donor.tokens);
+    const std::vector<uint8_t> kv = reuse::transplant_kv(donor.kv, alignment, geometry);
+    std::vector<uint8_t> mask(request.tokens.size());
+    for (size_t i = 0; i < mask.size(); ++i) mask[i] = alignment[i] >= 0 ? 1 : 0;
+    model::Sequence sequence(next_id++, m.model_id(), 0);
+    model::Engine::BlendInput input{&sequence, request.tokens,     kv.data(),
+                                    mask,      recompute_fraction, select_layer};
+    std::vector<float> logits;
+    int64_t recomputed = 0;
+    if (!engine.forward_blend(input, logits, recomputed).ok())
+      throw std::runtime_error("blend failed");
+    sequence.release(cache.pool());
+    blend_tokens += static_cast<int64_t>(request.tokens.size());
+    blend_recomputed += recomputed;
+    const auto top = [](std::span<const float> v) {
+      return std::max_element(v.begin(), v.end()) - v.begin();
+    };
+    const std::span<const float> full(request.logits);
+    const std::span<const float> blended(logits.data(), full.size());
+    if (top(full) != top(blended)) return -1.0;
+    return reuse::softmax_kl(full, blended);
   };
   auto text_of = [&](int32_t t) {
     auto text = tokenizer->decode({t}, model::DecodeOptions{});
@@ -171,7 +232,12 @@ int main(int argc, char** argv) {
     p.similarity = reuse::cosine(p.a->signature, p.b->signature);
     p.difference = reuse::classify_difference(p.b->tokens, p.a->tokens, text_of);
     p.changed = reuse::changed_fraction(p.b->tokens, p.a->tokens);
-    p.same_answer = p.a->answer == p.b->answer;
+    if (mode == reuse::ReuseMode::kBlend) {
+      p.blend_kl = blend_check(*p.a, *p.b);
+      p.same_answer = p.blend_kl >= 0 && p.blend_kl <= blend_max_kl;
+    } else {
+      p.same_answer = p.a->answer == p.b->answer;
+    }
     p.donor = std::hash<std::string>{}(row.at("a").get<std::string>());
     const double d = reuse::softmax_kl(p.b->logits, p.a->logits);
     (p.same_answer ? kl_same : kl_other) += d;
@@ -185,6 +251,11 @@ int main(int argc, char** argv) {
 
   const std::vector<double> deltas = bench::parse_list<double>(flags["--deltas"]);
   nlohmann::json out = {{"pairs", pairs.size()},
+                        {"mode", mode_name},
+                        {"recompute_fraction", recompute_fraction},
+                        {"blend_max_kl", blend_max_kl},
+                        {"blend_recomputed_share",
+                         blend_tokens ? static_cast<double>(blend_recomputed) / blend_tokens : 0.0},
                         {"calibration_pairs", calibration},
                         {"passes", std::stoi(flags["--passes"])},
                         {"threshold", std::stod(flags["--threshold"])},
@@ -208,7 +279,7 @@ int main(int argc, char** argv) {
         if (p.similarity < decision.threshold) continue;
         // Calibration: every candidate computed in full and compared. Repeated passes use fresh
         // donor identities (another tenant's copy of the same pair).
-        rule.record(rule.cell_of(p.similarity, p.difference, p.changed),
+        rule.record(rule.cell_of(p.similarity, p.difference, p.changed, mode),
                     p.donor + static_cast<uint64_t>(pass), p.same_answer);
       }
     Tally threshold_only, with_rule;
@@ -222,7 +293,7 @@ int main(int argc, char** argv) {
       bool served = false;
       if (candidate) {
         const reuse::Decision d =
-            rule.decide(p.similarity, p.difference, p.changed, p.donor + 1000003);
+            rule.decide(p.similarity, p.difference, p.changed, p.donor + 1000003, mode);
         served = d.action == reuse::Decision::kServe;
         if (d.action == reuse::Decision::kShadow) {
           ++shadowed;

@@ -67,13 +67,6 @@ double score(Setup& s, model::Sequence& sequence, std::vector<float> logits,
   return nll / static_cast<double>(continuation.size());
 }
 
-std::vector<uint8_t> export_kv(Setup& s, const model::Sequence& sequence) {
-  std::vector<uint8_t> kv(sequence.block_table().size() * s.cache.block_bytes());
-  for (size_t b = 0; b < sequence.block_table().size(); ++b)
-    s.cache.export_block(sequence.block_table()[b], kv.data() + b * s.cache.block_bytes());
-  return kv;
-}
-
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -138,7 +131,7 @@ int main(int argc, char** argv) {
       std::vector<float> logits;
       model::SequenceInput donor_input{&donor_sequence, donor, true};
       if (!engine.forward(std::span(&donor_input, 1), logits).ok()) return 1;
-      const std::vector<uint8_t> donor_kv = export_kv(s, donor_sequence);
+      const std::vector<uint8_t> donor_kv = bench::export_kv(cache, donor_sequence);
       donor_sequence.release(cache.pool());
 
       // Full prefill of the context: the reference.

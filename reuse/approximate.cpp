@@ -127,25 +127,34 @@ constexpr double kChangedEdges[] = {0.02, 0.05, 0.1, 0.25};
 constexpr int kChangedBuckets = 5;
 }  // namespace
 
-int DecisionRule::cell_of(float score, DifferenceKind kind, double changed) const {
+const char* reuse_mode_name(ReuseMode mode) {
+  return mode == ReuseMode::kBlend ? "blend" : "response";
+}
+
+// A cell is one int (it travels in plans and quality records):
+// ((mode * kinds + kind) * buckets + changed bucket) * 1000 + similarity bin.
+int DecisionRule::cell_of(float score, DifferenceKind kind, double changed, ReuseMode mode) const {
   const double above = std::max(0.0, static_cast<double>(score) - options_.threshold);
   const int bin = std::min(999, static_cast<int>(std::floor(above / options_.bin_width)));
   int bucket = 0;
   while (bucket < kChangedBuckets - 1 && changed > kChangedEdges[bucket]) ++bucket;
-  return (static_cast<int>(kind) * kChangedBuckets + bucket) * 1000 + bin;
+  const int neighbourhood = static_cast<int>(mode) * kDifferenceKinds + static_cast<int>(kind);
+  return (neighbourhood * kChangedBuckets + bucket) * 1000 + bin;
 }
 
 std::string DecisionRule::cell_name(int cell) const {
   const double low = options_.threshold + (cell % 1000) * options_.bin_width;
   const int bucket = (cell / 1000) % kChangedBuckets;
-  const auto kind = static_cast<DifferenceKind>(cell / 1000 / kChangedBuckets);
-  char text[96];
+  const int neighbourhood = cell / 1000 / kChangedBuckets;
+  const auto kind = static_cast<DifferenceKind>(neighbourhood % kDifferenceKinds);
+  const auto mode = static_cast<ReuseMode>(neighbourhood / kDifferenceKinds);
+  char text[112];
   if (bucket < kChangedBuckets - 1) {
-    std::snprintf(text, sizeof(text), "%s/changed<=%.2f/cos>=%.3f", difference_name(kind),
-                  kChangedEdges[bucket], low);
+    std::snprintf(text, sizeof(text), "%s/%s/changed<=%.2f/cos>=%.3f", reuse_mode_name(mode),
+                  difference_name(kind), kChangedEdges[bucket], low);
   } else {
-    std::snprintf(text, sizeof(text), "%s/changed>%.2f/cos>=%.3f", difference_name(kind),
-                  kChangedEdges[kChangedBuckets - 2], low);
+    std::snprintf(text, sizeof(text), "%s/%s/changed>%.2f/cos>=%.3f", reuse_mode_name(mode),
+                  difference_name(kind), kChangedEdges[kChangedBuckets - 2], low);
   }
   return text;
 }
@@ -173,9 +182,10 @@ uint64_t DecisionRule::donor_key(uint64_t donor, int cell) {
   return donor * 0x9e3779b97f4a7c15ULL + static_cast<uint64_t>(cell / 1000 / kChangedBuckets);
 }
 
-Decision DecisionRule::decide(float score, DifferenceKind kind, double changed, uint64_t donor) {
+Decision DecisionRule::decide(float score, DifferenceKind kind, double changed, uint64_t donor,
+                              ReuseMode mode) {
   Decision decision;
-  decision.cell = cell_of(score, kind, changed);
+  decision.cell = cell_of(score, kind, changed, mode);
   decision.error_bound = error_bound(decision.cell);
   if (score < options_.threshold) {
     decision.reason = "below_threshold";

@@ -8,13 +8,14 @@
 //   decision rule learns separately for each kind of difference.
 // - DecisionRule: candidates are taken at signature cosine >= threshold; a candidate is served
 //   only while the one-sided 95% upper confidence bound (Wilson) of the false-reuse rate of its
-//   neighbourhood — the cell (kind of difference, share of the prompt changed, similarity bin) —
-//   is at most delta. A cell also borrows the evidence of the less similar bins of its kind and
-//   size of change (pooled with its own), on the assumption that a more similar candidate is not
-//   less safe: a bin proven safe vouches for the bins above it, never for those below. The counts
-//   come from shadow checks: every candidate not served is computed in full anyway and compared
-//   (free evidence), and a fraction of served hits is computed in full too. A donor that once
-//   failed a check is never served again for that kind of difference (per-entry learning).
+//   neighbourhood — the cell (mode of reuse, kind of difference, share of the prompt changed,
+//   similarity bin) — is at most delta. A cell also borrows the evidence of the less similar bins
+//   of its mode, kind and size of change (pooled with its own), on the assumption that a more
+//   similar candidate is not less safe: a bin proven safe vouches for the bins above it, never for
+//   those below. The counts come from shadow checks: every candidate not served is computed in full
+//   anyway and compared (free evidence), and a fraction of served hits is computed in full too. A
+//   donor that once failed a check is never served again for that mode and kind of difference
+//   (per-entry learning).
 // - RollbackController: turns approximate reuse off when, over its windows, the served hit rate
 //   stays under its floor, the shadow agreement drops below its baseline, or negative feedback
 //   on reused answers passes its ceiling; off until an operator turns it on or a probation passes.
@@ -39,6 +40,12 @@ namespace moeline::reuse {
 enum class DifferenceKind : uint8_t { kNone, kFormat, kContent, kName, kNegation, kNumber };
 const char* difference_name(DifferenceKind kind);
 inline constexpr int kDifferenceKinds = 6;
+
+// What a hit serves: the donor's finished answer (response), or the donor's KV under a partial
+// recomputation (blend). They fail differently — a blend recomputes the changed tokens, a response
+// cannot — so the rule learns them apart.
+enum class ReuseMode : uint8_t { kResponse, kBlend };
+const char* reuse_mode_name(ReuseMode mode);
 
 // The share of the two prompts' tokens that the other lacks (multiset symmetric difference over
 // both lengths): a changed word is 1/4 of a short prompt and 1/100 of a long one.
@@ -68,11 +75,11 @@ class DecisionRule {
  public:
   explicit DecisionRule(DecisionOptions options);
   // `score` is the candidate's cosine (>= threshold); `changed`: changed_fraction of the pair.
-  Decision decide(float score, DifferenceKind kind, double changed, uint64_t donor);
+  Decision decide(float score, DifferenceKind kind, double changed, uint64_t donor, ReuseMode mode);
   // A shadow check's outcome for a candidate of that cell and donor.
   void record(int cell, uint64_t donor, bool correct);
 
-  int cell_of(float score, DifferenceKind kind, double changed) const;
+  int cell_of(float score, DifferenceKind kind, double changed, ReuseMode mode) const;
   double error_bound(int cell) const;
   struct Counts {
     uint64_t checks = 0, failures = 0;
@@ -82,7 +89,7 @@ class DecisionRule {
   const DecisionOptions& options() const { return options_; }
 
  private:
-  // A donor and a kind of difference (the cell's kind), as one key.
+  // A donor and a mode and kind of difference (the cell's), as one key.
   static uint64_t donor_key(uint64_t donor, int cell);
   DecisionOptions options_;
   std::map<int, Counts> cells_;

@@ -662,7 +662,9 @@ class Probe {
     candidates_[mode]->inc();
     const reuse::DifferenceKind kind = reuse::classify_difference(
         tokens, donor.tokens, [this](int32_t t) { return token_text(t); });
-    const reuse::Decision decision = rule_->decide(hit.score, kind, best->changed, hit.id);
+    const reuse::Decision decision =
+        rule_->decide(hit.score, kind, best->changed, hit.id,
+                      answer ? reuse::ReuseMode::kResponse : reuse::ReuseMode::kBlend);
     result.donor = hit.id;
     result.similarity = hit.score;
     result.cell = decision.cell;

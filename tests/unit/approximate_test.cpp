@@ -68,74 +68,110 @@ TEST(DecisionRule, ShadowsUntilTheBoundIsProvenThenServes) {
   options.shadow_fraction = 0;
   DecisionRule rule(options);
   const float score = 0.955f;
-  Decision first = rule.decide(score, DifferenceKind::kFormat, 0.01, 1);
+  Decision first = rule.decide(score, DifferenceKind::kFormat, 0.01, 1, ReuseMode::kResponse);
   EXPECT_EQ(first.action, Decision::kShadow);
   EXPECT_STREQ(first.reason, "error_bound");
   for (int i = 0; i < 300; ++i) rule.record(first.cell, 100 + i, true);
-  Decision proven = rule.decide(score, DifferenceKind::kFormat, 0.01, 1);
+  Decision proven = rule.decide(score, DifferenceKind::kFormat, 0.01, 1, ReuseMode::kResponse);
   EXPECT_EQ(proven.action, Decision::kServe);
   EXPECT_LE(proven.error_bound, options.max_error);
   // Another kind of difference, another share of the prompt changed, or another similarity bin
   // has its own evidence.
-  EXPECT_EQ(rule.decide(score, DifferenceKind::kNumber, 0.01, 1).action, Decision::kShadow);
-  EXPECT_EQ(rule.decide(score, DifferenceKind::kFormat, 0.3, 1).action, Decision::kShadow);
-  EXPECT_NE(rule.cell_of(score, DifferenceKind::kFormat, 0.01),
-            rule.cell_of(score, DifferenceKind::kFormat, 0.03));
-  EXPECT_EQ(rule.cell_of(score, DifferenceKind::kFormat, 0.01),
-            rule.cell_of(score, DifferenceKind::kFormat, 0.02));
-  EXPECT_EQ(rule.decide(0.935f, DifferenceKind::kFormat, 0.01, 1).action, Decision::kShadow);
+  EXPECT_EQ(rule.decide(score, DifferenceKind::kNumber, 0.01, 1, ReuseMode::kResponse).action,
+            Decision::kShadow);
+  EXPECT_EQ(rule.decide(score, DifferenceKind::kFormat, 0.3, 1, ReuseMode::kResponse).action,
+            Decision::kShadow);
+  EXPECT_NE(rule.cell_of(score, DifferenceKind::kFormat, 0.01, ReuseMode::kResponse),
+            rule.cell_of(score, DifferenceKind::kFormat, 0.03, ReuseMode::kResponse));
+  EXPECT_EQ(rule.cell_of(score, DifferenceKind::kFormat, 0.01, ReuseMode::kResponse),
+            rule.cell_of(score, DifferenceKind::kFormat, 0.02, ReuseMode::kResponse));
+  EXPECT_EQ(rule.decide(0.935f, DifferenceKind::kFormat, 0.01, 1, ReuseMode::kResponse).action,
+            Decision::kShadow);
   // Below the threshold: not a candidate.
-  EXPECT_EQ(rule.decide(0.9f, DifferenceKind::kFormat, 0.01, 1).action, Decision::kReject);
+  EXPECT_EQ(rule.decide(0.9f, DifferenceKind::kFormat, 0.01, 1, ReuseMode::kResponse).action,
+            Decision::kReject);
   // Failures raise the bound past delta, and the donor that failed is never served again for
   // that kind of difference (another kind has nothing against it).
   rule.record(first.cell, 7, false);
-  EXPECT_EQ(rule.decide(score, DifferenceKind::kFormat, 0.01, 7).action, Decision::kReject);
-  EXPECT_EQ(rule.decide(0.985f, DifferenceKind::kFormat, 0.01, 7).action, Decision::kReject);
-  EXPECT_EQ(rule.decide(score, DifferenceKind::kNumber, 0.01, 7).action, Decision::kShadow);
+  EXPECT_EQ(rule.decide(score, DifferenceKind::kFormat, 0.01, 7, ReuseMode::kResponse).action,
+            Decision::kReject);
+  EXPECT_EQ(rule.decide(0.985f, DifferenceKind::kFormat, 0.01, 7, ReuseMode::kResponse).action,
+            Decision::kReject);
+  EXPECT_EQ(rule.decide(score, DifferenceKind::kNumber, 0.01, 7, ReuseMode::kResponse).action,
+            Decision::kShadow);
   for (int i = 0; i < 3; ++i) rule.record(first.cell, 8 + i, false);
   EXPECT_GT(rule.error_bound(first.cell), options.max_error);
-  EXPECT_EQ(rule.decide(score, DifferenceKind::kFormat, 0.01, 1).action, Decision::kShadow);
+  EXPECT_EQ(rule.decide(score, DifferenceKind::kFormat, 0.01, 1, ReuseMode::kResponse).action,
+            Decision::kShadow);
 }
 
 TEST(DecisionRule, ABinBorrowsTheEvidenceOfLessSimilarBinsOnly) {
   DecisionOptions options;
   options.shadow_fraction = 0;
   DecisionRule rule(options);
-  const int low = rule.cell_of(0.935f, DifferenceKind::kFormat, 0.01);
+  const int low = rule.cell_of(0.935f, DifferenceKind::kFormat, 0.01, ReuseMode::kResponse);
   for (int i = 0; i < 300; ++i) rule.record(low, 500 + i, true);
   // Proven at 0.93: 0.95 and 0.99 of the same kind and size of change are served too...
-  EXPECT_EQ(rule.decide(0.955f, DifferenceKind::kFormat, 0.01, 1).action, Decision::kServe);
-  EXPECT_EQ(rule.decide(0.995f, DifferenceKind::kFormat, 0.01, 1).action, Decision::kServe);
+  EXPECT_EQ(rule.decide(0.955f, DifferenceKind::kFormat, 0.01, 1, ReuseMode::kResponse).action,
+            Decision::kServe);
+  EXPECT_EQ(rule.decide(0.995f, DifferenceKind::kFormat, 0.01, 1, ReuseMode::kResponse).action,
+            Decision::kServe);
   // ...but another size of change is not, and evidence from above never vouches for below.
-  EXPECT_EQ(rule.decide(0.955f, DifferenceKind::kFormat, 0.2, 1).action, Decision::kShadow);
+  EXPECT_EQ(rule.decide(0.955f, DifferenceKind::kFormat, 0.2, 1, ReuseMode::kResponse).action,
+            Decision::kShadow);
   DecisionRule high_only(options);
-  const int high = high_only.cell_of(0.995f, DifferenceKind::kFormat, 0.01);
+  const int high = high_only.cell_of(0.995f, DifferenceKind::kFormat, 0.01, ReuseMode::kResponse);
   for (int i = 0; i < 300; ++i) high_only.record(high, 500 + i, true);
-  EXPECT_EQ(high_only.decide(0.955f, DifferenceKind::kFormat, 0.01, 1).action, Decision::kShadow);
+  EXPECT_EQ(high_only.decide(0.955f, DifferenceKind::kFormat, 0.01, 1, ReuseMode::kResponse).action,
+            Decision::kShadow);
   // A bin that has failed itself is judged on its own evidence, however good its neighbourhood.
-  const int middle = rule.cell_of(0.965f, DifferenceKind::kFormat, 0.01);
+  const int middle = rule.cell_of(0.965f, DifferenceKind::kFormat, 0.01, ReuseMode::kResponse);
   for (int i = 0; i < 400; ++i) rule.record(middle, 900 + i, i != 0);
   EXPECT_GT(rule.error_bound(middle), options.max_error);
-  EXPECT_EQ(rule.decide(0.965f, DifferenceKind::kFormat, 0.01, 2).action, Decision::kShadow);
+  EXPECT_EQ(rule.decide(0.965f, DifferenceKind::kFormat, 0.01, 2, ReuseMode::kResponse).action,
+            Decision::kShadow);
 }
 
 TEST(DecisionRule, NamesItsCells) {
   DecisionRule rule(DecisionOptions{});
-  EXPECT_EQ(rule.cell_name(rule.cell_of(0.955f, DifferenceKind::kNumber, 0.01)),
-            "number/changed<=0.02/cos>=0.950");
-  EXPECT_EQ(rule.cell_name(rule.cell_of(0.999f, DifferenceKind::kFormat, 0.5)),
-            "format/changed>0.25/cos>=0.990");
+  EXPECT_EQ(
+      rule.cell_name(rule.cell_of(0.955f, DifferenceKind::kNumber, 0.01, ReuseMode::kResponse)),
+      "response/number/changed<=0.02/cos>=0.950");
+  EXPECT_EQ(rule.cell_name(rule.cell_of(0.999f, DifferenceKind::kFormat, 0.5, ReuseMode::kBlend)),
+            "blend/format/changed>0.25/cos>=0.990");
+}
+
+// A blend recomputes the changed tokens and a response cannot: evidence about one never serves
+// the other, and a donor that failed as a response may still be blended.
+TEST(DecisionRule, LearnsEachModeApart) {
+  DecisionRule rule(DecisionOptions{.max_error = 0.05, .shadow_fraction = 0});
+  const float score = 0.97f;
+  const int blend = rule.cell_of(score, DifferenceKind::kNumber, 0.01, ReuseMode::kBlend);
+  const int response = rule.cell_of(score, DifferenceKind::kNumber, 0.01, ReuseMode::kResponse);
+  EXPECT_NE(blend, response);
+  for (uint64_t donor = 100; donor < 200; ++donor) rule.record(blend, donor, true);
+  EXPECT_EQ(rule.decide(score, DifferenceKind::kNumber, 0.01, 1, ReuseMode::kBlend).action,
+            Decision::kServe);
+  EXPECT_EQ(rule.decide(score, DifferenceKind::kNumber, 0.01, 1, ReuseMode::kResponse).action,
+            Decision::kShadow)
+      << "blends proven safe say nothing of responses";
+  rule.record(response, 1, false);
+  EXPECT_EQ(rule.decide(score, DifferenceKind::kNumber, 0.01, 1, ReuseMode::kResponse).action,
+            Decision::kReject);
+  EXPECT_EQ(rule.decide(score, DifferenceKind::kNumber, 0.01, 1, ReuseMode::kBlend).action,
+            Decision::kServe);
 }
 
 TEST(DecisionRule, SamplesShadowChecksAtTheConfiguredFraction) {
   DecisionOptions options;
   options.shadow_fraction = 0.2;
   DecisionRule rule(options);
-  const int cell = rule.cell_of(0.97f, DifferenceKind::kFormat, 0.01);
+  const int cell = rule.cell_of(0.97f, DifferenceKind::kFormat, 0.01, ReuseMode::kResponse);
   for (int i = 0; i < 1000; ++i) rule.record(cell, 1000 + i, true);
   int shadowed = 0;
   for (int i = 0; i < 5000; ++i)
-    shadowed += rule.decide(0.97f, DifferenceKind::kFormat, 0.01, 1).action == Decision::kShadow;
+    shadowed += rule.decide(0.97f, DifferenceKind::kFormat, 0.01, 1, ReuseMode::kResponse).action ==
+                Decision::kShadow;
   // Binomial(5000, 0.2): sd 28; 6 sd either side.
   EXPECT_NEAR(shadowed, 1000, 170);
 }
@@ -145,10 +181,12 @@ TEST(DecisionRule, DeltaOfOneStatesNoBound) {
   options.max_error = 1;
   options.shadow_fraction = 0;
   DecisionRule rule(options);
-  EXPECT_EQ(rule.decide(0.95f, DifferenceKind::kNumber, 0.01, 1).action, Decision::kServe);
+  EXPECT_EQ(rule.decide(0.95f, DifferenceKind::kNumber, 0.01, 1, ReuseMode::kResponse).action,
+            Decision::kServe);
   // A donor that failed is still never served.
-  rule.record(rule.cell_of(0.95f, DifferenceKind::kNumber, 0.01), 1, false);
-  EXPECT_EQ(rule.decide(0.95f, DifferenceKind::kNumber, 0.01, 1).action, Decision::kReject);
+  rule.record(rule.cell_of(0.95f, DifferenceKind::kNumber, 0.01, ReuseMode::kResponse), 1, false);
+  EXPECT_EQ(rule.decide(0.95f, DifferenceKind::kNumber, 0.01, 1, ReuseMode::kResponse).action,
+            Decision::kReject);
 }
 
 TEST(DecisionRule, RefusesNonsenseOptions) {
