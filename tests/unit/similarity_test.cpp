@@ -21,6 +21,25 @@ std::vector<float> random_unit(std::mt19937_64& rng, int dimension) {
   return v;
 }
 
+// `entry` moved by `amount` in a random direction, renormalised: a near-duplicate query.
+std::vector<float> perturbed(std::vector<float> entry, std::mt19937_64& rng, float amount) {
+  const std::vector<float> noise = random_unit(rng, static_cast<int>(entry.size()));
+  for (size_t d = 0; d < entry.size(); ++d) entry[d] += amount * noise[d];
+  normalize(entry);
+  return entry;
+}
+
+// The exact answer, by brute force.
+size_t nearest(const std::vector<std::vector<float>>& entries, const std::vector<float>& query) {
+  size_t best = 0;
+  float best_score = -2;
+  for (size_t i = 0; i < entries.size(); ++i) {
+    const float score = cosine(query, entries[i]);
+    if (score > best_score) best_score = score, best = i;
+  }
+  return best;
+}
+
 TEST(SimilarityIndex, NearestNeighbourMatchesExactSearch) {
   constexpr int kDim = 64, kEntries = 2000, kQueries = 200;
   std::mt19937_64 rng(1);
@@ -32,18 +51,9 @@ TEST(SimilarityIndex, NearestNeighbourMatchesExactSearch) {
   }
   int agree = 0;
   for (int q = 0; q < kQueries; ++q) {
-    // A query near one entry (a perturbed copy), and the exact answer by brute force.
-    std::vector<float> query = entries[static_cast<size_t>(q * 7 % kEntries)];
-    std::vector<float> noise = random_unit(rng, kDim);
-    for (int d = 0; d < kDim; ++d)
-      query[static_cast<size_t>(d)] += 0.3f * noise[static_cast<size_t>(d)];
-    normalize(query);
-    size_t best = 0;
-    float best_score = -2;
-    for (size_t i = 0; i < entries.size(); ++i) {
-      const float score = cosine(query, entries[i]);
-      if (score > best_score) best_score = score, best = i;
-    }
+    const std::vector<float> query =
+        perturbed(entries[static_cast<size_t>(q * 7 % kEntries)], rng, 0.3f);
+    const size_t best = nearest(entries, query);
     const auto hits = index.search("tenant:a", query, 1);
     ASSERT_EQ(hits.size(), 1u);
     agree += hits[0].id == 1000 + best;
@@ -133,17 +143,9 @@ TEST(SimilarityIndex, HighDimensionalNearDuplicatesAreFound) {
   }
   int agree = 0;
   for (int q = 0; q < kQueries; ++q) {
-    std::vector<float> query = entries[static_cast<size_t>(q * 13 % kEntries)];
-    const std::vector<float> noise = random_unit(rng, kDim);
-    for (int d = 0; d < kDim; ++d)
-      query[static_cast<size_t>(d)] += 0.5f * noise[static_cast<size_t>(d)];
-    normalize(query);
-    size_t best = 0;
-    float best_score = -2;
-    for (size_t i = 0; i < entries.size(); ++i) {
-      const float score = cosine(query, entries[i]);
-      if (score > best_score) best_score = score, best = i;
-    }
+    const std::vector<float> query =
+        perturbed(entries[static_cast<size_t>(q * 13 % kEntries)], rng, 0.5f);
+    const size_t best = nearest(entries, query);
     const auto hits = index.search("n", query, 3);
     ASSERT_EQ(hits.size(), 3u);
     EXPECT_GE(hits[0].score, hits[1].score);
