@@ -39,6 +39,8 @@ def main():
                                                         "approximate_pairs.jsonl"))
     parser.add_argument("--python-build", default=os.path.join(HERE, "..", "build", "python"))
     parser.add_argument("--delta", default="0.1")
+    parser.add_argument("--reuse", default="approximate", choices=["approximate", "response", "blend"],
+                        help="what the 'on' requests opt into")
     parser.add_argument("--shadow-tokens", default="1")
     parser.add_argument("--calibration", type=int, default=200)
     parser.add_argument("--measured", type=int, default=100)
@@ -67,7 +69,7 @@ def main():
                    threads=args.threads) as stack:
             with Client(stack.endpoint, timeout=300) as client:
                 for mode in ("off", "on"):
-                    reuse = "approximate" if mode == "on" else "exact"
+                    reuse = args.reuse if mode == "on" else "exact"
                     tenant = f"bench-{mode}"
                     donors = {r["a"] for r in calibration + measured_near}
                     for prompt in sorted(donors):
@@ -76,7 +78,8 @@ def main():
                     for r in calibration:
                         result = client.generate(prompt=r["b"], max_tokens=8, tenant=tenant,
                                                  reuse=reuse)
-                        served_in_calibration += result.usage.get("approximate") == "response"
+                        served_in_calibration += result.usage.get("approximate") in ("response",
+                                                                                 "blend")
                     by_kind = {}
                     for kind, donor, prompt in measured:
                         result = client.generate(prompt=prompt, max_tokens=8, tenant=tenant,
@@ -104,7 +107,8 @@ def main():
                 "shadow_disagreed": stack.metric("probe", "moeline_probe_shadow_checks_total",
                                                  result="disagreed")}
 
-    print(f"δ = {args.delta}, shadow check on the first {args.shadow_tokens} token(s); "
+    print(f"Opt-in: {args.reuse}; δ = {args.delta}, shadow check on the first "
+          f"{args.shadow_tokens} token(s); "
           f"{len(calibration)} calibration near-duplicates, then {len(measured)} measured "
           f"requests. TTFT in ms (gateway).\n")
     print("| reuse | requests | n | TTFT mean | p50 | p90 | p99 | served approximately | "
