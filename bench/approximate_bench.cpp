@@ -53,9 +53,9 @@ using namespace moeline;
 struct Prompt {
   std::vector<int32_t> tokens;
   std::vector<float> signature;
-  std::vector<int32_t> answer;
-  std::vector<float> logits;
-  std::vector<uint8_t> kv;  // (blend mode) the prompt's KV, as the store would hold it
+  std::vector<int32_t> answer;  // (response mode) the greedy answer a shadow check compares
+  std::vector<float> logits;    // at the last prompt position
+  std::vector<uint8_t> kv;      // (blend mode) the prompt's KV, as the store would hold it
 };
 
 struct Pair {
@@ -160,20 +160,21 @@ int main(int argc, char** argv) {
     accumulator.forget(id);
     sequence.release(cache.pool());
     engine.set_router_observer(nullptr);
-    model::SamplingParams greedy;
-    greedy.max_tokens = shadow_tokens;
-    auto out = generator.generate({{p.tokens, greedy, ""}});
-    if (!out) throw std::runtime_error(out.error().message);
-    p.answer = out->front().tokens;
-    p.logits = out->front().prompt_logits;
     if (mode == reuse::ReuseMode::kBlend) {
+      // A blend is judged on the first-token distribution: one prefill gives it and the KV.
       model::Sequence full(next_id++, m.model_id(), 0);
-      std::vector<float> logits;
       const model::SequenceInput whole{&full, p.tokens, true};
-      if (!engine.forward(std::span(&whole, 1), logits).ok())
+      if (!engine.forward(std::span(&whole, 1), p.logits).ok())
         throw std::runtime_error("forward failed");
-      p.kv = bench::export_kv(cache, full);
+      p.kv = cache.export_blocks(full.block_table());
       full.release(cache.pool());
+    } else {
+      model::SamplingParams greedy;
+      greedy.max_tokens = shadow_tokens;
+      auto out = generator.generate({{p.tokens, greedy, ""}});
+      if (!out) throw std::runtime_error(out.error().message);
+      p.answer = out->front().tokens;
+      p.logits = out->front().prompt_logits;
     }
     return &p;
   };

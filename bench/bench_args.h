@@ -11,7 +11,6 @@
 #include <string>
 #include <vector>
 
-#include "model/kv_cache.h"
 #include "model/model.h"
 #include "model/tokenizer/tokenizer.h"
 
@@ -74,15 +73,6 @@ inline model::Tokenizer load_tokenizer(const std::string& dir) {
     std::exit(1);
   }
   return std::move(*tokenizer);
-}
-
-// A sequence's KV as the store holds it: its blocks in order, in the KvCache block layout.
-inline std::vector<uint8_t> export_kv(const model::KvCache& cache,
-                                      const model::Sequence& sequence) {
-  std::vector<uint8_t> kv(sequence.block_table().size() * cache.block_bytes());
-  for (size_t b = 0; b < sequence.block_table().size(); ++b)
-    cache.export_block(sequence.block_table()[b], kv.data() + b * cache.block_bytes());
-  return kv;
 }
 
 }  // namespace moeline::bench

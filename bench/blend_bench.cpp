@@ -131,7 +131,7 @@ int main(int argc, char** argv) {
       std::vector<float> logits;
       model::SequenceInput donor_input{&donor_sequence, donor, true};
       if (!engine.forward(std::span(&donor_input, 1), logits).ok()) return 1;
-      const std::vector<uint8_t> donor_kv = bench::export_kv(cache, donor_sequence);
+      const std::vector<uint8_t> donor_kv = cache.export_blocks(donor_sequence.block_table());
       donor_sequence.release(cache.pool());
 
       // Full prefill of the context: the reference.

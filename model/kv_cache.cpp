@@ -54,6 +54,16 @@ size_t KvCache::block_bytes() const {
   return static_cast<size_t>(layers_ * 2 * kBlockTokens * kv_heads_ * head_dim_) * sizeof(float);
 }
 
+void KvCache::export_blocks(std::span<const int32_t> blocks, uint8_t* out) const {
+  for (size_t b = 0; b < blocks.size(); ++b) export_block(blocks[b], out + b * block_bytes());
+}
+
+std::vector<uint8_t> KvCache::export_blocks(std::span<const int32_t> blocks) const {
+  std::vector<uint8_t> kv(blocks.size() * block_bytes());
+  export_blocks(blocks, kv.data());
+  return kv;
+}
+
 void KvCache::export_block(int32_t block, void* out) const {
   const int64_t block_floats = kBlockTokens * kv_heads_ * head_dim_;
   const int64_t half = static_cast<int64_t>(pool_.capacity()) * block_floats;

@@ -47,6 +47,10 @@ class KvCache {
   // unit KV moves in between processes.
   size_t block_bytes() const;
   void export_block(int32_t block, void* out) const;
+  // `blocks` one after another, as export_block writes each: a sequence's KV as the store holds
+  // it. `out` has blocks.size() * block_bytes() bytes.
+  void export_blocks(std::span<const int32_t> blocks, uint8_t* out) const;
+  std::vector<uint8_t> export_blocks(std::span<const int32_t> blocks) const;
   void import_block(int32_t block, const void* in);
   int64_t layers() const { return layers_; }
   int64_t kv_heads() const { return kv_heads_; }

@@ -426,8 +426,7 @@ class PrefillStage {
     std::shared_ptr<std::vector<uint8_t>> exported;
     if (finish.empty() || job.store_levels != 0) {
       exported = std::make_shared<std::vector<uint8_t>>(blocks * cache.block_bytes());
-      for (size_t b = 0; b < blocks; ++b)
-        cache.export_block(sequence.block_table()[b], exported->data() + b * cache.block_bytes());
+      cache.export_blocks(std::span(sequence.block_table()).first(blocks), exported->data());
       // The store's entries go out first: a request that follows this one (the client may send
       // it as soon as it sees the first token) then finds them in the probe.
       put_snapshots(job, sequence.id(), exported, logits);

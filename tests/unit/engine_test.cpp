@@ -426,9 +426,7 @@ std::vector<uint8_t> prefill_kv(Harness& h, const std::vector<int32_t>& tokens) 
   std::vector<float> logits;
   const SequenceInput input{&sequence, tokens, true};
   EXPECT_TRUE(h.engine.forward(std::span(&input, 1), logits).ok());
-  std::vector<uint8_t> kv(sequence.block_table().size() * h.cache.block_bytes());
-  for (size_t b = 0; b < sequence.block_table().size(); ++b)
-    h.cache.export_block(sequence.block_table()[b], kv.data() + b * h.cache.block_bytes());
+  std::vector<uint8_t> kv = h.cache.export_blocks(sequence.block_table());
   sequence.release(h.cache.pool());
   return kv;
 }
