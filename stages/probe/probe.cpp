@@ -656,7 +656,7 @@ class Probe {
       if (answer && answer->tokens.empty()) answer.reset();
     }
     std::vector<uint8_t> kv, mask;
-    if (!answer && (allowed & reuse::kBlend)) blend_kv(tokens, donor, hit.id, kv, mask);
+    if (!answer && (allowed & reuse::kBlend)) blend_kv(tokens, from, donor, hit.id, kv, mask);
     if (!answer && kv.empty()) return result;  // nothing of it that this request could use
     const char* mode = answer ? "response" : "blend";
     candidates_[mode]->inc();
@@ -698,13 +698,18 @@ class Probe {
   }
 
   // The donor's KV moved to this prompt's aligned positions, if the donor's whole prompt is
-  // cached (its blocks, and the prompt record's partial last block).
-  void blend_kv(const std::vector<int32_t>& tokens, const reuse::SignatureRecord& donor,
-                uint64_t donor_key, std::vector<uint8_t>& kv, std::vector<uint8_t>& mask) {
+  // cached (its blocks, and the prompt record's partial last block) and covers at least a block
+  // past the exact prefix hit (`from` tokens). Less would save almost nothing over prefilling past
+  // the prefix, and the blend costs its transplant and its full early layers: same-context
+  // prompts with another question went from TTFT p50 4.5 to 6.6 ms when blended.
+  void blend_kv(const std::vector<int32_t>& tokens, int64_t from,
+                const reuse::SignatureRecord& donor, uint64_t donor_key, std::vector<uint8_t>& kv,
+                std::vector<uint8_t>& mask) {
     const std::vector<int32_t> alignment = reuse::align_tokens(tokens, donor.tokens);
-    size_t aligned = 0;
-    for (int32_t a : alignment) aligned += a >= 0 ? 1 : 0;
-    if (aligned == 0) return;
+    const auto past_prefix = alignment.begin() + std::clamp<int64_t>(from, 0, alignment.size());
+    if (std::count_if(past_prefix, alignment.end(), [](int32_t a) { return a >= 0; }) <
+        model::kBlockTokens)
+      return;
     const uint64_t ns = model::namespace_id(donor.cache_namespace);
     const std::vector<uint64_t> chain = reuse::block_chain(donor.tokens, model_->model_id(), ns);
     std::vector<reuse::Value> blocks = cached_prefix(chain, chain.size());

@@ -67,7 +67,8 @@ def case_approximate(args):
     from moeline_client import Client
     vocab = vocab_of(args.model)
     rng = random.Random(11)
-    donor = [rng.randrange(vocab) for _ in range(40)]
+    # 56 tokens: a blend needs a block of the donor's KV past the exact prefix (below: two blocks).
+    donor = [rng.randrange(vocab) for _ in range(56)]
     near = list(donor)
     near[30] = (near[30] + 1) % vocab
     config = {"gateway": {"reuse-levels": "all"},
@@ -88,7 +89,7 @@ def case_approximate(args):
                   f"a near-duplicate was not served by response reuse: {served.usage}")
             check(served.ids == want_donor["ids"], "response reuse did not replay the donor")
             check(served.usage["similarity"] > 0.9,
-                  f"one changed token in 40, similarity {served.usage['similarity']}")
+                  f"one changed token in 56, similarity {served.usage['similarity']}")
             print(f"ok approximate: response reuse replays the donor's answer "
                   f"(similarity {served.usage['similarity']:.4f})")
 
@@ -128,6 +129,17 @@ def case_approximate(args):
                   f"a blend over a cached prefix: {continued.usage}")
             check(continued.ids == reference(args.moeline, args.model, 8, tokens=late)["ids"],
                   "a blend over an exact prefix differs from run")
+            # Less than a block of the donor past the exact prefix (a change in its last, partial
+            # block): no blend, the prefix hit and a plain prefill of the rest.
+            tail = list(donor)
+            tail[50] = (tail[50] + 1) % vocab
+            unblended = client.generate(tokens=tail, max_tokens=8, tenant="t1", reuse="blend")
+            check(unblended.usage["approximate"] == "no_candidate" and
+                  unblended.usage["reuse_level"] == "prefix" and
+                  unblended.usage["reused_tokens"] == 48,
+                  f"a blend of 7 donor tokens past a 48-token prefix: {unblended.usage}")
+            check(unblended.ids == reference(args.moeline, args.model, 8, tokens=tail)["ids"],
+                  "a prefix hit past which nothing was blended differs from run")
             # Several at once over the same template: one prefill batch shares the prefix blocks.
             wave = []
             for i in range(4):
@@ -143,7 +155,8 @@ def case_approximate(args):
             check(stack.metric("prefill-0", "moeline_prefill_blend_jobs_total") >= 6,
                   "prefill counted no blend")
             print("ok approximate: blends recomputing everything equal `moeline run` exactly "
-                  "(shifted, over an exact prefix, four at once over one template)")
+                  "(shifted, over an exact prefix, four at once over one template); none with "
+                  "less than a block of the donor past the prefix")
 
             # The CLI says which level served the request.
             out = subprocess.run([args.moeline, "client", "generate", "--endpoint", stack.endpoint,
@@ -300,7 +313,9 @@ def case_rollback(args):
 
             # A blend's shadow check: prefill computes the blend and the full prompt, serves the
             # full one (identical to `moeline run`) and reports how the blend compared.
-            donor, _ = agree[0]
+            # (A donor long enough to blend: a block of its KV past the exact prefix.)
+            donor = [rng.randrange(vocab) for _ in range(40)]
+            client.generate(tokens=donor, max_tokens=1, tenant="pair0")
             query = list(donor)
             query[20] = (query[20] + 1) % vocab  # a prompt this stack has not seen
             seeded = {"max_tokens": 6, "temperature": 0.9, "seed": 77}
