@@ -88,6 +88,9 @@ def main():
                                                           "wrong_first": 0, "n": 0})
                         entry["n"] += 1
                         entry["ttft"].append(result.timings["ttft_ms"])
+                        outcome = result.usage.get("approximate") or "exact"
+                        entry.setdefault("ttft_by_outcome", {}).setdefault(outcome, []).append(
+                            result.timings["ttft_ms"])
                         if result.usage.get("approximate") in ("response", "blend"):
                             entry["served"] += 1
                             # Wrong: not what the prompt itself gets (computed without reuse).
@@ -121,6 +124,11 @@ def main():
                   f"{percentile(t, 0.5):.1f} | {percentile(t, 0.9):.1f} | "
                   f"{percentile(t, 0.99):.1f} | {e['served']} | {e['wrong_first']} | "
                   f"{e['wrong']} |")
+    print("\nTTFT p50 (ms) of the 'on' requests by what the probe did with them:")
+    for kind, e in sorted(results["on"]["by_kind"].items()):
+        parts = [f"{o} {percentile(t, 0.5):.1f} (n={len(t)})"
+                 for o, t in sorted(e["ttft_by_outcome"].items())]
+        print(f"- {kind}: " + ", ".join(parts))
     print(f"\nShadow checks during the run: {int(results['metrics']['shadow_agreed'])} agreed, "
           f"{int(results['metrics']['shadow_disagreed'])} disagreed; served during calibration "
           f"(on): {results['on']['served_in_calibration']} of {len(calibration)}. Rollback "
