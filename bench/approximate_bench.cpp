@@ -4,7 +4,7 @@
 //   moeline_approximate_bench --model DIR --pairs FILE [--threshold 0.93] [--deltas 0.01,0.1]
 //       [--shadow-fraction 0.05] [--shadow-tokens 8] [--layers 1] [--calibration 0.5] [--seed 1]
 //       [--passes 1] [--mode response|blend] [--recompute-fraction 0.15] [--blend-max-kl 0.05]
-//       [--select-layer 1]
+//       [--select-layer 1] [--blend-eligible probe|all]
 //
 // For each pair (a cached donor a, a new request b) it computes what the stack computes — b's and
 // a's activation signatures (the probe's partial forward), the kind of difference, and both
@@ -16,7 +16,10 @@
 // positions (reuse::transplant_kv) and blended (Engine::forward_blend at --recompute-fraction), as
 // prefill does for a blend plan. A served blend is *false* when its first-token distribution fails
 // the gateway's blend shadow check against b's full prefill: top-1 differs, or KL(full || blend) >
-// --blend-max-kl.
+// --blend-max-kl. Only the pairs the probe would blend are judged (--blend-eligible probe, the
+// default): those whose donor covers at least a KV block of aligned tokens past the exact prefix
+// hit. Shorter prompts are never blended in the stack (prefix reuse plus a prefill of the rest is
+// cheaper), so counting them would judge blends nobody serves; `all` judges every pair.
 //
 // The rule learns online, as in the stack: a calibration share of the pairs (shuffled, seeded) is
 // seen first — each candidate computed in full and checked, as every unproven candidate is — and
@@ -115,7 +118,8 @@ int main(int argc, char** argv) {
                                               {"--mode", "response"},
                                               {"--recompute-fraction", "0.15"},
                                               {"--blend-max-kl", "0.05"},
-                                              {"--select-layer", "1"}};
+                                              {"--select-layer", "1"},
+                                              {"--blend-eligible", "probe"}};
   flags = bench::parse_flags(argc, argv, flags);
   const bench::Checkpoint checkpoint = bench::load_checkpoint(flags["--model"]);
   const model::Model& m = *checkpoint.model;
@@ -220,8 +224,27 @@ int main(int argc, char** argv) {
     std::cerr << "cannot read " << flags["--pairs"] << '\n';
     return 1;
   }
+  if (flags["--blend-eligible"] != "probe" && flags["--blend-eligible"] != "all") {
+    std::cerr << "--blend-eligible: probe or all\n";
+    return 2;
+  }
+  const bool probe_eligibility = flags["--blend-eligible"] == "probe";
+  // What the probe blends: at least a block of the donor's aligned tokens past the exact prefix
+  // hit (whole cached blocks of the common prefix, never the request's last token).
+  auto probe_would_blend = [](const Prompt& donor, const Prompt& request) {
+    const std::vector<int32_t> alignment = reuse::align_tokens(request.tokens, donor.tokens);
+    size_t common = 0;
+    while (common < request.tokens.size() && common < donor.tokens.size() &&
+           request.tokens[common] == donor.tokens[common])
+      ++common;
+    const size_t block = model::kBlockTokens;
+    const size_t last_block = request.tokens.empty() ? 0 : (request.tokens.size() - 1) / block;
+    const size_t from = std::min(common / block, last_block) * block;
+    return std::count_if(alignment.begin() + static_cast<std::ptrdiff_t>(from), alignment.end(),
+                         [](int32_t a) { return a >= 0; }) >= static_cast<std::ptrdiff_t>(block);
+  };
   double kl_same = 0, kl_other = 0;
-  int n_same = 0, n_other = 0;
+  int n_same = 0, n_other = 0, not_blended = 0;
   for (std::string line; std::getline(in, line);) {
     if (line.empty()) continue;
     const nlohmann::json row = nlohmann::json::parse(line);
@@ -233,6 +256,10 @@ int main(int argc, char** argv) {
     p.similarity = reuse::cosine(p.a->signature, p.b->signature);
     p.difference = reuse::classify_difference(p.b->tokens, p.a->tokens, text_of);
     p.changed = reuse::changed_fraction(p.b->tokens, p.a->tokens);
+    if (mode == reuse::ReuseMode::kBlend && probe_eligibility && !probe_would_blend(*p.a, *p.b)) {
+      ++not_blended;
+      continue;
+    }
     if (mode == reuse::ReuseMode::kBlend) {
       p.blend_kl = blend_check(*p.a, *p.b);
       p.same_answer = p.blend_kl >= 0 && p.blend_kl <= blend_max_kl;
@@ -255,6 +282,8 @@ int main(int argc, char** argv) {
                         {"mode", mode_name},
                         {"recompute_fraction", recompute_fraction},
                         {"blend_max_kl", blend_max_kl},
+                        {"blend_eligible", flags["--blend-eligible"]},
+                        {"pairs_not_blended_by_the_probe", not_blended},
                         {"blend_recomputed_share",
                          blend_tokens ? static_cast<double>(blend_recomputed) / blend_tokens : 0.0},
                         {"calibration_pairs", calibration},

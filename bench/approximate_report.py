@@ -44,7 +44,9 @@ def main():
             check = (f"Blended KV reuse (recompute fraction {out['recompute_fraction']}, "
                      f"{pct(out['blend_recomputed_share'])} of tokens recomputed); a served blend "
                      f"is wrong when its first-token top-1 differs from a full prefill's or "
-                     f"KL > {out['blend_max_kl']}")
+                     f"KL > {out['blend_max_kl']}; only the pairs the probe would blend (a block "
+                     f"of the donor's aligned KV past the exact prefix hit): "
+                     f"{out['pairs_not_blended_by_the_probe']} of the set's pairs are not")
             same, wrong = "blend passes the check", "served blends that fail it"
         else:
             check = f"Response reuse; shadow check: the first {n} greedy token(s)"
