@@ -330,6 +330,36 @@ void Engine::dense_mlp_block(int64_t layer, int64_t n) {
   add_rows(hidden_.data(), out, n * H);
 }
 
+void Engine::prefetch_next_layers(int64_t layer, int64_t n) {
+  const int depth = experts_.prefetch_depth();
+  if (depth <= 0) return;
+  const ModelConfig& c = model_.config();
+  const int64_t H = c.hidden_size, E = c.num_experts, K = c.experts_per_token;
+  int predicted = 0;
+  for (int64_t next = layer + 1; next < c.num_layers && predicted < depth; ++next) {
+    const LayerWeights& w = model_.layer(next);
+    if (!w.is_moe) continue;
+    ++predicted;
+    // The next layer's router applied to the current residual stream (normed as that layer
+    // would norm its own input): its top-k per token, as a set.
+    float* normed = grow(predict_in_, n * H);
+    float* scores = grow(predict_scores_, n * E);
+    kernels::rms_norm(hidden_.data(), n, H, H, w.post_attention_norm, c.rms_norm_eps, normed, H);
+    kernels::matmul(pool_, MatmulTask{.x = normed, .n = n, .w = w.router, .y = scores});
+    std::vector<uint8_t> wanted(static_cast<size_t>(E), 0);
+    std::vector<int32_t> chosen(static_cast<size_t>(K));
+    for (int64_t t = 0; t < n; ++t) {
+      top_k(scores + t * E, E, K, chosen.data());
+      for (int32_t x : chosen) wanted[static_cast<size_t>(x)] = 1;
+    }
+    std::vector<int32_t>& list = expert_group_prefetch_;
+    list.clear();
+    for (int64_t x = 0; x < E; ++x)
+      if (wanted[static_cast<size_t>(x)]) list.push_back(static_cast<int32_t>(x));
+    experts_.prefetch(static_cast<int>(next), list);
+  }
+}
+
 void Engine::moe_block(int64_t layer, int64_t n) {
   const ModelConfig& c = model_.config();
   const LayerWeights& w = model_.layer(layer);
@@ -386,37 +416,60 @@ void Engine::moe_block(int64_t layer, int64_t n) {
   float* out = grow(expert_out_, n * K * H);
   std::vector<MatmulTask>& tasks = expert_tasks_;
   std::vector<offload::ExpertWeights>& acquired = acquired_experts_;
-  tasks.clear();
   acquired.assign(static_cast<size_t>(E), {});
-  for (int64_t e = 0; e < E; ++e) {
-    const int64_t count = offsets[e + 1] - offsets[e];
-    if (count == 0) continue;
-    acquired[static_cast<size_t>(e)] =
-        experts_.acquire(static_cast<int>(layer), static_cast<int>(e));
-    const int64_t first = offsets[e];
-    tasks.push_back({.x = expert_in + first * H,
-                     .n = count,
-                     .w = acquired[static_cast<size_t>(e)].gate,
-                     .y = gate + first * inter});
-    tasks.push_back({.x = expert_in + first * H,
-                     .n = count,
-                     .w = acquired[static_cast<size_t>(e)].up,
-                     .y = up + first * inter});
+  // The experts run in groups of whatever the provider lets this call pin at once: all of them
+  // when every expert is resident; fewer when a small pool is shared. The first of a group waits
+  // for its expert (nothing is pinned then); the others are taken only if they need no wait on
+  // another caller's pins. Each expert's rows are computed the same way in any grouping.
+  std::vector<int32_t>& group = expert_group_;
+  bool prefetched = false;
+  int64_t e = 0;
+  while (e < E) {
+    group.clear();
+    for (; e < E; ++e) {
+      if (offsets[e + 1] == offsets[e]) continue;
+      const int l = static_cast<int>(layer), x = static_cast<int>(e);
+      if (group.empty()) {
+        acquired[static_cast<size_t>(e)] = experts_.acquire(l, x);
+      } else if (auto taken = experts_.try_acquire(l, x)) {
+        acquired[static_cast<size_t>(e)] = *taken;
+      } else {
+        break;
+      }
+      group.push_back(x);
+    }
+    if (group.empty()) break;
+    // With this group pinned, ask for the next layers' experts, so their loads overlap compute.
+    if (!prefetched) {
+      prefetch_next_layers(layer, n);
+      prefetched = true;
+    }
+    const int64_t first_row = offsets[group.front()], end_row = offsets[group.back() + 1];
+    tasks.clear();
+    for (int32_t x : group) {
+      const int64_t count = offsets[x + 1] - offsets[x];
+      tasks.push_back({.x = expert_in + offsets[x] * H,
+                       .n = count,
+                       .w = acquired[static_cast<size_t>(x)].gate,
+                       .y = gate + offsets[x] * inter});
+      tasks.push_back({.x = expert_in + offsets[x] * H,
+                       .n = count,
+                       .w = acquired[static_cast<size_t>(x)].up,
+                       .y = up + offsets[x] * inter});
+    }
+    kernels::matmul(pool_, tasks);
+    silu_mul_parallel(pool_, gate + first_row * inter, up + first_row * inter,
+                      (end_row - first_row) * inter);
+    tasks.clear();
+    for (int32_t x : group) {
+      tasks.push_back({.x = gate + offsets[x] * inter,
+                       .n = offsets[x + 1] - offsets[x],
+                       .w = acquired[static_cast<size_t>(x)].down,
+                       .y = out + offsets[x] * H});
+    }
+    kernels::matmul(pool_, tasks);
+    for (int32_t x : group) experts_.release(static_cast<int>(layer), x);
   }
-  kernels::matmul(pool_, tasks);
-  silu_mul_parallel(pool_, gate, up, n * K * inter);
-  tasks.clear();
-  for (int64_t e = 0; e < E; ++e) {
-    const int64_t count = offsets[e + 1] - offsets[e];
-    if (count == 0) continue;
-    tasks.push_back({.x = gate + offsets[e] * inter,
-                     .n = count,
-                     .w = acquired[static_cast<size_t>(e)].down,
-                     .y = out + offsets[e] * H});
-  }
-  kernels::matmul(pool_, tasks);
-  for (int64_t e = 0; e < E; ++e)
-    if (offsets[e + 1] > offsets[e]) experts_.release(static_cast<int>(layer), static_cast<int>(e));
 
   // Sum the weighted expert outputs per token in ascending expert order (as the reference
   // implementation does), then add to the residual stream.

@@ -75,6 +75,9 @@ class Engine {
   void lm_head(std::span<const int64_t> rows, std::vector<float>& logits);
   void attention_block(int64_t layer, int64_t tokens);
   void moe_block(int64_t layer, int64_t tokens);
+  // Tells the expert provider which experts the next MoE layers' routers would pick for the
+  // current residual stream (as many layers as the provider's prefetch depth; none for depth 0).
+  void prefetch_next_layers(int64_t layer, int64_t tokens);
   void dense_mlp_block(int64_t layer, int64_t tokens);
 
   const Model& model_;
@@ -102,6 +105,8 @@ class Engine {
   std::vector<int32_t> chosen_experts_, expert_offsets_, expert_rows_, expert_cursor_;
   std::vector<kernels::MatmulTask> expert_tasks_;
   std::vector<offload::ExpertWeights> acquired_experts_;
+  std::vector<int32_t> expert_group_, expert_group_prefetch_;
+  std::vector<float> predict_in_, predict_scores_;
 };
 
 }  // namespace moeline::model

@@ -195,6 +195,30 @@ void Model::load_weights() {
   bind.finish();
 }
 
+offload::ExpertCatalog Model::expert_catalog() const {
+  offload::ExpertCatalog catalog;
+  catalog.files = checkpoint_.file_paths();
+  catalog.layers = static_cast<int>(config_.num_layers);
+  catalog.experts_per_layer = static_cast<int>(std::max<int64_t>(0, config_.num_experts));
+  catalog.model_id = model_id_;
+  catalog.experts.resize(static_cast<size_t>(catalog.layers) *
+                         static_cast<size_t>(catalog.experts_per_layer));
+  for (size_t l = 0; l < experts_.size(); ++l)
+    for (size_t e = 0; e < experts_[l].size(); ++e) {
+      offload::ExpertCatalog::Expert& out =
+          catalog.experts[l * static_cast<size_t>(catalog.experts_per_layer) + e];
+      out.shape = experts_[l][e];
+      const kernels::MatrixView* parts[] = {&out.shape.gate, &out.shape.up, &out.shape.down};
+      for (size_t m = 0; m < 3; ++m) {
+        const auto where = checkpoint_.locate(parts[m]->data);
+        if (!where) throw std::logic_error("an expert view lies outside the checkpoint");
+        out.ranges[m] = offload::FileRange{static_cast<uint32_t>(where->file), where->offset,
+                                           parts[m]->bytes()};
+      }
+    }
+  return catalog;
+}
+
 size_t Model::bytes_touched_per_token() const {
   const ModelConfig& c = config_;
   size_t bytes = embed_tokens_.bytes() / static_cast<size_t>(c.vocab_size) + lm_head_.bytes();

@@ -17,6 +17,7 @@
 #include "model/config.h"
 #include "model/safetensors.h"
 #include "model/status.h"
+#include "offload/expert_pool.h"
 #include "offload/expert_provider.h"
 
 namespace moeline::model {
@@ -42,6 +43,9 @@ class Model {
   const kernels::VectorView& final_norm() const { return final_norm_; }
   // Every expert's views, by layer; what an ExpertProvider serves.
   const std::vector<std::vector<offload::ExpertWeights>>& experts() const { return experts_; }
+  // The experts' shapes and where their bytes lie in the checkpoint's files: what a tiered
+  // expert pool reads them from (offload::ExpertPool).
+  offload::ExpertCatalog expert_catalog() const;
   const std::filesystem::path& dir() const { return dir_; }
   // Identifies the weights and config (hash of config.json and the tensor headers): part of every
   // KV block key, so caches of different models never mix.

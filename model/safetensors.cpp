@@ -206,6 +206,22 @@ size_t Checkpoint::mapped_bytes() const {
   return total;
 }
 
+std::vector<std::filesystem::path> Checkpoint::file_paths() const {
+  std::vector<std::filesystem::path> paths;
+  for (const auto& file : files_) paths.push_back(file->path());
+  return paths;
+}
+
+std::optional<Checkpoint::Location> Checkpoint::locate(const void* address) const {
+  const auto* byte = static_cast<const std::byte*>(address);
+  for (size_t i = 0; i < files_.size(); ++i) {
+    const std::byte* begin = files_[i]->data();
+    if (byte >= begin && byte < begin + files_[i]->size())
+      return Location{i, static_cast<uint64_t>(byte - begin)};
+  }
+  return std::nullopt;
+}
+
 std::string Checkpoint::describe() const {
   std::string names;
   for (const auto& file : files_)

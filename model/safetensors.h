@@ -8,6 +8,7 @@
 #include <filesystem>
 #include <map>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -54,6 +55,13 @@ class Checkpoint {
   const TensorInfo* find(const std::string& name) const;
   const std::map<std::string, TensorInfo>& tensors() const { return tensors_; }
   size_t mapped_bytes() const;
+  // The opened files, in a fixed order, and which of them holds `address` at what offset.
+  std::vector<std::filesystem::path> file_paths() const;
+  struct Location {
+    size_t file = 0;
+    uint64_t offset = 0;
+  };
+  std::optional<Location> locate(const void* address) const;
   // Names of the files that were opened, for messages.
   std::string describe() const;
 

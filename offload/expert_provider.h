@@ -4,6 +4,8 @@
 // it got for as long as it holds them. Implementations are thread-safe.
 
 #include <cstdint>
+#include <optional>
+#include <span>
 
 #include "kernels/cpu/dtype.h"
 
@@ -23,8 +25,19 @@ class ExpertProvider {
   virtual ~ExpertProvider() = default;
   virtual int layers() const = 0;
   virtual int experts_per_layer() const = 0;
+  // Waits as long as it takes (a load, a slot to free). Call it only while holding no pins.
   virtual ExpertWeights acquire(int layer, int expert) = 0;
+  // Like acquire, but returns nothing rather than wait for another caller's pins to be released:
+  // what a caller that already holds pins uses, so that callers never wait on each other.
+  virtual std::optional<ExpertWeights> try_acquire(int layer, int expert) {
+    return acquire(layer, expert);
+  }
   virtual void release(int layer, int expert) = 0;
+  // A hint: these experts of `layer` will probably be acquired soon. Never waits.
+  virtual void prefetch(int /*layer*/, std::span<const int32_t> /*experts*/) {}
+  // How many MoE layers ahead the forward pass should predict and prefetch (0: never; the
+  // prediction costs a router matmul per layer, wasted when everything is resident).
+  virtual int prefetch_depth() const { return 0; }
 };
 
 }  // namespace moeline::offload

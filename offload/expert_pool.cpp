@@ -1,0 +1,701 @@
+#include "offload/expert_pool.h"
+
+#include <fcntl.h>
+#include <pthread.h>
+#include <signal.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <chrono>
+#include <cmath>
+#include <cstring>
+#include <stdexcept>
+
+namespace moeline::offload {
+
+namespace {
+
+constexpr uint64_t kMagic = 0x4c4f4f504c454f4dULL;  // "MOELPOOL"
+constexpr uint32_t kVersion = 1;
+constexpr size_t kPage = 4096;
+constexpr size_t kMatrixAlign = 64;
+
+enum EntryState : uint8_t { kAbsent, kQueued, kReading, kResident, kFailed };
+
+size_t round_up(size_t n, size_t to) {
+  return (n + to - 1) / to * to;
+}
+
+uint64_t now_ns() {
+  return static_cast<uint64_t>(std::chrono::duration_cast<std::chrono::nanoseconds>(
+                                   std::chrono::steady_clock::now().time_since_epoch())
+                                   .count());
+}
+
+std::string errno_text(int error) {
+  return std::string(std::strerror(error));
+}
+
+}  // namespace
+
+// One expert's row of the page table.
+struct PoolEntry {
+  int32_t slot;
+  uint8_t state;
+  uint8_t prefetched;  // brought in (or queued) by a prefetch and not used since
+  uint8_t demanded;    // a caller waits for it: loaded before any prefetch
+  uint8_t pad;
+  uint32_t pins;
+  int32_t error;                    // errno of a failed read (state kFailed)
+  uint64_t last_use, previous_use;  // LRU-2: eviction takes the oldest previous_use
+  uint64_t request_tick;            // queue order
+};
+
+struct PoolCounters {
+  uint64_t hits, misses, loads, evictions, bytes_loaded, load_ns, stall_ns;
+  uint64_t prefetch_requests, prefetch_loads, prefetch_used, prefetch_late, prefetch_dropped;
+  uint64_t direct_io;
+  uint64_t load_us_buckets[PoolStats::kLoadBuckets];
+};
+
+// The shared header; the tables follow it in the same mapping:
+// PoolEntry entries[entries]; int32_t slot_owner[slots]; uint64_t layer_hits[layers],
+// layer_misses[layers].
+struct PoolLayout {
+  uint64_t magic;
+  uint32_t version;
+  uint32_t layers, experts_per_layer, entries;
+  uint64_t slots, slot_bytes, model_id, layout_bytes, data_bytes;
+  int32_t owner_pid;
+  uint32_t stopping;
+  pthread_mutex_t mutex;
+  pthread_cond_t changed;   // a load finished, a pin was released
+  pthread_cond_t requests;  // a load was queued
+  uint64_t tick;
+  PoolCounters counters;
+
+  PoolEntry* entry_table() { return reinterpret_cast<PoolEntry*>(this + 1); }
+  int32_t* slot_owner() { return reinterpret_cast<int32_t*>(entry_table() + entries); }
+  uint64_t* layer_hits() {
+    return reinterpret_cast<uint64_t*>(
+        round_up(reinterpret_cast<uintptr_t>(slot_owner() + slots), alignof(uint64_t)));
+  }
+  uint64_t* layer_misses() { return layer_hits() + layers; }
+
+  static size_t bytes_for(uint32_t entries, uint64_t slots, uint32_t layers) {
+    return round_up(sizeof(PoolLayout) + entries * sizeof(PoolEntry) + slots * sizeof(int32_t) +
+                        alignof(uint64_t) + 2 * layers * sizeof(uint64_t),
+                    kPage);
+  }
+};
+
+namespace {
+
+// The pool's robust, process-shared mutex: a process that died holding it leaves it consistent
+// again for the next (the tables are only ever changed in whole steps under it).
+class PoolLock {
+ public:
+  explicit PoolLock(PoolLayout* layout) : layout_(layout) {
+    const int rc = pthread_mutex_lock(&layout_->mutex);
+    if (rc == EOWNERDEAD) {
+      pthread_mutex_consistent(&layout_->mutex);
+    } else if (rc != 0) {
+      throw std::runtime_error("expert pool lock: " + errno_text(rc));
+    }
+  }
+  ~PoolLock() { pthread_mutex_unlock(&layout_->mutex); }
+  PoolLock(const PoolLock&) = delete;
+  PoolLock& operator=(const PoolLock&) = delete;
+
+  // Waits on `cond` for at most `ms` milliseconds.
+  void wait(pthread_cond_t* cond, int ms) {
+    timespec deadline{};
+    clock_gettime(CLOCK_MONOTONIC, &deadline);
+    deadline.tv_nsec += static_cast<long>(ms % 1000) * 1000000L;
+    deadline.tv_sec += ms / 1000 + deadline.tv_nsec / 1000000000L;
+    deadline.tv_nsec %= 1000000000L;
+    const int rc = pthread_cond_timedwait(cond, &layout_->mutex, &deadline);
+    if (rc == EOWNERDEAD) pthread_mutex_consistent(&layout_->mutex);
+  }
+
+ private:
+  PoolLayout* layout_;
+};
+
+void init_sync(PoolLayout* layout) {
+  pthread_mutexattr_t mutex_attr;
+  pthread_mutexattr_init(&mutex_attr);
+  pthread_mutexattr_setpshared(&mutex_attr, PTHREAD_PROCESS_SHARED);
+  pthread_mutexattr_setrobust(&mutex_attr, PTHREAD_MUTEX_ROBUST);
+  pthread_mutex_init(&layout->mutex, &mutex_attr);
+  pthread_mutexattr_destroy(&mutex_attr);
+  pthread_condattr_t cond_attr;
+  pthread_condattr_init(&cond_attr);
+  pthread_condattr_setpshared(&cond_attr, PTHREAD_PROCESS_SHARED);
+  pthread_condattr_setclock(&cond_attr, CLOCK_MONOTONIC);
+  pthread_cond_init(&layout->changed, &cond_attr);
+  pthread_cond_init(&layout->requests, &cond_attr);
+  pthread_condattr_destroy(&cond_attr);
+}
+
+// Offsets of gate, up and down inside a slot.
+std::array<size_t, 3> slot_offsets(const ExpertCatalog::Expert& expert) {
+  const size_t gate = 0;
+  const size_t up = round_up(gate + expert.shape.gate.bytes(), kMatrixAlign);
+  const size_t down = round_up(up + expert.shape.up.bytes(), kMatrixAlign);
+  return {gate, up, down};
+}
+
+size_t slot_size(const ExpertCatalog::Expert& expert) {
+  return slot_offsets(expert)[2] + expert.shape.down.bytes();
+}
+
+bool owner_alive(int32_t pid) {
+  return pid > 0 && (kill(pid, 0) == 0 || errno != ESRCH);
+}
+
+}  // namespace
+
+bool ExpertCatalog::has(int layer, int expert) const {
+  if (layer < 0 || layer >= layers || expert < 0 || expert >= experts_per_layer) return false;
+  return at(layer, expert).shape.bytes() > 0;
+}
+
+const ExpertCatalog::Expert& ExpertCatalog::at(int layer, int expert) const {
+  return experts[static_cast<size_t>(layer) * static_cast<size_t>(experts_per_layer) +
+                 static_cast<size_t>(expert)];
+}
+
+uint64_t ExpertCatalog::total_expert_bytes() const {
+  uint64_t total = 0;
+  for (const Expert& e : experts) total += e.shape.bytes();
+  return total;
+}
+
+int ExpertCatalog::moe_layers() const {
+  int count = 0;
+  for (int l = 0; l < layers; ++l)
+    for (int e = 0; e < experts_per_layer; ++e)
+      if (has(l, e)) {
+        ++count;
+        break;
+      }
+  return count;
+}
+
+uint64_t parse_expert_budget(const std::string& text, uint64_t total_expert_bytes) {
+  const std::string usage = "expert budget '" + text +
+                            "': expected a share of all expert bytes (\"25%\") or a size in "
+                            "bytes with an optional unit (\"512MiB\", \"1.5GB\", \"4096\")";
+  size_t used = 0;
+  double value = 0;
+  try {
+    value = std::stod(text, &used);
+  } catch (const std::exception&) {
+    throw std::invalid_argument(usage);
+  }
+  if (!std::isfinite(value) || value <= 0) throw std::invalid_argument(usage);
+  std::string unit = text.substr(used);
+  unit.erase(std::remove(unit.begin(), unit.end(), ' '), unit.end());
+  if (unit == "%") {
+    if (value > 100) throw std::invalid_argument(usage + " (a share is at most 100%)");
+    return static_cast<uint64_t>(std::floor(static_cast<double>(total_expert_bytes) * value / 100));
+  }
+  static const std::pair<const char*, double> units[] = {{"", 1},
+                                                         {"B", 1},
+                                                         {"KB", 1e3},
+                                                         {"MB", 1e6},
+                                                         {"GB", 1e9},
+                                                         {"TB", 1e12},
+                                                         {"KiB", 1024.0},
+                                                         {"MiB", 1048576.0},
+                                                         {"GiB", 1073741824.0},
+                                                         {"TiB", 1099511627776.0},
+                                                         {"K", 1024.0},
+                                                         {"M", 1048576.0},
+                                                         {"G", 1073741824.0}};
+  for (const auto& [name, scale] : units)
+    if (unit == name) return static_cast<uint64_t>(std::floor(value * scale));
+  throw std::invalid_argument(usage);
+}
+
+double PoolStats::load_us_quantile(double q) const {
+  uint64_t total = 0;
+  for (uint64_t n : load_us_buckets) total += n;
+  if (total == 0) return 0;
+  const double want = q * static_cast<double>(total);
+  uint64_t seen = 0;
+  for (int i = 0; i < kLoadBuckets; ++i) {
+    seen += load_us_buckets[static_cast<size_t>(i)];
+    if (static_cast<double>(seen) >= want) return std::ldexp(1.0, i);
+  }
+  return std::ldexp(1.0, kLoadBuckets);
+}
+
+PoolMapping::~PoolMapping() {
+  if (data_) munmap(data_, data_bytes_);
+  if (layout_) munmap(layout_, layout_bytes_);
+  if (fd_ >= 0) close(fd_);
+}
+
+PoolStats PoolMapping::stats() const {
+  PoolStats s;
+  PoolLock lock(layout_);
+  const PoolCounters& c = layout_->counters;
+  s.slots = layout_->slots;
+  s.slot_bytes = layout_->slot_bytes;
+  const PoolEntry* entries = layout_->entry_table();
+  for (uint32_t i = 0; i < layout_->entries; ++i) {
+    if (entries[i].state == kResident) ++s.resident;
+    if (entries[i].pins > 0) ++s.pinned;
+  }
+  s.hits = c.hits;
+  s.misses = c.misses;
+  s.loads = c.loads;
+  s.evictions = c.evictions;
+  s.bytes_loaded = c.bytes_loaded;
+  s.load_ns = c.load_ns;
+  s.stall_ns = c.stall_ns;
+  s.prefetch_requests = c.prefetch_requests;
+  s.prefetch_loads = c.prefetch_loads;
+  s.prefetch_used = c.prefetch_used;
+  s.prefetch_late = c.prefetch_late;
+  s.prefetch_dropped = c.prefetch_dropped;
+  s.direct_io = c.direct_io;
+  std::copy(std::begin(c.load_us_buckets), std::end(c.load_us_buckets), s.load_us_buckets.begin());
+  s.layer_hits.assign(layout_->layer_hits(), layout_->layer_hits() + layout_->layers);
+  s.layer_misses.assign(layout_->layer_misses(), layout_->layer_misses() + layout_->layers);
+  return s;
+}
+
+std::unique_ptr<ExpertPool> ExpertPool::create(const ExpertCatalog& catalog,
+                                               const Options& options) {
+  if (options.name.empty() || options.name[0] != '/' ||
+      options.name.find('/', 1) != std::string::npos)
+    throw std::invalid_argument("expert pool name '" + options.name +
+                                "' must start with '/' and contain no other '/'");
+  size_t largest = 0;
+  uint32_t present = 0;
+  for (const ExpertCatalog::Expert& e : catalog.experts)
+    if (e.shape.bytes() > 0) {
+      largest = std::max(largest, slot_size(e));
+      ++present;
+    }
+  if (present == 0) throw std::invalid_argument("the model has no experts to pool");
+  const uint64_t slot_bytes = round_up(largest, kPage);
+  if (options.budget_bytes < slot_bytes)
+    throw std::invalid_argument("expert budget of " + std::to_string(options.budget_bytes) +
+                                " bytes is less than one expert (" + std::to_string(slot_bytes) +
+                                " bytes with alignment)");
+  const uint64_t slots = std::min<uint64_t>(options.budget_bytes / slot_bytes, present);
+  const auto entries =
+      static_cast<uint32_t>(catalog.layers) * static_cast<uint32_t>(catalog.experts_per_layer);
+  const size_t layout_bytes =
+      PoolLayout::bytes_for(entries, slots, static_cast<uint32_t>(catalog.layers));
+  const size_t data_bytes = slots * slot_bytes;
+
+  std::unique_ptr<ExpertPool> pool(new ExpertPool());
+  pool->name_ = options.name;
+  pool->catalog_ = catalog;
+  pool->options_ = options;
+  int fd = shm_open(options.name.c_str(), O_CREAT | O_EXCL | O_RDWR, 0600);
+  if (fd < 0 && errno == EEXIST) {
+    // Left behind by an owner that died? Take it over only then.
+    const int old = shm_open(options.name.c_str(), O_RDONLY, 0);
+    int32_t old_pid = 0;
+    if (old >= 0) {
+      struct stat st {};
+      if (fstat(old, &st) == 0 && static_cast<size_t>(st.st_size) >= sizeof(PoolLayout)) {
+        void* header = mmap(nullptr, sizeof(PoolLayout), PROT_READ, MAP_SHARED, old, 0);
+        if (header != MAP_FAILED) {
+          old_pid = static_cast<const PoolLayout*>(header)->owner_pid;
+          munmap(header, sizeof(PoolLayout));
+        }
+      }
+      close(old);
+    }
+    if (owner_alive(old_pid))
+      throw std::runtime_error("expert pool " + options.name + " is owned by running pid " +
+                               std::to_string(old_pid));
+    shm_unlink(options.name.c_str());
+    fd = shm_open(options.name.c_str(), O_CREAT | O_EXCL | O_RDWR, 0600);
+  }
+  if (fd < 0)
+    throw std::runtime_error("cannot create expert pool " + options.name + ": " +
+                             errno_text(errno));
+  pool->fd_ = fd;
+  if (ftruncate(fd, static_cast<off_t>(layout_bytes + data_bytes)) != 0) {
+    const int error = errno;
+    shm_unlink(options.name.c_str());
+    throw std::runtime_error("cannot size expert pool " + options.name + " to " +
+                             std::to_string(layout_bytes + data_bytes) +
+                             " bytes: " + errno_text(error));
+  }
+  void* layout = mmap(nullptr, layout_bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+  void* data = mmap(nullptr, data_bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd,
+                    static_cast<off_t>(layout_bytes));
+  if (layout == MAP_FAILED || data == MAP_FAILED) {
+    const int error = errno;
+    shm_unlink(options.name.c_str());
+    throw std::runtime_error("cannot map expert pool " + options.name + ": " + errno_text(error));
+  }
+  pool->layout_ = static_cast<PoolLayout*>(layout);
+  pool->layout_bytes_ = layout_bytes;
+  pool->data_ = static_cast<std::byte*>(data);
+  pool->data_bytes_ = data_bytes;
+
+  PoolLayout* l = pool->layout_;
+  std::memset(static_cast<void*>(l), 0, layout_bytes);
+  l->version = kVersion;
+  l->layers = static_cast<uint32_t>(catalog.layers);
+  l->experts_per_layer = static_cast<uint32_t>(catalog.experts_per_layer);
+  l->entries = entries;
+  l->slots = slots;
+  l->slot_bytes = slot_bytes;
+  l->model_id = catalog.model_id;
+  l->layout_bytes = layout_bytes;
+  l->data_bytes = data_bytes;
+  l->owner_pid = getpid();
+  init_sync(l);
+  for (uint32_t i = 0; i < entries; ++i) l->entry_table()[i].slot = -1;
+  for (uint64_t s = 0; s < slots; ++s) l->slot_owner()[s] = -1;
+
+  // Open every file the experts live in; O_DIRECT where the filesystem allows it.
+  bool all_direct = options.direct_io;
+  for (const std::filesystem::path& path : catalog.files) {
+    int file = -1;
+    if (options.direct_io) file = open(path.c_str(), O_RDONLY | O_DIRECT | O_CLOEXEC);
+    if (file < 0) {
+      all_direct = false;
+      file = open(path.c_str(), O_RDONLY | O_CLOEXEC);
+    }
+    if (file < 0)
+      throw std::runtime_error("cannot open " + path.string() + ": " + errno_text(errno));
+    pool->files_.push_back(file);
+  }
+  l->counters.direct_io = all_direct ? 1 : 0;
+  std::atomic_thread_fence(std::memory_order_release);
+  l->magic = kMagic;  // last: a client that sees it sees a complete pool
+  for (int i = 0; i < std::max(1, options.loader_threads); ++i)
+    pool->loaders_.emplace_back([p = pool.get(), i] { p->loader_loop(i); });
+  return pool;
+}
+
+ExpertPool::~ExpertPool() {
+  stopping_ = true;
+  if (layout_) {
+    {
+      PoolLock lock(layout_);
+      layout_->stopping = 1;
+      pthread_cond_broadcast(&layout_->requests);
+      pthread_cond_broadcast(&layout_->changed);
+    }
+  }
+  for (std::thread& t : loaders_) t.join();
+  for (int file : files_) close(file);
+  if (!name_.empty()) shm_unlink(name_.c_str());
+}
+
+uint64_t ExpertPool::slots() const {
+  return layout_->slots;
+}
+
+void ExpertPool::loader_loop(int /*index*/) {
+  std::vector<std::byte> bounce;
+  PoolEntry* entries = layout_->entry_table();
+  while (!stopping_) {
+    uint32_t pick = UINT32_MAX;
+    {
+      PoolLock lock(layout_);
+      // Demand before prefetch, then the oldest request.
+      for (uint32_t i = 0; i < layout_->entries; ++i) {
+        const PoolEntry& e = entries[i];
+        if (e.state != kQueued) continue;
+        if (pick == UINT32_MAX || e.demanded > entries[pick].demanded ||
+            (e.demanded == entries[pick].demanded && e.request_tick < entries[pick].request_tick))
+          pick = i;
+      }
+      if (pick == UINT32_MAX) {
+        lock.wait(&layout_->requests, 200);
+        continue;
+      }
+      entries[pick].state = kReading;
+    }
+    load(pick, 0, bounce);
+  }
+}
+
+void ExpertPool::load(uint32_t entry_index, int, std::vector<std::byte>& bounce) {
+  PoolEntry& entry = layout_->entry_table()[entry_index];
+  const ExpertCatalog::Expert& expert = catalog_.experts[entry_index];
+  std::byte* slot = data_ + static_cast<size_t>(entry.slot) * layout_->slot_bytes;
+  const std::array<size_t, 3> offsets = slot_offsets(expert);
+  const uint64_t started = now_ns();
+  int error = 0;
+  uint64_t bytes = 0;
+  bool direct = layout_->counters.direct_io != 0;
+  // One read of the span covering the three matrices when they lie close together in one file
+  // (as checkpoints write them), else one read each; aligned for O_DIRECT, through `bounce`.
+  auto read_span = [&](uint32_t file, uint64_t offset, uint64_t length) -> const std::byte* {
+    const uint64_t start = offset / kPage * kPage;
+    const uint64_t end = round_up(offset + length, kPage);
+    const size_t need = static_cast<size_t>(end - start) + kPage;
+    if (bounce.size() < need) bounce.resize(need);
+    auto* aligned =
+        reinterpret_cast<std::byte*>(round_up(reinterpret_cast<uintptr_t>(bounce.data()), kPage));
+    uint64_t done = 0;
+    while (done < end - start) {
+      const ssize_t n = pread(files_[file], aligned + done, static_cast<size_t>(end - start - done),
+                              static_cast<off_t>(start + done));
+      if (n < 0 && errno == EINTR) continue;
+      if (n < 0) {
+        error = errno;
+        return nullptr;
+      }
+      if (n == 0) break;  // end of file: the last page is short
+      done += static_cast<uint64_t>(n);
+    }
+    if (done < offset + length - start) {
+      error = EIO;
+      return nullptr;
+    }
+    if (!direct)  // keep the page cache from becoming a second, unbounded pool
+      posix_fadvise(files_[file], static_cast<off_t>(start), static_cast<off_t>(end - start),
+                    POSIX_FADV_DONTNEED);
+    bytes += end - start;
+    return aligned + (offset - start);
+  };
+  const auto& r = expert.ranges;
+  const uint64_t first = std::min({r[0].offset, r[1].offset, r[2].offset});
+  const uint64_t last =
+      std::max({r[0].offset + r[0].bytes, r[1].offset + r[1].bytes, r[2].offset + r[2].bytes});
+  const uint64_t useful = r[0].bytes + r[1].bytes + r[2].bytes;
+  if (r[0].file == r[1].file && r[1].file == r[2].file && last - first <= 2 * useful) {
+    if (const std::byte* span = read_span(r[0].file, first, last - first))
+      for (int m = 0; m < 3; ++m)
+        std::memcpy(slot + offsets[static_cast<size_t>(m)],
+                    span + (r[static_cast<size_t>(m)].offset - first),
+                    r[static_cast<size_t>(m)].bytes);
+  } else {
+    for (int m = 0; m < 3 && error == 0; ++m)
+      if (const std::byte* part =
+              read_span(r[static_cast<size_t>(m)].file, r[static_cast<size_t>(m)].offset,
+                        r[static_cast<size_t>(m)].bytes))
+        std::memcpy(slot + offsets[static_cast<size_t>(m)], part, r[static_cast<size_t>(m)].bytes);
+  }
+  const uint64_t took = now_ns() - started;
+  PoolLock lock(layout_);
+  PoolCounters& c = layout_->counters;
+  if (error != 0) {
+    // The slot goes back to the free list; waiters see the failure.
+    layout_->slot_owner()[entry.slot] = -1;
+    entry.slot = -1;
+    entry.state = kFailed;
+    entry.error = error;
+  } else {
+    entry.state = kResident;
+    ++c.loads;
+    if (entry.prefetched) ++c.prefetch_loads;
+    c.bytes_loaded += bytes;
+    c.load_ns += took;
+    const uint64_t us = took / 1000;
+    int bucket = 0;
+    while (bucket < PoolStats::kLoadBuckets - 1 && (uint64_t{1} << bucket) <= us) ++bucket;
+    ++c.load_us_buckets[bucket];
+  }
+  pthread_cond_broadcast(&layout_->changed);
+}
+
+std::unique_ptr<PoolClient> PoolClient::attach(const std::string& name,
+                                               const ExpertCatalog& catalog) {
+  std::unique_ptr<PoolClient> client(new PoolClient());
+  client->name_ = name;
+  client->catalog_ = catalog;
+  const int fd = shm_open(name.c_str(), O_RDWR, 0);
+  if (fd < 0)
+    throw std::runtime_error("cannot open expert pool " + name + ": " + errno_text(errno) +
+                             " (is the offload manager running with --expert-budget?)");
+  client->fd_ = fd;
+  struct stat st {};
+  if (fstat(fd, &st) != 0 || static_cast<size_t>(st.st_size) < sizeof(PoolLayout))
+    throw std::runtime_error("expert pool " + name + " is not initialised");
+  auto* header =
+      static_cast<PoolLayout*>(mmap(nullptr, sizeof(PoolLayout), PROT_READ, MAP_SHARED, fd, 0));
+  if (header == MAP_FAILED) throw std::runtime_error("cannot map expert pool " + name);
+  const PoolLayout copy = *header;
+  munmap(header, sizeof(PoolLayout));
+  std::atomic_thread_fence(std::memory_order_acquire);
+  if (copy.magic != kMagic || copy.version != kVersion)
+    throw std::runtime_error("expert pool " + name + " has another format or is not ready");
+  if (copy.model_id != catalog.model_id || copy.layers != static_cast<uint32_t>(catalog.layers) ||
+      copy.experts_per_layer != static_cast<uint32_t>(catalog.experts_per_layer))
+    throw std::runtime_error("expert pool " + name + " holds another model");
+  if (static_cast<uint64_t>(st.st_size) < copy.layout_bytes + copy.data_bytes)
+    throw std::runtime_error("expert pool " + name + " is truncated");
+  void* layout = mmap(nullptr, copy.layout_bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+  // The experts' bytes: read-only here; only the owner's loaders write them.
+  void* data = mmap(nullptr, copy.data_bytes, PROT_READ, MAP_SHARED, fd,
+                    static_cast<off_t>(copy.layout_bytes));
+  if (layout == MAP_FAILED || data == MAP_FAILED)
+    throw std::runtime_error("cannot map expert pool " + name + ": " + errno_text(errno));
+  client->layout_ = static_cast<PoolLayout*>(layout);
+  client->layout_bytes_ = copy.layout_bytes;
+  client->data_ = static_cast<std::byte*>(data);
+  client->data_bytes_ = copy.data_bytes;
+  client->offsets_.reserve(catalog.experts.size());
+  for (const ExpertCatalog::Expert& e : catalog.experts)
+    client->offsets_.push_back(slot_offsets(e));
+  return client;
+}
+
+ExpertWeights PoolClient::views(uint32_t entry, int32_t slot) const {
+  const ExpertCatalog::Expert& expert = catalog_.experts[entry];
+  const std::byte* base = data_ + static_cast<size_t>(slot) * layout_->slot_bytes;
+  ExpertWeights w = expert.shape;
+  w.gate.data = base + offsets_[entry][0];
+  w.up.data = base + offsets_[entry][1];
+  w.down.data = base + offsets_[entry][2];
+  return w;
+}
+
+namespace {
+
+// A slot for `entry`: a free one, or the unpinned resident expert with the oldest second-to-last
+// use (LRU-2). A prefetch never evicts another prefetch that has not been used yet. -1: none.
+int64_t reserve_slot(PoolLayout* l, bool for_prefetch) {
+  int32_t* owner = l->slot_owner();
+  PoolEntry* entries = l->entry_table();
+  int64_t victim = -1;
+  for (uint64_t s = 0; s < l->slots; ++s) {
+    if (owner[s] < 0) return static_cast<int64_t>(s);
+    const PoolEntry& e = entries[owner[s]];
+    if (e.state != kResident || e.pins > 0) continue;
+    if (for_prefetch && e.prefetched) continue;
+    if (victim < 0) {
+      victim = static_cast<int64_t>(s);
+      continue;
+    }
+    const PoolEntry& best = entries[owner[victim]];
+    if (e.previous_use < best.previous_use ||
+        (e.previous_use == best.previous_use && e.last_use < best.last_use))
+      victim = static_cast<int64_t>(s);
+  }
+  if (victim >= 0) {
+    PoolEntry& evicted = entries[owner[victim]];
+    evicted.state = kAbsent;
+    evicted.slot = -1;
+    evicted.prefetched = 0;
+    owner[victim] = -1;
+    ++l->counters.evictions;
+  }
+  return victim;
+}
+
+void queue_load(PoolLayout* l, uint32_t index, int64_t slot, bool demanded) {
+  PoolEntry& e = l->entry_table()[index];
+  l->slot_owner()[slot] = static_cast<int32_t>(index);
+  e.slot = static_cast<int32_t>(slot);
+  e.state = kQueued;
+  e.demanded = demanded ? 1 : 0;
+  e.prefetched = demanded ? 0 : 1;
+  e.request_tick = ++l->tick;
+  pthread_cond_signal(&l->requests);
+}
+
+}  // namespace
+
+std::optional<ExpertWeights> PoolClient::acquire_or_fail(int layer, int expert, bool may_wait) {
+  if (!catalog_.has(layer, expert))
+    throw std::out_of_range("no expert " + std::to_string(expert) + " in layer " +
+                            std::to_string(layer));
+  const auto index = static_cast<uint32_t>(layer * catalog_.experts_per_layer + expert);
+  PoolLock lock(layout_);
+  PoolLayout* l = layout_;
+  PoolEntry& e = l->entry_table()[index];
+  PoolCounters& c = l->counters;
+  uint64_t waited_since = 0;
+  bool missed = false;
+  for (;;) {
+    if (l->stopping) throw std::runtime_error("expert pool " + name_ + " is shutting down");
+    if (e.state == kResident) {
+      ++e.pins;
+      e.previous_use = e.last_use;
+      e.last_use = ++l->tick;
+      if (e.prefetched) {
+        ++c.prefetch_used;
+        e.prefetched = 0;
+      }
+      if (!missed) {
+        ++c.hits;
+        ++l->layer_hits()[layer];
+      }
+      if (waited_since) c.stall_ns += now_ns() - waited_since;
+      return views(index, e.slot);
+    }
+    if (e.state == kFailed) {
+      const int error = e.error;
+      e.state = kAbsent;  // the next caller tries again
+      throw std::runtime_error("expert " + std::to_string(expert) + " of layer " +
+                               std::to_string(layer) + " could not be read: " + errno_text(error));
+    }
+    if (e.state == kAbsent) {
+      const int64_t slot = reserve_slot(l, false);
+      if (slot < 0 && !may_wait) {
+        if (waited_since) c.stall_ns += now_ns() - waited_since;
+        return std::nullopt;
+      }
+      if (slot >= 0) queue_load(l, index, slot, true);
+    } else if (!e.demanded) {
+      if (e.prefetched) ++c.prefetch_late;
+      e.demanded = 1;
+    }
+    if (!missed && e.state != kAbsent) {
+      missed = true;
+      ++c.misses;
+      ++l->layer_misses()[layer];
+    }
+    if (!waited_since) waited_since = now_ns();
+    lock.wait(&l->changed, 500);
+    if (!owner_alive(l->owner_pid))
+      throw std::runtime_error("expert pool " + name_ + ": its owner (pid " +
+                               std::to_string(l->owner_pid) + ") is gone");
+  }
+}
+
+ExpertWeights PoolClient::acquire(int layer, int expert) {
+  return *acquire_or_fail(layer, expert, true);
+}
+
+std::optional<ExpertWeights> PoolClient::try_acquire(int layer, int expert) {
+  return acquire_or_fail(layer, expert, false);
+}
+
+void PoolClient::release(int layer, int expert) {
+  if (!catalog_.has(layer, expert)) return;
+  const auto index = static_cast<uint32_t>(layer * catalog_.experts_per_layer + expert);
+  PoolLock lock(layout_);
+  PoolEntry& e = layout_->entry_table()[index];
+  if (e.pins > 0 && --e.pins == 0) pthread_cond_broadcast(&layout_->changed);
+}
+
+void PoolClient::prefetch(int layer, std::span<const int32_t> experts) {
+  PoolLock lock(layout_);
+  PoolLayout* l = layout_;
+  for (int32_t expert : experts) {
+    if (!catalog_.has(layer, expert)) continue;
+    const auto index = static_cast<uint32_t>(layer * catalog_.experts_per_layer + expert);
+    if (l->entry_table()[index].state != kAbsent) continue;
+    const int64_t slot = reserve_slot(l, true);
+    if (slot < 0) {
+      ++l->counters.prefetch_dropped;
+      continue;
+    }
+    queue_load(l, index, slot, false);
+    ++l->counters.prefetch_requests;
+  }
+}
+
+}  // namespace moeline::offload

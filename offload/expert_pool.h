@@ -1,0 +1,170 @@
+#pragma once
+// The host tier of expert offload: one pool of expert slots per node, in POSIX shared memory,
+// shared by every compute process (DESIGN.md, "Expert offload").
+//
+// - The owner (the offload manager; `moeline run` for itself) creates the pool with a byte budget,
+//   runs the loader threads that read experts from the checkpoint on disk into slots (O_DIRECT, so
+//   the page cache cannot quietly act as a second, unbounded pool), and removes the pool at exit.
+// - Clients (prefill and decode processes, and the owner's own engine) attach by name. They map the
+//   slots read-only and the page table read-write: acquire() pins an expert (a reference count), so
+//   it cannot be evicted mid-forward; release() unpins it. A client that misses reserves a slot — a
+//   free one, or the unpinned resident expert that LRU-2 picks (the oldest second-to-last use, so
+//   an expert used once goes before one used twice) — and queues the load; the loader fills it.
+// - prefetch() queues loads of experts a client expects to need soon (the next layers' routers
+//   applied to the current hidden state), without waiting for them.
+//
+// Expert bytes never travel in messages: a slot holds an expert's gate, up and down matrices at
+// fixed offsets, and every process builds its views over its own mapping of the slot. A caller
+// that holds pins never waits for a slot (try_acquire fails instead), so callers cannot deadlock
+// each other however small the budget. Counters live in the shared header, so any process (the
+// manager's /metrics) reads the node's totals.
+
+#include <array>
+#include <atomic>
+#include <cstdint>
+#include <filesystem>
+#include <memory>
+#include <optional>
+#include <span>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "offload/expert_provider.h"
+
+namespace moeline::offload {
+
+// Where one matrix of an expert lies in the checkpoint.
+struct FileRange {
+  uint32_t file = 0;  // index into ExpertCatalog::files
+  uint64_t offset = 0;
+  uint64_t bytes = 0;
+};
+
+// What the pool needs to know of a checkpoint's experts: their shapes and where their bytes are.
+// Built by the model loader (model::Model::expert_catalog); the pool knows nothing of formats.
+struct ExpertCatalog {
+  struct Expert {
+    ExpertWeights shape;  // dtype, rows and cols of gate, up, down (data pointers unused)
+    std::array<FileRange, 3> ranges;  // gate, up, down
+  };
+  std::vector<std::filesystem::path> files;
+  int layers = 0;
+  int experts_per_layer = 0;
+  // [layer * experts_per_layer + expert]; layers without experts have none (zero bytes).
+  std::vector<Expert> experts;
+  uint64_t model_id = 0;
+
+  bool has(int layer, int expert) const;
+  const Expert& at(int layer, int expert) const;
+  uint64_t total_expert_bytes() const;
+  int moe_layers() const;
+};
+
+// "25%" of all expert bytes, "64MiB" / "1.5GB" / "4096" bytes. Throws std::invalid_argument with
+// the accepted forms on anything else. Keep the forms stable: other tools pass this flag.
+uint64_t parse_expert_budget(const std::string& text, uint64_t total_expert_bytes);
+
+// Node-wide counters (monotonic) and the pool's shape; a snapshot.
+struct PoolStats {
+  uint64_t slots = 0, slot_bytes = 0, resident = 0, pinned = 0;
+  uint64_t hits = 0, misses = 0;      // demand acquisitions that found the expert resident / not
+  uint64_t loads = 0, evictions = 0;  // loads completed (demand and prefetch), slots reclaimed
+  uint64_t bytes_loaded = 0;          // from disk into the pool
+  uint64_t load_ns = 0;               // total time the loaders spent reading
+  uint64_t stall_ns = 0;              // total time callers waited for a load or a slot
+  uint64_t prefetch_requests = 0;     // prefetches queued (the expert was absent)
+  uint64_t prefetch_loads = 0;        // of those, loaded
+  uint64_t prefetch_used = 0;         // prefetched experts used before they were evicted
+  uint64_t prefetch_late = 0;         // demand found its expert still queued by a prefetch
+  uint64_t prefetch_dropped = 0;      // prefetches not queued: no slot could be freed
+  uint64_t direct_io = 0;             // 1 when the loaders read with O_DIRECT
+  // Load time histogram: bucket i counts loads that took < 2^i microseconds (last: the rest).
+  static constexpr int kLoadBuckets = 24;
+  std::array<uint64_t, kLoadBuckets> load_us_buckets{};
+  std::vector<uint64_t> layer_hits, layer_misses;  // by layer
+
+  double hit_ratio() const {
+    return hits + misses == 0 ? 1.0
+                              : static_cast<double>(hits) / static_cast<double>(hits + misses);
+  }
+  // The load time under which the given share of loads completed (upper bucket edge), in µs.
+  double load_us_quantile(double q) const;
+};
+
+struct PoolLayout;  // the shared header and tables (expert_pool.cpp)
+
+// A mapping of a pool (owner or client side).
+class PoolMapping {
+ public:
+  ~PoolMapping();
+  PoolMapping(const PoolMapping&) = delete;
+  PoolMapping& operator=(const PoolMapping&) = delete;
+  PoolStats stats() const;
+  const std::string& name() const { return name_; }
+
+ protected:
+  PoolMapping() = default;
+  std::string name_;
+  int fd_ = -1;
+  PoolLayout* layout_ = nullptr;  // header + tables, read-write
+  size_t layout_bytes_ = 0;
+  std::byte* data_ = nullptr;  // the slots
+  size_t data_bytes_ = 0;
+  friend class ExpertPool;
+  friend class PoolClient;
+};
+
+// The owner: creates the shared segment and runs the loaders until destroyed (then unlinks it).
+class ExpertPool : public PoolMapping {
+ public:
+  struct Options {
+    std::string name;  // shared memory object name, "/moeline-pool-..." (one per node and model)
+    uint64_t budget_bytes = 0;  // host pool size; at least one expert
+    int loader_threads = 1;
+    bool direct_io = true;  // O_DIRECT reads; falls back (counted) where the filesystem refuses
+  };
+  static std::unique_ptr<ExpertPool> create(const ExpertCatalog& catalog, const Options& options);
+  ~ExpertPool();
+
+  uint64_t slots() const;
+
+ private:
+  ExpertPool() = default;
+  void loader_loop(int index);
+  void load(uint32_t entry, int file_handle_index, std::vector<std::byte>& bounce);
+
+  ExpertCatalog catalog_;
+  Options options_;
+  std::vector<int> files_;  // open descriptors, by catalog file
+  std::vector<std::thread> loaders_;
+  std::atomic<bool> stopping_{false};
+};
+
+// A compute process's view of the pool: an ExpertProvider.
+class PoolClient final : public PoolMapping, public ExpertProvider {
+ public:
+  // Throws std::runtime_error when the pool does not exist, or holds another model or shape.
+  static std::unique_ptr<PoolClient> attach(const std::string& name, const ExpertCatalog& catalog);
+
+  int layers() const override { return catalog_.layers; }
+  int experts_per_layer() const override { return catalog_.experts_per_layer; }
+  ExpertWeights acquire(int layer, int expert) override;
+  std::optional<ExpertWeights> try_acquire(int layer, int expert) override;
+  void release(int layer, int expert) override;
+  void prefetch(int layer, std::span<const int32_t> experts) override;
+  int prefetch_depth() const override { return prefetch_depth_; }
+  // MoE layers ahead to prefetch (default 1; 0 turns prefetch off).
+  void set_prefetch_depth(int depth) { prefetch_depth_ = depth; }
+
+ private:
+  PoolClient() = default;
+  std::optional<ExpertWeights> acquire_or_fail(int layer, int expert, bool may_wait);
+  ExpertWeights views(uint32_t entry, int32_t slot) const;
+
+  ExpertCatalog catalog_;
+  std::vector<std::array<size_t, 3>> offsets_;  // of gate, up, down inside a slot, by entry
+  int prefetch_depth_ = 1;
+};
+
+}  // namespace moeline::offload

@@ -1,0 +1,298 @@
+// The shared expert pool (offload/expert_pool.h) on tiny generated models: outputs are
+// token-identical and logits bit-identical to the all-resident engine at every budget, pinned
+// experts are never evicted, callers holding pins never wait on each other, several processes
+// share one pool, and bad budgets, missing pools and unreadable checkpoints give clear errors.
+#include <gtest/gtest.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <atomic>
+#include <cstring>
+#include <thread>
+
+#include "model/forward.h"
+#include "model/generator.h"
+#include "offload/expert_pool.h"
+#include "offload/resident_provider.h"
+
+namespace moeline::offload {
+namespace {
+
+std::unique_ptr<model::Model> load(const std::string& name) {
+  auto loaded = model::Model::load(std::string(MOELINE_TEST_MODELS) + "/" + name);
+  if (!loaded) ADD_FAILURE() << loaded.error().message;
+  return loaded ? std::move(*loaded) : nullptr;
+}
+
+std::string pool_name(const std::string& what) {
+  return "/moeline-test-" + what + "-" + std::to_string(getpid());
+}
+
+std::vector<int32_t> prompt(int length, int salt, int64_t vocab) {
+  std::vector<int32_t> tokens(static_cast<size_t>(length));
+  for (int i = 0; i < length; ++i)
+    tokens[static_cast<size_t>(i)] = static_cast<int32_t>((i * 31 + salt * 17 + 5) % vocab);
+  return tokens;
+}
+
+struct Output {
+  std::vector<std::vector<int32_t>> tokens;
+  std::vector<std::vector<float>> logits;
+};
+
+// Greedy generations of a few prompts (batched and alone) through `experts`.
+Output generate(const model::Model& m, ExpertProvider& experts, int salt = 0) {
+  kernels::ThreadPool threads(1);
+  model::KvCache cache(m.config(), 64);
+  model::Engine engine(m, experts, threads, cache);
+  model::Generator generator(engine);
+  const int64_t vocab = m.config().vocab_size;
+  model::SamplingParams greedy{.max_tokens = 6, .ignore_eos = true};
+  Output out;
+  for (const auto& batch : std::vector<std::vector<model::GenerationRequest>>{
+           {{prompt(9, 1 + salt, vocab), greedy, ""}, {prompt(23, 2 + salt, vocab), greedy, ""}},
+           {{prompt(40, 3 + salt, vocab), greedy, ""}}}) {
+    auto results = generator.generate(batch);
+    EXPECT_TRUE(results.ok());
+    if (!results.ok()) return out;
+    for (const auto& r : *results) {
+      out.tokens.push_back(r.tokens);
+      out.logits.push_back(r.prompt_logits);
+    }
+  }
+  return out;
+}
+
+uint64_t slot_bytes(const ExpertCatalog& catalog) {
+  size_t largest = 0;
+  for (const auto& e : catalog.experts) largest = std::max(largest, e.shape.bytes() + 256);
+  return (largest + 4095) / 4096 * 4096;
+}
+
+TEST(ExpertBudget, ParsesSharesAndSizes) {
+  EXPECT_EQ(parse_expert_budget("25%", 1000), 250u);
+  EXPECT_EQ(parse_expert_budget("100%", 1000), 1000u);
+  EXPECT_EQ(parse_expert_budget("4096", 1000), 4096u);
+  EXPECT_EQ(parse_expert_budget("64MiB", 1), 64u << 20);
+  EXPECT_EQ(parse_expert_budget("1.5GB", 1), 1500000000u);
+  EXPECT_EQ(parse_expert_budget("2 GiB", 1), 2ull << 30);
+  for (const char* bad : {"", "-5", "0", "12 parsecs", "150%", "abc", "nan"})
+    EXPECT_THROW(parse_expert_budget(bad, 1000), std::invalid_argument) << bad;
+  try {
+    parse_expert_budget("12 parsecs", 1000);
+  } catch (const std::invalid_argument& e) {
+    EXPECT_NE(std::string(e.what()).find("25%"), std::string::npos) << e.what();
+  }
+}
+
+class PoolOnModel : public ::testing::TestWithParam<const char*> {};
+
+// Every budget, from all experts down to one per MoE layer and a single slot, with and without
+// prefetch: the same tokens and the same logits, bit for bit, as every expert resident.
+TEST_P(PoolOnModel, OutputsAreIdenticalAtEveryBudget) {
+  auto m = load(GetParam());
+  ASSERT_TRUE(m);
+  ResidentExpertProvider resident(m->experts());
+  const Output expected = generate(*m, resident);
+  const ExpertCatalog catalog = m->expert_catalog();
+  const uint64_t total = catalog.total_expert_bytes();
+  const uint64_t one = slot_bytes(catalog);
+  const std::vector<std::pair<std::string, uint64_t>> budgets = {
+      {"100%", total + one * 4},
+      {"50%", std::max(one, total / 2)},
+      {"25%", std::max(one, total / 4)},
+      {"one expert per layer", one * static_cast<uint64_t>(catalog.moe_layers())},
+      {"one expert", one}};
+  for (const auto& [label, budget] : budgets)
+    for (int depth : {0, 1, 2}) {
+      SCOPED_TRACE(label + " prefetch depth " + std::to_string(depth));
+      auto pool =
+          ExpertPool::create(catalog, {.name = pool_name("budget"), .budget_bytes = budget});
+      auto client = PoolClient::attach(pool->name(), catalog);
+      client->set_prefetch_depth(depth);
+      const Output got = generate(*m, *client);
+      EXPECT_EQ(got.tokens, expected.tokens);
+      ASSERT_EQ(got.logits.size(), expected.logits.size());
+      for (size_t i = 0; i < got.logits.size(); ++i)
+        EXPECT_EQ(0, std::memcmp(got.logits[i].data(), expected.logits[i].data(),
+                                 got.logits[i].size() * sizeof(float)));
+      const PoolStats stats = client->stats();
+      EXPECT_GT(stats.loads, 0u);
+      EXPECT_EQ(stats.pinned, 0u);  // every acquire was released
+      EXPECT_LE(stats.resident, stats.slots);
+      if (budget < total) {
+        EXPECT_GT(stats.evictions, 0u);
+      }
+      if (depth > 0 && budget < total && catalog.moe_layers() > 1) {  // a next layer to predict
+        EXPECT_GT(stats.prefetch_requests + stats.prefetch_dropped, 0u);
+      }
+      if (depth == 0) {
+        EXPECT_EQ(stats.prefetch_requests, 0u);
+      }
+    }
+}
+
+INSTANTIATE_TEST_SUITE_P(Models, PoolOnModel,
+                         ::testing::Values("mixtral-f32", "qwen3-bf16", "mixtral-f32-fused",
+                                           "qwen3-bf16-fused"));
+
+TEST(ExpertPool, APinnedExpertIsNeverEvictedAndPinHoldersNeverWait) {
+  auto m = load("mixtral-f32");
+  ASSERT_TRUE(m);
+  const ExpertCatalog catalog = m->expert_catalog();
+  auto pool = ExpertPool::create(
+      catalog, {.name = pool_name("pins"), .budget_bytes = slot_bytes(catalog)});  // one slot
+  ASSERT_EQ(pool->slots(), 1u);
+  auto holder = PoolClient::attach(pool->name(), catalog);
+  auto other = PoolClient::attach(pool->name(), catalog);
+  const ExpertWeights held = holder->acquire(0, 1);
+  // The checkpoint's bytes, through the pool.
+  EXPECT_EQ(0, std::memcmp(held.gate.data, m->experts()[0][1].gate.data, held.gate.bytes()));
+  EXPECT_EQ(0, std::memcmp(held.down.data, m->experts()[0][1].down.data, held.down.bytes()));
+  // The only slot is pinned: a caller that may not wait gets nothing, at once.
+  EXPECT_FALSE(other->try_acquire(0, 2).has_value());
+  // A caller that may wait gets its expert once the pin is released, not before.
+  std::atomic<bool> got{false};
+  std::thread waiter([&] {
+    const ExpertWeights w = other->acquire(0, 2);
+    EXPECT_EQ(0, std::memcmp(w.up.data, m->experts()[0][2].up.data, w.up.bytes()));
+    got = true;
+    other->release(0, 2);
+  });
+  std::this_thread::sleep_for(std::chrono::milliseconds(150));
+  EXPECT_FALSE(got.load());
+  EXPECT_EQ(0, std::memcmp(held.gate.data, m->experts()[0][1].gate.data, held.gate.bytes()));
+  holder->release(0, 1);
+  waiter.join();
+  EXPECT_TRUE(got.load());
+  const PoolStats stats = pool->stats();
+  EXPECT_EQ(stats.evictions, 1u);
+  EXPECT_EQ(stats.loads, 2u);
+  EXPECT_GT(stats.stall_ns, 0u);
+  EXPECT_THROW(holder->acquire(0, 99), std::out_of_range);
+}
+
+TEST(ExpertPool, ConcurrentEnginesOnTheSmallestPoolMatchResident) {
+  auto m = load("qwen3-bf16");
+  ASSERT_TRUE(m);
+  ResidentExpertProvider resident(m->experts());
+  const Output expected_a = generate(*m, resident, 0), expected_b = generate(*m, resident, 7);
+  const ExpertCatalog catalog = m->expert_catalog();
+  auto pool = ExpertPool::create(
+      catalog, {.name = pool_name("threads"), .budget_bytes = slot_bytes(catalog)});
+  auto a = PoolClient::attach(pool->name(), catalog);
+  auto b = PoolClient::attach(pool->name(), catalog);
+  Output got_a, got_b;
+  std::thread ta([&] { got_a = generate(*m, *a, 0); });
+  std::thread tb([&] { got_b = generate(*m, *b, 7); });
+  ta.join();
+  tb.join();
+  EXPECT_EQ(got_a.tokens, expected_a.tokens);
+  EXPECT_EQ(got_b.tokens, expected_b.tokens);
+  EXPECT_EQ(pool->stats().pinned, 0u);
+}
+
+// Real processes sharing one pool: each child attaches by name and generates.
+TEST(ExpertPool, ProcessesShareOnePool) {
+  auto m = load("mixtral-f32");
+  ASSERT_TRUE(m);
+  ResidentExpertProvider resident(m->experts());
+  const ExpertCatalog catalog = m->expert_catalog();
+  auto pool = ExpertPool::create(
+      catalog, {.name = pool_name("processes"), .budget_bytes = 2 * slot_bytes(catalog)});
+  std::vector<pid_t> children;
+  std::vector<int> pipes;
+  for (int child = 0; child < 3; ++child) {
+    int fds[2];
+    ASSERT_EQ(pipe(fds), 0);
+    const pid_t pid = fork();
+    ASSERT_GE(pid, 0);
+    if (pid == 0) {
+      close(fds[0]);
+      int status = 1;
+      try {
+        auto client = PoolClient::attach(pool->name(), catalog);
+        const Output out = generate(*m, *client, child);
+        std::vector<int32_t> flat;
+        for (const auto& t : out.tokens) flat.insert(flat.end(), t.begin(), t.end());
+        const auto bytes = static_cast<ssize_t>(flat.size() * sizeof(int32_t));
+        status = write(fds[1], flat.data(), static_cast<size_t>(bytes)) == bytes ? 0 : 2;
+      } catch (...) {
+        status = 3;
+      }
+      close(fds[1]);
+      _exit(status);
+    }
+    close(fds[1]);
+    children.push_back(pid);
+    pipes.push_back(fds[0]);
+  }
+  for (int child = 0; child < 3; ++child) {
+    const Output expected = generate(*m, resident, child);
+    std::vector<int32_t> flat;
+    for (const auto& t : expected.tokens) flat.insert(flat.end(), t.begin(), t.end());
+    std::vector<int32_t> got(flat.size() + 1);
+    ssize_t total = 0, n = 0;
+    while ((n = read(pipes[static_cast<size_t>(child)], reinterpret_cast<char*>(got.data()) + total,
+                     got.size() * sizeof(int32_t) - static_cast<size_t>(total))) > 0)
+      total += n;
+    close(pipes[static_cast<size_t>(child)]);
+    int status = -1;
+    waitpid(children[static_cast<size_t>(child)], &status, 0);
+    EXPECT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 0) << "child " << child;
+    got.resize(static_cast<size_t>(total) / sizeof(int32_t));
+    EXPECT_EQ(got, flat) << "child " << child;
+  }
+  const PoolStats stats = pool->stats();
+  EXPECT_EQ(stats.pinned, 0u);
+  EXPECT_GT(stats.evictions, 0u);
+}
+
+TEST(ExpertPool, BadSetupsAreClearErrors) {
+  auto m = load("mixtral-f32");
+  ASSERT_TRUE(m);
+  const ExpertCatalog catalog = m->expert_catalog();
+  // Less than one expert.
+  EXPECT_THROW(ExpertPool::create(catalog, {.name = pool_name("small"), .budget_bytes = 100}),
+               std::invalid_argument);
+  EXPECT_THROW(ExpertPool::create(catalog, {.name = "no-slash", .budget_bytes = 1 << 30}),
+               std::invalid_argument);
+  // No such pool.
+  try {
+    PoolClient::attach(pool_name("missing"), catalog);
+    ADD_FAILURE() << "attached to a missing pool";
+  } catch (const std::runtime_error& e) {
+    EXPECT_NE(std::string(e.what()).find("offload manager"), std::string::npos) << e.what();
+  }
+  // Another model's pool.
+  auto pool = ExpertPool::create(catalog, {.name = pool_name("other"), .budget_bytes = 1 << 30});
+  ExpertCatalog other = catalog;
+  other.model_id ^= 1;
+  EXPECT_THROW(PoolClient::attach(pool->name(), other), std::runtime_error);
+  // A second owner while the first runs.
+  EXPECT_THROW(ExpertPool::create(catalog, {.name = pool->name(), .budget_bytes = 1 << 30}),
+               std::runtime_error);
+}
+
+TEST(ExpertPool, AnUnreadableExpertIsAnErrorAndThePoolKeepsServing) {
+  auto m = load("mixtral-f32");
+  ASSERT_TRUE(m);
+  ExpertCatalog catalog = m->expert_catalog();
+  // Expert 3 of layer 0 claims bytes past the end of its file (a truncated checkpoint).
+  ExpertCatalog::Expert& broken = catalog.experts[3];
+  broken.ranges[2].offset = uint64_t{1} << 40;
+  auto pool = ExpertPool::create(catalog, {.name = pool_name("broken"), .budget_bytes = 1 << 30});
+  auto client = PoolClient::attach(pool->name(), catalog);
+  try {
+    client->acquire(0, 3);
+    ADD_FAILURE() << "read past the end of the checkpoint";
+  } catch (const std::runtime_error& e) {
+    EXPECT_NE(std::string(e.what()).find("could not be read"), std::string::npos) << e.what();
+  }
+  const ExpertWeights fine = client->acquire(0, 2);
+  EXPECT_EQ(0, std::memcmp(fine.gate.data, m->experts()[0][2].gate.data, fine.gate.bytes()));
+  client->release(0, 2);
+}
+
+}  // namespace
+}  // namespace moeline::offload
