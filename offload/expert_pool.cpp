@@ -149,11 +149,7 @@ std::array<size_t, 3> slot_offsets(const ExpertCatalog::Expert& expert) {
   return {gate, up, down};
 }
 
-size_t slot_size(const ExpertCatalog::Expert& expert) {
-  return slot_offsets(expert)[2] + expert.shape.down.bytes();
-}
-
-bool owner_alive(int32_t pid) {
+bool process_alive(int32_t pid) {
   return pid > 0 && (kill(pid, 0) == 0 || errno != ESRCH);
 }
 
@@ -222,6 +218,13 @@ uint64_t parse_expert_budget(const std::string& text, uint64_t total_expert_byte
   throw std::invalid_argument(usage);
 }
 
+uint64_t pool_slot_bytes(const ExpertCatalog& catalog) {
+  size_t largest = 0;
+  for (const ExpertCatalog::Expert& e : catalog.experts)
+    if (e.shape.bytes() > 0) largest = std::max(largest, slot_offsets(e)[2] + e.shape.down.bytes());
+  return round_up(largest, kPage);
+}
+
 double PoolStats::load_us_quantile(double q) const {
   uint64_t total = 0;
   for (uint64_t n : load_us_buckets) total += n;
@@ -277,15 +280,11 @@ std::unique_ptr<ExpertPool> ExpertPool::create(const ExpertCatalog& catalog,
       options.name.find('/', 1) != std::string::npos)
     throw std::invalid_argument("expert pool name '" + options.name +
                                 "' must start with '/' and contain no other '/'");
-  size_t largest = 0;
   uint32_t present = 0;
   for (const ExpertCatalog::Expert& e : catalog.experts)
-    if (e.shape.bytes() > 0) {
-      largest = std::max(largest, slot_size(e));
-      ++present;
-    }
+    if (e.shape.bytes() > 0) ++present;
   if (present == 0) throw std::invalid_argument("the model has no experts to pool");
-  const uint64_t slot_bytes = round_up(largest, kPage);
+  const uint64_t slot_bytes = pool_slot_bytes(catalog);
   if (options.budget_bytes < slot_bytes)
     throw std::invalid_argument("expert budget of " + std::to_string(options.budget_bytes) +
                                 " bytes is less than one expert (" + std::to_string(slot_bytes) +
@@ -317,7 +316,7 @@ std::unique_ptr<ExpertPool> ExpertPool::create(const ExpertCatalog& catalog,
       }
       close(old);
     }
-    if (owner_alive(old_pid))
+    if (process_alive(old_pid))
       throw std::runtime_error("expert pool " + options.name + " is owned by running pid " +
                                std::to_string(old_pid));
     shm_unlink(options.name.c_str());
@@ -659,10 +658,14 @@ std::optional<ExpertWeights> PoolClient::acquire_or_fail(int layer, int expert, 
     }
     if (!waited_since) waited_since = now_ns();
     lock.wait(&l->changed, 500);
-    if (!owner_alive(l->owner_pid))
+    if (!process_alive(l->owner_pid))
       throw std::runtime_error("expert pool " + name_ + ": its owner (pid " +
                                std::to_string(l->owner_pid) + ") is gone");
   }
+}
+
+bool PoolClient::owner_alive() const {
+  return process_alive(layout_->owner_pid);
 }
 
 ExpertWeights PoolClient::acquire(int layer, int expert) {

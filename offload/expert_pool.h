@@ -61,6 +61,10 @@ struct ExpertCatalog {
   int moe_layers() const;
 };
 
+// The size of one pool slot: the largest expert, its matrices 64-byte aligned, in whole pages. A
+// budget of B bytes holds floor(B / slot bytes) experts.
+uint64_t pool_slot_bytes(const ExpertCatalog& catalog);
+
 // "25%" of all expert bytes, "64MiB" / "1.5GB" / "4096" bytes. Throws std::invalid_argument with
 // the accepted forms on anything else. Keep the forms stable: other tools pass this flag.
 uint64_t parse_expert_budget(const std::string& text, uint64_t total_expert_bytes);
@@ -154,6 +158,8 @@ class PoolClient final : public PoolMapping, public ExpertProvider {
   void release(int layer, int expert) override;
   void prefetch(int layer, std::span<const int32_t> experts) override;
   int prefetch_depth() const override { return prefetch_depth_; }
+  // False once the process that created the pool has exited (its loaders are gone with it).
+  bool owner_alive() const;
   // MoE layers ahead to prefetch (default 1; 0 turns prefetch off).
   void set_prefetch_depth(int depth) { prefetch_depth_ = depth; }
 

@@ -35,7 +35,7 @@ namespace moeline::wire {
 
 // Additive change bumps the minor, a break the major (peers of another major are refused).
 inline constexpr uint16_t kSchemaMajor = 1;
-inline constexpr uint16_t kSchemaMinor = 2;
+inline constexpr uint16_t kSchemaMinor = 3;
 inline constexpr char kMagic[4] = {'M', 'O', 'E', 'L'};
 inline constexpr size_t kHeaderBytes = 16;
 

@@ -15,6 +15,8 @@
 #include <thread>
 #include <vector>
 
+#include <unistd.h>
+
 #include "kernels/cpu/cpu_features.h"
 #include "kernels/cpu/thread_pool.h"
 #include "model/forward.h"
@@ -22,7 +24,9 @@
 #include "model/model.h"
 #include "model/tokenizer/chat_template.h"
 #include "model/tokenizer/tokenizer.h"
+#include "offload/expert_pool.h"
 #include "offload/resident_provider.h"
+#include "offload/trace.h"
 #include "sdk/cli_args.h"
 #include "stages/npy.h"
 
@@ -51,6 +55,13 @@ Loads a Hugging Face checkpoint (Mixtral or Qwen3-MoE) and generates in this pro
   --threads N          compute threads (default: all cores)
   --json               print one JSON object at the end instead of the ids
   --logits-out FILE    write the last prompt position's logits as float32 .npy [vocab_size]
+  --expert-budget SIZE keep at most SIZE of expert weights in memory: a share of all expert bytes
+                       ("25%") or a size ("512MiB"); experts are read from the checkpoint on
+                       demand (O_DIRECT) into a pool of that size. Default: all resident
+  --prefetch-depth N   with --expert-budget: MoE layers ahead to predict and prefetch (default 1;
+                       0: off)
+  --expert-trace FILE  write every expert acquisition (layer expert, one per line) for
+                       `moeline experts replay`
 )";
 
 class UsageError : public std::invalid_argument {
@@ -72,6 +83,9 @@ struct RunOptions {
   int threads = 0;
   bool json = false;
   std::string logits_out;
+  std::string expert_budget;
+  int prefetch_depth = 1;
+  std::string expert_trace;
 };
 
 // The model `moeline run` uses without --model: $MOELINE_MODEL, else the demo model that ships in
@@ -84,10 +98,12 @@ std::string default_model_dir() {
 RunOptions parse(int argc, char** argv) {
   RunOptions options;
   const std::map<std::string, bool> flags_with_value = {
-      {"--model", true},   {"--tokens", true},     {"--max-tokens", true}, {"--temperature", true},
-      {"--top-k", true},   {"--top-p", true},      {"--seed", true},       {"--stop-ids", true},
-      {"--threads", true}, {"--logits-out", true}, {"--json", false},      {"--ignore-eos", false},
-      {"--prompt", true},  {"--chat", false},      {"--system", true}};
+      {"--model", true},         {"--tokens", true},         {"--max-tokens", true},
+      {"--temperature", true},   {"--top-k", true},          {"--top-p", true},
+      {"--seed", true},          {"--stop-ids", true},       {"--threads", true},
+      {"--logits-out", true},    {"--json", false},          {"--ignore-eos", false},
+      {"--prompt", true},        {"--chat", false},          {"--system", true},
+      {"--expert-budget", true}, {"--prefetch-depth", true}, {"--expert-trace", true}};
   for (int i = 0; i < argc; ++i) {
     const std::string flag = argv[i];
     auto known = flags_with_value.find(flag);
@@ -127,6 +143,12 @@ RunOptions parse(int argc, char** argv) {
       options.chat = true;
     else if (flag == "--system")
       options.system = value;
+    else if (flag == "--expert-budget")
+      options.expert_budget = value;
+    else if (flag == "--prefetch-depth")
+      options.prefetch_depth = parse_number<int>(flag, value);
+    else if (flag == "--expert-trace")
+      options.expert_trace = value;
   }
   if (options.model_dir.empty()) {
     options.model_dir = default_model_dir();
@@ -140,6 +162,7 @@ RunOptions parse(int argc, char** argv) {
     throw UsageError("--chat and --system go with --prompt");
   if (options.system && !options.chat) throw UsageError("--system needs --chat");
   if (options.threads < 0) throw UsageError("--threads must be >= 1");
+  if (options.prefetch_depth < 0) throw UsageError("--prefetch-depth must be >= 0");
   if (options.threads == 0)
     options.threads = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
   if (model::Status status = options.sampling.validate(); !status.ok())
@@ -226,15 +249,40 @@ int run_command(int argc, char** argv) {
       static_cast<int32_t>((context + model::kBlockTokens - 1) / model::kBlockTokens);
 
   kernels::ThreadPool pool(options.threads);
-  offload::ResidentExpertProvider experts(model.experts());
+  offload::ResidentExpertProvider resident(model.experts());
+  offload::ExpertProvider* experts = &resident;
+  // --expert-budget: a pool of this process's own (the stack shares one per node instead).
+  std::unique_ptr<offload::ExpertPool> expert_pool;
+  std::unique_ptr<offload::PoolClient> pool_client;
+  if (!options.expert_budget.empty()) {
+    try {
+      const offload::ExpertCatalog catalog = model.expert_catalog();
+      expert_pool = offload::ExpertPool::create(
+          catalog, {.name = "/moeline-run-" + std::to_string(::getpid()),
+                    .budget_bytes = offload::parse_expert_budget(options.expert_budget,
+                                                                 catalog.total_expert_bytes())});
+      pool_client = offload::PoolClient::attach(expert_pool->name(), catalog);
+      pool_client->set_prefetch_depth(options.prefetch_depth);
+      experts = pool_client.get();
+    } catch (const std::exception& e) {
+      return fail(std::string("--expert-budget: ") + e.what(), 2);
+    }
+  }
+  std::unique_ptr<offload::TraceRecorder> trace;
+  if (!options.expert_trace.empty()) {
+    trace = std::make_unique<offload::TraceRecorder>(*experts, model.expert_catalog());
+    experts = trace.get();
+  }
   model::KvCache cache(config, blocks);
-  model::Engine engine(model, experts, pool, cache);
+  model::Engine engine(model, *experts, pool, cache);
   model::Generator generator(engine);
   model::GenerationRequest request{options.tokens, options.sampling, ""};
   auto generated = generator.generate({request});
   if (!generated) return fail(generated.error().message, 2);
   const model::GenerationResult& result = generated->front();
 
+  if (trace && !trace->write(options.expert_trace))
+    return fail("cannot write " + options.expert_trace, 1);
   if (!options.logits_out.empty() &&
       !write_npy(options.logits_out, result.prompt_logits, {config.vocab_size}))
     return fail("cannot write " + options.logits_out, 1);
@@ -273,6 +321,22 @@ int run_command(int argc, char** argv) {
           {"prefill_tokens_per_second", prefill_rate},
           {"decode_tokens_per_second", decode_rate}}}};
     if (tokenizer) out["text"] = text;
+    if (pool_client) {
+      const offload::PoolStats s = pool_client->stats();
+      out["experts"] = {{"budget", options.expert_budget},
+                        {"slots", s.slots},
+                        {"hit_ratio", s.hit_ratio()},
+                        {"hits", s.hits},
+                        {"misses", s.misses},
+                        {"loads", s.loads},
+                        {"evictions", s.evictions},
+                        {"bytes_loaded", s.bytes_loaded},
+                        {"stall_seconds", static_cast<double>(s.stall_ns) * 1e-9},
+                        {"prefetch_requests", s.prefetch_requests},
+                        {"prefetch_used", s.prefetch_used},
+                        {"prefetch_late", s.prefetch_late},
+                        {"direct_io", s.direct_io != 0}};
+    }
     std::cout << out.dump(-1, ' ', false, nlohmann::json::error_handler_t::replace) << '\n';
   } else if (tokenizer) {
     std::cout << text << '\n';

@@ -39,7 +39,7 @@ ComputeWorker::ComputeWorker(const runtime::Config& config, const char* stage, w
   int threads = static_cast<int>(config.integer("threads"));
   if (threads <= 0) threads = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
   pool = std::make_unique<kernels::ThreadPool>(threads);
-  experts = std::make_unique<offload::ResidentExpertProvider>(model->experts());
+  experts = std::make_unique<PlannedExperts>(*model);
   const model::ModelConfig& cfg = model->config();
   usage =
       std::make_unique<ExpertUsageCounter>(cfg.num_layers, std::max<int64_t>(1, cfg.num_experts));
@@ -61,9 +61,21 @@ void ComputeWorker::create_engine(int32_t kv_blocks) {
                    {{"blocks", kv_blocks}, {"bytes", static_cast<uint64_t>(cache->bytes())}});
 }
 
+std::string ComputeWorker::exit_reason() const {
+  return pool_lost_.empty() ? link->reject_reason() : pool_lost_;
+}
+
 bool ComputeWorker::maintain() {
   if (link->rejected()) return false;
   const auto now = std::chrono::steady_clock::now();
+  if (experts->pool() && now - last_pool_check_ > std::chrono::seconds(1)) {
+    last_pool_check_ = now;
+    if (!experts->pool()->owner_alive()) {
+      pool_lost_ = "the expert pool's owner (offload manager) is gone";
+      service.log.error("expert_pool_lost", {{"pool", experts->pool()->name()}});
+      return false;
+    }
+  }
   if (link->needs_hello()) {
     plan_received_ = false;
     plan_requested_ = false;
@@ -96,9 +108,23 @@ bool ComputeWorker::handle(const wire::Message& message, uint32_t free_credits) 
     return true;
   }
   if (!plan_received_) {
+    const std::string pool_name = plan->pool_name() ? plan->pool_name()->str() : "";
+    if (!pool_name.empty() && (!experts->pool() || experts->pool()->name() != pool_name)) {
+      try {
+        auto client = offload::PoolClient::attach(pool_name, model->expert_catalog());
+        client->set_prefetch_depth(static_cast<int>(plan->prefetch_depth()));
+        experts->use_pool(std::move(client));
+      } catch (const std::exception& e) {
+        // Asked again shortly (maintain); no credit until the pool is reachable.
+        service.log.error("expert_pool_attach_failed", {{"pool", pool_name}, {"error", e.what()}});
+        return true;
+      }
+    }
     plan_received_ = true;
     service.log.info("expert_plan", {{"tier", plan->tier() ? plan->tier()->str() : ""},
                                      {"all_resident", plan->all_resident()},
+                                     {"pool", experts->pool() ? experts->pool()->name() : ""},
+                                     {"prefetch_depth", plan->prefetch_depth()},
                                      {"credits", free_credits}});
     link->grant(free_credits);
   }

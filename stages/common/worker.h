@@ -13,6 +13,7 @@
 #include "model/forward.h"
 #include "model/model.h"
 #include "model/router_observer.h"
+#include "offload/expert_pool.h"
 #include "offload/resident_provider.h"
 #include "stages/runtime/config.h"
 #include "stages/runtime/link.h"
@@ -35,6 +36,37 @@ class ExpertUsageCounter : public model::RouterObserver {
   uint64_t tokens_ = 0;
 };
 
+// The engine's expert provider: every expert resident in this process's mapping of the checkpoint
+// until the offload manager's plan names the node's shared pool, then that pool. The plan arrives
+// before any job can (no credit is granted before it), so no forward sees the switch.
+class PlannedExperts final : public offload::ExpertProvider {
+ public:
+  explicit PlannedExperts(const model::Model& model) : resident_(model.experts()) {}
+  void use_pool(std::unique_ptr<offload::PoolClient> pool) { pool_ = std::move(pool); }
+  offload::PoolClient* pool() const { return pool_.get(); }
+
+  int layers() const override { return target().layers(); }
+  int experts_per_layer() const override { return target().experts_per_layer(); }
+  offload::ExpertWeights acquire(int layer, int expert) override {
+    return target().acquire(layer, expert);
+  }
+  std::optional<offload::ExpertWeights> try_acquire(int layer, int expert) override {
+    return target().try_acquire(layer, expert);
+  }
+  void release(int layer, int expert) override { target().release(layer, expert); }
+  void prefetch(int layer, std::span<const int32_t> experts) override {
+    target().prefetch(layer, experts);
+  }
+  int prefetch_depth() const override { return target().prefetch_depth(); }
+
+ private:
+  offload::ExpertProvider& target() const {
+    return pool_ ? static_cast<offload::ExpertProvider&>(*pool_) : resident_;
+  }
+  mutable offload::ResidentExpertProvider resident_;
+  std::unique_ptr<offload::PoolClient> pool_;
+};
+
 class ComputeWorker {
  public:
   // Loads the model and starts HTTP; `kv_blocks` sizes this process's KV cache.
@@ -42,8 +74,11 @@ class ComputeWorker {
   void create_engine(int32_t kv_blocks);
 
   // Keeps the link alive: hellos (again after a hub restart), the expert plan, usage reports.
-  // False when the hub refused this process.
+  // False when this process must exit: the hub refused it, or the expert pool's owner is gone (a
+  // restarted offload manager makes a new pool; a restarted process attaches to it). Why:
+  // exit_reason().
   bool maintain();
+  std::string exit_reason() const;
   // Consumes link-level messages of the compute stages (ExpertPlan: then grants `free_credits`,
   // the capacity free right now); true if it did.
   bool handle(const wire::Message& message, uint32_t free_credits);
@@ -53,7 +88,7 @@ class ComputeWorker {
   zmq::context_t context{1};
   std::unique_ptr<model::Model> model;
   std::unique_ptr<kernels::ThreadPool> pool;
-  std::unique_ptr<offload::ResidentExpertProvider> experts;
+  std::unique_ptr<PlannedExperts> experts;
   std::unique_ptr<model::KvCache> cache;
   std::unique_ptr<model::Engine> engine;
   std::unique_ptr<ExpertUsageCounter> usage;
@@ -63,8 +98,9 @@ class ComputeWorker {
 
  private:
   bool plan_received_ = false;
+  std::string pool_lost_;
   bool plan_requested_ = false;
-  std::chrono::steady_clock::time_point plan_requested_at_, last_usage_report_;
+  std::chrono::steady_clock::time_point plan_requested_at_, last_usage_report_, last_pool_check_;
 };
 
 }  // namespace moeline::stages

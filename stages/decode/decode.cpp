@@ -77,7 +77,7 @@ class DecodeStage {
     while (!runtime::StageService::stop_requested()) {
       worker_.service.tick();
       if (!worker_.maintain()) {
-        log.error("exiting", {{"reason", worker_.link->reject_reason()}});
+        log.error("exiting", {{"reason", worker_.exit_reason()}});
         return 3;
       }
       // Step boundary: take everything that arrived, admit what fits, run one step.

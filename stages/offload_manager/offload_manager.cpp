@@ -1,7 +1,12 @@
 #include "stages/offload_manager/offload_manager.h"
 
+#include <unistd.h>
 #include <cmath>
+#include <iomanip>
 #include <numeric>
+#include <sstream>
+
+#include "offload/expert_pool.h"
 
 #include "model/model.h"
 #include "stages/common/common.h"
@@ -10,6 +15,106 @@
 
 namespace moeline::stages {
 namespace {
+
+// The node's pool name when none is configured: one per model and hub, so two stacks on a node
+// (another model, or the same model behind another gateway) never share or fight over a pool.
+std::string default_pool_name(uint64_t model_id, const std::string& hub) {
+  std::ostringstream name;
+  name << "/moeline-pool-" << std::hex << std::setw(16) << std::setfill('0') << model_id << '-'
+       << std::setw(8) << (std::hash<std::string>{}(hub)&0xffffffffu);
+  return name.str();
+}
+
+// The pool's node-wide counters on /metrics: monotonic totals become counter increments.
+class PoolMetrics {
+ public:
+  PoolMetrics(runtime::Registry& metrics, int64_t layers) {
+    const runtime::Labels host = {{"tier", "host"}};
+    hits_ = &metrics.counter("moeline_offload_expert_hits_total",
+                             "Expert acquisitions that found the expert resident", host);
+    misses_ = &metrics.counter("moeline_offload_expert_misses_total",
+                               "Expert acquisitions that waited for a load", host);
+    loads_ =
+        &metrics.counter("moeline_offload_expert_loads_total", "Experts read into the tier", host);
+    evictions_ = &metrics.counter("moeline_offload_expert_evictions_total",
+                                  "Experts evicted from the tier", host);
+    bytes_ = &metrics.counter("moeline_offload_bytes_moved_total", "Bytes read into the tier",
+                              {{"tier", "host"}, {"from", "disk"}});
+    load_seconds_ = &metrics.counter("moeline_offload_expert_load_seconds_total",
+                                     "Time spent reading experts", host);
+    stall_seconds_ = &metrics.counter("moeline_offload_stall_seconds_total",
+                                      "Time compute waited for experts", host);
+    prefetch_requests_ =
+        &metrics.counter("moeline_offload_prefetch_requests_total", "Prefetches queued");
+    prefetch_used_ = &metrics.counter("moeline_offload_prefetch_used_total",
+                                      "Prefetched experts used before eviction");
+    prefetch_late_ = &metrics.counter("moeline_offload_prefetch_late_total",
+                                      "Demand found its expert still loading for a prefetch");
+    prefetch_dropped_ = &metrics.counter("moeline_offload_prefetch_dropped_total",
+                                         "Prefetches not queued for want of a free slot");
+    hit_ratio_ = &metrics.gauge("moeline_offload_expert_hit_ratio",
+                                "Share of acquisitions served without a load", host);
+    precision_ = &metrics.gauge("moeline_offload_prefetch_precision",
+                                "Prefetched experts used / prefetched experts loaded");
+    resident_ = &metrics.gauge("moeline_offload_experts_resident", "Experts in the tier", host);
+    slots_ = &metrics.gauge("moeline_offload_expert_slots", "Expert slots of the tier", host);
+    load_p50_ = &metrics.gauge("moeline_offload_expert_load_seconds",
+                               "Expert load time quantile (upper bucket edge)",
+                               {{"tier", "host"}, {"quantile", "0.5"}});
+    load_p95_ = &metrics.gauge("moeline_offload_expert_load_seconds",
+                               "Expert load time quantile (upper bucket edge)",
+                               {{"tier", "host"}, {"quantile", "0.95"}});
+    direct_ = &metrics.gauge("moeline_offload_direct_io",
+                             "1 when experts are read with O_DIRECT (no page cache)");
+    for (int64_t l = 0; l < layers; ++l)
+      layer_ratio_.push_back(&metrics.gauge("moeline_offload_layer_hit_ratio",
+                                            "Share of a layer's acquisitions served without a load",
+                                            {{"tier", "host"}, {"layer", std::to_string(l)}}));
+  }
+
+  void update(const offload::PoolStats& s) {
+    auto delta = [](runtime::Counter* counter, uint64_t now, uint64_t& before) {
+      if (now > before) counter->inc(static_cast<double>(now - before));
+      before = now;
+    };
+    delta(hits_, s.hits, last_.hits);
+    delta(misses_, s.misses, last_.misses);
+    delta(loads_, s.loads, last_.loads);
+    delta(evictions_, s.evictions, last_.evictions);
+    delta(bytes_, s.bytes_loaded, last_.bytes_loaded);
+    delta(prefetch_requests_, s.prefetch_requests, last_.prefetch_requests);
+    delta(prefetch_used_, s.prefetch_used, last_.prefetch_used);
+    delta(prefetch_late_, s.prefetch_late, last_.prefetch_late);
+    delta(prefetch_dropped_, s.prefetch_dropped, last_.prefetch_dropped);
+    if (s.load_ns > last_.load_ns)
+      load_seconds_->inc(static_cast<double>(s.load_ns - last_.load_ns) * 1e-9);
+    if (s.stall_ns > last_.stall_ns)
+      stall_seconds_->inc(static_cast<double>(s.stall_ns - last_.stall_ns) * 1e-9);
+    last_.load_ns = s.load_ns;
+    last_.stall_ns = s.stall_ns;
+    hit_ratio_->set(s.hit_ratio());
+    precision_->set(s.prefetch_loads ? static_cast<double>(s.prefetch_used) /
+                                           static_cast<double>(s.prefetch_loads)
+                                     : 0.0);
+    resident_->set(static_cast<double>(s.resident));
+    slots_->set(static_cast<double>(s.slots));
+    load_p50_->set(s.load_us_quantile(0.5) * 1e-6);
+    load_p95_->set(s.load_us_quantile(0.95) * 1e-6);
+    direct_->set(static_cast<double>(s.direct_io));
+    for (size_t l = 0; l < layer_ratio_.size() && l < s.layer_hits.size(); ++l) {
+      const uint64_t total = s.layer_hits[l] + s.layer_misses[l];
+      layer_ratio_[l]->set(total ? static_cast<double>(s.layer_hits[l]) / static_cast<double>(total)
+                                 : 1.0);
+    }
+  }
+
+ private:
+  offload::PoolStats last_;
+  runtime::Counter *hits_, *misses_, *loads_, *evictions_, *bytes_, *load_seconds_, *stall_seconds_,
+      *prefetch_requests_, *prefetch_used_, *prefetch_late_, *prefetch_dropped_;
+  runtime::Gauge *hit_ratio_, *precision_, *resident_, *slots_, *load_p50_, *load_p95_, *direct_;
+  std::vector<runtime::Gauge*> layer_ratio_;
+};
 
 int offload_body(const runtime::Config& config) {
   runtime::StageService::install_signal_handlers();
@@ -22,10 +127,42 @@ int offload_body(const runtime::Config& config) {
   size_t expert_bytes = 0;
   for (const auto& layer : model.experts())
     for (const offload::ExpertWeights& expert : layer) expert_bytes += expert.bytes();
+  // The host pool, when a budget is set; otherwise every compute process keeps every expert in
+  // its own mapping of the checkpoint.
+  std::unique_ptr<offload::ExpertPool> pool;
+  uint64_t pool_bytes = 0;
+  const auto prefetch_depth = static_cast<uint32_t>(config.integer("prefetch-depth"));
+  if (!config.text("expert-budget").empty()) {
+    const offload::ExpertCatalog catalog = model.expert_catalog();
+    pool_bytes =
+        offload::parse_expert_budget(config.text("expert-budget"), catalog.total_expert_bytes());
+    std::string name = config.text("expert-pool");
+    if (name.empty()) name = default_pool_name(model.model_id(), config.text("hub"));
+    pool = offload::ExpertPool::create(
+        catalog, {.name = name,
+                  .budget_bytes = pool_bytes,
+                  .loader_threads = static_cast<int>(config.integer("loader-threads")),
+                  .direct_io = config.flag("direct-io")});
+    const offload::PoolStats stats = pool->stats();
+    service.log.info("expert_pool", {{"name", name},
+                                     {"budget_bytes", pool_bytes},
+                                     {"expert_bytes", static_cast<uint64_t>(expert_bytes)},
+                                     {"slots", stats.slots},
+                                     {"slot_bytes", stats.slot_bytes},
+                                     {"direct_io", stats.direct_io != 0},
+                                     {"prefetch_depth", prefetch_depth}});
+  }
   service.start_http(config.text("http"), config.text("port-file"));
   auto& metrics = service.metrics;
   metrics.gauge("moeline_offload_expert_bytes", "Bytes of expert weights", {{"tier", "resident"}})
       .set(static_cast<double>(expert_bytes));
+  std::unique_ptr<PoolMetrics> pool_metrics;
+  if (pool) {
+    metrics.gauge("moeline_offload_tier_budget_bytes", "Byte budget of a tier", {{"tier", "host"}})
+        .set(static_cast<double>(pool_bytes));
+    pool_metrics = std::make_unique<PoolMetrics>(metrics, cfg.num_layers);
+  }
+  auto last_pool_update = std::chrono::steady_clock::now();
   auto& plans = metrics.counter("moeline_offload_plans_total", "Expert plans served");
   auto& routed = metrics.counter("moeline_offload_routed_tokens_total",
                                  "Tokens whose routing was reported by compute stages");
@@ -53,6 +190,11 @@ int offload_body(const runtime::Config& config) {
   while (!runtime::StageService::stop_requested()) {
     service.tick();
     if (link.rejected()) return 3;
+    if (pool_metrics &&
+        std::chrono::steady_clock::now() - last_pool_update > std::chrono::milliseconds(500)) {
+      pool_metrics->update(pool->stats());
+      last_pool_update = std::chrono::steady_clock::now();
+    }
     if (link.needs_hello()) link.hello(1u << 20);
     service.set_ready(link.accepted());
     auto message = link.receive(100);
@@ -61,11 +203,13 @@ int offload_body(const runtime::Config& config) {
       case wire::MessageType::ExpertPlanRequest: {
         const auto* request = message->as<wire::ExpertPlanRequest>();
         flatbuffers::FlatBufferBuilder builder(256);
-        auto tier = builder.CreateString("resident");
+        auto tier = builder.CreateString(pool ? "host_pool" : "resident");
         auto requester = builder.CreateString(request->replica() ? request->replica()->str() : "");
+        auto pool_name = builder.CreateString(pool ? pool->name() : "");
         builder.Finish(
-            wire::CreateExpertPlan(builder, model.model_id(), true, static_cast<uint32_t>(layers),
-                                   static_cast<uint32_t>(experts), expert_bytes, tier, requester),
+            wire::CreateExpertPlan(builder, model.model_id(), !pool, static_cast<uint32_t>(layers),
+                                   static_cast<uint32_t>(experts), expert_bytes, tier, requester,
+                                   pool_name, pool_bytes, prefetch_depth),
             wire::ExpertPlanIdentifier());
         link.send(wire::encode(wire::MessageType::ExpertPlan, builder));
         plans.inc();
@@ -128,7 +272,19 @@ int offload_body(const runtime::Config& config) {
 }  // namespace
 
 int offload_main(int argc, char** argv) {
-  return run_stage("offload", worker_keys(), argc, argv, offload_body);
+  std::vector<runtime::ConfigKey> keys = worker_keys();
+  keys.push_back({"expert-budget", "",
+                  "host pool size shared by every compute process of the node: a share of all "
+                  "expert bytes (\"25%\") or a size (\"512MiB\"); empty: every expert stays "
+                  "resident in each process's mapping of the checkpoint"});
+  keys.push_back({"expert-pool", "",
+                  "shared memory name of the pool (default: /moeline-pool-<model id>-<hub hash>)"});
+  keys.push_back({"prefetch-depth", "1",
+                  "MoE layers ahead the compute processes predict and prefetch (0: off)"});
+  keys.push_back({"loader-threads", "1", "threads reading experts from disk into the pool"});
+  keys.push_back({"direct-io", "true",
+                  "read experts with O_DIRECT, so the page cache does not become a second pool"});
+  return run_stage("offload", keys, argc, argv, offload_body);
 }
 
 }  // namespace moeline::stages

@@ -104,7 +104,7 @@ class PrefillStage {
     while (!runtime::StageService::stop_requested()) {
       worker_.service.tick();
       if (!worker_.maintain()) {
-        log.error("exiting", {{"reason", worker_.link->reject_reason()}});
+        log.error("exiting", {{"reason", worker_.exit_reason()}});
         return 3;
       }
       // Block briefly when idle; just drain when there is work.

@@ -124,11 +124,11 @@ std::vector<zmq::message_t> probe_plan() {
       wire::CreateBulkFrame(b, kv.size(), wire::checksum(kv))};
   const std::vector<int32_t> completion = {306, 2};
   const std::vector<uint8_t> mask = {1, 0, 1};
-  b.Finish(wire::CreateProbePlanDirect(b, 555, 2, "prefix", 16, 350, &frames, layout, &completion,
-                                       "stop", 0x0badc0ffee0ddf00ULL, "blend",
-                                       0x00d0d0d0d0d0d0d0ULL, 0.9375f, 5003, &mask, 0.15f, "blend",
-                                       true),
-           wire::PrefillJobIdentifier());
+  b.Finish(
+      wire::CreateProbePlanDirect(b, 555, 2, "prefix", 16, 350, &frames, layout, &completion,
+                                  "stop", 0x0badc0ffee0ddf00ULL, "blend", 0x00d0d0d0d0d0d0d0ULL,
+                                  0.9375f, 5003, &mask, 0.15f, "blend", true),
+      wire::PrefillJobIdentifier());
   std::vector<zmq::message_t> bulk;
   bulk.emplace_back(kv.data(), kv.size());
   return wire::encode(wire::MessageType::ProbePlan, b, std::move(bulk));
@@ -216,8 +216,9 @@ std::vector<zmq::message_t> expert_plan_request() {
 
 std::vector<zmq::message_t> expert_plan() {
   FlatBufferBuilder b;
-  b.Finish(wire::CreateExpertPlanDirect(b, 0x1122334455667788ULL, true, 2, 8, uint64_t{1} << 20,
-                                        "resident", "decode-1"),
+  b.Finish(wire::CreateExpertPlanDirect(b, 0x1122334455667788ULL, false, 2, 8, uint64_t{1} << 20,
+                                        "host_pool", "decode-1", "/moeline-pool-golden",
+                                        uint64_t{1} << 19, 2),
            wire::ExpertPlanIdentifier());
   return wire::encode(wire::MessageType::ExpertPlan, b);
 }

@@ -367,10 +367,30 @@ std::map<std::string, Expectation> v1_2() {
   return e;
 }
 
+// Schema 1.3 (expert offload): every 1.2 type again, with minor 3, and ExpertPlan's pool.
+std::map<std::string, Expectation> v1_3() {
+  std::map<std::string, Expectation> e = v1_2();
+  for (auto& [stem, expectation] : e) expectation.minor = 3;
+  e["ExpertPlan"].check = [](const Message& m) {
+    const auto* t = m.as<ExpertPlan>();
+    EXPECT_EQ(t->model_id(), 0x1122334455667788ULL);
+    EXPECT_FALSE(t->all_resident());
+    EXPECT_EQ(t->layers(), 2u);
+    EXPECT_EQ(t->experts_per_layer(), 8u);
+    EXPECT_EQ(t->expert_bytes(), uint64_t{1} << 20);
+    EXPECT_EQ(str(t->tier()), "host_pool");
+    EXPECT_EQ(str(t->requester()), "decode-1");
+    EXPECT_EQ(str(t->pool_name()), "/moeline-pool-golden");
+    EXPECT_EQ(t->pool_bytes(), uint64_t{1} << 19);
+    EXPECT_EQ(t->prefetch_depth(), 2u);
+  };
+  return e;
+}
+
 // Every released version: directory name -> file stem -> expectation.
 const std::map<std::string, std::map<std::string, Expectation>>& released() {
   static const std::map<std::string, std::map<std::string, Expectation>> versions = {
-      {"v1.0", v1_0()}, {"v1.1", v1_1()}, {"v1.2", v1_2()}};
+      {"v1.0", v1_0()}, {"v1.1", v1_1()}, {"v1.2", v1_2()}, {"v1.3", v1_3()}};
   return versions;
 }
 

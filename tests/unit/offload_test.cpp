@@ -64,9 +64,7 @@ Output generate(const model::Model& m, ExpertProvider& experts, int salt = 0) {
 }
 
 uint64_t slot_bytes(const ExpertCatalog& catalog) {
-  size_t largest = 0;
-  for (const auto& e : catalog.experts) largest = std::max(largest, e.shape.bytes() + 256);
-  return (largest + 4095) / 4096 * 4096;
+  return pool_slot_bytes(catalog);
 }
 
 TEST(ExpertBudget, ParsesSharesAndSizes) {
