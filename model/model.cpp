@@ -2,6 +2,10 @@
 
 #include <xxhash.h>
 
+#include <sys/mman.h>
+#include <unistd.h>
+
+#include <algorithm>
 #include <fstream>
 #include <set>
 #include <sstream>
@@ -217,6 +221,36 @@ offload::ExpertCatalog Model::expert_catalog() const {
       }
     }
   return catalog;
+}
+
+void Model::release_expert_mappings() const {
+  // Whole pages inside the expert matrices, merged where they touch (one madvise per run).
+  std::vector<std::pair<uintptr_t, uintptr_t>> ranges;
+  const uintptr_t page = static_cast<uintptr_t>(::sysconf(_SC_PAGESIZE));
+  for (const auto& layer : experts_)
+    for (const offload::ExpertWeights& e : layer)
+      for (const kernels::MatrixView* m : {&e.gate, &e.up, &e.down}) {
+        const auto begin = reinterpret_cast<uintptr_t>(m->data);
+        ranges.emplace_back(begin, begin + m->bytes());
+      }
+  std::sort(ranges.begin(), ranges.end());
+  std::vector<std::pair<uintptr_t, uintptr_t>> merged;
+  for (const auto& r : ranges) {
+    if (!merged.empty() && r.first <= merged.back().second) {
+      merged.back().second = std::max(merged.back().second, r.second);
+    } else {
+      merged.push_back(r);
+    }
+  }
+  for (const auto& [begin, end] : merged) {
+    const uintptr_t first = (begin + page - 1) / page * page, last = end / page * page;
+    if (last <= first) continue;
+    void* at = reinterpret_cast<void*>(first);
+    const size_t length = last - first;
+    ::madvise(at, length, MADV_NOHUGEPAGE);
+    ::madvise(at, length, MADV_RANDOM);
+    ::madvise(at, length, MADV_DONTNEED);
+  }
 }
 
 size_t Model::bytes_touched_per_token() const {

@@ -46,6 +46,10 @@ class Model {
   // The experts' shapes and where their bytes lie in the checkpoint's files: what a tiered
   // expert pool reads them from (offload::ExpertPool).
   offload::ExpertCatalog expert_catalog() const;
+  // For a process whose experts come from a pool: drops this process's mapping of the expert
+  // bytes of the checkpoint and keeps them out of it (no huge pages or readahead over them), so
+  // the pool holds the node's only copy. The views stay valid; touching them faults them back in.
+  void release_expert_mappings() const;
   const std::filesystem::path& dir() const { return dir_; }
   // Identifies the weights and config (hash of config.json and the tensor headers): part of every
   // KV block key, so caches of different models never mix.

@@ -264,6 +264,7 @@ int run_command(int argc, char** argv) {
       pool_client = offload::PoolClient::attach(expert_pool->name(), catalog);
       pool_client->set_prefetch_depth(options.prefetch_depth);
       experts = pool_client.get();
+      model.release_expert_mappings();
     } catch (const std::exception& e) {
       return fail(std::string("--expert-budget: ") + e.what(), 2);
     }

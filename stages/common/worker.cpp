@@ -114,6 +114,7 @@ bool ComputeWorker::handle(const wire::Message& message, uint32_t free_credits) 
         auto client = offload::PoolClient::attach(pool_name, model->expert_catalog());
         client->set_prefetch_depth(static_cast<int>(plan->prefetch_depth()));
         experts->use_pool(std::move(client));
+        model->release_expert_mappings();
       } catch (const std::exception& e) {
         // Asked again shortly (maintain); no credit until the pool is reachable.
         service.log.error("expert_pool_attach_failed", {{"pool", pool_name}, {"error", e.what()}});

@@ -152,7 +152,19 @@ int offload_body(const runtime::Config& config) {
                                      {"direct_io", stats.direct_io != 0},
                                      {"prefetch_depth", prefetch_depth}});
   }
-  service.start_http(config.text("http"), config.text("port-file"));
+  service.start_http(config.text("http"), config.text("port-file"), [&pool] {
+    if (!pool) return nlohmann::json{{"expert_pool", nullptr}};
+    const offload::PoolStats s = pool->stats();
+    return nlohmann::json{{"expert_pool",
+                           {{"name", pool->name()},
+                            {"slots", s.slots},
+                            {"slot_bytes", s.slot_bytes},
+                            {"resident", s.resident},
+                            {"hit_ratio", s.hit_ratio()},
+                            {"loads", s.loads},
+                            {"evictions", s.evictions},
+                            {"direct_io", s.direct_io != 0}}}};
+  });
   auto& metrics = service.metrics;
   metrics.gauge("moeline_offload_expert_bytes", "Bytes of expert weights", {{"tier", "resident"}})
       .set(static_cast<double>(expert_bytes));

@@ -43,6 +43,10 @@ down     stop every stage and the supervisor
   --config FILE     stage config file passed to every stage (see `moeline <stage> --help`)
   --threads T       compute threads per prefill/decode process (default: cores / (N + M))
   --timeout-s S     how long `up` waits for the stack to be healthy (default 120)
+  --expert-budget SIZE
+                    keep the experts in one host pool of SIZE shared by every prefill and decode
+                    process (a share of all expert bytes, "25%", or a size, "512MiB"); experts are
+                    read from the checkpoint on demand. Default: each process maps them all
 )";
 
 struct StageProcess {
@@ -290,6 +294,7 @@ int up(int argc, char** argv) {
                                           {"decode", "1", "decode processes"},
                                           {"threads", "0", "threads per compute process"},
                                           {"timeout-s", "120", "seconds to wait for health"},
+                                          {"expert-budget", "", "host expert pool size"},
                                           {"stage-config", "", ""}};
   // --config is the stage config file, passed through: take it out before parsing.
   std::string stage_config;
@@ -350,7 +355,11 @@ int up(int argc, char** argv) {
   stages.push_back({"gateway", "gateway", gateway_args});
   // The probe's snapshot store keeps its disk tier in the run directory: it survives restarts.
   stages.push_back({"probe", "probe", worker({"--store-path", (run_dir / "store").string()})});
-  stages.push_back({"offload", "offload", worker({})});
+  // The node's expert pool: the offload manager creates it, the compute processes attach to it.
+  std::vector<std::string> offload_args;
+  if (!config.text("expert-budget").empty())
+    offload_args = {"--expert-budget", config.text("expert-budget")};
+  stages.push_back({"offload", "offload", worker(offload_args)});
   for (int i = 0; i < prefill; ++i)
     stages.push_back({"prefill-" + std::to_string(i), "prefill",
                       worker({"--threads", std::to_string(threads)})});
@@ -433,6 +442,8 @@ int status(int argc, char** argv) {
                         {"stages", nlohmann::json::array()}};
   for (const StageHealth& h : health) {
     healthy = healthy && h.http == 200;
+    if (h.name == "offload" && h.detail.is_object() && h.detail.contains("expert_pool"))
+      out["expert_pool"] = h.detail["expert_pool"];
     out["stages"].push_back({{"name", h.name},
                              {"pid", h.pid},
                              {"restarts", h.restarts},
@@ -455,6 +466,12 @@ int status(int argc, char** argv) {
     for (const StageHealth& h : health)
       std::printf("%-12s %8d %8d %10d %s\n", h.name.c_str(), h.pid, h.restarts, h.port,
                   h.http == 200 ? "ok" : (h.http == -1 ? "down" : "unhealthy"));
+    if (out.contains("expert_pool") && out["expert_pool"].is_object()) {
+      const nlohmann::json& p = out["expert_pool"];
+      std::cout << "expert pool: " << p.value("name", "") << ", " << p.value("slots", 0)
+                << " slots, hit ratio " << p.value("hit_ratio", 0.0) << ", " << p.value("loads", 0)
+                << " loads\n";
+    }
     if (out.contains("approximate")) {
       const nlohmann::json& a = out["approximate"];
       std::cout << "approximate reuse: " << (a.value("enabled", false) ? "on" : "off") << " ("

@@ -21,9 +21,11 @@ def add_python_paths(build_python, sdk_python):
 class Stack:
     """`moeline stack up` on enter, `moeline stack down` on exit (logs printed on failure)."""
 
-    def __init__(self, moeline, model, run_dir, prefill=1, decode=1, config=None, threads=1):
+    def __init__(self, moeline, model, run_dir, prefill=1, decode=1, config=None, threads=1,
+                 expert_budget=None):
         self.moeline, self.model, self.run_dir = moeline, model, run_dir
         self.prefill, self.decode, self.config, self.threads = prefill, decode, config, threads
+        self.expert_budget = expert_budget
         self.endpoint = None
 
     def __enter__(self):
@@ -37,6 +39,8 @@ class Stack:
         cmd = [self.moeline, "stack", "up", "--model", self.model, "--run-dir", self.run_dir,
                "--prefill", str(self.prefill), "--decode", str(self.decode),
                "--threads", str(self.threads), "--timeout-s", "90"]
+        if self.expert_budget:
+            cmd += ["--expert-budget", str(self.expert_budget)]
         if self.config:
             path = os.path.join(self.run_dir, "stages.json")
             with open(path, "w") as f:

@@ -1,0 +1,213 @@
+#!/usr/bin/env python3
+"""Expert offload end to end, with real processes: `moeline stack up --expert-budget` with 2
+prefill and 2 decode processes sharing the offload manager's host pool (POSIX shared memory),
+against `moeline run` (every expert resident) as the reference.
+
+Cases (--case, one per CTest entry):
+  budgets   100%, 50%, 25% of expert bytes and one expert per MoE layer: concurrent greedy and
+            seeded requests give ids identical to the reference; the pool really loaded and
+            evicted (the offload manager's /metrics), `moeline stack status` shows it
+  memory    one copy of the expert weights per node: the pool's pages are shared by every compute
+            process (the sum of their PSS of the pool is one pool, not four), and no compute
+            process has the checkpoint's expert bytes resident in its own mapping
+  restart   kill -9 of the offload manager: the compute processes notice its pool is gone, are
+            restarted onto the new pool, and requests keep completing identically
+"""
+
+import json
+import os
+import random
+import subprocess
+import sys
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+from stack_harness import Stack, reference, run_cases, run_concurrently  # noqa: E402
+
+COMPUTE = ["prefill-0", "prefill-1", "decode-0", "decode-1"]
+
+
+def check(condition, message):
+    if not condition:
+        raise AssertionError(message)
+
+
+def model_shape(model):
+    """(vocab, MoE layers, bytes of one pool slot, all expert bytes) from config.json and the
+    safetensors header (the pool's slot: gate, up, down 64-byte aligned, in whole pages)."""
+    with open(os.path.join(model, "config.json")) as f:
+        config = json.load(f)
+    with open(os.path.join(model, "model.safetensors"), "rb") as f:
+        header = json.loads(f.read(int.from_bytes(f.read(8), "little")))
+    experts = {}
+    for name, info in header.items():
+        if name == "__metadata__" or ".experts." not in name:
+            continue
+        owner = name.split(".experts.")[0] + "." + name.split(".experts.")[1].split(".")[0]
+        start, end = info["data_offsets"]
+        experts.setdefault(owner, []).append(end - start)
+    layers = {owner.rsplit(".", 1)[0] for owner in experts}
+
+    def slot(sizes):
+        offset = 0
+        for size in sizes[:-1]:
+            offset = (offset + size + 63) // 64 * 64
+        return (offset + sizes[-1] + 4095) // 4096 * 4096
+
+    slot_bytes = max(slot(sizes) for sizes in experts.values())
+    total = sum(sum(sizes) for sizes in experts.values())
+    return config["vocab_size"], len(layers), slot_bytes, total
+
+
+def workload(vocab, count, seed):
+    rng = random.Random(seed)
+    requests = []
+    for i in range(count):
+        tokens = [rng.randrange(vocab) for _ in range(rng.choice([3, 17, 40, 90]))]
+        request = {"tokens": tokens, "max_tokens": rng.randint(4, 24), "ignore_eos": True}
+        if i % 4 == 1:
+            request.update(temperature=0.8, seed=500 + i)
+        requests.append(request)
+    return requests
+
+
+def references(args, requests):
+    return [reference(args.moeline, args.model, r["max_tokens"], tokens=r["tokens"],
+                      temperature=r.get("temperature", 0.0), seed=r.get("seed"),
+                      ignore_eos=True) for r in requests]
+
+
+def compare(results, expected, label):
+    for i, want in enumerate(expected):
+        got = results[i]
+        check(got["error"] is None, f"{label}: request {i} failed: {got['error']}")
+        check(got["ids"] == want["ids"],
+              f"{label}: request {i}: stack ids {got['ids']} != run ids {want['ids']}")
+
+
+def pool_status(args, stack):
+    out = subprocess.run([args.moeline, "stack", "status", "--run-dir", stack.run_dir, "--json"],
+                         capture_output=True, text=True, timeout=30)
+    return json.loads(out.stdout).get("expert_pool")
+
+
+def case_budgets(args):
+    from moeline_client import Client
+    vocab, moe_layers, slot_bytes, total = model_shape(args.model)
+    requests = workload(vocab, 24, seed=3)
+    expected = references(args, requests)
+    budgets = [("100%", "100%"), ("50%", "50%"), ("25%", "25%"),
+               ("one expert per layer", str(moe_layers * slot_bytes))]
+    for label, budget in budgets:
+        run_dir = os.path.join(args.workdir, "budget-" + label.split()[0].rstrip("%"))
+        with Stack(args.moeline, args.model, run_dir, prefill=2, decode=2,
+                   expert_budget=budget) as stack:
+            with Client(stack.endpoint, timeout=120) as client:
+                results = run_concurrently(client, requests)
+            compare(results, expected, label)
+            time.sleep(1.2)  # the manager publishes the pool's counters every 0.5 s
+            metrics = stack.metrics("offload")
+            host = frozenset({("tier", "host")})
+            hits, misses, loads, evictions = (
+                metrics.get((f"moeline_offload_expert_{what}_total", host), 0.0)
+                for what in ("hits", "misses", "loads", "evictions"))
+            check(hits + misses > 0 and loads > 0, f"{label}: the pool served nothing "
+                  f"(hits {hits}, misses {misses}, loads {loads})")
+            if label != "100%":
+                check(evictions > 0, f"{label}: no eviction at a budget under all experts")
+            status = pool_status(args, stack)
+            check(status and status["slots"] > 0, f"{label}: stack status shows no pool: {status}")
+            served = [stack.metric(name, "moeline_prefill_tokens_total")
+                      if name.startswith("prefill") else
+                      stack.metric(name, "moeline_decode_tokens_total") for name in COMPUTE]
+            print(f"ok budgets: {label} ({status['slots']} slots): 24 concurrent requests "
+                  f"identical to moeline run; hits {hits:.0f}, misses {misses:.0f}, loads "
+                  f"{loads:.0f}, evictions {evictions:.0f}; per process {served}")
+
+
+def mapping_kib(pid, predicate):
+    """(Rss, Pss) in KiB of the mappings of `pid` whose path satisfies `predicate`."""
+    rss = pss = 0
+    current = None
+    with open(f"/proc/{pid}/smaps") as f:
+        for line in f:
+            fields = line.split()
+            if "-" in fields[0] and len(fields) >= 5 and ":" not in fields[0]:
+                current = fields[5] if len(fields) >= 6 else ""
+            elif fields[0] == "Rss:" and current and predicate(current):
+                rss += int(fields[1])
+            elif fields[0] == "Pss:" and current and predicate(current):
+                pss += int(fields[1])
+    return rss, pss
+
+
+def case_memory(args):
+    from moeline_client import Client
+    vocab, _, slot_bytes, total = model_shape(args.model)
+    requests = workload(vocab, 16, seed=5)
+    checkpoint = os.path.realpath(os.path.join(args.model, "model.safetensors"))
+    checkpoint_bytes = os.path.getsize(checkpoint)
+    run_dir = os.path.join(args.workdir, "memory")
+    with Stack(args.moeline, args.model, run_dir, prefill=2, decode=2,
+               expert_budget="100%") as stack:
+        with Client(stack.endpoint, timeout=120) as client:
+            run_concurrently(client, requests)
+        pool_name = pool_status(args, stack)["name"]
+        in_pool = lambda path: path == "/dev/shm" + pool_name  # noqa: E731
+        pool_rss, pool_pss, expert_rss = [], [], []
+        for name in COMPUTE:
+            pid = stack.stage(name)["pid"]
+            rss, pss = mapping_kib(pid, in_pool)
+            pool_rss.append(rss)
+            pool_pss.append(pss)
+            expert_rss.append(mapping_kib(pid, lambda path: path == checkpoint)[0])
+        pool_kib = (total + 1023) // 1024
+        # Every compute process touched the experts it used, through the pool; their PSS of it
+        # adds up to (at most) one pool, however many processes map it.
+        check(max(pool_rss) > 0, f"no compute process maps the pool: {pool_rss}")
+        check(sum(pool_pss) <= pool_kib * 1.1 + 64,
+              f"the pool's PSS over 4 processes is {sum(pool_pss)} KiB, more than one pool "
+              f"({pool_kib} KiB of experts): {pool_pss}")
+        # The checkpoint mapping holds the attention weights, embeddings and LM head; the expert
+        # bytes are read into the pool with O_DIRECT, never faulted in here. Fault-around may map a
+        # few neighbouring pages, hence the slack of 10% of the expert bytes.
+        non_expert_kib = (checkpoint_bytes - total) // 1024
+        limit = non_expert_kib + total // 1024 // 10
+        check(max(expert_rss) <= limit,
+              f"a compute process has {max(expert_rss)} KiB of the checkpoint resident, more than "
+              f"its {non_expert_kib} KiB of non-expert weights (+10% of the experts): {expert_rss}")
+        print(f"ok memory: pool {pool_kib} KiB; PSS of the pool per process {pool_pss} KiB "
+              f"(sum {sum(pool_pss)}); Rss of the checkpoint per process {expert_rss} KiB "
+              f"(non-expert weights: {non_expert_kib} KiB)")
+
+
+def case_restart(args):
+    from moeline_client import Client
+    vocab, _, _, _ = model_shape(args.model)
+    requests = workload(vocab, 8, seed=9)
+    expected = references(args, requests)
+    run_dir = os.path.join(args.workdir, "restart")
+    with Stack(args.moeline, args.model, run_dir, prefill=1, decode=1,
+               expert_budget="25%") as stack:
+        with Client(stack.endpoint, timeout=120) as client:
+            compare(run_concurrently(client, requests), expected, "before")
+            old = {name: stack.stage(name)["pid"] for name in ("prefill-0", "decode-0")}
+            stack.wait_restarted("offload", stack.kill("offload"))
+            for name, pid in old.items():
+                stack.wait_restarted(name, pid, timeout=30)
+            deadline = time.time() + 60
+            while time.time() < deadline:
+                status = subprocess.run([args.moeline, "stack", "status", "--run-dir", run_dir],
+                                        capture_output=True, text=True, timeout=30)
+                if status.returncode == 0:
+                    break
+                time.sleep(0.3)
+            compare(run_concurrently(client, requests), expected, "after")
+        print("ok restart: after kill -9 of the offload manager the compute processes moved to "
+              "the new pool and requests stayed identical")
+
+
+if __name__ == "__main__":
+    run_cases({"budgets": case_budgets, "memory": case_memory, "restart": case_restart},
+              __doc__)
