@@ -1,6 +1,7 @@
 #include "model/forward.h"
 
 #include <algorithm>
+#include <chrono>
 #include <cmath>
 #include <numeric>
 #include <string>
@@ -373,6 +374,7 @@ void Engine::moe_block(int64_t layer, int64_t n) {
   int32_t* chosen = grow(chosen_experts_, n * K);
 
   kernels::rms_norm(hidden_.data(), n, H, H, w.post_attention_norm, c.rms_norm_eps, normed, H);
+  const auto router_start = std::chrono::steady_clock::now();
   kernels::matmul(pool_, MatmulTask{.x = normed, .n = n, .w = w.router, .y = scores});
   for (int64_t t = 0; t < n; ++t) {
     float* row = scores + t * E;
@@ -386,9 +388,11 @@ void Engine::moe_block(int64_t layer, int64_t n) {
     }
   }
   if (observer_) {
+    const double router_seconds =
+        std::chrono::duration<double>(std::chrono::steady_clock::now() - router_start).count();
     observer_->on_router(RouterEvent{layer, E, K,
                                      std::span(token_refs_.data(), static_cast<size_t>(n)), scores,
-                                     chosen, weights});
+                                     chosen, weights, router_seconds});
   }
   if (layer == routers_only_layer_) return;
 

@@ -20,9 +20,10 @@ struct RouterEvent {
   int64_t experts;
   int64_t top_k;
   std::span<const RoutedToken> tokens;
-  const float* scores;    // [tokens, experts]: softmax router probabilities
-  const int32_t* chosen;  // [tokens, top_k]: expert ids, highest score first
-  const float* weights;   // [tokens, top_k]: the weights applied to the chosen experts' outputs
+  const float* scores;        // [tokens, experts]: softmax router probabilities
+  const int32_t* chosen;      // [tokens, top_k]: expert ids, highest score first
+  const float* weights;       // [tokens, top_k]: the weights applied to the chosen experts' outputs
+  double router_seconds = 0;  // the router's matmul, softmax and top-k for these tokens
 };
 
 class RouterObserver {

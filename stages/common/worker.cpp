@@ -1,5 +1,7 @@
 #include "stages/common/worker.h"
 
+#include <algorithm>
+#include <cmath>
 #include <thread>
 
 #include "stages/common/common.h"
@@ -12,16 +14,37 @@ void ExpertUsageCounter::on_router(const model::RouterEvent& event) {
     for (int64_t k = 0; k < event.top_k; ++k)
       ++counts_[static_cast<size_t>(event.layer * experts_ + event.chosen[t * event.top_k + k])];
   if (event.layer == 0 || tokens_ == 0) tokens_ += static_cast<uint64_t>(tokens);
+  if (event.layer < 0 || event.layer >= layers_) return;
+  const auto layer = static_cast<size_t>(event.layer);
+  layer_tokens_[layer] += static_cast<uint64_t>(tokens);
+  router_seconds_[layer] += event.router_seconds;
+  if (event.top_k >= 2 && event.scores) {
+    double sum = 0;
+    for (int64_t t = 0; t < tokens; ++t) {
+      const float first = event.scores[t * event.experts + event.chosen[t * event.top_k]];
+      const float second = event.scores[t * event.experts + event.chosen[t * event.top_k + 1]];
+      // Probabilities of a softmax: their log ratio is the gap of the router's logits.
+      sum += std::log(std::max(first, 1e-30f)) - std::log(std::max(second, 1e-30f));
+    }
+    confidence_sum_[layer] += sum;
+  }
 }
 
 std::vector<zmq::message_t> ExpertUsageCounter::take(const std::string& replica) {
   flatbuffers::FlatBufferBuilder builder(counts_.size() * 8 + 128);
   auto counts = builder.CreateVector(counts_);
+  auto name = builder.CreateString(replica);
+  auto layer_tokens = builder.CreateVector(layer_tokens_);
+  auto confidence = builder.CreateVector(confidence_sum_);
+  auto router_seconds = builder.CreateVector(router_seconds_);
   builder.Finish(wire::CreateExpertUsage(builder, static_cast<uint32_t>(layers_),
-                                         static_cast<uint32_t>(experts_), counts, tokens_,
-                                         builder.CreateString(replica)),
+                                         static_cast<uint32_t>(experts_), counts, tokens_, name,
+                                         layer_tokens, confidence, router_seconds),
                  wire::ExpertPlanIdentifier());
   std::fill(counts_.begin(), counts_.end(), 0);
+  std::fill(layer_tokens_.begin(), layer_tokens_.end(), 0);
+  std::fill(confidence_sum_.begin(), confidence_sum_.end(), 0.0);
+  std::fill(router_seconds_.begin(), router_seconds_.end(), 0.0);
   tokens_ = 0;
   return wire::encode(wire::MessageType::ExpertUsage, builder);
 }

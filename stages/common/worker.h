@@ -24,7 +24,12 @@ namespace moeline::stages {
 class ExpertUsageCounter : public model::RouterObserver {
  public:
   ExpertUsageCounter(int64_t layers, int64_t experts)
-      : layers_(layers), experts_(experts), counts_(static_cast<size_t>(layers * experts)) {}
+      : layers_(layers),
+        experts_(experts),
+        counts_(static_cast<size_t>(layers * experts)),
+        layer_tokens_(static_cast<size_t>(layers)),
+        confidence_sum_(static_cast<size_t>(layers)),
+        router_seconds_(static_cast<size_t>(layers)) {}
   void on_router(const model::RouterEvent& event) override;
   bool empty() const { return tokens_ == 0; }
   // Builds an ExpertUsage message of the counts since the last call and resets them.
@@ -33,6 +38,8 @@ class ExpertUsageCounter : public model::RouterObserver {
  private:
   int64_t layers_, experts_;
   std::vector<uint64_t> counts_;
+  std::vector<uint64_t> layer_tokens_;
+  std::vector<double> confidence_sum_, router_seconds_;
   uint64_t tokens_ = 0;
 };
 

@@ -3,10 +3,13 @@
 #include <unistd.h>
 #include <cmath>
 #include <iomanip>
+#include <mutex>
 #include <numeric>
 #include <sstream>
+#include <type_traits>
 
 #include "offload/expert_pool.h"
+#include "offload/router_health.h"
 
 #include "model/model.h"
 #include "stages/common/common.h"
@@ -152,18 +155,36 @@ int offload_body(const runtime::Config& config) {
                                      {"direct_io", stats.direct_io != 0},
                                      {"prefetch_depth", prefetch_depth}});
   }
-  service.start_http(config.text("http"), config.text("port-file"), [&pool] {
-    if (!pool) return nlohmann::json{{"expert_pool", nullptr}};
-    const offload::PoolStats s = pool->stats();
-    return nlohmann::json{{"expert_pool",
-                           {{"name", pool->name()},
-                            {"slots", s.slots},
-                            {"slot_bytes", s.slot_bytes},
-                            {"resident", s.resident},
-                            {"hit_ratio", s.hit_ratio()},
-                            {"loads", s.loads},
-                            {"evictions", s.evictions},
-                            {"direct_io", s.direct_io != 0}}}};
+  const int64_t layers = cfg.num_layers;
+  const int64_t experts = std::max<int64_t>(1, cfg.num_experts);
+  // Router health: written by this loop, read by /healthz (`moeline experts` draws it).
+  std::mutex health_mutex;
+  offload::RouterHealth health(static_cast<int>(layers), static_cast<int>(experts),
+                               {.imbalance_warning = config.number("imbalance-warning"),
+                                .imbalance_critical = config.number("imbalance-critical"),
+                                .confidence_warning = config.number("confidence-warning")});
+  service.start_http(config.text("http"), config.text("port-file"), [&] {
+    nlohmann::json detail = {{"expert_pool", nullptr}};
+    if (pool) {
+      const offload::PoolStats s = pool->stats();
+      detail["expert_pool"] = {{"name", pool->name()},       {"slots", s.slots},
+                               {"slot_bytes", s.slot_bytes}, {"resident", s.resident},
+                               {"hit_ratio", s.hit_ratio()}, {"loads", s.loads},
+                               {"evictions", s.evictions},   {"direct_io", s.direct_io != 0},
+                               {"layer_hits", s.layer_hits}, {"layer_misses", s.layer_misses}};
+    }
+    std::lock_guard lock(health_mutex);
+    nlohmann::json router = nlohmann::json::array();
+    for (const offload::LayerHealth& h : health.layers())
+      router.push_back({{"counts", h.counts},
+                        {"tokens", h.total_tokens},
+                        {"imbalance", h.imbalance()},
+                        {"confidence", h.confidence()},
+                        {"router_seconds", h.total_router_seconds},
+                        {"state", offload::health_state_name(h.state)},
+                        {"reason", h.reason}});
+    detail["router"] = std::move(router);
+    return detail;
   });
   auto& metrics = service.metrics;
   metrics.gauge("moeline_offload_expert_bytes", "Bytes of expert weights", {{"tier", "resident"}})
@@ -178,15 +199,22 @@ int offload_body(const runtime::Config& config) {
   auto& plans = metrics.counter("moeline_offload_plans_total", "Expert plans served");
   auto& routed = metrics.counter("moeline_offload_routed_tokens_total",
                                  "Tokens whose routing was reported by compute stages");
-  const int64_t layers = cfg.num_layers;
-  const int64_t experts = std::max<int64_t>(1, cfg.num_experts);
-  std::vector<uint64_t> totals(static_cast<size_t>(layers * experts), 0);
-  std::vector<runtime::Counter*> per_expert(totals.size());
-  std::vector<runtime::Gauge*> imbalance(static_cast<size_t>(layers));
+  std::vector<runtime::Counter*> per_expert(static_cast<size_t>(layers * experts));
+  std::vector<runtime::Gauge*> imbalance(static_cast<size_t>(layers)),
+      confidence(static_cast<size_t>(layers)), health_state(static_cast<size_t>(layers));
+  std::vector<runtime::Counter*> router_seconds(static_cast<size_t>(layers));
   for (int64_t l = 0; l < layers; ++l) {
-    imbalance[static_cast<size_t>(l)] = &metrics.gauge(
-        "moeline_offload_load_imbalance", "std/mean of per-expert token counts since start",
-        {{"layer", std::to_string(l)}});
+    const runtime::Labels layer_label = {{"layer", std::to_string(l)}};
+    imbalance[static_cast<size_t>(l)] =
+        &metrics.gauge("moeline_offload_load_imbalance",
+                       "std/mean of per-expert token counts (recent traffic)", layer_label);
+    confidence[static_cast<size_t>(l)] =
+        &metrics.gauge("moeline_offload_router_confidence",
+                       "Mean ln(top-1 / top-2 router probability) over recent tokens", layer_label);
+    health_state[static_cast<size_t>(l)] =
+        &metrics.gauge("moeline_offload_router_health", "0 ok, 1 warning, 2 critical", layer_label);
+    router_seconds[static_cast<size_t>(l)] = &metrics.counter(
+        "moeline_offload_router_seconds_total", "Time the routers took", layer_label);
     for (int64_t e = 0; e < experts; ++e)
       per_expert[static_cast<size_t>(l * experts + e)] =
           &metrics.counter("moeline_offload_expert_tokens_total", "Tokens routed to each expert",
@@ -230,26 +258,43 @@ int offload_body(const runtime::Config& config) {
       case wire::MessageType::ExpertUsage: {
         const auto* usage = message->as<wire::ExpertUsage>();
         if (usage->layers() != layers || usage->experts() != experts || !usage->counts() ||
-            usage->counts()->size() != totals.size()) {
+            usage->counts()->size() != per_expert.size()) {
           service.log.warn("usage_shape_mismatch", {{"layers", usage->layers()}});
           break;
         }
-        for (size_t i = 0; i < totals.size(); ++i) {
-          totals[i] += usage->counts()->Get(static_cast<flatbuffers::uoffset_t>(i));
-          per_expert[i]->inc(
-              static_cast<double>(usage->counts()->Get(static_cast<flatbuffers::uoffset_t>(i))));
-        }
+        const std::vector<uint64_t> counts(usage->counts()->begin(), usage->counts()->end());
+        for (size_t i = 0; i < counts.size(); ++i)
+          per_expert[i]->inc(static_cast<double>(counts[i]));
         routed.inc(static_cast<double>(usage->tokens()));
-        for (int64_t l = 0; l < layers; ++l) {
-          const auto begin = totals.begin() + l * experts;
-          const double mean =
-              static_cast<double>(std::accumulate(begin, begin + experts, uint64_t{0})) /
-              static_cast<double>(experts);
-          double variance = 0;
-          for (auto it = begin; it != begin + experts; ++it)
-            variance += (static_cast<double>(*it) - mean) * (static_cast<double>(*it) - mean);
-          variance /= static_cast<double>(experts);
-          imbalance[static_cast<size_t>(l)]->set(mean > 0 ? std::sqrt(variance) / mean : 0.0);
+        auto to_vector = [](const auto* v) {
+          using T = std::remove_cv_t<std::remove_pointer_t<decltype(v)>>;
+          return v ? std::vector<typename T::return_type>(v->begin(), v->end())
+                   : std::vector<typename T::return_type>{};
+        };
+        const auto layer_tokens = to_vector(usage->layer_tokens());
+        const auto confidence_sum = to_vector(usage->confidence_sum());
+        const auto seconds = to_vector(usage->router_seconds());
+        std::lock_guard lock(health_mutex);
+        for (int l : health.add(counts, layer_tokens, confidence_sum, seconds)) {
+          const offload::LayerHealth& h = health.layers()[static_cast<size_t>(l)];
+          const std::initializer_list<runtime::LogField> fields = {
+              {"layer", l},
+              {"state", offload::health_state_name(h.state)},
+              {"reason", h.reason},
+              {"imbalance", h.imbalance()},
+              {"confidence", h.confidence()}};
+          if (h.state == offload::HealthState::kOk) {
+            service.log.info("router_health", fields);
+          } else {
+            service.log.warn("router_health", fields);
+          }
+        }
+        for (size_t l = 0; l < health.layers().size(); ++l) {
+          const offload::LayerHealth& h = health.layers()[l];
+          imbalance[l]->set(h.imbalance());
+          confidence[l]->set(h.confidence());
+          health_state[l]->set(static_cast<double>(h.state));
+          if (l < seconds.size() && seconds[l] > 0) router_seconds[l]->inc(seconds[l]);
         }
         break;
       }
@@ -294,6 +339,11 @@ int offload_main(int argc, char** argv) {
   keys.push_back({"prefetch-depth", "1",
                   "MoE layers ahead the compute processes predict and prefetch (0: off)"});
   keys.push_back({"loader-threads", "1", "threads reading experts from disk into the pool"});
+  keys.push_back({"imbalance-warning", "0.4",
+                  "router health: warn when a layer's load imbalance (std/mean) reaches this"});
+  keys.push_back({"imbalance-critical", "0.5", "router health: critical at this imbalance"});
+  keys.push_back({"confidence-warning", "1.5",
+                  "router health: warn when a layer's mean ln(top-1/top-2) falls below this"});
   keys.push_back({"direct-io", "true",
                   "read experts with O_DIRECT, so the page cache does not become a second pool"});
   return run_stage("offload", keys, argc, argv, offload_body);

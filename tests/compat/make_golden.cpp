@@ -226,7 +226,11 @@ std::vector<zmq::message_t> expert_plan() {
 std::vector<zmq::message_t> expert_usage() {
   FlatBufferBuilder b;
   const std::vector<uint64_t> counts = {5, 0, 3, 8, 2, 7, 1, 6};
-  b.Finish(wire::CreateExpertUsageDirect(b, 2, 4, &counts, 16, "decode-1"),
+  const std::vector<uint64_t> layer_tokens = {8, 8};
+  const std::vector<double> confidence = {12.5, 3.25};
+  const std::vector<double> router_seconds = {0.5, 0.25};
+  b.Finish(wire::CreateExpertUsageDirect(b, 2, 4, &counts, 16, "decode-1", &layer_tokens,
+                                         &confidence, &router_seconds),
            wire::ExpertPlanIdentifier());
   return wire::encode(wire::MessageType::ExpertUsage, b);
 }

@@ -384,6 +384,20 @@ std::map<std::string, Expectation> v1_3() {
     EXPECT_EQ(t->pool_bytes(), uint64_t{1} << 19);
     EXPECT_EQ(t->prefetch_depth(), 2u);
   };
+  auto before = e.at("ExpertUsage").check;
+  e["ExpertUsage"].check = [before](const Message& m) {
+    before(m);
+    const auto* t = m.as<ExpertUsage>();
+    ASSERT_NE(t->layer_tokens(), nullptr);
+    ASSERT_NE(t->confidence_sum(), nullptr);
+    ASSERT_NE(t->router_seconds(), nullptr);
+    EXPECT_EQ(std::vector<uint64_t>(t->layer_tokens()->begin(), t->layer_tokens()->end()),
+              (std::vector<uint64_t>{8, 8}));
+    EXPECT_EQ(std::vector<double>(t->confidence_sum()->begin(), t->confidence_sum()->end()),
+              (std::vector<double>{12.5, 3.25}));
+    EXPECT_EQ(std::vector<double>(t->router_seconds()->begin(), t->router_seconds()->end()),
+              (std::vector<double>{0.5, 0.25}));
+  };
   return e;
 }
 

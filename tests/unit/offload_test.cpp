@@ -7,13 +7,19 @@
 #include <unistd.h>
 
 #include <atomic>
+#include <cmath>
+#include <cstdio>
 #include <cstring>
+#include <fstream>
+#include <random>
 #include <thread>
 
 #include "model/forward.h"
 #include "model/generator.h"
 #include "offload/expert_pool.h"
 #include "offload/resident_provider.h"
+#include "offload/router_health.h"
+#include "offload/trace.h"
 
 namespace moeline::offload {
 namespace {
@@ -290,6 +296,104 @@ TEST(ExpertPool, AnUnreadableExpertIsAnErrorAndThePoolKeepsServing) {
   const ExpertWeights fine = client->acquire(0, 2);
   EXPECT_EQ(0, std::memcmp(fine.gate.data, m->experts()[0][2].gate.data, fine.gate.bytes()));
   client->release(0, 2);
+}
+
+}  // namespace
+}  // namespace moeline::offload
+
+namespace moeline::offload {
+namespace {
+
+std::vector<ExpertAccess> textbook_trace() {
+  // The classic page reference string (Silberschatz et al., "Operating System Concepts"):
+  // 1 2 3 4 1 2 5 1 2 3 4 5 with 3 frames: optimal replacement 7 faults, LRU 10.
+  std::vector<ExpertAccess> trace;
+  for (int page : {1, 2, 3, 4, 1, 2, 5, 1, 2, 3, 4, 5}) trace.push_back({0, page});
+  return trace;
+}
+
+TEST(ExpertTraceReplay, MatchesTheTextbookFaultCounts) {
+  const auto trace = textbook_trace();
+  EXPECT_EQ(replay(trace, 3, ReplayPolicy::kBelady).loads, 7u);
+  EXPECT_EQ(replay(trace, 3, ReplayPolicy::kLru).loads, 10u);
+  EXPECT_EQ(replay(trace, 4, ReplayPolicy::kBelady).loads, 6u);
+  EXPECT_EQ(replay(trace, 4, ReplayPolicy::kLru).loads, 8u);
+  EXPECT_EQ(replay(trace, 100, ReplayPolicy::kLru2).loads, 5u);  // compulsory misses only
+  EXPECT_EQ(replay(trace, 0, ReplayPolicy::kLru).hits, 0u);
+}
+
+TEST(ExpertTraceReplay, BeladyBoundsEveryPolicy) {
+  std::mt19937 rng(7);
+  for (int round = 0; round < 20; ++round) {
+    // Skewed routing: a few hot experts per layer, as trained routers have.
+    std::vector<ExpertAccess> trace;
+    std::discrete_distribution<int> expert({8, 6, 4, 3, 2, 1, 1, 1});
+    for (int token = 0; token < 300; ++token)
+      for (int layer = 0; layer < 4; ++layer) trace.push_back({layer, expert(rng)});
+    for (uint64_t slots : {1u, 4u, 8u, 16u, 32u}) {
+      const uint64_t best = replay(trace, slots, ReplayPolicy::kBelady).hits;
+      for (ReplayPolicy p : {ReplayPolicy::kLru, ReplayPolicy::kLru2, ReplayPolicy::kLfu})
+        EXPECT_LE(replay(trace, slots, p).hits, best) << replay_policy_name(p) << " " << slots;
+    }
+  }
+}
+
+TEST(ExpertTraceReplay, TracesRoundTripAndBadFilesAreClearErrors) {
+  ExpertTrace trace{.layers = 2, .experts_per_layer = 8, .slot_bytes = 4096, .accesses = {}};
+  trace.accesses = {{0, 1}, {1, 7}, {0, 1}};
+  const std::string path = "/tmp/moeline-trace-" + std::to_string(getpid()) + ".txt";
+  ASSERT_TRUE(trace.write(path));
+  const ExpertTrace back = ExpertTrace::read(path);
+  EXPECT_EQ(back.accesses, trace.accesses);
+  EXPECT_EQ(back.slot_bytes, 4096u);
+  {
+    std::ofstream out(path);
+    out << "# moeline expert trace v1 layers=2 experts=8 slot_bytes=4096\n0 1\n2 0\n";
+  }
+  try {
+    ExpertTrace::read(path);
+    ADD_FAILURE() << "read a trace with a layer out of range";
+  } catch (const std::runtime_error& e) {
+    EXPECT_NE(std::string(e.what()).find(":3:"), std::string::npos) << e.what();
+  }
+  std::remove(path.c_str());
+}
+
+TEST(RouterHealth, ImbalanceAndConfidenceAgainstTheirDefinitions) {
+  RouterHealth health(2, 4, RouterHealthOptions{.decay = 1.0, .min_tokens = 10});
+  // Layer 0 balanced, layer 1 skewed: counts 40 10 10 0 -> mean 15, population std
+  // sqrt((25² + 5² + 5² + 15²) / 4) = 15 -> imbalance 1.
+  const std::vector<uint64_t> counts = {20, 20, 20, 20, 40, 10, 10, 0};
+  const auto changed = health.add(counts, std::vector<uint64_t>{40, 30},
+                                  std::vector<double>{80.0, 30.0}, std::vector<double>{0.1, 0.2});
+  EXPECT_EQ(changed, (std::vector<int>{1}));
+  const auto& layers = health.layers();
+  EXPECT_DOUBLE_EQ(layers[0].imbalance(), 0.0);
+  EXPECT_NEAR(layers[1].imbalance(), std::sqrt((625.0 + 25 + 25 + 225) / 4) / 15.0, 1e-12);
+  EXPECT_DOUBLE_EQ(layers[0].confidence(), 2.0);
+  EXPECT_DOUBLE_EQ(layers[1].confidence(), 1.0);
+  EXPECT_EQ(layers[0].state, HealthState::kOk);
+  EXPECT_EQ(layers[1].state, HealthState::kCritical);
+  EXPECT_NE(layers[1].reason.find("imbalance"), std::string::npos);
+  EXPECT_NE(layers[1].reason.find("confidence"), std::string::npos);
+}
+
+TEST(RouterHealth, ThresholdsAndRecoveryFollowRecentTraffic) {
+  RouterHealth health(1, 2, RouterHealthOptions{.decay = 0.5, .min_tokens = 10});
+  // std/mean of (a, b) is |a - b| / (a + b): 0.45 is a warning, 0.6 critical, 0 ok.
+  auto report = [&](uint64_t a, uint64_t b, double confidence) {
+    health.add(std::vector<uint64_t>{a, b}, std::vector<uint64_t>{a + b},
+               std::vector<double>{confidence * static_cast<double>(a + b)},
+               std::vector<double>{0.0});
+    return health.layers()[0].state;
+  };
+  EXPECT_EQ(report(145, 55, 3.0), HealthState::kWarning);
+  EXPECT_EQ(report(800, 200, 3.0), HealthState::kCritical);
+  for (int i = 0; i < 12; ++i) report(500, 500, 3.0);
+  EXPECT_EQ(health.layers()[0].state, HealthState::kOk);
+  for (int i = 0; i < 12; ++i) report(500, 500, 1.0);
+  EXPECT_EQ(health.layers()[0].state, HealthState::kWarning);
+  EXPECT_NE(health.layers()[0].reason.find("confidence"), std::string::npos);
 }
 
 }  // namespace
