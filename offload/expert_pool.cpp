@@ -50,8 +50,10 @@ struct PoolEntry {
   uint8_t pad;
   uint32_t pins;
   int32_t error;                    // errno of a failed read (state kFailed)
-  uint64_t last_use, previous_use;  // LRU-2: eviction takes the oldest previous_use
+  uint64_t last_use, previous_use;  // ties of the eviction score go to the least recent
   uint64_t request_tick;            // queue order
+  double uses;       // visits of its layer that used it (the estimate of how often it is picked)
+  double use_visit;  // its layer's visit count when it was last used
 };
 
 struct PoolCounters {
@@ -63,7 +65,7 @@ struct PoolCounters {
 
 // The shared header; the tables follow it in the same mapping:
 // PoolEntry entries[entries]; int32_t slot_owner[slots]; uint64_t layer_hits[layers],
-// layer_misses[layers].
+// layer_misses[layers]; double layer_visits[layers] (forward passes through each layer).
 struct PoolLayout {
   uint64_t magic;
   uint32_t version;
@@ -84,10 +86,11 @@ struct PoolLayout {
         round_up(reinterpret_cast<uintptr_t>(slot_owner() + slots), alignof(uint64_t)));
   }
   uint64_t* layer_misses() { return layer_hits() + layers; }
+  double* layer_visits() { return reinterpret_cast<double*>(layer_misses() + layers); }
 
   static size_t bytes_for(uint32_t entries, uint64_t slots, uint32_t layers) {
     return round_up(sizeof(PoolLayout) + entries * sizeof(PoolEntry) + slots * sizeof(int32_t) +
-                        alignof(uint64_t) + 2 * layers * sizeof(uint64_t),
+                        alignof(uint64_t) + 2 * layers * sizeof(uint64_t) + layers * sizeof(double),
                     kPage);
   }
 };
@@ -216,6 +219,16 @@ uint64_t parse_expert_budget(const std::string& text, uint64_t total_expert_byte
   for (const auto& [name, scale] : units)
     if (unit == name) return static_cast<uint64_t>(std::floor(value * scale));
   throw std::invalid_argument(usage);
+}
+
+double expected_reuse_distance(int32_t layer, int32_t current, int32_t cycle, double uses,
+                               double visits) {
+  // Layer steps until `layer` runs again (a full cycle for the layer running now: its experts
+  // that are not pinned were not needed this time), then whole cycles while the expert is not
+  // picked, with p estimated as (uses + 1/2) / (visits + 1).
+  const int32_t until = layer == current ? cycle : ((layer - current) % cycle + cycle) % cycle;
+  const double p = (uses + 0.5) / (visits + 1.0);
+  return static_cast<double>(until) + static_cast<double>(cycle) * (1.0 / p - 1.0);
 }
 
 uint64_t pool_slot_bytes(const ExpertCatalog& catalog) {
@@ -562,25 +575,35 @@ ExpertWeights PoolClient::views(uint32_t entry, int32_t slot) const {
 
 namespace {
 
-// A slot for `entry`: a free one, or the unpinned resident expert with the oldest second-to-last
-// use (LRU-2). A prefetch never evicts another prefetch that has not been used yet. -1: none.
-int64_t reserve_slot(PoolLayout* l, bool for_prefetch) {
+// How far ahead, in layer steps, an entry's next use is expected while `current` runs.
+double entry_distance(PoolLayout* l, uint32_t index, int32_t current) {
+  const PoolEntry& e = l->entry_table()[index];
+  const auto layer = static_cast<int32_t>(index / l->experts_per_layer);
+  return expected_reuse_distance(layer, current, static_cast<int32_t>(l->layers), e.uses,
+                                 l->layer_visits()[layer]);
+}
+
+// A slot: a free one, or the unpinned resident expert whose next use is expected farthest ahead
+// (expected_reuse_distance: decode runs the layers in a cycle, so the experts of the layer that
+// just ran are the last needed again). A prefetch never evicts another prefetch that has not been
+// used yet, nor an expert expected sooner than the one it brings in (`at_most`). -1: none.
+int64_t reserve_slot(PoolLayout* l, int32_t current, bool for_prefetch, double at_most) {
   int32_t* owner = l->slot_owner();
   PoolEntry* entries = l->entry_table();
   int64_t victim = -1;
+  double victim_distance = 0;
   for (uint64_t s = 0; s < l->slots; ++s) {
     if (owner[s] < 0) return static_cast<int64_t>(s);
     const PoolEntry& e = entries[owner[s]];
     if (e.state != kResident || e.pins > 0) continue;
     if (for_prefetch && e.prefetched) continue;
-    if (victim < 0) {
+    const double distance = entry_distance(l, static_cast<uint32_t>(owner[s]), current);
+    if (for_prefetch && distance <= at_most) continue;
+    if (victim < 0 || distance > victim_distance ||
+        (distance == victim_distance && e.last_use < entries[owner[victim]].last_use)) {
       victim = static_cast<int64_t>(s);
-      continue;
+      victim_distance = distance;
     }
-    const PoolEntry& best = entries[owner[victim]];
-    if (e.previous_use < best.previous_use ||
-        (e.previous_use == best.previous_use && e.last_use < best.last_use))
-      victim = static_cast<int64_t>(s);
   }
   if (victim >= 0) {
     PoolEntry& evicted = entries[owner[victim]];
@@ -617,6 +640,16 @@ std::optional<ExpertWeights> PoolClient::acquire_or_fail(int layer, int expert, 
   PoolCounters& c = l->counters;
   uint64_t waited_since = 0;
   bool missed = false;
+  // A new pass through this layer (by this client), and this expert's use in it.
+  double& visits = l->layer_visits()[layer];
+  if (layer != current_layer_) {
+    current_layer_ = layer;
+    visits += 1;
+  }
+  if (e.use_visit != visits) {
+    e.use_visit = visits;
+    e.uses += 1;
+  }
   for (;;) {
     if (l->stopping) throw std::runtime_error("expert pool " + name_ + " is shutting down");
     if (e.state == kResident) {
@@ -641,7 +674,7 @@ std::optional<ExpertWeights> PoolClient::acquire_or_fail(int layer, int expert, 
                                std::to_string(layer) + " could not be read: " + errno_text(error));
     }
     if (e.state == kAbsent) {
-      const int64_t slot = reserve_slot(l, false);
+      const int64_t slot = reserve_slot(l, layer, false, 0);
       if (slot < 0 && !may_wait) {
         if (waited_since) c.stall_ns += now_ns() - waited_since;
         return std::nullopt;
@@ -691,7 +724,11 @@ void PoolClient::prefetch(int layer, std::span<const int32_t> experts) {
     if (!catalog_.has(layer, expert)) continue;
     const auto index = static_cast<uint32_t>(layer * catalog_.experts_per_layer + expert);
     if (l->entry_table()[index].state != kAbsent) continue;
-    const int64_t slot = reserve_slot(l, true);
+    // Expected when its layer next runs, a few steps ahead of the caller's current layer.
+    const int32_t until = ((layer - current_layer_) % static_cast<int32_t>(l->layers) +
+                           static_cast<int32_t>(l->layers)) %
+                          static_cast<int32_t>(l->layers);
+    const int64_t slot = reserve_slot(l, current_layer_, true, static_cast<double>(until));
     if (slot < 0) {
       ++l->counters.prefetch_dropped;
       continue;

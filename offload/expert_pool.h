@@ -8,8 +8,8 @@
 // - Clients (prefill and decode processes, and the owner's own engine) attach by name. They map the
 //   slots read-only and the page table read-write: acquire() pins an expert (a reference count), so
 //   it cannot be evicted mid-forward; release() unpins it. A client that misses reserves a slot — a
-//   free one, or the unpinned resident expert that LRU-2 picks (the oldest second-to-last use, so
-//   an expert used once goes before one used twice) — and queues the load; the loader fills it.
+//   free one, or the unpinned resident expert whose next use is expected farthest ahead
+//   (expected_reuse_distance) — and queues the load; the loader fills it.
 // - prefetch() queues loads of experts a client expects to need soon (the next layers' routers
 //   applied to the current hidden state), without waiting for them.
 //
@@ -64,6 +64,15 @@ struct ExpertCatalog {
 // The size of one pool slot: the largest expert, its matrices 64-byte aligned, in whole pages. A
 // budget of B bytes holds floor(B / slot bytes) experts.
 uint64_t pool_slot_bytes(const ExpertCatalog& catalog);
+
+// The expected distance, in layer steps, to an expert's next use while layer `current` runs: until
+// its layer next runs (a whole cycle of `cycle` layers for the current one), then a cycle for each
+// time its layer runs without it, estimated from its `uses` in its layer's `visits`
+// ((uses + 1/2) / (visits + 1)). Decode runs the layers in a cycle, so the experts of the layer
+// that just ran are the last needed again, unless they are picked far more often than the rest.
+// The pool evicts the largest; moeline experts replay compares it with Belady's bound.
+double expected_reuse_distance(int32_t layer, int32_t current, int32_t cycle, double uses,
+                               double visits);
 
 // "25%" of all expert bytes, "64MiB" / "1.5GB" / "4096" bytes. Throws std::invalid_argument with
 // the accepted forms on anything else. Keep the forms stable: other tools pass this flag.
@@ -171,6 +180,7 @@ class PoolClient final : public PoolMapping, public ExpertProvider {
   ExpertCatalog catalog_;
   std::vector<std::array<size_t, 3>> offsets_;  // of gate, up, down inside a slot, by entry
   int prefetch_depth_ = 1;
+  int32_t current_layer_ = -1;  // the layer this client acquired last (under the pool's lock)
 };
 
 }  // namespace moeline::offload

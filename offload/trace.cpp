@@ -18,7 +18,7 @@ bool ExpertTrace::write(const std::string& path) const {
   std::ofstream out(path);
   if (!out) return false;
   out << kHeader << " layers=" << layers << " experts=" << experts_per_layer
-      << " slot_bytes=" << slot_bytes << '\n';
+      << " slot_bytes=" << slot_bytes << " expert_bytes=" << expert_bytes << '\n';
   for (const ExpertAccess& a : accesses) out << a.layer << ' ' << a.expert << '\n';
   return static_cast<bool>(out);
 }
@@ -40,6 +40,7 @@ ExpertTrace ExpertTrace::read(const std::string& path) {
       if (key == "layers") trace.layers = std::stoi(value);
       if (key == "experts") trace.experts_per_layer = std::stoi(value);
       if (key == "slot_bytes") trace.slot_bytes = std::stoull(value);
+      if (key == "expert_bytes") trace.expert_bytes = std::stoull(value);
     } catch (const std::exception&) {
       throw std::runtime_error(path + ":1: bad header field '" + field + "'");
     }
@@ -67,6 +68,7 @@ TraceRecorder::TraceRecorder(ExpertProvider& inner, const ExpertCatalog& catalog
   trace_.layers = catalog.layers;
   trace_.experts_per_layer = catalog.experts_per_layer;
   trace_.slot_bytes = pool_slot_bytes(catalog);
+  trace_.expert_bytes = catalog.total_expert_bytes();
 }
 
 ExpertWeights TraceRecorder::acquire(int layer, int expert) {
@@ -89,6 +91,8 @@ const char* replay_policy_name(ReplayPolicy policy) {
       return "lru2";
     case ReplayPolicy::kLfu:
       return "lfu";
+    case ReplayPolicy::kDistance:
+      return "distance";
     case ReplayPolicy::kBelady:
       return "belady";
   }
@@ -96,11 +100,17 @@ const char* replay_policy_name(ReplayPolicy policy) {
 }
 
 std::optional<ReplayPolicy> replay_policy_from(const std::string& name) {
-  for (ReplayPolicy p :
-       {ReplayPolicy::kLru, ReplayPolicy::kLru2, ReplayPolicy::kLfu, ReplayPolicy::kBelady})
+  for (ReplayPolicy p : {ReplayPolicy::kLru, ReplayPolicy::kLru2, ReplayPolicy::kLfu,
+                         ReplayPolicy::kDistance, ReplayPolicy::kBelady})
     if (name == replay_policy_name(p)) return p;
   return std::nullopt;
 }
+
+namespace {
+struct ExpertUse {
+  double uses = 0, visit = -1;
+};
+}  // namespace
 
 ReplayResult replay(std::span<const ExpertAccess> accesses, uint64_t slots, ReplayPolicy policy) {
   ReplayResult result;
@@ -155,9 +165,25 @@ ReplayResult replay(std::span<const ExpertAccess> accesses, uint64_t slots, Repl
   };
   std::unordered_map<uint64_t, State> cached;
   uint64_t tick = 0;
+  // kDistance: the layers run in a cycle; an expert's next use is expected when its layer next
+  // runs, or 1/p cycles later, p being how often its layer's visits used it.
+  int32_t cycle = 1;
+  for (const ExpertAccess& a : accesses) cycle = std::max(cycle, a.layer + 1);
+  std::unordered_map<uint64_t, ExpertUse> usage;
+  std::vector<double> visits(static_cast<size_t>(cycle), 0.0);
+  int32_t current = -1;
   for (const ExpertAccess& a : accesses) {
     const uint64_t k = key(a);
     ++tick;
+    if (a.layer != current) {
+      current = a.layer;
+      visits[static_cast<size_t>(current)] += 1;
+    }
+    ExpertUse& use = usage[k];
+    if (use.visit != visits[static_cast<size_t>(current)]) {
+      use.visit = visits[static_cast<size_t>(current)];
+      use.uses += 1;
+    }
     auto it = cached.find(k);
     if (it != cached.end()) {
       ++result.hits;
@@ -179,6 +205,16 @@ ReplayResult replay(std::span<const ExpertAccess> accesses, uint64_t slots, Repl
             case ReplayPolicy::kLfu:
               better = s.uses < v.uses || (s.uses == v.uses && s.last < v.last);
               break;
+            case ReplayPolicy::kDistance: {
+              auto score = [&](uint64_t expert) {
+                const auto layer = static_cast<int32_t>(expert >> 32);
+                const ExpertUse& u = usage[expert];
+                return expected_reuse_distance(layer, current, cycle, u.uses,
+                                               visits[static_cast<size_t>(layer)]);
+              };
+              better = score(c->first) > score(victim->first);
+              break;
+            }
             case ReplayPolicy::kBelady:
               break;
           }

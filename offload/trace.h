@@ -5,7 +5,8 @@
 //
 // A trace is the sequence of (layer, expert) acquisitions a forward pass made, recorded by wrapping
 // the engine's ExpertProvider (moeline run --expert-trace). File: a header line
-// "# moeline expert trace v1 layers=L experts=E slot_bytes=B", then "layer expert" per line.
+// "# moeline expert trace v1 layers=L experts=E slot_bytes=B expert_bytes=T", then "layer expert"
+// per line.
 
 #include <cstdint>
 #include <optional>
@@ -25,7 +26,8 @@ struct ExpertAccess {
 
 struct ExpertTrace {
   int layers = 0, experts_per_layer = 0;
-  uint64_t slot_bytes = 0;  // one pool slot (an expert with alignment): budget / slot_bytes slots
+  uint64_t slot_bytes = 0;    // one pool slot (an expert with alignment): budget / slot_bytes slots
+  uint64_t expert_bytes = 0;  // all experts' bytes: what a budget of "25%" is a share of
   std::vector<ExpertAccess> accesses;
 
   bool write(const std::string& path) const;
@@ -55,7 +57,7 @@ class TraceRecorder final : public ExpertProvider {
   ExpertTrace trace_;
 };
 
-enum class ReplayPolicy { kLru, kLru2, kLfu, kBelady };
+enum class ReplayPolicy { kLru, kLru2, kLfu, kDistance, kBelady };
 const char* replay_policy_name(ReplayPolicy policy);
 std::optional<ReplayPolicy> replay_policy_from(const std::string& name);
 

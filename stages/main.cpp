@@ -6,6 +6,7 @@
 
 #include "sdk/client_command.h"
 #include "stages/decode/decode.h"
+#include "stages/experts_command.h"
 #include "stages/gateway/gateway.h"
 #include "stages/load/load.h"
 #include "stages/offload_manager/offload_manager.h"
@@ -29,6 +30,7 @@ commands:
   client       talk to a stack: generate, status (moeline client --help)
   load         load generator for the stack or one stage (moeline load --help)
   signature    activation signatures of prompts, JSON lines in and out (moeline signature --help)
+  experts      router health heat map of a stack; replay expert traces (moeline experts --help)
   version      print the version
 
 stage processes (each: moeline <stage> --help):
@@ -55,6 +57,7 @@ int main(int argc, char** argv) {
   if (command == "client") return moeline::sdk::client_command(argc - 2, argv + 2);
   if (command == "signature") return moeline::stages::signature_command(argc - 2, argv + 2);
   if (command == "load") return moeline::stages::load_command(argc - 2, argv + 2);
+  if (command == "experts") return moeline::stages::experts_command(argc - 2, argv + 2);
   if (command == "gateway") return moeline::stages::gateway_main(argc - 2, argv + 2);
   if (command == "probe") return moeline::stages::probe_main(argc - 2, argv + 2);
   if (command == "prefill") return moeline::stages::prefill_main(argc - 2, argv + 2);

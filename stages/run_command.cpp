@@ -60,6 +60,7 @@ Loads a Hugging Face checkpoint (Mixtral or Qwen3-MoE) and generates in this pro
                        demand (O_DIRECT) into a pool of that size. Default: all resident
   --prefetch-depth N   with --expert-budget: MoE layers ahead to predict and prefetch (default 1;
                        0: off)
+  --loader-threads N   with --expert-budget: threads reading experts from disk (default 1)
   --expert-trace FILE  write every expert acquisition (layer expert, one per line) for
                        `moeline experts replay`
 )";
@@ -85,6 +86,7 @@ struct RunOptions {
   std::string logits_out;
   std::string expert_budget;
   int prefetch_depth = 1;
+  int loader_threads = 1;
   std::string expert_trace;
 };
 
@@ -103,7 +105,8 @@ RunOptions parse(int argc, char** argv) {
       {"--seed", true},          {"--stop-ids", true},       {"--threads", true},
       {"--logits-out", true},    {"--json", false},          {"--ignore-eos", false},
       {"--prompt", true},        {"--chat", false},          {"--system", true},
-      {"--expert-budget", true}, {"--prefetch-depth", true}, {"--expert-trace", true}};
+      {"--expert-budget", true}, {"--prefetch-depth", true}, {"--expert-trace", true},
+      {"--loader-threads", true}};
   for (int i = 0; i < argc; ++i) {
     const std::string flag = argv[i];
     auto known = flags_with_value.find(flag);
@@ -149,6 +152,8 @@ RunOptions parse(int argc, char** argv) {
       options.prefetch_depth = parse_number<int>(flag, value);
     else if (flag == "--expert-trace")
       options.expert_trace = value;
+    else if (flag == "--loader-threads")
+      options.loader_threads = parse_number<int>(flag, value);
   }
   if (options.model_dir.empty()) {
     options.model_dir = default_model_dir();
@@ -163,6 +168,7 @@ RunOptions parse(int argc, char** argv) {
   if (options.system && !options.chat) throw UsageError("--system needs --chat");
   if (options.threads < 0) throw UsageError("--threads must be >= 1");
   if (options.prefetch_depth < 0) throw UsageError("--prefetch-depth must be >= 0");
+  if (options.loader_threads < 1) throw UsageError("--loader-threads must be >= 1");
   if (options.threads == 0)
     options.threads = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
   if (model::Status status = options.sampling.validate(); !status.ok())
@@ -333,9 +339,14 @@ int run_command(int argc, char** argv) {
                         {"evictions", s.evictions},
                         {"bytes_loaded", s.bytes_loaded},
                         {"stall_seconds", static_cast<double>(s.stall_ns) * 1e-9},
+                        {"load_seconds", static_cast<double>(s.load_ns) * 1e-9},
+                        {"load_p50_us", s.load_us_quantile(0.5)},
+                        {"load_p95_us", s.load_us_quantile(0.95)},
                         {"prefetch_requests", s.prefetch_requests},
+                        {"prefetch_loads", s.prefetch_loads},
                         {"prefetch_used", s.prefetch_used},
                         {"prefetch_late", s.prefetch_late},
+                        {"prefetch_dropped", s.prefetch_dropped},
                         {"direct_io", s.direct_io != 0}};
     }
     std::cout << out.dump(-1, ' ', false, nlohmann::json::error_handler_t::replace) << '\n';

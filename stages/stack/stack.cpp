@@ -506,6 +506,12 @@ int down(int argc, char** argv) {
 
 }  // namespace
 
+nlohmann::json stack_stage_detail(const std::filesystem::path& run_dir, const std::string& stage) {
+  for (const StageHealth& h : stage_health(fs::absolute(run_dir)))
+    if (h.name == stage && h.detail.is_object()) return h.detail;
+  return nullptr;
+}
+
 int stack_command(int argc, char** argv) {
   if (argc < 1 || std::strcmp(argv[0], "--help") == 0) {
     std::cout << kUsage;

@@ -6,6 +6,13 @@
 // dies (and any whose /healthz reports a stalled loop), and stops them all on SIGTERM. `up` returns
 // once every stage answers /healthz, printing the client endpoint. RUN/stack.json describes the
 // stack (endpoint, stages, pids, HTTP ports, restarts) for `status` and for tools.
+#include <filesystem>
+#include <nlohmann/json.hpp>
+#include <string>
+
 namespace moeline::stages {
 int stack_command(int argc, char** argv);
-}
+// The /healthz body (JSON) of one stage of the stack in `run_dir`; null when the stack or the
+// stage is not running or does not answer.
+nlohmann::json stack_stage_detail(const std::filesystem::path& run_dir, const std::string& stage);
+}  // namespace moeline::stages

@@ -332,7 +332,8 @@ TEST(ExpertTraceReplay, BeladyBoundsEveryPolicy) {
       for (int layer = 0; layer < 4; ++layer) trace.push_back({layer, expert(rng)});
     for (uint64_t slots : {1u, 4u, 8u, 16u, 32u}) {
       const uint64_t best = replay(trace, slots, ReplayPolicy::kBelady).hits;
-      for (ReplayPolicy p : {ReplayPolicy::kLru, ReplayPolicy::kLru2, ReplayPolicy::kLfu})
+      for (ReplayPolicy p :
+           {ReplayPolicy::kLru, ReplayPolicy::kLru2, ReplayPolicy::kLfu, ReplayPolicy::kDistance})
         EXPECT_LE(replay(trace, slots, p).hits, best) << replay_policy_name(p) << " " << slots;
     }
   }
