@@ -13,6 +13,7 @@
 #include <cmath>
 #include <cstring>
 #include <stdexcept>
+#include <thread>
 
 namespace moeline::offload {
 
@@ -73,6 +74,9 @@ struct PoolLayout {
   uint64_t slots, slot_bytes, model_id, layout_bytes, data_bytes;
   int32_t owner_pid;
   uint32_t stopping;
+  // CLOCK_MONOTONIC of the owner's last sign of life (its heartbeat thread, every 100 ms): how
+  // clients in other PID namespaces (containers sharing IPC) know the owner is alive.
+  uint64_t heartbeat_ns;
   pthread_mutex_t mutex;
   pthread_cond_t changed;   // a load finished, a pin was released
   pthread_cond_t requests;  // a load was queued
@@ -152,8 +156,15 @@ std::array<size_t, 3> slot_offsets(const ExpertCatalog::Expert& expert) {
   return {gate, up, down};
 }
 
-bool process_alive(int32_t pid) {
-  return pid > 0 && (kill(pid, 0) == 0 || errno != ESRCH);
+constexpr uint64_t kOwnerSilenceNs = 2'000'000'000;  // no heartbeat for this long: owner gone
+
+uint64_t heartbeat_of(const PoolLayout* l) {
+  return __atomic_load_n(&l->heartbeat_ns, __ATOMIC_ACQUIRE);
+}
+
+bool owner_alive_at(const PoolLayout* l, uint64_t now) {
+  const uint64_t beat = heartbeat_of(l);
+  return beat != 0 && now - std::min(now, beat) < kOwnerSilenceNs;
 }
 
 }  // namespace
@@ -316,22 +327,36 @@ std::unique_ptr<ExpertPool> ExpertPool::create(const ExpertCatalog& catalog,
   int fd = shm_open(options.name.c_str(), O_CREAT | O_EXCL | O_RDWR, 0600);
   if (fd < 0 && errno == EEXIST) {
     // Left behind by an owner that died? Take it over only then.
+    // (Its heartbeat: a restarted offload manager may find its predecessor's pool a moment after
+    // the crash, so a recent heartbeat is watched until it is stale or moves.)
     const int old = shm_open(options.name.c_str(), O_RDONLY, 0);
-    int32_t old_pid = 0;
     if (old >= 0) {
       struct stat st {};
       if (fstat(old, &st) == 0 && static_cast<size_t>(st.st_size) >= sizeof(PoolLayout)) {
         void* header = mmap(nullptr, sizeof(PoolLayout), PROT_READ, MAP_SHARED, old, 0);
         if (header != MAP_FAILED) {
-          old_pid = static_cast<const PoolLayout*>(header)->owner_pid;
+          const auto* previous = static_cast<const PoolLayout*>(header);
+          const uint64_t first = heartbeat_of(previous);
+          bool alive = false;
+          while (owner_alive_at(previous, now_ns())) {
+            if (heartbeat_of(previous) != first) {
+              alive = true;
+              break;
+            }
+            std::this_thread::sleep_for(std::chrono::milliseconds(50));
+          }
+          const int32_t old_pid = previous->owner_pid;
           munmap(header, sizeof(PoolLayout));
+          if (alive) {
+            close(old);
+            throw std::runtime_error("expert pool " + options.name +
+                                     " is owned by a running process (pid " +
+                                     std::to_string(old_pid) + " in its namespace)");
+          }
         }
       }
       close(old);
     }
-    if (process_alive(old_pid))
-      throw std::runtime_error("expert pool " + options.name + " is owned by running pid " +
-                               std::to_string(old_pid));
     shm_unlink(options.name.c_str());
     fd = shm_open(options.name.c_str(), O_CREAT | O_EXCL | O_RDWR, 0600);
   }
@@ -371,6 +396,7 @@ std::unique_ptr<ExpertPool> ExpertPool::create(const ExpertCatalog& catalog,
   l->layout_bytes = layout_bytes;
   l->data_bytes = data_bytes;
   l->owner_pid = getpid();
+  l->heartbeat_ns = now_ns();
   init_sync(l);
   for (uint32_t i = 0; i < entries; ++i) l->entry_table()[i].slot = -1;
   for (uint64_t s = 0; s < slots; ++s) l->slot_owner()[s] = -1;
@@ -393,6 +419,12 @@ std::unique_ptr<ExpertPool> ExpertPool::create(const ExpertCatalog& catalog,
   l->magic = kMagic;  // last: a client that sees it sees a complete pool
   for (int i = 0; i < std::max(1, options.loader_threads); ++i)
     pool->loaders_.emplace_back([p = pool.get(), i] { p->loader_loop(i); });
+  pool->loaders_.emplace_back([p = pool.get()] {
+    while (!p->stopping_) {
+      __atomic_store_n(&p->layout_->heartbeat_ns, now_ns(), __ATOMIC_RELEASE);
+      std::this_thread::sleep_for(std::chrono::milliseconds(100));
+    }
+  });
   return pool;
 }
 
@@ -691,14 +723,13 @@ std::optional<ExpertWeights> PoolClient::acquire_or_fail(int layer, int expert, 
     }
     if (!waited_since) waited_since = now_ns();
     lock.wait(&l->changed, 500);
-    if (!process_alive(l->owner_pid))
-      throw std::runtime_error("expert pool " + name_ + ": its owner (pid " +
-                               std::to_string(l->owner_pid) + ") is gone");
+    if (!owner_alive_at(l, now_ns()))
+      throw std::runtime_error("expert pool " + name_ + ": its owner (offload manager) is gone");
   }
 }
 
 bool PoolClient::owner_alive() const {
-  return process_alive(layout_->owner_pid);
+  return owner_alive_at(layout_, now_ns());
 }
 
 ExpertWeights PoolClient::acquire(int layer, int expert) {
