@@ -61,12 +61,21 @@ class PoolMetrics {
                                 "Prefetched experts used / prefetched experts loaded");
     resident_ = &metrics.gauge("moeline_offload_experts_resident", "Experts in the tier", host);
     slots_ = &metrics.gauge("moeline_offload_expert_slots", "Expert slots of the tier", host);
-    load_p50_ = &metrics.gauge("moeline_offload_expert_load_seconds",
-                               "Expert load time quantile (upper bucket edge)",
-                               {{"tier", "host"}, {"quantile", "0.5"}});
-    load_p95_ = &metrics.gauge("moeline_offload_expert_load_seconds",
-                               "Expert load time quantile (upper bucket edge)",
-                               {{"tier", "host"}, {"quantile", "0.95"}});
+    std::vector<double> bounds;  // the pool's buckets: powers of two microseconds
+    for (int i = 0; i < offload::PoolStats::kLoadBuckets - 1; ++i)
+      bounds.push_back(std::ldexp(1.0, i) * 1e-6);
+    load_time_ = &metrics.histogram("moeline_offload_expert_load_seconds",
+                                    "Expert load time (sum from bucket midpoints; exact total: "
+                                    "moeline_offload_expert_load_seconds_total)",
+                                    bounds, host);
+    recall_ = &metrics.gauge("moeline_offload_prefetch_recall",
+                             "Prefetched experts used / needed experts that were not resident");
+    bytes_per_token_ = &metrics.gauge("moeline_offload_bytes_per_token",
+                                      "Bytes read into the tier per routed token", host);
+    stall_per_token_ = &metrics.gauge("moeline_offload_stall_seconds_per_token",
+                                      "Compute time spent waiting for experts per routed token");
+    experts_per_token_ = &metrics.gauge("moeline_offload_experts_per_token",
+                                        "Expert acquisitions per routed token (all layers)");
     direct_ = &metrics.gauge("moeline_offload_direct_io",
                              "1 when experts are read with O_DIRECT (no page cache)");
     for (int64_t l = 0; l < layers; ++l)
@@ -75,7 +84,7 @@ class PoolMetrics {
                                             {{"tier", "host"}, {"layer", std::to_string(l)}}));
   }
 
-  void update(const offload::PoolStats& s) {
+  void update(const offload::PoolStats& s, double routed_tokens) {
     auto delta = [](runtime::Counter* counter, uint64_t now, uint64_t& before) {
       if (now > before) counter->inc(static_cast<double>(now - before));
       before = now;
@@ -101,8 +110,19 @@ class PoolMetrics {
                                      : 0.0);
     resident_->set(static_cast<double>(s.resident));
     slots_->set(static_cast<double>(s.slots));
-    load_p50_->set(s.load_us_quantile(0.5) * 1e-6);
-    load_p95_->set(s.load_us_quantile(0.95) * 1e-6);
+    for (size_t i = 0; i < s.load_us_buckets.size(); ++i) {
+      // New loads of bucket i, observed at the bucket's middle (1.5 * 2^(i-1) µs).
+      const double value = (i == 0 ? 0.5 : 0.75 * std::ldexp(1.0, static_cast<int>(i))) * 1e-6;
+      for (uint64_t n = last_buckets_[i]; n < s.load_us_buckets[i]; ++n) load_time_->observe(value);
+      last_buckets_[i] = s.load_us_buckets[i];
+    }
+    const uint64_t needed = s.misses + s.prefetch_used - std::min(s.prefetch_late, s.misses);
+    recall_->set(needed ? static_cast<double>(s.prefetch_used) / static_cast<double>(needed) : 0.0);
+    if (routed_tokens > 0) {
+      bytes_per_token_->set(static_cast<double>(s.bytes_loaded) / routed_tokens);
+      stall_per_token_->set(static_cast<double>(s.stall_ns) * 1e-9 / routed_tokens);
+      experts_per_token_->set(static_cast<double>(s.hits + s.misses) / routed_tokens);
+    }
     direct_->set(static_cast<double>(s.direct_io));
     for (size_t l = 0; l < layer_ratio_.size() && l < s.layer_hits.size(); ++l) {
       const uint64_t total = s.layer_hits[l] + s.layer_misses[l];
@@ -115,7 +135,10 @@ class PoolMetrics {
   offload::PoolStats last_;
   runtime::Counter *hits_, *misses_, *loads_, *evictions_, *bytes_, *load_seconds_, *stall_seconds_,
       *prefetch_requests_, *prefetch_used_, *prefetch_late_, *prefetch_dropped_;
-  runtime::Gauge *hit_ratio_, *precision_, *resident_, *slots_, *load_p50_, *load_p95_, *direct_;
+  runtime::Gauge *hit_ratio_, *precision_, *resident_, *slots_, *direct_, *recall_,
+      *bytes_per_token_, *stall_per_token_, *experts_per_token_;
+  runtime::Histogram* load_time_;
+  std::array<uint64_t, offload::PoolStats::kLoadBuckets> last_buckets_{};
   std::vector<runtime::Gauge*> layer_ratio_;
 };
 
@@ -232,7 +255,7 @@ int offload_body(const runtime::Config& config) {
     if (link.rejected()) return 3;
     if (pool_metrics &&
         std::chrono::steady_clock::now() - last_pool_update > std::chrono::milliseconds(500)) {
-      pool_metrics->update(pool->stats());
+      pool_metrics->update(pool->stats(), routed.value());
       last_pool_update = std::chrono::steady_clock::now();
     }
     if (link.needs_hello()) link.hello(1u << 20);

@@ -6,7 +6,8 @@ against `moeline run` (every expert resident) as the reference.
 Cases (--case, one per CTest entry):
   budgets   100%, 50%, 25% of expert bytes and one expert per MoE layer: concurrent greedy and
             seeded requests give ids identical to the reference; the pool really loaded and
-            evicted (the offload manager's /metrics), `moeline stack status` shows it
+            evicted (the offload manager's /metrics), `moeline stack status` shows it, and
+            `moeline experts` draws the router health (terminal and PNG)
   memory    one copy of the expert weights per node: the pool's pages are shared by every compute
             process (the sum of their PSS of the pool is one pool, not four), and no compute
             process has the checkpoint's expert bytes resident in its own mapping
@@ -118,12 +119,48 @@ def case_budgets(args):
                 check(evictions > 0, f"{label}: no eviction at a budget under all experts")
             status = pool_status(args, stack)
             check(status and status["slots"] > 0, f"{label}: stack status shows no pool: {status}")
+            load_count = metrics.get(("moeline_offload_expert_load_seconds_count", host), 0.0)
+            check(load_count == loads, f"{label}: the load-time histogram counts {load_count} "
+                  f"loads, the counter {loads}")
+            check(metrics.get(("moeline_offload_bytes_per_token", host), 0.0) > 0,
+                  f"{label}: no bytes per token")
+            if label == "25%":
+                check_experts_command(args, stack, moe_layers)
             served = [stack.metric(name, "moeline_prefill_tokens_total")
                       if name.startswith("prefill") else
                       stack.metric(name, "moeline_decode_tokens_total") for name in COMPUTE]
             print(f"ok budgets: {label} ({status['slots']} slots): 24 concurrent requests "
                   f"identical to moeline run; hits {hits:.0f}, misses {misses:.0f}, loads "
                   f"{loads:.0f}, evictions {evictions:.0f}; per process {served}")
+
+
+def check_experts_command(args, stack, moe_layers):
+    """`moeline experts`: the heat map has a row per MoE layer, the PNG is one, the JSON report
+    adds up to the routed tokens."""
+    import struct
+    png = os.path.join(stack.run_dir, "heat.png")
+    out = subprocess.run([args.moeline, "experts", "--run-dir", stack.run_dir, "--png", png],
+                         capture_output=True, text=True, timeout=30)
+    check(out.returncode == 0, f"moeline experts failed: {out.stderr}")
+    rows = [line for line in out.stdout.splitlines() if line[:1].isdigit()]
+    check(len(rows) == moe_layers, f"moeline experts: {len(rows)} layer rows, want {moe_layers}:\n"
+          f"{out.stdout}")
+    with open(png, "rb") as f:
+        data = f.read()
+    check(data[:8] == b"\x89PNG\r\n\x1a\n" and data[12:16] == b"IHDR", "not a PNG")
+    width, height = struct.unpack(">II", data[16:24])
+    report = json.loads(subprocess.run([args.moeline, "experts", "--run-dir", stack.run_dir,
+                                        "--json"], capture_output=True, text=True,
+                                       timeout=30).stdout)
+    experts = len(report["router"][0]["counts"])
+    check((width, height) == (experts * 24, moe_layers * 24), f"PNG is {width}x{height}")
+    routed = [sum(layer["counts"]) for layer in report["router"] if layer["tokens"]]
+    check(len(routed) == moe_layers and all(n > 0 for n in routed), f"router counts: {routed}")
+    bad = subprocess.run([args.moeline, "experts", "--run-dir", "/nonexistent"],
+                         capture_output=True, text=True, timeout=30)
+    check(bad.returncode == 1 and "no offload manager" in bad.stderr,
+          f"experts on a missing stack: {bad.returncode} {bad.stderr}")
+    print(f"ok budgets: moeline experts drew {moe_layers} layers ({width}x{height} PNG)")
 
 
 def mapping_kib(pid, predicate):
