@@ -57,13 +57,6 @@ struct PoolEntry {
   double use_visit;  // its layer's visit count when it was last used
 };
 
-struct PoolCounters {
-  uint64_t hits, misses, loads, evictions, bytes_loaded, load_ns, stall_ns;
-  uint64_t prefetch_requests, prefetch_loads, prefetch_used, prefetch_late, prefetch_dropped;
-  uint64_t direct_io;
-  uint64_t load_us_buckets[PoolStats::kLoadBuckets];
-};
-
 // The shared header; the tables follow it in the same mapping:
 // PoolEntry entries[entries]; int32_t slot_owner[slots]; uint64_t layer_hits[layers],
 // layer_misses[layers]; double layer_visits[layers] (forward passes through each layer).
@@ -279,20 +272,7 @@ PoolStats PoolMapping::stats() const {
     if (entries[i].state == kResident) ++s.resident;
     if (entries[i].pins > 0) ++s.pinned;
   }
-  s.hits = c.hits;
-  s.misses = c.misses;
-  s.loads = c.loads;
-  s.evictions = c.evictions;
-  s.bytes_loaded = c.bytes_loaded;
-  s.load_ns = c.load_ns;
-  s.stall_ns = c.stall_ns;
-  s.prefetch_requests = c.prefetch_requests;
-  s.prefetch_loads = c.prefetch_loads;
-  s.prefetch_used = c.prefetch_used;
-  s.prefetch_late = c.prefetch_late;
-  s.prefetch_dropped = c.prefetch_dropped;
-  s.direct_io = c.direct_io;
-  std::copy(std::begin(c.load_us_buckets), std::end(c.load_us_buckets), s.load_us_buckets.begin());
+  static_cast<PoolCounters&>(s) = c;
   s.layer_hits.assign(layout_->layer_hits(), layout_->layer_hits() + layout_->layers);
   s.layer_misses.assign(layout_->layer_misses(), layout_->layer_misses() + layout_->layers);
   return s;

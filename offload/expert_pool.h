@@ -78,9 +78,8 @@ double expected_reuse_distance(int32_t layer, int32_t current, int32_t cycle, do
 // the accepted forms on anything else. Keep the forms stable: other tools pass this flag.
 uint64_t parse_expert_budget(const std::string& text, uint64_t total_expert_bytes);
 
-// Node-wide counters (monotonic) and the pool's shape; a snapshot.
-struct PoolStats {
-  uint64_t slots = 0, slot_bytes = 0, resident = 0, pinned = 0;
+// Node-wide counters (monotonic), kept in the pool's shared header.
+struct PoolCounters {
   uint64_t hits = 0, misses = 0;      // demand acquisitions that found the expert resident / not
   uint64_t loads = 0, evictions = 0;  // loads completed (demand and prefetch), slots reclaimed
   uint64_t bytes_loaded = 0;          // from disk into the pool
@@ -95,6 +94,11 @@ struct PoolStats {
   // Load time histogram: bucket i counts loads that took < 2^i microseconds (last: the rest).
   static constexpr int kLoadBuckets = 24;
   std::array<uint64_t, kLoadBuckets> load_us_buckets{};
+};
+
+// A snapshot: the counters and the pool's shape.
+struct PoolStats : PoolCounters {
+  uint64_t slots = 0, slot_bytes = 0, resident = 0, pinned = 0;
   std::vector<uint64_t> layer_hits, layer_misses;  // by layer
 
   double hit_ratio() const {

@@ -1,9 +1,11 @@
 #pragma once
 // Parsing of numeric and id-list flags, shared by the commands that take them (`moeline client`,
-// `moeline run`). Errors are std::invalid_argument naming the flag and the text.
+// `moeline run`), and how a command reports errors. Parse errors are std::invalid_argument naming
+// the flag and the text.
 
 #include <charconv>
 #include <cstdint>
+#include <iostream>
 #include <stdexcept>
 #include <string>
 #include <type_traits>
@@ -37,6 +39,21 @@ inline std::vector<int32_t> parse_id_list(const std::string& flag, const std::st
     start = comma + 1;
   }
   return ids;
+}
+
+// Runs a command: a usage error (an exception of type UsageErrorType) prints the usage and the
+// error and returns 2; any other exception prints the error and returns 1.
+template <class UsageErrorType, class Body>
+int run_reporting_errors(const char* usage, Body&& body) {
+  try {
+    return body();
+  } catch (const UsageErrorType& e) {
+    std::cerr << usage << "moeline: error: " << e.what() << '\n';
+    return 2;
+  } catch (const std::exception& e) {
+    std::cerr << "moeline: error: " << e.what() << '\n';
+    return 1;
+  }
 }
 
 }  // namespace moeline::sdk

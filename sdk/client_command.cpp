@@ -231,19 +231,13 @@ int client_command(int argc, char** argv) {
       return 0;
     }
   const std::string sub = argv[0];
-  try {
+  return run_reporting_errors<std::invalid_argument>(kUsage, [&] {
     if (sub == "generate") return generate(argc - 1, argv + 1);
     if (sub == "status") return status(argc - 1, argv + 1);
     if (sub == "reuse") return reuse(argc - 1, argv + 1);
     if (sub == "approximate") return approximate(argc - 1, argv + 1);
     throw UsageError("unknown client command '" + sub + "'");
-  } catch (const std::invalid_argument& e) {
-    std::cerr << kUsage << "moeline: error: " << e.what() << '\n';
-    return 2;
-  } catch (const std::exception& e) {
-    std::cerr << "moeline: error: " << e.what() << '\n';
-    return 1;
-  }
+  });
 }
 
 }  // namespace moeline::sdk

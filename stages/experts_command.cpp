@@ -15,6 +15,7 @@
 
 #include "offload/expert_pool.h"
 #include "offload/trace.h"
+#include "sdk/cli_args.h"
 #include "stages/stack/stack.h"
 
 namespace moeline::stages {
@@ -271,17 +272,11 @@ int experts_command(int argc, char** argv) {
     std::cout << kUsage;
     return 0;
   }
-  try {
+  return sdk::run_reporting_errors<std::invalid_argument>(kUsage, [&] {
     if (!args.empty() && args[0] == "replay")
       return replay_command(std::vector<std::string>(args.begin() + 1, args.end()));
     return show(args);
-  } catch (const std::invalid_argument& e) {
-    std::cerr << kUsage << "moeline: error: " << e.what() << '\n';
-    return 2;
-  } catch (const std::exception& e) {
-    std::cerr << "moeline: error: " << e.what() << '\n';
-    return 1;
-  }
+  });
 }
 
 }  // namespace moeline::stages

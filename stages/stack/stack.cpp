@@ -15,6 +15,7 @@
 #include <nlohmann/json.hpp>
 #include <thread>
 
+#include "sdk/cli_args.h"
 #include "stages/runtime/config.h"
 #include "stages/runtime/log.h"
 
@@ -518,18 +519,12 @@ int stack_command(int argc, char** argv) {
     return argc < 1 ? 2 : 0;
   }
   const std::string sub = argv[0];
-  try {
+  return sdk::run_reporting_errors<runtime::ConfigError>(kUsage, [&] {
     if (sub == "up") return up(argc - 1, argv + 1);
     if (sub == "status") return status(argc - 1, argv + 1);
     if (sub == "down") return down(argc - 1, argv + 1);
     throw runtime::ConfigError("unknown stack command '" + sub + "'");
-  } catch (const runtime::ConfigError& e) {
-    std::cerr << kUsage << "moeline: error: " << e.what() << '\n';
-    return 2;
-  } catch (const std::exception& e) {
-    std::cerr << "moeline: error: " << e.what() << '\n';
-    return 1;
-  }
+  });
 }
 
 }  // namespace moeline::stages
