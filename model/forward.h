@@ -49,11 +49,12 @@ class Engine {
 
   // Blended reuse (after CacheBlend): `sequence` is empty or holds an exact prefix of whole blocks
   // (never recomputed); `donor_kv` holds one KV block per block of `tokens` (KvCache block
-  // layout) with a donor's KV, already re-positioned, wherever donor_mask is 1. Layers 0..select_layer run every token; at select_layer each donor token's
-  // fresh K/V is compared with the donor's (how much its changed context moved it). Past it only
-  // the tokens without donor KV, the most deviating `recompute_fraction` of the others, and the
-  // last token run; the rest keep the donor's KV. `logits` gets the last token's logits;
-  // `recomputed` the number of tokens that ran every layer.
+  // layout) with a donor's KV, already re-positioned, wherever donor_mask is 1. Layers
+  // 0..select_layer run every token; at select_layer each donor token's fresh K/V is compared with
+  // the donor's (how much its changed context moved it). Past it only the tokens without donor KV,
+  // the most deviating `recompute_fraction` of the others, and the last token run; the rest keep
+  // the donor's KV. `logits` gets the last token's logits; `recomputed` the number of tokens that
+  // ran every layer.
   struct BlendInput {
     Sequence* sequence = nullptr;
     std::span<const int32_t> tokens;
@@ -77,6 +78,8 @@ class Engine {
   void moe_block(int64_t layer, int64_t tokens);
   // Tells the expert provider which experts the next MoE layers' routers would pick for the
   // current residual stream (as many layers as the provider's prefetch depth; none for depth 0).
+  // Called mid-layer (once the layer's first experts are pinned: lead time) and again when the
+  // layer is done (its output is closer to the next layer's input: accuracy).
   void prefetch_next_layers(int64_t layer, int64_t tokens);
   void dense_mlp_block(int64_t layer, int64_t tokens);
 
