@@ -100,6 +100,15 @@ std::vector<runtime::ConfigKey> worker_keys() {
   return keys;
 }
 
+std::vector<runtime::ConfigKey> compute_keys() {
+  std::vector<runtime::ConfigKey> keys = worker_keys();
+  keys.push_back({"expert-trace", "",
+                  "record this process's expert acquisitions to FILE, written at exit "
+                  "(moeline experts replay); {replica} in FILE becomes the replica's name"});
+  keys.push_back({"expert-trace-limit", "10000000", "acquisitions recorded at most"});
+  return keys;
+}
+
 int run_stage(const char* stage, const std::vector<runtime::ConfigKey>& keys, int argc, char** argv,
               int (*body)(const runtime::Config&)) {
   try {

@@ -25,6 +25,8 @@ uint64_t settings_hash(uint64_t model_id);
 // watchdog-ms) and of every worker stage (hub).
 std::vector<runtime::ConfigKey> common_keys(const char* default_http = "127.0.0.1:0");
 std::vector<runtime::ConfigKey> worker_keys();
+// A compute stage's (prefill, decode): worker_keys and the expert trace.
+std::vector<runtime::ConfigKey> compute_keys();
 // --replica, or "<stage>-<host>-<pid>".
 std::string replica_name(const runtime::Config& config, const char* stage);
 // The link settings of a worker stage from its config (hub, heartbeats, timeouts).

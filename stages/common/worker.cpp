@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdio>
 #include <thread>
 
 #include "stages/common/common.h"
@@ -49,6 +50,22 @@ std::vector<zmq::message_t> ExpertUsageCounter::take(const std::string& replica)
   return wire::encode(wire::MessageType::ExpertUsage, builder);
 }
 
+PlannedExperts::~PlannedExperts() {
+  if (trace_ && !trace_->write(trace_path_))
+    std::fprintf(stderr, "moeline: error: cannot write the expert trace %s\n", trace_path_.c_str());
+}
+
+void PlannedExperts::record_to(const std::string& path, const offload::ExpertCatalog& catalog,
+                               size_t limit) {
+  trace_ = std::make_unique<offload::ExpertTrace>();
+  trace_->layers = catalog.layers;
+  trace_->experts_per_layer = catalog.experts_per_layer;
+  trace_->slot_bytes = offload::pool_slot_bytes(catalog);
+  trace_->expert_bytes = catalog.total_expert_bytes();
+  trace_path_ = path;
+  trace_limit_ = limit;
+}
+
 ComputeWorker::ComputeWorker(const runtime::Config& config, const char* stage, wire::StageKind kind)
     : service(stage, replica_name(config, stage)) {
   runtime::StageService::install_signal_handlers();
@@ -63,6 +80,15 @@ ComputeWorker::ComputeWorker(const runtime::Config& config, const char* stage, w
   if (threads <= 0) threads = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
   pool = std::make_unique<kernels::ThreadPool>(threads);
   experts = std::make_unique<PlannedExperts>(*model);
+  if (std::string path = config.text("expert-trace"); !path.empty()) {
+    // One file per replica: "{replica}" in the path becomes this process's name.
+    if (const size_t at = path.find("{replica}"); at != std::string::npos)
+      path.replace(at, 9, service.log.replica());
+    experts->record_to(path, model->expert_catalog(),
+                       static_cast<size_t>(config.integer("expert-trace-limit")));
+    service.log.info("expert_trace",
+                     {{"path", path}, {"limit", config.integer("expert-trace-limit")}});
+  }
   const model::ModelConfig& cfg = model->config();
   usage =
       std::make_unique<ExpertUsageCounter>(cfg.num_layers, std::max<int64_t>(1, cfg.num_experts));

@@ -15,6 +15,7 @@
 #include "model/router_observer.h"
 #include "offload/expert_pool.h"
 #include "offload/resident_provider.h"
+#include "offload/trace.h"
 #include "stages/runtime/config.h"
 #include "stages/runtime/link.h"
 #include "stages/runtime/service.h"
@@ -49,16 +50,23 @@ class ExpertUsageCounter : public model::RouterObserver {
 class PlannedExperts final : public offload::ExpertProvider {
  public:
   explicit PlannedExperts(const model::Model& model) : resident_(model.experts()) {}
+  ~PlannedExperts() override;
   void use_pool(std::unique_ptr<offload::PoolClient> pool) { pool_ = std::move(pool); }
   offload::PoolClient* pool() const { return pool_.get(); }
+  // Records the first `limit` acquisitions, written to `path` when this process exits
+  // (--expert-trace: what `moeline experts replay` reads).
+  void record_to(const std::string& path, const offload::ExpertCatalog& catalog, size_t limit);
 
   int layers() const override { return target().layers(); }
   int experts_per_layer() const override { return target().experts_per_layer(); }
   offload::ExpertWeights acquire(int layer, int expert) override {
+    record(layer, expert);
     return target().acquire(layer, expert);
   }
   std::optional<offload::ExpertWeights> try_acquire(int layer, int expert) override {
-    return target().try_acquire(layer, expert);
+    auto taken = target().try_acquire(layer, expert);
+    if (taken) record(layer, expert);
+    return taken;
   }
   void release(int layer, int expert) override { target().release(layer, expert); }
   void prefetch(int layer, std::span<const int32_t> experts) override {
@@ -70,8 +78,15 @@ class PlannedExperts final : public offload::ExpertProvider {
   offload::ExpertProvider& target() const {
     return pool_ ? static_cast<offload::ExpertProvider&>(*pool_) : resident_;
   }
+  void record(int layer, int expert) {
+    if (trace_ && trace_->accesses.size() < trace_limit_)
+      trace_->accesses.push_back({layer, expert});
+  }
   mutable offload::ResidentExpertProvider resident_;
   std::unique_ptr<offload::PoolClient> pool_;
+  std::unique_ptr<offload::ExpertTrace> trace_;
+  std::string trace_path_;
+  size_t trace_limit_ = 0;
 };
 
 class ComputeWorker {

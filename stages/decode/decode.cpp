@@ -322,7 +322,7 @@ class DecodeStage {
 };
 
 std::vector<runtime::ConfigKey> decode_keys() {
-  std::vector<runtime::ConfigKey> keys = worker_keys();
+  std::vector<runtime::ConfigKey> keys = compute_keys();
   keys.push_back({"max-batch", "64", "sequences in the running batch (its credit)"});
   keys.push_back({"kv-blocks", "0",
                   "KV cache blocks (0: enough for max-batch full contexts, "

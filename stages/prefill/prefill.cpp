@@ -567,7 +567,7 @@ class PrefillStage {
 };
 
 std::vector<runtime::ConfigKey> prefill_keys() {
-  std::vector<runtime::ConfigKey> keys = worker_keys();
+  std::vector<runtime::ConfigKey> keys = compute_keys();
   keys.push_back({"queue", "8", "jobs this replica accepts ahead of its batches (its credit)"});
   keys.push_back({"max-batch-tokens", "2048", "prompt tokens per prefill batch"});
   for (const runtime::ConfigKey& key : signature_keys()) keys.push_back(key);

@@ -11,6 +11,8 @@ Cases (--case, one per CTest entry):
   memory    one copy of the expert weights per node: the pool's pages are shared by every compute
             process (the sum of their PSS of the pool is one pool, not four), and no compute
             process has the checkpoint's expert bytes resident in its own mapping
+  trace     the decode processes record their expert acquisitions (--expert-trace, one file per
+            replica) and `moeline experts replay` replays them: no policy beats Belady's bound
   restart   kill -9 of the offload manager: the compute processes notice its pool is gone, are
             restarted onto the new pool, and requests keep completing identically
 """
@@ -219,6 +221,42 @@ def case_memory(args):
               f"(non-expert weights: {non_expert_kib} KiB)")
 
 
+def case_trace(args):
+    """Routing recorded by the stack's decode processes and replayed offline: the replay's hit
+    ratios are ordered (Belady's bound is the best) and the file names each replica."""
+    from moeline_client import Client
+    vocab, _, _, _ = model_shape(args.model)
+    run_dir = os.path.join(args.workdir, "trace")
+    pattern = os.path.join(args.workdir, "trace-{replica}.txt")
+    for name in ("decode-0", "decode-1"):
+        path = pattern.replace("{replica}", name)
+        if os.path.exists(path):
+            os.remove(path)
+    config = {"decode": {"expert-trace": pattern}}
+    with Stack(args.moeline, args.model, run_dir, decode=2, config=config,
+               expert_budget="50%") as stack:
+        with Client(stack.endpoint, timeout=120) as client:
+            run_concurrently(client, workload(vocab, 12, seed=4))
+    traces = [pattern.replace("{replica}", name) for name in ("decode-0", "decode-1")]
+    written = [path for path in traces if os.path.exists(path)]
+    check(written, f"no decode process wrote its trace: {traces}")
+    for path in written:
+        out = subprocess.run([args.moeline, "experts", "replay", "--trace", path, "--budgets",
+                              "100%,50%,25%", "--json"], capture_output=True, text=True,
+                             timeout=60)
+        check(out.returncode == 0, f"replay failed: {out.stderr}")
+        report = json.loads(out.stdout)
+        check(report["accesses"] > 0, f"{path}: an empty trace")
+        for row in report["budgets"]:
+            for policy in ("lru", "lru2", "lfu", "distance"):
+                check(row[policy] <= row["belady"] + 1e-12,
+                      f"{path} {row['budget']}: {policy} {row[policy]} beats Belady {row['belady']}")
+        ratios = [row["belady"] for row in report["budgets"]]
+        check(ratios == sorted(ratios, reverse=True), f"{path}: Belady not monotone in budget")
+        print(f"ok trace: {os.path.basename(path)}: {report['accesses']} acquisitions; Belady at "
+              f"100/50/25%: {', '.join(f'{r:.3f}' for r in ratios)}")
+
+
 def case_restart(args):
     from moeline_client import Client
     vocab, _, _, _ = model_shape(args.model)
@@ -246,5 +284,5 @@ def case_restart(args):
 
 
 if __name__ == "__main__":
-    run_cases({"budgets": case_budgets, "memory": case_memory, "restart": case_restart},
-              __doc__)
+    run_cases({"budgets": case_budgets, "memory": case_memory, "restart": case_restart,
+               "trace": case_trace}, __doc__)
