@@ -1,15 +1,18 @@
 #include "offload/expert_pool.h"
 
 #include <fcntl.h>
+#include <linux/futex.h>
 #include <pthread.h>
 #include <signal.h>
 #include <sys/mman.h>
 #include <sys/stat.h>
+#include <sys/syscall.h>
 #include <unistd.h>
 
 #include <algorithm>
 #include <cerrno>
 #include <chrono>
+#include <climits>
 #include <cmath>
 #include <cstring>
 #include <stdexcept>
@@ -57,9 +60,19 @@ struct PoolEntry {
   double use_visit;  // its layer's visit count when it was last used
 };
 
+// A compute process attached to the pool: its heartbeat, so that the owner can take back the pins
+// of one that died mid-forward (kill -9), which would otherwise hold their slots forever.
+struct PoolClientSlot {
+  uint32_t in_use;
+  uint32_t pad;
+  uint64_t heartbeat_ns;
+};
+constexpr uint32_t kMaxClients = 64;
+
 // The shared header; the tables follow it in the same mapping:
 // PoolEntry entries[entries]; int32_t slot_owner[slots]; uint64_t layer_hits[layers],
-// layer_misses[layers]; double layer_visits[layers] (forward passes through each layer).
+// layer_misses[layers]; double layer_visits[layers] (forward passes through each layer);
+// PoolClientSlot clients[kMaxClients]; uint16_t client_pins[kMaxClients][entries].
 struct PoolLayout {
   uint64_t magic;
   uint32_t version;
@@ -71,8 +84,10 @@ struct PoolLayout {
   // clients in other PID namespaces (containers sharing IPC) know the owner is alive.
   uint64_t heartbeat_ns;
   pthread_mutex_t mutex;
-  pthread_cond_t changed;   // a load finished, a pin was released
-  pthread_cond_t requests;  // a load was queued
+  // Futex words, bumped on every change: not process-shared condition variables, whose state a
+  // waiter killed mid-wait leaves behind (glibc's broadcast then blocks for ever, under the lock).
+  uint32_t changed;   // a load finished, a pin was released
+  uint32_t requests;  // a load was queued
   uint64_t tick;
   PoolCounters counters;
 
@@ -84,10 +99,16 @@ struct PoolLayout {
   }
   uint64_t* layer_misses() { return layer_hits() + layers; }
   double* layer_visits() { return reinterpret_cast<double*>(layer_misses() + layers); }
+  PoolClientSlot* clients() { return reinterpret_cast<PoolClientSlot*>(layer_visits() + layers); }
+  uint16_t* client_pins(uint32_t client) {
+    return reinterpret_cast<uint16_t*>(clients() + kMaxClients) + size_t{client} * entries;
+  }
 
   static size_t bytes_for(uint32_t entries, uint64_t slots, uint32_t layers) {
     return round_up(sizeof(PoolLayout) + entries * sizeof(PoolEntry) + slots * sizeof(int32_t) +
-                        alignof(uint64_t) + 2 * layers * sizeof(uint64_t) + layers * sizeof(double),
+                        alignof(uint64_t) + 2 * layers * sizeof(uint64_t) +
+                        layers * sizeof(double) + kMaxClients * sizeof(PoolClientSlot) +
+                        size_t{kMaxClients} * entries * sizeof(uint16_t),
                     kPage);
   }
 };
@@ -110,14 +131,14 @@ class PoolLock {
   PoolLock(const PoolLock&) = delete;
   PoolLock& operator=(const PoolLock&) = delete;
 
-  // Waits on `cond` for at most `ms` milliseconds.
-  void wait(pthread_cond_t* cond, int ms) {
-    timespec deadline{};
-    clock_gettime(CLOCK_MONOTONIC, &deadline);
-    deadline.tv_nsec += static_cast<long>(ms % 1000) * 1000000L;
-    deadline.tv_sec += ms / 1000 + deadline.tv_nsec / 1000000000L;
-    deadline.tv_nsec %= 1000000000L;
-    const int rc = pthread_cond_timedwait(cond, &layout_->mutex, &deadline);
+  // Unlocks, waits until `word` changes (notify) or `ms` milliseconds pass, locks again. The
+  // word is read under the lock, so a notify after the unlock is never missed.
+  void wait(uint32_t* word, int ms) {
+    const uint32_t seen = __atomic_load_n(word, __ATOMIC_ACQUIRE);
+    pthread_mutex_unlock(&layout_->mutex);
+    timespec timeout{ms / 1000, static_cast<long>(ms % 1000) * 1000000L};
+    syscall(SYS_futex, word, FUTEX_WAIT, seen, &timeout, nullptr, 0);
+    const int rc = pthread_mutex_lock(&layout_->mutex);
     if (rc == EOWNERDEAD) pthread_mutex_consistent(&layout_->mutex);
   }
 
@@ -132,13 +153,12 @@ void init_sync(PoolLayout* layout) {
   pthread_mutexattr_setrobust(&mutex_attr, PTHREAD_MUTEX_ROBUST);
   pthread_mutex_init(&layout->mutex, &mutex_attr);
   pthread_mutexattr_destroy(&mutex_attr);
-  pthread_condattr_t cond_attr;
-  pthread_condattr_init(&cond_attr);
-  pthread_condattr_setpshared(&cond_attr, PTHREAD_PROCESS_SHARED);
-  pthread_condattr_setclock(&cond_attr, CLOCK_MONOTONIC);
-  pthread_cond_init(&layout->changed, &cond_attr);
-  pthread_cond_init(&layout->requests, &cond_attr);
-  pthread_condattr_destroy(&cond_attr);
+}
+
+// Wakes every process waiting on `word` (PoolLock::wait).
+void notify(uint32_t* word) {
+  __atomic_add_fetch(word, 1, __ATOMIC_RELEASE);
+  syscall(SYS_futex, word, FUTEX_WAKE, INT32_MAX, nullptr, nullptr, 0);
 }
 
 // Offsets of gate, up and down inside a slot.
@@ -400,8 +420,9 @@ std::unique_ptr<ExpertPool> ExpertPool::create(const ExpertCatalog& catalog,
   for (int i = 0; i < std::max(1, options.loader_threads); ++i)
     pool->loaders_.emplace_back([p = pool.get(), i] { p->loader_loop(i); });
   pool->loaders_.emplace_back([p = pool.get()] {
-    while (!p->stopping_) {
+    for (int beat = 0; !p->stopping_; ++beat) {
       __atomic_store_n(&p->layout_->heartbeat_ns, now_ns(), __ATOMIC_RELEASE);
+      if (beat % 5 == 0) p->reclaim_dead_clients();
       std::this_thread::sleep_for(std::chrono::milliseconds(100));
     }
   });
@@ -414,8 +435,8 @@ ExpertPool::~ExpertPool() {
     {
       PoolLock lock(layout_);
       layout_->stopping = 1;
-      pthread_cond_broadcast(&layout_->requests);
-      pthread_cond_broadcast(&layout_->changed);
+      notify(&layout_->requests);
+      notify(&layout_->changed);
     }
   }
   for (std::thread& t : loaders_) t.join();
@@ -425,6 +446,29 @@ ExpertPool::~ExpertPool() {
 
 uint64_t ExpertPool::slots() const {
   return layout_->slots;
+}
+
+void ExpertPool::reclaim_dead_clients() {
+  PoolLock lock(layout_);
+  PoolLayout* l = layout_;
+  const uint64_t now = now_ns();
+  bool freed = false;
+  for (uint32_t c = 0; c < kMaxClients; ++c) {
+    PoolClientSlot& client = l->clients()[c];
+    if (!client.in_use) continue;
+    const uint64_t beat = __atomic_load_n(&client.heartbeat_ns, __ATOMIC_ACQUIRE);
+    if (now - std::min(now, beat) < kOwnerSilenceNs) continue;
+    uint16_t* pins = l->client_pins(c);
+    for (uint32_t i = 0; i < l->entries; ++i) {
+      PoolEntry& e = l->entry_table()[i];
+      e.pins -= std::min<uint32_t>(e.pins, pins[i]);
+      pins[i] = 0;
+    }
+    client.in_use = 0;
+    ++l->counters.clients_reclaimed;
+    freed = true;
+  }
+  if (freed) notify(&l->changed);
 }
 
 void ExpertPool::loader_loop(int /*index*/) {
@@ -530,7 +574,7 @@ void ExpertPool::load(uint32_t entry_index, int, std::vector<std::byte>& bounce)
     while (bucket < PoolStats::kLoadBuckets - 1 && (uint64_t{1} << bucket) <= us) ++bucket;
     ++c.load_us_buckets[bucket];
   }
-  pthread_cond_broadcast(&layout_->changed);
+  notify(&layout_->changed);
 }
 
 std::unique_ptr<PoolClient> PoolClient::attach(const std::string& name,
@@ -572,7 +616,43 @@ std::unique_ptr<PoolClient> PoolClient::attach(const std::string& name,
   client->offsets_.reserve(catalog.experts.size());
   for (const ExpertCatalog::Expert& e : catalog.experts)
     client->offsets_.push_back(slot_offsets(e));
+  {
+    PoolLock lock(client->layout_);
+    PoolLayout* l = client->layout_;
+    for (uint32_t c = 0; c < kMaxClients && client->client_ < 0; ++c) {
+      if (l->clients()[c].in_use) continue;
+      l->clients()[c].in_use = 1;
+      l->clients()[c].heartbeat_ns = now_ns();
+      std::fill_n(l->client_pins(c), l->entries, uint16_t{0});
+      client->client_ = static_cast<int32_t>(c);
+    }
+    if (client->client_ < 0)
+      throw std::runtime_error("expert pool " + name + " has " + std::to_string(kMaxClients) +
+                               " clients attached already");
+  }
+  client->heartbeat_ = std::thread([c = client.get()] {
+    while (!c->detaching_) {
+      __atomic_store_n(&c->layout_->clients()[c->client_].heartbeat_ns, now_ns(), __ATOMIC_RELEASE);
+      std::this_thread::sleep_for(std::chrono::milliseconds(100));
+    }
+  });
   return client;
+}
+
+PoolClient::~PoolClient() {
+  if (client_ < 0 || !layout_) return;
+  detaching_ = true;
+  if (heartbeat_.joinable()) heartbeat_.join();
+  // Pins still held (an engine torn down mid-forward) go back with the client.
+  PoolLock lock(layout_);
+  uint16_t* pins = layout_->client_pins(static_cast<uint32_t>(client_));
+  for (uint32_t i = 0; i < layout_->entries; ++i) {
+    PoolEntry& e = layout_->entry_table()[i];
+    e.pins -= std::min<uint32_t>(e.pins, pins[i]);
+    pins[i] = 0;
+  }
+  layout_->clients()[client_].in_use = 0;
+  notify(&layout_->changed);
 }
 
 ExpertWeights PoolClient::views(uint32_t entry, int32_t slot) const {
@@ -636,7 +716,7 @@ void queue_load(PoolLayout* l, uint32_t index, int64_t slot, bool demanded) {
   e.demanded = demanded ? 1 : 0;
   e.prefetched = demanded ? 0 : 1;
   e.request_tick = ++l->tick;
-  pthread_cond_signal(&l->requests);
+  notify(&l->requests);
 }
 
 }  // namespace
@@ -666,6 +746,7 @@ std::optional<ExpertWeights> PoolClient::acquire_or_fail(int layer, int expert, 
     if (l->stopping) throw std::runtime_error("expert pool " + name_ + " is shutting down");
     if (e.state == kResident) {
       ++e.pins;
+      ++l->client_pins(static_cast<uint32_t>(client_))[index];
       e.previous_use = e.last_use;
       e.last_use = ++l->tick;
       if (e.prefetched) {
@@ -725,7 +806,10 @@ void PoolClient::release(int layer, int expert) {
   const auto index = static_cast<uint32_t>(layer * catalog_.experts_per_layer + expert);
   PoolLock lock(layout_);
   PoolEntry& e = layout_->entry_table()[index];
-  if (e.pins > 0 && --e.pins == 0) pthread_cond_broadcast(&layout_->changed);
+  uint16_t& mine = layout_->client_pins(static_cast<uint32_t>(client_))[index];
+  if (mine == 0) return;  // not pinned by this client (or taken back after a stall)
+  --mine;
+  if (e.pins > 0 && --e.pins == 0) notify(&layout_->changed);
 }
 
 void PoolClient::prefetch(int layer, std::span<const int32_t> experts) {

@@ -91,6 +91,7 @@ struct PoolCounters {
   uint64_t prefetch_late = 0;         // demand found its expert still queued by a prefetch
   uint64_t prefetch_dropped = 0;      // prefetches not queued: no slot could be freed
   uint64_t direct_io = 0;             // 1 when the loaders read with O_DIRECT
+  uint64_t clients_reclaimed = 0;     // dead clients whose pins the owner took back
   // Load time histogram: bucket i counts loads that took < 2^i microseconds (last: the rest).
   static constexpr int kLoadBuckets = 24;
   std::array<uint64_t, kLoadBuckets> load_us_buckets{};
@@ -149,6 +150,8 @@ class ExpertPool : public PoolMapping {
  private:
   ExpertPool() = default;
   void loader_loop(int index);
+  // Takes back the pins of clients whose heartbeat stopped (a process killed mid-forward).
+  void reclaim_dead_clients();
   void load(uint32_t entry, int file_handle_index, std::vector<std::byte>& bounce);
 
   ExpertCatalog catalog_;
@@ -162,7 +165,10 @@ class ExpertPool : public PoolMapping {
 class PoolClient final : public PoolMapping, public ExpertProvider {
  public:
   // Throws std::runtime_error when the pool does not exist, or holds another model or shape.
+  // Throws std::runtime_error also when 64 clients are attached already.
   static std::unique_ptr<PoolClient> attach(const std::string& name, const ExpertCatalog& catalog);
+  // Detaches: the pins it still holds are released.
+  ~PoolClient() override;
 
   int layers() const override { return catalog_.layers; }
   int experts_per_layer() const override { return catalog_.experts_per_layer; }
@@ -185,6 +191,9 @@ class PoolClient final : public PoolMapping, public ExpertProvider {
   std::vector<std::array<size_t, 3>> offsets_;  // of gate, up, down inside a slot, by entry
   int prefetch_depth_ = 1;
   int32_t current_layer_ = -1;  // the layer this client acquired last (under the pool's lock)
+  int32_t client_ = -1;         // its row of the pool's client table
+  std::atomic<bool> detaching_{false};
+  std::thread heartbeat_;
 };
 
 }  // namespace moeline::offload

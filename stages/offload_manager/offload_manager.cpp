@@ -55,6 +55,8 @@ class PoolMetrics {
                                       "Demand found its expert still loading for a prefetch");
     prefetch_dropped_ = &metrics.counter("moeline_offload_prefetch_dropped_total",
                                          "Prefetches not queued for want of a free slot");
+    reclaimed_ = &metrics.counter("moeline_offload_clients_reclaimed_total",
+                                  "Dead compute processes whose expert pins were taken back");
     hit_ratio_ = &metrics.gauge("moeline_offload_expert_hit_ratio",
                                 "Share of acquisitions served without a load", host);
     precision_ = &metrics.gauge("moeline_offload_prefetch_precision",
@@ -98,6 +100,7 @@ class PoolMetrics {
     delta(prefetch_used_, s.prefetch_used, last_.prefetch_used);
     delta(prefetch_late_, s.prefetch_late, last_.prefetch_late);
     delta(prefetch_dropped_, s.prefetch_dropped, last_.prefetch_dropped);
+    delta(reclaimed_, s.clients_reclaimed, last_.clients_reclaimed);
     if (s.load_ns > last_.load_ns)
       load_seconds_->inc(static_cast<double>(s.load_ns - last_.load_ns) * 1e-9);
     if (s.stall_ns > last_.stall_ns)
@@ -134,7 +137,7 @@ class PoolMetrics {
  private:
   offload::PoolStats last_;
   runtime::Counter *hits_, *misses_, *loads_, *evictions_, *bytes_, *load_seconds_, *stall_seconds_,
-      *prefetch_requests_, *prefetch_used_, *prefetch_late_, *prefetch_dropped_;
+      *prefetch_requests_, *prefetch_used_, *prefetch_late_, *prefetch_dropped_, *reclaimed_;
   runtime::Gauge *hit_ratio_, *precision_, *resident_, *slots_, *direct_, *recall_,
       *bytes_per_token_, *stall_per_token_, *experts_per_token_;
   runtime::Histogram* load_time_;
@@ -190,11 +193,13 @@ int offload_body(const runtime::Config& config) {
     nlohmann::json detail = {{"expert_pool", nullptr}};
     if (pool) {
       const offload::PoolStats s = pool->stats();
-      detail["expert_pool"] = {{"name", pool->name()},       {"slots", s.slots},
-                               {"slot_bytes", s.slot_bytes}, {"resident", s.resident},
-                               {"hit_ratio", s.hit_ratio()}, {"loads", s.loads},
-                               {"evictions", s.evictions},   {"direct_io", s.direct_io != 0},
-                               {"layer_hits", s.layer_hits}, {"layer_misses", s.layer_misses}};
+      detail["expert_pool"] = {
+          {"name", pool->name()},       {"slots", s.slots},
+          {"slot_bytes", s.slot_bytes}, {"resident", s.resident},
+          {"pinned", s.pinned},         {"clients_reclaimed", s.clients_reclaimed},
+          {"hit_ratio", s.hit_ratio()}, {"loads", s.loads},
+          {"evictions", s.evictions},   {"direct_io", s.direct_io != 0},
+          {"layer_hits", s.layer_hits}, {"layer_misses", s.layer_misses}};
     }
     std::lock_guard lock(health_mutex);
     nlohmann::json router = nlohmann::json::array();

@@ -14,7 +14,8 @@ Cases (--case, one per CTest entry):
   trace     the decode processes record their expert acquisitions (--expert-trace, one file per
             replica) and `moeline experts replay` replays them: no policy beats Belady's bound
   restart   kill -9 of the offload manager: the compute processes notice its pool is gone, are
-            restarted onto the new pool, and requests keep completing identically
+            restarted onto the new pool, and requests keep completing identically; kill -9 of a
+            decode process mid-stream: its pins are taken back and requests complete
 """
 
 import json
@@ -279,8 +280,44 @@ def case_restart(args):
                     break
                 time.sleep(0.3)
             compare(run_concurrently(client, requests), expected, "after")
-        print("ok restart: after kill -9 of the offload manager the compute processes moved to "
-              "the new pool and requests stayed identical")
+            print("ok restart: after kill -9 of the offload manager the compute processes moved "
+                  "to the new pool and requests stayed identical")
+
+            # kill -9 of a decode process mid-stream: the pins it held come back, the restarted
+            # process serves again, and every request completes or fails explicitly.
+            import threading
+            long_requests = [dict(r, max_tokens=80) for r in requests]
+            long_expected = references(args, long_requests)
+            results = {}
+            worker = threading.Thread(
+                target=lambda: results.update(run_concurrently(client, long_requests)))
+            worker.start()
+            time.sleep(0.3)
+            old = stack.kill("decode-0")
+            worker.join(timeout=180)
+            check(not worker.is_alive(), "requests hung after kill -9 of a decode process")
+            for i, want in enumerate(long_expected):
+                got = results[i]
+                if got["error"] is None:
+                    check(got["ids"] == want["ids"], f"request {i}: ids differ after the kill")
+            stack.wait_restarted("decode-0", old)
+            deadline = time.time() + 20
+            while time.time() < deadline:
+                pool = pool_status(args, stack)
+                if pool and pool.get("pinned") == 0 and pool.get("clients_reclaimed", 0) >= 1 \
+                        and subprocess.run(
+                        [args.moeline, "stack", "status", "--run-dir", run_dir],
+                        capture_output=True, timeout=30).returncode == 0:
+                    break
+                time.sleep(0.3)
+            check(pool and pool.get("pinned") == 0, f"pins still held after the kill: {pool}")
+            check(pool.get("clients_reclaimed", 0) >= 1,
+                  f"the killed process's client slot was not taken back: {pool}")
+            compare(run_concurrently(client, requests), expected, "after the decode kill")
+            errors = sum(1 for r in results.values() if r["error"] is not None)
+            print(f"ok restart: kill -9 of decode-0 mid-stream: {len(long_requests) - errors} "
+                  f"completed identically, {errors} explicit errors; no pin left behind "
+                  f"({pool.get('clients_reclaimed')} dead client(s) reclaimed)")
 
 
 if __name__ == "__main__":

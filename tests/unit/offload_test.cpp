@@ -7,6 +7,7 @@
 #include <unistd.h>
 
 #include <atomic>
+#include <chrono>
 #include <cmath>
 #include <cstdio>
 #include <cstring>
@@ -250,6 +251,52 @@ TEST(ExpertPool, ProcessesShareOnePool) {
   const PoolStats stats = pool->stats();
   EXPECT_EQ(stats.pinned, 0u);
   EXPECT_GT(stats.evictions, 0u);
+}
+
+// A process killed mid-forward (no release, no destructor) must not hold its slots forever: the
+// owner takes its pins back once its heartbeat stops.
+TEST(ExpertPool, ThePinsOfADeadProcessAreTakenBack) {
+  auto m = load("mixtral-f32");
+  ASSERT_TRUE(m);
+  const ExpertCatalog catalog = m->expert_catalog();
+  auto pool = ExpertPool::create(
+      catalog, {.name = pool_name("dead"), .budget_bytes = slot_bytes(catalog)});  // one slot
+  int ready[2];
+  ASSERT_EQ(pipe(ready), 0);
+  const pid_t child = fork();
+  ASSERT_GE(child, 0);
+  if (child == 0) {
+    close(ready[0]);
+    try {
+      auto client = PoolClient::attach(pool->name(), catalog);
+      client->acquire(0, 1);
+      const char ok = 1;
+      if (write(ready[1], &ok, 1) != 1) _exit(2);
+      // Stands for kill -9 mid-forward: no release, no destructor.
+      _exit(0);
+    } catch (...) {
+      _exit(3);
+    }
+  }
+  close(ready[1]);
+  char ok = 0;
+  ASSERT_EQ(read(ready[0], &ok, 1), 1);
+  close(ready[0]);
+  int status = 0;
+  waitpid(child, &status, 0);
+  ASSERT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 0);
+  auto client = PoolClient::attach(pool->name(), catalog);
+  EXPECT_EQ(pool->stats().pinned, 1u);
+  EXPECT_FALSE(client->try_acquire(0, 2).has_value());  // the only slot is still pinned
+  const auto started = std::chrono::steady_clock::now();
+  const ExpertWeights w = client->acquire(0, 2);  // waits for the owner to take the pin back
+  const double waited =
+      std::chrono::duration<double>(std::chrono::steady_clock::now() - started).count();
+  EXPECT_EQ(0, std::memcmp(w.gate.data, m->experts()[0][2].gate.data, w.gate.bytes()));
+  client->release(0, 2);
+  EXPECT_LT(waited, 10.0);
+  EXPECT_EQ(pool->stats().clients_reclaimed, 1u);
+  EXPECT_EQ(pool->stats().pinned, 0u);
 }
 
 TEST(ExpertPool, BadSetupsAreClearErrors) {
