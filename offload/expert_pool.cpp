@@ -364,12 +364,17 @@ std::unique_ptr<ExpertPool> ExpertPool::create(const ExpertCatalog& catalog,
     throw std::runtime_error("cannot create expert pool " + options.name + ": " +
                              errno_text(errno));
   pool->fd_ = fd;
-  if (ftruncate(fd, static_cast<off_t>(layout_bytes + data_bytes)) != 0) {
-    const int error = errno;
+  // Reserve the memory now: a tmpfs that runs out later would SIGBUS the first loader to touch
+  // an unbacked page, instead of this clear error at start.
+  const int sized = ftruncate(fd, static_cast<off_t>(layout_bytes + data_bytes)) != 0
+                        ? errno
+                        : posix_fallocate(fd, 0, static_cast<off_t>(layout_bytes + data_bytes));
+  if (sized != 0) {
     shm_unlink(options.name.c_str());
-    throw std::runtime_error("cannot size expert pool " + options.name + " to " +
-                             std::to_string(layout_bytes + data_bytes) +
-                             " bytes: " + errno_text(error));
+    throw std::runtime_error(
+        "cannot reserve " + std::to_string(layout_bytes + data_bytes) +
+        " bytes of shared memory for expert pool " + options.name + ": " + errno_text(sized) +
+        " (is /dev/shm large enough? docker: shm_size; or lower --expert-budget)");
   }
   void* layout = mmap(nullptr, layout_bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
   void* data = mmap(nullptr, data_bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd,
@@ -441,11 +446,16 @@ ExpertPool::~ExpertPool() {
   }
   for (std::thread& t : loaders_) t.join();
   for (int file : files_) close(file);
-  if (!name_.empty()) shm_unlink(name_.c_str());
+  if (!name_.empty() && !unlinked_) shm_unlink(name_.c_str());
 }
 
 uint64_t ExpertPool::slots() const {
   return layout_->slots;
+}
+
+void ExpertPool::make_private() {
+  if (!name_.empty()) shm_unlink(name_.c_str());
+  unlinked_ = true;
 }
 
 void ExpertPool::reclaim_dead_clients() {

@@ -146,6 +146,9 @@ class ExpertPool : public PoolMapping {
   ~ExpertPool();
 
   uint64_t slots() const;
+  // Removes the pool's name once this process's clients have attached: nobody else can attach,
+  // and nothing is left in /dev/shm if the process dies (moeline run's private pool).
+  void make_private();
 
  private:
   ExpertPool() = default;
@@ -159,6 +162,7 @@ class ExpertPool : public PoolMapping {
   std::vector<int> files_;  // open descriptors, by catalog file
   std::vector<std::thread> loaders_;
   std::atomic<bool> stopping_{false};
+  bool unlinked_ = false;
 };
 
 // A compute process's view of the pool: an ExpertProvider.

@@ -268,6 +268,7 @@ int run_command(int argc, char** argv) {
                     .budget_bytes = offload::parse_expert_budget(options.expert_budget,
                                                                  catalog.total_expert_bytes())});
       pool_client = offload::PoolClient::attach(expert_pool->name(), catalog);
+      expert_pool->make_private();
       pool_client->set_prefetch_depth(options.prefetch_depth);
       experts = pool_client.get();
       model.release_expert_mappings();
