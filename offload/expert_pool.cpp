@@ -10,6 +10,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <cctype>
 #include <cerrno>
 #include <chrono>
 #include <climits>
@@ -239,9 +240,16 @@ uint64_t parse_expert_budget(const std::string& text, uint64_t total_expert_byte
                                                          {"TiB", 1099511627776.0},
                                                          {"K", 1024.0},
                                                          {"M", 1048576.0},
-                                                         {"G", 1073741824.0}};
+                                                         {"G", 1073741824.0},
+                                                         {"T", 1099511627776.0}};
+  // Case does not matter ("512mib", "8g"); KB is 1000, KiB and a bare K are 1024 (as docker's
+  // sizes).
+  auto lower = [](std::string text) {
+    for (char& c : text) c = static_cast<char>(std::tolower(static_cast<unsigned char>(c)));
+    return text;
+  };
   for (const auto& [name, scale] : units)
-    if (unit == name) return static_cast<uint64_t>(std::floor(value * scale));
+    if (lower(unit) == lower(name)) return static_cast<uint64_t>(std::floor(value * scale));
   throw std::invalid_argument(usage);
 }
 

@@ -81,6 +81,9 @@ TEST(ExpertBudget, ParsesSharesAndSizes) {
   EXPECT_EQ(parse_expert_budget("64MiB", 1), 64u << 20);
   EXPECT_EQ(parse_expert_budget("1.5GB", 1), 1500000000u);
   EXPECT_EQ(parse_expert_budget("2 GiB", 1), 2ull << 30);
+  EXPECT_EQ(parse_expert_budget("512mib", 1), 512ull << 20);
+  EXPECT_EQ(parse_expert_budget("8g", 1), 8ull << 30);
+  EXPECT_EQ(parse_expert_budget("2gb", 1), 2000000000u);
   for (const char* bad : {"", "-5", "0", "12 parsecs", "150%", "abc", "nan"})
     EXPECT_THROW(parse_expert_budget(bad, 1000), std::invalid_argument) << bad;
   try {
