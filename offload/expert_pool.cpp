@@ -244,9 +244,9 @@ uint64_t parse_expert_budget(const std::string& text, uint64_t total_expert_byte
                                                          {"T", 1099511627776.0}};
   // Case does not matter ("512mib", "8g"); KB is 1000, KiB and a bare K are 1024 (as docker's
   // sizes).
-  auto lower = [](std::string text) {
-    for (char& c : text) c = static_cast<char>(std::tolower(static_cast<unsigned char>(c)));
-    return text;
+  auto lower = [](std::string word) {
+    for (char& c : word) c = static_cast<char>(std::tolower(static_cast<unsigned char>(c)));
+    return word;
   };
   for (const auto& [name, scale] : units)
     if (lower(unit) == lower(name)) return static_cast<uint64_t>(std::floor(value * scale));
