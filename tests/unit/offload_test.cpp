@@ -74,6 +74,13 @@ uint64_t slot_bytes(const ExpertCatalog& catalog) {
   return pool_slot_bytes(catalog);
 }
 
+// A pool of exactly `slots` experts, named after the test.
+std::unique_ptr<ExpertPool> pool_of_slots(const ExpertCatalog& catalog, const std::string& what,
+                                          uint64_t slots) {
+  return ExpertPool::create(catalog,
+                            {.name = pool_name(what), .budget_bytes = slots * slot_bytes(catalog)});
+}
+
 TEST(ExpertBudget, ParsesSharesAndSizes) {
   EXPECT_EQ(parse_expert_budget("25%", 1000), 250u);
   EXPECT_EQ(parse_expert_budget("100%", 1000), 1000u);
@@ -148,8 +155,7 @@ TEST(ExpertPool, APinnedExpertIsNeverEvictedAndPinHoldersNeverWait) {
   auto m = load("mixtral-f32");
   ASSERT_TRUE(m);
   const ExpertCatalog catalog = m->expert_catalog();
-  auto pool = ExpertPool::create(
-      catalog, {.name = pool_name("pins"), .budget_bytes = slot_bytes(catalog)});  // one slot
+  auto pool = pool_of_slots(catalog, "pins", 1);
   ASSERT_EQ(pool->slots(), 1u);
   auto holder = PoolClient::attach(pool->name(), catalog);
   auto other = PoolClient::attach(pool->name(), catalog);
@@ -186,8 +192,7 @@ TEST(ExpertPool, ConcurrentEnginesOnTheSmallestPoolMatchResident) {
   ResidentExpertProvider resident(m->experts());
   const Output expected_a = generate(*m, resident, 0), expected_b = generate(*m, resident, 7);
   const ExpertCatalog catalog = m->expert_catalog();
-  auto pool = ExpertPool::create(
-      catalog, {.name = pool_name("threads"), .budget_bytes = slot_bytes(catalog)});
+  auto pool = pool_of_slots(catalog, "threads", 1);
   auto a = PoolClient::attach(pool->name(), catalog);
   auto b = PoolClient::attach(pool->name(), catalog);
   Output got_a, got_b;
@@ -206,8 +211,7 @@ TEST(ExpertPool, ProcessesShareOnePool) {
   ASSERT_TRUE(m);
   ResidentExpertProvider resident(m->experts());
   const ExpertCatalog catalog = m->expert_catalog();
-  auto pool = ExpertPool::create(
-      catalog, {.name = pool_name("processes"), .budget_bytes = 2 * slot_bytes(catalog)});
+  auto pool = pool_of_slots(catalog, "processes", 2);
   std::vector<pid_t> children;
   std::vector<int> pipes;
   for (int child = 0; child < 3; ++child) {
@@ -262,8 +266,7 @@ TEST(ExpertPool, ThePinsOfADeadProcessAreTakenBack) {
   auto m = load("mixtral-f32");
   ASSERT_TRUE(m);
   const ExpertCatalog catalog = m->expert_catalog();
-  auto pool = ExpertPool::create(
-      catalog, {.name = pool_name("dead"), .budget_bytes = slot_bytes(catalog)});  // one slot
+  auto pool = pool_of_slots(catalog, "dead", 1);
   int ready[2];
   ASSERT_EQ(pipe(ready), 0);
   const pid_t child = fork();
