@@ -65,8 +65,9 @@ struct PoolEntry {
 // of one that died mid-forward (kill -9), which would otherwise hold their slots forever.
 struct PoolClientSlot {
   uint32_t in_use;
-  uint32_t pad;
+  int32_t pid;  // in the attaching process's PID namespace
   uint64_t heartbeat_ns;
+  uint64_t generation;  // bumped at each attach: a client whose row was taken back notices
 };
 constexpr uint32_t kMaxClients = 64;
 
@@ -170,7 +171,8 @@ std::array<size_t, 3> slot_offsets(const ExpertCatalog::Expert& expert) {
   return {gate, up, down};
 }
 
-constexpr uint64_t kOwnerSilenceNs = 2'000'000'000;  // no heartbeat for this long: owner gone
+constexpr uint64_t kOwnerSilenceNs = 2'000'000'000;        // no heartbeat for this long: owner gone
+constexpr uint64_t kLiveClientSilenceNs = 30'000'000'000;  // ... for a client still running
 
 uint64_t heartbeat_of(const PoolLayout* l) {
   return __atomic_load_n(&l->heartbeat_ns, __ATOMIC_ACQUIRE);
@@ -475,7 +477,12 @@ void ExpertPool::reclaim_dead_clients() {
     PoolClientSlot& client = l->clients()[c];
     if (!client.in_use) continue;
     const uint64_t beat = __atomic_load_n(&client.heartbeat_ns, __ATOMIC_ACQUIRE);
-    if (now - std::min(now, beat) < kOwnerSilenceNs) continue;
+    const uint64_t silent = now - std::min(now, beat);
+    if (silent < kOwnerSilenceNs) continue;
+    // Taking back the pins of a live process would let it compute on a reused slot. A process
+    // this one can see (same PID namespace) is given far longer before its silence counts (a
+    // starved heartbeat thread); one it cannot see (another container) has only its heartbeat.
+    if ((kill(client.pid, 0) == 0 || errno != ESRCH) && silent < kLiveClientSilenceNs) continue;
     uint16_t* pins = l->client_pins(c);
     for (uint32_t i = 0; i < l->entries; ++i) {
       PoolEntry& e = l->entry_table()[i];
@@ -640,7 +647,9 @@ std::unique_ptr<PoolClient> PoolClient::attach(const std::string& name,
     for (uint32_t c = 0; c < kMaxClients && client->client_ < 0; ++c) {
       if (l->clients()[c].in_use) continue;
       l->clients()[c].in_use = 1;
+      l->clients()[c].pid = getpid();
       l->clients()[c].heartbeat_ns = now_ns();
+      client->generation_ = ++l->clients()[c].generation;
       std::fill_n(l->client_pins(c), l->entries, uint16_t{0});
       client->client_ = static_cast<int32_t>(c);
     }
@@ -663,6 +672,7 @@ PoolClient::~PoolClient() {
   if (heartbeat_.joinable()) heartbeat_.join();
   // Pins still held (an engine torn down mid-forward) go back with the client.
   PoolLock lock(layout_);
+  if (!owns_row()) return;
   uint16_t* pins = layout_->client_pins(static_cast<uint32_t>(client_));
   for (uint32_t i = 0; i < layout_->entries; ++i) {
     PoolEntry& e = layout_->entry_table()[i];
@@ -671,6 +681,11 @@ PoolClient::~PoolClient() {
   }
   layout_->clients()[client_].in_use = 0;
   notify(&layout_->changed);
+}
+
+bool PoolClient::owns_row() const {
+  const PoolClientSlot& row = layout_->clients()[client_];
+  return row.in_use && row.generation == generation_;
 }
 
 ExpertWeights PoolClient::views(uint32_t entry, int32_t slot) const {
@@ -762,6 +777,9 @@ std::optional<ExpertWeights> PoolClient::acquire_or_fail(int layer, int expert, 
   }
   for (;;) {
     if (l->stopping) throw std::runtime_error("expert pool " + name_ + " is shutting down");
+    if (!owns_row())
+      throw std::runtime_error("expert pool " + name_ +
+                               ": this process's pins were taken back (its heartbeat stopped)");
     if (e.state == kResident) {
       ++e.pins;
       ++l->client_pins(static_cast<uint32_t>(client_))[index];
@@ -823,6 +841,7 @@ void PoolClient::release(int layer, int expert) {
   if (!catalog_.has(layer, expert)) return;
   const auto index = static_cast<uint32_t>(layer * catalog_.experts_per_layer + expert);
   PoolLock lock(layout_);
+  if (!owns_row()) return;  // its pins were taken back already
   PoolEntry& e = layout_->entry_table()[index];
   uint16_t& mine = layout_->client_pins(static_cast<uint32_t>(client_))[index];
   if (mine == 0) return;  // not pinned by this client (or taken back after a stall)

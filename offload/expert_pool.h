@@ -190,12 +190,15 @@ class PoolClient final : public PoolMapping, public ExpertProvider {
   PoolClient() = default;
   std::optional<ExpertWeights> acquire_or_fail(int layer, int expert, bool may_wait);
   ExpertWeights views(uint32_t entry, int32_t slot) const;
+  // Whether its row of the client table is still its own (under the pool's lock).
+  bool owns_row() const;
 
   ExpertCatalog catalog_;
   std::vector<std::array<size_t, 3>> offsets_;  // of gate, up, down inside a slot, by entry
   int prefetch_depth_ = 1;
   int32_t current_layer_ = -1;  // the layer this client acquired last (under the pool's lock)
   int32_t client_ = -1;         // its row of the pool's client table
+  uint64_t generation_ = 0;     // the row's generation when this client took it
   std::atomic<bool> detaching_{false};
   std::thread heartbeat_;
 };
