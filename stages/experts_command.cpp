@@ -171,8 +171,23 @@ int show(const std::vector<std::string>& args) {
   static const char* kShades[] = {" ",      "\u2581", "\u2582", "\u2583", "\u2584",
                                   "\u2585", "\u2586", "\u2587", "\u2588"};
   const bool colour = ::isatty(STDOUT_FILENO) != 0;
-  std::printf("%-6s %-*s  %9s %10s  %s\n", "layer", static_cast<int>(share[0].size()), "experts",
-              "imbalance", "confidence", "state");
+  // With a pool: each layer's share of acquisitions served without a load.
+  std::vector<uint64_t> layer_hits, layer_misses;
+  if (detail.contains("expert_pool") && detail["expert_pool"].is_object()) {
+    layer_hits = detail["expert_pool"].value("layer_hits", std::vector<uint64_t>{});
+    layer_misses = detail["expert_pool"].value("layer_misses", std::vector<uint64_t>{});
+  }
+  auto pool_hits = [&](size_t layer) -> std::string {
+    if (layer >= layer_hits.size() || layer >= layer_misses.size()) return "-";
+    const uint64_t total = layer_hits[layer] + layer_misses[layer];
+    if (total == 0) return "-";
+    char text[16];
+    std::snprintf(text, sizeof(text), "%.2f",
+                  static_cast<double>(layer_hits[layer]) / static_cast<double>(total));
+    return text;
+  };
+  std::printf("%-6s %-*s  %9s %10s %9s  %s\n", "layer", static_cast<int>(share[0].size()),
+              "experts", "imbalance", "confidence", "pool hits", "state");
   for (size_t i = 0; i < share.size(); ++i) {
     const nlohmann::json& layer = router[layer_index[i]];
     std::string bar;
@@ -187,8 +202,9 @@ int show(const std::vector<std::string>& args) {
       }
     }
     const std::string state = layer.value("state", "");
-    std::printf("%-6zu %s  %9.2f %10.2f  %s%s%s\n", layer_index[i], bar.c_str(),
-                layer.value("imbalance", 0.0), layer.value("confidence", 0.0), state.c_str(),
+    std::printf("%-6zu %s  %9.2f %10.2f %9s  %s%s%s\n", layer_index[i], bar.c_str(),
+                layer.value("imbalance", 0.0), layer.value("confidence", 0.0),
+                pool_hits(layer_index[i]).c_str(), state.c_str(),
                 layer.value("reason", "").empty() ? "" : ": ", layer.value("reason", "").c_str());
   }
   if (detail.contains("expert_pool") && detail["expert_pool"].is_object()) {
