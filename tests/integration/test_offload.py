@@ -4,7 +4,8 @@ prefill and 2 decode processes sharing the offload manager's host pool (POSIX sh
 against `moeline run` (every expert resident) as the reference.
 
 Cases (--case, one per CTest entry):
-  budgets   100%, 50%, 25% of expert bytes and one expert per MoE layer: concurrent greedy and
+  budgets   a malformed budget is refused with its reason; 100%, 50%, 25% of expert bytes and
+            one expert per MoE layer: concurrent greedy and
             seeded requests give ids identical to the reference; the pool really loaded and
             evicted (the offload manager's /metrics), `moeline stack status` shows it, and
             `moeline experts` draws the router health (terminal and PNG)
@@ -101,6 +102,16 @@ def case_budgets(args):
     vocab, moe_layers, slot_bytes, total = model_shape(args.model)
     requests = workload(vocab, 24, seed=3)
     expected = references(args, requests)
+    # A budget that is not one: `stack up` fails with the offload manager's reason.
+    bad_dir = os.path.join(args.workdir, "bad-budget")
+    out = subprocess.run([args.moeline, "stack", "up", "--model", args.model, "--run-dir", bad_dir,
+                          "--expert-budget", "12parsecs", "--timeout-s", "60"],
+                         capture_output=True, text=True, timeout=120)
+    subprocess.run([args.moeline, "stack", "down", "--run-dir", bad_dir], capture_output=True,
+                   timeout=60)
+    check(out.returncode != 0 and "expert budget '12parsecs'" in out.stderr,
+          f"stack up with a bad budget: {out.returncode} {out.stderr[-500:]}")
+    print("ok budgets: a malformed --expert-budget stops `stack up` with the reason")
     budgets = [("100%", "100%"), ("50%", "50%"), ("25%", "25%"),
                ("one expert per layer", str(moe_layers * slot_bytes))]
     for label, budget in budgets:
