@@ -15,6 +15,7 @@
 #include <chrono>
 #include <climits>
 #include <cmath>
+#include <cstdlib>
 #include <cstring>
 #include <stdexcept>
 #include <thread>
@@ -420,7 +421,20 @@ std::unique_ptr<ExpertPool> ExpertPool::create(const ExpertCatalog& catalog,
   bool all_direct = options.direct_io;
   for (const std::filesystem::path& path : catalog.files) {
     int file = -1;
-    if (options.direct_io) file = open(path.c_str(), O_RDONLY | O_DIRECT | O_CLOEXEC);
+    if (options.direct_io) {
+      file = open(path.c_str(), O_RDONLY | O_DIRECT | O_CLOEXEC);
+      // Some filesystems accept O_DIRECT at open and refuse the reads: try one page now.
+      if (file >= 0) {
+        void* page = nullptr;
+        const bool readable = posix_memalign(&page, kPage, kPage) == 0 &&
+                              pread(file, page, kPage, 0) >= 0;
+        std::free(page);
+        if (!readable) {
+          close(file);
+          file = -1;
+        }
+      }
+    }
     if (file < 0) {
       all_direct = false;
       file = open(path.c_str(), O_RDONLY | O_CLOEXEC);
