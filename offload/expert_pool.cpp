@@ -426,8 +426,8 @@ std::unique_ptr<ExpertPool> ExpertPool::create(const ExpertCatalog& catalog,
       // Some filesystems accept O_DIRECT at open and refuse the reads: try one page now.
       if (file >= 0) {
         void* page = nullptr;
-        const bool readable = posix_memalign(&page, kPage, kPage) == 0 &&
-                              pread(file, page, kPage, 0) >= 0;
+        const bool readable =
+            posix_memalign(&page, kPage, kPage) == 0 && pread(file, page, kPage, 0) >= 0;
         std::free(page);
         if (!readable) {
           close(file);

@@ -147,6 +147,23 @@ TEST_P(PoolOnModel, OutputsAreIdenticalAtEveryBudget) {
     }
 }
 
+// Without O_DIRECT (a filesystem that refuses it, or --direct-io false) the loaders read through
+// the page cache and drop the pages: the same outputs, and direct_io says which it was.
+TEST(ExpertPool, ReadsTheSameWithoutDirectIo) {
+  auto m = load("qwen3-bf16");
+  ASSERT_TRUE(m);
+  ResidentExpertProvider resident(m->experts());
+  const Output expected = generate(*m, resident);
+  const ExpertCatalog catalog = m->expert_catalog();
+  auto pool = ExpertPool::create(
+      catalog,
+      {.name = pool_name("buffered"), .budget_bytes = 2 * slot_bytes(catalog), .direct_io = false});
+  auto client = PoolClient::attach(pool->name(), catalog);
+  EXPECT_EQ(generate(*m, *client).tokens, expected.tokens);
+  EXPECT_EQ(client->stats().direct_io, 0u);
+  EXPECT_GT(client->stats().loads, 0u);
+}
+
 INSTANTIATE_TEST_SUITE_P(Models, PoolOnModel,
                          ::testing::Values("mixtral-f32", "qwen3-bf16", "mixtral-f32-fused",
                                            "qwen3-bf16-fused"));
