@@ -351,11 +351,12 @@ void Engine::prefetch_next_layers(int64_t layer, int64_t n) {
     float* scores = grow(predict_scores_, n * E);
     kernels::rms_norm(hidden_.data(), n, H, H, w.post_attention_norm, c.rms_norm_eps, normed, H);
     kernels::matmul(pool_, MatmulTask{.x = normed, .n = n, .w = w.router, .y = scores});
-    std::vector<uint8_t> wanted(static_cast<size_t>(E), 0);
-    std::vector<int32_t> chosen(static_cast<size_t>(K));
+    std::vector<uint8_t>& wanted = predict_wanted_;
+    wanted.assign(static_cast<size_t>(E), 0);
+    int32_t* chosen = grow(predict_chosen_, K);
     for (int64_t t = 0; t < n; ++t) {
-      top_k(scores + t * E, E, K, chosen.data());
-      for (int32_t x : chosen) wanted[static_cast<size_t>(x)] = 1;
+      top_k(scores + t * E, E, K, chosen);
+      for (int64_t j = 0; j < K; ++j) wanted[static_cast<size_t>(chosen[j])] = 1;
     }
     std::vector<int32_t>& list = expert_group_prefetch_;
     list.clear();

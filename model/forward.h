@@ -110,6 +110,8 @@ class Engine {
   std::vector<offload::ExpertWeights> acquired_experts_;
   std::vector<int32_t> expert_group_, expert_group_prefetch_;
   std::vector<float> predict_in_, predict_scores_;
+  std::vector<int32_t> predict_chosen_;
+  std::vector<uint8_t> predict_wanted_;
 };
 
 }  // namespace moeline::model
