@@ -22,6 +22,7 @@
 #include <optional>
 #include <span>
 #include <string>
+#include <string_view>
 #include <vector>
 #include <zmq.hpp>
 
@@ -37,6 +38,17 @@ namespace moeline::wire {
 inline constexpr uint16_t kSchemaMajor = 1;
 inline constexpr uint16_t kSchemaMinor = 3;
 inline constexpr char kMagic[4] = {'M', 'O', 'E', 'L'};
+
+// The values of GenerateRequest.reuse (client.fbs): "" is the tenant's exact levels. The gateway
+// refuses anything else; the SDKs check before sending (the Python SDK keeps the same list, and
+// its tests compare it with the CLI's message).
+inline constexpr std::string_view kReuseModes[] = {"",         "exact", "none", "approximate",
+                                                   "response", "blend"};
+inline bool is_reuse_mode(std::string_view mode) {
+  for (std::string_view known : kReuseModes)
+    if (mode == known) return true;
+  return false;
+}
 inline constexpr size_t kHeaderBytes = 16;
 
 struct Limits {

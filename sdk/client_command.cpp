@@ -7,6 +7,7 @@
 #include <nlohmann/json.hpp>
 
 #include "sdk/cli_args.h"
+#include "schemas/wire.h"
 #include "sdk/client.h"
 
 namespace moeline::sdk {
@@ -125,8 +126,7 @@ int generate(int argc, char** argv) {
   if (has_prompt == !options.tokens.empty())
     throw UsageError("give either --prompt TEXT or --tokens IDS");
   if (has_prompt && options.prompt.empty()) throw UsageError("--prompt is empty");
-  if (!options.reuse.empty() && options.reuse != "exact" && options.reuse != "none" &&
-      options.reuse != "approximate" && options.reuse != "response" && options.reuse != "blend")
+  if (!wire::is_reuse_mode(options.reuse))
     throw UsageError("--reuse must be exact, none, approximate, response or blend, not '" +
                      options.reuse + "'");
 

@@ -338,6 +338,13 @@ def main():
     args = parser.parse_args()
     mc, wire = load_modules(args)
     check_encoding(mc, wire)
+    # The SDK's reuse values are the wire contract's (schemas/wire.h kReuseModes).
+    import re
+    with open(os.path.join(args.repo, "schemas", "wire.h")) as f:
+        declared = re.search(r"kReuseModes\[\] = \{([^}]*)\}", f.read())
+    cpp_modes = tuple(re.findall(r'"([^"]*)"', declared.group(1))) if declared else ()
+    check("reuse modes match the C++ list", mc.REUSE_MODES == cpp_modes,
+          f"{mc.REUSE_MODES} vs {cpp_modes}")
     with tempfile.TemporaryDirectory(prefix="moeline-sdk-") as work:
         check_client(mc, wire, f"ipc://{work}/gateway.sock")
     print(f"\n{'FAILED: ' + ', '.join(failures) if failures else 'all Python SDK checks passed'}")

@@ -168,6 +168,7 @@ def _text(value: Optional[bytes]) -> str:
     return value.decode("utf-8", "replace") if value else ""
 
 
+# GenerateRequest.reuse's values: the same list as wire::kReuseModes (schemas/wire.h).
 REUSE_MODES = ("", "exact", "none", "approximate", "response", "blend")
 
 
