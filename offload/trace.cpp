@@ -64,7 +64,8 @@ ExpertTrace ExpertTrace::read(const std::string& path) {
   return trace;
 }
 
-TraceRecorder::TraceRecorder(ExpertProvider& inner, const ExpertCatalog& catalog) : inner_(inner) {
+TraceRecorder::TraceRecorder(ExpertProvider& inner, const ExpertCatalog& catalog, size_t limit)
+    : inner_(inner), limit_(limit) {
   trace_.layers = catalog.layers;
   trace_.experts_per_layer = catalog.experts_per_layer;
   trace_.slot_bytes = pool_slot_bytes(catalog);
@@ -72,14 +73,14 @@ TraceRecorder::TraceRecorder(ExpertProvider& inner, const ExpertCatalog& catalog
 }
 
 ExpertWeights TraceRecorder::acquire(int layer, int expert) {
-  trace_.accesses.push_back({layer, expert});
+  record(layer, expert);
   return inner_.acquire(layer, expert);
 }
 
 std::optional<ExpertWeights> TraceRecorder::try_acquire(int layer, int expert) {
   auto got = inner_.try_acquire(layer, expert);
   // A refused try is retried with acquire (recorded then): one access either way.
-  if (got) trace_.accesses.push_back({layer, expert});
+  if (got) record(layer, expert);
   return got;
 }
 
@@ -212,7 +213,9 @@ ReplayResult replay(std::span<const ExpertAccess> accesses, uint64_t slots, Repl
                 return expected_reuse_distance(layer, current, cycle, u.uses,
                                                visits[static_cast<size_t>(layer)]);
               };
-              better = score(c->first) > score(victim->first);
+              // Ties go to the least recently used, as in the pool.
+              const double candidate = score(c->first), incumbent = score(victim->first);
+              better = candidate > incumbent || (candidate == incumbent && s.last < v.last);
               break;
             }
             case ReplayPolicy::kBelady:

@@ -35,10 +35,11 @@ struct ExpertTrace {
   static ExpertTrace read(const std::string& path);
 };
 
-// Passes every call through to `inner` and records each acquisition.
+// Passes every call through to `inner` and records each acquisition (the first `limit`).
 class TraceRecorder final : public ExpertProvider {
  public:
-  TraceRecorder(ExpertProvider& inner, const ExpertCatalog& catalog);
+  TraceRecorder(ExpertProvider& inner, const ExpertCatalog& catalog,
+                size_t limit = static_cast<size_t>(-1));
   int layers() const override { return inner_.layers(); }
   int experts_per_layer() const override { return inner_.experts_per_layer(); }
   ExpertWeights acquire(int layer, int expert) override;
@@ -53,8 +54,12 @@ class TraceRecorder final : public ExpertProvider {
   bool write(const std::string& path) const { return trace_.write(path); }
 
  private:
+  void record(int layer, int expert) {
+    if (trace_.accesses.size() < limit_) trace_.accesses.push_back({layer, expert});
+  }
   ExpertProvider& inner_;
   ExpertTrace trace_;
+  size_t limit_;
 };
 
 enum class ReplayPolicy { kLru, kLru2, kLfu, kDistance, kBelady };

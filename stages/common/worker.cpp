@@ -50,22 +50,6 @@ std::vector<zmq::message_t> ExpertUsageCounter::take(const std::string& replica)
   return wire::encode(wire::MessageType::ExpertUsage, builder);
 }
 
-PlannedExperts::~PlannedExperts() {
-  if (trace_ && !trace_->write(trace_path_))
-    std::fprintf(stderr, "moeline: error: cannot write the expert trace %s\n", trace_path_.c_str());
-}
-
-void PlannedExperts::record_to(const std::string& path, const offload::ExpertCatalog& catalog,
-                               size_t limit) {
-  trace_ = std::make_unique<offload::ExpertTrace>();
-  trace_->layers = catalog.layers;
-  trace_->experts_per_layer = catalog.experts_per_layer;
-  trace_->slot_bytes = offload::pool_slot_bytes(catalog);
-  trace_->expert_bytes = catalog.total_expert_bytes();
-  trace_path_ = path;
-  trace_limit_ = limit;
-}
-
 ComputeWorker::ComputeWorker(const runtime::Config& config, const char* stage, wire::StageKind kind)
     : service(stage, replica_name(config, stage)) {
   runtime::StageService::install_signal_handlers();
@@ -84,8 +68,10 @@ ComputeWorker::ComputeWorker(const runtime::Config& config, const char* stage, w
     // One file per replica: "{replica}" in the path becomes this process's name.
     if (const size_t at = path.find("{replica}"); at != std::string::npos)
       path.replace(at, 9, service.log.replica());
-    experts->record_to(path, model->expert_catalog(),
-                       static_cast<size_t>(config.integer("expert-trace-limit")));
+    trace = std::make_unique<offload::TraceRecorder>(
+        *experts, model->expert_catalog(),
+        static_cast<size_t>(config.integer("expert-trace-limit")));
+    trace_path = path;
     service.log.info("expert_trace",
                      {{"path", path}, {"limit", config.integer("expert-trace-limit")}});
   }
@@ -101,9 +87,16 @@ ComputeWorker::ComputeWorker(const runtime::Config& config, const char* stage, w
   link = std::make_unique<runtime::HubLink>(context, settings, service.log, service.metrics);
 }
 
+ComputeWorker::~ComputeWorker() {
+  if (trace && !trace->write(trace_path))
+    service.log.error("expert_trace_not_written", {{"path", trace_path}});
+}
+
 void ComputeWorker::create_engine(int32_t kv_blocks) {
   cache = std::make_unique<model::KvCache>(model->config(), kv_blocks);
-  engine = std::make_unique<model::Engine>(*model, *experts, *pool, *cache);
+  offload::ExpertProvider& provider =
+      trace ? static_cast<offload::ExpertProvider&>(*trace) : *experts;
+  engine = std::make_unique<model::Engine>(*model, provider, *pool, *cache);
   observers.add(usage.get());
   engine->set_router_observer(&observers);
   service.log.info("kv_cache",

@@ -50,23 +50,16 @@ class ExpertUsageCounter : public model::RouterObserver {
 class PlannedExperts final : public offload::ExpertProvider {
  public:
   explicit PlannedExperts(const model::Model& model) : resident_(model.experts()) {}
-  ~PlannedExperts() override;
   void use_pool(std::unique_ptr<offload::PoolClient> pool) { pool_ = std::move(pool); }
   offload::PoolClient* pool() const { return pool_.get(); }
-  // Records the first `limit` acquisitions, written to `path` when this process exits
-  // (--expert-trace: what `moeline experts replay` reads).
-  void record_to(const std::string& path, const offload::ExpertCatalog& catalog, size_t limit);
 
   int layers() const override { return target().layers(); }
   int experts_per_layer() const override { return target().experts_per_layer(); }
   offload::ExpertWeights acquire(int layer, int expert) override {
-    record(layer, expert);
     return target().acquire(layer, expert);
   }
   std::optional<offload::ExpertWeights> try_acquire(int layer, int expert) override {
-    auto taken = target().try_acquire(layer, expert);
-    if (taken) record(layer, expert);
-    return taken;
+    return target().try_acquire(layer, expert);
   }
   void release(int layer, int expert) override { target().release(layer, expert); }
   void prefetch(int layer, std::span<const int32_t> experts) override {
@@ -78,21 +71,16 @@ class PlannedExperts final : public offload::ExpertProvider {
   offload::ExpertProvider& target() const {
     return pool_ ? static_cast<offload::ExpertProvider&>(*pool_) : resident_;
   }
-  void record(int layer, int expert) {
-    if (trace_ && trace_->accesses.size() < trace_limit_)
-      trace_->accesses.push_back({layer, expert});
-  }
   mutable offload::ResidentExpertProvider resident_;
   std::unique_ptr<offload::PoolClient> pool_;
-  std::unique_ptr<offload::ExpertTrace> trace_;
-  std::string trace_path_;
-  size_t trace_limit_ = 0;
 };
 
 class ComputeWorker {
  public:
   // Loads the model and starts HTTP; `kv_blocks` sizes this process's KV cache.
   ComputeWorker(const runtime::Config& config, const char* stage, wire::StageKind kind);
+  // Writes the expert trace (--expert-trace), if one was recorded.
+  ~ComputeWorker();
   void create_engine(int32_t kv_blocks);
 
   // Keeps the link alive: hellos (again after a hub restart), the expert plan, usage reports.
@@ -111,6 +99,9 @@ class ComputeWorker {
   std::unique_ptr<model::Model> model;
   std::unique_ptr<kernels::ThreadPool> pool;
   std::unique_ptr<PlannedExperts> experts;
+  // --expert-trace: records what the engine acquires through `experts`; written at exit.
+  std::unique_ptr<offload::TraceRecorder> trace;
+  std::string trace_path;
   std::unique_ptr<model::KvCache> cache;
   std::unique_ptr<model::Engine> engine;
   std::unique_ptr<ExpertUsageCounter> usage;
