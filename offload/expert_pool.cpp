@@ -256,12 +256,19 @@ uint64_t parse_expert_budget(const std::string& text, uint64_t total_expert_byte
   throw std::invalid_argument(usage);
 }
 
+namespace {
+// Layer steps from `current` forward to `layer` in a cycle of `cycle` layers (0 for the same).
+int32_t layers_until(int32_t layer, int32_t current, int32_t cycle) {
+  return ((layer - current) % cycle + cycle) % cycle;
+}
+}  // namespace
+
 double expected_reuse_distance(int32_t layer, int32_t current, int32_t cycle, double uses,
                                double visits) {
   // Layer steps until `layer` runs again (a full cycle for the layer running now: its experts
   // that are not pinned were not needed this time), then whole cycles while the expert is not
   // picked, with p estimated as (uses + 1/2) / (visits + 1).
-  const int32_t until = layer == current ? cycle : ((layer - current) % cycle + cycle) % cycle;
+  const int32_t until = layer == current ? cycle : layers_until(layer, current, cycle);
   const double p = (uses + 0.5) / (visits + 1.0);
   return static_cast<double>(until) + static_cast<double>(cycle) * (1.0 / p - 1.0);
 }
@@ -871,9 +878,7 @@ void PoolClient::prefetch(int layer, std::span<const int32_t> experts) {
     const auto index = static_cast<uint32_t>(layer * catalog_.experts_per_layer + expert);
     if (l->entry_table()[index].state != kAbsent) continue;
     // Expected when its layer next runs, a few steps ahead of the caller's current layer.
-    const int32_t until = ((layer - current_layer_) % static_cast<int32_t>(l->layers) +
-                           static_cast<int32_t>(l->layers)) %
-                          static_cast<int32_t>(l->layers);
+    const int32_t until = layers_until(layer, current_layer_, static_cast<int32_t>(l->layers));
     const int64_t slot = reserve_slot(l, current_layer_, true, static_cast<double>(until));
     if (slot < 0) {
       ++l->counters.prefetch_dropped;
