@@ -4,7 +4,6 @@
 #include <cmath>
 #include <iomanip>
 #include <mutex>
-#include <numeric>
 #include <sstream>
 #include <type_traits>
 
