@@ -182,8 +182,7 @@ int main(int argc, char** argv) {
     }
     return &p;
   };
-  const reuse::KvGeometry geometry{cfg.num_layers, cfg.num_kv_heads, cfg.head_dim,
-                                   model::kBlockTokens, cfg.rope_theta};
+  const reuse::KvGeometry geometry = reuse::KvGeometry::of(cfg);
   const double recompute_fraction = std::stod(flags["--recompute-fraction"]);
   const double blend_max_kl = std::stod(flags["--blend-max-kl"]);
   const int64_t select_layer = std::stoll(flags["--select-layer"]);

@@ -99,8 +99,7 @@ int main(int argc, char** argv) {
   model::KvCache cache(cfg, static_cast<int32_t>(4 * (context + continuation) / 16 + 8));
   model::Engine engine(m, experts, pool, cache);
   Setup s{m, cache, engine};
-  const reuse::KvGeometry geometry{cfg.num_layers, cfg.num_kv_heads, cfg.head_dim,
-                                   model::kBlockTokens, cfg.rope_theta};
+  const reuse::KvGeometry geometry = reuse::KvGeometry::of(cfg);
   std::mt19937_64 rng(std::stoull(flags["--seed"]));
   const int64_t select = std::stoll(flags["--select-layer"]);
 

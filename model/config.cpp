@@ -1,6 +1,7 @@
 #include "model/config.h"
 
 #include <algorithm>
+#include <cmath>
 #include <fstream>
 #include <nlohmann/json.hpp>
 #include <sstream>
@@ -73,7 +74,7 @@ double rope_theta_or(const json& config, double fallback) {
   return number_or(config, "rope_theta", fallback);
 }
 
-void parse_common(const json& config, ModelConfig& out) {
+void parse_common(const json& config, ModelConfig& out, bool rope_scaling_parsed) {
   out.vocab_size = require_int(config, "vocab_size");
   out.hidden_size = require_int(config, "hidden_size");
   out.num_layers = require_int(config, "num_hidden_layers");
@@ -87,12 +88,12 @@ void parse_common(const json& config, ModelConfig& out) {
     out.head_dim = out.hidden_size / out.num_heads;
   }
   out.max_position_embeddings = int_or(config, "max_position_embeddings", 0);
-  out.rope_theta = rope_theta_or(config, 10000.0);
+  if (!rope_scaling_parsed) out.rope_theta = rope_theta_or(config, 10000.0);
   out.rms_norm_eps = static_cast<float>(number_or(config, "rms_norm_eps", 1e-6));
   out.tie_word_embeddings = bool_or(config, "tie_word_embeddings", false);
   if (const json* act = present(config, "hidden_act"); act && *act != "silu")
     bad_key("hidden_act", "is " + act->dump() + "; only \"silu\" is supported");
-  if (const json* scaling = present(config, "rope_scaling")) {
+  if (const json* scaling = present(config, "rope_scaling"); scaling && !rope_scaling_parsed) {
     const json* type = scaling->is_object() ? present(*scaling, "rope_type") : nullptr;
     if (!type && scaling->is_object()) type = present(*scaling, "type");
     if (!type || *type != "default")
@@ -141,7 +142,8 @@ void validate(const ModelConfig& c) {
   positive(c.expert_intermediate_size, "the expert intermediate size");
   if (c.num_heads % c.num_kv_heads != 0)
     throw ModelError("config.json: num_attention_heads must be a multiple of num_key_value_heads");
-  if (c.head_dim % 2 != 0) throw ModelError("config.json: head_dim must be even for RoPE");
+  if (!c.mla && c.head_dim % 2 != 0)
+    throw ModelError("config.json: head_dim must be even for RoPE");
   if (c.experts_per_token > c.num_experts)
     throw ModelError("config.json: num_experts_per_tok exceeds the number of experts");
   if (c.sliding_window < 0) throw ModelError("config.json: sliding_window must be positive");
@@ -180,10 +182,55 @@ ModelConfig ModelConfig::load(const std::filesystem::path& dir) {
 std::string ModelConfig::summary() const {
   std::ostringstream out;
   out << "model_type=" << model_type << " layers=" << num_layers << " hidden=" << hidden_size
-      << " heads=" << num_heads << " kv_heads=" << num_kv_heads << " head_dim=" << head_dim
-      << " experts=" << num_experts << " top_k=" << experts_per_token
-      << " expert_intermediate=" << expert_intermediate_size << " vocab=" << vocab_size;
+      << " heads=" << num_heads;
+  if (mla) {
+    out << " q_lora_rank=" << q_lora_rank << " kv_lora_rank=" << kv_lora_rank
+        << " qk_nope=" << qk_nope_head_dim << " qk_rope=" << qk_rope_head_dim
+        << " v_head_dim=" << v_head_dim;
+  } else {
+    out << " kv_heads=" << num_kv_heads << " head_dim=" << head_dim;
+  }
+  out << " experts=" << num_experts << " top_k=" << experts_per_token
+      << " expert_intermediate=" << expert_intermediate_size;
+  if (shared_intermediate_size > 0) out << " shared_intermediate=" << shared_intermediate_size;
+  out << " vocab=" << vocab_size;
   return out.str();
+}
+
+KvShape kv_shape(const ModelConfig& config) {
+  if (config.mla) return {1, config.kv_lora_rank + config.qk_rope_head_dim, 0};
+  return {config.num_kv_heads, config.head_dim, config.head_dim};
+}
+
+kernels::Rope make_rope(const ModelConfig& config) {
+  const int64_t dim = config.mla ? config.qk_rope_head_dim : config.head_dim;
+  if (config.rope_yarn_factor <= 0 && !config.rope_interleaved)
+    return kernels::Rope(dim, config.rope_theta);
+  // YaRN (DeepseekV3YarnRotaryEmbedding): dimensions that rotate more than beta_fast times over
+  // the original context keep their frequency, those under beta_slow are divided by the factor,
+  // and a linear ramp blends the ones between.
+  const double base = config.rope_theta;
+  std::vector<double> inv_freq(static_cast<size_t>(dim / 2));
+  for (int64_t i = 0; i < dim / 2; ++i)
+    inv_freq[static_cast<size_t>(i)] = 1.0 / std::pow(base, static_cast<double>(2 * i) / dim);
+  if (config.rope_yarn_factor > 0) {
+    const auto correction_dim = [&](double rotations) {
+      return static_cast<double>(dim) *
+             std::log(static_cast<double>(config.rope_original_max_positions) /
+                      (rotations * 2 * M_PI)) /
+             (2 * std::log(base));
+    };
+    const double low = std::max(std::floor(correction_dim(config.rope_beta_fast)), 0.0);
+    double high =
+        std::min(std::ceil(correction_dim(config.rope_beta_slow)), static_cast<double>(dim - 1));
+    if (low == high) high += 0.001;
+    for (int64_t i = 0; i < dim / 2; ++i) {
+      const double ramp = std::clamp((static_cast<double>(i) - low) / (high - low), 0.0, 1.0);
+      double& f = inv_freq[static_cast<size_t>(i)];
+      f = f / config.rope_yarn_factor * ramp + f * (1.0 - ramp);
+    }
+  }
+  return kernels::Rope(std::move(inv_freq), config.rope_attention_factor, config.rope_interleaved);
 }
 
 namespace arch {
@@ -192,6 +239,8 @@ namespace {
 constexpr Family kFamilies[] = {
     {"mixtral", &parse_mixtral, &kMixtralNames},
     {"qwen3_moe", &parse_qwen3_moe, &kQwen3MoeNames},
+    {"deepseek_v2", &parse_deepseek_v2, &kDeepseekNames},
+    {"deepseek_v3", &parse_deepseek_v3, &kDeepseekNames},
 };
 }  // namespace
 

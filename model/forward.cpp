@@ -60,7 +60,16 @@ T* grow(std::vector<T>& buffer, int64_t size) {
 
 Engine::Engine(const Model& model, offload::ExpertProvider& experts, kernels::ThreadPool& pool,
                KvCache& cache)
-    : model_(model), experts_(experts), pool_(pool), cache_(cache) {}
+    : model_(model),
+      experts_(experts),
+      pool_(pool),
+      cache_(cache),
+      rope_table_(make_rope(model.config())),
+      softmax_scale_(
+          static_cast<float>(model.config().softmax_scale > 0
+                                 ? model.config().softmax_scale
+                                 : 1.0 / std::sqrt(static_cast<double>(model.config().head_dim)))) {
+}
 
 Status Engine::validate(std::span<const SequenceInput> batch) {
   const ModelConfig& c = model_.config();
@@ -92,14 +101,14 @@ Status Engine::validate(std::span<const SequenceInput> batch) {
 int64_t Engine::embed(std::span<const SequenceInput> batch) {
   const ModelConfig& c = model_.config();
   const int64_t H = c.hidden_size;
-  const int64_t head_dim = c.head_dim;
+  const int64_t rope_dim = rope_table_.dim();
 
   int64_t n = 0;
   for (const SequenceInput& input : batch) n += static_cast<int64_t>(input.tokens.size());
   token_refs_.clear();
   token_block_tables_.clear();
   float* hidden = grow(hidden_, n * H);
-  float* rope = grow(rope_, n * head_dim);
+  float* rope = grow(rope_, n * rope_dim);
   for (const SequenceInput& input : batch) {
     const bool reserved =
         input.sequence->reserve(cache_.pool(), static_cast<int64_t>(input.tokens.size()));
@@ -111,14 +120,18 @@ int64_t Engine::embed(std::span<const SequenceInput> batch) {
       token_block_tables_.push_back(input.sequence->block_table().data());
       kernels::widen(model_.embed_tokens().row(input.tokens[i]), model_.embed_tokens().dtype, H,
                      hidden + t * H);
-      kernels::rope_angles(position, head_dim, c.rope_theta, rope + t * head_dim);
+      rope_table_.angles(position, rope + t * rope_dim);
     }
   }
   return n;
 }
 
 void Engine::run_layer(int64_t layer, int64_t n) {
-  attention_block(layer, n);
+  if (model_.config().mla) {
+    latent_attention_block(layer, n);
+  } else {
+    attention_block(layer, n);
+  }
   if (model_.layer(layer).is_moe) {
     moe_block(layer, n);
   } else {
@@ -201,13 +214,13 @@ Status Engine::forward_blend(const BlendInput& input, std::vector<float>& logits
 
   // Compact the kept rows (in order) to the front; the later layers run only them.
   const int64_t H = c.hidden_size;
-  const int64_t head_dim = c.head_dim;
+  const int64_t rope_dim = rope_table_.dim();
   int64_t kept = 0;
   for (int64_t t = 0; t < n; ++t) {
     if (!keep[static_cast<size_t>(t)]) continue;
     if (kept != t) {
       std::copy_n(hidden_.data() + t * H, H, hidden_.data() + kept * H);
-      std::copy_n(rope_.data() + t * head_dim, head_dim, rope_.data() + kept * head_dim);
+      std::copy_n(rope_.data() + t * rope_dim, rope_dim, rope_.data() + kept * rope_dim);
       token_refs_[static_cast<size_t>(kept)] = token_refs_[static_cast<size_t>(t)];
       token_block_tables_[static_cast<size_t>(kept)] = token_block_tables_[static_cast<size_t>(t)];
     }
@@ -283,23 +296,11 @@ void Engine::attention_block(int64_t layer, int64_t n) {
   queries_.clear();
   for (int64_t t = 0; t < n; ++t) {
     const float* angles = rope_.data() + t * head_dim;
-    kernels::rope_rotate_half(q + t * q_width, c.num_heads, head_dim, angles);
-    kernels::rope_rotate_half(k + t * kv_width, c.num_kv_heads, head_dim, angles);
+    rope_table_.rotate(q + t * q_width, c.num_heads, head_dim, angles);
+    rope_table_.rotate(k + t * kv_width, c.num_kv_heads, head_dim, angles);
     const int64_t position = token_refs_[static_cast<size_t>(t)].position;
     const int32_t block = token_block_tables_[static_cast<size_t>(t)][position / kBlockTokens];
-    if (kv_deviation_ != nullptr) {
-      double squared = 0;
-      for (int64_t head = 0; head < c.num_kv_heads; ++head) {
-        const float* old_k = kv.key(block, head, position % kBlockTokens);
-        const float* old_v = kv.value(block, head, position % kBlockTokens);
-        const float* new_k = k + t * kv_width + head * head_dim;
-        const float* new_v = v + t * kv_width + head * head_dim;
-        for (int64_t d = 0; d < head_dim; ++d)
-          squared += double(new_k[d] - old_k[d]) * (new_k[d] - old_k[d]) +
-                     double(new_v[d] - old_v[d]) * (new_v[d] - old_v[d]);
-      }
-      kv_deviation_[t] = static_cast<float>(squared);
-    }
+    record_kv_deviation(kv, t, block, position % kBlockTokens, k + t * kv_width, v + t * kv_width);
     for (int64_t head = 0; head < c.num_kv_heads; ++head) {
       std::copy_n(k + t * kv_width + head * head_dim, head_dim,
                   kv.key(block, head, position % kBlockTokens));
@@ -309,30 +310,187 @@ void Engine::attention_block(int64_t layer, int64_t n) {
     queries_.push_back({q + t * q_width, attended + t * q_width,
                         token_block_tables_[static_cast<size_t>(t)], position});
   }
-  const float scale = static_cast<float>(1.0 / std::sqrt(static_cast<double>(head_dim)));
-  kernels::paged_attention(pool_, kv, queries_, c.num_heads, scale, c.sliding_window);
+  kernels::paged_attention(pool_, kv, queries_, c.num_heads, softmax_scale_, c.sliding_window);
 
   kernels::matmul(pool_, MatmulTask{.x = attended, .n = n, .w = w.o_proj, .y = projected});
   add_bias(projected, n, w.o_bias);
   add_rows(hidden, projected, n * H);
 }
 
+void Engine::record_kv_deviation(const kernels::PagedKvLayer& kv, int64_t t, int32_t block,
+                                 int64_t slot, const float* new_k, const float* new_v) {
+  if (kv_deviation_ == nullptr) return;
+  double squared = 0;
+  for (int64_t head = 0; head < kv.kv_heads; ++head) {
+    const float* old_k = kv.key(block, head, slot);
+    const float* fresh_k = new_k + head * kv.key_dim;
+    for (int64_t d = 0; d < kv.key_dim; ++d)
+      squared += double(fresh_k[d] - old_k[d]) * (fresh_k[d] - old_k[d]);
+    if (kv.values == kv.keys) continue;  // MLA: the values are part of the key row
+    const float* old_v = kv.value(block, head, slot);
+    const float* fresh_v = new_v + head * kv.value_dim;
+    for (int64_t d = 0; d < kv.value_dim; ++d)
+      squared += double(fresh_v[d] - old_v[d]) * (fresh_v[d] - old_v[d]);
+  }
+  kv_deviation_[t] = static_cast<float>(squared);
+}
+
+void Engine::latent_attention_block(int64_t layer, int64_t n) {
+  const ModelConfig& c = model_.config();
+  const LayerWeights& w = model_.layer(layer);
+  const int64_t H = c.hidden_size, heads = c.num_heads;
+  const int64_t nope = c.qk_nope_head_dim, rope_dim = c.qk_rope_head_dim;
+  const int64_t qk = nope + rope_dim, kv_lora = c.kv_lora_rank, vd = c.v_head_dim;
+  const int64_t row = kv_lora + rope_dim;  // one cached token: [latent | rope key]
+  // DeepSeek's latent norms are built with their default epsilon, not config.rms_norm_eps.
+  constexpr float kLatentNormEps = 1e-6f;
+  float* hidden = hidden_.data();
+  float* normed = grow(normed_, n * H);
+  float* q = grow(q_, n * heads * qk);
+  float* latent = grow(k_, n * row);
+  float* q_latent = grow(q_latent_, n * heads * row);
+  float* out_latent = grow(out_latent_, n * heads * kv_lora);
+  float* attended = grow(attended_, n * heads * vd);
+  float* projected = grow(projected_, n * H);
+
+  kernels::rms_norm(hidden, n, H, H, w.input_norm, c.rms_norm_eps, normed, H);
+  if (c.q_lora_rank > 0) {
+    float* q_a = grow(v_, n * c.q_lora_rank);
+    const MatmulTask down[] = {{.x = normed, .n = n, .w = w.q_a_proj, .y = q_a},
+                               {.x = normed, .n = n, .w = w.kv_a_proj, .y = latent}};
+    kernels::matmul(pool_, down);
+    kernels::rms_norm(q_a, n, c.q_lora_rank, c.q_lora_rank, w.q_a_norm, kLatentNormEps, q_a,
+                      c.q_lora_rank);
+    kernels::matmul(pool_, MatmulTask{.x = q_a, .n = n, .w = w.q_b_proj, .y = q});
+  } else {
+    const MatmulTask project[] = {{.x = normed, .n = n, .w = w.q_proj, .y = q},
+                                  {.x = normed, .n = n, .w = w.kv_a_proj, .y = latent}};
+    kernels::matmul(pool_, project);
+  }
+  kernels::rms_norm(latent, n, kv_lora, row, w.kv_a_norm, kLatentNormEps, latent, row);
+
+  const kernels::PagedKvLayer kv = cache_.layer(layer);
+  queries_.clear();
+  for (int64_t t = 0; t < n; ++t) {
+    const float* angles = rope_.data() + t * rope_dim;
+    rope_table_.rotate(q + t * heads * qk + nope, heads, qk, angles);
+    rope_table_.rotate(latent + t * row + kv_lora, 1, row, angles);
+    const int64_t position = token_refs_[static_cast<size_t>(t)].position;
+    const int32_t block = token_block_tables_[static_cast<size_t>(t)][position / kBlockTokens];
+    const int64_t slot = position % kBlockTokens;
+    record_kv_deviation(kv, t, block, slot, latent + t * row, nullptr);
+    std::copy_n(latent + t * row, row, kv.key(block, 0, slot));
+    // The rope part of the query attends to the rope key as it is.
+    for (int64_t h = 0; h < heads; ++h)
+      std::copy_n(q + (t * heads + h) * qk + nope, rope_dim,
+                  q_latent + (t * heads + h) * row + kv_lora);
+    queries_.push_back({q_latent + t * heads * row, out_latent + t * heads * kv_lora,
+                        token_block_tables_[static_cast<size_t>(t)], position});
+  }
+  // q_nope · (W_UK_h c) = (W_UK_hᵀ q_nope) · c: each head's query in latent space.
+  std::vector<MatmulTask>& tasks = expert_tasks_;
+  tasks.clear();
+  for (int64_t h = 0; h < heads; ++h)
+    tasks.push_back({.x = q + h * qk,
+                     .n = n,
+                     .w = w.kv_b_key_t.row_range(h * kv_lora, kv_lora),
+                     .y = q_latent + h * row,
+                     .x_stride = heads * qk,
+                     .y_stride = heads * row});
+  kernels::matmul(pool_, tasks);
+  kernels::paged_attention(pool_, kv, queries_, heads, softmax_scale_, 0);
+  // Σ p · (W_UV_h c) = W_UV_h (Σ p · c): each head's value rows applied to its attended latent.
+  tasks.clear();
+  for (int64_t h = 0; h < heads; ++h)
+    tasks.push_back({.x = out_latent + h * kv_lora,
+                     .n = n,
+                     .w = w.kv_b_proj.row_range(h * (nope + vd) + nope, vd),
+                     .y = attended + h * vd,
+                     .x_stride = heads * kv_lora,
+                     .y_stride = heads * vd});
+  kernels::matmul(pool_, tasks);
+  kernels::matmul(pool_, MatmulTask{.x = attended, .n = n, .w = w.o_proj, .y = projected});
+  add_rows(hidden, projected, n * H);
+}
+
+void Engine::swiglu(const float* x, int64_t n, const kernels::MatrixView& gate_w,
+                    const kernels::MatrixView& up_w, const kernels::MatrixView& down_w, float* y) {
+  const int64_t inter = gate_w.rows;
+  float* gate = grow(expert_gate_, n * inter);
+  float* up = grow(expert_up_, n * inter);
+  const MatmulTask gate_up[] = {{.x = x, .n = n, .w = gate_w, .y = gate},
+                                {.x = x, .n = n, .w = up_w, .y = up}};
+  kernels::matmul(pool_, gate_up);
+  silu_mul_parallel(pool_, gate, up, n * inter);
+  kernels::matmul(pool_, MatmulTask{.x = gate, .n = n, .w = down_w, .y = y});
+}
+
 void Engine::dense_mlp_block(int64_t layer, int64_t n) {
   const ModelConfig& c = model_.config();
   const LayerWeights& w = model_.layer(layer);
   const int64_t H = c.hidden_size;
-  const int64_t inter = c.dense_intermediate_size;
   float* normed = grow(normed_, n * H);
-  float* gate = grow(expert_gate_, n * inter);
-  float* up = grow(expert_up_, n * inter);
   float* out = grow(expert_out_, n * H);
   kernels::rms_norm(hidden_.data(), n, H, H, w.post_attention_norm, c.rms_norm_eps, normed, H);
-  const MatmulTask gate_up[] = {{.x = normed, .n = n, .w = w.dense_gate, .y = gate},
-                                {.x = normed, .n = n, .w = w.dense_up, .y = up}};
-  kernels::matmul(pool_, gate_up);
-  silu_mul_parallel(pool_, gate, up, n * inter);
-  kernels::matmul(pool_, MatmulTask{.x = gate, .n = n, .w = w.dense_down, .y = out});
+  swiglu(normed, n, w.dense_gate, w.dense_up, w.dense_down, out);
   add_rows(hidden_.data(), out, n * H);
+}
+
+void Engine::route(const LayerWeights& w, float* scores, int64_t n, int32_t* chosen,
+                   float* weights) {
+  const ModelConfig& c = model_.config();
+  const int64_t E = c.num_experts, K = c.experts_per_token;
+  const int64_t group_size = E / c.n_group;
+  float* choice = grow(route_choice_, E);
+  float* group_scores = grow(group_scores_, c.n_group);
+  int32_t* kept_groups = grow(group_order_, c.n_group);
+  for (int64_t t = 0; t < n; ++t) {
+    float* row = scores + t * E;
+    if (c.router_scoring == RouterScoring::kSoftmax) {
+      kernels::softmax(row, E);
+    } else {
+      for (int64_t e = 0; e < E; ++e) row[e] = 1.0f / (1.0f + std::exp(-row[e]));
+    }
+    const float* ranked = row;
+    if (c.router_correction_bias || c.group_limit != GroupLimit::kNone) {
+      // What experts are chosen on: the scores plus the correction bias, with the experts of all
+      // but the topk_group best groups out of reach.
+      for (int64_t e = 0; e < E; ++e)
+        choice[e] = row[e] + (w.router_bias ? w.router_bias[e] : 0.0f);
+      if (c.group_limit != GroupLimit::kNone) {
+        for (int64_t g = 0; g < c.n_group; ++g) {
+          const float* member = choice + g * group_size;
+          if (c.group_limit == GroupLimit::kGroupMax) {
+            group_scores[g] = *std::max_element(member, member + group_size);
+          } else {
+            int32_t best[2];
+            top_k(member, group_size, 2, best);
+            group_scores[g] = member[best[0]] + member[best[1]];
+          }
+        }
+        top_k(group_scores, c.n_group, c.topk_group, kept_groups);
+        for (int64_t g = 0; g < c.n_group; ++g) {
+          if (std::find(kept_groups, kept_groups + c.topk_group, g) != kept_groups + c.topk_group)
+            continue;
+          std::fill(choice + g * group_size, choice + (g + 1) * group_size, -INFINITY);
+        }
+      }
+      ranked = choice;
+    }
+    int32_t* picked = chosen + t * K;
+    top_k(ranked, E, K, picked);
+    double sum = 0.0;
+    for (int64_t j = 0; j < K; ++j) sum += row[picked[j]];
+    for (int64_t j = 0; j < K; ++j) {
+      const double p = row[picked[j]];
+      double weight = p * c.routed_scaling_factor;
+      if (c.norm_topk_prob) {
+        weight = p / (sum + 1e-20);
+        if (c.scale_normalised_weights) weight *= c.routed_scaling_factor;
+      }
+      weights[t * K + j] = static_cast<float>(weight);
+    }
+  }
 }
 
 void Engine::prefetch_next_layers(int64_t layer, int64_t n) {
@@ -353,11 +511,10 @@ void Engine::prefetch_next_layers(int64_t layer, int64_t n) {
     kernels::matmul(pool_, MatmulTask{.x = normed, .n = n, .w = w.router, .y = scores});
     std::vector<uint8_t>& wanted = predict_wanted_;
     wanted.assign(static_cast<size_t>(E), 0);
-    int32_t* chosen = grow(predict_chosen_, K);
-    for (int64_t t = 0; t < n; ++t) {
-      top_k(scores + t * E, E, K, chosen);
-      for (int64_t j = 0; j < K; ++j) wanted[static_cast<size_t>(chosen[j])] = 1;
-    }
+    int32_t* chosen = grow(predict_chosen_, n * K);
+    float* weights = grow(predict_in_, n * K);  // the router's input is no longer needed
+    route(w, scores, n, chosen, weights);
+    for (int64_t i = 0; i < n * K; ++i) wanted[static_cast<size_t>(chosen[i])] = 1;
     std::vector<int32_t>& list = expert_group_prefetch_;
     list.clear();
     for (int64_t x = 0; x < E; ++x)
@@ -381,17 +538,7 @@ void Engine::moe_block(int64_t layer, int64_t n) {
   kernels::rms_norm(hidden_.data(), n, H, H, w.post_attention_norm, c.rms_norm_eps, normed, H);
   const auto router_start = std::chrono::steady_clock::now();
   kernels::matmul(pool_, MatmulTask{.x = normed, .n = n, .w = w.router, .y = scores});
-  for (int64_t t = 0; t < n; ++t) {
-    float* row = scores + t * E;
-    kernels::softmax(row, E);
-    top_k(row, E, K, chosen + t * K);
-    double sum = 0.0;
-    for (int64_t j = 0; j < K; ++j) sum += row[chosen[t * K + j]];
-    for (int64_t j = 0; j < K; ++j) {
-      const float p = row[chosen[t * K + j]];
-      weights[t * K + j] = c.norm_topk_prob ? static_cast<float>(p / sum) : p;
-    }
-  }
+  route(w, scores, n, chosen, weights);
   if (observer_) {
     const double router_seconds =
         std::chrono::duration<double>(std::chrono::steady_clock::now() - router_start).count();
@@ -486,6 +633,12 @@ void Engine::moe_block(int64_t layer, int64_t n) {
   std::fill(moe_out, moe_out + n * H, 0.0f);
   for (int64_t slot = 0; slot < n * K; ++slot)
     kernels::axpy(row_weights[slot], out + slot * H, moe_out + rows[slot] * H, H);
+  // Shared experts see every token, unweighted; they are layer weights, always resident.
+  if (c.shared_intermediate_size > 0) {
+    float* shared = grow(expert_out_, n * H);
+    swiglu(normed, n, w.shared_gate, w.shared_up, w.shared_down, shared);
+    add_rows(moe_out, shared, n * H);
+  }
   add_rows(hidden_.data(), moe_out, n * H);
 }
 

@@ -75,6 +75,21 @@ class Engine {
   // Final norm and LM head for `rows` (row indices of hidden_), into logits.
   void lm_head(std::span<const int64_t> rows, std::vector<float>& logits);
   void attention_block(int64_t layer, int64_t tokens);
+  // Multi-head latent attention over the compressed cache, with both up-projections absorbed:
+  // each head's query is mapped into the latent space (kv_b_key_t), attends over the cached
+  // [latent | rope key] rows, and its attended latent is mapped out by the head's value rows.
+  void latent_attention_block(int64_t layer, int64_t tokens);
+  // Adds the squared distance between each row's fresh K/V and what the cache held (blended
+  // reuse's deviation), when kv_deviation_ is set.
+  void record_kv_deviation(const kernels::PagedKvLayer& kv, int64_t t, int32_t block, int64_t slot,
+                           const float* new_k, const float* new_v);
+  // The router's choice for each of `tokens` rows of logits: scores in place (softmax or sigmoid),
+  // `chosen` the top-k experts (within the kept groups, on the biased scores where configured)
+  // and `weights` their weights.
+  void route(const LayerWeights& w, float* scores, int64_t tokens, int32_t* chosen, float* weights);
+  // y = down(silu(gate(x)) * up(x)) for `tokens` rows: dense MLP layers and shared experts.
+  void swiglu(const float* x, int64_t tokens, const kernels::MatrixView& gate,
+              const kernels::MatrixView& up, const kernels::MatrixView& down, float* y);
   void moe_block(int64_t layer, int64_t tokens);
   // Tells the expert provider which experts the next MoE layers' routers would pick for the
   // current residual stream (as many layers as the provider's prefetch depth; none for depth 0).
@@ -98,8 +113,13 @@ class Engine {
   std::vector<RoutedToken> token_refs_;
   std::vector<kernels::AttentionQuery> queries_;
   std::vector<const int32_t*> token_block_tables_;
-  // Activations, [tokens, width] row-major.
+  kernels::Rope rope_table_;
+  float softmax_scale_;
+  // Activations, [tokens, width] row-major; rope_ holds each token's cos/sin.
   std::vector<float> hidden_, normed_, q_, k_, v_, attended_, projected_, rope_;
+  std::vector<float> q_latent_, out_latent_;  // MLA: [tokens, heads, latent (+ rope) width]
+  std::vector<float> route_choice_, group_scores_;
+  std::vector<int32_t> group_order_;
   // MoE scratch.
   std::vector<float> router_scores_, chosen_weights_, expert_in_, expert_gate_, expert_up_,
       expert_out_, moe_out_;

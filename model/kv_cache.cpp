@@ -33,25 +33,57 @@ void BlockPool::release(int32_t block) {
 
 KvCache::KvCache(const ModelConfig& config, int32_t blocks)
     : layers_(config.num_layers),
-      kv_heads_(config.num_kv_heads),
-      head_dim_(config.head_dim),
-      storage_(static_cast<size_t>(layers_ * 2 * blocks * kBlockTokens * kv_heads_ * head_dim_)),
-      pool_(blocks) {}
+      shape_(kv_shape(config)),
+      values_in_keys_(config.mla),
+      latent_value_width_(config.kv_lora_rank),
+      pool_(blocks) {
+  storage_.resize(static_cast<size_t>(layers_) * (key_part() + value_part()));
+}
+
+size_t KvCache::key_part() const {
+  return static_cast<size_t>(pool_.capacity() * kBlockTokens * shape_.kv_heads * shape_.key_dim);
+}
+
+size_t KvCache::value_part() const {
+  return static_cast<size_t>(pool_.capacity() * kBlockTokens * shape_.kv_heads * shape_.value_dim);
+}
 
 kernels::PagedKvLayer KvCache::layer(int64_t index) {
-  const int64_t block_floats = kBlockTokens * kv_heads_ * head_dim_;
-  const int64_t half = static_cast<int64_t>(pool_.capacity()) * block_floats;
-  float* base = storage_.data() + index * 2 * half;
-  return kernels::PagedKvLayer{base, base + half, kBlockTokens, kv_heads_, head_dim_};
+  float* base = storage_.data() + static_cast<size_t>(index) * (key_part() + value_part());
+  kernels::PagedKvLayer kv{.keys = base,
+                           .values = base + key_part(),
+                           .block_size = kBlockTokens,
+                           .kv_heads = shape_.kv_heads,
+                           .key_dim = shape_.key_dim,
+                           .value_dim = shape_.value_dim,
+                           .value_stride = shape_.value_dim};
+  if (values_in_keys_) {
+    kv.values = base;
+    kv.value_dim = latent_value_width_;
+    kv.value_stride = shape_.key_dim;
+  }
+  return kv;
 }
 
 size_t KvCache::bytes_per_token(const ModelConfig& config) {
-  return static_cast<size_t>(config.num_layers * 2 * config.num_kv_heads * config.head_dim) *
+  const KvShape shape = kv_shape(config);
+  return static_cast<size_t>(config.num_layers * shape.kv_heads *
+                             (shape.key_dim + shape.value_dim)) *
+         sizeof(float);
+}
+
+size_t KvCache::naive_bytes_per_token(const ModelConfig& config) {
+  if (!config.mla) return bytes_per_token(config);
+  return static_cast<size_t>(
+             config.num_layers * config.num_heads *
+             (config.qk_nope_head_dim + config.qk_rope_head_dim + config.v_head_dim)) *
          sizeof(float);
 }
 
 size_t KvCache::block_bytes() const {
-  return static_cast<size_t>(layers_ * 2 * kBlockTokens * kv_heads_ * head_dim_) * sizeof(float);
+  return static_cast<size_t>(layers_ * kBlockTokens * shape_.kv_heads *
+                             (shape_.key_dim + shape_.value_dim)) *
+         sizeof(float);
 }
 
 void KvCache::export_blocks(std::span<const int32_t> blocks, uint8_t* out) const {
@@ -65,28 +97,26 @@ std::vector<uint8_t> KvCache::export_blocks(std::span<const int32_t> blocks) con
 }
 
 void KvCache::export_block(int32_t block, void* out) const {
-  const int64_t block_floats = kBlockTokens * kv_heads_ * head_dim_;
-  const int64_t half = static_cast<int64_t>(pool_.capacity()) * block_floats;
+  const int64_t key_floats = kBlockTokens * shape_.kv_heads * shape_.key_dim;
+  const int64_t value_floats = kBlockTokens * shape_.kv_heads * shape_.value_dim;
   auto* dst = static_cast<float*>(out);
   for (int64_t layer = 0; layer < layers_; ++layer) {
-    for (int64_t part = 0; part < 2; ++part) {
-      const float* src = storage_.data() + layer * 2 * half + part * half + block * block_floats;
-      std::copy(src, src + block_floats, dst);
-      dst += block_floats;
-    }
+    const float* base = storage_.data() + static_cast<size_t>(layer) * (key_part() + value_part());
+    dst = std::copy_n(base + block * key_floats, key_floats, dst);
+    dst = std::copy_n(base + key_part() + block * value_floats, value_floats, dst);
   }
 }
 
 void KvCache::import_block(int32_t block, const void* in) {
-  const int64_t block_floats = kBlockTokens * kv_heads_ * head_dim_;
-  const int64_t half = static_cast<int64_t>(pool_.capacity()) * block_floats;
+  const int64_t key_floats = kBlockTokens * shape_.kv_heads * shape_.key_dim;
+  const int64_t value_floats = kBlockTokens * shape_.kv_heads * shape_.value_dim;
   const auto* src = static_cast<const float*>(in);
   for (int64_t layer = 0; layer < layers_; ++layer) {
-    for (int64_t part = 0; part < 2; ++part) {
-      float* dst = storage_.data() + layer * 2 * half + part * half + block * block_floats;
-      std::copy(src, src + block_floats, dst);
-      src += block_floats;
-    }
+    float* base = storage_.data() + static_cast<size_t>(layer) * (key_part() + value_part());
+    std::copy_n(src, key_floats, base + block * key_floats);
+    src += key_floats;
+    std::copy_n(src, value_floats, base + key_part() + block * value_floats);
+    src += value_floats;
   }
 }
 

@@ -42,9 +42,12 @@ class KvCache {
   kernels::PagedKvLayer layer(int64_t index);
   BlockPool& pool() { return pool_; }
   size_t bytes() const { return storage_.size() * sizeof(float); }
+  // What the cache holds per token; and what a cache of full per-head keys and values would
+  // (MLA's compressed cache against the naive form; equal for the other families).
   static size_t bytes_per_token(const ModelConfig& config);
-  // One block of every layer, keys then values per layer, each [kv_head][slot][head_dim] F32: the
-  // unit KV moves in between processes.
+  static size_t naive_bytes_per_token(const ModelConfig& config);
+  // One block of every layer, keys then values per layer, keys [kv_head][slot][key_dim] and values
+  // [kv_head][slot][value_dim] F32 (no values for MLA): the unit KV moves in between processes.
   size_t block_bytes() const;
   void export_block(int32_t block, void* out) const;
   // `blocks` one after another, as export_block writes each: a sequence's KV as the store holds
@@ -53,12 +56,21 @@ class KvCache {
   std::vector<uint8_t> export_blocks(std::span<const int32_t> blocks) const;
   void import_block(int32_t block, const void* in);
   int64_t layers() const { return layers_; }
-  int64_t kv_heads() const { return kv_heads_; }
-  int64_t head_dim() const { return head_dim_; }
+  int64_t kv_heads() const { return shape_.kv_heads; }
+  int64_t key_dim() const { return shape_.key_dim; }
+  int64_t value_dim() const { return shape_.value_dim; }
+  // MLA: each latent row is key and (its first value_width() floats) value.
+  bool values_in_keys() const { return values_in_keys_; }
 
  private:
-  int64_t layers_, kv_heads_, head_dim_;
-  std::vector<float> storage_;  // [layer][keys|values][block][kv_head][slot][head_dim]
+  size_t key_part() const;    // floats of one layer's keys (all blocks)
+  size_t value_part() const;  // floats of one layer's values (all blocks)
+
+  int64_t layers_;
+  KvShape shape_;
+  bool values_in_keys_;
+  int64_t latent_value_width_;
+  std::vector<float> storage_;  // [layer][keys|values][block][kv_head][slot][key|value dim]
   BlockPool pool_;
 };
 

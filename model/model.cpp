@@ -6,6 +6,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <cstring>
 #include <fstream>
 #include <set>
 #include <sstream>
@@ -83,9 +84,21 @@ class TensorBinder {
   std::string missing_, missing_shape_;
 };
 
-// Rows [first, first + count) of a matrix, as a matrix of their own.
-MatrixView row_slice(const MatrixView& matrix, int64_t first, int64_t count) {
-  return MatrixView{matrix.row(first), matrix.dtype, count, matrix.cols};
+// Per head, the transpose of kv_b_proj's K rows: [heads][nope][kv_lora] -> [heads][kv_lora][nope],
+// element by element in the stored dtype (no rounding).
+std::vector<std::byte> transpose_key_rows(const MatrixView& kv_b, int64_t heads, int64_t nope,
+                                          int64_t value_dim) {
+  const int64_t kv_lora = kv_b.cols;
+  const size_t elem = kernels::dtype_size(kv_b.dtype);
+  std::vector<std::byte> out(static_cast<size_t>(heads * kv_lora * nope) * elem);
+  for (int64_t h = 0; h < heads; ++h)
+    for (int64_t d = 0; d < nope; ++d) {
+      const std::byte* row = kv_b.row(h * (nope + value_dim) + d);
+      for (int64_t c = 0; c < kv_lora; ++c)
+        std::memcpy(out.data() + static_cast<size_t>((h * kv_lora + c) * nope + d) * elem,
+                    row + static_cast<size_t>(c) * elem, elem);
+    }
+  return out;
 }
 
 uint64_t hash_model(const std::filesystem::path& dir, const Checkpoint& checkpoint) {
@@ -148,10 +161,31 @@ void Model::load_weights() {
     LayerWeights& layer = layers_[static_cast<size_t>(l)];
     layer.input_norm = bind.vector(name(names.input_norm), c.hidden_size);
     layer.post_attention_norm = bind.vector(name(names.post_attention_norm), c.hidden_size);
-    layer.q_proj = bind.matrix(name(names.q_proj), q_width, c.hidden_size);
-    layer.k_proj = bind.matrix(name(names.k_proj), kv_width, c.hidden_size);
-    layer.v_proj = bind.matrix(name(names.v_proj), kv_width, c.hidden_size);
-    layer.o_proj = bind.matrix(name(names.o_proj), c.hidden_size, q_width);
+    if (c.mla) {
+      const int64_t heads = c.num_heads, rope = c.qk_rope_head_dim, nope = c.qk_nope_head_dim;
+      const int64_t qk = nope + rope, kv_lora = c.kv_lora_rank, vd = c.v_head_dim;
+      if (c.q_lora_rank > 0) {
+        layer.q_a_proj = bind.matrix(name(names.q_a_proj), c.q_lora_rank, c.hidden_size);
+        layer.q_a_norm = bind.vector(name(names.q_a_norm), c.q_lora_rank);
+        layer.q_b_proj = bind.matrix(name(names.q_b_proj), heads * qk, c.q_lora_rank);
+      } else {
+        layer.q_proj = bind.matrix(name(names.q_proj), heads * qk, c.hidden_size);
+      }
+      layer.kv_a_proj = bind.matrix(name(names.kv_a_proj), kv_lora + rope, c.hidden_size);
+      layer.kv_a_norm = bind.vector(name(names.kv_a_norm), kv_lora);
+      layer.kv_b_proj = bind.matrix(name(names.kv_b_proj), heads * (nope + vd), kv_lora);
+      layer.o_proj = bind.matrix(name(names.o_proj), c.hidden_size, heads * vd);
+      if (layer.kv_b_proj.data) {
+        derived_.push_back(transpose_key_rows(layer.kv_b_proj, heads, nope, vd));
+        layer.kv_b_key_t =
+            MatrixView{derived_.back().data(), layer.kv_b_proj.dtype, heads * kv_lora, nope};
+      }
+    } else {
+      layer.q_proj = bind.matrix(name(names.q_proj), q_width, c.hidden_size);
+      layer.k_proj = bind.matrix(name(names.k_proj), kv_width, c.hidden_size);
+      layer.v_proj = bind.matrix(name(names.v_proj), kv_width, c.hidden_size);
+      layer.o_proj = bind.matrix(name(names.o_proj), c.hidden_size, q_width);
+    }
     if (c.attention_bias) {
       layer.q_bias = bind.vector(name(names.q_bias), q_width);
       layer.k_bias = bind.vector(name(names.k_bias), kv_width);
@@ -175,6 +209,14 @@ void Model::load_weights() {
                                     bind.has(name(names.router_alternative));
     layer.router = bind.matrix(name(alternative_router ? names.router_alternative : names.router),
                                c.num_experts, c.hidden_size);
+    if (c.router_correction_bias)
+      layer.router_bias = bind.vector(name(names.router_bias), c.num_experts);
+    if (c.shared_intermediate_size > 0) {
+      const int64_t shared = c.shared_intermediate_size;
+      layer.shared_gate = bind.matrix(name(names.shared_gate), shared, c.hidden_size);
+      layer.shared_up = bind.matrix(name(names.shared_up), shared, c.hidden_size);
+      layer.shared_down = bind.matrix(name(names.shared_down), c.hidden_size, shared);
+    }
     auto& experts = experts_[static_cast<size_t>(l)];
     const int64_t inter = c.expert_intermediate_size;
     const int64_t H = c.hidden_size;
@@ -184,9 +226,9 @@ void Model::load_weights() {
       const MatrixView down = bind.stacked(name(names.fused_down), c.num_experts, H, inter);
       if (!gate_up.data || !down.data) continue;  // reported by bind.finish()
       for (int64_t e = 0; e < c.num_experts; ++e) {
-        experts.push_back(offload::ExpertWeights{row_slice(gate_up, e * 2 * inter, inter),
-                                                 row_slice(gate_up, e * 2 * inter + inter, inter),
-                                                 row_slice(down, e * H, H)});
+        experts.push_back(offload::ExpertWeights{gate_up.row_range(e * 2 * inter, inter),
+                                                 gate_up.row_range(e * 2 * inter + inter, inter),
+                                                 down.row_range(e * H, H)});
       }
       continue;
     }
@@ -258,11 +300,14 @@ size_t Model::bytes_touched_per_token() const {
   size_t bytes = embed_tokens_.bytes() / static_cast<size_t>(c.vocab_size) + lm_head_.bytes();
   for (int64_t l = 0; l < c.num_layers; ++l) {
     const LayerWeights& layer = layers_[static_cast<size_t>(l)];
-    bytes +=
-        layer.q_proj.bytes() + layer.k_proj.bytes() + layer.v_proj.bytes() + layer.o_proj.bytes();
+    bytes += layer.q_proj.bytes() + layer.k_proj.bytes() + layer.v_proj.bytes() +
+             layer.o_proj.bytes() + layer.q_a_proj.bytes() + layer.q_b_proj.bytes() +
+             layer.kv_a_proj.bytes() + layer.kv_b_proj.bytes();
     if (layer.is_moe) {
-      bytes += layer.router.bytes() + static_cast<size_t>(c.experts_per_token) *
-                                          experts_[static_cast<size_t>(l)][0].bytes();
+      bytes +=
+          layer.router.bytes() + layer.shared_gate.bytes() + layer.shared_up.bytes() +
+          layer.shared_down.bytes() +
+          static_cast<size_t>(c.experts_per_token) * experts_[static_cast<size_t>(l)][0].bytes();
     } else {
       bytes += layer.dense_gate.bytes() + layer.dense_up.bytes() + layer.dense_down.bytes();
     }

@@ -30,6 +30,17 @@ struct LayerWeights {
   bool is_moe = true;
   kernels::MatrixView router;                            // [experts, hidden]
   kernels::MatrixView dense_gate, dense_up, dense_down;  // dense MLP layers only
+
+  // Multi-head latent attention (config.mla); q_proj is used when q_lora_rank is 0.
+  kernels::MatrixView q_a_proj, q_b_proj;  // [q_lora, hidden], [heads * qk, q_lora]
+  kernels::VectorView q_a_norm, kv_a_norm;
+  kernels::MatrixView kv_a_proj;  // [kv_lora + rope, hidden]
+  kernels::MatrixView kv_b_proj;  // [heads * (nope + v), kv_lora]: per head, K rows then V rows
+  // kv_b_proj's K rows of every head, transposed: [heads * kv_lora, nope]. Rows h * kv_lora ...
+  // map a head's query (nope part) into the latent space (the absorbed key up-projection).
+  kernels::MatrixView kv_b_key_t;
+  kernels::VectorView router_bias;                          // [experts], V3's correction bias
+  kernels::MatrixView shared_gate, shared_up, shared_down;  // shared experts, when configured
 };
 
 class Model {
@@ -68,6 +79,7 @@ class Model {
   ModelConfig config_;
   Checkpoint checkpoint_;
   std::vector<LayerWeights> layers_;
+  std::vector<std::vector<std::byte>> derived_;  // weights computed at load (kv_b_key_t)
   std::vector<std::vector<offload::ExpertWeights>> experts_;
   kernels::MatrixView embed_tokens_, lm_head_;
   kernels::VectorView final_norm_;

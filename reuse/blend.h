@@ -9,15 +9,23 @@
 #include <span>
 #include <vector>
 
+#include "kernels/cpu/rope.h"
+#include "model/config.h"
+
 namespace moeline::reuse {
 
-// The KV cache's block layout (model::KvCache): per block, per layer, keys then values, each
-// [kv_heads][block_tokens][head_dim] of f32.
+// The KV cache's block layout (model::KvCache): per block, per layer, keys [kv_heads]
+// [block_tokens][key_dim] then values [kv_heads][block_tokens][value_dim] (none for MLA), f32; and
+// where in each key row the rotated dimensions lie.
 struct KvGeometry {
-  int64_t layers = 0, kv_heads = 0, head_dim = 0, block_tokens = 16;
-  double rope_theta = 10000.0;
+  int64_t layers = 0, kv_heads = 0, key_dim = 0, value_dim = 0, block_tokens = 16;
+  kernels::Rope rope;
+  int64_t rope_offset = 0;  // MLA: the rope key follows the latent
+
+  static KvGeometry of(const model::ModelConfig& config);
   size_t block_bytes() const {
-    return static_cast<size_t>(layers * 2 * kv_heads * block_tokens * head_dim) * sizeof(float);
+    return static_cast<size_t>(layers * kv_heads * block_tokens * (key_dim + value_dim)) *
+           sizeof(float);
   }
 };
 

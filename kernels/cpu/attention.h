@@ -1,8 +1,12 @@
 #pragma once
 // Causal grouped-query attention over a paged KV cache. The cache of one layer is a set of blocks
-// of `block_size` token slots laid out [block][kv_head][slot][head_dim], so one head's keys within
-// a block are contiguous. A query sees its own sequence's tokens up to its position (and, with a
-// sliding window W, only the last W of them).
+// of `block_size` token slots laid out [block][kv_head][slot][key_dim] for keys (and likewise for
+// values), so one head's keys within a block are contiguous. A query sees its own sequence's
+// tokens up to its position (and, with a sliding window W, only the last W of them).
+//
+// Keys and values may differ in width, and values may be a prefix of each key row (values ==
+// keys, value_stride == key_dim): multi-head latent attention's compressed cache, where every head
+// attends over one shared row [latent | rope key] and reads the latent back as its value.
 
 #include <cstdint>
 #include <span>
@@ -16,20 +20,21 @@ struct PagedKvLayer {
   float* values = nullptr;
   int64_t block_size = 16;
   int64_t kv_heads = 0;
-  int64_t head_dim = 0;
+  int64_t key_dim = 0;
+  int64_t value_dim = 0;
+  int64_t value_stride = 0;  // floats from one value row to the next
 
-  int64_t block_floats() const { return block_size * kv_heads * head_dim; }
   float* key(int32_t block, int64_t head, int64_t slot) const {
-    return keys + block * block_floats() + (head * block_size + slot) * head_dim;
+    return keys + (block * kv_heads * block_size + head * block_size + slot) * key_dim;
   }
   float* value(int32_t block, int64_t head, int64_t slot) const {
-    return values + block * block_floats() + (head * block_size + slot) * head_dim;
+    return values + (block * kv_heads * block_size + head * block_size + slot) * value_stride;
   }
 };
 
 struct AttentionQuery {
-  const float* q = nullptr;  // [heads, head_dim]
-  float* out = nullptr;      // [heads, head_dim]
+  const float* q = nullptr;  // [heads, key_dim]
+  float* out = nullptr;      // [heads, value_dim]
   const int32_t* block_table = nullptr;
   int64_t position = 0;  // the query token's position; keys 0..position are in the cache
 };

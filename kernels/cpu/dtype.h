@@ -66,6 +66,10 @@ struct MatrixView {
     return static_cast<const std::byte*>(data) + r * cols * static_cast<int64_t>(dtype_size(dtype));
   }
   size_t bytes() const { return static_cast<size_t>(rows * cols) * dtype_size(dtype); }
+  // Rows [first, first + count), as a matrix of their own.
+  MatrixView row_range(int64_t first, int64_t count) const {
+    return MatrixView{row(first), dtype, count, cols};
+  }
 };
 
 // A vector of weights (norm scales, biases).

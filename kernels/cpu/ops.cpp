@@ -24,31 +24,6 @@ void rms_norm(const float* x, int64_t n, int64_t dim, int64_t x_stride, VectorVi
   }
 }
 
-void rope_angles(int64_t position, int64_t head_dim, double theta, float* cos_sin) {
-  const int64_t half = head_dim / 2;
-  for (int64_t i = 0; i < half; ++i) {
-    const double inv_freq = std::pow(theta, -2.0 * static_cast<double>(i) / head_dim);
-    const double angle = static_cast<double>(position) * inv_freq;
-    cos_sin[i] = static_cast<float>(std::cos(angle));
-    cos_sin[half + i] = static_cast<float>(std::sin(angle));
-  }
-}
-
-void rope_rotate_half(float* vectors, int64_t heads, int64_t head_dim, const float* cos_sin) {
-  const int64_t half = head_dim / 2;
-  const float* cos = cos_sin;
-  const float* sin = cos_sin + half;
-  for (int64_t h = 0; h < heads; ++h) {
-    float* v = vectors + h * head_dim;
-    for (int64_t i = 0; i < half; ++i) {
-      const float first = v[i];
-      const float second = v[i + half];
-      v[i] = first * cos[i] - second * sin[i];
-      v[i + half] = second * cos[i] + first * sin[i];
-    }
-  }
-}
-
 void softmax(float* x, int64_t n) {
   const float max = *std::max_element(x, x + n);
   double sum = 0.0;

@@ -13,13 +13,6 @@ namespace moeline::kernels {
 void rms_norm(const float* x, int64_t n, int64_t dim, int64_t x_stride, VectorView weight,
               float eps, float* out, int64_t out_stride);
 
-// cos/sin of position * inv_freq for the rotate-half RoPE layout of Hugging Face Llama-style
-// models; `cos_sin` receives head_dim/2 cosines followed by head_dim/2 sines.
-void rope_angles(int64_t position, int64_t head_dim, double theta, float* cos_sin);
-
-// Rotates `heads` consecutive vectors of head_dim in place (pairs i and i + head_dim/2).
-void rope_rotate_half(float* vectors, int64_t heads, int64_t head_dim, const float* cos_sin);
-
 // In-place softmax over n values, computed stably (max subtracted).
 void softmax(float* x, int64_t n);
 

@@ -28,6 +28,10 @@ struct TensorNames {
   // first, then up rows, per expert) and down [experts, hidden, intermediate].
   std::string_view fused_gate_up, fused_down;
   std::string_view dense_gate, dense_up, dense_down;
+  // Multi-head latent attention (empty for the other families).
+  std::string_view q_a_proj, q_a_norm, q_b_proj, kv_a_proj, kv_a_norm, kv_b_proj;
+  std::string_view router_bias;
+  std::string_view shared_gate, shared_up, shared_down;
 };
 
 struct Family {
@@ -49,11 +53,16 @@ double number_or(const nlohmann::json& config, const char* key, double fallback)
 bool bool_or(const nlohmann::json& config, const char* key, bool fallback);
 // rope_parameters.rope_theta (transformers 5), else the top-level rope_theta, else `fallback`.
 double rope_theta_or(const nlohmann::json& config, double fallback);
-void parse_common(const nlohmann::json& config, ModelConfig& out);
+// The keys every family shares. RoPE scaling is refused unless `rope_scaling_parsed` (the family
+// reads it itself).
+void parse_common(const nlohmann::json& config, ModelConfig& out, bool rope_scaling_parsed = false);
 
 void parse_mixtral(const nlohmann::json& config, ModelConfig& out);
 void parse_qwen3_moe(const nlohmann::json& config, ModelConfig& out);
+void parse_deepseek_v2(const nlohmann::json& config, ModelConfig& out);
+void parse_deepseek_v3(const nlohmann::json& config, ModelConfig& out);
 extern const TensorNames kMixtralNames;
 extern const TensorNames kQwen3MoeNames;
+extern const TensorNames kDeepseekNames;
 
 }  // namespace moeline::model::arch

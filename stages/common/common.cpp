@@ -35,6 +35,26 @@ flatbuffers::Offset<wire::SamplingParams> to_wire(flatbuffers::FlatBufferBuilder
                                     sampling.max_tokens, stops, sampling.ignore_eos);
 }
 
+flatbuffers::Offset<wire::KvLayout> kv_layout(flatbuffers::FlatBufferBuilder& builder,
+                                              const model::ModelConfig& config, size_t blocks) {
+  const model::KvShape shape = model::kv_shape(config);
+  return wire::CreateKvLayout(
+      builder, static_cast<uint32_t>(config.num_layers), static_cast<uint32_t>(shape.kv_heads),
+      static_cast<uint32_t>(shape.key_dim), static_cast<uint32_t>(model::kBlockTokens),
+      builder.CreateString("f32"), static_cast<uint32_t>(blocks), shape.value_dim > 0);
+}
+
+bool kv_layout_matches(const wire::KvLayout* layout, const model::ModelConfig& config,
+                       size_t blocks) {
+  const model::KvShape shape = model::kv_shape(config);
+  return layout != nullptr && layout->layers() == config.num_layers &&
+         layout->kv_heads() == shape.kv_heads && layout->head_dim() == shape.key_dim &&
+         layout->values() == (shape.value_dim > 0) &&
+         (!layout->values() || shape.value_dim == shape.key_dim) &&
+         layout->block_tokens() == model::kBlockTokens && layout->blocks() == blocks &&
+         layout->dtype() != nullptr && layout->dtype()->str() == "f32";
+}
+
 uint64_t settings_hash(uint64_t model_id) {
   const uint64_t parts[3] = {model_id, static_cast<uint64_t>(model::kBlockTokens), sizeof(float)};
   return XXH3_64bits(parts, sizeof parts);

@@ -5,6 +5,7 @@
 #include <cstdint>
 #include <vector>
 
+#include "model/config.h"
 #include "model/sampling.h"
 #include "reuse/signature.h"
 #include "schemas/wire.h"
@@ -16,6 +17,13 @@ namespace moeline::stages {
 model::SamplingParams from_wire(const wire::SamplingParams* sampling);
 flatbuffers::Offset<wire::SamplingParams> to_wire(flatbuffers::FlatBufferBuilder& builder,
                                                   const model::SamplingParams& sampling);
+
+// The KvLayout of `blocks` KV blocks of this model's cache (model::KvCache's block layout), and
+// whether a received one describes exactly that.
+flatbuffers::Offset<wire::KvLayout> kv_layout(flatbuffers::FlatBufferBuilder& builder,
+                                              const model::ModelConfig& config, size_t blocks);
+bool kv_layout_matches(const wire::KvLayout* layout, const model::ModelConfig& config,
+                       size_t blocks);
 
 // Hash of what every process of a stack must agree on: the model (its id covers config.json and
 // the tensor headers), the KV block size and the KV dtype.

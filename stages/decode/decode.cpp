@@ -167,10 +167,7 @@ class DecodeStage {
     std::string problem;
     if (auto bad = wire::check_bulk(done->frames(), message.bulk))
       problem = *bad;
-    else if (layout == nullptr || layout->layers() != cache.layers() ||
-             layout->kv_heads() != cache.kv_heads() || layout->head_dim() != cache.head_dim() ||
-             layout->block_tokens() != model::kBlockTokens || layout->blocks() != blocks ||
-             !layout->dtype() || layout->dtype()->str() != "f32")
+    else if (!kv_layout_matches(layout, worker_.model->config(), blocks))
       problem = "KV layout does not match this decode replica's cache";
     else if (message.bulk.size() != 1 || message.bulk[0].size() != blocks * cache.block_bytes())
       problem = "KV frame has the wrong size";

@@ -961,7 +961,8 @@ class Gateway {
         const auto* plan = r->prefix_plan->as<wire::ProbePlan>();
         const wire::KvLayout* l = plan->layout();
         layout = wire::CreateKvLayout(builder, l->layers(), l->kv_heads(), l->head_dim(),
-                                      l->block_tokens(), builder.CreateString("f32"), l->blocks());
+                                      l->block_tokens(), builder.CreateString("f32"), l->blocks(),
+                                      l->values());
         std::vector<flatbuffers::Offset<wire::BulkFrame>> described;
         for (const wire::BulkFrame* frame : *plan->frames())
           described.push_back(wire::CreateBulkFrame(builder, frame->bytes(), frame->xxh3()));

@@ -294,10 +294,7 @@ Samples drive_stage_loop(const LoadOptions& o, const model::Model& model, StageU
         std::vector<flatbuffers::Offset<wire::BulkFrame>> frames = {
             wire::CreateBulkFrame(builder, kv.size() * 4, kv_sum)};
         auto described = builder.CreateVector(frames);
-        auto layout = wire::CreateKvLayout(
-            builder, static_cast<uint32_t>(cfg.num_layers), static_cast<uint32_t>(cfg.num_kv_heads),
-            static_cast<uint32_t>(cfg.head_dim), static_cast<uint32_t>(model::kBlockTokens),
-            builder.CreateString("f32"), static_cast<uint32_t>(blocks));
+        auto layout = stages::kv_layout(builder, cfg, blocks);
         builder.Finish(wire::CreatePrefillDone(builder, id, 1, tokens, 1, builder.CreateString(""),
                                                sampling_offset, name_space, layout, described, 0,
                                                builder.CreateString("load")),

@@ -213,10 +213,8 @@ class PrefillStage {
       const model::KvCache& cache = *worker_.cache;
       const wire::KvLayout* layout = wire_job.layout();
       const bool usable =
-          reused % model::kBlockTokens == 0 && reused < job.tokens.size() && layout != nullptr &&
-          layout->layers() == cache.layers() && layout->kv_heads() == cache.kv_heads() &&
-          layout->head_dim() == cache.head_dim() && layout->block_tokens() == model::kBlockTokens &&
-          layout->blocks() == reused / model::kBlockTokens &&
+          reused % model::kBlockTokens == 0 && reused < job.tokens.size() &&
+          kv_layout_matches(layout, worker_.model->config(), reused / model::kBlockTokens) &&
           !wire::check_bulk(wire_job.frames(), message.bulk) && message.bulk.size() == 1 &&
           message.bulk[0].size() == layout->blocks() * cache.block_bytes();
       if (usable) {
@@ -241,11 +239,10 @@ class PrefillStage {
     const uint32_t prefix = wire_job.reused_tokens();
     const bool usable =
         prefix % model::kBlockTokens == 0 && prefix < job.tokens.size() && wire_job.blend_mask() &&
-        wire_job.blend_mask()->size() == job.tokens.size() && layout != nullptr &&
-        layout->layers() == cache.layers() && layout->kv_heads() == cache.kv_heads() &&
-        layout->head_dim() == cache.head_dim() && layout->block_tokens() == model::kBlockTokens &&
-        layout->blocks() == blocks && !wire::check_bulk(wire_job.frames(), message.bulk) &&
-        message.bulk.size() == 1 && message.bulk[0].size() == blocks * cache.block_bytes() &&
+        wire_job.blend_mask()->size() == job.tokens.size() &&
+        kv_layout_matches(layout, worker_.model->config(), blocks) &&
+        !wire::check_bulk(wire_job.frames(), message.bulk) && message.bulk.size() == 1 &&
+        message.bulk[0].size() == blocks * cache.block_bytes() &&
         wire_job.recompute_fraction() >= 0 && wire_job.recompute_fraction() <= 1;
     if (!usable) {
       blend_refused_->inc();
@@ -442,10 +439,7 @@ class PrefillStage {
       std::vector<flatbuffers::Offset<wire::BulkFrame>> described = {
           wire::CreateBulkFrame(builder, kv.size(), sum)};
       frames = builder.CreateVector(described);
-      layout = wire::CreateKvLayout(
-          builder, static_cast<uint32_t>(cache.layers()), static_cast<uint32_t>(cache.kv_heads()),
-          static_cast<uint32_t>(cache.head_dim()), static_cast<uint32_t>(model::kBlockTokens),
-          builder.CreateString("f32"), static_cast<uint32_t>(blocks));
+      layout = kv_layout(builder, worker_.model->config(), blocks);
       bulk.push_back(std::move(kv));
     }
     auto tokens = builder.CreateVector(job.tokens);

@@ -728,8 +728,7 @@ class Probe {
     for (const reuse::Value& block : blocks)
       donor_kv.insert(donor_kv.end(), block->begin(), block->end());
     const model::ModelConfig& cfg = model_->config();
-    const reuse::KvGeometry geometry{cfg.num_layers, cfg.num_kv_heads, cfg.head_dim,
-                                     model::kBlockTokens, cfg.rope_theta};
+    const reuse::KvGeometry geometry = reuse::KvGeometry::of(cfg);
     kv = reuse::transplant_kv(donor_kv, alignment, geometry);
     mask.resize(tokens.size());
     for (size_t i = 0; i < tokens.size(); ++i) mask[i] = alignment[i] >= 0 ? 1 : 0;
@@ -756,11 +755,7 @@ class Probe {
 
   flatbuffers::Offset<wire::KvLayout> layout(flatbuffers::FlatBufferBuilder& builder,
                                              size_t blocks) const {
-    const model::ModelConfig& cfg = model_->config();
-    return wire::CreateKvLayout(
-        builder, static_cast<uint32_t>(cfg.num_layers), static_cast<uint32_t>(cfg.num_kv_heads),
-        static_cast<uint32_t>(cfg.head_dim), static_cast<uint32_t>(model::kBlockTokens),
-        builder.CreateString("f32"), static_cast<uint32_t>(blocks));
+    return kv_layout(builder, model_->config(), blocks);
   }
 
   // One bulk frame holding the blocks' KV in order, and its descriptor.

@@ -139,7 +139,8 @@ std::vector<zmq::message_t> prefill_job() {
   FlatBufferBuilder b;
   const std::vector<uint8_t> kv = kv_bytes();
   const auto sampling = pipeline_sampling(b);
-  const auto layout = wire::CreateKvLayoutDirect(b, 1, 1, 4, 2, "f32", 1);
+  // 1.4: a keys-only (MLA latent) layout.
+  const auto layout = wire::CreateKvLayoutDirect(b, 1, 1, 4, 2, "f32", 1, false);
   const std::vector<flatbuffers::Offset<wire::BulkFrame>> frames = {
       wire::CreateBulkFrame(b, kv.size(), wire::checksum(kv))};
   const std::vector<int32_t> tokens = {1, 15043, 29892};

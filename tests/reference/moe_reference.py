@@ -1,10 +1,13 @@
 #!/usr/bin/python3
-"""Independent NumPy reference forward pass for Mixtral and Qwen3-MoE checkpoints.
+"""Independent NumPy reference forward pass for Mixtral, Qwen3-MoE and DeepSeek-V2/V3 checkpoints.
 
 This is the oracle the moeline engine is tested against, so it is deliberately simple: no KV
 cache, no batching, every step recomputes the whole sequence in float64 from the stored weights
 (which are upcast exactly, so the engine and the oracle see identical parameters). Semantics
-follow transformers' modeling_mixtral.py / modeling_qwen3_moe.py (eager attention path).
+follow transformers' modeling_mixtral.py / modeling_qwen3_moe.py (eager attention path) and, for
+DeepSeek, the modeling_deepseek.py shipped with the official checkpoints: multi-head latent
+attention in its plain form (every head's key and value expanded from the latent, nothing
+absorbed, no cache), YaRN RoPE, and the V2 / V3 gates.
 
   moe_reference.py --model DIR --tokens 1,2,3 [--out FILE.npy] [--greedy N]
 
@@ -110,10 +113,66 @@ class ReferenceModel:
 # (silently computing something else would make the oracle wrong).
 # --------------------------------------------------------------------------------------------
 
+def yarn_mscale(scale, mscale):
+    return 1.0 if scale <= 1 else 0.1 * mscale * np.log(scale) + 1.0
+
+
+def normalise_deepseek(c, where):
+    """DeepSeek-V2 / V3: resolve defaults the way the hub's configuration_deepseek.py does."""
+    v3 = c["model_type"] == "deepseek_v3"
+    c.setdefault("rope_theta", 10000.0)
+    c.setdefault("tie_word_embeddings", False)
+    c.setdefault("attention_bias", False)
+    c.setdefault("q_lora_rank", None)
+    c.setdefault("n_shared_experts", 1 if v3 else None)
+    c.setdefault("first_k_dense_replace", 3 if v3 else 0)
+    c.setdefault("moe_layer_freq", 1)
+    for key, v3_default in (("n_group", 8), ("topk_group", 4)):
+        if c.get(key) is None:
+            c[key] = v3_default if v3 else 1
+    c.setdefault("routed_scaling_factor", 2.5 if v3 else 1.0)
+    c.setdefault("norm_topk_prob", v3)
+    c.setdefault("scoring_func", "sigmoid" if v3 else "softmax")
+    c.setdefault("topk_method", "noaux_tc" if v3 else "greedy")
+    c.setdefault("rope_interleave", True)
+    if c["attention_bias"]:
+        raise ModelError(f"{where}: attention_bias is not implemented by this reference")
+    if c["scoring_func"] not in ("softmax", "sigmoid"):
+        raise ModelError(f"{where}: unsupported scoring_func {c['scoring_func']!r}")
+    if c["topk_method"] == "gready":  # the spelling of some early V2 configs
+        c["topk_method"] = "greedy"
+    if c["topk_method"] not in ("greedy", "group_limited_greedy", "noaux_tc"):
+        raise ModelError(f"{where}: unsupported topk_method {c['topk_method']!r}")
+    c["qk_head_dim"] = c["qk_nope_head_dim"] + c["qk_rope_head_dim"]
+    scale = c["qk_head_dim"] ** -0.5
+    c["rope_mscale"] = 1.0
+    c["rope_yarn"] = None
+    rs = c.get("rope_scaling")
+    if rs is not None:
+        kind = rs.get("type", rs.get("rope_type"))
+        if kind != "yarn":
+            raise ModelError(f"{where}: unsupported rope_scaling {json.dumps(rs)} (only null or yarn)")
+        factor = float(rs["factor"])
+        mscale, mscale_all = rs.get("mscale", 1), rs.get("mscale_all_dim", 0)
+        if mscale_all:
+            m = yarn_mscale(factor, mscale_all)
+            scale *= m * m
+        c["rope_mscale"] = yarn_mscale(factor, mscale) / yarn_mscale(factor, mscale_all)
+        c["rope_yarn"] = dict(factor=factor, original=rs.get("original_max_position_embeddings", 4096),
+                              beta_fast=rs.get("beta_fast", 32), beta_slow=rs.get("beta_slow", 1))
+    c["softmax_scale"] = scale
+    return c
+
+
 def normalise_config(raw, where):
     model_type = raw.get("model_type")
+    if model_type in ("deepseek_v2", "deepseek_v3"):
+        if raw.get("hidden_act", "silu") != "silu":
+            raise ModelError(f"{where}: unsupported hidden_act {raw['hidden_act']!r} (only silu)")
+        return normalise_deepseek(dict(raw), where)
     if model_type not in ("mixtral", "qwen3_moe"):
-        raise ModelError(f"{where}: unsupported model_type {model_type!r} (expected mixtral or qwen3_moe)")
+        raise ModelError(f"{where}: unsupported model_type {model_type!r} "
+                         "(expected mixtral, qwen3_moe, deepseek_v2 or deepseek_v3)")
     c = dict(raw)
     if c.get("hidden_act", "silu") != "silu":
         raise ModelError(f"{where}: unsupported hidden_act {c['hidden_act']!r} (only silu)")
@@ -165,6 +224,9 @@ def normalise_config(raw, where):
 
 
 def is_sparse_layer(c, layer):
+    if c["model_type"].startswith("deepseek"):
+        return (c.get("n_routed_experts") is not None and layer >= c["first_k_dense_replace"]
+                and layer % c["moe_layer_freq"] == 0)
     if c["model_type"] == "mixtral":
         return True
     return (layer not in c["mlp_only_layers"] and c["num_experts"] > 0
@@ -333,6 +395,151 @@ def moe(model, layer, x, c, stats):
     return out
 
 
+# --------------------------------------------------------------------------------------------
+# DeepSeek-V2 / V3
+# --------------------------------------------------------------------------------------------
+
+def deepseek_inv_freq(c):
+    """Per pair frequencies of the rope dims: plain, or YaRN-blended (DeepseekV3YarnRotaryEmbedding)."""
+    dim, base = c["qk_rope_head_dim"], c["rope_theta"]
+    extra = 1.0 / base ** (np.arange(0, dim, 2, dtype=np.float64) / dim)
+    yarn = c["rope_yarn"]
+    if yarn is None:
+        return extra
+    inter = extra / yarn["factor"]
+
+    def correction_dim(rotations):
+        return dim * np.log(yarn["original"] / (rotations * 2 * np.pi)) / (2 * np.log(base))
+
+    low = max(int(np.floor(correction_dim(yarn["beta_fast"]))), 0)
+    high = min(int(np.ceil(correction_dim(yarn["beta_slow"]))), dim - 1)
+    if low == high:
+        high += 0.001
+    ramp = np.clip((np.arange(dim // 2, dtype=np.float64) - low) / (high - low), 0, 1)
+    keep = 1.0 - ramp  # 1: the original frequency (high-frequency dims), 0: interpolated
+    return inter * (1 - keep) + extra * keep
+
+
+def deepseek_rope(x, positions, c):
+    """x: [..., n, rope_dim]. The checkpoint's rope dims are interleaved pairs (2i, 2i+1) when
+    rope_interleave (the hub code de-interleaves them before rotate_half); otherwise the
+    rotate_half layout (i, i + d/2)."""
+    inv = deepseek_inv_freq(c)
+    angles = positions[:, None].astype(np.float64) * inv[None, :]
+    cos, sin = np.cos(angles) * c["rope_mscale"], np.sin(angles) * c["rope_mscale"]
+    if c["rope_interleave"]:
+        a, b = x[..., 0::2], x[..., 1::2]
+    else:
+        half = x.shape[-1] // 2
+        a, b = x[..., :half], x[..., half:]
+    ra, rb = a * cos - b * sin, b * cos + a * sin
+    # Return in rotate_half order; the dot products of q and k do not depend on the order as long
+    # as both use the same one.
+    return np.concatenate([ra, rb], axis=-1)
+
+
+def deepseek_attention(model, layer, x, c):
+    p = f"model.layers.{layer}.self_attn."
+    n, h = x.shape
+    heads, nope, rope, vd = (c["num_attention_heads"], c["qk_nope_head_dim"], c["qk_rope_head_dim"],
+                             c["v_head_dim"])
+    qk, kv_lora = c["qk_head_dim"], c["kv_lora_rank"]
+    # The latent norms use a fixed epsilon of 1e-6 (DeepseekV3RMSNorm's default), not rms_norm_eps.
+    if c["q_lora_rank"] is None:
+        q = x @ model.get(p + "q_proj.weight", (heads * qk, h)).T
+    else:
+        r = c["q_lora_rank"]
+        qa = rms_norm(x @ model.get(p + "q_a_proj.weight", (r, h)).T,
+                      model.get(p + "q_a_layernorm.weight", (r,)), 1e-6)
+        q = qa @ model.get(p + "q_b_proj.weight", (heads * qk, r)).T
+    q = q.reshape(n, heads, qk).transpose(1, 0, 2)
+    q_nope, q_pe = q[..., :nope], q[..., nope:]
+
+    compressed = x @ model.get(p + "kv_a_proj_with_mqa.weight", (kv_lora + rope, h)).T
+    latent, k_pe = compressed[:, :kv_lora], compressed[:, kv_lora:]
+    latent = rms_norm(latent, model.get(p + "kv_a_layernorm.weight", (kv_lora,)), 1e-6)
+    kv = (latent @ model.get(p + "kv_b_proj.weight", (heads * (nope + vd), kv_lora)).T)
+    kv = kv.reshape(n, heads, nope + vd).transpose(1, 0, 2)
+    k_nope, v = kv[..., :nope], kv[..., nope:]
+
+    positions = np.arange(n)
+    q_pe = deepseek_rope(q_pe, positions, c)
+    k_pe = deepseek_rope(k_pe[None], positions, c)  # one rope key shared by every head
+    k = np.concatenate([k_nope, np.broadcast_to(k_pe, (heads, n, rope))], axis=-1)
+    q = np.concatenate([q_nope, q_pe], axis=-1)
+    scores = q @ k.transpose(0, 2, 1) * c["softmax_scale"]
+    scores = np.where(attention_mask(n, None)[None], scores, -np.inf)
+    scores -= scores.max(axis=-1, keepdims=True)
+    probs = np.exp(scores)
+    probs /= probs.sum(axis=-1, keepdims=True)
+    out = (probs @ v).transpose(1, 0, 2).reshape(n, heads * vd)
+    return out @ model.get(p + "o_proj.weight", (h, heads * vd)).T
+
+
+def deepseek_route(c, logits, bias):
+    """(chosen experts [n, k], their weights [n, k], the scores the choice was made on)."""
+    n, ne = logits.shape
+    k, groups, keep = c["num_experts_per_tok"], c["n_group"], c["topk_group"]
+    if c["scoring_func"] == "softmax":
+        scores = np.exp(logits - logits.max(axis=-1, keepdims=True))
+        scores /= scores.sum(axis=-1, keepdims=True)
+    else:
+        scores = 1.0 / (1.0 + np.exp(-logits))
+    choice = scores + bias if bias is not None else scores.copy()
+    if c["topk_method"] in ("group_limited_greedy", "noaux_tc"):
+        grouped = choice.reshape(n, groups, ne // groups)
+        if c["topk_method"] == "noaux_tc":
+            group_scores = np.sort(grouped, axis=-1)[..., -2:].sum(axis=-1)
+        else:
+            group_scores = grouped.max(axis=-1)
+        kept = np.argsort(-group_scores, axis=-1, kind="stable")[:, :keep]
+        mask = np.zeros((n, groups), dtype=bool)
+        np.put_along_axis(mask, kept, True, axis=-1)
+        # Experts of dropped groups can never be chosen.
+        choice = np.where(np.repeat(mask, ne // groups, axis=-1), choice, -np.inf)
+    order = np.argsort(-choice, axis=-1, kind="stable")
+    top = order[:, :k]
+    weights = np.take_along_axis(scores, top, axis=-1)  # the unbiased scores
+    if c["model_type"] == "deepseek_v3":
+        if k > 1 and c["norm_topk_prob"]:
+            weights = weights / (weights.sum(axis=-1, keepdims=True) + 1e-20)
+        weights = weights * c["routed_scaling_factor"]
+    elif k > 1 and c["norm_topk_prob"]:
+        weights = weights / (weights.sum(axis=-1, keepdims=True) + 1e-20)
+    else:
+        weights = weights * c["routed_scaling_factor"]
+    return top, weights, choice, order
+
+
+def deepseek_moe(model, layer, x, c, stats):
+    n, h = x.shape
+    prefix = f"model.layers.{layer}.mlp."
+    ne, k, inter = c["n_routed_experts"], c["num_experts_per_tok"], c["moe_intermediate_size"]
+    logits = x @ model.get(prefix + "gate.weight", (ne, h)).T
+    bias = None
+    if c["topk_method"] == "noaux_tc":
+        bias = model.get(prefix + "gate.e_score_correction_bias", (ne,))
+    top, weights, choice, order = deepseek_route(c, logits, bias)
+    if stats is not None and k < ne:
+        kth = np.take_along_axis(choice, order[:, k - 1:k], axis=-1)
+        nxt = np.take_along_axis(choice, order[:, k:k + 1], axis=-1)
+        stats["min_router_gap"] = min(stats.get("min_router_gap", np.inf), float(np.min(kth - nxt)))
+    if stats is not None:
+        counts = stats.setdefault("expert_counts", {})
+        counts[layer] = counts.get(layer, 0) + np.bincount(top.reshape(-1), minlength=ne)
+    names = ("gate_proj", "up_proj", "down_proj")
+    out = np.zeros_like(x)
+    for e in range(ne):
+        rows, slot = np.nonzero(top == e)
+        if rows.size == 0:
+            continue
+        y = swiglu(model, f"{prefix}experts.{e}.", names, x[rows], h, inter)
+        out[rows] += y * weights[rows, slot][:, None]
+    if c["n_shared_experts"]:
+        out += swiglu(model, prefix + "shared_experts.", names, x, h, inter * c["n_shared_experts"])
+    return out
+
+
 def forward_logits(model, tokens, stats=None):
     """Logits for every position, float64 [len(tokens), vocab]. Positions start at 0.
 
@@ -349,19 +556,24 @@ def forward_logits(model, tokens, stats=None):
         raise ValueError(f"token ids must be in [0, {vocab})")
     eps = c["rms_norm_eps"]
     n = tokens.size
-    cos, sin = rope_tables(n, c["head_dim"], c["rope_theta"])
+    if not c["model_type"].startswith("deepseek"):
+        cos, sin = rope_tables(n, c["head_dim"], c["rope_theta"])
     if stats is not None:
         stats.setdefault("min_router_gap", np.inf)
 
     embed = model.get("model.embed_tokens.weight", (vocab, h))
     x = embed[tokens]
+    deepseek = c["model_type"].startswith("deepseek")
     for layer in range(c["num_hidden_layers"]):
         p = f"model.layers.{layer}."
         hn = rms_norm(x, model.get(p + "input_layernorm.weight", (h,)), eps)
-        x = x + attention(model, layer, hn, c, cos, sin)
+        if deepseek:
+            x = x + deepseek_attention(model, layer, hn, c)
+        else:
+            x = x + attention(model, layer, hn, c, cos, sin)
         hn = rms_norm(x, model.get(p + "post_attention_layernorm.weight", (h,)), eps)
         if is_sparse_layer(c, layer):
-            x = x + moe(model, layer, hn, c, stats)
+            x = x + (deepseek_moe if deepseek else moe)(model, layer, hn, c, stats)
         else:
             x = x + swiglu(model, p + "mlp.", ("gate_proj", "up_proj", "down_proj"), hn, h,
                            c["intermediate_size"])

@@ -401,10 +401,30 @@ std::map<std::string, Expectation> v1_3() {
   return e;
 }
 
+// Schema 1.4 (DeepSeek's latent KV): every 1.3 type again, with minor 4; PrefillJob's KV layout
+// is keys only, the others keep the default (keys and values), as every earlier file reads.
+std::map<std::string, Expectation> v1_4() {
+  std::map<std::string, Expectation> e = v1_3();
+  for (auto& [stem, expectation] : e) expectation.minor = 4;
+  auto values_are = [&e](const std::string& stem, bool values, auto layout_of) {
+    auto before = e.at(stem).check;
+    e.at(stem).check = [before, values, layout_of](const Message& m) {
+      before(m);
+      const KvLayout* layout = layout_of(m);
+      ASSERT_NE(layout, nullptr);
+      EXPECT_EQ(layout->values(), values);
+    };
+  };
+  values_are("PrefillJob", false, [](const Message& m) { return m.as<PrefillJob>()->layout(); });
+  values_are("PrefillDone", true, [](const Message& m) { return m.as<PrefillDone>()->layout(); });
+  values_are("ProbePlan", true, [](const Message& m) { return m.as<ProbePlan>()->layout(); });
+  return e;
+}
+
 // Every released version: directory name -> file stem -> expectation.
 const std::map<std::string, std::map<std::string, Expectation>>& released() {
   static const std::map<std::string, std::map<std::string, Expectation>> versions = {
-      {"v1.0", v1_0()}, {"v1.1", v1_1()}, {"v1.2", v1_2()}, {"v1.3", v1_3()}};
+      {"v1.0", v1_0()}, {"v1.1", v1_1()}, {"v1.2", v1_2()}, {"v1.3", v1_3()}, {"v1.4", v1_4()}};
   return versions;
 }
 

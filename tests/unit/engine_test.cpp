@@ -513,8 +513,7 @@ TEST(EngineBlend, TransplantedKeysAreRotatedToTheirNewPositions) {
   const std::vector<int32_t> alignment = reuse::align_tokens(tokens, donor_tokens);
   ASSERT_EQ(alignment[2], 0);
   ASSERT_EQ(alignment[20], -1);
-  const reuse::KvGeometry geometry{c.num_layers, c.num_kv_heads, c.head_dim, kBlockTokens,
-                                   c.rope_theta};
+  const reuse::KvGeometry geometry = reuse::KvGeometry::of(c);
   const std::vector<uint8_t> moved =
       reuse::transplant_kv(prefill_kv(h, donor_tokens), alignment, geometry);
   const std::vector<uint8_t> own = prefill_kv(h, tokens);
