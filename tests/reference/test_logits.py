@@ -68,6 +68,26 @@ CASES = [
     ("qwen3-shards3-bf16", "qwen3_moe", 21, ["--shards", "3", "--dtype", "bf16"]),
     ("qwen3-f16", "qwen3_moe", 22, ["--dtype", "f16"]),
     ("qwen3-top3-mha", "qwen3_moe", 23, ["--set", "num_experts_per_tok=3", "--set", "num_key_value_heads=4"]),
+    # DeepSeek-V2: no q_lora_rank (q_proj), softmax gate limited to 2 of 4 groups by their best
+    # expert, unnormalised weights times routed_scaling_factor, 2 shared experts, YaRN with
+    # mscale == mscale_all_dim (V2-Lite's), one dense layer.
+    ("deepseek2-s1", "deepseek_v2", 24, []),
+    ("deepseek2-greedy-norm", "deepseek_v2", 25,
+     ["--set", 'topk_method="greedy"', "--set", "norm_topk_prob=true"]),
+    ("deepseek2-plain-rope-bf16", "deepseek_v2", 26, ["--set", "rope_scaling=null", "--dtype", "bf16"]),
+    # DeepSeek-V3: q through q_lora_rank, sigmoid gate choosing on score + correction bias within
+    # the 2 of 4 groups with the best top-two sums, normalised weights times 2.5, two dense layers.
+    ("deepseek3-s1", "deepseek_v3", 27, []),
+    ("deepseek3-mscale-ratio", "deepseek_v3", 28,
+     ["--set", 'rope_scaling={"type":"yarn","factor":8.0,"original_max_position_embeddings":64,'
+               '"beta_fast":16,"beta_slow":2,"mscale":1.0,"mscale_all_dim":0.8}']),
+    ("deepseek3-rotate-half", "deepseek_v3", 29, ["--set", "rope_interleave=false"]),
+    ("deepseek3-top1-no-shared", "deepseek_v3", 30,
+     ["--set", "num_experts_per_tok=1", "--set", "n_shared_experts=0"]),
+    ("deepseek3-freq2-3groups", "deepseek_v3", 31,
+     ["--set", "moe_layer_freq=2", "--set", "first_k_dense_replace=1", "--set", "n_routed_experts=24",
+      "--set", "n_group=3", "--set", "topk_group=1", "--set", "num_experts_per_tok=3"]),
+    ("deepseek3-shards3-bf16", "deepseek_v3", 32, ["--shards", "3", "--dtype", "bf16"]),
 ]
 
 
@@ -278,6 +298,63 @@ def naive_decode_logits(model, tokens):
     return np.stack(rows)
 
 
+def latent_decode_logits(model, tokens):
+    """DeepSeek, one token at a time over a cache of what MLA keeps per token (the normalised
+    latent and the rotated rope key), with both up-projections absorbed: each head's query is
+    mapped into latent space by its K rows of kv_b_proj and its attended latent mapped out by its
+    V rows. Must equal the plain (expanded, no cache) forward: the algebra the engine relies on."""
+    c = model.config
+    h, heads = c["hidden_size"], c["num_attention_heads"]
+    nope, rope, vd, kv_lora = c["qk_nope_head_dim"], c["qk_rope_head_dim"], c["v_head_dim"], c["kv_lora_rank"]
+    qk = nope + rope
+    eps = c["rms_norm_eps"]
+    embed = model.get("model.embed_tokens.weight", (c["vocab_size"], h))
+    caches = [([], []) for _ in range(c["num_hidden_layers"])]
+    rows = []
+    for pos, tok in enumerate(tokens):
+        x = embed[tok][None]
+        where = np.array([pos])
+        for layer in range(c["num_hidden_layers"]):
+            p = f"model.layers.{layer}."
+            a = p + "self_attn."
+            hn = ref.rms_norm(x, model.get(p + "input_layernorm.weight", (h,)), eps)
+            if c["q_lora_rank"] is None:
+                q = hn @ model.get(a + "q_proj.weight", (heads * qk, h)).T
+            else:
+                r = c["q_lora_rank"]
+                q = ref.rms_norm(hn @ model.get(a + "q_a_proj.weight", (r, h)).T,
+                                 model.get(a + "q_a_layernorm.weight", (r,)), 1e-6)
+                q = q @ model.get(a + "q_b_proj.weight", (heads * qk, r)).T
+            q = q.reshape(heads, qk)
+            ckv = (hn @ model.get(a + "kv_a_proj_with_mqa.weight", (kv_lora + rope, h)).T)[0]
+            latent = ref.rms_norm(ckv[:kv_lora], model.get(a + "kv_a_layernorm.weight", (kv_lora,)), 1e-6)
+            k_pe = ref.deepseek_rope(ckv[kv_lora:][None], where, c)[0]
+            q_pe = ref.deepseek_rope(q[:, None, nope:], where, c)[:, 0]
+            latents, rope_keys = caches[layer]
+            latents.append(latent)
+            rope_keys.append(k_pe)
+            kv_b = model.get(a + "kv_b_proj.weight", (heads * (nope + vd), kv_lora)).reshape(heads, nope + vd, kv_lora)
+            out = np.zeros((heads, vd))
+            C, R = np.array(latents), np.array(rope_keys)
+            for head in range(heads):
+                q_latent = q[head, :nope] @ kv_b[head, :nope]  # [kv_lora]
+                scores = (C @ q_latent + R @ q_pe[head]) * c["softmax_scale"]
+                w = np.exp(scores - scores.max())
+                w /= w.sum()
+                out[head] = kv_b[head, nope:] @ (w @ C)
+            x = x + out.reshape(1, heads * vd) @ model.get(a + "o_proj.weight", (h, heads * vd)).T
+            hn = ref.rms_norm(x, model.get(p + "post_attention_layernorm.weight", (h,)), eps)
+            if ref.is_sparse_layer(c, layer):
+                x = x + ref.deepseek_moe(model, layer, hn, c, None)
+            else:
+                x = x + ref.swiglu(model, p + "mlp.", ("gate_proj", "up_proj", "down_proj"), hn, h,
+                                   c["intermediate_size"])
+        x = ref.rms_norm(x, model.get("model.norm.weight", (h,)), eps)
+        head_w = embed if c["tie_word_embeddings"] else model.get("lm_head.weight", (c["vocab_size"], h))
+        rows.append((x @ head_w.T)[0])
+    return np.array(rows)
+
+
 def bf16_round_independent(x32):
     """float32 -> nearest bf16 value as float64, by comparing the two neighbouring candidates."""
     u = x32.view(np.uint32).astype(np.uint64)
@@ -313,9 +390,11 @@ def run_reference_checks(args):
         full = ref.forward_logits(model, tokens, stats)
         worst = max(rel_l2(ref.forward_logits(model, tokens[:n])[-1], full[n - 1]) for n in PROMPT_LENGTHS)
         check(worst < 1e-12, f"{name}: prefix forward == rows of longer forward (worst rel err {worst:.2e})")
-        inc = naive_decode_logits(model, tokens[:20])
+        decode = latent_decode_logits if arch.startswith("deepseek") else naive_decode_logits
+        inc = decode(model, tokens[:20])
         err = max(rel_l2(inc[i], full[i]) for i in range(20))
-        check(err < 1e-10, f"{name}: naive KV-cache decode == vectorised forward (worst rel err {err:.2e})")
+        route = "latent-cache (absorbed MLA)" if arch.startswith("deepseek") else "naive KV-cache"
+        check(err < 1e-10, f"{name}: {route} decode == vectorised forward (worst rel err {err:.2e})")
         check(full.std() > 0.3 and np.isfinite(full).all(),
               f"{name}: logits finite and O(1) (std {full.std():.3f}, min router gap {stats['min_router_gap']:.2g})")
         ids, margins = ref.greedy(model, tokens[:5], GREEDY_STEPS)
@@ -362,7 +441,47 @@ def run_reference_checks(args):
     tied = build("rt-tied", "mixtral", 31, ["--set", "tie_word_embeddings=true"])
     check(not tied.has("lm_head.weight"), "tied checkpoint has no lm_head.weight")
 
-    # 6. CLI --out matches the library call.
+    # 6. DeepSeek: every routing and RoPE setting the engine must honour moves the logits (so an
+    # engine that ignored one would fail the matrix), and the hub's defaults are resolved.
+    d3 = build("rt-ds3", "deepseek_v3", 33, [])
+    dtoks = prompt_tokens(33, 24, 512)
+    d3_logits = ref.forward_logits(d3, dtoks)
+
+    def moved(model, what, expect=True):
+        err = rel_l2(ref.forward_logits(model, dtoks), d3_logits)
+        check((err > 1e-3) == expect, f"deepseek_v3: {what} ({'changes' if expect else 'keeps'} logits, rel {err:.3g})")
+
+    unbiased = build("rt-ds3-nobias", "deepseek_v3", 33, [])
+    for layer in range(unbiased.config["num_hidden_layers"]):
+        name = f"model.layers.{layer}.mlp.gate.e_score_correction_bias"
+        if unbiased.has(name):
+            unbiased._cache[name] = np.zeros(unbiased.config["n_routed_experts"])
+    moved(unbiased, "the correction bias")
+    ungrouped = build("rt-ds3-nogroup", "deepseek_v3", 33, [])
+    ungrouped.config["topk_group"] = ungrouped.config["n_group"]
+    moved(ungrouped, "the group limit")
+    for key, value, what in (("rope_interleave", False, "the rope pair layout"),
+                             ("softmax_scale", d3.config["softmax_scale"] * 1.3, "the softmax scale"),
+                             ("routed_scaling_factor", 1.0, "routed_scaling_factor"),
+                             ("norm_topk_prob", False, "norm_topk_prob")):
+        other = build(f"rt-ds3-{key}", "deepseek_v3", 33, [])
+        other.config[key] = value
+        moved(other, what)
+    no_yarn = build("rt-ds3-noyarn", "deepseek_v3", 33, ["--set", "rope_scaling=null"])
+    moved(no_yarn, "YaRN")
+    d2 = build("rt-ds2", "deepseek_v2", 34, [])
+    scale = d2.config["softmax_scale"] * np.sqrt(24)
+    check(abs(scale - (0.1 * 0.707 * np.log(4.0) + 1) ** 2) < 1e-12,
+          f"deepseek_v2: softmax scale carries mscale_all_dim^2 ({scale:.6f})")
+    bare = dict(json.load(open(os.path.join(d3.dir, "config.json"))))
+    for key in ("n_group", "topk_group", "routed_scaling_factor", "scoring_func", "topk_method"):
+        bare.pop(key)
+    resolved = ref.normalise_config(bare, "bare")
+    check((resolved["n_group"], resolved["topk_group"], resolved["routed_scaling_factor"],
+           resolved["scoring_func"], resolved["topk_method"]) == (8, 4, 2.5, "sigmoid", "noaux_tc"),
+          "deepseek_v3: the hub config's defaults")
+
+    # 7. CLI --out matches the library call.
     out = os.path.join(args.workdir, "cli.npy")
     r = subprocess.run([sys.executable, ref.__file__, "--model", base.dir, "--tokens", ",".join(map(str, toks)),
                         "--out", out, "--greedy", "3"], capture_output=True, text=True)
@@ -370,11 +489,14 @@ def run_reference_checks(args):
     check(r.returncode == 0 and np.array_equal(np.load(out), lib.astype(np.float32))
           and json.loads(r.stdout) == ref.greedy(base, toks, 3)[0], "CLI --out/--greedy match the library")
 
-    # 7. The oracle refuses what it does not implement instead of computing something else.
-    for setting, needle in (("rope_scaling={\"type\":\"linear\",\"factor\":2.0}", "rope_scaling"),
-                            ("hidden_act=\"gelu\"", "hidden_act")):
+    # 8. The oracle refuses what it does not implement instead of computing something else.
+    for arch, setting, needle in (
+            ("qwen3_moe", "rope_scaling={\"type\":\"linear\",\"factor\":2.0}", "rope_scaling"),
+            ("qwen3_moe", "hidden_act=\"gelu\"", "hidden_act"),
+            ("deepseek_v3", "rope_scaling={\"type\":\"dynamic\",\"factor\":2.0}", "rope_scaling"),
+            ("deepseek_v2", "topk_method=\"random\"", "topk_method")):
         d = os.path.join(args.workdir, "rt-reject")
-        make_model(args.make_model, d, "qwen3_moe", 1, ["--set", setting])
+        make_model(args.make_model, d, arch, 1, ["--set", setting])
         try:
             ref.load_model(d)
             check(False, f"reference rejects {setting}")

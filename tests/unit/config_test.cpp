@@ -6,6 +6,7 @@
 
 #include <unistd.h>
 
+#include <cmath>
 #include <filesystem>
 #include <fstream>
 #include <nlohmann/json.hpp>
@@ -32,6 +33,43 @@ json qwen3() {
   c["moe_intermediate_size"] = 48;
   c["intermediate_size"] = 128;
   return c;
+}
+
+// DeepSeek-V2-Lite's config.json, shrunk: no q_lora_rank, greedy routing, YaRN with mscale.
+json deepseek_v2_lite() {
+  return {{"model_type", "deepseek_v2"},
+          {"vocab_size", 256},
+          {"hidden_size", 64},
+          {"intermediate_size", 128},
+          {"moe_intermediate_size", 16},
+          {"num_hidden_layers", 4},
+          {"num_attention_heads", 4},
+          {"num_key_value_heads", 4},
+          {"q_lora_rank", nullptr},
+          {"kv_lora_rank", 32},
+          {"qk_nope_head_dim", 16},
+          {"qk_rope_head_dim", 8},
+          {"v_head_dim", 16},
+          {"n_routed_experts", 8},
+          {"n_shared_experts", 2},
+          {"num_experts_per_tok", 2},
+          {"topk_method", "greedy"},
+          {"n_group", 1},
+          {"topk_group", 1},
+          {"first_k_dense_replace", 1},
+          {"moe_layer_freq", 1},
+          {"norm_topk_prob", false},
+          {"routed_scaling_factor", 1.0},
+          {"scoring_func", "softmax"},
+          {"rope_theta", 10000},
+          {"rope_scaling",
+           {{"type", "yarn"},
+            {"factor", 40},
+            {"original_max_position_embeddings", 4096},
+            {"beta_fast", 32},
+            {"beta_slow", 1},
+            {"mscale", 0.707},
+            {"mscale_all_dim", 0.707}}}};
 }
 
 // Writes the files into a fresh folder, parses them, and removes the folder again.
@@ -155,6 +193,93 @@ TEST(Config, UnsupportedSettingsAreNamed) {
   c = mixtral();
   c["model_type"] = "llama";
   EXPECT_NE(error_of(c).find("\"llama\" is not supported"), std::string::npos);
+}
+
+}  // namespace
+}  // namespace moeline::model
+
+namespace moeline::model {
+namespace {
+
+TEST(Config, DeepseekV2LiteResolvesLikeTheHubCode) {
+  const ModelConfig c = load(deepseek_v2_lite());
+  EXPECT_EQ(c.family, Family::kDeepseekV2);
+  EXPECT_TRUE(c.mla);
+  EXPECT_EQ(c.q_lora_rank, 0);
+  EXPECT_EQ(c.head_dim, 24);  // qk_nope + qk_rope
+  EXPECT_EQ(c.shared_intermediate_size, 32);
+  EXPECT_EQ(c.router_scoring, RouterScoring::kSoftmax);
+  EXPECT_EQ(c.group_limit, GroupLimit::kNone);
+  EXPECT_FALSE(c.router_correction_bias);
+  EXPECT_EQ(c.layer_is_moe, (std::vector<bool>{false, true, true, true}));
+  // softmax_scale = qk_head_dim^-0.5 * mscale(40, 0.707)^2, mscale = 0.1 * 0.707 * ln 40 + 1.
+  const double mscale = 0.1 * 0.707 * std::log(40.0) + 1.0;
+  EXPECT_NEAR(c.softmax_scale, mscale * mscale / std::sqrt(24.0), 1e-12);
+  EXPECT_DOUBLE_EQ(c.rope_attention_factor, 1.0);  // mscale / mscale_all_dim
+  EXPECT_TRUE(c.rope_interleaved);
+  EXPECT_EQ(c.rope_original_max_positions, 4096);
+  // The compressed cache: one row of latent + rope key per layer and token.
+  const KvShape kv = kv_shape(c);
+  EXPECT_EQ(kv.kv_heads, 1);
+  EXPECT_EQ(kv.key_dim, 40);
+  EXPECT_EQ(kv.value_dim, 0);
+}
+
+TEST(Config, DeepseekV3GateAndDefaults) {
+  json j = deepseek_v2_lite();
+  j["model_type"] = "deepseek_v3";
+  for (const char* key :
+       {"topk_method", "n_group", "topk_group", "norm_topk_prob", "routed_scaling_factor",
+        "scoring_func", "n_shared_experts", "first_k_dense_replace", "rope_scaling"})
+    j.erase(key);
+  j["n_routed_experts"] = 16;
+  const ModelConfig c = load(j);  // the hub's DeepseekV3Config defaults
+  EXPECT_EQ(c.router_scoring, RouterScoring::kSigmoid);
+  EXPECT_EQ(c.group_limit, GroupLimit::kGroupTopTwo);
+  EXPECT_TRUE(c.router_correction_bias);
+  EXPECT_EQ(c.n_group, 8);
+  EXPECT_EQ(c.topk_group, 4);
+  EXPECT_TRUE(c.norm_topk_prob);
+  EXPECT_TRUE(c.scale_normalised_weights);
+  EXPECT_DOUBLE_EQ(c.routed_scaling_factor, 2.5);
+  EXPECT_EQ(c.shared_intermediate_size, 16);
+  EXPECT_EQ(c.layer_is_moe, (std::vector<bool>{false, false, false, true}));
+  EXPECT_NEAR(c.softmax_scale, 1.0 / std::sqrt(24.0), 1e-12);
+  // One expert per token: nothing to renormalise (the hub gate's top_k > 1 condition).
+  j["num_experts_per_tok"] = 1;
+  EXPECT_FALSE(load(j).norm_topk_prob);
+  // The V2 spelling "gready" is plain top-k; mscale alone scales cos/sin.
+  json v2 = deepseek_v2_lite();
+  v2["topk_method"] = "gready";
+  v2["rope_scaling"]["mscale_all_dim"] = nullptr;
+  const ModelConfig gready = load(v2);
+  EXPECT_EQ(gready.group_limit, GroupLimit::kNone);
+  EXPECT_NEAR(gready.rope_attention_factor, 0.1 * 0.707 * std::log(40.0) + 1.0, 1e-12);
+  EXPECT_NEAR(gready.softmax_scale, 1.0 / std::sqrt(24.0), 1e-12);
+}
+
+TEST(Config, DeepseekSettingsItCannotHonourAreNamed) {
+  auto with = [](const char* key, json value) {
+    json j = deepseek_v2_lite();
+    j[key] = std::move(value);
+    return error_of(j);
+  };
+  EXPECT_NE(with("topk_method", "random").find("topk_method"), std::string::npos);
+  EXPECT_NE(with("scoring_func", "relu").find("scoring_func"), std::string::npos);
+  EXPECT_NE(with("n_group", 3).find("n_group"), std::string::npos);  // 8 experts
+  EXPECT_NE(with("attention_bias", true).find("attention_bias"), std::string::npos);
+  EXPECT_NE(with("qk_rope_head_dim", 7).find("qk_rope_head_dim"), std::string::npos);
+  EXPECT_NE(with("rope_scaling", json{{"type", "linear"}, {"factor", 2}}).find("rope_scaling"),
+            std::string::npos);
+  json missing = deepseek_v2_lite();
+  missing.erase("kv_lora_rank");
+  EXPECT_NE(error_of(missing).find("kv_lora_rank"), std::string::npos);
+  json grouped = deepseek_v2_lite();
+  grouped["topk_method"] = "group_limited_greedy";
+  grouped["n_group"] = 4;
+  grouped["topk_group"] = 1;
+  grouped["num_experts_per_tok"] = 3;  // only 2 experts in the one group kept
+  EXPECT_NE(error_of(grouped).find("num_experts_per_tok"), std::string::npos);
 }
 
 }  // namespace

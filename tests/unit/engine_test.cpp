@@ -147,8 +147,9 @@ TEST_P(EngineOnModel, KernelPathsAgree) {
 }
 
 INSTANTIATE_TEST_SUITE_P(TinyModels, EngineOnModel,
-                         ::testing::Values("mixtral-f32", "qwen3-f32", "mixtral-bf16",
-                                           "qwen3-bf16"));
+                         ::testing::Values("mixtral-f32", "qwen3-f32", "mixtral-bf16", "qwen3-bf16",
+                                           "deepseek2-f32", "deepseek3-f32",
+                                           "deepseek3-bf16-fused"));
 
 TEST(Engine, Bf16WeightsStayWithinBf16Rounding) {
   // mixtral-bf16 has the same seed as mixtral-f32: the same weights rounded to BF16 (relative
@@ -499,10 +500,13 @@ TEST(EngineBlend, RecomputesUnalignedTokensAndTheMostDeviatingFraction) {
 
 // Layer 0's K/V depend only on the token and its position, so a donor's layer-0 KV transplanted to
 // the aligned positions of a shifted prompt (two tokens inserted in front, one changed) must equal
-// that prompt's own layer-0 KV: values copied, keys re-rotated by the shift. Tolerance 1e-5
-// relative: a rotation by delta after one by j, in f32, against one by i = j + delta.
-TEST(EngineBlend, TransplantedKeysAreRotatedToTheirNewPositions) {
-  auto model = load("qwen3-f32");  // q/k norms before RoPE
+// that prompt's own layer-0 KV: values copied, keys re-rotated by the shift (all of a key for
+// Qwen3, only the rope key after the latent for DeepSeek's MLA). Tolerance 1e-5 relative: a
+// rotation by delta after one by j, in f32, against one by i = j + delta.
+class TransplantOnModel : public ::testing::TestWithParam<const char*> {};
+
+TEST_P(TransplantOnModel, TransplantedKeysAreRotatedToTheirNewPositions) {
+  auto model = load(GetParam());
   ASSERT_TRUE(model);
   const ModelConfig& c = model->config();
   Harness h(*model);
@@ -513,34 +517,46 @@ TEST(EngineBlend, TransplantedKeysAreRotatedToTheirNewPositions) {
   const std::vector<int32_t> alignment = reuse::align_tokens(tokens, donor_tokens);
   ASSERT_EQ(alignment[2], 0);
   ASSERT_EQ(alignment[20], -1);
-  const reuse::KvGeometry geometry = reuse::KvGeometry::of(c);
+  const reuse::KvGeometry g = reuse::KvGeometry::of(c);
+  ASSERT_EQ(g.block_bytes(), h.cache.block_bytes());
   const std::vector<uint8_t> moved =
-      reuse::transplant_kv(prefill_kv(h, donor_tokens), alignment, geometry);
+      reuse::transplant_kv(prefill_kv(h, donor_tokens), alignment, g);
   const std::vector<uint8_t> own = prefill_kv(h, tokens);
   ASSERT_EQ(moved.size(), own.size());
-  const int64_t part = c.num_kv_heads * kBlockTokens * c.head_dim;
-  const int64_t block_floats = 2 * c.num_layers * part;
+  const int64_t key_part = g.kv_heads * kBlockTokens * g.key_dim;
+  const int64_t value_part = g.kv_heads * kBlockTokens * g.value_dim;
+  const int64_t block_floats = g.layers * (key_part + value_part);
   const auto* a = reinterpret_cast<const float*>(moved.data());
   const auto* b = reinterpret_cast<const float*>(own.data());
   int compared = 0;
   for (size_t i = 0; i < tokens.size(); ++i) {
     const int64_t blk = static_cast<int64_t>(i) / kBlockTokens,
                   slot = static_cast<int64_t>(i) % kBlockTokens;
-    for (int64_t kv = 0; kv < 2; ++kv) {
-      for (int64_t head = 0; head < c.num_kv_heads; ++head) {
+    for (int64_t part = 0; part < 2; ++part) {
+      const int64_t width = part == 0 ? g.key_dim : g.value_dim;
+      for (int64_t head = 0; head < g.kv_heads && width > 0; ++head) {
         const int64_t at =
-            blk * block_floats + kv * part + (head * kBlockTokens + slot) * c.head_dim;
+            blk * block_floats + part * key_part + (head * kBlockTokens + slot) * width;
         if (alignment[i] < 0) {
-          for (int64_t d = 0; d < c.head_dim; ++d) ASSERT_EQ(a[at + d], 0.0f);
+          for (int64_t d = 0; d < width; ++d) ASSERT_EQ(a[at + d], 0.0f);
           continue;
         }
-        EXPECT_LE(relative_l2(a + at, b + at, c.head_dim), 1e-5) << "position " << i;
+        EXPECT_LE(relative_l2(a + at, b + at, width), 1e-5) << "position " << i;
+        if (g.rope_offset > 0) {  // the rotated part alone, which the latent could swamp
+          EXPECT_LE(relative_l2(a + at + g.rope_offset, b + at + g.rope_offset, g.rope.dim()), 1e-5)
+              << "position " << i;
+        }
         ++compared;
       }
     }
   }
-  EXPECT_EQ(compared, 2 * static_cast<int>(c.num_kv_heads) * 28);
+  const int parts = g.value_dim > 0 ? 2 : 1;
+  EXPECT_EQ(compared, parts * static_cast<int>(g.kv_heads) * 28);
 }
+
+INSTANTIATE_TEST_SUITE_P(Models, TransplantOnModel,
+                         ::testing::Values("qwen3-f32",  // q/k norms before RoPE
+                                           "deepseek3-f32"));
 
 // The probe's shortcut for a prompt whose prefix is cached: import the prefix blocks' KV (only the
 // signature layers of each block record), run the first layers over the rest, and add the prefix
