@@ -14,6 +14,10 @@ Cases (--case, one per CTest entry):
             process has the checkpoint's expert bytes resident in its own mapping
   trace     the decode processes record their expert acquisitions (--expert-trace, one file per
             replica) and `moeline experts replay` replays them: no policy beats Belady's bound
+  deepseek  a DeepSeek model (multi-head latent attention with its compressed cache, shared
+            experts, group-limited routing) through the stack: exact reuse (prefix, full and
+            result hits, the latent KV moved between processes) and 2 prefill + 2 decode sharing a
+            25% pool, ids identical to `moeline run` throughout
   restart   kill -9 of the offload manager: the compute processes notice its pool is gone, are
             restarted onto the new pool, and requests keep completing identically; kill -9 of a
             decode process mid-stream: its pins are taken back and requests complete
@@ -269,6 +273,66 @@ def case_trace(args):
               f"100/50/25%: {', '.join(f'{r:.3f}' for r in ratios)}")
 
 
+def case_deepseek(args):
+    from moeline_client import Client
+    with open(os.path.join(args.model, "config.json")) as f:
+        model_type = json.load(f)["model_type"]
+    check(model_type.startswith("deepseek"), f"--model is a {model_type}, not a DeepSeek model")
+    vocab, moe_layers, slot_bytes, total = model_shape(args.model)
+    rng = random.Random(21)
+    system = [rng.randrange(vocab) for _ in range(32)]  # two full KV blocks shared by the prompts
+
+    def prompt(extra):
+        return system + [rng.randrange(vocab) for _ in range(extra)]
+
+    # Exact reuse: the probe stores and serves latent KV (keys only on the wire).
+    run_dir = os.path.join(args.workdir, "deepseek-reuse")
+    with Stack(args.moeline, args.model, run_dir, decode=2) as stack:
+        with Client(stack.endpoint, timeout=120) as client:
+            first = {"tokens": prompt(9), "max_tokens": 10, "ignore_eos": True}
+            cases = [("first", first, "none", 0),
+                     ("exact greedy repeat", first, "result", len(first["tokens"])),
+                     ("same prompt, other max_tokens", dict(first, max_tokens=6), "full",
+                      len(first["tokens"])),
+                     ("shared prefix, new suffix",
+                      {"tokens": prompt(13), "max_tokens": 10, "ignore_eos": True}, "prefix", 32)]
+            for label, request, level, reused in cases:
+                result = client.generate(**request)
+                want = reference(args.moeline, args.model, request["max_tokens"],
+                                 tokens=request["tokens"], ignore_eos=True)
+                check(result.ids == want["ids"],
+                      f"{label}: stack ids {result.ids} != run ids {want['ids']}")
+                usage = result.usage
+                check(usage["reuse_level"] == level and usage["reused_tokens"] == reused,
+                      f"{label}: {usage}, want {level} with {reused} tokens")
+                print(f"ok deepseek: {label} -> {level}, {reused} tokens reused, identical to run")
+            wave = [{"tokens": prompt(5 + i), "max_tokens": 8, "ignore_eos": True}
+                    for i in range(6)]
+            compare(run_concurrently(client, wave), references(args, wave), "prefix wave")
+            print("ok deepseek: 6 concurrent prefix hits on 2 decode replicas, identical to run")
+
+    # Offload: 2 prefill + 2 decode on a quarter of the routed experts' bytes (the shared experts
+    # are layer weights, always resident).
+    requests = workload(vocab, 16, seed=11)
+    expected = references(args, requests)
+    run_dir = os.path.join(args.workdir, "deepseek-offload")
+    with Stack(args.moeline, args.model, run_dir, prefill=2, decode=2,
+               expert_budget="25%") as stack:
+        with Client(stack.endpoint, timeout=120) as client:
+            compare(run_concurrently(client, requests), expected, "25%")
+        time.sleep(1.2)  # the manager publishes the pool's counters every 0.5 s
+        metrics = stack.metrics("offload")
+        host = frozenset({("tier", "host")})
+        evictions = metrics.get(("moeline_offload_expert_evictions_total", host), 0.0)
+        check(evictions > 0, f"25%: no eviction (evictions {evictions})")
+        status = pool_status(args, stack)
+        check(status and 0 < status["slots"] * slot_bytes <= total // 4 + slot_bytes,
+              f"25%: the pool is not a quarter of the experts: {status}")
+        print(f"ok deepseek: 2 prefill + 2 decode on a 25% pool ({status['slots']} slots of "
+              f"{moe_layers} MoE layers' experts): 16 concurrent requests identical to moeline "
+              f"run, {evictions:.0f} evictions")
+
+
 def case_restart(args):
     from moeline_client import Client
     vocab, _, _, _ = model_shape(args.model)
@@ -333,4 +397,4 @@ def case_restart(args):
 
 if __name__ == "__main__":
     run_cases({"budgets": case_budgets, "memory": case_memory, "restart": case_restart,
-               "trace": case_trace}, __doc__)
+               "trace": case_trace, "deepseek": case_deepseek}, __doc__)
