@@ -109,6 +109,7 @@ struct Options {
   int decode = 128;
   int repeat = 3;
   int batch = 1;  // sequences decoded together (batched decode)
+  int depth = 0;  // tokens already in each sequence's cache when decoding starts (llama-bench -d)
 };
 
 Options parse(int argc, char** argv) {
@@ -128,6 +129,8 @@ Options parse(int argc, char** argv) {
       options.repeat = std::stoi(value);
     else if (flag == "--batch")
       options.batch = std::max(1, std::stoi(value));
+    else if (flag == "--depth")
+      options.depth = std::max(0, std::stoi(value));
     else
       throw std::invalid_argument("unknown option " + flag);
   }
@@ -145,7 +148,7 @@ int main(int argc, char** argv) {
   } catch (const std::exception& e) {
     std::cerr << "moeline_bench: " << e.what()
               << "\nusage: moeline_bench --model DIR [--threads N] [--prompt 512] [--decode 128] "
-                 "[--repeat 3] [--batch 1]\n";
+                 "[--repeat 3] [--batch 1] [--depth 0]\n";
     return 2;
   }
   auto loaded = model::Model::load(options.model_dir);
@@ -158,9 +161,10 @@ int main(int argc, char** argv) {
   ThreadPool pool(options.threads);
   moeline::offload::ResidentExpertProvider experts(m.experts());
   const int64_t context = std::max(options.prompt, options.decode + 1);
-  model::KvCache cache(m.config(),
-                       static_cast<int32_t>(std::max<int64_t>(
-                           (context + 15) / 16, options.batch * ((options.decode + 16) / 16 + 1))));
+  model::KvCache cache(
+      m.config(), static_cast<int32_t>(std::max<int64_t>(
+                      (context + 15) / 16,
+                      options.batch * ((options.depth + options.decode + 16) / 16 + 1))));
   model::Engine engine(m, experts, pool, cache);
 
   std::vector<int32_t> prompt(static_cast<size_t>(options.prompt));
@@ -182,15 +186,21 @@ int main(int argc, char** argv) {
     const double prefill = seconds_since(start);
     prefilled.release(cache.pool());
 
-    // `batch` sequences, each from its own one-token context, decoded together step by step.
+    // `batch` sequences, each from its own context of `depth` tokens (one token when 0), decoded
+    // together step by step.
     std::vector<std::unique_ptr<model::Sequence>> decoded;
     std::vector<int32_t> next(static_cast<size_t>(options.batch));
     std::vector<model::SequenceInput> inputs;
+    std::vector<std::vector<int32_t>> contexts;
+    for (int b = 0; b < options.batch; ++b) {
+      std::vector<int32_t> context_tokens(static_cast<size_t>(std::max(options.depth, 1)));
+      for (size_t i = 0; i < context_tokens.size(); ++i)
+        context_tokens[i] = static_cast<int32_t>((b * 31 + i * 7919 + 13) % vocab);
+      contexts.push_back(std::move(context_tokens));
+    }
     for (int b = 0; b < options.batch; ++b) {
       decoded.push_back(std::make_unique<model::Sequence>(2 + b, m.model_id(), 0));
-      inputs.push_back({decoded.back().get(),
-                        std::span(prompt).subspan(static_cast<size_t>(b % options.prompt), 1),
-                        true});
+      inputs.push_back({decoded.back().get(), contexts[static_cast<size_t>(b)], true});
     }
     if (!engine.forward(inputs, logits).ok()) return 1;
     for (int b = 0; b < options.batch; ++b)
@@ -228,6 +238,7 @@ int main(int argc, char** argv) {
       {"prompt_tokens", options.prompt},
       {"decode_tokens", options.decode},
       {"decode_batch", options.batch},
+      {"decode_depth", options.depth},
       {"prefill_tokens_per_second", options.prompt / best_prefill},
       {"decode_tokens_per_second", decode_rate},
       {"read_bandwidth_gb_per_second", bandwidth},
@@ -236,6 +247,10 @@ int main(int argc, char** argv) {
       {"decode_fraction_of_roofline", decode_rate / roofline},
       {"mapped_weight_bytes", m.mapped_bytes()},
       {"kv_cache_bytes", cache.bytes()},
+      // What the cache keeps per token (MLA: the latent and the rope key), and what it would keep
+      // holding every head's key and value.
+      {"kv_bytes_per_token", model::KvCache::bytes_per_token(m.config())},
+      {"kv_naive_bytes_per_token", model::KvCache::naive_bytes_per_token(m.config())},
       {"weights_mapped_with_huge_pages_bytes", huge_mapped},
       {"peak_rss_bytes", peak_rss}};
   std::cout << out.dump() << '\n';
