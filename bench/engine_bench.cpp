@@ -160,7 +160,7 @@ int main(int argc, char** argv) {
   const int64_t vocab = m.config().vocab_size;
   ThreadPool pool(options.threads);
   moeline::offload::ResidentExpertProvider experts(m.experts());
-  const int64_t context = std::max(options.prompt, options.decode + 1);
+  const int64_t context = std::max(options.depth + options.prompt, options.decode + 1);
   model::KvCache cache(
       m.config(), static_cast<int32_t>(std::max<int64_t>(
                       (context + 15) / 16,
@@ -178,8 +178,17 @@ int main(int argc, char** argv) {
   // one at a time from a one-token context, each step greedy on the previous step's logits.
   double bandwidth = 0.0;
   long peak_rss = 0;
+  // Prefill at a depth (llama-bench's pp512 @ dN) continues a sequence that already holds `depth`
+  // tokens: the prompt attends over them too.
+  std::vector<int32_t> depth_tokens(static_cast<size_t>(options.depth));
+  for (size_t i = 0; i < depth_tokens.size(); ++i)
+    depth_tokens[i] = static_cast<int32_t>((i * 104729 + 7) % vocab);
   for (int r = 0; r <= options.repeat; ++r) {
     model::Sequence prefilled(1, m.model_id(), 0);
+    if (options.depth > 0) {
+      model::SequenceInput context_input{&prefilled, depth_tokens, false};
+      if (!engine.forward(std::span(&context_input, 1), logits).ok()) return 1;
+    }
     model::SequenceInput input{&prefilled, prompt, true};
     auto start = Clock::now();
     if (!engine.forward(std::span(&input, 1), logits).ok()) return 1;

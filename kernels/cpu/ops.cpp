@@ -56,4 +56,44 @@ MOELINE_CLONES float dot(const float* a, const float* b, int64_t n) {
   return sum;
 }
 
+MOELINE_CLONES void dot_rows(const float* a, int64_t a_stride, int64_t count, const float* b,
+                             int64_t n, float* out) {
+  int64_t j = 0;
+  // Four rows per pass: the same sixteen lanes per row as dot(), in the same order.
+  for (; j + 4 <= count; j += 4) {
+    const float* r0 = a + j * a_stride;
+    const float* r1 = r0 + a_stride;
+    const float* r2 = r1 + a_stride;
+    const float* r3 = r2 + a_stride;
+    float p0[16] = {}, p1[16] = {}, p2[16] = {}, p3[16] = {};
+    int64_t i = 0;
+    for (; i + 16 <= n; i += 16)
+      for (int lane = 0; lane < 16; ++lane) {
+        const float x = b[i + lane];
+        p0[lane] += r0[i + lane] * x;
+        p1[lane] += r1[i + lane] * x;
+        p2[lane] += r2[i + lane] * x;
+        p3[lane] += r3[i + lane] * x;
+      }
+    for (int lane = 0; i < n; ++i, ++lane) {
+      p0[lane] += r0[i] * b[i];
+      p1[lane] += r1[i] * b[i];
+      p2[lane] += r2[i] * b[i];
+      p3[lane] += r3[i] * b[i];
+    }
+    float s0 = 0.0f, s1 = 0.0f, s2 = 0.0f, s3 = 0.0f;
+    for (int lane = 0; lane < 16; ++lane) {
+      s0 += p0[lane];
+      s1 += p1[lane];
+      s2 += p2[lane];
+      s3 += p3[lane];
+    }
+    out[j] = s0;
+    out[j + 1] = s1;
+    out[j + 2] = s2;
+    out[j + 3] = s3;
+  }
+  for (; j < count; ++j) out[j] = dot(a + j * a_stride, b, n);
+}
+
 }  // namespace moeline::kernels

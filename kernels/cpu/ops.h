@@ -24,4 +24,9 @@ void axpy(float a, const float* x, float* y, int64_t n);
 
 float dot(const float* a, const float* b, int64_t n);
 
+// out[j] = dot(a + j * a_stride, b, n) for j < count, each bit-identical to dot(): several rows
+// against one b at once, so their accumulations overlap instead of waiting on one another.
+void dot_rows(const float* a, int64_t a_stride, int64_t count, const float* b, int64_t n,
+              float* out);
+
 }  // namespace moeline::kernels
