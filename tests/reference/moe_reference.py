@@ -381,10 +381,15 @@ def moe(model, layer, x, c, stats):
         gap = float(np.min(kth - nxt))
         stats["min_router_gap"] = min(stats.get("min_router_gap", np.inf), gap)
 
+    return routed_experts(model, layer, prefix, names, x, top, weights, ne, inter, stats)
+
+
+def routed_experts(model, layer, prefix, names, x, top, weights, ne, inter, stats):
+    """Σ over each token's chosen experts of weight × expert(x); counts the choices in `stats`."""
+    h = x.shape[1]
     if stats is not None:
         counts = stats.setdefault("expert_counts", {})
         counts[layer] = counts.get(layer, 0) + np.bincount(top.reshape(-1), minlength=ne)
-
     out = np.zeros_like(x)
     for e in range(ne):
         rows, slot = np.nonzero(top == e)
@@ -524,17 +529,8 @@ def deepseek_moe(model, layer, x, c, stats):
         kth = np.take_along_axis(choice, order[:, k - 1:k], axis=-1)
         nxt = np.take_along_axis(choice, order[:, k:k + 1], axis=-1)
         stats["min_router_gap"] = min(stats.get("min_router_gap", np.inf), float(np.min(kth - nxt)))
-    if stats is not None:
-        counts = stats.setdefault("expert_counts", {})
-        counts[layer] = counts.get(layer, 0) + np.bincount(top.reshape(-1), minlength=ne)
     names = ("gate_proj", "up_proj", "down_proj")
-    out = np.zeros_like(x)
-    for e in range(ne):
-        rows, slot = np.nonzero(top == e)
-        if rows.size == 0:
-            continue
-        y = swiglu(model, f"{prefix}experts.{e}.", names, x[rows], h, inter)
-        out[rows] += y * weights[rows, slot][:, None]
+    out = routed_experts(model, layer, prefix, names, x, top, weights, ne, inter, stats)
     if c["n_shared_experts"]:
         out += swiglu(model, prefix + "shared_experts.", names, x, h, inter * c["n_shared_experts"])
     return out
