@@ -1,0 +1,70 @@
+#include "kernels/cuda/blas.h"
+
+#include <stdexcept>
+#include <string>
+
+#include "kernels/cuda/ops.h"
+
+namespace moeline::kernels::cuda {
+namespace {
+
+void check_blas(cublasStatus_t status, const char* what) {
+  if (status != CUBLAS_STATUS_SUCCESS)
+    throw std::runtime_error(std::string("cublas: ") + what + ": " + cublasGetStatusString(status));
+}
+
+cudaDataType_t data_type(DType dtype) {
+  switch (dtype) {
+    case DType::kF32:
+      return CUDA_R_32F;
+    case DType::kBF16:
+      return CUDA_R_16BF;
+    case DType::kF16:
+      return CUDA_R_16F;
+  }
+  return CUDA_R_32F;
+}
+
+}  // namespace
+
+Blas::Blas(cudaStream_t stream) : stream_(stream) {
+  check_blas(cublasCreate(&handle_), "create");
+  check_blas(cublasSetStream(handle_, stream_), "set stream");
+}
+
+Blas::~Blas() {
+  if (scratch_) cudaFree(scratch_);
+  if (handle_) cublasDestroy(handle_);
+}
+
+void Blas::matmul(const float* x, int64_t n, const DeviceMatrix& w, float* y, int64_t x_stride,
+                  int64_t y_stride) {
+  if (n == 0 || w.rows == 0) return;
+  const int64_t K = w.cols;
+  if (x_stride == 0) x_stride = K;
+  if (y_stride == 0) y_stride = w.rows;
+  const void* b = x;
+  int64_t ldb = x_stride;
+  if (w.dtype != DType::kF32) {
+    const size_t bytes = static_cast<size_t>(n * K) * dtype_size(w.dtype);
+    if (bytes > scratch_bytes_) {
+      if (scratch_) check(cudaFree(scratch_), "free scratch");
+      check(cudaMalloc(&scratch_, bytes * 2), "alloc scratch");
+      scratch_bytes_ = bytes * 2;
+    }
+    convert(x, n, K, x_stride, scratch_, w.dtype, stream_);
+    b = scratch_;
+    ldb = K;
+  }
+  const float alpha = 1.0f, beta = 0.0f;
+  // Row-major W [out, in] is column-major [in, out]; y row-major [n, out] is column-major
+  // [out, n] = Wᵀ(col) · x(col).
+  check_blas(
+      cublasGemmEx(handle_, CUBLAS_OP_T, CUBLAS_OP_N, static_cast<int>(w.rows), static_cast<int>(n),
+                   static_cast<int>(K), &alpha, w.data, data_type(w.dtype), static_cast<int>(K), b,
+                   data_type(w.dtype), static_cast<int>(ldb), &beta, y, CUDA_R_32F,
+                   static_cast<int>(y_stride), CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT),
+      "gemm");
+}
+
+}  // namespace moeline::kernels::cuda

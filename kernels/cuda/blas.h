@@ -1,0 +1,46 @@
+#pragma once
+// y = x · Wᵀ on the GPU through cuBLAS: W a weight matrix [out, in] in device memory in its
+// stored dtype, x and y F32. 16-bit weights multiply BF16/F16-rounded activations with F32
+// accumulation (cublasGemmEx, the tensor cores); F32 weights stay F32 throughout.
+
+#include <cublas_v2.h>
+#include <cuda_runtime_api.h>
+
+#include <cstdint>
+
+#include "kernels/cpu/dtype.h"
+
+namespace moeline::kernels::cuda {
+
+struct DeviceMatrix {
+  const void* data = nullptr;
+  DType dtype = DType::kF32;
+  int64_t rows = 0, cols = 0;
+
+  size_t bytes() const { return static_cast<size_t>(rows * cols) * dtype_size(dtype); }
+  DeviceMatrix row_range(int64_t first, int64_t count) const {
+    return {
+        static_cast<const std::byte*>(data) + static_cast<size_t>(first * cols) * dtype_size(dtype),
+        dtype, count, cols};
+  }
+};
+
+class Blas {
+ public:
+  explicit Blas(cudaStream_t stream);
+  ~Blas();
+  Blas(const Blas&) = delete;
+  Blas& operator=(const Blas&) = delete;
+
+  // y (n rows, y_stride apart; 0: w.rows) = x (n rows, x_stride apart; 0: w.cols) · Wᵀ.
+  void matmul(const float* x, int64_t n, const DeviceMatrix& w, float* y, int64_t x_stride = 0,
+              int64_t y_stride = 0);
+
+ private:
+  cublasHandle_t handle_ = nullptr;
+  cudaStream_t stream_;
+  void* scratch_ = nullptr;  // the activations in the weights' dtype
+  size_t scratch_bytes_ = 0;
+};
+
+}  // namespace moeline::kernels::cuda

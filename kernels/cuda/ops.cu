@@ -1,0 +1,434 @@
+#include "kernels/cuda/ops.h"
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+
+#include <cfloat>
+#include <string>
+
+namespace moeline::kernels::cuda {
+
+void check(cudaError_t status, const char* what) {
+  if (status != cudaSuccess)
+    throw std::runtime_error(std::string("cuda: ") + what + ": " + cudaGetErrorString(status));
+}
+
+bool device_available(std::string* why) {
+  int count = 0;
+  const cudaError_t status = cudaGetDeviceCount(&count);
+  if (status != cudaSuccess) {
+    if (why) *why = std::string("no usable CUDA device (") + cudaGetErrorString(status) + ")";
+    cudaGetLastError();  // clear the sticky error for later calls
+    return false;
+  }
+  if (count == 0) {
+    if (why) *why = "no CUDA device";
+    return false;
+  }
+  return true;
+}
+
+namespace {
+
+constexpr int kThreads = 256;
+
+int blocks_for(int64_t count, int threads = kThreads) {
+  return static_cast<int>((count + threads - 1) / threads);
+}
+
+__device__ __forceinline__ float load(const void* data, DType dtype, int64_t i) {
+  switch (dtype) {
+    case DType::kF32:
+      return static_cast<const float*>(data)[i];
+    case DType::kBF16:
+      return __uint_as_float(static_cast<uint32_t>(static_cast<const uint16_t*>(data)[i]) << 16);
+    case DType::kF16:
+      return __half2float(static_cast<const __half*>(data)[i]);
+  }
+  return 0.0f;
+}
+
+__device__ __forceinline__ float warp_sum(float value) {
+  for (int offset = 16; offset > 0; offset >>= 1)
+    value += __shfl_xor_sync(0xffffffffu, value, offset);
+  return value;
+}
+
+__global__ void embed_kernel(const void* table, DType dtype, int64_t width, const int32_t* tokens,
+                             int64_t n, float* out) {
+  const int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
+  if (i >= n * width) return;
+  const int64_t t = i / width, d = i % width;
+  out[i] = load(table, dtype, static_cast<int64_t>(tokens[t]) * width + d);
+}
+
+__global__ void rms_norm_kernel(const float* x, int64_t dim, int64_t x_stride, const void* weight,
+                                DType weight_dtype, float eps, float* out, int64_t out_stride) {
+  const float* row = x + blockIdx.x * x_stride;
+  float* dst = out + blockIdx.x * out_stride;
+  double sum = 0.0;
+  for (int64_t i = threadIdx.x; i < dim; i += blockDim.x) sum += double(row[i]) * row[i];
+  __shared__ double partial[kThreads];
+  partial[threadIdx.x] = sum;
+  __syncthreads();
+  for (int stride = blockDim.x / 2; stride > 0; stride >>= 1) {
+    if (threadIdx.x < stride) partial[threadIdx.x] += partial[threadIdx.x + stride];
+    __syncthreads();
+  }
+  const float inv_rms = static_cast<float>(1.0 / sqrt(partial[0] / double(dim) + eps));
+  __syncthreads();  // every thread has read partial[0] before any writes to an aliased out
+  for (int64_t i = threadIdx.x; i < dim; i += blockDim.x)
+    dst[i] = row[i] * inv_rms * load(weight, weight_dtype, i);
+}
+
+__global__ void rope_kernel(float* x, int64_t n, int64_t heads, int64_t token_stride,
+                            int64_t head_stride, int64_t dim, const float* cos_sin,
+                            bool interleaved) {
+  const int64_t half = dim / 2;
+  const int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
+  if (i >= n * heads * half) return;
+  const int64_t t = i / (heads * half), h = (i / half) % heads, pair = i % half;
+  float* v = x + t * token_stride + h * head_stride;
+  const float c = cos_sin[t * dim + pair], s = cos_sin[t * dim + half + pair];
+  float* first = v + (interleaved ? 2 * pair : pair);
+  float* second = v + (interleaved ? 2 * pair + 1 : pair + half);
+  const float a = *first, b = *second;
+  *first = a * c - b * s;
+  *second = b * c + a * s;
+}
+
+__global__ void write_kv_kernel(const float* k, const float* v, int64_t n, int64_t kv_heads,
+                                int64_t key_dim, int64_t value_dim, const int32_t* slot_index,
+                                float* keys, float* values, int64_t block_size) {
+  const int64_t per_token = kv_heads * (key_dim + value_dim);
+  const int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
+  if (i >= n * per_token) return;
+  const int64_t t = i / per_token, e = i % per_token;
+  const int64_t block = slot_index[t] / block_size, slot = slot_index[t] % block_size;
+  if (e < kv_heads * key_dim) {
+    const int64_t h = e / key_dim, d = e % key_dim;
+    keys[((block * kv_heads + h) * block_size + slot) * key_dim + d] =
+        k[t * kv_heads * key_dim + e];
+  } else {
+    const int64_t f = e - kv_heads * key_dim;
+    const int64_t h = f / value_dim, d = f % value_dim;
+    values[((block * kv_heads + h) * block_size + slot) * value_dim + d] =
+        v[t * kv_heads * value_dim + f];
+  }
+}
+
+constexpr int kAttentionWarps = 4;
+constexpr int kMaxValuePerLane = 16;  // value_dim <= 512
+
+// One block per (token, head): each warp takes every 4th key with an online softmax; the warps'
+// partial sums are merged at the end.
+__global__ void attention_kernel(const float* q, int64_t q_stride, float* out, int64_t out_stride,
+                                 int64_t heads, DeviceKv kv, const int32_t* block_tables,
+                                 const int32_t* table_offset, const int32_t* positions, float scale,
+                                 int64_t window) {
+  extern __shared__ float shared[];
+  float* q_s = shared;                                   // key_dim
+  float* acc_s = shared + kv.key_dim;                    // warps * value_dim
+  float* ml_s = acc_s + kAttentionWarps * kv.value_dim;  // warps * 2
+  const int64_t t = blockIdx.x / heads, head = blockIdx.x % heads;
+  const int64_t kv_head = head / (heads / kv.kv_heads);
+  const float* query = q + t * q_stride + head * kv.key_dim;
+  for (int64_t d = threadIdx.x; d < kv.key_dim; d += blockDim.x) q_s[d] = query[d];
+  __syncthreads();
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int64_t position = positions[t];
+  const int64_t first = window > 0 ? max(int64_t{0}, position - window + 1) : 0;
+  const int32_t* table = block_tables + table_offset[t];
+  float m = -FLT_MAX, l = 0.0f;
+  float acc[kMaxValuePerLane];
+  for (int i = 0; i < kMaxValuePerLane; ++i) acc[i] = 0.0f;
+  for (int64_t j = first + warp; j <= position; j += kAttentionWarps) {
+    const int64_t row =
+        (static_cast<int64_t>(table[j / kv.block_size]) * kv.kv_heads + kv_head) * kv.block_size +
+        j % kv.block_size;
+    const float* key = kv.keys + row * kv.key_dim;
+    float partial = 0.0f;
+    for (int64_t d = lane; d < kv.key_dim; d += 32) partial += q_s[d] * key[d];
+    const float s = warp_sum(partial) * scale;
+    const float m_new = fmaxf(m, s);
+    const float correction = __expf(m - m_new), p = __expf(s - m_new);
+    l = l * correction + p;
+    const float* value = kv.values + row * kv.value_stride;
+    for (int i = 0; i < kMaxValuePerLane; ++i) {
+      const int64_t d = lane + 32 * i;
+      if (d < kv.value_dim) acc[i] = acc[i] * correction + p * value[d];
+    }
+    m = m_new;
+  }
+  for (int i = 0; i < kMaxValuePerLane; ++i) {
+    const int64_t d = lane + 32 * i;
+    if (d < kv.value_dim) acc_s[warp * kv.value_dim + d] = acc[i];
+  }
+  if (lane == 0) {
+    ml_s[2 * warp] = m;
+    ml_s[2 * warp + 1] = l;
+  }
+  __syncthreads();
+  float m_all = -FLT_MAX;
+  for (int w = 0; w < kAttentionWarps; ++w) m_all = fmaxf(m_all, ml_s[2 * w]);
+  float l_all = 0.0f, factor[kAttentionWarps];
+  for (int w = 0; w < kAttentionWarps; ++w) {
+    factor[w] = ml_s[2 * w + 1] > 0.0f ? __expf(ml_s[2 * w] - m_all) : 0.0f;
+    l_all += ml_s[2 * w + 1] * factor[w];
+  }
+  float* dst = out + t * out_stride + head * kv.value_dim;
+  for (int64_t d = threadIdx.x; d < kv.value_dim; d += blockDim.x) {
+    float sum = 0.0f;
+    for (int w = 0; w < kAttentionWarps; ++w) sum += acc_s[w * kv.value_dim + d] * factor[w];
+    dst[d] = sum / l_all;
+  }
+}
+
+constexpr int kMaxExperts = 512;
+constexpr int kMaxTopK = 32;
+constexpr int kMaxGroups = 64;
+
+// Indices of the k largest of values[0, count), highest first, ties to the lower index.
+__device__ void top_k(const float* values, int64_t count, int64_t k, int32_t* chosen) {
+  for (int64_t j = 0; j < k; ++j) {
+    int32_t best = -1;
+    for (int32_t e = 0; e < count; ++e) {
+      bool taken = false;
+      for (int64_t i = 0; i < j; ++i) taken = taken || chosen[i] == e;
+      if (taken) continue;
+      if (best < 0 || values[e] > values[best]) best = e;
+    }
+    chosen[j] = best;
+  }
+}
+
+__global__ void route_kernel(float* scores, int64_t n, RouterSpec spec, int32_t* chosen,
+                             float* weights) {
+  const int64_t t = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
+  if (t >= n) return;
+  const int64_t E = spec.experts, K = spec.top_k;
+  float* row = scores + t * E;
+  if (spec.sigmoid) {
+    for (int64_t e = 0; e < E; ++e) row[e] = 1.0f / (1.0f + expf(-row[e]));
+  } else {
+    float max_logit = row[0];
+    for (int64_t e = 1; e < E; ++e) max_logit = fmaxf(max_logit, row[e]);
+    double sum = 0.0;
+    for (int64_t e = 0; e < E; ++e) {
+      row[e] = expf(row[e] - max_logit);
+      sum += row[e];
+    }
+    const float inv = static_cast<float>(1.0 / sum);
+    for (int64_t e = 0; e < E; ++e) row[e] *= inv;
+  }
+  float choice[kMaxExperts];
+  const float* ranked = row;
+  if (spec.bias != nullptr || spec.group_limit != 0) {
+    for (int64_t e = 0; e < E; ++e)
+      choice[e] = row[e] + (spec.bias ? load(spec.bias, spec.bias_dtype, e) : 0.0f);
+    if (spec.group_limit != 0) {
+      const int64_t size = E / spec.n_group;
+      float group_scores[kMaxGroups];
+      for (int64_t g = 0; g < spec.n_group; ++g) {
+        const float* member = choice + g * size;
+        if (spec.group_limit == 1) {
+          float best = member[0];
+          for (int64_t i = 1; i < size; ++i) best = fmaxf(best, member[i]);
+          group_scores[g] = best;
+        } else {
+          int32_t best[2];
+          top_k(member, size, 2, best);
+          group_scores[g] = member[best[0]] + member[best[1]];
+        }
+      }
+      int32_t kept[kMaxGroups];
+      top_k(group_scores, spec.n_group, spec.topk_group, kept);
+      for (int64_t g = 0; g < spec.n_group; ++g) {
+        bool keep = false;
+        for (int64_t i = 0; i < spec.topk_group; ++i) keep = keep || kept[i] == g;
+        if (!keep)
+          for (int64_t i = 0; i < size; ++i) choice[g * size + i] = -INFINITY;
+      }
+    }
+    ranked = choice;
+  }
+  int32_t* picked = chosen + t * K;
+  top_k(ranked, E, K, picked);
+  double sum = 0.0;
+  for (int64_t j = 0; j < K; ++j) sum += row[picked[j]];
+  for (int64_t j = 0; j < K; ++j) {
+    const double p = row[picked[j]];
+    double weight = p * spec.scaling;
+    if (spec.normalise) {
+      weight = p / (sum + 1e-20);
+      if (spec.scale_normalised) weight *= spec.scaling;
+    }
+    weights[t * K + j] = static_cast<float>(weight);
+  }
+}
+
+__global__ void silu_mul_kernel(float* gate, const float* up, int64_t count) {
+  const int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
+  if (i < count) gate[i] = gate[i] / (1.0f + expf(-gate[i])) * up[i];
+}
+
+__global__ void add_kernel(float* y, const float* x, int64_t count) {
+  const int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
+  if (i < count) y[i] += x[i];
+}
+
+__global__ void add_bias_kernel(float* y, int64_t n, int64_t width, const void* bias, DType dtype) {
+  const int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
+  if (i < n * width) y[i] += load(bias, dtype, i % width);
+}
+
+__global__ void gather_rows_kernel(const float* x, int64_t width, const int32_t* rows,
+                                   int64_t count, float* out) {
+  const int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
+  if (i >= count * width) return;
+  out[i] = x[static_cast<int64_t>(rows[i / width]) * width + i % width];
+}
+
+__global__ void combine_kernel(const float* expert_out, int64_t width, const int32_t* slots,
+                               const float* weights, int64_t n, int64_t k, float* y) {
+  const int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
+  if (i >= n * width) return;
+  const int64_t t = i / width, d = i % width;
+  float sum = 0.0f;
+  for (int64_t j = 0; j < k; ++j)
+    sum += weights[t * k + j] * expert_out[static_cast<int64_t>(slots[t * k + j]) * width + d];
+  y[i] += sum;
+}
+
+__global__ void convert_kernel(const float* x, int64_t rows, int64_t cols, int64_t x_stride,
+                               void* out, DType dtype) {
+  const int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
+  if (i >= rows * cols) return;
+  const float value = x[(i / cols) * x_stride + i % cols];
+  switch (dtype) {
+    case DType::kF32:
+      static_cast<float*>(out)[i] = value;
+      break;
+    case DType::kBF16:
+      static_cast<__nv_bfloat16*>(out)[i] = __float2bfloat16_rn(value);
+      break;
+    case DType::kF16:
+      static_cast<__half*>(out)[i] = __float2half_rn(value);
+      break;
+  }
+}
+
+}  // namespace
+
+void embed(const void* table, DType dtype, int64_t width, const int32_t* tokens, int64_t n,
+           float* out, cudaStream_t stream) {
+  if (n == 0) return;
+  embed_kernel<<<blocks_for(n * width), kThreads, 0, stream>>>(table, dtype, width, tokens, n, out);
+  check(cudaGetLastError(), "embed");
+}
+
+void rms_norm(const float* x, int64_t n, int64_t dim, int64_t x_stride, const void* weight,
+              DType weight_dtype, float eps, float* out, int64_t out_stride, cudaStream_t stream) {
+  if (n == 0) return;
+  rms_norm_kernel<<<static_cast<unsigned>(n), kThreads, 0, stream>>>(
+      x, dim, x_stride, weight, weight_dtype, eps, out, out_stride);
+  check(cudaGetLastError(), "rms_norm");
+}
+
+void rope(float* x, int64_t n, int64_t heads, int64_t token_stride, int64_t head_stride,
+          int64_t dim, const float* cos_sin, bool interleaved, cudaStream_t stream) {
+  const int64_t count = n * heads * (dim / 2);
+  if (count == 0) return;
+  rope_kernel<<<blocks_for(count), kThreads, 0, stream>>>(x, n, heads, token_stride, head_stride,
+                                                          dim, cos_sin, interleaved);
+  check(cudaGetLastError(), "rope");
+}
+
+void write_kv(const float* k, const float* v, int64_t n, int64_t kv_heads, int64_t key_dim,
+              int64_t value_dim, const int32_t* slot_index, float* keys, float* values,
+              int64_t block_size, cudaStream_t stream) {
+  const int64_t count = n * kv_heads * (key_dim + value_dim);
+  if (count == 0) return;
+  write_kv_kernel<<<blocks_for(count), kThreads, 0, stream>>>(k, v, n, kv_heads, key_dim, value_dim,
+                                                              slot_index, keys, values, block_size);
+  check(cudaGetLastError(), "write_kv");
+}
+
+void attention(const float* q, int64_t q_stride, float* out, int64_t out_stride, int64_t n,
+               int64_t heads, const DeviceKv& kv, const int32_t* block_tables,
+               const int32_t* table_offset, const int32_t* positions, float scale,
+               int64_t sliding_window, cudaStream_t stream) {
+  if (n == 0) return;
+  if (kv.value_dim > 32 * kMaxValuePerLane)
+    throw std::invalid_argument("cuda attention: value width over 512");
+  const size_t shared_bytes =
+      sizeof(float) * static_cast<size_t>(kv.key_dim + kAttentionWarps * (kv.value_dim + 2));
+  if (shared_bytes > 48 * 1024) {
+    check(cudaFuncSetAttribute(attention_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                               static_cast<int>(shared_bytes)),
+          "attention shared memory");
+  }
+  attention_kernel<<<static_cast<unsigned>(n * heads), 32 * kAttentionWarps, shared_bytes,
+                     stream>>>(q, q_stride, out, out_stride, heads, kv, block_tables, table_offset,
+                               positions, scale, sliding_window);
+  check(cudaGetLastError(), "attention");
+}
+
+void route(float* scores, int64_t n, const RouterSpec& spec, int32_t* chosen, float* weights,
+           cudaStream_t stream) {
+  if (n == 0) return;
+  if (spec.experts > kMaxExperts || spec.top_k > kMaxTopK || spec.n_group > kMaxGroups)
+    throw std::invalid_argument("cuda route: more than 512 experts, top-32 or 64 groups");
+  route_kernel<<<blocks_for(n, 64), 64, 0, stream>>>(scores, n, spec, chosen, weights);
+  check(cudaGetLastError(), "route");
+}
+
+void silu_mul(float* gate, const float* up, int64_t count, cudaStream_t stream) {
+  if (count == 0) return;
+  silu_mul_kernel<<<blocks_for(count), kThreads, 0, stream>>>(gate, up, count);
+  check(cudaGetLastError(), "silu_mul");
+}
+
+void add(float* y, const float* x, int64_t count, cudaStream_t stream) {
+  if (count == 0) return;
+  add_kernel<<<blocks_for(count), kThreads, 0, stream>>>(y, x, count);
+  check(cudaGetLastError(), "add");
+}
+
+void add_bias(float* y, int64_t n, int64_t width, const void* bias, DType dtype,
+              cudaStream_t stream) {
+  if (n * width == 0) return;
+  add_bias_kernel<<<blocks_for(n * width), kThreads, 0, stream>>>(y, n, width, bias, dtype);
+  check(cudaGetLastError(), "add_bias");
+}
+
+void gather_rows(const float* x, int64_t width, const int32_t* rows, int64_t count, float* out,
+                 cudaStream_t stream) {
+  if (count == 0) return;
+  gather_rows_kernel<<<blocks_for(count * width), kThreads, 0, stream>>>(x, width, rows, count,
+                                                                         out);
+  check(cudaGetLastError(), "gather_rows");
+}
+
+void combine(const float* expert_out, int64_t width, const int32_t* slots, const float* weights,
+             int64_t n, int64_t k, float* y, cudaStream_t stream) {
+  if (n == 0) return;
+  combine_kernel<<<blocks_for(n * width), kThreads, 0, stream>>>(expert_out, width, slots, weights,
+                                                                 n, k, y);
+  check(cudaGetLastError(), "combine");
+}
+
+void convert(const float* x, int64_t rows, int64_t cols, int64_t x_stride, void* out, DType dtype,
+             cudaStream_t stream) {
+  if (rows * cols == 0) return;
+  convert_kernel<<<blocks_for(rows * cols), kThreads, 0, stream>>>(x, rows, cols, x_stride, out,
+                                                                   dtype);
+  check(cudaGetLastError(), "convert");
+}
+
+void copy_bytes(void* dst, const void* src, size_t bytes, cudaStream_t stream) {
+  check(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToDevice, stream), "copy_bytes");
+}
+
+}  // namespace moeline::kernels::cuda

@@ -1,0 +1,96 @@
+#pragma once
+// The CUDA backend's kernels, as host functions that launch on a stream. Activations are F32 in
+// device memory; weights are device copies in their stored dtype (F32, BF16, F16), read in place.
+// Layouts are the CPU backend's (kernels/cpu), so results can be compared op by op: matrices
+// row-major [rows, cols], the paged KV cache [block][kv_head][slot][dim].
+//
+// Built only when nvcc is present (MOELINE_CUDA=AUTO|ON); nothing here is reached without it.
+
+#include <cuda_runtime_api.h>
+
+#include <cstdint>
+#include <stdexcept>
+#include <string>
+
+#include "kernels/cpu/dtype.h"
+
+namespace moeline::kernels::cuda {
+
+// Throws std::runtime_error naming the call and CUDA's reason.
+void check(cudaError_t status, const char* what);
+
+// Whether a usable device is present; `why` says what is missing when not.
+bool device_available(std::string* why);
+
+// out[t] = widen(table[tokens[t]]), rows of `width`.
+void embed(const void* table, DType dtype, int64_t width, const int32_t* tokens, int64_t n,
+           float* out, cudaStream_t stream);
+
+// As kernels::rms_norm: out = x / sqrt(mean(x²) + eps) * weight, row by row; out may alias x.
+void rms_norm(const float* x, int64_t n, int64_t dim, int64_t x_stride, const void* weight,
+              DType weight_dtype, float eps, float* out, int64_t out_stride, cudaStream_t stream);
+
+// Rotates `heads` vectors of each of n tokens: vector h of token t starts at
+// x + t * token_stride + h * head_stride; its first `dim` floats rotate by the token's angles
+// (cos_sin: n rows of dim/2 cosines then dim/2 sines), pairs (i, i + dim/2) or (2i, 2i + 1).
+void rope(float* x, int64_t n, int64_t heads, int64_t token_stride, int64_t head_stride,
+          int64_t dim, const float* cos_sin, bool interleaved, cudaStream_t stream);
+
+// Writes each token's K and V rows (kv_heads of key_dim / value_dim, contiguous per token) into
+// the paged cache at slot_index[t] = block * block_size + slot. values may be null (MLA).
+void write_kv(const float* k, const float* v, int64_t n, int64_t kv_heads, int64_t key_dim,
+              int64_t value_dim, const int32_t* slot_index, float* keys, float* values,
+              int64_t block_size, cudaStream_t stream);
+
+struct DeviceKv {
+  const float* keys = nullptr;
+  const float* values = nullptr;  // == keys for MLA (values are a prefix of each key row)
+  int64_t block_size = 16, kv_heads = 0, key_dim = 0, value_dim = 0, value_stride = 0;
+};
+
+// Causal attention for n query tokens: token t's query heads at q + t * q_stride (heads of
+// key_dim), output at out + t * out_stride (heads of value_dim); it sees positions
+// [max(0, position - window + 1), position] of its sequence through its block table
+// (block_tables + table_offset[t]). value_dim <= 1024.
+void attention(const float* q, int64_t q_stride, float* out, int64_t out_stride, int64_t n,
+               int64_t heads, const DeviceKv& kv, const int32_t* block_tables,
+               const int32_t* table_offset, const int32_t* positions, float scale,
+               int64_t sliding_window, cudaStream_t stream);
+
+struct RouterSpec {
+  int64_t experts = 0, top_k = 0;
+  bool sigmoid = false;
+  int group_limit = 0;  // 0 none, 1 group max, 2 group top-two sum
+  int64_t n_group = 1, topk_group = 1;
+  bool normalise = true, scale_normalised = false;
+  double scaling = 1.0;
+  const void* bias = nullptr;  // [experts] or null
+  DType bias_dtype = DType::kF32;
+};
+
+// The CPU engine's route(): scores (n × experts logits, in place) become softmax or sigmoid
+// scores; chosen the top-k experts per token (ties to the lower id), weights their weights.
+void route(float* scores, int64_t n, const RouterSpec& spec, int32_t* chosen, float* weights,
+           cudaStream_t stream);
+
+// gate[i] = silu(gate[i]) * up[i]
+void silu_mul(float* gate, const float* up, int64_t count, cudaStream_t stream);
+// y[i] += x[i]
+void add(float* y, const float* x, int64_t count, cudaStream_t stream);
+// y[t * width + i] += bias[i] for n rows.
+void add_bias(float* y, int64_t n, int64_t width, const void* bias, DType dtype,
+              cudaStream_t stream);
+// out row r = x row rows[r], rows of `width`.
+void gather_rows(const float* x, int64_t width, const int32_t* rows, int64_t count, float* out,
+                 cudaStream_t stream);
+// y[t] += Σ_j weights[t*k + j] * expert_out[slots[t*k + j]], j in the given order.
+void combine(const float* expert_out, int64_t width, const int32_t* slots, const float* weights,
+             int64_t n, int64_t k, float* y, cudaStream_t stream);
+// A [rows, cols] block of F32 with row stride x_stride, converted to `dtype` into a packed
+// [rows, cols] buffer: the input side of a GEMM against weights of that dtype.
+void convert(const float* x, int64_t rows, int64_t cols, int64_t x_stride, void* out, DType dtype,
+             cudaStream_t stream);
+// dst = src (bytes), used to measure device memory bandwidth.
+void copy_bytes(void* dst, const void* src, size_t bytes, cudaStream_t stream);
+
+}  // namespace moeline::kernels::cuda

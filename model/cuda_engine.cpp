@@ -1,0 +1,635 @@
+#include "model/cuda_engine.h"
+
+#include <cuda_runtime_api.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <numeric>
+#include <string>
+#include <unordered_map>
+
+#include "kernels/cuda/blas.h"
+#include "kernels/cuda/ops.h"
+
+namespace moeline::model {
+namespace {
+
+namespace cu = kernels::cuda;
+using cu::DeviceMatrix;
+
+struct DeviceVector {
+  const void* data = nullptr;
+  kernels::DType dtype = kernels::DType::kF32;
+  int64_t size = 0;
+  explicit operator bool() const { return data != nullptr; }
+};
+
+// cudaMalloc'd buffers freed together.
+class DeviceArena {
+ public:
+  DeviceArena() = default;
+  DeviceArena(const DeviceArena&) = delete;
+  DeviceArena& operator=(const DeviceArena&) = delete;
+  ~DeviceArena() {
+    for (void* p : buffers_) cudaFree(p);
+  }
+  void* alloc(size_t bytes) {
+    void* p = nullptr;
+    cu::check(cudaMalloc(&p, std::max<size_t>(bytes, 16)), "cudaMalloc (weights)");
+    buffers_.push_back(p);
+    total_ += bytes;
+    return p;
+  }
+  DeviceMatrix upload(const kernels::MatrixView& m) {
+    if (!m.data) return {};
+    void* p = alloc(m.bytes());
+    cu::check(cudaMemcpy(p, m.data, m.bytes(), cudaMemcpyHostToDevice), "upload");
+    return {p, m.dtype, m.rows, m.cols};
+  }
+  DeviceVector upload(const kernels::VectorView& v) {
+    if (!v.data) return {};
+    const size_t bytes = static_cast<size_t>(v.size) * kernels::dtype_size(v.dtype);
+    void* p = alloc(bytes);
+    cu::check(cudaMemcpy(p, v.data, bytes, cudaMemcpyHostToDevice), "upload");
+    return {p, v.dtype, v.size};
+  }
+  size_t total() const { return total_; }
+
+ private:
+  std::vector<void*> buffers_;
+  size_t total_ = 0;
+};
+
+// A device buffer that grows to the largest size asked for.
+template <class T>
+class Scratch {
+ public:
+  Scratch() = default;
+  Scratch(const Scratch&) = delete;
+  Scratch& operator=(const Scratch&) = delete;
+  ~Scratch() {
+    if (data_) cudaFree(data_);
+  }
+  T* grow(int64_t count) {
+    const auto wanted = static_cast<size_t>(std::max<int64_t>(count, 1));
+    if (wanted > size_) {
+      if (data_) cu::check(cudaFree(data_), "cudaFree");
+      cu::check(cudaMalloc(reinterpret_cast<void**>(&data_), wanted * 2 * sizeof(T)),
+                "cudaMalloc (activations)");
+      size_ = wanted * 2;
+    }
+    return data_;
+  }
+  T* get() const { return data_; }
+
+ private:
+  T* data_ = nullptr;
+  size_t size_ = 0;
+};
+
+template <class T>
+void upload(Scratch<T>& buffer, const std::vector<T>& host, cudaStream_t stream) {
+  T* device = buffer.grow(static_cast<int64_t>(host.size()));
+  if (!host.empty())
+    cu::check(cudaMemcpyAsync(device, host.data(), host.size() * sizeof(T), cudaMemcpyHostToDevice,
+                              stream),
+              "upload");
+}
+
+struct DeviceLayer {
+  bool is_moe = false;
+  DeviceVector input_norm, post_norm, q_bias, k_bias, v_bias, o_bias, q_norm, k_norm, router_bias;
+  DeviceMatrix q, k, v, o, router, dense_gate, dense_up, dense_down, shared_gate, shared_up,
+      shared_down;
+};
+
+}  // namespace
+
+struct CudaEngine::State {
+  explicit State(const Model& m, int32_t blocks) : model(m), pool(blocks) {}
+  ~State() {
+    for (cudaEvent_t e : ready) cudaEventDestroy(e);
+    for (cudaEvent_t e : done) cudaEventDestroy(e);
+    for (auto& [begin, end] : timing) {
+      cudaEventDestroy(begin);
+      cudaEventDestroy(end);
+    }
+    if (host_experts) cudaFreeHost(host_experts);
+    if (host_chosen) cudaFreeHost(host_chosen);
+    if (host_weights) cudaFreeHost(host_weights);
+    blas.reset();
+    if (copy) cudaStreamDestroy(copy);
+    if (compute) cudaStreamDestroy(compute);
+  }
+
+  const Model& model;
+  cudaStream_t compute = nullptr, copy = nullptr;
+  std::unique_ptr<cu::Blas> blas;
+  DeviceArena arena;
+  std::vector<DeviceLayer> layers;
+  DeviceMatrix embed, lm_head;
+  DeviceVector final_norm;
+  kernels::Rope rope;
+  float softmax_scale = 1.0f;
+
+  // KV: [layer][keys | values][block][kv_head][slot][dim], as model::KvCache.
+  BlockPool pool;
+  KvShape shape;
+  float* kv = nullptr;
+  size_t key_part = 0, value_part = 0;
+
+  // The expert cache: `slots` slots of expert_bytes, each gate | up | down of one expert.
+  int64_t experts_per_layer = 0;
+  size_t expert_bytes = 0;
+  int slots = 0;
+  std::byte* slot_memory = nullptr;
+  bool all_resident = false;
+  std::byte* host_experts = nullptr;  // pinned: every expert, at key * expert_bytes
+  std::vector<cudaEvent_t> ready, done;
+  std::vector<int64_t> owner;  // expert key (layer * experts + expert) or -1
+  std::vector<uint64_t> last_use;
+  std::unordered_map<int64_t, int> where;
+  uint64_t clock = 0;
+  std::vector<std::pair<cudaEvent_t, cudaEvent_t>> timing;
+  size_t timing_used = 0;
+  CudaExpertStats stats;
+
+  // Per-forward buffers.
+  Scratch<float> hidden, normed, q, k, v, attended, projected, cos_sin, scores, weights, expert_in,
+      gate, up, expert_out, moe_out, shared_out, lm_in, logits;
+  Scratch<int32_t> tokens, slot_index, tables, table_offset, positions, chosen, rows, slot_of,
+      logit_rows;
+  Scratch<float> combine_weights;
+  int32_t* host_chosen = nullptr;
+  float* host_weights = nullptr;
+  int64_t host_routing_capacity = 0;
+
+  DeviceMatrix expert_part(int slot, int part) const {
+    const ModelConfig& c = model.config();
+    const int64_t inter = c.expert_intermediate_size, H = c.hidden_size;
+    const kernels::DType dtype = model.experts()[first_moe_layer()][0].gate.dtype;
+    const size_t matrix = static_cast<size_t>(inter * H) * kernels::dtype_size(dtype);
+    const std::byte* base = slot_memory + static_cast<size_t>(slot) * expert_bytes;
+    if (part == 0) return {base, dtype, inter, H};
+    if (part == 1) return {base + matrix, dtype, inter, H};
+    return {base + 2 * matrix, dtype, H, inter};
+  }
+  size_t first_moe_layer() const {
+    for (size_t l = 0; l < model.experts().size(); ++l)
+      if (!model.experts()[l].empty()) return l;
+    return 0;
+  }
+
+  int pick_victim(const std::vector<int64_t>& keys, size_t pending_begin, size_t pending_end) {
+    int victim = -1;
+    for (int s = 0; s < slots; ++s) {
+      if (owner[static_cast<size_t>(s)] < 0) return s;
+      const int64_t key = owner[static_cast<size_t>(s)];
+      if (std::find(keys.begin() + static_cast<std::ptrdiff_t>(pending_begin),
+                    keys.begin() + static_cast<std::ptrdiff_t>(pending_end),
+                    key) != keys.begin() + static_cast<std::ptrdiff_t>(pending_end))
+        continue;
+      if (victim < 0 || last_use[static_cast<size_t>(s)] < last_use[static_cast<size_t>(victim)])
+        victim = s;
+    }
+    return victim;
+  }
+
+  void load(int64_t key, int slot) {
+    const size_t s = static_cast<size_t>(slot);
+    if (owner[s] >= 0) where.erase(owner[s]);
+    owner[s] = key;
+    where[key] = slot;
+    cu::check(cudaStreamWaitEvent(copy, done[s], 0), "wait slot free");
+    if (timing_used == timing.size()) {
+      cudaEvent_t begin, end;
+      cu::check(cudaEventCreate(&begin), "event");
+      cu::check(cudaEventCreate(&end), "event");
+      timing.emplace_back(begin, end);
+    }
+    auto [begin, end] = timing[timing_used++];
+    cu::check(cudaEventRecord(begin, copy), "record");
+    cu::check(cudaMemcpyAsync(slot_memory + s * expert_bytes,
+                              host_experts + static_cast<size_t>(key) * expert_bytes, expert_bytes,
+                              cudaMemcpyHostToDevice, copy),
+              "expert copy");
+    cu::check(cudaEventRecord(end, copy), "record");
+    cu::check(cudaEventRecord(ready[s], copy), "record");
+    stats.bytes_loaded += expert_bytes;
+  }
+
+  void harvest_timings() {
+    for (size_t i = 0; i < timing_used; ++i) {
+      float ms = 0.0f;
+      if (cudaEventElapsedTime(&ms, timing[i].first, timing[i].second) == cudaSuccess)
+        stats.load_ms.push_back(ms);
+    }
+    timing_used = 0;
+  }
+};
+
+CudaEngine::CudaEngine(std::unique_ptr<State> state) : state_(std::move(state)) {}
+CudaEngine::~CudaEngine() = default;
+BlockPool& CudaEngine::pool() {
+  return state_->pool;
+}
+const Model& CudaEngine::model() const {
+  return state_->model;
+}
+CudaExpertStats CudaEngine::expert_stats() const {
+  return state_->stats;
+}
+int CudaEngine::expert_slots() const {
+  return state_->slots;
+}
+size_t CudaEngine::device_weight_bytes() const {
+  return state_->arena.total();
+}
+
+Expected<std::unique_ptr<CudaEngine>> CudaEngine::create(const Model& model,
+                                                         const CudaEngineOptions& options) {
+  const ModelConfig& c = model.config();
+  if (c.mla)
+    return Error{"the CUDA backend does not run multi-head latent attention (" + c.model_type +
+                 ") yet; use the CPU engine"};
+  if (!(options.expert_budget_fraction > 0 && options.expert_budget_fraction <= 1))
+    return Error{"the device expert budget must be a fraction in (0, 1]"};
+  std::string why;
+  if (!cu::device_available(&why)) return Error{why};
+  try {
+    auto s = std::make_unique<State>(model, options.kv_blocks);
+    cu::check(cudaStreamCreateWithFlags(&s->compute, cudaStreamNonBlocking), "stream");
+    cu::check(cudaStreamCreateWithFlags(&s->copy, cudaStreamNonBlocking), "stream");
+    s->blas = std::make_unique<cu::Blas>(s->compute);
+    s->rope = make_rope(c);
+    s->softmax_scale = static_cast<float>(
+        c.softmax_scale > 0 ? c.softmax_scale : 1.0 / std::sqrt(static_cast<double>(c.head_dim)));
+    s->embed = s->arena.upload(model.embed_tokens());
+    s->lm_head = s->arena.upload(model.lm_head());
+    s->final_norm = s->arena.upload(model.final_norm());
+    for (int64_t l = 0; l < c.num_layers; ++l) {
+      const LayerWeights& w = model.layer(l);
+      DeviceLayer d;
+      d.is_moe = w.is_moe;
+      d.input_norm = s->arena.upload(w.input_norm);
+      d.post_norm = s->arena.upload(w.post_attention_norm);
+      d.q = s->arena.upload(w.q_proj);
+      d.k = s->arena.upload(w.k_proj);
+      d.v = s->arena.upload(w.v_proj);
+      d.o = s->arena.upload(w.o_proj);
+      d.q_bias = s->arena.upload(w.q_bias);
+      d.k_bias = s->arena.upload(w.k_bias);
+      d.v_bias = s->arena.upload(w.v_bias);
+      d.o_bias = s->arena.upload(w.o_bias);
+      d.q_norm = s->arena.upload(w.q_norm);
+      d.k_norm = s->arena.upload(w.k_norm);
+      d.router = s->arena.upload(w.router);
+      d.router_bias = s->arena.upload(w.router_bias);
+      d.dense_gate = s->arena.upload(w.dense_gate);
+      d.dense_up = s->arena.upload(w.dense_up);
+      d.dense_down = s->arena.upload(w.dense_down);
+      d.shared_gate = s->arena.upload(w.shared_gate);
+      d.shared_up = s->arena.upload(w.shared_up);
+      d.shared_down = s->arena.upload(w.shared_down);
+      s->layers.push_back(d);
+    }
+
+    s->shape = kv_shape(c);
+    s->key_part = static_cast<size_t>(options.kv_blocks) * kBlockTokens * s->shape.kv_heads *
+                  s->shape.key_dim;
+    s->value_part = static_cast<size_t>(options.kv_blocks) * kBlockTokens * s->shape.kv_heads *
+                    s->shape.value_dim;
+    s->kv = static_cast<float*>(s->arena.alloc(static_cast<size_t>(c.num_layers) *
+                                               (s->key_part + s->value_part) * sizeof(float)));
+
+    // Experts: every one the same shape and dtype.
+    s->experts_per_layer = c.num_experts;
+    int64_t total_experts = c.num_layers * c.num_experts;
+    const auto& all = model.experts();
+    const offload::ExpertWeights& sample = all[s->first_moe_layer()].at(0);
+    s->expert_bytes = sample.bytes();
+    int64_t present = 0;
+    for (const auto& layer : all) present += static_cast<int64_t>(layer.size());
+    s->all_resident = options.expert_budget_fraction >= 1.0;
+    s->slots = s->all_resident
+                   ? static_cast<int>(total_experts)
+                   : std::max(2, static_cast<int>(std::floor(options.expert_budget_fraction *
+                                                             static_cast<double>(present))));
+    s->slot_memory =
+        static_cast<std::byte*>(s->arena.alloc(static_cast<size_t>(s->slots) * s->expert_bytes));
+    s->owner.assign(static_cast<size_t>(s->slots), -1);
+    s->last_use.assign(static_cast<size_t>(s->slots), 0);
+    s->ready.resize(static_cast<size_t>(s->slots));
+    s->done.resize(static_cast<size_t>(s->slots));
+    for (int i = 0; i < s->slots; ++i) {
+      cu::check(cudaEventCreateWithFlags(&s->ready[static_cast<size_t>(i)], cudaEventDisableTiming),
+                "event");
+      cu::check(cudaEventCreateWithFlags(&s->done[static_cast<size_t>(i)], cudaEventDisableTiming),
+                "event");
+      cu::check(cudaEventRecord(s->done[static_cast<size_t>(i)], s->compute), "record");
+      cu::check(cudaEventRecord(s->ready[static_cast<size_t>(i)], s->copy), "record");
+    }
+    auto pack = [&](const offload::ExpertWeights& e, std::byte* dst, cudaMemcpyKind kind) {
+      size_t offset = 0;
+      for (const kernels::MatrixView* m : {&e.gate, &e.up, &e.down}) {
+        cu::check(cudaMemcpy(dst + offset, m->data, m->bytes(), kind), "expert upload");
+        offset += m->bytes();
+      }
+    };
+    if (!s->all_resident) {
+      cu::check(
+          cudaHostAlloc(reinterpret_cast<void**>(&s->host_experts),
+                        static_cast<size_t>(total_experts) * s->expert_bytes, cudaHostAllocDefault),
+          "pinned host experts");
+    }
+    for (int64_t l = 0; l < c.num_layers; ++l)
+      for (size_t e = 0; e < all[static_cast<size_t>(l)].size(); ++e) {
+        const int64_t key = l * c.num_experts + static_cast<int64_t>(e);
+        const offload::ExpertWeights& weights = all[static_cast<size_t>(l)][e];
+        if (weights.bytes() != s->expert_bytes) return Error{"experts differ in size"};
+        if (s->all_resident) {
+          pack(weights, s->slot_memory + static_cast<size_t>(key) * s->expert_bytes,
+               cudaMemcpyHostToDevice);
+          s->owner[static_cast<size_t>(key)] = key;
+          s->where[key] = static_cast<int>(key);
+        } else {
+          pack(weights, s->host_experts + static_cast<size_t>(key) * s->expert_bytes,
+               cudaMemcpyHostToHost);
+        }
+      }
+    cu::check(cudaDeviceSynchronize(), "upload");
+    return std::unique_ptr<CudaEngine>(new CudaEngine(std::move(s)));
+  } catch (const std::exception& e) {
+    return Error{e.what()};
+  }
+}
+
+Status CudaEngine::forward(std::span<const SequenceInput> batch, std::vector<float>& logits) {
+  State& s = *state_;
+  const ModelConfig& c = s.model.config();
+  const int64_t H = c.hidden_size;
+  // Validation, as the CPU engine's.
+  int64_t blocks_needed = 0, n = 0;
+  for (size_t i = 0; i < batch.size(); ++i) {
+    for (size_t j = 0; j < i; ++j)
+      if (batch[j].sequence == batch[i].sequence)
+        return Error{"a sequence appears twice in one forward batch"};
+    for (int32_t token : batch[i].tokens)
+      if (token < 0 || token >= c.vocab_size)
+        return Error{"token id " + std::to_string(token) + " is outside the vocabulary"};
+    const int64_t end = batch[i].sequence->length() + static_cast<int64_t>(batch[i].tokens.size());
+    if (c.max_position_embeddings > 0 && end > c.max_position_embeddings)
+      return Error{"sequence exceeds the model's context"};
+    blocks_needed +=
+        std::max<int64_t>(0, (end + kBlockTokens - 1) / kBlockTokens -
+                                 static_cast<int64_t>(batch[i].sequence->block_table().size()));
+    n += static_cast<int64_t>(batch[i].tokens.size());
+  }
+  if (blocks_needed > s.pool.free_blocks()) return Error{"KV cache full"};
+  if (n == 0) {
+    logits.clear();
+    return Status::ok_status();
+  }
+  try {
+    cudaStream_t stream = s.compute;
+    std::vector<int32_t> tokens, positions, slot_index, tables, table_offset, logit_rows;
+    std::vector<float> cos_sin;
+    const int64_t rope_dim = s.rope.dim();
+    for (const SequenceInput& input : batch) {
+      input.sequence->reserve(s.pool, static_cast<int64_t>(input.tokens.size()));
+      const auto offset = static_cast<int32_t>(tables.size());
+      tables.insert(tables.end(), input.sequence->block_table().begin(),
+                    input.sequence->block_table().end());
+      for (size_t i = 0; i < input.tokens.size(); ++i) {
+        const int64_t position = input.sequence->length() + static_cast<int64_t>(i);
+        tokens.push_back(input.tokens[i]);
+        positions.push_back(static_cast<int32_t>(position));
+        slot_index.push_back(static_cast<int32_t>(
+            input.sequence->block_table()[static_cast<size_t>(position / kBlockTokens)] *
+                kBlockTokens +
+            position % kBlockTokens));
+        table_offset.push_back(offset);
+        const size_t at = cos_sin.size();
+        cos_sin.resize(at + static_cast<size_t>(rope_dim));
+        s.rope.angles(position, cos_sin.data() + at);
+      }
+      if (input.want_logits && !input.tokens.empty())
+        logit_rows.push_back(static_cast<int32_t>(tokens.size() - 1));
+    }
+    upload(s.tokens, tokens, stream);
+    upload(s.positions, positions, stream);
+    upload(s.slot_index, slot_index, stream);
+    upload(s.tables, tables, stream);
+    upload(s.table_offset, table_offset, stream);
+    upload(s.cos_sin, cos_sin, stream);
+
+    float* hidden = s.hidden.grow(n * H);
+    float* normed = s.normed.grow(n * H);
+    cu::embed(s.embed.data, s.embed.dtype, H, s.tokens.get(), n, hidden, stream);
+
+    const int64_t heads = c.num_heads, kv_heads = c.num_kv_heads, hd = c.head_dim;
+    for (int64_t l = 0; l < c.num_layers; ++l) {
+      const DeviceLayer& w = s.layers[static_cast<size_t>(l)];
+      // Attention.
+      float* q = s.q.grow(n * heads * hd);
+      float* k = s.k.grow(n * kv_heads * hd);
+      float* v = s.v.grow(n * kv_heads * hd);
+      float* attended = s.attended.grow(n * heads * hd);
+      float* projected = s.projected.grow(n * H);
+      cu::rms_norm(hidden, n, H, H, w.input_norm.data, w.input_norm.dtype, c.rms_norm_eps, normed,
+                   H, stream);
+      s.blas->matmul(normed, n, w.q, q);
+      s.blas->matmul(normed, n, w.k, k);
+      s.blas->matmul(normed, n, w.v, v);
+      if (w.q_bias) cu::add_bias(q, n, heads * hd, w.q_bias.data, w.q_bias.dtype, stream);
+      if (w.k_bias) cu::add_bias(k, n, kv_heads * hd, w.k_bias.data, w.k_bias.dtype, stream);
+      if (w.v_bias) cu::add_bias(v, n, kv_heads * hd, w.v_bias.data, w.v_bias.dtype, stream);
+      if (c.qk_norm) {
+        cu::rms_norm(q, n * heads, hd, hd, w.q_norm.data, w.q_norm.dtype, c.rms_norm_eps, q, hd,
+                     stream);
+        cu::rms_norm(k, n * kv_heads, hd, hd, w.k_norm.data, w.k_norm.dtype, c.rms_norm_eps, k, hd,
+                     stream);
+      }
+      cu::rope(q, n, heads, heads * hd, hd, hd, s.cos_sin.get(), s.rope.interleaved(), stream);
+      cu::rope(k, n, kv_heads, kv_heads * hd, hd, hd, s.cos_sin.get(), s.rope.interleaved(),
+               stream);
+      float* cache_keys = s.kv + static_cast<size_t>(l) * (s.key_part + s.value_part);
+      float* cache_values = cache_keys + s.key_part;
+      cu::write_kv(k, v, n, kv_heads, hd, hd, s.slot_index.get(), cache_keys, cache_values,
+                   kBlockTokens, stream);
+      const cu::DeviceKv kv{cache_keys, cache_values, kBlockTokens, kv_heads, hd, hd, hd};
+      cu::attention(q, heads * hd, attended, heads * hd, n, heads, kv, s.tables.get(),
+                    s.table_offset.get(), s.positions.get(), s.softmax_scale, c.sliding_window,
+                    stream);
+      s.blas->matmul(attended, n, w.o, projected);
+      if (w.o_bias) cu::add_bias(projected, n, H, w.o_bias.data, w.o_bias.dtype, stream);
+      cu::add(hidden, projected, n * H, stream);
+
+      cu::rms_norm(hidden, n, H, H, w.post_norm.data, w.post_norm.dtype, c.rms_norm_eps, normed, H,
+                   stream);
+      if (!w.is_moe) {
+        const int64_t inter = c.dense_intermediate_size;
+        float* gate = s.gate.grow(n * inter);
+        float* up = s.up.grow(n * inter);
+        float* out = s.expert_out.grow(n * H);
+        s.blas->matmul(normed, n, w.dense_gate, gate);
+        s.blas->matmul(normed, n, w.dense_up, up);
+        cu::silu_mul(gate, up, n * inter, stream);
+        s.blas->matmul(gate, n, w.dense_down, out);
+        cu::add(hidden, out, n * H, stream);
+        continue;
+      }
+
+      // Routing on the device; the chosen experts come back to drive the expert GEMMs.
+      const int64_t E = c.num_experts, K = c.experts_per_token, inter = c.expert_intermediate_size;
+      float* scores = s.scores.grow(n * E);
+      int32_t* chosen = s.chosen.grow(n * K);
+      float* weights = s.weights.grow(n * K);
+      s.blas->matmul(normed, n, w.router, scores);
+      cu::RouterSpec spec{.experts = E,
+                          .top_k = K,
+                          .sigmoid = c.router_scoring == RouterScoring::kSigmoid,
+                          .group_limit = static_cast<int>(c.group_limit),
+                          .n_group = c.n_group,
+                          .topk_group = c.topk_group,
+                          .normalise = c.norm_topk_prob,
+                          .scale_normalised = c.scale_normalised_weights,
+                          .scaling = c.routed_scaling_factor,
+                          .bias = w.router_bias.data,
+                          .bias_dtype = w.router_bias.dtype};
+      cu::route(scores, n, spec, chosen, weights, stream);
+      if (n * K > s.host_routing_capacity) {
+        if (s.host_chosen) cudaFreeHost(s.host_chosen);
+        if (s.host_weights) cudaFreeHost(s.host_weights);
+        s.host_routing_capacity = n * K * 2;
+        cu::check(cudaHostAlloc(reinterpret_cast<void**>(&s.host_chosen),
+                                static_cast<size_t>(s.host_routing_capacity) * sizeof(int32_t),
+                                cudaHostAllocDefault),
+                  "pinned routing");
+        cu::check(cudaHostAlloc(reinterpret_cast<void**>(&s.host_weights),
+                                static_cast<size_t>(s.host_routing_capacity) * sizeof(float),
+                                cudaHostAllocDefault),
+                  "pinned routing");
+      }
+      cu::check(cudaMemcpyAsync(s.host_chosen, chosen, static_cast<size_t>(n * K) * sizeof(int32_t),
+                                cudaMemcpyDeviceToHost, stream),
+                "routing back");
+      cu::check(cudaMemcpyAsync(s.host_weights, weights, static_cast<size_t>(n * K) * sizeof(float),
+                                cudaMemcpyDeviceToHost, stream),
+                "routing back");
+      cu::check(cudaStreamSynchronize(stream), "routing");
+
+      // Group the (token, expert) pairs by expert, as the CPU engine does; each token's
+      // contributions are summed in ascending expert order.
+      std::vector<int32_t> offsets(static_cast<size_t>(E + 1), 0), rows(static_cast<size_t>(n * K)),
+          slot_of(static_cast<size_t>(n * K));
+      std::vector<float> slot_weight(static_cast<size_t>(n * K));
+      for (int64_t i = 0; i < n * K; ++i) ++offsets[static_cast<size_t>(s.host_chosen[i] + 1)];
+      std::partial_sum(offsets.begin(), offsets.end(), offsets.begin());
+      std::vector<int32_t> cursor(offsets.begin(), offsets.end() - 1);
+      for (int64_t t = 0; t < n; ++t) {
+        std::vector<std::pair<int32_t, float>> picks;
+        for (int64_t j = 0; j < K; ++j)
+          picks.emplace_back(s.host_chosen[t * K + j], s.host_weights[t * K + j]);
+        std::sort(picks.begin(), picks.end(),
+                  [](const auto& a, const auto& b) { return a.first < b.first; });
+        for (int64_t j = 0; j < K; ++j) {
+          const int32_t slot = cursor[static_cast<size_t>(picks[static_cast<size_t>(j)].first)]++;
+          rows[static_cast<size_t>(slot)] = static_cast<int32_t>(t);
+          slot_of[static_cast<size_t>(t * K + j)] = slot;
+          slot_weight[static_cast<size_t>(t * K + j)] = picks[static_cast<size_t>(j)].second;
+        }
+      }
+      upload(s.rows, rows, stream);
+      upload(s.slot_of, slot_of, stream);
+      upload(s.combine_weights, slot_weight, stream);
+      float* expert_in = s.expert_in.grow(n * K * H);
+      float* gate = s.gate.grow(n * K * inter);
+      float* up = s.up.grow(n * K * inter);
+      float* out = s.expert_out.grow(n * K * H);
+      cu::gather_rows(normed, H, s.rows.get(), n * K, expert_in, stream);
+
+      std::vector<int64_t> keys;
+      std::vector<int32_t> active;
+      for (int64_t e = 0; e < E; ++e)
+        if (offsets[static_cast<size_t>(e + 1)] > offsets[static_cast<size_t>(e)]) {
+          keys.push_back(l * E + e);
+          active.push_back(static_cast<int32_t>(e));
+        }
+      size_t issued = 0;
+      for (size_t i = 0; i < keys.size(); ++i) {
+        // Make the next experts resident ahead of use, as far as free slots allow.
+        while (issued < keys.size()) {
+          if (s.where.count(keys[issued])) {
+            ++s.stats.hits;
+            ++issued;
+            continue;
+          }
+          const int victim = s.pick_victim(keys, i, issued);
+          if (victim < 0) break;
+          s.load(keys[issued], victim);
+          ++s.stats.misses;
+          ++issued;
+        }
+        const int slot = s.where.at(keys[i]);
+        const auto slot_index_u = static_cast<size_t>(slot);
+        if (!s.all_resident)
+          cu::check(cudaStreamWaitEvent(stream, s.ready[slot_index_u], 0), "wait expert");
+        const int32_t e = active[i];
+        const int64_t first = offsets[static_cast<size_t>(e)];
+        const int64_t count = offsets[static_cast<size_t>(e + 1)] - first;
+        s.blas->matmul(expert_in + first * H, count, s.expert_part(slot, 0), gate + first * inter);
+        s.blas->matmul(expert_in + first * H, count, s.expert_part(slot, 1), up + first * inter);
+        cu::silu_mul(gate + first * inter, up + first * inter, count * inter, stream);
+        s.blas->matmul(gate + first * inter, count, s.expert_part(slot, 2), out + first * H);
+        if (!s.all_resident)
+          cu::check(cudaEventRecord(s.done[slot_index_u], stream), "record expert done");
+        s.last_use[slot_index_u] = ++s.clock;
+      }
+      float* moe_out = s.moe_out.grow(n * H);
+      cu::check(cudaMemsetAsync(moe_out, 0, static_cast<size_t>(n * H) * sizeof(float), stream),
+                "memset");
+      cu::combine(out, H, s.slot_of.get(), s.combine_weights.get(), n, K, moe_out, stream);
+      if (c.shared_intermediate_size > 0) {
+        const int64_t shared = c.shared_intermediate_size;
+        float* shared_gate = s.gate.grow(std::max(n * shared, n * K * inter));
+        float* shared_up = s.up.grow(std::max(n * shared, n * K * inter));
+        float* shared_out = s.shared_out.grow(n * H);
+        s.blas->matmul(normed, n, w.shared_gate, shared_gate);
+        s.blas->matmul(normed, n, w.shared_up, shared_up);
+        cu::silu_mul(shared_gate, shared_up, n * shared, stream);
+        s.blas->matmul(shared_gate, n, w.shared_down, shared_out);
+        cu::add(moe_out, shared_out, n * H, stream);
+      }
+      cu::add(hidden, moe_out, n * H, stream);
+    }
+
+    // Final norm and LM head for the rows whose logits are wanted.
+    const auto wanted = static_cast<int64_t>(logit_rows.size());
+    logits.resize(static_cast<size_t>(wanted * c.vocab_size));
+    if (wanted > 0) {
+      upload(s.logit_rows, logit_rows, stream);
+      float* lm_in = s.lm_in.grow(wanted * H);
+      float* device_logits = s.logits.grow(wanted * c.vocab_size);
+      cu::gather_rows(hidden, H, s.logit_rows.get(), wanted, lm_in, stream);
+      cu::rms_norm(lm_in, wanted, H, H, s.final_norm.data, s.final_norm.dtype, c.rms_norm_eps,
+                   lm_in, H, stream);
+      s.blas->matmul(lm_in, wanted, s.lm_head, device_logits);
+      cu::check(cudaMemcpyAsync(logits.data(), device_logits, logits.size() * sizeof(float),
+                                cudaMemcpyDeviceToHost, stream),
+                "logits back");
+    }
+    cu::check(cudaStreamSynchronize(stream), "forward");
+    if (!s.all_resident) {
+      cu::check(cudaStreamSynchronize(s.copy), "expert copies");
+      s.harvest_timings();
+    }
+    for (const SequenceInput& input : batch) input.sequence->commit(input.tokens);
+    return Status::ok_status();
+  } catch (const std::exception& e) {
+    return Error{std::string("cuda forward: ") + e.what()};
+  }
+}
+
+}  // namespace moeline::model

@@ -1,0 +1,294 @@
+// The CUDA backend against the CPU backend: each op on random data, then whole models. Every test
+// skips with the reason when no CUDA device is present; main() fails when a device is present and
+// no test ran, so a GPU machine cannot pass the suite by skipping it.
+//
+// Tolerances: F32 ops differ from the CPU's only in summation order (~1e-6 relative); cuBLAS
+// multiplies 16-bit weights with activations rounded to that width (BF16: 8 bits of mantissa,
+// ~4e-3 per element), so BF16 models are held to 1e-2. Whole F32 models must pick the same greedy
+// tokens (on the tiny models the top two logits are never within the ~1e-5 the routes differ by).
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <cstdio>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "kernels/cpu/attention.h"
+#include "kernels/cpu/matmul.h"
+#include "kernels/cpu/ops.h"
+#include "kernels/cpu/thread_pool.h"
+#include "kernels/cuda/blas.h"
+#include "kernels/cuda/ops.h"
+#include "model/cuda_engine.h"
+#include "model/forward.h"
+#include "model/sampling.h"
+#include "offload/resident_provider.h"
+
+namespace moeline {
+namespace {
+
+namespace cu = kernels::cuda;
+
+bool has_device() {
+  static const bool present = cu::device_available(nullptr);
+  return present;
+}
+
+#define REQUIRE_DEVICE()                                  \
+  do {                                                    \
+    std::string why;                                      \
+    if (!cu::device_available(&why)) GTEST_SKIP() << why; \
+  } while (0)
+
+double relative_l2(const std::vector<float>& a, const std::vector<float>& b) {
+  double diff = 0, norm = 0;
+  for (size_t i = 0; i < a.size(); ++i) {
+    diff += (double(a[i]) - b[i]) * (double(a[i]) - b[i]);
+    norm += double(b[i]) * b[i];
+  }
+  return std::sqrt(diff / norm);
+}
+
+// A device copy of host data, freed at scope end.
+template <class T>
+struct Device {
+  T* data = nullptr;
+  size_t count = 0;
+  explicit Device(const std::vector<T>& host) : count(host.size()) {
+    cu::check(cudaMalloc(reinterpret_cast<void**>(&data), std::max<size_t>(count, 1) * sizeof(T)),
+              "malloc");
+    cu::check(cudaMemcpy(data, host.data(), count * sizeof(T), cudaMemcpyHostToDevice), "copy");
+  }
+  ~Device() { cudaFree(data); }
+  std::vector<T> host() const {
+    std::vector<T> out(count);
+    cu::check(cudaMemcpy(out.data(), data, count * sizeof(T), cudaMemcpyDeviceToHost), "copy");
+    return out;
+  }
+};
+
+std::vector<float> random_floats(size_t n, unsigned seed, float scale = 1.0f) {
+  std::mt19937 rng(seed);
+  std::normal_distribution<float> normal;
+  std::vector<float> v(n);
+  for (float& x : v) x = normal(rng) * scale;
+  return v;
+}
+
+std::vector<uint16_t> to_bf16(const std::vector<float>& v) {
+  std::vector<uint16_t> out(v.size());
+  for (size_t i = 0; i < v.size(); ++i) out[i] = kernels::float_to_bf16(v[i]);
+  return out;
+}
+
+TEST(CudaOps, RmsNormMatchesTheCpu) {
+  REQUIRE_DEVICE();
+  const int64_t n = 7, dim = 1000;
+  const auto x = random_floats(n * dim, 1), w = random_floats(dim, 2);
+  std::vector<float> want(x.size());
+  kernels::rms_norm(x.data(), n, dim, dim, {w.data(), kernels::DType::kF32, dim}, 1e-6f,
+                    want.data(), dim);
+  Device<float> dx(x), dw(w), dout(std::vector<float>(x.size()));
+  cu::rms_norm(dx.data, n, dim, dim, dw.data, kernels::DType::kF32, 1e-6f, dout.data, dim, nullptr);
+  EXPECT_LE(relative_l2(dout.host(), want), 1e-6);
+}
+
+TEST(CudaOps, RopeMatchesTheCpuInBothLayouts) {
+  REQUIRE_DEVICE();
+  for (bool interleaved : {false, true}) {
+    const kernels::Rope rope(std::vector<double>{1.0, 0.3, 0.05, 0.001}, 1.2, interleaved);
+    const int64_t n = 5, heads = 3, stride = 10;  // 8 rotated dims in vectors of 10
+    auto x = random_floats(n * heads * stride, 3);
+    std::vector<float> angles(static_cast<size_t>(n * 8));
+    for (int64_t t = 0; t < n; ++t) rope.angles(100 + t * 37, angles.data() + t * 8);
+    Device<float> dx(x), da(angles);
+    cu::rope(dx.data, n, heads, heads * stride, stride, 8, da.data, interleaved, nullptr);
+    for (int64_t t = 0; t < n; ++t)
+      rope.rotate(x.data() + t * heads * stride, heads, stride, angles.data() + t * 8);
+    EXPECT_LE(relative_l2(dx.host(), x), 1e-6) << "interleaved " << interleaved;
+  }
+}
+
+TEST(CudaOps, MatmulMatchesTheCpu) {
+  REQUIRE_DEVICE();
+  kernels::ThreadPool pool(2);
+  const int64_t rows = 96, cols = 200;
+  const auto w = random_floats(rows * cols, 4, 0.1f);
+  const auto w16 = to_bf16(w);
+  for (int64_t n : {1, 5, 33}) {
+    const auto x = random_floats(n * cols, 5);
+    for (bool bf16 : {false, true}) {
+      const kernels::MatrixView host_w{bf16 ? static_cast<const void*>(w16.data()) : w.data(),
+                                       bf16 ? kernels::DType::kBF16 : kernels::DType::kF32, rows,
+                                       cols};
+      std::vector<float> want(static_cast<size_t>(n * rows));
+      kernels::matmul(pool,
+                      kernels::MatmulTask{.x = x.data(), .n = n, .w = host_w, .y = want.data()});
+      Device<float> dw32(w), dx(x), dy(std::vector<float>(want.size()));
+      Device<uint16_t> dw16(w16);
+      cu::Blas blas(nullptr);
+      blas.matmul(
+          dx.data, n,
+          {bf16 ? static_cast<const void*>(dw16.data) : dw32.data, host_w.dtype, rows, cols},
+          dy.data);
+      cu::check(cudaDeviceSynchronize(), "sync");
+      EXPECT_LE(relative_l2(dy.host(), want), bf16 ? 1e-2 : 1e-5) << "n " << n << " bf16 " << bf16;
+    }
+  }
+}
+
+TEST(CudaOps, PagedAttentionMatchesTheCpuForGqaAndLatentCaches) {
+  REQUIRE_DEVICE();
+  kernels::ThreadPool pool(2);
+  struct Shape {
+    int64_t heads, kv_heads, key_dim, value_dim;
+    bool latent;
+  };
+  for (const Shape shape : {Shape{8, 2, 64, 64, false}, Shape{16, 1, 576, 512, true}}) {
+    const int64_t blocks = 40, bs = 16;
+    auto keys = random_floats(blocks * bs * shape.kv_heads * shape.key_dim, 6);
+    auto values = shape.latent ? std::vector<float>{}
+                               : random_floats(blocks * bs * shape.kv_heads * shape.value_dim, 7);
+    std::vector<int32_t> table(blocks);
+    for (int64_t b = 0; b < blocks; ++b)
+      table[static_cast<size_t>(b)] = static_cast<int32_t>((b * 7 + 3) % blocks);
+    const std::vector<int32_t> positions = {0, 17, 300, 639};
+    const int64_t n = static_cast<int64_t>(positions.size());
+    const auto q = random_floats(n * shape.heads * shape.key_dim, 8, 0.05f);
+    std::vector<float> want(static_cast<size_t>(n * shape.heads * shape.value_dim));
+    const kernels::PagedKvLayer cpu{keys.data(),
+                                    shape.latent ? keys.data() : values.data(),
+                                    bs,
+                                    shape.kv_heads,
+                                    shape.key_dim,
+                                    shape.value_dim,
+                                    shape.latent ? shape.key_dim : shape.value_dim};
+    std::vector<kernels::AttentionQuery> queries;
+    for (int64_t t = 0; t < n; ++t)
+      queries.push_back({q.data() + t * shape.heads * shape.key_dim,
+                         want.data() + t * shape.heads * shape.value_dim, table.data(),
+                         positions[static_cast<size_t>(t)]});
+    const float scale = 0.1f;
+    kernels::paged_attention(pool, cpu, queries, shape.heads, scale, 0);
+    Device<float> dk(keys), dv(shape.latent ? keys : values), dq(q),
+        dout(std::vector<float>(want.size()));
+    Device<int32_t> dtable(table), doffset(std::vector<int32_t>(static_cast<size_t>(n), 0)),
+        dpos(positions);
+    const cu::DeviceKv kv{dk.data,
+                          shape.latent ? dk.data : dv.data,
+                          bs,
+                          shape.kv_heads,
+                          shape.key_dim,
+                          shape.value_dim,
+                          shape.latent ? shape.key_dim : shape.value_dim};
+    cu::attention(dq.data, shape.heads * shape.key_dim, dout.data, shape.heads * shape.value_dim, n,
+                  shape.heads, kv, dtable.data, doffset.data, dpos.data, scale, 0, nullptr);
+    cu::check(cudaDeviceSynchronize(), "sync");
+    EXPECT_LE(relative_l2(dout.host(), want), 1e-5) << "latent " << shape.latent;
+  }
+}
+
+struct Generation {
+  std::vector<int32_t> tokens;
+  std::vector<float> first_logits, last_logits;
+};
+
+// Greedy generation of `steps` tokens after `prompt`: prefill, then one token at a time.
+template <class Forward>
+Generation generate(Forward&& forward, model::BlockPool& pool, const std::vector<int32_t>& prompt,
+                    int64_t vocab, int steps) {
+  Generation run;
+  model::Sequence sequence(1, 0, 0);
+  std::vector<float> logits;
+  model::SequenceInput input{&sequence, prompt, true};
+  EXPECT_TRUE(forward(std::span(&input, 1), logits));
+  run.first_logits = logits;
+  for (int step = 0; step < steps; ++step) {
+    run.tokens.push_back(model::argmax(logits.data(), vocab));
+    input = {&sequence, std::span(&run.tokens.back(), 1), true};
+    EXPECT_TRUE(forward(std::span(&input, 1), logits));
+  }
+  run.last_logits = logits;
+  sequence.release(pool);
+  return run;
+}
+
+class CudaModel : public ::testing::TestWithParam<const char*> {};
+
+TEST_P(CudaModel, GeneratesWhatTheCpuEngineGeneratesAtEveryExpertBudget) {
+  REQUIRE_DEVICE();
+  auto loaded = model::Model::load(std::string(MOELINE_TEST_MODELS) + "/" + GetParam());
+  ASSERT_TRUE(loaded) << loaded.error().message;
+  const model::Model& m = **loaded;
+  const int64_t vocab = m.config().vocab_size;
+  std::vector<int32_t> prompt;
+  for (int i = 0; i < 37; ++i) prompt.push_back(static_cast<int32_t>((i * 53 + 7) % vocab));
+  kernels::ThreadPool threads(2);
+  offload::ResidentExpertProvider experts(m.experts());
+  model::KvCache cache(m.config(), 64);
+  model::Engine cpu(m, experts, threads, cache);
+  const Generation want =
+      generate([&](auto batch, auto& logits) { return cpu.forward(batch, logits).ok(); },
+               cache.pool(), prompt, vocab, 16);
+  const bool f32 = m.dtype_summary() == "F32";
+  std::vector<Generation> budgets;
+  for (double budget : {1.0, 0.5, 0.25}) {
+    auto engine = model::CudaEngine::create(m, {.kv_blocks = 64, .expert_budget_fraction = budget});
+    ASSERT_TRUE(engine) << engine.error().message;
+    const Generation got = generate(
+        [&](auto batch, auto& logits) {
+          const model::Status status = (*engine)->forward(batch, logits);
+          EXPECT_TRUE(status.ok()) << (status.ok() ? "" : status.error().message);
+          return status.ok();
+        },
+        (*engine)->pool(), prompt, vocab, 16);
+    EXPECT_LE(relative_l2(got.first_logits, want.first_logits), f32 ? 1e-4 : 1e-2)
+        << "budget " << budget;
+    if (f32) {
+      EXPECT_EQ(got.tokens, want.tokens) << "budget " << budget;
+    }
+    if (budget < 1.0) {
+      const model::CudaExpertStats stats = (*engine)->expert_stats();
+      EXPECT_GT(stats.misses, 0u) << "budget " << budget;
+      // The same expert computation whatever the budget: identical bits.
+      EXPECT_EQ(got.first_logits, budgets.front().first_logits) << "budget " << budget;
+      EXPECT_EQ(got.tokens, budgets.front().tokens) << "budget " << budget;
+    }
+    budgets.push_back(got);
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(TinyModels, CudaModel,
+                         ::testing::Values("mixtral-f32", "qwen3-f32", "mixtral-bf16",
+                                           "qwen3-bf16"));
+
+TEST(CudaEngine, RefusesWhatItCannotRun) {
+  REQUIRE_DEVICE();
+  auto loaded = model::Model::load(std::string(MOELINE_TEST_MODELS) + "/deepseek3-f32");
+  ASSERT_TRUE(loaded);
+  auto engine = model::CudaEngine::create(**loaded, {});
+  ASSERT_FALSE(engine);
+  EXPECT_NE(engine.error().message.find("latent attention"), std::string::npos);
+  auto mixtral = model::Model::load(std::string(MOELINE_TEST_MODELS) + "/mixtral-f32");
+  ASSERT_TRUE(mixtral);
+  EXPECT_FALSE(model::CudaEngine::create(**mixtral, {.expert_budget_fraction = 0.0}));
+}
+
+}  // namespace
+}  // namespace moeline
+
+int main(int argc, char** argv) {
+  ::testing::InitGoogleTest(&argc, argv);
+  std::string why;
+  const bool device = moeline::kernels::cuda::device_available(&why);
+  if (!device) std::printf("moeline_cuda_tests: skipping every CUDA test: %s\n", why.c_str());
+  const int status = RUN_ALL_TESTS();
+  if (status != 0) return status;
+  const auto* unit = ::testing::UnitTest::GetInstance();
+  if (device && unit->successful_test_count() - unit->skipped_test_count() <= 0) {
+    std::printf("moeline_cuda_tests: a CUDA device is present but no CUDA test ran\n");
+    return 1;
+  }
+  return 0;
+}
