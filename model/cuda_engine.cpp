@@ -102,6 +102,9 @@ struct DeviceLayer {
   DeviceVector input_norm, post_norm, q_bias, k_bias, v_bias, o_bias, q_norm, k_norm, router_bias;
   DeviceMatrix q, k, v, o, router, dense_gate, dense_up, dense_down, shared_gate, shared_up,
       shared_down;
+  // Multi-head latent attention.
+  DeviceMatrix q_a, q_b, kv_a, kv_b, kv_b_key_t;
+  DeviceVector q_a_norm, kv_a_norm;
 };
 
 }  // namespace
@@ -157,7 +160,7 @@ struct CudaEngine::State {
 
   // Per-forward buffers.
   Scratch<float> hidden, normed, q, k, v, attended, projected, cos_sin, scores, weights, expert_in,
-      gate, up, expert_out, moe_out, shared_out, lm_in, logits;
+      gate, up, expert_out, moe_out, shared_out, lm_in, logits, q_latent, out_latent;
   Scratch<int32_t> tokens, slot_index, tables, table_offset, positions, chosen, rows, slot_of,
       logit_rows;
   Scratch<float> combine_weights;
@@ -250,9 +253,6 @@ size_t CudaEngine::device_weight_bytes() const {
 Expected<std::unique_ptr<CudaEngine>> CudaEngine::create(const Model& model,
                                                          const CudaEngineOptions& options) {
   const ModelConfig& c = model.config();
-  if (c.mla)
-    return Error{"the CUDA backend does not run multi-head latent attention (" + c.model_type +
-                 ") yet; use the CPU engine"};
   if (!(options.expert_budget_fraction > 0 && options.expert_budget_fraction <= 1))
     return Error{"the device expert budget must be a fraction in (0, 1]"};
   std::string why;
@@ -292,6 +292,13 @@ Expected<std::unique_ptr<CudaEngine>> CudaEngine::create(const Model& model,
       d.shared_gate = s->arena.upload(w.shared_gate);
       d.shared_up = s->arena.upload(w.shared_up);
       d.shared_down = s->arena.upload(w.shared_down);
+      d.q_a = s->arena.upload(w.q_a_proj);
+      d.q_b = s->arena.upload(w.q_b_proj);
+      d.kv_a = s->arena.upload(w.kv_a_proj);
+      d.kv_b = s->arena.upload(w.kv_b_proj);
+      d.kv_b_key_t = s->arena.upload(w.kv_b_key_t);
+      d.q_a_norm = s->arena.upload(w.q_a_norm);
+      d.kv_a_norm = s->arena.upload(w.kv_a_norm);
       s->layers.push_back(d);
     }
 
@@ -365,6 +372,67 @@ Expected<std::unique_ptr<CudaEngine>> CudaEngine::create(const Model& model,
   }
 }
 
+namespace {
+
+// Multi-head latent attention as the CPU engine computes it (model/forward.cpp): the latent and
+// the rope key are cached; each head's query is mapped into latent space by its K rows of kv_b
+// (kv_b_key_t), attends over the cached rows, and its attended latent is mapped out by its V rows.
+void latent_attention(CudaEngine::State& s, const DeviceLayer& w, int64_t layer, int64_t n) {
+  const ModelConfig& c = s.model.config();
+  cudaStream_t stream = s.compute;
+  const int64_t H = c.hidden_size, heads = c.num_heads;
+  const int64_t nope = c.qk_nope_head_dim, rope_dim = c.qk_rope_head_dim;
+  const int64_t qk = nope + rope_dim, kv_lora = c.kv_lora_rank, vd = c.v_head_dim;
+  const int64_t row = kv_lora + rope_dim;
+  constexpr float kLatentNormEps = 1e-6f;  // DeepSeek's latent norms, whatever rms_norm_eps says
+  float* hidden = s.hidden.get();
+  float* normed = s.normed.get();
+  float* q = s.q.grow(n * heads * qk);
+  float* latent = s.k.grow(n * row);
+  float* q_latent = s.q_latent.grow(n * heads * row);
+  float* out_latent = s.out_latent.grow(n * heads * kv_lora);
+  float* attended = s.attended.grow(n * heads * vd);
+  float* projected = s.projected.grow(n * H);
+  cu::rms_norm(hidden, n, H, H, w.input_norm.data, w.input_norm.dtype, c.rms_norm_eps, normed, H,
+               stream);
+  if (c.q_lora_rank > 0) {
+    float* q_a = s.v.grow(n * c.q_lora_rank);
+    s.blas->matmul(normed, n, w.q_a, q_a);
+    cu::rms_norm(q_a, n, c.q_lora_rank, c.q_lora_rank, w.q_a_norm.data, w.q_a_norm.dtype,
+                 kLatentNormEps, q_a, c.q_lora_rank, stream);
+    s.blas->matmul(q_a, n, w.q_b, q);
+  } else {
+    s.blas->matmul(normed, n, w.q, q);
+  }
+  s.blas->matmul(normed, n, w.kv_a, latent);
+  cu::rms_norm(latent, n, kv_lora, row, w.kv_a_norm.data, w.kv_a_norm.dtype, kLatentNormEps, latent,
+               row, stream);
+  cu::rope(q + nope, n, heads, heads * qk, qk, rope_dim, s.cos_sin.get(), s.rope.interleaved(),
+           stream);
+  cu::rope(latent + kv_lora, n, 1, row, row, rope_dim, s.cos_sin.get(), s.rope.interleaved(),
+           stream);
+  float* cache_keys = s.kv + static_cast<size_t>(layer) * (s.key_part + s.value_part);
+  cu::write_kv(latent, nullptr, n, 1, row, 0, s.slot_index.get(), cache_keys, nullptr, kBlockTokens,
+               stream);
+  for (int64_t h = 0; h < heads; ++h) {
+    // q_nope · (W_UK_h c) = (W_UK_hᵀ q_nope) · c; the rope part attends to the rope key as it is.
+    s.blas->matmul(q + h * qk, n, w.kv_b_key_t.row_range(h * kv_lora, kv_lora), q_latent + h * row,
+                   heads * qk, heads * row);
+    cu::copy_rows(q + h * qk + nope, heads * qk, q_latent + h * row + kv_lora, heads * row, n,
+                  rope_dim, stream);
+  }
+  const cu::DeviceKv kv{cache_keys, cache_keys, kBlockTokens, 1, row, kv_lora, row};
+  cu::attention(q_latent, heads * row, out_latent, heads * kv_lora, n, heads, kv, s.tables.get(),
+                s.table_offset.get(), s.positions.get(), s.softmax_scale, 0, stream);
+  for (int64_t h = 0; h < heads; ++h)
+    s.blas->matmul(out_latent + h * kv_lora, n, w.kv_b.row_range(h * (nope + vd) + nope, vd),
+                   attended + h * vd, heads * kv_lora, heads * vd);
+  s.blas->matmul(attended, n, w.o, projected);
+  cu::add(hidden, projected, n * H, stream);
+}
+
+}  // namespace
+
 Status CudaEngine::forward(std::span<const SequenceInput> batch, std::vector<float>& logits) {
   State& s = *state_;
   const ModelConfig& c = s.model.config();
@@ -431,41 +499,44 @@ Status CudaEngine::forward(std::span<const SequenceInput> batch, std::vector<flo
     const int64_t heads = c.num_heads, kv_heads = c.num_kv_heads, hd = c.head_dim;
     for (int64_t l = 0; l < c.num_layers; ++l) {
       const DeviceLayer& w = s.layers[static_cast<size_t>(l)];
-      // Attention.
-      float* q = s.q.grow(n * heads * hd);
-      float* k = s.k.grow(n * kv_heads * hd);
-      float* v = s.v.grow(n * kv_heads * hd);
-      float* attended = s.attended.grow(n * heads * hd);
-      float* projected = s.projected.grow(n * H);
-      cu::rms_norm(hidden, n, H, H, w.input_norm.data, w.input_norm.dtype, c.rms_norm_eps, normed,
-                   H, stream);
-      s.blas->matmul(normed, n, w.q, q);
-      s.blas->matmul(normed, n, w.k, k);
-      s.blas->matmul(normed, n, w.v, v);
-      if (w.q_bias) cu::add_bias(q, n, heads * hd, w.q_bias.data, w.q_bias.dtype, stream);
-      if (w.k_bias) cu::add_bias(k, n, kv_heads * hd, w.k_bias.data, w.k_bias.dtype, stream);
-      if (w.v_bias) cu::add_bias(v, n, kv_heads * hd, w.v_bias.data, w.v_bias.dtype, stream);
-      if (c.qk_norm) {
-        cu::rms_norm(q, n * heads, hd, hd, w.q_norm.data, w.q_norm.dtype, c.rms_norm_eps, q, hd,
-                     stream);
-        cu::rms_norm(k, n * kv_heads, hd, hd, w.k_norm.data, w.k_norm.dtype, c.rms_norm_eps, k, hd,
-                     stream);
+      if (c.mla) {
+        latent_attention(s, w, l, n);
+      } else {
+        // Attention.
+        float* q = s.q.grow(n * heads * hd);
+        float* k = s.k.grow(n * kv_heads * hd);
+        float* v = s.v.grow(n * kv_heads * hd);
+        float* attended = s.attended.grow(n * heads * hd);
+        float* projected = s.projected.grow(n * H);
+        cu::rms_norm(hidden, n, H, H, w.input_norm.data, w.input_norm.dtype, c.rms_norm_eps, normed,
+                     H, stream);
+        s.blas->matmul(normed, n, w.q, q);
+        s.blas->matmul(normed, n, w.k, k);
+        s.blas->matmul(normed, n, w.v, v);
+        if (w.q_bias) cu::add_bias(q, n, heads * hd, w.q_bias.data, w.q_bias.dtype, stream);
+        if (w.k_bias) cu::add_bias(k, n, kv_heads * hd, w.k_bias.data, w.k_bias.dtype, stream);
+        if (w.v_bias) cu::add_bias(v, n, kv_heads * hd, w.v_bias.data, w.v_bias.dtype, stream);
+        if (c.qk_norm) {
+          cu::rms_norm(q, n * heads, hd, hd, w.q_norm.data, w.q_norm.dtype, c.rms_norm_eps, q, hd,
+                       stream);
+          cu::rms_norm(k, n * kv_heads, hd, hd, w.k_norm.data, w.k_norm.dtype, c.rms_norm_eps, k,
+                       hd, stream);
+        }
+        cu::rope(q, n, heads, heads * hd, hd, hd, s.cos_sin.get(), s.rope.interleaved(), stream);
+        cu::rope(k, n, kv_heads, kv_heads * hd, hd, hd, s.cos_sin.get(), s.rope.interleaved(),
+                 stream);
+        float* cache_keys = s.kv + static_cast<size_t>(l) * (s.key_part + s.value_part);
+        float* cache_values = cache_keys + s.key_part;
+        cu::write_kv(k, v, n, kv_heads, hd, hd, s.slot_index.get(), cache_keys, cache_values,
+                     kBlockTokens, stream);
+        const cu::DeviceKv kv{cache_keys, cache_values, kBlockTokens, kv_heads, hd, hd, hd};
+        cu::attention(q, heads * hd, attended, heads * hd, n, heads, kv, s.tables.get(),
+                      s.table_offset.get(), s.positions.get(), s.softmax_scale, c.sliding_window,
+                      stream);
+        s.blas->matmul(attended, n, w.o, projected);
+        if (w.o_bias) cu::add_bias(projected, n, H, w.o_bias.data, w.o_bias.dtype, stream);
+        cu::add(hidden, projected, n * H, stream);
       }
-      cu::rope(q, n, heads, heads * hd, hd, hd, s.cos_sin.get(), s.rope.interleaved(), stream);
-      cu::rope(k, n, kv_heads, kv_heads * hd, hd, hd, s.cos_sin.get(), s.rope.interleaved(),
-               stream);
-      float* cache_keys = s.kv + static_cast<size_t>(l) * (s.key_part + s.value_part);
-      float* cache_values = cache_keys + s.key_part;
-      cu::write_kv(k, v, n, kv_heads, hd, hd, s.slot_index.get(), cache_keys, cache_values,
-                   kBlockTokens, stream);
-      const cu::DeviceKv kv{cache_keys, cache_values, kBlockTokens, kv_heads, hd, hd, hd};
-      cu::attention(q, heads * hd, attended, heads * hd, n, heads, kv, s.tables.get(),
-                    s.table_offset.get(), s.positions.get(), s.softmax_scale, c.sliding_window,
-                    stream);
-      s.blas->matmul(attended, n, w.o, projected);
-      if (w.o_bias) cu::add_bias(projected, n, H, w.o_bias.data, w.o_bias.dtype, stream);
-      cu::add(hidden, projected, n * H, stream);
-
       cu::rms_norm(hidden, n, H, H, w.post_norm.data, w.post_norm.dtype, c.rms_norm_eps, normed, H,
                    stream);
       if (!w.is_moe) {

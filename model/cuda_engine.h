@@ -10,8 +10,8 @@
 // another when the compute stream is done with it, so copies overlap the experts computed before
 // them and a slot is never overwritten while in use.
 //
-// Built only with CUDA (MOELINE_HAVE_CUDA). Multi-head latent attention is not on the device yet:
-// create() refuses DeepSeek models with the reason.
+// Every family the CPU engine runs, DeepSeek's multi-head latent attention included (the same
+// absorbed form over a latent cache). Built only with CUDA (MOELINE_HAVE_CUDA).
 
 #include <cstdint>
 #include <memory>

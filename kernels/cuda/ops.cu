@@ -283,6 +283,13 @@ __global__ void add_bias_kernel(float* y, int64_t n, int64_t width, const void* 
   if (i < n * width) y[i] += load(bias, dtype, i % width);
 }
 
+__global__ void copy_rows_kernel(const float* src, int64_t src_stride, float* dst,
+                                 int64_t dst_stride, int64_t rows, int64_t width) {
+  const int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
+  if (i >= rows * width) return;
+  dst[(i / width) * dst_stride + i % width] = src[(i / width) * src_stride + i % width];
+}
+
 __global__ void gather_rows_kernel(const float* x, int64_t width, const int32_t* rows,
                                    int64_t count, float* out) {
   const int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
@@ -401,6 +408,14 @@ void add_bias(float* y, int64_t n, int64_t width, const void* bias, DType dtype,
   if (n * width == 0) return;
   add_bias_kernel<<<blocks_for(n * width), kThreads, 0, stream>>>(y, n, width, bias, dtype);
   check(cudaGetLastError(), "add_bias");
+}
+
+void copy_rows(const float* src, int64_t src_stride, float* dst, int64_t dst_stride, int64_t rows,
+               int64_t width, cudaStream_t stream) {
+  if (rows * width == 0) return;
+  copy_rows_kernel<<<blocks_for(rows * width), kThreads, 0, stream>>>(src, src_stride, dst,
+                                                                      dst_stride, rows, width);
+  check(cudaGetLastError(), "copy_rows");
 }
 
 void gather_rows(const float* x, int64_t width, const int32_t* rows, int64_t count, float* out,

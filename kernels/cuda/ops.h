@@ -80,6 +80,9 @@ void add(float* y, const float* x, int64_t count, cudaStream_t stream);
 // y[t * width + i] += bias[i] for n rows.
 void add_bias(float* y, int64_t n, int64_t width, const void* bias, DType dtype,
               cudaStream_t stream);
+// dst row r (dst_stride apart) = src row r (src_stride apart), `width` floats, for `rows` rows.
+void copy_rows(const float* src, int64_t src_stride, float* dst, int64_t dst_stride, int64_t rows,
+               int64_t width, cudaStream_t stream);
 // out row r = x row rows[r], rows of `width`.
 void gather_rows(const float* x, int64_t width, const int32_t* rows, int64_t count, float* out,
                  cudaStream_t stream);
