@@ -36,16 +36,17 @@ struct CudaExpertStats {
   std::vector<float> load_ms;  // each load's copy time (CUDA events)
 };
 
-class CudaEngine {
+class CudaEngine : public ForwardPass {
  public:
   static Expected<std::unique_ptr<CudaEngine>> create(const Model& model,
                                                       const CudaEngineOptions& options);
-  ~CudaEngine();
+  ~CudaEngine() override;
 
   // As Engine::forward: logits [sequences wanting logits, vocab] on the host.
-  Status forward(std::span<const SequenceInput> batch, std::vector<float>& logits);
+  Status forward(std::span<const SequenceInput> batch, std::vector<float>& logits) override;
   BlockPool& pool();
-  const Model& model() const;
+  BlockPool& blocks() override { return pool(); }
+  const Model& model() const override;
   CudaExpertStats expert_stats() const;
   int expert_slots() const;
   // Bytes of device memory holding weights (experts included) and KV.

@@ -29,18 +29,29 @@ struct SequenceInput {
   bool want_logits = true;          // logits of the last of these tokens
 };
 
-class Engine {
+// What the generator drives: a forward pass over a paged KV cache whose blocks come from
+// `blocks()` — the CPU Engine below, or the CUDA engine (model/cuda_engine.h).
+class ForwardPass {
+ public:
+  virtual ~ForwardPass() = default;
+  virtual Status forward(std::span<const SequenceInput> batch, std::vector<float>& logits) = 0;
+  virtual BlockPool& blocks() = 0;
+  virtual const Model& model() const = 0;
+};
+
+class Engine : public ForwardPass {
  public:
   Engine(const Model& model, offload::ExpertProvider& experts, kernels::ThreadPool& pool,
          KvCache& cache);
 
   void set_router_observer(RouterObserver* observer) { observer_ = observer; }
-  const Model& model() const { return model_; }
+  const Model& model() const override { return model_; }
   KvCache& cache() { return cache_; }
+  BlockPool& blocks() override { return cache_.pool(); }
 
   // On success `logits` holds [sequences wanting logits, vocab] in batch order and each sequence
   // has grown by its tokens. On error (bad token id, context or KV pool exhausted) nothing changed.
-  Status forward(std::span<const SequenceInput> batch, std::vector<float>& logits);
+  Status forward(std::span<const SequenceInput> batch, std::vector<float>& logits) override;
   // Runs only the first `layers` layers (no final norm, no logits): what a router observer needs
   // from them — the probe's activation signatures — at a fraction of a prefill. The last layer
   // stops at its router (its experts feed nothing the observer sees). The sequences hold KV for

@@ -55,7 +55,7 @@ Expected<std::vector<GenerationResult>> Generator::generate(
     if (Status status = request.sampling.validate(); !status.ok()) return status.error();
   }
 
-  SequenceSet set{engine_.cache().pool(), {}};
+  SequenceSet set{engine_.blocks(), {}};
   std::vector<Sampler> samplers;
   const std::vector<int32_t> eos(config.eos_token_ids.begin(), config.eos_token_ids.end());
   for (const GenerationRequest& request : requests) {
@@ -106,7 +106,7 @@ Expected<std::vector<GenerationResult>> Generator::generate(
         still_active.push_back(i);
       } else {
         results[i].decode_seconds = seconds_since(start);
-        set.sequences[i]->release(engine_.cache().pool());
+        set.sequences[i]->release(engine_.blocks());
       }
     }
     active.swap(still_active);

@@ -40,11 +40,11 @@ const char* finish_after(int32_t token, int64_t generated, int64_t prompt_tokens
 
 class Generator {
  public:
-  explicit Generator(Engine& engine) : engine_(engine) {}
+  explicit Generator(ForwardPass& engine) : engine_(engine) {}
   Expected<std::vector<GenerationResult>> generate(const std::vector<GenerationRequest>& requests);
 
  private:
-  Engine& engine_;
+  ForwardPass& engine_;
   uint64_t next_sequence_id_ = 1;
 };
 

@@ -21,6 +21,9 @@
 #include "kernels/cpu/thread_pool.h"
 #include "model/forward.h"
 #include "model/generator.h"
+#ifdef MOELINE_HAVE_CUDA
+#include "model/cuda_engine.h"
+#endif
 #include "model/model.h"
 #include "model/tokenizer/chat_template.h"
 #include "model/tokenizer/tokenizer.h"
@@ -36,7 +39,7 @@ namespace {
 constexpr const char* kUsage =
     R"(usage: moeline run --model DIR (--prompt TEXT [--chat] | --tokens 1,2,3) [options]
 
-Loads a Hugging Face checkpoint (Mixtral or Qwen3-MoE) and generates in this process.
+Loads a Hugging Face checkpoint (Mixtral, Qwen3-MoE, DeepSeek-V2/V3) and generates in this process.
 
   --model DIR          checkpoint folder (config.json + safetensors + tokenizer.json); default:
                        $MOELINE_MODEL, else the embedded demo model (models/demo-qwen3-moe)
@@ -53,6 +56,9 @@ Loads a Hugging Face checkpoint (Mixtral or Qwen3-MoE) and generates in this pro
   --stop-ids IDS       extra stop token ids, comma-separated (end-of-sequence ids always stop)
   --ignore-eos         do not stop at the model's end-of-sequence tokens
   --threads N          compute threads (default: all cores)
+  --device cpu|cuda    where the forward pass runs (default cpu); cuda needs a build with nvcc
+                       and a GPU; with it --expert-budget sizes the GPU's expert cache, filled
+                       from pinned host memory
   --json               print one JSON object at the end instead of the ids
   --logits-out FILE    write the last prompt position's logits as float32 .npy [vocab_size]
   --expert-budget SIZE keep at most SIZE of expert weights in memory: a share of all expert bytes
@@ -87,6 +93,7 @@ struct RunOptions {
   std::string expert_budget;
   int prefetch_depth = 1;
   int loader_threads = 1;
+  std::string device = "cpu";
   std::string expert_trace;
 };
 
@@ -100,13 +107,13 @@ std::string default_model_dir() {
 RunOptions parse(int argc, char** argv) {
   RunOptions options;
   const std::map<std::string, bool> flags_with_value = {
-      {"--model", true},         {"--tokens", true},         {"--max-tokens", true},
-      {"--temperature", true},   {"--top-k", true},          {"--top-p", true},
-      {"--seed", true},          {"--stop-ids", true},       {"--threads", true},
-      {"--logits-out", true},    {"--json", false},          {"--ignore-eos", false},
-      {"--prompt", true},        {"--chat", false},          {"--system", true},
-      {"--expert-budget", true}, {"--prefetch-depth", true}, {"--expert-trace", true},
-      {"--loader-threads", true}};
+      {"--model", true},          {"--tokens", true},         {"--max-tokens", true},
+      {"--temperature", true},    {"--top-k", true},          {"--top-p", true},
+      {"--seed", true},           {"--stop-ids", true},       {"--threads", true},
+      {"--logits-out", true},     {"--json", false},          {"--ignore-eos", false},
+      {"--prompt", true},         {"--chat", false},          {"--system", true},
+      {"--expert-budget", true},  {"--prefetch-depth", true}, {"--expert-trace", true},
+      {"--loader-threads", true}, {"--device", true}};
   for (int i = 0; i < argc; ++i) {
     const std::string flag = argv[i];
     auto known = flags_with_value.find(flag);
@@ -154,6 +161,8 @@ RunOptions parse(int argc, char** argv) {
       options.expert_trace = value;
     else if (flag == "--loader-threads")
       options.loader_threads = parse_number<int>(flag, value);
+    else if (flag == "--device")
+      options.device = value;
   }
   if (options.model_dir.empty()) {
     options.model_dir = default_model_dir();
@@ -169,6 +178,10 @@ RunOptions parse(int argc, char** argv) {
   if (options.threads < 0) throw UsageError("--threads must be >= 1");
   if (options.prefetch_depth < 0) throw UsageError("--prefetch-depth must be >= 0");
   if (options.loader_threads < 1) throw UsageError("--loader-threads must be >= 1");
+  if (options.device != "cpu" && options.device != "cuda")
+    throw UsageError("--device must be cpu or cuda, not '" + options.device + "'");
+  if (options.device == "cuda" && !options.expert_trace.empty())
+    throw UsageError("--expert-trace records the CPU engine's expert pool; not with --device cuda");
   if (options.threads == 0)
     options.threads = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
   if (model::Status status = options.sampling.validate(); !status.ok())
@@ -260,7 +273,7 @@ int run_command(int argc, char** argv) {
   // --expert-budget: a pool of this process's own (the stack shares one per node instead).
   std::unique_ptr<offload::ExpertPool> expert_pool;
   std::unique_ptr<offload::PoolClient> pool_client;
-  if (!options.expert_budget.empty()) {
+  if (!options.expert_budget.empty() && options.device == "cpu") {
     try {
       const offload::ExpertCatalog catalog = model.expert_catalog();
       expert_pool = offload::ExpertPool::create(
@@ -281,9 +294,34 @@ int run_command(int argc, char** argv) {
     trace = std::make_unique<offload::TraceRecorder>(*experts, model.expert_catalog());
     experts = trace.get();
   }
-  model::KvCache cache(config, blocks);
+  model::KvCache cache(config, options.device == "cpu" ? blocks : 0);
   model::Engine engine(model, *experts, pool, cache);
-  model::Generator generator(engine);
+  model::ForwardPass* forward = &engine;
+#ifdef MOELINE_HAVE_CUDA
+  std::unique_ptr<model::CudaEngine> device_engine;
+  if (options.device == "cuda") {
+    double fraction = 1.0;
+    if (!options.expert_budget.empty()) {
+      try {
+        const offload::ExpertCatalog catalog = model.expert_catalog();
+        fraction = static_cast<double>(offload::parse_expert_budget(options.expert_budget,
+                                                                    catalog.total_expert_bytes())) /
+                   static_cast<double>(catalog.total_expert_bytes());
+      } catch (const std::exception& e) {
+        return fail(std::string("--expert-budget: ") + e.what(), 2);
+      }
+    }
+    auto created = model::CudaEngine::create(
+        model, {.kv_blocks = blocks, .expert_budget_fraction = std::min(fraction, 1.0)});
+    if (!created) return fail("--device cuda: " + created.error().message, 2);
+    device_engine = std::move(*created);
+    forward = device_engine.get();
+  }
+#else
+  if (options.device == "cuda")
+    return fail("--device cuda: this build has no CUDA backend (no nvcc when it was built)", 2);
+#endif
+  model::Generator generator(*forward);
   model::GenerationRequest request{options.tokens, options.sampling, ""};
   auto generated = generator.generate({request});
   if (!generated) return fail(generated.error().message, 2);
