@@ -18,6 +18,10 @@ namespace {
 namespace cu = kernels::cuda;
 using cu::DeviceMatrix;
 
+// Up to this many (token, expert) pairs a MoE layer runs its experts as warp-per-row GEMVs on the
+// device (decode); above, as one cuBLAS GEMM per expert driven from the host (prefill).
+constexpr int64_t kDevicePairs = 64;
+
 struct DeviceVector {
   const void* data = nullptr;
   kernels::DType dtype = kernels::DType::kF32;
@@ -149,6 +153,10 @@ struct CudaEngine::State {
   std::byte* slot_memory = nullptr;
   bool all_resident = false;
   std::byte* host_experts = nullptr;  // pinned: every expert, at key * expert_bytes
+  // With every expert resident: each expert's slot address, [layer * experts + expert], for the
+  // decode path that stays on the device.
+  const void** expert_table = nullptr;
+  kernels::DType expert_dtype = kernels::DType::kF32;
   std::vector<cudaEvent_t> ready, done;
   std::vector<int64_t> owner;  // expert key (layer * experts + expert) or -1
   std::vector<uint64_t> last_use;
@@ -365,6 +373,17 @@ Expected<std::unique_ptr<CudaEngine>> CudaEngine::create(const Model& model,
                cudaMemcpyHostToHost);
         }
       }
+    s->expert_dtype = sample.gate.dtype;
+    if (s->all_resident) {
+      std::vector<const void*> table(static_cast<size_t>(total_experts), nullptr);
+      for (int64_t key = 0; key < total_experts; ++key)
+        table[static_cast<size_t>(key)] =
+            s->slot_memory + static_cast<size_t>(key) * s->expert_bytes;
+      s->expert_table = static_cast<const void**>(s->arena.alloc(table.size() * sizeof(void*)));
+      cu::check(cudaMemcpy(s->expert_table, table.data(), table.size() * sizeof(void*),
+                           cudaMemcpyHostToDevice),
+                "expert table");
+    }
     cu::check(cudaDeviceSynchronize(), "upload");
     return std::unique_ptr<CudaEngine>(new CudaEngine(std::move(s)));
   } catch (const std::exception& e) {
@@ -570,98 +589,112 @@ Status CudaEngine::forward(std::span<const SequenceInput> batch, std::vector<flo
                           .bias = w.router_bias.data,
                           .bias_dtype = w.router_bias.dtype};
       cu::route(scores, n, spec, chosen, weights, stream);
-      if (n * K > s.host_routing_capacity) {
-        if (s.host_chosen) cudaFreeHost(s.host_chosen);
-        if (s.host_weights) cudaFreeHost(s.host_weights);
-        s.host_routing_capacity = n * K * 2;
-        cu::check(cudaHostAlloc(reinterpret_cast<void**>(&s.host_chosen),
-                                static_cast<size_t>(s.host_routing_capacity) * sizeof(int32_t),
-                                cudaHostAllocDefault),
-                  "pinned routing");
-        cu::check(cudaHostAlloc(reinterpret_cast<void**>(&s.host_weights),
-                                static_cast<size_t>(s.host_routing_capacity) * sizeof(float),
-                                cudaHostAllocDefault),
-                  "pinned routing");
-      }
-      cu::check(cudaMemcpyAsync(s.host_chosen, chosen, static_cast<size_t>(n * K) * sizeof(int32_t),
-                                cudaMemcpyDeviceToHost, stream),
-                "routing back");
-      cu::check(cudaMemcpyAsync(s.host_weights, weights, static_cast<size_t>(n * K) * sizeof(float),
-                                cudaMemcpyDeviceToHost, stream),
-                "routing back");
-      cu::check(cudaStreamSynchronize(stream), "routing");
-
-      // Group the (token, expert) pairs by expert, as the CPU engine does; each token's
-      // contributions are summed in ascending expert order.
-      std::vector<int32_t> offsets(static_cast<size_t>(E + 1), 0), rows(static_cast<size_t>(n * K)),
-          slot_of(static_cast<size_t>(n * K));
-      std::vector<float> slot_weight(static_cast<size_t>(n * K));
-      for (int64_t i = 0; i < n * K; ++i) ++offsets[static_cast<size_t>(s.host_chosen[i] + 1)];
-      std::partial_sum(offsets.begin(), offsets.end(), offsets.begin());
-      std::vector<int32_t> cursor(offsets.begin(), offsets.end() - 1);
-      for (int64_t t = 0; t < n; ++t) {
-        std::vector<std::pair<int32_t, float>> picks;
-        for (int64_t j = 0; j < K; ++j)
-          picks.emplace_back(s.host_chosen[t * K + j], s.host_weights[t * K + j]);
-        std::sort(picks.begin(), picks.end(),
-                  [](const auto& a, const auto& b) { return a.first < b.first; });
-        for (int64_t j = 0; j < K; ++j) {
-          const int32_t slot = cursor[static_cast<size_t>(picks[static_cast<size_t>(j)].first)]++;
-          rows[static_cast<size_t>(slot)] = static_cast<int32_t>(t);
-          slot_of[static_cast<size_t>(t * K + j)] = slot;
-          slot_weight[static_cast<size_t>(t * K + j)] = picks[static_cast<size_t>(j)].second;
-        }
-      }
-      upload(s.rows, rows, stream);
-      upload(s.slot_of, slot_of, stream);
-      upload(s.combine_weights, slot_weight, stream);
-      float* expert_in = s.expert_in.grow(n * K * H);
-      float* gate = s.gate.grow(n * K * inter);
-      float* up = s.up.grow(n * K * inter);
-      float* out = s.expert_out.grow(n * K * H);
-      cu::gather_rows(normed, H, s.rows.get(), n * K, expert_in, stream);
-
-      std::vector<int64_t> keys;
-      std::vector<int32_t> active;
-      for (int64_t e = 0; e < E; ++e)
-        if (offsets[static_cast<size_t>(e + 1)] > offsets[static_cast<size_t>(e)]) {
-          keys.push_back(l * E + e);
-          active.push_back(static_cast<int32_t>(e));
-        }
-      size_t issued = 0;
-      for (size_t i = 0; i < keys.size(); ++i) {
-        // Make the next experts resident ahead of use, as far as free slots allow.
-        while (issued < keys.size()) {
-          if (s.where.count(keys[issued])) {
-            ++s.stats.hits;
-            ++issued;
-            continue;
-          }
-          const int victim = s.pick_victim(keys, i, issued);
-          if (victim < 0) break;
-          s.load(keys[issued], victim);
-          ++s.stats.misses;
-          ++issued;
-        }
-        const int slot = s.where.at(keys[i]);
-        const auto slot_index_u = static_cast<size_t>(slot);
-        if (!s.all_resident)
-          cu::check(cudaStreamWaitEvent(stream, s.ready[slot_index_u], 0), "wait expert");
-        const int32_t e = active[i];
-        const int64_t first = offsets[static_cast<size_t>(e)];
-        const int64_t count = offsets[static_cast<size_t>(e + 1)] - first;
-        s.blas->matmul(expert_in + first * H, count, s.expert_part(slot, 0), gate + first * inter);
-        s.blas->matmul(expert_in + first * H, count, s.expert_part(slot, 1), up + first * inter);
-        cu::silu_mul(gate + first * inter, up + first * inter, count * inter, stream);
-        s.blas->matmul(gate + first * inter, count, s.expert_part(slot, 2), out + first * H);
-        if (!s.all_resident)
-          cu::check(cudaEventRecord(s.done[slot_index_u], stream), "record expert done");
-        s.last_use[slot_index_u] = ++s.clock;
-      }
       float* moe_out = s.moe_out.grow(n * H);
       cu::check(cudaMemsetAsync(moe_out, 0, static_cast<size_t>(n * H) * sizeof(float), stream),
                 "memset");
-      cu::combine(out, H, s.slot_of.get(), s.combine_weights.get(), n, K, moe_out, stream);
+      if (s.all_resident && n * K <= kDevicePairs) {
+        // A decode step: the experts run where the routing is, no round trip to the host.
+        const void* const* table = s.expert_table + l * E;
+        float* act = s.gate.grow(n * K * inter);
+        float* pair_out = s.expert_out.grow(n * K * H);
+        cu::expert_gate_up(normed, H, chosen, n * K, K, table, s.expert_dtype, inter, act, stream);
+        cu::expert_down(act, inter, chosen, n * K, table, s.expert_dtype, H, pair_out, stream);
+        cu::combine_pairs(pair_out, H, chosen, weights, n, K, moe_out, stream);
+        s.stats.hits += static_cast<uint64_t>(n * K);
+      } else {
+        if (n * K > s.host_routing_capacity) {
+          if (s.host_chosen) cudaFreeHost(s.host_chosen);
+          if (s.host_weights) cudaFreeHost(s.host_weights);
+          s.host_routing_capacity = n * K * 2;
+          cu::check(cudaHostAlloc(reinterpret_cast<void**>(&s.host_chosen),
+                                  static_cast<size_t>(s.host_routing_capacity) * sizeof(int32_t),
+                                  cudaHostAllocDefault),
+                    "pinned routing");
+          cu::check(cudaHostAlloc(reinterpret_cast<void**>(&s.host_weights),
+                                  static_cast<size_t>(s.host_routing_capacity) * sizeof(float),
+                                  cudaHostAllocDefault),
+                    "pinned routing");
+        }
+        cu::check(
+            cudaMemcpyAsync(s.host_chosen, chosen, static_cast<size_t>(n * K) * sizeof(int32_t),
+                            cudaMemcpyDeviceToHost, stream),
+            "routing back");
+        cu::check(
+            cudaMemcpyAsync(s.host_weights, weights, static_cast<size_t>(n * K) * sizeof(float),
+                            cudaMemcpyDeviceToHost, stream),
+            "routing back");
+        cu::check(cudaStreamSynchronize(stream), "routing");
+
+        // Group the (token, expert) pairs by expert, as the CPU engine does; each token's
+        // contributions are summed in ascending expert order.
+        std::vector<int32_t> offsets(static_cast<size_t>(E + 1), 0),
+            rows(static_cast<size_t>(n * K)), slot_of(static_cast<size_t>(n * K));
+        std::vector<float> slot_weight(static_cast<size_t>(n * K));
+        for (int64_t i = 0; i < n * K; ++i) ++offsets[static_cast<size_t>(s.host_chosen[i] + 1)];
+        std::partial_sum(offsets.begin(), offsets.end(), offsets.begin());
+        std::vector<int32_t> cursor(offsets.begin(), offsets.end() - 1);
+        for (int64_t t = 0; t < n; ++t) {
+          std::vector<std::pair<int32_t, float>> picks;
+          for (int64_t j = 0; j < K; ++j)
+            picks.emplace_back(s.host_chosen[t * K + j], s.host_weights[t * K + j]);
+          std::sort(picks.begin(), picks.end(),
+                    [](const auto& a, const auto& b) { return a.first < b.first; });
+          for (int64_t j = 0; j < K; ++j) {
+            const int32_t slot = cursor[static_cast<size_t>(picks[static_cast<size_t>(j)].first)]++;
+            rows[static_cast<size_t>(slot)] = static_cast<int32_t>(t);
+            slot_of[static_cast<size_t>(t * K + j)] = slot;
+            slot_weight[static_cast<size_t>(t * K + j)] = picks[static_cast<size_t>(j)].second;
+          }
+        }
+        upload(s.rows, rows, stream);
+        upload(s.slot_of, slot_of, stream);
+        upload(s.combine_weights, slot_weight, stream);
+        float* expert_in = s.expert_in.grow(n * K * H);
+        float* gate = s.gate.grow(n * K * inter);
+        float* up = s.up.grow(n * K * inter);
+        float* out = s.expert_out.grow(n * K * H);
+        cu::gather_rows(normed, H, s.rows.get(), n * K, expert_in, stream);
+
+        std::vector<int64_t> keys;
+        std::vector<int32_t> active;
+        for (int64_t e = 0; e < E; ++e)
+          if (offsets[static_cast<size_t>(e + 1)] > offsets[static_cast<size_t>(e)]) {
+            keys.push_back(l * E + e);
+            active.push_back(static_cast<int32_t>(e));
+          }
+        size_t issued = 0;
+        for (size_t i = 0; i < keys.size(); ++i) {
+          // Make the next experts resident ahead of use, as far as free slots allow.
+          while (issued < keys.size()) {
+            if (s.where.count(keys[issued])) {
+              ++s.stats.hits;
+              ++issued;
+              continue;
+            }
+            const int victim = s.pick_victim(keys, i, issued);
+            if (victim < 0) break;
+            s.load(keys[issued], victim);
+            ++s.stats.misses;
+            ++issued;
+          }
+          const int slot = s.where.at(keys[i]);
+          const auto slot_index_u = static_cast<size_t>(slot);
+          if (!s.all_resident)
+            cu::check(cudaStreamWaitEvent(stream, s.ready[slot_index_u], 0), "wait expert");
+          const int32_t e = active[i];
+          const int64_t first = offsets[static_cast<size_t>(e)];
+          const int64_t count = offsets[static_cast<size_t>(e + 1)] - first;
+          s.blas->matmul(expert_in + first * H, count, s.expert_part(slot, 0),
+                         gate + first * inter);
+          s.blas->matmul(expert_in + first * H, count, s.expert_part(slot, 1), up + first * inter);
+          cu::silu_mul(gate + first * inter, up + first * inter, count * inter, stream);
+          s.blas->matmul(gate + first * inter, count, s.expert_part(slot, 2), out + first * H);
+          if (!s.all_resident)
+            cu::check(cudaEventRecord(s.done[slot_index_u], stream), "record expert done");
+          s.last_use[slot_index_u] = ++s.clock;
+        }
+        cu::combine(out, H, s.slot_of.get(), s.combine_weights.get(), n, K, moe_out, stream);
+      }
       if (c.shared_intermediate_size > 0) {
         const int64_t shared = c.shared_intermediate_size;
         float* shared_gate = s.gate.grow(std::max(n * shared, n * K * inter));

@@ -326,7 +326,165 @@ __global__ void convert_kernel(const float* x, int64_t rows, int64_t cols, int64
   }
 }
 
+// dot(row of `count` weights, x in shared memory), by one warp; lane 0 has the result.
+__device__ float warp_dot(const void* row, DType dtype, const float* x, int64_t count, int lane) {
+  float sum = 0.0f;
+  if (dtype == DType::kBF16 && (reinterpret_cast<uintptr_t>(row) & 15) == 0) {
+    const auto* vectors = static_cast<const uint4*>(row);
+    const int64_t full = count / 8;
+    for (int64_t v = lane; v < full; v += 32) {
+      const uint4 packed = vectors[v];
+      const uint32_t words[4] = {packed.x, packed.y, packed.z, packed.w};
+      const float* xs = x + v * 8;
+      for (int w = 0; w < 4; ++w) {
+        sum += __uint_as_float(words[w] << 16) * xs[2 * w];
+        sum += __uint_as_float(words[w] & 0xffff0000u) * xs[2 * w + 1];
+      }
+    }
+    for (int64_t i = full * 8 + lane; i < count; i += 32) sum += load(row, dtype, i) * x[i];
+  } else {
+    for (int64_t i = lane; i < count; i += 32) sum += load(row, dtype, i) * x[i];
+  }
+  return warp_sum(sum);
+}
+
+constexpr int kGemvWarps = 8;
+
+__global__ void expert_gate_up_kernel(const float* x, int64_t width, const int32_t* chosen,
+                                      int64_t k, const void* const* experts, DType dtype,
+                                      int64_t inter, float* act) {
+  extern __shared__ float x_s[];
+  const int64_t pair = blockIdx.y, t = pair / k;
+  for (int64_t i = threadIdx.x; i < width; i += blockDim.x) x_s[i] = x[t * width + i];
+  __syncthreads();
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int64_t row = blockIdx.x * static_cast<int64_t>(kGemvWarps) + warp;
+  if (row >= inter) return;
+  const size_t element = dtype_size(dtype);
+  const auto* base = static_cast<const std::byte*>(experts[chosen[pair]]);
+  const float gate =
+      warp_dot(base + static_cast<size_t>(row * width) * element, dtype, x_s, width, lane);
+  const float up = warp_dot(base + static_cast<size_t>((inter + row) * width) * element, dtype, x_s,
+                            width, lane);
+  if (lane == 0) act[pair * inter + row] = gate / (1.0f + expf(-gate)) * up;
+}
+
+__global__ void expert_down_kernel(const float* act, int64_t inter, const int32_t* chosen,
+                                   const void* const* experts, DType dtype, int64_t width,
+                                   float* out) {
+  extern __shared__ float act_s[];
+  const int64_t pair = blockIdx.y;
+  for (int64_t i = threadIdx.x; i < inter; i += blockDim.x) act_s[i] = act[pair * inter + i];
+  __syncthreads();
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int64_t row = blockIdx.x * static_cast<int64_t>(kGemvWarps) + warp;
+  if (row >= width) return;
+  const size_t element = dtype_size(dtype);
+  const auto* down = static_cast<const std::byte*>(experts[chosen[pair]]) +
+                     static_cast<size_t>(2 * inter * width) * element;
+  const float y =
+      warp_dot(down + static_cast<size_t>(row * inter) * element, dtype, act_s, inter, lane);
+  if (lane == 0) out[pair * width + row] = y;
+}
+
+__global__ void combine_pairs_kernel(const float* pair_out, int64_t width, const int32_t* chosen,
+                                     const float* weights, int64_t n, int64_t k, float* y) {
+  const int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
+  if (i >= n * width) return;
+  const int64_t t = i / width, d = i % width;
+  float sum = 0.0f;
+  int32_t previous = -1;
+  for (int64_t step = 0; step < k; ++step) {
+    // The next choice in ascending expert order.
+    int64_t next = -1;
+    for (int64_t j = 0; j < k; ++j) {
+      const int32_t e = chosen[t * k + j];
+      if (e > previous && (next < 0 || e < chosen[t * k + next])) next = j;
+    }
+    previous = chosen[t * k + next];
+    sum += weights[t * k + next] * pair_out[(t * k + next) * width + d];
+  }
+  y[i] += sum;
+}
+
+__global__ void argmax_kernel(const float* logits, int64_t vocab, int32_t* ids) {
+  const float* row = logits + blockIdx.x * vocab;
+  float best = -INFINITY;
+  int32_t best_id = 0x7fffffff;
+  for (int64_t v = threadIdx.x; v < vocab; v += blockDim.x) {
+    if (row[v] > best || (row[v] == best && v < best_id)) {
+      best = row[v];
+      best_id = static_cast<int32_t>(v);
+    }
+  }
+  __shared__ float values[kThreads];
+  __shared__ int32_t indices[kThreads];
+  values[threadIdx.x] = best;
+  indices[threadIdx.x] = best_id;
+  __syncthreads();
+  for (int stride = blockDim.x / 2; stride > 0; stride >>= 1) {
+    if (threadIdx.x < stride) {
+      const float other = values[threadIdx.x + stride];
+      const int32_t other_id = indices[threadIdx.x + stride];
+      if (other > values[threadIdx.x] ||
+          (other == values[threadIdx.x] && other_id < indices[threadIdx.x])) {
+        values[threadIdx.x] = other;
+        indices[threadIdx.x] = other_id;
+      }
+    }
+    __syncthreads();
+  }
+  if (threadIdx.x == 0) ids[blockIdx.x] = indices[0];
+}
+
+void allow_shared(const void* kernel, size_t bytes) {
+  if (bytes > 48 * 1024)
+    check(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                               static_cast<int>(bytes)),
+          "shared memory size");
+}
+
 }  // namespace
+
+void expert_gate_up(const float* x, int64_t width, const int32_t* chosen, int64_t pairs, int64_t k,
+                    const void* const* experts, DType dtype, int64_t inter, float* act,
+                    cudaStream_t stream) {
+  if (pairs == 0) return;
+  const size_t shared = static_cast<size_t>(width) * sizeof(float);
+  allow_shared(reinterpret_cast<const void*>(expert_gate_up_kernel), shared);
+  const dim3 grid(static_cast<unsigned>((inter + kGemvWarps - 1) / kGemvWarps),
+                  static_cast<unsigned>(pairs));
+  expert_gate_up_kernel<<<grid, 32 * kGemvWarps, shared, stream>>>(x, width, chosen, k, experts,
+                                                                   dtype, inter, act);
+  check(cudaGetLastError(), "expert_gate_up");
+}
+
+void expert_down(const float* act, int64_t inter, const int32_t* chosen, int64_t pairs,
+                 const void* const* experts, DType dtype, int64_t width, float* out,
+                 cudaStream_t stream) {
+  if (pairs == 0) return;
+  const size_t shared = static_cast<size_t>(inter) * sizeof(float);
+  allow_shared(reinterpret_cast<const void*>(expert_down_kernel), shared);
+  const dim3 grid(static_cast<unsigned>((width + kGemvWarps - 1) / kGemvWarps),
+                  static_cast<unsigned>(pairs));
+  expert_down_kernel<<<grid, 32 * kGemvWarps, shared, stream>>>(act, inter, chosen, experts, dtype,
+                                                                width, out);
+  check(cudaGetLastError(), "expert_down");
+}
+
+void combine_pairs(const float* pair_out, int64_t width, const int32_t* chosen,
+                   const float* weights, int64_t n, int64_t k, float* y, cudaStream_t stream) {
+  if (n == 0) return;
+  combine_pairs_kernel<<<blocks_for(n * width), kThreads, 0, stream>>>(pair_out, width, chosen,
+                                                                       weights, n, k, y);
+  check(cudaGetLastError(), "combine_pairs");
+}
+
+void argmax(const float* logits, int64_t n, int64_t vocab, int32_t* ids, cudaStream_t stream) {
+  if (n == 0) return;
+  argmax_kernel<<<static_cast<unsigned>(n), kThreads, 0, stream>>>(logits, vocab, ids);
+  check(cudaGetLastError(), "argmax");
+}
 
 void embed(const void* table, DType dtype, int64_t width, const int32_t* tokens, int64_t n,
            float* out, cudaStream_t stream) {

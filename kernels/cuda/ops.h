@@ -93,6 +93,25 @@ void combine(const float* expert_out, int64_t width, const int32_t* slots, const
 // [rows, cols] buffer: the input side of a GEMM against weights of that dtype.
 void convert(const float* x, int64_t rows, int64_t cols, int64_t x_stride, void* out, DType dtype,
              cudaStream_t stream);
+// The routed experts of a few tokens without leaving the device (decode): for each (token t,
+// choice j) pair p = t * k + j, expert e = chosen[p] has its gate | up | down matrices at
+// experts[e] (rows [inter, width], [inter, width], [width, inter] back to back, in `dtype`), and
+//   act[p] = silu(gate_e · x[t]) * (up_e · x[t])      (expert_gate_up)
+//   out[p] = down_e · act[p]                           (expert_down)
+// One warp per output row, activations in F32 (not rounded to the weights' dtype).
+void expert_gate_up(const float* x, int64_t width, const int32_t* chosen, int64_t pairs, int64_t k,
+                    const void* const* experts, DType dtype, int64_t inter, float* act,
+                    cudaStream_t stream);
+void expert_down(const float* act, int64_t inter, const int32_t* chosen, int64_t pairs,
+                 const void* const* experts, DType dtype, int64_t width, float* out,
+                 cudaStream_t stream);
+// y[t] += Σ_j weights[t*k + j] * pair_out[t*k + j], the j taken in ascending expert order (as the
+// CPU engine sums them).
+void combine_pairs(const float* pair_out, int64_t width, const int32_t* chosen,
+                   const float* weights, int64_t n, int64_t k, float* y, cudaStream_t stream);
+// ids[t] = the index of the largest of logits[t] (vocab values), the lowest on ties: greedy
+// sampling on the device.
+void argmax(const float* logits, int64_t n, int64_t vocab, int32_t* ids, cudaStream_t stream);
 // dst = src (bytes), used to measure device memory bandwidth.
 void copy_bytes(void* dst, const void* src, size_t bytes, cudaStream_t stream);
 
