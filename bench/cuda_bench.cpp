@@ -224,6 +224,7 @@ int main(int argc, char** argv) {
                                   {"expert_loads", stats.misses},
                                   {"load_ms_p50", percentile(stats.load_ms, 0.5)},
                                   {"load_ms_p95", percentile(stats.load_ms, 0.95)},
+                                  {"decode_graph_replays", (*engine)->graph_replays()},
                                   {"device_weight_bytes", (*engine)->device_weight_bytes()}}
                        .dump()
                 << '\n';

@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <iostream>
 #include <numeric>
 #include <string>
 #include <unordered_map>
@@ -116,6 +117,14 @@ struct DeviceLayer {
 struct CudaEngine::State {
   explicit State(const Model& m, int32_t blocks) : model(m), pool(blocks) {}
   ~State() {
+    for (auto& [n, graph] : graphs) {
+      if (graph.exec) cudaGraphExecDestroy(graph.exec);
+      for (void* p : {static_cast<void*>(graph.tokens), static_cast<void*>(graph.positions),
+                      static_cast<void*>(graph.slot_index), static_cast<void*>(graph.table_offset),
+                      static_cast<void*>(graph.tables), static_cast<void*>(graph.logit_rows),
+                      static_cast<void*>(graph.cos_sin), static_cast<void*>(graph.logits)})
+        if (p) cudaFreeHost(p);
+    }
     for (cudaEvent_t e : ready) cudaEventDestroy(e);
     for (cudaEvent_t e : done) cudaEventDestroy(e);
     for (auto& [begin, end] : timing) {
@@ -165,6 +174,38 @@ struct CudaEngine::State {
   std::vector<std::pair<cudaEvent_t, cudaEvent_t>> timing;
   size_t timing_used = 0;
   CudaExpertStats stats;
+
+  // Decode graphs, by batch size. Their inputs are copied from pinned staging buffers, which each
+  // step fills before the replay; each sequence's block table has max_table entries there.
+  struct Graph {
+    bool warmed = false;
+    cudaGraphExec_t exec = nullptr;
+    size_t signature = 0;
+    int32_t *tokens = nullptr, *positions = nullptr, *slot_index = nullptr, *table_offset = nullptr,
+            *tables = nullptr, *logit_rows = nullptr;
+    float *cos_sin = nullptr, *logits = nullptr;
+  };
+  bool use_graphs = true;
+  int64_t max_table = 0;
+  std::unordered_map<int64_t, Graph> graphs;
+  uint64_t graph_replays = 0;
+
+  // Every buffer a captured graph reads or writes: it is replayable while none has moved.
+  size_t buffer_signature() const {
+    size_t hash = 0;
+    auto mix = [&hash](const void* p) { hash = hash * 1000003u ^ reinterpret_cast<uintptr_t>(p); };
+    for (const float* p :
+         {hidden.get(),     normed.get(),    q.get(),       k.get(),          v.get(),
+          attended.get(),   projected.get(), cos_sin.get(), scores.get(),     weights.get(),
+          expert_in.get(),  gate.get(),      up.get(),      expert_out.get(), moe_out.get(),
+          shared_out.get(), lm_in.get(),     logits.get(),  q_latent.get(),   out_latent.get()})
+      mix(p);
+    for (const int32_t* p : {tokens.get(), slot_index.get(), tables.get(), table_offset.get(),
+                             positions.get(), chosen.get(), logit_rows.get()})
+      mix(p);
+    mix(blas->scratch());
+    return hash;
+  }
 
   // Per-forward buffers.
   Scratch<float> hidden, normed, q, k, v, attended, projected, cos_sin, scores, weights, expert_in,
@@ -248,6 +289,9 @@ BlockPool& CudaEngine::pool() {
 const Model& CudaEngine::model() const {
   return state_->model;
 }
+uint64_t CudaEngine::graph_replays() const {
+  return state_->graph_replays;
+}
 CudaExpertStats CudaEngine::expert_stats() const {
   return state_->stats;
 }
@@ -271,6 +315,12 @@ Expected<std::unique_ptr<CudaEngine>> CudaEngine::create(const Model& model,
     cu::check(cudaStreamCreateWithFlags(&s->copy, cudaStreamNonBlocking), "stream");
     s->blas = std::make_unique<cu::Blas>(s->compute);
     s->rope = make_rope(c);
+    s->use_graphs = options.decode_graphs;
+    const int64_t context_blocks =
+        c.max_position_embeddings > 0
+            ? (c.max_position_embeddings + kBlockTokens - 1) / kBlockTokens
+            : static_cast<int64_t>(options.kv_blocks);
+    s->max_table = std::min<int64_t>(context_blocks, options.kv_blocks);
     s->softmax_scale = static_cast<float>(
         c.softmax_scale > 0 ? c.softmax_scale : 1.0 / std::sqrt(static_cast<double>(c.head_dim)));
     s->embed = s->arena.upload(model.embed_tokens());
@@ -452,10 +502,323 @@ void latent_attention(CudaEngine::State& s, const DeviceLayer& w, int64_t layer,
 
 }  // namespace
 
+namespace {
+
+// Everything a forward does on the device, from the uploaded inputs (tokens, positions, slots,
+// block tables, angles, logit rows) to the logits of `wanted` rows in s.logits: one stream, and no
+// host round trip when every MoE layer runs its experts on the device (then it can be captured
+// into a CUDA graph).
+void enqueue_forward(CudaEngine::State& s, int64_t n, int64_t wanted) {
+  const ModelConfig& c = s.model.config();
+  const int64_t H = c.hidden_size;
+  cudaStream_t stream = s.compute;
+  float* hidden = s.hidden.grow(n * H);
+  float* normed = s.normed.grow(n * H);
+  cu::embed(s.embed.data, s.embed.dtype, H, s.tokens.get(), n, hidden, stream);
+
+  const int64_t heads = c.num_heads, kv_heads = c.num_kv_heads, hd = c.head_dim;
+  for (int64_t l = 0; l < c.num_layers; ++l) {
+    const DeviceLayer& w = s.layers[static_cast<size_t>(l)];
+    if (c.mla) {
+      latent_attention(s, w, l, n);
+    } else {
+      // Attention.
+      float* q = s.q.grow(n * heads * hd);
+      float* k = s.k.grow(n * kv_heads * hd);
+      float* v = s.v.grow(n * kv_heads * hd);
+      float* attended = s.attended.grow(n * heads * hd);
+      float* projected = s.projected.grow(n * H);
+      cu::rms_norm(hidden, n, H, H, w.input_norm.data, w.input_norm.dtype, c.rms_norm_eps, normed,
+                   H, stream);
+      s.blas->matmul(normed, n, w.q, q);
+      s.blas->matmul(normed, n, w.k, k);
+      s.blas->matmul(normed, n, w.v, v);
+      if (w.q_bias) cu::add_bias(q, n, heads * hd, w.q_bias.data, w.q_bias.dtype, stream);
+      if (w.k_bias) cu::add_bias(k, n, kv_heads * hd, w.k_bias.data, w.k_bias.dtype, stream);
+      if (w.v_bias) cu::add_bias(v, n, kv_heads * hd, w.v_bias.data, w.v_bias.dtype, stream);
+      if (c.qk_norm) {
+        cu::rms_norm(q, n * heads, hd, hd, w.q_norm.data, w.q_norm.dtype, c.rms_norm_eps, q, hd,
+                     stream);
+        cu::rms_norm(k, n * kv_heads, hd, hd, w.k_norm.data, w.k_norm.dtype, c.rms_norm_eps, k, hd,
+                     stream);
+      }
+      cu::rope(q, n, heads, heads * hd, hd, hd, s.cos_sin.get(), s.rope.interleaved(), stream);
+      cu::rope(k, n, kv_heads, kv_heads * hd, hd, hd, s.cos_sin.get(), s.rope.interleaved(),
+               stream);
+      float* cache_keys = s.kv + static_cast<size_t>(l) * (s.key_part + s.value_part);
+      float* cache_values = cache_keys + s.key_part;
+      cu::write_kv(k, v, n, kv_heads, hd, hd, s.slot_index.get(), cache_keys, cache_values,
+                   kBlockTokens, stream);
+      const cu::DeviceKv kv{cache_keys, cache_values, kBlockTokens, kv_heads, hd, hd, hd};
+      cu::attention(q, heads * hd, attended, heads * hd, n, heads, kv, s.tables.get(),
+                    s.table_offset.get(), s.positions.get(), s.softmax_scale, c.sliding_window,
+                    stream);
+      s.blas->matmul(attended, n, w.o, projected);
+      if (w.o_bias) cu::add_bias(projected, n, H, w.o_bias.data, w.o_bias.dtype, stream);
+      cu::add(hidden, projected, n * H, stream);
+    }
+    cu::rms_norm(hidden, n, H, H, w.post_norm.data, w.post_norm.dtype, c.rms_norm_eps, normed, H,
+                 stream);
+    if (!w.is_moe) {
+      const int64_t inter = c.dense_intermediate_size;
+      float* gate = s.gate.grow(n * inter);
+      float* up = s.up.grow(n * inter);
+      float* out = s.expert_out.grow(n * H);
+      s.blas->matmul(normed, n, w.dense_gate, gate);
+      s.blas->matmul(normed, n, w.dense_up, up);
+      cu::silu_mul(gate, up, n * inter, stream);
+      s.blas->matmul(gate, n, w.dense_down, out);
+      cu::add(hidden, out, n * H, stream);
+      continue;
+    }
+
+    // Routing on the device; the chosen experts come back to drive the expert GEMMs.
+    const int64_t E = c.num_experts, K = c.experts_per_token, inter = c.expert_intermediate_size;
+    float* scores = s.scores.grow(n * E);
+    int32_t* chosen = s.chosen.grow(n * K);
+    float* weights = s.weights.grow(n * K);
+    s.blas->matmul(normed, n, w.router, scores);
+    cu::RouterSpec spec{.experts = E,
+                        .top_k = K,
+                        .sigmoid = c.router_scoring == RouterScoring::kSigmoid,
+                        .group_limit = static_cast<int>(c.group_limit),
+                        .n_group = c.n_group,
+                        .topk_group = c.topk_group,
+                        .normalise = c.norm_topk_prob,
+                        .scale_normalised = c.scale_normalised_weights,
+                        .scaling = c.routed_scaling_factor,
+                        .bias = w.router_bias.data,
+                        .bias_dtype = w.router_bias.dtype};
+    cu::route(scores, n, spec, chosen, weights, stream);
+    float* moe_out = s.moe_out.grow(n * H);
+    cu::check(cudaMemsetAsync(moe_out, 0, static_cast<size_t>(n * H) * sizeof(float), stream),
+              "memset");
+    if (s.all_resident && n * K <= kDevicePairs) {
+      // A decode step: the experts run where the routing is, no round trip to the host.
+      const void* const* table = s.expert_table + l * E;
+      float* act = s.gate.grow(n * K * inter);
+      float* pair_out = s.expert_out.grow(n * K * H);
+      cu::expert_gate_up(normed, H, chosen, n * K, K, table, s.expert_dtype, inter, act, stream);
+      cu::expert_down(act, inter, chosen, n * K, table, s.expert_dtype, H, pair_out, stream);
+      cu::combine_pairs(pair_out, H, chosen, weights, n, K, moe_out, stream);
+      s.stats.hits += static_cast<uint64_t>(n * K);
+    } else {
+      if (n * K > s.host_routing_capacity) {
+        if (s.host_chosen) cudaFreeHost(s.host_chosen);
+        if (s.host_weights) cudaFreeHost(s.host_weights);
+        s.host_routing_capacity = n * K * 2;
+        cu::check(cudaHostAlloc(reinterpret_cast<void**>(&s.host_chosen),
+                                static_cast<size_t>(s.host_routing_capacity) * sizeof(int32_t),
+                                cudaHostAllocDefault),
+                  "pinned routing");
+        cu::check(cudaHostAlloc(reinterpret_cast<void**>(&s.host_weights),
+                                static_cast<size_t>(s.host_routing_capacity) * sizeof(float),
+                                cudaHostAllocDefault),
+                  "pinned routing");
+      }
+      cu::check(cudaMemcpyAsync(s.host_chosen, chosen, static_cast<size_t>(n * K) * sizeof(int32_t),
+                                cudaMemcpyDeviceToHost, stream),
+                "routing back");
+      cu::check(cudaMemcpyAsync(s.host_weights, weights, static_cast<size_t>(n * K) * sizeof(float),
+                                cudaMemcpyDeviceToHost, stream),
+                "routing back");
+      cu::check(cudaStreamSynchronize(stream), "routing");
+
+      // Group the (token, expert) pairs by expert, as the CPU engine does; each token's
+      // contributions are summed in ascending expert order.
+      std::vector<int32_t> offsets(static_cast<size_t>(E + 1), 0), rows(static_cast<size_t>(n * K)),
+          slot_of(static_cast<size_t>(n * K));
+      std::vector<float> slot_weight(static_cast<size_t>(n * K));
+      for (int64_t i = 0; i < n * K; ++i) ++offsets[static_cast<size_t>(s.host_chosen[i] + 1)];
+      std::partial_sum(offsets.begin(), offsets.end(), offsets.begin());
+      std::vector<int32_t> cursor(offsets.begin(), offsets.end() - 1);
+      for (int64_t t = 0; t < n; ++t) {
+        std::vector<std::pair<int32_t, float>> picks;
+        for (int64_t j = 0; j < K; ++j)
+          picks.emplace_back(s.host_chosen[t * K + j], s.host_weights[t * K + j]);
+        std::sort(picks.begin(), picks.end(),
+                  [](const auto& a, const auto& b) { return a.first < b.first; });
+        for (int64_t j = 0; j < K; ++j) {
+          const int32_t slot = cursor[static_cast<size_t>(picks[static_cast<size_t>(j)].first)]++;
+          rows[static_cast<size_t>(slot)] = static_cast<int32_t>(t);
+          slot_of[static_cast<size_t>(t * K + j)] = slot;
+          slot_weight[static_cast<size_t>(t * K + j)] = picks[static_cast<size_t>(j)].second;
+        }
+      }
+      upload(s.rows, rows, stream);
+      upload(s.slot_of, slot_of, stream);
+      upload(s.combine_weights, slot_weight, stream);
+      float* expert_in = s.expert_in.grow(n * K * H);
+      float* gate = s.gate.grow(n * K * inter);
+      float* up = s.up.grow(n * K * inter);
+      float* out = s.expert_out.grow(n * K * H);
+      cu::gather_rows(normed, H, s.rows.get(), n * K, expert_in, stream);
+
+      std::vector<int64_t> keys;
+      std::vector<int32_t> active;
+      for (int64_t e = 0; e < E; ++e)
+        if (offsets[static_cast<size_t>(e + 1)] > offsets[static_cast<size_t>(e)]) {
+          keys.push_back(l * E + e);
+          active.push_back(static_cast<int32_t>(e));
+        }
+      size_t issued = 0;
+      for (size_t i = 0; i < keys.size(); ++i) {
+        // Make the next experts resident ahead of use, as far as free slots allow.
+        while (issued < keys.size()) {
+          if (s.where.count(keys[issued])) {
+            ++s.stats.hits;
+            ++issued;
+            continue;
+          }
+          const int victim = s.pick_victim(keys, i, issued);
+          if (victim < 0) break;
+          s.load(keys[issued], victim);
+          ++s.stats.misses;
+          ++issued;
+        }
+        const int slot = s.where.at(keys[i]);
+        const auto slot_index_u = static_cast<size_t>(slot);
+        if (!s.all_resident)
+          cu::check(cudaStreamWaitEvent(stream, s.ready[slot_index_u], 0), "wait expert");
+        const int32_t e = active[i];
+        const int64_t first = offsets[static_cast<size_t>(e)];
+        const int64_t count = offsets[static_cast<size_t>(e + 1)] - first;
+        s.blas->matmul(expert_in + first * H, count, s.expert_part(slot, 0), gate + first * inter);
+        s.blas->matmul(expert_in + first * H, count, s.expert_part(slot, 1), up + first * inter);
+        cu::silu_mul(gate + first * inter, up + first * inter, count * inter, stream);
+        s.blas->matmul(gate + first * inter, count, s.expert_part(slot, 2), out + first * H);
+        if (!s.all_resident)
+          cu::check(cudaEventRecord(s.done[slot_index_u], stream), "record expert done");
+        s.last_use[slot_index_u] = ++s.clock;
+      }
+      cu::combine(out, H, s.slot_of.get(), s.combine_weights.get(), n, K, moe_out, stream);
+    }
+    if (c.shared_intermediate_size > 0) {
+      const int64_t shared = c.shared_intermediate_size;
+      float* shared_gate = s.gate.grow(std::max(n * shared, n * K * inter));
+      float* shared_up = s.up.grow(std::max(n * shared, n * K * inter));
+      float* shared_out = s.shared_out.grow(n * H);
+      s.blas->matmul(normed, n, w.shared_gate, shared_gate);
+      s.blas->matmul(normed, n, w.shared_up, shared_up);
+      cu::silu_mul(shared_gate, shared_up, n * shared, stream);
+      s.blas->matmul(shared_gate, n, w.shared_down, shared_out);
+      cu::add(moe_out, shared_out, n * H, stream);
+    }
+    cu::add(hidden, moe_out, n * H, stream);
+  }
+
+  if (wanted > 0) {
+    float* lm_in = s.lm_in.grow(wanted * H);
+    float* device_logits = s.logits.grow(wanted * c.vocab_size);
+    cu::gather_rows(hidden, H, s.logit_rows.get(), wanted, lm_in, stream);
+    cu::rms_norm(lm_in, wanted, H, H, s.final_norm.data, s.final_norm.dtype, c.rms_norm_eps, lm_in,
+                 H, stream);
+    s.blas->matmul(lm_in, wanted, s.lm_head, device_logits);
+  }
+}
+
+template <class T>
+T* pinned(size_t count) {
+  void* p = nullptr;
+  cu::check(cudaHostAlloc(&p, std::max<size_t>(count, 1) * sizeof(T), cudaHostAllocDefault),
+            "pinned staging");
+  return static_cast<T*>(p);
+}
+
+// A decode step (one token per sequence, every expert resident) replayed from the CUDA graph of
+// its batch size. Returns false for a step the caller runs eagerly instead: the first of a batch
+// size, which sizes every buffer the graph will capture. Throws when a graph cannot be made.
+bool replay_decode(CudaEngine::State& s, std::span<const SequenceInput> batch,
+                   const std::vector<int32_t>& tokens, const std::vector<int32_t>& positions,
+                   const std::vector<int32_t>& slot_index, const std::vector<float>& cos_sin,
+                   std::vector<float>& logits) {
+  const auto n = static_cast<int64_t>(tokens.size());
+  CudaEngine::State::Graph& g = s.graphs[n];
+  if (!g.warmed) {
+    g.warmed = true;
+    return false;
+  }
+  const ModelConfig& c = s.model.config();
+  const int64_t rope_dim = s.rope.dim(), vocab = c.vocab_size, table = s.max_table;
+  const auto count = static_cast<size_t>(n);
+  if (!g.tokens) {
+    g.tokens = pinned<int32_t>(count);
+    g.positions = pinned<int32_t>(count);
+    g.slot_index = pinned<int32_t>(count);
+    g.table_offset = pinned<int32_t>(count);
+    g.logit_rows = pinned<int32_t>(count);
+    g.tables = pinned<int32_t>(count * static_cast<size_t>(table));
+    g.cos_sin = pinned<float>(count * static_cast<size_t>(rope_dim));
+    g.logits = pinned<float>(count * static_cast<size_t>(vocab));
+    for (int64_t i = 0; i < n; ++i) {
+      g.table_offset[i] = static_cast<int32_t>(i * table);
+      g.logit_rows[i] = static_cast<int32_t>(i);
+    }
+  }
+  std::copy(tokens.begin(), tokens.end(), g.tokens);
+  std::copy(positions.begin(), positions.end(), g.positions);
+  std::copy(slot_index.begin(), slot_index.end(), g.slot_index);
+  std::copy(cos_sin.begin(), cos_sin.end(), g.cos_sin);
+  for (int64_t i = 0; i < n; ++i) {
+    const std::vector<int32_t>& own = batch[static_cast<size_t>(i)].sequence->block_table();
+    std::copy(own.begin(), own.end(), g.tables + i * table);
+  }
+  int32_t* device_tokens = s.tokens.grow(n);
+  int32_t* device_positions = s.positions.grow(n);
+  int32_t* device_slots = s.slot_index.grow(n);
+  int32_t* device_offsets = s.table_offset.grow(n);
+  int32_t* device_tables = s.tables.grow(n * table);
+  int32_t* device_rows = s.logit_rows.grow(n);
+  float* device_angles = s.cos_sin.grow(n * rope_dim);
+  cudaStream_t stream = s.compute;
+  const size_t signature = s.buffer_signature();
+  if (!g.exec || g.signature != signature) {
+    if (g.exec) cu::check(cudaGraphExecDestroy(g.exec), "destroy graph");
+    g.exec = nullptr;
+    cu::check(cudaStreamBeginCapture(stream, cudaStreamCaptureModeRelaxed), "begin capture");
+    try {
+      auto copy_in = [&](void* dst, const void* src, size_t bytes) {
+        cu::check(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyHostToDevice, stream), "capture");
+      };
+      copy_in(device_tokens, g.tokens, count * sizeof(int32_t));
+      copy_in(device_positions, g.positions, count * sizeof(int32_t));
+      copy_in(device_slots, g.slot_index, count * sizeof(int32_t));
+      copy_in(device_offsets, g.table_offset, count * sizeof(int32_t));
+      copy_in(device_rows, g.logit_rows, count * sizeof(int32_t));
+      copy_in(device_tables, g.tables, count * static_cast<size_t>(table) * sizeof(int32_t));
+      copy_in(device_angles, g.cos_sin, count * static_cast<size_t>(rope_dim) * sizeof(float));
+      enqueue_forward(s, n, n);
+      cu::check(cudaMemcpyAsync(g.logits, s.logits.get(),
+                                count * static_cast<size_t>(vocab) * sizeof(float),
+                                cudaMemcpyDeviceToHost, stream),
+                "capture");
+    } catch (...) {
+      cudaGraph_t broken = nullptr;
+      cudaStreamEndCapture(stream, &broken);
+      if (broken) cudaGraphDestroy(broken);
+      throw;
+    }
+    cudaGraph_t graph = nullptr;
+    cu::check(cudaStreamEndCapture(stream, &graph), "end capture");
+    const cudaError_t made = cudaGraphInstantiate(&g.exec, graph, 0);
+    cudaGraphDestroy(graph);
+    cu::check(made, "instantiate graph");
+    if (s.buffer_signature() != signature)
+      throw std::runtime_error("a buffer moved while the decode step was captured");
+    g.signature = signature;
+  }
+  cu::check(cudaGraphLaunch(g.exec, stream), "graph launch");
+  cu::check(cudaStreamSynchronize(stream), "graph replay");
+  logits.assign(g.logits, g.logits + count * static_cast<size_t>(vocab));
+  ++s.graph_replays;
+  return true;
+}
+
+}  // namespace
+
 Status CudaEngine::forward(std::span<const SequenceInput> batch, std::vector<float>& logits) {
   State& s = *state_;
   const ModelConfig& c = s.model.config();
-  const int64_t H = c.hidden_size;
   // Validation, as the CPU engine's.
   int64_t blocks_needed = 0, n = 0;
   for (size_t i = 0; i < batch.size(); ++i) {
@@ -504,6 +867,24 @@ Status CudaEngine::forward(std::span<const SequenceInput> batch, std::vector<flo
       if (input.want_logits && !input.tokens.empty())
         logit_rows.push_back(static_cast<int32_t>(tokens.size() - 1));
     }
+    bool decode_step = s.use_graphs && s.all_resident &&
+                       n * std::max<int64_t>(c.experts_per_token, 1) <= kDevicePairs;
+    for (const SequenceInput& input : batch)
+      decode_step = decode_step && input.tokens.size() == 1 && input.want_logits &&
+                    static_cast<int64_t>(input.sequence->block_table().size()) <= s.max_table;
+    if (decode_step) {
+      try {
+        if (replay_decode(s, batch, tokens, positions, slot_index, cos_sin, logits)) {
+          for (const SequenceInput& input : batch) input.sequence->commit(input.tokens);
+          return Status::ok_status();
+        }
+      } catch (const std::exception& e) {
+        // Graphs are an optimisation: without them every step runs eagerly, as prefill does.
+        s.use_graphs = false;
+        cudaGetLastError();
+        std::cerr << "stage=cuda event=decode_graphs_off reason=\"" << e.what() << "\"\n";
+      }
+    }
     upload(s.tokens, tokens, stream);
     upload(s.positions, positions, stream);
     upload(s.slot_index, slot_index, stream);
@@ -511,219 +892,14 @@ Status CudaEngine::forward(std::span<const SequenceInput> batch, std::vector<flo
     upload(s.table_offset, table_offset, stream);
     upload(s.cos_sin, cos_sin, stream);
 
-    float* hidden = s.hidden.grow(n * H);
-    float* normed = s.normed.grow(n * H);
-    cu::embed(s.embed.data, s.embed.dtype, H, s.tokens.get(), n, hidden, stream);
-
-    const int64_t heads = c.num_heads, kv_heads = c.num_kv_heads, hd = c.head_dim;
-    for (int64_t l = 0; l < c.num_layers; ++l) {
-      const DeviceLayer& w = s.layers[static_cast<size_t>(l)];
-      if (c.mla) {
-        latent_attention(s, w, l, n);
-      } else {
-        // Attention.
-        float* q = s.q.grow(n * heads * hd);
-        float* k = s.k.grow(n * kv_heads * hd);
-        float* v = s.v.grow(n * kv_heads * hd);
-        float* attended = s.attended.grow(n * heads * hd);
-        float* projected = s.projected.grow(n * H);
-        cu::rms_norm(hidden, n, H, H, w.input_norm.data, w.input_norm.dtype, c.rms_norm_eps, normed,
-                     H, stream);
-        s.blas->matmul(normed, n, w.q, q);
-        s.blas->matmul(normed, n, w.k, k);
-        s.blas->matmul(normed, n, w.v, v);
-        if (w.q_bias) cu::add_bias(q, n, heads * hd, w.q_bias.data, w.q_bias.dtype, stream);
-        if (w.k_bias) cu::add_bias(k, n, kv_heads * hd, w.k_bias.data, w.k_bias.dtype, stream);
-        if (w.v_bias) cu::add_bias(v, n, kv_heads * hd, w.v_bias.data, w.v_bias.dtype, stream);
-        if (c.qk_norm) {
-          cu::rms_norm(q, n * heads, hd, hd, w.q_norm.data, w.q_norm.dtype, c.rms_norm_eps, q, hd,
-                       stream);
-          cu::rms_norm(k, n * kv_heads, hd, hd, w.k_norm.data, w.k_norm.dtype, c.rms_norm_eps, k,
-                       hd, stream);
-        }
-        cu::rope(q, n, heads, heads * hd, hd, hd, s.cos_sin.get(), s.rope.interleaved(), stream);
-        cu::rope(k, n, kv_heads, kv_heads * hd, hd, hd, s.cos_sin.get(), s.rope.interleaved(),
-                 stream);
-        float* cache_keys = s.kv + static_cast<size_t>(l) * (s.key_part + s.value_part);
-        float* cache_values = cache_keys + s.key_part;
-        cu::write_kv(k, v, n, kv_heads, hd, hd, s.slot_index.get(), cache_keys, cache_values,
-                     kBlockTokens, stream);
-        const cu::DeviceKv kv{cache_keys, cache_values, kBlockTokens, kv_heads, hd, hd, hd};
-        cu::attention(q, heads * hd, attended, heads * hd, n, heads, kv, s.tables.get(),
-                      s.table_offset.get(), s.positions.get(), s.softmax_scale, c.sliding_window,
-                      stream);
-        s.blas->matmul(attended, n, w.o, projected);
-        if (w.o_bias) cu::add_bias(projected, n, H, w.o_bias.data, w.o_bias.dtype, stream);
-        cu::add(hidden, projected, n * H, stream);
-      }
-      cu::rms_norm(hidden, n, H, H, w.post_norm.data, w.post_norm.dtype, c.rms_norm_eps, normed, H,
-                   stream);
-      if (!w.is_moe) {
-        const int64_t inter = c.dense_intermediate_size;
-        float* gate = s.gate.grow(n * inter);
-        float* up = s.up.grow(n * inter);
-        float* out = s.expert_out.grow(n * H);
-        s.blas->matmul(normed, n, w.dense_gate, gate);
-        s.blas->matmul(normed, n, w.dense_up, up);
-        cu::silu_mul(gate, up, n * inter, stream);
-        s.blas->matmul(gate, n, w.dense_down, out);
-        cu::add(hidden, out, n * H, stream);
-        continue;
-      }
-
-      // Routing on the device; the chosen experts come back to drive the expert GEMMs.
-      const int64_t E = c.num_experts, K = c.experts_per_token, inter = c.expert_intermediate_size;
-      float* scores = s.scores.grow(n * E);
-      int32_t* chosen = s.chosen.grow(n * K);
-      float* weights = s.weights.grow(n * K);
-      s.blas->matmul(normed, n, w.router, scores);
-      cu::RouterSpec spec{.experts = E,
-                          .top_k = K,
-                          .sigmoid = c.router_scoring == RouterScoring::kSigmoid,
-                          .group_limit = static_cast<int>(c.group_limit),
-                          .n_group = c.n_group,
-                          .topk_group = c.topk_group,
-                          .normalise = c.norm_topk_prob,
-                          .scale_normalised = c.scale_normalised_weights,
-                          .scaling = c.routed_scaling_factor,
-                          .bias = w.router_bias.data,
-                          .bias_dtype = w.router_bias.dtype};
-      cu::route(scores, n, spec, chosen, weights, stream);
-      float* moe_out = s.moe_out.grow(n * H);
-      cu::check(cudaMemsetAsync(moe_out, 0, static_cast<size_t>(n * H) * sizeof(float), stream),
-                "memset");
-      if (s.all_resident && n * K <= kDevicePairs) {
-        // A decode step: the experts run where the routing is, no round trip to the host.
-        const void* const* table = s.expert_table + l * E;
-        float* act = s.gate.grow(n * K * inter);
-        float* pair_out = s.expert_out.grow(n * K * H);
-        cu::expert_gate_up(normed, H, chosen, n * K, K, table, s.expert_dtype, inter, act, stream);
-        cu::expert_down(act, inter, chosen, n * K, table, s.expert_dtype, H, pair_out, stream);
-        cu::combine_pairs(pair_out, H, chosen, weights, n, K, moe_out, stream);
-        s.stats.hits += static_cast<uint64_t>(n * K);
-      } else {
-        if (n * K > s.host_routing_capacity) {
-          if (s.host_chosen) cudaFreeHost(s.host_chosen);
-          if (s.host_weights) cudaFreeHost(s.host_weights);
-          s.host_routing_capacity = n * K * 2;
-          cu::check(cudaHostAlloc(reinterpret_cast<void**>(&s.host_chosen),
-                                  static_cast<size_t>(s.host_routing_capacity) * sizeof(int32_t),
-                                  cudaHostAllocDefault),
-                    "pinned routing");
-          cu::check(cudaHostAlloc(reinterpret_cast<void**>(&s.host_weights),
-                                  static_cast<size_t>(s.host_routing_capacity) * sizeof(float),
-                                  cudaHostAllocDefault),
-                    "pinned routing");
-        }
-        cu::check(
-            cudaMemcpyAsync(s.host_chosen, chosen, static_cast<size_t>(n * K) * sizeof(int32_t),
-                            cudaMemcpyDeviceToHost, stream),
-            "routing back");
-        cu::check(
-            cudaMemcpyAsync(s.host_weights, weights, static_cast<size_t>(n * K) * sizeof(float),
-                            cudaMemcpyDeviceToHost, stream),
-            "routing back");
-        cu::check(cudaStreamSynchronize(stream), "routing");
-
-        // Group the (token, expert) pairs by expert, as the CPU engine does; each token's
-        // contributions are summed in ascending expert order.
-        std::vector<int32_t> offsets(static_cast<size_t>(E + 1), 0),
-            rows(static_cast<size_t>(n * K)), slot_of(static_cast<size_t>(n * K));
-        std::vector<float> slot_weight(static_cast<size_t>(n * K));
-        for (int64_t i = 0; i < n * K; ++i) ++offsets[static_cast<size_t>(s.host_chosen[i] + 1)];
-        std::partial_sum(offsets.begin(), offsets.end(), offsets.begin());
-        std::vector<int32_t> cursor(offsets.begin(), offsets.end() - 1);
-        for (int64_t t = 0; t < n; ++t) {
-          std::vector<std::pair<int32_t, float>> picks;
-          for (int64_t j = 0; j < K; ++j)
-            picks.emplace_back(s.host_chosen[t * K + j], s.host_weights[t * K + j]);
-          std::sort(picks.begin(), picks.end(),
-                    [](const auto& a, const auto& b) { return a.first < b.first; });
-          for (int64_t j = 0; j < K; ++j) {
-            const int32_t slot = cursor[static_cast<size_t>(picks[static_cast<size_t>(j)].first)]++;
-            rows[static_cast<size_t>(slot)] = static_cast<int32_t>(t);
-            slot_of[static_cast<size_t>(t * K + j)] = slot;
-            slot_weight[static_cast<size_t>(t * K + j)] = picks[static_cast<size_t>(j)].second;
-          }
-        }
-        upload(s.rows, rows, stream);
-        upload(s.slot_of, slot_of, stream);
-        upload(s.combine_weights, slot_weight, stream);
-        float* expert_in = s.expert_in.grow(n * K * H);
-        float* gate = s.gate.grow(n * K * inter);
-        float* up = s.up.grow(n * K * inter);
-        float* out = s.expert_out.grow(n * K * H);
-        cu::gather_rows(normed, H, s.rows.get(), n * K, expert_in, stream);
-
-        std::vector<int64_t> keys;
-        std::vector<int32_t> active;
-        for (int64_t e = 0; e < E; ++e)
-          if (offsets[static_cast<size_t>(e + 1)] > offsets[static_cast<size_t>(e)]) {
-            keys.push_back(l * E + e);
-            active.push_back(static_cast<int32_t>(e));
-          }
-        size_t issued = 0;
-        for (size_t i = 0; i < keys.size(); ++i) {
-          // Make the next experts resident ahead of use, as far as free slots allow.
-          while (issued < keys.size()) {
-            if (s.where.count(keys[issued])) {
-              ++s.stats.hits;
-              ++issued;
-              continue;
-            }
-            const int victim = s.pick_victim(keys, i, issued);
-            if (victim < 0) break;
-            s.load(keys[issued], victim);
-            ++s.stats.misses;
-            ++issued;
-          }
-          const int slot = s.where.at(keys[i]);
-          const auto slot_index_u = static_cast<size_t>(slot);
-          if (!s.all_resident)
-            cu::check(cudaStreamWaitEvent(stream, s.ready[slot_index_u], 0), "wait expert");
-          const int32_t e = active[i];
-          const int64_t first = offsets[static_cast<size_t>(e)];
-          const int64_t count = offsets[static_cast<size_t>(e + 1)] - first;
-          s.blas->matmul(expert_in + first * H, count, s.expert_part(slot, 0),
-                         gate + first * inter);
-          s.blas->matmul(expert_in + first * H, count, s.expert_part(slot, 1), up + first * inter);
-          cu::silu_mul(gate + first * inter, up + first * inter, count * inter, stream);
-          s.blas->matmul(gate + first * inter, count, s.expert_part(slot, 2), out + first * H);
-          if (!s.all_resident)
-            cu::check(cudaEventRecord(s.done[slot_index_u], stream), "record expert done");
-          s.last_use[slot_index_u] = ++s.clock;
-        }
-        cu::combine(out, H, s.slot_of.get(), s.combine_weights.get(), n, K, moe_out, stream);
-      }
-      if (c.shared_intermediate_size > 0) {
-        const int64_t shared = c.shared_intermediate_size;
-        float* shared_gate = s.gate.grow(std::max(n * shared, n * K * inter));
-        float* shared_up = s.up.grow(std::max(n * shared, n * K * inter));
-        float* shared_out = s.shared_out.grow(n * H);
-        s.blas->matmul(normed, n, w.shared_gate, shared_gate);
-        s.blas->matmul(normed, n, w.shared_up, shared_up);
-        cu::silu_mul(shared_gate, shared_up, n * shared, stream);
-        s.blas->matmul(shared_gate, n, w.shared_down, shared_out);
-        cu::add(moe_out, shared_out, n * H, stream);
-      }
-      cu::add(hidden, moe_out, n * H, stream);
-    }
-
-    // Final norm and LM head for the rows whose logits are wanted.
     const auto wanted = static_cast<int64_t>(logit_rows.size());
+    upload(s.logit_rows, logit_rows, stream);
+    enqueue_forward(s, n, wanted);
     logits.resize(static_cast<size_t>(wanted * c.vocab_size));
-    if (wanted > 0) {
-      upload(s.logit_rows, logit_rows, stream);
-      float* lm_in = s.lm_in.grow(wanted * H);
-      float* device_logits = s.logits.grow(wanted * c.vocab_size);
-      cu::gather_rows(hidden, H, s.logit_rows.get(), wanted, lm_in, stream);
-      cu::rms_norm(lm_in, wanted, H, H, s.final_norm.data, s.final_norm.dtype, c.rms_norm_eps,
-                   lm_in, H, stream);
-      s.blas->matmul(lm_in, wanted, s.lm_head, device_logits);
-      cu::check(cudaMemcpyAsync(logits.data(), device_logits, logits.size() * sizeof(float),
+    if (wanted > 0)
+      cu::check(cudaMemcpyAsync(logits.data(), s.logits.get(), logits.size() * sizeof(float),
                                 cudaMemcpyDeviceToHost, stream),
                 "logits back");
-    }
     cu::check(cudaStreamSynchronize(stream), "forward");
     if (!s.all_resident) {
       cu::check(cudaStreamSynchronize(s.copy), "expert copies");

@@ -28,6 +28,9 @@ namespace moeline::model {
 struct CudaEngineOptions {
   int32_t kv_blocks = 1024;
   double expert_budget_fraction = 1.0;  // of all expert bytes, in (0, 1]
+  // Replay decode steps (one token per sequence, every expert resident) as CUDA graphs: one per
+  // batch size, captured on its second step and replayed while the buffers it captured stay.
+  bool decode_graphs = true;
 };
 
 struct CudaExpertStats {
@@ -48,6 +51,8 @@ class CudaEngine : public ForwardPass {
   BlockPool& blocks() override { return pool(); }
   const Model& model() const override;
   CudaExpertStats expert_stats() const;
+  // Decode steps replayed from a CUDA graph so far.
+  uint64_t graph_replays() const;
   int expert_slots() const;
   // Bytes of device memory holding weights (experts included) and KV.
   size_t device_weight_bytes() const;

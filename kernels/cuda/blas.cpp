@@ -30,11 +30,15 @@ cudaDataType_t data_type(DType dtype) {
 Blas::Blas(cudaStream_t stream) : stream_(stream) {
   check_blas(cublasCreate(&handle_), "create");
   check_blas(cublasSetStream(handle_, stream_), "set stream");
+  constexpr size_t kWorkspaceBytes = size_t{32} << 20;
+  check(cudaMalloc(&workspace_, kWorkspaceBytes), "cublas workspace");
+  check_blas(cublasSetWorkspace(handle_, workspace_, kWorkspaceBytes), "set workspace");
 }
 
 Blas::~Blas() {
   if (scratch_) cudaFree(scratch_);
   if (handle_) cublasDestroy(handle_);
+  if (workspace_) cudaFree(workspace_);
 }
 
 void Blas::matmul(const float* x, int64_t n, const DeviceMatrix& w, float* y, int64_t x_stride,

@@ -35,8 +35,11 @@ class Blas {
   // y (n rows, y_stride apart; 0: w.rows) = x (n rows, x_stride apart; 0: w.cols) · Wᵀ.
   void matmul(const float* x, int64_t n, const DeviceMatrix& w, float* y, int64_t x_stride = 0,
               int64_t y_stride = 0);
+  // The converted-activations buffer: a CUDA graph that captured GEMMs is valid while it stays.
+  const void* scratch() const { return scratch_; }
 
  private:
+  void* workspace_ = nullptr;  // cuBLAS's, set once, so its calls can be captured in a graph
   cublasHandle_t handle_ = nullptr;
   cudaStream_t stream_;
   void* scratch_ = nullptr;  // the activations in the weights' dtype

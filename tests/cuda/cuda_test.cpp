@@ -321,6 +321,19 @@ TEST_P(CudaModel, GeneratesWhatTheCpuEngineGeneratesAtEveryExpertBudget) {
     if (f32) {
       EXPECT_EQ(got.tokens, want.tokens) << "budget " << budget;
     }
+    if (budget == 1.0) {
+      // Decode steps replayed from CUDA graphs run the very kernels of an eager step.
+      EXPECT_GT((*engine)->graph_replays(), 0u);
+      auto eager = model::CudaEngine::create(
+          m, {.kv_blocks = 64, .expert_budget_fraction = 1.0, .decode_graphs = false});
+      ASSERT_TRUE(eager) << eager.error().message;
+      const Generation without =
+          generate([&](auto batch, auto& logits) { return (*eager)->forward(batch, logits).ok(); },
+                   (*eager)->pool(), prompt, vocab, 16);
+      EXPECT_EQ((*eager)->graph_replays(), 0u);
+      EXPECT_EQ(without.tokens, got.tokens);
+      EXPECT_EQ(without.last_logits, got.last_logits);
+    }
     if (budget < 1.0) {
       const model::CudaExpertStats stats = (*engine)->expert_stats();
       EXPECT_GT(stats.misses, 0u) << "budget " << budget;
