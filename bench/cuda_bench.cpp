@@ -222,6 +222,8 @@ int main(int argc, char** argv) {
                                   {"decode_fraction_of_all_resident", fraction_of_resident},
                                   {"expert_hits", stats.hits},
                                   {"expert_loads", stats.misses},
+                                  {"prefetched", stats.prefetched},
+                                  {"prefetch_used", stats.prefetch_used},
                                   {"load_ms_p50", percentile(stats.load_ms, 0.5)},
                                   {"load_ms_p95", percentile(stats.load_ms, 0.95)},
                                   {"decode_graph_replays", (*engine)->graph_replays()},

@@ -3,10 +3,12 @@
 #include <cuda_runtime_api.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstring>
 #include <iostream>
 #include <numeric>
+#include <optional>
 #include <string>
 #include <unordered_map>
 
@@ -112,6 +114,21 @@ struct DeviceLayer {
   DeviceVector q_a_norm, kv_a_norm;
 };
 
+// The router of a MoE layer, as the route kernel takes it.
+cu::RouterSpec router_spec(const ModelConfig& c, const DeviceLayer& w) {
+  return cu::RouterSpec{.experts = c.num_experts,
+                        .top_k = c.experts_per_token,
+                        .sigmoid = c.router_scoring == RouterScoring::kSigmoid,
+                        .group_limit = static_cast<int>(c.group_limit),
+                        .n_group = c.n_group,
+                        .topk_group = c.topk_group,
+                        .normalise = c.norm_topk_prob,
+                        .scale_normalised = c.scale_normalised_weights,
+                        .scaling = c.routed_scaling_factor,
+                        .bias = w.router_bias.data,
+                        .bias_dtype = w.router_bias.dtype};
+}
+
 }  // namespace
 
 struct CudaEngine::State {
@@ -131,6 +148,8 @@ struct CudaEngine::State {
       cudaEventDestroy(begin);
       cudaEventDestroy(end);
     }
+    if (copy) cudaStreamSynchronize(copy);  // pins held by copies in flight come back
+    if (registered) cudaHostUnregister(const_cast<void*>(registered));
     if (host_experts) cudaFreeHost(host_experts);
     if (host_chosen) cudaFreeHost(host_chosen);
     if (host_weights) cudaFreeHost(host_weights);
@@ -161,7 +180,12 @@ struct CudaEngine::State {
   int slots = 0;
   std::byte* slot_memory = nullptr;
   bool all_resident = false;
-  std::byte* host_experts = nullptr;  // pinned: every expert, at key * expert_bytes
+  std::byte* host_experts = nullptr;            // pinned: every expert, at key * expert_bytes
+  offload::ExpertProvider* provider = nullptr;  // or the node's shared host pool
+  const void* registered = nullptr;             // its mapping, registered with the device
+  std::atomic<int> pins_in_flight{0};
+  bool prefetch = true;
+  std::vector<uint8_t> prefetched;  // by slot: loaded on a prediction, not used yet
   // With every expert resident: each expert's slot address, [layer * experts + expert], for the
   // decode path that stays on the device.
   const void** expert_table = nullptr;
@@ -207,12 +231,17 @@ struct CudaEngine::State {
     return hash;
   }
 
+  // Which experts the next MoE layer after `layer` will probably want: its router applied to the
+  // current hidden state (normed as that layer norms its input), as the CPU engine prefetches.
+  std::vector<int64_t> predict_next(int64_t layer, int64_t n, const float* hidden_state);
+
   // Per-forward buffers.
   Scratch<float> hidden, normed, q, k, v, attended, projected, cos_sin, scores, weights, expert_in,
       gate, up, expert_out, moe_out, shared_out, lm_in, logits, q_latent, out_latent;
   Scratch<int32_t> tokens, slot_index, tables, table_offset, positions, chosen, rows, slot_of,
       logit_rows;
-  Scratch<float> combine_weights;
+  Scratch<float> combine_weights, predict_in, predict_scores, predict_weights;
+  Scratch<int32_t> predict_chosen;
   int32_t* host_chosen = nullptr;
   float* host_weights = nullptr;
   int64_t host_routing_capacity = 0;
@@ -250,6 +279,7 @@ struct CudaEngine::State {
 
   void load(int64_t key, int slot) {
     const size_t s = static_cast<size_t>(slot);
+    prefetched[s] = 0;
     if (owner[s] >= 0) where.erase(owner[s]);
     owner[s] = key;
     where[key] = slot;
@@ -261,14 +291,57 @@ struct CudaEngine::State {
       timing.emplace_back(begin, end);
     }
     auto [begin, end] = timing[timing_used++];
-    cu::check(cudaEventRecord(begin, copy), "record");
-    cu::check(cudaMemcpyAsync(slot_memory + s * expert_bytes,
-                              host_experts + static_cast<size_t>(key) * expert_bytes, expert_bytes,
-                              cudaMemcpyHostToDevice, copy),
-              "expert copy");
-    cu::check(cudaEventRecord(end, copy), "record");
+    if (provider != nullptr) {
+      copy_from_provider(key, slot, begin, end);
+    } else {
+      cu::check(cudaEventRecord(begin, copy), "record");
+      cu::check(cudaMemcpyAsync(slot_memory + s * expert_bytes,
+                                host_experts + static_cast<size_t>(key) * expert_bytes,
+                                expert_bytes, cudaMemcpyHostToDevice, copy),
+                "expert copy");
+      cu::check(cudaEventRecord(end, copy), "record");
+    }
     cu::check(cudaEventRecord(ready[s], copy), "record");
     stats.bytes_loaded += expert_bytes;
+  }
+
+  // The shared host pool as the source: pin the expert there (waiting for its load from disk if
+  // it is not resident), copy its three matrices into the slot, and release the pin from the copy
+  // stream once they have arrived. While copies hold pins, only try_acquire is used (a caller
+  // holding pins must not wait on other callers'); if that fails, the copies finish first.
+  void copy_from_provider(int64_t key, int slot, cudaEvent_t begin, cudaEvent_t end) {
+    const int layer = static_cast<int>(key / experts_per_layer);
+    const int expert = static_cast<int>(key % experts_per_layer);
+    std::optional<offload::ExpertWeights> pinned_expert;
+    if (pins_in_flight.load() > 0) pinned_expert = provider->try_acquire(layer, expert);
+    if (!pinned_expert) {
+      cu::check(cudaStreamSynchronize(copy), "copies before a waiting acquire");
+      pinned_expert = provider->acquire(layer, expert);
+    }
+    ++pins_in_flight;
+    cu::check(cudaEventRecord(begin, copy), "record");
+    std::byte* dst = slot_memory + static_cast<size_t>(slot) * expert_bytes;
+    for (const kernels::MatrixView* m :
+         {&pinned_expert->gate, &pinned_expert->up, &pinned_expert->down}) {
+      cu::check(cudaMemcpyAsync(dst, m->data, m->bytes(), cudaMemcpyHostToDevice, copy),
+                "expert copy");
+      dst += m->bytes();
+    }
+    cu::check(cudaEventRecord(end, copy), "record");
+    struct Release {
+      offload::ExpertProvider* provider;
+      int layer, expert;
+      std::atomic<int>* pins;
+    };
+    cu::check(cudaLaunchHostFunc(
+                  copy,
+                  [](void* data) {
+                    std::unique_ptr<Release> release(static_cast<Release*>(data));
+                    release->provider->release(release->layer, release->expert);
+                    --*release->pins;
+                  },
+                  new Release{provider, layer, expert, &pins_in_flight}),
+              "release after copy");
   }
 
   void harvest_timings() {
@@ -280,6 +353,34 @@ struct CudaEngine::State {
     timing_used = 0;
   }
 };
+
+std::vector<int64_t> CudaEngine::State::predict_next(int64_t layer, int64_t n,
+                                                     const float* hidden_state) {
+  const ModelConfig& c = model.config();
+  int64_t next = layer + 1;
+  while (next < c.num_layers && !layers[static_cast<size_t>(next)].is_moe) ++next;
+  if (next >= c.num_layers) return {};
+  const DeviceLayer& w = layers[static_cast<size_t>(next)];
+  const int64_t H = c.hidden_size, E = c.num_experts, K = c.experts_per_token;
+  float* normed_next = predict_in.grow(n * H);
+  float* scores_next = predict_scores.grow(n * E);
+  int32_t* chosen_next = predict_chosen.grow(n * K);
+  float* weights_next = predict_weights.grow(n * K);
+  cu::rms_norm(hidden_state, n, H, H, w.post_norm.data, w.post_norm.dtype, c.rms_norm_eps,
+               normed_next, H, compute);
+  blas->matmul(normed_next, n, w.router, scores_next);
+  cu::route(scores_next, n, router_spec(c, w), chosen_next, weights_next, compute);
+  std::vector<int32_t> picked(static_cast<size_t>(n * K));
+  cu::check(cudaMemcpyAsync(picked.data(), chosen_next, picked.size() * sizeof(int32_t),
+                            cudaMemcpyDeviceToHost, compute),
+            "prediction back");
+  cu::check(cudaStreamSynchronize(compute), "prediction");
+  std::vector<int64_t> keys;
+  for (int32_t e : picked) keys.push_back(next * E + e);
+  std::sort(keys.begin(), keys.end());
+  keys.erase(std::unique(keys.begin(), keys.end()), keys.end());
+  return keys;
+}
 
 CudaEngine::CudaEngine(std::unique_ptr<State> state) : state_(std::move(state)) {}
 CudaEngine::~CudaEngine() = default;
@@ -402,7 +503,24 @@ Expected<std::unique_ptr<CudaEngine>> CudaEngine::create(const Model& model,
         offset += m->bytes();
       }
     };
-    if (!s->all_resident) {
+    s->prefetch = options.prefetch;
+    s->prefetched.assign(static_cast<size_t>(s->slots), 0);
+    if (!s->all_resident && options.host_experts != nullptr) {
+      s->provider = options.host_experts;
+      const std::span<const std::byte> mapping = s->provider->served_from();
+      if (!mapping.empty()) {
+        void* base = const_cast<std::byte*>(mapping.data());
+        if (cudaHostRegister(base, mapping.size(),
+                             cudaHostRegisterReadOnly | cudaHostRegisterPortable) == cudaSuccess) {
+          s->registered = base;
+        } else {
+          cudaGetLastError();
+          std::cerr << "stage=cuda event=host_pool_not_registered reason=\"copies from pageable "
+                       "memory\"\n";
+        }
+      }
+    }
+    if (!s->all_resident && s->provider == nullptr) {
       cu::check(
           cudaHostAlloc(reinterpret_cast<void**>(&s->host_experts),
                         static_cast<size_t>(total_experts) * s->expert_bytes, cudaHostAllocDefault),
@@ -418,7 +536,7 @@ Expected<std::unique_ptr<CudaEngine>> CudaEngine::create(const Model& model,
                cudaMemcpyHostToDevice);
           s->owner[static_cast<size_t>(key)] = key;
           s->where[key] = static_cast<int>(key);
-        } else {
+        } else if (s->provider == nullptr) {
           pack(weights, s->host_experts + static_cast<size_t>(key) * s->expert_bytes,
                cudaMemcpyHostToHost);
         }
@@ -578,17 +696,7 @@ void enqueue_forward(CudaEngine::State& s, int64_t n, int64_t wanted) {
     int32_t* chosen = s.chosen.grow(n * K);
     float* weights = s.weights.grow(n * K);
     s.blas->matmul(normed, n, w.router, scores);
-    cu::RouterSpec spec{.experts = E,
-                        .top_k = K,
-                        .sigmoid = c.router_scoring == RouterScoring::kSigmoid,
-                        .group_limit = static_cast<int>(c.group_limit),
-                        .n_group = c.n_group,
-                        .topk_group = c.topk_group,
-                        .normalise = c.norm_topk_prob,
-                        .scale_normalised = c.scale_normalised_weights,
-                        .scaling = c.routed_scaling_factor,
-                        .bias = w.router_bias.data,
-                        .bias_dtype = w.router_bias.dtype};
+    const cu::RouterSpec spec = router_spec(c, w);
     cu::route(scores, n, spec, chosen, weights, stream);
     float* moe_out = s.moe_out.grow(n * H);
     cu::check(cudaMemsetAsync(moe_out, 0, static_cast<size_t>(n * H) * sizeof(float), stream),
@@ -661,6 +769,9 @@ void enqueue_forward(CudaEngine::State& s, int64_t n, int64_t wanted) {
           keys.push_back(l * E + e);
           active.push_back(static_cast<int32_t>(e));
         }
+      // The next MoE layer's likely experts, to copy while this layer computes.
+      std::vector<int64_t> predicted;
+      if (s.prefetch && !s.all_resident) predicted = s.predict_next(l, n, hidden);
       size_t issued = 0;
       for (size_t i = 0; i < keys.size(); ++i) {
         // Make the next experts resident ahead of use, as far as free slots allow.
@@ -676,7 +787,25 @@ void enqueue_forward(CudaEngine::State& s, int64_t n, int64_t wanted) {
           ++s.stats.misses;
           ++issued;
         }
+        if (i == 0 && issued == keys.size() && !predicted.empty()) {
+          // Every expert of this layer is on its way: predicted ones may take the slots of
+          // experts this layer does not use, least recently used first.
+          std::vector<int64_t> keep(keys);
+          keep.insert(keep.end(), predicted.begin(), predicted.end());
+          for (int64_t key : predicted) {
+            if (s.where.count(key)) continue;
+            const int victim = s.pick_victim(keep, 0, keep.size());
+            if (victim < 0) break;
+            s.load(key, victim);
+            s.prefetched[static_cast<size_t>(victim)] = 1;
+            ++s.stats.prefetched;
+          }
+        }
         const int slot = s.where.at(keys[i]);
+        if (s.prefetched[static_cast<size_t>(slot)]) {
+          s.prefetched[static_cast<size_t>(slot)] = 0;
+          ++s.stats.prefetch_used;
+        }
         const auto slot_index_u = static_cast<size_t>(slot);
         if (!s.all_resident)
           cu::check(cudaStreamWaitEvent(stream, s.ready[slot_index_u], 0), "wait expert");

@@ -22,12 +22,21 @@
 #include "model/kv_cache.h"
 #include "model/model.h"
 #include "model/status.h"
+#include "offload/expert_provider.h"
 
 namespace moeline::model {
 
 struct CudaEngineOptions {
   int32_t kv_blocks = 1024;
   double expert_budget_fraction = 1.0;  // of all expert bytes, in (0, 1]
+  // Below a budget of 1, where missing experts come from: the node's shared host pool (an
+  // offload::PoolClient; its mapping is registered with the device once, and each copy holds a pin
+  // on the host slot until it has arrived), or, when null, a pinned copy of every expert that this
+  // engine makes for itself.
+  offload::ExpertProvider* host_experts = nullptr;
+  // Below a budget of 1: after routing a MoE layer, the next MoE layer's router is applied to the
+  // current hidden state and the experts it picks start copying while this layer computes.
+  bool prefetch = true;
   // Replay decode steps (one token per sequence, every expert resident) as CUDA graphs: one per
   // batch size, captured on its second step and replayed while the buffers it captured stay.
   bool decode_graphs = true;
@@ -35,6 +44,7 @@ struct CudaEngineOptions {
 
 struct CudaExpertStats {
   uint64_t hits = 0, misses = 0;
+  uint64_t prefetched = 0, prefetch_used = 0;
   uint64_t bytes_loaded = 0;
   std::vector<float> load_ms;  // each load's copy time (CUDA events)
 };

@@ -181,6 +181,7 @@ class PoolClient final : public PoolMapping, public ExpertProvider {
   void release(int layer, int expert) override;
   void prefetch(int layer, std::span<const int32_t> experts) override;
   int prefetch_depth() const override { return prefetch_depth_; }
+  std::span<const std::byte> served_from() const override { return {data_, data_bytes_}; }
   // False once the process that created the pool has exited (its loaders are gone with it).
   bool owner_alive() const;
   // MoE layers ahead to prefetch (default 1; 0 turns prefetch off).

@@ -3,6 +3,7 @@
 // release(): a provider must not move or evict a pinned expert, so a forward pass can use the views
 // it got for as long as it holds them. Implementations are thread-safe.
 
+#include <cstddef>
 #include <cstdint>
 #include <optional>
 #include <span>
@@ -38,6 +39,9 @@ class ExpertProvider {
   // How many MoE layers ahead the forward pass should predict and prefetch (0: never; the
   // prediction costs a router matmul per layer, wasted when everything is resident).
   virtual int prefetch_depth() const { return 0; }
+  // The memory every expert this provider hands out lies in, when it is one fixed mapping (a
+  // shared pool's slots): what a GPU registers once, so copies from it run at pinned speed.
+  virtual std::span<const std::byte> served_from() const { return {}; }
 };
 
 }  // namespace moeline::offload

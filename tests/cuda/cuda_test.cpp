@@ -8,7 +8,9 @@
 // tokens (on the tiny models the top two logits are never within the ~1e-5 the routes differ by).
 #include <gtest/gtest.h>
 
+#include <unistd.h>
 #include <algorithm>
+
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
@@ -26,6 +28,7 @@
 #include "model/cuda_engine.h"
 #include "model/forward.h"
 #include "model/sampling.h"
+#include "offload/expert_pool.h"
 #include "offload/resident_provider.h"
 
 namespace moeline {
@@ -344,6 +347,27 @@ TEST_P(CudaModel, GeneratesWhatTheCpuEngineGeneratesAtEveryExpertBudget) {
     }
     budgets.push_back(got);
   }
+  // The device tier fed from the node's shared host pool (half the experts there, a quarter on
+  // the device), with predictive prefetch: the same prompt results.
+  const offload::ExpertCatalog catalog = m.expert_catalog();
+  auto host_pool = offload::ExpertPool::create(
+      catalog, {.name = "/moeline-cuda-test-" + std::to_string(::getpid()),
+                .budget_bytes = catalog.total_expert_bytes() / 2});
+  auto client = offload::PoolClient::attach(host_pool->name(), catalog);
+  auto pooled = model::CudaEngine::create(
+      m, {.kv_blocks = 64, .expert_budget_fraction = 0.25, .host_experts = client.get()});
+  ASSERT_TRUE(pooled) << pooled.error().message;
+  const Generation from_pool =
+      generate([&](auto batch, auto& logits) { return (*pooled)->forward(batch, logits).ok(); },
+               (*pooled)->pool(), prompt, vocab, 16);
+  EXPECT_EQ(from_pool.first_logits, budgets.front().first_logits);
+  if (f32) {
+    EXPECT_EQ(from_pool.tokens, want.tokens);
+  }
+  const model::CudaExpertStats stats = (*pooled)->expert_stats();
+  EXPECT_GT(stats.misses, 0u);
+  EXPECT_GT(stats.prefetched, 0u);
+  EXPECT_LE(stats.prefetch_used, stats.prefetched);
 }
 
 INSTANTIATE_TEST_SUITE_P(TinyModels, CudaModel,
