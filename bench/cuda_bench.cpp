@@ -42,54 +42,50 @@ double percentile(std::vector<float> values, double q) {
   return values[static_cast<size_t>(q * static_cast<double>(values.size() - 1))];
 }
 
-// Device-to-device copy bandwidth (bytes read + written per second), best of 5.
+// The best of 5 timed copies (after one warm-up), in milliseconds.
+float best_copy_ms(void* dst, const void* src, size_t bytes, cudaMemcpyKind kind) {
+  cudaEvent_t begin, end;
+  cudaEventCreate(&begin);
+  cudaEventCreate(&end);
+  float best = 1e30f;
+  for (int i = 0; i < 6; ++i) {
+    cudaEventRecord(begin);
+    cu::check(cudaMemcpyAsync(dst, src, bytes, kind), "timed copy");
+    cudaEventRecord(end);
+    cudaEventSynchronize(end);
+    float ms = 0;
+    cudaEventElapsedTime(&ms, begin, end);
+    if (i > 0) best = std::min(best, ms);
+  }
+  cudaEventDestroy(begin);
+  cudaEventDestroy(end);
+  return best;
+}
+
+// Device-to-device copy bandwidth: bytes read plus bytes written per second.
 double device_bandwidth() {
   const size_t bytes = size_t{2} << 30;
   void *src = nullptr, *dst = nullptr;
   cu::check(cudaMalloc(&src, bytes), "malloc");
   cu::check(cudaMalloc(&dst, bytes), "malloc");
   cu::check(cudaMemset(src, 1, bytes), "memset");
-  cudaEvent_t begin, end;
-  cudaEventCreate(&begin);
-  cudaEventCreate(&end);
-  float best = 1e30f;
-  for (int i = 0; i < 6; ++i) {
-    cudaEventRecord(begin);
-    cu::copy_bytes(dst, src, bytes, nullptr);
-    cudaEventRecord(end);
-    cudaEventSynchronize(end);
-    float ms = 0;
-    cudaEventElapsedTime(&ms, begin, end);
-    if (i > 0) best = std::min(best, ms);
-  }
+  const float ms = best_copy_ms(dst, src, bytes, cudaMemcpyDeviceToDevice);
   cudaFree(src);
   cudaFree(dst);
-  return 2.0 * static_cast<double>(bytes) / (best * 1e-3);
+  return 2.0 * static_cast<double>(bytes) / (ms * 1e-3);
 }
 
-// Pinned host to device copy bandwidth, best of 5.
+// Pinned host to device copy bandwidth.
 double host_to_device_bandwidth() {
   const size_t bytes = size_t{1} << 30;
   void *host = nullptr, *device = nullptr;
   cu::check(cudaHostAlloc(&host, bytes, cudaHostAllocDefault), "pinned");
   cu::check(cudaMalloc(&device, bytes), "malloc");
   std::fill(static_cast<char*>(host), static_cast<char*>(host) + bytes, 1);
-  cudaEvent_t begin, end;
-  cudaEventCreate(&begin);
-  cudaEventCreate(&end);
-  float best = 1e30f;
-  for (int i = 0; i < 6; ++i) {
-    cudaEventRecord(begin);
-    cudaMemcpyAsync(device, host, bytes, cudaMemcpyHostToDevice);
-    cudaEventRecord(end);
-    cudaEventSynchronize(end);
-    float ms = 0;
-    cudaEventElapsedTime(&ms, begin, end);
-    if (i > 0) best = std::min(best, ms);
-  }
+  const float ms = best_copy_ms(device, host, bytes, cudaMemcpyHostToDevice);
   cudaFreeHost(host);
   cudaFree(device);
-  return static_cast<double>(bytes) / (best * 1e-3);
+  return static_cast<double>(bytes) / (ms * 1e-3);
 }
 
 struct Speed {

@@ -600,8 +600,5 @@ void convert(const float* x, int64_t rows, int64_t cols, int64_t x_stride, void*
   check(cudaGetLastError(), "convert");
 }
 
-void copy_bytes(void* dst, const void* src, size_t bytes, cudaStream_t stream) {
-  check(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToDevice, stream), "copy_bytes");
-}
 
 }  // namespace moeline::kernels::cuda

@@ -112,7 +112,5 @@ void combine_pairs(const float* pair_out, int64_t width, const int32_t* chosen,
 // ids[t] = the index of the largest of logits[t] (vocab values), the lowest on ties: greedy
 // sampling on the device.
 void argmax(const float* logits, int64_t n, int64_t vocab, int32_t* ids, cudaStream_t stream);
-// dst = src (bytes), used to measure device memory bandwidth.
-void copy_bytes(void* dst, const void* src, size_t bytes, cudaStream_t stream);
 
 }  // namespace moeline::kernels::cuda
