@@ -600,5 +600,4 @@ void convert(const float* x, int64_t rows, int64_t cols, int64_t x_stride, void*
   check(cudaGetLastError(), "convert");
 }
 
-
 }  // namespace moeline::kernels::cuda
