@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <chrono>
 #include <cmath>
 #include <cstring>
 #include <iostream>
@@ -12,6 +13,8 @@
 #include <string>
 #include <unordered_map>
 
+#include "kernels/cpu/matmul.h"
+#include "kernels/cpu/ops.h"
 #include "kernels/cuda/blas.h"
 #include "kernels/cuda/ops.h"
 
@@ -186,6 +189,9 @@ struct CudaEngine::State {
   std::atomic<int> pins_in_flight{0};
   bool prefetch = true;
   std::vector<uint8_t> prefetched;  // by slot: loaded on a prediction, not used yet
+  kernels::ThreadPool* cpu_threads = nullptr;
+  double upload_ms = -1, cpu_row_ms = -1, cpu_fixed_ms = 0.05;  // measured costs (moving averages)
+  double cpu_preference = 1.0;
   // With every expert resident: each expert's slot address, [layer * experts + expert], for the
   // decode path that stays on the device.
   const void** expert_table = nullptr;
@@ -347,10 +353,78 @@ struct CudaEngine::State {
   void harvest_timings() {
     for (size_t i = 0; i < timing_used; ++i) {
       float ms = 0.0f;
-      if (cudaEventElapsedTime(&ms, timing[i].first, timing[i].second) == cudaSuccess)
+      if (cudaEventElapsedTime(&ms, timing[i].first, timing[i].second) == cudaSuccess) {
         stats.load_ms.push_back(ms);
+        upload_ms = upload_ms < 0 ? ms : 0.9 * upload_ms + 0.1 * ms;
+      }
     }
     timing_used = 0;
+  }
+
+  // The per-miss choice: compute a missing expert's `rows` on the CPU rather than copy it, when
+  // the measured costs (copy time of recent loads; CPU time per row plus the round trip of its
+  // rows, from earlier CPU computations or the calibration at start) say so.
+  bool cheaper_on_cpu(int64_t row_count) const {
+    if (cpu_threads == nullptr || upload_ms < 0 || cpu_row_ms < 0) return false;
+    return cpu_fixed_ms + cpu_row_ms * static_cast<double>(row_count) < upload_ms * cpu_preference;
+  }
+
+  // Host views of an expert: the shared pool's (pinned there until release_host_expert), or this
+  // engine's pinned copy.
+  offload::ExpertWeights host_expert(int64_t key) {
+    const int layer = static_cast<int>(key / experts_per_layer);
+    const int expert = static_cast<int>(key % experts_per_layer);
+    if (provider != nullptr) return provider->acquire(layer, expert);
+    const ModelConfig& c = model.config();
+    const int64_t inter = c.expert_intermediate_size, H = c.hidden_size;
+    const size_t matrix = static_cast<size_t>(inter * H) * kernels::dtype_size(expert_dtype);
+    const std::byte* base = host_experts + static_cast<size_t>(key) * expert_bytes;
+    return {{base, expert_dtype, inter, H},
+            {base + matrix, expert_dtype, inter, H},
+            {base + 2 * matrix, expert_dtype, H, inter}};
+  }
+  void release_host_expert(int64_t key) {
+    if (provider != nullptr)
+      provider->release(static_cast<int>(key / experts_per_layer),
+                        static_cast<int>(key % experts_per_layer));
+  }
+
+  // out_rows = the expert applied on the CPU to expert_in_rows (`row_count` of them, on the
+  // device).
+  void compute_on_cpu(int64_t key, const float* expert_in_rows, int64_t row_count,
+                      float* out_rows) {
+    const ModelConfig& c = model.config();
+    const int64_t H = c.hidden_size, inter = c.expert_intermediate_size;
+    std::vector<float> x(static_cast<size_t>(row_count * H)),
+        g(static_cast<size_t>(row_count * inter)), u(static_cast<size_t>(row_count * inter)),
+        y(static_cast<size_t>(row_count * H));
+    const auto start = std::chrono::steady_clock::now();
+    cu::check(cudaMemcpyAsync(x.data(), expert_in_rows, x.size() * sizeof(float),
+                              cudaMemcpyDeviceToHost, compute),
+              "rows to the host");
+    cu::check(cudaStreamSynchronize(compute), "rows to the host");
+    const auto computing = std::chrono::steady_clock::now();
+    if (pins_in_flight.load() > 0) cu::check(cudaStreamSynchronize(copy), "copies first");
+    const offload::ExpertWeights expert = host_expert(key);
+    const kernels::MatmulTask gate_up[] = {
+        {.x = x.data(), .n = row_count, .w = expert.gate, .y = g.data()},
+        {.x = x.data(), .n = row_count, .w = expert.up, .y = u.data()}};
+    kernels::matmul(*cpu_threads, gate_up);
+    kernels::silu_mul(g.data(), u.data(), row_count * inter);
+    kernels::matmul(
+        *cpu_threads,
+        kernels::MatmulTask{.x = g.data(), .n = row_count, .w = expert.down, .y = y.data()});
+    release_host_expert(key);
+    const auto computed = std::chrono::steady_clock::now();
+    cu::check(cudaMemcpyAsync(out_rows, y.data(), y.size() * sizeof(float), cudaMemcpyHostToDevice,
+                              compute),
+              "rows back");
+    const double round_trip = std::chrono::duration<double, std::milli>(computing - start).count();
+    const double per_row = std::chrono::duration<double, std::milli>(computed - computing).count() /
+                           static_cast<double>(row_count);
+    cpu_fixed_ms = 0.9 * cpu_fixed_ms + 0.1 * round_trip;
+    cpu_row_ms = cpu_row_ms < 0 ? per_row : 0.9 * cpu_row_ms + 0.1 * per_row;
+    ++stats.computed_on_cpu;
   }
 };
 
@@ -542,6 +616,27 @@ Expected<std::unique_ptr<CudaEngine>> CudaEngine::create(const Model& model,
         }
       }
     s->expert_dtype = sample.gate.dtype;
+    if (!s->all_resident && options.cpu_threads != nullptr) {
+      s->cpu_threads = options.cpu_threads;
+      s->cpu_preference = options.cpu_preference;
+      // Calibration: the CPU's time for one row of one expert, before any miss needs it.
+      const int64_t H = c.hidden_size;
+      const auto key = static_cast<int64_t>(s->first_moe_layer()) * c.num_experts;
+      const offload::ExpertWeights expert = s->host_expert(key);
+      std::vector<float> x(static_cast<size_t>(H), 0.01f),
+          g(static_cast<size_t>(c.expert_intermediate_size)), u(g.size()), y(x.size());
+      const auto start = std::chrono::steady_clock::now();
+      const kernels::MatmulTask gate_up[] = {
+          {.x = x.data(), .n = 1, .w = expert.gate, .y = g.data()},
+          {.x = x.data(), .n = 1, .w = expert.up, .y = u.data()}};
+      kernels::matmul(*s->cpu_threads, gate_up);
+      kernels::matmul(*s->cpu_threads,
+                      kernels::MatmulTask{.x = g.data(), .n = 1, .w = expert.down, .y = y.data()});
+      s->cpu_row_ms =
+          std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - start)
+              .count();
+      s->release_host_expert(key);
+    }
     if (s->all_resident) {
       std::vector<const void*> table(static_cast<size_t>(total_experts), nullptr);
       for (int64_t key = 0; key < total_experts; ++key)
@@ -772,12 +867,25 @@ void enqueue_forward(CudaEngine::State& s, int64_t n, int64_t wanted) {
       // The next MoE layer's likely experts, to copy while this layer computes.
       std::vector<int64_t> predicted;
       if (s.prefetch && !s.all_resident) predicted = s.predict_next(l, n, hidden);
+      auto rows_of = [&](size_t index) {
+        const int32_t e = active[index];
+        return static_cast<int64_t>(offsets[static_cast<size_t>(e + 1)] -
+                                    offsets[static_cast<size_t>(e)]);
+      };
+      std::vector<uint8_t> on_cpu(keys.size(), 0);
       size_t issued = 0;
       for (size_t i = 0; i < keys.size(); ++i) {
-        // Make the next experts resident ahead of use, as far as free slots allow.
+        // Make the next experts resident ahead of use, as far as free slots allow; or leave a
+        // miss to the CPU where that is measured to be cheaper.
         while (issued < keys.size()) {
           if (s.where.count(keys[issued])) {
             ++s.stats.hits;
+            ++issued;
+            continue;
+          }
+          if (s.cheaper_on_cpu(rows_of(issued))) {
+            on_cpu[issued] = 1;
+            ++s.stats.misses;
             ++issued;
             continue;
           }
@@ -800,6 +908,11 @@ void enqueue_forward(CudaEngine::State& s, int64_t n, int64_t wanted) {
             s.prefetched[static_cast<size_t>(victim)] = 1;
             ++s.stats.prefetched;
           }
+        }
+        if (on_cpu[i]) {
+          const int64_t first = offsets[static_cast<size_t>(active[i])];
+          s.compute_on_cpu(keys[i], expert_in + first * H, rows_of(i), out + first * H);
+          continue;
         }
         const int slot = s.where.at(keys[i]);
         if (s.prefetched[static_cast<size_t>(slot)]) {

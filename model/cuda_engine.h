@@ -4,11 +4,16 @@
 // over a paged KV cache in device memory with the CPU cache's block layout (Sequence and
 // BlockPool are shared with the CPU engine).
 //
-// Expert weights live in a device expert cache of `expert_budget_fraction` of all expert bytes:
-// at 1 every expert is uploaded once; below, experts are copied on demand from a pinned host copy
-// on a dedicated copy stream, one CUDA event per slot saying when its bytes have arrived and
-// another when the compute stream is done with it, so copies overlap the experts computed before
-// them and a slot is never overwritten while in use.
+// Expert weights live in a device expert cache of `expert_budget_fraction` of all expert bytes.
+// At 1 every expert is uploaded once, and decode steps run their experts on the device without a
+// host round trip, replayed as CUDA graphs. Below 1, the host drives each MoE layer: experts are
+// copied on demand — from the node's shared host pool (registered with the device) or a pinned
+// copy of this engine's own — on a dedicated copy stream, one CUDA event per slot saying when its
+// bytes have arrived and another when the compute stream is done with it, so copies overlap the
+// experts computed before them and a slot is never overwritten while in use. Eviction is least
+// recently used; the next MoE layer's router, applied to the current hidden state, picks experts
+// to copy ahead; and a miss may be computed on the CPU instead, where its weights are, when the
+// measured costs (copy time against CPU time plus the rows' round trip) say that is cheaper.
 //
 // Every family the CPU engine runs, DeepSeek's multi-head latent attention included (the same
 // absorbed form over a latent cache). Built only with CUDA (MOELINE_HAVE_CUDA).
@@ -18,6 +23,7 @@
 #include <span>
 #include <vector>
 
+#include "kernels/cpu/thread_pool.h"
 #include "model/forward.h"
 #include "model/kv_cache.h"
 #include "model/model.h"
@@ -40,11 +46,19 @@ struct CudaEngineOptions {
   // Replay decode steps (one token per sequence, every expert resident) as CUDA graphs: one per
   // batch size, captured on its second step and replayed while the buffers it captured stay.
   bool decode_graphs = true;
+  // Below a budget of 1: the CPU threads that may compute a missing expert where its weights are
+  // (host memory) instead of copying it to the device, when the measured costs say that is
+  // cheaper (null: always copy).
+  kernels::ThreadPool* cpu_threads = nullptr;
+  // How the two costs compare: the CPU is chosen when its cost is under the copy's times this
+  // (above 1 favours the CPU; the tests use a huge value to take that path every time).
+  double cpu_preference = 1.0;
 };
 
 struct CudaExpertStats {
   uint64_t hits = 0, misses = 0;
   uint64_t prefetched = 0, prefetch_used = 0;
+  uint64_t computed_on_cpu = 0;  // misses computed on the host instead of copied
   uint64_t bytes_loaded = 0;
   std::vector<float> load_ms;  // each load's copy time (CUDA events)
 };

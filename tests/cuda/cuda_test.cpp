@@ -368,6 +368,23 @@ TEST_P(CudaModel, GeneratesWhatTheCpuEngineGeneratesAtEveryExpertBudget) {
   EXPECT_GT(stats.misses, 0u);
   EXPECT_GT(stats.prefetched, 0u);
   EXPECT_LE(stats.prefetch_used, stats.prefetched);
+
+  // Misses computed where the weights are, on the CPU, once a copy has been timed (forced here):
+  // the same tokens; the prompt's logits too, since its misses are copied before any was timed.
+  auto on_cpu = model::CudaEngine::create(m, {.kv_blocks = 64,
+                                              .expert_budget_fraction = 0.25,
+                                              .host_experts = client.get(),
+                                              .cpu_threads = &threads,
+                                              .cpu_preference = 1e9});
+  ASSERT_TRUE(on_cpu) << on_cpu.error().message;
+  const Generation mixed =
+      generate([&](auto batch, auto& logits) { return (*on_cpu)->forward(batch, logits).ok(); },
+               (*on_cpu)->pool(), prompt, vocab, 16);
+  EXPECT_GT((*on_cpu)->expert_stats().computed_on_cpu, 0u);
+  EXPECT_LE(relative_l2(mixed.last_logits, budgets.front().last_logits), f32 ? 1e-4 : 1e-2);
+  if (f32) {
+    EXPECT_EQ(mixed.tokens, want.tokens);
+  }
 }
 
 INSTANTIATE_TEST_SUITE_P(TinyModels, CudaModel,
