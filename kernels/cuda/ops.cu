@@ -437,6 +437,81 @@ __global__ void argmax_kernel(const float* logits, int64_t vocab, int32_t* ids) 
   if (threadIdx.x == 0) ids[blockIdx.x] = indices[0];
 }
 
+// One block per row: the top_k candidates by repeated block-wide argmax (best first, ties to the
+// lower id, the previous picks excluded), then the host sampler's arithmetic on thread 0.
+__global__ void sample_top_k_kernel(const float* logits, int64_t vocab, const double* temperature,
+                                    const int32_t* top_k, const double* top_p,
+                                    const double* uniform, int32_t* ids) {
+  __shared__ int32_t picked[kMaxDeviceTopK];
+  __shared__ float values[kThreads];
+  __shared__ int32_t indices[kThreads];
+  const int64_t row_index = blockIdx.x;
+  const float* row = logits + row_index * vocab;
+  int64_t k = top_k[row_index];
+  if (k > vocab) k = vocab;
+  if (k > kMaxDeviceTopK) k = kMaxDeviceTopK;
+  for (int64_t j = 0; j < k; ++j) {
+    // Candidates below the previous pick in (logit desc, id asc) order: strictly after it.
+    const float last = j > 0 ? row[picked[j - 1]] : INFINITY;
+    const int32_t last_id = j > 0 ? picked[j - 1] : -1;
+    float best = -INFINITY;
+    int32_t best_id = 0x7fffffff;
+    for (int64_t v = threadIdx.x; v < vocab; v += blockDim.x) {
+      const float value = row[v];
+      const bool after = value < last || (value == last && v > last_id);
+      if (!after) continue;
+      if (value > best || (value == best && v < best_id)) {
+        best = value;
+        best_id = static_cast<int32_t>(v);
+      }
+    }
+    values[threadIdx.x] = best;
+    indices[threadIdx.x] = best_id;
+    __syncthreads();
+    for (int stride = blockDim.x / 2; stride > 0; stride >>= 1) {
+      if (threadIdx.x < stride) {
+        const float other = values[threadIdx.x + stride];
+        const int32_t other_id = indices[threadIdx.x + stride];
+        if (other > values[threadIdx.x] ||
+            (other == values[threadIdx.x] && other_id < indices[threadIdx.x])) {
+          values[threadIdx.x] = other;
+          indices[threadIdx.x] = other_id;
+        }
+      }
+      __syncthreads();
+    }
+    if (threadIdx.x == 0) picked[j] = indices[0];
+    __syncthreads();
+  }
+  if (threadIdx.x != 0) return;
+  const double t = temperature[row_index];
+  const double max_logit = row[picked[0]];
+  double total = 0.0;
+  for (int64_t i = 0; i < k; ++i) total += exp((row[picked[i]] - max_logit) / t);
+  int64_t kept = k;
+  if (top_p[row_index] < 1.0) {
+    double mass = 0.0;
+    int64_t nucleus = 0;
+    while (nucleus < kept) {
+      mass += exp((row[picked[nucleus++]] - max_logit) / t) / total;
+      if (mass >= top_p[row_index]) break;
+    }
+    kept = nucleus;
+    total = 0.0;
+    for (int64_t i = 0; i < kept; ++i) total += exp((row[picked[i]] - max_logit) / t);
+  }
+  const double target = uniform[row_index] * total;
+  double cumulative = 0.0;
+  for (int64_t i = 0; i < kept; ++i) {
+    cumulative += exp((row[picked[i]] - max_logit) / t);
+    if (target < cumulative) {
+      ids[row_index] = picked[i];
+      return;
+    }
+  }
+  ids[row_index] = picked[kept - 1];
+}
+
 void allow_shared(const void* kernel, size_t bytes) {
   if (bytes > 48 * 1024)
     check(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
@@ -478,6 +553,15 @@ void combine_pairs(const float* pair_out, int64_t width, const int32_t* chosen,
   combine_pairs_kernel<<<blocks_for(n * width), kThreads, 0, stream>>>(pair_out, width, chosen,
                                                                        weights, n, k, y);
   check(cudaGetLastError(), "combine_pairs");
+}
+
+void sample_top_k(const float* logits, int64_t n, int64_t vocab, const double* temperature,
+                  const int32_t* top_k, const double* top_p, const double* uniform, int32_t* ids,
+                  cudaStream_t stream) {
+  if (n == 0) return;
+  sample_top_k_kernel<<<static_cast<unsigned>(n), kThreads, 0, stream>>>(
+      logits, vocab, temperature, top_k, top_p, uniform, ids);
+  check(cudaGetLastError(), "sample_top_k");
 }
 
 void argmax(const float* logits, int64_t n, int64_t vocab, int32_t* ids, cudaStream_t stream) {

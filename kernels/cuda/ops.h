@@ -113,4 +113,13 @@ void combine_pairs(const float* pair_out, int64_t width, const int32_t* chosen,
 // sampling on the device.
 void argmax(const float* logits, int64_t n, int64_t vocab, int32_t* ids, cudaStream_t stream);
 
+// Sampling with a temperature from the top_k (1..1024) candidates, cut to the top_p nucleus, as
+// model::Sampler does on the host given the same uniform draw: row t uses temperature[t], top_k[t],
+// top_p[t] and uniform[t] in [0, 1). (Sampling from the whole vocabulary, top_k 0, needs its full
+// sort and stays on the host.)
+inline constexpr int64_t kMaxDeviceTopK = 1024;
+void sample_top_k(const float* logits, int64_t n, int64_t vocab, const double* temperature,
+                  const int32_t* top_k, const double* top_p, const double* uniform, int32_t* ids,
+                  cudaStream_t stream);
+
 }  // namespace moeline::kernels::cuda

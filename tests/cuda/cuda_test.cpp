@@ -211,6 +211,39 @@ TEST(CudaOps, ArgmaxTakesTheLowestIdOnTies) {
   EXPECT_EQ(ids.host(), (std::vector<int32_t>{123, 40000, static_cast<int32_t>(vocab - 1)}));
 }
 
+TEST(CudaOps, TopKSamplingPicksWhatTheHostSamplerPicks) {
+  REQUIRE_DEVICE();
+  const int64_t vocab = 5000;
+  int compared = 0;
+  for (double temperature : {0.7, 1.3})
+    for (int32_t top_k : {1, 40, 1000})
+      for (double top_p : {1.0, 0.9, 0.5}) {
+        for (uint64_t seed = 1; seed <= 8; ++seed) {
+          const auto logits =
+              random_floats(static_cast<size_t>(vocab), static_cast<unsigned>(seed));
+          model::SamplingParams params;
+          params.temperature = temperature;
+          params.top_k = top_k;
+          params.top_p = top_p;
+          params.seed = seed;
+          model::Sampler sampler(params);
+          const int32_t want = sampler.sample(logits.data(), vocab);
+          // The sampler's one uniform draw for this sample (model/sampling.cpp).
+          std::mt19937_64 rng(seed);
+          const double u = static_cast<double>(rng() >> 11) * 0x1.0p-53;
+          Device<float> dl(logits);
+          Device<double> dt(std::vector<double>{temperature}), dp(std::vector<double>{top_p}),
+              du(std::vector<double>{u});
+          Device<int32_t> dk(std::vector<int32_t>{top_k}), id(std::vector<int32_t>{-1});
+          cu::sample_top_k(dl.data, 1, vocab, dt.data, dk.data, dp.data, du.data, id.data, nullptr);
+          ASSERT_EQ(id.host()[0], want)
+              << "T " << temperature << " k " << top_k << " p " << top_p << " seed " << seed;
+          ++compared;
+        }
+      }
+  EXPECT_EQ(compared, 144);
+}
+
 TEST(CudaOps, DeviceExpertsMatchTheCpuExperts) {
   REQUIRE_DEVICE();
   // Three experts of a BF16 layer, two tokens choosing two each.
