@@ -407,20 +407,13 @@ __global__ void combine_pairs_kernel(const float* pair_out, int64_t width, const
   y[i] += sum;
 }
 
-__global__ void argmax_kernel(const float* logits, int64_t vocab, int32_t* ids) {
-  const float* row = logits + blockIdx.x * vocab;
-  float best = -INFINITY;
-  int32_t best_id = 0x7fffffff;
-  for (int64_t v = threadIdx.x; v < vocab; v += blockDim.x) {
-    if (row[v] > best || (row[v] == best && v < best_id)) {
-      best = row[v];
-      best_id = static_cast<int32_t>(v);
-    }
-  }
+// The block's largest (value, id) pair over every thread's candidate, the lowest id on ties; every
+// thread gets the winning id. Ends with the block synchronised (shared memory reusable).
+__device__ int32_t block_argmax(float value, int32_t id) {
   __shared__ float values[kThreads];
   __shared__ int32_t indices[kThreads];
-  values[threadIdx.x] = best;
-  indices[threadIdx.x] = best_id;
+  values[threadIdx.x] = value;
+  indices[threadIdx.x] = id;
   __syncthreads();
   for (int stride = blockDim.x / 2; stride > 0; stride >>= 1) {
     if (threadIdx.x < stride) {
@@ -434,7 +427,23 @@ __global__ void argmax_kernel(const float* logits, int64_t vocab, int32_t* ids) 
     }
     __syncthreads();
   }
-  if (threadIdx.x == 0) ids[blockIdx.x] = indices[0];
+  const int32_t winner = indices[0];
+  __syncthreads();
+  return winner;
+}
+
+__global__ void argmax_kernel(const float* logits, int64_t vocab, int32_t* ids) {
+  const float* row = logits + blockIdx.x * vocab;
+  float best = -INFINITY;
+  int32_t best_id = 0x7fffffff;
+  for (int64_t v = threadIdx.x; v < vocab; v += blockDim.x) {
+    if (row[v] > best || (row[v] == best && v < best_id)) {
+      best = row[v];
+      best_id = static_cast<int32_t>(v);
+    }
+  }
+  const int32_t winner = block_argmax(best, best_id);
+  if (threadIdx.x == 0) ids[blockIdx.x] = winner;
 }
 
 // One block per row: the top_k candidates by repeated block-wide argmax (best first, ties to the
@@ -443,8 +452,6 @@ __global__ void sample_top_k_kernel(const float* logits, int64_t vocab, const do
                                     const int32_t* top_k, const double* top_p,
                                     const double* uniform, int32_t* ids) {
   __shared__ int32_t picked[kMaxDeviceTopK];
-  __shared__ float values[kThreads];
-  __shared__ int32_t indices[kThreads];
   const int64_t row_index = blockIdx.x;
   const float* row = logits + row_index * vocab;
   int64_t k = top_k[row_index];
@@ -465,23 +472,8 @@ __global__ void sample_top_k_kernel(const float* logits, int64_t vocab, const do
         best_id = static_cast<int32_t>(v);
       }
     }
-    values[threadIdx.x] = best;
-    indices[threadIdx.x] = best_id;
-    __syncthreads();
-    for (int stride = blockDim.x / 2; stride > 0; stride >>= 1) {
-      if (threadIdx.x < stride) {
-        const float other = values[threadIdx.x + stride];
-        const int32_t other_id = indices[threadIdx.x + stride];
-        if (other > values[threadIdx.x] ||
-            (other == values[threadIdx.x] && other_id < indices[threadIdx.x])) {
-          values[threadIdx.x] = other;
-          indices[threadIdx.x] = other_id;
-        }
-      }
-      __syncthreads();
-    }
-    if (threadIdx.x == 0) picked[j] = indices[0];
-    __syncthreads();
+    const int32_t winner = block_argmax(best, best_id);
+    if (threadIdx.x == 0) picked[j] = winner;
   }
   if (threadIdx.x != 0) return;
   const double t = temperature[row_index];
