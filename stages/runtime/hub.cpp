@@ -132,8 +132,11 @@ Peer* Hub::pick(wire::StageKind stage) {
   Peer* best = nullptr;
   for (auto& [identity, peer] : peers_) {
     if (peer.stage != stage || peer.credits == 0) continue;
-    if (best == nullptr || peer.credits > best->credits) best = &peer;
+    if (best == nullptr || peer.credits > best->credits ||
+        (peer.credits == best->credits && peer.last_picked < best->last_picked))
+      best = &peer;
   }
+  if (best != nullptr) best->last_picked = ++picks_;
   return best;
 }
 

@@ -32,6 +32,7 @@ struct Peer {
   uint32_t pid = 0;
   uint16_t http_port = 0;
   std::chrono::steady_clock::time_point last_seen;
+  uint64_t last_picked = 0;  // Hub::pick's turn when it last chose this peer (0: never)
 };
 
 class Hub {
@@ -50,7 +51,9 @@ class Hub {
   std::optional<Incoming> receive();
 
   Peer* peer(const std::string& identity);
-  // The live peer of this kind with the most credit; nullptr when none has any.
+  // The live peer of this kind with the most credit; among equals, the one picked longest ago (a
+  // replica that hands its credit straight back must not take every job). nullptr when none has
+  // any credit.
   Peer* pick(wire::StageKind stage);
   bool any(wire::StageKind stage) const;
   size_t count(wire::StageKind stage) const;
@@ -67,6 +70,7 @@ class Hub {
   const std::map<std::string, Peer>& peers() const { return peers_; }
 
  private:
+  uint64_t picks_ = 0;
   void on_hello(const std::string& identity, const wire::Message& message);
   void reply_error(const std::string& identity, wire::ErrorCode code, const std::string& text);
   void update_gauges();

@@ -303,8 +303,11 @@ def case_recovery(args):
         stop_only = victim.endswith(" stopped")
         victim = victim.split()[0]
         if victim.startswith("decode"):
+            # Long streams (the demo model's context is 512): on a loaded machine the harness can
+            # lag far behind the replicas, and a victim whose streams had all finished would leave
+            # nothing to fail over.
             requests = [{"tokens": [rng.randrange(vocab) for _ in range(rng.choice([3, 20, 60]))],
-                         "max_tokens": 120, "ignore_eos": True} for _ in range(24)]
+                         "max_tokens": 400, "ignore_eos": True} for _ in range(24)]
         else:
             # Long prompts keep the prefill queue busy when it is killed.
             requests = [{"tokens": [rng.randrange(vocab) for _ in range(300)], "max_tokens": 8}
