@@ -168,6 +168,8 @@ ModelConfig ModelConfig::load(const std::filesystem::path& dir) {
   out.model_type = type->get<std::string>();
   family->parse(config, out);
   validate(out);
+  if (out.softmax_scale <= 0)
+    out.softmax_scale = 1.0 / std::sqrt(static_cast<double>(out.head_dim));
 
   if (config.contains("eos_token_id")) out.eos_token_ids = token_ids(config["eos_token_id"]);
   const auto generation_path = dir / "generation_config.json";

@@ -39,7 +39,8 @@ struct ModelConfig {
   bool attention_bias = false;
   bool qk_norm = false;        // Qwen3: RMSNorm over each head of q and k before RoPE
   int64_t sliding_window = 0;  // 0: full causal attention
-  // 0: 1/sqrt(the query-key width). DeepSeek's YaRN multiplies it by mscale².
+  // Resolved at load: 1/sqrt(the query-key width) unless the family sets it (DeepSeek's YaRN
+  // multiplies it by mscale²).
   double softmax_scale = 0.0;
 
   // RoPE beyond the plain θ table. YaRN (rope_yarn_factor > 0) blends interpolated and original

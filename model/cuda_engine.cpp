@@ -255,7 +255,7 @@ struct CudaEngine::State {
   DeviceMatrix expert_part(int slot, int part) const {
     const ModelConfig& c = model.config();
     const int64_t inter = c.expert_intermediate_size, H = c.hidden_size;
-    const kernels::DType dtype = model.experts()[first_moe_layer()][0].gate.dtype;
+    const kernels::DType dtype = expert_dtype;
     const size_t matrix = static_cast<size_t>(inter * H) * kernels::dtype_size(dtype);
     const std::byte* base = slot_memory + static_cast<size_t>(slot) * expert_bytes;
     if (part == 0) return {base, dtype, inter, H};
@@ -496,8 +496,7 @@ Expected<std::unique_ptr<CudaEngine>> CudaEngine::create(const Model& model,
             ? (c.max_position_embeddings + kBlockTokens - 1) / kBlockTokens
             : static_cast<int64_t>(options.kv_blocks);
     s->max_table = std::min<int64_t>(context_blocks, options.kv_blocks);
-    s->softmax_scale = static_cast<float>(
-        c.softmax_scale > 0 ? c.softmax_scale : 1.0 / std::sqrt(static_cast<double>(c.head_dim)));
+    s->softmax_scale = static_cast<float>(c.softmax_scale);
     s->embed = s->arena.upload(model.embed_tokens());
     s->lm_head = s->arena.upload(model.lm_head());
     s->final_norm = s->arena.upload(model.final_norm());
@@ -1061,24 +1060,9 @@ bool replay_decode(CudaEngine::State& s, std::span<const SequenceInput> batch,
 Status CudaEngine::forward(std::span<const SequenceInput> batch, std::vector<float>& logits) {
   State& s = *state_;
   const ModelConfig& c = s.model.config();
-  // Validation, as the CPU engine's.
-  int64_t blocks_needed = 0, n = 0;
-  for (size_t i = 0; i < batch.size(); ++i) {
-    for (size_t j = 0; j < i; ++j)
-      if (batch[j].sequence == batch[i].sequence)
-        return Error{"a sequence appears twice in one forward batch"};
-    for (int32_t token : batch[i].tokens)
-      if (token < 0 || token >= c.vocab_size)
-        return Error{"token id " + std::to_string(token) + " is outside the vocabulary"};
-    const int64_t end = batch[i].sequence->length() + static_cast<int64_t>(batch[i].tokens.size());
-    if (c.max_position_embeddings > 0 && end > c.max_position_embeddings)
-      return Error{"sequence exceeds the model's context"};
-    blocks_needed +=
-        std::max<int64_t>(0, (end + kBlockTokens - 1) / kBlockTokens -
-                                 static_cast<int64_t>(batch[i].sequence->block_table().size()));
-    n += static_cast<int64_t>(batch[i].tokens.size());
-  }
-  if (blocks_needed > s.pool.free_blocks()) return Error{"KV cache full"};
+  if (Status status = validate_batch(c, batch, s.pool.free_blocks()); !status.ok()) return status;
+  int64_t n = 0;
+  for (const SequenceInput& input : batch) n += static_cast<int64_t>(input.tokens.size());
   if (n == 0) {
     logits.clear();
     return Status::ok_status();

@@ -65,14 +65,10 @@ Engine::Engine(const Model& model, offload::ExpertProvider& experts, kernels::Th
       pool_(pool),
       cache_(cache),
       rope_table_(make_rope(model.config())),
-      softmax_scale_(
-          static_cast<float>(model.config().softmax_scale > 0
-                                 ? model.config().softmax_scale
-                                 : 1.0 / std::sqrt(static_cast<double>(model.config().head_dim)))) {
-}
+      softmax_scale_(static_cast<float>(model.config().softmax_scale)) {}
 
-Status Engine::validate(std::span<const SequenceInput> batch) {
-  const ModelConfig& c = model_.config();
+Status validate_batch(const ModelConfig& c, std::span<const SequenceInput> batch,
+                      int64_t free_blocks) {
   int64_t blocks_needed = 0;
   for (size_t i = 0; i < batch.size(); ++i) {
     const SequenceInput& input = batch[i];
@@ -92,10 +88,14 @@ Status Engine::validate(std::span<const SequenceInput> batch) {
                            static_cast<int64_t>(input.sequence->block_table().size());
     blocks_needed += std::max<int64_t>(0, blocks);
   }
-  if (blocks_needed > cache_.pool().free_blocks())
+  if (blocks_needed > free_blocks)
     return Error{"KV cache full: the batch needs " + std::to_string(blocks_needed) +
-                 " more blocks, " + std::to_string(cache_.pool().free_blocks()) + " are free"};
+                 " more blocks, " + std::to_string(free_blocks) + " are free"};
   return Status::ok_status();
+}
+
+Status Engine::validate(std::span<const SequenceInput> batch) {
+  return validate_batch(model_.config(), batch, cache_.pool().free_blocks());
 }
 
 int64_t Engine::embed(std::span<const SequenceInput> batch) {
@@ -512,7 +512,7 @@ void Engine::prefetch_next_layers(int64_t layer, int64_t n) {
     std::vector<uint8_t>& wanted = predict_wanted_;
     wanted.assign(static_cast<size_t>(E), 0);
     int32_t* chosen = grow(predict_chosen_, n * K);
-    float* weights = grow(predict_in_, n * K);  // the router's input is no longer needed
+    float* weights = grow(predict_weights_, n * K);
     route(w, scores, n, chosen, weights);
     for (int64_t i = 0; i < n * K; ++i) wanted[static_cast<size_t>(chosen[i])] = 1;
     std::vector<int32_t>& list = expert_group_prefetch_;

@@ -39,6 +39,11 @@ class ForwardPass {
   virtual const Model& model() const = 0;
 };
 
+// The checks every forward pass makes before touching anything: no sequence twice, token ids in
+// the vocabulary, the model's context, and room for the batch's new blocks.
+Status validate_batch(const ModelConfig& config, std::span<const SequenceInput> batch,
+                      int64_t free_blocks);
+
 class Engine : public ForwardPass {
  public:
   Engine(const Model& model, offload::ExpertProvider& experts, kernels::ThreadPool& pool,
@@ -140,7 +145,7 @@ class Engine : public ForwardPass {
   std::vector<kernels::MatmulTask> expert_tasks_;
   std::vector<offload::ExpertWeights> acquired_experts_;
   std::vector<int32_t> expert_group_, expert_group_prefetch_;
-  std::vector<float> predict_in_, predict_scores_;
+  std::vector<float> predict_in_, predict_scores_, predict_weights_;
   std::vector<int32_t> predict_chosen_;
   std::vector<uint8_t> predict_wanted_;
 };
