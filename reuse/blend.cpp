@@ -6,6 +6,7 @@
 #include <unordered_map>
 
 #include "kernels/cpu/ops.h"
+#include "model/kv_cache.h"
 
 namespace moeline::reuse {
 
@@ -15,7 +16,7 @@ KvGeometry KvGeometry::of(const model::ModelConfig& config) {
                     .kv_heads = shape.kv_heads,
                     .key_dim = shape.key_dim,
                     .value_dim = shape.value_dim,
-                    .block_tokens = 16,
+                    .block_tokens = model::kBlockTokens,
                     .rope = model::make_rope(config),
                     .rope_offset = config.mla ? config.kv_lora_rank : 0};
 }
