@@ -5,7 +5,6 @@
 #include <stdexcept>
 #include <unordered_map>
 
-#include "kernels/cpu/ops.h"
 #include "model/kv_cache.h"
 
 namespace moeline::reuse {
