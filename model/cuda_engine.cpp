@@ -834,8 +834,9 @@ void enqueue_forward(CudaEngine::State& s, int64_t n, int64_t wanted) {
       for (int64_t i = 0; i < n * K; ++i) ++offsets[static_cast<size_t>(s.host_chosen[i] + 1)];
       std::partial_sum(offsets.begin(), offsets.end(), offsets.begin());
       std::vector<int32_t> cursor(offsets.begin(), offsets.end() - 1);
+      std::vector<std::pair<int32_t, float>> picks;
       for (int64_t t = 0; t < n; ++t) {
-        std::vector<std::pair<int32_t, float>> picks;
+        picks.clear();
         for (int64_t j = 0; j < K; ++j)
           picks.emplace_back(s.host_chosen[t * K + j], s.host_weights[t * K + j]);
         std::sort(picks.begin(), picks.end(),
