@@ -154,6 +154,9 @@ struct CudaEngine::State {
     if (copy) cudaStreamSynchronize(copy);  // pins held by copies in flight come back
     if (registered) cudaHostUnregister(const_cast<void*>(registered));
     if (host_experts) cudaFreeHost(host_experts);
+    for (void* p : {static_cast<void*>(observed_scores), static_cast<void*>(observed_weights),
+                    static_cast<void*>(observed_chosen)})
+      if (p) cudaFreeHost(p);
     if (host_chosen) cudaFreeHost(host_chosen);
     if (host_weights) cudaFreeHost(host_weights);
     blas.reset();
@@ -234,6 +237,10 @@ struct CudaEngine::State {
                              positions.get(), chosen.get(), logit_rows.get()})
       mix(p);
     mix(blas->scratch());
+    for (const void* p :
+         {static_cast<const void*>(observed_scores), static_cast<const void*>(observed_weights),
+          static_cast<const void*>(observed_chosen)})
+      mix(p);
     return hash;
   }
 
@@ -251,6 +258,115 @@ struct CudaEngine::State {
   int32_t* host_chosen = nullptr;
   float* host_weights = nullptr;
   int64_t host_routing_capacity = 0;
+
+  // The router observer's view of a forward: each MoE layer's scores, choices and weights, copied
+  // into pinned memory as the layer routes (index: moe_index[layer]) and reported once it is done.
+  RouterObserver* observer = nullptr;
+  std::vector<int64_t> moe_index;  // by layer: its position among the MoE layers, or -1
+  int64_t moe_layers = 0;
+  float* observed_scores = nullptr;   // [MoE layer][token][expert]
+  float* observed_weights = nullptr;  // [MoE layer][token][top_k]
+  int32_t* observed_chosen = nullptr;
+  int64_t observed_tokens = 0;  // the capacity, in tokens
+  std::vector<RoutedToken> observed_refs;
+  // Room for n tokens, grown before any copy into it is enqueued (or captured).
+  void reserve_observed(int64_t n) {
+    if (observer == nullptr || n <= observed_tokens) return;
+    cu::check(cudaStreamSynchronize(compute), "observed");
+    for (void* p : {static_cast<void*>(observed_scores), static_cast<void*>(observed_weights),
+                    static_cast<void*>(observed_chosen)})
+      if (p) cudaFreeHost(p);
+    observed_scores = observed_weights = nullptr;
+    observed_chosen = nullptr;
+    observed_tokens = std::max<int64_t>(n, 2 * observed_tokens);
+    const ModelConfig& c = model.config();
+    const auto observed_rows =
+        static_cast<size_t>(std::max<int64_t>(moe_layers, 1) * observed_tokens);
+    cu::check(cudaHostAlloc(reinterpret_cast<void**>(&observed_scores),
+                            observed_rows * static_cast<size_t>(c.num_experts) * sizeof(float),
+                            cudaHostAllocDefault),
+              "pinned observer");
+    cu::check(
+        cudaHostAlloc(reinterpret_cast<void**>(&observed_weights),
+                      observed_rows * static_cast<size_t>(c.experts_per_token) * sizeof(float),
+                      cudaHostAllocDefault),
+        "pinned observer");
+    cu::check(
+        cudaHostAlloc(reinterpret_cast<void**>(&observed_chosen),
+                      observed_rows * static_cast<size_t>(c.experts_per_token) * sizeof(int32_t),
+                      cudaHostAllocDefault),
+        "pinned observer");
+  }
+  void observe(int64_t layer, int64_t n, const float* layer_scores, const int32_t* layer_chosen,
+               const float* layer_weights) {
+    if (observer == nullptr) return;
+    const ModelConfig& c = model.config();
+    const int64_t E = c.num_experts, K = c.experts_per_token;
+    const auto at = static_cast<size_t>(moe_index[static_cast<size_t>(layer)] * n);
+    cu::check(cudaMemcpyAsync(observed_scores + at * static_cast<size_t>(E), layer_scores,
+                              static_cast<size_t>(n * E) * sizeof(float), cudaMemcpyDeviceToHost,
+                              compute),
+              "observed scores");
+    cu::check(cudaMemcpyAsync(observed_chosen + at * static_cast<size_t>(K), layer_chosen,
+                              static_cast<size_t>(n * K) * sizeof(int32_t), cudaMemcpyDeviceToHost,
+                              compute),
+              "observed choices");
+    cu::check(cudaMemcpyAsync(observed_weights + at * static_cast<size_t>(K), layer_weights,
+                              static_cast<size_t>(n * K) * sizeof(float), cudaMemcpyDeviceToHost,
+                              compute),
+              "observed weights");
+  }
+  // After the forward's synchronisation: one event per MoE layer, as the CPU engine sends.
+  void report_observed(std::span<const SequenceInput> batch, int64_t n) {
+    if (observer == nullptr) return;
+    observed_refs.clear();
+    for (const SequenceInput& input : batch)
+      for (size_t i = 0; i < input.tokens.size(); ++i)
+        observed_refs.push_back(
+            {input.sequence->id(), input.sequence->length() + static_cast<int64_t>(i)});
+    const ModelConfig& c = model.config();
+    const int64_t E = c.num_experts, K = c.experts_per_token;
+    for (int64_t l = 0; l < c.num_layers; ++l) {
+      const int64_t m = moe_index[static_cast<size_t>(l)];
+      if (m < 0) continue;
+      const auto at = static_cast<size_t>(m * n);
+      observer->on_router(RouterEvent{l, E, K, observed_refs,
+                                      observed_scores + at * static_cast<size_t>(E),
+                                      observed_chosen + at * static_cast<size_t>(K),
+                                      observed_weights + at * static_cast<size_t>(K), 0.0});
+    }
+  }
+
+  // The host pool's mapping, registered with the device the first time the provider has one.
+  void register_host_pool() {
+    if (provider == nullptr || registered != nullptr || register_tried) return;
+    const std::span<const std::byte> mapping = provider->served_from();
+    if (mapping.empty()) return;
+    register_tried = true;
+    void* base = const_cast<std::byte*>(mapping.data());
+    if (cudaHostRegister(base, mapping.size(),
+                         cudaHostRegisterReadOnly | cudaHostRegisterPortable) == cudaSuccess) {
+      registered = base;
+    } else {
+      cudaGetLastError();
+      std::cerr << "stage=cuda event=host_pool_not_registered reason=\"copies from pageable "
+                   "memory\"\n";
+    }
+  }
+  bool register_tried = false;
+
+  // KV in and out of the cache in KvCache's block format.
+  Scratch<float> kv_packed;
+  Scratch<int32_t> kv_ids;
+  cu::KvBlocks kv_blocks() const {
+    const int64_t block_tokens = kBlockTokens * shape.kv_heads;
+    return cu::KvBlocks{.base = kv,
+                        .layers = model.config().num_layers,
+                        .layer_stride = static_cast<int64_t>(key_part + value_part),
+                        .key_part = static_cast<int64_t>(key_part),
+                        .key_floats = block_tokens * shape.key_dim,
+                        .value_floats = block_tokens * shape.value_dim};
+  }
 
   DeviceMatrix expert_part(int slot, int part) const {
     const ModelConfig& c = model.config();
@@ -467,6 +583,49 @@ const Model& CudaEngine::model() const {
 uint64_t CudaEngine::graph_replays() const {
   return state_->graph_replays;
 }
+void CudaEngine::set_router_observer(RouterObserver* observer) {
+  state_->observer = observer;
+}
+
+size_t CudaEngine::kv_block_bytes() const {
+  const cu::KvBlocks kv = state_->kv_blocks();
+  return static_cast<size_t>(kv.layers * (kv.key_floats + kv.value_floats)) * sizeof(float);
+}
+
+void CudaEngine::export_kv(std::span<const int32_t> blocks, uint8_t* out) {
+  State& s = *state_;
+  if (blocks.empty()) return;
+  const cu::KvBlocks kv = s.kv_blocks();
+  const auto count = static_cast<int64_t>(blocks.size());
+  int32_t* ids = s.kv_ids.grow(count);
+  float* packed = s.kv_packed.grow(count * kv.layers * (kv.key_floats + kv.value_floats));
+  cu::check(
+      cudaMemcpyAsync(ids, blocks.data(), blocks.size_bytes(), cudaMemcpyHostToDevice, s.compute),
+      "kv export");
+  cu::pack_kv_blocks(kv, ids, count, packed, s.compute);
+  cu::check(cudaMemcpyAsync(out, packed, blocks.size() * kv_block_bytes(), cudaMemcpyDeviceToHost,
+                            s.compute),
+            "kv export");
+  cu::check(cudaStreamSynchronize(s.compute), "kv export");
+}
+
+void CudaEngine::import_kv(std::span<const int32_t> blocks, const uint8_t* in) {
+  State& s = *state_;
+  if (blocks.empty()) return;
+  const cu::KvBlocks kv = s.kv_blocks();
+  const auto count = static_cast<int64_t>(blocks.size());
+  int32_t* ids = s.kv_ids.grow(count);
+  float* packed = s.kv_packed.grow(count * kv.layers * (kv.key_floats + kv.value_floats));
+  cu::check(
+      cudaMemcpyAsync(ids, blocks.data(), blocks.size_bytes(), cudaMemcpyHostToDevice, s.compute),
+      "kv import");
+  cu::check(cudaMemcpyAsync(packed, in, blocks.size() * kv_block_bytes(), cudaMemcpyHostToDevice,
+                            s.compute),
+            "kv import");
+  cu::unpack_kv_blocks(kv, ids, count, packed, s.compute);
+  cu::check(cudaStreamSynchronize(s.compute), "kv import");
+}
+
 CudaExpertStats CudaEngine::expert_stats() const {
   return state_->stats;
 }
@@ -484,8 +643,17 @@ Expected<std::unique_ptr<CudaEngine>> CudaEngine::create(const Model& model,
     return Error{"the device expert budget must be a fraction in (0, 1]"};
   std::string why;
   if (!cu::device_available(&why)) return Error{why};
+  int devices = 0;
+  if (cudaGetDeviceCount(&devices) != cudaSuccess || options.device < 0 ||
+      options.device >= devices)
+    return Error{"no CUDA device " + std::to_string(options.device) + " (" +
+                 std::to_string(devices) + " present)"};
+  if (cudaSetDevice(options.device) != cudaSuccess)
+    return Error{"cannot use CUDA device " + std::to_string(options.device)};
   try {
     auto s = std::make_unique<State>(model, options.kv_blocks);
+    for (int64_t l = 0; l < c.num_layers; ++l)
+      s->moe_index.push_back(model.layer(l).is_moe ? s->moe_layers++ : -1);
     cu::check(cudaStreamCreateWithFlags(&s->compute, cudaStreamNonBlocking), "stream");
     cu::check(cudaStreamCreateWithFlags(&s->copy, cudaStreamNonBlocking), "stream");
     s->blas = std::make_unique<cu::Blas>(s->compute);
@@ -580,18 +748,7 @@ Expected<std::unique_ptr<CudaEngine>> CudaEngine::create(const Model& model,
     s->prefetched.assign(static_cast<size_t>(s->slots), 0);
     if (!s->all_resident && options.host_experts != nullptr) {
       s->provider = options.host_experts;
-      const std::span<const std::byte> mapping = s->provider->served_from();
-      if (!mapping.empty()) {
-        void* base = const_cast<std::byte*>(mapping.data());
-        if (cudaHostRegister(base, mapping.size(),
-                             cudaHostRegisterReadOnly | cudaHostRegisterPortable) == cudaSuccess) {
-          s->registered = base;
-        } else {
-          cudaGetLastError();
-          std::cerr << "stage=cuda event=host_pool_not_registered reason=\"copies from pageable "
-                       "memory\"\n";
-        }
-      }
+      s->register_host_pool();
     }
     if (!s->all_resident && s->provider == nullptr) {
       cu::check(
@@ -792,6 +949,7 @@ void enqueue_forward(CudaEngine::State& s, int64_t n, int64_t wanted) {
     s.blas->matmul(normed, n, w.router, scores);
     const cu::RouterSpec spec = router_spec(c, w);
     cu::route(scores, n, spec, chosen, weights, stream);
+    s.observe(l, n, scores, chosen, weights);
     float* moe_out = s.moe_out.grow(n * H);
     cu::check(cudaMemsetAsync(moe_out, 0, static_cast<size_t>(n * H) * sizeof(float), stream),
               "memset");
@@ -1094,6 +1252,8 @@ Status CudaEngine::forward(std::span<const SequenceInput> batch, std::vector<flo
       if (input.want_logits && !input.tokens.empty())
         logit_rows.push_back(static_cast<int32_t>(tokens.size() - 1));
     }
+    if (!s.all_resident) s.register_host_pool();
+    s.reserve_observed(n);
     bool decode_step = s.use_graphs && s.all_resident &&
                        n * std::max<int64_t>(c.experts_per_token, 1) <= kDevicePairs;
     for (const SequenceInput& input : batch)
@@ -1102,6 +1262,7 @@ Status CudaEngine::forward(std::span<const SequenceInput> batch, std::vector<flo
     if (decode_step) {
       try {
         if (replay_decode(s, batch, tokens, positions, slot_index, cos_sin, logits)) {
+          s.report_observed(batch, n);
           for (const SequenceInput& input : batch) input.sequence->commit(input.tokens);
           return Status::ok_status();
         }
@@ -1132,6 +1293,7 @@ Status CudaEngine::forward(std::span<const SequenceInput> batch, std::vector<flo
       cu::check(cudaStreamSynchronize(s.copy), "expert copies");
       s.harvest_timings();
     }
+    s.report_observed(batch, n);
     for (const SequenceInput& input : batch) input.sequence->commit(input.tokens);
     return Status::ok_status();
   } catch (const std::exception& e) {

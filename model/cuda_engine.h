@@ -33,12 +33,14 @@
 namespace moeline::model {
 
 struct CudaEngineOptions {
+  int device = 0;  // the CUDA device ordinal this engine runs on
   int32_t kv_blocks = 1024;
   double expert_budget_fraction = 1.0;  // of all expert bytes, in (0, 1]
   // Below a budget of 1, where missing experts come from: the node's shared host pool (an
-  // offload::PoolClient; its mapping is registered with the device once, and each copy holds a pin
-  // on the host slot until it has arrived), or, when null, a pinned copy of every expert that this
-  // engine makes for itself.
+  // offload::PoolClient; its mapping is registered with the device once it has one — a stage's
+  // provider names the node's pool only after the offload manager's plan — and each copy holds a
+  // pin on the host slot until it has arrived), or, when null, a pinned copy of every expert that
+  // this engine makes for itself.
   offload::ExpertProvider* host_experts = nullptr;
   // Below a budget of 1: after routing a MoE layer, the next MoE layer's router is applied to the
   // current hidden state and the experts it picks start copying while this layer computes.
@@ -74,6 +76,13 @@ class CudaEngine : public ForwardPass {
   BlockPool& pool();
   BlockPool& blocks() override { return pool(); }
   const Model& model() const override;
+  // The observer sees what the CPU engine's sees, copied back from the device once the forward
+  // is done (router_seconds is 0: the router is not timed on the device). Decode graphs capture
+  // the copies too.
+  void set_router_observer(RouterObserver* observer) override;
+  size_t kv_block_bytes() const override;
+  void export_kv(std::span<const int32_t> blocks, uint8_t* out) override;
+  void import_kv(std::span<const int32_t> blocks, const uint8_t* in) override;
   CudaExpertStats expert_stats() const;
   // Decode steps replayed from a CUDA graph so far.
   uint64_t graph_replays() const;

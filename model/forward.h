@@ -37,6 +37,14 @@ class ForwardPass {
   virtual Status forward(std::span<const SequenceInput> batch, std::vector<float>& logits) = 0;
   virtual BlockPool& blocks() = 0;
   virtual const Model& model() const = 0;
+  // Called on every MoE layer's routing decision of every forward (null: none).
+  virtual void set_router_observer(RouterObserver* observer) = 0;
+
+  // KV leaves and enters the cache in KvCache's block format (model/kv_cache.h), the unit it
+  // moves in between processes: kv_block_bytes() per block, blocks one after another.
+  virtual size_t kv_block_bytes() const = 0;
+  virtual void export_kv(std::span<const int32_t> blocks, uint8_t* out) = 0;
+  virtual void import_kv(std::span<const int32_t> blocks, const uint8_t* in) = 0;
 };
 
 // The checks every forward pass makes before touching anything: no sequence twice, token ids in
@@ -49,10 +57,17 @@ class Engine : public ForwardPass {
   Engine(const Model& model, offload::ExpertProvider& experts, kernels::ThreadPool& pool,
          KvCache& cache);
 
-  void set_router_observer(RouterObserver* observer) { observer_ = observer; }
+  void set_router_observer(RouterObserver* observer) override { observer_ = observer; }
   const Model& model() const override { return model_; }
   KvCache& cache() { return cache_; }
   BlockPool& blocks() override { return cache_.pool(); }
+  size_t kv_block_bytes() const override { return cache_.block_bytes(); }
+  void export_kv(std::span<const int32_t> blocks, uint8_t* out) override {
+    cache_.export_blocks(blocks, out);
+  }
+  void import_kv(std::span<const int32_t> blocks, const uint8_t* in) override {
+    cache_.import_blocks(blocks, in);
+  }
 
   // On success `logits` holds [sequences wanting logits, vocab] in batch order and each sequence
   // has grown by its tokens. On error (bad token id, context or KV pool exhausted) nothing changed.

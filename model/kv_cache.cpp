@@ -120,6 +120,10 @@ void KvCache::import_block(int32_t block, const void* in) {
   }
 }
 
+void KvCache::import_blocks(std::span<const int32_t> blocks, const uint8_t* in) {
+  for (size_t b = 0; b < blocks.size(); ++b) import_block(blocks[b], in + b * block_bytes());
+}
+
 uint64_t block_key(uint64_t parent_key, std::span<const int32_t> tokens, uint64_t model_id,
                    uint64_t cache_namespace) {
   // The chain, model and tenant become the seed of the hash over the block's tokens.

@@ -55,6 +55,8 @@ class KvCache {
   void export_blocks(std::span<const int32_t> blocks, uint8_t* out) const;
   std::vector<uint8_t> export_blocks(std::span<const int32_t> blocks) const;
   void import_block(int32_t block, const void* in);
+  // `blocks` from `in`, laid out as export_blocks writes them.
+  void import_blocks(std::span<const int32_t> blocks, const uint8_t* in);
   int64_t layers() const { return layers_; }
   int64_t kv_heads() const { return shape_.kv_heads; }
   int64_t key_dim() const { return shape_.key_dim; }

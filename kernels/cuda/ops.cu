@@ -118,6 +118,24 @@ __global__ void write_kv_kernel(const float* k, const float* v, int64_t n, int64
   }
 }
 
+// One thread block per (block, layer) of the copy.
+template <bool kPack>
+__global__ void kv_blocks_kernel(KvBlocks kv, const int32_t* blocks, float* packed) {
+  const int64_t i = blockIdx.x / kv.layers, layer = blockIdx.x % kv.layers;
+  const int64_t block = blocks[i];
+  const int64_t per_layer = kv.key_floats + kv.value_floats;
+  float* chunk = packed + (i * kv.layers + layer) * per_layer;
+  float* keys = kv.base + layer * kv.layer_stride + block * kv.key_floats;
+  float* values = kv.base + layer * kv.layer_stride + kv.key_part + block * kv.value_floats;
+  for (int64_t e = threadIdx.x; e < per_layer; e += blockDim.x) {
+    float* cached = e < kv.key_floats ? keys + e : values + (e - kv.key_floats);
+    if (kPack)
+      chunk[e] = *cached;
+    else
+      *cached = chunk[e];
+  }
+}
+
 constexpr int kAttentionWarps = 4;
 constexpr int kMaxValuePerLane = 16;  // value_dim <= 512
 
@@ -594,6 +612,22 @@ void write_kv(const float* k, const float* v, int64_t n, int64_t kv_heads, int64
   write_kv_kernel<<<blocks_for(count), kThreads, 0, stream>>>(k, v, n, kv_heads, key_dim, value_dim,
                                                               slot_index, keys, values, block_size);
   check(cudaGetLastError(), "write_kv");
+}
+
+void pack_kv_blocks(const KvBlocks& kv, const int32_t* blocks, int64_t count, float* packed,
+                    cudaStream_t stream) {
+  if (count == 0 || kv.layers == 0) return;
+  kv_blocks_kernel<true>
+      <<<static_cast<unsigned>(count * kv.layers), kThreads, 0, stream>>>(kv, blocks, packed);
+  check(cudaGetLastError(), "pack_kv_blocks");
+}
+
+void unpack_kv_blocks(const KvBlocks& kv, const int32_t* blocks, int64_t count, const float* packed,
+                      cudaStream_t stream) {
+  if (count == 0 || kv.layers == 0) return;
+  kv_blocks_kernel<false><<<static_cast<unsigned>(count * kv.layers), kThreads, 0, stream>>>(
+      kv, blocks, const_cast<float*>(packed));
+  check(cudaGetLastError(), "unpack_kv_blocks");
 }
 
 void attention(const float* q, int64_t q_stride, float* out, int64_t out_stride, int64_t n,

@@ -42,6 +42,20 @@ void write_kv(const float* k, const float* v, int64_t n, int64_t kv_heads, int64
               int64_t value_dim, const int32_t* slot_index, float* keys, float* values,
               int64_t block_size, cudaStream_t stream);
 
+// KV blocks between the paged cache and the format they move in between processes
+// (model::KvCache::export_block): block i of `packed` holds, layer after layer, that block's keys
+// then its values. In the cache, layer l's keys start at base + l * layer_stride, block-major,
+// and its values key_part floats after them.
+struct KvBlocks {
+  float* base = nullptr;
+  int64_t layers = 0, layer_stride = 0, key_part = 0;  // floats
+  int64_t key_floats = 0, value_floats = 0;            // one block of one layer
+};
+void pack_kv_blocks(const KvBlocks& kv, const int32_t* blocks, int64_t count, float* packed,
+                    cudaStream_t stream);
+void unpack_kv_blocks(const KvBlocks& kv, const int32_t* blocks, int64_t count, const float* packed,
+                      cudaStream_t stream);
+
 struct DeviceKv {
   const float* keys = nullptr;
   const float* values = nullptr;  // == keys for MLA (values are a prefix of each key row)

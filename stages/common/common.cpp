@@ -126,6 +126,13 @@ std::vector<runtime::ConfigKey> compute_keys() {
                   "record this process's expert acquisitions to FILE, written at exit "
                   "(moeline experts replay); {replica} in FILE becomes the replica's name"});
   keys.push_back({"expert-trace-limit", "10000000", "acquisitions recorded at most"});
+  keys.push_back({"device", "cpu",
+                  "where the forward pass runs: cpu, or cuda / cuda:N (a build with nvcc and a "
+                  "GPU; KV and the experts that fit --device-expert-budget live on the device)"});
+  keys.push_back({"device-expert-budget", "",
+                  "with --device cuda: expert bytes kept on the GPU, a share (\"50%\") or a size "
+                  "(\"8GiB\"); the rest is copied in from the node's host pool on demand. "
+                  "Default: every expert"});
   return keys;
 }
 

@@ -6,6 +6,9 @@
 #include <thread>
 
 #include "stages/common/common.h"
+#ifdef MOELINE_HAVE_CUDA
+#include "model/cuda_engine.h"
+#endif
 
 namespace moeline::stages {
 
@@ -64,6 +67,13 @@ ComputeWorker::ComputeWorker(const runtime::Config& config, const char* stage, w
   if (threads <= 0) threads = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
   pool = std::make_unique<kernels::ThreadPool>(threads);
   experts = std::make_unique<PlannedExperts>(*model);
+  device = config.text("device");
+  device_expert_budget_ = config.text("device-expert-budget");
+  if (device != "cpu" && device.rfind("cuda", 0) != 0)
+    throw runtime::ConfigError("--device must be cpu, cuda or cuda:N, not '" + device + "'");
+  if (device != "cpu" && !config.text("expert-trace").empty())
+    throw runtime::ConfigError(
+        "--expert-trace records the CPU engine's expert acquisitions; not with --device " + device);
   if (std::string path = config.text("expert-trace"); !path.empty()) {
     // One file per replica: "{replica}" in the path becomes this process's name.
     if (const size_t at = path.find("{replica}"); at != std::string::npos)
@@ -93,14 +103,62 @@ ComputeWorker::~ComputeWorker() {
 }
 
 void ComputeWorker::create_engine(int32_t kv_blocks) {
-  cache = std::make_unique<model::KvCache>(model->config(), kv_blocks);
-  offload::ExpertProvider& provider =
-      trace ? static_cast<offload::ExpertProvider&>(*trace) : *experts;
-  engine = std::make_unique<model::Engine>(*model, provider, *pool, *cache);
   observers.add(usage.get());
-  engine->set_router_observer(&observers);
+  if (device == "cpu") {
+    cache = std::make_unique<model::KvCache>(model->config(), kv_blocks);
+    offload::ExpertProvider& provider =
+        trace ? static_cast<offload::ExpertProvider&>(*trace) : *experts;
+    engine = std::make_unique<model::Engine>(*model, provider, *pool, *cache);
+    forward = engine.get();
+    forward->set_router_observer(&observers);
+    service.log.info("kv_cache", {{"device", device},
+                                  {"blocks", kv_blocks},
+                                  {"bytes", static_cast<uint64_t>(cache->bytes())}});
+    return;
+  }
+#ifdef MOELINE_HAVE_CUDA
+  int ordinal = 0;
+  if (device != "cuda") {
+    const std::string index = device.size() > 5 && device[4] == ':' ? device.substr(5) : "";
+    if (index.empty() || index.find_first_not_of("0123456789") != std::string::npos ||
+        index.size() > 4)
+      throw runtime::ConfigError("--device must be cpu, cuda or cuda:N, not '" + device + "'");
+    ordinal = std::stoi(index);
+  }
+  double fraction = 1.0;
+  if (!device_expert_budget_.empty()) {
+    const uint64_t total = model->expert_catalog().total_expert_bytes();
+    try {
+      fraction = static_cast<double>(offload::parse_expert_budget(device_expert_budget_, total)) /
+                 static_cast<double>(std::max<uint64_t>(total, 1));
+    } catch (const std::exception& e) {
+      throw runtime::ConfigError(std::string("--device-expert-budget: ") + e.what());
+    }
+  }
+  // Below a device budget of 1, missing experts come from `experts`: this process's mapping of
+  // the checkpoint until the plan names the node's host pool, then that pool (pinned with the
+  // device on first use). The CPU may compute a miss where that is measured to be cheaper.
+  auto created =
+      model::CudaEngine::create(*model, {.device = ordinal,
+                                         .kv_blocks = kv_blocks,
+                                         .expert_budget_fraction = std::min(fraction, 1.0),
+                                         .host_experts = experts.get(),
+                                         .cpu_threads = pool.get()});
+  if (!created) throw std::runtime_error("--device " + device + ": " + created.error().message);
+  auto* cuda = created->get();
   service.log.info("kv_cache",
-                   {{"blocks", kv_blocks}, {"bytes", static_cast<uint64_t>(cache->bytes())}});
+                   {{"device", device},
+                    {"blocks", kv_blocks},
+                    {"expert_slots", cuda->expert_slots()},
+                    {"device_bytes", static_cast<uint64_t>(cuda->device_weight_bytes())}});
+  device_engine = std::move(*created);
+  forward = device_engine.get();
+  forward->set_router_observer(&observers);
+#else
+  throw std::runtime_error("--device " + device +
+                           ": this build has no CUDA backend (nvcc was not found when it was "
+                           "built)");
+#endif
 }
 
 std::string ComputeWorker::exit_reason() const {

@@ -66,6 +66,7 @@ class PlannedExperts final : public offload::ExpertProvider {
     target().prefetch(layer, experts);
   }
   int prefetch_depth() const override { return target().prefetch_depth(); }
+  std::span<const std::byte> served_from() const override { return target().served_from(); }
 
  private:
   offload::ExpertProvider& target() const {
@@ -77,10 +78,12 @@ class PlannedExperts final : public offload::ExpertProvider {
 
 class ComputeWorker {
  public:
-  // Loads the model and starts HTTP; `kv_blocks` sizes this process's KV cache.
+  // Loads the model and starts HTTP.
   ComputeWorker(const runtime::Config& config, const char* stage, wire::StageKind kind);
   // Writes the expert trace (--expert-trace), if one was recorded.
   ~ComputeWorker();
+  // The forward pass on --device, with a KV cache of `kv_blocks`. Throws ConfigError when the
+  // device cannot be used (no CUDA in this build, no GPU, no such ordinal).
   void create_engine(int32_t kv_blocks);
 
   // Keeps the link alive: hellos (again after a hub restart), the expert plan, usage reports.
@@ -102,14 +105,21 @@ class ComputeWorker {
   // --expert-trace: records what the engine acquires through `experts`; written at exit.
   std::unique_ptr<offload::TraceRecorder> trace;
   std::string trace_path;
-  std::unique_ptr<model::KvCache> cache;
-  std::unique_ptr<model::Engine> engine;
+  // The forward pass the stage drives: `engine` on the CPU, or the CUDA engine (--device cuda),
+  // whose KV cache lives on the device. KV enters and leaves through forward->import_kv/export_kv.
+  model::ForwardPass* forward = nullptr;
+  std::unique_ptr<model::KvCache> cache;  // the CPU engine's
+  std::unique_ptr<model::Engine> engine;  // null on a GPU: what only the CPU engine does (blended
+                                          // prefill) is then refused
+  std::unique_ptr<model::ForwardPass> device_engine;
+  std::string device = "cpu";
   std::unique_ptr<ExpertUsageCounter> usage;
   // The engine's observers: usage first; a stage may add its own.
   model::RouterFanout observers;
   std::unique_ptr<runtime::HubLink> link;
 
  private:
+  std::string device_expert_budget_;
   bool plan_received_ = false;
   std::string pool_lost_;
   bool plan_requested_ = false;

@@ -73,7 +73,7 @@ class DecodeStage {
   int run() {
     auto& log = worker_.service.log;
     log.info("started",
-             {{"max_batch", max_batch_}, {"kv_blocks", worker_.cache->pool().capacity()}});
+             {{"max_batch", max_batch_}, {"kv_blocks", worker_.forward->blocks().capacity()}});
     while (!runtime::StageService::stop_requested()) {
       worker_.service.tick();
       if (!worker_.maintain()) {
@@ -100,7 +100,7 @@ class DecodeStage {
   uint32_t free_credits() const { return max_batch_ > held() ? max_batch_ - held() : 0; }
 
   void update_gauges() {
-    const auto& pool = worker_.cache->pool();
+    const auto& pool = worker_.forward->blocks();
     kv_used_->set(pool.capacity() - pool.free_blocks());
     kv_free_->set(pool.free_blocks());
     queue_depth_->set(static_cast<double>(waiting_.size()));
@@ -160,7 +160,6 @@ class DecodeStage {
 
   void accept(wire::Message& message) {
     const auto* done = message.as<wire::PrefillDone>();
-    const model::KvCache& cache = *worker_.cache;
     const auto* layout = done->layout();
     const size_t prompt = done->tokens() ? done->tokens()->size() : 0;
     const size_t blocks = (prompt + model::kBlockTokens - 1) / model::kBlockTokens;
@@ -169,7 +168,8 @@ class DecodeStage {
       problem = *bad;
     else if (!kv_layout_matches(layout, worker_.model->config(), blocks))
       problem = "KV layout does not match this decode replica's cache";
-    else if (message.bulk.size() != 1 || message.bulk[0].size() != blocks * cache.block_bytes())
+    else if (message.bulk.size() != 1 ||
+             message.bulk[0].size() != blocks * worker_.forward->kv_block_bytes())
       problem = "KV frame has the wrong size";
     if (!problem.empty())
       return job_failed(done->request_id(), done->attempt(), wire::ErrorCode::MalformedMessage,
@@ -187,7 +187,7 @@ class DecodeStage {
     stream.sampler = std::make_unique<model::Sampler>(stream.sampling);
     stream.sampler->skip(1);  // the first token was drawn by prefill from the same generator
     stream.joined = Clock::now();
-    if (blocks_for(stream) > worker_.cache->pool().capacity())
+    if (blocks_for(stream) > worker_.forward->blocks().capacity())
       return job_failed(stream.request_id, stream.attempt, wire::ErrorCode::Overloaded,
                         "sequence needs more KV blocks than this decode replica has");
     stream.handoff = std::move(message);
@@ -206,15 +206,14 @@ class DecodeStage {
   // FIFO admission: the head waits for room rather than being overtaken by smaller sequences, so
   // a long request cannot starve.
   void admit() {
-    model::KvCache& cache = *worker_.cache;
+    model::BlockPool& pool = worker_.forward->blocks();
     while (!waiting_.empty()) {
       Stream& stream = waiting_.front();
-      if (blocks_for(stream) > cache.pool().free_blocks()) break;
-      stream.sequence->reserve(cache.pool(), reserve_tokens(stream));
-      const uint8_t* kv = stream.handoff.bulk[0].data();
+      if (blocks_for(stream) > pool.free_blocks()) break;
+      stream.sequence->reserve(pool, reserve_tokens(stream));
       const size_t blocks = (stream.prompt.size() + model::kBlockTokens - 1) / model::kBlockTokens;
-      for (size_t b = 0; b < blocks; ++b)
-        cache.import_block(stream.sequence->block_table()[b], kv + b * cache.block_bytes());
+      worker_.forward->import_kv(std::span(stream.sequence->block_table()).first(blocks),
+                                 stream.handoff.bulk[0].data());
       stream.sequence->commit(stream.prompt);
       stream.handoff = wire::Message{};
       stream.last_token = Clock::now();
@@ -229,7 +228,7 @@ class DecodeStage {
     };
     for (auto it = active_streams_.begin(); it != active_streams_.end(); ++it) {
       if (!matches(*it)) continue;
-      it->sequence->release(worker_.cache->pool());
+      it->sequence->release(worker_.forward->blocks());
       active_streams_.erase(it);
       outcomes_["cancelled"]->inc();
       worker_.link->grant(1);
@@ -250,11 +249,11 @@ class DecodeStage {
     for (Stream& stream : active_streams_)
       inputs_.push_back({stream.sequence.get(), std::span(&stream.next_token, 1), true});
     const auto start = Clock::now();
-    model::Status status = worker_.engine->forward(inputs_, logits_);
+    model::Status status = worker_.forward->forward(inputs_, logits_);
     if (!status.ok()) {
       // Refuse every sequence of the step rather than stream garbage.
       for (Stream& stream : active_streams_) {
-        stream.sequence->release(worker_.cache->pool());
+        stream.sequence->release(worker_.forward->blocks());
         job_failed(stream.request_id, stream.attempt, wire::ErrorCode::Internal,
                    status.error().message);
       }
@@ -282,7 +281,7 @@ class DecodeStage {
       updates.push_back(wire::CreateTokenUpdate(builder, stream.request_id, stream.attempt, token,
                                                 builder.CreateString(finish)));
       if (*finish != '\0') {
-        stream.sequence->release(worker_.cache->pool());
+        stream.sequence->release(worker_.forward->blocks());
         outcomes_[finish]->inc();
         e2e_->observe(std::chrono::duration<double>(now - stream.joined).count());
         ++finished;

@@ -127,13 +127,13 @@ class PrefillStage {
   }
 
   void update_gauges() {
-    kv_used_->set(worker_.cache->pool().capacity() - worker_.cache->pool().free_blocks());
-    kv_free_->set(worker_.cache->pool().free_blocks());
+    kv_used_->set(worker_.forward->blocks().capacity() - worker_.forward->blocks().free_blocks());
+    kv_free_->set(worker_.forward->blocks().free_blocks());
     queue_depth_->set(static_cast<double>(queue_.size()));
     worker_.link->set_load(static_cast<uint32_t>(queue_.size()), 0,
-                           static_cast<uint32_t>(worker_.cache->pool().capacity() -
-                                                 worker_.cache->pool().free_blocks()),
-                           static_cast<uint32_t>(worker_.cache->pool().free_blocks()));
+                           static_cast<uint32_t>(worker_.forward->blocks().capacity() -
+                                                 worker_.forward->blocks().free_blocks()),
+                           static_cast<uint32_t>(worker_.forward->blocks().free_blocks()));
   }
 
   void dispatch(wire::Message& message) {
@@ -210,13 +210,12 @@ class PrefillStage {
     if (wire_job.reused_tokens() > 0 && job.reuse_level != "blend") {
       // A prefix that does not fit this replica's cache exactly is recomputed, never trusted.
       const uint32_t reused = wire_job.reused_tokens();
-      const model::KvCache& cache = *worker_.cache;
       const wire::KvLayout* layout = wire_job.layout();
       const bool usable =
           reused % model::kBlockTokens == 0 && reused < job.tokens.size() &&
           kv_layout_matches(layout, worker_.model->config(), reused / model::kBlockTokens) &&
           !wire::check_bulk(wire_job.frames(), message.bulk) && message.bulk.size() == 1 &&
-          message.bulk[0].size() == layout->blocks() * cache.block_bytes();
+          message.bulk[0].size() == layout->blocks() * worker_.forward->kv_block_bytes();
       if (usable) {
         job.reused = reused;
         job.prefix_kv = std::move(message.bulk[0]);
@@ -231,7 +230,15 @@ class PrefillStage {
 
   // A blend whose KV does not fit this replica exactly is computed in full, never trusted.
   void accept_blend(const wire::PrefillJob& wire_job, wire::Message& message, Job& job) {
-    const model::KvCache& cache = *worker_.cache;
+    if (!worker_.engine) {
+      // Blended prefill is the CPU engine's; on a GPU the job is computed in full (its exact
+      // prefix, if any, is not trusted alone: the frame's layout is the blend's).
+      blend_refused_->inc();
+      worker_.service.log.warn("blend_refused",
+                               {{"request_id", job.request_id}, {"reason", "device"}});
+      job.reuse_level = "none";
+      return;
+    }
     const wire::KvLayout* layout = wire_job.layout();
     const size_t blocks = (job.tokens.size() + model::kBlockTokens - 1) / model::kBlockTokens;
     // The frame holds every block of the prompt; the first reused_tokens (whole blocks) are an
@@ -242,7 +249,7 @@ class PrefillStage {
         wire_job.blend_mask()->size() == job.tokens.size() &&
         kv_layout_matches(layout, worker_.model->config(), blocks) &&
         !wire::check_bulk(wire_job.frames(), message.bulk) && message.bulk.size() == 1 &&
-        message.bulk[0].size() == blocks * cache.block_bytes() &&
+        message.bulk[0].size() == blocks * worker_.forward->kv_block_bytes() &&
         wire_job.recompute_fraction() >= 0 && wire_job.recompute_fraction() <= 1;
     if (!usable) {
       blend_refused_->inc();
@@ -269,7 +276,7 @@ class PrefillStage {
     model::Engine::BlendInput input{&sequence,
                                     std::span(job.tokens).subspan(job.reused),
                                     static_cast<const uint8_t*>(job.blend_kv.data()) +
-                                        prefix_blocks * worker_.cache->block_bytes(),
+                                        prefix_blocks * worker_.forward->kv_block_bytes(),
                                     std::span(job.blend_mask).subspan(job.reused),
                                     job.recompute_fraction,
                                     blend_select_layer_};
@@ -320,7 +327,7 @@ class PrefillStage {
       queue_.pop_front();
     }
     const model::ModelConfig& cfg = worker_.model->config();
-    model::BlockPool& pool = worker_.cache->pool();
+    model::BlockPool& pool = worker_.forward->blocks();
     const auto taken = static_cast<uint32_t>(batch.size());
     std::vector<std::unique_ptr<model::Sequence>> sequences;
     std::vector<model::SequenceInput> inputs;
@@ -341,21 +348,33 @@ class PrefillStage {
       const auto* source = static_cast<const uint8_t*>(
           job.blend_kv.size() > 0 ? job.blend_kv.data() : job.prefix_kv.data());
       const std::vector<uint64_t> chain = reuse::block_chain(prefix, worker_.model->model_id(), ns);
+      // New blocks are imported a run at a time (a GPU's cache takes one copy per run).
+      const size_t block_bytes = worker_.forward->kv_block_bytes();
+      std::vector<int32_t> run;
+      size_t run_start = 0;
+      auto flush = [&] {
+        worker_.forward->import_kv(run, source + run_start * block_bytes);
+        run.clear();
+      };
       for (size_t b = 0; b < chain.size(); ++b) {
         if (auto it = shared.find(chain[b]); it != shared.end()) {
+          flush();
           sequence->share_block(pool, it->second);
           continue;
         }
         std::optional<int32_t> block = pool.allocate();
         if (!block) {
+          flush();
           sequence->release(pool);
           return nullptr;
         }
-        worker_.cache->import_block(*block, source + b * worker_.cache->block_bytes());
+        if (run.empty()) run_start = b;
+        run.push_back(*block);
         sequence->share_block(pool, *block);
         held.push_back(*block);
         shared[chain[b]] = *block;
       }
+      flush();
       sequence->commit(prefix);
       return sequence;
     };
@@ -384,7 +403,7 @@ class PrefillStage {
     batch = std::move(runnable);
     const auto start = std::chrono::steady_clock::now();
     std::vector<float> logits;
-    model::Status status = worker_.engine->forward(inputs, logits);
+    model::Status status = worker_.forward->forward(inputs, logits);
     const auto done = std::chrono::steady_clock::now();
     batch_size_->observe(static_cast<double>(inputs.size()));
     batch_tokens_->observe(static_cast<double>(tokens));
@@ -418,12 +437,11 @@ class PrefillStage {
 
     // The prompt's KV, exported once: the decode handoff and the store's new blocks are views of
     // this one buffer (no copies).
-    const model::KvCache& cache = *worker_.cache;
     const size_t blocks = (job.tokens.size() + model::kBlockTokens - 1) / model::kBlockTokens;
     std::shared_ptr<std::vector<uint8_t>> exported;
     if (finish.empty() || job.store_levels != 0) {
-      exported = std::make_shared<std::vector<uint8_t>>(blocks * cache.block_bytes());
-      cache.export_blocks(std::span(sequence.block_table()).first(blocks), exported->data());
+      exported = std::make_shared<std::vector<uint8_t>>(blocks * worker_.forward->kv_block_bytes());
+      worker_.forward->export_kv(std::span(sequence.block_table()).first(blocks), exported->data());
       // The store's entries go out first: a request that follows this one (the client may send
       // it as soon as it sees the first token) then finds them in the probe.
       put_snapshots(job, sequence.id(), exported, logits);
@@ -486,7 +504,7 @@ class PrefillStage {
   void put_snapshots(const Job& job, uint64_t sequence_id,
                      const std::shared_ptr<std::vector<uint8_t>>& exported, const float* logits) {
     if (job.store_levels == 0) return;
-    const model::KvCache& cache = *worker_.cache;
+    const size_t block_bytes = worker_.forward->kv_block_bytes();
     const uint64_t model_id = worker_.model->model_id();
     const uint64_t ns = model::namespace_id(job.cache_namespace);
     const std::vector<uint64_t> chain = reuse::block_chain(job.tokens, model_id, ns);
@@ -503,15 +521,14 @@ class PrefillStage {
     };
     if (job.store_levels & reuse::kPrefix) {
       for (size_t b = job.reused / model::kBlockTokens; b < chain.size(); ++b)
-        add(reuse::block_entry(chain[b]), 'B',
-            view(exported, b * cache.block_bytes(), cache.block_bytes()));
+        add(reuse::block_entry(chain[b]), 'B', view(exported, b * block_bytes, block_bytes));
     }
     if (job.store_levels & reuse::kFull) {
       reuse::PromptRecord record;
       record.logits.assign(logits, logits + worker_.model->config().vocab_size);
       if (job.tokens.size() % model::kBlockTokens != 0) {
-        const auto* tail = exported->data() + chain.size() * cache.block_bytes();
-        record.tail_kv.assign(reinterpret_cast<const char*>(tail), cache.block_bytes());
+        const auto* tail = exported->data() + chain.size() * block_bytes;
+        record.tail_kv.assign(reinterpret_cast<const char*>(tail), block_bytes);
       }
       const std::string bytes = reuse::encode(record);
       add(reuse::prompt_entry(reuse::prompt_key(job.tokens, chain, model_id, ns)), 'P',

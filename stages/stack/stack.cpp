@@ -48,6 +48,12 @@ down     stop every stage and the supervisor
                     keep the experts in one host pool of SIZE shared by every prefill and decode
                     process (a share of all expert bytes, "25%", or a size, "512MiB"); experts are
                     read from the checkpoint on demand. Default: each process maps them all
+  --device cpu|cuda|cuda:N
+                    where prefill and decode compute (default cpu); cuda needs a build with nvcc
+                    and a GPU, shared by every prefill and decode process
+  --device-expert-budget SIZE
+                    with --device cuda: expert bytes each process keeps on the GPU ("50%",
+                    "8GiB"); the rest is copied in from the host pool on demand. Default: all
 )";
 
 struct StageProcess {
@@ -296,6 +302,8 @@ int up(int argc, char** argv) {
                                           {"threads", "0", "threads per compute process"},
                                           {"timeout-s", "120", "seconds to wait for health"},
                                           {"expert-budget", "", "host expert pool size"},
+                                          {"device", "cpu", "where prefill and decode compute"},
+                                          {"device-expert-budget", "", "GPU expert cache size"},
                                           {"stage-config", "", ""}};
   // --config is the stage config file, passed through: take it out before parsing.
   std::string stage_config;
@@ -361,12 +369,18 @@ int up(int argc, char** argv) {
   if (!config.text("expert-budget").empty())
     offload_args = {"--expert-budget", config.text("expert-budget")};
   stages.push_back({"offload", "offload", worker(offload_args)});
+  std::vector<std::string> compute_args = {"--threads", std::to_string(threads), "--device",
+                                           config.text("device")};
+  if (!config.text("device-expert-budget").empty()) {
+    if (config.text("device") == "cpu")
+      throw runtime::ConfigError("--device-expert-budget needs --device cuda");
+    compute_args.insert(compute_args.end(),
+                        {"--device-expert-budget", config.text("device-expert-budget")});
+  }
   for (int i = 0; i < prefill; ++i)
-    stages.push_back({"prefill-" + std::to_string(i), "prefill",
-                      worker({"--threads", std::to_string(threads)})});
+    stages.push_back({"prefill-" + std::to_string(i), "prefill", worker(compute_args)});
   for (int i = 0; i < decode; ++i)
-    stages.push_back(
-        {"decode-" + std::to_string(i), "decode", worker({"--threads", std::to_string(threads)})});
+    stages.push_back({"decode-" + std::to_string(i), "decode", worker(compute_args)});
 
   std::cout.flush();
   const pid_t child = ::fork();

@@ -22,10 +22,10 @@ class Stack:
     """`moeline stack up` on enter, `moeline stack down` on exit (logs printed on failure)."""
 
     def __init__(self, moeline, model, run_dir, prefill=1, decode=1, config=None, threads=1,
-                 expert_budget=None):
+                 expert_budget=None, extra_args=()):
         self.moeline, self.model, self.run_dir = moeline, model, run_dir
         self.prefill, self.decode, self.config, self.threads = prefill, decode, config, threads
-        self.expert_budget = expert_budget
+        self.expert_budget, self.extra_args = expert_budget, list(extra_args)
         self.endpoint = None
 
     def __enter__(self):
@@ -41,6 +41,7 @@ class Stack:
                "--threads", str(self.threads), "--timeout-s", "90"]
         if self.expert_budget:
             cmd += ["--expert-budget", str(self.expert_budget)]
+        cmd += self.extra_args
         if self.config:
             path = os.path.join(self.run_dir, "stages.json")
             with open(path, "w") as f:

@@ -18,6 +18,12 @@ Cases (--case, one per CTest entry):
             experts, group-limited routing) through the stack: exact reuse (prefix, full and
             result hits, the latent KV moved between processes) and 2 prefill + 2 decode sharing a
             25% pool, ids identical to `moeline run` throughout
+  device    the compute stages on a GPU (`stack up --device cuda`). Without one (or in a build
+            without nvcc) `stack up` stops with the reason, and malformed device flags are
+            refused. With one: 2 prefill + 2 decode on the GPU give greedy ids identical to
+            `moeline run` on the CPU with every expert on the device, and with half of them
+            there fed from a half-size host pool; exact prefix reuse moves KV in and out of the
+            device cache; the routers' usage still reaches the offload manager
   restart   kill -9 of the offload manager: the compute processes notice its pool is gone, are
             restarted onto the new pool, and requests keep completing identically; kill -9 of a
             decode process mid-stream: its pins are taken back and requests complete
@@ -333,6 +339,74 @@ def case_deepseek(args):
               f"run, {evictions:.0f} evictions")
 
 
+def gpu_missing(args):
+    """Why `--device cuda` cannot run here, or None when it can."""
+    out = subprocess.run([args.moeline, "run", "--model", args.model, "--device", "cuda",
+                          "--tokens", "1,2,3", "--max-tokens", "1", "--json"],
+                         capture_output=True, text=True, timeout=120)
+    if out.returncode == 0:
+        return None
+    check("--device cuda:" in out.stderr, f"moeline run --device cuda failed: {out.stderr}")
+    return out.stderr.strip().splitlines()[-1]
+
+
+def case_device(args):
+    from moeline_client import Client
+    vocab, moe_layers, slot_bytes, total = model_shape(args.model)
+
+    def stack_up_fails(label, flags, reason):
+        run_dir = os.path.join(args.workdir, "device-refused")
+        out = subprocess.run([args.moeline, "stack", "up", "--model", args.model, "--run-dir",
+                              run_dir, "--timeout-s", "60"] + flags,
+                             capture_output=True, text=True, timeout=180)
+        subprocess.run([args.moeline, "stack", "down", "--run-dir", run_dir],
+                       capture_output=True, timeout=60)
+        check(out.returncode != 0 and reason in out.stderr,
+              f"{label}: stack up {flags}: {out.returncode} {out.stderr[-800:]}")
+        print(f"ok device: {label}: `stack up` refused with the reason")
+
+    stack_up_fails("a device that is not one", ["--device", "tpu"],
+                   "--device must be cpu, cuda or cuda:N")
+    stack_up_fails("a device budget without a device", ["--device-expert-budget", "50%"],
+                   "--device-expert-budget needs --device cuda")
+    missing = gpu_missing(args)
+    if missing is not None:
+        # The compute stages say why and exit; `stack up` shows their log rather than hanging.
+        stack_up_fails("no usable GPU", ["--device", "cuda"], "--device cuda:")
+        print(f"skip device: the GPU half of this case needs a GPU ({missing})")
+        return
+
+    rng = random.Random(31)
+    system = [rng.randrange(vocab) for _ in range(32)]
+    requests = [{"tokens": system + [rng.randrange(vocab) for _ in range(rng.choice([3, 20, 45]))],
+                 "max_tokens": rng.randint(6, 20), "ignore_eos": True} for _ in range(12)]
+    expected = references(args, requests)
+    for label, budget in [("every expert on the device", []),
+                          ("half the experts on the device, a half-size host pool",
+                           ["--device-expert-budget", "50%"])]:
+        run_dir = os.path.join(args.workdir, "device")
+        host = "50%" if budget else None
+        with Stack(args.moeline, args.model, run_dir, prefill=2, decode=2, expert_budget=host,
+                   extra_args=["--device", "cuda"] + budget) as stack:
+            with Client(stack.endpoint, timeout=120) as client:
+                first = client.generate(**requests[0])
+                check(first.ids == expected[0]["ids"],
+                      f"{label}: {first.ids} != run ids {expected[0]['ids']}")
+                # The shared 32-token prefix is now in the store: the rest are prefix hits whose
+                # KV is imported into the device caches.
+                results = run_concurrently(client, requests[1:])
+                compare(results, expected[1:], label)
+                hits = sum(1 for r in results.values()
+                           if r["usage"] and r["usage"].get("reuse_level") == "prefix")
+                check(hits > 0, f"{label}: no prefix hit on the GPU stack")
+            time.sleep(1.5)  # usage reports go out every second
+            routed = stack.metric("offload", "moeline_offload_routed_tokens_total")
+            check(routed and routed > 0, f"{label}: no expert usage reached the offload manager")
+        print(f"ok device: {label}: 2 prefill + 2 decode on the GPU, {len(requests)} requests "
+              f"identical to moeline run on the CPU, {hits} prefix hits, {routed:.0f} routed tokens "
+              f"reported")
+
+
 def case_restart(args):
     from moeline_client import Client
     vocab, _, _, _ = model_shape(args.model)
@@ -397,4 +471,4 @@ def case_restart(args):
 
 if __name__ == "__main__":
     run_cases({"budgets": case_budgets, "memory": case_memory, "restart": case_restart,
-               "trace": case_trace, "deepseek": case_deepseek}, __doc__)
+               "trace": case_trace, "deepseek": case_deepseek, "device": case_device}, __doc__)
