@@ -137,6 +137,7 @@ cu::RouterSpec router_spec(const ModelConfig& c, const DeviceLayer& w) {
 struct CudaEngine::State {
   explicit State(const Model& m, int32_t blocks) : model(m), pool(blocks) {}
   ~State() {
+    cudaSetDevice(device);
     for (auto& [n, graph] : graphs) {
       if (graph.exec) cudaGraphExecDestroy(graph.exec);
       for (void* p : {static_cast<void*>(graph.tokens), static_cast<void*>(graph.positions),
@@ -165,6 +166,7 @@ struct CudaEngine::State {
   }
 
   const Model& model;
+  int device = 0;  // made current by every entry point: the caller's thread may have another
   cudaStream_t compute = nullptr, copy = nullptr;
   std::unique_ptr<cu::Blas> blas;
   DeviceArena arena;
@@ -241,6 +243,7 @@ struct CudaEngine::State {
          {static_cast<const void*>(observed_scores), static_cast<const void*>(observed_weights),
           static_cast<const void*>(observed_chosen)})
       mix(p);
+    hash = hash * 31 + (observer != nullptr);  // a graph captures the observer's copies or not
     return hash;
   }
 
@@ -595,6 +598,7 @@ size_t CudaEngine::kv_block_bytes() const {
 void CudaEngine::export_kv(std::span<const int32_t> blocks, uint8_t* out) {
   State& s = *state_;
   if (blocks.empty()) return;
+  cu::check(cudaSetDevice(s.device), "cudaSetDevice");
   const cu::KvBlocks kv = s.kv_blocks();
   const auto count = static_cast<int64_t>(blocks.size());
   int32_t* ids = s.kv_ids.grow(count);
@@ -612,6 +616,7 @@ void CudaEngine::export_kv(std::span<const int32_t> blocks, uint8_t* out) {
 void CudaEngine::import_kv(std::span<const int32_t> blocks, const uint8_t* in) {
   State& s = *state_;
   if (blocks.empty()) return;
+  cu::check(cudaSetDevice(s.device), "cudaSetDevice");
   const cu::KvBlocks kv = s.kv_blocks();
   const auto count = static_cast<int64_t>(blocks.size());
   int32_t* ids = s.kv_ids.grow(count);
@@ -628,6 +633,11 @@ void CudaEngine::import_kv(std::span<const int32_t> blocks, const uint8_t* in) {
 
 CudaExpertStats CudaEngine::expert_stats() const {
   return state_->stats;
+}
+std::vector<float> CudaEngine::take_load_ms() {
+  std::vector<float> taken;
+  taken.swap(state_->stats.load_ms);
+  return taken;
 }
 int CudaEngine::expert_slots() const {
   return state_->slots;
@@ -652,6 +662,7 @@ Expected<std::unique_ptr<CudaEngine>> CudaEngine::create(const Model& model,
     return Error{"cannot use CUDA device " + std::to_string(options.device)};
   try {
     auto s = std::make_unique<State>(model, options.kv_blocks);
+    s->device = options.device;
     for (int64_t l = 0; l < c.num_layers; ++l)
       s->moe_index.push_back(model.layer(l).is_moe ? s->moe_layers++ : -1);
     cu::check(cudaStreamCreateWithFlags(&s->compute, cudaStreamNonBlocking), "stream");
@@ -1227,6 +1238,7 @@ Status CudaEngine::forward(std::span<const SequenceInput> batch, std::vector<flo
     return Status::ok_status();
   }
   try {
+    cu::check(cudaSetDevice(s.device), "cudaSetDevice");
     cudaStream_t stream = s.compute;
     std::vector<int32_t> tokens, positions, slot_index, tables, table_offset, logit_rows;
     std::vector<float> cos_sin;

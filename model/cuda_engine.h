@@ -84,6 +84,9 @@ class CudaEngine : public ForwardPass {
   void export_kv(std::span<const int32_t> blocks, uint8_t* out) override;
   void import_kv(std::span<const int32_t> blocks, const uint8_t* in) override;
   CudaExpertStats expert_stats() const;
+  // The load times recorded since the last call, handed over and forgotten (a long-running stage
+  // takes them into its histogram rather than letting them accumulate).
+  std::vector<float> take_load_ms();
   // Decode steps replayed from a CUDA graph so far.
   uint64_t graph_replays() const;
   int expert_slots() const;

@@ -170,7 +170,7 @@ __global__ void attention_kernel(const float* q, int64_t q_stride, float* out, i
     for (int64_t d = lane; d < kv.key_dim; d += 32) partial += q_s[d] * key[d];
     const float s = warp_sum(partial) * scale;
     const float m_new = fmaxf(m, s);
-    const float correction = __expf(m - m_new), p = __expf(s - m_new);
+    const float correction = expf(m - m_new), p = expf(s - m_new);
     l = l * correction + p;
     const float* value = kv.values + row * kv.value_stride;
     for (int i = 0; i < kMaxValuePerLane; ++i) {
@@ -192,7 +192,7 @@ __global__ void attention_kernel(const float* q, int64_t q_stride, float* out, i
   for (int w = 0; w < kAttentionWarps; ++w) m_all = fmaxf(m_all, ml_s[2 * w]);
   float l_all = 0.0f, factor[kAttentionWarps];
   for (int w = 0; w < kAttentionWarps; ++w) {
-    factor[w] = ml_s[2 * w + 1] > 0.0f ? __expf(ml_s[2 * w] - m_all) : 0.0f;
+    factor[w] = ml_s[2 * w + 1] > 0.0f ? expf(ml_s[2 * w] - m_all) : 0.0f;
     l_all += ml_s[2 * w + 1] * factor[w];
   }
   float* dst = out + t * out_stride + head * kv.value_dim;
@@ -461,7 +461,8 @@ __global__ void argmax_kernel(const float* logits, int64_t vocab, int32_t* ids) 
     }
   }
   const int32_t winner = block_argmax(best, best_id);
-  if (threadIdx.x == 0) ids[blockIdx.x] = winner;
+  // An all -inf / NaN row has no winner: id 0, as std::max_element gives on the host.
+  if (threadIdx.x == 0) ids[blockIdx.x] = winner < vocab ? winner : 0;
 }
 
 // One block per row: the top_k candidates by repeated block-wide argmax (best first, ties to the
@@ -475,10 +476,14 @@ __global__ void sample_top_k_kernel(const float* logits, int64_t vocab, const do
   int64_t k = top_k[row_index];
   if (k > vocab) k = vocab;
   if (k > kMaxDeviceTopK) k = kMaxDeviceTopK;
+  if (k < 1) k = 1;
+  // The previous pick, in every thread's registers (block_argmax hands each thread the winner;
+  // reading it back from `picked` would race with thread 0's write).
+  float last = INFINITY;
+  int32_t last_id = -1;
+  int64_t found = 0;
   for (int64_t j = 0; j < k; ++j) {
     // Candidates below the previous pick in (logit desc, id asc) order: strictly after it.
-    const float last = j > 0 ? row[picked[j - 1]] : INFINITY;
-    const int32_t last_id = j > 0 ? picked[j - 1] : -1;
     float best = -INFINITY;
     int32_t best_id = 0x7fffffff;
     for (int64_t v = threadIdx.x; v < vocab; v += blockDim.x) {
@@ -491,10 +496,19 @@ __global__ void sample_top_k_kernel(const float* logits, int64_t vocab, const do
       }
     }
     const int32_t winner = block_argmax(best, best_id);
+    if (winner >= vocab) break;  // no candidate left above -inf (the same in every thread)
     if (threadIdx.x == 0) picked[j] = winner;
+    last = row[winner];
+    last_id = winner;
+    found = j + 1;
   }
   if (threadIdx.x != 0) return;
-  const double t = temperature[row_index];
+  if (found == 0) {  // every logit -inf or NaN: no distribution to sample, as argmax takes id 0
+    ids[row_index] = 0;
+    return;
+  }
+  k = found;
+  const double t = temperature[row_index] > 0 ? temperature[row_index] : 1.0;
   const double max_logit = row[picked[0]];
   double total = 0.0;
   for (int64_t i = 0; i < k; ++i) total += exp((row[picked[i]] - max_logit) / t);

@@ -65,7 +65,7 @@ struct DeviceKv {
 // Causal attention for n query tokens: token t's query heads at q + t * q_stride (heads of
 // key_dim), output at out + t * out_stride (heads of value_dim); it sees positions
 // [max(0, position - window + 1), position] of its sequence through its block table
-// (block_tables + table_offset[t]). value_dim <= 1024.
+// (block_tables + table_offset[t]). value_dim <= 512.
 void attention(const float* q, int64_t q_stride, float* out, int64_t out_stride, int64_t n,
                int64_t heads, const DeviceKv& kv, const int32_t* block_tables,
                const int32_t* table_offset, const int32_t* positions, float scale,

@@ -154,6 +154,46 @@ void ComputeWorker::create_engine(int32_t kv_blocks) {
   device_engine = std::move(*created);
   forward = device_engine.get();
   forward->set_router_observer(&observers);
+  runtime::Registry& m = service.metrics;
+  m.gauge("moeline_device_expert_slots", "Experts the GPU's expert cache holds")
+      .set(cuda->expert_slots());
+  m.gauge("moeline_device_weight_bytes", "Bytes of GPU memory holding weights, experts and KV")
+      .set(static_cast<double>(cuda->device_weight_bytes()));
+  struct Counters {
+    runtime::Counter *hits, *misses, *prefetched, *prefetch_used, *on_cpu, *bytes, *graphs;
+    runtime::Histogram* load;
+    model::CudaExpertStats last;
+    uint64_t last_graphs = 0;
+  };
+  auto counters = std::make_shared<Counters>(Counters{
+      &m.counter("moeline_device_expert_hits_total", "Expert uses found in the GPU's cache"),
+      &m.counter("moeline_device_expert_misses_total",
+                 "Expert uses not in the GPU's cache (copied in, or computed on the CPU)"),
+      &m.counter("moeline_device_prefetch_total", "Experts copied to the GPU on a prediction"),
+      &m.counter("moeline_device_prefetch_used_total", "Predicted experts used before eviction"),
+      &m.counter("moeline_device_computed_on_cpu_total",
+                 "Misses computed on the CPU, where measured to be cheaper than the copy"),
+      &m.counter("moeline_device_bytes_loaded_total", "Expert bytes copied host to GPU"),
+      &m.counter("moeline_device_graph_replays_total", "Decode steps replayed as CUDA graphs"),
+      &m.histogram("moeline_device_expert_load_seconds", "One expert's copy to the GPU",
+                   runtime::latency_buckets()),
+      {},
+      0});
+  report_device_ = [cuda, counters] {
+    const model::CudaExpertStats now = cuda->expert_stats();
+    Counters& c = *counters;
+    c.hits->inc(static_cast<double>(now.hits - c.last.hits));
+    c.misses->inc(static_cast<double>(now.misses - c.last.misses));
+    c.prefetched->inc(static_cast<double>(now.prefetched - c.last.prefetched));
+    c.prefetch_used->inc(static_cast<double>(now.prefetch_used - c.last.prefetch_used));
+    c.on_cpu->inc(static_cast<double>(now.computed_on_cpu - c.last.computed_on_cpu));
+    c.bytes->inc(static_cast<double>(now.bytes_loaded - c.last.bytes_loaded));
+    c.graphs->inc(static_cast<double>(cuda->graph_replays() - c.last_graphs));
+    c.last_graphs = cuda->graph_replays();
+    c.last = now;
+    c.last.load_ms.clear();
+    for (float ms : cuda->take_load_ms()) c.load->observe(ms * 1e-3);
+  };
 #else
   throw std::runtime_error("--device " + device +
                            ": this build has no CUDA backend (nvcc was not found when it was "
@@ -191,6 +231,10 @@ bool ComputeWorker::maintain() {
     link->send(wire::encode(wire::MessageType::ExpertPlanRequest, builder));
     plan_requested_ = true;
     plan_requested_at_ = now;
+  }
+  if (report_device_ && now - last_device_report_ > std::chrono::seconds(1)) {
+    report_device_();
+    last_device_report_ = now;
   }
   if (ready() && !usage->empty() && now - last_usage_report_ > std::chrono::seconds(1)) {
     link->send(usage->take(service.log.replica()));

@@ -6,6 +6,7 @@
 // counts the tokens each expert sees (a RouterObserver) and reports them to the offload manager.
 
 #include <chrono>
+#include <functional>
 #include <memory>
 #include <zmq.hpp>
 
@@ -120,6 +121,9 @@ class ComputeWorker {
 
  private:
   std::string device_expert_budget_;
+  // --device cuda: moves the GPU engine's expert-cache counters into the metrics (each second).
+  std::function<void()> report_device_;
+  std::chrono::steady_clock::time_point last_device_report_;
   bool plan_received_ = false;
   std::string pool_lost_;
   bool plan_requested_ = false;

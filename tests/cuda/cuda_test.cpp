@@ -14,6 +14,7 @@
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
+#include <cstring>
 #include <memory>
 #include <random>
 #include <string>
@@ -417,6 +418,111 @@ TEST_P(CudaModel, GeneratesWhatTheCpuEngineGeneratesAtEveryExpertBudget) {
   EXPECT_LE(relative_l2(mixed.last_logits, budgets.front().last_logits), f32 ? 1e-4 : 1e-2);
   if (f32) {
     EXPECT_EQ(mixed.tokens, want.tokens);
+  }
+}
+
+// Every router event a forward pass sends, flattened.
+struct RecordedRouting : model::RouterObserver {
+  std::vector<int64_t> layers;
+  std::vector<model::RoutedToken> tokens;
+  std::vector<int32_t> chosen;
+  std::vector<float> scores, weights;
+  void on_router(const model::RouterEvent& event) override {
+    layers.push_back(event.layer);
+    const auto n = static_cast<int64_t>(event.tokens.size());
+    tokens.insert(tokens.end(), event.tokens.begin(), event.tokens.end());
+    chosen.insert(chosen.end(), event.chosen, event.chosen + n * event.top_k);
+    weights.insert(weights.end(), event.weights, event.weights + n * event.top_k);
+    scores.insert(scores.end(), event.scores, event.scores + n * event.experts);
+  }
+};
+
+// What the stages do: a prompt's KV leaves one engine in KvCache's block format and enters
+// another (prefill on one process, decode on the next; prefix reuse from the store), in both
+// directions between the CPU and the device; and the router observers (expert usage, activation
+// signatures) see on the device what they see on the CPU, decode graphs included.
+TEST_P(CudaModel, HandsKvToAndFromTheCpuEngineAndReportsRouting) {
+  REQUIRE_DEVICE();
+  auto loaded = model::Model::load(models_dir() + "/" + GetParam());
+  ASSERT_TRUE(loaded) << loaded.error().message;
+  const model::Model& m = **loaded;
+  const int64_t vocab = m.config().vocab_size;
+  const bool f32 = m.dtype_summary() == "F32";
+  std::vector<int32_t> prompt;
+  for (int i = 0; i < 40; ++i) prompt.push_back(static_cast<int32_t>((i * 31 + 5) % vocab));
+  const auto blocks =
+      static_cast<size_t>((prompt.size() + model::kBlockTokens - 1) / model::kBlockTokens);
+  kernels::ThreadPool threads(2);
+  offload::ResidentExpertProvider experts(m.experts());
+  model::KvCache cache(m.config(), 64);
+  model::Engine cpu(m, experts, threads, cache);
+  auto created = model::CudaEngine::create(m, {.kv_blocks = 64});
+  ASSERT_TRUE(created) << created.error().message;
+  model::CudaEngine& gpu = **created;
+  ASSERT_EQ(gpu.kv_block_bytes(), cpu.kv_block_bytes());
+  RecordedRouting cpu_routing, gpu_routing;
+
+  // Prefill on `from`, then decode `steps` greedy tokens on `to` from the exported KV.
+  auto hand_over = [&](model::ForwardPass& from, model::ForwardPass& to, std::vector<uint8_t>& kv,
+                       std::vector<float>& prompt_logits) {
+    model::Sequence prefilled(1, 0, 0);
+    model::SequenceInput input{&prefilled, prompt, true};
+    EXPECT_TRUE(from.forward(std::span(&input, 1), prompt_logits).ok());
+    kv.resize(blocks * from.kv_block_bytes());
+    from.export_kv(std::span(prefilled.block_table()).first(blocks), kv.data());
+    prefilled.release(from.blocks());
+    model::Sequence decoded(2, 0, 0);
+    EXPECT_TRUE(decoded.reserve(to.blocks(), static_cast<int64_t>(prompt.size())));
+    to.import_kv(std::span(decoded.block_table()).first(blocks), kv.data());
+    decoded.commit(prompt);
+    std::vector<int32_t> tokens{model::argmax(prompt_logits.data(), vocab)};
+    std::vector<float> logits;
+    for (int step = 0; step < 8; ++step) {
+      input = {&decoded, std::span(&tokens.back(), 1), true};
+      EXPECT_TRUE(to.forward(std::span(&input, 1), logits).ok());
+      tokens.push_back(model::argmax(logits.data(), vocab));
+    }
+    decoded.release(to.blocks());
+    return tokens;
+  };
+  std::vector<uint8_t> cpu_kv, gpu_kv, cpu_kv_again, gpu_kv_again;
+  std::vector<float> cpu_logits, gpu_logits, unused;
+  cpu.set_router_observer(&cpu_routing);
+  const std::vector<int32_t> cpu_only = hand_over(cpu, cpu, cpu_kv, cpu_logits);
+  cpu.set_router_observer(nullptr);
+  const std::vector<int32_t> cpu_to_gpu = hand_over(cpu, gpu, cpu_kv_again, unused);
+  const std::vector<int32_t> gpu_to_cpu = hand_over(gpu, cpu, gpu_kv, gpu_logits);
+  gpu.set_router_observer(&gpu_routing);
+  const std::vector<int32_t> gpu_only = hand_over(gpu, gpu, gpu_kv_again, unused);
+  gpu.set_router_observer(nullptr);
+  EXPECT_EQ(cpu_kv, cpu_kv_again);  // the CPU is deterministic: same prompt, same bytes
+  EXPECT_EQ(gpu_kv, gpu_kv_again);  // and so is the device, whatever blocks the KV landed in
+  const auto as_floats = [](const std::vector<uint8_t>& bytes) {
+    std::vector<float> floats(bytes.size() / sizeof(float));
+    std::memcpy(floats.data(), bytes.data(), floats.size() * sizeof(float));
+    return floats;
+  };
+  EXPECT_LE(relative_l2(as_floats(gpu_kv), as_floats(cpu_kv)), f32 ? 1e-5 : 1e-2);
+  EXPECT_LE(relative_l2(gpu_logits, cpu_logits), f32 ? 1e-4 : 1e-2);
+  if (f32) {
+    EXPECT_EQ(cpu_to_gpu, cpu_only);
+    EXPECT_EQ(gpu_to_cpu, cpu_only);
+    EXPECT_EQ(gpu_only, cpu_only);
+  }
+  // A prefill and 8 decode steps on each engine alone (the device's from graphs after the first
+  // step): the same events, tokens and positions; the same experts in F32.
+  EXPECT_GT(gpu.graph_replays(), 0u);
+  EXPECT_EQ(gpu_routing.layers, cpu_routing.layers);
+  ASSERT_EQ(gpu_routing.tokens.size(), cpu_routing.tokens.size());
+  for (size_t i = 0; i < cpu_routing.tokens.size(); ++i) {
+    EXPECT_EQ(gpu_routing.tokens[i].sequence_id, cpu_routing.tokens[i].sequence_id) << i;
+    EXPECT_EQ(gpu_routing.tokens[i].position, cpu_routing.tokens[i].position) << i;
+  }
+  ASSERT_EQ(gpu_routing.scores.size(), cpu_routing.scores.size());
+  EXPECT_LE(relative_l2(gpu_routing.scores, cpu_routing.scores), f32 ? 1e-4 : 2e-2);
+  EXPECT_LE(relative_l2(gpu_routing.weights, cpu_routing.weights), f32 ? 1e-4 : 2e-2);
+  if (f32) {
+    EXPECT_EQ(gpu_routing.chosen, cpu_routing.chosen);
   }
 }
 
