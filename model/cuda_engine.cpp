@@ -17,6 +17,7 @@
 #include "kernels/cpu/ops.h"
 #include "kernels/cuda/blas.h"
 #include "kernels/cuda/ops.h"
+#include "offload/slot_policy.h"
 
 namespace moeline::model {
 namespace {
@@ -193,7 +194,6 @@ struct CudaEngine::State {
   const void* registered = nullptr;             // its mapping, registered with the device
   std::atomic<int> pins_in_flight{0};
   bool prefetch = true;
-  std::vector<uint8_t> prefetched;  // by slot: loaded on a prediction, not used yet
   kernels::ThreadPool* cpu_threads = nullptr;
   double upload_ms = -1, cpu_row_ms = -1, cpu_fixed_ms = 0.05;  // measured costs (moving averages)
   double cpu_preference = 1.0;
@@ -202,10 +202,10 @@ struct CudaEngine::State {
   const void** expert_table = nullptr;
   kernels::DType expert_dtype = kernels::DType::kF32;
   std::vector<cudaEvent_t> ready, done;
-  std::vector<int64_t> owner;  // expert key (layer * experts + expert) or -1
-  std::vector<uint64_t> last_use;
-  std::unordered_map<int64_t, int> where;
-  uint64_t clock = 0;
+  // Which expert each slot holds and which to give up: the host pool's policy (expected reuse
+  // distance over the cycle of layers, least recently used on ties; prefetches never displace an
+  // unused prefetch or an expert needed sooner). Keys: layer * experts + expert.
+  std::unique_ptr<offload::SlotPolicy> policy;
   std::vector<std::pair<cudaEvent_t, cudaEvent_t>> timing;
   size_t timing_used = 0;
   CudaExpertStats stats;
@@ -387,27 +387,11 @@ struct CudaEngine::State {
     return 0;
   }
 
-  int pick_victim(const std::vector<int64_t>& keys, size_t pending_begin, size_t pending_end) {
-    int victim = -1;
-    for (int s = 0; s < slots; ++s) {
-      if (owner[static_cast<size_t>(s)] < 0) return s;
-      const int64_t key = owner[static_cast<size_t>(s)];
-      if (std::find(keys.begin() + static_cast<std::ptrdiff_t>(pending_begin),
-                    keys.begin() + static_cast<std::ptrdiff_t>(pending_end),
-                    key) != keys.begin() + static_cast<std::ptrdiff_t>(pending_end))
-        continue;
-      if (victim < 0 || last_use[static_cast<size_t>(s)] < last_use[static_cast<size_t>(victim)])
-        victim = s;
-    }
-    return victim;
-  }
-
-  void load(int64_t key, int slot) {
+  // Copies expert `key` into `slot` (chosen by the policy) on the copy stream, once the compute
+  // stream is done with what the slot held.
+  void load(int64_t key, int slot, bool predicted) {
     const size_t s = static_cast<size_t>(slot);
-    prefetched[s] = 0;
-    if (owner[s] >= 0) where.erase(owner[s]);
-    owner[s] = key;
-    where[key] = slot;
+    policy->assign(slot, key, predicted);
     cu::check(cudaStreamWaitEvent(copy, done[s], 0), "wait slot free");
     if (timing_used == timing.size()) {
       cudaEvent_t begin, end;
@@ -736,8 +720,8 @@ Expected<std::unique_ptr<CudaEngine>> CudaEngine::create(const Model& model,
                                                              static_cast<double>(present))));
     s->slot_memory =
         static_cast<std::byte*>(s->arena.alloc(static_cast<size_t>(s->slots) * s->expert_bytes));
-    s->owner.assign(static_cast<size_t>(s->slots), -1);
-    s->last_use.assign(static_cast<size_t>(s->slots), 0);
+    s->policy = std::make_unique<offload::SlotPolicy>(s->slots, static_cast<int>(c.num_layers),
+                                                      static_cast<int>(c.num_experts));
     s->ready.resize(static_cast<size_t>(s->slots));
     s->done.resize(static_cast<size_t>(s->slots));
     for (int i = 0; i < s->slots; ++i) {
@@ -756,7 +740,6 @@ Expected<std::unique_ptr<CudaEngine>> CudaEngine::create(const Model& model,
       }
     };
     s->prefetch = options.prefetch;
-    s->prefetched.assign(static_cast<size_t>(s->slots), 0);
     if (!s->all_resident && options.host_experts != nullptr) {
       s->provider = options.host_experts;
       s->register_host_pool();
@@ -775,8 +758,7 @@ Expected<std::unique_ptr<CudaEngine>> CudaEngine::create(const Model& model,
         if (s->all_resident) {
           pack(weights, s->slot_memory + static_cast<size_t>(key) * s->expert_bytes,
                cudaMemcpyHostToDevice);
-          s->owner[static_cast<size_t>(key)] = key;
-          s->where[key] = static_cast<int>(key);
+          s->policy->assign(static_cast<int>(key), key);
         } else if (s->provider == nullptr) {
           pack(weights, s->host_experts + static_cast<size_t>(key) * s->expert_bytes,
                cudaMemcpyHostToHost);
@@ -1042,12 +1024,13 @@ void enqueue_forward(CudaEngine::State& s, int64_t n, int64_t wanted) {
                                     offsets[static_cast<size_t>(e)]);
       };
       std::vector<uint8_t> on_cpu(keys.size(), 0);
+      s.policy->visit(static_cast<int>(l));
       size_t issued = 0;
       for (size_t i = 0; i < keys.size(); ++i) {
         // Make the next experts resident ahead of use, as far as free slots allow; or leave a
         // miss to the CPU where that is measured to be cheaper.
         while (issued < keys.size()) {
-          if (s.where.count(keys[issued])) {
+          if (s.policy->slot_of(keys[issued]) >= 0) {
             ++s.stats.hits;
             ++issued;
             continue;
@@ -1058,36 +1041,35 @@ void enqueue_forward(CudaEngine::State& s, int64_t n, int64_t wanted) {
             ++issued;
             continue;
           }
-          const int victim = s.pick_victim(keys, i, issued);
+          // Never a slot this layer still has to compute with (those before i are enqueued; the
+          // copy stream waits for their done events before overwriting).
+          const int victim = s.policy->victim(keys[issued], std::span(keys).subspan(i, issued - i),
+                                              /*prefetch=*/false);
           if (victim < 0) break;
-          s.load(keys[issued], victim);
+          s.load(keys[issued], victim, /*prefetch=*/false);
           ++s.stats.misses;
           ++issued;
         }
         if (i == 0 && issued == keys.size() && !predicted.empty()) {
           // Every expert of this layer is on its way: predicted ones may take the slots of
-          // experts this layer does not use, least recently used first.
+          // experts this layer does not use and that are expected later than them.
           std::vector<int64_t> keep(keys);
           keep.insert(keep.end(), predicted.begin(), predicted.end());
           for (int64_t key : predicted) {
-            if (s.where.count(key)) continue;
-            const int victim = s.pick_victim(keep, 0, keep.size());
-            if (victim < 0) break;
-            s.load(key, victim);
-            s.prefetched[static_cast<size_t>(victim)] = 1;
+            if (s.policy->slot_of(key) >= 0) continue;
+            const int victim = s.policy->victim(key, keep, /*prefetch=*/true);
+            if (victim < 0) continue;
+            s.load(key, victim, /*prefetch=*/true);
             ++s.stats.prefetched;
           }
         }
+        if (s.policy->use(keys[i])) ++s.stats.prefetch_used;
         if (on_cpu[i]) {
           const int64_t first = offsets[static_cast<size_t>(active[i])];
           s.compute_on_cpu(keys[i], expert_in + first * H, rows_of(i), out + first * H);
           continue;
         }
-        const int slot = s.where.at(keys[i]);
-        if (s.prefetched[static_cast<size_t>(slot)]) {
-          s.prefetched[static_cast<size_t>(slot)] = 0;
-          ++s.stats.prefetch_used;
-        }
+        const int slot = s.policy->slot_of(keys[i]);
         const auto slot_index_u = static_cast<size_t>(slot);
         if (!s.all_resident)
           cu::check(cudaStreamWaitEvent(stream, s.ready[slot_index_u], 0), "wait expert");
@@ -1100,7 +1082,6 @@ void enqueue_forward(CudaEngine::State& s, int64_t n, int64_t wanted) {
         s.blas->matmul(gate + first * inter, count, s.expert_part(slot, 2), out + first * H);
         if (!s.all_resident)
           cu::check(cudaEventRecord(s.done[slot_index_u], stream), "record expert done");
-        s.last_use[slot_index_u] = ++s.clock;
       }
       cu::combine(out, H, s.slot_of.get(), s.combine_weights.get(), n, K, moe_out, stream);
     }

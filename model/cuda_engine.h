@@ -10,9 +10,10 @@
 // copied on demand — from the node's shared host pool (registered with the device) or a pinned
 // copy of this engine's own — on a dedicated copy stream, one CUDA event per slot saying when its
 // bytes have arrived and another when the compute stream is done with it, so copies overlap the
-// experts computed before them and a slot is never overwritten while in use. Eviction is least
-// recently used; the next MoE layer's router, applied to the current hidden state, picks experts
-// to copy ahead; and a miss may be computed on the CPU instead, where its weights are, when the
+// experts computed before them and a slot is never overwritten while in use. Slots are given up
+// by the host pool's policy (offload::SlotPolicy: expected reuse distance over the cycle of
+// layers); the next MoE layer's router, applied to the current hidden state, picks experts to copy
+// ahead; and a miss may be computed on the CPU instead, where its weights are, when the
 // measured costs (copy time against CPU time plus the rows' round trip) say that is cheaper.
 //
 // Every family the CPU engine runs, DeepSeek's multi-head latent attention included (the same

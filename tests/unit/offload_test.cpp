@@ -20,6 +20,7 @@
 #include "offload/expert_pool.h"
 #include "offload/resident_provider.h"
 #include "offload/router_health.h"
+#include "offload/slot_policy.h"
 #include "offload/trace.h"
 
 namespace moeline::offload {
@@ -408,6 +409,84 @@ TEST(ExpertTraceReplay, BeladyBoundsEveryPolicy) {
         EXPECT_LE(replay(trace, slots, p).hits, best) << replay_policy_name(p) << " " << slots;
     }
   }
+}
+
+// The GPU's expert cache keeps its slots with SlotPolicy; the pool's policy as `moeline experts
+// replay` replays it (an independent implementation) must give the same hits, access for access.
+TEST(SlotPolicy, ServesATraceAsTheReplayOfTheDistancePolicy) {
+  std::mt19937 rng(19);
+  for (int round = 0; round < 10; ++round) {
+    const int layers = 3 + round % 3, experts = 8;
+    std::vector<ExpertAccess> trace;
+    std::discrete_distribution<int> pick({9, 7, 5, 3, 2, 1, 1, 1});
+    for (int token = 0; token < 200; ++token)
+      for (int layer = 0; layer < layers; ++layer) {
+        // Top-2 routing: two distinct experts per visit of a layer.
+        const int first = pick(rng);
+        int second = pick(rng);
+        while (second == first) second = pick(rng);
+        trace.push_back({layer, first});
+        trace.push_back({layer, second});
+      }
+    for (int slots : {1, 3, 8, 13, layers * experts}) {
+      SlotPolicy policy(slots, layers, experts);
+      uint64_t hits = 0;
+      int current = -1;
+      for (const ExpertAccess& a : trace) {
+        if (a.layer != current) policy.visit(current = a.layer);
+        const int64_t key = static_cast<int64_t>(a.layer) * experts + a.expert;
+        if (policy.slot_of(key) >= 0) {
+          ++hits;
+        } else {
+          const int slot = policy.victim(key, {});
+          ASSERT_GE(slot, 0);
+          policy.assign(slot, key);
+        }
+        policy.use(key);
+      }
+      EXPECT_EQ(hits, replay(trace, static_cast<uint64_t>(slots), ReplayPolicy::kDistance).hits)
+          << "round " << round << ", " << slots << " slots";
+    }
+  }
+}
+
+TEST(SlotPolicy, KeepsWhatIsInUseAndPrefetchesOnlyOverLaterNeeds) {
+  // 2 layers of 4 experts, 3 slots. Layer 0 picks expert 0 every time, expert 1 once.
+  SlotPolicy policy(3, 2, 4);
+  policy.visit(0);
+  for (int64_t key : {0, 1}) {
+    policy.assign(policy.victim(key, {}), key);
+    policy.use(key);
+  }
+  policy.visit(1);
+  policy.assign(policy.victim(4, {}), 4);  // the last free slot
+  policy.use(4);
+  EXPECT_EQ(policy.slot_of(2), -1);
+  // Layer 1 runs, so its own expert 4 is needed a whole cycle from now (distance 2.67); layer 0's
+  // experts 0 and 1 come next (1.67 each, both picked in their layer's one visit): the tie goes to
+  // the least recently used, expert 0.
+  EXPECT_EQ(policy.owner(policy.victim(5, {})), 4);
+  const std::vector<int64_t> busy{4};
+  EXPECT_EQ(policy.owner(policy.victim(5, busy)), 0);
+  const std::vector<int64_t> all{0, 1, 4};
+  EXPECT_EQ(policy.victim(5, all), -1);
+  // A prefetch of layer 0's expert 2 (never picked: expected in 7 steps) may not evict an expert
+  // expected sooner than itself, and every resident one is.
+  EXPECT_EQ(policy.victim(2, {}, /*prefetch=*/true), -1);
+  // A demand load may: expert 4 goes, and expert 2 comes in as a prefetch.
+  const int slot = policy.victim(2, {});
+  EXPECT_EQ(policy.owner(slot), 4);
+  policy.assign(slot, 2, /*prefetch=*/true);
+  EXPECT_TRUE(policy.prefetched(slot));
+  // Prefetching expert 4 back (2.67): only the unused prefetch is expected later, and a prefetch
+  // never evicts one; a demand load for it may.
+  EXPECT_EQ(policy.victim(4, {}, /*prefetch=*/true), -1);
+  EXPECT_EQ(policy.victim(4, {}), slot);
+  policy.visit(0);
+  EXPECT_TRUE(policy.use(2));
+  EXPECT_FALSE(policy.use(2));
+  EXPECT_FALSE(policy.prefetched(slot));
+  EXPECT_FALSE(policy.use(3));  // not resident: counted for the estimate, nothing else
 }
 
 TEST(ExpertTraceReplay, TracesRoundTripAndBadFilesAreClearErrors) {
