@@ -221,6 +221,7 @@ struct CudaEngine::State {
     float *cos_sin = nullptr, *logits = nullptr;
   };
   bool use_graphs = true;
+  bool capturing = false;
   int64_t max_table = 0;
   std::unordered_map<int64_t, Graph> graphs;
   uint64_t graph_replays = 0;
@@ -276,29 +277,30 @@ struct CudaEngine::State {
   void reserve_observed(int64_t n) {
     if (observer == nullptr || n <= observed_tokens) return;
     cu::check(cudaStreamSynchronize(compute), "observed");
+    const int64_t capacity = std::max<int64_t>(n, 2 * observed_tokens);
+    const ModelConfig& c = model.config();
+    const auto observed_rows = static_cast<size_t>(std::max<int64_t>(moe_layers, 1) * capacity);
+    const size_t sizes[3] = {
+        observed_rows * static_cast<size_t>(c.num_experts) * sizeof(float),
+        observed_rows * static_cast<size_t>(c.experts_per_token) * sizeof(float),
+        observed_rows * static_cast<size_t>(c.experts_per_token) * sizeof(int32_t)};
+    // All three or none: a failed allocation leaves the old buffers (and capacity) in place.
+    void* fresh[3] = {nullptr, nullptr, nullptr};
+    for (int i = 0; i < 3; ++i)
+      if (cudaHostAlloc(&fresh[i], sizes[i], cudaHostAllocDefault) != cudaSuccess) {
+        cudaGetLastError();
+        for (void* p : fresh)
+          if (p) cudaFreeHost(p);
+        throw std::runtime_error("pinned observer buffers: cannot allocate " +
+                                 std::to_string(sizes[0] + sizes[1] + sizes[2]) + " bytes");
+      }
     for (void* p : {static_cast<void*>(observed_scores), static_cast<void*>(observed_weights),
                     static_cast<void*>(observed_chosen)})
       if (p) cudaFreeHost(p);
-    observed_scores = observed_weights = nullptr;
-    observed_chosen = nullptr;
-    observed_tokens = std::max<int64_t>(n, 2 * observed_tokens);
-    const ModelConfig& c = model.config();
-    const auto observed_rows =
-        static_cast<size_t>(std::max<int64_t>(moe_layers, 1) * observed_tokens);
-    cu::check(cudaHostAlloc(reinterpret_cast<void**>(&observed_scores),
-                            observed_rows * static_cast<size_t>(c.num_experts) * sizeof(float),
-                            cudaHostAllocDefault),
-              "pinned observer");
-    cu::check(
-        cudaHostAlloc(reinterpret_cast<void**>(&observed_weights),
-                      observed_rows * static_cast<size_t>(c.experts_per_token) * sizeof(float),
-                      cudaHostAllocDefault),
-        "pinned observer");
-    cu::check(
-        cudaHostAlloc(reinterpret_cast<void**>(&observed_chosen),
-                      observed_rows * static_cast<size_t>(c.experts_per_token) * sizeof(int32_t),
-                      cudaHostAllocDefault),
-        "pinned observer");
+    observed_scores = static_cast<float*>(fresh[0]);
+    observed_weights = static_cast<float*>(fresh[1]);
+    observed_chosen = static_cast<int32_t*>(fresh[2]);
+    observed_tokens = capacity;
   }
   void observe(int64_t layer, int64_t n, const float* layer_scores, const int32_t* layer_chosen,
                const float* layer_weights) {
@@ -579,40 +581,66 @@ size_t CudaEngine::kv_block_bytes() const {
   return static_cast<size_t>(kv.layers * (kv.key_floats + kv.value_floats)) * sizeof(float);
 }
 
-void CudaEngine::export_kv(std::span<const int32_t> blocks, uint8_t* out) {
+namespace {
+
+// KV moves through a device staging buffer of at most this many blocks at a time, so a long
+// prompt's hand-over does not keep a prompt-sized buffer on the device.
+constexpr size_t kKvChunkBlocks = 64;
+
+}  // namespace
+
+Status CudaEngine::export_kv(std::span<const int32_t> blocks, uint8_t* out) {
   State& s = *state_;
-  if (blocks.empty()) return;
-  cu::check(cudaSetDevice(s.device), "cudaSetDevice");
-  const cu::KvBlocks kv = s.kv_blocks();
-  const auto count = static_cast<int64_t>(blocks.size());
-  int32_t* ids = s.kv_ids.grow(count);
-  float* packed = s.kv_packed.grow(count * kv.layers * (kv.key_floats + kv.value_floats));
-  cu::check(
-      cudaMemcpyAsync(ids, blocks.data(), blocks.size_bytes(), cudaMemcpyHostToDevice, s.compute),
-      "kv export");
-  cu::pack_kv_blocks(kv, ids, count, packed, s.compute);
-  cu::check(cudaMemcpyAsync(out, packed, blocks.size() * kv_block_bytes(), cudaMemcpyDeviceToHost,
-                            s.compute),
-            "kv export");
-  cu::check(cudaStreamSynchronize(s.compute), "kv export");
+  try {
+    cu::check(cudaSetDevice(s.device), "cudaSetDevice");
+    const cu::KvBlocks kv = s.kv_blocks();
+    const size_t block_bytes = kv_block_bytes();
+    for (size_t first = 0; first < blocks.size(); first += kKvChunkBlocks) {
+      const std::span<const int32_t> chunk =
+          blocks.subspan(first, std::min(kKvChunkBlocks, blocks.size() - first));
+      const auto count = static_cast<int64_t>(chunk.size());
+      int32_t* ids = s.kv_ids.grow(count);
+      float* packed = s.kv_packed.grow(count * kv.layers * (kv.key_floats + kv.value_floats));
+      cu::check(
+          cudaMemcpyAsync(ids, chunk.data(), chunk.size_bytes(), cudaMemcpyHostToDevice, s.compute),
+          "kv export");
+      cu::pack_kv_blocks(kv, ids, count, packed, s.compute);
+      cu::check(cudaMemcpyAsync(out + first * block_bytes, packed, chunk.size() * block_bytes,
+                                cudaMemcpyDeviceToHost, s.compute),
+                "kv export");
+      cu::check(cudaStreamSynchronize(s.compute), "kv export");
+    }
+    return Status::ok_status();
+  } catch (const std::exception& e) {
+    return Error{std::string("cuda kv export: ") + e.what()};
+  }
 }
 
-void CudaEngine::import_kv(std::span<const int32_t> blocks, const uint8_t* in) {
+Status CudaEngine::import_kv(std::span<const int32_t> blocks, const uint8_t* in) {
   State& s = *state_;
-  if (blocks.empty()) return;
-  cu::check(cudaSetDevice(s.device), "cudaSetDevice");
-  const cu::KvBlocks kv = s.kv_blocks();
-  const auto count = static_cast<int64_t>(blocks.size());
-  int32_t* ids = s.kv_ids.grow(count);
-  float* packed = s.kv_packed.grow(count * kv.layers * (kv.key_floats + kv.value_floats));
-  cu::check(
-      cudaMemcpyAsync(ids, blocks.data(), blocks.size_bytes(), cudaMemcpyHostToDevice, s.compute),
-      "kv import");
-  cu::check(cudaMemcpyAsync(packed, in, blocks.size() * kv_block_bytes(), cudaMemcpyHostToDevice,
-                            s.compute),
-            "kv import");
-  cu::unpack_kv_blocks(kv, ids, count, packed, s.compute);
-  cu::check(cudaStreamSynchronize(s.compute), "kv import");
+  try {
+    cu::check(cudaSetDevice(s.device), "cudaSetDevice");
+    const cu::KvBlocks kv = s.kv_blocks();
+    const size_t block_bytes = kv_block_bytes();
+    for (size_t first = 0; first < blocks.size(); first += kKvChunkBlocks) {
+      const std::span<const int32_t> chunk =
+          blocks.subspan(first, std::min(kKvChunkBlocks, blocks.size() - first));
+      const auto count = static_cast<int64_t>(chunk.size());
+      int32_t* ids = s.kv_ids.grow(count);
+      float* packed = s.kv_packed.grow(count * kv.layers * (kv.key_floats + kv.value_floats));
+      cu::check(
+          cudaMemcpyAsync(ids, chunk.data(), chunk.size_bytes(), cudaMemcpyHostToDevice, s.compute),
+          "kv import");
+      cu::check(cudaMemcpyAsync(packed, in + first * block_bytes, chunk.size() * block_bytes,
+                                cudaMemcpyHostToDevice, s.compute),
+                "kv import");
+      cu::unpack_kv_blocks(kv, ids, count, packed, s.compute);
+      cu::check(cudaStreamSynchronize(s.compute), "kv import");
+    }
+    return Status::ok_status();
+  } catch (const std::exception& e) {
+    return Error{std::string("cuda kv import: ") + e.what()};
+  }
 }
 
 CudaExpertStats CudaEngine::expert_stats() const {
@@ -954,7 +982,7 @@ void enqueue_forward(CudaEngine::State& s, int64_t n, int64_t wanted) {
       cu::expert_gate_up(normed, H, chosen, n * K, K, table, s.expert_dtype, inter, act, stream);
       cu::expert_down(act, inter, chosen, n * K, table, s.expert_dtype, H, pair_out, stream);
       cu::combine_pairs(pair_out, H, chosen, weights, n, K, moe_out, stream);
-      s.stats.hits += static_cast<uint64_t>(n * K);
+      if (!s.capturing) s.stats.hits += static_cast<uint64_t>(n * K);
     } else {
       if (n * K > s.host_routing_capacity) {
         if (s.host_chosen) cudaFreeHost(s.host_chosen);
@@ -1179,12 +1207,15 @@ bool replay_decode(CudaEngine::State& s, std::span<const SequenceInput> batch,
       copy_in(device_rows, g.logit_rows, count * sizeof(int32_t));
       copy_in(device_tables, g.tables, count * static_cast<size_t>(table) * sizeof(int32_t));
       copy_in(device_angles, g.cos_sin, count * static_cast<size_t>(rope_dim) * sizeof(float));
+      s.capturing = true;  // counted per replay instead
       enqueue_forward(s, n, n);
+      s.capturing = false;
       cu::check(cudaMemcpyAsync(g.logits, s.logits.get(),
                                 count * static_cast<size_t>(vocab) * sizeof(float),
                                 cudaMemcpyDeviceToHost, stream),
                 "capture");
     } catch (...) {
+      s.capturing = false;
       cudaGraph_t broken = nullptr;
       cudaStreamEndCapture(stream, &broken);
       if (broken) cudaGraphDestroy(broken);
@@ -1255,6 +1286,8 @@ Status CudaEngine::forward(std::span<const SequenceInput> batch, std::vector<flo
     if (decode_step) {
       try {
         if (replay_decode(s, batch, tokens, positions, slot_index, cos_sin, logits)) {
+          // The replayed step's experts were all device hits (counted at capture otherwise).
+          s.stats.hits += static_cast<uint64_t>(n * c.experts_per_token * s.moe_layers);
           s.report_observed(batch, n);
           for (const SequenceInput& input : batch) input.sequence->commit(input.tokens);
           return Status::ok_status();

@@ -82,8 +82,8 @@ class CudaEngine : public ForwardPass {
   // the copies too.
   void set_router_observer(RouterObserver* observer) override;
   size_t kv_block_bytes() const override;
-  void export_kv(std::span<const int32_t> blocks, uint8_t* out) override;
-  void import_kv(std::span<const int32_t> blocks, const uint8_t* in) override;
+  Status export_kv(std::span<const int32_t> blocks, uint8_t* out) override;
+  Status import_kv(std::span<const int32_t> blocks, const uint8_t* in) override;
   CudaExpertStats expert_stats() const;
   // The load times recorded since the last call, handed over and forgotten (a long-running stage
   // takes them into its histogram rather than letting them accumulate).

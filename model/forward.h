@@ -41,10 +41,11 @@ class ForwardPass {
   virtual void set_router_observer(RouterObserver* observer) = 0;
 
   // KV leaves and enters the cache in KvCache's block format (model/kv_cache.h), the unit it
-  // moves in between processes: kv_block_bytes() per block, blocks one after another.
+  // moves in between processes: kv_block_bytes() per block, blocks one after another. An error
+  // (a device's) leaves the blocks undefined: the caller fails what needed them.
   virtual size_t kv_block_bytes() const = 0;
-  virtual void export_kv(std::span<const int32_t> blocks, uint8_t* out) = 0;
-  virtual void import_kv(std::span<const int32_t> blocks, const uint8_t* in) = 0;
+  virtual Status export_kv(std::span<const int32_t> blocks, uint8_t* out) = 0;
+  virtual Status import_kv(std::span<const int32_t> blocks, const uint8_t* in) = 0;
 };
 
 // The checks every forward pass makes before touching anything: no sequence twice, token ids in
@@ -62,11 +63,13 @@ class Engine : public ForwardPass {
   KvCache& cache() { return cache_; }
   BlockPool& blocks() override { return cache_.pool(); }
   size_t kv_block_bytes() const override { return cache_.block_bytes(); }
-  void export_kv(std::span<const int32_t> blocks, uint8_t* out) override {
+  Status export_kv(std::span<const int32_t> blocks, uint8_t* out) override {
     cache_.export_blocks(blocks, out);
+    return Status::ok_status();
   }
-  void import_kv(std::span<const int32_t> blocks, const uint8_t* in) override {
+  Status import_kv(std::span<const int32_t> blocks, const uint8_t* in) override {
     cache_.import_blocks(blocks, in);
+    return Status::ok_status();
   }
 
   // On success `logits` holds [sequences wanting logits, vocab] in batch order and each sequence

@@ -69,8 +69,15 @@ ComputeWorker::ComputeWorker(const runtime::Config& config, const char* stage, w
   experts = std::make_unique<PlannedExperts>(*model);
   device = config.text("device");
   device_expert_budget_ = config.text("device-expert-budget");
-  if (device != "cpu" && device.rfind("cuda", 0) != 0)
-    throw runtime::ConfigError("--device must be cpu, cuda or cuda:N, not '" + device + "'");
+  if (device != "cpu" && device != "cuda") {
+    const std::string index = device.rfind("cuda:", 0) == 0 ? device.substr(5) : "";
+    if (index.empty() || index.size() > 4 ||
+        index.find_first_not_of("0123456789") != std::string::npos)
+      throw runtime::ConfigError("--device must be cpu, cuda or cuda:N, not '" + device + "'");
+    device_ordinal_ = std::stoi(index);
+  }
+  if (device == "cpu" && !device_expert_budget_.empty())
+    throw runtime::ConfigError("--device-expert-budget needs --device cuda");
   if (device != "cpu" && !config.text("expert-trace").empty())
     throw runtime::ConfigError(
         "--expert-trace records the CPU engine's expert acquisitions; not with --device " + device);
@@ -117,14 +124,6 @@ void ComputeWorker::create_engine(int32_t kv_blocks) {
     return;
   }
 #ifdef MOELINE_HAVE_CUDA
-  int ordinal = 0;
-  if (device != "cuda") {
-    const std::string index = device.size() > 5 && device[4] == ':' ? device.substr(5) : "";
-    if (index.empty() || index.find_first_not_of("0123456789") != std::string::npos ||
-        index.size() > 4)
-      throw runtime::ConfigError("--device must be cpu, cuda or cuda:N, not '" + device + "'");
-    ordinal = std::stoi(index);
-  }
   double fraction = 1.0;
   if (!device_expert_budget_.empty()) {
     const uint64_t total = model->expert_catalog().total_expert_bytes();
@@ -139,7 +138,7 @@ void ComputeWorker::create_engine(int32_t kv_blocks) {
   // the checkpoint until the plan names the node's host pool, then that pool (pinned with the
   // device on first use). The CPU may compute a miss where that is measured to be cheaper.
   auto created =
-      model::CudaEngine::create(*model, {.device = ordinal,
+      model::CudaEngine::create(*model, {.device = device_ordinal_,
                                          .kv_blocks = kv_blocks,
                                          .expert_budget_fraction = std::min(fraction, 1.0),
                                          .host_experts = experts.get(),
@@ -180,8 +179,9 @@ void ComputeWorker::create_engine(int32_t kv_blocks) {
       {},
       0});
   report_device_ = [cuda, counters] {
-    const model::CudaExpertStats now = cuda->expert_stats();
     Counters& c = *counters;
+    for (float ms : cuda->take_load_ms()) c.load->observe(ms * 1e-3);
+    const model::CudaExpertStats now = cuda->expert_stats();
     c.hits->inc(static_cast<double>(now.hits - c.last.hits));
     c.misses->inc(static_cast<double>(now.misses - c.last.misses));
     c.prefetched->inc(static_cast<double>(now.prefetched - c.last.prefetched));
@@ -191,8 +191,6 @@ void ComputeWorker::create_engine(int32_t kv_blocks) {
     c.graphs->inc(static_cast<double>(cuda->graph_replays() - c.last_graphs));
     c.last_graphs = cuda->graph_replays();
     c.last = now;
-    c.last.load_ms.clear();
-    for (float ms : cuda->take_load_ms()) c.load->observe(ms * 1e-3);
   };
 #else
   throw std::runtime_error("--device " + device +

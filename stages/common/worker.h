@@ -83,8 +83,9 @@ class ComputeWorker {
   ComputeWorker(const runtime::Config& config, const char* stage, wire::StageKind kind);
   // Writes the expert trace (--expert-trace), if one was recorded.
   ~ComputeWorker();
-  // The forward pass on --device, with a KV cache of `kv_blocks`. Throws ConfigError when the
-  // device cannot be used (no CUDA in this build, no GPU, no such ordinal).
+  // The forward pass on --device, with a KV cache of `kv_blocks`. Throws ConfigError for a
+  // malformed --device-expert-budget, std::runtime_error when the device cannot be used (no CUDA
+  // in this build, no GPU, no such ordinal): the process exits with the reason.
   void create_engine(int32_t kv_blocks);
 
   // Keeps the link alive: hellos (again after a hub restart), the expert plan, usage reports.
@@ -121,6 +122,7 @@ class ComputeWorker {
 
  private:
   std::string device_expert_budget_;
+  int device_ordinal_ = 0;
   // --device cuda: moves the GPU engine's expert-cache counters into the metrics (each second).
   std::function<void()> report_device_;
   std::chrono::steady_clock::time_point last_device_report_;

@@ -212,8 +212,15 @@ class DecodeStage {
       if (blocks_for(stream) > pool.free_blocks()) break;
       stream.sequence->reserve(pool, reserve_tokens(stream));
       const size_t blocks = (stream.prompt.size() + model::kBlockTokens - 1) / model::kBlockTokens;
-      worker_.forward->import_kv(std::span(stream.sequence->block_table()).first(blocks),
-                                 stream.handoff.bulk[0].data());
+      const model::Status imported = worker_.forward->import_kv(
+          std::span(stream.sequence->block_table()).first(blocks), stream.handoff.bulk[0].data());
+      if (!imported.ok()) {
+        stream.sequence->release(pool);
+        job_failed(stream.request_id, stream.attempt, wire::ErrorCode::Internal,
+                   imported.error().message);
+        waiting_.pop_front();
+        continue;
+      }
       stream.sequence->commit(stream.prompt);
       stream.handoff = wire::Message{};
       stream.last_token = Clock::now();

@@ -338,6 +338,7 @@ class PrefillStage {
     // each until it ends (a blend's sequence is released before the next job runs).
     std::unordered_map<uint64_t, int32_t> shared;
     std::vector<int32_t> held;
+    std::string kv_error;  // why start_sequence failed, when not for want of blocks
     auto start_sequence = [&](const Job& job) -> std::unique_ptr<model::Sequence> {
       const uint64_t ns = model::namespace_id(job.cache_namespace);
       auto sequence =
@@ -353,12 +354,21 @@ class PrefillStage {
       std::vector<int32_t> run;
       size_t run_start = 0;
       auto flush = [&] {
-        worker_.forward->import_kv(run, source + run_start * block_bytes);
+        const model::Status imported =
+            worker_.forward->import_kv(run, source + run_start * block_bytes);
+        if (!imported.ok()) {
+          // No later job may share blocks whose KV did not arrive.
+          std::erase_if(shared, [&](const auto& entry) {
+            return std::find(run.begin(), run.end(), entry.second) != run.end();
+          });
+          kv_error = imported.error().message;
+        }
         run.clear();
+        return imported.ok();
       };
       for (size_t b = 0; b < chain.size(); ++b) {
         if (auto it = shared.find(chain[b]); it != shared.end()) {
-          flush();
+          if (!flush()) break;
           sequence->share_block(pool, it->second);
           continue;
         }
@@ -374,23 +384,32 @@ class PrefillStage {
         held.push_back(*block);
         shared[chain[b]] = *block;
       }
-      flush();
+      if (!flush() || !kv_error.empty()) {
+        sequence->release(pool);
+        return nullptr;
+      }
       sequence->commit(prefix);
       return sequence;
     };
     for (Job& job : batch) {
+      kv_error.clear();
       auto sequence = start_sequence(job);
       if (sequence && job.blend) {
         const bool served = run_blend(job, *sequence);
         sequence->release(pool);
         if (served) continue;
-        sequence = start_sequence(job);  // a shadow (or a failed blend): computed in full too
+        if (kv_error.empty())
+          sequence = start_sequence(job);  // a shadow (or a failed blend): computed in full too
       }
       if (job.reused > 0) reused_tokens_total_->inc(job.reused);
       if (!sequence || !sequence->reserve(pool, job.computed())) {
         // Cannot happen with the cache sized for a full batch; refuse rather than corrupt.
         if (sequence) sequence->release(pool);
-        fail(job, wire::ErrorCode::Overloaded, "prefill KV cache full");
+        if (!kv_error.empty()) {
+          fail(job, wire::ErrorCode::Internal, "reused KV not imported: " + kv_error);
+        } else {
+          fail(job, wire::ErrorCode::Overloaded, "prefill KV cache full");
+        }
         continue;
       }
       if (job.store_levels & reuse::kApproximateLevels)
@@ -441,7 +460,9 @@ class PrefillStage {
     std::shared_ptr<std::vector<uint8_t>> exported;
     if (finish.empty() || job.store_levels != 0) {
       exported = std::make_shared<std::vector<uint8_t>>(blocks * worker_.forward->kv_block_bytes());
-      worker_.forward->export_kv(std::span(sequence.block_table()).first(blocks), exported->data());
+      const model::Status status = worker_.forward->export_kv(
+          std::span(sequence.block_table()).first(blocks), exported->data());
+      if (!status.ok()) return fail(job, wire::ErrorCode::Internal, status.error().message);
       // The store's entries go out first: a request that follows this one (the client may send
       // it as soon as it sees the first token) then finds them in the probe.
       put_snapshots(job, sequence.id(), exported, logits);
