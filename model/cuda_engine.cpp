@@ -851,7 +851,6 @@ void latent_attention(CudaEngine::State& s, const DeviceLayer& w, int64_t layer,
   float* q_latent = s.q_latent.grow(n * heads * row);
   float* out_latent = s.out_latent.grow(n * heads * kv_lora);
   float* attended = s.attended.grow(n * heads * vd);
-  float* projected = s.projected.grow(n * H);
   cu::rms_norm(hidden, n, H, H, w.input_norm.data, w.input_norm.dtype, c.rms_norm_eps, normed, H,
                stream);
   if (c.q_lora_rank > 0) {
@@ -886,8 +885,7 @@ void latent_attention(CudaEngine::State& s, const DeviceLayer& w, int64_t layer,
   for (int64_t h = 0; h < heads; ++h)
     s.blas->matmul(out_latent + h * kv_lora, n, w.kv_b.row_range(h * (nope + vd) + nope, vd),
                    attended + h * vd, heads * kv_lora, heads * vd);
-  s.blas->matmul(attended, n, w.o, projected);
-  cu::add(hidden, projected, n * H, stream);
+  s.blas->matmul(attended, n, w.o, hidden, 0, 0, /*accumulate=*/true);
 }
 
 }  // namespace
@@ -943,9 +941,14 @@ void enqueue_forward(CudaEngine::State& s, int64_t n, int64_t wanted) {
       cu::attention(q, heads * hd, attended, heads * hd, n, heads, kv, s.tables.get(),
                     s.table_offset.get(), s.positions.get(), s.softmax_scale, c.sliding_window,
                     stream);
-      s.blas->matmul(attended, n, w.o, projected);
-      if (w.o_bias) cu::add_bias(projected, n, H, w.o_bias.data, w.o_bias.dtype, stream);
-      cu::add(hidden, projected, n * H, stream);
+      if (w.o_bias) {
+        s.blas->matmul(attended, n, w.o, projected);
+        cu::add_bias(projected, n, H, w.o_bias.data, w.o_bias.dtype, stream);
+        cu::add(hidden, projected, n * H, stream);
+      } else {
+        // The residual added as the projection is written (one kernel fewer per layer).
+        s.blas->matmul(attended, n, w.o, hidden, 0, 0, /*accumulate=*/true);
+      }
     }
     cu::rms_norm(hidden, n, H, H, w.post_norm.data, w.post_norm.dtype, c.rms_norm_eps, normed, H,
                  stream);
@@ -953,12 +956,10 @@ void enqueue_forward(CudaEngine::State& s, int64_t n, int64_t wanted) {
       const int64_t inter = c.dense_intermediate_size;
       float* gate = s.gate.grow(n * inter);
       float* up = s.up.grow(n * inter);
-      float* out = s.expert_out.grow(n * H);
       s.blas->matmul(normed, n, w.dense_gate, gate);
       s.blas->matmul(normed, n, w.dense_up, up);
       cu::silu_mul(gate, up, n * inter, stream);
-      s.blas->matmul(gate, n, w.dense_down, out);
-      cu::add(hidden, out, n * H, stream);
+      s.blas->matmul(gate, n, w.dense_down, hidden, 0, 0, /*accumulate=*/true);
       continue;
     }
 
@@ -971,10 +972,15 @@ void enqueue_forward(CudaEngine::State& s, int64_t n, int64_t wanted) {
     const cu::RouterSpec spec = router_spec(c, w);
     cu::route(scores, n, spec, chosen, weights, stream);
     s.observe(l, n, scores, chosen, weights);
-    float* moe_out = s.moe_out.grow(n * H);
-    cu::check(cudaMemsetAsync(moe_out, 0, static_cast<size_t>(n * H) * sizeof(float), stream),
-              "memset");
-    if (s.all_resident && n * K <= kDevicePairs) {
+    // A decode step without shared experts adds its experts' weighted sum straight into the
+    // residual stream (the same sum, from zero, then the same addition: identical bits).
+    const bool on_device = s.all_resident && n * K <= kDevicePairs;
+    const bool direct = on_device && c.shared_intermediate_size == 0;
+    float* moe_out = direct ? hidden : s.moe_out.grow(n * H);
+    if (!direct)
+      cu::check(cudaMemsetAsync(moe_out, 0, static_cast<size_t>(n * H) * sizeof(float), stream),
+                "memset");
+    if (on_device) {
       // A decode step: the experts run where the routing is, no round trip to the host.
       const void* const* table = s.expert_table + l * E;
       float* act = s.gate.grow(n * K * inter);
@@ -1117,14 +1123,12 @@ void enqueue_forward(CudaEngine::State& s, int64_t n, int64_t wanted) {
       const int64_t shared = c.shared_intermediate_size;
       float* shared_gate = s.gate.grow(std::max(n * shared, n * K * inter));
       float* shared_up = s.up.grow(std::max(n * shared, n * K * inter));
-      float* shared_out = s.shared_out.grow(n * H);
       s.blas->matmul(normed, n, w.shared_gate, shared_gate);
       s.blas->matmul(normed, n, w.shared_up, shared_up);
       cu::silu_mul(shared_gate, shared_up, n * shared, stream);
-      s.blas->matmul(shared_gate, n, w.shared_down, shared_out);
-      cu::add(moe_out, shared_out, n * H, stream);
+      s.blas->matmul(shared_gate, n, w.shared_down, moe_out, 0, 0, /*accumulate=*/true);
     }
-    cu::add(hidden, moe_out, n * H, stream);
+    if (!direct) cu::add(hidden, moe_out, n * H, stream);
   }
 
   if (wanted > 0) {

@@ -42,11 +42,15 @@ Blas::~Blas() {
 }
 
 void Blas::matmul(const float* x, int64_t n, const DeviceMatrix& w, float* y, int64_t x_stride,
-                  int64_t y_stride) {
+                  int64_t y_stride, bool accumulate) {
   if (n == 0 || w.rows == 0) return;
   const int64_t K = w.cols;
   if (x_stride == 0) x_stride = K;
   if (y_stride == 0) y_stride = w.rows;
+  if (n <= kGemvMaxRows) {
+    gemv(x, n, x_stride, w.data, w.dtype, w.rows, K, y, y_stride, accumulate, stream_);
+    return;
+  }
   const void* b = x;
   int64_t ldb = x_stride;
   if (w.dtype != DType::kF32) {
@@ -60,7 +64,7 @@ void Blas::matmul(const float* x, int64_t n, const DeviceMatrix& w, float* y, in
     b = scratch_;
     ldb = K;
   }
-  const float alpha = 1.0f, beta = 0.0f;
+  const float alpha = 1.0f, beta = accumulate ? 1.0f : 0.0f;
   // Row-major W [out, in] is column-major [in, out]; y row-major [n, out] is column-major
   // [out, n] = Wᵀ(col) · x(col).
   check_blas(

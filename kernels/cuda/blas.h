@@ -1,7 +1,8 @@
 #pragma once
-// y = x · Wᵀ on the GPU through cuBLAS: W a weight matrix [out, in] in device memory in its
-// stored dtype, x and y F32. 16-bit weights multiply BF16/F16-rounded activations with F32
-// accumulation (cublasGemmEx, the tensor cores); F32 weights stay F32 throughout.
+// y = x · Wᵀ on the GPU: W a weight matrix [out, in] in device memory in its stored dtype, x and y
+// F32. Through cuBLAS, 16-bit weights multiply BF16/F16-rounded activations with F32 accumulation
+// (cublasGemmEx, the tensor cores) and F32 weights stay F32 throughout; a few rows (a decode step)
+// go through a GEMV kernel that reads F32 activations against the stored weights.
 
 #include <cublas_v2.h>
 #include <cuda_runtime_api.h>
@@ -32,9 +33,11 @@ class Blas {
   Blas(const Blas&) = delete;
   Blas& operator=(const Blas&) = delete;
 
-  // y (n rows, y_stride apart; 0: w.rows) = x (n rows, x_stride apart; 0: w.cols) · Wᵀ.
+  // y (n rows, y_stride apart; 0: w.rows) = x (n rows, x_stride apart; 0: w.cols) · Wᵀ, or
+  // y += x · Wᵀ with `accumulate`. Up to kGemvMaxRows rows (a decode step) run as one GEMV kernel
+  // on the F32 activations (ops.h: gemv); more as a cuBLAS GEMM.
   void matmul(const float* x, int64_t n, const DeviceMatrix& w, float* y, int64_t x_stride = 0,
-              int64_t y_stride = 0);
+              int64_t y_stride = 0, bool accumulate = false);
   // The converted-activations buffer: a CUDA graph that captured GEMMs is valid while it stays.
   const void* scratch() const { return scratch_; }
 

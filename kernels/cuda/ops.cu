@@ -368,6 +368,51 @@ __device__ float warp_dot(const void* row, DType dtype, const float* x, int64_t 
 
 constexpr int kGemvWarps = 8;
 
+// One warp per output row of W, the row read once for all n (<= kGemvMaxRows) inputs; x is read
+// through the cache (every warp of the grid reads the same few rows).
+__global__ void gemv_kernel(const float* __restrict__ x, int64_t n, int64_t x_stride,
+                            const void* __restrict__ w, DType dtype, int64_t rows, int64_t cols,
+                            float* __restrict__ y, int64_t y_stride, bool accumulate) {
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int64_t row = blockIdx.x * static_cast<int64_t>(kGemvWarps) + warp;
+  if (row >= rows) return;
+  float sums[kGemvMaxRows] = {};
+  const size_t element = dtype_size(dtype);
+  const auto* base = static_cast<const std::byte*>(w) + static_cast<size_t>(row * cols) * element;
+  int64_t done = 0;
+  if (dtype == DType::kBF16 && (reinterpret_cast<uintptr_t>(base) & 15) == 0) {
+    const auto* vectors = reinterpret_cast<const uint4*>(base);
+    const int64_t full = cols / 8;
+    for (int64_t v = lane; v < full; v += 32) {
+      const uint4 packed = vectors[v];
+      const uint32_t words[4] = {packed.x, packed.y, packed.z, packed.w};
+      float weights[8];
+      for (int q = 0; q < 4; ++q) {
+        weights[2 * q] = __uint_as_float(words[q] << 16);
+        weights[2 * q + 1] = __uint_as_float(words[q] & 0xffff0000u);
+      }
+      for (int64_t t = 0; t < n; ++t) {
+        const float* xs = x + t * x_stride + v * 8;
+        float sum = sums[t];
+        for (int e = 0; e < 8; ++e) sum += weights[e] * __ldg(xs + e);
+        sums[t] = sum;
+      }
+    }
+    done = full * 8;
+  }
+  for (int64_t i = done + lane; i < cols; i += 32) {
+    const float weight = load(base, dtype, i);
+    for (int64_t t = 0; t < n; ++t) sums[t] += weight * __ldg(x + t * x_stride + i);
+  }
+  for (int64_t t = 0; t < n; ++t) {
+    const float total = warp_sum(sums[t]);
+    if (lane == 0) {
+      float* out = y + t * y_stride + row;
+      *out = accumulate ? *out + total : total;
+    }
+  }
+}
+
 __global__ void expert_gate_up_kernel(const float* x, int64_t width, const int32_t* chosen,
                                       int64_t k, const void* const* experts, DType dtype,
                                       int64_t inter, float* act) {
@@ -544,6 +589,16 @@ void allow_shared(const void* kernel, size_t bytes) {
 }
 
 }  // namespace
+
+void gemv(const float* x, int64_t n, int64_t x_stride, const void* w, DType dtype, int64_t rows,
+          int64_t cols, float* y, int64_t y_stride, bool accumulate, cudaStream_t stream) {
+  if (n == 0 || rows == 0) return;
+  if (n > kGemvMaxRows) throw std::invalid_argument("gemv: more than kGemvMaxRows inputs");
+  const auto grid = static_cast<unsigned>((rows + kGemvWarps - 1) / kGemvWarps);
+  gemv_kernel<<<grid, 32 * kGemvWarps, 0, stream>>>(x, n, x_stride, w, dtype, rows, cols, y,
+                                                    y_stride, accumulate);
+  check(cudaGetLastError(), "gemv");
+}
 
 void expert_gate_up(const float* x, int64_t width, const int32_t* chosen, int64_t pairs, int64_t k,
                     const void* const* experts, DType dtype, int64_t inter, float* act,

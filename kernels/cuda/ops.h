@@ -107,6 +107,13 @@ void combine(const float* expert_out, int64_t width, const int32_t* slots, const
 // [rows, cols] buffer: the input side of a GEMM against weights of that dtype.
 void convert(const float* x, int64_t rows, int64_t cols, int64_t x_stride, void* out, DType dtype,
              cudaStream_t stream);
+// y[t] (y_stride apart) = W · x[t] (x_stride apart), or y[t] += W · x[t] with `accumulate`, for
+// n <= kGemvMaxRows inputs; W [rows, cols] row-major in `dtype`. One warp per output row reading
+// it once for every input, activations in F32 (not rounded to the weights' dtype): a decode
+// step's projections in one kernel each, where cuBLAS would convert the activations first.
+inline constexpr int64_t kGemvMaxRows = 8;
+void gemv(const float* x, int64_t n, int64_t x_stride, const void* w, DType dtype, int64_t rows,
+          int64_t cols, float* y, int64_t y_stride, bool accumulate, cudaStream_t stream);
 // The routed experts of a few tokens without leaving the device (decode): for each (token t,
 // choice j) pair p = t * k + j, expert e = chosen[p] has its gate | up | down matrices at
 // experts[e] (rows [inter, width], [inter, width], [width, inter] back to back, in `dtype`), and

@@ -147,6 +147,56 @@ TEST(CudaOps, MatmulMatchesTheCpu) {
   }
 }
 
+// The decode path's GEMV (n <= kGemvMaxRows): F32 activations against the stored weights, as the
+// CPU computes them, so even BF16 weights agree to summation order; strided inputs and outputs,
+// and accumulation into the output (the residual stream).
+TEST(CudaOps, GemvMatchesTheCpuWithStridesAndAccumulation) {
+  REQUIRE_DEVICE();
+  kernels::ThreadPool pool(2);
+  // 260 = 32 vectors of 8 and a tail of 4; odd BF16 rows start 8 bytes off a vector boundary.
+  const int64_t rows = 130, cols = 260;
+  const auto w = random_floats(rows * cols, 6, 0.1f);
+  const auto w16 = to_bf16(w);
+  for (int64_t n : {int64_t{1}, int64_t{3}, cu::kGemvMaxRows}) {
+    const int64_t x_stride = cols + 5, y_stride = rows + 7;
+    const auto x = random_floats(n * x_stride, 7);
+    const auto base = random_floats(n * y_stride, 8);
+    for (bool bf16 : {false, true}) {
+      const kernels::MatrixView host_w{bf16 ? static_cast<const void*>(w16.data()) : w.data(),
+                                       bf16 ? kernels::DType::kBF16 : kernels::DType::kF32, rows,
+                                       cols};
+      std::vector<float> packed_x(static_cast<size_t>(n * cols)),
+          product(static_cast<size_t>(n * rows));
+      for (int64_t t = 0; t < n; ++t)
+        std::copy_n(x.begin() + t * x_stride, cols, packed_x.begin() + t * cols);
+      kernels::matmul(pool, kernels::MatmulTask{
+                                .x = packed_x.data(), .n = n, .w = host_w, .y = product.data()});
+      for (bool accumulate : {false, true}) {
+        std::vector<float> want = base;
+        for (int64_t t = 0; t < n; ++t)
+          for (int64_t r = 0; r < rows; ++r)
+            want[static_cast<size_t>(t * y_stride + r)] =
+                (accumulate ? base[static_cast<size_t>(t * y_stride + r)] : 0.0f) +
+                product[static_cast<size_t>(t * rows + r)];
+        Device<float> dw32(w), dx(x), dy(base);
+        Device<uint16_t> dw16(w16);
+        cu::gemv(dx.data, n, x_stride, bf16 ? static_cast<const void*>(dw16.data) : dw32.data,
+                 host_w.dtype, rows, cols, dy.data, y_stride, accumulate, nullptr);
+        cu::check(cudaDeviceSynchronize(), "sync");
+        std::vector<float> got = dy.host();
+        // Outside each row's `rows` outputs nothing is written.
+        for (int64_t t = 0; t < n; ++t)
+          for (int64_t r = rows;
+               r < y_stride && t * y_stride + r < static_cast<int64_t>(got.size()); ++r)
+            EXPECT_EQ(got[static_cast<size_t>(t * y_stride + r)],
+                      base[static_cast<size_t>(t * y_stride + r)]);
+        EXPECT_LE(relative_l2(got, want), 1e-5)
+            << "n " << n << " bf16 " << bf16 << " accumulate " << accumulate;
+      }
+    }
+  }
+}
+
 TEST(CudaOps, PagedAttentionMatchesTheCpuForGqaAndLatentCaches) {
   REQUIRE_DEVICE();
   kernels::ThreadPool pool(2);
