@@ -587,60 +587,48 @@ namespace {
 // prompt's hand-over does not keep a prompt-sized buffer on the device.
 constexpr size_t kKvChunkBlocks = 64;
 
-}  // namespace
-
-Status CudaEngine::export_kv(std::span<const int32_t> blocks, uint8_t* out) {
-  State& s = *state_;
+// Moves `blocks` between the device cache and `host` (KvCache's block format), in chunks.
+Status move_kv(CudaEngine::State& s, std::span<const int32_t> blocks, uint8_t* host, bool to_host) {
   try {
     cu::check(cudaSetDevice(s.device), "cudaSetDevice");
     const cu::KvBlocks kv = s.kv_blocks();
-    const size_t block_bytes = kv_block_bytes();
+    const size_t block_bytes =
+        static_cast<size_t>(kv.layers * (kv.key_floats + kv.value_floats)) * sizeof(float);
     for (size_t first = 0; first < blocks.size(); first += kKvChunkBlocks) {
       const std::span<const int32_t> chunk =
           blocks.subspan(first, std::min(kKvChunkBlocks, blocks.size() - first));
       const auto count = static_cast<int64_t>(chunk.size());
       int32_t* ids = s.kv_ids.grow(count);
       float* packed = s.kv_packed.grow(count * kv.layers * (kv.key_floats + kv.value_floats));
+      uint8_t* part = host + first * block_bytes;
+      const size_t bytes = chunk.size() * block_bytes;
       cu::check(
           cudaMemcpyAsync(ids, chunk.data(), chunk.size_bytes(), cudaMemcpyHostToDevice, s.compute),
-          "kv export");
-      cu::pack_kv_blocks(kv, ids, count, packed, s.compute);
-      cu::check(cudaMemcpyAsync(out + first * block_bytes, packed, chunk.size() * block_bytes,
-                                cudaMemcpyDeviceToHost, s.compute),
-                "kv export");
-      cu::check(cudaStreamSynchronize(s.compute), "kv export");
+          "kv ids");
+      if (to_host) {
+        cu::pack_kv_blocks(kv, ids, count, packed, s.compute);
+        cu::check(cudaMemcpyAsync(part, packed, bytes, cudaMemcpyDeviceToHost, s.compute), "kv");
+      } else {
+        cu::check(cudaMemcpyAsync(packed, part, bytes, cudaMemcpyHostToDevice, s.compute), "kv");
+        cu::unpack_kv_blocks(kv, ids, count, packed, s.compute);
+      }
+      cu::check(cudaStreamSynchronize(s.compute), "kv");
     }
     return Status::ok_status();
   } catch (const std::exception& e) {
-    return Error{std::string("cuda kv export: ") + e.what()};
+    return Error{std::string(to_host ? "cuda kv export: " : "cuda kv import: ") + e.what()};
   }
 }
 
+}  // namespace
+
+Status CudaEngine::export_kv(std::span<const int32_t> blocks, uint8_t* out) {
+  return move_kv(*state_, blocks, out, /*to_host=*/true);
+}
+
 Status CudaEngine::import_kv(std::span<const int32_t> blocks, const uint8_t* in) {
-  State& s = *state_;
-  try {
-    cu::check(cudaSetDevice(s.device), "cudaSetDevice");
-    const cu::KvBlocks kv = s.kv_blocks();
-    const size_t block_bytes = kv_block_bytes();
-    for (size_t first = 0; first < blocks.size(); first += kKvChunkBlocks) {
-      const std::span<const int32_t> chunk =
-          blocks.subspan(first, std::min(kKvChunkBlocks, blocks.size() - first));
-      const auto count = static_cast<int64_t>(chunk.size());
-      int32_t* ids = s.kv_ids.grow(count);
-      float* packed = s.kv_packed.grow(count * kv.layers * (kv.key_floats + kv.value_floats));
-      cu::check(
-          cudaMemcpyAsync(ids, chunk.data(), chunk.size_bytes(), cudaMemcpyHostToDevice, s.compute),
-          "kv import");
-      cu::check(cudaMemcpyAsync(packed, in + first * block_bytes, chunk.size() * block_bytes,
-                                cudaMemcpyHostToDevice, s.compute),
-                "kv import");
-      cu::unpack_kv_blocks(kv, ids, count, packed, s.compute);
-      cu::check(cudaStreamSynchronize(s.compute), "kv import");
-    }
-    return Status::ok_status();
-  } catch (const std::exception& e) {
-    return Error{std::string("cuda kv import: ") + e.what()};
-  }
+  // Only read: the same loop as export, with the copy's direction reversed.
+  return move_kv(*state_, blocks, const_cast<uint8_t*>(in), /*to_host=*/false);
 }
 
 CudaExpertStats CudaEngine::expert_stats() const {

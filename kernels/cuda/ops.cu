@@ -344,6 +344,15 @@ __global__ void convert_kernel(const float* x, int64_t rows, int64_t cols, int64
   }
 }
 
+// Eight BF16 weights loaded as one 16-byte vector, widened in order.
+__device__ __forceinline__ void unpack_bf16x8(const uint4& packed, float* weights) {
+  const uint32_t words[4] = {packed.x, packed.y, packed.z, packed.w};
+  for (int q = 0; q < 4; ++q) {
+    weights[2 * q] = __uint_as_float(words[q] << 16);
+    weights[2 * q + 1] = __uint_as_float(words[q] & 0xffff0000u);
+  }
+}
+
 // dot(row of `count` weights, x in shared memory), by one warp; lane 0 has the result.
 __device__ float warp_dot(const void* row, DType dtype, const float* x, int64_t count, int lane) {
   float sum = 0.0f;
@@ -351,13 +360,10 @@ __device__ float warp_dot(const void* row, DType dtype, const float* x, int64_t 
     const auto* vectors = static_cast<const uint4*>(row);
     const int64_t full = count / 8;
     for (int64_t v = lane; v < full; v += 32) {
-      const uint4 packed = vectors[v];
-      const uint32_t words[4] = {packed.x, packed.y, packed.z, packed.w};
+      float weights[8];
+      unpack_bf16x8(vectors[v], weights);
       const float* xs = x + v * 8;
-      for (int w = 0; w < 4; ++w) {
-        sum += __uint_as_float(words[w] << 16) * xs[2 * w];
-        sum += __uint_as_float(words[w] & 0xffff0000u) * xs[2 * w + 1];
-      }
+      for (int e = 0; e < 8; ++e) sum += weights[e] * xs[e];
     }
     for (int64_t i = full * 8 + lane; i < count; i += 32) sum += load(row, dtype, i) * x[i];
   } else {
@@ -384,13 +390,8 @@ __global__ void gemv_kernel(const float* __restrict__ x, int64_t n, int64_t x_st
     const auto* vectors = reinterpret_cast<const uint4*>(base);
     const int64_t full = cols / 8;
     for (int64_t v = lane; v < full; v += 32) {
-      const uint4 packed = vectors[v];
-      const uint32_t words[4] = {packed.x, packed.y, packed.z, packed.w};
       float weights[8];
-      for (int q = 0; q < 4; ++q) {
-        weights[2 * q] = __uint_as_float(words[q] << 16);
-        weights[2 * q + 1] = __uint_as_float(words[q] & 0xffff0000u);
-      }
+      unpack_bf16x8(vectors[v], weights);
       for (int64_t t = 0; t < n; ++t) {
         const float* xs = x + t * x_stride + v * 8;
         float sum = sums[t];
