@@ -587,8 +587,11 @@ namespace {
 // prompt's hand-over does not keep a prompt-sized buffer on the device.
 constexpr size_t kKvChunkBlocks = 64;
 
-// Moves `blocks` between the device cache and `host` (KvCache's block format), in chunks.
-Status move_kv(CudaEngine::State& s, std::span<const int32_t> blocks, uint8_t* host, bool to_host) {
+// Moves `blocks` out of the device cache into `out`, or (out null) into it from `in`, in KvCache's
+// block format, a chunk at a time.
+Status move_kv(CudaEngine::State& s, std::span<const int32_t> blocks, uint8_t* out,
+               const uint8_t* in) {
+  const bool to_host = out != nullptr;
   try {
     cu::check(cudaSetDevice(s.device), "cudaSetDevice");
     const cu::KvBlocks kv = s.kv_blocks();
@@ -600,16 +603,18 @@ Status move_kv(CudaEngine::State& s, std::span<const int32_t> blocks, uint8_t* h
       const auto count = static_cast<int64_t>(chunk.size());
       int32_t* ids = s.kv_ids.grow(count);
       float* packed = s.kv_packed.grow(count * kv.layers * (kv.key_floats + kv.value_floats));
-      uint8_t* part = host + first * block_bytes;
+      const size_t offset = first * block_bytes;
       const size_t bytes = chunk.size() * block_bytes;
       cu::check(
           cudaMemcpyAsync(ids, chunk.data(), chunk.size_bytes(), cudaMemcpyHostToDevice, s.compute),
           "kv ids");
       if (to_host) {
         cu::pack_kv_blocks(kv, ids, count, packed, s.compute);
-        cu::check(cudaMemcpyAsync(part, packed, bytes, cudaMemcpyDeviceToHost, s.compute), "kv");
+        cu::check(cudaMemcpyAsync(out + offset, packed, bytes, cudaMemcpyDeviceToHost, s.compute),
+                  "kv");
       } else {
-        cu::check(cudaMemcpyAsync(packed, part, bytes, cudaMemcpyHostToDevice, s.compute), "kv");
+        cu::check(cudaMemcpyAsync(packed, in + offset, bytes, cudaMemcpyHostToDevice, s.compute),
+                  "kv");
         cu::unpack_kv_blocks(kv, ids, count, packed, s.compute);
       }
       cu::check(cudaStreamSynchronize(s.compute), "kv");
@@ -623,12 +628,11 @@ Status move_kv(CudaEngine::State& s, std::span<const int32_t> blocks, uint8_t* h
 }  // namespace
 
 Status CudaEngine::export_kv(std::span<const int32_t> blocks, uint8_t* out) {
-  return move_kv(*state_, blocks, out, /*to_host=*/true);
+  return move_kv(*state_, blocks, out, nullptr);
 }
 
 Status CudaEngine::import_kv(std::span<const int32_t> blocks, const uint8_t* in) {
-  // Only read: the same loop as export, with the copy's direction reversed.
-  return move_kv(*state_, blocks, const_cast<uint8_t*>(in), /*to_host=*/false);
+  return move_kv(*state_, blocks, nullptr, in);
 }
 
 CudaExpertStats CudaEngine::expert_stats() const {
