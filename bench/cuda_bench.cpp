@@ -208,6 +208,15 @@ int main(int argc, char** argv) {
       const Speed speed = measure(**engine, batch, prompt, decode, repeat, true);
       const model::CudaExpertStats stats = (*engine)->expert_stats();
       if (budget >= 1 && batch == 1) resident_decode = speed.decode;
+      // Where a graph's step goes beyond the bytes: its node count, and (batch 1, every expert
+      // resident) the same steps launched one kernel at a time.
+      const size_t nodes = (*engine)->graph_nodes(batch);
+      double eager_decode = 0;
+      if (budget >= 1 && batch == 1) {
+        auto eager = model::CudaEngine::create(
+            m, {.kv_blocks = kv_blocks, .expert_budget_fraction = 1.0, .decode_graphs = false});
+        if (eager) eager_decode = measure(**eager, batch, prompt, decode, repeat, true).decode;
+      }
       const double fraction_of_resident = resident_decode > 0 ? speed.decode / resident_decode : 0;
       std::cout << nlohmann::json{{"budget", budget},
                                   {"batch", batch},
@@ -223,6 +232,12 @@ int main(int argc, char** argv) {
                                   {"load_ms_p50", percentile(stats.load_ms, 0.5)},
                                   {"load_ms_p95", percentile(stats.load_ms, 0.95)},
                                   {"decode_graph_replays", (*engine)->graph_replays()},
+                                  {"decode_graph_nodes", nodes},
+                                  {"decode_step_us_per_graph_node",
+                                   nodes > 0 && speed.decode > 0
+                                       ? 1e6 * batch / speed.decode / static_cast<double>(nodes)
+                                       : 0.0},
+                                  {"decode_eager_tokens_per_second", eager_decode},
                                   {"device_weight_bytes", (*engine)->device_weight_bytes()}}
                        .dump()
                 << '\n';

@@ -215,6 +215,7 @@ struct CudaEngine::State {
   struct Graph {
     bool warmed = false;
     cudaGraphExec_t exec = nullptr;
+    size_t nodes = 0;  // kernels and copies in the captured step
     size_t signature = 0;
     int32_t *tokens = nullptr, *positions = nullptr, *slot_index = nullptr, *table_offset = nullptr,
             *tables = nullptr, *logit_rows = nullptr;
@@ -568,6 +569,10 @@ BlockPool& CudaEngine::pool() {
 }
 const Model& CudaEngine::model() const {
   return state_->model;
+}
+size_t CudaEngine::graph_nodes(int64_t batch) const {
+  const auto it = state_->graphs.find(batch);
+  return it == state_->graphs.end() ? 0 : it->second.nodes;
 }
 uint64_t CudaEngine::graph_replays() const {
   return state_->graph_replays;
@@ -1219,6 +1224,8 @@ bool replay_decode(CudaEngine::State& s, std::span<const SequenceInput> batch,
     }
     cudaGraph_t graph = nullptr;
     cu::check(cudaStreamEndCapture(stream, &graph), "end capture");
+    size_t nodes = 0;
+    if (cudaGraphGetNodes(graph, nullptr, &nodes) == cudaSuccess) g.nodes = nodes;
     const cudaError_t made = cudaGraphInstantiate(&g.exec, graph, 0);
     cudaGraphDestroy(graph);
     cu::check(made, "instantiate graph");

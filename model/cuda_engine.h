@@ -90,6 +90,8 @@ class CudaEngine : public ForwardPass {
   std::vector<float> take_load_ms();
   // Decode steps replayed from a CUDA graph so far.
   uint64_t graph_replays() const;
+  // Nodes (kernels and copies) of the decode graph captured for `batch` sequences; 0: none yet.
+  size_t graph_nodes(int64_t batch) const;
   int expert_slots() const;
   // Bytes of device memory holding weights (experts included) and KV.
   size_t device_weight_bytes() const;
