@@ -58,6 +58,20 @@ class DeviceArena {
     cu::check(cudaMemcpy(p, m.data, m.bytes(), cudaMemcpyHostToDevice), "upload");
     return {p, m.dtype, m.rows, m.cols};
   }
+  // Matrices of one dtype and width stacked row-wise into one (their outputs side by side).
+  DeviceMatrix upload_stacked(std::initializer_list<const kernels::MatrixView*> parts) {
+    const kernels::MatrixView& first = **parts.begin();
+    int64_t rows = 0;
+    for (const kernels::MatrixView* m : parts) rows += m->rows;
+    auto* p = static_cast<std::byte*>(
+        alloc(static_cast<size_t>(rows * first.cols) * kernels::dtype_size(first.dtype)));
+    size_t offset = 0;
+    for (const kernels::MatrixView* m : parts) {
+      cu::check(cudaMemcpy(p + offset, m->data, m->bytes(), cudaMemcpyHostToDevice), "upload");
+      offset += m->bytes();
+    }
+    return {p, first.dtype, rows, first.cols};
+  }
   DeviceVector upload(const kernels::VectorView& v) {
     if (!v.data) return {};
     const size_t bytes = static_cast<size_t>(v.size) * kernels::dtype_size(v.dtype);
@@ -113,6 +127,9 @@ struct DeviceLayer {
   DeviceVector input_norm, post_norm, q_bias, k_bias, v_bias, o_bias, q_norm, k_norm, router_bias;
   DeviceMatrix q, k, v, o, router, dense_gate, dense_up, dense_down, shared_gate, shared_up,
       shared_down;
+  // Q, K and V stacked into one matrix (no biases, no Q/K norms, one dtype): one projection per
+  // layer writes [q | k | v] per token, and one RoPE call rotates q and k together.
+  DeviceMatrix qkv;
   // Multi-head latent attention.
   DeviceMatrix q_a, q_b, kv_a, kv_b, kv_b_key_t;
   DeviceVector q_a_norm, kv_a_norm;
@@ -694,9 +711,17 @@ Expected<std::unique_ptr<CudaEngine>> CudaEngine::create(const Model& model,
       d.is_moe = w.is_moe;
       d.input_norm = s->arena.upload(w.input_norm);
       d.post_norm = s->arena.upload(w.post_attention_norm);
-      d.q = s->arena.upload(w.q_proj);
-      d.k = s->arena.upload(w.k_proj);
-      d.v = s->arena.upload(w.v_proj);
+      const bool stack_qkv = !c.mla && !c.qk_norm && w.q_proj.data && !w.q_bias.data &&
+                             !w.k_bias.data && !w.v_bias.data && w.k_proj.dtype == w.q_proj.dtype &&
+                             w.v_proj.dtype == w.q_proj.dtype && w.k_proj.cols == w.q_proj.cols &&
+                             w.v_proj.cols == w.q_proj.cols;
+      if (stack_qkv) {
+        d.qkv = s->arena.upload_stacked({&w.q_proj, &w.k_proj, &w.v_proj});
+      } else {
+        d.q = s->arena.upload(w.q_proj);
+        d.k = s->arena.upload(w.k_proj);
+        d.v = s->arena.upload(w.v_proj);
+      }
       d.o = s->arena.upload(w.o_proj);
       d.q_bias = s->arena.upload(w.q_bias);
       d.k_bias = s->arena.upload(w.k_bias);
@@ -907,35 +932,48 @@ void enqueue_forward(CudaEngine::State& s, int64_t n, int64_t wanted) {
     if (c.mla) {
       latent_attention(s, w, l, n);
     } else {
-      // Attention.
-      float* q = s.q.grow(n * heads * hd);
-      float* k = s.k.grow(n * kv_heads * hd);
-      float* v = s.v.grow(n * kv_heads * hd);
+      // Attention. q, k, v: each token's heads at q + t * q_stride (k, v likewise).
+      float *q, *k, *v;
+      int64_t q_stride = heads * hd, kv_stride = kv_heads * hd;
       float* attended = s.attended.grow(n * heads * hd);
       float* projected = s.projected.grow(n * H);
       cu::rms_norm(hidden, n, H, H, w.input_norm.data, w.input_norm.dtype, c.rms_norm_eps, normed,
                    H, stream);
-      s.blas->matmul(normed, n, w.q, q);
-      s.blas->matmul(normed, n, w.k, k);
-      s.blas->matmul(normed, n, w.v, v);
-      if (w.q_bias) cu::add_bias(q, n, heads * hd, w.q_bias.data, w.q_bias.dtype, stream);
-      if (w.k_bias) cu::add_bias(k, n, kv_heads * hd, w.k_bias.data, w.k_bias.dtype, stream);
-      if (w.v_bias) cu::add_bias(v, n, kv_heads * hd, w.v_bias.data, w.v_bias.dtype, stream);
-      if (c.qk_norm) {
-        cu::rms_norm(q, n * heads, hd, hd, w.q_norm.data, w.q_norm.dtype, c.rms_norm_eps, q, hd,
-                     stream);
-        cu::rms_norm(k, n * kv_heads, hd, hd, w.k_norm.data, w.k_norm.dtype, c.rms_norm_eps, k, hd,
-                     stream);
+      if (w.qkv.data) {
+        q_stride = kv_stride = (heads + 2 * kv_heads) * hd;
+        q = s.q.grow(n * q_stride);
+        k = q + heads * hd;
+        v = k + kv_heads * hd;
+        s.blas->matmul(normed, n, w.qkv, q);
+        // k's heads follow q's in each token's row: one rotation for both.
+        cu::rope(q, n, heads + kv_heads, q_stride, hd, hd, s.cos_sin.get(), s.rope.interleaved(),
+                 stream);
+      } else {
+        q = s.q.grow(n * heads * hd);
+        k = s.k.grow(n * kv_heads * hd);
+        v = s.v.grow(n * kv_heads * hd);
+        s.blas->matmul(normed, n, w.q, q);
+        s.blas->matmul(normed, n, w.k, k);
+        s.blas->matmul(normed, n, w.v, v);
+        if (w.q_bias) cu::add_bias(q, n, heads * hd, w.q_bias.data, w.q_bias.dtype, stream);
+        if (w.k_bias) cu::add_bias(k, n, kv_heads * hd, w.k_bias.data, w.k_bias.dtype, stream);
+        if (w.v_bias) cu::add_bias(v, n, kv_heads * hd, w.v_bias.data, w.v_bias.dtype, stream);
+        if (c.qk_norm) {
+          cu::rms_norm(q, n * heads, hd, hd, w.q_norm.data, w.q_norm.dtype, c.rms_norm_eps, q, hd,
+                       stream);
+          cu::rms_norm(k, n * kv_heads, hd, hd, w.k_norm.data, w.k_norm.dtype, c.rms_norm_eps, k,
+                       hd, stream);
+        }
+        cu::rope(q, n, heads, heads * hd, hd, hd, s.cos_sin.get(), s.rope.interleaved(), stream);
+        cu::rope(k, n, kv_heads, kv_heads * hd, hd, hd, s.cos_sin.get(), s.rope.interleaved(),
+                 stream);
       }
-      cu::rope(q, n, heads, heads * hd, hd, hd, s.cos_sin.get(), s.rope.interleaved(), stream);
-      cu::rope(k, n, kv_heads, kv_heads * hd, hd, hd, s.cos_sin.get(), s.rope.interleaved(),
-               stream);
       float* cache_keys = s.kv + static_cast<size_t>(l) * (s.key_part + s.value_part);
       float* cache_values = cache_keys + s.key_part;
       cu::write_kv(k, v, n, kv_heads, hd, hd, s.slot_index.get(), cache_keys, cache_values,
-                   kBlockTokens, stream);
+                   kBlockTokens, stream, kv_stride, kv_stride);
       const cu::DeviceKv kv{cache_keys, cache_values, kBlockTokens, kv_heads, hd, hd, hd};
-      cu::attention(q, heads * hd, attended, heads * hd, n, heads, kv, s.tables.get(),
+      cu::attention(q, q_stride, attended, heads * hd, n, heads, kv, s.tables.get(),
                     s.table_offset.get(), s.positions.get(), s.softmax_scale, c.sliding_window,
                     stream);
       if (w.o_bias) {

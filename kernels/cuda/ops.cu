@@ -99,8 +99,9 @@ __global__ void rope_kernel(float* x, int64_t n, int64_t heads, int64_t token_st
 }
 
 __global__ void write_kv_kernel(const float* k, const float* v, int64_t n, int64_t kv_heads,
-                                int64_t key_dim, int64_t value_dim, const int32_t* slot_index,
-                                float* keys, float* values, int64_t block_size) {
+                                int64_t key_dim, int64_t value_dim, int64_t k_stride,
+                                int64_t v_stride, const int32_t* slot_index, float* keys,
+                                float* values, int64_t block_size) {
   const int64_t per_token = kv_heads * (key_dim + value_dim);
   const int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
   if (i >= n * per_token) return;
@@ -108,13 +109,11 @@ __global__ void write_kv_kernel(const float* k, const float* v, int64_t n, int64
   const int64_t block = slot_index[t] / block_size, slot = slot_index[t] % block_size;
   if (e < kv_heads * key_dim) {
     const int64_t h = e / key_dim, d = e % key_dim;
-    keys[((block * kv_heads + h) * block_size + slot) * key_dim + d] =
-        k[t * kv_heads * key_dim + e];
+    keys[((block * kv_heads + h) * block_size + slot) * key_dim + d] = k[t * k_stride + e];
   } else {
     const int64_t f = e - kv_heads * key_dim;
     const int64_t h = f / value_dim, d = f % value_dim;
-    values[((block * kv_heads + h) * block_size + slot) * value_dim + d] =
-        v[t * kv_heads * value_dim + f];
+    values[((block * kv_heads + h) * block_size + slot) * value_dim + d] = v[t * v_stride + f];
   }
 }
 
@@ -676,11 +675,14 @@ void rope(float* x, int64_t n, int64_t heads, int64_t token_stride, int64_t head
 
 void write_kv(const float* k, const float* v, int64_t n, int64_t kv_heads, int64_t key_dim,
               int64_t value_dim, const int32_t* slot_index, float* keys, float* values,
-              int64_t block_size, cudaStream_t stream) {
+              int64_t block_size, cudaStream_t stream, int64_t k_stride, int64_t v_stride) {
   const int64_t count = n * kv_heads * (key_dim + value_dim);
   if (count == 0) return;
+  if (k_stride == 0) k_stride = kv_heads * key_dim;
+  if (v_stride == 0) v_stride = kv_heads * value_dim;
   write_kv_kernel<<<blocks_for(count), kThreads, 0, stream>>>(k, v, n, kv_heads, key_dim, value_dim,
-                                                              slot_index, keys, values, block_size);
+                                                              k_stride, v_stride, slot_index, keys,
+                                                              values, block_size);
   check(cudaGetLastError(), "write_kv");
 }
 

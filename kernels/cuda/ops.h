@@ -36,11 +36,12 @@ void rms_norm(const float* x, int64_t n, int64_t dim, int64_t x_stride, const vo
 void rope(float* x, int64_t n, int64_t heads, int64_t token_stride, int64_t head_stride,
           int64_t dim, const float* cos_sin, bool interleaved, cudaStream_t stream);
 
-// Writes each token's K and V rows (kv_heads of key_dim / value_dim, contiguous per token) into
-// the paged cache at slot_index[t] = block * block_size + slot. values may be null (MLA).
+// Writes each token's K and V rows (kv_heads of key_dim / value_dim, contiguous per token; token
+// t's at k + t * k_stride and v + t * v_stride, 0: packed) into the paged cache at slot_index[t] =
+// block * block_size + slot. values may be null (MLA).
 void write_kv(const float* k, const float* v, int64_t n, int64_t kv_heads, int64_t key_dim,
               int64_t value_dim, const int32_t* slot_index, float* keys, float* values,
-              int64_t block_size, cudaStream_t stream);
+              int64_t block_size, cudaStream_t stream, int64_t k_stride = 0, int64_t v_stride = 0);
 
 // KV blocks between the paged cache and the format they move in between processes
 // (model::KvCache::export_block): block i of `packed` holds, layer after layer, that block's keys
