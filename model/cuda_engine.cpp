@@ -1110,10 +1110,15 @@ void enqueue_forward(CudaEngine::State& s, int64_t n, int64_t wanted) {
             ++issued;
             continue;
           }
-          // Never a slot this layer still has to compute with (those before i are enqueued; the
-          // copy stream waits for their done events before overwriting).
-          const int victim = s.policy->victim(keys[issued], std::span(keys).subspan(i, issued - i),
-                                              /*prefetch=*/false);
+          // Not a slot holding an expert this layer has yet to compute with (those before i are
+          // enqueued; the copy stream waits for their done events before overwriting), resident
+          // ones included: the policy ranks the running layer's experts last to be needed again,
+          // assuming they are in use. Only when nothing is queued ahead (the expert is needed
+          // now) may one of the layer's later, resident experts go; it is copied back in turn.
+          const std::span<const int64_t> pending = std::span(keys).subspan(i);
+          int victim = s.policy->victim(keys[issued], pending, /*prefetch=*/false);
+          if (victim < 0 && issued == i)
+            victim = s.policy->victim(keys[issued], pending.first(1), /*prefetch=*/false);
           if (victim < 0) break;
           s.load(keys[issued], victim, /*prefetch=*/false);
           ++s.stats.misses;
