@@ -97,7 +97,8 @@ ComputeWorker::ComputeWorker(const runtime::Config& config, const char* stage, w
       std::make_unique<ExpertUsageCounter>(cfg.num_layers, std::max<int64_t>(1, cfg.num_experts));
   service.start_http(config.text("http"), config.text("port-file"), [this] {
     return nlohmann::json{{"hub_accepted", link && link->accepted()},
-                          {"expert_plan", plan_received_}};
+                          {"expert_plan", plan_received_},
+                          {"device", device}};
   });
   runtime::LinkSettings settings =
       link_settings(config, kind, service.log.replica(), model->model_id(), service.http_port());
