@@ -173,9 +173,7 @@ struct CudaEngine::State {
     if (copy) cudaStreamSynchronize(copy);  // pins held by copies in flight come back
     if (registered) cudaHostUnregister(const_cast<void*>(registered));
     if (host_experts) cudaFreeHost(host_experts);
-    for (void* p : {static_cast<void*>(observed_scores), static_cast<void*>(observed_weights),
-                    static_cast<void*>(observed_chosen)})
-      if (p) cudaFreeHost(p);
+    free_observed();
     if (host_chosen) cudaFreeHost(host_chosen);
     if (host_weights) cudaFreeHost(host_weights);
     blas.reset();
@@ -312,13 +310,16 @@ struct CudaEngine::State {
         throw std::runtime_error("pinned observer buffers: cannot allocate " +
                                  std::to_string(sizes[0] + sizes[1] + sizes[2]) + " bytes");
       }
-    for (void* p : {static_cast<void*>(observed_scores), static_cast<void*>(observed_weights),
-                    static_cast<void*>(observed_chosen)})
-      if (p) cudaFreeHost(p);
+    free_observed();
     observed_scores = static_cast<float*>(fresh[0]);
     observed_weights = static_cast<float*>(fresh[1]);
     observed_chosen = static_cast<int32_t*>(fresh[2]);
     observed_tokens = capacity;
+  }
+  void free_observed() {
+    for (void* p : {static_cast<void*>(observed_scores), static_cast<void*>(observed_weights),
+                    static_cast<void*>(observed_chosen)})
+      if (p) cudaFreeHost(p);
   }
   void observe(int64_t layer, int64_t n, const float* layer_scores, const int32_t* layer_chosen,
                const float* layer_weights) {
@@ -599,8 +600,7 @@ void CudaEngine::set_router_observer(RouterObserver* observer) {
 }
 
 size_t CudaEngine::kv_block_bytes() const {
-  const cu::KvBlocks kv = state_->kv_blocks();
-  return static_cast<size_t>(kv.layers * (kv.key_floats + kv.value_floats)) * sizeof(float);
+  return static_cast<size_t>(state_->kv_blocks().block_floats()) * sizeof(float);
 }
 
 namespace {
@@ -617,14 +617,13 @@ Status move_kv(CudaEngine::State& s, std::span<const int32_t> blocks, uint8_t* o
   try {
     cu::check(cudaSetDevice(s.device), "cudaSetDevice");
     const cu::KvBlocks kv = s.kv_blocks();
-    const size_t block_bytes =
-        static_cast<size_t>(kv.layers * (kv.key_floats + kv.value_floats)) * sizeof(float);
+    const size_t block_bytes = static_cast<size_t>(kv.block_floats()) * sizeof(float);
     for (size_t first = 0; first < blocks.size(); first += kKvChunkBlocks) {
       const std::span<const int32_t> chunk =
           blocks.subspan(first, std::min(kKvChunkBlocks, blocks.size() - first));
       const auto count = static_cast<int64_t>(chunk.size());
       int32_t* ids = s.kv_ids.grow(count);
-      float* packed = s.kv_packed.grow(count * kv.layers * (kv.key_floats + kv.value_floats));
+      float* packed = s.kv_packed.grow(count * kv.block_floats());
       const size_t offset = first * block_bytes;
       const size_t bytes = chunk.size() * block_bytes;
       cu::check(

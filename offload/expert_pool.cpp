@@ -256,6 +256,11 @@ uint64_t parse_expert_budget(const std::string& text, uint64_t total_expert_byte
   throw std::invalid_argument(usage);
 }
 
+double expert_budget_fraction(const std::string& text, uint64_t total_expert_bytes) {
+  return static_cast<double>(parse_expert_budget(text, total_expert_bytes)) /
+         static_cast<double>(std::max<uint64_t>(total_expert_bytes, 1));
+}
+
 namespace {
 // Layer steps from `current` forward to `layer` in a cycle of `cycle` layers (0 for the same).
 int32_t layers_until(int32_t layer, int32_t current, int32_t cycle) {

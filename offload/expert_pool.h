@@ -77,6 +77,8 @@ double expected_reuse_distance(int32_t layer, int32_t current, int32_t cycle, do
 // "25%" of all expert bytes, "64MiB" / "1.5GB" / "4096" bytes. Throws std::invalid_argument with
 // the accepted forms on anything else. Keep the forms stable: other tools pass this flag.
 uint64_t parse_expert_budget(const std::string& text, uint64_t total_expert_bytes);
+// The same budget as a share of all expert bytes (a GPU's expert cache is sized by it).
+double expert_budget_fraction(const std::string& text, uint64_t total_expert_bytes);
 
 // Node-wide counters (monotonic), kept in the pool's shared header.
 struct PoolCounters {

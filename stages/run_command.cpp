@@ -303,10 +303,8 @@ int run_command(int argc, char** argv) {
     double fraction = 1.0;
     if (!options.expert_budget.empty()) {
       try {
-        const offload::ExpertCatalog catalog = model.expert_catalog();
-        fraction = static_cast<double>(offload::parse_expert_budget(options.expert_budget,
-                                                                    catalog.total_expert_bytes())) /
-                   static_cast<double>(catalog.total_expert_bytes());
+        fraction = offload::expert_budget_fraction(options.expert_budget,
+                                                   model.expert_catalog().total_expert_bytes());
       } catch (const std::exception& e) {
         return fail(std::string("--expert-budget: ") + e.what(), 2);
       }

@@ -51,6 +51,7 @@ struct KvBlocks {
   float* base = nullptr;
   int64_t layers = 0, layer_stride = 0, key_part = 0;  // floats
   int64_t key_floats = 0, value_floats = 0;            // one block of one layer
+  int64_t block_floats() const { return layers * (key_floats + value_floats); }  // packed
 };
 void pack_kv_blocks(const KvBlocks& kv, const int32_t* blocks, int64_t count, float* packed,
                     cudaStream_t stream);

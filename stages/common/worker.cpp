@@ -127,10 +127,9 @@ void ComputeWorker::create_engine(int32_t kv_blocks) {
 #ifdef MOELINE_HAVE_CUDA
   double fraction = 1.0;
   if (!device_expert_budget_.empty()) {
-    const uint64_t total = model->expert_catalog().total_expert_bytes();
     try {
-      fraction = static_cast<double>(offload::parse_expert_budget(device_expert_budget_, total)) /
-                 static_cast<double>(std::max<uint64_t>(total, 1));
+      fraction = offload::expert_budget_fraction(device_expert_budget_,
+                                                 model->expert_catalog().total_expert_bytes());
     } catch (const std::exception& e) {
       throw runtime::ConfigError(std::string("--device-expert-budget: ") + e.what());
     }

@@ -127,13 +127,13 @@ class PrefillStage {
   }
 
   void update_gauges() {
-    kv_used_->set(worker_.forward->blocks().capacity() - worker_.forward->blocks().free_blocks());
-    kv_free_->set(worker_.forward->blocks().free_blocks());
+    const model::BlockPool& pool = worker_.forward->blocks();
+    const int32_t used = pool.capacity() - pool.free_blocks();
+    kv_used_->set(used);
+    kv_free_->set(pool.free_blocks());
     queue_depth_->set(static_cast<double>(queue_.size()));
-    worker_.link->set_load(static_cast<uint32_t>(queue_.size()), 0,
-                           static_cast<uint32_t>(worker_.forward->blocks().capacity() -
-                                                 worker_.forward->blocks().free_blocks()),
-                           static_cast<uint32_t>(worker_.forward->blocks().free_blocks()));
+    worker_.link->set_load(static_cast<uint32_t>(queue_.size()), 0, static_cast<uint32_t>(used),
+                           static_cast<uint32_t>(pool.free_blocks()));
   }
 
   void dispatch(wire::Message& message) {
@@ -366,17 +366,20 @@ class PrefillStage {
         run.clear();
         return imported.ok();
       };
+      auto abandon = [&] {
+        sequence->release(pool);
+        return std::unique_ptr<model::Sequence>();
+      };
       for (size_t b = 0; b < chain.size(); ++b) {
         if (auto it = shared.find(chain[b]); it != shared.end()) {
-          if (!flush()) break;
+          if (!flush()) return abandon();
           sequence->share_block(pool, it->second);
           continue;
         }
         std::optional<int32_t> block = pool.allocate();
         if (!block) {
           flush();
-          sequence->release(pool);
-          return nullptr;
+          return abandon();
         }
         if (run.empty()) run_start = b;
         run.push_back(*block);
@@ -384,10 +387,7 @@ class PrefillStage {
         held.push_back(*block);
         shared[chain[b]] = *block;
       }
-      if (!flush() || !kv_error.empty()) {
-        sequence->release(pool);
-        return nullptr;
-      }
+      if (!flush()) return abandon();
       sequence->commit(prefix);
       return sequence;
     };
