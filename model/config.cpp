@@ -140,6 +140,30 @@ void validate(const ModelConfig& c) {
   positive(c.num_experts, "the number of experts");
   positive(c.experts_per_token, "num_experts_per_tok");
   positive(c.expert_intermediate_size, "the expert intermediate size");
+  // Bounds far above any published model, checked before anything is sized from them: a
+  // config.json is input, and `num_hidden_layers: 2147483648` must be an error, not an allocation.
+  auto at_most = [](int64_t value, int64_t limit, const char* what) {
+    if (value > limit)
+      throw ModelError(std::string("config.json: ") + what + " " + std::to_string(value) +
+                       " exceeds the limit of " + std::to_string(limit));
+  };
+  at_most(c.vocab_size, int64_t{1} << 22, "vocab_size");
+  at_most(c.hidden_size, int64_t{1} << 17, "hidden_size");
+  at_most(c.num_layers, 4096, "num_hidden_layers");
+  at_most(c.num_heads, 4096, "num_attention_heads");
+  at_most(c.num_kv_heads, 4096, "num_key_value_heads");
+  at_most(c.head_dim, 8192, "head_dim");
+  at_most(c.num_experts, 65536, "the number of experts");
+  at_most(c.expert_intermediate_size, int64_t{1} << 20, "the expert intermediate size");
+  at_most(c.shared_intermediate_size, int64_t{1} << 20, "the shared expert intermediate size");
+  at_most(c.max_position_embeddings, int64_t{1} << 24, "max_position_embeddings");
+  if (c.mla) {
+    at_most(c.kv_lora_rank, 65536, "kv_lora_rank");
+    at_most(c.q_lora_rank, 65536, "q_lora_rank");
+    at_most(c.qk_rope_head_dim, 8192, "qk_rope_head_dim");
+    at_most(c.qk_nope_head_dim, 8192, "qk_nope_head_dim");
+    at_most(c.v_head_dim, 8192, "v_head_dim");
+  }
   if (c.num_heads % c.num_kv_heads != 0)
     throw ModelError("config.json: num_attention_heads must be a multiple of num_key_value_heads");
   if (!c.mla && c.head_dim % 2 != 0)

@@ -5,6 +5,7 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <cstring>
 #include <fstream>
@@ -150,6 +151,11 @@ void Checkpoint::add_file(const fs::path& path, const std::vector<std::string>* 
   const std::byte* payload = file->data() + 8 + header_bytes;
   const size_t payload_bytes = file->size() - 8 - static_cast<size_t>(header_bytes);
 
+  struct Extent {
+    uint64_t begin, end;
+    std::string name;
+  };
+  std::vector<Extent> extents;
   for (const auto& [name, entry] : header.items()) {
     if (name == "__metadata__") continue;
     const std::string where = "tensor '" + name + "'";
@@ -180,12 +186,23 @@ void Checkpoint::add_file(const fs::path& path, const std::vector<std::string>* 
                        info.shape_string() + " of " + info.dtype_name + " needs " +
                        std::to_string(static_cast<size_t>(info.elements()) * element_bytes));
       info.data = payload + offsets[0];
+      if (info.bytes > 0) extents.push_back({offsets[0], offsets[1], name});
       if (!tensors_.emplace(name, std::move(info)).second)
         fail(path, where + " appears in more than one file");
     } catch (const json::exception& e) {
       fail(path, where + " has a malformed header entry: " + e.what());
     }
   }
+  // Two tensors sharing bytes would let one write (or a crafted file) alias another's weights.
+  std::sort(extents.begin(), extents.end(),
+            [](const Extent& a, const Extent& b) { return a.begin < b.begin; });
+  for (size_t i = 1; i < extents.size(); ++i)
+    if (extents[i].begin < extents[i - 1].end)
+      fail(path, "tensors '" + extents[i - 1].name + "' and '" + extents[i].name +
+                     "' overlap (data_offsets [" + std::to_string(extents[i - 1].begin) + ", " +
+                     std::to_string(extents[i - 1].end) + ") and [" +
+                     std::to_string(extents[i].begin) + ", " + std::to_string(extents[i].end) +
+                     "))");
   if (expected_names) {
     for (const std::string& name : *expected_names)
       if (!tensors_.count(name))

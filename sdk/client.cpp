@@ -1,5 +1,8 @@
 #include "sdk/client.h"
 
+#include <fstream>
+#include <nlohmann/json.hpp>
+
 #include "schemas/wire.h"
 
 namespace moeline::sdk {
@@ -52,8 +55,17 @@ const char* error_name(int code) {
   return name != nullptr && *name != '\0' ? name : "Unknown";
 }
 
-Client::Client(std::string endpoint, std::chrono::milliseconds timeout)
-    : endpoint_(std::move(endpoint)), timeout_(timeout) {
+Client::Client(std::string endpoint, std::chrono::milliseconds timeout, Credentials credentials)
+    : endpoint_(std::move(endpoint)), timeout_(timeout), credentials_(std::move(credentials)) {
+  if (!credentials_.server_key.empty() && credentials_.server_key.size() != 40) {
+    // A path: the public key is the "public" field of the gateway's key file.
+    std::ifstream in(credentials_.server_key);
+    if (!in) throw std::runtime_error("cannot read the server key " + credentials_.server_key);
+    const nlohmann::json file = nlohmann::json::parse(in, nullptr, false);
+    if (!file.is_object() || !file.contains("public") || !file["public"].is_string())
+      throw std::runtime_error(credentials_.server_key + " is not a key file (no \"public\")");
+    credentials_.server_key = file["public"].get<std::string>();
+  }
   open();
 }
 
@@ -71,6 +83,14 @@ void Client::open() {
   socket_->set(zmq::sockopt::linger, 200);
   socket_->set(zmq::sockopt::sndhwm, 0);
   socket_->set(zmq::sockopt::rcvhwm, 0);
+  if (!credentials_.server_key.empty()) {
+    char public_key[41] = {}, secret_key[41] = {};
+    if (zmq_curve_keypair(public_key, secret_key) != 0)
+      throw std::runtime_error("this libzmq has no CURVE support");
+    socket_->set(zmq::sockopt::curve_serverkey, credentials_.server_key);
+    socket_->set(zmq::sockopt::curve_publickey, std::string(public_key));
+    socket_->set(zmq::sockopt::curve_secretkey, std::string(secret_key));
+  }
   socket_->connect(endpoint_);
 }
 
@@ -94,9 +114,10 @@ uint64_t Client::start(const GenerateOptions& options) {
   auto tokens = options.tokens.empty() ? 0 : builder.CreateVector(options.tokens);
   auto tenant = builder.CreateString(options.tenant);
   auto reuse = options.reuse.empty() ? 0 : builder.CreateString(options.reuse);
+  auto api_key = credentials_.api_key.empty() ? 0 : builder.CreateString(credentials_.api_key);
   builder.Finish(
       wire::CreateGenerateRequest(builder, id, prompt, tokens, sampling, tenant,
-                                  options.deadline_ms, options.add_special_tokens, reuse),
+                                  options.deadline_ms, options.add_special_tokens, reuse, api_key),
       wire::GenerateRequestIdentifier());
   if (!wire::send(*socket_, wire::encode(wire::MessageType::GenerateRequest, builder)))
     throw std::runtime_error("cannot send to " + endpoint_);
@@ -230,8 +251,9 @@ void Client::feedback(uint64_t client_request_id, float score, const std::string
 
 std::string Client::control(const std::string& command, const std::string& arguments) {
   flatbuffers::FlatBufferBuilder builder(128);
+  auto api_key = credentials_.api_key.empty() ? 0 : builder.CreateString(credentials_.api_key);
   builder.Finish(wire::CreateControlCommand(builder, builder.CreateString(command),
-                                            builder.CreateString(arguments)),
+                                            builder.CreateString(arguments), api_key),
                  wire::ControlCommandIdentifier());
   wire::send(*socket_, wire::encode(wire::MessageType::ControlCommand, builder));
   const auto until = Clock::now() + timeout_;

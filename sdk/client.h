@@ -103,10 +103,20 @@ class TimeoutError : public std::runtime_error {
   using std::runtime_error::runtime_error;
 };
 
+// How the client proves itself. `api_key` (from `moeline keys add`) goes with every request and
+// control command where the gateway has a keys file; it names the tenant and the role.
+// `server_key` (the gateway's public Curve key: 40 Z85 characters, or the path of gateway.pub)
+// turns on CurveZMQ for a tcp:// endpoint, with a key pair made for this connection.
+struct Credentials {
+  std::string api_key;
+  std::string server_key;
+};
+
 class Client {
  public:
   explicit Client(std::string endpoint,
-                  std::chrono::milliseconds timeout = std::chrono::seconds(60));
+                  std::chrono::milliseconds timeout = std::chrono::seconds(60),
+                  Credentials credentials = {});
   ~Client();
   Client(const Client&) = delete;
   Client& operator=(const Client&) = delete;
@@ -131,6 +141,7 @@ class Client {
 
   std::string endpoint_;
   std::chrono::milliseconds timeout_;
+  Credentials credentials_;
   zmq::context_t context_{1};
   std::unique_ptr<zmq::socket_t> socket_;
   uint64_t next_id_ = 1;

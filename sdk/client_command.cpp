@@ -5,9 +5,10 @@
 #include <iostream>
 #include <map>
 #include <nlohmann/json.hpp>
+#include <vector>
 
-#include "sdk/cli_args.h"
 #include "schemas/wire.h"
+#include "sdk/cli_args.h"
 #include "sdk/client.h"
 
 namespace moeline::sdk {
@@ -46,12 +47,21 @@ the whole stack (an operator's switch; the rollback controller may also turn it 
   --deadline-ms N      the request's deadline (default: the gateway's)
   --timeout-ms N       give up when the stack is silent this long (default 60000)
   --json               one JSON object at the end
+
+every command:
+  --api-key KEY        the API key (moeline keys add) where the gateway has a keys file;
+                       default: $MOELINE_API_KEY
+  --server-key KEY     the gateway's public Curve key (40 Z85 characters, or the path of
+                       gateway.pub) for a tcp:// endpoint with Curve; default: $MOELINE_SERVER_KEY
 )";
 
 class UsageError : public std::invalid_argument {
  public:
   using std::invalid_argument::invalid_argument;
 };
+
+// --api-key and --server-key apply to every subcommand (taken out of the arguments first).
+Credentials g_credentials;
 
 nlohmann::json usage_json(const Usage& usage) {
   return {{"prompt_tokens", usage.prompt_tokens}, {"completion_tokens", usage.completion_tokens},
@@ -130,7 +140,7 @@ int generate(int argc, char** argv) {
     throw UsageError("--reuse must be exact, none, approximate, response or blend, not '" +
                      options.reuse + "'");
 
-  Client client(endpoint, std::chrono::milliseconds(timeout_ms));
+  Client client(endpoint, std::chrono::milliseconds(timeout_ms), g_credentials);
   try {
     Result result = client.generate(options, [&](const Event& event) {
       if (!json && !event.text.empty()) std::cout << event.text << std::flush;
@@ -176,7 +186,7 @@ int reuse(int argc, char** argv) {
   }
   if (endpoint.empty()) throw UsageError("--endpoint is required");
   if (levels.empty()) throw UsageError("--levels is required (prefix,full,result, all or none)");
-  Client client(endpoint, std::chrono::seconds(10));
+  Client client(endpoint, std::chrono::seconds(10), g_credentials);
   const nlohmann::json args = {{"levels", levels}, {"tenant", tenant}};
   std::cout << nlohmann::json::parse(client.control("reuse", args.dump())).dump(2) << '\n';
   return 0;
@@ -197,7 +207,7 @@ int approximate(int argc, char** argv) {
   }
   if (endpoint.empty()) throw UsageError("--endpoint is required");
   if (state.empty()) throw UsageError("say on or off");
-  Client client(endpoint, std::chrono::seconds(10));
+  Client client(endpoint, std::chrono::seconds(10), g_credentials);
   const nlohmann::json args = {{"enabled", state == "on"}};
   std::cout << nlohmann::json::parse(client.control("approximate", args.dump())).dump(2) << '\n';
   return 0;
@@ -213,7 +223,7 @@ int status(int argc, char** argv) {
       throw UsageError(std::string("unknown option '") + argv[i] + "'");
   }
   if (endpoint.empty()) throw UsageError("--endpoint is required");
-  Client client(endpoint, std::chrono::seconds(10));
+  Client client(endpoint, std::chrono::seconds(10), g_credentials);
   std::cout << nlohmann::json::parse(client.control("status")).dump(2) << '\n';
   return 0;
 }
@@ -231,6 +241,19 @@ int client_command(int argc, char** argv) {
       return 0;
     }
   const std::string sub = argv[0];
+  if (const char* env = std::getenv("MOELINE_API_KEY")) g_credentials.api_key = env;
+  if (const char* env = std::getenv("MOELINE_SERVER_KEY")) g_credentials.server_key = env;
+  std::vector<char*> rest = {argv[0]};
+  for (int i = 1; i < argc; ++i) {
+    const bool api = std::strcmp(argv[i], "--api-key") == 0;
+    if ((api || std::strcmp(argv[i], "--server-key") == 0) && i + 1 < argc) {
+      (api ? g_credentials.api_key : g_credentials.server_key) = argv[++i];
+      continue;
+    }
+    rest.push_back(argv[i]);
+  }
+  argc = static_cast<int>(rest.size());
+  argv = rest.data();
   return run_reporting_errors<std::invalid_argument>(kUsage, [&] {
     if (sub == "generate") return generate(argc - 1, argv + 1);
     if (sub == "status") return status(argc - 1, argv + 1);

@@ -8,6 +8,7 @@
 #include "stages/decode/decode.h"
 #include "stages/experts_command.h"
 #include "stages/gateway/gateway.h"
+#include "stages/keys_command.h"
 #include "stages/load/load.h"
 #include "stages/offload_manager/offload_manager.h"
 #include "stages/prefill/prefill.h"
@@ -31,6 +32,7 @@ commands:
   load         load generator for the stack or one stage (moeline load --help)
   signature    activation signatures of prompts, JSON lines in and out (moeline signature --help)
   experts      router health heat map of a stack; replay expert traces (moeline experts --help)
+  keys         stage keys (CurveZMQ) and client API keys (moeline keys --help)
   version      print the version
 
 stage processes (each: moeline <stage> --help):
@@ -53,6 +55,7 @@ int main(int argc, char** argv) {
   if (command == "tokenize") return moeline::stages::tokenize_command(argc - 2, argv + 2);
   if (command == "chat-template") return moeline::stages::chat_template_command(argc - 2, argv + 2);
   if (command == "detokenize") return moeline::stages::detokenize_command(argc - 2, argv + 2);
+  if (command == "keys") return moeline::stages::keys_command(argc - 2, argv + 2);
   if (command == "stack") return moeline::stages::stack_command(argc - 2, argv + 2);
   if (command == "client") return moeline::sdk::client_command(argc - 2, argv + 2);
   if (command == "signature") return moeline::stages::signature_command(argc - 2, argv + 2);

@@ -65,18 +65,45 @@ std::string replica_name(const runtime::Config& config, const char* stage) {
                                         : config.text("replica");
 }
 
+size_t max_stage_message_bytes(const model::ModelConfig& config) {
+  // The largest message stages exchange carries a whole context's KV (a hand-over, a prefix plan)
+  // or a prompt's logits and partial block (a snapshot put), plus its tokens: twice that bounds
+  // it with room to spare. A frame past the bound is dropped by ZeroMQ before it is buffered.
+  const model::KvShape shape = model::kv_shape(config);
+  const uint64_t context = static_cast<uint64_t>(
+      config.max_position_embeddings > 0 ? config.max_position_embeddings : 32768);
+  const uint64_t kv_token = static_cast<uint64_t>(config.num_layers) *
+                            static_cast<uint64_t>(shape.kv_heads) *
+                            static_cast<uint64_t>(shape.key_dim + shape.value_dim) * sizeof(float);
+  const uint64_t bytes = 2 * (context * (kv_token + 2 * sizeof(int32_t)) +
+                              static_cast<uint64_t>(config.vocab_size) * sizeof(float)) +
+                         (uint64_t{16} << 20);
+  return static_cast<size_t>(std::min<uint64_t>(bytes, uint64_t{1} << 40));
+}
+
 runtime::LinkSettings link_settings(const runtime::Config& config, wire::StageKind stage,
-                                    const std::string& replica, uint64_t model_id,
+                                    const std::string& replica, const model::Model& model,
                                     uint16_t http_port) {
   runtime::LinkSettings settings;
   settings.hub = config.text("hub");
   settings.stage = stage;
   settings.replica = replica;
-  settings.settings_hash = settings_hash(model_id);
+  settings.settings_hash = settings_hash(model.model_id());
   settings.heartbeat_ms = static_cast<int>(config.integer("heartbeat-ms"));
   settings.peer_timeout_ms = static_cast<int>(config.integer("peer-timeout-ms"));
   settings.http_port = http_port;
+  settings.max_message_bytes = max_stage_message_bytes(model.config());
+  const runtime::CurveSettings curve =
+      runtime::load_curve_settings(config.text("curve-dir"), curve_role(stage));
+  if (curve.enabled()) {
+    settings.curve_keys = curve.own.keys;
+    settings.curve_server_key = curve.server_public_key;
+  }
   return settings;
+}
+
+std::string curve_role(wire::StageKind stage) {
+  return stage == wire::StageKind::OffloadManager ? "offload" : wire::stage_name(stage);
 }
 
 std::string default_model_dir() {
@@ -94,6 +121,9 @@ std::vector<runtime::ConfigKey> common_keys(const char* default_http) {
       {"heartbeat-ms", "500", "heartbeat interval"},
       {"peer-timeout-ms", "3000", "a peer silent this long is considered dead"},
       {"watchdog-ms", "30000", "/healthz fails when the stage loop stalls this long"},
+      {"curve-dir", "",
+       "key directory (moeline keys init): tcp:// sockets run CurveZMQ with this process's key "
+       "(gateway.key, or <role>.key and gateway.pub); empty: open, for ipc:// stacks"},
   };
 }
 

@@ -6,6 +6,7 @@
 #include <vector>
 
 #include "model/config.h"
+#include "model/model.h"
 #include "model/sampling.h"
 #include "reuse/signature.h"
 #include "schemas/wire.h"
@@ -38,9 +39,15 @@ std::vector<runtime::ConfigKey> compute_keys();
 // --replica, or "<stage>-<host>-<pid>".
 std::string replica_name(const runtime::Config& config, const char* stage);
 // The link settings of a worker stage from its config (hub, heartbeats, timeouts).
+// With --curve-dir, the link runs Curve with the role's key; a tcp:// hub without one is logged
+// as open.
 runtime::LinkSettings link_settings(const runtime::Config& config, wire::StageKind stage,
-                                    const std::string& replica, uint64_t model_id,
+                                    const std::string& replica, const model::Model& model,
                                     uint16_t http_port);
+// The key file a stage kind uses in a key directory: probe, prefill, decode, offload.
+std::string curve_role(wire::StageKind stage);
+// The largest message stages exchange for this model (ZMQ_MAXMSGSIZE of the hub and links).
+size_t max_stage_message_bytes(const model::ModelConfig& config);
 // Activation signatures (approximate reuse): the probe computes them for lookups and prefill for
 // what it stores, so both take the same keys (--signature-layers, --signature-dimension) and must
 // be given the same values.

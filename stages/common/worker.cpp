@@ -101,7 +101,7 @@ ComputeWorker::ComputeWorker(const runtime::Config& config, const char* stage, w
                           {"device", device}};
   });
   runtime::LinkSettings settings =
-      link_settings(config, kind, service.log.replica(), model->model_id(), service.http_port());
+      link_settings(config, kind, service.log.replica(), *model, service.http_port());
   link = std::make_unique<runtime::HubLink>(context, settings, service.log, service.metrics);
 }
 

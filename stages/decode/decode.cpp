@@ -84,7 +84,7 @@ class DecodeStage {
       const bool busy = !active_streams_.empty();
       bool first = true;
       while (auto message = worker_.link->receive(first && !busy ? 50 : 0)) {
-        dispatch(*message);
+        worker_.service.guard("decode", [&] { dispatch(*message); });
         first = false;
       }
       admit();
@@ -171,6 +171,13 @@ class DecodeStage {
     else if (message.bulk.size() != 1 ||
              message.bulk[0].size() != blocks * worker_.forward->kv_block_bytes())
       problem = "KV frame has the wrong size";
+    else if (prompt == 0 || static_cast<int64_t>(prompt) >= context_)
+      problem = "a prompt of " + std::to_string(prompt) + " tokens does not fit the context of " +
+                std::to_string(context_);
+    else if (model::Status valid = from_wire(done->sampling()).validate(); !valid.ok())
+      problem = valid.error().message;
+    else if (done->first_token() < 0 || done->first_token() >= worker_.model->config().vocab_size)
+      problem = "first token " + std::to_string(done->first_token()) + " is outside the vocabulary";
     if (!problem.empty())
       return job_failed(done->request_id(), done->attempt(), wire::ErrorCode::MalformedMessage,
                         problem);
@@ -195,8 +202,10 @@ class DecodeStage {
   }
 
   int64_t reserve_tokens(const Stream& stream) const {
-    return std::min<int64_t>(
-        static_cast<int64_t>(stream.prompt.size()) + stream.sampling.max_tokens, context_);
+    // max_tokens is clamped before the sum: a request may ask for 2^63 - 1 tokens.
+    return std::min<int64_t>(static_cast<int64_t>(stream.prompt.size()) +
+                                 std::min<int64_t>(stream.sampling.max_tokens, context_),
+                             context_);
   }
   int32_t blocks_for(const Stream& stream) const {
     return static_cast<int32_t>((reserve_tokens(stream) + model::kBlockTokens - 1) /

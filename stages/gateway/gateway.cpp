@@ -16,7 +16,10 @@
 #include "reuse/approximate.h"
 #include "reuse/records.h"
 #include "stages/common/common.h"
+#include "stages/gateway/tenant_limits.h"
+#include "stages/runtime/api_keys.h"
 #include "stages/runtime/hub.h"
+#include "stages/runtime/security.h"
 #include "stages/runtime/service.h"
 
 namespace moeline::stages {
@@ -31,6 +34,7 @@ double ms_between(Clock::time_point from, Clock::time_point to) {
 struct Request {
   uint64_t id = 0;
   std::string client;
+  std::string tenant;  // admitted by the tenant limiter until erased
   uint64_t client_request_id = 0;
   std::vector<int32_t> prompt;
   model::SamplingParams sampling;
@@ -75,7 +79,12 @@ class Gateway {
   explicit Gateway(const runtime::Config& config)
       : service_("gateway", replica_name(config, "gateway")),
         metrics_(service_.metrics),
-        log_(service_.log) {
+        log_(service_.log),
+        api_keys_(config.text("api-keys")),
+        tenant_limiter_(metrics_) {
+    tenant_limits_.max_in_flight = static_cast<uint32_t>(
+        std::clamp<int64_t>(config.integer("tenant-max-in-flight"), 0, 1'000'000'000));
+    tenant_limits_.prompt_tokens_per_s = std::max(0.0, config.number("tenant-prompt-tokens-per-s"));
     runtime::StageService::install_signal_handlers();
     service_.set_watchdog_limit(std::chrono::milliseconds(config.integer("watchdog-ms")));
     auto loaded = model::Model::load(config.text("model"));
@@ -90,7 +99,9 @@ class Gateway {
     max_prompt_tokens_ = config.integer("max-prompt-tokens");
     if (max_prompt_tokens_ <= 0 || max_prompt_tokens_ >= context_)
       max_prompt_tokens_ = context_ - 1;
-    max_prompt_bytes_ = static_cast<size_t>(runtime::parse_bytes(config.text("max-prompt-bytes")));
+    max_prompt_bytes_ = std::min(
+        static_cast<size_t>(runtime::parse_bytes(config.text("max-prompt-bytes"))),
+        static_cast<size_t>(max_prompt_tokens_) * longest_token_bytes(*tokenizer_, cfg.vocab_size));
     default_deadline_ = std::chrono::milliseconds(config.integer("default-deadline-ms"));
     max_deadline_ = std::chrono::milliseconds(config.integer("max-deadline-ms"));
     max_retries_ = static_cast<uint32_t>(config.integer("max-retries"));
@@ -125,8 +136,13 @@ class Gateway {
 
     service_.start_http(config.text("http"), config.text("port-file"), [this] {
       std::lock_guard<std::mutex> lock(approximate_state_mutex_);
-      return nlohmann::json{{"in_flight", in_flight_.load()}, {"approximate", approximate_state_}};
+      return nlohmann::json{{"in_flight", in_flight_.load()},
+                            {"approximate", approximate_state_},
+                            {"security", security_state_}};
     });
+    curve_ = runtime::load_curve_settings(config.text("curve-dir"), "gateway");
+    if (curve_.enabled())
+      zap_ = std::make_unique<runtime::ZapHandler>(context_zmq_, log_, metrics_);
     client_ = std::make_unique<zmq::socket_t>(context_zmq_, zmq::socket_type::router);
     client_->set(zmq::sockopt::router_mandatory, true);
     client_->set(zmq::sockopt::linger, 0);
@@ -134,14 +150,42 @@ class Gateway {
     client_->set(zmq::sockopt::rcvhwm, 0);
     // A hard cap below which the codec answers oversized messages with a clear error.
     client_->set(zmq::sockopt::maxmsgsize, static_cast<int64_t>(limits_.max_body_bytes * 16));
+    if (curve_.enabled()) {
+      // Any client key: the channel is encrypted and the gateway proven; API keys say who.
+      zap_->allow_any(runtime::kClientDomain);
+      runtime::make_curve_server(*client_, curve_.own.keys, runtime::kClientDomain);
+    }
     client_->bind(config.text("client-bind"));
+    runtime::restrict_ipc_endpoint(config.text("client-bind"));
     hub_ = std::make_unique<runtime::Hub>(
         context_zmq_, config.text("hub-bind"), settings_hash(model_->model_id()),
         static_cast<int>(config.integer("heartbeat-ms")),
-        static_cast<int>(config.integer("peer-timeout-ms")), log_, metrics_);
+        static_cast<int>(config.integer("peer-timeout-ms")), log_, metrics_,
+        runtime::HubSecurity{.max_message_bytes = max_stage_message_bytes(cfg),
+                             .curve = &curve_,
+                             .zap = zap_.get()});
+    for (const char* key : {"client-bind", "hub-bind"})
+      if (runtime::is_tcp(config.text(key)) && !curve_.enabled())
+        log_.warn("open_endpoint",
+                  {{"endpoint", config.text(key)},
+                   {"detail", "tcp:// without --curve-dir: anyone who reaches it may connect"}});
+    metrics_
+        .gauge("moeline_gateway_authenticated",
+               "1 when the tcp:// endpoints run Curve with the stage allow-list")
+        .set(curve_.enabled() ? 1 : 0);
+    {
+      std::lock_guard<std::mutex> lock(approximate_state_mutex_);
+      security_state_ = {{"curve", curve_.enabled()},
+                         {"api_keys", api_keys_.required()},
+                         {"open", !api_keys_.required()}};
+    }
     log_.info("listening", {{"client", config.text("client-bind")},
                             {"hub", config.text("hub-bind")},
                             {"model_id", model_->model_id()},
+                            {"settings_hash", settings_hash(model_->model_id())},
+                            {"hub_max_message_bytes", max_stage_message_bytes(cfg)},
+                            {"curve", curve_.enabled()},
+                            {"api_keys", api_keys_.size()},
                             {"max_prompt_tokens", max_prompt_tokens_}});
     register_metrics();
   }
@@ -160,14 +204,20 @@ class Gateway {
       for (int i = 0; i < 256; ++i) {
         auto frames = wire::receive(*client_, true);
         if (!frames) break;
-        on_client(std::move(*frames));
+        const std::string client = frames->empty() ? "" : frames->front().to_string();
+        if (!service_.guard("client", [&] { on_client(std::move(*frames)); }) && !client.empty())
+          service_.guard("client_error_reply", [&] {
+            reply_error(client, wire::ErrorCode::Internal, "the gateway could not handle it");
+          });
       }
       for (int i = 0; i < 256; ++i) {
         auto incoming = hub_->receive();
         if (!incoming) break;
-        on_stage(*incoming);
+        service_.guard("stage", [&] { on_stage(*incoming); });
       }
       for (const runtime::Peer& dead : hub_->tick()) on_peer_lost(dead);
+      if (auto error = api_keys_.reload_if_changed())
+        log_.error("api_keys_not_reloaded", {{"error", *error}});
       expire_deadlines();
       update_controller();
       dispatch();
@@ -189,6 +239,16 @@ class Gateway {
       start = comma + 1;
     }
     return out;
+  }
+
+  // An upper bound on the text bytes one token covers: the longest vocabulary entry as stored
+  // (byte-level and "▁" forms spell a byte with up to 3, so this overestimates), at least 4.
+  static size_t longest_token_bytes(const model::Tokenizer& tokenizer, int64_t vocab) {
+    size_t longest = 4;
+    for (int64_t id = 0; id < vocab; ++id)
+      if (auto token = tokenizer.id_to_token(static_cast<int32_t>(id)))
+        longest = std::max(longest, token->size());
+    return longest;
   }
 
   void register_metrics() {
@@ -505,6 +565,22 @@ class Gateway {
                     "the gateway has " + std::to_string(requests_.size()) +
                         " requests in flight (limit " + std::to_string(max_in_flight_) + ")");
     std::string tenant = request.tenant() ? request.tenant()->str() : "";
+    TenantLimits limits = tenant_limits_;
+    if (api_keys_.required()) {
+      // The key names the tenant; a request may repeat it, never choose another.
+      const std::string key = request.api_key() ? request.api_key()->str() : "";
+      const runtime::ApiKeyEntry* entry = api_keys_.authenticate(key);
+      if (entry == nullptr)
+        return reject(
+            client, crid, wire::ErrorCode::Unauthenticated, "unauthenticated",
+            key.empty() ? "this gateway requires an API key" : "the API key is not valid");
+      if (!tenant.empty() && tenant != entry->tenant)
+        return reject(client, crid, wire::ErrorCode::Forbidden, "forbidden",
+                      "the API key is not for tenant '" + tenant.substr(0, 64) + "'");
+      tenant = entry->tenant;
+      if (entry->max_in_flight > 0) limits.max_in_flight = entry->max_in_flight;
+      if (entry->prompt_tokens_per_s > 0) limits.prompt_tokens_per_s = entry->prompt_tokens_per_s;
+    }
     if (tenant.empty()) tenant = "default";
     if (tenant.size() > 64 || !std::all_of(tenant.begin(), tenant.end(), [](char c) {
           return std::isalnum(static_cast<unsigned char>(c)) || c == '-' || c == '_' || c == '.';
@@ -525,10 +601,13 @@ class Gateway {
                     "give either a prompt or tokens");
     std::vector<int32_t> prompt;
     if (has_prompt) {
+      // Refused before tokenizing: a prompt longer than the token limit times the longest token
+      // cannot fit, and tokenizing it would stall this loop for every other request.
       if (request.prompt()->size() > max_prompt_bytes_)
         return reject(client, crid, wire::ErrorCode::PromptTooLong, "prompt_too_long",
                       "prompt of " + std::to_string(request.prompt()->size()) +
-                          " bytes exceeds the limit of " + std::to_string(max_prompt_bytes_));
+                          " bytes exceeds the limit of " + std::to_string(max_prompt_bytes_) +
+                          " bytes (" + std::to_string(max_prompt_tokens_) + " tokens)");
       auto ids = tokenizer_->encode(request.prompt()->string_view(),
                                     {.add_special_tokens = request.add_special_tokens()});
       if (!ids)
@@ -551,12 +630,17 @@ class Gateway {
       return reject(client, crid, wire::ErrorCode::PromptTooLong, "prompt_too_long",
                     "prompt of " + std::to_string(prompt.size()) + " tokens exceeds the limit of " +
                         std::to_string(max_prompt_tokens_));
+    // Generation stops at the context anyway; capping here keeps every later sum in range.
+    sampling.max_tokens =
+        std::min<int64_t>(sampling.max_tokens, context_ - static_cast<int64_t>(prompt.size()));
     const std::optional<uint32_t> asked =
         requested_levels(request.reuse() ? request.reuse()->str() : "");
     if (!asked)
       return reject(client, crid, wire::ErrorCode::InvalidRequest, "bad_reuse",
                     "unknown reuse '" + request.reuse()->str() +
                         "' (known: exact, approximate, response, blend, none)");
+    if (auto over = tenant_limiter_.admit(tenant, limits, prompt.size(), seconds_now()))
+      return reject(client, crid, wire::ErrorCode::Overloaded, "tenant_over_limit", *over);
     // Every sampled request gets a seed, so that a retry after a replica dies replays the
     // tokens the client already has instead of diverging from them.
     const bool client_seeded = sampling.seed.has_value();
@@ -565,6 +649,7 @@ class Gateway {
     Request r;
     r.id = next_request_id_++;
     r.client = client;
+    r.tenant = tenant;
     r.client_request_id = crid;
     r.prompt = std::move(prompt);
     r.sampling = std::move(sampling);
@@ -613,6 +698,21 @@ class Gateway {
 
   void on_control(const std::string& client, const wire::ControlCommand& command) {
     const std::string name = command.command() ? command.command()->str() : "";
+    if (api_keys_.required()) {
+      // Operator commands change what every tenant gets (or show every tenant's requests).
+      const runtime::ApiKeyEntry* entry =
+          api_keys_.authenticate(command.api_key() ? command.api_key()->string_view() : "");
+      if (entry == nullptr || entry->role != runtime::ApiRole::kOperator) {
+        count_rejection(entry == nullptr ? "unauthenticated" : "forbidden");
+        log_.warn("control_refused", {{"command", name.substr(0, 64)},
+                                      {"key", entry ? entry->id : std::string("none")}});
+        return reply_error(
+            client,
+            entry == nullptr ? wire::ErrorCode::Unauthenticated : wire::ErrorCode::Forbidden,
+            entry == nullptr ? "control commands need an operator's API key"
+                             : "control commands need the operator role");
+      }
+    }
     nlohmann::json body;
     bool ok = true;
     std::string text = "ok";
@@ -625,6 +725,8 @@ class Gateway {
           throw std::invalid_argument(
               "reuse expects {\"levels\": \"prefix,full,result|none|all\", \"tenant\": "
               "\"NAME|*\"}");
+        if (args.contains("tenant") && !args["tenant"].is_string())
+          throw std::invalid_argument("reuse: \"tenant\" must be a string (a name or \"*\")");
         const uint32_t levels = reuse::parse_levels(args["levels"].get<std::string>());
         const std::string tenant = args.value("tenant", "*");
         if (tenant == "*") {
@@ -701,6 +803,43 @@ class Gateway {
     return &it->second;
   }
 
+  // A result counts only from the replica the job was given to. Another peer's answer for it (a
+  // stage answering jobs it never got, to put its tokens in someone else's stream) is dropped
+  // and counted; a stale attempt's is simply ignored, as before.
+  Request* owned(uint64_t id, uint32_t attempt, const std::string& from, wire::MessageType type) {
+    Request* r = find(id, attempt);
+    if (r == nullptr) return nullptr;
+    if (r->owner == from) return r;
+    refuse_from_peer(from, type, "not_owner");
+    return nullptr;
+  }
+
+  // Messages a kind of stage may send: a probe does not hand out expert plans, an offload manager
+  // does not store snapshots.
+  bool from_stage(const std::string& from, wire::MessageType type,
+                  std::initializer_list<wire::StageKind> kinds) {
+    const runtime::Peer* peer = hub_->peer(from);
+    if (peer != nullptr && std::find(kinds.begin(), kinds.end(), peer->stage) != kinds.end())
+      return true;
+    refuse_from_peer(from, type, "wrong_stage");
+    return false;
+  }
+
+  void refuse_from_peer(const std::string& from, wire::MessageType type, const char* reason) {
+    const runtime::Peer* peer = hub_->peer(from);
+    metrics_
+        .counter("moeline_gateway_stage_messages_refused_total",
+                 "Results and messages from a stage that was not entitled to send them",
+                 {{"reason", reason}, {"type", wire::message_type_name(type)}})
+        .inc();
+    if (uint64_t suppressed = 0; stage_refusal_log_.allow(suppressed))
+      log_.warn("stage_message_refused", {{"peer", peer ? peer->replica : std::string("?")},
+                                          {"stage", peer ? wire::stage_name(peer->stage) : "?"},
+                                          {"type", wire::message_type_name(type)},
+                                          {"reason", reason},
+                                          {"suppressed", suppressed}});
+  }
+
   // Tells the prefill or decode replica holding the request to drop it (a probe answers at once,
   // there is nothing to cancel there).
   void cancel_at_owner(Request& r) {
@@ -716,6 +855,7 @@ class Gateway {
   }
 
   void erase(Request& r) {
+    tenant_limiter_.release(r.tenant);
     by_client_.erase({r.client, r.client_request_id});
     requests_.erase(r.id);  // queue entries for it are skipped when they come up
   }
@@ -1052,7 +1192,7 @@ class Gateway {
     switch (message.type) {
       case wire::MessageType::ProbePlan: {
         const auto* plan = message.as<wire::ProbePlan>();
-        Request* r = find(plan->request_id(), plan->attempt());
+        Request* r = owned(plan->request_id(), plan->attempt(), incoming.identity, message.type);
         if (r == nullptr) return;
         r->owner.clear();
         r->probe_us = plan->probe_us();
@@ -1119,7 +1259,7 @@ class Gateway {
       }
       case wire::MessageType::PrefillDone: {
         const auto* done = message.as<wire::PrefillDone>();
-        Request* r = find(done->request_id(), done->attempt());
+        Request* r = owned(done->request_id(), done->attempt(), incoming.identity, message.type);
         if (r == nullptr) return;
         r->owner.clear();
         r->prefill_ms = static_cast<double>(done->prefill_us()) / 1000.0;
@@ -1148,8 +1288,9 @@ class Gateway {
         batch_size_->observe(batch->batch_size());
         if (batch->updates() == nullptr) return;
         for (const wire::TokenUpdate* update : *batch->updates()) {
-          Request* r = find(update->request_id(), update->attempt());
-          if (r == nullptr) continue;  // cancelled or retried meanwhile
+          Request* r =
+              owned(update->request_id(), update->attempt(), incoming.identity, message.type);
+          if (r == nullptr) continue;  // cancelled or retried meanwhile, or not this peer's
           on_token(*r, update->token(),
                    update->finish_reason() ? update->finish_reason()->str() : "");
         }
@@ -1157,7 +1298,8 @@ class Gateway {
       }
       case wire::MessageType::JobFailed: {
         const auto* failed = message.as<wire::JobFailed>();
-        Request* r = find(failed->request_id(), failed->attempt());
+        Request* r =
+            owned(failed->request_id(), failed->attempt(), incoming.identity, message.type);
         if (r == nullptr) return;
         r->owner.clear();
         return fail(*r, failed->code(), "failed",
@@ -1165,12 +1307,22 @@ class Gateway {
       }
       case wire::MessageType::ExpertPlanRequest:
       case wire::MessageType::ExpertUsage:
+        if (!from_stage(incoming.identity, message.type,
+                        {wire::StageKind::Prefill, wire::StageKind::Decode}))
+          return;
         return forward_to_offload(message);
       case wire::MessageType::SnapshotPut:
+        // Only prefill computes what the store keeps (the gateway's own puts go out directly).
+        if (!from_stage(incoming.identity, message.type, {wire::StageKind::Prefill})) return;
         return forward_to_probes(message.release_frames());
       case wire::MessageType::ExpertPlan: {
+        if (!from_stage(incoming.identity, message.type, {wire::StageKind::OffloadManager})) return;
         const auto* plan = message.as<wire::ExpertPlan>();
         const std::string requester = plan->requester() ? plan->requester()->str() : "";
+        const runtime::Peer* to = hub_->peer(requester);
+        if (to == nullptr ||
+            (to->stage != wire::StageKind::Prefill && to->stage != wire::StageKind::Decode))
+          return;
         hub_->send(requester, message.release_frames(), false);
         return;
       }
@@ -1202,7 +1354,13 @@ class Gateway {
   runtime::StageService service_;
   runtime::Registry& metrics_;
   runtime::Logger& log_;
+  runtime::ApiKeys api_keys_;
+  TenantLimiter tenant_limiter_;
+  TenantLimits tenant_limits_;
+  nlohmann::json security_state_;  // constant once listening: /healthz reads it
   zmq::context_t context_zmq_{1};
+  runtime::CurveSettings curve_;
+  std::unique_ptr<runtime::ZapHandler> zap_;  // before the sockets it admits: outlives them
   std::unique_ptr<zmq::socket_t> client_;
   std::unique_ptr<runtime::Hub> hub_;
   std::unique_ptr<model::Model> model_;
@@ -1232,7 +1390,7 @@ class Gateway {
                      *queue_time_ = nullptr;
   runtime::Counter *retries_ = nullptr, *feedback_ = nullptr;
   std::map<std::string, runtime::Counter*> outcomes_;
-  runtime::RateLimited reject_log_, frame_log_;
+  runtime::RateLimited reject_log_, frame_log_, stage_refusal_log_;
 
   std::unique_ptr<reuse::RollbackController> controller_;
   // What /healthz (the HTTP thread) reports of it.
@@ -1262,6 +1420,15 @@ std::vector<runtime::ConfigKey> gateway_keys() {
   keys.push_back({"max-decode-backlog", "64",
                   "prefilled requests waiting for a decode replica before prefill pauses"});
   keys.push_back({"tenants", "", "comma-separated tenant names accepted (empty: any)"});
+  keys.push_back({"api-keys", "",
+                  "keys file (moeline keys add): every request needs an API key, which names its "
+                  "tenant and role; control commands need the operator role. Empty: open (the "
+                  "client names its tenant)"});
+  keys.push_back({"tenant-max-in-flight", "1024",
+                  "requests one tenant may have in flight (0: no limit; a key may set its own)"});
+  keys.push_back({"tenant-prompt-tokens-per-s", "0",
+                  "prompt tokens one tenant may submit per second (0: no limit; a key may set "
+                  "its own)"});
   keys.push_back({"shared-tenants", "",
                   "tenants whose cache entries are shared with each other (default: none; every "
                   "tenant reuses only its own work)"});

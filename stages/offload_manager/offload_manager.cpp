@@ -249,9 +249,8 @@ int offload_body(const runtime::Config& config) {
   }
 
   zmq::context_t context(1);
-  runtime::LinkSettings settings =
-      link_settings(config, wire::StageKind::OffloadManager, service.log.replica(),
-                    model.model_id(), service.http_port());
+  runtime::LinkSettings settings = link_settings(config, wire::StageKind::OffloadManager,
+                                                 service.log.replica(), model, service.http_port());
   runtime::HubLink link(context, settings, service.log, metrics);
 
   while (!runtime::StageService::stop_requested()) {
@@ -266,88 +265,92 @@ int offload_body(const runtime::Config& config) {
     service.set_ready(link.accepted());
     auto message = link.receive(100);
     if (!message) continue;
-    switch (message->type) {
-      case wire::MessageType::ExpertPlanRequest: {
-        const auto* request = message->as<wire::ExpertPlanRequest>();
-        flatbuffers::FlatBufferBuilder builder(256);
-        auto tier = builder.CreateString(pool ? "host_pool" : "resident");
-        auto requester = builder.CreateString(request->replica() ? request->replica()->str() : "");
-        auto pool_name = builder.CreateString(pool ? pool->name() : "");
-        builder.Finish(
-            wire::CreateExpertPlan(builder, model.model_id(), !pool, static_cast<uint32_t>(layers),
-                                   static_cast<uint32_t>(experts), expert_bytes, tier, requester,
-                                   pool_name, pool_bytes, prefetch_depth),
-            wire::ExpertPlanIdentifier());
-        link.send(wire::encode(wire::MessageType::ExpertPlan, builder));
-        plans.inc();
-        break;
-      }
-      case wire::MessageType::ExpertUsage: {
-        const auto* usage = message->as<wire::ExpertUsage>();
-        if (usage->layers() != layers || usage->experts() != experts || !usage->counts() ||
-            usage->counts()->size() != per_expert.size()) {
-          service.log.warn("usage_shape_mismatch", {{"layers", usage->layers()}});
+    service.guard("offload", [&] {
+      switch (message->type) {
+        case wire::MessageType::ExpertPlanRequest: {
+          const auto* request = message->as<wire::ExpertPlanRequest>();
+          flatbuffers::FlatBufferBuilder builder(256);
+          auto tier = builder.CreateString(pool ? "host_pool" : "resident");
+          auto requester =
+              builder.CreateString(request->replica() ? request->replica()->str() : "");
+          auto pool_name = builder.CreateString(pool ? pool->name() : "");
+          builder.Finish(wire::CreateExpertPlan(builder, model.model_id(), !pool,
+                                                static_cast<uint32_t>(layers),
+                                                static_cast<uint32_t>(experts), expert_bytes, tier,
+                                                requester, pool_name, pool_bytes, prefetch_depth),
+                         wire::ExpertPlanIdentifier());
+          link.send(wire::encode(wire::MessageType::ExpertPlan, builder));
+          plans.inc();
           break;
         }
-        const std::vector<uint64_t> counts(usage->counts()->begin(), usage->counts()->end());
-        for (size_t i = 0; i < counts.size(); ++i)
-          per_expert[i]->inc(static_cast<double>(counts[i]));
-        routed.inc(static_cast<double>(usage->tokens()));
-        auto to_vector = [](const auto* v) {
-          using T = std::remove_cv_t<std::remove_pointer_t<decltype(v)>>;
-          return v ? std::vector<typename T::return_type>(v->begin(), v->end())
-                   : std::vector<typename T::return_type>{};
-        };
-        const auto layer_tokens = to_vector(usage->layer_tokens());
-        const auto confidence_sum = to_vector(usage->confidence_sum());
-        const auto seconds = to_vector(usage->router_seconds());
-        std::lock_guard lock(health_mutex);
-        for (int l : health.add(counts, layer_tokens, confidence_sum, seconds)) {
-          const offload::LayerHealth& h = health.layers()[static_cast<size_t>(l)];
-          const std::initializer_list<runtime::LogField> fields = {
-              {"layer", l},
-              {"state", offload::health_state_name(h.state)},
-              {"reason", h.reason},
-              {"imbalance", h.imbalance()},
-              {"confidence", h.confidence()}};
-          if (h.state == offload::HealthState::kOk) {
-            service.log.info("router_health", fields);
-          } else {
-            service.log.warn("router_health", fields);
+        case wire::MessageType::ExpertUsage: {
+          const auto* usage = message->as<wire::ExpertUsage>();
+          if (usage->layers() != layers || usage->experts() != experts || !usage->counts() ||
+              usage->counts()->size() != per_expert.size()) {
+            service.log.warn("usage_shape_mismatch", {{"layers", usage->layers()}});
+            break;
           }
+          const std::vector<uint64_t> counts(usage->counts()->begin(), usage->counts()->end());
+          for (size_t i = 0; i < counts.size(); ++i)
+            per_expert[i]->inc(static_cast<double>(counts[i]));
+          routed.inc(static_cast<double>(usage->tokens()));
+          auto to_vector = [](const auto* v) {
+            using T = std::remove_cv_t<std::remove_pointer_t<decltype(v)>>;
+            return v ? std::vector<typename T::return_type>(v->begin(), v->end())
+                     : std::vector<typename T::return_type>{};
+          };
+          const auto layer_tokens = to_vector(usage->layer_tokens());
+          const auto confidence_sum = to_vector(usage->confidence_sum());
+          const auto seconds = to_vector(usage->router_seconds());
+          std::lock_guard lock(health_mutex);
+          for (int l : health.add(counts, layer_tokens, confidence_sum, seconds)) {
+            const offload::LayerHealth& h = health.layers()[static_cast<size_t>(l)];
+            const std::initializer_list<runtime::LogField> fields = {
+                {"layer", l},
+                {"state", offload::health_state_name(h.state)},
+                {"reason", h.reason},
+                {"imbalance", h.imbalance()},
+                {"confidence", h.confidence()}};
+            if (h.state == offload::HealthState::kOk) {
+              service.log.info("router_health", fields);
+            } else {
+              service.log.warn("router_health", fields);
+            }
+          }
+          for (size_t l = 0; l < health.layers().size(); ++l) {
+            const offload::LayerHealth& h = health.layers()[l];
+            imbalance[l]->set(h.imbalance());
+            confidence[l]->set(h.confidence());
+            health_state[l]->set(static_cast<double>(h.state));
+            if (l < seconds.size() && seconds[l] > 0) router_seconds[l]->inc(seconds[l]);
+          }
+          break;
         }
-        for (size_t l = 0; l < health.layers().size(); ++l) {
-          const offload::LayerHealth& h = health.layers()[l];
-          imbalance[l]->set(h.imbalance());
-          confidence[l]->set(h.confidence());
-          health_state[l]->set(static_cast<double>(h.state));
-          if (l < seconds.size() && seconds[l] > 0) router_seconds[l]->inc(seconds[l]);
-        }
-        break;
+        case wire::MessageType::Hello:
+        case wire::MessageType::HelloReply:
+        case wire::MessageType::Heartbeat:
+        case wire::MessageType::Credit:
+        case wire::MessageType::ErrorReply:
+        case wire::MessageType::GenerateRequest:
+        case wire::MessageType::CancelRequest:
+        case wire::MessageType::Feedback:
+        case wire::MessageType::StreamEvent:
+        case wire::MessageType::ProbeJob:
+        case wire::MessageType::ProbePlan:
+        case wire::MessageType::PrefillJob:
+        case wire::MessageType::PrefillDone:
+        case wire::MessageType::TokenBatch:
+        case wire::MessageType::JobFailed:
+        case wire::MessageType::SnapshotPut:
+        case wire::MessageType::CancelJob:
+        case wire::MessageType::ExpertPlan:
+        case wire::MessageType::ControlCommand:
+        case wire::MessageType::ControlReply:
+          service.log.warn("unexpected_message",
+                           {{"type", wire::message_type_name(message->type)}});
+          break;
       }
-      case wire::MessageType::Hello:
-      case wire::MessageType::HelloReply:
-      case wire::MessageType::Heartbeat:
-      case wire::MessageType::Credit:
-      case wire::MessageType::ErrorReply:
-      case wire::MessageType::GenerateRequest:
-      case wire::MessageType::CancelRequest:
-      case wire::MessageType::Feedback:
-      case wire::MessageType::StreamEvent:
-      case wire::MessageType::ProbeJob:
-      case wire::MessageType::ProbePlan:
-      case wire::MessageType::PrefillJob:
-      case wire::MessageType::PrefillDone:
-      case wire::MessageType::TokenBatch:
-      case wire::MessageType::JobFailed:
-      case wire::MessageType::SnapshotPut:
-      case wire::MessageType::CancelJob:
-      case wire::MessageType::ExpertPlan:
-      case wire::MessageType::ControlCommand:
-      case wire::MessageType::ControlReply:
-        service.log.warn("unexpected_message", {{"type", wire::message_type_name(message->type)}});
-        break;
-    }
+    });
   }
   service.log.info("stopped");
   return 0;

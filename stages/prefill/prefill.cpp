@@ -110,7 +110,7 @@ class PrefillStage {
       // Block briefly when idle; just drain when there is work.
       auto message = worker_.link->receive(queue_.empty() ? 50 : 0);
       if (message) {
-        dispatch(*message);
+        worker_.service.guard("prefill", [&] { dispatch(*message); });
         continue;
       }
       if (!queue_.empty()) run_batch();

@@ -86,9 +86,8 @@ class Probe {
     service_.start_http(config.text("http"), config.text("port-file"));
     register_metrics();
     credits_ = static_cast<uint32_t>(config.integer("queue"));
-    runtime::LinkSettings settings =
-        link_settings(config, wire::StageKind::Probe, service_.log.replica(), model_->model_id(),
-                      service_.http_port());
+    runtime::LinkSettings settings = link_settings(
+        config, wire::StageKind::Probe, service_.log.replica(), *model_, service_.http_port());
     link_ = std::make_unique<runtime::HubLink>(context_, settings, service_.log, metrics_);
   }
 
@@ -205,7 +204,7 @@ class Probe {
       service_.set_ready(link_->accepted());
       uint32_t handled = 0;
       for (auto message = link_->receive(50); message; message = link_->receive(0)) {
-        dispatch(*message);
+        service_.guard("probe", [&] { dispatch(*message); });
         ++handled;
       }
       if (handled) batch_->observe(handled);

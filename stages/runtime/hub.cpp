@@ -5,7 +5,7 @@
 namespace moeline::runtime {
 
 Hub::Hub(zmq::context_t& context, const std::string& bind, uint64_t settings_hash, int heartbeat_ms,
-         int peer_timeout_ms, Logger& log, Registry& metrics)
+         int peer_timeout_ms, Logger& log, Registry& metrics, HubSecurity security)
     : socket_(context, zmq::socket_type::router),
       settings_hash_(settings_hash),
       heartbeat_(heartbeat_ms),
@@ -16,7 +16,16 @@ Hub::Hub(zmq::context_t& context, const std::string& bind, uint64_t settings_has
   socket_.set(zmq::sockopt::linger, 0);
   socket_.set(zmq::sockopt::sndhwm, 0);
   socket_.set(zmq::sockopt::rcvhwm, 0);
+  if (security.max_message_bytes > 0)
+    socket_.set(zmq::sockopt::maxmsgsize, static_cast<int64_t>(security.max_message_bytes));
+  if (security.curve != nullptr && security.curve->enabled()) {
+    if (security.zap == nullptr) throw std::logic_error("a Curve hub needs a ZAP handler");
+    security.zap->allow_keys(kHubDomain, security.curve->allowed);
+    make_curve_server(socket_, security.curve->own.keys, kHubDomain);
+    authenticated_ = true;
+  }
   socket_.bind(bind);
+  restrict_ipc_endpoint(bind);
   update_gauges();
 }
 
@@ -37,26 +46,34 @@ void Hub::reply_error(const std::string& identity, wire::ErrorCode code, const s
   wire::send(socket_, wire::encode(wire::MessageType::ErrorReply, builder), &identity, true);
 }
 
-void Hub::on_hello(const std::string& identity, const wire::Message& message) {
+void Hub::on_hello(const std::string& identity, const std::string& key,
+                   const wire::Message& message) {
   const auto* hello = message.as<wire::Hello>();
-  std::string refusal;
-  if (hello->schema_major() != wire::kSchemaMajor) {
+  const std::string replica = hello->replica() ? hello->replica()->str() : "";
+  // The refusal says what the peer itself sent wrong, never a value of the hub's (its settings
+  // hash would let an unknown peer pass the next hello).
+  std::string refusal, reason;
+  if (authenticated_ && key.rfind(std::string(wire::stage_name(hello->stage())) + ":", 0) != 0) {
+    refusal = "refused";
+    reason = "key " + key + " was not issued for a " + wire::stage_name(hello->stage()) + " stage";
+  } else if (hello->schema_major() != wire::kSchemaMajor) {
     refusal = "schema major " + std::to_string(hello->schema_major()) + ", the hub speaks " +
               std::to_string(wire::kSchemaMajor);
   } else if (hello->settings_hash() != settings_hash_) {
     refusal = "settings hash " + std::to_string(hello->settings_hash()) +
-              " differs from the hub's " + std::to_string(settings_hash_) +
-              " (another model or KV layout)";
+              " differs from the hub's (another model or KV layout)";
   }
   flatbuffers::FlatBufferBuilder builder(256);
   builder.Finish(wire::CreateHelloReply(builder, refusal.empty(), builder.CreateString(refusal),
-                                        settings_hash_),
+                                        refusal.empty() ? settings_hash_ : 0),
                  wire::HelloIdentifier());
   wire::send(socket_, wire::encode(wire::MessageType::HelloReply, builder), &identity, true);
-  const std::string replica = hello->replica() ? hello->replica()->str() : "";
   if (!refusal.empty()) {
     metrics_.counter("moeline_hub_hellos_refused_total", "Peers refused at hello").inc();
-    log_.error("peer_refused", {{"peer", replica}, {"reason", refusal}});
+    log_.error("peer_refused", {{"peer", replica},
+                                {"key", key},
+                                {"reason", reason.empty() ? refusal : reason},
+                                {"hub_settings_hash", settings_hash_}});
     return;
   }
   Peer& peer = peers_[identity];
@@ -66,9 +83,10 @@ void Hub::on_hello(const std::string& identity, const wire::Message& message) {
   peer.replica = replica;
   // A hello resets the peer's credit to what it says is free now (after a hub restart, jobs of
   // the old hub may still be running there).
-  peer.credits = hello->credits();
+  peer.credits = std::min(hello->credits(), kMaxCredits);
   peer.pid = hello->pid();
   peer.http_port = hello->http_port();
+  peer.key = key;
   peer.last_seen = std::chrono::steady_clock::now();
   log_.info(known ? "peer_rehello" : "peer_joined", {{"peer", replica},
                                                      {"stage", wire::stage_name(peer.stage)},
@@ -84,6 +102,8 @@ std::optional<Hub::Incoming> Hub::receive() {
     if (!frames) return std::nullopt;
     if (frames->empty()) continue;
     std::string identity = frames->front().to_string();
+    // The connection's key, as the ZAP handler named it (the body frame carries the metadata).
+    const std::string key = frames->size() > 1 ? peer_user_id((*frames)[1]) : std::string();
     frames->erase(frames->begin());
     wire::Decoded decoded = wire::decode(std::move(*frames));
     if (decoded.error) {
@@ -93,13 +113,14 @@ std::optional<Hub::Incoming> Hub::receive() {
     }
     wire::Message& message = *decoded.message;
     if (message.type == wire::MessageType::Hello) {
-      on_hello(identity, message);
+      on_hello(identity, key, message);
       continue;
     }
     if (message.type == wire::MessageType::Heartbeat) {
       const auto* heartbeat = message.as<wire::Heartbeat>();
       const std::string main = heartbeat->peer() ? heartbeat->peer()->str() : identity;
-      if (auto it = peers_.find(main); it != peers_.end()) {
+      // A heartbeat keeps alive only the peer whose key sent it.
+      if (auto it = peers_.find(main); it != peers_.end() && it->second.key == key) {
         it->second.last_seen = std::chrono::steady_clock::now();
         it->second.queue_depth = heartbeat->queue_depth();
         it->second.active = heartbeat->active();
@@ -114,13 +135,26 @@ std::optional<Hub::Incoming> Hub::receive() {
       reply_error(identity, wire::ErrorCode::HelloRequired, "unknown peer: say hello first");
       continue;
     }
+    if (it->second.key != key) {
+      refuse_peer(identity, "message over a connection with another key");
+      continue;
+    }
     it->second.last_seen = std::chrono::steady_clock::now();
     if (message.type == wire::MessageType::Credit) {
-      it->second.credits += message.as<wire::Credit>()->credits();
+      const uint64_t credits = uint64_t{it->second.credits} + message.as<wire::Credit>()->credits();
+      it->second.credits = static_cast<uint32_t>(std::min<uint64_t>(credits, kMaxCredits));
       continue;
     }
     return Incoming{std::move(identity), std::move(message)};
   }
+}
+
+void Hub::refuse_peer(const std::string& identity, const std::string& reason) {
+  metrics_.counter("moeline_hub_messages_refused_total", "Messages from peers refused by the hub")
+      .inc();
+  if (uint64_t suppressed = 0; log_limit_.allow(suppressed))
+    log_.warn("peer_message_refused",
+              {{"peer", identity}, {"reason", reason}, {"suppressed", suppressed}});
 }
 
 Peer* Hub::peer(const std::string& identity) {

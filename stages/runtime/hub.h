@@ -20,6 +20,7 @@
 #include "stages/runtime/link.h"
 #include "stages/runtime/log.h"
 #include "stages/runtime/metrics.h"
+#include "stages/runtime/security.h"
 
 namespace moeline::runtime {
 
@@ -33,12 +34,26 @@ struct Peer {
   uint16_t http_port = 0;
   std::chrono::steady_clock::time_point last_seen;
   uint64_t last_picked = 0;  // Hub::pick's turn when it last chose this peer (0: never)
+  std::string key;           // the Curve key it connected with ("role:name"); empty without Curve
 };
+
+// What the hub's socket admits. With `curve` (the gateway's key pair and the stage allow-list,
+// checked by `zap`), a peer is who its key says it is: a hello for a stage kind other than its
+// key's role is refused, and every later message must come over a connection with that key.
+struct HubSecurity {
+  size_t max_message_bytes = 0;  // 0: no limit (ZMQ_MAXMSGSIZE drops the connection past it)
+  const CurveSettings* curve = nullptr;
+  ZapHandler* zap = nullptr;
+};
+
+// Credit a peer may hold: grants past it are clipped, so a peer cannot wrap the counter.
+inline constexpr uint32_t kMaxCredits = 1u << 20;
 
 class Hub {
  public:
   Hub(zmq::context_t& context, const std::string& bind, uint64_t settings_hash, int heartbeat_ms,
-      int peer_timeout_ms, Logger& log, Registry& metrics);
+      int peer_timeout_ms, Logger& log, Registry& metrics, HubSecurity security = {});
+  bool authenticated() const { return authenticated_; }
 
   zmq::socket_t& socket() { return socket_; }
 
@@ -71,7 +86,8 @@ class Hub {
 
  private:
   uint64_t picks_ = 0;
-  void on_hello(const std::string& identity, const wire::Message& message);
+  void on_hello(const std::string& identity, const std::string& key, const wire::Message& message);
+  void refuse_peer(const std::string& identity, const std::string& reason);
   void reply_error(const std::string& identity, wire::ErrorCode code, const std::string& text);
   void update_gauges();
 
@@ -84,6 +100,7 @@ class Hub {
   std::vector<std::string> unreachable_;
   std::chrono::steady_clock::time_point last_heartbeat_;
   RateLimited log_limit_;
+  bool authenticated_ = false;
 };
 
 }  // namespace moeline::runtime

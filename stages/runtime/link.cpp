@@ -20,6 +20,13 @@ uint64_t unix_ns() {
                                    .count());
 }
 
+void configure_socket(zmq::socket_t& socket, const LinkSettings& settings) {
+  if (settings.max_message_bytes > 0)
+    socket.set(zmq::sockopt::maxmsgsize, static_cast<int64_t>(settings.max_message_bytes));
+  if (settings.curve_keys)
+    make_curve_client(socket, *settings.curve_keys, settings.curve_server_key);
+}
+
 }  // namespace
 
 void report_rejected_frame(Registry& metrics, const Logger& log, RateLimited& limit,
@@ -49,7 +56,11 @@ HubLink::HubLink(zmq::context_t& context, LinkSettings settings, Logger& log, Re
   socket_.set(zmq::sockopt::linger, 0);
   socket_.set(zmq::sockopt::sndhwm, 0);
   socket_.set(zmq::sockopt::rcvhwm, 0);
+  configure_socket(socket_, settings_);
   socket_.connect(settings_.hub);
+  if (is_tcp(settings_.hub) && !settings_.curve_keys)
+    log_.warn("open_endpoint", {{"endpoint", settings_.hub},
+                                {"detail", "tcp:// without --curve-dir: not authenticated"}});
   heartbeat_thread_ = std::thread([this] { heartbeat_loop(); });
 }
 
@@ -63,6 +74,7 @@ void HubLink::heartbeat_loop() {
   side.set(zmq::sockopt::routing_id, identity_ + "/hb");
   side.set(zmq::sockopt::linger, 0);
   side.set(zmq::sockopt::sndhwm, 4);
+  configure_socket(side, settings_);
   side.connect(settings_.hub);
   while (!stopping_.load()) {
     flatbuffers::FlatBufferBuilder builder(128);

@@ -20,6 +20,7 @@
 #include "schemas/wire.h"
 #include "stages/runtime/log.h"
 #include "stages/runtime/metrics.h"
+#include "stages/runtime/security.h"
 
 namespace moeline::runtime {
 
@@ -31,6 +32,11 @@ struct LinkSettings {
   int heartbeat_ms = 500;
   int peer_timeout_ms = 3000;
   uint16_t http_port = 0;
+  size_t max_message_bytes = 0;  // 0: no limit
+  // With Curve: this stage's key pair and the gateway's public key (the hub must prove it holds
+  // the matching secret, so a stage never hands a job's result to an impostor).
+  std::optional<CurveKeyPair> curve_keys;
+  std::string curve_server_key;
 };
 
 // One refused frame: counted by peer and reason in moeline_wire_rejected_frames_total and logged,

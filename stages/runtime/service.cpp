@@ -81,6 +81,21 @@ void StageService::start_http(const std::string& address, const std::string& por
   log.info("http_listening", {{"address", host + ":" + std::to_string(port_)}});
 }
 
+void StageService::report_handler_error(const char* handler, const char* what) noexcept {
+  try {
+    metrics
+        .counter("moeline_handler_errors_total",
+                 "Exceptions a message handler threw, caught before the stage loop",
+                 {{"stage", log.stage()}, {"handler", handler}})
+        .inc();
+    if (uint64_t suppressed = 0; handler_error_log_.allow(suppressed))
+      log.error("handler_error",
+                {{"handler", handler}, {"error", what}, {"suppressed", suppressed}});
+  } catch (...) {
+    // Reporting is best effort: the loop must go on even when memory is short.
+  }
+}
+
 void StageService::install_signal_handlers() {
   struct sigaction action {};
   action.sa_handler = on_signal;

@@ -42,6 +42,23 @@ class StageService {
   void set_ready(bool ready) { ready_.store(ready); }
   bool healthy() const;
 
+  // Runs one message handler so that nothing it throws reaches the stage loop: an exception is
+  // a bug or input no check caught, never a reason to drop every other request this process
+  // holds. It is counted (moeline_handler_errors_total{stage,handler}) and logged, and false is
+  // returned so the caller can answer the sender with an error.
+  template <typename Handler>
+  bool guard(const char* handler, Handler&& run) noexcept {
+    try {
+      run();
+      return true;
+    } catch (const std::exception& e) {
+      report_handler_error(handler, e.what());
+    } catch (...) {
+      report_handler_error(handler, "unknown exception");
+    }
+    return false;
+  }
+
   static void install_signal_handlers();
   static bool stop_requested();
 
@@ -50,12 +67,14 @@ class StageService {
 
  private:
   static int64_t now_ns();
+  void report_handler_error(const char* handler, const char* what) noexcept;
   std::unique_ptr<httplib::Server> server_;
   std::thread http_thread_;
   uint16_t port_ = 0;
   std::atomic<int64_t> last_tick_ns_;
   std::atomic<bool> ready_{false};
   int64_t watchdog_ms_ = 30000;
+  RateLimited handler_error_log_;
 };
 
 // "moeline-<stage>-<hostname>-<pid>": unique per process, stable in logs.

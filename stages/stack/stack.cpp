@@ -1,8 +1,11 @@
 #include "stages/stack/stack.h"
 
+#include <arpa/inet.h>
 #include <fcntl.h>
 #include <httplib.h>
+#include <netinet/in.h>
 #include <signal.h>
+#include <sys/socket.h>
 #include <sys/stat.h>
 #include <sys/wait.h>
 #include <unistd.h>
@@ -13,11 +16,13 @@
 #include <fstream>
 #include <iostream>
 #include <nlohmann/json.hpp>
+#include <sstream>
 #include <thread>
 
 #include "sdk/cli_args.h"
 #include "stages/runtime/config.h"
 #include "stages/runtime/log.h"
+#include "stages/runtime/security.h"
 
 namespace moeline::stages {
 namespace {
@@ -54,6 +59,12 @@ down     stop every stage and the supervisor
   --device-expert-budget SIZE
                     with --device cuda: expert bytes each process keeps on the GPU ("50%",
                     "8GiB"); the rest is copied in from the host pool on demand. Default: all
+  --transport ipc|tcp
+                    ipc (default): sockets in DIR, which only its owner may enter (mode 0700);
+                    tcp: loopback tcp:// with CurveZMQ, keys made in DIR/keys (moeline keys),
+                    clients give --server-key DIR/keys/gateway.pub
+  --api-keys FILE   the gateway requires API keys from this file (moeline keys add); without
+                    it the stack is open: clients name their tenant and may run operator commands
 )";
 
 struct StageProcess {
@@ -103,8 +114,11 @@ int health(int port, std::string* body = nullptr) {
 
 class Supervisor {
  public:
-  Supervisor(fs::path run_dir, std::vector<StageProcess> stages)
-      : run_dir_(std::move(run_dir)), stages_(std::move(stages)), log_("stack", "supervisor") {}
+  Supervisor(fs::path run_dir, std::vector<StageProcess> stages, nlohmann::json access)
+      : run_dir_(std::move(run_dir)),
+        stages_(std::move(stages)),
+        access_(std::move(access)),
+        log_("stack", "supervisor") {}
 
   int run() {
     struct sigaction action {};
@@ -241,9 +255,9 @@ class Supervisor {
   }
 
   void write_state() {
-    nlohmann::json state = {{"endpoint", "ipc://" + (run_dir_ / "client.sock").string()},
-                            {"supervisor_pid", ::getpid()},
-                            {"stages", nlohmann::json::array()}};
+    nlohmann::json state = access_;
+    state["supervisor_pid"] = ::getpid();
+    state["stages"] = nlohmann::json::array();
     for (const StageProcess& stage : stages_)
       state["stages"].push_back({{"name", stage.name},
                                  {"stage", stage.stage},
@@ -258,8 +272,26 @@ class Supervisor {
 
   fs::path run_dir_;
   std::vector<StageProcess> stages_;
+  nlohmann::json access_;  // endpoints, transport, keys: written into stack.json
   runtime::Logger log_;
 };
+
+// A port the kernel says is free now on 127.0.0.1 (the gateway binds it a moment later).
+int free_loopback_port() {
+  const int fd = ::socket(AF_INET, SOCK_STREAM, 0);
+  if (fd < 0) throw std::runtime_error("cannot open a socket to find a free port");
+  sockaddr_in address{};
+  address.sin_family = AF_INET;
+  address.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  socklen_t size = sizeof address;
+  int port = 0;
+  if (::bind(fd, reinterpret_cast<sockaddr*>(&address), sizeof address) == 0 &&
+      ::getsockname(fd, reinterpret_cast<sockaddr*>(&address), &size) == 0)
+    port = ntohs(address.sin_port);
+  ::close(fd);
+  if (port == 0) throw std::runtime_error("no free port on 127.0.0.1");
+  return port;
+}
 
 pid_t supervisor_pid(const fs::path& run_dir) {
   std::ifstream in(run_dir / "supervisor.pid");
@@ -304,6 +336,8 @@ int up(int argc, char** argv) {
                                           {"expert-budget", "", "host expert pool size"},
                                           {"device", "cpu", "where prefill and decode compute"},
                                           {"device-expert-budget", "", "GPU expert cache size"},
+                                          {"transport", "ipc", "ipc or tcp"},
+                                          {"api-keys", "", "the gateway's API keys file"},
                                           {"stage-config", "", ""}};
   // --config is the stage config file, passed through: take it out before parsing.
   std::string stage_config;
@@ -335,18 +369,43 @@ int up(int argc, char** argv) {
     threads =
         std::max(1, static_cast<int>(std::thread::hardware_concurrency()) / (prefill + decode));
 
+  const std::string transport = config.text("transport");
+  if (transport != "ipc" && transport != "tcp")
+    throw runtime::ConfigError("--transport must be ipc or tcp");
+  if (!config.text("api-keys").empty() && !fs::exists(config.text("api-keys")))
+    throw runtime::ConfigError("--api-keys " + config.text("api-keys") + " does not exist");
   const fs::path run_dir = fs::absolute(config.text("run-dir"));
   fs::create_directories(run_dir / "logs");
+  // The run directory holds the ipc:// sockets, the logs and the keys: its owner's alone.
+  fs::permissions(run_dir, fs::perms::owner_all, fs::perm_options::replace);
   if (pid_t pid = supervisor_pid(run_dir))
     throw std::runtime_error("a stack is already running in " + run_dir.string() +
                              " (supervisor pid " + std::to_string(pid) + "); stack down first");
-  // ipc:// paths are limited to ~107 bytes by the socket address.
-  const std::string hub = "ipc://" + (run_dir / "hub.sock").string();
-  const std::string endpoint = "ipc://" + (run_dir / "client.sock").string();
-  if (endpoint.size() > 100) throw runtime::ConfigError("--run-dir path is too long for ipc://");
   fs::remove(run_dir / "stack.json");
-
+  nlohmann::json access = {{"transport", transport}};
+  std::string hub, endpoint;
   std::vector<std::string> common = {"--model", fs::absolute(model).string()};
+  if (transport == "ipc") {
+    // ipc:// paths are limited to ~107 bytes by the socket address.
+    hub = "ipc://" + (run_dir / "hub.sock").string();
+    endpoint = "ipc://" + (run_dir / "client.sock").string();
+    if (endpoint.size() > 100) throw runtime::ConfigError("--run-dir path is too long for ipc://");
+  } else {
+    // Loopback tcp:// with Curve: the path a multi-host deployment takes, keys made here.
+    hub = "tcp://127.0.0.1:" + std::to_string(free_loopback_port());
+    endpoint = "tcp://127.0.0.1:" + std::to_string(free_loopback_port());
+    const fs::path keys_dir = run_dir / "keys";
+    runtime::init_key_directory(keys_dir, false);  // kept across `stack up`s of this directory
+    common.insert(common.end(), {"--curve-dir", keys_dir.string()});
+    access["server_key"] = (keys_dir / "gateway.pub").string();
+    access["curve"] = true;
+  }
+  access["endpoint"] = endpoint;
+  access["hub"] = hub;
+  access["api_keys"] = config.text("api-keys").empty()
+                           ? nlohmann::json(nullptr)
+                           : nlohmann::json(fs::absolute(config.text("api-keys")).string());
+  access["open"] = config.text("api-keys").empty();
   if (!stage_config.empty()) {
     common.push_back("--config");
     common.push_back(fs::absolute(stage_config).string());
@@ -361,6 +420,9 @@ int up(int argc, char** argv) {
   std::vector<StageProcess> stages;
   std::vector<std::string> gateway_args = common;
   gateway_args.insert(gateway_args.end(), {"--client-bind", endpoint, "--hub-bind", hub});
+  if (!config.text("api-keys").empty())
+    gateway_args.insert(gateway_args.end(),
+                        {"--api-keys", fs::absolute(config.text("api-keys")).string()});
   stages.push_back({"gateway", "gateway", gateway_args});
   // The probe's snapshot store keeps its disk tier in the run directory: it survives restarts.
   stages.push_back({"probe", "probe", worker({"--store-path", (run_dir / "store").string()})});
@@ -396,7 +458,7 @@ int up(int argc, char** argv) {
       ::dup2(fd, STDERR_FILENO);
     }
     std::ofstream(run_dir / "supervisor.pid") << ::getpid() << '\n';
-    ::_exit(Supervisor(run_dir, std::move(stages)).run());
+    ::_exit(Supervisor(run_dir, std::move(stages), access).run());
   }
 
   const auto until = Clock::now() + std::chrono::seconds(config.integer("timeout-s"));
@@ -455,6 +517,13 @@ int status(int argc, char** argv) {
                         {"supervisor_pid", supervisor},
                         {"endpoint", "ipc://" + (run_dir / "client.sock").string()},
                         {"stages", nlohmann::json::array()}};
+  // Every endpoint and who may use it, as `stack up` recorded them.
+  std::ifstream state_file(run_dir / "stack.json");
+  const nlohmann::json state = nlohmann::json::parse(state_file, nullptr, false);
+  if (state.is_object())
+    for (const char* key : {"transport", "endpoint", "hub", "server_key", "api_keys", "open"})
+      if (state.contains(key)) out[key] = state[key];
+  out["endpoints"] = {{"client", out["endpoint"]}, {"hub", out.value("hub", nlohmann::json())}};
   for (const StageHealth& h : health) {
     healthy = healthy && h.http == 200;
     if (h.name == "offload" && h.detail.is_object() && h.detail.contains("expert_pool"))
@@ -487,6 +556,11 @@ int status(int argc, char** argv) {
                 << " slots, hit ratio " << p.value("hit_ratio", 0.0) << ", " << p.value("loads", 0)
                 << " loads\n";
     }
+    if (out.value("open", true))
+      std::cout << "access: open (no API keys): any client that reaches the endpoint names its "
+                   "own tenant and may run operator commands\n";
+    else
+      std::cout << "access: API keys (" << out.value("api_keys", std::string()) << ")\n";
     if (out.contains("approximate")) {
       const nlohmann::json& a = out["approximate"];
       std::cout << "approximate reuse: " << (a.value("enabled", false) ? "on" : "off") << " ("

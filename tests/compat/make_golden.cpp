@@ -63,7 +63,7 @@ std::vector<zmq::message_t> generate_request() {
       wire::CreateSamplingParamsDirect(b, 0.7, 40, 0.9, 1234, true, 64, &stop, true);
   const std::vector<int32_t> tokens = {1, 2, 3, 4};
   b.Finish(wire::CreateGenerateRequestDirect(b, 1001, "Hello, world", &tokens, sampling, "acme",
-                                             30000, false, "approximate"),
+                                             30000, false, "approximate", "ml_0123abcd_secret"),
            wire::GenerateRequestIdentifier());
   return wire::encode(wire::MessageType::GenerateRequest, b);
 }
@@ -238,7 +238,7 @@ std::vector<zmq::message_t> expert_usage() {
 
 std::vector<zmq::message_t> control_command() {
   FlatBufferBuilder b;
-  b.Finish(wire::CreateControlCommandDirect(b, "drain", "{\"stage\":\"decode\"}"),
+  b.Finish(wire::CreateControlCommandDirect(b, "drain", "{\"stage\":\"decode\"}", "ml_op_key"),
            wire::ControlCommandIdentifier());
   return wire::encode(wire::MessageType::ControlCommand, b);
 }

@@ -22,11 +22,12 @@ class Stack:
     """`moeline stack up` on enter, `moeline stack down` on exit (logs printed on failure)."""
 
     def __init__(self, moeline, model, run_dir, prefill=1, decode=1, config=None, threads=1,
-                 expert_budget=None, extra_args=()):
+                 expert_budget=None, extra_args=(), endpoint_prefix="ipc://"):
         self.moeline, self.model, self.run_dir = moeline, model, run_dir
         self.prefill, self.decode, self.config, self.threads = prefill, decode, config, threads
         self.expert_budget, self.extra_args = expert_budget, list(extra_args)
         self.endpoint = None
+        self.endpoint_prefix = endpoint_prefix
 
     def __enter__(self):
         os.makedirs(self.run_dir, exist_ok=True)
@@ -52,7 +53,7 @@ class Stack:
             self.dump_logs()
             raise AssertionError(f"stack up failed ({out.returncode}): {out.stderr}")
         self.endpoint = out.stdout.strip().splitlines()[-1]
-        assert self.endpoint.startswith("ipc://"), out.stdout
+        assert self.endpoint.startswith(self.endpoint_prefix), out.stdout
         return self
 
     def __exit__(self, exc_type, exc, tb):

@@ -189,6 +189,39 @@ def index_bad_json(d):
     return ["model.safetensors.index.json"]
 
 
+def layers_2_pow_31(d):
+    # Accepted before: the loader sized per-layer structures from it and allocated without end.
+    edit_json(os.path.join(d, "config.json"), lambda c: c.update(num_hidden_layers=2**31))
+    return ["config.json", "num_hidden_layers"]
+
+
+def experts_overflow(d):
+    # A product of sizes that overflows 64 bits must be refused, not wrapped.
+    edit_json(os.path.join(d, "config.json"),
+              lambda c: c.update(num_local_experts=2**40, intermediate_size=2**40))
+    return ["config.json", ("experts", "intermediate")]
+
+
+def overlapping_tensors(d):
+    # Two tensors' data_offsets share bytes (every size stays right): one tensor aliases another.
+    path = os.path.join(d, ST)
+    with open(path, "rb") as f:
+        blob = f.read()
+    n = int.from_bytes(blob[:8], "little")
+    header = json.loads(blob[8:8 + n])
+    a, b = (name for name in (Q_PROJ, K_PROJ))
+    size_b = header[b]["data_offsets"][1] - header[b]["data_offsets"][0]
+    start_a = header[a]["data_offsets"][0]
+    header[b]["data_offsets"] = [start_a, start_a + size_b]
+    hb = json.dumps(header).encode()
+    hb += b" " * (-len(hb) % 8)
+    with open(path, "wb") as f:
+        f.write(len(hb).to_bytes(8, "little"))
+        f.write(hb)
+        f.write(blob[8 + n:])
+    return [ST, "overlap", b]
+
+
 # (case, source model, fault)
 CASES = [
     ("missing-tensor", "single", missing_tensor),
@@ -205,6 +238,9 @@ CASES = [
     ("missing-safetensors", "single", missing_weights),
     ("missing-shard", "sharded", missing_shard),
     ("index-not-json", "sharded", index_bad_json),
+    ("layers-2^31", "single", layers_2_pow_31),
+    ("experts-overflow", "single", experts_overflow),
+    ("overlapping-tensors", "single", overlapping_tensors),
 ]
 
 

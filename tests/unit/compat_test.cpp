@@ -421,10 +421,29 @@ std::map<std::string, Expectation> v1_4() {
   return e;
 }
 
+// Schema 1.5 (trust boundaries): every 1.4 type again, with minor 5; GenerateRequest and
+// ControlCommand carry an API key.
+std::map<std::string, Expectation> v1_5() {
+  std::map<std::string, Expectation> e = v1_4();
+  for (auto& [stem, expectation] : e) expectation.minor = 5;
+  auto before = e.at("GenerateRequest").check;
+  e["GenerateRequest"].check = [before](const Message& m) {
+    before(m);
+    EXPECT_EQ(str(m.as<GenerateRequest>()->api_key()), "ml_0123abcd_secret");
+  };
+  auto control = e.at("ControlCommand").check;
+  e["ControlCommand"].check = [control](const Message& m) {
+    control(m);
+    EXPECT_EQ(str(m.as<ControlCommand>()->api_key()), "ml_op_key");
+  };
+  return e;
+}
+
 // Every released version: directory name -> file stem -> expectation.
 const std::map<std::string, std::map<std::string, Expectation>>& released() {
   static const std::map<std::string, std::map<std::string, Expectation>> versions = {
-      {"v1.0", v1_0()}, {"v1.1", v1_1()}, {"v1.2", v1_2()}, {"v1.3", v1_3()}, {"v1.4", v1_4()}};
+      {"v1.0", v1_0()}, {"v1.1", v1_1()}, {"v1.2", v1_2()},
+      {"v1.3", v1_3()}, {"v1.4", v1_4()}, {"v1.5", v1_5()}};
   return versions;
 }
 

@@ -177,7 +177,8 @@ def encode_generate(client_request_id: int, prompt: Optional[str] = None,
                     temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
                     seed: Optional[int] = None, stop_token_ids: Sequence[int] = (),
                     ignore_eos: bool = False, tenant: str = "", deadline_ms: int = 0,
-                    add_special_tokens: bool = True, reuse: str = "") -> List[bytes]:
+                    add_special_tokens: bool = True, reuse: str = "",
+                    api_key: str = "") -> List[bytes]:
     """A GenerateRequest, framed. The keywords are those of Client.start/stream/generate.
 
     reuse: "" or "exact" (the tenant's exact reuse), "none", or "approximate" (also the work of a
@@ -195,6 +196,7 @@ def encode_generate(client_request_id: int, prompt: Optional[str] = None,
     tokens_off = _int_vector(b, list(tokens)) if tokens is not None else None
     tenant_off = b.CreateString(tenant) if tenant else None
     reuse_off = b.CreateString(reuse) if reuse else None
+    api_key_off = b.CreateString(api_key) if api_key else None
     stops_off = _int_vector(b, list(stop_token_ids)) if stop_token_ids else None
     _sampling.Start(b)
     _sampling.AddTemperature(b, float(temperature))
@@ -221,6 +223,8 @@ def encode_generate(client_request_id: int, prompt: Optional[str] = None,
     _generate.AddAddSpecialTokens(b, bool(add_special_tokens))
     if reuse_off is not None:
         _generate.AddReuse(b, reuse_off)
+    if api_key_off is not None:
+        _generate.AddApiKey(b, api_key_off)
     return _finish(b, _generate.End(b), MessageType.GenerateRequest)
 
 
@@ -289,9 +293,18 @@ def _request_signature(method):
 class Client:
     """A connection to a gateway's client endpoint (a DEALER to its ROUTER)."""
 
-    def __init__(self, endpoint: str, timeout: float = 60.0, context: Optional[zmq.Context] = None):
+    def __init__(self, endpoint: str, timeout: float = 60.0, context: Optional[zmq.Context] = None,
+                 api_key: str = "", server_key: str = ""):
+        """api_key: from `moeline keys add`, where the gateway requires keys (it names the tenant
+        and the role). server_key: the gateway's public Curve key (40 Z85 characters, or the path
+        of gateway.pub) for a tcp:// endpoint with Curve."""
         self.endpoint = endpoint
         self.timeout = timeout
+        self.api_key = api_key
+        if server_key and len(server_key) != 40:
+            with open(server_key) as f:
+                server_key = json.load(f)["public"]
+        self.server_key = server_key
         self._context = context or zmq.Context.instance()
         self._socket: Optional[zmq.Socket] = None
         # Counts on across reconnects so an id never names two requests of this Client.
@@ -311,6 +324,11 @@ class Client:
     def _connect(self) -> None:
         socket = self._context.socket(zmq.DEALER)
         socket.setsockopt(zmq.LINGER, 0)  # close() must never hang on unsent messages
+        if self.server_key:
+            public, secret = zmq.curve_keypair()
+            socket.curve_serverkey = self.server_key.encode()
+            socket.curve_publickey = public
+            socket.curve_secretkey = secret
         socket.connect(self.endpoint)
         self._socket = socket
 
@@ -352,6 +370,7 @@ class Client:
               **params) -> int:
         """Sends a GenerateRequest and returns its client_request_id; read it with next_event."""
         crid = next(self._ids)
+        params.setdefault("api_key", self.api_key)
         frames = encode_generate(crid, prompt=prompt, tokens=tokens, **params)
         self._send(frames)
         self._in_flight.add(crid)
@@ -421,10 +440,13 @@ class Client:
         b = flatbuffers.Builder(128)
         command_off = b.CreateString(command)
         arguments_off = b.CreateString(arguments) if arguments else None
+        api_key_off = b.CreateString(self.api_key) if self.api_key else None
         _control.Start(b)
         _control.AddCommand(b, command_off)
         if arguments_off is not None:
             _control.AddArguments(b, arguments_off)
+        if api_key_off is not None:
+            _control.AddApiKey(b, api_key_off)
         self._send(_finish(b, _control.End(b), MessageType.ControlCommand))
         deadline = self._deadline(timeout)
         self._control_pending += 1

@@ -1,0 +1,497 @@
+#!/usr/bin/env python3
+"""Trust boundaries with real processes: each case is an attack an earlier version let through,
+made against a real stack (`moeline stack up`), and what must happen instead.
+
+Cases (--case, one per CTest entry):
+  input    one request must not take a stage down: max_tokens 2^63-1 (decode crashed), a control
+           command whose tenant is a number (the gateway crashed), a 1 MiB prompt (tokenized before
+           it was refused), a frame past the hub's size limit from a peer that never said hello,
+           credits that would wrap; and a stage that answers jobs it was never given (its tokens
+           reached the victim's stream): dropped and counted, the victim's output is the
+           reference's. Every stage keeps its pid.
+  ipc      the local default: the run directory is its owner's alone (0700) and its sockets 0600,
+           so another user cannot reach the hub or the client endpoint.
+  curve    `stack up --transport tcp`: Curve on every tcp:// socket; a client with the server key
+           is served identically to `moeline run`; a stage key not on the allow-list, and an
+           allowed key saying hello as another stage, are refused and learn nothing; a snapshot put
+           from a non-prefill stage is dropped.
+  apikeys  `stack up --api-keys FILE`: no key and a wrong key are Unauthenticated, a key used for
+           another tenant is Forbidden, a user key may not run operator commands, tenants' caches
+           stay apart, and a tenant over its in-flight limit is refused while another is served.
+"""
+
+import json
+import os
+import socket
+import stat
+import subprocess
+import sys
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+from stack_harness import Stack, reference, run_cases  # noqa: E402
+
+
+def check(condition, message):
+    if not condition:
+        raise AssertionError(message)
+
+
+def pids(stack):
+    return {s["name"]: s["pid"] for s in stack.state()["stages"]}
+
+
+def restarts(stack):
+    return {s["name"]: s["restarts"] for s in stack.state()["stages"]}
+
+
+def gateway_logged(stack, name):
+    with open(os.path.join(stack.run_dir, "logs", "gateway.log")) as f:
+        for line in f:
+            if "event=listening" in line:
+                for field in line.split():
+                    if field.startswith(name + "="):
+                        return int(field.split("=", 1)[1])
+    raise AssertionError(f"the gateway did not log {name}")
+
+
+def settings_hash(stack):
+    """What a rogue peer on the same machine could compute from the model files; the gateway logs
+    it (its refusals no longer hand it out)."""
+    return gateway_logged(stack, "settings_hash")
+
+
+def dealer(endpoint, identity=None, curve=None):
+    import zmq
+    s = zmq.Context.instance().socket(zmq.DEALER)
+    s.setsockopt(zmq.LINGER, 0)
+    s.setsockopt(zmq.RCVTIMEO, 3000)
+    if identity:
+        s.setsockopt(zmq.ROUTING_ID, identity)
+    if curve:
+        server, public, secret = curve
+        s.curve_serverkey, s.curve_publickey, s.curve_secretkey = server, public, secret
+    s.connect(endpoint)
+    return s
+
+
+def hello(stage_kind, hash_value, credits=0, replica="rogue"):
+    import flatbuffers
+    from moeline_client import encode_message
+    from moeline.wire import Hello, MessageType
+    b = flatbuffers.Builder(128)
+    name = b.CreateString(replica)
+    Hello.Start(b)
+    Hello.AddStage(b, stage_kind)
+    Hello.AddReplica(b, name)
+    Hello.AddSchemaMajor(b, 1)
+    Hello.AddSchemaMinor(b, 5)
+    Hello.AddSettingsHash(b, hash_value)
+    Hello.AddCredits(b, credits)
+    b.Finish(Hello.End(b), file_identifier=b"MLCM")
+    return encode_message(MessageType.MessageType.Hello, b.Output())
+
+
+def credit(n):
+    import flatbuffers
+    from moeline_client import encode_message
+    from moeline.wire import Credit, MessageType
+    b = flatbuffers.Builder(32)
+    Credit.Start(b)
+    Credit.AddCredits(b, n)
+    b.Finish(Credit.End(b), file_identifier=b"MLCM")
+    return encode_message(MessageType.MessageType.Credit, b.Output())
+
+
+def token_batch(updates):
+    """TokenBatch of (request_id, attempt, token) triples."""
+    import flatbuffers
+    from moeline_client import encode_message
+    from moeline.wire import MessageType, TokenBatch, TokenUpdate
+    b = flatbuffers.Builder(256)
+    offsets = []
+    for request_id, attempt, token in updates:
+        TokenUpdate.Start(b)
+        TokenUpdate.AddRequestId(b, request_id)
+        TokenUpdate.AddAttempt(b, attempt)
+        TokenUpdate.AddToken(b, token)
+        offsets.append(TokenUpdate.End(b))
+    TokenBatch.StartUpdatesVector(b, len(offsets))
+    for offset in reversed(offsets):
+        b.PrependUOffsetTRelative(offset)
+    vector = b.EndVector()
+    TokenBatch.Start(b)
+    TokenBatch.AddUpdates(b, vector)
+    TokenBatch.AddBatchSize(b, len(updates))
+    b.Finish(TokenBatch.End(b), file_identifier=b"MLPL")
+    return encode_message(MessageType.MessageType.TokenBatch, b.Output())
+
+
+def snapshot_put(key):
+    import flatbuffers
+    from moeline_client import encode_message
+    from moeline.wire import MessageType, SnapshotEntry, SnapshotPut
+    b = flatbuffers.Builder(64)
+    SnapshotEntry.Start(b)
+    SnapshotEntry.AddKey(b, key)
+    SnapshotEntry.AddKind(b, ord("R"))
+    entry = SnapshotEntry.End(b)
+    SnapshotPut.StartEntriesVector(b, 1)
+    b.PrependUOffsetTRelative(entry)
+    entries = b.EndVector()
+    SnapshotPut.Start(b)
+    SnapshotPut.AddEntries(b, entries)
+    b.Finish(SnapshotPut.End(b), file_identifier=b"MLPL")
+    return encode_message(MessageType.MessageType.SnapshotPut, b.Output())
+
+
+def hello_reply(sock):
+    """(accepted, reason, settings hash) of the hub's answer, or None when it said nothing."""
+    import zmq
+    from moeline_client import decode_message
+    from moeline.wire import HelloReply, MessageType
+    deadline = time.time() + 3
+    while time.time() < deadline:
+        try:
+            message = decode_message(sock.recv_multipart())
+        except zmq.Again:
+            return None
+        if message.type == MessageType.MessageType.HelloReply:
+            reply = HelloReply.HelloReply.GetRootAs(message.body, 0)
+            return reply.Accepted(), (reply.Reason() or b"").decode(), reply.SettingsHash()
+    return None
+
+
+def wait_for(predicate, timeout, message):
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        if predicate():
+            return
+        time.sleep(0.1)
+    raise AssertionError(message)
+
+
+def rss_kib(pid):
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1])
+    return 0
+
+
+FAST = {"heartbeat-ms": 100, "peer-timeout-ms": 1500}
+
+
+def case_input(args):
+    from moeline_client import Client, ControlError, GenerateError
+    from moeline.wire import ErrorCode, StageKind
+    E, K = ErrorCode.ErrorCode, StageKind.StageKind
+    run = os.path.join(args.workdir, "input")
+    with Stack(args.moeline, args.model, run, config=FAST) as stack:
+        before = pids(stack)
+        client = Client(stack.endpoint, timeout=60)
+
+        # max_tokens 2^63-1: decode summed it with the prompt length and crashed (three times, as
+        # the gateway retried). Capped at the context now: served, ending at the context or EOS.
+        result = client.generate(tokens=[5, 6, 7], max_tokens=2**63 - 1, ignore_eos=True)
+        check(result.finish_reason in ("length", "stop") and len(result.ids) > 0,
+              f"max_tokens 2^63-1: {result.finish_reason}, {len(result.ids)} tokens")
+        print(f"ok input: max_tokens 2^63-1 served ({len(result.ids)} tokens, "
+              f"{result.finish_reason}), decode alive")
+
+        # A control command whose tenant is a number: a JSON type error killed the gateway.
+        try:
+            client.control("reuse", json.dumps({"levels": "all", "tenant": 7}))
+            raise AssertionError("a numeric tenant was accepted")
+        except ControlError as e:
+            check("tenant" in str(e), f"the refusal should name the field: {e}")
+            print(f"ok input: numeric tenant refused: {e}")
+
+        # A 1 MiB prompt is refused by its byte length, before the tokenizer sees it.
+        try:
+            client.generate(prompt="a" * (1 << 20), max_tokens=1)
+            raise AssertionError("a 1 MiB prompt was accepted")
+        except GenerateError as e:
+            check(e.code == E.PromptTooLong and "bytes" in e.message,
+                  f"1 MiB prompt: {e.code_name}: {e.message}")
+            print(f"ok input: 1 MiB prompt refused before tokenizing: {e.message}")
+
+        # A frame past the hub's limit from a peer that never said hello: dropped by ZeroMQ
+        # before it is buffered (a 1 GiB one grew the gateway to 1.3 GB).
+        hub = stack.state()["hub"]
+        gateway = before["gateway"]
+        rss_before = rss_kib(gateway)
+        limit_bytes = gateway_logged(stack, "hub_max_message_bytes") + (1 << 20)
+        big = dealer(hub)
+        big.send_multipart([b"x" * 16, b"y" * limit_bytes])
+        time.sleep(3)
+        big.close()
+        grown = rss_kib(gateway) - rss_before
+        check(grown < (limit_bytes >> 10) // 2,
+              f"the gateway grew by {grown} KiB on a {limit_bytes >> 20} MiB frame")
+        print(f"ok input: a {limit_bytes >> 20} MiB frame grew the gateway by {grown} KiB")
+
+        # A peer accepted as a decode stage (on an open ipc:// stack the settings hash is all it
+        # needs) floods credits, then answers jobs it was never given.
+        rogue = dealer(hub, identity=b"rogue-decode")
+        rogue.send_multipart(hello(K.Decode, settings_hash(stack), credits=0))
+        reply = hello_reply(rogue)
+        check(reply is not None and reply[0], f"the rogue's hello should be accepted here: {reply}")
+        for _ in range(3):
+            rogue.send_multipart(credit(0xFFFFFFFF))
+        time.sleep(0.5)
+        status = client.control("status")
+        rogue_peer = [p for p in status["peers"] if p["replica"] == "rogue"]
+        check(rogue_peer and rogue_peer[0]["credits"] <= (1 << 20),
+              f"credits must saturate, not wrap: {rogue_peer}")
+        print(f"ok input: credits saturate at {rogue_peer[0]['credits']}")
+        # Take its credit away again (a hello resets it) so that no real job goes to it.
+        rogue.send_multipart(hello(K.Decode, settings_hash(stack), credits=0))
+        hello_reply(rogue)
+
+        expected = reference(args.moeline, args.model, 24, tokens=[9, 8, 7, 6], ignore_eos=True)
+        crid = client.start(tokens=[9, 8, 7, 6], max_tokens=24, ignore_eos=True)
+        ids, error = [], None
+        first = client.next_event(timeout=60)
+        request_id = first.request_id
+        # Forged tokens for the victim's request (every attempt it could be on).
+        for _ in range(5):
+            rogue.send_multipart(token_batch([(request_id, a, 3) for a in (1, 2, 3)]))
+        while True:
+            event = client.next_event(timeout=60)
+            if event.client_request_id != crid:
+                continue
+            if event.kind == "delta":
+                ids += event.token_ids
+            if event.kind == "error":
+                error = event.error_message
+            if event.kind in ("finished", "error"):
+                break
+        check(error is None and ids == expected["ids"],
+              f"the victim's stream was changed: {ids} (error {error}), want {expected['ids']}")
+        refused = stack.metric("gateway", "moeline_gateway_stage_messages_refused_total",
+                               reason="not_owner", type="TokenBatch")
+        check(refused >= 1, f"forged results should be counted, got {refused}")
+        print(f"ok input: forged tokens from a peer that did not hold the job dropped "
+              f"({refused:.0f} counted); the stream is the reference's")
+        rogue.close()
+
+        check(pids(stack) == before and not any(restarts(stack).values()),
+              f"a stage died: {before} -> {pids(stack)}, restarts {restarts(stack)}")
+        client.close()
+        print("ok input: every stage kept its pid")
+
+
+def case_ipc(args):
+    run = os.path.join(args.workdir, "ipc")
+    with Stack(args.moeline, args.model, run) as stack:
+        mode = stat.S_IMODE(os.stat(run).st_mode)
+        check(mode == 0o700, f"the run directory is {oct(mode)}, want 0o700")
+        for name in ("hub.sock", "client.sock"):
+            sock_mode = stat.S_IMODE(os.stat(os.path.join(run, name)).st_mode)
+            check(sock_mode == 0o600, f"{name} is {oct(sock_mode)}, want 0o600")
+        # Another user (nobody) tries to connect to the hub's and the client's sockets.
+        probe = ("import socket, sys\n"
+                 "for path in sys.argv[1:]:\n"
+                 "    s = socket.socket(socket.AF_UNIX)\n"
+                 "    try:\n"
+                 "        s.connect(path); print('connected', path)\n"
+                 "    except PermissionError:\n"
+                 "        print('refused', path)\n")
+        paths = [os.path.join(run, "hub.sock"), os.path.join(run, "client.sock")]
+        if os.getuid() == 0:
+            out = subprocess.run([sys.executable, "-c", probe, *paths], capture_output=True,
+                                 text=True, timeout=30,
+                                 preexec_fn=lambda: (os.setgid(65534), os.setuid(65534)))
+            check(out.stdout.count("refused") == 2 and "connected" not in out.stdout,
+                  f"another user reached the stack's sockets: {out.stdout} {out.stderr}")
+            print("ok ipc: another user cannot connect to hub.sock or client.sock")
+        else:
+            print("ok ipc: modes checked (not root: the other-user connect is not tried)")
+
+
+def keys_dir(stack):
+    return os.path.join(stack.run_dir, "keys")
+
+
+def read_key(path):
+    with open(path) as f:
+        return json.load(f)
+
+
+def case_curve(args):
+    import zmq
+    from moeline_client import Client
+    from moeline.wire import StageKind
+    K = StageKind.StageKind
+    run = os.path.join(args.workdir, "curve")
+    with Stack(args.moeline, args.model, run, config=FAST, extra_args=["--transport", "tcp"],
+               endpoint_prefix="tcp://") as stack:
+        state = stack.state()
+        check(state["transport"] == "tcp" and state["hub"].startswith("tcp://127.0.0.1:"),
+              f"stack.json: {state}")
+        status = json.loads(subprocess.run(
+            [args.moeline, "stack", "status", "--run-dir", run, "--json"], capture_output=True,
+            text=True, timeout=30).stdout)
+        check(status["endpoints"]["hub"] == state["hub"] and status["endpoints"]["client"] ==
+              stack.endpoint, f"stack status --json should list every endpoint: {status}")
+        server_key = os.path.join(keys_dir(stack), "gateway.pub")
+        expected = reference(args.moeline, args.model, 12, prompt="to swim:")
+        with Client(stack.endpoint, timeout=60, server_key=server_key) as client:
+            result = client.generate(prompt="to swim:", max_tokens=12)
+        check(result.ids == expected["ids"], f"over Curve: {result.ids} != {expected['ids']}")
+        print("ok curve: a client with the server key is served identically to moeline run")
+
+        # No server key: a plain connection to a Curve endpoint gets nowhere.
+        plain = subprocess.run(
+            [args.moeline, "client", "generate", "--endpoint", stack.endpoint, "--prompt", "x",
+             "--timeout-ms", "2000"], capture_output=True, text=True, timeout=30)
+        check(plain.returncode != 0, "a client without the server key was served")
+        print("ok curve: a client without the server key is not served")
+
+        server = read_key(server_key)["public"].encode()
+        hub = state["hub"]
+        before = len(Client(stack.endpoint, timeout=10, server_key=server_key).control(
+            "status")["peers"])
+        # A stage key the allow-list does not hold: the handshake fails, no reply at all.
+        public, secret = zmq.curve_keypair()
+        stranger = dealer(hub, identity=b"stranger", curve=(server, public, secret))
+        stranger.send_multipart(hello(K.Prefill, 0, credits=8))
+        check(hello_reply(stranger) is None, "a stage with an unknown key got an answer")
+        stranger.close()
+        zap_refused = stack.metric("gateway", "moeline_zap_requests_total", domain="moeline-hub",
+                                   result="refused")
+        check(zap_refused >= 1, f"the refusal should be counted: {zap_refused}")
+        print("ok curve: a stage key not on the allow-list is refused at the handshake")
+
+        # An allowed key (decode's) saying hello as a prefill stage: refused, told nothing.
+        decode_key = read_key(os.path.join(keys_dir(stack), "decode.key"))
+        impostor = dealer(hub, identity=b"impostor",
+                          curve=(server, decode_key["public"].encode(),
+                                 decode_key["secret"].encode()))
+        impostor.send_multipart(hello(K.Prefill, 0, credits=8))
+        reply = hello_reply(impostor)
+        check(reply is not None and not reply[0] and reply[2] == 0 and
+              str(reply[2]) not in reply[1], f"the impostor's refusal: {reply}")
+        print(f"ok curve: a decode key saying hello as prefill is refused ({reply[1]!r}), "
+              "no settings hash handed out")
+        # As itself (a decode stage) it is accepted, but may not store snapshots.
+        impostor.send_multipart(hello(K.Decode, settings_hash(stack), credits=0))
+        reply = hello_reply(impostor)
+        check(reply is not None and reply[0], f"decode's key as decode: {reply}")
+        impostor.send_multipart(snapshot_put(12345))
+        wait_for(lambda: stack.metric("gateway", "moeline_gateway_stage_messages_refused_total",
+                                      reason="wrong_stage", type="SnapshotPut") >= 1, 10,
+                 "a snapshot put from a decode stage was not refused")
+        impostor.close()
+        print("ok curve: a snapshot put from a decode stage is dropped and counted")
+        after = Client(stack.endpoint, timeout=10, server_key=server_key).control("status")
+        check(len(after["peers"]) >= before, "real stages were dropped")
+
+
+def case_apikeys(args):
+    from moeline_client import Client, ControlError, GenerateError
+    from moeline.wire import ErrorCode
+    E = ErrorCode.ErrorCode
+    run = os.path.join(args.workdir, "apikeys")
+    os.makedirs(args.workdir, exist_ok=True)
+    keys_file = os.path.join(args.workdir, "api-keys.json")
+    if os.path.exists(keys_file):
+        os.remove(keys_file)
+
+    def add(tenant, *extra):
+        out = subprocess.run([args.moeline, "keys", "add", "--file", keys_file, "--tenant", tenant,
+                              *extra], capture_output=True, text=True, timeout=30)
+        check(out.returncode == 0, out.stderr)
+        return out.stdout.strip()
+
+    acme, beta = add("acme"), add("beta", "--max-in-flight", "2")
+    operator = add("ops", "--role", "operator")
+    with open(keys_file) as f:
+        stored = f.read()
+    check(acme not in stored and acme.split("_")[1] in stored,
+          "the keys file must hold the key's hash and id, never the key")
+    check(stat.S_IMODE(os.stat(keys_file).st_mode) == 0o600, "the keys file must be 0600")
+
+    with Stack(args.moeline, args.model, run, extra_args=["--api-keys", keys_file]) as stack:
+        def refused(api_key, code, **request):
+            with Client(stack.endpoint, timeout=30, api_key=api_key) as c:
+                try:
+                    c.generate(max_tokens=2, **request)
+                except GenerateError as e:
+                    check(e.code == code, f"{e.code_name}: {e.message}, want {code}")
+                    return e.message
+            raise AssertionError(f"served without the right key: {api_key!r} {request}")
+
+        print("ok apikeys: no key ->", refused("", E.Unauthenticated, tokens=[1, 2]))
+        print("ok apikeys: a wrong key ->",
+              refused("ml_00000000_" + "0" * 64, E.Unauthenticated, tokens=[1, 2]))
+        print("ok apikeys: acme's key naming tenant beta ->",
+              refused(acme, E.Forbidden, tokens=[1, 2], tenant="beta"))
+
+        prompt = [11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21, 22, 23, 24, 25, 26, 27, 28]
+        with Client(stack.endpoint, timeout=60, api_key=acme) as c:
+            first = c.generate(tokens=prompt, max_tokens=4)
+            again = c.generate(tokens=prompt, max_tokens=4)
+        check(again.usage["reuse_level"] == "result", f"acme's repeat: {again.usage}")
+        with Client(stack.endpoint, timeout=60, api_key=beta) as c:
+            other = c.generate(tokens=prompt, max_tokens=4)
+        check(other.usage["reuse_level"] == "none" and other.ids == first.ids,
+              f"beta must not be served acme's cache: {other.usage}")
+        print("ok apikeys: the tenant comes from the key; beta does not see acme's cache")
+
+        with Client(stack.endpoint, timeout=30, api_key=acme) as c:
+            try:
+                c.control("status")
+                raise AssertionError("a user key ran an operator command")
+            except (ControlError, GenerateError) as e:
+                check("operator" in str(e), f"{e}")
+                print(f"ok apikeys: a user key may not run status: {e}")
+        with Client(stack.endpoint, timeout=30, api_key=operator) as c:
+            status = c.control("status")
+            check("peers" in status, f"operator status: {status}")
+            try:
+                c.control("reuse", json.dumps({"levels": "all", "tenant": 7}))
+                raise AssertionError("a numeric tenant was accepted")
+            except ControlError as e:
+                print(f"ok apikeys: the operator's key runs status; a numeric tenant -> {e}")
+
+        # Fairness: beta may hold 2 requests; its third is Overloaded while acme is served.
+        with Client(stack.endpoint, timeout=120, api_key=beta) as b:
+            held = [b.start(tokens=[3, 4, 5], max_tokens=200, ignore_eos=True) for _ in range(2)]
+            third = b.start(tokens=[3, 4, 5], max_tokens=200, ignore_eos=True)
+            over = None
+            while over is None:
+                event = b.next_event(timeout=60)
+                if event.client_request_id == third and event.kind == "error":
+                    over = event
+                check(not (event.client_request_id == third and event.kind == "accepted"),
+                      "beta's third request was accepted over its limit")
+            check(over.error_code == E.Overloaded and "beta" in over.error_message,
+                  f"beta over its limit: {over.error_code} {over.error_message}")
+            with Client(stack.endpoint, timeout=60, api_key=acme) as a:
+                served = a.generate(tokens=[7, 8, 9], max_tokens=4)
+            check(len(served.ids) > 0, "acme was not served while beta was at its limit")
+            for crid in held:
+                b.cancel(crid)
+        over_count = stack.metric("gateway", "moeline_gateway_tenant_requests_total",
+                                  tenant="beta", result="over_limit")
+        check(over_count >= 1, f"the refusal should be counted per tenant: {over_count}")
+        print(f"ok apikeys: beta over its limit -> Overloaded ({over.error_message}); acme served")
+
+        status = json.loads(subprocess.run(
+            [args.moeline, "stack", "status", "--run-dir", run, "--json"], capture_output=True,
+            text=True, timeout=30).stdout)
+        check(status["open"] is False, f"stack status should say keys are required: {status}")
+
+
+CASES = {"input": case_input, "ipc": case_ipc, "curve": case_curve, "apikeys": case_apikeys}
+
+
+def main():
+    run_cases(CASES, __doc__)
+
+
+if __name__ == "__main__":
+    main()
