@@ -24,8 +24,29 @@ StageService::StageService(std::string stage, std::string replica)
 }
 
 StageService::~StageService() {
+  stopping_.store(true);
   if (server_) server_->stop();
   if (http_thread_.joinable()) http_thread_.join();
+  if (liveness_thread_.joinable()) liveness_thread_.join();
+}
+
+void StageService::liveness_loop(std::string path) {
+  const std::string temporary = path + ".tmp";
+  while (!stopping_.load()) {
+    const int64_t idle_ms = (now_ns() - last_tick_ns_.load(std::memory_order_relaxed)) / 1'000'000;
+    {
+      std::ofstream out(temporary, std::ios::trunc);
+      out << nlohmann::json{{"pid", ::getpid()},
+                            {"ready", ready_.load()},
+                            {"loop_idle_ms", idle_ms},
+                            {"watchdog_ms", watchdog_ms_}}
+                 .dump()
+          << '\n';
+    }
+    std::rename(temporary.c_str(), path.c_str());
+    for (int slept = 0; slept < 500 && !stopping_.load(); slept += 50)
+      std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  }
 }
 
 int64_t StageService::now_ns() {
@@ -47,6 +68,12 @@ void StageService::start_http(const std::string& address, const std::string& por
   const std::string host = address.substr(0, colon);
   const int port = std::stoi(address.substr(colon + 1));
   server_ = std::make_unique<httplib::Server>();
+  // A connection that sends nothing, or reads nothing, is closed after 2 s: slow clients cannot
+  // hold the server's threads for long.
+  server_->set_read_timeout(2, 0);
+  server_->set_write_timeout(2, 0);
+  server_->set_keep_alive_max_count(8);
+  server_->set_keep_alive_timeout(2);
   server_->Get("/metrics", [this](const httplib::Request&, httplib::Response& response) {
     response.set_content(metrics.render(), "text/plain; version=0.0.4; charset=utf-8");
   });
@@ -78,6 +105,8 @@ void StageService::start_http(const std::string& address, const std::string& por
     std::rename(temporary.c_str(), port_file.c_str());
   }
   http_thread_ = std::thread([this] { server_->listen_after_bind(); });
+  if (!port_file.empty())
+    liveness_thread_ = std::thread([this, path = port_file + ".alive"] { liveness_loop(path); });
   log.info("http_listening", {{"address", host + ":" + std::to_string(port_)}});
 }
 

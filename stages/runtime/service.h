@@ -33,6 +33,10 @@ class StageService {
 
   // Serves /metrics and /healthz on "host:port" (port 0: any free port; written to port_file when
   // one is given). `health_detail` adds fields to the /healthz JSON; it runs on the HTTP thread.
+  // With a port file, a thread of its own also rewrites "<port_file>.alive" twice a second with
+  // the loop's idle time: the supervisor's liveness check reads that file, so a port any local
+  // user can fill with slow connections cannot get a healthy stage killed. The HTTP server
+  // itself times slow connections out after 2 s.
   void start_http(const std::string& address, const std::string& port_file,
                   std::function<nlohmann::json()> health_detail = {});
   uint16_t http_port() const { return port_; }
@@ -68,8 +72,10 @@ class StageService {
  private:
   static int64_t now_ns();
   void report_handler_error(const char* handler, const char* what) noexcept;
+  void liveness_loop(std::string path);
   std::unique_ptr<httplib::Server> server_;
-  std::thread http_thread_;
+  std::thread http_thread_, liveness_thread_;
+  std::atomic<bool> stopping_{false};
   uint16_t port_ = 0;
   std::atomic<int64_t> last_tick_ns_;
   std::atomic<bool> ready_{false};

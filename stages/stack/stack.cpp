@@ -170,18 +170,26 @@ class Supervisor {
     stage.restart_at = stage.recent_starts.size() >= 5 ? now + std::chrono::seconds(5) : now;
   }
 
-  // A stage whose loop stalled (/healthz says so) or that stopped answering at all once it was
-  // listening (SIGSTOP, a wedged process) for three checks in a row is killed; waitpid then
-  // restarts it. A stage without its port file yet is still starting (loading its model: the
-  // HTTP endpoint opens after that) and is left alone.
+  // A stage whose loop stalled (past its watchdog) or that stopped updating its liveness file
+  // (SIGSTOP, a wedged process) for three checks in a row is killed; waitpid then restarts it.
+  // The check reads "<name>.port.alive" in the run directory (mode 0700), not the HTTP port: a
+  // port any local user can fill with slow connections must not get a healthy stage killed. A
+  // stage without the file yet is still starting (loading its model) and is left alone.
   void check_stalls() {
     for (StageProcess& stage : stages_) {
       if (stage.pid == 0) continue;
-      std::string body;
-      const int port = read_port(run_dir_ / (stage.name + ".port"));
-      const int code = health(port, &body);
-      const bool stalled = (code == 503 && body.find("\"stalled\"") != std::string::npos) ||
-                           (code == -1 && port > 0);
+      const fs::path alive = run_dir_ / (stage.name + ".port.alive");
+      std::error_code ec;
+      const auto written = fs::last_write_time(alive, ec);
+      if (ec) continue;
+      const auto age = fs::file_time_type::clock::now() - written;
+      std::ifstream in(alive);
+      const nlohmann::json state = nlohmann::json::parse(in, nullptr, false);
+      const bool loop_stalled = state.is_object() && state.value("ready", false) &&
+                                state.value("loop_idle_ms", 0) > state.value("watchdog_ms", 30000);
+      const bool silent = age > std::chrono::seconds(2);
+      const bool stalled = loop_stalled || silent;
+      const int code = silent ? -1 : 503;
       stage.stalled_checks = stalled ? stage.stalled_checks + 1 : 0;
       if (stage.stalled_checks >= 3) {
         log_.error("stage_stalled", {{"stage", stage.name},
@@ -195,6 +203,7 @@ class Supervisor {
 
   void start(StageProcess& stage) {
     fs::remove(run_dir_ / (stage.name + ".port"));
+    fs::remove(run_dir_ / (stage.name + ".port.alive"));
     const std::string log_file = (run_dir_ / "logs" / (stage.name + ".log")).string();
     const std::string exe = self_exe();
     const pid_t pid = ::fork();

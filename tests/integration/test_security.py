@@ -18,6 +18,7 @@ Cases (--case, one per CTest entry):
   apikeys  `stack up --api-keys FILE`: no key and a wrong key are Unauthenticated, a key used for
            another tenant is Forbidden, a user key may not run operator commands, tenants' caches
            stay apart, and a tenant over its in-flight limit is refused while another is served.
+  health   200 slow connections on a stage's HTTP port do not get it killed by the supervisor.
 """
 
 import json
@@ -486,7 +487,33 @@ def case_apikeys(args):
         check(status["open"] is False, f"stack status should say keys are required: {status}")
 
 
-CASES = {"input": case_input, "ipc": case_ipc, "curve": case_curve, "apikeys": case_apikeys}
+def case_health(args):
+    """Slow connections held open on a stage's HTTP port used to make the supervisor (which asked
+    /healthz) kill a healthy stage; it reads the stage's liveness file now."""
+    from moeline_client import Client
+    run = os.path.join(args.workdir, "health")
+    with Stack(args.moeline, args.model, run) as stack:
+        before = pids(stack)
+        port = stack.http_port("decode-0")
+        held = []
+        for _ in range(200):
+            s = socket.create_connection(("127.0.0.1", port), timeout=5)
+            s.send(b"GET /healthz HTTP/1.1\r\n")  # a request that never ends
+            held.append(s)
+        time.sleep(8)
+        after = pids(stack)
+        for s in held:
+            s.close()
+        check(after == before and not any(restarts(stack).values()),
+              f"a stage was restarted while slow connections held its port: {before} -> {after}")
+        with Client(stack.endpoint, timeout=60) as client:
+            check(len(client.generate(tokens=[1, 2, 3], max_tokens=4).ids) > 0, "not serving")
+        print("ok health: 200 slow connections on decode's HTTP port for 8 s: no restart, "
+              "still serving")
+
+
+CASES = {"input": case_input, "ipc": case_ipc, "curve": case_curve, "apikeys": case_apikeys,
+         "health": case_health}
 
 
 def main():
