@@ -1,5 +1,12 @@
 #include "reuse/snapshot_store.h"
 
+#include <sys/statvfs.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cstdint>
+#include <filesystem>
+
 #include <rocksdb/db.h>
 #include <rocksdb/options.h>
 #include <rocksdb/write_batch.h>
@@ -38,6 +45,17 @@ void erase_disk(rocksdb::DB& db, uint64_t key) {
   db.Write(rocksdb::WriteOptions(), &batch);
 }
 
+// Free bytes for an unprivileged writer on the file system holding `path` (or its nearest
+// existing parent); the maximum when it cannot be told.
+uint64_t free_disk_bytes(const std::string& path) {
+  std::filesystem::path at = path;
+  std::error_code ec;
+  while (!at.empty() && !std::filesystem::exists(at, ec)) at = at.parent_path();
+  struct statvfs info {};
+  if (at.empty() || ::statvfs(at.c_str(), &info) != 0) return UINT64_MAX;
+  return static_cast<uint64_t>(info.f_bavail) * static_cast<uint64_t>(info.f_frsize);
+}
+
 uint64_t read_u64(const char* p) {
   uint64_t value;
   std::memcpy(&value, p, 8);
@@ -57,7 +75,13 @@ SnapshotStore::SnapshotStore(StoreOptions options) : options_(std::move(options)
   db_options.min_blob_size = 4096;
   db_options.blob_compression_type = rocksdb::kNoCompression;
   db_options.enable_blob_garbage_collection = true;
-  db_options.write_buffer_size = 64 << 20;
+  // A flush writes about what the write-ahead log holds: with the memtable at most a quarter of
+  // the free-space reserve, the log and the flush together stay inside it.
+  db_options.write_buffer_size =
+      options_.disk_reserve_bytes > 0
+          ? std::clamp<size_t>(options_.disk_reserve_bytes / 4, 1 << 20, 64 << 20)
+          : 64 << 20;
+  db_options.avoid_flush_during_shutdown = true;  // the log keeps it; no write at exit
   db_options.max_background_jobs = 2;
   rocksdb::DB* db = nullptr;
   rocksdb::Status status = rocksdb::DB::Open(db_options, options_.disk_path, &db);
@@ -69,6 +93,47 @@ SnapshotStore::SnapshotStore(StoreOptions options) : options_(std::move(options)
 }
 
 SnapshotStore::~SnapshotStore() = default;
+
+std::unique_ptr<SnapshotStore> SnapshotStore::open_resilient(StoreOptions options,
+                                                             StoreOpenReport& report) {
+  if (!options.disk_path.empty() && options.disk_bytes > 0 && options.disk_reserve_bytes > 0) {
+    const uint64_t free = free_disk_bytes(options.disk_path);
+    if (free < options.disk_reserve_bytes) {
+      // A full disk is not a broken store: keep it for when space comes back.
+      report.error = "only " + std::to_string(free) + " bytes free under " + options.disk_path +
+                     ", under the reserve of " + std::to_string(options.disk_reserve_bytes);
+      report.disk_tier = false;
+      options.disk_path.clear();
+      return std::make_unique<SnapshotStore>(options);
+    }
+  }
+  try {
+    return std::make_unique<SnapshotStore>(options);
+  } catch (const std::exception& e) {
+    report.error = e.what();
+  }
+  std::error_code ec;
+  if (std::filesystem::exists(options.disk_path, ec)) {
+    const auto now = std::chrono::system_clock::now().time_since_epoch();
+    const std::string aside =
+        options.disk_path + ".unusable-" +
+        std::to_string(std::chrono::duration_cast<std::chrono::seconds>(now).count());
+    std::filesystem::rename(options.disk_path, aside, ec);
+    if (!ec) {
+      report.moved_aside_to = aside;
+      try {
+        return std::make_unique<SnapshotStore>(options);
+      } catch (const std::exception& e) {
+        report.error += std::string("; a new disk tier could not be opened either: ") + e.what();
+      }
+    } else {
+      report.error += "; it could not be moved aside: " + ec.message();
+    }
+  }
+  report.disk_tier = false;
+  options.disk_path.clear();
+  return std::make_unique<SnapshotStore>(options);
+}
 
 void SnapshotStore::load_disk_index() {
   std::unique_ptr<rocksdb::Iterator> it(db_->NewIterator(rocksdb::ReadOptions()));
@@ -189,6 +254,15 @@ void SnapshotStore::evict(uint64_t key) {
 
 void SnapshotStore::spill(uint64_t key, const Value& value) {
   if (!db_ || disk_.count(key)) return;
+  if (options_.disk_reserve_bytes > 0) {
+    const uint64_t free = free_disk_bytes(options_.disk_path);
+    if (free < options_.disk_reserve_bytes + value->size()) {
+      ++stats_.spill_failures;
+      disk_error_ = "only " + std::to_string(free) + " bytes free, under the reserve of " +
+                    std::to_string(options_.disk_reserve_bytes);
+      return;
+    }
+  }
   const uint64_t sequence = next_sequence_++;
   // Written from its parts, without first copying them into one buffer.
   XXH3_state_t* state = XXH3_createState();
@@ -211,7 +285,11 @@ void SnapshotStore::spill(uint64_t key, const Value& value) {
   rocksdb::WriteBatch batch;
   batch.Put(rocksdb::SliceParts(&key_part, 1), rocksdb::SliceParts(value_parts, 2));
   batch.Put(disk_key(key, 'm'), rocksdb::Slice(index, 16));
-  if (!db_->Write(rocksdb::WriteOptions(), &batch).ok()) return;
+  if (rocksdb::Status written = db_->Write(rocksdb::WriteOptions(), &batch); !written.ok()) {
+    ++stats_.spill_failures;
+    disk_error_ = written.ToString();
+    return;
+  }
   disk_[key] = {bytes, sequence};
   disk_order_[sequence] = key;
   stats_.disk_bytes += bytes;

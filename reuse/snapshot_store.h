@@ -36,6 +36,10 @@ struct StoreOptions {
   uint64_t disk_bytes = uint64_t{4} << 30;  // 0: no disk tier
   std::string disk_path;                    // empty: no disk tier
   EvictionPolicy policy = EvictionPolicy::kSegmentedLru;
+  // Free space the disk tier leaves on its file system: below it, nothing is spilled and a disk
+  // tier is not opened. RocksDB must never meet a full disk: its write path then fails an
+  // assertion and aborts the process instead of returning an error.
+  uint64_t disk_reserve_bytes = 0;
   double protected_fraction = 0.8;  // of the RAM budget, for entries used more than once
 };
 
@@ -43,6 +47,15 @@ struct StoreStats {
   uint64_t ram_bytes = 0, ram_entries = 0, disk_bytes = 0, disk_entries = 0;
   uint64_t hits_ram = 0, hits_disk = 0, misses = 0;
   uint64_t evictions = 0, spills = 0, restores = 0, disk_evictions = 0, corrupt = 0;
+  // Spills the disk tier refused (a full or failing disk): the entry is dropped, not kept.
+  uint64_t spill_failures = 0;
+};
+
+// What opening a store took when its disk tier could not be opened as it was.
+struct StoreOpenReport {
+  std::string error;           // why the disk tier as found could not be opened; empty: it could
+  std::string moved_aside_to;  // where the unusable disk tier was moved; empty: not moved
+  bool disk_tier = true;       // false: the store runs on its RAM tier alone
 };
 
 using Value = std::shared_ptr<const std::string>;
@@ -51,6 +64,13 @@ class SnapshotStore {
  public:
   // Opens (or creates) the disk tier; throws std::runtime_error when RocksDB cannot open it.
   explicit SnapshotStore(StoreOptions options);
+  // Never throws for a bad disk: a disk tier that cannot be opened (a corrupt MANIFEST, a full
+  // disk) is moved aside to "<path>.unusable-<unix time>" and a new one opened; when that fails
+  // too, the store runs without a disk tier. `report` says which.
+  static std::unique_ptr<SnapshotStore> open_resilient(StoreOptions options,
+                                                       StoreOpenReport& report);
+  // The last error the disk tier returned (empty: none).
+  const std::string& disk_error() const { return disk_error_; }
   ~SnapshotStore();
   SnapshotStore(const SnapshotStore&) = delete;
   SnapshotStore& operator=(const SnapshotStore&) = delete;
@@ -97,6 +117,7 @@ class SnapshotStore {
   std::unordered_map<uint64_t, DiskEntry> disk_;
   std::map<uint64_t, uint64_t> disk_order_;  // sequence -> key, oldest first
   uint64_t next_sequence_ = 1;
+  std::string disk_error_;
 };
 
 }  // namespace moeline::reuse

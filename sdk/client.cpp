@@ -1,5 +1,6 @@
 #include "sdk/client.h"
 
+#include <atomic>
 #include <fstream>
 #include <nlohmann/json.hpp>
 
@@ -76,13 +77,32 @@ Client::~Client() {
     } catch (...) {
     }
   }
+  close_socket();
+}
+
+void Client::close_socket() {
+  if (!socket_) return;
+  zmq_socket_monitor(socket_->handle(), nullptr, 0);
+  monitor_.reset();
+  socket_.reset();
 }
 
 void Client::open() {
+  close_socket();
   socket_ = std::make_unique<zmq::socket_t>(context_, zmq::socket_type::dealer);
   socket_->set(zmq::sockopt::linger, 200);
   socket_->set(zmq::sockopt::sndhwm, 0);
   socket_->set(zmq::sockopt::rcvhwm, 0);
+  // ZMTP heartbeats: a gateway that stops answering drops the connection within 5 s.
+  socket_->set(zmq::sockopt::heartbeat_ivl, 1000);
+  socket_->set(zmq::sockopt::heartbeat_timeout, 5000);
+  static std::atomic<uint64_t> monitors{0};
+  const std::string address = "inproc://moeline-client-monitor-" + std::to_string(++monitors);
+  if (zmq_socket_monitor(socket_->handle(), address.c_str(), ZMQ_EVENT_DISCONNECTED) != 0)
+    throw std::runtime_error("cannot monitor the client socket");
+  monitor_ = std::make_unique<zmq::socket_t>(context_, zmq::socket_type::pair);
+  monitor_->set(zmq::sockopt::linger, 0);
+  monitor_->connect(address);
   if (!credentials_.server_key.empty()) {
     char public_key[41] = {}, secret_key[41] = {};
     if (zmq_curve_keypair(public_key, secret_key) != 0)
@@ -125,13 +145,44 @@ uint64_t Client::start(const GenerateOptions& options) {
   return id;
 }
 
+void Client::connection_lost() {
+  const std::string text = "the connection to the gateway at " + endpoint_ +
+                           " was lost (it died or restarted); the request did not finish";
+  for (const auto& [id, _] : in_flight_) {
+    Event event;
+    event.client_request_id = id;
+    event.kind = EventKind::kError;
+    event.error_code = static_cast<int>(wire::ErrorCode::StageFailed);
+    event.error_name = error_name(event.error_code);
+    event.error_message = text;
+    pending_.push_back(std::move(event));
+  }
+  in_flight_.clear();
+  if (awaiting_control_)
+    throw ClientError(static_cast<int>(wire::ErrorCode::StageFailed), "StageFailed", text);
+}
+
 std::optional<Event> Client::receive(std::chrono::milliseconds timeout) {
   const auto until = Clock::now() + timeout;
   while (true) {
     const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(until - Clock::now());
-    zmq::pollitem_t item{socket_->handle(), 0, ZMQ_POLLIN, 0};
-    zmq::poll(&item, 1, std::max(left, std::chrono::milliseconds(0)));
-    if (!(item.revents & ZMQ_POLLIN)) return std::nullopt;
+    zmq::pollitem_t items[] = {{socket_->handle(), 0, ZMQ_POLLIN, 0},
+                               {monitor_->handle(), 0, ZMQ_POLLIN, 0}};
+    zmq::poll(items, 2, std::max(left, std::chrono::milliseconds(0)));
+    if (items[1].revents & ZMQ_POLLIN) {
+      // A monitor event is two frames (event and value, then the peer's address).
+      zmq::message_t frame;
+      while (monitor_->recv(frame, zmq::recv_flags::dontwait) && frame.more()) {
+      }
+      connection_lost();
+      if (!pending_.empty()) {
+        Event event = std::move(pending_.front());
+        pending_.pop_front();
+        return event;
+      }
+      continue;
+    }
+    if (!(items[0].revents & ZMQ_POLLIN)) return std::nullopt;
     auto frames = wire::receive(*socket_, true);
     if (!frames) continue;
     wire::Decoded decoded = wire::decode(std::move(*frames));
@@ -208,17 +259,22 @@ Result Client::generate(const GenerateOptions& options,
     }
     return false;
   };
-  // Events of this request that arrived while someone waited for another.
-  for (auto it = pending_.begin(); it != pending_.end();) {
-    if (it->client_request_id != id) {
-      ++it;
-      continue;
+  // Events of this request that arrived while someone waited for another (or that a lost
+  // connection queued for every request at once).
+  auto take_pending = [&]() -> bool {
+    for (auto it = pending_.begin(); it != pending_.end();) {
+      if (it->client_request_id != id) {
+        ++it;
+        continue;
+      }
+      Event event = std::move(*it);
+      it = pending_.erase(it);
+      if (take(event)) return true;
     }
-    Event event = std::move(*it);
-    it = pending_.erase(it);
-    if (take(event)) return result;
-  }
+    return false;
+  };
   while (true) {
+    if (take_pending()) return result;
     std::optional<Event> event = receive(timeout_);
     if (!event) {
       cancel(id);

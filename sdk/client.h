@@ -10,7 +10,9 @@
 // Blocking: generate() returns when the request finishes (its events go to the callback as they
 // arrive). Concurrent: start() several requests, then next_event() returns events of any of them.
 // A wait longer than the timeout cancels what is in flight, reconnects (a fresh socket) and throws
-// TimeoutError. An Error event becomes a ClientError in generate().
+// TimeoutError. An Error event becomes a ClientError in generate(). When the connection to the
+// gateway drops (it was killed or restarted, or stopped answering ZMTP heartbeats for 5 s), every
+// request in flight ends at once with a StageFailed error: a new gateway knows nothing of them.
 //
 // Not thread-safe: one thread per Client.
 
@@ -138,12 +140,17 @@ class Client {
  private:
   std::optional<Event> receive(std::chrono::milliseconds timeout);
   void open();
+  void close_socket();
+  // The gateway went away: every open request ends with an error event (queued in pending_).
+  void connection_lost();
 
   std::string endpoint_;
   std::chrono::milliseconds timeout_;
   Credentials credentials_;
   zmq::context_t context_{1};
   std::unique_ptr<zmq::socket_t> socket_;
+  // Disconnect events of socket_ (a PAIR on the socket monitor): the gateway died or restarted.
+  std::unique_ptr<zmq::socket_t> monitor_;
   uint64_t next_id_ = 1;
   std::map<uint64_t, bool> in_flight_;
   std::deque<Event> pending_;  // events received while waiting for another request's

@@ -106,6 +106,42 @@ std::string curve_role(wire::StageKind stage) {
   return stage == wire::StageKind::OffloadManager ? "offload" : wire::stage_name(stage);
 }
 
+Drain::Drain(const runtime::Config& config)
+    : grace_(std::max<int64_t>(0, config.integer("drain-grace-ms"))) {
+  runtime::StageService::set_drains(true);
+}
+
+bool Drain::active(runtime::HubLink& link, runtime::Logger& log) {
+  if (until_) return true;
+  if (!runtime::StageService::drain_requested()) return false;
+  until_ = std::chrono::steady_clock::now() + grace_;
+  link.drain();
+  log.info("drain_started", {{"grace_ms", grace_.count()}});
+  return true;
+}
+
+bool Drain::idle(bool empty) {
+  const auto now = std::chrono::steady_clock::now();
+  if (!empty) {
+    empty_since_.reset();
+    return false;
+  }
+  if (!empty_since_) empty_since_ = now;
+  return now - *empty_since_ >= std::chrono::milliseconds(500);
+}
+
+bool Drain::expired() const {
+  return until_ && std::chrono::steady_clock::now() >= *until_;
+}
+
+void hand_back(runtime::HubLink& link, uint64_t request_id, uint32_t attempt) {
+  flatbuffers::FlatBufferBuilder builder(128);
+  builder.Finish(wire::CreateJobFailed(builder, request_id, attempt, wire::ErrorCode::Draining,
+                                       builder.CreateString("the replica is draining")),
+                 wire::PrefillJobIdentifier());
+  link.send(wire::encode(wire::MessageType::JobFailed, builder));
+}
+
 std::string default_model_dir() {
   if (const char* env = std::getenv("MOELINE_MODEL"); env != nullptr && *env != '\0') return env;
   return MOELINE_DEFAULT_MODEL;
@@ -121,6 +157,9 @@ std::vector<runtime::ConfigKey> common_keys(const char* default_http) {
       {"heartbeat-ms", "500", "heartbeat interval"},
       {"peer-timeout-ms", "3000", "a peer silent this long is considered dead"},
       {"watchdog-ms", "30000", "/healthz fails when the stage loop stalls this long"},
+      {"drain-grace-ms", "30000",
+       "on SIGTERM: stop taking work, finish what is held for up to this long, hand back the "
+       "rest, exit (prefill, decode, gateway; a second SIGTERM stops at once)"},
       {"curve-dir", "",
        "key directory (moeline keys init): tcp:// sockets run CurveZMQ with this process's key "
        "(gateway.key, or <role>.key and gateway.pub); empty: open, for ipc:// stacks"},

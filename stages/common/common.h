@@ -2,7 +2,9 @@
 // What the stage processes share beyond the runtime: converting sampling parameters between the
 // wire and the engine, the settings hash peers must agree on, and the keys every stage accepts.
 
+#include <chrono>
 #include <cstdint>
+#include <optional>
 #include <vector>
 
 #include "model/config.h"
@@ -53,6 +55,26 @@ size_t max_stage_message_bytes(const model::ModelConfig& config);
 // be given the same values.
 std::vector<runtime::ConfigKey> signature_keys();
 reuse::SignatureOptions signature_options(const runtime::Config& config);
+
+// A compute stage's drain. SIGTERM begins it: the hub is told (no more jobs), the stage finishes
+// what it holds for up to --drain-grace-ms, hands back the rest (JobFailed Draining: the gateway
+// retries each elsewhere) and exits.
+class Drain {
+ public:
+  explicit Drain(const runtime::Config& config);
+  // True while draining; begins the drain on the first call after SIGTERM.
+  bool active(runtime::HubLink& link, runtime::Logger& log);
+  bool expired() const;
+  // True once the stage has held nothing (`empty`) for half a second in a row.
+  bool idle(bool empty);
+
+ private:
+  std::chrono::milliseconds grace_;
+  std::optional<std::chrono::steady_clock::time_point> empty_since_;
+  std::optional<std::chrono::steady_clock::time_point> until_;
+};
+// Gives a job back to the gateway, which sends it to another replica.
+void hand_back(runtime::HubLink& link, uint64_t request_id, uint32_t attempt);
 
 // The model folder a stage uses when --model is not given.
 std::string default_model_dir();

@@ -32,6 +32,7 @@ class DecodeStage {
  public:
   explicit DecodeStage(const runtime::Config& config)
       : worker_(config, "decode", wire::StageKind::Decode),
+        drain_(config),
         max_batch_(static_cast<uint32_t>(config.integer("max-batch"))),
         metrics_(worker_.service.metrics) {
     const model::ModelConfig& cfg = worker_.model->config();
@@ -68,6 +69,8 @@ class DecodeStage {
       outcomes_[outcome] = &metrics_.counter("moeline_decode_requests_total",
                                              "Sequences by outcome", {{"outcome", outcome}});
     tokens_total_ = &metrics_.counter("moeline_decode_tokens_total", "Tokens generated");
+    handed_back_ = &metrics_.counter("moeline_decode_handed_back_total",
+                                     "Sequences given back to the gateway by a drain");
   }
 
   int run() {
@@ -90,6 +93,21 @@ class DecodeStage {
       admit();
       if (!active_streams_.empty()) step();
       update_gauges();
+      // Draining: what was handed over before the hub knew still joins and runs (the stage
+      // leaves once it has held nothing for a moment, so a hand-over already on its way is not
+      // lost); at the end of the grace period what is left goes back to be decoded elsewhere.
+      if (drain_.active(*worker_.link, log) &&
+          (drain_.idle(active_streams_.empty() && waiting_.empty()) || drain_.expired())) {
+        for (Stream& stream : active_streams_) {
+          stream.sequence->release(worker_.forward->blocks());
+          give_back(stream);
+        }
+        for (const Stream& stream : waiting_) give_back(stream);
+        waiting_.clear();
+        log.info("drained", {{"handed_back", handed_back_->value()}});
+        active_streams_.clear();
+        return 0;
+      }
     }
     log.info("stopped");
     return 0;
@@ -144,6 +162,11 @@ class DecodeStage {
                                  {{"type", wire::message_type_name(message.type)}});
         return;
     }
+  }
+
+  void give_back(const Stream& stream) {
+    hand_back(*worker_.link, stream.request_id, stream.attempt);
+    handed_back_->inc();
   }
 
   void job_failed(uint64_t request_id, uint32_t attempt, wire::ErrorCode code,
@@ -319,6 +342,8 @@ class DecodeStage {
   }
 
   ComputeWorker worker_;
+  Drain drain_;
+  runtime::Counter* handed_back_ = nullptr;
   uint32_t max_batch_;
   int64_t context_ = 0;
   runtime::Registry& metrics_;

@@ -40,7 +40,10 @@ struct Request {
   model::SamplingParams sampling;
   std::string cache_namespace;
   uint32_t attempt = 1;
-  std::string owner;  // the replica holding it; empty while queued in the gateway
+  uint32_t free_attempts = 0;     // attempts begun by a probe bypass, not by a failure
+  std::string owner;              // the replica holding it; empty while queued in the gateway
+  bool at_probe = false;          // waiting for a probe's plan (queued, or held by a probe)
+  Clock::time_point probe_since;  // since when
   Clock::time_point received, deadline, prefill_dispatched, first_token;
   bool has_first_token = false;
   std::vector<int32_t> sent;  // tokens the client has
@@ -86,6 +89,9 @@ class Gateway {
         std::clamp<int64_t>(config.integer("tenant-max-in-flight"), 0, 1'000'000'000));
     tenant_limits_.prompt_tokens_per_s = std::max(0.0, config.number("tenant-prompt-tokens-per-s"));
     runtime::StageService::install_signal_handlers();
+    runtime::StageService::set_drains(true);
+    drain_grace_ =
+        std::chrono::milliseconds(std::max<int64_t>(0, config.integer("drain-grace-ms")));
     service_.set_watchdog_limit(std::chrono::milliseconds(config.integer("watchdog-ms")));
     auto loaded = model::Model::load(config.text("model"));
     if (!loaded) throw std::runtime_error(loaded.error().message);
@@ -105,6 +111,7 @@ class Gateway {
     default_deadline_ = std::chrono::milliseconds(config.integer("default-deadline-ms"));
     max_deadline_ = std::chrono::milliseconds(config.integer("max-deadline-ms"));
     max_retries_ = static_cast<uint32_t>(config.integer("max-retries"));
+    probe_timeout_ = std::chrono::milliseconds(config.integer("probe-timeout-ms"));
     max_in_flight_ = static_cast<size_t>(config.integer("max-in-flight"));
     max_decode_backlog_ = static_cast<size_t>(config.integer("max-decode-backlog"));
     limits_.max_body_bytes = runtime::parse_bytes(config.text("max-message-bytes"));
@@ -219,13 +226,37 @@ class Gateway {
       if (auto error = api_keys_.reload_if_changed())
         log_.error("api_keys_not_reloaded", {{"error", *error}});
       expire_deadlines();
+      bypass_slow_probes();
       update_controller();
       dispatch();
       service_.set_ready(true);
       update_gauges();
+      if (drained()) break;
     }
     log_.info("stopped", {{"in_flight", requests_.size()}});
     return 0;
+  }
+
+  // SIGTERM or the `drain` command: no new requests; those in flight finish within the grace
+  // period; the rest end with an explicit Draining error. True when the gateway may exit.
+  bool drained() {
+    if (!draining_ && runtime::StageService::drain_requested()) begin_drain("signal");
+    if (!draining_) return false;
+    if (!requests_.empty() && Clock::now() < drain_until_) return false;
+    std::vector<uint64_t> left;
+    for (const auto& [id, r] : requests_) left.push_back(id);
+    for (uint64_t id : left)
+      fail(requests_.at(id), wire::ErrorCode::Draining, "drained",
+           "the gateway is shutting down and the request did not finish in its grace period");
+    log_.info("drained", {{"failed", left.size()}});
+    return true;
+  }
+
+  void begin_drain(const char* by) {
+    draining_ = true;
+    drain_until_ = Clock::now() + drain_grace_;
+    log_.info("drain_started",
+              {{"by", by}, {"in_flight", requests_.size()}, {"grace_ms", drain_grace_.count()}});
   }
 
  private:
@@ -278,6 +309,11 @@ class Gateway {
                                       runtime::latency_buckets());
     retries_ = &metrics_.counter("moeline_gateway_retries_total",
                                  "Requests restarted after the replica holding them died");
+    handed_back_ = &metrics_.counter("moeline_gateway_handed_back_total",
+                                     "Jobs handed back by draining replicas (sent to another)");
+    probe_bypassed_ = &metrics_.counter(
+        "moeline_gateway_probe_bypassed_total",
+        "Requests sent to prefill without reuse because no probe answered in --probe-timeout-ms");
     feedback_ = &metrics_.counter("moeline_gateway_feedback_total", "Feedback messages received");
     approximate_enabled_ = &metrics_.gauge(
         "moeline_gateway_approximate_enabled",
@@ -304,7 +340,7 @@ class Gateway {
          {"low_hit_rate", "agreement_drop", "negative_feedback", "operator", "probation_passed"})
       transition_counter(reason);
     for (const char* outcome : {"stop", "length", "cancelled", "client_gone", "deadline_exceeded",
-                                "stage_failed", "failed", "rejected"})
+                                "stage_failed", "failed", "rejected", "drained"})
       outcome_counter(outcome);
   }
 
@@ -557,6 +593,9 @@ class Gateway {
 
   void on_generate(const std::string& client, const wire::GenerateRequest& request) {
     const uint64_t crid = request.client_request_id();
+    if (draining_)
+      return reject(client, crid, wire::ErrorCode::Draining, "draining",
+                    "the gateway is shutting down: send the request to another gateway");
     if (by_client_.count({client, crid}))
       return reject(client, crid, wire::ErrorCode::InvalidRequest, "duplicate_id",
                     "client_request_id " + std::to_string(crid) + " is already in flight");
@@ -684,8 +723,9 @@ class Gateway {
         *tokenizer_, model::DecodeOptions{.skip_special_tokens = true});
     send_event(client, crid, r.id, wire::EventKind::Accepted);
     by_client_[{client, crid}] = r.id;
-    probe_queue_.push_back({r.id, r.attempt});
-    requests_.emplace(r.id, std::move(r));
+    const uint64_t id = r.id;
+    requests_.emplace(id, std::move(r));
+    queue_for_probe(requests_.at(id));
   }
 
   void on_cancel(const std::string& client, uint64_t crid) {
@@ -760,6 +800,22 @@ class Gateway {
         text = std::string("approximate reuse ") + (enabled ? "on" : "off");
       }
       body["approximate"] = controller_json();
+    } else if (name == "drain") {
+      // {"replica": "decode-1"}: that replica gets no new work (stop it once it holds none);
+      // {} : this gateway drains (as on SIGTERM) and exits.
+      nlohmann::json args = nlohmann::json::parse(
+          command.arguments() ? command.arguments()->str() : "{}", nullptr, false);
+      if (!args.is_object() || (args.contains("replica") && !args["replica"].is_string())) {
+        ok = false;
+        text = "drain expects {\"replica\": \"NAME\"} or {} (the gateway itself)";
+      } else if (args.contains("replica")) {
+        const std::string replica = args["replica"].get<std::string>();
+        ok = hub_->drain(replica);
+        text = ok ? "draining " + replica : "no replica named '" + replica.substr(0, 64) + "'";
+      } else {
+        if (!draining_) begin_drain("operator");
+        text = "the gateway is draining (" + std::to_string(requests_.size()) + " in flight)";
+      }
     } else if (name == "status") {
       body["reuse"] = reuse_policy_json();
       body["approximate"] = controller_json();
@@ -783,10 +839,12 @@ class Gateway {
                                  {"credits", peer.credits},
                                  {"queue_depth", peer.queue_depth},
                                  {"active", peer.active},
-                                 {"http_port", peer.http_port}});
+                                 {"http_port", peer.http_port},
+                                 {"draining", peer.draining}});
     } else {
       ok = false;
-      text = "unknown command '" + name + "' (known: status, reuse, approximate)";
+      text =
+          "unknown command '" + name.substr(0, 64) + "' (known: status, reuse, approximate, drain)";
     }
     flatbuffers::FlatBufferBuilder builder(512);
     builder.Finish(wire::CreateControlReply(builder, ok, builder.CreateString(text),
@@ -937,7 +995,7 @@ class Gateway {
   }
 
   void retry_or_fail(Request& r, const std::string& why) {
-    if (r.attempt > max_retries_)
+    if (r.attempt - r.free_attempts > max_retries_)
       return fail(r, wire::ErrorCode::StageFailed, "stage_failed",
                   why + "; gave up after " + std::to_string(r.attempt) + " attempts");
     retries_->inc();
@@ -951,7 +1009,40 @@ class Gateway {
     r.prefix_key = 0;
     r.blend_plan = r.blend_shadow = false;
     r.shadow_mode.clear();
+    queue_for_probe(r);
+  }
+
+  void queue_for_probe(Request& r) {
+    r.at_probe = true;
+    r.probe_since = Clock::now();
     probe_queue_.push_back({r.id, r.attempt});
+  }
+
+  // Reuse is an optimisation: a request whose probe has not answered within --probe-timeout-ms
+  // (a probe that is down, restarting, stopped, or stuck on a full disk) goes to prefill without
+  // reuse, as a new attempt, so that the probe's late answer is ignored.
+  void bypass_slow_probes() {
+    const auto now = Clock::now();
+    if (probe_timeout_.count() <= 0 || now - last_bypass_scan_ < std::chrono::milliseconds(20))
+      return;
+    last_bypass_scan_ = now;
+    std::vector<uint64_t> late;
+    for (auto& [id, r] : requests_)
+      if (r.at_probe && now - r.probe_since > probe_timeout_) late.push_back(id);
+    for (uint64_t id : late) {
+      Request& r = requests_.at(id);
+      r.at_probe = false;
+      r.owner.clear();
+      ++r.attempt;
+      ++r.free_attempts;
+      r.position = 0;
+      probe_bypassed_->inc();
+      if (uint64_t suppressed = 0; bypass_log_.allow(suppressed))
+        log_.warn("probe_bypassed", {{"request_id", r.id},
+                                     {"waited_ms", ms_between(r.probe_since, now)},
+                                     {"suppressed", suppressed}});
+      prefill_queue_.push_back({r.id, r.attempt});
+    }
   }
 
   void on_peer_lost(const runtime::Peer& dead) {
@@ -1195,6 +1286,7 @@ class Gateway {
         Request* r = owned(plan->request_id(), plan->attempt(), incoming.identity, message.type);
         if (r == nullptr) return;
         r->owner.clear();
+        r->at_probe = false;
         r->probe_us = plan->probe_us();
         const std::string level = plan->reuse_level() ? plan->reuse_level()->str() : "none";
         const std::string outcome = plan->approximate() ? plan->approximate()->str() : "";
@@ -1302,6 +1394,12 @@ class Gateway {
             owned(failed->request_id(), failed->attempt(), incoming.identity, message.type);
         if (r == nullptr) return;
         r->owner.clear();
+        if (failed->code() == wire::ErrorCode::Draining) {
+          // Handed back by a draining replica: another one takes it (not a failure).
+          ++r->free_attempts;
+          handed_back_->inc();
+          return retry_or_fail(*r, "replica draining");
+        }
         return fail(*r, failed->code(), "failed",
                     failed->message() ? failed->message()->str() : "a stage refused the job");
       }
@@ -1369,6 +1467,12 @@ class Gateway {
   int64_t context_ = 0, max_prompt_tokens_ = 0;
   size_t max_prompt_bytes_ = 0, max_in_flight_ = 0, max_decode_backlog_ = 0;
   uint32_t max_retries_ = 2;
+  std::chrono::milliseconds probe_timeout_{0}, drain_grace_{0};
+  bool draining_ = false;
+  Clock::time_point drain_until_;
+  runtime::Counter* handed_back_ = nullptr;
+  runtime::Counter* probe_bypassed_ = nullptr;
+  runtime::RateLimited bypass_log_;
   std::chrono::milliseconds default_deadline_{0}, max_deadline_{0};
   std::vector<std::string> tenants_, shared_tenants_;
   uint32_t default_levels_ = reuse::kAllLevels;
@@ -1381,7 +1485,7 @@ class Gateway {
   std::deque<std::pair<uint64_t, uint32_t>> probe_queue_, prefill_queue_;
   std::deque<Handoff> decode_queue_;
   uint64_t next_request_id_ = 1;
-  Clock::time_point last_deadline_scan_;
+  Clock::time_point last_deadline_scan_, last_bypass_scan_;
   std::atomic<size_t> in_flight_{0};
 
   std::map<std::string, runtime::Gauge*> queue_gauges_;
@@ -1416,6 +1520,9 @@ std::vector<runtime::ConfigKey> gateway_keys() {
   keys.push_back({"default-deadline-ms", "300000", "deadline of a request that sets none"});
   keys.push_back({"max-deadline-ms", "3600000", "upper bound on any request's deadline"});
   keys.push_back({"max-retries", "2", "restarts of a request whose replica died"});
+  keys.push_back({"probe-timeout-ms", "2000",
+                  "a request whose probe has not answered this long goes to prefill without "
+                  "reuse (0: wait for the probe)"});
   keys.push_back({"max-in-flight", "4096", "requests in flight before new ones are refused"});
   keys.push_back({"max-decode-backlog", "64",
                   "prefilled requests waiting for a decode replica before prefill pauses"});

@@ -90,6 +90,7 @@ struct LoadOptions {
   double duration_s = 10;
   int64_t prompt_tokens = 128, max_tokens = 64;
   int threads = 0;
+  double request_timeout_s = 120;
   bool json = false;
   // Prompts differ from run to run unless a seed is given: the stack's snapshot store would
   // otherwise answer a repeated run from its cache.
@@ -109,6 +110,8 @@ Samples drive_stack(const LoadOptions& o, int64_t vocab) {
   Samples s;
   const auto end = Clock::now() + std::chrono::duration_cast<Clock::duration>(
                                       std::chrono::duration<double>(o.duration_s));
+  const auto timeout = std::chrono::duration_cast<Clock::duration>(
+      std::chrono::duration<double>(o.request_timeout_s));
   while (Clock::now() < end || !live.empty()) {
     const auto now = Clock::now();
     while (now < end && pacer.may_start(live.size(), now)) {
@@ -116,9 +119,21 @@ Samples drive_stack(const LoadOptions& o, int64_t vocab) {
       request.tokens = synthetic_prompt(rng, o.prompt_tokens, vocab);
       request.max_tokens = o.max_tokens;
       request.ignore_eos = true;
+      request.deadline_ms = static_cast<uint32_t>(o.request_timeout_s * 1000);
       live[client.start(request)] = {Clock::now(), Clock::now()};
       ++s.started;
       s.prompt_tokens += static_cast<uint64_t>(o.prompt_tokens);
+    }
+    // Every request ends by its deadline, whatever the stack does (a gateway that died and took
+    // the request with it ends it sooner: the SDK reports the lost connection).
+    for (auto it = live.begin(); it != live.end();) {
+      if (now - it->second.start < timeout) {
+        ++it;
+        continue;
+      }
+      client.cancel(it->first);
+      ++s.errors;
+      it = live.erase(it);
     }
     auto event = client.next_event(std::chrono::milliseconds(o.rate > 0 ? 1 : 100));
     if (!event) continue;
@@ -363,6 +378,8 @@ int load_body(const runtime::Config& config) {
   o.prompt_tokens = config.integer("prompt-tokens");
   o.max_tokens = config.integer("max-tokens");
   o.threads = static_cast<int>(config.integer("threads"));
+  o.request_timeout_s = config.number("request-timeout-s");
+  if (!(o.request_timeout_s > 0)) throw runtime::ConfigError("--request-timeout-s must be > 0");
   o.json = config.flag("json");
   o.seed = static_cast<uint64_t>(config.integer("seed"));
   if (o.seed == 0)
@@ -446,6 +463,9 @@ std::vector<runtime::ConfigKey> load_keys() {
       {"prompt-tokens", "128", "synthetic prompt length"},
       {"max-tokens", "64", "tokens generated per request (end-of-sequence ignored)"},
       {"threads", "0", "threads of the stage under load (0: all cores)"},
+      {"request-timeout-s", "120",
+       "a request not finished this long after it started is its deadline: cancelled and "
+       "counted as an error (the run never waits longer)"},
       {"json", "false", "print one JSON object", true},
       {"seed", "0",
        "seed of the synthetic prompts (0: a new one each run, so that the stack's "

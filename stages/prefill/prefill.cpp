@@ -46,6 +46,7 @@ class PrefillStage {
  public:
   explicit PrefillStage(const runtime::Config& config)
       : worker_(config, "prefill", wire::StageKind::Prefill),
+        drain_(config),
         queue_capacity_(static_cast<uint32_t>(config.integer("queue"))),
         max_batch_tokens_(config.integer("max-batch-tokens")),
         metrics_(worker_.service.metrics) {
@@ -80,7 +81,7 @@ class PrefillStage {
                                 runtime::latency_buckets());
     e2e_ = &metrics_.histogram("moeline_prefill_e2e_seconds", "Job received to PrefillDone sent",
                                runtime::latency_buckets());
-    for (const char* outcome : {"done", "finished", "failed", "cancelled"})
+    for (const char* outcome : {"done", "finished", "failed", "cancelled", "handed_back"})
       outcomes_[outcome] = &metrics_.counter("moeline_prefill_requests_total",
                                              "Prefill jobs by outcome", {{"outcome", outcome}});
     tokens_total_ = &metrics_.counter("moeline_prefill_tokens_total", "Prompt tokens prefilled");
@@ -113,8 +114,21 @@ class PrefillStage {
         worker_.service.guard("prefill", [&] { dispatch(*message); });
         continue;
       }
+      const bool draining = drain_.active(*worker_.link, log);
+      if (draining && drain_.expired()) {
+        // What the grace period could not prefill goes back, to run on another replica.
+        for (const Job& job : queue_) {
+          hand_back(*worker_.link, job.request_id, job.attempt);
+          outcomes_["handed_back"]->inc();
+        }
+        queue_.clear();
+      }
       if (!queue_.empty()) run_batch();
       update_gauges();
+      if (draining && drain_.idle(queue_.empty())) {
+        log.info("drained", {{"handed_back", outcomes_["handed_back"]->value()}});
+        return 0;
+      }
     }
     log.info("stopped");
     return 0;
@@ -581,6 +595,7 @@ class PrefillStage {
   }
 
   ComputeWorker worker_;
+  Drain drain_;
   uint32_t queue_capacity_;
   int64_t max_batch_tokens_;
   int64_t context_ = 0;

@@ -67,13 +67,14 @@ class Probe {
     reuse::StoreOptions options;
     options.ram_bytes = runtime::parse_bytes(config.text("store-ram-bytes"));
     options.disk_bytes = runtime::parse_bytes(config.text("store-disk-bytes"));
+    options.disk_reserve_bytes = runtime::parse_bytes(config.text("store-disk-reserve"));
     options.disk_path = config.text("store-path");
     const std::string policy = config.text("store-policy");
     if (policy != "slru" && policy != "lru")
       throw runtime::ConfigError("--store-policy must be slru or lru, got '" + policy + "'");
     options.policy =
         policy == "lru" ? reuse::EvictionPolicy::kLru : reuse::EvictionPolicy::kSegmentedLru;
-    store_ = std::make_unique<reuse::SnapshotStore>(options);
+    store_ = open_store(options, "snapshots");
     service_.log.info("store_opened",
                       {{"ram_bytes", options.ram_bytes},
                        {"disk_bytes", options.disk_bytes},
@@ -89,6 +90,33 @@ class Probe {
     runtime::LinkSettings settings = link_settings(
         config, wire::StageKind::Probe, service_.log.replica(), *model_, service_.http_port());
     link_ = std::make_unique<runtime::HubLink>(context_, settings, service_.log, metrics_);
+  }
+
+  // A disk tier that cannot be opened (corrupt, or on a full disk) must not keep the probe down:
+  // every request would wait for it. It is moved aside (named in the log and counted) and the
+  // probe starts with an empty disk tier, or with none when even that cannot be opened.
+  std::unique_ptr<reuse::SnapshotStore> open_store(const reuse::StoreOptions& options,
+                                                   const char* name) {
+    reuse::StoreOpenReport report;
+    auto store = reuse::SnapshotStore::open_resilient(options, report);
+    if (!report.error.empty()) {
+      metrics_
+          .counter(
+              "moeline_probe_store_open_failures_total",
+              "Disk tiers that could not be opened at start (moved aside, or run without)",
+              {{"store", name}, {"outcome", report.disk_tier ? "moved_aside" : "no_disk_tier"}})
+          .inc();
+      service_.log.error("store_unusable", {{"store", name},
+                                            {"path", options.disk_path},
+                                            {"moved_to", report.moved_aside_to},
+                                            {"disk_tier", report.disk_tier},
+                                            {"error", report.error}});
+    }
+    metrics_
+        .gauge("moeline_probe_store_disk_tier", "1 while the store has a disk tier",
+               {{"store", name}})
+        .set(report.disk_tier && !options.disk_path.empty() ? 1 : 0);
+    return store;
   }
 
   // Approximate reuse: an engine for the first layers (lookup signatures), the index with its
@@ -165,8 +193,9 @@ class Probe {
     reuse::StoreOptions options;
     options.ram_bytes = runtime::parse_bytes(config.text("signature-store-bytes"));
     options.disk_bytes = store.disk_bytes;
+    options.disk_reserve_bytes = store.disk_reserve_bytes;
     options.disk_path = store.disk_path.empty() ? "" : store.disk_path + "/signatures";
-    signatures_ = std::make_unique<reuse::SnapshotStore>(options);
+    signatures_ = open_store(options, "signatures");
     service_.log.info("index_rebuilt", {{"entries", rebuild_index()},
                                         {"dimension", index.dimension},
                                         {"signature_layers", signature_options_.layers}});
@@ -293,7 +322,8 @@ class Probe {
         {"spills", "Entries written to the disk tier"},
         {"restores", "Entries read back from the disk tier"},
         {"disk_evictions", "Entries dropped from the disk tier (its budget)"},
-        {"corrupt_entries", "Disk entries that failed their checksum (dropped, never served)"}};
+        {"corrupt_entries", "Disk entries that failed their checksum (dropped, never served)"},
+        {"spill_failures", "Spills the disk tier refused (a full or failing disk; dropped)"}};
     for (const auto& [name, help] : counters)
       store_counters_[name] = &metrics_.gauge(std::string("moeline_probe_store_") + name,
                                               std::string(help) + " (total)");
@@ -310,6 +340,20 @@ class Probe {
     store_counters_["restores"]->set(static_cast<double>(s.restores));
     store_counters_["disk_evictions"]->set(static_cast<double>(s.disk_evictions));
     store_counters_["corrupt_entries"]->set(static_cast<double>(s.corrupt));
+    store_counters_["spill_failures"]->set(static_cast<double>(s.spill_failures));
+    // A failed spill drops its entry (the disk refused it); said once per new failure, at most
+    // once a second.
+    const uint64_t failures = s.spill_failures + signatures_->stats().spill_failures;
+    if (failures > spill_failures_logged_) {
+      if (uint64_t suppressed = 0; spill_failure_log_.allow(suppressed)) {
+        const reuse::SnapshotStore& failing =
+            s.spill_failures > 0 ? *store_ : static_cast<const reuse::SnapshotStore&>(*signatures_);
+        service_.log.error("store_spill_failed", {{"path", failing.options().disk_path},
+                                                  {"failures", failures},
+                                                  {"error", failing.disk_error()}});
+        spill_failures_logged_ = failures;
+      }
+    }
     queue_depth_->set(0);
     size_t live = 0, dead = 0;
     for (const std::string& name : namespaces_) {
@@ -1010,7 +1054,8 @@ class Probe {
   std::unique_ptr<reuse::DecisionRule> rule_;
   std::set<std::string> namespaces_;
   uint64_t next_sequence_id_ = 1;
-  runtime::RateLimited refusal_log_;
+  runtime::RateLimited refusal_log_, spill_failure_log_;
+  uint64_t spill_failures_logged_ = 0;
   std::map<std::string, runtime::Counter*> approximate_, candidates_, served_, checks_;
   runtime::Gauge *agreement_ = nullptr, *error_estimate_ = nullptr, *index_entries_ = nullptr,
                  *index_tombstones_ = nullptr, *index_rebuilds_ = nullptr;
@@ -1030,6 +1075,9 @@ std::vector<runtime::ConfigKey> probe_keys() {
   keys.push_back({"queue", "64", "jobs this probe accepts at once (its credit)"});
   keys.push_back({"store-ram-bytes", "256MiB", "RAM tier budget of the snapshot store"});
   keys.push_back({"store-disk-bytes", "4GiB", "disk tier budget (RocksDB)"});
+  keys.push_back({"store-disk-reserve", "64MiB",
+                  "free space the disk tier leaves on its file system: below it nothing spills, "
+                  "and a store is opened without its disk tier"});
   keys.push_back({"store-path", "", "disk tier folder (empty: no disk tier)"});
   keys.push_back(
       {"store-policy", "slru", "RAM eviction: slru (segmented LRU, scan-resistant) or lru"});

@@ -83,16 +83,18 @@ void Hub::on_hello(const std::string& identity, const std::string& key,
   peer.replica = replica;
   // A hello resets the peer's credit to what it says is free now (after a hub restart, jobs of
   // the old hub may still be running there).
-  peer.credits = std::min(hello->credits(), kMaxCredits);
+  peer.credits = hello->draining() ? 0 : std::min(hello->credits(), kMaxCredits);
+  peer.draining = hello->draining();
   peer.pid = hello->pid();
   peer.http_port = hello->http_port();
   peer.key = key;
   peer.last_seen = std::chrono::steady_clock::now();
-  log_.info(known ? "peer_rehello" : "peer_joined", {{"peer", replica},
-                                                     {"stage", wire::stage_name(peer.stage)},
-                                                     {"credits", peer.credits},
-                                                     {"pid", peer.pid},
-                                                     {"schema_minor", hello->schema_minor()}});
+  log_.info(peer.draining ? "peer_draining" : (known ? "peer_rehello" : "peer_joined"),
+            {{"peer", replica},
+             {"stage", wire::stage_name(peer.stage)},
+             {"credits", peer.credits},
+             {"pid", peer.pid},
+             {"schema_minor", hello->schema_minor()}});
   update_gauges();
 }
 
@@ -141,6 +143,7 @@ std::optional<Hub::Incoming> Hub::receive() {
     }
     it->second.last_seen = std::chrono::steady_clock::now();
     if (message.type == wire::MessageType::Credit) {
+      if (it->second.draining) continue;
       const uint64_t credits = uint64_t{it->second.credits} + message.as<wire::Credit>()->credits();
       it->second.credits = static_cast<uint32_t>(std::min<uint64_t>(credits, kMaxCredits));
       continue;
@@ -157,6 +160,18 @@ void Hub::refuse_peer(const std::string& identity, const std::string& reason) {
               {{"peer", identity}, {"reason", reason}, {"suppressed", suppressed}});
 }
 
+bool Hub::drain(const std::string& replica) {
+  bool found = false;
+  for (auto& [identity, peer] : peers_) {
+    if (peer.replica != replica) continue;
+    peer.draining = true;
+    peer.credits = 0;
+    found = true;
+    log_.info("peer_draining", {{"peer", replica}, {"by", "operator"}});
+  }
+  return found;
+}
+
 Peer* Hub::peer(const std::string& identity) {
   auto it = peers_.find(identity);
   return it == peers_.end() ? nullptr : &it->second;
@@ -165,7 +180,7 @@ Peer* Hub::peer(const std::string& identity) {
 Peer* Hub::pick(wire::StageKind stage) {
   Peer* best = nullptr;
   for (auto& [identity, peer] : peers_) {
-    if (peer.stage != stage || peer.credits == 0) continue;
+    if (peer.stage != stage || peer.credits == 0 || peer.draining) continue;
     if (best == nullptr || peer.credits > best->credits ||
         (peer.credits == best->credits && peer.last_picked < best->last_picked))
       best = &peer;

@@ -35,6 +35,7 @@ struct Peer {
   std::chrono::steady_clock::time_point last_seen;
   uint64_t last_picked = 0;  // Hub::pick's turn when it last chose this peer (0: never)
   std::string key;           // the Curve key it connected with ("role:name"); empty without Curve
+  bool draining = false;     // finishing what it holds; never picked for new work
 };
 
 // What the hub's socket admits. With `curve` (the gateway's key pair and the stage allow-list,
@@ -66,6 +67,8 @@ class Hub {
   std::optional<Incoming> receive();
 
   Peer* peer(const std::string& identity);
+  // Sends no more work to this peer (an operator's drain); false if there is no such replica.
+  bool drain(const std::string& replica);
   // The live peer of this kind with the most credit; among equals, the one picked longest ago (a
   // replica that hands its credit straight back must not take every job). nullptr when none has
   // any credit.

@@ -92,16 +92,18 @@ void HubLink::heartbeat_loop() {
 }
 
 void HubLink::hello(uint32_t credits) {
+  if (draining_) credits = 0;
   flatbuffers::FlatBufferBuilder builder(256);
   builder.Finish(
       wire::CreateHello(builder, settings_.stage, builder.CreateString(settings_.replica),
                         wire::kSchemaMajor, wire::kSchemaMinor,
                         builder.CreateString("moeline 0.1.0"), settings_.settings_hash, credits,
-                        static_cast<uint32_t>(::getpid()), settings_.http_port),
+                        static_cast<uint32_t>(::getpid()), settings_.http_port, draining_),
       wire::HelloIdentifier());
   wire::send(socket_, wire::encode(wire::MessageType::Hello, builder));
   reconnects_.inc();
   needs_hello_ = false;
+  awaiting_reply_ = true;
   accepted_ = false;
   last_hub_message_ = std::chrono::steady_clock::now();
   log_.info("hello_sent", {{"hub", settings_.hub}, {"credits", credits}});
@@ -111,8 +113,15 @@ bool HubLink::send(std::vector<zmq::message_t>&& frames) {
   return wire::send(socket_, std::move(frames));
 }
 
+void HubLink::drain() {
+  if (draining_) return;
+  draining_ = true;
+  hello(0);
+  log_.info("draining", {{"hub", settings_.hub}});
+}
+
 void HubLink::grant(uint32_t credits) {
-  if (credits == 0) return;
+  if (credits == 0 || draining_) return;
   flatbuffers::FlatBufferBuilder builder(64);
   builder.Finish(wire::CreateCredit(builder, credits), wire::HelloIdentifier());
   send(wire::encode(wire::MessageType::Credit, builder));
@@ -148,6 +157,9 @@ std::optional<wire::Message> HubLink::receive(int timeout_ms) {
     // Link-level messages stop here; the stage's own dispatch (an exhaustive switch) sees the rest.
     if (message.type == wire::MessageType::HelloReply) {
       const auto* reply = message.as<wire::HelloReply>();
+      // Only the answer to a hello of ours counts: a stray reply must not end the stage.
+      if (!awaiting_reply_) continue;
+      awaiting_reply_ = false;
       if (!reply->accepted()) {
         reject_reason_ = reply->reason() ? reply->reason()->str() : "refused";
         log_.error("hello_refused", {{"hub", settings_.hub}, {"reason", reject_reason_}});

@@ -55,6 +55,10 @@ class HubLink {
   void hello(uint32_t credits);
   bool send(std::vector<zmq::message_t>&& frames);
   void grant(uint32_t credits);
+  // Tells the hub this stage is draining: no more jobs (a hello with no credit and the draining
+  // flag, repeated after a reconnect); grant() does nothing from now on.
+  void drain();
+  bool draining() const { return draining_; }
   // Waits up to timeout_ms for a message for the stage; link messages (hello replies, heartbeats)
   // are handled here, refused frames counted and logged.
   std::optional<wire::Message> receive(int timeout_ms);
@@ -79,6 +83,8 @@ class HubLink {
   std::string identity_;
   zmq::socket_t socket_;
   bool needs_hello_ = true;
+  bool draining_ = false;
+  bool awaiting_reply_ = false;  // a hello is out and its HelloReply has not come
   bool accepted_ = false;
   std::string reject_reason_;
   std::chrono::steady_clock::time_point last_hub_message_;

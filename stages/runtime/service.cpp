@@ -10,8 +10,14 @@ namespace moeline::runtime {
 namespace {
 
 std::atomic<bool> g_stop{false};
+std::atomic<bool> g_drain{false};
+std::atomic<bool> g_drains{false};
 
-void on_signal(int) {
+void on_signal(int signal) {
+  if (signal == SIGTERM && !g_drain.load()) {
+    g_drain.store(true);
+    if (g_drains.load()) return;
+  }
   g_stop.store(true);
 }
 
@@ -135,7 +141,15 @@ void StageService::install_signal_handlers() {
 }
 
 bool StageService::stop_requested() {
-  return g_stop.load();
+  return g_stop.load() || (g_drain.load() && !g_drains.load());
+}
+
+bool StageService::drain_requested() {
+  return g_drain.load();
+}
+
+void StageService::set_drains(bool drains) {
+  g_drains.store(drains);
 }
 
 std::string default_replica_name(const std::string& stage) {

@@ -63,8 +63,14 @@ class StageService {
     return false;
   }
 
+  // SIGINT stops at once. SIGTERM asks for a drain: a stage that drains (prefill, decode, the
+  // gateway) stops taking work, finishes what it holds within its grace period, hands back the
+  // rest and exits; for every other stage it is a stop. A second SIGTERM stops at once.
   static void install_signal_handlers();
   static bool stop_requested();
+  static bool drain_requested();
+  // Called by a stage that drains: from then on SIGTERM alone does not make stop_requested() true.
+  static void set_drains(bool drains);
 
   Logger log;
   Registry metrics;

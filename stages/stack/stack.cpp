@@ -237,10 +237,12 @@ class Supervisor {
   }
 
   void stop_all() {
+    // SIGTERM drains: compute stages finish what they hold (--drain-grace-ms, 30 s by default)
+    // while the gateway still collects their results, then each exits.
     log_.info("stopping", {{"stages", stages_.size()}});
     for (StageProcess& stage : stages_)
       if (stage.pid > 0) ::kill(stage.pid, SIGTERM);
-    const auto until = Clock::now() + std::chrono::seconds(10);
+    const auto until = Clock::now() + std::chrono::seconds(40);
     while (Clock::now() < until) {
       bool any = false;
       for (StageProcess& stage : stages_) {
@@ -590,12 +592,12 @@ int down(int argc, char** argv) {
     return 0;
   }
   ::kill(supervisor, SIGTERM);
-  const auto until = Clock::now() + std::chrono::seconds(20);
+  const auto until = Clock::now() + std::chrono::seconds(60);
   while (alive(supervisor) && Clock::now() < until)
     std::this_thread::sleep_for(std::chrono::milliseconds(50));
   if (alive(supervisor)) {
     std::cerr << "moeline: error: the supervisor (pid " << supervisor
-              << ") did not stop within 20 s\n";
+              << ") did not stop within 60 s\n";
     return 1;
   }
   std::cout << "stack in " << run_dir.string() << " stopped\n";

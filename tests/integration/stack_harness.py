@@ -22,12 +22,15 @@ class Stack:
     """`moeline stack up` on enter, `moeline stack down` on exit (logs printed on failure)."""
 
     def __init__(self, moeline, model, run_dir, prefill=1, decode=1, config=None, threads=1,
-                 expert_budget=None, extra_args=(), endpoint_prefix="ipc://"):
+                 expert_budget=None, extra_args=(), endpoint_prefix="ipc://", clean=True,
+                 pre_up=None):
         self.moeline, self.model, self.run_dir = moeline, model, run_dir
         self.prefill, self.decode, self.config, self.threads = prefill, decode, config, threads
         self.expert_budget, self.extra_args = expert_budget, list(extra_args)
         self.endpoint = None
         self.endpoint_prefix = endpoint_prefix
+        # clean: start from an empty run directory; pre_up(run_dir): called just before `up`.
+        self.clean, self.pre_up = clean, pre_up
 
     def __enter__(self):
         os.makedirs(self.run_dir, exist_ok=True)
@@ -35,8 +38,11 @@ class Stack:
         # earlier run's snapshot store would serve this run's requests: start clean.
         subprocess.run([self.moeline, "stack", "down", "--run-dir", self.run_dir],
                        capture_output=True, timeout=60)
-        shutil.rmtree(self.run_dir, ignore_errors=True)
+        if self.clean:
+            shutil.rmtree(self.run_dir, ignore_errors=True)
         os.makedirs(self.run_dir, exist_ok=True)
+        if self.pre_up:
+            self.pre_up(self.run_dir)
         cmd = [self.moeline, "stack", "up", "--model", self.model, "--run-dir", self.run_dir,
                "--prefill", str(self.prefill), "--decode", str(self.decode),
                "--threads", str(self.threads), "--timeout-s", "90"]

@@ -56,6 +56,8 @@ assert _HEADER.size == 16
 
 # How long a closed socket keeps trying to deliver the cancels queued just before.
 _CANCEL_LINGER_MS = 200
+_HEARTBEAT_MS = 1000
+_HEARTBEAT_TIMEOUT_MS = 5000
 
 _COMMON, _CLIENT, _CONTROL = b"MLCM", b"MLCL", b"MLCT"
 _PIPELINE, _OFFLOAD = b"MLPL", b"MLOF"
@@ -324,6 +326,11 @@ class Client:
     def _connect(self) -> None:
         socket = self._context.socket(zmq.DEALER)
         socket.setsockopt(zmq.LINGER, 0)  # close() must never hang on unsent messages
+        # ZMTP heartbeats: a gateway that stops answering (SIGSTOP, a dead host) drops the
+        # connection within HEARTBEAT_TIMEOUT; the monitor turns a drop into errors.
+        socket.setsockopt(zmq.HEARTBEAT_IVL, _HEARTBEAT_MS)
+        socket.setsockopt(zmq.HEARTBEAT_TIMEOUT, _HEARTBEAT_TIMEOUT_MS)
+        self._monitor = socket.get_monitor_socket(zmq.EVENT_DISCONNECTED)
         if self.server_key:
             public, secret = zmq.curve_keypair()
             socket.curve_serverkey = self.server_key.encode()
@@ -354,6 +361,8 @@ class Client:
 
     def _close_socket(self) -> None:
         # A short linger lets the cancels just queued leave; close() itself does not wait for it.
+        self._socket.disable_monitor()
+        self._monitor.close(linger=0)
         self._socket.close(linger=_CANCEL_LINGER_MS)
         self._socket = None
 
@@ -498,12 +507,13 @@ class Client:
         return time.monotonic() + (self.timeout if timeout is None else timeout)
 
     def _wait(self, wanted, timeout: Optional[float]) -> Event:
-        for event in self._backlog:
-            if wanted(event):
-                self._backlog.remove(event)
-                return event
         deadline = self._deadline(timeout)
         while True:
+            # Receiving may queue events of several requests at once (a lost connection ends all).
+            for event in self._backlog:
+                if wanted(event):
+                    self._backlog.remove(event)
+                    return event
             event = self._receive_one(deadline)
             if event is None:
                 continue
@@ -515,7 +525,16 @@ class Client:
         """Reads one message; returns an event of a live request, or None for anything else."""
         socket = self._require_socket()
         remaining = deadline - time.monotonic()
-        if remaining <= 0 or not socket.poll(int(remaining * 1000) + 1, zmq.POLLIN):
+        poller = zmq.Poller()
+        poller.register(socket, zmq.POLLIN)
+        poller.register(self._monitor, zmq.POLLIN)
+        ready = dict(poller.poll(int(remaining * 1000) + 1)) if remaining > 0 else {}
+        if self._monitor in ready:
+            from zmq.utils.monitor import recv_monitor_message
+            recv_monitor_message(self._monitor)
+            self._connection_lost()
+            return None
+        if socket not in ready:
             self._reconnect()
             raise TimeoutError(f"no reply from {self.endpoint} within the timeout")
         message = decode_message(socket.recv_multipart())
@@ -547,6 +566,18 @@ class Client:
         if event.terminal:
             self._in_flight.discard(event.client_request_id)
         return event
+
+    def _connection_lost(self) -> None:
+        """The gateway went away (killed, restarted, or silent past the heartbeat timeout): what it
+        held is gone with it, so every open request ends now with an explicit error."""
+        text = (f"the connection to the gateway at {self.endpoint} was lost (it died or "
+                "restarted); the request did not finish")
+        for crid in sorted(self._in_flight):
+            self._backlog.append(Event(kind="error", client_request_id=crid,
+                                       error_code=ErrorCode.StageFailed, error_message=text))
+        self._in_flight.clear()
+        if self._control_pending:
+            self._control_replies.append(GenerateError(ErrorCode.StageFailed, text))
 
     def _error_reply(self, crid: int, code: int, message: str) -> Optional[Event]:
         if crid == 0:
