@@ -1,0 +1,90 @@
+#!/usr/bin/env python3
+"""Writes the seed inputs of the fuzz corpus (tests/fuzz/corpus/<harness>/seed-*), deterministically,
+from the golden wire buffers, the embedded demo model and small hand-made files. Inputs the fuzzers
+found later live beside them and are kept.
+
+  seed_corpus.py [--models DIR]   DIR: generated test models (build/tests/models) for configs
+"""
+
+import argparse
+import glob
+import json
+import os
+import struct
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(os.path.dirname(HERE))
+CORPUS = os.path.join(HERE, "corpus")
+
+
+def write(harness, name, data):
+    folder = os.path.join(CORPUS, harness)
+    os.makedirs(folder, exist_ok=True)
+    with open(os.path.join(folder, "seed-" + name), "wb") as f:
+        f.write(data if isinstance(data, bytes) else data.encode())
+
+
+def golden_frames(path):
+    """A golden buffer (u32-length frames) in the wire harness's u16-length frames."""
+    with open(path, "rb") as f:
+        blob = f.read()
+    out, at = b"", 0
+    while at + 4 <= len(blob):
+        n = struct.unpack_from("<I", blob, at)[0]
+        frame = blob[at + 4:at + 4 + n]
+        at += 4 + n
+        out += struct.pack("<H", min(len(frame), 0xffff)) + frame[:0xffff]
+    return out
+
+
+def safetensors(tensors):
+    header, data = {}, b""
+    for name, dtype, shape, raw in tensors:
+        header[name] = {"dtype": dtype, "shape": shape, "data_offsets": [len(data), len(data) + len(raw)]}
+        data += raw
+    hb = json.dumps(header).encode()
+    hb += b" " * (-len(hb) % 8)
+    return struct.pack("<Q", len(hb)) + hb + data
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--models", default=os.path.join(ROOT, "build", "tests", "models"))
+    args = ap.parse_args()
+    for path in sorted(glob.glob(os.path.join(ROOT, "tests", "compat", "v1.5", "*.bin"))):
+        write("wire", os.path.basename(path), golden_frames(path))
+    write("safetensors", "small", safetensors([
+        ("a.weight", "F32", [2, 2], struct.pack("<4f", 1, 2, 3, 4)),
+        ("b.weight", "BF16", [4], b"\x80\x3f" * 4),
+        ("c.weight", "F16", [1, 2], b"\x00\x3c" * 2)]))
+    write("safetensors", "metadata", safetensors([("x", "F32", [1], b"\x00" * 4)]).replace(
+        b'{"x"', b'{"__metadata__": {"format": "pt"}, "x"'))
+    demo = os.path.join(ROOT, "models", "demo-qwen3-moe")
+    for name in ("config.json",):
+        with open(os.path.join(demo, name), "rb") as f:
+            write("config", "demo-" + name, f.read())
+    for path in sorted(glob.glob(os.path.join(args.models, "*", "config.json"))):
+        with open(path, "rb") as f:
+            write("config", os.path.basename(os.path.dirname(path)), f.read())
+    for model in ("mixtral-f32", "qwen3-f32"):
+        path = os.path.join(args.models, model, "tokenizer.json")
+        if os.path.exists(path):
+            with open(path, "rb") as f:
+                write("tokenizer", model, f.read())
+    write("tokenizer", "minimal", json.dumps({
+        "model": {"type": "BPE", "vocab": {"a": 0, "b": 1, "ab": 2}, "merges": ["a b"]},
+        "added_tokens": [], "pre_tokenizer": None, "normalizer": None, "decoder": None}))
+    write("chat_template", "conversation", json.dumps([
+        {"role": "system", "content": "Be brief."}, {"role": "user", "content": "volcano:"},
+        {"role": "assistant", "content": "a mountain"}, {"role": "user", "content": "héllo 🌋"}]))
+    write("chat_template", "text", "to swim: <|im_start|>user\n\x00\xff")
+    write("records", "prompt", b"\x00" + struct.pack("<II", 2, 0) + struct.pack("<2f", 0.5, -1))
+    write("records", "result", b"\x01" + struct.pack("<II", 3, 4) + struct.pack("<3i", 5, 6, 7) +
+          b"stop")
+    write("records", "signature", b"\x02" + struct.pack("<IIIII", 0x4749534d, 2, 2, 4, 0) +
+          struct.pack("<2i2f", 1, 2, 0.5, 0.5) + b"ns:x" + struct.pack("<I", 0))
+    write("records", "quality", b"\x03" + struct.pack("<i?f", 3, True, 0.01))
+
+
+if __name__ == "__main__":
+    main()
