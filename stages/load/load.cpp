@@ -91,6 +91,7 @@ struct LoadOptions {
   int64_t prompt_tokens = 128, max_tokens = 64;
   int threads = 0;
   double request_timeout_s = 120;
+  sdk::Credentials credentials;
   bool json = false;
   // Prompts differ from run to run unless a seed is given: the stack's snapshot store would
   // otherwise answer a repeated run from its cache.
@@ -98,7 +99,7 @@ struct LoadOptions {
 };
 
 Samples drive_stack(const LoadOptions& o, int64_t vocab) {
-  sdk::Client client(o.endpoint, std::chrono::seconds(120));
+  sdk::Client client(o.endpoint, std::chrono::seconds(120), o.credentials);
   Pacer pacer(o.concurrency, o.rate);
   std::mt19937_64 rng(o.seed);
   struct Live {
@@ -379,6 +380,7 @@ int load_body(const runtime::Config& config) {
   o.max_tokens = config.integer("max-tokens");
   o.threads = static_cast<int>(config.integer("threads"));
   o.request_timeout_s = config.number("request-timeout-s");
+  o.credentials = {config.text("api-key"), config.text("server-key")};
   if (!(o.request_timeout_s > 0)) throw runtime::ConfigError("--request-timeout-s must be > 0");
   o.json = config.flag("json");
   o.seed = static_cast<uint64_t>(config.integer("seed"));
@@ -463,6 +465,10 @@ std::vector<runtime::ConfigKey> load_keys() {
       {"prompt-tokens", "128", "synthetic prompt length"},
       {"max-tokens", "64", "tokens generated per request (end-of-sequence ignored)"},
       {"threads", "0", "threads of the stage under load (0: all cores)"},
+      {"api-key", "", "API key where the gateway requires one (env MOELINE_API_KEY)"},
+      {"server-key", "",
+       "the gateway's public Curve key or gateway.pub, for tcp:// with Curve "
+       "(env MOELINE_SERVER_KEY)"},
       {"request-timeout-s", "120",
        "a request not finished this long after it started is its deadline: cancelled and "
        "counted as an error (the run never waits longer)"},

@@ -63,6 +63,8 @@ down     stop every stage and the supervisor
                     ipc (default): sockets in DIR, which only its owner may enter (mode 0700);
                     tcp: loopback tcp:// with CurveZMQ, keys made in DIR/keys (moeline keys),
                     clients give --server-key DIR/keys/gateway.pub
+  --curve on|off    with --transport tcp: off runs it open, without Curve (to measure what Curve
+                    costs; anyone who reaches the ports may join)
   --api-keys FILE   the gateway requires API keys from this file (moeline keys add); without
                     it the stack is open: clients name their tenant and may run operator commands
 )";
@@ -348,6 +350,7 @@ int up(int argc, char** argv) {
                                           {"device", "cpu", "where prefill and decode compute"},
                                           {"device-expert-budget", "", "GPU expert cache size"},
                                           {"transport", "ipc", "ipc or tcp"},
+                                          {"curve", "on", "on or off (tcp only)"},
                                           {"api-keys", "", "the gateway's API keys file"},
                                           {"stage-config", "", ""}};
   // --config is the stage config file, passed through: take it out before parsing.
@@ -405,11 +408,15 @@ int up(int argc, char** argv) {
     // Loopback tcp:// with Curve: the path a multi-host deployment takes, keys made here.
     hub = "tcp://127.0.0.1:" + std::to_string(free_loopback_port());
     endpoint = "tcp://127.0.0.1:" + std::to_string(free_loopback_port());
-    const fs::path keys_dir = run_dir / "keys";
-    runtime::init_key_directory(keys_dir, false);  // kept across `stack up`s of this directory
-    common.insert(common.end(), {"--curve-dir", keys_dir.string()});
-    access["server_key"] = (keys_dir / "gateway.pub").string();
-    access["curve"] = true;
+    if (config.text("curve") == "on") {
+      const fs::path keys_dir = run_dir / "keys";
+      runtime::init_key_directory(keys_dir, false);  // kept across `stack up`s of this directory
+      common.insert(common.end(), {"--curve-dir", keys_dir.string()});
+      access["server_key"] = (keys_dir / "gateway.pub").string();
+    } else if (config.text("curve") != "off") {
+      throw runtime::ConfigError("--curve must be on or off");
+    }
+    access["curve"] = config.text("curve") == "on";
   }
   access["endpoint"] = endpoint;
   access["hub"] = hub;

@@ -110,6 +110,8 @@ class Stack:
 
     def kill(self, name, sig=signal.SIGKILL):
         pid = self.stage(name)["pid"]
+        if pid <= 0:  # between a death and its restart; os.kill(0) would signal this group
+            raise ProcessLookupError(f"{name} has no process right now")
         os.kill(pid, sig)
         return pid
 
