@@ -11,6 +11,7 @@
 #include <fstream>
 #include <nlohmann/json.hpp>
 
+#include "model/safetensors.h"
 #include "model/status.h"
 
 namespace moeline::model {
@@ -280,6 +281,39 @@ TEST(Config, DeepseekSettingsItCannotHonourAreNamed) {
   grouped["topk_group"] = 1;
   grouped["num_experts_per_tok"] = 3;  // only 2 experts in the one group kept
   EXPECT_NE(error_of(grouped).find("num_experts_per_tok"), std::string::npos);
+}
+
+// Opening a checkpoint maps it into a 2 MiB-aligned reservation; what is left of the reservation
+// past the file must go back even when the file's size is not a multiple of the page size, or
+// every load (and every refused file) leaks address space until mmap fails.
+// The process's address space (VmSize), in KiB: leaked reservations merge into neighbouring
+// mappings, so their count says nothing; their size does.
+size_t address_space_kib() {
+  std::ifstream status("/proc/self/status");
+  for (std::string line; std::getline(status, line);)
+    if (line.rfind("VmSize:", 0) == 0) return std::stoul(line.substr(7));
+  return 0;
+}
+
+TEST(Checkpoint, OpeningAndRefusingFilesLeavesNoMappingsBehind) {
+  const fs::path dir = fs::temp_directory_path() / ("moeline-maps-" + std::to_string(::getpid()));
+  fs::create_directories(dir);
+  const std::string header = R"({"w":{"dtype":"F32","shape":[3],"data_offsets":[0,12]}})";
+  std::string file(8, '\0');
+  file[0] = static_cast<char>(header.size());
+  file += header + std::string(12, '\0');  // 8 + 57 + 12 bytes: not a whole page
+  std::ofstream(dir / "model.safetensors", std::ios::binary) << file;
+  { Checkpoint warm = Checkpoint::open(dir); }
+  const size_t before = address_space_kib();
+  for (int i = 0; i < 200; ++i) {
+    Checkpoint checkpoint = Checkpoint::open(dir);
+    ASSERT_NE(checkpoint.find("w"), nullptr);
+  }
+  std::ofstream(dir / "model.safetensors", std::ios::binary) << file.substr(0, 70);  // truncated
+  for (int i = 0; i < 200; ++i) EXPECT_THROW(Checkpoint::open(dir), ModelError);
+  // 400 opens leaking up to 2 MiB each would add hundreds of MiB; allow allocator noise.
+  EXPECT_LE(address_space_kib(), before + 32 * 1024);
+  fs::remove_all(dir);
 }
 
 }  // namespace
