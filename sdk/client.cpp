@@ -93,6 +93,8 @@ void Client::open() {
   socket_->set(zmq::sockopt::linger, 200);
   socket_->set(zmq::sockopt::sndhwm, 0);
   socket_->set(zmq::sockopt::rcvhwm, 0);
+  // What a gateway sends a client is small (events, replies): a larger frame is not one.
+  socket_->set(zmq::sockopt::maxmsgsize, int64_t{64} << 20);
   // ZMTP heartbeats: a gateway that stops answering drops the connection within 5 s.
   socket_->set(zmq::sockopt::heartbeat_ivl, 1000);
   socket_->set(zmq::sockopt::heartbeat_timeout, 5000);

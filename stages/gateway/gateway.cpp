@@ -633,6 +633,12 @@ class Gateway {
     if (model::Status status = sampling.validate(); !status.ok())
       return reject(client, crid, wire::ErrorCode::InvalidSampling, "invalid_sampling",
                     status.error().message);
+    // No request can use more tokens than the context holds: past it, max_tokens is an error
+    // (within it, it is capped below to what the prompt leaves).
+    if (sampling.max_tokens > context_)
+      return reject(client, crid, wire::ErrorCode::InvalidRequest, "bad_max_tokens",
+                    "max_tokens " + std::to_string(sampling.max_tokens) +
+                        " exceeds the model's context of " + std::to_string(context_) + " tokens");
     const bool has_prompt = request.prompt() != nullptr && request.prompt()->size() > 0;
     const bool has_tokens = request.tokens() != nullptr && request.tokens()->size() > 0;
     if (has_prompt == has_tokens)
@@ -669,7 +675,8 @@ class Gateway {
       return reject(client, crid, wire::ErrorCode::PromptTooLong, "prompt_too_long",
                     "prompt of " + std::to_string(prompt.size()) + " tokens exceeds the limit of " +
                         std::to_string(max_prompt_tokens_));
-    // Generation stops at the context anyway; capping here keeps every later sum in range.
+    // Generation stops at the context anyway: what the prompt leaves of it is the most a request
+    // can get.
     sampling.max_tokens =
         std::min<int64_t>(sampling.max_tokens, context_ - static_cast<int64_t>(prompt.size()));
     const std::optional<uint32_t> asked =

@@ -173,8 +173,9 @@ class StageUnderLoad {
       : dir_(fs::temp_directory_path() / ("moeline-load-" + std::to_string(::getpid()))) {
     fs::create_directories(dir_);
     const std::string endpoint = "ipc://" + (dir_ / "hub.sock").string();
-    hub = std::make_unique<runtime::Hub>(context, endpoint, settings_hash(model.model_id()), 500,
-                                         5000, log, metrics);
+    hub = std::make_unique<runtime::Hub>(
+        context, endpoint, settings_hash(model.model_id()), 500, 5000, log, metrics,
+        runtime::HubSecurity{.max_message_bytes = max_stage_message_bytes(model.config())});
     const std::string exe = fs::read_symlink("/proc/self/exe").string();
     std::vector<std::string> args = {exe,     o.target, "--model",   o.model,
                                      "--hub", endpoint, "--replica", o.target + "-under-load"};

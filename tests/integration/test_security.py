@@ -194,12 +194,20 @@ def case_input(args):
         client = Client(stack.endpoint, timeout=60)
 
         # max_tokens 2^63-1: decode summed it with the prompt length and crashed (three times, as
-        # the gateway retried). Capped at the context now: served, ending at the context or EOS.
-        result = client.generate(tokens=[5, 6, 7], max_tokens=2**63 - 1, ignore_eos=True)
-        check(result.finish_reason in ("length", "stop") and len(result.ids) > 0,
-              f"max_tokens 2^63-1: {result.finish_reason}, {len(result.ids)} tokens")
-        print(f"ok input: max_tokens 2^63-1 served ({len(result.ids)} tokens, "
-              f"{result.finish_reason}), decode alive")
+        # the gateway retried). Past the context it is refused; up to it, capped and served.
+        try:
+            client.generate(tokens=[5, 6, 7], max_tokens=2**63 - 1)
+            raise AssertionError("max_tokens 2^63-1 was accepted")
+        except GenerateError as e:
+            check(e.code == E.InvalidRequest and "context" in e.message,
+                  f"max_tokens 2^63-1: {e.code_name}: {e.message}")
+            print(f"ok input: max_tokens 2^63-1 refused: {e.message}")
+        context = json.load(open(os.path.join(args.model, "config.json")))["max_position_embeddings"]
+        result = client.generate(tokens=[5, 6, 7], max_tokens=context, ignore_eos=True)
+        check(result.finish_reason == "length" and len(result.ids) == context - 3,
+              f"max_tokens {context}: {result.finish_reason}, {len(result.ids)} tokens")
+        print(f"ok input: max_tokens {context} with a 3-token prompt capped to {len(result.ids)}, "
+              "served; decode alive")
 
         # A control command whose tenant is a number: a JSON type error killed the gateway.
         try:

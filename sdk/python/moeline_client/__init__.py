@@ -328,6 +328,7 @@ class Client:
         socket.setsockopt(zmq.LINGER, 0)  # close() must never hang on unsent messages
         # ZMTP heartbeats: a gateway that stops answering (SIGSTOP, a dead host) drops the
         # connection within HEARTBEAT_TIMEOUT; the monitor turns a drop into errors.
+        socket.setsockopt(zmq.MAXMSGSIZE, 64 << 20)  # events and replies are small
         socket.setsockopt(zmq.HEARTBEAT_IVL, _HEARTBEAT_MS)
         socket.setsockopt(zmq.HEARTBEAT_TIMEOUT, _HEARTBEAT_TIMEOUT_MS)
         self._monitor = socket.get_monitor_socket(zmq.EVENT_DISCONNECTED)
