@@ -1,5 +1,6 @@
 #!/usr/bin/python3
-"""docker-compose.yml and docker/Dockerfile hold what an operator relies on: five stages, scalable
+"""docker-compose.yml and docker/Dockerfile hold what an operator relies on: five stages (each with
+CurveZMQ keys from a one-shot keys service), scalable
 ones (probe, prefill, decode) free of container names and host ports so `--scale` works, a health
 check and a restart policy everywhere, workers pointed at the gateway's hub, and an image that
 installs the runtime libraries and copies the binary and the demo model. The compose file is read
@@ -23,7 +24,7 @@ SCALABLE = ("probe", "prefill", "decode")
 WORKERS = ("probe", "prefill", "decode", "offload")
 HUB = "tcp://gateway:5556"
 # libgomp1, libblas3 and liblapack3: FAISS (linked statically) runs on OpenMP and BLAS/LAPACK.
-RUNTIME_PACKAGES = ("libzmq5", "libpcre2-8-0", "libutf8proc2", "libsimdjson14", "libmimalloc2.0",
+RUNTIME_PACKAGES = ("libzmq5", "libsodium23", "libpcre2-8-0", "libutf8proc2", "libsimdjson14", "libmimalloc2.0",
                     "libxxhash0", "libcpp-httplib0.11", "librocksdb7.8", "libgomp1", "libblas3",
                     "liblapack3", "curl")
 
@@ -64,7 +65,15 @@ def check_compose(repo, docker_compose):
     if run.returncode != 0:
         return
     services = yaml.safe_load(run.stdout).get("services", {})
-    check("one service per stage", sorted(services) == sorted(STAGES), f"{sorted(services)}")
+    check("one service per stage, and the one-shot keys service",
+          sorted(services) == sorted(STAGES + ("keys",)), f"{sorted(services)}")
+    keys = services.get("keys", {})
+    keys_dir = flag(command_words(keys), "--dir")
+    check("keys: runs `moeline keys init` into a volume",
+          command_words(keys)[:3] == ["moeline", "keys", "init"] and bool(keys_dir) and
+          any(str(v.get("target") if isinstance(v, dict) else v).find(keys_dir or "?") >= 0
+              for v in keys.get("volumes", [])), f"{command_words(keys)}")
+    check("keys: runs once (no restart)", str(keys.get("restart", "no")) == "no")
     for name in STAGES:
         service = services.get(name)
         if service is None:
@@ -72,6 +81,8 @@ def check_compose(repo, docker_compose):
         words = command_words(service)
         check(f"{name}: runs `moeline {name}`", words[:2] == ["moeline", name], f"{words}")
         check(f"{name}: has a --model", bool(flag(words, "--model")), f"{words}")
+        check(f"{name}: runs CurveZMQ with the keys service's directory (--curve-dir)",
+              flag(words, "--curve-dir") == keys_dir and "keys" in depends_on(service), f"{words}")
         check(f"{name}: serves /healthz and /metrics on 0.0.0.0:9100",
               flag(words, "--http") == "0.0.0.0:9100", f"{words}")
         test = service.get("healthcheck", {}).get("test", [])
