@@ -2,7 +2,8 @@
 """Soak: a stack under steady load with a fault every few seconds, for a long time.
 
 16 client streams (Python SDK, one connection each) send greedy requests drawn from a fixed set of
-prompts whose outputs `moeline run` computed first; every --fault-every-s seconds one fault hits
+prompts whose outputs `moeline run` computed first (half of them with reuse off, so that prefill
+and decode compute them; the rest may be served from the probe's store); every --fault-every-s seconds one fault hits
 the stack, in turn: kill -9 of a random stage, SIGSTOP of a random stage (SIGCONT 10 s later, if
 the supervisor has not replaced it), SIGTERM of a random stage (a drain), and a full disk under
 the probe's store (a tmpfs filled for 20 s; needs root, otherwise skipped). Prints one JSON object:
@@ -47,6 +48,7 @@ class Counters:
         self.lock = threading.Lock()
         self.served = self.wrong = self.hung = 0
         self.errors = collections.Counter()
+        self.by_reuse = collections.Counter()  # served requests by usage.reuse_level
 
     def add(self, field, code=None):
         with self.lock:
@@ -62,10 +64,15 @@ def stream(endpoint, prompts, expected, until, counters, seed):
     client = Client(endpoint, timeout=DEADLINE_MS / 1000 + HUNG_MARGIN_S)
     while time.time() < until:
         i = rng.randrange(len(prompts))
+        # Half the requests opt out of reuse, so that prefill and decode compute them (the others
+        # may be replayed or prefilled from the probe's store: that path is under test too).
+        reuse = "none" if rng.random() < 0.5 else ""
         try:
             result = client.generate(tokens=prompts[i], max_tokens=MAX_TOKENS, ignore_eos=True,
-                                     deadline_ms=DEADLINE_MS)
+                                     deadline_ms=DEADLINE_MS, reuse=reuse)
             counters.add("served")
+            with counters.lock:
+                counters.by_reuse[result.usage.get("reuse_level", "none")] += 1
             if result.ids != expected[i]:
                 counters.add("wrong")
         except GenerateError as e:
@@ -161,7 +168,8 @@ def main():
             subprocess.run(["umount", "-l", store], capture_output=True)
     report = {"duration_s": args.duration_s, "streams": args.streams,
               "fault_every_s": args.fault_every_s, "faults": dict(faults),
-              "served": counters.served, "wrong": counters.wrong,
+              "served": counters.served, "served_by_reuse": dict(counters.by_reuse),
+              "wrong": counters.wrong,
               "failed_explicit": dict(counters.errors), "hung": counters.hung,
               "retried": retried["total"] + retried["last"]}
     print(json.dumps(report))
