@@ -154,7 +154,8 @@ std::optional<PromptRecord> decode_prompt(const std::string& bytes, size_t vocab
     return std::nullopt;
   PromptRecord record;
   record.logits.resize(logits);
-  std::memcpy(record.logits.data(), bytes.data() + 8, static_cast<size_t>(logits) * 4);
+  if (logits > 0)  // memcpy from or to an empty vector's null data() is undefined
+    std::memcpy(record.logits.data(), bytes.data() + 8, static_cast<size_t>(logits) * 4);
   record.tail_kv = bytes.substr(8 + static_cast<size_t>(logits) * 4);
   return record;
 }
@@ -175,7 +176,8 @@ std::optional<ResultRecord> decode_result(const std::string& bytes) {
   if (bytes.size() != 8 + static_cast<size_t>(tokens) * 4 + finish) return std::nullopt;
   ResultRecord record;
   record.tokens.resize(tokens);
-  std::memcpy(record.tokens.data(), bytes.data() + 8, static_cast<size_t>(tokens) * 4);
+  if (tokens > 0)  // memcpy to an empty vector's null data() is undefined
+    std::memcpy(record.tokens.data(), bytes.data() + 8, static_cast<size_t>(tokens) * 4);
   record.finish_reason = bytes.substr(8 + static_cast<size_t>(tokens) * 4);
   return record;
 }
@@ -236,8 +238,8 @@ std::optional<SignatureRecord> decode_signature(const std::string& bytes) {
   SignatureRecord record;
   record.tokens.resize(tokens);
   record.signature.resize(dims);
-  std::memcpy(record.tokens.data(), bytes.data() + 20, tokens * 4);
-  std::memcpy(record.signature.data(), bytes.data() + 20 + tokens * 4, dims * 4);
+  if (tokens > 0) std::memcpy(record.tokens.data(), bytes.data() + 20, tokens * 4);
+  if (dims > 0) std::memcpy(record.signature.data(), bytes.data() + 20 + tokens * 4, dims * 4);
   record.cache_namespace = bytes.substr(20 + tokens * 4 + dims * 4, name);
   record.expert_sets.resize(sets);
   // A u32 at `at` (advancing it), or false when the bytes end first.

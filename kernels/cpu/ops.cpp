@@ -5,7 +5,9 @@
 
 namespace moeline::kernels {
 
-#if defined(__x86_64__)
+// Not under ThreadSanitizer: the clones' ifunc resolvers run during relocation, before its
+// runtime is up, and crash the process when instrumented.
+#if defined(__x86_64__) && !defined(__SANITIZE_THREAD__)
 #define MOELINE_CLONES __attribute__((target_clones("avx512f", "avx2", "default")))
 #else
 #define MOELINE_CLONES
