@@ -96,8 +96,10 @@ ComputeWorker::ComputeWorker(const runtime::Config& config, const char* stage, w
   usage =
       std::make_unique<ExpertUsageCounter>(cfg.num_layers, std::max<int64_t>(1, cfg.num_experts));
   service.start_http(config.text("http"), config.text("port-file"), [this] {
-    return nlohmann::json{{"hub_accepted", link && link->accepted()},
-                          {"expert_plan", plan_received_},
+    // The HTTP thread: only what the loop published (ThreadSanitizer caught this reading the
+    // link and the plan flag while the loop set them).
+    return nlohmann::json{{"hub_accepted", health_hub_accepted_.load()},
+                          {"expert_plan", health_plan_received_.load()},
                           {"device", device}};
   });
   runtime::LinkSettings settings =
@@ -238,6 +240,8 @@ bool ComputeWorker::maintain() {
     link->send(usage->take(service.log.replica()));
     last_usage_report_ = now;
   }
+  health_hub_accepted_.store(link->accepted());
+  health_plan_received_.store(plan_received_);
   service.set_ready(ready());
   return true;
 }

@@ -5,6 +5,7 @@
 // then grants its capacity: no job reaches it before it knows how to reach every expert. It also
 // counts the tokens each expert sees (a RouterObserver) and reports them to the offload manager.
 
+#include <atomic>
 #include <chrono>
 #include <functional>
 #include <memory>
@@ -127,6 +128,8 @@ class ComputeWorker {
   std::function<void()> report_device_;
   std::chrono::steady_clock::time_point last_device_report_;
   bool plan_received_ = false;
+  // What /healthz reports (its HTTP thread reads these; the loop writes them).
+  std::atomic<bool> health_hub_accepted_{false}, health_plan_received_{false};
   std::string pool_lost_;
   bool plan_requested_ = false;
   std::chrono::steady_clock::time_point plan_requested_at_, last_usage_report_, last_pool_check_;
