@@ -65,6 +65,13 @@ std::string replica_name(const runtime::Config& config, const char* stage) {
                                         : config.text("replica");
 }
 
+void configure_io_threads(zmq::context_t& context, const runtime::Config& config) {
+  const int64_t threads = config.integer("io-threads");
+  if (threads < 1 || threads > 16)
+    throw runtime::ConfigError("--io-threads " + std::to_string(threads) + ": expected 1 to 16");
+  context.set(zmq::ctxopt::io_threads, static_cast<int>(threads));
+}
+
 size_t max_stage_message_bytes(const model::ModelConfig& config) {
   // The largest message stages exchange carries a whole context's KV (a hand-over, a prefix plan)
   // or a prompt's logits and partial block (a snapshot put), plus its tokens: twice that bounds
@@ -160,6 +167,9 @@ std::vector<runtime::ConfigKey> common_keys(const char* default_http) {
       {"drain-grace-ms", "30000",
        "on SIGTERM: stop taking work, finish what is held for up to this long, hand back the "
        "rest, exit (prefill, decode, gateway; a second SIGTERM stops at once)"},
+      {"io-threads", "1",
+       "ZeroMQ I/O threads (CurveZMQ encrypts in them: 2 helps a gateway relaying KV under Curve "
+       "when a core is free)"},
       {"curve-dir", "",
        "key directory (moeline keys init): tcp:// sockets run CurveZMQ with this process's key "
        "(gateway.key, or <role>.key and gateway.pub); empty: open, for ipc:// stacks"},

@@ -48,6 +48,10 @@ runtime::LinkSettings link_settings(const runtime::Config& config, wire::StageKi
                                     uint16_t http_port);
 // The key file a stage kind uses in a key directory: probe, prefill, decode, offload.
 std::string curve_role(wire::StageKind stage);
+// --io-threads: ZeroMQ's I/O threads for this process's context (Curve encrypts and decrypts in
+// them, so a process that relays bulk data under Curve gains from two). Call before the context's
+// first socket.
+void configure_io_threads(zmq::context_t& context, const runtime::Config& config);
 // The largest message stages exchange for this model (ZMQ_MAXMSGSIZE of the hub and links).
 size_t max_stage_message_bytes(const model::ModelConfig& config);
 // Activation signatures (approximate reuse): the probe computes them for lookups and prefill for

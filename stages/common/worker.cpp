@@ -57,6 +57,7 @@ ComputeWorker::ComputeWorker(const runtime::Config& config, const char* stage, w
     : service(stage, replica_name(config, stage)) {
   runtime::StageService::install_signal_handlers();
   service.set_watchdog_limit(std::chrono::milliseconds(config.integer("watchdog-ms")));
+  configure_io_threads(context, config);
   auto loaded = model::Model::load(config.text("model"));
   if (!loaded) throw std::runtime_error(loaded.error().message);
   model = std::move(*loaded);
@@ -108,6 +109,7 @@ ComputeWorker::ComputeWorker(const runtime::Config& config, const char* stage, w
 }
 
 ComputeWorker::~ComputeWorker() {
+  service.stop_http();  // /healthz reads members that die before `service`
   if (trace && !trace->write(trace_path))
     service.log.error("expert_trace_not_written", {{"path", trace_path}});
 }

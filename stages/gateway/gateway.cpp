@@ -79,6 +79,11 @@ struct Handoff {
 
 class Gateway {
  public:
+  // /healthz reads members that die before `service_`.
+  ~Gateway() { service_.stop_http(); }
+  Gateway(const Gateway&) = delete;
+  Gateway& operator=(const Gateway&) = delete;
+
   explicit Gateway(const runtime::Config& config)
       : service_("gateway", replica_name(config, "gateway")),
         metrics_(service_.metrics),
@@ -147,6 +152,7 @@ class Gateway {
                             {"approximate", approximate_state_},
                             {"security", security_state_}};
     });
+    configure_io_threads(context_zmq_, config);
     curve_ = runtime::load_curve_settings(config.text("curve-dir"), "gateway");
     if (curve_.enabled())
       zap_ = std::make_unique<runtime::ZapHandler>(context_zmq_, log_, metrics_);

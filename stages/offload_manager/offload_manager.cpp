@@ -249,6 +249,7 @@ int offload_body(const runtime::Config& config) {
   }
 
   zmq::context_t context(1);
+  configure_io_threads(context, config);
   runtime::LinkSettings settings = link_settings(config, wire::StageKind::OffloadManager,
                                                  service.log.replica(), model, service.http_port());
   runtime::HubLink link(context, settings, service.log, metrics);
@@ -352,6 +353,7 @@ int offload_body(const runtime::Config& config) {
       }
     });
   }
+  service.stop_http();  // /healthz reads `health`, which dies first
   service.log.info("stopped");
   return 0;
 }

@@ -87,6 +87,7 @@ class Probe {
     service_.start_http(config.text("http"), config.text("port-file"));
     register_metrics();
     credits_ = static_cast<uint32_t>(config.integer("queue"));
+    configure_io_threads(context_, config);
     runtime::LinkSettings settings = link_settings(
         config, wire::StageKind::Probe, service_.log.replica(), *model_, service_.http_port());
     link_ = std::make_unique<runtime::HubLink>(context_, settings, service_.log, metrics_);

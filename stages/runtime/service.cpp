@@ -30,6 +30,10 @@ StageService::StageService(std::string stage, std::string replica)
 }
 
 StageService::~StageService() {
+  stop_http();
+}
+
+void StageService::stop_http() {
   stopping_.store(true);
   if (server_) server_->stop();
   if (http_thread_.joinable()) http_thread_.join();

@@ -40,6 +40,10 @@ class StageService {
   void start_http(const std::string& address, const std::string& port_file,
                   std::function<nlohmann::json()> health_detail = {});
   uint16_t http_port() const { return port_; }
+  // Stops the HTTP and liveness threads (idempotent; the destructor calls it too). A stage whose
+  // `health_detail` reads objects that die before this service calls it first: the HTTP thread
+  // must not read them while they are destroyed.
+  void stop_http();
 
   void tick() { last_tick_ns_.store(now_ns(), std::memory_order_relaxed); }
   void set_watchdog_limit(std::chrono::milliseconds limit) { watchdog_ms_ = limit.count(); }
