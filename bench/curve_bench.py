@@ -9,7 +9,11 @@ gateway's clock, so client overhead is out) and (b) `moeline load` at --concurre
 over off.
 
   curve_bench.py --moeline BIN --model DIR --workdir DIR [--rounds 3] [--requests 40]
-                 [--concurrency 8] [--duration-s 10]
+                 [--concurrency 8] [--duration-s 10] [--prompt-tokens 32] [--max-tokens 32]
+                 [--variants off,on,on/io2]
+
+A variant is `off` or `on`, optionally with `/ioN`: the stages' ZeroMQ I/O threads
+(--io-threads, through MOELINE_IO_THREADS).
 """
 
 import argparse
@@ -25,9 +29,14 @@ sys.path.insert(0, os.path.join(ROOT, "tests", "integration"))
 from stack_harness import Stack, add_python_paths  # noqa: E402
 
 
-def one_round(args, curve):
+def one_round(args, variant):
     from moeline_client import Client
-    run = os.path.join(args.workdir, f"curve-{curve}")
+    curve, _, io = variant.partition("/")
+    if io:
+        os.environ["MOELINE_IO_THREADS"] = io.removeprefix("io")
+    else:
+        os.environ.pop("MOELINE_IO_THREADS", None)
+    run = os.path.join(args.workdir, f"curve-{variant.replace('/', '-')}")
     extra = ["--transport", "tcp", "--curve", curve]
     with Stack(args.moeline, args.model, run, extra_args=extra, endpoint_prefix="tcp://",
                threads=1) as stack:
@@ -35,8 +44,8 @@ def one_round(args, curve):
         ttft, per_token = [], []
         with Client(stack.endpoint, timeout=120, server_key=server_key) as client:
             for i in range(args.requests + 5):
-                tokens = [(i * 13 + j) % 500 + 3 for j in range(32)]
-                result = client.generate(tokens=tokens, max_tokens=32, ignore_eos=True,
+                tokens = [(i * 13 + j) % 500 + 3 for j in range(args.prompt_tokens)]
+                result = client.generate(tokens=tokens, max_tokens=args.max_tokens, ignore_eos=True,
                                          reuse="none")
                 if i < 5:
                     continue  # warm-up
@@ -45,7 +54,8 @@ def one_round(args, curve):
                 per_token.append((t["total_ms"] - t["ttft_ms"]) / max(1, len(result.ids) - 1))
         cmd = [args.moeline, "load", "--endpoint", stack.endpoint, "--model", args.model,
                "--concurrency", str(args.concurrency), "--duration-s", str(args.duration_s),
-               "--prompt-tokens", "32", "--max-tokens", "32", "--json"]
+               "--prompt-tokens", str(args.prompt_tokens), "--max-tokens", str(args.max_tokens),
+               "--json"]
         env = dict(os.environ, MOELINE_SERVER_KEY=server_key) if server_key else None
         out = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env)
         if out.returncode != 0 and not out.stdout.strip():
@@ -65,13 +75,22 @@ def main():
     ap.add_argument("--requests", type=int, default=40)
     ap.add_argument("--concurrency", type=int, default=8)
     ap.add_argument("--duration-s", type=float, default=10)
+    ap.add_argument("--prompt-tokens", type=int, default=32)
+    ap.add_argument("--max-tokens", type=int, default=32)
+    ap.add_argument("--variants", default="off,on",
+                    help="comma-separated: off, on, optionally /ioN (the first is the baseline)")
     args = ap.parse_args()
+    variants = args.variants.split(",")
+    for v in variants:
+        curve, _, io = v.partition("/")
+        if curve not in ("off", "on") or (io and not (io.startswith("io") and io[2:].isdigit())):
+            ap.error(f"--variants: {v!r} is not off|on[/ioN]")
     add_python_paths(args.python_build, os.path.join(ROOT, "sdk", "python"))
-    results = {"off": [], "on": []}
+    results = {v: [] for v in variants}
     for r in range(args.rounds):
-        for curve in ("off", "on"):
-            print(f"curve bench: round {r + 1} curve {curve}", file=sys.stderr)
-            results[curve].append(one_round(args, curve))
+        for v in variants:
+            print(f"curve bench: round {r + 1} variant {v}", file=sys.stderr)
+            results[v].append(one_round(args, v))
 
     def med(curve, get):
         return statistics.median(get(x) for x in results[curve])
@@ -83,11 +102,23 @@ def main():
         (f"load x{args.concurrency}: per-token p50 (ms)", lambda x: x["load"]["tpot_ms"]["p50"]),
         (f"load x{args.concurrency}: output tokens/s", lambda x: x["load"]["output_tokens_per_s"]),
     ]
-    print(f"| measure (median of {args.rounds} rounds) | tcp, Curve off | tcp, Curve on | on vs off |")
-    print("| --- | --- | --- | --- |")
+    def name(v):
+        curve, _, io = v.partition("/")
+        return f"tcp, Curve {curve}" + (f", {io[2:]} I/O threads" if io else "")
+
+    base = variants[0]
+    header = [f"measure (median of {args.rounds} rounds)", name(base)]
+    for v in variants[1:]:
+        header += [name(v), f"vs {base}"]
+    print("| " + " | ".join(header) + " |")
+    print("|" + " --- |" * len(header))
     for label, get in rows:
-        off, on = med("off", get), med("on", get)
-        print(f"| {label} | {off:.2f} | {on:.2f} | {100 * (on - off) / off:+.1f}% |")
+        b = med(base, get)
+        cells = [label, f"{b:.2f}"]
+        for v in variants[1:]:
+            x = med(v, get)
+            cells += [f"{x:.2f}", f"{100 * (x - b) / b:+.1f}%"]
+        print("| " + " | ".join(cells) + " |")
     print(json.dumps(results), file=sys.stderr)
 
 

@@ -27,6 +27,7 @@ import time
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(os.path.dirname(HERE))
 sys.path.insert(0, HERE)
+from peer_frames import dealer, hello, settings_hash  # noqa: E402
 from stack_harness import Stack, reference, run_cases  # noqa: E402
 
 SCALARS = {  # type: (Builder method suffix, bytes, minimum, maximum)
@@ -207,40 +208,6 @@ def flood(sock, generator, label):
     return sent
 
 
-def dealer(endpoint, identity):
-    import zmq
-    s = zmq.Context.instance().socket(zmq.DEALER)
-    s.setsockopt(zmq.LINGER, 0)
-    s.setsockopt(zmq.SNDHWM, 0)
-    s.setsockopt(zmq.ROUTING_ID, identity)
-    s.connect(endpoint)
-    return s
-
-
-def settings_hash(stack):
-    with open(os.path.join(stack.run_dir, "logs", "gateway.log")) as f:
-        for line in f:
-            if "event=listening" in line:
-                return int(re.search(r"settings_hash=(\d+)", line).group(1))
-    raise AssertionError("the gateway did not log its settings hash")
-
-
-def hello(kind, hash_value, replica):
-    import flatbuffers
-    from moeline_client import encode_message
-    from moeline.wire import Hello, MessageType
-    b = flatbuffers.Builder(128)
-    name = b.CreateString(replica)
-    Hello.Start(b)
-    Hello.AddStage(b, kind)
-    Hello.AddReplica(b, name)
-    Hello.AddSchemaMajor(b, 1)
-    Hello.AddSchemaMinor(b, 5)
-    Hello.AddSettingsHash(b, hash_value)
-    b.Finish(Hello.End(b), file_identifier=b"MLCM")
-    return encode_message(MessageType.MessageType.Hello, b.Output())
-
-
 def case_gateway(args):
     from moeline_client import Client
     from moeline.wire import StageKind
@@ -254,7 +221,7 @@ def case_gateway(args):
         for kind in ("Probe", "Prefill", "Decode", "OffloadManager"):
             rogue = dealer(hub, f"extreme-{kind}".encode())
             rogue.send_multipart(hello(getattr(StageKind.StageKind, kind), settings_hash(stack),
-                                       f"extreme-{kind}"))
+                                       replica=f"extreme-{kind}"))
             time.sleep(0.2)
             flood(rogue, generator, f"the hub, as an accepted {kind} peer")
             rogue.close()

@@ -31,6 +31,7 @@ import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
+from peer_frames import dealer, gateway_logged, hello, settings_hash  # noqa: E402
 from stack_harness import Stack, reference, run_cases  # noqa: E402
 
 
@@ -45,53 +46,6 @@ def pids(stack):
 
 def restarts(stack):
     return {s["name"]: s["restarts"] for s in stack.state()["stages"]}
-
-
-def gateway_logged(stack, name):
-    with open(os.path.join(stack.run_dir, "logs", "gateway.log")) as f:
-        for line in f:
-            if "event=listening" in line:
-                for field in line.split():
-                    if field.startswith(name + "="):
-                        return int(field.split("=", 1)[1])
-    raise AssertionError(f"the gateway did not log {name}")
-
-
-def settings_hash(stack):
-    """What a rogue peer on the same machine could compute from the model files; the gateway logs
-    it (its refusals no longer hand it out)."""
-    return gateway_logged(stack, "settings_hash")
-
-
-def dealer(endpoint, identity=None, curve=None):
-    import zmq
-    s = zmq.Context.instance().socket(zmq.DEALER)
-    s.setsockopt(zmq.LINGER, 0)
-    s.setsockopt(zmq.RCVTIMEO, 3000)
-    if identity:
-        s.setsockopt(zmq.ROUTING_ID, identity)
-    if curve:
-        server, public, secret = curve
-        s.curve_serverkey, s.curve_publickey, s.curve_secretkey = server, public, secret
-    s.connect(endpoint)
-    return s
-
-
-def hello(stage_kind, hash_value, credits=0, replica="rogue"):
-    import flatbuffers
-    from moeline_client import encode_message
-    from moeline.wire import Hello, MessageType
-    b = flatbuffers.Builder(128)
-    name = b.CreateString(replica)
-    Hello.Start(b)
-    Hello.AddStage(b, stage_kind)
-    Hello.AddReplica(b, name)
-    Hello.AddSchemaMajor(b, 1)
-    Hello.AddSchemaMinor(b, 5)
-    Hello.AddSettingsHash(b, hash_value)
-    Hello.AddCredits(b, credits)
-    b.Finish(Hello.End(b), file_identifier=b"MLCM")
-    return encode_message(MessageType.MessageType.Hello, b.Output())
 
 
 def credit(n):
