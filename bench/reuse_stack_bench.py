@@ -19,7 +19,6 @@ import json
 import os
 import random
 import statistics
-import subprocess
 import sys
 import tempfile
 

@@ -30,7 +30,7 @@ sys.path.insert(0, HERE)
 from peer_frames import dealer, hello, settings_hash  # noqa: E402
 from stack_harness import Stack, reference, run_cases  # noqa: E402
 
-SCALARS = {  # type: (Builder method suffix, bytes, minimum, maximum)
+SCALARS = {  # FlatBuffers type -> (Builder method suffix, bytes, minimum, maximum)
     "bool": ("Bool", 1, 0, 1), "byte": ("Int8", 1, -2**7, 2**7 - 1),
     "ubyte": ("Uint8", 1, 0, 2**8 - 1), "short": ("Int16", 2, -2**15, 2**15 - 1),
     "ushort": ("Uint16", 2, 0, 2**16 - 1), "int": ("Int32", 4, -2**31, 2**31 - 1),

@@ -253,7 +253,7 @@ def case_input(args):
 
 def case_ipc(args):
     run = os.path.join(args.workdir, "ipc")
-    with Stack(args.moeline, args.model, run) as stack:
+    with Stack(args.moeline, args.model, run):
         mode = stat.S_IMODE(os.stat(run).st_mode)
         check(mode == 0o700, f"the run directory is {oct(mode)}, want 0o700")
         for name in ("hub.sock", "client.sock"):

@@ -21,7 +21,6 @@ import os
 import random
 import shutil
 import signal
-import struct
 import subprocess
 import sys
 import time
@@ -243,7 +242,6 @@ def case_errors(args):
         socket.close()
 
         # Malformed frames and a wrong-major hello at the hub (the stages' endpoint).
-        import zmq
         from moeline.wire import Hello, HelloReply, StageKind
         import flatbuffers
         hub = "ipc://" + os.path.join(run_dir, "hub.sock")
