@@ -27,6 +27,9 @@ Value get_item(const Value& subject, const Value& key);
 // joiner.
 void add_globals(Evaluator& ev, std::vector<std::pair<std::string, Value>>& vars);
 
+// markupsafe.escape: & < > " ' as HTML entities.
+std::string html_escape(std::string_view s);
+
 // json.dumps(value, ensure_ascii=False, indent, separators, sort_keys).
 std::string to_json(const Value& value, const Value& indent, const Value& separators,
                     bool sort_keys);

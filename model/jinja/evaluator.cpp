@@ -114,7 +114,7 @@ void Evaluator::assign(const Target& target, const Value& value, Frame& frame) {
     frame.set(target.names[0], value);
     return;
   }
-  List items = value.is_string() || value.is_sequence() || value.is_dict()
+  List items = value.is_string() || value.is_sequence() || value.is_dict() || value.is_iterator()
                    ? iterate(value)
                    : (fail("cannot unpack non-iterable " + value.type_name()), List{});
   if (items.size() != target.names.size())

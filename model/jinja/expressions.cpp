@@ -61,7 +61,14 @@ Value binary_op(const std::string& op, const Value& a, const Value& b, const Eva
     if (numbers) return Value::real(a.as_double() + b.as_double());
     if (a.is_string() && b.is_string()) {
       ev.check_size(a.as_string().size() + b.as_string().size());
-      return Value::string(a.as_string() + b.as_string());
+      if (a.is_markup() != b.is_markup()) {
+        // Markup + str escapes the plain side (the "..."|safe + x idiom of some templates).
+        std::string left = a.is_markup() ? a.as_string() : html_escape(a.as_string());
+        std::string right = b.is_markup() ? b.as_string() : html_escape(b.as_string());
+        return Value::markup(left + right);
+      }
+      std::string joined = a.as_string() + b.as_string();
+      return a.is_markup() ? Value::markup(std::move(joined)) : Value::string(std::move(joined));
     }
     if (a.is_sequence() && a.kind() == b.kind()) {
       List out = a.items();

@@ -159,13 +159,19 @@ Value f_round(Evaluator&, const Value& v, CallArgs& args) {
 
 Value f_safe(Evaluator&, const Value& v, CallArgs& args) {
   Params p("safe", args, {});
-  return v.is_string() ? v : Value::string(v.str());
+  return Value::markup(v.str());
 }
 
 Value f_escape(Evaluator&, const Value& v, CallArgs& args) {
   Params p("escape", args, {});
+  return v.is_markup() ? v : Value::markup(html_escape(v.str()));
+}
+
+}  // namespace
+
+std::string html_escape(std::string_view s) {
   std::string out;
-  for (char c : v.str()) {
+  for (char c : s) {
     switch (c) {
       case '&':
         out += "&amp;";
@@ -186,8 +192,10 @@ Value f_escape(Evaluator&, const Value& v, CallArgs& args) {
         out.push_back(c);
     }
   }
-  return Value::string(std::move(out));
+  return out;
 }
+
+namespace {
 
 Value f_indent(Evaluator& ev, const Value& v, CallArgs& args) {
   Params p("indent", args, {"width", "first", "blank"});

@@ -42,6 +42,7 @@ Value f_first(Evaluator&, const Value& v, CallArgs& args) {
 
 Value f_last(Evaluator&, const Value& v, CallArgs& args) {
   Params p("last", args, {});
+  if (v.is_iterator()) fail("'generator' object is not reversible");
   List items = iterate(v);
   return items.empty() ? Value::undefined("No last item, sequence was empty.") : items.back();
 }
@@ -67,7 +68,7 @@ Value f_items(Evaluator&, const Value& v, CallArgs& args) {
   if (!v.is_dict()) fail("Can only get item pairs from a mapping.");
   List out;
   for (const auto& [k, value] : v.mapping().entries) out.push_back(Value::tuple({k, value}));
-  return Value::list(std::move(out));
+  return Value::iterator(std::move(out));
 }
 
 Value f_list(Evaluator& ev, const Value& v, CallArgs& args) {
@@ -119,6 +120,7 @@ Value select_or_reject(Evaluator& ev, const Value& v, CallArgs& args, bool selec
     if (!find_test(*test)) fail("unsupported test '" + *test + "'");
   }
   List out;
+  if (!v.truthy()) return Value::iterator({});  // jinja2 guards with `if value:`, so None is empty
   for (const Value& item : walk(ev, v)) {
     Value subject = lookup(item, attribute);
     bool passed;
@@ -130,7 +132,7 @@ Value select_or_reject(Evaluator& ev, const Value& v, CallArgs& args, bool selec
     }
     if (passed == select) out.push_back(item);
   }
-  return Value::list(std::move(out));
+  return Value::iterator(std::move(out));
 }
 
 Value f_select(Evaluator& ev, const Value& v, CallArgs& a) {
@@ -156,13 +158,14 @@ Value f_map(Evaluator& ev, const Value& v, CallArgs& args) {
       fallback = value;
   }
   List out;
+  if (!v.truthy()) return Value::iterator({});  // as select_or_reject
   if (attribute || args.positional.empty()) {
     if (!attribute) fail("map() needs a filter name or attribute=");
     for (const Value& item : walk(ev, v)) {
       Value mapped = lookup(item, attribute);
       out.push_back(mapped.is_undefined() && fallback ? *fallback : mapped);
     }
-    return Value::list(std::move(out));
+    return Value::iterator(std::move(out));
   }
   if (!args.positional[0].is_string()) fail("map(): the filter name must be a string");
   std::string filter = args.positional[0].as_string();
@@ -172,7 +175,7 @@ Value f_map(Evaluator& ev, const Value& v, CallArgs& args) {
     CallArgs filter_args{rest, args.keyword};
     out.push_back(ev.apply_filter(filter, item, filter_args));
   }
-  return Value::list(std::move(out));
+  return Value::iterator(std::move(out));
 }
 
 Value f_unique(Evaluator& ev, const Value& v, CallArgs& args) {
@@ -188,7 +191,7 @@ Value f_unique(Evaluator& ev, const Value& v, CallArgs& args) {
     seen.push_back(key);
     out.push_back(item);
   }
-  return Value::list(std::move(out));
+  return Value::iterator(std::move(out));
 }
 
 Value f_reverse(Evaluator& ev, const Value& v, CallArgs& args) {
@@ -200,7 +203,7 @@ Value f_reverse(Evaluator& ev, const Value& v, CallArgs& args) {
   }
   List items = walk(ev, v);
   std::reverse(items.begin(), items.end());
-  return Value::list(std::move(items));
+  return Value::iterator(std::move(items));
 }
 
 Value f_sort(Evaluator& ev, const Value& v, CallArgs& args) {
@@ -263,7 +266,7 @@ Value f_batch(Evaluator& ev, const Value& v, CallArgs& args) {
       while (static_cast<int64_t>(current.size()) < size) current.push_back(*p.get(1));
     out.push_back(Value::list(std::move(current)));
   }
-  return Value::list(std::move(out));
+  return Value::iterator(std::move(out));
 }
 
 }  // namespace

@@ -64,6 +64,22 @@ Value Value::tuple(List items) {
   v.kind_ = Kind::kTuple;
   return v;
 }
+Value Value::iterator(List items) {
+  Value v = list(std::move(items));
+  v.kind_ = Kind::kIterator;
+  return v;
+}
+Value Value::markup(std::string s) {
+  Value v = string(std::move(s));
+  v.bool_ = true;
+  return v;
+}
+List Value::take_items() const {
+  List out = std::move(*list_);
+  list_->clear();
+  return out;
+}
+
 Value Value::dict(std::shared_ptr<Dict> d) {
   Value v;
   v.kind_ = Kind::kDict;
@@ -100,6 +116,7 @@ bool Value::truthy() const {
       return !list_->empty();
     case Kind::kDict:
       return !dict_->entries.empty();
+    case Kind::kIterator:
     case Kind::kNamespace:
     case Kind::kCallable:
       return true;
@@ -200,6 +217,8 @@ std::string Value::repr() const {
     }
     case Kind::kCallable:
       return "<function " + callable_->name + ">";
+    case Kind::kIterator:
+      return "<generator object>";
   }
   return "";
 }
@@ -222,6 +241,8 @@ std::string Value::type_name() const {
       return "list object";
     case Kind::kTuple:
       return "tuple object";
+    case Kind::kIterator:
+      return "generator object";
     case Kind::kDict:
       return "dict object";
     case Kind::kNamespace:
@@ -283,6 +304,8 @@ bool equals(const Value& a, const Value& b) {
     }
     case Value::Kind::kNamespace:
       return a.mapping_ptr() == b.mapping_ptr();
+    case Value::Kind::kIterator:
+      return &a.items() == &b.items();
     case Value::Kind::kCallable:
       return &a.function() == &b.function();
     default:
@@ -328,6 +351,10 @@ bool contains(const Value& haystack, const Value& needle) {
       return false;
     case Value::Kind::kDict:
       return haystack.mapping().find(needle) != nullptr;
+    case Value::Kind::kIterator:
+      for (const auto& item : haystack.take_items())
+        if (equals(item, needle)) return true;
+      return false;
     case Value::Kind::kUndefined:
       return false;
     default:
@@ -342,6 +369,8 @@ List iterate(const Value& v) {
     case Value::Kind::kList:
     case Value::Kind::kTuple:
       return v.items();
+    case Value::Kind::kIterator:
+      return v.take_items();
     case Value::Kind::kDict: {
       List keys;
       for (const auto& [k, value] : v.mapping().entries) keys.push_back(k);

