@@ -204,7 +204,7 @@ class Lexer {
         while (pos_ < src_.size() && is_name_char(src_[pos_])) ++pos_;
         push(TokenKind::kName, src_.substr(start, pos_ - start));
       } else if (c == '\'' || c == '"') {
-        lex_string(c);
+        lex_string();
       } else {
         lex_operator(brackets);
       }
@@ -249,89 +249,11 @@ class Lexer {
     tokens_.push_back(std::move(t));
   }
 
-  void lex_string(char quote) {
+  void lex_string() {
     int start_line = line_;
     std::string out;
-    size_t p = pos_ + 1;
-    while (true) {
-      if (p >= src_.size()) throw RenderError("unterminated string literal", start_line);
-      char c = src_[p];
-      if (c == quote) break;
-      if (c == '\n') ++line_;
-      if (c != '\\' || p + 1 >= src_.size()) {
-        out.push_back(c);
-        ++p;
-        continue;
-      }
-      p = unescape(p, out);
-    }
-    pos_ = p + 1;
+    pos_ = decode_string_literal(src_, pos_, out, line_);
     tokens_.push_back(Token{TokenKind::kString, std::move(out), start_line});
-  }
-
-  // Python's unicode-escape decoding of one escape at p (a backslash); unknown escapes stay
-  // as written.
-  size_t unescape(size_t p, std::string& out) {
-    char e = src_[p + 1];
-    auto hex = [&](size_t at, int n) -> long {
-      if (at + n > src_.size()) return -1;
-      std::string h = src_.substr(at, n);
-      for (char c : h)
-        if (!std::isxdigit(static_cast<unsigned char>(c))) return -1;
-      return std::strtol(h.c_str(), nullptr, 16);
-    };
-    switch (e) {
-      case '\n':
-        ++line_;
-        return p + 2;
-      case '\\':
-      case '\'':
-      case '"':
-        out.push_back(e);
-        return p + 2;
-      case 'n':
-        out.push_back('\n');
-        return p + 2;
-      case 't':
-        out.push_back('\t');
-        return p + 2;
-      case 'r':
-        out.push_back('\r');
-        return p + 2;
-      case 'a':
-        out.push_back('\a');
-        return p + 2;
-      case 'b':
-        out.push_back('\b');
-        return p + 2;
-      case 'f':
-        out.push_back('\f');
-        return p + 2;
-      case 'v':
-        out.push_back('\v');
-        return p + 2;
-      case 'x':
-      case 'u':
-      case 'U': {
-        int n = e == 'x' ? 2 : e == 'u' ? 4 : 8;
-        long cp = hex(p + 2, n);
-        if (cp < 0 || cp > 0x10FFFF)
-          throw RenderError(std::string("invalid \\") + e + " escape in string literal", line_);
-        out += text::encode(std::u32string(1, static_cast<char32_t>(cp)));
-        return p + 2 + n;
-      }
-      default:
-        if (e >= '0' && e <= '7') {
-          size_t q = p + 1;
-          int cp = 0;
-          for (int k = 0; k < 3 && q < src_.size() && src_[q] >= '0' && src_[q] <= '7'; ++k, ++q)
-            cp = cp * 8 + (src_[q] - '0');
-          out += text::encode(std::u32string(1, static_cast<char32_t>(cp)));
-          return q;
-        }
-        out.push_back('\\');
-        return p + 1;
-    }
   }
 
   void lex_operator(std::vector<char>& brackets) {

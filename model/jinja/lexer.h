@@ -33,6 +33,10 @@ struct Token {
   double real = 0;
 };
 
+// Decodes the string literal whose opening quote is at `pos` into `out` and returns the position
+// after its closing quote; `line` advances over the newlines inside.
+size_t decode_string_literal(std::string_view src, size_t pos, std::string& out, int& line);
+
 // Throws RenderError naming the line on a malformed template.
 std::vector<Token> tokenize(std::string_view source);
 
