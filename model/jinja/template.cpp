@@ -13,7 +13,13 @@ Error to_error(const RenderError& e) {
   return Error{std::string(e.what()) + where};
 }
 
-Value from_json(const nlohmann::ordered_json& j) {
+// Contexts come from users: bound their nesting so conversion, printing and destruction (all
+// recursive) cannot exhaust the stack.
+constexpr int kMaxContextDepth = 256;
+
+Value from_json(const nlohmann::ordered_json& j, int depth = 0) {
+  if (depth > kMaxContextDepth)
+    fail("the context is nested too deeply (over " + std::to_string(kMaxContextDepth) + " levels)");
   switch (j.type()) {
     case nlohmann::ordered_json::value_t::null:
       return Value::none();
@@ -33,14 +39,15 @@ Value from_json(const nlohmann::ordered_json& j) {
     case nlohmann::ordered_json::value_t::array: {
       List items;
       items.reserve(j.size());
-      for (const auto& item : j) items.push_back(from_json(item));
+      for (const auto& item : j) items.push_back(from_json(item, depth + 1));
       return Value::list(std::move(items));
     }
     case nlohmann::ordered_json::value_t::object: {
       auto d = std::make_shared<Dict>();
       d->entries.reserve(j.size());
       // ordered_json keys are unique already.
-      for (const auto& [k, v] : j.items()) d->entries.emplace_back(Value::string(k), from_json(v));
+      for (const auto& [k, v] : j.items())
+        d->entries.emplace_back(Value::string(k), from_json(v, depth + 1));
       return Value::dict(d);
     }
     default:

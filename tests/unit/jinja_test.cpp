@@ -245,6 +245,12 @@ TEST(JinjaLimits, RecursionDepth) {
   EXPECT_NE(error_of(blocks).find("nesting too deep"), std::string::npos);
 }
 
+TEST(JinjaLimits, ContextDepth) {
+  Json deep = Json::array();
+  for (int i = 0; i < 1000; ++i) deep = Json::array({deep});
+  EXPECT_NE(error_of("{{ x }}", {{"x", deep}}).find("nested too deeply"), std::string::npos);
+}
+
 TEST(JinjaTemplate, RendersFromManyThreads) {
   auto t = Template::parse("{% for m in messages %}{{ m.role }}:{{ m.content }};{% endfor %}");
   ASSERT_TRUE(t.ok());
