@@ -136,7 +136,8 @@ uint64_t Client::start(const GenerateOptions& options) {
   auto tokens = options.tokens.empty() ? 0 : builder.CreateVector(options.tokens);
   auto tenant = builder.CreateString(options.tenant);
   auto reuse = options.reuse.empty() ? 0 : builder.CreateString(options.reuse);
-  auto api_key = credentials_.api_key.empty() ? 0 : builder.CreateString(credentials_.api_key);
+  const std::string& key = options.api_key.empty() ? credentials_.api_key : options.api_key;
+  auto api_key = key.empty() ? 0 : builder.CreateString(key);
   builder.Finish(
       wire::CreateGenerateRequest(builder, id, prompt, tokens, sampling, tenant,
                                   options.deadline_ms, options.add_special_tokens, reuse, api_key),
@@ -169,8 +170,9 @@ std::optional<Event> Client::receive(std::chrono::milliseconds timeout) {
   while (true) {
     const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(until - Clock::now());
     zmq::pollitem_t items[] = {{socket_->handle(), 0, ZMQ_POLLIN, 0},
-                               {monitor_->handle(), 0, ZMQ_POLLIN, 0}};
-    zmq::poll(items, 2, std::max(left, std::chrono::milliseconds(0)));
+                               {monitor_->handle(), 0, ZMQ_POLLIN, 0},
+                               {nullptr, wake_fd_, ZMQ_POLLIN, 0}};
+    zmq::poll(items, wake_fd_ >= 0 ? 3 : 2, std::max(left, std::chrono::milliseconds(0)));
     if (items[1].revents & ZMQ_POLLIN) {
       // A monitor event is two frames (event and value, then the peer's address).
       zmq::message_t frame;
@@ -184,7 +186,7 @@ std::optional<Event> Client::receive(std::chrono::milliseconds timeout) {
       }
       continue;
     }
-    if (!(items[0].revents & ZMQ_POLLIN)) return std::nullopt;
+    if (!(items[0].revents & ZMQ_POLLIN)) return std::nullopt;  // timeout, or woken
     auto frames = wire::receive(*socket_, true);
     if (!frames) continue;
     wire::Decoded decoded = wire::decode(std::move(*frames));

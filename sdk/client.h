@@ -47,6 +47,9 @@ struct GenerateOptions {
   // "approximate" (also response and blended reuse, where the tenant allows them), "response",
   // "blend".
   std::string reuse;
+  // This request's API key, where it is not the connection's (Credentials::api_key): a front end
+  // such as the HTTP stage passes on each of its callers' keys.
+  std::string api_key;
 };
 
 struct Usage {
@@ -125,8 +128,12 @@ class Client {
 
   // Sends the request; returns its client_request_id.
   uint64_t start(const GenerateOptions& options);
-  // The next event of any request in flight; nullopt after `timeout` without one.
+  // The next event of any request in flight; nullopt after `timeout` without one, or as soon as
+  // the wake descriptor (set_wake_fd) is readable: the caller drains it.
   std::optional<Event> next_event(std::chrono::milliseconds timeout);
+  // A descriptor (an eventfd, a pipe's read end) that another thread makes readable to end a
+  // wait in next_event early: how a thread that owns this Client learns that it has new work.
+  void set_wake_fd(int fd) { wake_fd_ = fd; }
   Result generate(const GenerateOptions& options,
                   const std::function<void(const Event&)>& on_event = {});
   void cancel(uint64_t client_request_id);
@@ -156,6 +163,7 @@ class Client {
   std::deque<Event> pending_;  // events received while waiting for another request's
   std::deque<std::string> control_replies_;
   bool awaiting_control_ = false;  // receive() returns as soon as a control reply is queued
+  int wake_fd_ = -1;
 };
 
 const char* error_name(int code);
