@@ -8,6 +8,7 @@
 #include "stages/decode/decode.h"
 #include "stages/experts_command.h"
 #include "stages/gateway/gateway.h"
+#include "stages/http/http_front.h"
 #include "stages/keys_command.h"
 #include "stages/load/load.h"
 #include "stages/offload_manager/offload_manager.h"
@@ -41,6 +42,7 @@ stage processes (each: moeline <stage> --help):
   prefill      batched prefill, first token, KV handoff
   decode       continuous batching decode
   offload      expert residency and usage (offload manager)
+  http         the OpenAI-compatible HTTP API, a client of the gateway
 )";
 
 }  // namespace
@@ -66,6 +68,7 @@ int main(int argc, char** argv) {
   if (command == "prefill") return moeline::stages::prefill_main(argc - 2, argv + 2);
   if (command == "decode") return moeline::stages::decode_main(argc - 2, argv + 2);
   if (command == "offload") return moeline::stages::offload_main(argc - 2, argv + 2);
+  if (command == "http") return moeline::stages::http_main(argc - 2, argv + 2);
   if (command == "version") {
     std::cout << "moeline 0.1.0\n";
     return 0;

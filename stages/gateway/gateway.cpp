@@ -734,7 +734,10 @@ class Gateway {
     r.deadline = r.received + std::min(deadline, max_deadline_);
     r.text = std::make_unique<model::DecodeStream>(
         *tokenizer_, model::DecodeOptions{.skip_special_tokens = true});
-    send_event(client, crid, r.id, wire::EventKind::Accepted);
+    // With its usage: the prompt's token count, which a front end that ends the request itself
+    // (an HTTP stop string) still reports.
+    send_event(client, crid, r.id, wire::EventKind::Accepted, {}, {}, {}, wire::ErrorCode::None, {},
+               &r);
     by_client_[{client, crid}] = r.id;
     const uint64_t id = r.id;
     requests_.emplace(id, std::move(r));

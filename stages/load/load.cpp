@@ -1,6 +1,7 @@
 #include "stages/load/load.h"
 
 #include <fcntl.h>
+#include <httplib.h>
 #include <signal.h>
 #include <sys/wait.h>
 #include <unistd.h>
@@ -13,6 +14,7 @@
 #include <fstream>
 #include <iostream>
 #include <map>
+#include <mutex>
 #include <nlohmann/json.hpp>
 #include <random>
 #include <thread>
@@ -85,6 +87,7 @@ std::vector<int32_t> synthetic_prompt(std::mt19937_64& rng, int64_t length, int6
 
 struct LoadOptions {
   std::string target, endpoint, model;
+  std::string http;  // --http URL: the OpenAI-compatible front instead of the ZeroMQ client
   int concurrency = 1;
   double rate = 0;
   double duration_s = 10;
@@ -163,6 +166,97 @@ Samples drive_stack(const LoadOptions& o, int64_t vocab) {
     }
   }
   return s;
+}
+
+// `--http URL`: each of `concurrency` threads sends streamed /v1/completions requests (the same
+// synthetic token-id prompts, end-of-sequence ignored) one after another, and times the
+// server-sent events as a client of the HTTP front sees them: TTFT to the first chunk with text,
+// the gaps between chunks, the whole request; output tokens from the stream's usage chunk.
+Samples drive_http(const LoadOptions& o, int64_t vocab) {
+  const auto colon = o.http.find("://");
+  const std::string base = colon == std::string::npos ? "http://" + o.http : o.http;
+  std::mutex mutex;
+  Samples total;
+  const auto end = Clock::now() + std::chrono::duration_cast<Clock::duration>(
+                                      std::chrono::duration<double>(o.duration_s));
+  auto worker = [&](uint64_t seed) {
+    httplib::Client client(base);
+    const auto timeout = static_cast<time_t>(std::ceil(o.request_timeout_s));
+    client.set_read_timeout(timeout, 0);
+    client.set_connection_timeout(10, 0);
+    httplib::Headers headers;
+    if (!o.credentials.api_key.empty())
+      headers.emplace("Authorization", "Bearer " + o.credentials.api_key);
+    std::mt19937_64 rng(seed);
+    Samples s;
+    while (Clock::now() < end) {
+      const nlohmann::json body = {{"prompt", synthetic_prompt(rng, o.prompt_tokens, vocab)},
+                                   {"max_tokens", o.max_tokens},
+                                   {"temperature", 0},
+                                   {"ignore_eos", true},
+                                   {"stream", true},
+                                   {"stream_options", {{"include_usage", true}}}};
+      httplib::Request request;
+      request.method = "POST";
+      request.path = "/v1/completions";
+      request.headers = headers;
+      request.body = body.dump();
+      request.set_header("Content-Type", "application/json");
+      const auto start = Clock::now();
+      Clock::time_point last = start;
+      bool first = false, failed = false;
+      uint64_t tokens = 0;
+      std::string buffer;
+      request.content_receiver = [&](const char* data, size_t size, uint64_t, uint64_t) {
+        buffer.append(data, size);
+        for (size_t at; (at = buffer.find("\n\n")) != std::string::npos; buffer.erase(0, at + 2)) {
+          const std::string event = buffer.substr(0, at);
+          if (event.rfind("data: ", 0) != 0 || event == "data: [DONE]") continue;
+          const auto chunk = nlohmann::json::parse(event.substr(6), nullptr, false);
+          if (!chunk.is_object() || chunk.contains("error")) {
+            failed = true;
+            continue;
+          }
+          if (chunk.contains("usage") && chunk["usage"].is_object())
+            tokens = chunk["usage"].value("completion_tokens", uint64_t{0});
+          if (!chunk.contains("choices") || chunk["choices"].empty()) continue;
+          const auto t = Clock::now();
+          if (!first) {
+            s.ttft_ms.push_back(ms(t - start));
+            first = true;
+          } else {
+            s.tpot_ms.push_back(ms(t - last));
+          }
+          last = t;
+        }
+        return true;
+      };
+      ++s.started;
+      s.prompt_tokens += static_cast<uint64_t>(o.prompt_tokens);
+      auto result = client.send(request);
+      if (!result || result->status != 200 || failed) {
+        ++s.errors;
+        continue;
+      }
+      ++s.completed;
+      s.e2e_ms.push_back(ms(Clock::now() - start));
+      s.output_tokens += tokens;
+    }
+    std::lock_guard lock(mutex);
+    total.started += s.started;
+    total.completed += s.completed;
+    total.errors += s.errors;
+    total.prompt_tokens += s.prompt_tokens;
+    total.output_tokens += s.output_tokens;
+    total.ttft_ms.insert(total.ttft_ms.end(), s.ttft_ms.begin(), s.ttft_ms.end());
+    total.tpot_ms.insert(total.tpot_ms.end(), s.tpot_ms.begin(), s.tpot_ms.end());
+    total.e2e_ms.insert(total.e2e_ms.end(), s.e2e_ms.begin(), s.e2e_ms.end());
+  };
+  std::vector<std::thread> threads;
+  for (int i = 0; i < o.concurrency; ++i)
+    threads.emplace_back(worker, o.seed + static_cast<uint64_t>(i));
+  for (std::thread& t : threads) t.join();
+  return total;
 }
 
 // One stage process connected to this process as its hub.
@@ -373,6 +467,7 @@ int load_body(const runtime::Config& config) {
   LoadOptions o;
   o.target = config.text("target");
   o.endpoint = config.text("endpoint");
+  o.http = config.text("http");
   o.model = config.text("model");
   o.concurrency = static_cast<int>(config.integer("concurrency"));
   o.rate = config.number("rate");
@@ -401,15 +496,20 @@ int load_body(const runtime::Config& config) {
   if (context > 0 && o.prompt_tokens + o.max_tokens > context)
     throw runtime::ConfigError("--prompt-tokens + --max-tokens exceeds the model's context of " +
                                std::to_string(context));
-  if (o.target == "stack" && o.endpoint.empty())
-    throw runtime::ConfigError("--endpoint is required for --target stack");
+  if (!o.http.empty() && (o.target != "stack" || !o.endpoint.empty() || o.rate > 0))
+    throw runtime::ConfigError(
+        "--http drives the HTTP front at --concurrency (no --endpoint, "
+        "--target or --rate with it)");
+  if (o.target == "stack" && o.endpoint.empty() && o.http.empty())
+    throw runtime::ConfigError("--endpoint (or --http URL) is required for --target stack");
 
   const auto start = Clock::now();
-  Samples s =
-      o.target == "stack" ? drive_stack(o, model.config().vocab_size) : drive_stage(o, model);
+  Samples s = !o.http.empty()       ? drive_http(o, model.config().vocab_size)
+              : o.target == "stack" ? drive_stack(o, model.config().vocab_size)
+                                    : drive_stage(o, model);
   const double elapsed = std::chrono::duration<double>(Clock::now() - start).count();
   nlohmann::json out = {
-      {"target", o.target},
+      {"target", o.http.empty() ? o.target : "http"},
       {"concurrency", o.rate > 0 ? nlohmann::json(nullptr) : nlohmann::json(o.concurrency)},
       {"rate_per_s", o.rate > 0 ? nlohmann::json(o.rate) : nlohmann::json(nullptr)},
       {"duration_s", elapsed},
@@ -458,6 +558,9 @@ std::vector<runtime::ConfigKey> load_keys() {
   return {
       {"target", "stack", "stack (through the gateway), prefill or decode (that stage alone)"},
       {"endpoint", "", "the gateway's client endpoint (--target stack)"},
+      {"http", "",
+       "URL of the OpenAI-compatible front (moeline http): streamed /v1/completions requests at "
+       "--concurrency instead of the ZeroMQ client"},
       {"model", default_model_dir(),
        "checkpoint (vocabulary; the stage to start for prefill|decode)"},
       {"concurrency", "1", "requests in flight (closed loop)"},

@@ -37,7 +37,7 @@ constexpr const char* kUsage =
        moeline stack down --run-dir DIR
 
 up       start gateway, probe, offload manager, N prefill and M decode processes over ipc:// in
-         DIR, supervised (a stage that dies is restarted); returns when all are healthy and
+         DIR, and the HTTP API, supervised (a stage that dies is restarted); returns when all are healthy and
          prints the client endpoint
 status   each stage's pid, health and restarts (exit 1 when the stack is not healthy)
 down     stop every stage and the supervisor
@@ -67,6 +67,11 @@ down     stop every stage and the supervisor
                     costs; anyone who reaches the ports may join)
   --api-keys FILE   the gateway requires API keys from this file (moeline keys add); without
                     it the stack is open: clients name their tenant and may run operator commands
+  --http-port N|0|off
+                    the OpenAI-compatible HTTP API (`moeline http`, a client of the gateway) on
+                    this port (default 8000; 0: any free port; off: none); its URL is in
+                    stack.json ("http") and `stack status`
+  --http-bind ADDR  the address it listens on (default 127.0.0.1)
 )";
 
 struct StageProcess {
@@ -352,6 +357,10 @@ int up(int argc, char** argv) {
                                           {"transport", "ipc", "ipc or tcp"},
                                           {"curve", "on", "on or off (tcp only)"},
                                           {"api-keys", "", "the gateway's API keys file"},
+                                          {"http-port", "8000",
+                                           "the OpenAI-compatible HTTP API's port (0: any free "
+                                           "port; off: no HTTP stage)"},
+                                          {"http-bind", "127.0.0.1", "the HTTP API's address"},
                                           {"stage-config", "", ""}};
   // --config is the stage config file, passed through: take it out before parsing.
   std::string stage_config;
@@ -457,6 +466,23 @@ int up(int argc, char** argv) {
     compute_args.insert(compute_args.end(),
                         {"--device-expert-budget", config.text("device-expert-budget")});
   }
+  // The OpenAI-compatible HTTP front: a client of the gateway like any other.
+  if (config.text("http-port") != "off") {
+    int port = 0;
+    try {
+      port = std::stoi(config.text("http-port"));
+    } catch (const std::exception&) {
+      port = -1;
+    }
+    if (port < 0 || port > 65535)
+      throw runtime::ConfigError("--http-port must be a port number, 0 or off");
+    if (port == 0) port = free_loopback_port();
+    const std::string listen = config.text("http-bind") + ":" + std::to_string(port);
+    std::vector<std::string> http_args = common;
+    http_args.insert(http_args.end(), {"--gateway", endpoint, "--listen", listen});
+    stages.push_back({"http", "http", http_args});
+    access["http"] = "http://" + listen;
+  }
   for (int i = 0; i < prefill; ++i)
     stages.push_back({"prefill-" + std::to_string(i), "prefill", worker(compute_args)});
   for (int i = 0; i < decode; ++i)
@@ -509,7 +535,10 @@ int up(int argc, char** argv) {
       std::cout << endpoint << std::endl;
       std::cerr << "moeline: stack up in " << run_dir.string() << ": " << health.size()
                 << " stages healthy (gateway, probe, offload, " << prefill << " prefill, " << decode
-                << " decode)\n";
+                << " decode" << (access.contains("http") ? ", http" : "") << ")\n";
+      if (access.contains("http"))
+        std::cerr << "moeline: OpenAI-compatible API at " << access["http"].get<std::string>()
+                  << "/v1\n";
       return 0;
     }
   }

@@ -19,7 +19,7 @@ import yaml
 
 failures = []
 
-STAGES = ("gateway", "probe", "prefill", "decode", "offload")
+STAGES = ("gateway", "probe", "prefill", "decode", "offload", "http")
 SCALABLE = ("probe", "prefill", "decode")
 WORKERS = ("probe", "prefill", "decode", "offload")
 HUB = "tcp://gateway:5556"
@@ -112,6 +112,16 @@ def check_compose(repo, docker_compose):
     ports = gateway.get("ports", [])
     check("gateway: publishes the client port 5555 to the host",
           any(publishes(p, 5555) for p in ports), f"{ports}")
+    front = services.get("http", {})
+    words = command_words(front)
+    check("http: a client of the gateway's client endpoint, listening on 0.0.0.0:8000",
+          flag(words, "--gateway") == "tcp://gateway:5555" and flag(words, "--listen") == "0.0.0.0:8000"
+          and "gateway" in depends_on(front), f"{words}")
+    ports = front.get("ports", [])
+    check("http: publishes 8000 from a host port range (replicas scale without colliding)",
+          any(publishes(p, 8000) and ("-" in str(p) or "-" in str(p.get("published", "")
+                                                                    if isinstance(p, dict) else ""))
+              for p in ports), f"{ports}")
 
 
 def check_dockerfile(repo):

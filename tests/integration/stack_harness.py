@@ -23,7 +23,7 @@ class Stack:
 
     def __init__(self, moeline, model, run_dir, prefill=1, decode=1, config=None, threads=1,
                  expert_budget=None, extra_args=(), endpoint_prefix="ipc://", clean=True,
-                 pre_up=None):
+                 pre_up=None, http_port="off"):
         self.moeline, self.model, self.run_dir = moeline, model, run_dir
         self.prefill, self.decode, self.config, self.threads = prefill, decode, config, threads
         self.expert_budget, self.extra_args = expert_budget, list(extra_args)
@@ -31,6 +31,8 @@ class Stack:
         self.endpoint_prefix = endpoint_prefix
         # clean: start from an empty run directory; pre_up(run_dir): called just before `up`.
         self.clean, self.pre_up = clean, pre_up
+        # The HTTP front: off unless a test asks for it (0: a free port; tests run in parallel).
+        self.api_port = http_port
 
     def __enter__(self):
         os.makedirs(self.run_dir, exist_ok=True)
@@ -48,6 +50,7 @@ class Stack:
                "--threads", str(self.threads), "--timeout-s", "90"]
         if self.expert_budget:
             cmd += ["--expert-budget", str(self.expert_budget)]
+        cmd += ["--http-port", str(self.api_port)]
         cmd += self.extra_args
         if self.config:
             path = os.path.join(self.run_dir, "stages.json")

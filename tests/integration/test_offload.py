@@ -115,7 +115,7 @@ def case_budgets(args):
     # A budget that is not one: `stack up` fails with the offload manager's reason.
     bad_dir = os.path.join(args.workdir, "bad-budget")
     out = subprocess.run([args.moeline, "stack", "up", "--model", args.model, "--run-dir", bad_dir,
-                          "--expert-budget", "12parsecs", "--timeout-s", "60"],
+                          "--expert-budget", "12parsecs", "--timeout-s", "60", "--http-port", "off"],
                          capture_output=True, text=True, timeout=120)
     subprocess.run([args.moeline, "stack", "down", "--run-dir", bad_dir], capture_output=True,
                    timeout=60)
@@ -357,7 +357,7 @@ def case_device(args):
     def stack_up_fails(label, flags, reason):
         run_dir = os.path.join(args.workdir, "device-refused")
         out = subprocess.run([args.moeline, "stack", "up", "--model", args.model, "--run-dir",
-                              run_dir, "--timeout-s", "60"] + flags,
+                              run_dir, "--timeout-s", "60", "--http-port", "off"] + flags,
                              capture_output=True, text=True, timeout=180)
         subprocess.run([args.moeline, "stack", "down", "--run-dir", run_dir],
                        capture_output=True, timeout=60)

@@ -458,7 +458,7 @@ def case_cli(args):
             open(os.path.join(broken, "model.safetensors"), "wb") as g:
         g.write(f.read(1000))
     out = subprocess.run([args.moeline, "stack", "up", "--model", broken, "--run-dir",
-                          os.path.join(args.workdir, "broken")], capture_output=True, text=True,
+                          os.path.join(args.workdir, "broken"), "--http-port", "off"], capture_output=True, text=True,
                          timeout=120)
     check(out.returncode == 1 and "truncated or corrupt" in out.stderr,
           f"stack up on a corrupt checkpoint: {out.returncode} {out.stderr}")

@@ -1,0 +1,101 @@
+#!/usr/bin/env python3
+"""What the HTTP front costs, and how many streams one replica holds.
+
+One stack (`moeline stack up --http-port 0`), then in the same run, alternating:
+  (a) `moeline load --endpoint EP` (the ZeroMQ client) and `moeline load --http URL` (streamed
+      /v1/completions through `moeline http`) at the same concurrency, same request shape:
+      TTFT and inter-token latency percentiles side by side, and what HTTP adds;
+  (b) `moeline load --http URL` at rising concurrency (default 64, 256, 1000 streams): the
+      inter-token p99 with that many streaming connections open on one HTTP replica.
+Prints markdown tables (docs/PERFORMANCE.md, "HTTP front").
+
+  http_bench.py --moeline BIN --model DIR --workdir DIR [--rounds 2] [--concurrency 8]
+                [--duration-s 10] [--streams 64,256,1000] [--prompt-tokens 32] [--max-tokens 64]
+"""
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+sys.path.insert(0, os.path.join(ROOT, "tests", "integration"))
+from stack_harness import Stack  # noqa: E402
+
+
+def load(args, target, concurrency, duration_s, max_tokens):
+    cmd = [args.moeline, "load", "--model", args.model, "--concurrency", str(concurrency),
+           "--duration-s", str(duration_s), "--prompt-tokens", str(args.prompt_tokens),
+           "--max-tokens", str(max_tokens), "--request-timeout-s", "300", "--json"] + target
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
+    lines = out.stdout.strip().splitlines()
+    if not lines:
+        raise RuntimeError(f"moeline load failed: {out.stderr[-600:]}")
+    return json.loads(lines[-1])
+
+
+def p(result, key, q):
+    value = result.get(key)
+    return value[q] if value else float("nan")
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--moeline", required=True)
+    ap.add_argument("--model", required=True)
+    ap.add_argument("--workdir", required=True)
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--concurrency", type=int, default=8)
+    ap.add_argument("--duration-s", type=float, default=10)
+    ap.add_argument("--streams", default="64,256,1000")
+    ap.add_argument("--prompt-tokens", type=int, default=32)
+    ap.add_argument("--max-tokens", type=int, default=64)
+    args = ap.parse_args()
+    streams = [int(x) for x in args.streams.split(",") if x]
+    config = {"http": {"max-connections": max(streams + [64]) + 64},
+              "decode": {"max-batch": 64}}
+    with Stack(args.moeline, args.model, os.path.join(args.workdir, "stack"), http_port=0,
+               config=config) as stack:
+        url = stack.state()["http"]
+        targets = {"zeromq": ["--endpoint", stack.endpoint], "http": ["--http", url]}
+        side = {"zeromq": [], "http": []}
+        for r in range(args.rounds):
+            for name, target in targets.items():
+                print(f"http bench: round {r + 1} {name}", file=sys.stderr)
+                side[name].append(load(args, target, args.concurrency, args.duration_s,
+                                       args.max_tokens))
+        held = []
+        for n in streams:
+            print(f"http bench: {n} streams", file=sys.stderr)
+            held.append((n, load(args, targets["http"], n, args.duration_s, args.max_tokens)))
+
+    def med(name, key, q):
+        return statistics.median(p(x, key, q) for x in side[name])
+
+    print(f"| at {args.concurrency} streams (median of {args.rounds} rounds) | ZeroMQ client | "
+          f"HTTP front | added by HTTP |")
+    print("| --- | --- | --- | --- |")
+    for label, key, q in [("TTFT p50 (ms)", "ttft_ms", "p50"), ("TTFT p99 (ms)", "ttft_ms", "p99"),
+                          ("inter-token p50 (ms)", "tpot_ms", "p50"),
+                          ("inter-token p99 (ms)", "tpot_ms", "p99")]:
+        z, h = med("zeromq", key, q), med("http", key, q)
+        print(f"| {label} | {z:.2f} | {h:.2f} | {h - z:+.2f} |")
+    z = statistics.median(x["output_tokens_per_s"] for x in side["zeromq"])
+    h = statistics.median(x["output_tokens_per_s"] for x in side["http"])
+    print(f"| output tokens/s | {z:.0f} | {h:.0f} | {100 * (h - z) / z:+.1f}% |")
+    print()
+    print("| streams open on one HTTP replica | completed | errors | inter-token p50 (ms) | "
+          "inter-token p99 (ms) | TTFT p50 (ms) | output tokens/s |")
+    print("| --- | --- | --- | --- | --- | --- | --- |")
+    for n, result in held:
+        print(f"| {n} | {result['completed']} | {result['errors']} | {p(result, 'tpot_ms', 'p50'):.2f} "
+              f"| {p(result, 'tpot_ms', 'p99'):.2f} | {p(result, 'ttft_ms', 'p50'):.0f} | "
+              f"{result['output_tokens_per_s']:.0f} |")
+    print(json.dumps({"side_by_side": side, "streams": held}), file=sys.stderr)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,583 @@
+#include "stages/http/http_front.h"
+
+#include <httplib.h>
+
+#include <chrono>
+#include <ctime>
+#include <filesystem>
+#include <memory>
+#include <string>
+
+#include <nlohmann/json.hpp>
+
+#include "model/config.h"
+#include "model/tokenizer/chat_template.h"
+#include "stages/common/common.h"
+#include "stages/http/bridge.h"
+#include "stages/http/openai.h"
+#include "stages/http/stop_matcher.h"
+#include "stages/runtime/service.h"
+
+namespace moeline::stages {
+namespace {
+
+using http::ApiError;
+using http::CompletionRequest;
+using http::Endpoint;
+using nlohmann::json;
+using Clock = std::chrono::steady_clock;
+
+const char* endpoint_label(Endpoint endpoint) {
+  switch (endpoint) {
+    case Endpoint::kChat:
+      return "chat";
+    case Endpoint::kCompletions:
+      return "completions";
+    case Endpoint::kGenerate:
+      return "generate";
+  }
+  return "other";
+}
+
+std::string bearer_key(const httplib::Request& request) {
+  const std::string header = request.get_header_value("Authorization");
+  constexpr std::string_view kBearer = "Bearer ";
+  if (header.size() > kBearer.size() && header.compare(0, kBearer.size(), kBearer) == 0)
+    return header.substr(kBearer.size());
+  return {};
+}
+
+// What one request's events added up to (non-streaming), or where a stream stands.
+struct Outcome {
+  std::string text;
+  std::string finish_reason;
+  sdk::Usage usage;
+  sdk::Timings timings;
+  uint32_t completion_tokens = 0;
+  std::optional<ApiError> error;
+};
+
+// One gateway and the model it serves: its name, context and chat template (the prompt is
+// rendered for the model that will run it).
+struct Backend {
+  std::string name;
+  int64_t context = 0;
+  std::unique_ptr<model::ChatTemplate> chat;
+  std::string chat_error;
+  std::unique_ptr<http::GatewayBridge> bridge;
+};
+
+std::unique_ptr<Backend> make_backend(const std::filesystem::path& model_dir, std::string name,
+                                      const std::string& endpoint, const std::string& server_key,
+                                      runtime::Logger& log) {
+  auto backend = std::make_unique<Backend>();
+  const model::ModelConfig model_config = model::ModelConfig::load(model_dir);
+  backend->context =
+      model_config.max_position_embeddings > 0 ? model_config.max_position_embeddings : 32768;
+  backend->name = std::move(name);
+  if (backend->name.empty()) backend->name = model_dir.filename().string();
+  if (backend->name.empty()) backend->name = model_dir.parent_path().filename().string();
+  auto chat = model::ChatTemplate::load((model_dir / "tokenizer_config.json").string());
+  if (chat) {
+    backend->chat = std::make_unique<model::ChatTemplate>(std::move(*chat));
+  } else {
+    log.warn("no_chat_template", {{"model", backend->name}, {"reason", chat.error().message}});
+    backend->chat_error = chat.error().message;
+  }
+  backend->bridge = std::make_unique<http::GatewayBridge>(
+      endpoint, sdk::Credentials{.api_key = "", .server_key = server_key}, log);
+  return backend;
+}
+
+class HttpFront {
+ public:
+  HttpFront(const runtime::Config& config, runtime::StageService& service)
+      : service_(service), log_(service.log) {
+    request_timeout_ =
+        std::chrono::seconds(std::max<int64_t>(1, config.integer("request-timeout-s")));
+    max_body_bytes_ = runtime::parse_bytes(config.text("max-body-bytes"));
+    threads_ =
+        static_cast<size_t>(std::clamp<int64_t>(config.integer("max-connections"), 4, 65536));
+    // A Curve key directory (as every stage takes) gives the gateway's public key.
+    std::string server_key = config.text("server-key");
+    if (server_key.empty() && !config.text("curve-dir").empty())
+      server_key = (std::filesystem::path(config.text("curve-dir")) / "gateway.pub").string();
+    primary_ = make_backend(config.text("model"), config.text("served-model-name"),
+                            config.text("gateway"), server_key, log_);
+    if (!config.text("fallback-endpoint").empty()) {
+      if (config.text("fallback-model").empty())
+        throw runtime::ConfigError(
+            "--fallback-endpoint needs --fallback-model (its checkpoint "
+            "folder: the chat template and context of the fallback)");
+      std::string fallback_key = config.text("fallback-server-key");
+      if (fallback_key.empty()) fallback_key = server_key;
+      fallback_ = make_backend(config.text("fallback-model"), config.text("fallback-model-name"),
+                               config.text("fallback-endpoint"), fallback_key, log_);
+      if (fallback_->name == primary_->name) fallback_->name += "-fallback";
+      fallback_ttft_ = std::chrono::milliseconds(config.integer("fallback-ttft-ms"));
+    }
+    ttft_ = &service.metrics.histogram("moeline_http_ttft_seconds",
+                                       "Request received to its first token written",
+                                       {0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10});
+    in_flight_ = &service.metrics.gauge("moeline_http_requests_in_flight", "Requests open");
+    created_ = static_cast<int64_t>(std::time(nullptr));
+  }
+
+  // Serves until SIGTERM/SIGINT.
+  void serve(const std::string& listen) {
+    const auto colon = listen.rfind(':');
+    if (colon == std::string::npos) throw runtime::ConfigError("--listen wants HOST:PORT");
+    const std::string host = listen.substr(0, colon);
+    const int port = std::stoi(listen.substr(colon + 1));
+    httplib::Server server;
+    // A thread per open connection: a streaming response holds its thread while it streams.
+    const size_t threads = threads_;
+    server.new_task_queue = [threads] { return new httplib::ThreadPool(threads); };
+    server.set_payload_max_length(max_body_bytes_);
+    server.set_read_timeout(30, 0);
+    server.set_write_timeout(30, 0);
+    server.set_keep_alive_timeout(30);
+    routes(server);
+    if (!server.bind_to_port(host, port)) throw std::runtime_error("cannot listen on " + listen);
+    std::thread stopper([&] {
+      while (!runtime::StageService::stop_requested() &&
+             !runtime::StageService::drain_requested()) {
+        service_.tick();  // the loop of this stage is the server: alive while it listens
+        std::this_thread::sleep_for(std::chrono::milliseconds(100));
+      }
+      server.stop();
+    });
+    log_.info("listening", {{"address", listen},
+                            {"model", primary_->name},
+                            {"fallback", fallback_ ? fallback_->name : std::string("none")},
+                            {"max_connections", static_cast<int64_t>(threads)}});
+    server.listen_after_bind();
+    stopper.join();
+  }
+
+ private:
+  void routes(httplib::Server& server) {
+    server.Get("/health", [this](const httplib::Request&, httplib::Response& response) {
+      const bool up = primary_->bridge->connected();
+      response.status = up ? 200 : 503;
+      response.set_content(json{{"status", up ? "ok" : "gateway unreachable"}}.dump(),
+                           "application/json");
+    });
+    server.Get("/v1/models", [this](const httplib::Request&, httplib::Response& response) {
+      json data = json::array();
+      for (const Backend* backend : {primary_.get(), fallback_.get()})
+        if (backend != nullptr)
+          data.push_back({{"id", backend->name},
+                          {"object", "model"},
+                          {"created", created_},
+                          {"owned_by", "moeline"},
+                          {"max_model_len", backend->context}});
+      response.set_content(json{{"object", "list"}, {"data", data}}.dump(), "application/json");
+    });
+    for (const auto& [path, endpoint] : {std::pair{"/v1/chat/completions", Endpoint::kChat},
+                                         std::pair{"/v1/completions", Endpoint::kCompletions},
+                                         std::pair{"/generate", Endpoint::kGenerate}}) {
+      const Endpoint which = endpoint;
+      server.Post(path,
+                  [this, which](const httplib::Request& request, httplib::Response& response) {
+                    handle(which, request, response);
+                  });
+    }
+    // What the server itself refuses (no such path, a body over --max-body-bytes, a method not
+    // served) in OpenAI's error shape too.
+    server.set_error_handler([](const httplib::Request& request, httplib::Response& response) {
+      if (!response.body.empty()) return;
+      ApiError error;
+      error.status = response.status;
+      error.message = response.status == 404   ? "no such endpoint: " + request.path
+                      : response.status == 413 ? std::string("the request body is too large")
+                                               : "the request was refused (HTTP " +
+                                                     std::to_string(response.status) + ")";
+      response.set_content(error.body().dump(), "application/json");
+    });
+    server.set_exception_handler(
+        [this](const httplib::Request&, httplib::Response& response, std::exception_ptr error) {
+          std::string what = "unknown error";
+          try {
+            std::rethrow_exception(error);
+          } catch (const std::exception& e) {
+            what = e.what();
+          } catch (...) {
+          }
+          log_.error("handler_exception", {{"error", what}});
+          ApiError api;
+          api.status = 500;
+          api.type = "server_error";
+          api.message = "internal error";
+          respond_error(Endpoint::kGenerate, api, response);
+        });
+  }
+
+  void respond_error(Endpoint endpoint, const ApiError& error, httplib::Response& response) {
+    response.status = error.status;
+    if (error.status == 429) response.set_header("Retry-After", "1");
+    response.set_content(error.body().dump(), "application/json");
+    count(endpoint, error.status);
+  }
+
+  void count(Endpoint endpoint, int status) {
+    service_.metrics
+        .counter("moeline_http_requests_total", "HTTP requests by endpoint and status",
+                 {{"endpoint", endpoint_label(endpoint)}, {"status", std::to_string(status)}})
+        .inc();
+  }
+
+  // The backend a request names: the primary model (or no model named), or the fallback by its
+  // name; nullptr for any other name.
+  Backend* backend_for(const std::string& model) {
+    if (model.empty() || model == primary_->name) return primary_.get();
+    if (fallback_ && model == fallback_->name) return fallback_.get();
+    return nullptr;
+  }
+
+  static std::variant<sdk::GenerateOptions, ApiError> to_options(const CompletionRequest& request,
+                                                                 const std::string& api_key,
+                                                                 const Backend& backend) {
+    sdk::GenerateOptions options;
+    options.api_key = api_key;
+    if (request.endpoint == Endpoint::kChat) {
+      if (!backend.chat) {
+        ApiError error;
+        error.message =
+            "the model '" + backend.name + "' has no chat template: " + backend.chat_error;
+        return error;
+      }
+      auto rendered = backend.chat->render(request.messages, request.chat);
+      if (!rendered) {
+        ApiError error;
+        error.param = "messages";
+        error.message = rendered.error().message;
+        return error;
+      }
+      options.prompt = std::move(*rendered);
+      // A rendered chat carries its special tokens (as transformers' apply_chat_template).
+      options.add_special_tokens = false;
+    } else if (!request.prompt_tokens.empty()) {
+      options.tokens = request.prompt_tokens;
+    } else {
+      options.prompt = request.prompt;
+    }
+    if (options.prompt.empty() && options.tokens.empty()) {
+      ApiError error;
+      error.param = request.endpoint == Endpoint::kChat ? "messages" : "prompt";
+      error.message = "the prompt is empty";
+      return error;
+    }
+    // No max_tokens: up to the context (the gateway caps it at what the prompt leaves).
+    options.max_tokens = request.max_tokens.value_or(backend.context);
+    options.temperature = request.temperature;
+    options.top_p = request.top_p;
+    options.top_k = request.top_k;
+    options.seed = request.seed;
+    options.ignore_eos = request.ignore_eos;
+    return options;
+  }
+
+  // A request on its way: the backend serving it and its events.
+  struct Attempt {
+    Backend* backend = nullptr;
+    std::shared_ptr<http::RequestChannel> channel;
+    std::optional<sdk::Event> first;  // nullopt: none by the time asked for
+    uint32_t prompt_tokens = 0;
+    std::optional<ApiError> refused;  // the request could not be built for this backend
+  };
+
+  Attempt begin(const CompletionRequest& api_request, const std::string& api_key, Backend& backend,
+                Clock::time_point wait_until) {
+    Attempt attempt;
+    attempt.backend = &backend;
+    auto built = to_options(api_request, api_key, backend);
+    if (auto* error = std::get_if<ApiError>(&built)) {
+      attempt.refused = *error;
+      return attempt;
+    }
+    attempt.channel = backend.bridge->start(std::move(std::get<sdk::GenerateOptions>(built)));
+    attempt.first = next_event(*attempt.channel, wait_until, attempt.prompt_tokens);
+    return attempt;
+  }
+
+  // The primary first; the fallback when the primary is overloaded or has no first token within
+  // --fallback-ttft-ms (that request is cancelled). Counted by reason.
+  Attempt start_request(const CompletionRequest& api_request, const std::string& api_key,
+                        Backend& backend, Clock::time_point received, Clock::time_point deadline) {
+    const bool may_fall_back = fallback_ && &backend == primary_.get();
+    const auto first_by = may_fall_back && fallback_ttft_.count() > 0
+                              ? std::min(deadline, received + fallback_ttft_)
+                              : deadline;
+    Attempt attempt = begin(api_request, api_key, backend, first_by);
+    if (!may_fall_back || attempt.refused) return attempt;
+    const char* reason = nullptr;
+    if (!attempt.first) {
+      reason = "slow_first_token";
+      attempt.backend->bridge->cancel(attempt.channel);
+    } else if (attempt.first->kind == sdk::EventKind::kError && attempt.first->error_code == 10) {
+      reason = "overloaded";
+    }
+    if (reason == nullptr) return attempt;
+    service_.metrics
+        .counter("moeline_http_fallbacks_total", "Requests served by the fallback model, by why",
+                 {{"reason", reason}})
+        .inc();
+    return begin(api_request, api_key, *fallback_, deadline);
+  }
+
+  // The next event that is not the gateway's Accepted (whose prompt token count goes to
+  // `prompt_tokens`); nullopt at the deadline.
+  std::optional<sdk::Event> next_event(http::RequestChannel& channel, Clock::time_point deadline,
+                                       uint32_t& prompt_tokens) {
+    while (true) {
+      const auto left =
+          std::chrono::duration_cast<std::chrono::milliseconds>(deadline - Clock::now());
+      if (left.count() <= 0) return std::nullopt;
+      std::optional<sdk::Event> event = channel.next(left);
+      if (!event) return std::nullopt;
+      if (event->kind != sdk::EventKind::kAccepted) return event;
+      prompt_tokens = event->usage.prompt_tokens;
+    }
+  }
+
+  // Folds one event into the outcome; true when the request is over (finished, failed, stopped).
+  bool absorb(const sdk::Event& event, http::StopMatcher& stops, Outcome& outcome,
+              std::string& emitted) {
+    if (event.kind == sdk::EventKind::kError) {
+      outcome.error = http::gateway_error(event.error_code, event.error_name, event.error_message);
+      return true;
+    }
+    outcome.completion_tokens += static_cast<uint32_t>(event.token_ids.size());
+    emitted += stops.feed(event.text);
+    if (stops.stopped()) {
+      outcome.finish_reason = "stop";
+      return true;
+    }
+    if (event.kind == sdk::EventKind::kFinished) {
+      emitted += stops.flush();
+      outcome.finish_reason = event.finish_reason == "length" ? "length" : "stop";
+      outcome.usage = event.usage;
+      outcome.timings = event.timings;
+      return true;
+    }
+    return false;
+  }
+
+  void handle(Endpoint endpoint, const httplib::Request& request, httplib::Response& response) {
+    const auto received = Clock::now();
+    auto parsed = http::parse_request(endpoint, request.body);
+    if (auto* error = std::get_if<ApiError>(&parsed))
+      return respond_error(endpoint, *error, response);
+    const CompletionRequest& api_request = std::get<CompletionRequest>(parsed);
+    Backend* backend = backend_for(api_request.model);
+    if (backend == nullptr) {
+      ApiError error;
+      error.status = 404;
+      error.param = "model";
+      error.code = "model_not_found";
+      error.message = "The model '" + api_request.model + "' does not exist (this server serves '" +
+                      primary_->name + "')";
+      return respond_error(endpoint, error, response);
+    }
+    const auto deadline = received + request_timeout_;
+    in_flight_->add(1);
+    // Wait for the first token (or an error) before answering: an early error gets its own
+    // status instead of a 200 that carries it in the stream.
+    Attempt attempt = start_request(api_request, bearer_key(request), *backend, received, deadline);
+    if (attempt.refused) {
+      in_flight_->add(-1);
+      return respond_error(endpoint, *attempt.refused, response);
+    }
+    http::GatewayBridge* bridge = attempt.backend->bridge.get();
+    std::shared_ptr<http::RequestChannel> channel = attempt.channel;
+    std::optional<sdk::Event>& first = attempt.first;
+    uint32_t prompt_tokens = attempt.prompt_tokens;
+    if (!first) {
+      bridge->cancel(channel);
+      in_flight_->add(-1);
+      ApiError error;
+      error.status = 504;
+      error.type = "timeout_error";
+      error.message = "no first token within the request timeout";
+      return respond_error(endpoint, error, response);
+    }
+    if (first->kind == sdk::EventKind::kError) {
+      in_flight_->add(-1);
+      return respond_error(
+          endpoint, http::gateway_error(first->error_code, first->error_name, first->error_message),
+          response);
+    }
+    ttft_->observe(std::chrono::duration<double>(Clock::now() - received).count());
+
+    auto completion = std::make_shared<http::Completion>();
+    completion->id = http::new_completion_id(endpoint);
+    completion->created = static_cast<int64_t>(std::time(nullptr));
+    completion->model = attempt.backend->name;
+    completion->fallback = attempt.backend == fallback_.get() && backend == primary_.get();
+    if (api_request.stream && endpoint != Endpoint::kGenerate)
+      return stream(endpoint, api_request, bridge, channel, std::move(*first), prompt_tokens,
+                    completion, deadline, response);
+
+    http::StopMatcher stops(api_request.stop);
+    Outcome outcome;
+    outcome.usage.prompt_tokens = prompt_tokens;
+    bool over = absorb(*first, stops, outcome, outcome.text);
+    while (!over) {
+      std::optional<sdk::Event> event = next_event(*channel, deadline, prompt_tokens);
+      if (!event) {
+        outcome.error = ApiError{504, "the request timed out", "timeout_error", "", ""};
+        break;
+      }
+      over = absorb(*event, stops, outcome, outcome.text);
+    }
+    if (stops.stopped() || outcome.error) bridge->cancel(channel);
+    in_flight_->add(-1);
+    if (outcome.error) return respond_error(endpoint, *outcome.error, response);
+    completion->text = std::move(outcome.text);
+    completion->finish_reason = outcome.finish_reason;
+    completion->usage = outcome.usage;
+    completion->usage.completion_tokens = outcome.completion_tokens;
+    completion->timings = outcome.timings;
+    if (endpoint == Endpoint::kGenerate) {
+      response.set_content(json{{"text", completion->text}}.dump(), "application/json");
+    } else {
+      response.set_content(http::completion_response(endpoint, *completion).dump(),
+                           "application/json");
+    }
+    count(endpoint, 200);
+  }
+
+  static bool send_event(httplib::DataSink& sink, const json& data) {
+    const std::string line = "data: " + data.dump() + "\n\n";
+    return sink.write(line.data(), line.size());
+  }
+
+  void stream(Endpoint endpoint, const CompletionRequest& api_request, http::GatewayBridge* bridge,
+              std::shared_ptr<http::RequestChannel> channel, sdk::Event first,
+              uint32_t prompt_tokens, std::shared_ptr<http::Completion> completion,
+              Clock::time_point deadline, httplib::Response& response) {
+    count(endpoint, 200);
+    response.set_header("Cache-Control", "no-cache");
+    struct State {
+      std::optional<sdk::Event> pending;
+      http::StopMatcher stops;
+      bool ended = false;  // the pipeline's request is over: nothing to cancel
+      uint32_t prompt_tokens = 0;
+    };
+    auto state = std::make_shared<State>(
+        State{std::move(first), http::StopMatcher(api_request.stop), false, prompt_tokens});
+    const bool include_usage = api_request.include_usage;
+    response.set_chunked_content_provider(
+        "text/event-stream",
+        [this, endpoint, channel, state, completion, deadline, include_usage](
+            size_t, httplib::DataSink& sink) {
+          Outcome outcome;
+          outcome.usage.prompt_tokens = state->prompt_tokens;
+          bool first_chunk = true;
+          while (!state->ended) {
+            std::optional<sdk::Event> event;
+            if (state->pending) {
+              event = std::move(state->pending);
+              state->pending.reset();
+            } else {
+              event = next_event(*channel, deadline, state->prompt_tokens);
+            }
+            if (!event) {
+              outcome.error = ApiError{504, "the request timed out", "timeout_error", "", ""};
+              break;
+            }
+            std::string text;
+            const bool over = absorb(*event, state->stops, outcome, text);
+            // Ended by the pipeline (finished, failed); a stop string still needs a cancel.
+            state->ended = over && !state->stops.stopped();
+            if (outcome.error) break;
+            if (!text.empty() || first_chunk) {
+              // A client that went away: false, and the releaser cancels the request.
+              if (!send_event(sink,
+                              http::stream_chunk(endpoint, *completion, text, first_chunk, "")))
+                return false;
+              first_chunk = false;
+            }
+            if (over) break;
+          }
+          if (outcome.error) {
+            send_event(sink, outcome.error->body());
+          } else {
+            completion->usage = outcome.usage;
+            completion->usage.completion_tokens = outcome.completion_tokens;
+            completion->timings = outcome.timings;
+            send_event(sink,
+                       http::stream_chunk(endpoint, *completion, "", false, outcome.finish_reason));
+            if (include_usage) send_event(sink, http::usage_chunk(endpoint, *completion));
+          }
+          const std::string done = "data: [DONE]\n\n";
+          sink.write(done.data(), done.size());
+          sink.done();
+          return true;
+        },
+        [this, bridge, channel, state](bool) {
+          if (!state->ended) bridge->cancel(channel);
+          in_flight_->add(-1);
+        });
+  }
+
+  runtime::StageService& service_;
+  runtime::Logger& log_;
+  std::unique_ptr<Backend> primary_, fallback_;
+  std::chrono::milliseconds fallback_ttft_{0};
+  int64_t created_ = 0;
+  std::chrono::seconds request_timeout_{600};
+  size_t max_body_bytes_ = 0;
+  size_t threads_ = 1024;
+  runtime::Histogram* ttft_ = nullptr;
+  runtime::Gauge* in_flight_ = nullptr;
+};
+
+int http_body(const runtime::Config& config) {
+  runtime::StageService service("http", replica_name(config, "http"));
+  runtime::StageService::install_signal_handlers();
+  HttpFront front(config, service);
+  service.start_http(config.text("http"), config.text("port-file"));
+  service.set_ready(true);
+  front.serve(config.text("listen"));
+  service.stop_http();
+  service.log.info("stopped");
+  return 0;
+}
+
+std::vector<runtime::ConfigKey> http_keys() {
+  std::vector<runtime::ConfigKey> keys = common_keys();
+  keys.push_back({"listen", "127.0.0.1:8000", "HOST:PORT of the OpenAI-compatible API"});
+  keys.push_back({"gateway", "tcp://127.0.0.1:5555", "the gateway's client endpoint"});
+  keys.push_back({"server-key", "",
+                  "the gateway's public Curve key (gateway.pub, or its 40 Z85 characters) for a "
+                  "tcp:// gateway with Curve on (default with --curve-dir: its gateway.pub)"});
+  keys.push_back({"served-model-name", "",
+                  "the model name clients ask for (default: the checkpoint folder's name)"});
+  keys.push_back({"max-connections", "1024",
+                  "connections served at once (a thread each; a stream holds its thread)"});
+  keys.push_back({"request-timeout-s", "600", "a request with no answer this long is a 504"});
+  keys.push_back({"fallback-endpoint", "",
+                  "a second gateway serving a smaller model: a request the primary answers "
+                  "Overloaded, or gives no first token within --fallback-ttft-ms, is served by it "
+                  "(the response's model is the fallback's, and moeline.fallback is true)"});
+  keys.push_back(
+      {"fallback-model", "", "the fallback's checkpoint folder (its chat template and context)"});
+  keys.push_back({"fallback-model-name", "", "its name (default: its folder's name)"});
+  keys.push_back({"fallback-server-key", "",
+                  "the fallback gateway's public Curve key (default: --server-key's)"});
+  keys.push_back({"fallback-ttft-ms", "0",
+                  "with a fallback: the primary's longest time to first token before the "
+                  "request goes to the fallback (0: only Overloaded falls back)"});
+  keys.push_back({"max-body-bytes", "8MiB", "largest request body accepted"});
+  return keys;
+}
+
+}  // namespace
+
+int http_main(int argc, char** argv) {
+  return run_stage("http", http_keys(), argc, argv, http_body);
+}
+
+}  // namespace moeline::stages

@@ -1,0 +1,407 @@
+#include "stages/http/openai.h"
+
+#include <chrono>
+#include <random>
+
+namespace moeline::stages::http {
+namespace {
+
+using nlohmann::json;
+
+ApiError bad(const std::string& param, const std::string& message) {
+  ApiError error;
+  error.param = param;
+  error.message = message;
+  return error;
+}
+
+ApiError unsupported(const std::string& param, const std::string& what) {
+  ApiError error = bad(param, what + " is not supported by this server yet");
+  error.code = "unsupported_parameter";
+  return error;
+}
+
+const char* type_name(const json& value) {
+  switch (value.type()) {
+    case json::value_t::null:
+      return "null";
+    case json::value_t::boolean:
+      return "a boolean";
+    case json::value_t::string:
+      return "a string";
+    case json::value_t::array:
+      return "an array";
+    case json::value_t::object:
+      return "an object";
+    default:
+      return "a number";
+  }
+}
+
+ApiError wrong_type(const std::string& param, const json& value, const char* want) {
+  return bad(param, "'" + param + "' must be " + want + ", not " + type_name(value));
+}
+
+// Reads an optional field: absent or null leaves `out` as it is.
+std::optional<ApiError> read_number(const json& body, const char* key, double low, double high,
+                                    double& out) {
+  if (!body.contains(key) || body[key].is_null()) return std::nullopt;
+  const json& value = body[key];
+  if (!value.is_number()) return wrong_type(key, value, "a number");
+  const double x = value.get<double>();
+  if (!(x >= low && x <= high))
+    return bad(key, "'" + std::string(key) + "' must be between " + std::to_string(low) + " and " +
+                        std::to_string(high) + ", got " + value.dump());
+  out = x;
+  return std::nullopt;
+}
+
+std::optional<ApiError> read_integer(const json& body, const char* key, int64_t low,
+                                     std::optional<int64_t>& out) {
+  if (!body.contains(key) || body[key].is_null()) return std::nullopt;
+  const json& value = body[key];
+  if (!value.is_number_integer()) return wrong_type(key, value, "an integer");
+  if (value.is_number_unsigned() && value.get<uint64_t>() > uint64_t{INT64_MAX})
+    return bad(key, "'" + std::string(key) + "' is too large");
+  const int64_t x = value.get<int64_t>();
+  if (x < low)
+    return bad(key, "'" + std::string(key) + "' must be at least " + std::to_string(low) +
+                        ", got " + std::to_string(x));
+  out = x;
+  return std::nullopt;
+}
+
+std::optional<ApiError> read_bool(const json& body, const char* key, bool& out) {
+  if (!body.contains(key) || body[key].is_null()) return std::nullopt;
+  if (!body[key].is_boolean()) return wrong_type(key, body[key], "a boolean");
+  out = body[key].get<bool>();
+  return std::nullopt;
+}
+
+// Chat content: a string, or a list of text parts (other part types are refused, not dropped).
+std::optional<ApiError> read_content(const json& content, const std::string& param,
+                                     std::string& out) {
+  if (content.is_null()) return std::nullopt;
+  if (content.is_string()) {
+    out = content.get<std::string>();
+    return std::nullopt;
+  }
+  if (!content.is_array()) return wrong_type(param, content, "a string or an array of parts");
+  for (size_t i = 0; i < content.size(); ++i) {
+    const json& part = content[i];
+    const std::string at = param + "[" + std::to_string(i) + "]";
+    if (!part.is_object()) return wrong_type(at, part, "an object");
+    if (!part.contains("type") || part["type"] != "text")
+      return unsupported(at + ".type", "a content part other than text");
+    if (!part.contains("text") || !part["text"].is_string())
+      return bad(at + ".text", "a text part needs 'text' (a string)");
+    out += part["text"].get<std::string>();
+  }
+  return std::nullopt;
+}
+
+std::optional<ApiError> read_messages(const json& body, std::vector<model::ChatMessage>& out) {
+  if (!body.contains("messages")) return bad("messages", "'messages' is required");
+  const json& messages = body["messages"];
+  if (!messages.is_array()) return wrong_type("messages", messages, "an array");
+  if (messages.empty()) return bad("messages", "'messages' must not be empty");
+  for (size_t i = 0; i < messages.size(); ++i) {
+    const json& message = messages[i];
+    const std::string at = "messages[" + std::to_string(i) + "]";
+    if (!message.is_object()) return wrong_type(at, message, "an object");
+    if (!message.contains("role") || !message["role"].is_string())
+      return bad(at + ".role", "each message needs a 'role' (a string)");
+    std::string role = message["role"].get<std::string>();
+    if (role == "developer") role = "system";  // OpenAI's newer name for the system role
+    if (role != "system" && role != "user" && role != "assistant" && role != "tool")
+      return bad(at + ".role", "unknown role '" + role + "'");
+    model::ChatMessage parsed{role, {}};
+    if (message.contains("content"))
+      if (auto error = read_content(message["content"], at + ".content", parsed.content))
+        return error;
+    out.push_back(std::move(parsed));
+  }
+  return std::nullopt;
+}
+
+std::optional<ApiError> read_prompt(const json& body, CompletionRequest& out) {
+  if (!body.contains("prompt")) return bad("prompt", "'prompt' is required");
+  const json& prompt = body["prompt"];
+  if (prompt.is_string()) {
+    out.prompt = prompt.get<std::string>();
+    return std::nullopt;
+  }
+  if (prompt.is_array() && prompt.size() == 1 && prompt[0].is_string()) {
+    out.prompt = prompt[0].get<std::string>();
+    return std::nullopt;
+  }
+  if (prompt.is_array() && !prompt.empty() && prompt[0].is_string())
+    return unsupported("prompt", "more than one prompt per request");
+  if (prompt.is_array() && !prompt.empty()) {
+    for (const json& id : prompt) {
+      if (!id.is_number_integer() || id.get<int64_t>() < 0 || id.get<int64_t>() > INT32_MAX)
+        return bad("prompt",
+                   "'prompt' must be a string, a list of one string or a list of "
+                   "token ids");
+      out.prompt_tokens.push_back(static_cast<int32_t>(id.get<int64_t>()));
+    }
+    return std::nullopt;
+  }
+  return wrong_type("prompt", prompt, "a string or an array");
+}
+
+std::optional<ApiError> read_stop(const json& body, std::vector<std::string>& out) {
+  if (!body.contains("stop") || body["stop"].is_null()) return std::nullopt;
+  const json& stop = body["stop"];
+  if (stop.is_string()) {
+    out.push_back(stop.get<std::string>());
+    return std::nullopt;
+  }
+  if (!stop.is_array()) return wrong_type("stop", stop, "a string or an array of strings");
+  if (stop.size() > 4) return bad("stop", "at most 4 stop sequences");
+  for (const json& s : stop) {
+    if (!s.is_string()) return wrong_type("stop", s, "a string");
+    out.push_back(s.get<std::string>());
+  }
+  return std::nullopt;
+}
+
+// Parameters this server does not implement yet: refused when set to anything but their neutral
+// value, so that a client never gets an answer computed without what it asked for.
+std::optional<ApiError> refuse_unimplemented(const json& body) {
+  std::optional<int64_t> n;
+  if (auto error = read_integer(body, "n", 1, n)) return error;
+  if (n && *n != 1) return unsupported("n", "n > 1");
+  bool logprobs = false;
+  if (auto error = read_bool(body, "logprobs", logprobs)) {
+    // /v1/completions takes logprobs as an integer.
+    if (!body["logprobs"].is_number_integer()) return error;
+    logprobs = body["logprobs"].get<int64_t>() > 0;
+  }
+  if (logprobs) return unsupported("logprobs", "logprobs");
+  std::optional<int64_t> top_logprobs;
+  if (auto error = read_integer(body, "top_logprobs", 0, top_logprobs)) return error;
+  if (top_logprobs && *top_logprobs > 0) return unsupported("top_logprobs", "top_logprobs");
+  for (const char* key : {"presence_penalty", "frequency_penalty"}) {
+    double value = 0;
+    if (auto error = read_number(body, key, -2.0, 2.0, value)) return error;
+    if (value != 0) return unsupported(key, key);
+  }
+  double repetition = 1;
+  if (auto error = read_number(body, "repetition_penalty", 0.0, 1e9, repetition)) return error;
+  if (repetition != 1) return unsupported("repetition_penalty", "repetition_penalty");
+  double min_p = 0;
+  if (auto error = read_number(body, "min_p", 0.0, 1.0, min_p)) return error;
+  if (min_p != 0) return unsupported("min_p", "min_p");
+  return std::nullopt;
+}
+
+std::optional<ApiError> read_sampling(const json& body, CompletionRequest& out) {
+  std::optional<int64_t> max_tokens;
+  if (auto error = read_integer(body, "max_tokens", 1, max_tokens)) return error;
+  if (auto error = read_integer(body, "max_completion_tokens", 1, out.max_tokens)) return error;
+  if (max_tokens) out.max_tokens = max_tokens;
+  if (auto error = read_number(body, "temperature", 0.0, 2.0, out.temperature)) return error;
+  if (auto error = read_number(body, "top_p", 0.0, 1.0, out.top_p)) return error;
+  if (out.top_p <= 0) return bad("top_p", "'top_p' must be greater than 0");
+  std::optional<int64_t> top_k;
+  if (auto error = read_integer(body, "top_k", -1, top_k)) return error;
+  out.top_k = top_k && *top_k > 0 ? *top_k : 0;  // -1 and 0: no top-k (vLLM's convention)
+  if (body.contains("seed") && !body["seed"].is_null()) {
+    if (!body["seed"].is_number_integer()) return wrong_type("seed", body["seed"], "an integer");
+    out.seed = body["seed"].is_number_unsigned()
+                   ? body["seed"].get<uint64_t>()
+                   : static_cast<uint64_t>(body["seed"].get<int64_t>());
+  }
+  return read_stop(body, out.stop);
+}
+
+std::optional<ApiError> read_stream(const json& body, CompletionRequest& out) {
+  if (auto error = read_bool(body, "stream", out.stream)) return error;
+  if (!body.contains("stream_options") || body["stream_options"].is_null()) return std::nullopt;
+  const json& options = body["stream_options"];
+  if (!options.is_object()) return wrong_type("stream_options", options, "an object");
+  if (!out.stream) return bad("stream_options", "'stream_options' needs \"stream\": true");
+  return read_bool(options, "include_usage", out.include_usage);
+}
+
+std::optional<ApiError> read_chat_options(const json& body, CompletionRequest& out) {
+  if (auto error = read_bool(body, "add_generation_prompt", out.chat.add_generation_prompt))
+    return error;
+  if (!body.contains("chat_template_kwargs") || body["chat_template_kwargs"].is_null())
+    return std::nullopt;
+  const json& kwargs = body["chat_template_kwargs"];
+  if (!kwargs.is_object()) return wrong_type("chat_template_kwargs", kwargs, "an object");
+  if (kwargs.contains("enable_thinking")) {
+    bool thinking = true;
+    if (auto error = read_bool(kwargs, "enable_thinking", thinking)) return error;
+    out.chat.enable_thinking = thinking;
+  }
+  return std::nullopt;
+}
+
+std::optional<ApiError> read_all(Endpoint endpoint, const json& body, CompletionRequest& out) {
+  if (body.contains("model") && !body["model"].is_null()) {
+    if (!body["model"].is_string()) return wrong_type("model", body["model"], "a string");
+    out.model = body["model"].get<std::string>();
+  }
+  if (body.contains("user") && !body["user"].is_null()) {
+    if (!body["user"].is_string()) return wrong_type("user", body["user"], "a string");
+    out.user = body["user"].get<std::string>();
+  }
+  if (endpoint == Endpoint::kChat) {
+    if (auto error = read_messages(body, out.messages)) return error;
+    if (auto error = read_chat_options(body, out)) return error;
+  } else if (auto error = read_prompt(body, out)) {
+    return error;
+  }
+  if (auto error = refuse_unimplemented(body)) return error;
+  if (auto error = read_sampling(body, out)) return error;
+  if (auto error = read_bool(body, "ignore_eos", out.ignore_eos)) return error;
+  if (endpoint == Endpoint::kGenerate) return std::nullopt;
+  return read_stream(body, out);
+}
+
+}  // namespace
+
+json ApiError::body() const {
+  return {{"error",
+           {{"message", message},
+            {"type", type},
+            {"param", param.empty() ? json(nullptr) : json(param)},
+            {"code", code.empty() ? json(nullptr) : json(code)}}}};
+}
+
+std::variant<CompletionRequest, ApiError> parse_request(Endpoint endpoint,
+                                                        const std::string& body) {
+  const json parsed = json::parse(body, nullptr, /*allow_exceptions=*/false);
+  if (parsed.is_discarded()) return bad("", "the body is not valid JSON");
+  if (!parsed.is_object()) return bad("", "the body must be a JSON object");
+  CompletionRequest request;
+  request.endpoint = endpoint;
+  if (auto error = read_all(endpoint, parsed, request)) return *error;
+  return request;
+}
+
+ApiError gateway_error(int code, const std::string& name, const std::string& message) {
+  ApiError error;
+  error.message = message.empty() ? name : message;
+  error.code = name;
+  switch (code) {
+    case 1:
+    case 2:
+    case 3:  // InvalidRequest, PromptTooLong, InvalidSampling
+      error.status = 400;
+      if (code == 2) error.code = "context_length_exceeded";
+      break;
+    case 4:   // UnknownTenant
+    case 16:  // Forbidden
+      error.status = 403;
+      error.type = "permission_error";
+      break;
+    case 15:  // Unauthenticated
+      error.status = 401;
+      error.type = "authentication_error";
+      error.code = "invalid_api_key";
+      break;
+    case 10:  // Overloaded
+      error.status = 429;
+      error.type = "rate_limit_error";
+      error.code = "overloaded";
+      break;
+    case 7:  // DeadlineExceeded
+      error.status = 504;
+      error.type = "timeout_error";
+      break;
+    case 8:
+    case 9:
+    case 17:  // Cancelled, StageFailed, Draining
+      error.status = 503;
+      error.type = "service_unavailable";
+      break;
+    default:
+      error.status = 500;
+      error.type = "server_error";
+  }
+  return error;
+}
+
+json usage_json(const sdk::Usage& usage) {
+  return {{"prompt_tokens", usage.prompt_tokens},
+          {"completion_tokens", usage.completion_tokens},
+          {"total_tokens", usage.prompt_tokens + usage.completion_tokens},
+          {"prompt_tokens_details", {{"cached_tokens", usage.reused_tokens}}}};
+}
+
+json extension_json(const Completion& completion) {
+  const sdk::Usage& usage = completion.usage;
+  const sdk::Timings& timings = completion.timings;
+  json extension = {{"fallback", completion.fallback},
+                    {"reuse_level", usage.reuse_level.empty() ? "none" : usage.reuse_level},
+                    {"reused_tokens", usage.reused_tokens},
+                    {"timings",
+                     {{"queue_ms", timings.queue_ms},
+                      {"prefill_ms", timings.prefill_ms},
+                      {"ttft_ms", timings.ttft_ms},
+                      {"total_ms", timings.total_ms}}}};
+  if (!usage.approximate.empty()) {
+    extension["approximate"] = usage.approximate;
+    extension["similarity"] = usage.similarity;
+  }
+  return extension;
+}
+
+json completion_response(Endpoint endpoint, const Completion& completion) {
+  json choice = {{"index", 0}, {"logprobs", nullptr}, {"finish_reason", completion.finish_reason}};
+  if (endpoint == Endpoint::kChat)
+    choice["message"] = {{"role", "assistant"}, {"content", completion.text}};
+  else
+    choice["text"] = completion.text;
+  return {{"id", completion.id},
+          {"object", endpoint == Endpoint::kChat ? "chat.completion" : "text_completion"},
+          {"created", completion.created},
+          {"model", completion.model},
+          {"choices", json::array({choice})},
+          {"usage", usage_json(completion.usage)},
+          {"moeline", extension_json(completion)}};
+}
+
+json stream_chunk(Endpoint endpoint, const Completion& completion, const std::string& text,
+                  bool first, const std::string& finish_reason) {
+  json choice = {{"index", 0},
+                 {"logprobs", nullptr},
+                 {"finish_reason", finish_reason.empty() ? json(nullptr) : json(finish_reason)}};
+  if (endpoint == Endpoint::kChat) {
+    json delta = json::object();
+    if (first) delta["role"] = "assistant";
+    if (finish_reason.empty() || !text.empty()) delta["content"] = text;
+    choice["delta"] = std::move(delta);
+  } else {
+    choice["text"] = text;
+  }
+  return {{"id", completion.id},
+          {"object", endpoint == Endpoint::kChat ? "chat.completion.chunk" : "text_completion"},
+          {"created", completion.created},
+          {"model", completion.model},
+          {"choices", json::array({choice})}};
+}
+
+json usage_chunk(Endpoint endpoint, const Completion& completion) {
+  return {{"id", completion.id},
+          {"object", endpoint == Endpoint::kChat ? "chat.completion.chunk" : "text_completion"},
+          {"created", completion.created},
+          {"model", completion.model},
+          {"choices", json::array()},
+          {"usage", usage_json(completion.usage)},
+          {"moeline", extension_json(completion)}};
+}
+
+std::string new_completion_id(Endpoint endpoint) {
+  thread_local std::mt19937_64 random(std::random_device{}());
+  static const char* hex = "0123456789abcdef";
+  std::string id = endpoint == Endpoint::kChat ? "chatcmpl-" : "cmpl-";
+  for (int i = 0; i < 24; ++i) id += hex[random() % 16];
+  return id;
+}
+
+}  // namespace moeline::stages::http

@@ -1,0 +1,82 @@
+#pragma once
+// The OpenAI API's shapes: requests parsed and checked field by field (a wrong type is a 400 with
+// OpenAI's error object, unknown fields are ignored as OpenAI does), and the responses and
+// stream chunks built exactly as OpenAI's clients expect them.
+
+#include <cstdint>
+#include <optional>
+#include <string>
+#include <variant>
+#include <vector>
+
+#include <nlohmann/json.hpp>
+
+#include "model/tokenizer/chat_template.h"
+#include "sdk/client.h"
+
+namespace moeline::stages::http {
+
+enum class Endpoint { kChat, kCompletions, kGenerate };
+
+// {"error": {"message", "type", "param", "code"}} with its HTTP status.
+struct ApiError {
+  int status = 400;
+  std::string message;
+  std::string type = "invalid_request_error";
+  std::string param;  // empty: null
+  std::string code;   // empty: null
+  nlohmann::json body() const;
+};
+
+struct CompletionRequest {
+  Endpoint endpoint = Endpoint::kChat;
+  std::string model;
+  std::vector<model::ChatMessage> messages;  // chat
+  std::string prompt;                        // completions, generate
+  std::vector<int32_t> prompt_tokens;        // completions: a prompt given as token ids
+  std::optional<int64_t> max_tokens;         // absent: up to the context
+  double temperature = 1.0;
+  double top_p = 1.0;
+  int64_t top_k = 0;
+  std::optional<uint64_t> seed;
+  std::vector<std::string> stop;
+  bool ignore_eos = false;  // vLLM's extension: generate max_tokens whatever the model says
+  bool stream = false;
+  bool include_usage = false;
+  std::string user;
+  // Chat template switches (chat_template_kwargs, as vLLM and SGLang take them).
+  model::ChatOptions chat;
+};
+
+std::variant<CompletionRequest, ApiError> parse_request(Endpoint endpoint, const std::string& body);
+
+// What the gateway's error code means over HTTP (status, OpenAI error type).
+ApiError gateway_error(int code, const std::string& name, const std::string& message);
+
+// One finished or streamed completion as the response builders need it.
+struct Completion {
+  std::string id;  // chatcmpl-... or cmpl-...
+  int64_t created = 0;
+  std::string model;
+  std::string text;
+  std::string finish_reason;  // stop, length
+  sdk::Usage usage;
+  sdk::Timings timings;
+  bool fallback = false;  // served by the fallback model (the primary was overloaded or slow)
+};
+
+nlohmann::json usage_json(const sdk::Usage& usage);
+// moeline's own fields (reuse level, approximate outcome, timings, whether the fallback model
+// served it) in one extension object.
+nlohmann::json extension_json(const Completion& completion);
+nlohmann::json completion_response(Endpoint endpoint, const Completion& completion);
+// A stream chunk: `delta` text (chat: with the role on the first chunk), or the final chunk with
+// the finish reason.
+nlohmann::json stream_chunk(Endpoint endpoint, const Completion& completion,
+                            const std::string& text, bool first, const std::string& finish_reason);
+// The usage chunk of stream_options.include_usage: no choices.
+nlohmann::json usage_chunk(Endpoint endpoint, const Completion& completion);
+
+std::string new_completion_id(Endpoint endpoint);
+
+}  // namespace moeline::stages::http

@@ -1,0 +1,47 @@
+#include "stages/http/stop_matcher.h"
+
+#include <algorithm>
+
+namespace moeline::stages::http {
+
+StopMatcher::StopMatcher(std::vector<std::string> stops) {
+  for (std::string& stop : stops)
+    if (!stop.empty()) stops_.push_back(std::move(stop));
+}
+
+std::string StopMatcher::feed(const std::string& delta) {
+  if (stopped_) return {};
+  pending_ += delta;
+  // The earliest stop string wins (as the text would have been cut there).
+  size_t cut = std::string::npos;
+  for (const std::string& stop : stops_) cut = std::min(cut, pending_.find(stop));
+  if (cut != std::string::npos) {
+    stopped_ = true;
+    std::string out = pending_.substr(0, cut);
+    pending_.clear();
+    return out;
+  }
+  // Hold back the longest tail that is a proper prefix of some stop string.
+  size_t hold = 0;
+  for (const std::string& stop : stops_) {
+    const size_t longest = std::min(stop.size() - 1, pending_.size());
+    for (size_t n = longest; n > hold; --n) {
+      if (pending_.compare(pending_.size() - n, n, stop, 0, n) == 0) {
+        hold = n;
+        break;
+      }
+    }
+  }
+  std::string out = pending_.substr(0, pending_.size() - hold);
+  pending_.erase(0, pending_.size() - hold);
+  return out;
+}
+
+std::string StopMatcher::flush() {
+  if (stopped_) return {};
+  std::string out;
+  out.swap(pending_);
+  return out;
+}
+
+}  // namespace moeline::stages::http

@@ -1,0 +1,28 @@
+#pragma once
+// OpenAI `stop` strings on a streamed completion: a stop string may arrive split over several
+// text deltas, so the tail of the text that could still begin one is held back until the next
+// delta decides; the stop string itself is never returned.
+
+#include <string>
+#include <vector>
+
+namespace moeline::stages::http {
+
+class StopMatcher {
+ public:
+  explicit StopMatcher(std::vector<std::string> stops);
+
+  // Takes the next delta; returns the text that is now certain to be output. After a stop string
+  // is found, stopped() is true and nothing more is returned.
+  std::string feed(const std::string& delta);
+  // The text still held back, when the stream ends without a stop string.
+  std::string flush();
+  bool stopped() const { return stopped_; }
+
+ private:
+  std::vector<std::string> stops_;
+  std::string pending_;
+  bool stopped_ = false;
+};
+
+}  // namespace moeline::stages::http

@@ -1,0 +1,63 @@
+// The official `openai` client library (npm) against moeline's HTTP front: what an application
+// that speaks OpenAI sees. Prints one JSON object of results for test_http.py to check.
+//
+//   node openai_client.cjs NODE_MODULES BASE_URL MODEL
+const path = require("path");
+
+const [nodeModules, baseURL, model] = process.argv.slice(2);
+const library = require(path.join(nodeModules, "openai"));
+const OpenAI = library.OpenAI || library.default || library;
+
+async function main() {
+  const client = new OpenAI({ baseURL, apiKey: "unused-on-an-open-stack", maxRetries: 0 });
+  const out = {};
+  const models = await client.models.list();
+  out.models = models.data.map((m) => m.id);
+
+  const messages = [{ role: "user", content: "a person who" }];
+  const chat = await client.chat.completions.create({ model, messages, temperature: 0,
+                                                      max_tokens: 40 });
+  out.chat = { content: chat.choices[0].message.content, role: chat.choices[0].message.role,
+               finish_reason: chat.choices[0].finish_reason, usage: chat.usage };
+
+  const stream = await client.chat.completions.create({
+    model, messages, temperature: 0, max_tokens: 40, stream: true,
+    stream_options: { include_usage: true } });
+  let text = "";
+  let finish = null;
+  let usage = null;
+  for await (const chunk of stream) {
+    if (chunk.choices.length > 0) {
+      text += chunk.choices[0].delta.content ?? "";
+      if (chunk.choices[0].finish_reason) finish = chunk.choices[0].finish_reason;
+    }
+    if (chunk.usage) usage = chunk.usage;
+  }
+  out.stream = { content: text, finish_reason: finish, usage };
+
+  const completion = await client.completions.create({ model, prompt: "(botany) a plant",
+                                                       temperature: 0, max_tokens: 40,
+                                                       stop: ["Acanth"] });
+  out.completion = { text: completion.choices[0].text,
+                     finish_reason: completion.choices[0].finish_reason };
+
+  try {
+    await client.chat.completions.create({ model: "no-such-model", messages });
+    out.unknown_model = { status: 200 };
+  } catch (error) {
+    out.unknown_model = { status: error.status, code: error.code, type: error.type,
+                          param: error.param, name: error.constructor.name };
+  }
+  try {
+    await client.chat.completions.create({ model, messages, max_tokens: "ten" });
+    out.wrong_type = { status: 200 };
+  } catch (error) {
+    out.wrong_type = { status: error.status, param: error.param, name: error.constructor.name };
+  }
+  process.stdout.write(JSON.stringify(out) + "\n");
+}
+
+main().catch((error) => {
+  process.stderr.write(`openai_client: ${error.stack || error}\n`);
+  process.exit(1);
+});

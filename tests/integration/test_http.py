@@ -1,0 +1,414 @@
+#!/usr/bin/env python3
+"""The OpenAI-compatible HTTP front (`moeline http`) with real processes: a stack started with
+`--http-port 0` and plain HTTP requests (http.client, as curl would send them).
+
+Cases (--case, one per CTest entry):
+  api   /v1/models; greedy /v1/completions and /v1/chat/completions token-identical to
+        `moeline run` (the chat through the model's own template); the same text streamed as
+        server-sent events (the role first, the finish reason last, usage when asked for, then
+        [DONE]); stop strings cut where they start, across token boundaries, streamed or not;
+        /generate; errors with OpenAI's error object and the right status (bad JSON, wrong types,
+        out-of-range values, an unknown model, n > 1, unsupported parameters); a client that
+        disconnects mid-stream cancels its request in the pipeline.
+  auth  with the gateway's API keys: no key and a wrong key are 401, a valid key is served.
+  fallback  a stack whose gateway takes one request at a time answers a second one 429 with
+        Retry-After; with a second stack as the fallback (--fallback-endpoint), that request is
+        served by the fallback, says so (model, moeline.fallback) and is counted.
+  openai  the official `openai` npm client (Node.js) against the front: models, chat, a streamed
+        chat with usage, a completion with a stop string, and its error classes for an unknown
+        model and a wrong type; skipped (77) when the package is not installed.
+"""
+
+import http.client
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import time
+from urllib.parse import urlparse
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+from stack_harness import Stack, reference, run_cases  # noqa: E402
+
+LONG_PROMPT = "(botany) a plant"  # the demo model's greedy answer: 21 tokens of a gloss
+
+
+def check(condition, message):
+    if not condition:
+        raise AssertionError(message)
+
+
+def connect(stack):
+    url = urlparse(stack.state()["http"])
+    return http.client.HTTPConnection(url.hostname, url.port, timeout=60)
+
+
+def post(stack, path, body, headers=None, raw=None):
+    """(status, parsed JSON body, headers)."""
+    conn = connect(stack)
+    data = raw if raw is not None else json.dumps(body)
+    conn.request("POST", path, body=data,
+                 headers={"Content-Type": "application/json", **(headers or {})})
+    response = conn.getresponse()
+    text = response.read().decode()
+    conn.close()
+    try:
+        parsed = json.loads(text)
+    except json.JSONDecodeError:
+        parsed = {"unparsed": text}
+    return response.status, parsed, dict(response.getheaders())
+
+
+def stream(stack, path, body):
+    """The server-sent events of a streamed request: (status, [parsed data], saw_done)."""
+    conn = connect(stack)
+    conn.request("POST", path, body=json.dumps(body), headers={"Content-Type": "application/json"})
+    response = conn.getresponse()
+    if response.status != 200:
+        raise AssertionError(f"stream {path}: {response.status} {response.read()[:300]}")
+    check(response.getheader("Content-Type", "").startswith("text/event-stream"),
+          f"stream content type {response.getheader('Content-Type')}")
+    events, done = [], False
+    for line in response.read().decode().split("\n"):
+        if not line.startswith("data: "):
+            check(line == "", f"unexpected stream line {line!r}")
+            continue
+        data = line[len("data: "):]
+        if data == "[DONE]":
+            done = True
+            continue
+        check(not done, "data after [DONE]")
+        events.append(json.loads(data))
+    conn.close()
+    return events, done
+
+
+def run_chat(args, text, max_tokens):
+    """`moeline run --chat`: the reference for a one-turn chat."""
+    out = subprocess.run([args.moeline, "run", "--model", args.model, "--prompt", text, "--chat",
+                          "--max-tokens", str(max_tokens), "--json", "--threads", "1"],
+                         capture_output=True, text=True, timeout=120)
+    check(out.returncode == 0, out.stderr)
+    return json.loads(out.stdout)
+
+
+def detokenize(args, ids):
+    out = subprocess.run([args.moeline, "detokenize", "--tokenizer", args.model, "--skip-special"],
+                         input=json.dumps(ids), capture_output=True, text=True, timeout=60)
+    check(out.returncode == 0, out.stderr)
+    return out.stdout
+
+
+def error_is(result, status, param=None, code=None, what=""):
+    got_status, body, _ = result
+    check(got_status == status, f"{what}: status {got_status}, want {status}: {body}")
+    error = body.get("error")
+    check(isinstance(error, dict) and set(error) == {"message", "type", "param", "code"} and
+          isinstance(error["message"], str) and error["message"],
+          f"{what}: not OpenAI's error object: {body}")
+    if param is not None:
+        check(error["param"] == param, f"{what}: param {error['param']!r}, want {param!r}")
+    if code is not None:
+        check(error["code"] == code, f"{what}: code {error['code']!r}, want {code!r}")
+
+
+def case_api(args):
+    run = os.path.join(args.workdir, "api")
+    name = os.path.basename(os.path.normpath(args.model))
+    with Stack(args.moeline, args.model, run, http_port=0) as stack:
+        # /v1/models and /health
+        conn = connect(stack)
+        conn.request("GET", "/v1/models")
+        response = conn.getresponse()
+        models = json.loads(response.read())
+        check(response.status == 200 and models["object"] == "list" and
+              [m["id"] for m in models["data"]] == [name], f"/v1/models: {models}")
+        conn.request("GET", "/health")
+        response = conn.getresponse()
+        response.read()
+        check(response.status == 200, f"/health: {response.status}")
+        conn.close()
+        print(f"ok api: /v1/models lists {name}; /health is 200")
+
+        # Completions, greedy: the text and the token count of `moeline run`.
+        expected = reference(args.moeline, args.model, 40, prompt=LONG_PROMPT)
+        status, body, _ = post(stack, "/v1/completions",
+                               {"model": name, "prompt": LONG_PROMPT, "max_tokens": 40,
+                                "temperature": 0})
+        check(status == 200, f"completions: {status} {body}")
+        choice = body["choices"][0]
+        check(body["object"] == "text_completion" and body["id"].startswith("cmpl-") and
+              body["model"] == name and isinstance(body["created"], int),
+              f"completions envelope: {body}")
+        check(choice["text"] == expected["text"] and choice["finish_reason"] ==
+              expected["finish_reason"] and choice["index"] == 0,
+              f"completions: {choice} want {expected['text']!r}")
+        usage = body["usage"]
+        check(usage["completion_tokens"] == len(expected["ids"]) and
+              usage["prompt_tokens"] == expected["usage"]["prompt_tokens"] and
+              usage["total_tokens"] == usage["prompt_tokens"] + usage["completion_tokens"] and
+              "cached_tokens" in usage["prompt_tokens_details"], f"completions usage: {usage}")
+        check("reuse_level" in body["moeline"] and "timings" in body["moeline"],
+              f"the extension object: {body.get('moeline')}")
+        print(f"ok api: greedy completion identical to moeline run ({len(expected['ids'])} tokens)")
+
+        # Prompt as token ids, and max_tokens reached: finish_reason length.
+        ids = reference(args.moeline, args.model, 8, tokens=[9, 8, 7, 6], ignore_eos=True)["ids"]
+        want = detokenize(args, ids)
+        status, body, _ = post(stack, "/v1/completions",
+                               {"prompt": [9, 8, 7, 6], "max_tokens": 8, "temperature": 0,
+                                "ignore_eos": True})
+        check(status == 200 and body["choices"][0]["text"] == want and
+              body["choices"][0]["finish_reason"] == "length" and
+              body["usage"]["completion_tokens"] == 8, f"token-id prompt: {body}")
+        print("ok api: a token-id prompt; max_tokens reached ends with finish_reason length")
+
+        # Chat, greedy, through the model's chat template.
+        chat_ref = run_chat(args, "a person who", 40)
+        request = {"model": name, "messages": [{"role": "user", "content": "a person who"}],
+                   "max_tokens": 40, "temperature": 0}
+        status, body, _ = post(stack, "/v1/chat/completions", request)
+        check(status == 200 and body["object"] == "chat.completion" and
+              body["id"].startswith("chatcmpl-"), f"chat: {status} {body}")
+        message = body["choices"][0]["message"]
+        check(message == {"role": "assistant", "content": chat_ref["text"]} and
+              body["usage"]["completion_tokens"] == len(chat_ref["ids"]),
+              f"chat: {message} want {chat_ref['text']!r}")
+        # Content as text parts renders the same prompt.
+        parts = dict(request, messages=[{"role": "user", "content": [
+            {"type": "text", "text": "a person"}, {"type": "text", "text": " who"}]}])
+        status, body, _ = post(stack, "/v1/chat/completions", parts)
+        check(status == 200 and body["choices"][0]["message"]["content"] == chat_ref["text"],
+              f"chat with text parts: {body}")
+        print("ok api: greedy chat identical to moeline run --chat (string and text-part content)")
+
+        # The same chat, streamed.
+        events, done = stream(stack, "/v1/chat/completions",
+                              dict(request, stream=True, stream_options={"include_usage": True}))
+        check(done, "the stream must end with data: [DONE]")
+        chunks = [e for e in events if e["choices"]]
+        check(chunks[0]["choices"][0]["delta"].get("role") == "assistant",
+              f"the first chunk carries the role: {chunks[0]}")
+        text = "".join(c["choices"][0]["delta"].get("content", "") for c in chunks)
+        check(text == chat_ref["text"], f"streamed chat {text!r} want {chat_ref['text']!r}")
+        check(all(c["object"] == "chat.completion.chunk" and c["id"] == chunks[0]["id"]
+                  for c in chunks), "chunks share one id and say chat.completion.chunk")
+        check(chunks[-1]["choices"][0]["finish_reason"] == chat_ref["finish_reason"] and
+              all(c["choices"][0]["finish_reason"] is None for c in chunks[:-1]),
+              "only the last chunk has the finish reason")
+        usage_events = [e for e in events if not e["choices"]]
+        check(len(usage_events) == 1 and events[-1] is usage_events[0] and
+              usage_events[0]["usage"]["completion_tokens"] == len(chat_ref["ids"]),
+              f"include_usage: one usage chunk last: {usage_events}")
+        print(f"ok api: streamed chat identical ({len(chunks)} chunks), usage chunk, [DONE]")
+
+        # Stop strings: cut where the stop string starts, across token boundaries.
+        full = expected["text"]
+        stop = full[full.index("genus") + 2:full.index("genus") + 9]  # "nus Aca": spans tokens
+        want = full[:full.index(stop)]
+        status, body, _ = post(stack, "/v1/completions",
+                               {"prompt": LONG_PROMPT, "max_tokens": 40, "temperature": 0,
+                                "stop": ["never appears", stop]})
+        check(status == 200 and body["choices"][0]["text"] == want and
+              body["choices"][0]["finish_reason"] == "stop", f"stop {stop!r}: {body} want {want!r}")
+        events, done = stream(stack, "/v1/completions",
+                              {"prompt": LONG_PROMPT, "max_tokens": 40, "temperature": 0,
+                               "stop": stop, "stream": True})
+        text = "".join(e["choices"][0]["text"] for e in events if e["choices"])
+        check(done and text == want and events[-1]["choices"][0]["finish_reason"] == "stop",
+              f"streamed stop: {text!r} want {want!r}")
+        print(f"ok api: stop string {stop!r} ends the text before it, streamed or not")
+
+        # /generate: the plain shape.
+        status, body, _ = post(stack, "/generate",
+                               {"prompt": LONG_PROMPT, "max_tokens": 40, "temperature": 0})
+        check(status == 200 and body == {"text": expected["text"]}, f"/generate: {body}")
+        print("ok api: /generate answers {\"text\"}")
+
+        # Errors: OpenAI's error object with the right status.
+        error_is(post(stack, "/v1/chat/completions", None, raw="{not json"), 400, what="bad JSON")
+        error_is(post(stack, "/v1/chat/completions", None, raw="[1, 2]"), 400, what="not an object")
+        error_is(post(stack, "/v1/chat/completions", {"messages": "hi"}), 400, "messages",
+                 what="messages a string")
+        error_is(post(stack, "/v1/chat/completions", {"messages": []}), 400, "messages",
+                 what="no messages")
+        error_is(post(stack, "/v1/chat/completions",
+                      {"messages": [{"role": "wizard", "content": "x"}]}), 400,
+                 "messages[0].role", what="unknown role")
+        error_is(post(stack, "/v1/completions", {"prompt": "x", "max_tokens": "ten"}), 400,
+                 "max_tokens", what="max_tokens a string")
+        error_is(post(stack, "/v1/completions", {"prompt": "x", "max_tokens": 2**70}), 400,
+                 "max_tokens", what="max_tokens too large")
+        error_is(post(stack, "/v1/completions", {"prompt": "x", "max_tokens": 100000}), 400,
+                 what="max_tokens past the context")
+        error_is(post(stack, "/v1/completions", {"prompt": "x", "temperature": 7}), 400,
+                 "temperature", what="temperature out of range")
+        error_is(post(stack, "/v1/completions", {"prompt": "x", "stop": ["a", "b", "c", "d", "e"]}),
+                 400, "stop", what="five stop strings")
+        error_is(post(stack, "/v1/completions", {"prompt": "x", "stream": "yes"}), 400, "stream",
+                 what="stream a string")
+        error_is(post(stack, "/v1/completions", {"model": "gpt-4", "prompt": "x"}), 404, "model",
+                 "model_not_found", what="unknown model")
+        error_is(post(stack, "/v1/completions", {"prompt": "x", "n": 2}), 400, "n",
+                 what="n > 1")
+        error_is(post(stack, "/v1/completions", {"prompt": "x", "presence_penalty": 0.5}), 400,
+                 "presence_penalty", what="a parameter not implemented yet")
+        error_is(post(stack, "/v1/embeddings", {"input": "x"}), 404, what="an endpoint not served")
+        # Unknown fields are ignored, as OpenAI does.
+        status, body, _ = post(stack, "/v1/completions",
+                               {"prompt": LONG_PROMPT, "max_tokens": 40, "temperature": 0,
+                                "some_future_field": {"x": 1}})
+        check(status == 200 and body["choices"][0]["text"] == expected["text"],
+              f"unknown field: {status} {body}")
+        print("ok api: bad JSON, wrong types, out-of-range values, unknown model, n > 1 and "
+              "unsupported parameters are errors with OpenAI's error object; unknown fields are "
+              "ignored")
+
+        # A client that disconnects mid-stream: its request is cancelled in the pipeline.
+        before = stack.metric("gateway", "moeline_gateway_requests_total", outcome="cancelled")
+        url = urlparse(stack.state()["http"])
+        body = json.dumps({"prompt": [5, 6, 7], "max_tokens": 500, "ignore_eos": True,
+                           "temperature": 0, "stream": True}).encode()
+        sock = socket.create_connection((url.hostname, url.port), timeout=30)
+        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: "
+                     b"application/json\r\nContent-Length: " + str(len(body)).encode() +
+                     b"\r\n\r\n" + body)
+        first = sock.recv(4096)
+        check(b"200" in first.split(b"\r\n")[0], f"stream start: {first[:200]}")
+        sock.close()
+        deadline = time.time() + 20
+        cancelled = before
+        while time.time() < deadline and cancelled <= before:
+            time.sleep(0.2)
+            cancelled = stack.metric("gateway", "moeline_gateway_requests_total",
+                                     outcome="cancelled")
+        check(cancelled > before, "a client that disconnected mid-stream must cancel its request")
+        print("ok api: a client that disconnects mid-stream cancels its request")
+
+
+def case_auth(args):
+    run = os.path.join(args.workdir, "auth")
+    os.makedirs(run, exist_ok=True)
+    keys_file = os.path.join(run, "..", "auth-keys.json")
+    if os.path.exists(keys_file):
+        os.remove(keys_file)
+    out = subprocess.run([args.moeline, "keys", "add", "--file", keys_file, "--tenant", "acme"],
+                         capture_output=True, text=True, timeout=30)
+    check(out.returncode == 0, out.stderr)
+    key = out.stdout.strip()
+    with Stack(args.moeline, args.model, run, http_port=0,
+               extra_args=["--api-keys", keys_file]) as stack:
+        request = {"prompt": LONG_PROMPT, "max_tokens": 8, "temperature": 0}
+        error_is(post(stack, "/v1/completions", request), 401, code="invalid_api_key",
+                 what="no key")
+        error_is(post(stack, "/v1/completions", request,
+                      headers={"Authorization": "Bearer ml_nope_nope"}), 401, what="wrong key")
+        status, body, _ = post(stack, "/v1/completions", request,
+                               headers={"Authorization": f"Bearer {key}"})
+        check(status == 200 and body["choices"][0]["text"], f"a valid key: {status} {body}")
+        print("ok auth: no key and a wrong key are 401; a valid key is served")
+
+
+def case_openai(args):
+    node_modules = os.path.join(os.path.dirname(HERE), "parity", "node_modules")
+    if not os.path.isdir(os.path.join(node_modules, "openai")) or not shutil.which("node"):
+        print("SKIP openai: the openai npm package is not installed (scripts/setup installs it)")
+        sys.exit(77)
+    run = os.path.join(args.workdir, "openai")
+    name = os.path.basename(os.path.normpath(args.model))
+    chat_ref = run_chat(args, "a person who", 40)
+    expected = reference(args.moeline, args.model, 40, prompt=LONG_PROMPT)
+    with Stack(args.moeline, args.model, run, http_port=0) as stack:
+        out = subprocess.run(["node", os.path.join(HERE, "openai_client.cjs"), node_modules,
+                              stack.state()["http"] + "/v1", name],
+                             capture_output=True, text=True, timeout=120)
+        check(out.returncode == 0, f"openai client: {out.stderr[-2000:]}")
+        got = json.loads(out.stdout.strip().splitlines()[-1])
+    check(got["models"] == [name], f"models.list: {got['models']}")
+    check(got["chat"]["content"] == chat_ref["text"] and got["chat"]["role"] == "assistant" and
+          got["chat"]["finish_reason"] == chat_ref["finish_reason"] and
+          got["chat"]["usage"]["completion_tokens"] == len(chat_ref["ids"]),
+          f"chat through the openai client: {got['chat']} want {chat_ref['text']!r}")
+    check(got["stream"]["content"] == chat_ref["text"] and
+          got["stream"]["finish_reason"] == chat_ref["finish_reason"] and
+          got["stream"]["usage"]["completion_tokens"] == len(chat_ref["ids"]),
+          f"streamed chat through the openai client: {got['stream']}")
+    full = expected["text"]
+    check(got["completion"]["text"] == full[:full.index("Acanth")] and
+          got["completion"]["finish_reason"] == "stop", f"completion with stop: {got['completion']}")
+    check(got["unknown_model"]["status"] == 404 and got["unknown_model"]["code"] ==
+          "model_not_found" and got["unknown_model"]["name"] == "NotFoundError",
+          f"unknown model through the openai client: {got['unknown_model']}")
+    check(got["wrong_type"]["status"] == 400 and got["wrong_type"]["param"] == "max_tokens" and
+          got["wrong_type"]["name"] == "BadRequestError",
+          f"wrong type through the openai client: {got['wrong_type']}")
+    print("ok openai: the official openai npm client lists the model, chats (greedy output "
+          "identical to moeline run --chat), streams with usage, completes up to a stop string, "
+          "and raises NotFoundError / BadRequestError with OpenAI's fields")
+
+
+def concurrently(stack, bodies, gap_s=0.2):
+    """POSTs each body to /v1/completions on its own connection, `gap_s` apart; the results in
+    order."""
+    import threading
+    results = [None] * len(bodies)
+
+    def one(i):
+        results[i] = post(stack, "/v1/completions", bodies[i])
+
+    threads = []
+    for i in range(len(bodies)):
+        threads.append(threading.Thread(target=one, args=(i,)))
+        threads[-1].start()
+        time.sleep(gap_s)
+    for t in threads:
+        t.join(timeout=120)
+    return results
+
+
+def case_fallback(args):
+    long_request = {"prompt": [5, 6, 7], "max_tokens": 480, "ignore_eos": True, "temperature": 0}
+    one_at_a_time = {"gateway": {"max-in-flight": 1}}
+    with Stack(args.moeline, args.model, os.path.join(args.workdir, "small"), http_port=0,
+               config=one_at_a_time) as small:
+        first, second = concurrently(small, [long_request, long_request])
+        check(first[0] == 200, f"the first request: {first[0]} {first[1]}")
+        error_is(second, 429, what="a request over the gateway's in-flight limit")
+        check(second[2].get("Retry-After") == "1", f"429 without Retry-After: {second[2]}")
+        print("ok fallback: without a fallback, overload is a 429 with Retry-After")
+
+        config = {"gateway": {"max-in-flight": 1},
+                  "http": {"fallback-endpoint": small.endpoint, "fallback-model": args.model,
+                           "fallback-model-name": "demo-fallback"}}
+        with Stack(args.moeline, args.model, os.path.join(args.workdir, "primary"), http_port=0,
+                   config=config) as primary:
+            conn = connect(primary)
+            conn.request("GET", "/v1/models")
+            listed = [m["id"] for m in json.loads(conn.getresponse().read())["data"]]
+            conn.close()
+            check("demo-fallback" in listed, f"/v1/models lists the fallback: {listed}")
+            first, second = concurrently(primary, [long_request, long_request])
+            check(first[0] == 200 and first[1]["model"] != "demo-fallback" and
+                  first[1]["moeline"]["fallback"] is False, f"the first request: {first[1]}")
+            check(second[0] == 200 and second[1]["model"] == "demo-fallback" and
+                  second[1]["moeline"]["fallback"] is True and
+                  second[1]["choices"][0]["text"] == first[1]["choices"][0]["text"],
+                  f"the overflow request must be served by the fallback: {second}")
+            counted = primary.metric("http", "moeline_http_fallbacks_total", reason="overloaded")
+            check(counted >= 1, f"fallbacks counted: {counted}")
+        print("ok fallback: an overloaded primary's request is served by the fallback model, "
+              "marked as such and counted")
+
+
+CASES = {"api": case_api, "auth": case_auth, "fallback": case_fallback, "openai": case_openai}
+
+
+def main():
+    run_cases(CASES, __doc__)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,237 @@
+// The HTTP front's pure parts: stop strings over a stream of deltas, and OpenAI request parsing
+// and response shapes (the whole stage runs against a real stack in
+// tests/integration/test_http.py).
+#include <gtest/gtest.h>
+
+#include <string>
+#include <variant>
+#include <vector>
+
+#include "stages/http/openai.h"
+#include "stages/http/stop_matcher.h"
+
+namespace moeline::stages::http {
+namespace {
+
+// Feeds the text in the given pieces; returns what the matcher let out (plus the flush when no
+// stop string was found).
+std::string run(std::vector<std::string> stops, const std::vector<std::string>& pieces,
+                bool* stopped = nullptr) {
+  StopMatcher matcher(std::move(stops));
+  std::string out;
+  for (const std::string& piece : pieces) out += matcher.feed(piece);
+  if (stopped) *stopped = matcher.stopped();
+  return out + matcher.flush();
+}
+
+TEST(StopMatcher, CutsWhereTheStopStringStartsAcrossAnySplit) {
+  const std::string text = "of the genus Acanthus having spikes";
+  const std::string want = "of the genus ";
+  // Every way of cutting the text into two deltas finds the stop string and keeps what precedes it.
+  for (size_t cut = 0; cut <= text.size(); ++cut) {
+    bool stopped = false;
+    EXPECT_EQ(run({"Acanth"}, {text.substr(0, cut), text.substr(cut)}, &stopped), want) << cut;
+    EXPECT_TRUE(stopped) << cut;
+  }
+  // One character at a time.
+  std::vector<std::string> chars;
+  for (char c : text) chars.emplace_back(1, c);
+  EXPECT_EQ(run({"Acanth"}, chars), want);
+}
+
+TEST(StopMatcher, HoldsBackOnlyWhatCouldStillBeAStopString) {
+  StopMatcher matcher({"END"});
+  EXPECT_EQ(matcher.feed("abc E"), "abc ");  // "E" may begin END
+  EXPECT_EQ(matcher.feed("N"), "");          // "EN" too
+  EXPECT_EQ(matcher.feed("x"), "ENx");       // not END after all: released
+  EXPECT_FALSE(matcher.stopped());
+  EXPECT_EQ(matcher.flush(), "");
+}
+
+TEST(StopMatcher, TheEarliestOfSeveralStopStringsWinsAndNothingFollows) {
+  bool stopped = false;
+  EXPECT_EQ(run({"world", "lo w"}, {"hello wor", "ld and more"}, &stopped), "hel");
+  EXPECT_TRUE(stopped);
+  StopMatcher matcher({"!"});
+  EXPECT_EQ(matcher.feed("hi! there"), "hi");
+  EXPECT_EQ(matcher.feed("more"), "");
+  EXPECT_EQ(matcher.flush(), "");
+}
+
+TEST(StopMatcher, NoStopStringsPassEverythingThrough) {
+  EXPECT_EQ(run({}, {"a", "b", ""}), "ab");
+  EXPECT_EQ(run({""}, {"a", "b"}), "ab");  // an empty stop string never matches
+}
+
+TEST(StopMatcher, KeepsMultibyteCharactersWhole) {
+  // The held-back tail is a prefix of a stop string, so the text let out never ends inside a
+  // UTF-8 character that the stop string begins with.
+  bool stopped = false;
+  EXPECT_EQ(run({"🤷x"}, {"ab\xF0\x9F", "\xA4\xB7", "x"}, &stopped), "ab");
+  EXPECT_TRUE(stopped);
+}
+
+ApiError error_of(Endpoint endpoint, const std::string& body) {
+  auto parsed = parse_request(endpoint, body);
+  EXPECT_TRUE(std::holds_alternative<ApiError>(parsed)) << body;
+  return std::holds_alternative<ApiError>(parsed) ? std::get<ApiError>(parsed) : ApiError{};
+}
+
+CompletionRequest request_of(Endpoint endpoint, const std::string& body) {
+  auto parsed = parse_request(endpoint, body);
+  EXPECT_TRUE(std::holds_alternative<CompletionRequest>(parsed))
+      << body << ": "
+      << (std::holds_alternative<ApiError>(parsed) ? std::get<ApiError>(parsed).message : "");
+  return std::holds_alternative<CompletionRequest>(parsed) ? std::get<CompletionRequest>(parsed)
+                                                           : CompletionRequest{};
+}
+
+TEST(OpenAiRequest, ReadsEveryField) {
+  const CompletionRequest r = request_of(Endpoint::kChat, R"({
+    "model": "m", "messages": [{"role": "system", "content": "s"},
+                               {"role": "user", "content": [{"type": "text", "text": "a"},
+                                                            {"type": "text", "text": "b"}]},
+                               {"role": "assistant", "content": null},
+                               {"role": "developer", "content": "d"}],
+    "max_completion_tokens": 7, "temperature": 0.5, "top_p": 0.9, "top_k": 5, "seed": -3,
+    "stop": ["x", "y"], "stream": true, "stream_options": {"include_usage": true},
+    "user": "u", "chat_template_kwargs": {"enable_thinking": false}, "unknown": [1, {"x": 2}]})");
+  ASSERT_EQ(r.messages.size(), 4u);
+  EXPECT_EQ(r.messages[1].content, "ab");
+  EXPECT_EQ(r.messages[2].content, "");
+  EXPECT_EQ(r.messages[3].role, "system");
+  EXPECT_EQ(r.max_tokens, 7);
+  EXPECT_DOUBLE_EQ(r.temperature, 0.5);
+  EXPECT_DOUBLE_EQ(r.top_p, 0.9);
+  EXPECT_EQ(r.top_k, 5);
+  EXPECT_EQ(r.seed, static_cast<uint64_t>(-3));
+  EXPECT_EQ(r.stop, (std::vector<std::string>{"x", "y"}));
+  EXPECT_TRUE(r.stream && r.include_usage);
+  EXPECT_EQ(r.user, "u");
+  EXPECT_EQ(r.chat.enable_thinking, false);
+}
+
+TEST(OpenAiRequest, DefaultsAreOpenAis) {
+  const CompletionRequest r = request_of(Endpoint::kCompletions, R"({"prompt": "p"})");
+  EXPECT_EQ(r.prompt, "p");
+  EXPECT_FALSE(r.max_tokens.has_value());  // up to the context
+  EXPECT_DOUBLE_EQ(r.temperature, 1.0);
+  EXPECT_DOUBLE_EQ(r.top_p, 1.0);
+  EXPECT_FALSE(r.stream);
+  EXPECT_EQ(request_of(Endpoint::kCompletions, R"({"prompt": [1, 2, 3]})").prompt_tokens,
+            (std::vector<int32_t>{1, 2, 3}));
+  EXPECT_EQ(request_of(Endpoint::kCompletions, R"({"prompt": ["one"]})").prompt, "one");
+  // max_tokens wins over max_completion_tokens where both are given; -1 top_k is "no top-k".
+  const CompletionRequest both =
+      request_of(Endpoint::kCompletions,
+                 R"({"prompt": "p", "max_tokens": 3, "max_completion_tokens": 9, "top_k": -1})");
+  EXPECT_EQ(both.max_tokens, 3);
+  EXPECT_EQ(both.top_k, 0);
+}
+
+TEST(OpenAiRequest, WrongTypesAndValuesNameTheirParameter) {
+  struct Case {
+    Endpoint endpoint;
+    const char* body;
+    const char* param;
+  };
+  const Case cases[] = {
+      {Endpoint::kChat, R"({"messages": "hi"})", "messages"},
+      {Endpoint::kChat, R"({})", "messages"},
+      {Endpoint::kChat, R"({"messages": [7]})", "messages[0]"},
+      {Endpoint::kChat, R"({"messages": [{"content": "x"}]})", "messages[0].role"},
+      {Endpoint::kChat, R"({"messages": [{"role": "user", "content": 5}]})", "messages[0].content"},
+      {Endpoint::kChat, R"({"messages": [{"role": "user", "content": [{"type": "image_url"}]}]})",
+       "messages[0].content[0].type"},
+      {Endpoint::kCompletions, R"({"prompt": 5})", "prompt"},
+      {Endpoint::kCompletions, R"({"prompt": ["a", "b"]})", "prompt"},
+      {Endpoint::kCompletions, R"({"prompt": [1, -2]})", "prompt"},
+      {Endpoint::kCompletions, R"({"prompt": "p", "max_tokens": "10"})", "max_tokens"},
+      {Endpoint::kCompletions, R"({"prompt": "p", "max_tokens": 0})", "max_tokens"},
+      {Endpoint::kCompletions, R"({"prompt": "p", "max_tokens": 1.5})", "max_tokens"},
+      {Endpoint::kCompletions, R"({"prompt": "p", "max_tokens": 18446744073709551615})",
+       "max_tokens"},
+      {Endpoint::kCompletions, R"({"prompt": "p", "temperature": -1})", "temperature"},
+      {Endpoint::kCompletions, R"({"prompt": "p", "temperature": "hot"})", "temperature"},
+      {Endpoint::kCompletions, R"({"prompt": "p", "top_p": 0})", "top_p"},
+      {Endpoint::kCompletions, R"({"prompt": "p", "seed": "s"})", "seed"},
+      {Endpoint::kCompletions, R"({"prompt": "p", "stop": [1]})", "stop"},
+      {Endpoint::kCompletions, R"({"prompt": "p", "stop": ["a","b","c","d","e"]})", "stop"},
+      {Endpoint::kCompletions, R"({"prompt": "p", "stream": 1})", "stream"},
+      {Endpoint::kCompletions, R"({"prompt": "p", "stream_options": {"include_usage": true}})",
+       "stream_options"},
+      {Endpoint::kCompletions, R"({"prompt": "p", "n": 3})", "n"},
+      {Endpoint::kCompletions, R"({"prompt": "p", "logprobs": 2})", "logprobs"},
+      {Endpoint::kChat, R"({"messages": [], "logprobs": true})", "messages"},
+      {Endpoint::kCompletions, R"({"prompt": "p", "frequency_penalty": 1})", "frequency_penalty"},
+      {Endpoint::kCompletions, R"({"prompt": "p", "model": 4})", "model"},
+  };
+  for (const Case& c : cases) {
+    const ApiError error = error_of(c.endpoint, c.body);
+    EXPECT_EQ(error.status, 400) << c.body;
+    EXPECT_EQ(error.param, c.param) << c.body << ": " << error.message;
+    EXPECT_FALSE(error.message.empty());
+  }
+  // Not JSON, or not an object: no parameter to name.
+  for (const char* body : {"", "{", "[1]", "\"text\"", "{\"prompt\": \"p\"} trailing"}) {
+    const ApiError error = error_of(Endpoint::kCompletions, body);
+    EXPECT_EQ(error.status, 400) << body;
+    EXPECT_TRUE(error.param.empty()) << body;
+  }
+}
+
+TEST(OpenAiError, HasOpenAisShapeAndGatewayCodesMapToStatuses) {
+  ApiError error;
+  error.message = "m";
+  const nlohmann::json body = error.body();
+  ASSERT_TRUE(body.contains("error"));
+  EXPECT_EQ(body["error"]["message"], "m");
+  EXPECT_EQ(body["error"]["type"], "invalid_request_error");
+  EXPECT_TRUE(body["error"]["param"].is_null());
+  EXPECT_TRUE(body["error"]["code"].is_null());
+  EXPECT_EQ(gateway_error(1, "InvalidRequest", "x").status, 400);
+  EXPECT_EQ(gateway_error(2, "PromptTooLong", "x").code, "context_length_exceeded");
+  EXPECT_EQ(gateway_error(15, "Unauthenticated", "x").status, 401);
+  EXPECT_EQ(gateway_error(16, "Forbidden", "x").status, 403);
+  EXPECT_EQ(gateway_error(10, "Overloaded", "x").status, 429);
+  EXPECT_EQ(gateway_error(7, "DeadlineExceeded", "x").status, 504);
+  EXPECT_EQ(gateway_error(9, "StageFailed", "x").status, 503);
+  EXPECT_EQ(gateway_error(11, "Internal", "x").status, 500);
+}
+
+TEST(OpenAiResponse, ChatAndCompletionShapes) {
+  Completion c;
+  c.id = "chatcmpl-1";
+  c.created = 5;
+  c.model = "m";
+  c.text = "hi";
+  c.finish_reason = "stop";
+  c.usage.prompt_tokens = 3;
+  c.usage.completion_tokens = 2;
+  c.usage.reused_tokens = 1;
+  const nlohmann::json chat = completion_response(Endpoint::kChat, c);
+  EXPECT_EQ(chat["object"], "chat.completion");
+  EXPECT_EQ(chat["choices"][0]["message"],
+            (nlohmann::json{{"role", "assistant"}, {"content", "hi"}}));
+  EXPECT_EQ(chat["usage"]["total_tokens"], 5);
+  EXPECT_EQ(chat["usage"]["prompt_tokens_details"]["cached_tokens"], 1);
+  const nlohmann::json text = completion_response(Endpoint::kCompletions, c);
+  EXPECT_EQ(text["object"], "text_completion");
+  EXPECT_EQ(text["choices"][0]["text"], "hi");
+  const nlohmann::json first = stream_chunk(Endpoint::kChat, c, "h", true, "");
+  EXPECT_EQ(first["object"], "chat.completion.chunk");
+  EXPECT_EQ(first["choices"][0]["delta"],
+            (nlohmann::json{{"role", "assistant"}, {"content", "h"}}));
+  EXPECT_TRUE(first["choices"][0]["finish_reason"].is_null());
+  const nlohmann::json last = stream_chunk(Endpoint::kChat, c, "", false, "length");
+  EXPECT_EQ(last["choices"][0]["delta"], nlohmann::json::object());
+  EXPECT_EQ(last["choices"][0]["finish_reason"], "length");
+  const nlohmann::json usage = usage_chunk(Endpoint::kChat, c);
+  EXPECT_TRUE(usage["choices"].empty());
+  EXPECT_EQ(usage["usage"]["completion_tokens"], 2);
+  EXPECT_EQ(new_completion_id(Endpoint::kChat).rfind("chatcmpl-", 0), 0u);
+  EXPECT_NE(new_completion_id(Endpoint::kChat), new_completion_id(Endpoint::kChat));
+}
+
+}  // namespace
+}  // namespace moeline::stages::http
