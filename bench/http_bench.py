@@ -6,7 +6,8 @@ One stack (`moeline stack up --http-port 0`), then in the same run, alternating:
       /v1/completions through `moeline http`) at the same concurrency, same request shape:
       TTFT and inter-token latency percentiles side by side, and what HTTP adds;
   (b) `moeline load --http URL` at rising concurrency (default 64, 256, 1000 streams): the
-      inter-token p99 with that many streaming connections open on one HTTP replica.
+      inter-token p99 with that many streaming connections open on one HTTP replica, beside the
+      ZeroMQ client's at the same concurrency (what the machine itself gives).
 Prints markdown tables (docs/PERFORMANCE.md, "HTTP front").
 
   http_bench.py --moeline BIN --model DIR --workdir DIR [--rounds 2] [--concurrency 8]
@@ -70,7 +71,8 @@ def main():
         held = []
         for n in streams:
             print(f"http bench: {n} streams", file=sys.stderr)
-            held.append((n, load(args, targets["http"], n, args.duration_s, args.max_tokens)))
+            held.append((n, load(args, targets["http"], n, args.duration_s, args.max_tokens),
+                         load(args, targets["zeromq"], n, args.duration_s, args.max_tokens)))
 
     def med(name, key, q):
         return statistics.median(p(x, key, q) for x in side[name])
@@ -88,12 +90,13 @@ def main():
     print(f"| output tokens/s | {z:.0f} | {h:.0f} | {100 * (h - z) / z:+.1f}% |")
     print()
     print("| streams open on one HTTP replica | completed | errors | inter-token p50 (ms) | "
-          "inter-token p99 (ms) | TTFT p50 (ms) | output tokens/s |")
-    print("| --- | --- | --- | --- | --- | --- | --- |")
-    for n, result in held:
+          "inter-token p99 (ms) | the same through the ZeroMQ client: p99 (ms) | TTFT p50 (ms) | "
+          "output tokens/s |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- |")
+    for n, result, zeromq in held:
         print(f"| {n} | {result['completed']} | {result['errors']} | {p(result, 'tpot_ms', 'p50'):.2f} "
-              f"| {p(result, 'tpot_ms', 'p99'):.2f} | {p(result, 'ttft_ms', 'p50'):.0f} | "
-              f"{result['output_tokens_per_s']:.0f} |")
+              f"| {p(result, 'tpot_ms', 'p99'):.2f} | {p(zeromq, 'tpot_ms', 'p99'):.2f} | "
+              f"{p(result, 'ttft_ms', 'p50'):.0f} | {result['output_tokens_per_s']:.0f} |")
     print(json.dumps({"side_by_side": side, "streams": held}), file=sys.stderr)
 
 

@@ -39,6 +39,11 @@ const char* endpoint_label(Endpoint endpoint) {
   return "other";
 }
 
+// Invalid UTF-8 (which nothing should produce) becomes U+FFFD instead of an exception.
+std::string dump(const json& value) {
+  return value.dump(-1, ' ', false, json::error_handler_t::replace);
+}
+
 std::string bearer_key(const httplib::Request& request) {
   const std::string header = request.get_header_value("Authorization");
   constexpr std::string_view kBearer = "Bearer ";
@@ -134,9 +139,13 @@ class HttpFront {
     const size_t threads = threads_;
     server.new_task_queue = [threads] { return new httplib::ThreadPool(threads); };
     server.set_payload_max_length(max_body_bytes_);
+    // Each token is a small write: Nagle's algorithm would hold it until the previous one is
+    // acknowledged (up to the peer's delayed-ACK timer, tens of milliseconds).
+    server.set_tcp_nodelay(true);
     server.set_read_timeout(30, 0);
     server.set_write_timeout(30, 0);
     server.set_keep_alive_timeout(30);
+    server.set_keep_alive_max_count(1000);
     routes(server);
     if (!server.bind_to_port(host, port)) throw std::runtime_error("cannot listen on " + listen);
     std::thread stopper([&] {
@@ -160,7 +169,7 @@ class HttpFront {
     server.Get("/health", [this](const httplib::Request&, httplib::Response& response) {
       const bool up = primary_->bridge->connected();
       response.status = up ? 200 : 503;
-      response.set_content(json{{"status", up ? "ok" : "gateway unreachable"}}.dump(),
+      response.set_content(dump(json{{"status", up ? "ok" : "gateway unreachable"}}),
                            "application/json");
     });
     server.Get("/v1/models", [this](const httplib::Request&, httplib::Response& response) {
@@ -172,7 +181,7 @@ class HttpFront {
                           {"created", created_},
                           {"owned_by", "moeline"},
                           {"max_model_len", backend->context}});
-      response.set_content(json{{"object", "list"}, {"data", data}}.dump(), "application/json");
+      response.set_content(dump(json{{"object", "list"}, {"data", data}}), "application/json");
     });
     for (const auto& [path, endpoint] : {std::pair{"/v1/chat/completions", Endpoint::kChat},
                                          std::pair{"/v1/completions", Endpoint::kCompletions},
@@ -193,7 +202,7 @@ class HttpFront {
                       : response.status == 413 ? std::string("the request body is too large")
                                                : "the request was refused (HTTP " +
                                                      std::to_string(response.status) + ")";
-      response.set_content(error.body().dump(), "application/json");
+      response.set_content(dump(error.body()), "application/json");
     });
     server.set_exception_handler(
         [this](const httplib::Request&, httplib::Response& response, std::exception_ptr error) {
@@ -216,7 +225,7 @@ class HttpFront {
   void respond_error(Endpoint endpoint, const ApiError& error, httplib::Response& response) {
     response.status = error.status;
     if (error.status == 429) response.set_header("Retry-After", "1");
-    response.set_content(error.body().dump(), "application/json");
+    response.set_content(dump(error.body()), "application/json");
     count(endpoint, error.status);
   }
 
@@ -440,17 +449,20 @@ class HttpFront {
     completion->usage.completion_tokens = outcome.completion_tokens;
     completion->timings = outcome.timings;
     if (endpoint == Endpoint::kGenerate) {
-      response.set_content(json{{"text", completion->text}}.dump(), "application/json");
+      response.set_content(dump(json{{"text", completion->text}}), "application/json");
     } else {
-      response.set_content(http::completion_response(endpoint, *completion).dump(),
+      response.set_content(dump(http::completion_response(endpoint, *completion)),
                            "application/json");
     }
     count(endpoint, 200);
   }
 
   static bool send_event(httplib::DataSink& sink, const json& data) {
-    const std::string line = "data: " + data.dump() + "\n\n";
-    return sink.write(line.data(), line.size());
+    return send_text(sink, "data: " + dump(data) + "\n\n");
+  }
+
+  static bool send_text(httplib::DataSink& sink, const std::string& text) {
+    return sink.write(text.data(), text.size());
   }
 
   void stream(Endpoint endpoint, const CompletionRequest& api_request, http::GatewayBridge* bridge,
@@ -470,8 +482,8 @@ class HttpFront {
     const bool include_usage = api_request.include_usage;
     response.set_chunked_content_provider(
         "text/event-stream",
-        [this, endpoint, channel, state, completion, deadline, include_usage](
-            size_t, httplib::DataSink& sink) {
+        [this, endpoint, channel, state, completion, deadline, include_usage,
+         tokens = http::TokenEvents(endpoint, *completion)](size_t, httplib::DataSink& sink) {
           Outcome outcome;
           outcome.usage.prompt_tokens = state->prompt_tokens;
           bool first_chunk = true;
@@ -494,9 +506,11 @@ class HttpFront {
             if (outcome.error) break;
             if (!text.empty() || first_chunk) {
               // A client that went away: false, and the releaser cancels the request.
-              if (!send_event(sink,
-                              http::stream_chunk(endpoint, *completion, text, first_chunk, "")))
-                return false;
+              const bool sent =
+                  first_chunk
+                      ? send_event(sink, http::stream_chunk(endpoint, *completion, text, true, ""))
+                      : send_text(sink, tokens.event(text));
+              if (!sent) return false;
               first_chunk = false;
             }
             if (over) break;

@@ -386,6 +386,23 @@ json stream_chunk(Endpoint endpoint, const Completion& completion, const std::st
           {"choices", json::array({choice})}};
 }
 
+TokenEvents::TokenEvents(Endpoint endpoint, const Completion& completion) {
+  // stream_chunk's keys in nlohmann::json's (sorted) order, with the text cut out.
+  const std::string marker = "\x01";
+  const std::string whole = "data: " +
+                            stream_chunk(endpoint, completion, marker, false, "")
+                                .dump(-1, ' ', false, json::error_handler_t::replace) +
+                            "\n\n";
+  const std::string quoted = json(marker).dump();
+  const size_t at = whole.find(quoted);
+  prefix_ = whole.substr(0, at);
+  suffix_ = whole.substr(at + quoted.size());
+}
+
+std::string TokenEvents::event(const std::string& text) const {
+  return prefix_ + json(text).dump(-1, ' ', false, json::error_handler_t::replace) + suffix_;
+}
+
 json usage_chunk(Endpoint endpoint, const Completion& completion) {
   return {{"id", completion.id},
           {"object", endpoint == Endpoint::kChat ? "chat.completion.chunk" : "text_completion"},

@@ -74,6 +74,18 @@ nlohmann::json completion_response(Endpoint endpoint, const Completion& completi
 // the finish reason.
 nlohmann::json stream_chunk(Endpoint endpoint, const Completion& completion,
                             const std::string& text, bool first, const std::string& finish_reason);
+// The server-sent event of one token's text after the first: stream_chunk's bytes, built from a
+// prefix and suffix made once per stream (a JSON document per token would cost more than the
+// rest of the path).
+class TokenEvents {
+ public:
+  TokenEvents(Endpoint endpoint, const Completion& completion);
+  std::string event(const std::string& text) const;
+
+ private:
+  std::string prefix_, suffix_;
+};
+
 // The usage chunk of stream_options.include_usage: no choices.
 nlohmann::json usage_chunk(Endpoint endpoint, const Completion& completion);
 

@@ -184,6 +184,7 @@ Samples drive_http(const LoadOptions& o, int64_t vocab) {
     const auto timeout = static_cast<time_t>(std::ceil(o.request_timeout_s));
     client.set_read_timeout(timeout, 0);
     client.set_connection_timeout(10, 0);
+    client.set_tcp_nodelay(true);
     httplib::Headers headers;
     if (!o.credentials.api_key.empty())
       headers.emplace("Authorization", "Bearer " + o.credentials.api_key);
@@ -212,15 +213,19 @@ Samples drive_http(const LoadOptions& o, int64_t vocab) {
         for (size_t at; (at = buffer.find("\n\n")) != std::string::npos; buffer.erase(0, at + 2)) {
           const std::string event = buffer.substr(0, at);
           if (event.rfind("data: ", 0) != 0 || event == "data: [DONE]") continue;
-          const auto chunk = nlohmann::json::parse(event.substr(6), nullptr, false);
-          if (!chunk.is_object() || chunk.contains("error")) {
-            failed = true;
+          // The clock first: what is timed is the chunk's arrival, not this client's parsing.
+          const auto t = Clock::now();
+          // Token chunks are timed without parsing them (a JSON parse per token would load
+          // the machine under test); the usage chunk and errors are parsed.
+          // (The last chunk, with the finish reason, is not a token: it is not timed.)
+          const bool has_text = event.find("\"finish_reason\":null") != std::string::npos;
+          if (!has_text) {
+            const auto chunk = nlohmann::json::parse(event.substr(6), nullptr, false);
+            if (!chunk.is_object() || chunk.contains("error")) failed = true;
+            if (chunk.is_object() && chunk.contains("usage") && chunk["usage"].is_object())
+              tokens = chunk["usage"].value("completion_tokens", uint64_t{0});
             continue;
           }
-          if (chunk.contains("usage") && chunk["usage"].is_object())
-            tokens = chunk["usage"].value("completion_tokens", uint64_t{0});
-          if (!chunk.contains("choices") || chunk["choices"].empty()) continue;
-          const auto t = Clock::now();
           if (!first) {
             s.ttft_ms.push_back(ms(t - start));
             first = true;

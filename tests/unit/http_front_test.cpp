@@ -229,6 +229,14 @@ TEST(OpenAiResponse, ChatAndCompletionShapes) {
   const nlohmann::json usage = usage_chunk(Endpoint::kChat, c);
   EXPECT_TRUE(usage["choices"].empty());
   EXPECT_EQ(usage["usage"]["completion_tokens"], 2);
+  // The per-token fast path writes exactly what the generic builder would.
+  for (Endpoint endpoint : {Endpoint::kChat, Endpoint::kCompletions}) {
+    const TokenEvents events(endpoint, c);
+    for (const std::string piece : {"a", "", "quote \" and \\ and \n", "ünï 🤷", "\x01"})
+      EXPECT_EQ(events.event(piece),
+                "data: " + stream_chunk(endpoint, c, piece, false, "").dump() + "\n\n")
+          << piece;
+  }
   EXPECT_EQ(new_completion_id(Endpoint::kChat).rfind("chatcmpl-", 0), 0u);
   EXPECT_NE(new_completion_id(Endpoint::kChat), new_completion_id(Endpoint::kChat));
 }
