@@ -13,7 +13,9 @@
 #include "model/config.h"
 #include "model/tokenizer/chat_template.h"
 #include "stages/common/common.h"
+#include "stages/http/backend.h"
 #include "stages/http/bridge.h"
+#include "stages/http/events.h"
 #include "stages/http/openai.h"
 #include "stages/http/stop_matcher.h"
 #include "stages/runtime/service.h"
@@ -22,8 +24,10 @@ namespace moeline::stages {
 namespace {
 
 using http::ApiError;
+using http::Backend;
 using http::CompletionRequest;
 using http::Endpoint;
+using http::Outcome;
 using nlohmann::json;
 using Clock = std::chrono::steady_clock;
 
@@ -52,48 +56,6 @@ std::string bearer_key(const httplib::Request& request) {
   return {};
 }
 
-// What one request's events added up to (non-streaming), or where a stream stands.
-struct Outcome {
-  std::string text;
-  std::string finish_reason;
-  sdk::Usage usage;
-  sdk::Timings timings;
-  uint32_t completion_tokens = 0;
-  std::optional<ApiError> error;
-};
-
-// One gateway and the model it serves: its name, context and chat template (the prompt is
-// rendered for the model that will run it).
-struct Backend {
-  std::string name;
-  int64_t context = 0;
-  std::unique_ptr<model::ChatTemplate> chat;
-  std::string chat_error;
-  std::unique_ptr<http::GatewayBridge> bridge;
-};
-
-std::unique_ptr<Backend> make_backend(const std::filesystem::path& model_dir, std::string name,
-                                      const std::string& endpoint, const std::string& server_key,
-                                      runtime::Logger& log) {
-  auto backend = std::make_unique<Backend>();
-  const model::ModelConfig model_config = model::ModelConfig::load(model_dir);
-  backend->context =
-      model_config.max_position_embeddings > 0 ? model_config.max_position_embeddings : 32768;
-  backend->name = std::move(name);
-  if (backend->name.empty()) backend->name = model_dir.filename().string();
-  if (backend->name.empty()) backend->name = model_dir.parent_path().filename().string();
-  auto chat = model::ChatTemplate::load((model_dir / "tokenizer_config.json").string());
-  if (chat) {
-    backend->chat = std::make_unique<model::ChatTemplate>(std::move(*chat));
-  } else {
-    log.warn("no_chat_template", {{"model", backend->name}, {"reason", chat.error().message}});
-    backend->chat_error = chat.error().message;
-  }
-  backend->bridge = std::make_unique<http::GatewayBridge>(
-      endpoint, sdk::Credentials{.api_key = "", .server_key = server_key}, log);
-  return backend;
-}
-
 class HttpFront {
  public:
   HttpFront(const runtime::Config& config, runtime::StageService& service)
@@ -107,8 +69,8 @@ class HttpFront {
     std::string server_key = config.text("server-key");
     if (server_key.empty() && !config.text("curve-dir").empty())
       server_key = (std::filesystem::path(config.text("curve-dir")) / "gateway.pub").string();
-    primary_ = make_backend(config.text("model"), config.text("served-model-name"),
-                            config.text("gateway"), server_key, log_);
+    primary_ = http::make_backend(config.text("model"), config.text("served-model-name"),
+                                  config.text("gateway"), server_key, log_);
     if (!config.text("fallback-endpoint").empty()) {
       if (config.text("fallback-model").empty())
         throw runtime::ConfigError(
@@ -116,8 +78,9 @@ class HttpFront {
             "folder: the chat template and context of the fallback)");
       std::string fallback_key = config.text("fallback-server-key");
       if (fallback_key.empty()) fallback_key = server_key;
-      fallback_ = make_backend(config.text("fallback-model"), config.text("fallback-model-name"),
-                               config.text("fallback-endpoint"), fallback_key, log_);
+      fallback_ =
+          http::make_backend(config.text("fallback-model"), config.text("fallback-model-name"),
+                             config.text("fallback-endpoint"), fallback_key, log_);
       if (fallback_->name == primary_->name) fallback_->name += "-fallback";
       fallback_ttft_ = std::chrono::milliseconds(config.integer("fallback-ttft-ms"));
     }
@@ -244,49 +207,6 @@ class HttpFront {
     return nullptr;
   }
 
-  static std::variant<sdk::GenerateOptions, ApiError> to_options(const CompletionRequest& request,
-                                                                 const std::string& api_key,
-                                                                 const Backend& backend) {
-    sdk::GenerateOptions options;
-    options.api_key = api_key;
-    if (request.endpoint == Endpoint::kChat) {
-      if (!backend.chat) {
-        ApiError error;
-        error.message =
-            "the model '" + backend.name + "' has no chat template: " + backend.chat_error;
-        return error;
-      }
-      auto rendered = backend.chat->render(request.messages, request.chat);
-      if (!rendered) {
-        ApiError error;
-        error.param = "messages";
-        error.message = rendered.error().message;
-        return error;
-      }
-      options.prompt = std::move(*rendered);
-      // A rendered chat carries its special tokens (as transformers' apply_chat_template).
-      options.add_special_tokens = false;
-    } else if (!request.prompt_tokens.empty()) {
-      options.tokens = request.prompt_tokens;
-    } else {
-      options.prompt = request.prompt;
-    }
-    if (options.prompt.empty() && options.tokens.empty()) {
-      ApiError error;
-      error.param = request.endpoint == Endpoint::kChat ? "messages" : "prompt";
-      error.message = "the prompt is empty";
-      return error;
-    }
-    // No max_tokens: up to the context (the gateway caps it at what the prompt leaves).
-    options.max_tokens = request.max_tokens.value_or(backend.context);
-    options.temperature = request.temperature;
-    options.top_p = request.top_p;
-    options.top_k = request.top_k;
-    options.seed = request.seed;
-    options.ignore_eos = request.ignore_eos;
-    return options;
-  }
-
   // A request on its way: the backend serving it and its events.
   struct Attempt {
     Backend* backend = nullptr;
@@ -300,13 +220,13 @@ class HttpFront {
                 Clock::time_point wait_until) {
     Attempt attempt;
     attempt.backend = &backend;
-    auto built = to_options(api_request, api_key, backend);
+    auto built = http::to_options(api_request, api_key, backend);
     if (auto* error = std::get_if<ApiError>(&built)) {
       attempt.refused = *error;
       return attempt;
     }
     attempt.channel = backend.bridge->start(std::move(std::get<sdk::GenerateOptions>(built)));
-    attempt.first = next_event(*attempt.channel, wait_until, attempt.prompt_tokens);
+    attempt.first = http::next_event(*attempt.channel, wait_until, attempt.prompt_tokens);
     return attempt;
   }
 
@@ -333,44 +253,6 @@ class HttpFront {
                  {{"reason", reason}})
         .inc();
     return begin(api_request, api_key, *fallback_, deadline);
-  }
-
-  // The next event that is not the gateway's Accepted (whose prompt token count goes to
-  // `prompt_tokens`); nullopt at the deadline.
-  std::optional<sdk::Event> next_event(http::RequestChannel& channel, Clock::time_point deadline,
-                                       uint32_t& prompt_tokens) {
-    while (true) {
-      const auto left =
-          std::chrono::duration_cast<std::chrono::milliseconds>(deadline - Clock::now());
-      if (left.count() <= 0) return std::nullopt;
-      std::optional<sdk::Event> event = channel.next(left);
-      if (!event) return std::nullopt;
-      if (event->kind != sdk::EventKind::kAccepted) return event;
-      prompt_tokens = event->usage.prompt_tokens;
-    }
-  }
-
-  // Folds one event into the outcome; true when the request is over (finished, failed, stopped).
-  bool absorb(const sdk::Event& event, http::StopMatcher& stops, Outcome& outcome,
-              std::string& emitted) {
-    if (event.kind == sdk::EventKind::kError) {
-      outcome.error = http::gateway_error(event.error_code, event.error_name, event.error_message);
-      return true;
-    }
-    outcome.completion_tokens += static_cast<uint32_t>(event.token_ids.size());
-    emitted += stops.feed(event.text);
-    if (stops.stopped()) {
-      outcome.finish_reason = "stop";
-      return true;
-    }
-    if (event.kind == sdk::EventKind::kFinished) {
-      emitted += stops.flush();
-      outcome.finish_reason = event.finish_reason == "length" ? "length" : "stop";
-      outcome.usage = event.usage;
-      outcome.timings = event.timings;
-      return true;
-    }
-    return false;
   }
 
   void handle(Endpoint endpoint, const httplib::Request& request, httplib::Response& response) {
@@ -431,14 +313,14 @@ class HttpFront {
     http::StopMatcher stops(api_request.stop);
     Outcome outcome;
     outcome.usage.prompt_tokens = prompt_tokens;
-    bool over = absorb(*first, stops, outcome, outcome.text);
+    bool over = http::absorb(*first, stops, outcome, outcome.text);
     while (!over) {
-      std::optional<sdk::Event> event = next_event(*channel, deadline, prompt_tokens);
+      std::optional<sdk::Event> event = http::next_event(*channel, deadline, prompt_tokens);
       if (!event) {
         outcome.error = ApiError{504, "the request timed out", "timeout_error", "", ""};
         break;
       }
-      over = absorb(*event, stops, outcome, outcome.text);
+      over = http::absorb(*event, stops, outcome, outcome.text);
     }
     if (stops.stopped() || outcome.error) bridge->cancel(channel);
     in_flight_->add(-1);
@@ -493,14 +375,14 @@ class HttpFront {
               event = std::move(state->pending);
               state->pending.reset();
             } else {
-              event = next_event(*channel, deadline, state->prompt_tokens);
+              event = http::next_event(*channel, deadline, state->prompt_tokens);
             }
             if (!event) {
               outcome.error = ApiError{504, "the request timed out", "timeout_error", "", ""};
               break;
             }
             std::string text;
-            const bool over = absorb(*event, state->stops, outcome, text);
+            const bool over = http::absorb(*event, state->stops, outcome, text);
             // Ended by the pipeline (finished, failed); a stop string still needs a cancel.
             state->ended = over && !state->stops.stopped();
             if (outcome.error) break;

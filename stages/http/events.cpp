@@ -1,0 +1,41 @@
+#include "stages/http/events.h"
+
+namespace moeline::stages::http {
+
+std::optional<sdk::Event> next_event(RequestChannel& channel,
+                                     std::chrono::steady_clock::time_point deadline,
+                                     uint32_t& prompt_tokens) {
+  using Clock = std::chrono::steady_clock;
+  while (true) {
+    const auto left =
+        std::chrono::duration_cast<std::chrono::milliseconds>(deadline - Clock::now());
+    if (left.count() <= 0) return std::nullopt;
+    std::optional<sdk::Event> event = channel.next(left);
+    if (!event) return std::nullopt;
+    if (event->kind != sdk::EventKind::kAccepted) return event;
+    prompt_tokens = event->usage.prompt_tokens;
+  }
+}
+
+bool absorb(const sdk::Event& event, StopMatcher& stops, Outcome& outcome, std::string& emitted) {
+  if (event.kind == sdk::EventKind::kError) {
+    outcome.error = gateway_error(event.error_code, event.error_name, event.error_message);
+    return true;
+  }
+  outcome.completion_tokens += static_cast<uint32_t>(event.token_ids.size());
+  emitted += stops.feed(event.text);
+  if (stops.stopped()) {
+    outcome.finish_reason = "stop";
+    return true;
+  }
+  if (event.kind == sdk::EventKind::kFinished) {
+    emitted += stops.flush();
+    outcome.finish_reason = event.finish_reason == "length" ? "length" : "stop";
+    outcome.usage = event.usage;
+    outcome.timings = event.timings;
+    return true;
+  }
+  return false;
+}
+
+}  // namespace moeline::stages::http
