@@ -568,9 +568,12 @@ int status(int argc, char** argv) {
   std::ifstream state_file(run_dir / "stack.json");
   const nlohmann::json state = nlohmann::json::parse(state_file, nullptr, false);
   if (state.is_object())
-    for (const char* key : {"transport", "endpoint", "hub", "server_key", "api_keys", "open"})
+    for (const char* key :
+         {"transport", "endpoint", "hub", "http", "server_key", "api_keys", "open"})
       if (state.contains(key)) out[key] = state[key];
-  out["endpoints"] = {{"client", out["endpoint"]}, {"hub", out.value("hub", nlohmann::json())}};
+  out["endpoints"] = {{"client", out["endpoint"]},
+                      {"hub", out.value("hub", nlohmann::json())},
+                      {"http", out.value("http", nlohmann::json())}};
   for (const StageHealth& h : health) {
     healthy = healthy && h.http == 200;
     if (h.name == "offload" && h.detail.is_object() && h.detail.contains("expert_pool"))
@@ -593,6 +596,8 @@ int status(int argc, char** argv) {
   } else {
     std::cout << "stack in " << run_dir.string() << " (supervisor " << supervisor << "), endpoint "
               << out["endpoint"].get<std::string>() << '\n';
+    if (out.contains("http") && out["http"].is_string())
+      std::cout << "OpenAI-compatible API: " << out["http"].get<std::string>() << "/v1\n";
     std::printf("%-12s %8s %8s %10s %s\n", "stage", "pid", "restarts", "http", "health");
     for (const StageHealth& h : health)
       std::printf("%-12s %8d %8d %10d %s\n", h.name.c_str(), h.pid, h.restarts, h.port,

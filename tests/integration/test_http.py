@@ -131,7 +131,11 @@ def case_api(args):
         response.read()
         check(response.status == 200, f"/health: {response.status}")
         conn.close()
-        print(f"ok api: /v1/models lists {name}; /health is 200")
+        out = subprocess.run([args.moeline, "stack", "status", "--run-dir", run, "--json"],
+                             capture_output=True, text=True, timeout=60)
+        check(json.loads(out.stdout)["endpoints"]["http"] == stack.state()["http"],
+              f"stack status lists the HTTP endpoint: {out.stdout}")
+        print(f"ok api: /v1/models lists {name}; /health is 200; stack status lists the API")
 
         # Completions, greedy: the text and the token count of `moeline run`.
         expected = reference(args.moeline, args.model, 40, prompt=LONG_PROMPT)
