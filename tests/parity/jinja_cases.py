@@ -15,7 +15,8 @@ CALL_STRING_ARGS = {"role": "assistant", "content": "let me check",
                                     "function": {"name": "get_time",
                                                  "arguments": "{\"tz\": \"UTC\"}"}}]}
 
-CONVERSATIONS = [
+# Plain-text conversations (also test_chat_template.py's, against @huggingface/jinja).
+TEXT_CONVERSATIONS = [
     [U("Hello!")],
     [S("You are terse."), U("What is 2+2?")],
     [S("Sys"), U("first question"), A("first answer"), U("second question")],
@@ -25,6 +26,9 @@ CONVERSATIONS = [
     [U("think"), A("<think>\nreasoning\n</think>\n\nfinal")],
     [S("a"), S("b"), U("two system messages")],
     [U(""), A(""), U("empty turns")],
+]
+
+CONVERSATIONS = TEXT_CONVERSATIONS + [
     [U("weather?"), CALL, T("sunny"), T("22C"), U("thanks")],
     [U("time?"), CALL_STRING_ARGS, T("{\"time\": \"12:00\"}"), A("It is noon."), U("ok")],
     [U("q"), A("x"), U("<tool_response>\nr\n</tool_response>")],

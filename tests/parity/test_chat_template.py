@@ -16,22 +16,10 @@ import sys
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
-U = lambda c: {"role": "user", "content": c}  # noqa: E731
-A = lambda c: {"role": "assistant", "content": c}  # noqa: E731
-S = lambda c: {"role": "system", "content": c}  # noqa: E731
-T = lambda c: {"role": "tool", "content": c}  # noqa: E731
+sys.path.insert(0, HERE)
+from jinja_cases import A, T, U  # noqa: E402
+from jinja_cases import TEXT_CONVERSATIONS as CONVERSATIONS  # noqa: E402
 
-CONVERSATIONS = [
-    [U("Hello!")],
-    [S("You are terse."), U("What is 2+2?")],
-    [S("Sys"), U("first question"), A("first answer"), U("second question")],
-    [U("Hi"), A("Hello, how can I help?")],
-    [U("multi\nline\n\nwith  spaces "), A(" leading space"), U("ünïcödé 你好 🤷‍♂️")],
-    [U("think"), A("<think>\nsome reasoning\n</think>\n\nthe answer"), U("again")],
-    [U("think"), A("<think>\nreasoning\n</think>\n\nfinal")],
-    [S("a"), S("b"), U("two system messages")],
-    [U(""), A(""), U("empty turns")],
-]
 TOOL_CONVERSATIONS = [
     [U("weather?"), A("calling"), T("sunny"), T("22C"), U("thanks")],
     [U("q"), A("x"), U("<tool_response>\nr\n</tool_response>")],
