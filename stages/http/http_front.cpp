@@ -43,11 +43,6 @@ const char* endpoint_label(Endpoint endpoint) {
   return "other";
 }
 
-// Invalid UTF-8 (which nothing should produce) becomes U+FFFD instead of an exception.
-std::string dump(const json& value) {
-  return value.dump(-1, ' ', false, json::error_handler_t::replace);
-}
-
 std::string bearer_key(const httplib::Request& request) {
   const std::string header = request.get_header_value("Authorization");
   constexpr std::string_view kBearer = "Bearer ";
@@ -132,7 +127,7 @@ class HttpFront {
     server.Get("/health", [this](const httplib::Request&, httplib::Response& response) {
       const bool up = primary_->bridge->connected();
       response.status = up ? 200 : 503;
-      response.set_content(dump(json{{"status", up ? "ok" : "gateway unreachable"}}),
+      response.set_content(http::to_text(json{{"status", up ? "ok" : "gateway unreachable"}}),
                            "application/json");
     });
     server.Get("/v1/models", [this](const httplib::Request&, httplib::Response& response) {
@@ -144,7 +139,8 @@ class HttpFront {
                           {"created", created_},
                           {"owned_by", "moeline"},
                           {"max_model_len", backend->context}});
-      response.set_content(dump(json{{"object", "list"}, {"data", data}}), "application/json");
+      response.set_content(http::to_text(json{{"object", "list"}, {"data", data}}),
+                           "application/json");
     });
     for (const auto& [path, endpoint] : {std::pair{"/v1/chat/completions", Endpoint::kChat},
                                          std::pair{"/v1/completions", Endpoint::kCompletions},
@@ -165,7 +161,7 @@ class HttpFront {
                       : response.status == 413 ? std::string("the request body is too large")
                                                : "the request was refused (HTTP " +
                                                      std::to_string(response.status) + ")";
-      response.set_content(dump(error.body()), "application/json");
+      response.set_content(http::to_text(error.body()), "application/json");
     });
     server.set_exception_handler(
         [this](const httplib::Request&, httplib::Response& response, std::exception_ptr error) {
@@ -188,7 +184,7 @@ class HttpFront {
   void respond_error(Endpoint endpoint, const ApiError& error, httplib::Response& response) {
     response.status = error.status;
     if (error.status == 429) response.set_header("Retry-After", "1");
-    response.set_content(dump(error.body()), "application/json");
+    response.set_content(http::to_text(error.body()), "application/json");
     count(endpoint, error.status);
   }
 
@@ -331,16 +327,16 @@ class HttpFront {
     completion->usage.completion_tokens = outcome.completion_tokens;
     completion->timings = outcome.timings;
     if (endpoint == Endpoint::kGenerate) {
-      response.set_content(dump(json{{"text", completion->text}}), "application/json");
+      response.set_content(http::to_text(json{{"text", completion->text}}), "application/json");
     } else {
-      response.set_content(dump(http::completion_response(endpoint, *completion)),
+      response.set_content(http::to_text(http::completion_response(endpoint, *completion)),
                            "application/json");
     }
     count(endpoint, 200);
   }
 
   static bool send_event(httplib::DataSink& sink, const json& data) {
-    return send_text(sink, "data: " + dump(data) + "\n\n");
+    return send_text(sink, "data: " + http::to_text(data) + "\n\n");
   }
 
   static bool send_text(httplib::DataSink& sink, const std::string& text) {

@@ -389,10 +389,8 @@ json stream_chunk(Endpoint endpoint, const Completion& completion, const std::st
 TokenEvents::TokenEvents(Endpoint endpoint, const Completion& completion) {
   // stream_chunk's keys in nlohmann::json's (sorted) order, with the text cut out.
   const std::string marker = "\x01";
-  const std::string whole = "data: " +
-                            stream_chunk(endpoint, completion, marker, false, "")
-                                .dump(-1, ' ', false, json::error_handler_t::replace) +
-                            "\n\n";
+  const std::string whole =
+      "data: " + to_text(stream_chunk(endpoint, completion, marker, false, "")) + "\n\n";
   const std::string quoted = json(marker).dump();
   const size_t at = whole.find(quoted);
   prefix_ = whole.substr(0, at);
@@ -400,7 +398,7 @@ TokenEvents::TokenEvents(Endpoint endpoint, const Completion& completion) {
 }
 
 std::string TokenEvents::event(const std::string& text) const {
-  return prefix_ + json(text).dump(-1, ' ', false, json::error_handler_t::replace) + suffix_;
+  return prefix_ + to_text(json(text)) + suffix_;
 }
 
 json usage_chunk(Endpoint endpoint, const Completion& completion) {
@@ -411,6 +409,10 @@ json usage_chunk(Endpoint endpoint, const Completion& completion) {
           {"choices", json::array()},
           {"usage", usage_json(completion.usage)},
           {"moeline", extension_json(completion)}};
+}
+
+std::string to_text(const json& value) {
+  return value.dump(-1, ' ', false, json::error_handler_t::replace);
 }
 
 std::string new_completion_id(Endpoint endpoint) {

@@ -91,4 +91,8 @@ nlohmann::json usage_chunk(Endpoint endpoint, const Completion& completion);
 
 std::string new_completion_id(Endpoint endpoint);
 
+// JSON text for the wire; invalid UTF-8 (which nothing should produce) becomes U+FFFD instead of
+// an exception.
+std::string to_text(const nlohmann::json& value);
+
 }  // namespace moeline::stages::http
