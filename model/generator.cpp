@@ -62,6 +62,7 @@ Expected<std::vector<GenerationResult>> Generator::generate(
     set.sequences.push_back(std::make_unique<Sequence>(
         next_sequence_id_++, engine_.model().model_id(), namespace_id(request.cache_namespace)));
     samplers.emplace_back(request.sampling);
+    samplers.back().set_prompt(request.prompt);
   }
 
   std::vector<GenerationResult> results(requests.size());
@@ -78,6 +79,11 @@ Expected<std::vector<GenerationResult>> Generator::generate(
   auto take = [&](size_t i, const float* row) {
     const int32_t token = samplers[i].sample(row, vocab);
     results[i].tokens.push_back(token);
+    if (requests[i].sampling.logprobs)
+      results[i].logprobs.push_back(
+          token_logprobs(row, vocab, token, requests[i].sampling.top_logprobs));
+    if (requests[i].keep_step_logits)
+      results[i].step_logits.insert(results[i].step_logits.end(), row, row + vocab);
     next_tokens[i] = token;
     const std::string_view finish =
         finish_after(token, static_cast<int64_t>(results[i].tokens.size()),

@@ -17,6 +17,7 @@ struct GenerationRequest {
   std::vector<int32_t> prompt;
   SamplingParams sampling;
   std::string cache_namespace;
+  bool keep_step_logits = false;  // GenerationResult::step_logits, for checks against a reference
 };
 
 enum class FinishReason { kStop, kLength };
@@ -26,6 +27,10 @@ struct GenerationResult {
   std::vector<int32_t> tokens;  // generated tokens, the stop token included when one ended it
   FinishReason finish_reason = FinishReason::kLength;
   std::vector<float> prompt_logits;  // logits at the last prompt position
+  // Where the request asked: each generated token's log-probabilities (SamplingParams::logprobs),
+  // and the raw logits it was drawn from, [tokens][vocab] (keep_step_logits).
+  std::vector<TokenLogprobs> logprobs;
+  std::vector<float> step_logits;
   double prefill_seconds = 0.0;
   double decode_seconds = 0.0;
 };

@@ -5,17 +5,49 @@
 #include <string>
 
 namespace moeline::model {
+namespace {
+
+Status range_error(const char* name, const std::string& range, double value) {
+  return Error{std::string(name) + " must be " + range + ", got " + std::to_string(value)};
+}
+
+}  // namespace
 
 Status SamplingParams::validate() const {
   if (!std::isfinite(temperature) || temperature < 0.0)
-    return Error{"temperature must be a finite number >= 0 (0 means greedy), got " +
-                 std::to_string(temperature)};
+    return range_error("temperature", "a finite number >= 0 (0 means greedy)", temperature);
   if (top_k < 0)
     return Error{"top_k must be >= 0 (0 means no limit), got " + std::to_string(top_k)};
   if (!std::isfinite(top_p) || top_p <= 0.0 || top_p > 1.0)
-    return Error{"top_p must be in (0, 1], got " + std::to_string(top_p)};
+    return range_error("top_p", "in (0, 1]", top_p);
   if (max_tokens < 1) return Error{"max_tokens must be >= 1, got " + std::to_string(max_tokens)};
+  if (!std::isfinite(min_p) || min_p < 0.0 || min_p > 1.0)
+    return range_error("min_p", "in [0, 1]", min_p);
+  if (!std::isfinite(presence_penalty) || std::abs(presence_penalty) > 2.0)
+    return range_error("presence_penalty", "in [-2, 2]", presence_penalty);
+  if (!std::isfinite(frequency_penalty) || std::abs(frequency_penalty) > 2.0)
+    return range_error("frequency_penalty", "in [-2, 2]", frequency_penalty);
+  if (!std::isfinite(repetition_penalty) || repetition_penalty <= 0.0)
+    return range_error("repetition_penalty", "a finite number > 0 (1 means off)",
+                       repetition_penalty);
+  if (top_logprobs < 0 || top_logprobs > kMaxTopLogprobs)
+    return Error{"top_logprobs must be in [0, " + std::to_string(kMaxTopLogprobs) + "], got " +
+                 std::to_string(top_logprobs)};
+  if (top_logprobs > 0 && !logprobs) return Error{"top_logprobs needs logprobs"};
   return Status::ok_status();
+}
+
+void apply_penalties(float* logits, int64_t vocab, std::span<const PenalizedToken> tokens,
+                     const SamplingParams& params) {
+  const double repetition = params.repetition_penalty;
+  for (const PenalizedToken& entry : tokens) {
+    if (entry.token < 0 || entry.token >= vocab) continue;
+    double value = logits[entry.token];
+    value = value > 0.0 ? value / repetition : value * repetition;
+    value = value - params.frequency_penalty * entry.generated -
+            params.presence_penalty * (entry.generated > 0 ? 1.0 : 0.0);
+    logits[entry.token] = static_cast<float>(value);
+  }
 }
 
 Sampler::Sampler(const SamplingParams& params)
@@ -25,60 +57,128 @@ double Sampler::uniform() {
   return static_cast<double>(rng_() >> 11) * 0x1.0p-53;
 }
 
+void Sampler::set_prompt(std::span<const int32_t> prompt) {
+  // Only the repetition penalty looks at the prompt.
+  if (params_.repetition_penalty == 1.0) return;
+  for (int32_t token : prompt) generated_.emplace(token, 0);
+}
+
+void Sampler::record(int32_t token) {
+  if (params_.penalized()) ++generated_[token];
+}
+
 // Each sample draws exactly one uniform when sampling, none when greedy.
-void Sampler::skip(int64_t samples) {
-  if (params_.temperature != 0.0) rng_.discard(static_cast<unsigned long long>(samples));
+void Sampler::resume(std::span<const int32_t> output) {
+  if (params_.temperature != 0.0) rng_.discard(static_cast<unsigned long long>(output.size()));
+  for (int32_t token : output) record(token);
+}
+
+std::vector<PenalizedToken> Sampler::penalized_tokens() const {
+  std::vector<PenalizedToken> tokens;
+  tokens.reserve(generated_.size());
+  for (const auto& [token, count] : generated_) tokens.push_back({token, count});
+  std::sort(tokens.begin(), tokens.end(),
+            [](const PenalizedToken& a, const PenalizedToken& b) { return a.token < b.token; });
+  return tokens;
 }
 
 int32_t argmax(const float* logits, int64_t vocab) {
   return static_cast<int32_t>(std::max_element(logits, logits + vocab) - logits);
 }
 
-int32_t Sampler::sample(const float* logits, int64_t vocab) {
-  if (params_.temperature == 0.0) return argmax(logits, vocab);
+int32_t Sampler::sample(const float* raw_logits, int64_t vocab) {
+  const float* logits = raw_logits;
+  if (params_.penalized() && !generated_.empty()) {
+    adjusted_.assign(raw_logits, raw_logits + vocab);
+    const std::vector<PenalizedToken> tokens = penalized_tokens();
+    apply_penalties(adjusted_.data(), vocab, tokens, params_);
+    logits = adjusted_.data();
+  }
+  int32_t token = 0;
+  if (params_.temperature == 0.0) {
+    token = argmax(logits, vocab);
+  } else {
+    // Candidates, best first (ties: lower id first, so the order is reproducible).
+    order_.resize(static_cast<size_t>(vocab));
+    for (int64_t i = 0; i < vocab; ++i) order_[static_cast<size_t>(i)] = static_cast<int32_t>(i);
+    auto better = [logits](int32_t a, int32_t b) {
+      return logits[a] > logits[b] || (logits[a] == logits[b] && a < b);
+    };
+    int64_t kept = vocab;
+    if (params_.top_k > 0 && params_.top_k < vocab) {
+      kept = params_.top_k;
+      std::partial_sort(order_.begin(), order_.begin() + kept, order_.end(), better);
+    } else {
+      std::sort(order_.begin(), order_.end(), better);
+    }
 
-  // Candidates, best first (ties: lower id first, so the order is reproducible).
-  order_.resize(static_cast<size_t>(vocab));
-  for (int64_t i = 0; i < vocab; ++i) order_[static_cast<size_t>(i)] = static_cast<int32_t>(i);
+    // Probabilities relative to the best candidate's (which is 1).
+    probabilities_.resize(static_cast<size_t>(kept));
+    const double max_logit = logits[order_[0]];
+    for (int64_t i = 0; i < kept; ++i)
+      probabilities_[static_cast<size_t>(i)] =
+          std::exp((logits[order_[static_cast<size_t>(i)]] - max_logit) / params_.temperature);
+    if (params_.min_p > 0.0) {
+      int64_t above = 1;
+      while (above < kept && probabilities_[static_cast<size_t>(above)] >= params_.min_p) ++above;
+      kept = above;
+    }
+    double total = 0.0;
+    for (int64_t i = 0; i < kept; ++i) total += probabilities_[static_cast<size_t>(i)];
+    if (params_.top_p < 1.0) {
+      // Smallest prefix of the sorted candidates whose mass reaches top_p (at least one token).
+      double mass = 0.0;
+      int64_t nucleus = 0;
+      while (nucleus < kept) {
+        mass += probabilities_[static_cast<size_t>(nucleus++)] / total;
+        if (mass >= params_.top_p) break;
+      }
+      kept = nucleus;
+      total = 0.0;
+      for (int64_t i = 0; i < kept; ++i) total += probabilities_[static_cast<size_t>(i)];
+    }
+    const double target = uniform() * total;
+    double cumulative = 0.0;
+    token = order_[static_cast<size_t>(kept - 1)];
+    for (int64_t i = 0; i < kept; ++i) {
+      cumulative += probabilities_[static_cast<size_t>(i)];
+      if (target < cumulative) {
+        token = order_[static_cast<size_t>(i)];
+        break;
+      }
+    }
+  }
+  record(token);
+  return token;
+}
+
+TokenLogprobs token_logprobs(const float* logits, int64_t vocab, int32_t token, int64_t top) {
+  TokenLogprobs out;
+  if (vocab <= 0) return out;
+  const double max_logit = *std::max_element(logits, logits + vocab);
+  double sum = 0.0;
+  for (int64_t i = 0; i < vocab; ++i) sum += std::exp(static_cast<double>(logits[i]) - max_logit);
+  const double log_normalizer = max_logit + std::log(sum);
+  if (token >= 0 && token < vocab)
+    out.logprob = static_cast<float>(static_cast<double>(logits[token]) - log_normalizer);
+
+  // The `top` best in (logit desc, id asc) order, kept sorted while scanning once.
+  top = std::clamp<int64_t>(top, 0, vocab);
+  std::vector<int32_t>& best = out.top_ids;
+  best.reserve(static_cast<size_t>(top) + 1);
   auto better = [logits](int32_t a, int32_t b) {
     return logits[a] > logits[b] || (logits[a] == logits[b] && a < b);
   };
-  int64_t kept = vocab;
-  if (params_.top_k > 0 && params_.top_k < vocab) {
-    kept = params_.top_k;
-    std::partial_sort(order_.begin(), order_.begin() + kept, order_.end(), better);
-  } else {
-    std::sort(order_.begin(), order_.end(), better);
+  for (int64_t i = 0; i < vocab && top > 0; ++i) {
+    const auto id = static_cast<int32_t>(i);
+    if (static_cast<int64_t>(best.size()) == top && !better(id, best.back())) continue;
+    best.insert(std::upper_bound(best.begin(), best.end(), id, better), id);
+    if (static_cast<int64_t>(best.size()) > top) best.pop_back();
   }
-
-  probabilities_.resize(static_cast<size_t>(kept));
-  const double max_logit = logits[order_[0]];
-  double total = 0.0;
-  for (int64_t i = 0; i < kept; ++i) {
-    const double p =
-        std::exp((logits[order_[static_cast<size_t>(i)]] - max_logit) / params_.temperature);
-    probabilities_[static_cast<size_t>(i)] = p;
-    total += p;
-  }
-  if (params_.top_p < 1.0) {
-    // Smallest prefix of the sorted candidates whose mass reaches top_p (at least one token).
-    double mass = 0.0;
-    int64_t nucleus = 0;
-    while (nucleus < kept) {
-      mass += probabilities_[static_cast<size_t>(nucleus++)] / total;
-      if (mass >= params_.top_p) break;
-    }
-    kept = nucleus;
-    total = 0.0;
-    for (int64_t i = 0; i < kept; ++i) total += probabilities_[static_cast<size_t>(i)];
-  }
-  const double target = uniform() * total;
-  double cumulative = 0.0;
-  for (int64_t i = 0; i < kept; ++i) {
-    cumulative += probabilities_[static_cast<size_t>(i)];
-    if (target < cumulative) return order_[static_cast<size_t>(i)];
-  }
-  return order_[static_cast<size_t>(kept - 1)];
+  for (int32_t id : best)
+    out.top_logprobs.push_back(
+        static_cast<float>(static_cast<double>(logits[id]) - log_normalizer));
+  return out;
 }
 
 }  // namespace moeline::model

@@ -1,17 +1,24 @@
 #pragma once
-// Choosing the next token from logits: greedy (temperature 0), or temperature with optional top-k
-// and top-p (nucleus) filtering, drawn from a seeded generator so that the same seed and logits
-// give the same tokens on every machine (the generator is std::mt19937_64, whose sequence the
-// standard fixes, and uniform draws are made from its raw bits, not a library distribution).
+// Choosing the next token from logits: greedy (temperature 0), or temperature with optional
+// min-p, top-k and top-p (nucleus) filtering, drawn from a seeded generator so that the same seed
+// and logits give the same tokens on every machine (the generator is std::mt19937_64, whose
+// sequence the standard fixes, and uniform draws are made from its raw bits, not a library
+// distribution). Repetition, frequency and presence penalties adjust the logits first, as vLLM
+// and Hugging Face apply them; log-probabilities are reported from the raw logits.
 
 #include <cstdint>
 #include <optional>
 #include <random>
+#include <span>
+#include <unordered_map>
 #include <vector>
 
 #include "model/status.h"
 
 namespace moeline::model {
+
+// The most alternatives a request may ask log-probabilities for (OpenAI's limit).
+inline constexpr int64_t kMaxTopLogprobs = 20;
 
 struct SamplingParams {
   double temperature = 0.0;  // 0: greedy
@@ -21,29 +28,75 @@ struct SamplingParams {
   int64_t max_tokens = 16;
   std::vector<int32_t> stop_token_ids;  // in addition to the model's end-of-sequence ids
   bool ignore_eos = false;
+  // Keep only tokens at least min_p times as likely as the most likely one (after temperature).
+  double min_p = 0.0;
+  // OpenAI's penalties, in [-2, 2]: subtracted from the logit of every token already generated,
+  // once (presence) and once per occurrence (frequency). The prompt does not count.
+  double presence_penalty = 0.0;
+  double frequency_penalty = 0.0;
+  // Hugging Face's and vLLM's, > 0: the logit of every token in the prompt or the output so far
+  // is divided by it when positive, multiplied when negative (1: off).
+  double repetition_penalty = 1.0;
+  // Report the chosen token's log-probability, and those of the top_logprobs most likely tokens.
+  bool logprobs = false;
+  int64_t top_logprobs = 0;
 
   bool deterministic() const { return temperature == 0.0 || seed.has_value(); }
+  bool penalized() const {
+    return presence_penalty != 0.0 || frequency_penalty != 0.0 || repetition_penalty != 1.0;
+  }
   // Checks ranges; the message names the parameter and the accepted range.
   Status validate() const;
 };
 
+// A token the penalties apply to: in the prompt or the output so far, and how often it was
+// generated (0: only in the prompt).
+struct PenalizedToken {
+  int32_t token;
+  int32_t generated;
+};
+
+// logits[token] adjusted as the penalties say for each entry (repetition first, then frequency
+// and presence, as vLLM orders them), in float arithmetic from a double adjustment.
+void apply_penalties(float* logits, int64_t vocab, std::span<const PenalizedToken> tokens,
+                     const SamplingParams& params);
+
 class Sampler {
  public:
   explicit Sampler(const SamplingParams& params);
+  // The prompt's tokens, which the repetition penalty counts too.
+  void set_prompt(std::span<const int32_t> prompt);
+  // The next token; it joins the output that the penalties count.
   int32_t sample(const float* logits, int64_t vocab);
-  // Advances the generator as `samples` calls to sample() would: a stage that continues a
-  // sequence another process started (decode after prefill) draws exactly the same numbers.
-  void skip(int64_t samples);
+  // Continues after `output`, tokens another process drew with the same parameters (decode
+  // after prefill): the generator advances as that many sample() calls would, and the penalties
+  // count them.
+  void resume(std::span<const int32_t> output);
+  // The prompt's and the output's tokens as the penalties see them (empty without penalties).
+  std::vector<PenalizedToken> penalized_tokens() const;
 
  private:
   double uniform();
+  void record(int32_t token);
 
   SamplingParams params_;
   std::mt19937_64 rng_;
   std::vector<int32_t> order_;
   std::vector<double> probabilities_;
+  std::vector<float> adjusted_;
+  std::unordered_map<int32_t, int32_t> generated_;  // penalized runs only: token -> count
 };
 
 int32_t argmax(const float* logits, int64_t vocab);
+
+// The chosen token's log-probability under the model's own distribution (the softmax of the raw
+// logits, before penalties, temperature and truncation: what vLLM reports by default), and the
+// `top` most likely tokens' (best first, ties to the lower id).
+struct TokenLogprobs {
+  float logprob = 0.0f;
+  std::vector<int32_t> top_ids;
+  std::vector<float> top_logprobs;
+};
+TokenLogprobs token_logprobs(const float* logits, int64_t vocab, int32_t token, int64_t top);
 
 }  // namespace moeline::model

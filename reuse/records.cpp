@@ -132,6 +132,14 @@ uint64_t result_entry(uint64_t key, const model::SamplingParams& s) {
   material.append(reinterpret_cast<const char*>(&s.max_tokens), 8);
   material.push_back(s.ignore_eos ? 1 : 0);
   for (int32_t stop : s.stop_token_ids) material.append(reinterpret_cast<const char*>(&stop), 4);
+  // Penalties change greedy tokens too; min-p only a draw. (Appended only where set, so that the
+  // keys of results stored before these knobs existed stay the same.)
+  if (s.penalized() || (!greedy && s.min_p > 0.0)) {
+    material.push_back('p');
+    const double knobs[] = {greedy ? 0.0 : s.min_p, s.presence_penalty, s.frequency_penalty,
+                            s.repetition_penalty};
+    material.append(reinterpret_cast<const char*>(knobs), sizeof(knobs));
+  }
   return tagged(XXH3_64bits(material.data(), material.size()), 'R');
 }
 

@@ -40,6 +40,14 @@ struct GenerateOptions {
   std::optional<uint64_t> seed;
   std::vector<int32_t> stop_token_ids;
   bool ignore_eos = false;
+  double min_p = 0.0;               // keep tokens at least min_p times as likely as the best
+  double presence_penalty = 0.0;    // OpenAI's, in [-2, 2], on tokens already generated
+  double frequency_penalty = 0.0;   // likewise, per occurrence
+  double repetition_penalty = 1.0;  // > 0, on prompt and output tokens (1: off)
+  // Each token's log-probability (Event::logprobs), and the top_logprobs (0..20) most likely
+  // tokens' with it.
+  bool logprobs = false;
+  int32_t top_logprobs = 0;
   std::string tenant;
   uint32_t deadline_ms = 0;  // 0: the gateway's default
   bool add_special_tokens = true;
@@ -67,12 +75,20 @@ struct Timings {
 
 enum class EventKind { kAccepted, kDelta, kFinished, kError };
 
+// A generated token's log-probability under the model's distribution, and the most likely
+// tokens' (id, log-probability), best first.
+struct TokenLogprob {
+  float logprob = 0;
+  std::vector<std::pair<int32_t, float>> top;
+};
+
 struct Event {
   uint64_t client_request_id = 0;
   uint64_t request_id = 0;
   EventKind kind = EventKind::kAccepted;
   std::string text;
   std::vector<int32_t> token_ids;
+  std::vector<TokenLogprob> logprobs;  // one per token id, where the request asked
   std::string finish_reason;
   Usage usage;
   Timings timings;
@@ -85,6 +101,7 @@ struct Event {
 struct Result {
   uint64_t request_id = 0;
   std::vector<int32_t> ids;
+  std::vector<TokenLogprob> logprobs;
   std::string text;
   std::string finish_reason;
   Usage usage;

@@ -38,6 +38,10 @@ the whole stack (an operator's switch; the rollback controller may also turn it 
   --seed S             sampling seed
   --stop-ids IDS       extra stop token ids
   --ignore-eos         do not stop at end-of-sequence tokens
+  --min-p P, --presence-penalty X, --frequency-penalty X, --repetition-penalty R
+                       as `moeline run` takes them
+  --logprobs N         with --json: each token's log-probability and the N (0..20) most likely
+                       tokens' ("logprobs": [{"logprob", "top": [[id, logprob], ...]}])
   --no-special         do not add the tokenizer's special tokens (BOS) to --prompt
   --tenant NAME        tenant (default: "default")
   --reuse MODE         exact (default), none, or approximate: also reuse the work of a nearly
@@ -83,13 +87,27 @@ int generate(int argc, char** argv) {
   bool json = false;
   int64_t timeout_ms = 60000;
   bool has_prompt = false;
-  const std::map<std::string, bool> takes_value = {
-      {"--endpoint", true},   {"--prompt", true},      {"--tokens", true},
-      {"--max-tokens", true}, {"--temperature", true}, {"--top-k", true},
-      {"--top-p", true},      {"--seed", true},        {"--stop-ids", true},
-      {"--tenant", true},     {"--deadline-ms", true}, {"--timeout-ms", true},
-      {"--reuse", true},      {"--json", false},       {"--ignore-eos", false},
-      {"--no-special", false}};
+  const std::map<std::string, bool> takes_value = {{"--endpoint", true},
+                                                   {"--prompt", true},
+                                                   {"--tokens", true},
+                                                   {"--max-tokens", true},
+                                                   {"--temperature", true},
+                                                   {"--top-k", true},
+                                                   {"--top-p", true},
+                                                   {"--seed", true},
+                                                   {"--stop-ids", true},
+                                                   {"--tenant", true},
+                                                   {"--deadline-ms", true},
+                                                   {"--timeout-ms", true},
+                                                   {"--reuse", true},
+                                                   {"--json", false},
+                                                   {"--ignore-eos", false},
+                                                   {"--no-special", false},
+                                                   {"--min-p", true},
+                                                   {"--presence-penalty", true},
+                                                   {"--frequency-penalty", true},
+                                                   {"--repetition-penalty", true},
+                                                   {"--logprobs", true}};
   for (int i = 0; i < argc; ++i) {
     const std::string flag = argv[i];
     auto known = takes_value.find(flag);
@@ -131,6 +149,16 @@ int generate(int argc, char** argv) {
       options.ignore_eos = true;
     else if (flag == "--no-special")
       options.add_special_tokens = false;
+    else if (flag == "--min-p")
+      options.min_p = parse_number<double>(flag, value);
+    else if (flag == "--presence-penalty")
+      options.presence_penalty = parse_number<double>(flag, value);
+    else if (flag == "--frequency-penalty")
+      options.frequency_penalty = parse_number<double>(flag, value);
+    else if (flag == "--repetition-penalty")
+      options.repetition_penalty = parse_number<double>(flag, value);
+    else if (flag == "--logprobs")
+      options.logprobs = true, options.top_logprobs = parse_number<int32_t>(flag, value);
   }
   if (endpoint.empty()) throw UsageError("--endpoint is required (or set MOELINE_ENDPOINT)");
   if (has_prompt == !options.tokens.empty())
@@ -152,6 +180,15 @@ int generate(int argc, char** argv) {
                             {"finish_reason", result.finish_reason},
                             {"usage", usage_json(result.usage)},
                             {"timings", timings_json(result.timings)}};
+      if (options.logprobs) {
+        nlohmann::json logprobs = nlohmann::json::array();
+        for (const TokenLogprob& token : result.logprobs) {
+          nlohmann::json top = nlohmann::json::array();
+          for (const auto& [id, logprob] : token.top) top.push_back({id, logprob});
+          logprobs.push_back({{"logprob", token.logprob}, {"top", top}});
+        }
+        out["logprobs"] = std::move(logprobs);
+      }
       std::cout << out.dump(-1, ' ', false, nlohmann::json::error_handler_t::replace) << '\n';
     } else {
       std::cout << '\n';

@@ -53,6 +53,14 @@ Loads a Hugging Face checkpoint (Mixtral, Qwen3-MoE, DeepSeek-V2/V3) and generat
   --top-k K            keep the K most likely tokens (default 0 = all)
   --top-p P            nucleus sampling mass in (0, 1] (default 1)
   --seed S             seed for sampling (same seed, same tokens)
+  --min-p P            keep tokens at least P times as likely as the best (default 0 = off)
+  --presence-penalty X, --frequency-penalty X
+                       OpenAI's penalties in [-2, 2] on tokens already generated (default 0)
+  --repetition-penalty R
+                       > 0: logits of prompt and output tokens divided by R (multiplied when
+                       negative), as Hugging Face and vLLM (default 1 = off)
+  --logprobs N         with --json: each token's log-probability and the N (0..20) most likely
+                       tokens' ("logprobs": [{"logprob", "top": [[id, logprob], ...]}])
   --stop-ids IDS       extra stop token ids, comma-separated (end-of-sequence ids always stop)
   --ignore-eos         do not stop at the model's end-of-sequence tokens
   --threads N          compute threads (default: all cores)
@@ -61,6 +69,9 @@ Loads a Hugging Face checkpoint (Mixtral, Qwen3-MoE, DeepSeek-V2/V3) and generat
                        from pinned host memory
   --json               print one JSON object at the end instead of the ids
   --logits-out FILE    write the last prompt position's logits as float32 .npy [vocab_size]
+  --step-logits-out FILE
+                       write the raw logits each generated token was drawn from, float32 .npy
+                       [tokens, vocab_size] (to check the sampler against a reference)
   --expert-budget SIZE keep at most SIZE of expert weights in memory: a share of all expert bytes
                        ("25%") or a size ("512MiB"); experts are read from the checkpoint on
                        demand (O_DIRECT) into a pool of that size. Default: all resident
@@ -90,6 +101,7 @@ struct RunOptions {
   int threads = 0;
   bool json = false;
   std::string logits_out;
+  std::string step_logits_out;
   std::string expert_budget;
   int prefetch_depth = 1;
   int loader_threads = 1;
@@ -106,14 +118,32 @@ std::string default_model_dir() {
 
 RunOptions parse(int argc, char** argv) {
   RunOptions options;
-  const std::map<std::string, bool> flags_with_value = {
-      {"--model", true},          {"--tokens", true},         {"--max-tokens", true},
-      {"--temperature", true},    {"--top-k", true},          {"--top-p", true},
-      {"--seed", true},           {"--stop-ids", true},       {"--threads", true},
-      {"--logits-out", true},     {"--json", false},          {"--ignore-eos", false},
-      {"--prompt", true},         {"--chat", false},          {"--system", true},
-      {"--expert-budget", true},  {"--prefetch-depth", true}, {"--expert-trace", true},
-      {"--loader-threads", true}, {"--device", true}};
+  const std::map<std::string, bool> flags_with_value = {{"--model", true},
+                                                        {"--tokens", true},
+                                                        {"--max-tokens", true},
+                                                        {"--temperature", true},
+                                                        {"--top-k", true},
+                                                        {"--top-p", true},
+                                                        {"--seed", true},
+                                                        {"--stop-ids", true},
+                                                        {"--threads", true},
+                                                        {"--logits-out", true},
+                                                        {"--json", false},
+                                                        {"--ignore-eos", false},
+                                                        {"--prompt", true},
+                                                        {"--chat", false},
+                                                        {"--system", true},
+                                                        {"--expert-budget", true},
+                                                        {"--prefetch-depth", true},
+                                                        {"--expert-trace", true},
+                                                        {"--loader-threads", true},
+                                                        {"--device", true},
+                                                        {"--min-p", true},
+                                                        {"--presence-penalty", true},
+                                                        {"--frequency-penalty", true},
+                                                        {"--repetition-penalty", true},
+                                                        {"--logprobs", true},
+                                                        {"--step-logits-out", true}};
   for (int i = 0; i < argc; ++i) {
     const std::string flag = argv[i];
     auto known = flags_with_value.find(flag);
@@ -163,6 +193,19 @@ RunOptions parse(int argc, char** argv) {
       options.loader_threads = parse_number<int>(flag, value);
     else if (flag == "--device")
       options.device = value;
+    else if (flag == "--min-p")
+      options.sampling.min_p = parse_number<double>(flag, value);
+    else if (flag == "--presence-penalty")
+      options.sampling.presence_penalty = parse_number<double>(flag, value);
+    else if (flag == "--frequency-penalty")
+      options.sampling.frequency_penalty = parse_number<double>(flag, value);
+    else if (flag == "--repetition-penalty")
+      options.sampling.repetition_penalty = parse_number<double>(flag, value);
+    else if (flag == "--logprobs") {
+      options.sampling.logprobs = true;
+      options.sampling.top_logprobs = parse_number<int64_t>(flag, value);
+    } else if (flag == "--step-logits-out")
+      options.step_logits_out = value;
   }
   if (options.model_dir.empty()) {
     options.model_dir = default_model_dir();
@@ -320,7 +363,8 @@ int run_command(int argc, char** argv) {
     return fail("--device cuda: this build has no CUDA backend (no nvcc when it was built)", 2);
 #endif
   model::Generator generator(*forward);
-  model::GenerationRequest request{options.tokens, options.sampling, ""};
+  model::GenerationRequest request{options.tokens, options.sampling, "",
+                                   !options.step_logits_out.empty()};
   auto generated = generator.generate({request});
   if (!generated) return fail(generated.error().message, 2);
   const model::GenerationResult& result = generated->front();
@@ -330,6 +374,10 @@ int run_command(int argc, char** argv) {
   if (!options.logits_out.empty() &&
       !write_npy(options.logits_out, result.prompt_logits, {config.vocab_size}))
     return fail("cannot write " + options.logits_out, 1);
+  if (!options.step_logits_out.empty() &&
+      !write_npy(options.step_logits_out, result.step_logits,
+                 {static_cast<int64_t>(result.tokens.size()), config.vocab_size}))
+    return fail("cannot write " + options.step_logits_out, 1);
 
   const double prompt_tokens = static_cast<double>(options.tokens.size());
   const double decoded = static_cast<double>(result.tokens.size()) - 1;
@@ -365,6 +413,16 @@ int run_command(int argc, char** argv) {
           {"prefill_tokens_per_second", prefill_rate},
           {"decode_tokens_per_second", decode_rate}}}};
     if (tokenizer) out["text"] = text;
+    if (options.sampling.logprobs) {
+      nlohmann::json logprobs = nlohmann::json::array();
+      for (const model::TokenLogprobs& lp : result.logprobs) {
+        nlohmann::json top = nlohmann::json::array();
+        for (size_t k = 0; k < lp.top_ids.size(); ++k)
+          top.push_back({lp.top_ids[k], lp.top_logprobs[k]});
+        logprobs.push_back({{"logprob", lp.logprob}, {"top", top}});
+      }
+      out["logprobs"] = std::move(logprobs);
+    }
     if (pool_client) {
       const offload::PoolStats s = pool_client->stats();
       out["experts"] = {{"budget", options.expert_budget},

@@ -24,15 +24,53 @@ model::SamplingParams from_wire(const wire::SamplingParams* sampling) {
     params.stop_token_ids.assign(sampling->stop_token_ids()->begin(),
                                  sampling->stop_token_ids()->end());
   params.ignore_eos = sampling->ignore_eos();
+  params.min_p = sampling->min_p();
+  params.presence_penalty = sampling->presence_penalty();
+  params.frequency_penalty = sampling->frequency_penalty();
+  params.repetition_penalty = sampling->repetition_penalty();
+  params.logprobs = sampling->logprobs();
+  params.top_logprobs = sampling->top_logprobs();
   return params;
 }
 
 flatbuffers::Offset<wire::SamplingParams> to_wire(flatbuffers::FlatBufferBuilder& builder,
                                                   const model::SamplingParams& sampling) {
   auto stops = builder.CreateVector(sampling.stop_token_ids);
-  return wire::CreateSamplingParams(builder, sampling.temperature, sampling.top_k, sampling.top_p,
-                                    sampling.seed.value_or(0), sampling.seed.has_value(),
-                                    sampling.max_tokens, stops, sampling.ignore_eos);
+  return wire::CreateSamplingParams(
+      builder, sampling.temperature, sampling.top_k, sampling.top_p, sampling.seed.value_or(0),
+      sampling.seed.has_value(), sampling.max_tokens, stops, sampling.ignore_eos, sampling.min_p,
+      sampling.presence_penalty, sampling.frequency_penalty, sampling.repetition_penalty,
+      sampling.logprobs, static_cast<int32_t>(sampling.top_logprobs));
+}
+
+flatbuffers::Offset<wire::TokenLogprobs> logprobs_to_wire(flatbuffers::FlatBufferBuilder& builder,
+                                                          const float* logits, int64_t vocab,
+                                                          int32_t token,
+                                                          const model::SamplingParams& sampling) {
+  if (!sampling.logprobs) return 0;
+  const model::TokenLogprobs lp =
+      model::token_logprobs(logits, vocab, token, sampling.top_logprobs);
+  auto ids = lp.top_ids.empty() ? 0 : builder.CreateVector(lp.top_ids);
+  auto values = lp.top_logprobs.empty() ? 0 : builder.CreateVector(lp.top_logprobs);
+  return wire::CreateTokenLogprobs(builder, lp.logprob, ids, values);
+}
+
+flatbuffers::Offset<wire::TokenLogprobs> copy_logprobs(flatbuffers::FlatBufferBuilder& builder,
+                                                       const wire::TokenLogprobs* from) {
+  if (from == nullptr) return 0;
+  flatbuffers::Offset<flatbuffers::Vector<int32_t>> ids = 0;
+  flatbuffers::Offset<flatbuffers::Vector<float>> values = 0;
+  // The two lists pair up: a sender's mismatched or overlong lists are cut.
+  const size_t pairs =
+      from->top_ids() && from->top_logprobs()
+          ? std::min<size_t>({from->top_ids()->size(), from->top_logprobs()->size(),
+                              static_cast<size_t>(model::kMaxTopLogprobs)})
+          : 0;
+  if (pairs > 0) {
+    ids = builder.CreateVector(from->top_ids()->data(), pairs);
+    values = builder.CreateVector(from->top_logprobs()->data(), pairs);
+  }
+  return wire::CreateTokenLogprobs(builder, from->logprob(), ids, values);
 }
 
 flatbuffers::Offset<wire::KvLayout> kv_layout(flatbuffers::FlatBufferBuilder& builder,

@@ -23,6 +23,16 @@ flatbuffers::Offset<wire::SamplingParams> to_wire(flatbuffers::FlatBufferBuilder
 
 // The KvLayout of `blocks` KV blocks of this model's cache (model::KvCache's block layout), and
 // whether a received one describes exactly that.
+// The chosen token's log-probabilities for the wire where the request asked for them (`sampling`
+// logprobs, top_logprobs), else 0 (the field left out).
+flatbuffers::Offset<wire::TokenLogprobs> logprobs_to_wire(flatbuffers::FlatBufferBuilder& builder,
+                                                          const float* logits, int64_t vocab,
+                                                          int32_t token,
+                                                          const model::SamplingParams& sampling);
+// `from` rebuilt in `builder` (0 for null): forwarding a stage's log-probabilities to a client.
+flatbuffers::Offset<wire::TokenLogprobs> copy_logprobs(flatbuffers::FlatBufferBuilder& builder,
+                                                       const wire::TokenLogprobs* from);
+
 flatbuffers::Offset<wire::KvLayout> kv_layout(flatbuffers::FlatBufferBuilder& builder,
                                               const model::ModelConfig& config, size_t blocks);
 bool kv_layout_matches(const wire::KvLayout* layout, const model::ModelConfig& config,

@@ -215,7 +215,9 @@ class DecodeStage {
         stream.request_id, worker_.model->model_id(),
         model::namespace_id(done->cache_namespace() ? done->cache_namespace()->str() : ""));
     stream.sampler = std::make_unique<model::Sampler>(stream.sampling);
-    stream.sampler->skip(1);  // the first token was drawn by prefill from the same generator
+    stream.sampler->set_prompt(stream.prompt);
+    // The first token was drawn by prefill from the same generator.
+    stream.sampler->resume(std::span(&stream.next_token, 1));
     stream.joined = Clock::now();
     if (blocks_for(stream) > worker_.forward->blocks().capacity())
       return job_failed(stream.request_id, stream.attempt, wire::ErrorCode::Overloaded,
@@ -306,8 +308,8 @@ class DecodeStage {
     const auto now = Clock::now();
     for (size_t i = 0; i < active_streams_.size(); ++i) {
       Stream& stream = active_streams_[i];
-      const int32_t token = stream.sampler->sample(
-          logits_.data() + static_cast<int64_t>(i) * cfg.vocab_size, cfg.vocab_size);
+      const float* row = logits_.data() + static_cast<int64_t>(i) * cfg.vocab_size;
+      const int32_t token = stream.sampler->sample(row, cfg.vocab_size);
       ++stream.generated;
       stream.next_token = token;
       tpot_->observe(std::chrono::duration<double>(now - stream.last_token).count());
@@ -317,8 +319,10 @@ class DecodeStage {
       const char* finish =
           model::finish_after(token, stream.generated, static_cast<int64_t>(stream.prompt.size()),
                               stream.sampling, eos_, cfg.max_position_embeddings);
+      auto finish_text = builder.CreateString(finish);
+      auto logprobs = logprobs_to_wire(builder, row, cfg.vocab_size, token, stream.sampling);
       updates.push_back(wire::CreateTokenUpdate(builder, stream.request_id, stream.attempt, token,
-                                                builder.CreateString(finish)));
+                                                finish_text, logprobs));
       if (*finish != '\0') {
         stream.sequence->release(worker_.forward->blocks());
         outcomes_[finish]->inc();

@@ -487,10 +487,14 @@ class Gateway {
                   wire::EventKind kind, const std::string& text = {},
                   const std::vector<int32_t>& tokens = {}, const std::string& finish = {},
                   wire::ErrorCode code = wire::ErrorCode::None, const std::string& error = {},
-                  const Request* done = nullptr) {
+                  const Request* done = nullptr, const wire::TokenLogprobs* logprobs = nullptr) {
     flatbuffers::FlatBufferBuilder builder(256 + text.size());
     auto text_offset = builder.CreateString(text);
     auto tokens_offset = builder.CreateVector(tokens);
+    flatbuffers::Offset<flatbuffers::Vector<flatbuffers::Offset<wire::TokenLogprobs>>>
+        logprobs_offset = 0;
+    if (logprobs != nullptr)
+      logprobs_offset = builder.CreateVector(std::vector{copy_logprobs(builder, logprobs)});
     auto finish_offset = builder.CreateString(finish);
     auto error_offset = builder.CreateString(error);
     flatbuffers::Offset<wire::Usage> usage = 0;
@@ -509,10 +513,10 @@ class Gateway {
           done->has_first_token ? ms_between(done->received, done->first_token) : 0,
           ms_between(done->received, now));
     }
-    builder.Finish(
-        wire::CreateStreamEvent(builder, client_request_id, request_id, kind, text_offset,
-                                tokens_offset, finish_offset, usage, timings, code, error_offset),
-        wire::GenerateRequestIdentifier());
+    builder.Finish(wire::CreateStreamEvent(builder, client_request_id, request_id, kind,
+                                           text_offset, tokens_offset, finish_offset, usage,
+                                           timings, code, error_offset, logprobs_offset),
+                   wire::GenerateRequestIdentifier());
     return send_client(client, wire::encode(wire::MessageType::StreamEvent, builder));
   }
 
@@ -714,6 +718,8 @@ class Gateway {
     r.namespace_levels = levels_for(r.cache_namespace);
     r.allowed_levels = r.namespace_levels & *asked;
     if (!r.client_deterministic) r.allowed_levels &= ~uint32_t{reuse::kResult | reuse::kResponse};
+    // A replayed completion has no log-probabilities to report.
+    if (r.sampling.logprobs) r.allowed_levels &= ~uint32_t{reuse::kResult | reuse::kResponse};
     if (*asked & reuse::kApproximateLevels) {
       if (!(r.namespace_levels & *asked & reuse::kApproximateLevels)) {
         r.approximate = "not_allowed";
@@ -977,7 +983,8 @@ class Gateway {
 
   // A token of the current attempt. Tokens the client already has (from an attempt that died)
   // must match; new ones are streamed.
-  void on_token(Request& r, int32_t token, const std::string& finish_reason) {
+  void on_token(Request& r, int32_t token, const std::string& finish_reason,
+                const wire::TokenLogprobs* logprobs = nullptr) {
     const size_t index = r.position++;
     if (index < r.sent.size()) {
       if (r.sent[index] != token)
@@ -995,8 +1002,12 @@ class Gateway {
         auto piece = r.text->step(token);
         if (piece) delta = std::move(*piece);
       }
-      if (!send_event(r.client, r.client_request_id, r.id, wire::EventKind::Delta, delta,
-                      {token})) {
+      // Where the request asked for log-probabilities, every token the client gets has them.
+      if (r.sampling.logprobs && logprobs == nullptr)
+        return fail(r, wire::ErrorCode::StageFailed, "stage_failed",
+                    "a stage sent a token without the log-probabilities the request asked for");
+      if (!send_event(r.client, r.client_request_id, r.id, wire::EventKind::Delta, delta, {token},
+                      {}, wire::ErrorCode::None, {}, nullptr, logprobs)) {
         // Nobody is listening any more: stop spending compute on it.
         log_.info("client_gone", {{"request_id", r.id}, {"tokens", r.sent.size()}});
         cancel_at_owner(r);
@@ -1386,7 +1397,7 @@ class Gateway {
         const std::string finish = done->finish_reason() ? done->finish_reason()->str() : "";
         const uint64_t id = r->id;
         const uint32_t attempt = r->attempt;
-        on_token(*r, done->first_token(), finish);
+        on_token(*r, done->first_token(), finish, done->first_logprobs());
         if (finish.empty() && find(id, attempt) != nullptr)
           decode_queue_.push_back({id, attempt, std::move(message)});
         return;
@@ -1400,7 +1411,8 @@ class Gateway {
               owned(update->request_id(), update->attempt(), incoming.identity, message.type);
           if (r == nullptr) continue;  // cancelled or retried meanwhile, or not this peer's
           on_token(*r, update->token(),
-                   update->finish_reason() ? update->finish_reason()->str() : "");
+                   update->finish_reason() ? update->finish_reason()->str() : "",
+                   update->logprobs());
         }
         return;
       }

@@ -459,6 +459,7 @@ class PrefillStage {
                   double forward_seconds) {
     const model::ModelConfig& cfg = worker_.model->config();
     model::Sampler sampler(job.sampling);
+    sampler.set_prompt(job.tokens);
     const int32_t first = sampler.sample(logits, cfg.vocab_size);
     const auto sampled = std::chrono::steady_clock::now();
     ttft_->observe(std::chrono::duration<double>(sampled - job.received).count());
@@ -510,11 +511,11 @@ class PrefillStage {
     const auto reused = static_cast<uint32_t>(
         job.blend ? static_cast<int64_t>(job.tokens.size()) - job.recomputed : job.reused);
     builder.Finish(
-        wire::CreatePrefillDone(builder, job.request_id, job.attempt, tokens, first, finish_text,
-                                sampling, name_space, layout, frames,
-                                static_cast<uint64_t>(forward_seconds * 1e6), replica, level,
-                                reused, static_cast<uint32_t>(job.blend ? job.recomputed : 0),
-                                checked, static_cast<float>(kl), top1),
+        wire::CreatePrefillDone(
+            builder, job.request_id, job.attempt, tokens, first, finish_text, sampling, name_space,
+            layout, frames, static_cast<uint64_t>(forward_seconds * 1e6), replica, level, reused,
+            static_cast<uint32_t>(job.blend ? job.recomputed : 0), checked, static_cast<float>(kl),
+            top1, logprobs_to_wire(builder, logits, cfg.vocab_size, first, job.sampling)),
         wire::PrefillJobIdentifier());
     worker_.link->send(wire::encode(wire::MessageType::PrefillDone, builder, std::move(bulk)));
     const double total =

@@ -990,6 +990,7 @@ class Probe {
                    std::vector<reuse::Value> blocks) {
     const model::ModelConfig& cfg = model_->config();
     model::Sampler sampler(sampling);
+    sampler.set_prompt(tokens);
     const int32_t first = sampler.sample(prompt.logits.data(), cfg.vocab_size);
     const std::string finish = model::finish_after(first, 1, static_cast<int64_t>(tokens.size()),
                                                    sampling, eos_, cfg.max_position_embeddings);
@@ -1014,9 +1015,11 @@ class Probe {
     auto replica = builder.CreateString(service_.log.replica());
     auto level = builder.CreateString("full");
     builder.Finish(
-        wire::CreatePrefillDone(builder, job.request_id(), job.attempt(), token_vector, first,
-                                finish_text, sampling_offset, name_space, kv_layout, frames, 0,
-                                replica, level, static_cast<uint32_t>(tokens.size())),
+        wire::CreatePrefillDone(
+            builder, job.request_id(), job.attempt(), token_vector, first, finish_text,
+            sampling_offset, name_space, kv_layout, frames, 0, replica, level,
+            static_cast<uint32_t>(tokens.size()), 0, false, 0.0f, false,
+            logprobs_to_wire(builder, prompt.logits.data(), cfg.vocab_size, first, sampling)),
         wire::PrefillJobIdentifier());
     link_->send(wire::encode(wire::MessageType::PrefillDone, builder, std::move(bulk)));
   }

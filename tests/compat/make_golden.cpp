@@ -59,8 +59,8 @@ std::vector<zmq::message_t> error_reply() {
 std::vector<zmq::message_t> generate_request() {
   FlatBufferBuilder b;
   const std::vector<int32_t> stop = {2, 32000};
-  const auto sampling =
-      wire::CreateSamplingParamsDirect(b, 0.7, 40, 0.9, 1234, true, 64, &stop, true);
+  const auto sampling = wire::CreateSamplingParamsDirect(b, 0.7, 40, 0.9, 1234, true, 64, &stop,
+                                                         true, 0.05, 0.5, -0.25, 1.1, true, 3);
   const std::vector<int32_t> tokens = {1, 2, 3, 4};
   b.Finish(wire::CreateGenerateRequestDirect(b, 1001, "Hello, world", &tokens, sampling, "acme",
                                              30000, false, "approximate", "ml_0123abcd_secret"),
@@ -81,14 +81,23 @@ std::vector<zmq::message_t> feedback() {
   return wire::encode(wire::MessageType::Feedback, b);
 }
 
+// 1.6: log-probabilities, one entry with two alternatives.
+flatbuffers::Offset<wire::TokenLogprobs> golden_logprobs(FlatBufferBuilder& b) {
+  const std::vector<int32_t> ids = {13, 7};
+  const std::vector<float> values = {-0.25f, -1.5f};
+  return wire::CreateTokenLogprobsDirect(b, -0.25f, &ids, &values);
+}
+
 std::vector<zmq::message_t> stream_event() {
   FlatBufferBuilder b;
+  const std::vector<flatbuffers::Offset<wire::TokenLogprobs>> logprobs = {golden_logprobs(b),
+                                                                          golden_logprobs(b)};
   const auto usage = wire::CreateUsageDirect(b, 12, 5, 8, "prefix", "shadow", 0.96875f);
   const auto timings = wire::CreateTimings(b, 1.5, 20.25, 22.0, 80.125);
   const std::vector<int32_t> token_ids = {0, 13};
   b.Finish(wire::CreateStreamEventDirect(b, 1001, 555, wire::EventKind::Finished, "!", &token_ids,
                                          "stop", usage, timings, wire::ErrorCode::Cancelled,
-                                         "cancelled by the client"),
+                                         "cancelled by the client", &logprobs),
            wire::GenerateRequestIdentifier());
   return wire::encode(wire::MessageType::StreamEvent, b);
 }
@@ -178,7 +187,7 @@ std::vector<zmq::message_t> prefill_done() {
   const std::vector<int32_t> tokens = {1, 15043, 29892};
   b.Finish(wire::CreatePrefillDoneDirect(b, 555, 2, &tokens, 306, "", sampling, "acme/ns", layout,
                                          &frames, 12345, "prefill-0", "prefix", 2, 1, true, 0.125f,
-                                         true),
+                                         true, golden_logprobs(b)),
            wire::PrefillJobIdentifier());
   std::vector<zmq::message_t> bulk;
   bulk.emplace_back(kv.data(), kv.size());
@@ -188,7 +197,7 @@ std::vector<zmq::message_t> prefill_done() {
 std::vector<zmq::message_t> token_batch() {
   FlatBufferBuilder b;
   const std::vector<flatbuffers::Offset<wire::TokenUpdate>> updates = {
-      wire::CreateTokenUpdateDirect(b, 555, 2, 306, ""),
+      wire::CreateTokenUpdateDirect(b, 555, 2, 306, "", golden_logprobs(b)),
       wire::CreateTokenUpdateDirect(b, 556, 1, 2, "stop")};
   b.Finish(wire::CreateTokenBatchDirect(b, &updates, 2, 850), wire::PrefillJobIdentifier());
   return wire::encode(wire::MessageType::TokenBatch, b);

@@ -129,8 +129,8 @@ class Stack:
 
 
 def reference(moeline, model, max_tokens, tokens=None, prompt=None, temperature=0.0, seed=None,
-              ignore_eos=False):
-    """`moeline run` in one process: the correctness baseline."""
+              ignore_eos=False, extra=()):
+    """`moeline run` in one process: the correctness baseline. `extra`: more of its flags."""
     cmd = [moeline, "run", "--model", model, "--max-tokens", str(max_tokens), "--json",
            "--threads", "1"]
     cmd += ["--tokens", ",".join(map(str, tokens))] if tokens is not None else ["--prompt", prompt]
@@ -140,6 +140,7 @@ def reference(moeline, model, max_tokens, tokens=None, prompt=None, temperature=
         cmd += ["--seed", str(seed)]
     if ignore_eos:
         cmd += ["--ignore-eos"]
+    cmd += list(extra)
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     return json.loads(out.stdout)

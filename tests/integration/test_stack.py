@@ -14,6 +14,8 @@ Cases (--case, one per CTest entry):
             (identical to the reference) or ends with an explicit error; none hangs
   metrics   every stage's /metrics parses as Prometheus text and carries what it must
   cli       `moeline client generate` (--json and streaming), `moeline stack status|down`
+  sampling  penalties, min-p and log-probabilities through prefill, decode and a full hit at
+            the probe: ids and log-probabilities identical to `moeline run`
 """
 
 import json
@@ -576,7 +578,57 @@ def case_reuse(args):
               f"shared prefix after the restart ({int(restores)} restores)")
 
 
-CASES = {"parity": case_parity, "errors": case_errors, "recovery": case_recovery,
+# (name, SDK keywords, the same as `moeline run` flags)
+SAMPLING_SETTINGS = [
+    ("repetition", {"repetition_penalty": 1.6}, ["--repetition-penalty", "1.6"]),
+    ("presence-frequency", {"presence_penalty": 1.2, "frequency_penalty": 0.6},
+     ["--presence-penalty", "1.2", "--frequency-penalty", "0.6"]),
+    ("sampled-min-p", {"temperature": 0.9, "seed": 21, "min_p": 0.05, "frequency_penalty": 0.4},
+     ["--temperature", "0.9", "--seed", "21", "--min-p", "0.05", "--frequency-penalty", "0.4"]),
+]
+# Both sides report float32 log-probabilities of the same logits, computed in double.
+STACK_LOGPROB_ATOL = 1e-4
+
+
+def case_sampling(args):
+    """Penalties, min-p and log-probabilities through the stage processes: prefill draws the first
+    token, decode continues (its sampler resumes with the prompt and that token counted), the
+    probe answers a repeated prompt from the store (a full hit): every path gives `moeline run`'s
+    ids and log-probabilities."""
+    from moeline_client import Client
+    prompt = [11, 42, 42, 7, 300, 42, 19, 7, 5, 88]
+    with Stack(args.moeline, args.model, os.path.join(args.workdir, "sampling"), decode=1) as stack:
+        with Client(stack.endpoint, timeout=120) as client:
+            for name, keywords, flags in SAMPLING_SETTINGS:
+                want = reference(args.moeline, args.model, 20, tokens=prompt, ignore_eos=True,
+                                 extra=flags + ["--logprobs", "3"])
+                plain = reference(args.moeline, args.model, 20, tokens=prompt, ignore_eos=True,
+                                  temperature=keywords.get("temperature", 0.0),
+                                  seed=keywords.get("seed"))
+                check(want["ids"] != plain["ids"], f"{name}: the knobs changed nothing")
+                for attempt in ("computed", "full hit"):
+                    got = client.generate(tokens=prompt, max_tokens=20, ignore_eos=True,
+                                          logprobs=True, top_logprobs=3, **keywords)
+                    check(got.ids == want["ids"], f"{name} {attempt}: ids {got.ids} != run's "
+                          f"{want['ids']}")
+                    check(len(got.logprobs) == len(got.ids), f"{name} {attempt}: logprobs count")
+                    for step, (mine, theirs) in enumerate(zip(got.logprobs, want["logprobs"])):
+                        check(abs(mine["logprob"] - theirs["logprob"]) <= STACK_LOGPROB_ATOL and
+                              [t[0] for t in mine["top"]] == [t[0] for t in theirs["top"]],
+                              f"{name} {attempt} step {step}: {mine} != run's {theirs}")
+                    if attempt == "full hit":
+                        check(got.usage["reuse_level"] == "full",
+                              f"{name}: the repeat was served as {got.usage['reuse_level']}, not "
+                              "from the store (a replayed result has no log-probabilities)")
+                print(f"ok sampling {name}: computed and full-hit answers match moeline run")
+            bad = client.stream(tokens=prompt, max_tokens=4, presence_penalty=3.0)
+            events = list(bad)
+            check(events[-1].kind == "error" and "presence_penalty" in events[-1].error_message,
+                  f"an out-of-range penalty: {events[-1]}")
+            print("ok sampling: an out-of-range penalty is refused with its name")
+
+
+CASES = {"sampling": case_sampling, "parity": case_parity, "errors": case_errors, "recovery": case_recovery,
          "metrics": case_metrics, "cli": case_cli, "reuse": case_reuse}
 
 

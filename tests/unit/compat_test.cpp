@@ -431,6 +431,16 @@ std::map<std::string, Expectation> v1_5() {
     before(m);
     EXPECT_EQ(str(m.as<GenerateRequest>()->api_key()), "ml_0123abcd_secret");
   };
+  // What a reader of 1.6 and later sees in a request of 1.5: no penalty, no log-probabilities.
+  auto keyed = e.at("GenerateRequest").check;
+  e["GenerateRequest"].check = [keyed](const Message& m) {
+    keyed(m);
+    const SamplingParams* s = m.as<GenerateRequest>()->sampling();
+    ASSERT_NE(s, nullptr);
+    EXPECT_EQ(s->repetition_penalty(), 1.0);
+    EXPECT_EQ(s->presence_penalty(), 0.0);
+    EXPECT_FALSE(s->logprobs());
+  };
   auto control = e.at("ControlCommand").check;
   e["ControlCommand"].check = [control](const Message& m) {
     control(m);
@@ -439,11 +449,64 @@ std::map<std::string, Expectation> v1_5() {
   return e;
 }
 
+// Schema 1.6 (the OpenAI front's sampling): every 1.5 type again, with minor 6; GenerateRequest
+// sets min-p, the penalties and log-probabilities, and StreamEvent, PrefillDone and TokenBatch
+// carry log-probabilities. (Files before 1.6 read the neutral values: repetition_penalty 1.)
+std::map<std::string, Expectation> v1_6() {
+  std::map<std::string, Expectation> e = v1_5();
+  for (auto& [stem, expectation] : e) expectation.minor = 6;
+  auto request = v1_4().at("GenerateRequest").check;
+  e["GenerateRequest"].check = [request](const Message& m) {
+    request(m);
+    EXPECT_EQ(str(m.as<GenerateRequest>()->api_key()), "ml_0123abcd_secret");
+    const SamplingParams* s = m.as<GenerateRequest>()->sampling();
+    ASSERT_NE(s, nullptr);
+    EXPECT_EQ(s->min_p(), 0.05);
+    EXPECT_EQ(s->presence_penalty(), 0.5);
+    EXPECT_EQ(s->frequency_penalty(), -0.25);
+    EXPECT_EQ(s->repetition_penalty(), 1.1);
+    EXPECT_TRUE(s->logprobs());
+    EXPECT_EQ(s->top_logprobs(), 3);
+  };
+  auto golden = [](const TokenLogprobs* lp) {
+    ASSERT_NE(lp, nullptr);
+    EXPECT_EQ(lp->logprob(), -0.25f);
+    ASSERT_NE(lp->top_ids(), nullptr);
+    ASSERT_NE(lp->top_logprobs(), nullptr);
+    EXPECT_EQ(std::vector<int32_t>(lp->top_ids()->begin(), lp->top_ids()->end()),
+              (std::vector<int32_t>{13, 7}));
+    EXPECT_EQ(std::vector<float>(lp->top_logprobs()->begin(), lp->top_logprobs()->end()),
+              (std::vector<float>{-0.25f, -1.5f}));
+  };
+  auto event = e.at("StreamEvent").check;
+  e["StreamEvent"].check = [event, golden](const Message& m) {
+    event(m);
+    const auto* logprobs = m.as<StreamEvent>()->logprobs();
+    ASSERT_NE(logprobs, nullptr);
+    ASSERT_EQ(logprobs->size(), 2u);
+    for (const TokenLogprobs* lp : *logprobs) golden(lp);
+  };
+  auto done = e.at("PrefillDone").check;
+  e["PrefillDone"].check = [done, golden](const Message& m) {
+    done(m);
+    golden(m.as<PrefillDone>()->first_logprobs());
+  };
+  auto batch = e.at("TokenBatch").check;
+  e["TokenBatch"].check = [batch, golden](const Message& m) {
+    batch(m);
+    const auto* updates = m.as<TokenBatch>()->updates();
+    ASSERT_NE(updates, nullptr);
+    golden(updates->Get(0)->logprobs());
+    EXPECT_EQ(updates->Get(1)->logprobs(), nullptr);
+  };
+  return e;
+}
+
 // Every released version: directory name -> file stem -> expectation.
 const std::map<std::string, std::map<std::string, Expectation>>& released() {
   static const std::map<std::string, std::map<std::string, Expectation>> versions = {
-      {"v1.0", v1_0()}, {"v1.1", v1_1()}, {"v1.2", v1_2()},
-      {"v1.3", v1_3()}, {"v1.4", v1_4()}, {"v1.5", v1_5()}};
+      {"v1.0", v1_0()}, {"v1.1", v1_1()}, {"v1.2", v1_2()}, {"v1.3", v1_3()},
+      {"v1.4", v1_4()}, {"v1.5", v1_5()}, {"v1.6", v1_6()}};
   return versions;
 }
 

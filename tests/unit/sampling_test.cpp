@@ -77,6 +77,70 @@ TEST(Sampling, InvalidParametersAreRejectedWithTheirName) {
   EXPECT_NE(message({.top_p = 1.5}).find("top_p"), std::string::npos);
   EXPECT_NE(message({.max_tokens = 0}).find("max_tokens"), std::string::npos);
   EXPECT_EQ(message({.temperature = 0.7, .top_k = 40, .top_p = 0.9}), "");
+  EXPECT_NE(message({.min_p = 1.5}).find("min_p"), std::string::npos);
+  EXPECT_NE(message({.presence_penalty = 2.5}).find("presence_penalty"), std::string::npos);
+  EXPECT_NE(message({.frequency_penalty = -3}).find("frequency_penalty"), std::string::npos);
+  EXPECT_NE(message({.repetition_penalty = 0}).find("repetition_penalty"), std::string::npos);
+  EXPECT_NE(message({.logprobs = true, .top_logprobs = 21}).find("top_logprobs"),
+            std::string::npos);
+  EXPECT_NE(message({.top_logprobs = 3}).find("logprobs"), std::string::npos);
+  EXPECT_EQ(message({.min_p = 0.1,
+                     .presence_penalty = -2,
+                     .frequency_penalty = 2,
+                     .repetition_penalty = 1.2,
+                     .logprobs = true,
+                     .top_logprobs = 20}),
+            "");
+}
+
+TEST(Sampling, PenaltiesFollowTheirDefinitions) {
+  std::vector<float> logits = {2.0f, -1.0f, 0.5f, 3.0f};
+  // Token 0 generated twice, token 1 once, token 2 only in the prompt.
+  const std::vector<PenalizedToken> seen = {{0, 2}, {1, 1}, {2, 0}};
+  apply_penalties(logits.data(), 4, seen,
+                  {.presence_penalty = 0.25, .frequency_penalty = 0.5, .repetition_penalty = 2.0});
+  EXPECT_FLOAT_EQ(logits[0], 2.0f / 2 - 0.5f * 2 - 0.25f);
+  EXPECT_FLOAT_EQ(logits[1], -1.0f * 2 - 0.5f - 0.25f);
+  EXPECT_FLOAT_EQ(logits[2], 0.5f / 2);
+  EXPECT_FLOAT_EQ(logits[3], 3.0f);  // never seen
+}
+
+TEST(Sampling, GreedyWithARepetitionPenaltyAvoidsThePrompt) {
+  Sampler sampler(SamplingParams{.repetition_penalty = 10.0});
+  const std::vector<int32_t> prompt = {1};
+  sampler.set_prompt(prompt);
+  EXPECT_EQ(sampler.sample(kLogits.data(), 6), 5);  // 3.0 / 10 falls below 2.9
+  EXPECT_EQ(sampler.sample(kLogits.data(), 6), 2);  // then 5 is penalised too
+}
+
+TEST(Sampling, ResumingDrawsWhatOneSamplerWouldHave) {
+  const SamplingParams params{.temperature = 1.0, .seed = 9, .frequency_penalty = 1.5};
+  Sampler whole(params);
+  const int32_t first = whole.sample(kLogits.data(), 6);
+  Sampler resumed(params);
+  resumed.resume(std::span(&first, 1));
+  for (int i = 0; i < 32; ++i)
+    EXPECT_EQ(whole.sample(kLogits.data(), 6), resumed.sample(kLogits.data(), 6)) << i;
+}
+
+TEST(Sampling, MinPDropsUnlikelyTokens) {
+  // At temperature 1, token 3 (-1.0) is e^-4 ≈ 0.018 times as likely as token 1 (3.0).
+  Sampler sampler(SamplingParams{.temperature = 1.0, .seed = 4, .min_p = 0.5});
+  std::map<int32_t, int> seen;
+  for (int i = 0; i < 4000; ++i) ++seen[sampler.sample(kLogits.data(), 6)];
+  // p/p_max >= 0.5: ids 1 (1.0), 5 (e^-0.1), 2 (e^-0.5 ≈ 0.61); not 0 (e^-2) nor 4, 3.
+  EXPECT_EQ(seen.size(), 3u);
+  EXPECT_TRUE(seen.count(1) && seen.count(5) && seen.count(2));
+}
+
+TEST(Sampling, LogprobsAreTheRawLogSoftmax) {
+  const TokenLogprobs lp = token_logprobs(kLogits.data(), 6, 2, 3);
+  double total = 0;
+  for (float logit : kLogits) total += std::exp(logit);
+  EXPECT_NEAR(lp.logprob, 2.5 - std::log(total), 1e-6);
+  EXPECT_EQ(lp.top_ids, (std::vector<int32_t>{1, 5, 2}));
+  ASSERT_EQ(lp.top_logprobs.size(), 3u);
+  EXPECT_NEAR(lp.top_logprobs[0], 3.0 - std::log(total), 1e-6);
 }
 
 }  // namespace

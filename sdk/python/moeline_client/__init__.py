@@ -49,7 +49,7 @@ __all__ = [
 # Must match schemas/wire.h: a peer of another major is refused, a newer minor is read as far as
 # this code knows (fields are only ever added).
 SCHEMA_MAJOR = 1
-SCHEMA_MINOR = 2  # schema 1.2 (approximate reuse); a client of any 1.x speaks to any 1.x gateway
+SCHEMA_MINOR = 6  # schema 1.6 (penalties and log-probabilities); a client of any 1.x speaks to any 1.x gateway
 MAGIC = b"MOEL"
 _HEADER = struct.Struct("<4sHHHHI")
 assert _HEADER.size == 16
@@ -180,12 +180,16 @@ def encode_generate(client_request_id: int, prompt: Optional[str] = None,
                     seed: Optional[int] = None, stop_token_ids: Sequence[int] = (),
                     ignore_eos: bool = False, tenant: str = "", deadline_ms: int = 0,
                     add_special_tokens: bool = True, reuse: str = "",
-                    api_key: str = "") -> List[bytes]:
+                    api_key: str = "", min_p: float = 0.0, presence_penalty: float = 0.0,
+                    frequency_penalty: float = 0.0, repetition_penalty: float = 1.0,
+                    logprobs: bool = False, top_logprobs: int = 0) -> List[bytes]:
     """A GenerateRequest, framed. The keywords are those of Client.start/stream/generate.
 
     reuse: "" or "exact" (the tenant's exact reuse), "none", or "approximate" (also the work of a
     nearly identical earlier prompt, where the tenant allows it and the decision rule judges it
     safe; usage["approximate"] says what became of it), "response" or "blend" (one mode only).
+    logprobs: each delta event's `logprobs` gives its tokens' log-probabilities, each with the
+    top_logprobs (0..20) most likely tokens' as (id, logprob) pairs.
     """
     if (prompt is None) == (tokens is None):
         raise ValueError("give exactly one of prompt (text) or tokens (ids)")
@@ -211,6 +215,12 @@ def encode_generate(client_request_id: int, prompt: Optional[str] = None,
     if stops_off is not None:
         _sampling.AddStopTokenIds(b, stops_off)
     _sampling.AddIgnoreEos(b, bool(ignore_eos))
+    _sampling.AddMinP(b, float(min_p))
+    _sampling.AddPresencePenalty(b, float(presence_penalty))
+    _sampling.AddFrequencyPenalty(b, float(frequency_penalty))
+    _sampling.AddRepetitionPenalty(b, float(repetition_penalty))
+    _sampling.AddLogprobs(b, bool(logprobs))
+    _sampling.AddTopLogprobs(b, int(top_logprobs))
     sampling_off = _sampling.End(b)
     _generate.Start(b)
     _generate.AddClientRequestId(b, client_request_id)
@@ -238,6 +248,8 @@ class Event:
     request_id: int = 0
     text: str = ""
     token_ids: List[int] = dataclasses.field(default_factory=list)
+    # Where the request asked: per token {"logprob": float, "top": [(id, logprob), ...]}.
+    logprobs: List[Dict[str, object]] = dataclasses.field(default_factory=list)
     finish_reason: str = ""
     usage: Optional[Dict[str, object]] = None
     timings: Optional[Dict[str, float]] = None
@@ -258,6 +270,17 @@ class Result:
     timings: Dict[str, float]
     request_id: int
     client_request_id: int
+    logprobs: List[Dict[str, object]] = dataclasses.field(default_factory=list)
+
+
+def _parse_logprobs(e) -> List[Dict[str, object]]:
+    out = []
+    for i in range(e.LogprobsLength()):
+        lp = e.Logprobs(i)
+        pairs = min(lp.TopIdsLength(), lp.TopLogprobsLength())
+        out.append({"logprob": lp.Logprob(),
+                    "top": [(lp.TopIds(k), lp.TopLogprobs(k)) for k in range(pairs)]})
+    return out
 
 
 def _parse_stream_event(body: bytes) -> Event:
@@ -278,7 +301,7 @@ def _parse_stream_event(body: bytes) -> Event:
     return Event(kind=_KIND_NAMES[kind], client_request_id=e.ClientRequestId(),
                  request_id=e.RequestId(), text=_text(e.Text()),
                  token_ids=[e.TokenIds(i) for i in range(e.TokenIdsLength())],
-                 finish_reason=_text(e.FinishReason()), usage=usage, timings=timings,
+                 logprobs=_parse_logprobs(e), finish_reason=_text(e.FinishReason()), usage=usage, timings=timings,
                  error_code=e.ErrorCode(), error_message=_text(e.ErrorMessage()))
 
 
@@ -413,12 +436,14 @@ class Client:
                  **params) -> Result:
         """Runs one request to the end. Raises GenerateError on an error event."""
         ids: List[int] = []
+        logprobs: List[Dict[str, object]] = []
         text: List[str] = []
         request_id = 0
         for event in self.stream(prompt, tokens, **params):
             request_id = event.request_id or request_id
             if event.kind == "delta":
                 ids.extend(event.token_ids)
+                logprobs.extend(event.logprobs)
                 text.append(event.text)
             elif event.kind == "error":
                 raise GenerateError(event.error_code, event.error_message, event.client_request_id)
@@ -426,7 +451,8 @@ class Client:
                 text.append(event.text)  # text held back until the end (an incomplete character)
                 return Result(ids=ids, text="".join(text), finish_reason=event.finish_reason,
                               usage=event.usage or {}, timings=event.timings or {},
-                              request_id=request_id, client_request_id=event.client_request_id)
+                              request_id=request_id, client_request_id=event.client_request_id,
+                              logprobs=logprobs)
         raise ProtocolError("stream ended without a finished event")  # unreachable by contract
 
     def cancel(self, client_request_id: int) -> None:
