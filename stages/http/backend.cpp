@@ -21,6 +21,13 @@ std::unique_ptr<Backend> make_backend(const std::filesystem::path& model_dir, st
     log.warn("no_chat_template", {{"model", backend->name}, {"reason", chat.error().message}});
     backend->chat_error = chat.error().message;
   }
+  auto tokenizer = model::Tokenizer::load((model_dir / "tokenizer.json").string());
+  if (tokenizer) {
+    backend->tokenizer = std::make_unique<model::Tokenizer>(std::move(*tokenizer));
+  } else {
+    log.warn("no_tokenizer", {{"model", backend->name}, {"reason", tokenizer.error().message}});
+    backend->tokenizer_error = tokenizer.error().message;
+  }
   backend->bridge = std::make_unique<http::GatewayBridge>(
       endpoint, sdk::Credentials{.api_key = "", .server_key = server_key}, log);
   return backend;
@@ -66,6 +73,20 @@ std::variant<sdk::GenerateOptions, ApiError> to_options(const CompletionRequest&
   options.top_k = request.top_k;
   options.seed = request.seed;
   options.ignore_eos = request.ignore_eos;
+  options.min_p = request.min_p;
+  options.presence_penalty = request.presence_penalty;
+  options.frequency_penalty = request.frequency_penalty;
+  options.repetition_penalty = request.repetition_penalty;
+  if (request.logprobs && !backend.tokenizer) {
+    ApiError error;
+    error.param = "logprobs";
+    error.message = "the model '" + backend.name +
+                    "' has no tokenizer here to name the tokens of log-probabilities: " +
+                    backend.tokenizer_error;
+    return error;
+  }
+  options.logprobs = request.logprobs;
+  options.top_logprobs = static_cast<int32_t>(request.top_logprobs);
   return options;
 }
 

@@ -9,6 +9,7 @@
 #include <variant>
 
 #include "model/tokenizer/chat_template.h"
+#include "model/tokenizer/tokenizer.h"
 #include "sdk/client.h"
 #include "stages/http/bridge.h"
 #include "stages/http/openai.h"
@@ -23,11 +24,15 @@ struct Backend {
   int64_t context = 0;
   std::unique_ptr<model::ChatTemplate> chat;
   std::string chat_error;
+  // The tokens' text, for log-probabilities (without it, requests for them are refused).
+  std::unique_ptr<model::Tokenizer> tokenizer;
+  std::string tokenizer_error;
   std::unique_ptr<http::GatewayBridge> bridge;
 };
 
 // Reads the backend's model folder (config.json for the context, tokenizer_config.json for the
-// chat template; a missing template is logged and chat requests to it are refused) and connects.
+// chat template, tokenizer.json for the tokens' text; a missing template or tokenizer is logged
+// and the requests that need it are refused) and connects.
 std::unique_ptr<Backend> make_backend(const std::filesystem::path& model_dir, std::string name,
                                       const std::string& endpoint, const std::string& server_key,
                                       runtime::Logger& log);

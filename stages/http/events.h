@@ -6,6 +6,7 @@
 #include <cstdint>
 #include <optional>
 #include <string>
+#include <vector>
 
 #include "sdk/client.h"
 #include "stages/http/bridge.h"
@@ -21,6 +22,9 @@ struct Outcome {
   sdk::Usage usage;
   sdk::Timings timings;
   uint32_t completion_tokens = 0;
+  // Every token and, where the request asked, its log-probabilities.
+  std::vector<int32_t> ids;
+  std::vector<sdk::TokenLogprob> logprobs;
   std::optional<ApiError> error;
 };
 

@@ -16,6 +16,7 @@
 #include "stages/http/backend.h"
 #include "stages/http/bridge.h"
 #include "stages/http/events.h"
+#include "stages/http/logprobs.h"
 #include "stages/http/openai.h"
 #include "stages/http/stop_matcher.h"
 #include "stages/runtime/service.h"
@@ -303,8 +304,8 @@ class HttpFront {
     completion->model = attempt.backend->name;
     completion->fallback = attempt.backend == fallback_.get() && backend == primary_.get();
     if (api_request.stream && endpoint != Endpoint::kGenerate)
-      return stream(endpoint, api_request, bridge, channel, std::move(*first), prompt_tokens,
-                    completion, deadline, response);
+      return stream(endpoint, api_request, *attempt.backend, channel, std::move(*first),
+                    prompt_tokens, completion, deadline, response);
 
     http::StopMatcher stops(api_request.stop);
     Outcome outcome;
@@ -326,6 +327,11 @@ class HttpFront {
     completion->usage = outcome.usage;
     completion->usage.completion_tokens = outcome.completion_tokens;
     completion->timings = outcome.timings;
+    if (api_request.logprobs) {
+      size_t offset = 0;
+      completion->logprobs = http::LogprobsWriter(endpoint, *attempt.backend->tokenizer)
+                                 .object(outcome.ids, outcome.logprobs, offset);
+    }
     if (endpoint == Endpoint::kGenerate) {
       response.set_content(http::to_text(json{{"text", completion->text}}), "application/json");
     } else {
@@ -343,7 +349,7 @@ class HttpFront {
     return sink.write(text.data(), text.size());
   }
 
-  void stream(Endpoint endpoint, const CompletionRequest& api_request, http::GatewayBridge* bridge,
+  void stream(Endpoint endpoint, const CompletionRequest& api_request, const Backend& backend,
               std::shared_ptr<http::RequestChannel> channel, sdk::Event first,
               uint32_t prompt_tokens, std::shared_ptr<http::Completion> completion,
               Clock::time_point deadline, httplib::Response& response) {
@@ -354,13 +360,17 @@ class HttpFront {
       http::StopMatcher stops;
       bool ended = false;  // the pipeline's request is over: nothing to cancel
       uint32_t prompt_tokens = 0;
+      size_t text_offset = 0;  // completions' logprobs.text_offset
     };
+    http::GatewayBridge* bridge = backend.bridge.get();
+    std::optional<http::LogprobsWriter> logprobs;
+    if (api_request.logprobs) logprobs.emplace(endpoint, *backend.tokenizer);
     auto state = std::make_shared<State>(
         State{std::move(first), http::StopMatcher(api_request.stop), false, prompt_tokens});
     const bool include_usage = api_request.include_usage;
     response.set_chunked_content_provider(
         "text/event-stream",
-        [this, endpoint, channel, state, completion, deadline, include_usage,
+        [this, endpoint, channel, state, completion, deadline, include_usage, logprobs,
          tokens = http::TokenEvents(endpoint, *completion)](size_t, httplib::DataSink& sink) {
           Outcome outcome;
           outcome.usage.prompt_tokens = state->prompt_tokens;
@@ -378,15 +388,24 @@ class HttpFront {
               break;
             }
             std::string text;
+            const size_t known = outcome.ids.size();
             const bool over = http::absorb(*event, state->stops, outcome, text);
             // Ended by the pipeline (finished, failed); a stop string still needs a cancel.
             state->ended = over && !state->stops.stopped();
             if (outcome.error) break;
-            if (!text.empty() || first_chunk) {
+            // With log-probabilities, every token's chunk carries them, text or not.
+            json token_logprobs = nullptr;
+            if (logprobs && outcome.ids.size() > known)
+              token_logprobs = logprobs->object(
+                  std::span(outcome.ids).subspan(known),
+                  std::span(outcome.logprobs).subspan(std::min(known, outcome.logprobs.size())),
+                  state->text_offset);
+            if (!text.empty() || first_chunk || !token_logprobs.is_null()) {
               // A client that went away: false, and the releaser cancels the request.
               const bool sent =
-                  first_chunk
-                      ? send_event(sink, http::stream_chunk(endpoint, *completion, text, true, ""))
+                  first_chunk || !token_logprobs.is_null()
+                      ? send_event(sink, http::stream_chunk(endpoint, *completion, text,
+                                                            first_chunk, "", token_logprobs))
                       : send_text(sink, tokens.event(text));
               if (!sent) return false;
               first_chunk = false;

@@ -3,6 +3,8 @@
 #include <chrono>
 #include <random>
 
+#include "model/sampling.h"
+
 namespace moeline::stages::http {
 namespace {
 
@@ -166,34 +168,44 @@ std::optional<ApiError> read_stop(const json& body, std::vector<std::string>& ou
   return std::nullopt;
 }
 
-// Parameters this server does not implement yet: refused when set to anything but their neutral
-// value, so that a client never gets an answer computed without what it asked for.
+// n > 1 is not implemented: refused rather than answered with one choice.
 std::optional<ApiError> refuse_unimplemented(const json& body) {
   std::optional<int64_t> n;
   if (auto error = read_integer(body, "n", 1, n)) return error;
   if (n && *n != 1) return unsupported("n", "n > 1");
-  bool logprobs = false;
-  if (auto error = read_bool(body, "logprobs", logprobs)) {
-    // /v1/completions takes logprobs as an integer.
-    if (!body["logprobs"].is_number_integer()) return error;
-    logprobs = body["logprobs"].get<int64_t>() > 0;
-  }
-  if (logprobs) return unsupported("logprobs", "logprobs");
-  std::optional<int64_t> top_logprobs;
-  if (auto error = read_integer(body, "top_logprobs", 0, top_logprobs)) return error;
-  if (top_logprobs && *top_logprobs > 0) return unsupported("top_logprobs", "top_logprobs");
-  for (const char* key : {"presence_penalty", "frequency_penalty"}) {
-    double value = 0;
-    if (auto error = read_number(body, key, -2.0, 2.0, value)) return error;
-    if (value != 0) return unsupported(key, key);
-  }
-  double repetition = 1;
-  if (auto error = read_number(body, "repetition_penalty", 0.0, 1e9, repetition)) return error;
-  if (repetition != 1) return unsupported("repetition_penalty", "repetition_penalty");
-  double min_p = 0;
-  if (auto error = read_number(body, "min_p", 0.0, 1.0, min_p)) return error;
-  if (min_p != 0) return unsupported("min_p", "min_p");
   return std::nullopt;
+}
+
+// Chat: "logprobs" true/false and "top_logprobs" 0..20; completions: "logprobs" N, the number
+// of alternatives (0: only the chosen token's).
+std::optional<ApiError> read_logprobs(Endpoint endpoint, const json& body, CompletionRequest& out) {
+  std::optional<int64_t> top;
+  if (endpoint == Endpoint::kChat) {
+    if (auto error = read_bool(body, "logprobs", out.logprobs)) return error;
+    if (auto error = read_integer(body, "top_logprobs", 0, top)) return error;
+    if (top && *top > 0 && !out.logprobs)
+      return bad("top_logprobs", "'top_logprobs' needs \"logprobs\": true");
+  } else {
+    if (auto error = read_integer(body, "logprobs", 0, top)) return error;
+    out.logprobs = top.has_value();
+  }
+  if (top && *top > model::kMaxTopLogprobs)
+    return bad(endpoint == Endpoint::kChat ? "top_logprobs" : "logprobs",
+               "at most " + std::to_string(model::kMaxTopLogprobs) + " log-probabilities");
+  out.top_logprobs = top.value_or(0);
+  return std::nullopt;
+}
+
+std::optional<ApiError> read_penalties(const json& body, CompletionRequest& out) {
+  if (auto error = read_number(body, "presence_penalty", -2.0, 2.0, out.presence_penalty))
+    return error;
+  if (auto error = read_number(body, "frequency_penalty", -2.0, 2.0, out.frequency_penalty))
+    return error;
+  if (auto error = read_number(body, "repetition_penalty", 0.0, 1e9, out.repetition_penalty))
+    return error;
+  if (out.repetition_penalty <= 0)
+    return bad("repetition_penalty", "'repetition_penalty' must be greater than 0");
+  return read_number(body, "min_p", 0.0, 1.0, out.min_p);
 }
 
 std::optional<ApiError> read_sampling(const json& body, CompletionRequest& out) {
@@ -257,6 +269,9 @@ std::optional<ApiError> read_all(Endpoint endpoint, const json& body, Completion
   }
   if (auto error = refuse_unimplemented(body)) return error;
   if (auto error = read_sampling(body, out)) return error;
+  if (auto error = read_penalties(body, out)) return error;
+  if (endpoint != Endpoint::kGenerate)
+    if (auto error = read_logprobs(endpoint, body, out)) return error;
   if (auto error = read_bool(body, "ignore_eos", out.ignore_eos)) return error;
   if (endpoint == Endpoint::kGenerate) return std::nullopt;
   return read_stream(body, out);
@@ -352,7 +367,8 @@ json extension_json(const Completion& completion) {
 }
 
 json completion_response(Endpoint endpoint, const Completion& completion) {
-  json choice = {{"index", 0}, {"logprobs", nullptr}, {"finish_reason", completion.finish_reason}};
+  json choice = {
+      {"index", 0}, {"logprobs", completion.logprobs}, {"finish_reason", completion.finish_reason}};
   if (endpoint == Endpoint::kChat)
     choice["message"] = {{"role", "assistant"}, {"content", completion.text}};
   else
@@ -367,9 +383,9 @@ json completion_response(Endpoint endpoint, const Completion& completion) {
 }
 
 json stream_chunk(Endpoint endpoint, const Completion& completion, const std::string& text,
-                  bool first, const std::string& finish_reason) {
+                  bool first, const std::string& finish_reason, const json& logprobs) {
   json choice = {{"index", 0},
-                 {"logprobs", nullptr},
+                 {"logprobs", logprobs},
                  {"finish_reason", finish_reason.empty() ? json(nullptr) : json(finish_reason)}};
   if (endpoint == Endpoint::kChat) {
     json delta = json::object();

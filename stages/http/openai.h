@@ -41,6 +41,13 @@ struct CompletionRequest {
   std::optional<uint64_t> seed;
   std::vector<std::string> stop;
   bool ignore_eos = false;  // vLLM's extension: generate max_tokens whatever the model says
+  double min_p = 0.0;
+  double presence_penalty = 0.0;
+  double frequency_penalty = 0.0;
+  double repetition_penalty = 1.0;
+  // Chat: logprobs true and top_logprobs 0..20; completions: logprobs N (0..20) alternatives.
+  bool logprobs = false;
+  int64_t top_logprobs = 0;
   bool stream = false;
   bool include_usage = false;
   std::string user;
@@ -62,7 +69,8 @@ struct Completion {
   std::string finish_reason;  // stop, length
   sdk::Usage usage;
   sdk::Timings timings;
-  bool fallback = false;  // served by the fallback model (the primary was overloaded or slow)
+  bool fallback = false;    // served by the fallback model (the primary was overloaded or slow)
+  nlohmann::json logprobs;  // the choice's logprobs object (null unless asked for)
 };
 
 nlohmann::json usage_json(const sdk::Usage& usage);
@@ -73,7 +81,8 @@ nlohmann::json completion_response(Endpoint endpoint, const Completion& completi
 // A stream chunk: `delta` text (chat: with the role on the first chunk), or the final chunk with
 // the finish reason.
 nlohmann::json stream_chunk(Endpoint endpoint, const Completion& completion,
-                            const std::string& text, bool first, const std::string& finish_reason);
+                            const std::string& text, bool first, const std::string& finish_reason,
+                            const nlohmann::json& logprobs = nullptr);
 // The server-sent event of one token's text after the first: stream_chunk's bytes, built from a
 // prefix and suffix made once per stream (a JSON document per token would cost more than the
 // rest of the path).

@@ -35,6 +35,16 @@ async function main() {
   }
   out.stream = { content: text, finish_reason: finish, usage };
 
+  // Penalties and log-probabilities, as the library sends and types them.
+  const scored = await client.chat.completions.create({
+    model, messages, temperature: 0, max_tokens: 12, presence_penalty: 0.6, logprobs: true,
+    top_logprobs: 2 });
+  out.logprobs = {
+    content: scored.choices[0].message.content,
+    entries: scored.choices[0].logprobs.content.map((e) => ({
+      token: e.token, logprob: e.logprob, bytes: e.bytes, top: e.top_logprobs.length })),
+    usage: scored.usage };
+
   const completion = await client.completions.create({ model, prompt: "(botany) a plant",
                                                        temperature: 0, max_tokens: 40,
                                                        stop: ["Acanth"] });

@@ -86,10 +86,10 @@ def stream(stack, path, body):
     return events, done
 
 
-def run_chat(args, text, max_tokens):
-    """`moeline run --chat`: the reference for a one-turn chat."""
+def run_chat(args, text, max_tokens, extra=()):
+    """`moeline run --chat`: the reference for a one-turn chat (`extra`: more of its flags)."""
     out = subprocess.run([args.moeline, "run", "--model", args.model, "--prompt", text, "--chat",
-                          "--max-tokens", str(max_tokens), "--json", "--threads", "1"],
+                          "--max-tokens", str(max_tokens), "--json", "--threads", "1", *extra],
                          capture_output=True, text=True, timeout=120)
     check(out.returncode == 0, out.stderr)
     return json.loads(out.stdout)
@@ -258,8 +258,11 @@ def case_api(args):
                  "model_not_found", what="unknown model")
         error_is(post(stack, "/v1/completions", {"prompt": "x", "n": 2}), 400, "n",
                  what="n > 1")
-        error_is(post(stack, "/v1/completions", {"prompt": "x", "presence_penalty": 0.5}), 400,
-                 "presence_penalty", what="a parameter not implemented yet")
+        error_is(post(stack, "/v1/completions", {"prompt": "x", "presence_penalty": 2.5}), 400,
+                 "presence_penalty", what="a penalty out of range")
+        error_is(post(stack, "/v1/chat/completions",
+                      {"messages": [{"role": "user", "content": "x"}], "top_logprobs": 2}), 400,
+                 "top_logprobs", what="top_logprobs without logprobs")
         error_is(post(stack, "/v1/embeddings", {"input": "x"}), 404, what="an endpoint not served")
         # Unknown fields are ignored, as OpenAI does.
         status, body, _ = post(stack, "/v1/completions",
@@ -270,6 +273,8 @@ def case_api(args):
         print("ok api: bad JSON, wrong types, out-of-range values, unknown model, n > 1 and "
               "unsupported parameters are errors with OpenAI's error object; unknown fields are "
               "ignored")
+
+        check_logprobs_and_penalties(args, stack)
 
         # A client that disconnects mid-stream: its request is cancelled in the pipeline.
         before = stack.metric("gateway", "moeline_gateway_requests_total", outcome="cancelled")
@@ -291,6 +296,62 @@ def case_api(args):
                                      outcome="cancelled")
         check(cancelled > before, "a client that disconnected mid-stream must cancel its request")
         print("ok api: a client that disconnects mid-stream cancels its request")
+
+
+# Both sides report float32 log-probabilities of the same logits, computed in double.
+LOGPROB_ATOL = 1e-4
+
+
+def check_logprobs_and_penalties(args, stack):
+    """Completions and chat with penalties and log-probabilities, streamed and not: the ids of
+    `moeline run` with the same flags (as text), its log-probabilities, OpenAI's shapes."""
+    prompt = [11, 42, 42, 7, 300, 42, 19, 7, 5, 88]
+    flags = ["--repetition-penalty", "1.4", "--presence-penalty", "0.8", "--ignore-eos"]
+    want = reference(args.moeline, args.model, 12, tokens=prompt, extra=flags + ["--logprobs", "3"])
+    plain = reference(args.moeline, args.model, 12, tokens=prompt, ignore_eos=True)
+    check(want["ids"] != plain["ids"], "the penalties should change this greedy output")
+    body = {"prompt": prompt, "max_tokens": 12, "temperature": 0, "ignore_eos": True,
+            "repetition_penalty": 1.4, "presence_penalty": 0.8, "logprobs": 3}
+    status, response, _ = post(stack, "/v1/completions", body)
+    check(status == 200, f"completions with logprobs: {status} {response}")
+    logprobs = response["choices"][0]["logprobs"]
+    check(set(logprobs) == {"tokens", "token_logprobs", "top_logprobs", "text_offset"},
+          f"completions logprobs keys: {logprobs}")
+    check(response["choices"][0]["text"] == detokenize(args, want["ids"]) and
+          len(logprobs["tokens"]) == len(want["ids"]),
+          f"completions with penalties: {response} want {want['ids']}")
+    offsets = [0]
+    for token in logprobs["tokens"][:-1]:
+        offsets.append(offsets[-1] + len(token))
+    check(logprobs["text_offset"] == offsets, f"text_offset {logprobs['text_offset']}")
+    for step, (mine, theirs) in enumerate(zip(logprobs["token_logprobs"], want["logprobs"])):
+        check(abs(mine - theirs["logprob"]) <= LOGPROB_ATOL, f"step {step}: {mine} != {theirs}")
+        alternatives = logprobs["top_logprobs"][step]
+        check(3 <= len(alternatives) <= 4 and
+              abs(max(alternatives.values()) - theirs["top"][0][1]) <= LOGPROB_ATOL,
+              f"step {step} top_logprobs {alternatives} != {theirs['top']}")
+    check(len(logprobs["token_logprobs"]) == len(want["ids"]), "one log-probability per token")
+    print("ok api: completions with penalties and logprobs: moeline run's tokens and "
+          "log-probabilities, in OpenAI's completions shape")
+
+    # Chat, streamed and not: the same log-probabilities, every token's chunk carrying its own.
+    chat = {"messages": [{"role": "user", "content": "a person who"}], "max_tokens": 10,
+            "temperature": 0, "frequency_penalty": 0.5, "logprobs": True, "top_logprobs": 2}
+    status, response, _ = post(stack, "/v1/chat/completions", chat)
+    check(status == 200, f"chat with logprobs: {status} {response}")
+    content = response["choices"][0]["logprobs"]["content"]
+    check(len(content) == response["usage"]["completion_tokens"] and all(
+          set(entry) == {"token", "logprob", "bytes", "top_logprobs"} and
+          len(entry["top_logprobs"]) == 2 and bytes(entry["bytes"]).decode(errors="replace") ==
+          entry["token"] and entry["top_logprobs"][0]["logprob"] >= entry["logprob"] - 1e-6
+          for entry in content), f"chat logprobs: {content}")
+    events, done = stream(stack, "/v1/chat/completions", {**chat, "stream": True})
+    streamed = [entry for event in events for entry in
+                ((event["choices"][0].get("logprobs") or {}).get("content") or [])]
+    check(done and [e["token"] for e in streamed] == [e["token"] for e in content] and all(
+          abs(a["logprob"] - b["logprob"]) <= LOGPROB_ATOL for a, b in zip(streamed, content)),
+          f"streamed chat logprobs {streamed} != {content}")
+    print("ok api: chat logprobs (token, logprob, bytes, top_logprobs), the same streamed")
 
 
 def case_auth(args):
@@ -324,6 +385,8 @@ def case_openai(args):
     run = os.path.join(args.workdir, "openai")
     name = os.path.basename(os.path.normpath(args.model))
     chat_ref = run_chat(args, "a person who", 40)
+    scored_ref = run_chat(args, "a person who", 12,
+                          ["--presence-penalty", "0.6", "--logprobs", "2"])
     expected = reference(args.moeline, args.model, 40, prompt=LONG_PROMPT)
     with Stack(args.moeline, args.model, run, http_port=0) as stack:
         out = subprocess.run(["node", os.path.join(HERE, "openai_client.cjs"), node_modules,
@@ -340,6 +403,13 @@ def case_openai(args):
           got["stream"]["finish_reason"] == chat_ref["finish_reason"] and
           got["stream"]["usage"]["completion_tokens"] == len(chat_ref["ids"]),
           f"streamed chat through the openai client: {got['stream']}")
+    scored = got["logprobs"]
+    check(scored["content"] == scored_ref["text"] and
+          len(scored["entries"]) == len(scored_ref["ids"]) == scored["usage"]["completion_tokens"]
+          and all(abs(e["logprob"] - r["logprob"]) <= LOGPROB_ATOL and e["top"] == 2 and
+                  isinstance(e["bytes"], list) for e, r in zip(scored["entries"],
+                                                               scored_ref["logprobs"])),
+          f"logprobs through the openai client: {scored} want {scored_ref}")
     full = expected["text"]
     check(got["completion"]["text"] == full[:full.index("Acanth")] and
           got["completion"]["finish_reason"] == "stop", f"completion with stop: {got['completion']}")
@@ -350,8 +420,8 @@ def case_openai(args):
           got["wrong_type"]["name"] == "BadRequestError",
           f"wrong type through the openai client: {got['wrong_type']}")
     print("ok openai: the official openai npm client lists the model, chats (greedy output "
-          "identical to moeline run --chat), streams with usage, completes up to a stop string, "
-          "and raises NotFoundError / BadRequestError with OpenAI's fields")
+          "identical to moeline run --chat), streams with usage, takes a penalty and "
+          "logprobs (moeline run's), completes up to a stop string, and raises NotFoundError / BadRequestError with OpenAI's fields")
 
 
 def concurrently(stack, bodies, gap_s=0.2):

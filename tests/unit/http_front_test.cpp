@@ -95,7 +95,9 @@ TEST(OpenAiRequest, ReadsEveryField) {
                                {"role": "developer", "content": "d"}],
     "max_completion_tokens": 7, "temperature": 0.5, "top_p": 0.9, "top_k": 5, "seed": -3,
     "stop": ["x", "y"], "stream": true, "stream_options": {"include_usage": true},
-    "user": "u", "chat_template_kwargs": {"enable_thinking": false}, "unknown": [1, {"x": 2}]})");
+    "user": "u", "chat_template_kwargs": {"enable_thinking": false}, "unknown": [1, {"x": 2}],
+    "min_p": 0.05, "presence_penalty": -1.5, "frequency_penalty": 2, "repetition_penalty": 1.1,
+    "logprobs": true, "top_logprobs": 4})");
   ASSERT_EQ(r.messages.size(), 4u);
   EXPECT_EQ(r.messages[1].content, "ab");
   EXPECT_EQ(r.messages[2].content, "");
@@ -109,6 +111,20 @@ TEST(OpenAiRequest, ReadsEveryField) {
   EXPECT_TRUE(r.stream && r.include_usage);
   EXPECT_EQ(r.user, "u");
   EXPECT_EQ(r.chat.enable_thinking, false);
+  EXPECT_DOUBLE_EQ(r.min_p, 0.05);
+  EXPECT_DOUBLE_EQ(r.presence_penalty, -1.5);
+  EXPECT_DOUBLE_EQ(r.frequency_penalty, 2);
+  EXPECT_DOUBLE_EQ(r.repetition_penalty, 1.1);
+  EXPECT_TRUE(r.logprobs);
+  EXPECT_EQ(r.top_logprobs, 4);
+  // Completions take logprobs as the number of alternatives; 0 still asks for the chosen token's.
+  const CompletionRequest legacy =
+      request_of(Endpoint::kCompletions, R"({"prompt": "p", "logprobs": 0})");
+  EXPECT_TRUE(legacy.logprobs);
+  EXPECT_EQ(legacy.top_logprobs, 0);
+  EXPECT_EQ(request_of(Endpoint::kCompletions, R"({"prompt": "p", "logprobs": 5})").top_logprobs,
+            5);
+  EXPECT_FALSE(request_of(Endpoint::kCompletions, R"({"prompt": "p", "logprobs": null})").logprobs);
 }
 
 TEST(OpenAiRequest, DefaultsAreOpenAis) {
@@ -161,9 +177,17 @@ TEST(OpenAiRequest, WrongTypesAndValuesNameTheirParameter) {
       {Endpoint::kCompletions, R"({"prompt": "p", "stream_options": {"include_usage": true}})",
        "stream_options"},
       {Endpoint::kCompletions, R"({"prompt": "p", "n": 3})", "n"},
-      {Endpoint::kCompletions, R"({"prompt": "p", "logprobs": 2})", "logprobs"},
+      {Endpoint::kCompletions, R"({"prompt": "p", "logprobs": 21})", "logprobs"},
+      {Endpoint::kCompletions, R"({"prompt": "p", "logprobs": true})", "logprobs"},
       {Endpoint::kChat, R"({"messages": [], "logprobs": true})", "messages"},
-      {Endpoint::kCompletions, R"({"prompt": "p", "frequency_penalty": 1})", "frequency_penalty"},
+      {Endpoint::kChat, R"({"messages": [{"role": "user"}], "logprobs": 3})", "logprobs"},
+      {Endpoint::kChat, R"({"messages": [{"role": "user"}], "top_logprobs": 2})", "top_logprobs"},
+      {Endpoint::kChat, R"({"messages": [{"role": "user"}], "logprobs": true, "top_logprobs": 30})",
+       "top_logprobs"},
+      {Endpoint::kCompletions, R"({"prompt": "p", "frequency_penalty": 3})", "frequency_penalty"},
+      {Endpoint::kCompletions, R"({"prompt": "p", "presence_penalty": "x"})", "presence_penalty"},
+      {Endpoint::kCompletions, R"({"prompt": "p", "repetition_penalty": 0})", "repetition_penalty"},
+      {Endpoint::kCompletions, R"({"prompt": "p", "min_p": 1.5})", "min_p"},
       {Endpoint::kCompletions, R"({"prompt": "p", "model": 4})", "model"},
   };
   for (const Case& c : cases) {

@@ -1,0 +1,39 @@
+#pragma once
+// OpenAI's logprobs objects from the gateway's per-token log-probabilities: the chat shape
+// ({"content": [{"token", "logprob", "bytes", "top_logprobs": [{"token", "logprob", "bytes"}]}],
+// "refusal": null}) and the completions shape ({"tokens", "token_logprobs", "top_logprobs":
+// [{token: logprob}], "text_offset"}). A token's text is its own bytes as the tokenizer decodes
+// it alone ("bytes" has them exactly; "token" is that text with any incomplete UTF-8 character
+// replaced, as the response is JSON).
+
+#include <cstddef>
+#include <cstdint>
+#include <span>
+#include <string>
+
+#include <nlohmann/json.hpp>
+
+#include "model/tokenizer/tokenizer.h"
+#include "sdk/client.h"
+#include "stages/http/openai.h"
+
+namespace moeline::stages::http {
+
+class LogprobsWriter {
+ public:
+  LogprobsWriter(Endpoint endpoint, const model::Tokenizer& tokenizer)
+      : endpoint_(endpoint), tokenizer_(&tokenizer) {}
+  // The logprobs object of these tokens (one log-probability each); the completions shape's
+  // text_offset counts characters from `offset`, which moves past their text.
+  nlohmann::json object(std::span<const int32_t> ids, std::span<const sdk::TokenLogprob> logprobs,
+                        size_t& offset) const;
+
+ private:
+  std::string text_of(int32_t id) const;
+  nlohmann::json chat_entry(int32_t id, float logprob) const;
+
+  Endpoint endpoint_;
+  const model::Tokenizer* tokenizer_;
+};
+
+}  // namespace moeline::stages::http
