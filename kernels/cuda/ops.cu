@@ -513,7 +513,7 @@ __global__ void argmax_kernel(const float* logits, int64_t vocab, int32_t* ids) 
 // One block per row: the top_k candidates by repeated block-wide argmax (best first, ties to the
 // lower id, the previous picks excluded), then the host sampler's arithmetic on thread 0.
 __global__ void sample_top_k_kernel(const float* logits, int64_t vocab, const double* temperature,
-                                    const int32_t* top_k, const double* top_p,
+                                    const int32_t* top_k, const double* min_p, const double* top_p,
                                     const double* uniform, int32_t* ids) {
   __shared__ int32_t picked[kMaxDeviceTopK];
   const int64_t row_index = blockIdx.x;
@@ -555,30 +555,59 @@ __global__ void sample_top_k_kernel(const float* logits, int64_t vocab, const do
   k = found;
   const double t = temperature[row_index] > 0 ? temperature[row_index] : 1.0;
   const double max_logit = row[picked[0]];
-  double total = 0.0;
-  for (int64_t i = 0; i < k; ++i) total += exp((row[picked[i]] - max_logit) / t);
+  // Weights relative to the best candidate's (1), as the host sampler keeps them.
+  auto weight = [&](int64_t i) { return exp((row[picked[i]] - max_logit) / t); };
   int64_t kept = k;
+  if (min_p[row_index] > 0.0) {
+    int64_t above = 1;
+    while (above < kept && weight(above) >= min_p[row_index]) ++above;
+    kept = above;
+  }
+  double total = 0.0;
+  for (int64_t i = 0; i < kept; ++i) total += weight(i);
   if (top_p[row_index] < 1.0) {
     double mass = 0.0;
     int64_t nucleus = 0;
     while (nucleus < kept) {
-      mass += exp((row[picked[nucleus++]] - max_logit) / t) / total;
+      mass += weight(nucleus++) / total;
       if (mass >= top_p[row_index]) break;
     }
     kept = nucleus;
     total = 0.0;
-    for (int64_t i = 0; i < kept; ++i) total += exp((row[picked[i]] - max_logit) / t);
+    for (int64_t i = 0; i < kept; ++i) total += weight(i);
   }
   const double target = uniform[row_index] * total;
   double cumulative = 0.0;
   for (int64_t i = 0; i < kept; ++i) {
-    cumulative += exp((row[picked[i]] - max_logit) / t);
+    cumulative += weight(i);
     if (target < cumulative) {
       ids[row_index] = picked[i];
       return;
     }
   }
   ids[row_index] = picked[kept - 1];
+}
+
+// One block per row, a thread per penalised token. The _rn intrinsics keep nvcc from fusing the
+// multiply into the subtraction, which would round differently from the host.
+__global__ void apply_penalties_kernel(float* logits, int64_t vocab, const int32_t* offsets,
+                                       const int32_t* tokens, const int32_t* generated,
+                                       const double* repetition, const double* frequency,
+                                       const double* presence) {
+  const int64_t row_index = blockIdx.x;
+  float* row = logits + row_index * vocab;
+  for (int32_t e = offsets[row_index] + static_cast<int32_t>(threadIdx.x);
+       e < offsets[row_index + 1]; e += static_cast<int32_t>(blockDim.x)) {
+    const int32_t token = tokens[e];
+    if (token < 0 || token >= vocab) continue;
+    double value = row[token];
+    value = value > 0.0 ? __ddiv_rn(value, repetition[row_index])
+                        : __dmul_rn(value, repetition[row_index]);
+    const double count = static_cast<double>(generated[e]);
+    value = __dsub_rn(value, __dmul_rn(frequency[row_index], count));
+    value = __dsub_rn(value, __dmul_rn(presence[row_index], generated[e] > 0 ? 1.0 : 0.0));
+    row[token] = static_cast<float>(value);
+  }
 }
 
 void allow_shared(const void* kernel, size_t bytes) {
@@ -635,12 +664,21 @@ void combine_pairs(const float* pair_out, int64_t width, const int32_t* chosen,
 }
 
 void sample_top_k(const float* logits, int64_t n, int64_t vocab, const double* temperature,
-                  const int32_t* top_k, const double* top_p, const double* uniform, int32_t* ids,
-                  cudaStream_t stream) {
+                  const int32_t* top_k, const double* min_p, const double* top_p,
+                  const double* uniform, int32_t* ids, cudaStream_t stream) {
   if (n == 0) return;
   sample_top_k_kernel<<<static_cast<unsigned>(n), kThreads, 0, stream>>>(
-      logits, vocab, temperature, top_k, top_p, uniform, ids);
+      logits, vocab, temperature, top_k, min_p, top_p, uniform, ids);
   check(cudaGetLastError(), "sample_top_k");
+}
+
+void apply_penalties(float* logits, int64_t n, int64_t vocab, const int32_t* offsets,
+                     const int32_t* tokens, const int32_t* generated, const double* repetition,
+                     const double* frequency, const double* presence, cudaStream_t stream) {
+  if (n == 0) return;
+  apply_penalties_kernel<<<static_cast<unsigned>(n), kThreads, 0, stream>>>(
+      logits, vocab, offsets, tokens, generated, repetition, frequency, presence);
+  check(cudaGetLastError(), "apply_penalties");
 }
 
 void argmax(const float* logits, int64_t n, int64_t vocab, int32_t* ids, cudaStream_t stream) {

@@ -136,13 +136,22 @@ void combine_pairs(const float* pair_out, int64_t width, const int32_t* chosen,
 // sampling on the device.
 void argmax(const float* logits, int64_t n, int64_t vocab, int32_t* ids, cudaStream_t stream);
 
-// Sampling with a temperature from the top_k (1..1024) candidates, cut to the top_p nucleus, as
-// model::Sampler does on the host given the same uniform draw: row t uses temperature[t], top_k[t],
-// top_p[t] and uniform[t] in [0, 1). (Sampling from the whole vocabulary, top_k 0, needs its full
-// sort and stays on the host.)
+// Sampling with a temperature from the top_k (1..1024) candidates, cut by min_p and to the top_p
+// nucleus, as model::Sampler does on the host given the same uniform draw: row t uses
+// temperature[t], top_k[t], min_p[t], top_p[t] and uniform[t] in [0, 1). (Sampling from the whole
+// vocabulary, top_k 0, needs its full sort and stays on the host.)
 inline constexpr int64_t kMaxDeviceTopK = 1024;
 void sample_top_k(const float* logits, int64_t n, int64_t vocab, const double* temperature,
-                  const int32_t* top_k, const double* top_p, const double* uniform, int32_t* ids,
-                  cudaStream_t stream);
+                  const int32_t* top_k, const double* min_p, const double* top_p,
+                  const double* uniform, int32_t* ids, cudaStream_t stream);
+
+// The repetition, frequency and presence penalties on n rows of logits in place, as
+// model::apply_penalties does on the host (bit for bit: double arithmetic, no fused multiply-add,
+// one rounding to float): row t's penalised tokens are tokens[offsets[t] .. offsets[t + 1]), each
+// with its count in the output so far (generated; 0: only in the prompt), and its parameters
+// repetition[t], frequency[t], presence[t]. A token appears at most once per row.
+void apply_penalties(float* logits, int64_t n, int64_t vocab, const int32_t* offsets,
+                     const int32_t* tokens, const int32_t* generated, const double* repetition,
+                     const double* frequency, const double* presence, cudaStream_t stream);
 
 }  // namespace moeline::kernels::cuda

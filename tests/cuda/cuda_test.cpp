@@ -268,31 +268,75 @@ TEST(CudaOps, TopKSamplingPicksWhatTheHostSamplerPicks) {
   int compared = 0;
   for (double temperature : {0.7, 1.3})
     for (int32_t top_k : {1, 40, 1000})
-      for (double top_p : {1.0, 0.9, 0.5}) {
-        for (uint64_t seed = 1; seed <= 8; ++seed) {
-          const auto logits =
-              random_floats(static_cast<size_t>(vocab), static_cast<unsigned>(seed));
-          model::SamplingParams params;
-          params.temperature = temperature;
-          params.top_k = top_k;
-          params.top_p = top_p;
-          params.seed = seed;
-          model::Sampler sampler(params);
-          const int32_t want = sampler.sample(logits.data(), vocab);
-          // The sampler's one uniform draw for this sample (model/sampling.cpp).
-          std::mt19937_64 rng(seed);
-          const double u = static_cast<double>(rng() >> 11) * 0x1.0p-53;
-          Device<float> dl(logits);
-          Device<double> dt(std::vector<double>{temperature}), dp(std::vector<double>{top_p}),
-              du(std::vector<double>{u});
-          Device<int32_t> dk(std::vector<int32_t>{top_k}), id(std::vector<int32_t>{-1});
-          cu::sample_top_k(dl.data, 1, vocab, dt.data, dk.data, dp.data, du.data, id.data, nullptr);
-          ASSERT_EQ(id.host()[0], want)
-              << "T " << temperature << " k " << top_k << " p " << top_p << " seed " << seed;
-          ++compared;
+      for (double top_p : {1.0, 0.9, 0.5})
+        for (double min_p : {0.0, 0.05}) {
+          for (uint64_t seed = 1; seed <= 8; ++seed) {
+            const auto logits =
+                random_floats(static_cast<size_t>(vocab), static_cast<unsigned>(seed));
+            model::SamplingParams params;
+            params.temperature = temperature;
+            params.top_k = top_k;
+            params.top_p = top_p;
+            params.min_p = min_p;
+            params.seed = seed;
+            model::Sampler sampler(params);
+            const int32_t want = sampler.sample(logits.data(), vocab);
+            // The sampler's one uniform draw for this sample (model/sampling.cpp).
+            std::mt19937_64 rng(seed);
+            const double u = static_cast<double>(rng() >> 11) * 0x1.0p-53;
+            Device<float> dl(logits);
+            Device<double> dt(std::vector<double>{temperature}), dp(std::vector<double>{top_p}),
+                dm(std::vector<double>{min_p}), du(std::vector<double>{u});
+            Device<int32_t> dk(std::vector<int32_t>{top_k}), id(std::vector<int32_t>{-1});
+            cu::sample_top_k(dl.data, 1, vocab, dt.data, dk.data, dm.data, dp.data, du.data,
+                             id.data, nullptr);
+            ASSERT_EQ(id.host()[0], want) << "T " << temperature << " k " << top_k << " p " << top_p
+                                          << " min_p " << min_p << " seed " << seed;
+            ++compared;
+          }
         }
-      }
-  EXPECT_EQ(compared, 144);
+  EXPECT_EQ(compared, 288);
+}
+
+TEST(CudaOps, PenaltiesMatchTheHostBitForBit) {
+  REQUIRE_DEVICE();
+  const int64_t vocab = 5000, rows = 3;
+  auto logits = random_floats(static_cast<size_t>(rows * vocab), 17, 4.0f);
+  const std::vector<model::SamplingParams> params = {
+      {.presence_penalty = 0.7, .frequency_penalty = 0.3, .repetition_penalty = 1.3},
+      {.presence_penalty = -1.25, .frequency_penalty = 2.0, .repetition_penalty = 0.8},
+      {.repetition_penalty = 1.05}};
+  std::vector<int32_t> offsets = {0}, tokens, generated;
+  std::vector<double> repetition, frequency, presence;
+  std::vector<float> want = logits;
+  std::mt19937 rng(5);
+  for (int64_t t = 0; t < rows; ++t) {
+    // Distinct tokens, some only in the prompt (count 0), some generated up to 5 times.
+    std::vector<model::PenalizedToken> row;
+    for (int32_t token = static_cast<int32_t>(rng() % 7); token < vocab;
+         token += 1 + static_cast<int32_t>(rng() % 97))
+      row.push_back({token, static_cast<int32_t>(rng() % 6)});
+    model::apply_penalties(want.data() + t * vocab, vocab, row, params[static_cast<size_t>(t)]);
+    for (const auto& entry : row)
+      tokens.push_back(entry.token), generated.push_back(entry.generated);
+    offsets.push_back(static_cast<int32_t>(tokens.size()));
+    repetition.push_back(params[static_cast<size_t>(t)].repetition_penalty);
+    frequency.push_back(params[static_cast<size_t>(t)].frequency_penalty);
+    presence.push_back(params[static_cast<size_t>(t)].presence_penalty);
+  }
+  Device<float> dl(logits);
+  Device<int32_t> doff(offsets), dtok(tokens), dgen(generated);
+  Device<double> drep(repetition), dfreq(frequency), dpres(presence);
+  cu::apply_penalties(dl.data, rows, vocab, doff.data, dtok.data, dgen.data, drep.data, dfreq.data,
+                      dpres.data, nullptr);
+  const std::vector<float> got = dl.host();
+  ASSERT_EQ(got.size(), want.size());
+  int64_t changed = 0;
+  for (size_t i = 0; i < got.size(); ++i) {
+    ASSERT_EQ(got[i], want[i]) << "logit " << i;
+    changed += got[i] != logits[i];
+  }
+  EXPECT_GT(changed, 100);  // the penalties did something
 }
 
 TEST(CudaOps, DeviceExpertsMatchTheCpuExperts) {
