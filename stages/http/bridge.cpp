@@ -10,7 +10,7 @@ namespace moeline::stages::http {
 void RequestChannel::push(sdk::Event event) {
   {
     std::lock_guard lock(mutex_);
-    events_.push_back(std::move(event));
+    events_.emplace_back(std::move(event), Clock::now());
   }
   ready_.notify_one();
 }
@@ -18,7 +18,8 @@ void RequestChannel::push(sdk::Event event) {
 std::optional<sdk::Event> RequestChannel::next(std::chrono::milliseconds timeout) {
   std::unique_lock lock(mutex_);
   if (!ready_.wait_for(lock, timeout, [&] { return !events_.empty(); })) return std::nullopt;
-  sdk::Event event = std::move(events_.front());
+  sdk::Event event = std::move(events_.front().first);
+  arrived_ = events_.front().second;
   events_.pop_front();
   return event;
 }

@@ -24,14 +24,19 @@ namespace moeline::stages::http {
 // The events of one request, from the bridge thread to the handler that waits for them.
 class RequestChannel {
  public:
+  using Clock = std::chrono::steady_clock;
   void push(sdk::Event event);
   // The next event, or nullopt after `timeout`.
   std::optional<sdk::Event> next(std::chrono::milliseconds timeout);
+  // When the event next() returned last reached this process (the waiting thread's view): what
+  // the HTTP stage adds to a token is the time from then to its chunk being written.
+  Clock::time_point arrived_at() const { return arrived_; }
 
  private:
   std::mutex mutex_;
   std::condition_variable ready_;
-  std::deque<sdk::Event> events_;
+  std::deque<std::pair<sdk::Event, Clock::time_point>> events_;
+  Clock::time_point arrived_;
 };
 
 class GatewayBridge {

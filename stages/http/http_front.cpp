@@ -1,6 +1,7 @@
 #include "stages/http/http_front.h"
 
 #include <httplib.h>
+#include <sys/socket.h>
 
 #include <chrono>
 #include <ctime>
@@ -15,6 +16,7 @@
 #include "stages/common/common.h"
 #include "stages/http/backend.h"
 #include "stages/http/bridge.h"
+#include "stages/http/connection_threads.h"
 #include "stages/http/events.h"
 #include "stages/http/logprobs.h"
 #include "stages/http/openai.h"
@@ -84,6 +86,11 @@ class HttpFront {
                                        "Request received to its first token written",
                                        {0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10});
     in_flight_ = &service.metrics.gauge("moeline_http_requests_in_flight", "Requests open");
+    token_delay_ = &service.metrics.histogram(
+        "moeline_http_token_delay_seconds",
+        "A streamed token's event received from the gateway to its chunk written to the client "
+        "(what this stage adds per token)",
+        {0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1});
     created_ = static_cast<int64_t>(std::time(nullptr));
   }
 
@@ -96,7 +103,7 @@ class HttpFront {
     httplib::Server server;
     // A thread per open connection: a streaming response holds its thread while it streams.
     const size_t threads = threads_;
-    server.new_task_queue = [threads] { return new httplib::ThreadPool(threads); };
+    server.new_task_queue = [threads] { return new http::ConnectionThreads(threads); };
     server.set_payload_max_length(max_body_bytes_);
     // Each token is a small write: Nagle's algorithm would hold it until the previous one is
     // acknowledged (up to the peer's delayed-ACK timer, tens of milliseconds).
@@ -106,7 +113,18 @@ class HttpFront {
     server.set_keep_alive_timeout(30);
     server.set_keep_alive_max_count(1000);
     routes(server);
+    // cpp-httplib listens with a backlog of 5 (a compile-time constant of the Debian library): a
+    // burst of connections overflows it, and clients see resets and retransmission delays. The
+    // socket is listened on again with the system's limit once bound.
+    int listener = -1;
+    server.set_socket_options([&listener](int socket) {
+      int yes = 1;
+      setsockopt(socket, SOL_SOCKET, SO_REUSEADDR, &yes, sizeof(yes));
+      listener = socket;
+    });
     if (!server.bind_to_port(host, port)) throw std::runtime_error("cannot listen on " + listen);
+    if (listener >= 0 && ::listen(listener, SOMAXCONN) != 0)
+      log_.warn("listen_backlog", {{"detail", "cannot raise the listen backlog"}});
     std::thread stopper([&] {
       while (!runtime::StageService::stop_requested() &&
              !runtime::StageService::drain_requested()) {
@@ -408,6 +426,9 @@ class HttpFront {
                                                             first_chunk, "", token_logprobs))
                       : send_text(sink, tokens.event(text));
               if (!sent) return false;
+              if (!first_chunk && event->kind == sdk::EventKind::kDelta)
+                token_delay_->observe(
+                    std::chrono::duration<double>(Clock::now() - channel->arrived_at()).count());
               first_chunk = false;
             }
             if (over) break;
@@ -443,6 +464,7 @@ class HttpFront {
   size_t threads_ = 1024;
   runtime::Histogram* ttft_ = nullptr;
   runtime::Gauge* in_flight_ = nullptr;
+  runtime::Histogram* token_delay_ = nullptr;
 };
 
 int http_body(const runtime::Config& config) {

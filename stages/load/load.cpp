@@ -39,6 +39,11 @@ double ms(Clock::duration d) {
 struct Samples {
   std::vector<double> ttft_ms, tpot_ms, e2e_ms;
   uint64_t started = 0, completed = 0, errors = 0, prompt_tokens = 0, output_tokens = 0;
+  std::map<std::string, uint64_t> error_kinds;  // what each error was, counted
+  void error(const std::string& kind) {
+    ++errors;
+    ++error_kinds[kind];
+  }
 };
 
 nlohmann::json percentiles(std::vector<double> values) {
@@ -136,7 +141,7 @@ Samples drive_stack(const LoadOptions& o, int64_t vocab) {
         continue;
       }
       client.cancel(it->first);
-      ++s.errors;
+      s.error("timeout");
       it = live.erase(it);
     }
     auto event = client.next_event(std::chrono::milliseconds(o.rate > 0 ? 1 : 100));
@@ -160,7 +165,7 @@ Samples drive_stack(const LoadOptions& o, int64_t vocab) {
         s.e2e_ms.push_back(ms(t - l.start));
         s.output_tokens += l.tokens;
       } else {
-        ++s.errors;
+        s.error(event->error_name.empty() ? "error" : event->error_name);
       }
       live.erase(it);
     }
@@ -240,7 +245,9 @@ Samples drive_http(const LoadOptions& o, int64_t vocab) {
       s.prompt_tokens += static_cast<uint64_t>(o.prompt_tokens);
       auto result = client.send(request);
       if (!result || result->status != 200 || failed) {
-        ++s.errors;
+        s.error(!result                 ? "http: " + httplib::to_string(result.error())
+                : result->status != 200 ? "http status " + std::to_string(result->status)
+                                        : std::string("error event in the stream"));
         continue;
       }
       ++s.completed;
@@ -251,6 +258,7 @@ Samples drive_http(const LoadOptions& o, int64_t vocab) {
     total.started += s.started;
     total.completed += s.completed;
     total.errors += s.errors;
+    for (const auto& [kind, count] : s.error_kinds) total.error_kinds[kind] += count;
     total.prompt_tokens += s.prompt_tokens;
     total.output_tokens += s.output_tokens;
     total.ttft_ms.insert(total.ttft_ms.end(), s.ttft_ms.begin(), s.ttft_ms.end());
@@ -461,7 +469,7 @@ Samples drive_stage_loop(const LoadOptions& o, const model::Model& model, StageU
         }
       } else if (message.type == wire::MessageType::JobFailed) {
         live.erase(message.as<wire::JobFailed>()->request_id());
-        ++s.errors;
+        s.error("job_failed");
       }
     }
   }
@@ -524,6 +532,7 @@ int load_body(const runtime::Config& config) {
       {"requests", s.started},
       {"completed", s.completed},
       {"errors", s.errors},
+      {"error_kinds", s.error_kinds},
       {"requests_per_s", static_cast<double>(s.completed) / elapsed},
       {"prompt_tokens_per_s", static_cast<double>(s.prompt_tokens) / elapsed},
       {"output_tokens_per_s", static_cast<double>(s.output_tokens) / elapsed},

@@ -3,10 +3,15 @@
 // tests/integration/test_http.py).
 #include <gtest/gtest.h>
 
+#include <atomic>
+#include <chrono>
+#include <future>
 #include <string>
+#include <thread>
 #include <variant>
 #include <vector>
 
+#include "stages/http/connection_threads.h"
 #include "stages/http/openai.h"
 #include "stages/http/stop_matcher.h"
 
@@ -263,6 +268,39 @@ TEST(OpenAiResponse, ChatAndCompletionShapes) {
   }
   EXPECT_EQ(new_completion_id(Endpoint::kChat).rfind("chatcmpl-", 0), 0u);
   EXPECT_NE(new_completion_id(Endpoint::kChat), new_completion_id(Endpoint::kChat));
+}
+
+TEST(ConnectionThreads, HoldsAConnectionPerThreadUpToTheLimitThenQueues) {
+  // Each job holds its thread (as a streaming response does) until released.
+  std::promise<void> release;
+  std::shared_future<void> released = release.get_future().share();
+  std::atomic<int> running{0}, done{0};
+  {
+    ConnectionThreads threads(4, 1);
+    for (int i = 0; i < 6; ++i)
+      threads.enqueue([&] {
+        ++running;
+        released.wait();
+        ++done;
+      });
+    // Four run at once (threads started on demand past the one ready); two wait their turn.
+    for (int i = 0; i < 500 && running.load() < 4; ++i)
+      std::this_thread::sleep_for(std::chrono::milliseconds(2));
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+    EXPECT_EQ(running.load(), 4);
+    EXPECT_EQ(threads.started(), 4u);
+    release.set_value();
+    for (int i = 0; i < 500 && done.load() < 6; ++i)
+      std::this_thread::sleep_for(std::chrono::milliseconds(2));
+    EXPECT_EQ(done.load(), 6);
+    // An idle thread takes the next connection: no new thread.
+    std::atomic<bool> ran{false};
+    threads.enqueue([&] { ran = true; });
+    for (int i = 0; i < 500 && !ran.load(); ++i)
+      std::this_thread::sleep_for(std::chrono::milliseconds(2));
+    EXPECT_TRUE(ran.load());
+    EXPECT_EQ(threads.started(), 4u);
+  }  // shutdown joins every thread
 }
 
 }  // namespace
