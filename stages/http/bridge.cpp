@@ -10,9 +10,33 @@ namespace moeline::stages::http {
 void RequestChannel::push(sdk::Event event) {
   {
     std::lock_guard lock(mutex_);
-    events_.emplace_back(std::move(event), Clock::now());
+    if (consumer_) {
+      if (consumed_ || consumer_(event, Clock::now())) return;
+      consumed_ = true;
+    } else {
+      events_.emplace_back(std::move(event), Clock::now());
+    }
   }
   ready_.notify_one();
+}
+
+bool RequestChannel::attach(Consumer consumer) {
+  std::lock_guard lock(mutex_);
+  consumer_ = std::move(consumer);
+  consumed_ = false;
+  while (!events_.empty() && !consumed_) {
+    auto [event, arrived] = std::move(events_.front());
+    events_.pop_front();
+    consumed_ = !consumer_(event, arrived);
+  }
+  return !consumed_;
+}
+
+bool RequestChannel::wait_consumed(Clock::time_point deadline) {
+  std::unique_lock lock(mutex_);
+  const bool finished = ready_.wait_until(lock, deadline, [&] { return consumed_; });
+  consumer_ = nullptr;
+  return finished;
 }
 
 std::optional<sdk::Event> RequestChannel::next(std::chrono::milliseconds timeout) {

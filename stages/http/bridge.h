@@ -9,6 +9,7 @@
 #include <condition_variable>
 #include <cstdint>
 #include <deque>
+#include <functional>
 #include <map>
 #include <memory>
 #include <mutex>
@@ -32,11 +33,23 @@ class RequestChannel {
   // the HTTP stage adds to a token is the time from then to its chunk being written.
   Clock::time_point arrived_at() const { return arrived_; }
 
+  // From now on each event goes to `consumer` as it arrives, on the bridge thread, instead of
+  // waiting in the queue for next() (those already queued go to it first, on this thread), until
+  // it returns false. A streaming response writes its tokens this way, without a wake-up of its
+  // own thread per token. Returns false if the consumer finished on the queued events.
+  using Consumer = std::function<bool(const sdk::Event& event, Clock::time_point arrived)>;
+  bool attach(Consumer consumer);
+  // Waits until the attached consumer has returned false, or `deadline`; either way it is then
+  // detached (never called again). True if it finished.
+  bool wait_consumed(Clock::time_point deadline);
+
  private:
   std::mutex mutex_;
   std::condition_variable ready_;
   std::deque<std::pair<sdk::Event, Clock::time_point>> events_;
   Clock::time_point arrived_;
+  Consumer consumer_;
+  bool consumed_ = false;
 };
 
 class GatewayBridge {

@@ -21,6 +21,7 @@
 #include "stages/http/logprobs.h"
 #include "stages/http/openai.h"
 #include "stages/http/stop_matcher.h"
+#include "stages/http/token_stream.h"
 #include "stages/runtime/service.h"
 
 namespace moeline::stages {
@@ -63,6 +64,7 @@ class HttpFront {
     max_body_bytes_ = runtime::parse_bytes(config.text("max-body-bytes"));
     threads_ =
         static_cast<size_t>(std::clamp<int64_t>(config.integer("max-connections"), 4, 65536));
+    write_timeout_ms_ = std::clamp<int64_t>(config.integer("write-timeout-ms"), 10, 600000);
     // A Curve key directory (as every stage takes) gives the gateway's public key.
     std::string server_key = config.text("server-key");
     if (server_key.empty() && !config.text("curve-dir").empty())
@@ -109,7 +111,9 @@ class HttpFront {
     // acknowledged (up to the peer's delayed-ACK timer, tens of milliseconds).
     server.set_tcp_nodelay(true);
     server.set_read_timeout(30, 0);
-    server.set_write_timeout(30, 0);
+    // Tokens are written by the gateway bridge's thread for every stream: a client whose socket
+    // stays full this long is cut off (its request cancelled) rather than stall the others.
+    server.set_write_timeout(write_timeout_ms_ / 1000, (write_timeout_ms_ % 1000) * 1000);
     server.set_keep_alive_timeout(30);
     server.set_keep_alive_max_count(1000);
     routes(server);
@@ -359,97 +363,34 @@ class HttpFront {
     count(endpoint, 200);
   }
 
-  static bool send_event(httplib::DataSink& sink, const json& data) {
-    return send_text(sink, "data: " + http::to_text(data) + "\n\n");
-  }
-
-  static bool send_text(httplib::DataSink& sink, const std::string& text) {
-    return sink.write(text.data(), text.size());
-  }
-
   void stream(Endpoint endpoint, const CompletionRequest& api_request, const Backend& backend,
               std::shared_ptr<http::RequestChannel> channel, sdk::Event first,
               uint32_t prompt_tokens, std::shared_ptr<http::Completion> completion,
               Clock::time_point deadline, httplib::Response& response) {
     count(endpoint, 200);
     response.set_header("Cache-Control", "no-cache");
-    struct State {
-      std::optional<sdk::Event> pending;
-      http::StopMatcher stops;
-      bool ended = false;  // the pipeline's request is over: nothing to cancel
-      uint32_t prompt_tokens = 0;
-      size_t text_offset = 0;  // completions' logprobs.text_offset
-    };
+    auto tokens = std::make_shared<http::TokenStream>(endpoint, api_request, backend, completion,
+                                                      prompt_tokens, token_delay_);
+    auto pending = std::make_shared<sdk::Event>(std::move(first));
     http::GatewayBridge* bridge = backend.bridge.get();
-    std::optional<http::LogprobsWriter> logprobs;
-    if (api_request.logprobs) logprobs.emplace(endpoint, *backend.tokenizer);
-    auto state = std::make_shared<State>(
-        State{std::move(first), http::StopMatcher(api_request.stop), false, prompt_tokens});
-    const bool include_usage = api_request.include_usage;
     response.set_chunked_content_provider(
         "text/event-stream",
-        [this, endpoint, channel, state, completion, deadline, include_usage, logprobs,
-         tokens = http::TokenEvents(endpoint, *completion)](size_t, httplib::DataSink& sink) {
-          Outcome outcome;
-          outcome.usage.prompt_tokens = state->prompt_tokens;
-          bool first_chunk = true;
-          while (!state->ended) {
-            std::optional<sdk::Event> event;
-            if (state->pending) {
-              event = std::move(state->pending);
-              state->pending.reset();
-            } else {
-              event = http::next_event(*channel, deadline, state->prompt_tokens);
-            }
-            if (!event) {
-              outcome.error = ApiError{504, "the request timed out", "timeout_error", "", ""};
-              break;
-            }
-            std::string text;
-            const size_t known = outcome.ids.size();
-            const bool over = http::absorb(*event, state->stops, outcome, text);
-            // Ended by the pipeline (finished, failed); a stop string still needs a cancel.
-            state->ended = over && !state->stops.stopped();
-            if (outcome.error) break;
-            // With log-probabilities, every token's chunk carries them, text or not.
-            json token_logprobs = nullptr;
-            if (logprobs && outcome.ids.size() > known)
-              token_logprobs = logprobs->object(
-                  std::span(outcome.ids).subspan(known),
-                  std::span(outcome.logprobs).subspan(std::min(known, outcome.logprobs.size())),
-                  state->text_offset);
-            if (!text.empty() || first_chunk || !token_logprobs.is_null()) {
-              // A client that went away: false, and the releaser cancels the request.
-              const bool sent =
-                  first_chunk || !token_logprobs.is_null()
-                      ? send_event(sink, http::stream_chunk(endpoint, *completion, text,
-                                                            first_chunk, "", token_logprobs))
-                      : send_text(sink, tokens.event(text));
-              if (!sent) return false;
-              if (!first_chunk && event->kind == sdk::EventKind::kDelta)
-                token_delay_->observe(
-                    std::chrono::duration<double>(Clock::now() - channel->arrived_at()).count());
-              first_chunk = false;
-            }
-            if (over) break;
+        [channel, tokens, pending, deadline](size_t, httplib::DataSink& sink) {
+          // The first event here; the rest written by the bridge thread as they arrive.
+          if (tokens->on_event(*pending, Clock::now(), sink)) {
+            channel->attach([&](const sdk::Event& event, Clock::time_point arrived) {
+              return tokens->on_event(event, arrived, sink);
+            });
+            if (!channel->wait_consumed(deadline)) tokens->time_out();
           }
-          if (outcome.error) {
-            send_event(sink, outcome.error->body());
-          } else {
-            completion->usage = outcome.usage;
-            completion->usage.completion_tokens = outcome.completion_tokens;
-            completion->timings = outcome.timings;
-            send_event(sink,
-                       http::stream_chunk(endpoint, *completion, "", false, outcome.finish_reason));
-            if (include_usage) send_event(sink, http::usage_chunk(endpoint, *completion));
-          }
-          const std::string done = "data: [DONE]\n\n";
-          sink.write(done.data(), done.size());
+          // A client that went away: false, and the releaser cancels the request.
+          if (tokens->client_gone()) return false;
+          tokens->finish(sink);
           sink.done();
           return true;
         },
-        [this, bridge, channel, state](bool) {
-          if (!state->ended) bridge->cancel(channel);
+        [this, bridge, channel, tokens](bool) {
+          if (!tokens->pipeline_ended()) bridge->cancel(channel);
           in_flight_->add(-1);
         });
   }
@@ -462,6 +403,7 @@ class HttpFront {
   std::chrono::seconds request_timeout_{600};
   size_t max_body_bytes_ = 0;
   size_t threads_ = 1024;
+  int64_t write_timeout_ms_ = 1000;
   runtime::Histogram* ttft_ = nullptr;
   runtime::Gauge* in_flight_ = nullptr;
   runtime::Histogram* token_delay_ = nullptr;
@@ -504,6 +446,10 @@ std::vector<runtime::ConfigKey> http_keys() {
                   "with a fallback: the primary's longest time to first token before the "
                   "request goes to the fallback (0: only Overloaded falls back)"});
   keys.push_back({"max-body-bytes", "8MiB", "largest request body accepted"});
+  keys.push_back({"write-timeout-ms", "1000",
+                  "a client that reads nothing for this long while its socket is full is cut "
+                  "off and its request cancelled (tokens are written by one thread for every "
+                  "stream, which such a client would hold up)"});
   return keys;
 }
 
