@@ -65,6 +65,8 @@ class HttpFront {
     threads_ =
         static_cast<size_t>(std::clamp<int64_t>(config.integer("max-connections"), 4, 65536));
     write_timeout_ms_ = std::clamp<int64_t>(config.integer("write-timeout-ms"), 10, 600000);
+    send_buffer_bytes_ = static_cast<int>(
+        std::min<uint64_t>(runtime::parse_bytes(config.text("send-buffer-bytes")), 64ull << 20));
     // A Curve key directory (as every stage takes) gives the gateway's public key.
     std::string server_key = config.text("server-key");
     if (server_key.empty() && !config.text("curve-dir").empty())
@@ -88,6 +90,10 @@ class HttpFront {
                                        "Request received to its first token written",
                                        {0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10});
     in_flight_ = &service.metrics.gauge("moeline_http_requests_in_flight", "Requests open");
+    write_failures_ = &service.metrics.counter(
+        "moeline_http_stream_write_failures_total",
+        "Streams cut off because a write failed: the client went away, or let its socket stay "
+        "full for --write-timeout-ms");
     token_delay_ = &service.metrics.histogram(
         "moeline_http_token_delay_seconds",
         "A streamed token's event received from the gateway to its chunk written to the client "
@@ -121,9 +127,13 @@ class HttpFront {
     // burst of connections overflows it, and clients see resets and retransmission delays. The
     // socket is listened on again with the system's limit once bound.
     int listener = -1;
-    server.set_socket_options([&listener](int socket) {
+    const int send_buffer = send_buffer_bytes_;
+    server.set_socket_options([&listener, send_buffer](int socket) {
       int yes = 1;
       setsockopt(socket, SOL_SOCKET, SO_REUSEADDR, &yes, sizeof(yes));
+      // Accepted connections inherit it: the kernel memory one stream may hold unsent.
+      if (send_buffer > 0)
+        setsockopt(socket, SOL_SOCKET, SO_SNDBUF, &send_buffer, sizeof(send_buffer));
       listener = socket;
     });
     if (!server.bind_to_port(host, port)) throw std::runtime_error("cannot listen on " + listen);
@@ -370,7 +380,7 @@ class HttpFront {
     count(endpoint, 200);
     response.set_header("Cache-Control", "no-cache");
     auto tokens = std::make_shared<http::TokenStream>(endpoint, api_request, backend, completion,
-                                                      prompt_tokens, token_delay_);
+                                                      prompt_tokens, token_delay_, write_failures_);
     auto pending = std::make_shared<sdk::Event>(std::move(first));
     http::GatewayBridge* bridge = backend.bridge.get();
     response.set_chunked_content_provider(
@@ -404,9 +414,11 @@ class HttpFront {
   size_t max_body_bytes_ = 0;
   size_t threads_ = 1024;
   int64_t write_timeout_ms_ = 1000;
+  int send_buffer_bytes_ = 0;
   runtime::Histogram* ttft_ = nullptr;
   runtime::Gauge* in_flight_ = nullptr;
   runtime::Histogram* token_delay_ = nullptr;
+  runtime::Counter* write_failures_ = nullptr;
 };
 
 int http_body(const runtime::Config& config) {
@@ -446,6 +458,10 @@ std::vector<runtime::ConfigKey> http_keys() {
                   "with a fallback: the primary's longest time to first token before the "
                   "request goes to the fallback (0: only Overloaded falls back)"});
   keys.push_back({"max-body-bytes", "8MiB", "largest request body accepted"});
+  keys.push_back({"send-buffer-bytes", "0",
+                  "each connection's socket send buffer (SO_SNDBUF; 0: the system's, which grows "
+                  "up to net.ipv4.tcp_wmem's maximum): the unsent output a stream may hold in "
+                  "the kernel"});
   keys.push_back({"write-timeout-ms", "1000",
                   "a client that reads nothing for this long while its socket is full is cut "
                   "off and its request cancelled (tokens are written by one thread for every "

@@ -17,19 +17,24 @@ std::string server_event(const json& data) {
 
 TokenStream::TokenStream(Endpoint endpoint, const CompletionRequest& request,
                          const Backend& backend, std::shared_ptr<Completion> completion,
-                         uint32_t prompt_tokens, runtime::Histogram* token_delay)
+                         uint32_t prompt_tokens, runtime::Histogram* token_delay,
+                         runtime::Counter* write_failures)
     : endpoint_(endpoint),
       completion_(std::move(completion)),
       stops_(request.stop),
       token_events_(endpoint, *completion_),
       include_usage_(request.include_usage),
-      token_delay_(token_delay) {
+      token_delay_(token_delay),
+      write_failures_(write_failures) {
   if (request.logprobs) logprobs_.emplace(endpoint, *backend.tokenizer);
   outcome_.usage.prompt_tokens = prompt_tokens;
 }
 
 bool TokenStream::send(httplib::DataSink& sink, const std::string& text) {
-  if (!sink.write(text.data(), text.size())) client_gone_ = true;
+  if (!client_gone_ && !sink.write(text.data(), text.size())) {
+    client_gone_ = true;
+    write_failures_->inc();
+  }
   return !client_gone_;
 }
 

@@ -28,7 +28,7 @@ class TokenStream {
   using Clock = std::chrono::steady_clock;
   TokenStream(Endpoint endpoint, const CompletionRequest& request, const Backend& backend,
               std::shared_ptr<Completion> completion, uint32_t prompt_tokens,
-              runtime::Histogram* token_delay);
+              runtime::Histogram* token_delay, runtime::Counter* write_failures);
 
   // Writes what `event` adds (it reached this process at `arrived`); false when the stream is
   // over: finished, failed, cut by a stop string, or its client gone.
@@ -52,6 +52,7 @@ class TokenStream {
   TokenEvents token_events_;
   bool include_usage_;
   runtime::Histogram* token_delay_;
+  runtime::Counter* write_failures_;
   Outcome outcome_;
   size_t text_offset_ = 0;  // completions' logprobs.text_offset
   bool first_chunk_ = true, client_gone_ = false, pipeline_ended_ = false;

@@ -8,15 +8,19 @@ Cases (--case, one per CTest entry):
         server-sent events (the role first, the finish reason last, usage when asked for, then
         [DONE]); stop strings cut where they start, across token boundaries, streamed or not;
         /generate; errors with OpenAI's error object and the right status (bad JSON, wrong types,
-        out-of-range values, an unknown model, n > 1, unsupported parameters); a client that
-        disconnects mid-stream cancels its request in the pipeline.
+        out-of-range values, an unknown model, n > 1); penalties and log-probabilities (OpenAI's
+        chat and completions shapes, streamed and not) as `moeline run` computes them; a client
+        that disconnects mid-stream cancels its request in the pipeline.
   auth  with the gateway's API keys: no key and a wrong key are 401, a valid key is served.
   fallback  a stack whose gateway takes one request at a time answers a second one 429 with
         Retry-After; with a second stack as the fallback (--fallback-endpoint), that request is
         served by the fallback, says so (model, moeline.fallback) and is counted.
   openai  the official `openai` npm client (Node.js) against the front: models, chat, a streamed
-        chat with usage, a completion with a stop string, and its error classes for an unknown
-        model and a wrong type; skipped (77) when the package is not installed.
+        chat with usage, a penalty with log-probabilities, a completion with a stop string, and
+        its error classes for an unknown model and a wrong type; skipped (77) when the package
+        is not installed.
+  slow_client  a streaming client that stops reading is cut off after --write-timeout-ms (and
+        counted), while another stream completes.
 """
 
 import http.client
@@ -424,6 +428,51 @@ def case_openai(args):
           "logprobs (moeline run's), completes up to a stop string, and raises NotFoundError / BadRequestError with OpenAI's fields")
 
 
+def case_slow_client(args):
+    """A streaming client that stops reading: once its socket has stayed full for
+    --write-timeout-ms the server cuts it off (counted), while another stream, written by the
+    same thread, goes on and completes."""
+    config = {"http": {"write-timeout-ms": 500, "send-buffer-bytes": 16384}}
+    with Stack(args.moeline, args.model, os.path.join(args.workdir, "slow"), http_port=0,
+               config=config) as stack:
+        url = urlparse(stack.state()["http"])
+        # Big chunks (20 alternatives' log-probabilities each) into a small receive window and a
+        # small send buffer: the server's socket fills after a few dozen tokens.
+        body = json.dumps({"prompt": [5, 6, 7], "max_tokens": 480, "ignore_eos": True,
+                           "temperature": 0, "stream": True, "logprobs": 20}).encode()
+        stalled = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        stalled.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        stalled.connect((url.hostname, url.port))
+        stalled.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: "
+                        b"application/json\r\nContent-Length: " + str(len(body)).encode() +
+                        b"\r\n\r\n" + body)
+        time.sleep(0.5)  # it is streaming (or waiting for its first token): never read again
+        started = time.time()
+        events, done = stream(stack, "/v1/completions",
+                              {"prompt": [8, 9], "max_tokens": 200, "ignore_eos": True,
+                               "temperature": 0, "stream": True})
+        took = time.time() - started
+        check(done and events[-1]["choices"][0]["finish_reason"] == "length",
+              f"the other stream must complete: {events[-1] if events else None}")
+        # The stalled client now reads what it was sent: the server closed the connection
+        # before the end of the stream.
+        stalled.settimeout(30)
+        received = b""
+        while True:
+            data = stalled.recv(65536)
+            if not data:
+                break
+            received += data
+        stalled.close()
+        check(b"data: [DONE]" not in received and b"data: " in received,
+              f"the stalled stream should have been cut off ({len(received)} bytes read)")
+        cut = stack.metric("http", "moeline_http_stream_write_failures_total")
+        check(cut >= 1, f"the cut-off stream is counted: {cut}")
+        print(f"ok slow_client: a client that stops reading is cut off ({len(received)} bytes "
+              f"sent, no [DONE]) and counted; another stream of 200 tokens completed meanwhile "
+              f"in {took:.1f} s")
+
+
 def concurrently(stack, bodies, gap_s=0.2):
     """POSTs each body to /v1/completions on its own connection, `gap_s` apart; the results in
     order."""
@@ -480,7 +529,8 @@ def case_fallback(args):
               "marked as such and counted")
 
 
-CASES = {"api": case_api, "auth": case_auth, "fallback": case_fallback, "openai": case_openai}
+CASES = {"api": case_api, "auth": case_auth, "fallback": case_fallback, "openai": case_openai,
+         "slow_client": case_slow_client}
 
 
 def main():
