@@ -36,6 +36,9 @@ NPM_TEMPLATES = {
     "llama3": [{}],
     "llama3_1": [{}],
     "gemma3": [{}],
+    # Mistral's template: [INST] turns, tools as [AVAILABLE_TOOLS], and a raise_exception when
+    # the roles do not alternate.
+    "mistral_nemo": [{}, {"tools": TOOLS}],
 }
 
 
