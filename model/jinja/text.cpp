@@ -2,6 +2,7 @@
 
 #include <utf8proc.h>
 
+#include "model/jinja/utf8.h"
 #include "model/jinja/value.h"
 
 #include <algorithm>
@@ -11,24 +12,13 @@ namespace {
 
 constexpr char32_t kEscapeBase = 0xDC00;
 
+// Bytes that were not UTF-8 travel as lone surrogates U+DC80..U+DCFF (Python's surrogateescape)
+// and go back out as those bytes.
 void append_utf8(std::string& out, char32_t c) {
-  if (c >= 0xDC80 && c <= 0xDCFF) {
+  if (c >= 0xDC80 && c <= 0xDCFF)
     out.push_back(static_cast<char>(c - kEscapeBase));
-  } else if (c < 0x80) {
-    out.push_back(static_cast<char>(c));
-  } else if (c < 0x800) {
-    out.push_back(static_cast<char>(0xC0 | (c >> 6)));
-    out.push_back(static_cast<char>(0x80 | (c & 0x3F)));
-  } else if (c < 0x10000) {
-    out.push_back(static_cast<char>(0xE0 | (c >> 12)));
-    out.push_back(static_cast<char>(0x80 | ((c >> 6) & 0x3F)));
-    out.push_back(static_cast<char>(0x80 | (c & 0x3F)));
-  } else {
-    out.push_back(static_cast<char>(0xF0 | (c >> 18)));
-    out.push_back(static_cast<char>(0x80 | ((c >> 12) & 0x3F)));
-    out.push_back(static_cast<char>(0x80 | ((c >> 6) & 0x3F)));
-    out.push_back(static_cast<char>(0x80 | (c & 0x3F)));
-  }
+  else
+    utf8::append(out, c);
 }
 
 bool contains_cp(const std::u32string& set, char32_t c) {
