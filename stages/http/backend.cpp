@@ -1,6 +1,7 @@
 #include "stages/http/backend.h"
 
 #include "model/config.h"
+#include "stages/http/events.h"
 
 namespace moeline::stages::http {
 
@@ -88,6 +89,70 @@ std::variant<sdk::GenerateOptions, ApiError> to_options(const CompletionRequest&
   options.logprobs = request.logprobs;
   options.top_logprobs = static_cast<int32_t>(request.top_logprobs);
   return options;
+}
+
+Backends::Backends(const runtime::Config& config, runtime::StageService& service)
+    : service_(service) {
+  // A Curve key directory (as every stage takes) gives the gateway's public key.
+  std::string server_key = config.text("server-key");
+  if (server_key.empty() && !config.text("curve-dir").empty())
+    server_key = (std::filesystem::path(config.text("curve-dir")) / "gateway.pub").string();
+  primary_ = make_backend(config.text("model"), config.text("served-model-name"),
+                          config.text("gateway"), server_key, service.log);
+  if (config.text("fallback-endpoint").empty()) return;
+  if (config.text("fallback-model").empty())
+    throw runtime::ConfigError(
+        "--fallback-endpoint needs --fallback-model (its checkpoint folder: the chat template and "
+        "context of the fallback)");
+  std::string fallback_key = config.text("fallback-server-key");
+  if (fallback_key.empty()) fallback_key = server_key;
+  fallback_ = make_backend(config.text("fallback-model"), config.text("fallback-model-name"),
+                           config.text("fallback-endpoint"), fallback_key, service.log);
+  if (fallback_->name == primary_->name) fallback_->name += "-fallback";
+  fallback_ttft_ = std::chrono::milliseconds(config.integer("fallback-ttft-ms"));
+}
+
+Backend* Backends::find(const std::string& model) {
+  if (model.empty() || model == primary_->name) return primary_.get();
+  if (fallback_ && model == fallback_->name) return fallback_.get();
+  return nullptr;
+}
+
+Attempt Backends::begin(const CompletionRequest& request, const std::string& api_key,
+                        Backend& backend, Clock::time_point wait_until) {
+  Attempt attempt;
+  attempt.backend = &backend;
+  auto built = to_options(request, api_key, backend);
+  if (auto* error = std::get_if<ApiError>(&built)) {
+    attempt.refused = *error;
+    return attempt;
+  }
+  attempt.channel = backend.bridge->start(std::move(std::get<sdk::GenerateOptions>(built)));
+  attempt.first = next_event(*attempt.channel, wait_until, attempt.prompt_tokens);
+  return attempt;
+}
+
+Attempt Backends::start(const CompletionRequest& request, const std::string& api_key,
+                        Backend& backend, Clock::time_point received, Clock::time_point deadline) {
+  const bool may_fall_back = fallback_ && &backend == primary_.get();
+  const auto first_by = may_fall_back && fallback_ttft_.count() > 0
+                            ? std::min(deadline, received + fallback_ttft_)
+                            : deadline;
+  Attempt attempt = begin(request, api_key, backend, first_by);
+  if (!may_fall_back || attempt.refused) return attempt;
+  const char* reason = nullptr;
+  if (!attempt.first) {
+    reason = "slow_first_token";
+    attempt.backend->bridge->cancel(attempt.channel);
+  } else if (attempt.first->kind == sdk::EventKind::kError && attempt.first->error_code == 10) {
+    reason = "overloaded";
+  }
+  if (reason == nullptr) return attempt;
+  service_.metrics
+      .counter("moeline_http_fallbacks_total", "Requests served by the fallback model, by why",
+               {{"reason", reason}})
+      .inc();
+  return begin(request, api_key, *fallback_, deadline);
 }
 
 }  // namespace moeline::stages::http

@@ -2,9 +2,11 @@
 // A gateway the HTTP front sends requests to, and what a request becomes for it: the prompt
 // rendered with that backend's chat template, max_tokens defaulting to its context.
 
+#include <chrono>
 #include <cstdint>
 #include <filesystem>
 #include <memory>
+#include <optional>
 #include <string>
 #include <variant>
 
@@ -13,7 +15,9 @@
 #include "sdk/client.h"
 #include "stages/http/bridge.h"
 #include "stages/http/openai.h"
+#include "stages/runtime/config.h"
 #include "stages/runtime/log.h"
+#include "stages/runtime/service.h"
 
 namespace moeline::stages::http {
 
@@ -41,5 +45,42 @@ std::unique_ptr<Backend> make_backend(const std::filesystem::path& model_dir, st
 std::variant<sdk::GenerateOptions, ApiError> to_options(const CompletionRequest& request,
                                                         const std::string& api_key,
                                                         const Backend& backend);
+
+// A request on its way: the backend serving it and its first event.
+struct Attempt {
+  Backend* backend = nullptr;
+  std::shared_ptr<RequestChannel> channel;
+  std::optional<sdk::Event> first;  // nullopt: none by the time asked for
+  uint32_t prompt_tokens = 0;
+  std::optional<ApiError> refused;  // the request could not be built for this backend
+};
+
+// The gateways one HTTP replica sends requests to: the primary model's (--gateway, --model), and
+// the fallback's (--fallback-endpoint, --fallback-model), which takes a request the primary
+// answers Overloaded or gives no first token within --fallback-ttft-ms.
+class Backends {
+ public:
+  using Clock = std::chrono::steady_clock;
+  Backends(const runtime::Config& config, runtime::StageService& service);
+
+  Backend& primary() { return *primary_; }
+  Backend* fallback() { return fallback_.get(); }
+  // The backend a request names: the primary (or no model named), or the fallback by its name;
+  // nullptr for any other name.
+  Backend* find(const std::string& model);
+  // Sends the request to `backend` and waits for its first event; a request to the primary that
+  // it refuses as Overloaded, or leaves without a first token past --fallback-ttft-ms (then
+  // cancelled), goes to the fallback instead (counted by why).
+  Attempt start(const CompletionRequest& request, const std::string& api_key, Backend& backend,
+                Clock::time_point received, Clock::time_point deadline);
+
+ private:
+  Attempt begin(const CompletionRequest& request, const std::string& api_key, Backend& backend,
+                Clock::time_point wait_until);
+
+  runtime::StageService& service_;
+  std::unique_ptr<Backend> primary_, fallback_;
+  std::chrono::milliseconds fallback_ttft_{0};
+};
 
 }  // namespace moeline::stages::http

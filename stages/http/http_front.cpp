@@ -5,14 +5,11 @@
 
 #include <chrono>
 #include <ctime>
-#include <filesystem>
 #include <memory>
 #include <string>
 
 #include <nlohmann/json.hpp>
 
-#include "model/config.h"
-#include "model/tokenizer/chat_template.h"
 #include "stages/common/common.h"
 #include "stages/http/backend.h"
 #include "stages/http/bridge.h"
@@ -58,7 +55,7 @@ std::string bearer_key(const httplib::Request& request) {
 class HttpFront {
  public:
   HttpFront(const runtime::Config& config, runtime::StageService& service)
-      : service_(service), log_(service.log) {
+      : service_(service), log_(service.log), backends_(config, service) {
     request_timeout_ =
         std::chrono::seconds(std::max<int64_t>(1, config.integer("request-timeout-s")));
     max_body_bytes_ = runtime::parse_bytes(config.text("max-body-bytes"));
@@ -67,25 +64,6 @@ class HttpFront {
     write_timeout_ms_ = std::clamp<int64_t>(config.integer("write-timeout-ms"), 10, 600000);
     send_buffer_bytes_ = static_cast<int>(
         std::min<uint64_t>(runtime::parse_bytes(config.text("send-buffer-bytes")), 64ull << 20));
-    // A Curve key directory (as every stage takes) gives the gateway's public key.
-    std::string server_key = config.text("server-key");
-    if (server_key.empty() && !config.text("curve-dir").empty())
-      server_key = (std::filesystem::path(config.text("curve-dir")) / "gateway.pub").string();
-    primary_ = http::make_backend(config.text("model"), config.text("served-model-name"),
-                                  config.text("gateway"), server_key, log_);
-    if (!config.text("fallback-endpoint").empty()) {
-      if (config.text("fallback-model").empty())
-        throw runtime::ConfigError(
-            "--fallback-endpoint needs --fallback-model (its checkpoint "
-            "folder: the chat template and context of the fallback)");
-      std::string fallback_key = config.text("fallback-server-key");
-      if (fallback_key.empty()) fallback_key = server_key;
-      fallback_ =
-          http::make_backend(config.text("fallback-model"), config.text("fallback-model-name"),
-                             config.text("fallback-endpoint"), fallback_key, log_);
-      if (fallback_->name == primary_->name) fallback_->name += "-fallback";
-      fallback_ttft_ = std::chrono::milliseconds(config.integer("fallback-ttft-ms"));
-    }
     ttft_ = &service.metrics.histogram("moeline_http_ttft_seconds",
                                        "Request received to its first token written",
                                        {0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10});
@@ -148,8 +126,9 @@ class HttpFront {
       server.stop();
     });
     log_.info("listening", {{"address", listen},
-                            {"model", primary_->name},
-                            {"fallback", fallback_ ? fallback_->name : std::string("none")},
+                            {"model", backends_.primary().name},
+                            {"fallback", backends_.fallback() ? backends_.fallback()->name
+                                                              : std::string("none")},
                             {"max_connections", static_cast<int64_t>(threads)}});
     server.listen_after_bind();
     stopper.join();
@@ -158,14 +137,14 @@ class HttpFront {
  private:
   void routes(httplib::Server& server) {
     server.Get("/health", [this](const httplib::Request&, httplib::Response& response) {
-      const bool up = primary_->bridge->connected();
+      const bool up = backends_.primary().bridge->connected();
       response.status = up ? 200 : 503;
       response.set_content(http::to_text(json{{"status", up ? "ok" : "gateway unreachable"}}),
                            "application/json");
     });
     server.Get("/v1/models", [this](const httplib::Request&, httplib::Response& response) {
       json data = json::array();
-      for (const Backend* backend : {primary_.get(), fallback_.get()})
+      for (const Backend* backend : {&backends_.primary(), backends_.fallback()})
         if (backend != nullptr)
           data.push_back({{"id", backend->name},
                           {"object", "model"},
@@ -228,83 +207,28 @@ class HttpFront {
         .inc();
   }
 
-  // The backend a request names: the primary model (or no model named), or the fallback by its
-  // name; nullptr for any other name.
-  Backend* backend_for(const std::string& model) {
-    if (model.empty() || model == primary_->name) return primary_.get();
-    if (fallback_ && model == fallback_->name) return fallback_.get();
-    return nullptr;
-  }
-
-  // A request on its way: the backend serving it and its events.
-  struct Attempt {
-    Backend* backend = nullptr;
-    std::shared_ptr<http::RequestChannel> channel;
-    std::optional<sdk::Event> first;  // nullopt: none by the time asked for
-    uint32_t prompt_tokens = 0;
-    std::optional<ApiError> refused;  // the request could not be built for this backend
-  };
-
-  Attempt begin(const CompletionRequest& api_request, const std::string& api_key, Backend& backend,
-                Clock::time_point wait_until) {
-    Attempt attempt;
-    attempt.backend = &backend;
-    auto built = http::to_options(api_request, api_key, backend);
-    if (auto* error = std::get_if<ApiError>(&built)) {
-      attempt.refused = *error;
-      return attempt;
-    }
-    attempt.channel = backend.bridge->start(std::move(std::get<sdk::GenerateOptions>(built)));
-    attempt.first = http::next_event(*attempt.channel, wait_until, attempt.prompt_tokens);
-    return attempt;
-  }
-
-  // The primary first; the fallback when the primary is overloaded or has no first token within
-  // --fallback-ttft-ms (that request is cancelled). Counted by reason.
-  Attempt start_request(const CompletionRequest& api_request, const std::string& api_key,
-                        Backend& backend, Clock::time_point received, Clock::time_point deadline) {
-    const bool may_fall_back = fallback_ && &backend == primary_.get();
-    const auto first_by = may_fall_back && fallback_ttft_.count() > 0
-                              ? std::min(deadline, received + fallback_ttft_)
-                              : deadline;
-    Attempt attempt = begin(api_request, api_key, backend, first_by);
-    if (!may_fall_back || attempt.refused) return attempt;
-    const char* reason = nullptr;
-    if (!attempt.first) {
-      reason = "slow_first_token";
-      attempt.backend->bridge->cancel(attempt.channel);
-    } else if (attempt.first->kind == sdk::EventKind::kError && attempt.first->error_code == 10) {
-      reason = "overloaded";
-    }
-    if (reason == nullptr) return attempt;
-    service_.metrics
-        .counter("moeline_http_fallbacks_total", "Requests served by the fallback model, by why",
-                 {{"reason", reason}})
-        .inc();
-    return begin(api_request, api_key, *fallback_, deadline);
-  }
-
   void handle(Endpoint endpoint, const httplib::Request& request, httplib::Response& response) {
     const auto received = Clock::now();
     auto parsed = http::parse_request(endpoint, request.body);
     if (auto* error = std::get_if<ApiError>(&parsed))
       return respond_error(endpoint, *error, response);
     const CompletionRequest& api_request = std::get<CompletionRequest>(parsed);
-    Backend* backend = backend_for(api_request.model);
+    Backend* backend = backends_.find(api_request.model);
     if (backend == nullptr) {
       ApiError error;
       error.status = 404;
       error.param = "model";
       error.code = "model_not_found";
       error.message = "The model '" + api_request.model + "' does not exist (this server serves '" +
-                      primary_->name + "')";
+                      backends_.primary().name + "')";
       return respond_error(endpoint, error, response);
     }
     const auto deadline = received + request_timeout_;
     in_flight_->add(1);
     // Wait for the first token (or an error) before answering: an early error gets its own
     // status instead of a 200 that carries it in the stream.
-    Attempt attempt = start_request(api_request, bearer_key(request), *backend, received, deadline);
+    http::Attempt attempt =
+        backends_.start(api_request, bearer_key(request), *backend, received, deadline);
     if (attempt.refused) {
       in_flight_->add(-1);
       return respond_error(endpoint, *attempt.refused, response);
@@ -334,7 +258,8 @@ class HttpFront {
     completion->id = http::new_completion_id(endpoint);
     completion->created = static_cast<int64_t>(std::time(nullptr));
     completion->model = attempt.backend->name;
-    completion->fallback = attempt.backend == fallback_.get() && backend == primary_.get();
+    completion->fallback =
+        attempt.backend == backends_.fallback() && backend == &backends_.primary();
     if (api_request.stream && endpoint != Endpoint::kGenerate)
       return stream(endpoint, api_request, *attempt.backend, channel, std::move(*first),
                     prompt_tokens, completion, deadline, response);
@@ -407,8 +332,7 @@ class HttpFront {
 
   runtime::StageService& service_;
   runtime::Logger& log_;
-  std::unique_ptr<Backend> primary_, fallback_;
-  std::chrono::milliseconds fallback_ttft_{0};
+  http::Backends backends_;
   int64_t created_ = 0;
   std::chrono::seconds request_timeout_{600};
   size_t max_body_bytes_ = 0;
