@@ -8,6 +8,7 @@
 #include "stages/decode/decode.h"
 #include "stages/experts_command.h"
 #include "stages/gateway/gateway.h"
+#include "stages/gguf_command.h"
 #include "stages/http/http_front.h"
 #include "stages/keys_command.h"
 #include "stages/load/load.h"
@@ -34,6 +35,7 @@ commands:
   signature    activation signatures of prompts, JSON lines in and out (moeline signature --help)
   experts      router health heat map of a stack; replay expert traces (moeline experts --help)
   keys         stage keys (CurveZMQ) and client API keys (moeline keys --help)
+  gguf         what a GGUF file holds; a tensor dequantized to .npy (moeline gguf --help)
   version      print the version
 
 stage processes (each: moeline <stage> --help):
@@ -58,6 +60,7 @@ int main(int argc, char** argv) {
   if (command == "chat-template") return moeline::stages::chat_template_command(argc - 2, argv + 2);
   if (command == "detokenize") return moeline::stages::detokenize_command(argc - 2, argv + 2);
   if (command == "keys") return moeline::stages::keys_command(argc - 2, argv + 2);
+  if (command == "gguf") return moeline::stages::gguf_command(argc - 2, argv + 2);
   if (command == "stack") return moeline::stages::stack_command(argc - 2, argv + 2);
   if (command == "client") return moeline::sdk::client_command(argc - 2, argv + 2);
   if (command == "signature") return moeline::stages::signature_command(argc - 2, argv + 2);

@@ -1,0 +1,151 @@
+#!/usr/bin/python3
+"""GGUF files and ggml's block-quantized types, written from the format's definition (llama.cpp's
+docs/gguf.md and the block layouts of ggml-common.h), independently of moeline's C++:
+
+  * write_gguf(path, metadata, tensors): a version-3 GGUF with typed metadata (scalars of every
+    type, strings, nested arrays) and tensors given as raw bytes with their ggml type and
+    dimensions (a row's length first), each at an offset aligned to 32 bytes;
+  * dequantize(type, raw, count): float64 weights from raw block bytes, vectorised over blocks;
+  * random_blocks(type, count, rng): valid random data of a type (finite fp16 scales, any bits
+    elsewhere: every bit pattern of a quant field is a weight).
+
+  Q8_0  34-byte blocks of 32: fp16 d, int8 q[32];                 w = d*q
+  Q4_0  18-byte blocks of 32: fp16 d, byte j = weight j (low nibble), j+16 (high); w = d*(n-8)
+  Q4_K  144-byte blocks of 256: fp16 d, fp16 dmin, 12 bytes of 6-bit (scale, min) for eight
+        32-weight sub-blocks, 128 bytes of nibbles (byte l of group g: weight 64g+l low nibble,
+        64g+32+l high);                                           w = d*scale*n - dmin*min
+  Q5_K  176-byte blocks: as Q4_K with 32 bytes qh after the scales; bit 2g of qh[l] adds 16 to
+        weight 64g+l, bit 2g+1 to weight 64g+32+l
+  Q6_K  210-byte blocks of 256: 128 bytes low nibbles, 64 bytes of 2-bit highs, 16 int8 scales
+        (one per 16 weights), fp16 d;                             w = d*scale*(q - 32)
+"""
+
+import struct
+
+import numpy as np
+
+F32, F16, Q4_0, Q8_0, Q4_K, Q5_K, Q6_K, BF16 = 0, 1, 2, 8, 12, 13, 14, 30
+# ggml type -> (weights per block, bytes per block)
+BLOCKS = {F32: (1, 4), F16: (1, 2), BF16: (1, 2), Q8_0: (32, 34), Q4_0: (32, 18),
+          Q4_K: (256, 144), Q5_K: (256, 176), Q6_K: (256, 210)}
+NAMES = {F32: "F32", F16: "F16", BF16: "BF16", Q8_0: "Q8_0", Q4_0: "Q4_0", Q4_K: "Q4_K",
+         Q5_K: "Q5_K", Q6_K: "Q6_K"}
+
+# Metadata value types.
+U8, I8, U16, I16, U32, I32, F32V, BOOL, STRING, ARRAY, U64, I64, F64 = range(13)
+_SCALAR = {U8: "<B", I8: "<b", U16: "<H", I16: "<h", U32: "<I", I32: "<i", F32V: "<f",
+           BOOL: "<?", U64: "<Q", I64: "<q", F64: "<d"}
+
+
+def _string(text):
+    data = text.encode() if isinstance(text, str) else text
+    return struct.pack("<Q", len(data)) + data
+
+
+def _value(kind, value):
+    if kind == STRING:
+        return _string(value)
+    if kind == ARRAY:
+        element, items = value
+        return struct.pack("<IQ", element, len(items)) + b"".join(_value(element, v) for v in items)
+    return struct.pack(_SCALAR[kind], value)
+
+
+def write_gguf(path, metadata, tensors, alignment=32, version=3):
+    """metadata: [(key, type, value)] (an ARRAY's value: (element type, [values]));
+    tensors: [(name, ggml type, dims, raw bytes)]."""
+    out = b"GGUF" + struct.pack("<IQQ", version, len(tensors), len(metadata))
+    for key, kind, value in metadata:
+        out += _string(key) + struct.pack("<I", kind) + _value(kind, value)
+    offset, data = 0, b""
+    for name, kind, dims, raw in tensors:
+        out += _string(name) + struct.pack("<I", len(dims)) + b"".join(
+            struct.pack("<Q", d) for d in dims) + struct.pack("<IQ", kind, offset)
+        data += raw + b"\0" * (-len(raw) % alignment)
+        offset = len(data)
+    out += b"\0" * (-len(out) % alignment)
+    with open(path, "wb") as f:
+        f.write(out + data)
+
+
+def _fp16(raw):
+    return np.frombuffer(raw.tobytes(), dtype="<f2").astype(np.float64)
+
+
+def _k_scales(s):
+    """(scale, min) of the eight sub-blocks from each block's 12 bytes, s: [blocks, 12]."""
+    s = s.astype(np.int64)
+    scale = np.empty((len(s), 8), dtype=np.int64)
+    low = np.empty((len(s), 8), dtype=np.int64)
+    scale[:, :4] = s[:, 0:4] & 63
+    low[:, :4] = s[:, 4:8] & 63
+    scale[:, 4:] = (s[:, 8:12] & 0xF) | ((s[:, 0:4] >> 6) << 4)
+    low[:, 4:] = (s[:, 8:12] >> 4) | ((s[:, 4:8] >> 6) << 4)
+    return scale.astype(np.float64), low.astype(np.float64)
+
+
+def dequantize(kind, raw, count):
+    """float64 weights of `count` elements of type `kind` stored in `raw` (bytes)."""
+    if kind == F32:
+        return np.frombuffer(raw, dtype="<f4", count=count).astype(np.float64)
+    if kind == F16:
+        return np.frombuffer(raw, dtype="<f2", count=count).astype(np.float64)
+    if kind == BF16:
+        bits = np.frombuffer(raw, dtype="<u2", count=count).astype(np.uint32) << 16
+        return bits.view(np.float32).astype(np.float64)
+    per, size = BLOCKS[kind]
+    b = np.frombuffer(raw, dtype=np.uint8, count=count // per * size).reshape(-1, size)
+    if kind == Q8_0:
+        return (_fp16(b[:, 0:2])[:, None] * b[:, 2:].view(np.int8)).reshape(-1)
+    if kind == Q4_0:
+        q = b[:, 2:].astype(np.int64)
+        nibbles = np.concatenate([q & 0xF, q >> 4], axis=1) - 8
+        return (_fp16(b[:, 0:2])[:, None] * nibbles).reshape(-1)
+    if kind in (Q4_K, Q5_K):
+        d, dmin = _fp16(b[:, 0:2]), _fp16(b[:, 2:4])
+        scale, low = _k_scales(b[:, 4:16])
+        qs = b[:, 48:176] if kind == Q5_K else b[:, 16:144]
+        q = qs.astype(np.int64).reshape(-1, 4, 32)                # [block, group, l]
+        n = np.stack([q & 0xF, q >> 4], axis=2)                   # [block, group, half, l]
+        if kind == Q5_K:
+            qh = b[:, 16:48].astype(np.int64)[:, None, None, :]   # [block, 1, 1, l]
+            bit = 2 * np.arange(4)[None, :, None, None] + np.arange(2)[None, None, :, None]
+            n = n + 16 * ((qh >> bit) & 1)
+        sub_scale = scale.reshape(-1, 4, 2, 1)
+        sub_min = low.reshape(-1, 4, 2, 1)
+        w = d[:, None, None, None] * sub_scale * n - dmin[:, None, None, None] * sub_min
+        return w.reshape(-1)
+    if kind == Q6_K:
+        ql = b[:, 0:128].astype(np.int64).reshape(-1, 2, 64)      # [block, half, 64]
+        qh = b[:, 128:192].astype(np.int64).reshape(-1, 2, 32)
+        sc = b[:, 192:208].view(np.int8).astype(np.float64).reshape(-1, 2, 8)
+        d = _fp16(b[:, 208:210])
+        quarters = [
+            (ql[:, :, 0:32] & 0xF) | (((qh >> 0) & 3) << 4),
+            (ql[:, :, 32:64] & 0xF) | (((qh >> 2) & 3) << 4),
+            (ql[:, :, 0:32] >> 4) | (((qh >> 4) & 3) << 4),
+            (ql[:, :, 32:64] >> 4) | (((qh >> 6) & 3) << 4),
+        ]
+        q = np.stack(quarters, axis=2) - 32                       # [block, half, quarter, 32]
+        # The scale of weight 128h + 32k + l is sc[h][2k + l // 16].
+        scale = sc.reshape(-1, 2, 4, 2)                           # [block, half, quarter, 16s]
+        scale = np.repeat(scale, 16, axis=3)                      # [block, half, quarter, 32]
+        return (d[:, None, None, None] * scale * q).reshape(-1)
+    raise ValueError(f"no reference for ggml type {kind}")
+
+
+def random_blocks(kind, count, rng):
+    """Raw bytes of `count` random weights of type `kind`."""
+    if kind == F32:
+        return rng.standard_normal(count).astype("<f4").tobytes()
+    if kind == F16:
+        return rng.standard_normal(count).astype("<f2").tobytes()
+    if kind == BF16:
+        return (rng.standard_normal(count).astype("<f4").view("<u4") >> 16).astype("<u2").tobytes()
+    per, size = BLOCKS[kind]
+    b = rng.integers(0, 256, size=(count // per, size), dtype=np.uint8)
+    scales = {Q8_0: [0], Q4_0: [0], Q4_K: [0, 2], Q5_K: [0, 2], Q6_K: [208]}[kind]
+    for at in scales:  # finite fp16 scales of a plausible size
+        b[:, at:at + 2] = (rng.uniform(0.001, 0.05, len(b)).astype("<f2")
+                           .view(np.uint8).reshape(-1, 2))
+    return b.tobytes()
