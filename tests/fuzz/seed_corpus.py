@@ -11,6 +11,7 @@ import glob
 import json
 import os
 import struct
+import sys
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(os.path.dirname(HERE))
@@ -83,6 +84,17 @@ def main():
           b"stop")
     write("records", "signature", b"\x02" + struct.pack("<IIIII", 0x4749534d, 2, 2, 4, 0) +
           struct.pack("<2i2f", 1, 2, 0.5, 0.5) + b"ns:x" + struct.pack("<I", 0))
+    sys.path.insert(0, os.path.join(ROOT, "tests", "reference"))
+    import gguf_reference as gguf
+    import numpy as np
+    rng = np.random.default_rng(0)
+    tensors = [(f"t.{gguf.NAMES[kind]}", kind, [256, 2], gguf.random_blocks(kind, 512, rng))
+               for kind in gguf.BLOCKS]
+    path = os.path.join(CORPUS, "gguf", "seed-every-type")
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    gguf.write_gguf(path, [("general.architecture", gguf.STRING, "qwen3moe"),
+                           ("general.alignment", gguf.U32, 32),
+                           ("a", gguf.ARRAY, (gguf.ARRAY, [(gguf.I32, [1, 2])]))], tensors)
     write("records", "quality", b"\x03" + struct.pack("<i?f", 3, True, 0.01))
 
 
