@@ -6,6 +6,7 @@
 #include <charconv>
 #include <cstdint>
 #include <iostream>
+#include <map>
 #include <stdexcept>
 #include <string>
 #include <type_traits>
@@ -39,6 +40,58 @@ inline std::vector<int32_t> parse_id_list(const std::string& flag, const std::st
     start = comma + 1;
   }
   return ids;
+}
+
+// The sampling flags `moeline run` and `moeline client generate` both take (true: it has a value).
+inline const std::map<std::string, bool>& sampling_flags() {
+  static const std::map<std::string, bool> flags = {{"--max-tokens", true},
+                                                    {"--temperature", true},
+                                                    {"--top-k", true},
+                                                    {"--top-p", true},
+                                                    {"--seed", true},
+                                                    {"--stop-ids", true},
+                                                    {"--ignore-eos", false},
+                                                    {"--min-p", true},
+                                                    {"--presence-penalty", true},
+                                                    {"--frequency-penalty", true},
+                                                    {"--repetition-penalty", true},
+                                                    {"--logprobs", true}};
+  return flags;
+}
+
+// Sets what one of sampling_flags() says on `options` (model::SamplingParams or
+// sdk::GenerateOptions: the same field names); false for any other flag.
+template <class Options>
+bool parse_sampling_flag(const std::string& flag, const std::string& value, Options& options) {
+  if (flag == "--max-tokens")
+    options.max_tokens = parse_number<decltype(options.max_tokens)>(flag, value);
+  else if (flag == "--temperature")
+    options.temperature = parse_number<double>(flag, value);
+  else if (flag == "--top-k")
+    options.top_k = parse_number<decltype(options.top_k)>(flag, value);
+  else if (flag == "--top-p")
+    options.top_p = parse_number<double>(flag, value);
+  else if (flag == "--seed")
+    options.seed = parse_number<uint64_t>(flag, value);
+  else if (flag == "--stop-ids")
+    options.stop_token_ids = parse_id_list(flag, value);
+  else if (flag == "--ignore-eos")
+    options.ignore_eos = true;
+  else if (flag == "--min-p")
+    options.min_p = parse_number<double>(flag, value);
+  else if (flag == "--presence-penalty")
+    options.presence_penalty = parse_number<double>(flag, value);
+  else if (flag == "--frequency-penalty")
+    options.frequency_penalty = parse_number<double>(flag, value);
+  else if (flag == "--repetition-penalty")
+    options.repetition_penalty = parse_number<double>(flag, value);
+  else if (flag == "--logprobs") {
+    options.logprobs = true;
+    options.top_logprobs = parse_number<decltype(options.top_logprobs)>(flag, value);
+  } else {
+    return false;
+  }
+  return true;
 }
 
 // Runs a command: a usage error (an exception of type UsageErrorType) prints the usage and the

@@ -87,27 +87,11 @@ int generate(int argc, char** argv) {
   bool json = false;
   int64_t timeout_ms = 60000;
   bool has_prompt = false;
-  const std::map<std::string, bool> takes_value = {{"--endpoint", true},
-                                                   {"--prompt", true},
-                                                   {"--tokens", true},
-                                                   {"--max-tokens", true},
-                                                   {"--temperature", true},
-                                                   {"--top-k", true},
-                                                   {"--top-p", true},
-                                                   {"--seed", true},
-                                                   {"--stop-ids", true},
-                                                   {"--tenant", true},
-                                                   {"--deadline-ms", true},
-                                                   {"--timeout-ms", true},
-                                                   {"--reuse", true},
-                                                   {"--json", false},
-                                                   {"--ignore-eos", false},
-                                                   {"--no-special", false},
-                                                   {"--min-p", true},
-                                                   {"--presence-penalty", true},
-                                                   {"--frequency-penalty", true},
-                                                   {"--repetition-penalty", true},
-                                                   {"--logprobs", true}};
+  std::map<std::string, bool> takes_value = {
+      {"--endpoint", true},    {"--prompt", true},     {"--tokens", true}, {"--tenant", true},
+      {"--deadline-ms", true}, {"--timeout-ms", true}, {"--reuse", true},  {"--json", false},
+      {"--no-special", false}, {"--logprobs", true}};
+  takes_value.insert(sampling_flags().begin(), sampling_flags().end());
   for (int i = 0; i < argc; ++i) {
     const std::string flag = argv[i];
     auto known = takes_value.find(flag);
@@ -117,24 +101,13 @@ int generate(int argc, char** argv) {
       if (i + 1 >= argc) throw UsageError(flag + " needs a value");
       value = argv[++i];
     }
+    if (parse_sampling_flag(flag, value, options)) continue;
     if (flag == "--endpoint")
       endpoint = value;
     else if (flag == "--prompt")
       options.prompt = value, has_prompt = true;
     else if (flag == "--tokens")
       options.tokens = parse_id_list(flag, value);
-    else if (flag == "--max-tokens")
-      options.max_tokens = parse_number<int64_t>(flag, value);
-    else if (flag == "--temperature")
-      options.temperature = parse_number<double>(flag, value);
-    else if (flag == "--top-k")
-      options.top_k = parse_number<int64_t>(flag, value);
-    else if (flag == "--top-p")
-      options.top_p = parse_number<double>(flag, value);
-    else if (flag == "--seed")
-      options.seed = parse_number<uint64_t>(flag, value);
-    else if (flag == "--stop-ids")
-      options.stop_token_ids = parse_id_list(flag, value);
     else if (flag == "--tenant")
       options.tenant = value;
     else if (flag == "--reuse")
@@ -145,20 +118,8 @@ int generate(int argc, char** argv) {
       timeout_ms = parse_number<int64_t>(flag, value);
     else if (flag == "--json")
       json = true;
-    else if (flag == "--ignore-eos")
-      options.ignore_eos = true;
     else if (flag == "--no-special")
       options.add_special_tokens = false;
-    else if (flag == "--min-p")
-      options.min_p = parse_number<double>(flag, value);
-    else if (flag == "--presence-penalty")
-      options.presence_penalty = parse_number<double>(flag, value);
-    else if (flag == "--frequency-penalty")
-      options.frequency_penalty = parse_number<double>(flag, value);
-    else if (flag == "--repetition-penalty")
-      options.repetition_penalty = parse_number<double>(flag, value);
-    else if (flag == "--logprobs")
-      options.logprobs = true, options.top_logprobs = parse_number<int32_t>(flag, value);
   }
   if (endpoint.empty()) throw UsageError("--endpoint is required (or set MOELINE_ENDPOINT)");
   if (has_prompt == !options.tokens.empty())

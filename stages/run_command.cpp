@@ -118,32 +118,13 @@ std::string default_model_dir() {
 
 RunOptions parse(int argc, char** argv) {
   RunOptions options;
-  const std::map<std::string, bool> flags_with_value = {{"--model", true},
-                                                        {"--tokens", true},
-                                                        {"--max-tokens", true},
-                                                        {"--temperature", true},
-                                                        {"--top-k", true},
-                                                        {"--top-p", true},
-                                                        {"--seed", true},
-                                                        {"--stop-ids", true},
-                                                        {"--threads", true},
-                                                        {"--logits-out", true},
-                                                        {"--json", false},
-                                                        {"--ignore-eos", false},
-                                                        {"--prompt", true},
-                                                        {"--chat", false},
-                                                        {"--system", true},
-                                                        {"--expert-budget", true},
-                                                        {"--prefetch-depth", true},
-                                                        {"--expert-trace", true},
-                                                        {"--loader-threads", true},
-                                                        {"--device", true},
-                                                        {"--min-p", true},
-                                                        {"--presence-penalty", true},
-                                                        {"--frequency-penalty", true},
-                                                        {"--repetition-penalty", true},
-                                                        {"--logprobs", true},
-                                                        {"--step-logits-out", true}};
+  std::map<std::string, bool> flags_with_value = {
+      {"--model", true},          {"--tokens", true},         {"--threads", true},
+      {"--logits-out", true},     {"--json", false},          {"--prompt", true},
+      {"--chat", false},          {"--system", true},         {"--expert-budget", true},
+      {"--prefetch-depth", true}, {"--expert-trace", true},   {"--loader-threads", true},
+      {"--device", true},         {"--step-logits-out", true}};
+  flags_with_value.insert(sdk::sampling_flags().begin(), sdk::sampling_flags().end());
   for (int i = 0; i < argc; ++i) {
     const std::string flag = argv[i];
     auto known = flags_with_value.find(flag);
@@ -153,30 +134,17 @@ RunOptions parse(int argc, char** argv) {
       if (i + 1 >= argc) throw UsageError(flag + " needs a value");
       value = argv[++i];
     }
+    if (sdk::parse_sampling_flag(flag, value, options.sampling)) continue;
     if (flag == "--model")
       options.model_dir = value;
     else if (flag == "--tokens")
       options.tokens = parse_id_list(flag, value);
-    else if (flag == "--max-tokens")
-      options.sampling.max_tokens = parse_number<int64_t>(flag, value);
-    else if (flag == "--temperature")
-      options.sampling.temperature = parse_number<double>(flag, value);
-    else if (flag == "--top-k")
-      options.sampling.top_k = parse_number<int64_t>(flag, value);
-    else if (flag == "--top-p")
-      options.sampling.top_p = parse_number<double>(flag, value);
-    else if (flag == "--seed")
-      options.sampling.seed = parse_number<uint64_t>(flag, value);
-    else if (flag == "--stop-ids")
-      options.sampling.stop_token_ids = parse_id_list(flag, value);
     else if (flag == "--threads")
       options.threads = parse_number<int>(flag, value);
     else if (flag == "--logits-out")
       options.logits_out = value;
     else if (flag == "--json")
       options.json = true;
-    else if (flag == "--ignore-eos")
-      options.sampling.ignore_eos = true;
     else if (flag == "--prompt")
       options.prompt = value;
     else if (flag == "--chat")
@@ -193,18 +161,7 @@ RunOptions parse(int argc, char** argv) {
       options.loader_threads = parse_number<int>(flag, value);
     else if (flag == "--device")
       options.device = value;
-    else if (flag == "--min-p")
-      options.sampling.min_p = parse_number<double>(flag, value);
-    else if (flag == "--presence-penalty")
-      options.sampling.presence_penalty = parse_number<double>(flag, value);
-    else if (flag == "--frequency-penalty")
-      options.sampling.frequency_penalty = parse_number<double>(flag, value);
-    else if (flag == "--repetition-penalty")
-      options.sampling.repetition_penalty = parse_number<double>(flag, value);
-    else if (flag == "--logprobs") {
-      options.sampling.logprobs = true;
-      options.sampling.top_logprobs = parse_number<int64_t>(flag, value);
-    } else if (flag == "--step-logits-out")
+    else if (flag == "--step-logits-out")
       options.step_logits_out = value;
   }
   if (options.model_dir.empty()) {
