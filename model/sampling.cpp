@@ -73,15 +73,6 @@ void Sampler::resume(std::span<const int32_t> output) {
   for (int32_t token : output) record(token);
 }
 
-std::vector<PenalizedToken> Sampler::penalized_tokens() const {
-  std::vector<PenalizedToken> tokens;
-  tokens.reserve(generated_.size());
-  for (const auto& [token, count] : generated_) tokens.push_back({token, count});
-  std::sort(tokens.begin(), tokens.end(),
-            [](const PenalizedToken& a, const PenalizedToken& b) { return a.token < b.token; });
-  return tokens;
-}
-
 int32_t argmax(const float* logits, int64_t vocab) {
   return static_cast<int32_t>(std::max_element(logits, logits + vocab) - logits);
 }
@@ -90,8 +81,11 @@ int32_t Sampler::sample(const float* raw_logits, int64_t vocab) {
   const float* logits = raw_logits;
   if (params_.penalized() && !generated_.empty()) {
     adjusted_.assign(raw_logits, raw_logits + vocab);
-    const std::vector<PenalizedToken> tokens = penalized_tokens();
-    apply_penalties(adjusted_.data(), vocab, tokens, params_);
+    // Each token's adjustment is independent of the others': the list is rebuilt in place, in
+    // the map's order.
+    penalized_.clear();
+    for (const auto& [token, count] : generated_) penalized_.push_back({token, count});
+    apply_penalties(adjusted_.data(), vocab, penalized_, params_);
     logits = adjusted_.data();
   }
   int32_t token = 0;

@@ -72,8 +72,6 @@ class Sampler {
   // after prefill): the generator advances as that many sample() calls would, and the penalties
   // count them.
   void resume(std::span<const int32_t> output);
-  // The prompt's and the output's tokens as the penalties see them (empty without penalties).
-  std::vector<PenalizedToken> penalized_tokens() const;
 
  private:
   double uniform();
@@ -84,6 +82,7 @@ class Sampler {
   std::vector<int32_t> order_;
   std::vector<double> probabilities_;
   std::vector<float> adjusted_;
+  std::vector<PenalizedToken> penalized_;
   std::unordered_map<int32_t, int32_t> generated_;  // penalized runs only: token -> count
 };
 

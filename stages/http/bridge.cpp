@@ -43,7 +43,6 @@ std::optional<sdk::Event> RequestChannel::next(std::chrono::milliseconds timeout
   std::unique_lock lock(mutex_);
   if (!ready_.wait_for(lock, timeout, [&] { return !events_.empty(); })) return std::nullopt;
   sdk::Event event = std::move(events_.front().first);
-  arrived_ = events_.front().second;
   events_.pop_front();
   return event;
 }

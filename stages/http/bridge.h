@@ -29,9 +29,6 @@ class RequestChannel {
   void push(sdk::Event event);
   // The next event, or nullopt after `timeout`.
   std::optional<sdk::Event> next(std::chrono::milliseconds timeout);
-  // When the event next() returned last reached this process (the waiting thread's view): what
-  // the HTTP stage adds to a token is the time from then to its chunk being written.
-  Clock::time_point arrived_at() const { return arrived_; }
 
   // From now on each event goes to `consumer` as it arrives, on the bridge thread, instead of
   // waiting in the queue for next() (those already queued go to it first, on this thread), until
@@ -47,7 +44,6 @@ class RequestChannel {
   std::mutex mutex_;
   std::condition_variable ready_;
   std::deque<std::pair<sdk::Event, Clock::time_point>> events_;
-  Clock::time_point arrived_;
   Consumer consumer_;
   bool consumed_ = false;
 };
