@@ -7,6 +7,7 @@
 #include <sstream>
 
 #include "model/arch/arch.h"
+#include "model/gguf.h"
 #include "model/status.h"
 
 namespace moeline::model {
@@ -175,6 +176,17 @@ void validate(const ModelConfig& c) {
 
 }  // namespace
 
+namespace {
+
+// What both sources share once the family's parser has read its config.json.
+void finish(ModelConfig& out) {
+  validate(out);
+  if (out.softmax_scale <= 0)
+    out.softmax_scale = 1.0 / std::sqrt(static_cast<double>(out.head_dim));
+}
+
+}  // namespace
+
 ModelConfig ModelConfig::load(const std::filesystem::path& dir) {
   const auto config_path = dir / "config.json";
   if (!std::filesystem::exists(config_path))
@@ -191,9 +203,7 @@ ModelConfig ModelConfig::load(const std::filesystem::path& dir) {
   ModelConfig out;
   out.model_type = type->get<std::string>();
   family->parse(config, out);
-  validate(out);
-  if (out.softmax_scale <= 0)
-    out.softmax_scale = 1.0 / std::sqrt(static_cast<double>(out.head_dim));
+  finish(out);
 
   if (config.contains("eos_token_id")) out.eos_token_ids = token_ids(config["eos_token_id"]);
   const auto generation_path = dir / "generation_config.json";
@@ -201,6 +211,41 @@ ModelConfig ModelConfig::load(const std::filesystem::path& dir) {
     const json generation = read_json(generation_path);
     if (generation.contains("eos_token_id"))
       out.eos_token_ids = token_ids(generation["eos_token_id"]);
+  }
+  return out;
+}
+
+ModelConfig ModelConfig::from_gguf(const GgufFile& gguf) {
+  const std::string file = gguf.path().filename().string();
+  const json& architecture = gguf.value("general.architecture");
+  if (!architecture.is_string())
+    throw ModelError(file + ": GGUF metadata 'general.architecture' is missing");
+  const std::string name = architecture.get<std::string>();
+  const arch::Family* family = arch::find_gguf_family(name);
+  if (!family)
+    throw ModelError(file + ": GGUF architecture \"" + name + "\" is not supported (supported: " +
+                     arch::supported_gguf_architectures() + ")");
+  const arch::GgufMetadata metadata(gguf.metadata(), name, file);
+  const json config = family->gguf_config(metadata);
+  ModelConfig out;
+  out.model_type = config.at("model_type").get<std::string>();
+  try {
+    arch::find_family(out.model_type)->parse(config, out);
+    finish(out);
+  } catch (const ModelError& e) {
+    // The family's parser speaks of config.json keys: say which file they were read from.
+    throw ModelError(file + " (GGUF metadata read as " + e.what() + ")");
+  }
+  if (family->gguf_adjust) family->gguf_adjust(metadata, out);
+  // An untied model has its own output matrix; a GGUF of a tied one leaves it out.
+  out.tie_word_embeddings = gguf.find("output.weight") == nullptr;
+  // Generation stops at the end of the text and at the end of a turn (chat models).
+  for (const char* key : {"tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id",
+                          "tokenizer.ggml.eom_token_id"}) {
+    const json& id = metadata.global(key);
+    if (id.is_number_integer() && std::find(out.eos_token_ids.begin(), out.eos_token_ids.end(),
+                                            id.get<int64_t>()) == out.eos_token_ids.end())
+      out.eos_token_ids.push_back(id.get<int64_t>());
   }
   return out;
 }
@@ -262,13 +307,35 @@ kernels::Rope make_rope(const ModelConfig& config) {
 namespace arch {
 
 namespace {
+// deepseek2 files are V2 or V3 by their metadata; the first family of an architecture reads them.
 constexpr Family kFamilies[] = {
-    {"mixtral", &parse_mixtral, &kMixtralNames},
-    {"qwen3_moe", &parse_qwen3_moe, &kQwen3MoeNames},
-    {"deepseek_v2", &parse_deepseek_v2, &kDeepseekNames},
-    {"deepseek_v3", &parse_deepseek_v3, &kDeepseekNames},
+    {"mixtral", &parse_mixtral, &kMixtralNames, "llama", &gguf_config_mixtral, &gguf_adjust_mixtral,
+     &kMixtralGgufNames},
+    {"qwen3_moe", &parse_qwen3_moe, &kQwen3MoeNames, "qwen3moe", &gguf_config_qwen3_moe, nullptr,
+     &kQwen3MoeGgufNames},
+    {"deepseek_v2", &parse_deepseek_v2, &kDeepseekNames, "deepseek2", &gguf_config_deepseek,
+     nullptr, &kDeepseekGgufNames},
+    {"deepseek_v3", &parse_deepseek_v3, &kDeepseekNames, "deepseek2", &gguf_config_deepseek,
+     nullptr, &kDeepseekGgufNames},
 };
 }  // namespace
+
+const Family* find_gguf_family(std::string_view architecture) {
+  for (const Family& family : kFamilies)
+    if (!family.gguf_architecture.empty() && family.gguf_architecture == architecture)
+      return &family;
+  return nullptr;
+}
+
+std::string supported_gguf_architectures() {
+  std::string names;
+  for (const Family& family : kFamilies) {
+    const std::string name(family.gguf_architecture);
+    if (name.empty() || names.find(name) != std::string::npos) continue;
+    names += (names.empty() ? "" : ", ") + name;
+  }
+  return names;
+}
 
 const Family* find_family(std::string_view model_type) {
   for (const Family& family : kFamilies)

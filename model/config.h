@@ -13,6 +13,8 @@
 
 namespace moeline::model {
 
+class GgufFile;
+
 enum class Family { kMixtral, kQwen3Moe, kDeepseekV2, kDeepseekV3 };
 
 // How a router turns its logits into scores, and which experts its top-k may pick from.
@@ -86,6 +88,9 @@ struct ModelConfig {
   // Parses dir/config.json (and generation_config.json for stop tokens). Throws ModelError naming
   // the file and the key at fault.
   static ModelConfig load(const std::filesystem::path& dir);
+  // The config a GGUF file's metadata describes (llama.cpp's keys, read through the family's
+  // config.json parser). Throws ModelError naming the file and the key.
+  static ModelConfig from_gguf(const GgufFile& gguf);
   std::string summary() const;
 };
 

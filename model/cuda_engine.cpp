@@ -677,6 +677,10 @@ Expected<std::unique_ptr<CudaEngine>> CudaEngine::create(const Model& model,
   if (!(options.expert_budget_fraction > 0 && options.expert_budget_fraction <= 1))
     return Error{"the device expert budget must be a fraction in (0, 1]"};
   std::string why;
+  if (model.gguf())
+    return Error{
+        "the CUDA engine does not run GGUF models yet (its quantized kernels are to come); "
+        "run this model on the CPU"};
   if (!cu::device_available(&why)) return Error{why};
   int devices = 0;
   if (cudaGetDeviceCount(&devices) != cudaSuccess || options.device < 0 ||

@@ -404,7 +404,7 @@ void Engine::latent_attention_block(int64_t layer, int64_t n) {
   for (int64_t h = 0; h < heads; ++h)
     tasks.push_back({.x = out_latent + h * kv_lora,
                      .n = n,
-                     .w = w.kv_b_proj.row_range(h * (nope + vd) + nope, vd),
+                     .w = w.value_up(h),
                      .y = attended + h * vd,
                      .x_stride = heads * kv_lora,
                      .y_stride = heads * vd});

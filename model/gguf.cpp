@@ -1,5 +1,6 @@
 #include "model/gguf.h"
 
+#include <algorithm>
 #include <cstring>
 #include <limits>
 #include <string_view>
@@ -224,6 +225,31 @@ std::vector<float> GgufFile::dequantize(const GgufTensor& tensor) const {
     kernels::dequantize_row(tensor.type.type, tensor.data + r * row_bytes, tensor.dims[0],
                             out.data() + r * tensor.dims[0]);
   return out;
+}
+
+Checkpoint Checkpoint::from_gguf(const GgufFile& gguf) {
+  Checkpoint checkpoint;
+  checkpoint.files_.push_back(gguf.file());
+  std::vector<const GgufTensor*> by_offset;
+  for (const auto& [name, tensor] : gguf.tensors()) {
+    TensorInfo info;
+    info.name = name;
+    info.dtype_name = std::string(tensor.type.name);
+    info.shape.assign(tensor.dims.rbegin(), tensor.dims.rend());
+    info.data = tensor.data;
+    info.bytes = tensor.bytes;
+    info.file = gguf.file().get();
+    checkpoint.tensors_.emplace(name, std::move(info));
+    by_offset.push_back(&tensor);
+  }
+  // Two tensors sharing bytes would let a crafted file alias one weight with another.
+  std::sort(by_offset.begin(), by_offset.end(),
+            [](const GgufTensor* a, const GgufTensor* b) { return a->offset < b->offset; });
+  for (size_t i = 1; i < by_offset.size(); ++i)
+    if (by_offset[i]->offset < by_offset[i - 1]->offset + by_offset[i - 1]->bytes)
+      throw ModelError(gguf.path().filename().string() + ": tensors '" + by_offset[i - 1]->name +
+                       "' and '" + by_offset[i]->name + "' overlap");
+  return checkpoint;
 }
 
 }  // namespace moeline::model

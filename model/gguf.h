@@ -45,6 +45,7 @@ class GgufFile {
   const GgufTensor* find(const std::string& name) const;
   uint64_t alignment() const { return alignment_; }
   const std::filesystem::path& path() const { return file_->path(); }
+  const std::shared_ptr<const MappedFile>& file() const { return file_; }
 
   // The tensor's weights as F32 (dequantized as the format defines it).
   std::vector<float> dequantize(const GgufTensor& tensor) const;

@@ -39,7 +39,12 @@ class TensorBinder {
   bool has(const std::string& name) const { return checkpoint_.find(name) != nullptr; }
   VectorView vector(const std::string& name, int64_t size) {
     const TensorInfo* tensor = find(name, {size});
-    return tensor ? VectorView{tensor->data, supported_dtype(*tensor), size} : VectorView{};
+    if (!tensor) return VectorView{};
+    const kernels::DType dtype = supported_dtype(*tensor);
+    if (kernels::is_quantized(dtype))
+      throw ModelError(tensor->file_name() + ": tensor '" + name + "' is " + tensor->dtype_name +
+                       "; norms and biases must be F32, F16 or BF16");
+    return VectorView{tensor->data, dtype, size};
   }
 
   // Throws for the first missing tensor, naming the unused ones.
@@ -85,9 +90,19 @@ class TensorBinder {
 };
 
 // Per head, the transpose of kv_b_proj's K rows: [heads][nope][kv_lora] -> [heads][kv_lora][nope],
-// element by element in the stored dtype (no rounding).
+// element by element in the stored dtype (no rounding). A quantized kv_b_proj (a GGUF from before
+// the split) is dequantized first: its transpose is F32.
 std::vector<std::byte> transpose_key_rows(const MatrixView& kv_b, int64_t heads, int64_t nope,
                                           int64_t value_dim) {
+  if (kernels::is_quantized(kv_b.dtype)) {
+    std::vector<std::byte> widened(static_cast<size_t>(kv_b.rows * kv_b.cols) * sizeof(float));
+    for (int64_t r = 0; r < kv_b.rows; ++r)
+      kernels::widen(kv_b.row(r), kv_b.dtype, kv_b.cols,
+                     reinterpret_cast<float*>(widened.data()) + r * kv_b.cols);
+    return transpose_key_rows(
+        MatrixView{widened.data(), kernels::DType::kF32, kv_b.rows, kv_b.cols}, heads, nope,
+        value_dim);
+  }
   const int64_t kv_lora = kv_b.cols;
   const size_t elem = kernels::dtype_size(kv_b.dtype);
   std::vector<std::byte> out(static_cast<size_t>(heads * kv_lora * nope) * elem);
@@ -101,13 +116,10 @@ std::vector<std::byte> transpose_key_rows(const MatrixView& kv_b, int64_t heads,
   return out;
 }
 
-uint64_t hash_model(const std::filesystem::path& dir, const Checkpoint& checkpoint) {
+// `config_text`: config.json, or a GGUF's metadata as JSON.
+uint64_t hash_model(const std::string& config_text, const Checkpoint& checkpoint) {
   XXH3_state_t* state = XXH3_createState();
   XXH3_64bits_reset(state);
-  std::ifstream config(dir / "config.json", std::ios::binary);
-  std::stringstream text;
-  text << config.rdbuf();
-  const std::string config_text = text.str();
   XXH3_64bits_update(state, config_text.data(), config_text.size());
   // Names, dtypes, shapes and the first bytes of every tensor: two seeds of the same shape differ.
   for (const auto& [name, tensor] : checkpoint.tensors()) {
@@ -121,16 +133,31 @@ uint64_t hash_model(const std::filesystem::path& dir, const Checkpoint& checkpoi
   return digest;
 }
 
+std::string read_text(const std::filesystem::path& path) {
+  std::ifstream file(path, std::ios::binary);
+  std::stringstream text;
+  text << file.rdbuf();
+  return text.str();
+}
+
 }  // namespace
 
 Expected<std::unique_ptr<Model>> Model::load(const std::filesystem::path& dir) {
   try {
     std::unique_ptr<Model> model(new Model());
     model->dir_ = dir;
+    if (std::filesystem::is_regular_file(dir)) {
+      model->gguf_ = std::make_shared<const GgufFile>(GgufFile::open(dir));
+      model->config_ = ModelConfig::from_gguf(*model->gguf_);
+      model->checkpoint_ = Checkpoint::from_gguf(*model->gguf_);
+      model->load_weights(*arch::find_family(model->config_.model_type)->gguf_names);
+      model->model_id_ = hash_model(model->gguf_->metadata().dump(), model->checkpoint_);
+      return model;
+    }
     model->config_ = ModelConfig::load(dir);
     model->checkpoint_ = Checkpoint::open(dir);
-    model->load_weights();
-    model->model_id_ = hash_model(dir, model->checkpoint_);
+    model->load_weights(*arch::find_family(model->config_.model_type)->names);
+    model->model_id_ = hash_model(read_text(dir / "config.json"), model->checkpoint_);
     return model;
   } catch (const ModelError& e) {
     return Error{e.what()};
@@ -139,9 +166,8 @@ Expected<std::unique_ptr<Model>> Model::load(const std::filesystem::path& dir) {
   }
 }
 
-void Model::load_weights() {
+void Model::load_weights(const arch::TensorNames& names) {
   const ModelConfig& c = config_;
-  const arch::TensorNames& names = *arch::find_family(c.model_type)->names;
   TensorBinder bind(checkpoint_);
   const int64_t q_width = c.num_heads * c.head_dim;
   const int64_t kv_width = c.num_kv_heads * c.head_dim;
@@ -173,12 +199,25 @@ void Model::load_weights() {
       }
       layer.kv_a_proj = bind.matrix(name(names.kv_a_proj), kv_lora + rope, c.hidden_size);
       layer.kv_a_norm = bind.vector(name(names.kv_a_norm), kv_lora);
-      layer.kv_b_proj = bind.matrix(name(names.kv_b_proj), heads * (nope + vd), kv_lora);
       layer.o_proj = bind.matrix(name(names.o_proj), c.hidden_size, heads * vd);
-      if (layer.kv_b_proj.data) {
-        derived_.push_back(transpose_key_rows(layer.kv_b_proj, heads, nope, vd));
-        layer.kv_b_key_t =
-            MatrixView{derived_.back().data(), layer.kv_b_proj.dtype, heads * kv_lora, nope};
+      layer.value_head_rows = vd;
+      layer.kv_b_split = !names.kv_b_key_t.empty() && !bind.has(name(names.kv_b_proj)) &&
+                         bind.has(name(names.kv_b_key_t));
+      if (layer.kv_b_split) {
+        layer.kv_b_key_t = bind.stacked(name(names.kv_b_key_t), heads, kv_lora, nope);
+        layer.kv_b_value = bind.stacked(name(names.kv_b_value), heads, vd, kv_lora);
+        layer.value_head_stride = vd;
+      } else {
+        layer.kv_b_proj = bind.matrix(name(names.kv_b_proj), heads * (nope + vd), kv_lora);
+        if (layer.kv_b_proj.data) {
+          derived_.push_back(transpose_key_rows(layer.kv_b_proj, heads, nope, vd));
+          const kernels::DType key_dtype = kernels::is_quantized(layer.kv_b_proj.dtype)
+                                               ? kernels::DType::kF32
+                                               : layer.kv_b_proj.dtype;
+          layer.kv_b_key_t = MatrixView{derived_.back().data(), key_dtype, heads * kv_lora, nope};
+          layer.kv_b_value = layer.kv_b_proj.row_range(nope, heads * (nope + vd) - nope);
+          layer.value_head_stride = nope + vd;
+        }
       }
     } else {
       layer.q_proj = bind.matrix(name(names.q_proj), q_width, c.hidden_size);
@@ -220,7 +259,19 @@ void Model::load_weights() {
     auto& experts = experts_[static_cast<size_t>(l)];
     const int64_t inter = c.expert_intermediate_size;
     const int64_t H = c.hidden_size;
-    if (bind.has(name(names.fused_gate_up))) {
+    if (!names.stacked_gate.empty() &&
+        (names.expert_gate.empty() || bind.has(name(names.stacked_gate)))) {
+      const MatrixView gate = bind.stacked(name(names.stacked_gate), c.num_experts, inter, H);
+      const MatrixView up = bind.stacked(name(names.stacked_up), c.num_experts, inter, H);
+      const MatrixView down = bind.stacked(name(names.stacked_down), c.num_experts, H, inter);
+      if (!gate.data || !up.data || !down.data) continue;  // reported by bind.finish()
+      for (int64_t e = 0; e < c.num_experts; ++e)
+        experts.push_back(offload::ExpertWeights{gate.row_range(e * inter, inter),
+                                                 up.row_range(e * inter, inter),
+                                                 down.row_range(e * H, H)});
+      continue;
+    }
+    if (!names.fused_gate_up.empty() && bind.has(name(names.fused_gate_up))) {
       const MatrixView gate_up =
           bind.stacked(name(names.fused_gate_up), c.num_experts, 2 * inter, H);
       const MatrixView down = bind.stacked(name(names.fused_down), c.num_experts, H, inter);
@@ -302,7 +353,9 @@ size_t Model::bytes_touched_per_token() const {
     const LayerWeights& layer = layers_[static_cast<size_t>(l)];
     bytes += layer.q_proj.bytes() + layer.k_proj.bytes() + layer.v_proj.bytes() +
              layer.o_proj.bytes() + layer.q_a_proj.bytes() + layer.q_b_proj.bytes() +
-             layer.kv_a_proj.bytes() + layer.kv_b_proj.bytes();
+             layer.kv_a_proj.bytes() +
+             (layer.kv_b_split ? layer.kv_b_key_t.bytes() + layer.kv_b_value.bytes()
+                               : layer.kv_b_proj.bytes());
     if (layer.is_moe) {
       bytes +=
           layer.router.bytes() + layer.shared_gate.bytes() + layer.shared_up.bytes() +
@@ -313,6 +366,15 @@ size_t Model::bytes_touched_per_token() const {
     }
   }
   return bytes;
+}
+
+bool Model::has_quantized_weights() const {
+  for (const auto& [name, tensor] : checkpoint_.tensors())
+    for (kernels::DType quantized :
+         {kernels::DType::kQ8_0, kernels::DType::kQ4_0, kernels::DType::kQ4_K,
+          kernels::DType::kQ5_K, kernels::DType::kQ6_K})
+      if (tensor.dtype_name == kernels::dtype_name(quantized)) return true;
+  return false;
 }
 
 std::string Model::dtype_summary() const {

@@ -15,12 +15,16 @@
 
 #include "kernels/cpu/dtype.h"
 #include "model/config.h"
+#include "model/gguf.h"
 #include "model/safetensors.h"
 #include "model/status.h"
 #include "offload/expert_pool.h"
 #include "offload/expert_provider.h"
 
 namespace moeline::model {
+namespace arch {
+struct TensorNames;
+}
 
 struct LayerWeights {
   kernels::VectorView input_norm, post_attention_norm;
@@ -39,13 +43,23 @@ struct LayerWeights {
   // kv_b_proj's K rows of every head, transposed: [heads * kv_lora, nope]. Rows h * kv_lora ...
   // map a head's query (nope part) into the latent space (the absorbed key up-projection).
   kernels::MatrixView kv_b_key_t;
+  // The value rows of kv_b_proj, head after head: head h's [v_head_dim, kv_lora] rows start
+  // value_head_stride rows after head h-1's (nope + v inside kv_b_proj, v in a GGUF's split
+  // attn_v_b). kv_b_split: the key and value parts came as their own tensors (no kv_b_proj).
+  kernels::MatrixView kv_b_value;
+  int64_t value_head_stride = 0, value_head_rows = 0;
+  bool kv_b_split = false;
+  kernels::MatrixView value_up(int64_t head) const {
+    return kv_b_value.row_range(head * value_head_stride, value_head_rows);
+  }
   kernels::VectorView router_bias;                          // [experts], V3's correction bias
   kernels::MatrixView shared_gate, shared_up, shared_down;  // shared experts, when configured
 };
 
 class Model {
  public:
-  static Expected<std::unique_ptr<Model>> load(const std::filesystem::path& dir);
+  // A Hugging Face checkpoint folder (config.json, safetensors), or a GGUF file.
+  static Expected<std::unique_ptr<Model>> load(const std::filesystem::path& path);
 
   const ModelConfig& config() const { return config_; }
   const LayerWeights& layer(int64_t index) const { return layers_[static_cast<size_t>(index)]; }
@@ -61,7 +75,13 @@ class Model {
   // bytes of the checkpoint and keeps them out of it (no huge pages or readahead over them), so
   // the pool holds the node's only copy. The views stay valid; touching them faults them back in.
   void release_expert_mappings() const;
+  // What load() was given: the checkpoint folder, or the GGUF file.
   const std::filesystem::path& dir() const { return dir_; }
+  // The GGUF file the model was loaded from (its metadata holds the tokenizer and chat
+  // template); nullptr for a safetensors checkpoint.
+  const GgufFile* gguf() const { return gguf_.get(); }
+  // Whether any weight is block-quantized (what the CUDA engine cannot run yet).
+  bool has_quantized_weights() const;
   // Identifies the weights and config (hash of config.json and the tensor headers): part of every
   // KV block key, so caches of different models never mix.
   uint64_t model_id() const { return model_id_; }
@@ -73,11 +93,12 @@ class Model {
 
  private:
   Model() = default;
-  void load_weights();
+  void load_weights(const arch::TensorNames& names);
 
   std::filesystem::path dir_;
   ModelConfig config_;
   Checkpoint checkpoint_;
+  std::shared_ptr<const GgufFile> gguf_;
   std::vector<LayerWeights> layers_;
   std::vector<std::vector<std::byte>> derived_;  // weights computed at load (kv_b_key_t)
   std::vector<std::vector<offload::ExpertWeights>> experts_;

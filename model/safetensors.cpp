@@ -137,7 +137,7 @@ Checkpoint Checkpoint::open(const fs::path& dir) {
 }
 
 void Checkpoint::add_file(const fs::path& path, const std::vector<std::string>* expected_names) {
-  auto file = std::make_unique<MappedFile>(path);
+  auto file = std::make_shared<const MappedFile>(path);
   if (file->size() < 8) fail(path, "truncated: shorter than the 8-byte header length");
   uint64_t header_bytes = 0;
   std::memcpy(&header_bytes, file->data(), 8);
@@ -254,8 +254,14 @@ kernels::DType supported_dtype(const TensorInfo& tensor) {
   if (tensor.dtype_name == "F32") return kernels::DType::kF32;
   if (tensor.dtype_name == "BF16") return kernels::DType::kBF16;
   if (tensor.dtype_name == "F16") return kernels::DType::kF16;
+  for (kernels::DType quantized :
+       {kernels::DType::kQ8_0, kernels::DType::kQ4_0, kernels::DType::kQ4_K, kernels::DType::kQ5_K,
+        kernels::DType::kQ6_K})
+    if (tensor.dtype_name == kernels::dtype_name(quantized)) return quantized;
   throw ModelError(tensor.file_name() + ": tensor '" + tensor.name + "' has dtype " +
-                   tensor.dtype_name + ", which moeline does not support (F32, BF16, F16)");
+                   tensor.dtype_name +
+                   ", which moeline does not support (F32, BF16, F16, and in GGUF files Q8_0, "
+                   "Q4_0, Q4_K, Q5_K, Q6_K)");
 }
 
 }  // namespace moeline::model

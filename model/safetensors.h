@@ -17,6 +17,8 @@
 
 namespace moeline::model {
 
+class GgufFile;
+
 class MappedFile {
  public:
   explicit MappedFile(const std::filesystem::path& path);
@@ -36,8 +38,8 @@ class MappedFile {
 
 struct TensorInfo {
   std::string name;
-  std::string dtype_name;  // as written in the header ("BF16", "F32", ...)
-  std::vector<int64_t> shape;
+  std::string dtype_name;      // as written in the header ("BF16", "F32", ...), or ggml's type name
+  std::vector<int64_t> shape;  // outermost first (a GGUF tensor's dims reversed)
   const std::byte* data = nullptr;
   size_t bytes = 0;
   const MappedFile* file = nullptr;
@@ -51,6 +53,9 @@ class Checkpoint {
  public:
   // Opens model.safetensors.index.json (sharded) or model.safetensors in `dir`.
   static Checkpoint open(const std::filesystem::path& dir);
+  // The tensors of a GGUF file, under their GGUF names, shapes outermost first. Refuses tensors
+  // whose bytes overlap.
+  static Checkpoint from_gguf(const GgufFile& gguf);
 
   const TensorInfo* find(const std::string& name) const;
   const std::map<std::string, TensorInfo>& tensors() const { return tensors_; }
@@ -68,11 +73,12 @@ class Checkpoint {
  private:
   void add_file(const std::filesystem::path& path, const std::vector<std::string>* expected_names);
 
-  std::vector<std::unique_ptr<MappedFile>> files_;
+  std::vector<std::shared_ptr<const MappedFile>> files_;
   std::map<std::string, TensorInfo> tensors_;
 };
 
-// Maps a header dtype string to a supported kernels::DType, or throws naming file and tensor.
+// Maps a header dtype string (or a GGUF type name) to a supported kernels::DType, or throws
+// naming file and tensor.
 kernels::DType supported_dtype(const TensorInfo& tensor);
 
 }  // namespace moeline::model

@@ -215,8 +215,8 @@ int run_command(int argc, char** argv) {
     return fail(e.what(), 2);
   }
 
-  if (std::error_code ec; !std::filesystem::is_directory(options.model_dir, ec)) {
-    return fail("model folder " + options.model_dir + " does not exist" +
+  if (std::error_code ec; !std::filesystem::exists(options.model_dir, ec)) {
+    return fail("model " + options.model_dir + " does not exist" +
                     (options.default_model ? " (no --model given: this is the default model)" : ""),
                 2);
   }

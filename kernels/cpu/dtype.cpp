@@ -2,6 +2,8 @@
 
 #include <cmath>
 
+#include "kernels/cpu/quant.h"
+
 namespace moeline::kernels {
 
 // IEEE 754 binary16, including subnormals, infinities and NaN; only used off the hot path (the
@@ -22,6 +24,10 @@ float f16_to_float(uint16_t bits) {
 }
 
 void widen(const void* src, DType dtype, int64_t count, float* dst) {
+  if (is_quantized(dtype)) {
+    dequantize_row(quant_type(dtype), src, count, dst);
+    return;
+  }
   for (int64_t i = 0; i < count; ++i) {
     switch (dtype) {
       case DType::kF32:
@@ -32,6 +38,8 @@ void widen(const void* src, DType dtype, int64_t count, float* dst) {
         break;
       case DType::kF16:
         dst[i] = f16_to_float(static_cast<const uint16_t*>(src)[i]);
+        break;
+      default:
         break;
     }
   }

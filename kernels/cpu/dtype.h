@@ -9,17 +9,50 @@
 
 namespace moeline::kernels {
 
-enum class DType : uint8_t { kF32, kBF16, kF16 };
+// F32, BF16 and F16 hold one weight per element. The others are GGUF's block-quantized types
+// (kernels/cpu/quant.h defines their layout): a row of n weights is n / block elements blocks,
+// each with its own scales, so a quantized matrix is addressed by rows, never by element.
+enum class DType : uint8_t { kF32, kBF16, kF16, kQ8_0, kQ4_0, kQ4_K, kQ5_K, kQ6_K };
 
-constexpr size_t dtype_size(DType dtype) {
+struct DTypeBlock {
+  int64_t elements;  // weights per block (1 for the plain types)
+  int64_t bytes;     // bytes per block
+};
+
+constexpr DTypeBlock dtype_block(DType dtype) {
   switch (dtype) {
     case DType::kF32:
-      return 4;
+      return {1, 4};
     case DType::kBF16:
     case DType::kF16:
-      return 2;
+      return {1, 2};
+    case DType::kQ8_0:
+      return {32, 34};
+    case DType::kQ4_0:
+      return {32, 18};
+    case DType::kQ4_K:
+      return {256, 144};
+    case DType::kQ5_K:
+      return {256, 176};
+    case DType::kQ6_K:
+      return {256, 210};
   }
-  return 0;
+  return {1, 0};
+}
+
+constexpr bool is_quantized(DType dtype) {
+  return dtype_block(dtype).elements > 1;
+}
+
+// Bytes of one element of a plain type (0 for a quantized one, which has no element of its own).
+constexpr size_t dtype_size(DType dtype) {
+  return is_quantized(dtype) ? 0 : static_cast<size_t>(dtype_block(dtype).bytes);
+}
+
+// Bytes of `count` weights stored as `dtype`; count is a whole number of blocks.
+constexpr size_t stored_bytes(DType dtype, int64_t count) {
+  const DTypeBlock block = dtype_block(dtype);
+  return static_cast<size_t>(count / block.elements * block.bytes);
 }
 
 constexpr std::string_view dtype_name(DType dtype) {
@@ -30,6 +63,16 @@ constexpr std::string_view dtype_name(DType dtype) {
       return "BF16";
     case DType::kF16:
       return "F16";
+    case DType::kQ8_0:
+      return "Q8_0";
+    case DType::kQ4_0:
+      return "Q4_0";
+    case DType::kQ4_K:
+      return "Q4_K";
+    case DType::kQ5_K:
+      return "Q5_K";
+    case DType::kQ6_K:
+      return "Q6_K";
   }
   return "?";
 }
@@ -52,7 +95,8 @@ inline uint16_t float_to_bf16(float value) {
 
 float f16_to_float(uint16_t bits);
 
-// Widens `count` elements of any DType to F32 (exact).
+// Widens `count` elements of any DType to F32 (exact; a quantized type is dequantized as GGUF
+// defines it, from the start of a block, count a whole number of blocks).
 void widen(const void* src, DType dtype, int64_t count, float* dst);
 
 // A row-major matrix [rows, cols]; for a linear layer's weight this is [out_features, in_features].
@@ -63,16 +107,17 @@ struct MatrixView {
   int64_t cols = 0;
 
   const std::byte* row(int64_t r) const {
-    return static_cast<const std::byte*>(data) + r * cols * static_cast<int64_t>(dtype_size(dtype));
+    return static_cast<const std::byte*>(data) + static_cast<size_t>(r) * row_bytes();
   }
-  size_t bytes() const { return static_cast<size_t>(rows * cols) * dtype_size(dtype); }
+  size_t row_bytes() const { return stored_bytes(dtype, cols); }
+  size_t bytes() const { return static_cast<size_t>(rows) * row_bytes(); }
   // Rows [first, first + count), as a matrix of their own.
   MatrixView row_range(int64_t first, int64_t count) const {
     return MatrixView{row(first), dtype, count, cols};
   }
 };
 
-// A vector of weights (norm scales, biases).
+// A vector of weights (norm scales, biases): always a plain type (loaders refuse quantized ones).
 struct VectorView {
   const void* data = nullptr;
   DType dtype = DType::kF32;
@@ -86,8 +131,9 @@ struct VectorView {
         return bf16_to_float(static_cast<const uint16_t*>(data)[i]);
       case DType::kF16:
         return f16_to_float(static_cast<const uint16_t*>(data)[i]);
+      default:
+        return 0.0f;
     }
-    return 0.0f;
   }
   explicit operator bool() const { return data != nullptr; }
 };

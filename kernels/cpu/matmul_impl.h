@@ -47,8 +47,9 @@ struct MatmulKernel {
         return Simd::load_bf16(static_cast<const uint16_t*>(row) + k);
       case DType::kF16:
         return Simd::load_f16(static_cast<const uint16_t*>(row) + k);
+      default:  // quantized rows are always dequantized into a packed F32 tile first
+        return Simd::zero();
     }
-    return Simd::zero();
   }
 
   // The ragged end of a row, widened through a zero-padded buffer: the same path for every tile.
@@ -60,6 +61,10 @@ struct MatmulKernel {
   }
 
   static void widen_row(const void* row, DType dtype, int64_t K, float* dst) {
+    if (is_quantized(dtype)) {
+      widen(row, dtype, K, dst);
+      return;
+    }
     if (dtype == DType::kF32) {
       std::memcpy(dst, row, static_cast<size_t>(K) * sizeof(float));
       return;
@@ -128,8 +133,9 @@ struct MatmulKernel {
         return kTiles<DType::kBF16>[rows - 1][tokens - 1];
       case DType::kF16:
         return kTiles<DType::kF16>[rows - 1][tokens - 1];
+      default:
+        return nullptr;
     }
-    return nullptr;
   }
 
   static void run_tokens(const void* const* w_rows, DType dtype, int rows, const MatmulTask& task,
@@ -147,7 +153,10 @@ struct MatmulKernel {
     const int64_t K = task.w.cols;
     const int64_t x_stride = task.x_stride ? task.x_stride : K;
     const int64_t y_stride = task.y_stride ? task.y_stride : task.w.rows;
-    const bool pack = task.w.dtype != DType::kF32 && task.n >= kPackFromTokens;
+    // Quantized weights are always dequantized into the packed tile first (the exact mode: F32
+    // weights times F32 activations), whatever the token count.
+    const bool pack =
+        is_quantized(task.w.dtype) || (task.w.dtype != DType::kF32 && task.n >= kPackFromTokens);
     const void* w_rows[kMR];
     if (!pack) {
       // Start the stream: the first kPrefetchBytes of the range would otherwise be demand misses.

@@ -124,6 +124,34 @@ std::string_view ggml_type_name(uint32_t ggml_type) {
   return ggml_type < kNames.size() ? kNames[ggml_type] : std::string_view("unknown");
 }
 
+QuantType quant_type(DType dtype) {
+  switch (dtype) {
+    case DType::kF32:
+      return QuantType::kF32;
+    case DType::kBF16:
+      return QuantType::kBF16;
+    case DType::kF16:
+      return QuantType::kF16;
+    case DType::kQ8_0:
+      return QuantType::kQ8_0;
+    case DType::kQ4_0:
+      return QuantType::kQ4_0;
+    case DType::kQ4_K:
+      return QuantType::kQ4_K;
+    case DType::kQ5_K:
+      return QuantType::kQ5_K;
+    case DType::kQ6_K:
+      return QuantType::kQ6_K;
+  }
+  return QuantType::kF32;
+}
+
+std::optional<DType> dtype_of(QuantType type) {
+  for (int d = 0; d <= static_cast<int>(DType::kQ6_K); ++d)
+    if (quant_type(static_cast<DType>(d)) == type) return static_cast<DType>(d);
+  return std::nullopt;
+}
+
 void dequantize_row(QuantType type, const void* src, int64_t n, float* dst) {
   const auto* bytes = static_cast<const uint8_t*>(src);
   switch (type) {

@@ -19,6 +19,8 @@
 #include <optional>
 #include <string_view>
 
+#include "kernels/cpu/dtype.h"
+
 namespace moeline::kernels {
 
 enum class QuantType : uint32_t {
@@ -43,6 +45,11 @@ struct QuantTraits {
 std::optional<QuantTraits> quant_traits(uint32_t ggml_type);
 // ggml's name for any type id, known to this build or not ("Q4_1", "IQ2_XXS", "type 99").
 std::string_view ggml_type_name(uint32_t ggml_type);
+
+// The GGUF type of a weight DType, and the DType of a GGUF type (nullopt for a type the kernels do
+// not compute with).
+QuantType quant_type(DType dtype);
+std::optional<DType> dtype_of(QuantType type);
 
 // `n` weights (a multiple of the type's block_elements) from `src` into `dst` as F32.
 void dequantize_row(QuantType type, const void* src, int64_t n, float* dst);

@@ -21,8 +21,9 @@ cudaDataType_t data_type(DType dtype) {
       return CUDA_R_16BF;
     case DType::kF16:
       return CUDA_R_16F;
+    default:
+      throw std::invalid_argument("cublas: no " + std::string(dtype_name(dtype)) + " matrices");
   }
-  return CUDA_R_32F;
 }
 
 }  // namespace

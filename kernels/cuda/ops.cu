@@ -45,8 +45,9 @@ __device__ __forceinline__ float load(const void* data, DType dtype, int64_t i) 
       return __uint_as_float(static_cast<uint32_t>(static_cast<const uint16_t*>(data)[i]) << 16);
     case DType::kF16:
       return __half2float(static_cast<const __half*>(data)[i]);
+    default:  // quantized weights never reach the CUDA engine (it refuses them at load)
+      return 0.0f;
   }
-  return 0.0f;
 }
 
 __device__ __forceinline__ float warp_sum(float value) {
@@ -339,6 +340,8 @@ __global__ void convert_kernel(const float* x, int64_t rows, int64_t cols, int64
       break;
     case DType::kF16:
       static_cast<__half*>(out)[i] = __float2half_rn(value);
+      break;
+    default:
       break;
   }
 }

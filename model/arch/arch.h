@@ -27,22 +27,63 @@ struct TensorNames {
   // The stacked layout of the same experts: gate_up [experts, 2 * intermediate, hidden] (gate rows
   // first, then up rows, per expert) and down [experts, hidden, intermediate].
   std::string_view fused_gate_up, fused_down;
+  // Experts stacked one tensor per matrix, [experts, intermediate, hidden] for gate and up and
+  // [experts, hidden, intermediate] for down (GGUF's ffn_*_exps).
+  std::string_view stacked_gate, stacked_up, stacked_down;
   std::string_view dense_gate, dense_up, dense_down;
   // Multi-head latent attention (empty for the other families).
   std::string_view q_a_proj, q_a_norm, q_b_proj, kv_a_proj, kv_a_norm, kv_b_proj;
+  // kv_b_proj split per head as the absorbed attention uses it (GGUF's attn_k_b, attn_v_b):
+  // [heads, kv_lora, nope] (the key rows, transposed) and [heads, v_head_dim, kv_lora].
+  std::string_view kv_b_key_t, kv_b_value;
   std::string_view router_bias;
   std::string_view shared_gate, shared_up, shared_down;
+};
+
+// A GGUF file's metadata, read through the keys of one architecture ("{arch}.block_count").
+// Every failure throws ModelError naming the file and the key.
+class GgufMetadata {
+ public:
+  GgufMetadata(const nlohmann::json& metadata, std::string architecture, std::string file_name)
+      : metadata_(metadata), architecture_(std::move(architecture)), file_(std::move(file_name)) {}
+
+  const std::string& architecture() const { return architecture_; }
+  // `key` under the architecture's prefix ("block_count" -> "llama.block_count").
+  bool has(const std::string& key) const;
+  int64_t require_int(const std::string& key) const;
+  int64_t int_or(const std::string& key, int64_t fallback) const;
+  double number_or(const std::string& key, double fallback) const;
+  bool bool_or(const std::string& key, bool fallback) const;
+  std::string string_or(const std::string& key, const std::string& fallback) const;
+  // A key without the architecture prefix ("tokenizer.ggml.tokens"); null when absent.
+  const nlohmann::json& global(const std::string& key) const;
+  [[noreturn]] void fail(const std::string& key, const std::string& why) const;
+
+ private:
+  const nlohmann::json& at(const std::string& key) const;
+  const nlohmann::json& metadata_;
+  std::string architecture_, file_;
 };
 
 struct Family {
   std::string_view model_type;
   void (*parse)(const nlohmann::json& config, ModelConfig& out);
   const TensorNames* names;
+  // llama.cpp's architecture name for the family's GGUF files ("" for none), the config.json the
+  // file's metadata amounts to (what `parse` then reads), and the GGUF tensor names. A family whose
+  // files need it sets rope_interleaved etc. itself afterwards (gguf_adjust, may be null).
+  std::string_view gguf_architecture;
+  nlohmann::json (*gguf_config)(const GgufMetadata& metadata);
+  void (*gguf_adjust)(const GgufMetadata& metadata, ModelConfig& out);
+  const TensorNames* gguf_names;
 };
 
 // The families this build supports; nullptr when model_type is not one of them.
 const Family* find_family(std::string_view model_type);
 std::string supported_model_types();
+// The family of a GGUF architecture; nullptr when none serves it.
+const Family* find_gguf_family(std::string_view architecture);
+std::string supported_gguf_architectures();
 
 std::string tensor_name(std::string_view pattern, int64_t layer, int64_t expert = -1);
 
@@ -61,8 +102,17 @@ void parse_mixtral(const nlohmann::json& config, ModelConfig& out);
 void parse_qwen3_moe(const nlohmann::json& config, ModelConfig& out);
 void parse_deepseek_v2(const nlohmann::json& config, ModelConfig& out);
 void parse_deepseek_v3(const nlohmann::json& config, ModelConfig& out);
+nlohmann::json gguf_config_mixtral(const GgufMetadata& metadata);
+void gguf_adjust_mixtral(const GgufMetadata& metadata, ModelConfig& out);
+nlohmann::json gguf_config_qwen3_moe(const GgufMetadata& metadata);
+nlohmann::json gguf_config_deepseek(const GgufMetadata& metadata);
+// The config.json keys every family shares, from the GGUF keys every llama.cpp architecture has.
+nlohmann::json gguf_common_config(const GgufMetadata& metadata, std::string_view model_type);
 extern const TensorNames kMixtralNames;
 extern const TensorNames kQwen3MoeNames;
 extern const TensorNames kDeepseekNames;
+extern const TensorNames kMixtralGgufNames;
+extern const TensorNames kQwen3MoeGgufNames;
+extern const TensorNames kDeepseekGgufNames;
 
 }  // namespace moeline::model::arch

@@ -57,9 +57,57 @@ const TensorNames kDeepseekNames = {
     .shared_down = "model.layers.{L}.mlp.shared_experts.down_proj.weight",
 };
 
+// llama.cpp's `deepseek2` (DeepSeek-V2 and V3). Files converted since MLA's absorbed form landed
+// split kv_b_proj into attn_k_b and attn_v_b; older ones keep attn_kv_b.
+const TensorNames kDeepseekGgufNames = {
+    .embed_tokens = "token_embd.weight",
+    .final_norm = "output_norm.weight",
+    .lm_head = "output.weight",
+    .input_norm = "blk.{L}.attn_norm.weight",
+    .post_attention_norm = "blk.{L}.ffn_norm.weight",
+    .q_proj = "blk.{L}.attn_q.weight",
+    .k_proj = "",
+    .v_proj = "",
+    .o_proj = "blk.{L}.attn_output.weight",
+    .q_bias = "",
+    .k_bias = "",
+    .v_bias = "",
+    .o_bias = "",
+    .q_norm = "",
+    .k_norm = "",
+    .router = "blk.{L}.ffn_gate_inp.weight",
+    .router_alternative = "",
+    .expert_gate = "",
+    .expert_up = "",
+    .expert_down = "",
+    .fused_gate_up = "",
+    .fused_down = "",
+    .stacked_gate = "blk.{L}.ffn_gate_exps.weight",
+    .stacked_up = "blk.{L}.ffn_up_exps.weight",
+    .stacked_down = "blk.{L}.ffn_down_exps.weight",
+    .dense_gate = "blk.{L}.ffn_gate.weight",
+    .dense_up = "blk.{L}.ffn_up.weight",
+    .dense_down = "blk.{L}.ffn_down.weight",
+    .q_a_proj = "blk.{L}.attn_q_a.weight",
+    .q_a_norm = "blk.{L}.attn_q_a_norm.weight",
+    .q_b_proj = "blk.{L}.attn_q_b.weight",
+    .kv_a_proj = "blk.{L}.attn_kv_a_mqa.weight",
+    .kv_a_norm = "blk.{L}.attn_kv_a_norm.weight",
+    .kv_b_proj = "blk.{L}.attn_kv_b.weight",
+    .kv_b_key_t = "blk.{L}.attn_k_b.weight",
+    .kv_b_value = "blk.{L}.attn_v_b.weight",
+    .router_bias = "blk.{L}.exp_probs_b.bias",
+    .shared_gate = "blk.{L}.ffn_gate_shexp.weight",
+    .shared_up = "blk.{L}.ffn_up_shexp.weight",
+    .shared_down = "blk.{L}.ffn_down_shexp.weight",
+};
+
 namespace {
 
 using nlohmann::json;
+
+// llama_expert_gating_func_type
+constexpr int64_t kGatingSoftmax = 1, kGatingSigmoid = 2;
 
 [[noreturn]] void bad(const std::string& key, const std::string& why) {
   throw ModelError("config.json: \"" + key + "\" " + why);
@@ -194,6 +242,47 @@ void parse_deepseek(const json& config, ModelConfig& out, bool v3) {
 }
 
 }  // namespace
+
+json gguf_config_deepseek(const GgufMetadata& m) {
+  const int64_t gating = m.int_or("expert_gating_func", kGatingSoftmax);
+  if (gating != kGatingSoftmax && gating != kGatingSigmoid)
+    m.fail("expert_gating_func",
+           "is " + std::to_string(gating) + "; supported: 1 (softmax), 2 (sigmoid)");
+  const bool v3 = gating == kGatingSigmoid;
+  json config = gguf_common_config(m, v3 ? "deepseek_v3" : "deepseek_v2");
+  config["q_lora_rank"] = m.int_or("attention.q_lora_rank", 0);
+  config["kv_lora_rank"] = m.require_int("attention.kv_lora_rank");
+  const int64_t rope = m.require_int("rope.dimension_count");
+  // The absorbed form's files give the per-head sizes as key_length_mla / value_length_mla (their
+  // key_length is the latent's); older files give them as key_length / value_length.
+  const int64_t qk = m.has("attention.key_length_mla") ? m.require_int("attention.key_length_mla")
+                                                       : m.require_int("attention.key_length");
+  config["qk_rope_head_dim"] = rope;
+  config["qk_nope_head_dim"] = qk - rope;
+  config["v_head_dim"] = m.has("attention.value_length_mla")
+                             ? m.require_int("attention.value_length_mla")
+                             : m.require_int("attention.value_length");
+  config["n_routed_experts"] = m.require_int("expert_count");
+  config["num_experts_per_tok"] = m.require_int("expert_used_count");
+  config["moe_intermediate_size"] = m.require_int("expert_feed_forward_length");
+  config["intermediate_size"] = m.int_or("feed_forward_length", 0);
+  config["n_shared_experts"] = m.int_or("expert_shared_count", 0);
+  config["first_k_dense_replace"] = m.int_or("leading_dense_block_count", 0);
+  config["routed_scaling_factor"] = m.number_or("expert_weights_scale", 1.0);
+  config["norm_topk_prob"] = m.bool_or("expert_weights_norm", false);
+  config["scoring_func"] = v3 ? "sigmoid" : "softmax";
+  const int64_t groups = m.int_or("expert_group_count", 1);
+  config["n_group"] = groups;
+  config["topk_group"] = m.int_or("expert_group_used_count", groups);
+  config["topk_method"] = v3 ? "noaux_tc" : (groups > 1 ? "group_limited_greedy" : "greedy");
+  if (config.contains("rope_scaling") && config["rope_scaling"]["type"] == "yarn") {
+    // llama.cpp keeps 0.1 * mscale_all_dim as yarn_log_multiplier and assumes mscale equals it.
+    const double mscale = m.number_or("rope.scaling.yarn_log_multiplier", 0.0) / 0.1;
+    config["rope_scaling"]["mscale"] = mscale;
+    config["rope_scaling"]["mscale_all_dim"] = mscale;
+  }
+  return config;
+}
 
 void parse_deepseek_v2(const json& config, ModelConfig& out) {
   parse_deepseek(config, out, false);

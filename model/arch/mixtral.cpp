@@ -4,6 +4,8 @@
 
 namespace moeline::model::arch {
 
+using nlohmann::json;
+
 const TensorNames kMixtralNames = {
     .embed_tokens = "model.embed_tokens.weight",
     .final_norm = "model.norm.weight",
@@ -31,6 +33,61 @@ const TensorNames kMixtralNames = {
     .dense_up = "",
     .dense_down = "",
 };
+
+// llama.cpp's `llama` architecture with experts.
+const TensorNames kMixtralGgufNames = {
+    .embed_tokens = "token_embd.weight",
+    .final_norm = "output_norm.weight",
+    .lm_head = "output.weight",
+    .input_norm = "blk.{L}.attn_norm.weight",
+    .post_attention_norm = "blk.{L}.ffn_norm.weight",
+    .q_proj = "blk.{L}.attn_q.weight",
+    .k_proj = "blk.{L}.attn_k.weight",
+    .v_proj = "blk.{L}.attn_v.weight",
+    .o_proj = "blk.{L}.attn_output.weight",
+    .q_bias = "",
+    .k_bias = "",
+    .v_bias = "",
+    .o_bias = "",
+    .q_norm = "",
+    .k_norm = "",
+    .router = "blk.{L}.ffn_gate_inp.weight",
+    .router_alternative = "",
+    // Files converted before the experts were stacked (llama.cpp still reads them).
+    .expert_gate = "blk.{L}.ffn_gate.{E}.weight",
+    .expert_up = "blk.{L}.ffn_up.{E}.weight",
+    .expert_down = "blk.{L}.ffn_down.{E}.weight",
+    .fused_gate_up = "",
+    .fused_down = "",
+    .stacked_gate = "blk.{L}.ffn_gate_exps.weight",
+    .stacked_up = "blk.{L}.ffn_up_exps.weight",
+    .stacked_down = "blk.{L}.ffn_down_exps.weight",
+    .dense_gate = "",
+    .dense_up = "",
+    .dense_down = "",
+};
+
+json gguf_config_mixtral(const GgufMetadata& m) {
+  json config = gguf_common_config(m, "mixtral");
+  const int64_t hidden = m.require_int("embedding_length");
+  const int64_t heads = m.require_int("attention.head_count");
+  if (m.has("attention.key_length"))
+    config["head_dim"] = m.require_int("attention.key_length");
+  else if (heads > 0)
+    config["head_dim"] = hidden / heads;
+  config["num_local_experts"] = m.require_int("expert_count");
+  config["num_experts_per_tok"] = m.require_int("expert_used_count");
+  config["intermediate_size"] =
+      m.int_or("expert_feed_forward_length", m.require_int("feed_forward_length"));
+  if (!m.has("rope.freq_base")) config["rope_theta"] = 10000.0;  // llama.cpp's default for llama
+  return config;
+}
+
+void gguf_adjust_mixtral(const GgufMetadata&, ModelConfig& out) {
+  // convert_hf_to_gguf.py permutes the rows of attn_q and attn_k of every head from the Hugging
+  // Face rotate-half layout into llama.cpp's pairs: the same rotation, on adjacent pairs.
+  out.rope_interleaved = true;
+}
 
 void parse_mixtral(const nlohmann::json& config, ModelConfig& out) {
   out.family = model::Family::kMixtral;

@@ -37,6 +37,52 @@ const TensorNames kQwen3MoeNames = {
     .dense_down = "model.layers.{L}.mlp.down_proj.weight",
 };
 
+const TensorNames kQwen3MoeGgufNames = {
+    .embed_tokens = "token_embd.weight",
+    .final_norm = "output_norm.weight",
+    .lm_head = "output.weight",
+    .input_norm = "blk.{L}.attn_norm.weight",
+    .post_attention_norm = "blk.{L}.ffn_norm.weight",
+    .q_proj = "blk.{L}.attn_q.weight",
+    .k_proj = "blk.{L}.attn_k.weight",
+    .v_proj = "blk.{L}.attn_v.weight",
+    .o_proj = "blk.{L}.attn_output.weight",
+    .q_bias = "blk.{L}.attn_q.bias",
+    .k_bias = "blk.{L}.attn_k.bias",
+    .v_bias = "blk.{L}.attn_v.bias",
+    .o_bias = "blk.{L}.attn_output.bias",
+    .q_norm = "blk.{L}.attn_q_norm.weight",
+    .k_norm = "blk.{L}.attn_k_norm.weight",
+    .router = "blk.{L}.ffn_gate_inp.weight",
+    .router_alternative = "",
+    .expert_gate = "",
+    .expert_up = "",
+    .expert_down = "",
+    .fused_gate_up = "",
+    .fused_down = "",
+    .stacked_gate = "blk.{L}.ffn_gate_exps.weight",
+    .stacked_up = "blk.{L}.ffn_up_exps.weight",
+    .stacked_down = "blk.{L}.ffn_down_exps.weight",
+    .dense_gate = "blk.{L}.ffn_gate.weight",
+    .dense_up = "blk.{L}.ffn_up.weight",
+    .dense_down = "blk.{L}.ffn_down.weight",
+};
+
+nlohmann::json gguf_config_qwen3_moe(const GgufMetadata& m) {
+  nlohmann::json config = gguf_common_config(m, "qwen3_moe");
+  const int64_t heads = m.require_int("attention.head_count");
+  config["head_dim"] =
+      m.int_or("attention.key_length", heads > 0 ? m.require_int("embedding_length") / heads : 0);
+  config["num_experts"] = m.require_int("expert_count");
+  config["num_experts_per_tok"] = m.require_int("expert_used_count");
+  config["moe_intermediate_size"] = m.require_int("expert_feed_forward_length");
+  config["intermediate_size"] = m.int_or("feed_forward_length", 0);
+  // llama.cpp renormalises Qwen3-MoE's chosen experts always (the released models' setting).
+  config["norm_topk_prob"] = m.bool_or("expert_weights_norm", true);
+  if (!m.has("rope.freq_base")) config["rope_theta"] = 10000.0;
+  return config;
+}
+
 void parse_qwen3_moe(const nlohmann::json& config, ModelConfig& out) {
   out.family = model::Family::kQwen3Moe;
   parse_common(config, out);

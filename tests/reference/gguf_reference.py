@@ -2,9 +2,7 @@
 """GGUF files and ggml's block-quantized types, written from the format's definition (llama.cpp's
 docs/gguf.md and the block layouts of ggml-common.h), independently of moeline's C++:
 
-  * write_gguf(path, metadata, tensors): a version-3 GGUF with typed metadata (scalars of every
-    type, strings, nested arrays) and tensors given as raw bytes with their ggml type and
-    dimensions (a row's length first), each at an offset aligned to 32 bytes;
+  * write_gguf (re-exported from scripts/gguf_writer.py, the project's writer);
   * dequantize(type, raw, count): float64 weights from raw block bytes, vectorised over blocks;
   * random_blocks(type, count, rng): valid random data of a type (finite fp16 scales, any bits
     elsewhere: every bit pattern of a quant field is a weight).
@@ -20,52 +18,16 @@ docs/gguf.md and the block layouts of ggml-common.h), independently of moeline's
         (one per 16 weights), fp16 d;                             w = d*scale*(q - 32)
 """
 
-import struct
+import os
+import sys
 
 import numpy as np
 
-F32, F16, Q4_0, Q8_0, Q4_K, Q5_K, Q6_K, BF16 = 0, 1, 2, 8, 12, 13, 14, 30
-# ggml type -> (weights per block, bytes per block)
-BLOCKS = {F32: (1, 4), F16: (1, 2), BF16: (1, 2), Q8_0: (32, 34), Q4_0: (32, 18),
-          Q4_K: (256, 144), Q5_K: (256, 176), Q6_K: (256, 210)}
-NAMES = {F32: "F32", F16: "F16", BF16: "BF16", Q8_0: "Q8_0", Q4_0: "Q4_0", Q4_K: "Q4_K",
-         Q5_K: "Q5_K", Q6_K: "Q6_K"}
-
-# Metadata value types.
-U8, I8, U16, I16, U32, I32, F32V, BOOL, STRING, ARRAY, U64, I64, F64 = range(13)
-_SCALAR = {U8: "<B", I8: "<b", U16: "<H", I16: "<h", U32: "<I", I32: "<i", F32V: "<f",
-           BOOL: "<?", U64: "<Q", I64: "<q", F64: "<d"}
-
-
-def _string(text):
-    data = text.encode() if isinstance(text, str) else text
-    return struct.pack("<Q", len(data)) + data
-
-
-def _value(kind, value):
-    if kind == STRING:
-        return _string(value)
-    if kind == ARRAY:
-        element, items = value
-        return struct.pack("<IQ", element, len(items)) + b"".join(_value(element, v) for v in items)
-    return struct.pack(_SCALAR[kind], value)
-
-
-def write_gguf(path, metadata, tensors, alignment=32, version=3):
-    """metadata: [(key, type, value)] (an ARRAY's value: (element type, [values]));
-    tensors: [(name, ggml type, dims, raw bytes)]."""
-    out = b"GGUF" + struct.pack("<IQQ", version, len(tensors), len(metadata))
-    for key, kind, value in metadata:
-        out += _string(key) + struct.pack("<I", kind) + _value(kind, value)
-    offset, data = 0, b""
-    for name, kind, dims, raw in tensors:
-        out += _string(name) + struct.pack("<I", len(dims)) + b"".join(
-            struct.pack("<Q", d) for d in dims) + struct.pack("<IQ", kind, offset)
-        data += raw + b"\0" * (-len(raw) % alignment)
-        offset = len(data)
-    out += b"\0" * (-len(out) % alignment)
-    with open(path, "wb") as f:
-        f.write(out + data)
+# The writer is the project's (scripts/gguf_writer.py): what is checked here is the reading side.
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "scripts"))
+from gguf_writer import (  # noqa: E402,F401
+    ARRAY, BF16, BLOCKS, BOOL, F16, F32, F32V, F64, I16, I32, I64, I8, NAMES, Q4_0, Q4_K, Q5_K,
+    Q6_K, Q8_0, STRING, U16, U32, U64, U8, write_gguf)
 
 
 def _fp16(raw):
