@@ -19,6 +19,7 @@ docs/gguf.md and the block layouts of ggml-common.h), independently of moeline's
 """
 
 import os
+import struct
 import sys
 
 import numpy as np
@@ -111,3 +112,69 @@ def random_blocks(kind, count, rng):
         b[:, at:at + 2] = (rng.uniform(0.001, 0.05, len(b)).astype("<f2")
                            .view(np.uint8).reshape(-1, 2))
     return b.tobytes()
+
+
+_SCALAR_READ = {U8: ("<B", 1), I8: ("<b", 1), U16: ("<H", 2), I16: ("<h", 2), U32: ("<I", 4),
+                I32: ("<i", 4), F32V: ("<f", 4), BOOL: ("<?", 1), U64: ("<Q", 8), I64: ("<q", 8),
+                F64: ("<d", 8)}
+
+
+def read_gguf(path):
+    """(metadata {key: value}, tensors {name: (ggml type, dims, raw bytes)}) of a GGUF file, read
+    from the format's definition: header, typed key/values, tensor infos, then the data section at
+    the next multiple of general.alignment (32 when absent)."""
+    data = np.memmap(path, dtype=np.uint8, mode="r")
+    raw = data.tobytes()
+    at = 0
+
+    def take(fmt, size):
+        nonlocal at
+        value = struct.unpack_from(fmt, raw, at)[0]
+        at += size
+        return value
+
+    def string():
+        nonlocal at
+        n = take("<Q", 8)
+        text = raw[at:at + n].decode("utf-8", errors="replace")
+        at += n
+        return text
+
+    def value(kind):
+        if kind == STRING:
+            return string()
+        if kind == ARRAY:
+            element, count = take("<I", 4), take("<Q", 8)
+            return [value(element) for _ in range(count)]
+        return take(*_SCALAR_READ[kind])
+
+    if raw[:4] != b"GGUF":
+        raise ValueError(f"{path}: not a GGUF file")
+    at = 4
+    version, tensor_count, metadata_count = take("<I", 4), take("<Q", 8), take("<Q", 8)
+    if version not in (2, 3):
+        raise ValueError(f"{path}: GGUF version {version}")
+    metadata = {}
+    for _ in range(metadata_count):
+        key = string()
+        metadata[key] = value(take("<I", 4))
+    infos = []
+    for _ in range(tensor_count):
+        name = string()
+        dims = [take("<Q", 8) for _ in range(take("<I", 4))]
+        kind, offset = take("<I", 4), take("<Q", 8)
+        infos.append((name, kind, dims, offset))
+    alignment = metadata.get("general.alignment", 32)
+    start = (at + alignment - 1) // alignment * alignment
+    tensors = {}
+    for name, kind, dims, offset in infos:
+        per, size = BLOCKS[kind]
+        count = int(np.prod(dims))
+        tensors[name] = (kind, dims, raw[start + offset:start + offset + count // per * size])
+    return metadata, tensors
+
+
+def tensor_array(entry):
+    """float64 weights of a read_gguf tensor, shaped outermost first (the dims reversed)."""
+    kind, dims, raw = entry
+    return dequantize(kind, raw, int(np.prod(dims))).reshape(list(reversed(dims)))
