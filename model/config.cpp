@@ -188,6 +188,8 @@ void finish(ModelConfig& out) {
 }  // namespace
 
 ModelConfig ModelConfig::load(const std::filesystem::path& dir) {
+  if (std::error_code ec; std::filesystem::is_regular_file(dir, ec))
+    return from_gguf(GgufFile::open(dir));
   const auto config_path = dir / "config.json";
   if (!std::filesystem::exists(config_path))
     throw ModelError(dir.string() + ": no config.json (is this a Hugging Face model folder?)");

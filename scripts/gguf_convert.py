@@ -260,9 +260,22 @@ def hparams(c, arch, legacy_mla):
     return keys
 
 
-def tokenizer_keys(folder):
-    """tokenizer.ggml.* and tokenizer.chat_template from tokenizer.json / tokenizer_config.json."""
-    with open(os.path.join(folder, "tokenizer.json")) as f:
+def _leading_special(doc):
+    """The special token a tokenizer.json's post-processor puts first (its BOS), or None."""
+    post = doc.get("post_processor") or {}
+    steps = post.get("processors", [post]) if post.get("type") == "Sequence" else [post]
+    for step in steps:
+        if step.get("type") == "TemplateProcessing" and step.get("single") and \
+                "SpecialToken" in step["single"][0]:
+            return step["single"][0]["SpecialToken"]["id"]
+    return None
+
+
+def tokenizer_keys(tokenizer_path, config_path=None, pre=None):
+    """tokenizer.ggml.* and tokenizer.chat_template from a tokenizer.json (and, when there is one,
+    the tokenizer_config.json beside it). `pre`: the tokenizer.ggml.pre name (default qwen2 for
+    byte-level BPE: the pattern make-model's tokenizers use)."""
+    with open(tokenizer_path, encoding="utf-8") as f:
         doc = json.load(f)
     model = doc["model"]
     vocab = dict(model["vocab"])
@@ -272,9 +285,14 @@ def tokenizer_keys(folder):
     tokens = [None] * (max(vocab.values()) + 1)
     for text, i in vocab.items():
         tokens[i] = text
-    types = []
+    tokens = [t if t is not None else f"[PAD{i}]" for i, t in enumerate(tokens)]
     byte_level = not model.get("byte_fallback", False)
-    for i, text in enumerate(tokens):
+    merges = [m if isinstance(m, str) else " ".join(m) for m in model["merges"]]
+    produced = {}  # piece -> rank of the first merge that makes it
+    for r, m in enumerate(merges):
+        produced.setdefault(m.replace(" ", ""), r)
+    types = []
+    for text in tokens:
         if text in added:
             types.append(CONTROL if added[text]["special"] else USER_DEFINED)
         elif not byte_level and text == model.get("unk_token"):
@@ -283,21 +301,21 @@ def tokenizer_keys(folder):
             types.append(BYTE)
         else:
             types.append(NORMAL)
-    merges = [m if isinstance(m, str) else " ".join(m) for m in model["merges"]]
     keys = [("tokenizer.ggml.model", gw.STRING, "gpt2" if byte_level else "llama"),
-            ("tokenizer.ggml.pre", gw.STRING, "qwen2" if byte_level else "default"),
+            ("tokenizer.ggml.pre", gw.STRING, pre or ("qwen2" if byte_level else "default")),
             ("tokenizer.ggml.tokens", gw.ARRAY, (gw.STRING, tokens)),
             ("tokenizer.ggml.token_type", gw.ARRAY, (gw.I32, types))]
     if byte_level:
         keys.append(("tokenizer.ggml.merges", gw.ARRAY, (gw.STRING, merges)))
     else:
-        # SentencePiece-style scores: a piece made by an earlier merge scores higher.
-        rank = {a.replace(" ", ""): -float(r) for r, a in enumerate(merges)}
+        # SentencePiece scores: a piece made by an earlier merge scores higher; pieces no merge
+        # makes (single characters, bytes, specials) score lowest.
         keys.append(("tokenizer.ggml.scores", gw.ARRAY,
-                     (gw.F32V, [rank.get(t, -1e9 if types[i] != NORMAL else 0.0)
-                                for i, t in enumerate(tokens)])))
-    config_path = os.path.join(folder, "tokenizer_config.json")
-    config = json.load(open(config_path)) if os.path.exists(config_path) else {}
+                     (gw.F32V, [-float(produced[t]) if t in produced else -1e9 for t in tokens])))
+    config = {}
+    if config_path and os.path.exists(config_path):
+        with open(config_path, encoding="utf-8") as f:
+            config = json.load(f)
 
     def token_id(key):
         value = config.get(key)
@@ -305,11 +323,17 @@ def tokenizer_keys(folder):
             value = value.get("content")
         return vocab.get(value) if value is not None else None
 
+    if model.get("unk_token") in vocab:
+        keys.append(("tokenizer.ggml.unknown_token_id", gw.U32, vocab[model["unk_token"]]))
+    leading = _leading_special(doc)
+    if token_id("bos_token") is None and leading in vocab:
+        config = dict(config, bos_token=leading)
     for key, gguf in (("bos_token", "bos_token_id"), ("eos_token", "eos_token_id"),
-                      ("pad_token", "padding_token_id"), ("unk_token", "unknown_token_id")):
+                      ("pad_token", "padding_token_id")):
         if token_id(key) is not None:
             keys.append((f"tokenizer.ggml.{gguf}", gw.U32, token_id(key)))
-    keys.append(("tokenizer.ggml.add_bos_token", gw.BOOL, bool(config.get("add_bos_token", False))))
+    add_bos = config.get("add_bos_token", leading is not None)
+    keys.append(("tokenizer.ggml.add_bos_token", gw.BOOL, bool(add_bos)))
     if config.get("chat_template"):
         keys.append(("tokenizer.chat_template", gw.STRING, config["chat_template"]))
     return keys
@@ -331,7 +355,8 @@ def convert(folder, out, type_name, legacy_mla=False):
                 ("general.name", gw.STRING, os.path.basename(os.path.abspath(folder))),
                 ("general.file_type", gw.U32, FILE_TYPE[type_name]),
                 ("general.quantization_version", gw.U32, 2)]
-    metadata += hparams(c, arch, legacy_mla) + tokenizer_keys(folder)
+    metadata += hparams(c, arch, legacy_mla) + tokenizer_keys(
+        os.path.join(folder, "tokenizer.json"), os.path.join(folder, "tokenizer_config.json"))
     tensors = []
     for name, array in tensor_plan(c, ckpt, legacy_mla):
         kind = policy.of(name, array.shape)

@@ -25,6 +25,7 @@
 #include "model/cuda_engine.h"
 #endif
 #include "model/model.h"
+#include "model/model_text.h"
 #include "model/tokenizer/chat_template.h"
 #include "model/tokenizer/tokenizer.h"
 #include "offload/expert_pool.h"
@@ -41,7 +42,8 @@ constexpr const char* kUsage =
 
 Loads a Hugging Face checkpoint (Mixtral, Qwen3-MoE, DeepSeek-V2/V3) and generates in this process.
 
-  --model DIR          checkpoint folder (config.json + safetensors + tokenizer.json); default:
+  --model DIR|FILE     checkpoint folder (config.json + safetensors + tokenizer.json), or a GGUF
+                       file (config, tokenizer, chat template from its metadata); default:
                        $MOELINE_MODEL, else the embedded demo model (models/demo-qwen3-moe)
   --prompt TEXT        prompt text, tokenized with the model's tokenizer.json; prints the text
   --chat               wrap --prompt as a user turn with the model's chat template
@@ -224,14 +226,12 @@ int run_command(int argc, char** argv) {
   // bad prompt fails fast.
   std::optional<model::Tokenizer> tokenizer;
   if (options.prompt) {
-    auto loaded_tokenizer = model::Tokenizer::load(
-        (std::filesystem::path(options.model_dir) / "tokenizer.json").string());
+    auto loaded_tokenizer = model::load_model_tokenizer(options.model_dir);
     if (!loaded_tokenizer) return fail(loaded_tokenizer.error().message, 2);
     tokenizer = std::move(*loaded_tokenizer);
     std::string text = *options.prompt;
     if (options.chat) {
-      auto chat = model::ChatTemplate::load(
-          (std::filesystem::path(options.model_dir) / "tokenizer_config.json").string());
+      auto chat = model::load_model_chat_template(options.model_dir);
       if (!chat) return fail(chat.error().message, 2);
       std::vector<model::ChatMessage> messages;
       if (options.system) messages.push_back({"system", *options.system});

@@ -8,6 +8,7 @@
 #include <string>
 #include <vector>
 
+#include "model/model_text.h"
 #include "model/tokenizer/chat_template.h"
 #include "model/tokenizer/tokenizer.h"
 
@@ -18,7 +19,7 @@ constexpr const char* kTokenizeUsage = R"(usage: moeline tokenize --tokenizer PA
 
 Reads UTF-8 text on stdin and prints its token ids as one JSON array.
 
-  --tokenizer PATH   tokenizer.json, or a model folder that holds one
+  --tokenizer PATH   tokenizer.json, a model folder that holds one, or a GGUF model
   --no-special       do not apply the post-processor (no BOS/EOS added); special-token strings
                      in the text are still recognised, as in the reference library
 )";
@@ -28,7 +29,7 @@ constexpr const char* kDetokenizeUsage =
 
 Reads a JSON array of token ids on stdin and prints the decoded text.
 
-  --tokenizer PATH   tokenizer.json, or a model folder that holds one
+  --tokenizer PATH   tokenizer.json, a model folder that holds one, or a GGUF model
   --skip-special     leave special tokens out of the text
 )";
 
@@ -38,7 +39,7 @@ constexpr const char* kChatTemplateUsage =
 Reads a JSON array of messages ([{"role": "user", "content": "..."}, ...]) on stdin and prints the
 prompt the model's chat template makes of them.
 
-  --tokenizer PATH         tokenizer_config.json, or a model folder that holds one
+  --tokenizer PATH         tokenizer_config.json, a model folder that holds one, or a GGUF model
   --no-generation-prompt   do not end with the opening of the assistant's turn
   --no-thinking            Qwen3: enable_thinking=false (an empty thinking block)
 )";
@@ -47,6 +48,12 @@ std::string resolve(const std::string& path, const char* file = "tokenizer.json"
   std::error_code ec;
   if (std::filesystem::is_directory(path, ec)) return (std::filesystem::path(path) / file).string();
   return path;
+}
+
+// A GGUF model's tokenizer is its metadata's (model/model_text.h).
+model::Expected<model::Tokenizer> load_tokenizer(const std::string& path) {
+  if (path.ends_with(".gguf")) return model::load_model_tokenizer(path);
+  return model::Tokenizer::load(resolve(path));
 }
 
 struct Args {
@@ -97,7 +104,7 @@ int tokenize_command(int argc, char** argv) {
     std::cout << kTokenizeUsage;
     return 0;
   }
-  auto tokenizer = model::Tokenizer::load(resolve(args.tokenizer));
+  auto tokenizer = load_tokenizer(args.tokenizer);
   if (!tokenizer.ok()) {
     return fail(tokenizer.error().message);
   }
@@ -123,7 +130,7 @@ int detokenize_command(int argc, char** argv) {
     std::cout << kDetokenizeUsage;
     return 0;
   }
-  auto tokenizer = model::Tokenizer::load(resolve(args.tokenizer));
+  auto tokenizer = load_tokenizer(args.tokenizer);
   if (!tokenizer.ok()) {
     return fail(tokenizer.error().message);
   }
@@ -173,7 +180,9 @@ int chat_template_command(int argc, char** argv) {
     std::cerr << "moeline: error: --tokenizer PATH is required\n" << kChatTemplateUsage;
     return 2;
   }
-  auto chat = model::ChatTemplate::load(resolve(path, "tokenizer_config.json"));
+  auto chat = path.ends_with(".gguf")
+                  ? model::load_model_chat_template(path)
+                  : model::ChatTemplate::load(resolve(path, "tokenizer_config.json"));
   if (!chat.ok()) {
     return fail(chat.error().message);
   }

@@ -195,7 +195,7 @@ std::string default_model_dir() {
 std::vector<runtime::ConfigKey> common_keys(const char* default_http) {
   return {
       {"model", default_model_dir(),
-       "checkpoint folder (config.json, safetensors, tokenizer.json)"},
+       "checkpoint folder (config.json, safetensors, tokenizer.json) or GGUF file"},
       {"http", default_http, "HOST:PORT for /metrics and /healthz (port 0: any free port)"},
       {"port-file", "", "write the HTTP port chosen here to this file"},
       {"replica", "", "name of this process in logs and metrics (default: stage-host-pid)"},

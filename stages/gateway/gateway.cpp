@@ -12,6 +12,7 @@
 
 #include "model/kv_cache.h"
 #include "model/model.h"
+#include "model/model_text.h"
 #include "model/tokenizer/tokenizer.h"
 #include "reuse/approximate.h"
 #include "reuse/records.h"
@@ -101,8 +102,7 @@ class Gateway {
     auto loaded = model::Model::load(config.text("model"));
     if (!loaded) throw std::runtime_error(loaded.error().message);
     model_ = std::move(*loaded);
-    auto tokenizer = model::Tokenizer::load(
-        (std::filesystem::path(config.text("model")) / "tokenizer.json").string());
+    auto tokenizer = model::load_model_tokenizer(config.text("model"));
     if (!tokenizer) throw std::runtime_error(tokenizer.error().message);
     tokenizer_ = std::make_unique<model::Tokenizer>(std::move(*tokenizer));
     const model::ModelConfig& cfg = model_->config();

@@ -1,6 +1,7 @@
 #include "stages/http/backend.h"
 
 #include "model/config.h"
+#include "model/model_text.h"
 #include "stages/http/events.h"
 
 namespace moeline::stages::http {
@@ -13,16 +14,19 @@ std::unique_ptr<Backend> make_backend(const std::filesystem::path& model_dir, st
   backend->context =
       model_config.max_position_embeddings > 0 ? model_config.max_position_embeddings : 32768;
   backend->name = std::move(name);
-  if (backend->name.empty()) backend->name = model_dir.filename().string();
+  // A checkpoint folder's name, or a GGUF file's without its extension.
+  if (backend->name.empty())
+    backend->name =
+        (model::is_gguf_model(model_dir) ? model_dir.stem() : model_dir.filename()).string();
   if (backend->name.empty()) backend->name = model_dir.parent_path().filename().string();
-  auto chat = model::ChatTemplate::load((model_dir / "tokenizer_config.json").string());
+  auto chat = model::load_model_chat_template(model_dir);
   if (chat) {
     backend->chat = std::make_unique<model::ChatTemplate>(std::move(*chat));
   } else {
     log.warn("no_chat_template", {{"model", backend->name}, {"reason", chat.error().message}});
     backend->chat_error = chat.error().message;
   }
-  auto tokenizer = model::Tokenizer::load((model_dir / "tokenizer.json").string());
+  auto tokenizer = model::load_model_tokenizer(model_dir);
   if (tokenizer) {
     backend->tokenizer = std::make_unique<model::Tokenizer>(std::move(*tokenizer));
   } else {

@@ -13,6 +13,7 @@
 #include "model/generator.h"
 #include "model/kv_cache.h"
 #include "model/model.h"
+#include "model/model_text.h"
 #include "model/sampling.h"
 #include "model/tokenizer/tokenizer.h"
 #include "offload/resident_provider.h"
@@ -124,7 +125,7 @@ class Probe {
   // signature records (a store of their own, rebuilt into the index at start), the decision rule.
   void open_approximate(const runtime::Config& config, const reuse::StoreOptions& store) {
     const model::ModelConfig& cfg = model_->config();
-    auto tokenizer = model::Tokenizer::load((model_->dir() / "tokenizer.json").string());
+    auto tokenizer = model::load_model_tokenizer(model_->dir());
     if (!tokenizer) throw std::runtime_error(tokenizer.error().message);
     tokenizer_ = std::make_unique<model::Tokenizer>(std::move(*tokenizer));
     signature_options_ = signature_options(config);

@@ -380,8 +380,7 @@ int up(int argc, char** argv) {
     const char* env = std::getenv("MOELINE_MODEL");
     model = env != nullptr && *env != '\0' ? env : MOELINE_DEFAULT_MODEL;
   }
-  if (!fs::is_directory(model))
-    throw runtime::ConfigError("model folder " + model + " does not exist");
+  if (!fs::exists(model)) throw runtime::ConfigError("model " + model + " does not exist");
   const int prefill = static_cast<int>(config.integer("prefill"));
   const int decode = static_cast<int>(config.integer("decode"));
   if (prefill < 1 || decode < 1) throw runtime::ConfigError("--prefill and --decode must be >= 1");

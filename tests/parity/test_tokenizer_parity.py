@@ -18,9 +18,16 @@ import subprocess
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "scripts"))
 import corpus  # noqa: E402
+import gguf_convert  # noqa: E402
+import gguf_writer  # noqa: E402
 
 NPM_TOKENIZERS = ["qwen3", "deepseek_v3", "llama2", "llama3", "gemma"]
+# The same tokenizers as GGUF metadata (tokenizer.ggml.*, with llama.cpp's pre-tokenizer names),
+# read back by moeline's GGUF loader: its ids and text must equal the tokenizer.json reference's.
+GGUF_TOKENIZERS = {"qwen3": "qwen2", "deepseek_v3": "deepseek-v3", "llama3": "llama-bpe",
+                   "llama2": None}
 
 
 def npm_file(node_modules, name):
@@ -164,6 +171,7 @@ def main():
     args = ap.parse_args()
     os.makedirs(args.workdir, exist_ok=True)
 
+    # (name, tokenizer.json the reference reads, what moeline reads: the same file or a GGUF)
     tokenizers = [(n, npm_file(args.node_modules, n)) for n in NPM_TOKENIZERS]
     for name, doc in variants(args.node_modules):
         path = os.path.join(args.workdir, f"{name}.json")
@@ -181,9 +189,19 @@ def main():
     for item in args.extra:
         name, _, path = item.partition("=")
         tokenizers.append((name, path))
+    tokenizers = [(name, path, path) for name, path in tokenizers]
+    gguf_sources = [(n, npm_file(args.node_modules, n), pre) for n, pre in GGUF_TOKENIZERS.items()]
+    if args.make_model:
+        gguf_sources += [(f"make-model-{arch}-tiny", os.path.join(
+            args.workdir, f"made-{arch}-tiny", "tokenizer.json"), None)
+            for arch in ("mixtral", "qwen3_moe")]
+    for name, path, pre in gguf_sources:
+        gguf = os.path.join(args.workdir, f"{name}.gguf")
+        gguf_writer.write_gguf(gguf, gguf_convert.tokenizer_keys(path, pre=pre), [])
+        tokenizers.append((f"{name}-gguf", path, gguf))
 
     failures, checked = [], 0
-    for name, path in tokenizers:
+    for name, path, ours_path in tokenizers:
         texts = corpus.samples(specials_of(path))
         cases_path = os.path.join(args.workdir, f"{name}.cases.json")
         with open(cases_path, "w", encoding="utf-8") as f:
@@ -192,7 +210,7 @@ def main():
         with open(ref_path, "w", encoding="utf-8") as f:
             f.write(run(["node", os.path.join(os.path.dirname(os.path.abspath(__file__)),
                                               "reference.js"), path, cases_path]))
-        ours = json.loads(run([args.dump, path, cases_path, ref_path]))
+        ours = json.loads(run([args.dump, ours_path, cases_path, ref_path]))
         ref = json.load(open(ref_path, encoding="utf-8"))
         f = compare(name, ref, ours, texts)
         checked += len(texts)

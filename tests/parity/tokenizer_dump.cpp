@@ -1,11 +1,12 @@
 // moeline side of the tokenizer parity test: the same outputs as reference.js, from
 // model/tokenizer, plus the streaming detokenizer's pieces for every id sequence.
-//   tokenizer_dump TOKENIZER_JSON CASES_JSON REFERENCE_JSON > moeline.json
+//   tokenizer_dump TOKENIZER_JSON|MODEL.gguf CASES_JSON REFERENCE_JSON > moeline.json
 #include <fstream>
 #include <iostream>
 #include <nlohmann/json.hpp>
 #include <sstream>
 
+#include "model/model_text.h"
 #include "model/tokenizer/tokenizer.h"
 
 using moeline::model::DecodeStream;
@@ -45,7 +46,10 @@ int main(int argc, char** argv) {
     std::cerr << "usage: tokenizer_dump TOKENIZER_JSON CASES_JSON REFERENCE_JSON\n";
     return 2;
   }
-  auto tokenizer = Tokenizer::load(argv[1]);
+  // A GGUF's tokenizer is the one its metadata describes (model/model_text.h).
+  const std::string path = argv[1];
+  auto tokenizer =
+      path.ends_with(".gguf") ? moeline::model::load_model_tokenizer(path) : Tokenizer::load(path);
   if (!tokenizer.ok()) {
     std::cerr << tokenizer.error().message << "\n";
     return 1;
