@@ -18,6 +18,7 @@
 #include <unistd.h>
 
 #include "kernels/cpu/cpu_features.h"
+#include "kernels/cpu/quant_matmul.h"
 #include "kernels/cpu/thread_pool.h"
 #include "model/forward.h"
 #include "model/generator.h"
@@ -66,6 +67,9 @@ Loads a Hugging Face checkpoint (Mixtral, Qwen3-MoE, DeepSeek-V2/V3) and generat
   --stop-ids IDS       extra stop token ids, comma-separated (end-of-sequence ids always stop)
   --ignore-eos         do not stop at the model's end-of-sequence tokens
   --threads N          compute threads (default: all cores)
+  --quant-math exact|fast
+                       quantized (GGUF) weights: fast (default; activations quantized to 8-bit
+                       blocks, integer dot products) or exact (weights dequantized to F32)
   --device cpu|cuda    where the forward pass runs (default cpu); cuda needs a build with nvcc
                        and a GPU; with it --expert-budget sizes the GPU's expert cache, filled
                        from pinned host memory
@@ -122,10 +126,10 @@ RunOptions parse(int argc, char** argv) {
   RunOptions options;
   std::map<std::string, bool> flags_with_value = {
       {"--model", true},          {"--tokens", true},         {"--threads", true},
-      {"--logits-out", true},     {"--json", false},          {"--prompt", true},
-      {"--chat", false},          {"--system", true},         {"--expert-budget", true},
-      {"--prefetch-depth", true}, {"--expert-trace", true},   {"--loader-threads", true},
-      {"--device", true},         {"--step-logits-out", true}};
+      {"--quant-math", true},     {"--logits-out", true},     {"--json", false},
+      {"--prompt", true},         {"--chat", false},          {"--system", true},
+      {"--expert-budget", true},  {"--prefetch-depth", true}, {"--expert-trace", true},
+      {"--loader-threads", true}, {"--device", true},         {"--step-logits-out", true}};
   flags_with_value.insert(sdk::sampling_flags().begin(), sdk::sampling_flags().end());
   for (int i = 0; i < argc; ++i) {
     const std::string flag = argv[i];
@@ -143,7 +147,12 @@ RunOptions parse(int argc, char** argv) {
       options.tokens = parse_id_list(flag, value);
     else if (flag == "--threads")
       options.threads = parse_number<int>(flag, value);
-    else if (flag == "--logits-out")
+    else if (flag == "--quant-math") {
+      kernels::QuantMath math;
+      if (!kernels::parse_quant_math(value.c_str(), math))
+        throw std::invalid_argument("--quant-math must be exact or fast, not '" + value + "'");
+      kernels::set_quant_math(math);
+    } else if (flag == "--logits-out")
       options.logits_out = value;
     else if (flag == "--json")
       options.json = true;

@@ -5,6 +5,7 @@
 #include <vector>
 
 #include "kernels/cpu/cpu_features.h"
+#include "kernels/cpu/quant_matmul.h"
 
 namespace moeline::kernels {
 namespace {
@@ -59,9 +60,29 @@ struct alignas(64) RowShare {
 void matmul(ThreadPool& pool, std::span<const MatmulTask> tasks) {
   size_t work = 0;
   for (const MatmulTask& task : tasks) work += task.w.bytes() * static_cast<size_t>(task.n);
+  // The fast mode's quantized activations, one set per task that needs them (quant_matmul.h).
+  thread_local std::vector<QuantizedActivations> per_thread;
+  // A named reference: the pool's threads must see this thread's vectors, not their own.
+  std::vector<QuantizedActivations>& activations = per_thread;
+  const bool fast = quant_math() == QuantMath::kFast;
+  if (fast) {
+    if (activations.size() < tasks.size()) activations.resize(tasks.size());
+    for (size_t t = 0; t < tasks.size(); ++t)
+      if (is_quantized(tasks[t].w.dtype) && tasks[t].n > 0)
+        quantize_activations(tasks[t].x, tasks[t].n, tasks[t].w.cols,
+                             tasks[t].x_stride ? tasks[t].x_stride : tasks[t].w.cols,
+                             activations[t]);
+  }
+  auto rows = [&](size_t t, int64_t begin, int64_t end) {
+    const MatmulTask& task = tasks[t];
+    if (fast && is_quantized(task.w.dtype))
+      return quant_matmul_rows(task.w, activations[t], task.y,
+                               task.y_stride ? task.y_stride : task.w.rows, begin, end);
+    matmul_rows(task, begin, end);
+  };
   if (work < kInlineBytes) {
-    for (const MatmulTask& task : tasks)
-      if (task.n > 0) matmul_rows(task, 0, task.w.rows);
+    for (size_t t = 0; t < tasks.size(); ++t)
+      if (tasks[t].n > 0) rows(t, 0, tasks[t].w.rows);
     return;
   }
   // Each thread owns a contiguous share of every task's rows and streams through it from the
@@ -89,10 +110,10 @@ void matmul(ThreadPool& pool, std::span<const MatmulTask> tasks) {
       const int64_t claim_rows = task.n <= 8 ? 16 : 64;
       int64_t begin = 0, end = 0;
       RowShare* own = share + t * static_cast<size_t>(count);
-      while (own[thread].claim(claim_rows, true, begin, end)) matmul_rows(task, begin, end);
+      while (own[thread].claim(claim_rows, true, begin, end)) rows(t, begin, end);
       for (int other = 1; other < count; ++other) {
         RowShare& victim = own[(thread + other) % count];
-        while (victim.claim(claim_rows, false, begin, end)) matmul_rows(task, begin, end);
+        while (victim.claim(claim_rows, false, begin, end)) rows(t, begin, end);
       }
     }
   });

@@ -1,7 +1,8 @@
 #pragma once
 // y = x · Wᵀ for a batch of independent tasks (all projections of a layer, all active experts of a
-// step), run on the thread pool in one dispatch. W is a weight matrix [out, in] in F32, BF16 or
-// F16 used in place; x and y are F32.
+// step), run on the thread pool in one dispatch. W is a weight matrix [out, in] in any DType,
+// used in place; x and y are F32. Block-quantized W goes through quant_matmul.h's integer dot
+// products in the fast mode (the default), or is dequantized to F32 in the exact mode.
 //
 // Determinism: every y element is the dot product of one x row and one W row accumulated in a
 // fixed lane/order pattern that does not depend on n, the tile a row falls in, or the thread
@@ -27,7 +28,8 @@ struct MatmulTask {
 void matmul(ThreadPool& pool, std::span<const MatmulTask> tasks);
 void matmul(ThreadPool& pool, const MatmulTask& task);
 
-// Computes rows [row_begin, row_end) of W for every x row, on the calling thread.
+// Computes rows [row_begin, row_end) of W for every x row, on the calling thread (with F32
+// activations: the exact mode for quantized W).
 void matmul_rows(const MatmulTask& task, int64_t row_begin, int64_t row_end);
 
 namespace detail {

@@ -7,6 +7,7 @@
 #include <cstdlib>
 #include <iostream>
 
+#include "kernels/cpu/quant_matmul.h"
 #include "model/kv_cache.h"
 #include "stages/runtime/service.h"
 
@@ -108,6 +109,14 @@ void configure_io_threads(zmq::context_t& context, const runtime::Config& config
   if (threads < 1 || threads > 16)
     throw runtime::ConfigError("--io-threads " + std::to_string(threads) + ": expected 1 to 16");
   context.set(zmq::ctxopt::io_threads, static_cast<int>(threads));
+}
+
+void configure_quant_math(const runtime::Config& config) {
+  kernels::QuantMath math;
+  if (!kernels::parse_quant_math(config.text("quant-math").c_str(), math))
+    throw runtime::ConfigError("--quant-math must be exact or fast, not '" +
+                               config.text("quant-math") + "'");
+  kernels::set_quant_math(math);
 }
 
 size_t max_stage_message_bytes(const model::ModelConfig& config) {
@@ -234,6 +243,9 @@ std::vector<runtime::ConfigKey> worker_keys() {
   std::vector<runtime::ConfigKey> keys = common_keys();
   keys.push_back({"hub", "tcp://127.0.0.1:5556", "the gateway's hub endpoint to connect to"});
   keys.push_back({"threads", "0", "compute threads (0: all cores)"});
+  keys.push_back({"quant-math", "fast",
+                  "quantized (GGUF) weights: fast (8-bit activations, integer dot products) or "
+                  "exact (weights dequantized to F32, F32 activations)"});
   return keys;
 }
 

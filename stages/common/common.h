@@ -62,6 +62,9 @@ std::string curve_role(wire::StageKind stage);
 // them, so a process that relays bulk data under Curve gains from two). Call before the context's
 // first socket.
 void configure_io_threads(zmq::context_t& context, const runtime::Config& config);
+// --quant-math exact|fast: how this process multiplies block-quantized weights (a ConfigError
+// for anything else).
+void configure_quant_math(const runtime::Config& config);
 // The largest message stages exchange for this model (ZMQ_MAXMSGSIZE of the hub and links).
 size_t max_stage_message_bytes(const model::ModelConfig& config);
 // Activation signatures (approximate reuse): the probe computes them for lookups and prefill for

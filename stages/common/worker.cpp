@@ -64,6 +64,7 @@ ComputeWorker::ComputeWorker(const runtime::Config& config, const char* stage, w
   service.log.info("model_loaded", {{"dir", config.text("model")},
                                     {"model_id", model->model_id()},
                                     {"dtype", model->dtype_summary()}});
+  configure_quant_math(config);
   int threads = static_cast<int>(config.integer("threads"));
   if (threads <= 0) threads = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
   pool = std::make_unique<kernels::ThreadPool>(threads);

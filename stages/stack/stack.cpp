@@ -48,6 +48,9 @@ down     stop every stage and the supervisor
   --decode M        decode processes (default 1)
   --config FILE     stage config file passed to every stage (see `moeline <stage> --help`)
   --threads T       compute threads per prefill/decode process (default: cores / (N + M))
+  --quant-math exact|fast
+                    GGUF models' quantized weights: fast (default; 8-bit activations, integer
+                    dot products) or exact (dequantized to F32)
   --timeout-s S     how long `up` waits for the stack to be healthy (default 120)
   --expert-budget SIZE
                     keep the experts in one host pool of SIZE shared by every prefill and decode
@@ -350,6 +353,7 @@ int up(int argc, char** argv) {
                                           {"prefill", "1", "prefill processes"},
                                           {"decode", "1", "decode processes"},
                                           {"threads", "0", "threads per compute process"},
+                                          {"quant-math", "fast", "exact or fast"},
                                           {"timeout-s", "120", "seconds to wait for health"},
                                           {"expert-budget", "", "host expert pool size"},
                                           {"device", "cpu", "where prefill and decode compute"},
@@ -451,14 +455,17 @@ int up(int argc, char** argv) {
                         {"--api-keys", fs::absolute(config.text("api-keys")).string()});
   stages.push_back({"gateway", "gateway", gateway_args});
   // The probe's snapshot store keeps its disk tier in the run directory: it survives restarts.
-  stages.push_back({"probe", "probe", worker({"--store-path", (run_dir / "store").string()})});
+  stages.push_back({"probe", "probe",
+                    worker({"--store-path", (run_dir / "store").string(), "--quant-math",
+                            config.text("quant-math")})});
   // The node's expert pool: the offload manager creates it, the compute processes attach to it.
   std::vector<std::string> offload_args;
   if (!config.text("expert-budget").empty())
     offload_args = {"--expert-budget", config.text("expert-budget")};
   stages.push_back({"offload", "offload", worker(offload_args)});
-  std::vector<std::string> compute_args = {"--threads", std::to_string(threads), "--device",
-                                           config.text("device")};
+  std::vector<std::string> compute_args = {"--threads",    std::to_string(threads),
+                                           "--device",     config.text("device"),
+                                           "--quant-math", config.text("quant-math")};
   if (!config.text("device-expert-budget").empty()) {
     if (config.text("device") == "cpu")
       throw runtime::ConfigError("--device-expert-budget needs --device cuda");

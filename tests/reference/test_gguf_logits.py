@@ -7,8 +7,8 @@ For each family (Mixtral as llama.cpp's `llama`, Qwen3-MoE, DeepSeek-V2 with the
 DeepSeek-V3 with the split attn_k_b / attn_v_b) a small checkpoint, shaped so that rows are whole
 256-weight super-blocks, is converted to GGUF once per tensor type (F16, BF16, Q8_0, Q4_0, Q4_K,
 Q5_K, Q6_K and the Q4_K_M mix; rows that are not whole blocks fall back as llama.cpp's do). For
-each file and prompt, `moeline run --model FILE.gguf --logits-out` (which reads its config from
-the GGUF metadata alone) is compared with moe_reference.py's float64 forward over the file's
+each file and prompt, `moeline run --model FILE.gguf --quant-math exact --logits-out` (which reads
+its config from the GGUF metadata alone) is compared with moe_reference.py's float64 forward over the file's
 weights, dequantized by gguf_reference.py (written from the format's definition) and mapped back
 to the Hugging Face names here (undoing the converter's rotate-half permutation, re-joining
 attn_k_b and attn_v_b, unstacking the experts), with the checkpoint's own config.json.
@@ -136,7 +136,7 @@ class WeightsModel:
 
 def run_moeline(args, gguf, prompt, out):
     cmd = [args.moeline, "run", "--model", gguf, "--tokens", ",".join(map(str, prompt)),
-           "--max-tokens", "1", "--logits-out", out]
+           "--max-tokens", "1", "--logits-out", out, "--quant-math", "exact"]
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=TIMEOUT_S)
     if done.returncode != 0:
         raise RuntimeError(f"{' '.join(cmd)} exited {done.returncode}: {done.stderr[-600:]}")
