@@ -1322,8 +1322,12 @@ Status CudaEngine::forward(std::span<const SequenceInput> batch, std::vector<flo
         cos_sin.resize(at + static_cast<size_t>(rope_dim));
         s.rope.angles(position, cos_sin.data() + at);
       }
-      if (input.want_logits && !input.tokens.empty())
+      if (input.every_logit) {
+        for (size_t i = input.tokens.size(); i > 0; --i)
+          logit_rows.push_back(static_cast<int32_t>(tokens.size() - i));
+      } else if (input.want_logits && !input.tokens.empty()) {
         logit_rows.push_back(static_cast<int32_t>(tokens.size() - 1));
+      }
     }
     if (!s.all_resident) s.register_host_pool();
     s.reserve_observed(n);

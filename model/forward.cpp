@@ -254,8 +254,11 @@ Status Engine::forward(std::span<const SequenceInput> batch, std::vector<float>&
   rows.clear();
   int64_t row = 0;
   for (const SequenceInput& input : batch) {
+    if (input.every_logit)
+      for (size_t i = 0; i < input.tokens.size(); ++i)
+        rows.push_back(row + static_cast<int64_t>(i));
     row += static_cast<int64_t>(input.tokens.size());
-    if (input.want_logits && !input.tokens.empty()) rows.push_back(row - 1);
+    if (input.want_logits && !input.every_logit && !input.tokens.empty()) rows.push_back(row - 1);
     input.sequence->commit(input.tokens);
   }
   lm_head(rows, logits);

@@ -27,6 +27,7 @@ struct SequenceInput {
   Sequence* sequence = nullptr;
   std::span<const int32_t> tokens;  // appended at positions sequence->length() onwards
   bool want_logits = true;          // logits of the last of these tokens
+  bool every_logit = false;         // logits of every one of these tokens, in order (perplexity)
 };
 
 // What the generator drives: a forward pass over a paged KV cache whose blocks come from

@@ -13,6 +13,7 @@
 #include "stages/keys_command.h"
 #include "stages/load/load.h"
 #include "stages/offload_manager/offload_manager.h"
+#include "stages/perplexity_command.h"
 #include "stages/prefill/prefill.h"
 #include "stages/probe/probe.h"
 #include "stages/run_command.h"
@@ -36,6 +37,7 @@ commands:
   experts      router health heat map of a stack; replay expert traces (moeline experts --help)
   keys         stage keys (CurveZMQ) and client API keys (moeline keys --help)
   gguf         what a GGUF file holds; a tensor dequantized to .npy (moeline gguf --help)
+  perplexity   a model's perplexity on a text, as llama.cpp measures it (moeline perplexity --help)
   version      print the version
 
 stage processes (each: moeline <stage> --help):
@@ -61,6 +63,7 @@ int main(int argc, char** argv) {
   if (command == "detokenize") return moeline::stages::detokenize_command(argc - 2, argv + 2);
   if (command == "keys") return moeline::stages::keys_command(argc - 2, argv + 2);
   if (command == "gguf") return moeline::stages::gguf_command(argc - 2, argv + 2);
+  if (command == "perplexity") return moeline::stages::perplexity_command(argc - 2, argv + 2);
   if (command == "stack") return moeline::stages::stack_command(argc - 2, argv + 2);
   if (command == "client") return moeline::sdk::client_command(argc - 2, argv + 2);
   if (command == "signature") return moeline::stages::signature_command(argc - 2, argv + 2);
