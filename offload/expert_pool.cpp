@@ -202,6 +202,12 @@ uint64_t ExpertCatalog::total_expert_bytes() const {
   return total;
 }
 
+uint64_t ExpertCatalog::pool_bytes_for_all() const {
+  uint64_t present = 0;
+  for (const Expert& e : experts) present += e.shape.bytes() > 0 ? 1 : 0;
+  return present * pool_slot_bytes(*this);
+}
+
 int ExpertCatalog::moe_layers() const {
   int count = 0;
   for (int l = 0; l < layers; ++l)
@@ -215,7 +221,7 @@ int ExpertCatalog::moe_layers() const {
 
 uint64_t parse_expert_budget(const std::string& text, uint64_t total_expert_bytes) {
   const std::string usage = "expert budget '" + text +
-                            "': expected a share of all expert bytes (\"25%\") or a size in "
+                            "': expected a share of the experts (\"25%\") or a size in "
                             "bytes with an optional unit (\"512MiB\", \"1.5GB\", \"4096\")";
   size_t used = 0;
   double value = 0;

@@ -58,6 +58,10 @@ struct ExpertCatalog {
   bool has(int layer, int expert) const;
   const Expert& at(int layer, int expert) const;
   uint64_t total_expert_bytes() const;
+  // What a pool holding every expert takes: the experts times pool_slot_bytes (slots are sized
+  // for the largest expert, so with experts of mixed sizes, as a GGUF's Q4_K_M mix has, this is
+  // more than total_expert_bytes). A budget of "25%" is a share of this: a quarter of the experts.
+  uint64_t pool_bytes_for_all() const;
   int moe_layers() const;
 };
 
@@ -74,10 +78,11 @@ uint64_t pool_slot_bytes(const ExpertCatalog& catalog);
 double expected_reuse_distance(int32_t layer, int32_t current, int32_t cycle, double uses,
                                double visits);
 
-// "25%" of all expert bytes, "64MiB" / "1.5GB" / "4096" bytes. Throws std::invalid_argument with
+// "25%" of the pool that holds every expert (pool_bytes_for_all), "64MiB" / "1.5GB" / "4096"
+// bytes. Throws std::invalid_argument with
 // the accepted forms on anything else. Keep the forms stable: other tools pass this flag.
 uint64_t parse_expert_budget(const std::string& text, uint64_t total_expert_bytes);
-// The same budget as a share of all expert bytes (a GPU's expert cache is sized by it).
+// The same budget as a share of the experts (a GPU's expert cache is sized by it).
 double expert_budget_fraction(const std::string& text, uint64_t total_expert_bytes);
 
 // Node-wide counters (monotonic), kept in the pool's shared header.

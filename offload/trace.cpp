@@ -69,7 +69,7 @@ TraceRecorder::TraceRecorder(ExpertProvider& inner, const ExpertCatalog& catalog
   trace_.layers = catalog.layers;
   trace_.experts_per_layer = catalog.experts_per_layer;
   trace_.slot_bytes = pool_slot_bytes(catalog);
-  trace_.expert_bytes = catalog.total_expert_bytes();
+  trace_.expert_bytes = catalog.pool_bytes_for_all();
 }
 
 ExpertWeights TraceRecorder::acquire(int layer, int expert) {

@@ -27,7 +27,7 @@ struct ExpertAccess {
 struct ExpertTrace {
   int layers = 0, experts_per_layer = 0;
   uint64_t slot_bytes = 0;    // one pool slot (an expert with alignment): budget / slot_bytes slots
-  uint64_t expert_bytes = 0;  // all experts' bytes: what a budget of "25%" is a share of
+  uint64_t expert_bytes = 0;  // a pool of every expert: what a budget of "25%" is a share of
   std::vector<ExpertAccess> accesses;
 
   bool write(const std::string& path) const;

@@ -36,7 +36,7 @@ constexpr const char* kUsage =
 replay     an expert access trace (moeline run --expert-trace FILE) against cache policies at
            each budget, next to the optimal bound (Belady's MIN) for the same budget
   --trace FILE    the trace
-  --budgets LIST  shares of all expert bytes or sizes ("25%", "64MiB"), comma-separated
+  --budgets LIST  shares of the experts or sizes ("25%", "64MiB"), comma-separated
                   (default 100%,50%,25%)
   --policies LIST lru, lru2, lfu, distance (the pool's: expected reuse distance over the
                   cycle of layers) (default: all four)

@@ -78,7 +78,7 @@ Loads a Hugging Face checkpoint (Mixtral, Qwen3-MoE, DeepSeek-V2/V3) and generat
   --step-logits-out FILE
                        write the raw logits each generated token was drawn from, float32 .npy
                        [tokens, vocab_size] (to check the sampler against a reference)
-  --expert-budget SIZE keep at most SIZE of expert weights in memory: a share of all expert bytes
+  --expert-budget SIZE keep at most SIZE of expert weights in memory: a share of the experts
                        ("25%") or a size ("512MiB"); experts are read from the checkpoint on
                        demand (O_DIRECT) into a pool of that size. Default: all resident
   --prefetch-depth N   with --expert-budget: MoE layers ahead to predict and prefetch (default 1;
@@ -288,7 +288,7 @@ int run_command(int argc, char** argv) {
       expert_pool = offload::ExpertPool::create(
           catalog, {.name = "/moeline-run-" + std::to_string(::getpid()),
                     .budget_bytes = offload::parse_expert_budget(options.expert_budget,
-                                                                 catalog.total_expert_bytes())});
+                                                                 catalog.pool_bytes_for_all())});
       pool_client = offload::PoolClient::attach(expert_pool->name(), catalog);
       expert_pool->make_private();
       pool_client->set_prefetch_depth(options.prefetch_depth);
@@ -313,7 +313,7 @@ int run_command(int argc, char** argv) {
     if (!options.expert_budget.empty()) {
       try {
         fraction = offload::expert_budget_fraction(options.expert_budget,
-                                                   model.expert_catalog().total_expert_bytes());
+                                                   model.expert_catalog().pool_bytes_for_all());
       } catch (const std::exception& e) {
         return fail(std::string("--expert-budget: ") + e.what(), 2);
       }

@@ -134,7 +134,7 @@ void ComputeWorker::create_engine(int32_t kv_blocks) {
   if (!device_expert_budget_.empty()) {
     try {
       fraction = offload::expert_budget_fraction(device_expert_budget_,
-                                                 model->expert_catalog().total_expert_bytes());
+                                                 model->expert_catalog().pool_bytes_for_all());
     } catch (const std::exception& e) {
       throw runtime::ConfigError(std::string("--device-expert-budget: ") + e.what());
     }

@@ -163,7 +163,7 @@ int offload_body(const runtime::Config& config) {
   if (!config.text("expert-budget").empty()) {
     const offload::ExpertCatalog catalog = model.expert_catalog();
     pool_bytes =
-        offload::parse_expert_budget(config.text("expert-budget"), catalog.total_expert_bytes());
+        offload::parse_expert_budget(config.text("expert-budget"), catalog.pool_bytes_for_all());
     std::string name = config.text("expert-pool");
     if (name.empty()) name = default_pool_name(model.model_id(), config.text("hub"));
     pool = offload::ExpertPool::create(

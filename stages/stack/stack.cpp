@@ -54,7 +54,7 @@ down     stop every stage and the supervisor
   --timeout-s S     how long `up` waits for the stack to be healthy (default 120)
   --expert-budget SIZE
                     keep the experts in one host pool of SIZE shared by every prefill and decode
-                    process (a share of all expert bytes, "25%", or a size, "512MiB"); experts are
+                    process (a share of the experts, "25%", or a size, "512MiB"); experts are
                     read from the checkpoint on demand. Default: each process maps them all
   --device cpu|cuda|cuda:N
                     where prefill and decode compute (default cpu); cuda needs a build with nvcc

@@ -24,6 +24,11 @@ Cases (--case, one per CTest entry):
             `moeline run` on the CPU with every expert on the device, and with half of them
             there fed from a half-size host pool; exact prefix reuse moves KV in and out of the
             device cache; the routers' usage still reaches the offload manager
+  quantized the model as a GGUF of llama.cpp's Q4_K_M mix (scripts/gguf_convert.py) through
+            2 prefill + 2 decode sharing a pool of 100%, 50% and 25% of its expert bytes, which
+            the pool holds, reads and budgets as stored (4.5-6.5 bits a weight): concurrent greedy
+            and seeded requests identical to `moeline run` on the same file; the pool's slots
+            are the quantized experts' size
   restart   kill -9 of the offload manager: the compute processes notice its pool is gone, are
             restarted onto the new pool, and requests keep completing identically; kill -9 of a
             decode process mid-stream: its pins are taken back and requests complete
@@ -105,6 +110,47 @@ def pool_status(args, stack):
     out = subprocess.run([args.moeline, "stack", "status", "--run-dir", stack.run_dir, "--json"],
                          capture_output=True, text=True, timeout=30)
     return json.loads(out.stdout).get("expert_pool")
+
+
+def case_quantized(args):
+    from moeline_client import Client
+    vocab, moe_layers, _, _ = model_shape(args.model)
+    gguf = os.path.join(args.workdir, "model.q4_k_m.gguf")
+    convert = os.path.join(HERE, "..", "..", "scripts", "gguf_convert.py")
+    subprocess.run([sys.executable, convert, "--model", args.model, "--out", gguf, "--type",
+                    "q4_k_m"], check=True, capture_output=True, timeout=300)
+    requests = workload(vocab, 16, seed=9)
+    expected = [reference(args.moeline, gguf, r["max_tokens"], tokens=r["tokens"],
+                          temperature=r.get("temperature", 0.0), seed=r.get("seed"),
+                          ignore_eos=True) for r in requests]
+    slots = {}
+    for budget in ("100%", "50%", "25%"):
+        run_dir = os.path.join(args.workdir, "quantized-" + budget.rstrip("%"))
+        with Stack(args.moeline, gguf, run_dir, prefill=2, decode=2,
+                   expert_budget=budget) as stack:
+            with Client(stack.endpoint, timeout=120) as client:
+                results = run_concurrently(client, requests)
+            compare(results, expected, f"Q4_K_M at {budget}")
+            time.sleep(1.2)
+            metrics = stack.metrics("offload")
+            host = frozenset({("tier", "host")})
+            loads, evictions = (metrics.get((f"moeline_offload_expert_{what}_total", host), 0.0)
+                                for what in ("loads", "evictions"))
+            check(loads > 0, f"Q4_K_M at {budget}: the pool loaded nothing")
+            if budget != "100%":
+                check(evictions > 0, f"Q4_K_M at {budget}: no eviction under all experts")
+            slots[budget] = pool_status(args, stack)["slots"]
+            print(f"ok quantized: Q4_K_M at {budget} ({slots[budget]} slots): 16 concurrent "
+                  f"requests identical to moeline run; loads {loads:.0f}, evictions "
+                  f"{evictions:.0f}")
+    # The budget counts stored bytes: 25% of the quantized experts' bytes holds about a quarter
+    # of the experts (it would hold under a tenth if slots were sized for BF16 experts).
+    with open(os.path.join(args.model, "config.json")) as f:
+        experts = moe_layers * json.load(f)["num_experts"]
+    check(slots["100%"] >= experts, f"the 100% pool has {slots['100%']} slots for {experts} experts")
+    check(slots["25%"] >= experts // 5,
+          f"the 25% pool has {slots['25%']} slots for {experts} quantized experts")
+    print(f"ok quantized: {experts} experts; pool slots {slots}")
 
 
 def case_budgets(args):
@@ -471,4 +517,4 @@ def case_restart(args):
 
 if __name__ == "__main__":
     run_cases({"budgets": case_budgets, "memory": case_memory, "restart": case_restart,
-               "trace": case_trace, "deepseek": case_deepseek, "device": case_device}, __doc__)
+               "trace": case_trace, "quantized": case_quantized, "deepseek": case_deepseek, "device": case_device}, __doc__)
