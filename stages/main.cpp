@@ -16,6 +16,7 @@
 #include "stages/perplexity_command.h"
 #include "stages/prefill/prefill.h"
 #include "stages/probe/probe.h"
+#include "stages/quantize_command.h"
 #include "stages/run_command.h"
 #include "stages/signature_command.h"
 #include "stages/stack/stack.h"
@@ -38,6 +39,7 @@ commands:
   keys         stage keys (CurveZMQ) and client API keys (moeline keys --help)
   gguf         what a GGUF file holds; a tensor dequantized to .npy (moeline gguf --help)
   perplexity   a model's perplexity on a text, as llama.cpp measures it (moeline perplexity --help)
+  quantize     a checkpoint written as a (quantized) GGUF file (moeline quantize --help)
   version      print the version
 
 stage processes (each: moeline <stage> --help):
@@ -64,6 +66,7 @@ int main(int argc, char** argv) {
   if (command == "keys") return moeline::stages::keys_command(argc - 2, argv + 2);
   if (command == "gguf") return moeline::stages::gguf_command(argc - 2, argv + 2);
   if (command == "perplexity") return moeline::stages::perplexity_command(argc - 2, argv + 2);
+  if (command == "quantize") return moeline::stages::quantize_command(argc - 2, argv + 2);
   if (command == "stack") return moeline::stages::stack_command(argc - 2, argv + 2);
   if (command == "client") return moeline::sdk::client_command(argc - 2, argv + 2);
   if (command == "signature") return moeline::stages::signature_command(argc - 2, argv + 2);

@@ -6,12 +6,13 @@
 For each family (Mixtral as llama.cpp's `llama`, Qwen3-MoE, DeepSeek-V2 with the legacy attn_kv_b,
 DeepSeek-V3 with the split attn_k_b / attn_v_b) a small checkpoint, shaped so that rows are whole
 256-weight super-blocks, is converted to GGUF once per tensor type (F16, BF16, Q8_0, Q4_0, Q4_K,
-Q5_K, Q6_K and the Q4_K_M mix; rows that are not whole blocks fall back as llama.cpp's do). For
-each file and prompt, `moeline run --model FILE.gguf --quant-math exact --logits-out` (which reads
-its config from the GGUF metadata alone) is compared with moe_reference.py's float64 forward over the file's
-weights, dequantized by gguf_reference.py (written from the format's definition) and mapped back
-to the Hugging Face names here (undoing the converter's rotate-half permutation, re-joining
-attn_k_b and attn_v_b, unstacking the experts), with the checkpoint's own config.json.
+Q5_K, Q6_K and the Q4_K_M mix; rows that are not whole blocks fall back as llama.cpp's do) by
+scripts/gguf_convert.py, and for five types by `moeline quantize` (C++). For each file and prompt,
+`moeline run --model FILE.gguf --quant-math exact --logits-out` (which reads its config from the
+GGUF metadata alone) is compared with moe_reference.py's float64 forward over the file's weights,
+dequantized by gguf_reference.py (written from the format's definition) and mapped back to the
+Hugging Face names here (undoing the converter's rotate-half permutation, re-joining attn_k_b
+and attn_v_b, unstacking the experts), with the checkpoint's own config.json.
 
 Tolerance: both sides hold the same dequantized weights up to float32 rounding of d*scale*q (a few
 ulps of each weight) and moeline accumulates in float32: relative L2 error ~1e-6, checked at
@@ -34,6 +35,8 @@ import moe_reference as ref  # noqa: E402
 LOGITS_RTOL = 1e-4
 PROMPTS = ([3], [5, 17, 99, 4, 250, 31, 8], [(7 * i + 3) % 500 for i in range(19)])
 TYPES = ("f16", "bf16", "q8_0", "q4_0", "q4_k", "q5_k", "q6_k", "q4_k_m")
+# Also written by `moeline quantize` (C++; always MLA's split form), read back the same way.
+QUANTIZE_TYPES = ("bf16", "q4_0", "q6_k", "q4_k_m", "q5_k_m")
 TIMEOUT_S = 120
 
 # (case, arch, seed, make-model settings, converter flags). Widths are multiples of 256 so the
@@ -161,11 +164,19 @@ def main(argv):
         subprocess.run(cmd, check=True, capture_output=True, timeout=TIMEOUT_S)
         with open(os.path.join(folder, "config.json")) as f:
             config = ref.normalise_config(json.load(f), folder)
+        files = []
         for type_name in TYPES:
             gguf = os.path.join(args.workdir, f"{case}.{type_name}.gguf")
             subprocess.run([sys.executable, args.convert, "--model", folder, "--out", gguf,
                             "--type", type_name, *flags], check=True, capture_output=True,
                            timeout=TIMEOUT_S)
+            files.append((type_name, gguf))
+        for type_name in QUANTIZE_TYPES:
+            gguf = os.path.join(args.workdir, f"{case}.quantize-{type_name}.gguf")
+            subprocess.run([args.moeline, "quantize", "--model", folder, "--out", gguf, "--type",
+                            type_name], check=True, capture_output=True, timeout=TIMEOUT_S)
+            files.append((f"moeline-quantize-{type_name}", gguf))
+        for type_name, gguf in files:
             _, tensors = gref.read_gguf(gguf)
             model = WeightsModel(config, hf_weights(config, tensors))
             for prompt in PROMPTS:
