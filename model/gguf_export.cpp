@@ -127,19 +127,22 @@ std::vector<float> read_floats(const TensorInfo& tensor) {
   return out;
 }
 
-// Rows of each head from rotate-half order (first halves, then second halves) to adjacent pairs,
-// as convert_hf_to_gguf.py's LlamaModel.permute.
-std::vector<float> permute_rotate_half(const std::vector<float>& w, int64_t heads, int64_t cols) {
-  const int64_t rows = static_cast<int64_t>(w.size()) / cols;
-  const int64_t half = rows / heads / 2;
-  std::vector<float> out(w.size());
-  for (int64_t h = 0; h < heads; ++h)
+// In each of `groups` consecutive groups of rows, the `count` rows from `first` reordered from
+// rotate-half order (first halves, then second halves) to adjacent pairs, as
+// convert_hf_to_gguf.py's LlamaModel.permute does to whole heads.
+std::vector<float> permute_rotate_half(std::vector<float> w, int64_t cols, int64_t groups,
+                                       int64_t first, int64_t count) {
+  const int64_t group_rows = static_cast<int64_t>(w.size()) / cols / groups;
+  const std::vector<float> in = w;
+  const int64_t half = count / 2;
+  for (int64_t g = 0; g < groups; ++g)
     for (int64_t i = 0; i < half; ++i)
       for (int64_t pair = 0; pair < 2; ++pair) {
-        const int64_t from = h * 2 * half + pair * half + i, to = h * 2 * half + 2 * i + pair;
-        std::copy_n(w.begin() + from * cols, cols, out.begin() + to * cols);
+        const int64_t base = g * group_rows + first;
+        const int64_t from = base + pair * half + i, to = base + 2 * i + pair;
+        std::copy_n(in.begin() + from * cols, cols, w.begin() + to * cols);
       }
-  return out;
+  return w;
 }
 
 bool use_more_bits(int64_t layer, int64_t layers) {
@@ -268,12 +271,27 @@ class Planner {
       const std::string gguf = arch::tensor_name(gguf_.*field, l);
       const bool query = field == &Names::q_proj || field == &Names::q_bias;
       const bool key = field == &Names::k_proj || field == &Names::k_bias;
+      const TensorInfo& tensor = need(hf);
+      const int64_t cols = tensor.shape.size() > 1 ? tensor.shape[1] : 1;
+      // DeepSeek checkpoints with rope_interleave false keep their rope dimensions in
+      // rotate-half order: llama.cpp's deepseek2 rotates adjacent pairs.
+      const bool deepseek_rope = c_.mla && !c_.rope_interleaved;
+      // The closures run after the planner is gone: they capture values only.
+      const int64_t rope = c_.qk_rope_head_dim, qk = c_.qk_nope_head_dim + rope;
+      const int64_t heads_all = c_.num_heads, lora = c_.kv_lora_rank;
       if (llama_layout && (query || key)) {
         const int64_t heads = query ? c_.num_heads : c_.num_kv_heads;
-        const TensorInfo& tensor = need(hf);
-        const int64_t cols = tensor.shape.size() > 1 ? tensor.shape[1] : 1;
-        one_to_one(gguf, hf, [heads, cols](std::vector<float> w) {
-          return permute_rotate_half(w, heads, cols);
+        const int64_t head_rows = c_.head_dim;
+        one_to_one(gguf, hf, [=](std::vector<float> w) {
+          return permute_rotate_half(std::move(w), cols, heads, 0, head_rows);
+        });
+      } else if (deepseek_rope && (field == &Names::q_proj || field == &Names::q_b_proj)) {
+        one_to_one(gguf, hf, [=](std::vector<float> w) {
+          return permute_rotate_half(std::move(w), cols, heads_all, qk - rope, rope);
+        });
+      } else if (deepseek_rope && field == &Names::kv_a_proj) {
+        one_to_one(gguf, hf, [=](std::vector<float> w) {
+          return permute_rotate_half(std::move(w), cols, 1, lora, rope);
         });
       } else {
         one_to_one(gguf, hf);

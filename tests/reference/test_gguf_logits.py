@@ -54,6 +54,12 @@ CASES = [
      _WIDE + ["num_hidden_layers=3", "first_k_dense_replace=1", "moe_intermediate_size=256",
               "q_lora_rank=256", "kv_lora_rank=256", "qk_nope_head_dim=32",
               "qk_rope_head_dim=32", "v_head_dim=64"], []),
+    # Rope dimensions in rotate-half order: `moeline quantize` reorders them into llama.cpp's
+    # adjacent pairs, so the file is read (and referenced) as an interleaved model.
+    ("deepseek_v3-rotate-half", "deepseek_v3", 35,
+     _WIDE + ["num_hidden_layers=3", "first_k_dense_replace=1", "moe_intermediate_size=256",
+              "q_lora_rank=256", "kv_lora_rank=256", "qk_nope_head_dim=32",
+              "qk_rope_head_dim=32", "v_head_dim=64", "rope_interleave=false"], None),
 ]
 
 
@@ -156,6 +162,7 @@ def main(argv):
     os.makedirs(args.workdir, exist_ok=True)
     failures, checked = [], 0
     for case, arch, seed, settings, flags in CASES:
+        converter_types = TYPES if flags is not None else ()
         folder = os.path.join(args.workdir, case)
         cmd = [sys.executable, args.make_model, "--arch", arch, "--preset", "tiny", "--seed",
                str(seed), "--out", folder]
@@ -163,9 +170,12 @@ def main(argv):
             cmd += ["--set", setting]
         subprocess.run(cmd, check=True, capture_output=True, timeout=TIMEOUT_S)
         with open(os.path.join(folder, "config.json")) as f:
-            config = ref.normalise_config(json.load(f), folder)
+            raw = json.load(f)
+        if raw.get("rope_interleave") is False:
+            raw["rope_interleave"] = True  # what the file holds after the reordering
+        config = ref.normalise_config(raw, folder)
         files = []
-        for type_name in TYPES:
+        for type_name in converter_types:
             gguf = os.path.join(args.workdir, f"{case}.{type_name}.gguf")
             subprocess.run([sys.executable, args.convert, "--model", folder, "--out", gguf,
                             "--type", type_name, *flags], check=True, capture_output=True,
