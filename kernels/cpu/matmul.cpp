@@ -71,7 +71,7 @@ void matmul(ThreadPool& pool, std::span<const MatmulTask> tasks) {
       if (is_quantized(tasks[t].w.dtype) && tasks[t].n > 0)
         quantize_activations(tasks[t].x, tasks[t].n, tasks[t].w.cols,
                              tasks[t].x_stride ? tasks[t].x_stride : tasks[t].w.cols,
-                             activations[t]);
+                             activation_block(tasks[t].w.dtype), activations[t]);
   }
   auto rows = [&](size_t t, int64_t begin, int64_t end) {
     const MatmulTask& task = tasks[t];

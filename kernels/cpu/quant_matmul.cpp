@@ -17,17 +17,6 @@ float half_at(const uint8_t* p) {
   return f16_to_float(bits);
 }
 
-// Q4_K / Q5_K: sub-block j's 6-bit scale and min from the 12 scale bytes (quant.h).
-void k_scale_min(int j, const uint8_t* q, int& scale, int& min) {
-  if (j < 4) {
-    scale = q[j] & 63;
-    min = q[j + 4] & 63;
-  } else {
-    scale = (q[j + 4] & 0xF) | ((q[j - 4] >> 6) << 4);
-    min = (q[j + 4] >> 4) | ((q[j] >> 6) << 4);
-  }
-}
-
 }  // namespace
 
 void set_quant_math(QuantMath math) {
@@ -49,119 +38,130 @@ bool parse_quant_math(const char* text, QuantMath& math) {
   return false;
 }
 
+int64_t activation_block(DType weights) {
+  return weights == DType::kQ8_0 || weights == DType::kQ4_0 ? 32 : 256;
+}
+
 void quantize_activations(const float* x, int64_t rows, int64_t cols, int64_t x_stride,
-                          QuantizedActivations& out) {
+                          int64_t block, QuantizedActivations& out) {
   out.rows = rows;
   out.cols = cols;
-  const int64_t groups = cols / kActivationGroup;
+  out.block = block;
   out.q.resize(static_cast<size_t>(rows * cols));
-  out.scale.resize(static_cast<size_t>(rows * groups));
-  out.sum.resize(static_cast<size_t>(rows * groups));
+  out.scale.resize(static_cast<size_t>(rows * (cols / block)));
+  out.sums.resize(static_cast<size_t>(rows * (cols / 16)));
   for (int64_t r = 0; r < rows; ++r) {
     const float* src = x + r * x_stride;
     int8_t* q = out.q.data() + r * cols;
-    for (int64_t g = 0; g < groups; ++g) {
+    float* scales = out.scale.data() + r * (cols / block);
+    int32_t* sums = out.sums.data() + r * (cols / 16);
+    for (int64_t b = 0; b < cols / block; ++b) {
       float amax = 0.0f;
-      for (int64_t i = 0; i < kActivationGroup; ++i)
-        amax = std::max(amax, std::fabs(src[g * kActivationGroup + i]));
+      for (int64_t i = 0; i < block; ++i) amax = std::max(amax, std::fabs(src[b * block + i]));
       const float d = amax / 127.0f;
       const float inverse = d > 0.0f ? 1.0f / d : 0.0f;
+      for (int64_t i = 0; i < block; ++i)
+        q[b * block + i] = static_cast<int8_t>(std::lrintf(src[b * block + i] * inverse));
+      scales[b] = d;
+    }
+    for (int64_t s = 0; s < cols / 16; ++s) {
       int32_t sum = 0;
-      for (int64_t i = 0; i < kActivationGroup; ++i) {
-        const auto v = static_cast<int8_t>(std::lrintf(src[g * kActivationGroup + i] * inverse));
-        q[g * kActivationGroup + i] = v;
-        sum += v;
-      }
-      out.scale[static_cast<size_t>(r * groups + g)] = d;
-      out.sum[static_cast<size_t>(r * groups + g)] = sum;
+      for (int i = 0; i < 16; ++i) sum += q[s * 16 + i];
+      sums[s] = sum;
     }
-  }
-}
-
-void unpack_group(DType dtype, const void* row, int64_t g, WeightGroup& out) {
-  const auto* bytes = static_cast<const uint8_t*>(row);
-  switch (dtype) {
-    case DType::kQ8_0: {
-      const uint8_t* block = bytes + g * 34;
-      out.lo = out.hi = half_at(block);
-      out.min = 0.0f;
-      std::memcpy(out.q, block + 2, 32);
-      return;
-    }
-    case DType::kQ4_0: {
-      const uint8_t* block = bytes + g * 18;
-      out.lo = out.hi = half_at(block);
-      out.min = 0.0f;
-      for (int j = 0; j < 16; ++j) {
-        out.q[j] = static_cast<int8_t>((block[2 + j] & 0xF) - 8);
-        out.q[j + 16] = static_cast<int8_t>((block[2 + j] >> 4) - 8);
-      }
-      return;
-    }
-    case DType::kQ4_K:
-    case DType::kQ5_K: {
-      const bool fifth = dtype == DType::kQ5_K;
-      const uint8_t* block = bytes + (g / 8) * (fifth ? 176 : 144);
-      const int j = static_cast<int>(g % 8);
-      int scale = 0, min = 0;
-      k_scale_min(j, block + 4, scale, min);
-      out.lo = out.hi = half_at(block) * static_cast<float>(scale);
-      out.min = half_at(block + 2) * static_cast<float>(min);
-      const uint8_t* qs = block + (fifth ? 48 : 16) + 32 * (j / 2);
-      const int shift = (j % 2) * 4;
-      for (int l = 0; l < 32; ++l) {
-        int v = (qs[l] >> shift) & 0xF;
-        if (fifth && (block[16 + l] >> j) & 1) v += 16;
-        out.q[l] = static_cast<int8_t>(v);
-      }
-      return;
-    }
-    case DType::kQ6_K: {
-      const uint8_t* block = bytes + (g / 8) * 210;
-      const int j = static_cast<int>(g % 8);  // 32-weight group in the 256: half j/4, quarter j%4
-      const int half = j / 4, quarter = j % 4;
-      const uint8_t* low = block + 64 * half + (quarter % 2) * 32;
-      const uint8_t* high = block + 128 + 32 * half;
-      const auto* scales = reinterpret_cast<const int8_t*>(block + 192) + 8 * half + 2 * quarter;
-      const float d = half_at(block + 208);
-      out.lo = d * static_cast<float>(scales[0]);
-      out.hi = d * static_cast<float>(scales[1]);
-      out.min = 0.0f;
-      const int low_shift = (quarter / 2) * 4, high_shift = 2 * quarter;
-      for (int l = 0; l < 32; ++l)
-        out.q[l] = static_cast<int8_t>(
-            (((low[l] >> low_shift) & 0xF) | (((high[l] >> high_shift) & 3) << 4)) - 32);
-      return;
-    }
-    default:
-      std::memset(out.q, 0, sizeof out.q);
-      out.lo = out.hi = out.min = 0.0f;
-      return;
   }
 }
 
 namespace detail {
 
+namespace {
+
+// One row against one activation row, written from the block layouts (quant.h).
+float dot_row(DType dtype, const uint8_t* w, int64_t cols, const int8_t* x, const float* dx,
+              const int32_t* sums) {
+  float y = 0.0f;
+  switch (dtype) {
+    case DType::kQ8_0:
+    case DType::kQ4_0: {
+      const bool q8 = dtype == DType::kQ8_0;
+      const int64_t bytes = q8 ? 34 : 18;
+      for (int64_t b = 0; b < cols / 32; ++b) {
+        const uint8_t* block = w + b * bytes;
+        const int8_t* xb = x + b * 32;
+        int32_t sum = 0;
+        for (int i = 0; i < 32; ++i) {
+          const int value = q8 ? static_cast<int8_t>(block[2 + i])
+                               : (i < 16 ? (block[2 + i] & 0xF) : (block[2 + i - 16] >> 4)) - 8;
+          sum += value * xb[i];
+        }
+        y += half_at(block) * dx[b] * static_cast<float>(sum);
+      }
+      return y;
+    }
+    case DType::kQ4_K:
+    case DType::kQ5_K: {
+      const bool fifth = dtype == DType::kQ5_K;
+      const int64_t bytes = fifth ? 176 : 144;
+      for (int64_t b = 0; b < cols / 256; ++b) {
+        const uint8_t* block = w + b * bytes;
+        uint8_t scales[16];
+        k_scales(block + 4, scales);
+        const uint8_t* sc = scales;
+        const uint8_t* mn = scales + 8;
+        const uint8_t* qs = block + (fifth ? 48 : 16);
+        const uint8_t* qh = block + 16;
+        const int8_t* xb = x + b * 256;
+        int32_t sumi = 0, summ = 0;
+        for (int j = 0; j < 8; ++j) {
+          int32_t sum = 0;
+          for (int l = 0; l < 32; ++l) {
+            int value = (qs[32 * (j / 2) + l] >> (4 * (j % 2))) & 0xF;
+            if (fifth && ((qh[l] >> j) & 1)) value += 16;
+            sum += value * xb[32 * j + l];
+          }
+          sumi += sc[j] * sum;
+          summ += mn[j] * (sums[b * 16 + 2 * j] + sums[b * 16 + 2 * j + 1]);
+        }
+        y += dx[b] * (half_at(block) * static_cast<float>(sumi) -
+                      half_at(block + 2) * static_cast<float>(summ));
+      }
+      return y;
+    }
+    case DType::kQ6_K:
+      for (int64_t b = 0; b < cols / 256; ++b) {
+        const uint8_t* block = w + b * 210;
+        const auto* sc = reinterpret_cast<const int8_t*>(block + 192);
+        const int8_t* xb = x + b * 256;
+        int32_t sumi = 0;
+        for (int s = 0; s < 16; ++s) {
+          int32_t sum = 0;
+          for (int i = 0; i < 16; ++i) {
+            const int k = 16 * s + i;  // weight 128 h + 32 quarter + l
+            const int h = k / 128, quarter = (k % 128) / 32, l = k % 32;
+            const uint8_t low = block[64 * h + (quarter % 2) * 32 + l];
+            const uint8_t high = block[128 + 32 * h + l];
+            const int value =
+                ((low >> (4 * (quarter / 2))) & 0xF) | (((high >> (2 * quarter)) & 3) << 4);
+            sum += value * xb[k];
+          }
+          sumi += sc[s] * (sum - 32 * sums[b * 16 + s]);
+        }
+        y += dx[b] * half_at(block + 208) * static_cast<float>(sumi);
+      }
+      return y;
+    default:
+      return 0.0f;
+  }
+}
+
+}  // namespace
+
 void quant_matmul_rows_portable(const MatrixView& w, const QuantizedActivations& x, float* y,
                                 int64_t y_stride, int64_t row_begin, int64_t row_end) {
-  const int64_t groups = w.cols / kActivationGroup;
-  WeightGroup group;
   for (int64_t r = row_begin; r < row_end; ++r) {
-    const std::byte* row = w.row(r);
-    for (int64_t t = 0; t < x.rows; ++t) y[t * y_stride + r] = 0.0f;
-    for (int64_t g = 0; g < groups; ++g) {
-      unpack_group(w.dtype, row, g, group);
-      for (int64_t t = 0; t < x.rows; ++t) {
-        const int8_t* xq = x.row(t) + g * kActivationGroup;
-        int32_t lo = 0, hi = 0;
-        for (int i = 0; i < 16; ++i) lo += static_cast<int32_t>(group.q[i]) * xq[i];
-        for (int i = 16; i < 32; ++i) hi += static_cast<int32_t>(group.q[i]) * xq[i];
-        const size_t at = static_cast<size_t>(t * groups + g);
-        y[t * y_stride + r] +=
-            x.scale[at] * (group.lo * static_cast<float>(lo) + group.hi * static_cast<float>(hi) -
-                           group.min * static_cast<float>(x.sum[at]));
-      }
-    }
+    const auto* row = reinterpret_cast<const uint8_t*>(w.row(r));
+    for (int64_t t = 0; t < x.rows; ++t)
+      y[t * y_stride + r] = dot_row(w.dtype, row, w.cols, x.row(t), x.row_scales(t), x.row_sums(t));
   }
 }
 
@@ -169,9 +169,14 @@ void quant_matmul_rows_portable(const MatrixView& w, const QuantizedActivations&
 
 void quant_matmul_rows(const MatrixView& w, const QuantizedActivations& x, float* y,
                        int64_t y_stride, int64_t row_begin, int64_t row_end) {
-  if (active_isa() == Isa::kPortable)
-    return detail::quant_matmul_rows_portable(w, x, y, y_stride, row_begin, row_end);
-  return detail::quant_matmul_rows_avx2(w, x, y, y_stride, row_begin, row_end);
+  switch (active_isa()) {
+    case Isa::kAvx512:
+      return detail::quant_matmul_rows_avx512(w, x, y, y_stride, row_begin, row_end);
+    case Isa::kAvx2:
+      return detail::quant_matmul_rows_avx2(w, x, y, y_stride, row_begin, row_end);
+    case Isa::kPortable:
+      return detail::quant_matmul_rows_portable(w, x, y, y_stride, row_begin, row_end);
+  }
 }
 
 }  // namespace moeline::kernels

@@ -1,18 +1,19 @@
 #pragma once
-// The fast arithmetic for block-quantized weights: each activation row is quantized to 8-bit
-// groups of 32 (a float scale d = max|x| / 127 and the integers' sum per group), and every
-// 32-weight group of a weight row is unpacked to 8-bit integers with its scale(s) and min, so a
-// group's contribution is one integer dot product:
+// The fast arithmetic for block-quantized weights (as llama.cpp's): each activation row is
+// quantized to 8-bit blocks matching the weights' blocks, and each weight block's contribution
+// is an integer dot product scaled once:
 //
-//   y += d_x * (s_lo * Σ_{i<16} w_i x_i + s_hi * Σ_{i>=16} w_i x_i - m * Σ x_i)
+//   Q8_0, Q4_0   activations in blocks of 32 (scale d = max|x| / 127):
+//                y += d_w d_x Σ q_w q_x                          (Q4_0: q_w = nibble - 8)
+//   Q4_K, Q5_K   activations in blocks of 256 with the sum of every 16:
+//                y += d_x (d Σ_j sc_j Σ_{i∈j} q_i x_i - dmin Σ_j m_j Σ_{i∈j} x_i)   (j: 32 weights)
+//   Q6_K         y += d_x d Σ_s sc_s (Σ_{i∈s} q_i x_i - 32 Σ_{i∈s} x_i)            (s: 16 weights)
 //
-// where w = s * integer - m is the weight's dequantized value (s_lo and s_hi differ only for
-// Q6_K's 16-weight sub-blocks; m is the K-quants' min, 0 for the symmetric types). The exact mode
-// (matmul.h) dequantizes the weights to F32 instead and keeps activations in F32.
-//
+// The exact mode (matmul.h) dequantizes the weights to F32 instead and keeps activations in F32.
 // Like the F32 kernels, a row's result does not depend on the batch, the tile or the thread count.
 
 #include <cstdint>
+#include <cstring>
 #include <vector>
 
 #include "kernels/cpu/dtype.h"
@@ -27,30 +28,29 @@ QuantMath quant_math();
 // "exact" / "fast"; false for anything else.
 bool parse_quant_math(const char* text, QuantMath& math);
 
-constexpr int64_t kActivationGroup = 32;
-
-// Activation rows quantized to groups of 32.
+// Activation rows quantized to 8-bit blocks of `block` (32 or 256) values.
 struct QuantizedActivations {
-  int64_t rows = 0, cols = 0;  // cols: a multiple of 32
-  std::vector<int8_t> q;       // [rows, cols]
-  std::vector<float> scale;    // [rows, cols / 32]
-  std::vector<int32_t> sum;    // [rows, cols / 32]: Σ q of the group
+  int64_t rows = 0, cols = 0;
+  int64_t block = 32;
+  std::vector<int8_t> q;      // [rows, cols]
+  std::vector<float> scale;   // [rows, cols / block]
+  std::vector<int32_t> sums;  // [rows, cols / 16]: Σ q of every 16 values
 
   const int8_t* row(int64_t r) const { return q.data() + r * cols; }
+  const float* row_scales(int64_t r) const { return scale.data() + r * (cols / block); }
+  const int32_t* row_sums(int64_t r) const { return sums.data() + r * (cols / 16); }
+  // The value activation (r, k) stands for: scale * q.
+  float value(int64_t r, int64_t k) const { return row_scales(r)[k / block] * row(r)[k]; }
 };
+
+// The activation block a weight type pairs with: 32 for Q8_0 and Q4_0, 256 for the K-quants.
+int64_t activation_block(DType weights);
 
 void quantize_activations(const float* x, int64_t rows, int64_t cols, int64_t x_stride,
-                          QuantizedActivations& out);
+                          int64_t block, QuantizedActivations& out);
 
-// One 32-weight group of a quantized row as integers: weight i = (i < 16 ? lo : hi) * q[i] - min.
-struct WeightGroup {
-  alignas(32) int8_t q[32];
-  float lo, hi, min;
-};
-// Group g (0-based, 32 weights each) of a row stored as `dtype`.
-void unpack_group(DType dtype, const void* row, int64_t g, WeightGroup& out);
-
-// y[t * y_stride + r] for rows [row_begin, row_end) of w and every activation row t.
+// y[t * y_stride + r] for rows [row_begin, row_end) of w and every activation row t; `x` in
+// the block size activation_block(w.dtype).
 void quant_matmul_rows(const MatrixView& w, const QuantizedActivations& x, float* y,
                        int64_t y_stride, int64_t row_begin, int64_t row_end);
 
@@ -59,6 +59,20 @@ void quant_matmul_rows_portable(const MatrixView& w, const QuantizedActivations&
                                 int64_t y_stride, int64_t row_begin, int64_t row_end);
 void quant_matmul_rows_avx2(const MatrixView& w, const QuantizedActivations& x, float* y,
                             int64_t y_stride, int64_t row_begin, int64_t row_end);
+void quant_matmul_rows_avx512(const MatrixView& w, const QuantizedActivations& x, float* y,
+                              int64_t y_stride, int64_t row_begin, int64_t row_end);
+
+// A K-quant super-block's eight 6-bit scales then eight mins, from its 12 packed bytes (quant.h):
+// scales 0-3 and mins 0-3 are the low 6 bits of bytes 0-3 and 4-7; scales and mins 4-7 take
+// their low nibbles from bytes 8-11 and their top two bits from the top of bytes 0-3 and 4-7.
+inline void k_scales(const uint8_t* packed, uint8_t out[16]) {
+  uint32_t w[3];
+  std::memcpy(w, packed, 12);
+  constexpr uint32_t k6 = 0x3f3f3f3f, k4 = 0x0f0f0f0f, k2 = 0x03030303;
+  const uint32_t words[4] = {w[0] & k6, (w[2] & k4) | (((w[0] >> 6) & k2) << 4), w[1] & k6,
+                             ((w[2] >> 4) & k4) | (((w[1] >> 6) & k2) << 4)};
+  std::memcpy(out, words, 16);
+}
 }  // namespace detail
 
 }  // namespace moeline::kernels

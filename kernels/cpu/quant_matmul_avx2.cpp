@@ -1,8 +1,7 @@
-// AVX2 path of the fast quantized matmul (quant_matmul.h): each 32-weight group is unpacked to
-// 32 signed bytes in one register, multiplied with a token's 32 activation bytes by maddubs
-// (|w| times x with w's sign) into 16-bit pairs, widened to eight 32-bit sums (lanes 0-3 the
-// first 16 weights, 4-7 the last 16), converted and scaled into a float accumulator per token.
-// Also the path on AVX-512 hosts.
+// AVX2 path of the fast quantized matmul (quant_matmul.h). Each
+// 32 weights become 32 bytes in one register; maddubs multiplies them (unsigned) with 32 signed
+// activation bytes into 16-bit pairs, madd widens the pairs with the block's (sub-block) scales
+// into 32-bit sums, and a whole block or super-block is converted to float and scaled once.
 #include <immintrin.h>
 
 #include <cstring>
@@ -12,7 +11,7 @@
 namespace moeline::kernels::detail {
 namespace {
 
-constexpr int kTokenTile = 8;
+constexpr int kTokenTile = 4;
 
 float half_at(const uint8_t* p) {
   uint16_t bits;
@@ -20,86 +19,15 @@ float half_at(const uint8_t* p) {
   return _cvtsh_ss(bits);
 }
 
-int k_scale(int j, const uint8_t* q) {
-  return j < 4 ? (q[j] & 63) : ((q[j + 4] & 0xF) | ((q[j - 4] >> 6) << 4));
-}
-int k_min(int j, const uint8_t* q) {
-  return j < 4 ? (q[j + 4] & 63) : ((q[j + 4] >> 4) | ((q[j] >> 6) << 4));
+inline __m256i load(const void* p) {
+  return _mm256_loadu_si256(static_cast<const __m256i*>(p));
 }
 
-struct Group {
-  __m256i q;
-  float lo, hi, min;
-};
-
-inline __m256i nibbles(__m256i bytes, int shift) {
-  return _mm256_and_si256(_mm256_srli_epi16(bytes, shift), _mm256_set1_epi8(0x0F));
+inline __m256i low_nibbles(__m256i bytes) {
+  return _mm256_and_si256(bytes, _mm256_set1_epi8(0x0F));
 }
-
-inline Group unpack(DType dtype, const uint8_t* row, int64_t g) {
-  Group out;
-  switch (dtype) {
-    case DType::kQ8_0: {
-      const uint8_t* block = row + g * 34;
-      out.lo = out.hi = half_at(block);
-      out.min = 0.0f;
-      out.q = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(block + 2));
-      return out;
-    }
-    case DType::kQ4_0: {
-      const uint8_t* block = row + g * 18;
-      out.lo = out.hi = half_at(block);
-      out.min = 0.0f;
-      const __m128i packed = _mm_loadu_si128(reinterpret_cast<const __m128i*>(block + 2));
-      const __m256i both = _mm256_set_m128i(_mm_srli_epi16(packed, 4), packed);
-      out.q = _mm256_sub_epi8(_mm256_and_si256(both, _mm256_set1_epi8(0x0F)), _mm256_set1_epi8(8));
-      return out;
-    }
-    case DType::kQ4_K:
-    case DType::kQ5_K: {
-      const bool fifth = dtype == DType::kQ5_K;
-      const uint8_t* block = row + (g / 8) * (fifth ? 176 : 144);
-      const int j = static_cast<int>(g % 8);
-      const float d = half_at(block), dmin = half_at(block + 2);
-      out.lo = out.hi = d * static_cast<float>(k_scale(j, block + 4));
-      out.min = dmin * static_cast<float>(k_min(j, block + 4));
-      const uint8_t* qs = block + (fifth ? 48 : 16) + 32 * (j / 2);
-      out.q = nibbles(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(qs)), (j % 2) * 4);
-      if (fifth) {
-        const __m256i qh = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(block + 16));
-        const __m256i bit = _mm256_set1_epi8(static_cast<char>(1 << j));
-        const __m256i set = _mm256_cmpeq_epi8(_mm256_and_si256(qh, bit), bit);
-        out.q = _mm256_add_epi8(out.q, _mm256_and_si256(set, _mm256_set1_epi8(16)));
-      }
-      return out;
-    }
-    case DType::kQ6_K: {
-      const uint8_t* block = row + (g / 8) * 210;
-      const int j = static_cast<int>(g % 8);
-      const int half = j / 4, quarter = j % 4;
-      const auto* scales = reinterpret_cast<const int8_t*>(block + 192) + 8 * half + 2 * quarter;
-      const float d = half_at(block + 208);
-      out.lo = d * static_cast<float>(scales[0]);
-      out.hi = d * static_cast<float>(scales[1]);
-      out.min = 0.0f;
-      const __m256i low = nibbles(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(
-                                      block + 64 * half + (quarter % 2) * 32)),
-                                  (quarter / 2) * 4);
-      const __m256i high_bytes =
-          _mm256_loadu_si256(reinterpret_cast<const __m256i*>(block + 128 + 32 * half));
-      // (high >> 2q) & 3, moved to bits 4-5: shift by 2q then mask 3, then << 4 (no byte shifts
-      // in AVX2: 16-bit shifts and a byte mask keep neighbours out).
-      const __m256i two =
-          _mm256_and_si256(_mm256_srli_epi16(high_bytes, 2 * quarter), _mm256_set1_epi8(3));
-      const __m256i top = _mm256_slli_epi16(two, 4);  // values <= 0x30: no carry across bytes
-      out.q = _mm256_sub_epi8(_mm256_or_si256(low, top), _mm256_set1_epi8(32));
-      return out;
-    }
-    default:
-      out.q = _mm256_setzero_si256();
-      out.lo = out.hi = out.min = 0.0f;
-      return out;
-  }
+inline __m256i high_nibbles(__m256i bytes) {
+  return _mm256_and_si256(_mm256_srli_epi16(bytes, 4), _mm256_set1_epi8(0x0F));
 }
 
 inline float reduce(__m256 v) {
@@ -108,46 +36,174 @@ inline float reduce(__m256 v) {
   return _mm_cvtss_f32(_mm_add_ss(pairs, _mm_shuffle_ps(pairs, pairs, 1)));
 }
 
-}  // namespace
+// Σ w x in 32-bit lanes for signed weight bytes (|w| times x with w's sign).
+inline __m256i dot_signed(__m256i w, __m256i x) {
+  const __m256i pairs = _mm256_maddubs_epi16(_mm256_sign_epi8(w, w), _mm256_sign_epi8(x, w));
+  return _mm256_madd_epi16(pairs, _mm256_set1_epi16(1));
+}
 
-void quant_matmul_rows_avx2(const MatrixView& w, const QuantizedActivations& x, float* y,
-                            int64_t y_stride, int64_t row_begin, int64_t row_end) {
-  const int64_t groups = w.cols / kActivationGroup;
-  const __m256i ones = _mm256_set1_epi16(1);
-  const int64_t group_bytes = static_cast<int64_t>(w.row_bytes()) / groups;
+// Σ scale * w x for unsigned weight bytes (< 64) and 16-bit scales per lane pair.
+inline __m256i dot_scaled(__m256i w, __m256i x, __m256i scales) {
+  return _mm256_madd_epi16(_mm256_maddubs_epi16(w, x), scales);
+}
+
+void rows_q8_q4_0(const MatrixView& w, const QuantizedActivations& x, float* y, int64_t y_stride,
+                  int64_t row_begin, int64_t row_end) {
+  const bool q8 = w.dtype == DType::kQ8_0;
+  const int64_t bytes = q8 ? 34 : 18, blocks = w.cols / 32;
   for (int64_t r = row_begin; r < row_end; ++r) {
     const auto* row = reinterpret_cast<const uint8_t*>(w.row(r));
     for (int64_t t0 = 0; t0 < x.rows; t0 += kTokenTile) {
       const int tokens = static_cast<int>(std::min<int64_t>(kTokenTile, x.rows - t0));
       __m256 acc[kTokenTile];
-      float min_acc[kTokenTile];
-      for (int t = 0; t < tokens; ++t) {
-        acc[t] = _mm256_setzero_ps();
-        min_acc[t] = 0.0f;
-      }
-      for (int64_t g = 0; g < groups; ++g) {
-        // Decode streams every weight once: keep the next lines on their way.
-        if ((g & 1) == 0)
-          _mm_prefetch(reinterpret_cast<const char*>(row) + g * group_bytes + 1024, _MM_HINT_T0);
-        const Group group = unpack(w.dtype, row, g);
-        const __m256i magnitude = _mm256_sign_epi8(group.q, group.q);
-        const __m256 scales = _mm256_setr_ps(group.lo, group.lo, group.lo, group.lo, group.hi,
-                                             group.hi, group.hi, group.hi);
+      for (int t = 0; t < tokens; ++t) acc[t] = _mm256_setzero_ps();
+      for (int64_t b = 0; b < blocks; ++b) {
+        const uint8_t* block = row + b * bytes;
+        _mm_prefetch(reinterpret_cast<const char*>(block) + 1024, _MM_HINT_T0);
+        __m256i q;
+        if (q8) {
+          q = load(block + 2);
+        } else {
+          const __m128i packed = _mm_loadu_si128(reinterpret_cast<const __m128i*>(block + 2));
+          const __m256i both = _mm256_set_m128i(_mm_srli_epi16(packed, 4), packed);
+          q = _mm256_sub_epi8(low_nibbles(both), _mm256_set1_epi8(8));
+        }
+        const float d = half_at(block);
         for (int t = 0; t < tokens; ++t) {
           const int64_t token = t0 + t;
-          const __m256i xq = _mm256_loadu_si256(
-              reinterpret_cast<const __m256i*>(x.row(token) + g * kActivationGroup));
-          const __m256i products = _mm256_maddubs_epi16(magnitude, _mm256_sign_epi8(xq, group.q));
-          const __m256i sums = _mm256_madd_epi16(products, ones);
-          const size_t at = static_cast<size_t>(token * groups + g);
-          const float d = x.scale[at];
-          acc[t] = _mm256_fmadd_ps(_mm256_mul_ps(scales, _mm256_set1_ps(d)),
+          const __m256i sums = dot_signed(q, load(x.row(token) + b * 32));
+          acc[t] = _mm256_fmadd_ps(_mm256_set1_ps(d * x.row_scales(token)[b]),
                                    _mm256_cvtepi32_ps(sums), acc[t]);
-          min_acc[t] += d * group.min * static_cast<float>(x.sum[at]);
         }
       }
-      for (int t = 0; t < tokens; ++t) y[(t0 + t) * y_stride + r] = reduce(acc[t]) - min_acc[t];
+      for (int t = 0; t < tokens; ++t) y[(t0 + t) * y_stride + r] = reduce(acc[t]);
     }
+  }
+}
+
+void rows_q45_k(const MatrixView& w, const QuantizedActivations& x, float* y, int64_t y_stride,
+                int64_t row_begin, int64_t row_end) {
+  const bool fifth = w.dtype == DType::kQ5_K;
+  const int64_t bytes = fifth ? 176 : 144, blocks = w.cols / 256;
+  for (int64_t r = row_begin; r < row_end; ++r) {
+    const auto* row = reinterpret_cast<const uint8_t*>(w.row(r));
+    for (int64_t t0 = 0; t0 < x.rows; t0 += kTokenTile) {
+      const int tokens = static_cast<int>(std::min<int64_t>(kTokenTile, x.rows - t0));
+      __m256 acc[kTokenTile];
+      float mins[kTokenTile] = {};
+      for (int t = 0; t < tokens; ++t) acc[t] = _mm256_setzero_ps();
+      for (int64_t b = 0; b < blocks; ++b) {
+        const uint8_t* block = row + b * bytes;
+        _mm_prefetch(reinterpret_cast<const char*>(block) + 512, _MM_HINT_T0);
+        _mm_prefetch(reinterpret_cast<const char*>(block) + 576, _MM_HINT_T0);
+        uint8_t scales[16];
+        k_scales(block + 4, scales);
+        const uint8_t* sc = scales;
+        const uint8_t* mn = scales + 8;
+        const float d = half_at(block), dmin = half_at(block + 2);
+        // The super-block's 256 weights as eight registers of 32 (0-15 or 0-31).
+        __m256i q[8];
+        const uint8_t* qs = block + (fifth ? 48 : 16);
+        const __m256i qh = fifth ? load(block + 16) : _mm256_setzero_si256();
+        for (int g = 0; g < 4; ++g) {
+          const __m256i packed = load(qs + 32 * g);
+          q[2 * g] = low_nibbles(packed);
+          q[2 * g + 1] = high_nibbles(packed);
+          if (fifth) {
+            const __m256i one = _mm256_set1_epi8(1);
+            const __m256i bit_lo =
+                _mm256_and_si256(_mm256_srli_epi16(qh, 2 * g), one);  // bit 2g of each byte
+            const __m256i bit_hi = _mm256_and_si256(_mm256_srli_epi16(qh, 2 * g + 1), one);
+            q[2 * g] = _mm256_or_si256(q[2 * g], _mm256_slli_epi16(bit_lo, 4));
+            q[2 * g + 1] = _mm256_or_si256(q[2 * g + 1], _mm256_slli_epi16(bit_hi, 4));
+          }
+        }
+        for (int t = 0; t < tokens; ++t) {
+          const int64_t token = t0 + t;
+          const int8_t* xb = x.row(token) + b * 256;
+          __m256i sumi = _mm256_setzero_si256();
+          for (int j = 0; j < 8; ++j)
+            sumi = _mm256_add_epi32(sumi, dot_scaled(q[j], load(xb + 32 * j),
+                                                     _mm256_set1_epi16(static_cast<short>(sc[j]))));
+          const int32_t* sums = x.row_sums(token) + b * 16;
+          int32_t summ = 0;
+          for (int j = 0; j < 8; ++j) summ += mn[j] * (sums[2 * j] + sums[2 * j + 1]);
+          const float dx = x.row_scales(token)[b];
+          acc[t] = _mm256_fmadd_ps(_mm256_set1_ps(d * dx), _mm256_cvtepi32_ps(sumi), acc[t]);
+          mins[t] += dmin * dx * static_cast<float>(summ);
+        }
+      }
+      for (int t = 0; t < tokens; ++t) y[(t0 + t) * y_stride + r] = reduce(acc[t]) - mins[t];
+    }
+  }
+}
+
+void rows_q6_k(const MatrixView& w, const QuantizedActivations& x, float* y, int64_t y_stride,
+               int64_t row_begin, int64_t row_end) {
+  const int64_t blocks = w.cols / 256;
+  const __m256i mask2 = _mm256_set1_epi8(3);
+  for (int64_t r = row_begin; r < row_end; ++r) {
+    const auto* row = reinterpret_cast<const uint8_t*>(w.row(r));
+    for (int64_t t0 = 0; t0 < x.rows; t0 += kTokenTile) {
+      const int tokens = static_cast<int>(std::min<int64_t>(kTokenTile, x.rows - t0));
+      __m256 acc[kTokenTile];
+      for (int t = 0; t < tokens; ++t) acc[t] = _mm256_setzero_ps();
+      for (int64_t b = 0; b < blocks; ++b) {
+        const uint8_t* block = row + b * 210;
+        _mm_prefetch(reinterpret_cast<const char*>(block) + 512, _MM_HINT_T0);
+        _mm_prefetch(reinterpret_cast<const char*>(block) + 576, _MM_HINT_T0);
+        _mm_prefetch(reinterpret_cast<const char*>(block) + 640, _MM_HINT_T0);
+        const auto* sc = reinterpret_cast<const int8_t*>(block + 192);
+        const float d = half_at(block + 208);
+        __m256i q[8], scales[8];  // weights 32k .. 32k + 31 and their two 16-weight scales
+        for (int h = 0; h < 2; ++h) {
+          const __m256i low0 = load(block + 64 * h), low1 = load(block + 64 * h + 32);
+          const __m256i high = load(block + 128 + 32 * h);
+          const __m256i parts[4] = {low_nibbles(low0), low_nibbles(low1), high_nibbles(low0),
+                                    high_nibbles(low1)};
+          for (int k = 0; k < 4; ++k) {
+            const __m256i top =
+                _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(high, 2 * k), mask2), 4);
+            q[4 * h + k] = _mm256_or_si256(parts[k], top);
+            const int s = 8 * h + 2 * k;
+            scales[4 * h + k] = _mm256_set_m128i(_mm_set1_epi16(sc[s + 1]), _mm_set1_epi16(sc[s]));
+          }
+        }
+        for (int t = 0; t < tokens; ++t) {
+          const int64_t token = t0 + t;
+          const int8_t* xb = x.row(token) + b * 256;
+          __m256i sumi = _mm256_setzero_si256();
+          for (int j = 0; j < 8; ++j)
+            sumi = _mm256_add_epi32(sumi, dot_scaled(q[j], load(xb + 32 * j), scales[j]));
+          const int32_t* sums = x.row_sums(token) + b * 16;
+          int32_t offset = 0;
+          for (int s = 0; s < 16; ++s) offset += sc[s] * sums[s];
+          const float dx = x.row_scales(token)[b];
+          // Σ sc (q - 32) x = Σ sc q x - 32 Σ sc Σx: the offset joins lane 0 before converting.
+          sumi = _mm256_sub_epi32(sumi, _mm256_setr_epi32(32 * offset, 0, 0, 0, 0, 0, 0, 0));
+          acc[t] = _mm256_fmadd_ps(_mm256_set1_ps(d * dx), _mm256_cvtepi32_ps(sumi), acc[t]);
+        }
+      }
+      for (int t = 0; t < tokens; ++t) y[(t0 + t) * y_stride + r] = reduce(acc[t]);
+    }
+  }
+}
+
+}  // namespace
+
+void quant_matmul_rows_avx2(const MatrixView& w, const QuantizedActivations& x, float* y,
+                            int64_t y_stride, int64_t row_begin, int64_t row_end) {
+  switch (w.dtype) {
+    case DType::kQ8_0:
+    case DType::kQ4_0:
+      return rows_q8_q4_0(w, x, y, y_stride, row_begin, row_end);
+    case DType::kQ4_K:
+    case DType::kQ5_K:
+      return rows_q45_k(w, x, y, y_stride, row_begin, row_end);
+    case DType::kQ6_K:
+      return rows_q6_k(w, x, y, y_stride, row_begin, row_end);
+    default:
+      return quant_matmul_rows_portable(w, x, y, y_stride, row_begin, row_end);
   }
 }
 

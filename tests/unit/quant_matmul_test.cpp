@@ -95,16 +95,14 @@ TEST(QuantMatmul, FastEqualsTheSumOverDequantizedWeightsAndActivations) {
         const std::vector<float> x = random_input(n, cols, 5);
         const std::vector<float> y = run(pool, w, x, n);
         QuantizedActivations xq;
-        quantize_activations(x.data(), n, cols, cols, xq);
+        quantize_activations(x.data(), n, cols, cols, activation_block(dtype), xq);
         std::vector<float> weights(static_cast<size_t>(cols));
         for (int64_t r = 0; r < rows; ++r) {
           dequantize_row(quant_type(dtype), w.row(r), cols, weights.data());
           for (int64_t t = 0; t < n; ++t) {
             double expected = 0.0, magnitude = 0.0;
             for (int64_t k = 0; k < cols; ++k) {
-              const double activation =
-                  static_cast<double>(xq.scale[static_cast<size_t>(t * cols / 32 + k / 32)]) *
-                  xq.q[static_cast<size_t>(t * cols + k)];
+              const double activation = xq.value(t, k);
               expected += activation * weights[static_cast<size_t>(k)];
               magnitude += std::abs(activation * weights[static_cast<size_t>(k)]);
             }
@@ -120,19 +118,22 @@ TEST(QuantMatmul, FastEqualsTheSumOverDequantizedWeightsAndActivations) {
   }
 }
 
-TEST(QuantMatmul, ActivationsRoundToTheirGroupScale) {
-  const std::vector<float> x = random_input(3, 64, 2);
-  QuantizedActivations xq;
-  quantize_activations(x.data(), 3, 64, 64, xq);
-  for (int64_t i = 0; i < 3 * 64; ++i) {
-    const float d = xq.scale[static_cast<size_t>(i / 32)];
-    EXPECT_LE(std::abs(d * xq.q[static_cast<size_t>(i)] - x[static_cast<size_t>(i)]),
-              0.5f * d * 1.0001f);
-  }
-  for (int64_t g = 0; g < 6; ++g) {
-    int32_t sum = 0;
-    for (int i = 0; i < 32; ++i) sum += xq.q[static_cast<size_t>(g * 32 + i)];
-    EXPECT_EQ(xq.sum[static_cast<size_t>(g)], sum);
+TEST(QuantMatmul, ActivationsRoundToTheirBlockScale) {
+  const std::vector<float> x = random_input(3, 512, 2);
+  for (int64_t block : {32, 256}) {
+    QuantizedActivations xq;
+    quantize_activations(x.data(), 3, 512, 512, block, xq);
+    for (int64_t t = 0; t < 3; ++t)
+      for (int64_t k = 0; k < 512; ++k) {
+        const float d = xq.row_scales(t)[k / block];
+        EXPECT_LE(std::abs(xq.value(t, k) - x[static_cast<size_t>(t * 512 + k)]),
+                  0.5f * d * 1.0001f);
+      }
+    for (int64_t s = 0; s < 3 * 512 / 16; ++s) {
+      int32_t sum = 0;
+      for (int i = 0; i < 16; ++i) sum += xq.q[static_cast<size_t>(s * 16 + i)];
+      EXPECT_EQ(xq.sums[static_cast<size_t>(s)], sum);
+    }
   }
 }
 

@@ -1,0 +1,247 @@
+// AVX-512 path of the fast quantized matmul (quant_matmul.h): the AVX2 path's arithmetic on
+// 64 weights per instruction. Two sub-blocks (or two Q8_0/Q4_0 blocks) share a register: maddubs
+// gives 32 16-bit pair sums, a madd with the two sub-blocks' scales spread over their halves
+// gives 16 32-bit sums, and a super-block is converted and scaled once.
+#include <immintrin.h>
+
+#include <cstring>
+
+#include "kernels/cpu/quant_matmul.h"
+
+namespace moeline::kernels::detail {
+namespace {
+
+constexpr int kTokenTile = 4;
+
+float half_at(const uint8_t* p) {
+  uint16_t bits;
+  std::memcpy(&bits, p, sizeof bits);
+  return _cvtsh_ss(bits);
+}
+
+inline __m256i load256(const void* p) {
+  return _mm256_loadu_si256(static_cast<const __m256i*>(p));
+}
+inline __m512i load512(const void* p) {
+  return _mm512_loadu_si512(p);
+}
+inline __m512i join(__m256i low, __m256i high) {
+  return _mm512_inserti64x4(_mm512_castsi256_si512(low), high, 1);
+}
+inline __m256i low_nibbles(__m256i b) {
+  return _mm256_and_si256(b, _mm256_set1_epi8(0x0F));
+}
+inline __m256i high_nibbles(__m256i b) {
+  return _mm256_and_si256(_mm256_srli_epi16(b, 4), _mm256_set1_epi8(0x0F));
+}
+
+// Σ w x in 32-bit lanes for signed weight bytes: |w| times x negated where w < 0.
+inline __m512i dot_signed(__m512i w, __m512i x) {
+  const __mmask64 negative = _mm512_movepi8_mask(w);
+  const __m512i signed_x = _mm512_mask_sub_epi8(x, negative, _mm512_setzero_si512(), x);
+  return _mm512_madd_epi16(_mm512_maddubs_epi16(_mm512_abs_epi8(w), signed_x),
+                           _mm512_set1_epi16(1));
+}
+
+// 16-bit scales spread over lanes: lane i takes value[index[i]] (values in a 128-bit register).
+inline __m512i spread(__m128i values, __m512i index) {
+  return _mm512_permutexvar_epi16(index, _mm512_castsi128_si512(values));
+}
+
+// Lane i of a madd result covers weights 2i, 2i+1: index i / (lanes per scale).
+__m512i scale_index(int lanes_per_scale, int first) {
+  alignas(64) int16_t index[32];
+  for (int i = 0; i < 32; ++i) index[i] = static_cast<int16_t>(first + i / lanes_per_scale);
+  return _mm512_load_si512(index);
+}
+
+void rows_q8_q4_0(const MatrixView& w, const QuantizedActivations& x, float* y, int64_t y_stride,
+                  int64_t row_begin, int64_t row_end) {
+  const bool q8 = w.dtype == DType::kQ8_0;
+  const int64_t bytes = q8 ? 34 : 18, blocks = w.cols / 32;
+  auto weights = [&](const uint8_t* block) {
+    if (q8) return load256(block + 2);
+    const __m128i packed = _mm_loadu_si128(reinterpret_cast<const __m128i*>(block + 2));
+    const __m256i both = _mm256_set_m128i(_mm_srli_epi16(packed, 4), packed);
+    return _mm256_sub_epi8(low_nibbles(both), _mm256_set1_epi8(8));
+  };
+  for (int64_t r = row_begin; r < row_end; ++r) {
+    const auto* row = reinterpret_cast<const uint8_t*>(w.row(r));
+    for (int64_t t0 = 0; t0 < x.rows; t0 += kTokenTile) {
+      const int tokens = static_cast<int>(std::min<int64_t>(kTokenTile, x.rows - t0));
+      __m512 acc[kTokenTile];
+      for (int t = 0; t < tokens; ++t) acc[t] = _mm512_setzero_ps();
+      int64_t b = 0;
+      for (; b + 2 <= blocks; b += 2) {
+        const uint8_t* first = row + b * bytes;
+        _mm_prefetch(reinterpret_cast<const char*>(first) + 1024, _MM_HINT_T0);
+        const __m512i q = join(weights(first), weights(first + bytes));
+        const float d0 = half_at(first), d1 = half_at(first + bytes);
+        for (int t = 0; t < tokens; ++t) {
+          const int64_t token = t0 + t;
+          const float* dx = x.row_scales(token) + b;
+          const __m512i sums = dot_signed(q, load512(x.row(token) + b * 32));
+          const __m512 scale =
+              _mm512_insertf32x8(_mm512_set1_ps(d0 * dx[0]), _mm256_set1_ps(d1 * dx[1]), 1);
+          acc[t] = _mm512_fmadd_ps(scale, _mm512_cvtepi32_ps(sums), acc[t]);
+        }
+      }
+      for (; b < blocks; ++b) {  // an odd last block, in the low half
+        const uint8_t* block = row + b * bytes;
+        const __m512i q = _mm512_castsi256_si512(weights(block));
+        const float d = half_at(block);
+        for (int t = 0; t < tokens; ++t) {
+          const int64_t token = t0 + t;
+          const __m512i xq = _mm512_castsi256_si512(load256(x.row(token) + b * 32));
+          const __m512i sums =
+              dot_signed(_mm512_maskz_mov_epi64(0x0F, q), _mm512_maskz_mov_epi64(0x0F, xq));
+          acc[t] = _mm512_fmadd_ps(_mm512_set1_ps(d * x.row_scales(token)[b]),
+                                   _mm512_cvtepi32_ps(sums), acc[t]);
+        }
+      }
+      for (int t = 0; t < tokens; ++t) y[(t0 + t) * y_stride + r] = _mm512_reduce_add_ps(acc[t]);
+    }
+  }
+}
+
+void rows_q45_k(const MatrixView& w, const QuantizedActivations& x, float* y, int64_t y_stride,
+                int64_t row_begin, int64_t row_end) {
+  const bool fifth = w.dtype == DType::kQ5_K;
+  const int64_t bytes = fifth ? 176 : 144, blocks = w.cols / 256;
+  __m512i index[4];  // sub-blocks 2g and 2g+1: 16 lanes each
+  for (int g = 0; g < 4; ++g) index[g] = scale_index(16, 2 * g);
+  for (int64_t r = row_begin; r < row_end; ++r) {
+    const auto* row = reinterpret_cast<const uint8_t*>(w.row(r));
+    for (int64_t t0 = 0; t0 < x.rows; t0 += kTokenTile) {
+      const int tokens = static_cast<int>(std::min<int64_t>(kTokenTile, x.rows - t0));
+      __m512 acc[kTokenTile];
+      float mins[kTokenTile] = {};
+      for (int t = 0; t < tokens; ++t) acc[t] = _mm512_setzero_ps();
+      for (int64_t b = 0; b < blocks; ++b) {
+        const uint8_t* block = row + b * bytes;
+        _mm_prefetch(reinterpret_cast<const char*>(block) + 512, _MM_HINT_T0);
+        _mm_prefetch(reinterpret_cast<const char*>(block) + 576, _MM_HINT_T0);
+        uint8_t packed_scales[16];
+        k_scales(block + 4, packed_scales);
+        const __m128i scale_bytes =
+            _mm_loadl_epi64(reinterpret_cast<const __m128i*>(packed_scales));
+        const __m128i scales16 = _mm_cvtepu8_epi16(scale_bytes);
+        const float d = half_at(block), dmin = half_at(block + 2);
+        const uint8_t* qs = block + (fifth ? 48 : 16);
+        const __m256i qh = fifth ? load256(block + 16) : _mm256_setzero_si256();
+        __m512i q[4], sc[4];
+        for (int g = 0; g < 4; ++g) {
+          const __m256i packed = load256(qs + 32 * g);
+          __m256i lo = low_nibbles(packed), hi = high_nibbles(packed);
+          if (fifth) {
+            const __m256i one = _mm256_set1_epi8(1);
+            lo = _mm256_or_si256(
+                lo, _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 2 * g), one), 4));
+            hi = _mm256_or_si256(
+                hi, _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 2 * g + 1), one), 4));
+          }
+          q[g] = join(lo, hi);
+          sc[g] = spread(scales16, index[g]);
+        }
+        for (int t = 0; t < tokens; ++t) {
+          const int64_t token = t0 + t;
+          const int8_t* xb = x.row(token) + b * 256;
+          __m512i sumi = _mm512_setzero_si512();
+          for (int g = 0; g < 4; ++g)
+            sumi = _mm512_add_epi32(
+                sumi, _mm512_madd_epi16(_mm512_maddubs_epi16(q[g], load512(xb + 64 * g)), sc[g]));
+          const int32_t* sums = x.row_sums(token) + b * 16;
+          int32_t summ = 0;
+          for (int j = 0; j < 8; ++j)
+            summ += packed_scales[8 + j] * (sums[2 * j] + sums[2 * j + 1]);
+          const float dx = x.row_scales(token)[b];
+          acc[t] = _mm512_fmadd_ps(_mm512_set1_ps(d * dx), _mm512_cvtepi32_ps(sumi), acc[t]);
+          mins[t] += dmin * dx * static_cast<float>(summ);
+        }
+      }
+      for (int t = 0; t < tokens; ++t)
+        y[(t0 + t) * y_stride + r] = _mm512_reduce_add_ps(acc[t]) - mins[t];
+    }
+  }
+}
+
+void rows_q6_k(const MatrixView& w, const QuantizedActivations& x, float* y, int64_t y_stride,
+               int64_t row_begin, int64_t row_end) {
+  const int64_t blocks = w.cols / 256;
+  const __m256i mask2 = _mm256_set1_epi8(3);
+  __m512i index[4];  // quarters (2p, 2p+1) of a half: four 16-weight scales, 8 lanes each
+  for (int p = 0; p < 4; ++p) index[p] = scale_index(8, 4 * p);
+  for (int64_t r = row_begin; r < row_end; ++r) {
+    const auto* row = reinterpret_cast<const uint8_t*>(w.row(r));
+    for (int64_t t0 = 0; t0 < x.rows; t0 += kTokenTile) {
+      const int tokens = static_cast<int>(std::min<int64_t>(kTokenTile, x.rows - t0));
+      __m512 acc[kTokenTile];
+      for (int t = 0; t < tokens; ++t) acc[t] = _mm512_setzero_ps();
+      for (int64_t b = 0; b < blocks; ++b) {
+        const uint8_t* block = row + b * 210;
+        _mm_prefetch(reinterpret_cast<const char*>(block) + 512, _MM_HINT_T0);
+        _mm_prefetch(reinterpret_cast<const char*>(block) + 576, _MM_HINT_T0);
+        _mm_prefetch(reinterpret_cast<const char*>(block) + 640, _MM_HINT_T0);
+        const auto* sc8 = reinterpret_cast<const int8_t*>(block + 192);
+        const __m256i scales16 =
+            _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sc8)));
+        const float d = half_at(block + 208);
+        __m512i q[4], sc[4];  // pairs of quarters: weights 64p .. 64p + 63
+        for (int h = 0; h < 2; ++h) {
+          const __m256i low0 = load256(block + 64 * h), low1 = load256(block + 64 * h + 32);
+          const __m256i high = load256(block + 128 + 32 * h);
+          __m256i quarter[4] = {low_nibbles(low0), low_nibbles(low1), high_nibbles(low0),
+                                high_nibbles(low1)};
+          for (int k = 0; k < 4; ++k)
+            quarter[k] = _mm256_or_si256(
+                quarter[k],
+                _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(high, 2 * k), mask2), 4));
+          q[2 * h] = join(quarter[0], quarter[1]);
+          q[2 * h + 1] = join(quarter[2], quarter[3]);
+          const __m128i half_scales =
+              h == 0 ? _mm256_castsi256_si128(scales16) : _mm256_extracti128_si256(scales16, 1);
+          sc[2 * h] = spread(half_scales, index[0]);
+          sc[2 * h + 1] = spread(half_scales, index[1]);
+        }
+        int32_t offset_scale[16];
+        for (int s = 0; s < 16; ++s) offset_scale[s] = sc8[s];
+        for (int t = 0; t < tokens; ++t) {
+          const int64_t token = t0 + t;
+          const int8_t* xb = x.row(token) + b * 256;
+          __m512i sumi = _mm512_setzero_si512();
+          for (int p = 0; p < 4; ++p)
+            sumi = _mm512_add_epi32(
+                sumi, _mm512_madd_epi16(_mm512_maddubs_epi16(q[p], load512(xb + 64 * p)), sc[p]));
+          const int32_t* sums = x.row_sums(token) + b * 16;
+          int32_t offset = 0;
+          for (int s = 0; s < 16; ++s) offset += offset_scale[s] * sums[s];
+          // Σ sc (q - 32) x = Σ sc q x - 32 Σ sc Σx: the offset joins lane 0 before converting.
+          sumi = _mm512_mask_sub_epi32(sumi, 1, sumi, _mm512_set1_epi32(32 * offset));
+          const float dx = x.row_scales(token)[b];
+          acc[t] = _mm512_fmadd_ps(_mm512_set1_ps(d * dx), _mm512_cvtepi32_ps(sumi), acc[t]);
+        }
+      }
+      for (int t = 0; t < tokens; ++t) y[(t0 + t) * y_stride + r] = _mm512_reduce_add_ps(acc[t]);
+    }
+  }
+}
+
+}  // namespace
+
+void quant_matmul_rows_avx512(const MatrixView& w, const QuantizedActivations& x, float* y,
+                              int64_t y_stride, int64_t row_begin, int64_t row_end) {
+  switch (w.dtype) {
+    case DType::kQ8_0:
+    case DType::kQ4_0:
+      return rows_q8_q4_0(w, x, y, y_stride, row_begin, row_end);
+    case DType::kQ4_K:
+    case DType::kQ5_K:
+      return rows_q45_k(w, x, y, y_stride, row_begin, row_end);
+    case DType::kQ6_K:
+      return rows_q6_k(w, x, y, y_stride, row_begin, row_end);
+    default:
+      return quant_matmul_rows_portable(w, x, y, y_stride, row_begin, row_end);
+  }
+}
+
+}  // namespace moeline::kernels::detail
