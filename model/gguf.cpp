@@ -168,8 +168,8 @@ GgufFile GgufFile::open(const std::filesystem::path& path) {
     if (!traits)
       reader.fail("tensor '" + tensor.name + "' is " + std::string(kernels::ggml_type_name(type)) +
                   " (ggml type " + std::to_string(type) +
-                  "), which this build does not read (F32, F16, BF16, Q8_0, Q4_0, Q4_K, Q5_K, "
-                  "Q6_K)");
+                  "), which this build does not read (F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q5_0, "
+                  "Q5_1, Q4_K, Q5_K, Q6_K)");
     tensor.type = *traits;
     tensor.offset = reader.scalar<uint64_t>(what.c_str());
     if (tensor.dims[0] % traits->block_elements != 0)

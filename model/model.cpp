@@ -370,9 +370,7 @@ size_t Model::bytes_touched_per_token() const {
 
 bool Model::has_quantized_weights() const {
   for (const auto& [name, tensor] : checkpoint_.tensors())
-    for (kernels::DType quantized :
-         {kernels::DType::kQ8_0, kernels::DType::kQ4_0, kernels::DType::kQ4_K,
-          kernels::DType::kQ5_K, kernels::DType::kQ6_K})
+    for (kernels::DType quantized : kernels::kQuantizedTypes)
       if (tensor.dtype_name == kernels::dtype_name(quantized)) return true;
   return false;
 }

@@ -254,14 +254,12 @@ kernels::DType supported_dtype(const TensorInfo& tensor) {
   if (tensor.dtype_name == "F32") return kernels::DType::kF32;
   if (tensor.dtype_name == "BF16") return kernels::DType::kBF16;
   if (tensor.dtype_name == "F16") return kernels::DType::kF16;
-  for (kernels::DType quantized :
-       {kernels::DType::kQ8_0, kernels::DType::kQ4_0, kernels::DType::kQ4_K, kernels::DType::kQ5_K,
-        kernels::DType::kQ6_K})
+  for (kernels::DType quantized : kernels::kQuantizedTypes)
     if (tensor.dtype_name == kernels::dtype_name(quantized)) return quantized;
   throw ModelError(tensor.file_name() + ": tensor '" + tensor.name + "' has dtype " +
                    tensor.dtype_name +
                    ", which moeline does not support (F32, BF16, F16, and in GGUF files Q8_0, "
-                   "Q4_0, Q4_K, Q5_K, Q6_K)");
+                   "Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K)");
 }
 
 }  // namespace moeline::model

@@ -7,8 +7,8 @@ convert_hf_to_gguf.py lays it out, quantizing the matrices.
 TYPE: f32, f16, bf16, q8_0, q4_0, q4_k, q5_k, q6_k (every matrix of that type, as llama.cpp's
 --pure), or q4_k_m, q5_k_m (llama.cpp's mixes: the output matrix and some attention-value and
 ffn_down matrices one step up). Norms, routers and biases stay F32; a matrix whose rows are not
-whole blocks of the type falls back to Q8_0, then F16 (llama.cpp does the same with types moeline
-does not read). What follows the converter:
+whole blocks of the type falls back as llama.cpp's does (Q4_K to Q5_0, Q5_K to Q5_1, Q6_K to
+Q8_0), then to F16. What follows the converter:
 
   * names: token_embd, blk.N.attn_q ..., experts stacked into ffn_{gate,up,down}_exps;
   * llama (Mixtral): attn_q and attn_k rows permuted per head from rotate-half to adjacent pairs;
@@ -108,8 +108,10 @@ class TypePolicy:
                 kind = gw.Q5_K
             elif "ffn_down" in name and use_more_bits(layer, self.layers):
                 kind = gw.Q6_K
+        # llama.cpp's fallbacks for rows that are not whole super-blocks (tensor_type_fallback).
+        fallback = {gw.Q4_K: gw.Q5_0, gw.Q5_K: gw.Q5_1, gw.Q6_K: gw.Q8_0}.get(kind, gw.Q8_0)
         row = shape[-1]
-        for candidate in (kind, gw.Q8_0, gw.F16):
+        for candidate in (kind, fallback, gw.F16):
             if row % gw.BLOCKS[candidate][0] == 0:
                 return candidate
         return gw.F32

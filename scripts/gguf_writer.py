@@ -23,12 +23,13 @@ import struct
 
 import numpy as np
 
-F32, F16, Q4_0, Q8_0, Q4_K, Q5_K, Q6_K, BF16 = 0, 1, 2, 8, 12, 13, 14, 30
+F32, F16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K, BF16 = 0, 1, 2, 3, 6, 7, 8, 12, 13, 14, 30
 # ggml type -> (weights per block, bytes per block)
 BLOCKS = {F32: (1, 4), F16: (1, 2), BF16: (1, 2), Q8_0: (32, 34), Q4_0: (32, 18),
-          Q4_K: (256, 144), Q5_K: (256, 176), Q6_K: (256, 210)}
+          Q4_K: (256, 144), Q5_K: (256, 176), Q6_K: (256, 210), Q4_1: (32, 20), Q5_0: (32, 22),
+          Q5_1: (32, 24)}
 NAMES = {F32: "F32", F16: "F16", BF16: "BF16", Q8_0: "Q8_0", Q4_0: "Q4_0", Q4_K: "Q4_K",
-         Q5_K: "Q5_K", Q6_K: "Q6_K"}
+         Q5_K: "Q5_K", Q6_K: "Q6_K", Q4_1: "Q4_1", Q5_0: "Q5_0", Q5_1: "Q5_1"}
 BY_NAME = {name.lower(): kind for kind, name in NAMES.items()}
 
 # Metadata value types.
@@ -97,6 +98,28 @@ def _q4_0(x):
     return np.concatenate([d_bytes, q[:, :16] | (q[:, 16:] << 4)], axis=1)
 
 
+def _q4_5_legacy(x, fifth, with_min):
+    """Q4_1 (min/max, 16 levels), Q5_0 (absmax, 32 levels centred on 16), Q5_1 (min/max, 32)."""
+    levels = 31 if fifth else 15
+    if with_min:
+        low, high = x.min(axis=1), x.max(axis=1)
+        d_bytes, d = _fp16((high - low) / levels)
+        m_bytes, m = _fp16(low)
+        q = np.clip(np.rint((x - m[:, None]) * _safe_inverse(d)[:, None]), 0, levels)
+    else:
+        at = np.abs(x).argmax(axis=1)
+        d_bytes, d = _fp16(x[np.arange(len(x)), at] / -16.0)
+        q = np.clip(np.rint(x * _safe_inverse(d)[:, None]) + 16, 0, 31)
+    q = q.astype(np.uint32)
+    parts = [d_bytes] + ([m_bytes] if with_min else [])
+    if fifth:
+        high_bits = ((q >> 4) << np.arange(32, dtype=np.uint32)[None, :]).sum(axis=1)
+        parts.append(high_bits.astype("<u4").view(np.uint8).reshape(-1, 4))
+    q = (q & 0xF).astype(np.uint8)
+    parts.append(q[:, :16] | (q[:, 16:] << 4))
+    return np.concatenate(parts, axis=1)
+
+
 def _pack_k_scales(scale, low):
     """Eight 6-bit scales and mins per block [blocks, 8] into the 12 bytes K-quants store."""
     scale, low = scale.astype(np.uint8), low.astype(np.uint8)
@@ -162,6 +185,8 @@ def quantize(kind, x):
         return _q8_0(blocks).tobytes()
     if kind == Q4_0:
         return _q4_0(blocks).tobytes()
+    if kind in (Q4_1, Q5_0, Q5_1):
+        return _q4_5_legacy(blocks, kind != Q4_1, kind != Q5_0).tobytes()
     if kind == Q4_K:
         return _q45_k(blocks, 15).tobytes()
     if kind == Q5_K:

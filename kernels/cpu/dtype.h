@@ -12,7 +12,19 @@ namespace moeline::kernels {
 // F32, BF16 and F16 hold one weight per element. The others are GGUF's block-quantized types
 // (kernels/cpu/quant.h defines their layout): a row of n weights is n / block elements blocks,
 // each with its own scales, so a quantized matrix is addressed by rows, never by element.
-enum class DType : uint8_t { kF32, kBF16, kF16, kQ8_0, kQ4_0, kQ4_K, kQ5_K, kQ6_K };
+enum class DType : uint8_t {
+  kF32,
+  kBF16,
+  kF16,
+  kQ8_0,
+  kQ4_0,
+  kQ4_K,
+  kQ5_K,
+  kQ6_K,
+  kQ4_1,  // the three below: llama.cpp's fallbacks inside K-quant mixes (rows not whole
+  kQ5_0,  // super-blocks, e.g. DeepSeek's attn_k_b), read and multiplied, never written
+  kQ5_1,
+};
 
 struct DTypeBlock {
   int64_t elements;  // weights per block (1 for the plain types)
@@ -36,6 +48,12 @@ constexpr DTypeBlock dtype_block(DType dtype) {
       return {256, 176};
     case DType::kQ6_K:
       return {256, 210};
+    case DType::kQ4_1:
+      return {32, 20};
+    case DType::kQ5_0:
+      return {32, 22};
+    case DType::kQ5_1:
+      return {32, 24};
   }
   return {1, 0};
 }
@@ -43,6 +61,10 @@ constexpr DTypeBlock dtype_block(DType dtype) {
 constexpr bool is_quantized(DType dtype) {
   return dtype_block(dtype).elements > 1;
 }
+
+// Every block-quantized type, for loops over them.
+constexpr DType kQuantizedTypes[] = {DType::kQ8_0, DType::kQ4_0, DType::kQ4_K, DType::kQ5_K,
+                                     DType::kQ6_K, DType::kQ4_1, DType::kQ5_0, DType::kQ5_1};
 
 // Bytes of one element of a plain type (0 for a quantized one, which has no element of its own).
 constexpr size_t dtype_size(DType dtype) {
@@ -73,6 +95,12 @@ constexpr std::string_view dtype_name(DType dtype) {
       return "Q5_K";
     case DType::kQ6_K:
       return "Q6_K";
+    case DType::kQ4_1:
+      return "Q4_1";
+    case DType::kQ5_0:
+      return "Q5_0";
+    case DType::kQ5_1:
+      return "Q5_1";
   }
   return "?";
 }

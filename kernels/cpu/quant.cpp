@@ -10,7 +10,10 @@ namespace {
 
 constexpr int64_t kSuperBlock = 256;  // QK_K
 
-constexpr std::array<QuantTraits, 8> kTraits = {{
+constexpr std::array<QuantTraits, 11> kTraits = {{
+    {QuantType::kQ4_1, "Q4_1", 32, 2 + 2 + 16},
+    {QuantType::kQ5_0, "Q5_0", 32, 2 + 4 + 16},
+    {QuantType::kQ5_1, "Q5_1", 32, 2 + 2 + 4 + 16},
     {QuantType::kF32, "F32", 1, 4},
     {QuantType::kF16, "F16", 1, 2},
     {QuantType::kQ4_0, "Q4_0", 32, 2 + 16},
@@ -37,6 +40,23 @@ void scale_min(int j, const uint8_t* q, uint8_t& scale, uint8_t& min) {
   } else {
     scale = static_cast<uint8_t>((q[j + 4] & 0xF) | ((q[j - 4] >> 6) << 4));
     min = static_cast<uint8_t>((q[j + 4] >> 4) | ((q[j] >> 6) << 4));
+  }
+}
+
+// Q4_1 (no fifth bits, a min), Q5_0 (fifth bits, centred on 16), Q5_1 (fifth bits, a min).
+void q4_5_legacy(const uint8_t* block, float* y, bool fifth, bool with_min) {
+  const float d = half_at(block);
+  const float m = with_min ? half_at(block + 2) : 0.0f;
+  const uint8_t* after = block + (with_min ? 4 : 2);
+  uint32_t high = 0;
+  if (fifth) std::memcpy(&high, after, 4);
+  const uint8_t* q = after + (fifth ? 4 : 0);
+  const int offset = fifth && !with_min ? 16 : 0;
+  for (int j = 0; j < 16; ++j) {
+    const int low = (q[j] & 0xF) | (fifth ? static_cast<int>((high >> j) & 1) << 4 : 0);
+    const int top = (q[j] >> 4) | (fifth ? static_cast<int>((high >> (j + 16)) & 1) << 4 : 0);
+    y[j] = d * static_cast<float>(low - offset) + m;
+    y[j + 16] = d * static_cast<float>(top - offset) + m;
   }
 }
 
@@ -142,12 +162,18 @@ QuantType quant_type(DType dtype) {
       return QuantType::kQ5_K;
     case DType::kQ6_K:
       return QuantType::kQ6_K;
+    case DType::kQ4_1:
+      return QuantType::kQ4_1;
+    case DType::kQ5_0:
+      return QuantType::kQ5_0;
+    case DType::kQ5_1:
+      return QuantType::kQ5_1;
   }
   return QuantType::kF32;
 }
 
 std::optional<DType> dtype_of(QuantType type) {
-  for (int d = 0; d <= static_cast<int>(DType::kQ6_K); ++d)
+  for (int d = 0; d <= static_cast<int>(DType::kQ5_1); ++d)
     if (quant_type(static_cast<DType>(d)) == type) return static_cast<DType>(d);
   return std::nullopt;
 }
@@ -177,6 +203,15 @@ void dequantize_row(QuantType type, const void* src, int64_t n, float* dst) {
     case QuantType::kQ5_K:
       for (int64_t b = 0; b < n / kSuperBlock; ++b)
         q45_k(bytes + b * 176, dst + b * kSuperBlock, true);
+      return;
+    case QuantType::kQ4_1:
+      for (int64_t b = 0; b < n / 32; ++b) q4_5_legacy(bytes + b * 20, dst + b * 32, false, true);
+      return;
+    case QuantType::kQ5_0:
+      for (int64_t b = 0; b < n / 32; ++b) q4_5_legacy(bytes + b * 22, dst + b * 32, true, false);
+      return;
+    case QuantType::kQ5_1:
+      for (int64_t b = 0; b < n / 32; ++b) q4_5_legacy(bytes + b * 24, dst + b * 32, true, true);
       return;
     case QuantType::kQ6_K:
       for (int64_t b = 0; b < n / kSuperBlock; ++b) q6_k(bytes + b * 210, dst + b * kSuperBlock);

@@ -12,6 +12,10 @@
 //                                                                     - dmin*min
 //   Q6_K  256 weights: 128 bytes of low nibbles, 64 of high 2-bit pairs, int8 scales for 16
 //         sub-blocks of 16, f16 d                                 w = d * scale * (q6 - 32)
+//   Q4_1  32 weights: f16 d, f16 m, 16 bytes of nibbles (as Q4_0)  w = d * nibble + m
+//   Q5_0  32 weights: f16 d, 32 fifth bits (bit j: weight j), 16 bytes of nibbles
+//                                                                 w = d * (q5 - 16)
+//   Q5_1  as Q5_0 with f16 m after d                              w = d * q5 + m
 // The K-quants' byte l of a 64-weight group supplies weights l (low nibble) and l + 32 (high).
 
 #include <cstddef>
@@ -27,6 +31,9 @@ enum class QuantType : uint32_t {
   kF32 = 0,
   kF16 = 1,
   kQ4_0 = 2,
+  kQ4_1 = 3,
+  kQ5_0 = 6,
+  kQ5_1 = 7,
   kQ8_0 = 8,
   kQ4_K = 12,
   kQ5_K = 13,

@@ -39,7 +39,7 @@ bool parse_quant_math(const char* text, QuantMath& math) {
 }
 
 int64_t activation_block(DType weights) {
-  return weights == DType::kQ8_0 || weights == DType::kQ4_0 ? 32 : 256;
+  return dtype_block(weights).elements == 32 ? 32 : 256;
 }
 
 void quantize_activations(const float* x, int64_t rows, int64_t cols, int64_t x_stride,
@@ -124,6 +124,32 @@ float dot_row(DType dtype, const uint8_t* w, int64_t cols, const int8_t* x, cons
         }
         y += dx[b] * (half_at(block) * static_cast<float>(sumi) -
                       half_at(block + 2) * static_cast<float>(summ));
+      }
+      return y;
+    }
+    case DType::kQ4_1:
+    case DType::kQ5_0:
+    case DType::kQ5_1: {
+      // w = d q + m (Q5_0: m = -16 d): y += d_w d_x Σ q x + m d_x Σ x.
+      const bool fifth = dtype != DType::kQ4_1, with_min = dtype != DType::kQ5_0;
+      const int64_t bytes = kernels::dtype_block(dtype).bytes;
+      for (int64_t b = 0; b < cols / 32; ++b) {
+        const uint8_t* block = w + b * bytes;
+        const float d = half_at(block);
+        const float m = with_min ? half_at(block + 2) : -16.0f * d;
+        const uint8_t* after = block + (with_min ? 4 : 2);
+        uint32_t high = 0;
+        if (fifth) std::memcpy(&high, after, 4);
+        const uint8_t* q = after + (fifth ? 4 : 0);
+        const int8_t* xb = x + b * 32;
+        int32_t sum = 0;
+        for (int j = 0; j < 16; ++j) {
+          const int low = (q[j] & 0xF) | (fifth ? static_cast<int>((high >> j) & 1) << 4 : 0);
+          const int top = (q[j] >> 4) | (fifth ? static_cast<int>((high >> (j + 16)) & 1) << 4 : 0);
+          sum += low * xb[j] + top * xb[j + 16];
+        }
+        y += dx[b] *
+             (d * static_cast<float>(sum) + m * static_cast<float>(sums[2 * b] + sums[2 * b + 1]));
       }
       return y;
     }

@@ -268,6 +268,11 @@ void quantize_row(DType dtype, const float* x, int64_t n, void* out) {
     case DType::kQ6_K:
       for (int64_t b = 0; b < n / 256; ++b) q6_k(x + 256 * b, bytes + 210 * b);
       return;
+    case DType::kQ4_1:  // read only: llama.cpp's fallbacks, which moeline quantize never picks
+    case DType::kQ5_0:
+    case DType::kQ5_1:
+      std::memset(out, 0, stored_bytes(dtype, n));
+      return;
   }
 }
 

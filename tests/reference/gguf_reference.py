@@ -16,6 +16,10 @@ docs/gguf.md and the block layouts of ggml-common.h), independently of moeline's
         weight 64g+l, bit 2g+1 to weight 64g+32+l
   Q6_K  210-byte blocks of 256: 128 bytes low nibbles, 64 bytes of 2-bit highs, 16 int8 scales
         (one per 16 weights), fp16 d;                             w = d*scale*(q - 32)
+  Q4_1  20-byte blocks of 32: fp16 d, fp16 m, nibbles as Q4_0;   w = d*n + m
+  Q5_0  22-byte blocks of 32: fp16 d, uint32 qh (bit j: the fifth bit of weight j), nibbles as
+        Q4_0;                                                     w = d*(n + 16*bit - 16)
+  Q5_1  24-byte blocks of 32: fp16 d, fp16 m, qh, nibbles;       w = d*(n + 16*bit) + m
 """
 
 import os
@@ -27,8 +31,8 @@ import numpy as np
 # The writer is the project's (scripts/gguf_writer.py): what is checked here is the reading side.
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "scripts"))
 from gguf_writer import (  # noqa: E402,F401
-    ARRAY, BF16, BLOCKS, BOOL, F16, F32, F32V, F64, I16, I32, I64, I8, NAMES, Q4_0, Q4_K, Q5_K,
-    Q6_K, Q8_0, STRING, U16, U32, U64, U8, write_gguf)
+    ARRAY, BF16, BLOCKS, BOOL, F16, F32, F32V, F64, I16, I32, I64, I8, NAMES, Q4_0, Q4_1, Q4_K,
+    Q5_0, Q5_1, Q5_K, Q6_K, Q8_0, STRING, U16, U32, U64, U8, write_gguf)
 
 
 def _fp16(raw):
@@ -64,6 +68,21 @@ def dequantize(kind, raw, count):
         q = b[:, 2:].astype(np.int64)
         nibbles = np.concatenate([q & 0xF, q >> 4], axis=1) - 8
         return (_fp16(b[:, 0:2])[:, None] * nibbles).reshape(-1)
+    if kind in (Q4_1, Q5_0, Q5_1):
+        # Q4_1: d, m, nibbles; Q5_0: d, qh (uint32: bit j is weight j's fifth bit), nibbles,
+        # centred on 16; Q5_1: d, m, qh, nibbles. Byte j: weight j low nibble, j + 16 high.
+        with_min, fifth = kind != Q5_0, kind != Q4_1
+        d = _fp16(b[:, 0:2])[:, None]
+        m = _fp16(b[:, 2:4])[:, None] if with_min else 0.0
+        at = 4 if with_min else 2
+        q = b[:, at + (4 if fifth else 0):].astype(np.int64)
+        values = np.concatenate([q & 0xF, q >> 4], axis=1)
+        if fifth:
+            high = b[:, at:at + 4].copy().view("<u4").astype(np.int64)       # [block, 1]
+            values = values + 16 * ((high >> np.arange(32)[None, :]) & 1)
+            if not with_min:
+                values = values - 16
+        return (d * values + m).reshape(-1)
     if kind in (Q4_K, Q5_K):
         d, dmin = _fp16(b[:, 0:2]), _fp16(b[:, 2:4])
         scale, low = _k_scales(b[:, 4:16])
@@ -107,7 +126,8 @@ def random_blocks(kind, count, rng):
         return (rng.standard_normal(count).astype("<f4").view("<u4") >> 16).astype("<u2").tobytes()
     per, size = BLOCKS[kind]
     b = rng.integers(0, 256, size=(count // per, size), dtype=np.uint8)
-    scales = {Q8_0: [0], Q4_0: [0], Q4_K: [0, 2], Q5_K: [0, 2], Q6_K: [208]}[kind]
+    scales = {Q8_0: [0], Q4_0: [0], Q4_K: [0, 2], Q5_K: [0, 2], Q6_K: [208], Q4_1: [0, 2],
+              Q5_0: [0], Q5_1: [0, 2]}[kind]
     for at in scales:  # finite fp16 scales of a plausible size
         b[:, at:at + 2] = (rng.uniform(0.001, 0.05, len(b)).astype("<f2")
                            .view(np.uint8).reshape(-1, 2))

