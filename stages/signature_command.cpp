@@ -9,6 +9,7 @@
 #include "kernels/cpu/thread_pool.h"
 #include "model/forward.h"
 #include "model/model.h"
+#include "model/model_text.h"
 #include "model/tokenizer/tokenizer.h"
 #include "offload/resident_provider.h"
 #include "reuse/signature.h"
@@ -33,7 +34,7 @@ int signature_body(const runtime::Config& config) {
   auto loaded = model::Model::load(dir);
   if (!loaded) throw std::runtime_error(loaded.error().message);
   const model::Model& m = **loaded;
-  auto tokenizer = model::Tokenizer::load((std::filesystem::path(dir) / "tokenizer.json").string());
+  auto tokenizer = model::load_model_tokenizer(dir);
   if (!tokenizer) throw std::runtime_error(tokenizer.error().message);
   const model::ModelConfig& cfg = m.config();
   const std::vector<int64_t> moe_layers = model::moe_layer_indices(cfg);
