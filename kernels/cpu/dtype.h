@@ -123,6 +123,13 @@ inline uint16_t float_to_bf16(float value) {
 
 float f16_to_float(uint16_t bits);
 
+// The F16 value stored (unaligned) at `p`: the scales inside quantized blocks.
+inline float f16_at(const void* p) {
+  uint16_t bits;
+  std::memcpy(&bits, p, sizeof bits);
+  return f16_to_float(bits);
+}
+
 // Widens `count` elements of any DType to F32 (exact; a quantized type is dequantized as GGUF
 // defines it, from the start of a block, count a whole number of blocks).
 void widen(const void* src, DType dtype, int64_t count, float* dst);

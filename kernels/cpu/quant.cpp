@@ -24,12 +24,6 @@ constexpr std::array<QuantTraits, 11> kTraits = {{
     {QuantType::kBF16, "BF16", 1, 2},
 }};
 
-float half_at(const uint8_t* p) {
-  uint16_t bits;
-  std::memcpy(&bits, p, sizeof bits);
-  return f16_to_float(bits);
-}
-
 // The 6-bit scale and min of sub-block j (0..7) in a K-quant's 12 scale bytes: sub-blocks 0-3
 // in the low 6 bits of bytes 0-3 (scales) and 4-7 (mins); 4-7 in bytes 8-11's nibbles, with
 // their top 2 bits in the top bits of bytes 0-3 (scales) and 4-7 (mins).
@@ -45,8 +39,8 @@ void scale_min(int j, const uint8_t* q, uint8_t& scale, uint8_t& min) {
 
 // Q4_1 (no fifth bits, a min), Q5_0 (fifth bits, centred on 16), Q5_1 (fifth bits, a min).
 void q4_5_legacy(const uint8_t* block, float* y, bool fifth, bool with_min) {
-  const float d = half_at(block);
-  const float m = with_min ? half_at(block + 2) : 0.0f;
+  const float d = f16_at(block);
+  const float m = with_min ? f16_at(block + 2) : 0.0f;
   const uint8_t* after = block + (with_min ? 4 : 2);
   uint32_t high = 0;
   if (fifth) std::memcpy(&high, after, 4);
@@ -61,13 +55,13 @@ void q4_5_legacy(const uint8_t* block, float* y, bool fifth, bool with_min) {
 }
 
 void q8_0(const uint8_t* block, float* y) {
-  const float d = half_at(block);
+  const float d = f16_at(block);
   const auto* q = reinterpret_cast<const int8_t*>(block + 2);
   for (int i = 0; i < 32; ++i) y[i] = d * static_cast<float>(q[i]);
 }
 
 void q4_0(const uint8_t* block, float* y) {
-  const float d = half_at(block);
+  const float d = f16_at(block);
   const uint8_t* q = block + 2;
   for (int j = 0; j < 16; ++j) {
     y[j] = d * static_cast<float>((q[j] & 0xF) - 8);
@@ -77,8 +71,8 @@ void q4_0(const uint8_t* block, float* y) {
 
 // Q4_K and Q5_K: 4 groups of 64 weights, each two sub-blocks with a scale and a min.
 void q45_k(const uint8_t* block, float* y, bool fifth_bit) {
-  const float d = half_at(block);
-  const float dmin = half_at(block + 2);
+  const float d = f16_at(block);
+  const float dmin = f16_at(block + 2);
   const uint8_t* scales = block + 4;
   const uint8_t* high = block + 16;  // Q5_K only
   const uint8_t* q = block + (fifth_bit ? 48 : 16);
@@ -105,7 +99,7 @@ void q6_k(const uint8_t* block, float* y) {
   const uint8_t* low = block;
   const uint8_t* high = block + 128;
   const auto* scales = reinterpret_cast<const int8_t*>(block + 192);
-  const float d = half_at(block + 208);
+  const float d = f16_at(block + 208);
   for (int half = 0; half < 2; ++half) {
     for (int l = 0; l < 32; ++l) {
       const int s = l / 16;

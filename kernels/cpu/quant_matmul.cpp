@@ -11,12 +11,6 @@ namespace {
 
 std::atomic<QuantMath> g_quant_math{QuantMath::kFast};
 
-float half_at(const uint8_t* p) {
-  uint16_t bits;
-  std::memcpy(&bits, p, sizeof bits);
-  return f16_to_float(bits);
-}
-
 }  // namespace
 
 void set_quant_math(QuantMath math) {
@@ -94,7 +88,7 @@ float dot_row(DType dtype, const uint8_t* w, int64_t cols, const int8_t* x, cons
                                : (i < 16 ? (block[2 + i] & 0xF) : (block[2 + i - 16] >> 4)) - 8;
           sum += value * xb[i];
         }
-        y += half_at(block) * dx[b] * static_cast<float>(sum);
+        y += f16_at(block) * dx[b] * static_cast<float>(sum);
       }
       return y;
     }
@@ -122,8 +116,8 @@ float dot_row(DType dtype, const uint8_t* w, int64_t cols, const int8_t* x, cons
           sumi += sc[j] * sum;
           summ += mn[j] * (sums[b * 16 + 2 * j] + sums[b * 16 + 2 * j + 1]);
         }
-        y += dx[b] * (half_at(block) * static_cast<float>(sumi) -
-                      half_at(block + 2) * static_cast<float>(summ));
+        y += dx[b] * (f16_at(block) * static_cast<float>(sumi) -
+                      f16_at(block + 2) * static_cast<float>(summ));
       }
       return y;
     }
@@ -135,8 +129,8 @@ float dot_row(DType dtype, const uint8_t* w, int64_t cols, const int8_t* x, cons
       const int64_t bytes = kernels::dtype_block(dtype).bytes;
       for (int64_t b = 0; b < cols / 32; ++b) {
         const uint8_t* block = w + b * bytes;
-        const float d = half_at(block);
-        const float m = with_min ? half_at(block + 2) : -16.0f * d;
+        const float d = f16_at(block);
+        const float m = with_min ? f16_at(block + 2) : -16.0f * d;
         const uint8_t* after = block + (with_min ? 4 : 2);
         uint32_t high = 0;
         if (fifth) std::memcpy(&high, after, 4);
@@ -172,7 +166,7 @@ float dot_row(DType dtype, const uint8_t* w, int64_t cols, const int8_t* x, cons
           }
           sumi += sc[s] * (sum - 32 * sums[b * 16 + s]);
         }
-        y += dx[b] * half_at(block + 208) * static_cast<float>(sumi);
+        y += dx[b] * f16_at(block + 208) * static_cast<float>(sumi);
       }
       return y;
     default:

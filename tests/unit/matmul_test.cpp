@@ -9,6 +9,7 @@
 #include <vector>
 
 #include "kernels/cpu/cpu_features.h"
+#include "tests/unit/kernel_test_inputs.h"
 
 namespace moeline::kernels {
 namespace {
@@ -58,20 +59,8 @@ Weights make_weights(DType dtype, int64_t rows, int64_t cols, uint32_t seed) {
   return w;
 }
 
-std::vector<float> make_input(int64_t n, int64_t cols, uint32_t seed) {
-  std::mt19937 rng(seed);
-  std::normal_distribution<float> normal(0.0f, 1.0f);
-  std::vector<float> x(static_cast<size_t>(n * cols));
-  for (float& value : x) value = normal(rng);
-  return x;
-}
-
-std::vector<Isa> supported_isas() {
-  std::vector<Isa> isas = {Isa::kPortable};
-  if (best_supported_isa() != Isa::kPortable) isas.push_back(Isa::kAvx2);
-  if (best_supported_isa() == Isa::kAvx512) isas.push_back(Isa::kAvx512);
-  return isas;
-}
+using test::gaussian_input;
+using test::supported_isas;
 
 class IsaGuard {
  public:
@@ -91,7 +80,7 @@ TEST(Matmul, MatchesDoubleReferenceOnEveryPathAndDtype) {
       for (auto [rows, cols, n] :
            {std::tuple{7, 37, 1}, {33, 64, 5}, {19, 100, 13}, {64, 259, 40}}) {
         const Weights w = make_weights(dtype, rows, cols, 7);
-        const std::vector<float> x = make_input(n, cols, 9);
+        const std::vector<float> x = gaussian_input(n, cols, 9);
         std::vector<float> y(static_cast<size_t>(n * rows));
         matmul(pool, MatmulTask{.x = x.data(), .n = n, .w = w.view(), .y = y.data()});
         for (int64_t t = 0; t < n; ++t) {
@@ -120,7 +109,7 @@ TEST(Matmul, RowResultDoesNotDependOnBatchOrThreads) {
     for (DType dtype : {DType::kF32, DType::kBF16}) {
       const int64_t rows = 45, cols = 131, n = 29;  // n large enough to take the packed route
       const Weights w = make_weights(dtype, rows, cols, 3);
-      const std::vector<float> x = make_input(n, cols, 4);
+      const std::vector<float> x = gaussian_input(n, cols, 4);
       ThreadPool two(2), one(1);
       std::vector<float> batched(static_cast<size_t>(n * rows));
       matmul(two, MatmulTask{.x = x.data(), .n = n, .w = w.view(), .y = batched.data()});
@@ -137,8 +126,8 @@ TEST(Matmul, RowResultDoesNotDependOnBatchOrThreads) {
 TEST(Matmul, StridedInputAndOutput) {
   ThreadPool pool(2);
   const Weights w = make_weights(DType::kBF16, 10, 32, 5);
-  const std::vector<float> x = make_input(3, 48, 6);  // rows 48 apart, only 32 used
-  std::vector<float> y(3 * 16, -1.0f);                // rows 16 apart, only 10 written
+  const std::vector<float> x = gaussian_input(3, 48, 6);  // rows 48 apart, only 32 used
+  std::vector<float> y(3 * 16, -1.0f);                    // rows 16 apart, only 10 written
   matmul(pool,
          MatmulTask{
              .x = x.data(), .n = 3, .w = w.view(), .y = y.data(), .x_stride = 48, .y_stride = 16});

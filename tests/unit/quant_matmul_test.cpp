@@ -14,6 +14,7 @@
 #include "kernels/cpu/matmul.h"
 #include "kernels/cpu/quant.h"
 #include "kernels/cpu/quantize.h"
+#include "tests/unit/kernel_test_inputs.h"
 
 namespace moeline::kernels {
 namespace {
@@ -47,20 +48,8 @@ std::vector<uint8_t> random_rows(DType dtype, int64_t rows, int64_t cols, uint32
   return bytes;
 }
 
-std::vector<float> random_input(int64_t n, int64_t cols, uint32_t seed) {
-  std::mt19937 rng(seed);
-  std::normal_distribution<float> normal(0.0f, 1.0f);
-  std::vector<float> x(static_cast<size_t>(n * cols));
-  for (float& v : x) v = normal(rng);
-  return x;
-}
-
-std::vector<Isa> supported_isas() {
-  std::vector<Isa> isas = {Isa::kPortable};
-  if (best_supported_isa() != Isa::kPortable) isas.push_back(Isa::kAvx2);
-  if (best_supported_isa() == Isa::kAvx512) isas.push_back(Isa::kAvx512);
-  return isas;
-}
+using test::gaussian_input;
+using test::supported_isas;
 
 class ModeGuard {
  public:
@@ -94,7 +83,7 @@ TEST(QuantMatmul, FastEqualsTheSumOverDequantizedWeightsAndActivations) {
       const std::vector<uint8_t> bytes = random_rows(dtype, rows, cols, 11);
       const MatrixView w{bytes.data(), dtype, rows, cols};
       for (int64_t n : {1, 3, 11}) {
-        const std::vector<float> x = random_input(n, cols, 5);
+        const std::vector<float> x = gaussian_input(n, cols, 5);
         const std::vector<float> y = run(pool, w, x, n);
         QuantizedActivations xq;
         quantize_activations(x.data(), n, cols, cols, activation_block(dtype), xq);
@@ -121,7 +110,7 @@ TEST(QuantMatmul, FastEqualsTheSumOverDequantizedWeightsAndActivations) {
 }
 
 TEST(QuantMatmul, ActivationsRoundToTheirBlockScale) {
-  const std::vector<float> x = random_input(3, 512, 2);
+  const std::vector<float> x = gaussian_input(3, 512, 2);
   for (int64_t block : {32, 256}) {
     QuantizedActivations xq;
     quantize_activations(x.data(), 3, 512, 512, block, xq);
@@ -145,7 +134,7 @@ TEST(QuantMatmul, FastStaysWithinEightBitRoundingOfExact) {
   for (DType dtype : kQuantized) {
     const std::vector<uint8_t> bytes = random_rows(dtype, rows, cols, 3);
     const MatrixView w{bytes.data(), dtype, rows, cols};
-    const std::vector<float> x = random_input(n, cols, 8);
+    const std::vector<float> x = gaussian_input(n, cols, 8);
     std::vector<float> exact, fast;
     {
       ModeGuard guard(best_supported_isa(), QuantMath::kExact);
@@ -174,7 +163,7 @@ TEST(QuantMatmul, RowResultDoesNotDependOnBatchOrThreads) {
     for (DType dtype : kQuantized) {
       const std::vector<uint8_t> bytes = random_rows(dtype, rows, cols, 4);
       const MatrixView w{bytes.data(), dtype, rows, cols};
-      const std::vector<float> x = random_input(n, cols, 6);
+      const std::vector<float> x = gaussian_input(n, cols, 6);
       ThreadPool two(2), one(1);
       const std::vector<float> batched = run(two, w, x, n);
       for (int64_t t = 0; t < n; ++t) {
