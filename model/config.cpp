@@ -75,6 +75,8 @@ double rope_theta_or(const json& config, double fallback) {
   return number_or(config, "rope_theta", fallback);
 }
 
+void parse_quantization(const json& quantization, ModelConfig& out);
+
 void parse_common(const json& config, ModelConfig& out, bool rope_scaling_parsed) {
   out.vocab_size = require_int(config, "vocab_size");
   out.hidden_size = require_int(config, "hidden_size");
@@ -102,6 +104,33 @@ void parse_common(const json& config, ModelConfig& out, bool rope_scaling_parsed
   }
   if (const json* bos = present(config, "bos_token_id"); bos && bos->is_number_integer())
     out.bos_token_id = bos->get<int64_t>();
+  if (const json* quantization = present(config, "quantization_config"))
+    parse_quantization(*quantization, out);
+}
+
+// The one quantization a Hugging Face checkpoint may declare here: block-scaled FP8 as DeepSeek-V3
+// and Qwen3's FP8 releases store it. Any other method (GPTQ, AWQ, bitsandbytes...) would be read
+// as garbage, so it is refused by name.
+void parse_quantization(const json& quantization, ModelConfig& out) {
+  if (!quantization.is_object()) bad_key("quantization_config", "must be an object");
+  const json* method = present(quantization, "quant_method");
+  if (!method || *method != "fp8")
+    bad_key("quantization_config",
+            "has quant_method " + (method ? method->dump() : std::string("(none)")) +
+                "; only \"fp8\" (block-scaled float8_e4m3fn weights) is supported; convert "
+                "other quantizations to GGUF or BF16");
+  if (const json* format = present(quantization, "fmt"); format && *format != "e4m3")
+    bad_key("quantization_config", "has fmt " + format->dump() + "; only \"e4m3\" is supported");
+  const json* block = present(quantization, "weight_block_size");
+  if (!block || !block->is_array() || block->size() != 2 || !(*block)[0].is_number_integer() ||
+      !(*block)[1].is_number_integer() || (*block)[0].get<int64_t>() <= 0 ||
+      (*block)[1].get<int64_t>() <= 0 || (*block)[0].get<int64_t>() > (1 << 20) ||
+      (*block)[1].get<int64_t>() > (1 << 20))
+    bad_key("quantization_config",
+            "needs weight_block_size [rows, columns] of positive integers (per-tensor FP8 scales "
+            "are not supported)");
+  out.fp8_block_rows = (*block)[0].get<int64_t>();
+  out.fp8_block_cols = (*block)[1].get<int64_t>();
 }
 
 }  // namespace arch
@@ -267,6 +296,7 @@ std::string ModelConfig::summary() const {
       << " expert_intermediate=" << expert_intermediate_size;
   if (shared_intermediate_size > 0) out << " shared_intermediate=" << shared_intermediate_size;
   out << " vocab=" << vocab_size;
+  if (fp8_block_rows > 0) out << " fp8_blocks=" << fp8_block_rows << "x" << fp8_block_cols;
   return out.str();
 }
 

@@ -82,6 +82,12 @@ struct ModelConfig {
   // added to the routed experts' output with weight 1.
   int64_t shared_intermediate_size = 0;
 
+  // FP8 checkpoints (config.json's quantization_config, quant_method "fp8", fmt "e4m3"): the
+  // [rows, columns] of the blocks that share one `weight_scale_inv` entry; {0, 0} when the
+  // checkpoint is not FP8. Activations stay F32 whatever activation_scheme says: more accurate
+  // than the release's FP8 activations, and the same arithmetic as the other weight types.
+  int64_t fp8_block_rows = 0, fp8_block_cols = 0;
+
   std::vector<int64_t> eos_token_ids;
   std::optional<int64_t> bos_token_id;
 

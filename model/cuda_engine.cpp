@@ -681,6 +681,10 @@ Expected<std::unique_ptr<CudaEngine>> CudaEngine::create(const Model& model,
     return Error{
         "the CUDA engine does not run GGUF models yet (its quantized kernels are to come); "
         "run this model on the CPU"};
+  if (c.fp8_block_rows > 0)
+    return Error{
+        "the CUDA engine does not run FP8 checkpoints yet (its block-scaled kernels are to "
+        "come); run this model on the CPU"};
   if (!cu::device_available(&why)) return Error{why};
   int devices = 0;
   if (cudaGetDeviceCount(&devices) != cudaSuccess || options.device < 0 ||

@@ -118,8 +118,7 @@ int64_t Engine::embed(std::span<const SequenceInput> batch) {
       const int64_t position = input.sequence->length() + static_cast<int64_t>(i);
       token_refs_.push_back({input.sequence->id(), position});
       token_block_tables_.push_back(input.sequence->block_table().data());
-      kernels::widen(model_.embed_tokens().row(input.tokens[i]), model_.embed_tokens().dtype, H,
-                     hidden + t * H);
+      kernels::widen_row(model_.embed_tokens(), input.tokens[i], hidden + t * H);
       rope_table_.angles(position, rope + t * rope_dim);
     }
   }

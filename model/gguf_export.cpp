@@ -121,11 +121,34 @@ struct Planned {
   DType dtype = DType::kF32;
 };
 
-std::vector<float> read_floats(const TensorInfo& tensor) {
-  std::vector<float> out(static_cast<size_t>(tensor.elements()));
-  kernels::widen(tensor.data, supported_dtype(tensor), tensor.elements(), out.data());
-  return out;
-}
+// Where a planned tensor's float values come from: the checkpoint, whose FP8 weights are
+// multiplied by their `_scale_inv` blocks. Copied into the plan's closures (the Planner is gone
+// by the time they run; the checkpoint is not).
+struct TensorSource {
+  const Checkpoint* checkpoint = nullptr;
+  int64_t fp8_block_rows = 0, fp8_block_cols = 0;
+
+  std::vector<float> floats(const TensorInfo& tensor) const {
+    std::vector<float> out(static_cast<size_t>(tensor.elements()));
+    const DType dtype = supported_dtype(tensor);
+    kernels::widen(tensor.data, dtype, tensor.elements(), out.data());
+    if (!kernels::has_block_scales(dtype)) return out;
+    const int64_t cols = tensor.shape.back(), rows = tensor.elements() / cols;
+    const TensorInfo* scales = checkpoint->find(tensor.name + "_scale_inv");
+    const int64_t column_blocks =
+        fp8_block_cols > 0 ? (cols + fp8_block_cols - 1) / fp8_block_cols : 0;
+    if (fp8_block_rows <= 0 || !scales || scales->dtype_name != "F32" ||
+        scales->elements() != (rows + fp8_block_rows - 1) / fp8_block_rows * column_blocks)
+      throw ModelError(tensor.file_name() + ": FP8 tensor '" + tensor.name +
+                       "' has no F32 '_scale_inv' of config.json's weight_block_size");
+    const auto* scale = reinterpret_cast<const float*>(scales->data);
+    for (int64_t r = 0; r < rows; ++r)
+      for (int64_t c = 0; c < cols; ++c)
+        out[static_cast<size_t>(r * cols + c)] *=
+            scale[r / fp8_block_rows * column_blocks + c / fp8_block_cols];
+    return out;
+  }
+};
 
 // In each of `groups` consecutive groups of rows, the `count` rows from `first` reordered from
 // rotate-half order (first halves, then second halves) to adjacent pairs, as
@@ -234,7 +257,11 @@ constexpr Field kLayerFields[] = {&Names::input_norm, &Names::post_attention_nor
 class Planner {
  public:
   Planner(const Checkpoint& checkpoint, const ModelConfig& config, const arch::Family& family)
-      : checkpoint_(checkpoint), c_(config), hf_(*family.names), gguf_(*family.gguf_names) {}
+      : checkpoint_(checkpoint),
+        c_(config),
+        hf_(*family.names),
+        gguf_(*family.gguf_names),
+        source_{&checkpoint, config.fp8_block_rows, config.fp8_block_cols} {}
 
   std::vector<Planned> plan() {
     one_to_one("token_embd.weight", std::string(hf_.embed_tokens));
@@ -254,8 +281,8 @@ class Planner {
   void one_to_one(const std::string& gguf, const std::string& hf,
                   std::function<std::vector<float>(std::vector<float>)> transform = nullptr) {
     const TensorInfo* tensor = &need(hf);
-    plan_.push_back({gguf, tensor->shape, [tensor, transform] {
-                       std::vector<float> values = read_floats(*tensor);
+    plan_.push_back({gguf, tensor->shape, [tensor, transform, source = source_] {
+                       std::vector<float> values = source.floats(*tensor);
                        return transform ? transform(std::move(values)) : values;
                      }});
   }
@@ -307,8 +334,9 @@ class Planner {
     const TensorInfo* kv_b = &need(arch::tensor_name(hf_.kv_b_proj, l));
     const int64_t heads = c_.num_heads, nope = c_.qk_nope_head_dim, vd = c_.v_head_dim;
     const int64_t lora = c_.kv_lora_rank;
+    const TensorSource source = source_;
     plan_.push_back({arch::tensor_name(gguf_.kv_b_key_t, l), {heads, lora, nope}, [=] {
-                       const std::vector<float> w = read_floats(*kv_b);
+                       const std::vector<float> w = source.floats(*kv_b);
                        std::vector<float> out(static_cast<size_t>(heads * lora * nope));
                        for (int64_t h = 0; h < heads; ++h)
                          for (int64_t d = 0; d < nope; ++d)
@@ -318,7 +346,7 @@ class Planner {
                        return out;
                      }});
     plan_.push_back({arch::tensor_name(gguf_.kv_b_value, l), {heads, vd, lora}, [=] {
-                       const std::vector<float> w = read_floats(*kv_b);
+                       const std::vector<float> w = source.floats(*kv_b);
                        std::vector<float> out;
                        out.reserve(static_cast<size_t>(heads * vd * lora));
                        for (int64_t h = 0; h < heads; ++h)
@@ -336,6 +364,7 @@ class Planner {
     const Field single[] = {&Names::expert_gate, &Names::expert_up, &Names::expert_down};
     const bool fused =
         !hf_.fused_gate_up.empty() && checkpoint_.find(arch::tensor_name(hf_.fused_gate_up, l));
+    const TensorSource source = source_;
     for (int m = 0; m < 3; ++m) {
       const std::vector<int64_t> shape =
           m < 2 ? std::vector<int64_t>{E, inter, H} : std::vector<int64_t>{E, H, inter};
@@ -351,12 +380,12 @@ class Planner {
                          out.reserve(static_cast<size_t>(E * inter * H));
                          if (!fused) {
                            for (const TensorInfo* t : sources) {
-                             const std::vector<float> w = read_floats(*t);
+                             const std::vector<float> w = source.floats(*t);
                              out.insert(out.end(), w.begin(), w.end());
                            }
                            return out;
                          }
-                         const std::vector<float> w = read_floats(*sources[0]);
+                         const std::vector<float> w = source.floats(*sources[0]);
                          if (m == 2) return w;
                          // gate_up [E, 2 * inter, H]: gate rows first, then up rows.
                          for (int64_t e = 0; e < E; ++e) {
@@ -372,6 +401,7 @@ class Planner {
   const ModelConfig& c_;
   const Names& hf_;
   const Names& gguf_;
+  TensorSource source_;
   std::vector<Planned> plan_;
 };
 

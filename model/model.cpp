@@ -24,24 +24,32 @@ using kernels::VectorView;
 // nothing asked for — usually the misnamed one.
 class TensorBinder {
  public:
-  explicit TensorBinder(const Checkpoint& checkpoint) : checkpoint_(checkpoint) {}
+  TensorBinder(const Checkpoint& checkpoint, const ModelConfig& config)
+      : checkpoint_(checkpoint), config_(config) {}
 
   MatrixView matrix(const std::string& name, int64_t rows, int64_t cols) {
     const TensorInfo* tensor = find(name, {rows, cols});
-    return tensor ? MatrixView{tensor->data, supported_dtype(*tensor), rows, cols} : MatrixView{};
+    if (!tensor) return MatrixView{};
+    MatrixView view{tensor->data, supported_dtype(*tensor), rows, cols};
+    if (kernels::has_block_scales(view.dtype)) bind_block_scales(*tensor, view);
+    return view;
   }
   // A stacked [count, rows, cols] tensor, viewed as [count * rows, cols].
   MatrixView stacked(const std::string& name, int64_t count, int64_t rows, int64_t cols) {
     const TensorInfo* tensor = find(name, {count, rows, cols});
-    return tensor ? MatrixView{tensor->data, supported_dtype(*tensor), count * rows, cols}
-                  : MatrixView{};
+    if (!tensor) return MatrixView{};
+    const kernels::DType dtype = supported_dtype(*tensor);
+    if (kernels::has_block_scales(dtype))
+      throw ModelError(tensor->file_name() + ": tensor '" + name + "' is " + tensor->dtype_name +
+                       " with stacked experts; FP8 is supported for one matrix per tensor");
+    return MatrixView{tensor->data, dtype, count * rows, cols};
   }
   bool has(const std::string& name) const { return checkpoint_.find(name) != nullptr; }
   VectorView vector(const std::string& name, int64_t size) {
     const TensorInfo* tensor = find(name, {size});
     if (!tensor) return VectorView{};
     const kernels::DType dtype = supported_dtype(*tensor);
-    if (kernels::is_quantized(dtype))
+    if (kernels::widened_before_use(dtype))
       throw ModelError(tensor->file_name() + ": tensor '" + name + "' is " + tensor->dtype_name +
                        "; norms and biases must be F32, F16 or BF16");
     return VectorView{tensor->data, dtype, size};
@@ -64,6 +72,28 @@ class TensorBinder {
   }
 
  private:
+  // An FP8 weight's `<name>_scale_inv`: F32, one entry per block of config's weight_block_size.
+  void bind_block_scales(const TensorInfo& tensor, MatrixView& view) {
+    const int64_t block_rows = config_.fp8_block_rows, block_cols = config_.fp8_block_cols;
+    if (block_rows <= 0)
+      throw ModelError(tensor.file_name() + ": tensor '" + tensor.name + "' is " +
+                       tensor.dtype_name +
+                       " but config.json has no quantization_config with weight_block_size");
+    const std::string scale_name = tensor.name + "_scale_inv";
+    const TensorInfo* scales = find(scale_name, {(view.rows + block_rows - 1) / block_rows,
+                                                 (view.cols + block_cols - 1) / block_cols});
+    if (!scales) return;  // reported by finish()
+    if (scales->dtype_name != "F32")
+      throw ModelError(scales->file_name() + ": tensor '" + scale_name + "' is " +
+                       scales->dtype_name + "; FP8 block scales must be F32");
+    if (reinterpret_cast<uintptr_t>(scales->data) % alignof(float) != 0)
+      throw ModelError(scales->file_name() + ": tensor '" + scale_name +
+                       "' is not 4-byte aligned in the file");
+    view.block_scales = reinterpret_cast<const float*>(scales->data);
+    view.scale_block_rows = static_cast<int32_t>(block_rows);
+    view.scale_block_cols = static_cast<int32_t>(block_cols);
+  }
+
   const TensorInfo* find(const std::string& name, const std::vector<int64_t>& shape) {
     TensorInfo expected;
     expected.shape = shape;
@@ -85,20 +115,20 @@ class TensorBinder {
   }
 
   const Checkpoint& checkpoint_;
+  const ModelConfig& config_;
   std::set<std::string> used_;
   std::string missing_, missing_shape_;
 };
 
 // Per head, the transpose of kv_b_proj's K rows: [heads][nope][kv_lora] -> [heads][kv_lora][nope],
-// element by element in the stored dtype (no rounding). A quantized kv_b_proj (a GGUF from before
-// the split) is dequantized first: its transpose is F32.
+// element by element in the stored dtype (no rounding). A quantized or FP8 kv_b_proj (a GGUF from
+// before the split, DeepSeek's FP8 release) is widened first: its transpose is F32.
 std::vector<std::byte> transpose_key_rows(const MatrixView& kv_b, int64_t heads, int64_t nope,
                                           int64_t value_dim) {
-  if (kernels::is_quantized(kv_b.dtype)) {
+  if (kernels::widened_before_use(kv_b.dtype)) {
     std::vector<std::byte> widened(static_cast<size_t>(kv_b.rows * kv_b.cols) * sizeof(float));
     for (int64_t r = 0; r < kv_b.rows; ++r)
-      kernels::widen(kv_b.row(r), kv_b.dtype, kv_b.cols,
-                     reinterpret_cast<float*>(widened.data()) + r * kv_b.cols);
+      kernels::widen_row(kv_b, r, reinterpret_cast<float*>(widened.data()) + r * kv_b.cols);
     return transpose_key_rows(
         MatrixView{widened.data(), kernels::DType::kF32, kv_b.rows, kv_b.cols}, heads, nope,
         value_dim);
@@ -168,7 +198,7 @@ Expected<std::unique_ptr<Model>> Model::load(const std::filesystem::path& dir) {
 
 void Model::load_weights(const arch::TensorNames& names) {
   const ModelConfig& c = config_;
-  TensorBinder bind(checkpoint_);
+  TensorBinder bind(checkpoint_, config_);
   const int64_t q_width = c.num_heads * c.head_dim;
   const int64_t kv_width = c.num_kv_heads * c.head_dim;
 
@@ -211,7 +241,7 @@ void Model::load_weights(const arch::TensorNames& names) {
         layer.kv_b_proj = bind.matrix(name(names.kv_b_proj), heads * (nope + vd), kv_lora);
         if (layer.kv_b_proj.data) {
           derived_.push_back(transpose_key_rows(layer.kv_b_proj, heads, nope, vd));
-          const kernels::DType key_dtype = kernels::is_quantized(layer.kv_b_proj.dtype)
+          const kernels::DType key_dtype = kernels::widened_before_use(layer.kv_b_proj.dtype)
                                                ? kernels::DType::kF32
                                                : layer.kv_b_proj.dtype;
           layer.kv_b_key_t = MatrixView{derived_.back().data(), key_dtype, heads * kv_lora, nope};

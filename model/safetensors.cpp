@@ -254,12 +254,13 @@ kernels::DType supported_dtype(const TensorInfo& tensor) {
   if (tensor.dtype_name == "F32") return kernels::DType::kF32;
   if (tensor.dtype_name == "BF16") return kernels::DType::kBF16;
   if (tensor.dtype_name == "F16") return kernels::DType::kF16;
+  if (tensor.dtype_name == "F8_E4M3") return kernels::DType::kF8E4M3;
   for (kernels::DType quantized : kernels::kQuantizedTypes)
     if (tensor.dtype_name == kernels::dtype_name(quantized)) return quantized;
   throw ModelError(tensor.file_name() + ": tensor '" + tensor.name + "' has dtype " +
                    tensor.dtype_name +
-                   ", which moeline does not support (F32, BF16, F16, and in GGUF files Q8_0, "
-                   "Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K)");
+                   ", which moeline does not support (F32, BF16, F16, F8_E4M3 with block scales, "
+                   "and in GGUF files Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K)");
 }
 
 }  // namespace moeline::model

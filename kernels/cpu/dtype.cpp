@@ -23,6 +23,11 @@ float f16_to_float(uint16_t bits) {
   return sign ? -magnitude : magnitude;
 }
 
+float e4m3_to_float(uint8_t byte) {
+  if (e4m3_is_nan(byte)) return NAN;
+  return f16_to_float(e4m3_as_f16_bits(byte)) * 256.0f;
+}
+
 void widen(const void* src, DType dtype, int64_t count, float* dst) {
   if (is_quantized(dtype)) {
     dequantize_row(quant_type(dtype), src, count, dst);
@@ -39,10 +44,20 @@ void widen(const void* src, DType dtype, int64_t count, float* dst) {
       case DType::kF16:
         dst[i] = f16_to_float(static_cast<const uint16_t*>(src)[i]);
         break;
+      case DType::kF8E4M3:  // unscaled: widen_row applies a matrix's block scales
+        dst[i] = e4m3_to_float(static_cast<const uint8_t*>(src)[i]);
+        break;
       default:
         break;
     }
   }
+}
+
+void widen_row(const MatrixView& w, int64_t r, float* dst) {
+  widen(w.row(r), w.dtype, w.cols, dst);
+  if (!has_block_scales(w.dtype)) return;
+  const float* scales = w.row_scales(r);
+  for (int64_t c = 0; c < w.cols; ++c) dst[c] *= scales[c / w.scale_block_cols];
 }
 
 }  // namespace moeline::kernels

@@ -1,6 +1,8 @@
 // AVX-512 path: 16 lanes, 4 weight rows × 6 tokens = 24 accumulators of the 32 zmm registers.
 #include <immintrin.h>
 
+#include <cmath>
+
 #include "kernels/cpu/matmul_impl.h"
 
 namespace moeline::kernels::detail {
@@ -23,6 +25,19 @@ struct Avx512 {
   static V load_f16(const uint16_t* p) {
     return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
   }
+  // 16 FP8 bytes as 2^-8 of their values (dtype.h's e4m3_as_f16_bits), NaN codes as NaN.
+  static V load_e4m3(const uint8_t* p) {
+    const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+    const __m256i wide = _mm256_cvtepu8_epi16(bytes);
+    const __m256i half =
+        _mm256_or_si256(_mm256_slli_epi16(_mm256_and_si256(wide, _mm256_set1_epi16(0x80)), 8),
+                        _mm256_slli_epi16(_mm256_and_si256(wide, _mm256_set1_epi16(0x7f)), 7));
+    const __mmask16 nan =
+        _mm_cmpeq_epi8_mask(_mm_and_si128(bytes, _mm_set1_epi8(0x7f)), _mm_set1_epi8(0x7f));
+    return _mm512_mask_mov_ps(_mm512_cvtph_ps(half), nan, _mm512_set1_ps(NAN));
+  }
+  static V broadcast(float value) { return _mm512_set1_ps(value); }
+  static V mul(V a, V b) { return _mm512_mul_ps(a, b); }
   static V fmadd(V a, V b, V c) { return _mm512_fmadd_ps(a, b, c); }
   static float reduce(V v) { return _mm512_reduce_add_ps(v); }
   static void store(float* p, V v) { _mm512_storeu_ps(p, v); }

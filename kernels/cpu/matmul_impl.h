@@ -60,12 +60,15 @@ struct MatmulKernel {
     return Simd::load_f32(buffer);
   }
 
-  static void widen_row(const void* row, DType dtype, int64_t K, float* dst) {
-    if (is_quantized(dtype)) {
-      widen(row, dtype, K, dst);
+  static void widen_row(const MatrixView& w, int64_t r, float* dst) {
+    const void* row = w.row(r);
+    const int64_t K = w.cols;
+    if (has_block_scales(w.dtype)) return widen_e4m3_row(w, r, dst);
+    if (is_quantized(w.dtype)) {
+      widen(row, w.dtype, K, dst);
       return;
     }
-    if (dtype == DType::kF32) {
+    if (w.dtype == DType::kF32) {
       std::memcpy(dst, row, static_cast<size_t>(K) * sizeof(float));
       return;
     }
@@ -73,8 +76,26 @@ struct MatmulKernel {
     int64_t k = 0;
     for (; k + kLanes <= K; k += kLanes)
       Simd::store(dst + k,
-                  dtype == DType::kBF16 ? Simd::load_bf16(src + k) : Simd::load_f16(src + k));
-    widen(src + k, dtype, K - k, dst + k);
+                  w.dtype == DType::kBF16 ? Simd::load_bf16(src + k) : Simd::load_f16(src + k));
+    widen(src + k, w.dtype, K - k, dst + k);
+  }
+
+  // An FP8 row times its block scales: Simd::load_e4m3 yields 2^-8 of each value (dtype.h), so
+  // the scale is taken 2^8 times larger. Both factors are exact powers of two apart from the
+  // product itself, which is rounded once, as the scalar e4m3_to_float(q) * scale is.
+  static void widen_e4m3_row(const MatrixView& w, int64_t r, float* dst) {
+    const auto* src = static_cast<const uint8_t*>(static_cast<const void*>(w.row(r)));
+    const float* scales = w.row_scales(r);
+    const int64_t block = w.scale_block_cols;
+    for (int64_t begin = 0; begin < w.cols; begin += block) {
+      const int64_t end = std::min(w.cols, begin + block);
+      const float scale = scales[begin / block];
+      const V scale_256 = Simd::broadcast(scale * 256.0f);
+      int64_t k = begin;
+      for (; k + kLanes <= end; k += kLanes)
+        Simd::store(dst + k, Simd::mul(Simd::load_e4m3(src + k), scale_256));
+      for (; k < end; ++k) dst[k] = e4m3_to_float(src[k]) * scale;
+    }
   }
 
   template <int M, int N, DType W>
@@ -153,10 +174,11 @@ struct MatmulKernel {
     const int64_t K = task.w.cols;
     const int64_t x_stride = task.x_stride ? task.x_stride : K;
     const int64_t y_stride = task.y_stride ? task.y_stride : task.w.rows;
-    // Quantized weights are always dequantized into the packed tile first (the exact mode: F32
-    // weights times F32 activations), whatever the token count.
-    const bool pack =
-        is_quantized(task.w.dtype) || (task.w.dtype != DType::kF32 && task.n >= kPackFromTokens);
+    // Quantized and block-scaled weights are always widened into the packed tile first (for
+    // quantized types the exact mode: F32 weights times F32 activations), whatever the token
+    // count.
+    const bool pack = widened_before_use(task.w.dtype) ||
+                      (task.w.dtype != DType::kF32 && task.n >= kPackFromTokens);
     const void* w_rows[kMR];
     if (!pack) {
       // Start the stream: the first kPrefetchBytes of the range would otherwise be demand misses.
@@ -191,7 +213,7 @@ struct MatmulKernel {
         const int rows = static_cast<int>(std::min<int64_t>(kMR, row_end - row));
         for (int m = 0; m < rows; ++m) {
           float* dst = packed.data() + m * K;
-          widen_row(task.w.row(row + m), task.w.dtype, K, dst);
+          widen_row(task.w, row + m, dst);
           w_rows[m] = dst;
         }
         run_tokens(w_rows, DType::kF32, rows, task, x_stride, y_stride, row, t0, t1);

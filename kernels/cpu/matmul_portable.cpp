@@ -1,4 +1,6 @@
 // Portable path: plain C++ with one lane; correct everywhere, fast nowhere.
+#include <cmath>
+
 #include "kernels/cpu/matmul_impl.h"
 
 namespace moeline::kernels::detail {
@@ -15,6 +17,11 @@ struct Portable {
   static V load_f32(const float* p) { return *p; }
   static V load_bf16(const uint16_t* p) { return bf16_to_float(*p); }
   static V load_f16(const uint16_t* p) { return f16_to_float(*p); }
+  static V load_e4m3(const uint8_t* p) {  // 2^-8 of the value, as the SIMD paths load it
+    return e4m3_is_nan(*p) ? NAN : f16_to_float(e4m3_as_f16_bits(*p));
+  }
+  static V broadcast(float value) { return value; }
+  static V mul(V a, V b) { return a * b; }
   static V fmadd(V a, V b, V c) { return a * b + c; }
   static float reduce(V v) { return v; }
   static void store(float* p, V v) { *p = v; }

@@ -162,6 +162,8 @@ QuantType quant_type(DType dtype) {
       return QuantType::kQ5_0;
     case DType::kQ5_1:
       return QuantType::kQ5_1;
+    case DType::kF8E4M3:  // no GGUF type; never asked for (GGUF files hold no FP8)
+      break;
   }
   return QuantType::kF32;
 }

@@ -271,6 +271,7 @@ void quantize_row(DType dtype, const float* x, int64_t n, void* out) {
     case DType::kQ4_1:  // read only: llama.cpp's fallbacks, which moeline quantize never picks
     case DType::kQ5_0:
     case DType::kQ5_1:
+    case DType::kF8E4M3:  // read only: FP8 checkpoints are converted from, never written
       std::memset(out, 0, stored_bytes(dtype, n));
       return;
   }

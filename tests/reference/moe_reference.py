@@ -32,7 +32,7 @@ class ModelError(Exception):
 # one does not hide in the other)
 # --------------------------------------------------------------------------------------------
 
-_DTYPES = {"F32": ("<f4", 4), "F16": ("<f2", 2), "BF16": ("<u2", 2)}
+_DTYPES = {"F32": ("<f4", 4), "F16": ("<f2", 2), "BF16": ("<u2", 2), "F8_E4M3": ("u1", 1)}
 
 
 def read_safetensors_header(path):
@@ -62,8 +62,22 @@ def read_safetensors_header(path):
     return header, data_start
 
 
+def e4m3_to_float64(raw):
+    """float8_e4m3fn from its definition (OCP FP8, the "fn" variant): sign, a 4-bit exponent with
+    bias 7, a 3-bit mantissa; exponent 0 is subnormal (m/8 * 2^-6); S.1111.111 is NaN and there
+    are no infinities."""
+    b = raw.astype(np.int64)
+    exponent, mantissa = (b >> 3) & 0xF, b & 0x7
+    magnitude = np.where(exponent == 0, mantissa / 8.0 * 2.0 ** -6,
+                         (1.0 + mantissa / 8.0) * np.exp2(exponent - 7.0))
+    magnitude = np.where((b & 0x7F) == 0x7F, np.nan, magnitude)
+    return np.where(b & 0x80, -magnitude, magnitude)
+
+
 def to_float64(raw, st_dtype):
     """Exact upcast of stored values to float64."""
+    if st_dtype == "F8_E4M3":
+        return e4m3_to_float64(raw)
     if st_dtype == "BF16":
         # bf16 is the top half of a float32: shifting the bits back up is exact.
         return (raw.astype(np.uint32) << 16).view(np.float32).astype(np.float64)
@@ -103,9 +117,25 @@ class ReferenceModel:
         count = int(np.prod(shape, dtype=np.int64))
         raw = self._maps[path][offset:offset + count * elem].view(np_dtype).reshape(shape)
         w = to_float64(raw, st_dtype)
+        if st_dtype == "F8_E4M3":
+            w = self._apply_block_scales(name, w)
         if self._use_cache:
             self._cache[name] = w
         return w
+
+
+    def _apply_block_scales(self, name, w):
+        """DeepSeek-V3's FP8 layout (its weight_dequant): weight = fp8 * weight_scale_inv[i // br,
+        j // bc], one float32 scale per [br, bc] block of quantization_config.weight_block_size."""
+        quantization = self.config.get("quantization_config") or {}
+        if quantization.get("quant_method") != "fp8":
+            raise ModelError(f"{self.weights_file}: {name} is F8_E4M3 but config.json declares no "
+                             "fp8 quantization_config")
+        br, bc = quantization["weight_block_size"]
+        rows, cols = w.shape
+        scale_shape = (-(-rows // br), -(-cols // bc))
+        scale = self.get(name + "_scale_inv", scale_shape)
+        return w * np.repeat(np.repeat(scale, br, axis=0), bc, axis=1)[:rows, :cols]
 
 
 # --------------------------------------------------------------------------------------------

@@ -148,8 +148,8 @@ TEST_P(EngineOnModel, KernelPathsAgree) {
 
 INSTANTIATE_TEST_SUITE_P(TinyModels, EngineOnModel,
                          ::testing::Values("mixtral-f32", "qwen3-f32", "mixtral-bf16", "qwen3-bf16",
-                                           "deepseek2-f32", "deepseek3-f32",
-                                           "deepseek3-bf16-fused"));
+                                           "deepseek2-f32", "deepseek3-f32", "deepseek3-bf16-fused",
+                                           "qwen3-fp8", "deepseek3-fp8"));
 
 TEST(Engine, Bf16WeightsStayWithinBf16Rounding) {
   // mixtral-bf16 has the same seed as mixtral-f32: the same weights rounded to BF16 (relative
