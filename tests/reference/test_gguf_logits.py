@@ -7,7 +7,8 @@ For each family (Mixtral as llama.cpp's `llama`, Qwen3-MoE, DeepSeek-V2 with the
 DeepSeek-V3 with the split attn_k_b / attn_v_b) a small checkpoint, shaped so that rows are whole
 256-weight super-blocks, is converted to GGUF once per tensor type (F16, BF16, Q8_0, Q4_0, Q4_K,
 Q5_K, Q6_K and the Q4_K_M mix; rows that are not whole blocks fall back as llama.cpp's do) by
-scripts/gguf_convert.py, and for five types by `moeline quantize` (C++). For each file and prompt,
+scripts/gguf_convert.py, once by `make-model --gguf`, and for five types by `moeline quantize`
+(C++). For each file and prompt,
 `moeline run --model FILE.gguf --quant-math exact --logits-out` (which reads its config from the
 GGUF metadata alone) is compared with moe_reference.py's float64 forward over the file's weights,
 dequantized by gguf_reference.py (written from the format's definition) and mapped back to the
@@ -38,6 +39,8 @@ TYPES = ("f16", "bf16", "q8_0", "q4_0", "q4_k", "q5_k", "q6_k", "q4_k_m")
 # Also written by `moeline quantize` (C++; always MLA's split form), read back the same way.
 QUANTIZE_TYPES = ("bf16", "q4_0", "q6_k", "q4_k_m", "q5_k_m")
 TIMEOUT_S = 120
+# Also written by `make-model --gguf` (through the same converter) for one case.
+MAKE_MODEL_GGUF = ("qwen3", "q6_k")
 
 # (case, arch, seed, make-model settings, converter flags). Widths are multiples of 256 so the
 # K-quants apply; DeepSeek's 32-wide attn_k_b rows fall back to Q8_0 under them.
@@ -168,6 +171,8 @@ def main(argv):
                str(seed), "--out", folder]
         for setting in settings:
             cmd += ["--set", setting]
+        if case == MAKE_MODEL_GGUF[0]:
+            cmd += ["--gguf", MAKE_MODEL_GGUF[1]]
         subprocess.run(cmd, check=True, capture_output=True, timeout=TIMEOUT_S)
         with open(os.path.join(folder, "config.json")) as f:
             raw = json.load(f)
@@ -181,6 +186,9 @@ def main(argv):
                             "--type", type_name, *flags], check=True, capture_output=True,
                            timeout=TIMEOUT_S)
             files.append((type_name, gguf))
+        if case == MAKE_MODEL_GGUF[0]:
+            files.append((f"make-model-gguf-{MAKE_MODEL_GGUF[1]}",
+                          os.path.join(folder, f"model.{MAKE_MODEL_GGUF[1]}.gguf")))
         for type_name in QUANTIZE_TYPES:
             gguf = os.path.join(args.workdir, f"{case}.quantize-{type_name}.gguf")
             subprocess.run([args.moeline, "quantize", "--model", folder, "--out", gguf, "--type",
