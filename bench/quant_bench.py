@@ -65,6 +65,7 @@ def main(argv):
     args = ap.parse_args(argv)
     os.makedirs(args.workdir, exist_ok=True)
     if args.llama_node:
+        args.llama_node = os.path.abspath(args.llama_node)  # its script runs from that folder
         subprocess.run(["cp", os.path.join(HERE, "llama_cpp_node.mjs"), args.llama_node],
                        check=True)
     files = [("BF16 (safetensors)", args.model)]

@@ -115,7 +115,6 @@ void rows_q45_k(const MatrixView& w, const QuantizedActivations& x, float* y, in
     for (int64_t t0 = 0; t0 < x.rows; t0 += kTokenTile) {
       const int tokens = static_cast<int>(std::min<int64_t>(kTokenTile, x.rows - t0));
       __m512 acc[kTokenTile];
-      float mins[kTokenTile] = {};
       for (int t = 0; t < tokens; ++t) acc[t] = _mm512_setzero_ps();
       for (int64_t b = 0; b < blocks; ++b) {
         const uint8_t* block = row + b * bytes;
@@ -127,6 +126,11 @@ void rows_q45_k(const MatrixView& w, const QuantizedActivations& x, float* y, in
             _mm_loadl_epi64(reinterpret_cast<const __m128i*>(packed_scales));
         const __m128i scales16 = _mm_cvtepu8_epi16(scale_bytes);
         const float d = half_at(block), dmin = half_at(block + 2);
+        // Each min beside the two 16-sums of its sub-block, one per 32-bit lane with its high half
+        // zero, so a madd_epi16 with the (small) sums multiplies them exactly.
+        const __m512i mins = _mm512_cvtepu8_epi32(
+            _mm_shuffle_epi8(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(packed_scales + 8)),
+                             _mm_setr_epi8(0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7)));
         const uint8_t* qs = block + (fifth ? 48 : 16);
         const __m256i qh = fifth ? load256(block + 16) : _mm256_setzero_si256();
         __m512i q[4], sc[4];
@@ -150,17 +154,14 @@ void rows_q45_k(const MatrixView& w, const QuantizedActivations& x, float* y, in
           for (int g = 0; g < 4; ++g)
             sumi = _mm512_add_epi32(
                 sumi, _mm512_madd_epi16(_mm512_maddubs_epi16(q[g], load512(xb + 64 * g)), sc[g]));
-          const int32_t* sums = x.row_sums(token) + b * 16;
-          int32_t summ = 0;
-          for (int j = 0; j < 8; ++j)
-            summ += packed_scales[8 + j] * (sums[2 * j] + sums[2 * j + 1]);
+          // Σ_j m_j Σ_{i∈j} x_i, lane by lane (|a 16-sum| ≤ 16 · 127 fits 16 bits).
+          const __m512i summ = _mm512_madd_epi16(load512(x.row_sums(token) + b * 16), mins);
           const float dx = x.row_scales(token)[b];
           acc[t] = _mm512_fmadd_ps(_mm512_set1_ps(d * dx), _mm512_cvtepi32_ps(sumi), acc[t]);
-          mins[t] += dmin * dx * static_cast<float>(summ);
+          acc[t] = _mm512_fnmadd_ps(_mm512_set1_ps(dmin * dx), _mm512_cvtepi32_ps(summ), acc[t]);
         }
       }
-      for (int t = 0; t < tokens; ++t)
-        y[(t0 + t) * y_stride + r] = _mm512_reduce_add_ps(acc[t]) - mins[t];
+      for (int t = 0; t < tokens; ++t) y[(t0 + t) * y_stride + r] = _mm512_reduce_add_ps(acc[t]);
     }
   }
 }
@@ -203,8 +204,10 @@ void rows_q6_k(const MatrixView& w, const QuantizedActivations& x, float* y, int
           sc[2 * h] = spread(half_scales, index[0]);
           sc[2 * h + 1] = spread(half_scales, index[1]);
         }
-        int32_t offset_scale[16];
-        for (int s = 0; s < 16; ++s) offset_scale[s] = sc8[s];
+        // The 16 scales as the low halves of 32-bit lanes (high halves zero), for madd_epi16.
+        const __m512i offset_scale = _mm512_and_si512(
+            _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sc8))),
+            _mm512_set1_epi32(0xFFFF));
         for (int t = 0; t < tokens; ++t) {
           const int64_t token = t0 + t;
           const int8_t* xb = x.row(token) + b * 256;
@@ -212,11 +215,11 @@ void rows_q6_k(const MatrixView& w, const QuantizedActivations& x, float* y, int
           for (int p = 0; p < 4; ++p)
             sumi = _mm512_add_epi32(
                 sumi, _mm512_madd_epi16(_mm512_maddubs_epi16(q[p], load512(xb + 64 * p)), sc[p]));
-          const int32_t* sums = x.row_sums(token) + b * 16;
-          int32_t offset = 0;
-          for (int s = 0; s < 16; ++s) offset += offset_scale[s] * sums[s];
-          // Σ sc (q - 32) x = Σ sc q x - 32 Σ sc Σx: the offset joins lane 0 before converting.
-          sumi = _mm512_mask_sub_epi32(sumi, 1, sumi, _mm512_set1_epi32(32 * offset));
+          // Σ sc (q - 32) x = Σ sc q x - 32 Σ sc Σx, the offset taken lane by lane (sc_s times
+          // the 16-sum s, which fits 16 bits) before converting.
+          const __m512i offset =
+              _mm512_madd_epi16(load512(x.row_sums(token) + b * 16), offset_scale);
+          sumi = _mm512_sub_epi32(sumi, _mm512_slli_epi32(offset, 5));
           const float dx = x.row_scales(token)[b];
           acc[t] = _mm512_fmadd_ps(_mm512_set1_ps(d * dx), _mm512_cvtepi32_ps(sumi), acc[t]);
         }
