@@ -14,6 +14,7 @@
 
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 #include <vector>
 
 #include "kernels/cpu/dtype.h"
@@ -55,6 +56,23 @@ void quant_matmul_rows(const MatrixView& w, const QuantizedActivations& x, float
                        int64_t y_stride, int64_t row_begin, int64_t row_end);
 
 namespace detail {
+// Calls body(std::integral_constant<int, n>) for n = min(remaining, 4): a tile's token count as a
+// constant, so that its accumulators stay in registers (with a run-time count the compiler keeps
+// them in memory, a store and reload on every block's chain).
+template <class Body>
+void with_token_count(int64_t remaining, Body&& body) {
+  switch (remaining) {
+    case 1:
+      return body(std::integral_constant<int, 1>{});
+    case 2:
+      return body(std::integral_constant<int, 2>{});
+    case 3:
+      return body(std::integral_constant<int, 3>{});
+    default:
+      return body(std::integral_constant<int, 4>{});
+  }
+}
+
 void quant_matmul_rows_portable(const MatrixView& w, const QuantizedActivations& x, float* y,
                                 int64_t y_stride, int64_t row_begin, int64_t row_end);
 void quant_matmul_rows_avx2(const MatrixView& w, const QuantizedActivations& x, float* y,

@@ -68,38 +68,40 @@ void rows_q8_q4_0(const MatrixView& w, const QuantizedActivations& x, float* y, 
   for (int64_t r = row_begin; r < row_end; ++r) {
     const auto* row = reinterpret_cast<const uint8_t*>(w.row(r));
     for (int64_t t0 = 0; t0 < x.rows; t0 += kTokenTile) {
-      const int tokens = static_cast<int>(std::min<int64_t>(kTokenTile, x.rows - t0));
-      __m512 acc[kTokenTile];
-      for (int t = 0; t < tokens; ++t) acc[t] = _mm512_setzero_ps();
-      int64_t b = 0;
-      for (; b + 2 <= blocks; b += 2) {
-        const uint8_t* first = row + b * bytes;
-        _mm_prefetch(reinterpret_cast<const char*>(first) + 1024, _MM_HINT_T0);
-        const __m512i q = join(weights(first), weights(first + bytes));
-        const float d0 = half_at(first), d1 = half_at(first + bytes);
-        for (int t = 0; t < tokens; ++t) {
-          const int64_t token = t0 + t;
-          const float* dx = x.row_scales(token) + b;
-          const __m512i sums = dot_signed(q, load512(x.row(token) + b * 32));
-          const __m512 scale =
-              _mm512_insertf32x8(_mm512_set1_ps(d0 * dx[0]), _mm256_set1_ps(d1 * dx[1]), 1);
-          acc[t] = _mm512_fmadd_ps(scale, _mm512_cvtepi32_ps(sums), acc[t]);
+      with_token_count(x.rows - t0, [&](auto count) {
+        constexpr int tokens = decltype(count)::value;
+        __m512 acc[kTokenTile];
+        for (int t = 0; t < tokens; ++t) acc[t] = _mm512_setzero_ps();
+        int64_t b = 0;
+        for (; b + 2 <= blocks; b += 2) {
+          const uint8_t* first = row + b * bytes;
+          _mm_prefetch(reinterpret_cast<const char*>(first) + 1024, _MM_HINT_T0);
+          const __m512i q = join(weights(first), weights(first + bytes));
+          const float d0 = half_at(first), d1 = half_at(first + bytes);
+          for (int t = 0; t < tokens; ++t) {
+            const int64_t token = t0 + t;
+            const float* dx = x.row_scales(token) + b;
+            const __m512i sums = dot_signed(q, load512(x.row(token) + b * 32));
+            const __m512 scale =
+                _mm512_insertf32x8(_mm512_set1_ps(d0 * dx[0]), _mm256_set1_ps(d1 * dx[1]), 1);
+            acc[t] = _mm512_fmadd_ps(scale, _mm512_cvtepi32_ps(sums), acc[t]);
+          }
         }
-      }
-      for (; b < blocks; ++b) {  // an odd last block, in the low half
-        const uint8_t* block = row + b * bytes;
-        const __m512i q = _mm512_castsi256_si512(weights(block));
-        const float d = half_at(block);
-        for (int t = 0; t < tokens; ++t) {
-          const int64_t token = t0 + t;
-          const __m512i xq = _mm512_castsi256_si512(load256(x.row(token) + b * 32));
-          const __m512i sums =
-              dot_signed(_mm512_maskz_mov_epi64(0x0F, q), _mm512_maskz_mov_epi64(0x0F, xq));
-          acc[t] = _mm512_fmadd_ps(_mm512_set1_ps(d * x.row_scales(token)[b]),
-                                   _mm512_cvtepi32_ps(sums), acc[t]);
+        for (; b < blocks; ++b) {  // an odd last block, in the low half
+          const uint8_t* block = row + b * bytes;
+          const __m512i q = _mm512_castsi256_si512(weights(block));
+          const float d = half_at(block);
+          for (int t = 0; t < tokens; ++t) {
+            const int64_t token = t0 + t;
+            const __m512i xq = _mm512_castsi256_si512(load256(x.row(token) + b * 32));
+            const __m512i sums =
+                dot_signed(_mm512_maskz_mov_epi64(0x0F, q), _mm512_maskz_mov_epi64(0x0F, xq));
+            acc[t] = _mm512_fmadd_ps(_mm512_set1_ps(d * x.row_scales(token)[b]),
+                                     _mm512_cvtepi32_ps(sums), acc[t]);
+          }
         }
-      }
-      for (int t = 0; t < tokens; ++t) y[(t0 + t) * y_stride + r] = _mm512_reduce_add_ps(acc[t]);
+        for (int t = 0; t < tokens; ++t) y[(t0 + t) * y_stride + r] = _mm512_reduce_add_ps(acc[t]);
+      });
     }
   }
 }
@@ -113,55 +115,58 @@ void rows_q45_k(const MatrixView& w, const QuantizedActivations& x, float* y, in
   for (int64_t r = row_begin; r < row_end; ++r) {
     const auto* row = reinterpret_cast<const uint8_t*>(w.row(r));
     for (int64_t t0 = 0; t0 < x.rows; t0 += kTokenTile) {
-      const int tokens = static_cast<int>(std::min<int64_t>(kTokenTile, x.rows - t0));
-      __m512 acc[kTokenTile];
-      for (int t = 0; t < tokens; ++t) acc[t] = _mm512_setzero_ps();
-      for (int64_t b = 0; b < blocks; ++b) {
-        const uint8_t* block = row + b * bytes;
-        _mm_prefetch(reinterpret_cast<const char*>(block) + 512, _MM_HINT_T0);
-        _mm_prefetch(reinterpret_cast<const char*>(block) + 576, _MM_HINT_T0);
-        uint8_t packed_scales[16];
-        k_scales(block + 4, packed_scales);
-        const __m128i scale_bytes =
-            _mm_loadl_epi64(reinterpret_cast<const __m128i*>(packed_scales));
-        const __m128i scales16 = _mm_cvtepu8_epi16(scale_bytes);
-        const float d = half_at(block), dmin = half_at(block + 2);
-        // Each min beside the two 16-sums of its sub-block, one per 32-bit lane with its high half
-        // zero, so a madd_epi16 with the (small) sums multiplies them exactly.
-        const __m512i mins = _mm512_cvtepu8_epi32(
-            _mm_shuffle_epi8(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(packed_scales + 8)),
-                             _mm_setr_epi8(0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7)));
-        const uint8_t* qs = block + (fifth ? 48 : 16);
-        const __m256i qh = fifth ? load256(block + 16) : _mm256_setzero_si256();
-        __m512i q[4], sc[4];
-        for (int g = 0; g < 4; ++g) {
-          const __m256i packed = load256(qs + 32 * g);
-          __m256i lo = low_nibbles(packed), hi = high_nibbles(packed);
-          if (fifth) {
-            const __m256i one = _mm256_set1_epi8(1);
-            lo = _mm256_or_si256(
-                lo, _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 2 * g), one), 4));
-            hi = _mm256_or_si256(
-                hi, _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 2 * g + 1), one), 4));
+      with_token_count(x.rows - t0, [&](auto count) {
+        constexpr int tokens = decltype(count)::value;
+        __m512 acc[kTokenTile];
+        for (int t = 0; t < tokens; ++t) acc[t] = _mm512_setzero_ps();
+        for (int64_t b = 0; b < blocks; ++b) {
+          const uint8_t* block = row + b * bytes;
+          _mm_prefetch(reinterpret_cast<const char*>(block) + 512, _MM_HINT_T0);
+          _mm_prefetch(reinterpret_cast<const char*>(block) + 576, _MM_HINT_T0);
+          uint8_t packed_scales[16];
+          k_scales(block + 4, packed_scales);
+          const __m128i scale_bytes =
+              _mm_loadl_epi64(reinterpret_cast<const __m128i*>(packed_scales));
+          const __m128i scales16 = _mm_cvtepu8_epi16(scale_bytes);
+          const float d = half_at(block), dmin = half_at(block + 2);
+          // Each min beside the two 16-sums of its sub-block, one per 32-bit lane with its high
+          // half zero, so a madd_epi16 with the (small) sums multiplies them exactly.
+          const __m512i mins = _mm512_cvtepu8_epi32(
+              _mm_shuffle_epi8(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(packed_scales + 8)),
+                               _mm_setr_epi8(0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7)));
+          const uint8_t* qs = block + (fifth ? 48 : 16);
+          const __m256i qh = fifth ? load256(block + 16) : _mm256_setzero_si256();
+          __m512i q[4], sc[4];
+          for (int g = 0; g < 4; ++g) {
+            const __m256i packed = load256(qs + 32 * g);
+            __m256i lo = low_nibbles(packed), hi = high_nibbles(packed);
+            if (fifth) {
+              const __m256i one = _mm256_set1_epi8(1);
+              lo = _mm256_or_si256(
+                  lo, _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 2 * g), one), 4));
+              hi = _mm256_or_si256(
+                  hi,
+                  _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 2 * g + 1), one), 4));
+            }
+            q[g] = join(lo, hi);
+            sc[g] = spread(scales16, index[g]);
           }
-          q[g] = join(lo, hi);
-          sc[g] = spread(scales16, index[g]);
+          for (int t = 0; t < tokens; ++t) {
+            const int64_t token = t0 + t;
+            const int8_t* xb = x.row(token) + b * 256;
+            __m512i sumi = _mm512_setzero_si512();
+            for (int g = 0; g < 4; ++g)
+              sumi = _mm512_add_epi32(
+                  sumi, _mm512_madd_epi16(_mm512_maddubs_epi16(q[g], load512(xb + 64 * g)), sc[g]));
+            // Σ_j m_j Σ_{i∈j} x_i, lane by lane (|a 16-sum| ≤ 16 · 127 fits 16 bits).
+            const __m512i summ = _mm512_madd_epi16(load512(x.row_sums(token) + b * 16), mins);
+            const float dx = x.row_scales(token)[b];
+            acc[t] = _mm512_fmadd_ps(_mm512_set1_ps(d * dx), _mm512_cvtepi32_ps(sumi), acc[t]);
+            acc[t] = _mm512_fnmadd_ps(_mm512_set1_ps(dmin * dx), _mm512_cvtepi32_ps(summ), acc[t]);
+          }
         }
-        for (int t = 0; t < tokens; ++t) {
-          const int64_t token = t0 + t;
-          const int8_t* xb = x.row(token) + b * 256;
-          __m512i sumi = _mm512_setzero_si512();
-          for (int g = 0; g < 4; ++g)
-            sumi = _mm512_add_epi32(
-                sumi, _mm512_madd_epi16(_mm512_maddubs_epi16(q[g], load512(xb + 64 * g)), sc[g]));
-          // Σ_j m_j Σ_{i∈j} x_i, lane by lane (|a 16-sum| ≤ 16 · 127 fits 16 bits).
-          const __m512i summ = _mm512_madd_epi16(load512(x.row_sums(token) + b * 16), mins);
-          const float dx = x.row_scales(token)[b];
-          acc[t] = _mm512_fmadd_ps(_mm512_set1_ps(d * dx), _mm512_cvtepi32_ps(sumi), acc[t]);
-          acc[t] = _mm512_fnmadd_ps(_mm512_set1_ps(dmin * dx), _mm512_cvtepi32_ps(summ), acc[t]);
-        }
-      }
-      for (int t = 0; t < tokens; ++t) y[(t0 + t) * y_stride + r] = _mm512_reduce_add_ps(acc[t]);
+        for (int t = 0; t < tokens; ++t) y[(t0 + t) * y_stride + r] = _mm512_reduce_add_ps(acc[t]);
+      });
     }
   }
 }
@@ -175,56 +180,58 @@ void rows_q6_k(const MatrixView& w, const QuantizedActivations& x, float* y, int
   for (int64_t r = row_begin; r < row_end; ++r) {
     const auto* row = reinterpret_cast<const uint8_t*>(w.row(r));
     for (int64_t t0 = 0; t0 < x.rows; t0 += kTokenTile) {
-      const int tokens = static_cast<int>(std::min<int64_t>(kTokenTile, x.rows - t0));
-      __m512 acc[kTokenTile];
-      for (int t = 0; t < tokens; ++t) acc[t] = _mm512_setzero_ps();
-      for (int64_t b = 0; b < blocks; ++b) {
-        const uint8_t* block = row + b * 210;
-        _mm_prefetch(reinterpret_cast<const char*>(block) + 512, _MM_HINT_T0);
-        _mm_prefetch(reinterpret_cast<const char*>(block) + 576, _MM_HINT_T0);
-        _mm_prefetch(reinterpret_cast<const char*>(block) + 640, _MM_HINT_T0);
-        const auto* sc8 = reinterpret_cast<const int8_t*>(block + 192);
-        const __m256i scales16 =
-            _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sc8)));
-        const float d = half_at(block + 208);
-        __m512i q[4], sc[4];  // pairs of quarters: weights 64p .. 64p + 63
-        for (int h = 0; h < 2; ++h) {
-          const __m256i low0 = load256(block + 64 * h), low1 = load256(block + 64 * h + 32);
-          const __m256i high = load256(block + 128 + 32 * h);
-          __m256i quarter[4] = {low_nibbles(low0), low_nibbles(low1), high_nibbles(low0),
-                                high_nibbles(low1)};
-          for (int k = 0; k < 4; ++k)
-            quarter[k] = _mm256_or_si256(
-                quarter[k],
-                _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(high, 2 * k), mask2), 4));
-          q[2 * h] = join(quarter[0], quarter[1]);
-          q[2 * h + 1] = join(quarter[2], quarter[3]);
-          const __m128i half_scales =
-              h == 0 ? _mm256_castsi256_si128(scales16) : _mm256_extracti128_si256(scales16, 1);
-          sc[2 * h] = spread(half_scales, index[0]);
-          sc[2 * h + 1] = spread(half_scales, index[1]);
+      with_token_count(x.rows - t0, [&](auto count) {
+        constexpr int tokens = decltype(count)::value;
+        __m512 acc[kTokenTile];
+        for (int t = 0; t < tokens; ++t) acc[t] = _mm512_setzero_ps();
+        for (int64_t b = 0; b < blocks; ++b) {
+          const uint8_t* block = row + b * 210;
+          _mm_prefetch(reinterpret_cast<const char*>(block) + 512, _MM_HINT_T0);
+          _mm_prefetch(reinterpret_cast<const char*>(block) + 576, _MM_HINT_T0);
+          _mm_prefetch(reinterpret_cast<const char*>(block) + 640, _MM_HINT_T0);
+          const auto* sc8 = reinterpret_cast<const int8_t*>(block + 192);
+          const __m256i scales16 =
+              _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sc8)));
+          const float d = half_at(block + 208);
+          __m512i q[4], sc[4];  // pairs of quarters: weights 64p .. 64p + 63
+          for (int h = 0; h < 2; ++h) {
+            const __m256i low0 = load256(block + 64 * h), low1 = load256(block + 64 * h + 32);
+            const __m256i high = load256(block + 128 + 32 * h);
+            __m256i quarter[4] = {low_nibbles(low0), low_nibbles(low1), high_nibbles(low0),
+                                  high_nibbles(low1)};
+            for (int k = 0; k < 4; ++k)
+              quarter[k] = _mm256_or_si256(
+                  quarter[k],
+                  _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(high, 2 * k), mask2), 4));
+            q[2 * h] = join(quarter[0], quarter[1]);
+            q[2 * h + 1] = join(quarter[2], quarter[3]);
+            const __m128i half_scales =
+                h == 0 ? _mm256_castsi256_si128(scales16) : _mm256_extracti128_si256(scales16, 1);
+            sc[2 * h] = spread(half_scales, index[0]);
+            sc[2 * h + 1] = spread(half_scales, index[1]);
+          }
+          // The 16 scales as the low halves of 32-bit lanes (high halves zero), for madd_epi16.
+          const __m512i offset_scale = _mm512_and_si512(
+              _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sc8))),
+              _mm512_set1_epi32(0xFFFF));
+          for (int t = 0; t < tokens; ++t) {
+            const int64_t token = t0 + t;
+            const int8_t* xb = x.row(token) + b * 256;
+            __m512i sumi = _mm512_setzero_si512();
+            for (int p = 0; p < 4; ++p)
+              sumi = _mm512_add_epi32(
+                  sumi, _mm512_madd_epi16(_mm512_maddubs_epi16(q[p], load512(xb + 64 * p)), sc[p]));
+            // Σ sc (q - 32) x = Σ sc q x - 32 Σ sc Σx, the offset taken lane by lane (sc_s times
+            // the 16-sum s, which fits 16 bits) before converting.
+            const __m512i offset =
+                _mm512_madd_epi16(load512(x.row_sums(token) + b * 16), offset_scale);
+            sumi = _mm512_sub_epi32(sumi, _mm512_slli_epi32(offset, 5));
+            const float dx = x.row_scales(token)[b];
+            acc[t] = _mm512_fmadd_ps(_mm512_set1_ps(d * dx), _mm512_cvtepi32_ps(sumi), acc[t]);
+          }
         }
-        // The 16 scales as the low halves of 32-bit lanes (high halves zero), for madd_epi16.
-        const __m512i offset_scale = _mm512_and_si512(
-            _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sc8))),
-            _mm512_set1_epi32(0xFFFF));
-        for (int t = 0; t < tokens; ++t) {
-          const int64_t token = t0 + t;
-          const int8_t* xb = x.row(token) + b * 256;
-          __m512i sumi = _mm512_setzero_si512();
-          for (int p = 0; p < 4; ++p)
-            sumi = _mm512_add_epi32(
-                sumi, _mm512_madd_epi16(_mm512_maddubs_epi16(q[p], load512(xb + 64 * p)), sc[p]));
-          // Σ sc (q - 32) x = Σ sc q x - 32 Σ sc Σx, the offset taken lane by lane (sc_s times
-          // the 16-sum s, which fits 16 bits) before converting.
-          const __m512i offset =
-              _mm512_madd_epi16(load512(x.row_sums(token) + b * 16), offset_scale);
-          sumi = _mm512_sub_epi32(sumi, _mm512_slli_epi32(offset, 5));
-          const float dx = x.row_scales(token)[b];
-          acc[t] = _mm512_fmadd_ps(_mm512_set1_ps(d * dx), _mm512_cvtepi32_ps(sumi), acc[t]);
-        }
-      }
-      for (int t = 0; t < tokens; ++t) y[(t0 + t) * y_stride + r] = _mm512_reduce_add_ps(acc[t]);
+        for (int t = 0; t < tokens; ++t) y[(t0 + t) * y_stride + r] = _mm512_reduce_add_ps(acc[t]);
+      });
     }
   }
 }
