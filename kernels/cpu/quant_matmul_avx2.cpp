@@ -60,7 +60,7 @@ void rows_q8_q4_0(const MatrixView& w, const QuantizedActivations& x, float* y, 
         for (int t = 0; t < tokens; ++t) acc[t] = _mm256_setzero_ps();
         for (int64_t b = 0; b < blocks; ++b) {
           const uint8_t* block = row + b * bytes;
-          _mm_prefetch(reinterpret_cast<const char*>(block) + 1024, _MM_HINT_T0);
+          prefetch_ahead(block, bytes);
           __m256i q;
           if (q8) {
             q = load(block + 2);
@@ -96,8 +96,7 @@ void rows_q45_k(const MatrixView& w, const QuantizedActivations& x, float* y, in
         for (int t = 0; t < tokens; ++t) acc[t] = _mm256_setzero_ps();
         for (int64_t b = 0; b < blocks; ++b) {
           const uint8_t* block = row + b * bytes;
-          _mm_prefetch(reinterpret_cast<const char*>(block) + 512, _MM_HINT_T0);
-          _mm_prefetch(reinterpret_cast<const char*>(block) + 576, _MM_HINT_T0);
+          prefetch_ahead(block, bytes);
           uint8_t scales[16];
           k_scales(block + 4, scales);
           const uint8_t* sc = scales;
@@ -163,9 +162,7 @@ void rows_q6_k(const MatrixView& w, const QuantizedActivations& x, float* y, int
         for (int t = 0; t < tokens; ++t) acc[t] = _mm256_setzero_ps();
         for (int64_t b = 0; b < blocks; ++b) {
           const uint8_t* block = row + b * 210;
-          _mm_prefetch(reinterpret_cast<const char*>(block) + 512, _MM_HINT_T0);
-          _mm_prefetch(reinterpret_cast<const char*>(block) + 576, _MM_HINT_T0);
-          _mm_prefetch(reinterpret_cast<const char*>(block) + 640, _MM_HINT_T0);
+          prefetch_ahead(block, 210);
           const auto* sc = reinterpret_cast<const int8_t*>(block + 192);
           const float d = half_at(block + 208);
           // The 16 scales as the low halves of 32-bit lanes (high halves zero), for madd_epi16.

@@ -75,7 +75,7 @@ void rows_q8_q4_0(const MatrixView& w, const QuantizedActivations& x, float* y, 
         int64_t b = 0;
         for (; b + 2 <= blocks; b += 2) {
           const uint8_t* first = row + b * bytes;
-          _mm_prefetch(reinterpret_cast<const char*>(first) + 1024, _MM_HINT_T0);
+          prefetch_ahead(first, 2 * bytes);
           const __m512i q = join(weights(first), weights(first + bytes));
           const float d0 = half_at(first), d1 = half_at(first + bytes);
           for (int t = 0; t < tokens; ++t) {
@@ -121,8 +121,7 @@ void rows_q45_k(const MatrixView& w, const QuantizedActivations& x, float* y, in
         for (int t = 0; t < tokens; ++t) acc[t] = _mm512_setzero_ps();
         for (int64_t b = 0; b < blocks; ++b) {
           const uint8_t* block = row + b * bytes;
-          _mm_prefetch(reinterpret_cast<const char*>(block) + 512, _MM_HINT_T0);
-          _mm_prefetch(reinterpret_cast<const char*>(block) + 576, _MM_HINT_T0);
+          prefetch_ahead(block, bytes);
           uint8_t packed_scales[16];
           k_scales(block + 4, packed_scales);
           const __m128i scale_bytes =
@@ -186,9 +185,7 @@ void rows_q6_k(const MatrixView& w, const QuantizedActivations& x, float* y, int
         for (int t = 0; t < tokens; ++t) acc[t] = _mm512_setzero_ps();
         for (int64_t b = 0; b < blocks; ++b) {
           const uint8_t* block = row + b * 210;
-          _mm_prefetch(reinterpret_cast<const char*>(block) + 512, _MM_HINT_T0);
-          _mm_prefetch(reinterpret_cast<const char*>(block) + 576, _MM_HINT_T0);
-          _mm_prefetch(reinterpret_cast<const char*>(block) + 640, _MM_HINT_T0);
+          prefetch_ahead(block, 210);
           const auto* sc8 = reinterpret_cast<const int8_t*>(block + 192);
           const __m256i scales16 =
               _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sc8)));
