@@ -15,6 +15,7 @@
 #include <cstdint>
 #include <cstring>
 #include <type_traits>
+#include <utility>
 #include <vector>
 
 #include "kernels/cpu/dtype.h"
@@ -56,21 +57,16 @@ void quant_matmul_rows(const MatrixView& w, const QuantizedActivations& x, float
                        int64_t y_stride, int64_t row_begin, int64_t row_end);
 
 namespace detail {
-// Calls body(std::integral_constant<int, n>) for n = min(remaining, 4): a tile's token count as a
-// constant, so that its accumulators stay in registers (with a run-time count the compiler keeps
-// them in memory, a store and reload on every block's chain).
-template <class Body>
+// Calls body(std::integral_constant<int, n>) for n = min(remaining, kMax): a tile's token count
+// as a constant, so that its accumulators stay in registers (with a run-time count the compiler
+// keeps them in memory, a store and reload on every block's chain).
+template <int kMax, class Body>
 void with_token_count(int64_t remaining, Body&& body) {
-  switch (remaining) {
-    case 1:
-      return body(std::integral_constant<int, 1>{});
-    case 2:
-      return body(std::integral_constant<int, 2>{});
-    case 3:
-      return body(std::integral_constant<int, 3>{});
-    default:
-      return body(std::integral_constant<int, 4>{});
+  const int64_t count = remaining < kMax ? remaining : kMax;
+  [&]<int... N>(std::integer_sequence<int, N...>) {
+    ((count == N + 1 ? (body(std::integral_constant<int, N + 1>{}), true) : false) || ...);
   }
+  (std::make_integer_sequence<int, kMax>{});
 }
 
 // How far ahead along a row the SIMD paths prefetch weights: decode reads each weight once, and

@@ -54,7 +54,7 @@ void rows_q8_q4_0(const MatrixView& w, const QuantizedActivations& x, float* y, 
   for (int64_t r = row_begin; r < row_end; ++r) {
     const auto* row = reinterpret_cast<const uint8_t*>(w.row(r));
     for (int64_t t0 = 0; t0 < x.rows; t0 += kTokenTile) {
-      with_token_count(x.rows - t0, [&](auto count) {
+      with_token_count<kTokenTile>(x.rows - t0, [&](auto count) {
         constexpr int tokens = decltype(count)::value;
         __m256 acc[kTokenTile];
         for (int t = 0; t < tokens; ++t) acc[t] = _mm256_setzero_ps();
@@ -90,7 +90,7 @@ void rows_q45_k(const MatrixView& w, const QuantizedActivations& x, float* y, in
   for (int64_t r = row_begin; r < row_end; ++r) {
     const auto* row = reinterpret_cast<const uint8_t*>(w.row(r));
     for (int64_t t0 = 0; t0 < x.rows; t0 += kTokenTile) {
-      with_token_count(x.rows - t0, [&](auto count) {
+      with_token_count<kTokenTile>(x.rows - t0, [&](auto count) {
         constexpr int tokens = decltype(count)::value;
         __m256 acc[kTokenTile];
         for (int t = 0; t < tokens; ++t) acc[t] = _mm256_setzero_ps();
@@ -156,7 +156,7 @@ void rows_q6_k(const MatrixView& w, const QuantizedActivations& x, float* y, int
   for (int64_t r = row_begin; r < row_end; ++r) {
     const auto* row = reinterpret_cast<const uint8_t*>(w.row(r));
     for (int64_t t0 = 0; t0 < x.rows; t0 += kTokenTile) {
-      with_token_count(x.rows - t0, [&](auto count) {
+      with_token_count<kTokenTile>(x.rows - t0, [&](auto count) {
         constexpr int tokens = decltype(count)::value;
         __m256 acc[kTokenTile];
         for (int t = 0; t < tokens; ++t) acc[t] = _mm256_setzero_ps();

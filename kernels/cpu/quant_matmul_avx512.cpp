@@ -11,7 +11,9 @@
 namespace moeline::kernels::detail {
 namespace {
 
-constexpr int kTokenTile = 4;
+// Tokens per unpacked weight tile: 32 registers hold 8 accumulators beside a super-block's
+// unpacked weights and scales.
+constexpr int kTokenTile = 8;
 
 float half_at(const uint8_t* p) {
   uint16_t bits;
@@ -68,7 +70,7 @@ void rows_q8_q4_0(const MatrixView& w, const QuantizedActivations& x, float* y, 
   for (int64_t r = row_begin; r < row_end; ++r) {
     const auto* row = reinterpret_cast<const uint8_t*>(w.row(r));
     for (int64_t t0 = 0; t0 < x.rows; t0 += kTokenTile) {
-      with_token_count(x.rows - t0, [&](auto count) {
+      with_token_count<kTokenTile>(x.rows - t0, [&](auto count) {
         constexpr int tokens = decltype(count)::value;
         __m512 acc[kTokenTile];
         for (int t = 0; t < tokens; ++t) acc[t] = _mm512_setzero_ps();
@@ -115,7 +117,7 @@ void rows_q45_k(const MatrixView& w, const QuantizedActivations& x, float* y, in
   for (int64_t r = row_begin; r < row_end; ++r) {
     const auto* row = reinterpret_cast<const uint8_t*>(w.row(r));
     for (int64_t t0 = 0; t0 < x.rows; t0 += kTokenTile) {
-      with_token_count(x.rows - t0, [&](auto count) {
+      with_token_count<kTokenTile>(x.rows - t0, [&](auto count) {
         constexpr int tokens = decltype(count)::value;
         __m512 acc[kTokenTile];
         for (int t = 0; t < tokens; ++t) acc[t] = _mm512_setzero_ps();
@@ -179,7 +181,7 @@ void rows_q6_k(const MatrixView& w, const QuantizedActivations& x, float* y, int
   for (int64_t r = row_begin; r < row_end; ++r) {
     const auto* row = reinterpret_cast<const uint8_t*>(w.row(r));
     for (int64_t t0 = 0; t0 < x.rows; t0 += kTokenTile) {
-      with_token_count(x.rows - t0, [&](auto count) {
+      with_token_count<kTokenTile>(x.rows - t0, [&](auto count) {
         constexpr int tokens = decltype(count)::value;
         __m512 acc[kTokenTile];
         for (int t = 0; t < tokens; ++t) acc[t] = _mm512_setzero_ps();
