@@ -37,6 +37,7 @@ Blas::Blas(cudaStream_t stream) : stream_(stream) {
 }
 
 Blas::~Blas() {
+  if (dequantized_) cudaFree(dequantized_);
   if (scratch_) cudaFree(scratch_);
   if (handle_) cublasDestroy(handle_);
   if (workspace_) cudaFree(workspace_);
@@ -52,16 +53,30 @@ void Blas::matmul(const float* x, int64_t n, const DeviceMatrix& w, float* y, in
     gemv(x, n, x_stride, w.data, w.dtype, w.rows, K, y, y_stride, accumulate, stream_);
     return;
   }
+  const void* a = w.data;
+  DType a_type = w.dtype;
+  if (is_quantized(w.dtype)) {
+    const size_t bytes = static_cast<size_t>(w.rows * K) * sizeof(float);
+    if (bytes > dequantized_bytes_) {
+      if (dequantized_) check(cudaFree(dequantized_), "free dequantized weights");
+      check(cudaMalloc(reinterpret_cast<void**>(&dequantized_), bytes),
+            "alloc dequantized weights");
+      dequantized_bytes_ = bytes;
+    }
+    dequantize(w.data, w.dtype, w.rows, K, dequantized_, stream_);
+    a = dequantized_;
+    a_type = DType::kF32;
+  }
   const void* b = x;
   int64_t ldb = x_stride;
-  if (w.dtype != DType::kF32) {
-    const size_t bytes = static_cast<size_t>(n * K) * dtype_size(w.dtype);
+  if (a_type != DType::kF32) {
+    const size_t bytes = static_cast<size_t>(n * K) * dtype_size(a_type);
     if (bytes > scratch_bytes_) {
       if (scratch_) check(cudaFree(scratch_), "free scratch");
       check(cudaMalloc(&scratch_, bytes * 2), "alloc scratch");
       scratch_bytes_ = bytes * 2;
     }
-    convert(x, n, K, x_stride, scratch_, w.dtype, stream_);
+    convert(x, n, K, x_stride, scratch_, a_type, stream_);
     b = scratch_;
     ldb = K;
   }
@@ -70,8 +85,8 @@ void Blas::matmul(const float* x, int64_t n, const DeviceMatrix& w, float* y, in
   // [out, n] = Wᵀ(col) · x(col).
   check_blas(
       cublasGemmEx(handle_, CUBLAS_OP_T, CUBLAS_OP_N, static_cast<int>(w.rows), static_cast<int>(n),
-                   static_cast<int>(K), &alpha, w.data, data_type(w.dtype), static_cast<int>(K), b,
-                   data_type(w.dtype), static_cast<int>(ldb), &beta, y, CUDA_R_32F,
+                   static_cast<int>(K), &alpha, a, data_type(a_type), static_cast<int>(K), b,
+                   data_type(a_type), static_cast<int>(ldb), &beta, y, CUDA_R_32F,
                    static_cast<int>(y_stride), CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT),
       "gemm");
 }

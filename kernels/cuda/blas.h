@@ -1,8 +1,9 @@
 #pragma once
 // y = x · Wᵀ on the GPU: W a weight matrix [out, in] in device memory in its stored dtype, x and y
 // F32. Through cuBLAS, 16-bit weights multiply BF16/F16-rounded activations with F32 accumulation
-// (cublasGemmEx, the tensor cores) and F32 weights stay F32 throughout; a few rows (a decode step)
-// go through a GEMV kernel that reads F32 activations against the stored weights.
+// (cublasGemmEx, the tensor cores) and F32 weights stay F32 throughout; block-quantized weights
+// are dequantized to F32 first (the CPU's exact mode). A few rows (a decode step) go through a
+// GEMV kernel that reads F32 activations against the stored weights, quantized ones included.
 
 #include <cublas_v2.h>
 #include <cuda_runtime_api.h>
@@ -18,11 +19,11 @@ struct DeviceMatrix {
   DType dtype = DType::kF32;
   int64_t rows = 0, cols = 0;
 
-  size_t bytes() const { return static_cast<size_t>(rows * cols) * dtype_size(dtype); }
+  size_t row_bytes() const { return stored_bytes(dtype, cols); }
+  size_t bytes() const { return static_cast<size_t>(rows) * row_bytes(); }
   DeviceMatrix row_range(int64_t first, int64_t count) const {
-    return {
-        static_cast<const std::byte*>(data) + static_cast<size_t>(first * cols) * dtype_size(dtype),
-        dtype, count, cols};
+    return {static_cast<const std::byte*>(data) + static_cast<size_t>(first) * row_bytes(), dtype,
+            count, cols};
   }
 };
 
@@ -47,6 +48,8 @@ class Blas {
   cudaStream_t stream_;
   void* scratch_ = nullptr;  // the activations in the weights' dtype
   size_t scratch_bytes_ = 0;
+  float* dequantized_ = nullptr;  // a quantized weight matrix widened to F32
+  size_t dequantized_bytes_ = 0;
 };
 
 }  // namespace moeline::kernels::cuda

@@ -37,6 +37,76 @@ int blocks_for(int64_t count, int threads = kThreads) {
   return static_cast<int>((count + threads - 1) / threads);
 }
 
+__host__ __device__ __forceinline__ float half_at(const uint8_t* p) {
+  return __half2float(__ushort_as_half(static_cast<unsigned short>(p[0] | (p[1] << 8))));
+}
+
+// Weight i of a block-quantized array, as GGUF defines each type (kernels/cpu/quant.h). Rows are
+// whole blocks, so blocks are contiguous across rows and i may run over the whole matrix.
+__host__ __device__ float quant_element(const uint8_t* data, DType dtype, int64_t i) {
+  const DTypeBlock shape = dtype_block(dtype);
+  const uint8_t* b = data + (i / shape.elements) * shape.bytes;
+  const int j = static_cast<int>(i % shape.elements);
+  switch (dtype) {
+    case DType::kQ8_0:
+      return half_at(b) * static_cast<float>(static_cast<int8_t>(b[2 + j]));
+    case DType::kQ4_0:
+    case DType::kQ4_1:
+    case DType::kQ5_0:
+    case DType::kQ5_1: {
+      // d [, m] [, 32 fifth bits], 16 bytes of nibbles: byte j % 16, low nibble for j < 16.
+      const bool has_min = dtype == DType::kQ4_1 || dtype == DType::kQ5_1;
+      const bool fifth = dtype == DType::kQ5_0 || dtype == DType::kQ5_1;
+      const uint8_t* qs = b + 2 + (has_min ? 2 : 0) + (fifth ? 4 : 0);
+      int q = j < 16 ? (qs[j] & 0xF) : (qs[j - 16] >> 4);
+      if (fifth) {
+        const uint8_t* qh = b + 2 + (has_min ? 2 : 0);
+        q |= ((qh[j / 8] >> (j % 8)) & 1) << 4;
+      }
+      if (has_min) return half_at(b) * static_cast<float>(q) + half_at(b + 2);
+      return half_at(b) * static_cast<float>(q - (fifth ? 16 : 8));
+    }
+    case DType::kQ4_K:
+    case DType::kQ5_K: {
+      // d, dmin, 12 bytes of 6-bit scales and mins for 8 sub-blocks of 32, [32 bytes of fifth
+      // bits,] 128 bytes of nibbles: byte l of 64-weight group g holds weights 64g + l (low
+      // nibble) and 64g + 32 + l (high).
+      const bool fifth = dtype == DType::kQ5_K;
+      const uint8_t* packed = b + 4;
+      const int sub = j / 32, l = j % 32, g = j / 64;
+      int scale, min;
+      if (sub < 4) {
+        scale = packed[sub] & 63;
+        min = packed[sub + 4] & 63;
+      } else {
+        scale = (packed[sub + 4] & 0xF) | ((packed[sub - 4] >> 6) << 4);
+        min = (packed[sub + 4] >> 4) | ((packed[sub] >> 6) << 4);
+      }
+      const uint8_t* qs = b + (fifth ? 48 : 16);
+      const uint8_t byte = qs[32 * g + l];
+      int q = (j % 64) < 32 ? (byte & 0xF) : (byte >> 4);
+      if (fifth) q += ((b[16 + l] >> sub) & 1) << 4;
+      return half_at(b) * static_cast<float>(scale) * static_cast<float>(q) -
+             half_at(b + 2) * static_cast<float>(min);
+    }
+    case DType::kQ6_K: {
+      // 128 bytes of low nibbles, 64 of high bit pairs, 16 int8 scales, d; each half of 128
+      // weights takes 64 low bytes, 32 high bytes and 8 scales, in four quarters of 32.
+      const int half = j / 128, quarter = (j % 128) / 32, l = j % 32;
+      const uint8_t* ql = b + 64 * half;
+      const uint8_t* qh = b + 128 + 32 * half;
+      const auto* scales = reinterpret_cast<const int8_t*>(b + 192) + 8 * half;
+      const uint8_t low = ql[l + (quarter % 2) * 32];
+      const int q =
+          ((quarter < 2 ? low & 0xF : low >> 4) | (((qh[l] >> (2 * quarter)) & 3) << 4)) - 32;
+      return half_at(b + 208) * static_cast<float>(scales[l / 16 + 2 * quarter]) *
+             static_cast<float>(q);
+    }
+    default:
+      return 0.0f;
+  }
+}
+
 __device__ __forceinline__ float load(const void* data, DType dtype, int64_t i) {
   switch (dtype) {
     case DType::kF32:
@@ -45,9 +115,15 @@ __device__ __forceinline__ float load(const void* data, DType dtype, int64_t i) 
       return __uint_as_float(static_cast<uint32_t>(static_cast<const uint16_t*>(data)[i]) << 16);
     case DType::kF16:
       return __half2float(static_cast<const __half*>(data)[i]);
-    default:  // quantized weights never reach the CUDA engine (it refuses them at load)
-      return 0.0f;
+    default:
+      return quant_element(static_cast<const uint8_t*>(data), dtype, i);
   }
+}
+
+// Row `row` of a [rows, cols] matrix in `dtype` (quantized rows are whole blocks).
+__device__ __forceinline__ const std::byte* row_address(const void* w, DType dtype, int64_t cols,
+                                                        int64_t row) {
+  return static_cast<const std::byte*>(w) + static_cast<size_t>(row) * stored_bytes(dtype, cols);
 }
 
 __device__ __forceinline__ float warp_sum(float value) {
@@ -326,6 +402,11 @@ __global__ void combine_kernel(const float* expert_out, int64_t width, const int
   y[i] += sum;
 }
 
+__global__ void dequantize_kernel(const void* w, DType dtype, int64_t count, float* out) {
+  const int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
+  if (i < count) out[i] = load(w, dtype, i);
+}
+
 __global__ void convert_kernel(const float* x, int64_t rows, int64_t cols, int64_t x_stride,
                                void* out, DType dtype) {
   const int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
@@ -385,8 +466,7 @@ __global__ void gemv_kernel(const float* __restrict__ x, int64_t n, int64_t x_st
   const int64_t row = blockIdx.x * static_cast<int64_t>(kGemvWarps) + warp;
   if (row >= rows) return;
   float sums[kGemvMaxRows] = {};
-  const size_t element = dtype_size(dtype);
-  const auto* base = static_cast<const std::byte*>(w) + static_cast<size_t>(row * cols) * element;
+  const auto* base = row_address(w, dtype, cols, row);
   int64_t done = 0;
   if (dtype == DType::kBF16 && (reinterpret_cast<uintptr_t>(base) & 15) == 0) {
     const auto* vectors = reinterpret_cast<const uint4*>(base);
@@ -426,12 +506,9 @@ __global__ void expert_gate_up_kernel(const float* x, int64_t width, const int32
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int64_t row = blockIdx.x * static_cast<int64_t>(kGemvWarps) + warp;
   if (row >= inter) return;
-  const size_t element = dtype_size(dtype);
-  const auto* base = static_cast<const std::byte*>(experts[chosen[pair]]);
-  const float gate =
-      warp_dot(base + static_cast<size_t>(row * width) * element, dtype, x_s, width, lane);
-  const float up = warp_dot(base + static_cast<size_t>((inter + row) * width) * element, dtype, x_s,
-                            width, lane);
+  const void* base = experts[chosen[pair]];
+  const float gate = warp_dot(row_address(base, dtype, width, row), dtype, x_s, width, lane);
+  const float up = warp_dot(row_address(base, dtype, width, inter + row), dtype, x_s, width, lane);
   if (lane == 0) act[pair * inter + row] = gate / (1.0f + expf(-gate)) * up;
 }
 
@@ -445,11 +522,8 @@ __global__ void expert_down_kernel(const float* act, int64_t inter, const int32_
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int64_t row = blockIdx.x * static_cast<int64_t>(kGemvWarps) + warp;
   if (row >= width) return;
-  const size_t element = dtype_size(dtype);
-  const auto* down = static_cast<const std::byte*>(experts[chosen[pair]]) +
-                     static_cast<size_t>(2 * inter * width) * element;
-  const float y =
-      warp_dot(down + static_cast<size_t>(row * inter) * element, dtype, act_s, inter, lane);
+  const auto* down = row_address(experts[chosen[pair]], dtype, width, 2 * inter);
+  const float y = warp_dot(row_address(down, dtype, inter, row), dtype, act_s, inter, lane);
   if (lane == 0) out[pair * width + row] = y;
 }
 
@@ -813,6 +887,18 @@ void combine(const float* expert_out, int64_t width, const int32_t* slots, const
   combine_kernel<<<blocks_for(n * width), kThreads, 0, stream>>>(expert_out, width, slots, weights,
                                                                  n, k, y);
   check(cudaGetLastError(), "combine");
+}
+
+float dequantize_element_on_host(const void* data, DType dtype, int64_t i) {
+  return quant_element(static_cast<const uint8_t*>(data), dtype, i);
+}
+
+void dequantize(const void* w, DType dtype, int64_t rows, int64_t cols, float* out,
+                cudaStream_t stream) {
+  const int64_t count = rows * cols;
+  if (count == 0) return;
+  dequantize_kernel<<<blocks_for(count), kThreads, 0, stream>>>(w, dtype, count, out);
+  check(cudaGetLastError(), "dequantize");
 }
 
 void convert(const float* x, int64_t rows, int64_t cols, int64_t x_stride, void* out, DType dtype,

@@ -1,6 +1,7 @@
 #pragma once
 // The CUDA backend's kernels, as host functions that launch on a stream. Activations are F32 in
-// device memory; weights are device copies in their stored dtype (F32, BF16, F16), read in place.
+// device memory; weights are device copies in their stored dtype (F32, BF16, F16, and GGUF's
+// block-quantized types, dequantized element by element as they are read), read in place.
 // Layouts are the CPU backend's (kernels/cpu), so results can be compared op by op: matrices
 // row-major [rows, cols], the paged KV cache [block][kv_head][slot][dim].
 //
@@ -105,6 +106,13 @@ void gather_rows(const float* x, int64_t width, const int32_t* rows, int64_t cou
 // y[t] += Σ_j weights[t*k + j] * expert_out[slots[t*k + j]], j in the given order.
 void combine(const float* expert_out, int64_t width, const int32_t* slots, const float* weights,
              int64_t n, int64_t k, float* y, cudaStream_t stream);
+// A [rows, cols] weight matrix in any dtype (block-quantized ones included, dequantized as GGUF
+// defines them) widened to F32 into `out` [rows, cols]: the weight side of a quantized GEMM.
+void dequantize(const void* w, DType dtype, int64_t rows, int64_t cols, float* out,
+                cudaStream_t stream);
+// Weight i of a block-quantized array by the device kernels' own rule, run on the host: tests
+// check the rule against the CPU without a GPU.
+float dequantize_element_on_host(const void* data, DType dtype, int64_t i);
 // A [rows, cols] block of F32 with row stride x_stride, converted to `dtype` into a packed
 // [rows, cols] buffer: the input side of a GEMM against weights of that dtype.
 void convert(const float* x, int64_t rows, int64_t cols, int64_t x_stride, void* out, DType dtype,

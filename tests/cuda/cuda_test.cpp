@@ -23,6 +23,7 @@
 #include "kernels/cpu/attention.h"
 #include "kernels/cpu/matmul.h"
 #include "kernels/cpu/ops.h"
+#include "kernels/cpu/quant_matmul.h"
 #include "kernels/cpu/thread_pool.h"
 #include "kernels/cuda/blas.h"
 #include "kernels/cuda/ops.h"
@@ -31,6 +32,7 @@
 #include "model/sampling.h"
 #include "offload/expert_pool.h"
 #include "offload/resident_provider.h"
+#include "tests/unit/kernel_test_inputs.h"
 
 namespace moeline {
 namespace {
@@ -195,6 +197,63 @@ TEST(CudaOps, GemvMatchesTheCpuWithStridesAndAccumulation) {
       }
     }
   }
+}
+
+// The device's dequantization rule for every block-quantized type, run on the host (no GPU
+// needed), against the CPU's: the same weights to a rounding (nvcc may fuse d*scale*q - dmin*m).
+TEST(CudaOps, QuantizedDecodeRuleMatchesTheCpuOnTheHost) {
+  const int64_t rows = 6, cols = 512;
+  for (kernels::DType dtype : kernels::kQuantizedTypes) {
+    const std::vector<uint8_t> bytes = kernels::test::random_quantized_rows(dtype, rows, cols, 23);
+    const kernels::MatrixView w{bytes.data(), dtype, rows, cols};
+    std::vector<float> row(static_cast<size_t>(cols));
+    for (int64_t r = 0; r < rows; ++r) {
+      kernels::widen_row(w, r, row.data());
+      for (int64_t c = 0; c < cols; ++c)
+        ASSERT_NEAR(cu::dequantize_element_on_host(bytes.data(), dtype, r * cols + c),
+                    row[static_cast<size_t>(c)],
+                    1e-6 * std::abs(row[static_cast<size_t>(c)]) + 1e-12)
+            << kernels::dtype_name(dtype) << " row " << r << " col " << c;
+    }
+  }
+}
+
+// Every block-quantized type (GGUF's, as a GGUF model's weights arrive on the device): the
+// dequantize kernel against the CPU's exact dequantization (the GPU may fuse d*scale*q - dmin*m
+// into one rounding: 1e-6 relative per weight), and the decode GEMV and the prefill route
+// (dequantize, then an F32 GEMM) against the CPU's exact mode, to summation order (1e-5).
+TEST(CudaOps, QuantizedWeightsMatchTheCpu) {
+  REQUIRE_DEVICE();
+  kernels::ThreadPool pool(2);
+  const kernels::QuantMath saved = kernels::quant_math();
+  kernels::set_quant_math(kernels::QuantMath::kExact);
+  const int64_t rows = 40, cols = 512;
+  for (kernels::DType dtype : kernels::kQuantizedTypes) {
+    const std::vector<uint8_t> bytes = kernels::test::random_quantized_rows(dtype, rows, cols, 21);
+    const kernels::MatrixView host_w{bytes.data(), dtype, rows, cols};
+    std::vector<float> widened(static_cast<size_t>(rows * cols));
+    for (int64_t r = 0; r < rows; ++r) kernels::widen_row(host_w, r, widened.data() + r * cols);
+    Device<uint8_t> dw(bytes);
+    Device<float> dequantized(std::vector<float>(widened.size()));
+    cu::dequantize(dw.data, dtype, rows, cols, dequantized.data, nullptr);
+    cu::check(cudaDeviceSynchronize(), "sync");
+    const std::vector<float> got_weights = dequantized.host();
+    for (size_t i = 0; i < widened.size(); ++i)
+      ASSERT_NEAR(got_weights[i], widened[i], 1e-6 * std::abs(widened[i]) + 1e-12)
+          << kernels::dtype_name(dtype) << " weight " << i;
+    for (int64_t n : {int64_t{3}, int64_t{20}}) {
+      const auto x = random_floats(n * cols, 22);
+      std::vector<float> want(static_cast<size_t>(n * rows));
+      kernels::matmul(pool,
+                      kernels::MatmulTask{.x = x.data(), .n = n, .w = host_w, .y = want.data()});
+      Device<float> dx(x), dy(std::vector<float>(want.size()));
+      cu::Blas blas(nullptr);
+      blas.matmul(dx.data, n, {dw.data, dtype, rows, cols}, dy.data);
+      cu::check(cudaDeviceSynchronize(), "sync");
+      EXPECT_LE(relative_l2(dy.host(), want), 1e-5) << kernels::dtype_name(dtype) << " n " << n;
+    }
+  }
+  kernels::set_quant_math(saved);
 }
 
 TEST(CudaOps, PagedAttentionMatchesTheCpuForGqaAndLatentCaches) {

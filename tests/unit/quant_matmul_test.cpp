@@ -22,33 +22,8 @@ namespace {
 constexpr DType kQuantized[] = {DType::kQ8_0, DType::kQ4_0, DType::kQ4_K, DType::kQ5_K,
                                 DType::kQ6_K, DType::kQ4_1, DType::kQ5_0, DType::kQ5_1};
 
-// fp16 bits of a small positive value in [2^-10, 2^-7): a plausible block scale.
-uint16_t small_half(std::mt19937& rng) {
-  return static_cast<uint16_t>((5u << 10) | (rng() & 0x3ffu)) +
-         static_cast<uint16_t>((rng() % 3) << 10);
-}
-
-// Random blocks: any bits are valid quants; the fp16 scales are set to plausible values.
-std::vector<uint8_t> random_rows(DType dtype, int64_t rows, int64_t cols, uint32_t seed) {
-  std::mt19937 rng(seed);
-  std::vector<uint8_t> bytes(stored_bytes(dtype, rows * cols));
-  for (uint8_t& b : bytes) b = static_cast<uint8_t>(rng());
-  const DTypeBlock block = dtype_block(dtype);
-  std::vector<int64_t> scale_offsets;
-  if (dtype == DType::kQ8_0 || dtype == DType::kQ4_0 || dtype == DType::kQ5_0) scale_offsets = {0};
-  if (dtype == DType::kQ4_K || dtype == DType::kQ5_K || dtype == DType::kQ4_1 ||
-      dtype == DType::kQ5_1)
-    scale_offsets = {0, 2};
-  if (dtype == DType::kQ6_K) scale_offsets = {208};
-  for (size_t at = 0; at < bytes.size(); at += static_cast<size_t>(block.bytes))
-    for (int64_t offset : scale_offsets) {
-      const uint16_t half = small_half(rng);
-      std::memcpy(&bytes[at + static_cast<size_t>(offset)], &half, 2);
-    }
-  return bytes;
-}
-
 using test::gaussian_input;
+using test::random_quantized_rows;
 using test::supported_isas;
 
 class ModeGuard {
@@ -80,7 +55,7 @@ TEST(QuantMatmul, FastEqualsTheSumOverDequantizedWeightsAndActivations) {
   for (Isa isa : supported_isas()) {
     ModeGuard guard(isa, QuantMath::kFast);
     for (DType dtype : kQuantized) {
-      const std::vector<uint8_t> bytes = random_rows(dtype, rows, cols, 11);
+      const std::vector<uint8_t> bytes = random_quantized_rows(dtype, rows, cols, 11);
       const MatrixView w{bytes.data(), dtype, rows, cols};
       for (int64_t n : {1, 3, 11}) {
         const std::vector<float> x = gaussian_input(n, cols, 5);
@@ -132,7 +107,7 @@ TEST(QuantMatmul, FastStaysWithinEightBitRoundingOfExact) {
   ThreadPool pool(2);
   const int64_t rows = 64, cols = 1024, n = 4;
   for (DType dtype : kQuantized) {
-    const std::vector<uint8_t> bytes = random_rows(dtype, rows, cols, 3);
+    const std::vector<uint8_t> bytes = random_quantized_rows(dtype, rows, cols, 3);
     const MatrixView w{bytes.data(), dtype, rows, cols};
     const std::vector<float> x = gaussian_input(n, cols, 8);
     std::vector<float> exact, fast;
@@ -161,7 +136,7 @@ TEST(QuantMatmul, RowResultDoesNotDependOnBatchOrThreads) {
   for (Isa isa : supported_isas()) {
     ModeGuard guard(isa, QuantMath::kFast);
     for (DType dtype : kQuantized) {
-      const std::vector<uint8_t> bytes = random_rows(dtype, rows, cols, 4);
+      const std::vector<uint8_t> bytes = random_quantized_rows(dtype, rows, cols, 4);
       const MatrixView w{bytes.data(), dtype, rows, cols};
       const std::vector<float> x = gaussian_input(n, cols, 6);
       ThreadPool two(2), one(1);
