@@ -24,8 +24,10 @@ using kernels::VectorView;
 // nothing asked for — usually the misnamed one.
 class TensorBinder {
  public:
-  TensorBinder(const Checkpoint& checkpoint, const ModelConfig& config)
-      : checkpoint_(checkpoint), config_(config) {}
+  // `derived`: where copies made at load live (FP8 scale tables the file does not align).
+  TensorBinder(const Checkpoint& checkpoint, const ModelConfig& config,
+               std::vector<std::vector<std::byte>>& derived)
+      : checkpoint_(checkpoint), config_(config), derived_(derived) {}
 
   MatrixView matrix(const std::string& name, int64_t rows, int64_t cols) {
     const TensorInfo* tensor = find(name, {rows, cols});
@@ -86,10 +88,15 @@ class TensorBinder {
     if (scales->dtype_name != "F32")
       throw ModelError(scales->file_name() + ": tensor '" + scale_name + "' is " +
                        scales->dtype_name + "; FP8 block scales must be F32");
-    if (reinterpret_cast<uintptr_t>(scales->data) % alignof(float) != 0)
-      throw ModelError(scales->file_name() + ": tensor '" + scale_name +
-                       "' is not 4-byte aligned in the file");
-    view.block_scales = reinterpret_cast<const float*>(scales->data);
+    const void* table = scales->data;
+    if (reinterpret_cast<uintptr_t>(table) % alignof(float) != 0) {
+      // safetensors does not align tensors: an FP8 weight of an odd size leaves the next F32
+      // table misaligned, so it is copied (it is 1/16,000 of its weight).
+      derived_.emplace_back(static_cast<const std::byte*>(table),
+                            static_cast<const std::byte*>(table) + scales->bytes);
+      table = derived_.back().data();
+    }
+    view.block_scales = static_cast<const float*>(table);
     view.scale_block_rows = static_cast<int32_t>(block_rows);
     view.scale_block_cols = static_cast<int32_t>(block_cols);
   }
@@ -116,6 +123,7 @@ class TensorBinder {
 
   const Checkpoint& checkpoint_;
   const ModelConfig& config_;
+  std::vector<std::vector<std::byte>>& derived_;
   std::set<std::string> used_;
   std::string missing_, missing_shape_;
 };
@@ -198,7 +206,7 @@ Expected<std::unique_ptr<Model>> Model::load(const std::filesystem::path& dir) {
 
 void Model::load_weights(const arch::TensorNames& names) {
   const ModelConfig& c = config_;
-  TensorBinder bind(checkpoint_, config_);
+  TensorBinder bind(checkpoint_, config_, derived_);
   const int64_t q_width = c.num_heads * c.head_dim;
   const int64_t kv_width = c.num_kv_heads * c.head_dim;
 

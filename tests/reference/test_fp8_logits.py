@@ -47,6 +47,10 @@ CASES = [
     ("deepseek_v3", "deepseek_v3", 44, "8,40", [], True),
     # The release's own block: every matrix of the tiny preset is one partial block.
     ("deepseek_v3-128", "deepseek_v3", 45, "128,128", [], False),
+    # Odd latent ranks: FP8 weights and BF16 norms of odd byte counts, so later F32 scale tables
+    # sit at offsets that are not multiples of 4 (safetensors does not align tensors).
+    ("deepseek_v3-odd", "deepseek_v3", 46, "16,16",
+     ["--set", "kv_lora_rank=33", "--set", "q_lora_rank=47"], False),
 ]
 
 
