@@ -7,10 +7,12 @@
 #include <map>
 #include <nlohmann/json.hpp>
 #include <set>
+#include <thread>
 #include <vector>
 
 #include "kernels/cpu/quant.h"
 #include "kernels/cpu/quantize.h"
+#include "kernels/cpu/thread_pool.h"
 #include "model/arch/arch.h"
 #include "model/config.h"
 #include "model/safetensors.h"
@@ -616,18 +618,24 @@ Expected<GgufExportReport> export_gguf(const fs::path& checkpoint_dir, const fs:
     std::ofstream file(partial, std::ios::binary | std::ios::trunc);
     if (!file) return Error{out.string() + ": cannot write"};
     header.write(file);
-    std::vector<char> block;
+    // Rows are quantized independently (each block's scale search sees only its block), so they
+    // are spread over every core; the file does not depend on the thread count.
+    kernels::ThreadPool pool(static_cast<int>(std::max(1u, std::thread::hardware_concurrency())));
+    std::vector<char> quantized;
     for (const Planned& tensor : plan) {
       const std::vector<float> values = tensor.values();
       const int64_t row = tensor.shape.back();
+      const int64_t rows = static_cast<int64_t>(values.size()) / row;
       const size_t row_bytes = kernels::stored_bytes(tensor.dtype, row);
-      block.resize(row_bytes);
-      for (size_t r = 0; r < values.size() / static_cast<size_t>(row); ++r) {
-        kernels::quantize_row(tensor.dtype, values.data() + r * static_cast<size_t>(row), row,
-                              block.data());
-        file.write(block.data(), static_cast<std::streamsize>(row_bytes));
-      }
-      const size_t bytes = row_bytes * (values.size() / static_cast<size_t>(row));
+      quantized.resize(row_bytes * static_cast<size_t>(rows));
+      pool.run([&](int thread, int threads) {
+        const auto [begin, end] = kernels::ThreadPool::split(rows, thread, threads);
+        for (int64_t r = begin; r < end; ++r)
+          kernels::quantize_row(tensor.dtype, values.data() + r * row, row,
+                                quantized.data() + static_cast<size_t>(r) * row_bytes);
+      });
+      file.write(quantized.data(), static_cast<std::streamsize>(quantized.size()));
+      const size_t bytes = quantized.size();
       const std::vector<char> pad((kAlignment - bytes % kAlignment) % kAlignment, 0);
       file.write(pad.data(), static_cast<std::streamsize>(pad.size()));
       ++report.tensors;
