@@ -133,8 +133,10 @@ struct TensorSource {
   std::vector<float> floats(const TensorInfo& tensor) const {
     std::vector<float> out(static_cast<size_t>(tensor.elements()));
     const DType dtype = supported_dtype(tensor);
-    kernels::widen(tensor.data, dtype, tensor.elements(), out.data());
-    if (!kernels::has_block_scales(dtype)) return out;
+    if (!kernels::has_block_scales(dtype)) {
+      kernels::widen(tensor.data, dtype, tensor.elements(), out.data());
+      return out;
+    }
     const int64_t cols = tensor.shape.back(), rows = tensor.elements() / cols;
     const TensorInfo* scales = checkpoint->find(tensor.name + "_scale_inv");
     const int64_t column_blocks =
@@ -143,11 +145,15 @@ struct TensorSource {
         scales->elements() != (rows + fp8_block_rows - 1) / fp8_block_rows * column_blocks)
       throw ModelError(tensor.file_name() + ": FP8 tensor '" + tensor.name +
                        "' has no F32 '_scale_inv' of config.json's weight_block_size");
-    const auto* scale = reinterpret_cast<const float*>(scales->data);
-    for (int64_t r = 0; r < rows; ++r)
-      for (int64_t c = 0; c < cols; ++c)
-        out[static_cast<size_t>(r * cols + c)] *=
-            scale[r / fp8_block_rows * column_blocks + c / fp8_block_cols];
+    // The table copied out (safetensors does not align it), then each row widened by the
+    // kernels' own rule for block-scaled weights.
+    std::vector<float> table(static_cast<size_t>(scales->elements()));
+    std::memcpy(table.data(), scales->data, table.size() * sizeof(float));
+    kernels::MatrixView view{tensor.data, dtype, rows, cols};
+    view.block_scales = table.data();
+    view.scale_block_rows = static_cast<int32_t>(fp8_block_rows);
+    view.scale_block_cols = static_cast<int32_t>(fp8_block_cols);
+    for (int64_t r = 0; r < rows; ++r) kernels::widen_row(view, r, out.data() + r * cols);
     return out;
   }
 };
