@@ -73,7 +73,7 @@ double read_bandwidth(ThreadPool& pool) {
   if (mapped == MAP_FAILED) return 0.0;
   auto* buffer = static_cast<float*>(mapped);
   std::fill(buffer, buffer + count, 1.0f);
-  const bool avx512 = moeline::kernels::best_supported_isa() == moeline::kernels::Isa::kAvx512;
+  const bool avx512 = moeline::kernels::best_supported_isa() >= moeline::kernels::Isa::kAvx512;
   double best = 0.0;
   volatile float sink = 0.0f;
   for (int pass = 0; pass < 3; ++pass) {
@@ -162,9 +162,9 @@ int main(int argc, char** argv) {
   moeline::offload::ResidentExpertProvider experts(m.experts());
   const int64_t context = std::max(options.depth + options.prompt, options.decode + 1);
   model::KvCache cache(
-      m.config(), static_cast<int32_t>(std::max<int64_t>(
-                      (context + 15) / 16,
-                      options.batch * ((options.depth + options.decode + 16) / 16 + 1))));
+      m.config(),
+      static_cast<int32_t>(std::max<int64_t>(
+          (context + 15) / 16, options.batch * ((options.depth + options.decode + 16) / 16 + 1))));
   model::Engine engine(m, experts, pool, cache);
 
   std::vector<int32_t> prompt(static_cast<size_t>(options.prompt));

@@ -11,7 +11,7 @@ Isa detect() {
   __builtin_cpu_init();
   if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
       __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq")) {
-    return Isa::kAvx512;
+    return __builtin_cpu_supports("avx512vnni") ? Isa::kAvx512Vnni : Isa::kAvx512;
   }
   if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) return Isa::kAvx2;
   return Isa::kPortable;
@@ -24,7 +24,7 @@ bool supports(Isa wanted) {
 Isa initial_isa() {
   Isa isa = detect();
   if (const char* forced = std::getenv("MOELINE_KERNELS")) {
-    for (Isa candidate : {Isa::kPortable, Isa::kAvx2, Isa::kAvx512}) {
+    for (Isa candidate : {Isa::kPortable, Isa::kAvx2, Isa::kAvx512, Isa::kAvx512Vnni}) {
       if (isa_name(candidate) == forced && supports(candidate)) isa = candidate;
     }
   }
@@ -59,6 +59,8 @@ std::string_view isa_name(Isa isa) {
       return "avx2";
     case Isa::kAvx512:
       return "avx512";
+    case Isa::kAvx512Vnni:
+      return "avx512_vnni";
   }
   return "?";
 }

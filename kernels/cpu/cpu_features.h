@@ -1,12 +1,14 @@
 #pragma once
-// Which instruction-set path the kernels use. Detected once; `MOELINE_KERNELS` (avx512, avx2,
-// portable) forces a path that the CPU supports, for tests that compare the paths.
+// Which instruction-set path the kernels use. Detected once; `MOELINE_KERNELS` (avx512_vnni,
+// avx512, avx2, portable) forces a path that the CPU supports, for tests that compare the paths.
+// Each level includes the ones before it. avx512_vnni differs from avx512 only in the quantized
+// kernels (vpdpbusd / vpdpwssd in place of maddubs-madd pairs), with identical results.
 
 #include <string_view>
 
 namespace moeline::kernels {
 
-enum class Isa { kPortable, kAvx2, kAvx512 };
+enum class Isa { kPortable, kAvx2, kAvx512, kAvx512Vnni };
 
 Isa best_supported_isa();
 Isa active_isa();

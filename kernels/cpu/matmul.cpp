@@ -19,6 +19,7 @@ constexpr size_t kInlineBytes = 256 << 10;
 void matmul_rows(const MatmulTask& task, int64_t row_begin, int64_t row_end) {
   switch (active_isa()) {
     case Isa::kAvx512:
+    case Isa::kAvx512Vnni:  // the F32/BF16 kernels have no integer dot products
       return detail::matmul_rows_avx512(task, row_begin, row_end);
     case Isa::kAvx2:
       return detail::matmul_rows_avx2(task, row_begin, row_end);

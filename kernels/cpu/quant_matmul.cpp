@@ -190,6 +190,8 @@ void quant_matmul_rows_portable(const MatrixView& w, const QuantizedActivations&
 void quant_matmul_rows(const MatrixView& w, const QuantizedActivations& x, float* y,
                        int64_t y_stride, int64_t row_begin, int64_t row_end) {
   switch (active_isa()) {
+    case Isa::kAvx512Vnni:
+      return detail::quant_matmul_rows_avx512_vnni(w, x, y, y_stride, row_begin, row_end);
     case Isa::kAvx512:
       return detail::quant_matmul_rows_avx512(w, x, y, y_stride, row_begin, row_end);
     case Isa::kAvx2:

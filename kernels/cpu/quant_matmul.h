@@ -69,6 +69,41 @@ void with_token_count(int64_t remaining, Body&& body) {
   (std::make_integer_sequence<int, kMax>{});
 }
 
+// The activation rows of one tile of tokens, addressed once per tile: x.row_scales divides by
+// the block size, and inside a kernel's block loop that division was its longest dependency chain.
+template <int kTokens>
+struct TokenTile {
+  static constexpr int kCount = kTokens;
+  int64_t first = 0;  // the tile's first token
+  const int8_t* q0 = nullptr;
+  const float* scales0 = nullptr;
+  const int32_t* sums0 = nullptr;
+  int64_t cols = 0, scale_stride = 0, sum_stride = 0;
+
+  const int8_t* q(int t) const { return q0 + t * cols; }
+  const float* scales(int t) const { return scales0 + t * scale_stride; }
+  const int32_t* sums(int t) const { return sums0 + t * sum_stride; }
+};
+
+// Calls body(const TokenTile<n>&) for the tiles of at most kMax tokens covering x's rows, n a
+// compile-time constant (see with_token_count).
+template <int kMax, class Body>
+void for_each_token_tile(const QuantizedActivations& x, Body&& body) {
+  const int64_t scale_stride = x.cols / x.block, sum_stride = x.cols / 16;
+  for (int64_t t0 = 0; t0 < x.rows; t0 += kMax) {
+    with_token_count<kMax>(x.rows - t0, [&](auto count) {
+      const TokenTile<decltype(count)::value> tile{t0,
+                                                   x.q.data() + t0 * x.cols,
+                                                   x.scale.data() + t0 * scale_stride,
+                                                   x.sums.data() + t0 * sum_stride,
+                                                   x.cols,
+                                                   scale_stride,
+                                                   sum_stride};
+      body(tile);
+    });
+  }
+}
+
 // How far ahead along a row the SIMD paths prefetch weights: decode reads each weight once, and
 // the hardware prefetchers stop at page boundaries (mini Q8_0 on one Zen 4 thread: 1024 bytes 90
 // t/s, 2048 97, 4096 97).
@@ -90,6 +125,9 @@ void quant_matmul_rows_avx2(const MatrixView& w, const QuantizedActivations& x, 
                             int64_t y_stride, int64_t row_begin, int64_t row_end);
 void quant_matmul_rows_avx512(const MatrixView& w, const QuantizedActivations& x, float* y,
                               int64_t y_stride, int64_t row_begin, int64_t row_end);
+// The same kernels compiled with AVX512_VNNI (quant_matmul_avx512_vnni.cpp): identical results.
+void quant_matmul_rows_avx512_vnni(const MatrixView& w, const QuantizedActivations& x, float* y,
+                                   int64_t y_stride, int64_t row_begin, int64_t row_end);
 
 // A K-quant super-block's eight 6-bit scales then eight mins, from its 12 packed bytes (quant.h):
 // scales 0-3 and mins 0-3 are the low 6 bits of bytes 0-3 and 4-7; scales and mins 4-7 take

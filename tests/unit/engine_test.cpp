@@ -136,7 +136,7 @@ TEST_P(EngineOnModel, KernelPathsAgree) {
   ASSERT_TRUE(kernels::set_active_isa(kernels::Isa::kPortable));
   Harness h(*model);
   const auto portable = prefill_logits(h, tokens);
-  for (kernels::Isa isa : {kernels::Isa::kAvx2, kernels::Isa::kAvx512}) {
+  for (kernels::Isa isa : {kernels::Isa::kAvx2, kernels::Isa::kAvx512, kernels::Isa::kAvx512Vnni}) {
     if (!kernels::set_active_isa(isa)) continue;
     const auto fast = prefill_logits(h, tokens);
     // Different lane counts sum in different orders: F32 rounding, ~1e-7 per op, grows to ~1e-6.

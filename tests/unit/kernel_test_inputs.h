@@ -14,7 +14,8 @@ namespace moeline::kernels::test {
 inline std::vector<Isa> supported_isas() {
   std::vector<Isa> isas = {Isa::kPortable};
   if (best_supported_isa() != Isa::kPortable) isas.push_back(Isa::kAvx2);
-  if (best_supported_isa() == Isa::kAvx512) isas.push_back(Isa::kAvx512);
+  if (best_supported_isa() >= Isa::kAvx512) isas.push_back(Isa::kAvx512);
+  if (best_supported_isa() >= Isa::kAvx512Vnni) isas.push_back(Isa::kAvx512Vnni);
   return isas;
 }
 

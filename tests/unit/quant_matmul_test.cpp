@@ -152,6 +152,35 @@ TEST(QuantMatmul, RowResultDoesNotDependOnBatchOrThreads) {
   }
 }
 
+// The VNNI build replaces instruction pairs with one exact instruction each: a stack whose
+// stages run on AVX-512 hosts with and without VNNI must produce the same bits (exact prefix reuse
+// compares them). Extreme activations and weights (±127, all of a block at its maximum) exercise
+// the 16-bit pair sums where saturation would show.
+TEST(QuantMatmul, VnniGivesTheSameBitsAsAvx512) {
+  if (best_supported_isa() < Isa::kAvx512Vnni) GTEST_SKIP() << "the CPU has no AVX512_VNNI";
+  ThreadPool pool(1);
+  const int64_t rows = 19, cols = 768;
+  for (DType dtype : kQuantized) {
+    const std::vector<uint8_t> bytes = random_quantized_rows(dtype, rows, cols, 21);
+    const MatrixView w{bytes.data(), dtype, rows, cols};
+    for (int64_t n : {1, 5, 9}) {
+      std::vector<float> x = gaussian_input(n, cols, 13);
+      for (int64_t k = 0; k < 64; ++k) x[static_cast<size_t>(k)] = k % 2 == 0 ? 100.0f : -100.0f;
+      std::vector<float> plain, vnni;
+      {
+        ModeGuard guard(Isa::kAvx512, QuantMath::kFast);
+        plain = run(pool, w, x, n);
+      }
+      {
+        ModeGuard guard(Isa::kAvx512Vnni, QuantMath::kFast);
+        vnni = run(pool, w, x, n);
+      }
+      for (size_t i = 0; i < plain.size(); ++i)
+        ASSERT_EQ(plain[i], vnni[i]) << dtype_name(dtype) << " n=" << n << " i=" << i;
+    }
+  }
+}
+
 }  // namespace
 }  // namespace moeline::kernels
 

@@ -1,0 +1,118 @@
+// The fast quantized matmul alone (kernels/cpu/quant_matmul.h), on one thread: for each weight
+// type, a set of matrices shaped like `mini`'s experts (large enough together to be read from
+// memory, as decode reads them) multiplied by 1 token (decode) and by tiles of tokens (prefill).
+// Prints one JSON object per (type, shape, tokens): weights per second, weight bytes per second
+// and ns per weight, best of --repeat. This isolates the kernels from the rest of a decode step
+// for A/B runs of kernel changes (engine_bench measures the whole step).
+//
+//   moeline_quant_kernel_bench [--types q8_0,q4_0,q4_k,q5_k,q6_k] [--tokens 1,8,64]
+//                              [--rows 2816] [--cols 1024] [--matrices 24] [--repeat 5]
+#include <algorithm>
+#include <chrono>
+#include <cstdint>
+#include <iostream>
+#include <random>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include "bench/bench_args.h"
+#include "kernels/cpu/cpu_features.h"
+#include "kernels/cpu/dtype.h"
+#include "kernels/cpu/quant_matmul.h"
+#include "kernels/cpu/quantize.h"
+
+namespace {
+
+using namespace moeline;
+
+struct NamedType {
+  std::string name;
+  kernels::DType dtype;
+};
+
+kernels::DType parse_type(const std::string& name) {
+  static const std::vector<NamedType> kTypes = {{"q8_0", kernels::DType::kQ8_0},
+                                                {"q4_0", kernels::DType::kQ4_0},
+                                                {"q4_k", kernels::DType::kQ4_K},
+                                                {"q5_k", kernels::DType::kQ5_K},
+                                                {"q6_k", kernels::DType::kQ6_K}};
+  for (const auto& type : kTypes)
+    if (type.name == name) return type.dtype;
+  std::cerr << "unknown type " << name << " (q8_0, q4_0, q4_k, q5_k, q6_k)\n";
+  std::exit(2);
+}
+
+std::vector<std::string> split(const std::string& text) {
+  std::vector<std::string> out;
+  std::stringstream in(text);
+  for (std::string item; std::getline(in, item, ',');) out.push_back(item);
+  return out;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  const auto flags = bench::parse_flags(argc, argv,
+                                        {{"--types", "q8_0,q4_0,q4_k,q5_k,q6_k"},
+                                         {"--tokens", "1,8,64"},
+                                         {"--rows", "2816"},
+                                         {"--cols", "1024"},
+                                         {"--matrices", "24"},
+                                         {"--repeat", "5"}});
+  const int64_t rows = std::stoll(flags.at("--rows")), cols = std::stoll(flags.at("--cols"));
+  const int matrices = std::stoi(flags.at("--matrices")), repeat = std::stoi(flags.at("--repeat"));
+  if (cols % 256 != 0 || rows <= 0 || matrices <= 0 || repeat <= 0) {
+    std::cerr << "--cols must be a multiple of 256; --rows, --matrices, --repeat positive\n";
+    return 2;
+  }
+  std::mt19937 random(7);
+  std::normal_distribution<float> normal(0.0f, 0.02f);
+  std::vector<float> weights(static_cast<size_t>(rows * cols));
+  for (float& value : weights) value = normal(random);
+
+  for (const auto& type_name : split(flags.at("--types"))) {
+    const kernels::DType dtype = parse_type(type_name);
+    const auto row_bytes = static_cast<int64_t>(kernels::stored_bytes(dtype, cols));
+    // One quantized matrix copied `matrices` times: the copies are distinct memory, so a pass
+    // over all of them reads every byte from beyond the caches, as decode reads its experts.
+    std::vector<uint8_t> matrix(static_cast<size_t>(rows * row_bytes));
+    for (int64_t r = 0; r < rows; ++r)
+      kernels::quantize_row(dtype, weights.data() + r * cols, cols, matrix.data() + r * row_bytes);
+    std::vector<std::vector<uint8_t>> copies(static_cast<size_t>(matrices), matrix);
+    std::vector<kernels::MatrixView> views;
+    for (auto& copy : copies) {
+      kernels::MatrixView view;
+      view.data = copy.data();
+      view.dtype = dtype;
+      view.rows = rows;
+      view.cols = cols;
+      views.push_back(view);
+    }
+    for (const int64_t tokens : bench::parse_list<int64_t>(flags.at("--tokens"))) {
+      std::vector<float> x(static_cast<size_t>(tokens * cols));
+      for (float& value : x) value = normal(random) * 50.0f;
+      kernels::QuantizedActivations activations;
+      kernels::quantize_activations(x.data(), tokens, cols, cols, kernels::activation_block(dtype),
+                                    activations);
+      std::vector<float> y(static_cast<size_t>(tokens * rows));
+      double best = 1e30;
+      for (int pass = 0; pass < repeat; ++pass) {
+        const auto start = std::chrono::steady_clock::now();
+        for (const auto& view : views)
+          kernels::quant_matmul_rows(view, activations, y.data(), rows, 0, rows);
+        best = std::min(
+            best, std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count());
+      }
+      const double weight_count = static_cast<double>(rows * cols) * matrices;
+      const double bytes = static_cast<double>(rows * row_bytes) * matrices;
+      std::cout << "{\"type\":\"" << type_name << "\",\"isa\":\""
+                << kernels::isa_name(kernels::active_isa()) << "\",\"rows\":" << rows
+                << ",\"cols\":" << cols << ",\"matrices\":" << matrices << ",\"tokens\":" << tokens
+                << ",\"seconds\":" << best << ",\"weight_gb_per_second\":" << bytes / best / 1e9
+                << ",\"ns_per_weight_per_token\":" << best * 1e9 / weight_count / tokens
+                << ",\"checksum\":" << y[0] << "}" << std::endl;
+    }
+  }
+  return 0;
+}
