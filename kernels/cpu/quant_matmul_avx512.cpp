@@ -225,7 +225,10 @@ void rows_q45_k(const MatrixView& w, const QuantizedActivations& x, float* y, in
 void rows_q6_k(const MatrixView& w, const QuantizedActivations& x, float* y, int64_t y_stride,
                int64_t row_begin, int64_t row_end) {
   const int64_t blocks = w.cols / 256;
-  const __m256i mask2 = _mm256_set1_epi8(3);
+  // 16-bit shift counts per 256-bit half that bring quarter k's two top bits (2k, 2k+1) to bits
+  // 4, 5: left by 4 | 2 for quarters 0 | 1, right by 0 | 2 for quarters 2 | 3.
+  const __m512i shift01 = join(_mm256_set1_epi16(4), _mm256_set1_epi16(2));
+  const __m512i shift23 = join(_mm256_set1_epi16(0), _mm256_set1_epi16(2));
   __m512i index[4];  // quarters (2p, 2p+1) of a half: four 16-weight scales, 8 lanes each
   for (int p = 0; p < 4; ++p) index[p] = scale_index(8, 4 * p);
   for (int64_t r = row_begin; r < row_end; ++r) {
@@ -243,16 +246,18 @@ void rows_q6_k(const MatrixView& w, const QuantizedActivations& x, float* y, int
         const float d = half_at(block + 208);
         __m512i q[4], sc[4];  // pairs of quarters: weights 64p .. 64p + 63
         for (int h = 0; h < 2; ++h) {
-          const __m256i low0 = load256(block + 64 * h), low1 = load256(block + 64 * h + 32);
-          const __m256i high = load256(block + 128 + 32 * h);
-          __m256i quarter[4] = {low_nibbles(low0), low_nibbles(low1), high_nibbles(low0),
-                                high_nibbles(low1)};
-          for (int k = 0; k < 4; ++k)
-            quarter[k] = _mm256_or_si256(
-                quarter[k],
-                _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(high, 2 * k), mask2), 4));
-          q[2 * h] = join(quarter[0], quarter[1]);
-          q[2 * h + 1] = join(quarter[2], quarter[3]);
+          // 64 low-bit bytes: their low nibbles are quarters 0 and 1 of the half (weights 0-63),
+          // their high nibbles quarters 2 and 3; quarter k's top two bits are bits 2k, 2k+1 of
+          // the half's 32 high-bit bytes, moved to bits 4, 5 (bits that cross into the next byte
+          // of a 16-bit lane fall outside the 0x30 mask).
+          const __m512i low = load512(block + 64 * h);
+          const __m512i high = _mm512_broadcast_i64x4(load256(block + 128 + 32 * h));
+          const __m512i nibble = _mm512_set1_epi8(0x0F), top_bits = _mm512_set1_epi8(0x30);
+          const __m512i top01 = _mm512_and_si512(_mm512_sllv_epi16(high, shift01), top_bits);
+          const __m512i top23 = _mm512_and_si512(_mm512_srlv_epi16(high, shift23), top_bits);
+          q[2 * h] = _mm512_or_si512(_mm512_and_si512(low, nibble), top01);
+          q[2 * h + 1] =
+              _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(low, 4), nibble), top23);
           const __m128i half_scales =
               h == 0 ? _mm256_castsi256_si128(scales16) : _mm256_extracti128_si256(scales16, 1);
           sc[2 * h] = spread(half_scales, index[0]);
