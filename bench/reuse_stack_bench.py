@@ -24,7 +24,7 @@ import tempfile
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, "..", "tests", "integration"))
-from stack_harness import Stack, add_python_paths, percentile  # noqa: E402
+from stack_harness import Stack, add_python_paths, percentile, roc_auc  # noqa: E402
 
 
 def summary(values):
@@ -35,6 +35,11 @@ def summary(values):
 def vocab_of(model):
     with open(os.path.join(model, "config.json")) as f:
         return json.load(f)["vocab_size"]
+
+
+def expect_level(usage, level):
+    if usage["reuse_level"] != level:
+        raise AssertionError(f"expected reuse level {level}: {usage}")
 
 
 def ttft(client, **request):
@@ -57,14 +62,14 @@ def bench_ttft(args, workdir):
                 for _ in range(args.repeat):
                     prompt = [rng.randrange(vocab) for _ in range(args.long)]
                     t, usage = ttft(client, tokens=prompt, max_tokens=1)
-                    assert usage["reuse_level"] == "none", usage
+                    expect_level(usage, "none")
                     rows["cold"].append(t)
                     other = prompt[:-16] + [rng.randrange(vocab) for _ in range(16)]
                     t, usage = ttft(client, tokens=other, max_tokens=1)
-                    assert usage["reuse_level"] == "prefix", usage
+                    expect_level(usage, "prefix")
                     rows["prefix"].append(t)
                     t, usage = ttft(client, tokens=prompt, max_tokens=2)  # not a result hit
-                    assert usage["reuse_level"] == "full", usage
+                    expect_level(usage, "full")
                     rows["full"].append(t)
             restores = stack.metric("probe", "moeline_probe_store_restores")
         out[tier] = {k: statistics.median(v) for k, v in rows.items()}
@@ -100,15 +105,6 @@ def bench_workload(args, workdir):
                     levels_seen[usage["reuse_level"]] = levels_seen.get(usage["reuse_level"], 0) + 1
         out[mode] = {"ttft_ms": summary(times), "levels": levels_seen}
     return out
-
-
-def roc_auc(positives, negatives):
-    """P(a positive's TTFT is below a negative's): 0.5 means the two cannot be told apart."""
-    wins = 0.0
-    for p in positives:
-        for n in negatives:
-            wins += 1.0 if p < n else 0.5 if p == n else 0.0
-    return wins / (len(positives) * len(negatives))
 
 
 def bench_isolation(args, workdir):

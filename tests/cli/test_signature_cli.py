@@ -10,6 +10,11 @@ import subprocess
 import sys
 
 
+def check(condition, message):
+    if not condition:
+        raise AssertionError(message)
+
+
 def run(moeline, model, lines, *flags):
     return subprocess.run([moeline, "signature", "--model", model, "--threads", "1", *flags],
                           input="".join(lines), capture_output=True, text=True, timeout=120)
@@ -24,24 +29,24 @@ def main():
         experts = json.load(f)["num_experts"]
     lines = [json.dumps({"prompt": p}) + "\n" for p in ("to swim:", "a large dog:", "to swim:")]
     first = run(args.moeline, args.model, lines)
-    assert first.returncode == 0, first.stderr
+    check(first.returncode == 0, first.stderr)
     rows = [json.loads(line) for line in first.stdout.splitlines()]
-    assert len(rows) == 3, rows
+    check(len(rows) == 3, rows)
     for k, dimension in ((1, 256), (2, 256), (2, 4)):
         out = run(args.moeline, args.model, lines, "--signature-layers", str(k), "--signature-dimension", str(dimension))
-        assert out.returncode == 0, out.stderr
+        check(out.returncode == 0, out.stderr)
         signature = json.loads(out.stdout.splitlines()[0])["signature"]
-        assert len(signature) == min(k * experts, dimension), (k, dimension, len(signature))
-        assert abs(math.sqrt(sum(x * x for x in signature)) - 1) < 1e-5, "not unit length"
-    assert rows[0]["signature"] == rows[2]["signature"], "same prompt, different signature"
-    assert rows[0]["signature"] != rows[1]["signature"], "different prompts, same signature"
+        check(len(signature) == min(k * experts, dimension), (k, dimension, len(signature)))
+        check(abs(math.sqrt(sum(x * x for x in signature)) - 1) < 1e-5, "not unit length")
+    check(rows[0]["signature"] == rows[2]["signature"], "same prompt, different signature")
+    check(rows[0]["signature"] != rows[1]["signature"], "different prompts, same signature")
     again = run(args.moeline, args.model, lines)
-    assert again.stdout == first.stdout, "signatures differ between runs"
+    check(again.stdout == first.stdout, "signatures differ between runs")
     print("ok signature: deterministic, unit length, k layers of experts or the projection")
     bad = run(args.moeline, args.model, ["not json\n"])
-    assert bad.returncode == 1 and "JSON object" in bad.stderr, bad.stderr
+    check(bad.returncode == 1 and "JSON object" in bad.stderr, bad.stderr)
     flag = run(args.moeline, args.model, lines, "--signature-layers", "0")
-    assert flag.returncode == 2 and "--signature-layers" in flag.stderr, flag.stderr
+    check(flag.returncode == 2 and "--signature-layers" in flag.stderr, flag.stderr)
     print("ok signature: bad input and bad flags are clear errors")
     return 0
 

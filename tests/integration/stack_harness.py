@@ -18,6 +18,12 @@ def add_python_paths(build_python, sdk_python):
             sys.path.insert(0, path)
 
 
+def require(condition, message):
+    """An explicit check (a bare assert vanishes under python -O)."""
+    if not condition:
+        raise AssertionError(message)
+
+
 class Stack:
     """`moeline stack up` on enter, `moeline stack down` on exit (logs printed on failure)."""
 
@@ -62,7 +68,7 @@ class Stack:
             self.dump_logs()
             raise AssertionError(f"stack up failed ({out.returncode}): {out.stderr}")
         self.endpoint = out.stdout.strip().splitlines()[-1]
-        assert self.endpoint.startswith(self.endpoint_prefix), out.stdout
+        require(self.endpoint.startswith(self.endpoint_prefix), out.stdout)
         return self
 
     def __exit__(self, exc_type, exc, tb):
@@ -70,7 +76,7 @@ class Stack:
             self.dump_logs()
         out = subprocess.run([self.moeline, "stack", "down", "--run-dir", self.run_dir],
                              capture_output=True, text=True, timeout=60)
-        assert out.returncode == 0, out.stderr
+        require(out.returncode == 0, out.stderr)
         return False
 
     def dump_logs(self):
@@ -109,7 +115,7 @@ class Stack:
         return out
 
     def metric(self, name, sample, **labels):
-        return self.metrics(name).get((sample, frozenset(labels.items())), 0.0)
+        return sample_value(self.metrics(name), sample, name, **labels)
 
     def kill(self, name, sig=signal.SIGKILL):
         pid = self.stage(name)["pid"]
@@ -142,7 +148,7 @@ def reference(moeline, model, max_tokens, tokens=None, prompt=None, temperature=
         cmd += ["--ignore-eos"]
     cmd += list(extra)
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
-    assert out.returncode == 0, out.stderr
+    require(out.returncode == 0, out.stderr)
     return json.loads(out.stdout)
 
 
@@ -176,6 +182,77 @@ def run_concurrently(client, requests, timeout=120):
     return results
 
 
+class Skipped(Exception):
+    """A case that cannot run on this host (raised with the reason); run_cases reports it to CTest
+    as skipped (exit status SKIP_EXIT_CODE), never as passed."""
+
+
+SKIP_EXIT_CODE = 77
+
+
+def gpu_expected():
+    """Why this host should have a usable NVIDIA GPU, or None: MOELINE_EXPECT_GPU=1 (0 says none),
+    else an NVIDIA device node, else `nvidia-smi -L` listing a GPU. Decided apart from CUDA, whose
+    failure is what makes the GPU cases skip."""
+    setting = os.environ.get("MOELINE_EXPECT_GPU")
+    if setting is not None:
+        return f"MOELINE_EXPECT_GPU={setting}" if setting == "1" else None
+    if os.path.exists("/dev/nvidia0"):
+        return "/dev/nvidia0 exists"
+    try:
+        out = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    return "nvidia-smi lists a GPU" if out.returncode == 0 and "GPU" in out.stdout else None
+
+
+def sample_value(metrics, sample, where, **labels):
+    """One sample of a Stack.metrics() snapshot. A sample name the stage does not export at all (a
+    renamed or removed metric, a typo) fails the check that reads it, rather than reading 0; a
+    label set not seen yet on an exported metric reads 0, as Prometheus counts a labelled counter
+    before its first event."""
+    value = metrics.get((sample, frozenset(labels.items())))
+    if value is not None:
+        return value
+    require(any(key[0] == sample for key in metrics),
+            f"{where} does not export {sample} at all (its /metrics has no such sample)")
+    return 0.0
+
+
+def roc_auc(positives, negatives):
+    """P(a positive's score is below a negative's), ties counting half: 0.5 means the two cannot
+    be told apart, 1.0 that every positive is below every negative."""
+    wins = 0.0
+    for p in positives:
+        for n in negatives:
+            wins += 1.0 if p < n else 0.5 if p == n else 0.0
+    return wins / (len(positives) * len(negatives))
+
+
+# How the gateway ends a request whose retries ran out (stages/gateway: retry_or_fail).
+RETRY_GIVE_UP = "gave up after"
+
+
+def recovery_errors(results, retried, label):
+    """The errors of a run in which a process was killed: the only one allowed is the retry
+    policy's give-up ("... gave up after N attempts": a request retried until its attempts ran
+    out), and for at most as many requests as were retried. A request that was not on the killed
+    process has nothing to fail of, and one that was is retried, so any other error (a deadline, a
+    divergence, a request lost) fails the test. Returns the number that gave up (to be reported)."""
+    given_up = []
+    for i, got in sorted(results.items()):
+        if got["error"] is None:
+            continue
+        code, message = got["error"]
+        require(code != 0 and message and RETRY_GIVE_UP in message,
+                f"{label}: request {i} ended with {got['error']}: after a kill only the retry "
+                "policy's give-up is allowed")
+        given_up.append(i)
+    require(len(given_up) <= retried,
+            f"{label}: requests {given_up} gave up but only {retried} requests were retried")
+    return len(given_up)
+
+
 def percentile(values, q):
     """The q-quantile (0..1) of values, linearly interpolated."""
     values = sorted(values)
@@ -204,6 +281,14 @@ def run_cases(cases, description):
         shutil.rmtree(short, ignore_errors=True)
         args.workdir = short
     os.makedirs(args.workdir, exist_ok=True)
+    skipped = []
     for name in args.case or sorted(cases):
-        cases[name](args)
+        try:
+            cases[name](args)
+        except Skipped as reason:
+            print(f"skipped {name}: {reason}")
+            skipped.append(name)
+    if skipped:
+        print(f"skipped: {', '.join(skipped)}; the other cases ok")
+        sys.exit(SKIP_EXIT_CODE)
     print("all ok")

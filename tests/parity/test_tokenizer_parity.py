@@ -145,13 +145,30 @@ def compare(name, ref, ours, texts):
                             f"    reference: {json.dumps(expected, ensure_ascii=False)[:600]}\n"
                             f"    moeline:   {json.dumps(got, ensure_ascii=False)[:600]}")
 
+    # Every list as long as the texts (or the random id lists) it answers: a short or empty list
+    # would otherwise compare nothing and pass.
+    if not texts or not ref["random_ids"]:
+        return [f"{name}: nothing to compare ({len(texts)} texts, {len(ref['random_ids'])} "
+                "random id lists)"]
+    full = ref["decode"] + ref["random_decode"]
+    for kind, want in (("encode", len(texts)), ("encode_no_special", len(texts)),
+                       ("decode", len(texts)), ("decode_skip", len(texts)),
+                       ("random_decode", len(ref["random_ids"])),
+                       ("random_decode_skip", len(ref["random_ids"])), ("stream", len(full))):
+        for side, lists in (("reference", ref), ("moeline", ours)):
+            if kind == "stream" and side == "reference":
+                continue
+            if len(lists[kind]) != want:
+                failures.append(f"{name}: {side} gave {len(lists[kind])} {kind} results for {want} "
+                                "inputs")
+    if failures:
+        return failures
     for i, text in enumerate(texts):
         for kind in ("encode", "encode_no_special", "decode", "decode_skip"):
             check(kind, i, ref[kind][i], ours[kind][i], text[:80])
     for i, ids in enumerate(ref["random_ids"]):
         for kind in ("random_decode", "random_decode_skip"):
             check(kind, i, ref[kind][i], ours[kind][i], ids)
-    full = ref["decode"] + ref["random_decode"]
     for i, pieces in enumerate(ours["stream"]):
         check("stream", i, full[i], "".join(pieces), "stream pieces joined")
         for p in pieces:

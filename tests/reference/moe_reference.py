@@ -165,6 +165,9 @@ def normalise_deepseek(c, where):
     c.setdefault("scoring_func", "sigmoid" if v3 else "softmax")
     c.setdefault("topk_method", "noaux_tc" if v3 else "greedy")
     c.setdefault("rope_interleave", True)
+    # DeepseekV3RMSNorm's default epsilon, which the latent norms (q_a_layernorm, kv_a_layernorm)
+    # are built with: modeling_deepseek.py does not pass rms_norm_eps to them.
+    c["latent_norm_eps"] = 1e-6
     if c["attention_bias"]:
         raise ModelError(f"{where}: attention_bias is not implemented by this reference")
     if c["scoring_func"] not in ("softmax", "sigmoid"):
@@ -226,6 +229,8 @@ def normalise_config(raw, where):
 
     if c.get("head_dim") is None:
         c["head_dim"] = c["hidden_size"] // c["num_attention_heads"]
+    # Scores are scaled by head_dim^-1/2 (HF's self.scaling), whatever hidden_size / heads is.
+    c["softmax_scale"] = c["head_dim"] ** -0.5
     if c.get("num_key_value_heads") is None:
         c["num_key_value_heads"] = c["num_attention_heads"]
     c.setdefault("tie_word_embeddings", False)
@@ -368,7 +373,7 @@ def attention(model, layer, x, c, cos, sin):
     group = nh // nkv  # query head i uses kv head i // group (repeat_kv)
     k = np.repeat(k, group, axis=0)
     v = np.repeat(v, group, axis=0)
-    scores = q @ k.transpose(0, 2, 1) / np.sqrt(hd)
+    scores = q @ k.transpose(0, 2, 1) * c["softmax_scale"]
     scores = np.where(attention_mask(n, c["window"])[None], scores, -np.inf)
     scores -= scores.max(axis=-1, keepdims=True)
     probs = np.exp(scores)
@@ -479,20 +484,20 @@ def deepseek_attention(model, layer, x, c):
     heads, nope, rope, vd = (c["num_attention_heads"], c["qk_nope_head_dim"], c["qk_rope_head_dim"],
                              c["v_head_dim"])
     qk, kv_lora = c["qk_head_dim"], c["kv_lora_rank"]
-    # The latent norms use a fixed epsilon of 1e-6 (DeepseekV3RMSNorm's default), not rms_norm_eps.
+    # The latent norms use a fixed epsilon (c["latent_norm_eps"]), not rms_norm_eps.
     if c["q_lora_rank"] is None:
         q = x @ model.get(p + "q_proj.weight", (heads * qk, h)).T
     else:
         r = c["q_lora_rank"]
         qa = rms_norm(x @ model.get(p + "q_a_proj.weight", (r, h)).T,
-                      model.get(p + "q_a_layernorm.weight", (r,)), 1e-6)
+                      model.get(p + "q_a_layernorm.weight", (r,)), c["latent_norm_eps"])
         q = qa @ model.get(p + "q_b_proj.weight", (heads * qk, r)).T
     q = q.reshape(n, heads, qk).transpose(1, 0, 2)
     q_nope, q_pe = q[..., :nope], q[..., nope:]
 
     compressed = x @ model.get(p + "kv_a_proj_with_mqa.weight", (kv_lora + rope, h)).T
     latent, k_pe = compressed[:, :kv_lora], compressed[:, kv_lora:]
-    latent = rms_norm(latent, model.get(p + "kv_a_layernorm.weight", (kv_lora,)), 1e-6)
+    latent = rms_norm(latent, model.get(p + "kv_a_layernorm.weight", (kv_lora,)), c["latent_norm_eps"])
     kv = (latent @ model.get(p + "kv_b_proj.weight", (heads * (nope + vd), kv_lora)).T)
     kv = kv.reshape(n, heads, nope + vd).transpose(1, 0, 2)
     k_nope, v = kv[..., :nope], kv[..., nope:]

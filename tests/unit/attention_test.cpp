@@ -190,5 +190,37 @@ TEST(Rope, LayoutsAreOneRotationAndAnglesCompose) {
   for (int i = 0; i < 4; ++i) EXPECT_FLOAT_EQ(a[i], 1.5f * pure[i]);
 }
 
+// Against the rotation written out: pair i of a head turns by position * theta^(-2i/dim), the first
+// of the pair getting a cos - b sin and the second b cos + a sin (a sign slip, a wrong pairing or
+// a wrong frequency each miss it by far more than float rounding).
+TEST(Rope, MatchesTheClosedFormRotation) {
+  constexpr int64_t kDim = 16;
+  constexpr double kTheta = 10000.0;
+  for (bool interleaved : {false, true}) {
+    std::vector<double> inv_freq(kDim / 2);
+    for (int64_t i = 0; i < kDim / 2; ++i)
+      inv_freq[static_cast<size_t>(i)] = std::pow(kTheta, -2.0 * static_cast<double>(i) / kDim);
+    const Rope rope = interleaved ? Rope(inv_freq, 1.0, true) : Rope(kDim, kTheta);
+    for (int64_t position : {0, 1, 7, 300}) {
+      float x[kDim], cos_sin[kDim];
+      for (int64_t d = 0; d < kDim; ++d) x[d] = 0.25f * static_cast<float>(d + 1);
+      float rotated[kDim];
+      std::copy(x, x + kDim, rotated);
+      rope.angles(position, cos_sin);
+      rope.rotate(rotated, 1, kDim, cos_sin);
+      for (int64_t i = 0; i < kDim / 2; ++i) {
+        const int64_t first = interleaved ? 2 * i : i;
+        const int64_t second = interleaved ? 2 * i + 1 : i + kDim / 2;
+        const double angle = static_cast<double>(position) * std::pow(kTheta, -2.0 * i / kDim);
+        const double a = x[first], b = x[second];
+        EXPECT_NEAR(rotated[first], a * std::cos(angle) - b * std::sin(angle), 1e-5)
+            << (interleaved ? "interleaved" : "rotate-half") << " p=" << position << " i=" << i;
+        EXPECT_NEAR(rotated[second], b * std::cos(angle) + a * std::sin(angle), 1e-5)
+            << (interleaved ? "interleaved" : "rotate-half") << " p=" << position << " i=" << i;
+      }
+    }
+  }
+}
+
 }  // namespace
 }  // namespace moeline::kernels

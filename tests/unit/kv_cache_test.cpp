@@ -4,6 +4,7 @@
 
 #include <numeric>
 #include <set>
+#include <vector>
 
 namespace moeline::model {
 namespace {
@@ -42,6 +43,54 @@ TEST(Sequence, ReservesWholeBlocksAndRefusesWhenThePoolIsShort) {
   EXPECT_EQ(pool.free_blocks(), 1);
   sequence.release(pool);
   EXPECT_EQ(pool.free_blocks(), 3);
+}
+
+// Whole blocks at exact multiples of the block size: 16 tokens take one block, 17 two, and a
+// sequence that grows one token at a time takes a new block only at token 16k + 1.
+TEST(Sequence, ReservesExactlyTheBlocksItsTokensFill) {
+  for (int64_t tokens : {int64_t{1}, kBlockTokens - 1, kBlockTokens, kBlockTokens + 1,
+                         2 * kBlockTokens, 2 * kBlockTokens + 1, 5 * kBlockTokens}) {
+    BlockPool pool(8);
+    Sequence sequence(1, 7, 0);
+    ASSERT_TRUE(sequence.reserve(pool, tokens)) << tokens;
+    EXPECT_EQ(static_cast<int64_t>(sequence.block_table().size()),
+              (tokens + kBlockTokens - 1) / kBlockTokens)
+        << tokens;
+    EXPECT_EQ(pool.free_blocks(), 8 - static_cast<int32_t>(sequence.block_table().size()));
+  }
+  BlockPool pool(8);
+  Sequence growing(1, 7, 0);
+  std::vector<int32_t> token = {5};
+  for (int64_t length = 1; length <= 3 * kBlockTokens + 1; ++length) {
+    ASSERT_TRUE(growing.reserve(pool, 1));
+    growing.commit(token);
+    EXPECT_EQ(static_cast<int64_t>(growing.block_table().size()),
+              (length + kBlockTokens - 1) / kBlockTokens)
+        << "length " << length;
+  }
+  EXPECT_TRUE(growing.reserve(pool, 0));
+  EXPECT_EQ(growing.block_table().size(), 4u);
+}
+
+// A pool filled exactly: every block in use, the next token refused, nothing allocated by the
+// refusal; a release frees exactly what was held.
+TEST(Sequence, FillsThePoolExactlyAndRefusesTheNextToken) {
+  BlockPool pool(4);
+  Sequence sequence(1, 7, 0);
+  ASSERT_TRUE(sequence.reserve(pool, 4 * kBlockTokens));
+  EXPECT_EQ(pool.free_blocks(), 0);
+  std::vector<int32_t> tokens(static_cast<size_t>(4 * kBlockTokens), 3);
+  sequence.commit(tokens);
+  EXPECT_TRUE(sequence.reserve(pool, 0));
+  EXPECT_FALSE(sequence.reserve(pool, 1));
+  EXPECT_EQ(sequence.block_table().size(), 4u);
+  Sequence other(2, 7, 0);
+  EXPECT_FALSE(other.reserve(pool, 1));
+  EXPECT_TRUE(other.block_table().empty());
+  sequence.release(pool);
+  EXPECT_EQ(pool.free_blocks(), 4);
+  EXPECT_TRUE(other.reserve(pool, 4 * kBlockTokens));
+  EXPECT_EQ(pool.free_blocks(), 0);
 }
 
 std::vector<int32_t> iota_tokens(int n, int start) {

@@ -152,6 +152,47 @@ TEST(QuantMatmul, RowResultDoesNotDependOnBatchOrThreads) {
   }
 }
 
+// One entry per kernel path, so that a path this CPU cannot run shows in the test report as
+// skipped (the tests above loop over the paths the CPU has, which would leave it out silently):
+// where the CPU has it, the path's F32 and fast quantized matmul agree with the portable path.
+class EveryKernelPath : public ::testing::TestWithParam<Isa> {};
+
+TEST_P(EveryKernelPath, RunsHereOrIsReportedSkipped) {
+  const Isa isa = GetParam();
+  if (best_supported_isa() < isa)
+    GTEST_SKIP() << "this CPU cannot run the " << isa_name(isa)
+                 << " kernels: they are not tested on this host";
+  ThreadPool pool(1);
+  const int64_t rows = 9, cols = 512, n = 3;
+  const std::vector<float> x = gaussian_input(n, cols, 17);
+  const std::vector<float> f32_weights = gaussian_input(rows, cols, 23);
+  for (DType dtype : {DType::kF32, DType::kQ8_0, DType::kQ4_K, DType::kQ6_K}) {
+    const std::vector<uint8_t> bytes = random_quantized_rows(dtype, rows, cols, 19);
+    const MatrixView w{dtype == DType::kF32 ? static_cast<const void*>(f32_weights.data())
+                                            : static_cast<const void*>(bytes.data()),
+                       dtype, rows, cols};
+    std::vector<float> portable, path;
+    {
+      ModeGuard guard(Isa::kPortable, QuantMath::kFast);
+      portable = run(pool, w, x, n);
+    }
+    {
+      ModeGuard guard(isa, QuantMath::kFast);
+      path = run(pool, w, x, n);
+    }
+    for (size_t i = 0; i < portable.size(); ++i)
+      ASSERT_NEAR(path[i], portable[i], 1e-4 * (1.0 + std::abs(portable[i])))
+          << isa_name(isa) << ' ' << dtype_name(dtype) << " i=" << i;
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Paths, EveryKernelPath,
+                         ::testing::Values(Isa::kPortable, Isa::kAvx2, Isa::kAvx512,
+                                           Isa::kAvx512Vnni),
+                         [](const ::testing::TestParamInfo<Isa>& param) {
+                           return std::string(isa_name(param.param));
+                         });
+
 // The VNNI build replaces instruction pairs with one exact instruction each: a stack whose
 // stages run on AVX-512 hosts with and without VNNI must produce the same bits (exact prefix reuse
 // compares them). Extreme activations and weights (±127, all of a block at its maximum) exercise

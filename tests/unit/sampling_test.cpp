@@ -14,6 +14,10 @@ const std::vector<float> kLogits = {1.0f, 3.0f, 2.5f, -1.0f, 0.0f, 2.9f};
 TEST(Sampling, GreedyIsArgmax) {
   Sampler sampler(SamplingParams{});
   EXPECT_EQ(sampler.sample(kLogits.data(), 6), 1);
+  // Ties go to the lowest id (as the CUDA argmax does), so every backend picks the same token.
+  const std::vector<float> tied = {0.5f, 2.0f, -1.0f, 2.0f, 2.0f};
+  EXPECT_EQ(argmax(tied.data(), 5), 1);
+  EXPECT_EQ(sampler.sample(tied.data(), 5), 1);
 }
 
 TEST(Sampling, SameSeedSameTokensDifferentSeedDifferentTokens) {

@@ -178,9 +178,9 @@ TEST(ChatTemplate, JinjaTemplatesRenderAndUnsupportedConstructsAreNamed) {
   ASSERT_TRUE(chat.ok()) << chat.error().message;
   EXPECT_EQ(chat->format(), ChatTemplate::Format::kJinja);
   EXPECT_EQ(*chat->render({{"system", " s "}, {"user", "hi"}}), "<s><system>s<user>hi<assistant>");
-  EXPECT_EQ(*chat->render({{"user", "hi"}}, {.add_generation_prompt = false,
-                                             .enable_thinking = false}),
-            "<s><user>hi/no_think");
+  EXPECT_EQ(
+      *chat->render({{"user", "hi"}}, {.add_generation_prompt = false, .enable_thinking = false}),
+      "<s><user>hi/no_think");
   auto unsupported = ChatTemplate::from_template("{% extends 'base.html' %}", "", "");
   ASSERT_FALSE(unsupported.ok());
   EXPECT_NE(unsupported.error().message.find("extends"), std::string::npos)

@@ -52,7 +52,8 @@ SCHEMA_MAJOR = 1
 SCHEMA_MINOR = 6  # schema 1.6 (penalties and log-probabilities); a client of any 1.x speaks to any 1.x gateway
 MAGIC = b"MOEL"
 _HEADER = struct.Struct("<4sHHHHI")
-assert _HEADER.size == 16
+if _HEADER.size != 16:  # the wire header is 16 bytes (an explicit check: asserts vanish under -O)
+    raise ImportError(f"moeline_client: the frame header packs to {_HEADER.size} bytes, not 16")
 
 # How long a closed socket keeps trying to deliver the cancels queued just before.
 _CANCEL_LINGER_MS = 200
