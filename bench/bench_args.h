@@ -9,6 +9,7 @@
 #include <memory>
 #include <sstream>
 #include <string>
+#include <type_traits>
 #include <vector>
 
 #include "model/model.h"
@@ -36,12 +37,17 @@ inline Flags parse_flags(int argc, char** argv, Flags defaults) {
   return defaults;
 }
 
+// "a,b,c" as numbers, or as the words themselves when T is std::string.
 template <typename T>
 std::vector<T> parse_list(const std::string& text) {
   std::vector<T> out;
   std::stringstream in(text);
-  for (std::string item; std::getline(in, item, ',');)
-    out.push_back(static_cast<T>(std::stod(item)));
+  for (std::string item; std::getline(in, item, ',');) {
+    if constexpr (std::is_same_v<T, std::string>)
+      out.push_back(item);
+    else
+      out.push_back(static_cast<T>(std::stod(item)));
+  }
   return out;
 }
 

@@ -12,7 +12,6 @@
 #include <cstdint>
 #include <iostream>
 #include <random>
-#include <sstream>
 #include <string>
 #include <vector>
 
@@ -43,13 +42,6 @@ kernels::DType parse_type(const std::string& name) {
   std::exit(2);
 }
 
-std::vector<std::string> split(const std::string& text) {
-  std::vector<std::string> out;
-  std::stringstream in(text);
-  for (std::string item; std::getline(in, item, ',');) out.push_back(item);
-  return out;
-}
-
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -71,7 +63,7 @@ int main(int argc, char** argv) {
   std::vector<float> weights(static_cast<size_t>(rows * cols));
   for (float& value : weights) value = normal(random);
 
-  for (const auto& type_name : split(flags.at("--types"))) {
+  for (const auto& type_name : bench::parse_list<std::string>(flags.at("--types"))) {
     const kernels::DType dtype = parse_type(type_name);
     const auto row_bytes = static_cast<int64_t>(kernels::stored_bytes(dtype, cols));
     // One quantized matrix copied `matrices` times: the copies are distinct memory, so a pass

@@ -97,17 +97,19 @@ def main(argv):
         got = runner.logits(model_dir, tokens, os.path.join(args.workdir, f"{name}.npy"))
         err = rel_l2(got.reshape(-1).astype(np.float64), want)
         checks += 1
-        if not np.isfinite(err) or err > LOGITS_RTOL:
+        matches = bool(np.isfinite(err) and err <= LOGITS_RTOL)
+        if not matches:
             failures.append(f"{name}: logits relative L2 error {err:.3g} > tolerance {LOGITS_RTOL}")
-        print(f"{'ok  ' if err <= LOGITS_RTOL else 'FAIL'}  {name}: logits rel err {err:.2e}")
+        print(f"{'ok  ' if matches else 'FAIL'}  {name}: logits rel err {err:.2e}")
         for what, plant in plants:
             moved = rel_l2(planted_logits(model, plant, tokens), want)
             checks += 1
-            if not moved > PLANTED_MARGIN * LOGITS_RTOL:
+            visible = moved > PLANTED_MARGIN * LOGITS_RTOL
+            if not visible:
                 failures.append(f"{name}: the planted bug '{what}' moves the reference logits by only "
                                 f"{moved:.3g}, within {PLANTED_MARGIN:g}x the tolerance {LOGITS_RTOL}")
-            print(f"{'ok  ' if moved > PLANTED_MARGIN * LOGITS_RTOL else 'FAIL'}  {name}: planted "
-                  f"'{what}' moves the reference by {moved:.2e}")
+            print(f"{'ok  ' if visible else 'FAIL'}  {name}: planted '{what}' moves the reference by "
+                  f"{moved:.2e}")
     elapsed = time.monotonic() - start
     if failures:
         print(f"\n{len(failures)} of {checks} checks FAILED ({elapsed:.1f} s):")
