@@ -38,16 +38,16 @@
 #include <string>
 #include <vector>
 
-#include "bench/bench_args.h"
+#include "bench_args.h"
 #include "kernels/cpu/thread_pool.h"
 #include "model/forward.h"
 #include "model/generator.h"
 #include "model/model.h"
-#include "model/tokenizer/tokenizer.h"
 #include "offload/resident_provider.h"
 #include "reuse/approximate.h"
 #include "reuse/blend.h"
 #include "reuse/signature.h"
+#include "tokenizer/tokenizer.h"
 
 namespace {
 
@@ -124,7 +124,7 @@ int main(int argc, char** argv) {
   const bench::Checkpoint checkpoint = bench::load_checkpoint(flags["--model"]);
   const model::Model& m = *checkpoint.model;
   const model::ModelConfig& cfg = m.config();
-  const model::Tokenizer* tokenizer = &checkpoint.tokenizer;
+  const tokenizer::Tokenizer* tokenizer = &checkpoint.tokenizer;
   kernels::ThreadPool pool(std::stoi(flags["--threads"]));
   offload::ResidentExpertProvider experts(m.experts());
   const std::string mode_name = flags["--mode"];
@@ -213,7 +213,7 @@ int main(int argc, char** argv) {
     return reuse::softmax_kl(full, blended);
   };
   auto text_of = [&](int32_t t) {
-    auto text = tokenizer->decode({t}, model::DecodeOptions{});
+    auto text = tokenizer->decode({t}, tokenizer::DecodeOptions{});
     return text ? *text : std::string();
   };
 

@@ -13,7 +13,7 @@
 #include <vector>
 
 #include "model/model.h"
-#include "model/tokenizer/tokenizer.h"
+#include "tokenizer/tokenizer.h"
 
 namespace moeline::bench {
 
@@ -63,17 +63,18 @@ inline std::unique_ptr<model::Model> load_model(const std::string& dir) {
 // A checkpoint and its tokenizer.
 struct Checkpoint {
   std::unique_ptr<model::Model> model;
-  model::Tokenizer tokenizer;
+  tokenizer::Tokenizer tokenizer;
 };
 
-inline model::Tokenizer load_tokenizer(const std::string& dir);
+inline tokenizer::Tokenizer load_tokenizer(const std::string& dir);
 
 inline Checkpoint load_checkpoint(const std::string& dir) {
   return {load_model(dir), load_tokenizer(dir)};
 }
 
-inline model::Tokenizer load_tokenizer(const std::string& dir) {
-  auto tokenizer = model::Tokenizer::load((std::filesystem::path(dir) / "tokenizer.json").string());
+inline tokenizer::Tokenizer load_tokenizer(const std::string& dir) {
+  auto tokenizer =
+      tokenizer::Tokenizer::load((std::filesystem::path(dir) / "tokenizer.json").string());
   if (!tokenizer) {
     std::cerr << tokenizer.error().message << '\n';
     std::exit(1);

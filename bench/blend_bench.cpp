@@ -26,14 +26,14 @@
 #include <string>
 #include <vector>
 
-#include "bench/bench_args.h"
+#include "bench_args.h"
 #include "kernels/cpu/thread_pool.h"
 #include "model/forward.h"
 #include "model/model.h"
-#include "model/tokenizer/tokenizer.h"
 #include "offload/resident_provider.h"
 #include "reuse/approximate.h"
 #include "reuse/blend.h"
+#include "tokenizer/tokenizer.h"
 
 namespace {
 
@@ -79,7 +79,7 @@ int main(int argc, char** argv) {
   const bench::Checkpoint checkpoint = bench::load_checkpoint(flags["--model"]);
   const model::Model& m = *checkpoint.model;
   const model::ModelConfig& cfg = m.config();
-  const model::Tokenizer* tokenizer = &checkpoint.tokenizer;
+  const tokenizer::Tokenizer* tokenizer = &checkpoint.tokenizer;
   std::ifstream in(flags["--text"]);
   std::stringstream text;
   text << in.rdbuf();

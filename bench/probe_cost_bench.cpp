@@ -14,7 +14,7 @@
 #include <string>
 #include <vector>
 
-#include "bench/bench_args.h"
+#include "bench_args.h"
 #include "kernels/cpu/thread_pool.h"
 #include "model/forward.h"
 #include "model/model.h"

@@ -15,7 +15,7 @@
 #include <string>
 #include <vector>
 
-#include "bench/bench_args.h"
+#include "bench_args.h"
 #include "kernels/cpu/cpu_features.h"
 #include "kernels/cpu/dtype.h"
 #include "kernels/cpu/quant_matmul.h"

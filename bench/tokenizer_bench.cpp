@@ -10,7 +10,7 @@
 #include <string>
 #include <vector>
 
-#include "model/tokenizer/tokenizer.h"
+#include "tokenizer/tokenizer.h"
 
 namespace {
 
@@ -51,14 +51,14 @@ int main(int argc, char** argv) {
   std::vector<double> load_ms;
   for (int r = 0; r < repeat; ++r) {
     const double t0 = now_ms();
-    auto tok = moeline::model::Tokenizer::load(tokenizer_path);
+    auto tok = moeline::tokenizer::Tokenizer::load(tokenizer_path);
     load_ms.push_back(now_ms() - t0);
     if (!tok.ok()) {
       std::cerr << tok.error().message << "\n";
       return 1;
     }
   }
-  auto tok = moeline::model::Tokenizer::load(tokenizer_path);
+  auto tok = moeline::tokenizer::Tokenizer::load(tokenizer_path);
   // The first encode fills the word cache (cold); the repeats are the steady state.
   std::vector<double> encode_ms;
   std::size_t tokens = 0;

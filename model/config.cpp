@@ -6,9 +6,9 @@
 #include <nlohmann/json.hpp>
 #include <sstream>
 
+#include "base/status.h"
 #include "model/arch/arch.h"
 #include "model/gguf.h"
-#include "model/status.h"
 
 namespace moeline::model {
 namespace arch {
@@ -17,7 +17,7 @@ namespace {
 using nlohmann::json;
 
 [[noreturn]] void bad_key(const char* key, const std::string& why) {
-  throw ModelError(std::string("config.json: \"") + key + "\" " + why);
+  throw StatusError(std::string("config.json: \"") + key + "\" " + why);
 }
 
 const json* present(const json& config, const char* key) {
@@ -141,11 +141,11 @@ using nlohmann::json;
 
 json read_json(const std::filesystem::path& path) {
   std::ifstream in(path);
-  if (!in) throw ModelError(path.string() + ": cannot open");
+  if (!in) throw StatusError(path.string() + ": cannot open");
   try {
     return json::parse(in);
   } catch (const json::exception& e) {
-    throw ModelError(path.filename().string() + ": not valid JSON: " + e.what());
+    throw StatusError(path.filename().string() + ": not valid JSON: " + e.what());
   }
 }
 
@@ -160,7 +160,7 @@ std::vector<int64_t> token_ids(const json& value) {
 
 void validate(const ModelConfig& c) {
   auto positive = [](int64_t value, const char* what) {
-    if (value <= 0) throw ModelError(std::string("config.json: ") + what + " must be positive");
+    if (value <= 0) throw StatusError(std::string("config.json: ") + what + " must be positive");
   };
   positive(c.vocab_size, "vocab_size");
   positive(c.hidden_size, "hidden_size");
@@ -174,8 +174,8 @@ void validate(const ModelConfig& c) {
   // config.json is input, and `num_hidden_layers: 2147483648` must be an error, not an allocation.
   auto at_most = [](int64_t value, int64_t limit, const char* what) {
     if (value > limit)
-      throw ModelError(std::string("config.json: ") + what + " " + std::to_string(value) +
-                       " exceeds the limit of " + std::to_string(limit));
+      throw StatusError(std::string("config.json: ") + what + " " + std::to_string(value) +
+                        " exceeds the limit of " + std::to_string(limit));
   };
   at_most(c.vocab_size, int64_t{1} << 22, "vocab_size");
   at_most(c.hidden_size, int64_t{1} << 17, "hidden_size");
@@ -195,12 +195,12 @@ void validate(const ModelConfig& c) {
     at_most(c.v_head_dim, 8192, "v_head_dim");
   }
   if (c.num_heads % c.num_kv_heads != 0)
-    throw ModelError("config.json: num_attention_heads must be a multiple of num_key_value_heads");
+    throw StatusError("config.json: num_attention_heads must be a multiple of num_key_value_heads");
   if (!c.mla && c.head_dim % 2 != 0)
-    throw ModelError("config.json: head_dim must be even for RoPE");
+    throw StatusError("config.json: head_dim must be even for RoPE");
   if (c.experts_per_token > c.num_experts)
-    throw ModelError("config.json: num_experts_per_tok exceeds the number of experts");
-  if (c.sliding_window < 0) throw ModelError("config.json: sliding_window must be positive");
+    throw StatusError("config.json: num_experts_per_tok exceeds the number of experts");
+  if (c.sliding_window < 0) throw StatusError("config.json: sliding_window must be positive");
 }
 
 }  // namespace
@@ -221,16 +221,16 @@ ModelConfig ModelConfig::load(const std::filesystem::path& dir) {
     return from_gguf(GgufFile::open(dir));
   const auto config_path = dir / "config.json";
   if (!std::filesystem::exists(config_path))
-    throw ModelError(dir.string() + ": no config.json (is this a Hugging Face model folder?)");
+    throw StatusError(dir.string() + ": no config.json (is this a Hugging Face model folder?)");
   const json config = read_json(config_path);
-  if (!config.is_object()) throw ModelError("config.json: not a JSON object");
+  if (!config.is_object()) throw StatusError("config.json: not a JSON object");
   const auto type = config.find("model_type");
   if (type == config.end() || !type->is_string())
-    throw ModelError("config.json: \"model_type\" is missing");
+    throw StatusError("config.json: \"model_type\" is missing");
   const arch::Family* family = arch::find_family(type->get<std::string>());
   if (!family)
-    throw ModelError("config.json: model_type \"" + type->get<std::string>() +
-                     "\" is not supported (supported: " + arch::supported_model_types() + ")");
+    throw StatusError("config.json: model_type \"" + type->get<std::string>() +
+                      "\" is not supported (supported: " + arch::supported_model_types() + ")");
   ModelConfig out;
   out.model_type = type->get<std::string>();
   family->parse(config, out);
@@ -250,12 +250,12 @@ ModelConfig ModelConfig::from_gguf(const GgufFile& gguf) {
   const std::string file = gguf.path().filename().string();
   const json& architecture = gguf.value("general.architecture");
   if (!architecture.is_string())
-    throw ModelError(file + ": GGUF metadata 'general.architecture' is missing");
+    throw StatusError(file + ": GGUF metadata 'general.architecture' is missing");
   const std::string name = architecture.get<std::string>();
   const arch::Family* family = arch::find_gguf_family(name);
   if (!family)
-    throw ModelError(file + ": GGUF architecture \"" + name + "\" is not supported (supported: " +
-                     arch::supported_gguf_architectures() + ")");
+    throw StatusError(file + ": GGUF architecture \"" + name + "\" is not supported (supported: " +
+                      arch::supported_gguf_architectures() + ")");
   const arch::GgufMetadata metadata(gguf.metadata(), name, file);
   const json config = family->gguf_config(metadata);
   ModelConfig out;
@@ -263,9 +263,9 @@ ModelConfig ModelConfig::from_gguf(const GgufFile& gguf) {
   try {
     arch::find_family(out.model_type)->parse(config, out);
     finish(out);
-  } catch (const ModelError& e) {
+  } catch (const StatusError& e) {
     // The family's parser speaks of config.json keys: say which file they were read from.
-    throw ModelError(file + " (GGUF metadata read as " + e.what() + ")");
+    throw StatusError(file + " (GGUF metadata read as " + e.what() + ")");
   }
   if (family->gguf_adjust) family->gguf_adjust(metadata, out);
   // An untied model has its own output matrix; a GGUF of a tied one leaves it out.

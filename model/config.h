@@ -92,10 +92,10 @@ struct ModelConfig {
   std::optional<int64_t> bos_token_id;
 
   // Parses dir/config.json (and generation_config.json for stop tokens), or, when `dir` is a
-  // file, the GGUF's metadata (from_gguf). Throws ModelError naming the file and the key at fault.
+  // file, the GGUF's metadata (from_gguf). Throws StatusError naming the file and the key at fault.
   static ModelConfig load(const std::filesystem::path& dir);
   // The config a GGUF file's metadata describes (llama.cpp's keys, read through the family's
-  // config.json parser). Throws ModelError naming the file and the key.
+  // config.json parser). Throws StatusError naming the file and the key.
   static ModelConfig from_gguf(const GgufFile& gguf);
   std::string summary() const;
 };

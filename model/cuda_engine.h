@@ -24,11 +24,11 @@
 #include <span>
 #include <vector>
 
+#include "base/status.h"
 #include "kernels/cpu/thread_pool.h"
 #include "model/forward.h"
 #include "model/kv_cache.h"
 #include "model/model.h"
-#include "model/status.h"
 #include "offload/expert_provider.h"
 
 namespace moeline::model {

@@ -12,13 +12,13 @@
 #include <span>
 #include <vector>
 
+#include "base/status.h"
 #include "kernels/cpu/attention.h"
 #include "kernels/cpu/matmul.h"
 #include "kernels/cpu/thread_pool.h"
 #include "model/kv_cache.h"
 #include "model/model.h"
 #include "model/router_observer.h"
-#include "model/status.h"
 #include "offload/expert_provider.h"
 
 namespace moeline::model {

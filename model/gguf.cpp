@@ -99,7 +99,7 @@ class Reader {
   uint64_t position() const { return at_; }
 
   [[noreturn]] void fail(const std::string& why) const {
-    throw ModelError(file_.path().filename().string() + ": " + why);
+    throw StatusError(file_.path().filename().string() + ": " + why);
   }
 
  private:
@@ -247,8 +247,8 @@ Checkpoint Checkpoint::from_gguf(const GgufFile& gguf) {
             [](const GgufTensor* a, const GgufTensor* b) { return a->offset < b->offset; });
   for (size_t i = 1; i < by_offset.size(); ++i)
     if (by_offset[i]->offset < by_offset[i - 1]->offset + by_offset[i - 1]->bytes)
-      throw ModelError(gguf.path().filename().string() + ": tensors '" + by_offset[i - 1]->name +
-                       "' and '" + by_offset[i]->name + "' overlap");
+      throw StatusError(gguf.path().filename().string() + ": tensors '" + by_offset[i - 1]->name +
+                        "' and '" + by_offset[i]->name + "' overlap");
   return checkpoint;
 }
 

@@ -3,7 +3,7 @@
 // metadata (as JSON values: integers keep their signedness, arrays their elements) and the tensor
 // table, whose data are views into the mapping. Every structural problem (bad magic or version,
 // a count or length past the file, a tensor outside the data section or misaligned, a shape
-// that overflows, a type this build cannot read) raises ModelError naming the file and the key or
+// that overflows, a type this build cannot read) raises StatusError naming the file and the key or
 // tensor. Dimensions are listed as GGUF lists them, fastest-varying first (ne[0] is a row's
 // length).
 

@@ -143,8 +143,8 @@ struct TensorSource {
         fp8_block_cols > 0 ? (cols + fp8_block_cols - 1) / fp8_block_cols : 0;
     if (fp8_block_rows <= 0 || !scales || scales->dtype_name != "F32" ||
         scales->elements() != (rows + fp8_block_rows - 1) / fp8_block_rows * column_blocks)
-      throw ModelError(tensor.file_name() + ": FP8 tensor '" + tensor.name +
-                       "' has no F32 '_scale_inv' of config.json's weight_block_size");
+      throw StatusError(tensor.file_name() + ": FP8 tensor '" + tensor.name +
+                        "' has no F32 '_scale_inv' of config.json's weight_block_size");
     // The table copied out (safetensors does not align it), then each row widened by the
     // kernels' own rule for block-scaled weights.
     std::vector<float> table(static_cast<size_t>(scales->elements()));
@@ -282,7 +282,7 @@ class Planner {
  private:
   const TensorInfo& need(const std::string& name) const {
     const TensorInfo* tensor = checkpoint_.find(name);
-    if (!tensor) throw ModelError(checkpoint_.describe() + ": tensor '" + name + "' is missing");
+    if (!tensor) throw StatusError(checkpoint_.describe() + ": tensor '" + name + "' is missing");
     return *tensor;
   }
 
@@ -427,8 +427,8 @@ void architecture_keys(GgufHeader& h, const ModelConfig& c, const json& raw,
   h.u32(key("vocab_size"), c.vocab_size);
   const auto no_window = [&] {
     if (c.sliding_window > 0)
-      throw ModelError("sliding-window attention cannot be written as GGUF (llama.cpp's " + arch +
-                       " has none)");
+      throw StatusError("sliding-window attention cannot be written as GGUF (llama.cpp's " + arch +
+                        " has none)");
   };
   if (c.family == Family::kMixtral) {
     no_window();
@@ -442,7 +442,7 @@ void architecture_keys(GgufHeader& h, const ModelConfig& c, const json& raw,
   if (c.family == Family::kQwen3Moe) {
     no_window();
     if (std::find(c.layer_is_moe.begin(), c.layer_is_moe.end(), false) != c.layer_is_moe.end())
-      throw ModelError(
+      throw StatusError(
           "a Qwen3-MoE with dense layers cannot be written as GGUF (llama.cpp's "
           "qwen3moe has experts in every layer)");
     h.u32(key("attention.head_count_kv"), c.num_kv_heads);
@@ -459,7 +459,7 @@ void architecture_keys(GgufHeader& h, const ModelConfig& c, const json& raw,
     ++leading_dense;
   for (int64_t l = leading_dense; l < c.num_layers; ++l)
     if (!c.layer_is_moe[static_cast<size_t>(l)])
-      throw ModelError(
+      throw StatusError(
           "dense layers after the first MoE layer (moe_layer_freq > 1) cannot be "
           "written as GGUF (llama.cpp's deepseek2 has leading dense layers only)");
   h.u32(key("attention.head_count_kv"), 1);
@@ -490,7 +490,7 @@ void architecture_keys(GgufHeader& h, const ModelConfig& c, const json& raw,
                               : raw.value("rope_parameters", json::object());
     const double mscale = scaling.value("mscale", 1.0), all = scaling.value("mscale_all_dim", 0.0);
     if (std::abs(mscale - all) > 1e-9)
-      throw ModelError(
+      throw StatusError(
           "YaRN with mscale != mscale_all_dim cannot be written as GGUF (llama.cpp "
           "keeps one of them)");
     h.string(key("rope.scaling.type"), "yarn");
@@ -503,10 +503,10 @@ void architecture_keys(GgufHeader& h, const ModelConfig& c, const json& raw,
 // tokenizer.ggml.* from tokenizer.json (and tokenizer_config.json), as llama.cpp's converter.
 void tokenizer_keys(GgufHeader& h, const fs::path& dir) {
   std::ifstream in(dir / "tokenizer.json");
-  if (!in) throw ModelError((dir / "tokenizer.json").string() + ": cannot open");
+  if (!in) throw StatusError((dir / "tokenizer.json").string() + ": cannot open");
   const json doc = json::parse(in, nullptr, false);
   if (!doc.is_object() || !doc.contains("model"))
-    throw ModelError("tokenizer.json: not a tokenizer");
+    throw StatusError("tokenizer.json: not a tokenizer");
   const json& model = doc["model"];
   std::map<std::string, int64_t> vocab = model.value("vocab", json::object());
   std::map<std::string, bool> added;  // content -> special
@@ -652,7 +652,7 @@ Expected<GgufExportReport> export_gguf(const fs::path& checkpoint_dir, const fs:
     report.bytes = fs::file_size(out);
     for (const std::string& t : types) report.types += (report.types.empty() ? "" : "+") + t;
     return report;
-  } catch (const ModelError& e) {
+  } catch (const StatusError& e) {
     return Error{e.what()};
   } catch (const std::exception& e) {
     return Error{checkpoint_dir.string() + ": " + e.what()};

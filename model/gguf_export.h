@@ -14,7 +14,7 @@
 #include <filesystem>
 #include <string>
 
-#include "model/status.h"
+#include "base/status.h"
 
 namespace moeline::model {
 

@@ -42,8 +42,8 @@ class TensorBinder {
     if (!tensor) return MatrixView{};
     const kernels::DType dtype = supported_dtype(*tensor);
     if (kernels::has_block_scales(dtype))
-      throw ModelError(tensor->file_name() + ": tensor '" + name + "' is " + tensor->dtype_name +
-                       " with stacked experts; FP8 is supported for one matrix per tensor");
+      throw StatusError(tensor->file_name() + ": tensor '" + name + "' is " + tensor->dtype_name +
+                        " with stacked experts; FP8 is supported for one matrix per tensor");
     return MatrixView{tensor->data, dtype, count * rows, cols};
   }
   bool has(const std::string& name) const { return checkpoint_.find(name) != nullptr; }
@@ -52,8 +52,8 @@ class TensorBinder {
     if (!tensor) return VectorView{};
     const kernels::DType dtype = supported_dtype(*tensor);
     if (kernels::widened_before_use(dtype))
-      throw ModelError(tensor->file_name() + ": tensor '" + name + "' is " + tensor->dtype_name +
-                       "; norms and biases must be F32, F16 or BF16");
+      throw StatusError(tensor->file_name() + ": tensor '" + name + "' is " + tensor->dtype_name +
+                        "; norms and biases must be F32, F16 or BF16");
     return VectorView{tensor->data, dtype, size};
   }
 
@@ -70,7 +70,7 @@ class TensorBinder {
     }
     if (listed > 5) unused += " and " + std::to_string(listed - 5) + " more";
     if (!unused.empty()) message += "; tensors in the checkpoint that nothing uses: " + unused;
-    throw ModelError(message);
+    throw StatusError(message);
   }
 
  private:
@@ -78,16 +78,16 @@ class TensorBinder {
   void bind_block_scales(const TensorInfo& tensor, MatrixView& view) {
     const int64_t block_rows = config_.fp8_block_rows, block_cols = config_.fp8_block_cols;
     if (block_rows <= 0)
-      throw ModelError(tensor.file_name() + ": tensor '" + tensor.name + "' is " +
-                       tensor.dtype_name +
-                       " but config.json has no quantization_config with weight_block_size");
+      throw StatusError(tensor.file_name() + ": tensor '" + tensor.name + "' is " +
+                        tensor.dtype_name +
+                        " but config.json has no quantization_config with weight_block_size");
     const std::string scale_name = tensor.name + "_scale_inv";
     const TensorInfo* scales = find(scale_name, {(view.rows + block_rows - 1) / block_rows,
                                                  (view.cols + block_cols - 1) / block_cols});
     if (!scales) return;  // reported by finish()
     if (scales->dtype_name != "F32")
-      throw ModelError(scales->file_name() + ": tensor '" + scale_name + "' is " +
-                       scales->dtype_name + "; FP8 block scales must be F32");
+      throw StatusError(scales->file_name() + ": tensor '" + scale_name + "' is " +
+                        scales->dtype_name + "; FP8 block scales must be F32");
     const void* table = scales->data;
     if (reinterpret_cast<uintptr_t>(table) % alignof(float) != 0) {
       // safetensors does not align tensors: an FP8 weight of an odd size leaves the next F32
@@ -114,9 +114,9 @@ class TensorBinder {
     }
     used_.insert(name);
     if (tensor->shape != shape) {
-      throw ModelError(tensor->file_name() + ": tensor '" + name + "' has shape " +
-                       tensor->shape_string() + ", expected " + expected.shape_string() +
-                       " from config.json");
+      throw StatusError(tensor->file_name() + ": tensor '" + name + "' has shape " +
+                        tensor->shape_string() + ", expected " + expected.shape_string() +
+                        " from config.json");
     }
     return tensor;
   }
@@ -197,7 +197,7 @@ Expected<std::unique_ptr<Model>> Model::load(const std::filesystem::path& dir) {
     model->load_weights(*arch::find_family(model->config_.model_type)->names);
     model->model_id_ = hash_model(read_text(dir / "config.json"), model->checkpoint_);
     return model;
-  } catch (const ModelError& e) {
+  } catch (const StatusError& e) {
     return Error{e.what()};
   } catch (const std::exception& e) {
     return Error{dir.string() + ": " + e.what()};

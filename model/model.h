@@ -13,11 +13,11 @@
 #include <string>
 #include <vector>
 
+#include "base/status.h"
 #include "kernels/cpu/dtype.h"
 #include "model/config.h"
 #include "model/gguf.h"
 #include "model/safetensors.h"
-#include "model/status.h"
 #include "offload/expert_pool.h"
 #include "offload/expert_provider.h"
 

@@ -70,9 +70,9 @@ std::pair<json, json> byte_level_family(const std::string& pre, const std::strin
     return {nullptr, json{{"type", "Sequence"}, {"pretokenizers", std::move(steps)}}};
   }
   if (pre == "gpt-2" || pre == "default" || pre.empty()) return {nullptr, byte_level(true)};
-  throw ModelError(file + ": GGUF metadata 'tokenizer.ggml.pre' is \"" + pre +
-                   "\", which moeline does not map to a pre-tokenizer (supported: qwen2, "
-                   "deepseek-r1-qwen, deepseek-v3, llama-bpe, gpt-2, default)");
+  throw StatusError(file + ": GGUF metadata 'tokenizer.ggml.pre' is \"" + pre +
+                    "\", which moeline does not map to a pre-tokenizer (supported: qwen2, "
+                    "deepseek-r1-qwen, deepseek-v3, llama-bpe, gpt-2, default)");
 }
 
 // The merges a SentencePiece vocabulary implies, as transformers' SentencePieceExtractor derives
@@ -116,13 +116,13 @@ std::vector<T> array_of(const GgufFile& gguf, const std::string& key, bool requi
   const json& value = gguf.value(key);
   const std::string file = gguf.path().filename().string();
   if (value.is_null()) {
-    if (required) throw ModelError(file + ": GGUF metadata '" + key + "' is missing");
+    if (required) throw StatusError(file + ": GGUF metadata '" + key + "' is missing");
     return {};
   }
   try {
     return value.get<std::vector<T>>();
   } catch (const json::exception&) {
-    throw ModelError(file + ": GGUF metadata '" + key + "' is not an array of the expected type");
+    throw StatusError(file + ": GGUF metadata '" + key + "' is not an array of the expected type");
   }
 }
 
@@ -131,9 +131,9 @@ std::optional<int64_t> id_of(const GgufFile& gguf, const char* key, size_t vocab
   if (!value.is_number_integer()) return std::nullopt;
   const int64_t id = value.get<int64_t>();
   if (id < 0 || static_cast<size_t>(id) >= vocab)
-    throw ModelError(gguf.path().filename().string() + ": GGUF metadata 'tokenizer.ggml." + key +
-                     "' is " + std::to_string(id) + ", outside the vocabulary of " +
-                     std::to_string(vocab));
+    throw StatusError(gguf.path().filename().string() + ": GGUF metadata 'tokenizer.ggml." + key +
+                      "' is " + std::to_string(id) + ", outside the vocabulary of " +
+                      std::to_string(vocab));
   return id;
 }
 
@@ -158,18 +158,18 @@ json gguf_tokenizer_json(const GgufFile& gguf) {
   const std::string file = file_name(gguf.path());
   const json& model_name = gguf.value("tokenizer.ggml.model");
   if (!model_name.is_string())
-    throw ModelError(file + ": GGUF metadata 'tokenizer.ggml.model' is missing (no tokenizer)");
+    throw StatusError(file + ": GGUF metadata 'tokenizer.ggml.model' is missing (no tokenizer)");
   const std::string kind = model_name.get<std::string>();
   if (kind != "gpt2" && kind != "llama")
-    throw ModelError(file + ": tokenizer model \"" + kind +
-                     "\" is not supported (gpt2: byte-level BPE, llama: SentencePiece BPE)");
+    throw StatusError(file + ": tokenizer model \"" + kind +
+                      "\" is not supported (gpt2: byte-level BPE, llama: SentencePiece BPE)");
   const auto tokens = array_of<std::string>(gguf, "tokenizer.ggml.tokens", true);
   auto types = array_of<int64_t>(gguf, "tokenizer.ggml.token_type", false);
   if (types.empty()) types.assign(tokens.size(), kNormal);
   if (types.size() != tokens.size())
-    throw ModelError(file + ": GGUF metadata 'tokenizer.ggml.token_type' has " +
-                     std::to_string(types.size()) + " entries for " +
-                     std::to_string(tokens.size()) + " tokens");
+    throw StatusError(file + ": GGUF metadata 'tokenizer.ggml.token_type' has " +
+                      std::to_string(types.size()) + " entries for " +
+                      std::to_string(tokens.size()) + " tokens");
   const bool spm = kind == "llama";
 
   json vocab = json::object();
@@ -187,7 +187,7 @@ json gguf_tokenizer_json(const GgufFile& gguf) {
                        {"special", types[i] != kUserDefined}});
   }
   if (vocab.size() != tokens.size())
-    throw ModelError(file + ": GGUF metadata 'tokenizer.ggml.tokens' repeats a token");
+    throw StatusError(file + ": GGUF metadata 'tokenizer.ggml.tokens' repeats a token");
 
   json doc = {{"version", "1.0"}, {"truncation", nullptr}, {"padding", nullptr}};
   doc["added_tokens"] = std::move(added);
@@ -208,9 +208,9 @@ json gguf_tokenizer_json(const GgufFile& gguf) {
   if (spm) {
     const auto scores = array_of<double>(gguf, "tokenizer.ggml.scores", true);
     if (scores.size() != tokens.size())
-      throw ModelError(file + ": GGUF metadata 'tokenizer.ggml.scores' has " +
-                       std::to_string(scores.size()) + " entries for " +
-                       std::to_string(tokens.size()) + " tokens");
+      throw StatusError(file + ": GGUF metadata 'tokenizer.ggml.scores' has " +
+                        std::to_string(scores.size()) + " entries for " +
+                        std::to_string(tokens.size()) + " tokens");
     const std::string marker = "\xE2\x96\x81";  // U+2581, SentencePiece's space
     const auto unk = id_of(gguf, "unknown_token_id", tokens.size());
     if (unk) model["unk_token"] = tokens[static_cast<size_t>(*unk)];
@@ -260,7 +260,7 @@ Expected<Tokenizer> load_model_tokenizer(const fs::path& model) {
   try {
     const GgufFile gguf = GgufFile::open(model);
     return Tokenizer::from_json(gguf_tokenizer_json(gguf).dump(), file_name(model));
-  } catch (const ModelError& e) {
+  } catch (const StatusError& e) {
     return Error{e.what()};
   }
 }
@@ -291,7 +291,7 @@ Expected<ChatTemplate> load_model_chat_template(const fs::path& model) {
     return Error{file_name(model) +
                  ": has no tokenizer.chat_template (and its architecture has no "
                  "built-in chat format)"};
-  } catch (const ModelError& e) {
+  } catch (const StatusError& e) {
     return Error{e.what()};
   }
 }

@@ -16,11 +16,14 @@
 
 #include <nlohmann/json.hpp>
 
-#include "model/status.h"
-#include "model/tokenizer/chat_template.h"
-#include "model/tokenizer/tokenizer.h"
+#include "base/status.h"
+#include "tokenizer/chat_template.h"
+#include "tokenizer/tokenizer.h"
 
 namespace moeline::model {
+
+using tokenizer::ChatTemplate;
+using tokenizer::Tokenizer;
 
 class GgufFile;
 
@@ -31,7 +34,7 @@ Expected<Tokenizer> load_model_tokenizer(const std::filesystem::path& model);
 // The model's chat template (a GGUF's tokenizer.chat_template, else its family's built-in format).
 Expected<ChatTemplate> load_model_chat_template(const std::filesystem::path& model);
 
-// The tokenizer.json document of a GGUF's tokenizer metadata; throws ModelError.
+// The tokenizer.json document of a GGUF's tokenizer metadata; throws StatusError.
 nlohmann::json gguf_tokenizer_json(const GgufFile& gguf);
 
 }  // namespace moeline::model

@@ -31,7 +31,7 @@ size_t header_dtype_size(const std::string& dtype) {
 }
 
 [[noreturn]] void fail(const fs::path& file, const std::string& what) {
-  throw ModelError(file.filename().string() + ": " + what);
+  throw StatusError(file.filename().string() + ": " + what);
 }
 
 // Maps the file at a 2 MiB-aligned address and asks for huge pages, so that the kernel can read the
@@ -63,12 +63,12 @@ void* map_aligned(int fd, size_t size) {
 
 MappedFile::MappedFile(const fs::path& path) : path_(path) {
   const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
-  if (fd < 0) throw ModelError(path.string() + ": cannot open: " + std::strerror(errno));
+  if (fd < 0) throw StatusError(path.string() + ": cannot open: " + std::strerror(errno));
   struct stat info {};
   if (::fstat(fd, &info) != 0) {
     const int saved = errno;
     ::close(fd);
-    throw ModelError(path.string() + ": cannot stat: " + std::strerror(saved));
+    throw StatusError(path.string() + ": cannot stat: " + std::strerror(saved));
   }
   size_ = static_cast<size_t>(info.st_size);
   if (size_ > 0) {
@@ -76,7 +76,7 @@ MappedFile::MappedFile(const fs::path& path) : path_(path) {
     if (mapped == MAP_FAILED) {
       const int saved = errno;
       ::close(fd);
-      throw ModelError(path.string() + ": cannot map: " + std::strerror(saved));
+      throw StatusError(path.string() + ": cannot map: " + std::strerror(saved));
     }
     data_ = static_cast<std::byte*>(mapped);
   }
@@ -131,7 +131,7 @@ Checkpoint Checkpoint::open(const fs::path& dir) {
   } else if (fs::exists(single_path)) {
     checkpoint.add_file(single_path, nullptr);
   } else {
-    throw ModelError(dir.string() + ": no model.safetensors or model.safetensors.index.json");
+    throw StatusError(dir.string() + ": no model.safetensors or model.safetensors.index.json");
   }
   return checkpoint;
 }
@@ -257,10 +257,10 @@ kernels::DType supported_dtype(const TensorInfo& tensor) {
   if (tensor.dtype_name == "F8_E4M3") return kernels::DType::kF8E4M3;
   for (kernels::DType quantized : kernels::kQuantizedTypes)
     if (tensor.dtype_name == kernels::dtype_name(quantized)) return quantized;
-  throw ModelError(tensor.file_name() + ": tensor '" + tensor.name + "' has dtype " +
-                   tensor.dtype_name +
-                   ", which moeline does not support (F32, BF16, F16, F8_E4M3 with block scales, "
-                   "and in GGUF files Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K)");
+  throw StatusError(tensor.file_name() + ": tensor '" + tensor.name + "' has dtype " +
+                    tensor.dtype_name +
+                    ", which moeline does not support (F32, BF16, F16, F8_E4M3 with block scales, "
+                    "and in GGUF files Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K)");
 }
 
 }  // namespace moeline::model

@@ -2,7 +2,7 @@
 // Read-only, memory-mapped safetensors checkpoints: one file, or shards listed by
 // model.safetensors.index.json. Tensors are views into the mapping — nothing is copied. Every
 // structural problem (bad header, offsets past the end, size that does not match the shape,
-// unsupported dtype) raises ModelError naming the file and the tensor.
+// unsupported dtype) raises StatusError naming the file and the tensor.
 
 #include <cstdint>
 #include <filesystem>
@@ -12,8 +12,8 @@
 #include <string>
 #include <vector>
 
+#include "base/status.h"
 #include "kernels/cpu/dtype.h"
-#include "model/status.h"
 
 namespace moeline::model {
 

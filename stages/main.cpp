@@ -4,23 +4,23 @@
 #include <iostream>
 #include <string>
 
-#include "sdk/client_command.h"
+#include "cli/client_command.h"
+#include "cli/experts_command.h"
+#include "cli/gguf_command.h"
+#include "cli/keys_command.h"
+#include "cli/perplexity_command.h"
+#include "cli/quantize_command.h"
+#include "cli/run_command.h"
+#include "cli/signature_command.h"
+#include "cli/tokenize_command.h"
 #include "stages/decode/decode.h"
-#include "stages/experts_command.h"
 #include "stages/gateway/gateway.h"
-#include "stages/gguf_command.h"
 #include "stages/http/http_front.h"
-#include "stages/keys_command.h"
 #include "stages/load/load.h"
 #include "stages/offload_manager/offload_manager.h"
-#include "stages/perplexity_command.h"
 #include "stages/prefill/prefill.h"
 #include "stages/probe/probe.h"
-#include "stages/quantize_command.h"
-#include "stages/run_command.h"
-#include "stages/signature_command.h"
 #include "stages/stack/stack.h"
-#include "stages/tokenize_command.h"
 
 namespace {
 
@@ -59,19 +59,19 @@ int main(int argc, char** argv) {
     return argc < 2 ? 2 : 0;
   }
   const std::string command = argv[1];
-  if (command == "run") return moeline::stages::run_command(argc - 2, argv + 2);
-  if (command == "tokenize") return moeline::stages::tokenize_command(argc - 2, argv + 2);
-  if (command == "chat-template") return moeline::stages::chat_template_command(argc - 2, argv + 2);
-  if (command == "detokenize") return moeline::stages::detokenize_command(argc - 2, argv + 2);
-  if (command == "keys") return moeline::stages::keys_command(argc - 2, argv + 2);
-  if (command == "gguf") return moeline::stages::gguf_command(argc - 2, argv + 2);
-  if (command == "perplexity") return moeline::stages::perplexity_command(argc - 2, argv + 2);
-  if (command == "quantize") return moeline::stages::quantize_command(argc - 2, argv + 2);
+  if (command == "run") return moeline::cli::run_command(argc - 2, argv + 2);
+  if (command == "tokenize") return moeline::cli::tokenize_command(argc - 2, argv + 2);
+  if (command == "chat-template") return moeline::cli::chat_template_command(argc - 2, argv + 2);
+  if (command == "detokenize") return moeline::cli::detokenize_command(argc - 2, argv + 2);
+  if (command == "keys") return moeline::cli::keys_command(argc - 2, argv + 2);
+  if (command == "gguf") return moeline::cli::gguf_command(argc - 2, argv + 2);
+  if (command == "perplexity") return moeline::cli::perplexity_command(argc - 2, argv + 2);
+  if (command == "quantize") return moeline::cli::quantize_command(argc - 2, argv + 2);
   if (command == "stack") return moeline::stages::stack_command(argc - 2, argv + 2);
-  if (command == "client") return moeline::sdk::client_command(argc - 2, argv + 2);
-  if (command == "signature") return moeline::stages::signature_command(argc - 2, argv + 2);
+  if (command == "client") return moeline::cli::client_command(argc - 2, argv + 2);
+  if (command == "signature") return moeline::cli::signature_command(argc - 2, argv + 2);
   if (command == "load") return moeline::stages::load_command(argc - 2, argv + 2);
-  if (command == "experts") return moeline::stages::experts_command(argc - 2, argv + 2);
+  if (command == "experts") return moeline::cli::experts_command(argc - 2, argv + 2);
   if (command == "gateway") return moeline::stages::gateway_main(argc - 2, argv + 2);
   if (command == "probe") return moeline::stages::probe_main(argc - 2, argv + 2);
   if (command == "prefill") return moeline::stages::prefill_main(argc - 2, argv + 2);

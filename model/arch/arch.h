@@ -41,7 +41,7 @@ struct TensorNames {
 };
 
 // A GGUF file's metadata, read through the keys of one architecture ("{arch}.block_count").
-// Every failure throws ModelError naming the file and the key.
+// Every failure throws StatusError naming the file and the key.
 class GgufMetadata {
  public:
   GgufMetadata(const nlohmann::json& metadata, std::string architecture, std::string file_name)
@@ -87,7 +87,7 @@ std::string supported_gguf_architectures();
 
 std::string tensor_name(std::string_view pattern, int64_t layer, int64_t expert = -1);
 
-// Helpers shared by the family parsers; they throw ModelError naming config.json and the key.
+// Helpers shared by the family parsers; they throw StatusError naming config.json and the key.
 int64_t require_int(const nlohmann::json& config, const char* key);
 int64_t int_or(const nlohmann::json& config, const char* key, int64_t fallback);
 double number_or(const nlohmann::json& config, const char* key, double fallback);

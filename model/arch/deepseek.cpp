@@ -14,8 +14,8 @@
 #include <cmath>
 #include <string>
 
+#include "base/status.h"
 #include "model/arch/arch.h"
-#include "model/status.h"
 
 namespace moeline::model::arch {
 
@@ -110,7 +110,7 @@ using nlohmann::json;
 constexpr int64_t kGatingSoftmax = 1, kGatingSigmoid = 2;
 
 [[noreturn]] void bad(const std::string& key, const std::string& why) {
-  throw ModelError("config.json: \"" + key + "\" " + why);
+  throw StatusError("config.json: \"" + key + "\" " + why);
 }
 
 std::string string_or(const json& config, const char* key, const std::string& fallback) {

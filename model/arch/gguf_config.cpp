@@ -3,8 +3,8 @@
 // goes through the same defaults and checks as the checkpoint it was converted from.
 #include <string>
 
+#include "base/status.h"
 #include "model/arch/arch.h"
-#include "model/status.h"
 
 namespace moeline::model::arch {
 
@@ -22,7 +22,7 @@ const json& GgufMetadata::at(const std::string& key) const {
 
 void GgufMetadata::fail(const std::string& key, const std::string& why) const {
   const std::string full = key.find('.') == 0 ? key.substr(1) : architecture_ + "." + key;
-  throw ModelError(file_ + ": GGUF metadata '" + full + "' " + why);
+  throw StatusError(file_ + ": GGUF metadata '" + full + "' " + why);
 }
 
 bool GgufMetadata::has(const std::string& key) const {

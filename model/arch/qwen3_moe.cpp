@@ -5,7 +5,7 @@
 
 #include <algorithm>
 
-#include "model/status.h"
+#include "base/status.h"
 
 namespace moeline::model::arch {
 
@@ -97,13 +97,13 @@ void parse_qwen3_moe(const nlohmann::json& config, ModelConfig& out) {
       bool_or(config, "use_sliding_window", false) ? int_or(config, "sliding_window", 0) : 0;
 
   const int64_t sparse_step = int_or(config, "decoder_sparse_step", 1);
-  if (sparse_step < 1) throw ModelError("config.json: decoder_sparse_step must be >= 1");
+  if (sparse_step < 1) throw StatusError("config.json: decoder_sparse_step must be >= 1");
   std::vector<int64_t> mlp_only;
   if (config.contains("mlp_only_layers") && !config["mlp_only_layers"].is_null()) {
     try {
       mlp_only = config["mlp_only_layers"].get<std::vector<int64_t>>();
     } catch (const nlohmann::json::exception&) {
-      throw ModelError("config.json: mlp_only_layers must be a list of layer indices");
+      throw StatusError("config.json: mlp_only_layers must be a list of layer indices");
     }
   }
   out.layer_is_moe.resize(static_cast<size_t>(out.num_layers));
@@ -115,7 +115,7 @@ void parse_qwen3_moe(const nlohmann::json& config, ModelConfig& out) {
   const bool any_dense =
       std::find(out.layer_is_moe.begin(), out.layer_is_moe.end(), false) != out.layer_is_moe.end();
   if (any_dense && out.dense_intermediate_size <= 0)
-    throw ModelError("config.json: intermediate_size is needed for the dense MLP layers");
+    throw StatusError("config.json: intermediate_size is needed for the dense MLP layers");
 }
 
 }  // namespace moeline::model::arch

@@ -197,7 +197,7 @@ class DecodeStage {
     else if (prompt == 0 || static_cast<int64_t>(prompt) >= context_)
       problem = "a prompt of " + std::to_string(prompt) + " tokens does not fit the context of " +
                 std::to_string(context_);
-    else if (model::Status valid = from_wire(done->sampling()).validate(); !valid.ok())
+    else if (moeline::Status valid = from_wire(done->sampling()).validate(); !valid.ok())
       problem = valid.error().message;
     else if (done->first_token() < 0 || done->first_token() >= worker_.model->config().vocab_size)
       problem = "first token " + std::to_string(done->first_token()) + " is outside the vocabulary";
@@ -246,7 +246,7 @@ class DecodeStage {
       if (blocks_for(stream) > pool.free_blocks()) break;
       stream.sequence->reserve(pool, reserve_tokens(stream));
       const size_t blocks = (stream.prompt.size() + model::kBlockTokens - 1) / model::kBlockTokens;
-      const model::Status imported = worker_.forward->import_kv(
+      const moeline::Status imported = worker_.forward->import_kv(
           std::span(stream.sequence->block_table()).first(blocks), stream.handoff.bulk[0].data());
       if (!imported.ok()) {
         stream.sequence->release(pool);
@@ -290,7 +290,7 @@ class DecodeStage {
     for (Stream& stream : active_streams_)
       inputs_.push_back({stream.sequence.get(), std::span(&stream.next_token, 1), true});
     const auto start = Clock::now();
-    model::Status status = worker_.forward->forward(inputs_, logits_);
+    moeline::Status status = worker_.forward->forward(inputs_, logits_);
     if (!status.ok()) {
       // Refuse every sequence of the step rather than stream garbage.
       for (Stream& stream : active_streams_) {

@@ -13,7 +13,6 @@
 #include "model/kv_cache.h"
 #include "model/model.h"
 #include "model/model_text.h"
-#include "model/tokenizer/tokenizer.h"
 #include "reuse/approximate.h"
 #include "reuse/records.h"
 #include "stages/common/common.h"
@@ -22,6 +21,7 @@
 #include "stages/runtime/hub.h"
 #include "stages/runtime/security.h"
 #include "stages/runtime/service.h"
+#include "tokenizer/tokenizer.h"
 
 namespace moeline::stages {
 namespace {
@@ -49,7 +49,7 @@ struct Request {
   bool has_first_token = false;
   std::vector<int32_t> sent;  // tokens the client has
   size_t position = 0;        // tokens of the current attempt received so far
-  std::unique_ptr<model::DecodeStream> text;
+  std::unique_ptr<tokenizer::DecodeStream> text;
   std::string reuse_level = "none";
   uint32_t reused_tokens = 0;
   uint32_t allowed_levels = 0;        // reuse levels this request may use (policy at intake)
@@ -104,7 +104,7 @@ class Gateway {
     model_ = std::move(*loaded);
     auto tokenizer = model::load_model_tokenizer(config.text("model"));
     if (!tokenizer) throw std::runtime_error(tokenizer.error().message);
-    tokenizer_ = std::make_unique<model::Tokenizer>(std::move(*tokenizer));
+    tokenizer_ = std::make_unique<tokenizer::Tokenizer>(std::move(*tokenizer));
     const model::ModelConfig& cfg = model_->config();
     context_ = cfg.max_position_embeddings > 0 ? cfg.max_position_embeddings : 32768;
     max_prompt_tokens_ = config.integer("max-prompt-tokens");
@@ -280,7 +280,7 @@ class Gateway {
 
   // An upper bound on the text bytes one token covers: the longest vocabulary entry as stored
   // (byte-level and "▁" forms spell a byte with up to 3, so this overestimates), at least 4.
-  static size_t longest_token_bytes(const model::Tokenizer& tokenizer, int64_t vocab) {
+  static size_t longest_token_bytes(const tokenizer::Tokenizer& tokenizer, int64_t vocab) {
     size_t longest = 4;
     for (int64_t id = 0; id < vocab; ++id)
       if (auto token = tokenizer.id_to_token(static_cast<int32_t>(id)))
@@ -640,7 +640,7 @@ class Gateway {
       return reject(client, crid, wire::ErrorCode::UnknownTenant, "unknown_tenant",
                     "unknown tenant '" + tenant + "'");
     model::SamplingParams sampling = from_wire(request.sampling());
-    if (model::Status status = sampling.validate(); !status.ok())
+    if (moeline::Status status = sampling.validate(); !status.ok())
       return reject(client, crid, wire::ErrorCode::InvalidSampling, "invalid_sampling",
                     status.error().message);
     // No request can use more tokens than the context holds: past it, max_tokens is an error
@@ -738,8 +738,8 @@ class Gateway {
     auto deadline = request.deadline_ms() > 0 ? std::chrono::milliseconds(request.deadline_ms())
                                               : default_deadline_;
     r.deadline = r.received + std::min(deadline, max_deadline_);
-    r.text = std::make_unique<model::DecodeStream>(
-        *tokenizer_, model::DecodeOptions{.skip_special_tokens = true});
+    r.text = std::make_unique<tokenizer::DecodeStream>(
+        *tokenizer_, tokenizer::DecodeOptions{.skip_special_tokens = true});
     // With its usage: the prompt's token count, which a front end that ends the request itself
     // (an HTTP stop string) still reports.
     send_event(client, crid, r.id, wire::EventKind::Accepted, {}, {}, {}, wire::ErrorCode::None, {},
@@ -1490,7 +1490,7 @@ class Gateway {
   std::unique_ptr<zmq::socket_t> client_;
   std::unique_ptr<runtime::Hub> hub_;
   std::unique_ptr<model::Model> model_;
-  std::unique_ptr<model::Tokenizer> tokenizer_;
+  std::unique_ptr<tokenizer::Tokenizer> tokenizer_;
   wire::Limits limits_;
   int64_t context_ = 0, max_prompt_tokens_ = 0;
   size_t max_prompt_bytes_ = 0, max_in_flight_ = 0, max_decode_backlog_ = 0;

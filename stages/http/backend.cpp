@@ -21,14 +21,14 @@ std::unique_ptr<Backend> make_backend(const std::filesystem::path& model_dir, st
   if (backend->name.empty()) backend->name = model_dir.parent_path().filename().string();
   auto chat = model::load_model_chat_template(model_dir);
   if (chat) {
-    backend->chat = std::make_unique<model::ChatTemplate>(std::move(*chat));
+    backend->chat = std::make_unique<tokenizer::ChatTemplate>(std::move(*chat));
   } else {
     log.warn("no_chat_template", {{"model", backend->name}, {"reason", chat.error().message}});
     backend->chat_error = chat.error().message;
   }
   auto tokenizer = model::load_model_tokenizer(model_dir);
   if (tokenizer) {
-    backend->tokenizer = std::make_unique<model::Tokenizer>(std::move(*tokenizer));
+    backend->tokenizer = std::make_unique<tokenizer::Tokenizer>(std::move(*tokenizer));
   } else {
     log.warn("no_tokenizer", {{"model", backend->name}, {"reason", tokenizer.error().message}});
     backend->tokenizer_error = tokenizer.error().message;

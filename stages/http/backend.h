@@ -10,14 +10,14 @@
 #include <string>
 #include <variant>
 
-#include "model/tokenizer/chat_template.h"
-#include "model/tokenizer/tokenizer.h"
 #include "sdk/client.h"
 #include "stages/http/bridge.h"
 #include "stages/http/openai.h"
 #include "stages/runtime/config.h"
 #include "stages/runtime/log.h"
 #include "stages/runtime/service.h"
+#include "tokenizer/chat_template.h"
+#include "tokenizer/tokenizer.h"
 
 namespace moeline::stages::http {
 
@@ -26,10 +26,10 @@ namespace moeline::stages::http {
 struct Backend {
   std::string name;
   int64_t context = 0;
-  std::unique_ptr<model::ChatTemplate> chat;
+  std::unique_ptr<tokenizer::ChatTemplate> chat;
   std::string chat_error;
   // The tokens' text, for log-probabilities (without it, requests for them are refused).
-  std::unique_ptr<model::Tokenizer> tokenizer;
+  std::unique_ptr<tokenizer::Tokenizer> tokenizer;
   std::string tokenizer_error;
   std::unique_ptr<http::GatewayBridge> bridge;
 };

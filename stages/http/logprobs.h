@@ -13,15 +13,15 @@
 
 #include <nlohmann/json.hpp>
 
-#include "model/tokenizer/tokenizer.h"
 #include "sdk/client.h"
 #include "stages/http/openai.h"
+#include "tokenizer/tokenizer.h"
 
 namespace moeline::stages::http {
 
 class LogprobsWriter {
  public:
-  LogprobsWriter(Endpoint endpoint, const model::Tokenizer& tokenizer)
+  LogprobsWriter(Endpoint endpoint, const tokenizer::Tokenizer& tokenizer)
       : endpoint_(endpoint), tokenizer_(&tokenizer) {}
   // The logprobs object of these tokens (one log-probability each); the completions shape's
   // text_offset counts characters from `offset`, which moves past their text.
@@ -33,7 +33,7 @@ class LogprobsWriter {
   nlohmann::json chat_entry(int32_t id, float logprob) const;
 
   Endpoint endpoint_;
-  const model::Tokenizer* tokenizer_;
+  const tokenizer::Tokenizer* tokenizer_;
 };
 
 }  // namespace moeline::stages::http

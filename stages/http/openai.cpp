@@ -102,7 +102,7 @@ std::optional<ApiError> read_content(const json& content, const std::string& par
   return std::nullopt;
 }
 
-std::optional<ApiError> read_messages(const json& body, std::vector<model::ChatMessage>& out) {
+std::optional<ApiError> read_messages(const json& body, std::vector<tokenizer::ChatMessage>& out) {
   if (!body.contains("messages")) return bad("messages", "'messages' is required");
   const json& messages = body["messages"];
   if (!messages.is_array()) return wrong_type("messages", messages, "an array");
@@ -117,7 +117,7 @@ std::optional<ApiError> read_messages(const json& body, std::vector<model::ChatM
     if (role == "developer") role = "system";  // OpenAI's newer name for the system role
     if (role != "system" && role != "user" && role != "assistant" && role != "tool")
       return bad(at + ".role", "unknown role '" + role + "'");
-    model::ChatMessage parsed{role, {}};
+    tokenizer::ChatMessage parsed{role, {}};
     if (message.contains("content"))
       if (auto error = read_content(message["content"], at + ".content", parsed.content))
         return error;

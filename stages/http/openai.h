@@ -11,8 +11,8 @@
 
 #include <nlohmann/json.hpp>
 
-#include "model/tokenizer/chat_template.h"
 #include "sdk/client.h"
+#include "tokenizer/chat_template.h"
 
 namespace moeline::stages::http {
 
@@ -31,10 +31,10 @@ struct ApiError {
 struct CompletionRequest {
   Endpoint endpoint = Endpoint::kChat;
   std::string model;
-  std::vector<model::ChatMessage> messages;  // chat
-  std::string prompt;                        // completions, generate
-  std::vector<int32_t> prompt_tokens;        // completions: a prompt given as token ids
-  std::optional<int64_t> max_tokens;         // absent: up to the context
+  std::vector<tokenizer::ChatMessage> messages;  // chat
+  std::string prompt;                            // completions, generate
+  std::vector<int32_t> prompt_tokens;            // completions: a prompt given as token ids
+  std::optional<int64_t> max_tokens;             // absent: up to the context
   double temperature = 1.0;
   double top_p = 1.0;
   int64_t top_k = 0;
@@ -52,7 +52,7 @@ struct CompletionRequest {
   bool include_usage = false;
   std::string user;
   // Chat template switches (chat_template_kwargs, as vLLM and SGLang take them).
-  model::ChatOptions chat;
+  tokenizer::ChatOptions chat;
 };
 
 std::variant<CompletionRequest, ApiError> parse_request(Endpoint endpoint, const std::string& body);

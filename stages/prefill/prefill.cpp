@@ -212,7 +212,7 @@ class PrefillStage {
     for (int32_t token : job.tokens)
       if (token < 0 || token >= vocab)
         problem = "token id " + std::to_string(token) + " out of range";
-    if (model::Status status = job.sampling.validate(); !status.ok())
+    if (moeline::Status status = job.sampling.validate(); !status.ok())
       problem = status.error().message;
     if (!problem.empty()) {
       fail(job, wire::ErrorCode::InvalidRequest, problem);
@@ -296,7 +296,7 @@ class PrefillStage {
                                     blend_select_layer_};
     std::vector<float> logits;
     const auto start = std::chrono::steady_clock::now();
-    model::Status status = worker_.engine->forward_blend(input, logits, job.recomputed);
+    moeline::Status status = worker_.engine->forward_blend(input, logits, job.recomputed);
     const double seconds =
         std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
     blend_tokens_->inc(static_cast<double>(job.tokens.size()));
@@ -368,7 +368,7 @@ class PrefillStage {
       std::vector<int32_t> run;
       size_t run_start = 0;
       auto flush = [&] {
-        const model::Status imported =
+        const moeline::Status imported =
             worker_.forward->import_kv(run, source + run_start * block_bytes);
         if (!imported.ok()) {
           // No later job may share blocks whose KV did not arrive.
@@ -436,7 +436,7 @@ class PrefillStage {
     batch = std::move(runnable);
     const auto start = std::chrono::steady_clock::now();
     std::vector<float> logits;
-    model::Status status = worker_.forward->forward(inputs, logits);
+    moeline::Status status = worker_.forward->forward(inputs, logits);
     const auto done = std::chrono::steady_clock::now();
     batch_size_->observe(static_cast<double>(inputs.size()));
     batch_tokens_->observe(static_cast<double>(tokens));
@@ -475,7 +475,7 @@ class PrefillStage {
     std::shared_ptr<std::vector<uint8_t>> exported;
     if (finish.empty() || job.store_levels != 0) {
       exported = std::make_shared<std::vector<uint8_t>>(blocks * worker_.forward->kv_block_bytes());
-      const model::Status status = worker_.forward->export_kv(
+      const moeline::Status status = worker_.forward->export_kv(
           std::span(sequence.block_table()).first(blocks), exported->data());
       if (!status.ok()) return fail(job, wire::ErrorCode::Internal, status.error().message);
       // The store's entries go out first: a request that follows this one (the client may send

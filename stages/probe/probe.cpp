@@ -15,7 +15,6 @@
 #include "model/model.h"
 #include "model/model_text.h"
 #include "model/sampling.h"
-#include "model/tokenizer/tokenizer.h"
 #include "offload/resident_provider.h"
 #include "reuse/approximate.h"
 #include "reuse/blend.h"
@@ -26,6 +25,7 @@
 #include "stages/common/common.h"
 #include "stages/runtime/link.h"
 #include "stages/runtime/service.h"
+#include "tokenizer/tokenizer.h"
 
 namespace moeline::stages {
 namespace {
@@ -127,7 +127,7 @@ class Probe {
     const model::ModelConfig& cfg = model_->config();
     auto tokenizer = model::load_model_tokenizer(model_->dir());
     if (!tokenizer) throw std::runtime_error(tokenizer.error().message);
-    tokenizer_ = std::make_unique<model::Tokenizer>(std::move(*tokenizer));
+    tokenizer_ = std::make_unique<tokenizer::Tokenizer>(std::move(*tokenizer));
     signature_options_ = signature_options(config);
     signature_layers_ = model::layers_through_moe(cfg, signature_options_.layers);
     const std::vector<int64_t> moe = model::moe_layer_indices(cfg);
@@ -574,7 +574,7 @@ class Probe {
     const std::span<const int32_t> run =
         import ? std::span(tokens).subspan(static_cast<size_t>(from)) : std::span(tokens);
     const model::SequenceInput input{&sequence, run, false};
-    model::Status status = engine_->forward_layers(std::span(&input, 1), signature_layers_);
+    moeline::Status status = engine_->forward_layers(std::span(&input, 1), signature_layers_);
     if (status.ok()) {
       out.past_prefix = accumulator_->signature(id);
       out.past_prefix_sets = accumulator_->expert_sets(id);
@@ -638,7 +638,7 @@ class Probe {
   std::string token_text(int32_t token) {
     auto it = token_texts_.find(token);
     if (it != token_texts_.end()) return it->second;
-    auto text = tokenizer_->decode({token}, model::DecodeOptions{});
+    auto text = tokenizer_->decode({token}, tokenizer::DecodeOptions{});
     return token_texts_[token] = text ? *text : std::string();
   }
 
@@ -1042,7 +1042,7 @@ class Probe {
   runtime::Gauge* queue_depth_ = nullptr;
 
   // Approximate reuse.
-  std::unique_ptr<model::Tokenizer> tokenizer_;
+  std::unique_ptr<tokenizer::Tokenizer> tokenizer_;
   std::unordered_map<int32_t, std::string> token_texts_;
   reuse::SignatureOptions signature_options_;
   int64_t signature_layers_ = 0, max_signature_tokens_ = 0;

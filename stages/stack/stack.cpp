@@ -19,7 +19,7 @@
 #include <sstream>
 #include <thread>
 
-#include "sdk/cli_args.h"
+#include "cli/args.h"
 #include "stages/runtime/config.h"
 #include "stages/runtime/log.h"
 #include "stages/runtime/security.h"
@@ -665,7 +665,7 @@ int stack_command(int argc, char** argv) {
     return argc < 1 ? 2 : 0;
   }
   const std::string sub = argv[0];
-  return sdk::run_reporting_errors<runtime::ConfigError>(kUsage, [&] {
+  return cli::run_reporting_errors<runtime::ConfigError>(kUsage, [&] {
     if (sub == "up") return up(argc - 1, argv + 1);
     if (sub == "status") return status(argc - 1, argv + 1);
     if (sub == "down") return down(argc - 1, argv + 1);

@@ -23,6 +23,7 @@
 #include <string_view>
 #include <vector>
 
+#include "../unit/kernel_test_inputs.h"
 #include "kernels/cpu/attention.h"
 #include "kernels/cpu/matmul.h"
 #include "kernels/cpu/ops.h"
@@ -35,7 +36,6 @@
 #include "model/sampling.h"
 #include "offload/expert_pool.h"
 #include "offload/resident_provider.h"
-#include "tests/unit/kernel_test_inputs.h"
 
 namespace moeline {
 namespace {
@@ -504,7 +504,7 @@ TEST_P(CudaModel, GeneratesWhatTheCpuEngineGeneratesAtEveryExpertBudget) {
     ASSERT_TRUE(engine) << engine.error().message;
     const Generation got = generate(
         [&](auto batch, auto& logits) {
-          const model::Status status = (*engine)->forward(batch, logits);
+          const moeline::Status status = (*engine)->forward(batch, logits);
           EXPECT_TRUE(status.ok()) << (status.ok() ? "" : status.error().message);
           return status.ok();
         },

@@ -3,20 +3,20 @@
 // with the qwen3 chat template (of a generated model, kept here) and the demo model's tokenizer.
 #include <nlohmann/json.hpp>
 
-#include "model/tokenizer/chat_template.h"
-#include "model/tokenizer/tokenizer.h"
-#include "tests/fuzz/fuzz.h"
+#include "fuzz.h"
+#include "tokenizer/chat_template.h"
+#include "tokenizer/tokenizer.h"
 
 namespace {
-const moeline::model::Tokenizer& demo_tokenizer() {
+const moeline::tokenizer::Tokenizer& demo_tokenizer() {
   static auto tokenizer =
-      moeline::model::Tokenizer::load(std::string(MOELINE_DEMO_MODEL) + "/tokenizer.json");
+      moeline::tokenizer::Tokenizer::load(std::string(MOELINE_DEMO_MODEL) + "/tokenizer.json");
   if (!tokenizer) std::abort();  // the harness's own setup, not input
   return *tokenizer;
 }
-const moeline::model::ChatTemplate& demo_template() {
-  static auto chat = moeline::model::ChatTemplate::load(std::string(MOELINE_FUZZ_DIR) +
-                                                        "/qwen3_tokenizer_config.json");
+const moeline::tokenizer::ChatTemplate& demo_template() {
+  static auto chat = moeline::tokenizer::ChatTemplate::load(std::string(MOELINE_FUZZ_DIR) +
+                                                            "/qwen3_tokenizer_config.json");
   if (!chat) std::abort();
   return *chat;
 }
@@ -27,7 +27,7 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   if (auto ids = demo_tokenizer().encode(text, {})) (void)demo_tokenizer().decode(*ids, {});
   const nlohmann::json parsed = nlohmann::json::parse(text, nullptr, false);
   if (!parsed.is_array()) return 0;
-  std::vector<moeline::model::ChatMessage> messages;
+  std::vector<moeline::tokenizer::ChatMessage> messages;
   for (const auto& m : parsed) {
     if (!m.is_object() || !m.contains("role") || !m["role"].is_string() || !m.contains("content") ||
         !m["content"].is_string())

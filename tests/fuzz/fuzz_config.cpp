@@ -1,8 +1,8 @@
 // config.json (and generation_config.json's part in it): any JSON, any types, any sizes. A bad
-// file must be a ModelError, never an allocation sized from it.
+// file must be a StatusError, never an allocation sized from it.
+#include "fuzz.h"
 #include "model/config.h"
 #include "model/model.h"
-#include "tests/fuzz/fuzz.h"
 
 extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   const auto dir = moeline::fuzz::scratch() / "config";
@@ -12,7 +12,7 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
     const moeline::model::ModelConfig config = moeline::model::ModelConfig::load(dir);
     (void)moeline::model::kv_shape(config);
     (void)moeline::model::moe_layer_indices(config);
-  } catch (const moeline::model::ModelError&) {
+  } catch (const moeline::StatusError&) {
   }
   return 0;
 }

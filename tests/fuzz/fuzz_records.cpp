@@ -1,7 +1,7 @@
 // The snapshot store's records as the probe reads them back from RocksDB or from a SnapshotPut:
 // prompt (logits and tail KV), result, signature and quality records.
+#include "fuzz.h"
 #include "reuse/records.h"
-#include "tests/fuzz/fuzz.h"
 
 extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   if (size < 1) return 0;

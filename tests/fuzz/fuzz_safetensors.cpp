@@ -1,8 +1,8 @@
 // A safetensors file as the loader meets it on disk: header length, JSON header, offsets, dtypes,
-// shapes, overlaps, truncation. A bad file must be a ModelError, nothing else.
+// shapes, overlaps, truncation. A bad file must be a StatusError, nothing else.
+#include "fuzz.h"
 #include "model/model.h"
 #include "model/safetensors.h"
-#include "tests/fuzz/fuzz.h"
 
 extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   const auto dir = moeline::fuzz::scratch() / "safetensors";
@@ -11,7 +11,7 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   try {
     auto checkpoint = moeline::model::Checkpoint::open(dir);
     (void)checkpoint;
-  } catch (const moeline::model::ModelError&) {
+  } catch (const moeline::StatusError&) {
   }
   return 0;
 }

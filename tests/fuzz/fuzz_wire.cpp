@@ -2,8 +2,8 @@
 // do not match their description. Whatever decodes is read field by field as a stage would.
 #include <zmq.hpp>
 
+#include "fuzz.h"
 #include "schemas/wire.h"
-#include "tests/fuzz/fuzz.h"
 
 extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   std::vector<zmq::message_t> message;

@@ -10,7 +10,7 @@
 #include <exception>
 #include <random>
 
-#include "tests/fuzz/fuzz.h"
+#include "fuzz.h"
 
 namespace {
 

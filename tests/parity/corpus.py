@@ -103,7 +103,7 @@ def random_samples(count, seed=1234):
                 cp = rng.randint(lo, hi)
                 # Only characters assigned in the Unicode version of Debian 12's PCRE2 and of this
                 # Python (14.0): the reference's regex engine has newer tables, and a character
-                # assigned since then has no category in ours (model/tokenizer/README.md).
+                # assigned since then has no category in ours (tokenizer/README.md).
                 if 0xD800 <= cp <= 0xDFFF or unicodedata.category(chr(cp)) == "Cn":
                     continue
                 chars.append(chr(cp))

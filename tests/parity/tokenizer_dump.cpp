@@ -1,5 +1,5 @@
 // moeline side of the tokenizer parity test: the same outputs as reference.js, from
-// model/tokenizer, plus the streaming detokenizer's pieces for every id sequence.
+// tokenizer/, plus the streaming detokenizer's pieces for every id sequence.
 //   tokenizer_dump TOKENIZER_JSON|MODEL.gguf CASES_JSON REFERENCE_JSON > moeline.json
 #include <fstream>
 #include <iostream>
@@ -7,10 +7,10 @@
 #include <sstream>
 
 #include "model/model_text.h"
-#include "model/tokenizer/tokenizer.h"
+#include "tokenizer/tokenizer.h"
 
-using moeline::model::DecodeStream;
-using moeline::model::Tokenizer;
+using moeline::tokenizer::DecodeStream;
+using moeline::tokenizer::Tokenizer;
 using nlohmann::json;
 
 namespace {

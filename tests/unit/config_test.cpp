@@ -11,8 +11,8 @@
 #include <fstream>
 #include <nlohmann/json.hpp>
 
+#include "base/status.h"
 #include "model/safetensors.h"
-#include "model/status.h"
 
 namespace moeline::model {
 namespace {
@@ -92,7 +92,7 @@ ModelConfig load(const json& config, const json& generation = nullptr) {
 std::string error_of(const json& config) {
   try {
     load(config);
-  } catch (const ModelError& e) {
+  } catch (const StatusError& e) {
     return e.what();
   }
   return "";
@@ -310,7 +310,7 @@ TEST(Checkpoint, OpeningAndRefusingFilesLeavesNoMappingsBehind) {
     ASSERT_NE(checkpoint.find("w"), nullptr);
   }
   std::ofstream(dir / "model.safetensors", std::ios::binary) << file.substr(0, 70);  // truncated
-  for (int i = 0; i < 200; ++i) EXPECT_THROW(Checkpoint::open(dir), ModelError);
+  for (int i = 0; i < 200; ++i) EXPECT_THROW(Checkpoint::open(dir), StatusError);
   // 400 opens leaking up to 2 MiB each would add hundreds of MiB; allow allocator noise.
   EXPECT_LE(address_space_kib(), before + 32 * 1024);
   fs::remove_all(dir);

@@ -1,4 +1,4 @@
-// The Jinja engine (model/jinja) alone: each construct, each error value and each limit. Parity
+// The Jinja engine (tokenizer/jinja) alone: each construct, each error value and each limit. Parity
 // with Python's jinja2 over real chat templates is tests/parity/test_jinja_parity.py.
 #include <gtest/gtest.h>
 
@@ -6,9 +6,9 @@
 #include <thread>
 #include <vector>
 
-#include "model/jinja/template.h"
+#include "tokenizer/jinja/template.h"
 
-namespace moeline::model::jinja {
+namespace moeline::tokenizer::jinja {
 namespace {
 
 using Json = nlohmann::ordered_json;
@@ -263,4 +263,4 @@ TEST(JinjaTemplate, RendersFromManyThreads) {
 }
 
 }  // namespace
-}  // namespace moeline::model::jinja
+}  // namespace moeline::tokenizer::jinja

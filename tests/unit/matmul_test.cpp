@@ -8,8 +8,8 @@
 #include <random>
 #include <vector>
 
+#include "kernel_test_inputs.h"
 #include "kernels/cpu/cpu_features.h"
-#include "tests/unit/kernel_test_inputs.h"
 
 namespace moeline::kernels {
 namespace {

@@ -10,11 +10,11 @@
 #include <random>
 #include <vector>
 
+#include "kernel_test_inputs.h"
 #include "kernels/cpu/cpu_features.h"
 #include "kernels/cpu/matmul.h"
 #include "kernels/cpu/quant.h"
 #include "kernels/cpu/quantize.h"
-#include "tests/unit/kernel_test_inputs.h"
 
 namespace moeline::kernels {
 namespace {

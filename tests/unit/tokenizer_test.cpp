@@ -11,11 +11,11 @@
 #include <thread>
 #include <vector>
 
-#include "model/tokenizer/chat_template.h"
-#include "model/tokenizer/tokenizer.h"
-#include "model/tokenizer/unicode.h"
+#include "tokenizer/chat_template.h"
+#include "tokenizer/tokenizer.h"
+#include "tokenizer/unicode.h"
 
-namespace moeline::model {
+namespace moeline::tokenizer {
 namespace {
 
 std::string model_tokenizer(const char* name) {
@@ -201,9 +201,9 @@ TEST(ChatTemplate, BuiltInFormatsAreTheFallbackAndRefuseUnknownRoles) {
 }
 
 }  // namespace
-}  // namespace moeline::model
+}  // namespace moeline::tokenizer
 
-namespace moeline::model {
+namespace moeline::tokenizer {
 namespace {
 
 // Seeded random inputs: arbitrary bytes into encode, arbitrary ids into decode and the stream,
@@ -270,4 +270,4 @@ TEST(TokenizerRobustness, RandomBytesIdsAndCorruptFilesNeverCrash) {
 }
 
 }  // namespace
-}  // namespace moeline::model
+}  // namespace moeline::tokenizer

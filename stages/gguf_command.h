@@ -1,9 +1,0 @@
-#pragma once
-// `moeline gguf FILE`: what a GGUF file holds (metadata, tensors with their types and shapes), and
-// any tensor dequantized to F32 as .npy.
-
-namespace moeline::stages {
-
-int gguf_command(int argc, char** argv);
-
-}  // namespace moeline::stages

@@ -1,6 +1,0 @@
-#pragma once
-// `moeline signature`: activation signatures of prompts (the approximate-reuse probe's function),
-// for evaluating how well router similarity tells interchangeable prompts from different ones.
-namespace moeline::stages {
-int signature_command(int argc, char** argv);
-}

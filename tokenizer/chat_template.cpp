@@ -1,0 +1,288 @@
+#include "tokenizer/chat_template.h"
+
+#include <filesystem>
+#include <fstream>
+#include <nlohmann/json.hpp>
+
+#include "tokenizer/jinja/template.h"
+
+namespace moeline::tokenizer {
+
+namespace {
+
+bool contains(const std::string& s, const char* what) {
+  return s.find(what) != std::string::npos;
+}
+
+// Python's str.strip/lstrip/rstrip with a set of characters.
+std::string lstrip(const std::string& s, const char* chars) {
+  const std::size_t b = s.find_first_not_of(chars);
+  return b == std::string::npos ? std::string() : s.substr(b);
+}
+std::string rstrip(const std::string& s, const char* chars) {
+  const std::size_t e = s.find_last_not_of(chars);
+  return e == std::string::npos ? std::string() : s.substr(0, e + 1);
+}
+std::string strip(const std::string& s, const char* chars) {
+  return lstrip(rstrip(s, chars), chars);
+}
+
+// s.split(sep)[-1] and s.split(sep)[0].
+std::string after_last(const std::string& s, const std::string& sep) {
+  const std::size_t at = s.rfind(sep);
+  return at == std::string::npos ? s : s.substr(at + sep.size());
+}
+std::string before_first(const std::string& s, const std::string& sep) {
+  const std::size_t at = s.find(sep);
+  return at == std::string::npos ? s : s.substr(0, at);
+}
+
+bool starts_with(const std::string& s, const char* p) {
+  return s.rfind(p, 0) == 0;
+}
+bool ends_with(const std::string& s, const std::string& p) {
+  return s.size() >= p.size() && s.compare(s.size() - p.size(), p.size(), p) == 0;
+}
+
+std::string token_string(const nlohmann::json& config, const char* key) {
+  auto it = config.find(key);
+  if (it == config.end() || it->is_null()) return "";
+  if (it->is_string()) return it->get<std::string>();
+  if (it->is_object() && it->contains("content") && (*it)["content"].is_string()) {
+    return (*it)["content"].get<std::string>();
+  }
+  return "";
+}
+
+Status check_roles(const std::vector<ChatMessage>& messages, bool allow_tool, const char* format) {
+  for (std::size_t i = 0; i < messages.size(); ++i) {
+    const std::string& r = messages[i].role;
+    if (r == "system" || r == "user" || r == "assistant" || (allow_tool && r == "tool")) continue;
+    return Error{"messages[" + std::to_string(i) + "]: role \"" + r +
+                 "\" is not supported by the " + format +
+                 " chat format (use system, user or assistant" + (allow_tool ? ", tool" : "") +
+                 ")"};
+  }
+  return {};
+}
+
+}  // namespace
+
+const char* ChatTemplate::format_name() const {
+  switch (format_) {
+    case Format::kJinja:
+      return "jinja";
+    case Format::kChatML:
+      return "chatml";
+    case Format::kQwen3:
+      return "qwen3";
+    case Format::kDeepSeekV3:
+      return "deepseek_v3";
+    case Format::kMistral:
+      return "mistral";
+  }
+  return "?";
+}
+
+Expected<ChatTemplate> ChatTemplate::from_template(const std::string& source, std::string bos,
+                                                   std::string eos) {
+  auto parsed = jinja::Template::parse(source);
+  if (!parsed) return Error{"chat template: " + parsed.error().message};
+  ChatTemplate chat(Format::kJinja, std::move(bos), std::move(eos));
+  chat.jinja_ = std::make_shared<const jinja::Template>(std::move(*parsed));
+  return chat;
+}
+
+ChatTemplate ChatTemplate::builtin(Format format, std::string bos, std::string eos) {
+  return ChatTemplate(format, std::move(bos), std::move(eos));
+}
+
+Expected<std::string> ChatTemplate::render_jinja(const std::vector<ChatMessage>& messages,
+                                                 const ChatOptions& options) const {
+  nlohmann::ordered_json context;
+  nlohmann::ordered_json list = nlohmann::ordered_json::array();
+  for (const ChatMessage& m : messages) list.push_back({{"role", m.role}, {"content", m.content}});
+  context["messages"] = std::move(list);
+  context["add_generation_prompt"] = options.add_generation_prompt;
+  context["bos_token"] = bos_;
+  context["eos_token"] = eos_;
+  if (options.enable_thinking) context["enable_thinking"] = *options.enable_thinking;
+  auto rendered = jinja_->render(context);
+  if (!rendered) return Error{"chat template: " + rendered.error().message};
+  return std::move(*rendered);
+}
+
+Expected<ChatTemplate> ChatTemplate::load(const std::string& path) {
+  std::ifstream in(path);
+  if (!in) return Error{path + ": cannot open (a chat template needs tokenizer_config.json)"};
+  nlohmann::json config;
+  try {
+    config = nlohmann::json::parse(in);
+  } catch (const std::exception& e) {
+    return Error{path + ": not valid JSON (" + e.what() + ")"};
+  }
+  if (!config.is_object()) return Error{path + ": expected a JSON object"};
+  std::string source;
+  const auto it = config.find("chat_template");
+  if (it == config.end() || it->is_null()) {
+    // No template of its own: the built-in format of its family, if it is one moeline knows.
+    const auto model_config = std::filesystem::path(path).parent_path() / "config.json";
+    std::ifstream config_in(model_config);
+    const nlohmann::json model = nlohmann::json::parse(config_in, nullptr, false);
+    const std::string type =
+        model.is_object() && model.contains("model_type") && model["model_type"].is_string()
+            ? model["model_type"].get<std::string>()
+            : "";
+    const std::pair<const char*, Format> families[] = {
+        {"qwen2_moe", Format::kChatML},       {"qwen3_moe", Format::kQwen3},
+        {"deepseek_v2", Format::kDeepSeekV3}, {"deepseek_v3", Format::kDeepSeekV3},
+        {"mixtral", Format::kMistral},        {"mistral", Format::kMistral}};
+    for (const auto& [name, format] : families)
+      if (type == name)
+        return builtin(format, token_string(config, "bos_token"),
+                       token_string(config, "eos_token"));
+    return Error{path + ": has no chat_template (and model_type \"" + type +
+                 "\" has no built-in chat format)"};
+  }
+  if (it->is_string()) {
+    source = it->get<std::string>();
+  } else if (it->is_array()) {
+    for (const auto& entry : *it) {
+      if (entry.is_object() && entry.value("name", "") == "default" && entry.contains("template") &&
+          entry["template"].is_string()) {
+        source = entry["template"].get<std::string>();
+      }
+    }
+    if (source.empty()) return Error{path + ": chat_template list has no \"default\" entry"};
+  } else {
+    return Error{path + ": chat_template must be a string or a list of named templates"};
+  }
+  auto t =
+      from_template(source, token_string(config, "bos_token"), token_string(config, "eos_token"));
+  if (!t.ok()) return Error{path + ": " + t.error().message};
+  return t;
+}
+
+Expected<std::string> ChatTemplate::render(const std::vector<ChatMessage>& messages,
+                                           const ChatOptions& options) const {
+  if (messages.empty()) return Error{"a chat needs at least one message"};
+  std::string out;
+  switch (format_) {
+    case Format::kJinja:
+      return render_jinja(messages, options);
+    case Format::kChatML: {
+      if (Status s = check_roles(messages, true, format_name()); !s.ok()) return s.error();
+      for (const ChatMessage& m : messages) {
+        out += "<|im_start|>" + m.role + "\n" + m.content + "<|im_end|>\n";
+      }
+      if (options.add_generation_prompt) out += "<|im_start|>assistant\n";
+      break;
+    }
+    case Format::kQwen3: {
+      if (Status s = check_roles(messages, true, format_name()); !s.ok()) return s.error();
+      const std::size_t n = messages.size();
+      if (messages[0].role == "system") {
+        out += "<|im_start|>system\n" + messages[0].content + "<|im_end|>\n";
+      }
+      // The last user turn that is not a wrapped tool response.
+      std::size_t last_query = n - 1;
+      for (std::size_t k = n; k-- > 0;) {
+        const ChatMessage& m = messages[k];
+        if (m.role == "user" && !(starts_with(m.content, "<tool_response>") &&
+                                  ends_with(m.content, "</tool_response>"))) {
+          last_query = k;
+          break;
+        }
+      }
+      for (std::size_t i = 0; i < n; ++i) {
+        const ChatMessage& m = messages[i];
+        if (m.role == "user" || (m.role == "system" && i != 0)) {
+          out += "<|im_start|>" + m.role + "\n" + m.content + "<|im_end|>\n";
+        } else if (m.role == "assistant") {
+          std::string content = m.content;
+          std::string reasoning;
+          if (contains(m.content, "</think>")) {
+            content = lstrip(after_last(m.content, "</think>"), "\n");
+            reasoning = lstrip(
+                after_last(rstrip(before_first(m.content, "</think>"), "\n"), "<think>"), "\n");
+          }
+          if (i > last_query && (i + 1 == n || !reasoning.empty())) {
+            out += "<|im_start|>assistant\n<think>\n" + strip(reasoning, "\n") + "\n</think>\n\n" +
+                   lstrip(content, "\n");
+          } else {
+            out += "<|im_start|>assistant\n" + content;
+          }
+          out += "<|im_end|>\n";
+        } else if (m.role == "tool") {
+          if (i == 0 || messages[i - 1].role != "tool") out += "<|im_start|>user";
+          out += "\n<tool_response>\n" + m.content + "\n</tool_response>";
+          if (i + 1 == n || messages[i + 1].role != "tool") out += "<|im_end|>\n";
+        }
+      }
+      if (options.add_generation_prompt) {
+        out += "<|im_start|>assistant\n";
+        if (options.enable_thinking.has_value() && !*options.enable_thinking) {
+          out += "<think>\n\n</think>\n\n";
+        }
+      }
+      break;
+    }
+    case Format::kDeepSeekV3: {
+      if (Status s = check_roles(messages, false, format_name()); !s.ok()) return s.error();
+      std::string system;
+      bool first_system = true;
+      for (const ChatMessage& m : messages) {
+        if (m.role != "system") continue;
+        system += (first_system ? "" : "\n\n") + m.content;
+        first_system = false;
+      }
+      out += bos_ + system;
+      for (const ChatMessage& m : messages) {
+        if (m.role == "user") {
+          out += "<\xEF\xBD\x9CUser\xEF\xBD\x9C>" + m.content;
+        } else if (m.role == "assistant") {
+          out +=
+              "<\xEF\xBD\x9C"
+              "Assistant\xEF\xBD\x9C>" +
+              m.content +
+              "<\xEF\xBD\x9C"
+              "end\xE2\x96\x81of\xE2\x96\x81sentence\xEF\xBD\x9C>";
+        }
+      }
+      if (options.add_generation_prompt)
+        out +=
+            "<\xEF\xBD\x9C"
+            "Assistant\xEF\xBD\x9C>";
+      break;
+    }
+    case Format::kMistral: {
+      if (Status s = check_roles(messages, false, format_name()); !s.ok()) return s.error();
+      std::size_t first = 0;
+      std::string system;
+      if (messages[0].role == "system") {
+        system = messages[0].content;
+        first = 1;
+      }
+      out += bos_;
+      for (std::size_t i = first; i < messages.size(); ++i) {
+        const ChatMessage& m = messages[i];
+        if (m.role == "user") {
+          if (i == first && !system.empty()) {
+            out += "[INST] " + system + "\n\n" + m.content + " [/INST]";
+          } else {
+            out += "[INST] " + m.content + " [/INST]";
+          }
+        } else if (m.role == "assistant") {
+          out += m.content + eos_;
+        } else {
+          return Error{"messages[" + std::to_string(i) +
+                       "]: the mistral chat format takes a system message only first"};
+        }
+      }
+      break;
+    }
+  }
+  return out;
+}
+
+}  // namespace moeline::tokenizer

@@ -1,0 +1,72 @@
+#pragma once
+// Chat prompts: the model's own chat template (the Jinja `chat_template` of tokenizer_config.json)
+// rendered by moeline's Jinja engine (tokenizer/jinja/) as transformers' apply_chat_template
+// renders it, with messages, add_generation_prompt, bos_token, eos_token and enable_thinking;
+// checked against Python's jinja2 and @huggingface/jinja on real models' templates (tests/parity).
+// A template that uses something the engine does not support is an error naming the construct.
+//
+// A checkpoint without a chat template gets the built-in format of its family (from config.json's
+// model_type), rendered by code of its own:
+//
+//   chatml      <|im_start|>role\ncontent<|im_end|>\n ...   (Qwen2 / Qwen2.5 style; no default
+//                                                             system prompt is injected)
+//   qwen3       ChatML plus Qwen3's thinking blocks: the final assistant turn gets
+//               <think>...</think>, earlier ones lose theirs; enable_thinking=false adds an empty
+//               one
+//   deepseek_v3 BOS, system prompts joined by blank lines, <｜User｜>/<｜Assistant｜> turns
+//   mistral     BOS, [INST] user [/INST] assistant EOS (system text starts the first user turn)
+
+#include <memory>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "base/status.h"
+
+namespace moeline::tokenizer::jinja {
+class Template;
+}
+
+namespace moeline::tokenizer {
+
+struct ChatMessage {
+  std::string role;  // system, user, assistant (qwen3 and chatml also take tool)
+  std::string content;
+};
+
+struct ChatOptions {
+  bool add_generation_prompt = true;
+  std::optional<bool> enable_thinking;  // qwen3 only; unset = the template's default
+};
+
+class ChatTemplate {
+ public:
+  enum class Format { kJinja, kChatML, kQwen3, kDeepSeekV3, kMistral };
+
+  // Reads tokenizer_config.json: its chat_template (a string, or a list of named templates whose
+  // "default" is used) and its bos/eos token strings. Without a chat_template, the built-in
+  // format of the model_type in the config.json beside it (qwen2_moe: chatml, qwen3_moe: qwen3,
+  // deepseek_v2/v3: deepseek_v3, mixtral/mistral: mistral).
+  static Expected<ChatTemplate> load(const std::string& tokenizer_config_path);
+  // A Jinja template (parsed once; an unsupported construct is an error naming it).
+  static Expected<ChatTemplate> from_template(const std::string& jinja_source,
+                                              std::string bos_token, std::string eos_token);
+  static ChatTemplate builtin(Format format, std::string bos_token, std::string eos_token);
+
+  Expected<std::string> render(const std::vector<ChatMessage>& messages,
+                               const ChatOptions& options = {}) const;
+  Format format() const { return format_; }
+  const char* format_name() const;
+
+ private:
+  ChatTemplate(Format format, std::string bos, std::string eos)
+      : format_(format), bos_(std::move(bos)), eos_(std::move(eos)) {}
+  Expected<std::string> render_jinja(const std::vector<ChatMessage>& messages,
+                                     const ChatOptions& options) const;
+  Format format_;
+  std::shared_ptr<const jinja::Template> jinja_;  // kJinja
+  std::string bos_;
+  std::string eos_;
+};
+
+}  // namespace moeline::tokenizer
