@@ -642,7 +642,8 @@ Status move_kv(CudaEngine::State& s, std::span<const int32_t> blocks, uint8_t* o
     }
     return Status::ok_status();
   } catch (const std::exception& e) {
-    return Error{std::string(to_host ? "cuda kv export: " : "cuda kv import: ") + e.what()};
+    return Error{std::string(to_host ? "cuda kv export: " : "cuda kv import: ") + e.what(),
+                 StatusCode::kInternal};
   }
 }
 
@@ -1380,7 +1381,7 @@ Status CudaEngine::forward(std::span<const SequenceInput> batch, std::vector<flo
     for (const SequenceInput& input : batch) input.sequence->commit(input.tokens);
     return Status::ok_status();
   } catch (const std::exception& e) {
-    return Error{std::string("cuda forward: ") + e.what()};
+    return Error{std::string("cuda forward: ") + e.what(), StatusCode::kInternal};
   }
 }
 

@@ -74,7 +74,7 @@ Status validate_batch(const ModelConfig& c, std::span<const SequenceInput> batch
     const SequenceInput& input = batch[i];
     for (size_t j = 0; j < i; ++j)
       if (batch[j].sequence == input.sequence)
-        return Error{"a sequence appears twice in one forward batch"};
+        return Error{"a sequence appears twice in one forward batch", StatusCode::kInternal};
     for (int32_t token : input.tokens)
       if (token < 0 || token >= c.vocab_size)
         return Error{"token id " + std::to_string(token) + " is outside the vocabulary [0, " +
@@ -90,7 +90,8 @@ Status validate_batch(const ModelConfig& c, std::span<const SequenceInput> batch
   }
   if (blocks_needed > free_blocks)
     return Error{"KV cache full: the batch needs " + std::to_string(blocks_needed) +
-                 " more blocks, " + std::to_string(free_blocks) + " are free"};
+                     " more blocks, " + std::to_string(free_blocks) + " are free",
+                 StatusCode::kResourceExhausted};
   return Status::ok_status();
 }
 

@@ -622,7 +622,7 @@ Expected<GgufExportReport> export_gguf(const fs::path& checkpoint_dir, const fs:
 
     const fs::path partial = out.string() + ".partial";
     std::ofstream file(partial, std::ios::binary | std::ios::trunc);
-    if (!file) return Error{out.string() + ": cannot write"};
+    if (!file) return Error{out.string() + ": cannot write", StatusCode::kIoError};
     header.write(file);
     // Rows are quantized independently (each block's scale search sees only its block), so they
     // are spread over every core; the file does not depend on the thread count.
@@ -647,7 +647,7 @@ Expected<GgufExportReport> export_gguf(const fs::path& checkpoint_dir, const fs:
       ++report.tensors;
     }
     file.close();
-    if (!file) return Error{out.string() + ": write failed (disk full?)"};
+    if (!file) return Error{out.string() + ": write failed (disk full?)", StatusCode::kIoError};
     fs::rename(partial, out);
     report.bytes = fs::file_size(out);
     for (const std::string& t : types) report.types += (report.types.empty() ? "" : "+") + t;

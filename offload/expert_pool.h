@@ -1,6 +1,6 @@
 #pragma once
 // The host tier of expert offload: one pool of expert slots per node, in POSIX shared memory,
-// shared by every compute process (DESIGN.md, "Expert offload").
+// shared by every compute process (stages/README.md, "Expert offload").
 //
 // - The owner (the offload manager; `moeline run` for itself) creates the pool with a byte budget,
 //   runs the loader threads that read experts from the checkpoint on disk into slots (O_DIRECT, so

@@ -1,5 +1,5 @@
 #pragma once
-// Router health from the router observers' reports (DESIGN.md, "Observability"): per layer, the
+// Router health from the router observers' reports (stages/README.md, "Metrics"): per layer, the
 // tokens each expert received, the load-imbalance index (std/mean of those counts), the router's
 // confidence (mean over tokens of ln(top-1 / top-2 probability), the gap of the two logits) and the
 // router's time. Counts decay by `decay` per report, so the state follows the recent traffic

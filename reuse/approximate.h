@@ -1,5 +1,5 @@
 #pragma once
-// The guards of approximate reuse (DESIGN.md, "Reuse semantics"): what may be served when a
+// The guards of approximate reuse (stages/README.md, "Exact reuse"): what may be served when a
 // prompt's nearest cached neighbour is not the same prompt.
 //
 // - classify_difference: how two prompts differ, by the tokens one has and the other lacks —

@@ -1,9 +1,9 @@
 #pragma once
-// Activation signatures for approximate reuse (DESIGN.md, "Reuse semantics"): for the first k MoE
-// layers, the router score vectors averaged over a prompt's tokens — only the tokens not already
-// covered by an exact prefix hit, so that a shared template does not dominate — concatenated,
-// L2-normalised, and projected to a fixed dimension when the concatenation is larger (a seeded
-// sparse random projection, the same for every process, renormalised).
+// Activation signatures for approximate reuse (stages/README.md, "Exact reuse"): for the first k
+// MoE layers, the router score vectors averaged over a prompt's tokens — only the tokens not
+// already covered by an exact prefix hit, so that a shared template does not dominate —
+// concatenated, L2-normalised, and projected to a fixed dimension when the concatenation is larger
+// (a seeded sparse random projection, the same for every process, renormalised).
 //
 // SignatureAccumulator is a RouterObserver: attached to an engine, it pools the router scores of
 // the sequences it watches as the forward pass produces them (no second pass). Also here: the

@@ -155,6 +155,25 @@ std::vector<zmq::message_t> Message::release_frames() {
   return frames;
 }
 
+ErrorCode error_code_for(StatusCode code) {
+  switch (code) {
+    case StatusCode::kOk:
+      return ErrorCode::None;
+    case StatusCode::kInvalidArgument:
+    case StatusCode::kNotFound:
+      return ErrorCode::InvalidRequest;
+    case StatusCode::kResourceExhausted:
+      return ErrorCode::Overloaded;
+    case StatusCode::kCorruption:
+    case StatusCode::kIoError:
+    case StatusCode::kUnavailable:
+      return ErrorCode::StageFailed;
+    case StatusCode::kInternal:
+      return ErrorCode::Internal;
+  }
+  return ErrorCode::Internal;
+}
+
 const char* message_type_name(MessageType type) {
   const char* name = EnumNameMessageType(type);
   return name != nullptr && *name != '\0' ? name : "unknown";

@@ -1,5 +1,5 @@
 #pragma once
-// The wire codec (DESIGN.md, "Wire contract"). A message is a ZeroMQ multipart:
+// The wire codec (schemas/README.md). A message is a ZeroMQ multipart:
 //   [16-byte envelope header][FlatBuffers body][bulk frame]...
 // The header carries a magic, the schema version and the message type; the body is one table of
 // that type, finished with its family's file identifier. Bulk frames (KV blocks) travel as their
@@ -26,6 +26,7 @@
 #include <vector>
 #include <zmq.hpp>
 
+#include "base/status.h"
 #include "client_generated.h"
 #include "common_generated.h"
 #include "control_generated.h"
@@ -103,6 +104,10 @@ struct Decoded {
 };
 
 const char* message_type_name(MessageType type);
+// The wire's error for a library's Status: a caller's bad input is InvalidRequest, a budget that
+// is full is Overloaded, a failure the job may survive elsewhere (I/O, corruption of what a stage
+// holds, a peer away) is StageFailed, and only a broken invariant is Internal.
+ErrorCode error_code_for(StatusCode code);
 const char* stage_name(StageKind stage);
 
 // `frames` excludes any routing identity.

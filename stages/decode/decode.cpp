@@ -250,7 +250,7 @@ class DecodeStage {
           std::span(stream.sequence->block_table()).first(blocks), stream.handoff.bulk[0].data());
       if (!imported.ok()) {
         stream.sequence->release(pool);
-        job_failed(stream.request_id, stream.attempt, wire::ErrorCode::Internal,
+        job_failed(stream.request_id, stream.attempt, wire::error_code_for(imported.code()),
                    imported.error().message);
         waiting_.pop_front();
         continue;
@@ -295,7 +295,7 @@ class DecodeStage {
       // Refuse every sequence of the step rather than stream garbage.
       for (Stream& stream : active_streams_) {
         stream.sequence->release(worker_.forward->blocks());
-        job_failed(stream.request_id, stream.attempt, wire::ErrorCode::Internal,
+        job_failed(stream.request_id, stream.attempt, wire::error_code_for(status.code()),
                    status.error().message);
       }
       active_streams_.clear();

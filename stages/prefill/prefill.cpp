@@ -443,7 +443,7 @@ class PrefillStage {
     for (size_t i = 0; i < inputs.size(); ++i) {
       Job& job = batch[i];
       if (!status.ok()) {
-        fail(job, wire::ErrorCode::Internal, status.error().message);
+        fail(job, wire::error_code_for(status.code()), status.error().message);
       } else {
         finish_job(job, *sequences[i], logits.data() + static_cast<int64_t>(i) * cfg.vocab_size,
                    std::chrono::duration<double>(done - start).count());
@@ -477,7 +477,8 @@ class PrefillStage {
       exported = std::make_shared<std::vector<uint8_t>>(blocks * worker_.forward->kv_block_bytes());
       const moeline::Status status = worker_.forward->export_kv(
           std::span(sequence.block_table()).first(blocks), exported->data());
-      if (!status.ok()) return fail(job, wire::ErrorCode::Internal, status.error().message);
+      if (!status.ok())
+        return fail(job, wire::error_code_for(status.code()), status.error().message);
       // The store's entries go out first: a request that follows this one (the client may send
       // it as soon as it sees the first token) then finds them in the probe.
       put_snapshots(job, sequence.id(), exported, logits);

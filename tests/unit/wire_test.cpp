@@ -154,6 +154,37 @@ bool aligned(const void* p) {
 
 // --- round trips -------------------------------------------------------------------------------
 
+// A library's Status reaches a client as the wire's ErrorCode: bad input is never Internal, a full
+// budget is Overloaded (the client may retry later), and only a broken invariant is Internal.
+TEST(WireErrors, StatusCodesMapToTheErrorACallerActsOn) {
+  EXPECT_EQ(error_code_for(StatusCode::kOk), ErrorCode::None);
+  EXPECT_EQ(error_code_for(StatusCode::kInvalidArgument), ErrorCode::InvalidRequest);
+  EXPECT_EQ(error_code_for(StatusCode::kNotFound), ErrorCode::InvalidRequest);
+  EXPECT_EQ(error_code_for(StatusCode::kResourceExhausted), ErrorCode::Overloaded);
+  EXPECT_EQ(error_code_for(StatusCode::kCorruption), ErrorCode::StageFailed);
+  EXPECT_EQ(error_code_for(StatusCode::kIoError), ErrorCode::StageFailed);
+  EXPECT_EQ(error_code_for(StatusCode::kUnavailable), ErrorCode::StageFailed);
+  EXPECT_EQ(error_code_for(StatusCode::kInternal), ErrorCode::Internal);
+  for (int code = 0; code <= static_cast<int>(StatusCode::kInternal); ++code) {
+    const auto status_code = static_cast<StatusCode>(code);
+    EXPECT_NE(status_code_name(status_code), "unknown") << code;
+    if (status_code != StatusCode::kInternal) {
+      EXPECT_NE(error_code_for(status_code), ErrorCode::Internal) << status_code_name(status_code);
+    }
+  }
+}
+
+TEST(WireErrors, AnErrorKeepsItsCodeThroughStatusAndStatusError) {
+  const Status full(Error{"KV cache full", StatusCode::kResourceExhausted});
+  EXPECT_FALSE(full.ok());
+  EXPECT_EQ(full.code(), StatusCode::kResourceExhausted);
+  EXPECT_EQ(Status::ok_status().code(), StatusCode::kOk);
+  EXPECT_EQ(Status(Error{"bad flag"}).code(), StatusCode::kInvalidArgument);
+  const StatusError thrown("truncated spill", StatusCode::kCorruption);
+  EXPECT_EQ(thrown.error().code, StatusCode::kCorruption);
+  EXPECT_EQ(thrown.error().message, "truncated spill");
+}
+
 TEST(WireRoundTrip, HeaderFollowsTheDocumentedLayout) {
   std::vector<zmq::message_t> frames = make_hello();
   ASSERT_EQ(frames.size(), 2u);

@@ -1,4 +1,4 @@
-"""Python client for a moeline gateway (the wire contract of DESIGN.md, client side only).
+"""Python client for a moeline gateway (the wire contract of schemas/README.md, client side only).
 
 A message is a ZeroMQ multipart [16-byte header][FlatBuffers body]: the header is b"MOEL", u16
 schema major, u16 minor, u16 message type, u16 flags, u32 body length, all little-endian; the body
