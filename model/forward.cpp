@@ -176,62 +176,67 @@ Status Engine::forward_blend(const BlendInput& input, std::vector<float>& logits
     return Error{"recompute fraction must be in [0, 1]"};
   const SequenceInput batch[] = {{input.sequence, input.tokens, true}};
   if (Status status = validate(batch); !status.ok()) return status;
-  const auto first_new_block = static_cast<size_t>(input.sequence->length() / kBlockTokens);
-  embed(batch);
-  const std::vector<int32_t>& table = input.sequence->block_table();
-  for (size_t b = first_new_block; b < table.size(); ++b)
-    cache_.import_block(table[b], input.donor_kv + (b - first_new_block) * cache_.block_bytes());
+  try {
+    const auto first_new_block = static_cast<size_t>(input.sequence->length() / kBlockTokens);
+    embed(batch);
+    const std::vector<int32_t>& table = input.sequence->block_table();
+    for (size_t b = first_new_block; b < table.size(); ++b)
+      cache_.import_block(table[b], input.donor_kv + (b - first_new_block) * cache_.block_bytes());
 
-  const int64_t select = std::clamp<int64_t>(input.select_layer, 0, c.num_layers - 1);
-  std::vector<float> deviation(static_cast<size_t>(n), 0.0f);
-  for (int64_t layer = 0; layer <= select; ++layer) {
-    if (layer == select) kv_deviation_ = deviation.data();
-    run_layer(layer, n);
-    kv_deviation_ = nullptr;
-  }
-
-  // Which rows run the remaining layers: every row without donor KV, the last row, and the most
-  // deviating recompute_fraction of the donor's rows.
-  std::vector<uint8_t> keep(static_cast<size_t>(n), 0);
-  std::vector<int64_t> donor_rows;
-  for (int64_t t = 0; t < n; ++t) {
-    if (!input.donor_mask[static_cast<size_t>(t)] || t == n - 1) {
-      keep[static_cast<size_t>(t)] = 1;
-    } else {
-      donor_rows.push_back(t);
+    const int64_t select = std::clamp<int64_t>(input.select_layer, 0, c.num_layers - 1);
+    std::vector<float> deviation(static_cast<size_t>(n), 0.0f);
+    for (int64_t layer = 0; layer <= select; ++layer) {
+      if (layer == select) kv_deviation_ = deviation.data();
+      run_layer(layer, n);
+      kv_deviation_ = nullptr;
     }
-  }
-  const auto extra = static_cast<size_t>(
-      std::ceil(input.recompute_fraction * static_cast<double>(donor_rows.size())));
-  std::partial_sort(
-      donor_rows.begin(),
-      donor_rows.begin() + static_cast<std::ptrdiff_t>(std::min(extra, donor_rows.size())),
-      donor_rows.end(), [&](int64_t a, int64_t b) {
-        return deviation[static_cast<size_t>(a)] > deviation[static_cast<size_t>(b)];
-      });
-  for (size_t i = 0; i < std::min(extra, donor_rows.size()); ++i)
-    keep[static_cast<size_t>(donor_rows[i])] = 1;
 
-  // Compact the kept rows (in order) to the front; the later layers run only them.
-  const int64_t H = c.hidden_size;
-  const int64_t rope_dim = rope_table_.dim();
-  int64_t kept = 0;
-  for (int64_t t = 0; t < n; ++t) {
-    if (!keep[static_cast<size_t>(t)]) continue;
-    if (kept != t) {
-      std::copy_n(hidden_.data() + t * H, H, hidden_.data() + kept * H);
-      std::copy_n(rope_.data() + t * rope_dim, rope_dim, rope_.data() + kept * rope_dim);
-      token_refs_[static_cast<size_t>(kept)] = token_refs_[static_cast<size_t>(t)];
-      token_block_tables_[static_cast<size_t>(kept)] = token_block_tables_[static_cast<size_t>(t)];
+    // Which rows run the remaining layers: every row without donor KV, the last row, and the most
+    // deviating recompute_fraction of the donor's rows.
+    std::vector<uint8_t> keep(static_cast<size_t>(n), 0);
+    std::vector<int64_t> donor_rows;
+    for (int64_t t = 0; t < n; ++t) {
+      if (!input.donor_mask[static_cast<size_t>(t)] || t == n - 1) {
+        keep[static_cast<size_t>(t)] = 1;
+      } else {
+        donor_rows.push_back(t);
+      }
     }
-    ++kept;
+    const auto extra = static_cast<size_t>(
+        std::ceil(input.recompute_fraction * static_cast<double>(donor_rows.size())));
+    std::partial_sort(
+        donor_rows.begin(),
+        donor_rows.begin() + static_cast<std::ptrdiff_t>(std::min(extra, donor_rows.size())),
+        donor_rows.end(), [&](int64_t a, int64_t b) {
+          return deviation[static_cast<size_t>(a)] > deviation[static_cast<size_t>(b)];
+        });
+    for (size_t i = 0; i < std::min(extra, donor_rows.size()); ++i)
+      keep[static_cast<size_t>(donor_rows[i])] = 1;
+
+    // Compact the kept rows (in order) to the front; the later layers run only them.
+    const int64_t H = c.hidden_size;
+    const int64_t rope_dim = rope_table_.dim();
+    int64_t kept = 0;
+    for (int64_t t = 0; t < n; ++t) {
+      if (!keep[static_cast<size_t>(t)]) continue;
+      if (kept != t) {
+        std::copy_n(hidden_.data() + t * H, H, hidden_.data() + kept * H);
+        std::copy_n(rope_.data() + t * rope_dim, rope_dim, rope_.data() + kept * rope_dim);
+        token_refs_[static_cast<size_t>(kept)] = token_refs_[static_cast<size_t>(t)];
+        token_block_tables_[static_cast<size_t>(kept)] =
+            token_block_tables_[static_cast<size_t>(t)];
+      }
+      ++kept;
+    }
+    for (int64_t layer = select + 1; layer < c.num_layers; ++layer) run_layer(layer, kept);
+    const int64_t last[] = {kept - 1};
+    lm_head(last, logits);
+    input.sequence->commit(input.tokens);
+    recomputed = kept;
+    return Status::ok_status();
+  } catch (const StatusError& e) {
+    return e.error();  // the expert provider's failure; the sequence is not committed
   }
-  for (int64_t layer = select + 1; layer < c.num_layers; ++layer) run_layer(layer, kept);
-  const int64_t last[] = {kept - 1};
-  lm_head(last, logits);
-  input.sequence->commit(input.tokens);
-  recomputed = kept;
-  return Status::ok_status();
 }
 
 Status Engine::forward_layers(std::span<const SequenceInput> batch, int64_t layers) {
@@ -239,7 +244,12 @@ Status Engine::forward_layers(std::span<const SequenceInput> batch, int64_t laye
   const int64_t run = std::clamp<int64_t>(layers, 0, model_.config().num_layers);
   // The last layer's experts feed nothing a router observer sees: stop at its router.
   routers_only_layer_ = run - 1;
-  run_layers(batch, run);
+  try {
+    run_layers(batch, run);
+  } catch (const StatusError& e) {
+    routers_only_layer_ = -1;
+    return e.error();  // the expert provider's failure; no sequence of the batch is committed
+  }
   routers_only_layer_ = -1;
   for (const SequenceInput& input : batch) input.sequence->commit(input.tokens);
   return Status::ok_status();
@@ -247,7 +257,11 @@ Status Engine::forward_layers(std::span<const SequenceInput> batch, int64_t laye
 
 Status Engine::forward(std::span<const SequenceInput> batch, std::vector<float>& logits) {
   if (Status status = validate(batch); !status.ok()) return status;
-  run_layers(batch, model_.config().num_layers);
+  try {
+    run_layers(batch, model_.config().num_layers);
+  } catch (const StatusError& e) {
+    return e.error();  // the expert provider's failure; no sequence of the batch is committed
+  }
 
   // Final norm and LM head only for the rows whose logits are wanted.
   std::vector<int64_t>& rows = logit_rows_;
@@ -588,13 +602,17 @@ void Engine::moe_block(int64_t layer, int64_t n) {
     for (; e < E; ++e) {
       if (offsets[e + 1] == offsets[e]) continue;
       const int l = static_cast<int>(layer), x = static_cast<int>(e);
-      if (group.empty()) {
-        acquired[static_cast<size_t>(e)] = experts_.acquire(l, x);
-      } else if (auto taken = experts_.try_acquire(l, x)) {
-        acquired[static_cast<size_t>(e)] = *taken;
-      } else {
-        break;
+      std::optional<offload::ExpertWeights> taken;
+      try {
+        taken = group.empty() ? experts_.acquire(l, x) : experts_.try_acquire(l, x);
+      } catch (const StatusError&) {
+        // The pool failed (its owner gone, a read error): give back this group's pins before the
+        // forward pass reports the error, so that no slot stays pinned by a failed batch.
+        for (int32_t pinned : group) experts_.release(l, pinned);
+        throw;
       }
+      if (!taken) break;
+      acquired[static_cast<size_t>(e)] = *taken;
       group.push_back(x);
     }
     if (group.empty()) break;

@@ -788,8 +788,8 @@ void queue_load(PoolLayout* l, uint32_t index, int64_t slot, bool demanded) {
 
 std::optional<ExpertWeights> PoolClient::acquire_or_fail(int layer, int expert, bool may_wait) {
   if (!catalog_.has(layer, expert))
-    throw std::out_of_range("no expert " + std::to_string(expert) + " in layer " +
-                            std::to_string(layer));
+    throw StatusError("no expert " + std::to_string(expert) + " in layer " + std::to_string(layer),
+                      StatusCode::kInternal);
   const auto index = static_cast<uint32_t>(layer * catalog_.experts_per_layer + expert);
   PoolLock lock(layout_);
   PoolLayout* l = layout_;
@@ -808,10 +808,12 @@ std::optional<ExpertWeights> PoolClient::acquire_or_fail(int layer, int expert, 
     e.uses += 1;
   }
   for (;;) {
-    if (l->stopping) throw std::runtime_error("expert pool " + name_ + " is shutting down");
+    if (l->stopping)
+      throw StatusError("expert pool " + name_ + " is shutting down", StatusCode::kUnavailable);
     if (!owns_row())
-      throw std::runtime_error("expert pool " + name_ +
-                               ": this process's pins were taken back (its heartbeat stopped)");
+      throw StatusError(
+          "expert pool " + name_ + ": this process's pins were taken back (its heartbeat stopped)",
+          StatusCode::kUnavailable);
     if (e.state == kResident) {
       ++e.pins;
       ++l->client_pins(static_cast<uint32_t>(client_))[index];
@@ -831,8 +833,9 @@ std::optional<ExpertWeights> PoolClient::acquire_or_fail(int layer, int expert, 
     if (e.state == kFailed) {
       const int error = e.error;
       e.state = kAbsent;  // the next caller tries again
-      throw std::runtime_error("expert " + std::to_string(expert) + " of layer " +
-                               std::to_string(layer) + " could not be read: " + errno_text(error));
+      throw StatusError("expert " + std::to_string(expert) + " of layer " + std::to_string(layer) +
+                            " could not be read: " + errno_text(error),
+                        StatusCode::kIoError);
     }
     if (e.state == kAbsent) {
       const int64_t slot = reserve_slot(l, layer, false, 0);
@@ -853,7 +856,8 @@ std::optional<ExpertWeights> PoolClient::acquire_or_fail(int layer, int expert, 
     if (!waited_since) waited_since = now_ns();
     lock.wait(&l->changed, 500);
     if (!owner_alive_at(l, now_ns()))
-      throw std::runtime_error("expert pool " + name_ + ": its owner (offload manager) is gone");
+      throw StatusError("expert pool " + name_ + ": its owner (offload manager) is gone",
+                        StatusCode::kUnavailable);
   }
 }
 

@@ -8,6 +8,7 @@
 #include <optional>
 #include <span>
 
+#include "base/status.h"
 #include "kernels/cpu/dtype.h"
 
 namespace moeline::offload {
@@ -27,6 +28,10 @@ class ExpertProvider {
   virtual int layers() const = 0;
   virtual int experts_per_layer() const = 0;
   // Waits as long as it takes (a load, a slot to free). Call it only while holding no pins.
+  // Throws StatusError, the one exception of the provider's hot path, which the forward pass
+  // returns as its Status: kUnavailable when the pool cannot serve now (shutting down, its owner
+  // gone, this process's pins taken back), kIoError when the expert could not be read, kInternal
+  // for an expert that does not exist (a caller's bug).
   virtual ExpertWeights acquire(int layer, int expert) = 0;
   // Like acquire, but returns nothing rather than wait for another caller's pins to be released:
   // what a caller that already holds pins uses, so that callers never wait on each other.

@@ -15,8 +15,8 @@ ResidentExpertProvider::ResidentExpertProvider(std::vector<std::vector<ExpertWei
 ExpertWeights ResidentExpertProvider::acquire(int layer, int expert) {
   if (layer < 0 || layer >= layers() || expert < 0 ||
       expert >= static_cast<int>(experts_[static_cast<size_t>(layer)].size())) {
-    throw std::out_of_range("no expert " + std::to_string(expert) + " in layer " +
-                            std::to_string(layer));
+    throw StatusError("no expert " + std::to_string(expert) + " in layer " + std::to_string(layer),
+                      StatusCode::kInternal);
   }
   return experts_[static_cast<size_t>(layer)][static_cast<size_t>(expert)];
 }

@@ -402,6 +402,63 @@ TEST(Engine, ForwardLayersStopsAtTheLastRouter) {
   again.release(cache.pool());
 }
 
+// A pool that fails mid-forward (its owner gone): the provider throws StatusError on the third
+// expert of layer 1, after others of that layer are pinned. The forward pass returns the error
+// with its code (a stage reports it as StageFailed, not Internal), gives back every pin, and
+// commits nothing; once the pool serves again the same sequence runs as if nothing happened.
+class FailingProvider : public offload::ExpertProvider {
+ public:
+  explicit FailingProvider(offload::ExpertProvider& inner) : inner_(inner) {}
+  int layers() const override { return inner_.layers(); }
+  int experts_per_layer() const override { return inner_.experts_per_layer(); }
+  offload::ExpertWeights acquire(int layer, int expert) override {
+    if (failing && layer == 1 && ++layer_one_acquisitions == 3)
+      throw StatusError("expert pool gone", StatusCode::kUnavailable);
+    ++pins;
+    return inner_.acquire(layer, expert);
+  }
+  void release(int layer, int expert) override {
+    --pins;
+    inner_.release(layer, expert);
+  }
+  bool failing = true;
+  int layer_one_acquisitions = 0;
+  int pins = 0;
+
+ private:
+  offload::ExpertProvider& inner_;
+};
+
+TEST(Engine, AFailingExpertProviderIsAStatusWithItsCodeAndNoPinIsKept) {
+  auto model = load("mixtral-f32");
+  ASSERT_TRUE(model);
+  const std::vector<int32_t> tokens = prompt(23, 12, model->config().vocab_size);
+  Harness reference(*model);
+  const std::vector<float> expected = prefill_logits(reference, tokens);
+
+  kernels::ThreadPool pool(2);
+  offload::ResidentExpertProvider resident(model->experts());
+  FailingProvider failing(resident);
+  KvCache cache(model->config(), 64);
+  Engine engine(*model, failing, pool, cache);
+  Sequence sequence(1, 0, 0);
+  std::vector<float> logits;
+  SequenceInput input{&sequence, tokens, true};
+  const Status status = engine.forward(std::span(&input, 1), logits);
+  ASSERT_FALSE(status.ok());
+  EXPECT_EQ(status.code(), StatusCode::kUnavailable);
+  EXPECT_EQ(status.error().message, "expert pool gone");
+  EXPECT_EQ(failing.layer_one_acquisitions, 3) << "the failure was not reached mid-layer";
+  EXPECT_EQ(failing.pins, 0) << "a failed forward kept pins";
+  EXPECT_EQ(sequence.length(), 0) << "a failed forward committed tokens";
+
+  failing.failing = false;
+  ASSERT_TRUE(engine.forward(std::span(&input, 1), logits).ok());
+  EXPECT_EQ(failing.pins, 0);
+  EXPECT_EQ(logits, expected);
+  sequence.release(cache.pool());
+}
+
 // Blended reuse: a prompt's KV partly from a donor. Checked against a plain prefill at the two
 // ends where the answer is known exactly — everything recomputed, or a donor that is the same
 // prompt — and for how many tokens it recomputes in between.
