@@ -9,6 +9,7 @@
 #include "model/sampling.h"
 #include "stages/common/common.h"
 #include "stages/common/worker.h"
+#include "stages/runtime/dispatch.h"
 
 namespace moeline::stages {
 namespace {
@@ -131,37 +132,18 @@ class DecodeStage {
 
   void dispatch(wire::Message& message) {
     if (worker_.handle(message, free_credits())) return;
-    switch (message.type) {
-      case wire::MessageType::PrefillDone:
-        return accept(message);
-      case wire::MessageType::CancelJob: {
-        const auto* cancel = message.as<wire::CancelJob>();
-        return cancel_stream(cancel->request_id(), cancel->attempt());
-      }
-      case wire::MessageType::Hello:
-      case wire::MessageType::HelloReply:
-      case wire::MessageType::Heartbeat:
-      case wire::MessageType::Credit:
-      case wire::MessageType::ErrorReply:
-      case wire::MessageType::GenerateRequest:
-      case wire::MessageType::CancelRequest:
-      case wire::MessageType::Feedback:
-      case wire::MessageType::StreamEvent:
-      case wire::MessageType::ProbeJob:
-      case wire::MessageType::ProbePlan:
-      case wire::MessageType::PrefillJob:
-      case wire::MessageType::TokenBatch:
-      case wire::MessageType::JobFailed:
-      case wire::MessageType::SnapshotPut:
-      case wire::MessageType::ExpertPlanRequest:
-      case wire::MessageType::ExpertPlan:
-      case wire::MessageType::ExpertUsage:
-      case wire::MessageType::ControlCommand:
-      case wire::MessageType::ControlReply:
-        worker_.service.log.warn("unexpected_message",
-                                 {{"type", wire::message_type_name(message.type)}});
-        return;
-    }
+    static constexpr runtime::HandlerTable<DecodeStage, 2, wire::Message&> kHandlers({
+        {wire::MessageType::PrefillDone, &DecodeStage::accept},
+        {wire::MessageType::CancelJob, &DecodeStage::on_cancel},
+    });
+    if (!kHandlers.dispatch(*this, message.type, message))
+      worker_.service.log.warn("unexpected_message",
+                               {{"type", wire::message_type_name(message.type)}});
+  }
+
+  void on_cancel(wire::Message& message) {
+    const auto* cancel = message.as<wire::CancelJob>();
+    cancel_stream(cancel->request_id(), cancel->attempt());
   }
 
   void give_back(const Stream& stream) {

@@ -18,6 +18,7 @@
 #include "stages/common/common.h"
 #include "stages/gateway/tenant_limits.h"
 #include "stages/runtime/api_keys.h"
+#include "stages/runtime/dispatch.h"
 #include "stages/runtime/hub.h"
 #include "stages/runtime/security.h"
 #include "stages/runtime/service.h"
@@ -555,50 +556,43 @@ class Gateway {
                   decoded.error->detail);
       return;
     }
+    static constexpr runtime::HandlerTable<Gateway, 4, const std::string&, wire::Message&>
+        kClientHandlers({
+            {wire::MessageType::GenerateRequest, &Gateway::on_generate_message},
+            {wire::MessageType::CancelRequest, &Gateway::on_cancel_message},
+            {wire::MessageType::Feedback, &Gateway::on_feedback},
+            {wire::MessageType::ControlCommand, &Gateway::on_control_message},
+        });
     wire::Message& message = *decoded.message;
-    switch (message.type) {
-      case wire::MessageType::GenerateRequest:
-        return on_generate(client, *message.as<wire::GenerateRequest>());
-      case wire::MessageType::CancelRequest:
-        return on_cancel(client, message.as<wire::CancelRequest>()->client_request_id());
-      case wire::MessageType::Feedback: {
-        const auto* feedback = message.as<wire::Feedback>();
-        feedback_->inc();
-        log_.info("feedback", {{"client_request_id", feedback->client_request_id()},
-                               {"score", static_cast<double>(feedback->score())}});
-        // Feedback on an answer approximate reuse served feeds the rollback controller.
-        if (approximately_served_.count({client, feedback->client_request_id()})) {
-          const bool negative = feedback->score() < 0;
-          controller_->on_feedback(seconds_now(), negative);
-          reused_feedback_[negative ? "negative" : "positive"]->inc();
-        }
-        return;
-      }
-      case wire::MessageType::ControlCommand:
-        return on_control(client, *message.as<wire::ControlCommand>());
-      case wire::MessageType::Hello:
-      case wire::MessageType::HelloReply:
-      case wire::MessageType::Heartbeat:
-      case wire::MessageType::Credit:
-      case wire::MessageType::ErrorReply:
-      case wire::MessageType::StreamEvent:
-      case wire::MessageType::ProbeJob:
-      case wire::MessageType::ProbePlan:
-      case wire::MessageType::PrefillJob:
-      case wire::MessageType::PrefillDone:
-      case wire::MessageType::TokenBatch:
-      case wire::MessageType::JobFailed:
-      case wire::MessageType::CancelJob:
-      case wire::MessageType::SnapshotPut:
-      case wire::MessageType::ExpertPlanRequest:
-      case wire::MessageType::ExpertPlan:
-      case wire::MessageType::ExpertUsage:
-      case wire::MessageType::ControlReply:
-        count_rejection("unexpected_type");
-        reply_error(client, wire::ErrorCode::InvalidRequest,
-                    std::string("a client may not send ") + wire::message_type_name(message.type));
-        return;
+    if (kClientHandlers.dispatch(*this, message.type, client, message)) return;
+    count_rejection("unexpected_type");
+    reply_error(client, wire::ErrorCode::InvalidRequest,
+                std::string("a client may not send ") + wire::message_type_name(message.type));
+  }
+
+  void on_generate_message(const std::string& client, wire::Message& message) {
+    return on_generate(client, *message.as<wire::GenerateRequest>());
+  }
+
+  void on_cancel_message(const std::string& client, wire::Message& message) {
+    return on_cancel(client, message.as<wire::CancelRequest>()->client_request_id());
+  }
+
+  void on_feedback(const std::string& client, wire::Message& message) {
+    const auto* feedback = message.as<wire::Feedback>();
+    feedback_->inc();
+    log_.info("feedback", {{"client_request_id", feedback->client_request_id()},
+                           {"score", static_cast<double>(feedback->score())}});
+    // Feedback on an answer approximate reuse served feeds the rollback controller.
+    if (approximately_served_.count({client, feedback->client_request_id()})) {
+      const bool negative = feedback->score() < 0;
+      controller_->on_feedback(seconds_now(), negative);
+      reused_feedback_[negative ? "negative" : "positive"]->inc();
     }
+  }
+
+  void on_control_message(const std::string& client, wire::Message& message) {
+    return on_control(client, *message.as<wire::ControlCommand>());
   }
 
   void on_generate(const std::string& client, const wire::GenerateRequest& request) {
@@ -1306,175 +1300,180 @@ class Gateway {
   }
 
   void on_stage(runtime::Hub::Incoming& incoming) {
+    static constexpr runtime::HandlerTable<Gateway, 9, runtime::Hub::Incoming&> kStageHandlers({
+        {wire::MessageType::ProbePlan, &Gateway::on_probe_plan},
+        {wire::MessageType::PrefillDone, &Gateway::on_prefill_done},
+        {wire::MessageType::TokenBatch, &Gateway::on_token_batch},
+        {wire::MessageType::JobFailed, &Gateway::on_job_failed},
+        {wire::MessageType::ExpertPlanRequest, &Gateway::on_expert_traffic},
+        {wire::MessageType::ExpertUsage, &Gateway::on_expert_traffic},
+        {wire::MessageType::SnapshotPut, &Gateway::on_snapshot_put},
+        {wire::MessageType::ExpertPlan, &Gateway::on_expert_plan},
+        {wire::MessageType::ErrorReply, &Gateway::on_stage_error},
+    });
+    if (kStageHandlers.dispatch(*this, incoming.message.type, incoming)) return;
+    log_.warn("unexpected_message", {{"peer", incoming.identity},
+                                     {"type", wire::message_type_name(incoming.message.type)}});
+  }
+
+  void on_probe_plan(runtime::Hub::Incoming& incoming) {
     wire::Message& message = incoming.message;
-    switch (message.type) {
-      case wire::MessageType::ProbePlan: {
-        const auto* plan = message.as<wire::ProbePlan>();
-        Request* r = owned(plan->request_id(), plan->attempt(), incoming.identity, message.type);
-        if (r == nullptr) return;
-        r->owner.clear();
-        r->at_probe = false;
-        r->probe_us = plan->probe_us();
-        const std::string level = plan->reuse_level() ? plan->reuse_level()->str() : "none";
-        const std::string outcome = plan->approximate() ? plan->approximate()->str() : "";
-        if (!outcome.empty()) {
-          r->approximate = outcome;
-          r->similarity = plan->similarity();
-          r->donor = plan->donor_key();
-          r->cell = plan->cell();
-          r->shadow_sampled = plan->shadow_sampled();
-          approximate_counter(outcome).inc();
-          controller_->on_lookup(seconds_now(), outcome == "response" || outcome == "blend");
-          if (outcome == "shadow" && plan->shadow_mode() &&
-              plan->shadow_mode()->str() == "response" && plan->completion()) {
-            r->shadow_mode = "response";
-            r->donor_completion.assign(plan->completion()->begin(), plan->completion()->end());
-          }
-        }
-        if (level == "blend" && plan->layout() != nullptr && plan->blend_mask() != nullptr &&
-            plan->blend_mask()->size() == r->prompt.size()) {
-          if (auto bad = wire::check_bulk(plan->frames(), message.bulk)) {
-            log_.warn("probe_plan_refused", {{"request_id", r->id}, {"reason", *bad}});
-          } else {
-            r->blend_plan = true;
-            r->blend_shadow = outcome == "shadow";
-            r->reused_tokens = plan->reused_tokens();  // the exact prefix the blend continues
-            r->prefix_key = plan->prefix_key();        // same template or donor, same replica
-            r->prefix_plan = std::move(message);
-          }
-          prefill_queue_.push_back({r->id, r->attempt});
-          return;
-        }
-        if ((level == "result" || level == "response") && plan->completion() &&
-            plan->completion()->size() > 0) {
-          // A finished completion replayed, nothing computed: an identical deterministic
-          // request's (result), or a near-identical one's that the decision rule let through
-          // (response).
-          r->reuse_level = level;
-          r->reused_tokens = plan->reused_tokens();
-          const std::string finish = plan->finish_reason() ? plan->finish_reason()->str() : "stop";
-          const uint64_t id = r->id;
-          const uint32_t attempt = r->attempt;
-          const auto* completion = plan->completion();
-          for (flatbuffers::uoffset_t i = 0; i < completion->size(); ++i) {
-            Request* live = find(id, attempt);
-            if (live == nullptr) break;
-            on_token(*live, completion->Get(i), i + 1 == completion->size() ? finish : "");
-          }
-          return;
-        }
-        if (level == "prefix" && plan->reused_tokens() > 0 && plan->layout() != nullptr) {
-          if (auto bad = wire::check_bulk(plan->frames(), message.bulk)) {
-            log_.warn("probe_plan_refused", {{"request_id", r->id}, {"reason", *bad}});
-          } else {
-            r->reuse_level = level;
-            r->reused_tokens = plan->reused_tokens();
-            r->prefix_key = plan->prefix_key();
-            r->prefix_plan = std::move(message);
-          }
-        }
-        prefill_queue_.push_back({r->id, r->attempt});
-        return;
+    const auto* plan = message.as<wire::ProbePlan>();
+    Request* r = owned(plan->request_id(), plan->attempt(), incoming.identity, message.type);
+    if (r == nullptr) return;
+    r->owner.clear();
+    r->at_probe = false;
+    r->probe_us = plan->probe_us();
+    const std::string level = plan->reuse_level() ? plan->reuse_level()->str() : "none";
+    const std::string outcome = plan->approximate() ? plan->approximate()->str() : "";
+    if (!outcome.empty()) {
+      r->approximate = outcome;
+      r->similarity = plan->similarity();
+      r->donor = plan->donor_key();
+      r->cell = plan->cell();
+      r->shadow_sampled = plan->shadow_sampled();
+      approximate_counter(outcome).inc();
+      controller_->on_lookup(seconds_now(), outcome == "response" || outcome == "blend");
+      if (outcome == "shadow" && plan->shadow_mode() && plan->shadow_mode()->str() == "response" &&
+          plan->completion()) {
+        r->shadow_mode = "response";
+        r->donor_completion.assign(plan->completion()->begin(), plan->completion()->end());
       }
-      case wire::MessageType::PrefillDone: {
-        const auto* done = message.as<wire::PrefillDone>();
-        Request* r = owned(done->request_id(), done->attempt(), incoming.identity, message.type);
-        if (r == nullptr) return;
-        r->owner.clear();
-        r->prefill_ms = static_cast<double>(done->prefill_us()) / 1000.0;
-        if (done->prefill_us() > 0 && r->probe_us > 0)
-          probe_fraction_->observe(static_cast<double>(r->probe_us) /
-                                   static_cast<double>(done->prefill_us()));
-        if (done->reuse_level() && done->reuse_level()->size() > 0) {
-          r->reuse_level = done->reuse_level()->str();
-          r->reused_tokens = done->reused_tokens();
-        }
-        if (done->shadow_checked() && r->blend_shadow) {
-          r->blend_shadow = false;
-          report_shadow(*r, done->shadow_top1() && done->shadow_kl() <= blend_max_kl_,
-                        done->shadow_kl());
-        }
-        const std::string finish = done->finish_reason() ? done->finish_reason()->str() : "";
-        const uint64_t id = r->id;
-        const uint32_t attempt = r->attempt;
-        on_token(*r, done->first_token(), finish, done->first_logprobs());
-        if (finish.empty() && find(id, attempt) != nullptr)
-          decode_queue_.push_back({id, attempt, std::move(message)});
-        return;
-      }
-      case wire::MessageType::TokenBatch: {
-        const auto* batch = message.as<wire::TokenBatch>();
-        batch_size_->observe(batch->batch_size());
-        if (batch->updates() == nullptr) return;
-        for (const wire::TokenUpdate* update : *batch->updates()) {
-          Request* r =
-              owned(update->request_id(), update->attempt(), incoming.identity, message.type);
-          if (r == nullptr) continue;  // cancelled or retried meanwhile, or not this peer's
-          on_token(*r, update->token(),
-                   update->finish_reason() ? update->finish_reason()->str() : "",
-                   update->logprobs());
-        }
-        return;
-      }
-      case wire::MessageType::JobFailed: {
-        const auto* failed = message.as<wire::JobFailed>();
-        Request* r =
-            owned(failed->request_id(), failed->attempt(), incoming.identity, message.type);
-        if (r == nullptr) return;
-        r->owner.clear();
-        if (failed->code() == wire::ErrorCode::Draining) {
-          // Handed back by a draining replica: another one takes it (not a failure).
-          ++r->free_attempts;
-          handed_back_->inc();
-          return retry_or_fail(*r, "replica draining");
-        }
-        return fail(*r, failed->code(), "failed",
-                    failed->message() ? failed->message()->str() : "a stage refused the job");
-      }
-      case wire::MessageType::ExpertPlanRequest:
-      case wire::MessageType::ExpertUsage:
-        if (!from_stage(incoming.identity, message.type,
-                        {wire::StageKind::Prefill, wire::StageKind::Decode}))
-          return;
-        return forward_to_offload(message);
-      case wire::MessageType::SnapshotPut:
-        // Only prefill computes what the store keeps (the gateway's own puts go out directly).
-        if (!from_stage(incoming.identity, message.type, {wire::StageKind::Prefill})) return;
-        return forward_to_probes(message.release_frames());
-      case wire::MessageType::ExpertPlan: {
-        if (!from_stage(incoming.identity, message.type, {wire::StageKind::OffloadManager})) return;
-        const auto* plan = message.as<wire::ExpertPlan>();
-        const std::string requester = plan->requester() ? plan->requester()->str() : "";
-        const runtime::Peer* to = hub_->peer(requester);
-        if (to == nullptr ||
-            (to->stage != wire::StageKind::Prefill && to->stage != wire::StageKind::Decode))
-          return;
-        hub_->send(requester, message.release_frames(), false);
-        return;
-      }
-      case wire::MessageType::ErrorReply:
-        log_.warn("stage_error", {{"peer", incoming.identity},
-                                  {"detail", message.as<wire::ErrorReply>()->message()
-                                                 ? message.as<wire::ErrorReply>()->message()->str()
-                                                 : ""}});
-        return;
-      case wire::MessageType::Hello:
-      case wire::MessageType::HelloReply:
-      case wire::MessageType::Heartbeat:
-      case wire::MessageType::Credit:
-      case wire::MessageType::GenerateRequest:
-      case wire::MessageType::CancelRequest:
-      case wire::MessageType::Feedback:
-      case wire::MessageType::StreamEvent:
-      case wire::MessageType::ProbeJob:
-      case wire::MessageType::PrefillJob:
-      case wire::MessageType::CancelJob:
-      case wire::MessageType::ControlCommand:
-      case wire::MessageType::ControlReply:
-        log_.warn("unexpected_message",
-                  {{"peer", incoming.identity}, {"type", wire::message_type_name(message.type)}});
-        return;
     }
+    if (level == "blend" && plan->layout() != nullptr && plan->blend_mask() != nullptr &&
+        plan->blend_mask()->size() == r->prompt.size()) {
+      if (auto bad = wire::check_bulk(plan->frames(), message.bulk)) {
+        log_.warn("probe_plan_refused", {{"request_id", r->id}, {"reason", *bad}});
+      } else {
+        r->blend_plan = true;
+        r->blend_shadow = outcome == "shadow";
+        r->reused_tokens = plan->reused_tokens();  // the exact prefix the blend continues
+        r->prefix_key = plan->prefix_key();        // same template or donor, same replica
+        r->prefix_plan = std::move(message);
+      }
+      prefill_queue_.push_back({r->id, r->attempt});
+      return;
+    }
+    if ((level == "result" || level == "response") && plan->completion() &&
+        plan->completion()->size() > 0) {
+      // A finished completion replayed, nothing computed: an identical deterministic
+      // request's (result), or a near-identical one's that the decision rule let through
+      // (response).
+      r->reuse_level = level;
+      r->reused_tokens = plan->reused_tokens();
+      const std::string finish = plan->finish_reason() ? plan->finish_reason()->str() : "stop";
+      const uint64_t id = r->id;
+      const uint32_t attempt = r->attempt;
+      const auto* completion = plan->completion();
+      for (flatbuffers::uoffset_t i = 0; i < completion->size(); ++i) {
+        Request* live = find(id, attempt);
+        if (live == nullptr) break;
+        on_token(*live, completion->Get(i), i + 1 == completion->size() ? finish : "");
+      }
+      return;
+    }
+    if (level == "prefix" && plan->reused_tokens() > 0 && plan->layout() != nullptr) {
+      if (auto bad = wire::check_bulk(plan->frames(), message.bulk)) {
+        log_.warn("probe_plan_refused", {{"request_id", r->id}, {"reason", *bad}});
+      } else {
+        r->reuse_level = level;
+        r->reused_tokens = plan->reused_tokens();
+        r->prefix_key = plan->prefix_key();
+        r->prefix_plan = std::move(message);
+      }
+    }
+    prefill_queue_.push_back({r->id, r->attempt});
+  }
+
+  void on_prefill_done(runtime::Hub::Incoming& incoming) {
+    wire::Message& message = incoming.message;
+    const auto* done = message.as<wire::PrefillDone>();
+    Request* r = owned(done->request_id(), done->attempt(), incoming.identity, message.type);
+    if (r == nullptr) return;
+    r->owner.clear();
+    r->prefill_ms = static_cast<double>(done->prefill_us()) / 1000.0;
+    if (done->prefill_us() > 0 && r->probe_us > 0)
+      probe_fraction_->observe(static_cast<double>(r->probe_us) /
+                               static_cast<double>(done->prefill_us()));
+    if (done->reuse_level() && done->reuse_level()->size() > 0) {
+      r->reuse_level = done->reuse_level()->str();
+      r->reused_tokens = done->reused_tokens();
+    }
+    if (done->shadow_checked() && r->blend_shadow) {
+      r->blend_shadow = false;
+      report_shadow(*r, done->shadow_top1() && done->shadow_kl() <= blend_max_kl_,
+                    done->shadow_kl());
+    }
+    const std::string finish = done->finish_reason() ? done->finish_reason()->str() : "";
+    const uint64_t id = r->id;
+    const uint32_t attempt = r->attempt;
+    on_token(*r, done->first_token(), finish, done->first_logprobs());
+    if (finish.empty() && find(id, attempt) != nullptr)
+      decode_queue_.push_back({id, attempt, std::move(message)});
+  }
+
+  void on_token_batch(runtime::Hub::Incoming& incoming) {
+    wire::Message& message = incoming.message;
+    const auto* batch = message.as<wire::TokenBatch>();
+    batch_size_->observe(batch->batch_size());
+    if (batch->updates() == nullptr) return;
+    for (const wire::TokenUpdate* update : *batch->updates()) {
+      Request* r = owned(update->request_id(), update->attempt(), incoming.identity, message.type);
+      if (r == nullptr) continue;  // cancelled or retried meanwhile, or not this peer's
+      on_token(*r, update->token(), update->finish_reason() ? update->finish_reason()->str() : "",
+               update->logprobs());
+    }
+  }
+
+  void on_job_failed(runtime::Hub::Incoming& incoming) {
+    wire::Message& message = incoming.message;
+    const auto* failed = message.as<wire::JobFailed>();
+    Request* r = owned(failed->request_id(), failed->attempt(), incoming.identity, message.type);
+    if (r == nullptr) return;
+    r->owner.clear();
+    if (failed->code() == wire::ErrorCode::Draining) {
+      // Handed back by a draining replica: another one takes it (not a failure).
+      ++r->free_attempts;
+      handed_back_->inc();
+      return retry_or_fail(*r, "replica draining");
+    }
+    return fail(*r, failed->code(), "failed",
+                failed->message() ? failed->message()->str() : "a stage refused the job");
+  }
+
+  void on_expert_traffic(runtime::Hub::Incoming& incoming) {
+    wire::Message& message = incoming.message;
+    if (!from_stage(incoming.identity, message.type,
+                    {wire::StageKind::Prefill, wire::StageKind::Decode}))
+      return;
+    return forward_to_offload(message);
+  }
+
+  void on_snapshot_put(runtime::Hub::Incoming& incoming) {
+    wire::Message& message = incoming.message;
+    // Only prefill computes what the store keeps (the gateway's own puts go out directly).
+    if (!from_stage(incoming.identity, message.type, {wire::StageKind::Prefill})) return;
+    return forward_to_probes(message.release_frames());
+  }
+
+  void on_expert_plan(runtime::Hub::Incoming& incoming) {
+    wire::Message& message = incoming.message;
+    if (!from_stage(incoming.identity, message.type, {wire::StageKind::OffloadManager})) return;
+    const auto* plan = message.as<wire::ExpertPlan>();
+    const std::string requester = plan->requester() ? plan->requester()->str() : "";
+    const runtime::Peer* to = hub_->peer(requester);
+    if (to == nullptr ||
+        (to->stage != wire::StageKind::Prefill && to->stage != wire::StageKind::Decode))
+      return;
+    hub_->send(requester, message.release_frames(), false);
+  }
+
+  void on_stage_error(runtime::Hub::Incoming& incoming) {
+    wire::Message& message = incoming.message;
+    log_.warn("stage_error", {{"peer", incoming.identity},
+                              {"detail", message.as<wire::ErrorReply>()->message()
+                                             ? message.as<wire::ErrorReply>()->message()->str()
+                                             : ""}});
   }
 
   runtime::StageService service_;

@@ -15,6 +15,7 @@
 #include "reuse/signature.h"
 #include "stages/common/common.h"
 #include "stages/common/worker.h"
+#include "stages/runtime/dispatch.h"
 
 namespace moeline::stages {
 namespace {
@@ -152,45 +153,25 @@ class PrefillStage {
 
   void dispatch(wire::Message& message) {
     if (worker_.handle(message, free_credits())) return;
-    switch (message.type) {
-      case wire::MessageType::PrefillJob:
-        return accept(message);
-      case wire::MessageType::CancelJob: {
-        const auto* cancel = message.as<wire::CancelJob>();
-        auto it = std::find_if(queue_.begin(), queue_.end(), [&](const Job& job) {
-          return job.request_id == cancel->request_id() && job.attempt == cancel->attempt();
-        });
-        if (it != queue_.end()) {
-          queue_.erase(it);
-          outcomes_["cancelled"]->inc();
-          worker_.link->grant(1);
-        }
-        return;
-      }
-      case wire::MessageType::Hello:
-      case wire::MessageType::HelloReply:
-      case wire::MessageType::Heartbeat:
-      case wire::MessageType::Credit:
-      case wire::MessageType::ErrorReply:
-      case wire::MessageType::GenerateRequest:
-      case wire::MessageType::CancelRequest:
-      case wire::MessageType::Feedback:
-      case wire::MessageType::StreamEvent:
-      case wire::MessageType::ProbeJob:
-      case wire::MessageType::ProbePlan:
-      case wire::MessageType::PrefillDone:
-      case wire::MessageType::TokenBatch:
-      case wire::MessageType::JobFailed:
-      case wire::MessageType::SnapshotPut:
-      case wire::MessageType::ExpertPlanRequest:
-      case wire::MessageType::ExpertPlan:
-      case wire::MessageType::ExpertUsage:
-      case wire::MessageType::ControlCommand:
-      case wire::MessageType::ControlReply:
-        worker_.service.log.warn("unexpected_message",
-                                 {{"type", wire::message_type_name(message.type)}});
-        return;
-    }
+    static constexpr runtime::HandlerTable<PrefillStage, 2, wire::Message&> kHandlers({
+        {wire::MessageType::PrefillJob, &PrefillStage::accept},
+        {wire::MessageType::CancelJob, &PrefillStage::on_cancel},
+    });
+    if (!kHandlers.dispatch(*this, message.type, message))
+      worker_.service.log.warn("unexpected_message",
+                               {{"type", wire::message_type_name(message.type)}});
+  }
+
+  // A job still queued is dropped; one in the running batch finishes (its result is ignored).
+  void on_cancel(wire::Message& message) {
+    const auto* cancel = message.as<wire::CancelJob>();
+    auto it = std::find_if(queue_.begin(), queue_.end(), [&](const Job& job) {
+      return job.request_id == cancel->request_id() && job.attempt == cancel->attempt();
+    });
+    if (it == queue_.end()) return;
+    queue_.erase(it);
+    outcomes_["cancelled"]->inc();
+    worker_.link->grant(1);
   }
 
   void accept(wire::Message& message) {

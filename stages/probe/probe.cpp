@@ -23,6 +23,7 @@
 #include "reuse/similarity_index.h"
 #include "reuse/snapshot_store.h"
 #include "stages/common/common.h"
+#include "stages/runtime/dispatch.h"
 #include "stages/runtime/link.h"
 #include "stages/runtime/service.h"
 #include "tokenizer/tokenizer.h"
@@ -369,36 +370,19 @@ class Probe {
   }
 
   void dispatch(wire::Message& message) {
-    switch (message.type) {
-      case wire::MessageType::ProbeJob:
-        return lookup(*message.as<wire::ProbeJob>());
-      case wire::MessageType::SnapshotPut:
-        return put(message);
-      case wire::MessageType::CancelJob:
-        return;  // a job is answered as soon as it arrives: nothing to cancel
-      case wire::MessageType::Hello:
-      case wire::MessageType::HelloReply:
-      case wire::MessageType::Heartbeat:
-      case wire::MessageType::Credit:
-      case wire::MessageType::ErrorReply:
-      case wire::MessageType::GenerateRequest:
-      case wire::MessageType::CancelRequest:
-      case wire::MessageType::Feedback:
-      case wire::MessageType::StreamEvent:
-      case wire::MessageType::ProbePlan:
-      case wire::MessageType::PrefillJob:
-      case wire::MessageType::PrefillDone:
-      case wire::MessageType::TokenBatch:
-      case wire::MessageType::JobFailed:
-      case wire::MessageType::ExpertPlanRequest:
-      case wire::MessageType::ExpertPlan:
-      case wire::MessageType::ExpertUsage:
-      case wire::MessageType::ControlCommand:
-      case wire::MessageType::ControlReply:
-        service_.log.warn("unexpected_message", {{"type", wire::message_type_name(message.type)}});
-        return;
-    }
+    static constexpr runtime::HandlerTable<Probe, 3, wire::Message&> kHandlers({
+        {wire::MessageType::ProbeJob, &Probe::on_probe_job},
+        {wire::MessageType::SnapshotPut, &Probe::on_snapshot_put},
+        // A job is answered as soon as it arrives: nothing to cancel.
+        {wire::MessageType::CancelJob, &Probe::ignore},
+    });
+    if (!kHandlers.dispatch(*this, message.type, message))
+      service_.log.warn("unexpected_message", {{"type", wire::message_type_name(message.type)}});
   }
+
+  void on_probe_job(wire::Message& message) { lookup(*message.as<wire::ProbeJob>()); }
+  void on_snapshot_put(wire::Message& message) { put(message); }
+  void ignore(wire::Message&) {}
 
   void put(const wire::Message& message) {
     const auto* put = message.as<wire::SnapshotPut>();
