@@ -653,7 +653,7 @@ Expected<GgufExportReport> export_gguf(const fs::path& checkpoint_dir, const fs:
     for (const std::string& t : types) report.types += (report.types.empty() ? "" : "+") + t;
     return report;
   } catch (const StatusError& e) {
-    return Error{e.what()};
+    return e.error();
   } catch (const std::exception& e) {
     return Error{checkpoint_dir.string() + ": " + e.what()};
   }

@@ -198,7 +198,7 @@ Expected<std::unique_ptr<Model>> Model::load(const std::filesystem::path& dir) {
     model->model_id_ = hash_model(read_text(dir / "config.json"), model->checkpoint_);
     return model;
   } catch (const StatusError& e) {
-    return Error{e.what()};
+    return e.error();
   } catch (const std::exception& e) {
     return Error{dir.string() + ": " + e.what()};
   }

@@ -261,7 +261,7 @@ Expected<Tokenizer> load_model_tokenizer(const fs::path& model) {
     const GgufFile gguf = GgufFile::open(model);
     return Tokenizer::from_json(gguf_tokenizer_json(gguf).dump(), file_name(model));
   } catch (const StatusError& e) {
-    return Error{e.what()};
+    return e.error();
   }
 }
 
@@ -292,7 +292,7 @@ Expected<ChatTemplate> load_model_chat_template(const fs::path& model) {
                  ": has no tokenizer.chat_template (and its architecture has no "
                  "built-in chat format)"};
   } catch (const StatusError& e) {
-    return Error{e.what()};
+    return e.error();
   }
 }
 

@@ -429,7 +429,7 @@ Expected<std::vector<std::int32_t>> Tokenizer::encode(std::string_view input,
   try {
     return impl_->encode(input, options);
   } catch (const StatusError& e) {
-    return Error{e.what()};
+    return e.error();
   }
 }
 
@@ -458,7 +458,7 @@ Expected<std::string> Tokenizer::decode(const std::vector<std::int32_t>& ids,
   try {
     impl_->decoder->decode_chain(tokens);
   } catch (const StatusError& e) {
-    return Error{e.what()};
+    return e.error();
   }
   std::string out;
   for (const std::string& t : tokens) out += t;

@@ -2,6 +2,7 @@
 
 #include <unistd.h>
 #include <cmath>
+#include <functional>
 #include <iomanip>
 #include <mutex>
 #include <sstream>
@@ -12,6 +13,7 @@
 
 #include "model/model.h"
 #include "stages/common/common.h"
+#include "stages/runtime/dispatch.h"
 #include "stages/runtime/link.h"
 #include "stages/runtime/service.h"
 
@@ -144,6 +146,146 @@ class PoolMetrics {
   std::vector<runtime::Gauge*> layer_ratio_;
 };
 
+// Router health from the compute processes' usage reports: per layer and expert counters, the
+// health of each layer (logged when it changes) and its gauges; read by /healthz from the HTTP
+// thread, hence the lock.
+class RouterHealthMonitor {
+ public:
+  RouterHealthMonitor(runtime::Registry& metrics, runtime::Logger& log, int64_t layers,
+                      int64_t experts, const offload::RouterHealthOptions& options)
+      : log_(log),
+        layers_(layers),
+        experts_(experts),
+        health_(static_cast<int>(layers), static_cast<int>(experts), options),
+        routed_(&metrics.counter("moeline_offload_routed_tokens_total",
+                                 "Tokens whose routing was reported by compute stages")) {
+    per_expert_.resize(static_cast<size_t>(layers * experts));
+    for (int64_t l = 0; l < layers; ++l) {
+      const runtime::Labels layer_label = {{"layer", std::to_string(l)}};
+      imbalance_.push_back(&metrics.gauge("moeline_offload_load_imbalance",
+                                          "std/mean of per-expert token counts (recent traffic)",
+                                          layer_label));
+      confidence_.push_back(&metrics.gauge(
+          "moeline_offload_router_confidence",
+          "Mean ln(top-1 / top-2 router probability) over recent tokens", layer_label));
+      state_.push_back(&metrics.gauge("moeline_offload_router_health",
+                                      "0 ok, 1 warning, 2 critical", layer_label));
+      router_seconds_.push_back(&metrics.counter("moeline_offload_router_seconds_total",
+                                                 "Time the routers took", layer_label));
+      for (int64_t e = 0; e < experts; ++e)
+        per_expert_[static_cast<size_t>(l * experts + e)] =
+            &metrics.counter("moeline_offload_expert_tokens_total", "Tokens routed to each expert",
+                             {{"layer", std::to_string(l)}, {"expert", std::to_string(e)}});
+    }
+  }
+
+  double routed_tokens() const { return routed_->value(); }
+
+  void record(const wire::ExpertUsage& usage) {
+    if (usage.layers() != layers_ || usage.experts() != experts_ || !usage.counts() ||
+        usage.counts()->size() != per_expert_.size()) {
+      log_.warn("usage_shape_mismatch", {{"layers", usage.layers()}});
+      return;
+    }
+    const std::vector<uint64_t> counts(usage.counts()->begin(), usage.counts()->end());
+    for (size_t i = 0; i < counts.size(); ++i) per_expert_[i]->inc(static_cast<double>(counts[i]));
+    routed_->inc(static_cast<double>(usage.tokens()));
+    auto to_vector = [](const auto* v) {
+      using T = std::remove_cv_t<std::remove_pointer_t<decltype(v)>>;
+      return v ? std::vector<typename T::return_type>(v->begin(), v->end())
+               : std::vector<typename T::return_type>{};
+    };
+    const auto layer_tokens = to_vector(usage.layer_tokens());
+    const auto confidence_sum = to_vector(usage.confidence_sum());
+    const auto seconds = to_vector(usage.router_seconds());
+    std::lock_guard lock(mutex_);
+    for (int l : health_.add(counts, layer_tokens, confidence_sum, seconds)) {
+      const offload::LayerHealth& h = health_.layers()[static_cast<size_t>(l)];
+      const std::initializer_list<runtime::LogField> fields = {
+          {"layer", l},
+          {"state", offload::health_state_name(h.state)},
+          {"reason", h.reason},
+          {"imbalance", h.imbalance()},
+          {"confidence", h.confidence()}};
+      if (h.state == offload::HealthState::kOk) {
+        log_.info("router_health", fields);
+      } else {
+        log_.warn("router_health", fields);
+      }
+    }
+    for (size_t l = 0; l < health_.layers().size(); ++l) {
+      const offload::LayerHealth& h = health_.layers()[l];
+      imbalance_[l]->set(h.imbalance());
+      confidence_[l]->set(h.confidence());
+      state_[l]->set(static_cast<double>(h.state));
+      if (l < seconds.size() && seconds[l] > 0) router_seconds_[l]->inc(seconds[l]);
+    }
+  }
+
+  // The router health as /healthz shows it (and `moeline experts` draws it).
+  nlohmann::json json() const {
+    std::lock_guard lock(mutex_);
+    nlohmann::json router = nlohmann::json::array();
+    for (const offload::LayerHealth& h : health_.layers())
+      router.push_back({{"counts", h.counts},
+                        {"tokens", h.total_tokens},
+                        {"imbalance", h.imbalance()},
+                        {"confidence", h.confidence()},
+                        {"router_seconds", h.total_router_seconds},
+                        {"state", offload::health_state_name(h.state)},
+                        {"reason", h.reason}});
+    return router;
+  }
+
+ private:
+  runtime::Logger& log_;
+  const int64_t layers_, experts_;
+  mutable std::mutex mutex_;
+  offload::RouterHealth health_;
+  runtime::Counter* routed_;
+  std::vector<runtime::Counter*> per_expert_, router_seconds_;
+  std::vector<runtime::Gauge*> imbalance_, confidence_, state_;
+};
+
+// What the offload manager answers on its link, through a handler table: an expert plan for a
+// compute process that joins, and the usage reports compute processes send.
+class ExpertRequests {
+ public:
+  ExpertRequests(runtime::HubLink& link, RouterHealthMonitor& health, runtime::Counter& plans,
+                 std::function<flatbuffers::Offset<wire::ExpertPlan>(
+                     flatbuffers::FlatBufferBuilder&, const std::string& requester)>
+                     make_plan)
+      : link_(link), health_(health), plans_(plans), make_plan_(std::move(make_plan)) {}
+
+  // False when the message is not one the offload manager takes.
+  bool dispatch(wire::Message& message) {
+    static constexpr runtime::HandlerTable<ExpertRequests, 2, wire::Message&> kHandlers({
+        {wire::MessageType::ExpertPlanRequest, &ExpertRequests::on_plan_request},
+        {wire::MessageType::ExpertUsage, &ExpertRequests::on_usage},
+    });
+    return kHandlers.dispatch(*this, message.type, message);
+  }
+
+ private:
+  void on_plan_request(wire::Message& message) {
+    const auto* request = message.as<wire::ExpertPlanRequest>();
+    flatbuffers::FlatBufferBuilder builder(256);
+    builder.Finish(make_plan_(builder, request->replica() ? request->replica()->str() : ""),
+                   wire::ExpertPlanIdentifier());
+    link_.send(wire::encode(wire::MessageType::ExpertPlan, builder));
+    plans_.inc();
+  }
+
+  void on_usage(wire::Message& message) { health_.record(*message.as<wire::ExpertUsage>()); }
+
+  runtime::HubLink& link_;
+  RouterHealthMonitor& health_;
+  runtime::Counter& plans_;
+  std::function<flatbuffers::Offset<wire::ExpertPlan>(flatbuffers::FlatBufferBuilder&,
+                                                      const std::string&)>
+      make_plan_;
+};
+
 int offload_body(const runtime::Config& config) {
   runtime::StageService::install_signal_handlers();
   runtime::StageService service("offload", replica_name(config, "offload"));
@@ -182,12 +324,10 @@ int offload_body(const runtime::Config& config) {
   }
   const int64_t layers = cfg.num_layers;
   const int64_t experts = std::max<int64_t>(1, cfg.num_experts);
-  // Router health: written by this loop, read by /healthz (`moeline experts` draws it).
-  std::mutex health_mutex;
-  offload::RouterHealth health(static_cast<int>(layers), static_cast<int>(experts),
-                               {.imbalance_warning = config.number("imbalance-warning"),
-                                .imbalance_critical = config.number("imbalance-critical"),
-                                .confidence_warning = config.number("confidence-warning")});
+  RouterHealthMonitor health(service.metrics, service.log, layers, experts,
+                             {.imbalance_warning = config.number("imbalance-warning"),
+                              .imbalance_critical = config.number("imbalance-critical"),
+                              .confidence_warning = config.number("confidence-warning")});
   service.start_http(config.text("http"), config.text("port-file"), [&] {
     nlohmann::json detail = {{"expert_pool", nullptr}};
     if (pool) {
@@ -200,17 +340,7 @@ int offload_body(const runtime::Config& config) {
           {"evictions", s.evictions},   {"direct_io", s.direct_io != 0},
           {"layer_hits", s.layer_hits}, {"layer_misses", s.layer_misses}};
     }
-    std::lock_guard lock(health_mutex);
-    nlohmann::json router = nlohmann::json::array();
-    for (const offload::LayerHealth& h : health.layers())
-      router.push_back({{"counts", h.counts},
-                        {"tokens", h.total_tokens},
-                        {"imbalance", h.imbalance()},
-                        {"confidence", h.confidence()},
-                        {"router_seconds", h.total_router_seconds},
-                        {"state", offload::health_state_name(h.state)},
-                        {"reason", h.reason}});
-    detail["router"] = std::move(router);
+    detail["router"] = health.json();
     return detail;
   });
   auto& metrics = service.metrics;
@@ -224,42 +354,28 @@ int offload_body(const runtime::Config& config) {
   }
   auto last_pool_update = std::chrono::steady_clock::now();
   auto& plans = metrics.counter("moeline_offload_plans_total", "Expert plans served");
-  auto& routed = metrics.counter("moeline_offload_routed_tokens_total",
-                                 "Tokens whose routing was reported by compute stages");
-  std::vector<runtime::Counter*> per_expert(static_cast<size_t>(layers * experts));
-  std::vector<runtime::Gauge*> imbalance(static_cast<size_t>(layers)),
-      confidence(static_cast<size_t>(layers)), health_state(static_cast<size_t>(layers));
-  std::vector<runtime::Counter*> router_seconds(static_cast<size_t>(layers));
-  for (int64_t l = 0; l < layers; ++l) {
-    const runtime::Labels layer_label = {{"layer", std::to_string(l)}};
-    imbalance[static_cast<size_t>(l)] =
-        &metrics.gauge("moeline_offload_load_imbalance",
-                       "std/mean of per-expert token counts (recent traffic)", layer_label);
-    confidence[static_cast<size_t>(l)] =
-        &metrics.gauge("moeline_offload_router_confidence",
-                       "Mean ln(top-1 / top-2 router probability) over recent tokens", layer_label);
-    health_state[static_cast<size_t>(l)] =
-        &metrics.gauge("moeline_offload_router_health", "0 ok, 1 warning, 2 critical", layer_label);
-    router_seconds[static_cast<size_t>(l)] = &metrics.counter(
-        "moeline_offload_router_seconds_total", "Time the routers took", layer_label);
-    for (int64_t e = 0; e < experts; ++e)
-      per_expert[static_cast<size_t>(l * experts + e)] =
-          &metrics.counter("moeline_offload_expert_tokens_total", "Tokens routed to each expert",
-                           {{"layer", std::to_string(l)}, {"expert", std::to_string(e)}});
-  }
 
   zmq::context_t context(1);
   configure_io_threads(context, config);
   runtime::LinkSettings settings = link_settings(config, wire::StageKind::OffloadManager,
                                                  service.log.replica(), model, service.http_port());
   runtime::HubLink link(context, settings, service.log, metrics);
+  ExpertRequests requests(
+      link, health, plans,
+      [&](flatbuffers::FlatBufferBuilder& builder, const std::string& requester) {
+        return wire::CreateExpertPlan(
+            builder, model.model_id(), !pool, static_cast<uint32_t>(layers),
+            static_cast<uint32_t>(experts), expert_bytes,
+            builder.CreateString(pool ? "host_pool" : "resident"), builder.CreateString(requester),
+            builder.CreateString(pool ? pool->name() : ""), pool_bytes, prefetch_depth);
+      });
 
   while (!runtime::StageService::stop_requested()) {
     service.tick();
     if (link.rejected()) return 3;
     if (pool_metrics &&
         std::chrono::steady_clock::now() - last_pool_update > std::chrono::milliseconds(500)) {
-      pool_metrics->update(pool->stats(), routed.value());
+      pool_metrics->update(pool->stats(), health.routed_tokens());
       last_pool_update = std::chrono::steady_clock::now();
     }
     if (link.needs_hello()) link.hello(1u << 20);
@@ -267,90 +383,8 @@ int offload_body(const runtime::Config& config) {
     auto message = link.receive(100);
     if (!message) continue;
     service.guard("offload", [&] {
-      switch (message->type) {
-        case wire::MessageType::ExpertPlanRequest: {
-          const auto* request = message->as<wire::ExpertPlanRequest>();
-          flatbuffers::FlatBufferBuilder builder(256);
-          auto tier = builder.CreateString(pool ? "host_pool" : "resident");
-          auto requester =
-              builder.CreateString(request->replica() ? request->replica()->str() : "");
-          auto pool_name = builder.CreateString(pool ? pool->name() : "");
-          builder.Finish(wire::CreateExpertPlan(builder, model.model_id(), !pool,
-                                                static_cast<uint32_t>(layers),
-                                                static_cast<uint32_t>(experts), expert_bytes, tier,
-                                                requester, pool_name, pool_bytes, prefetch_depth),
-                         wire::ExpertPlanIdentifier());
-          link.send(wire::encode(wire::MessageType::ExpertPlan, builder));
-          plans.inc();
-          break;
-        }
-        case wire::MessageType::ExpertUsage: {
-          const auto* usage = message->as<wire::ExpertUsage>();
-          if (usage->layers() != layers || usage->experts() != experts || !usage->counts() ||
-              usage->counts()->size() != per_expert.size()) {
-            service.log.warn("usage_shape_mismatch", {{"layers", usage->layers()}});
-            break;
-          }
-          const std::vector<uint64_t> counts(usage->counts()->begin(), usage->counts()->end());
-          for (size_t i = 0; i < counts.size(); ++i)
-            per_expert[i]->inc(static_cast<double>(counts[i]));
-          routed.inc(static_cast<double>(usage->tokens()));
-          auto to_vector = [](const auto* v) {
-            using T = std::remove_cv_t<std::remove_pointer_t<decltype(v)>>;
-            return v ? std::vector<typename T::return_type>(v->begin(), v->end())
-                     : std::vector<typename T::return_type>{};
-          };
-          const auto layer_tokens = to_vector(usage->layer_tokens());
-          const auto confidence_sum = to_vector(usage->confidence_sum());
-          const auto seconds = to_vector(usage->router_seconds());
-          std::lock_guard lock(health_mutex);
-          for (int l : health.add(counts, layer_tokens, confidence_sum, seconds)) {
-            const offload::LayerHealth& h = health.layers()[static_cast<size_t>(l)];
-            const std::initializer_list<runtime::LogField> fields = {
-                {"layer", l},
-                {"state", offload::health_state_name(h.state)},
-                {"reason", h.reason},
-                {"imbalance", h.imbalance()},
-                {"confidence", h.confidence()}};
-            if (h.state == offload::HealthState::kOk) {
-              service.log.info("router_health", fields);
-            } else {
-              service.log.warn("router_health", fields);
-            }
-          }
-          for (size_t l = 0; l < health.layers().size(); ++l) {
-            const offload::LayerHealth& h = health.layers()[l];
-            imbalance[l]->set(h.imbalance());
-            confidence[l]->set(h.confidence());
-            health_state[l]->set(static_cast<double>(h.state));
-            if (l < seconds.size() && seconds[l] > 0) router_seconds[l]->inc(seconds[l]);
-          }
-          break;
-        }
-        case wire::MessageType::Hello:
-        case wire::MessageType::HelloReply:
-        case wire::MessageType::Heartbeat:
-        case wire::MessageType::Credit:
-        case wire::MessageType::ErrorReply:
-        case wire::MessageType::GenerateRequest:
-        case wire::MessageType::CancelRequest:
-        case wire::MessageType::Feedback:
-        case wire::MessageType::StreamEvent:
-        case wire::MessageType::ProbeJob:
-        case wire::MessageType::ProbePlan:
-        case wire::MessageType::PrefillJob:
-        case wire::MessageType::PrefillDone:
-        case wire::MessageType::TokenBatch:
-        case wire::MessageType::JobFailed:
-        case wire::MessageType::SnapshotPut:
-        case wire::MessageType::CancelJob:
-        case wire::MessageType::ExpertPlan:
-        case wire::MessageType::ControlCommand:
-        case wire::MessageType::ControlReply:
-          service.log.warn("unexpected_message",
-                           {{"type", wire::message_type_name(message->type)}});
-          break;
-      }
+      if (!requests.dispatch(*message))
+        service.log.warn("unexpected_message", {{"type", wire::message_type_name(message->type)}});
     });
   }
   service.stop_http();  // /healthz reads `health`, which dies first
