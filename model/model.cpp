@@ -204,6 +204,25 @@ Expected<std::unique_ptr<Model>> Model::load(const std::filesystem::path& dir) {
   }
 }
 
+Expected<ModelInfo> load_model_info(const std::filesystem::path& path) {
+  try {
+    ModelInfo info;
+    if (std::filesystem::is_regular_file(path)) {
+      const GgufFile gguf = GgufFile::open(path);
+      info.config = ModelConfig::from_gguf(gguf);
+      info.model_id = hash_model(gguf.metadata().dump(), Checkpoint::from_gguf(gguf));
+      return info;
+    }
+    info.config = ModelConfig::load(path);
+    info.model_id = hash_model(read_text(path / "config.json"), Checkpoint::open(path));
+    return info;
+  } catch (const StatusError& e) {
+    return e.error();
+  } catch (const std::exception& e) {
+    return Error{path.string() + ": " + e.what()};
+  }
+}
+
 void Model::load_weights(const arch::TensorNames& names) {
   const ModelConfig& c = config_;
   TensorBinder bind(checkpoint_, config_, derived_);

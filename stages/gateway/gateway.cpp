@@ -100,13 +100,14 @@ class Gateway {
     drain_grace_ =
         std::chrono::milliseconds(std::max<int64_t>(0, config.integer("drain-grace-ms")));
     service_.set_watchdog_limit(std::chrono::milliseconds(config.integer("watchdog-ms")));
-    auto loaded = model::Model::load(config.text("model"));
+    // The config and the id only: the gateway runs no forward pass, so it binds no weight.
+    auto loaded = model::load_model_info(config.text("model"));
     if (!loaded) throw std::runtime_error(loaded.error().message);
     model_ = std::move(*loaded);
     auto tokenizer = model::load_model_tokenizer(config.text("model"));
     if (!tokenizer) throw std::runtime_error(tokenizer.error().message);
     tokenizer_ = std::make_unique<tokenizer::Tokenizer>(std::move(*tokenizer));
-    const model::ModelConfig& cfg = model_->config();
+    const model::ModelConfig& cfg = model_.config;
     context_ = cfg.max_position_embeddings > 0 ? cfg.max_position_embeddings : 32768;
     max_prompt_tokens_ = config.integer("max-prompt-tokens");
     if (max_prompt_tokens_ <= 0 || max_prompt_tokens_ >= context_)
@@ -172,7 +173,7 @@ class Gateway {
     client_->bind(config.text("client-bind"));
     runtime::restrict_ipc_endpoint(config.text("client-bind"));
     hub_ = std::make_unique<runtime::Hub>(
-        context_zmq_, config.text("hub-bind"), settings_hash(model_->model_id()),
+        context_zmq_, config.text("hub-bind"), settings_hash(model_.model_id),
         static_cast<int>(config.integer("heartbeat-ms")),
         static_cast<int>(config.integer("peer-timeout-ms")), log_, metrics_,
         runtime::HubSecurity{.max_message_bytes = max_stage_message_bytes(cfg),
@@ -195,8 +196,8 @@ class Gateway {
     }
     log_.info("listening", {{"client", config.text("client-bind")},
                             {"hub", config.text("hub-bind")},
-                            {"model_id", model_->model_id()},
-                            {"settings_hash", settings_hash(model_->model_id())},
+                            {"model_id", model_.model_id},
+                            {"settings_hash", settings_hash(model_.model_id)},
                             {"hub_max_message_bytes", max_stage_message_bytes(cfg)},
                             {"curve", curve_.enabled()},
                             {"api_keys", api_keys_.size()},
@@ -668,7 +669,7 @@ class Gateway {
                       "the prompt has no tokens");
     } else {
       prompt.assign(request.tokens()->begin(), request.tokens()->end());
-      const int64_t vocab = model_->config().vocab_size;
+      const int64_t vocab = model_.config.vocab_size;
       for (int32_t token : prompt)
         if (token < 0 || token >= vocab)
           return reject(client, crid, wire::ErrorCode::InvalidRequest, "bad_token",
@@ -726,8 +727,8 @@ class Gateway {
       }
     }
     const uint64_t ns = model::namespace_id(r.cache_namespace);
-    r.prompt_key = reuse::prompt_key(r.prompt, reuse::block_chain(r.prompt, model_->model_id(), ns),
-                                     model_->model_id(), ns);
+    r.prompt_key = reuse::prompt_key(r.prompt, reuse::block_chain(r.prompt, model_.model_id, ns),
+                                     model_.model_id, ns);
     r.received = Clock::now();
     auto deadline = request.deadline_ms() > 0 ? std::chrono::milliseconds(request.deadline_ms())
                                               : default_deadline_;
@@ -1488,7 +1489,7 @@ class Gateway {
   std::unique_ptr<runtime::ZapHandler> zap_;  // before the sockets it admits: outlives them
   std::unique_ptr<zmq::socket_t> client_;
   std::unique_ptr<runtime::Hub> hub_;
-  std::unique_ptr<model::Model> model_;
+  model::ModelInfo model_;
   std::unique_ptr<tokenizer::Tokenizer> tokenizer_;
   wire::Limits limits_;
   int64_t context_ = 0, max_prompt_tokens_ = 0;

@@ -6,6 +6,7 @@
 #include <gtest/gtest.h>
 
 #include <map>
+#include <set>
 
 #include <cmath>
 #include <memory>
@@ -400,6 +401,25 @@ TEST(Engine, ForwardLayersStopsAtTheLastRouter) {
   EXPECT_GT(counting.acquired[1], 0);
   EXPECT_EQ(logits, prefill_logits(full_h, tokens));
   again.release(cache.pool());
+}
+
+// The gateway reads a model's config and id without binding its weights; the id must be the one
+// the compute stages compute (they compare it in the settings hash), and differ between models.
+TEST(Engine, ModelInfoIsTheConfigAndIdOfTheLoadedModel) {
+  std::set<uint64_t> ids;
+  for (const char* name : {"mixtral-f32", "qwen3-bf16-fused", "deepseek3-fp8", "deepseek2-f32"}) {
+    auto model = load(name);
+    ASSERT_TRUE(model) << name;
+    auto info = load_model_info(std::string(MOELINE_TEST_MODELS) + "/" + name);
+    ASSERT_TRUE(info.ok()) << info.error().message;
+    EXPECT_EQ(info->model_id, model->model_id()) << name;
+    EXPECT_EQ(info->config.vocab_size, model->config().vocab_size) << name;
+    EXPECT_EQ(info->config.max_position_embeddings, model->config().max_position_embeddings);
+    ids.insert(info->model_id);
+  }
+  EXPECT_EQ(ids.size(), 4u);
+  auto missing = load_model_info(std::string(MOELINE_TEST_MODELS) + "/no-such-model");
+  EXPECT_FALSE(missing.ok());
 }
 
 // A pool that fails mid-forward (its owner gone): the provider throws StatusError on the third
