@@ -7,6 +7,7 @@
 #include <nlohmann/json.hpp>
 #include <vector>
 
+#include "base/environment.h"
 #include "cli/args.h"
 #include "schemas/wire.h"
 #include "sdk/client.h"
@@ -94,7 +95,7 @@ nlohmann::json timings_json(const Timings& timings) {
 int generate(int argc, char** argv) {
   GenerateOptions options;
   std::string endpoint;
-  if (const char* env = std::getenv("MOELINE_ENDPOINT")) endpoint = env;
+  if (const char* env = env::get(env::kEndpoint)) endpoint = env;
   bool json = false;
   int64_t timeout_ms = 60000;
   bool has_prompt = false;
@@ -180,7 +181,7 @@ int generate(int argc, char** argv) {
 // next request.
 int reuse(int argc, char** argv) {
   std::string endpoint, levels, tenant = "*";
-  if (const char* env = std::getenv("MOELINE_ENDPOINT")) endpoint = env;
+  if (const char* env = env::get(env::kEndpoint)) endpoint = env;
   for (int i = 0; i < argc; ++i) {
     const std::string flag = argv[i];
     if (i + 1 >= argc) throw UsageError(flag + " needs a value");
@@ -204,7 +205,7 @@ int reuse(int argc, char** argv) {
 // Turns approximate reuse on or off for the whole stack (after a rollback: on again).
 int approximate(int argc, char** argv) {
   std::string endpoint, state;
-  if (const char* env = std::getenv("MOELINE_ENDPOINT")) endpoint = env;
+  if (const char* env = env::get(env::kEndpoint)) endpoint = env;
   for (int i = 0; i < argc; ++i) {
     const std::string arg = argv[i];
     if (arg == "--endpoint" && i + 1 < argc)
@@ -224,7 +225,7 @@ int approximate(int argc, char** argv) {
 
 int status(int argc, char** argv) {
   std::string endpoint;
-  if (const char* env = std::getenv("MOELINE_ENDPOINT")) endpoint = env;
+  if (const char* env = env::get(env::kEndpoint)) endpoint = env;
   for (int i = 0; i < argc; ++i) {
     if (std::strcmp(argv[i], "--endpoint") == 0 && i + 1 < argc)
       endpoint = argv[++i];
@@ -250,8 +251,8 @@ int client_command(int argc, char** argv) {
       return 0;
     }
   const std::string sub = argv[0];
-  if (const char* env = std::getenv("MOELINE_API_KEY")) g_credentials.api_key = env;
-  if (const char* env = std::getenv("MOELINE_SERVER_KEY")) g_credentials.server_key = env;
+  if (const char* env = env::get(env::kApiKey)) g_credentials.api_key = env;
+  if (const char* env = env::get(env::kServerKey)) g_credentials.server_key = env;
   std::vector<char*> rest = {argv[0]};
   for (int i = 1; i < argc; ++i) {
     const bool api = std::strcmp(argv[i], "--api-key") == 0;

@@ -17,6 +17,7 @@
 
 #include <unistd.h>
 
+#include "base/environment.h"
 #include "kernels/cpu/cpu_features.h"
 #include "kernels/cpu/quant_matmul.h"
 #include "kernels/cpu/thread_pool.h"
@@ -115,7 +116,7 @@ struct RunOptions {
 // The model `moeline run` uses without --model: $MOELINE_MODEL, else the demo model that ships in
 // the source tree.
 std::string default_model_dir() {
-  if (const char* env = std::getenv("MOELINE_MODEL"); env != nullptr && *env != '\0') return env;
+  if (const char* env = env::get(env::kModel); env != nullptr && *env != '\0') return env;
   return MOELINE_DEFAULT_MODEL;
 }
 

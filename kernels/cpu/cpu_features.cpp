@@ -1,4 +1,5 @@
 #include "kernels/cpu/cpu_features.h"
+#include "base/environment.h"
 
 #include <atomic>
 #include <cstdlib>
@@ -23,7 +24,7 @@ bool supports(Isa wanted) {
 
 Isa initial_isa() {
   Isa isa = detect();
-  if (const char* forced = std::getenv("MOELINE_KERNELS")) {
+  if (const char* forced = env::get(env::kKernels)) {
     for (Isa candidate : {Isa::kPortable, Isa::kAvx2, Isa::kAvx512, Isa::kAvx512Vnni}) {
       if (isa_name(candidate) == forced && supports(candidate)) isa = candidate;
     }

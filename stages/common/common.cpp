@@ -7,6 +7,7 @@
 #include <cstdlib>
 #include <iostream>
 
+#include "base/environment.h"
 #include "kernels/cpu/quant_matmul.h"
 #include "model/kv_cache.h"
 #include "stages/runtime/service.h"
@@ -197,7 +198,7 @@ void hand_back(runtime::HubLink& link, uint64_t request_id, uint32_t attempt) {
 }
 
 std::string default_model_dir() {
-  if (const char* env = std::getenv("MOELINE_MODEL"); env != nullptr && *env != '\0') return env;
+  if (const char* env = env::get(env::kModel); env != nullptr && *env != '\0') return env;
   return MOELINE_DEFAULT_MODEL;
 }
 

@@ -1,4 +1,5 @@
 #include "stages/runtime/config.h"
+#include "base/environment.h"
 
 #include <cctype>
 #include <charconv>
@@ -100,7 +101,7 @@ Config Config::load(const std::string& stage, std::span<const ConfigKey> keys, i
       apply(*section);
   }
   for (const ConfigKey& key : keys) {
-    if (const char* env = std::getenv(env_name(key.name).c_str()); env != nullptr)
+    if (const char* env = env::get_setting(env_name(key.name).c_str()); env != nullptr)
       config.values_[key.name] = {env, "env"};
   }
   for (auto& [name, value] : flags) config.values_[name] = {value, "flag"};

@@ -19,6 +19,7 @@
 #include <sstream>
 #include <thread>
 
+#include "base/environment.h"
 #include "cli/args.h"
 #include "stages/runtime/config.h"
 #include "stages/runtime/log.h"
@@ -381,7 +382,7 @@ int up(int argc, char** argv) {
   if (config.text("run-dir").empty()) throw runtime::ConfigError("--run-dir is required");
   std::string model = config.text("model");
   if (model.empty()) {
-    const char* env = std::getenv("MOELINE_MODEL");
+    const char* env = env::get(env::kModel);
     model = env != nullptr && *env != '\0' ? env : MOELINE_DEFAULT_MODEL;
   }
   if (!fs::exists(model)) throw runtime::ConfigError("model " + model + " does not exist");

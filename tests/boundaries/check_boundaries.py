@@ -11,7 +11,9 @@ what it links. This check fails when:
    on (the table ALLOWED below is that document's table);
 3. a quoted #include of a source file does not resolve through its own folder or the trees its
    target sees (a header of a library it does not link);
-4. the mechanism does not hold: for every library, a translation unit that includes a header of a
+4. a library or tool reads an environment variable other than through base/environment.h (the
+   one list of the variables moeline reads);
+5. the mechanism does not hold: for every library, a translation unit that includes a header of a
    library outside what it sees must fail to compile with that library's own flags, and one that
    includes its own header must compile.
 """
@@ -56,6 +58,7 @@ ALLOWED["moeline_cli"] = ALLOWED["moeline_stage_common"] | {"stage_common", "sdk
                                                              "cli_args"}
 
 INCLUDE = re.compile(r'^\s*#\s*include\s+"([^"]+)"', re.M)
+GETENV = re.compile(r"\bgetenv\s*\(")
 
 
 def parse_args():
@@ -116,6 +119,10 @@ def main():
         # 3: every quoted include resolves through the file's folder or the trees its target sees.
         with open(source, encoding="utf-8", errors="replace") as f:
             text = f.read()
+        if GETENV.search(text) and (target in ALLOWED or target in ("moeline", "moeline_cli")) \
+                and not source.endswith(os.path.join("base", "environment.cpp")):
+            failures.append(f"{target}: {os.path.relpath(source, source_dir)} calls getenv; "
+                            f"read environment variables through base/environment.h")
         for header in INCLUDE.findall(text):
             checked_includes += 1
             candidates = [os.path.dirname(source)] + dirs
@@ -136,7 +143,7 @@ def main():
         failures.append(f"{target} is a library this check does not know: add it to ALLOWED and "
                         f"to docs/ARCHITECTURE.md")
 
-    # 4: the mechanism, compiled.
+    # 5: the mechanism, compiled.
     trees = {name: os.path.join(tree_root, name) for name in os.listdir(tree_root)}
     one_header = {}
     for name, tree in trees.items():
