@@ -12,6 +12,8 @@ def dealer(endpoint, identity=None, curve=None):
     s.setsockopt(zmq.LINGER, 0)
     s.setsockopt(zmq.SNDHWM, 0)
     s.setsockopt(zmq.RCVTIMEO, 3000)
+    # A send to a hub that refused the handshake must fail the test, not hang it.
+    s.setsockopt(zmq.SNDTIMEO, 3000)
     if identity:
         s.setsockopt(zmq.ROUTING_ID, identity)
     if curve:

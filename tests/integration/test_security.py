@@ -349,8 +349,11 @@ def case_curve(args):
         reply = hello_reply(impostor)
         check(reply is not None and reply[0], f"decode's key as decode: {reply}")
         impostor.send_multipart(snapshot_put(12345))
+        # Labelled by reason and type, the counter appears with the first refusal: until the
+        # gateway has read the put, it is not exported at all.
         wait_for(lambda: stack.metric("gateway", "moeline_gateway_stage_messages_refused_total",
-                                      reason="wrong_stage", type="SnapshotPut") >= 1, 10,
+                                      created_on_first_event=True, reason="wrong_stage",
+                                      type="SnapshotPut") >= 1, 10,
                  "a snapshot put from a decode stage was not refused")
         impostor.close()
         print("ok curve: a snapshot put from a decode stage is dropped and counted")
