@@ -235,7 +235,8 @@ Status Engine::forward_blend(const BlendInput& input, std::vector<float>& logits
     recomputed = kept;
     return Status::ok_status();
   } catch (const StatusError& e) {
-    return e.error();  // the expert provider's failure; the sequence is not committed
+    kv_deviation_ = nullptr;  // it pointed into this call's `deviation`
+    return e.error();         // the expert provider's failure; the sequence is not committed
   }
 }
 
