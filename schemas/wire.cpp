@@ -56,6 +56,8 @@ bool verify_body(MessageType type, const uint8_t* data, size_t size, bool& known
       return verify_table<CancelJob>(data, size, PrefillJobIdentifier());
     case MessageType::SnapshotPut:
       return verify_table<SnapshotPut>(data, size, PrefillJobIdentifier());
+    case MessageType::HandoverAccepted:
+      return verify_table<HandoverAccepted>(data, size, PrefillJobIdentifier());
     case MessageType::ExpertPlanRequest:
       return verify_table<ExpertPlanRequest>(data, size, ExpertPlanIdentifier());
     case MessageType::ExpertPlan:
@@ -92,6 +94,7 @@ const char* identifier_of(MessageType type) {
     case MessageType::JobFailed:
     case MessageType::CancelJob:
     case MessageType::SnapshotPut:
+    case MessageType::HandoverAccepted:
       return PrefillJobIdentifier();
     case MessageType::ExpertPlanRequest:
     case MessageType::ExpertPlan:

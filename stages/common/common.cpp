@@ -157,6 +157,30 @@ runtime::LinkSettings link_settings(const runtime::Config& config, wire::StageKi
   return settings;
 }
 
+std::vector<runtime::ConfigKey> intake_keys() {
+  return {{"intake-bind", "auto",
+           "where peers send this stage bulk data directly (auto: a socket file next to an ipc:// "
+           "hub; a free port on the address that reaches a tcp:// hub)"},
+          {"intake-advertise", "",
+           "the intake endpoint peers are told (default: the bound one; set it behind NAT or "
+           "port mapping)"}};
+}
+
+std::unique_ptr<runtime::Intake> open_intake(zmq::context_t& context, const runtime::Config& config,
+                                             const runtime::LinkSettings& link,
+                                             const std::string& stage, runtime::Logger& log,
+                                             runtime::Registry& metrics, runtime::ZapHandler* zap) {
+  runtime::IntakeSettings settings;
+  settings.bind = config.text("intake-bind");
+  settings.advertise = config.text("intake-advertise");
+  settings.hub = link.hub;
+  settings.stage = stage;
+  settings.replica = link.replica;
+  settings.max_message_bytes = link.max_message_bytes;
+  settings.curve_keys = link.curve_keys;
+  return std::make_unique<runtime::Intake>(context, settings, log, metrics, zap);
+}
+
 std::string curve_role(wire::StageKind stage) {
   return stage == wire::StageKind::OffloadManager ? "offload" : wire::stage_name(stage);
 }

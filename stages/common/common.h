@@ -13,6 +13,7 @@
 #include "reuse/signature.h"
 #include "schemas/wire.h"
 #include "stages/runtime/config.h"
+#include "stages/runtime/intake.h"
 #include "stages/runtime/link.h"
 
 namespace moeline::stages {
@@ -56,6 +57,14 @@ std::string replica_name(const runtime::Config& config, const char* stage);
 runtime::LinkSettings link_settings(const runtime::Config& config, wire::StageKind stage,
                                     const std::string& replica, const model::Model& model,
                                     uint16_t http_port);
+// The keys of a stage with an intake (decode, probe): --intake-bind, --intake-advertise.
+std::vector<runtime::ConfigKey> intake_keys();
+// The intake of a stage (see stages/runtime/intake.h), bound next to the link's hub with the
+// link's Curve keys; `zap` is the process's ZAP handler (needed with Curve).
+std::unique_ptr<runtime::Intake> open_intake(zmq::context_t& context, const runtime::Config& config,
+                                             const runtime::LinkSettings& link,
+                                             const std::string& stage, runtime::Logger& log,
+                                             runtime::Registry& metrics, runtime::ZapHandler* zap);
 // The key file a stage kind uses in a key directory: probe, prefill, decode, offload.
 std::string curve_role(wire::StageKind stage);
 // --io-threads: ZeroMQ's I/O threads for this process's context (Curve encrypts and decrypts in

@@ -104,9 +104,17 @@ ComputeWorker::ComputeWorker(const runtime::Config& config, const char* stage, w
                           {"expert_plan", health_plan_received_.load()},
                           {"device", device}};
   });
-  runtime::LinkSettings settings =
-      link_settings(config, kind, service.log.replica(), *model, service.http_port());
-  link = std::make_unique<runtime::HubLink>(context, settings, service.log, service.metrics);
+  link_settings_ = link_settings(config, kind, service.log.replica(), *model, service.http_port());
+  link = std::make_unique<runtime::HubLink>(context, link_settings_, service.log, service.metrics);
+  peers = std::make_unique<runtime::PeerSender>(context, link_settings_.curve_keys);
+}
+
+void ComputeWorker::open_intake(const runtime::Config& config) {
+  if (link_settings_.curve_keys)
+    zap = std::make_unique<runtime::ZapHandler>(context, service.log, service.metrics);
+  intake = stages::open_intake(context, config, link_settings_, service.log.stage(), service.log,
+                               service.metrics, zap.get());
+  link->set_intake(intake->endpoint(), intake->public_key());
 }
 
 ComputeWorker::~ComputeWorker() {

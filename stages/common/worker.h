@@ -19,6 +19,7 @@
 #include "offload/resident_provider.h"
 #include "offload/trace.h"
 #include "stages/runtime/config.h"
+#include "stages/runtime/intake.h"
 #include "stages/runtime/link.h"
 #include "stages/runtime/service.h"
 
@@ -99,6 +100,9 @@ class ComputeWorker {
   // the capacity free right now); true if it did.
   bool handle(const wire::Message& message, uint32_t free_credits);
   bool ready() const { return plan_received_ && link->accepted(); }
+  // Binds this process's intake (decode: hand-overs from prefill) and announces it in the hello;
+  // call before the first hello.
+  void open_intake(const runtime::Config& config);
 
   runtime::StageService service;
   zmq::context_t context{1};
@@ -120,8 +124,13 @@ class ComputeWorker {
   // The engine's observers: usage first; a stage may add its own.
   model::RouterFanout observers;
   std::unique_ptr<runtime::HubLink> link;
+  // Bulk data to other stages' intakes (prefill: KV to decode, puts to the probe).
+  std::unique_ptr<runtime::PeerSender> peers;
+  std::unique_ptr<runtime::ZapHandler> zap;  // with Curve and an intake; outlives the intake
+  std::unique_ptr<runtime::Intake> intake;   // null unless open_intake()
 
  private:
+  runtime::LinkSettings link_settings_;
   std::string device_expert_budget_;
   int device_ordinal_ = 0;
   // --device cuda: moves the GPU engine's expert-cache counters into the metrics (each second).

@@ -49,6 +49,7 @@ class DecodeStage {
       blocks = std::max<int64_t>(blocks, per_sequence);
     }
     worker_.create_engine(static_cast<int32_t>(blocks));
+    worker_.open_intake(config);
     for (int64_t eos : cfg.eos_token_ids) eos_.push_back(static_cast<int32_t>(eos));
     kv_used_ = &metrics_.gauge("moeline_decode_kv_blocks", "KV blocks", {{"state", "used"}});
     kv_free_ = &metrics_.gauge("moeline_decode_kv_blocks", "KV blocks", {{"state", "free"}});
@@ -72,6 +73,12 @@ class DecodeStage {
     tokens_total_ = &metrics_.counter("moeline_decode_tokens_total", "Tokens generated");
     handed_back_ = &metrics_.counter("moeline_decode_handed_back_total",
                                      "Sequences given back to the gateway by a drain");
+    handovers_ = &metrics_.counter("moeline_decode_handovers_total",
+                                   "Sequences prefill handed over directly, by outcome",
+                                   {{"outcome", "accepted"}});
+    handovers_refused_ = &metrics_.counter("moeline_decode_handovers_total",
+                                           "Sequences prefill handed over directly, by outcome",
+                                           {{"outcome", "refused"}});
   }
 
   int run() {
@@ -87,10 +94,13 @@ class DecodeStage {
       // Step boundary: take everything that arrived, admit what fits, run one step.
       const bool busy = !active_streams_.empty();
       bool first = true;
-      while (auto message = worker_.link->receive(first && !busy ? 50 : 0)) {
+      while (auto message =
+                 worker_.link->receive(first && !busy ? 50 : 0, &worker_.intake->socket())) {
         worker_.service.guard("decode", [&] { dispatch(*message); });
         first = false;
       }
+      while (auto handover = worker_.intake->receive())
+        worker_.service.guard("decode", [&] { on_handover(*handover); });
       admit();
       if (!active_streams_.empty()) step();
       update_gauges();
@@ -163,7 +173,41 @@ class DecodeStage {
     worker_.link->grant(1);
   }
 
-  void accept(wire::Message& message) {
+  // A prompt's KV straight from prefill: taken only with the ticket the gateway signed for this
+  // replica (so only a hand-over the gateway arranged), then confirmed to the gateway.
+  void on_handover(wire::Message& message) {
+    if (message.type != wire::MessageType::PrefillDone) {
+      handovers_refused_->inc();
+      return worker_.intake->refuse(message.type, "not_taken_here");
+    }
+    const auto* done = message.as<wire::PrefillDone>();
+    const auto& key = worker_.link->handover_key();
+    if (!key || done->ticket() == nullptr ||
+        !runtime::valid_ticket(*key, done->request_id(), done->attempt(),
+                               {done->ticket()->data(), done->ticket()->size()})) {
+      handovers_refused_->inc();
+      return worker_.intake->refuse(message.type, "bad_ticket");
+    }
+    const uint64_t request_id = done->request_id();
+    const uint32_t attempt = done->attempt();
+    auto same = [&](const Stream& s) { return s.request_id == request_id && s.attempt == attempt; };
+    if (std::any_of(waiting_.begin(), waiting_.end(), same) ||
+        std::any_of(active_streams_.begin(), active_streams_.end(), same)) {
+      handovers_refused_->inc();
+      return worker_.intake->refuse(message.type, "duplicate");
+    }
+    if (!accept_stream(message)) return;
+    handovers_->inc();
+    flatbuffers::FlatBufferBuilder builder(64);
+    builder.Finish(wire::CreateHandoverAccepted(builder, request_id, attempt),
+                   wire::PrefillJobIdentifier());
+    worker_.link->send(wire::encode(wire::MessageType::HandoverAccepted, builder));
+  }
+
+  void accept(wire::Message& message) { accept_stream(message); }
+
+  // Queues the sequence to join the batch; false (and a JobFailed to the gateway) if it cannot.
+  bool accept_stream(wire::Message& message) {
     const auto* done = message.as<wire::PrefillDone>();
     const auto* layout = done->layout();
     const size_t prompt = done->tokens() ? done->tokens()->size() : 0;
@@ -183,9 +227,10 @@ class DecodeStage {
       problem = valid.error().message;
     else if (done->first_token() < 0 || done->first_token() >= worker_.model->config().vocab_size)
       problem = "first token " + std::to_string(done->first_token()) + " is outside the vocabulary";
-    if (!problem.empty())
-      return job_failed(done->request_id(), done->attempt(), wire::ErrorCode::MalformedMessage,
-                        problem);
+    if (!problem.empty()) {
+      job_failed(done->request_id(), done->attempt(), wire::ErrorCode::MalformedMessage, problem);
+      return false;
+    }
 
     Stream stream;
     stream.request_id = done->request_id();
@@ -201,11 +246,14 @@ class DecodeStage {
     // The first token was drawn by prefill from the same generator.
     stream.sampler->resume(std::span(&stream.next_token, 1));
     stream.joined = Clock::now();
-    if (blocks_for(stream) > worker_.forward->blocks().capacity())
-      return job_failed(stream.request_id, stream.attempt, wire::ErrorCode::Overloaded,
-                        "sequence needs more KV blocks than this decode replica has");
+    if (blocks_for(stream) > worker_.forward->blocks().capacity()) {
+      job_failed(stream.request_id, stream.attempt, wire::ErrorCode::Overloaded,
+                 "sequence needs more KV blocks than this decode replica has");
+      return false;
+    }
     stream.handoff = std::move(message);
     waiting_.push_back(std::move(stream));
+    return true;
   }
 
   int64_t reserve_tokens(const Stream& stream) const {
@@ -329,7 +377,7 @@ class DecodeStage {
 
   ComputeWorker worker_;
   Drain drain_;
-  runtime::Counter* handed_back_ = nullptr;
+  runtime::Counter *handed_back_ = nullptr, *handovers_ = nullptr, *handovers_refused_ = nullptr;
   uint32_t max_batch_;
   int64_t context_ = 0;
   runtime::Registry& metrics_;
@@ -346,6 +394,7 @@ class DecodeStage {
 
 std::vector<runtime::ConfigKey> decode_keys() {
   std::vector<runtime::ConfigKey> keys = compute_keys();
+  for (const runtime::ConfigKey& key : intake_keys()) keys.push_back(key);
   keys.push_back({"max-batch", "64", "sequences in the running batch (its credit)"});
   keys.push_back({"kv-blocks", "0",
                   "KV cache blocks (0: enough for max-batch full contexts, "

@@ -71,6 +71,14 @@ struct Request {
   bool shadow_sampled = false;  // the shadow check is of a hit the rule would have served
   std::string shadow_mode;      // "response": compare the finished tokens with donor_completion
   std::vector<int32_t> donor_completion;
+  // The hand-over (prefill sends the KV straight to decode): the decode replica picked at prefill
+  // dispatch, whose credit the gateway holds until that replica confirms (HandoverAccepted); the
+  // prefill replica that sends it; waiting for the confirmation since when.
+  std::string decode_target, handed_by;
+  bool decode_reserved = false;
+  bool handover_pending = false;
+  bool handover_confirmed = false;  // HandoverAccepted came before prefill's PrefillDone
+  Clock::time_point handover_since;
 };
 
 struct Handoff {
@@ -119,6 +127,7 @@ class Gateway {
     max_deadline_ = std::chrono::milliseconds(config.integer("max-deadline-ms"));
     max_retries_ = static_cast<uint32_t>(config.integer("max-retries"));
     probe_timeout_ = std::chrono::milliseconds(config.integer("probe-timeout-ms"));
+    handover_timeout_ = std::chrono::milliseconds(config.integer("handover-timeout-ms"));
     max_in_flight_ = static_cast<size_t>(config.integer("max-in-flight"));
     max_decode_backlog_ = static_cast<size_t>(config.integer("max-decode-backlog"));
     limits_.max_body_bytes = runtime::parse_bytes(config.text("max-message-bytes"));
@@ -317,6 +326,9 @@ class Gateway {
                                       runtime::latency_buckets());
     retries_ = &metrics_.counter("moeline_gateway_retries_total",
                                  "Requests restarted after the replica holding them died");
+    handover_timeouts_ =
+        &metrics_.counter("moeline_gateway_handover_timeouts_total",
+                          "Hand-overs a decode replica did not confirm in time (retried)");
     handed_back_ = &metrics_.counter("moeline_gateway_handed_back_total",
                                      "Jobs handed back by draining replicas (sent to another)");
     probe_bypassed_ = &metrics_.counter(
@@ -918,6 +930,7 @@ class Gateway {
   // Tells the prefill or decode replica holding the request to drop it (a probe answers at once,
   // there is nothing to cancel there).
   void cancel_at_owner(Request& r) {
+    release_decode(r);
     const runtime::Peer* owner = r.owner.empty() ? nullptr : hub_->peer(r.owner);
     if (owner == nullptr || owner->stage == wire::StageKind::Probe) {
       r.owner.clear();
@@ -927,6 +940,16 @@ class Gateway {
     builder.Finish(wire::CreateCancelJob(builder, r.id, r.attempt), wire::PrefillJobIdentifier());
     hub_->send(r.owner, wire::encode(wire::MessageType::CancelJob, builder), false);
     r.owner.clear();
+  }
+
+  // The decode credit held for a hand-over that will not be confirmed goes back to its replica.
+  // Should the hand-over reach it after all, its HandoverAccepted finds no request: the gateway
+  // cancels it there and takes that credit again (on_handover_accepted), so none is counted twice.
+  void release_decode(Request& r) {
+    if (r.decode_reserved) hub_->restore_credit(r.decode_target);
+    r.decode_reserved = r.handover_pending = r.handover_confirmed = false;
+    r.decode_target.clear();
+    r.handed_by.clear();
   }
 
   void erase(Request& r) {
@@ -1022,6 +1045,7 @@ class Gateway {
                   why + "; gave up after " + std::to_string(r.attempt) + " attempts");
     retries_->inc();
     log_.warn("request_retry", {{"request_id", r.id}, {"attempt", r.attempt + 1}, {"reason", why}});
+    release_decode(r);
     r.owner.clear();
     ++r.attempt;
     r.position = 0;
@@ -1088,6 +1112,17 @@ class Gateway {
     std::vector<uint64_t> expired;
     for (auto& [id, r] : requests_)
       if (now >= r.deadline) expired.push_back(id);
+    std::vector<uint64_t> unconfirmed;
+    for (auto& [id, r] : requests_)
+      if (r.handover_pending && now - r.handover_since > handover_timeout_ && now < r.deadline)
+        unconfirmed.push_back(id);
+    for (uint64_t id : unconfirmed) {
+      Request& r = requests_.at(id);
+      handover_timeouts_->inc();
+      const std::string target = r.decode_target;
+      cancel_at_owner(r);
+      retry_or_fail(r, "decode replica " + target + " did not confirm the hand-over");
+    }
     for (uint64_t id : expired) {
       Request& r = requests_.at(id);
       fail(r, wire::ErrorCode::DeadlineExceeded, "deadline_exceeded",
@@ -1163,6 +1198,31 @@ class Gateway {
 
   // ---- to and from stages ----
 
+  // The peer of this kind with the most credit among those with an intake (spends one credit).
+  runtime::Peer* pick_with_intake(wire::StageKind stage) {
+    runtime::Peer* peer = hub_->pick(stage);
+    if (peer == nullptr || !peer->intake.empty()) return peer;
+    hub_->restore_credit(peer->identity);  // a replica of an older build: no direct hand-over
+    return nullptr;
+  }
+
+  // The probe that stores a namespace's entries.
+  const runtime::Peer* store_for(const std::string& cache_namespace) const {
+    (void)cache_namespace;
+    for (const auto& [identity, peer] : hub_->peers())
+      if (peer.stage == wire::StageKind::Probe && !peer.intake.empty()) return &peer;
+    return nullptr;
+  }
+
+  // A route to `peer`'s intake for this attempt of the request, signed with the peer's key.
+  flatbuffers::Offset<wire::PeerRoute> route_to(flatbuffers::FlatBufferBuilder& builder,
+                                                const runtime::Peer& peer, const Request& r) {
+    const runtime::Ticket ticket = runtime::handover_ticket(peer.handover_key, r.id, r.attempt);
+    return wire::CreatePeerRoute(
+        builder, builder.CreateString(peer.replica), builder.CreateString(peer.intake),
+        builder.CreateString(peer.intake_key), builder.CreateVector(ticket.data(), ticket.size()));
+  }
+
   void dispatch() {
     while (!probe_queue_.empty()) {
       auto [id, attempt] = probe_queue_.front();
@@ -1203,7 +1263,17 @@ class Gateway {
       }
       if (prefill == nullptr) prefill = hub_->pick(wire::StageKind::Prefill);
       if (prefill == nullptr) break;
+      // The decode replica is chosen now, so that prefill sends it the KV directly: a prefill
+      // starts only when a decode replica has room for the sequence.
+      runtime::Peer* decode = pick_with_intake(wire::StageKind::Decode);
+      if (decode == nullptr) {
+        hub_->restore_credit(prefill->identity);
+        break;
+      }
       flatbuffers::FlatBufferBuilder builder(512 + r->prompt.size() * 4);
+      auto decode_route = route_to(builder, *decode, *r);
+      const runtime::Peer* store = store_for(r->cache_namespace);
+      auto store_route = store != nullptr ? route_to(builder, *store, *r) : 0;
       auto tokens = builder.CreateVector(r->prompt);
       auto sampling = to_wire(builder, r->sampling);
       flatbuffers::Offset<wire::KvLayout> layout = 0;
@@ -1235,16 +1305,19 @@ class Gateway {
         recompute = plan->recompute_fraction();
       }
       const std::string level = r->blend_plan ? "blend" : r->reuse_level;
-      builder.Finish(wire::CreatePrefillJob(
-                         builder, r->id, r->attempt, tokens, sampling,
-                         builder.CreateString(r->cache_namespace), builder.CreateString(level),
-                         r->prefix_plan ? r->reused_tokens : 0, frames, layout, store_levels,
-                         r->prefix_key, mask, recompute, r->blend_shadow),
-                     wire::PrefillJobIdentifier());
+      builder.Finish(
+          wire::CreatePrefillJob(builder, r->id, r->attempt, tokens, sampling,
+                                 builder.CreateString(r->cache_namespace),
+                                 builder.CreateString(level), r->prefix_plan ? r->reused_tokens : 0,
+                                 frames, layout, store_levels, r->prefix_key, mask, recompute,
+                                 r->blend_shadow, decode_route, store_route),
+          wire::PrefillJobIdentifier());
       const std::string identity = prefill->identity;
+      const std::string decode_identity = decode->identity;
       std::vector<zmq::message_t> job =
           wire::encode(wire::MessageType::PrefillJob, builder, std::move(bulk));
       if (!hub_->send(identity, job, true)) {
+        hub_->restore_credit(decode_identity);
         // That replica is gone; the next try recomputes the prefix rather than keep its KV here.
         r->prefix_plan.reset();
         r->reuse_level = "none";
@@ -1258,6 +1331,9 @@ class Gateway {
         prefix_affinity_[r->prefix_key] = identity;
       }
       r->owner = identity;
+      r->handed_by = identity;
+      r->decode_target = decode_identity;
+      r->decode_reserved = true;
       if (r->attempt == 1 || r->prefill_dispatched == Clock::time_point{}) {
         r->prefill_dispatched = Clock::now();
         queue_time_->observe(
@@ -1301,9 +1377,10 @@ class Gateway {
   }
 
   void on_stage(runtime::Hub::Incoming& incoming) {
-    static constexpr runtime::HandlerTable<Gateway, 9, runtime::Hub::Incoming&> kStageHandlers({
+    static constexpr runtime::HandlerTable<Gateway, 10, runtime::Hub::Incoming&> kStageHandlers({
         {wire::MessageType::ProbePlan, &Gateway::on_probe_plan},
         {wire::MessageType::PrefillDone, &Gateway::on_prefill_done},
+        {wire::MessageType::HandoverAccepted, &Gateway::on_handover_accepted},
         {wire::MessageType::TokenBatch, &Gateway::on_token_batch},
         {wire::MessageType::JobFailed, &Gateway::on_job_failed},
         {wire::MessageType::ExpertPlanRequest, &Gateway::on_expert_traffic},
@@ -1408,9 +1485,44 @@ class Gateway {
     const std::string finish = done->finish_reason() ? done->finish_reason()->str() : "";
     const uint64_t id = r->id;
     const uint32_t attempt = r->attempt;
+    const bool carries_kv = done->frames() != nullptr && done->frames()->size() > 0;
+    if (!finish.empty() || carries_kv) release_decode(*r);  // no hand-over will come
+    if (finish.empty() && !carries_kv) {
+      // Prefill hands the KV to the decode replica picked at dispatch; from now on the request's
+      // tokens come from there.
+      if (r->decode_target.empty() || hub_->peer(r->decode_target) == nullptr)
+        return retry_or_fail(*r, "the decode replica picked for the hand-over is gone");
+      r->owner = r->decode_target;
+      r->handover_pending = !r->handover_confirmed;
+      if (r->handover_confirmed) r->decode_reserved = false;
+      r->handover_since = Clock::now();
+    }
     on_token(*r, done->first_token(), finish, done->first_logprobs());
-    if (finish.empty() && find(id, attempt) != nullptr)
+    // A PrefillDone with the KV (a full hit answered by the probe): relayed to a decode replica.
+    if (finish.empty() && carries_kv && find(id, attempt) != nullptr)
       decode_queue_.push_back({id, attempt, std::move(message)});
+  }
+
+  // Decode holds a sequence prefill handed to it: its tokens follow on this connection.
+  void on_handover_accepted(runtime::Hub::Incoming& incoming) {
+    const auto* accepted = incoming.message.as<wire::HandoverAccepted>();
+    Request* r = find(accepted->request_id(), accepted->attempt());
+    if (r != nullptr && r->decode_target == incoming.identity && r->decode_reserved) {
+      if (r->handover_pending) {
+        r->handover_pending = false;
+        r->decode_reserved = false;  // the replica returns the credit when the sequence ends
+      } else {
+        r->handover_confirmed = true;  // before prefill's PrefillDone: noted for it
+      }
+      return;
+    }
+    // A hand-over the gateway gave up on (retried, cancelled, finished): the replica drops it,
+    // and the credit it will return for it was already given back (release_decode).
+    flatbuffers::FlatBufferBuilder builder(64);
+    builder.Finish(wire::CreateCancelJob(builder, accepted->request_id(), accepted->attempt()),
+                   wire::PrefillJobIdentifier());
+    if (hub_->send(incoming.identity, wire::encode(wire::MessageType::CancelJob, builder), false))
+      hub_->spend_credit(incoming.identity);
   }
 
   void on_token_batch(runtime::Hub::Incoming& incoming) {
@@ -1419,6 +1531,15 @@ class Gateway {
     batch_size_->observe(batch->batch_size());
     if (batch->updates() == nullptr) return;
     for (const wire::TokenUpdate* update : *batch->updates()) {
+      if (Request* early = find(update->request_id(), update->attempt());
+          early != nullptr && early->decode_target == incoming.identity &&
+          early->owner != incoming.identity) {
+        // Decode's tokens overtook prefill's PrefillDone (the first token): rather than stream
+        // out of order, the attempt starts again.
+        cancel_at_owner(*early);
+        retry_or_fail(*early, "decode's tokens arrived before prefill's first token");
+        continue;
+      }
       Request* r = owned(update->request_id(), update->attempt(), incoming.identity, message.type);
       if (r == nullptr) continue;  // cancelled or retried meanwhile, or not this peer's
       on_token(*r, update->token(), update->finish_reason() ? update->finish_reason()->str() : "",
@@ -1429,8 +1550,15 @@ class Gateway {
   void on_job_failed(runtime::Hub::Incoming& incoming) {
     wire::Message& message = incoming.message;
     const auto* failed = message.as<wire::JobFailed>();
-    Request* r = owned(failed->request_id(), failed->attempt(), incoming.identity, message.type);
+    Request* r = find(failed->request_id(), failed->attempt());
+    // Prefill reports a hand-over the decode replica would not take after its PrefillDone.
+    if (r != nullptr && r->handover_pending && r->handed_by == incoming.identity) {
+      cancel_at_owner(*r);
+      return retry_or_fail(*r, failed->message() ? failed->message()->str() : "hand-over failed");
+    }
+    r = owned(failed->request_id(), failed->attempt(), incoming.identity, message.type);
     if (r == nullptr) return;
+    release_decode(*r);
     r->owner.clear();
     if (failed->code() == wire::ErrorCode::Draining) {
       // Handed back by a draining replica: another one takes it (not a failure).
@@ -1450,11 +1578,9 @@ class Gateway {
     return forward_to_offload(message);
   }
 
+  // Prefill sends its puts to the probe's intake; the gateway carries no snapshot byte.
   void on_snapshot_put(runtime::Hub::Incoming& incoming) {
-    wire::Message& message = incoming.message;
-    // Only prefill computes what the store keeps (the gateway's own puts go out directly).
-    if (!from_stage(incoming.identity, message.type, {wire::StageKind::Prefill})) return;
-    return forward_to_probes(message.release_frames());
+    refuse_from_peer(incoming.identity, incoming.message.type, "sent_to_the_gateway");
   }
 
   void on_expert_plan(runtime::Hub::Incoming& incoming) {
@@ -1495,10 +1621,10 @@ class Gateway {
   int64_t context_ = 0, max_prompt_tokens_ = 0;
   size_t max_prompt_bytes_ = 0, max_in_flight_ = 0, max_decode_backlog_ = 0;
   uint32_t max_retries_ = 2;
-  std::chrono::milliseconds probe_timeout_{0}, drain_grace_{0};
+  std::chrono::milliseconds probe_timeout_{0}, drain_grace_{0}, handover_timeout_{10000};
   bool draining_ = false;
   Clock::time_point drain_until_;
-  runtime::Counter* handed_back_ = nullptr;
+  runtime::Counter *handed_back_ = nullptr, *handover_timeouts_ = nullptr;
   runtime::Counter* probe_bypassed_ = nullptr;
   runtime::RateLimited bypass_log_;
   std::chrono::milliseconds default_deadline_{0}, max_deadline_{0};
@@ -1551,6 +1677,9 @@ std::vector<runtime::ConfigKey> gateway_keys() {
   keys.push_back({"probe-timeout-ms", "2000",
                   "a request whose probe has not answered this long goes to prefill without "
                   "reuse (0: wait for the probe)"});
+  keys.push_back({"handover-timeout-ms", "10000",
+                  "a decode replica that has not confirmed a hand-over this long after prefill "
+                  "sent it: the request is retried"});
   keys.push_back({"max-in-flight", "4096", "requests in flight before new ones are refused"});
   keys.push_back({"max-decode-backlog", "64",
                   "prefilled requests waiting for a decode replica before prefill pauses"});

@@ -20,6 +20,22 @@
 namespace moeline::stages {
 namespace {
 
+// Where a job's bulk data goes (from the job's PeerRoute): empty endpoint, no route.
+struct Route {
+  std::string replica, endpoint, server_key;
+  std::vector<uint8_t> ticket;
+  static Route from(const wire::PeerRoute* route) {
+    Route out;
+    if (route == nullptr) return out;
+    if (route->replica()) out.replica = route->replica()->str();
+    if (route->endpoint()) out.endpoint = route->endpoint()->str();
+    if (route->server_key()) out.server_key = route->server_key()->str();
+    if (route->ticket()) out.ticket.assign(route->ticket()->begin(), route->ticket()->end());
+    return out;
+  }
+  bool empty() const { return endpoint.empty(); }
+};
+
 struct Job {
   uint64_t request_id = 0;
   uint32_t attempt = 0;
@@ -40,6 +56,7 @@ struct Job {
   wire::AlignedFrame blend_kv;
   int64_t recomputed = 0;
   std::vector<float> blend_logits;  // a shadow job's blended first-token logits
+  Route decode_route, store_route;  // empty decode route: the KV goes back in the PrefillDone
   int64_t computed() const { return static_cast<int64_t>(tokens.size()) - reused; }
 };
 
@@ -96,6 +113,11 @@ class PrefillStage {
                                       "Prompt tokens of blended prefills (served and shadowed)");
     shadow_jobs_ = &metrics_.counter("moeline_prefill_blend_shadow_total",
                                      "Blends also computed in full and compared");
+    handover_failures_ = &metrics_.counter(
+        "moeline_prefill_handover_failures_total",
+        "Prompts whose KV the decode replica did not take (the gateway retries them)");
+    puts_dropped_ = &metrics_.counter("moeline_prefill_snapshot_puts_dropped_total",
+                                      "Snapshot puts the probe could not take (lost as cache)");
     blend_refused_ = &metrics_.counter("moeline_prefill_blend_refused_total",
                                        "Blend jobs whose KV did not fit (computed in full)");
   }
@@ -201,6 +223,8 @@ class PrefillStage {
       return;
     }
     job.store_levels = wire_job.store_levels();
+    job.decode_route = Route::from(wire_job.decode_route());
+    job.store_route = Route::from(wire_job.store_route());
     job.reuse_level = wire_job.reuse_level() ? wire_job.reuse_level()->str() : "";
     if (wire_job.reused_tokens() > 0 && job.reuse_level != "blend") {
       // A prefix that does not fit this replica's cache exactly is recomputed, never trusted.
@@ -465,46 +489,85 @@ class PrefillStage {
       put_snapshots(job, sequence.id(), exported, logits);
     }
 
-    flatbuffers::FlatBufferBuilder builder(1024);
-    std::vector<zmq::message_t> bulk;
-    flatbuffers::Offset<wire::KvLayout> layout = 0;
-    flatbuffers::Offset<flatbuffers::Vector<flatbuffers::Offset<wire::BulkFrame>>> frames = 0;
-    if (finish.empty()) {
-      zmq::message_t kv = view(exported, 0, exported->size());
-      const uint64_t sum = wire::checksum({static_cast<const uint8_t*>(kv.data()), kv.size()});
-      std::vector<flatbuffers::Offset<wire::BulkFrame>> described = {
-          wire::CreateBulkFrame(builder, kv.size(), sum)};
-      frames = builder.CreateVector(described);
-      layout = kv_layout(builder, worker_.model->config(), blocks);
-      bulk.push_back(std::move(kv));
+    const PrefillResult result{first, finish, forward_seconds, logits};
+    if (!finish.empty() || job.decode_route.empty()) {
+      // Finished at its first token, or no decode route (`moeline load`, an older gateway): the
+      // PrefillDone goes to the hub, with the KV when the sequence goes on.
+      worker_.link->send(prefill_done(job, result, finish.empty() ? exported : nullptr, nullptr));
+    } else {
+      // The gateway hears first (it streams the first token and expects the decode replica), then
+      // the KV goes straight to that replica, with the ticket the gateway signed for it.
+      worker_.link->send(prefill_done(job, result, nullptr, nullptr));
+      if (!worker_.peers->send(job.decode_route.endpoint, job.decode_route.server_key,
+                               prefill_done(job, result, exported, &job.decode_route.ticket))) {
+        handover_failures_->inc();
+        fail(job, wire::ErrorCode::StageFailed,
+             "decode replica " + job.decode_route.replica + " did not take the hand-over at " +
+                 job.decode_route.endpoint);
+        return;
+      }
     }
-    auto tokens = builder.CreateVector(job.tokens);
-    auto finish_text = builder.CreateString(finish);
-    auto sampling = to_wire(builder, job.sampling);
-    auto name_space = builder.CreateString(job.cache_namespace);
-    auto replica = builder.CreateString(worker_.service.log.replica());
-    auto level = builder.CreateString(job.blend ? "blend" : job.reused > 0 ? "prefix" : "");
-    const bool checked = !job.blend_logits.empty();
-    const double kl =
-        checked ? reuse::softmax_kl({logits, static_cast<size_t>(cfg.vocab_size)}, job.blend_logits)
-                : 0.0;
-    const bool top1 = checked && model::argmax(logits, cfg.vocab_size) ==
-                                     model::argmax(job.blend_logits.data(), cfg.vocab_size);
-    const auto reused = static_cast<uint32_t>(
-        job.blend ? static_cast<int64_t>(job.tokens.size()) - job.recomputed : job.reused);
-    builder.Finish(
-        wire::CreatePrefillDone(
-            builder, job.request_id, job.attempt, tokens, first, finish_text, sampling, name_space,
-            layout, frames, static_cast<uint64_t>(forward_seconds * 1e6), replica, level, reused,
-            static_cast<uint32_t>(job.blend ? job.recomputed : 0), checked, static_cast<float>(kl),
-            top1, logprobs_to_wire(builder, logits, cfg.vocab_size, first, job.sampling)),
-        wire::PrefillJobIdentifier());
-    worker_.link->send(wire::encode(wire::MessageType::PrefillDone, builder, std::move(bulk)));
     const double total =
         std::chrono::duration<double>(std::chrono::steady_clock::now() - job.received).count();
     tpot_->observe(total);
     e2e_->observe(total);
     outcomes_[finish.empty() ? "done" : "finished"]->inc();
+  }
+
+  struct PrefillResult {
+    int32_t first;
+    std::string finish;
+    double forward_seconds;
+    const float* logits;
+  };
+
+  // The PrefillDone of a job: with the prompt's KV (`exported`) when it is the hand-over to decode
+  // (signed with `ticket`) or goes back to a hub without a decode route.
+  std::vector<zmq::message_t> prefill_done(const Job& job, const PrefillResult& result,
+                                           const std::shared_ptr<std::vector<uint8_t>>& exported,
+                                           const std::vector<uint8_t>* ticket) {
+    const model::ModelConfig& cfg = worker_.model->config();
+    const size_t blocks = (job.tokens.size() + model::kBlockTokens - 1) / model::kBlockTokens;
+    flatbuffers::FlatBufferBuilder builder(1024);
+    std::vector<zmq::message_t> bulk;
+    flatbuffers::Offset<wire::KvLayout> layout = 0;
+    flatbuffers::Offset<flatbuffers::Vector<flatbuffers::Offset<wire::BulkFrame>>> frames = 0;
+    if (exported) {
+      zmq::message_t kv = view(exported, 0, blocks * worker_.forward->kv_block_bytes());
+      const uint64_t sum = wire::checksum({static_cast<const uint8_t*>(kv.data()), kv.size()});
+      std::vector<flatbuffers::Offset<wire::BulkFrame>> described = {
+          wire::CreateBulkFrame(builder, kv.size(), sum)};
+      frames = builder.CreateVector(described);
+      layout = kv_layout(builder, cfg, blocks);
+      bulk.push_back(std::move(kv));
+    }
+    // The prompt goes only with its KV: the gateway has it already.
+    auto tokens = exported ? builder.CreateVector(job.tokens) : 0;
+    auto finish_text = builder.CreateString(result.finish);
+    auto sampling = to_wire(builder, job.sampling);
+    auto name_space = builder.CreateString(job.cache_namespace);
+    auto replica = builder.CreateString(worker_.service.log.replica());
+    auto level = builder.CreateString(job.blend ? "blend" : job.reused > 0 ? "prefix" : "");
+    const bool checked = !job.blend_logits.empty();
+    const double kl = checked
+                          ? reuse::softmax_kl({result.logits, static_cast<size_t>(cfg.vocab_size)},
+                                              job.blend_logits)
+                          : 0.0;
+    const bool top1 = checked && model::argmax(result.logits, cfg.vocab_size) ==
+                                     model::argmax(job.blend_logits.data(), cfg.vocab_size);
+    const auto reused = static_cast<uint32_t>(
+        job.blend ? static_cast<int64_t>(job.tokens.size()) - job.recomputed : job.reused);
+    auto logprobs =
+        logprobs_to_wire(builder, result.logits, cfg.vocab_size, result.first, job.sampling);
+    auto signed_ticket = ticket ? builder.CreateVector(*ticket) : 0;
+    builder.Finish(
+        wire::CreatePrefillDone(builder, job.request_id, job.attempt, tokens, result.first,
+                                finish_text, sampling, name_space, layout, frames,
+                                static_cast<uint64_t>(result.forward_seconds * 1e6), replica, level,
+                                reused, static_cast<uint32_t>(job.blend ? job.recomputed : 0),
+                                checked, static_cast<float>(kl), top1, logprobs, signed_ticket),
+        wire::PrefillJobIdentifier());
+    return wire::encode(wire::MessageType::PrefillDone, builder, std::move(bulk));
   }
 
   // What this prefill computed goes back to the probe's store: each new full block (prefix
@@ -571,10 +634,22 @@ class PrefillStage {
       }
     }
     if (entries.empty()) return;
-    builder.Finish(wire::CreateSnapshotPut(builder, builder.CreateVector(entries),
-                                           builder.CreateVector(frames)),
-                   wire::PrefillJobIdentifier());
-    worker_.link->send(wire::encode(wire::MessageType::SnapshotPut, builder, std::move(bulk)));
+    const Route& store = job.store_route;
+    builder.Finish(
+        wire::CreateSnapshotPut(builder, builder.CreateVector(entries),
+                                builder.CreateVector(frames), job.request_id, job.attempt,
+                                store.empty() ? 0 : builder.CreateVector(store.ticket)),
+        wire::PrefillJobIdentifier());
+    std::vector<zmq::message_t> put =
+        wire::encode(wire::MessageType::SnapshotPut, builder, std::move(bulk));
+    // Straight to the probe that owns the namespace; a hub without routes (`moeline load`, an
+    // older gateway) takes them itself. A put that cannot go is lost as cache, nothing more.
+    if (!store.empty()) {
+      if (!worker_.peers->send(store.endpoint, store.server_key, std::move(put)))
+        puts_dropped_->inc();
+    } else if (job.decode_route.empty()) {
+      worker_.link->send(std::move(put));
+    }
   }
 
   ComputeWorker worker_;
@@ -589,7 +664,7 @@ class PrefillStage {
   runtime::Gauge *kv_used_, *kv_free_, *queue_depth_;
   runtime::Histogram *batch_size_, *batch_tokens_, *ttft_, *tpot_, *e2e_;
   runtime::Counter *tokens_total_, *reused_tokens_total_, *blend_jobs_, *blend_recomputed_,
-      *blend_tokens_, *shadow_jobs_, *blend_refused_;
+      *blend_tokens_, *shadow_jobs_, *blend_refused_, *handover_failures_, *puts_dropped_;
   reuse::SignatureOptions signature_options_;
   std::unique_ptr<reuse::SignatureAccumulator> signatures_;
   int64_t blend_select_layer_ = 1;

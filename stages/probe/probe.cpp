@@ -93,6 +93,11 @@ class Probe {
     runtime::LinkSettings settings = link_settings(
         config, wire::StageKind::Probe, service_.log.replica(), *model_, service_.http_port());
     link_ = std::make_unique<runtime::HubLink>(context_, settings, service_.log, metrics_);
+    // Snapshot puts come from prefill straight to this intake (the gateway never relays them).
+    if (settings.curve_keys)
+      zap_ = std::make_unique<runtime::ZapHandler>(context_, service_.log, metrics_);
+    intake_ = open_intake(context_, config, settings, "probe", service_.log, metrics_, zap_.get());
+    link_->set_intake(intake_->endpoint(), intake_->public_key());
   }
 
   // A disk tier that cannot be opened (corrupt, or on a full disk) must not keep the probe down:
@@ -236,10 +241,13 @@ class Probe {
       if (link_->needs_hello()) link_->hello(credits_);
       service_.set_ready(link_->accepted());
       uint32_t handled = 0;
-      for (auto message = link_->receive(50); message; message = link_->receive(0)) {
+      for (auto message = link_->receive(50, &intake_->socket()); message;
+           message = link_->receive(0)) {
         service_.guard("probe", [&] { dispatch(*message); });
         ++handled;
       }
+      while (auto message = intake_->receive())
+        service_.guard("probe", [&] { on_intake(*message); });
       if (handled) batch_->observe(handled);
       update_gauges();
     }
@@ -378,6 +386,19 @@ class Probe {
     });
     if (!kHandlers.dispatch(*this, message.type, message))
       service_.log.warn("unexpected_message", {{"type", wire::message_type_name(message.type)}});
+  }
+
+  // A put from prefill's job, taken only with the ticket the gateway signed for this replica.
+  void on_intake(wire::Message& message) {
+    if (message.type != wire::MessageType::SnapshotPut)
+      return intake_->refuse(message.type, "not_taken_here");
+    const auto* put = message.as<wire::SnapshotPut>();
+    const auto& key = link_->handover_key();
+    if (!key || put->ticket() == nullptr ||
+        !runtime::valid_ticket(*key, put->request_id(), put->attempt(),
+                               {put->ticket()->data(), put->ticket()->size()}))
+      return intake_->refuse(message.type, "bad_ticket");
+    this->put(message);
   }
 
   void on_probe_job(wire::Message& message) { lookup(*message.as<wire::ProbeJob>()); }
@@ -1016,6 +1037,8 @@ class Probe {
   std::unique_ptr<model::Model> model_;
   std::unique_ptr<reuse::SnapshotStore> store_;
   std::unique_ptr<runtime::HubLink> link_;
+  std::unique_ptr<runtime::ZapHandler> zap_;  // with Curve; outlives the intake
+  std::unique_ptr<runtime::Intake> intake_;
   size_t block_bytes_ = 0;
   std::vector<int32_t> eos_;
   uint32_t credits_ = 64;
@@ -1062,6 +1085,7 @@ class Probe {
 
 std::vector<runtime::ConfigKey> probe_keys() {
   std::vector<runtime::ConfigKey> keys = worker_keys();
+  for (const runtime::ConfigKey& key : intake_keys()) keys.push_back(key);
   keys.push_back({"queue", "64", "jobs this probe accepts at once (its credit)"});
   keys.push_back({"store-ram-bytes", "256MiB", "RAM tier budget of the snapshot store"});
   keys.push_back({"store-disk-bytes", "4GiB", "disk tier budget (RocksDB)"});

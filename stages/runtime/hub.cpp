@@ -1,6 +1,7 @@
 #include "stages/runtime/hub.h"
 
 #include <algorithm>
+#include <cstring>
 
 namespace moeline::runtime {
 
@@ -63,9 +64,13 @@ void Hub::on_hello(const std::string& identity, const std::string& key,
     refusal = "settings hash " + std::to_string(hello->settings_hash()) +
               " differs from the hub's (another model or KV layout)";
   }
+  // A new hand-over key with every accepted hello: a restarted peer gets a fresh one.
+  const HandoverKey handover_key = new_handover_key();
   flatbuffers::FlatBufferBuilder builder(256);
+  auto key_vector =
+      refusal.empty() ? builder.CreateVector(handover_key.data(), handover_key.size()) : 0;
   builder.Finish(wire::CreateHelloReply(builder, refusal.empty(), builder.CreateString(refusal),
-                                        refusal.empty() ? settings_hash_ : 0),
+                                        refusal.empty() ? settings_hash_ : 0, key_vector),
                  wire::HelloIdentifier());
   wire::send(socket_, wire::encode(wire::MessageType::HelloReply, builder), &identity, true);
   if (!refusal.empty()) {
@@ -88,6 +93,9 @@ void Hub::on_hello(const std::string& identity, const std::string& key,
   peer.pid = hello->pid();
   peer.http_port = hello->http_port();
   peer.key = key;
+  peer.intake = hello->intake() ? hello->intake()->str() : "";
+  peer.intake_key = hello->intake_key() ? hello->intake_key()->str() : "";
+  peer.handover_key = handover_key;
   peer.last_seen = std::chrono::steady_clock::now();
   log_.info(peer.draining ? "peer_draining" : (known ? "peer_rehello" : "peer_joined"),
             {{"peer", replica},
@@ -107,6 +115,10 @@ std::optional<Hub::Incoming> Hub::receive() {
     // The connection's key, as the ZAP handler named it (the body frame carries the metadata).
     const std::string key = frames->size() > 1 ? peer_user_id((*frames)[1]) : std::string();
     frames->erase(frames->begin());
+    {
+      const auto [type, bytes] = type_and_size(*frames);
+      count_bytes(true, type, bytes);
+    }
     wire::Decoded decoded = wire::decode(std::move(*frames));
     if (decoded.error) {
       report_rejected_frame(metrics_, log_, log_limit_, "stage", *decoded.error);
@@ -189,6 +201,17 @@ Peer* Hub::pick(wire::StageKind stage) {
   return best;
 }
 
+void Hub::restore_credit(const std::string& identity) {
+  auto it = peers_.find(identity);
+  if (it == peers_.end() || it->second.draining) return;
+  it->second.credits = std::min(it->second.credits + 1, kMaxCredits);
+}
+
+void Hub::spend_credit(const std::string& identity) {
+  auto it = peers_.find(identity);
+  if (it != peers_.end() && it->second.credits > 0) --it->second.credits;
+}
+
 bool Hub::any(wire::StageKind stage) const {
   return count(stage) > 0;
 }
@@ -202,6 +225,7 @@ size_t Hub::count(wire::StageKind stage) const {
 bool Hub::send(const std::string& identity, std::vector<zmq::message_t>& frames, bool job) {
   auto it = peers_.find(identity);
   if (it == peers_.end()) return false;
+  const auto [type, bytes] = type_and_size(frames);  // before the frames move
   if (!wire::send(socket_, std::move(frames), &identity, true)) {
     // ROUTER_MANDATORY: the peer's connection is gone (a killed process) — no need to wait for
     // its heartbeats to stop.
@@ -210,7 +234,28 @@ bool Hub::send(const std::string& identity, std::vector<zmq::message_t>& frames,
     return false;
   }
   if (job && it->second.credits > 0) --it->second.credits;
+  count_bytes(false, type, bytes);
   return true;
+}
+
+std::pair<uint16_t, size_t> Hub::type_and_size(const std::vector<zmq::message_t>& frames) {
+  size_t bytes = 0;
+  for (const zmq::message_t& frame : frames) bytes += frame.size();
+  uint16_t type = 0;
+  if (!frames.empty() && frames.front().size() >= wire::kHeaderBytes)
+    std::memcpy(&type, static_cast<const uint8_t*>(frames.front().data()) + 8, 2);
+  return {type, bytes};
+}
+
+void Hub::count_bytes(bool in, uint16_t type, size_t bytes) {
+  Counter*& counter = bytes_[{in, type}];
+  if (counter == nullptr) {
+    const char* name = wire::message_type_name(static_cast<wire::MessageType>(type));
+    counter = &metrics_.counter("moeline_hub_bytes_total",
+                                "Bytes of messages through the hub, by direction and type",
+                                {{"direction", in ? "in" : "out"}, {"type", name}});
+  }
+  counter->inc(static_cast<double>(bytes));
 }
 
 std::vector<Peer> Hub::tick() {

@@ -17,6 +17,7 @@
 #include <zmq.hpp>
 
 #include "schemas/wire.h"
+#include "stages/runtime/intake.h"
 #include "stages/runtime/link.h"
 #include "stages/runtime/log.h"
 #include "stages/runtime/metrics.h"
@@ -36,6 +37,10 @@ struct Peer {
   uint64_t last_picked = 0;  // Hub::pick's turn when it last chose this peer (0: never)
   std::string key;           // the Curve key it connected with ("role:name"); empty without Curve
   bool draining = false;     // finishing what it holds; never picked for new work
+  // Its intake (where peers send it bulk data directly; empty: none) and the key that signs the
+  // transfers the hub's owner arranges to it (given to the peer in the HelloReply).
+  std::string intake, intake_key;
+  HandoverKey handover_key{};
 };
 
 // What the hub's socket admits. With `curve` (the gateway's key pair and the stage allow-list,
@@ -82,6 +87,10 @@ class Hub {
   bool send(const std::string& identity, std::vector<zmq::message_t>&& frames, bool job) {
     return send(identity, frames, job);
   }
+  // Credit the owner gives back for a job it had reserved on this peer that will never reach it
+  // (clipped like a grant), or takes for one the peer will hand back twice.
+  void restore_credit(const std::string& identity);
+  void spend_credit(const std::string& identity);
   // Heartbeats to every peer when due; returns the peers that timed out or could not be reached
   // (now forgotten).
   std::vector<Peer> tick();
@@ -104,6 +113,11 @@ class Hub {
   std::chrono::steady_clock::time_point last_heartbeat_;
   RateLimited log_limit_;
   bool authenticated_ = false;
+  // Everything that crosses the hub, by direction and message type (what the gateway carries:
+  // with bulk data peer to peer, a request's share no longer grows with its prompt's KV).
+  static std::pair<uint16_t, size_t> type_and_size(const std::vector<zmq::message_t>& frames);
+  void count_bytes(bool in, uint16_t type, size_t bytes);
+  std::map<std::pair<bool, uint16_t>, Counter*> bytes_;
 };
 
 }  // namespace moeline::runtime

@@ -95,10 +95,11 @@ void HubLink::hello(uint32_t credits) {
   if (draining_) credits = 0;
   flatbuffers::FlatBufferBuilder builder(256);
   builder.Finish(
-      wire::CreateHello(builder, settings_.stage, builder.CreateString(settings_.replica),
-                        wire::kSchemaMajor, wire::kSchemaMinor,
-                        builder.CreateString("moeline 0.1.0"), settings_.settings_hash, credits,
-                        static_cast<uint32_t>(::getpid()), settings_.http_port, draining_),
+      wire::CreateHello(
+          builder, settings_.stage, builder.CreateString(settings_.replica), wire::kSchemaMajor,
+          wire::kSchemaMinor, builder.CreateString("moeline 0.1.0"), settings_.settings_hash,
+          credits, static_cast<uint32_t>(::getpid()), settings_.http_port, draining_,
+          builder.CreateString(settings_.intake), builder.CreateString(settings_.intake_key)),
       wire::HelloIdentifier());
   wire::send(socket_, wire::encode(wire::MessageType::Hello, builder));
   reconnects_.inc();
@@ -127,7 +128,7 @@ void HubLink::grant(uint32_t credits) {
   send(wire::encode(wire::MessageType::Credit, builder));
 }
 
-std::optional<wire::Message> HubLink::receive(int timeout_ms) {
+std::optional<wire::Message> HubLink::receive(int timeout_ms, zmq::socket_t* also) {
   const auto until = std::chrono::steady_clock::now() + std::chrono::milliseconds(timeout_ms);
   while (true) {
     const auto now = std::chrono::steady_clock::now();
@@ -138,13 +139,15 @@ std::optional<wire::Message> HubLink::receive(int timeout_ms) {
       return std::nullopt;
     }
     const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(until - now).count();
-    zmq::pollitem_t item{socket_.handle(), 0, ZMQ_POLLIN, 0};
+    zmq::pollitem_t items[2] = {{socket_.handle(), 0, ZMQ_POLLIN, 0},
+                                {also != nullptr ? also->handle() : nullptr, 0, ZMQ_POLLIN, 0}};
     try {
-      zmq::poll(&item, 1, std::chrono::milliseconds(std::max<int64_t>(0, left)));
+      zmq::poll(items, also != nullptr ? 2 : 1,
+                std::chrono::milliseconds(std::max<int64_t>(0, left)));
     } catch (const zmq::error_t&) {
       return std::nullopt;  // interrupted by a signal: the loop checks its stop flag
     }
-    if (!(item.revents & ZMQ_POLLIN)) return std::nullopt;
+    if (!(items[0].revents & ZMQ_POLLIN)) return std::nullopt;
     auto frames = wire::receive(socket_, true);
     if (!frames) continue;
     last_hub_message_ = std::chrono::steady_clock::now();
@@ -166,6 +169,11 @@ std::optional<wire::Message> HubLink::receive(int timeout_ms) {
         return std::nullopt;
       }
       accepted_ = true;
+      if (reply->handover_key() != nullptr && reply->handover_key()->size() == 32) {
+        handover_key_.emplace();
+        std::copy(reply->handover_key()->begin(), reply->handover_key()->end(),
+                  handover_key_->begin());
+      }
       log_.info("hello_accepted", {{"hub", settings_.hub}});
       continue;
     }

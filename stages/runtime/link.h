@@ -8,6 +8,7 @@
 //
 // Not thread-safe apart from set_load(): the stage loop owns it.
 
+#include <array>
 #include <atomic>
 #include <chrono>
 #include <cstdint>
@@ -37,6 +38,8 @@ struct LinkSettings {
   // the matching secret, so a stage never hands a job's result to an impostor).
   std::optional<CurveKeyPair> curve_keys;
   std::string curve_server_key;
+  // Its intake, announced in the hello (see intake.h); empty: none.
+  std::string intake, intake_key;
 };
 
 // One refused frame: counted by peer and reason in moeline_wire_rejected_frames_total and logged,
@@ -60,8 +63,16 @@ class HubLink {
   void drain();
   bool draining() const { return draining_; }
   // Waits up to timeout_ms for a message for the stage; link messages (hello replies, heartbeats)
-  // are handled here, refused frames counted and logged.
-  std::optional<wire::Message> receive(int timeout_ms);
+  // are handled here, refused frames counted and logged. Returns early (nullopt) when `also`
+  // has a message waiting (the stage's intake).
+  std::optional<wire::Message> receive(int timeout_ms, zmq::socket_t* also = nullptr);
+  // The key the hub gave this process at its last accepted hello: tickets of transfers to its
+  // intake are signed with it. Absent before the first accepted hello.
+  const std::optional<std::array<uint8_t, 32>>& handover_key() const { return handover_key_; }
+  void set_intake(std::string endpoint, std::string public_key) {
+    settings_.intake = std::move(endpoint);
+    settings_.intake_key = std::move(public_key);
+  }
   bool needs_hello() const { return needs_hello_; }
   bool accepted() const { return accepted_; }
   bool rejected() const { return !reject_reason_.empty(); }
@@ -87,6 +98,7 @@ class HubLink {
   bool awaiting_reply_ = false;  // a hello is out and its HelloReply has not come
   bool accepted_ = false;
   std::string reject_reason_;
+  std::optional<std::array<uint8_t, 32>> handover_key_;
   std::chrono::steady_clock::time_point last_hub_message_;
   Registry& metrics_;
   Counter& reconnects_;

@@ -20,17 +20,28 @@ namespace {
 namespace wire = moeline::wire;
 using flatbuffers::FlatBufferBuilder;
 
+// 1.7: a Curve public key (Z85) and fixed byte strings (keys, tickets).
+constexpr const char* kGoldenKey = "rq:rM>}U?@Lns47E1%kR.o@n%FcmmsL/@{H8]yf7";
+std::vector<uint8_t> golden_bytes(size_t n, uint8_t first) {
+  std::vector<uint8_t> out(n);
+  for (size_t i = 0; i < n; ++i) out[i] = static_cast<uint8_t>(first + i);
+  return out;
+}
+
 std::vector<zmq::message_t> hello() {
   FlatBufferBuilder b;
+  // 1.7: the intake and its Curve key.
   b.Finish(wire::CreateHelloDirect(b, wire::StageKind::Prefill, "prefill-0", 1, 0, "golden-1.0",
-                                   0x0123456789abcdefULL, 4, 4242, 9102),
+                                   0x0123456789abcdefULL, 4, 4242, 9102, false,
+                                   "tcp://10.0.0.7:41234", kGoldenKey),
            wire::HelloIdentifier());
   return wire::encode(wire::MessageType::Hello, b);
 }
 
 std::vector<zmq::message_t> hello_reply() {
   FlatBufferBuilder b;
-  b.Finish(wire::CreateHelloReplyDirect(b, true, "welcome", 0xfedcba9876543210ULL),
+  const std::vector<uint8_t> key = golden_bytes(32, 0x40);  // 1.7: the hand-over key
+  b.Finish(wire::CreateHelloReplyDirect(b, true, "welcome", 0xfedcba9876543210ULL, &key),
            wire::HelloIdentifier());
   return wire::encode(wire::MessageType::HelloReply, b);
 }
@@ -154,10 +165,17 @@ std::vector<zmq::message_t> prefill_job() {
       wire::CreateBulkFrame(b, kv.size(), wire::checksum(kv))};
   const std::vector<int32_t> tokens = {1, 15043, 29892};
   const std::vector<uint8_t> mask = {1, 0, 1};
-  b.Finish(
-      wire::CreatePrefillJobDirect(b, 555, 2, &tokens, sampling, "acme/ns", "prefix", 2, &frames,
-                                   layout, 3, 0x0badc0ffee0ddf00ULL, &mask, 0.15f, true),
-      wire::PrefillJobIdentifier());
+  // 1.7: the routes to the decode replica's and the probe's intakes.
+  const std::vector<uint8_t> decode_ticket = golden_bytes(32, 0x10);
+  const std::vector<uint8_t> store_ticket = golden_bytes(32, 0x20);
+  const auto decode_route = wire::CreatePeerRouteDirect(b, "decode-1", "tcp://10.0.0.8:41000",
+                                                        kGoldenKey, &decode_ticket);
+  const auto store_route = wire::CreatePeerRouteDirect(
+      b, "probe-0", "ipc:///run/moeline/probe-0.intake", "", &store_ticket);
+  b.Finish(wire::CreatePrefillJobDirect(b, 555, 2, &tokens, sampling, "acme/ns", "prefix", 2,
+                                        &frames, layout, 3, 0x0badc0ffee0ddf00ULL, &mask, 0.15f,
+                                        true, decode_route, store_route),
+           wire::PrefillJobIdentifier());
   std::vector<zmq::message_t> bulk;
   bulk.emplace_back(kv.data(), kv.size());
   return wire::encode(wire::MessageType::PrefillJob, b, std::move(bulk));
@@ -171,7 +189,9 @@ std::vector<zmq::message_t> snapshot_put() {
       wire::CreateSnapshotEntry(b, 0x1111222233334444ULL, 'B')};
   const std::vector<flatbuffers::Offset<wire::BulkFrame>> frames = {
       wire::CreateBulkFrame(b, kv.size(), wire::checksum(kv))};
-  b.Finish(wire::CreateSnapshotPutDirect(b, &entries, &frames), wire::PrefillJobIdentifier());
+  const std::vector<uint8_t> ticket = golden_bytes(32, 0x20);  // 1.7: to a probe's intake
+  b.Finish(wire::CreateSnapshotPutDirect(b, &entries, &frames, 555, 2, &ticket),
+           wire::PrefillJobIdentifier());
   std::vector<zmq::message_t> bulk;
   bulk.emplace_back(kv.data(), kv.size());
   return wire::encode(wire::MessageType::SnapshotPut, b, std::move(bulk));
@@ -185,9 +205,10 @@ std::vector<zmq::message_t> prefill_done() {
   const std::vector<flatbuffers::Offset<wire::BulkFrame>> frames = {
       wire::CreateBulkFrame(b, kv.size(), wire::checksum(kv))};
   const std::vector<int32_t> tokens = {1, 15043, 29892};
+  const std::vector<uint8_t> ticket = golden_bytes(32, 0x10);  // 1.7: the hand-over's ticket
   b.Finish(wire::CreatePrefillDoneDirect(b, 555, 2, &tokens, 306, "", sampling, "acme/ns", layout,
                                          &frames, 12345, "prefill-0", "prefix", 2, 1, true, 0.125f,
-                                         true, golden_logprobs(b)),
+                                         true, golden_logprobs(b), &ticket),
            wire::PrefillJobIdentifier());
   std::vector<zmq::message_t> bulk;
   bulk.emplace_back(kv.data(), kv.size());
@@ -259,6 +280,12 @@ std::vector<zmq::message_t> control_reply() {
   return wire::encode(wire::MessageType::ControlReply, b);
 }
 
+std::vector<zmq::message_t> handover_accepted() {
+  FlatBufferBuilder b;
+  b.Finish(wire::CreateHandoverAccepted(b, 42, 2), wire::PrefillJobIdentifier());
+  return wire::encode(wire::MessageType::HandoverAccepted, b);
+}
+
 // A switch without default: a new message type needs a golden buffer before it compiles.
 std::vector<zmq::message_t> golden(wire::MessageType type) {
   switch (type) {
@@ -306,6 +333,8 @@ std::vector<zmq::message_t> golden(wire::MessageType type) {
       return control_command();
     case wire::MessageType::ControlReply:
       return control_reply();
+    case wire::MessageType::HandoverAccepted:
+      return handover_accepted();
   }
   return {};
 }

@@ -502,11 +502,69 @@ std::map<std::string, Expectation> v1_6() {
   return e;
 }
 
+// 1.7: bulk data peer to peer (intakes, routes, tickets, HandoverAccepted).
+std::vector<uint8_t> bytes_from(uint8_t first) {
+  std::vector<uint8_t> out(32);
+  for (size_t i = 0; i < out.size(); ++i) out[i] = static_cast<uint8_t>(first + i);
+  return out;
+}
+template <class Vector>
+std::vector<uint8_t> bytes_of(const Vector* v) {
+  return v == nullptr ? std::vector<uint8_t>() : std::vector<uint8_t>(v->begin(), v->end());
+}
+
+std::map<std::string, Expectation> v1_7() {
+  std::map<std::string, Expectation> e = v1_6();
+  for (auto& [stem, expectation] : e) expectation.minor = 7;
+  const std::string key = "rq:rM>}U?@Lns47E1%kR.o@n%FcmmsL/@{H8]yf7";
+  auto also = [&e](const std::string& stem, std::function<void(const Message&)> more) {
+    auto before = e.at(stem).check;
+    e.at(stem).check = [before, more](const Message& m) {
+      before(m);
+      more(m);
+    };
+  };
+  also("Hello", [key](const Message& m) {
+    EXPECT_EQ(str(m.as<Hello>()->intake()), "tcp://10.0.0.7:41234");
+    EXPECT_EQ(str(m.as<Hello>()->intake_key()), key);
+  });
+  also("HelloReply", [](const Message& m) {
+    EXPECT_EQ(bytes_of(m.as<HelloReply>()->handover_key()), bytes_from(0x40));
+  });
+  also("PrefillJob", [key](const Message& m) {
+    const PeerRoute* decode = m.as<PrefillJob>()->decode_route();
+    const PeerRoute* store = m.as<PrefillJob>()->store_route();
+    ASSERT_NE(decode, nullptr);
+    ASSERT_NE(store, nullptr);
+    EXPECT_EQ(str(decode->replica()), "decode-1");
+    EXPECT_EQ(str(decode->endpoint()), "tcp://10.0.0.8:41000");
+    EXPECT_EQ(str(decode->server_key()), key);
+    EXPECT_EQ(bytes_of(decode->ticket()), bytes_from(0x10));
+    EXPECT_EQ(str(store->replica()), "probe-0");
+    EXPECT_EQ(str(store->endpoint()), "ipc:///run/moeline/probe-0.intake");
+    EXPECT_EQ(str(store->server_key()), "");
+    EXPECT_EQ(bytes_of(store->ticket()), bytes_from(0x20));
+  });
+  also("PrefillDone", [](const Message& m) {
+    EXPECT_EQ(bytes_of(m.as<PrefillDone>()->ticket()), bytes_from(0x10));
+  });
+  also("SnapshotPut", [](const Message& m) {
+    EXPECT_EQ(m.as<SnapshotPut>()->request_id(), 555u);
+    EXPECT_EQ(m.as<SnapshotPut>()->attempt(), 2u);
+    EXPECT_EQ(bytes_of(m.as<SnapshotPut>()->ticket()), bytes_from(0x20));
+  });
+  e["HandoverAccepted"] = {MessageType::HandoverAccepted, 7, [](const Message& m) {
+                             EXPECT_EQ(m.as<HandoverAccepted>()->request_id(), 42u);
+                             EXPECT_EQ(m.as<HandoverAccepted>()->attempt(), 2u);
+                           }};
+  return e;
+}
+
 // Every released version: directory name -> file stem -> expectation.
 const std::map<std::string, std::map<std::string, Expectation>>& released() {
   static const std::map<std::string, std::map<std::string, Expectation>> versions = {
       {"v1.0", v1_0()}, {"v1.1", v1_1()}, {"v1.2", v1_2()}, {"v1.3", v1_3()},
-      {"v1.4", v1_4()}, {"v1.5", v1_5()}, {"v1.6", v1_6()}};
+      {"v1.4", v1_4()}, {"v1.5", v1_5()}, {"v1.6", v1_6()}, {"v1.7", v1_7()}};
   return versions;
 }
 

@@ -635,8 +635,17 @@ size_t touch(const Message& m) {
       sampling(t->sampling());
       s(t->cache_namespace());
       s(t->reuse_level());
+      for (const PeerRoute* route : {t->decode_route(), t->store_route()})
+        if (route != nullptr) {
+          s(route->endpoint());
+          s(route->server_key());
+          vec(route->ticket());
+        }
       break;
     }
+    case MessageType::HandoverAccepted:
+      n += m.as<HandoverAccepted>()->request_id();
+      break;
     case MessageType::PrefillDone: {
       const auto* t = m.as<PrefillDone>();
       vec(t->tokens());

@@ -1,0 +1,118 @@
+#pragma once
+// Bulk data from peer to peer. A stage that receives bulk data (decode: a prompt's KV from
+// prefill; probe: snapshot puts from prefill) binds an Intake, a ROUTER of its own, and announces
+// its endpoint in its hello; the gateway, which arranges each transfer, names that endpoint in
+// the job (a PeerRoute) together with a ticket, and the sender connects there with a PeerSender.
+// So the gateway only brokers: it never carries a KV or snapshot byte.
+//
+// Who may send: the intake takes a message only with a valid ticket, an HMAC-SHA-512-256 of the
+// request id and attempt under a key the gateway gave this replica at hello (HelloReply), so only
+// a transfer the gateway arranged is accepted, whoever connects. With Curve (--curve-dir) the
+// intake is a Curve server with the stage's own key pair (its public key travels in the hello and
+// the route), so the channel is encrypted and the receiver authenticated; without Curve an ipc://
+// intake is readable and writable by its owner alone, like the hub's socket.
+//
+// The endpoint (--intake-bind): "auto" derives it from the hub's: next to an ipc:// hub, a socket
+// file in the same folder; for a tcp:// hub, a free port on the address this host reaches the
+// hub from (what another host can reach too). --intake-advertise overrides what peers are told.
+//
+// Not thread-safe: the stage loop owns both.
+
+#include <array>
+#include <cstdint>
+#include <list>
+#include <optional>
+#include <span>
+#include <string>
+#include <utility>
+#include <vector>
+#include <zmq.hpp>
+
+#include "schemas/wire.h"
+#include "stages/runtime/log.h"
+#include "stages/runtime/metrics.h"
+#include "stages/runtime/security.h"
+
+namespace moeline::runtime {
+
+inline constexpr size_t kHandoverKeyBytes = 32;
+inline constexpr size_t kTicketBytes = 32;
+using HandoverKey = std::array<uint8_t, kHandoverKeyBytes>;
+using Ticket = std::array<uint8_t, kTicketBytes>;
+inline constexpr const char* kIntakeDomain = "moeline-intake";
+
+HandoverKey new_handover_key();
+Ticket handover_ticket(const HandoverKey& key, uint64_t request_id, uint32_t attempt);
+// Constant-time comparison against the ticket the key gives for this job.
+bool valid_ticket(const HandoverKey& key, uint64_t request_id, uint32_t attempt,
+                  std::span<const uint8_t> ticket);
+
+// The endpoint to bind for `setting` ("auto" or an endpoint) next to the hub at `hub`.
+std::string intake_bind_endpoint(const std::string& setting, const std::string& hub,
+                                 const std::string& stage, const std::string& replica);
+
+struct IntakeSettings {
+  std::string bind = "auto";  // --intake-bind
+  std::string advertise;      // --intake-advertise (empty: the bound endpoint)
+  std::string hub;            // the hub's endpoint, for "auto"
+  std::string stage, replica;
+  size_t max_message_bytes = 0;            // 0: no limit
+  std::optional<CurveKeyPair> curve_keys;  // with Curve: this stage's key pair
+};
+
+class Intake {
+ public:
+  // Binds (throws ConfigError when the endpoint cannot be bound). With Curve, `zap` must be the
+  // process's ZAP handler: the intake domain admits any client key (the ticket says who may send).
+  Intake(zmq::context_t& context, IntakeSettings settings, Logger& log, Registry& metrics,
+         ZapHandler* zap);
+  ~Intake();
+  Intake(const Intake&) = delete;
+  Intake& operator=(const Intake&) = delete;
+
+  // What peers are told: the endpoint, and the Curve public key (empty without Curve).
+  const std::string& endpoint() const { return advertised_; }
+  const std::string& public_key() const { return public_key_; }
+  zmq::socket_t& socket() { return socket_; }
+
+  // One waiting message (non-blocking); malformed frames are counted and dropped.
+  std::optional<wire::Message> receive();
+  // Counts and logs a message the stage refused (a bad ticket, a type this intake does not take).
+  void refuse(wire::MessageType type, const char* reason);
+
+ private:
+  zmq::socket_t socket_;
+  std::string bound_, advertised_, public_key_;
+  Logger& log_;
+  Registry& metrics_;
+  RateLimited log_limit_;
+};
+
+// The sending end: one DEALER per intake endpoint, kept for the next transfer (the least recently
+// used is closed past `max_connections`). A send never blocks: when the peer cannot take the
+// message (its queue is full, or it is unreachable and the queue has filled) it returns false.
+class PeerSender {
+ public:
+  PeerSender(zmq::context_t& context, std::optional<CurveKeyPair> curve_keys,
+             size_t max_connections = 16);
+  ~PeerSender();
+  PeerSender(const PeerSender&) = delete;
+  PeerSender& operator=(const PeerSender&) = delete;
+
+  bool send(const std::string& endpoint, const std::string& server_key,
+            std::vector<zmq::message_t>&& frames);
+
+ private:
+  struct Connection {
+    std::string endpoint;
+    zmq::socket_t socket;
+  };
+  zmq::socket_t& connection(const std::string& endpoint, const std::string& server_key);
+
+  zmq::context_t& context_;
+  std::optional<CurveKeyPair> curve_keys_;
+  size_t max_connections_;
+  std::list<Connection> connections_;  // most recently used first
+};
+
+}  // namespace moeline::runtime

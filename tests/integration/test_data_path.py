@@ -1,0 +1,280 @@
+#!/usr/bin/env python3
+"""Bulk data peer to peer, with real processes: prefill hands a prompt's KV straight to the decode
+replica the gateway picked, and its snapshot puts straight to the probe; the gateway only brokers.
+
+Cases (--case, one per CTest entry):
+  handover        mixed concurrent requests over 2 decode replicas: ids identical to `moeline run`;
+                  every request that goes on past its first token is handed over directly (the
+                  decode replicas' accepted hand-overs), no snapshot put reaches the gateway, and
+                  the bytes through the gateway per request stay under 64 KiB whatever the
+                  prompt's length (only its token ids grow it, never its KV)
+  handover_lost   a decode replica that stops before the hand-overs sent to it arrive (SIGSTOP,
+                  then kill -9), and one killed after it has taken hand-overs: every request
+                  completes identical to the reference (the retry policy's give-up the only error
+                  allowed), none hangs
+  forged          a process that reaches a decode replica's or the probe's intake without the
+                  gateway's ticket: its hand-overs and puts are refused and counted, the requests
+                  in flight are untouched and both stages keep serving
+"""
+
+import os
+import random
+import signal
+import sys
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+from stack_harness import Stack, recovery_errors, reference, run_cases, run_concurrently  # noqa: E402
+from test_stack import FAST_FAILURE, check, compare, references, vocab_of, workload  # noqa: E402
+
+MAX_GATEWAY_BYTES = 64 * 1024
+
+
+def sample(stack, name, metric, **labels):
+    return stack.metric(name, metric, created_on_first_event=True, **labels)
+
+
+def wait_until(condition, message, timeout=10):
+    deadline = time.time() + timeout
+    while not condition():
+        check(time.time() < deadline, message)
+        time.sleep(0.1)
+
+
+# What one request moves through the gateway's hub (heartbeats, credits and expert-usage reports
+# are the stack's own traffic, not the request's).
+REQUEST_TYPES = ("ProbeJob", "ProbePlan", "PrefillJob", "PrefillDone", "HandoverAccepted",
+                 "TokenBatch", "SnapshotPut", "JobFailed", "CancelJob")
+
+
+def hub_bytes(stack):
+    metrics = stack.metrics("gateway")
+    return sum(value for (name, labels), value in metrics.items()
+               if name == "moeline_hub_bytes_total" and dict(labels).get("type") in REQUEST_TYPES)
+
+
+def intake_of(stack, name):
+    """The intake endpoint a stage logged when it bound it."""
+    with open(os.path.join(stack.run_dir, "logs", name + ".log")) as f:
+        for line in f:
+            if "event=intake_bound" in line:
+                for field in line.split():
+                    if field.startswith("advertised="):
+                        return field.split("=", 1)[1].strip('"')
+    raise AssertionError(f"{name} logged no intake")
+
+
+def handed_over(stack, decodes):
+    return sum(sample(stack, f"decode-{i}", "moeline_decode_handovers_total", outcome="accepted")
+               for i in range(decodes))
+
+
+def case_handover(args):
+    from moeline_client import Client
+    rng = random.Random(11)
+    vocab = vocab_of(args.model)
+    requests = workload(vocab, 24, seed=23)
+    for request in requests:
+        request["reuse"] = "none"  # every request computed (a probe's full hit is another path)
+    expected = references(args, requests)
+    continuing = sum(1 for want in expected if len(want["ids"]) > 1)
+    run_dir = os.path.join(args.workdir, "handover")
+    with Stack(args.moeline, args.model, run_dir, decode=2) as stack:
+        with Client(stack.endpoint, timeout=120) as client:
+            results = run_concurrently(client, requests)
+            compare(results, requests, expected)
+            accepted = handed_over(stack, 2)
+            check(accepted == continuing, f"{accepted} hand-overs accepted for {continuing} "
+                  "requests that went on past their first token")
+            check(sample(stack, "gateway", "moeline_gateway_stage_messages_refused_total",
+                         reason="sent_to_the_gateway", type="SnapshotPut") == 0,
+                  "prefill sent snapshot puts to the gateway")
+            # With reuse on, what prefill computed reaches the probe's store directly.
+            puts_before = sample(stack, "probe", "moeline_probe_store_puts_total")
+            client.generate(tokens=[rng.randrange(vocab) for _ in range(40)], max_tokens=2)
+            wait_until(lambda: sample(stack, "probe", "moeline_probe_store_puts_total") >
+                       puts_before, "the probe received no snapshot put from prefill")
+            # Bytes through the gateway for one request, a short prompt and one 30x longer.
+            carried = {}
+            for length in (16, 480):
+                tokens = [rng.randrange(vocab) for _ in range(length)]
+                before = hub_bytes(stack)
+                client.generate(tokens=tokens, max_tokens=8, ignore_eos=True, reuse="none")
+                time.sleep(0.3)  # the last heartbeats and credits of the request
+                carried[length] = hub_bytes(stack) - before
+            for length, carried_bytes in carried.items():
+                check(carried_bytes < MAX_GATEWAY_BYTES, f"a request with a {length}-token prompt "
+                      f"moved {carried_bytes:.0f} bytes through the gateway")
+            # The prompt's ids cross the gateway in ProbeJob and PrefillJob (4 bytes each); its
+            # KV (here 6 layers x 2 x kv_heads x head_dim x 4 bytes a token) must not.
+            grown = carried[480] - carried[16]
+            check(grown < 2 * 4 * 464 + 1024, f"a 464-token longer prompt moved {grown:.0f} more "
+                  "bytes through the gateway: its KV crossed it")
+    print(f"ok handover: {len(requests)} requests identical to the reference, {int(accepted)} handed "
+          f"over directly to 2 decode replicas, bytes through the gateway per request "
+          f"{carried[16]:.0f} (16-token prompt) and {carried[480]:.0f} (480 tokens)")
+
+
+def run_with_victim(stack, client, requests, victim_action):
+    """Streams every request; victim_action(deltas) may kill something; returns the results."""
+    crid_to_index = {client.start(**r): i for i, r in enumerate(requests)}
+    results = {i: {"ids": [], "text": "", "finish_reason": None, "error": None}
+               for i in range(len(requests))}
+    pending = set(crid_to_index)
+    deltas = 0
+    deadline = time.time() + 120
+    while pending:
+        check(time.time() < deadline, f"{len(pending)} requests hung")
+        event = client.next_event(timeout=deadline - time.time())
+        result = results[crid_to_index[event.client_request_id]]
+        if event.kind == "delta":
+            result["ids"] += event.token_ids
+            deltas += 1
+            victim_action(deltas)
+        elif event.kind == "finished":
+            result["finish_reason"] = event.finish_reason
+        elif event.kind == "error":
+            result["error"] = (event.error_code, event.error_message)
+        if event.terminal:
+            pending.discard(event.client_request_id)
+    return results
+
+
+def case_handover_lost(args):
+    from moeline_client import Client
+    vocab = vocab_of(args.model)
+    rng = random.Random(5)
+    requests = [{"tokens": [rng.randrange(vocab) for _ in range(rng.choice([40, 100, 200]))],
+                 "max_tokens": 24, "ignore_eos": True, "reuse": "none"} for _ in range(12)]
+    expected = references(args, requests)
+    run_dir = os.path.join(args.workdir, "handover-lost")
+    with Stack(args.moeline, args.model, run_dir, decode=2, config=dict(FAST_FAILURE)) as stack:
+        with Client(stack.endpoint, timeout=120) as client:
+            # Before: decode-0 stops while the hub still counts its credit, so about half of the
+            # hand-overs go to a process that never reads them; the gateway must notice and
+            # retry them on decode-1.
+            stopped = stack.kill("decode-0", signal.SIGSTOP)
+            try:
+                results = run_with_victim(stack, client, requests, lambda deltas: None)
+            finally:
+                os.kill(stopped, signal.SIGKILL)
+            retries = sample(stack, "gateway", "moeline_gateway_retries_total")
+            check(retries >= 1, "no hand-over to the stopped decode replica was retried")
+            given_up = recovery_errors(results, retries, "decode stopped before the hand-over")
+            completed = compare(results, requests, expected, allow_errors=True)
+            check(completed + given_up == len(requests), "requests lost with the hand-over")
+            print(f"ok handover_lost (before the KV): {completed} completed identical to the "
+                  f"reference, {given_up} gave up, {int(retries)} retried")
+            stack.wait_restarted("decode-0", stopped)
+
+            # After: decode-1 is killed once it has taken hand-overs and streams them.
+            accepted_before = sample(stack, "decode-1", "moeline_decode_handovers_total",
+                                     outcome="accepted")
+            killed = {}
+
+            def kill_decode_1(deltas):
+                if killed or deltas < len(requests):
+                    return
+                if sample(stack, "decode-1", "moeline_decode_handovers_total",
+                          outcome="accepted") > accepted_before:
+                    killed["pid"] = stack.kill("decode-1")
+
+            retries_before = sample(stack, "gateway", "moeline_gateway_retries_total")
+            results = run_with_victim(stack, client, requests, kill_decode_1)
+            check(killed, "decode-1 took no hand-over: nothing to kill")
+            retried = sample(stack, "gateway", "moeline_gateway_retries_total") - retries_before
+            check(retried >= 1, "nothing was retried after decode-1 died")
+            given_up = recovery_errors(results, retried, "decode killed after the hand-over")
+            completed = compare(results, requests, expected, allow_errors=True)
+            check(completed + given_up == len(requests), "requests lost with decode-1")
+            print(f"ok handover_lost (after the KV): {completed} completed identical to the "
+                  f"reference, {given_up} gave up, {int(retried)} retried")
+
+
+def forged_prefill_done(request_id, ticket, kv_bytes=64):
+    import flatbuffers
+    from moeline_client import encode_message
+    from moeline.wire import BulkFrame, MessageType, PrefillDone
+    b = flatbuffers.Builder(256)
+    PrefillDone.StartTokensVector(b, 1)
+    b.PrependInt32(1)
+    tokens = b.EndVector()
+    ticket_vector = b.CreateByteVector(ticket) if ticket is not None else None
+    BulkFrame.Start(b)
+    BulkFrame.AddBytes(b, kv_bytes)
+    frame = BulkFrame.End(b)
+    PrefillDone.StartFramesVector(b, 1)
+    b.PrependUOffsetTRelative(frame)
+    frames = b.EndVector()
+    PrefillDone.Start(b)
+    PrefillDone.AddRequestId(b, request_id)
+    PrefillDone.AddAttempt(b, 1)
+    PrefillDone.AddTokens(b, tokens)
+    PrefillDone.AddFirstToken(b, 7)
+    PrefillDone.AddFrames(b, frames)
+    if ticket_vector is not None:
+        PrefillDone.AddTicket(b, ticket_vector)
+    b.Finish(PrefillDone.End(b), file_identifier=b"MLPL")
+    return encode_message(MessageType.MessageType.PrefillDone, b.Output()) + [b"\0" * kv_bytes]
+
+
+def case_forged(args):
+    from moeline_client import Client
+    from peer_frames import dealer
+    from test_security import snapshot_put
+    vocab = vocab_of(args.model)
+    victim = {"tokens": [(7 * i) % vocab for i in range(60)], "max_tokens": 40, "ignore_eos": True}
+    expected = reference(args.moeline, args.model, 40, tokens=victim["tokens"], ignore_eos=True)
+    run_dir = os.path.join(args.workdir, "forged")
+    with Stack(args.moeline, args.model, run_dir) as stack:
+        decode = dealer(intake_of(stack, "decode-0"))
+        probe = dealer(intake_of(stack, "probe"))
+        with Client(stack.endpoint, timeout=60) as client:
+            crid = client.start(**victim)
+            # Request ids are small integers: a rogue tries them all, with no ticket and with a
+            # made-up one, while the victim's request streams.
+            sent = 0
+            for request_id in range(1, 33):
+                for ticket in (None, bytes(32), os.urandom(32)):
+                    decode.send_multipart(forged_prefill_done(request_id, ticket))
+                    sent += 1
+            probe.send_multipart(snapshot_put(0x1234))
+            ids = []
+            while True:
+                event = client.next_event(timeout=60)
+                check(event.client_request_id == crid, "an unexpected event")
+                check(event.kind != "error", f"the victim's request failed: {event}")
+                if event.kind == "delta":
+                    ids += event.token_ids
+                if event.terminal:
+                    break
+            check(ids == expected["ids"], f"the victim's stream changed: {ids} != "
+                  f"{expected['ids']}")
+            deadline = time.time() + 10
+            refused = 0
+            while time.time() < deadline:
+                refused = sample(stack, "decode-0", "moeline_intake_refused_total",
+                                 reason="bad_ticket", type="PrefillDone")
+                if refused >= sent:
+                    break
+                time.sleep(0.2)
+            check(refused == sent, f"decode refused {refused:.0f} of {sent} forged hand-overs")
+            check(sample(stack, "probe", "moeline_intake_refused_total", reason="bad_ticket",
+                         type="SnapshotPut") == 1, "the probe took a put without a ticket")
+            check(client.generate(tokens=[1, 2, 3], max_tokens=3).ids, "the stack stopped serving")
+        decode.close()
+        probe.close()
+    print(f"ok forged: {sent} forged hand-overs and a forged put refused and counted, the "
+          "victim's stream identical to the reference")
+
+
+CASES = {"handover": case_handover, "handover_lost": case_handover_lost, "forged": case_forged}
+
+
+def main():
+    run_cases(CASES, __doc__)
+
+
+if __name__ == "__main__":
+    main()
