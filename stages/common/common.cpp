@@ -11,6 +11,7 @@
 #include "kernels/cpu/quant_matmul.h"
 #include "model/kv_cache.h"
 #include "stages/runtime/service.h"
+#include "stages/runtime/trace.h"
 
 namespace moeline::stages {
 
@@ -242,6 +243,9 @@ std::vector<runtime::ConfigKey> common_keys(const char* default_http) {
       {"io-threads", "1",
        "ZeroMQ I/O threads (CurveZMQ encrypts in them: 2 helps a gateway relaying KV under Curve "
        "when a core is free)"},
+      {"trace-requests", "false",
+       "log every message of a request this stage receives (event=trace, with its time in "
+       "microseconds): one request's path, read across the stages' logs"},
       {"curve-dir", "",
        "key directory (moeline keys init): tcp:// sockets run CurveZMQ with this process's key "
        "(gateway.key, or <role>.key and gateway.pub); empty: open, for ipc:// stacks"},
@@ -298,6 +302,7 @@ int run_stage(const char* stage, const std::vector<runtime::ConfigKey>& keys, in
       std::cout << runtime::Config::usage(stage, keys);
       return 0;
     }
+    runtime::set_request_tracing(config.flag("trace-requests"));
     return body(config);
   } catch (const runtime::ConfigError& e) {
     std::cerr << runtime::Config::usage(stage, keys) << "moeline: error: " << e.what() << '\n';

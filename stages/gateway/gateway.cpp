@@ -16,12 +16,14 @@
 #include "reuse/approximate.h"
 #include "reuse/records.h"
 #include "stages/common/common.h"
+#include "stages/gateway/probe_ring.h"
 #include "stages/gateway/tenant_limits.h"
 #include "stages/runtime/api_keys.h"
 #include "stages/runtime/dispatch.h"
 #include "stages/runtime/hub.h"
 #include "stages/runtime/security.h"
 #include "stages/runtime/service.h"
+#include "stages/runtime/trace.h"
 #include "tokenizer/tokenizer.h"
 
 namespace moeline::stages {
@@ -76,6 +78,9 @@ struct Request {
   // prefill replica that sends it; waiting for the confirmation since when.
   std::string decode_target, handed_by;
   bool decode_reserved = false;
+  // The prefill replica named in the ProbeJob, whose credit the gateway holds until the probe's
+  // notice says it sent the job there (or the probe answered without prefill).
+  bool prefill_reserved = false;
   bool handover_pending = false;
   bool handover_confirmed = false;  // HandoverAccepted came before prefill's PrefillDone
   Clock::time_point handover_since;
@@ -443,7 +448,8 @@ class Gateway {
       if (agreement) shadow_agreement_->set(*agreement);
     }
     shadow_counter_[correct ? 1 : 0]->inc();
-    put_to_probes(r.donor, 'Q', reuse::encode(reuse::QualityRecord{r.cell, correct, kl}));
+    // Every probe's decision rule learns from every check.
+    put_to_probes(r.donor, 'Q', reuse::encode(reuse::QualityRecord{r.cell, correct, kl}), nullptr);
     log_.info("shadow_check", {{"request_id", r.id},
                                {"mode", r.shadow_mode.empty() ? "blend" : r.shadow_mode},
                                {"donor", r.donor},
@@ -531,6 +537,10 @@ class Gateway {
                                            text_offset, tokens_offset, finish_offset, usage,
                                            timings, code, error_offset, logprobs_offset),
                    wire::GenerateRequestIdentifier());
+    if (runtime::request_tracing())
+      runtime::trace_message(log_,
+                             ("StreamEvent:" + std::string(wire::EnumNameEventKind(kind))).c_str(),
+                             request_id, 0, "client");
     return send_client(client, wire::encode(wire::MessageType::StreamEvent, builder));
   }
 
@@ -711,6 +721,7 @@ class Gateway {
 
     Request r;
     r.id = next_request_id_++;
+    runtime::trace_message(log_, "GenerateRequest", r.id, 1, "client");
     r.client = client;
     r.tenant = tenant;
     r.client_request_id = crid;
@@ -945,7 +956,53 @@ class Gateway {
   // The decode credit held for a hand-over that will not be confirmed goes back to its replica.
   // Should the hand-over reach it after all, its HandoverAccepted finds no request: the gateway
   // cancels it there and takes that credit again (on_handover_accepted), so none is counted twice.
+  // The prefill credit held for a job the probe was to send on. `may_still_come`: the probe may
+  // yet send it (the request was retried, bypassed or cancelled meanwhile); prefill will then
+  // return a credit for it that was already given back here, which its result takes again.
+  void release_prefill(Request& r, bool may_still_come) {
+    if (!r.prefill_reserved) return;
+    r.prefill_reserved = false;
+    hub_->restore_credit(r.handed_by);
+    if (may_still_come) {
+      if (stale_prefill_.size() > 4096) stale_prefill_.clear();
+      stale_prefill_[{r.id, r.attempt}] = r.handed_by;
+    }
+  }
+
+  // A result of a prefill job the gateway had given up on (release_prefill): its credit once more.
+  void settle_stale_prefill(uint64_t id, uint32_t attempt, const std::string& from) {
+    auto it = stale_prefill_.find({id, attempt});
+    if (it == stale_prefill_.end() || it->second != from) return;
+    hub_->spend_credit(from);
+    stale_prefill_.erase(it);
+  }
+
+  // A result from the prefill replica the probe sent the job to, for a request still waiting for
+  // the probe's notice (which it overtook): from now on that replica holds it.
+  Request* from_prefill(uint64_t id, uint32_t attempt, const std::string& from,
+                        wire::MessageType type) {
+    Request* r = find(id, attempt);
+    if (r == nullptr) {
+      settle_stale_prefill(id, attempt, from);
+      return nullptr;
+    }
+    if (r->at_probe && r->prefill_reserved && r->handed_by == from) took_job_from_probe(*r);
+    return owned(id, attempt, from, type);
+  }
+
+  void took_job_from_probe(Request& r) {
+    r.owner = r.handed_by;
+    r.at_probe = false;
+    r.prefill_reserved = false;  // the replica returns it when the job is done
+    if (r.prefill_dispatched == Clock::time_point{}) {
+      r.prefill_dispatched = Clock::now();
+      queue_time_->observe(
+          std::chrono::duration<double>(r.prefill_dispatched - r.received).count());
+    }
+  }
+
   void release_decode(Request& r) {
+    release_prefill(r, true);
     if (r.decode_reserved) hub_->restore_credit(r.decode_target);
     r.decode_reserved = r.handover_pending = r.handover_confirmed = false;
     r.decode_target.clear();
@@ -1073,11 +1130,16 @@ class Gateway {
       return;
     last_bypass_scan_ = now;
     std::vector<uint64_t> late;
+    // Waiting for a probe that was sent the job, or for any probe at all (none is connected); a
+    // job queued behind busy probes is not late.
+    const bool no_probe = !hub_->any(wire::StageKind::Probe);
     for (auto& [id, r] : requests_)
-      if (r.at_probe && now - r.probe_since > probe_timeout_) late.push_back(id);
+      if (r.at_probe && (!r.owner.empty() || no_probe) && now - r.probe_since > probe_timeout_)
+        late.push_back(id);
     for (uint64_t id : late) {
       Request& r = requests_.at(id);
       r.at_probe = false;
+      release_decode(r);
       r.owner.clear();
       ++r.attempt;
       ++r.free_attempts;
@@ -1158,7 +1220,7 @@ class Gateway {
             {"shared_tenants", shared_tenants_}};
   }
 
-  // Every probe gets the entries (each keeps its own store).
+  // Entries every probe keeps (each has its own store).
   void forward_to_probes(std::vector<zmq::message_t>&& frames) {
     std::vector<std::string> probes;
     for (const auto& [identity, peer] : hub_->peers())
@@ -1177,11 +1239,13 @@ class Gateway {
   // A deterministic request's completion, for an identical request to replay.
   void store_result(const Request& r, const std::string& reason) {
     put_to_probes(reuse::result_entry(r.prompt_key, r.sampling), 'R',
-                  reuse::encode(reuse::ResultRecord{r.sent, reason}));
+                  reuse::encode(reuse::ResultRecord{r.sent, reason}), &r.cache_namespace);
   }
 
-  // One SnapshotPut entry, its record as the bulk frame, to every probe.
-  void put_to_probes(uint64_t key, uint8_t kind, const std::string& record) {
+  // One SnapshotPut entry, its record as the bulk frame, to the probe that owns `cache_namespace`
+  // (every probe when null).
+  void put_to_probes(uint64_t key, uint8_t kind, const std::string& record,
+                     const std::string* cache_namespace) {
     flatbuffers::FlatBufferBuilder builder(256);
     std::vector<flatbuffers::Offset<wire::SnapshotEntry>> entries = {
         wire::CreateSnapshotEntry(builder, key, kind)};
@@ -1193,10 +1257,20 @@ class Gateway {
                    wire::PrefillJobIdentifier());
     std::vector<zmq::message_t> bulk;
     bulk.emplace_back(record.data(), record.size());
-    forward_to_probes(wire::encode(wire::MessageType::SnapshotPut, builder, std::move(bulk)));
+    std::vector<zmq::message_t> put =
+        wire::encode(wire::MessageType::SnapshotPut, builder, std::move(bulk));
+    if (cache_namespace == nullptr) return forward_to_probes(std::move(put));
+    if (runtime::Peer* probe = probe_for(*cache_namespace)) hub_->send(probe->identity, put, false);
   }
 
   // ---- to and from stages ----
+
+  // Prefill stores the prompt's blocks and record as allowed, and its signature where the
+  // namespace allows approximate reuse (so that later prompts find it).
+  static uint32_t store_levels_of(const Request& r) {
+    return (r.allowed_levels & (reuse::kPrefix | reuse::kFull)) |
+           (r.namespace_levels & reuse::kApproximateLevels);
+  }
 
   // The peer of this kind with the most credit among those with an intake (spends one credit).
   runtime::Peer* pick_with_intake(wire::StageKind stage) {
@@ -1206,12 +1280,24 @@ class Gateway {
     return nullptr;
   }
 
-  // The probe that stores a namespace's entries.
-  const runtime::Peer* store_for(const std::string& cache_namespace) const {
-    (void)cache_namespace;
+  // The probe replica that owns a namespace (its lookups and its store), by consistent hashing
+  // over the live probes; nullptr when none is connected.
+  runtime::Peer* probe_for(const std::string& cache_namespace) {
+    std::vector<std::string> replicas;
     for (const auto& [identity, peer] : hub_->peers())
-      if (peer.stage == wire::StageKind::Probe && !peer.intake.empty()) return &peer;
+      if (peer.stage == wire::StageKind::Probe && !peer.draining) replicas.push_back(peer.replica);
+    probe_ring_.update(std::move(replicas));
+    const std::string& owner = probe_ring_.owner(cache_namespace);
+    for (const auto& [identity, peer] : hub_->peers())
+      if (peer.stage == wire::StageKind::Probe && !peer.draining && peer.replica == owner)
+        return hub_->peer(identity);
     return nullptr;
+  }
+
+  // Where prefill puts a namespace's entries: its probe's intake.
+  const runtime::Peer* store_for(const std::string& cache_namespace) {
+    const runtime::Peer* probe = probe_for(cache_namespace);
+    return probe != nullptr && !probe->intake.empty() ? probe : nullptr;
   }
 
   // A route to `peer`'s intake for this attempt of the request, signed with the peer's key.
@@ -1231,18 +1317,45 @@ class Gateway {
         probe_queue_.pop_front();
         continue;
       }
-      runtime::Peer* probe = hub_->pick(wire::StageKind::Probe);
-      if (probe == nullptr) break;
-      flatbuffers::FlatBufferBuilder builder(128 + r->prompt.size() * 4);
+      // The namespace's own probe, once it has room (a job waits rather than go to a probe that
+      // does not hold its namespace).
+      runtime::Peer* probe = probe_for(r->cache_namespace);
+      if (probe == nullptr || probe->credits == 0) break;
+      // The shortest path: the probe sends the job on to a prefill replica picked now, and the KV
+      // goes on to a decode replica picked now. Without room in both, the probe's plan comes back
+      // here and waits for prefill as before.
+      runtime::Peer* prefill = pick_with_intake(wire::StageKind::Prefill);
+      runtime::Peer* decode = prefill ? pick_with_intake(wire::StageKind::Decode) : nullptr;
+      if (prefill != nullptr && decode == nullptr) {
+        hub_->restore_credit(prefill->identity);
+        prefill = nullptr;
+      }
+      flatbuffers::FlatBufferBuilder builder(256 + r->prompt.size() * 4);
       auto tokens = builder.CreateVector(r->prompt);
       auto name_space = builder.CreateString(r->cache_namespace);
       auto sampling = to_wire(builder, r->sampling);
-      builder.Finish(wire::CreateProbeJob(builder, r->id, r->attempt, tokens, name_space, sampling,
-                                          r->allowed_levels),
-                     wire::PrefillJobIdentifier());
+      auto prefill_route = prefill ? route_to(builder, *prefill, *r) : 0;
+      auto decode_route = decode ? route_to(builder, *decode, *r) : 0;
+      builder.Finish(
+          wire::CreateProbeJob(builder, r->id, r->attempt, tokens, name_space, sampling,
+                               r->allowed_levels, prefill_route, decode_route, store_levels_of(*r)),
+          wire::PrefillJobIdentifier());
       const std::string identity = probe->identity;
-      if (!hub_->send(identity, wire::encode(wire::MessageType::ProbeJob, builder), true)) break;
+      const std::string prefill_identity = prefill ? prefill->identity : "";
+      const std::string decode_identity = decode ? decode->identity : "";
+      if (!hub_->send(identity, wire::encode(wire::MessageType::ProbeJob, builder), true)) {
+        if (prefill) hub_->restore_credit(prefill_identity);
+        if (decode) hub_->restore_credit(decode_identity);
+        break;
+      }
       r->owner = identity;
+      r->probe_since = Clock::now();
+      if (prefill) {
+        r->handed_by = prefill_identity;
+        r->prefill_reserved = true;
+        r->decode_target = decode_identity;
+        r->decode_reserved = true;
+      }
       probe_queue_.pop_front();
     }
     while (!prefill_queue_.empty() && decode_queue_.size() < max_decode_backlog_) {
@@ -1295,8 +1408,7 @@ class Gateway {
       }
       // Prefill stores the prompt's blocks and record as allowed, and its signature where the
       // namespace allows approximate reuse (so that later prompts find it).
-      const uint32_t store_levels = (r->allowed_levels & (reuse::kPrefix | reuse::kFull)) |
-                                    (r->namespace_levels & reuse::kApproximateLevels);
+      const uint32_t store_levels = store_levels_of(*r);
       flatbuffers::Offset<flatbuffers::Vector<uint8_t>> mask = 0;
       float recompute = 0;
       if (r->blend_plan && r->prefix_plan) {
@@ -1397,10 +1509,24 @@ class Gateway {
   void on_probe_plan(runtime::Hub::Incoming& incoming) {
     wire::Message& message = incoming.message;
     const auto* plan = message.as<wire::ProbePlan>();
-    Request* r = owned(plan->request_id(), plan->attempt(), incoming.identity, message.type);
+    Request* r = find(plan->request_id(), plan->attempt());
+    // The notice of a plan sent on to prefill, overtaken by prefill's own answer: only the
+    // bookkeeping is left to do.
+    const bool overtaken = r != nullptr && plan->forwarded() && !r->at_probe &&
+                           from_stage(incoming.identity, message.type, {wire::StageKind::Probe});
+    if (!overtaken) r = owned(plan->request_id(), plan->attempt(), incoming.identity, message.type);
     if (r == nullptr) return;
-    r->owner.clear();
-    r->at_probe = false;
+    if (plan->forwarded() && !overtaken) {
+      if (!r->prefill_reserved || hub_->peer(r->handed_by) == nullptr)
+        return retry_or_fail(*r, "the prefill replica the probe sent the job to is gone");
+      took_job_from_probe(*r);
+    } else if (!plan->forwarded()) {
+      r->owner.clear();
+      r->at_probe = false;
+      // The plan comes here: prefill and decode are picked when it runs.
+      release_prefill(*r, false);
+      release_decode(*r);
+    }
     r->probe_us = plan->probe_us();
     const std::string level = plan->reuse_level() ? plan->reuse_level()->str() : "none";
     const std::string outcome = plan->approximate() ? plan->approximate()->str() : "";
@@ -1417,6 +1543,18 @@ class Gateway {
         r->shadow_mode = "response";
         r->donor_completion.assign(plan->completion()->begin(), plan->completion()->end());
       }
+    }
+    if (plan->forwarded()) {
+      // Prefill has the job: what the plan reused is known here for the request's usage.
+      if (level == "blend") {
+        r->blend_plan = true;
+        r->blend_shadow = outcome == "shadow";
+        r->reused_tokens = plan->reused_tokens();
+      } else if (level == "prefix") {
+        r->reuse_level = level;
+        r->reused_tokens = plan->reused_tokens();
+      }
+      return;
     }
     if (level == "blend" && plan->layout() != nullptr && plan->blend_mask() != nullptr &&
         plan->blend_mask()->size() == r->prompt.size()) {
@@ -1466,8 +1604,14 @@ class Gateway {
   void on_prefill_done(runtime::Hub::Incoming& incoming) {
     wire::Message& message = incoming.message;
     const auto* done = message.as<wire::PrefillDone>();
-    Request* r = owned(done->request_id(), done->attempt(), incoming.identity, message.type);
+    Request* r = from_prefill(done->request_id(), done->attempt(), incoming.identity, message.type);
     if (r == nullptr) return;
+    if (r->at_probe) {
+      // The probe answered a full hit itself: the prefill replica picked for it had nothing to do.
+      r->at_probe = false;
+      release_prefill(*r, false);
+      r->handed_by = incoming.identity;  // who sends the KV on to decode
+    }
     r->owner.clear();
     r->prefill_ms = static_cast<double>(done->prefill_us()) / 1000.0;
     if (done->prefill_us() > 0 && r->probe_us > 0)
@@ -1551,6 +1695,10 @@ class Gateway {
     wire::Message& message = incoming.message;
     const auto* failed = message.as<wire::JobFailed>();
     Request* r = find(failed->request_id(), failed->attempt());
+    if (r == nullptr)
+      settle_stale_prefill(failed->request_id(), failed->attempt(), incoming.identity);
+    if (r != nullptr && r->at_probe && r->prefill_reserved && r->handed_by == incoming.identity)
+      took_job_from_probe(*r);
     // Prefill reports a hand-over the decode replica would not take after its PrefillDone.
     if (r != nullptr && r->handover_pending && r->handed_by == incoming.identity) {
       cancel_at_owner(*r);
@@ -1632,6 +1780,8 @@ class Gateway {
   uint32_t default_levels_ = reuse::kAllLevels;
   std::map<std::string, uint32_t> namespace_levels_;
   std::unordered_map<uint64_t, std::string> prefix_affinity_;
+  std::map<std::pair<uint64_t, uint32_t>, std::string> stale_prefill_;
+  ProbeRing probe_ring_;
   std::mt19937_64 seed_source_{std::random_device{}()};
 
   std::unordered_map<uint64_t, Request> requests_;

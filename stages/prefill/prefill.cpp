@@ -75,6 +75,7 @@ class PrefillStage {
     const auto blocks = static_cast<int32_t>(
         (tokens + model::kBlockTokens - 1) / model::kBlockTokens + queue_capacity_);
     worker_.create_engine(blocks);
+    worker_.open_intake(config);
     signature_options_ = signature_options(config);
     signatures_ = std::make_unique<reuse::SignatureAccumulator>(
         model::moe_layer_indices(cfg), std::max<int64_t>(1, cfg.num_experts), signature_options_);
@@ -132,9 +133,13 @@ class PrefillStage {
         return 3;
       }
       // Block briefly when idle; just drain when there is work.
-      auto message = worker_.link->receive(queue_.empty() ? 50 : 0);
+      auto message = worker_.link->receive(queue_.empty() ? 50 : 0, &worker_.intake->socket());
       if (message) {
         worker_.service.guard("prefill", [&] { dispatch(*message); });
+        continue;
+      }
+      if (auto job = worker_.intake->receive()) {
+        worker_.service.guard("prefill", [&] { on_intake(*job); });
         continue;
       }
       const bool draining = drain_.active(*worker_.link, log);
@@ -185,6 +190,20 @@ class PrefillStage {
   }
 
   // A job still queued is dropped; one in the running batch finishes (its result is ignored).
+  // A job the probe sends straight here (with a cached prefix's KV), taken only with the ticket
+  // the gateway signed for this replica.
+  void on_intake(wire::Message& message) {
+    if (message.type != wire::MessageType::PrefillJob)
+      return worker_.intake->refuse(message.type, "not_taken_here");
+    const auto* job = message.as<wire::PrefillJob>();
+    const auto& key = worker_.link->handover_key();
+    if (!key || job->ticket() == nullptr ||
+        !runtime::valid_ticket(*key, job->request_id(), job->attempt(),
+                               {job->ticket()->data(), job->ticket()->size()}))
+      return worker_.intake->refuse(message.type, "bad_ticket");
+    accept(message);
+  }
+
   void on_cancel(wire::Message& message) {
     const auto* cancel = message.as<wire::CancelJob>();
     auto it = std::find_if(queue_.begin(), queue_.end(), [&](const Job& job) {
@@ -225,6 +244,8 @@ class PrefillStage {
     job.store_levels = wire_job.store_levels();
     job.decode_route = Route::from(wire_job.decode_route());
     job.store_route = Route::from(wire_job.store_route());
+    worker_.peers->prepare(job.store_route.endpoint, job.store_route.server_key);
+    worker_.peers->prepare(job.decode_route.endpoint, job.decode_route.server_key);
     job.reuse_level = wire_job.reuse_level() ? wire_job.reuse_level()->str() : "";
     if (wire_job.reused_tokens() > 0 && job.reuse_level != "blend") {
       // A prefix that does not fit this replica's cache exactly is recomputed, never trusted.
@@ -673,6 +694,7 @@ class PrefillStage {
 
 std::vector<runtime::ConfigKey> prefill_keys() {
   std::vector<runtime::ConfigKey> keys = compute_keys();
+  for (const runtime::ConfigKey& key : intake_keys()) keys.push_back(key);
   keys.push_back({"queue", "8", "jobs this replica accepts ahead of its batches (its credit)"});
   keys.push_back({"max-batch-tokens", "2048", "prompt tokens per prefill batch"});
   for (const runtime::ConfigKey& key : signature_keys()) keys.push_back(key);

@@ -1,4 +1,5 @@
 #include "stages/probe/probe.h"
+#include "stages/probe/routing.h"
 
 #include <algorithm>
 #include <chrono>
@@ -71,6 +72,9 @@ class Probe {
     options.disk_bytes = runtime::parse_bytes(config.text("store-disk-bytes"));
     options.disk_reserve_bytes = runtime::parse_bytes(config.text("store-disk-reserve"));
     options.disk_path = config.text("store-path");
+    // One folder per replica where replicas share a volume (docker-compose --scale probe=N).
+    if (const size_t at = options.disk_path.find("{replica}"); at != std::string::npos)
+      options.disk_path.replace(at, 9, service_.log.replica());
     const std::string policy = config.text("store-policy");
     if (policy != "slru" && policy != "lru")
       throw runtime::ConfigError("--store-policy must be slru or lru, got '" + policy + "'");
@@ -98,6 +102,8 @@ class Probe {
       zap_ = std::make_unique<runtime::ZapHandler>(context_, service_.log, metrics_);
     intake_ = open_intake(context_, config, settings, "probe", service_.log, metrics_, zap_.get());
     link_->set_intake(intake_->endpoint(), intake_->public_key());
+    peers_ = std::make_unique<runtime::PeerSender>(context_, settings.curve_keys);
+    router_ = std::make_unique<PlanRouter>(*link_, *peers_, *intake_);
   }
 
   // A disk tier that cannot be opened (corrupt, or on a full disk) must not keep the probe down:
@@ -241,13 +247,18 @@ class Probe {
       if (link_->needs_hello()) link_->hello(credits_);
       service_.set_ready(link_->accepted());
       uint32_t handled = 0;
-      for (auto message = link_->receive(50, &intake_->socket()); message;
-           message = link_->receive(0)) {
+      for (int wait_ms = 50;; wait_ms = 0) {
+        // Puts before lookups: a request sent once the client saw the first token of the one
+        // that made them (prefill sends its puts first) must find them.
+        while (auto put = intake_->receive()) service_.guard("probe", [&] { on_intake(*put); });
+        auto message = link_->receive(wait_ms, &intake_->socket());
+        if (!message) {
+          if (intake_->pending()) continue;
+          break;
+        }
         service_.guard("probe", [&] { dispatch(*message); });
         ++handled;
       }
-      while (auto message = intake_->receive())
-        service_.guard("probe", [&] { on_intake(*message); });
       if (handled) batch_->observe(handled);
       update_gauges();
     }
@@ -924,7 +935,7 @@ class Probe {
     plan.add_cell(a.cell);
     plan.add_shadow_sampled(a.sampled);
     builder.Finish(plan.Finish(), wire::PrefillJobIdentifier());
-    link_->send(wire::encode(wire::MessageType::ProbePlan, builder, std::move(bulk)));
+    router_->send_plan(job, wire::encode(wire::MessageType::ProbePlan, builder, std::move(bulk)));
     done(level, reused, start, tokens.size());
   }
 
@@ -988,7 +999,7 @@ class Probe {
                               affinity, outcome, a.donor, a.similarity, a.cell, mask,
                               static_cast<float>(recompute_fraction_), shadow_mode, a.sampled),
         wire::PrefillJobIdentifier());
-    link_->send(wire::encode(wire::MessageType::ProbePlan, builder, std::move(bulk)));
+    router_->send_plan(job, wire::encode(wire::MessageType::ProbePlan, builder, std::move(bulk)));
   }
 
   // A full hit: what prefill would have answered, from the store.
@@ -1001,34 +1012,46 @@ class Probe {
     const int32_t first = sampler.sample(prompt.logits.data(), cfg.vocab_size);
     const std::string finish = model::finish_after(first, 1, static_cast<int64_t>(tokens.size()),
                                                    sampling, eos_, cfg.max_position_embeddings);
-    flatbuffers::FlatBufferBuilder builder(512 + tokens.size() * 4);
-    std::vector<zmq::message_t> bulk;
-    flatbuffers::Offset<wire::KvLayout> kv_layout = 0;
-    flatbuffers::Offset<flatbuffers::Vector<flatbuffers::Offset<wire::BulkFrame>>> frames = 0;
-    if (finish.empty()) {
+    zmq::message_t kv;  // shared by the messages that carry it (zmq_msg_copy: no copy)
+    uint64_t sum = 0;
+    const bool goes_on = finish.empty();
+    if (goes_on) {
       if (!prompt.tail_kv.empty())
         blocks.push_back(std::make_shared<const std::string>(prompt.tail_kv));
-      uint64_t sum = 0;
-      bulk.push_back(concatenate(blocks, sum));
-      frames = builder.CreateVector(std::vector<flatbuffers::Offset<wire::BulkFrame>>{
-          wire::CreateBulkFrame(builder, bulk.back().size(), sum)});
-      kv_layout = layout(builder, blocks.size());
+      kv = concatenate(blocks, sum);
     }
-    auto token_vector = builder.CreateVector(tokens);
-    auto finish_text = builder.CreateString(finish);
-    auto sampling_offset = to_wire(builder, sampling);
-    auto name_space =
-        builder.CreateString(job.cache_namespace() ? job.cache_namespace()->str() : "");
-    auto replica = builder.CreateString(service_.log.replica());
-    auto level = builder.CreateString("full");
-    builder.Finish(
-        wire::CreatePrefillDone(
-            builder, job.request_id(), job.attempt(), token_vector, first, finish_text,
-            sampling_offset, name_space, kv_layout, frames, 0, replica, level,
-            static_cast<uint32_t>(tokens.size()), 0, false, 0.0f, false,
-            logprobs_to_wire(builder, prompt.logits.data(), cfg.vocab_size, first, sampling)),
-        wire::PrefillJobIdentifier());
-    link_->send(wire::encode(wire::MessageType::PrefillDone, builder, std::move(bulk)));
+    const size_t kv_blocks = blocks.size();
+    // The PrefillDone with the KV (for decode, or a gateway without routes) or without it.
+    auto build = [&](bool with_kv, const flatbuffers::Vector<uint8_t>* ticket) {
+      flatbuffers::FlatBufferBuilder builder(512 + tokens.size() * 4);
+      std::vector<zmq::message_t> bulk;
+      flatbuffers::Offset<wire::KvLayout> kv_layout = 0;
+      flatbuffers::Offset<flatbuffers::Vector<flatbuffers::Offset<wire::BulkFrame>>> frames = 0;
+      if (with_kv && goes_on) {
+        bulk.emplace_back().copy(kv);
+        frames = builder.CreateVector(std::vector<flatbuffers::Offset<wire::BulkFrame>>{
+            wire::CreateBulkFrame(builder, kv.size(), sum)});
+        kv_layout = layout(builder, kv_blocks);
+      }
+      auto token_vector = with_kv ? builder.CreateVector(tokens) : 0;
+      auto finish_text = builder.CreateString(finish);
+      auto sampling_offset = to_wire(builder, sampling);
+      auto name_space =
+          builder.CreateString(job.cache_namespace() ? job.cache_namespace()->str() : "");
+      auto replica = builder.CreateString(service_.log.replica());
+      auto level = builder.CreateString("full");
+      auto logprobs =
+          logprobs_to_wire(builder, prompt.logits.data(), cfg.vocab_size, first, sampling);
+      auto ticket_vector = ticket ? builder.CreateVector(ticket->data(), ticket->size()) : 0;
+      builder.Finish(
+          wire::CreatePrefillDone(builder, job.request_id(), job.attempt(), token_vector, first,
+                                  finish_text, sampling_offset, name_space, kv_layout, frames, 0,
+                                  replica, level, static_cast<uint32_t>(tokens.size()), 0, false,
+                                  0.0f, false, logprobs, ticket_vector),
+          wire::PrefillJobIdentifier());
+      return wire::encode(wire::MessageType::PrefillDone, builder, std::move(bulk));
+    };
+    router_->send_done(job, goes_on, build);
   }
 
   runtime::StageService service_;
@@ -1039,6 +1062,8 @@ class Probe {
   std::unique_ptr<runtime::HubLink> link_;
   std::unique_ptr<runtime::ZapHandler> zap_;  // with Curve; outlives the intake
   std::unique_ptr<runtime::Intake> intake_;
+  std::unique_ptr<runtime::PeerSender> peers_;
+  std::unique_ptr<PlanRouter> router_;
   size_t block_bytes_ = 0;
   std::vector<int32_t> eos_;
   uint32_t credits_ = 64;
@@ -1092,7 +1117,9 @@ std::vector<runtime::ConfigKey> probe_keys() {
   keys.push_back({"store-disk-reserve", "64MiB",
                   "free space the disk tier leaves on its file system: below it nothing spills, "
                   "and a store is opened without its disk tier"});
-  keys.push_back({"store-path", "", "disk tier folder (empty: no disk tier)"});
+  keys.push_back({"store-path", "",
+                  "disk tier folder (empty: no disk tier); {replica} becomes the replica's name "
+                  "(one folder each where probes share a volume)"});
   keys.push_back(
       {"store-policy", "slru", "RAM eviction: slru (segmented LRU, scan-resistant) or lru"});
   for (const runtime::ConfigKey& key : signature_keys()) keys.push_back(key);

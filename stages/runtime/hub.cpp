@@ -1,5 +1,7 @@
 #include "stages/runtime/hub.h"
 
+#include "stages/runtime/trace.h"
+
 #include <algorithm>
 #include <cstring>
 
@@ -160,6 +162,7 @@ std::optional<Hub::Incoming> Hub::receive() {
       it->second.credits = static_cast<uint32_t>(std::min<uint64_t>(credits, kMaxCredits));
       continue;
     }
+    trace_received(log_, message, "hub");
     return Incoming{std::move(identity), std::move(message)};
   }
 }

@@ -13,6 +13,7 @@
 
 #include "stages/runtime/config.h"
 #include "stages/runtime/link.h"
+#include "stages/runtime/trace.h"
 
 namespace moeline::runtime {
 namespace {
@@ -146,6 +147,7 @@ std::optional<wire::Message> Intake::receive() {
       report_rejected_frame(metrics_, log_, log_limit_, "intake", *decoded.error);
       continue;
     }
+    trace_received(log_, *decoded.message, "intake");
     return std::move(*decoded.message);
   }
 }
@@ -191,6 +193,15 @@ zmq::socket_t& PeerSender::connection(const std::string& endpoint, const std::st
   socket.connect(endpoint);
   connections_.push_front(Connection{endpoint, std::move(socket)});
   return connections_.front().socket;
+}
+
+void PeerSender::prepare(const std::string& endpoint, const std::string& server_key) {
+  if (endpoint.empty()) return;
+  try {
+    connection(endpoint, server_key);
+  } catch (const std::exception&) {
+    // A malformed route: its send fails and is reported there.
+  }
 }
 
 bool PeerSender::send(const std::string& endpoint, const std::string& server_key,

@@ -77,6 +77,8 @@ class Intake {
 
   // One waiting message (non-blocking); malformed frames are counted and dropped.
   std::optional<wire::Message> receive();
+  // Whether a message is waiting.
+  bool pending() { return (socket_.get(zmq::sockopt::events) & ZMQ_POLLIN) != 0; }
   // Counts and logs a message the stage refused (a bad ticket, a type this intake does not take).
   void refuse(wire::MessageType type, const char* reason);
 
@@ -101,6 +103,9 @@ class PeerSender {
 
   bool send(const std::string& endpoint, const std::string& server_key,
             std::vector<zmq::message_t>&& frames);
+  // Connects ahead of the first send (the handshake then runs while the sender computes what it
+  // will send), so that a transfer is not slower than the messages that follow it elsewhere.
+  void prepare(const std::string& endpoint, const std::string& server_key);
 
  private:
   struct Connection {

@@ -1,5 +1,7 @@
 #include "stages/runtime/link.h"
 
+#include "stages/runtime/trace.h"
+
 #include <unistd.h>
 
 #include <random>
@@ -184,6 +186,7 @@ std::optional<wire::Message> HubLink::receive(int timeout_ms, zmq::socket_t* als
       needs_hello_ = true;
       return std::nullopt;
     }
+    trace_received(log_, message, "link");
     return std::move(message);
   }
 }

@@ -32,7 +32,8 @@ namespace fs = std::filesystem;
 using Clock = std::chrono::steady_clock;
 
 constexpr const char* kUsage =
-    R"(usage: moeline stack up --model DIR --run-dir DIR [--prefill N] [--decode M] [--config FILE]
+    R"(usage: moeline stack up --model DIR --run-dir DIR [--prefill N] [--decode M] [--probe P]
+                        [--config FILE]
                         [--threads T] [--timeout-s S]
        moeline stack status --run-dir DIR [--json]
        moeline stack down --run-dir DIR
@@ -47,6 +48,8 @@ down     stop every stage and the supervisor
   --run-dir DIR     sockets, logs and stack.json go here
   --prefill N       prefill processes (default 1)
   --decode M        decode processes (default 1)
+  --probe P         probe processes (default 1): they shard the namespaces by consistent hashing,
+                    each with its own store (probe-0, probe-1, ...; one probe is named "probe")
   --config FILE     stage config file passed to every stage (see `moeline <stage> --help`)
   --threads T       compute threads per prefill/decode process (default: cores / (N + M))
   --quant-math exact|fast
@@ -353,6 +356,7 @@ int up(int argc, char** argv) {
                                           {"run-dir", "", "run directory"},
                                           {"prefill", "1", "prefill processes"},
                                           {"decode", "1", "decode processes"},
+                                          {"probe", "1", "probe processes"},
                                           {"threads", "0", "threads per compute process"},
                                           {"quant-math", "fast", "exact or fast"},
                                           {"timeout-s", "120", "seconds to wait for health"},
@@ -389,6 +393,8 @@ int up(int argc, char** argv) {
   const int prefill = static_cast<int>(config.integer("prefill"));
   const int decode = static_cast<int>(config.integer("decode"));
   if (prefill < 1 || decode < 1) throw runtime::ConfigError("--prefill and --decode must be >= 1");
+  const int probes = static_cast<int>(config.integer("probe"));
+  if (probes < 1 || probes > 64) throw runtime::ConfigError("--probe must be in [1, 64]");
   if (!stage_config.empty() && !fs::exists(stage_config))
     throw runtime::ConfigError("config file " + stage_config + " does not exist");
   int threads = static_cast<int>(config.integer("threads"));
@@ -455,10 +461,15 @@ int up(int argc, char** argv) {
     gateway_args.insert(gateway_args.end(),
                         {"--api-keys", fs::absolute(config.text("api-keys")).string()});
   stages.push_back({"gateway", "gateway", gateway_args});
-  // The probe's snapshot store keeps its disk tier in the run directory: it survives restarts.
-  stages.push_back({"probe", "probe",
-                    worker({"--store-path", (run_dir / "store").string(), "--quant-math",
-                            config.text("quant-math")})});
+  // The probes' snapshot stores keep their disk tiers in the run directory, one each (they shard
+  // the namespaces): they survive restarts. One probe keeps the names of a single-probe stack.
+  for (int i = 0; i < probes; ++i) {
+    const std::string name = probes == 1 ? "probe" : "probe-" + std::to_string(i);
+    const fs::path store = run_dir / (probes == 1 ? std::string("store") : "store-" + name);
+    stages.push_back(
+        {name, "probe",
+         worker({"--store-path", store.string(), "--quant-math", config.text("quant-math")})});
+  }
   // The node's expert pool: the offload manager creates it, the compute processes attach to it.
   std::vector<std::string> offload_args;
   if (!config.text("expert-budget").empty())

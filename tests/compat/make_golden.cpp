@@ -130,7 +130,15 @@ std::vector<zmq::message_t> probe_job() {
   FlatBufferBuilder b;
   const auto sampling = pipeline_sampling(b);
   const std::vector<int32_t> tokens = {1, 15043, 29892};
-  b.Finish(wire::CreateProbeJobDirect(b, 555, 2, &tokens, "acme/ns", sampling, 5),
+  // 1.7: the routes to the prefill and decode replicas, the levels to store back.
+  const std::vector<uint8_t> prefill_ticket = golden_bytes(32, 0x30);
+  const std::vector<uint8_t> decode_ticket = golden_bytes(32, 0x10);
+  const auto prefill_route = wire::CreatePeerRouteDirect(b, "prefill-0", "tcp://10.0.0.9:41100",
+                                                         kGoldenKey, &prefill_ticket);
+  const auto decode_route = wire::CreatePeerRouteDirect(b, "decode-1", "tcp://10.0.0.8:41000",
+                                                        kGoldenKey, &decode_ticket);
+  b.Finish(wire::CreateProbeJobDirect(b, 555, 2, &tokens, "acme/ns", sampling, 5, prefill_route,
+                                      decode_route, 3),
            wire::PrefillJobIdentifier());
   return wire::encode(wire::MessageType::ProbeJob, b);
 }
@@ -147,7 +155,7 @@ std::vector<zmq::message_t> probe_plan() {
   b.Finish(
       wire::CreateProbePlanDirect(b, 555, 2, "prefix", 16, 350, &frames, layout, &completion,
                                   "stop", 0x0badc0ffee0ddf00ULL, "blend", 0x00d0d0d0d0d0d0d0ULL,
-                                  0.9375f, 5003, &mask, 0.15f, "blend", true),
+                                  0.9375f, 5003, &mask, 0.15f, "blend", true, true),
       wire::PrefillJobIdentifier());
   std::vector<zmq::message_t> bulk;
   bulk.emplace_back(kv.data(), kv.size());
@@ -168,13 +176,14 @@ std::vector<zmq::message_t> prefill_job() {
   // 1.7: the routes to the decode replica's and the probe's intakes.
   const std::vector<uint8_t> decode_ticket = golden_bytes(32, 0x10);
   const std::vector<uint8_t> store_ticket = golden_bytes(32, 0x20);
+  const std::vector<uint8_t> prefill_ticket = golden_bytes(32, 0x30);
   const auto decode_route = wire::CreatePeerRouteDirect(b, "decode-1", "tcp://10.0.0.8:41000",
                                                         kGoldenKey, &decode_ticket);
   const auto store_route = wire::CreatePeerRouteDirect(
       b, "probe-0", "ipc:///run/moeline/probe-0.intake", "", &store_ticket);
   b.Finish(wire::CreatePrefillJobDirect(b, 555, 2, &tokens, sampling, "acme/ns", "prefix", 2,
                                         &frames, layout, 3, 0x0badc0ffee0ddf00ULL, &mask, 0.15f,
-                                        true, decode_route, store_route),
+                                        true, decode_route, store_route, &prefill_ticket),
            wire::PrefillJobIdentifier());
   std::vector<zmq::message_t> bulk;
   bulk.emplace_back(kv.data(), kv.size());

@@ -12,6 +12,16 @@ Cases (--case, one per CTest entry):
                   then kill -9), and one killed after it has taken hand-overs: every request
                   completes identical to the reference (the retry policy's give-up the only error
                   allowed), none hangs
+  trace           one request that reuses nothing, traced by the stages themselves
+                  (--trace-requests): the messages on its path before its first token, at most 5
+                  (GenerateRequest, ProbeJob, PrefillJob from the probe to prefill's intake,
+                  PrefillDone, the first StreamEvent delta), and its KV never through the gateway
+  probe_shards    two probes (--probe 2): every request of a namespace is looked up by one probe
+                  and its entries stored there (the stages' traces), the namespaces are spread
+                  over both, and a repeated request hits the result its first run stored
+  probe_lost      one of two probes stops (SIGSTOP, then kill -9) while requests of its namespaces
+                  are sent to it: every request completes identical to the reference, moved to
+                  the other probe once the hub drops it; none hangs
   forged          a process that reaches a decode replica's or the probe's intake without the
                   gateway's ticket: its hand-overs and puts are refused and counted, the requests
                   in flight are untouched and both stages keep serving
@@ -130,9 +140,11 @@ def run_with_victim(stack, client, requests, victim_action):
         result = results[crid_to_index[event.client_request_id]]
         if event.kind == "delta":
             result["ids"] += event.token_ids
+            result["text"] += event.text
             deltas += 1
             victim_action(deltas)
         elif event.kind == "finished":
+            result["text"] += event.text
             result["finish_reason"] = event.finish_reason
         elif event.kind == "error":
             result["error"] = (event.error_code, event.error_message)
@@ -269,7 +281,127 @@ def case_forged(args):
           "victim's stream identical to the reference")
 
 
-CASES = {"handover": case_handover, "handover_lost": case_handover_lost, "forged": case_forged}
+def traced(stack, request_id, replicas=False):
+    """Every `event=trace` line of one request across the stages' logs, in time order:
+    [(unix_us, receiving stage, message, via)], and the replica with `replicas`."""
+    events = []
+    logs = os.path.join(stack.run_dir, "logs")
+    for name in os.listdir(logs):
+        with open(os.path.join(logs, name), errors="replace") as f:
+            for line in f:
+                if "event=trace" not in line:
+                    continue
+                fields = dict(field.split("=", 1) for field in line.split() if "=" in field)
+                if int(fields["request_id"]) == request_id:
+                    event = (int(fields["unix_us"]), fields["stage"], fields["message"],
+                             fields["via"])
+                    events.append(event + (fields["replica"],) if replicas else event)
+    return sorted(events)
+
+
+def case_trace(args):
+    from moeline_client import Client
+    vocab = vocab_of(args.model)
+    tokens = [(13 * i + 5) % vocab for i in range(48)]
+    run_dir = os.path.join(args.workdir, "trace")
+    with Stack(args.moeline, args.model, run_dir, config={"trace-requests": True}) as stack:
+        with Client(stack.endpoint, timeout=60) as client:
+            result = client.generate(tokens=tokens, max_tokens=4, ignore_eos=True)
+            request_id = result.request_id
+        time.sleep(0.5)
+        events = traced(stack, request_id)
+    check(events, f"no trace of request {request_id}")
+    first = next(i for i, e in enumerate(events) if e[2] == "StreamEvent:Delta")
+    before = events[:first + 1]
+    path = [(stage, message, via) for _, stage, message, via in before]
+    # The probe's notice of its plan reaches the gateway beside the critical path (nothing waits
+    # for it), and so may decode's confirmation; they are listed, not counted.
+    beside = {("gateway", "ProbePlan", "hub"), ("gateway", "HandoverAccepted", "hub"),
+              ("gateway", "StreamEvent:Accepted", "client"),
+              ("probe", "SnapshotPut", "intake"), ("decode", "PrefillDone", "intake")}
+    critical = [p for p in path if p not in beside]
+    want = [("gateway", "GenerateRequest", "client"), ("probe", "ProbeJob", "link"),
+            ("prefill", "PrefillJob", "intake"), ("gateway", "PrefillDone", "hub"),
+            ("gateway", "StreamEvent:Delta", "client")]
+    check(critical == want, f"the path before the first token is {critical}, not {want}")
+    check(len(critical) <= 5, f"{len(critical)} messages before the first token")
+    start = before[0][0]
+    print(f"ok trace: request {request_id}, {len(critical)} messages before its first token:")
+    for unix_us, stage, message, via in events:
+        mark = "  " if (stage, message, via) in want else "+ "
+        # The gateway logs the events it sends its client; every other line is what a stage got.
+        to = "client" if message.startswith("StreamEvent") else stage
+        print(f"  {mark}{(unix_us - start) / 1000:8.3f} ms  {to:8} <- {message} ({via})")
+
+
+def case_probe_shards(args):
+    from moeline_client import Client
+    vocab = vocab_of(args.model)
+    tenants = [f"t{i}" for i in range(12)]
+    run_dir = os.path.join(args.workdir, "probe-shards")
+    owner = {}
+    with Stack(args.moeline, args.model, run_dir, config={"trace-requests": True},
+               extra_args=["--probe", "2"]) as stack:
+        with Client(stack.endpoint, timeout=60) as client:
+            ids = {}
+            for i, tenant in enumerate(tenants):
+                tokens = [(31 * i + 7 * k) % vocab for k in range(40)]
+                first = client.generate(tokens=tokens, max_tokens=4, tenant=tenant)
+                time.sleep(0.2)  # the result record reaches the store
+                again = client.generate(tokens=tokens, max_tokens=4, tenant=tenant)
+                check(again.ids == first.ids, f"tenant {tenant}: the repeat differs")
+                check(again.usage["reuse_level"] == "result", f"tenant {tenant}: the repeat was "
+                      f"not served from its probe's store ({again.usage['reuse_level']})")
+                ids[tenant] = [first.request_id, again.request_id]
+        time.sleep(0.5)
+        for tenant, request_ids in ids.items():
+            probes = set()
+            for request_id in request_ids:
+                for _, stage, message, via, replica in traced(stack, request_id, replicas=True):
+                    if stage == "probe" and message in ("ProbeJob", "SnapshotPut"):
+                        probes.add(replica)
+            check(len(probes) == 1, f"tenant {tenant} was looked up or stored on {probes}")
+            owner[tenant] = probes.pop()
+    used = sorted(set(owner.values()))
+    check(used == ["probe-0", "probe-1"], f"the namespaces all went to {used}")
+    shares = {p: sum(1 for o in owner.values() if o == p) for p in used}
+    print(f"ok probe_shards: {len(tenants)} namespaces over 2 probes ({shares}), each namespace's "
+          "lookups and puts on one probe, repeats served from its store")
+
+
+def case_probe_lost(args):
+    from moeline_client import Client
+    vocab = vocab_of(args.model)
+    requests = workload(vocab, 24, seed=41)
+    for i, request in enumerate(requests):
+        request["tenant"] = f"t{i % 6}"
+    expected = references(args, requests)
+    run_dir = os.path.join(args.workdir, "probe-lost")
+    with Stack(args.moeline, args.model, run_dir, config=dict(FAST_FAILURE),
+               extra_args=["--probe", "2"]) as stack:
+        with Client(stack.endpoint, timeout=120) as client:
+            # probe-1 stops answering (and then dies) while requests of its namespaces are sent to
+            # it: they must move to probe-0 once the hub drops it, and complete.
+            stopped = stack.kill("probe-1", signal.SIGSTOP)
+            try:
+                results = run_with_victim(stack, client, requests, lambda deltas: None)
+            finally:
+                os.kill(stopped, signal.SIGKILL)
+            moved = (sample(stack, "gateway", "moeline_gateway_retries_total") +
+                     sample(stack, "gateway", "moeline_gateway_probe_bypassed_total"))
+            check(moved >= 1, "no request was sent to the stopped probe: nothing was tested")
+            given_up = recovery_errors(results, moved, "probe-1 lost")
+            completed = compare(results, requests, expected, allow_errors=True)
+            check(completed + given_up == len(requests), "requests lost with probe-1")
+            stack.wait_restarted("probe-1", stopped)
+            check(client.generate(tokens=[1, 2, 3], max_tokens=3, tenant="t1").ids,
+                  "the stack does not serve after probe-1 came back")
+    print(f"ok probe_lost: probe-1 stopped, then killed, under load: {completed} completed "
+          f"identical to the reference, {given_up} gave up, {int(moved)} moved to probe-0")
+
+
+CASES = {"handover": case_handover, "handover_lost": case_handover_lost, "forged": case_forged,
+         "trace": case_trace, "probe_shards": case_probe_shards, "probe_lost": case_probe_lost}
 
 
 def main():

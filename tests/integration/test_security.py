@@ -344,7 +344,8 @@ def case_curve(args):
               str(reply[2]) not in reply[1], f"the impostor's refusal: {reply}")
         print(f"ok curve: a decode key saying hello as prefill is refused ({reply[1]!r}), "
               "no settings hash handed out")
-        # As itself (a decode stage) it is accepted, but may not store snapshots.
+        # As itself (a decode stage) it is accepted, but may not store snapshots: puts go to a
+        # probe's intake with the gateway's ticket, and the gateway relays none.
         impostor.send_multipart(hello(K.Decode, settings_hash(stack), credits=0))
         reply = hello_reply(impostor)
         check(reply is not None and reply[0], f"decode's key as decode: {reply}")
@@ -352,7 +353,7 @@ def case_curve(args):
         # Labelled by reason and type, the counter appears with the first refusal: until the
         # gateway has read the put, it is not exported at all.
         wait_for(lambda: stack.metric("gateway", "moeline_gateway_stage_messages_refused_total",
-                                      created_on_first_event=True, reason="wrong_stage",
+                                      created_on_first_event=True, reason="sent_to_the_gateway",
                                       type="SnapshotPut") >= 1, 10,
                  "a snapshot put from a decode stage was not refused")
         impostor.close()

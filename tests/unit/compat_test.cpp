@@ -544,7 +544,22 @@ std::map<std::string, Expectation> v1_7() {
     EXPECT_EQ(str(store->endpoint()), "ipc:///run/moeline/probe-0.intake");
     EXPECT_EQ(str(store->server_key()), "");
     EXPECT_EQ(bytes_of(store->ticket()), bytes_from(0x20));
+    EXPECT_EQ(bytes_of(m.as<PrefillJob>()->ticket()), bytes_from(0x30));
   });
+  also("ProbeJob", [key](const Message& m) {
+    const PeerRoute* prefill = m.as<ProbeJob>()->prefill_route();
+    const PeerRoute* decode = m.as<ProbeJob>()->decode_route();
+    ASSERT_NE(prefill, nullptr);
+    ASSERT_NE(decode, nullptr);
+    EXPECT_EQ(str(prefill->replica()), "prefill-0");
+    EXPECT_EQ(str(prefill->endpoint()), "tcp://10.0.0.9:41100");
+    EXPECT_EQ(str(prefill->server_key()), key);
+    EXPECT_EQ(bytes_of(prefill->ticket()), bytes_from(0x30));
+    EXPECT_EQ(str(decode->replica()), "decode-1");
+    EXPECT_EQ(bytes_of(decode->ticket()), bytes_from(0x10));
+    EXPECT_EQ(m.as<ProbeJob>()->store_levels(), 3u);
+  });
+  also("ProbePlan", [](const Message& m) { EXPECT_TRUE(m.as<ProbePlan>()->forwarded()); });
   also("PrefillDone", [](const Message& m) {
     EXPECT_EQ(bytes_of(m.as<PrefillDone>()->ticket()), bytes_from(0x10));
   });

@@ -1,0 +1,97 @@
+// The data path's pure parts: which probe owns a namespace (consistent hashing) and the tickets
+// that let an intake take only what the gateway arranged.
+#include <gtest/gtest.h>
+
+#include <map>
+#include <string>
+#include <vector>
+
+#include "stages/gateway/probe_ring.h"
+#include "stages/runtime/intake.h"
+
+namespace moeline {
+namespace {
+
+std::vector<std::string> namespaces(int n) {
+  std::vector<std::string> out;
+  for (int i = 0; i < n; ++i) out.push_back("tenant:t" + std::to_string(i));
+  return out;
+}
+
+TEST(ProbeRing, ANamespaceAlwaysLandsOnTheSameReplica) {
+  stages::ProbeRing a, b;
+  a.update({"probe-0", "probe-1", "probe-2"});
+  b.update({"probe-2", "probe-0", "probe-1"});  // another order, another process
+  for (const std::string& ns : namespaces(2000)) {
+    EXPECT_EQ(a.owner(ns), a.owner(ns));
+    EXPECT_EQ(a.owner(ns), b.owner(ns)) << ns;
+  }
+}
+
+TEST(ProbeRing, SpreadsNamespacesOverTheReplicas) {
+  stages::ProbeRing ring;
+  ring.update({"probe-0", "probe-1"});
+  std::map<std::string, int> count;
+  for (const std::string& ns : namespaces(10000)) ++count[ring.owner(ns)];
+  ASSERT_EQ(count.size(), 2u);
+  // 64 points each: a share within 35-65% (the expected spread is a few percent).
+  for (const auto& [replica, n] : count) {
+    EXPECT_GT(n, 3500) << replica;
+    EXPECT_LT(n, 6500) << replica;
+  }
+}
+
+TEST(ProbeRing, LosingOrAddingAReplicaMovesOnlyItsShare) {
+  stages::ProbeRing three, two;
+  three.update({"probe-0", "probe-1", "probe-2"});
+  two.update({"probe-0", "probe-1"});
+  int moved = 0;
+  for (const std::string& ns : namespaces(5000)) {
+    if (three.owner(ns) != "probe-2") {
+      EXPECT_EQ(three.owner(ns), two.owner(ns)) << ns << " moved without its replica leaving";
+    } else {
+      ++moved;
+      EXPECT_NE(two.owner(ns), "probe-2");
+    }
+  }
+  EXPECT_GT(moved, 0);
+}
+
+TEST(ProbeRing, NoReplicaNoOwner) {
+  stages::ProbeRing ring;
+  EXPECT_EQ(ring.owner("tenant:a"), "");
+  ring.update({"probe"});
+  EXPECT_EQ(ring.owner("tenant:a"), "probe");
+  ring.update({});
+  EXPECT_EQ(ring.owner("tenant:a"), "");
+}
+
+TEST(HandoverTicket, OnlyTheKeyAndJobItWasSignedForCheck) {
+  const runtime::HandoverKey key = runtime::new_handover_key();
+  const runtime::HandoverKey other = runtime::new_handover_key();
+  const runtime::Ticket ticket = runtime::handover_ticket(key, 42, 2);
+  EXPECT_TRUE(runtime::valid_ticket(key, 42, 2, ticket));
+  EXPECT_FALSE(runtime::valid_ticket(other, 42, 2, ticket));  // another replica's key
+  EXPECT_FALSE(runtime::valid_ticket(key, 43, 2, ticket));    // another request
+  EXPECT_FALSE(runtime::valid_ticket(key, 42, 3, ticket));    // another attempt (a retry)
+  runtime::Ticket flipped = ticket;
+  flipped[7] ^= 1;
+  EXPECT_FALSE(runtime::valid_ticket(key, 42, 2, flipped));
+  EXPECT_FALSE(runtime::valid_ticket(key, 42, 2, std::span(ticket).first(16)));  // truncated
+  EXPECT_FALSE(runtime::valid_ticket(key, 42, 2, {}));
+}
+
+TEST(IntakeEndpoint, AutoSitsNextToTheHub) {
+  const std::string ipc =
+      runtime::intake_bind_endpoint("auto", "ipc:///tmp/run/hub.sock", "decode", "decode-1");
+  EXPECT_EQ(ipc.rfind("ipc:///tmp/run/decode-decode-1-", 0), 0u) << ipc;
+  const std::string tcp =
+      runtime::intake_bind_endpoint("auto", "tcp://127.0.0.1:5555", "decode", "decode-1");
+  EXPECT_EQ(tcp, "tcp://127.0.0.1:*");
+  EXPECT_EQ(runtime::intake_bind_endpoint("tcp://0.0.0.0:7000", "tcp://10.0.0.1:5555", "probe",
+                                          "probe-0"),
+            "tcp://0.0.0.0:7000");
+}
+
+}  // namespace
+}  // namespace moeline
