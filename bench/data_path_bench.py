@@ -4,8 +4,8 @@ in one run: the same stack (tcp:// with Curve, 1 prefill and 4 decode replicas, 
 with an 8k context) driven by 16 concurrent streams of 4096-token prompts, for each `moeline`
 binary given, alternating rounds so that drift in the machine hits both alike.
 
-Per binary (median of the rounds): bytes through the gateway per request (the gateway process's
-read and written bytes, /proc/PID/io: its sockets, whichever build), gateway CPU time per request
+Per binary (median of the rounds): bytes through the gateway per request (sent and received on
+the gateway process's TCP connections, from `ss -ti`: whichever build), gateway CPU time per request
 (/proc/PID/stat), TTFT p50 and p99 (the gateway's clock, from each request's timings) and output
 tokens per second. Then, for the last binary only (the first with --probe), the probe's load with
 1 and 2 probe replicas over 8 tenants: lookups and lookup time per replica.
@@ -20,6 +20,7 @@ import os
 import random
 import shutil
 import statistics
+import subprocess
 import sys
 import time
 
@@ -44,13 +45,21 @@ def long_context_model(workdir, context):
 
 
 def process_counters(pid):
-    with open(f"/proc/{pid}/io") as f:
-        io = dict(line.split(": ") for line in f.read().splitlines())
+    """The bytes on the process's TCP connections (ss's per-socket counters: every stage and
+    client connection of a tcp:// stack) and its CPU time, all threads."""
+    out = subprocess.run(["ss", "-tinpH"], capture_output=True, text=True, check=True).stdout
+    total, mine = 0, False
+    for line in out.splitlines():
+        if not line.startswith((" ", "\t")):
+            mine = f"pid={pid}," in line
+        elif mine:
+            for field in line.split():
+                if field.startswith(("bytes_sent:", "bytes_received:")):
+                    total += int(field.split(":", 1)[1])
     with open(f"/proc/{pid}/stat") as f:
         fields = f.read().rsplit(")", 1)[1].split()
     ticks = os.sysconf("SC_CLK_TCK")
-    return {"bytes": int(io["rchar"]) + int(io["wchar"]),
-            "cpu_s": (int(fields[11]) + int(fields[12])) / ticks}
+    return {"bytes": total, "cpu_s": (int(fields[11]) + int(fields[12])) / ticks}
 
 
 def drive(client, requests, concurrency):
@@ -73,7 +82,7 @@ def drive(client, requests, concurrency):
     return ttft, tokens, time.time() - start
 
 
-def one_round(args, name, binary, model, probes=1, tenants=1):
+def one_round(args, name, binary, model, probes=1, tenants=1, requests=None):
     from moeline_client import Client
     run = os.path.join(args.workdir, f"{name}-p{probes}")
     extra = ["--transport", "tcp", "--curve", "on"]
@@ -85,13 +94,14 @@ def one_round(args, name, binary, model, probes=1, tenants=1):
         server_key = stack.state().get("server_key", "")
         gateway = stack.stage("gateway")["pid"]
         with Client(stack.endpoint, timeout=300, server_key=server_key) as client:
-            def requests(n):
+            def requests_of(n):
                 return [{"tokens": [rng.randrange(3, 4000) for _ in range(args.prompt_tokens)],
                          "max_tokens": args.max_tokens, "ignore_eos": True,
                          "tenant": f"t{i % tenants}"} for i in range(n)]
-            drive(client, requests(4), args.concurrency)  # warm-up
+            drive(client, requests_of(4), args.concurrency)  # warm-up
             before = process_counters(gateway)
-            ttft, tokens, seconds = drive(client, requests(args.requests), args.concurrency)
+            n = requests or args.requests
+            ttft, tokens, seconds = drive(client, requests_of(n), args.concurrency)
             after = process_counters(gateway)
         probe_rows = []
         for stage in stack.state()["stages"]:
@@ -100,10 +110,9 @@ def one_round(args, name, binary, model, probes=1, tenants=1):
                 lookups = metrics.get(("moeline_probe_lookups_total", frozenset()), 0)
                 busy = metrics.get(("moeline_probe_latency_seconds_sum", frozenset()), 0)
                 probe_rows.append((stage["name"], lookups, busy))
-    n = args.requests
     return {"bytes_per_request": (after["bytes"] - before["bytes"]) / n,
             "gateway_cpu_ms_per_request": 1000 * (after["cpu_s"] - before["cpu_s"]) / n,
-            "ttft_p50_ms": percentile(ttft, 50), "ttft_p99_ms": percentile(ttft, 99),
+            "ttft_p50_ms": percentile(ttft, 0.5), "ttft_p99_ms": percentile(ttft, 0.99),
             "tokens_per_s": tokens / seconds, "probes": probe_rows}
 
 
@@ -117,6 +126,8 @@ def main():
     ap.add_argument("--concurrency", type=int, default=16)
     ap.add_argument("--prompt-tokens", type=int, default=4096)
     ap.add_argument("--max-tokens", type=int, default=16)
+    ap.add_argument("--probe-requests", type=int, default=16,
+                    help="requests of the probe table's runs")
     args = ap.parse_args()
     binaries = [tuple(b.split("=", 1)) for b in args.moeline]
     add_python_paths(args.python_build, os.path.join(ROOT, "sdk", "python"))
@@ -127,6 +138,7 @@ def main():
         for name, binary in binaries:
             print(f"data path bench: round {r + 1} {name}", file=sys.stderr)
             results[name].append(one_round(args, name, binary, model))
+            print(json.dumps({name: results[name][-1]}), file=sys.stderr, flush=True)
 
     rows = [("bytes through the gateway per request", "bytes_per_request", "{:.0f}"),
             ("gateway CPU per request (ms)", "gateway_cpu_ms_per_request", "{:.2f}"),
@@ -147,7 +159,9 @@ def main():
           "TTFT p50 (ms) |")
     print("| --- | --- | --- | --- | --- | --- |")
     for probes in (1, 2):
-        result = one_round(args, f"{name}-probes", binary, model, probes=probes, tenants=8)
+        result = one_round(args, f"{name}-probes", binary, model, probes=probes, tenants=8,
+                           requests=args.probe_requests)
+        print(json.dumps({f"probes={probes}": result}), file=sys.stderr, flush=True)
         for replica, lookups, busy in result["probes"]:
             mean = 1000 * busy / lookups if lookups else 0
             print(f"| {probes} | {replica} | {lookups:.0f} | {1000 * busy:.1f} | {mean:.2f} | "

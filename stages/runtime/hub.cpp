@@ -66,8 +66,12 @@ void Hub::on_hello(const std::string& identity, const std::string& key,
     refusal = "settings hash " + std::to_string(hello->settings_hash()) +
               " differs from the hub's (another model or KV layout)";
   }
-  // A new hand-over key with every accepted hello: a restarted peer gets a fresh one.
-  const HandoverKey handover_key = new_handover_key();
+  // A new hand-over key for every new peer (a restarted process is a new identity); a peer that
+  // says hello again keeps its key, or the tickets of the transfers already on their way to it
+  // would no longer check.
+  const auto existing = peers_.find(identity);
+  const HandoverKey handover_key =
+      existing != peers_.end() ? existing->second.handover_key : new_handover_key();
   flatbuffers::FlatBufferBuilder builder(256);
   auto key_vector =
       refusal.empty() ? builder.CreateVector(handover_key.data(), handover_key.size()) : 0;

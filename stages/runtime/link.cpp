@@ -134,12 +134,6 @@ std::optional<wire::Message> HubLink::receive(int timeout_ms, zmq::socket_t* als
   const auto until = std::chrono::steady_clock::now() + std::chrono::milliseconds(timeout_ms);
   while (true) {
     const auto now = std::chrono::steady_clock::now();
-    if (!needs_hello_ &&
-        now - last_hub_message_ > std::chrono::milliseconds(settings_.peer_timeout_ms)) {
-      log_.warn("hub_silent", {{"hub", settings_.hub}, {"timeout_ms", settings_.peer_timeout_ms}});
-      needs_hello_ = true;
-      return std::nullopt;
-    }
     const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(until - now).count();
     zmq::pollitem_t items[2] = {{socket_.handle(), 0, ZMQ_POLLIN, 0},
                                 {also != nullptr ? also->handle() : nullptr, 0, ZMQ_POLLIN, 0}};
@@ -149,7 +143,17 @@ std::optional<wire::Message> HubLink::receive(int timeout_ms, zmq::socket_t* als
     } catch (const zmq::error_t&) {
       return std::nullopt;  // interrupted by a signal: the loop checks its stop flag
     }
-    if (!(items[0].revents & ZMQ_POLLIN)) return std::nullopt;
+    if (!(items[0].revents & ZMQ_POLLIN)) {
+      // Silent only when nothing from the hub is waiting either: after a forward pass longer than
+      // the timeout, its heartbeats are queued here, not missing.
+      if (!needs_hello_ && std::chrono::steady_clock::now() - last_hub_message_ >
+                               std::chrono::milliseconds(settings_.peer_timeout_ms)) {
+        log_.warn("hub_silent",
+                  {{"hub", settings_.hub}, {"timeout_ms", settings_.peer_timeout_ms}});
+        needs_hello_ = true;
+      }
+      return std::nullopt;
+    }
     auto frames = wire::receive(socket_, true);
     if (!frames) continue;
     last_hub_message_ = std::chrono::steady_clock::now();

@@ -6,8 +6,16 @@
 #include <string>
 #include <vector>
 
+#include <unistd.h>
+
+#include <atomic>
+#include <chrono>
+#include <thread>
+
 #include "stages/gateway/probe_ring.h"
+#include "stages/runtime/hub.h"
 #include "stages/runtime/intake.h"
+#include "stages/runtime/link.h"
 
 namespace moeline {
 namespace {
@@ -91,6 +99,75 @@ TEST(IntakeEndpoint, AutoSitsNextToTheHub) {
   EXPECT_EQ(runtime::intake_bind_endpoint("tcp://0.0.0.0:7000", "tcp://10.0.0.1:5555", "probe",
                                           "probe-0"),
             "tcp://0.0.0.0:7000");
+}
+
+// A hub on its own thread and worker links to it, over ipc://.
+class HubAndLinks : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    endpoint_ = "ipc:///tmp/moeline-hubtest-" + std::to_string(::getpid()) + ".sock";
+    hub_ = std::make_unique<runtime::Hub>(context_, endpoint_, 42, 50, 300, log_, metrics_);
+    serving_ = std::thread([this] {
+      while (!stop_) {
+        std::lock_guard<std::mutex> lock(mutex_);
+        while (hub_->receive()) {
+        }
+        hub_->tick();
+        std::this_thread::sleep_for(std::chrono::milliseconds(5));
+      }
+    });
+  }
+  void TearDown() override {
+    stop_ = true;
+    serving_.join();
+  }
+  std::unique_ptr<runtime::HubLink> link(const std::string& replica) {
+    runtime::LinkSettings settings;
+    settings.hub = endpoint_;
+    settings.stage = wire::StageKind::Decode;
+    settings.replica = replica;
+    settings.settings_hash = 42;
+    settings.heartbeat_ms = 50;
+    settings.peer_timeout_ms = 300;
+    return std::make_unique<runtime::HubLink>(context_, settings, log_, metrics_);
+  }
+  static void say_hello(runtime::HubLink& link) {
+    link.hello(1);
+    const auto until = std::chrono::steady_clock::now() + std::chrono::seconds(5);
+    while (!link.accepted() && std::chrono::steady_clock::now() < until) link.receive(20);
+    ASSERT_TRUE(link.accepted());
+  }
+
+  zmq::context_t context_{1};
+  runtime::Logger log_{"test", "test"};
+  runtime::Registry metrics_;
+  std::string endpoint_;
+  std::unique_ptr<runtime::Hub> hub_;
+  std::mutex mutex_;
+  std::atomic<bool> stop_{false};
+  std::thread serving_;
+};
+
+TEST_F(HubAndLinks, AHelloAgainKeepsTheHandoverKeyAndANewPeerGetsAnother) {
+  auto decode = link("decode-0");
+  say_hello(*decode);
+  ASSERT_TRUE(decode->handover_key().has_value());
+  const auto first = *decode->handover_key();
+  // Again, as after a pause: the transfers already signed for this replica must still check.
+  say_hello(*decode);
+  EXPECT_EQ(*decode->handover_key(), first);
+  auto other = link("decode-1");
+  say_hello(*other);
+  EXPECT_NE(*other->handover_key(), first);
+}
+
+TEST_F(HubAndLinks, AStageBusyLongerThanThePeerTimeoutDoesNotThinkTheHubSilent) {
+  auto decode = link("decode-0");
+  say_hello(*decode);
+  // A forward pass twice the timeout: the hub's heartbeats wait in the socket meanwhile.
+  std::this_thread::sleep_for(std::chrono::milliseconds(600));
+  decode->receive(0);
+  EXPECT_FALSE(decode->needs_hello());
 }
 
 }  // namespace
