@@ -302,7 +302,10 @@ int run_stage(const char* stage, const std::vector<runtime::ConfigKey>& keys, in
       std::cout << runtime::Config::usage(stage, keys);
       return 0;
     }
-    runtime::set_request_tracing(config.flag("trace-requests"));
+    // Stages take --trace-requests; tools run through here without it.
+    if (std::any_of(keys.begin(), keys.end(),
+                    [](const runtime::ConfigKey& key) { return key.name == "trace-requests"; }))
+      runtime::set_request_tracing(config.flag("trace-requests"));
     return body(config);
   } catch (const runtime::ConfigError& e) {
     std::cerr << runtime::Config::usage(stage, keys) << "moeline: error: " << e.what() << '\n';

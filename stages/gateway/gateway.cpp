@@ -1272,12 +1272,13 @@ class Gateway {
            (r.namespace_levels & reuse::kApproximateLevels);
   }
 
-  // The peer of this kind with the most credit among those with an intake (spends one credit).
+  // The peer of this kind with the most credit among those with an intake, whose credit is spent
+  // here (Hub::pick only chooses; the job that travels with it goes to another stage).
   runtime::Peer* pick_with_intake(wire::StageKind stage) {
     runtime::Peer* peer = hub_->pick(stage);
-    if (peer == nullptr || !peer->intake.empty()) return peer;
-    hub_->restore_credit(peer->identity);  // a replica of an older build: no direct hand-over
-    return nullptr;
+    if (peer == nullptr || peer->intake.empty()) return nullptr;  // an older build: no intake
+    hub_->spend_credit(peer->identity);
+    return peer;
   }
 
   // The probe replica that owns a namespace (its lookups and its store), by consistent hashing
@@ -1379,10 +1380,7 @@ class Gateway {
       // The decode replica is chosen now, so that prefill sends it the KV directly: a prefill
       // starts only when a decode replica has room for the sequence.
       runtime::Peer* decode = pick_with_intake(wire::StageKind::Decode);
-      if (decode == nullptr) {
-        hub_->restore_credit(prefill->identity);
-        break;
-      }
+      if (decode == nullptr) break;  // the prefill replica was only chosen: nothing to give back
       flatbuffers::FlatBufferBuilder builder(512 + r->prompt.size() * 4);
       auto decode_route = route_to(builder, *decode, *r);
       const runtime::Peer* store = store_for(r->cache_namespace);
