@@ -152,15 +152,17 @@ def reference(moeline, model, max_tokens, tokens=None, prompt=None, temperature=
     return json.loads(out.stdout)
 
 
-def run_concurrently(client, requests, timeout=120):
-    """Starts every request at once on one connection and collects each one's events.
-    Returns {index: {"ids", "text", "finish_reason", "error", "usage", "timings"}}."""
+def run_concurrently(client, requests, timeout=120, on_delta=None):
+    """Starts every request at once on one connection and collects each one's events;
+    on_delta(n), if given, is called after the n-th delta of any request (a test may kill a
+    stage there). Returns {index: {"ids", "text", "finish_reason", "error", "usage", "timings"}}."""
     crid_to_index = {}
     for index, request in enumerate(requests):
         crid_to_index[client.start(**request)] = index
     results = {i: {"ids": [], "text": "", "finish_reason": None, "error": None} for i in
                range(len(requests))}
     pending = set(crid_to_index)
+    deltas = 0
     deadline = time.time() + timeout
     while pending:
         left = deadline - time.time()
@@ -171,6 +173,9 @@ def run_concurrently(client, requests, timeout=120):
         if event.kind == "delta":
             result["ids"] += event.token_ids
             result["text"] += event.text
+            deltas += 1
+            if on_delta is not None:
+                on_delta(deltas)
         elif event.kind == "finished":
             result["text"] += event.text
             result["finish_reason"] = event.finish_reason

@@ -126,31 +126,14 @@ def case_handover(args):
           f"{carried[16]:.0f} (16-token prompt) and {carried[480]:.0f} (480 tokens)")
 
 
-def run_with_victim(stack, client, requests, victim_action):
-    """Streams every request; victim_action(deltas) may kill something; returns the results."""
-    crid_to_index = {client.start(**r): i for i, r in enumerate(requests)}
-    results = {i: {"ids": [], "text": "", "finish_reason": None, "error": None}
-               for i in range(len(requests))}
-    pending = set(crid_to_index)
-    deltas = 0
-    deadline = time.time() + 120
-    while pending:
-        check(time.time() < deadline, f"{len(pending)} requests hung")
-        event = client.next_event(timeout=deadline - time.time())
-        result = results[crid_to_index[event.client_request_id]]
-        if event.kind == "delta":
-            result["ids"] += event.token_ids
-            result["text"] += event.text
-            deltas += 1
-            victim_action(deltas)
-        elif event.kind == "finished":
-            result["text"] += event.text
-            result["finish_reason"] = event.finish_reason
-        elif event.kind == "error":
-            result["error"] = (event.error_code, event.error_message)
-        if event.terminal:
-            pending.discard(event.client_request_id)
-    return results
+def run_while_stopped(stack, client, requests, name):
+    """Streams every request while stage `name` is stopped (SIGSTOP: alive but silent), then
+    kills it (kill -9; the supervisor restarts it). Returns the results and its pid."""
+    stopped = stack.kill(name, signal.SIGSTOP)
+    try:
+        return run_concurrently(client, requests), stopped
+    finally:
+        os.kill(stopped, signal.SIGKILL)
 
 
 def case_handover_lost(args):
@@ -166,11 +149,7 @@ def case_handover_lost(args):
             # Before: decode-0 stops while the hub still counts its credit, so about half of the
             # hand-overs go to a process that never reads them; the gateway must notice and
             # retry them on decode-1.
-            stopped = stack.kill("decode-0", signal.SIGSTOP)
-            try:
-                results = run_with_victim(stack, client, requests, lambda deltas: None)
-            finally:
-                os.kill(stopped, signal.SIGKILL)
+            results, stopped = run_while_stopped(stack, client, requests, "decode-0")
             retries = sample(stack, "gateway", "moeline_gateway_retries_total")
             check(retries >= 1, "no hand-over to the stopped decode replica was retried")
             given_up = recovery_errors(results, retries, "decode stopped before the hand-over")
@@ -193,7 +172,7 @@ def case_handover_lost(args):
                     killed["pid"] = stack.kill("decode-1")
 
             retries_before = sample(stack, "gateway", "moeline_gateway_retries_total")
-            results = run_with_victim(stack, client, requests, kill_decode_1)
+            results = run_concurrently(client, requests, on_delta=kill_decode_1)
             check(killed, "decode-1 took no hand-over: nothing to kill")
             retried = sample(stack, "gateway", "moeline_gateway_retries_total") - retries_before
             check(retried >= 1, "nothing was retried after decode-1 died")
@@ -382,11 +361,7 @@ def case_probe_lost(args):
         with Client(stack.endpoint, timeout=120) as client:
             # probe-1 stops answering (and then dies) while requests of its namespaces are sent to
             # it: they must move to probe-0 once the hub drops it, and complete.
-            stopped = stack.kill("probe-1", signal.SIGSTOP)
-            try:
-                results = run_with_victim(stack, client, requests, lambda deltas: None)
-            finally:
-                os.kill(stopped, signal.SIGKILL)
+            results, stopped = run_while_stopped(stack, client, requests, "probe-1")
             moved = (sample(stack, "gateway", "moeline_gateway_retries_total") +
                      sample(stack, "gateway", "moeline_gateway_probe_bypassed_total"))
             check(moved >= 1, "no request was sent to the stopped probe: nothing was tested")

@@ -324,35 +324,21 @@ def case_recovery(args):
         config = {**FAST_FAILURE}
         with Stack(args.moeline, args.model, run_dir, prefill=2, decode=2, config=config) as stack:
             with Client(stack.endpoint, timeout=120) as client:
-                crid_to_index = {client.start(**r): i for i, r in enumerate(requests)}
-                results = {i: {"ids": [], "text": "", "finish_reason": None, "error": None}
-                           for i in range(len(requests))}
-                pending = set(crid_to_index)
-                killed = None
-                deltas = 0
-                deadline = time.time() + 120
-                while pending:
-                    check(time.time() < deadline, f"{len(pending)} requests hung after kill -9")
-                    event = client.next_event(timeout=deadline - time.time())
-                    result = results[crid_to_index[event.client_request_id]]
-                    if event.kind == "delta":
-                        result["ids"] += event.token_ids
-                        deltas += 1
-                        # Mid-stream: for decode once most requests stream, for prefill at the
-                        # first token (its queue is full of long prompts then).
-                        kill_after = len(requests) if victim.startswith("decode") else 1
-                        if killed is None and deltas >= kill_after:
-                            # SIGSTOP: alive but silent — heartbeats stop, /healthz stops
-                            # answering; the gateway must fail over, the supervisor replace it.
-                            killed = stack.kill(victim, signal.SIGSTOP if stop_only else
-                                                signal.SIGKILL)
-                    elif event.kind == "finished":
-                        result["finish_reason"] = event.finish_reason
-                    elif event.kind == "error":
-                        result["error"] = (event.error_code, event.error_message)
-                    if event.terminal:
-                        pending.discard(event.client_request_id)
-            stack.wait_restarted(victim, killed)
+                killed = {}
+                # Mid-stream: for decode once most requests stream, for prefill at the first
+                # token (its queue is full of long prompts then).
+                kill_after = len(requests) if victim.startswith("decode") else 1
+
+                def kill_victim(deltas):
+                    if not killed and deltas >= kill_after:
+                        # SIGSTOP: alive but silent — heartbeats stop, /healthz stops answering;
+                        # the gateway must fail over, the supervisor replace it.
+                        killed["pid"] = stack.kill(victim, signal.SIGSTOP if stop_only else
+                                                   signal.SIGKILL)
+
+                results = run_concurrently(client, requests, on_delta=kill_victim)
+            check(killed, f"{victim} was never killed (too few tokens streamed)")
+            stack.wait_restarted(victim, killed["pid"])
             retries = stack.metric("gateway", "moeline_gateway_retries_total")
             check(retries >= 1, f"{victim}: no request was retried (killed too late?)")
             given_up = recovery_errors(results, retries, victim)
