@@ -181,10 +181,7 @@ class DecodeStage {
       return worker_.intake->refuse(message.type, "not_taken_here");
     }
     const auto* done = message.as<wire::PrefillDone>();
-    const auto& key = worker_.link->handover_key();
-    if (!key || done->ticket() == nullptr ||
-        !runtime::valid_ticket(*key, done->request_id(), done->attempt(),
-                               {done->ticket()->data(), done->ticket()->size()})) {
+    if (!runtime::has_valid_ticket(worker_.link->handover_key(), *done)) {
       handovers_refused_->inc();
       return worker_.intake->refuse(message.type, "bad_ticket");
     }

@@ -941,7 +941,7 @@ class Gateway {
   // Tells the prefill or decode replica holding the request to drop it (a probe answers at once,
   // there is nothing to cancel there).
   void cancel_at_owner(Request& r) {
-    release_decode(r);
+    release_reservations(r);
     const runtime::Peer* owner = r.owner.empty() ? nullptr : hub_->peer(r.owner);
     if (owner == nullptr || owner->stage == wire::StageKind::Probe) {
       r.owner.clear();
@@ -953,9 +953,6 @@ class Gateway {
     r.owner.clear();
   }
 
-  // The decode credit held for a hand-over that will not be confirmed goes back to its replica.
-  // Should the hand-over reach it after all, its HandoverAccepted finds no request: the gateway
-  // cancels it there and takes that credit again (on_handover_accepted), so none is counted twice.
   // The prefill credit held for a job the probe was to send on. `may_still_come`: the probe may
   // yet send it (the request was retried, bypassed or cancelled meanwhile); prefill will then
   // return a credit for it that was already given back here, which its result takes again.
@@ -1001,7 +998,11 @@ class Gateway {
     }
   }
 
-  void release_decode(Request& r) {
+  // The credits held for this attempt's transfers that will not be confirmed go back: the
+  // prefill replica's (see release_prefill) and the decode replica's. Should a hand-over reach
+  // decode after all, its HandoverAccepted finds no request: the gateway cancels it there and
+  // takes that credit again (on_handover_accepted), so none is counted twice.
+  void release_reservations(Request& r) {
     release_prefill(r, true);
     if (r.decode_reserved) hub_->restore_credit(r.decode_target);
     r.decode_reserved = r.handover_pending = r.handover_confirmed = false;
@@ -1102,7 +1103,7 @@ class Gateway {
                   why + "; gave up after " + std::to_string(r.attempt) + " attempts");
     retries_->inc();
     log_.warn("request_retry", {{"request_id", r.id}, {"attempt", r.attempt + 1}, {"reason", why}});
-    release_decode(r);
+    release_reservations(r);
     r.owner.clear();
     ++r.attempt;
     r.position = 0;
@@ -1139,7 +1140,7 @@ class Gateway {
     for (uint64_t id : late) {
       Request& r = requests_.at(id);
       r.at_probe = false;
-      release_decode(r);
+      release_reservations(r);
       r.owner.clear();
       ++r.attempt;
       ++r.free_attempts;
@@ -1523,7 +1524,7 @@ class Gateway {
       r->at_probe = false;
       // The plan comes here: prefill and decode are picked when it runs.
       release_prefill(*r, false);
-      release_decode(*r);
+      release_reservations(*r);
     }
     r->probe_us = plan->probe_us();
     const std::string level = plan->reuse_level() ? plan->reuse_level()->str() : "none";
@@ -1628,7 +1629,7 @@ class Gateway {
     const uint64_t id = r->id;
     const uint32_t attempt = r->attempt;
     const bool carries_kv = done->frames() != nullptr && done->frames()->size() > 0;
-    if (!finish.empty() || carries_kv) release_decode(*r);  // no hand-over will come
+    if (!finish.empty() || carries_kv) release_reservations(*r);  // no hand-over will come
     if (finish.empty() && !carries_kv) {
       // Prefill hands the KV to the decode replica picked at dispatch; from now on the request's
       // tokens come from there.
@@ -1659,7 +1660,7 @@ class Gateway {
       return;
     }
     // A hand-over the gateway gave up on (retried, cancelled, finished): the replica drops it,
-    // and the credit it will return for it was already given back (release_decode).
+    // and the credit it will return for it was already given back (release_reservations).
     flatbuffers::FlatBufferBuilder builder(64);
     builder.Finish(wire::CreateCancelJob(builder, accepted->request_id(), accepted->attempt()),
                    wire::PrefillJobIdentifier());
@@ -1704,7 +1705,7 @@ class Gateway {
     }
     r = owned(failed->request_id(), failed->attempt(), incoming.identity, message.type);
     if (r == nullptr) return;
-    release_decode(*r);
+    release_reservations(*r);
     r->owner.clear();
     if (failed->code() == wire::ErrorCode::Draining) {
       // Handed back by a draining replica: another one takes it (not a failure).

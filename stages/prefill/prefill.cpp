@@ -195,11 +195,7 @@ class PrefillStage {
   void on_intake(wire::Message& message) {
     if (message.type != wire::MessageType::PrefillJob)
       return worker_.intake->refuse(message.type, "not_taken_here");
-    const auto* job = message.as<wire::PrefillJob>();
-    const auto& key = worker_.link->handover_key();
-    if (!key || job->ticket() == nullptr ||
-        !runtime::valid_ticket(*key, job->request_id(), job->attempt(),
-                               {job->ticket()->data(), job->ticket()->size()}))
+    if (!runtime::has_valid_ticket(worker_.link->handover_key(), *message.as<wire::PrefillJob>()))
       return worker_.intake->refuse(message.type, "bad_ticket");
     accept(message);
   }

@@ -403,11 +403,7 @@ class Probe {
   void on_intake(wire::Message& message) {
     if (message.type != wire::MessageType::SnapshotPut)
       return intake_->refuse(message.type, "not_taken_here");
-    const auto* put = message.as<wire::SnapshotPut>();
-    const auto& key = link_->handover_key();
-    if (!key || put->ticket() == nullptr ||
-        !runtime::valid_ticket(*key, put->request_id(), put->attempt(),
-                               {put->ticket()->data(), put->ticket()->size()}))
+    if (!runtime::has_valid_ticket(link_->handover_key(), *message.as<wire::SnapshotPut>()))
       return intake_->refuse(message.type, "bad_ticket");
     this->put(message);
   }

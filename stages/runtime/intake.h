@@ -47,6 +47,16 @@ Ticket handover_ticket(const HandoverKey& key, uint64_t request_id, uint32_t att
 bool valid_ticket(const HandoverKey& key, uint64_t request_id, uint32_t attempt,
                   std::span<const uint8_t> ticket);
 
+// Whether a message that came to an intake (a PrefillJob, PrefillDone or SnapshotPut) carries
+// the ticket of its request and attempt under `key`, the key the hub gave this process (none
+// yet: nothing is taken).
+template <class Table>
+bool has_valid_ticket(const std::optional<HandoverKey>& key, const Table& table) {
+  return key && table.ticket() != nullptr &&
+         valid_ticket(*key, table.request_id(), table.attempt(),
+                      {table.ticket()->data(), table.ticket()->size()});
+}
+
 // The endpoint to bind for `setting` ("auto" or an endpoint) next to the hub at `hub`.
 std::string intake_bind_endpoint(const std::string& setting, const std::string& hub,
                                  const std::string& stage, const std::string& replica);
