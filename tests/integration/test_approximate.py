@@ -77,7 +77,7 @@ def case_approximate(args):
     with Stack(args.moeline, args.model, run_dir, config=config) as stack:
         with Client(stack.endpoint, timeout=120) as client:
             # Without the opt-in nothing changes.
-            plain = client.generate(tokens=donor, max_tokens=8, tenant="t1")
+            plain = generate_donor(stack, client, tokens=donor, max_tokens=8, tenant="t1")
             check(plain.usage["approximate"] == "", f"not asked, yet {plain.usage}")
             want_donor = reference(args.moeline, args.model, 8, tokens=donor)
             check(plain.ids == want_donor["ids"], "the donor's answer differs from run")
@@ -216,6 +216,19 @@ def case_approximate(args):
           f"{served.usage['similarity']:.3f}); an unknown metric is refused at start")
 
 
+def generate_donor(stack, client, **request):
+    """Generates a donor's answer and waits until the probe has indexed its signature: prefill
+    sends the first token (for a short answer, all of it) before the signature goes to the probe,
+    so a query sent at once could miss it."""
+    indexed = stack.metric("probe", "moeline_probe_index_entries")
+    result = client.generate(**request)
+    deadline = time.time() + 10
+    while stack.metric("probe", "moeline_probe_index_entries") <= indexed:
+        check(time.time() < deadline, f"the donor was never indexed: {request}")
+        time.sleep(0.05)
+    return result
+
+
 def first_token_pairs(client, vocab, rng, want_agree, want_disagree):
     """Donor/query pairs whose full computations give the same first token (agree) or not."""
     agree, disagree = [], []
@@ -297,7 +310,7 @@ def case_rollback(args):
         with Client(stack.endpoint, timeout=120) as client:
             agree, disagree = first_token_pairs(client, vocab, rng, 2, 1)
             for i, (donor, query) in enumerate(agree + disagree):
-                client.generate(tokens=donor, max_tokens=1, tenant=f"pair{i}")
+                generate_donor(stack, client, tokens=donor, max_tokens=1, tenant=f"pair{i}")
                 result = client.generate(tokens=query, max_tokens=1, tenant=f"pair{i}",
                                          reuse="approximate")
                 check(result.usage["approximate"] == "shadow", f"pair {i}: {result.usage}")
@@ -315,7 +328,7 @@ def case_rollback(args):
             # full one (identical to `moeline run`) and reports how the blend compared.
             # (A donor long enough to blend: a block of its KV past the exact prefix.)
             donor = [rng.randrange(vocab) for _ in range(40)]
-            client.generate(tokens=donor, max_tokens=1, tenant="pair0")
+            generate_donor(stack, client, tokens=donor, max_tokens=1, tenant="pair0")
             query = list(donor)
             query[20] = (query[20] + 1) % vocab  # a prompt this stack has not seen
             seeded = {"max_tokens": 6, "temperature": 0.9, "seed": 77}
@@ -337,7 +350,7 @@ def case_rollback(args):
     with rollback_stack(args, "rollback-feedback", gateway, {}) as stack:
         with Client(stack.endpoint, timeout=120) as client:
             donor = [rng.randrange(vocab) for _ in range(24)]
-            client.generate(tokens=donor, max_tokens=4, tenant="fb")
+            generate_donor(stack, client, tokens=donor, max_tokens=4, tenant="fb")
             for position in (10, 15):
                 query = list(donor)
                 query[position] = (query[position] + 1) % vocab

@@ -325,8 +325,14 @@ def case_curve(args):
         # A stage key the allow-list does not hold: the handshake fails, no reply at all.
         public, secret = zmq.curve_keypair()
         stranger = dealer(hub, identity=b"stranger", curve=(server, public, secret))
-        stranger.send_multipart(hello(K.Prefill, 0, credits=8))
-        check(hello_reply(stranger) is None, "a stage with an unknown key got an answer")
+        try:
+            stranger.send_multipart(hello(K.Prefill, 0, credits=8))
+            answered = hello_reply(stranger) is not None
+        except zmq.Again:
+            # The refused handshake can close the connection before the hello is queued:
+            # libzmq then has nowhere to put it, which is the same refusal seen earlier.
+            answered = False
+        check(not answered, "a stage with an unknown key got an answer")
         stranger.close()
         zap_refused = stack.metric("gateway", "moeline_zap_requests_total", domain="moeline-hub",
                                    result="refused")
