@@ -34,17 +34,22 @@ void ExpertUsageCounter::on_router(const model::RouterEvent& event) {
   }
 }
 
-std::vector<zmq::message_t> ExpertUsageCounter::take(const std::string& replica) {
-  flatbuffers::FlatBufferBuilder builder(counts_.size() * 8 + 128);
+std::vector<zmq::message_t> ExpertUsageCounter::take(const std::string& replica,
+                                                     const std::string& reporter,
+                                                     std::span<const uint8_t> ticket) {
+  flatbuffers::FlatBufferBuilder builder(counts_.size() * 8 + 192);
   auto counts = builder.CreateVector(counts_);
   auto name = builder.CreateString(replica);
   auto layer_tokens = builder.CreateVector(layer_tokens_);
   auto confidence = builder.CreateVector(confidence_sum_);
   auto router_seconds = builder.CreateVector(router_seconds_);
-  builder.Finish(wire::CreateExpertUsage(builder, static_cast<uint32_t>(layers_),
-                                         static_cast<uint32_t>(experts_), counts, tokens_, name,
-                                         layer_tokens, confidence, router_seconds),
-                 wire::ExpertPlanIdentifier());
+  auto reporter_name = reporter.empty() ? 0 : builder.CreateString(reporter);
+  auto ticket_bytes = ticket.empty() ? 0 : builder.CreateVector(ticket.data(), ticket.size());
+  builder.Finish(
+      wire::CreateExpertUsage(builder, static_cast<uint32_t>(layers_),
+                              static_cast<uint32_t>(experts_), counts, tokens_, name, layer_tokens,
+                              confidence, router_seconds, reporter_name, ticket_bytes),
+      wire::ExpertPlanIdentifier());
   std::fill(counts_.begin(), counts_.end(), 0);
   std::fill(layer_tokens_.begin(), layer_tokens_.end(), 0);
   std::fill(confidence_sum_.begin(), confidence_sum_.end(), 0.0);
@@ -248,13 +253,26 @@ bool ComputeWorker::maintain() {
     last_device_report_ = now;
   }
   if (ready() && !usage->empty() && now - last_usage_report_ > std::chrono::seconds(1)) {
-    link->send(usage->take(service.log.replica()));
+    report_usage();
     last_usage_report_ = now;
   }
   health_hub_accepted_.store(link->accepted());
   health_plan_received_.store(plan_received_);
   service.set_ready(ready());
   return true;
+}
+
+void ComputeWorker::report_usage() {
+  if (usage_route_) {
+    auto report = usage->take(service.log.replica(), link->identity(), usage_route_->ticket);
+    if (peers->send(usage_route_->endpoint, usage_route_->server_key, std::move(report))) return;
+    // Unreachable (a restarted offload manager listens elsewhere): through the hub from now on,
+    // where the gateway passes it on to whichever offload manager is there.
+    service.log.warn("usage_route_unreachable", {{"endpoint", usage_route_->endpoint}});
+    usage_route_.reset();
+    return;
+  }
+  link->send(usage->take(service.log.replica()));
 }
 
 bool ComputeWorker::handle(const wire::Message& message, uint32_t free_credits) {
@@ -279,10 +297,19 @@ bool ComputeWorker::handle(const wire::Message& message, uint32_t free_credits) 
       }
     }
     plan_received_ = true;
+    usage_route_.reset();
+    if (const wire::PeerRoute* route = plan->usage_route();
+        route != nullptr && route->endpoint() != nullptr && route->ticket() != nullptr) {
+      usage_route_ = UsageRoute{route->endpoint()->str(),
+                                route->server_key() ? route->server_key()->str() : "",
+                                {route->ticket()->begin(), route->ticket()->end()}};
+      peers->prepare(usage_route_->endpoint, usage_route_->server_key);
+    }
     service.log.info("expert_plan", {{"tier", plan->tier() ? plan->tier()->str() : ""},
                                      {"all_resident", plan->all_resident()},
                                      {"pool", experts->pool() ? experts->pool()->name() : ""},
                                      {"prefetch_depth", plan->prefetch_depth()},
+                                     {"usage_to", usage_route_ ? usage_route_->endpoint : "hub"},
                                      {"credits", free_credits}});
     link->grant(free_credits);
   }

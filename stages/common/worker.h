@@ -9,6 +9,10 @@
 #include <chrono>
 #include <functional>
 #include <memory>
+#include <optional>
+#include <span>
+#include <string>
+#include <vector>
 #include <zmq.hpp>
 
 #include "kernels/cpu/thread_pool.h"
@@ -36,8 +40,11 @@ class ExpertUsageCounter : public model::RouterObserver {
         router_seconds_(static_cast<size_t>(layers)) {}
   void on_router(const model::RouterEvent& event) override;
   bool empty() const { return tokens_ == 0; }
-  // Builds an ExpertUsage message of the counts since the last call and resets them.
-  std::vector<zmq::message_t> take(const std::string& replica);
+  // Builds an ExpertUsage message of the counts since the last call and resets them. A report
+  // for the offload manager's intake names the routing identity its plan was asked with and
+  // carries that plan's ticket (both empty for one through the hub).
+  std::vector<zmq::message_t> take(const std::string& replica, const std::string& reporter = {},
+                                   std::span<const uint8_t> ticket = {});
 
  private:
   int64_t layers_, experts_;
@@ -137,6 +144,13 @@ class ComputeWorker {
   std::function<void()> report_device_;
   std::chrono::steady_clock::time_point last_device_report_;
   bool plan_received_ = false;
+  // Where usage reports go when the plan names the offload manager's intake (1.8; else the hub).
+  struct UsageRoute {
+    std::string endpoint, server_key;
+    std::vector<uint8_t> ticket;
+  };
+  std::optional<UsageRoute> usage_route_;
+  void report_usage();
   // What /healthz reports (its HTTP thread reads these; the loop writes them).
   std::atomic<bool> health_hub_accepted_{false}, health_plan_received_{false};
   std::string pool_lost_;

@@ -276,8 +276,24 @@ class ExpertRequests {
     plans_.inc();
   }
 
+  // Through the hub: from a compute process of an earlier minor, or one that has no plan yet.
   void on_usage(wire::Message& message) { health_.record(*message.as<wire::ExpertUsage>()); }
 
+ public:
+  // From the intake: a report counts only with the ticket of the plan its reporter was given
+  // (whoever reaches the intake cannot skew the router statistics).
+  void on_direct(runtime::Intake& intake, const runtime::HandoverKey& key, wire::Message& message) {
+    if (message.type != wire::MessageType::ExpertUsage)
+      return intake.refuse(message.type, "not_taken_here");
+    const auto* usage = message.as<wire::ExpertUsage>();
+    if (usage->reporter() == nullptr || usage->ticket() == nullptr ||
+        !runtime::valid_reporter_ticket(key, usage->reporter()->string_view(),
+                                        {usage->ticket()->data(), usage->ticket()->size()}))
+      return intake.refuse(message.type, "bad_ticket");
+    health_.record(*usage);
+  }
+
+ private:
   runtime::HubLink& link_;
   RouterHealthMonitor& health_;
   runtime::Counter& plans_;
@@ -360,14 +376,27 @@ int offload_body(const runtime::Config& config) {
   runtime::LinkSettings settings = link_settings(config, wire::StageKind::OffloadManager,
                                                  service.log.replica(), model, service.http_port());
   runtime::HubLink link(context, settings, service.log, metrics);
+  // Usage reports come straight from the compute processes (a plan names this intake and gives
+  // each its ticket), so they never load the gateway.
+  std::unique_ptr<runtime::ZapHandler> zap;
+  if (settings.curve_keys)
+    zap = std::make_unique<runtime::ZapHandler>(context, service.log, service.metrics);
+  std::unique_ptr<runtime::Intake> intake =
+      open_intake(context, config, settings, "offload", service.log, metrics, zap.get());
+  const runtime::HandoverKey usage_key = runtime::new_handover_key();
   ExpertRequests requests(
       link, health, plans,
       [&](flatbuffers::FlatBufferBuilder& builder, const std::string& requester) {
+        const runtime::Ticket ticket = runtime::reporter_ticket(usage_key, requester);
+        const std::vector<uint8_t> ticket_bytes(ticket.begin(), ticket.end());
+        auto route = wire::CreatePeerRouteDirect(builder, service.log.replica().c_str(),
+                                                 intake->endpoint().c_str(),
+                                                 intake->public_key().c_str(), &ticket_bytes);
         return wire::CreateExpertPlan(
             builder, model.model_id(), !pool, static_cast<uint32_t>(layers),
             static_cast<uint32_t>(experts), expert_bytes,
             builder.CreateString(pool ? "host_pool" : "resident"), builder.CreateString(requester),
-            builder.CreateString(pool ? pool->name() : ""), pool_bytes, prefetch_depth);
+            builder.CreateString(pool ? pool->name() : ""), pool_bytes, prefetch_depth, route);
       });
 
   while (!runtime::StageService::stop_requested()) {
@@ -380,7 +409,9 @@ int offload_body(const runtime::Config& config) {
     }
     if (link.needs_hello()) link.hello(1u << 20);
     service.set_ready(link.accepted());
-    auto message = link.receive(100);
+    while (auto report = intake->receive())
+      service.guard("offload_intake", [&] { requests.on_direct(*intake, usage_key, *report); });
+    auto message = link.receive(100, &intake->socket());
     if (!message) continue;
     service.guard("offload", [&] {
       if (!requests.dispatch(*message))
@@ -410,6 +441,7 @@ int offload_main(int argc, char** argv) {
   keys.push_back({"imbalance-critical", "0.5", "router health: critical at this imbalance"});
   keys.push_back({"confidence-warning", "1.5",
                   "router health: warn when a layer's mean ln(top-1/top-2) falls below this"});
+  for (const runtime::ConfigKey& key : intake_keys()) keys.push_back(key);
   keys.push_back({"direct-io", "true",
                   "read experts with O_DIRECT, so the page cache does not become a second pool"});
   return run_stage("offload", keys, argc, argv, offload_body);

@@ -77,6 +77,30 @@ bool valid_ticket(const HandoverKey& key, uint64_t request_id, uint32_t attempt,
   return crypto_auth_verify(ticket.data(), job, sizeof job, key.data()) == 0;
 }
 
+namespace {
+// The MAC's message: a tag, so that no reporter's identity can pass for a request's ticket (whose
+// message is 12 bytes), then the identity.
+std::string reporter_message(std::string_view reporter) {
+  return "moeline-reporter:" + std::string(reporter);
+}
+}  // namespace
+
+Ticket reporter_ticket(const HandoverKey& key, std::string_view reporter) {
+  const std::string message = reporter_message(reporter);
+  Ticket ticket;
+  crypto_auth(ticket.data(), reinterpret_cast<const uint8_t*>(message.data()), message.size(),
+              key.data());
+  return ticket;
+}
+
+bool valid_reporter_ticket(const HandoverKey& key, std::string_view reporter,
+                           std::span<const uint8_t> ticket) {
+  if (ticket.size() != kTicketBytes) return false;
+  const std::string message = reporter_message(reporter);
+  return crypto_auth_verify(ticket.data(), reinterpret_cast<const uint8_t*>(message.data()),
+                            message.size(), key.data()) == 0;
+}
+
 std::string intake_bind_endpoint(const std::string& setting, const std::string& hub,
                                  const std::string& stage, const std::string& replica) {
   if (!setting.empty() && setting != "auto") return setting;

@@ -24,6 +24,7 @@
 #include <optional>
 #include <span>
 #include <string>
+#include <string_view>
 #include <utility>
 #include <vector>
 #include <zmq.hpp>
@@ -46,6 +47,13 @@ Ticket handover_ticket(const HandoverKey& key, uint64_t request_id, uint32_t att
 // Constant-time comparison against the ticket the key gives for this job.
 bool valid_ticket(const HandoverKey& key, uint64_t request_id, uint32_t attempt,
                   std::span<const uint8_t> ticket);
+
+// A process's standing ticket for reports that belong to no request (compute stages' expert-usage
+// reports to the offload manager): `key` over the routing identity that the issuer gave it to,
+// which only that process learned (through the hub, which authenticated it).
+Ticket reporter_ticket(const HandoverKey& key, std::string_view reporter);
+bool valid_reporter_ticket(const HandoverKey& key, std::string_view reporter,
+                           std::span<const uint8_t> ticket);
 
 // Whether a message that came to an intake (a PrefillJob, PrefillDone or SnapshotPut) carries
 // the ticket of its request and attempt under `key`, the key the hub gave this process (none

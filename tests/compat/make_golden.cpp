@@ -256,9 +256,12 @@ std::vector<zmq::message_t> expert_plan_request() {
 
 std::vector<zmq::message_t> expert_plan() {
   FlatBufferBuilder b;
+  const std::vector<uint8_t> ticket = golden_bytes(32, 0x50);  // 1.8: the usage ticket
+  auto usage_route =
+      wire::CreatePeerRouteDirect(b, "offload", "tcp://10.0.0.7:41300", kGoldenKey, &ticket);
   b.Finish(wire::CreateExpertPlanDirect(b, 0x1122334455667788ULL, false, 2, 8, uint64_t{1} << 20,
                                         "host_pool", "decode-1", "/moeline-pool-golden",
-                                        uint64_t{1} << 19, 2),
+                                        uint64_t{1} << 19, 2, usage_route),
            wire::ExpertPlanIdentifier());
   return wire::encode(wire::MessageType::ExpertPlan, b);
 }
@@ -269,8 +272,9 @@ std::vector<zmq::message_t> expert_usage() {
   const std::vector<uint64_t> layer_tokens = {8, 8};
   const std::vector<double> confidence = {12.5, 3.25};
   const std::vector<double> router_seconds = {0.5, 0.25};
+  const std::vector<uint8_t> ticket = golden_bytes(32, 0x50);  // 1.8: the usage ticket
   b.Finish(wire::CreateExpertUsageDirect(b, 2, 4, &counts, 16, "decode-1", &layer_tokens,
-                                         &confidence, &router_seconds),
+                                         &confidence, &router_seconds, "decode-1#a1b2c3", &ticket),
            wire::ExpertPlanIdentifier());
   return wire::encode(wire::MessageType::ExpertUsage, b);
 }

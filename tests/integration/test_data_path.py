@@ -7,7 +7,8 @@ Cases (--case, one per CTest entry):
                   every request that goes on past its first token is handed over directly (the
                   decode replicas' accepted hand-overs), no snapshot put reaches the gateway, and
                   the bytes through the gateway per request stay under 64 KiB whatever the
-                  prompt's length (only its token ids grow it, never its KV)
+                  prompt's length (only its token ids grow it, never its KV); the expert-usage
+                  reports go to the offload manager's intake, none through the gateway
   handover_lost   a decode replica that stops before the hand-overs sent to it arrive (SIGSTOP,
                   then kill -9), and one killed after it has taken hand-overs: every request
                   completes identical to the reference (the retry policy's give-up the only error
@@ -22,9 +23,9 @@ Cases (--case, one per CTest entry):
   probe_lost      one of two probes stops (SIGSTOP, then kill -9) while requests of its namespaces
                   are sent to it: every request completes identical to the reference, moved to
                   the other probe once the hub drops it; none hangs
-  forged          a process that reaches a decode replica's or the probe's intake without the
-                  gateway's ticket: its hand-overs and puts are refused and counted, the requests
-                  in flight are untouched and both stages keep serving
+  forged          a process that reaches a decode replica's, the probe's or the offload manager's
+                  intake without a ticket: its hand-overs, puts and usage reports are refused and
+                  counted, the requests in flight are untouched and the stages keep serving
 """
 
 import os
@@ -100,6 +101,14 @@ def case_handover(args):
             check(sample(stack, "gateway", "moeline_gateway_stage_messages_refused_total",
                          reason="sent_to_the_gateway", type="SnapshotPut") == 0,
                   "prefill sent snapshot puts to the gateway")
+            # The compute stages report expert usage to the offload manager's intake, not
+            # through the gateway (each process reports once a second while it computes).
+            wait_until(lambda: sample(stack, "offload", "moeline_offload_routed_tokens_total") > 0,
+                       "the offload manager received no usage report")
+            usage_through_hub = sample(stack, "gateway", "moeline_hub_bytes_total",
+                                       direction="in", type="ExpertUsage")
+            check(usage_through_hub == 0,
+                  f"{usage_through_hub:.0f} bytes of usage reports went through the gateway")
             # With reuse on, what prefill computed reaches the probe's store directly.
             puts_before = sample(stack, "probe", "moeline_probe_store_puts_total")
             client.generate(tokens=[rng.randrange(vocab) for _ in range(40)], max_tokens=2)
@@ -210,6 +219,26 @@ def forged_prefill_done(request_id, ticket, kv_bytes=64):
     return encode_message(MessageType.MessageType.PrefillDone, b.Output()) + [b"\0" * kv_bytes]
 
 
+def forged_usage(reporter, ticket):
+    """An ExpertUsage claiming 10^9 tokens on the demo model's shape, with or without a ticket."""
+    import flatbuffers
+    from moeline_client import encode_message
+    from moeline.wire import ExpertUsage, MessageType
+    b = flatbuffers.Builder(256)
+    name = b.CreateString(reporter) if reporter else None
+    ticket_vector = b.CreateByteVector(ticket) if ticket is not None else None
+    ExpertUsage.Start(b)
+    ExpertUsage.AddLayers(b, 1)
+    ExpertUsage.AddExperts(b, 1)
+    ExpertUsage.AddTokens(b, 10**9)
+    if name is not None:
+        ExpertUsage.AddReporter(b, name)
+    if ticket_vector is not None:
+        ExpertUsage.AddTicket(b, ticket_vector)
+    b.Finish(ExpertUsage.End(b), file_identifier=b"MLOF")
+    return encode_message(MessageType.MessageType.ExpertUsage, b.Output())
+
+
 def case_forged(args):
     from moeline_client import Client
     from peer_frames import dealer
@@ -221,6 +250,7 @@ def case_forged(args):
     with Stack(args.moeline, args.model, run_dir) as stack:
         decode = dealer(intake_of(stack, "decode-0"))
         probe = dealer(intake_of(stack, "probe"))
+        offload = dealer(intake_of(stack, "offload"))
         with Client(stack.endpoint, timeout=60) as client:
             crid = client.start(**victim)
             # Request ids are small integers: a rogue tries them all, with no ticket and with a
@@ -231,6 +261,12 @@ def case_forged(args):
                     decode.send_multipart(forged_prefill_done(request_id, ticket))
                     sent += 1
             probe.send_multipart(snapshot_put(0x1234))
+            # Usage reports that would skew the router statistics: no ticket, a made-up one, and
+            # a real reporter's name with a made-up ticket.
+            routed_before = sample(stack, "offload", "moeline_offload_routed_tokens_total")
+            for reporter, ticket in ((None, None), ("decode-0", os.urandom(32)),
+                                     ("prefill-0", bytes(32))):
+                offload.send_multipart(forged_usage(reporter, ticket))
             ids = []
             while True:
                 event = client.next_event(timeout=60)
@@ -253,11 +289,18 @@ def case_forged(args):
             check(refused == sent, f"decode refused {refused:.0f} of {sent} forged hand-overs")
             check(sample(stack, "probe", "moeline_intake_refused_total", reason="bad_ticket",
                          type="SnapshotPut") == 1, "the probe took a put without a ticket")
+            wait_until(lambda: sample(stack, "offload", "moeline_intake_refused_total",
+                                      reason="bad_ticket", type="ExpertUsage") == 3,
+                       "the offload manager did not refuse the 3 forged usage reports")
+            # Real reports keep arriving while the victim streams; a forged one would add 10^9.
+            check(sample(stack, "offload", "moeline_offload_routed_tokens_total") - routed_before
+                  < 10**9, "a forged usage report was counted")
             check(client.generate(tokens=[1, 2, 3], max_tokens=3).ids, "the stack stopped serving")
         decode.close()
         probe.close()
-    print(f"ok forged: {sent} forged hand-overs and a forged put refused and counted, the "
-          "victim's stream identical to the reference")
+        offload.close()
+    print(f"ok forged: {sent} forged hand-overs, a forged put and 3 forged usage reports refused "
+          "and counted, the victim's stream identical to the reference")
 
 
 def traced(stack, request_id, replicas=False):

@@ -575,11 +575,39 @@ std::map<std::string, Expectation> v1_7() {
   return e;
 }
 
+// 1.8: usage reports straight to the offload manager (the plan's usage route, the report's
+// reporter and ticket).
+std::map<std::string, Expectation> v1_8() {
+  std::map<std::string, Expectation> e = v1_7();
+  for (auto& [stem, expectation] : e) expectation.minor = 8;
+  const std::string key = "rq:rM>}U?@Lns47E1%kR.o@n%FcmmsL/@{H8]yf7";
+  auto also = [&e](const std::string& stem, std::function<void(const Message&)> more) {
+    auto before = e.at(stem).check;
+    e.at(stem).check = [before, more](const Message& m) {
+      before(m);
+      more(m);
+    };
+  };
+  also("ExpertPlan", [key](const Message& m) {
+    const PeerRoute* route = m.as<ExpertPlan>()->usage_route();
+    ASSERT_NE(route, nullptr);
+    EXPECT_EQ(str(route->replica()), "offload");
+    EXPECT_EQ(str(route->endpoint()), "tcp://10.0.0.7:41300");
+    EXPECT_EQ(str(route->server_key()), key);
+    EXPECT_EQ(bytes_of(route->ticket()), bytes_from(0x50));
+  });
+  also("ExpertUsage", [](const Message& m) {
+    EXPECT_EQ(str(m.as<ExpertUsage>()->reporter()), "decode-1#a1b2c3");
+    EXPECT_EQ(bytes_of(m.as<ExpertUsage>()->ticket()), bytes_from(0x50));
+  });
+  return e;
+}
+
 // Every released version: directory name -> file stem -> expectation.
 const std::map<std::string, std::map<std::string, Expectation>>& released() {
   static const std::map<std::string, std::map<std::string, Expectation>> versions = {
-      {"v1.0", v1_0()}, {"v1.1", v1_1()}, {"v1.2", v1_2()}, {"v1.3", v1_3()},
-      {"v1.4", v1_4()}, {"v1.5", v1_5()}, {"v1.6", v1_6()}, {"v1.7", v1_7()}};
+      {"v1.0", v1_0()}, {"v1.1", v1_1()}, {"v1.2", v1_2()}, {"v1.3", v1_3()}, {"v1.4", v1_4()},
+      {"v1.5", v1_5()}, {"v1.6", v1_6()}, {"v1.7", v1_7()}, {"v1.8", v1_8()}};
   return versions;
 }
 
