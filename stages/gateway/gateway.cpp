@@ -14,6 +14,7 @@
 #include "model/model.h"
 #include "model/model_text.h"
 #include "reuse/approximate.h"
+#include "reuse/policy.h"
 #include "reuse/records.h"
 #include "stages/common/common.h"
 #include "stages/gateway/probe_ring.h"
@@ -137,14 +138,14 @@ class Gateway {
     max_decode_backlog_ = static_cast<size_t>(config.integer("max-decode-backlog"));
     limits_.max_body_bytes = runtime::parse_bytes(config.text("max-message-bytes"));
     for (const std::string& tenant : split(config.text("tenants"))) tenants_.push_back(tenant);
-    for (const std::string& tenant : split(config.text("shared-tenants")))
-      shared_tenants_.push_back(tenant);
+    reuse::PolicySettings policy;
+    policy.shared_tenants = split(config.text("shared-tenants"));
     try {
-      default_levels_ = reuse::parse_levels(config.text("reuse-levels"));
+      policy.default_levels = reuse::parse_levels(config.text("reuse-levels"));
     } catch (const std::invalid_argument& e) {
       throw runtime::ConfigError(std::string("--reuse-levels: ") + e.what());
     }
-    reuse::RollbackOptions rollback;
+    reuse::RollbackOptions& rollback = policy.rollback;
     rollback.hit_window_s = config.number("approximate-hit-window-s");
     rollback.min_hit_rate = config.number("approximate-min-hit-rate");
     rollback.min_lookups = static_cast<uint64_t>(config.integer("approximate-min-lookups"));
@@ -155,11 +156,11 @@ class Gateway {
     rollback.max_negative_feedback = config.number("approximate-max-negative-feedback");
     rollback.min_served = static_cast<uint64_t>(config.integer("approximate-min-served"));
     rollback.probation_s = config.number("approximate-probation-s");
-    controller_ = std::make_unique<reuse::RollbackController>(rollback, seconds_now());
-    if (!config.flag("approximate-enabled"))
-      controller_->set_enabled(seconds_now(), false, "configured_off");
-    approximate_state_ = {{"enabled", controller_->enabled()}, {"reason", controller_->reason()}};
-    shadow_tokens_ = static_cast<size_t>(std::max<int64_t>(1, config.integer("shadow-tokens")));
+    policy.approximate_enabled = config.flag("approximate-enabled");
+    policy.shadow_tokens =
+        static_cast<size_t>(std::max<int64_t>(1, config.integer("shadow-tokens")));
+    reuse_ = std::make_unique<reuse::ReusePolicy>(std::move(policy), seconds_now());
+    approximate_state_ = {{"enabled", controller().enabled()}, {"reason", controller().reason()}};
     blend_max_kl_ = config.number("blend-max-kl");
 
     service_.start_http(config.text("http"), config.text("port-file"), [this] {
@@ -378,28 +379,28 @@ class Gateway {
   // probe sees it at once.
   void update_controller() {
     const double now = seconds_now();
-    if (controller_->update(now)) announce_controller();
-    approximate_enabled_->set(controller_->enabled() ? 1 : 0);
+    if (reuse_->update(now)) announce_controller();
+    approximate_enabled_->set(controller().enabled() ? 1 : 0);
   }
 
   void announce_controller() {
-    approximate_enabled_->set(controller_->enabled() ? 1 : 0);
+    approximate_enabled_->set(controller().enabled() ? 1 : 0);
     {
       std::lock_guard<std::mutex> lock(approximate_state_mutex_);
       approximate_state_ = {
-          {"enabled", controller_->enabled()},
-          {"reason", controller_->reason()},
+          {"enabled", controller().enabled()},
+          {"reason", controller().reason()},
           {"changed_unix_s",
            std::chrono::duration<double>(std::chrono::system_clock::now().time_since_epoch())
                .count()}};
     }
-    transition_counter(controller_->reason()).inc();
+    transition_counter(controller().reason()).inc();
     const double now = seconds_now();
-    const auto agreement = controller_->agreement(now);
-    const auto baseline = controller_->baseline();
-    log_.warn("approximate_reuse", {{"state", controller_->enabled() ? "on" : "off"},
-                                    {"reason", controller_->reason()},
-                                    {"hit_rate", controller_->hit_rate(now)},
+    const auto agreement = controller().agreement(now);
+    const auto baseline = controller().baseline();
+    log_.warn("approximate_reuse", {{"state", controller().enabled() ? "on" : "off"},
+                                    {"reason", controller().reason()},
+                                    {"hit_rate", controller().hit_rate(now)},
                                     {"agreement", agreement ? *agreement : -1.0},
                                     {"baseline", baseline ? *baseline : -1.0}});
   }
@@ -424,14 +425,14 @@ class Gateway {
 
   nlohmann::json controller_json() {
     const double now = seconds_now();
-    nlohmann::json out = {{"enabled", controller_->enabled()},
-                          {"reason", controller_->reason()},
-                          {"changed_s_ago", now - controller_->changed_at()},
-                          {"transitions", controller_->transitions()},
-                          {"hit_rate", controller_->hit_rate(now)}};
-    auto agreement = controller_->agreement(now);
-    auto baseline = controller_->baseline();
-    auto negative = controller_->negative_rate(now);
+    nlohmann::json out = {{"enabled", controller().enabled()},
+                          {"reason", controller().reason()},
+                          {"changed_s_ago", now - controller().changed_at()},
+                          {"transitions", controller().transitions()},
+                          {"hit_rate", controller().hit_rate(now)}};
+    auto agreement = controller().agreement(now);
+    auto baseline = controller().baseline();
+    auto negative = controller().negative_rate(now);
     out["agreement"] = agreement ? nlohmann::json(*agreement) : nlohmann::json(nullptr);
     out["agreement_baseline"] = baseline ? nlohmann::json(*baseline) : nlohmann::json(nullptr);
     out["negative_feedback_rate"] = negative ? nlohmann::json(*negative) : nlohmann::json(nullptr);
@@ -442,11 +443,10 @@ class Gateway {
   // would have served — to the controller (checks of unproven candidates are how the rule learns;
   // they fail often by design and say nothing about what is served).
   void report_shadow(const Request& r, bool correct, float kl) {
-    if (r.shadow_sampled) {
-      controller_->on_shadow(seconds_now(), correct);
-      const auto agreement = controller_->agreement(seconds_now());
-      if (agreement) shadow_agreement_->set(*agreement);
-    }
+    reuse_->on_shadow(seconds_now(), r.shadow_sampled, correct);
+    if (r.shadow_sampled)
+      if (const auto agreement = controller().agreement(seconds_now()))
+        shadow_agreement_->set(*agreement);
     shadow_counter_[correct ? 1 : 0]->inc();
     // Every probe's decision rule learns from every check.
     put_to_probes(r.donor, 'Q', reuse::encode(reuse::QualityRecord{r.cell, correct, kl}), nullptr);
@@ -455,14 +455,6 @@ class Gateway {
                                {"donor", r.donor},
                                {"correct", correct},
                                {"kl", static_cast<double>(kl)}});
-  }
-
-  // Response reuse's shadow: the full computation's first tokens against the donor's answer.
-  bool same_answer(const std::vector<int32_t>& computed, const std::vector<int32_t>& donor) const {
-    const size_t n = std::min(shadow_tokens_, std::max(computed.size(), donor.size()));
-    for (size_t i = 0; i < n; ++i)
-      if (i >= computed.size() || i >= donor.size() || computed[i] != donor[i]) return false;
-    return true;
   }
 
   runtime::Counter& outcome_counter(const std::string& outcome) {
@@ -607,11 +599,9 @@ class Gateway {
     log_.info("feedback", {{"client_request_id", feedback->client_request_id()},
                            {"score", static_cast<double>(feedback->score())}});
     // Feedback on an answer approximate reuse served feeds the rollback controller.
-    if (approximately_served_.count({client, feedback->client_request_id()})) {
-      const bool negative = feedback->score() < 0;
-      controller_->on_feedback(seconds_now(), negative);
-      reused_feedback_[negative ? "negative" : "positive"]->inc();
-    }
+    if (auto negative = reuse_->on_feedback(seconds_now(), client, feedback->client_request_id(),
+                                            feedback->score()))
+      reused_feedback_[*negative ? "negative" : "positive"]->inc();
   }
 
   void on_control_message(const std::string& client, wire::Message& message) {
@@ -706,8 +696,8 @@ class Gateway {
     // can get.
     sampling.max_tokens =
         std::min<int64_t>(sampling.max_tokens, context_ - static_cast<int64_t>(prompt.size()));
-    const std::optional<uint32_t> asked =
-        requested_levels(request.reuse() ? request.reuse()->str() : "");
+    const std::optional<uint32_t> asked = reuse::ReusePolicy::requested_levels(
+        request.reuse() ? request.reuse()->string_view() : std::string_view());
     if (!asked)
       return reject(client, crid, wire::ErrorCode::InvalidRequest, "bad_reuse",
                     "unknown reuse '" + request.reuse()->str() +
@@ -728,26 +718,15 @@ class Gateway {
     r.prompt = std::move(prompt);
     r.sampling = std::move(sampling);
     // Server-derived: a client names its tenant, never the namespace its cache entries live in.
-    // Tenants an operator marked shared reuse each other's work; every other tenant only its own.
-    const bool shared =
-        std::find(shared_tenants_.begin(), shared_tenants_.end(), tenant) != shared_tenants_.end();
-    r.cache_namespace = shared ? std::string("shared") : "tenant:" + tenant;
     r.client_deterministic = r.sampling.temperature == 0 || client_seeded;
-    r.namespace_levels = levels_for(r.cache_namespace);
-    r.allowed_levels = r.namespace_levels & *asked;
-    if (!r.client_deterministic) r.allowed_levels &= ~uint32_t{reuse::kResult | reuse::kResponse};
-    // A replayed completion has no log-probabilities to report.
-    if (r.sampling.logprobs) r.allowed_levels &= ~uint32_t{reuse::kResult | reuse::kResponse};
-    if (*asked & reuse::kApproximateLevels) {
-      if (!(r.namespace_levels & *asked & reuse::kApproximateLevels)) {
-        r.approximate = "not_allowed";
-      } else if (!controller_->enabled()) {
-        r.approximate = "disabled";
-      }
-      if (!r.approximate.empty()) {
-        r.allowed_levels &= ~reuse::kApproximateLevels;
-        approximate_counter(r.approximate).inc();
-      }
+    reuse::Admission admitted =
+        reuse_->admit(tenant, *asked, r.client_deterministic, r.sampling.logprobs);
+    r.cache_namespace = std::move(admitted.cache_namespace);
+    r.namespace_levels = admitted.namespace_levels;
+    r.allowed_levels = admitted.allowed_levels;
+    if (!admitted.approximate_refused.empty()) {
+      r.approximate = admitted.approximate_refused;
+      approximate_counter(r.approximate).inc();
     }
     const uint64_t ns = model::namespace_id(r.cache_namespace);
     r.prompt_key = reuse::prompt_key(r.prompt, reuse::block_chain(r.prompt, model_.model_id, ns),
@@ -809,14 +788,7 @@ class Gateway {
           throw std::invalid_argument("reuse: \"tenant\" must be a string (a name or \"*\")");
         const uint32_t levels = reuse::parse_levels(args["levels"].get<std::string>());
         const std::string tenant = args.value("tenant", "*");
-        if (tenant == "*") {
-          default_levels_ = levels;
-          namespace_levels_.clear();
-        } else {
-          const bool shared = std::find(shared_tenants_.begin(), shared_tenants_.end(), tenant) !=
-                              shared_tenants_.end();
-          namespace_levels_[shared ? "shared" : "tenant:" + tenant] = levels;
-        }
+        reuse_->set_levels(tenant, levels);
         log_.info("reuse_policy", {{"tenant", tenant}, {"levels", reuse::levels_text(levels)}});
         text = "reuse for " + tenant + ": " + reuse::levels_text(levels);
       } catch (const std::invalid_argument& e) {
@@ -833,10 +805,7 @@ class Gateway {
         text = "approximate expects {\"enabled\": true|false}";
       } else {
         const bool enabled = args["enabled"].get<bool>();
-        if (enabled != controller_->enabled()) {
-          controller_->set_enabled(seconds_now(), enabled, "operator");
-          announce_controller();
-        }
+        if (reuse_->set_enabled(seconds_now(), enabled)) announce_controller();
         text = std::string("approximate reuse ") + (enabled ? "on" : "off");
       }
       body["approximate"] = controller_json();
@@ -1024,15 +993,8 @@ class Gateway {
         r.reuse_level != "result" && !approximate_answer && !r.sent.empty())
       store_result(r, reason);
     if ((reason == "stop" || reason == "length") && r.shadow_mode == "response")
-      report_shadow(r, same_answer(r.sent, r.donor_completion), 0.0f);
-    if (approximate_answer) {
-      approximately_served_.insert({r.client, r.client_request_id});
-      served_order_.push_back({r.client, r.client_request_id});
-      if (served_order_.size() > 65536) {
-        approximately_served_.erase(served_order_.front());
-        served_order_.pop_front();
-      }
-    }
+      report_shadow(r, reuse_->same_answer(r.sent, r.donor_completion), 0.0f);
+    if (approximate_answer) reuse_->served_approximately(r.client, r.client_request_id);
 
     std::string tail;
     if (auto rest = r.text->finish(); rest) tail = std::move(*rest);
@@ -1197,28 +1159,13 @@ class Gateway {
 
   // ---- reuse ----
 
-  // What a request's reuse field opts into (nullopt: not a known value).
-  static std::optional<uint32_t> requested_levels(const std::string& reuse) {
-    if (reuse.empty() || reuse == "exact") return reuse::kExactLevels;
-    if (reuse == "none") return 0u;
-    if (reuse == "approximate") return reuse::kAllLevels;
-    if (reuse == "response") return reuse::kExactLevels | reuse::kResponse;
-    if (reuse == "blend") return reuse::kExactLevels | reuse::kBlend;
-    return std::nullopt;
-  }
-
-  uint32_t levels_for(const std::string& cache_namespace) const {
-    auto it = namespace_levels_.find(cache_namespace);
-    return it == namespace_levels_.end() ? default_levels_ : it->second;
-  }
-
   nlohmann::json reuse_policy_json() const {
     nlohmann::json namespaces = nlohmann::json::object();
-    for (const auto& [name, levels] : namespace_levels_)
+    for (const auto& [name, levels] : reuse_->namespace_levels())
       namespaces[name] = reuse::levels_text(levels);
-    return {{"default", reuse::levels_text(default_levels_)},
+    return {{"default", reuse::levels_text(reuse_->default_levels())},
             {"namespaces", namespaces},
-            {"shared_tenants", shared_tenants_}};
+            {"shared_tenants", reuse_->shared_tenants()}};
   }
 
   // Entries every probe keeps (each has its own store).
@@ -1536,7 +1483,7 @@ class Gateway {
       r->cell = plan->cell();
       r->shadow_sampled = plan->shadow_sampled();
       approximate_counter(outcome).inc();
-      controller_->on_lookup(seconds_now(), outcome == "response" || outcome == "blend");
+      reuse_->on_lookup(seconds_now(), outcome);
       if (outcome == "shadow" && plan->shadow_mode() && plan->shadow_mode()->str() == "response" &&
           plan->completion()) {
         r->shadow_mode = "response";
@@ -1775,9 +1722,7 @@ class Gateway {
   runtime::Counter* probe_bypassed_ = nullptr;
   runtime::RateLimited bypass_log_;
   std::chrono::milliseconds default_deadline_{0}, max_deadline_{0};
-  std::vector<std::string> tenants_, shared_tenants_;
-  uint32_t default_levels_ = reuse::kAllLevels;
-  std::map<std::string, uint32_t> namespace_levels_;
+  std::vector<std::string> tenants_;
   std::unordered_map<uint64_t, std::string> prefix_affinity_;
   std::map<std::pair<uint64_t, uint32_t>, std::string> stale_prefill_;
   ProbeRing probe_ring_;
@@ -1799,14 +1744,12 @@ class Gateway {
   std::map<std::string, runtime::Counter*> outcomes_;
   runtime::RateLimited reject_log_, frame_log_, stage_refusal_log_;
 
-  std::unique_ptr<reuse::RollbackController> controller_;
+  std::unique_ptr<reuse::ReusePolicy> reuse_;
+  reuse::RollbackController& controller() { return reuse_->controller(); }
   // What /healthz (the HTTP thread) reports of it.
   std::mutex approximate_state_mutex_;
   nlohmann::json approximate_state_ = {{"enabled", true}, {"reason", "initial"}};
-  size_t shadow_tokens_ = 8;
   double blend_max_kl_ = 0.05;
-  std::set<std::pair<std::string, uint64_t>> approximately_served_;
-  std::deque<std::pair<std::string, uint64_t>> served_order_;
   runtime::Gauge *approximate_enabled_ = nullptr, *shadow_agreement_ = nullptr;
   runtime::Histogram* probe_fraction_ = nullptr;
   runtime::Counter* shadow_counter_[2] = {nullptr, nullptr};
