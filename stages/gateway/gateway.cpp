@@ -17,7 +17,10 @@
 #include "reuse/policy.h"
 #include "reuse/records.h"
 #include "stages/common/common.h"
+#include "stages/gateway/client_front.h"
+#include "stages/gateway/gateway_metrics.h"
 #include "stages/gateway/probe_ring.h"
+#include "stages/gateway/request.h"
 #include "stages/gateway/tenant_limits.h"
 #include "stages/runtime/api_keys.h"
 #include "stages/runtime/dispatch.h"
@@ -30,69 +33,6 @@
 namespace moeline::stages {
 namespace {
 
-using Clock = std::chrono::steady_clock;
-
-double ms_between(Clock::time_point from, Clock::time_point to) {
-  return std::chrono::duration<double, std::milli>(to - from).count();
-}
-
-struct Request {
-  uint64_t id = 0;
-  std::string client;
-  std::string tenant;  // admitted by the tenant limiter until erased
-  uint64_t client_request_id = 0;
-  std::vector<int32_t> prompt;
-  model::SamplingParams sampling;
-  std::string cache_namespace;
-  uint32_t attempt = 1;
-  uint32_t free_attempts = 0;     // attempts begun by a probe bypass, not by a failure
-  std::string owner;              // the replica holding it; empty while queued in the gateway
-  bool at_probe = false;          // waiting for a probe's plan (queued, or held by a probe)
-  Clock::time_point probe_since;  // since when
-  Clock::time_point received, deadline, prefill_dispatched, first_token;
-  bool has_first_token = false;
-  std::vector<int32_t> sent;  // tokens the client has
-  size_t position = 0;        // tokens of the current attempt received so far
-  std::unique_ptr<tokenizer::DecodeStream> text;
-  std::string reuse_level = "none";
-  uint32_t reused_tokens = 0;
-  uint32_t allowed_levels = 0;        // reuse levels this request may use (policy at intake)
-  bool client_deterministic = false;  // greedy or a seed the client chose: result reuse applies
-  uint64_t prompt_key = 0;            // reuse key of the whole prompt
-  std::optional<wire::Message> prefix_plan;  // a prefix plan's KV, until dispatched to prefill
-  uint64_t prefix_key = 0;
-  double prefill_ms = 0;
-  // Approximate reuse: the namespace's levels (what prefill stores signatures for), the outcome
-  // (Usage.approximate; empty when the request did not ask), and a pending shadow check.
-  uint32_t namespace_levels = 0;
-  uint32_t probe_us = 0;  // the probe's lookup time (signature and index search included)
-  std::string approximate;
-  float similarity = 0;
-  uint64_t donor = 0;
-  int32_t cell = 0;
-  bool blend_plan = false, blend_shadow = false;
-  bool shadow_sampled = false;  // the shadow check is of a hit the rule would have served
-  std::string shadow_mode;      // "response": compare the finished tokens with donor_completion
-  std::vector<int32_t> donor_completion;
-  // The hand-over (prefill sends the KV straight to decode): the decode replica picked at prefill
-  // dispatch, whose credit the gateway holds until that replica confirms (HandoverAccepted); the
-  // prefill replica that sends it; waiting for the confirmation since when.
-  std::string decode_target, handed_by;
-  bool decode_reserved = false;
-  // The prefill replica named in the ProbeJob, whose credit the gateway holds until the probe's
-  // notice says it sent the job there (or the probe answered without prefill).
-  bool prefill_reserved = false;
-  bool handover_pending = false;
-  bool handover_confirmed = false;  // HandoverAccepted came before prefill's PrefillDone
-  Clock::time_point handover_since;
-};
-
-struct Handoff {
-  uint64_t id;
-  uint32_t attempt;
-  wire::Message message;
-};
-
 class Gateway {
  public:
   // /healthz reads members that die before `service_`.
@@ -102,13 +42,10 @@ class Gateway {
 
   explicit Gateway(const runtime::Config& config)
       : service_("gateway", replica_name(config, "gateway")),
-        metrics_(service_.metrics),
+        registry_(service_.metrics),
+        metrics_(registry_),
         log_(service_.log),
-        api_keys_(config.text("api-keys")),
-        tenant_limiter_(metrics_) {
-    tenant_limits_.max_in_flight = static_cast<uint32_t>(
-        std::clamp<int64_t>(config.integer("tenant-max-in-flight"), 0, 1'000'000'000));
-    tenant_limits_.prompt_tokens_per_s = std::max(0.0, config.number("tenant-prompt-tokens-per-s"));
+        tenant_limiter_(registry_) {
     runtime::StageService::install_signal_handlers();
     runtime::StageService::set_drains(true);
     drain_grace_ =
@@ -118,28 +55,16 @@ class Gateway {
     auto loaded = model::load_model_info(config.text("model"));
     if (!loaded) throw std::runtime_error(loaded.error().message);
     model_ = std::move(*loaded);
-    auto tokenizer = model::load_model_tokenizer(config.text("model"));
-    if (!tokenizer) throw std::runtime_error(tokenizer.error().message);
-    tokenizer_ = std::make_unique<tokenizer::Tokenizer>(std::move(*tokenizer));
+    validator_ = std::make_unique<RequestValidator>(config, model_);
     const model::ModelConfig& cfg = model_.config;
-    context_ = cfg.max_position_embeddings > 0 ? cfg.max_position_embeddings : 32768;
-    max_prompt_tokens_ = config.integer("max-prompt-tokens");
-    if (max_prompt_tokens_ <= 0 || max_prompt_tokens_ >= context_)
-      max_prompt_tokens_ = context_ - 1;
-    max_prompt_bytes_ = std::min(
-        static_cast<size_t>(runtime::parse_bytes(config.text("max-prompt-bytes"))),
-        static_cast<size_t>(max_prompt_tokens_) * longest_token_bytes(*tokenizer_, cfg.vocab_size));
-    default_deadline_ = std::chrono::milliseconds(config.integer("default-deadline-ms"));
-    max_deadline_ = std::chrono::milliseconds(config.integer("max-deadline-ms"));
     max_retries_ = static_cast<uint32_t>(config.integer("max-retries"));
     probe_timeout_ = std::chrono::milliseconds(config.integer("probe-timeout-ms"));
     handover_timeout_ = std::chrono::milliseconds(config.integer("handover-timeout-ms"));
     max_in_flight_ = static_cast<size_t>(config.integer("max-in-flight"));
     max_decode_backlog_ = static_cast<size_t>(config.integer("max-decode-backlog"));
     limits_.max_body_bytes = runtime::parse_bytes(config.text("max-message-bytes"));
-    for (const std::string& tenant : split(config.text("tenants"))) tenants_.push_back(tenant);
     reuse::PolicySettings policy;
-    policy.shared_tenants = split(config.text("shared-tenants"));
+    policy.shared_tenants = runtime::parse_list(config.text("shared-tenants"));
     try {
       policy.default_levels = reuse::parse_levels(config.text("reuse-levels"));
     } catch (const std::invalid_argument& e) {
@@ -172,25 +97,13 @@ class Gateway {
     configure_io_threads(context_zmq_, config);
     curve_ = runtime::load_curve_settings(config.text("curve-dir"), "gateway");
     if (curve_.enabled())
-      zap_ = std::make_unique<runtime::ZapHandler>(context_zmq_, log_, metrics_);
-    client_ = std::make_unique<zmq::socket_t>(context_zmq_, zmq::socket_type::router);
-    client_->set(zmq::sockopt::router_mandatory, true);
-    client_->set(zmq::sockopt::linger, 0);
-    client_->set(zmq::sockopt::sndhwm, 0);
-    client_->set(zmq::sockopt::rcvhwm, 0);
-    // A hard cap below which the codec answers oversized messages with a clear error.
-    client_->set(zmq::sockopt::maxmsgsize, static_cast<int64_t>(limits_.max_body_bytes * 16));
-    if (curve_.enabled()) {
-      // Any client key: the channel is encrypted and the gateway proven; API keys say who.
-      zap_->allow_any(runtime::kClientDomain);
-      runtime::make_curve_server(*client_, curve_.own.keys, runtime::kClientDomain);
-    }
-    client_->bind(config.text("client-bind"));
-    runtime::restrict_ipc_endpoint(config.text("client-bind"));
+      zap_ = std::make_unique<runtime::ZapHandler>(context_zmq_, log_, registry_);
+    client_ = std::make_unique<ClientChannel>(context_zmq_, config, curve_, zap_.get(),
+                                              limits_.max_body_bytes, log_);
     hub_ = std::make_unique<runtime::Hub>(
         context_zmq_, config.text("hub-bind"), settings_hash(model_.model_id),
         static_cast<int>(config.integer("heartbeat-ms")),
-        static_cast<int>(config.integer("peer-timeout-ms")), log_, metrics_,
+        static_cast<int>(config.integer("peer-timeout-ms")), log_, registry_,
         runtime::HubSecurity{.max_message_bytes = max_stage_message_bytes(cfg),
                              .curve = &curve_,
                              .zap = zap_.get()});
@@ -199,15 +112,12 @@ class Gateway {
         log_.warn("open_endpoint",
                   {{"endpoint", config.text(key)},
                    {"detail", "tcp:// without --curve-dir: anyone who reaches it may connect"}});
-    metrics_
-        .gauge("moeline_gateway_authenticated",
-               "1 when the tcp:// endpoints run Curve with the stage allow-list")
-        .set(curve_.enabled() ? 1 : 0);
+    metrics_.authenticated->set(curve_.enabled() ? 1 : 0);
     {
       std::lock_guard<std::mutex> lock(approximate_state_mutex_);
       security_state_ = {{"curve", curve_.enabled()},
-                         {"api_keys", api_keys_.required()},
-                         {"open", !api_keys_.required()}};
+                         {"api_keys", validator_->keys_required()},
+                         {"open", !validator_->keys_required()}};
     }
     log_.info("listening", {{"client", config.text("client-bind")},
                             {"hub", config.text("hub-bind")},
@@ -215,15 +125,14 @@ class Gateway {
                             {"settings_hash", settings_hash(model_.model_id)},
                             {"hub_max_message_bytes", max_stage_message_bytes(cfg)},
                             {"curve", curve_.enabled()},
-                            {"api_keys", api_keys_.size()},
-                            {"max_prompt_tokens", max_prompt_tokens_}});
-    register_metrics();
+                            {"api_keys", validator_->key_count()},
+                            {"max_prompt_tokens", validator_->max_prompt_tokens()}});
   }
 
   int run() {
     while (!runtime::StageService::stop_requested()) {
       service_.tick();
-      zmq::pollitem_t items[] = {{client_->handle(), 0, ZMQ_POLLIN, 0},
+      zmq::pollitem_t items[] = {{client_->socket().handle(), 0, ZMQ_POLLIN, 0},
                                  {hub_->socket().handle(), 0, ZMQ_POLLIN, 0}};
       try {
         zmq::poll(items, 2, std::chrono::milliseconds(10));
@@ -232,12 +141,13 @@ class Gateway {
       }
       // Bounded bursts keep one side from starving the other.
       for (int i = 0; i < 256; ++i) {
-        auto frames = wire::receive(*client_, true);
+        auto frames = wire::receive(client_->socket(), true);
         if (!frames) break;
         const std::string client = frames->empty() ? "" : frames->front().to_string();
         if (!service_.guard("client", [&] { on_client(std::move(*frames)); }) && !client.empty())
           service_.guard("client_error_reply", [&] {
-            reply_error(client, wire::ErrorCode::Internal, "the gateway could not handle it");
+            client_->reply_error(client, wire::ErrorCode::Internal,
+                                 "the gateway could not handle it");
           });
       }
       for (int i = 0; i < 256; ++i) {
@@ -246,7 +156,7 @@ class Gateway {
         service_.guard("stage", [&] { on_stage(*incoming); });
       }
       for (const runtime::Peer& dead : hub_->tick()) on_peer_lost(dead);
-      if (auto error = api_keys_.reload_if_changed())
+      if (auto error = validator_->reload_keys())
         log_.error("api_keys_not_reloaded", {{"error", *error}});
       expire_deadlines();
       bypass_slow_probes();
@@ -283,93 +193,6 @@ class Gateway {
   }
 
  private:
-  static std::vector<std::string> split(const std::string& text) {
-    std::vector<std::string> out;
-    size_t start = 0;
-    while (start < text.size()) {
-      size_t comma = text.find(',', start);
-      if (comma == std::string::npos) comma = text.size();
-      if (comma > start) out.push_back(text.substr(start, comma - start));
-      start = comma + 1;
-    }
-    return out;
-  }
-
-  // An upper bound on the text bytes one token covers: the longest vocabulary entry as stored
-  // (byte-level and "▁" forms spell a byte with up to 3, so this overestimates), at least 4.
-  static size_t longest_token_bytes(const tokenizer::Tokenizer& tokenizer, int64_t vocab) {
-    size_t longest = 4;
-    for (int64_t id = 0; id < vocab; ++id)
-      if (auto token = tokenizer.id_to_token(static_cast<int32_t>(id)))
-        longest = std::max(longest, token->size());
-    return longest;
-  }
-
-  void register_metrics() {
-    for (const char* queue : {"probe", "prefill", "decode"})
-      queue_gauges_[queue] =
-          &metrics_.gauge("moeline_gateway_queue_depth",
-                          "Requests waiting in the gateway for a replica", {{"queue", queue}});
-    in_flight_gauge_ = &metrics_.gauge("moeline_gateway_in_flight_requests", "Requests in flight");
-    kv_used_ =
-        &metrics_.gauge("moeline_gateway_kv_blocks",
-                        "KV blocks of all decode replicas (from heartbeats)", {{"state", "used"}});
-    kv_free_ =
-        &metrics_.gauge("moeline_gateway_kv_blocks",
-                        "KV blocks of all decode replicas (from heartbeats)", {{"state", "free"}});
-    batch_size_ = &metrics_.histogram("moeline_gateway_batch_size",
-                                      "Decode batch size reported with each token batch",
-                                      runtime::size_buckets());
-    ttft_ = &metrics_.histogram("moeline_gateway_ttft_seconds",
-                                "Request received to first token sent", runtime::latency_buckets());
-    tpot_ = &metrics_.histogram("moeline_gateway_time_per_output_token_seconds",
-                                "Mean time between a request's tokens after the first",
-                                runtime::latency_buckets());
-    e2e_ = &metrics_.histogram("moeline_gateway_e2e_seconds", "Request received to its last event",
-                               runtime::latency_buckets());
-    queue_time_ = &metrics_.histogram("moeline_gateway_queue_seconds",
-                                      "Request received to dispatched to prefill",
-                                      runtime::latency_buckets());
-    retries_ = &metrics_.counter("moeline_gateway_retries_total",
-                                 "Requests restarted after the replica holding them died");
-    handover_timeouts_ =
-        &metrics_.counter("moeline_gateway_handover_timeouts_total",
-                          "Hand-overs a decode replica did not confirm in time (retried)");
-    handed_back_ = &metrics_.counter("moeline_gateway_handed_back_total",
-                                     "Jobs handed back by draining replicas (sent to another)");
-    probe_bypassed_ = &metrics_.counter(
-        "moeline_gateway_probe_bypassed_total",
-        "Requests sent to prefill without reuse because no probe answered in --probe-timeout-ms");
-    feedback_ = &metrics_.counter("moeline_gateway_feedback_total", "Feedback messages received");
-    approximate_enabled_ = &metrics_.gauge(
-        "moeline_gateway_approximate_enabled",
-        "1 while approximate reuse is on (the rollback controller or an operator turns it off)");
-    probe_fraction_ = &metrics_.histogram(
-        "moeline_gateway_probe_prefill_ratio",
-        "A request's probe lookup time over its prefill's forward time (requests prefilled)",
-        {0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1, 2});
-    shadow_agreement_ = &metrics_.gauge("moeline_gateway_shadow_agreement",
-                                        "Sampled shadow checks (of hits the rule serves) that "
-                                        "agreed, over the controller's window");
-    shadow_counter_[0] = &metrics_.counter("moeline_gateway_shadow_checks_total",
-                                           "Shadow checks by result", {{"result", "disagreed"}});
-    shadow_counter_[1] = &metrics_.counter("moeline_gateway_shadow_checks_total",
-                                           "Shadow checks by result", {{"result", "agreed"}});
-    for (const char* kind : {"negative", "positive"})
-      reused_feedback_[kind] =
-          &metrics_.counter("moeline_gateway_approximate_feedback_total",
-                            "Feedback on answers served by approximate reuse", {{"kind", kind}});
-    for (const char* outcome :
-         {"response", "blend", "shadow", "no_candidate", "rejected", "disabled", "not_allowed"})
-      approximate_counter(outcome);
-    for (const char* reason :
-         {"low_hit_rate", "agreement_drop", "negative_feedback", "operator", "probation_passed"})
-      transition_counter(reason);
-    for (const char* outcome : {"stop", "length", "cancelled", "client_gone", "deadline_exceeded",
-                                "stage_failed", "failed", "rejected", "drained"})
-      outcome_counter(outcome);
-  }
-
   static double seconds_now() {
     return std::chrono::duration<double>(Clock::now().time_since_epoch()).count();
   }
@@ -380,11 +203,11 @@ class Gateway {
   void update_controller() {
     const double now = seconds_now();
     if (reuse_->update(now)) announce_controller();
-    approximate_enabled_->set(controller().enabled() ? 1 : 0);
+    metrics_.approximate_enabled->set(controller().enabled() ? 1 : 0);
   }
 
   void announce_controller() {
-    approximate_enabled_->set(controller().enabled() ? 1 : 0);
+    metrics_.approximate_enabled->set(controller().enabled() ? 1 : 0);
     {
       std::lock_guard<std::mutex> lock(approximate_state_mutex_);
       approximate_state_ = {
@@ -394,7 +217,7 @@ class Gateway {
            std::chrono::duration<double>(std::chrono::system_clock::now().time_since_epoch())
                .count()}};
     }
-    transition_counter(controller().reason()).inc();
+    metrics_.transition(controller().reason()).inc();
     const double now = seconds_now();
     const auto agreement = controller().agreement(now);
     const auto baseline = controller().baseline();
@@ -403,24 +226,6 @@ class Gateway {
                                     {"hit_rate", controller().hit_rate(now)},
                                     {"agreement", agreement ? *agreement : -1.0},
                                     {"baseline", baseline ? *baseline : -1.0}});
-  }
-
-  runtime::Counter& transition_counter(const std::string& reason) {
-    auto& slot = transitions_[reason];
-    if (slot == nullptr)
-      slot =
-          &metrics_.counter("moeline_gateway_approximate_transitions_total",
-                            "Approximate reuse turned on or off, by reason", {{"reason", reason}});
-    return *slot;
-  }
-
-  runtime::Counter& approximate_counter(const std::string& outcome) {
-    auto& slot = approximate_outcomes_[outcome];
-    if (slot == nullptr)
-      slot = &metrics_.counter("moeline_gateway_approximate_requests_total",
-                               "Requests that asked for approximate reuse, by outcome",
-                               {{"outcome", outcome}});
-    return *slot;
   }
 
   nlohmann::json controller_json() {
@@ -446,8 +251,8 @@ class Gateway {
     reuse_->on_shadow(seconds_now(), r.shadow_sampled, correct);
     if (r.shadow_sampled)
       if (const auto agreement = controller().agreement(seconds_now()))
-        shadow_agreement_->set(*agreement);
-    shadow_counter_[correct ? 1 : 0]->inc();
+        metrics_.shadow_agreement->set(*agreement);
+    metrics_.shadow_check(correct).inc();
     // Every probe's decision rule learns from every check.
     put_to_probes(r.donor, 'Q', reuse::encode(reuse::QualityRecord{r.cell, correct, kl}), nullptr);
     log_.info("shadow_check", {{"request_id", r.id},
@@ -457,26 +262,11 @@ class Gateway {
                                {"kl", static_cast<double>(kl)}});
   }
 
-  runtime::Counter& outcome_counter(const std::string& outcome) {
-    auto& slot = outcomes_[outcome];
-    if (slot == nullptr)
-      slot = &metrics_.counter("moeline_gateway_requests_total", "Requests by outcome",
-                               {{"outcome", outcome}});
-    return *slot;
-  }
-
-  void count_rejection(const std::string& reason) {
-    metrics_
-        .counter("moeline_gateway_rejected_total", "Requests and frames refused at the gateway",
-                 {{"reason", reason}})
-        .inc();
-  }
-
   void update_gauges() {
-    queue_gauges_["probe"]->set(static_cast<double>(probe_queue_.size()));
-    queue_gauges_["prefill"]->set(static_cast<double>(prefill_queue_.size()));
-    queue_gauges_["decode"]->set(static_cast<double>(decode_queue_.size()));
-    in_flight_gauge_->set(static_cast<double>(requests_.size()));
+    metrics_.probe_queue->set(static_cast<double>(probe_queue_.size()));
+    metrics_.prefill_queue->set(static_cast<double>(prefill_queue_.size()));
+    metrics_.decode_queue->set(static_cast<double>(decode_queue_.size()));
+    metrics_.in_flight->set(static_cast<double>(requests_.size()));
     in_flight_.store(requests_.size());
     double used = 0, free = 0;
     for (const auto& [identity, peer] : hub_->peers()) {
@@ -484,75 +274,21 @@ class Gateway {
       used += peer.kv_used;
       free += peer.kv_free;
     }
-    kv_used_->set(used);
-    kv_free_->set(free);
+    metrics_.kv_used->set(used);
+    metrics_.kv_free->set(free);
   }
 
   // ---- to clients ----
 
-  // False when the client's connection is gone (ROUTER_MANDATORY reports it).
-  bool send_client(const std::string& client, std::vector<zmq::message_t>&& frames) {
-    return wire::send(*client_, std::move(frames), &client, true);
-  }
-
-  bool send_event(const std::string& client, uint64_t client_request_id, uint64_t request_id,
-                  wire::EventKind kind, const std::string& text = {},
-                  const std::vector<int32_t>& tokens = {}, const std::string& finish = {},
-                  wire::ErrorCode code = wire::ErrorCode::None, const std::string& error = {},
-                  const Request* done = nullptr, const wire::TokenLogprobs* logprobs = nullptr) {
-    flatbuffers::FlatBufferBuilder builder(256 + text.size());
-    auto text_offset = builder.CreateString(text);
-    auto tokens_offset = builder.CreateVector(tokens);
-    flatbuffers::Offset<flatbuffers::Vector<flatbuffers::Offset<wire::TokenLogprobs>>>
-        logprobs_offset = 0;
-    if (logprobs != nullptr)
-      logprobs_offset = builder.CreateVector(std::vector{copy_logprobs(builder, logprobs)});
-    auto finish_offset = builder.CreateString(finish);
-    auto error_offset = builder.CreateString(error);
-    flatbuffers::Offset<wire::Usage> usage = 0;
-    flatbuffers::Offset<wire::Timings> timings = 0;
-    if (done != nullptr) {
-      const auto now = Clock::now();
-      usage = wire::CreateUsage(builder, static_cast<uint32_t>(done->prompt.size()),
-                                static_cast<uint32_t>(done->sent.size()), done->reused_tokens,
-                                builder.CreateString(done->reuse_level),
-                                builder.CreateString(done->approximate), done->similarity);
-      const double queue_ms = done->prefill_dispatched == Clock::time_point{}
-                                  ? 0
-                                  : ms_between(done->received, done->prefill_dispatched);
-      timings = wire::CreateTimings(
-          builder, queue_ms, done->prefill_ms,
-          done->has_first_token ? ms_between(done->received, done->first_token) : 0,
-          ms_between(done->received, now));
-    }
-    builder.Finish(wire::CreateStreamEvent(builder, client_request_id, request_id, kind,
-                                           text_offset, tokens_offset, finish_offset, usage,
-                                           timings, code, error_offset, logprobs_offset),
-                   wire::GenerateRequestIdentifier());
-    if (runtime::request_tracing())
-      runtime::trace_message(log_,
-                             ("StreamEvent:" + std::string(wire::EnumNameEventKind(kind))).c_str(),
-                             request_id, 0, "client");
-    return send_client(client, wire::encode(wire::MessageType::StreamEvent, builder));
-  }
-
   void reject(const std::string& client, uint64_t client_request_id, wire::ErrorCode code,
               const std::string& reason, const std::string& text) {
-    count_rejection(reason);
-    outcome_counter("rejected").inc();
+    metrics_.rejected(reason).inc();
+    metrics_.outcome("rejected").inc();
     if (uint64_t suppressed = 0; reject_log_.allow(suppressed))
       log_.warn("request_rejected",
                 {{"reason", reason}, {"detail", text}, {"suppressed", suppressed}});
-    send_event(client, client_request_id, 0, wire::EventKind::Error, {}, {}, {}, code, text);
-  }
-
-  void reply_error(const std::string& client, wire::ErrorCode code, const std::string& text,
-                   uint64_t client_request_id = 0) {
-    flatbuffers::FlatBufferBuilder builder(256);
-    builder.Finish(
-        wire::CreateErrorReply(builder, code, builder.CreateString(text), client_request_id),
-        wire::HelloIdentifier());
-    send_client(client, wire::encode(wire::MessageType::ErrorReply, builder));
+    client_->send_event(client, client_request_id, 0, wire::EventKind::Error, {}, {}, {}, code,
+                        text);
   }
 
   // ---- from clients ----
@@ -563,12 +299,12 @@ class Gateway {
     frames.erase(frames.begin());
     wire::Decoded decoded = wire::decode(std::move(frames), limits_);
     if (decoded.error) {
-      count_rejection("frame_" + decoded.error->reason);
-      runtime::report_rejected_frame(metrics_, log_, frame_log_, "client", *decoded.error);
-      reply_error(client,
-                  decoded.error->reason == "version" ? wire::ErrorCode::VersionMismatch
-                                                     : wire::ErrorCode::MalformedMessage,
-                  decoded.error->detail);
+      metrics_.rejected("frame_" + decoded.error->reason).inc();
+      runtime::report_rejected_frame(registry_, log_, frame_log_, "client", *decoded.error);
+      client_->reply_error(client,
+                           decoded.error->reason == "version" ? wire::ErrorCode::VersionMismatch
+                                                              : wire::ErrorCode::MalformedMessage,
+                           decoded.error->detail);
       return;
     }
     static constexpr runtime::HandlerTable<Gateway, 4, const std::string&, wire::Message&>
@@ -580,9 +316,10 @@ class Gateway {
         });
     wire::Message& message = *decoded.message;
     if (kClientHandlers.dispatch(*this, message.type, client, message)) return;
-    count_rejection("unexpected_type");
-    reply_error(client, wire::ErrorCode::InvalidRequest,
-                std::string("a client may not send ") + wire::message_type_name(message.type));
+    metrics_.rejected("unexpected_type").inc();
+    client_->reply_error(
+        client, wire::ErrorCode::InvalidRequest,
+        std::string("a client may not send ") + wire::message_type_name(message.type));
   }
 
   void on_generate_message(const std::string& client, wire::Message& message) {
@@ -595,13 +332,13 @@ class Gateway {
 
   void on_feedback(const std::string& client, wire::Message& message) {
     const auto* feedback = message.as<wire::Feedback>();
-    feedback_->inc();
+    metrics_.feedback->inc();
     log_.info("feedback", {{"client_request_id", feedback->client_request_id()},
                            {"score", static_cast<double>(feedback->score())}});
     // Feedback on an answer approximate reuse served feeds the rollback controller.
     if (auto negative = reuse_->on_feedback(seconds_now(), client, feedback->client_request_id(),
                                             feedback->score()))
-      reused_feedback_[*negative ? "negative" : "positive"]->inc();
+      metrics_.approximate_feedback(*negative).inc();
   }
 
   void on_control_message(const std::string& client, wire::Message& message) {
@@ -620,92 +357,16 @@ class Gateway {
       return reject(client, crid, wire::ErrorCode::Overloaded, "overloaded",
                     "the gateway has " + std::to_string(requests_.size()) +
                         " requests in flight (limit " + std::to_string(max_in_flight_) + ")");
-    std::string tenant = request.tenant() ? request.tenant()->str() : "";
-    TenantLimits limits = tenant_limits_;
-    if (api_keys_.required()) {
-      // The key names the tenant; a request may repeat it, never choose another.
-      const std::string key = request.api_key() ? request.api_key()->str() : "";
-      const runtime::ApiKeyEntry* entry = api_keys_.authenticate(key);
-      if (entry == nullptr)
-        return reject(
-            client, crid, wire::ErrorCode::Unauthenticated, "unauthenticated",
-            key.empty() ? "this gateway requires an API key" : "the API key is not valid");
-      if (!tenant.empty() && tenant != entry->tenant)
-        return reject(client, crid, wire::ErrorCode::Forbidden, "forbidden",
-                      "the API key is not for tenant '" + tenant.substr(0, 64) + "'");
-      tenant = entry->tenant;
-      if (entry->max_in_flight > 0) limits.max_in_flight = entry->max_in_flight;
-      if (entry->prompt_tokens_per_s > 0) limits.prompt_tokens_per_s = entry->prompt_tokens_per_s;
-    }
-    if (tenant.empty()) tenant = "default";
-    if (tenant.size() > 64 || !std::all_of(tenant.begin(), tenant.end(), [](char c) {
-          return std::isalnum(static_cast<unsigned char>(c)) || c == '-' || c == '_' || c == '.';
-        }))
-      return reject(client, crid, wire::ErrorCode::UnknownTenant, "bad_tenant",
-                    "tenant names are 1-64 characters of [A-Za-z0-9._-]");
-    if (!tenants_.empty() && std::find(tenants_.begin(), tenants_.end(), tenant) == tenants_.end())
-      return reject(client, crid, wire::ErrorCode::UnknownTenant, "unknown_tenant",
-                    "unknown tenant '" + tenant + "'");
-    model::SamplingParams sampling = from_wire(request.sampling());
-    if (moeline::Status status = sampling.validate(); !status.ok())
-      return reject(client, crid, wire::ErrorCode::InvalidSampling, "invalid_sampling",
-                    status.error().message);
-    // No request can use more tokens than the context holds: past it, max_tokens is an error
-    // (within it, it is capped below to what the prompt leaves).
-    if (sampling.max_tokens > context_)
-      return reject(client, crid, wire::ErrorCode::InvalidRequest, "bad_max_tokens",
-                    "max_tokens " + std::to_string(sampling.max_tokens) +
-                        " exceeds the model's context of " + std::to_string(context_) + " tokens");
-    const bool has_prompt = request.prompt() != nullptr && request.prompt()->size() > 0;
-    const bool has_tokens = request.tokens() != nullptr && request.tokens()->size() > 0;
-    if (has_prompt == has_tokens)
-      return reject(client, crid, wire::ErrorCode::InvalidRequest, "no_prompt",
-                    "give either a prompt or tokens");
-    std::vector<int32_t> prompt;
-    if (has_prompt) {
-      // Refused before tokenizing: a prompt longer than the token limit times the longest token
-      // cannot fit, and tokenizing it would stall this loop for every other request.
-      if (request.prompt()->size() > max_prompt_bytes_)
-        return reject(client, crid, wire::ErrorCode::PromptTooLong, "prompt_too_long",
-                      "prompt of " + std::to_string(request.prompt()->size()) +
-                          " bytes exceeds the limit of " + std::to_string(max_prompt_bytes_) +
-                          " bytes (" + std::to_string(max_prompt_tokens_) + " tokens)");
-      auto ids = tokenizer_->encode(request.prompt()->string_view(),
-                                    {.add_special_tokens = request.add_special_tokens()});
-      if (!ids)
-        return reject(client, crid, wire::ErrorCode::InvalidRequest, "bad_prompt",
-                      ids.error().message);
-      prompt = std::move(*ids);
-      if (prompt.empty())
-        return reject(client, crid, wire::ErrorCode::InvalidRequest, "no_prompt",
-                      "the prompt has no tokens");
-    } else {
-      prompt.assign(request.tokens()->begin(), request.tokens()->end());
-      const int64_t vocab = model_.config.vocab_size;
-      for (int32_t token : prompt)
-        if (token < 0 || token >= vocab)
-          return reject(client, crid, wire::ErrorCode::InvalidRequest, "bad_token",
-                        "token id " + std::to_string(token) + " is outside the vocabulary [0, " +
-                            std::to_string(vocab) + ")");
-    }
-    if (static_cast<int64_t>(prompt.size()) > max_prompt_tokens_)
-      return reject(client, crid, wire::ErrorCode::PromptTooLong, "prompt_too_long",
-                    "prompt of " + std::to_string(prompt.size()) + " tokens exceeds the limit of " +
-                        std::to_string(max_prompt_tokens_));
-    // Generation stops at the context anyway: what the prompt leaves of it is the most a request
-    // can get.
-    sampling.max_tokens =
-        std::min<int64_t>(sampling.max_tokens, context_ - static_cast<int64_t>(prompt.size()));
-    const std::optional<uint32_t> asked = reuse::ReusePolicy::requested_levels(
-        request.reuse() ? request.reuse()->string_view() : std::string_view());
-    if (!asked)
-      return reject(client, crid, wire::ErrorCode::InvalidRequest, "bad_reuse",
-                    "unknown reuse '" + request.reuse()->str() +
-                        "' (known: exact, approximate, response, blend, none)");
-    if (auto over = tenant_limiter_.admit(tenant, limits, prompt.size(), seconds_now()))
+    auto validated = validator_->validate(request);
+    if (const auto* refused = std::get_if<Refusal>(&validated))
+      return reject(client, crid, refused->code, refused->reason, refused->text);
+    ValidRequest& valid = std::get<ValidRequest>(validated);
+    if (auto over =
+            tenant_limiter_.admit(valid.tenant, valid.limits, valid.prompt.size(), seconds_now()))
       return reject(client, crid, wire::ErrorCode::Overloaded, "tenant_over_limit", *over);
     // Every sampled request gets a seed, so that a retry after a replica dies replays the
     // tokens the client already has instead of diverging from them.
+    model::SamplingParams& sampling = valid.sampling;
     const bool client_seeded = sampling.seed.has_value();
     if (sampling.temperature > 0 && !sampling.seed) sampling.seed = seed_source_();
 
@@ -713,34 +374,32 @@ class Gateway {
     r.id = next_request_id_++;
     runtime::trace_message(log_, "GenerateRequest", r.id, 1, "client");
     r.client = client;
-    r.tenant = tenant;
+    r.tenant = valid.tenant;
     r.client_request_id = crid;
-    r.prompt = std::move(prompt);
+    r.prompt = std::move(valid.prompt);
     r.sampling = std::move(sampling);
     // Server-derived: a client names its tenant, never the namespace its cache entries live in.
     r.client_deterministic = r.sampling.temperature == 0 || client_seeded;
     reuse::Admission admitted =
-        reuse_->admit(tenant, *asked, r.client_deterministic, r.sampling.logprobs);
+        reuse_->admit(r.tenant, valid.asked_levels, r.client_deterministic, r.sampling.logprobs);
     r.cache_namespace = std::move(admitted.cache_namespace);
     r.namespace_levels = admitted.namespace_levels;
     r.allowed_levels = admitted.allowed_levels;
     if (!admitted.approximate_refused.empty()) {
       r.approximate = admitted.approximate_refused;
-      approximate_counter(r.approximate).inc();
+      metrics_.approximate(r.approximate).inc();
     }
     const uint64_t ns = model::namespace_id(r.cache_namespace);
     r.prompt_key = reuse::prompt_key(r.prompt, reuse::block_chain(r.prompt, model_.model_id, ns),
                                      model_.model_id, ns);
     r.received = Clock::now();
-    auto deadline = request.deadline_ms() > 0 ? std::chrono::milliseconds(request.deadline_ms())
-                                              : default_deadline_;
-    r.deadline = r.received + std::min(deadline, max_deadline_);
+    r.deadline = r.received + valid.deadline;
     r.text = std::make_unique<tokenizer::DecodeStream>(
-        *tokenizer_, tokenizer::DecodeOptions{.skip_special_tokens = true});
+        validator_->tokenizer(), tokenizer::DecodeOptions{.skip_special_tokens = true});
     // With its usage: the prompt's token count, which a front end that ends the request itself
     // (an HTTP stop string) still reports.
-    send_event(client, crid, r.id, wire::EventKind::Accepted, {}, {}, {}, wire::ErrorCode::None, {},
-               &r);
+    client_->send_event(client, crid, r.id, wire::EventKind::Accepted, {}, {}, {},
+                        wire::ErrorCode::None, {}, &r);
     by_client_[{client, crid}] = r.id;
     const uint64_t id = r.id;
     requests_.emplace(id, std::move(r));
@@ -757,20 +416,11 @@ class Gateway {
 
   void on_control(const std::string& client, const wire::ControlCommand& command) {
     const std::string name = command.command() ? command.command()->str() : "";
-    if (api_keys_.required()) {
-      // Operator commands change what every tenant gets (or show every tenant's requests).
-      const runtime::ApiKeyEntry* entry =
-          api_keys_.authenticate(command.api_key() ? command.api_key()->string_view() : "");
-      if (entry == nullptr || entry->role != runtime::ApiRole::kOperator) {
-        count_rejection(entry == nullptr ? "unauthenticated" : "forbidden");
-        log_.warn("control_refused", {{"command", name.substr(0, 64)},
-                                      {"key", entry ? entry->id : std::string("none")}});
-        return reply_error(
-            client,
-            entry == nullptr ? wire::ErrorCode::Unauthenticated : wire::ErrorCode::Forbidden,
-            entry == nullptr ? "control commands need an operator's API key"
-                             : "control commands need the operator role");
-      }
+    std::string key_id;
+    if (auto refused = validator_->authorize_operator(command, key_id)) {
+      metrics_.rejected(refused->reason).inc();
+      log_.warn("control_refused", {{"command", name.substr(0, 64)}, {"key", key_id}});
+      return client_->reply_error(client, refused->code, refused->text);
     }
     nlohmann::json body;
     bool ok = true;
@@ -855,11 +505,7 @@ class Gateway {
       text =
           "unknown command '" + name.substr(0, 64) + "' (known: status, reuse, approximate, drain)";
     }
-    flatbuffers::FlatBufferBuilder builder(512);
-    builder.Finish(wire::CreateControlReply(builder, ok, builder.CreateString(text),
-                                            builder.CreateString(body.dump())),
-                   wire::ControlCommandIdentifier());
-    send_client(client, wire::encode(wire::MessageType::ControlReply, builder));
+    client_->reply_control(client, ok, text, body.dump());
   }
 
   // ---- request lifecycle ----
@@ -894,11 +540,7 @@ class Gateway {
 
   void refuse_from_peer(const std::string& from, wire::MessageType type, const char* reason) {
     const runtime::Peer* peer = hub_->peer(from);
-    metrics_
-        .counter("moeline_gateway_stage_messages_refused_total",
-                 "Results and messages from a stage that was not entitled to send them",
-                 {{"reason", reason}, {"type", wire::message_type_name(type)}})
-        .inc();
+    metrics_.stage_refused(reason, type).inc();
     if (uint64_t suppressed = 0; stage_refusal_log_.allow(suppressed))
       log_.warn("stage_message_refused", {{"peer", peer ? peer->replica : std::string("?")},
                                           {"stage", peer ? wire::stage_name(peer->stage) : "?"},
@@ -962,7 +604,7 @@ class Gateway {
     r.prefill_reserved = false;  // the replica returns it when the job is done
     if (r.prefill_dispatched == Clock::time_point{}) {
       r.prefill_dispatched = Clock::now();
-      queue_time_->observe(
+      metrics_.queue_time->observe(
           std::chrono::duration<double>(r.prefill_dispatched - r.received).count());
     }
   }
@@ -999,23 +641,23 @@ class Gateway {
     std::string tail;
     if (auto rest = r.text->finish(); rest) tail = std::move(*rest);
     const auto now = Clock::now();
-    e2e_->observe(std::chrono::duration<double>(now - r.received).count());
+    metrics_.e2e->observe(std::chrono::duration<double>(now - r.received).count());
     if (r.sent.size() > 1 && r.has_first_token)
-      tpot_->observe(std::chrono::duration<double>(now - r.first_token).count() /
-                     static_cast<double>(r.sent.size() - 1));
-    outcome_counter(reason).inc();
-    send_event(r.client, r.client_request_id, r.id, wire::EventKind::Finished, tail, {}, reason,
-               wire::ErrorCode::None, {}, &r);
+      metrics_.tpot->observe(std::chrono::duration<double>(now - r.first_token).count() /
+                             static_cast<double>(r.sent.size() - 1));
+    metrics_.outcome(reason).inc();
+    client_->send_event(r.client, r.client_request_id, r.id, wire::EventKind::Finished, tail, {},
+                        reason, wire::ErrorCode::None, {}, &r);
     erase(r);
   }
 
   void fail(Request& r, wire::ErrorCode code, const std::string& outcome, const std::string& text) {
     cancel_at_owner(r);
-    outcome_counter(outcome).inc();
-    e2e_->observe(std::chrono::duration<double>(Clock::now() - r.received).count());
+    metrics_.outcome(outcome).inc();
+    metrics_.e2e->observe(std::chrono::duration<double>(Clock::now() - r.received).count());
     log_.warn("request_failed", {{"request_id", r.id}, {"outcome", outcome}, {"detail", text}});
-    send_event(r.client, r.client_request_id, r.id, wire::EventKind::Error, {}, {}, {}, code, text,
-               &r);
+    client_->send_event(r.client, r.client_request_id, r.id, wire::EventKind::Error, {}, {}, {},
+                        code, text, &r);
     erase(r);
   }
 
@@ -1033,10 +675,10 @@ class Gateway {
       if (!r.has_first_token) {
         r.has_first_token = true;
         r.first_token = Clock::now();
-        ttft_->observe(std::chrono::duration<double>(r.first_token - r.received).count());
+        metrics_.ttft->observe(std::chrono::duration<double>(r.first_token - r.received).count());
       }
       std::string delta;
-      if (tokenizer_->id_to_token(token)) {
+      if (validator_->tokenizer().id_to_token(token)) {
         auto piece = r.text->step(token);
         if (piece) delta = std::move(*piece);
       }
@@ -1044,12 +686,12 @@ class Gateway {
       if (r.sampling.logprobs && logprobs == nullptr)
         return fail(r, wire::ErrorCode::StageFailed, "stage_failed",
                     "a stage sent a token without the log-probabilities the request asked for");
-      if (!send_event(r.client, r.client_request_id, r.id, wire::EventKind::Delta, delta, {token},
-                      {}, wire::ErrorCode::None, {}, nullptr, logprobs)) {
+      if (!client_->send_event(r.client, r.client_request_id, r.id, wire::EventKind::Delta, delta,
+                               {token}, {}, wire::ErrorCode::None, {}, nullptr, logprobs)) {
         // Nobody is listening any more: stop spending compute on it.
         log_.info("client_gone", {{"request_id", r.id}, {"tokens", r.sent.size()}});
         cancel_at_owner(r);
-        outcome_counter("client_gone").inc();
+        metrics_.outcome("client_gone").inc();
         return erase(r);
       }
     }
@@ -1063,7 +705,7 @@ class Gateway {
     if (r.attempt - r.free_attempts > max_retries_)
       return fail(r, wire::ErrorCode::StageFailed, "stage_failed",
                   why + "; gave up after " + std::to_string(r.attempt) + " attempts");
-    retries_->inc();
+    metrics_.retries->inc();
     log_.warn("request_retry", {{"request_id", r.id}, {"attempt", r.attempt + 1}, {"reason", why}});
     release_reservations(r);
     r.owner.clear();
@@ -1107,7 +749,7 @@ class Gateway {
       ++r.attempt;
       ++r.free_attempts;
       r.position = 0;
-      probe_bypassed_->inc();
+      metrics_.probe_bypassed->inc();
       if (uint64_t suppressed = 0; bypass_log_.allow(suppressed))
         log_.warn("probe_bypassed", {{"request_id", r.id},
                                      {"waited_ms", ms_between(r.probe_since, now)},
@@ -1143,7 +785,7 @@ class Gateway {
         unconfirmed.push_back(id);
     for (uint64_t id : unconfirmed) {
       Request& r = requests_.at(id);
-      handover_timeouts_->inc();
+      metrics_.handover_timeouts->inc();
       const std::string target = r.decode_target;
       cancel_at_owner(r);
       retry_or_fail(r, "decode replica " + target + " did not confirm the hand-over");
@@ -1394,7 +1036,7 @@ class Gateway {
       r->decode_reserved = true;
       if (r->attempt == 1 || r->prefill_dispatched == Clock::time_point{}) {
         r->prefill_dispatched = Clock::now();
-        queue_time_->observe(
+        metrics_.queue_time->observe(
             std::chrono::duration<double>(r->prefill_dispatched - r->received).count());
       }
       prefill_queue_.pop_front();
@@ -1482,7 +1124,7 @@ class Gateway {
       r->donor = plan->donor_key();
       r->cell = plan->cell();
       r->shadow_sampled = plan->shadow_sampled();
-      approximate_counter(outcome).inc();
+      metrics_.approximate(outcome).inc();
       reuse_->on_lookup(seconds_now(), outcome);
       if (outcome == "shadow" && plan->shadow_mode() && plan->shadow_mode()->str() == "response" &&
           plan->completion()) {
@@ -1561,8 +1203,8 @@ class Gateway {
     r->owner.clear();
     r->prefill_ms = static_cast<double>(done->prefill_us()) / 1000.0;
     if (done->prefill_us() > 0 && r->probe_us > 0)
-      probe_fraction_->observe(static_cast<double>(r->probe_us) /
-                               static_cast<double>(done->prefill_us()));
+      metrics_.probe_fraction->observe(static_cast<double>(r->probe_us) /
+                                       static_cast<double>(done->prefill_us()));
     if (done->reuse_level() && done->reuse_level()->size() > 0) {
       r->reuse_level = done->reuse_level()->str();
       r->reused_tokens = done->reused_tokens();
@@ -1618,7 +1260,7 @@ class Gateway {
   void on_token_batch(runtime::Hub::Incoming& incoming) {
     wire::Message& message = incoming.message;
     const auto* batch = message.as<wire::TokenBatch>();
-    batch_size_->observe(batch->batch_size());
+    metrics_.batch_size->observe(batch->batch_size());
     if (batch->updates() == nullptr) return;
     for (const wire::TokenUpdate* update : *batch->updates()) {
       if (Request* early = find(update->request_id(), update->attempt());
@@ -1657,7 +1299,7 @@ class Gateway {
     if (failed->code() == wire::ErrorCode::Draining) {
       // Handed back by a draining replica: another one takes it (not a failure).
       ++r->free_attempts;
-      handed_back_->inc();
+      metrics_.handed_back->inc();
       return retry_or_fail(*r, "replica draining");
     }
     return fail(*r, failed->code(), "failed",
@@ -1698,31 +1340,25 @@ class Gateway {
   }
 
   runtime::StageService service_;
-  runtime::Registry& metrics_;
+  runtime::Registry& registry_;
+  GatewayMetrics metrics_;
   runtime::Logger& log_;
-  runtime::ApiKeys api_keys_;
   TenantLimiter tenant_limiter_;
-  TenantLimits tenant_limits_;
   nlohmann::json security_state_;  // constant once listening: /healthz reads it
   zmq::context_t context_zmq_{1};
   runtime::CurveSettings curve_;
   std::unique_ptr<runtime::ZapHandler> zap_;  // before the sockets it admits: outlives them
-  std::unique_ptr<zmq::socket_t> client_;
+  std::unique_ptr<ClientChannel> client_;
   std::unique_ptr<runtime::Hub> hub_;
   model::ModelInfo model_;
-  std::unique_ptr<tokenizer::Tokenizer> tokenizer_;
   wire::Limits limits_;
-  int64_t context_ = 0, max_prompt_tokens_ = 0;
-  size_t max_prompt_bytes_ = 0, max_in_flight_ = 0, max_decode_backlog_ = 0;
+  std::unique_ptr<RequestValidator> validator_;
+  size_t max_in_flight_ = 0, max_decode_backlog_ = 0;
   uint32_t max_retries_ = 2;
   std::chrono::milliseconds probe_timeout_{0}, drain_grace_{0}, handover_timeout_{10000};
   bool draining_ = false;
   Clock::time_point drain_until_;
-  runtime::Counter *handed_back_ = nullptr, *handover_timeouts_ = nullptr;
-  runtime::Counter* probe_bypassed_ = nullptr;
   runtime::RateLimited bypass_log_;
-  std::chrono::milliseconds default_deadline_{0}, max_deadline_{0};
-  std::vector<std::string> tenants_;
   std::unordered_map<uint64_t, std::string> prefix_affinity_;
   std::map<std::pair<uint64_t, uint32_t>, std::string> stale_prefill_;
   ProbeRing probe_ring_;
@@ -1736,12 +1372,6 @@ class Gateway {
   Clock::time_point last_deadline_scan_, last_bypass_scan_;
   std::atomic<size_t> in_flight_{0};
 
-  std::map<std::string, runtime::Gauge*> queue_gauges_;
-  runtime::Gauge *in_flight_gauge_ = nullptr, *kv_used_ = nullptr, *kv_free_ = nullptr;
-  runtime::Histogram *batch_size_ = nullptr, *ttft_ = nullptr, *tpot_ = nullptr, *e2e_ = nullptr,
-                     *queue_time_ = nullptr;
-  runtime::Counter *retries_ = nullptr, *feedback_ = nullptr;
-  std::map<std::string, runtime::Counter*> outcomes_;
   runtime::RateLimited reject_log_, frame_log_, stage_refusal_log_;
 
   std::unique_ptr<reuse::ReusePolicy> reuse_;
@@ -1750,10 +1380,6 @@ class Gateway {
   std::mutex approximate_state_mutex_;
   nlohmann::json approximate_state_ = {{"enabled", true}, {"reason", "initial"}};
   double blend_max_kl_ = 0.05;
-  runtime::Gauge *approximate_enabled_ = nullptr, *shadow_agreement_ = nullptr;
-  runtime::Histogram* probe_fraction_ = nullptr;
-  runtime::Counter* shadow_counter_[2] = {nullptr, nullptr};
-  std::map<std::string, runtime::Counter*> transitions_, approximate_outcomes_, reused_feedback_;
 };
 
 std::vector<runtime::ConfigKey> gateway_keys() {

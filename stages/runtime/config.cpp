@@ -172,6 +172,18 @@ std::string Config::usage(const std::string& stage, std::span<const ConfigKey> k
   return out.str();
 }
 
+std::vector<std::string> parse_list(const std::string& text) {
+  std::vector<std::string> out;
+  size_t start = 0;
+  while (start < text.size()) {
+    size_t comma = text.find(',', start);
+    if (comma == std::string::npos) comma = text.size();
+    if (comma > start) out.push_back(text.substr(start, comma - start));
+    start = comma + 1;
+  }
+  return out;
+}
+
 uint64_t parse_bytes(const std::string& text) {
   size_t pos = 0;
   double value = 0;

@@ -55,5 +55,7 @@ class Config {
 
 // Parses sizes such as "512", "64KiB", "2GiB", "1.5GB".
 uint64_t parse_bytes(const std::string& text);
+// The items of a comma-separated setting ("a,b,,c" -> a, b, c).
+std::vector<std::string> parse_list(const std::string& text);
 
 }  // namespace moeline::runtime
