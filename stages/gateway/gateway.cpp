@@ -17,6 +17,7 @@
 #include "reuse/policy.h"
 #include "reuse/records.h"
 #include "stages/common/common.h"
+#include "stages/gateway/broker.h"
 #include "stages/gateway/client_front.h"
 #include "stages/gateway/gateway_metrics.h"
 #include "stages/gateway/probe_ring.h"
@@ -107,6 +108,7 @@ class Gateway {
         runtime::HubSecurity{.max_message_bytes = max_stage_message_bytes(cfg),
                              .curve = &curve_,
                              .zap = zap_.get()});
+    broker_ = std::make_unique<Broker>(*hub_, metrics_, log_);
     for (const char* key : {"client-bind", "hub-bind"})
       if (runtime::is_tcp(config.text(key)) && !curve_.enabled())
         log_.warn("open_endpoint",
@@ -254,7 +256,8 @@ class Gateway {
         metrics_.shadow_agreement->set(*agreement);
     metrics_.shadow_check(correct).inc();
     // Every probe's decision rule learns from every check.
-    put_to_probes(r.donor, 'Q', reuse::encode(reuse::QualityRecord{r.cell, correct, kl}), nullptr);
+    broker_->put_to_probes(r.donor, 'Q', reuse::encode(reuse::QualityRecord{r.cell, correct, kl}),
+                           nullptr);
     log_.info("shadow_check", {{"request_id", r.id},
                                {"mode", r.shadow_mode.empty() ? "blend" : r.shadow_mode},
                                {"donor", r.donor},
@@ -523,66 +526,8 @@ class Gateway {
     Request* r = find(id, attempt);
     if (r == nullptr) return nullptr;
     if (r->owner == from) return r;
-    refuse_from_peer(from, type, "not_owner");
+    broker_->refuse(from, type, "not_owner");
     return nullptr;
-  }
-
-  // Messages a kind of stage may send: a probe does not hand out expert plans, an offload manager
-  // does not store snapshots.
-  bool from_stage(const std::string& from, wire::MessageType type,
-                  std::initializer_list<wire::StageKind> kinds) {
-    const runtime::Peer* peer = hub_->peer(from);
-    if (peer != nullptr && std::find(kinds.begin(), kinds.end(), peer->stage) != kinds.end())
-      return true;
-    refuse_from_peer(from, type, "wrong_stage");
-    return false;
-  }
-
-  void refuse_from_peer(const std::string& from, wire::MessageType type, const char* reason) {
-    const runtime::Peer* peer = hub_->peer(from);
-    metrics_.stage_refused(reason, type).inc();
-    if (uint64_t suppressed = 0; stage_refusal_log_.allow(suppressed))
-      log_.warn("stage_message_refused", {{"peer", peer ? peer->replica : std::string("?")},
-                                          {"stage", peer ? wire::stage_name(peer->stage) : "?"},
-                                          {"type", wire::message_type_name(type)},
-                                          {"reason", reason},
-                                          {"suppressed", suppressed}});
-  }
-
-  // Tells the prefill or decode replica holding the request to drop it (a probe answers at once,
-  // there is nothing to cancel there).
-  void cancel_at_owner(Request& r) {
-    release_reservations(r);
-    const runtime::Peer* owner = r.owner.empty() ? nullptr : hub_->peer(r.owner);
-    if (owner == nullptr || owner->stage == wire::StageKind::Probe) {
-      r.owner.clear();
-      return;
-    }
-    flatbuffers::FlatBufferBuilder builder(64);
-    builder.Finish(wire::CreateCancelJob(builder, r.id, r.attempt), wire::PrefillJobIdentifier());
-    hub_->send(r.owner, wire::encode(wire::MessageType::CancelJob, builder), false);
-    r.owner.clear();
-  }
-
-  // The prefill credit held for a job the probe was to send on. `may_still_come`: the probe may
-  // yet send it (the request was retried, bypassed or cancelled meanwhile); prefill will then
-  // return a credit for it that was already given back here, which its result takes again.
-  void release_prefill(Request& r, bool may_still_come) {
-    if (!r.prefill_reserved) return;
-    r.prefill_reserved = false;
-    hub_->restore_credit(r.handed_by);
-    if (may_still_come) {
-      if (stale_prefill_.size() > 4096) stale_prefill_.clear();
-      stale_prefill_[{r.id, r.attempt}] = r.handed_by;
-    }
-  }
-
-  // A result of a prefill job the gateway had given up on (release_prefill): its credit once more.
-  void settle_stale_prefill(uint64_t id, uint32_t attempt, const std::string& from) {
-    auto it = stale_prefill_.find({id, attempt});
-    if (it == stale_prefill_.end() || it->second != from) return;
-    hub_->spend_credit(from);
-    stale_prefill_.erase(it);
   }
 
   // A result from the prefill replica the probe sent the job to, for a request still waiting for
@@ -591,7 +536,7 @@ class Gateway {
                         wire::MessageType type) {
     Request* r = find(id, attempt);
     if (r == nullptr) {
-      settle_stale_prefill(id, attempt, from);
+      broker_->settle_stale_prefill(id, attempt, from);
       return nullptr;
     }
     if (r->at_probe && r->prefill_reserved && r->handed_by == from) took_job_from_probe(*r);
@@ -609,18 +554,6 @@ class Gateway {
     }
   }
 
-  // The credits held for this attempt's transfers that will not be confirmed go back: the
-  // prefill replica's (see release_prefill) and the decode replica's. Should a hand-over reach
-  // decode after all, its HandoverAccepted finds no request: the gateway cancels it there and
-  // takes that credit again (on_handover_accepted), so none is counted twice.
-  void release_reservations(Request& r) {
-    release_prefill(r, true);
-    if (r.decode_reserved) hub_->restore_credit(r.decode_target);
-    r.decode_reserved = r.handover_pending = r.handover_confirmed = false;
-    r.decode_target.clear();
-    r.handed_by.clear();
-  }
-
   void erase(Request& r) {
     tenant_limiter_.release(r.tenant);
     by_client_.erase({r.client, r.client_request_id});
@@ -628,7 +561,7 @@ class Gateway {
   }
 
   void finish(Request& r, const std::string& reason) {
-    cancel_at_owner(r);
+    broker_->cancel_at_owner(r);
     const bool approximate_answer = r.reuse_level == "response" || r.reuse_level == "blend";
     // Only what was computed for this very prompt becomes its result.
     if ((reason == "stop" || reason == "length") && (r.allowed_levels & reuse::kResult) &&
@@ -652,7 +585,7 @@ class Gateway {
   }
 
   void fail(Request& r, wire::ErrorCode code, const std::string& outcome, const std::string& text) {
-    cancel_at_owner(r);
+    broker_->cancel_at_owner(r);
     metrics_.outcome(outcome).inc();
     metrics_.e2e->observe(std::chrono::duration<double>(Clock::now() - r.received).count());
     log_.warn("request_failed", {{"request_id", r.id}, {"outcome", outcome}, {"detail", text}});
@@ -690,7 +623,7 @@ class Gateway {
                                {token}, {}, wire::ErrorCode::None, {}, nullptr, logprobs)) {
         // Nobody is listening any more: stop spending compute on it.
         log_.info("client_gone", {{"request_id", r.id}, {"tokens", r.sent.size()}});
-        cancel_at_owner(r);
+        broker_->cancel_at_owner(r);
         metrics_.outcome("client_gone").inc();
         return erase(r);
       }
@@ -707,7 +640,7 @@ class Gateway {
                   why + "; gave up after " + std::to_string(r.attempt) + " attempts");
     metrics_.retries->inc();
     log_.warn("request_retry", {{"request_id", r.id}, {"attempt", r.attempt + 1}, {"reason", why}});
-    release_reservations(r);
+    broker_->release_reservations(r);
     r.owner.clear();
     ++r.attempt;
     r.position = 0;
@@ -744,7 +677,7 @@ class Gateway {
     for (uint64_t id : late) {
       Request& r = requests_.at(id);
       r.at_probe = false;
-      release_reservations(r);
+      broker_->release_reservations(r);
       r.owner.clear();
       ++r.attempt;
       ++r.free_attempts;
@@ -787,7 +720,7 @@ class Gateway {
       Request& r = requests_.at(id);
       metrics_.handover_timeouts->inc();
       const std::string target = r.decode_target;
-      cancel_at_owner(r);
+      broker_->cancel_at_owner(r);
       retry_or_fail(r, "decode replica " + target + " did not confirm the hand-over");
     }
     for (uint64_t id : expired) {
@@ -810,47 +743,10 @@ class Gateway {
             {"shared_tenants", reuse_->shared_tenants()}};
   }
 
-  // Entries every probe keeps (each has its own store).
-  void forward_to_probes(std::vector<zmq::message_t>&& frames) {
-    std::vector<std::string> probes;
-    for (const auto& [identity, peer] : hub_->peers())
-      if (peer.stage == wire::StageKind::Probe) probes.push_back(identity);
-    for (size_t i = 0; i < probes.size(); ++i) {
-      std::vector<zmq::message_t> copy;
-      if (i + 1 < probes.size()) {
-        for (zmq::message_t& frame : frames) copy.emplace_back().copy(frame);  // shares the data
-      } else {
-        copy = std::move(frames);
-      }
-      hub_->send(probes[i], copy, false);
-    }
-  }
-
   // A deterministic request's completion, for an identical request to replay.
   void store_result(const Request& r, const std::string& reason) {
-    put_to_probes(reuse::result_entry(r.prompt_key, r.sampling), 'R',
-                  reuse::encode(reuse::ResultRecord{r.sent, reason}), &r.cache_namespace);
-  }
-
-  // One SnapshotPut entry, its record as the bulk frame, to the probe that owns `cache_namespace`
-  // (every probe when null).
-  void put_to_probes(uint64_t key, uint8_t kind, const std::string& record,
-                     const std::string* cache_namespace) {
-    flatbuffers::FlatBufferBuilder builder(256);
-    std::vector<flatbuffers::Offset<wire::SnapshotEntry>> entries = {
-        wire::CreateSnapshotEntry(builder, key, kind)};
-    std::vector<flatbuffers::Offset<wire::BulkFrame>> frames = {wire::CreateBulkFrame(
-        builder, record.size(),
-        wire::checksum({reinterpret_cast<const uint8_t*>(record.data()), record.size()}))};
-    builder.Finish(wire::CreateSnapshotPut(builder, builder.CreateVector(entries),
-                                           builder.CreateVector(frames)),
-                   wire::PrefillJobIdentifier());
-    std::vector<zmq::message_t> bulk;
-    bulk.emplace_back(record.data(), record.size());
-    std::vector<zmq::message_t> put =
-        wire::encode(wire::MessageType::SnapshotPut, builder, std::move(bulk));
-    if (cache_namespace == nullptr) return forward_to_probes(std::move(put));
-    if (runtime::Peer* probe = probe_for(*cache_namespace)) hub_->send(probe->identity, put, false);
+    broker_->put_to_probes(reuse::result_entry(r.prompt_key, r.sampling), 'R',
+                           reuse::encode(reuse::ResultRecord{r.sent, reason}), &r.cache_namespace);
   }
 
   // ---- to and from stages ----
@@ -860,44 +756,6 @@ class Gateway {
   static uint32_t store_levels_of(const Request& r) {
     return (r.allowed_levels & (reuse::kPrefix | reuse::kFull)) |
            (r.namespace_levels & reuse::kApproximateLevels);
-  }
-
-  // The peer of this kind with the most credit among those with an intake, whose credit is spent
-  // here (Hub::pick only chooses; the job that travels with it goes to another stage).
-  runtime::Peer* pick_with_intake(wire::StageKind stage) {
-    runtime::Peer* peer = hub_->pick(stage);
-    if (peer == nullptr || peer->intake.empty()) return nullptr;  // an older build: no intake
-    hub_->spend_credit(peer->identity);
-    return peer;
-  }
-
-  // The probe replica that owns a namespace (its lookups and its store), by consistent hashing
-  // over the live probes; nullptr when none is connected.
-  runtime::Peer* probe_for(const std::string& cache_namespace) {
-    std::vector<std::string> replicas;
-    for (const auto& [identity, peer] : hub_->peers())
-      if (peer.stage == wire::StageKind::Probe && !peer.draining) replicas.push_back(peer.replica);
-    probe_ring_.update(std::move(replicas));
-    const std::string& owner = probe_ring_.owner(cache_namespace);
-    for (const auto& [identity, peer] : hub_->peers())
-      if (peer.stage == wire::StageKind::Probe && !peer.draining && peer.replica == owner)
-        return hub_->peer(identity);
-    return nullptr;
-  }
-
-  // Where prefill puts a namespace's entries: its probe's intake.
-  const runtime::Peer* store_for(const std::string& cache_namespace) {
-    const runtime::Peer* probe = probe_for(cache_namespace);
-    return probe != nullptr && !probe->intake.empty() ? probe : nullptr;
-  }
-
-  // A route to `peer`'s intake for this attempt of the request, signed with the peer's key.
-  flatbuffers::Offset<wire::PeerRoute> route_to(flatbuffers::FlatBufferBuilder& builder,
-                                                const runtime::Peer& peer, const Request& r) {
-    const runtime::Ticket ticket = runtime::handover_ticket(peer.handover_key, r.id, r.attempt);
-    return wire::CreatePeerRoute(
-        builder, builder.CreateString(peer.replica), builder.CreateString(peer.intake),
-        builder.CreateString(peer.intake_key), builder.CreateVector(ticket.data(), ticket.size()));
   }
 
   void dispatch() {
@@ -910,13 +768,14 @@ class Gateway {
       }
       // The namespace's own probe, once it has room (a job waits rather than go to a probe that
       // does not hold its namespace).
-      runtime::Peer* probe = probe_for(r->cache_namespace);
+      runtime::Peer* probe = broker_->probe_for(r->cache_namespace);
       if (probe == nullptr || probe->credits == 0) break;
       // The shortest path: the probe sends the job on to a prefill replica picked now, and the KV
       // goes on to a decode replica picked now. Without room in both, the probe's plan comes back
       // here and waits for prefill as before.
-      runtime::Peer* prefill = pick_with_intake(wire::StageKind::Prefill);
-      runtime::Peer* decode = prefill ? pick_with_intake(wire::StageKind::Decode) : nullptr;
+      runtime::Peer* prefill = broker_->pick_with_intake(wire::StageKind::Prefill);
+      runtime::Peer* decode =
+          prefill ? broker_->pick_with_intake(wire::StageKind::Decode) : nullptr;
       if (prefill != nullptr && decode == nullptr) {
         hub_->restore_credit(prefill->identity);
         prefill = nullptr;
@@ -925,8 +784,8 @@ class Gateway {
       auto tokens = builder.CreateVector(r->prompt);
       auto name_space = builder.CreateString(r->cache_namespace);
       auto sampling = to_wire(builder, r->sampling);
-      auto prefill_route = prefill ? route_to(builder, *prefill, *r) : 0;
-      auto decode_route = decode ? route_to(builder, *decode, *r) : 0;
+      auto prefill_route = prefill ? broker_->route_to(builder, *prefill, *r) : 0;
+      auto decode_route = decode ? broker_->route_to(builder, *decode, *r) : 0;
       builder.Finish(
           wire::CreateProbeJob(builder, r->id, r->attempt, tokens, name_space, sampling,
                                r->allowed_levels, prefill_route, decode_route, store_levels_of(*r)),
@@ -956,25 +815,16 @@ class Gateway {
         prefill_queue_.pop_front();
         continue;
       }
-      // Jobs that reuse the same cached prefix go to the same replica, so that one prefill
-      // batch holds those blocks once.
-      runtime::Peer* prefill = nullptr;
-      if (r->prefix_key != 0) {
-        if (auto it = prefix_affinity_.find(r->prefix_key); it != prefix_affinity_.end()) {
-          runtime::Peer* preferred = hub_->peer(it->second);
-          if (preferred != nullptr && preferred->credits > 0) prefill = preferred;
-        }
-      }
-      if (prefill == nullptr) prefill = hub_->pick(wire::StageKind::Prefill);
+      runtime::Peer* prefill = broker_->prefill_for(r->prefix_key);
       if (prefill == nullptr) break;
       // The decode replica is chosen now, so that prefill sends it the KV directly: a prefill
       // starts only when a decode replica has room for the sequence.
-      runtime::Peer* decode = pick_with_intake(wire::StageKind::Decode);
+      runtime::Peer* decode = broker_->pick_with_intake(wire::StageKind::Decode);
       if (decode == nullptr) break;  // the prefill replica was only chosen: nothing to give back
       flatbuffers::FlatBufferBuilder builder(512 + r->prompt.size() * 4);
-      auto decode_route = route_to(builder, *decode, *r);
-      const runtime::Peer* store = store_for(r->cache_namespace);
-      auto store_route = store != nullptr ? route_to(builder, *store, *r) : 0;
+      auto decode_route = broker_->route_to(builder, *decode, *r);
+      const runtime::Peer* store = broker_->store_for(r->cache_namespace);
+      auto store_route = store != nullptr ? broker_->route_to(builder, *store, *r) : 0;
       auto tokens = builder.CreateVector(r->prompt);
       auto sampling = to_wire(builder, r->sampling);
       flatbuffers::Offset<wire::KvLayout> layout = 0;
@@ -1026,10 +876,7 @@ class Gateway {
         break;
       }
       r->prefix_plan.reset();
-      if (r->prefix_key != 0) {
-        if (prefix_affinity_.size() > 65536) prefix_affinity_.clear();
-        prefix_affinity_[r->prefix_key] = identity;
-      }
+      broker_->remember_prefix(r->prefix_key, identity);
       r->owner = identity;
       r->handed_by = identity;
       r->decode_target = decode_identity;
@@ -1069,13 +916,6 @@ class Gateway {
     }
   }
 
-  void forward_to_offload(wire::Message& message) {
-    runtime::Peer* offload = hub_->pick(wire::StageKind::OffloadManager);
-    if (offload == nullptr) return;  // compute stages ask again; usage is advisory
-    const std::string identity = offload->identity;
-    hub_->send(identity, message.release_frames(), false);
-  }
-
   void on_stage(runtime::Hub::Incoming& incoming) {
     static constexpr runtime::HandlerTable<Gateway, 10, runtime::Hub::Incoming&> kStageHandlers({
         {wire::MessageType::ProbePlan, &Gateway::on_probe_plan},
@@ -1100,8 +940,9 @@ class Gateway {
     Request* r = find(plan->request_id(), plan->attempt());
     // The notice of a plan sent on to prefill, overtaken by prefill's own answer: only the
     // bookkeeping is left to do.
-    const bool overtaken = r != nullptr && plan->forwarded() && !r->at_probe &&
-                           from_stage(incoming.identity, message.type, {wire::StageKind::Probe});
+    const bool overtaken =
+        r != nullptr && plan->forwarded() && !r->at_probe &&
+        broker_->from_stage(incoming.identity, message.type, {wire::StageKind::Probe});
     if (!overtaken) r = owned(plan->request_id(), plan->attempt(), incoming.identity, message.type);
     if (r == nullptr) return;
     if (plan->forwarded() && !overtaken) {
@@ -1112,8 +953,8 @@ class Gateway {
       r->owner.clear();
       r->at_probe = false;
       // The plan comes here: prefill and decode are picked when it runs.
-      release_prefill(*r, false);
-      release_reservations(*r);
+      broker_->release_prefill(*r, false);
+      broker_->release_reservations(*r);
     }
     r->probe_us = plan->probe_us();
     const std::string level = plan->reuse_level() ? plan->reuse_level()->str() : "none";
@@ -1197,7 +1038,7 @@ class Gateway {
     if (r->at_probe) {
       // The probe answered a full hit itself: the prefill replica picked for it had nothing to do.
       r->at_probe = false;
-      release_prefill(*r, false);
+      broker_->release_prefill(*r, false);
       r->handed_by = incoming.identity;  // who sends the KV on to decode
     }
     r->owner.clear();
@@ -1218,7 +1059,7 @@ class Gateway {
     const uint64_t id = r->id;
     const uint32_t attempt = r->attempt;
     const bool carries_kv = done->frames() != nullptr && done->frames()->size() > 0;
-    if (!finish.empty() || carries_kv) release_reservations(*r);  // no hand-over will come
+    if (!finish.empty() || carries_kv) broker_->release_reservations(*r);  // no hand-over will come
     if (finish.empty() && !carries_kv) {
       // Prefill hands the KV to the decode replica picked at dispatch; from now on the request's
       // tokens come from there.
@@ -1268,7 +1109,7 @@ class Gateway {
           early->owner != incoming.identity) {
         // Decode's tokens overtook prefill's PrefillDone (the first token): rather than stream
         // out of order, the attempt starts again.
-        cancel_at_owner(*early);
+        broker_->cancel_at_owner(*early);
         retry_or_fail(*early, "decode's tokens arrived before prefill's first token");
         continue;
       }
@@ -1284,17 +1125,17 @@ class Gateway {
     const auto* failed = message.as<wire::JobFailed>();
     Request* r = find(failed->request_id(), failed->attempt());
     if (r == nullptr)
-      settle_stale_prefill(failed->request_id(), failed->attempt(), incoming.identity);
+      broker_->settle_stale_prefill(failed->request_id(), failed->attempt(), incoming.identity);
     if (r != nullptr && r->at_probe && r->prefill_reserved && r->handed_by == incoming.identity)
       took_job_from_probe(*r);
     // Prefill reports a hand-over the decode replica would not take after its PrefillDone.
     if (r != nullptr && r->handover_pending && r->handed_by == incoming.identity) {
-      cancel_at_owner(*r);
+      broker_->cancel_at_owner(*r);
       return retry_or_fail(*r, failed->message() ? failed->message()->str() : "hand-over failed");
     }
     r = owned(failed->request_id(), failed->attempt(), incoming.identity, message.type);
     if (r == nullptr) return;
-    release_reservations(*r);
+    broker_->release_reservations(*r);
     r->owner.clear();
     if (failed->code() == wire::ErrorCode::Draining) {
       // Handed back by a draining replica: another one takes it (not a failure).
@@ -1308,20 +1149,21 @@ class Gateway {
 
   void on_expert_traffic(runtime::Hub::Incoming& incoming) {
     wire::Message& message = incoming.message;
-    if (!from_stage(incoming.identity, message.type,
-                    {wire::StageKind::Prefill, wire::StageKind::Decode}))
+    if (!broker_->from_stage(incoming.identity, message.type,
+                             {wire::StageKind::Prefill, wire::StageKind::Decode}))
       return;
-    return forward_to_offload(message);
+    return broker_->forward_to_offload(message);
   }
 
   // Prefill sends its puts to the probe's intake; the gateway carries no snapshot byte.
   void on_snapshot_put(runtime::Hub::Incoming& incoming) {
-    refuse_from_peer(incoming.identity, incoming.message.type, "sent_to_the_gateway");
+    broker_->refuse(incoming.identity, incoming.message.type, "sent_to_the_gateway");
   }
 
   void on_expert_plan(runtime::Hub::Incoming& incoming) {
     wire::Message& message = incoming.message;
-    if (!from_stage(incoming.identity, message.type, {wire::StageKind::OffloadManager})) return;
+    if (!broker_->from_stage(incoming.identity, message.type, {wire::StageKind::OffloadManager}))
+      return;
     const auto* plan = message.as<wire::ExpertPlan>();
     const std::string requester = plan->requester() ? plan->requester()->str() : "";
     const runtime::Peer* to = hub_->peer(requester);
@@ -1350,6 +1192,7 @@ class Gateway {
   std::unique_ptr<runtime::ZapHandler> zap_;  // before the sockets it admits: outlives them
   std::unique_ptr<ClientChannel> client_;
   std::unique_ptr<runtime::Hub> hub_;
+  std::unique_ptr<Broker> broker_;
   model::ModelInfo model_;
   wire::Limits limits_;
   std::unique_ptr<RequestValidator> validator_;
@@ -1359,9 +1202,6 @@ class Gateway {
   bool draining_ = false;
   Clock::time_point drain_until_;
   runtime::RateLimited bypass_log_;
-  std::unordered_map<uint64_t, std::string> prefix_affinity_;
-  std::map<std::pair<uint64_t, uint32_t>, std::string> stale_prefill_;
-  ProbeRing probe_ring_;
   std::mt19937_64 seed_source_{std::random_device{}()};
 
   std::unordered_map<uint64_t, Request> requests_;
@@ -1372,7 +1212,7 @@ class Gateway {
   Clock::time_point last_deadline_scan_, last_bypass_scan_;
   std::atomic<size_t> in_flight_{0};
 
-  runtime::RateLimited reject_log_, frame_log_, stage_refusal_log_;
+  runtime::RateLimited reject_log_, frame_log_;
 
   std::unique_ptr<reuse::ReusePolicy> reuse_;
   reuse::RollbackController& controller() { return reuse_->controller(); }
