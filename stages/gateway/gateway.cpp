@@ -19,9 +19,11 @@
 #include "stages/common/common.h"
 #include "stages/gateway/broker.h"
 #include "stages/gateway/client_front.h"
+#include "stages/gateway/control.h"
 #include "stages/gateway/gateway_metrics.h"
 #include "stages/gateway/probe_ring.h"
 #include "stages/gateway/request.h"
+#include "stages/gateway/reuse_control.h"
 #include "stages/gateway/tenant_limits.h"
 #include "stages/runtime/api_keys.h"
 #include "stages/runtime/dispatch.h"
@@ -33,6 +35,31 @@
 
 namespace moeline::stages {
 namespace {
+
+// The reuse policy's settings: --reuse-levels, --shared-tenants, --approximate-*, --shadow-tokens.
+reuse::PolicySettings reuse_settings(const runtime::Config& config) {
+  reuse::PolicySettings policy;
+  policy.shared_tenants = runtime::parse_list(config.text("shared-tenants"));
+  try {
+    policy.default_levels = reuse::parse_levels(config.text("reuse-levels"));
+  } catch (const std::invalid_argument& e) {
+    throw runtime::ConfigError(std::string("--reuse-levels: ") + e.what());
+  }
+  reuse::RollbackOptions& rollback = policy.rollback;
+  rollback.hit_window_s = config.number("approximate-hit-window-s");
+  rollback.min_hit_rate = config.number("approximate-min-hit-rate");
+  rollback.min_lookups = static_cast<uint64_t>(config.integer("approximate-min-lookups"));
+  rollback.agreement_window_s = config.number("approximate-agreement-window-s");
+  rollback.max_agreement_drop = config.number("approximate-max-agreement-drop");
+  rollback.min_checks = static_cast<uint64_t>(config.integer("approximate-min-checks"));
+  rollback.feedback_window_s = config.number("approximate-feedback-window-s");
+  rollback.max_negative_feedback = config.number("approximate-max-negative-feedback");
+  rollback.min_served = static_cast<uint64_t>(config.integer("approximate-min-served"));
+  rollback.probation_s = config.number("approximate-probation-s");
+  policy.approximate_enabled = config.flag("approximate-enabled");
+  policy.shadow_tokens = static_cast<size_t>(std::max<int64_t>(1, config.integer("shadow-tokens")));
+  return policy;
+}
 
 class Gateway {
  public:
@@ -64,37 +91,8 @@ class Gateway {
     max_in_flight_ = static_cast<size_t>(config.integer("max-in-flight"));
     max_decode_backlog_ = static_cast<size_t>(config.integer("max-decode-backlog"));
     limits_.max_body_bytes = runtime::parse_bytes(config.text("max-message-bytes"));
-    reuse::PolicySettings policy;
-    policy.shared_tenants = runtime::parse_list(config.text("shared-tenants"));
-    try {
-      policy.default_levels = reuse::parse_levels(config.text("reuse-levels"));
-    } catch (const std::invalid_argument& e) {
-      throw runtime::ConfigError(std::string("--reuse-levels: ") + e.what());
-    }
-    reuse::RollbackOptions& rollback = policy.rollback;
-    rollback.hit_window_s = config.number("approximate-hit-window-s");
-    rollback.min_hit_rate = config.number("approximate-min-hit-rate");
-    rollback.min_lookups = static_cast<uint64_t>(config.integer("approximate-min-lookups"));
-    rollback.agreement_window_s = config.number("approximate-agreement-window-s");
-    rollback.max_agreement_drop = config.number("approximate-max-agreement-drop");
-    rollback.min_checks = static_cast<uint64_t>(config.integer("approximate-min-checks"));
-    rollback.feedback_window_s = config.number("approximate-feedback-window-s");
-    rollback.max_negative_feedback = config.number("approximate-max-negative-feedback");
-    rollback.min_served = static_cast<uint64_t>(config.integer("approximate-min-served"));
-    rollback.probation_s = config.number("approximate-probation-s");
-    policy.approximate_enabled = config.flag("approximate-enabled");
-    policy.shadow_tokens =
-        static_cast<size_t>(std::max<int64_t>(1, config.integer("shadow-tokens")));
-    reuse_ = std::make_unique<reuse::ReusePolicy>(std::move(policy), seconds_now());
-    approximate_state_ = {{"enabled", controller().enabled()}, {"reason", controller().reason()}};
     blend_max_kl_ = config.number("blend-max-kl");
 
-    service_.start_http(config.text("http"), config.text("port-file"), [this] {
-      std::lock_guard<std::mutex> lock(approximate_state_mutex_);
-      return nlohmann::json{{"in_flight", in_flight_.load()},
-                            {"approximate", approximate_state_},
-                            {"security", security_state_}};
-    });
     configure_io_threads(context_zmq_, config);
     curve_ = runtime::load_curve_settings(config.text("curve-dir"), "gateway");
     if (curve_.enabled())
@@ -109,18 +107,25 @@ class Gateway {
                              .curve = &curve_,
                              .zap = zap_.get()});
     broker_ = std::make_unique<Broker>(*hub_, metrics_, log_);
+    reuse_ = std::make_unique<ReuseControl>(reuse_settings(config), metrics_, log_, *broker_);
+    control_ = std::make_unique<ControlCommands>(
+        *reuse_, *hub_, log_,
+        ControlHooks{.requests = [this] { return requests_json(); },
+                     .drain_gateway =
+                         [this] {
+                           if (!draining_) begin_drain("operator");
+                           return "the gateway is draining (" + std::to_string(requests_.size()) +
+                                  " in flight)";
+                         }});
     for (const char* key : {"client-bind", "hub-bind"})
       if (runtime::is_tcp(config.text(key)) && !curve_.enabled())
         log_.warn("open_endpoint",
                   {{"endpoint", config.text(key)},
                    {"detail", "tcp:// without --curve-dir: anyone who reaches it may connect"}});
     metrics_.authenticated->set(curve_.enabled() ? 1 : 0);
-    {
-      std::lock_guard<std::mutex> lock(approximate_state_mutex_);
-      security_state_ = {{"curve", curve_.enabled()},
-                         {"api_keys", validator_->keys_required()},
-                         {"open", !validator_->keys_required()}};
-    }
+    security_state_ = {{"curve", curve_.enabled()},
+                       {"api_keys", validator_->keys_required()},
+                       {"open", !validator_->keys_required()}};
     log_.info("listening", {{"client", config.text("client-bind")},
                             {"hub", config.text("hub-bind")},
                             {"model_id", model_.model_id},
@@ -129,6 +134,12 @@ class Gateway {
                             {"curve", curve_.enabled()},
                             {"api_keys", validator_->key_count()},
                             {"max_prompt_tokens", validator_->max_prompt_tokens()}});
+    // Last: /healthz (another thread) reads what the lines above set.
+    service_.start_http(config.text("http"), config.text("port-file"), [this] {
+      return nlohmann::json{{"in_flight", in_flight_.load()},
+                            {"approximate", reuse_->health()},
+                            {"security", security_state_}};
+    });
   }
 
   int run() {
@@ -162,7 +173,7 @@ class Gateway {
         log_.error("api_keys_not_reloaded", {{"error", *error}});
       expire_deadlines();
       bypass_slow_probes();
-      update_controller();
+      reuse_->update();
       dispatch();
       service_.set_ready(true);
       update_gauges();
@@ -195,76 +206,6 @@ class Gateway {
   }
 
  private:
-  static double seconds_now() {
-    return std::chrono::duration<double>(Clock::now().time_since_epoch()).count();
-  }
-
-  // The rollback controller, evaluated every loop iteration (cheap). A change takes effect for
-  // the next request the gateway takes in: it strips the approximate levels at intake, so every
-  // probe sees it at once.
-  void update_controller() {
-    const double now = seconds_now();
-    if (reuse_->update(now)) announce_controller();
-    metrics_.approximate_enabled->set(controller().enabled() ? 1 : 0);
-  }
-
-  void announce_controller() {
-    metrics_.approximate_enabled->set(controller().enabled() ? 1 : 0);
-    {
-      std::lock_guard<std::mutex> lock(approximate_state_mutex_);
-      approximate_state_ = {
-          {"enabled", controller().enabled()},
-          {"reason", controller().reason()},
-          {"changed_unix_s",
-           std::chrono::duration<double>(std::chrono::system_clock::now().time_since_epoch())
-               .count()}};
-    }
-    metrics_.transition(controller().reason()).inc();
-    const double now = seconds_now();
-    const auto agreement = controller().agreement(now);
-    const auto baseline = controller().baseline();
-    log_.warn("approximate_reuse", {{"state", controller().enabled() ? "on" : "off"},
-                                    {"reason", controller().reason()},
-                                    {"hit_rate", controller().hit_rate(now)},
-                                    {"agreement", agreement ? *agreement : -1.0},
-                                    {"baseline", baseline ? *baseline : -1.0}});
-  }
-
-  nlohmann::json controller_json() {
-    const double now = seconds_now();
-    nlohmann::json out = {{"enabled", controller().enabled()},
-                          {"reason", controller().reason()},
-                          {"changed_s_ago", now - controller().changed_at()},
-                          {"transitions", controller().transitions()},
-                          {"hit_rate", controller().hit_rate(now)}};
-    auto agreement = controller().agreement(now);
-    auto baseline = controller().baseline();
-    auto negative = controller().negative_rate(now);
-    out["agreement"] = agreement ? nlohmann::json(*agreement) : nlohmann::json(nullptr);
-    out["agreement_baseline"] = baseline ? nlohmann::json(*baseline) : nlohmann::json(nullptr);
-    out["negative_feedback_rate"] = negative ? nlohmann::json(*negative) : nlohmann::json(nullptr);
-    return out;
-  }
-
-  // A shadow check's outcome: to every probe's decision rule, and — for a check of a hit the rule
-  // would have served — to the controller (checks of unproven candidates are how the rule learns;
-  // they fail often by design and say nothing about what is served).
-  void report_shadow(const Request& r, bool correct, float kl) {
-    reuse_->on_shadow(seconds_now(), r.shadow_sampled, correct);
-    if (r.shadow_sampled)
-      if (const auto agreement = controller().agreement(seconds_now()))
-        metrics_.shadow_agreement->set(*agreement);
-    metrics_.shadow_check(correct).inc();
-    // Every probe's decision rule learns from every check.
-    broker_->put_to_probes(r.donor, 'Q', reuse::encode(reuse::QualityRecord{r.cell, correct, kl}),
-                           nullptr);
-    log_.info("shadow_check", {{"request_id", r.id},
-                               {"mode", r.shadow_mode.empty() ? "blend" : r.shadow_mode},
-                               {"donor", r.donor},
-                               {"correct", correct},
-                               {"kl", static_cast<double>(kl)}});
-  }
-
   void update_gauges() {
     metrics_.probe_queue->set(static_cast<double>(probe_queue_.size()));
     metrics_.prefill_queue->set(static_cast<double>(prefill_queue_.size()));
@@ -335,13 +276,9 @@ class Gateway {
 
   void on_feedback(const std::string& client, wire::Message& message) {
     const auto* feedback = message.as<wire::Feedback>();
-    metrics_.feedback->inc();
     log_.info("feedback", {{"client_request_id", feedback->client_request_id()},
                            {"score", static_cast<double>(feedback->score())}});
-    // Feedback on an answer approximate reuse served feeds the rollback controller.
-    if (auto negative = reuse_->on_feedback(seconds_now(), client, feedback->client_request_id(),
-                                            feedback->score()))
-      metrics_.approximate_feedback(*negative).inc();
+    reuse_->on_feedback(client, feedback->client_request_id(), feedback->score());
   }
 
   void on_control_message(const std::string& client, wire::Message& message) {
@@ -383,8 +320,8 @@ class Gateway {
     r.sampling = std::move(sampling);
     // Server-derived: a client names its tenant, never the namespace its cache entries live in.
     r.client_deterministic = r.sampling.temperature == 0 || client_seeded;
-    reuse::Admission admitted =
-        reuse_->admit(r.tenant, valid.asked_levels, r.client_deterministic, r.sampling.logprobs);
+    reuse::Admission admitted = reuse_->policy().admit(r.tenant, valid.asked_levels,
+                                                       r.client_deterministic, r.sampling.logprobs);
     r.cache_namespace = std::move(admitted.cache_namespace);
     r.namespace_levels = admitted.namespace_levels;
     r.allowed_levels = admitted.allowed_levels;
@@ -425,90 +362,26 @@ class Gateway {
       log_.warn("control_refused", {{"command", name.substr(0, 64)}, {"key", key_id}});
       return client_->reply_error(client, refused->code, refused->text);
     }
-    nlohmann::json body;
-    bool ok = true;
-    std::string text = "ok";
-    if (name == "reuse") {
-      // {"tenant": "acme" | "*", "levels": "prefix,full"}: effective for the next request.
-      nlohmann::json args = nlohmann::json::parse(
-          command.arguments() ? command.arguments()->str() : "{}", nullptr, false);
-      try {
-        if (!args.is_object() || !args.contains("levels") || !args["levels"].is_string())
-          throw std::invalid_argument(
-              "reuse expects {\"levels\": \"prefix,full,result|none|all\", \"tenant\": "
-              "\"NAME|*\"}");
-        if (args.contains("tenant") && !args["tenant"].is_string())
-          throw std::invalid_argument("reuse: \"tenant\" must be a string (a name or \"*\")");
-        const uint32_t levels = reuse::parse_levels(args["levels"].get<std::string>());
-        const std::string tenant = args.value("tenant", "*");
-        reuse_->set_levels(tenant, levels);
-        log_.info("reuse_policy", {{"tenant", tenant}, {"levels", reuse::levels_text(levels)}});
-        text = "reuse for " + tenant + ": " + reuse::levels_text(levels);
-      } catch (const std::invalid_argument& e) {
-        ok = false;
-        text = e.what();
-      }
-      body["reuse"] = reuse_policy_json();
-    } else if (name == "approximate") {
-      // {"enabled": true|false}: an operator's switch (on again after a rollback, or off).
-      nlohmann::json args = nlohmann::json::parse(
-          command.arguments() ? command.arguments()->str() : "{}", nullptr, false);
-      if (!args.is_object() || !args.contains("enabled") || !args["enabled"].is_boolean()) {
-        ok = false;
-        text = "approximate expects {\"enabled\": true|false}";
-      } else {
-        const bool enabled = args["enabled"].get<bool>();
-        if (reuse_->set_enabled(seconds_now(), enabled)) announce_controller();
-        text = std::string("approximate reuse ") + (enabled ? "on" : "off");
-      }
-      body["approximate"] = controller_json();
-    } else if (name == "drain") {
-      // {"replica": "decode-1"}: that replica gets no new work (stop it once it holds none);
-      // {} : this gateway drains (as on SIGTERM) and exits.
-      nlohmann::json args = nlohmann::json::parse(
-          command.arguments() ? command.arguments()->str() : "{}", nullptr, false);
-      if (!args.is_object() || (args.contains("replica") && !args["replica"].is_string())) {
-        ok = false;
-        text = "drain expects {\"replica\": \"NAME\"} or {} (the gateway itself)";
-      } else if (args.contains("replica")) {
-        const std::string replica = args["replica"].get<std::string>();
-        ok = hub_->drain(replica);
-        text = ok ? "draining " + replica : "no replica named '" + replica.substr(0, 64) + "'";
-      } else {
-        if (!draining_) begin_drain("operator");
-        text = "the gateway is draining (" + std::to_string(requests_.size()) + " in flight)";
-      }
-    } else if (name == "status") {
-      body["reuse"] = reuse_policy_json();
-      body["approximate"] = controller_json();
-      body["in_flight"] = requests_.size();
-      // Where each request is: waiting in the gateway, or held by a replica of some stage.
-      std::map<std::string, size_t> where = {
-          {"queued", 0}, {"probe", 0}, {"prefill", 0}, {"decode", 0}};
-      for (const auto& [id, r] : requests_) {
-        const runtime::Peer* owner = r.owner.empty() ? nullptr : hub_->peer(r.owner);
-        ++where[owner ? wire::stage_name(owner->stage) : "queued"];
-      }
-      body["requests"] = where;
-      body["queues"] = {{"probe", probe_queue_.size()},
-                        {"prefill", prefill_queue_.size()},
-                        {"decode", decode_queue_.size()}};
-      body["peers"] = nlohmann::json::array();
-      for (const auto& [identity, peer] : hub_->peers())
-        body["peers"].push_back({{"stage", wire::stage_name(peer.stage)},
-                                 {"replica", peer.replica},
-                                 {"pid", peer.pid},
-                                 {"credits", peer.credits},
-                                 {"queue_depth", peer.queue_depth},
-                                 {"active", peer.active},
-                                 {"http_port", peer.http_port},
-                                 {"draining", peer.draining}});
-    } else {
-      ok = false;
-      text =
-          "unknown command '" + name.substr(0, 64) + "' (known: status, reuse, approximate, drain)";
+    const ControlResult result =
+        control_->run(name, command.arguments() ? command.arguments()->str() : "{}");
+    client_->reply_control(client, result.ok, result.text, result.body.dump());
+  }
+
+  // For `status`: the requests in flight, where each is (waiting in the gateway, or held by a
+  // replica of some stage), and the gateway's queues.
+  nlohmann::json requests_json() const {
+    std::map<std::string, size_t> where = {
+        {"queued", 0}, {"probe", 0}, {"prefill", 0}, {"decode", 0}};
+    for (const auto& [id, r] : requests_) {
+      const runtime::Peer* owner = r.owner.empty() ? nullptr : hub_->peer(r.owner);
+      ++where[owner ? wire::stage_name(owner->stage) : "queued"];
     }
-    client_->reply_control(client, ok, text, body.dump());
+    return {{"in_flight", requests_.size()},
+            {"requests", where},
+            {"queues",
+             {{"probe", probe_queue_.size()},
+              {"prefill", prefill_queue_.size()},
+              {"decode", decode_queue_.size()}}}};
   }
 
   // ---- request lifecycle ----
@@ -568,8 +441,8 @@ class Gateway {
         r.reuse_level != "result" && !approximate_answer && !r.sent.empty())
       store_result(r, reason);
     if ((reason == "stop" || reason == "length") && r.shadow_mode == "response")
-      report_shadow(r, reuse_->same_answer(r.sent, r.donor_completion), 0.0f);
-    if (approximate_answer) reuse_->served_approximately(r.client, r.client_request_id);
+      reuse_->report_shadow(r, reuse_->policy().same_answer(r.sent, r.donor_completion), 0.0f);
+    if (approximate_answer) reuse_->policy().served_approximately(r.client, r.client_request_id);
 
     std::string tail;
     if (auto rest = r.text->finish(); rest) tail = std::move(*rest);
@@ -733,15 +606,6 @@ class Gateway {
   }
 
   // ---- reuse ----
-
-  nlohmann::json reuse_policy_json() const {
-    nlohmann::json namespaces = nlohmann::json::object();
-    for (const auto& [name, levels] : reuse_->namespace_levels())
-      namespaces[name] = reuse::levels_text(levels);
-    return {{"default", reuse::levels_text(reuse_->default_levels())},
-            {"namespaces", namespaces},
-            {"shared_tenants", reuse_->shared_tenants()}};
-  }
 
   // A deterministic request's completion, for an identical request to replay.
   void store_result(const Request& r, const std::string& reason) {
@@ -965,8 +829,7 @@ class Gateway {
       r->donor = plan->donor_key();
       r->cell = plan->cell();
       r->shadow_sampled = plan->shadow_sampled();
-      metrics_.approximate(outcome).inc();
-      reuse_->on_lookup(seconds_now(), outcome);
+      reuse_->on_lookup(outcome);
       if (outcome == "shadow" && plan->shadow_mode() && plan->shadow_mode()->str() == "response" &&
           plan->completion()) {
         r->shadow_mode = "response";
@@ -1052,8 +915,8 @@ class Gateway {
     }
     if (done->shadow_checked() && r->blend_shadow) {
       r->blend_shadow = false;
-      report_shadow(*r, done->shadow_top1() && done->shadow_kl() <= blend_max_kl_,
-                    done->shadow_kl());
+      reuse_->report_shadow(*r, done->shadow_top1() && done->shadow_kl() <= blend_max_kl_,
+                            done->shadow_kl());
     }
     const std::string finish = done->finish_reason() ? done->finish_reason()->str() : "";
     const uint64_t id = r->id;
@@ -1186,7 +1049,7 @@ class Gateway {
   GatewayMetrics metrics_;
   runtime::Logger& log_;
   TenantLimiter tenant_limiter_;
-  nlohmann::json security_state_;  // constant once listening: /healthz reads it
+  nlohmann::json security_state_;  // set before /healthz starts, constant after
   zmq::context_t context_zmq_{1};
   runtime::CurveSettings curve_;
   std::unique_ptr<runtime::ZapHandler> zap_;  // before the sockets it admits: outlives them
@@ -1214,11 +1077,8 @@ class Gateway {
 
   runtime::RateLimited reject_log_, frame_log_;
 
-  std::unique_ptr<reuse::ReusePolicy> reuse_;
-  reuse::RollbackController& controller() { return reuse_->controller(); }
-  // What /healthz (the HTTP thread) reports of it.
-  std::mutex approximate_state_mutex_;
-  nlohmann::json approximate_state_ = {{"enabled", true}, {"reason", "initial"}};
+  std::unique_ptr<ReuseControl> reuse_;
+  std::unique_ptr<ControlCommands> control_;
   double blend_max_kl_ = 0.05;
 };
 

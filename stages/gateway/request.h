@@ -19,6 +19,11 @@ namespace moeline::stages {
 
 using Clock = std::chrono::steady_clock;
 
+// Seconds on the steady clock, as the rollback controller and the tenant limiter count them.
+inline double seconds_now() {
+  return std::chrono::duration<double>(Clock::now().time_since_epoch()).count();
+}
+
 inline double ms_between(Clock::time_point from, Clock::time_point to) {
   return std::chrono::duration<double, std::milli>(to - from).count();
 }
