@@ -76,6 +76,9 @@ struct Request {
   bool prefill_reserved = false;
   bool handover_pending = false;
   bool handover_confirmed = false;  // HandoverAccepted came before prefill's PrefillDone
+  // Decode's tokens that overtook prefill's PrefillDone (they travel on different connections),
+  // each kept as a one-update TokenBatch and streamed after the first token.
+  std::vector<std::string> early_updates;
   Clock::time_point handover_since;
 };
 
