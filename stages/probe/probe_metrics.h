@@ -1,0 +1,30 @@
+#pragma once
+// Every metric the probe exports, registered once at start (a scrape before the first lookup
+// already lists them): lookups and hits by level, the snapshot store's tiers, approximate reuse
+// (candidates, decisions, shadow checks, the index).
+
+#include <map>
+#include <string>
+
+#include "stages/runtime/metrics.h"
+
+namespace moeline::stages {
+
+struct ProbeMetrics {
+  explicit ProbeMetrics(runtime::Registry& registry);
+
+  // Lookups and what served them.
+  runtime::Counter *lookups, *lookup_tokens, *puts;
+  std::map<std::string, runtime::Counter*> hits, hit_tokens, outcomes;  // by level
+  runtime::Histogram *latency, *batch;
+  runtime::Gauge* queue_depth;
+  // The snapshot store, by tier ("ram", "disk"), and its totals by name.
+  std::map<std::string, runtime::Gauge*> bytes, entries, store_counters;
+  // Approximate reuse.
+  std::map<std::string, runtime::Counter*> approximate, candidates, served, checks, top1;
+  runtime::Gauge *agreement, *error_estimate, *index_entries, *index_tombstones, *index_rebuilds;
+  runtime::Histogram *signature_seconds, *shadow_kl;
+  runtime::Counter *prefix_imports, *refused_records;
+};
+
+}  // namespace moeline::stages
