@@ -1,4 +1,5 @@
 #include "stages/probe/probe.h"
+#include "stages/probe/answers.h"
 #include "stages/probe/approximate_lookup.h"
 #include "stages/probe/probe_metrics.h"
 #include "stages/probe/routing.h"
@@ -51,7 +52,6 @@ class Probe {
     model_ = std::move(*loaded);
     const model::ModelConfig& cfg = model_->config();
     block_bytes_ = model::KvCache::bytes_per_token(cfg) * model::kBlockTokens;
-    for (int64_t eos : cfg.eos_token_ids) eos_.push_back(static_cast<int32_t>(eos));
 
     reuse::StoreOptions options;
     options.ram_bytes = runtime::parse_bytes(config.text("store-ram-bytes"));
@@ -90,6 +90,8 @@ class Probe {
     link_->set_intake(intake_->endpoint(), intake_->public_key());
     peers_ = std::make_unique<runtime::PeerSender>(context_, settings.curve_keys);
     router_ = std::make_unique<PlanRouter>(*link_, *peers_, *intake_);
+    answers_ = std::make_unique<ProbeAnswers>(*model_, *router_, *link_, service_.log.replica(),
+                                              approximate_->recompute_fraction());
     store_intake_ = std::make_unique<StoreIntake>(*store_, *approximate_, *intake_, *link_,
                                                   metrics_, service_.log, block_bytes_);
   }
@@ -168,11 +170,6 @@ class Probe {
   void on_snapshot_put(wire::Message& message) { store_intake_->put(message); }
   void ignore(wire::Message&) {}
 
-  flatbuffers::Offset<wire::KvLayout> layout(flatbuffers::FlatBufferBuilder& builder,
-                                             size_t blocks) const {
-    return kv_layout(builder, model_->config(), blocks);
-  }
-
   void lookup(const wire::ProbeJob& job) {
     const auto start = Clock::now();
     std::vector<int32_t> tokens;
@@ -191,7 +188,7 @@ class Probe {
     if (!tokens.empty() && (allowed & reuse::kResult)) {
       if (reuse::Value value = store_->get(reuse::result_entry(key, sampling))) {
         if (auto result = reuse::decode_result(*value); result && !result->tokens.empty()) {
-          answer_result(job, tokens, *result);
+          answers_->answer_result(job, tokens, *result);
           return done("result", tokens.size(), start);
         }
       }
@@ -204,7 +201,7 @@ class Probe {
             prompt ? cached_prefix(*store_, chain, chain.size(), block_bytes_)
                    : std::vector<reuse::Value>{};
         if (prompt && blocks.size() == chain.size()) {
-          answer_full(job, tokens, sampling, *prompt, std::move(blocks));
+          answers_->answer_full(job, tokens, sampling, *prompt, std::move(blocks));
           return done("full", tokens.size(), start);
         }
       }
@@ -228,56 +225,20 @@ class Probe {
       if (a.outcome == "shadow" && a.shadow_mode == "response")
         approximate_->expect_first_tokens(key, a.donor);
       if (a.outcome == "response") {
-        answer_result(job, tokens, a.donor_result, &a);
+        answers_->answer_result(job, tokens, a.donor_result, &a);
         return done("response", tokens.size(), start);
       }
       if (a.outcome == "blend" || (a.outcome == "shadow" && a.shadow_mode == "blend")) {
-        send_blend(job, approximate_outcome, start, blocks,
-                   reused_blocks > 0 ? chain[reused_blocks - 1] : a.donor);
+        answers_->send_blend(job, approximate_outcome, start, blocks,
+                             reused_blocks > 0 ? chain[reused_blocks - 1] : a.donor);
         // How many tokens a blend reuses is prefill's to decide; a blend's plan carries no exact
         // prefix (a shadowed blend is computed in full).
         return done(a.outcome == "blend" ? "blend" : "none", 0, start, tokens.size());
       }
     }
-    flatbuffers::FlatBufferBuilder builder(256);
-    std::vector<zmq::message_t> bulk;
-    flatbuffers::Offset<wire::KvLayout> kv_layout = 0;
-    flatbuffers::Offset<flatbuffers::Vector<flatbuffers::Offset<wire::BulkFrame>>> frames = 0;
-    if (reused_blocks > 0) {
-      uint64_t sum = 0;
-      bulk.push_back(concatenate(blocks, sum));
-      frames = builder.CreateVector(std::vector<flatbuffers::Offset<wire::BulkFrame>>{
-          wire::CreateBulkFrame(builder, bulk.back().size(), sum)});
-      kv_layout = layout(builder, reused_blocks);
-    }
-    const auto reused = static_cast<uint32_t>(reused_blocks * model::kBlockTokens);
-    const auto took = std::chrono::duration_cast<std::chrono::microseconds>(Clock::now() - start);
-    // A shadow of response reuse: computed in full as usual, with the donor's answer to compare.
-    const ApproximateOutcome& a = approximate_outcome;
-    flatbuffers::Offset<flatbuffers::Vector<int32_t>> completion = 0;
-    if (a.outcome == "shadow") completion = builder.CreateVector(a.donor_result.tokens);
-    wire::ProbePlanBuilder plan(builder);
-    auto level_text = builder.CreateString(level);
-    auto approximate_text = builder.CreateString(a.outcome);
-    auto shadow_mode = builder.CreateString(a.shadow_mode);
-    plan.add_request_id(job.request_id());
-    plan.add_attempt(job.attempt());
-    plan.add_reuse_level(level_text);
-    plan.add_reused_tokens(reused);
-    plan.add_probe_us(static_cast<uint32_t>(took.count()));
-    if (!frames.IsNull()) plan.add_frames(frames);
-    if (!kv_layout.IsNull()) plan.add_layout(kv_layout);
-    if (!completion.IsNull()) plan.add_completion(completion);
-    plan.add_prefix_key(reused_blocks > 0 ? chain[reused_blocks - 1] : 0);
-    plan.add_approximate(approximate_text);
-    plan.add_shadow_mode(shadow_mode);
-    plan.add_donor_key(a.donor);
-    plan.add_similarity(a.similarity);
-    plan.add_cell(a.cell);
-    plan.add_shadow_sampled(a.sampled);
-    builder.Finish(plan.Finish(), wire::PrefillJobIdentifier());
-    router_->send_plan(job, wire::encode(wire::MessageType::ProbePlan, builder, std::move(bulk)));
-    done(level, reused, start, tokens.size());
+    answers_->send_plan(job, level, blocks, reused_blocks > 0 ? chain[reused_blocks - 1] : 0,
+                        approximate_outcome, start);
+    done(level, reused_blocks * model::kBlockTokens, start, tokens.size());
   }
 
   void done(const std::string& level, size_t reused, Clock::time_point start,
@@ -289,110 +250,6 @@ class Probe {
     if (level != "none" && prompt_tokens > reused)
       metrics_.hit_tokens["none"]->inc(static_cast<double>(prompt_tokens - reused));
     metrics_.latency->observe(std::chrono::duration<double>(Clock::now() - start).count());
-  }
-
-  // A finished completion to replay: the prompt's own (result level) or, for response reuse
-  // (`approximate` given), the donor's.
-  void answer_result(const wire::ProbeJob& job, const std::vector<int32_t>& tokens,
-                     const reuse::ResultRecord& result,
-                     const ApproximateOutcome* approximate = nullptr) {
-    flatbuffers::FlatBufferBuilder builder(256 + result.tokens.size() * 4);
-    auto completion = builder.CreateVector(result.tokens);
-    auto finish = builder.CreateString(result.finish_reason);
-    auto level = builder.CreateString(approximate ? "response" : "result");
-    auto outcome = builder.CreateString(approximate ? approximate->outcome : "");
-    builder.Finish(
-        wire::CreateProbePlan(builder, job.request_id(), job.attempt(), level,
-                              approximate ? 0 : static_cast<uint32_t>(tokens.size()), 0, 0, 0,
-                              completion, finish, 0, outcome, approximate ? approximate->donor : 0,
-                              approximate ? approximate->similarity : 0.0f,
-                              approximate ? approximate->cell : 0),
-        wire::PrefillJobIdentifier());
-    link_->send(wire::encode(wire::MessageType::ProbePlan, builder));
-  }
-
-  // Blended reuse (served, or shadowed: prefill then also computes in full, serves that and
-  // reports how the blend compared): the prompt's blocks — the exact prefix's, then the donor's
-  // KV moved into place — and the mask. The affinity key (the exact prefix's last block, or the
-  // donor) sends jobs over one template, or from one donor, to one prefill replica.
-  void send_blend(const wire::ProbeJob& job, ApproximateOutcome& a, Clock::time_point start,
-                  const std::vector<reuse::Value>& prefix, uint64_t affinity) {
-    // The exact prefix's blocks replace the transplant's first blocks: prefill imports them as
-    // they are and never recomputes them (and jobs over one template share them).
-    std::vector<uint8_t>& kv = a.kv;
-    for (size_t b = 0; b < prefix.size() && (b + 1) * block_bytes_ <= kv.size(); ++b)
-      std::copy(prefix[b]->begin(), prefix[b]->end(), kv.begin() + b * block_bytes_);
-    flatbuffers::FlatBufferBuilder builder(512 + a.mask.size());
-    std::vector<zmq::message_t> bulk;
-    bulk.emplace_back(kv.data(), kv.size());
-    auto frames = builder.CreateVector(std::vector<flatbuffers::Offset<wire::BulkFrame>>{
-        wire::CreateBulkFrame(builder, kv.size(), wire::checksum(kv))});
-    auto kv_layout = layout(builder, kv.size() / block_bytes_);
-    auto mask = builder.CreateVector(a.mask);
-    auto level = builder.CreateString("blend");
-    auto outcome = builder.CreateString(a.outcome);
-    auto shadow_mode = builder.CreateString(a.shadow_mode);
-    const auto took = std::chrono::duration_cast<std::chrono::microseconds>(Clock::now() - start);
-    builder.Finish(wire::CreateProbePlan(builder, job.request_id(), job.attempt(), level,
-                                         static_cast<uint32_t>(prefix.size() * model::kBlockTokens),
-                                         static_cast<uint32_t>(took.count()), frames, kv_layout, 0,
-                                         0, affinity, outcome, a.donor, a.similarity, a.cell, mask,
-                                         static_cast<float>(approximate_->recompute_fraction()),
-                                         shadow_mode, a.sampled),
-                   wire::PrefillJobIdentifier());
-    router_->send_plan(job, wire::encode(wire::MessageType::ProbePlan, builder, std::move(bulk)));
-  }
-
-  // A full hit: what prefill would have answered, from the store.
-  void answer_full(const wire::ProbeJob& job, const std::vector<int32_t>& tokens,
-                   const model::SamplingParams& sampling, const reuse::PromptRecord& prompt,
-                   std::vector<reuse::Value> blocks) {
-    const model::ModelConfig& cfg = model_->config();
-    model::Sampler sampler(sampling);
-    sampler.set_prompt(tokens);
-    const int32_t first = sampler.sample(prompt.logits.data(), cfg.vocab_size);
-    const std::string finish = model::finish_after(first, 1, static_cast<int64_t>(tokens.size()),
-                                                   sampling, eos_, cfg.max_position_embeddings);
-    zmq::message_t kv;  // shared by the messages that carry it (zmq_msg_copy: no copy)
-    uint64_t sum = 0;
-    const bool goes_on = finish.empty();
-    if (goes_on) {
-      if (!prompt.tail_kv.empty())
-        blocks.push_back(std::make_shared<const std::string>(prompt.tail_kv));
-      kv = concatenate(blocks, sum);
-    }
-    const size_t kv_blocks = blocks.size();
-    // The PrefillDone with the KV (for decode, or a gateway without routes) or without it.
-    auto build = [&](bool with_kv, const flatbuffers::Vector<uint8_t>* ticket) {
-      flatbuffers::FlatBufferBuilder builder(512 + tokens.size() * 4);
-      std::vector<zmq::message_t> bulk;
-      flatbuffers::Offset<wire::KvLayout> kv_layout = 0;
-      flatbuffers::Offset<flatbuffers::Vector<flatbuffers::Offset<wire::BulkFrame>>> frames = 0;
-      if (with_kv && goes_on) {
-        bulk.emplace_back().copy(kv);
-        frames = builder.CreateVector(std::vector<flatbuffers::Offset<wire::BulkFrame>>{
-            wire::CreateBulkFrame(builder, kv.size(), sum)});
-        kv_layout = layout(builder, kv_blocks);
-      }
-      auto token_vector = with_kv ? builder.CreateVector(tokens) : 0;
-      auto finish_text = builder.CreateString(finish);
-      auto sampling_offset = to_wire(builder, sampling);
-      auto name_space =
-          builder.CreateString(job.cache_namespace() ? job.cache_namespace()->str() : "");
-      auto replica = builder.CreateString(service_.log.replica());
-      auto level = builder.CreateString("full");
-      auto logprobs =
-          logprobs_to_wire(builder, prompt.logits.data(), cfg.vocab_size, first, sampling);
-      auto ticket_vector = ticket ? builder.CreateVector(ticket->data(), ticket->size()) : 0;
-      builder.Finish(
-          wire::CreatePrefillDone(builder, job.request_id(), job.attempt(), token_vector, first,
-                                  finish_text, sampling_offset, name_space, kv_layout, frames, 0,
-                                  replica, level, static_cast<uint32_t>(tokens.size()), 0, false,
-                                  0.0f, false, logprobs, ticket_vector),
-          wire::PrefillJobIdentifier());
-      return wire::encode(wire::MessageType::PrefillDone, builder, std::move(bulk));
-    };
-    router_->send_done(job, goes_on, build);
   }
 
   runtime::StageService service_;
@@ -407,10 +264,10 @@ class Probe {
   std::unique_ptr<runtime::PeerSender> peers_;
   std::unique_ptr<PlanRouter> router_;
   size_t block_bytes_ = 0;
-  std::vector<int32_t> eos_;
   uint32_t credits_ = 64;
   std::unique_ptr<ApproximateLookup> approximate_;
   std::unique_ptr<StoreIntake> store_intake_;
+  std::unique_ptr<ProbeAnswers> answers_;
   runtime::RateLimited spill_failure_log_;
   uint64_t spill_failures_logged_ = 0;
 };
