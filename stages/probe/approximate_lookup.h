@@ -1,13 +1,12 @@
 #pragma once
-// The probe's approximate lookup: a lookup signature from a partial forward (the first MoE
-// layers' router scores), the nearest cached prompts of the namespace in the FAISS index, the
-// donor closest in tokens among those over the threshold, and what the decision rule makes of it
-// (serve its answer, blend its KV, shadow-check it, or refuse it). It also keeps what the lookups
-// learn from: prefill's signature records (indexed), the shadow checks' outcomes (the rule's
-// evidence), and the first-token distributions of response shadows.
+// The probe's approximate lookup: a lookup signature (stages/probe/signature_engine.h), the nearest
+// cached prompts of the namespace in the FAISS index, the donor closest in tokens among those over
+// the threshold, and what the decision rule makes of it (serve its answer, blend its KV,
+// shadow-check it, or refuse it). It also keeps what the lookups learn from: prefill's signature
+// records (indexed), the shadow checks' outcomes (the rule's evidence), and the first-token
+// distributions of response shadows.
 
 #include <cstdint>
-#include <deque>
 #include <memory>
 #include <optional>
 #include <set>
@@ -15,18 +14,15 @@
 #include <unordered_map>
 #include <vector>
 
-#include "kernels/cpu/thread_pool.h"
-#include "model/forward.h"
 #include "model/kv_cache.h"
 #include "model/model.h"
-#include "model/router_observer.h"
-#include "offload/resident_provider.h"
 #include "reuse/approximate.h"
 #include "reuse/records.h"
 #include "reuse/signature.h"
 #include "reuse/similarity_index.h"
 #include "reuse/snapshot_store.h"
 #include "stages/probe/probe_metrics.h"
+#include "stages/probe/signature_engine.h"
 #include "stages/runtime/config.h"
 #include "stages/runtime/log.h"
 #include "tokenizer/tokenizer.h"
@@ -78,14 +74,6 @@ class ApproximateLookup {
 
  private:
   enum class Metric { kCosine, kEuclidean, kJaccard };
-  // Two signatures of `tokens` from one partial forward (the first layers only): pooled over
-  // positions from `from` on (past the exact prefix hit, so that a shared template does not
-  // dominate) and over the whole prompt. Stored signatures were pooled past whatever prefix hit
-  // their own prefill had — none for a prompt computed cold — so a lookup asks with both.
-  struct LookupSignatures {
-    std::vector<float> past_prefix, whole;
-    std::vector<std::set<int32_t>> past_prefix_sets, whole_sets;
-  };
   struct Donor {
     reuse::SimilarityIndex::Hit hit;  // score: the similarity in the configured metric
     reuse::SignatureRecord record;
@@ -96,10 +84,6 @@ class ApproximateLookup {
   void reconcile_index();
   uint64_t donor_key(const reuse::SignatureRecord& record) const;
   bool index_signature(const reuse::SignatureRecord& record);
-  LookupSignatures lookup_signatures(const std::vector<int32_t>& tokens, int64_t from,
-                                     const std::vector<uint64_t>& chain,
-                                     const std::vector<reuse::Value>& prefix_blocks);
-  void remember_block_sums(uint64_t block_key, const reuse::RouterSums& sums);
   float similarity(const LookupSignatures& lookup, const reuse::SignatureRecord& donor) const;
   std::string token_text(int32_t token);
   std::optional<Donor> nearest_donor(const std::vector<int32_t>& tokens,
@@ -116,27 +100,15 @@ class ApproximateLookup {
   size_t block_bytes_;
   std::unique_ptr<tokenizer::Tokenizer> tokenizer_;
   std::unordered_map<int32_t, std::string> token_texts_;
-  reuse::SignatureOptions signature_options_;
-  int64_t signature_layers_ = 0, max_signature_tokens_ = 0;
-  int signature_dimension_ = 0;
   double recompute_fraction_ = 0.15;
   Metric metric_ = Metric::kCosine;
-  std::unique_ptr<kernels::ThreadPool> pool_;
-  std::unique_ptr<offload::ResidentExpertProvider> experts_;
-  std::unique_ptr<model::KvCache> cache_;
-  std::unique_ptr<model::Engine> engine_;
-  std::unique_ptr<reuse::SignatureAccumulator> accumulator_, whole_accumulator_;
-  model::RouterFanout observers_;
+  std::unique_ptr<SignatureEngine> signatures_engine_;
   std::unique_ptr<reuse::SimilarityIndex> index_;
   std::unique_ptr<reuse::SnapshotStore> signatures_;
   std::unique_ptr<reuse::DecisionRule> rule_;
   std::set<std::string> namespaces_;
-  uint64_t next_sequence_id_ = 1;
   runtime::RateLimited refusal_log_;
   std::unordered_map<uint64_t, uint64_t> pending_kl_;  // shadowed prompt's entry -> donor
-  std::unordered_map<uint64_t, reuse::RouterSums> block_sums_;
-  std::deque<uint64_t> block_sums_order_;
-  size_t block_sums_width_ = 1;  // values per block's sums: signature layers x experts
   uint64_t signature_puts_ = 0;
 };
 
