@@ -283,11 +283,15 @@ int run_command(int argc, char** argv) {
   if (!options.expert_budget.empty() && options.device == "cpu") {
     try {
       const offload::ExpertCatalog catalog = model.expert_catalog();
-      expert_pool = offload::ExpertPool::create(
+      auto created = offload::ExpertPool::create(
           catalog, {.name = "/moeline-run-" + std::to_string(::getpid()),
                     .budget_bytes = offload::parse_expert_budget(options.expert_budget,
                                                                  catalog.pool_bytes_for_all())});
-      pool_client = offload::PoolClient::attach(expert_pool->name(), catalog);
+      if (!created) return fail("--expert-budget: " + created.error().message, 2);
+      expert_pool = std::move(*created);
+      auto attached = offload::PoolClient::attach(expert_pool->name(), catalog);
+      if (!attached) return fail("--expert-budget: " + attached.error().message, 2);
+      pool_client = std::move(*attached);
       expert_pool->make_private();
       pool_client->set_prefetch_depth(options.prefetch_depth);
       experts = pool_client.get();

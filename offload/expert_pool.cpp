@@ -17,7 +17,9 @@
 #include <cmath>
 #include <cstdlib>
 #include <cstring>
+#include <new>
 #include <stdexcept>
+#include <system_error>
 #include <thread>
 
 namespace moeline::offload {
@@ -327,21 +329,21 @@ PoolStats PoolMapping::stats() const {
   return s;
 }
 
-std::unique_ptr<ExpertPool> ExpertPool::create(const ExpertCatalog& catalog,
-                                               const Options& options) {
+std::unique_ptr<ExpertPool> ExpertPool::create_or_throw(const ExpertCatalog& catalog,
+                                                        const Options& options) {
   if (options.name.empty() || options.name[0] != '/' ||
       options.name.find('/', 1) != std::string::npos)
-    throw std::invalid_argument("expert pool name '" + options.name +
-                                "' must start with '/' and contain no other '/'");
+    throw StatusError("expert pool name '" + options.name +
+                      "' must start with '/' and contain no other '/'");
   uint32_t present = 0;
   for (const ExpertCatalog::Expert& e : catalog.experts)
     if (e.shape.bytes() > 0) ++present;
-  if (present == 0) throw std::invalid_argument("the model has no experts to pool");
+  if (present == 0) throw StatusError("the model has no experts to pool");
   const uint64_t slot_bytes = pool_slot_bytes(catalog);
   if (options.budget_bytes < slot_bytes)
-    throw std::invalid_argument("expert budget of " + std::to_string(options.budget_bytes) +
-                                " bytes is less than one expert (" + std::to_string(slot_bytes) +
-                                " bytes with alignment)");
+    throw StatusError("expert budget of " + std::to_string(options.budget_bytes) +
+                      " bytes is less than one expert (" + std::to_string(slot_bytes) +
+                      " bytes with alignment)");
   const uint64_t slots = std::min<uint64_t>(options.budget_bytes / slot_bytes, present);
   const auto entries =
       static_cast<uint32_t>(catalog.layers) * static_cast<uint32_t>(catalog.experts_per_layer);
@@ -378,9 +380,10 @@ std::unique_ptr<ExpertPool> ExpertPool::create(const ExpertCatalog& catalog,
           munmap(header, sizeof(PoolLayout));
           if (alive) {
             close(old);
-            throw std::runtime_error("expert pool " + options.name +
-                                     " is owned by a running process (pid " +
-                                     std::to_string(old_pid) + " in its namespace)");
+            throw StatusError("expert pool " + options.name +
+                                  " is owned by a running process (pid " + std::to_string(old_pid) +
+                                  " in its namespace)",
+                              StatusCode::kUnavailable);
           }
         }
       }
@@ -390,8 +393,8 @@ std::unique_ptr<ExpertPool> ExpertPool::create(const ExpertCatalog& catalog,
     fd = shm_open(options.name.c_str(), O_CREAT | O_EXCL | O_RDWR, 0600);
   }
   if (fd < 0)
-    throw std::runtime_error("cannot create expert pool " + options.name + ": " +
-                             errno_text(errno));
+    throw StatusError("cannot create expert pool " + options.name + ": " + errno_text(errno),
+                      StatusCode::kIoError);
   pool->fd_ = fd;
   // Reserve the memory now: a tmpfs that runs out later would SIGBUS the first loader to touch
   // an unbacked page, instead of this clear error at start.
@@ -400,10 +403,11 @@ std::unique_ptr<ExpertPool> ExpertPool::create(const ExpertCatalog& catalog,
                         : posix_fallocate(fd, 0, static_cast<off_t>(layout_bytes + data_bytes));
   if (sized != 0) {
     shm_unlink(options.name.c_str());
-    throw std::runtime_error(
-        "cannot reserve " + std::to_string(layout_bytes + data_bytes) +
-        " bytes of shared memory for expert pool " + options.name + ": " + errno_text(sized) +
-        " (is /dev/shm large enough? docker: shm_size; or lower --expert-budget)");
+    throw StatusError("cannot reserve " + std::to_string(layout_bytes + data_bytes) +
+                          " bytes of shared memory for expert pool " + options.name + ": " +
+                          errno_text(sized) +
+                          " (is /dev/shm large enough? docker: shm_size; or lower --expert-budget)",
+                      StatusCode::kResourceExhausted);
   }
   void* layout = mmap(nullptr, layout_bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
   void* data = mmap(nullptr, data_bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd,
@@ -411,7 +415,8 @@ std::unique_ptr<ExpertPool> ExpertPool::create(const ExpertCatalog& catalog,
   if (layout == MAP_FAILED || data == MAP_FAILED) {
     const int error = errno;
     shm_unlink(options.name.c_str());
-    throw std::runtime_error("cannot map expert pool " + options.name + ": " + errno_text(error));
+    throw StatusError("cannot map expert pool " + options.name + ": " + errno_text(error),
+                      StatusCode::kIoError);
   }
   pool->layout_ = static_cast<PoolLayout*>(layout);
   pool->layout_bytes_ = layout_bytes;
@@ -458,7 +463,8 @@ std::unique_ptr<ExpertPool> ExpertPool::create(const ExpertCatalog& catalog,
       file = open(path.c_str(), O_RDONLY | O_CLOEXEC);
     }
     if (file < 0)
-      throw std::runtime_error("cannot open " + path.string() + ": " + errno_text(errno));
+      throw StatusError("cannot open " + path.string() + ": " + errno_text(errno),
+                        StatusCode::kIoError);
     pool->files_.push_back(file);
   }
   l->counters.direct_io = all_direct ? 1 : 0;
@@ -634,38 +640,42 @@ void ExpertPool::load(uint32_t entry_index, int, std::vector<std::byte>& bounce)
   notify(&layout_->changed);
 }
 
-std::unique_ptr<PoolClient> PoolClient::attach(const std::string& name,
-                                               const ExpertCatalog& catalog) {
+std::unique_ptr<PoolClient> PoolClient::attach_or_throw(const std::string& name,
+                                                        const ExpertCatalog& catalog) {
   std::unique_ptr<PoolClient> client(new PoolClient());
   client->name_ = name;
   client->catalog_ = catalog;
   const int fd = shm_open(name.c_str(), O_RDWR, 0);
   if (fd < 0)
-    throw std::runtime_error("cannot open expert pool " + name + ": " + errno_text(errno) +
-                             " (is the offload manager running with --expert-budget?)");
+    throw StatusError("cannot open expert pool " + name + ": " + errno_text(errno) +
+                          " (is the offload manager running with --expert-budget?)",
+                      StatusCode::kUnavailable);
   client->fd_ = fd;
   struct stat st {};
   if (fstat(fd, &st) != 0 || static_cast<size_t>(st.st_size) < sizeof(PoolLayout))
-    throw std::runtime_error("expert pool " + name + " is not initialised");
+    throw StatusError("expert pool " + name + " is not initialised", StatusCode::kUnavailable);
   auto* header =
       static_cast<PoolLayout*>(mmap(nullptr, sizeof(PoolLayout), PROT_READ, MAP_SHARED, fd, 0));
-  if (header == MAP_FAILED) throw std::runtime_error("cannot map expert pool " + name);
+  if (header == MAP_FAILED)
+    throw StatusError("cannot map expert pool " + name, StatusCode::kIoError);
   const PoolLayout copy = *header;
   munmap(header, sizeof(PoolLayout));
   std::atomic_thread_fence(std::memory_order_acquire);
   if (copy.magic != kMagic || copy.version != kVersion)
-    throw std::runtime_error("expert pool " + name + " has another format or is not ready");
+    throw StatusError("expert pool " + name + " has another format or is not ready",
+                      StatusCode::kUnavailable);
   if (copy.model_id != catalog.model_id || copy.layers != static_cast<uint32_t>(catalog.layers) ||
       copy.experts_per_layer != static_cast<uint32_t>(catalog.experts_per_layer))
-    throw std::runtime_error("expert pool " + name + " holds another model");
+    throw StatusError("expert pool " + name + " holds another model", StatusCode::kInvalidArgument);
   if (static_cast<uint64_t>(st.st_size) < copy.layout_bytes + copy.data_bytes)
-    throw std::runtime_error("expert pool " + name + " is truncated");
+    throw StatusError("expert pool " + name + " is truncated", StatusCode::kCorruption);
   void* layout = mmap(nullptr, copy.layout_bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
   // The experts' bytes: read-only here; only the owner's loaders write them.
   void* data = mmap(nullptr, copy.data_bytes, PROT_READ, MAP_SHARED, fd,
                     static_cast<off_t>(copy.layout_bytes));
   if (layout == MAP_FAILED || data == MAP_FAILED)
-    throw std::runtime_error("cannot map expert pool " + name + ": " + errno_text(errno));
+    throw StatusError("cannot map expert pool " + name + ": " + errno_text(errno),
+                      StatusCode::kIoError);
   client->layout_ = static_cast<PoolLayout*>(layout);
   client->layout_bytes_ = copy.layout_bytes;
   client->data_ = static_cast<std::byte*>(data);
@@ -686,8 +696,9 @@ std::unique_ptr<PoolClient> PoolClient::attach(const std::string& name,
       client->client_ = static_cast<int32_t>(c);
     }
     if (client->client_ < 0)
-      throw std::runtime_error("expert pool " + name + " has " + std::to_string(kMaxClients) +
-                               " clients attached already");
+      throw StatusError("expert pool " + name + " has " + std::to_string(kMaxClients) +
+                            " clients attached already",
+                        StatusCode::kResourceExhausted);
   }
   client->heartbeat_ = std::thread([c = client.get()] {
     while (!c->detaching_) {
@@ -696,6 +707,34 @@ std::unique_ptr<PoolClient> PoolClient::attach(const std::string& name,
     }
   });
   return client;
+}
+
+namespace {
+
+// The boundary: what the pool's setup throws becomes an Error with its code.
+template <class Make>
+auto as_expected(Make make) -> Expected<decltype(make())> {
+  try {
+    return make();
+  } catch (const StatusError& e) {
+    return e.error();
+  } catch (const std::system_error& e) {  // a loader or heartbeat thread that could not start
+    return Error{e.what(), StatusCode::kResourceExhausted};
+  } catch (const std::bad_alloc&) {
+    return Error{"out of memory setting up the expert pool", StatusCode::kResourceExhausted};
+  }
+}
+
+}  // namespace
+
+Expected<std::unique_ptr<ExpertPool>> ExpertPool::create(const ExpertCatalog& catalog,
+                                                         const Options& options) {
+  return as_expected([&] { return create_or_throw(catalog, options); });
+}
+
+Expected<std::unique_ptr<PoolClient>> PoolClient::attach(const std::string& name,
+                                                         const ExpertCatalog& catalog) {
+  return as_expected([&] { return attach_or_throw(name, catalog); });
 }
 
 PoolClient::~PoolClient() {

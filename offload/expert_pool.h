@@ -30,6 +30,7 @@
 #include <thread>
 #include <vector>
 
+#include "base/status.h"
 #include "offload/expert_provider.h"
 
 namespace moeline::offload {
@@ -149,7 +150,11 @@ class ExpertPool : public PoolMapping {
     int loader_threads = 1;
     bool direct_io = true;  // O_DIRECT reads; falls back (counted) where the filesystem refuses
   };
-  static std::unique_ptr<ExpertPool> create(const ExpertCatalog& catalog, const Options& options);
+  // Errors: an invalid name or a budget under one expert (invalid argument), a pool of that name
+  // whose owner runs (unavailable), shared memory that cannot be created, sized or mapped, or a
+  // checkpoint file that cannot be opened (I/O error, resource exhausted).
+  static Expected<std::unique_ptr<ExpertPool>> create(const ExpertCatalog& catalog,
+                                                      const Options& options);
   ~ExpertPool();
 
   uint64_t slots() const;
@@ -159,6 +164,8 @@ class ExpertPool : public PoolMapping {
 
  private:
   ExpertPool() = default;
+  static std::unique_ptr<ExpertPool> create_or_throw(const ExpertCatalog& catalog,
+                                                     const Options& options);
   void loader_loop(int index);
   // Takes back the pins of clients whose heartbeat stopped (a process killed mid-forward).
   void reclaim_dead_clients();
@@ -175,9 +182,11 @@ class ExpertPool : public PoolMapping {
 // A compute process's view of the pool: an ExpertProvider.
 class PoolClient final : public PoolMapping, public ExpertProvider {
  public:
-  // Throws std::runtime_error when the pool does not exist, or holds another model or shape.
-  // Throws std::runtime_error also when 64 clients are attached already.
-  static std::unique_ptr<PoolClient> attach(const std::string& name, const ExpertCatalog& catalog);
+  // Errors: no such pool yet, or not ready (unavailable: ask again), another model or shape
+  // (invalid argument), a truncated segment (corruption), 64 clients attached already (resource
+  // exhausted).
+  static Expected<std::unique_ptr<PoolClient>> attach(const std::string& name,
+                                                      const ExpertCatalog& catalog);
   // Detaches: the pins it still holds are released.
   ~PoolClient() override;
 
@@ -196,6 +205,8 @@ class PoolClient final : public PoolMapping, public ExpertProvider {
 
  private:
   PoolClient() = default;
+  static std::unique_ptr<PoolClient> attach_or_throw(const std::string& name,
+                                                     const ExpertCatalog& catalog);
   std::optional<ExpertWeights> acquire_or_fail(int layer, int expert, bool may_wait);
   ExpertWeights views(uint32_t entry, int32_t slot) const;
   // Whether its row of the client table is still its own (under the pool's lock).

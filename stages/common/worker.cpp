@@ -285,16 +285,18 @@ bool ComputeWorker::handle(const wire::Message& message, uint32_t free_credits) 
   if (!plan_received_) {
     const std::string pool_name = plan->pool_name() ? plan->pool_name()->str() : "";
     if (!pool_name.empty() && (!experts->pool() || experts->pool()->name() != pool_name)) {
-      try {
-        auto client = offload::PoolClient::attach(pool_name, model->expert_catalog());
-        client->set_prefetch_depth(static_cast<int>(plan->prefetch_depth()));
-        experts->use_pool(std::move(client));
-        model->release_expert_mappings();
-      } catch (const std::exception& e) {
+      auto client = offload::PoolClient::attach(pool_name, model->expert_catalog());
+      if (!client) {
         // Asked again shortly (maintain); no credit until the pool is reachable.
-        service.log.error("expert_pool_attach_failed", {{"pool", pool_name}, {"error", e.what()}});
+        service.log.error("expert_pool_attach_failed",
+                          {{"pool", pool_name},
+                           {"code", std::string(status_code_name(client.error().code))},
+                           {"error", client.error().message}});
         return true;
       }
+      (*client)->set_prefetch_depth(static_cast<int>(plan->prefetch_depth()));
+      experts->use_pool(std::move(*client));
+      model->release_expert_mappings();
     }
     plan_received_ = true;
     usage_route_.reset();

@@ -324,11 +324,17 @@ int offload_body(const runtime::Config& config) {
         offload::parse_expert_budget(config.text("expert-budget"), catalog.pool_bytes_for_all());
     std::string name = config.text("expert-pool");
     if (name.empty()) name = default_pool_name(model.model_id(), config.text("hub"));
-    pool = offload::ExpertPool::create(
+    auto created = offload::ExpertPool::create(
         catalog, {.name = name,
                   .budget_bytes = pool_bytes,
                   .loader_threads = static_cast<int>(config.integer("loader-threads")),
                   .direct_io = config.flag("direct-io")});
+    if (!created) {
+      const std::string reason = "--expert-budget: " + created.error().message;
+      if (created.error().code == StatusCode::kInvalidArgument) throw runtime::ConfigError(reason);
+      throw std::runtime_error(reason);
+    }
+    pool = std::move(*created);
     const offload::PoolStats stats = pool->stats();
     service.log.info("expert_pool", {{"name", name},
                                      {"budget_bytes", pool_bytes},

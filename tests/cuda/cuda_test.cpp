@@ -540,10 +540,14 @@ TEST_P(CudaModel, GeneratesWhatTheCpuEngineGeneratesAtEveryExpertBudget) {
   // The device tier fed from the node's shared host pool (half the experts there, a quarter on
   // the device), with predictive prefetch: the same prompt results.
   const offload::ExpertCatalog catalog = m.expert_catalog();
-  auto host_pool = offload::ExpertPool::create(
+  auto created = offload::ExpertPool::create(
       catalog, {.name = "/moeline-cuda-test-" + std::to_string(::getpid()),
                 .budget_bytes = catalog.total_expert_bytes() / 2});
-  auto client = offload::PoolClient::attach(host_pool->name(), catalog);
+  ASSERT_TRUE(created) << created.error().message;
+  auto host_pool = std::move(*created);
+  auto attached = offload::PoolClient::attach(host_pool->name(), catalog);
+  ASSERT_TRUE(attached) << attached.error().message;
+  auto client = std::move(*attached);
   auto pooled = model::CudaEngine::create(
       m, {.kv_blocks = 64, .expert_budget_fraction = 0.25, .host_experts = client.get()});
   ASSERT_TRUE(pooled) << pooled.error().message;

@@ -75,11 +75,18 @@ uint64_t slot_bytes(const ExpertCatalog& catalog) {
   return pool_slot_bytes(catalog);
 }
 
+// The result of a setup that must succeed (a failure ends the test with its message).
+template <class T>
+T must(Expected<T> result) {
+  if (!result) throw std::runtime_error(result.error().message);
+  return std::move(*result);
+}
+
 // A pool of exactly `slots` experts, named after the test.
 std::unique_ptr<ExpertPool> pool_of_slots(const ExpertCatalog& catalog, const std::string& what,
                                           uint64_t slots) {
-  return ExpertPool::create(catalog,
-                            {.name = pool_name(what), .budget_bytes = slots * slot_bytes(catalog)});
+  return must(ExpertPool::create(
+      catalog, {.name = pool_name(what), .budget_bytes = slots * slot_bytes(catalog)}));
 }
 
 TEST(ExpertBudget, ParsesSharesAndSizes) {
@@ -123,8 +130,8 @@ TEST_P(PoolOnModel, OutputsAreIdenticalAtEveryBudget) {
     for (int depth : {0, 1, 2}) {
       SCOPED_TRACE(label + " prefetch depth " + std::to_string(depth));
       auto pool =
-          ExpertPool::create(catalog, {.name = pool_name("budget"), .budget_bytes = budget});
-      auto client = PoolClient::attach(pool->name(), catalog);
+          must(ExpertPool::create(catalog, {.name = pool_name("budget"), .budget_bytes = budget}));
+      auto client = must(PoolClient::attach(pool->name(), catalog));
       client->set_prefetch_depth(depth);
       const Output got = generate(*m, *client);
       EXPECT_EQ(got.tokens, expected.tokens);
@@ -156,10 +163,10 @@ TEST(ExpertPool, ReadsTheSameWithoutDirectIo) {
   ResidentExpertProvider resident(m->experts());
   const Output expected = generate(*m, resident);
   const ExpertCatalog catalog = m->expert_catalog();
-  auto pool = ExpertPool::create(
-      catalog,
-      {.name = pool_name("buffered"), .budget_bytes = 2 * slot_bytes(catalog), .direct_io = false});
-  auto client = PoolClient::attach(pool->name(), catalog);
+  auto pool = must(ExpertPool::create(catalog, {.name = pool_name("buffered"),
+                                                .budget_bytes = 2 * slot_bytes(catalog),
+                                                .direct_io = false}));
+  auto client = must(PoolClient::attach(pool->name(), catalog));
   EXPECT_EQ(generate(*m, *client).tokens, expected.tokens);
   EXPECT_EQ(client->stats().direct_io, 0u);
   EXPECT_GT(client->stats().loads, 0u);
@@ -176,8 +183,8 @@ TEST(ExpertPool, APinnedExpertIsNeverEvictedAndPinHoldersNeverWait) {
   const ExpertCatalog catalog = m->expert_catalog();
   auto pool = pool_of_slots(catalog, "pins", 1);
   ASSERT_EQ(pool->slots(), 1u);
-  auto holder = PoolClient::attach(pool->name(), catalog);
-  auto other = PoolClient::attach(pool->name(), catalog);
+  auto holder = must(PoolClient::attach(pool->name(), catalog));
+  auto other = must(PoolClient::attach(pool->name(), catalog));
   const ExpertWeights held = holder->acquire(0, 1);
   // The checkpoint's bytes, through the pool.
   EXPECT_EQ(0, std::memcmp(held.gate.data, m->experts()[0][1].gate.data, held.gate.bytes()));
@@ -217,8 +224,8 @@ TEST(ExpertPool, ConcurrentEnginesOnTheSmallestPoolMatchResident) {
   const Output expected_a = generate(*m, resident, 0), expected_b = generate(*m, resident, 7);
   const ExpertCatalog catalog = m->expert_catalog();
   auto pool = pool_of_slots(catalog, "threads", 1);
-  auto a = PoolClient::attach(pool->name(), catalog);
-  auto b = PoolClient::attach(pool->name(), catalog);
+  auto a = must(PoolClient::attach(pool->name(), catalog));
+  auto b = must(PoolClient::attach(pool->name(), catalog));
   Output got_a, got_b;
   std::thread ta([&] { got_a = generate(*m, *a, 0); });
   std::thread tb([&] { got_b = generate(*m, *b, 7); });
@@ -247,7 +254,7 @@ TEST(ExpertPool, ProcessesShareOnePool) {
       close(fds[0]);
       int status = 1;
       try {
-        auto client = PoolClient::attach(pool->name(), catalog);
+        auto client = must(PoolClient::attach(pool->name(), catalog));
         const Output out = generate(*m, *client, child);
         std::vector<int32_t> flat;
         for (const auto& t : out.tokens) flat.insert(flat.end(), t.begin(), t.end());
@@ -298,7 +305,7 @@ TEST(ExpertPool, ThePinsOfADeadProcessAreTakenBack) {
   if (child == 0) {
     close(ready[0]);
     try {
-      auto client = PoolClient::attach(pool->name(), catalog);
+      auto client = must(PoolClient::attach(pool->name(), catalog));
       client->acquire(0, 1);
       const char ok = 1;
       if (write(ready[1], &ok, 1) != 1) _exit(2);
@@ -315,7 +322,7 @@ TEST(ExpertPool, ThePinsOfADeadProcessAreTakenBack) {
   int status = 0;
   waitpid(child, &status, 0);
   ASSERT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 0);
-  auto client = PoolClient::attach(pool->name(), catalog);
+  auto client = must(PoolClient::attach(pool->name(), catalog));
   EXPECT_EQ(pool->stats().pinned, 1u);
   EXPECT_FALSE(client->try_acquire(0, 2).has_value());  // the only slot is still pinned
   const auto started = std::chrono::steady_clock::now();
@@ -333,26 +340,32 @@ TEST(ExpertPool, BadSetupsAreClearErrors) {
   auto m = load("mixtral-f32");
   ASSERT_TRUE(m);
   const ExpertCatalog catalog = m->expert_catalog();
-  // Less than one expert.
-  EXPECT_THROW(ExpertPool::create(catalog, {.name = pool_name("small"), .budget_bytes = 100}),
-               std::invalid_argument);
-  EXPECT_THROW(ExpertPool::create(catalog, {.name = "no-slash", .budget_bytes = 1 << 30}),
-               std::invalid_argument);
-  // No such pool.
-  try {
-    PoolClient::attach(pool_name("missing"), catalog);
-    ADD_FAILURE() << "attached to a missing pool";
-  } catch (const std::runtime_error& e) {
-    EXPECT_NE(std::string(e.what()).find("offload manager"), std::string::npos) << e.what();
-  }
+  // Less than one expert; a name shm_open would refuse.
+  auto small = ExpertPool::create(catalog, {.name = pool_name("small"), .budget_bytes = 100});
+  ASSERT_FALSE(small);
+  EXPECT_EQ(small.error().code, StatusCode::kInvalidArgument);
+  EXPECT_NE(small.error().message.find("less than one expert"), std::string::npos);
+  auto unnamed = ExpertPool::create(catalog, {.name = "no-slash", .budget_bytes = 1 << 30});
+  ASSERT_FALSE(unnamed);
+  EXPECT_EQ(unnamed.error().code, StatusCode::kInvalidArgument);
+  // No such pool (yet): worth asking again.
+  auto missing = PoolClient::attach(pool_name("missing"), catalog);
+  ASSERT_FALSE(missing);
+  EXPECT_EQ(missing.error().code, StatusCode::kUnavailable);
+  EXPECT_NE(missing.error().message.find("offload manager"), std::string::npos)
+      << missing.error().message;
   // Another model's pool.
-  auto pool = ExpertPool::create(catalog, {.name = pool_name("other"), .budget_bytes = 1 << 30});
+  auto pool =
+      must(ExpertPool::create(catalog, {.name = pool_name("other"), .budget_bytes = 1 << 30}));
   ExpertCatalog other = catalog;
   other.model_id ^= 1;
-  EXPECT_THROW(PoolClient::attach(pool->name(), other), std::runtime_error);
+  auto wrong = PoolClient::attach(pool->name(), other);
+  ASSERT_FALSE(wrong);
+  EXPECT_EQ(wrong.error().code, StatusCode::kInvalidArgument);
   // A second owner while the first runs.
-  EXPECT_THROW(ExpertPool::create(catalog, {.name = pool->name(), .budget_bytes = 1 << 30}),
-               std::runtime_error);
+  auto second = ExpertPool::create(catalog, {.name = pool->name(), .budget_bytes = 1 << 30});
+  ASSERT_FALSE(second);
+  EXPECT_EQ(second.error().code, StatusCode::kUnavailable);
 }
 
 TEST(ExpertPool, AnUnreadableExpertIsAnErrorAndThePoolKeepsServing) {
@@ -362,8 +375,9 @@ TEST(ExpertPool, AnUnreadableExpertIsAnErrorAndThePoolKeepsServing) {
   // Expert 3 of layer 0 claims bytes past the end of its file (a truncated checkpoint).
   ExpertCatalog::Expert& broken = catalog.experts[3];
   broken.ranges[2].offset = uint64_t{1} << 40;
-  auto pool = ExpertPool::create(catalog, {.name = pool_name("broken"), .budget_bytes = 1 << 30});
-  auto client = PoolClient::attach(pool->name(), catalog);
+  auto pool =
+      must(ExpertPool::create(catalog, {.name = pool_name("broken"), .budget_bytes = 1 << 30}));
+  auto client = must(PoolClient::attach(pool->name(), catalog));
   try {
     client->acquire(0, 3);
     ADD_FAILURE() << "read past the end of the checkpoint";
