@@ -43,6 +43,12 @@ using moeline::reuse::EvictionPolicy;
 using moeline::reuse::SnapshotStore;
 using moeline::reuse::StoreOptions;
 
+std::unique_ptr<SnapshotStore> opened_store(StoreOptions options) {
+  auto store = SnapshotStore::open(std::move(options));
+  if (!store) throw std::runtime_error(store.error().message);
+  return std::move(*store);
+}
+
 constexpr int kSystemPrompts = 20;
 constexpr int kSystemBlocks = 32;
 constexpr int kScanBlocks = 64;
@@ -147,7 +153,8 @@ Replay replay(const Trace& trace, EvictionPolicy policy, uint64_t ram_bytes, siz
   options.ram_bytes = ram_bytes;
   options.disk_path.clear();
   options.policy = policy;
-  SnapshotStore store(options);
+  auto store_opened = opened_store(options);
+  SnapshotStore& store = *store_opened;
   Replay result;
   const auto start = Clock::now();
   for (const auto& blocks : trace.requests) {
@@ -275,13 +282,15 @@ nlohmann::json disk_section(const Flags& flags) {
   options.disk_path = root + "/rocksdb";
   start = Clock::now();
   {
-    SnapshotStore store(options);
+    auto store_opened = opened_store(options);
+    SnapshotStore& store = *store_opened;
     for (size_t i = 0; i < blocks; ++i) store.put(keys[i], std::move(values[i]));
     if (store.stats().spills != blocks) throw std::runtime_error("not every block spilled");
   }
   const double rocksdb_write_s = seconds_since(start);
   start = Clock::now();
-  SnapshotStore reopened(options);
+  auto reopened_opened = opened_store(options);
+  SnapshotStore& reopened = *reopened_opened;
   const double rocksdb_open_s = seconds_since(start);  // reads every record to index it
   start = Clock::now();
   for (size_t i : read_order) {

@@ -64,8 +64,16 @@ uint64_t read_u64(const char* p) {
 
 }  // namespace
 
-SnapshotStore::SnapshotStore(StoreOptions options) : options_(std::move(options)) {
-  if (options_.disk_path.empty() || options_.disk_bytes == 0) return;
+Expected<std::unique_ptr<SnapshotStore>> SnapshotStore::open(StoreOptions options) {
+  std::unique_ptr<SnapshotStore> store(new SnapshotStore(std::move(options)));
+  if (Status opened = store->open_disk_tier(); !opened.ok()) return opened.error();
+  return store;
+}
+
+SnapshotStore::SnapshotStore(StoreOptions options) : options_(std::move(options)) {}
+
+Status SnapshotStore::open_disk_tier() {
+  if (options_.disk_path.empty() || options_.disk_bytes == 0) return Status::ok_status();
   rocksdb::Options db_options;
   db_options.create_if_missing = true;
   // KV blocks and logits do not compress; large values live in blob files so that compaction
@@ -86,10 +94,17 @@ SnapshotStore::SnapshotStore(StoreOptions options) : options_(std::move(options)
   rocksdb::DB* db = nullptr;
   rocksdb::Status status = rocksdb::DB::Open(db_options, options_.disk_path, &db);
   if (!status.ok())
-    throw std::runtime_error("cannot open the snapshot disk tier at " + options_.disk_path + ": " +
-                             status.ToString());
+    return Error{
+        "cannot open the snapshot disk tier at " + options_.disk_path + ": " + status.ToString(),
+        status.IsCorruption() ? StatusCode::kCorruption : StatusCode::kIoError};
   db_.reset(db);
-  load_disk_index();
+  try {
+    load_disk_index();
+  } catch (const std::exception& e) {
+    return Error{"cannot read the snapshot disk tier at " + options_.disk_path + ": " + e.what(),
+                 StatusCode::kIoError};
+  }
+  return Status::ok_status();
 }
 
 SnapshotStore::~SnapshotStore() = default;
@@ -104,14 +119,12 @@ std::unique_ptr<SnapshotStore> SnapshotStore::open_resilient(StoreOptions option
                      ", under the reserve of " + std::to_string(options.disk_reserve_bytes);
       report.disk_tier = false;
       options.disk_path.clear();
-      return std::make_unique<SnapshotStore>(options);
+      return std::unique_ptr<SnapshotStore>(new SnapshotStore(options));
     }
   }
-  try {
-    return std::make_unique<SnapshotStore>(options);
-  } catch (const std::exception& e) {
-    report.error = e.what();
-  }
+  auto opened = open(options);
+  if (opened) return std::move(*opened);
+  report.error = opened.error().message;
   std::error_code ec;
   if (std::filesystem::exists(options.disk_path, ec)) {
     const auto now = std::chrono::system_clock::now().time_since_epoch();
@@ -121,18 +134,16 @@ std::unique_ptr<SnapshotStore> SnapshotStore::open_resilient(StoreOptions option
     std::filesystem::rename(options.disk_path, aside, ec);
     if (!ec) {
       report.moved_aside_to = aside;
-      try {
-        return std::make_unique<SnapshotStore>(options);
-      } catch (const std::exception& e) {
-        report.error += std::string("; a new disk tier could not be opened either: ") + e.what();
-      }
+      auto fresh = open(options);
+      if (fresh) return std::move(*fresh);
+      report.error += "; a new disk tier could not be opened either: " + fresh.error().message;
     } else {
       report.error += "; it could not be moved aside: " + ec.message();
     }
   }
   report.disk_tier = false;
   options.disk_path.clear();
-  return std::make_unique<SnapshotStore>(options);
+  return std::unique_ptr<SnapshotStore>(new SnapshotStore(options));
 }
 
 void SnapshotStore::load_disk_index() {

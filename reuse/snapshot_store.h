@@ -23,6 +23,8 @@
 #include <unordered_map>
 #include <vector>
 
+#include "base/status.h"
+
 namespace rocksdb {
 class DB;
 }
@@ -62,8 +64,9 @@ using Value = std::shared_ptr<const std::string>;
 
 class SnapshotStore {
  public:
-  // Opens (or creates) the disk tier; throws std::runtime_error when RocksDB cannot open it.
-  explicit SnapshotStore(StoreOptions options);
+  // Opens (or creates) the disk tier (none when `options` names no path or budget). Errors: the
+  // tier cannot be opened (I/O error) or RocksDB finds it damaged (corruption).
+  static Expected<std::unique_ptr<SnapshotStore>> open(StoreOptions options);
   // Never throws for a bad disk: a disk tier that cannot be opened (a corrupt MANIFEST, a full
   // disk) is moved aside to "<path>.unusable-<unix time>" and a new one opened; when that fails
   // too, the store runs without a disk tier. `report` says which.
@@ -88,6 +91,8 @@ class SnapshotStore {
   const StoreOptions& options() const { return options_; }
 
  private:
+  explicit SnapshotStore(StoreOptions options);
+  Status open_disk_tier();
   struct Entry {
     Value value;
     bool is_protected = false;

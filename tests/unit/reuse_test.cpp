@@ -7,6 +7,7 @@
 
 #include <cstdlib>
 #include <filesystem>
+#include <fstream>
 #include <memory>
 #include <numeric>
 #include <stdexcept>
@@ -70,6 +71,13 @@ StoreOptions with_disk(const TempDir& dir, uint64_t ram_bytes, uint64_t disk_byt
   return options;
 }
 
+// A store that must open (a failure ends the test with its message).
+std::unique_ptr<SnapshotStore> opened_store(StoreOptions options) {
+  auto store = SnapshotStore::open(std::move(options));
+  if (!store) throw std::runtime_error(store.error().message);
+  return std::move(*store);
+}
+
 // The store's record key: 'd' and the 8-byte big-endian store key.
 std::string disk_key(uint64_t key) {
   std::string out(9, 'd');
@@ -79,7 +87,8 @@ std::string disk_key(uint64_t key) {
 }
 
 TEST(SnapshotStore, PutThenGetFromRam) {
-  SnapshotStore store(ram_only(64 * kKiB));
+  auto store_opened = opened_store(ram_only(64 * kKiB));
+  SnapshotStore& store = *store_opened;
   store.put(7, value_of(7, 4 * kKiB));
   ASSERT_TRUE(store.contains(7));
   Value value = store.get(7);
@@ -95,7 +104,8 @@ TEST(SnapshotStore, PutThenGetFromRam) {
 
 TEST(SnapshotStore, RamBudgetIsNeverExceeded) {
   for (EvictionPolicy policy : {EvictionPolicy::kSegmentedLru, EvictionPolicy::kLru}) {
-    SnapshotStore store(ram_only(50 * kKiB, policy));
+    auto store_opened = opened_store(ram_only(50 * kKiB, policy));
+    SnapshotStore& store = *store_opened;
     uint64_t evictions_seen = 0;
     for (uint64_t key = 1; key <= 200; ++key) {
       store.put(key, value_of(key, (1 + key % 7) * kKiB));
@@ -112,7 +122,8 @@ TEST(SnapshotStore, RamBudgetIsNeverExceeded) {
 // budget (10 bursts: 10x the budget). Segmented LRU keeps it; plain LRU loses it to every burst.
 uint64_t hot_key_ram_hits(EvictionPolicy policy) {
   constexpr uint64_t kBudget = 64 * kKiB, kEntry = 4 * kKiB, kHot = 1'000'000;
-  SnapshotStore store(ram_only(kBudget, policy));
+  auto store_opened = opened_store(ram_only(kBudget, policy));
+  SnapshotStore& store = *store_opened;
   store.put(kHot, value_of(kHot, kEntry));
   store.get(kHot);  // its second use
   const uint64_t warm_hits = store.stats().hits_ram;
@@ -134,7 +145,8 @@ TEST(SnapshotStore, SegmentedLruResistsScans) {
 
 TEST(SnapshotStore, EvictionSpillsToDiskAndGetRestores) {
   TempDir dir;
-  SnapshotStore store(with_disk(dir, 16 * kKiB));
+  auto store_opened = opened_store(with_disk(dir, 16 * kKiB));
+  SnapshotStore& store = *store_opened;
   for (uint64_t key = 1; key <= 10; ++key) store.put(key, value_of(key, 4 * kKiB));
   EXPECT_EQ(store.stats().evictions, 6u);
   EXPECT_EQ(store.stats().spills, 6u);
@@ -160,7 +172,8 @@ TEST(SnapshotStore, EvictionSpillsToDiskAndGetRestores) {
 TEST(SnapshotStore, RestoresRespectTheProtectedBudget) {
   TempDir dir;
   constexpr uint64_t kEntry = 4 * kKiB;
-  SnapshotStore store(with_disk(dir, 10 * kEntry));
+  auto store_opened = opened_store(with_disk(dir, 10 * kEntry));
+  SnapshotStore& store = *store_opened;
   for (uint64_t key = 1; key <= 20; ++key) store.put(key, value_of(key, kEntry));
   for (uint64_t key = 1; key <= 20; ++key) ASSERT_NE(store.get(key), nullptr) << key;
   store.put(100, value_of(100, kEntry));
@@ -173,7 +186,8 @@ TEST(SnapshotStore, DiskBudgetEvictsOldestFirst) {
   TempDir dir;
   constexpr uint64_t kEntry = 4 * kKiB;
   // A 1-byte RAM tier: every value goes straight to disk, in put order.
-  SnapshotStore store(with_disk(dir, 1, 3 * (kEntry + kDiskTrailer)));
+  auto store_opened = opened_store(with_disk(dir, 1, 3 * (kEntry + kDiskTrailer)));
+  SnapshotStore& store = *store_opened;
   for (uint64_t key = 1; key <= 5; ++key) store.put(key, value_of(key, kEntry));
   EXPECT_EQ(store.stats().disk_evictions, 2u);
   EXPECT_EQ(store.stats().disk_entries, 3u);
@@ -192,7 +206,8 @@ TEST(SnapshotStore, CorruptDiskRecordIsDroppedNotServed) {
   TempDir dir;
   constexpr uint64_t kEntry = 4 * kKiB;
   {
-    SnapshotStore store(with_disk(dir, 1));
+    auto store_opened = opened_store(with_disk(dir, 1));
+    SnapshotStore& store = *store_opened;
     for (uint64_t key = 1; key <= 3; ++key) store.put(key, value_of(key, kEntry));
     ASSERT_EQ(store.stats().disk_entries, 3u);
   }
@@ -208,7 +223,8 @@ TEST(SnapshotStore, CorruptDiskRecordIsDroppedNotServed) {
     ASSERT_TRUE(db->Put(rocksdb::WriteOptions(), disk_key(2), record).ok());
   }
   {
-    SnapshotStore store(with_disk(dir, 1));
+    auto store_opened = opened_store(with_disk(dir, 1));
+    SnapshotStore& store = *store_opened;
     ASSERT_EQ(store.stats().disk_entries, 3u);
     EXPECT_EQ(store.get(2), nullptr);
     EXPECT_EQ(store.stats().corrupt, 1u);
@@ -220,9 +236,31 @@ TEST(SnapshotStore, CorruptDiskRecordIsDroppedNotServed) {
     EXPECT_EQ(*intact, value_of(3, kEntry));
   }
   // Deleted from disk as well, not only from the index.
-  SnapshotStore store(with_disk(dir, 1));
+  auto store_opened = opened_store(with_disk(dir, 1));
+  SnapshotStore& store = *store_opened;
   EXPECT_EQ(store.stats().disk_entries, 2u);
   EXPECT_FALSE(store.contains(2));
+}
+
+// A damaged disk tier is an error with its code at the library's boundary, and the resilient
+// open moves it aside and starts a new one.
+TEST(SnapshotStore, ADamagedDiskTierIsACorruptionError) {
+  TempDir dir;
+  { opened_store(with_disk(dir, 1))->put(1, value_of(1, 4 * kKiB)); }
+  {
+    std::ofstream current(fs::path(with_disk(dir, 1).disk_path) / "CURRENT", std::ios::trunc);
+    current << "MANIFEST-no-such-file";  // no newline: RocksDB's own check fails
+  }
+  auto damaged = SnapshotStore::open(with_disk(dir, 1));
+  ASSERT_FALSE(damaged);
+  EXPECT_EQ(damaged.error().code, StatusCode::kCorruption) << damaged.error().message;
+  EXPECT_NE(damaged.error().message.find(with_disk(dir, 1).disk_path), std::string::npos);
+  StoreOpenReport report;
+  auto store = SnapshotStore::open_resilient(with_disk(dir, 1), report);
+  ASSERT_NE(store, nullptr);
+  EXPECT_TRUE(report.disk_tier);
+  EXPECT_FALSE(report.moved_aside_to.empty());
+  EXPECT_FALSE(store->contains(1)) << "what the damaged tier held is gone, never served";
 }
 
 TEST(SnapshotStore, SpilledEntriesSurviveRestart) {
@@ -230,12 +268,14 @@ TEST(SnapshotStore, SpilledEntriesSurviveRestart) {
   constexpr uint64_t kEntry = 4 * kKiB;
   StoreStats before;
   {
-    SnapshotStore store(with_disk(dir, 8 * kKiB));
+    auto store_opened = opened_store(with_disk(dir, 8 * kKiB));
+    SnapshotStore& store = *store_opened;
     for (uint64_t key = 1; key <= 6; ++key) store.put(key, value_of(key, kEntry));
     before = store.stats();
     ASSERT_EQ(before.disk_entries, 4u);  // 1..4 spilled; 5 and 6 only in RAM
   }
-  SnapshotStore store(with_disk(dir, 8 * kKiB));
+  auto store_opened = opened_store(with_disk(dir, 8 * kKiB));
+  SnapshotStore& store = *store_opened;
   EXPECT_EQ(store.stats().disk_entries, before.disk_entries);
   EXPECT_EQ(store.stats().disk_bytes, before.disk_bytes);
   EXPECT_EQ(store.stats().ram_entries, 0u);
@@ -254,10 +294,12 @@ TEST(SnapshotStore, DiskAgeOrderSurvivesRestart) {
   TempDir dir;
   constexpr uint64_t kEntry = 4 * kKiB, kRecord = kEntry + kDiskTrailer;
   {
-    SnapshotStore store(with_disk(dir, 1, 3 * kRecord));
+    auto store_opened = opened_store(with_disk(dir, 1, 3 * kRecord));
+    SnapshotStore& store = *store_opened;
     for (uint64_t key = 1; key <= 3; ++key) store.put(key, value_of(key, kEntry));
   }
-  SnapshotStore store(with_disk(dir, 1, 3 * kRecord));
+  auto store_opened = opened_store(with_disk(dir, 1, 3 * kRecord));
+  SnapshotStore& store = *store_opened;
   ASSERT_EQ(store.stats().disk_entries, 3u);
   store.put(10, value_of(10, kEntry));
   EXPECT_EQ(store.stats().disk_evictions, 1u);
@@ -267,7 +309,8 @@ TEST(SnapshotStore, DiskAgeOrderSurvivesRestart) {
 
 TEST(SnapshotStore, ValueLargerThanRamGoesStraightToDisk) {
   TempDir dir;
-  SnapshotStore store(with_disk(dir, 16 * kKiB));
+  auto store_opened = opened_store(with_disk(dir, 16 * kKiB));
+  SnapshotStore& store = *store_opened;
   store.put(1, value_of(1, 32 * kKiB));
   EXPECT_EQ(store.stats().ram_bytes, 0u);
   EXPECT_EQ(store.stats().ram_entries, 0u);
@@ -282,7 +325,8 @@ TEST(SnapshotStore, ValueLargerThanRamGoesStraightToDisk) {
 }
 
 TEST(SnapshotStore, NoDiskTierWithoutPath) {
-  SnapshotStore store(ram_only(16 * kKiB));
+  auto store_opened = opened_store(ram_only(16 * kKiB));
+  SnapshotStore& store = *store_opened;
   for (uint64_t key = 1; key <= 10; ++key) store.put(key, value_of(key, 4 * kKiB));
   EXPECT_EQ(store.stats().evictions, 6u);
   EXPECT_EQ(store.stats().spills, 0u);
