@@ -5,6 +5,7 @@
 #include <fstream>
 #include <nlohmann/json.hpp>
 
+#include "schemas/vocabulary.h"
 #include "schemas/wire.h"
 
 namespace moeline::sdk {
@@ -42,13 +43,13 @@ Event to_event(const wire::StreamEvent& e) {
           token.top.emplace_back(lp->top_ids()->Get(k), lp->top_logprobs()->Get(k));
     }
   }
-  if (e.finish_reason()) event.finish_reason = e.finish_reason()->str();
+  event.finish_reason = wire::name(wire::finish_reason_of(e));
   if (const auto* usage = e.usage()) {
     event.usage = {usage->prompt_tokens(),
                    usage->completion_tokens(),
                    usage->reused_tokens(),
-                   usage->reuse_level() ? usage->reuse_level()->str() : "",
-                   usage->approximate() ? usage->approximate()->str() : "",
+                   std::string(wire::name(wire::reuse_level_of(*usage))),
+                   std::string(wire::name(wire::approximate_outcome_of(*usage))),
                    usage->similarity()};
   }
   if (const auto* timings = e.timings())

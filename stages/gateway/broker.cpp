@@ -94,7 +94,7 @@ void Broker::forward_to_probes(std::vector<zmq::message_t>&& frames) {
 
 // One SnapshotPut entry, its record as the bulk frame, to the probe that owns `cache_namespace`
 // (every probe when null).
-void Broker::put_to_probes(uint64_t key, uint8_t kind, const std::string& record,
+void Broker::put_to_probes(uint64_t key, wire::SnapshotKind kind, const std::string& record,
                            const std::string* cache_namespace) {
   flatbuffers::FlatBufferBuilder builder(256);
   std::vector<flatbuffers::Offset<wire::SnapshotEntry>> entries = {

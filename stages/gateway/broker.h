@@ -58,7 +58,7 @@ class Broker {
 
   // ---- what the gateway itself sends on ----
   void forward_to_probes(std::vector<zmq::message_t>&& frames);
-  void put_to_probes(uint64_t key, uint8_t kind, const std::string& record,
+  void put_to_probes(uint64_t key, wire::SnapshotKind kind, const std::string& record,
                      const std::string* cache_namespace);
   void forward_to_offload(wire::Message& message);
 

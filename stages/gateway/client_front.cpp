@@ -190,7 +190,7 @@ bool ClientChannel::send(const std::string& client, std::vector<zmq::message_t>&
 
 bool ClientChannel::send_event(const std::string& client, uint64_t client_request_id,
                                uint64_t request_id, wire::EventKind kind, const std::string& text,
-                               const std::vector<int32_t>& tokens, const std::string& finish,
+                               const std::vector<int32_t>& tokens, wire::FinishReason finish,
                                wire::ErrorCode code, const std::string& error, const Request* done,
                                const wire::TokenLogprobs* logprobs) {
   flatbuffers::FlatBufferBuilder builder(256 + text.size());
@@ -200,7 +200,8 @@ bool ClientChannel::send_event(const std::string& client, uint64_t client_reques
       logprobs_offset = 0;
   if (logprobs != nullptr)
     logprobs_offset = builder.CreateVector(std::vector{copy_logprobs(builder, logprobs)});
-  auto finish_offset = builder.CreateString(finish);
+  // The deprecated strings next to the typed fields (schema 1.9), for clients of 1.8 and older.
+  auto finish_offset = builder.CreateString(wire::name(finish));
   auto error_offset = builder.CreateString(error);
   flatbuffers::Offset<wire::Usage> usage = 0;
   flatbuffers::Offset<wire::Timings> timings = 0;
@@ -208,8 +209,9 @@ bool ClientChannel::send_event(const std::string& client, uint64_t client_reques
     const auto now = Clock::now();
     usage = wire::CreateUsage(builder, static_cast<uint32_t>(done->prompt.size()),
                               static_cast<uint32_t>(done->sent.size()), done->reused_tokens,
-                              builder.CreateString(done->reuse_level),
-                              builder.CreateString(done->approximate), done->similarity);
+                              builder.CreateString(wire::name(done->reuse_level)),
+                              builder.CreateString(wire::name(done->approximate)), done->similarity,
+                              done->reuse_level, done->approximate);
     const double queue_ms = done->prefill_dispatched == Clock::time_point{}
                                 ? 0
                                 : ms_between(done->received, done->prefill_dispatched);
@@ -220,7 +222,10 @@ bool ClientChannel::send_event(const std::string& client, uint64_t client_reques
   }
   builder.Finish(wire::CreateStreamEvent(builder, client_request_id, request_id, kind, text_offset,
                                          tokens_offset, finish_offset, usage, timings, code,
-                                         error_offset, logprobs_offset),
+                                         error_offset, logprobs_offset,
+                                         finish == wire::FinishReason::None
+                                             ? flatbuffers::Optional<wire::FinishReason>()
+                                             : finish),
                  wire::GenerateRequestIdentifier());
   if (runtime::request_tracing())
     runtime::trace_message(log_,

@@ -92,7 +92,8 @@ class ClientChannel {
   // One StreamEvent; `done`: the finished request whose usage and timings it reports.
   bool send_event(const std::string& client, uint64_t client_request_id, uint64_t request_id,
                   wire::EventKind kind, const std::string& text = {},
-                  const std::vector<int32_t>& tokens = {}, const std::string& finish = {},
+                  const std::vector<int32_t>& tokens = {},
+                  wire::FinishReason finish = wire::FinishReason::None,
                   wire::ErrorCode code = wire::ErrorCode::None, const std::string& error = {},
                   const Request* done = nullptr, const wire::TokenLogprobs* logprobs = nullptr);
   void reply_error(const std::string& client, wire::ErrorCode code, const std::string& text,

@@ -116,12 +116,13 @@ void Dispatcher::to_prefill() {
       mask = builder.CreateVector(plan->blend_mask()->data(), plan->blend_mask()->size());
       recompute = plan->recompute_fraction();
     }
-    const std::string level = r->blend_plan ? "blend" : r->reuse_level;
-    builder.Finish(wire::CreatePrefillJob(
-                       builder, r->id, r->attempt, tokens, sampling,
-                       builder.CreateString(r->cache_namespace), builder.CreateString(level),
-                       r->prefix_plan ? r->reused_tokens : 0, frames, layout, store_levels,
-                       r->prefix_key, mask, recompute, r->blend_shadow, decode_route, store_route),
+    const wire::ReuseLevel level = r->blend_plan ? wire::ReuseLevel::Blend : r->reuse_level;
+    builder.Finish(wire::CreatePrefillJob(builder, r->id, r->attempt, tokens, sampling,
+                                          builder.CreateString(r->cache_namespace),
+                                          builder.CreateString(wire::name(level)),
+                                          r->prefix_plan ? r->reused_tokens : 0, frames, layout,
+                                          store_levels, r->prefix_key, mask, recompute,
+                                          r->blend_shadow, decode_route, store_route, 0, level),
                    wire::PrefillJobIdentifier());
     const std::string identity = prefill->identity;
     const std::string decode_identity = decode->identity;
@@ -131,7 +132,7 @@ void Dispatcher::to_prefill() {
       hub_.restore_credit(decode_identity);
       // That replica is gone; the next try recomputes the prefix rather than keep its KV here.
       r->prefix_plan.reset();
-      r->reuse_level = "none";
+      r->reuse_level = wire::ReuseLevel::None;
       r->reused_tokens = 0;
       r->blend_plan = r->blend_shadow = false;
       break;

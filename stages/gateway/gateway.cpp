@@ -19,6 +19,7 @@
 #include "stages/common/common.h"
 #include "stages/gateway/broker.h"
 #include "stages/gateway/client_front.h"
+#include "stages/gateway/client_requests.h"
 #include "stages/gateway/control.h"
 #include "stages/gateway/dispatcher.h"
 #include "stages/gateway/gateway_metrics.h"
@@ -64,7 +65,6 @@ class Gateway {
     model_ = std::move(*loaded);
     validator_ = std::make_unique<RequestValidator>(config, model_);
     const model::ModelConfig& cfg = model_.config;
-    max_in_flight_ = static_cast<size_t>(config.integer("max-in-flight"));
     limits_.max_body_bytes = runtime::parse_bytes(config.text("max-message-bytes"));
 
     configure_io_threads(context_zmq_, config);
@@ -103,6 +103,10 @@ class Gateway {
                            return "the gateway is draining (" + std::to_string(tracker_->size()) +
                                   " in flight)";
                          }});
+    requests_ = std::make_unique<ClientRequests>(
+        ClientRequests::Parts{*client_, *validator_, tenant_limiter_, *reuse_, *control_, *tracker_,
+                              metrics_, registry_, log_},
+        model_, limits_, static_cast<size_t>(config.integer("max-in-flight")));
     for (const char* key : {"client-bind", "hub-bind"})
       if (runtime::is_tcp(config.text(key)) && !curve_.enabled())
         log_.warn("open_endpoint",
@@ -143,7 +147,8 @@ class Gateway {
         auto frames = wire::receive(client_->socket(), true);
         if (!frames) break;
         const std::string client = frames->empty() ? "" : frames->front().to_string();
-        if (!service_.guard("client", [&] { on_client(std::move(*frames)); }) && !client.empty())
+        if (!service_.guard("client", [&] { requests_->on_frames(std::move(*frames)); }) &&
+            !client.empty())
           service_.guard("client_error_reply", [&] {
             client_->reply_error(client, wire::ErrorCode::Internal,
                                  "the gateway could not handle it");
@@ -185,6 +190,7 @@ class Gateway {
 
   void begin_drain(const char* by) {
     draining_ = true;
+    requests_->stop_admitting();
     drain_until_ = Clock::now() + drain_grace_;
     log_.info("drain_started",
               {{"by", by}, {"in_flight", tracker_->size()}, {"grace_ms", drain_grace_.count()}});
@@ -207,147 +213,6 @@ class Gateway {
     metrics_.kv_free->set(free);
   }
 
-  // ---- to clients ----
-
-  void reject(const std::string& client, uint64_t client_request_id, wire::ErrorCode code,
-              const std::string& reason, const std::string& text) {
-    metrics_.rejected(reason).inc();
-    metrics_.outcome("rejected").inc();
-    if (uint64_t suppressed = 0; reject_log_.allow(suppressed))
-      log_.warn("request_rejected",
-                {{"reason", reason}, {"detail", text}, {"suppressed", suppressed}});
-    client_->send_event(client, client_request_id, 0, wire::EventKind::Error, {}, {}, {}, code,
-                        text);
-  }
-
-  // ---- from clients ----
-
-  void on_client(std::vector<zmq::message_t>&& frames) {
-    if (frames.empty()) return;
-    const std::string client = frames.front().to_string();
-    frames.erase(frames.begin());
-    wire::Decoded decoded = wire::decode(std::move(frames), limits_);
-    if (decoded.error) {
-      metrics_.rejected("frame_" + decoded.error->reason).inc();
-      runtime::report_rejected_frame(registry_, log_, frame_log_, "client", *decoded.error);
-      client_->reply_error(client,
-                           decoded.error->reason == "version" ? wire::ErrorCode::VersionMismatch
-                                                              : wire::ErrorCode::MalformedMessage,
-                           decoded.error->detail);
-      return;
-    }
-    static constexpr runtime::HandlerTable<Gateway, 4, const std::string&, wire::Message&>
-        kClientHandlers({
-            {wire::MessageType::GenerateRequest, &Gateway::on_generate_message},
-            {wire::MessageType::CancelRequest, &Gateway::on_cancel_message},
-            {wire::MessageType::Feedback, &Gateway::on_feedback},
-            {wire::MessageType::ControlCommand, &Gateway::on_control_message},
-        });
-    wire::Message& message = *decoded.message;
-    if (kClientHandlers.dispatch(*this, message.type, client, message)) return;
-    metrics_.rejected("unexpected_type").inc();
-    client_->reply_error(
-        client, wire::ErrorCode::InvalidRequest,
-        std::string("a client may not send ") + wire::message_type_name(message.type));
-  }
-
-  void on_generate_message(const std::string& client, wire::Message& message) {
-    return on_generate(client, *message.as<wire::GenerateRequest>());
-  }
-
-  void on_cancel_message(const std::string& client, wire::Message& message) {
-    return on_cancel(client, message.as<wire::CancelRequest>()->client_request_id());
-  }
-
-  void on_feedback(const std::string& client, wire::Message& message) {
-    const auto* feedback = message.as<wire::Feedback>();
-    log_.info("feedback", {{"client_request_id", feedback->client_request_id()},
-                           {"score", static_cast<double>(feedback->score())}});
-    reuse_->on_feedback(client, feedback->client_request_id(), feedback->score());
-  }
-
-  void on_control_message(const std::string& client, wire::Message& message) {
-    return on_control(client, *message.as<wire::ControlCommand>());
-  }
-
-  void on_generate(const std::string& client, const wire::GenerateRequest& request) {
-    const uint64_t crid = request.client_request_id();
-    if (draining_)
-      return reject(client, crid, wire::ErrorCode::Draining, "draining",
-                    "the gateway is shutting down: send the request to another gateway");
-    if (tracker_->of_client(client, crid) != nullptr)
-      return reject(client, crid, wire::ErrorCode::InvalidRequest, "duplicate_id",
-                    "client_request_id " + std::to_string(crid) + " is already in flight");
-    if (tracker_->size() >= max_in_flight_)
-      return reject(client, crid, wire::ErrorCode::Overloaded, "overloaded",
-                    "the gateway has " + std::to_string(tracker_->size()) +
-                        " requests in flight (limit " + std::to_string(max_in_flight_) + ")");
-    auto validated = validator_->validate(request);
-    if (const auto* refused = std::get_if<Refusal>(&validated))
-      return reject(client, crid, refused->code, refused->reason, refused->text);
-    ValidRequest& valid = std::get<ValidRequest>(validated);
-    if (auto over =
-            tenant_limiter_.admit(valid.tenant, valid.limits, valid.prompt.size(), seconds_now()))
-      return reject(client, crid, wire::ErrorCode::Overloaded, "tenant_over_limit", *over);
-    // Every sampled request gets a seed, so that a retry after a replica dies replays the
-    // tokens the client already has instead of diverging from them.
-    model::SamplingParams& sampling = valid.sampling;
-    const bool client_seeded = sampling.seed.has_value();
-    if (sampling.temperature > 0 && !sampling.seed) sampling.seed = seed_source_();
-
-    Request r;
-    r.id = next_request_id_++;
-    runtime::trace_message(log_, "GenerateRequest", r.id, 1, "client");
-    r.client = client;
-    r.tenant = valid.tenant;
-    r.client_request_id = crid;
-    r.prompt = std::move(valid.prompt);
-    r.sampling = std::move(sampling);
-    // Server-derived: a client names its tenant, never the namespace its cache entries live in.
-    r.client_deterministic = r.sampling.temperature == 0 || client_seeded;
-    reuse::Admission admitted = reuse_->policy().admit(r.tenant, valid.asked_levels,
-                                                       r.client_deterministic, r.sampling.logprobs);
-    r.cache_namespace = std::move(admitted.cache_namespace);
-    r.namespace_levels = admitted.namespace_levels;
-    r.allowed_levels = admitted.allowed_levels;
-    if (!admitted.approximate_refused.empty()) {
-      r.approximate = admitted.approximate_refused;
-      metrics_.approximate(r.approximate).inc();
-    }
-    const uint64_t ns = model::namespace_id(r.cache_namespace);
-    r.prompt_key = reuse::prompt_key(r.prompt, reuse::block_chain(r.prompt, model_.model_id, ns),
-                                     model_.model_id, ns);
-    r.received = Clock::now();
-    r.deadline = r.received + valid.deadline;
-    r.text = std::make_unique<tokenizer::DecodeStream>(
-        validator_->tokenizer(), tokenizer::DecodeOptions{.skip_special_tokens = true});
-    // With its usage: the prompt's token count, which a front end that ends the request itself
-    // (an HTTP stop string) still reports.
-    client_->send_event(client, crid, r.id, wire::EventKind::Accepted, {}, {}, {},
-                        wire::ErrorCode::None, {}, &r);
-    tracker_->add(std::move(r));
-  }
-
-  void on_cancel(const std::string& client, uint64_t crid) {
-    Request* r = tracker_->of_client(client, crid);
-    if (r == nullptr) return;  // already finished: nothing to do
-    log_.info("request_cancelled", {{"request_id", r->id}, {"tokens", r->sent.size()}});
-    tracker_->finish(*r, "cancelled");
-  }
-
-  void on_control(const std::string& client, const wire::ControlCommand& command) {
-    const std::string name = command.command() ? command.command()->str() : "";
-    std::string key_id;
-    if (auto refused = validator_->authorize_operator(command, key_id)) {
-      metrics_.rejected(refused->reason).inc();
-      log_.warn("control_refused", {{"command", name.substr(0, 64)}, {"key", key_id}});
-      return client_->reply_error(client, refused->code, refused->text);
-    }
-    const ControlResult result =
-        control_->run(name, command.arguments() ? command.arguments()->str() : "{}");
-    client_->reply_control(client, result.ok, result.text, result.body.dump());
-  }
-
   // For `status`: the requests in flight, where each is (waiting in the gateway, or held by a
   // replica of some stage), and the gateway's queues.
   nlohmann::json requests_json() const {
@@ -365,10 +230,6 @@ class Gateway {
               {"decode", tracker_->decode_queue.size()}}}};
   }
 
-  // ---- reuse ----
-
-  // ---- to and from stages ----
-
   runtime::StageService service_;
   runtime::Registry& registry_;
   GatewayMetrics metrics_;
@@ -384,14 +245,10 @@ class Gateway {
   model::ModelInfo model_;
   wire::Limits limits_;
   std::unique_ptr<RequestValidator> validator_;
-  size_t max_in_flight_ = 0;
   std::chrono::milliseconds drain_grace_{0};
   bool draining_ = false;
   Clock::time_point drain_until_;
-  std::mt19937_64 seed_source_{std::random_device{}()};
-  uint64_t next_request_id_ = 1;
   std::atomic<size_t> in_flight_{0};  // what /healthz reports
-  runtime::RateLimited reject_log_, frame_log_;
 
   // The parts, each after what it uses (and destroyed before it).
   std::unique_ptr<ReuseControl> reuse_;
@@ -399,6 +256,7 @@ class Gateway {
   std::unique_ptr<RequestTracker> tracker_;
   std::unique_ptr<Dispatcher> dispatcher_;
   std::unique_ptr<StageResults> results_;
+  std::unique_ptr<ClientRequests> requests_;
 };
 
 int gateway_body(const runtime::Config& config) {

@@ -11,10 +11,7 @@
 
 namespace moeline::stages {
 
-struct MetricName {
-  const char* name;
-  const char* help;
-};
+using runtime::MetricName;
 
 namespace gateway_metric {
 inline constexpr MetricName kQueueDepth{"moeline_gateway_queue_depth",

@@ -12,6 +12,7 @@
 #include <vector>
 
 #include "model/sampling.h"
+#include "schemas/vocabulary.h"
 #include "schemas/wire.h"
 #include "tokenizer/tokenizer.h"
 
@@ -46,7 +47,7 @@ struct Request {
   std::vector<int32_t> sent;  // tokens the client has
   size_t position = 0;        // tokens of the current attempt received so far
   std::unique_ptr<tokenizer::DecodeStream> text;
-  std::string reuse_level = "none";
+  wire::ReuseLevel reuse_level = wire::ReuseLevel::None;
   uint32_t reused_tokens = 0;
   uint32_t allowed_levels = 0;        // reuse levels this request may use (policy at intake)
   bool client_deterministic = false;  // greedy or a seed the client chose: result reuse applies
@@ -55,16 +56,17 @@ struct Request {
   uint64_t prefix_key = 0;
   double prefill_ms = 0;
   // Approximate reuse: the namespace's levels (what prefill stores signatures for), the outcome
-  // (Usage.approximate; empty when the request did not ask), and a pending shadow check.
+  // (Usage.outcome; NotAsked when the request did not ask), and a pending shadow check.
   uint32_t namespace_levels = 0;
   uint32_t probe_us = 0;  // the probe's lookup time (signature and index search included)
-  std::string approximate;
+  wire::ApproximateOutcome approximate = wire::ApproximateOutcome::NotAsked;
   float similarity = 0;
   uint64_t donor = 0;
   int32_t cell = 0;
   bool blend_plan = false, blend_shadow = false;
   bool shadow_sampled = false;  // the shadow check is of a hit the rule would have served
-  std::string shadow_mode;      // "response": compare the finished tokens with donor_completion
+  // Response: compare the finished tokens with donor_completion.
+  wire::ShadowMode shadow_mode = wire::ShadowMode::None;
   std::vector<int32_t> donor_completion;
   // The hand-over (prefill sends the KV straight to decode): the decode replica picked at prefill
   // dispatch, whose credit the gateway holds until that replica confirms (HandoverAccepted); the

@@ -54,9 +54,10 @@ void ReuseControl::announce() {
                                   {"baseline", baseline ? *baseline : -1.0}});
 }
 
-void ReuseControl::on_lookup(const std::string& outcome) {
-  metrics_.approximate(outcome).inc();
-  policy_.on_lookup(seconds_now(), outcome);
+void ReuseControl::on_lookup(wire::ApproximateOutcome outcome) {
+  const std::string label(wire::name(outcome));
+  metrics_.approximate(label).inc();
+  policy_.on_lookup(seconds_now(), label);
 }
 
 void ReuseControl::report_shadow(const Request& r, bool correct, float kl) {
@@ -66,13 +67,14 @@ void ReuseControl::report_shadow(const Request& r, bool correct, float kl) {
       metrics_.shadow_agreement->set(*agreement);
   metrics_.shadow_check(correct).inc();
   // Every probe's decision rule learns from every check.
-  broker_.put_to_probes(r.donor, 'Q', reuse::encode(reuse::QualityRecord{r.cell, correct, kl}),
-                        nullptr);
-  log_.info("shadow_check", {{"request_id", r.id},
-                             {"mode", r.shadow_mode.empty() ? "blend" : r.shadow_mode},
-                             {"donor", r.donor},
-                             {"correct", correct},
-                             {"kl", static_cast<double>(kl)}});
+  broker_.put_to_probes(r.donor, wire::SnapshotKind::Quality,
+                        reuse::encode(reuse::QualityRecord{r.cell, correct, kl}), nullptr);
+  log_.info("shadow_check",
+            {{"request_id", r.id},
+             {"mode", r.shadow_mode == wire::ShadowMode::Response ? "response" : "blend"},
+             {"donor", r.donor},
+             {"correct", correct},
+             {"kl", static_cast<double>(kl)}});
 }
 
 void ReuseControl::on_feedback(const std::string& client, uint64_t client_request_id, float score) {

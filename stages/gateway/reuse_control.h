@@ -28,7 +28,7 @@ class ReuseControl {
   // An operator's switch.
   void set_enabled(bool enabled);
   // A probe's lookup of a request that asked for approximate reuse, and what it did.
-  void on_lookup(const std::string& outcome);
+  void on_lookup(wire::ApproximateOutcome outcome);
   // A shadow check's outcome: to every probe's decision rule, and — for a check of a hit the rule
   // would have served — to the controller (checks of unproven candidates are how the rule learns;
   // they fail often by design and say nothing about what is served).

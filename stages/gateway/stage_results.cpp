@@ -12,11 +12,11 @@ constexpr size_t kMaxEarlyUpdates = 256;
 // A TokenUpdate copied into a TokenBatch of its own (the message it came in is gone by then).
 std::string one_update(const wire::TokenUpdate& from) {
   flatbuffers::FlatBufferBuilder builder(128);
-  auto finish = builder.CreateString(from.finish_reason() ? from.finish_reason()->string_view()
-                                                          : std::string_view());
+  const wire::FinishReason reason = wire::finish_reason_of(from);
+  auto finish = builder.CreateString(wire::name(reason));
   auto logprobs = copy_logprobs(builder, from.logprobs());
   auto update = wire::CreateTokenUpdate(builder, from.request_id(), from.attempt(), from.token(),
-                                        finish, logprobs);
+                                        finish, logprobs, reason);
   builder.Finish(wire::CreateTokenBatch(builder, builder.CreateVector(&update, 1)));
   return std::string(reinterpret_cast<const char*>(builder.GetBufferPointer()), builder.GetSize());
 }
@@ -34,8 +34,7 @@ void StageResults::replay_early(uint64_t id, uint32_t attempt) {
     for (const wire::TokenUpdate* update : *batch->updates()) {
       Request* live = tracker_.find(id, attempt);
       if (live == nullptr) return;  // finished, failed or retried meanwhile
-      tracker_.on_token(*live, update->token(),
-                        update->finish_reason() ? update->finish_reason()->str() : "",
+      tracker_.on_token(*live, update->token(), wire::finish_reason_of(*update),
                         update->logprobs());
     }
   }
@@ -83,40 +82,41 @@ void StageResults::on_probe_plan(runtime::Hub::Incoming& incoming) {
     broker_.release_reservations(*r);
   }
   r->probe_us = plan->probe_us();
-  const std::string level = plan->reuse_level() ? plan->reuse_level()->str() : "none";
-  const std::string outcome = plan->approximate() ? plan->approximate()->str() : "";
-  if (!outcome.empty()) {
+  using wire::ApproximateOutcome, wire::ReuseLevel;
+  const ReuseLevel level = wire::reuse_level_of(*plan);
+  const ApproximateOutcome outcome = wire::approximate_outcome_of(*plan);
+  if (outcome != ApproximateOutcome::NotAsked) {
     r->approximate = outcome;
     r->similarity = plan->similarity();
     r->donor = plan->donor_key();
     r->cell = plan->cell();
     r->shadow_sampled = plan->shadow_sampled();
     reuse_.on_lookup(outcome);
-    if (outcome == "shadow" && plan->shadow_mode() && plan->shadow_mode()->str() == "response" &&
-        plan->completion()) {
-      r->shadow_mode = "response";
+    if (outcome == ApproximateOutcome::Shadow &&
+        wire::shadow_mode_of(*plan) == wire::ShadowMode::Response && plan->completion()) {
+      r->shadow_mode = wire::ShadowMode::Response;
       r->donor_completion.assign(plan->completion()->begin(), plan->completion()->end());
     }
   }
   if (plan->forwarded()) {
     // Prefill has the job: what the plan reused is known here for the request's usage.
-    if (level == "blend") {
+    if (level == ReuseLevel::Blend) {
       r->blend_plan = true;
-      r->blend_shadow = outcome == "shadow";
+      r->blend_shadow = outcome == ApproximateOutcome::Shadow;
       r->reused_tokens = plan->reused_tokens();
-    } else if (level == "prefix") {
+    } else if (level == ReuseLevel::Prefix) {
       r->reuse_level = level;
       r->reused_tokens = plan->reused_tokens();
     }
     return;
   }
-  if (level == "blend" && plan->layout() != nullptr && plan->blend_mask() != nullptr &&
+  if (level == ReuseLevel::Blend && plan->layout() != nullptr && plan->blend_mask() != nullptr &&
       plan->blend_mask()->size() == r->prompt.size()) {
     if (auto bad = wire::check_bulk(plan->frames(), message.bulk)) {
       log_.warn("probe_plan_refused", {{"request_id", r->id}, {"reason", *bad}});
     } else {
       r->blend_plan = true;
-      r->blend_shadow = outcome == "shadow";
+      r->blend_shadow = outcome == ApproximateOutcome::Shadow;
       r->reused_tokens = plan->reused_tokens();  // the exact prefix the blend continues
       r->prefix_key = plan->prefix_key();        // same template or donor, same replica
       r->prefix_plan = std::move(message);
@@ -124,25 +124,27 @@ void StageResults::on_probe_plan(runtime::Hub::Incoming& incoming) {
     tracker_.prefill_queue.push_back({r->id, r->attempt});
     return;
   }
-  if ((level == "result" || level == "response") && plan->completion() &&
+  if ((level == ReuseLevel::Result || level == ReuseLevel::Response) && plan->completion() &&
       plan->completion()->size() > 0) {
     // A finished completion replayed, nothing computed: an identical deterministic
     // request's (result), or a near-identical one's that the decision rule let through
     // (response).
     r->reuse_level = level;
     r->reused_tokens = plan->reused_tokens();
-    const std::string finish = plan->finish_reason() ? plan->finish_reason()->str() : "stop";
+    wire::FinishReason finish = wire::finish_reason_of(*plan);
+    if (finish == wire::FinishReason::None) finish = wire::FinishReason::Stop;
     const uint64_t id = r->id;
     const uint32_t attempt = r->attempt;
     const auto* completion = plan->completion();
     for (flatbuffers::uoffset_t i = 0; i < completion->size(); ++i) {
       Request* live = tracker_.find(id, attempt);
       if (live == nullptr) break;
-      tracker_.on_token(*live, completion->Get(i), i + 1 == completion->size() ? finish : "");
+      tracker_.on_token(*live, completion->Get(i),
+                        i + 1 == completion->size() ? finish : wire::FinishReason::None);
     }
     return;
   }
-  if (level == "prefix" && plan->reused_tokens() > 0 && plan->layout() != nullptr) {
+  if (level == ReuseLevel::Prefix && plan->reused_tokens() > 0 && plan->layout() != nullptr) {
     if (auto bad = wire::check_bulk(plan->frames(), message.bulk)) {
       log_.warn("probe_plan_refused", {{"request_id", r->id}, {"reason", *bad}});
     } else {
@@ -172,8 +174,9 @@ void StageResults::on_prefill_done(runtime::Hub::Incoming& incoming) {
   if (done->prefill_us() > 0 && r->probe_us > 0)
     metrics_.probe_fraction->observe(static_cast<double>(r->probe_us) /
                                      static_cast<double>(done->prefill_us()));
-  if (done->reuse_level() && done->reuse_level()->size() > 0) {
-    r->reuse_level = done->reuse_level()->str();
+  // Prefill names the level where it knows better than the plan (a prefix it could not use).
+  if (done->level().has_value() || (done->reuse_level() && done->reuse_level()->size() > 0)) {
+    r->reuse_level = wire::reuse_level_of(*done);
     r->reused_tokens = done->reused_tokens();
   }
   if (done->shadow_checked() && r->blend_shadow) {
@@ -181,12 +184,13 @@ void StageResults::on_prefill_done(runtime::Hub::Incoming& incoming) {
     reuse_.report_shadow(*r, done->shadow_top1() && done->shadow_kl() <= blend_max_kl_,
                          done->shadow_kl());
   }
-  const std::string finish = done->finish_reason() ? done->finish_reason()->str() : "";
+  const wire::FinishReason finish = wire::finish_reason_of(*done);
   const uint64_t id = r->id;
   const uint32_t attempt = r->attempt;
   const bool carries_kv = done->frames() != nullptr && done->frames()->size() > 0;
-  if (!finish.empty() || carries_kv) broker_.release_reservations(*r);  // no hand-over will come
-  if (finish.empty() && !carries_kv) {
+  const bool finished = finish != wire::FinishReason::None;
+  if (finished || carries_kv) broker_.release_reservations(*r);  // no hand-over will come
+  if (!finished && !carries_kv) {
     // Prefill hands the KV to the decode replica picked at dispatch; from now on the request's
     // tokens come from there.
     if (r->decode_target.empty() || hub_.peer(r->decode_target) == nullptr)
@@ -197,9 +201,9 @@ void StageResults::on_prefill_done(runtime::Hub::Incoming& incoming) {
     r->handover_since = Clock::now();
   }
   tracker_.on_token(*r, done->first_token(), finish, done->first_logprobs());
-  if (finish.empty() && !carries_kv) replay_early(id, attempt);
+  if (!finished && !carries_kv) replay_early(id, attempt);
   // A PrefillDone with the KV (a full hit answered by the probe): relayed to a decode replica.
-  if (finish.empty() && carries_kv && tracker_.find(id, attempt) != nullptr)
+  if (!finished && carries_kv && tracker_.find(id, attempt) != nullptr)
     tracker_.decode_queue.push_back({id, attempt, std::move(message)});
 }
 
@@ -248,9 +252,7 @@ void StageResults::on_token_batch(runtime::Hub::Incoming& incoming) {
     Request* r =
         tracker_.owned(update->request_id(), update->attempt(), incoming.identity, message.type);
     if (r == nullptr) continue;  // cancelled or retried meanwhile, or not this peer's
-    tracker_.on_token(*r, update->token(),
-                      update->finish_reason() ? update->finish_reason()->str() : "",
-                      update->logprobs());
+    tracker_.on_token(*r, update->token(), wire::finish_reason_of(*update), update->logprobs());
   }
 }
 

@@ -78,14 +78,16 @@ void RequestTracker::erase(Request& r) {
   requests_.erase(r.id);  // queue entries for it are skipped when they come up
 }
 
-void RequestTracker::finish(Request& r, const std::string& reason) {
+void RequestTracker::finish(Request& r, wire::FinishReason reason) {
   broker_.cancel_at_owner(r);
-  const bool approximate_answer = r.reuse_level == "response" || r.reuse_level == "blend";
+  const bool approximate_answer =
+      r.reuse_level == wire::ReuseLevel::Response || r.reuse_level == wire::ReuseLevel::Blend;
+  const bool completed = reason == wire::FinishReason::Stop || reason == wire::FinishReason::Length;
   // Only what was computed for this very prompt becomes its result.
-  if ((reason == "stop" || reason == "length") && (r.allowed_levels & reuse::kResult) &&
-      r.reuse_level != "result" && !approximate_answer && !r.sent.empty())
+  if (completed && (r.allowed_levels & reuse::kResult) &&
+      r.reuse_level != wire::ReuseLevel::Result && !approximate_answer && !r.sent.empty())
     store_result(r, reason);
-  if ((reason == "stop" || reason == "length") && r.shadow_mode == "response")
+  if (completed && r.shadow_mode == wire::ShadowMode::Response)
     reuse_.report_shadow(r, reuse_.policy().same_answer(r.sent, r.donor_completion), 0.0f);
   if (approximate_answer) reuse_.policy().served_approximately(r.client, r.client_request_id);
 
@@ -96,7 +98,7 @@ void RequestTracker::finish(Request& r, const std::string& reason) {
   if (r.sent.size() > 1 && r.has_first_token)
     metrics_.tpot->observe(std::chrono::duration<double>(now - r.first_token).count() /
                            static_cast<double>(r.sent.size() - 1));
-  metrics_.outcome(reason).inc();
+  metrics_.outcome(std::string(wire::name(reason))).inc();
   client_.send_event(r.client, r.client_request_id, r.id, wire::EventKind::Finished, tail, {},
                      reason, wire::ErrorCode::None, {}, &r);
   erase(r);
@@ -115,7 +117,7 @@ void RequestTracker::fail(Request& r, wire::ErrorCode code, const std::string& o
 
 // A token of the current attempt. Tokens the client already has (from an attempt that died)
 // must match; new ones are streamed.
-void RequestTracker::on_token(Request& r, int32_t token, const std::string& finish_reason,
+void RequestTracker::on_token(Request& r, int32_t token, wire::FinishReason finish_reason,
                               const wire::TokenLogprobs* logprobs) {
   const size_t index = r.position++;
   if (index < r.sent.size()) {
@@ -147,7 +149,7 @@ void RequestTracker::on_token(Request& r, int32_t token, const std::string& fini
       return erase(r);
     }
   }
-  if (!finish_reason.empty()) {
+  if (finish_reason != wire::FinishReason::None) {
     r.owner.clear();  // the replica has already let it go
     finish(r, finish_reason);
   }
@@ -165,11 +167,11 @@ void RequestTracker::retry_or_fail(Request& r, const std::string& why) {
   r.position = 0;
   r.early_updates.clear();
   r.prefix_plan.reset();
-  r.reuse_level = "none";
+  r.reuse_level = wire::ReuseLevel::None;
   r.reused_tokens = 0;
   r.prefix_key = 0;
   r.blend_plan = r.blend_shadow = false;
-  r.shadow_mode.clear();
+  r.shadow_mode = wire::ShadowMode::None;
   queue_for_probe(r);
 }
 
@@ -256,9 +258,10 @@ void RequestTracker::expire_deadlines() {
 }
 
 // A deterministic request's completion, for an identical request to replay.
-void RequestTracker::store_result(const Request& r, const std::string& reason) {
-  broker_.put_to_probes(reuse::result_entry(r.prompt_key, r.sampling), 'R',
-                        reuse::encode(reuse::ResultRecord{r.sent, reason}), &r.cache_namespace);
+void RequestTracker::store_result(const Request& r, wire::FinishReason reason) {
+  broker_.put_to_probes(reuse::result_entry(r.prompt_key, r.sampling), wire::SnapshotKind::Result,
+                        reuse::encode(reuse::ResultRecord{r.sent, std::string(wire::name(reason))}),
+                        &r.cache_namespace);
 }
 
 }  // namespace moeline::stages

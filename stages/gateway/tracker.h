@@ -64,9 +64,9 @@ class RequestTracker {
   void took_job_from_probe(Request& r);
 
   // A token of the current attempt, with the finish reason of the last one.
-  void on_token(Request& r, int32_t token, const std::string& finish_reason,
+  void on_token(Request& r, int32_t token, wire::FinishReason finish_reason,
                 const wire::TokenLogprobs* logprobs = nullptr);
-  void finish(Request& r, const std::string& reason);
+  void finish(Request& r, wire::FinishReason reason);
   void fail(Request& r, wire::ErrorCode code, const std::string& outcome, const std::string& text);
   void fail_all(wire::ErrorCode code, const std::string& outcome, const std::string& text);
   // A new attempt from the probe on, or the request's end past --max-retries.
@@ -88,7 +88,7 @@ class RequestTracker {
  private:
   void queue_for_probe(Request& r);
   void erase(Request& r);
-  void store_result(const Request& r, const std::string& reason);
+  void store_result(const Request& r, wire::FinishReason reason);
 
   TrackerSettings settings_;
   runtime::Hub& hub_;

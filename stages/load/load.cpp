@@ -21,6 +21,7 @@
 
 #include "model/kv_cache.h"
 #include "model/model.h"
+#include "schemas/vocabulary.h"
 #include "sdk/client.h"
 #include "stages/common/common.h"
 #include "stages/runtime/config.h"
@@ -411,7 +412,8 @@ Samples drive_stage_loop(const LoadOptions& o, const model::Model& model, StageU
       auto name_space = builder.CreateString("tenant:load");
       if (o.target == "prefill") {
         builder.Finish(wire::CreatePrefillJob(builder, id, 1, tokens, sampling_offset, name_space,
-                                              builder.CreateString("none")),
+                                              builder.CreateString("none"), 0, 0, 0, 0, 0, 0, 0,
+                                              false, 0, 0, 0, wire::ReuseLevel::None),
                        wire::PrefillJobIdentifier());
         hub.send(identity, wire::encode(wire::MessageType::PrefillJob, builder), true);
       } else {
@@ -460,7 +462,7 @@ Samples drive_stage_loop(const LoadOptions& o, const model::Model& model, StageU
             s.tpot_ms.push_back(ms(t - l.last));
           l.last = t;
           ++l.tokens;
-          if (update->finish_reason() && update->finish_reason()->size() > 0) {
+          if (wire::finish_reason_of(*update) != wire::FinishReason::None) {
             s.e2e_ms.push_back(ms(t - l.start));
             s.output_tokens += static_cast<uint64_t>(l.tokens);
             ++s.completed;

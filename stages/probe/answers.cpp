@@ -2,6 +2,7 @@
 
 #include "model/generator.h"
 #include "model/sampling.h"
+#include "schemas/vocabulary.h"
 #include "stages/common/common.h"
 #include "stages/probe/stored_kv.h"
 
@@ -16,19 +17,25 @@ flatbuffers::Offset<wire::KvLayout> ProbeAnswers::layout(flatbuffers::FlatBuffer
 // (`approximate` given), the donor's.
 void ProbeAnswers::answer_result(const wire::ProbeJob& job, const std::vector<int32_t>& tokens,
                                  const reuse::ResultRecord& result,
-                                 const ApproximateOutcome* approximate) {
+                                 const ApproximateResult* approximate) {
   flatbuffers::FlatBufferBuilder builder(256 + result.tokens.size() * 4);
   auto completion = builder.CreateVector(result.tokens);
-  auto finish = builder.CreateString(result.finish_reason);
-  auto level = builder.CreateString(approximate ? "response" : "result");
-  auto outcome = builder.CreateString(approximate ? approximate->outcome : "");
-  builder.Finish(
-      wire::CreateProbePlan(builder, job.request_id(), job.attempt(), level,
-                            approximate ? 0 : static_cast<uint32_t>(tokens.size()), 0, 0, 0,
-                            completion, finish, 0, outcome, approximate ? approximate->donor : 0,
-                            approximate ? approximate->similarity : 0.0f,
-                            approximate ? approximate->cell : 0),
-      wire::PrefillJobIdentifier());
+  const wire::PlanLabels labels(
+      builder, approximate ? wire::ReuseLevel::Response : wire::ReuseLevel::Result,
+      wire::parse_finish_reason(result.finish_reason).value_or(wire::FinishReason::Stop),
+      approximate ? approximate->outcome : wire::ApproximateOutcome::NotAsked);
+  wire::ProbePlanBuilder plan(builder);
+  plan.add_request_id(job.request_id());
+  plan.add_attempt(job.attempt());
+  labels.add_to(plan);
+  if (!approximate) plan.add_reused_tokens(static_cast<uint32_t>(tokens.size()));
+  plan.add_completion(completion);
+  if (approximate) {
+    plan.add_donor_key(approximate->donor);
+    plan.add_similarity(approximate->similarity);
+    plan.add_cell(approximate->cell);
+  }
+  builder.Finish(plan.Finish(), wire::PrefillJobIdentifier());
   link_.send(wire::encode(wire::MessageType::ProbePlan, builder));
 }
 
@@ -36,7 +43,7 @@ void ProbeAnswers::answer_result(const wire::ProbeJob& job, const std::vector<in
 // reports how the blend compared): the prompt's blocks — the exact prefix's, then the donor's
 // KV moved into place — and the mask. The affinity key (the exact prefix's last block, or the
 // donor) sends jobs over one template, or from one donor, to one prefill replica.
-void ProbeAnswers::send_blend(const wire::ProbeJob& job, ApproximateOutcome& a,
+void ProbeAnswers::send_blend(const wire::ProbeJob& job, ApproximateResult& a,
                               Clock::time_point start, const std::vector<reuse::Value>& prefix,
                               uint64_t affinity) {
   // The exact prefix's blocks replace the transplant's first blocks: prefill imports them as
@@ -51,17 +58,25 @@ void ProbeAnswers::send_blend(const wire::ProbeJob& job, ApproximateOutcome& a,
       wire::CreateBulkFrame(builder, kv.size(), wire::checksum(kv))});
   auto kv_layout = layout(builder, kv.size() / block_bytes_);
   auto mask = builder.CreateVector(a.mask);
-  auto level = builder.CreateString("blend");
-  auto outcome = builder.CreateString(a.outcome);
-  auto shadow_mode = builder.CreateString(a.shadow_mode);
+  const wire::PlanLabels labels(builder, wire::ReuseLevel::Blend, wire::FinishReason::None,
+                                a.outcome, a.shadow_mode);
   const auto took = std::chrono::duration_cast<std::chrono::microseconds>(Clock::now() - start);
-  builder.Finish(
-      wire::CreateProbePlan(builder, job.request_id(), job.attempt(), level,
-                            static_cast<uint32_t>(prefix.size() * model::kBlockTokens),
-                            static_cast<uint32_t>(took.count()), frames, kv_layout, 0, 0, affinity,
-                            outcome, a.donor, a.similarity, a.cell, mask,
-                            static_cast<float>(recompute_fraction_), shadow_mode, a.sampled),
-      wire::PrefillJobIdentifier());
+  wire::ProbePlanBuilder plan(builder);
+  plan.add_request_id(job.request_id());
+  plan.add_attempt(job.attempt());
+  labels.add_to(plan);
+  plan.add_reused_tokens(static_cast<uint32_t>(prefix.size() * model::kBlockTokens));
+  plan.add_probe_us(static_cast<uint32_t>(took.count()));
+  plan.add_frames(frames);
+  plan.add_layout(kv_layout);
+  plan.add_prefix_key(affinity);
+  plan.add_donor_key(a.donor);
+  plan.add_similarity(a.similarity);
+  plan.add_cell(a.cell);
+  plan.add_blend_mask(mask);
+  plan.add_recompute_fraction(static_cast<float>(recompute_fraction_));
+  plan.add_shadow_sampled(a.sampled);
+  builder.Finish(plan.Finish(), wire::PrefillJobIdentifier());
   router_.send_plan(job, wire::encode(wire::MessageType::ProbePlan, builder, std::move(bulk)));
 }
 
@@ -74,11 +89,13 @@ void ProbeAnswers::answer_full(const wire::ProbeJob& job, const std::vector<int3
   model::Sampler sampler(sampling);
   sampler.set_prompt(tokens);
   const int32_t first = sampler.sample(prompt.logits.data(), cfg.vocab_size);
-  const std::string finish = model::finish_after(first, 1, static_cast<int64_t>(tokens.size()),
-                                                 sampling, eos_, cfg.max_position_embeddings);
+  const wire::FinishReason finish =
+      wire::parse_finish_reason(model::finish_after(first, 1, static_cast<int64_t>(tokens.size()),
+                                                    sampling, eos_, cfg.max_position_embeddings))
+          .value_or(wire::FinishReason::Stop);
   zmq::message_t kv;  // shared by the messages that carry it (zmq_msg_copy: no copy)
   uint64_t sum = 0;
-  const bool goes_on = finish.empty();
+  const bool goes_on = finish == wire::FinishReason::None;
   if (goes_on) {
     if (!prompt.tail_kv.empty())
       blocks.push_back(std::make_shared<const std::string>(prompt.tail_kv));
@@ -98,20 +115,21 @@ void ProbeAnswers::answer_full(const wire::ProbeJob& job, const std::vector<int3
       kv_layout = layout(builder, kv_blocks);
     }
     auto token_vector = with_kv ? builder.CreateVector(tokens) : 0;
-    auto finish_text = builder.CreateString(finish);
+    auto finish_text = builder.CreateString(wire::name(finish));
     auto sampling_offset = to_wire(builder, sampling);
     auto name_space =
         builder.CreateString(job.cache_namespace() ? job.cache_namespace()->str() : "");
     auto replica = builder.CreateString(replica_);
-    auto level = builder.CreateString("full");
+    auto level = builder.CreateString(wire::name(wire::ReuseLevel::Full));
     auto logprobs =
         logprobs_to_wire(builder, prompt.logits.data(), cfg.vocab_size, first, sampling);
     auto ticket_vector = ticket ? builder.CreateVector(ticket->data(), ticket->size()) : 0;
     builder.Finish(
-        wire::CreatePrefillDone(builder, job.request_id(), job.attempt(), token_vector, first,
-                                finish_text, sampling_offset, name_space, kv_layout, frames, 0,
-                                replica, level, static_cast<uint32_t>(tokens.size()), 0, false,
-                                0.0f, false, logprobs, ticket_vector),
+        wire::CreatePrefillDone(
+            builder, job.request_id(), job.attempt(), token_vector, first, finish_text,
+            sampling_offset, name_space, kv_layout, frames, 0, replica, level,
+            static_cast<uint32_t>(tokens.size()), 0, false, 0.0f, false, logprobs, ticket_vector,
+            goes_on ? flatbuffers::Optional<wire::FinishReason>() : finish, wire::ReuseLevel::Full),
         wire::PrefillJobIdentifier());
     return wire::encode(wire::MessageType::PrefillDone, builder, std::move(bulk));
   };
@@ -120,9 +138,9 @@ void ProbeAnswers::answer_full(const wire::ProbeJob& job, const std::vector<int3
 
 // A plan that needs a forward pass: the cached prefix's KV (if any) for prefill to continue from,
 // and for a shadow of response reuse the donor's answer to compare with.
-void ProbeAnswers::send_plan(const wire::ProbeJob& job, const std::string& level,
+void ProbeAnswers::send_plan(const wire::ProbeJob& job, wire::ReuseLevel level,
                              const std::vector<reuse::Value>& blocks, uint64_t prefix_key,
-                             const ApproximateOutcome& a, Clock::time_point start) {
+                             const ApproximateResult& a, Clock::time_point start) {
   const size_t reused_blocks = blocks.size();
   flatbuffers::FlatBufferBuilder builder(256);
   std::vector<zmq::message_t> bulk;
@@ -138,22 +156,19 @@ void ProbeAnswers::send_plan(const wire::ProbeJob& job, const std::string& level
   const auto reused = static_cast<uint32_t>(reused_blocks * model::kBlockTokens);
   const auto took = std::chrono::duration_cast<std::chrono::microseconds>(Clock::now() - start);
   flatbuffers::Offset<flatbuffers::Vector<int32_t>> completion = 0;
-  if (a.outcome == "shadow") completion = builder.CreateVector(a.donor_result.tokens);
+  if (a.outcome == wire::ApproximateOutcome::Shadow)
+    completion = builder.CreateVector(a.donor_result.tokens);
+  const wire::PlanLabels labels(builder, level, wire::FinishReason::None, a.outcome, a.shadow_mode);
   wire::ProbePlanBuilder plan(builder);
-  auto level_text = builder.CreateString(level);
-  auto approximate_text = builder.CreateString(a.outcome);
-  auto shadow_mode = builder.CreateString(a.shadow_mode);
   plan.add_request_id(job.request_id());
   plan.add_attempt(job.attempt());
-  plan.add_reuse_level(level_text);
+  labels.add_to(plan);
   plan.add_reused_tokens(reused);
   plan.add_probe_us(static_cast<uint32_t>(took.count()));
   if (!frames.IsNull()) plan.add_frames(frames);
   if (!kv_layout.IsNull()) plan.add_layout(kv_layout);
   if (!completion.IsNull()) plan.add_completion(completion);
   plan.add_prefix_key(prefix_key);
-  plan.add_approximate(approximate_text);
-  plan.add_shadow_mode(shadow_mode);
   plan.add_donor_key(a.donor);
   plan.add_similarity(a.similarity);
   plan.add_cell(a.cell);

@@ -37,18 +37,18 @@ class ProbeAnswers {
   // `approximate`: response reuse (the donor's answer), else the prompt's own result.
   void answer_result(const wire::ProbeJob& job, const std::vector<int32_t>& tokens,
                      const reuse::ResultRecord& result,
-                     const ApproximateOutcome* approximate = nullptr);
+                     const ApproximateResult* approximate = nullptr);
   void answer_full(const wire::ProbeJob& job, const std::vector<int32_t>& tokens,
                    const model::SamplingParams& sampling, const reuse::PromptRecord& prompt,
                    std::vector<reuse::Value> blocks);
   // `prefix`: the exact prefix's blocks; `affinity`: the key that sends related jobs to one
   // prefill replica.
-  void send_blend(const wire::ProbeJob& job, ApproximateOutcome& a, Clock::time_point start,
+  void send_blend(const wire::ProbeJob& job, ApproximateResult& a, Clock::time_point start,
                   const std::vector<reuse::Value>& prefix, uint64_t affinity);
-  // `level`: "prefix" (with `blocks`) or "none"; `prefix_key`: the last reused block's key.
-  void send_plan(const wire::ProbeJob& job, const std::string& level,
+  // `level`: Prefix (with `blocks`) or None; `prefix_key`: the last reused block's key.
+  void send_plan(const wire::ProbeJob& job, wire::ReuseLevel level,
                  const std::vector<reuse::Value>& blocks, uint64_t prefix_key,
-                 const ApproximateOutcome& a, Clock::time_point start);
+                 const ApproximateResult& a, Clock::time_point start);
 
  private:
   flatbuffers::Offset<wire::KvLayout> layout(flatbuffers::FlatBufferBuilder& builder,

@@ -260,14 +260,13 @@ std::optional<ApproximateLookup::Donor> ApproximateLookup::nearest_donor(
   return best;
 }
 
-ApproximateOutcome ApproximateLookup::lookup(const std::vector<int32_t>& tokens,
-                                             const std::string& name_space, uint64_t key,
-                                             const model::SamplingParams& sampling,
-                                             uint32_t allowed, int64_t from,
-                                             const std::vector<uint64_t>& chain,
-                                             const std::vector<reuse::Value>& prefix_blocks) {
-  ApproximateOutcome result;
-  result.outcome = "no_candidate";
+ApproximateResult ApproximateLookup::lookup(const std::vector<int32_t>& tokens,
+                                            const std::string& name_space, uint64_t key,
+                                            const model::SamplingParams& sampling, uint32_t allowed,
+                                            int64_t from, const std::vector<uint64_t>& chain,
+                                            const std::vector<reuse::Value>& prefix_blocks) {
+  ApproximateResult result;
+  result.outcome = wire::ApproximateOutcome::NoCandidate;
   const LookupSignatures lookup = signatures_engine_->compute(tokens, from, chain, prefix_blocks);
   if (lookup.past_prefix.empty() && lookup.whole.empty()) return result;
   const std::optional<Donor> best = nearest_donor(tokens, name_space, key, lookup);
@@ -298,16 +297,17 @@ ApproximateOutcome ApproximateLookup::lookup(const std::vector<int32_t>& tokens,
   result.mask = std::move(mask);
   switch (decision.action) {
     case reuse::Decision::kServe:
-      result.outcome = mode;
+      result.outcome =
+          answer ? wire::ApproximateOutcome::Response : wire::ApproximateOutcome::Blend;
       metrics_.served[mode]->inc();
       break;
     case reuse::Decision::kShadow:
-      result.outcome = "shadow";
-      result.shadow_mode = mode;
+      result.outcome = wire::ApproximateOutcome::Shadow;
+      result.shadow_mode = answer ? wire::ShadowMode::Response : wire::ShadowMode::Blend;
       result.sampled = std::string_view(decision.reason) == "sampled";
       break;
     case reuse::Decision::kReject:
-      result.outcome = "rejected";
+      result.outcome = wire::ApproximateOutcome::Rejected;
       break;
   }
   log_.info("approximate_candidate", {{"donor", hit.id},
@@ -316,7 +316,7 @@ ApproximateOutcome ApproximateLookup::lookup(const std::vector<int32_t>& tokens,
                                       {"mode", mode},
                                       {"difference", reuse::difference_name(kind)},
                                       {"cell", rule_->cell_name(decision.cell)},
-                                      {"decision", result.outcome},
+                                      {"decision", std::string(wire::name(result.outcome))},
                                       {"reason", decision.reason},
                                       {"error_bound", decision.error_bound}});
   return result;

@@ -29,11 +29,12 @@
 
 namespace moeline::stages {
 
-// What approximate reuse made of a lookup (ProbePlan.approximate and the fields that go with it).
-struct ApproximateOutcome {
-  std::string outcome;      // "" (not asked), response, blend, shadow, no_candidate, rejected
-  std::string shadow_mode;  // for shadow: response or blend
-  bool sampled = false;     // a shadow of a hit the rule would have served
+// What approximate reuse made of a lookup (ProbePlan.outcome and the fields that go with it).
+struct ApproximateResult {
+  // NotAsked, or Response, Blend, Shadow, NoCandidate, Rejected.
+  wire::ApproximateOutcome outcome = wire::ApproximateOutcome::NotAsked;
+  wire::ShadowMode shadow_mode = wire::ShadowMode::None;  // for a shadow: what it compares
+  bool sampled = false;  // a shadow of a hit the rule would have served
   uint64_t donor = 0;
   float similarity = 0;
   int cell = 0;
@@ -54,10 +55,10 @@ class ApproximateLookup {
   // The nearest cached prompt of the namespace that has what a mode needs, and what the decision
   // rule makes of it. `from`: the exact prefix hit's length (pooled signatures leave it out);
   // `prefix_blocks`: its blocks (imported rather than recomputed when their sums are known).
-  ApproximateOutcome lookup(const std::vector<int32_t>& tokens, const std::string& name_space,
-                            uint64_t key, const model::SamplingParams& sampling, uint32_t allowed,
-                            int64_t from, const std::vector<uint64_t>& chain,
-                            const std::vector<reuse::Value>& prefix_blocks);
+  ApproximateResult lookup(const std::vector<int32_t>& tokens, const std::string& name_space,
+                           uint64_t key, const model::SamplingParams& sampling, uint32_t allowed,
+                           int64_t from, const std::vector<uint64_t>& chain,
+                           const std::vector<reuse::Value>& prefix_blocks);
 
   // What the store intake hands over: a signature record, a shadow check's outcome, a prompt
   // record (compared with its donor's when its prompt was a response shadow).

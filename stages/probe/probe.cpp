@@ -184,12 +184,13 @@ class Probe {
     metrics_.lookups->inc();
     metrics_.lookup_tokens->inc(static_cast<double>(tokens.size()));
 
-    std::string level = "none";
+    using wire::ApproximateOutcome, wire::ReuseLevel, wire::ShadowMode;
+    ReuseLevel level = ReuseLevel::None;
     if (!tokens.empty() && (allowed & reuse::kResult)) {
       if (reuse::Value value = store_->get(reuse::result_entry(key, sampling))) {
         if (auto result = reuse::decode_result(*value); result && !result->tokens.empty()) {
           answers_->answer_result(job, tokens, *result);
-          return done("result", tokens.size(), start);
+          return done(ReuseLevel::Result, tokens.size(), start);
         }
       }
     }
@@ -202,7 +203,7 @@ class Probe {
                    : std::vector<reuse::Value>{};
         if (prompt && blocks.size() == chain.size()) {
           answers_->answer_full(job, tokens, sampling, *prompt, std::move(blocks));
-          return done("full", tokens.size(), start);
+          return done(ReuseLevel::Full, tokens.size(), start);
         }
       }
     }
@@ -213,27 +214,29 @@ class Probe {
       const size_t limit = tokens.empty() ? 0 : (tokens.size() - 1) / model::kBlockTokens;
       blocks = cached_prefix(*store_, chain, limit, block_bytes_);
       reused_blocks = blocks.size();
-      if (reused_blocks > 0) level = "prefix";
+      if (reused_blocks > 0) level = ReuseLevel::Prefix;
     }
-    ApproximateOutcome approximate_outcome;
+    ApproximateResult approximate_outcome;
     if (!tokens.empty() && (allowed & reuse::kApproximateLevels)) {
       approximate_outcome = approximate_->lookup(
           tokens, name_space, key, sampling, allowed,
           static_cast<int64_t>(reused_blocks * model::kBlockTokens), chain, blocks);
       metrics_.approximate[approximate_outcome.outcome]->inc();
-      const ApproximateOutcome& a = approximate_outcome;
-      if (a.outcome == "shadow" && a.shadow_mode == "response")
+      const ApproximateResult& a = approximate_outcome;
+      const bool shadow = a.outcome == ApproximateOutcome::Shadow;
+      if (shadow && a.shadow_mode == ShadowMode::Response)
         approximate_->expect_first_tokens(key, a.donor);
-      if (a.outcome == "response") {
+      if (a.outcome == ApproximateOutcome::Response) {
         answers_->answer_result(job, tokens, a.donor_result, &a);
-        return done("response", tokens.size(), start);
+        return done(ReuseLevel::Response, tokens.size(), start);
       }
-      if (a.outcome == "blend" || (a.outcome == "shadow" && a.shadow_mode == "blend")) {
+      if (a.outcome == ApproximateOutcome::Blend ||
+          (shadow && a.shadow_mode == ShadowMode::Blend)) {
         answers_->send_blend(job, approximate_outcome, start, blocks,
                              reused_blocks > 0 ? chain[reused_blocks - 1] : a.donor);
         // How many tokens a blend reuses is prefill's to decide; a blend's plan carries no exact
         // prefix (a shadowed blend is computed in full).
-        return done(a.outcome == "blend" ? "blend" : "none", 0, start, tokens.size());
+        return done(shadow ? ReuseLevel::None : ReuseLevel::Blend, 0, start, tokens.size());
       }
     }
     answers_->send_plan(job, level, blocks, reused_blocks > 0 ? chain[reused_blocks - 1] : 0,
@@ -241,14 +244,15 @@ class Probe {
     done(level, reused_blocks * model::kBlockTokens, start, tokens.size());
   }
 
-  void done(const std::string& level, size_t reused, Clock::time_point start,
+  void done(wire::ReuseLevel level, size_t reused, Clock::time_point start,
             size_t prompt_tokens = 0) {
+    const bool none = level == wire::ReuseLevel::None;
     link_->grant(1);
     metrics_.hits[level]->inc();
     metrics_.outcomes[level]->inc();
-    metrics_.hit_tokens[level]->inc(static_cast<double>(level == "none" ? prompt_tokens : reused));
-    if (level != "none" && prompt_tokens > reused)
-      metrics_.hit_tokens["none"]->inc(static_cast<double>(prompt_tokens - reused));
+    metrics_.hit_tokens[level]->inc(static_cast<double>(none ? prompt_tokens : reused));
+    if (!none && prompt_tokens > reused)
+      metrics_.hit_tokens[wire::ReuseLevel::None]->inc(static_cast<double>(prompt_tokens - reused));
     metrics_.latency->observe(std::chrono::duration<double>(Clock::now() - start).count());
   }
 

@@ -8,15 +8,16 @@ ProbeMetrics::ProbeMetrics(runtime::Registry& registry) {
   lookups = &registry.counter("moeline_probe_lookups_total", "Jobs looked up");
   lookup_tokens =
       &registry.counter("moeline_probe_lookup_tokens_total", "Prompt tokens of the jobs looked up");
-  for (const char* level : {"none", "prefix", "full", "result", "response", "blend"}) {
-    hits[level] = &registry.counter("moeline_probe_hits_total",
+  for (const wire::ReuseLevel value : wire::EnumValuesReuseLevel()) {
+    const std::string level(wire::name(value));
+    hits[value] = &registry.counter("moeline_probe_hits_total",
                                     "Jobs by the reuse level that served them (request-weighted)",
                                     {{"level", level}});
-    hit_tokens[level] = &registry.counter(
+    hit_tokens[value] = &registry.counter(
         "moeline_probe_hit_tokens_total",
         "Prompt tokens reused, by level (token-weighted; none: tokens not reused)",
         {{"level", level}});
-    outcomes[level] =
+    outcomes[value] =
         &registry.counter("moeline_probe_requests_total", "Jobs by outcome", {{"outcome", level}});
   }
   latency = &registry.histogram("moeline_probe_latency_seconds", "Lookup time per job",
@@ -31,12 +32,15 @@ ProbeMetrics::ProbeMetrics(runtime::Registry& registry) {
     entries[tier] = &registry.gauge("moeline_probe_store_entries", "Snapshot store entries by tier",
                                     {{"tier", tier}});
   }
-  for (const char* outcome : {"response", "blend", "shadow", "no_candidate", "rejected"})
+  using wire::ApproximateOutcome;
+  for (const ApproximateOutcome outcome :
+       {ApproximateOutcome::Response, ApproximateOutcome::Blend, ApproximateOutcome::Shadow,
+        ApproximateOutcome::NoCandidate, ApproximateOutcome::Rejected})
     approximate[outcome] = &registry.counter(
         "moeline_probe_approximate_total",
         "Lookups that asked for approximate reuse, by outcome (response/blend: served hits; "
         "shadow: candidate computed in full and compared; rejected: candidate refused)",
-        {{"outcome", outcome}});
+        {{"outcome", std::string(wire::name(outcome))}});
   for (const char* mode : {"response", "blend"}) {
     candidates[mode] =
         &registry.counter("moeline_probe_approximate_candidates_total",
@@ -73,8 +77,9 @@ ProbeMetrics::ProbeMetrics(runtime::Registry& registry) {
       "moeline_probe_signature_prefix_imports_total",
       "Lookups whose signature imported the cached prefix (KV and router sums) instead of "
       "recomputing it");
-  refused_records = &registry.counter("moeline_probe_refused_records_total",
-                                      "Signature or quality records refused (malformed)");
+  refused_records = &registry.counter(
+      "moeline_probe_refused_records_total",
+      "Snapshot records refused (a malformed signature or quality record, or an unknown kind)");
   const std::vector<std::pair<const char*, const char*>> counters = {
       {"evictions", "Entries evicted from the RAM tier"},
       {"spills", "Entries written to the disk tier"},

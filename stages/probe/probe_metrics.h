@@ -6,6 +6,7 @@
 #include <map>
 #include <string>
 
+#include "schemas/vocabulary.h"
 #include "stages/runtime/metrics.h"
 
 namespace moeline::stages {
@@ -15,13 +16,14 @@ struct ProbeMetrics {
 
   // Lookups and what served them.
   runtime::Counter *lookups, *lookup_tokens, *puts;
-  std::map<std::string, runtime::Counter*> hits, hit_tokens, outcomes;  // by level
+  std::map<wire::ReuseLevel, runtime::Counter*> hits, hit_tokens, outcomes;
   runtime::Histogram *latency, *batch;
   runtime::Gauge* queue_depth;
   // The snapshot store, by tier ("ram", "disk"), and its totals by name.
   std::map<std::string, runtime::Gauge*> bytes, entries, store_counters;
   // Approximate reuse.
-  std::map<std::string, runtime::Counter*> approximate, candidates, served, checks, top1;
+  std::map<wire::ApproximateOutcome, runtime::Counter*> approximate;
+  std::map<std::string, runtime::Counter*> candidates, served, checks, top1;
   runtime::Gauge *agreement, *error_estimate, *index_entries, *index_tombstones, *index_rebuilds;
   runtime::Histogram *signature_seconds, *shadow_kl;
   runtime::Counter *prefix_imports, *refused_records;

@@ -1,5 +1,6 @@
 #include "stages/probe/routing.h"
 
+#include "schemas/vocabulary.h"
 #include "stages/common/common.h"
 
 namespace moeline::stages {
@@ -35,7 +36,7 @@ void PlanRouter::send_plan(const wire::ProbeJob& job, std::vector<zmq::message_t
   const auto* p = decoded.message->as<wire::ProbePlan>();
   // A finished completion is replayed by the gateway: nothing for prefill to do.
   if (p->completion() != nullptr && p->completion()->size() > 0 &&
-      text(p->approximate()) != "shadow") {
+      wire::approximate_outcome_of(*p) != wire::ApproximateOutcome::Shadow) {
     link_.send(decoded.message->release_frames());
     return;
   }
@@ -51,9 +52,12 @@ void PlanRouter::send_plan(const wire::ProbeJob& job, std::vector<zmq::message_t
 std::vector<zmq::message_t> PlanRouter::prefill_job(const wire::ProbeJob& job,
                                                     wire::Message& plan_message) {
   const auto* plan = plan_message.as<wire::ProbePlan>();
-  const std::string level = text(plan->reuse_level());
-  const bool blend = level == "blend" && plan->blend_mask() != nullptr;
-  const bool prefix = level == "prefix" && plan->reused_tokens() > 0;
+  const wire::ReuseLevel level = wire::reuse_level_of(*plan);
+  const bool blend = level == wire::ReuseLevel::Blend && plan->blend_mask() != nullptr;
+  const bool prefix = level == wire::ReuseLevel::Prefix && plan->reused_tokens() > 0;
+  const wire::ReuseLevel job_level = blend    ? wire::ReuseLevel::Blend
+                                     : prefix ? wire::ReuseLevel::Prefix
+                                              : wire::ReuseLevel::None;
   flatbuffers::FlatBufferBuilder builder(512 + (job.tokens() ? job.tokens()->size() * 4 : 0));
   auto tokens = job.tokens() ? builder.CreateVector(job.tokens()->data(), job.tokens()->size()) : 0;
   auto sampling = to_wire(builder, from_wire(job.sampling()));
@@ -78,7 +82,8 @@ std::vector<zmq::message_t> PlanRouter::prefill_job(const wire::ProbeJob& job,
   auto mask =
       blend ? builder.CreateVector(plan->blend_mask()->data(), plan->blend_mask()->size()) : 0;
   // A blend's shadow job also computes the prompt in full; a blend served stores nothing.
-  const bool shadow = blend && text(plan->approximate()) == "shadow";
+  const bool shadow =
+      blend && wire::approximate_outcome_of(*plan) == wire::ApproximateOutcome::Shadow;
   // The store this probe owns takes what prefill computes (its own route, signed by itself).
   flatbuffers::Offset<wire::PeerRoute> store = 0;
   if (const auto& key = link_.handover_key(); key && job.store_levels() != 0) {
@@ -92,42 +97,36 @@ std::vector<zmq::message_t> PlanRouter::prefill_job(const wire::ProbeJob& job,
   const auto* prefill_ticket = job.prefill_route()->ticket();
   auto ticket =
       prefill_ticket ? builder.CreateVector(prefill_ticket->data(), prefill_ticket->size()) : 0;
-  builder.Finish(wire::CreatePrefillJob(builder, job.request_id(), job.attempt(), tokens, sampling,
-                                        builder.CreateString(text(job.cache_namespace())),
-                                        builder.CreateString(blend    ? "blend"
-                                                             : prefix ? "prefix"
-                                                                      : "none"),
-                                        (blend || prefix) ? plan->reused_tokens() : 0, frames,
-                                        layout, job.store_levels(), plan->prefix_key(), mask,
-                                        plan->recompute_fraction(), shadow, decode, store, ticket),
-                 wire::PrefillJobIdentifier());
+  builder.Finish(
+      wire::CreatePrefillJob(builder, job.request_id(), job.attempt(), tokens, sampling,
+                             builder.CreateString(text(job.cache_namespace())),
+                             builder.CreateString(wire::name(job_level)),
+                             (blend || prefix) ? plan->reused_tokens() : 0, frames, layout,
+                             job.store_levels(), plan->prefix_key(), mask,
+                             plan->recompute_fraction(), shadow, decode, store, ticket, job_level),
+      wire::PrefillJobIdentifier());
   return wire::encode(wire::MessageType::PrefillJob, builder, std::move(bulk));
 }
 
 std::vector<zmq::message_t> PlanRouter::notice(const wire::ProbePlan& plan) {
   flatbuffers::FlatBufferBuilder builder(256);
-  auto level = builder.CreateString(text(plan.reuse_level()));
   auto completion = plan.completion()
                         ? builder.CreateVector(plan.completion()->data(), plan.completion()->size())
                         : 0;
-  auto finish = builder.CreateString(text(plan.finish_reason()));
-  auto approximate = builder.CreateString(text(plan.approximate()));
-  auto shadow_mode = builder.CreateString(text(plan.shadow_mode()));
+  const wire::PlanLabels labels(builder, wire::reuse_level_of(plan), wire::finish_reason_of(plan),
+                                wire::approximate_outcome_of(plan), wire::shadow_mode_of(plan));
   wire::ProbePlanBuilder out(builder);
   out.add_request_id(plan.request_id());
   out.add_attempt(plan.attempt());
-  out.add_reuse_level(level);
+  labels.add_to(out);
   out.add_reused_tokens(plan.reused_tokens());
   out.add_probe_us(plan.probe_us());
   if (!completion.IsNull()) out.add_completion(completion);
-  out.add_finish_reason(finish);
   out.add_prefix_key(plan.prefix_key());
-  out.add_approximate(approximate);
   out.add_donor_key(plan.donor_key());
   out.add_similarity(plan.similarity());
   out.add_cell(plan.cell());
   out.add_recompute_fraction(plan.recompute_fraction());
-  out.add_shadow_mode(shadow_mode);
   out.add_shadow_sampled(plan.shadow_sampled());
   out.add_forwarded(true);
   builder.Finish(out.Finish(), wire::PrefillJobIdentifier());

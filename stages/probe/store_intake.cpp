@@ -26,17 +26,27 @@ void StoreIntake::put(const wire::Message& message) {
     const auto* entry = put->entries()->Get(static_cast<flatbuffers::uoffset_t>(i));
     const auto bytes = message.bulk[i].bytes();
     std::string record(reinterpret_cast<const char*>(bytes.data()), bytes.size());
-    if (entry->kind() == 'P') approximate_.compare_first_tokens(entry->key(), record);
-    if (entry->kind() == 'S') {
-      approximate_.put_signature(record);
-      continue;
+    switch (wire::snapshot_kind_of(*entry)) {
+      case wire::SnapshotKind::Signature:
+        approximate_.put_signature(record);
+        continue;
+      case wire::SnapshotKind::Quality:
+        approximate_.record_quality(entry->key(), record);
+        continue;
+      case wire::SnapshotKind::Prompt:
+        approximate_.compare_first_tokens(entry->key(), record);
+        break;
+      case wire::SnapshotKind::Block:
+        // A block must be exactly one block of this model's KV.
+        if (bytes.size() != block_bytes_) continue;
+        break;
+      case wire::SnapshotKind::Result:
+        break;
+      case wire::SnapshotKind::Unknown:
+        // Not a kind this probe stores: kept out of the store rather than filed under a guess.
+        metrics_.refused_records->inc();
+        continue;
     }
-    if (entry->kind() == 'Q') {
-      approximate_.record_quality(entry->key(), record);
-      continue;
-    }
-    // A block must be exactly one block of this model's KV.
-    if (entry->kind() == 'B' && bytes.size() != block_bytes_) continue;
     store_.put(entry->key(), std::move(record));
     metrics_.puts->inc();
   }

@@ -57,12 +57,29 @@ std::vector<double> latency_buckets();
 // Small-count buckets (batch sizes, queue depths): 1, 2, 4, ... 1024.
 std::vector<double> size_buckets();
 
+// A metric's name and help: each stage lists its metrics in one table of these
+// (stages/<stage>/<stage>_metrics.h), which is what /metrics shows and dashboards read.
+struct MetricName {
+  const char* name;
+  const char* help;
+};
+
 class Registry {
  public:
   Counter& counter(const std::string& name, const std::string& help, const Labels& labels = {});
   Gauge& gauge(const std::string& name, const std::string& help, const Labels& labels = {});
   Histogram& histogram(const std::string& name, const std::string& help,
                        const std::vector<double>& bounds, const Labels& labels = {});
+  Counter& counter(const MetricName& metric, const Labels& labels = {}) {
+    return counter(metric.name, metric.help, labels);
+  }
+  Gauge& gauge(const MetricName& metric, const Labels& labels = {}) {
+    return gauge(metric.name, metric.help, labels);
+  }
+  Histogram& histogram(const MetricName& metric, const std::vector<double>& bounds,
+                       const Labels& labels = {}) {
+    return histogram(metric.name, metric.help, bounds, labels);
+  }
   std::string render() const;
 
  private:

@@ -103,13 +103,17 @@ std::vector<zmq::message_t> stream_event() {
   FlatBufferBuilder b;
   const std::vector<flatbuffers::Offset<wire::TokenLogprobs>> logprobs = {golden_logprobs(b),
                                                                           golden_logprobs(b)};
-  const auto usage = wire::CreateUsageDirect(b, 12, 5, 8, "prefix", "shadow", 0.96875f);
+  // 1.9: each string also typed.
+  const auto usage =
+      wire::CreateUsageDirect(b, 12, 5, 8, "prefix", "shadow", 0.96875f, wire::ReuseLevel::Prefix,
+                              wire::ApproximateOutcome::Shadow);
   const auto timings = wire::CreateTimings(b, 1.5, 20.25, 22.0, 80.125);
   const std::vector<int32_t> token_ids = {0, 13};
-  b.Finish(wire::CreateStreamEventDirect(b, 1001, 555, wire::EventKind::Finished, "!", &token_ids,
-                                         "stop", usage, timings, wire::ErrorCode::Cancelled,
-                                         "cancelled by the client", &logprobs),
-           wire::GenerateRequestIdentifier());
+  b.Finish(
+      wire::CreateStreamEventDirect(b, 1001, 555, wire::EventKind::Finished, "!", &token_ids,
+                                    "stop", usage, timings, wire::ErrorCode::Cancelled,
+                                    "cancelled by the client", &logprobs, wire::FinishReason::Stop),
+      wire::GenerateRequestIdentifier());
   return wire::encode(wire::MessageType::StreamEvent, b);
 }
 
@@ -152,11 +156,12 @@ std::vector<zmq::message_t> probe_plan() {
       wire::CreateBulkFrame(b, kv.size(), wire::checksum(kv))};
   const std::vector<int32_t> completion = {306, 2};
   const std::vector<uint8_t> mask = {1, 0, 1};
-  b.Finish(
-      wire::CreateProbePlanDirect(b, 555, 2, "prefix", 16, 350, &frames, layout, &completion,
-                                  "stop", 0x0badc0ffee0ddf00ULL, "blend", 0x00d0d0d0d0d0d0d0ULL,
-                                  0.9375f, 5003, &mask, 0.15f, "blend", true, true),
-      wire::PrefillJobIdentifier());
+  b.Finish(wire::CreateProbePlanDirect(
+               b, 555, 2, "prefix", 16, 350, &frames, layout, &completion, "stop",
+               0x0badc0ffee0ddf00ULL, "blend", 0x00d0d0d0d0d0d0d0ULL, 0.9375f, 5003, &mask, 0.15f,
+               "blend", true, true, wire::ReuseLevel::Prefix, wire::FinishReason::Stop,
+               wire::ApproximateOutcome::Blend, wire::ShadowMode::Blend),
+           wire::PrefillJobIdentifier());
   std::vector<zmq::message_t> bulk;
   bulk.emplace_back(kv.data(), kv.size());
   return wire::encode(wire::MessageType::ProbePlan, b, std::move(bulk));
@@ -183,7 +188,8 @@ std::vector<zmq::message_t> prefill_job() {
       b, "probe-0", "ipc:///run/moeline/probe-0.intake", "", &store_ticket);
   b.Finish(wire::CreatePrefillJobDirect(b, 555, 2, &tokens, sampling, "acme/ns", "prefix", 2,
                                         &frames, layout, 3, 0x0badc0ffee0ddf00ULL, &mask, 0.15f,
-                                        true, decode_route, store_route, &prefill_ticket),
+                                        true, decode_route, store_route, &prefill_ticket,
+                                        wire::ReuseLevel::Prefix),
            wire::PrefillJobIdentifier());
   std::vector<zmq::message_t> bulk;
   bulk.emplace_back(kv.data(), kv.size());
@@ -195,7 +201,7 @@ std::vector<zmq::message_t> snapshot_put() {
   FlatBufferBuilder b;
   const std::vector<uint8_t> kv = kv_bytes();
   const std::vector<flatbuffers::Offset<wire::SnapshotEntry>> entries = {
-      wire::CreateSnapshotEntry(b, 0x1111222233334444ULL, 'B')};
+      wire::CreateSnapshotEntry(b, 0x1111222233334444ULL, wire::SnapshotKind::Block)};
   const std::vector<flatbuffers::Offset<wire::BulkFrame>> frames = {
       wire::CreateBulkFrame(b, kv.size(), wire::checksum(kv))};
   const std::vector<uint8_t> ticket = golden_bytes(32, 0x20);  // 1.7: to a probe's intake
@@ -217,7 +223,8 @@ std::vector<zmq::message_t> prefill_done() {
   const std::vector<uint8_t> ticket = golden_bytes(32, 0x10);  // 1.7: the hand-over's ticket
   b.Finish(wire::CreatePrefillDoneDirect(b, 555, 2, &tokens, 306, "", sampling, "acme/ns", layout,
                                          &frames, 12345, "prefill-0", "prefix", 2, 1, true, 0.125f,
-                                         true, golden_logprobs(b), &ticket),
+                                         true, golden_logprobs(b), &ticket, flatbuffers::nullopt,
+                                         wire::ReuseLevel::Prefix),
            wire::PrefillJobIdentifier());
   std::vector<zmq::message_t> bulk;
   bulk.emplace_back(kv.data(), kv.size());
@@ -228,7 +235,7 @@ std::vector<zmq::message_t> token_batch() {
   FlatBufferBuilder b;
   const std::vector<flatbuffers::Offset<wire::TokenUpdate>> updates = {
       wire::CreateTokenUpdateDirect(b, 555, 2, 306, "", golden_logprobs(b)),
-      wire::CreateTokenUpdateDirect(b, 556, 1, 2, "stop")};
+      wire::CreateTokenUpdateDirect(b, 556, 1, 2, "stop", 0, wire::FinishReason::Stop)};
   b.Finish(wire::CreateTokenBatchDirect(b, &updates, 2, 850), wire::PrefillJobIdentifier());
   return wire::encode(wire::MessageType::TokenBatch, b);
 }

@@ -77,13 +77,18 @@ class FakeGateway(threading.Thread):
                 b.PrependInt32(t)
             ids = b.EndVector()
         usage = timings = None
+        typed = fields.get("typed", False)  # a 1.9 gateway's typed values, without the strings
         if kind == w.EventKind.EventKind.Finished:
-            level = b.CreateString("prefix")
+            level = None if typed else b.CreateString("prefix")
             w.Usage.Start(b)
             w.Usage.AddPromptTokens(b, 5)
             w.Usage.AddCompletionTokens(b, 3)
             w.Usage.AddReusedTokens(b, 2)
-            w.Usage.AddReuseLevel(b, level)
+            if typed:
+                w.Usage.AddLevel(b, w.ReuseLevel.ReuseLevel.Full)
+                w.Usage.AddOutcome(b, w.ApproximateOutcome.ApproximateOutcome.NoCandidate)
+            else:
+                w.Usage.AddReuseLevel(b, level)
             usage = w.Usage.End(b)
             w.Timings.Start(b)
             w.Timings.AddQueueMs(b, 1.5)
@@ -103,6 +108,8 @@ class FakeGateway(threading.Thread):
                 add(b, offset)
         if "error_code" in fields:
             S.AddErrorCode(b, fields["error_code"])
+        if typed and kind == w.EventKind.EventKind.Finished:
+            S.AddFinish(b, w.FinishReason.FinishReason.Stop)
         b.Finish(S.End(b), file_identifier=b"MLCL")
         self.send(identity, self.mc.encode_message(self.mc.MessageType.StreamEvent, b.Output()))
 
@@ -135,6 +142,10 @@ class FakeGateway(threading.Thread):
                 self.error_reply(identity, 0, w.ErrorCode.ErrorCode.MalformedMessage, "bad body")
             elif prompt == "silent":
                 pass
+            elif prompt == "typed":
+                self.event(identity, crid, K.Accepted)
+                self.event(identity, crid, K.Delta, token_ids=[7], text="x")
+                self.event(identity, crid, K.Finished, typed=True)
             elif prompt in ("bad magic", "bad major"):
                 frames = self.mc.encode_message(T.StreamEvent, b"\0" * 16,
                                                 major=2 if prompt == "bad major" else 1)
@@ -182,11 +193,13 @@ def load_modules(args):
                        check=True)
     sys.path[:0] = [pygen, os.path.join(args.repo, "sdk", "python")]
     import moeline_client as mc
-    from moeline.wire import (CancelRequest, ControlCommand, ControlReply, ErrorCode, ErrorReply,
-                              EventKind, Feedback, GenerateRequest, StreamEvent, Timings, Usage)
+    from moeline.wire import (ApproximateOutcome, CancelRequest, ControlCommand, ControlReply,
+                              ErrorCode, ErrorReply, EventKind, Feedback, FinishReason,
+                              GenerateRequest, ReuseLevel, StreamEvent, Timings, Usage)
     wire = argparse.Namespace(**{m.__name__.rsplit(".", 1)[1]: m for m in (
-        CancelRequest, ControlCommand, ControlReply, ErrorCode, ErrorReply, EventKind, Feedback,
-        GenerateRequest, StreamEvent, Timings, Usage)})
+        ApproximateOutcome, CancelRequest, ControlCommand, ControlReply, ErrorCode, ErrorReply,
+        EventKind, Feedback, FinishReason, GenerateRequest, ReuseLevel, StreamEvent, Timings,
+        Usage)})
     return mc, wire
 
 
@@ -255,6 +268,10 @@ def check_client(mc, wire, endpoint):
                   (sent.Tenant(), sent.Sampling().Seed(), sent.Sampling().HasSeed(),
                    sent.Sampling().MaxTokens(), sent.Reuse()) == (b"acme", 42, True, 3,
                                                                   b"approximate"))
+            typed = client.generate("typed")
+            check("generate: a 1.9 gateway's typed finish reason, reuse level and outcome",
+                  (typed.finish_reason, typed.usage["reuse_level"], typed.usage["approximate"])
+                  == ("stop", "full", "no_candidate"), f"{typed}")
 
             kinds = [e.kind for e in client.stream("hello")]
             check("stream: accepted, deltas, then finished", kinds ==

@@ -15,6 +15,7 @@
 #include <string>
 #include <vector>
 
+#include "schemas/vocabulary.h"
 #include "schemas/wire.h"
 
 namespace moeline::wire {
@@ -311,7 +312,8 @@ std::map<std::string, Expectation> v1_1() {
                         ASSERT_NE(t->entries(), nullptr);
                         ASSERT_EQ(t->entries()->size(), 1u);
                         EXPECT_EQ(t->entries()->Get(0)->key(), 0x1111222233334444ULL);
-                        EXPECT_EQ(t->entries()->Get(0)->kind(), 'B');
+                        EXPECT_EQ(t->entries()->Get(0)->kind(), SnapshotKind::Block);
+                        EXPECT_EQ(static_cast<char>(t->entries()->Get(0)->kind()), 'B');
                         EXPECT_EQ(check_bulk(t->frames(), m.bulk), std::nullopt);
                       }};
   return e;
@@ -603,11 +605,52 @@ std::map<std::string, Expectation> v1_8() {
   return e;
 }
 
+// 1.9: the typed reuse level, approximate outcome, shadow mode and finish reason, next to the
+// strings (which stay, deprecated). The typed fields hold what the strings say.
+std::map<std::string, Expectation> v1_9() {
+  std::map<std::string, Expectation> e = v1_8();
+  for (auto& [stem, expectation] : e) expectation.minor = 9;
+  auto also = [&e](const std::string& stem, std::function<void(const Message&)> more) {
+    auto before = e.at(stem).check;
+    e.at(stem).check = [before, more](const Message& m) {
+      before(m);
+      more(m);
+    };
+  };
+  also("StreamEvent", [](const Message& m) {
+    const StreamEvent* t = m.as<StreamEvent>();
+    EXPECT_EQ(t->finish(), FinishReason::Stop);
+    ASSERT_NE(t->usage(), nullptr);
+    EXPECT_EQ(t->usage()->level(), ReuseLevel::Prefix);
+    EXPECT_EQ(t->usage()->outcome(), ApproximateOutcome::Shadow);
+  });
+  also("ProbePlan", [](const Message& m) {
+    const ProbePlan* t = m.as<ProbePlan>();
+    EXPECT_EQ(t->level(), ReuseLevel::Prefix);
+    EXPECT_EQ(t->finish(), FinishReason::Stop);
+    EXPECT_EQ(t->outcome(), ApproximateOutcome::Blend);
+    EXPECT_EQ(t->shadow_of(), ShadowMode::Blend);
+  });
+  also("PrefillJob",
+       [](const Message& m) { EXPECT_EQ(m.as<PrefillJob>()->level(), ReuseLevel::Prefix); });
+  also("PrefillDone", [](const Message& m) {
+    EXPECT_EQ(m.as<PrefillDone>()->level(), ReuseLevel::Prefix);
+    EXPECT_FALSE(m.as<PrefillDone>()->finish().has_value());  // the sequence goes on
+  });
+  also("TokenBatch", [](const Message& m) {
+    const auto* updates = m.as<TokenBatch>()->updates();
+    ASSERT_NE(updates, nullptr);
+    EXPECT_FALSE(updates->Get(0)->finish().has_value());
+    EXPECT_EQ(updates->Get(1)->finish(), FinishReason::Stop);
+  });
+  return e;
+}
+
 // Every released version: directory name -> file stem -> expectation.
 const std::map<std::string, std::map<std::string, Expectation>>& released() {
   static const std::map<std::string, std::map<std::string, Expectation>> versions = {
       {"v1.0", v1_0()}, {"v1.1", v1_1()}, {"v1.2", v1_2()}, {"v1.3", v1_3()}, {"v1.4", v1_4()},
-      {"v1.5", v1_5()}, {"v1.6", v1_6()}, {"v1.7", v1_7()}, {"v1.8", v1_8()}};
+      {"v1.5", v1_5()}, {"v1.6", v1_6()}, {"v1.7", v1_7()}, {"v1.8", v1_8()}, {"v1.9", v1_9()}};
   return versions;
 }
 
@@ -693,6 +736,46 @@ TEST(WireCompat, Version1_0CoversEveryMessageTypeOfThatVersion) {
     const std::string stem = message_type_name(type);
     EXPECT_TRUE(expectations.contains(stem)) << stem;
     EXPECT_TRUE(fs::is_regular_file(kCompatDir / "v1.0" / (stem + ".bin"))) << stem;
+  }
+}
+
+// What the typed fields replace reads the same through wire/vocabulary.h from the strings of every
+// version before 1.9 (no typed field in those files) and from the typed fields of 1.9.
+TEST(WireCompat, TheStringsOfOlderVersionsReadAsTheTypedValues) {
+  for (const std::string version : {"v1.2", "v1.8", "v1.9"}) {
+    SCOPED_TRACE(version);
+    auto read = [&](const std::string& stem) {
+      auto frames = read_frames(kCompatDir / version / (stem + ".bin"));
+      EXPECT_TRUE(frames.has_value()) << stem;
+      Decoded decoded = decode(std::move(*frames));
+      EXPECT_TRUE(decoded.message.has_value())
+          << stem << ": " << (decoded.error ? decoded.error->detail : "");
+      return std::move(*decoded.message);
+    };
+    const bool typed = version == "v1.9";
+    const Message event = read("StreamEvent");
+    const StreamEvent* e = event.as<StreamEvent>();
+    EXPECT_EQ(e->finish().has_value(), typed);
+    EXPECT_EQ(finish_reason_of(*e), FinishReason::Stop);
+    EXPECT_EQ(reuse_level_of(*e->usage()), ReuseLevel::Prefix);
+    EXPECT_EQ(approximate_outcome_of(*e->usage()), ApproximateOutcome::Shadow);
+    const Message plan_message = read("ProbePlan");
+    const ProbePlan* plan = plan_message.as<ProbePlan>();
+    EXPECT_EQ(plan->level().has_value(), typed);
+    EXPECT_EQ(reuse_level_of(*plan), ReuseLevel::Prefix);
+    EXPECT_EQ(finish_reason_of(*plan), FinishReason::Stop);
+    EXPECT_EQ(approximate_outcome_of(*plan), ApproximateOutcome::Blend);
+    EXPECT_EQ(shadow_mode_of(*plan), ShadowMode::Blend);
+    const Message job = read("PrefillJob");
+    EXPECT_EQ(reuse_level_of(*job.as<PrefillJob>()), ReuseLevel::Prefix);
+    const Message done = read("PrefillDone");
+    EXPECT_EQ(reuse_level_of(*done.as<PrefillDone>()), ReuseLevel::Prefix);
+    EXPECT_EQ(finish_reason_of(*done.as<PrefillDone>()), FinishReason::None);
+    const Message batch = read("TokenBatch");
+    EXPECT_EQ(finish_reason_of(*batch.as<TokenBatch>()->updates()->Get(0)), FinishReason::None);
+    EXPECT_EQ(finish_reason_of(*batch.as<TokenBatch>()->updates()->Get(1)), FinishReason::Stop);
+    const Message put = read("SnapshotPut");
+    EXPECT_EQ(snapshot_kind_of(*put.as<SnapshotPut>()->entries()->Get(0)), SnapshotKind::Block);
   }
 }
 

@@ -2,12 +2,14 @@
 // with its metric label, bulk-frame descriptors, alignment, and a seeded mutation fuzz.
 
 #include "schemas/wire.h"
+#include "schemas/vocabulary.h"
 
 #include <gtest/gtest.h>
 
 #include <cstdint>
 #include <cstring>
 #include <map>
+#include <optional>
 #include <random>
 #include <stdexcept>
 #include <string>
@@ -357,6 +359,59 @@ TEST(WireRoundTrip, NewerMinorVersionIsAcceptedAndReported) {
   EXPECT_EQ(m.as<Credit>()->credits(), 5u);
 }
 
+// Schema 1.9's typed values and the strings they replace name each other, both ways.
+TEST(WireVocabulary, EveryTypedValueNamesItsStringAndBack) {
+  for (const ReuseLevel v : EnumValuesReuseLevel()) EXPECT_EQ(parse_reuse_level(name(v)), v);
+  for (const ApproximateOutcome v : EnumValuesApproximateOutcome())
+    EXPECT_EQ(parse_approximate_outcome(name(v)), v);
+  for (const ShadowMode v : EnumValuesShadowMode()) EXPECT_EQ(parse_shadow_mode(name(v)), v);
+  for (const FinishReason v : EnumValuesFinishReason()) EXPECT_EQ(parse_finish_reason(name(v)), v);
+  EXPECT_EQ(name(ReuseLevel::Prefix), "prefix");
+  EXPECT_EQ(name(ApproximateOutcome::NoCandidate), "no_candidate");
+  EXPECT_EQ(name(FinishReason::Length), "length");
+  EXPECT_EQ(parse_reuse_level(""), ReuseLevel::None);  // what 1.0-1.8 writers left empty
+  EXPECT_EQ(parse_reuse_level("prefixes"), std::nullopt);
+  EXPECT_EQ(parse_finish_reason("STOP"), std::nullopt);
+}
+
+// The typed field wins over the string; without it the string counts; a value nobody defined (a
+// newer writer's, or a hostile peer's) reads as the default, never as something else.
+TEST(WireVocabulary, TypedFieldsWinAndUnknownValuesReadAsTheDefault) {
+  auto plan = [](std::optional<uint8_t> level, const char* text, std::optional<uint8_t> finish) {
+    FlatBufferBuilder b;
+    auto level_text = b.CreateString(text);
+    ProbePlanBuilder p(b);
+    p.add_reuse_level(level_text);
+    if (level) p.add_level(static_cast<ReuseLevel>(*level));
+    if (finish) p.add_finish(static_cast<FinishReason>(*finish));
+    b.Finish(p.Finish(), PrefillJobIdentifier());
+    return std::vector<uint8_t>(b.GetBufferPointer(), b.GetBufferPointer() + b.GetSize());
+  };
+  auto level_of = [](const std::vector<uint8_t>& bytes) {
+    return reuse_level_of(*flatbuffers::GetRoot<ProbePlan>(bytes.data()));
+  };
+  auto finish_of = [](const std::vector<uint8_t>& bytes) {
+    return finish_reason_of(*flatbuffers::GetRoot<ProbePlan>(bytes.data()));
+  };
+  EXPECT_EQ(level_of(plan(2, "prefix", std::nullopt)), ReuseLevel::Full);
+  EXPECT_EQ(level_of(plan(std::nullopt, "prefix", std::nullopt)), ReuseLevel::Prefix);
+  EXPECT_EQ(level_of(plan(std::nullopt, "something new", std::nullopt)), ReuseLevel::None);
+  EXPECT_EQ(level_of(plan(200, "prefix", std::nullopt)), ReuseLevel::None);
+  EXPECT_EQ(finish_of(plan(std::nullopt, "", 1)), FinishReason::Stop);
+  EXPECT_EQ(finish_of(plan(std::nullopt, "", 99)), FinishReason::None);
+  EXPECT_EQ(finish_of(plan(std::nullopt, "", std::nullopt)), FinishReason::None);
+
+  FlatBufferBuilder b;
+  const std::vector<flatbuffers::Offset<SnapshotEntry>> entries = {
+      CreateSnapshotEntry(b, 1, SnapshotKind::Signature),
+      CreateSnapshotEntry(b, 2, static_cast<SnapshotKind>('X')), CreateSnapshotEntry(b, 3)};
+  b.Finish(CreateSnapshotPutDirect(b, &entries), PrefillJobIdentifier());
+  const auto* put = flatbuffers::GetRoot<SnapshotPut>(b.GetBufferPointer());
+  EXPECT_EQ(snapshot_kind_of(*put->entries()->Get(0)), SnapshotKind::Signature);
+  EXPECT_EQ(snapshot_kind_of(*put->entries()->Get(1)), SnapshotKind::Unknown);
+  EXPECT_EQ(snapshot_kind_of(*put->entries()->Get(2)), SnapshotKind::Unknown);
+}
+
 TEST(WireNames, KnownAndUnknownTypes) {
   EXPECT_STREQ(message_type_name(MessageType::PrefillDone), "PrefillDone");
   EXPECT_STREQ(message_type_name(static_cast<MessageType>(6)), "unknown");
@@ -673,7 +728,8 @@ size_t touch(const Message& m) {
     case MessageType::SnapshotPut: {
       const auto* t = m.as<SnapshotPut>();
       if (t->entries())
-        for (const SnapshotEntry* entry : *t->entries()) n += entry->key() + entry->kind();
+        for (const SnapshotEntry* entry : *t->entries())
+          n += entry->key() + static_cast<uint64_t>(entry->kind());
       if (t->frames())
         for (const BulkFrame* frame : *t->frames()) n += frame->bytes();
       break;

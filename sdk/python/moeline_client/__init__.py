@@ -49,7 +49,7 @@ __all__ = [
 # Must match schemas/wire.h: a peer of another major is refused, a newer minor is read as far as
 # this code knows (fields are only ever added).
 SCHEMA_MAJOR = 1
-SCHEMA_MINOR = 8  # schema 1.8 (usage reports to the offload manager directly); a client of any 1.x speaks to any 1.x gateway
+SCHEMA_MINOR = 9  # schema 1.9 (typed reuse level, approximate outcome and finish reason); a client of any 1.x speaks to any 1.x gateway
 MAGIC = b"MOEL"
 _HEADER = struct.Struct("<4sHHHHI")
 if _HEADER.size != 16:  # the wire header is 16 bytes (an explicit check: asserts vanish under -O)
@@ -284,14 +284,32 @@ def _parse_logprobs(e) -> List[Dict[str, object]]:
     return out
 
 
+# Schema 1.9's typed values by number, with the strings of 1.0-1.8 (which results keep reporting).
+# A gateway of 1.8 or older sends only the strings; a value this client does not know reads as the
+# first entry, as the C++ SDK does.
+_REUSE_LEVELS = ("none", "prefix", "full", "result", "response", "blend")
+_APPROXIMATE_OUTCOMES = ("", "response", "blend", "shadow", "no_candidate", "rejected", "disabled",
+                         "not_allowed")
+_FINISH_REASONS = ("", "stop", "length", "cancelled")
+
+
+def _typed_or_text(typed: Optional[int], text: Optional[bytes], names: Sequence[str]) -> str:
+    if typed is None:
+        return _text(text)
+    return names[typed] if 0 <= typed < len(names) else names[0]
+
+
 def _parse_stream_event(body: bytes) -> Event:
     e = _stream_event.StreamEvent.GetRootAs(body, 0)
     usage = timings = None
     u = e.Usage()
     if u is not None:
         usage = {"prompt_tokens": u.PromptTokens(), "completion_tokens": u.CompletionTokens(),
-                 "reused_tokens": u.ReusedTokens(), "reuse_level": _text(u.ReuseLevel()),
-                 "approximate": _text(u.Approximate()), "similarity": u.Similarity()}
+                 "reused_tokens": u.ReusedTokens(),
+                 "reuse_level": _typed_or_text(u.Level(), u.ReuseLevel(), _REUSE_LEVELS),
+                 "approximate": _typed_or_text(u.Outcome(), u.Approximate(),
+                                               _APPROXIMATE_OUTCOMES),
+                 "similarity": u.Similarity()}
     t = e.Timings()
     if t is not None:
         timings = {"queue_ms": t.QueueMs(), "prefill_ms": t.PrefillMs(), "ttft_ms": t.TtftMs(),
@@ -302,7 +320,7 @@ def _parse_stream_event(body: bytes) -> Event:
     return Event(kind=_KIND_NAMES[kind], client_request_id=e.ClientRequestId(),
                  request_id=e.RequestId(), text=_text(e.Text()),
                  token_ids=[e.TokenIds(i) for i in range(e.TokenIdsLength())],
-                 logprobs=_parse_logprobs(e), finish_reason=_text(e.FinishReason()), usage=usage, timings=timings,
+                 logprobs=_parse_logprobs(e), finish_reason=_typed_or_text(e.Finish(), e.FinishReason(), _FINISH_REASONS), usage=usage, timings=timings,
                  error_code=e.ErrorCode(), error_message=_text(e.ErrorMessage()))
 
 
