@@ -7,11 +7,14 @@
 
 #include "model/generator.h"
 #include "model/sampling.h"
+#include "schemas/vocabulary.h"
 #include "stages/common/common.h"
 #include "stages/common/worker.h"
+#include "stages/decode/decode_metrics.h"
+#include "stages/decode/decode_settings.h"
 #include "stages/runtime/dispatch.h"
 
-namespace moeline::stages {
+namespace moeline::stages::decode {
 namespace {
 
 using Clock = std::chrono::steady_clock;
@@ -32,59 +35,31 @@ struct Stream {
 class DecodeStage {
  public:
   explicit DecodeStage(const runtime::Config& config)
-      : worker_(config, "decode", wire::StageKind::Decode),
+      : settings_(DecodeSettings::from(config)),
+        worker_(config, "decode", wire::StageKind::Decode),
         drain_(config),
-        max_batch_(static_cast<uint32_t>(config.integer("max-batch"))),
         metrics_(worker_.service.metrics) {
     const model::ModelConfig& cfg = worker_.model->config();
     context_ = cfg.max_position_embeddings > 0 ? cfg.max_position_embeddings : 32768;
-    int64_t blocks = config.integer("kv-blocks");
+    int64_t blocks = settings_.kv_blocks;
     if (blocks <= 0) {
       // Every slot can hold a sequence as long as the context, within the memory budget.
       const int64_t per_sequence = (context_ + model::kBlockTokens - 1) / model::kBlockTokens;
-      const auto budget = runtime::parse_bytes(config.text("kv-bytes"));
+      const uint64_t budget = settings_.kv_bytes;
       const auto block_bytes = model::KvCache::bytes_per_token(cfg) * model::kBlockTokens;
-      blocks =
-          std::min<int64_t>(per_sequence * max_batch_, static_cast<int64_t>(budget / block_bytes));
+      blocks = std::min<int64_t>(per_sequence * settings_.max_batch,
+                                 static_cast<int64_t>(budget / block_bytes));
       blocks = std::max<int64_t>(blocks, per_sequence);
     }
     worker_.create_engine(static_cast<int32_t>(blocks));
     worker_.open_intake(config);
     for (int64_t eos : cfg.eos_token_ids) eos_.push_back(static_cast<int32_t>(eos));
-    kv_used_ = &metrics_.gauge("moeline_decode_kv_blocks", "KV blocks", {{"state", "used"}});
-    kv_free_ = &metrics_.gauge("moeline_decode_kv_blocks", "KV blocks", {{"state", "free"}});
-    queue_depth_ =
-        &metrics_.gauge("moeline_decode_queue_depth", "Sequences waiting for KV room to join");
-    active_ = &metrics_.gauge("moeline_decode_active_sequences", "Sequences in the running batch");
-    batch_size_ = &metrics_.histogram("moeline_decode_batch_size", "Sequences per decode step",
-                                      runtime::size_buckets());
-    step_ = &metrics_.histogram("moeline_decode_step_seconds", "One decode step (forward+sample)",
-                                runtime::latency_buckets());
-    ttft_ = &metrics_.histogram("moeline_decode_ttft_seconds",
-                                "Handoff received to the second token (first decoded here)",
-                                runtime::latency_buckets());
-    tpot_ = &metrics_.histogram("moeline_decode_time_per_output_token_seconds",
-                                "Time between a sequence's tokens", runtime::latency_buckets());
-    e2e_ = &metrics_.histogram("moeline_decode_e2e_seconds", "Handoff received to last token",
-                               runtime::latency_buckets());
-    for (const char* outcome : {"stop", "length", "failed", "cancelled"})
-      outcomes_[outcome] = &metrics_.counter("moeline_decode_requests_total",
-                                             "Sequences by outcome", {{"outcome", outcome}});
-    tokens_total_ = &metrics_.counter("moeline_decode_tokens_total", "Tokens generated");
-    handed_back_ = &metrics_.counter("moeline_decode_handed_back_total",
-                                     "Sequences given back to the gateway by a drain");
-    handovers_ = &metrics_.counter("moeline_decode_handovers_total",
-                                   "Sequences prefill handed over directly, by outcome",
-                                   {{"outcome", "accepted"}});
-    handovers_refused_ = &metrics_.counter("moeline_decode_handovers_total",
-                                           "Sequences prefill handed over directly, by outcome",
-                                           {{"outcome", "refused"}});
   }
 
   int run() {
     auto& log = worker_.service.log;
-    log.info("started",
-             {{"max_batch", max_batch_}, {"kv_blocks", worker_.forward->blocks().capacity()}});
+    log.info("started", {{"max_batch", settings_.max_batch},
+                         {"kv_blocks", worker_.forward->blocks().capacity()}});
     while (!runtime::StageService::stop_requested()) {
       worker_.service.tick();
       if (!worker_.maintain()) {
@@ -115,7 +90,7 @@ class DecodeStage {
         }
         for (const Stream& stream : waiting_) give_back(stream);
         waiting_.clear();
-        log.info("drained", {{"handed_back", handed_back_->value()}});
+        log.info("drained", {{"handed_back", metrics_.handed_back->value()}});
         active_streams_.clear();
         return 0;
       }
@@ -126,14 +101,16 @@ class DecodeStage {
 
  private:
   uint32_t held() const { return static_cast<uint32_t>(active_streams_.size() + waiting_.size()); }
-  uint32_t free_credits() const { return max_batch_ > held() ? max_batch_ - held() : 0; }
+  uint32_t free_credits() const {
+    return settings_.max_batch > held() ? settings_.max_batch - held() : 0;
+  }
 
   void update_gauges() {
     const auto& pool = worker_.forward->blocks();
-    kv_used_->set(pool.capacity() - pool.free_blocks());
-    kv_free_->set(pool.free_blocks());
-    queue_depth_->set(static_cast<double>(waiting_.size()));
-    active_->set(static_cast<double>(active_streams_.size()));
+    metrics_.kv_used->set(pool.capacity() - pool.free_blocks());
+    metrics_.kv_free->set(pool.free_blocks());
+    metrics_.queue_depth->set(static_cast<double>(waiting_.size()));
+    metrics_.active->set(static_cast<double>(active_streams_.size()));
     worker_.link->set_load(static_cast<uint32_t>(waiting_.size()),
                            static_cast<uint32_t>(active_streams_.size()),
                            static_cast<uint32_t>(pool.capacity() - pool.free_blocks()),
@@ -158,7 +135,7 @@ class DecodeStage {
 
   void give_back(const Stream& stream) {
     hand_back(*worker_.link, stream.request_id, stream.attempt);
-    handed_back_->inc();
+    metrics_.handed_back->inc();
   }
 
   void job_failed(uint64_t request_id, uint32_t attempt, wire::ErrorCode code,
@@ -168,7 +145,7 @@ class DecodeStage {
         wire::CreateJobFailed(builder, request_id, attempt, code, builder.CreateString(text)),
         wire::PrefillJobIdentifier());
     worker_.link->send(wire::encode(wire::MessageType::JobFailed, builder));
-    outcomes_["failed"]->inc();
+    metrics_.outcome("failed").inc();
     worker_.service.log.warn("job_failed", {{"request_id", request_id}, {"reason", text}});
     worker_.link->grant(1);
   }
@@ -177,12 +154,12 @@ class DecodeStage {
   // replica (so only a hand-over the gateway arranged), then confirmed to the gateway.
   void on_handover(wire::Message& message) {
     if (message.type != wire::MessageType::PrefillDone) {
-      handovers_refused_->inc();
+      metrics_.handovers_refused->inc();
       return worker_.intake->refuse(message.type, "not_taken_here");
     }
     const auto* done = message.as<wire::PrefillDone>();
     if (!runtime::has_valid_ticket(worker_.link->handover_key(), *done)) {
-      handovers_refused_->inc();
+      metrics_.handovers_refused->inc();
       return worker_.intake->refuse(message.type, "bad_ticket");
     }
     const uint64_t request_id = done->request_id();
@@ -190,11 +167,11 @@ class DecodeStage {
     auto same = [&](const Stream& s) { return s.request_id == request_id && s.attempt == attempt; };
     if (std::any_of(waiting_.begin(), waiting_.end(), same) ||
         std::any_of(active_streams_.begin(), active_streams_.end(), same)) {
-      handovers_refused_->inc();
+      metrics_.handovers_refused->inc();
       return worker_.intake->refuse(message.type, "duplicate");
     }
     if (!accept_stream(message)) return;
-    handovers_->inc();
+    metrics_.handovers->inc();
     flatbuffers::FlatBufferBuilder builder(64);
     builder.Finish(wire::CreateHandoverAccepted(builder, request_id, attempt),
                    wire::PrefillJobIdentifier());
@@ -298,14 +275,14 @@ class DecodeStage {
       if (!matches(*it)) continue;
       it->sequence->release(worker_.forward->blocks());
       active_streams_.erase(it);
-      outcomes_["cancelled"]->inc();
+      metrics_.outcome("cancelled").inc();
       worker_.link->grant(1);
       return;
     }
     for (auto it = waiting_.begin(); it != waiting_.end(); ++it) {
       if (!matches(*it)) continue;
       waiting_.erase(it);
-      outcomes_["cancelled"]->inc();
+      metrics_.outcome("cancelled").inc();
       worker_.link->grant(1);
       return;
     }
@@ -339,21 +316,26 @@ class DecodeStage {
       const int32_t token = stream.sampler->sample(row, cfg.vocab_size);
       ++stream.generated;
       stream.next_token = token;
-      tpot_->observe(std::chrono::duration<double>(now - stream.last_token).count());
+      metrics_.tpot->observe(std::chrono::duration<double>(now - stream.last_token).count());
       if (stream.generated == 2)
-        ttft_->observe(std::chrono::duration<double>(now - stream.joined).count());
+        metrics_.ttft->observe(std::chrono::duration<double>(now - stream.joined).count());
       stream.last_token = now;
       const char* finish =
           model::finish_after(token, stream.generated, static_cast<int64_t>(stream.prompt.size()),
                               stream.sampling, eos_, cfg.max_position_embeddings);
       auto finish_text = builder.CreateString(finish);
       auto logprobs = logprobs_to_wire(builder, row, cfg.vocab_size, token, stream.sampling);
+      // Typed on the last token only (schema 1.9; the string stays for older gateways).
+      flatbuffers::Optional<wire::FinishReason> typed;
+      if (auto parsed = wire::parse_finish_reason(finish);
+          parsed && *parsed != wire::FinishReason::None)
+        typed = *parsed;
       updates.push_back(wire::CreateTokenUpdate(builder, stream.request_id, stream.attempt, token,
-                                                finish_text, logprobs));
+                                                finish_text, logprobs, typed));
       if (*finish != '\0') {
         stream.sequence->release(worker_.forward->blocks());
-        outcomes_[finish]->inc();
-        e2e_->observe(std::chrono::duration<double>(now - stream.joined).count());
+        metrics_.outcome(finish).inc();
+        metrics_.e2e->observe(std::chrono::duration<double>(now - stream.joined).count());
         ++finished;
       } else {
         still.push_back(std::move(stream));
@@ -365,49 +347,36 @@ class DecodeStage {
                                           static_cast<uint32_t>(step_us)),
                    wire::PrefillJobIdentifier());
     worker_.link->send(wire::encode(wire::MessageType::TokenBatch, builder));
-    batch_size_->observe(static_cast<double>(inputs_.size()));
-    step_->observe(static_cast<double>(step_us) * 1e-6);
-    tokens_total_->inc(static_cast<double>(inputs_.size()));
+    metrics_.batch_size->observe(static_cast<double>(inputs_.size()));
+    metrics_.step->observe(static_cast<double>(step_us) * 1e-6);
+    metrics_.tokens->inc(static_cast<double>(inputs_.size()));
     active_streams_ = std::move(still);
     worker_.link->grant(finished);
   }
 
+  DecodeSettings settings_;
   ComputeWorker worker_;
   Drain drain_;
-  runtime::Counter *handed_back_ = nullptr, *handovers_ = nullptr, *handovers_refused_ = nullptr;
-  uint32_t max_batch_;
+  DecodeMetrics metrics_;
   int64_t context_ = 0;
-  runtime::Registry& metrics_;
   std::vector<int32_t> eos_;
   std::deque<Stream> waiting_;
   std::vector<Stream> active_streams_;
   std::vector<model::SequenceInput> inputs_;
   std::vector<float> logits_;
-  runtime::Gauge *kv_used_, *kv_free_, *queue_depth_, *active_;
-  runtime::Histogram *batch_size_, *step_, *ttft_, *tpot_, *e2e_;
-  runtime::Counter* tokens_total_;
-  std::map<std::string, runtime::Counter*> outcomes_;
 };
-
-std::vector<runtime::ConfigKey> decode_keys() {
-  std::vector<runtime::ConfigKey> keys = compute_keys();
-  for (const runtime::ConfigKey& key : intake_keys()) keys.push_back(key);
-  keys.push_back({"max-batch", "64", "sequences in the running batch (its credit)"});
-  keys.push_back({"kv-blocks", "0",
-                  "KV cache blocks (0: enough for max-batch full contexts, "
-                  "within --kv-bytes)"});
-  keys.push_back({"kv-bytes", "2GiB", "memory budget for the KV cache when --kv-blocks is 0"});
-  return keys;
-}
 
 int decode_body(const runtime::Config& config) {
   return DecodeStage(config).run();
 }
 
 }  // namespace
+}  // namespace moeline::stages::decode
+
+namespace moeline::stages {
 
 int decode_main(int argc, char** argv) {
-  return run_stage("decode", decode_keys(), argc, argv, decode_body);
+  return run_stage("decode", decode::decode_keys(), argc, argv, decode::decode_body);
 }
 
 }  // namespace moeline::stages

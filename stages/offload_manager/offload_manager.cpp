@@ -13,6 +13,8 @@
 
 #include "model/model.h"
 #include "stages/common/common.h"
+#include "stages/offload_manager/offload_metrics.h"
+#include "stages/offload_manager/offload_settings.h"
 #include "stages/runtime/dispatch.h"
 #include "stages/runtime/link.h"
 #include "stages/runtime/service.h"
@@ -34,56 +36,34 @@ class PoolMetrics {
  public:
   PoolMetrics(runtime::Registry& metrics, int64_t layers) {
     const runtime::Labels host = {{"tier", "host"}};
-    hits_ = &metrics.counter("moeline_offload_expert_hits_total",
-                             "Expert acquisitions that found the expert resident", host);
-    misses_ = &metrics.counter("moeline_offload_expert_misses_total",
-                               "Expert acquisitions that waited for a load", host);
-    loads_ =
-        &metrics.counter("moeline_offload_expert_loads_total", "Experts read into the tier", host);
-    evictions_ = &metrics.counter("moeline_offload_expert_evictions_total",
-                                  "Experts evicted from the tier", host);
-    bytes_ = &metrics.counter("moeline_offload_bytes_moved_total", "Bytes read into the tier",
-                              {{"tier", "host"}, {"from", "disk"}});
-    load_seconds_ = &metrics.counter("moeline_offload_expert_load_seconds_total",
-                                     "Time spent reading experts", host);
-    stall_seconds_ = &metrics.counter("moeline_offload_stall_seconds_total",
-                                      "Time compute waited for experts", host);
-    prefetch_requests_ =
-        &metrics.counter("moeline_offload_prefetch_requests_total", "Prefetches queued");
-    prefetch_used_ = &metrics.counter("moeline_offload_prefetch_used_total",
-                                      "Prefetched experts used before eviction");
-    prefetch_late_ = &metrics.counter("moeline_offload_prefetch_late_total",
-                                      "Demand found its expert still loading for a prefetch");
-    prefetch_dropped_ = &metrics.counter("moeline_offload_prefetch_dropped_total",
-                                         "Prefetches not queued for want of a free slot");
-    reclaimed_ = &metrics.counter("moeline_offload_clients_reclaimed_total",
-                                  "Dead compute processes whose expert pins were taken back");
-    hit_ratio_ = &metrics.gauge("moeline_offload_expert_hit_ratio",
-                                "Share of acquisitions served without a load", host);
-    precision_ = &metrics.gauge("moeline_offload_prefetch_precision",
-                                "Prefetched experts used / prefetched experts loaded");
-    resident_ = &metrics.gauge("moeline_offload_experts_resident", "Experts in the tier", host);
-    slots_ = &metrics.gauge("moeline_offload_expert_slots", "Expert slots of the tier", host);
+    hits_ = &metrics.counter(offload_metric::kExpertHitsTotal, host);
+    misses_ = &metrics.counter(offload_metric::kExpertMissesTotal, host);
+    loads_ = &metrics.counter(offload_metric::kExpertLoadsTotal, host);
+    evictions_ = &metrics.counter(offload_metric::kExpertEvictionsTotal, host);
+    bytes_ =
+        &metrics.counter(offload_metric::kBytesMovedTotal, {{"tier", "host"}, {"from", "disk"}});
+    load_seconds_ = &metrics.counter(offload_metric::kExpertLoadSecondsTotal, host);
+    stall_seconds_ = &metrics.counter(offload_metric::kStallSecondsTotal, host);
+    prefetch_requests_ = &metrics.counter(offload_metric::kPrefetchRequestsTotal);
+    prefetch_used_ = &metrics.counter(offload_metric::kPrefetchUsedTotal);
+    prefetch_late_ = &metrics.counter(offload_metric::kPrefetchLateTotal);
+    prefetch_dropped_ = &metrics.counter(offload_metric::kPrefetchDroppedTotal);
+    reclaimed_ = &metrics.counter(offload_metric::kClientsReclaimedTotal);
+    hit_ratio_ = &metrics.gauge(offload_metric::kExpertHitRatio, host);
+    precision_ = &metrics.gauge(offload_metric::kPrefetchPrecision);
+    resident_ = &metrics.gauge(offload_metric::kExpertsResident, host);
+    slots_ = &metrics.gauge(offload_metric::kExpertSlots, host);
     std::vector<double> bounds;  // the pool's buckets: powers of two microseconds
     for (int i = 0; i < offload::PoolStats::kLoadBuckets - 1; ++i)
       bounds.push_back(std::ldexp(1.0, i) * 1e-6);
-    load_time_ = &metrics.histogram("moeline_offload_expert_load_seconds",
-                                    "Expert load time (sum from bucket midpoints; exact total: "
-                                    "moeline_offload_expert_load_seconds_total)",
-                                    bounds, host);
-    recall_ = &metrics.gauge("moeline_offload_prefetch_recall",
-                             "Prefetched experts used / needed experts that were not resident");
-    bytes_per_token_ = &metrics.gauge("moeline_offload_bytes_per_token",
-                                      "Bytes read into the tier per routed token", host);
-    stall_per_token_ = &metrics.gauge("moeline_offload_stall_seconds_per_token",
-                                      "Compute time spent waiting for experts per routed token");
-    experts_per_token_ = &metrics.gauge("moeline_offload_experts_per_token",
-                                        "Expert acquisitions per routed token (all layers)");
-    direct_ = &metrics.gauge("moeline_offload_direct_io",
-                             "1 when experts are read with O_DIRECT (no page cache)");
+    load_time_ = &metrics.histogram(offload_metric::kExpertLoadSeconds, bounds, host);
+    recall_ = &metrics.gauge(offload_metric::kPrefetchRecall);
+    bytes_per_token_ = &metrics.gauge(offload_metric::kBytesPerToken, host);
+    stall_per_token_ = &metrics.gauge(offload_metric::kStallSecondsPerToken);
+    experts_per_token_ = &metrics.gauge(offload_metric::kExpertsPerToken);
+    direct_ = &metrics.gauge(offload_metric::kDirectIo);
     for (int64_t l = 0; l < layers; ++l)
-      layer_ratio_.push_back(&metrics.gauge("moeline_offload_layer_hit_ratio",
-                                            "Share of a layer's acquisitions served without a load",
+      layer_ratio_.push_back(&metrics.gauge(offload_metric::kLayerHitRatio,
                                             {{"tier", "host"}, {"layer", std::to_string(l)}}));
   }
 
@@ -157,24 +137,17 @@ class RouterHealthMonitor {
         layers_(layers),
         experts_(experts),
         health_(static_cast<int>(layers), static_cast<int>(experts), options),
-        routed_(&metrics.counter("moeline_offload_routed_tokens_total",
-                                 "Tokens whose routing was reported by compute stages")) {
+        routed_(&metrics.counter(offload_metric::kRoutedTokensTotal)) {
     per_expert_.resize(static_cast<size_t>(layers * experts));
     for (int64_t l = 0; l < layers; ++l) {
       const runtime::Labels layer_label = {{"layer", std::to_string(l)}};
-      imbalance_.push_back(&metrics.gauge("moeline_offload_load_imbalance",
-                                          "std/mean of per-expert token counts (recent traffic)",
-                                          layer_label));
-      confidence_.push_back(&metrics.gauge(
-          "moeline_offload_router_confidence",
-          "Mean ln(top-1 / top-2 router probability) over recent tokens", layer_label));
-      state_.push_back(&metrics.gauge("moeline_offload_router_health",
-                                      "0 ok, 1 warning, 2 critical", layer_label));
-      router_seconds_.push_back(&metrics.counter("moeline_offload_router_seconds_total",
-                                                 "Time the routers took", layer_label));
+      imbalance_.push_back(&metrics.gauge(offload_metric::kLoadImbalance, layer_label));
+      confidence_.push_back(&metrics.gauge(offload_metric::kRouterConfidence, layer_label));
+      state_.push_back(&metrics.gauge(offload_metric::kRouterHealth, layer_label));
+      router_seconds_.push_back(&metrics.counter(offload_metric::kRouterSecondsTotal, layer_label));
       for (int64_t e = 0; e < experts; ++e)
         per_expert_[static_cast<size_t>(l * experts + e)] =
-            &metrics.counter("moeline_offload_expert_tokens_total", "Tokens routed to each expert",
+            &metrics.counter(offload_metric::kExpertTokensTotal,
                              {{"layer", std::to_string(l)}, {"expert", std::to_string(e)}});
     }
   }
@@ -317,18 +290,19 @@ int offload_body(const runtime::Config& config) {
   // its own mapping of the checkpoint.
   std::unique_ptr<offload::ExpertPool> pool;
   uint64_t pool_bytes = 0;
-  const auto prefetch_depth = static_cast<uint32_t>(config.integer("prefetch-depth"));
-  if (!config.text("expert-budget").empty()) {
+  const OffloadSettings offload_settings = OffloadSettings::from(config);
+  const uint32_t prefetch_depth = offload_settings.prefetch_depth;
+  if (!offload_settings.expert_budget.empty()) {
     const offload::ExpertCatalog catalog = model.expert_catalog();
     pool_bytes =
-        offload::parse_expert_budget(config.text("expert-budget"), catalog.pool_bytes_for_all());
-    std::string name = config.text("expert-pool");
+        offload::parse_expert_budget(offload_settings.expert_budget, catalog.pool_bytes_for_all());
+    std::string name = offload_settings.expert_pool;
     if (name.empty()) name = default_pool_name(model.model_id(), config.text("hub"));
-    auto created = offload::ExpertPool::create(
-        catalog, {.name = name,
-                  .budget_bytes = pool_bytes,
-                  .loader_threads = static_cast<int>(config.integer("loader-threads")),
-                  .direct_io = config.flag("direct-io")});
+    auto created =
+        offload::ExpertPool::create(catalog, {.name = name,
+                                              .budget_bytes = pool_bytes,
+                                              .loader_threads = offload_settings.loader_threads,
+                                              .direct_io = offload_settings.direct_io});
     if (!created) {
       const std::string reason = "--expert-budget: " + created.error().message;
       if (created.error().code == StatusCode::kInvalidArgument) throw runtime::ConfigError(reason);
@@ -347,9 +321,7 @@ int offload_body(const runtime::Config& config) {
   const int64_t layers = cfg.num_layers;
   const int64_t experts = std::max<int64_t>(1, cfg.num_experts);
   RouterHealthMonitor health(service.metrics, service.log, layers, experts,
-                             {.imbalance_warning = config.number("imbalance-warning"),
-                              .imbalance_critical = config.number("imbalance-critical"),
-                              .confidence_warning = config.number("confidence-warning")});
+                             offload_settings.router_health);
   service.start_http(config.text("http"), config.text("port-file"), [&] {
     nlohmann::json detail = {{"expert_pool", nullptr}};
     if (pool) {
@@ -366,16 +338,16 @@ int offload_body(const runtime::Config& config) {
     return detail;
   });
   auto& metrics = service.metrics;
-  metrics.gauge("moeline_offload_expert_bytes", "Bytes of expert weights", {{"tier", "resident"}})
+  metrics.gauge(offload_metric::kExpertBytes, {{"tier", "resident"}})
       .set(static_cast<double>(expert_bytes));
   std::unique_ptr<PoolMetrics> pool_metrics;
   if (pool) {
-    metrics.gauge("moeline_offload_tier_budget_bytes", "Byte budget of a tier", {{"tier", "host"}})
+    metrics.gauge(offload_metric::kTierBudgetBytes, {{"tier", "host"}})
         .set(static_cast<double>(pool_bytes));
     pool_metrics = std::make_unique<PoolMetrics>(metrics, cfg.num_layers);
   }
   auto last_pool_update = std::chrono::steady_clock::now();
-  auto& plans = metrics.counter("moeline_offload_plans_total", "Expert plans served");
+  auto& plans = metrics.counter(offload_metric::kPlansTotal);
 
   zmq::context_t context(1);
   configure_io_threads(context, config);
@@ -432,25 +404,7 @@ int offload_body(const runtime::Config& config) {
 }  // namespace
 
 int offload_main(int argc, char** argv) {
-  std::vector<runtime::ConfigKey> keys = worker_keys();
-  keys.push_back({"expert-budget", "",
-                  "host pool size shared by every compute process of the node: a share of all "
-                  "expert bytes (\"25%\") or a size (\"512MiB\"); empty: every expert stays "
-                  "resident in each process's mapping of the checkpoint"});
-  keys.push_back({"expert-pool", "",
-                  "shared memory name of the pool (default: /moeline-pool-<model id>-<hub hash>)"});
-  keys.push_back({"prefetch-depth", "1",
-                  "MoE layers ahead the compute processes predict and prefetch (0: off)"});
-  keys.push_back({"loader-threads", "1", "threads reading experts from disk into the pool"});
-  keys.push_back({"imbalance-warning", "0.4",
-                  "router health: warn when a layer's load imbalance (std/mean) reaches this"});
-  keys.push_back({"imbalance-critical", "0.5", "router health: critical at this imbalance"});
-  keys.push_back({"confidence-warning", "1.5",
-                  "router health: warn when a layer's mean ln(top-1/top-2) falls below this"});
-  for (const runtime::ConfigKey& key : intake_keys()) keys.push_back(key);
-  keys.push_back({"direct-io", "true",
-                  "read experts with O_DIRECT, so the page cache does not become a second pool"});
-  return run_stage("offload", keys, argc, argv, offload_body);
+  return run_stage("offload", offload_keys(), argc, argv, offload_body);
 }
 
 }  // namespace moeline::stages

@@ -224,7 +224,9 @@ def case_gateway(args):
 
 
 def stream_all(stack, prompts, max_tokens, on_started):
-    """Starts every prompt, calls on_started() once each has a token, and collects the ids."""
+    """Starts every prompt, calls on_started() once each has two tokens (the second is decode's:
+    every sequence is then held by a decode replica, not on its way to one), and collects the
+    ids."""
     from moeline_client import Client
     with Client(stack.endpoint, timeout=120) as client:
         crids = {client.start(tokens=p, max_tokens=max_tokens, ignore_eos=True): i
@@ -237,7 +239,8 @@ def stream_all(stack, prompts, max_tokens, on_started):
             i = crids[event.client_request_id]
             if event.kind == "delta":
                 ids[i] += event.token_ids
-                started.add(i)
+                if len(ids[i]) >= 2:
+                    started.add(i)
             elif event.kind == "error":
                 errors[i] = event.error_message
             if event.terminal:
