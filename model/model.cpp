@@ -1,7 +1,5 @@
 #include "model/model.h"
 
-#include <xxhash.h>
-
 #include <sys/mman.h>
 #include <unistd.h>
 
@@ -154,30 +152,6 @@ std::vector<std::byte> transpose_key_rows(const MatrixView& kv_b, int64_t heads,
   return out;
 }
 
-// `config_text`: config.json, or a GGUF's metadata as JSON.
-uint64_t hash_model(const std::string& config_text, const Checkpoint& checkpoint) {
-  XXH3_state_t* state = XXH3_createState();
-  XXH3_64bits_reset(state);
-  XXH3_64bits_update(state, config_text.data(), config_text.size());
-  // Names, dtypes, shapes and the first bytes of every tensor: two seeds of the same shape differ.
-  for (const auto& [name, tensor] : checkpoint.tensors()) {
-    XXH3_64bits_update(state, name.data(), name.size());
-    XXH3_64bits_update(state, tensor.dtype_name.data(), tensor.dtype_name.size());
-    XXH3_64bits_update(state, tensor.shape.data(), tensor.shape.size() * sizeof(int64_t));
-    XXH3_64bits_update(state, tensor.data, std::min<size_t>(tensor.bytes, 256));
-  }
-  const uint64_t digest = XXH3_64bits_digest(state);
-  XXH3_freeState(state);
-  return digest;
-}
-
-std::string read_text(const std::filesystem::path& path) {
-  std::ifstream file(path, std::ios::binary);
-  std::stringstream text;
-  text << file.rdbuf();
-  return text.str();
-}
-
 }  // namespace
 
 Expected<std::unique_ptr<Model>> Model::load(const std::filesystem::path& dir) {
@@ -189,37 +163,21 @@ Expected<std::unique_ptr<Model>> Model::load(const std::filesystem::path& dir) {
       model->config_ = ModelConfig::from_gguf(*model->gguf_);
       model->checkpoint_ = Checkpoint::from_gguf(*model->gguf_);
       model->load_weights(*arch::find_family(model->config_.model_type)->gguf_names);
-      model->model_id_ = hash_model(model->gguf_->metadata().dump(), model->checkpoint_);
+      model->model_id_ = model_id_of(model->gguf_->metadata().dump(), model->checkpoint_);
       return model;
     }
     model->config_ = ModelConfig::load(dir);
     model->checkpoint_ = Checkpoint::open(dir);
     model->load_weights(*arch::find_family(model->config_.model_type)->names);
-    model->model_id_ = hash_model(read_text(dir / "config.json"), model->checkpoint_);
+    std::ifstream config_file(dir / "config.json", std::ios::binary);
+    std::stringstream config_text;
+    config_text << config_file.rdbuf();
+    model->model_id_ = model_id_of(config_text.str(), model->checkpoint_);
     return model;
   } catch (const StatusError& e) {
     return e.error();
   } catch (const std::exception& e) {
     return Error{dir.string() + ": " + e.what()};
-  }
-}
-
-Expected<ModelInfo> load_model_info(const std::filesystem::path& path) {
-  try {
-    ModelInfo info;
-    if (std::filesystem::is_regular_file(path)) {
-      const GgufFile gguf = GgufFile::open(path);
-      info.config = ModelConfig::from_gguf(gguf);
-      info.model_id = hash_model(gguf.metadata().dump(), Checkpoint::from_gguf(gguf));
-      return info;
-    }
-    info.config = ModelConfig::load(path);
-    info.model_id = hash_model(read_text(path / "config.json"), Checkpoint::open(path));
-    return info;
-  } catch (const StatusError& e) {
-    return e.error();
-  } catch (const std::exception& e) {
-    return Error{path.string() + ": " + e.what()};
   }
 }
 

@@ -17,6 +17,7 @@
 #include "kernels/cpu/dtype.h"
 #include "model/config.h"
 #include "model/gguf.h"
+#include "model/model_info.h"
 #include "model/safetensors.h"
 #include "offload/expert_pool.h"
 #include "offload/expert_provider.h"
@@ -106,14 +107,5 @@ class Model {
   kernels::VectorView final_norm_;
   uint64_t model_id_ = 0;
 };
-
-// What a process that runs no forward pass needs of a model (the gateway): its config and its
-// id, without binding, converting or deriving any weight. The id is Model::load's for the same
-// path (peers compare it in the settings hash).
-struct ModelInfo {
-  ModelConfig config;
-  uint64_t model_id = 0;
-};
-Expected<ModelInfo> load_model_info(const std::filesystem::path& path);
 
 }  // namespace moeline::model

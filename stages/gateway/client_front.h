@@ -13,7 +13,7 @@
 #include <vector>
 #include <zmq.hpp>
 
-#include "model/model.h"
+#include "model/model_info.h"
 #include "model/sampling.h"
 #include "schemas/wire.h"
 #include "stages/gateway/request.h"

@@ -11,7 +11,7 @@
 #include <vector>
 #include <zmq.hpp>
 
-#include "model/model.h"
+#include "model/model_info.h"
 #include "schemas/wire.h"
 #include "stages/gateway/client_front.h"
 #include "stages/gateway/control.h"

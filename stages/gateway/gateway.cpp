@@ -11,7 +11,7 @@
 #include <unordered_map>
 
 #include "model/kv_cache.h"
-#include "model/model.h"
+#include "model/model_info.h"
 #include "model/model_text.h"
 #include "reuse/approximate.h"
 #include "reuse/policy.h"
