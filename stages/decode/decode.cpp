@@ -12,25 +12,11 @@
 #include "stages/common/worker.h"
 #include "stages/decode/decode_metrics.h"
 #include "stages/decode/decode_settings.h"
+#include "stages/decode/stream.h"
 #include "stages/runtime/dispatch.h"
 
 namespace moeline::stages::decode {
 namespace {
-
-using Clock = std::chrono::steady_clock;
-
-struct Stream {
-  uint64_t request_id = 0;
-  uint32_t attempt = 0;
-  std::vector<int32_t> prompt;
-  int32_t next_token = 0;
-  int64_t generated = 1;  // the first token came from prefill
-  model::SamplingParams sampling;
-  std::unique_ptr<model::Sequence> sequence;
-  std::unique_ptr<model::Sampler> sampler;
-  Clock::time_point joined, last_token;
-  wire::Message handoff;  // kept until admitted (its bulk frame holds the KV)
-};
 
 class DecodeStage {
  public:
@@ -183,62 +169,15 @@ class DecodeStage {
   // Queues the sequence to join the batch; false (and a JobFailed to the gateway) if it cannot.
   bool accept_stream(wire::Message& message) {
     const auto* done = message.as<wire::PrefillDone>();
-    const auto* layout = done->layout();
-    const size_t prompt = done->tokens() ? done->tokens()->size() : 0;
-    const size_t blocks = (prompt + model::kBlockTokens - 1) / model::kBlockTokens;
-    std::string problem;
-    if (auto bad = wire::check_bulk(done->frames(), message.bulk))
-      problem = *bad;
-    else if (!kv_layout_matches(layout, worker_.model->config(), blocks))
-      problem = "KV layout does not match this decode replica's cache";
-    else if (message.bulk.size() != 1 ||
-             message.bulk[0].size() != blocks * worker_.forward->kv_block_bytes())
-      problem = "KV frame has the wrong size";
-    else if (prompt == 0 || static_cast<int64_t>(prompt) >= context_)
-      problem = "a prompt of " + std::to_string(prompt) + " tokens does not fit the context of " +
-                std::to_string(context_);
-    else if (moeline::Status valid = from_wire(done->sampling()).validate(); !valid.ok())
-      problem = valid.error().message;
-    else if (done->first_token() < 0 || done->first_token() >= worker_.model->config().vocab_size)
-      problem = "first token " + std::to_string(done->first_token()) + " is outside the vocabulary";
-    if (!problem.empty()) {
-      job_failed(done->request_id(), done->attempt(), wire::ErrorCode::MalformedMessage, problem);
+    const uint64_t request_id = done->request_id();
+    const uint32_t attempt = done->attempt();
+    auto read = read_stream(message, worker_, context_);
+    if (auto* refused = std::get_if<StreamRefusal>(&read)) {
+      job_failed(request_id, attempt, refused->code, refused->text);
       return false;
     }
-
-    Stream stream;
-    stream.request_id = done->request_id();
-    stream.attempt = done->attempt();
-    stream.prompt.assign(done->tokens()->begin(), done->tokens()->end());
-    stream.next_token = done->first_token();
-    stream.sampling = from_wire(done->sampling());
-    stream.sequence = std::make_unique<model::Sequence>(
-        stream.request_id, worker_.model->model_id(),
-        model::namespace_id(done->cache_namespace() ? done->cache_namespace()->str() : ""));
-    stream.sampler = std::make_unique<model::Sampler>(stream.sampling);
-    stream.sampler->set_prompt(stream.prompt);
-    // The first token was drawn by prefill from the same generator.
-    stream.sampler->resume(std::span(&stream.next_token, 1));
-    stream.joined = Clock::now();
-    if (blocks_for(stream) > worker_.forward->blocks().capacity()) {
-      job_failed(stream.request_id, stream.attempt, wire::ErrorCode::Overloaded,
-                 "sequence needs more KV blocks than this decode replica has");
-      return false;
-    }
-    stream.handoff = std::move(message);
-    waiting_.push_back(std::move(stream));
+    waiting_.push_back(std::move(std::get<Stream>(read)));
     return true;
-  }
-
-  int64_t reserve_tokens(const Stream& stream) const {
-    // max_tokens is clamped before the sum: a request may ask for 2^63 - 1 tokens.
-    return std::min<int64_t>(static_cast<int64_t>(stream.prompt.size()) +
-                                 std::min<int64_t>(stream.sampling.max_tokens, context_),
-                             context_);
-  }
-  int32_t blocks_for(const Stream& stream) const {
-    return static_cast<int32_t>((reserve_tokens(stream) + model::kBlockTokens - 1) /
-                                model::kBlockTokens);
   }
 
   // FIFO admission: the head waits for room rather than being overtaken by smaller sequences, so
@@ -247,8 +186,8 @@ class DecodeStage {
     model::BlockPool& pool = worker_.forward->blocks();
     while (!waiting_.empty()) {
       Stream& stream = waiting_.front();
-      if (blocks_for(stream) > pool.free_blocks()) break;
-      stream.sequence->reserve(pool, reserve_tokens(stream));
+      if (blocks_for(stream, context_) > pool.free_blocks()) break;
+      stream.sequence->reserve(pool, reserve_tokens(stream, context_));
       const size_t blocks = (stream.prompt.size() + model::kBlockTokens - 1) / model::kBlockTokens;
       const moeline::Status imported = worker_.forward->import_kv(
           std::span(stream.sequence->block_table()).first(blocks), stream.handoff.bulk[0].data());
