@@ -5,7 +5,9 @@ with an 8k context) driven by 16 concurrent streams of 4096-token prompts, for e
 binary given, alternating rounds so that drift in the machine hits both alike.
 
 Per binary (median of the rounds): bytes through the gateway per request (sent and received on
-the gateway process's TCP connections, from `ss -ti`: whichever build), gateway CPU time per request
+the gateway process's TCP connections, from `ss -ti`: whichever build), and that less the idle
+stack's background traffic (heartbeats; its rate measured after the run with nothing in flight,
+times the run's length), gateway CPU time per request
 (/proc/PID/stat), TTFT p50 and p99 (the gateway's clock, from each request's timings) and output
 tokens per second. Then, for the last binary only (the first with --probe), the probe's load with
 1 and 2 probe replicas over 8 tenants: lookups and lookup time per replica.
@@ -62,6 +64,23 @@ def process_counters(pid):
     return {"bytes": total, "cpu_s": (int(fields[11]) + int(fields[12])) / ticks}
 
 
+def process_cpu_s(pid):
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+    except OSError:
+        return 0.0
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def cpu_by_kind(before, after, n):
+    kinds = {}
+    for name, start in before.items():
+        kind = name.rstrip("0123456789").rstrip("-_")
+        kinds[kind] = kinds.get(kind, 0.0) + (after.get(name, start) - start) / n
+    return {kind: round(seconds, 3) for kind, seconds in sorted(kinds.items())}
+
+
 def drive(client, requests, concurrency):
     """Keeps `concurrency` requests in flight; returns (ttft ms list, output tokens, seconds)."""
     pending = list(requests)
@@ -99,10 +118,20 @@ def one_round(args, name, binary, model, probes=1, tenants=1, requests=None):
                          "max_tokens": args.max_tokens, "ignore_eos": True,
                          "tenant": f"t{i % tenants}"} for i in range(n)]
             drive(client, requests_of(4), args.concurrency)  # warm-up
+            stages = {stage["name"]: stage["pid"] for stage in stack.state()["stages"]}
+            cpu_before = {name: process_cpu_s(pid) for name, pid in stages.items()}
             before = process_counters(gateway)
             n = requests or args.requests
             ttft, tokens, seconds = drive(client, requests_of(n), args.concurrency)
             after = process_counters(gateway)
+            cpu_after = {name: process_cpu_s(pid) for name, pid in stages.items()}
+            # The stack's own traffic with nothing to do (heartbeats both ways, every process,
+            # twice a second), measured for as long as --idle-seconds: what the loaded run carried
+            # of it grows with the run's length, not with the requests.
+            time.sleep(1)
+            idle_start = process_counters(gateway)
+            time.sleep(args.idle_seconds)
+            idle_end = process_counters(gateway)
         probe_rows = []
         for stage in stack.state()["stages"]:
             if stage["name"].startswith("probe"):
@@ -110,10 +139,17 @@ def one_round(args, name, binary, model, probes=1, tenants=1, requests=None):
                 lookups = metrics.get(("moeline_probe_lookups_total", frozenset()), 0)
                 busy = metrics.get(("moeline_probe_latency_seconds_sum", frozenset()), 0)
                 probe_rows.append((stage["name"], lookups, busy))
-    return {"bytes_per_request": (after["bytes"] - before["bytes"]) / n,
+    idle_rate = (idle_end["bytes"] - idle_start["bytes"]) / args.idle_seconds
+    total = (after["bytes"] - before["bytes"]) / n
+    background = idle_rate * seconds / n
+    return {"bytes_per_request": total, "background_bytes_per_request": background,
+            "request_bytes_per_request": total - background, "idle_bytes_per_s": idle_rate,
             "gateway_cpu_ms_per_request": 1000 * (after["cpu_s"] - before["cpu_s"]) / n,
             "ttft_p50_ms": percentile(ttft, 0.5), "ttft_p99_ms": percentile(ttft, 0.99),
-            "tokens_per_s": tokens / seconds, "probes": probe_rows}
+            "tokens_per_s": tokens / seconds, "probes": probe_rows,
+            # CPU seconds per request of each kind of process (replicas summed): where the
+            # machine's two cores went.
+            "cpu_s_per_request": cpu_by_kind(cpu_before, cpu_after, n)}
 
 
 def main():
@@ -128,6 +164,8 @@ def main():
     ap.add_argument("--max-tokens", type=int, default=16)
     ap.add_argument("--probe-requests", type=int, default=16,
                     help="requests of the probe table's runs")
+    ap.add_argument("--idle-seconds", type=float, default=20,
+                    help="how long the idle stack's background traffic is measured, per round")
     args = ap.parse_args()
     binaries = [tuple(b.split("=", 1)) for b in args.moeline]
     add_python_paths(args.python_build, os.path.join(ROOT, "sdk", "python"))
@@ -141,14 +179,23 @@ def main():
             print(json.dumps({name: results[name][-1]}), file=sys.stderr, flush=True)
 
     rows = [("bytes through the gateway per request", "bytes_per_request", "{:.0f}"),
+            ("of which the idle stack's background (rate x run time / requests)",
+             "background_bytes_per_request", "{:.0f}"),
+            ("bytes per request less the background", "request_bytes_per_request", "{:.0f}"),
             ("gateway CPU per request (ms)", "gateway_cpu_ms_per_request", "{:.2f}"),
             ("TTFT p50 (ms)", "ttft_p50_ms", "{:.0f}"), ("TTFT p99 (ms)", "ttft_p99_ms", "{:.0f}"),
             (f"output tokens/s at {args.concurrency} streams", "tokens_per_s", "{:.1f}")]
+    kinds = sorted({k for name, _ in binaries for x in results[name]
+                    for k in x["cpu_s_per_request"]})
+    for kind in kinds:
+        rows.append((f"CPU per request, {kind} (s)", ("cpu_s_per_request", kind), "{:.3f}"))
     print(f"| {args.prompt_tokens}-token prompts, {args.max_tokens} tokens each, median of "
           f"{args.rounds} rounds | " + " | ".join(name for name, _ in binaries) + " |")
     print("|" + " --- |" * (len(binaries) + 1))
     for label, key, fmt in rows:
-        cells = [fmt.format(statistics.median(x[key] for x in results[name]))
+        def value(x, key=key):
+            return x[key[0]].get(key[1], 0.0) if isinstance(key, tuple) else x[key]
+        cells = [fmt.format(statistics.median(value(x) for x in results[name]))
                  for name, _ in binaries]
         print(f"| {label} | " + " | ".join(cells) + " |")
 
