@@ -5,9 +5,7 @@
 
 #include <algorithm>
 #include <cstring>
-#include <fstream>
 #include <set>
-#include <sstream>
 
 #include "model/arch/arch.h"
 
@@ -169,10 +167,7 @@ Expected<std::unique_ptr<Model>> Model::load(const std::filesystem::path& dir) {
     model->config_ = ModelConfig::load(dir);
     model->checkpoint_ = Checkpoint::open(dir);
     model->load_weights(*arch::find_family(model->config_.model_type)->names);
-    std::ifstream config_file(dir / "config.json", std::ios::binary);
-    std::stringstream config_text;
-    config_text << config_file.rdbuf();
-    model->model_id_ = model_id_of(config_text.str(), model->checkpoint_);
+    model->model_id_ = model_id_of(dir, model->checkpoint_);
     return model;
   } catch (const StatusError& e) {
     return e.error();

@@ -35,6 +35,10 @@ uint64_t model_id_of(const std::string& config_text, const Checkpoint& checkpoin
   return digest;
 }
 
+uint64_t model_id_of(const std::filesystem::path& dir, const Checkpoint& checkpoint) {
+  return model_id_of(read_text(dir / "config.json"), checkpoint);
+}
+
 Expected<ModelInfo> load_model_info(const std::filesystem::path& path) {
   try {
     ModelInfo info;
@@ -45,7 +49,7 @@ Expected<ModelInfo> load_model_info(const std::filesystem::path& path) {
       return info;
     }
     info.config = ModelConfig::load(path);
-    info.model_id = model_id_of(read_text(path / "config.json"), Checkpoint::open(path));
+    info.model_id = model_id_of(path, Checkpoint::open(path));
     return info;
   } catch (const StatusError& e) {
     return e.error();

@@ -26,5 +26,7 @@ Expected<ModelInfo> load_model_info(const std::filesystem::path& path);
 // config (config.json's text, or a GGUF's metadata as JSON) and of every tensor's name, dtype,
 // shape and first bytes, so two seeds of the same shape differ. Model::load uses the same.
 uint64_t model_id_of(const std::string& config_text, const Checkpoint& checkpoint);
+// The same for a Hugging Face folder: its config.json's text and its checkpoint.
+uint64_t model_id_of(const std::filesystem::path& dir, const Checkpoint& checkpoint);
 
 }  // namespace moeline::model

@@ -214,12 +214,17 @@ bool Drain::expired() const {
   return until_ && std::chrono::steady_clock::now() >= *until_;
 }
 
-void hand_back(runtime::HubLink& link, uint64_t request_id, uint32_t attempt) {
-  flatbuffers::FlatBufferBuilder builder(128);
-  builder.Finish(wire::CreateJobFailed(builder, request_id, attempt, wire::ErrorCode::Draining,
-                                       builder.CreateString("the replica is draining")),
-                 wire::PrefillJobIdentifier());
+void send_job_failed(runtime::HubLink& link, uint64_t request_id, uint32_t attempt,
+                     wire::ErrorCode code, const std::string& text) {
+  flatbuffers::FlatBufferBuilder builder(128 + text.size());
+  builder.Finish(
+      wire::CreateJobFailed(builder, request_id, attempt, code, builder.CreateString(text)),
+      wire::PrefillJobIdentifier());
   link.send(wire::encode(wire::MessageType::JobFailed, builder));
+}
+
+void hand_back(runtime::HubLink& link, uint64_t request_id, uint32_t attempt) {
+  send_job_failed(link, request_id, attempt, wire::ErrorCode::Draining, "the replica is draining");
 }
 
 std::string default_model_dir() {

@@ -99,6 +99,9 @@ class Drain {
   std::optional<std::chrono::steady_clock::time_point> empty_since_;
   std::optional<std::chrono::steady_clock::time_point> until_;
 };
+// Tells the gateway a job failed (JobFailed with `code` and `text`).
+void send_job_failed(runtime::HubLink& link, uint64_t request_id, uint32_t attempt,
+                     wire::ErrorCode code, const std::string& text);
 // Gives a job back to the gateway, which sends it to another replica.
 void hand_back(runtime::HubLink& link, uint64_t request_id, uint32_t attempt);
 

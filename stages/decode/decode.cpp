@@ -126,11 +126,7 @@ class DecodeStage {
 
   void job_failed(uint64_t request_id, uint32_t attempt, wire::ErrorCode code,
                   const std::string& text) {
-    flatbuffers::FlatBufferBuilder builder(256);
-    builder.Finish(
-        wire::CreateJobFailed(builder, request_id, attempt, code, builder.CreateString(text)),
-        wire::PrefillJobIdentifier());
-    worker_.link->send(wire::encode(wire::MessageType::JobFailed, builder));
+    send_job_failed(*worker_.link, request_id, attempt, code, text);
     metrics_.outcome("failed").inc();
     worker_.service.log.warn("job_failed", {{"request_id", request_id}, {"reason", text}});
     worker_.link->grant(1);

@@ -43,11 +43,7 @@ bool JobResults::deliver(const Job& job, const PrefillResult& result,
 }
 
 void JobResults::fail(const Job& job, wire::ErrorCode code, const std::string& text) {
-  flatbuffers::FlatBufferBuilder builder(256);
-  builder.Finish(
-      wire::CreateJobFailed(builder, job.request_id, job.attempt, code, builder.CreateString(text)),
-      wire::PrefillJobIdentifier());
-  worker_.link->send(wire::encode(wire::MessageType::JobFailed, builder));
+  send_job_failed(*worker_.link, job.request_id, job.attempt, code, text);
   metrics_.outcome(Outcome::kFailed).inc();
   worker_.service.log.warn("job_failed", {{"request_id", job.request_id}, {"reason", text}});
 }

@@ -144,13 +144,8 @@ void PlanRouter::send_done(const wire::ProbeJob& job, bool sequence_goes_on,
   link_.send(build(false, nullptr));
   if (!peers_.send(text(decode->endpoint()), text(decode->server_key()),
                    build(true, decode->ticket()))) {
-    flatbuffers::FlatBufferBuilder builder(256);
-    builder.Finish(wire::CreateJobFailed(
-                       builder, job.request_id(), job.attempt(), wire::ErrorCode::StageFailed,
-                       builder.CreateString("decode replica " + text(decode->replica()) +
-                                            " did not take the hand-over")),
-                   wire::PrefillJobIdentifier());
-    link_.send(wire::encode(wire::MessageType::JobFailed, builder));
+    send_job_failed(link_, job.request_id(), job.attempt(), wire::ErrorCode::StageFailed,
+                    "decode replica " + text(decode->replica()) + " did not take the hand-over");
   }
 }
 
