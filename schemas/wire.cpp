@@ -221,6 +221,10 @@ Decoded decode(std::vector<zmq::message_t>&& frames, const Limits& limits) {
   const uint16_t minor = read_u16(h + 6);
   out.raw_type = read_u16(h + 8);
   const uint32_t body_bytes = read_u32(h + 12);
+  // The only flag (the bulk is in shared memory) is resolved by the intake that takes it, before
+  // this; any flag that reaches here is one this peer does not speak.
+  if (const uint16_t flags = read_u16(h + 10); flags != 0)
+    return fail("flags", "envelope flags " + std::to_string(flags) + " not understood here");
   if (major != kSchemaMajor)
     return fail("version", "schema major " + std::to_string(major) + " (this build speaks " +
                                std::to_string(kSchemaMajor) + "." + std::to_string(kSchemaMinor) +

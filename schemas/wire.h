@@ -5,8 +5,10 @@
 // that type, finished with its family's file identifier. Bulk frames (KV blocks) travel as their
 // own frames, never copied into the body, and are described (size, xxHash) by the body.
 //
-// The header, little-endian: "MOEL", u16 schema major, u16 minor, u16 message type, u16 flags (0),
-// u32 body length.
+// The header, little-endian: "MOEL", u16 schema major, u16 minor, u16 message type, u16 flags,
+// u32 body length. Flags are 0 but on a transfer to an intake of the same node whose bulk frames
+// went through shared memory (1.10, stages/runtime/shared_bulk.h), which that intake resolves
+// before decode(); decode() refuses any other.
 //
 // decode() checks everything before anyone reads a field of the body: frame count and sizes,
 // magic, schema major, a known type, and the FlatBuffers Verifier for exactly that type. Bulk
@@ -37,7 +39,7 @@ namespace moeline::wire {
 
 // Additive change bumps the minor, a break the major (peers of another major are refused).
 inline constexpr uint16_t kSchemaMajor = 1;
-inline constexpr uint16_t kSchemaMinor = 9;
+inline constexpr uint16_t kSchemaMinor = 10;
 inline constexpr char kMagic[4] = {'M', 'O', 'E', 'L'};
 
 // The values of GenerateRequest.reuse (client.fbs): "" is the tenant's exact levels. The gateway
@@ -60,7 +62,7 @@ struct Limits {
 
 // Why a message was refused; `reason` is the metric label, `detail` the log / error text.
 struct WireError {
-  std::string reason;  // truncated, bad_magic, version, unknown_type, oversized, malformed
+  std::string reason;  // truncated, bad_magic, flags, version, unknown_type, oversized, malformed
   std::string detail;
 };
 

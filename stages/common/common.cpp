@@ -164,7 +164,18 @@ std::vector<runtime::ConfigKey> intake_keys() {
            "hub; a free port on the address that reaches a tcp:// hub)"},
           {"intake-advertise", "",
            "the intake endpoint peers are told (default: the bound one; set it behind NAT or "
-           "port mapping)"}};
+           "port mapping)"},
+          {"shm-handover", "auto",
+           "bulk data to and from peers of this node through shared memory instead of the socket "
+           "(auto: /dev/shm/moeline-<uid>; off; or a folder; peers use it only when they share "
+           "it)"},
+          {"shm-handover-min-bytes", "65536",
+           "transfers with fewer bulk bytes cross the socket (cheaper for a few pages)"}};
+}
+
+runtime::SharedBulkSettings shared_bulk_settings(const runtime::Config& config) {
+  return runtime::shared_bulk_settings(config.text("shm-handover"),
+                                       config.integer("shm-handover-min-bytes"));
 }
 
 std::unique_ptr<runtime::Intake> open_intake(zmq::context_t& context, const runtime::Config& config,
@@ -179,6 +190,7 @@ std::unique_ptr<runtime::Intake> open_intake(zmq::context_t& context, const runt
   settings.replica = link.replica;
   settings.max_message_bytes = link.max_message_bytes;
   settings.curve_keys = link.curve_keys;
+  settings.shared_bulk = shared_bulk_settings(config);
   return std::make_unique<runtime::Intake>(context, settings, log, metrics, zap);
 }
 

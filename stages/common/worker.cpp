@@ -111,7 +111,9 @@ ComputeWorker::ComputeWorker(const runtime::Config& config, const char* stage, w
   });
   link_settings_ = link_settings(config, kind, service.log.replica(), *model, service.http_port());
   link = std::make_unique<runtime::HubLink>(context, link_settings_, service.log, service.metrics);
-  peers = std::make_unique<runtime::PeerSender>(context, link_settings_.curve_keys);
+  peers = std::make_unique<runtime::PeerSender>(context, link_settings_.curve_keys,
+                                                shared_bulk_settings(config), service.metrics,
+                                                service.log);
 }
 
 void ComputeWorker::open_intake(const runtime::Config& config) {
@@ -119,7 +121,7 @@ void ComputeWorker::open_intake(const runtime::Config& config) {
     zap = std::make_unique<runtime::ZapHandler>(context, service.log, service.metrics);
   intake = stages::open_intake(context, config, link_settings_, service.log.stage(), service.log,
                                service.metrics, zap.get());
-  link->set_intake(intake->endpoint(), intake->public_key());
+  link->set_intake(intake->endpoint(), intake->public_key(), intake->node());
 }
 
 ComputeWorker::~ComputeWorker() {
@@ -265,10 +267,10 @@ bool ComputeWorker::maintain() {
 void ComputeWorker::report_usage() {
   if (usage_route_) {
     auto report = usage->take(service.log.replica(), link->identity(), usage_route_->ticket);
-    if (peers->send(usage_route_->endpoint, usage_route_->server_key, std::move(report))) return;
+    if (peers->send(usage_route_->to, std::move(report))) return;
     // Unreachable (a restarted offload manager listens elsewhere): through the hub from now on,
     // where the gateway passes it on to whichever offload manager is there.
-    service.log.warn("usage_route_unreachable", {{"endpoint", usage_route_->endpoint}});
+    service.log.warn("usage_route_unreachable", {{"endpoint", usage_route_->to.endpoint}});
     usage_route_.reset();
     return;
   }
@@ -302,16 +304,15 @@ bool ComputeWorker::handle(const wire::Message& message, uint32_t free_credits) 
     usage_route_.reset();
     if (const wire::PeerRoute* route = plan->usage_route();
         route != nullptr && route->endpoint() != nullptr && route->ticket() != nullptr) {
-      usage_route_ = UsageRoute{route->endpoint()->str(),
-                                route->server_key() ? route->server_key()->str() : "",
+      usage_route_ = UsageRoute{runtime::PeerAddress::of(route),
                                 {route->ticket()->begin(), route->ticket()->end()}};
-      peers->prepare(usage_route_->endpoint, usage_route_->server_key);
+      peers->prepare(usage_route_->to);
     }
     service.log.info("expert_plan", {{"tier", plan->tier() ? plan->tier()->str() : ""},
                                      {"all_resident", plan->all_resident()},
                                      {"pool", experts->pool() ? experts->pool()->name() : ""},
                                      {"prefetch_depth", plan->prefetch_depth()},
-                                     {"usage_to", usage_route_ ? usage_route_->endpoint : "hub"},
+                                     {"usage_to", usage_route_ ? usage_route_->to.endpoint : "hub"},
                                      {"credits", free_credits}});
     link->grant(free_credits);
   }

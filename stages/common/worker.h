@@ -146,7 +146,7 @@ class ComputeWorker {
   bool plan_received_ = false;
   // Where usage reports go when the plan names the offload manager's intake (1.8; else the hub).
   struct UsageRoute {
-    std::string endpoint, server_key;
+    runtime::PeerAddress to;
     std::vector<uint8_t> ticket;
   };
   std::optional<UsageRoute> usage_route_;

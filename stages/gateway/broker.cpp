@@ -142,7 +142,8 @@ flatbuffers::Offset<wire::PeerRoute> Broker::route_to(flatbuffers::FlatBufferBui
   const runtime::Ticket ticket = runtime::handover_ticket(peer.handover_key, r.id, r.attempt);
   return wire::CreatePeerRoute(
       builder, builder.CreateString(peer.replica), builder.CreateString(peer.intake),
-      builder.CreateString(peer.intake_key), builder.CreateVector(ticket.data(), ticket.size()));
+      builder.CreateString(peer.intake_key), builder.CreateVector(ticket.data(), ticket.size()),
+      builder.CreateString(peer.intake_node));
 }
 
 void Broker::forward_to_offload(wire::Message& message) {

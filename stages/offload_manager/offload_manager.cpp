@@ -367,9 +367,9 @@ int offload_body(const runtime::Config& config) {
       [&](flatbuffers::FlatBufferBuilder& builder, const std::string& requester) {
         const runtime::Ticket ticket = runtime::reporter_ticket(usage_key, requester);
         const std::vector<uint8_t> ticket_bytes(ticket.begin(), ticket.end());
-        auto route = wire::CreatePeerRouteDirect(builder, service.log.replica().c_str(),
-                                                 intake->endpoint().c_str(),
-                                                 intake->public_key().c_str(), &ticket_bytes);
+        auto route = wire::CreatePeerRouteDirect(
+            builder, service.log.replica().c_str(), intake->endpoint().c_str(),
+            intake->public_key().c_str(), &ticket_bytes, intake->node().c_str());
         return wire::CreateExpertPlan(
             builder, model.model_id(), !pool, static_cast<uint32_t>(layers),
             static_cast<uint32_t>(experts), expert_bytes,

@@ -11,15 +11,17 @@
 #include "model/sampling.h"
 #include "schemas/vocabulary.h"
 #include "schemas/wire.h"
+#include "stages/runtime/intake.h"
 
 namespace moeline::stages::prefill {
 
 // Where a job's bulk data goes (from the job's PeerRoute): empty endpoint, no route.
 struct Route {
-  std::string replica, endpoint, server_key;
+  std::string replica;
+  runtime::PeerAddress to;
   std::vector<uint8_t> ticket;
   static Route from(const wire::PeerRoute* route);
-  bool empty() const { return endpoint.empty(); }
+  bool empty() const { return to.empty(); }
 };
 
 struct Job {

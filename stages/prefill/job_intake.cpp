@@ -11,8 +11,7 @@ Route Route::from(const wire::PeerRoute* route) {
   Route out;
   if (route == nullptr) return out;
   if (route->replica()) out.replica = route->replica()->str();
-  if (route->endpoint()) out.endpoint = route->endpoint()->str();
-  if (route->server_key()) out.server_key = route->server_key()->str();
+  out.to = runtime::PeerAddress::of(route);
   if (route->ticket()) out.ticket.assign(route->ticket()->begin(), route->ticket()->end());
   return out;
 }
@@ -38,8 +37,8 @@ Expected<Job> JobIntake::read(wire::Message& message) {
   job.store_levels = wire_job.store_levels();
   job.decode_route = Route::from(wire_job.decode_route());
   job.store_route = Route::from(wire_job.store_route());
-  worker_.peers->prepare(job.store_route.endpoint, job.store_route.server_key);
-  worker_.peers->prepare(job.decode_route.endpoint, job.decode_route.server_key);
+  worker_.peers->prepare(job.store_route.to);
+  worker_.peers->prepare(job.decode_route.to);
   job.reuse_level = wire::reuse_level_of(wire_job);
   if (job.reuse_level == wire::ReuseLevel::Blend) {
     accept_blend(wire_job, message, job);

@@ -32,13 +32,13 @@ bool JobResults::deliver(const Job& job, const PrefillResult& result,
     return true;
   }
   worker_.link->send(prefill_done(job, result, nullptr, nullptr));
-  if (worker_.peers->send(job.decode_route.endpoint, job.decode_route.server_key,
+  if (worker_.peers->send(job.decode_route.to,
                           prefill_done(job, result, exported, &job.decode_route.ticket)))
     return true;
   metrics_.handover_failures->inc();
   fail(job, wire::ErrorCode::StageFailed,
        "decode replica " + job.decode_route.replica + " did not take the hand-over at " +
-           job.decode_route.endpoint);
+           job.decode_route.to.endpoint);
   return false;
 }
 
@@ -167,8 +167,7 @@ void JobResults::put_snapshots(const Job& job, uint64_t sequence_id,
   // Straight to the probe that owns the namespace; a hub without routes (`moeline load`, an
   // older gateway) takes them itself. A put that cannot go is lost as cache, nothing more.
   if (!store.empty()) {
-    if (!worker_.peers->send(store.endpoint, store.server_key, std::move(put)))
-      metrics_.puts_dropped->inc();
+    if (!worker_.peers->send(store.to, std::move(put))) metrics_.puts_dropped->inc();
   } else if (job.decode_route.empty()) {
     worker_.link->send(std::move(put));
   }

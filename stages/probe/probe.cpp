@@ -87,8 +87,9 @@ class Probe {
     if (settings.curve_keys)
       zap_ = std::make_unique<runtime::ZapHandler>(context_, service_.log, registry_);
     intake_ = open_intake(context_, config, settings, "probe", service_.log, registry_, zap_.get());
-    link_->set_intake(intake_->endpoint(), intake_->public_key());
-    peers_ = std::make_unique<runtime::PeerSender>(context_, settings.curve_keys);
+    link_->set_intake(intake_->endpoint(), intake_->public_key(), intake_->node());
+    peers_ = std::make_unique<runtime::PeerSender>(
+        context_, settings.curve_keys, shared_bulk_settings(config), registry_, service_.log);
     router_ = std::make_unique<PlanRouter>(*link_, *peers_, *intake_);
     answers_ = std::make_unique<ProbeAnswers>(*model_, *router_, *link_, service_.log.replica(),
                                               approximate_->recompute_fraction());

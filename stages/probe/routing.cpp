@@ -21,7 +21,8 @@ flatbuffers::Offset<wire::PeerRoute> copy_route(flatbuffers::FlatBufferBuilder& 
       route->ticket() ? builder.CreateVector(route->ticket()->data(), route->ticket()->size()) : 0;
   return wire::CreatePeerRoute(builder, builder.CreateString(text(route->replica())),
                                builder.CreateString(text(route->endpoint())),
-                               builder.CreateString(text(route->server_key())), ticket);
+                               builder.CreateString(text(route->server_key())), ticket,
+                               builder.CreateString(text(route->node())));
 }
 
 }  // namespace
@@ -40,7 +41,7 @@ void PlanRouter::send_plan(const wire::ProbeJob& job, std::vector<zmq::message_t
     link_.send(decoded.message->release_frames());
     return;
   }
-  if (peers_.send(text(job.prefill_route()->endpoint()), text(job.prefill_route()->server_key()),
+  if (peers_.send(runtime::PeerAddress::of(job.prefill_route()),
                   prefill_job(job, *decoded.message))) {
     link_.send(notice(*p));
     return;
@@ -88,10 +89,10 @@ std::vector<zmq::message_t> PlanRouter::prefill_job(const wire::ProbeJob& job,
   flatbuffers::Offset<wire::PeerRoute> store = 0;
   if (const auto& key = link_.handover_key(); key && job.store_levels() != 0) {
     const runtime::Ticket ticket = runtime::handover_ticket(*key, job.request_id(), job.attempt());
-    store = wire::CreatePeerRoute(builder, builder.CreateString(""),
-                                  builder.CreateString(intake_.endpoint()),
-                                  builder.CreateString(intake_.public_key()),
-                                  builder.CreateVector(ticket.data(), ticket.size()));
+    store = wire::CreatePeerRoute(
+        builder, builder.CreateString(""), builder.CreateString(intake_.endpoint()),
+        builder.CreateString(intake_.public_key()),
+        builder.CreateVector(ticket.data(), ticket.size()), builder.CreateString(intake_.node()));
   }
   auto decode = copy_route(builder, job.decode_route());
   const auto* prefill_ticket = job.prefill_route()->ticket();
@@ -142,8 +143,7 @@ void PlanRouter::send_done(const wire::ProbeJob& job, bool sequence_goes_on,
   }
   // As prefill does: the gateway hears first, then the KV goes to the decode replica.
   link_.send(build(false, nullptr));
-  if (!peers_.send(text(decode->endpoint()), text(decode->server_key()),
-                   build(true, decode->ticket()))) {
+  if (!peers_.send(runtime::PeerAddress::of(decode), build(true, decode->ticket()))) {
     send_job_failed(link_, job.request_id(), job.attempt(), wire::ErrorCode::StageFailed,
                     "decode replica " + text(decode->replica()) + " did not take the hand-over");
   }

@@ -101,6 +101,7 @@ void Hub::on_hello(const std::string& identity, const std::string& key,
   peer.key = key;
   peer.intake = hello->intake() ? hello->intake()->str() : "";
   peer.intake_key = hello->intake_key() ? hello->intake_key()->str() : "";
+  peer.intake_node = hello->intake_node() ? hello->intake_node()->str() : "";
   peer.handover_key = handover_key;
   peer.last_seen = std::chrono::steady_clock::now();
   log_.info(peer.draining ? "peer_draining" : (known ? "peer_rehello" : "peer_joined"),

@@ -38,8 +38,9 @@ struct Peer {
   std::string key;           // the Curve key it connected with ("role:name"); empty without Curve
   bool draining = false;     // finishing what it holds; never picked for new work
   // Its intake (where peers send it bulk data directly; empty: none) and the key that signs the
-  // transfers the hub's owner arranges to it (given to the peer in the HelloReply).
-  std::string intake, intake_key;
+  // transfers the hub's owner arranges to it (given to the peer in the HelloReply), and its node
+  // token (senders of the same node hand bulk over through shared memory).
+  std::string intake, intake_key, intake_node;
   HandoverKey handover_key{};
 };
 

@@ -121,9 +121,33 @@ std::string intake_bind_endpoint(const std::string& setting, const std::string& 
   return "ipc://" + (std::filesystem::temp_directory_path() / ("moeline-" + file)).string();
 }
 
+PeerAddress PeerAddress::of(const wire::PeerRoute* route) {
+  if (route == nullptr) return {};
+  auto text = [](const flatbuffers::String* s) { return s != nullptr ? s->str() : std::string(); };
+  return {text(route->endpoint()), text(route->server_key()), text(route->node())};
+}
+
+namespace {
+std::unique_ptr<SharedBulk> open_shared_bulk(const SharedBulkSettings& settings, Registry& metrics,
+                                             Logger& log) {
+  if (!settings.enabled) return nullptr;
+  auto opened = SharedBulk::open(settings, metrics);
+  if (!opened) {
+    log.warn("shm_handover_unavailable",
+             {{"detail", opened.error().message}, {"effect", "bulk data crosses the socket"}});
+    return nullptr;
+  }
+  return std::move(*opened);
+}
+}  // namespace
+
 Intake::Intake(zmq::context_t& context, IntakeSettings settings, Logger& log, Registry& metrics,
                ZapHandler* zap)
-    : socket_(context, zmq::socket_type::router), log_(log), metrics_(metrics) {
+    : socket_(context, zmq::socket_type::router),
+      max_bulk_bytes_(settings.max_message_bytes > 0 ? settings.max_message_bytes
+                                                     : wire::Limits{}.max_bulk_bytes),
+      log_(log),
+      metrics_(metrics) {
   socket_.set(zmq::sockopt::linger, 0);
   socket_.set(zmq::sockopt::rcvhwm, 0);
   if (settings.max_message_bytes > 0)
@@ -155,10 +179,18 @@ Intake::Intake(zmq::context_t& context, IntakeSettings settings, Logger& log, Re
     log_.warn("open_endpoint",
               {{"endpoint", advertised_},
                {"detail", "intake on tcp:// without --curve-dir: bulk data travels unencrypted"}});
-  log_.info("intake_bound", {{"bind", bound_}, {"advertised", advertised_}});
+  shared_bulk_ = open_shared_bulk(settings.shared_bulk, metrics, log);
+  log_.info("intake_bound", {{"bind", bound_},
+                             {"advertised", advertised_},
+                             {"shm_folder", shared_bulk_ ? shared_bulk_->folder() : "off"}});
 }
 
 Intake::~Intake() = default;
+
+const std::string& Intake::node() const {
+  static const std::string none;
+  return shared_bulk_ ? shared_bulk_->node() : none;
+}
 
 std::optional<wire::Message> Intake::receive() {
   while (true) {
@@ -166,6 +198,17 @@ std::optional<wire::Message> Intake::receive() {
     if (!frames) return std::nullopt;
     if (frames->size() < 2) continue;
     frames->erase(frames->begin());  // the sender's routing identity: the ticket says who
+    if (has_shared_bulk_flag(*frames)) {
+      const Status restored =
+          shared_bulk_ ? shared_bulk_->import_frames(*frames, max_bulk_bytes_)
+                       : Status(Error{"shared-memory hand-over to an intake that offers none"});
+      if (!restored.ok()) {
+        report_rejected_frame(metrics_, log_, log_limit_, "intake",
+                              wire::WireError{"shared_bulk", restored.error().message});
+        continue;
+      }
+    }
+    if (shared_bulk_) shared_bulk_->sweep();
     wire::Decoded decoded = wire::decode(std::move(*frames));
     if (decoded.error) {
       report_rejected_frame(metrics_, log_, log_limit_, "intake", *decoded.error);
@@ -189,10 +232,12 @@ void Intake::refuse(wire::MessageType type, const char* reason) {
 }
 
 PeerSender::PeerSender(zmq::context_t& context, std::optional<CurveKeyPair> curve_keys,
+                       const SharedBulkSettings& shared_bulk, Registry& metrics, Logger& log,
                        size_t max_connections)
     : context_(context),
       curve_keys_(std::move(curve_keys)),
-      max_connections_(std::max<size_t>(1, max_connections)) {}
+      max_connections_(std::max<size_t>(1, max_connections)),
+      shared_bulk_(open_shared_bulk(shared_bulk, metrics, log)) {}
 
 PeerSender::~PeerSender() = default;
 
@@ -219,23 +264,28 @@ zmq::socket_t& PeerSender::connection(const std::string& endpoint, const std::st
   return connections_.front().socket;
 }
 
-void PeerSender::prepare(const std::string& endpoint, const std::string& server_key) {
-  if (endpoint.empty()) return;
+void PeerSender::prepare(const PeerAddress& to) {
+  if (to.endpoint.empty()) return;
   try {
-    connection(endpoint, server_key);
+    connection(to.endpoint, to.server_key);
   } catch (const std::exception&) {
     // A malformed route: its send fails and is reported there.
   }
 }
 
-bool PeerSender::send(const std::string& endpoint, const std::string& server_key,
-                      std::vector<zmq::message_t>&& frames) {
-  if (endpoint.empty()) return false;
+bool PeerSender::send(const PeerAddress& to, std::vector<zmq::message_t>&& frames) {
+  if (to.endpoint.empty()) return false;
+  const std::optional<std::string> shared =
+      shared_bulk_ ? shared_bulk_->export_frames(to.node, frames) : std::nullopt;
+  bool sent = false;
   try {
-    return wire::send(connection(endpoint, server_key), std::move(frames), nullptr, true);
+    sent = wire::send(connection(to.endpoint, to.server_key), std::move(frames), nullptr, true);
   } catch (const std::exception&) {
-    return false;  // a malformed endpoint or key in the route: the transfer fails, nothing else
+    // A malformed endpoint or key in the route: the transfer fails, nothing else.
   }
+  // A message ZeroMQ did not take is still ours (frames are moved only when sent): its file goes.
+  if (shared && !sent) shared_bulk_->discard(*shared);
+  return sent;
 }
 
 }  // namespace moeline::runtime

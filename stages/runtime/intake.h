@@ -12,6 +12,10 @@
 // the route), so the channel is encrypted and the receiver authenticated; without Curve an ipc://
 // intake is readable and writable by its owner alone, like the hub's socket.
 //
+// On one node the bulk frames of a transfer go through shared memory instead of the socket
+// (shared_bulk.h, --shm-handover): the intake announces its node token, and a sender whose token
+// is the same writes them to a file the intake maps.
+//
 // The endpoint (--intake-bind): "auto" derives it from the hub's: next to an ipc:// hub, a socket
 // file in the same folder; for a tcp:// hub, a free port on the address this host reaches the
 // hub from (what another host can reach too). --intake-advertise overrides what peers are told.
@@ -21,6 +25,7 @@
 #include <array>
 #include <cstdint>
 #include <list>
+#include <memory>
 #include <optional>
 #include <span>
 #include <string>
@@ -33,6 +38,7 @@
 #include "stages/runtime/log.h"
 #include "stages/runtime/metrics.h"
 #include "stages/runtime/security.h"
+#include "stages/runtime/shared_bulk.h"
 
 namespace moeline::runtime {
 
@@ -76,6 +82,14 @@ struct IntakeSettings {
   std::string stage, replica;
   size_t max_message_bytes = 0;            // 0: no limit
   std::optional<CurveKeyPair> curve_keys;  // with Curve: this stage's key pair
+  SharedBulkSettings shared_bulk;          // --shm-handover
+};
+
+// Where a transfer goes: a PeerRoute's endpoint, Curve key and node token.
+struct PeerAddress {
+  std::string endpoint, server_key, node;
+  static PeerAddress of(const wire::PeerRoute* route);
+  bool empty() const { return endpoint.empty(); }
 };
 
 class Intake {
@@ -91,6 +105,8 @@ class Intake {
   // What peers are told: the endpoint, and the Curve public key (empty without Curve).
   const std::string& endpoint() const { return advertised_; }
   const std::string& public_key() const { return public_key_; }
+  // The node token senders of this node use shared memory with (empty: sockets only).
+  const std::string& node() const;
   zmq::socket_t& socket() { return socket_; }
 
   // One waiting message (non-blocking); malformed frames are counted and dropped.
@@ -103,6 +119,8 @@ class Intake {
  private:
   zmq::socket_t socket_;
   std::string bound_, advertised_, public_key_;
+  size_t max_bulk_bytes_;
+  std::unique_ptr<SharedBulk> shared_bulk_;
   Logger& log_;
   Registry& metrics_;
   RateLimited log_limit_;
@@ -113,17 +131,18 @@ class Intake {
 // message (its queue is full, or it is unreachable and the queue has filled) it returns false.
 class PeerSender {
  public:
+  // With `shared_bulk` enabled, transfers to an intake of this node go through shared memory.
   PeerSender(zmq::context_t& context, std::optional<CurveKeyPair> curve_keys,
+             const SharedBulkSettings& shared_bulk, Registry& metrics, Logger& log,
              size_t max_connections = 16);
   ~PeerSender();
   PeerSender(const PeerSender&) = delete;
   PeerSender& operator=(const PeerSender&) = delete;
 
-  bool send(const std::string& endpoint, const std::string& server_key,
-            std::vector<zmq::message_t>&& frames);
+  bool send(const PeerAddress& to, std::vector<zmq::message_t>&& frames);
   // Connects ahead of the first send (the handshake then runs while the sender computes what it
   // will send), so that a transfer is not slower than the messages that follow it elsewhere.
-  void prepare(const std::string& endpoint, const std::string& server_key);
+  void prepare(const PeerAddress& to);
 
  private:
   struct Connection {
@@ -135,6 +154,7 @@ class PeerSender {
   zmq::context_t& context_;
   std::optional<CurveKeyPair> curve_keys_;
   size_t max_connections_;
+  std::unique_ptr<SharedBulk> shared_bulk_;
   std::list<Connection> connections_;  // most recently used first
 };
 

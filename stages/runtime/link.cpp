@@ -101,7 +101,8 @@ void HubLink::hello(uint32_t credits) {
           builder, settings_.stage, builder.CreateString(settings_.replica), wire::kSchemaMajor,
           wire::kSchemaMinor, builder.CreateString("moeline 0.1.0"), settings_.settings_hash,
           credits, static_cast<uint32_t>(::getpid()), settings_.http_port, draining_,
-          builder.CreateString(settings_.intake), builder.CreateString(settings_.intake_key)),
+          builder.CreateString(settings_.intake), builder.CreateString(settings_.intake_key),
+          builder.CreateString(settings_.intake_node)),
       wire::HelloIdentifier());
   wire::send(socket_, wire::encode(wire::MessageType::Hello, builder));
   reconnects_.inc();

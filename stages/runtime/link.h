@@ -39,7 +39,7 @@ struct LinkSettings {
   std::optional<CurveKeyPair> curve_keys;
   std::string curve_server_key;
   // Its intake, announced in the hello (see intake.h); empty: none.
-  std::string intake, intake_key;
+  std::string intake, intake_key, intake_node;
 };
 
 // One refused frame: counted by peer and reason in moeline_wire_rejected_frames_total and logged,
@@ -69,9 +69,10 @@ class HubLink {
   // The key the hub gave this process at its last accepted hello: tickets of transfers to its
   // intake are signed with it. Absent before the first accepted hello.
   const std::optional<std::array<uint8_t, 32>>& handover_key() const { return handover_key_; }
-  void set_intake(std::string endpoint, std::string public_key) {
+  void set_intake(std::string endpoint, std::string public_key, std::string node) {
     settings_.intake = std::move(endpoint);
     settings_.intake_key = std::move(public_key);
+    settings_.intake_node = std::move(node);
   }
   bool needs_hello() const { return needs_hello_; }
   bool accepted() const { return accepted_; }

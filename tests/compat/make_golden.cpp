@@ -22,6 +22,8 @@ using flatbuffers::FlatBufferBuilder;
 
 // 1.7: a Curve public key (Z85) and fixed byte strings (keys, tickets).
 constexpr const char* kGoldenKey = "rq:rM>}U?@Lns47E1%kR.o@n%FcmmsL/@{H8]yf7";
+// 1.10: a node token (stages/runtime/shared_bulk.h), in hellos and routes.
+constexpr const char* kGoldenNode = "0123456789abcdef0123456789abcdef";
 std::vector<uint8_t> golden_bytes(size_t n, uint8_t first) {
   std::vector<uint8_t> out(n);
   for (size_t i = 0; i < n; ++i) out[i] = static_cast<uint8_t>(first + i);
@@ -30,10 +32,10 @@ std::vector<uint8_t> golden_bytes(size_t n, uint8_t first) {
 
 std::vector<zmq::message_t> hello() {
   FlatBufferBuilder b;
-  // 1.7: the intake and its Curve key.
+  // 1.7: the intake and its Curve key; 1.10: its node token.
   b.Finish(wire::CreateHelloDirect(b, wire::StageKind::Prefill, "prefill-0", 1, 0, "golden-1.0",
                                    0x0123456789abcdefULL, 4, 4242, 9102, false,
-                                   "tcp://10.0.0.7:41234", kGoldenKey),
+                                   "tcp://10.0.0.7:41234", kGoldenKey, kGoldenNode),
            wire::HelloIdentifier());
   return wire::encode(wire::MessageType::Hello, b);
 }
@@ -138,9 +140,9 @@ std::vector<zmq::message_t> probe_job() {
   const std::vector<uint8_t> prefill_ticket = golden_bytes(32, 0x30);
   const std::vector<uint8_t> decode_ticket = golden_bytes(32, 0x10);
   const auto prefill_route = wire::CreatePeerRouteDirect(b, "prefill-0", "tcp://10.0.0.9:41100",
-                                                         kGoldenKey, &prefill_ticket);
+                                                         kGoldenKey, &prefill_ticket, kGoldenNode);
   const auto decode_route = wire::CreatePeerRouteDirect(b, "decode-1", "tcp://10.0.0.8:41000",
-                                                        kGoldenKey, &decode_ticket);
+                                                        kGoldenKey, &decode_ticket, kGoldenNode);
   b.Finish(wire::CreateProbeJobDirect(b, 555, 2, &tokens, "acme/ns", sampling, 5, prefill_route,
                                       decode_route, 3),
            wire::PrefillJobIdentifier());
@@ -183,9 +185,9 @@ std::vector<zmq::message_t> prefill_job() {
   const std::vector<uint8_t> store_ticket = golden_bytes(32, 0x20);
   const std::vector<uint8_t> prefill_ticket = golden_bytes(32, 0x30);
   const auto decode_route = wire::CreatePeerRouteDirect(b, "decode-1", "tcp://10.0.0.8:41000",
-                                                        kGoldenKey, &decode_ticket);
+                                                        kGoldenKey, &decode_ticket, kGoldenNode);
   const auto store_route = wire::CreatePeerRouteDirect(
-      b, "probe-0", "ipc:///run/moeline/probe-0.intake", "", &store_ticket);
+      b, "probe-0", "ipc:///run/moeline/probe-0.intake", "", &store_ticket, kGoldenNode);
   b.Finish(wire::CreatePrefillJobDirect(b, 555, 2, &tokens, sampling, "acme/ns", "prefix", 2,
                                         &frames, layout, 3, 0x0badc0ffee0ddf00ULL, &mask, 0.15f,
                                         true, decode_route, store_route, &prefill_ticket,
@@ -264,8 +266,8 @@ std::vector<zmq::message_t> expert_plan_request() {
 std::vector<zmq::message_t> expert_plan() {
   FlatBufferBuilder b;
   const std::vector<uint8_t> ticket = golden_bytes(32, 0x50);  // 1.8: the usage ticket
-  auto usage_route =
-      wire::CreatePeerRouteDirect(b, "offload", "tcp://10.0.0.7:41300", kGoldenKey, &ticket);
+  auto usage_route = wire::CreatePeerRouteDirect(b, "offload", "tcp://10.0.0.7:41300", kGoldenKey,
+                                                 &ticket, kGoldenNode);
   b.Finish(wire::CreateExpertPlanDirect(b, 0x1122334455667788ULL, false, 2, 8, uint64_t{1} << 20,
                                         "host_pool", "decode-1", "/moeline-pool-golden",
                                         uint64_t{1} << 19, 2, usage_route),

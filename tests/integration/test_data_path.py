@@ -8,7 +8,11 @@ Cases (--case, one per CTest entry):
                   decode replicas' accepted hand-overs), no snapshot put reaches the gateway, and
                   the bytes through the gateway per request stay under 64 KiB whatever the
                   prompt's length (only its token ids grow it, never its KV); the expert-usage
-                  reports go to the offload manager's intake, none through the gateway
+                  reports go to the offload manager's intake, none through the gateway; on
+                  one node the KV and the puts go through shared memory (--shm-handover, here a
+                  folder of the test's own), and no transfer's file is left behind
+  handover_socket the same with --shm-handover off: identical ids, every hand-over through the
+                  intakes' sockets, none through shared memory
   handover_lost   a decode replica that stops before the hand-overs sent to it arrive (SIGSTOP,
                   then kill -9), and one killed after it has taken hand-overs: every request
                   completes identical to the reference (the retry policy's give-up the only error
@@ -81,8 +85,14 @@ def handed_over(stack, decodes):
                for i in range(decodes))
 
 
-def case_handover(args):
+def shm_transfers(stack, names):
+    return sum(sample(stack, name, "moeline_shm_handover_total", direction="received")
+               for name in names)
+
+
+def case_handover(args, shared_memory=True):
     from moeline_client import Client
+    import shutil
     rng = random.Random(11)
     vocab = vocab_of(args.model)
     requests = workload(vocab, 24, seed=23)
@@ -90,14 +100,25 @@ def case_handover(args):
         request["reuse"] = "none"  # every request computed (a probe's full hit is another path)
     expected = references(args, requests)
     continuing = sum(1 for want in expected if len(want["ids"]) > 1)
-    run_dir = os.path.join(args.workdir, "handover")
-    with Stack(args.moeline, args.model, run_dir, decode=2) as stack:
+    run_dir = os.path.join(args.workdir, "handover" if shared_memory else "handover-socket")
+    shm_dir = os.path.join("/dev/shm" if os.path.isdir("/dev/shm") else args.workdir,
+                           f"moeline-test-{os.getpid()}")
+    shutil.rmtree(shm_dir, ignore_errors=True)
+    config = {"shm-handover": shm_dir if shared_memory else "off"}
+    with Stack(args.moeline, args.model, run_dir, decode=2, config=config) as stack:
         with Client(stack.endpoint, timeout=120) as client:
             results = run_concurrently(client, requests)
             compare(results, requests, expected)
             accepted = handed_over(stack, 2)
             check(accepted == continuing, f"{accepted} hand-overs accepted for {continuing} "
                   "requests that went on past their first token")
+            through_shm = shm_transfers(stack, ["decode-0", "decode-1"])
+            if shared_memory:
+                # Every KV of 64 KiB or more (the default --shm-handover-min-bytes) on this model.
+                check(through_shm >= 1, "no hand-over went through shared memory on one node")
+            else:
+                check(through_shm == 0, f"{through_shm} hand-overs through shared memory with "
+                      "--shm-handover off")
             check(sample(stack, "gateway", "moeline_gateway_stage_messages_refused_total",
                          reason="sent_to_the_gateway", type="SnapshotPut") == 0,
                   "prefill sent snapshot puts to the gateway")
@@ -114,6 +135,9 @@ def case_handover(args):
             client.generate(tokens=[rng.randrange(vocab) for _ in range(40)], max_tokens=2)
             wait_until(lambda: sample(stack, "probe", "moeline_probe_store_puts_total") >
                        puts_before, "the probe received no snapshot put from prefill")
+            if shared_memory:
+                check(shm_transfers(stack, ["probe"]) >= 1,
+                      "no snapshot put reached the probe through shared memory")
             # Bytes through the gateway for one request, a short prompt and one 30x longer.
             carried = {}
             for length in (16, 480):
@@ -130,9 +154,19 @@ def case_handover(args):
             grown = carried[480] - carried[16]
             check(grown < 2 * 4 * 464 + 1024, f"a 464-token longer prompt moved {grown:.0f} more "
                   "bytes through the gateway: its KV crossed it")
-    print(f"ok handover: {len(requests)} requests identical to the reference, {int(accepted)} handed "
-          f"over directly to 2 decode replicas, bytes through the gateway per request "
-          f"{carried[16]:.0f} (16-token prompt) and {carried[480]:.0f} (480 tokens)")
+            through_shm = shm_transfers(stack, ["decode-0", "decode-1", "probe"])
+    if shared_memory:
+        left = os.listdir(shm_dir)
+        shutil.rmtree(shm_dir, ignore_errors=True)
+        check(not left, f"transfer files left behind in the shared-memory folder: {left}")
+    print(f"ok handover{'' if shared_memory else '_socket'}: {len(requests)} requests identical to "
+          f"the reference, {int(accepted)} handed over directly to 2 decode replicas, "
+          f"{int(through_shm)} transfers through shared memory, bytes through the gateway per "
+          f"request {carried[16]:.0f} (16-token prompt) and {carried[480]:.0f} (480 tokens)")
+
+
+def case_handover_socket(args):
+    case_handover(args, shared_memory=False)
 
 
 def run_while_stopped(stack, client, requests, name):
@@ -418,7 +452,7 @@ def case_probe_lost(args):
           f"identical to the reference, {given_up} gave up, {int(moved)} moved to probe-0")
 
 
-CASES = {"handover": case_handover, "handover_lost": case_handover_lost, "forged": case_forged,
+CASES = {"handover": case_handover, "handover_socket": case_handover_socket, "handover_lost": case_handover_lost, "forged": case_forged,
          "trace": case_trace, "probe_shards": case_probe_shards, "probe_lost": case_probe_lost}
 
 

@@ -646,11 +646,40 @@ std::map<std::string, Expectation> v1_9() {
   return e;
 }
 
+// 1.10: the node token of an intake (Hello.intake_node) and of a route (PeerRoute.node): bulk
+// through shared memory between processes of one node.
+std::map<std::string, Expectation> v1_10() {
+  std::map<std::string, Expectation> e = v1_9();
+  for (auto& [stem, expectation] : e) expectation.minor = 10;
+  const std::string node = "0123456789abcdef0123456789abcdef";
+  auto also = [&e](const std::string& stem, std::function<void(const Message&)> more) {
+    auto before = e.at(stem).check;
+    e.at(stem).check = [before, more](const Message& m) {
+      before(m);
+      more(m);
+    };
+  };
+  also("Hello", [node](const Message& m) { EXPECT_EQ(str(m.as<Hello>()->intake_node()), node); });
+  also("ProbeJob", [node](const Message& m) {
+    EXPECT_EQ(str(m.as<ProbeJob>()->prefill_route()->node()), node);
+    EXPECT_EQ(str(m.as<ProbeJob>()->decode_route()->node()), node);
+  });
+  also("PrefillJob", [node](const Message& m) {
+    EXPECT_EQ(str(m.as<PrefillJob>()->decode_route()->node()), node);
+    EXPECT_EQ(str(m.as<PrefillJob>()->store_route()->node()), node);
+  });
+  also("ExpertPlan", [node](const Message& m) {
+    EXPECT_EQ(str(m.as<ExpertPlan>()->usage_route()->node()), node);
+  });
+  return e;
+}
+
 // Every released version: directory name -> file stem -> expectation.
 const std::map<std::string, std::map<std::string, Expectation>>& released() {
   static const std::map<std::string, std::map<std::string, Expectation>> versions = {
-      {"v1.0", v1_0()}, {"v1.1", v1_1()}, {"v1.2", v1_2()}, {"v1.3", v1_3()}, {"v1.4", v1_4()},
-      {"v1.5", v1_5()}, {"v1.6", v1_6()}, {"v1.7", v1_7()}, {"v1.8", v1_8()}, {"v1.9", v1_9()}};
+      {"v1.0", v1_0()}, {"v1.1", v1_1()}, {"v1.2", v1_2()},  {"v1.3", v1_3()},
+      {"v1.4", v1_4()}, {"v1.5", v1_5()}, {"v1.6", v1_6()},  {"v1.7", v1_7()},
+      {"v1.8", v1_8()}, {"v1.9", v1_9()}, {"v1.10", v1_10()}};
   return versions;
 }
 
@@ -742,7 +771,7 @@ TEST(WireCompat, Version1_0CoversEveryMessageTypeOfThatVersion) {
 // What the typed fields replace reads the same through wire/vocabulary.h from the strings of every
 // version before 1.9 (no typed field in those files) and from the typed fields of 1.9.
 TEST(WireCompat, TheStringsOfOlderVersionsReadAsTheTypedValues) {
-  for (const std::string version : {"v1.2", "v1.8", "v1.9"}) {
+  for (const std::string version : {"v1.2", "v1.8", "v1.9", "v1.10"}) {
     SCOPED_TRACE(version);
     auto read = [&](const std::string& stem) {
       auto frames = read_frames(kCompatDir / version / (stem + ".bin"));
@@ -752,7 +781,7 @@ TEST(WireCompat, TheStringsOfOlderVersionsReadAsTheTypedValues) {
           << stem << ": " << (decoded.error ? decoded.error->detail : "");
       return std::move(*decoded.message);
     };
-    const bool typed = version == "v1.9";
+    const bool typed = version == "v1.9" || version == "v1.10";
     const Message event = read("StreamEvent");
     const StreamEvent* e = event.as<StreamEvent>();
     EXPECT_EQ(e->finish().has_value(), typed);

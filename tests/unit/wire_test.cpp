@@ -439,6 +439,16 @@ TEST(WireDecode, HeaderOfTheWrongSizeIsTruncated) {
   }
 }
 
+// The shared-memory flag is resolved by the intake that offers it (stages/runtime/shared_bulk.h);
+// a flag anywhere else is one this peer does not speak, never a header to read past.
+TEST(WireDecode, EnvelopeFlagsAreRefused) {
+  for (const uint16_t flags : {uint16_t{1}, uint16_t{0x8000}}) {
+    std::vector<zmq::message_t> frames = make_hello();
+    std::memcpy(static_cast<uint8_t*>(frames[0].data()) + 10, &flags, 2);
+    refused(std::move(frames), "flags");
+  }
+}
+
 TEST(WireDecode, BadMagic) {
   std::vector<zmq::message_t> frames = make_hello();
   static_cast<uint8_t*>(frames[0].data())[0] = 'X';
