@@ -169,13 +169,18 @@ std::vector<runtime::ConfigKey> intake_keys() {
            "bulk data to and from peers of this node through shared memory instead of the socket "
            "(auto: /dev/shm/moeline-<uid>; off; or a folder; peers use it only when they share "
            "it)"},
-          {"shm-handover-min-bytes", "65536",
-           "transfers with fewer bulk bytes cross the socket (cheaper for a few pages)"}};
+          {"shm-handover-min-bytes", "4096",
+           "transfers with fewer bulk bytes cross the socket (cheaper for a few pages)"},
+          {"shm-handover-arena-bytes", "268435456",
+           "this process's shared-memory arena for transfers it sends (address space; pages stay "
+           "once the transfers in flight at once have touched them); larger ones cross the "
+           "socket"}};
 }
 
 runtime::SharedBulkSettings shared_bulk_settings(const runtime::Config& config) {
   return runtime::shared_bulk_settings(config.text("shm-handover"),
-                                       config.integer("shm-handover-min-bytes"));
+                                       config.integer("shm-handover-min-bytes"),
+                                       config.integer("shm-handover-arena-bytes"));
 }
 
 std::unique_ptr<runtime::Intake> open_intake(zmq::context_t& context, const runtime::Config& config,

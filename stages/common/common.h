@@ -59,7 +59,7 @@ runtime::LinkSettings link_settings(const runtime::Config& config, wire::StageKi
                                     uint16_t http_port);
 // The keys of a stage with an intake (decode, probe): --intake-bind, --intake-advertise.
 std::vector<runtime::ConfigKey> intake_keys();
-// --shm-handover and --shm-handover-min-bytes (part of intake_keys()).
+// --shm-handover, --shm-handover-min-bytes and -arena-bytes (part of intake_keys()).
 runtime::SharedBulkSettings shared_bulk_settings(const runtime::Config& config);
 // The intake of a stage (see stages/runtime/intake.h), bound next to the link's hub with the
 // link's Curve keys; `zap` is the process's ZAP handler (needed with Curve).

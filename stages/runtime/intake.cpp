@@ -275,7 +275,7 @@ void PeerSender::prepare(const PeerAddress& to) {
 
 bool PeerSender::send(const PeerAddress& to, std::vector<zmq::message_t>&& frames) {
   if (to.endpoint.empty()) return false;
-  const std::optional<std::string> shared =
+  const std::optional<uint32_t> shared =
       shared_bulk_ ? shared_bulk_->export_frames(to.node, frames) : std::nullopt;
   bool sent = false;
   try {

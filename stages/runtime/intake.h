@@ -14,7 +14,7 @@
 //
 // On one node the bulk frames of a transfer go through shared memory instead of the socket
 // (shared_bulk.h, --shm-handover): the intake announces its node token, and a sender whose token
-// is the same writes them to a file the intake maps.
+// is the same copies them into its shared-memory arena, and the intake copies them out.
 //
 // The endpoint (--intake-bind): "auto" derives it from the hub's: next to an ipc:// hub, a socket
 // file in the same folder; for a tcp:// hub, a free port on the address this host reaches the

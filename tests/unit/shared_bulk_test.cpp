@@ -1,7 +1,8 @@
 // Bulk frames through shared memory on one node (stages/runtime/shared_bulk.h): a transfer arrives
-// whole and aligned and leaves nothing behind; a sender of another node, a small transfer or a
-// full folder keeps to the socket; and a reference that does not hold (a name outside the
-// folder, a link, a wrong size, a count that overflows) is refused without the intake stopping.
+// whole, once, and its space is reused; a sender of another node, a small transfer or one without
+// room keeps to the socket; a reference that does not hold (a name outside the folder, a link, a
+// slot, generation, offset or count that is not the transfer's) is refused without the intake
+// stopping; stale slots and the arenas of dead senders are reclaimed.
 #include <fcntl.h>
 #include <gtest/gtest.h>
 #include <sys/stat.h>
@@ -67,10 +68,23 @@ class SharedBulkTest : public ::testing::Test {
     if (!direction.empty()) labels = {{"direction", direction}};
     return metrics_.counter(name, "", labels).value();
   }
-  // The name in a reference frame, as a file of the folder.
-  std::string file_named_by(const zmq::message_t& reference) const {
-    return (folder_ / (std::string(static_cast<const char*>(reference.data()) + 8, 32) + ".bulk"))
-        .string();
+  // The arena a reference frame names, as a file of the folder.
+  std::string arena_named_by(const zmq::message_t& reference) const {
+    const char* name = static_cast<const char*>(reference.data()) + 8;
+    return (folder_ / std::string(name, strnlen(name, 64))).string();
+  }
+  // A copy of `frames` whose reference frame has `n` bytes at `at` replaced.
+  static std::vector<zmq::message_t> patched(const std::vector<zmq::message_t>& frames, size_t at,
+                                             const void* bytes, size_t n) {
+    std::vector<zmq::message_t> copy;
+    for (const auto& f : frames) copy.emplace_back(f.data(), f.size());
+    std::memcpy(static_cast<uint8_t*>(copy[2].data()) + at, bytes, n);
+    return copy;
+  }
+  static std::vector<zmq::message_t> copied(const std::vector<zmq::message_t>& frames) {
+    std::vector<zmq::message_t> copy;
+    for (const auto& f : frames) copy.emplace_back(f.data(), f.size());
+    return copy;
   }
 
   fs::path folder_;
@@ -78,7 +92,12 @@ class SharedBulkTest : public ::testing::Test {
   runtime::Registry metrics_;
 };
 
-TEST_F(SharedBulkTest, ATransferArrivesWholeAlignedAndLeavesNothingBehind) {
+// Reference frame layout (shared_bulk.cpp): magic 8, name 64, slot 4, reserved 4, generation 8,
+// offset 8, count 8, then the sizes.
+constexpr size_t kNameAt = 8, kSlotAt = 72, kGenerationAt = 80, kOffsetAt = 88, kCountAt = 96,
+                 kSizesAt = 104;
+
+TEST_F(SharedBulkTest, ATransferArrivesWholeAndItsSpaceIsReused) {
   auto sender = open();
   auto receiver = open();
   ASSERT_TRUE(sender && receiver);
@@ -88,119 +107,137 @@ TEST_F(SharedBulkTest, ATransferArrivesWholeAlignedAndLeavesNothingBehind) {
 
   std::vector<zmq::message_t> frames = message({100000, 7, 70001, 0});
   const std::vector<std::string> original = bytes_of(frames);
-  const auto name = sender->export_frames(receiver->node(), frames);
-  ASSERT_TRUE(name);
+  ASSERT_TRUE(sender->export_frames(receiver->node(), frames));
   ASSERT_EQ(frames.size(), 3u);  // header (flagged), body, the reference
   EXPECT_TRUE(runtime::has_shared_bulk_flag(frames));
-  EXPECT_EQ(files(), 1u);
-  EXPECT_EQ(fs::status(folder_ / *name).permissions() & fs::perms::all,
+  EXPECT_EQ(files(), 1u);  // the sender's arena
+  const std::string arena = arena_named_by(frames[2]);
+  EXPECT_EQ(fs::status(arena).permissions() & fs::perms::all,
             fs::perms::owner_read | fs::perms::owner_write);
+  const size_t first = sender->arena_in_use();
+  EXPECT_GE(first, 170008u);
 
+  std::vector<zmq::message_t> replay = copied(frames);
   ASSERT_TRUE(receiver->import_frames(frames, size_t{1} << 30).ok());
-  EXPECT_EQ(files(), 0u) << "the receiver unlinks the file as soon as it has it";
   EXPECT_FALSE(runtime::has_shared_bulk_flag(frames));
   EXPECT_EQ(bytes_of(frames), original);
   for (size_t i = 2; i < frames.size(); ++i) {
     if (frames[i].size() == 0) continue;
-    EXPECT_EQ(reinterpret_cast<uintptr_t>(frames[i].data()) % 64, 0u) << "frame " << i;
+    EXPECT_EQ(reinterpret_cast<uintptr_t>(frames[i].data()) % 8, 0u) << "frame " << i;
   }
   // What the receiver hands on is an ordinary message again.
   wire::Decoded decoded = wire::decode(std::move(frames));
   ASSERT_TRUE(decoded.message) << decoded.error->detail;
   EXPECT_EQ(decoded.message->bulk.size(), 4u);
-  EXPECT_EQ(counter("moeline_shm_handover_total", "sent"), 1);
-  EXPECT_EQ(counter("moeline_shm_handover_total", "received"), 1);
-  EXPECT_EQ(counter("moeline_shm_handover_bytes_total", "received"), 170008);
+  // Taken once only.
+  EXPECT_EQ(receiver->import_frames(replay, size_t{1} << 30).code(), StatusCode::kNotFound);
+
+  // The slot the receiver marked done is the sender's again: the next transfer takes its place.
+  std::vector<zmq::message_t> next = message({100000});
+  ASSERT_TRUE(sender->export_frames(receiver->node(), next));
+  EXPECT_LT(sender->arena_in_use(), first);
+  EXPECT_EQ(receiver->import_frames(next, size_t{1} << 30).code(), StatusCode::kOk);
+  EXPECT_EQ(counter("moeline_shm_handover_total", "sent"), 2);
+  EXPECT_EQ(counter("moeline_shm_handover_total", "received"), 2);
+  EXPECT_EQ(counter("moeline_shm_handover_bytes_total", "received"), 270008);
+  // A sender that closes with nothing in flight takes its arena with it.
+  sender.reset();
+  EXPECT_EQ(files(), 0u);
 }
 
-TEST_F(SharedBulkTest, OtherNodesSmallTransfersAndAFullFolderKeepToTheSocket) {
+TEST_F(SharedBulkTest, OtherNodesSmallTransfersAndNoRoomKeepToTheSocket) {
+  settings_.arena_bytes = 256 << 10;
   auto sender = open();
   ASSERT_TRUE(sender);
-  std::vector<zmq::message_t> frames = message({100000});
+  std::vector<zmq::message_t> frames = message({200000});
   const std::vector<std::string> original = bytes_of(frames);
   EXPECT_FALSE(sender->export_frames("", frames));
   EXPECT_FALSE(sender->export_frames(std::string(32, '0'), frames));
   std::vector<zmq::message_t> small = message({4095});
   EXPECT_FALSE(sender->export_frames(sender->node(), small));
   EXPECT_EQ(bytes_of(frames), original);
-  EXPECT_EQ(files(), 0u);
-
-  // The folder gone (as a full /dev/shm, the write fails): the frames stay as they were, counted.
-  fs::remove_all(folder_);
+  // One fits; a second while the first is unread does not (the arena is 256 KiB), nor one larger
+  // than the arena: they stay as they were, counted.
+  std::vector<zmq::message_t> first = message({200000});
+  ASSERT_TRUE(sender->export_frames(sender->node(), first));
   EXPECT_FALSE(sender->export_frames(sender->node(), frames));
+  std::vector<zmq::message_t> huge = message({300000});
+  EXPECT_FALSE(sender->export_frames(sender->node(), huge));
   EXPECT_EQ(bytes_of(frames), original);
-  EXPECT_EQ(counter("moeline_shm_handover_write_failures_total"), 1);
+  EXPECT_EQ(counter("moeline_shm_handover_no_room_total"), 2);
+  // Not sent after all: its space is free again.
+  sender->discard(0);
+  EXPECT_EQ(sender->arena_in_use(), 0u);
+  EXPECT_TRUE(sender->export_frames(sender->node(), frames));
+
+  // A folder that is gone before the first transfer: no arena, the socket.
+  auto late = open();
+  ASSERT_TRUE(late);
+  fs::remove_all(folder_);
+  std::vector<zmq::message_t> more = message({8192});
+  EXPECT_FALSE(late->export_frames(late->node(), more));
+  EXPECT_EQ(counter("moeline_shm_handover_no_room_total"), 3);
 }
 
 TEST_F(SharedBulkTest, AReferenceThatDoesNotHoldIsRefused) {
   auto sender = open();
   auto receiver = open();
   ASSERT_TRUE(sender && receiver);
-  auto exported = [&](std::vector<size_t> sizes) {
-    std::vector<zmq::message_t> frames = message(sizes);
-    EXPECT_TRUE(sender->export_frames(sender->node(), frames));
-    return frames;
+  std::vector<zmq::message_t> frames = message({8192});
+  ASSERT_TRUE(sender->export_frames(sender->node(), frames));
+  auto refused = [&](std::vector<zmq::message_t> bad) {
+    return !receiver->import_frames(bad, 1 << 20).ok();
   };
-  auto patched = [](std::vector<zmq::message_t>& frames, size_t at, const void* bytes, size_t n) {
-    zmq::message_t copy(frames[2].data(), frames[2].size());
-    std::memcpy(static_cast<uint8_t*>(copy.data()) + at, bytes, n);
-    frames[2] = std::move(copy);
-  };
+  char name[64] = "../../../../../../../../etc/passwd";
+  EXPECT_TRUE(refused(patched(frames, kNameAt, name, sizeof name)));
+  const uint32_t slot = 5000;
+  EXPECT_TRUE(refused(patched(frames, kSlotAt, &slot, 4)));
+  const uint64_t generation = 77, far = uint64_t{1} << 40, huge = ~uint64_t{0} / 4;
+  EXPECT_TRUE(refused(patched(frames, kGenerationAt, &generation, 8)));
+  EXPECT_TRUE(refused(patched(frames, kOffsetAt, &far, 8)));
+  EXPECT_TRUE(refused(patched(frames, kCountAt, &huge, 8)));
+  EXPECT_TRUE(refused(patched(frames, kSizesAt, &far, 8)));
+  EXPECT_EQ(receiver->import_frames(frames, 4096).code(), StatusCode::kResourceExhausted);
+  // None of that took the transfer: the reference itself still holds.
+  EXPECT_TRUE(receiver->import_frames(frames, 1 << 20).ok());
 
-  {  // A name that leaves the folder.
-    auto frames = exported({8192});
-    patched(frames, 8, "../../../../../../../../etc/passw", 32);
-    EXPECT_FALSE(receiver->import_frames(frames, 1 << 20).ok());
-  }
-  {  // A link in the folder, named as a transfer is, to a file elsewhere.
-    auto frames = exported({8192});
-    const std::string file = file_named_by(frames[2]);
-    const fs::path elsewhere = folder_.string() + "-elsewhere";
-    { std::ofstream(elsewhere) << std::string(8192, 'x'); }
-    fs::remove(file);
-    fs::create_symlink(elsewhere, file);
-    EXPECT_FALSE(receiver->import_frames(frames, 1 << 20).ok());
-    fs::remove(elsewhere);
-  }
-  {  // Sizes that do not match the file.
-    auto frames = exported({8192});
-    const uint64_t bigger = 8193;
-    patched(frames, 48, &bigger, 8);
-    EXPECT_FALSE(receiver->import_frames(frames, 1 << 20).ok());
-  }
-  {  // A count that overflows the frame, and bulk over the receiver's limit.
-    auto frames = exported({8192});
-    const uint64_t huge = ~uint64_t{0} / 4;
-    patched(frames, 40, &huge, 8);
-    EXPECT_FALSE(receiver->import_frames(frames, 1 << 20).ok());
-    auto big = exported({8192});
-    EXPECT_EQ(receiver->import_frames(big, 4096).code(), StatusCode::kResourceExhausted);
-  }
-  {  // A file already taken (a replay of the same reference).
-    auto frames = exported({8192});
-    std::vector<zmq::message_t> replay;
-    for (auto& f : frames) replay.emplace_back(f.data(), f.size());
-    EXPECT_TRUE(receiver->import_frames(frames, 1 << 20).ok());
-    EXPECT_EQ(receiver->import_frames(replay, 1 << 20).code(), StatusCode::kNotFound);
-  }
-  receiver->sweep(true);
+  // A link in the folder, named as an arena is, to a file elsewhere: never opened.
+  auto other_receiver = open();
+  std::vector<zmq::message_t> more = message({8192});
+  ASSERT_TRUE(sender->export_frames(sender->node(), more));
+  const fs::path arena = arena_named_by(more[2]);
+  const fs::path moved = folder_.string() + "-moved";
+  fs::rename(arena, moved);
+  fs::create_symlink(moved, arena);
+  EXPECT_FALSE(other_receiver->import_frames(more, 1 << 20).ok());
+  fs::remove(arena);
+  fs::remove(moved);
 }
 
-TEST_F(SharedBulkTest, ASweepRemovesOnlyTransfersNobodyTookForLong) {
-  settings_.stale_after = std::chrono::seconds(60);
+TEST_F(SharedBulkTest, AStaleSlotIsReclaimedAndItsLateReaderRefused) {
+  settings_.stale_after = std::chrono::seconds(0);
   auto sender = open();
-  ASSERT_TRUE(sender);
-  std::vector<zmq::message_t> stale = message({8192}), fresh = message({8192});
-  ASSERT_TRUE(sender->export_frames(sender->node(), stale));
-  ASSERT_TRUE(sender->export_frames(sender->node(), fresh));
-  const std::string stale_file = file_named_by(stale[2]);
-  const timespec old[2] = {{::time(nullptr) - 600, 0}, {::time(nullptr) - 600, 0}};
-  ASSERT_EQ(::utimensat(AT_FDCWD, stale_file.c_str(), old, 0), 0);
-  { std::ofstream(folder_ / "not-a-transfer") << "kept"; }
-  sender->sweep(true);
-  EXPECT_FALSE(fs::exists(stale_file));
-  EXPECT_TRUE(fs::exists(file_named_by(fresh[2])));
-  EXPECT_TRUE(fs::exists(folder_ / "not-a-transfer"));
+  auto receiver = open();
+  ASSERT_TRUE(sender && receiver);
+  std::vector<zmq::message_t> unread = message({8192});
+  ASSERT_TRUE(sender->export_frames(sender->node(), unread));
+  std::this_thread::sleep_for(std::chrono::milliseconds(5));
+  std::vector<zmq::message_t> next = message({8192});
+  ASSERT_TRUE(sender->export_frames(sender->node(), next));  // reclaims the unread one
+  EXPECT_EQ(receiver->import_frames(unread, 1 << 20).code(), StatusCode::kNotFound);
+  EXPECT_TRUE(receiver->import_frames(next, 1 << 20).ok());
+}
+
+TEST_F(SharedBulkTest, ASweepRemovesOnlyTheArenasOfSendersThatAreGone) {
+  auto receiver = open();
+  ASSERT_TRUE(receiver);
+  { std::ofstream(folder_ / "999999999-0123456789abcdef.arena") << "dead sender"; }
+  { std::ofstream(folder_ / "1-0123456789abcdef.arena") << "init lives"; }
+  { std::ofstream(folder_ / "not-an-arena") << "kept"; }
+  receiver->sweep(true);
+  EXPECT_FALSE(fs::exists(folder_ / "999999999-0123456789abcdef.arena"));
+  EXPECT_TRUE(fs::exists(folder_ / "1-0123456789abcdef.arena"));
+  EXPECT_TRUE(fs::exists(folder_ / "not-an-arena"));
   EXPECT_EQ(counter("moeline_shm_handover_swept_total"), 1);
 }
 
@@ -247,13 +284,13 @@ TEST_F(SharedBulkTest, ThroughAnIntakeAndAPeerSender) {
                         received->bulk[0].size()),
             original[2]);
   EXPECT_EQ(counter("moeline_shm_handover_total", "received"), 1);
-  EXPECT_EQ(files(), 0u);
 
   // A stranger's flagged message to an intake without shared memory, then a good one.
   auto flagged = message({8192});
   auto bulk = runtime::SharedBulk::open(settings_, metrics_);
   ASSERT_TRUE(bulk);
   ASSERT_TRUE((*bulk)->export_frames((*bulk)->node(), flagged));
+  EXPECT_EQ(files(), 2u);  // the sender's arena and this one
   zmq::socket_t stranger(context, zmq::socket_type::dealer);
   stranger.set(zmq::sockopt::linger, 0);
   stranger.connect(plain.endpoint());
