@@ -8,6 +8,7 @@
 //
 //   moeline_handover_bench [--sizes 4096,65536,262144,1048576,4194304,16777216]
 //                          [--modes tcp,tcp+curve,ipc,shm,shm+curve] [--bytes 268435456]
+//                          [--repeat 3]   (the run of median wall time is reported)
 #include <algorithm>
 #include <atomic>
 #include <chrono>
@@ -136,10 +137,12 @@ int main(int argc, char** argv) {
   std::map<std::string, std::string> flags = {
       {"--sizes", "4096,65536,262144,1048576,4194304,16777216"},
       {"--modes", "tcp,tcp+curve,ipc,shm,shm+curve"},
-      {"--bytes", "268435456"}};
+      {"--bytes", "268435456"},
+      {"--repeat", "3"}};
   for (int i = 1; i < argc; i += 2) {
     if (!flags.count(argv[i]) || i + 1 >= argc) {
-      std::cerr << "usage: moeline_handover_bench [--sizes N,...] [--modes M,...] [--bytes N]\n";
+      std::cerr << "usage: moeline_handover_bench [--sizes N,...] [--modes M,...] [--bytes N] "
+                   "[--repeat N]\n";
       return 2;
     }
     flags[argv[i]] = argv[i + 1];
@@ -152,7 +155,17 @@ int main(int argc, char** argv) {
   nlohmann::json results = nlohmann::json::array();
   for (const std::string& mode : parse_list<std::string>(flags["--modes"]))
     for (const size_t bytes : parse_list<size_t>(flags["--sizes"])) {
-      results.push_back(run(mode, bytes, std::stoull(flags["--bytes"]), folder));
+      // The median of --repeat runs (each with its own sockets and arena): a 2-core VM's
+      // neighbours move single runs by 2x.
+      std::vector<nlohmann::json> runs;
+      for (int r = 0; r < std::stoi(flags["--repeat"]); ++r)
+        runs.push_back(run(mode, bytes, std::stoull(flags["--bytes"]), folder));
+      std::sort(runs.begin(), runs.end(), [](const auto& a, const auto& b) {
+        return a["wall_us_per_transfer"].template get<double>() <
+               b["wall_us_per_transfer"].template get<double>();
+      });
+      results.push_back(runs[runs.size() / 2]);
+      results.back()["repeats"] = runs.size();
       std::cerr << results.back().dump() << "\n";
     }
   std::filesystem::remove_all(folder);

@@ -2,6 +2,7 @@
 #include "stages/probe/answers.h"
 #include "stages/probe/approximate_lookup.h"
 #include "stages/probe/probe_metrics.h"
+#include "stages/probe/probe_settings.h"
 #include "stages/probe/routing.h"
 #include "stages/probe/store_intake.h"
 #include "stages/probe/stored_kv.h"
@@ -53,43 +54,33 @@ class Probe {
     const model::ModelConfig& cfg = model_->config();
     block_bytes_ = model::KvCache::bytes_per_token(cfg) * model::kBlockTokens;
 
-    reuse::StoreOptions options;
-    options.ram_bytes = runtime::parse_bytes(config.text("store-ram-bytes"));
-    options.disk_bytes = runtime::parse_bytes(config.text("store-disk-bytes"));
-    options.disk_reserve_bytes = runtime::parse_bytes(config.text("store-disk-reserve"));
-    options.disk_path = config.text("store-path");
-    // One folder per replica where replicas share a volume (docker-compose --scale probe=N).
-    if (const size_t at = options.disk_path.find("{replica}"); at != std::string::npos)
-      options.disk_path.replace(at, 9, service_.log.replica());
-    const std::string policy = config.text("store-policy");
-    if (policy != "slru" && policy != "lru")
-      throw runtime::ConfigError("--store-policy must be slru or lru, got '" + policy + "'");
-    options.policy =
-        policy == "lru" ? reuse::EvictionPolicy::kLru : reuse::EvictionPolicy::kSegmentedLru;
+    const probe::ProbeSettings settings =
+        probe::ProbeSettings::from(config, service_.log.replica());
+    const reuse::StoreOptions& options = settings.store;
     store_ = open_store(options, "snapshots", registry_, service_.log);
     service_.log.info("store_opened",
                       {{"ram_bytes", options.ram_bytes},
                        {"disk_bytes", options.disk_bytes},
                        {"disk_path", options.disk_path.empty() ? "(none)" : options.disk_path},
                        {"disk_entries", store_->stats().disk_entries},
-                       {"policy", policy}});
+                       {"policy", settings.store_policy}});
 
     approximate_ = std::make_unique<ApproximateLookup>(config, *model_, *store_, options, metrics_,
                                                        registry_, service_.log);
 
     service_.start_http(config.text("http"), config.text("port-file"));
-    credits_ = static_cast<uint32_t>(config.integer("queue"));
+    credits_ = settings.queue_capacity;
     configure_io_threads(context_, config);
-    runtime::LinkSettings settings = link_settings(
+    const runtime::LinkSettings link = link_settings(
         config, wire::StageKind::Probe, service_.log.replica(), *model_, service_.http_port());
-    link_ = std::make_unique<runtime::HubLink>(context_, settings, service_.log, registry_);
+    link_ = std::make_unique<runtime::HubLink>(context_, link, service_.log, registry_);
     // Snapshot puts come from prefill straight to this intake (the gateway never relays them).
-    if (settings.curve_keys)
+    if (link.curve_keys)
       zap_ = std::make_unique<runtime::ZapHandler>(context_, service_.log, registry_);
-    intake_ = open_intake(context_, config, settings, "probe", service_.log, registry_, zap_.get());
+    intake_ = open_intake(context_, config, link, "probe", service_.log, registry_, zap_.get());
     link_->set_intake(intake_->endpoint(), intake_->public_key(), intake_->node());
     peers_ = std::make_unique<runtime::PeerSender>(
-        context_, settings.curve_keys, shared_bulk_settings(config), registry_, service_.log);
+        context_, link.curve_keys, shared_bulk_settings(config), registry_, service_.log);
     router_ = std::make_unique<PlanRouter>(*link_, *peers_, *intake_);
     answers_ = std::make_unique<ProbeAnswers>(*model_, *router_, *link_, service_.log.replica(),
                                               approximate_->recompute_fraction());
@@ -277,45 +268,6 @@ class Probe {
   uint64_t spill_failures_logged_ = 0;
 };
 
-std::vector<runtime::ConfigKey> probe_keys() {
-  std::vector<runtime::ConfigKey> keys = worker_keys();
-  for (const runtime::ConfigKey& key : intake_keys()) keys.push_back(key);
-  keys.push_back({"queue", "64", "jobs this probe accepts at once (its credit)"});
-  keys.push_back({"store-ram-bytes", "256MiB", "RAM tier budget of the snapshot store"});
-  keys.push_back({"store-disk-bytes", "4GiB", "disk tier budget (RocksDB)"});
-  keys.push_back({"store-disk-reserve", "64MiB",
-                  "free space the disk tier leaves on its file system: below it nothing spills, "
-                  "and a store is opened without its disk tier"});
-  keys.push_back({"store-path", "",
-                  "disk tier folder (empty: no disk tier); {replica} becomes the replica's name "
-                  "(one folder each where probes share a volume)"});
-  keys.push_back(
-      {"store-policy", "slru", "RAM eviction: slru (segmented LRU, scan-resistant) or lru"});
-  for (const runtime::ConfigKey& key : signature_keys()) keys.push_back(key);
-  keys.push_back(
-      {"signature-max-tokens", "4096",
-       "longest prompt a lookup computes a signature for (longer: no approximate reuse)"});
-  keys.push_back({"signature-store-bytes", "64MiB",
-                  "RAM budget of the signature records (disk: store-path/signatures)"});
-  keys.push_back({"index-m", "32", "HNSW M (links per node)"});
-  keys.push_back({"index-ef-construction", "200", "HNSW efConstruction"});
-  keys.push_back({"index-ef-search", "64", "HNSW efSearch"});
-  keys.push_back({"approximate-metric", "cosine",
-                  "signature similarity: cosine, euclidean (as 1 - distance / 2) or jaccard (over "
-                  "the chosen experts per layer)"});
-  keys.push_back({"approximate-threshold", "0.93",
-                  "candidates at signature similarity >= this (in --approximate-metric)"});
-  keys.push_back({"approximate-max-error", "0.01",
-                  "delta: serve a cell's candidates only while the upper 95% bound of its "
-                  "false-reuse rate is at most this"});
-  keys.push_back({"approximate-shadow-fraction", "0.05",
-                  "share of served approximate hits also computed in full and compared"});
-  keys.push_back({"approximate-bin-width", "0.01", "similarity bins of the decision rule's cells"});
-  keys.push_back({"approximate-recompute-fraction", "0.15",
-                  "blended reuse recomputes this share of the donor's tokens (most deviating)"});
-  return keys;
-}
-
 int probe_body(const runtime::Config& config) {
   return Probe(config).run();
 }
@@ -323,7 +275,7 @@ int probe_body(const runtime::Config& config) {
 }  // namespace
 
 int probe_main(int argc, char** argv) {
-  return run_stage("probe", probe_keys(), argc, argv, probe_body);
+  return run_stage("probe", probe::probe_keys(), argc, argv, probe_body);
 }
 
 }  // namespace moeline::stages
