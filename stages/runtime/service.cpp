@@ -65,6 +65,11 @@ int64_t StageService::now_ns() {
       .count();
 }
 
+bool StageService::alive() const {
+  const int64_t idle_ms = (now_ns() - last_tick_ns_.load(std::memory_order_relaxed)) / 1'000'000;
+  return !ticked_.load(std::memory_order_relaxed) || idle_ms <= watchdog_ms_;
+}
+
 bool StageService::healthy() const {
   const int64_t idle_ms = (now_ns() - last_tick_ns_.load(std::memory_order_relaxed)) / 1'000'000;
   return ready_.load() && idle_ms <= watchdog_ms_;
@@ -87,8 +92,7 @@ void StageService::start_http(const std::string& address, const std::string& por
   server_->Get("/metrics", [this](const httplib::Request&, httplib::Response& response) {
     response.set_content(metrics.render(), "text/plain; version=0.0.4; charset=utf-8");
   });
-  server_->Get("/healthz", [this, health_detail](const httplib::Request&,
-                                                 httplib::Response& response) {
+  auto readiness = [this, health_detail](const httplib::Request&, httplib::Response& response) {
     const int64_t idle_ms = (now_ns() - last_tick_ns_.load(std::memory_order_relaxed)) / 1'000'000;
     nlohmann::json body = {{"stage", log.stage()},
                            {"replica", log.replica()},
@@ -97,9 +101,23 @@ void StageService::start_http(const std::string& address, const std::string& por
                            {"pid", ::getpid()}};
     if (health_detail) body.update(health_detail());
     const bool ok = healthy();
-    body["status"] = ok ? "ok" : (ready_.load() ? "stalled" : "starting");
+    body["status"] = ok ? "ok" : (ready_.load() && !alive() ? "stalled" : "starting");
     response.status = ok ? 200 : 503;
     response.set_content(body.dump(), "application/json");
+  };
+  server_->Get("/readyz", readiness);
+  server_->Get("/healthz", readiness);
+  server_->Get("/livez", [this](const httplib::Request&, httplib::Response& response) {
+    const int64_t idle_ms = (now_ns() - last_tick_ns_.load(std::memory_order_relaxed)) / 1'000'000;
+    const bool ok = alive();
+    response.status = ok ? 200 : 503;
+    response.set_content(nlohmann::json{{"stage", log.stage()},
+                                        {"replica", log.replica()},
+                                        {"status", ok ? "alive" : "stalled"},
+                                        {"loop_idle_ms", ticked_.load() ? idle_ms : 0},
+                                        {"watchdog_ms", watchdog_ms_}}
+                             .dump(),
+                         "application/json");
   });
   int bound = port;
   if (port == 0) {

@@ -31,8 +31,12 @@ class StageService {
   StageService(const StageService&) = delete;
   StageService& operator=(const StageService&) = delete;
 
-  // Serves /metrics and /healthz on "host:port" (port 0: any free port; written to port_file when
-  // one is given). `health_detail` adds fields to the /healthz JSON; it runs on the HTTP thread.
+  // Serves /metrics, /livez, /readyz and /healthz on "host:port" (port 0: any free port; written
+  // to port_file when one is given). /livez: the stage loop is not wedged (200 until it has been
+  // idle past the watchdog; a stage still starting is alive), what an orchestrator restarts on.
+  // /readyz and /healthz (the same answer): ready for work (joined its hub, loop not wedged), what
+  // a load balancer routes on. `health_detail` adds fields to their JSON; it runs on the HTTP
+  // thread.
   // With a port file, a thread of its own also rewrites "<port_file>.alive" twice a second with
   // the loop's idle time: the supervisor's liveness check reads that file, so a port any local
   // user can fill with slow connections cannot get a healthy stage killed. The HTTP server
@@ -45,10 +49,15 @@ class StageService {
   // must not read them while they are destroyed.
   void stop_http();
 
-  void tick() { last_tick_ns_.store(now_ns(), std::memory_order_relaxed); }
+  void tick() {
+    last_tick_ns_.store(now_ns(), std::memory_order_relaxed);
+    ticked_.store(true, std::memory_order_relaxed);
+  }
   void set_watchdog_limit(std::chrono::milliseconds limit) { watchdog_ms_ = limit.count(); }
   void set_ready(bool ready) { ready_.store(ready); }
   bool healthy() const;
+  // The loop has not been idle past the watchdog (or has not started yet).
+  bool alive() const;
 
   // Runs one message handler so that nothing it throws reaches the stage loop: an exception is
   // a bug or input no check caught, never a reason to drop every other request this process
@@ -88,6 +97,7 @@ class StageService {
   std::atomic<bool> stopping_{false};
   uint16_t port_ = 0;
   std::atomic<int64_t> last_tick_ns_;
+  std::atomic<bool> ticked_{false};
   std::atomic<bool> ready_{false};
   int64_t watchdog_ms_ = 30000;
   RateLimited handler_error_log_;

@@ -16,7 +16,8 @@ Cases (--case, one per CTest entry):
   isolation the cross-tenant TTFT side channel (the benchmark's ROC AUC with fewer samples):
             another tenant cannot tell a cached prompt from a fresh one by its TTFT, and the
             same tenant can (the positive control: the measurement sees a cache hit)
-  metrics   every stage's /metrics parses as Prometheus text and carries what it must
+  metrics   every stage's /metrics parses as Prometheus text and carries what it must; its
+            /livez, /readyz and /healthz answer alive and ready
   cli       `moeline client generate` (--json and streaming), `moeline stack status|down`
   sampling  penalties, min-p and log-probabilities through prefill, decode and a full hit at
             the probe: ids and log-probabilities identical to `moeline run`
@@ -30,6 +31,7 @@ import signal
 import subprocess
 import sys
 import time
+import urllib.request
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
@@ -391,6 +393,13 @@ def case_metrics(args):
                 kv = {s.labels.get("state") for s in families[f"moeline_{stage}_kv_blocks"].samples}
                 check(kv == {"used", "free"}, f"{name}: kv_blocks states {kv}")
             print(f"ok metrics: {name} /metrics parses ({len(families)} families)")
+            # What an orchestrator probes: alive (restart otherwise) and ready (route to it).
+            for path, status in (("/livez", "alive"), ("/readyz", "ok"), ("/healthz", "ok")):
+                url = f"http://127.0.0.1:{stack.http_port(name)}{path}"
+                with urllib.request.urlopen(url, timeout=5) as response:
+                    body = json.loads(response.read())
+                    check(response.status == 200 and body.get("status") == status,
+                          f"{name}{path}: {response.status} {body}")
         check(stack.metric("gateway", "moeline_gateway_requests_total", outcome="stop") +
               stack.metric("gateway", "moeline_gateway_requests_total", outcome="length") == 16,
               "gateway outcomes do not add up to the 16 requests")

@@ -2,7 +2,10 @@
 // environment < flags), sizes, the Prometheus registry and its text format, rate-limited logging
 // and the one-line key=value log format.
 
+#include <arpa/inet.h>
 #include <gtest/gtest.h>
+#include <netinet/in.h>
+#include <sys/socket.h>
 #include <unistd.h>
 
 #include <chrono>
@@ -20,6 +23,7 @@
 #include "stages/runtime/config.h"
 #include "stages/runtime/log.h"
 #include "stages/runtime/metrics.h"
+#include "stages/runtime/service.h"
 
 namespace moeline::runtime {
 namespace {
@@ -491,3 +495,58 @@ TEST(Logger, LevelsAndPlainValues) {
 
 }  // namespace
 }  // namespace moeline::runtime
+
+// The health endpoints an orchestrator and a load balancer read: /livez says the loop is not
+// wedged (a stage still starting is alive), /readyz (and /healthz) that it takes work.
+namespace {
+// One GET over a plain socket: the status code and the body.
+std::pair<int, std::string> http_get(uint16_t port, const std::string& path) {
+  const int fd = ::socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in address{};
+  address.sin_family = AF_INET;
+  address.sin_port = htons(port);
+  address.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  if (::connect(fd, reinterpret_cast<sockaddr*>(&address), sizeof address) != 0) {
+    ::close(fd);
+    return {0, ""};
+  }
+  const std::string request = "GET " + path + " HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n";
+  (void)::write(fd, request.data(), request.size());
+  std::string response;
+  char buffer[4096];
+  for (ssize_t n; (n = ::read(fd, buffer, sizeof buffer)) > 0;) response.append(buffer, n);
+  ::close(fd);
+  if (response.size() < 12) return {0, response};
+  const size_t body = response.find("\r\n\r\n");
+  return {std::stoi(response.substr(9, 3)),
+          body == std::string::npos ? "" : response.substr(body + 4)};
+}
+}  // namespace
+
+TEST(StageHealth, LiveWhileStartingReadyOnceJoinedStalledPastTheWatchdog) {
+  moeline::runtime::StageService service("probe", "probe-0");
+  service.set_watchdog_limit(std::chrono::milliseconds(300));
+  service.start_http("127.0.0.1:0", "");
+  const uint16_t port = service.http_port();
+  // Starting: alive, not ready (the model may still be loading).
+  EXPECT_EQ(http_get(port, "/livez").first, 200);
+  EXPECT_EQ(http_get(port, "/readyz").first, 503);
+  EXPECT_NE(http_get(port, "/readyz").second.find("\"starting\""), std::string::npos);
+  // The loop runs and the hub accepted it: both.
+  service.tick();
+  service.set_ready(true);
+  EXPECT_EQ(http_get(port, "/livez").first, 200);
+  EXPECT_EQ(http_get(port, "/readyz").first, 200);
+  EXPECT_EQ(http_get(port, "/healthz").first, 200);
+  // The loop stops ticking past the watchdog: neither, and it says why.
+  std::this_thread::sleep_for(std::chrono::milliseconds(450));
+  const auto [live, body] = http_get(port, "/livez");
+  EXPECT_EQ(live, 503);
+  EXPECT_NE(body.find("\"stalled\""), std::string::npos) << body;
+  EXPECT_EQ(http_get(port, "/readyz").first, 503);
+  // It ticks again: alive and ready again.
+  service.tick();
+  EXPECT_EQ(http_get(port, "/livez").first, 200);
+  EXPECT_EQ(http_get(port, "/readyz").first, 200);
+  service.stop_http();
+}
