@@ -265,6 +265,9 @@ std::vector<runtime::ConfigKey> common_keys(const char* default_http) {
       {"io-threads", "1",
        "ZeroMQ I/O threads (CurveZMQ encrypts in them: 2 helps a gateway relaying KV under Curve "
        "when a core is free)"},
+      {"log-level", "info", "the least severe log lines written: info, warn or error"},
+      {"log-format", "logfmt",
+       "logfmt (key=value, one line per event) or json (one object per line)"},
       {"trace-requests", "false",
        "log every message of a request this stage receives (event=trace, with its time in "
        "microseconds): one request's path, read across the stages' logs"},
@@ -325,9 +328,31 @@ int run_stage(const char* stage, const std::vector<runtime::ConfigKey>& keys, in
       return 0;
     }
     // Stages take --trace-requests; tools run through here without it.
-    if (std::any_of(keys.begin(), keys.end(),
-                    [](const runtime::ConfigKey& key) { return key.name == "trace-requests"; }))
-      runtime::set_request_tracing(config.flag("trace-requests"));
+    auto has = [&keys](const char* name) {
+      return std::any_of(keys.begin(), keys.end(),
+                         [name](const runtime::ConfigKey& key) { return key.name == name; });
+    };
+    if (has("trace-requests")) runtime::set_request_tracing(config.flag("trace-requests"));
+    if (has("log-level")) {
+      try {
+        runtime::set_log_options(runtime::parse_log_level(config.text("log-level")),
+                                 runtime::parse_log_format(config.text("log-format")));
+      } catch (const std::invalid_argument& e) {
+        throw runtime::ConfigError(std::string("--log-level/--log-format: ") + e.what());
+      }
+      // The effective configuration, once: every setting, and where those not at their default
+      // came from.
+      std::vector<std::pair<std::string, std::string>> fields;
+      std::string sources;
+      for (const runtime::ConfigKey& key : keys) {
+        if (key.name != "replica")  // the line's own replica= is the name it resolves to
+          fields.emplace_back(key.name, config.text(key.name));
+        if (config.source(key.name) != "default")
+          sources += (sources.empty() ? "" : ",") + key.name + ":" + config.source(key.name);
+      }
+      fields.emplace_back("set_by", sources);
+      runtime::Logger(stage, replica_name(config, stage)).info("config_effective", fields);
+    }
     return body(config);
   } catch (const runtime::ConfigError& e) {
     std::cerr << runtime::Config::usage(stage, keys) << "moeline: error: " << e.what() << '\n';

@@ -213,8 +213,10 @@ def case_input(args):
         rogue.send_multipart(hello(K.Decode, settings_hash(stack), credits=0))
         hello_reply(rogue)
 
-        expected = reference(args.moeline, args.model, 24, tokens=[9, 8, 7, 6], ignore_eos=True)
-        crid = client.start(tokens=[9, 8, 7, 6], max_tokens=24, ignore_eos=True)
+        # Long enough to be in flight when the forged tokens arrive (a request that has ended
+        # leaves nothing to forge for, and the forgery is then not even counted).
+        expected = reference(args.moeline, args.model, 400, tokens=[9, 8, 7, 6], ignore_eos=True)
+        crid = client.start(tokens=[9, 8, 7, 6], max_tokens=400, ignore_eos=True)
         ids, error = [], None
         first = client.next_event(timeout=60)
         request_id = first.request_id

@@ -12,7 +12,9 @@
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
+#include <functional>
 #include <map>
+#include <nlohmann/json.hpp>
 #include <optional>
 #include <regex>
 #include <stdexcept>
@@ -549,4 +551,52 @@ TEST(StageHealth, LiveWhileStartingReadyOnceJoinedStalledPastTheWatchdog) {
   EXPECT_EQ(http_get(port, "/livez").first, 200);
   EXPECT_EQ(http_get(port, "/readyz").first, 200);
   service.stop_http();
+}
+
+// --log-level and --log-format: lines below the level are not written; json lines are one object
+// each, with the line's own keys first and a field that would collide with them renamed.
+namespace {
+std::string captured_stderr(const std::function<void()>& write) {
+  int pipe_fds[2];
+  if (::pipe(pipe_fds) != 0) return "";
+  const int saved = ::dup(STDERR_FILENO);
+  ::dup2(pipe_fds[1], STDERR_FILENO);
+  write();
+  ::dup2(saved, STDERR_FILENO);
+  ::close(saved);
+  ::close(pipe_fds[1]);
+  std::string out;
+  char buffer[4096];
+  for (ssize_t n; (n = ::read(pipe_fds[0], buffer, sizeof buffer)) > 0;) out.append(buffer, n);
+  ::close(pipe_fds[0]);
+  return out;
+}
+}  // namespace
+
+TEST(Logs, LevelAndFormat) {
+  using namespace moeline::runtime;
+  const Logger log("decode", "decode-1");
+  const std::string json = captured_stderr([&] {
+    set_log_options(LogLevel::kWarn, LogFormat::kJson);
+    log.info("not_written", {{"a", 1}});
+    log.warn("written", {{"tokens", 12}, {"why", "a \"quoted\" reason"}, {"replica", "spoof"}});
+    set_log_options(LogLevel::kInfo, LogFormat::kLogfmt);
+  });
+  EXPECT_EQ(json.find("not_written"), std::string::npos) << json;
+  const auto line = nlohmann::json::parse(json.substr(0, json.find('\n')));
+  EXPECT_EQ(line["level"], "warn");
+  EXPECT_EQ(line["stage"], "decode");
+  EXPECT_EQ(line["replica"], "decode-1");
+  EXPECT_EQ(line["field_replica"], "spoof");
+  EXPECT_EQ(line["event"], "written");
+  EXPECT_EQ(line["tokens"], 12);
+  EXPECT_EQ(line["why"], "a \"quoted\" reason");
+
+  const std::string logfmt = captured_stderr([&] { log.info("plain", {{"n", 3}}); });
+  EXPECT_NE(logfmt.find("level=info stage=decode replica=decode-1 event=plain n=3"),
+            std::string::npos)
+      << logfmt;
+  EXPECT_THROW(parse_log_level("debug"), std::invalid_argument);
+  EXPECT_THROW(parse_log_format("xml"), std::invalid_argument);
+  EXPECT_EQ(parse_log_level("error"), LogLevel::kError);
 }
