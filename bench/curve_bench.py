@@ -5,8 +5,10 @@ alternating (off, on, off, on, ...) so that drift in the machine hits both alike
 Each round starts a stack (`moeline stack up --transport tcp --curve off|on`), warms it up, then
 measures (a) TTFT and per-token time of sequential single requests (the SDK's timings: the
 gateway's clock, so client overhead is out) and (b) `moeline load` at --concurrency streams
-(its TTFT and per-token percentiles). Prints a markdown table of medians and the overhead of on
-over off.
+(its TTFT and per-token percentiles). Each TTFT is also split, from the stages' own histograms,
+into prefill's part (its compute, and under load its queue) and the rest (gateway, probe and the
+hops between them: where Curve acts), and the stages' CPU time per request is read from /proc.
+Prints a markdown table of medians and the overhead of on over off.
 
   curve_bench.py --moeline BIN --model DIR --workdir DIR [--rounds 3] [--requests 40]
                  [--concurrency 8] [--duration-s 10] [--prompt-tokens 32] [--max-tokens 32]
@@ -45,6 +47,8 @@ def one_round(args, variant):
         with Client(stack.endpoint, timeout=120, server_key=server_key) as client:
             for i in range(args.requests + 5):
                 tokens = [(i * 13 + j) % 500 + 3 for j in range(args.prompt_tokens)]
+                if i == 5:
+                    single_before = server_side(stack)
                 result = client.generate(tokens=tokens, max_tokens=args.max_tokens, ignore_eos=True,
                                          reuse="none")
                 if i < 5:
@@ -52,17 +56,71 @@ def one_round(args, variant):
                 t = result.timings
                 ttft.append(t["ttft_ms"])
                 per_token.append((t["total_ms"] - t["ttft_ms"]) / max(1, len(result.ids) - 1))
+            single = difference(server_side(stack), single_before)
         cmd = [args.moeline, "load", "--endpoint", stack.endpoint, "--model", args.model,
                "--concurrency", str(args.concurrency), "--duration-s", str(args.duration_s),
                "--prompt-tokens", str(args.prompt_tokens), "--max-tokens", str(args.max_tokens),
                "--json"]
         env = dict(os.environ, MOELINE_SERVER_KEY=server_key) if server_key else None
+        before = server_side(stack)
         out = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env)
+        after = server_side(stack)
         if out.returncode != 0 and not out.stdout.strip():
             raise RuntimeError(f"moeline load failed: {out.stderr[-400:]}")
         load = json.loads(out.stdout.strip().splitlines()[-1])
+    load["server"] = difference(after, before)
     return {"ttft_ms": statistics.median(ttft), "tpot_ms": statistics.median(per_token),
-            "load": load}
+            "server": single, "load": load}
+
+
+# The stages' own clocks, differenced over a window: the gateway's TTFT (so the load client's
+# share of the two cores is out of the figure) and prefill's (job received to first token, in
+# the stage: its compute and batching, which Curve does not touch). Their difference is the time
+# a first token spends outside prefill's compute (gateway, probe, the hops): the part of TTFT
+# that Curve acts on. Compute moves by 5-10% between rounds on this VM and takes the rest of
+# TTFT with it, so the split shows Curve's share apart from that drift.
+HISTOGRAMS = {"gw_ttft": ("gateway", "moeline_gateway_ttft_seconds"),
+              "gw_queue": ("gateway", "moeline_gateway_queue_seconds"),
+              "prefill_ttft": ("prefill-", "moeline_prefill_ttft_seconds")}
+
+
+def difference(after, before):
+    return {key: after[key] - before[key] for key in after}
+
+
+def server_side(stack):
+    stages = [stage["name"] for stage in stack.state()["stages"]]
+    metrics = {name: stack.metrics(name) for name in stages
+               if name == "gateway" or name.startswith("prefill-")}
+    out = {}
+    for key, (stage_prefix, name) in HISTOGRAMS.items():
+        for part in ("sum", "count"):
+            out[f"{key}_{part}"] = sum(
+                v for stage, samples in metrics.items() if stage.startswith(stage_prefix)
+                for (sample, _), v in samples.items() if sample == f"{name}_{part}")
+    ticks = os.sysconf("SC_CLK_TCK")
+    for stage in stack.state()["stages"]:
+        try:
+            with open(f"/proc/{stage['pid']}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+            out[f"cpu_s_{stage['name']}"] = (int(fields[11]) + int(fields[12])) / ticks
+        except (OSError, IndexError, ValueError):
+            out[f"cpu_s_{stage['name']}"] = 0.0
+    return out
+
+
+def server_mean_ms(server, key):
+    return 1000 * server[f"{key}_sum"] / max(1, server[f"{key}_count"])
+
+
+def outside_prefill_ms(server):
+    return server_mean_ms(server, "gw_ttft") - server_mean_ms(server, "prefill_ttft")
+
+
+def cpu_ms_per_request(load, prefix="cpu_s_"):
+    server = load["server"]
+    return 1000 * sum(v for k, v in server.items() if k.startswith(prefix)) / max(
+        1, server["gw_ttft_count"])
 
 
 def main():
@@ -97,10 +155,21 @@ def main():
 
     rows = [
         ("single request TTFT (ms)", lambda x: x["ttft_ms"]),
+        ("single: in prefill's compute, mean (ms)",
+         lambda x: server_mean_ms(x["server"], "prefill_ttft")),
+        ("single: outside prefill's compute, mean (ms)", lambda x: outside_prefill_ms(x["server"])),
         ("single request per-token (ms)", lambda x: x["tpot_ms"]),
         (f"load x{args.concurrency}: TTFT p50 (ms)", lambda x: x["load"]["ttft_ms"]["p50"]),
+        (f"load x{args.concurrency}: gateway TTFT mean (ms)",
+         lambda x: server_mean_ms(x["load"]["server"], "gw_ttft")),
+        (f"load x{args.concurrency}: in prefill (queue + compute), mean (ms)",
+         lambda x: server_mean_ms(x["load"]["server"], "prefill_ttft")),
+        (f"load x{args.concurrency}: outside prefill, mean (ms)",
+         lambda x: outside_prefill_ms(x["load"]["server"])),
         (f"load x{args.concurrency}: per-token p50 (ms)", lambda x: x["load"]["tpot_ms"]["p50"]),
         (f"load x{args.concurrency}: output tokens/s", lambda x: x["load"]["output_tokens_per_s"]),
+        (f"load x{args.concurrency}: stages' CPU per request (ms)",
+         lambda x: cpu_ms_per_request(x["load"])),
     ]
     def name(v):
         curve, _, io = v.partition("/")
