@@ -31,13 +31,18 @@ constexpr const char* kUsage =
        moeline client status --endpoint EP
        moeline client reuse --endpoint EP --levels LEVELS [--tenant NAME]
        moeline client approximate --endpoint EP on|off
+       moeline client drain --endpoint EP [--replica NAME]
 
 generate streams the text to stdout as it arrives; with --json it prints one JSON object at the
 end instead: ids, text, finish_reason, usage, timings (milliseconds).
 
 reuse LEVELS: prefix, full, result, response, blend (comma-separated), or exact, approximate, all,
 none; for one tenant or (no --tenant) for all. approximate turns approximate reuse on or off for
-the whole stack (an operator's switch; the rollback controller may also turn it off).
+the whole stack (an operator's switch; the rollback controller may also turn it off). drain stops
+sending work to one replica (--replica, a name from `moeline stack status`: it finishes what it
+holds and is then idle, ready to be stopped), or without --replica drains the gateway itself (as
+on SIGTERM: it refuses new requests, finishes what it holds, then exits). Operator commands need
+an operator key where the gateway has a keys file.
 
   --endpoint EP        the gateway's client endpoint (ipc://... or tcp://host:port);
                        default: $MOELINE_ENDPOINT
@@ -223,6 +228,27 @@ int approximate(int argc, char** argv) {
   return 0;
 }
 
+// Drains one replica (the gateway sends it no more work) or, without --replica, the gateway.
+int drain(int argc, char** argv) {
+  std::string endpoint, replica;
+  if (const char* env = env::get(env::kEndpoint)) endpoint = env;
+  for (int i = 0; i < argc; ++i) {
+    const std::string arg = argv[i];
+    if (arg == "--endpoint" && i + 1 < argc)
+      endpoint = argv[++i];
+    else if (arg == "--replica" && i + 1 < argc)
+      replica = argv[++i];
+    else
+      throw UsageError("unknown option '" + arg + "'");
+  }
+  if (endpoint.empty()) throw UsageError("--endpoint is required");
+  Client client(endpoint, std::chrono::seconds(10), g_credentials);
+  nlohmann::json args = nlohmann::json::object();
+  if (!replica.empty()) args["replica"] = replica;
+  std::cout << nlohmann::json::parse(client.control("drain", args.dump())).dump(2) << '\n';
+  return 0;
+}
+
 int status(int argc, char** argv) {
   std::string endpoint;
   if (const char* env = env::get(env::kEndpoint)) endpoint = env;
@@ -269,6 +295,7 @@ int client_command(int argc, char** argv) {
     if (sub == "status") return status(argc - 1, argv + 1);
     if (sub == "reuse") return reuse(argc - 1, argv + 1);
     if (sub == "approximate") return approximate(argc - 1, argv + 1);
+    if (sub == "drain") return drain(argc - 1, argv + 1);
     throw UsageError("unknown client command '" + sub + "'");
   });
 }

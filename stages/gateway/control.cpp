@@ -65,8 +65,10 @@ ControlResult ControlCommands::drain(const nlohmann::json& args) {
     const std::string replica = args["replica"].get<std::string>();
     out.ok = hub_.drain(replica);
     out.text = out.ok ? "draining " + replica : "no replica named '" + replica.substr(0, 64) + "'";
+    if (out.ok) out.body["draining"] = replica;
   } else {
     out.text = hooks_.drain_gateway();
+    out.body["draining"] = "gateway";
   }
   return out;
 }

@@ -38,7 +38,9 @@ GatewayMetrics::GatewayMetrics(runtime::Registry& registry) : registry_(registry
   shadow_checks_[1] = counter(kShadowChecks, {{"result", "agreed"}});
   approximate_feedback_[0] = counter(kApproximateFeedback, {{"kind", "positive"}});
   approximate_feedback_[1] = counter(kApproximateFeedback, {{"kind", "negative"}});
-  // The label values known in advance are exported at zero from the start.
+  // The label values known in advance are exported at zero from the start; refusals' reasons
+  // (the wire codec's among them) only when they happen, under a family declared now.
+  registry.declare_counter(kRejected);
   for (const char* outcome :
        {"response", "blend", "shadow", "no_candidate", "rejected", "disabled", "not_allowed"})
     approximate(outcome);

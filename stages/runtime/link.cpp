@@ -33,10 +33,7 @@ void configure_socket(zmq::socket_t& socket, const LinkSettings& settings) {
 
 void report_rejected_frame(Registry& metrics, const Logger& log, RateLimited& limit,
                            const char* peer, const wire::WireError& error) {
-  metrics
-      .counter("moeline_wire_rejected_frames_total", "Received messages refused by the wire codec",
-               {{"peer", peer}, {"reason", error.reason}})
-      .inc();
+  metrics.counter(kWireRejectedFrames, {{"peer", peer}, {"reason", error.reason}}).inc();
   if (uint64_t suppressed = 0; limit.allow(suppressed))
     log.warn("frame_rejected",
              {{"reason", error.reason}, {"detail", error.detail}, {"suppressed", suppressed}});

@@ -64,6 +64,13 @@ struct MetricName {
   const char* help;
 };
 
+// Families every stage's runtime exports (labelled by values known only when they happen).
+inline constexpr MetricName kHandlerErrors{
+    "moeline_handler_errors_total",
+    "Exceptions a message handler threw, caught before the stage loop"};
+inline constexpr MetricName kWireRejectedFrames{"moeline_wire_rejected_frames_total",
+                                                "Received messages refused by the wire codec"};
+
 class Registry {
  public:
   Counter& counter(const std::string& name, const std::string& help, const Labels& labels = {});
@@ -80,6 +87,10 @@ class Registry {
                        const Labels& labels = {}) {
     return histogram(metric.name, metric.help, bounds, labels);
   }
+  // A family whose children appear on their first event (labelled by values not known in
+  // advance): exported from the start with its HELP and TYPE, so dashboards and alert rules find
+  // it before anything has happened.
+  void declare_counter(const MetricName& metric) { family(metric.name, "counter", metric.help); }
   std::string render() const;
 
  private:

@@ -27,6 +27,8 @@ StageService::StageService(std::string stage, std::string replica)
     : log(std::move(stage), std::move(replica)), last_tick_ns_(now_ns()) {
   metrics.gauge("moeline_process_start_time_seconds", "Unix time the process started")
       .set(static_cast<double>(std::time(nullptr)));
+  metrics.declare_counter(kHandlerErrors);
+  metrics.declare_counter(kWireRejectedFrames);
 }
 
 StageService::~StageService() {
@@ -140,11 +142,7 @@ void StageService::start_http(const std::string& address, const std::string& por
 
 void StageService::report_handler_error(const char* handler, const char* what) noexcept {
   try {
-    metrics
-        .counter("moeline_handler_errors_total",
-                 "Exceptions a message handler threw, caught before the stage loop",
-                 {{"stage", log.stage()}, {"handler", handler}})
-        .inc();
+    metrics.counter(kHandlerErrors, {{"stage", log.stage()}, {"handler", handler}}).inc();
     if (uint64_t suppressed = 0; handler_error_log_.allow(suppressed))
       log.error("handler_error",
                 {{"handler", handler}, {"error", what}, {"suppressed", suppressed}});

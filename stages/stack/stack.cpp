@@ -79,6 +79,13 @@ down     stop every stage and the supervisor
                     this port (default 8000; 0: any free port; off: none); its URL is in
                     stack.json ("http") and `stack status`
   --http-bind ADDR  the address it listens on (default 127.0.0.1)
+  --metrics-port-base N
+                    each stage's /metrics, /livez and /readyz on port N + i, i its place in
+                    `stack status` (gateway, probes, offload, http, prefills, decodes); default
+                    0: any free port. Either way DIR/prometheus_targets.json lists them for
+                    Prometheus (file_sd_configs), rewritten when a restarted stage moves
+  --metrics-bind ADDR
+                    the address of those ports (default 127.0.0.1)
 )";
 
 struct StageProcess {
@@ -168,6 +175,7 @@ class Supervisor {
       if (now - last_health > std::chrono::seconds(1)) {
         last_health = now;
         check_stalls();
+        write_targets();
       }
       std::this_thread::sleep_for(std::chrono::milliseconds(50));
     }
@@ -295,8 +303,29 @@ class Supervisor {
     fs::rename(temporary, run_dir_ / "stack.json");
   }
 
+  // DIR/prometheus_targets.json for Prometheus's file_sd_configs: one target per stage whose
+  // port file exists (the stage is serving), labelled with the stage's name and kind; rewritten
+  // (atomically) only when a stage's port changes, so Prometheus reloads it only then.
+  void write_targets() {
+    const std::string host = access_.value("metrics_bind", std::string("127.0.0.1"));
+    const std::string address = host == "0.0.0.0" || host == "::" ? "127.0.0.1" : host;
+    nlohmann::json targets = nlohmann::json::array();
+    for (const StageProcess& stage : stages_) {
+      const int port = read_port(run_dir_ / (stage.name + ".port"));
+      if (stage.pid == 0 || port <= 0) continue;
+      targets.push_back({{"targets", {address + ":" + std::to_string(port)}},
+                         {"labels", {{"stage", stage.name}, {"stage_kind", stage.stage}}}});
+    }
+    if (targets == last_targets_) return;
+    const fs::path temporary = run_dir_ / "prometheus_targets.json.tmp";
+    std::ofstream(temporary) << targets.dump(2) << '\n';
+    fs::rename(temporary, run_dir_ / "prometheus_targets.json");
+    last_targets_ = std::move(targets);
+  }
+
   fs::path run_dir_;
   std::vector<StageProcess> stages_;
+  nlohmann::json last_targets_;
   nlohmann::json access_;  // endpoints, transport, keys: written into stack.json
   runtime::Logger log_;
 };
@@ -352,25 +381,28 @@ std::vector<StageHealth> stage_health(const fs::path& run_dir) {
 }
 
 int up(int argc, char** argv) {
-  std::vector<runtime::ConfigKey> keys = {{"model", "", "checkpoint folder"},
-                                          {"run-dir", "", "run directory"},
-                                          {"prefill", "1", "prefill processes"},
-                                          {"decode", "1", "decode processes"},
-                                          {"probe", "1", "probe processes"},
-                                          {"threads", "0", "threads per compute process"},
-                                          {"quant-math", "fast", "exact or fast"},
-                                          {"timeout-s", "120", "seconds to wait for health"},
-                                          {"expert-budget", "", "host expert pool size"},
-                                          {"device", "cpu", "where prefill and decode compute"},
-                                          {"device-expert-budget", "", "GPU expert cache size"},
-                                          {"transport", "ipc", "ipc or tcp"},
-                                          {"curve", "on", "on or off (tcp only)"},
-                                          {"api-keys", "", "the gateway's API keys file"},
-                                          {"http-port", "8000",
-                                           "the OpenAI-compatible HTTP API's port (0: any free "
-                                           "port; off: no HTTP stage)"},
-                                          {"http-bind", "127.0.0.1", "the HTTP API's address"},
-                                          {"stage-config", "", ""}};
+  std::vector<runtime::ConfigKey> keys = {
+      {"model", "", "checkpoint folder"},
+      {"run-dir", "", "run directory"},
+      {"prefill", "1", "prefill processes"},
+      {"decode", "1", "decode processes"},
+      {"probe", "1", "probe processes"},
+      {"threads", "0", "threads per compute process"},
+      {"quant-math", "fast", "exact or fast"},
+      {"timeout-s", "120", "seconds to wait for health"},
+      {"expert-budget", "", "host expert pool size"},
+      {"device", "cpu", "where prefill and decode compute"},
+      {"device-expert-budget", "", "GPU expert cache size"},
+      {"transport", "ipc", "ipc or tcp"},
+      {"curve", "on", "on or off (tcp only)"},
+      {"api-keys", "", "the gateway's API keys file"},
+      {"http-port", "8000",
+       "the OpenAI-compatible HTTP API's port (0: any free "
+       "port; off: no HTTP stage)"},
+      {"http-bind", "127.0.0.1", "the HTTP API's address"},
+      {"metrics-port-base", "0", "first of the stages' metrics ports (0: any free)"},
+      {"metrics-bind", "127.0.0.1", "the stages' metrics address"},
+      {"stage-config", "", ""}};
   // --config is the stage config file, passed through: take it out before parsing.
   std::string stage_config;
   std::vector<char*> rest;
@@ -505,6 +537,18 @@ int up(int argc, char** argv) {
     stages.push_back({"prefill-" + std::to_string(i), "prefill", worker(compute_args)});
   for (int i = 0; i < decode; ++i)
     stages.push_back({"decode-" + std::to_string(i), "decode", worker(compute_args)});
+
+  // Stable metrics ports: stage i at base + i, in the order `stack status` lists them.
+  const int64_t port_base = config.integer("metrics-port-base");
+  const int64_t last_port = port_base + static_cast<int64_t>(stages.size()) - 1;
+  if (port_base < 0 || (port_base > 0 && (port_base < 1024 || last_port > 65535)))
+    throw runtime::ConfigError("--metrics-port-base must be 0 or a port in [1024, " +
+                               std::to_string(65535 - stages.size() + 1) + "]");
+  for (size_t i = 0; i < stages.size(); ++i)
+    stages[i].args.insert(stages[i].args.end(),
+                          {"--http", config.text("metrics-bind") + ":" +
+                                         std::to_string(port_base == 0 ? 0 : port_base + i)});
+  access["metrics_bind"] = config.text("metrics-bind");
 
   std::cout.flush();
   const pid_t child = ::fork();

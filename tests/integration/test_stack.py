@@ -34,6 +34,7 @@ import time
 import urllib.request
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+REPO = os.path.dirname(os.path.dirname(HERE))
 sys.path.insert(0, HERE)
 from stack_harness import (Stack, recovery_errors, reference, roc_auc, run_cases,  # noqa: E402
                            run_concurrently)
@@ -372,11 +373,30 @@ REQUIRED = {
 }
 
 
+def deploy_metric_names():
+    """The moeline_* metric families that deploy/prometheus/alerts.yml and the Grafana dashboard
+    read, as prometheus_client names families (no _bucket/_sum/_count, counters without _total)."""
+    import re
+    texts = []
+    for path in (("prometheus", "alerts.yml"), ("grafana", "moeline-stack.json")):
+        with open(os.path.join(REPO, "deploy", *path)) as f:
+            texts.append(f.read())
+    names = set()
+    for name in re.findall(r"\bmoeline_[a-z0-9_]+", "\n".join(texts)):
+        for suffix in ("_bucket", "_sum", "_count", "_total"):
+            if name.endswith(suffix):
+                name = name[: -len(suffix)]
+                break
+        names.add(name)
+    return names
+
+
 def case_metrics(args):
     from moeline_client import Client
     from prometheus_client.parser import text_string_to_metric_families
     run_dir = os.path.join(args.workdir, "metrics")
-    with Stack(args.moeline, args.model, run_dir) as stack:
+    # With the host expert pool (--expert-budget), so that its metrics are there to check too.
+    with Stack(args.moeline, args.model, run_dir, expert_budget="50%") as stack:
         with Client(stack.endpoint, timeout=60) as client:
             run_concurrently(client, workload(vocab_of(args.model), 16, seed=3))
         time.sleep(1.5)  # expert usage reaches the offload manager about once a second
@@ -400,6 +420,21 @@ def case_metrics(args):
                     body = json.loads(response.read())
                     check(response.status == 200 and body.get("status") == status,
                           f"{name}{path}: {response.status} {body}")
+        # What operators are given to watch (alert rules, dashboard) names only what a stack
+        # exports: a renamed or dropped metric fails here, not silently in a dashboard.
+        exported = set()
+        for stage in stack.state()["stages"]:
+            exported |= {f.name for f in text_string_to_metric_families(
+                stack.metrics_text(stage["name"]))}
+        with open(os.path.join(run_dir, "prometheus_targets.json")) as f:
+            targets = {t["labels"]["stage"]: t["targets"] for t in json.load(f)}
+        check(targets == {stage["name"]: [f"127.0.0.1:{stack.http_port(stage['name'])}"]
+                          for stage in stack.state()["stages"]},
+              f"prometheus_targets.json does not list every stage's port: {targets}")
+        named = deploy_metric_names()
+        missing = sorted(name for name in named if name not in exported)
+        check(not missing, f"deploy/ names metrics no stage exports: {missing}")
+        print(f"ok metrics: the {len(named)} metrics the alert rules and dashboard use are exported")
         check(stack.metric("gateway", "moeline_gateway_requests_total", outcome="stop") +
               stack.metric("gateway", "moeline_gateway_requests_total", outcome="length") == 16,
               "gateway outcomes do not add up to the 16 requests")
@@ -410,9 +445,33 @@ def case_metrics(args):
         print("ok metrics: outcomes, TTFT counts and expert usage add up")
 
 
+def free_port_range(count, attempts=50):
+    """The first of `count` consecutive loopback ports that are free now (tests run in parallel:
+    a random start, checked by binding each)."""
+    import socket
+    rng = random.Random()
+    for _ in range(attempts):
+        base = rng.randrange(20000, 60000 - count)
+        sockets = []
+        try:
+            for port in range(base, base + count):
+                s = socket.socket()
+                sockets.append(s)
+                s.bind(("127.0.0.1", port))
+            return base
+        except OSError:
+            continue
+        finally:
+            for s in sockets:
+                s.close()
+    raise AssertionError("no free range of loopback ports")
+
+
 def case_cli(args):
     run_dir = os.path.join(args.workdir, "cli")
-    with Stack(args.moeline, args.model, run_dir, decode=1) as stack:
+    port_base = free_port_range(5)
+    with Stack(args.moeline, args.model, run_dir, decode=1,
+               extra_args=["--metrics-port-base", str(port_base)]) as stack:
         want = reference(args.moeline, args.model, 12, prompt="to swim:")
         out = subprocess.run([args.moeline, "client", "generate", "--endpoint", stack.endpoint,
                               "--prompt", "to swim:", "--max-tokens", "12", "--json"],
@@ -447,6 +506,25 @@ def case_cli(args):
         check(again.returncode == 1 and "already running" in again.stderr,
               f"a second stack up in the same run dir: {again.stderr}")
         print("ok cli: stack status, and a second stack up is refused")
+        # Stable metrics ports (base + place in `stack status`) and Prometheus's target file.
+        names = [stage["name"] for stage in status["stages"]]
+        for i, name in enumerate(names):
+            check(stack.http_port(name) == port_base + i,
+                  f"{name}: metrics port {stack.http_port(name)}, expected {port_base + i}")
+        with open(os.path.join(run_dir, "prometheus_targets.json")) as f:
+            targets = {t["labels"]["stage"]: t["targets"] for t in json.load(f)}
+        check(targets == {name: [f"127.0.0.1:{port_base + i}"] for i, name in enumerate(names)},
+              f"prometheus_targets.json: {targets}")
+        print("ok cli: --metrics-port-base gives stage i port base + i, listed for Prometheus")
+        out = subprocess.run([args.moeline, "client", "drain", "--endpoint", stack.endpoint,
+                              "--replica", "no-such-replica"], capture_output=True, text=True,
+                             timeout=30)
+        check(out.returncode == 1 and "no replica named" in out.stderr, f"drain: {out.stderr}")
+        out = subprocess.run([args.moeline, "client", "drain", "--endpoint", stack.endpoint,
+                              "--replica", "decode-0"], capture_output=True, text=True, timeout=30)
+        check(out.returncode == 0 and json.loads(out.stdout) == {"draining": "decode-0"},
+              f"drain: {out.stdout}")
+        print("ok cli: client drain names a replica or says there is none")
     out = subprocess.run([args.moeline, "stack", "status", "--run-dir", run_dir],
                          capture_output=True, text=True)
     check(out.returncode == 1 and "no stack running" in out.stdout, f"after down: {out.stdout}")
