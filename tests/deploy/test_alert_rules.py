@@ -88,6 +88,21 @@ def main():
 
     with tempfile.TemporaryDirectory() as work:
         shutil.copy(args.rules, os.path.join(work, os.path.basename(args.rules)))
+        # The scrape config shipped beside the rules (a local stack's, with its run directory
+        # filled in), checked whole by promtool, rule files included. (prometheus-k8s.yml is not:
+        # Debian's Prometheus is built without Kubernetes service discovery, and its promtool
+        # refuses kubernetes_sd_configs.)
+        for config in ("prometheus.yml",):
+            with open(os.path.join(os.path.dirname(args.rules), config)) as f:
+                text = f.read().replace("DIR/", work + "/")
+            path = os.path.join(work, config)
+            with open(path, "w") as f:
+                f.write(text)
+            out = subprocess.run([promtool, "check", "config", path], capture_output=True,
+                                 text=True, timeout=120)
+            print(out.stdout + out.stderr, end="")
+            if out.returncode != 0:
+                fail(f"promtool check config {config} failed")
         tests["rule_files"] = [os.path.basename(args.rules)]
         test_file = os.path.join(work, "alerts_test.yml")
         with open(test_file, "w") as f:

@@ -374,11 +374,12 @@ REQUIRED = {
 
 
 def deploy_metric_names():
-    """The moeline_* metric families that deploy/prometheus/alerts.yml and the Grafana dashboard
-    read, as prometheus_client names families (no _bucket/_sum/_count, counters without _total)."""
+    """The moeline_* metric families that deploy/prometheus/alerts.yml, the Grafana dashboard and
+    the Kubernetes autoscalers' prometheus-adapter rules read, as prometheus_client names families (no _bucket/_sum/_count, counters without _total)."""
     import re
     texts = []
-    for path in (("prometheus", "alerts.yml"), ("grafana", "moeline-stack.json")):
+    for path in (("prometheus", "alerts.yml"), ("grafana", "moeline-stack.json"),
+                 ("k8s", "prometheus-adapter", "rules.yaml")):
         with open(os.path.join(REPO, "deploy", *path)) as f:
             texts.append(f.read())
     names = set()
