@@ -87,8 +87,8 @@ def check_compose(repo, docker_compose):
               flag(words, "--http") == "0.0.0.0:9100", f"{words}")
         test = service.get("healthcheck", {}).get("test", [])
         test = " ".join(test) if isinstance(test, list) else str(test)
-        check(f"{name}: health check curls /healthz on the --http port",
-              "curl" in test and "http://127.0.0.1:9100/healthz" in test, test)
+        check(f"{name}: health check curls /readyz on the --http port",
+              "curl" in test and "http://127.0.0.1:9100/readyz" in test, test)
         check(f"{name}: restart policy", service.get("restart") in ("unless-stopped", "on-failure", "always"),
               f"{service.get('restart')}")
         check(f"{name}: has an image to run (built from docker/Dockerfile)",
@@ -103,7 +103,13 @@ def check_compose(repo, docker_compose):
         service = services.get(name, {})
         check(f"{name}: connects to the gateway's hub {HUB}", flag(command_words(service), "--hub") == HUB,
               f"{command_words(service)}")
-        check(f"{name}: depends on the gateway", "gateway" in depends_on(service))
+        check(f"{name}: starts once the gateway is healthy",
+              service.get("depends_on", {}).get("gateway", {}).get("condition") ==
+              "service_healthy", f"{service.get('depends_on')}")
+        if name in ("prefill", "decode"):
+            check(f"{name}: starts once the offload manager (the node's expert pool) is healthy",
+                  service.get("depends_on", {}).get("offload", {}).get("condition") ==
+                  "service_healthy", f"{service.get('depends_on')}")
     gateway = services.get("gateway", {})
     words = command_words(gateway)
     check("gateway: binds the client endpoint and the hub on all interfaces",
