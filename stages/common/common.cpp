@@ -1,6 +1,7 @@
 #include "stages/common/common.h"
 
 #include <algorithm>
+#include <filesystem>
 
 #include <xxhash.h>
 
@@ -333,6 +334,14 @@ int run_stage(const char* stage, const std::vector<runtime::ConfigKey>& keys, in
                          [name](const runtime::ConfigKey& key) { return key.name == name; });
     };
     if (has("trace-requests")) runtime::set_request_tracing(config.flag("trace-requests"));
+    // Every metric of the stage carries its model (a folder's name, a GGUF file's stem).
+    if (has("model") && !config.text("model").empty()) {
+      const std::filesystem::path model(config.text("model"));
+      const std::filesystem::path named = model.has_filename() ? model : model.parent_path();
+      runtime::Registry::set_process_labels(
+          {{"model",
+            named.extension() == ".gguf" ? named.stem().string() : named.filename().string()}});
+    }
     if (has("log-level")) {
       try {
         runtime::set_log_options(runtime::parse_log_level(config.text("log-level")),

@@ -132,17 +132,35 @@ Histogram& Registry::histogram(const std::string& name, const std::string& help,
   return *slot;
 }
 
+namespace {
+std::string& process_labels() {
+  static std::string rendered;  // "key="value",..." without braces; empty: none
+  return rendered;
+}
+
+std::string with_process_labels(const std::string& rendered) {
+  const std::string& extra = process_labels();
+  return extra.empty() ? rendered : with_label(rendered, extra);
+}
+}  // namespace
+
+void Registry::set_process_labels(const Labels& labels) {
+  const std::string rendered = render_labels(labels);
+  process_labels() = rendered.empty() ? "" : rendered.substr(1, rendered.size() - 2);
+}
+
 std::string Registry::render() const {
   std::lock_guard lock(mutex_);
   std::string out;
   for (const auto& [name, family] : families_) {
     out += "# HELP " + name + " " + escape_help(family.help) + "\n";
     out += "# TYPE " + name + " " + family.type + "\n";
-    for (const auto& [labels, counter] : family.counters)
-      out += name + labels + " " + format_number(counter->value()) + "\n";
-    for (const auto& [labels, gauge] : family.gauges)
-      out += name + labels + " " + format_number(gauge->value()) + "\n";
-    for (const auto& [labels, histogram] : family.histograms) {
+    for (const auto& [stored, counter] : family.counters)
+      out += name + with_process_labels(stored) + " " + format_number(counter->value()) + "\n";
+    for (const auto& [stored, gauge] : family.gauges)
+      out += name + with_process_labels(stored) + " " + format_number(gauge->value()) + "\n";
+    for (const auto& [stored, histogram] : family.histograms) {
+      const std::string labels = with_process_labels(stored);
       const std::vector<uint64_t> cumulative = histogram->cumulative();
       const auto& bounds = histogram->bounds();
       for (size_t i = 0; i <= bounds.size(); ++i) {

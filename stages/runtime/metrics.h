@@ -91,6 +91,9 @@ class Registry {
   // advance): exported from the start with its HELP and TYPE, so dashboards and alert rules find
   // it before anything has happened.
   void declare_counter(const MetricName& metric) { family(metric.name, "counter", metric.help); }
+  // Labels every sample of every registry of this process carries (the stage's model), set once
+  // at start before anything renders; the Prometheus convention that lets one query span models.
+  static void set_process_labels(const Labels& labels);
   std::string render() const;
 
  private:

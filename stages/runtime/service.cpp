@@ -92,6 +92,7 @@ void StageService::start_http(const std::string& address, const std::string& por
   server_->set_keep_alive_max_count(8);
   server_->set_keep_alive_timeout(2);
   server_->Get("/metrics", [this](const httplib::Request&, httplib::Response& response) {
+    process_metrics_.update();
     response.set_content(metrics.render(), "text/plain; version=0.0.4; charset=utf-8");
   });
   auto readiness = [this, health_detail](const httplib::Request&, httplib::Response& response) {

@@ -17,6 +17,7 @@
 
 #include "stages/runtime/log.h"
 #include "stages/runtime/metrics.h"
+#include "stages/runtime/process_metrics.h"
 
 namespace httplib {
 class Server;
@@ -101,6 +102,7 @@ class StageService {
   std::atomic<bool> ready_{false};
   int64_t watchdog_ms_ = 30000;
   RateLimited handler_error_log_;
+  ProcessMetrics process_metrics_{metrics};
 };
 
 // "moeline-<stage>-<hostname>-<pid>": unique per process, stable in logs.

@@ -111,7 +111,9 @@ class Stack:
         out = {}
         for family in text_string_to_metric_families(self.metrics_text(name)):
             for sample in family.samples:
-                out[(sample.name, frozenset(sample.labels.items()))] = sample.value
+                # Every sample carries the stage's model (one per stack): checks name the rest.
+                labels = frozenset((k, v) for k, v in sample.labels.items() if k != "model")
+                out[(sample.name, labels)] = sample.value
         return out
 
     def metric(self, name, sample, created_on_first_event=False, **labels):

@@ -413,7 +413,17 @@ def case_metrics(args):
             if stage in ("gateway", "prefill", "decode"):
                 kv = {s.labels.get("state") for s in families[f"moeline_{stage}_kv_blocks"].samples}
                 check(kv == {"used", "free"}, f"{name}: kv_blocks states {kv}")
-            print(f"ok metrics: {name} /metrics parses ({len(families)} families)")
+            # Conventions: every sample names the model, and the process metrics are there.
+            model = os.path.basename(os.path.normpath(args.model))
+            unlabelled = sorted({s.name for f in families.values() for s in f.samples
+                                 if s.labels.get("model") != model})
+            check(not unlabelled, f"{name}: samples without model={model}: {unlabelled[:5]}")
+            for family in ("process_cpu_seconds", "process_resident_memory_bytes",
+                           "process_open_fds", "process_start_time_seconds"):
+                check(family in families and families[family].samples[0].value > 0,
+                      f"{name}: {family} missing or zero")
+            print(f"ok metrics: {name} /metrics parses ({len(families)} families), every sample "
+                  "names the model, process metrics present")
             # What an orchestrator probes: alive (restart otherwise) and ready (route to it).
             for path, status in (("/livez", "alive"), ("/readyz", "ok"), ("/healthz", "ok")):
                 url = f"http://127.0.0.1:{stack.http_port(name)}{path}"

@@ -25,6 +25,7 @@
 #include "stages/runtime/config.h"
 #include "stages/runtime/log.h"
 #include "stages/runtime/metrics.h"
+#include "stages/runtime/process_metrics.h"
 #include "stages/runtime/service.h"
 
 namespace moeline::runtime {
@@ -367,6 +368,33 @@ TEST(Registry, RendersThePrometheusTextFormat) {
       "moeline_gateway_ttft_seconds_sum{stage=\"gateway\"} 12.75\n"
       "moeline_gateway_ttft_seconds_count{stage=\"gateway\"} 4\n";
   EXPECT_EQ(registry.render(), want);
+}
+
+// The process's labels (a stage's model) on every sample, declared families with no sample yet,
+// and the process metrics.
+TEST(Registry, ProcessLabelsDeclaredFamiliesAndProcessMetrics) {
+  Registry registry;
+  registry.counter("moeline_x_total", "X.").inc();
+  registry.histogram("moeline_y_seconds", "Y.", {1}, {{"stage", "s"}}).observe(0.5);
+  registry.declare_counter({"moeline_z_total", "Z, labelled when it happens."});
+  Registry::set_process_labels({{"model", "demo"}});
+  const std::string text = registry.render();
+  Registry::set_process_labels({});
+  EXPECT_NE(text.find("moeline_x_total{model=\"demo\"} 1\n"), std::string::npos) << text;
+  EXPECT_NE(text.find("moeline_y_seconds_bucket{stage=\"s\",model=\"demo\",le=\"1\"} 1\n"),
+            std::string::npos)
+      << text;
+  EXPECT_NE(text.find("moeline_y_seconds_count{stage=\"s\",model=\"demo\"} 1\n"), std::string::npos)
+      << text;
+  EXPECT_NE(text.find("# TYPE moeline_z_total counter\n"), std::string::npos) << text;
+  EXPECT_EQ(registry.render().find("model="), std::string::npos);  // reset
+
+  ProcessMetrics process(registry);
+  const std::string metrics = registry.render();
+  for (const char* name : {"process_cpu_seconds_total ", "process_resident_memory_bytes ",
+                           "process_open_fds ", "process_max_fds ", "process_start_time_seconds "})
+    EXPECT_NE(metrics.find(std::string("\n") + name), std::string::npos) << name;
+  EXPECT_EQ(metrics.find("process_resident_memory_bytes 0\n"), std::string::npos);
 }
 
 TEST(Registry, HistogramBucketsAreCumulativeAndInclusive) {
