@@ -432,6 +432,16 @@ class Client:
         """The next event of any request in flight. Raises TimeoutError (and reconnects)."""
         return self._wait(lambda e: True, timeout)
 
+    def poll_event(self, timeout: float = 0.0) -> Optional[Event]:
+        """The next event of any request in flight if one arrives within `timeout` seconds, else
+        None. Unlike next_event, silence is not taken for a dead gateway (the connection is kept):
+        for callers that multiplex, like the asyncio client's pump."""
+        if not self._backlog:
+            event = self._receive_one(time.monotonic() + timeout, silence_ok=True)
+            if event is not None:
+                return event
+        return self._backlog.popleft() if self._backlog else None
+
     @_request_signature
     def stream(self, prompt: Optional[str] = None, tokens: Optional[Sequence[int]] = None,
                **params) -> Iterator[Event]:
@@ -567,7 +577,7 @@ class Client:
                 return event
             self._backlog.append(event)
 
-    def _receive_one(self, deadline: float) -> Optional[Event]:
+    def _receive_one(self, deadline: float, silence_ok: bool = False) -> Optional[Event]:
         """Reads one message; returns an event of a live request, or None for anything else."""
         socket = self._require_socket()
         remaining = deadline - time.monotonic()
@@ -581,6 +591,8 @@ class Client:
             self._connection_lost()
             return None
         if socket not in ready:
+            if silence_ok:
+                return None
             self._reconnect()
             raise TimeoutError(f"no reply from {self.endpoint} within the timeout")
         message = decode_message(socket.recv_multipart())
