@@ -13,6 +13,7 @@
 #include <string>
 #include <vector>
 
+#include "base/suggest.h"
 #include "cli/args.h"
 #include "offload/expert_pool.h"
 #include "offload/trace.h"
@@ -136,7 +137,7 @@ int show(const std::vector<std::string>& args) {
     } else if (args[i] == "--json") {
       json = true;
     } else {
-      usage_error("unknown option '" + args[i] + "'");
+      usage_error("unknown option '" + args[i] + "'" + did_you_mean(args[i], flags_in(kUsage)));
     }
   }
   if (run_dir.empty()) usage_error("--run-dir is required");
@@ -240,7 +241,7 @@ int replay_command(const std::vector<std::string>& args) {
     } else if (args[i] == "--json") {
       json = true;
     } else {
-      usage_error("unknown option '" + args[i] + "'");
+      usage_error("unknown option '" + args[i] + "'" + did_you_mean(args[i], flags_in(kUsage)));
     }
   }
   if (trace_path.empty()) usage_error("--trace is required");

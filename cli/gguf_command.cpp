@@ -5,6 +5,7 @@
 
 #include <nlohmann/json.hpp>
 
+#include "base/suggest.h"
 #include "cli/npy.h"
 #include "model/gguf.h"
 
@@ -42,7 +43,8 @@ int gguf_command(int argc, char** argv) {
     } else if (!arg.empty() && arg[0] != '-' && path.empty()) {
       path = arg;
     } else {
-      std::cerr << "moeline gguf: unexpected argument '" << arg << "'\n" << kUsage;
+      std::cerr << kUsage << "moeline: error: unexpected argument '" << arg << "'"
+                << did_you_mean(arg, flags_in(kUsage)) << '\n';
       return 2;
     }
   }

@@ -9,6 +9,7 @@
 #include <string>
 #include <vector>
 
+#include "base/suggest.h"
 #include "stages/runtime/api_keys.h"
 #include "stages/runtime/config.h"
 #include "stages/runtime/security.h"
@@ -52,7 +53,7 @@ std::map<std::string, std::string> parse_flags(int argc, char** argv,
       if (i + 1 >= argc) throw ConfigError(flag + " needs a value");
       flags[name] = argv[++i];
     } else {
-      throw ConfigError("unknown option '" + flag + "'");
+      throw ConfigError("unknown option '" + flag + "'" + did_you_mean(flag, flags_in(kUsage)));
     }
   }
   return flags;

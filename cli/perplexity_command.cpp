@@ -1,5 +1,6 @@
 #include "cli/perplexity_command.h"
 
+#include <algorithm>
 #include <charconv>
 #include <cmath>
 #include <fstream>
@@ -10,6 +11,7 @@
 #include <thread>
 #include <vector>
 
+#include "base/suggest.h"
 #include "kernels/cpu/quant_matmul.h"
 #include "kernels/cpu/thread_pool.h"
 #include "model/forward.h"
@@ -46,7 +48,7 @@ struct Options {
 };
 
 int fail(const std::string& message) {
-  std::cerr << "moeline perplexity: " << message << '\n';
+  std::cerr << "moeline: error: " << message << '\n';
   return 2;
 }
 
@@ -82,6 +84,11 @@ int perplexity_command(int argc, char** argv) {
       options.json = true;
       continue;
     }
+    static const char* const kValued[] = {"--model",  "--text",    "--context",
+                                          "--chunks", "--threads", "--quant-math"};
+    if (std::find(std::begin(kValued), std::end(kValued), flag) == std::end(kValued))
+      return fail("unknown option '" + flag + "'" + did_you_mean(flag, flags_in(kUsage)) + "\n" +
+                  kUsage);
     if (i + 1 >= argc) return fail(flag + " needs a value\n" + kUsage);
     const std::string value = argv[++i];
     int64_t number = 0;
@@ -102,7 +109,8 @@ int perplexity_command(int argc, char** argv) {
         return fail("--quant-math must be exact or fast, not '" + value + "'");
       kernels::set_quant_math(math);
     } else {
-      return fail("unknown option " + flag + "\n" + kUsage);
+      return fail("unknown option '" + flag + "'" + did_you_mean(flag, flags_in(kUsage)) + "\n" +
+                  kUsage);
     }
   }
   if (options.model.empty() || options.text.empty()) return fail("--model and --text are needed");

@@ -4,6 +4,7 @@
 #include <iostream>
 #include <string>
 
+#include "base/suggest.h"
 #include "model/gguf_export.h"
 
 namespace moeline::cli {
@@ -32,16 +33,18 @@ int quantize_command(int argc, char** argv) {
       std::cout << kUsage;
       return 0;
     }
-    if (i + 1 >= argc || (flag != "--model" && flag != "--type" && flag != "--out")) {
-      std::cerr << "moeline quantize: "
-                << (i + 1 >= argc ? flag + " needs a value" : "unknown option " + flag) << "\n"
-                << kUsage;
+    const bool known = flag == "--model" || flag == "--type" || flag == "--out";
+    if (!known || i + 1 >= argc) {
+      std::cerr << kUsage << "moeline: error: "
+                << (known ? flag + " needs a value"
+                          : "unknown option '" + flag + "'" + did_you_mean(flag, flags_in(kUsage)))
+                << '\n';
       return 2;
     }
     (flag == "--model" ? model : flag == "--type" ? type : out) = argv[++i];
   }
   if (model.empty() || type.empty() || out.empty()) {
-    std::cerr << "moeline quantize: --model, --type and --out are needed\n" << kUsage;
+    std::cerr << kUsage << "moeline: error: --model, --type and --out are needed\n";
     return 2;
   }
   const auto start = std::chrono::steady_clock::now();

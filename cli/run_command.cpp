@@ -18,6 +18,7 @@
 #include <unistd.h>
 
 #include "base/environment.h"
+#include "base/suggest.h"
 #include "kernels/cpu/cpu_features.h"
 #include "kernels/cpu/quant_matmul.h"
 #include "kernels/cpu/thread_pool.h"
@@ -132,7 +133,8 @@ RunOptions parse(int argc, char** argv) {
   for (int i = 0; i < argc; ++i) {
     const std::string flag = argv[i];
     auto known = flags_with_value.find(flag);
-    if (known == flags_with_value.end()) throw UsageError("unknown option '" + flag + "'");
+    if (known == flags_with_value.end())
+      throw UsageError("unknown option '" + flag + "'" + did_you_mean(flag, flags_in(kUsage)));
     std::string value;
     if (known->second) {
       if (i + 1 >= argc) throw UsageError(flag + " needs a value");

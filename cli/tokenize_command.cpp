@@ -8,6 +8,7 @@
 #include <string>
 #include <vector>
 
+#include "base/suggest.h"
 #include "model/model_text.h"
 #include "tokenizer/chat_template.h"
 #include "tokenizer/tokenizer.h"
@@ -73,7 +74,8 @@ bool parse(int argc, char** argv, const char* flag_name, const char* usage, Args
     } else if (a == flag_name) {
       args.flag = true;
     } else {
-      std::cerr << "moeline: error: unexpected argument '" << a << "'\n" << usage;
+      std::cerr << usage << "moeline: error: unexpected argument '" << a << "'"
+                << did_you_mean(a, flags_in(usage)) << '\n';
       return false;
     }
   }
@@ -172,7 +174,8 @@ int chat_template_command(int argc, char** argv) {
     } else if (a == "--no-thinking") {
       options.enable_thinking = false;
     } else {
-      std::cerr << "moeline: error: unexpected argument '" << a << "'\n" << kChatTemplateUsage;
+      std::cerr << kChatTemplateUsage << "moeline: error: unexpected argument '" << a << "'"
+                << did_you_mean(a, flags_in(kChatTemplateUsage)) << '\n';
       return 2;
     }
   }

@@ -1,5 +1,5 @@
-// `moeline <command>`: one executable for every role. Today: `run`; the stage processes, `stack`,
-// `client` and `load` join with the pipeline issue.
+// `moeline <command>`: one executable for every role: the stage processes, the stack supervisor,
+// the load generator and the tools; every command parses --key value and --key=value alike.
 #include <cstring>
 #include <iostream>
 #include <string>
@@ -40,7 +40,7 @@ commands:
   gguf         what a GGUF file holds; a tensor dequantized to .npy (moeline gguf --help)
   perplexity   a model's perplexity on a text, as llama.cpp measures it (moeline perplexity --help)
   quantize     a checkpoint written as a (quantized) GGUF file (moeline quantize --help)
-  version      print the version
+  version      print the version (also --version)
 
 stage processes (each: moeline <stage> --help):
   gateway      client endpoint, tokenizer, request tracking; the hub the stages connect to
@@ -53,10 +53,44 @@ stage processes (each: moeline <stage> --help):
 
 }  // namespace
 
-int main(int argc, char** argv) {
+namespace {
+
+// Every command takes `--key value` and `--key=value` alike: the second is split here, once,
+// before any command's parser sees it ("--prompt=--x=1" keeps "--x=1" as the value).
+std::vector<std::string> split_key_values(int argc, char** argv) {
+  std::vector<std::string> args;
+  for (int i = 0; i < argc; ++i) {
+    const std::string arg = argv[i];
+    const size_t eq = arg.find('=');
+    const bool flag_name = arg.size() > 3 && arg.compare(0, 2, "--") == 0 &&
+                           eq != std::string::npos && eq > 2 &&
+                           arg.find_first_not_of("abcdefghijklmnopqrstuvwxyz0123456789-", 2) == eq;
+    if (i > 0 && flag_name) {
+      args.push_back(arg.substr(0, eq));
+      args.push_back(arg.substr(eq + 1));
+    } else {
+      args.push_back(arg);
+    }
+  }
+  return args;
+}
+
+}  // namespace
+
+int main(int raw_argc, char** raw_argv) {
+  std::vector<std::string> args = split_key_values(raw_argc, raw_argv);
+  std::vector<char*> pointers;
+  for (std::string& arg : args) pointers.push_back(arg.data());
+  pointers.push_back(nullptr);
+  const int argc = static_cast<int>(args.size());
+  char** argv = pointers.data();
   if (argc < 2 || std::strcmp(argv[1], "--help") == 0 || std::strcmp(argv[1], "help") == 0) {
     std::cout << kUsage;
     return argc < 2 ? 2 : 0;
+  }
+  if (std::strcmp(argv[1], "--version") == 0 || std::strcmp(argv[1], "version") == 0) {
+    std::cout << "moeline " << MOELINE_VERSION << '\n';
+    return 0;
   }
   const std::string command = argv[1];
   if (command == "run") return moeline::cli::run_command(argc - 2, argv + 2);
@@ -78,10 +112,6 @@ int main(int argc, char** argv) {
   if (command == "decode") return moeline::stages::decode_main(argc - 2, argv + 2);
   if (command == "offload") return moeline::stages::offload_main(argc - 2, argv + 2);
   if (command == "http") return moeline::stages::http_main(argc - 2, argv + 2);
-  if (command == "version") {
-    std::cout << "moeline 0.1.0\n";
-    return 0;
-  }
-  std::cerr << "moeline: error: unknown command '" << command << "'\n" << kUsage;
+  std::cerr << kUsage << "moeline: error: unknown command '" << command << "'\n";
   return 2;
 }

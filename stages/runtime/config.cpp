@@ -1,5 +1,6 @@
 #include "stages/runtime/config.h"
 #include "base/environment.h"
+#include "base/suggest.h"
 
 #include <cctype>
 #include <charconv>
@@ -35,6 +36,11 @@ Config Config::load(const std::string& stage, std::span<const ConfigKey> keys, i
                     char** argv) {
   Config config;
   std::map<std::string, const ConfigKey*> known;
+  auto known_flags = [&keys] {
+    std::vector<std::string> flags = {"--config", "--help"};
+    for (const ConfigKey& key : keys) flags.push_back("--" + key.name);
+    return flags;
+  };
   for (const ConfigKey& key : keys) {
     known[key.name] = &key;
     config.values_[key.name] = {key.default_value, "default"};
@@ -67,7 +73,9 @@ Config Config::load(const std::string& stage, std::span<const ConfigKey> keys, i
       continue;
     }
     auto it = known.find(name);
-    if (it == known.end()) throw ConfigError("unknown option '--" + name + "' for " + stage);
+    if (it == known.end())
+      throw ConfigError("unknown option '--" + name + "' for " + stage +
+                        did_you_mean("--" + name, known_flags()));
     if (!has_value) {
       if (it->second->is_switch) {
         value = "true";
@@ -89,16 +97,23 @@ Config Config::load(const std::string& stage, std::span<const ConfigKey> keys, i
       throw ConfigError("config file " + config_file + " is not valid JSON: " + e.what());
     }
     if (!file.is_object()) throw ConfigError("config file " + config_file + " must hold an object");
-    auto apply = [&](const nlohmann::json& object) {
+    // Top-level keys are shared by every stage (each takes those it has); a stage's own section
+    // names only its settings, so a key it does not have there is a mistake, not ignored.
+    auto apply = [&](const nlohmann::json& object, bool own_section) {
       for (auto& [raw_key, value] : object.items()) {
         if (value.is_object()) continue;  // another stage's section
         const std::string key = dashed(raw_key);
-        if (known.count(key)) config.values_[key] = {scalar_text(value), "file"};
+        if (known.count(key))
+          config.values_[key] = {scalar_text(value), "file"};
+        else if (own_section)
+          throw ConfigError("config file " + config_file + ": the \"" + stage +
+                            "\" section has no setting '" + raw_key + "'" +
+                            did_you_mean("--" + key, known_flags()));
       }
     };
-    apply(file);
+    apply(file, false);
     if (auto section = file.find(stage); section != file.end() && section->is_object())
-      apply(*section);
+      apply(*section, true);
   }
   for (const ConfigKey& key : keys) {
     if (const char* env = env::get_setting(env_name(key.name).c_str()); env != nullptr)
