@@ -63,6 +63,18 @@ ComputeWorker::ComputeWorker(const runtime::Config& config, const char* stage, w
   runtime::StageService::install_signal_handlers();
   service.set_watchdog_limit(std::chrono::milliseconds(config.integer("watchdog-ms")));
   configure_io_threads(context, config);
+  // The HTTP server first: /livez answers while the model loads, and /readyz says what the stage
+  // is doing (503 until it has joined the hub). Its detail reads only what is set before it or
+  // atomically.
+  device = config.text("device");
+  service.start_http(config.text("http"), config.text("port-file"), [this] {
+    // The HTTP thread: only what the loop published (ThreadSanitizer caught this reading the
+    // link and the plan flag while the loop set them).
+    return nlohmann::json{{"hub_accepted", health_hub_accepted_.load()},
+                          {"expert_plan", health_plan_received_.load()},
+                          {"device", device}};
+  });
+  service.set_phase("loading model");
   auto loaded = model::Model::load(config.text("model"));
   if (!loaded) throw std::runtime_error(loaded.error().message);
   model = std::move(*loaded);
@@ -74,7 +86,6 @@ ComputeWorker::ComputeWorker(const runtime::Config& config, const char* stage, w
   if (threads <= 0) threads = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
   pool = std::make_unique<kernels::ThreadPool>(threads);
   experts = std::make_unique<PlannedExperts>(*model);
-  device = config.text("device");
   device_expert_budget_ = config.text("device-expert-budget");
   if (device != "cpu" && device != "cuda") {
     const std::string index = device.rfind("cuda:", 0) == 0 ? device.substr(5) : "";
@@ -102,13 +113,7 @@ ComputeWorker::ComputeWorker(const runtime::Config& config, const char* stage, w
   const model::ModelConfig& cfg = model->config();
   usage =
       std::make_unique<ExpertUsageCounter>(cfg.num_layers, std::max<int64_t>(1, cfg.num_experts));
-  service.start_http(config.text("http"), config.text("port-file"), [this] {
-    // The HTTP thread: only what the loop published (ThreadSanitizer caught this reading the
-    // link and the plan flag while the loop set them).
-    return nlohmann::json{{"hub_accepted", health_hub_accepted_.load()},
-                          {"expert_plan", health_plan_received_.load()},
-                          {"device", device}};
-  });
+  service.set_phase("joining hub");
   link_settings_ = link_settings(config, kind, service.log.replica(), *model, service.http_port());
   link = std::make_unique<runtime::HubLink>(context, link_settings_, service.log, service.metrics);
   peers = std::make_unique<runtime::PeerSender>(context, link_settings_.curve_keys,

@@ -24,7 +24,9 @@ void on_signal(int signal) {
 }  // namespace
 
 StageService::StageService(std::string stage, std::string replica)
-    : log(std::move(stage), std::move(replica)), last_tick_ns_(now_ns()) {
+    : log(std::move(stage), std::move(replica)),
+      last_tick_ns_(now_ns()),
+      phase_since_ns_(now_ns()) {
   metrics.gauge("moeline_process_start_time_seconds", "Unix time the process started")
       .set(static_cast<double>(std::time(nullptr)));
   metrics.declare_counter(kHandlerErrors);
@@ -103,6 +105,11 @@ void StageService::start_http(const std::string& address, const std::string& por
                            {"loop_idle_ms", idle_ms},
                            {"pid", ::getpid()}};
     if (health_detail) body.update(health_detail());
+    if (!ready_.load()) {
+      body["phase"] = phase_.load();
+      body["phase_s"] =
+          static_cast<double>(now_ns() - phase_since_ns_.load(std::memory_order_relaxed)) / 1e9;
+    }
     const bool ok = healthy();
     body["status"] = ok ? "ok" : (ready_.load() && !alive() ? "stalled" : "starting");
     response.status = ok ? 200 : 503;

@@ -56,6 +56,13 @@ class StageService {
   }
   void set_watchdog_limit(std::chrono::milliseconds limit) { watchdog_ms_ = limit.count(); }
   void set_ready(bool ready) { ready_.store(ready); }
+  // What the stage is doing before it is ready ("loading model", "joining hub"): /readyz reports
+  // it, with the seconds spent in it, while it answers 503. A string literal (the HTTP thread
+  // reads it).
+  void set_phase(const char* phase) {
+    phase_since_ns_.store(now_ns(), std::memory_order_relaxed);
+    phase_.store(phase);
+  }
   bool healthy() const;
   // The loop has not been idle past the watchdog (or has not started yet).
   bool alive() const;
@@ -100,6 +107,8 @@ class StageService {
   std::atomic<int64_t> last_tick_ns_;
   std::atomic<bool> ticked_{false};
   std::atomic<bool> ready_{false};
+  std::atomic<const char*> phase_{"starting"};
+  std::atomic<int64_t> phase_since_ns_{0};
   int64_t watchdog_ms_ = 30000;
   RateLimited handler_error_log_;
   ProcessMetrics process_metrics_{metrics};

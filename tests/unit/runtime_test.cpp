@@ -562,6 +562,11 @@ TEST(StageHealth, LiveWhileStartingReadyOnceJoinedStalledPastTheWatchdog) {
   EXPECT_EQ(http_get(port, "/livez").first, 200);
   EXPECT_EQ(http_get(port, "/readyz").first, 503);
   EXPECT_NE(http_get(port, "/readyz").second.find("\"starting\""), std::string::npos);
+  // What it is doing meanwhile, and for how long.
+  service.set_phase("loading model");
+  const std::string loading = http_get(port, "/readyz").second;
+  EXPECT_NE(loading.find("\"phase\":\"loading model\""), std::string::npos) << loading;
+  EXPECT_NE(loading.find("\"phase_s\":"), std::string::npos) << loading;
   // The loop runs and the hub accepted it: both.
   service.tick();
   service.set_ready(true);
