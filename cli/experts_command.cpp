@@ -1,11 +1,11 @@
 #include "cli/experts_command.h"
 
 #include <unistd.h>
-#include <zlib.h>
 
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
+#include <ctime>
 #include <fstream>
 #include <iostream>
 #include <nlohmann/json.hpp>
@@ -15,6 +15,7 @@
 
 #include "base/suggest.h"
 #include "cli/args.h"
+#include "cli/picture.h"
 #include "offload/expert_pool.h"
 #include "offload/trace.h"
 #include "stages/stack/stack.h"
@@ -31,7 +32,8 @@ constexpr const char* kUsage =
            share of recent tokens each expert received as a heat map, the load imbalance
            (std/mean), the router's confidence (mean ln top-1/top-2) and its state
   --run-dir DIR   the stack's run directory (moeline stack up --run-dir)
-  --png FILE      also write the heat map as a PNG (a row per layer, a column per expert)
+  --png FILE      also write the heat map as a PNG: a row per MoE layer, a column per expert,
+                  titled with the model and the time window, with a colour scale
   --json          print the offload manager's router report as JSON instead
 
 replay     an expert access trace (moeline run --expert-trace FILE) against cache policies at
@@ -63,7 +65,7 @@ std::vector<std::string> split(const std::string& text) {
 }
 
 // A colour from dark blue (cold) to yellow (hot), t in [0, 1].
-std::array<uint8_t, 3> heat_colour(double t) {
+Rgb heat_colour(double t) {
   t = std::clamp(t, 0.0, 1.0);
   const double r = std::clamp(1.6 * t - 0.2, 0.0, 1.0), g = std::clamp(1.4 * t, 0.0, 0.9),
                b = std::clamp(0.5 - 0.6 * t, 0.0, 0.5) + 0.1 * (1 - t);
@@ -71,55 +73,61 @@ std::array<uint8_t, 3> heat_colour(double t) {
           static_cast<uint8_t>(255 * b)};
 }
 
-void put_u32(std::string& out, uint32_t v) {
-  for (int shift = 24; shift >= 0; shift -= 8)
-    out.push_back(static_cast<char>((v >> shift) & 0xff));
-}
-
-void png_chunk(std::string& out, const char* type, const std::string& data) {
-  put_u32(out, static_cast<uint32_t>(data.size()));
-  const std::string body = std::string(type, 4) + data;
-  out += body;
-  put_u32(out, static_cast<uint32_t>(crc32(0, reinterpret_cast<const Bytef*>(body.data()),
-                                           static_cast<uInt>(body.size()))));
-}
-
-// An RGB PNG of `rows` x `columns` cells of `cell` pixels, shaded by share[r][c] in [0, 1].
-bool write_png(const std::string& path, const std::vector<std::vector<double>>& share, int cell) {
+// The heat map as a picture: a row per MoE layer (labelled with its index), a column per expert,
+// each cell the expert's tokens as a share of the layer's busiest expert; a title with the model
+// and the time window, axis labels, and the colour scale.
+bool write_heat_map(const std::string& path, const std::vector<std::vector<double>>& share,
+                    const std::vector<size_t>& layer_index, const std::string& model,
+                    double decay) {
   const int rows = static_cast<int>(share.size());
   const int columns = rows ? static_cast<int>(share[0].size()) : 0;
   if (rows == 0 || columns == 0) return false;
-  const int width = columns * cell, height = rows * cell;
-  std::string raw;
-  raw.reserve(static_cast<size_t>(height) * (1 + 3 * static_cast<size_t>(width)));
-  for (int y = 0; y < height; ++y) {
-    raw.push_back(0);  // filter: none
-    for (int x = 0; x < width; ++x) {
-      const bool border = x % cell == 0 || y % cell == 0;
-      const auto rgb =
-          border ? std::array<uint8_t, 3>{40, 40, 40}
-                 : heat_colour(share[static_cast<size_t>(y / cell)][static_cast<size_t>(x / cell)]);
-      raw.append(reinterpret_cast<const char*>(rgb.data()), 3);
-    }
+  const int cell = std::clamp(1200 / columns, 6, 24);
+  const Rgb ink{230, 230, 230}, dim{150, 150, 150}, background{24, 24, 28};
+  char when[64];
+  const std::time_t now = std::time(nullptr);
+  std::strftime(when, sizeof when, "%Y-%m-%d %H:%M:%S UTC", std::gmtime(&now));
+  const std::string title = "expert routing: " + (model.empty() ? std::string("model") : model);
+  const int window = decay > 0 && decay < 1 ? static_cast<int>(std::lround(1 / (1 - decay))) : 0;
+  const std::string subtitle =
+      "tokens per expert / the layer's busiest expert; recent traffic" +
+      (window ? " (about the last " + std::to_string(window) + " reports)" : std::string()) + ", " +
+      when;
+  const int left = 16 + Picture::text_width("layer"), top = 56, right = 16, bottom = 84;
+  const int grid_width = columns * cell, grid_height = rows * cell;
+  const int width = std::max({left + grid_width + right, 16 + Picture::text_width(title, 2) + 16,
+                              16 + Picture::text_width(subtitle) + 16, left + 260 + right});
+  Picture picture(width, top + grid_height + bottom, background);
+  picture.text(16, 10, title, ink, 2);
+  picture.text(16, 32, subtitle, dim);
+  // Rows: the layer index at the left of each; the axis name above them.
+  picture.text(8, top - 12, "layer", dim);
+  for (int r = 0; r < rows; ++r) {
+    const std::string label = std::to_string(layer_index[static_cast<size_t>(r)]);
+    if (cell >= 8 || r % 4 == 0)
+      picture.text(left - 6 - Picture::text_width(label), top + r * cell + (cell - 7) / 2, label,
+                   ink);
+    for (int c = 0; c < columns; ++c)
+      picture.fill(left + c * cell + 1, top + r * cell + 1, cell - 1, cell - 1,
+                   heat_colour(share[static_cast<size_t>(r)][static_cast<size_t>(c)]));
   }
-  uLongf packed_size = compressBound(static_cast<uLong>(raw.size()));
-  std::string packed(packed_size, '\0');
-  if (compress2(reinterpret_cast<Bytef*>(packed.data()), &packed_size,
-                reinterpret_cast<const Bytef*>(raw.data()), static_cast<uLong>(raw.size()),
-                9) != Z_OK)
-    return false;
-  packed.resize(packed_size);
-  std::string png = "\x89PNG\r\n\x1a\n";
-  std::string header;
-  put_u32(header, static_cast<uint32_t>(width));
-  put_u32(header, static_cast<uint32_t>(height));
-  header += std::string("\x08\x02\x00\x00\x00", 5);  // 8-bit RGB, no interlace
-  png_chunk(png, "IHDR", header);
-  png_chunk(png, "IDAT", packed);
-  png_chunk(png, "IEND", "");
-  std::ofstream out(path, std::ios::binary);
-  out.write(png.data(), static_cast<std::streamsize>(png.size()));
-  return static_cast<bool>(out);
+  // Columns: every k-th expert's index below the grid, k so that the labels do not overlap.
+  const int label_every =
+      std::max(1, (Picture::text_width(std::to_string(columns - 1)) + 4 + cell - 1) / cell);
+  for (int c = 0; c < columns; c += label_every) {
+    const std::string label = std::to_string(c);
+    picture.text(left + c * cell + (cell - Picture::text_width(label)) / 2, top + grid_height + 4,
+                 label, ink);
+  }
+  picture.text(left, top + grid_height + 16, "expert", dim);
+  // The colour scale: 0 (no tokens) to 1 (the layer's busiest expert).
+  const int scale_y = top + grid_height + 34, scale_width = 240;
+  for (int x = 0; x < scale_width; ++x)
+    picture.fill(left + x, scale_y, 1, 12, heat_colour(static_cast<double>(x) / (scale_width - 1)));
+  picture.text(left, scale_y + 16, "0", ink);
+  picture.text(left + scale_width - Picture::text_width("1"), scale_y + 16, "1", ink);
+  picture.text(left + 16, scale_y + 16, "share of the layer's busiest expert", dim);
+  return picture.write_png(path);
 }
 
 int show(const std::vector<std::string>& args) {
@@ -215,7 +223,8 @@ int show(const std::vector<std::string>& args) {
                 pool.value("hit_ratio", 0.0), pool.value("loads", 0), pool.value("evictions", 0));
   }
   if (!png.empty()) {
-    if (!write_png(png, share, 24)) {
+    if (!write_heat_map(png, share, layer_index, detail.value("model", ""),
+                        detail.value("router_decay", 0.0))) {
       std::cerr << "moeline: error: cannot write " << png << '\n';
       return 1;
     }

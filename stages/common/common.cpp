@@ -245,6 +245,12 @@ void hand_back(runtime::HubLink& link, uint64_t request_id, uint32_t attempt) {
   send_job_failed(link, request_id, attempt, wire::ErrorCode::Draining, "the replica is draining");
 }
 
+std::string model_name(const std::string& path) {
+  const std::filesystem::path model(path);
+  const std::filesystem::path named = model.has_filename() ? model : model.parent_path();
+  return named.extension() == ".gguf" ? named.stem().string() : named.filename().string();
+}
+
 std::string default_model_dir() {
   if (const char* env = env::get(env::kModel); env != nullptr && *env != '\0') return env;
   return MOELINE_DEFAULT_MODEL;
@@ -334,14 +340,9 @@ int run_stage(const char* stage, const std::vector<runtime::ConfigKey>& keys, in
                          [name](const runtime::ConfigKey& key) { return key.name == name; });
     };
     if (has("trace-requests")) runtime::set_request_tracing(config.flag("trace-requests"));
-    // Every metric of the stage carries its model (a folder's name, a GGUF file's stem).
-    if (has("model") && !config.text("model").empty()) {
-      const std::filesystem::path model(config.text("model"));
-      const std::filesystem::path named = model.has_filename() ? model : model.parent_path();
-      runtime::Registry::set_process_labels(
-          {{"model",
-            named.extension() == ".gguf" ? named.stem().string() : named.filename().string()}});
-    }
+    // Every metric of the stage carries its model.
+    if (has("model") && !config.text("model").empty())
+      runtime::Registry::set_process_labels({{"model", model_name(config.text("model"))}});
     if (has("log-level")) {
       try {
         runtime::set_log_options(runtime::parse_log_level(config.text("log-level")),

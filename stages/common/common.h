@@ -109,6 +109,8 @@ void hand_back(runtime::HubLink& link, uint64_t request_id, uint32_t attempt);
 
 // The model folder a stage uses when --model is not given.
 std::string default_model_dir();
+// A model's name for labels and titles: its folder's name, or a GGUF file's stem.
+std::string model_name(const std::string& path);
 
 // Runs a stage's main under the shared error handling: a ConfigError prints the usage and exits
 // 2; any other exception logs and exits 1.

@@ -335,6 +335,8 @@ int offload_body(const runtime::Config& config) {
           {"layer_hits", s.layer_hits}, {"layer_misses", s.layer_misses}};
     }
     detail["router"] = health.json();
+    detail["router_decay"] = offload_settings.router_health.decay;
+    detail["model"] = model_name(config.text("model"));
     return detail;
   });
   auto& metrics = service.metrics;
