@@ -324,6 +324,33 @@ def _parse_stream_event(body: bytes) -> Event:
                  error_code=e.ErrorCode(), error_message=_text(e.ErrorMessage()))
 
 
+class _Collected:
+    """One request's events gathered into its Result (Client.generate and AsyncClient.generate)."""
+
+    def __init__(self) -> None:
+        self.ids: List[int] = []
+        self.logprobs: List[Dict[str, object]] = []
+        self.text: List[str] = []
+        self.request_id = 0
+
+    def add(self, event: Event) -> Optional[Result]:
+        """The Result once the "finished" event arrives; raises GenerateError on an error event."""
+        self.request_id = event.request_id or self.request_id
+        if event.kind == "delta":
+            self.ids.extend(event.token_ids)
+            self.logprobs.extend(event.logprobs)
+            self.text.append(event.text)
+        elif event.kind == "error":
+            raise GenerateError(event.error_code, event.error_message, event.client_request_id)
+        elif event.kind == "finished":
+            self.text.append(event.text)  # text held back until the end (an incomplete character)
+            return Result(ids=self.ids, text="".join(self.text), finish_reason=event.finish_reason,
+                          usage=event.usage or {}, timings=event.timings or {},
+                          request_id=self.request_id, client_request_id=event.client_request_id,
+                          logprobs=self.logprobs)
+        return None
+
+
 def _request_signature(method):
     # start, stream and generate forward **params to encode_generate; this shows help() and IDEs
     # the real parameter list instead of **params.
@@ -464,24 +491,11 @@ class Client:
     def generate(self, prompt: Optional[str] = None, tokens: Optional[Sequence[int]] = None,
                  **params) -> Result:
         """Runs one request to the end. Raises GenerateError on an error event."""
-        ids: List[int] = []
-        logprobs: List[Dict[str, object]] = []
-        text: List[str] = []
-        request_id = 0
+        collected = _Collected()
         for event in self.stream(prompt, tokens, **params):
-            request_id = event.request_id or request_id
-            if event.kind == "delta":
-                ids.extend(event.token_ids)
-                logprobs.extend(event.logprobs)
-                text.append(event.text)
-            elif event.kind == "error":
-                raise GenerateError(event.error_code, event.error_message, event.client_request_id)
-            elif event.kind == "finished":
-                text.append(event.text)  # text held back until the end (an incomplete character)
-                return Result(ids=ids, text="".join(text), finish_reason=event.finish_reason,
-                              usage=event.usage or {}, timings=event.timings or {},
-                              request_id=request_id, client_request_id=event.client_request_id,
-                              logprobs=logprobs)
+            result = collected.add(event)
+            if result is not None:
+                return result
         raise ProtocolError("stream ended without a finished event")  # unreachable by contract
 
     def cancel(self, client_request_id: int) -> None:

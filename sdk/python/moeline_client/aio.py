@@ -15,9 +15,9 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
-from typing import AsyncIterator, Dict, List, Optional, Sequence
+from typing import AsyncIterator, Dict, Optional, Sequence
 
-from . import Client, Event, GenerateError, ProtocolError, Result
+from . import Client, Event, ProtocolError, Result, _Collected
 
 # How long the pump holds the worker thread per poll: the most a start() or control() waits.
 _POLL_SECONDS = 0.01
@@ -118,24 +118,11 @@ class AsyncClient:
                        tokens: Optional[Sequence[int]] = None, **params) -> Result:
         """Runs one request to the end (Client.generate's parameters). Raises GenerateError on an
         error event."""
-        ids: List[int] = []
-        text: List[str] = []
-        logprobs: List[Dict[str, object]] = []
-        request_id = 0
+        collected = _Collected()
         async for event in self.stream(prompt, tokens, **params):
-            request_id = event.request_id or request_id
-            if event.kind == "delta":
-                ids.extend(event.token_ids)
-                logprobs.extend(event.logprobs)
-                text.append(event.text)
-            elif event.kind == "error":
-                raise GenerateError(event.error_code, event.error_message, event.client_request_id)
-            elif event.kind == "finished":
-                text.append(event.text)
-                return Result(ids=ids, text="".join(text), finish_reason=event.finish_reason,
-                              usage=event.usage or {}, timings=event.timings or {},
-                              request_id=request_id, client_request_id=event.client_request_id,
-                              logprobs=logprobs)
+            result = collected.add(event)
+            if result is not None:
+                return result
         raise ProtocolError("stream ended without a finished event")
 
     async def cancel(self, client_request_id: int) -> None:
