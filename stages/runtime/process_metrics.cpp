@@ -43,14 +43,18 @@ void ProcessMetrics::update() {
       threads_.set(std::stod(fields[17]));
       virtual_bytes_.set(std::stod(fields[20]));
       resident_bytes_.set(std::stod(fields[21]) * page);
-      // starttime (field 22) is in ticks after boot; boot time from /proc/stat's btime.
-      std::ifstream boot("/proc/stat");
-      for (std::string key; boot >> key;) {
-        if (key == "btime") {
-          double btime = 0;
-          boot >> btime;
-          start_time_.set(btime + std::stod(fields[19]) / ticks);
-          break;
+      // starttime (field 22) is in ticks after boot; boot time from /proc/stat's btime. It does
+      // not change: read once, not on every scrape.
+      if (!start_time_known_) {
+        std::ifstream boot("/proc/stat");
+        for (std::string key; boot >> key;) {
+          if (key == "btime") {
+            double btime = 0;
+            boot >> btime;
+            start_time_.set(btime + std::stod(fields[19]) / ticks);
+            start_time_known_ = true;
+            break;
+          }
         }
       }
     }

@@ -19,6 +19,7 @@ class ProcessMetrics {
   Gauge &resident_bytes_, &virtual_bytes_, &open_fds_, &max_fds_, &threads_, &start_time_;
   std::mutex mutex_;  // scrapes may overlap: the CPU counter's last reading is shared
   double last_cpu_seconds_ = 0;
+  bool start_time_known_ = false;
 };
 
 }  // namespace moeline::runtime
