@@ -24,7 +24,10 @@ inline constexpr Variable kApiKey{"MOELINE_API_KEY", "the API key `moeline clien
 inline constexpr Variable kServerKey{
     "MOELINE_SERVER_KEY", "the gateway's public Curve key for `moeline client` (enables Curve)"};
 
-inline constexpr Variable kAll[] = {kModel, kKernels, kEndpoint, kApiKey, kServerKey};
+inline constexpr Variable kTerm{
+    "TERM", "TERM=dumb turns off the progress line drawn on a terminal (base/progress.h)"};
+
+inline constexpr Variable kAll[] = {kModel, kKernels, kEndpoint, kApiKey, kServerKey, kTerm};
 
 // The variable's value; nullptr when it is not set.
 const char* get(const Variable& variable);

@@ -11,6 +11,7 @@
 #include <thread>
 #include <vector>
 
+#include "base/progress.h"
 #include "base/suggest.h"
 #include "kernels/cpu/quant_matmul.h"
 #include "kernels/cpu/thread_pool.h"
@@ -125,7 +126,9 @@ int perplexity_command(int argc, char** argv) {
   if (!encoded) return fail(options.text + ": " + encoded.error().message);
   const std::vector<int32_t>& tokens = *encoded;
 
-  auto loaded = model::Model::load(options.model);
+  // The progress line is erased when the load returns (the end of this statement).
+  auto loaded =
+      model::Model::load(options.model, TerminalProgress("loading model", "layers").callback());
   if (!loaded) return fail(loaded.error().message);
   const model::Model& model = **loaded;
   const model::ModelConfig& config = model.config();

@@ -3,6 +3,7 @@
 #include <zlib.h>
 
 #include <algorithm>
+#include <cstdlib>
 #include <fstream>
 
 namespace moeline::cli {
@@ -71,6 +72,26 @@ void Picture::fill(int x, int y, int w, int h, Rgb colour) {
     for (int column = x0; column < x1; ++column)
       std::copy(colour.begin(), colour.end(),
                 pixels_.begin() + (static_cast<ptrdiff_t>(row) * width_ + column) * 3);
+}
+
+void Picture::line(int x0, int y0, int x1, int y1, Rgb colour, int thickness) {
+  // Bresenham: one square of the thickness per step along the longer axis.
+  const int dx = std::abs(x1 - x0), dy = -std::abs(y1 - y0);
+  const int sx = x0 < x1 ? 1 : -1, sy = y0 < y1 ? 1 : -1;
+  const int offset = (thickness - 1) / 2;
+  for (int error = dx + dy;;) {
+    fill(x0 - offset, y0 - offset, thickness, thickness, colour);
+    if (x0 == x1 && y0 == y1) break;
+    const int twice = 2 * error;
+    if (twice >= dy) {
+      error += dy;
+      x0 += sx;
+    }
+    if (twice <= dx) {
+      error += dx;
+      y0 += sy;
+    }
+  }
 }
 
 int Picture::text(int x, int y, const std::string& text, Rgb colour, int scale) {

@@ -17,6 +17,8 @@ class Picture {
   int width() const { return width_; }
   int height() const { return height_; }
   void fill(int x, int y, int w, int h, Rgb colour);  // clipped to the picture
+  // A straight line from (x0, y0) to (x1, y1), `thickness` pixels wide; clipped.
+  void line(int x0, int y0, int x1, int y1, Rgb colour, int thickness = 1);
   // Printable ASCII at (x, y) (its top left), each glyph 5x7 pixels times `scale` with one
   // column of spacing; other characters draw as '?'. Returns the width drawn.
   int text(int x, int y, const std::string& text, Rgb colour, int scale = 1);

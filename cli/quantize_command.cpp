@@ -4,6 +4,7 @@
 #include <iostream>
 #include <string>
 
+#include "base/progress.h"
 #include "base/suggest.h"
 #include "model/gguf_export.h"
 
@@ -48,7 +49,8 @@ int quantize_command(int argc, char** argv) {
     return 2;
   }
   const auto start = std::chrono::steady_clock::now();
-  auto report = model::export_gguf(model, out, type);
+  auto report = model::export_gguf(model, out, type,
+                                   TerminalProgress("quantizing to " + type, "tensors").callback());
   if (!report) {
     std::cerr << "moeline quantize: " << report.error().message << '\n';
     return 1;

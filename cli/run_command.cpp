@@ -18,6 +18,7 @@
 #include <unistd.h>
 
 #include "base/environment.h"
+#include "base/progress.h"
 #include "base/suggest.h"
 #include "kernels/cpu/cpu_features.h"
 #include "kernels/cpu/quant_matmul.h"
@@ -257,7 +258,9 @@ int run_command(int argc, char** argv) {
   }
 
   const auto load_start = std::chrono::steady_clock::now();
-  auto loaded = model::Model::load(options.model_dir);
+  // The progress line is erased when the load returns (the end of this statement).
+  auto loaded =
+      model::Model::load(options.model_dir, TerminalProgress("loading model", "layers").callback());
   if (!loaded) return fail(loaded.error().message, 2);
   const model::Model& model = **loaded;
   const model::ModelConfig& config = model.config();

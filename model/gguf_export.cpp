@@ -588,7 +588,7 @@ const char* gguf_export_types() {
 }
 
 Expected<GgufExportReport> export_gguf(const fs::path& checkpoint_dir, const fs::path& out,
-                                       const std::string& type) {
+                                       const std::string& type, const Progress& progress) {
   try {
     const auto choice = type_choice(type);
     if (!choice)
@@ -645,6 +645,7 @@ Expected<GgufExportReport> export_gguf(const fs::path& checkpoint_dir, const fs:
       const std::vector<char> pad((kAlignment - bytes % kAlignment) % kAlignment, 0);
       file.write(pad.data(), static_cast<std::streamsize>(pad.size()));
       ++report.tensors;
+      if (progress) progress(report.tensors, static_cast<int64_t>(plan.size()));
     }
     file.close();
     if (!file) return Error{out.string() + ": write failed (disk full?)", StatusCode::kIoError};

@@ -14,6 +14,7 @@
 #include <filesystem>
 #include <string>
 
+#include "base/progress.h"
 #include "base/status.h"
 
 namespace moeline::model {
@@ -28,7 +29,9 @@ struct GgufExportReport {
 // The type names `export_gguf` takes.
 const char* gguf_export_types();
 
+// `progress` hears the tensors written so far.
 Expected<GgufExportReport> export_gguf(const std::filesystem::path& checkpoint,
-                                       const std::filesystem::path& out, const std::string& type);
+                                       const std::filesystem::path& out, const std::string& type,
+                                       const Progress& progress = {});
 
 }  // namespace moeline::model

@@ -152,7 +152,8 @@ std::vector<std::byte> transpose_key_rows(const MatrixView& kv_b, int64_t heads,
 
 }  // namespace
 
-Expected<std::unique_ptr<Model>> Model::load(const std::filesystem::path& dir) {
+Expected<std::unique_ptr<Model>> Model::load(const std::filesystem::path& dir,
+                                             const Progress& progress) {
   try {
     std::unique_ptr<Model> model(new Model());
     model->dir_ = dir;
@@ -160,13 +161,13 @@ Expected<std::unique_ptr<Model>> Model::load(const std::filesystem::path& dir) {
       model->gguf_ = std::make_shared<const GgufFile>(GgufFile::open(dir));
       model->config_ = ModelConfig::from_gguf(*model->gguf_);
       model->checkpoint_ = Checkpoint::from_gguf(*model->gguf_);
-      model->load_weights(*arch::find_family(model->config_.model_type)->gguf_names);
+      model->load_weights(*arch::find_family(model->config_.model_type)->gguf_names, progress);
       model->model_id_ = model_id_of(model->gguf_->metadata().dump(), model->checkpoint_);
       return model;
     }
     model->config_ = ModelConfig::load(dir);
     model->checkpoint_ = Checkpoint::open(dir);
-    model->load_weights(*arch::find_family(model->config_.model_type)->names);
+    model->load_weights(*arch::find_family(model->config_.model_type)->names, progress);
     model->model_id_ = model_id_of(dir, model->checkpoint_);
     return model;
   } catch (const StatusError& e) {
@@ -176,7 +177,7 @@ Expected<std::unique_ptr<Model>> Model::load(const std::filesystem::path& dir) {
   }
 }
 
-void Model::load_weights(const arch::TensorNames& names) {
+void Model::load_weights(const arch::TensorNames& names, const Progress& progress) {
   const ModelConfig& c = config_;
   TensorBinder bind(checkpoint_, config_, derived_);
   const int64_t q_width = c.num_heads * c.head_dim;
@@ -191,6 +192,7 @@ void Model::load_weights(const arch::TensorNames& names) {
   layers_.resize(static_cast<size_t>(c.num_layers));
   experts_.resize(static_cast<size_t>(c.num_layers));
   for (int64_t l = 0; l < c.num_layers; ++l) {
+    if (progress) progress(l, c.num_layers);
     auto name = [l](std::string_view pattern, int64_t expert = -1) {
       return arch::tensor_name(pattern, l, expert);
     };
@@ -300,6 +302,7 @@ void Model::load_weights(const arch::TensorNames& names) {
     }
   }
   bind.finish();
+  if (progress) progress(c.num_layers, c.num_layers);
 }
 
 offload::ExpertCatalog Model::expert_catalog() const {

@@ -13,6 +13,7 @@
 #include <string>
 #include <vector>
 
+#include "base/progress.h"
 #include "base/status.h"
 #include "kernels/cpu/dtype.h"
 #include "model/config.h"
@@ -59,8 +60,10 @@ struct LayerWeights {
 
 class Model {
  public:
-  // A Hugging Face checkpoint folder (config.json, safetensors), or a GGUF file.
-  static Expected<std::unique_ptr<Model>> load(const std::filesystem::path& path);
+  // A Hugging Face checkpoint folder (config.json, safetensors), or a GGUF file. `progress`, when
+  // given, hears the layers bound so far (`moeline run` on a terminal, a stage's /readyz).
+  static Expected<std::unique_ptr<Model>> load(const std::filesystem::path& path,
+                                               const Progress& progress = {});
 
   const ModelConfig& config() const { return config_; }
   const LayerWeights& layer(int64_t index) const { return layers_[static_cast<size_t>(index)]; }
@@ -94,7 +97,7 @@ class Model {
 
  private:
   Model() = default;
-  void load_weights(const arch::TensorNames& names);
+  void load_weights(const arch::TensorNames& names, const Progress& progress);
 
   std::filesystem::path dir_;
   ModelConfig config_;

@@ -29,6 +29,7 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import gguf_writer as gw  # noqa: E402
+from terminal_progress import TerminalProgress  # noqa: E402
 
 ARCH = {"mixtral": "llama", "qwen3_moe": "qwen3moe", "deepseek_v2": "deepseek2",
         "deepseek_v3": "deepseek2"}
@@ -360,9 +361,11 @@ def convert(folder, out, type_name, legacy_mla=False):
     metadata += hparams(c, arch, legacy_mla) + tokenizer_keys(
         os.path.join(folder, "tokenizer.json"), os.path.join(folder, "tokenizer_config.json"))
     tensors = []
-    for name, array in tensor_plan(c, ckpt, legacy_mla):
-        kind = policy.of(name, array.shape)
-        tensors.append((name, kind, list(reversed(array.shape)), gw.quantize(kind, array)))
+    with TerminalProgress(f"quantizing to {type_name}", "tensors") as progress:
+        for name, array in tensor_plan(c, ckpt, legacy_mla):
+            kind = policy.of(name, array.shape)
+            tensors.append((name, kind, list(reversed(array.shape)), gw.quantize(kind, array)))
+            progress.update(len(tensors))
     gw.write_gguf(out, metadata, tensors)
     return {gw.NAMES[kind] for _, kind, _, _ in tensors}
 

@@ -75,7 +75,9 @@ ComputeWorker::ComputeWorker(const runtime::Config& config, const char* stage, w
                           {"device", device}};
   });
   service.set_phase("loading model");
-  auto loaded = model::Model::load(config.text("model"));
+  auto loaded = model::Model::load(config.text("model"), [this](int64_t done, int64_t total) {
+    service.set_phase_progress(done, total);
+  });
   if (!loaded) throw std::runtime_error(loaded.error().message);
   model = std::move(*loaded);
   service.log.info("model_loaded", {{"dir", config.text("model")},

@@ -7,8 +7,10 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <atomic>
 #include <chrono>
 #include <cmath>
+#include <condition_variable>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
@@ -19,11 +21,13 @@
 #include <random>
 #include <thread>
 
+#include "base/progress.h"
 #include "model/kv_cache.h"
 #include "model/model.h"
 #include "schemas/vocabulary.h"
 #include "sdk/client.h"
 #include "stages/common/common.h"
+#include "stages/load/latency_plot.h"
 #include "stages/runtime/config.h"
 #include "stages/runtime/hub.h"
 
@@ -37,30 +41,71 @@ double ms(Clock::duration d) {
   return std::chrono::duration<double, std::milli>(d).count();
 }
 
+// Requests finished so far, counted where every driver thread can add and the terminal's
+// progress line can read.
+struct Tally {
+  std::atomic<uint64_t> completed{0}, errors{0};
+};
+
 struct Samples {
-  std::vector<double> ttft_ms, tpot_ms, e2e_ms;
+  Clock::time_point origin;  // the start of the run: each sample's time is taken from it
+  Tally* tally = nullptr;
+  std::vector<TimedSample> ttft, tpot;
+  std::vector<double> e2e_ms;
   uint64_t started = 0, completed = 0, errors = 0, prompt_tokens = 0, output_tokens = 0;
   std::map<std::string, uint64_t> error_kinds;  // what each error was, counted
+  Samples(Clock::time_point start, Tally* shared) : origin(start), tally(shared) {}
+  void first_token(Clock::time_point at, double latency_ms) {
+    ttft.push_back({std::chrono::duration<double>(at - origin).count(), latency_ms});
+  }
+  void next_token(Clock::time_point at, double gap_ms) {
+    tpot.push_back({std::chrono::duration<double>(at - origin).count(), gap_ms});
+  }
+  void finished(double e2e) {
+    ++completed;
+    e2e_ms.push_back(e2e);
+    if (tally) ++tally->completed;
+  }
   void error(const std::string& kind) {
     ++errors;
     ++error_kinds[kind];
+    if (tally) ++tally->errors;
+  }
+  // When the last latency was taken, in seconds from the start.
+  double last_sample_s() const {
+    double last = 0;
+    for (const auto* samples : {&ttft, &tpot})
+      for (const TimedSample& sample : *samples) last = std::max(last, sample.at_s);
+    return last;
+  }
+  void add(const Samples& other) {
+    started += other.started;
+    completed += other.completed;
+    errors += other.errors;
+    for (const auto& [kind, count] : other.error_kinds) error_kinds[kind] += count;
+    prompt_tokens += other.prompt_tokens;
+    output_tokens += other.output_tokens;
+    ttft.insert(ttft.end(), other.ttft.begin(), other.ttft.end());
+    tpot.insert(tpot.end(), other.tpot.begin(), other.tpot.end());
+    e2e_ms.insert(e2e_ms.end(), other.e2e_ms.begin(), other.e2e_ms.end());
   }
 };
+
+std::vector<double> latencies(const std::vector<TimedSample>& samples) {
+  std::vector<double> values;
+  values.reserve(samples.size());
+  for (const TimedSample& s : samples) values.push_back(s.ms);
+  return values;
+}
 
 nlohmann::json percentiles(std::vector<double> values) {
   if (values.empty()) return nullptr;
   std::sort(values.begin(), values.end());
-  auto at = [&](double q) {
-    const double index = q * static_cast<double>(values.size() - 1);
-    const auto lo = static_cast<size_t>(std::floor(index));
-    const auto hi = std::min(lo + 1, values.size() - 1);
-    return values[lo] + (values[hi] - values[lo]) * (index - static_cast<double>(lo));
-  };
   double sum = 0;
   for (double v : values) sum += v;
-  return {{"p50", at(0.5)},
-          {"p90", at(0.9)},
-          {"p99", at(0.99)},
+  return {{"p50", quantile(values, 0.5)},
+          {"p90", quantile(values, 0.9)},
+          {"p99", quantile(values, 0.99)},
           {"mean", sum / static_cast<double>(values.size())},
           {"count", values.size()}};
 }
@@ -94,6 +139,7 @@ std::vector<int32_t> synthetic_prompt(std::mt19937_64& rng, int64_t length, int6
 struct LoadOptions {
   std::string target, endpoint, model;
   std::string http;  // --http URL: the OpenAI-compatible front instead of the ZeroMQ client
+  std::string plot;  // --plot FILE.png
   int concurrency = 1;
   double rate = 0;
   double duration_s = 10;
@@ -105,6 +151,8 @@ struct LoadOptions {
   // Prompts differ from run to run unless a seed is given: the stack's snapshot store would
   // otherwise answer a repeated run from its cache.
   uint64_t seed = 0;
+  Clock::time_point origin = Clock::now();
+  Tally* tally = nullptr;
 };
 
 Samples drive_stack(const LoadOptions& o, int64_t vocab) {
@@ -117,7 +165,7 @@ Samples drive_stack(const LoadOptions& o, int64_t vocab) {
     size_t tokens = 0;
   };
   std::map<uint64_t, Live> live;
-  Samples s;
+  Samples s(Clock::now(), o.tally);
   const auto end = Clock::now() + std::chrono::duration_cast<Clock::duration>(
                                       std::chrono::duration<double>(o.duration_s));
   const auto timeout = std::chrono::duration_cast<Clock::duration>(
@@ -153,17 +201,16 @@ Samples drive_stack(const LoadOptions& o, int64_t vocab) {
     const auto t = Clock::now();
     if (event->kind == sdk::EventKind::kDelta) {
       if (!l.first) {
-        s.ttft_ms.push_back(ms(t - l.start));
+        s.first_token(t, ms(t - l.start));
         l.first = true;
       } else {
-        s.tpot_ms.push_back(ms(t - l.last));
+        s.next_token(t, ms(t - l.last));
       }
       l.last = t;
       l.tokens += event->token_ids.size();
     } else if (event->terminal()) {
       if (event->kind == sdk::EventKind::kFinished) {
-        ++s.completed;
-        s.e2e_ms.push_back(ms(t - l.start));
+        s.finished(ms(t - l.start));
         s.output_tokens += l.tokens;
       } else {
         s.error(event->error_name.empty() ? "error" : event->error_name);
@@ -182,7 +229,7 @@ Samples drive_http(const LoadOptions& o, int64_t vocab) {
   const auto colon = o.http.find("://");
   const std::string base = colon == std::string::npos ? "http://" + o.http : o.http;
   std::mutex mutex;
-  Samples total;
+  Samples total(Clock::now(), o.tally);
   const auto end = Clock::now() + std::chrono::duration_cast<Clock::duration>(
                                       std::chrono::duration<double>(o.duration_s));
   auto worker = [&](uint64_t seed) {
@@ -195,7 +242,7 @@ Samples drive_http(const LoadOptions& o, int64_t vocab) {
     if (!o.credentials.api_key.empty())
       headers.emplace("Authorization", "Bearer " + o.credentials.api_key);
     std::mt19937_64 rng(seed);
-    Samples s;
+    Samples s(Clock::now(), o.tally);
     while (Clock::now() < end) {
       const nlohmann::json body = {{"prompt", synthetic_prompt(rng, o.prompt_tokens, vocab)},
                                    {"max_tokens", o.max_tokens},
@@ -233,10 +280,10 @@ Samples drive_http(const LoadOptions& o, int64_t vocab) {
             continue;
           }
           if (!first) {
-            s.ttft_ms.push_back(ms(t - start));
+            s.first_token(t, ms(t - start));
             first = true;
           } else {
-            s.tpot_ms.push_back(ms(t - last));
+            s.next_token(t, ms(t - last));
           }
           last = t;
         }
@@ -251,20 +298,11 @@ Samples drive_http(const LoadOptions& o, int64_t vocab) {
                                         : std::string("error event in the stream"));
         continue;
       }
-      ++s.completed;
-      s.e2e_ms.push_back(ms(Clock::now() - start));
+      s.finished(ms(Clock::now() - start));
       s.output_tokens += tokens;
     }
     std::lock_guard lock(mutex);
-    total.started += s.started;
-    total.completed += s.completed;
-    total.errors += s.errors;
-    for (const auto& [kind, count] : s.error_kinds) total.error_kinds[kind] += count;
-    total.prompt_tokens += s.prompt_tokens;
-    total.output_tokens += s.output_tokens;
-    total.ttft_ms.insert(total.ttft_ms.end(), s.ttft_ms.begin(), s.ttft_ms.end());
-    total.tpot_ms.insert(total.tpot_ms.end(), s.tpot_ms.begin(), s.tpot_ms.end());
-    total.e2e_ms.insert(total.e2e_ms.end(), s.e2e_ms.begin(), s.e2e_ms.end());
+    total.add(s);
   };
   std::vector<std::thread> threads;
   for (int i = 0; i < o.concurrency; ++i)
@@ -394,7 +432,7 @@ Samples drive_stage_loop(const LoadOptions& o, const model::Model& model, StageU
   };
   std::map<uint64_t, Live> live;
   uint64_t next_id = 1;
-  Samples s;
+  Samples s(Clock::now(), o.tally);
   const auto end = Clock::now() + std::chrono::duration_cast<Clock::duration>(
                                       std::chrono::duration<double>(o.duration_s));
   while (Clock::now() < end || !live.empty()) {
@@ -445,9 +483,8 @@ Samples drive_stage_loop(const LoadOptions& o, const model::Model& model, StageU
         const auto* done = message.as<wire::PrefillDone>();
         auto it = live.find(done->request_id());
         if (it == live.end()) continue;
-        s.ttft_ms.push_back(ms(t - it->second.start));
-        s.e2e_ms.push_back(ms(t - it->second.start));
-        ++s.completed;
+        s.first_token(t, ms(t - it->second.start));
+        s.finished(ms(t - it->second.start));
         ++s.output_tokens;
         live.erase(it);
       } else if (message.type == wire::MessageType::TokenBatch) {
@@ -457,15 +494,14 @@ Samples drive_stage_loop(const LoadOptions& o, const model::Model& model, StageU
           if (it == live.end()) continue;
           Live& l = it->second;
           if (l.tokens == 0)
-            s.ttft_ms.push_back(ms(t - l.start));
+            s.first_token(t, ms(t - l.start));
           else
-            s.tpot_ms.push_back(ms(t - l.last));
+            s.next_token(t, ms(t - l.last));
           l.last = t;
           ++l.tokens;
           if (wire::finish_reason_of(*update) != wire::FinishReason::None) {
-            s.e2e_ms.push_back(ms(t - l.start));
+            s.finished(ms(t - l.start));
             s.output_tokens += static_cast<uint64_t>(l.tokens);
-            ++s.completed;
             live.erase(it);
           }
         }
@@ -478,11 +514,56 @@ Samples drive_stage_loop(const LoadOptions& o, const model::Model& model, StageU
   return s;
 }
 
+// "rate 4/s" or "concurrency 8".
+std::string load_text(const LoadOptions& o) {
+  char rate_text[64];
+  std::snprintf(rate_text, sizeof rate_text, "rate %g/s", o.rate);
+  return o.rate > 0 ? rate_text : "concurrency " + std::to_string(o.concurrency);
+}
+
+// On a terminal, a line that follows the run ("load  40% (4/10 s), 812 done, 0 errors"), redrawn
+// by a thread of its own while the drivers work.
+class RunProgress {
+ public:
+  RunProgress(const LoadOptions& o, const Tally& tally) : line_("load", "s") {
+    if (!line_.enabled()) return;
+    thread_ = std::thread([this, &o, &tally] {
+      const auto total = static_cast<int64_t>(std::ceil(o.duration_s));
+      std::unique_lock lock(mutex_);
+      while (!stop_) {
+        const double elapsed = std::chrono::duration<double>(Clock::now() - o.origin).count();
+        line_.update(std::min(static_cast<int64_t>(elapsed), total), total,
+                     std::to_string(tally.completed.load()) + " done, " +
+                         std::to_string(tally.errors.load()) + " errors" +
+                         (elapsed > o.duration_s ? ", finishing those in flight" : ""));
+        wake_.wait_for(lock, std::chrono::milliseconds(200));
+      }
+    });
+  }
+  ~RunProgress() {
+    {
+      std::lock_guard lock(mutex_);
+      stop_ = true;
+    }
+    wake_.notify_all();
+    if (thread_.joinable()) thread_.join();
+    line_.finish();
+  }
+
+ private:
+  TerminalProgress line_;
+  std::mutex mutex_;
+  std::condition_variable wake_;
+  bool stop_ = false;
+  std::thread thread_;
+};
+
 int load_body(const runtime::Config& config) {
   LoadOptions o;
   o.target = config.text("target");
   o.endpoint = config.text("endpoint");
   o.http = config.text("http");
+  o.plot = config.text("plot");
   o.model = config.text("model");
   o.concurrency = static_cast<int>(config.integer("concurrency"));
   o.rate = config.number("rate");
@@ -504,7 +585,7 @@ int load_body(const runtime::Config& config) {
   if (o.rate < 0 || o.duration_s <= 0 || o.prompt_tokens < 1 || o.max_tokens < 1)
     throw runtime::ConfigError(
         "--rate >= 0, --duration-s > 0, --prompt-tokens and --max-tokens >= 1");
-  auto loaded = model::Model::load(o.model);
+  auto loaded = model::Model::load(o.model, TerminalProgress("loading model", "layers").callback());
   if (!loaded) throw std::runtime_error(loaded.error().message);
   const model::Model& model = **loaded;
   const int64_t context = model.config().max_position_embeddings;
@@ -518,11 +599,16 @@ int load_body(const runtime::Config& config) {
   if (o.target == "stack" && o.endpoint.empty() && o.http.empty())
     throw runtime::ConfigError("--endpoint (or --http URL) is required for --target stack");
 
-  const auto start = Clock::now();
-  Samples s = !o.http.empty()       ? drive_http(o, model.config().vocab_size)
-              : o.target == "stack" ? drive_stack(o, model.config().vocab_size)
-                                    : drive_stage(o, model);
-  const double elapsed = std::chrono::duration<double>(Clock::now() - start).count();
+  Tally tally;
+  o.tally = &tally;
+  o.origin = Clock::now();
+  Samples s = [&] {
+    RunProgress progress(o, tally);
+    return !o.http.empty()       ? drive_http(o, model.config().vocab_size)
+           : o.target == "stack" ? drive_stack(o, model.config().vocab_size)
+                                 : drive_stage(o, model);
+  }();
+  const double elapsed = std::chrono::duration<double>(Clock::now() - o.origin).count();
   nlohmann::json out = {
       {"target", o.http.empty() ? o.target : "http"},
       {"concurrency", o.rate > 0 ? nlohmann::json(nullptr) : nlohmann::json(o.concurrency)},
@@ -538,18 +624,31 @@ int load_body(const runtime::Config& config) {
       {"requests_per_s", static_cast<double>(s.completed) / elapsed},
       {"prompt_tokens_per_s", static_cast<double>(s.prompt_tokens) / elapsed},
       {"output_tokens_per_s", static_cast<double>(s.output_tokens) / elapsed},
-      {"ttft_ms", percentiles(s.ttft_ms)},
-      {"tpot_ms", percentiles(s.tpot_ms)},
+      {"ttft_ms", percentiles(latencies(s.ttft))},
+      {"tpot_ms", percentiles(latencies(s.tpot))},
       {"e2e_ms", percentiles(s.e2e_ms)}};
+  if (!o.plot.empty()) {
+    char subtitle[192];
+    std::snprintf(subtitle, sizeof subtitle,
+                  "target %s, %s, prompt %lld tokens, %lld out; %llu requests, %llu errors",
+                  o.http.empty() ? o.target.c_str() : "http", load_text(o).c_str(),
+                  static_cast<long long>(o.prompt_tokens), static_cast<long long>(o.max_tokens),
+                  static_cast<unsigned long long>(s.started),
+                  static_cast<unsigned long long>(s.errors));
+    const LatencyPlot plot{.title = "moeline load: latency over time (" + model_name(o.model) + ")",
+                           .subtitle = subtitle,
+                           .duration_s = std::max(o.duration_s, s.last_sample_s()),
+                           .ttft = s.ttft,
+                           .per_token = s.tpot};
+    if (!write_latency_plot(o.plot, plot))
+      throw std::runtime_error("--plot: cannot write " + o.plot);
+    out["plot"] = o.plot;
+  }
   if (o.json) {
     std::cout << out.dump() << '\n';
   } else {
-    char rate_text[64];
-    std::snprintf(rate_text, sizeof rate_text, "rate %g/s", o.rate);
-    const std::string load_text =
-        o.rate > 0 ? rate_text : "concurrency " + std::to_string(o.concurrency);
     std::printf("target %s, %s, %.1f s, prompt %lld tokens, up to %lld output tokens\n",
-                o.target.c_str(), load_text.c_str(), elapsed,
+                o.target.c_str(), load_text(o).c_str(), elapsed,
                 static_cast<long long>(o.prompt_tokens), static_cast<long long>(o.max_tokens));
     std::printf(
         "requests %llu completed %llu errors %llu | %.2f req/s, %.1f prompt tok/s, %.1f "
@@ -593,6 +692,8 @@ std::vector<runtime::ConfigKey> load_keys() {
        "a request not finished this long after it started is its deadline: cancelled and "
        "counted as an error (the run never waits longer)"},
       {"json", "false", "print one JSON object", true},
+      {"plot", "",
+       "FILE.png: draw time to first token and per-token latency (p50, p90, p99) over the run"},
       {"seed", "0",
        "seed of the synthetic prompts (0: a new one each run, so that the stack's "
        "snapshot store cannot answer a repeated run from its cache)"},

@@ -109,6 +109,13 @@ void StageService::start_http(const std::string& address, const std::string& por
       body["phase"] = phase_.load();
       body["phase_s"] =
           static_cast<double>(now_ns() - phase_since_ns_.load(std::memory_order_relaxed)) / 1e9;
+      const int64_t done = phase_done_.load(std::memory_order_relaxed);
+      const int64_t total = phase_total_.load(std::memory_order_relaxed);
+      if (done >= 0 && total > 0) {
+        body["progress"] = static_cast<double>(std::min(done, total)) / static_cast<double>(total);
+        body["progress_done"] = done;
+        body["progress_total"] = total;
+      }
     }
     const bool ok = healthy();
     body["status"] = ok ? "ok" : (ready_.load() && !alive() ? "stalled" : "starting");

@@ -61,7 +61,14 @@ class StageService {
   // reads it).
   void set_phase(const char* phase) {
     phase_since_ns_.store(now_ns(), std::memory_order_relaxed);
+    phase_done_.store(-1, std::memory_order_relaxed);
     phase_.store(phase);
+  }
+  // How far the current phase is (`done` of `total`: the model's layers while it loads); /readyz
+  // reports it as `progress` (0 to 1) with the count.
+  void set_phase_progress(int64_t done, int64_t total) {
+    phase_total_.store(total, std::memory_order_relaxed);
+    phase_done_.store(done, std::memory_order_relaxed);
   }
   bool healthy() const;
   // The loop has not been idle past the watchdog (or has not started yet).
@@ -109,6 +116,7 @@ class StageService {
   std::atomic<bool> ready_{false};
   std::atomic<const char*> phase_{"starting"};
   std::atomic<int64_t> phase_since_ns_{0};
+  std::atomic<int64_t> phase_done_{-1}, phase_total_{0};  // -1: the phase reports no progress
   int64_t watchdog_ms_ = 30000;
   RateLimited handler_error_log_;
   ProcessMetrics process_metrics_{metrics};

@@ -48,16 +48,17 @@ ALLOWED = {
     "moeline_stage_common": {"base", "kernels", "kernels_cuda", "offload", "tokenizer",
                              "model_info", "model", "model_cuda", "reuse", "wire", "runtime"},
     "moeline_cli_args": set(),
+    "moeline_picture": set(),
     "moeline_stack": {"base", "wire", "runtime", "cli_args"},
 }
 STAGE_COMMON = ALLOWED["moeline_stage_common"] - {"kernels_cuda", "model_cuda"} | {"stage_common"}
 for stage in ("gateway", "probe", "prefill", "decode", "offload"):
     ALLOWED[f"moeline_stage_{stage}"] = STAGE_COMMON
 ALLOWED["moeline_stage_http"] = STAGE_COMMON | {"sdk"}
-ALLOWED["moeline_load"] = STAGE_COMMON | {"sdk"}
+ALLOWED["moeline_load"] = STAGE_COMMON | {"sdk", "picture"}
 # The tools may use every library but no stage's internals.
 ALLOWED["moeline_cli"] = ALLOWED["moeline_stage_common"] | {"stage_common", "sdk", "stack",
-                                                             "cli_args"}
+                                                             "cli_args", "picture"}
 
 INCLUDE = re.compile(r'^\s*#\s*include\s+"([^"]+)"', re.M)
 GETENV = re.compile(r"\bgetenv\s*\(")

@@ -146,6 +146,20 @@ def check_dockerfile(repo):
           re.search(r"COPY --from=\S+ \S*build/stages/moeline /usr/local/bin/moeline", runtime) is not None)
     check("Dockerfile: copies the demo model to /models/demo-qwen3-moe",
           re.search(r"COPY models/demo-qwen3-moe /models/demo-qwen3-moe", runtime) is not None)
+    # The GPU variant (--build-arg MOELINE_CUDA=ON): CUDA from Debian's non-free section in both
+    # stages, nvcc with Debian's paired host compiler, cuBLAS at run time, OFF by default.
+    check("Dockerfile: MOELINE_CUDA defaults to OFF", re.search(r"^ARG MOELINE_CUDA=OFF$", text, re.M) is not None)
+    check("Dockerfile: both stages see MOELINE_CUDA",
+          len(re.findall(r"^ARG MOELINE_CUDA$", text, re.M)) == 2)
+    builder = text[:text.rindex("\nFROM")]
+    check("Dockerfile: the GPU build installs nvcc and builds with the CUDA backend ON",
+          "nvidia-cuda-toolkit" in builder and "-DMOELINE_CUDA=ON" in builder
+          and "CMAKE_CUDA_HOST_COMPILER=/usr/bin/cuda-g++" in builder)
+    check("Dockerfile: the GPU image installs cuBLAS and enables non-free in both stages",
+          "libcublas11" in runtime and builder.count("non-free") >= 1 and runtime.count("non-free") >= 1)
+    cuda_overlay = open(os.path.join(repo, "deploy", "k8s", "overlays", "cuda", "kustomization.yaml")).read()
+    check("Dockerfile: the image the cuda overlay runs is the one documented (moeline-cuda)",
+          "newName: moeline-cuda" in cuda_overlay and "-t moeline-cuda" in text)
     ignore = open(os.path.join(repo, ".dockerignore")).read().split()
     check(".dockerignore: keeps build output, node_modules, generated models and .git out",
           all(p in ignore for p in ("build*", "tests/parity/node_modules", "models/generated", ".git")),

@@ -185,6 +185,21 @@ TEST(Engine, StackedExpertLayoutGivesTheSameResults) {
   }
 }
 
+TEST(Engine, LoadReportsEachLayerInOrderEndingWithAll) {
+  // A stage's /readyz and `moeline run` on a terminal show this while a model loads.
+  for (const char* name : {"mixtral-f32", "deepseek3-f32"}) {
+    std::vector<std::pair<int64_t, int64_t>> heard;
+    auto loaded =
+        Model::load(std::string(MOELINE_TEST_MODELS) + "/" + name,
+                    [&](int64_t done, int64_t total) { heard.emplace_back(done, total); });
+    ASSERT_TRUE(loaded) << loaded.error().message;
+    const int64_t layers = (*loaded)->config().num_layers;
+    ASSERT_EQ(heard.size(), static_cast<size_t>(layers + 1)) << name;
+    for (int64_t l = 0; l <= layers; ++l)
+      EXPECT_EQ(heard[static_cast<size_t>(l)], std::make_pair(l, layers)) << name;
+  }
+}
+
 class RecordingObserver : public RouterObserver {
  public:
   void on_router(const RouterEvent& event) override {

@@ -567,6 +567,18 @@ TEST(StageHealth, LiveWhileStartingReadyOnceJoinedStalledPastTheWatchdog) {
   const std::string loading = http_get(port, "/readyz").second;
   EXPECT_NE(loading.find("\"phase\":\"loading model\""), std::string::npos) << loading;
   EXPECT_NE(loading.find("\"phase_s\":"), std::string::npos) << loading;
+  EXPECT_EQ(loading.find("\"progress\""), std::string::npos) << loading;  // none reported yet
+  // How far it is (the model's layers bound so far).
+  service.set_phase_progress(12, 48);
+  const std::string part = http_get(port, "/readyz").second;
+  EXPECT_NE(part.find("\"progress\":0.25"), std::string::npos) << part;
+  EXPECT_NE(part.find("\"progress_done\":12"), std::string::npos) << part;
+  EXPECT_NE(part.find("\"progress_total\":48"), std::string::npos) << part;
+  // The next phase starts without the last one's progress.
+  service.set_phase("joining hub");
+  const std::string joining = http_get(port, "/readyz").second;
+  EXPECT_NE(joining.find("\"phase\":\"joining hub\""), std::string::npos) << joining;
+  EXPECT_EQ(joining.find("\"progress\""), std::string::npos) << joining;
   // The loop runs and the hub accepted it: both.
   service.tick();
   service.set_ready(true);
