@@ -25,8 +25,8 @@ namespace {
 
 constexpr const char* kUsage =
     R"(usage: moeline experts --run-dir DIR [--png FILE] [--json]
-       moeline experts replay --trace FILE [--budgets 100%,50%,25%] [--policies lru,distance]
-                              [--json]
+       moeline experts replay --trace FILE [--trace FILE ...] [--budgets 100%,50%,25%]
+                              [--policies lru,distance] [--json]
 
 (default)  the router health of a running stack, from its offload manager: per MoE layer, the
            share of recent tokens each expert received as a heat map, the load imbalance
@@ -36,13 +36,18 @@ constexpr const char* kUsage =
                   titled with the model and the time window, with a colour scale
   --json          print the offload manager's router report as JSON instead
 
-replay     an expert access trace (moeline run --expert-trace FILE) against cache policies at
-           each budget, next to the optimal bound (Belady's MIN) for the same budget
-  --trace FILE    the trace
+replay     expert access traces (--expert-trace of `moeline run` or of a stack's prefill and decode
+           processes) against cache policies at each budget, next to the optimal bound (Belady's
+           MIN) for the same budget. Several traces (the processes sharing one pool) are merged
+           by time and replayed as one stream against one cache; each hit ratio is also given
+           per process kind (prefill, decode)
+  --trace FILE    a trace; repeat it for each process (or list them: a,b,c)
   --budgets LIST  shares of the experts or sizes ("25%", "64MiB"), comma-separated
                   (default 100%,50%,25%)
   --policies LIST lru, lru2, lfu, distance (the pool's: expected reuse distance over the
-                  cycle of layers) (default: all four)
+                  cycle of layers), distance-stream (prefill's acquisitions neither counted nor
+                  kept warm: they enter at the cold end), distance-all (that, with distances from
+                  every decode process's layer) (default: all six)
   --json          one JSON object
 )";
 
@@ -234,7 +239,9 @@ int show(const std::vector<std::string>& args) {
 }
 
 int replay_command(const std::vector<std::string>& args) {
-  std::string trace_path, budgets = "100%,50%,25%", policies = "lru,lru2,lfu,distance";
+  std::vector<std::string> trace_paths;
+  std::string budgets = "100%,50%,25%",
+              policies = "lru,lru2,lfu,distance,distance-stream,distance-all";
   bool json = false;
   for (size_t i = 0; i < args.size(); ++i) {
     auto value = [&]() -> std::string {
@@ -242,7 +249,7 @@ int replay_command(const std::vector<std::string>& args) {
       return args[++i];
     };
     if (args[i] == "--trace") {
-      trace_path = value();
+      for (const std::string& path : split(value())) trace_paths.push_back(path);
     } else if (args[i] == "--budgets") {
       budgets = value();
     } else if (args[i] == "--policies") {
@@ -253,21 +260,38 @@ int replay_command(const std::vector<std::string>& args) {
       usage_error("unknown option '" + args[i] + "'" + did_you_mean(args[i], flags_in(kUsage)));
     }
   }
-  if (trace_path.empty()) usage_error("--trace is required");
+  if (trace_paths.empty()) usage_error("--trace is required");
   std::vector<offload::ReplayPolicy> chosen;
   for (const std::string& name : split(policies)) {
     auto policy = offload::replay_policy_from(name);
     if (!policy || *policy == offload::ReplayPolicy::kBelady)
-      usage_error("--policies: unknown policy '" + name + "' (lru, lru2, lfu, distance)");
+      usage_error("--policies: unknown policy '" + name +
+                  "' (lru, lru2, lfu, distance, distance-stream, distance-all)");
     chosen.push_back(*policy);
   }
-  const offload::ExpertTrace trace = offload::ExpertTrace::read(trace_path);
-  nlohmann::json out = {{"trace", trace_path},
+  std::vector<offload::ExpertTrace> traces;
+  for (const std::string& path : trace_paths) traces.push_back(offload::ExpertTrace::read(path));
+  const offload::ExpertTrace trace = offload::ExpertTrace::merge(std::move(traces));
+  // The kinds of process in the traces, in order of appearance, and each process's kind.
+  std::vector<std::string> kinds;
+  for (const std::string& kind : trace.kinds)
+    if (std::find(kinds.begin(), kinds.end(), kind) == kinds.end()) kinds.push_back(kind);
+  nlohmann::json processes = nlohmann::json::array();
+  for (size_t p = 0; p < trace.processes.size(); ++p)
+    processes.push_back({{"process", trace.processes[p]}, {"kind", trace.kinds[p]}});
+  nlohmann::json out = {{"traces", trace_paths},
+                        {"processes", processes},
                         {"accesses", trace.accesses.size()},
                         {"slot_bytes", trace.slot_bytes},
                         {"expert_bytes", trace.expert_bytes},
                         {"budgets", nlohmann::json::array()}};
-  if (!json) std::printf("%-10s %6s %9s %9s\n", "budget", "slots", "policy", "hit ratio");
+  const bool by_kind = kinds.size() > 1;
+  if (!json) {
+    std::printf("%-10s %6s %15s %9s", "budget", "slots", "policy", "hit ratio");
+    if (by_kind)
+      for (const std::string& kind : kinds) std::printf(" %9s", kind.c_str());
+    std::printf("\n");
+  }
   for (const std::string& budget : split(budgets)) {
     if (budget.find('%') != std::string::npos && trace.expert_bytes == 0)
       usage_error("the trace does not say its expert bytes: give budgets as sizes");
@@ -276,11 +300,25 @@ int replay_command(const std::vector<std::string>& args) {
     nlohmann::json row = {{"budget", budget}, {"bytes", bytes}, {"slots", slots}};
     auto add = [&](offload::ReplayPolicy policy) {
       const offload::ReplayResult r = offload::replay(trace.accesses, slots, policy);
-      row[offload::replay_policy_name(policy)] = r.hit_ratio();
+      const char* name = offload::replay_policy_name(policy);
+      row[name] = r.hit_ratio();
       if (!json)
-        std::printf("%-10s %6llu %9s %9.4f\n", budget.c_str(),
-                    static_cast<unsigned long long>(slots), offload::replay_policy_name(policy),
-                    r.hit_ratio());
+        std::printf("%-10s %6llu %15s %9.4f", budget.c_str(),
+                    static_cast<unsigned long long>(slots), name, r.hit_ratio());
+      for (const std::string& kind : kinds) {
+        uint64_t accesses = 0, hits = 0;
+        for (size_t p = 0; p < r.process_accesses.size(); ++p) {
+          if (trace.kinds[p] != kind) continue;
+          accesses += r.process_accesses[p];
+          hits += r.process_hits[p];
+        }
+        const double ratio =
+            accesses ? static_cast<double>(hits) / static_cast<double>(accesses) : 1.0;
+        row["by_kind"][kind][name] = ratio;
+        row["by_kind"][kind]["accesses"] = accesses;
+        if (!json && by_kind) std::printf(" %9.4f", ratio);
+      }
+      if (!json) std::printf("\n");
     };
     for (offload::ReplayPolicy p : chosen) add(p);
     add(offload::ReplayPolicy::kBelady);

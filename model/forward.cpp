@@ -105,7 +105,13 @@ int64_t Engine::embed(std::span<const SequenceInput> batch) {
   const int64_t rope_dim = rope_table_.dim();
 
   int64_t n = 0;
-  for (const SequenceInput& input : batch) n += static_cast<int64_t>(input.tokens.size());
+  bool prompt = false;
+  for (const SequenceInput& input : batch) {
+    n += static_cast<int64_t>(input.tokens.size());
+    prompt = prompt || input.tokens.size() > 1;
+  }
+  // A batch holding a prompt chunk sweeps the experts of every layer once (ExpertProvider).
+  experts_.set_streaming(prompt);
   token_refs_.clear();
   token_block_tables_.clear();
   float* hidden = grow(hidden_, n * H);

@@ -44,6 +44,10 @@ class ExpertProvider {
   // How many MoE layers ahead the forward pass should predict and prefetch (0: never; the
   // prediction costs a router matmul per layer, wasted when everything is resident).
   virtual int prefetch_depth() const { return 0; }
+  // A hint for the forward passes that follow: true while they run a prefill batch, whose
+  // acquisitions sweep most experts of every layer once (streaming) rather than come back layer
+  // after layer as decode steps do. A cache may keep them from displacing decode's working set.
+  virtual void set_streaming(bool /*streaming*/) {}
   // The memory every expert this provider hands out lies in, when it is one fixed mapping (a
   // shared pool's slots): what a GPU registers once, so copies from it run at pinned speed.
   virtual std::span<const std::byte> served_from() const { return {}; }

@@ -1,5 +1,9 @@
 #include "offload/trace.h"
 
+#include <time.h>
+
+#include <algorithm>
+#include <cmath>
 #include <fstream>
 #include <limits>
 #include <map>
@@ -11,15 +15,32 @@
 namespace moeline::offload {
 
 namespace {
-constexpr const char* kHeader = "# moeline expert trace v1";
+constexpr const char* kHeaderV1 = "# moeline expert trace v1";
+constexpr const char* kHeader = "# moeline expert trace v2";
+
+uint64_t monotonic_ns() {
+  timespec ts{};
+  clock_gettime(CLOCK_MONOTONIC, &ts);
+  return static_cast<uint64_t>(ts.tv_sec) * 1'000'000'000ull + static_cast<uint64_t>(ts.tv_nsec);
 }
 
+// A process name or kind as one header field: no spaces or '='.
+bool plain_word(const std::string& word) {
+  return !word.empty() && word.find_first_of(" \t\n=") == std::string::npos;
+}
+}  // namespace
+
 bool ExpertTrace::write(const std::string& path) const {
+  if (processes.size() != 1 || kinds.size() != 1 || !plain_word(processes[0]) ||
+      !plain_word(kinds[0]))
+    return false;
   std::ofstream out(path);
   if (!out) return false;
   out << kHeader << " layers=" << layers << " experts=" << experts_per_layer
-      << " slot_bytes=" << slot_bytes << " expert_bytes=" << expert_bytes << '\n';
-  for (const ExpertAccess& a : accesses) out << a.layer << ' ' << a.expert << '\n';
+      << " slot_bytes=" << slot_bytes << " expert_bytes=" << expert_bytes
+      << " process=" << processes[0] << " kind=" << kinds[0] << '\n';
+  for (const ExpertAccess& a : accesses)
+    out << a.layer << ' ' << a.expert << ' ' << a.t_ns << ' ' << (a.streaming ? 1 : 0) << '\n';
   return static_cast<bool>(out);
 }
 
@@ -28,7 +49,8 @@ ExpertTrace ExpertTrace::read(const std::string& path) {
   if (!in) throw std::runtime_error("cannot read expert trace " + path);
   ExpertTrace trace;
   std::string line;
-  if (!std::getline(in, line) || line.rfind(kHeader, 0) != 0)
+  const bool v1 = std::getline(in, line) && line.rfind(kHeaderV1, 0) == 0;
+  if (!v1 && line.rfind(kHeader, 0) != 0)
     throw std::runtime_error(path + ":1: not an expert trace (expected '" + kHeader + " ...')");
   std::istringstream header(line.substr(std::string(kHeader).size()));
   for (std::string field; header >> field;) {
@@ -41,6 +63,8 @@ ExpertTrace ExpertTrace::read(const std::string& path) {
       if (key == "experts") trace.experts_per_layer = std::stoi(value);
       if (key == "slot_bytes") trace.slot_bytes = std::stoull(value);
       if (key == "expert_bytes") trace.expert_bytes = std::stoull(value);
+      if (key == "process") trace.processes = {value};
+      if (key == "kind") trace.kinds = {value};
     } catch (const std::exception&) {
       throw std::runtime_error(path + ":1: bad header field '" + field + "'");
     }
@@ -53,15 +77,50 @@ ExpertTrace ExpertTrace::read(const std::string& path) {
     if (line.empty()) continue;
     std::istringstream row(line);
     ExpertAccess a;
+    int streaming = 0;
     std::string rest;
-    if (!(row >> a.layer >> a.expert) || (row >> rest) || a.layer < 0 || a.layer >= trace.layers ||
-        a.expert < 0 || a.expert >= trace.experts_per_layer)
-      throw std::runtime_error(path + ":" + std::to_string(number) +
-                               ": expected 'layer expert' within the header's shape, got '" + line +
-                               "'");
+    const bool fields = v1 ? static_cast<bool>(row >> a.layer >> a.expert)
+                           : static_cast<bool>(row >> a.layer >> a.expert >> a.t_ns >> streaming);
+    if (!fields || (row >> rest) || a.layer < 0 || a.layer >= trace.layers || a.expert < 0 ||
+        a.expert >= trace.experts_per_layer || (streaming != 0 && streaming != 1))
+      throw std::runtime_error(path + ":" + std::to_string(number) + ": expected '" +
+                               (v1 ? "layer expert" : "layer expert t_ns streaming") +
+                               "' within the header's shape, got '" + line + "'");
+    a.streaming = streaming == 1;
     trace.accesses.push_back(a);
   }
   return trace;
+}
+
+ExpertTrace ExpertTrace::merge(std::vector<ExpertTrace> traces) {
+  if (traces.empty()) throw std::runtime_error("no expert traces to merge");
+  ExpertTrace merged = traces.front();
+  merged.processes.clear();
+  merged.kinds.clear();
+  merged.accesses.clear();
+  for (ExpertTrace& t : traces) {
+    if (t.layers != merged.layers || t.experts_per_layer != merged.experts_per_layer ||
+        t.slot_bytes != merged.slot_bytes || t.expert_bytes != merged.expert_bytes)
+      throw std::runtime_error("expert traces of different models (process " + t.processes[0] +
+                               "): layers, experts and slot sizes must match");
+    const size_t first = merged.processes.size();
+    if (first + t.processes.size() > 65535)
+      throw std::runtime_error("too many processes in the expert traces");
+    for (ExpertAccess a : t.accesses) {
+      a.process = static_cast<uint16_t>(first + a.process);
+      merged.accesses.push_back(a);
+    }
+    merged.processes.insert(merged.processes.end(), t.processes.begin(), t.processes.end());
+    merged.kinds.insert(merged.kinds.end(), t.kinds.begin(), t.kinds.end());
+  }
+  std::stable_sort(merged.accesses.begin(), merged.accesses.end(),
+                   [](const ExpertAccess& a, const ExpertAccess& b) { return a.t_ns < b.t_ns; });
+  return merged;
+}
+
+void TraceRecorder::record(int layer, int expert) {
+  if (trace_.accesses.size() < limit_)
+    trace_.accesses.push_back({layer, expert, monotonic_ns(), 0, streaming_});
 }
 
 TraceRecorder::TraceRecorder(ExpertProvider& inner, const ExpertCatalog& catalog, size_t limit)
@@ -94,6 +153,10 @@ const char* replay_policy_name(ReplayPolicy policy) {
       return "lfu";
     case ReplayPolicy::kDistance:
       return "distance";
+    case ReplayPolicy::kDistanceStream:
+      return "distance-stream";
+    case ReplayPolicy::kDistanceAll:
+      return "distance-all";
     case ReplayPolicy::kBelady:
       return "belady";
   }
@@ -101,8 +164,9 @@ const char* replay_policy_name(ReplayPolicy policy) {
 }
 
 std::optional<ReplayPolicy> replay_policy_from(const std::string& name) {
-  for (ReplayPolicy p : {ReplayPolicy::kLru, ReplayPolicy::kLru2, ReplayPolicy::kLfu,
-                         ReplayPolicy::kDistance, ReplayPolicy::kBelady})
+  for (ReplayPolicy p :
+       {ReplayPolicy::kLru, ReplayPolicy::kLru2, ReplayPolicy::kLfu, ReplayPolicy::kDistance,
+        ReplayPolicy::kDistanceStream, ReplayPolicy::kDistanceAll, ReplayPolicy::kBelady})
     if (name == replay_policy_name(p)) return p;
   return std::nullopt;
 }
@@ -116,6 +180,15 @@ struct ExpertUse {
 ReplayResult replay(std::span<const ExpertAccess> accesses, uint64_t slots, ReplayPolicy policy) {
   ReplayResult result;
   result.accesses = accesses.size();
+  size_t processes = 1;
+  for (const ExpertAccess& a : accesses) processes = std::max<size_t>(processes, a.process + 1u);
+  result.process_accesses.assign(processes, 0);
+  result.process_hits.assign(processes, 0);
+  for (const ExpertAccess& a : accesses) ++result.process_accesses[a.process];
+  auto hit = [&result](const ExpertAccess& a) {
+    ++result.hits;
+    ++result.process_hits[a.process];
+  };
   if (slots == 0) {
     result.loads = accesses.size();
     return result;
@@ -141,7 +214,7 @@ ReplayResult replay(std::span<const ExpertAccess> accesses, uint64_t slots, Repl
       const uint64_t k = key(accesses[i]);
       auto it = cached.find(k);
       if (it != cached.end()) {
-        ++result.hits;
+        hit(accesses[i]);
       } else {
         ++result.loads;
         if (cached.size() >= slots) {
@@ -163,31 +236,68 @@ ReplayResult replay(std::span<const ExpertAccess> accesses, uint64_t slots, Repl
   }
   struct State {
     uint64_t last = 0, previous = 0, uses = 0;
+    bool streamed = false;  // brought in by a streaming access and not used by decode since
   };
   std::unordered_map<uint64_t, State> cached;
   uint64_t tick = 0;
-  // kDistance: the layers run in a cycle; an expert's next use is expected when its layer next
-  // runs, or 1/p cycles later, p being how often its layer's visits used it.
+  const bool stream_aware =
+      policy == ReplayPolicy::kDistanceStream || policy == ReplayPolicy::kDistanceAll;
+  // The distance policies: the layers run in a cycle; an expert's next use is expected when its
+  // layer next runs, or 1/p cycles later, p being how often its layer's visits used it. A visit
+  // is a process's pass through a layer (as the pool counts them: each client its own).
   int32_t cycle = 1;
   for (const ExpertAccess& a : accesses) cycle = std::max(cycle, a.layer + 1);
   std::unordered_map<uint64_t, ExpertUse> usage;
   std::vector<double> visits(static_cast<size_t>(cycle), 0.0);
-  int32_t current = -1;
+  std::vector<int32_t> process_layer(processes, -1);
+  // kDistanceAll: where each process that decodes is, and when it was last seen there; one not
+  // seen for kIdleNs has no step in flight and does not pull experts closer.
+  constexpr uint64_t kIdleNs = 100'000'000;
+  std::vector<uint64_t> process_seen(processes, 0);
+  std::vector<bool> decodes(processes, false);
+  int32_t decode_layer = 0;  // kDistanceStream: the layer of the latest decode access
   for (const ExpertAccess& a : accesses) {
     const uint64_t k = key(a);
     ++tick;
-    if (a.layer != current) {
-      current = a.layer;
-      visits[static_cast<size_t>(current)] += 1;
+    const bool counted = !(stream_aware && a.streaming);
+    if (counted) {
+      const auto layer = static_cast<size_t>(a.layer);
+      if (process_layer[a.process] != a.layer) {
+        process_layer[a.process] = a.layer;
+        visits[layer] += 1;
+      }
+      ExpertUse& use = usage[k];
+      if (use.visit != visits[layer]) {
+        use.visit = visits[layer];
+        use.uses += 1;
+      }
     }
-    ExpertUse& use = usage[k];
-    if (use.visit != visits[static_cast<size_t>(current)]) {
-      use.visit = visits[static_cast<size_t>(current)];
-      use.uses += 1;
+    if (!a.streaming) {
+      decodes[a.process] = true;
+      process_seen[a.process] = a.t_ns;
+      decode_layer = a.layer;
     }
+    auto distance = [&](uint64_t expert) {
+      const auto layer = static_cast<int32_t>(expert >> 32);
+      const ExpertUse& u = usage[expert];
+      const double layer_visits = visits[static_cast<size_t>(layer)];
+      if (policy == ReplayPolicy::kDistance)
+        return expected_reuse_distance(layer, a.layer, cycle, u.uses, layer_visits);
+      if (policy == ReplayPolicy::kDistanceStream)
+        return expected_reuse_distance(layer, decode_layer, cycle, u.uses, layer_visits);
+      double nearest = std::numeric_limits<double>::infinity();
+      for (size_t p = 0; p < processes; ++p) {
+        if (!decodes[p] || process_layer[p] < 0 || a.t_ns > process_seen[p] + kIdleNs) continue;
+        nearest = std::min(
+            nearest, expected_reuse_distance(layer, process_layer[p], cycle, u.uses, layer_visits));
+      }
+      return std::isinf(nearest)
+                 ? expected_reuse_distance(layer, decode_layer, cycle, u.uses, layer_visits)
+                 : nearest;
+    };
     auto it = cached.find(k);
     if (it != cached.end()) {
-      ++result.hits;
+      hit(a);
     } else {
       ++result.loads;
       if (cached.size() >= slots) {
@@ -196,38 +306,42 @@ ReplayResult replay(std::span<const ExpertAccess> accesses, uint64_t slots, Repl
           const State& s = c->second;
           const State& v = victim->second;
           bool better = false;
-          switch (policy) {
-            case ReplayPolicy::kLru:
-              better = s.last < v.last;
-              break;
-            case ReplayPolicy::kLru2:
-              better = s.previous < v.previous || (s.previous == v.previous && s.last < v.last);
-              break;
-            case ReplayPolicy::kLfu:
-              better = s.uses < v.uses || (s.uses == v.uses && s.last < v.last);
-              break;
-            case ReplayPolicy::kDistance: {
-              auto score = [&](uint64_t expert) {
-                const auto layer = static_cast<int32_t>(expert >> 32);
-                const ExpertUse& u = usage[expert];
-                return expected_reuse_distance(layer, current, cycle, u.uses,
-                                               visits[static_cast<size_t>(layer)]);
-              };
-              // Ties go to the least recently used, as in the pool.
-              const double candidate = score(c->first), incumbent = score(victim->first);
-              better = candidate > incumbent || (candidate == incumbent && s.last < v.last);
-              break;
+          if (s.streamed != v.streamed) {
+            better = s.streamed;  // what streaming brought in goes first
+          } else if (s.streamed) {
+            better = s.last < v.last;
+          } else {
+            switch (policy) {
+              case ReplayPolicy::kLru:
+                better = s.last < v.last;
+                break;
+              case ReplayPolicy::kLru2:
+                better = s.previous < v.previous || (s.previous == v.previous && s.last < v.last);
+                break;
+              case ReplayPolicy::kLfu:
+                better = s.uses < v.uses || (s.uses == v.uses && s.last < v.last);
+                break;
+              case ReplayPolicy::kDistance:
+              case ReplayPolicy::kDistanceStream:
+              case ReplayPolicy::kDistanceAll: {
+                // Ties go to the least recently used, as in the pool.
+                const double candidate = distance(c->first), incumbent = distance(victim->first);
+                better = candidate > incumbent || (candidate == incumbent && s.last < v.last);
+                break;
+              }
+              case ReplayPolicy::kBelady:
+                break;
             }
-            case ReplayPolicy::kBelady:
-              break;
           }
           if (better) victim = c;
         }
         cached.erase(victim);
       }
-      it = cached.emplace(k, State{}).first;
+      it = cached.emplace(k, State{.streamed = stream_aware && a.streaming}).first;
     }
     State& s = it->second;
+    if (!counted && !s.streamed) continue;  // a streaming hit does not warm decode's expert
+    if (!a.streaming) s.streamed = false;
     s.previous = s.last;
     s.last = tick;
     ++s.uses;

@@ -108,6 +108,7 @@ ComputeWorker::ComputeWorker(const runtime::Config& config, const char* stage, w
     trace = std::make_unique<offload::TraceRecorder>(
         *experts, model->expert_catalog(),
         static_cast<size_t>(config.integer("expert-trace-limit")));
+    trace->set_process(service.log.replica(), stage);
     trace_path = path;
     service.log.info("expert_trace",
                      {{"path", path}, {"limit", config.integer("expert-trace-limit")}});

@@ -296,38 +296,55 @@ def case_memory(args):
 
 
 def case_trace(args):
-    """Routing recorded by the stack's decode processes and replayed offline: the replay's hit
-    ratios are ordered (Belady's bound is the best) and the file names each replica."""
+    """Routing recorded by the stack's prefill and decode processes and replayed offline: each
+    process's file names it and its kind, their merge is replayed as the one stream the shared pool
+    saw, the hit ratios are ordered (Belady's bound is the best) and given per process kind."""
     from moeline_client import Client
     vocab, _, _, _ = model_shape(args.model)
     run_dir = os.path.join(args.workdir, "trace")
     pattern = os.path.join(args.workdir, "trace-{replica}.txt")
-    for name in ("decode-0", "decode-1"):
+    names = ("prefill-0", "decode-0", "decode-1")
+    for name in names:
         path = pattern.replace("{replica}", name)
         if os.path.exists(path):
             os.remove(path)
-    config = {"decode": {"expert-trace": pattern}}
+    config = {"decode": {"expert-trace": pattern}, "prefill": {"expert-trace": pattern}}
     with Stack(args.moeline, args.model, run_dir, decode=2, config=config,
                expert_budget="50%") as stack:
         with Client(stack.endpoint, timeout=120) as client:
             run_concurrently(client, workload(vocab, 12, seed=4))
-    traces = [pattern.replace("{replica}", name) for name in ("decode-0", "decode-1")]
+    traces = [pattern.replace("{replica}", name) for name in names]
     written = [path for path in traces if os.path.exists(path)]
-    check(written, f"no decode process wrote its trace: {traces}")
+    check(len(written) == len(traces), f"not every process wrote its trace: {written}")
     for path in written:
-        out = subprocess.run([args.moeline, "experts", "replay", "--trace", path, "--budgets",
-                              "100%,50%,25%", "--json"], capture_output=True, text=True,
-                             timeout=60)
+        with open(path) as f:
+            header = f.readline()
+        name = os.path.basename(path)[len("trace-"):-len(".txt")]
+        check(f"process={name} kind={name.split('-')[0]}" in header,
+              f"{path}: the header does not name its process: {header}")
+    for kinds, paths in (("one decode process", written[1:2]), ("all three", written)):
+        out = subprocess.run([args.moeline, "experts", "replay", "--trace", ",".join(paths),
+                              "--budgets", "100%,50%,25%", "--json"], capture_output=True,
+                             text=True, timeout=120)
         check(out.returncode == 0, f"replay failed: {out.stderr}")
         report = json.loads(out.stdout)
-        check(report["accesses"] > 0, f"{path}: an empty trace")
+        check(report["accesses"] > 0, f"{kinds}: an empty trace")
+        check(len(report["processes"]) == len(paths), f"{kinds}: {report['processes']}")
         for row in report["budgets"]:
-            for policy in ("lru", "lru2", "lfu", "distance"):
+            for policy in ("lru", "lru2", "lfu", "distance", "distance-stream", "distance-all"):
                 check(row[policy] <= row["belady"] + 1e-12,
-                      f"{path} {row['budget']}: {policy} {row[policy]} beats Belady {row['belady']}")
+                      f"{kinds} {row['budget']}: {policy} {row[policy]} beats Belady {row['belady']}")
+            if len(paths) == 3:
+                by_kind = row["by_kind"]
+                check(set(by_kind) == {"prefill", "decode"}, f"kinds: {sorted(by_kind)}")
+                check(all(by_kind[k]["accesses"] > 0 for k in by_kind), f"{by_kind}")
+                # The whole stream's ratio is the per-kind ratios weighted by their accesses.
+                total = sum(by_kind[k]["accesses"] for k in by_kind)
+                weighted = sum(by_kind[k]["belady"] * by_kind[k]["accesses"] for k in by_kind) / total
+                check(abs(weighted - row["belady"]) < 1e-9, f"{weighted} vs {row['belady']}")
         ratios = [row["belady"] for row in report["budgets"]]
-        check(ratios == sorted(ratios, reverse=True), f"{path}: Belady not monotone in budget")
-        print(f"ok trace: {os.path.basename(path)}: {report['accesses']} acquisitions; Belady at "
+        check(ratios == sorted(ratios, reverse=True), f"{kinds}: Belady not monotone in budget")
+        print(f"ok trace ({kinds}): {report['accesses']} acquisitions; Belady at "
               f"100/50/25%: {', '.join(f'{r:.3f}' for r in ratios)}")
 
 

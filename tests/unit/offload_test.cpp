@@ -431,6 +431,81 @@ TEST(ExpertTraceReplay, BeladyBoundsEveryPolicy) {
   }
 }
 
+// Several processes sharing one pool: two decoders a layer apart and a prefill sweeping whole
+// layers now and then, merged by time. Belady still bounds every policy, the stream-aware ones
+// included, and the hits add up by process.
+TEST(ExpertTraceReplay, MultiProcessStreamsAreBoundedByBeladyAndCountedByProcess) {
+  std::mt19937 rng(11);
+  std::discrete_distribution<int> expert({8, 6, 4, 3, 2, 1, 1, 1});
+  const int layers = 4;
+  std::vector<ExpertAccess> trace;
+  uint64_t t = 0;
+  for (int step = 0; step < 400; ++step) {
+    for (uint16_t decoder : {uint16_t{1}, uint16_t{2}}) {
+      const int layer = (step + decoder) % layers;
+      trace.push_back({layer, expert(rng), t += 1000, decoder, false});
+    }
+    if (step % 50 == 0)
+      for (int layer = 0; layer < layers; ++layer)
+        for (int e = 0; e < 8; ++e) trace.push_back({layer, e, t += 10, 0, true});
+  }
+  for (uint64_t slots : {2u, 8u, 16u, 24u}) {
+    const ReplayResult best = replay(trace, slots, ReplayPolicy::kBelady);
+    for (ReplayPolicy p :
+         {ReplayPolicy::kLru, ReplayPolicy::kLru2, ReplayPolicy::kLfu, ReplayPolicy::kDistance,
+          ReplayPolicy::kDistanceStream, ReplayPolicy::kDistanceAll}) {
+      const ReplayResult r = replay(trace, slots, p);
+      EXPECT_LE(r.hits, best.hits) << replay_policy_name(p) << " " << slots;
+      ASSERT_EQ(r.process_hits.size(), 3u);
+      EXPECT_EQ(r.process_hits[0] + r.process_hits[1] + r.process_hits[2], r.hits);
+      EXPECT_EQ(r.process_accesses[0], 4u * 8u * 8u);  // eight sweeps of 4 layers x 8 experts
+      EXPECT_EQ(r.process_accesses[1] + r.process_accesses[2], 800u);
+    }
+  }
+}
+
+TEST(ExpertTraceReplay, AStreamingSweepDoesNotFlushDecodesExperts) {
+  // Decode uses experts 0 and 1 of layer 0 over and over; a prefill sweeps the layer's other six
+  // once, between two of its steps. Two slots. Counting the sweep like decode, the pool's policy
+  // lets it take both slots; stream-aware, the sweep's experts enter at the cold end and push out
+  // only one of decode's, then each other.
+  std::vector<ExpertAccess> trace;
+  uint64_t t = 0;
+  auto decode_step = [&] {
+    for (int e : {0, 1}) trace.push_back({0, e, ++t, 1, false});
+  };
+  for (int i = 0; i < 4; ++i) decode_step();
+  for (int e = 2; e < 8; ++e) trace.push_back({0, e, ++t, 0, true});
+  for (int i = 0; i < 4; ++i) decode_step();
+  const ReplayResult plain = replay(trace, 2, ReplayPolicy::kDistance);
+  const ReplayResult stream = replay(trace, 2, ReplayPolicy::kDistanceStream);
+  // Decode's 16 accesses: 2 compulsory misses; after the sweep plain misses both, stream one.
+  EXPECT_EQ(plain.process_hits[1], 12u);
+  EXPECT_EQ(stream.process_hits[1], 13u);
+  EXPECT_EQ(stream.process_hits[0], 0u);
+  EXPECT_LE(stream.hits, replay(trace, 2, ReplayPolicy::kBelady).hits);
+}
+
+TEST(ExpertTraceReplay, TracesOfProcessesMergeByTime) {
+  ExpertTrace prefill{.layers = 2, .experts_per_layer = 4, .slot_bytes = 4096, .accesses = {}};
+  prefill.processes = {"prefill-0"};
+  prefill.kinds = {"prefill"};
+  prefill.accesses = {{0, 1, 10, 0, true}, {1, 2, 30, 0, true}};
+  ExpertTrace decode = prefill;
+  decode.processes = {"decode-0"};
+  decode.kinds = {"decode"};
+  decode.accesses = {{1, 3, 20, 0, false}, {0, 0, 40, 0, false}};
+  const ExpertTrace merged = ExpertTrace::merge({prefill, decode});
+  EXPECT_EQ(merged.processes, (std::vector<std::string>{"prefill-0", "decode-0"}));
+  EXPECT_EQ(merged.kinds, (std::vector<std::string>{"prefill", "decode"}));
+  const std::vector<ExpertAccess> expected = {
+      {0, 1, 10, 0, true}, {1, 3, 20, 1, false}, {1, 2, 30, 0, true}, {0, 0, 40, 1, false}};
+  EXPECT_EQ(merged.accesses, expected);
+  ExpertTrace other = decode;
+  other.experts_per_layer = 8;
+  EXPECT_THROW(ExpertTrace::merge({prefill, other}), std::runtime_error);
+}
+
 // The GPU's expert cache keeps its slots with SlotPolicy; the pool's policy as `moeline experts
 // replay` replays it (an independent implementation) must give the same hits, access for access.
 TEST(SlotPolicy, ServesATraceAsTheReplayOfTheDistancePolicy) {
@@ -517,6 +592,24 @@ TEST(ExpertTraceReplay, TracesRoundTripAndBadFilesAreClearErrors) {
   const ExpertTrace back = ExpertTrace::read(path);
   EXPECT_EQ(back.accesses, trace.accesses);
   EXPECT_EQ(back.slot_bytes, 4096u);
+  // v2: the process, each access's time and whether a prefill batch made it.
+  trace.processes = {"decode-1"};
+  trace.kinds = {"decode"};
+  trace.accesses = {{0, 1, 1000, 0, false}, {1, 7, 2000, 0, true}};
+  ASSERT_TRUE(trace.write(path));
+  const ExpertTrace v2 = ExpertTrace::read(path);
+  EXPECT_EQ(v2.accesses, trace.accesses);
+  EXPECT_EQ(v2.processes, trace.processes);
+  EXPECT_EQ(v2.kinds, trace.kinds);
+  trace.processes = {"a name"};  // one header field: no spaces
+  EXPECT_FALSE(trace.write(path));
+  {
+    std::ofstream out(path);  // a v1 file: no times, no process
+    out << "# moeline expert trace v1 layers=2 experts=8 slot_bytes=4096\n0 1\n1 7\n";
+  }
+  const ExpertTrace v1 = ExpertTrace::read(path);
+  EXPECT_EQ(v1.accesses, (std::vector<ExpertAccess>{{0, 1}, {1, 7}}));
+  EXPECT_EQ(v1.kinds, std::vector<std::string>{"run"});
   {
     std::ofstream out(path);
     out << "# moeline expert trace v1 layers=2 experts=8 slot_bytes=4096\n0 1\n2 0\n";
