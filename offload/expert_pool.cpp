@@ -17,6 +17,7 @@
 #include <cmath>
 #include <cstdlib>
 #include <cstring>
+#include <limits>
 #include <new>
 #include <stdexcept>
 #include <system_error>
@@ -27,7 +28,7 @@ namespace moeline::offload {
 namespace {
 
 constexpr uint64_t kMagic = 0x4c4f4f504c454f4dULL;  // "MOELPOOL"
-constexpr uint32_t kVersion = 1;
+constexpr uint32_t kVersion = 2;                    // 2: streamed entries, the clients' layers
 constexpr size_t kPage = 4096;
 constexpr size_t kMatrixAlign = 64;
 
@@ -55,7 +56,7 @@ struct PoolEntry {
   uint8_t state;
   uint8_t prefetched;  // brought in (or queued) by a prefetch and not used since
   uint8_t demanded;    // a caller waits for it: loaded before any prefetch
-  uint8_t pad;
+  uint8_t streamed;    // brought in by a prefill batch and not used by a decode step since
   uint32_t pins;
   int32_t error;                    // errno of a failed read (state kFailed)
   uint64_t last_use, previous_use;  // ties of the eviction score go to the least recent
@@ -71,6 +72,11 @@ struct PoolClientSlot {
   int32_t pid;  // in the attaching process's PID namespace
   uint64_t heartbeat_ns;
   uint64_t generation;  // bumped at each attach: a client whose row was taken back notices
+  // Where its decode steps are: the layer of its last decode acquisition and when (0: none yet).
+  // Every client's eviction choice measures distances from all of them.
+  int32_t decode_layer;
+  uint32_t pad;
+  uint64_t decode_layer_ns;
 };
 constexpr uint32_t kMaxClients = 64;
 
@@ -691,6 +697,8 @@ std::unique_ptr<PoolClient> PoolClient::attach_or_throw(const std::string& name,
       l->clients()[c].in_use = 1;
       l->clients()[c].pid = getpid();
       l->clients()[c].heartbeat_ns = now_ns();
+      l->clients()[c].decode_layer = -1;
+      l->clients()[c].decode_layer_ns = 0;
       client->generation_ = ++l->clients()[c].generation;
       std::fill_n(l->client_pins(c), l->entries, uint16_t{0});
       client->client_ = static_cast<int32_t>(c);
@@ -772,11 +780,36 @@ ExpertWeights PoolClient::views(uint32_t entry, int32_t slot) const {
 namespace {
 
 // How far ahead, in layer steps, an entry's next use is expected while `current` runs.
-double entry_distance(PoolLayout* l, uint32_t index, int32_t current) {
+// The layers the clients' decode steps are at now (those seen within kDecodeIdleNs), or `current`
+// when none is decoding: what an expert's next use is measured from. A prefill's own position
+// says nothing of when decode needs an expert again.
+constexpr uint64_t kDecodeIdleNs = 100'000'000;
+struct DecodePositions {
+  int32_t layers[kMaxClients];
+  uint32_t count = 0;
+};
+DecodePositions decode_positions(PoolLayout* l, int32_t current) {
+  DecodePositions out;
+  const uint64_t now = now_ns();
+  for (uint32_t c = 0; c < kMaxClients; ++c) {
+    const PoolClientSlot& client = l->clients()[c];
+    if (client.in_use && client.decode_layer >= 0 && client.decode_layer_ns + kDecodeIdleNs > now)
+      out.layers[out.count++] = client.decode_layer;
+  }
+  if (out.count == 0) out.layers[out.count++] = current;
+  return out;
+}
+
+// The nearest expected next use of the entry from any of those positions.
+double entry_distance(PoolLayout* l, uint32_t index, const DecodePositions& from) {
   const PoolEntry& e = l->entry_table()[index];
   const auto layer = static_cast<int32_t>(index / l->experts_per_layer);
-  return expected_reuse_distance(layer, current, static_cast<int32_t>(l->layers), e.uses,
-                                 l->layer_visits()[layer]);
+  double nearest = std::numeric_limits<double>::infinity();
+  for (uint32_t i = 0; i < from.count; ++i)
+    nearest = std::min(
+        nearest, expected_reuse_distance(layer, from.layers[i], static_cast<int32_t>(l->layers),
+                                         e.uses, l->layer_visits()[layer]));
+  return nearest;
 }
 
 // A slot: a free one, or the unpinned resident expert whose next use is expected farthest ahead
@@ -788,12 +821,16 @@ int64_t reserve_slot(PoolLayout* l, int32_t current, bool for_prefetch, double a
   PoolEntry* entries = l->entry_table();
   int64_t victim = -1;
   double victim_distance = 0;
+  const DecodePositions from = decode_positions(l, current);
   for (uint64_t s = 0; s < l->slots; ++s) {
     if (owner[s] < 0) return static_cast<int64_t>(s);
     const PoolEntry& e = entries[owner[s]];
     if (e.state != kResident || e.pins > 0) continue;
     if (for_prefetch && e.prefetched) continue;
-    const double distance = entry_distance(l, static_cast<uint32_t>(owner[s]), current);
+    // What a prefill batch brought in and no decode step has used since sits at the cold end:
+    // evicted before anything decode uses (the least recent of them first).
+    const double distance = e.streamed ? std::numeric_limits<double>::infinity()
+                                       : entry_distance(l, static_cast<uint32_t>(owner[s]), from);
     if (for_prefetch && distance <= at_most) continue;
     if (victim < 0 || distance > victim_distance ||
         (distance == victim_distance && e.last_use < entries[owner[victim]].last_use)) {
@@ -806,21 +843,31 @@ int64_t reserve_slot(PoolLayout* l, int32_t current, bool for_prefetch, double a
     evicted.state = kAbsent;
     evicted.slot = -1;
     evicted.prefetched = 0;
+    evicted.streamed = 0;
     owner[victim] = -1;
     ++l->counters.evictions;
   }
   return victim;
 }
 
-void queue_load(PoolLayout* l, uint32_t index, int64_t slot, bool demanded) {
+void queue_load(PoolLayout* l, uint32_t index, int64_t slot, bool demanded, bool streamed) {
   PoolEntry& e = l->entry_table()[index];
   l->slot_owner()[slot] = static_cast<int32_t>(index);
   e.slot = static_cast<int32_t>(slot);
   e.state = kQueued;
   e.demanded = demanded ? 1 : 0;
   e.prefetched = demanded ? 0 : 1;
+  e.streamed = streamed ? 1 : 0;
   e.request_tick = ++l->tick;
   notify(&l->requests);
+}
+
+// How many pins one client may hold before try_acquire refuses more: half the slots, split
+// among the clients attached now (at least one).
+int64_t pin_share(PoolLayout* l) {
+  int64_t clients = 0;
+  for (uint32_t c = 0; c < kMaxClients; ++c) clients += l->clients()[c].in_use ? 1 : 0;
+  return std::max<int64_t>(1, static_cast<int64_t>(l->slots) / (2 * std::max<int64_t>(clients, 1)));
 }
 
 }  // namespace
@@ -832,19 +879,33 @@ std::optional<ExpertWeights> PoolClient::acquire_or_fail(int layer, int expert, 
   const auto index = static_cast<uint32_t>(layer * catalog_.experts_per_layer + expert);
   PoolLock lock(layout_);
   PoolLayout* l = layout_;
+  // A caller already holding pins takes no more than its share of the slots (half the pool split
+  // among the attached clients): pinned experts cannot be evicted, and processes each pinning a
+  // layer's worth would leave the policy no choice of victim (docs/PERFORMANCE.md, "The shared
+  // pool under a serving load"). The caller computes what it holds and asks again.
+  if (!may_wait && pins_held_ >= pin_share(l)) return std::nullopt;
   PoolEntry& e = l->entry_table()[index];
   PoolCounters& c = l->counters;
   uint64_t waited_since = 0;
   bool missed = false;
-  // A new pass through this layer (by this client), and this expert's use in it.
-  double& visits = l->layer_visits()[layer];
-  if (layer != current_layer_) {
-    current_layer_ = layer;
-    visits += 1;
-  }
-  if (e.use_visit != visits) {
-    e.use_visit = visits;
-    e.uses += 1;
+  // A new pass through this layer (by this client), and this expert's use in it. A prefill
+  // batch's sweep is not counted: it would make every expert look as often picked as any other.
+  const bool streaming = streaming_.load(std::memory_order_relaxed);
+  if (!streaming) {
+    double& visits = l->layer_visits()[layer];
+    if (layer != current_layer_) {
+      current_layer_ = layer;
+      visits += 1;
+    }
+    if (e.use_visit != visits) {
+      e.use_visit = visits;
+      e.uses += 1;
+    }
+    PoolClientSlot& row = l->clients()[client_];
+    if (owns_row()) {
+      row.decode_layer = layer;
+      row.decode_layer_ns = now_ns();
+    }
   }
   for (;;) {
     if (l->stopping)
@@ -854,7 +915,9 @@ std::optional<ExpertWeights> PoolClient::acquire_or_fail(int layer, int expert, 
           "expert pool " + name_ + ": this process's pins were taken back (its heartbeat stopped)",
           StatusCode::kUnavailable);
     if (e.state == kResident) {
+      if (!streaming) e.streamed = 0;
       ++e.pins;
+      ++pins_held_;
       ++l->client_pins(static_cast<uint32_t>(client_))[index];
       e.previous_use = e.last_use;
       e.last_use = ++l->tick;
@@ -882,7 +945,7 @@ std::optional<ExpertWeights> PoolClient::acquire_or_fail(int layer, int expert, 
         if (waited_since) c.stall_ns += now_ns() - waited_since;
         return std::nullopt;
       }
-      if (slot >= 0) queue_load(l, index, slot, true);
+      if (slot >= 0) queue_load(l, index, slot, true, streaming);
     } else if (!e.demanded) {
       if (e.prefetched) ++c.prefetch_late;
       e.demanded = 1;
@@ -921,6 +984,7 @@ void PoolClient::release(int layer, int expert) {
   uint16_t& mine = layout_->client_pins(static_cast<uint32_t>(client_))[index];
   if (mine == 0) return;  // not pinned by this client (or taken back after a stall)
   --mine;
+  --pins_held_;
   if (e.pins > 0 && --e.pins == 0) notify(&layout_->changed);
 }
 
@@ -938,7 +1002,7 @@ void PoolClient::prefetch(int layer, std::span<const int32_t> experts) {
       ++l->counters.prefetch_dropped;
       continue;
     }
-    queue_load(l, index, slot, false);
+    queue_load(l, index, slot, false, false);
     ++l->counters.prefetch_requests;
   }
 }

@@ -197,6 +197,9 @@ class PoolClient final : public PoolMapping, public ExpertProvider {
   void release(int layer, int expert) override;
   void prefetch(int layer, std::span<const int32_t> experts) override;
   int prefetch_depth() const override { return prefetch_depth_; }
+  // A prefill batch's acquisitions are not counted in the usage estimates, and what they bring in
+  // is evicted first until a decode step uses it.
+  void set_streaming(bool streaming) override { streaming_ = streaming; }
   std::span<const std::byte> served_from() const override { return {data_, data_bytes_}; }
   // False once the process that created the pool has exited (its loaders are gone with it).
   bool owner_alive() const;
@@ -216,9 +219,11 @@ class PoolClient final : public PoolMapping, public ExpertProvider {
   std::vector<std::array<size_t, 3>> offsets_;  // of gate, up, down inside a slot, by entry
   int prefetch_depth_ = 1;
   int32_t current_layer_ = -1;  // the layer this client acquired last (under the pool's lock)
+  int64_t pins_held_ = 0;       // pins this client holds now (under the pool's lock)
   int32_t client_ = -1;         // its row of the pool's client table
   uint64_t generation_ = 0;     // the row's generation when this client took it
   std::atomic<bool> detaching_{false};
+  std::atomic<bool> streaming_{false};
   std::thread heartbeat_;
 };
 

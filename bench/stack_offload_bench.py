@@ -1,0 +1,144 @@
+#!/usr/bin/env python3
+"""The shared expert pool under a serving load: a stack of 1 prefill and 2 decode processes
+sharing one host pool, driven by `moeline load`, every compute process recording its expert
+trace. For each budget and prompt length it reports what the pool did (hit ratio, loads, load
+time p50/p95 from the offload manager's histogram, stall per output token, decode tokens/s) and
+what the merged multi-process trace allows offline (`moeline experts replay`: the pool's policy,
+its candidates and Belady's bound, each overall and per process kind).
+
+  stack_offload_bench.py --moeline BIN --model DIR --workdir DIR [--budgets 50%,25%]
+                         [--prompts 32,256] [--streams 8] [--duration-s 15] [--max-tokens 64]
+                         [--prefetch-depth N] [--json]
+"""
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+sys.path.insert(0, os.path.join(ROOT, "tests", "integration"))
+from stack_harness import Stack  # noqa: E402
+
+POLICIES = "lru,distance,distance-stream,distance-all"
+PROCESSES = ("prefill-0", "decode-0", "decode-1")
+
+
+def histogram_quantile(metrics, name, q):
+    """The q-quantile of a Prometheus histogram, linear within the bucket (as PromQL does)."""
+    buckets = sorted((float(dict(labels)["le"]), value) for (sample, labels), value in metrics.items()
+                     if sample == name + "_bucket")
+    if not buckets or buckets[-1][1] == 0:
+        return None
+    want = q * buckets[-1][1]
+    lower, below = 0.0, 0.0
+    for bound, count in buckets:
+        if count >= want:
+            if bound == float("inf"):
+                return lower
+            return lower + (bound - lower) * (want - below) / max(count - below, 1e-12)
+        lower, below = bound, count
+    return lower
+
+
+def total(metrics, name):
+    return sum(value for (sample, _), value in metrics.items() if sample == name)
+
+
+def one_case(args, budget, prompt):
+    run = os.path.join(args.workdir, f"stack-{budget.rstrip('%')}-{prompt}")
+    pattern = os.path.join(run + "-traces", "{replica}.trace")
+    os.makedirs(os.path.dirname(pattern), exist_ok=True)
+    for name in PROCESSES:
+        path = pattern.replace("{replica}", name)
+        if os.path.exists(path):
+            os.remove(path)
+    config = {"prefill": {"expert-trace": pattern}, "decode": {"expert-trace": pattern}}
+    if args.prefetch_depth is not None:
+        config["offload"] = {"prefetch-depth": args.prefetch_depth}
+    with Stack(args.moeline, args.model, run, prefill=1, decode=2, config=config,
+               expert_budget=budget) as stack:
+        before = stack.metrics("offload")
+        load = subprocess.run(
+            [args.moeline, "load", "--endpoint", stack.endpoint, "--model", args.model,
+             "--concurrency", str(args.streams), "--duration-s", str(args.duration_s),
+             "--prompt-tokens", str(prompt), "--max-tokens", str(args.max_tokens), "--json"],
+            capture_output=True, text=True, timeout=args.duration_s + 300)
+        if load.returncode != 0 and not load.stdout.strip():
+            sys.exit(f"stack_offload_bench: moeline load failed: {load.stderr[-2000:]}")
+        report = json.loads(load.stdout.strip().splitlines()[-1])
+        after = stack.metrics("offload")
+    hits = total(after, "moeline_offload_expert_hits_total") - total(
+        before, "moeline_offload_expert_hits_total")
+    misses = total(after, "moeline_offload_expert_misses_total") - total(
+        before, "moeline_offload_expert_misses_total")
+    stall = total(after, "moeline_offload_stall_seconds_total") - total(
+        before, "moeline_offload_stall_seconds_total")
+    out_tokens = report["output_tokens_per_s"] * report["duration_s"]
+    traces = [pattern.replace("{replica}", name) for name in PROCESSES]
+    missing = [t for t in traces if not os.path.exists(t)]
+    if missing:
+        sys.exit(f"stack_offload_bench: no trace from {missing}")
+    replay = subprocess.run([args.moeline, "experts", "replay", "--trace", ",".join(traces),
+                             "--budgets", budget, "--policies", POLICIES, "--json"],
+                            capture_output=True, text=True, timeout=1800)
+    if replay.returncode != 0:
+        sys.exit(f"stack_offload_bench: replay failed: {replay.stderr[-2000:]}")
+    row = json.loads(replay.stdout)["budgets"][0]
+    load_p50 = histogram_quantile(after, "moeline_offload_expert_load_seconds", 0.5)
+    load_p95 = histogram_quantile(after, "moeline_offload_expert_load_seconds", 0.95)
+    return {
+        "budget": budget, "prompt_tokens": prompt, "streams": args.streams,
+        "hit_ratio": hits / (hits + misses) if hits + misses else None,
+        "requests": report["completed"], "errors": report["errors"],
+        "output_tokens_per_s": report["output_tokens_per_s"],
+        "tpot_p50_ms": (report["tpot_ms"] or {}).get("p50"),
+        "ttft_p50_ms": (report["ttft_ms"] or {}).get("p50"),
+        "stall_ms_per_token": 1e3 * stall / out_tokens if out_tokens else None,
+        "load_p50_ms": load_p50 * 1e3 if load_p50 is not None else None,
+        "load_p95_ms": load_p95 * 1e3 if load_p95 is not None else None,
+        "replay": {policy: row[policy] for policy in POLICIES.split(",") + ["belady"]},
+        "replay_by_kind": row.get("by_kind", {}),
+    }
+
+
+def fmt(value, digits=3):
+    return "-" if value is None else f"{value:.{digits}f}"
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--moeline", required=True)
+    ap.add_argument("--model", required=True)
+    ap.add_argument("--workdir", required=True)
+    ap.add_argument("--budgets", default="50%,25%")
+    ap.add_argument("--prompts", default="32,256")
+    ap.add_argument("--streams", type=int, default=8)
+    ap.add_argument("--duration-s", type=float, default=15)
+    ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("--prefetch-depth", type=int)
+    ap.add_argument("--json", action="store_true")
+    args = ap.parse_args()
+    os.makedirs(args.workdir, exist_ok=True)
+    rows = [one_case(args, budget, int(prompt)) for budget in args.budgets.split(",")
+            for prompt in args.prompts.split(",")]
+    if args.json:
+        print(json.dumps(rows, indent=2))
+        return 0
+    print("| budget | prompt | pool hit ratio | replay: distance | distance-stream | distance-all "
+          "| Belady | Belady decode / prefill | decode tok/s | stall ms/token | load p50 / p95 ms |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+    for r in rows:
+        rp, kind = r["replay"], r["replay_by_kind"]
+        print(f"| {r['budget']} | {r['prompt_tokens']} | {fmt(r['hit_ratio'])} | "
+              f"{fmt(rp['distance'])} | {fmt(rp['distance-stream'])} | {fmt(rp['distance-all'])} | "
+              f"{fmt(rp['belady'])} | {fmt(kind.get('decode', {}).get('belady'))} / "
+              f"{fmt(kind.get('prefill', {}).get('belady'))} | {fmt(r['output_tokens_per_s'], 1)} | "
+              f"{fmt(r['stall_ms_per_token'])} | {fmt(r['load_p50_ms'])} / {fmt(r['load_p95_ms'])} |")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
