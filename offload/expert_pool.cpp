@@ -318,6 +318,11 @@ PoolMapping::~PoolMapping() {
   if (fd_ >= 0) close(fd_);
 }
 
+void ExpertPool::set_prefetch_enabled(PrefetchKind kind, bool enabled) {
+  PoolLock lock(layout_);
+  layout_->counters.prefetch_off[static_cast<size_t>(kind)] = enabled ? 0 : 1;
+}
+
 PoolStats PoolMapping::stats() const {
   PoolStats s;
   PoolLock lock(layout_);
@@ -840,6 +845,7 @@ int64_t reserve_slot(PoolLayout* l, int32_t current, bool for_prefetch, double a
   }
   if (victim >= 0) {
     PoolEntry& evicted = entries[owner[victim]];
+    if (evicted.prefetched) ++l->counters.prefetch_by_kind[evicted.prefetched - 1u].wasted;
     evicted.state = kAbsent;
     evicted.slot = -1;
     evicted.prefetched = 0;
@@ -856,7 +862,7 @@ void queue_load(PoolLayout* l, uint32_t index, int64_t slot, bool demanded, bool
   e.slot = static_cast<int32_t>(slot);
   e.state = kQueued;
   e.demanded = demanded ? 1 : 0;
-  e.prefetched = demanded ? 0 : 1;
+  e.prefetched = demanded ? 0 : 1;  // PoolClient::prefetch sets its kind
   e.streamed = streamed ? 1 : 0;
   e.request_tick = ++l->tick;
   notify(&l->requests);
@@ -923,6 +929,7 @@ std::optional<ExpertWeights> PoolClient::acquire_or_fail(int layer, int expert, 
       e.last_use = ++l->tick;
       if (e.prefetched) {
         ++c.prefetch_used;
+        ++c.prefetch_by_kind[e.prefetched - 1u].used;
         e.prefetched = 0;
       }
       if (!missed) {
@@ -947,7 +954,10 @@ std::optional<ExpertWeights> PoolClient::acquire_or_fail(int layer, int expert, 
       }
       if (slot >= 0) queue_load(l, index, slot, true, streaming);
     } else if (!e.demanded) {
-      if (e.prefetched) ++c.prefetch_late;
+      if (e.prefetched) {
+        ++c.prefetch_late;
+        ++c.prefetch_by_kind[e.prefetched - 1u].late;
+      }
       e.demanded = 1;
     }
     if (!missed && e.state != kAbsent) {
@@ -989,8 +999,11 @@ void PoolClient::release(int layer, int expert) {
 }
 
 void PoolClient::prefetch(int layer, std::span<const int32_t> experts) {
+  const auto kind = static_cast<size_t>(
+      streaming_.load(std::memory_order_relaxed) ? PrefetchKind::kPrefill : PrefetchKind::kDecode);
   PoolLock lock(layout_);
   PoolLayout* l = layout_;
+  if (l->counters.prefetch_off[kind]) return;  // the offload manager found it does not pay
   for (int32_t expert : experts) {
     if (!catalog_.has(layer, expert)) continue;
     const auto index = static_cast<uint32_t>(layer * catalog_.experts_per_layer + expert);
@@ -1003,7 +1016,9 @@ void PoolClient::prefetch(int layer, std::span<const int32_t> experts) {
       continue;
     }
     queue_load(l, index, slot, false, false);
+    l->entry_table()[index].prefetched = static_cast<uint8_t>(kind + 1);
     ++l->counters.prefetch_requests;
+    ++l->counters.prefetch_by_kind[kind].requests;
   }
 }
 

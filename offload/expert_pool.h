@@ -86,6 +86,12 @@ uint64_t parse_expert_budget(const std::string& text, uint64_t total_expert_byte
 // The same budget as a share of the experts (a GPU's expert cache is sized by it).
 double expert_budget_fraction(const std::string& text, uint64_t total_expert_bytes);
 
+// The kind of forward pass a prefetch serves: decode steps, or prefill batches (streaming).
+enum class PrefetchKind : uint8_t { kDecode = 0, kPrefill = 1 };
+inline const char* prefetch_kind_name(PrefetchKind kind) {
+  return kind == PrefetchKind::kDecode ? "decode" : "prefill";
+}
+
 // Node-wide counters (monotonic), kept in the pool's shared header.
 struct PoolCounters {
   uint64_t hits = 0, misses = 0;      // demand acquisitions that found the expert resident / not
@@ -100,6 +106,16 @@ struct PoolCounters {
   uint64_t prefetch_dropped = 0;      // prefetches not queued: no slot could be freed
   uint64_t direct_io = 0;             // 1 when the loaders read with O_DIRECT
   uint64_t clients_reclaimed = 0;     // dead clients whose pins the owner took back
+  // The prefetch counters again by the kind of forward pass that asked (PrefetchKind): whether
+  // prefetch pays for that kind, which the offload manager switches it off for when it does not.
+  struct PrefetchCounts {
+    uint64_t requests = 0;  // queued
+    uint64_t used = 0;      // used before evicted
+    uint64_t late = 0;      // demand found it still loading
+    uint64_t wasted = 0;    // evicted unused
+  };
+  std::array<PrefetchCounts, 2> prefetch_by_kind{};
+  std::array<uint32_t, 2> prefetch_off{};  // 1: prefetch switched off for that kind
   // Load time histogram: bucket i counts loads that took < 2^i microseconds (last: the rest).
   static constexpr int kLoadBuckets = 24;
   std::array<uint64_t, kLoadBuckets> load_us_buckets{};
@@ -158,6 +174,9 @@ class ExpertPool : public PoolMapping {
   ~ExpertPool();
 
   uint64_t slots() const;
+  // Switches prefetch off (or on again) for one kind of forward pass, for every client: their
+  // prefetch hints of that kind are dropped while it is off.
+  void set_prefetch_enabled(PrefetchKind kind, bool enabled);
   // Removes the pool's name once this process's clients have attached: nobody else can attach,
   // and nothing is left in /dev/shm if the process dies (moeline run's private pool).
   void make_private();

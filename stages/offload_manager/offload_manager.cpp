@@ -348,6 +348,8 @@ int offload_body(const runtime::Config& config) {
         .set(static_cast<double>(pool_bytes));
     pool_metrics = std::make_unique<PoolMetrics>(metrics, cfg.num_layers);
   }
+  PrefetchSwitch prefetch_switch(offload_settings.prefetch_switch,
+                                 pool != nullptr && prefetch_depth > 0, service.log, metrics);
   auto last_pool_update = std::chrono::steady_clock::now();
   auto& plans = metrics.counter(offload_metric::kPlansTotal);
 
@@ -384,8 +386,10 @@ int offload_body(const runtime::Config& config) {
     if (link.rejected()) return 3;
     if (pool_metrics &&
         std::chrono::steady_clock::now() - last_pool_update > std::chrono::milliseconds(500)) {
-      pool_metrics->update(pool->stats(), health.routed_tokens());
+      const offload::PoolStats stats = pool->stats();
+      pool_metrics->update(stats, health.routed_tokens());
       last_pool_update = std::chrono::steady_clock::now();
+      prefetch_switch.update(stats, *pool, last_pool_update);
     }
     if (link.needs_hello()) link.hello(1u << 20);
     service.set_ready(link.accepted());

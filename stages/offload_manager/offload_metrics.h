@@ -33,6 +33,12 @@ inline constexpr MetricName kPrefetchDroppedTotal{"moeline_offload_prefetch_drop
 inline constexpr MetricName kClientsReclaimedTotal{
     "moeline_offload_clients_reclaimed_total",
     "Dead compute processes whose expert pins were taken back"};
+inline constexpr MetricName kPrefetchEnabled{
+    "moeline_offload_prefetch_enabled",
+    "1 while prefetch runs for this kind of forward pass (decode, prefill), 0 once switched off"};
+inline constexpr MetricName kPrefetchSwitchedOffTotal{
+    "moeline_offload_prefetch_switched_off_total",
+    "Times prefetch was switched off for a kind: its late or wasted share passed the threshold"};
 inline constexpr MetricName kExpertHitRatio{"moeline_offload_expert_hit_ratio",
                                             "Share of acquisitions served without a load"};
 inline constexpr MetricName kPrefetchPrecision{

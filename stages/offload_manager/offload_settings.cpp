@@ -16,6 +16,16 @@ OffloadSettings OffloadSettings::from(const runtime::Config& config) {
     throw runtime::ConfigError("--loader-threads must be in [1, 256]");
   s.loader_threads = static_cast<int>(threads);
   s.direct_io = config.flag("direct-io");
+  s.prefetch_switch.automatic = config.flag("prefetch-auto");
+  s.prefetch_switch.bad_share = config.number("prefetch-bad-share");
+  if (!(s.prefetch_switch.bad_share > 0 && s.prefetch_switch.bad_share <= 1))
+    throw runtime::ConfigError("--prefetch-bad-share must be in (0, 1]");
+  const int64_t window = config.integer("prefetch-window");
+  if (window < 1) throw runtime::ConfigError("--prefetch-window must be >= 1");
+  s.prefetch_switch.min_requests = static_cast<uint64_t>(window);
+  s.prefetch_switch.retry_s = config.number("prefetch-retry-s");
+  if (!(s.prefetch_switch.retry_s > 0))
+    throw runtime::ConfigError("--prefetch-retry-s must be > 0");
   s.router_health = {.imbalance_warning = config.number("imbalance-warning"),
                      .imbalance_critical = config.number("imbalance-critical"),
                      .confidence_warning = config.number("confidence-warning")};
@@ -32,6 +42,13 @@ std::vector<runtime::ConfigKey> offload_keys() {
                   "shared memory name of the pool (default: /moeline-pool-<model id>-<hub hash>)"});
   keys.push_back({"prefetch-depth", "1",
                   "MoE layers ahead the compute processes predict and prefetch (0: off)"});
+  keys.push_back({"prefetch-auto", "true",
+                  "switch prefetch off for a kind of forward pass (decode, prefill) when too much "
+                  "of it comes late or goes unused, and try it again after --prefetch-retry-s"});
+  keys.push_back({"prefetch-bad-share", "0.5",
+                  "late or wasted share of a window of prefetches at which it is switched off"});
+  keys.push_back({"prefetch-window", "200", "prefetches per judgement"});
+  keys.push_back({"prefetch-retry-s", "300", "seconds before a switched-off prefetch is retried"});
   keys.push_back({"loader-threads", "1", "threads reading experts from disk into the pool"});
   keys.push_back({"imbalance-warning", "0.4",
                   "router health: warn when a layer's load imbalance (std/mean) reaches this"});

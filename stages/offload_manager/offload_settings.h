@@ -7,6 +7,7 @@
 #include <vector>
 
 #include "offload/router_health.h"
+#include "stages/offload_manager/prefetch_switch.h"
 #include "stages/runtime/config.h"
 
 namespace moeline::stages {
@@ -18,6 +19,7 @@ struct OffloadSettings {
   int loader_threads = 1;
   bool direct_io = true;
   offload::RouterHealthOptions router_health;
+  PrefetchSwitchSettings prefetch_switch;
 
   static OffloadSettings from(const runtime::Config& config);
 };

@@ -543,6 +543,44 @@ def case_restart(args):
                   f"({pool.get('clients_reclaimed')} dead client(s) reclaimed)")
 
 
+def case_prefetch_switch(args):
+    """Prefetch that does not pay turns itself off: with a threshold any late or wasted prefetch
+    passes, the offload manager switches decode's prefetch off (metric, log line), outputs stay
+    identical to `moeline run`, and after the retry time it is switched on again to be judged
+    anew."""
+    from moeline_client import Client
+    vocab, _, _, _ = model_shape(args.model)
+    requests = workload(vocab, 12, seed=13)
+    expected = references(args, requests)
+    run_dir = os.path.join(args.workdir, "prefetch-switch")
+    config = {"offload": {"prefetch-depth": 1, "prefetch-bad-share": 0.001,
+                          "prefetch-window": 20, "prefetch-retry-s": 2}}
+    with Stack(args.moeline, args.model, run_dir, prefill=1, decode=2, config=config,
+               expert_budget="25%") as stack:
+        enabled = stack.metric("offload", "moeline_offload_prefetch_enabled", kind="decode")
+        check(enabled == 1, f"prefetch is not on at start: {enabled}")
+        with Client(stack.endpoint, timeout=120) as client:
+            compare(run_concurrently(client, requests), expected, "prefetch judged")
+        deadline = time.time() + 20
+        switched = 0
+        while time.time() < deadline and not switched:
+            switched = stack.metric("offload", "moeline_offload_prefetch_switched_off_total",
+                                    kind="decode")
+            time.sleep(0.3)
+        check(switched >= 1, "decode's prefetch was never switched off")
+        log = open(os.path.join(run_dir, "logs", "offload.log")).read()
+        check("event=prefetch_switched_off kind=decode" in log and "late_share=" in log,
+              "no prefetch_switched_off line in the offload manager's log")
+        deadline = time.time() + 20
+        while time.time() < deadline and "event=prefetch_retried kind=decode" not in log:
+            time.sleep(0.3)
+            log = open(os.path.join(run_dir, "logs", "offload.log")).read()
+        check("event=prefetch_retried kind=decode" in log, "prefetch was not tried again")
+        print(f"ok prefetch switch: decode's prefetch switched off {switched:.0f} time(s) and "
+              f"retried; outputs identical to moeline run")
+
+
 if __name__ == "__main__":
     run_cases({"budgets": case_budgets, "memory": case_memory, "restart": case_restart,
-               "trace": case_trace, "quantized": case_quantized, "deepseek": case_deepseek, "device": case_device}, __doc__)
+               "trace": case_trace, "quantized": case_quantized,
+               "prefetch_switch": case_prefetch_switch, "deepseek": case_deepseek, "device": case_device}, __doc__)

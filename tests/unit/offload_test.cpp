@@ -217,6 +217,75 @@ TEST(ExpertPool, APinnedExpertIsNeverEvictedAndPinHoldersNeverWait) {
   }
 }
 
+TEST(ExpertPool, APinHolderTakesNoMoreThanItsShare) {
+  // Half the slots split among the attached clients: 8 slots, 2 clients, 2 pins each before
+  // try_acquire refuses (acquire, which a caller holding nothing uses, always may wait).
+  auto m = load("mixtral-f32");
+  ASSERT_TRUE(m);
+  const ExpertCatalog catalog = m->expert_catalog();
+  auto pool = pool_of_slots(catalog, "share", 8);
+  auto a = must(PoolClient::attach(pool->name(), catalog));
+  auto b = must(PoolClient::attach(pool->name(), catalog));
+  a->acquire(0, 0);
+  ASSERT_TRUE(a->try_acquire(0, 1).has_value());
+  EXPECT_FALSE(a->try_acquire(0, 2).has_value());  // free slots remain, but not for a
+  ASSERT_TRUE(b->try_acquire(0, 2).has_value());   // b holds nothing yet
+  a->release(0, 1);
+  EXPECT_TRUE(a->try_acquire(0, 3).has_value());  // back under its share
+  for (auto [client, expert] : {std::pair{a.get(), 0}, {a.get(), 3}, {b.get(), 2}})
+    client->release(0, expert);
+}
+
+TEST(ExpertPool, APrefillSweepIsEvictedBeforeDecodesExperts) {
+  // Two slots. Decode uses experts 0 and 1 of layer 0; a prefill batch then sweeps 2 and 3. What
+  // the sweep brings in goes first, so it costs decode one of its two experts, not both.
+  auto m = load("mixtral-f32");
+  ASSERT_TRUE(m);
+  const ExpertCatalog catalog = m->expert_catalog();
+  auto pool = pool_of_slots(catalog, "sweep", 2);
+  auto client = must(PoolClient::attach(pool->name(), catalog));
+  auto use = [&](int expert) {
+    client->acquire(0, expert);
+    client->release(0, expert);
+  };
+  for (int step = 0; step < 3; ++step)
+    for (int expert : {0, 1}) use(expert);
+  client->set_streaming(true);
+  for (int expert = 2; expert < 4; ++expert) use(expert);
+  client->set_streaming(false);
+  const uint64_t hits = pool->stats().hits;
+  for (int expert : {0, 1}) use(expert);
+  EXPECT_EQ(pool->stats().hits - hits, 1u);
+}
+
+TEST(ExpertPool, PrefetchIsCountedByKindAndSwitchedOffPerKind) {
+  auto m = load("mixtral-f32");
+  ASSERT_TRUE(m);
+  const ExpertCatalog catalog = m->expert_catalog();
+  auto pool = pool_of_slots(catalog, "prefetch-kind", 16);
+  auto client = must(PoolClient::attach(pool->name(), catalog));
+  const std::vector<int32_t> one{1}, two{2}, three{3};
+  client->prefetch(0, one);  // a decode step's
+  client->set_streaming(true);
+  client->prefetch(0, two);  // a prefill batch's
+  PoolStats stats = pool->stats();
+  EXPECT_EQ(stats.prefetch_by_kind[0].requests, 1u);
+  EXPECT_EQ(stats.prefetch_by_kind[1].requests, 1u);
+  pool->set_prefetch_enabled(PrefetchKind::kPrefill, false);
+  client->prefetch(0, three);  // dropped: prefill's prefetch is off
+  client->set_streaming(false);
+  client->prefetch(0, three);  // decode's is not
+  stats = pool->stats();
+  EXPECT_EQ(stats.prefetch_by_kind[1].requests, 1u);
+  EXPECT_EQ(stats.prefetch_by_kind[0].requests, 2u);
+  EXPECT_EQ(stats.prefetch_off[1], 1u);
+  // Used once acquired (waiting out the load if it is still under way: then also late).
+  client->acquire(0, 1);
+  client->release(0, 1);
+  stats = pool->stats();
+  EXPECT_EQ(stats.prefetch_by_kind[0].used, 1u);
+}
+
 TEST(ExpertPool, ConcurrentEnginesOnTheSmallestPoolMatchResident) {
   auto m = load("qwen3-bf16");
   ASSERT_TRUE(m);
