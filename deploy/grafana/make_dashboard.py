@@ -103,6 +103,8 @@ ROWS = [
         ("Prefetch precision and recall", "percentunit", [
             ("max(moeline_offload_prefetch_precision)", "precision"),
             ("max(moeline_offload_prefetch_recall)", "recall")]),
+        ("Prefetch on, by kind of pass (0: switched off: it came late or went unused)", "short", [
+            ("min by (kind) (moeline_offload_prefetch_enabled)", "{{kind}}")]),
     ]),
 ]
 
