@@ -55,4 +55,8 @@ std::string did_you_mean(std::string_view flag, const std::vector<std::string>& 
   return best == nullptr ? "" : " (did you mean " + *best + "?)";
 }
 
+std::string unknown_option(std::string_view flag, std::string_view usage) {
+  return "unknown option '" + std::string(flag) + "'" + did_you_mean(flag, flags_in(usage));
+}
+
 }  // namespace moeline

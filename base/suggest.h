@@ -15,4 +15,8 @@ std::vector<std::string> flags_in(std::string_view usage);
 // Levenshtein distance, at most a quarter of its length, 1 to 3), else "".
 std::string did_you_mean(std::string_view flag, const std::vector<std::string>& known);
 
+// "unknown option '--threds' (did you mean --threads?)": the error for a flag that a command's
+// usage text does not name, with the nearest one it does.
+std::string unknown_option(std::string_view flag, std::string_view usage);
+
 }  // namespace moeline

@@ -113,8 +113,7 @@ int generate(int argc, char** argv) {
   for (int i = 0; i < argc; ++i) {
     const std::string flag = argv[i];
     auto known = takes_value.find(flag);
-    if (known == takes_value.end())
-      throw UsageError("unknown option '" + flag + "'" + did_you_mean(flag, flags_in(kUsage)));
+    if (known == takes_value.end()) throw UsageError(unknown_option(flag, kUsage));
     std::string value;
     if (known->second) {
       if (i + 1 >= argc) throw UsageError(flag + " needs a value");
@@ -199,7 +198,7 @@ int reuse(int argc, char** argv) {
     else if (flag == "--tenant")
       tenant = argv[++i];
     else
-      throw UsageError("unknown option '" + flag + "'" + did_you_mean(flag, flags_in(kUsage)));
+      throw UsageError(unknown_option(flag, kUsage));
   }
   if (endpoint.empty()) throw UsageError("--endpoint is required");
   if (levels.empty()) throw UsageError("--levels is required (prefix,full,result, all or none)");
@@ -241,7 +240,7 @@ int drain(int argc, char** argv) {
     else if (arg == "--replica" && i + 1 < argc)
       replica = argv[++i];
     else
-      throw UsageError("unknown option '" + arg + "'" + did_you_mean(arg, flags_in(kUsage)));
+      throw UsageError(unknown_option(arg, kUsage));
   }
   if (endpoint.empty()) throw UsageError("--endpoint is required");
   Client client(endpoint, std::chrono::seconds(10), g_credentials);
@@ -258,8 +257,7 @@ int status(int argc, char** argv) {
     if (std::strcmp(argv[i], "--endpoint") == 0 && i + 1 < argc)
       endpoint = argv[++i];
     else
-      throw UsageError(std::string("unknown option '") + argv[i] + "'" +
-                       did_you_mean(argv[i], flags_in(kUsage)));
+      throw UsageError(unknown_option(argv[i], kUsage));
   }
   if (endpoint.empty()) throw UsageError("--endpoint is required");
   Client client(endpoint, std::chrono::seconds(10), g_credentials);

@@ -150,7 +150,7 @@ int show(const std::vector<std::string>& args) {
     } else if (args[i] == "--json") {
       json = true;
     } else {
-      usage_error("unknown option '" + args[i] + "'" + did_you_mean(args[i], flags_in(kUsage)));
+      usage_error(unknown_option(args[i], kUsage));
     }
   }
   if (run_dir.empty()) usage_error("--run-dir is required");
@@ -257,7 +257,7 @@ int replay_command(const std::vector<std::string>& args) {
     } else if (args[i] == "--json") {
       json = true;
     } else {
-      usage_error("unknown option '" + args[i] + "'" + did_you_mean(args[i], flags_in(kUsage)));
+      usage_error(unknown_option(args[i], kUsage));
     }
   }
   if (trace_paths.empty()) usage_error("--trace is required");

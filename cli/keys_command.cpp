@@ -53,7 +53,7 @@ std::map<std::string, std::string> parse_flags(int argc, char** argv,
       if (i + 1 >= argc) throw ConfigError(flag + " needs a value");
       flags[name] = argv[++i];
     } else {
-      throw ConfigError("unknown option '" + flag + "'" + did_you_mean(flag, flags_in(kUsage)));
+      throw ConfigError(unknown_option(flag, kUsage));
     }
   }
   return flags;

@@ -88,8 +88,7 @@ int perplexity_command(int argc, char** argv) {
     static const char* const kValued[] = {"--model",  "--text",    "--context",
                                           "--chunks", "--threads", "--quant-math"};
     if (std::find(std::begin(kValued), std::end(kValued), flag) == std::end(kValued))
-      return fail("unknown option '" + flag + "'" + did_you_mean(flag, flags_in(kUsage)) + "\n" +
-                  kUsage);
+      return fail(unknown_option(flag, kUsage) + "\n" + kUsage);
     if (i + 1 >= argc) return fail(flag + " needs a value\n" + kUsage);
     const std::string value = argv[++i];
     int64_t number = 0;
@@ -104,14 +103,11 @@ int perplexity_command(int argc, char** argv) {
       if (flag == "--context") options.context = number;
       if (flag == "--chunks") options.chunks = number;
       if (flag == "--threads") options.threads = static_cast<int>(std::min<int64_t>(number, 1024));
-    } else if (flag == "--quant-math") {
+    } else {  // --quant-math, the last of kValued
       kernels::QuantMath math;
       if (!kernels::parse_quant_math(value.c_str(), math))
         return fail("--quant-math must be exact or fast, not '" + value + "'");
       kernels::set_quant_math(math);
-    } else {
-      return fail("unknown option '" + flag + "'" + did_you_mean(flag, flags_in(kUsage)) + "\n" +
-                  kUsage);
     }
   }
   if (options.model.empty() || options.text.empty()) return fail("--model and --text are needed");

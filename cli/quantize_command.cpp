@@ -37,9 +37,7 @@ int quantize_command(int argc, char** argv) {
     const bool known = flag == "--model" || flag == "--type" || flag == "--out";
     if (!known || i + 1 >= argc) {
       std::cerr << kUsage << "moeline: error: "
-                << (known ? flag + " needs a value"
-                          : "unknown option '" + flag + "'" + did_you_mean(flag, flags_in(kUsage)))
-                << '\n';
+                << (known ? flag + " needs a value" : unknown_option(flag, kUsage)) << '\n';
       return 2;
     }
     (flag == "--model" ? model : flag == "--type" ? type : out) = argv[++i];

@@ -134,8 +134,7 @@ RunOptions parse(int argc, char** argv) {
   for (int i = 0; i < argc; ++i) {
     const std::string flag = argv[i];
     auto known = flags_with_value.find(flag);
-    if (known == flags_with_value.end())
-      throw UsageError("unknown option '" + flag + "'" + did_you_mean(flag, flags_in(kUsage)));
+    if (known == flags_with_value.end()) throw UsageError(unknown_option(flag, kUsage));
     std::string value;
     if (known->second) {
       if (i + 1 >= argc) throw UsageError(flag + " needs a value");

@@ -54,7 +54,7 @@ std::string errno_text(int error) {
 struct PoolEntry {
   int32_t slot;
   uint8_t state;
-  uint8_t prefetched;  // brought in (or queued) by a prefetch and not used since
+  uint8_t prefetched;  // 1 + the PrefetchKind that brought it in (or queued it), unused since; or 0
   uint8_t demanded;    // a caller waits for it: loaded before any prefetch
   uint8_t streamed;    // brought in by a prefill batch and not used by a decode step since
   uint32_t pins;
@@ -788,7 +788,6 @@ namespace {
 // The layers the clients' decode steps are at now (those seen within kDecodeIdleNs), or `current`
 // when none is decoding: what an expert's next use is measured from. A prefill's own position
 // says nothing of when decode needs an expert again.
-constexpr uint64_t kDecodeIdleNs = 100'000'000;
 struct DecodePositions {
   int32_t layers[kMaxClients];
   uint32_t count = 0;
@@ -856,13 +855,14 @@ int64_t reserve_slot(PoolLayout* l, int32_t current, bool for_prefetch, double a
   return victim;
 }
 
-void queue_load(PoolLayout* l, uint32_t index, int64_t slot, bool demanded, bool streamed) {
+// `prefetched`: 0 for a demand load, else 1 + the PrefetchKind that asked for it.
+void queue_load(PoolLayout* l, uint32_t index, int64_t slot, uint8_t prefetched, bool streamed) {
   PoolEntry& e = l->entry_table()[index];
   l->slot_owner()[slot] = static_cast<int32_t>(index);
   e.slot = static_cast<int32_t>(slot);
   e.state = kQueued;
-  e.demanded = demanded ? 1 : 0;
-  e.prefetched = demanded ? 0 : 1;  // PoolClient::prefetch sets its kind
+  e.demanded = prefetched == 0 ? 1 : 0;
+  e.prefetched = prefetched;
   e.streamed = streamed ? 1 : 0;
   e.request_tick = ++l->tick;
   notify(&l->requests);
@@ -952,7 +952,7 @@ std::optional<ExpertWeights> PoolClient::acquire_or_fail(int layer, int expert, 
         if (waited_since) c.stall_ns += now_ns() - waited_since;
         return std::nullopt;
       }
-      if (slot >= 0) queue_load(l, index, slot, true, streaming);
+      if (slot >= 0) queue_load(l, index, slot, 0, streaming);
     } else if (!e.demanded) {
       if (e.prefetched) {
         ++c.prefetch_late;
@@ -1015,8 +1015,7 @@ void PoolClient::prefetch(int layer, std::span<const int32_t> experts) {
       ++l->counters.prefetch_dropped;
       continue;
     }
-    queue_load(l, index, slot, false, false);
-    l->entry_table()[index].prefetched = static_cast<uint8_t>(kind + 1);
+    queue_load(l, index, slot, static_cast<uint8_t>(kind + 1), false);
     ++l->counters.prefetch_requests;
     ++l->counters.prefetch_by_kind[kind].requests;
   }

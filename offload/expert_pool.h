@@ -78,6 +78,9 @@ uint64_t pool_slot_bytes(const ExpertCatalog& catalog);
 // The pool evicts the largest; moeline experts replay compares it with Belady's bound.
 double expected_reuse_distance(int32_t layer, int32_t current, int32_t cycle, double uses,
                                double visits);
+// A process whose decode steps have not acquired an expert for this long has none in flight: its
+// last layer no longer pulls experts closer (the pool's policy, and its replay).
+inline constexpr uint64_t kDecodeIdleNs = 100'000'000;
 
 // "25%" of the pool that holds every expert (pool_bytes_for_all), "64MiB" / "1.5GB" / "4096"
 // bytes. Throws std::invalid_argument with

@@ -251,8 +251,7 @@ ReplayResult replay(std::span<const ExpertAccess> accesses, uint64_t slots, Repl
   std::vector<double> visits(static_cast<size_t>(cycle), 0.0);
   std::vector<int32_t> process_layer(processes, -1);
   // kDistanceAll: where each process that decodes is, and when it was last seen there; one not
-  // seen for kIdleNs has no step in flight and does not pull experts closer.
-  constexpr uint64_t kIdleNs = 100'000'000;
+  // seen for kDecodeIdleNs has no step in flight and does not pull experts closer.
   std::vector<uint64_t> process_seen(processes, 0);
   std::vector<bool> decodes(processes, false);
   int32_t decode_layer = 0;  // kDistanceStream: the layer of the latest decode access
@@ -287,7 +286,8 @@ ReplayResult replay(std::span<const ExpertAccess> accesses, uint64_t slots, Repl
         return expected_reuse_distance(layer, decode_layer, cycle, u.uses, layer_visits);
       double nearest = std::numeric_limits<double>::infinity();
       for (size_t p = 0; p < processes; ++p) {
-        if (!decodes[p] || process_layer[p] < 0 || a.t_ns > process_seen[p] + kIdleNs) continue;
+        if (!decodes[p] || process_layer[p] < 0 || a.t_ns > process_seen[p] + kDecodeIdleNs)
+          continue;
         nearest = std::min(
             nearest, expected_reuse_distance(layer, process_layer[p], cycle, u.uses, layer_visits));
       }

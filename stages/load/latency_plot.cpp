@@ -28,7 +28,7 @@ struct Window {
   double value[3] = {0, 0, 0};
 };
 
-std::vector<Window> windows_of(const std::vector<TimedSample>& samples, int count, double width_s) {
+std::vector<Window> windows_of(std::span<const TimedSample> samples, int count, double width_s) {
   std::vector<std::vector<double>> values(static_cast<size_t>(count));
   for (const TimedSample& s : samples) {
     const int index = std::clamp(static_cast<int>(s.at_s / width_s), 0, count - 1);

@@ -3,6 +3,7 @@
 // the run, as their p50, p90 and p99 in each time window, so a latency that creeps up, a stall or
 // a restart shows where it happened rather than vanishing into one percentile of the whole run.
 
+#include <span>
 #include <string>
 #include <vector>
 
@@ -20,7 +21,7 @@ double quantile(const std::vector<double>& sorted, double q);
 struct LatencyPlot {
   std::string title, subtitle;
   double duration_s = 0;
-  std::vector<TimedSample> ttft, per_token;
+  std::span<const TimedSample> ttft, per_token;  // the run's samples, not copied
 };
 
 // Writes the PNG; false when the file cannot be written.

@@ -242,7 +242,7 @@ Samples drive_http(const LoadOptions& o, int64_t vocab) {
     if (!o.credentials.api_key.empty())
       headers.emplace("Authorization", "Bearer " + o.credentials.api_key);
     std::mt19937_64 rng(seed);
-    Samples s(Clock::now(), o.tally);
+    Samples s(total.origin, o.tally);  // one start for every worker's sample times
     while (Clock::now() < end) {
       const nlohmann::json body = {{"prompt", synthetic_prompt(rng, o.prompt_tokens, vocab)},
                                    {"max_tokens", o.max_tokens},
