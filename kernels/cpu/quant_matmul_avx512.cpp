@@ -4,8 +4,10 @@
 // gives 16 32-bit sums, and a super-block is converted and scaled once.
 #include <immintrin.h>
 
+#include <cmath>
 #include <cstring>
 #include <type_traits>
+#include <vector>
 
 #include "kernels/cpu/quant_matmul.h"
 
@@ -221,9 +223,56 @@ void rows_q8_q4_0(const MatrixView& w, const QuantizedActivations& x, float* y, 
   }
 }
 
+// A Q4_K super-block's two integer sums for one row and token, Σ sc q x (16 lanes of partial
+// sums) and Σ m Σx (4 lanes), folded to one value each and converted: lane 0 and lane 2. The
+// folding narrows the registers as it goes (a 512-bit operation costs two 256-bit ones on Zen 4).
+// Integer sums are exact, so the order of the folding does not change them.
+inline __m128 fold_k_sums(__m512i scaled, __m128i mins) {
+  const __m256i eight = _mm256_add_epi32(_mm512_castsi512_si256(scaled),
+                                         _mm512_extracti64x4_epi64(scaled, 1));
+  const __m128i four =
+      _mm_add_epi32(_mm256_castsi256_si128(eight), _mm256_extracti128_si256(eight, 1));
+  __m128i both = _mm_add_epi32(_mm_unpacklo_epi64(four, mins), _mm_unpackhi_epi64(four, mins));
+  both = _mm_add_epi32(both, _mm_shuffle_epi32(both, _MM_SHUFFLE(2, 3, 0, 1)));
+  return _mm_cvtepi32_ps(both);
+}
+
+// One super-block's share of a Q4_K row: acc + dx (d Σ sc q x - dmin Σ m Σx), with these
+// float operations in this order in every kernel that computes the row (one row at a time, or
+// sixteen rows per register in the interleaved kernel), so that a row's result is the same bits
+// whichever kernel a batch's size chose (exact prefix reuse compares prefill with decode).
+inline float k_block_step(float acc, float d, float dmin, float dx, __m128 sums) {
+  const float mins = dmin * _mm_cvtss_f32(_mm_movehl_ps(sums, sums));
+  return std::fma(dx, std::fma(d, _mm_cvtss_f32(sums), -mins), acc);
+}
+inline __m512 k_block_step(__m512 acc, __m512 d, __m512 dmin, __m512 dx, __m512i scaled_sum,
+                           __m512i min_sum) {
+  const __m512 mins = _mm512_mul_ps(dmin, _mm512_cvtepi32_ps(min_sum));
+  return _mm512_fmadd_ps(dx, _mm512_fmsub_ps(d, _mm512_cvtepi32_ps(scaled_sum), mins), acc);
+}
+
+// Q4_K's activation sums over pairs of sub-blocks (min_pairs below), for every token of x: for
+// token t, super-block b and p < 4, sub-blocks 2p and 2p + 1 as the two 16-bit halves of an int32
+// (|a sum of 32| ≤ 32 · 127 fits), so that one madd multiplies them by a row's two mins.
+const int32_t* q4_k_min_pairs(const QuantizedActivations& x) {
+  thread_local std::vector<int32_t> pairs;
+  const int64_t count = x.cols / 64;
+  pairs.resize(static_cast<size_t>(x.rows * count));
+  for (int64_t t = 0; t < x.rows; ++t) {
+    const int32_t* sums = x.row_sums(t);
+    for (int64_t i = 0; i < count; ++i) {
+      const int32_t low = sums[4 * i] + sums[4 * i + 1], high = sums[4 * i + 2] + sums[4 * i + 3];
+      pairs[static_cast<size_t>(t * count + i)] =
+          static_cast<int32_t>(static_cast<uint16_t>(low) | static_cast<uint32_t>(high) << 16);
+    }
+  }
+  return pairs.data();
+}
+
+// min_pairs: Q4_K's (q4_k_min_pairs of x); Q5_K's arithmetic keeps 16 lanes and does not use them.
 template <bool fifth, class Dot>
 void rows_q45_k(const MatrixView& w, const QuantizedActivations& x, float* y, int64_t y_stride,
-                int64_t row_begin, int64_t row_end) {
+                int64_t row_begin, int64_t row_end, const int32_t* min_pairs = nullptr) {
   const int64_t bytes = fifth ? 176 : 144, blocks = w.cols / 256;
   // Weight register g holds sub-blocks 2g and 2g + 1 (32 weights, eight 32-bit lanes each).
   __m512i index[Dot::kRegisters];
@@ -232,8 +281,14 @@ void rows_q45_k(const MatrixView& w, const QuantizedActivations& x, float* y, in
     const auto* row = reinterpret_cast<const uint8_t*>(w.row(r));
     for_each_token_tile<kTokenTile>(x, [&](const auto& tile) {
       constexpr int tokens = std::remove_cvref_t<decltype(tile)>::kCount;
-      __m512 acc[kTokenTile];
-      for (int t = 0; t < tokens; ++t) acc[t] = _mm512_setzero_ps();
+      // Q4_K: k_block_step's scalar chain, which the interleaved kernel repeats for 16 rows at a
+      // time; Q5_K (no interleaved kernel): 16 lanes converted and scaled, folded at the end.
+      __m512 lanes[kTokenTile];
+      float acc[kTokenTile];
+      for (int t = 0; t < tokens; ++t) {
+        lanes[t] = _mm512_setzero_ps();
+        acc[t] = 0.0f;
+      }
       for (int64_t b = 0; b < blocks; ++b) {
         const uint8_t* block = row + b * bytes;
         prefetch_ahead(block, bytes);
@@ -244,6 +299,9 @@ void rows_q45_k(const MatrixView& w, const QuantizedActivations& x, float* y, in
         const __m128i scales16 = _mm_cvtepu8_epi16(scale_bytes);
         // Each min beside the two 16-sums of its sub-block, one per 32-bit lane with its high
         // half zero, so a madd_epi16 with the (small) sums multiplies them exactly.
+        // Q4_K: the mins as 16-bit pairs (m_2p, m_2p+1), for the activations' min_pairs.
+        const __m128i mins16 =
+            _mm_cvtepu8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(packed_scales + 8)));
         const __m512i mins = _mm512_cvtepu8_epi32(
             _mm_shuffle_epi8(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(packed_scales + 8)),
                              _mm_setr_epi8(0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7)));
@@ -275,17 +333,185 @@ void rows_q45_k(const MatrixView& w, const QuantizedActivations& x, float* y, in
         for (int t = 0; t < tokens; ++t) {
           const int8_t* xb = tile.q(t) + b * 256;
           const __m512i sumi = Dot::add(_mm512_setzero_si512(), q, xb, sc);
-          // Σ_j m_j Σ_{i∈j} x_i, lane by lane (|a 16-sum| ≤ 16 · 127 fits 16 bits).
-          const __m512i summ = _mm512_madd_epi16(load512(tile.sums(t) + b * 16), mins);
           const float dx = tile.scales(t)[b];
-          acc[t] = _mm512_fmadd_ps(_mm512_set1_ps(d * dx), _mm512_cvtepi32_ps(sumi), acc[t]);
-          acc[t] = _mm512_fnmadd_ps(_mm512_set1_ps(dmin * dx), _mm512_cvtepi32_ps(summ), acc[t]);
+          if constexpr (fifth) {
+            // Σ_j m_j Σ_{i∈j} x_i, lane by lane (|a 16-sum| ≤ 16 · 127 fits 16 bits).
+            const __m512i summ = _mm512_madd_epi16(load512(tile.sums(t) + b * 16), mins);
+            lanes[t] = _mm512_fmadd_ps(_mm512_set1_ps(d * dx), _mm512_cvtepi32_ps(sumi), lanes[t]);
+            lanes[t] =
+                _mm512_fnmadd_ps(_mm512_set1_ps(dmin * dx), _mm512_cvtepi32_ps(summ), lanes[t]);
+          } else {
+            const __m128i pairs = _mm_loadu_si128(
+                reinterpret_cast<const __m128i*>(min_pairs + (tile.first + t) * blocks * 4 + b * 4));
+            acc[t] = k_block_step(acc[t], d, dmin, dx,
+                                  fold_k_sums(sumi, _mm_madd_epi16(pairs, mins16)));
+          }
         }
       }
-      for (int t = 0; t < tokens; ++t)
-        y[(tile.first + t) * y_stride + r] = _mm512_reduce_add_ps(acc[t]);
+      for (int t = 0; t < tokens; ++t) {
+        if constexpr (fifth)
+          y[(tile.first + t) * y_stride + r] = _mm512_reduce_add_ps(lanes[t]);
+        else
+          y[(tile.first + t) * y_stride + r] = acc[t];
+      }
     });
   }
+}
+
+// Q4_K rows sixteen at a time, for batches of tokens (prefill): each super-block of 16 rows is
+// unpacked once into registers whose 32-bit lane r belongs to row r, and every token of the batch
+// then multiplies it with instructions that each serve 16 rows. The row-at-a-time kernel spends
+// most of a token's work per super-block on one row's epilogue (the scales spread over lanes, the
+// sums folded, converted and scaled); here that epilogue is shared by 16 rows. The arithmetic is
+// the row kernel's (the same integer sums, then k_block_step), so the results are the same bits.
+constexpr int64_t kInterleavedRows = 16;
+// Fewer tokens than this: the unpacking is not repaid (moeline_quant_kernel_bench, Zen 4).
+constexpr int64_t kInterleaveMinTokens = 8;
+// Tokens per pass over an unpacked super-block: three accumulators each beside its weights.
+constexpr int kInterleavedTokenTile = 8;
+
+struct alignas(64) InterleavedQ4K {
+  __m512i q[64];      // group k: weights 4k .. 4k + 3 of each row, one byte each
+  __m512i scales[8];  // sub-block j's scale in the low 16 bits of each lane, the high bits zero
+  __m512i mins[4];    // the mins of sub-blocks 2p and 2p + 1 as the two 16-bit halves of a lane
+  __m512 d, dmin;
+};
+
+// v[c] lane r = v[r] lane c, for 16 registers of 16 32-bit lanes.
+inline void transpose16(__m512i v[16]) {
+  __m512i t[16];
+  for (int i = 0; i < 16; i += 2) {
+    t[i] = _mm512_unpacklo_epi32(v[i], v[i + 1]);
+    t[i + 1] = _mm512_unpackhi_epi32(v[i], v[i + 1]);
+  }
+  // v[4g + c], 128-bit lane L: rows 4g .. 4g + 3 at column 4L + c.
+  for (int g = 0; g < 16; g += 4) {
+    v[g] = _mm512_unpacklo_epi64(t[g], t[g + 2]);
+    v[g + 1] = _mm512_unpackhi_epi64(t[g], t[g + 2]);
+    v[g + 2] = _mm512_unpacklo_epi64(t[g + 1], t[g + 3]);
+    v[g + 3] = _mm512_unpackhi_epi64(t[g + 1], t[g + 3]);
+  }
+  for (int c = 0; c < 4; ++c) {
+    t[c] = _mm512_shuffle_i32x4(v[c], v[4 + c], 0x88);  // columns c, 8 + c of rows 0-7
+    t[4 + c] = _mm512_shuffle_i32x4(v[c], v[4 + c], 0xDD);  // columns 4 + c, 12 + c
+    t[8 + c] = _mm512_shuffle_i32x4(v[8 + c], v[12 + c], 0x88);  // the same of rows 8-15
+    t[12 + c] = _mm512_shuffle_i32x4(v[8 + c], v[12 + c], 0xDD);
+  }
+  for (int c = 0; c < 4; ++c) {
+    v[c] = _mm512_shuffle_i32x4(t[c], t[8 + c], 0x88);
+    v[8 + c] = _mm512_shuffle_i32x4(t[c], t[8 + c], 0xDD);
+    v[4 + c] = _mm512_shuffle_i32x4(t[4 + c], t[12 + c], 0x88);
+    v[12 + c] = _mm512_shuffle_i32x4(t[4 + c], t[12 + c], 0xDD);
+  }
+}
+
+void interleave_q4_k(const MatrixView& w, int64_t first_row, int64_t blocks,
+                     InterleavedQ4K* out) {
+  const __m512i nibble = _mm512_set1_epi8(0x0F);
+  for (int64_t b = 0; b < blocks; ++b) {
+    InterleavedQ4K& o = out[b];
+    const uint8_t* block[kInterleavedRows];
+    for (int r = 0; r < kInterleavedRows; ++r)
+      block[r] = reinterpret_cast<const uint8_t*>(w.row(first_row + r)) + b * 144;
+    // Byte 64h + 4m + i of the packed nibbles lies in 32-byte chunk c = 2h + m / 8: its low nibble
+    // is weight 64c + 4 (m % 8) + i (group 16c + m % 8), its high nibble that weight + 32.
+    for (int h = 0; h < 2; ++h) {
+      __m512i v[kInterleavedRows];
+      for (int r = 0; r < kInterleavedRows; ++r) v[r] = load512(block[r] + 16 + 64 * h);
+      transpose16(v);
+      for (int m = 0; m < 16; ++m) {
+        const int group = 16 * (2 * h + m / 8) + m % 8;
+        o.q[group] = _mm512_and_si512(v[m], nibble);
+        o.q[group + 8] = _mm512_and_si512(_mm512_srli_epi16(v[m], 4), nibble);
+      }
+    }
+    alignas(64) int32_t scales[8][kInterleavedRows], mins[4][kInterleavedRows];
+    alignas(64) float d[kInterleavedRows], dmin[kInterleavedRows];
+    for (int r = 0; r < kInterleavedRows; ++r) {
+      uint8_t packed[16];
+      k_scales(block[r] + 4, packed);
+      for (int j = 0; j < 8; ++j) scales[j][r] = packed[j];
+      for (int p = 0; p < 4; ++p) mins[p][r] = packed[8 + 2 * p] | packed[9 + 2 * p] << 16;
+      d[r] = half_at(block[r]);
+      dmin[r] = half_at(block[r] + 2);
+    }
+    for (int j = 0; j < 8; ++j) o.scales[j] = _mm512_load_si512(scales[j]);
+    for (int p = 0; p < 4; ++p) o.mins[p] = _mm512_load_si512(mins[p]);
+    o.d = _mm512_load_ps(d);
+    o.dmin = _mm512_load_ps(dmin);
+  }
+}
+
+// Σ over four weight bytes times four activation bytes per lane (exact either way: a pair of
+// products ≤ 2 · 15 · 127 does not saturate maddubs' 16 bits).
+inline __m512i add_dot4(__m512i sum, __m512i weights, __m512i x) {
+#ifdef __AVX512VNNI__
+  return _mm512_dpbusd_epi32(sum, weights, x);
+#else
+  return _mm512_add_epi32(
+      sum, _mm512_madd_epi16(_mm512_maddubs_epi16(weights, x), _mm512_set1_epi16(1)));
+#endif
+}
+
+inline int32_t i32_at(const int8_t* p) {
+  int32_t value;
+  std::memcpy(&value, p, sizeof value);
+  return value;
+}
+
+// y[t, 0 .. 15] for the tile's tokens against 16 interleaved rows. min_pairs[t][4b + p]: the
+// activations' sums over sub-blocks 2p and 2p + 1 of super-block b as two 16-bit halves.
+template <int kTokens>
+void interleaved_q4_k_tile(const InterleavedQ4K* blocks, int64_t count, const TokenTile<kTokens>& tile,
+                           const int32_t* min_pairs, float* y, int64_t y_stride) {
+  __m512 acc[kTokens];
+  for (int t = 0; t < kTokens; ++t) acc[t] = _mm512_setzero_ps();
+  for (int64_t b = 0; b < count; ++b) {
+    const InterleavedQ4K& block = blocks[b];
+    __m512i scaled[kTokens];
+    for (int t = 0; t < kTokens; ++t) scaled[t] = _mm512_setzero_si512();
+    // 16 weights of a row times ±127: |Σ q x| ≤ 16 · 15 · 127 fits the 16 bits the scale takes.
+    for (int s = 0; s < 16; ++s) {
+      __m512i part[kTokens];
+      for (int t = 0; t < kTokens; ++t) part[t] = _mm512_setzero_si512();
+      for (int k = 0; k < 4; ++k) {
+        const __m512i weights = block.q[4 * s + k];
+        for (int t = 0; t < kTokens; ++t)
+          part[t] = add_dot4(part[t], weights,
+                             _mm512_set1_epi32(i32_at(tile.q(t) + b * 256 + 16 * s + 4 * k)));
+      }
+      for (int t = 0; t < kTokens; ++t)
+        scaled[t] = add_scaled_pairs(scaled[t], part[t], block.scales[s / 2]);
+    }
+    for (int t = 0; t < kTokens; ++t) {
+      const int32_t* pairs = min_pairs + t * count * 4 + b * 4;
+      __m512i min_sum = _mm512_setzero_si512();
+      for (int p = 0; p < 4; ++p)
+        min_sum = add_scaled_pairs(min_sum, block.mins[p], _mm512_set1_epi32(pairs[p]));
+      acc[t] = k_block_step(acc[t], block.d, block.dmin, _mm512_set1_ps(tile.scales(t)[b]),
+                            scaled[t], min_sum);
+    }
+  }
+  for (int t = 0; t < kTokens; ++t) _mm512_storeu_ps(y + (tile.first + t) * y_stride, acc[t]);
+}
+
+// Q4_K for a batch: rows in groups of 16 through the interleaved kernel, the rest one at a time.
+template <class Dot>
+void rows_q4_k_batch(const MatrixView& w, const QuantizedActivations& x, float* y,
+                     int64_t y_stride, int64_t row_begin, int64_t row_end) {
+  const int64_t blocks = w.cols / 256;
+  thread_local std::vector<InterleavedQ4K> unpacked;
+  if (unpacked.size() < static_cast<size_t>(blocks)) unpacked.resize(static_cast<size_t>(blocks));
+  const int32_t* min_pairs = q4_k_min_pairs(x);
+  int64_t r = row_begin;
+  for (; r + kInterleavedRows <= row_end; r += kInterleavedRows) {
+    interleave_q4_k(w, r, blocks, unpacked.data());
+    for_each_token_tile<kInterleavedTokenTile>(x, [&](const auto& tile) {
+      interleaved_q4_k_tile(unpacked.data(), blocks, tile,
+                            min_pairs + tile.first * blocks * 4, y + r, y_stride);
+    });
+  }
+  if (r < row_end) rows_q45_k<false, Dot>(w, x, y, y_stride, r, row_end, min_pairs);
 }
 
 template <class Dot>
@@ -364,7 +590,10 @@ void MOELINE_QUANT_AVX512_ENTRY(const MatrixView& w, const QuantizedActivations&
     case DType::kQ4_0:
       return rows_q8_q4_0(w, x, y, y_stride, row_begin, row_end);
     case DType::kQ4_K:
-      return rows_q45_k<false, Q4KDot>(w, x, y, y_stride, row_begin, row_end);
+      if (x.rows >= kInterleaveMinTokens)
+        return rows_q4_k_batch<Q4KDot>(w, x, y, y_stride, row_begin, row_end);
+      return rows_q45_k<false, Q4KDot>(w, x, y, y_stride, row_begin, row_end,
+                                       q4_k_min_pairs(x));
     case DType::kQ5_K:
       return rows_q45_k<true, Q5KDot>(w, x, y, y_stride, row_begin, row_end);
     case DType::kQ6_K:

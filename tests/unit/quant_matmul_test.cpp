@@ -152,6 +152,51 @@ TEST(QuantMatmul, RowResultDoesNotDependOnBatchOrThreads) {
   }
 }
 
+// Batches large enough for the kernels that unpack a group of rows once for all tokens (the
+// interleaved Q4_K kernel takes 16 rows and 8 tokens or more): every row of every token equals,
+// bit for bit, the same row computed for that token alone, and the sum over the dequantized
+// weights within a few ulps of its magnitude. Rows not a multiple of the group, extreme
+// activations (±127 after quantization) and both thread counts.
+TEST(QuantMatmul, BatchKernelsGiveTheSingleTokenBits) {
+  const int64_t rows = 53, cols = 768;
+  for (Isa isa : supported_isas()) {
+    ModeGuard guard(isa, QuantMath::kFast);
+    for (DType dtype : {DType::kQ4_K, DType::kQ5_K, DType::kQ6_K, DType::kQ8_0}) {
+      const std::vector<uint8_t> bytes = random_quantized_rows(dtype, rows, cols, 31);
+      const MatrixView w{bytes.data(), dtype, rows, cols};
+      for (int64_t n : {8, 13, 40}) {
+        std::vector<float> x = gaussian_input(n, cols, 37);
+        for (int64_t k = 0; k < 256; ++k) x[static_cast<size_t>(k)] = k % 3 == 0 ? 90.0f : -90.0f;
+        for (int threads : {1, 2}) {
+          ThreadPool pool(threads), one(1);
+          const std::vector<float> batched = run(pool, w, x, n);
+          QuantizedActivations xq;
+          quantize_activations(x.data(), n, cols, cols, activation_block(dtype), xq);
+          std::vector<float> weights(static_cast<size_t>(cols));
+          for (int64_t t = 0; t < n; ++t) {
+            const std::vector<float> single(x.begin() + t * cols, x.begin() + (t + 1) * cols);
+            const std::vector<float> alone = run(one, w, single, 1);
+            for (int64_t r = 0; r < rows; ++r) {
+              ASSERT_EQ(batched[static_cast<size_t>(t * rows + r)], alone[static_cast<size_t>(r)])
+                  << isa_name(isa) << ' ' << dtype_name(dtype) << " n=" << n << " t=" << t
+                  << " r=" << r << " threads=" << threads;
+              dequantize_row(quant_type(dtype), w.row(r), cols, weights.data());
+              double expected = 0.0, magnitude = 0.0;
+              for (int64_t k = 0; k < cols; ++k) {
+                const double term = xq.value(t, k) * weights[static_cast<size_t>(k)];
+                expected += term;
+                magnitude += std::abs(term);
+              }
+              ASSERT_NEAR(alone[static_cast<size_t>(r)], expected, 2e-6 * magnitude + 1e-9)
+                  << isa_name(isa) << ' ' << dtype_name(dtype) << " t=" << t << " r=" << r;
+            }
+          }
+        }
+      }
+    }
+  }
+}
+
 // One entry per kernel path, so that a path this CPU cannot run shows in the test report as
 // skipped (the tests above loop over the paths the CPU has, which would leave it out silently):
 // where the CPU has it, the path's F32 and fast quantized matmul agree with the portable path.
