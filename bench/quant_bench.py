@@ -68,6 +68,10 @@ def main(argv):
     ap.add_argument("--llama-node")
     ap.add_argument("--fp8-model")
     args = ap.parse_args(argv)
+    # llama.cpp's driver runs from its own folder, so every path it is given must be absolute.
+    args.model, args.workdir = os.path.abspath(args.model), os.path.abspath(args.workdir)
+    if args.fp8_model:
+        args.fp8_model = os.path.abspath(args.fp8_model)
     os.makedirs(args.workdir, exist_ok=True)
     if args.llama_node:
         args.llama_node = os.path.abspath(args.llama_node)  # its script runs from that folder

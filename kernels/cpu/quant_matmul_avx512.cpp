@@ -228,8 +228,8 @@ void rows_q8_q4_0(const MatrixView& w, const QuantizedActivations& x, float* y, 
 // folding narrows the registers as it goes (a 512-bit operation costs two 256-bit ones on Zen 4).
 // Integer sums are exact, so the order of the folding does not change them.
 inline __m128 fold_k_sums(__m512i scaled, __m128i mins) {
-  const __m256i eight = _mm256_add_epi32(_mm512_castsi512_si256(scaled),
-                                         _mm512_extracti64x4_epi64(scaled, 1));
+  const __m256i eight =
+      _mm256_add_epi32(_mm512_castsi512_si256(scaled), _mm512_extracti64x4_epi64(scaled, 1));
   const __m128i four =
       _mm_add_epi32(_mm256_castsi256_si128(eight), _mm256_extracti128_si256(eight, 1));
   __m128i both = _mm_add_epi32(_mm_unpacklo_epi64(four, mins), _mm_unpackhi_epi64(four, mins));
@@ -269,20 +269,90 @@ const int32_t* q4_k_min_pairs(const QuantizedActivations& x) {
   return pairs.data();
 }
 
+// quarters[k], 128-bit lane L: four partial sums of item 4k + L. Lane 4L + m of the result: the
+// sum of item 4m + L.
+inline __m512i sums_of_quarters(const __m512i quarters[4]) {
+  __m512i pairs[2];
+  for (int i = 0; i < 2; ++i)  // 128-bit lane L: items 8i + L and 8i + 4 + L, two partials each
+    pairs[i] = _mm512_add_epi32(_mm512_unpacklo_epi64(quarters[2 * i], quarters[2 * i + 1]),
+                                _mm512_unpackhi_epi64(quarters[2 * i], quarters[2 * i + 1]));
+  const __m512 a = _mm512_castsi512_ps(pairs[0]), b = _mm512_castsi512_ps(pairs[1]);
+  return _mm512_add_epi32(_mm512_castps_si512(_mm512_shuffle_ps(a, b, _MM_SHUFFLE(2, 0, 2, 0))),
+                          _mm512_castps_si512(_mm512_shuffle_ps(a, b, _MM_SHUFFLE(3, 1, 3, 1))));
+}
+
+// One Q4_K or Q5_K super-block of a row, unpacked for the row-at-a-time kernels: the weights in
+// four registers (register g: sub-blocks 2g and 2g + 1), the sub-block scales spread over the
+// lanes the Dot multiplies, and the mins in the form each type's arithmetic takes.
+template <bool fifth, class Dot>
+struct KQuantBlock {
+  __m512i q[4], sc[Dot::kRegisters];
+  __m128i min_pairs;  // Q4_K: the mins as 16-bit pairs (m_2p, m_2p+1), for q4_k_min_pairs
+  __m512i mins;       // Q5_K: each min beside the two 16-sums of its sub-block
+  float d, dmin;
+
+  KQuantBlock(const uint8_t* block, const __m512i index[Dot::kRegisters]) {
+    uint8_t packed_scales[16];
+    k_scales(block + 4, packed_scales);
+    const __m128i scales16 =
+        _mm_cvtepu8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(packed_scales)));
+    const __m128i min_bytes = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(packed_scales + 8));
+    if constexpr (fifth) {
+      // One min per 32-bit lane with its high half zero, so a madd_epi16 with the (small) sums
+      // multiplies them exactly.
+      mins = _mm512_cvtepu8_epi32(_mm_shuffle_epi8(
+          min_bytes, _mm_setr_epi8(0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7)));
+    } else {
+      min_pairs = _mm_cvtepu8_epi16(min_bytes);
+    }
+    // 64 packed bytes at a time: their low nibbles are sub-blocks 4h and 4h + 2, their high
+    // nibbles 4h + 1 and 4h + 3; one 128-bit-lane shuffle per pair puts each register in
+    // sub-block order (two 32-byte loads and an insert per register cost more instructions).
+    const uint8_t* qs = block + (fifth ? 48 : 16);
+    const __m512i nibble = _mm512_set1_epi8(0x0F);
+    for (int h = 0; h < 2; ++h) {
+      const __m512i packed = load512(qs + 64 * h);
+      const __m512i lo = _mm512_and_si512(packed, nibble);
+      const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(packed, 4), nibble);
+      q[2 * h] = _mm512_shuffle_i64x2(lo, hi, 0x44);
+      q[2 * h + 1] = _mm512_shuffle_i64x2(lo, hi, 0xEE);
+    }
+    if constexpr (fifth) {  // sub-block j's fifth bits: bit j of the 32 high-bit bytes
+      const __m256i qh = load256(block + 16), one = _mm256_set1_epi8(1);
+      for (int g = 0; g < 4; ++g) {
+        const __m256i lo =
+            _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 2 * g), one), 4);
+        const __m256i hi =
+            _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 2 * g + 1), one), 4);
+        q[g] = _mm512_or_si512(q[g], join(lo, hi));
+      }
+    }
+    for (int s = 0; s < Dot::kRegisters; ++s) sc[s] = spread(scales16, index[s]);
+    d = half_at(block);
+    dmin = half_at(block + 2);
+  }
+};
+
+// The spread indices of KQuantBlock's scales: register g holds sub-blocks 2g and 2g + 1 (32
+// weights, eight 32-bit lanes each).
+template <class Dot>
+void k_quant_indices(__m512i index[Dot::kRegisters]) {
+  Dot::indices([](int g, int lane) { return 2 * g + lane / 8; }, index);
+}
+
 // min_pairs: Q4_K's (q4_k_min_pairs of x); Q5_K's arithmetic keeps 16 lanes and does not use them.
 template <bool fifth, class Dot>
 void rows_q45_k(const MatrixView& w, const QuantizedActivations& x, float* y, int64_t y_stride,
                 int64_t row_begin, int64_t row_end, const int32_t* min_pairs = nullptr) {
   const int64_t bytes = fifth ? 176 : 144, blocks = w.cols / 256;
-  // Weight register g holds sub-blocks 2g and 2g + 1 (32 weights, eight 32-bit lanes each).
   __m512i index[Dot::kRegisters];
-  Dot::indices([](int g, int lane) { return 2 * g + lane / 8; }, index);
+  k_quant_indices<Dot>(index);
   for (int64_t r = row_begin; r < row_end; ++r) {
     const auto* row = reinterpret_cast<const uint8_t*>(w.row(r));
     for_each_token_tile<kTokenTile>(x, [&](const auto& tile) {
       constexpr int tokens = std::remove_cvref_t<decltype(tile)>::kCount;
-      // Q4_K: k_block_step's scalar chain, which the interleaved kernel repeats for 16 rows at a
-      // time; Q5_K (no interleaved kernel): 16 lanes converted and scaled, folded at the end.
+      // Q4_K: k_block_step's scalar chain, which the 16-row kernels repeat for 16 rows at a
+      // time; Q5_K (no 16-row kernel): 16 lanes converted and scaled, folded at the end.
       __m512 lanes[kTokenTile];
       float acc[kTokenTile];
       for (int t = 0; t < tokens; ++t) {
@@ -292,59 +362,23 @@ void rows_q45_k(const MatrixView& w, const QuantizedActivations& x, float* y, in
       for (int64_t b = 0; b < blocks; ++b) {
         const uint8_t* block = row + b * bytes;
         prefetch_ahead(block, bytes);
-        uint8_t packed_scales[16];
-        k_scales(block + 4, packed_scales);
-        const __m128i scale_bytes =
-            _mm_loadl_epi64(reinterpret_cast<const __m128i*>(packed_scales));
-        const __m128i scales16 = _mm_cvtepu8_epi16(scale_bytes);
-        // Each min beside the two 16-sums of its sub-block, one per 32-bit lane with its high
-        // half zero, so a madd_epi16 with the (small) sums multiplies them exactly.
-        // Q4_K: the mins as 16-bit pairs (m_2p, m_2p+1), for the activations' min_pairs.
-        const __m128i mins16 =
-            _mm_cvtepu8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(packed_scales + 8)));
-        const __m512i mins = _mm512_cvtepu8_epi32(
-            _mm_shuffle_epi8(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(packed_scales + 8)),
-                             _mm_setr_epi8(0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7)));
-        // 64 packed bytes at a time: their low nibbles are sub-blocks 4h and 4h + 2, their high
-        // nibbles 4h + 1 and 4h + 3; one 128-bit-lane shuffle per pair puts each register in
-        // sub-block order (two 32-byte loads and an insert per register cost more instructions).
-        const uint8_t* qs = block + (fifth ? 48 : 16);
-        const __m512i nibble = _mm512_set1_epi8(0x0F);
-        __m512i q[4], sc[Dot::kRegisters];
-        for (int h = 0; h < 2; ++h) {
-          const __m512i packed = load512(qs + 64 * h);
-          const __m512i lo = _mm512_and_si512(packed, nibble);
-          const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(packed, 4), nibble);
-          q[2 * h] = _mm512_shuffle_i64x2(lo, hi, 0x44);
-          q[2 * h + 1] = _mm512_shuffle_i64x2(lo, hi, 0xEE);
-        }
-        if constexpr (fifth) {  // sub-block j's fifth bits: bit j of the 32 high-bit bytes
-          const __m256i qh = load256(block + 16), one = _mm256_set1_epi8(1);
-          for (int g = 0; g < 4; ++g) {
-            const __m256i lo =
-                _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 2 * g), one), 4);
-            const __m256i hi =
-                _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 2 * g + 1), one), 4);
-            q[g] = _mm512_or_si512(q[g], join(lo, hi));
-          }
-        }
-        for (int s = 0; s < Dot::kRegisters; ++s) sc[s] = spread(scales16, index[s]);
-        const float d = half_at(block), dmin = half_at(block + 2);
+        const KQuantBlock<fifth, Dot> k(block, index);
         for (int t = 0; t < tokens; ++t) {
           const int8_t* xb = tile.q(t) + b * 256;
-          const __m512i sumi = Dot::add(_mm512_setzero_si512(), q, xb, sc);
+          const __m512i sumi = Dot::add(_mm512_setzero_si512(), k.q, xb, k.sc);
           const float dx = tile.scales(t)[b];
           if constexpr (fifth) {
             // Σ_j m_j Σ_{i∈j} x_i, lane by lane (|a 16-sum| ≤ 16 · 127 fits 16 bits).
-            const __m512i summ = _mm512_madd_epi16(load512(tile.sums(t) + b * 16), mins);
-            lanes[t] = _mm512_fmadd_ps(_mm512_set1_ps(d * dx), _mm512_cvtepi32_ps(sumi), lanes[t]);
+            const __m512i summ = _mm512_madd_epi16(load512(tile.sums(t) + b * 16), k.mins);
             lanes[t] =
-                _mm512_fnmadd_ps(_mm512_set1_ps(dmin * dx), _mm512_cvtepi32_ps(summ), lanes[t]);
+                _mm512_fmadd_ps(_mm512_set1_ps(k.d * dx), _mm512_cvtepi32_ps(sumi), lanes[t]);
+            lanes[t] =
+                _mm512_fnmadd_ps(_mm512_set1_ps(k.dmin * dx), _mm512_cvtepi32_ps(summ), lanes[t]);
           } else {
-            const __m128i pairs = _mm_loadu_si128(
-                reinterpret_cast<const __m128i*>(min_pairs + (tile.first + t) * blocks * 4 + b * 4));
-            acc[t] = k_block_step(acc[t], d, dmin, dx,
-                                  fold_k_sums(sumi, _mm_madd_epi16(pairs, mins16)));
+            const __m128i pairs = _mm_loadu_si128(reinterpret_cast<const __m128i*>(
+                min_pairs + (tile.first + t) * blocks * 4 + b * 4));
+            acc[t] = k_block_step(acc[t], k.d, k.dmin, dx,
+                                  fold_k_sums(sumi, _mm_madd_epi16(pairs, k.min_pairs)));
           }
         }
       }
@@ -358,6 +392,90 @@ void rows_q45_k(const MatrixView& w, const QuantizedActivations& x, float* y, in
   }
 }
 
+// Sixteen registers of 16 lanes summed lane-wise into one: lane 4L + m of the result is the sum
+// of v[4m + L] (the transposed order falls out of the shuffles; rows_in_sum_order maps it back).
+// Exact integer sums, 45 instructions where sixteen separate folds take about twice as many.
+inline __m512i transposed_sums(const __m512i v[16]) {
+  __m512i halves[8], quarters[4];
+  for (int i = 0; i < 8; ++i)  // lanes 0-7: v[2i] folded to 8, lanes 8-15: v[2i + 1]
+    halves[i] = _mm512_add_epi32(_mm512_shuffle_i64x2(v[2 * i], v[2 * i + 1], 0x44),
+                                 _mm512_shuffle_i64x2(v[2 * i], v[2 * i + 1], 0xEE));
+  for (int i = 0; i < 4; ++i)  // 128-bit lane L: v[4i + L] folded to 4
+    quarters[i] = _mm512_add_epi32(_mm512_shuffle_i64x2(halves[2 * i], halves[2 * i + 1], 0x88),
+                                   _mm512_shuffle_i64x2(halves[2 * i], halves[2 * i + 1], 0xDD));
+  return sums_of_quarters(quarters);
+}
+
+// The cache lines that start in [p, p + bytes) (prefetching never faults, so p may lie past the
+// end of the weights).
+inline void prefetch_lines(const uint8_t* p, int64_t bytes) {
+  const auto begin = reinterpret_cast<uintptr_t>(p);
+  for (uintptr_t line = (begin + 63) & ~uintptr_t{63}; line < begin + static_cast<uintptr_t>(bytes);
+       line += 64)
+    __builtin_prefetch(reinterpret_cast<const void*>(line), 0, 3);
+}
+
+// Q4_K for a few tokens (decode), rows sixteen at a time as the file stores them: each row's
+// super-block is multiplied as in rows_q45_k, but the sums of 16 rows are folded together
+// (transposed_sums) and one k_block_step serves the 16, where the row kernel folds and scales
+// each row on its own. The same integers and float steps, so the same bits.
+constexpr int kGroupedTokenTile = 3;
+
+template <class Dot>
+void rows_q4_k_grouped(const MatrixView& w, const QuantizedActivations& x, float* y,
+                       int64_t y_stride, int64_t row_begin, int64_t row_end,
+                       const int32_t* min_pairs) {
+  const int64_t blocks = w.cols / 256;
+  __m512i index[Dot::kRegisters];
+  k_quant_indices<Dot>(index);
+  // Lane l of transposed_sums holds row 4 (l % 4) + l / 4; the map is its own inverse.
+  alignas(64) static constexpr int32_t kTransposed[16] = {0, 4, 8,  12, 1, 5, 9,  13,
+                                                          2, 6, 10, 14, 3, 7, 11, 15};
+  const __m512i transposed = _mm512_load_si512(kTransposed);
+  int64_t first = row_begin;
+  for (; first + 16 <= row_end; first += 16) {
+    const auto* next_group = reinterpret_cast<const uint8_t*>(w.row(first + 16));
+    for_each_token_tile<kGroupedTokenTile>(x, [&](const auto& tile) {
+      constexpr int tokens = std::remove_cvref_t<decltype(tile)>::kCount;
+      __m512 acc[tokens];
+      for (int t = 0; t < tokens; ++t) acc[t] = _mm512_setzero_ps();
+      for (int64_t b = 0; b < blocks; ++b) {
+        __m512i scaled[tokens][16];
+        alignas(64) int32_t mins[tokens][16][4];
+        alignas(64) float d[16], dmin[16];
+        for (int r = 0; r < 16; ++r) {
+          const uint8_t* block = reinterpret_cast<const uint8_t*>(w.row(first + r)) + b * 144;
+          // The 16 rows are one contiguous span read in a strided order, which the hardware
+          // prefetchers do not follow: the next group's span is prefetched in step with this one.
+          prefetch_lines(next_group + (b * 16 + r) * 144, 144);
+          const KQuantBlock<false, Dot> k(block, index);
+          d[r] = k.d;
+          dmin[r] = k.dmin;
+          for (int t = 0; t < tokens; ++t) {
+            scaled[t][r] = Dot::add(_mm512_setzero_si512(), k.q, tile.q(t) + b * 256, k.sc);
+            const __m128i pairs = _mm_loadu_si128(reinterpret_cast<const __m128i*>(
+                min_pairs + (tile.first + t) * blocks * 4 + b * 4));
+            _mm_store_si128(reinterpret_cast<__m128i*>(mins[t][r]),
+                            _mm_madd_epi16(pairs, k.min_pairs));
+          }
+        }
+        const __m512 d_lanes = _mm512_permutexvar_ps(transposed, _mm512_load_ps(d));
+        const __m512 dmin_lanes = _mm512_permutexvar_ps(transposed, _mm512_load_ps(dmin));
+        for (int t = 0; t < tokens; ++t) {
+          __m512i quarters[4];  // rows 4k .. 4k + 3, one per 128-bit lane
+          for (int k = 0; k < 4; ++k) quarters[k] = _mm512_load_si512(mins[t][4 * k]);
+          acc[t] = k_block_step(acc[t], d_lanes, dmin_lanes, _mm512_set1_ps(tile.scales(t)[b]),
+                                transposed_sums(scaled[t]), sums_of_quarters(quarters));
+        }
+      }
+      for (int t = 0; t < tokens; ++t)
+        _mm512_storeu_ps(y + (tile.first + t) * y_stride + first,
+                         _mm512_permutexvar_ps(transposed, acc[t]));
+    });
+  }
+  if (first < row_end) rows_q45_k<false, Dot>(w, x, y, y_stride, first, row_end, min_pairs);
+}
+
 // Q4_K rows sixteen at a time, for batches of tokens (prefill): each super-block of 16 rows is
 // unpacked once into registers whose 32-bit lane r belongs to row r, and every token of the batch
 // then multiplies it with instructions that each serve 16 rows. The row-at-a-time kernel spends
@@ -366,7 +484,7 @@ void rows_q45_k(const MatrixView& w, const QuantizedActivations& x, float* y, in
 // the row kernel's (the same integer sums, then k_block_step), so the results are the same bits.
 constexpr int64_t kInterleavedRows = 16;
 // Fewer tokens than this: the unpacking is not repaid (moeline_quant_kernel_bench, Zen 4).
-constexpr int64_t kInterleaveMinTokens = 8;
+constexpr int64_t kInterleaveMinTokens = 4;
 // Tokens per pass over an unpacked super-block: three accumulators each beside its weights.
 constexpr int kInterleavedTokenTile = 8;
 
@@ -392,8 +510,8 @@ inline void transpose16(__m512i v[16]) {
     v[g + 3] = _mm512_unpackhi_epi64(t[g + 1], t[g + 3]);
   }
   for (int c = 0; c < 4; ++c) {
-    t[c] = _mm512_shuffle_i32x4(v[c], v[4 + c], 0x88);  // columns c, 8 + c of rows 0-7
-    t[4 + c] = _mm512_shuffle_i32x4(v[c], v[4 + c], 0xDD);  // columns 4 + c, 12 + c
+    t[c] = _mm512_shuffle_i32x4(v[c], v[4 + c], 0x88);           // columns c, 8 + c of rows 0-7
+    t[4 + c] = _mm512_shuffle_i32x4(v[c], v[4 + c], 0xDD);       // columns 4 + c, 12 + c
     t[8 + c] = _mm512_shuffle_i32x4(v[8 + c], v[12 + c], 0x88);  // the same of rows 8-15
     t[12 + c] = _mm512_shuffle_i32x4(v[8 + c], v[12 + c], 0xDD);
   }
@@ -405,8 +523,7 @@ inline void transpose16(__m512i v[16]) {
   }
 }
 
-void interleave_q4_k(const MatrixView& w, int64_t first_row, int64_t blocks,
-                     InterleavedQ4K* out) {
+void interleave_q4_k(const MatrixView& w, int64_t first_row, int64_t blocks, InterleavedQ4K* out) {
   const __m512i nibble = _mm512_set1_epi8(0x0F);
   for (int64_t b = 0; b < blocks; ++b) {
     InterleavedQ4K& o = out[b];
@@ -462,8 +579,9 @@ inline int32_t i32_at(const int8_t* p) {
 // y[t, 0 .. 15] for the tile's tokens against 16 interleaved rows. min_pairs[t][4b + p]: the
 // activations' sums over sub-blocks 2p and 2p + 1 of super-block b as two 16-bit halves.
 template <int kTokens>
-void interleaved_q4_k_tile(const InterleavedQ4K* blocks, int64_t count, const TokenTile<kTokens>& tile,
-                           const int32_t* min_pairs, float* y, int64_t y_stride) {
+void interleaved_q4_k_tile(const InterleavedQ4K* blocks, int64_t count,
+                           const TokenTile<kTokens>& tile, const int32_t* min_pairs, float* y,
+                           int64_t y_stride) {
   __m512 acc[kTokens];
   for (int t = 0; t < kTokens; ++t) acc[t] = _mm512_setzero_ps();
   for (int64_t b = 0; b < count; ++b) {
@@ -497,8 +615,8 @@ void interleaved_q4_k_tile(const InterleavedQ4K* blocks, int64_t count, const To
 
 // Q4_K for a batch: rows in groups of 16 through the interleaved kernel, the rest one at a time.
 template <class Dot>
-void rows_q4_k_batch(const MatrixView& w, const QuantizedActivations& x, float* y,
-                     int64_t y_stride, int64_t row_begin, int64_t row_end) {
+void rows_q4_k_batch(const MatrixView& w, const QuantizedActivations& x, float* y, int64_t y_stride,
+                     int64_t row_begin, int64_t row_end) {
   const int64_t blocks = w.cols / 256;
   thread_local std::vector<InterleavedQ4K> unpacked;
   if (unpacked.size() < static_cast<size_t>(blocks)) unpacked.resize(static_cast<size_t>(blocks));
@@ -507,8 +625,8 @@ void rows_q4_k_batch(const MatrixView& w, const QuantizedActivations& x, float* 
   for (; r + kInterleavedRows <= row_end; r += kInterleavedRows) {
     interleave_q4_k(w, r, blocks, unpacked.data());
     for_each_token_tile<kInterleavedTokenTile>(x, [&](const auto& tile) {
-      interleaved_q4_k_tile(unpacked.data(), blocks, tile,
-                            min_pairs + tile.first * blocks * 4, y + r, y_stride);
+      interleaved_q4_k_tile(unpacked.data(), blocks, tile, min_pairs + tile.first * blocks * 4,
+                            y + r, y_stride);
     });
   }
   if (r < row_end) rows_q45_k<false, Dot>(w, x, y, y_stride, r, row_end, min_pairs);
@@ -592,8 +710,7 @@ void MOELINE_QUANT_AVX512_ENTRY(const MatrixView& w, const QuantizedActivations&
     case DType::kQ4_K:
       if (x.rows >= kInterleaveMinTokens)
         return rows_q4_k_batch<Q4KDot>(w, x, y, y_stride, row_begin, row_end);
-      return rows_q45_k<false, Q4KDot>(w, x, y, y_stride, row_begin, row_end,
-                                       q4_k_min_pairs(x));
+      return rows_q4_k_grouped<Q4KDot>(w, x, y, y_stride, row_begin, row_end, q4_k_min_pairs(x));
     case DType::kQ5_K:
       return rows_q45_k<true, Q5KDot>(w, x, y, y_stride, row_begin, row_end);
     case DType::kQ6_K:
