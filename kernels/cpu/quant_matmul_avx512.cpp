@@ -525,11 +525,15 @@ inline void transpose16(__m512i v[16]) {
 
 void interleave_q4_k(const MatrixView& w, int64_t first_row, int64_t blocks, InterleavedQ4K* out) {
   const __m512i nibble = _mm512_set1_epi8(0x0F);
+  // The next group's span, prefetched in step (as rows_q4_k_grouped: a strided read of one span).
+  const auto* next_group = reinterpret_cast<const uint8_t*>(w.row(first_row + kInterleavedRows));
   for (int64_t b = 0; b < blocks; ++b) {
     InterleavedQ4K& o = out[b];
     const uint8_t* block[kInterleavedRows];
-    for (int r = 0; r < kInterleavedRows; ++r)
+    for (int r = 0; r < kInterleavedRows; ++r) {
       block[r] = reinterpret_cast<const uint8_t*>(w.row(first_row + r)) + b * 144;
+      prefetch_lines(next_group + (b * kInterleavedRows + r) * 144, 144);
+    }
     // Byte 64h + 4m + i of the packed nibbles lies in 32-byte chunk c = 2h + m / 8: its low nibble
     // is weight 64c + 4 (m % 8) + i (group 16c + m % 8), its high nibble that weight + 32.
     for (int h = 0; h < 2; ++h) {
