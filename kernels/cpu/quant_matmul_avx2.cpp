@@ -7,6 +7,7 @@
 #include <cstring>
 #include <type_traits>
 
+#include "kernels/cpu/k_scales_vector.h"
 #include "kernels/cpu/quant_matmul.h"
 
 namespace moeline::kernels::detail {
@@ -94,8 +95,8 @@ void rows_q45_k(const MatrixView& w, const QuantizedActivations& x, float* y, in
       for (int64_t b = 0; b < blocks; ++b) {
         const uint8_t* block = row + b * bytes;
         prefetch_ahead(block, bytes);
-        uint8_t scales[16];
-        k_scales(block + 4, scales);
+        alignas(16) uint8_t scales[16];
+        _mm_store_si128(reinterpret_cast<__m128i*>(scales), k_scales_vector(block + 4));
         const uint8_t* sc = scales;
         const uint8_t* mn = scales + 8;
         const float d = half_at(block), dmin = half_at(block + 2);

@@ -9,6 +9,7 @@
 #include <type_traits>
 #include <vector>
 
+#include "kernels/cpu/k_scales_vector.h"
 #include "kernels/cpu/quant_matmul.h"
 
 // quant_matmul_avx512_vnni.cpp compiles this file again with AVX512_VNNI under another name.
@@ -292,11 +293,9 @@ struct KQuantBlock {
   float d, dmin;
 
   KQuantBlock(const uint8_t* block, const __m512i index[Dot::kRegisters]) {
-    uint8_t packed_scales[16];
-    k_scales(block + 4, packed_scales);
-    const __m128i scales16 =
-        _mm_cvtepu8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(packed_scales)));
-    const __m128i min_bytes = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(packed_scales + 8));
+    const __m128i unpacked = k_scales_vector(block + 4);
+    const __m128i scales16 = _mm_cvtepu8_epi16(unpacked);
+    const __m128i min_bytes = _mm_unpackhi_epi64(unpacked, unpacked);
     if constexpr (fifth) {
       // One min per 32-bit lane with its high half zero, so a madd_epi16 with the (small) sums
       // multiplies them exactly.
@@ -549,8 +548,8 @@ void interleave_q4_k(const MatrixView& w, int64_t first_row, int64_t blocks, Int
     alignas(64) int32_t scales[8][kInterleavedRows], mins[4][kInterleavedRows];
     alignas(64) float d[kInterleavedRows], dmin[kInterleavedRows];
     for (int r = 0; r < kInterleavedRows; ++r) {
-      uint8_t packed[16];
-      k_scales(block[r] + 4, packed);
+      alignas(16) uint8_t packed[16];
+      _mm_store_si128(reinterpret_cast<__m128i*>(packed), k_scales_vector(block[r] + 4));
       for (int j = 0; j < 8; ++j) scales[j][r] = packed[j];
       for (int p = 0; p < 4; ++p) mins[p][r] = packed[8 + 2 * p] | packed[9 + 2 * p] << 16;
       d[r] = half_at(block[r]);
