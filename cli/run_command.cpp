@@ -21,6 +21,7 @@
 #include "base/progress.h"
 #include "base/suggest.h"
 #include "kernels/cpu/cpu_features.h"
+#include "kernels/cpu/kernel_report.h"
 #include "kernels/cpu/quant_matmul.h"
 #include "kernels/cpu/thread_pool.h"
 #include "model/forward.h"
@@ -265,8 +266,12 @@ int run_command(int argc, char** argv) {
   const model::ModelConfig& config = model.config();
   std::cerr << "stage=run event=model_loaded dir=" << options.model_dir << ' ' << config.summary()
             << " dtype=" << model.dtype_summary() << " threads=" << options.threads
-            << " isa=" << kernels::isa_name(kernels::active_isa())
             << " load_seconds=" << seconds_since(load_start) << '\n';
+  std::cerr << "stage=run event=kernels";
+  for (const auto& [name, value] : kernels::report_fields(kernels::kernel_report()))
+    std::cerr << ' ' << name << '='
+              << (value.find(' ') == std::string::npos ? value : '"' + value + '"');
+  std::cerr << '\n';
 
   // KV room for the prompt and every token asked for, up to the model's context (or, for configs
   // that do not state one, a bound that keeps a huge --max-tokens from allocating without limit).

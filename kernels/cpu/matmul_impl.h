@@ -36,8 +36,7 @@ struct MatmulKernel {
   // slow to keep up with memory, so AVX2 takes more rows. Each row's sum is the same whatever the
   // tile, so results do not change.
   static constexpr int kDirectRows = Simd::kDirectRows;
-  // Distance of the software prefetch along each row (512–2048 tried on the benchmark shape).
-  static constexpr int64_t kPrefetchBytes = 1024;
+  static constexpr int64_t kPrefetchBytes = kWidePrefetchBytes;
 
   static V load(const void* row, DType dtype, int64_t k) {
     switch (dtype) {

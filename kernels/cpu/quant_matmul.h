@@ -104,6 +104,11 @@ void for_each_token_tile(const QuantizedActivations& x, Body&& body) {
   }
 }
 
+// From this many tokens on, the AVX-512 paths take Q4_K rows sixteen at a time, unpacked once for
+// every token of the batch (fewer: the unpacking is not repaid; moeline_quant_kernel_bench on an
+// AMD EPYC, CPUID family 26).
+constexpr int64_t kQ4KBatchFromTokens = 4;
+
 // How far ahead along a row the SIMD paths prefetch weights: decode reads each weight once, and
 // the hardware prefetchers stop at page boundaries (mini Q8_0 on one Zen 4 thread: 1024 bytes 90
 // t/s, 2048 97, 4096 97).

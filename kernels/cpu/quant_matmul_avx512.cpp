@@ -392,7 +392,7 @@ void rows_q45_k(const MatrixView& w, const QuantizedActivations& x, float* y, in
 }
 
 // Sixteen registers of 16 lanes summed lane-wise into one: lane 4L + m of the result is the sum
-// of v[4m + L] (the transposed order falls out of the shuffles; rows_in_sum_order maps it back).
+// of v[4m + L] (the transposed order falls out of the shuffles; the caller permutes it back).
 // Exact integer sums, 45 instructions where sixteen separate folds take about twice as many.
 inline __m512i transposed_sums(const __m512i v[16]) {
   __m512i halves[8], quarters[4];
@@ -418,7 +418,7 @@ inline void prefetch_lines(const uint8_t* p, int64_t bytes) {
 // super-block is multiplied as in rows_q45_k, but the sums of 16 rows are folded together
 // (transposed_sums) and one k_block_step serves the 16, where the row kernel folds and scales
 // each row on its own. The same integers and float steps, so the same bits.
-constexpr int kGroupedTokenTile = 3;
+constexpr int kGroupedTokenTile = static_cast<int>(kQ4KBatchFromTokens) - 1;
 
 template <class Dot>
 void rows_q4_k_grouped(const MatrixView& w, const QuantizedActivations& x, float* y,
@@ -482,8 +482,6 @@ void rows_q4_k_grouped(const MatrixView& w, const QuantizedActivations& x, float
 // sums folded, converted and scaled); here that epilogue is shared by 16 rows. The arithmetic is
 // the row kernel's (the same integer sums, then k_block_step), so the results are the same bits.
 constexpr int64_t kInterleavedRows = 16;
-// Fewer tokens than this: the unpacking is not repaid (moeline_quant_kernel_bench, Zen 4).
-constexpr int64_t kInterleaveMinTokens = 4;
 // Tokens per pass over an unpacked super-block: three accumulators each beside its weights.
 constexpr int kInterleavedTokenTile = 8;
 
@@ -711,7 +709,7 @@ void MOELINE_QUANT_AVX512_ENTRY(const MatrixView& w, const QuantizedActivations&
     case DType::kQ4_0:
       return rows_q8_q4_0(w, x, y, y_stride, row_begin, row_end);
     case DType::kQ4_K:
-      if (x.rows >= kInterleaveMinTokens)
+      if (x.rows >= kQ4KBatchFromTokens)
         return rows_q4_k_batch<Q4KDot>(w, x, y, y_stride, row_begin, row_end);
       return rows_q4_k_grouped<Q4KDot>(w, x, y, y_stride, row_begin, row_end, q4_k_min_pairs(x));
     case DType::kQ5_K:

@@ -5,12 +5,29 @@
 #include <cstdio>
 #include <thread>
 
+#include "kernels/cpu/kernel_report.h"
 #include "stages/common/common.h"
 #ifdef MOELINE_HAVE_CUDA
 #include "model/cuda_engine.h"
 #endif
 
 namespace moeline::stages {
+namespace {
+
+// /healthz's "kernels": which path the CPU kernels take here, on which CPU, and their tuning.
+nlohmann::json kernels_json(const kernels::KernelReport& report) {
+  nlohmann::json tuning = nlohmann::json::object();
+  for (const auto& [name, value] : report.tuning) tuning[name] = value;
+  nlohmann::json body = {{"isa", report.isa},
+                         {"best_isa", report.best_isa},
+                         {"cpu", report.cpu},
+                         {"quant_math", report.quant_math},
+                         {"tuning", tuning}};
+  if (!report.forced.empty()) body["forced"] = report.forced;
+  return body;
+}
+
+}  // namespace
 
 void ExpertUsageCounter::on_router(const model::RouterEvent& event) {
   const auto tokens = static_cast<int64_t>(event.tokens.size());
@@ -72,7 +89,8 @@ ComputeWorker::ComputeWorker(const runtime::Config& config, const char* stage, w
     // link and the plan flag while the loop set them).
     return nlohmann::json{{"hub_accepted", health_hub_accepted_.load()},
                           {"expert_plan", health_plan_received_.load()},
-                          {"device", device}};
+                          {"device", device},
+                          {"kernels", kernels_json(kernels::kernel_report())}};
   });
   service.set_phase("loading model");
   auto loaded = model::Model::load(config.text("model"), [this](int64_t done, int64_t total) {
@@ -84,6 +102,7 @@ ComputeWorker::ComputeWorker(const runtime::Config& config, const char* stage, w
                                     {"model_id", model->model_id()},
                                     {"dtype", model->dtype_summary()}});
   configure_quant_math(config);
+  service.log.info("kernels", kernels::report_fields(kernels::kernel_report()));
   int threads = static_cast<int>(config.integer("threads"));
   if (threads <= 0) threads = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
   pool = std::make_unique<kernels::ThreadPool>(threads);

@@ -40,6 +40,23 @@ def main():
     check("plain output is the generated ids, comma-separated", plain.returncode == 0 and len(ids) == 5,
           plain.stdout + plain.stderr)
 
+    # The kernels' report: the path in use, the CPU, the arithmetic and the tuning, on one line.
+    kernels = [line for line in plain.stderr.splitlines() if "event=kernels" in line]
+    check("the log names the kernel path, the CPU and the tuning",
+          len(kernels) == 1 and " isa=" in kernels[0] and " cpu=" in kernels[0]
+          and " quant_math=fast" in kernels[0] and " wide_prefetch_bytes=" in kernels[0],
+          plain.stderr)
+    forced = subprocess.run([m, "run", "--model", model, "--tokens", "1,2,3", "--max-tokens", "5",
+                             "--ignore-eos"], capture_output=True, text=True, timeout=120,
+                            env=dict(os.environ, MOELINE_KERNELS="portable"))
+    forced_line = next((line for line in forced.stderr.splitlines() if "event=kernels" in line), "")
+    check("MOELINE_KERNELS=portable forces the portable path, and the log says so",
+          forced.returncode == 0 and " isa=portable " in forced_line
+          and " forced=portable " in forced_line and "q4_k_batch_from_tokens" not in forced_line,
+          forced.stderr)
+    check("the portable path gives the same greedy ids",
+          forced.stdout.strip() == plain.stdout.strip(), forced.stdout + plain.stdout)
+
     as_json = run(m, "--model", model, "--tokens", "1,2,3", "--max-tokens", "5", "--ignore-eos", "--json")
     result = json.loads(as_json.stdout) if as_json.returncode == 0 else {}
     check("--json prints one object with the same greedy ids", result.get("ids") == ids, as_json.stdout)

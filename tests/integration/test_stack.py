@@ -431,6 +431,15 @@ def case_metrics(args):
                     body = json.loads(response.read())
                     check(response.status == 200 and body.get("status") == status,
                           f"{name}{path}: {response.status} {body}")
+                # A compute stage says which kernel path it runs, on which CPU, tuned how.
+                if path == "/healthz" and stage in ("prefill", "decode"):
+                    kernels = body.get("kernels", {})
+                    check(kernels.get("isa") in ("avx512_vnni", "avx512", "avx2", "portable")
+                          and kernels.get("cpu") and kernels.get("quant_math") == "fast"
+                          and "wide_prefetch_bytes" in kernels.get("tuning", {}),
+                          f"{name}/healthz: no kernel report: {body}")
+                    print(f"ok kernels: {name} /healthz reports isa={kernels.get('isa')} "
+                          f"cpu={kernels.get('cpu')!r} tuning={kernels.get('tuning')}")
         # What operators are given to watch (alert rules, dashboard) names only what a stack
         # exports: a renamed or dropped metric fails here, not silently in a dashboard.
         exported = set()

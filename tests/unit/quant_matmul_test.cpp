@@ -12,6 +12,7 @@
 
 #include "kernel_test_inputs.h"
 #include "kernels/cpu/cpu_features.h"
+#include "kernels/cpu/kernel_report.h"
 #include "kernels/cpu/matmul.h"
 #include "kernels/cpu/quant.h"
 #include "kernels/cpu/quantize.h"
@@ -195,6 +196,32 @@ TEST(QuantMatmul, BatchKernelsGiveTheSingleTokenBits) {
       }
     }
   }
+}
+
+// What `moeline run` and /healthz report: the path in use (and the CPU's best), the CPU, the
+// arithmetic, and the tuning of the kernels that path runs.
+TEST(KernelReport, NamesThePathTheCpuTheArithmeticAndTheTuning) {
+  for (Isa isa : supported_isas()) {
+    ModeGuard guard(isa, QuantMath::kFast);
+    const KernelReport report = kernel_report();
+    EXPECT_EQ(report.isa, isa_name(isa));
+    EXPECT_EQ(report.best_isa, isa_name(best_supported_isa()));
+    EXPECT_FALSE(report.cpu.empty());
+    EXPECT_EQ(report.quant_math, "fast");
+    auto tuning = [&](const std::string& name) -> int64_t {
+      for (const auto& [key, value] : report.tuning)
+        if (key == name) return value;
+      return -1;
+    };
+    EXPECT_EQ(tuning("wide_prefetch_bytes"), detail::kWidePrefetchBytes);
+    const bool avx512 = isa == Isa::kAvx512 || isa == Isa::kAvx512Vnni;
+    EXPECT_EQ(tuning("q4_k_batch_from_tokens"), avx512 ? detail::kQ4KBatchFromTokens : -1);
+    const auto fields = report_fields(report);
+    ASSERT_GE(fields.size(), 4u);
+    EXPECT_EQ(fields[0], std::make_pair(std::string("isa"), report.isa));
+  }
+  ModeGuard exact(best_supported_isa(), QuantMath::kExact);
+  EXPECT_EQ(kernel_report().quant_math, "exact");
 }
 
 // One entry per kernel path, so that a path this CPU cannot run shows in the test report as

@@ -1,0 +1,58 @@
+#include "kernels/cpu/kernel_report.h"
+
+#include <cpuid.h>
+
+#include <cstring>
+
+#include "base/environment.h"
+#include "kernels/cpu/cpu_features.h"
+#include "kernels/cpu/matmul.h"
+#include "kernels/cpu/quant_matmul.h"
+
+namespace moeline::kernels {
+namespace {
+
+std::string cpu_brand() {
+  unsigned int max_leaf = __get_cpuid_max(0x80000000u, nullptr);
+  if (max_leaf < 0x80000004u) return "unknown";
+  char brand[49] = {};
+  for (unsigned int i = 0; i < 3; ++i) {
+    unsigned int regs[4];
+    __get_cpuid(0x80000002u + i, &regs[0], &regs[1], &regs[2], &regs[3]);
+    std::memcpy(brand + 16 * i, regs, sizeof regs);
+  }
+  std::string text(brand);
+  const size_t first = text.find_first_not_of(' ');
+  const size_t last = text.find_last_not_of(' ');
+  return first == std::string::npos ? "unknown" : text.substr(first, last - first + 1);
+}
+
+}  // namespace
+
+KernelReport kernel_report() {
+  KernelReport report;
+  const Isa isa = active_isa();
+  report.isa = std::string(isa_name(isa));
+  report.best_isa = std::string(isa_name(best_supported_isa()));
+  if (const char* forced = env::get(env::kKernels)) report.forced = forced;
+  report.cpu = cpu_brand();
+  report.quant_math = quant_math() == QuantMath::kFast ? "fast" : "exact";
+  report.tuning = {{"wide_prefetch_bytes", detail::kWidePrefetchBytes}};
+  if (isa != Isa::kPortable)
+    report.tuning.emplace_back("quant_prefetch_bytes", detail::kPrefetchBytes);
+  if (isa == Isa::kAvx512 || isa == Isa::kAvx512Vnni)
+    report.tuning.emplace_back("q4_k_batch_from_tokens", detail::kQ4KBatchFromTokens);
+  return report;
+}
+
+std::vector<std::pair<std::string, std::string>> report_fields(const KernelReport& report) {
+  std::vector<std::pair<std::string, std::string>> fields = {{"isa", report.isa},
+                                                             {"best_isa", report.best_isa}};
+  if (!report.forced.empty()) fields.emplace_back("forced", report.forced);
+  fields.emplace_back("cpu", report.cpu);
+  fields.emplace_back("quant_math", report.quant_math);
+  for (const auto& [name, value] : report.tuning) fields.emplace_back(name, std::to_string(value));
+  return fields;
+}
+
+}  // namespace moeline::kernels

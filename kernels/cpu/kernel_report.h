@@ -1,0 +1,29 @@
+#pragma once
+// What the CPU kernels run on and how they are tuned, for `moeline run`'s log line and the compute
+// stages' /healthz: the path in use and what the CPU supports (MOELINE_KERNELS may force a lower
+// path, cpu_features.h), the CPU it was chosen on, the arithmetic for quantized weights
+// (quant_matmul.h), and the tuning constants of the kernels in use.
+
+#include <cstdint>
+#include <string>
+#include <utility>
+#include <vector>
+
+namespace moeline::kernels {
+
+struct KernelReport {
+  std::string isa;         // the path in use: avx512_vnni, avx512, avx2 or portable
+  std::string best_isa;    // the best path this CPU can run
+  std::string forced;      // MOELINE_KERNELS as set, empty when it is not
+  std::string cpu;         // the CPU's brand string (CPUID), e.g. "AMD EPYC 9R14 96-Core Processor"
+  std::string quant_math;  // fast or exact
+  // name, value: the prefetch distances, token tiles and batch thresholds of the path in use.
+  std::vector<std::pair<std::string, int64_t>> tuning;
+};
+
+KernelReport kernel_report();
+
+// The report as (key, value) fields of a structured log line, the tuning entries last.
+std::vector<std::pair<std::string, std::string>> report_fields(const KernelReport& report);
+
+}  // namespace moeline::kernels
