@@ -267,11 +267,14 @@ int run_command(int argc, char** argv) {
   std::cerr << "stage=run event=model_loaded dir=" << options.model_dir << ' ' << config.summary()
             << " dtype=" << model.dtype_summary() << " threads=" << options.threads
             << " load_seconds=" << seconds_since(load_start) << '\n';
+  const kernels::KernelReport kernel_report = kernels::kernel_report();
   std::cerr << "stage=run event=kernels";
-  for (const auto& [name, value] : kernels::report_fields(kernels::kernel_report()))
+  for (const auto& [name, value] : kernels::report_fields(kernel_report))
     std::cerr << ' ' << name << '='
               << (value.find(' ') == std::string::npos ? value : '"' + value + '"');
   std::cerr << '\n';
+  if (const std::string problem = kernels::forced_path_problem(kernel_report); !problem.empty())
+    std::cerr << "moeline: warning: " << problem << '\n';
 
   // KV room for the prompt and every token asked for, up to the model's context (or, for configs
   // that do not state one, a bound that keeps a huge --max-tokens from allocating without limit).

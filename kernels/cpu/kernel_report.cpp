@@ -45,6 +45,18 @@ KernelReport kernel_report() {
   return report;
 }
 
+std::string forced_path_problem(const KernelReport& report) {
+  if (report.forced.empty() || report.forced == report.isa) return {};
+  bool known = false;
+  for (Isa isa : {Isa::kPortable, Isa::kAvx2, Isa::kAvx512, Isa::kAvx512Vnni})
+    known = known || isa_name(isa) == report.forced;
+  if (!known)
+    return "MOELINE_KERNELS=" + report.forced +
+           " names no kernel path (avx512_vnni, avx512, avx2, portable); using " + report.isa;
+  return "MOELINE_KERNELS=" + report.forced + " is a path this CPU cannot run (its best is " +
+         report.best_isa + "); using " + report.isa;
+}
+
 std::vector<std::pair<std::string, std::string>> report_fields(const KernelReport& report) {
   std::vector<std::pair<std::string, std::string>> fields = {{"isa", report.isa},
                                                              {"best_isa", report.best_isa}};

@@ -23,6 +23,10 @@ struct KernelReport {
 
 KernelReport kernel_report();
 
+// Why MOELINE_KERNELS did not choose the path in use (a name that is no path, or a path this CPU
+// cannot run), for a warning; empty when it is unset or chose the path in use.
+std::string forced_path_problem(const KernelReport& report);
+
 // The report as (key, value) fields of a structured log line, the tuning entries last.
 std::vector<std::pair<std::string, std::string>> report_fields(const KernelReport& report);
 

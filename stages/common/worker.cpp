@@ -102,7 +102,10 @@ ComputeWorker::ComputeWorker(const runtime::Config& config, const char* stage, w
                                     {"model_id", model->model_id()},
                                     {"dtype", model->dtype_summary()}});
   configure_quant_math(config);
-  service.log.info("kernels", kernels::report_fields(kernels::kernel_report()));
+  const kernels::KernelReport kernel_report = kernels::kernel_report();
+  service.log.info("kernels", kernels::report_fields(kernel_report));
+  if (const std::string problem = kernels::forced_path_problem(kernel_report); !problem.empty())
+    service.log.warn("kernels_forced_path_ignored", {{"reason", problem}});
   int threads = static_cast<int>(config.integer("threads"));
   if (threads <= 0) threads = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
   pool = std::make_unique<kernels::ThreadPool>(threads);

@@ -56,6 +56,12 @@ def main():
           forced.stderr)
     check("the portable path gives the same greedy ids",
           forced.stdout.strip() == plain.stdout.strip(), forced.stdout + plain.stdout)
+    bogus = subprocess.run([m, "run", "--model", model, "--tokens", "1,2,3", "--max-tokens", "5",
+                            "--ignore-eos"], capture_output=True, text=True, timeout=120,
+                           env=dict(os.environ, MOELINE_KERNELS="avx9000"))
+    check("a MOELINE_KERNELS that names no path is warned about, and the best path runs",
+          bogus.returncode == 0 and "moeline: warning: MOELINE_KERNELS=avx9000 names no kernel path"
+          in bogus.stderr and bogus.stdout.strip() == plain.stdout.strip(), bogus.stderr)
 
     as_json = run(m, "--model", model, "--tokens", "1,2,3", "--max-tokens", "5", "--ignore-eos", "--json")
     result = json.loads(as_json.stdout) if as_json.returncode == 0 else {}

@@ -222,6 +222,16 @@ TEST(KernelReport, NamesThePathTheCpuTheArithmeticAndTheTuning) {
   }
   ModeGuard exact(best_supported_isa(), QuantMath::kExact);
   EXPECT_EQ(kernel_report().quant_math, "exact");
+  // What MOELINE_KERNELS asked for and did not get is explained (the path in use is named).
+  KernelReport report = kernel_report();
+  report.forced = report.isa;
+  EXPECT_EQ(forced_path_problem(report), "");
+  report.forced = "avx9000";
+  EXPECT_NE(forced_path_problem(report).find("names no kernel path"), std::string::npos);
+  report.forced = "avx512_vnni";  // on a CPU whose best path is AVX2
+  report.isa = report.best_isa = "avx2";
+  EXPECT_NE(forced_path_problem(report).find("cannot run (its best is avx2); using avx2"),
+            std::string::npos);
 }
 
 // One entry per kernel path, so that a path this CPU cannot run shows in the test report as
