@@ -114,14 +114,20 @@ constexpr int64_t kQ4KBatchFromTokens = 4;
 // t/s, 2048 97, 4096 97).
 constexpr int64_t kPrefetchBytes = 2048;
 
+// The cache lines that start in [p, p + bytes) (prefetching never faults, so p may lie past the
+// end of the weights).
+inline void prefetch_lines(const uint8_t* p, int64_t bytes) {
+  const auto begin = reinterpret_cast<uintptr_t>(p);
+  for (uintptr_t line = (begin + 63) & ~uintptr_t{63}; line < begin + static_cast<uintptr_t>(bytes);
+       line += 64)
+    __builtin_prefetch(reinterpret_cast<const void*>(line), 0, 3);
+}
+
 // The cache lines that start in [p, p + bytes), kPrefetchBytes ahead: consecutive blocks then
 // prefetch every line of a row exactly once (blocks are not line multiples: a Q8_0 pair is 68
 // bytes, a Q4_K super-block 144, so one prefetch per block would skip lines).
 inline void prefetch_ahead(const uint8_t* p, int64_t bytes) {
-  const auto begin = reinterpret_cast<uintptr_t>(p) + kPrefetchBytes;
-  for (uintptr_t line = (begin + 63) & ~uintptr_t{63}; line < begin + static_cast<uintptr_t>(bytes);
-       line += 64)
-    __builtin_prefetch(reinterpret_cast<const void*>(line), 0, 3);
+  prefetch_lines(p + kPrefetchBytes, bytes);
 }
 
 void quant_matmul_rows_portable(const MatrixView& w, const QuantizedActivations& x, float* y,

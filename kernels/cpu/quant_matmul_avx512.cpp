@@ -405,15 +405,6 @@ inline __m512i transposed_sums(const __m512i v[16]) {
   return sums_of_quarters(quarters);
 }
 
-// The cache lines that start in [p, p + bytes) (prefetching never faults, so p may lie past the
-// end of the weights).
-inline void prefetch_lines(const uint8_t* p, int64_t bytes) {
-  const auto begin = reinterpret_cast<uintptr_t>(p);
-  for (uintptr_t line = (begin + 63) & ~uintptr_t{63}; line < begin + static_cast<uintptr_t>(bytes);
-       line += 64)
-    __builtin_prefetch(reinterpret_cast<const void*>(line), 0, 3);
-}
-
 // Q4_K for a few tokens (decode), rows sixteen at a time as the file stores them: each row's
 // super-block is multiplied as in rows_q45_k, but the sums of 16 rows are folded together
 // (transposed_sums) and one k_block_step serves the 16, where the row kernel folds and scales
