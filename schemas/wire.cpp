@@ -40,6 +40,8 @@ bool verify_body(MessageType type, const uint8_t* data, size_t size, bool& known
       return verify_table<Feedback>(data, size, GenerateRequestIdentifier());
     case MessageType::StreamEvent:
       return verify_table<StreamEvent>(data, size, GenerateRequestIdentifier());
+    case MessageType::StreamEventBatch:
+      return verify_table<StreamEventBatch>(data, size, GenerateRequestIdentifier());
     case MessageType::ProbeJob:
       return verify_table<ProbeJob>(data, size, PrefillJobIdentifier());
     case MessageType::ProbePlan:
@@ -85,6 +87,7 @@ const char* identifier_of(MessageType type) {
     case MessageType::CancelRequest:
     case MessageType::Feedback:
     case MessageType::StreamEvent:
+    case MessageType::StreamEventBatch:
       return GenerateRequestIdentifier();
     case MessageType::ProbeJob:
     case MessageType::ProbePlan:

@@ -133,6 +133,7 @@ void Client::reconnect() {
   for (const auto& [id, _] : in_flight_) cancel(id);
   in_flight_.clear();
   pending_.clear();
+  unread_.clear();
   control_replies_.clear();
   open();
 }
@@ -152,10 +153,12 @@ uint64_t Client::start(const GenerateOptions& options) {
   auto reuse = options.reuse.empty() ? 0 : builder.CreateString(options.reuse);
   const std::string& key = options.api_key.empty() ? credentials_.api_key : options.api_key;
   auto api_key = key.empty() ? 0 : builder.CreateString(key);
-  builder.Finish(
-      wire::CreateGenerateRequest(builder, id, prompt, tokens, sampling, tenant,
-                                  options.deadline_ms, options.add_special_tokens, reuse, api_key),
-      wire::GenerateRequestIdentifier());
+  // batch_events: this client reads StreamEventBatch (schema 1.11), so a connection with many
+  // streams gets one message per decode step rather than one per stream.
+  builder.Finish(wire::CreateGenerateRequest(builder, id, prompt, tokens, sampling, tenant,
+                                             options.deadline_ms, options.add_special_tokens, reuse,
+                                             api_key, true),
+                 wire::GenerateRequestIdentifier());
   if (!wire::send(*socket_, wire::encode(wire::MessageType::GenerateRequest, builder)))
     throw std::runtime_error("cannot send to " + endpoint_);
   in_flight_[id] = true;
@@ -182,6 +185,11 @@ void Client::connection_lost() {
 std::optional<Event> Client::receive(std::chrono::milliseconds timeout) {
   const auto until = Clock::now() + timeout;
   while (true) {
+    if (!unread_.empty()) {
+      Event event = std::move(unread_.front());
+      unread_.pop_front();
+      return event;
+    }
     const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(until - Clock::now());
     zmq::pollitem_t items[] = {{socket_->handle(), 0, ZMQ_POLLIN, 0},
                                {monitor_->handle(), 0, ZMQ_POLLIN, 0},
@@ -212,6 +220,17 @@ std::optional<Event> Client::receive(std::chrono::milliseconds timeout) {
       if (!in_flight_.count(event.client_request_id)) continue;  // a request we gave up on
       if (event.terminal()) in_flight_.erase(event.client_request_id);
       return event;
+    }
+    if (message.type == wire::MessageType::StreamEventBatch) {
+      const auto* events = message.as<wire::StreamEventBatch>()->events();
+      if (events == nullptr) continue;
+      for (const wire::StreamEvent* e : *events) {
+        Event event = to_event(*e);
+        if (!in_flight_.count(event.client_request_id)) continue;
+        if (event.terminal()) in_flight_.erase(event.client_request_id);
+        unread_.push_back(std::move(event));
+      }
+      continue;  // the loop's first step returns the first of them
     }
     if (message.type == wire::MessageType::ControlReply) {
       const auto* reply = message.as<wire::ControlReply>();

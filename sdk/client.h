@@ -178,6 +178,9 @@ class Client {
   uint64_t next_id_ = 1;
   std::map<uint64_t, bool> in_flight_;
   std::deque<Event> pending_;  // events received while waiting for another request's
+  // The events of a StreamEventBatch that receive() has not returned yet, in their order: each is
+  // returned before anything newer is read from the socket.
+  std::deque<Event> unread_;
   std::deque<std::string> control_replies_;
   bool awaiting_control_ = false;  // receive() returns as soon as a control reply is queued
   int wake_fd_ = -1;

@@ -167,8 +167,8 @@ std::optional<Refusal> RequestValidator::authorize_operator(const wire::ControlC
 
 ClientChannel::ClientChannel(zmq::context_t& context, const runtime::Config& config,
                              const runtime::CurveSettings& curve, runtime::ZapHandler* zap,
-                             size_t max_body_bytes, runtime::Logger& log)
-    : socket_(context, zmq::socket_type::router), log_(log) {
+                             size_t max_body_bytes, GatewayMetrics& metrics, runtime::Logger& log)
+    : socket_(context, zmq::socket_type::router), metrics_(metrics), log_(log) {
   socket_.set(zmq::sockopt::router_mandatory, true);
   socket_.set(zmq::sockopt::linger, 0);
   socket_.set(zmq::sockopt::sndhwm, 0);
@@ -188,12 +188,15 @@ bool ClientChannel::send(const std::string& client, std::vector<zmq::message_t>&
   return wire::send(socket_, std::move(frames), &client, true);
 }
 
-bool ClientChannel::send_event(const std::string& client, uint64_t client_request_id,
-                               uint64_t request_id, wire::EventKind kind, const std::string& text,
-                               const std::vector<int32_t>& tokens, wire::FinishReason finish,
-                               wire::ErrorCode code, const std::string& error, const Request* done,
-                               const wire::TokenLogprobs* logprobs) {
-  flatbuffers::FlatBufferBuilder builder(256 + text.size());
+namespace {
+
+flatbuffers::Offset<wire::StreamEvent> build_event(flatbuffers::FlatBufferBuilder& builder,
+                                                   const EventTo& to, wire::EventKind kind,
+                                                   const std::string& text,
+                                                   const std::vector<int32_t>& tokens,
+                                                   wire::FinishReason finish, wire::ErrorCode code,
+                                                   const std::string& error, const Request* done,
+                                                   const wire::TokenLogprobs* logprobs) {
   auto text_offset = builder.CreateString(text);
   auto tokens_offset = builder.CreateVector(tokens);
   flatbuffers::Offset<flatbuffers::Vector<flatbuffers::Offset<wire::TokenLogprobs>>>
@@ -220,18 +223,66 @@ bool ClientChannel::send_event(const std::string& client, uint64_t client_reques
         done->has_first_token ? ms_between(done->received, done->first_token) : 0,
         ms_between(done->received, now));
   }
-  builder.Finish(wire::CreateStreamEvent(builder, client_request_id, request_id, kind, text_offset,
-                                         tokens_offset, finish_offset, usage, timings, code,
-                                         error_offset, logprobs_offset,
-                                         finish == wire::FinishReason::None
-                                             ? flatbuffers::Optional<wire::FinishReason>()
-                                             : finish),
-                 wire::GenerateRequestIdentifier());
+  return wire::CreateStreamEvent(
+      builder, to.client_request_id, to.request_id, kind, text_offset, tokens_offset, finish_offset,
+      usage, timings, code, error_offset, logprobs_offset,
+      finish == wire::FinishReason::None ? flatbuffers::Optional<wire::FinishReason>() : finish);
+}
+
+}  // namespace
+
+bool ClientChannel::send_event(const EventTo& to, wire::EventKind kind, const std::string& text,
+                               const std::vector<int32_t>& tokens, wire::FinishReason finish,
+                               wire::ErrorCode code, const std::string& error, const Request* done,
+                               const wire::TokenLogprobs* logprobs) {
   if (runtime::request_tracing())
     runtime::trace_message(log_,
                            ("StreamEvent:" + std::string(wire::EnumNameEventKind(kind))).c_str(),
-                           request_id, 0, "client");
-  return send(client, wire::encode(wire::MessageType::StreamEvent, builder));
+                           to.request_id, 0, "client");
+  if (holding_ && to.batch) {
+    Held& held = held_[to.client];
+    held.events.push_back(
+        build_event(held.builder, to, kind, text, tokens, finish, code, error, done, logprobs));
+    held.request_ids.push_back(to.request_id);
+    metrics_.stream_events->inc();
+    if (held.events.size() >= kMaxHeldEvents || held.builder.GetSize() >= kMaxHeldBytes)
+      send_held(to.client, held);
+    return true;
+  }
+  metrics_.stream_events->inc();
+  metrics_.stream_messages_single->inc();
+  flatbuffers::FlatBufferBuilder builder(256 + text.size());
+  builder.Finish(build_event(builder, to, kind, text, tokens, finish, code, error, done, logprobs),
+                 wire::GenerateRequestIdentifier());
+  return send(to.client, wire::encode(wire::MessageType::StreamEvent, builder));
+}
+
+void ClientChannel::send_held(const std::string& client, Held& held) {
+  if (held.events.empty()) return;
+  bool sent = false;
+  (held.events.size() == 1 ? metrics_.stream_messages_single : metrics_.stream_messages_batch)
+      ->inc();
+  if (held.events.size() == 1) {
+    held.builder.Finish(held.events.front(), wire::GenerateRequestIdentifier());
+    sent = send(client, wire::encode(wire::MessageType::StreamEvent, held.builder));
+  } else {
+    held.builder.Finish(
+        wire::CreateStreamEventBatch(held.builder, held.builder.CreateVector(held.events)),
+        wire::GenerateRequestIdentifier());
+    sent = send(client, wire::encode(wire::MessageType::StreamEventBatch, held.builder));
+  }
+  if (!sent) gone_.insert(gone_.end(), held.request_ids.begin(), held.request_ids.end());
+  held.builder.Clear();
+  held.events.clear();
+  held.request_ids.clear();
+}
+
+std::vector<uint64_t> ClientChannel::flush_events() {
+  holding_ = false;
+  for (auto& [client, held] : held_) send_held(client, held);
+  // Connections come and go: keep the buffers of the few that are active, not of every one seen.
+  if (held_.size() > 64) held_.clear();
+  return std::exchange(gone_, {});
 }
 
 void ClientChannel::reply_error(const std::string& client, wire::ErrorCode code,

@@ -9,6 +9,7 @@
 #include <memory>
 #include <optional>
 #include <string>
+#include <unordered_map>
 #include <variant>
 #include <vector>
 #include <zmq.hpp>
@@ -16,6 +17,7 @@
 #include "model/model_info.h"
 #include "model/sampling.h"
 #include "schemas/wire.h"
+#include "stages/gateway/gateway_metrics.h"
 #include "stages/gateway/request.h"
 #include "stages/gateway/tenant_limits.h"
 #include "stages/runtime/api_keys.h"
@@ -77,21 +79,40 @@ class RequestValidator {
   std::chrono::milliseconds default_deadline_{0}, max_deadline_{0};
 };
 
+// Where a stream event goes: the client's connection, its id for the request, the gateway's id
+// (0 before there is one), and whether the request reads StreamEventBatch (schema 1.11).
+struct EventTo {
+  const std::string& client;
+  uint64_t client_request_id = 0;
+  uint64_t request_id = 0;
+  bool batch = false;
+
+  static EventTo of(const Request& r) {
+    return {r.client, r.client_request_id, r.id, r.batch_events};
+  }
+};
+
 // The client ROUTER and the messages the gateway sends on it. A send returns false when the
 // client's connection is gone (ROUTER_MANDATORY reports it).
+//
+// Between hold_events() and flush_events() the events of requests that read StreamEventBatch wait,
+// per connection, and leave as one message each: one decode step of eight streams on one
+// connection is one message instead of eight, which under CurveZMQ is also one encryption (and one
+// decryption in the client) instead of eight. Each request's events keep their order; a lone
+// event leaves as a plain StreamEvent.
 class ClientChannel {
  public:
   // Binds --client-bind; with Curve, a Curve server that admits any client key (the channel is
   // encrypted and the gateway proven; API keys say who).
   ClientChannel(zmq::context_t& context, const runtime::Config& config,
                 const runtime::CurveSettings& curve, runtime::ZapHandler* zap,
-                size_t max_body_bytes, runtime::Logger& log);
+                size_t max_body_bytes, GatewayMetrics& metrics, runtime::Logger& log);
 
   zmq::socket_t& socket() { return socket_; }
   bool send(const std::string& client, std::vector<zmq::message_t>&& frames);
-  // One StreamEvent; `done`: the finished request whose usage and timings it reports.
-  bool send_event(const std::string& client, uint64_t client_request_id, uint64_t request_id,
-                  wire::EventKind kind, const std::string& text = {},
+  // One StreamEvent; `done`: the finished request whose usage and timings it reports. While events
+  // are held, true for a held one: whether its connection is still there shows at the flush.
+  bool send_event(const EventTo& to, wire::EventKind kind, const std::string& text = {},
                   const std::vector<int32_t>& tokens = {},
                   wire::FinishReason finish = wire::FinishReason::None,
                   wire::ErrorCode code = wire::ErrorCode::None, const std::string& error = {},
@@ -101,9 +122,28 @@ class ClientChannel {
   void reply_control(const std::string& client, bool ok, const std::string& text,
                      const std::string& json);
 
+  void hold_events() { holding_ = true; }
+  // Sends what was held and stops holding; the ids of the requests whose connection was gone.
+  std::vector<uint64_t> flush_events();
+
  private:
+  // The events held for one connection, built in one buffer.
+  struct Held {
+    flatbuffers::FlatBufferBuilder builder{1024};
+    std::vector<flatbuffers::Offset<wire::StreamEvent>> events;
+    std::vector<uint64_t> request_ids;
+  };
+  // Past these a connection's held events leave at once (a burst of stage messages can make many).
+  static constexpr size_t kMaxHeldEvents = 512, kMaxHeldBytes = size_t{1} << 20;
+
+  void send_held(const std::string& client, Held& held);
+
   zmq::socket_t socket_;
+  GatewayMetrics& metrics_;
   runtime::Logger& log_;
+  bool holding_ = false;
+  std::unordered_map<std::string, Held> held_;
+  std::vector<uint64_t> gone_;  // requests whose connection was gone at a send of held events
 };
 
 }  // namespace moeline::stages

@@ -21,7 +21,7 @@ void ClientRequests::reject(const std::string& client, uint64_t client_request_i
   if (uint64_t suppressed = 0; reject_log_.allow(suppressed))
     p_.log.warn("request_rejected",
                 {{"reason", reason}, {"detail", text}, {"suppressed", suppressed}});
-  p_.client.send_event(client, client_request_id, 0, wire::EventKind::Error, {}, {}, {}, code,
+  p_.client.send_event({client, client_request_id, 0}, wire::EventKind::Error, {}, {}, {}, code,
                        text);
 }
 
@@ -86,6 +86,7 @@ void ClientRequests::on_generate(const std::string& client, wire::Message& messa
   r.client = client;
   r.tenant = valid.tenant;
   r.client_request_id = crid;
+  r.batch_events = request.batch_events();
   r.prompt = std::move(valid.prompt);
   r.sampling = std::move(sampling);
   // Server-derived: a client names its tenant, never the namespace its cache entries live in.
@@ -109,8 +110,8 @@ void ClientRequests::on_generate(const std::string& client, wire::Message& messa
       p_.validator.tokenizer(), tokenizer::DecodeOptions{.skip_special_tokens = true});
   // With its usage: the prompt's token count, which a front end that ends the request itself
   // (an HTTP stop string) still reports.
-  p_.client.send_event(client, crid, r.id, wire::EventKind::Accepted, {}, {}, {},
-                       wire::ErrorCode::None, {}, &r);
+  p_.client.send_event(EventTo::of(r), wire::EventKind::Accepted, {}, {}, {}, wire::ErrorCode::None,
+                       {}, &r);
   p_.tracker.add(std::move(r));
 }
 

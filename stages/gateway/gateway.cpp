@@ -72,7 +72,7 @@ class Gateway {
     if (curve_.enabled())
       zap_ = std::make_unique<runtime::ZapHandler>(context_zmq_, log_, registry_);
     client_ = std::make_unique<ClientChannel>(context_zmq_, config, curve_, zap_.get(),
-                                              limits_.max_body_bytes, log_);
+                                              limits_.max_body_bytes, metrics_, log_);
     hub_ = std::make_unique<runtime::Hub>(
         context_zmq_, config.text("hub-bind"), settings_hash(model_.model_id),
         static_cast<int>(config.integer("heartbeat-ms")),
@@ -142,6 +142,8 @@ class Gateway {
       } catch (const zmq::error_t&) {
         continue;  // a signal; the loop condition decides
       }
+      // What this iteration makes for one client connection leaves as one message at its end.
+      client_->hold_events();
       // Bounded bursts keep one side from starving the other.
       for (int i = 0; i < 256; ++i) {
         auto frames = wire::receive(client_->socket(), true);
@@ -167,8 +169,10 @@ class Gateway {
       reuse_->update();
       dispatcher_->dispatch();
       service_.set_ready(true);
+      const bool done = drained();
+      for (uint64_t gone : client_->flush_events()) tracker_->on_client_gone(gone);
       update_gauges();
-      if (drained()) break;
+      if (done) break;
     }
     log_.info("stopped", {{"in_flight", tracker_->size()}});
     return 0;

@@ -34,6 +34,9 @@ GatewayMetrics::GatewayMetrics(runtime::Registry& registry) : registry_(registry
   handed_back = counter(kHandedBack);
   probe_bypassed = counter(kProbeBypassed);
   feedback = counter(kFeedback);
+  stream_events = counter(kStreamEvents);
+  stream_messages_single = counter(kStreamMessages, {{"kind", "event"}});
+  stream_messages_batch = counter(kStreamMessages, {{"kind", "batch"}});
   shadow_checks_[0] = counter(kShadowChecks, {{"result", "disagreed"}});
   shadow_checks_[1] = counter(kShadowChecks, {{"result", "agreed"}});
   approximate_feedback_[0] = counter(kApproximateFeedback, {{"kind", "positive"}});

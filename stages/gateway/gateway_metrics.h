@@ -66,6 +66,12 @@ inline constexpr MetricName kRejected{"moeline_gateway_rejected_total",
 inline constexpr MetricName kStageRefused{
     "moeline_gateway_stage_messages_refused_total",
     "Results and messages from a stage that was not entitled to send them"};
+inline constexpr MetricName kStreamMessages{
+    "moeline_gateway_stream_messages_total",
+    "Messages of stream events sent to clients, by kind (event: one StreamEvent; batch: a "
+    "StreamEventBatch of one connection's events)"};
+inline constexpr MetricName kStreamEvents{"moeline_gateway_stream_events_total",
+                                          "Stream events sent to clients"};
 inline constexpr MetricName kAuthenticated{
     "moeline_gateway_authenticated",
     "1 when the tcp:// endpoints run Curve with the stage allow-list"};
@@ -89,6 +95,7 @@ class GatewayMetrics {
   runtime::Gauge *approximate_enabled, *shadow_agreement, *authenticated;
   runtime::Histogram *batch_size, *ttft, *tpot, *e2e, *queue_time, *probe_fraction;
   runtime::Counter *retries, *handover_timeouts, *handed_back, *probe_bypassed, *feedback;
+  runtime::Counter *stream_events, *stream_messages_single, *stream_messages_batch;
 
  private:
   runtime::Counter& labelled(std::map<std::string, runtime::Counter*>& family,

@@ -34,6 +34,7 @@ struct Request {
   std::string client;
   std::string tenant;  // admitted by the tenant limiter until erased
   uint64_t client_request_id = 0;
+  bool batch_events = false;  // the client reads StreamEventBatch (GenerateRequest.batch_events)
   std::vector<int32_t> prompt;
   model::SamplingParams sampling;
   std::string cache_namespace;

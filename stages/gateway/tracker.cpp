@@ -99,8 +99,8 @@ void RequestTracker::finish(Request& r, wire::FinishReason reason) {
     metrics_.tpot->observe(std::chrono::duration<double>(now - r.first_token).count() /
                            static_cast<double>(r.sent.size() - 1));
   metrics_.outcome(std::string(wire::name(reason))).inc();
-  client_.send_event(r.client, r.client_request_id, r.id, wire::EventKind::Finished, tail, {},
-                     reason, wire::ErrorCode::None, {}, &r);
+  client_.send_event(EventTo::of(r), wire::EventKind::Finished, tail, {}, reason,
+                     wire::ErrorCode::None, {}, &r);
   erase(r);
 }
 
@@ -110,8 +110,7 @@ void RequestTracker::fail(Request& r, wire::ErrorCode code, const std::string& o
   metrics_.outcome(outcome).inc();
   metrics_.e2e->observe(std::chrono::duration<double>(Clock::now() - r.received).count());
   log_.warn("request_failed", {{"request_id", r.id}, {"outcome", outcome}, {"detail", text}});
-  client_.send_event(r.client, r.client_request_id, r.id, wire::EventKind::Error, {}, {}, {}, code,
-                     text, &r);
+  client_.send_event(EventTo::of(r), wire::EventKind::Error, {}, {}, {}, code, text, &r);
   erase(r);
 }
 
@@ -140,19 +139,24 @@ void RequestTracker::on_token(Request& r, int32_t token, wire::FinishReason fini
     if (r.sampling.logprobs && logprobs == nullptr)
       return fail(r, wire::ErrorCode::StageFailed, "stage_failed",
                   "a stage sent a token without the log-probabilities the request asked for");
-    if (!client_.send_event(r.client, r.client_request_id, r.id, wire::EventKind::Delta, delta,
-                            {token}, {}, wire::ErrorCode::None, {}, nullptr, logprobs)) {
-      // Nobody is listening any more: stop spending compute on it.
-      log_.info("client_gone", {{"request_id", r.id}, {"tokens", r.sent.size()}});
-      broker_.cancel_at_owner(r);
-      metrics_.outcome("client_gone").inc();
-      return erase(r);
-    }
+    if (!client_.send_event(EventTo::of(r), wire::EventKind::Delta, delta, {token}, {},
+                            wire::ErrorCode::None, {}, nullptr, logprobs))
+      return on_client_gone(r.id);
   }
   if (finish_reason != wire::FinishReason::None) {
     r.owner.clear();  // the replica has already let it go
     finish(r, finish_reason);
   }
+}
+
+void RequestTracker::on_client_gone(uint64_t id) {
+  auto it = requests_.find(id);
+  if (it == requests_.end()) return;
+  Request& r = it->second;
+  log_.info("client_gone", {{"request_id", r.id}, {"tokens", r.sent.size()}});
+  broker_.cancel_at_owner(r);
+  metrics_.outcome("client_gone").inc();
+  erase(r);
 }
 
 void RequestTracker::retry_or_fail(Request& r, const std::string& why) {

@@ -69,6 +69,9 @@ class RequestTracker {
   void finish(Request& r, wire::FinishReason reason);
   void fail(Request& r, wire::ErrorCode code, const std::string& outcome, const std::string& text);
   void fail_all(wire::ErrorCode code, const std::string& outcome, const std::string& text);
+  // Nobody reads the request's events any more (its connection is gone): stop spending compute on
+  // it. Nothing for a request that has already ended.
+  void on_client_gone(uint64_t id);
   // A new attempt from the probe on, or the request's end past --max-retries.
   void retry_or_fail(Request& r, const std::string& why);
 

@@ -24,6 +24,7 @@ inline constexpr wire::MessageType kMessageTypes[] = {
     wire::MessageType::CancelRequest,
     wire::MessageType::Feedback,
     wire::MessageType::StreamEvent,
+    wire::MessageType::StreamEventBatch,
     wire::MessageType::ProbeJob,
     wire::MessageType::ProbePlan,
     wire::MessageType::PrefillJob,

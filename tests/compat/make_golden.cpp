@@ -75,9 +75,11 @@ std::vector<zmq::message_t> generate_request() {
   const auto sampling = wire::CreateSamplingParamsDirect(b, 0.7, 40, 0.9, 1234, true, 64, &stop,
                                                          true, 0.05, 0.5, -0.25, 1.1, true, 3);
   const std::vector<int32_t> tokens = {1, 2, 3, 4};
-  b.Finish(wire::CreateGenerateRequestDirect(b, 1001, "Hello, world", &tokens, sampling, "acme",
-                                             30000, false, "approximate", "ml_0123abcd_secret"),
-           wire::GenerateRequestIdentifier());
+  // 1.11: batch_events.
+  b.Finish(
+      wire::CreateGenerateRequestDirect(b, 1001, "Hello, world", &tokens, sampling, "acme", 30000,
+                                        false, "approximate", "ml_0123abcd_secret", true),
+      wire::GenerateRequestIdentifier());
   return wire::encode(wire::MessageType::GenerateRequest, b);
 }
 
@@ -117,6 +119,20 @@ std::vector<zmq::message_t> stream_event() {
                                     "cancelled by the client", &logprobs, wire::FinishReason::Stop),
       wire::GenerateRequestIdentifier());
   return wire::encode(wire::MessageType::StreamEvent, b);
+}
+
+// 1.11: two requests' events in one message.
+std::vector<zmq::message_t> stream_event_batch() {
+  FlatBufferBuilder b;
+  const std::vector<int32_t> first = {13}, second = {7};
+  const std::vector<flatbuffers::Offset<wire::StreamEvent>> events = {
+      wire::CreateStreamEventDirect(b, 1001, 555, wire::EventKind::Delta, "Hi", &first),
+      wire::CreateStreamEventDirect(b, 1002, 556, wire::EventKind::Delta, "!", &second),
+      wire::CreateStreamEventDirect(b, 1001, 555, wire::EventKind::Finished, "", nullptr, "stop", 0,
+                                    0, wire::ErrorCode::None, nullptr, nullptr,
+                                    wire::FinishReason::Stop)};
+  b.Finish(wire::CreateStreamEventBatchDirect(b, &events), wire::GenerateRequestIdentifier());
+  return wire::encode(wire::MessageType::StreamEventBatch, b);
 }
 
 flatbuffers::Offset<wire::SamplingParams> pipeline_sampling(FlatBufferBuilder& b) {
@@ -329,6 +345,8 @@ std::vector<zmq::message_t> golden(wire::MessageType type) {
       return feedback();
     case wire::MessageType::StreamEvent:
       return stream_event();
+    case wire::MessageType::StreamEventBatch:
+      return stream_event_batch();
     case wire::MessageType::ProbeJob:
       return probe_job();
     case wire::MessageType::ProbePlan:

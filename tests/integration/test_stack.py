@@ -114,6 +114,16 @@ def case_parity(args):
             with Client(stack.endpoint, timeout=120) as client:
                 results = run_concurrently(client, requests)
             compare(results, requests, expected)
+            # One connection, 64 streams: the gateway sends what one loop turn makes for it as
+            # one StreamEventBatch (schema 1.11), and the streams above are still exact.
+            events = stack.metric("gateway", "moeline_gateway_stream_events_total")
+            batches = stack.metric("gateway", "moeline_gateway_stream_messages_total",
+                                   kind="batch")
+            singles = stack.metric("gateway", "moeline_gateway_stream_messages_total",
+                                   kind="event")
+            check(batches > 0 and batches + singles <= events / 2,
+                  f"stream events should leave in batches: {events} events, {batches} batches, "
+                  f"{singles} single messages")
             if decode == 2:
                 served = [stack.metric(f"decode-{i}", "moeline_decode_tokens_total")
                           for i in range(2)]

@@ -65,8 +65,27 @@ class FakeGateway(threading.Thread):
 
     def event(self, identity, crid, kind, **fields):
         import flatbuffers
-        w = self.wire
         b = flatbuffers.Builder(256)
+        b.Finish(self.build_event(b, crid, kind, **fields), file_identifier=b"MLCL")
+        self.send(identity, self.mc.encode_message(self.mc.MessageType.StreamEvent, b.Output()))
+
+    def batch(self, identity, events):
+        """Several events, (crid, kind, fields) each, in one StreamEventBatch (schema 1.11)."""
+        import flatbuffers
+        B = self.wire.StreamEventBatch
+        b = flatbuffers.Builder(1024)
+        offsets = [self.build_event(b, crid, kind, **fields) for crid, kind, fields in events]
+        B.StartEventsVector(b, len(offsets))
+        for offset in reversed(offsets):
+            b.PrependUOffsetTRelative(offset)
+        vector = b.EndVector()
+        B.Start(b)
+        B.AddEvents(b, vector)
+        b.Finish(B.End(b), file_identifier=b"MLCL")
+        self.send(identity, self.mc.encode_message(self.mc.MessageType.StreamEventBatch, b.Output()))
+
+    def build_event(self, b, crid, kind, **fields):
+        w = self.wire
         text = b.CreateString(fields["text"]) if "text" in fields else None
         reason = b.CreateString(fields["finish_reason"]) if "finish_reason" in fields else None
         error_message = b.CreateString(fields["error_message"]) if "error_message" in fields else None
@@ -110,8 +129,7 @@ class FakeGateway(threading.Thread):
             S.AddErrorCode(b, fields["error_code"])
         if typed and kind == w.EventKind.EventKind.Finished:
             S.AddFinish(b, w.FinishReason.FinishReason.Stop)
-        b.Finish(S.End(b), file_identifier=b"MLCL")
-        self.send(identity, self.mc.encode_message(self.mc.MessageType.StreamEvent, b.Output()))
+        return S.End(b)
 
     def error_reply(self, identity, crid, code, text):
         import flatbuffers
@@ -142,6 +160,18 @@ class FakeGateway(threading.Thread):
                 self.error_reply(identity, 0, w.ErrorCode.ErrorCode.MalformedMessage, "bad body")
             elif prompt == "silent":
                 pass
+            elif prompt == "batched":
+                # One decode step of every stream of this connection: the held requests' last
+                # token and end, interleaved with this one's.
+                self.event(identity, crid, K.Accepted)
+                others = [held for held, who in self.held.items() if who == identity]
+                events = [(other, K.Delta, {"token_ids": [7], "text": "x"}) for other in others]
+                events.append((crid, K.Delta, {"token_ids": [1], "text": "a"}))
+                for other in others:
+                    events.append((other, K.Finished, {"finish_reason": "stop"}))
+                    del self.held[other]
+                events.append((crid, K.Finished, {"finish_reason": "length"}))
+                self.batch(identity, events)
             elif prompt == "typed":
                 self.event(identity, crid, K.Accepted)
                 self.event(identity, crid, K.Delta, token_ids=[7], text="x")
@@ -195,9 +225,11 @@ def load_modules(args):
     import moeline_client as mc
     from moeline.wire import (ApproximateOutcome, CancelRequest, ControlCommand, ControlReply,
                               ErrorCode, ErrorReply, EventKind, Feedback, FinishReason,
-                              GenerateRequest, ReuseLevel, StreamEvent, Timings, Usage)
+                              GenerateRequest, ReuseLevel, StreamEvent, StreamEventBatch, Timings,
+                              Usage)
     wire = argparse.Namespace(**{m.__name__.rsplit(".", 1)[1]: m for m in (
-        ApproximateOutcome, CancelRequest, ControlCommand, ControlReply, ErrorCode, ErrorReply,
+        StreamEventBatch, ApproximateOutcome, CancelRequest, ControlCommand, ControlReply, ErrorCode,
+        ErrorReply,
         EventKind, Feedback, FinishReason, GenerateRequest, ReuseLevel, StreamEvent, Timings,
         Usage)})
     return mc, wire
@@ -299,6 +331,19 @@ def check_client(mc, wire, endpoint):
                   (last.client_request_id, last.kind, last.finish_reason) == (slow, "finished", "cancelled"),
                   f"{last}")
             check("cancel sent the right id", gateway.last(T.CancelRequest).ClientRequestId() == slow)
+
+            check("the client says it reads StreamEventBatch",
+                  gateway.last(T.GenerateRequest).BatchEvents() is True)
+            slow = client.start("slow")
+            result = client.generate("batched")
+            check("a StreamEventBatch: this request's events out of it, in order",
+                  (result.ids, result.text, result.finish_reason) == ([1], "a", "length"),
+                  f"{result}")
+            rest = [client.next_event() for _ in range(3)]
+            check("a StreamEventBatch: another request's events kept for next_event, in order",
+                  [(e.client_request_id, e.kind, e.text) for e in rest] ==
+                  [(slow, "accepted", ""), (slow, "delta", "x"), (slow, "finished", "")],
+                  f"{rest}")
 
             stream = client.stream("slow")
             first = next(stream)

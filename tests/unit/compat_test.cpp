@@ -674,12 +674,41 @@ std::map<std::string, Expectation> v1_10() {
   return e;
 }
 
+// 1.11: StreamEventBatch (one connection's events in one message) and the request's opt-in,
+// GenerateRequest.batch_events.
+std::map<std::string, Expectation> v1_11() {
+  std::map<std::string, Expectation> e = v1_10();
+  for (auto& [stem, expectation] : e) expectation.minor = 11;
+  auto before = e.at("GenerateRequest").check;
+  e.at("GenerateRequest").check = [before](const Message& m) {
+    before(m);
+    EXPECT_TRUE(m.as<GenerateRequest>()->batch_events());
+  };
+  e["StreamEventBatch"] = {
+      MessageType::StreamEventBatch, 11, [](const Message& m) {
+        const auto* events = m.as<StreamEventBatch>()->events();
+        ASSERT_NE(events, nullptr);
+        ASSERT_EQ(events->size(), 3u);
+        EXPECT_EQ(events->Get(0)->client_request_id(), 1001u);
+        EXPECT_EQ(events->Get(0)->kind(), EventKind::Delta);
+        EXPECT_EQ(str(events->Get(0)->text()), "Hi");
+        EXPECT_EQ(ints(events->Get(0)->token_ids()), (std::vector<int32_t>{13}));
+        EXPECT_EQ(events->Get(1)->client_request_id(), 1002u);
+        EXPECT_EQ(events->Get(1)->request_id(), 556u);
+        EXPECT_EQ(ints(events->Get(1)->token_ids()), (std::vector<int32_t>{7}));
+        EXPECT_EQ(events->Get(2)->client_request_id(), 1001u);
+        EXPECT_EQ(events->Get(2)->kind(), EventKind::Finished);
+        EXPECT_EQ(events->Get(2)->finish(), FinishReason::Stop);
+      }};
+  return e;
+}
+
 // Every released version: directory name -> file stem -> expectation.
 const std::map<std::string, std::map<std::string, Expectation>>& released() {
   static const std::map<std::string, std::map<std::string, Expectation>> versions = {
-      {"v1.0", v1_0()}, {"v1.1", v1_1()}, {"v1.2", v1_2()},  {"v1.3", v1_3()},
-      {"v1.4", v1_4()}, {"v1.5", v1_5()}, {"v1.6", v1_6()},  {"v1.7", v1_7()},
-      {"v1.8", v1_8()}, {"v1.9", v1_9()}, {"v1.10", v1_10()}};
+      {"v1.0", v1_0()}, {"v1.1", v1_1()}, {"v1.2", v1_2()},   {"v1.3", v1_3()},
+      {"v1.4", v1_4()}, {"v1.5", v1_5()}, {"v1.6", v1_6()},   {"v1.7", v1_7()},
+      {"v1.8", v1_8()}, {"v1.9", v1_9()}, {"v1.10", v1_10()}, {"v1.11", v1_11()}};
   return versions;
 }
 
@@ -771,7 +800,7 @@ TEST(WireCompat, Version1_0CoversEveryMessageTypeOfThatVersion) {
 // What the typed fields replace reads the same through wire/vocabulary.h from the strings of every
 // version before 1.9 (no typed field in those files) and from the typed fields of 1.9.
 TEST(WireCompat, TheStringsOfOlderVersionsReadAsTheTypedValues) {
-  for (const std::string version : {"v1.2", "v1.8", "v1.9", "v1.10"}) {
+  for (const std::string version : {"v1.2", "v1.8", "v1.9", "v1.10", "v1.11"}) {
     SCOPED_TRACE(version);
     auto read = [&](const std::string& stem) {
       auto frames = read_frames(kCompatDir / version / (stem + ".bin"));
@@ -781,7 +810,7 @@ TEST(WireCompat, TheStringsOfOlderVersionsReadAsTheTypedValues) {
           << stem << ": " << (decoded.error ? decoded.error->detail : "");
       return std::move(*decoded.message);
     };
-    const bool typed = version == "v1.9" || version == "v1.10";
+    const bool typed = version == "v1.9" || version == "v1.10" || version == "v1.11";
     const Message event = read("StreamEvent");
     const StreamEvent* e = event.as<StreamEvent>();
     EXPECT_EQ(e->finish().has_value(), typed);

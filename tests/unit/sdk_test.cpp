@@ -169,20 +169,44 @@ class FakeGateway {
     if (!wire::send(socket_, std::move(frames), &identity)) problem("cannot send to the client");
   }
 
-  void event(const std::string& identity, uint64_t crid, wire::EventKind kind,
-             const EventFields& f = {}) {
-    flatbuffers::FlatBufferBuilder b(256);
+  static flatbuffers::Offset<wire::StreamEvent> build_event(flatbuffers::FlatBufferBuilder& b,
+                                                            uint64_t crid, wire::EventKind kind,
+                                                            const EventFields& f) {
     flatbuffers::Offset<wire::Usage> usage = 0;
     flatbuffers::Offset<wire::Timings> timings = 0;
     if (f.usage_and_timings) {
       usage = wire::CreateUsageDirect(b, 5, 3, 2, "prefix");
       timings = wire::CreateTimings(b, 1.5, 2.5, 3.5, 9.0);
     }
-    b.Finish(wire::CreateStreamEventDirect(
-                 b, crid, 1000 + crid, kind, f.text, f.token_ids.empty() ? nullptr : &f.token_ids,
-                 f.finish_reason, usage, timings, f.error_code, f.error_message),
-             wire::GenerateRequestIdentifier());
+    return wire::CreateStreamEventDirect(
+        b, crid, 1000 + crid, kind, f.text, f.token_ids.empty() ? nullptr : &f.token_ids,
+        f.finish_reason, usage, timings, f.error_code, f.error_message);
+  }
+
+  void event(const std::string& identity, uint64_t crid, wire::EventKind kind,
+             const EventFields& f = {}) {
+    if (batch_ != nullptr) {
+      batch_->push_back({crid, kind, f});
+      return;
+    }
+    flatbuffers::FlatBufferBuilder b(256);
+    b.Finish(build_event(b, crid, kind, f), wire::GenerateRequestIdentifier());
     send(identity, wire::encode(wire::MessageType::StreamEvent, b));
+  }
+
+  // The events event() gathered since batch_ was set, as one StreamEventBatch (schema 1.11).
+  struct BatchedEvent {
+    uint64_t crid;
+    wire::EventKind kind;
+    EventFields fields;
+  };
+  void send_batch(const std::string& identity, const std::vector<BatchedEvent>& events) {
+    flatbuffers::FlatBufferBuilder b(1024);
+    std::vector<flatbuffers::Offset<wire::StreamEvent>> offsets;
+    for (const BatchedEvent& e : events)
+      offsets.push_back(build_event(b, e.crid, e.kind, e.fields));
+    b.Finish(wire::CreateStreamEventBatchDirect(b, &offsets), wire::GenerateRequestIdentifier());
+    send(identity, wire::encode(wire::MessageType::StreamEventBatch, b));
   }
 
   void error_reply(const std::string& identity, uint64_t crid, wire::ErrorCode code,
@@ -226,11 +250,15 @@ class FakeGateway {
     } else if (prompt == "silent") {
     } else if (prompt == "bad magic" || prompt == "bad major") {
       bad_reply(identity, crid, prompt == "bad magic");
-    } else if (prompt == "interleave") {
+    } else if (prompt == "interleave" || prompt == "interleave-batched") {
+      // Batched: everything after the Accepted in one StreamEventBatch, as a gateway sends one
+      // decode step's events of every stream of a connection.
+      std::vector<BatchedEvent> batch;
       std::vector<uint64_t> others;
       for (const auto& [held, who] : held_)
         if (who == identity) others.push_back(held);
       event(identity, crid, K::Accepted);
+      if (prompt == "interleave-batched") batch_ = &batch;
       for (uint64_t other : others) event(identity, other, K::Delta, {"x", {7}});
       event(identity, crid, K::Delta, {"a", {1}});
       for (uint64_t other : others) {
@@ -238,6 +266,8 @@ class FakeGateway {
         held_.erase(other);
       }
       finish_normally(identity, crid);
+      batch_ = nullptr;
+      if (!batch.empty()) send_batch(identity, batch);
     } else {
       event(identity, crid, K::Accepted);
       event(identity, crid, K::Delta, {"ab", {1, 2}});
@@ -290,6 +320,7 @@ class FakeGateway {
   mutable std::mutex mutex_;
   std::condition_variable changed_;
   std::vector<Received> received_;
+  std::vector<BatchedEvent>* batch_ = nullptr;  // where event() gathers, while set
   std::vector<std::string> problems_;
   std::map<uint64_t, std::string> held_;  // crid -> identity; touched by the fake's thread only
 };
@@ -383,6 +414,7 @@ TEST_F(SdkTest, GenerateRequestCarriesTheOptions) {
   EXPECT_FALSE(r->add_special_tokens());
   ASSERT_NE(r->reuse(), nullptr);
   EXPECT_EQ(r->reuse()->str(), "approximate");
+  EXPECT_TRUE(r->batch_events()) << "the SDK reads StreamEventBatch, and says so";
   const auto* s = r->sampling();
   ASSERT_NE(s, nullptr);
   EXPECT_EQ(s->max_tokens(), 33);
@@ -483,9 +515,14 @@ TEST_F(SdkTest, ErrorNamesCoverTheEnum) {
 
 // --- several requests on one connection ----------------------------------------------------------
 
-TEST_F(SdkTest, NextEventInterleavesRequestsInArrivalOrder) {
+// The same events one by one, or (schema 1.11) all but the first in one StreamEventBatch.
+class SdkInterleaved : public SdkTest, public ::testing::WithParamInterface<const char*> {};
+INSTANTIATE_TEST_SUITE_P(OneByOneAndBatched, SdkInterleaved,
+                         ::testing::Values("interleave", "interleave-batched"));
+
+TEST_P(SdkInterleaved, NextEventInterleavesRequestsInArrivalOrder) {
   const uint64_t slow = client().start({.prompt = "slow"});
-  const uint64_t fast = client().start({.prompt = "interleave"});
+  const uint64_t fast = client().start({.prompt = GetParam()});
   EXPECT_NE(slow, fast);
   EXPECT_EQ(client().in_flight(), 2u);
 
@@ -509,9 +546,9 @@ TEST_F(SdkTest, NextEventInterleavesRequestsInArrivalOrder) {
   EXPECT_FALSE(client().next_event(kQuiet).has_value()) << "nothing more was sent";
 }
 
-TEST_F(SdkTest, GenerateKeepsOtherRequestsEventsForNextEvent) {
+TEST_P(SdkInterleaved, GenerateKeepsOtherRequestsEventsForNextEvent) {
   const uint64_t slow = client().start({.prompt = "slow"});
-  const Result result = client().generate({.prompt = "interleave"});
+  const Result result = client().generate({.prompt = GetParam()});
   EXPECT_EQ(result.ids, (std::vector<int32_t>{1}));
   EXPECT_EQ(result.text, "a!");
   EXPECT_EQ(result.finish_reason, "length");

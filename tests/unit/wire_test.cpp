@@ -89,6 +89,18 @@ std::vector<zmq::message_t> make_stream_event() {
   return encode(MessageType::StreamEvent, b);
 }
 
+// 1.11: the events of two requests of one connection, one message.
+std::vector<zmq::message_t> make_stream_event_batch() {
+  FlatBufferBuilder b;
+  const std::vector<int32_t> first = {101}, second = {202};
+  const std::vector<flatbuffers::Offset<StreamEvent>> events = {
+      CreateStreamEventDirect(b, 1, 9000, EventKind::Delta, " a", &first),
+      CreateStreamEventDirect(b, 2, 9001, EventKind::Delta, " b", &second),
+      CreateStreamEventDirect(b, 1, 9000, EventKind::Finished, "", nullptr, "stop")};
+  b.Finish(CreateStreamEventBatchDirect(b, &events), GenerateRequestIdentifier());
+  return encode(MessageType::StreamEventBatch, b);
+}
+
 std::vector<zmq::message_t> make_prefill_done(const std::vector<uint8_t>& kv) {
   FlatBufferBuilder b;
   const auto layout = CreateKvLayoutDirect(b, 2, 2, 8, 16, "bf16", 3);
@@ -246,6 +258,20 @@ TEST(WireRoundTrip, AbsentFieldsReadAsTheirSchemaDefaults) {
   EXPECT_EQ(t->sampling()->top_p(), 1.0);
   EXPECT_EQ(t->sampling()->max_tokens(), 16);
   EXPECT_FALSE(t->sampling()->has_seed());
+}
+
+TEST(WireRoundTrip, StreamEventBatchKeepsEachEventInOrder) {
+  Message m = decode_ok(make_stream_event_batch());
+  EXPECT_EQ(m.type, MessageType::StreamEventBatch);
+  const auto* events = m.as<StreamEventBatch>()->events();
+  ASSERT_NE(events, nullptr);
+  ASSERT_EQ(events->size(), 3u);
+  EXPECT_EQ(events->Get(0)->client_request_id(), 1u);
+  EXPECT_EQ(events->Get(0)->token_ids()->Get(0), 101);
+  EXPECT_EQ(events->Get(1)->client_request_id(), 2u);
+  EXPECT_EQ(events->Get(1)->text()->str(), " b");
+  EXPECT_EQ(events->Get(2)->kind(), EventKind::Finished);
+  EXPECT_EQ(events->Get(2)->request_id(), 9000u);
 }
 
 TEST(WireRoundTrip, StreamEventWithUsageAndTimings) {
@@ -647,6 +673,14 @@ size_t touch(const Message& m) {
   auto sampling = [&](const SamplingParams* p) {
     if (p != nullptr) vec(p->stop_token_ids());
   };
+  auto stream_event = [&](const StreamEvent* t) {
+    s(t->text());
+    vec(t->token_ids());
+    s(t->finish_reason());
+    s(t->error_message());
+    if (t->usage() != nullptr) s(t->usage()->reuse_level());
+    if (t->timings() != nullptr) n += static_cast<size_t>(t->timings()->total_ms() > 0);
+  };
   switch (m.type) {
     case MessageType::Hello:
       s(m.as<Hello>()->replica());
@@ -678,16 +712,13 @@ size_t touch(const Message& m) {
     case MessageType::Feedback:
       s(m.as<Feedback>()->comment());
       break;
-    case MessageType::StreamEvent: {
-      const auto* t = m.as<StreamEvent>();
-      s(t->text());
-      vec(t->token_ids());
-      s(t->finish_reason());
-      s(t->error_message());
-      if (t->usage() != nullptr) s(t->usage()->reuse_level());
-      if (t->timings() != nullptr) n += static_cast<size_t>(t->timings()->total_ms() > 0);
+    case MessageType::StreamEvent:
+      stream_event(m.as<StreamEvent>());
       break;
-    }
+    case MessageType::StreamEventBatch:
+      if (const auto* events = m.as<StreamEventBatch>()->events(); events != nullptr)
+        for (const StreamEvent* t : *events) stream_event(t);
+      break;
     case MessageType::ProbeJob:
       vec(m.as<ProbeJob>()->tokens());
       s(m.as<ProbeJob>()->cache_namespace());
@@ -772,12 +803,13 @@ TEST(WireFuzz, MutatedBodiesNeverCrashDecode) {
   corpus.push_back(make_hello());
   corpus.push_back(make_generate_request());
   corpus.push_back(make_stream_event());
+  corpus.push_back(make_stream_event_batch());
   corpus.push_back(make_prefill_done(pattern(96, 2)));
   corpus.push_back(make_token_batch());
   corpus.push_back(make_expert_usage());
   corpus.push_back(make_control_command());
-  const std::vector<uint16_t> known_types = {1,  2,  3,  4,  5,  10, 11, 12, 13, 20, 21,
-                                             22, 23, 24, 25, 26, 30, 31, 32, 40, 41};
+  const std::vector<uint16_t> known_types = {1,  2,  3,  4,  5,  10, 11, 12, 13, 14, 20,
+                                             21, 22, 23, 24, 25, 26, 30, 31, 32, 40, 41};
 
   std::mt19937_64 rng(20240601);
   auto below = [&](size_t n) { return static_cast<size_t>(rng() % n); };

@@ -36,6 +36,7 @@ from moeline.wire import Feedback as _feedback
 from moeline.wire import GenerateRequest as _generate
 from moeline.wire import SamplingParams as _sampling
 from moeline.wire import StreamEvent as _stream_event
+from moeline.wire import StreamEventBatch as _stream_event_batch
 from moeline.wire.ErrorCode import ErrorCode
 from moeline.wire.EventKind import EventKind
 from moeline.wire.MessageType import MessageType
@@ -49,7 +50,7 @@ __all__ = [
 # Must match schemas/wire.h: a peer of another major is refused, a newer minor is read as far as
 # this code knows (fields are only ever added).
 SCHEMA_MAJOR = 1
-SCHEMA_MINOR = 10  # schema 1.10 (1.9: typed reuse level, approximate outcome and finish reason; 1.10 changed only stage-to-stage messages); a client of any 1.x speaks to any 1.x gateway
+SCHEMA_MINOR = 11  # schema 1.11 (1.9: typed reuse level, approximate outcome and finish reason; 1.10 changed only stage-to-stage messages; 1.11: StreamEventBatch); a client of any 1.x speaks to any 1.x gateway
 MAGIC = b"MOEL"
 _HEADER = struct.Struct("<4sHHHHI")
 if _HEADER.size != 16:  # the wire header is 16 bytes (an explicit check: asserts vanish under -O)
@@ -68,6 +69,7 @@ _IDENTIFIER = {
     MessageType.Credit: _COMMON, MessageType.ErrorReply: _COMMON,
     MessageType.GenerateRequest: _CLIENT, MessageType.CancelRequest: _CLIENT,
     MessageType.Feedback: _CLIENT, MessageType.StreamEvent: _CLIENT,
+    MessageType.StreamEventBatch: _CLIENT,
     MessageType.ProbeJob: _PIPELINE, MessageType.ProbePlan: _PIPELINE,
     MessageType.PrefillJob: _PIPELINE, MessageType.PrefillDone: _PIPELINE,
     MessageType.TokenBatch: _PIPELINE, MessageType.JobFailed: _PIPELINE,
@@ -183,7 +185,8 @@ def encode_generate(client_request_id: int, prompt: Optional[str] = None,
                     add_special_tokens: bool = True, reuse: str = "",
                     api_key: str = "", min_p: float = 0.0, presence_penalty: float = 0.0,
                     frequency_penalty: float = 0.0, repetition_penalty: float = 1.0,
-                    logprobs: bool = False, top_logprobs: int = 0) -> List[bytes]:
+                    logprobs: bool = False, top_logprobs: int = 0,
+                    batch_events: bool = False) -> List[bytes]:
     """A GenerateRequest, framed. The keywords are those of Client.start/stream/generate.
 
     reuse: "" or "exact" (the tenant's exact reuse), "none", or "approximate" (also the work of a
@@ -191,6 +194,8 @@ def encode_generate(client_request_id: int, prompt: Optional[str] = None,
     safe; usage["approximate"] says what became of it), "response" or "blend" (one mode only).
     logprobs: each delta event's `logprobs` gives its tokens' log-probabilities, each with the
     top_logprobs (0..20) most likely tokens' as (id, logprob) pairs.
+    batch_events: the reader takes StreamEventBatch messages (schema 1.11), so the gateway may send
+    this request's events together with those of the connection's other requests (Client does).
     """
     if (prompt is None) == (tokens is None):
         raise ValueError("give exactly one of prompt (text) or tokens (ids)")
@@ -238,6 +243,8 @@ def encode_generate(client_request_id: int, prompt: Optional[str] = None,
         _generate.AddReuse(b, reuse_off)
     if api_key_off is not None:
         _generate.AddApiKey(b, api_key_off)
+    if batch_events:
+        _generate.AddBatchEvents(b, True)
     return _finish(b, _generate.End(b), MessageType.GenerateRequest)
 
 
@@ -299,8 +306,8 @@ def _typed_or_text(typed: Optional[int], text: Optional[bytes], names: Sequence[
     return names[typed] if 0 <= typed < len(names) else names[0]
 
 
-def _parse_stream_event(body: bytes) -> Event:
-    e = _stream_event.StreamEvent.GetRootAs(body, 0)
+def _parse_stream_event(e) -> Event:
+    """One StreamEvent table: a message's root, or an entry of a StreamEventBatch."""
     usage = timings = None
     u = e.Usage()
     if u is not None:
@@ -450,6 +457,7 @@ class Client:
         """Sends a GenerateRequest and returns its client_request_id; read it with next_event."""
         crid = next(self._ids)
         params.setdefault("api_key", self.api_key)
+        params.setdefault("batch_events", True)  # _dispatch reads StreamEventBatch
         frames = encode_generate(crid, prompt=prompt, tokens=tokens, **params)
         self._send(frames)
         self._in_flight.add(crid)
@@ -623,7 +631,19 @@ class Client:
         if len(message.body) < 8 or flatbuffers.util.GetBufferIdentifier(message.body, 0) != expected:
             raise ProtocolError(f"{_type_name(message.type)} body lacks identifier {expected!r}")
         if message.type == MessageType.StreamEvent:
-            event = _parse_stream_event(message.body)
+            event = _parse_stream_event(_stream_event.StreamEvent.GetRootAs(message.body, 0))
+        elif message.type == MessageType.StreamEventBatch:
+            # Several requests' events, each request's in order: queued behind what is already
+            # queued, so that every request's events come out in the order they were sent.
+            batch = _stream_event_batch.StreamEventBatch.GetRootAs(message.body, 0)
+            for i in range(batch.EventsLength()):
+                event = _parse_stream_event(batch.Events(i))
+                if event.client_request_id not in self._in_flight:
+                    continue
+                if event.terminal:
+                    self._in_flight.discard(event.client_request_id)
+                self._backlog.append(event)
+            return None
         elif message.type == MessageType.ErrorReply:
             reply = _error_reply.ErrorReply.GetRootAs(message.body, 0)
             return self._error_reply(reply.ClientRequestId(), reply.Code(), _text(reply.Message()))
