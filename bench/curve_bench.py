@@ -15,12 +15,14 @@ Prints a markdown table of medians and the overhead of on over off.
                  [--variants off,on,on/io2]
 
 A variant is `off` or `on`, optionally with `/ioN`: the stages' ZeroMQ I/O threads
-(--io-threads, through MOELINE_IO_THREADS).
+(--io-threads, through MOELINE_IO_THREADS), and optionally `@alt`: the stack and the load client
+of another build (--alt-moeline BIN), to compare two builds round by round in one run.
 """
 
 import argparse
 import json
 import os
+import resource
 import statistics
 import subprocess
 import sys
@@ -33,14 +35,16 @@ from stack_harness import Stack, add_python_paths  # noqa: E402
 
 def one_round(args, variant):
     from moeline_client import Client
+    variant, _, build = variant.partition("@")
+    moeline = args.alt_moeline if build == "alt" else args.moeline
     curve, _, io = variant.partition("/")
     if io:
         os.environ["MOELINE_IO_THREADS"] = io.removeprefix("io")
     else:
         os.environ.pop("MOELINE_IO_THREADS", None)
-    run = os.path.join(args.workdir, f"curve-{variant.replace('/', '-')}")
+    run = os.path.join(args.workdir, f"curve-{variant.replace('/', '-')}{'-alt' if build else ''}")
     extra = ["--transport", "tcp", "--curve", curve]
-    with Stack(args.moeline, args.model, run, extra_args=extra, endpoint_prefix="tcp://",
+    with Stack(moeline, args.model, run, extra_args=extra, endpoint_prefix="tcp://",
                threads=1) as stack:
         server_key = stack.state().get("server_key", "")
         ttft, per_token = [], []
@@ -57,18 +61,23 @@ def one_round(args, variant):
                 ttft.append(t["ttft_ms"])
                 per_token.append((t["total_ms"] - t["ttft_ms"]) / max(1, len(result.ids) - 1))
             single = difference(server_side(stack), single_before)
-        cmd = [args.moeline, "load", "--endpoint", stack.endpoint, "--model", args.model,
+        cmd = [moeline, "load", "--endpoint", stack.endpoint, "--model", args.model,
                "--concurrency", str(args.concurrency), "--duration-s", str(args.duration_s),
                "--prompt-tokens", str(args.prompt_tokens), "--max-tokens", str(args.max_tokens),
                "--json"]
         env = dict(os.environ, MOELINE_SERVER_KEY=server_key) if server_key else None
         before = server_side(stack)
+        client_before = resource.getrusage(resource.RUSAGE_CHILDREN)
         out = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env)
+        client_after = resource.getrusage(resource.RUSAGE_CHILDREN)
         after = server_side(stack)
         if out.returncode != 0 and not out.stdout.strip():
             raise RuntimeError(f"moeline load failed: {out.stderr[-400:]}")
         load = json.loads(out.stdout.strip().splitlines()[-1])
     load["server"] = difference(after, before)
+    # The load client shares the two cores with the stack: its CPU is part of what saturates them.
+    load["server"]["client_cpu_s"] = (client_after.ru_utime + client_after.ru_stime -
+                                      client_before.ru_utime - client_before.ru_stime)
     return {"ttft_ms": statistics.median(ttft), "tpot_ms": statistics.median(per_token),
             "server": single, "load": load}
 
@@ -136,13 +145,19 @@ def main():
     ap.add_argument("--prompt-tokens", type=int, default=32)
     ap.add_argument("--max-tokens", type=int, default=32)
     ap.add_argument("--variants", default="off,on",
-                    help="comma-separated: off, on, optionally /ioN (the first is the baseline)")
+                    help="comma-separated: off, on, optionally /ioN, optionally @alt (the first "
+                         "is the baseline)")
+    ap.add_argument("--alt-moeline", help="the build that variants ending in @alt run")
     args = ap.parse_args()
     variants = args.variants.split(",")
     for v in variants:
-        curve, _, io = v.partition("/")
-        if curve not in ("off", "on") or (io and not (io.startswith("io") and io[2:].isdigit())):
-            ap.error(f"--variants: {v!r} is not off|on[/ioN]")
+        spec, _, build = v.partition("@")
+        curve, _, io = spec.partition("/")
+        if curve not in ("off", "on") or (io and not (io.startswith("io") and io[2:].isdigit())) \
+                or build not in ("", "alt"):
+            ap.error(f"--variants: {v!r} is not off|on[/ioN][@alt]")
+        if build and not args.alt_moeline:
+            ap.error(f"--variants: {v!r} needs --alt-moeline")
     add_python_paths(args.python_build, os.path.join(ROOT, "sdk", "python"))
     results = {v: [] for v in variants}
     for r in range(args.rounds):
@@ -170,10 +185,16 @@ def main():
         (f"load x{args.concurrency}: output tokens/s", lambda x: x["load"]["output_tokens_per_s"]),
         (f"load x{args.concurrency}: stages' CPU per request (ms)",
          lambda x: cpu_ms_per_request(x["load"])),
+        (f"load x{args.concurrency}: gateway CPU per request (ms)",
+         lambda x: cpu_ms_per_request(x["load"], "cpu_s_gateway")),
+        (f"load x{args.concurrency}: load client CPU per request (ms)",
+         lambda x: cpu_ms_per_request(x["load"], "client_cpu_s")),
     ]
     def name(v):
-        curve, _, io = v.partition("/")
-        return f"tcp, Curve {curve}" + (f", {io[2:]} I/O threads" if io else "")
+        spec, _, build = v.partition("@")
+        curve, _, io = spec.partition("/")
+        return (f"tcp, Curve {curve}" + (f", {io[2:]} I/O threads" if io else "") +
+                (" (--alt-moeline)" if build else ""))
 
     base = variants[0]
     header = [f"measure (median of {args.rounds} rounds)", name(base)]

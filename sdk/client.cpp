@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <filesystem>
 #include <fstream>
 #include <nlohmann/json.hpp>
 
@@ -70,8 +71,10 @@ const char* error_name(int code) {
 
 Client::Client(std::string endpoint, std::chrono::milliseconds timeout, Credentials credentials)
     : endpoint_(std::move(endpoint)), timeout_(timeout), credentials_(std::move(credentials)) {
-  if (!credentials_.server_key.empty() && credentials_.server_key.size() != 40) {
-    // A path: the public key is the "public" field of the gateway's key file.
+  // A path (an existing file: a path can be 40 characters of Z85's alphabet, like a key): the
+  // public key is the "public" field of the gateway's key file.
+  const std::string& key = credentials_.server_key;
+  if (!key.empty() && (std::filesystem::is_regular_file(key) || key.size() != 40)) {
     std::ifstream in(credentials_.server_key);
     if (!in) throw std::runtime_error("cannot read the server key " + credentials_.server_key);
     const nlohmann::json file = nlohmann::json::parse(in, nullptr, false);
@@ -79,6 +82,11 @@ Client::Client(std::string endpoint, std::chrono::milliseconds timeout, Credenti
       throw std::runtime_error(credentials_.server_key + " is not a key file (no \"public\")");
     credentials_.server_key = file["public"].get<std::string>();
   }
+  uint8_t decoded[32];
+  if (!credentials_.server_key.empty() &&
+      (credentials_.server_key.size() != 40 ||
+       zmq_z85_decode(decoded, credentials_.server_key.c_str()) == nullptr))
+    throw std::runtime_error("the server key is neither a key file nor 40 Z85 characters");
   open();
 }
 

@@ -154,8 +154,10 @@ std::vector<std::string> init_key_directory(const fs::path& dir, bool force) {
 }
 
 std::string resolve_public_key(const std::string& text_or_path) {
+  // A file first: a path can be 40 characters of Z85's alphabet ("/", ".", "-" are in it).
+  if (fs::is_regular_file(text_or_path)) return read_key_file(text_or_path).keys.public_key;
   if (is_z85_key(text_or_path)) return text_or_path;
-  return read_key_file(text_or_path).keys.public_key;
+  throw ConfigError(text_or_path + " is neither a key file nor a 40-character Z85 key");
 }
 
 void make_curve_server(zmq::socket_t& socket, const CurveKeyPair& keys, const std::string& domain) {

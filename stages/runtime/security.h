@@ -62,7 +62,7 @@ void write_allow_list(const std::filesystem::path& path, const std::vector<Allow
 std::vector<std::string> init_key_directory(const std::filesystem::path& dir, bool force);
 // A new key pair for `role` in the directory (and gateway.pub for the gateway).
 KeyFile issue_key(const std::filesystem::path& dir, const std::string& role);
-// A server public key given as 40 Z85 characters, or the path of a key file.
+// A server public key given as the path of a key file, or as its 40 Z85 characters.
 std::string resolve_public_key(const std::string& text_or_path);
 
 // A ROUTER that binds: Curve server with this key pair, checked by the ZAP handler in `domain`.

@@ -392,6 +392,38 @@ def check_client(mc, wire, endpoint):
         gateway.join(5)
 
 
+def check_curve_key_file(mc):
+    """A key file whose path is exactly 40 characters, all in Z85's alphabet, is read as a file
+    (taken for the key itself, the handshake would fail and the first request be lost)."""
+    import json
+    import zmq
+    public, secret = zmq.curve_keypair()
+    context = zmq.Context()
+    server = context.socket(zmq.ROUTER)
+    server.curve_server = True
+    server.curve_secretkey = secret
+    server.setsockopt(zmq.LINGER, 0)
+    port = server.bind_to_random_port("tcp://127.0.0.1")
+    folder = tempfile.mkdtemp(prefix="k", dir="/tmp")
+    path = os.path.join(folder, "g" * (40 - len(folder) - 5) + ".pub")
+    check("the key file's path is 40 characters", len(path) == 40, path)
+    with open(path, "w") as f:
+        json.dump({"name": "gateway", "role": "gateway", "public": public.decode()}, f)
+    try:
+        with mc.Client(f"tcp://127.0.0.1:{port}", timeout=5.0, server_key=path) as client:
+            client.start("over Curve")
+            check("a 40-character key file path: the request arrives over Curve",
+                  server.poll(5000) != 0)
+        error = raises(lambda: mc.Client("tcp://127.0.0.1:1", server_key="~" * 40), ValueError)
+        check("neither a key file nor a key: a clear error", isinstance(error, ValueError),
+              str(error))
+    finally:
+        server.close()
+        context.term()
+        os.remove(path)
+        os.rmdir(folder)
+
+
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--repo", required=True)
@@ -409,6 +441,7 @@ def main():
           f"{mc.REUSE_MODES} vs {cpp_modes}")
     with tempfile.TemporaryDirectory(prefix="moeline-sdk-") as work:
         check_client(mc, wire, f"ipc://{work}/gateway.sock")
+    check_curve_key_file(mc)
     print(f"\n{'FAILED: ' + ', '.join(failures) if failures else 'all Python SDK checks passed'}")
     return 1 if failures else 0
 

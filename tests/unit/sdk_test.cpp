@@ -15,6 +15,7 @@
 #include <cstdint>
 #include <cstring>
 #include <filesystem>
+#include <fstream>
 #include <functional>
 #include <map>
 #include <mutex>
@@ -726,6 +727,42 @@ TEST_F(SdkTest, ReplyOfAnotherSchemaMajorThrows) {
     EXPECT_NE(std::string(e.what()).find("schema major 2"), std::string::npos) << e.what();
   }
   EXPECT_EQ(client().generate({.prompt = "hello"}).text, "abc\u00e9!") << "still usable";
+}
+
+// --- Curve: the server key ------------------------------------------------------------------
+
+// A key file whose path is exactly 40 characters, all of them in Z85's alphabet, is read as a
+// file: taken for the key itself, the handshake would fail and the first request be lost.
+TEST(SdkCurve, AKeyFileWhosePathIsFortyCharactersIsReadAsAFile) {
+  char server_public[41] = {}, server_secret[41] = {};
+  ASSERT_EQ(zmq_curve_keypair(server_public, server_secret), 0);
+  const std::string dir = "/tmp/mlk" + std::to_string(::getpid());
+  std::filesystem::create_directories(dir);
+  std::string path = dir + "/";
+  path += std::string(40 - path.size() - 4, 'g') + ".pub";
+  ASSERT_EQ(path.size(), 40u);
+  {
+    std::ofstream out(path);
+    out << R"({"name": "gateway", "role": "gateway", "public": ")" << server_public << "\"}";
+  }
+  zmq::context_t context;
+  zmq::socket_t server(context, zmq::socket_type::router);
+  server.set(zmq::sockopt::curve_server, true);
+  server.set(zmq::sockopt::curve_secretkey, std::string(server_secret));
+  server.set(zmq::sockopt::linger, 0);
+  server.bind("tcp://127.0.0.1:*");
+  const std::string endpoint = server.get(zmq::sockopt::last_endpoint);
+
+  Client client(endpoint, kPatience, Credentials{.server_key = path});
+  client.start({.prompt = "over Curve"});
+  zmq::pollitem_t item{server.handle(), 0, ZMQ_POLLIN, 0};
+  zmq::poll(&item, 1, kPatience);
+  EXPECT_TRUE(item.revents & ZMQ_POLLIN) << "the request never arrived: the handshake failed";
+  std::filesystem::remove_all(dir);
+
+  // Neither a file nor a key: a clear error, not a connection that silently fails.
+  EXPECT_THROW(Client(endpoint, kPatience, Credentials{.server_key = std::string(40, '~')}),
+               std::runtime_error);
 }
 
 }  // namespace

@@ -21,6 +21,7 @@ import dataclasses
 import inspect
 import itertools
 import json
+import os
 import struct
 import time
 from typing import Deque, Dict, Iterator, List, NamedTuple, Optional, Sequence
@@ -368,6 +369,14 @@ def _request_signature(method):
     return method
 
 
+def _is_z85_key(text: str) -> bool:
+    from zmq.utils import z85
+    try:
+        return len(text) == 40 and len(z85.decode(text)) == 32
+    except (ValueError, KeyError, TypeError):
+        return False
+
+
 class Client:
     """A connection to a gateway's client endpoint (a DEALER to its ROUTER)."""
 
@@ -379,9 +388,12 @@ class Client:
         self.endpoint = endpoint
         self.timeout = timeout
         self.api_key = api_key
-        if server_key and len(server_key) != 40:
+        # A file first: a path can be 40 characters of Z85's alphabet ("/", ".", "-"), like a key.
+        if server_key and (os.path.isfile(server_key) or len(server_key) != 40):
             with open(server_key) as f:
                 server_key = json.load(f)["public"]
+        if server_key and not _is_z85_key(server_key):
+            raise ValueError(f"server_key {server_key!r} is neither a key file nor 40 Z85 characters")
         self.server_key = server_key
         self._context = context or zmq.Context.instance()
         self._socket: Optional[zmq.Socket] = None
