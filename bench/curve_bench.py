@@ -196,10 +196,18 @@ def main():
         return (f"tcp, Curve {curve}" + (f", {io[2:]} I/O threads" if io else "") +
                 (" (--alt-moeline)" if build else ""))
 
+    # "vs" compares the medians; "paired" is the median of each round's ratio to the baseline's
+    # run of the same round, which the VM's slow periods (they last minutes, and hit a whole
+    # round) move less.
+    def paired(v, get):
+        ratios = [get(x) / get(b) for x, b in zip(results[v], results[base])
+                  if get(b) != 0]
+        return statistics.median(ratios) - 1 if ratios else float("nan")
+
     base = variants[0]
     header = [f"measure (median of {args.rounds} rounds)", name(base)]
     for v in variants[1:]:
-        header += [name(v), f"vs {base}"]
+        header += [name(v), f"vs {base}", "paired"]
     print("| " + " | ".join(header) + " |")
     print("|" + " --- |" * len(header))
     for label, get in rows:
@@ -207,7 +215,7 @@ def main():
         cells = [label, f"{b:.2f}"]
         for v in variants[1:]:
             x = med(v, get)
-            cells += [f"{x:.2f}", f"{100 * (x - b) / b:+.1f}%"]
+            cells += [f"{x:.2f}", f"{100 * (x - b) / b:+.1f}%", f"{100 * paired(v, get):+.1f}%"]
         print("| " + " | ".join(cells) + " |")
     print(json.dumps(results), file=sys.stderr)
 

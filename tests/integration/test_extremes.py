@@ -91,7 +91,10 @@ class Generator:
         if ftype.startswith("["):
             inner = ftype[1:-1]
             if inner in self.tables:
-                return [[], [self.extremes(inner, depth + 1)[0]] * (200 if depth == 0 else 3)]
+                element = self.extremes(inner, depth + 1)
+                if not element:
+                    return [[]]  # nested too deep to fill: only the empty vector
+                return [[], [element[0]] * (200 if depth == 0 else 3)]
             if inner == "string":
                 return [[], ["x" * 1000] * 100]
             values = self.extremes(inner, depth + 1)
