@@ -190,6 +190,12 @@ void Client::connection_lost() {
     throw ClientError(static_cast<int>(wire::ErrorCode::StageFailed), "StageFailed", text);
 }
 
+bool Client::still_in_flight(const Event& event) {
+  if (!in_flight_.count(event.client_request_id)) return false;  // a request we gave up on
+  if (event.terminal()) in_flight_.erase(event.client_request_id);
+  return true;
+}
+
 std::optional<Event> Client::receive(std::chrono::milliseconds timeout) {
   const auto until = Clock::now() + timeout;
   while (true) {
@@ -225,8 +231,7 @@ std::optional<Event> Client::receive(std::chrono::milliseconds timeout) {
     const wire::Message& message = *decoded.message;
     if (message.type == wire::MessageType::StreamEvent) {
       Event event = to_event(*message.as<wire::StreamEvent>());
-      if (!in_flight_.count(event.client_request_id)) continue;  // a request we gave up on
-      if (event.terminal()) in_flight_.erase(event.client_request_id);
+      if (!still_in_flight(event)) continue;
       return event;
     }
     if (message.type == wire::MessageType::StreamEventBatch) {
@@ -234,9 +239,7 @@ std::optional<Event> Client::receive(std::chrono::milliseconds timeout) {
       if (events == nullptr) continue;
       for (const wire::StreamEvent* e : *events) {
         Event event = to_event(*e);
-        if (!in_flight_.count(event.client_request_id)) continue;
-        if (event.terminal()) in_flight_.erase(event.client_request_id);
-        unread_.push_back(std::move(event));
+        if (still_in_flight(event)) unread_.push_back(std::move(event));
       }
       continue;  // the loop's first step returns the first of them
     }

@@ -167,6 +167,9 @@ class Client {
   void close_socket();
   // The gateway went away: every open request ends with an error event (queued in pending_).
   void connection_lost();
+  // Whether an event from the gateway belongs to a request still in flight (its terminal event
+  // ends that).
+  bool still_in_flight(const Event& event);
 
   std::string endpoint_;
   std::chrono::milliseconds timeout_;

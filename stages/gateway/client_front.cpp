@@ -239,17 +239,16 @@ bool ClientChannel::send_event(const EventTo& to, wire::EventKind kind, const st
     runtime::trace_message(log_,
                            ("StreamEvent:" + std::string(wire::EnumNameEventKind(kind))).c_str(),
                            to.request_id, 0, "client");
+  metrics_.stream_events->inc();
   if (holding_ && to.batch) {
     Held& held = held_[to.client];
     held.events.push_back(
         build_event(held.builder, to, kind, text, tokens, finish, code, error, done, logprobs));
     held.request_ids.push_back(to.request_id);
-    metrics_.stream_events->inc();
     if (held.events.size() >= kMaxHeldEvents || held.builder.GetSize() >= kMaxHeldBytes)
       send_held(to.client, held);
     return true;
   }
-  metrics_.stream_events->inc();
   metrics_.stream_messages_single->inc();
   flatbuffers::FlatBufferBuilder builder(256 + text.size());
   builder.Finish(build_event(builder, to, kind, text, tokens, finish, code, error, done, logprobs),
@@ -260,12 +259,12 @@ bool ClientChannel::send_event(const EventTo& to, wire::EventKind kind, const st
 void ClientChannel::send_held(const std::string& client, Held& held) {
   if (held.events.empty()) return;
   bool sent = false;
-  (held.events.size() == 1 ? metrics_.stream_messages_single : metrics_.stream_messages_batch)
-      ->inc();
   if (held.events.size() == 1) {
+    metrics_.stream_messages_single->inc();
     held.builder.Finish(held.events.front(), wire::GenerateRequestIdentifier());
     sent = send(client, wire::encode(wire::MessageType::StreamEvent, held.builder));
   } else {
+    metrics_.stream_messages_batch->inc();
     held.builder.Finish(
         wire::CreateStreamEventBatch(held.builder, held.builder.CreateVector(held.events)),
         wire::GenerateRequestIdentifier());

@@ -650,11 +650,8 @@ class Client:
             batch = _stream_event_batch.StreamEventBatch.GetRootAs(message.body, 0)
             for i in range(batch.EventsLength()):
                 event = _parse_stream_event(batch.Events(i))
-                if event.client_request_id not in self._in_flight:
-                    continue
-                if event.terminal:
-                    self._in_flight.discard(event.client_request_id)
-                self._backlog.append(event)
+                if self._still_in_flight(event):
+                    self._backlog.append(event)
             return None
         elif message.type == MessageType.ErrorReply:
             reply = _error_reply.ErrorReply.GetRootAs(message.body, 0)
@@ -665,11 +662,15 @@ class Client:
             return None
         else:
             return None  # nothing else is addressed to clients
+        return event if self._still_in_flight(event) else None
+
+    def _still_in_flight(self, event: Event) -> bool:
+        """Whether an event belongs to a request still in flight (its terminal event ends that)."""
         if event.client_request_id not in self._in_flight:
-            return None
+            return False
         if event.terminal:
             self._in_flight.discard(event.client_request_id)
-        return event
+        return True
 
     def _connection_lost(self) -> None:
         """The gateway went away (killed, restarted, or silent past the heartbeat timeout): what it
