@@ -18,6 +18,10 @@ inline constexpr Variable kModel{
 inline constexpr Variable kKernels{
     "MOELINE_KERNELS",
     "forces a CPU kernel path: portable, avx2, avx512 or avx512_vnni (when the CPU has it)"};
+inline constexpr Variable kKernelTuning{
+    "MOELINE_KERNEL_TUNING",
+    "overrides how the CPU kernels stream weights: decode_streams=1|2,prefetch_bytes=0..8192 "
+    "(default: chosen from the CPU's vendor; the kernel report shows it)"};
 inline constexpr Variable kEndpoint{"MOELINE_ENDPOINT",
                                     "the gateway's client endpoint for `moeline client`"};
 inline constexpr Variable kApiKey{"MOELINE_API_KEY", "the API key `moeline client` presents"};
@@ -27,7 +31,8 @@ inline constexpr Variable kServerKey{
 inline constexpr Variable kTerm{
     "TERM", "TERM=dumb turns off the progress line drawn on a terminal (base/progress.h)"};
 
-inline constexpr Variable kAll[] = {kModel, kKernels, kEndpoint, kApiKey, kServerKey, kTerm};
+inline constexpr Variable kAll[] = {kModel,  kKernels,   kKernelTuning, kEndpoint,
+                                    kApiKey, kServerKey, kTerm};
 
 // The variable's value; nullptr when it is not set.
 const char* get(const Variable& variable);

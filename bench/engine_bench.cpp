@@ -3,6 +3,7 @@
 // thread count (one process each, so peak RSS is per configuration) and prints the table.
 //
 //   moeline_bench --model DIR [--threads N] [--prompt 512] [--decode 128] [--repeat 3]
+//                 [--bf16-math exact|fast]
 //
 // Decode roofline = read bandwidth / bytes of weights one decoded token touches (attention, router,
 // top-k experts per layer, LM head): the speed at which decode would only wait for memory.
@@ -20,7 +21,9 @@
 #include <string>
 #include <vector>
 
+#include "kernels/cpu/bf16_matmul.h"
 #include "kernels/cpu/cpu_features.h"
+#include "kernels/cpu/kernel_report.h"
 #include "kernels/cpu/thread_pool.h"
 #include "model/forward.h"
 #include "model/model.h"
@@ -110,6 +113,7 @@ struct Options {
   int repeat = 3;
   int batch = 1;  // sequences decoded together (batched decode)
   int depth = 0;  // tokens already in each sequence's cache when decoding starts (llama-bench -d)
+  std::string bf16_math = "exact";
 };
 
 Options parse(int argc, char** argv) {
@@ -131,10 +135,16 @@ Options parse(int argc, char** argv) {
       options.batch = std::max(1, std::stoi(value));
     else if (flag == "--depth")
       options.depth = std::max(0, std::stoi(value));
+    else if (flag == "--bf16-math")
+      options.bf16_math = value;
     else
       throw std::invalid_argument("unknown option " + flag);
   }
   if (options.model_dir.empty()) throw std::invalid_argument("--model DIR is required");
+  moeline::kernels::Bf16Math math;
+  if (!moeline::kernels::parse_bf16_math(options.bf16_math.c_str(), math))
+    throw std::invalid_argument("--bf16-math must be exact or fast");
+  moeline::kernels::set_bf16_math(math);
   return options;
 }
 
@@ -148,7 +158,7 @@ int main(int argc, char** argv) {
   } catch (const std::exception& e) {
     std::cerr << "moeline_bench: " << e.what()
               << "\nusage: moeline_bench --model DIR [--threads N] [--prompt 512] [--decode 128] "
-                 "[--repeat 3] [--batch 1] [--depth 0]\n";
+                 "[--repeat 3] [--batch 1] [--depth 0] [--bf16-math exact|fast]\n";
     return 2;
   }
   auto loaded = model::Model::load(options.model_dir);
@@ -243,6 +253,7 @@ int main(int argc, char** argv) {
       {"model", options.model_dir},
       {"weights", m.dtype_summary()},
       {"isa", std::string(moeline::kernels::isa_name(moeline::kernels::active_isa()))},
+      {"bf16_math", moeline::kernels::kernel_report().bf16_math},
       {"threads", options.threads},
       {"prompt_tokens", options.prompt},
       {"decode_tokens", options.decode},

@@ -13,6 +13,8 @@
 
 #include "base/progress.h"
 #include "base/suggest.h"
+#include "kernels/cpu/bf16_matmul.h"
+#include "kernels/cpu/kernel_report.h"
 #include "kernels/cpu/quant_matmul.h"
 #include "kernels/cpu/thread_pool.h"
 #include "model/forward.h"
@@ -37,6 +39,9 @@ final PPL with its standard error.
   --threads N         compute threads (default: all cores)
   --quant-math exact|fast
                       quantized weights' arithmetic (default fast)
+  --bf16-math exact|fast
+                      BF16 weights' arithmetic (default exact; fast: BF16 activations and the
+                      CPU's AVX512_BF16 dot products)
   --json              one JSON object instead of text
 )";
 
@@ -85,8 +90,8 @@ int perplexity_command(int argc, char** argv) {
       options.json = true;
       continue;
     }
-    static const char* const kValued[] = {"--model",  "--text",    "--context",
-                                          "--chunks", "--threads", "--quant-math"};
+    static const char* const kValued[] = {"--model",   "--text",       "--context",  "--chunks",
+                                          "--threads", "--quant-math", "--bf16-math"};
     if (std::find(std::begin(kValued), std::end(kValued), flag) == std::end(kValued))
       return fail(unknown_option(flag, kUsage) + "\n" + kUsage);
     if (i + 1 >= argc) return fail(flag + " needs a value\n" + kUsage);
@@ -103,11 +108,16 @@ int perplexity_command(int argc, char** argv) {
       if (flag == "--context") options.context = number;
       if (flag == "--chunks") options.chunks = number;
       if (flag == "--threads") options.threads = static_cast<int>(std::min<int64_t>(number, 1024));
-    } else {  // --quant-math, the last of kValued
+    } else if (flag == "--quant-math") {
       kernels::QuantMath math;
       if (!kernels::parse_quant_math(value.c_str(), math))
         return fail("--quant-math must be exact or fast, not '" + value + "'");
       kernels::set_quant_math(math);
+    } else {  // --bf16-math, the last of kValued
+      kernels::Bf16Math math;
+      if (!kernels::parse_bf16_math(value.c_str(), math))
+        return fail("--bf16-math must be exact or fast, not '" + value + "'");
+      kernels::set_bf16_math(math);
     }
   }
   if (options.model.empty() || options.text.empty()) return fail("--model and --text are needed");
@@ -193,6 +203,7 @@ int perplexity_command(int argc, char** argv) {
                                 {"quant_math", kernels::quant_math() == kernels::QuantMath::kFast
                                                    ? "fast"
                                                    : "exact"},
+                                {"bf16_math", kernels::kernel_report().bf16_math},
                                 {"per_chunk", per_chunk}}
                      .dump()
               << '\n';

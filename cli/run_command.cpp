@@ -20,6 +20,7 @@
 #include "base/environment.h"
 #include "base/progress.h"
 #include "base/suggest.h"
+#include "kernels/cpu/bf16_matmul.h"
 #include "kernels/cpu/cpu_features.h"
 #include "kernels/cpu/kernel_report.h"
 #include "kernels/cpu/quant_matmul.h"
@@ -74,6 +75,9 @@ Loads a Hugging Face checkpoint (Mixtral, Qwen3-MoE, DeepSeek-V2/V3) and generat
   --quant-math exact|fast
                        quantized (GGUF) weights: fast (default; activations quantized to 8-bit
                        blocks, integer dot products) or exact (weights dequantized to F32)
+  --bf16-math exact|fast
+                       BF16 weights: exact (default; widened to F32, F32 activations) or fast
+                       (activations rounded to BF16, the CPU's AVX512_BF16 dot products)
   --device cpu|cuda    where the forward pass runs (default cpu); cuda needs a build with nvcc
                        and a GPU; with it --expert-budget sizes the GPU's expert cache, filled
                        from pinned host memory
@@ -127,10 +131,11 @@ RunOptions parse(int argc, char** argv) {
   RunOptions options;
   std::map<std::string, bool> flags_with_value = {
       {"--model", true},          {"--tokens", true},         {"--threads", true},
-      {"--quant-math", true},     {"--logits-out", true},     {"--json", false},
-      {"--prompt", true},         {"--chat", false},          {"--system", true},
-      {"--expert-budget", true},  {"--prefetch-depth", true}, {"--expert-trace", true},
-      {"--loader-threads", true}, {"--device", true},         {"--step-logits-out", true}};
+      {"--quant-math", true},     {"--bf16-math", true},      {"--logits-out", true},
+      {"--json", false},          {"--prompt", true},         {"--chat", false},
+      {"--system", true},         {"--expert-budget", true},  {"--prefetch-depth", true},
+      {"--expert-trace", true},   {"--loader-threads", true}, {"--device", true},
+      {"--step-logits-out", true}};
   flags_with_value.insert(sampling_flags().begin(), sampling_flags().end());
   for (int i = 0; i < argc; ++i) {
     const std::string flag = argv[i];
@@ -153,6 +158,11 @@ RunOptions parse(int argc, char** argv) {
       if (!kernels::parse_quant_math(value.c_str(), math))
         throw std::invalid_argument("--quant-math must be exact or fast, not '" + value + "'");
       kernels::set_quant_math(math);
+    } else if (flag == "--bf16-math") {
+      kernels::Bf16Math math;
+      if (!kernels::parse_bf16_math(value.c_str(), math))
+        throw std::invalid_argument("--bf16-math must be exact or fast, not '" + value + "'");
+      kernels::set_bf16_math(math);
     } else if (flag == "--logits-out")
       options.logits_out = value;
     else if (flag == "--json")

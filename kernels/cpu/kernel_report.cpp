@@ -5,6 +5,7 @@
 #include <cstring>
 
 #include "base/environment.h"
+#include "kernels/cpu/bf16_matmul.h"
 #include "kernels/cpu/cpu_features.h"
 #include "kernels/cpu/matmul.h"
 #include "kernels/cpu/quant_matmul.h"
@@ -37,7 +38,17 @@ KernelReport kernel_report() {
   if (const char* forced = env::get(env::kKernels)) report.forced = forced;
   report.cpu = cpu_brand();
   report.quant_math = quant_math() == QuantMath::kFast ? "fast" : "exact";
-  report.tuning = {{"wide_prefetch_bytes", detail::kWidePrefetchBytes}};
+  if (bf16_math() == Bf16Math::kExact)
+    report.bf16_math = "exact";
+  else if (bf16_fast_in_use())
+    report.bf16_math = "fast";
+  else
+    report.bf16_math = cpu_has_bf16_dot_product()
+                           ? "exact (fast set; the avx512 path is not in use)"
+                           : "exact (fast set; no AVX512_BF16)";
+  const StreamTuning streams = stream_tuning();
+  report.tuning = {{"wide_prefetch_bytes", streams.prefetch_bytes},
+                   {"decode_streams", streams.decode_streams}};
   if (isa != Isa::kPortable)
     report.tuning.emplace_back("quant_prefetch_bytes", detail::kPrefetchBytes);
   if (isa == Isa::kAvx512 || isa == Isa::kAvx512Vnni)
@@ -63,6 +74,7 @@ std::vector<std::pair<std::string, std::string>> report_fields(const KernelRepor
   if (!report.forced.empty()) fields.emplace_back("forced", report.forced);
   fields.emplace_back("cpu", report.cpu);
   fields.emplace_back("quant_math", report.quant_math);
+  fields.emplace_back("bf16_math", report.bf16_math);
   for (const auto& [name, value] : report.tuning) fields.emplace_back(name, std::to_string(value));
   return fields;
 }

@@ -1,8 +1,8 @@
 #pragma once
 // What the CPU kernels run on and how they are tuned, for `moeline run`'s log line and the compute
 // stages' /healthz: the path in use and what the CPU supports (MOELINE_KERNELS may force a lower
-// path, cpu_features.h), the CPU it was chosen on, the arithmetic for quantized weights
-// (quant_matmul.h), and the tuning constants of the kernels in use.
+// path, cpu_features.h), the CPU it was chosen on, the arithmetic for quantized and BF16 weights
+// (quant_matmul.h, bf16_matmul.h), and the tuning constants of the kernels in use.
 
 #include <cstdint>
 #include <string>
@@ -17,6 +17,7 @@ struct KernelReport {
   std::string forced;      // MOELINE_KERNELS as set, empty when it is not
   std::string cpu;         // the CPU's brand string (CPUID), e.g. "AMD EPYC 9R14 96-Core Processor"
   std::string quant_math;  // fast or exact
+  std::string bf16_math;   // BF16 weights: exact, fast, or "exact (fast set; no AVX512_BF16)"
   // name, value: the prefetch distances, token tiles and batch thresholds of the path in use.
   std::vector<std::pair<std::string, int64_t>> tuning;
 };

@@ -2,8 +2,13 @@
 
 #include <algorithm>
 #include <atomic>
+#include <charconv>
+#include <string_view>
 #include <vector>
 
+#include "base/environment.h"
+
+#include "kernels/cpu/bf16_matmul.h"
 #include "kernels/cpu/cpu_features.h"
 #include "kernels/cpu/quant_matmul.h"
 
@@ -14,7 +19,83 @@ constexpr int64_t kRowAlign = 8;
 // Below this much weight traffic (bytes × tokens) a dispatch to the pool costs more than the work:
 // such tasks (a router, a small batch's tiny projection) run on the calling thread.
 constexpr size_t kInlineBytes = 256 << 10;
+// Tasks of at most this many tokens read their weights as decode does (one row at a time, tiles of
+// tokens), in StreamTuning::decode_streams streams per thread.
+constexpr int64_t kStreamTokens = 6;
 }  // namespace
+
+namespace {
+
+StreamTuning default_stream_tuning() {
+  StreamTuning tuning;
+  __builtin_cpu_init();
+  if (__builtin_cpu_is("amd")) tuning = {.decode_streams = 2, .prefetch_bytes = 0};
+  if (const char* text = env::get(env::kKernelTuning)) {
+    StreamTuning overridden = tuning;
+    if (parse_stream_tuning(text, overridden)) tuning = overridden;
+  }
+  return tuning;
+}
+
+std::atomic<int>& decode_streams_setting() {
+  static std::atomic<int> streams{default_stream_tuning().decode_streams};
+  return streams;
+}
+std::atomic<int64_t>& prefetch_bytes_setting() {
+  static std::atomic<int64_t> bytes{default_stream_tuning().prefetch_bytes};
+  return bytes;
+}
+
+}  // namespace
+
+StreamTuning stream_tuning() {
+  return {.decode_streams = decode_streams_setting().load(std::memory_order_relaxed),
+          .prefetch_bytes = prefetch_bytes_setting().load(std::memory_order_relaxed)};
+}
+
+void set_stream_tuning(const StreamTuning& tuning) {
+  decode_streams_setting().store(tuning.decode_streams, std::memory_order_relaxed);
+  prefetch_bytes_setting().store(tuning.prefetch_bytes, std::memory_order_relaxed);
+}
+
+bool parse_stream_tuning(const char* text, StreamTuning& tuning) {
+  StreamTuning parsed = tuning;
+  std::string_view rest(text);
+  for (bool more = true; more;) {
+    const size_t comma = rest.find(',');
+    const std::string_view item = rest.substr(0, comma);
+    more = comma != std::string_view::npos;
+    if (more) rest = rest.substr(comma + 1);
+    const size_t equals = item.find('=');
+    if (equals == std::string_view::npos) return false;
+    const std::string_view name = item.substr(0, equals), value = item.substr(equals + 1);
+    int64_t number = 0;
+    const auto [end, error] = std::from_chars(value.data(), value.data() + value.size(), number);
+    if (error != std::errc() || end != value.data() + value.size()) return false;
+    if (name == "decode_streams" && number >= 1 && number <= 2)
+      parsed.decode_streams = static_cast<int>(number);
+    else if (name == "prefetch_bytes" && number >= 0 && number <= 8192)
+      parsed.prefetch_bytes = number;
+    else
+      return false;
+  }
+  tuning = parsed;
+  return true;
+}
+
+namespace detail {
+int64_t wide_prefetch_bytes() {
+  return prefetch_bytes_setting().load(std::memory_order_relaxed);
+}
+}  // namespace detail
+
+void matmul_rows_two_streams(const MatmulTask& task, int64_t a_begin, int64_t a_end,
+                             int64_t b_begin, int64_t b_end) {
+  if (active_isa() == Isa::kAvx512 || active_isa() == Isa::kAvx512Vnni)
+    return detail::matmul_rows_two_streams_avx512(task, a_begin, a_end, b_begin, b_end);
+  matmul_rows(task, a_begin, a_end);
+  matmul_rows(task, b_begin, b_end);
+}
 
 void matmul_rows(const MatmulTask& task, int64_t row_begin, int64_t row_end) {
   switch (active_isa()) {
@@ -66,20 +147,39 @@ void matmul(ThreadPool& pool, std::span<const MatmulTask> tasks) {
   // A named reference: the pool's threads must see this thread's vectors, not their own.
   std::vector<QuantizedActivations>& activations = per_thread;
   const bool fast = quant_math() == QuantMath::kFast;
-  if (fast) {
-    if (activations.size() < tasks.size()) activations.resize(tasks.size());
-    for (size_t t = 0; t < tasks.size(); ++t)
-      if (is_quantized(tasks[t].w.dtype) && tasks[t].n > 0)
-        quantize_activations(tasks[t].x, tasks[t].n, tasks[t].w.cols,
-                             tasks[t].x_stride ? tasks[t].x_stride : tasks[t].w.cols,
-                             activation_block(tasks[t].w.dtype), activations[t]);
+  // The BF16 fast mode's rounded activations likewise (bf16_matmul.h).
+  thread_local std::vector<Bf16Activations> per_thread_bf16;
+  std::vector<Bf16Activations>& bf16_activations = per_thread_bf16;
+  const bool bf16_fast = bf16_fast_in_use();
+  for (size_t t = 0; t < tasks.size(); ++t) {
+    const MatmulTask& task = tasks[t];
+    if (task.n <= 0) continue;
+    const int64_t x_stride = task.x_stride ? task.x_stride : task.w.cols;
+    if (fast && is_quantized(task.w.dtype)) {
+      if (activations.size() < tasks.size()) activations.resize(tasks.size());
+      quantize_activations(task.x, task.n, task.w.cols, x_stride, activation_block(task.w.dtype),
+                           activations[t]);
+    } else if (bf16_fast && task.w.dtype == DType::kBF16) {
+      if (bf16_activations.size() < tasks.size()) bf16_activations.resize(tasks.size());
+      round_activations_to_bf16(task.x, task.n, task.w.cols, x_stride, bf16_activations[t]);
+    }
   }
   auto rows = [&](size_t t, int64_t begin, int64_t end) {
     const MatmulTask& task = tasks[t];
+    const int64_t y_stride = task.y_stride ? task.y_stride : task.w.rows;
     if (fast && is_quantized(task.w.dtype))
-      return quant_matmul_rows(task.w, activations[t], task.y,
-                               task.y_stride ? task.y_stride : task.w.rows, begin, end);
+      return quant_matmul_rows(task.w, activations[t], task.y, y_stride, begin, end);
+    if (bf16_fast && task.w.dtype == DType::kBF16)
+      return bf16_matmul_rows(task.w, bf16_activations[t], task.y, y_stride, begin, end);
     matmul_rows(task, begin, end);
+  };
+  auto two_streams = [&](size_t t, int64_t a_begin, int64_t a_end, int64_t b_begin, int64_t b_end) {
+    const MatmulTask& task = tasks[t];
+    if (bf16_fast && task.w.dtype == DType::kBF16)
+      return bf16_matmul_rows_two_streams(task.w, bf16_activations[t], task.y,
+                                          task.y_stride ? task.y_stride : task.w.rows, a_begin,
+                                          a_end, b_begin, b_end);
+    matmul_rows_two_streams(task, a_begin, a_end, b_begin, b_end);
   };
   if (work < kInlineBytes) {
     for (size_t t = 0; t < tasks.size(); ++t)
@@ -88,18 +188,31 @@ void matmul(ThreadPool& pool, std::span<const MatmulTask> tasks) {
   }
   // Each thread owns a contiguous share of every task's rows and streams through it from the
   // front; a thread that finishes its share early takes rows from the back of a slower thread's
-  // share. Owning one long run keeps a single prefetch stream per thread (decode is memory-bound);
-  // stealing absorbs the thread that was woken late or slowed by the memory system.
+  // share. Owning one long run keeps the memory streams per thread few and long (decode is
+  // memory-bound); stealing absorbs the thread that was woken late or slowed by the memory system.
+  // With two decode streams (StreamTuning) a thread's share is two halves, read side by side.
   const int threads = pool.size();
+  const int decode_streams = stream_tuning().decode_streams;
+  auto streams_of = [&](const MatmulTask& task) {
+    const bool wide =
+        task.w.dtype == DType::kF32 || task.w.dtype == DType::kBF16 || task.w.dtype == DType::kF16;
+    return wide && task.n <= kStreamTokens ? decode_streams : 1;
+  };
+  const size_t slots = tasks.size() * static_cast<size_t>(threads) * 2;
   thread_local std::vector<RowShare> shares;
-  if (shares.size() < tasks.size() * static_cast<size_t>(threads))
-    shares = std::vector<RowShare>(tasks.size() * static_cast<size_t>(threads));
+  if (shares.size() < slots) shares = std::vector<RowShare>(slots);
   for (size_t t = 0; t < tasks.size(); ++t) {
     for (int thread = 0; thread < threads; ++thread) {
       auto [begin, end] = tasks[t].n > 0
                               ? ThreadPool::split(tasks[t].w.rows, thread, threads, kRowAlign)
                               : std::pair<int64_t, int64_t>{0, 0};
-      shares[t * static_cast<size_t>(threads) + static_cast<size_t>(thread)].reset(begin, end);
+      const int64_t middle =
+          streams_of(tasks[t]) == 2
+              ? std::min(end, begin + ((end - begin) / 2 + kRowAlign - 1) / kRowAlign * kRowAlign)
+              : end;
+      RowShare* own = &shares[(t * static_cast<size_t>(threads) + static_cast<size_t>(thread)) * 2];
+      own[0].reset(begin, middle);
+      own[1].reset(middle, end);
     }
   }
   RowShare* share = shares.data();
@@ -109,12 +222,24 @@ void matmul(ThreadPool& pool, std::span<const MatmulTask> tasks) {
       // Few tokens: small claims cost nothing (a row is a whole dot product per token). Many
       // tokens: claims as large as the packing block, so packed weight tiles are reused.
       const int64_t claim_rows = task.n <= 8 ? 16 : 64;
+      RowShare* own = share + t * static_cast<size_t>(count) * 2;
+      RowShare* mine = own + static_cast<size_t>(thread) * 2;
+      for (;;) {
+        int64_t a_begin = 0, a_end = 0, b_begin = 0, b_end = 0;
+        const bool a = mine[0].claim(claim_rows, true, a_begin, a_end);
+        const bool b = mine[1].claim(claim_rows, true, b_begin, b_end);
+        if (a && b)
+          two_streams(t, a_begin, a_end, b_begin, b_end);
+        else if (a || b)
+          rows(t, a ? a_begin : b_begin, a ? a_end : b_end);
+        else
+          break;
+      }
       int64_t begin = 0, end = 0;
-      RowShare* own = share + t * static_cast<size_t>(count);
-      while (own[thread].claim(claim_rows, true, begin, end)) rows(t, begin, end);
       for (int other = 1; other < count; ++other) {
-        RowShare& victim = own[(thread + other) % count];
-        while (victim.claim(claim_rows, false, begin, end)) rows(t, begin, end);
+        RowShare* victim = own + static_cast<size_t>((thread + other) % count) * 2;
+        for (int half : {1, 0})
+          while (victim[half].claim(claim_rows, false, begin, end)) rows(t, begin, end);
       }
     }
   });

@@ -31,15 +31,41 @@ void matmul(ThreadPool& pool, const MatmulTask& task);
 // Computes rows [row_begin, row_end) of W for every x row, on the calling thread (with F32
 // activations: the exact mode for quantized W).
 void matmul_rows(const MatmulTask& task, int64_t row_begin, int64_t row_end);
+// Rows [a_begin, a_end) and [b_begin, b_end) together, row a_begin + i beside b_begin + i: two
+// memory streams for decode (StreamTuning::decode_streams). The same results as matmul_rows on
+// each range.
+void matmul_rows_two_streams(const MatmulTask& task, int64_t a_begin, int64_t a_end,
+                             int64_t b_begin, int64_t b_end);
+
+// How decode streams weights from memory, chosen per host from the CPU's vendor (measured with
+// bench/ on each: docs/PERFORMANCE.md), overridden by MOELINE_KERNEL_TUNING
+// ("decode_streams=2,prefetch_bytes=0"), and shown by the kernel report. Neither changes results.
+struct StreamTuning {
+  // Weight streams per thread when a task has few tokens: 1, or 2 (a thread's rows in two halves,
+  // read side by side). Intel (the Xeon tuned on): 1; AMD Zen 4/5: 2 (one stream reads 75% of the
+  // bandwidth a plain read gets there, two streams 95%).
+  int decode_streams = 1;
+  // How far ahead along a weight row the F32/BF16/F16 kernels prefetch; 0: no software prefetch,
+  // the hardware prefetchers alone. Intel: 1024 (its prefetchers stop at 4 KiB pages; 512-2048
+  // tried); AMD Zen 4/5: 0 (software prefetches there cost more bandwidth than they gain).
+  int64_t prefetch_bytes = 1024;
+};
+StreamTuning stream_tuning();
+// For benchmarks and tests; the default is chosen once at start.
+void set_stream_tuning(const StreamTuning& tuning);
+// "decode_streams=N,prefetch_bytes=N" (either or both) over `tuning`; false when malformed or out
+// of range (streams 1-2, prefetch 0-8192).
+bool parse_stream_tuning(const char* text, StreamTuning& tuning);
 
 namespace detail {
-// How far ahead along a weight row the F32/BF16/F16 kernels prefetch (512-2048 tried on the
-// benchmark shape).
-constexpr int64_t kWidePrefetchBytes = 1024;
+// StreamTuning::prefetch_bytes, read by the kernels once per tile.
+int64_t wide_prefetch_bytes();
 
 void matmul_rows_portable(const MatmulTask& task, int64_t row_begin, int64_t row_end);
 void matmul_rows_avx2(const MatmulTask& task, int64_t row_begin, int64_t row_end);
 void matmul_rows_avx512(const MatmulTask& task, int64_t row_begin, int64_t row_end);
+void matmul_rows_two_streams_avx512(const MatmulTask& task, int64_t a_begin, int64_t a_end,
+                                    int64_t b_begin, int64_t b_end);
 }  // namespace detail
 
 }  // namespace moeline::kernels

@@ -49,4 +49,9 @@ void matmul_rows_avx512(const MatmulTask& task, int64_t row_begin, int64_t row_e
   MatmulKernel<Avx512>::run(task, row_begin, row_end);
 }
 
+void matmul_rows_two_streams_avx512(const MatmulTask& task, int64_t a_begin, int64_t a_end,
+                                    int64_t b_begin, int64_t b_end) {
+  MatmulKernel<Avx512>::run_two_streams(task, a_begin, a_end, b_begin, b_end);
+}
+
 }  // namespace moeline::kernels::detail

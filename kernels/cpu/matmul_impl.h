@@ -36,7 +36,6 @@ struct MatmulKernel {
   // slow to keep up with memory, so AVX2 takes more rows. Each row's sum is the same whatever the
   // tile, so results do not change.
   static constexpr int kDirectRows = Simd::kDirectRows;
-  static constexpr int64_t kPrefetchBytes = kWidePrefetchBytes;
 
   static V load(const void* row, DType dtype, int64_t k) {
     switch (dtype) {
@@ -105,13 +104,15 @@ struct MatmulKernel {
       for (int t = 0; t < N; ++t) acc[m][t] = Simd::zero();
     const int64_t k_full = K - K % kLanes;
     constexpr int64_t element_bytes = static_cast<int64_t>(dtype_size(W));
+    const int64_t prefetch_bytes = wide_prefetch_bytes();
     for (int64_t k = 0; k < k_full; k += kLanes) {
       V w[M];
-      // One prefetch per cache line of each weight row, kPrefetchBytes ahead: the hardware
-      // prefetchers stop at 4 KiB page boundaries, and decode reads every weight exactly once.
-      if (((k * element_bytes) & 63) == 0)
+      // One prefetch per cache line of each weight row, prefetch_bytes ahead where the host
+      // wants it (StreamTuning): Intel's hardware prefetchers stop at 4 KiB page boundaries, and
+      // decode reads every weight exactly once.
+      if (prefetch_bytes > 0 && ((k * element_bytes) & 63) == 0)
         for (int m = 0; m < M; ++m)
-          Simd::prefetch(static_cast<const char*>(w_rows[m]) + k * element_bytes + kPrefetchBytes);
+          Simd::prefetch(static_cast<const char*>(w_rows[m]) + k * element_bytes + prefetch_bytes);
       for (int m = 0; m < M; ++m) w[m] = load(w_rows[m], W, k);
       for (int t = 0; t < N; ++t) {
         const V x = Simd::load_f32(x_rows[t] + k);
@@ -169,7 +170,46 @@ struct MatmulKernel {
     }
   }
 
+  // Starts a stream with software prefetch: the first prefetch_bytes of the range would
+  // otherwise be demand misses.
+  static void start_stream(const MatmulTask& task, int64_t row) {
+    const char* start = reinterpret_cast<const char*>(task.w.row(row));
+    for (int64_t offset = 0; offset < wide_prefetch_bytes(); offset += 64)
+      Simd::prefetch(start + offset);
+  }
+
+  // Decode over two row ranges read side by side: rows a_begin + i and b_begin + i form one
+  // two-row tile (each row's sum is the one any tile computes), their outputs put back in place.
+  static void run_two_streams(const MatmulTask& task, int64_t a_begin, int64_t a_end,
+                              int64_t b_begin, int64_t b_end) {
+    const bool direct = kDirectRows == 1 && !widened_before_use(task.w.dtype) &&
+                        (task.w.dtype == DType::kF32 || task.n < kPackFromTokens) && task.n <= kNR;
+    const int64_t common = direct ? std::min(a_end - a_begin, b_end - b_begin) : 0;
+    if (common > 0) {
+      const int64_t K = task.w.cols;
+      const int64_t x_stride = task.x_stride ? task.x_stride : K;
+      const int64_t y_stride = task.y_stride ? task.y_stride : task.w.rows;
+      const TileFn tile_fn = pick(task.w.dtype, 2, static_cast<int>(task.n));
+      const float* x_rows[kNR];
+      for (int t = 0; t < task.n; ++t) x_rows[t] = task.x + t * x_stride;
+      start_stream(task, a_begin);
+      start_stream(task, b_begin);
+      float pair[2 * kNR];
+      for (int64_t i = 0; i < common; ++i) {
+        const void* w_rows[2] = {task.w.row(a_begin + i), task.w.row(b_begin + i)};
+        tile_fn(w_rows, x_rows, K, pair, 2);
+        for (int64_t t = 0; t < task.n; ++t) {
+          task.y[t * y_stride + a_begin + i] = pair[2 * t];
+          task.y[t * y_stride + b_begin + i] = pair[2 * t + 1];
+        }
+      }
+    }
+    run(task, a_begin + common, a_end);
+    run(task, b_begin + common, b_end);
+  }
+
   static void run(const MatmulTask& task, int64_t row_begin, int64_t row_end) {
+    if (row_begin >= row_end) return;
     const int64_t K = task.w.cols;
     const int64_t x_stride = task.x_stride ? task.x_stride : K;
     const int64_t y_stride = task.y_stride ? task.y_stride : task.w.rows;
@@ -179,12 +219,7 @@ struct MatmulKernel {
     const bool pack = widened_before_use(task.w.dtype) ||
                       (task.w.dtype != DType::kF32 && task.n >= kPackFromTokens);
     const void* w_rows[kMR];
-    if (!pack) {
-      // Start the stream: the first kPrefetchBytes of the range would otherwise be demand misses.
-      const char* start = reinterpret_cast<const char*>(task.w.row(row_begin));
-      for (int64_t offset = 0; offset < kPrefetchBytes; offset += 64)
-        Simd::prefetch(start + offset);
-    }
+    if (!pack) start_stream(task, row_begin);
     if (!pack && kDirectRows == 1 && task.n <= kNR) {
       // The decode case: one tile kernel for every row, called directly.
       const TileFn tile_fn = pick(task.w.dtype, 1, static_cast<int>(task.n));

@@ -9,6 +9,7 @@
 #include <iostream>
 
 #include "base/environment.h"
+#include "kernels/cpu/bf16_matmul.h"
 #include "kernels/cpu/quant_matmul.h"
 #include "model/kv_cache.h"
 #include "stages/runtime/service.h"
@@ -98,7 +99,9 @@ bool kv_layout_matches(const wire::KvLayout* layout, const model::ModelConfig& c
 }
 
 uint64_t settings_hash(uint64_t model_id) {
-  const uint64_t parts[3] = {model_id, static_cast<uint64_t>(model::kBlockTokens), sizeof(float)};
+  const uint64_t parts[5] = {model_id, static_cast<uint64_t>(model::kBlockTokens), sizeof(float),
+                             static_cast<uint64_t>(kernels::quant_math()),
+                             static_cast<uint64_t>(kernels::bf16_math())};
   return XXH3_64bits(parts, sizeof parts);
 }
 
@@ -114,12 +117,31 @@ void configure_io_threads(zmq::context_t& context, const runtime::Config& config
   context.set(zmq::ctxopt::io_threads, static_cast<int>(threads));
 }
 
-void configure_quant_math(const runtime::Config& config) {
-  kernels::QuantMath math;
-  if (!kernels::parse_quant_math(config.text("quant-math").c_str(), math))
+std::vector<runtime::ConfigKey> arithmetic_keys() {
+  return {{"quant-math", "fast",
+           "quantized (GGUF) weights: fast (8-bit activations, integer dot products) or exact "
+           "(weights dequantized to F32, F32 activations); every stage of a stack the same"},
+          {"bf16-math", "exact",
+           "BF16 weights: exact (widened to F32, F32 activations) or fast (activations rounded "
+           "to BF16, the CPU's BF16 dot products: AVX512_BF16, else exact); every stage of a "
+           "stack the same"}};
+}
+
+void configure_arithmetic(const runtime::Config& config) {
+  kernels::QuantMath quant;
+  if (!kernels::parse_quant_math(config.text("quant-math").c_str(), quant))
     throw runtime::ConfigError("--quant-math must be exact or fast, not '" +
                                config.text("quant-math") + "'");
-  kernels::set_quant_math(math);
+  kernels::Bf16Math bf16;
+  if (!kernels::parse_bf16_math(config.text("bf16-math").c_str(), bf16))
+    throw runtime::ConfigError("--bf16-math must be exact or fast, not '" +
+                               config.text("bf16-math") + "'");
+  kernels::set_quant_math(quant);
+  kernels::set_bf16_math(bf16);
+}
+
+std::vector<std::string> arithmetic_arguments(const runtime::Config& config) {
+  return {"--quant-math", config.text("quant-math"), "--bf16-math", config.text("bf16-math")};
 }
 
 size_t max_stage_message_bytes(const model::ModelConfig& config) {
@@ -304,9 +326,7 @@ std::vector<runtime::ConfigKey> worker_keys() {
   std::vector<runtime::ConfigKey> keys = common_keys();
   keys.push_back({"hub", "tcp://127.0.0.1:5556", "the gateway's hub endpoint to connect to"});
   keys.push_back({"threads", "0", "compute threads (0: all cores)"});
-  keys.push_back({"quant-math", "fast",
-                  "quantized (GGUF) weights: fast (8-bit activations, integer dot products) or "
-                  "exact (weights dequantized to F32, F32 activations)"});
+  for (runtime::ConfigKey& key : arithmetic_keys()) keys.push_back(std::move(key));
   return keys;
 }
 
@@ -340,6 +360,7 @@ int run_stage(const char* stage, const std::vector<runtime::ConfigKey>& keys, in
                          [name](const runtime::ConfigKey& key) { return key.name == name; });
     };
     if (has("trace-requests")) runtime::set_request_tracing(config.flag("trace-requests"));
+    if (has("bf16-math")) configure_arithmetic(config);
     // Every metric of the stage carries its model.
     if (has("model") && !config.text("model").empty())
       runtime::Registry::set_process_labels({{"model", model_name(config.text("model"))}});

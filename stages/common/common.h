@@ -40,7 +40,9 @@ bool kv_layout_matches(const wire::KvLayout* layout, const model::ModelConfig& c
                        size_t blocks);
 
 // Hash of what every process of a stack must agree on: the model (its id covers config.json and
-// the tensor headers), the KV block size and the KV dtype.
+// the tensor headers), the KV block size, the KV dtype and the arithmetic of the kernels
+// (configure_arithmetic: prefill and decode of one sequence must compute alike, or exact reuse
+// would join KV of two modes).
 uint64_t settings_hash(uint64_t model_id);
 
 // Keys of every stage (model, http, port-file, replica, heartbeat-ms, peer-timeout-ms,
@@ -73,9 +75,14 @@ std::string curve_role(wire::StageKind stage);
 // them, so a process that relays bulk data under Curve gains from two). Call before the context's
 // first socket.
 void configure_io_threads(zmq::context_t& context, const runtime::Config& config);
-// --quant-math exact|fast: how this process multiplies block-quantized weights (a ConfigError
-// for anything else).
-void configure_quant_math(const runtime::Config& config);
+// --quant-math and --bf16-math (exact|fast): how a process multiplies block-quantized and BF16
+// weights. Keys of every process that joins or runs a hub (part of settings_hash).
+std::vector<runtime::ConfigKey> arithmetic_keys();
+// Sets the kernels' arithmetic from those keys (a ConfigError for anything else); run_stage calls
+// it for every stage that has them.
+void configure_arithmetic(const runtime::Config& config);
+// The same keys as arguments for a stage process this one starts.
+std::vector<std::string> arithmetic_arguments(const runtime::Config& config);
 // The largest message stages exchange for this model (ZMQ_MAXMSGSIZE of the hub and links).
 size_t max_stage_message_bytes(const model::ModelConfig& config);
 // Activation signatures (approximate reuse): the probe computes them for lookups and prefill for

@@ -22,6 +22,7 @@ nlohmann::json kernels_json(const kernels::KernelReport& report) {
                          {"best_isa", report.best_isa},
                          {"cpu", report.cpu},
                          {"quant_math", report.quant_math},
+                         {"bf16_math", report.bf16_math},
                          {"tuning", tuning}};
   if (!report.forced.empty()) body["forced"] = report.forced;
   return body;
@@ -101,7 +102,6 @@ ComputeWorker::ComputeWorker(const runtime::Config& config, const char* stage, w
   service.log.info("model_loaded", {{"dir", config.text("model")},
                                     {"model_id", model->model_id()},
                                     {"dtype", model->dtype_summary()}});
-  configure_quant_math(config);
   const kernels::KernelReport kernel_report = kernels::kernel_report();
   service.log.info("kernels", kernels::report_fields(kernel_report));
   if (const std::string problem = kernels::forced_path_problem(kernel_report); !problem.empty())

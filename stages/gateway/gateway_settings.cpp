@@ -10,6 +10,8 @@ namespace moeline::stages {
 
 std::vector<runtime::ConfigKey> gateway_keys() {
   std::vector<runtime::ConfigKey> keys = common_keys();
+  // The gateway computes nothing, but its hub admits only stages of the same arithmetic.
+  for (runtime::ConfigKey& key : arithmetic_keys()) keys.push_back(std::move(key));
   keys.push_back({"client-bind", "tcp://127.0.0.1:5555", "client endpoint (ROUTER)"});
   keys.push_back({"hub-bind", "tcp://127.0.0.1:5556", "endpoint the stage processes connect to"});
   keys.push_back({"max-prompt-tokens", "0", "longest prompt accepted (0: the context minus one)"});

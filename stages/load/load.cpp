@@ -145,6 +145,7 @@ struct LoadOptions {
   double duration_s = 10;
   int64_t prompt_tokens = 128, max_tokens = 64;
   int threads = 0;
+  std::vector<std::string> arithmetic;  // --quant-math and --bf16-math of the stage under load
   double request_timeout_s = 120;
   sdk::Credentials credentials;
   bool json = false;
@@ -329,6 +330,8 @@ class StageUnderLoad {
       args.push_back("--threads");
       args.push_back(std::to_string(o.threads));
     }
+    // The hub's settings hash has this process's arithmetic; the stage must compute alike.
+    args.insert(args.end(), o.arithmetic.begin(), o.arithmetic.end());
     if (o.target == "decode") {
       args.push_back("--max-batch");
       args.push_back(std::to_string(std::max(o.concurrency, 1)));
@@ -571,6 +574,7 @@ int load_body(const runtime::Config& config) {
   o.prompt_tokens = config.integer("prompt-tokens");
   o.max_tokens = config.integer("max-tokens");
   o.threads = static_cast<int>(config.integer("threads"));
+  o.arithmetic = arithmetic_arguments(config);
   o.request_timeout_s = config.number("request-timeout-s");
   o.credentials = {config.text("api-key"), config.text("server-key")};
   if (!(o.request_timeout_s > 0)) throw runtime::ConfigError("--request-timeout-s must be > 0");
@@ -684,6 +688,8 @@ std::vector<runtime::ConfigKey> load_keys() {
       {"prompt-tokens", "128", "synthetic prompt length"},
       {"max-tokens", "64", "tokens generated per request (end-of-sequence ignored)"},
       {"threads", "0", "threads of the stage under load (0: all cores)"},
+      {"quant-math", "fast", "the stage under load's --quant-math (prefill|decode)"},
+      {"bf16-math", "exact", "the stage under load's --bf16-math (prefill|decode)"},
       {"api-key", "", "API key where the gateway requires one (env MOELINE_API_KEY)"},
       {"server-key", "",
        "the gateway's public Curve key or gateway.pub, for tcp:// with Curve "

@@ -33,7 +33,6 @@ SignatureEngine::SignatureEngine(const runtime::Config& config, const model::Mod
   max_signature_tokens_ = config.integer("signature-max-tokens");
   if (cfg.max_position_embeddings > 0)
     max_signature_tokens_ = std::min(max_signature_tokens_, cfg.max_position_embeddings);
-  configure_quant_math(config);
   int threads = static_cast<int>(config.integer("threads"));
   if (threads <= 0) threads = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
   pool_ = std::make_unique<kernels::ThreadPool>(threads);

@@ -55,6 +55,9 @@ down     stop every stage and the supervisor
   --quant-math exact|fast
                     GGUF models' quantized weights: fast (default; 8-bit activations, integer
                     dot products) or exact (dequantized to F32)
+  --bf16-math exact|fast
+                    BF16 weights: exact (default; widened to F32) or fast (activations rounded
+                    to BF16, the CPU's BF16 dot products where it has AVX512_BF16)
   --timeout-s S     how long `up` waits for the stack to be healthy (default 120)
   --expert-budget SIZE
                     keep the experts in one host pool of SIZE shared by every prefill and decode
@@ -389,6 +392,7 @@ int up(int argc, char** argv) {
       {"probe", "1", "probe processes"},
       {"threads", "0", "threads per compute process"},
       {"quant-math", "fast", "exact or fast"},
+      {"bf16-math", "exact", "exact or fast"},
       {"timeout-s", "120", "seconds to wait for health"},
       {"expert-budget", "", "host expert pool size"},
       {"device", "cpu", "where prefill and decode compute"},
@@ -479,15 +483,20 @@ int up(int argc, char** argv) {
     common.push_back("--config");
     common.push_back(fs::absolute(stage_config).string());
   }
+  // Every process of the hub computes with the same arithmetic (part of the settings hash).
+  const std::vector<std::string> arithmetic = {"--quant-math", config.text("quant-math"),
+                                               "--bf16-math", config.text("bf16-math")};
   auto worker = [&](std::vector<std::string> extra) {
     std::vector<std::string> args = common;
     args.push_back("--hub");
     args.push_back(hub);
+    args.insert(args.end(), arithmetic.begin(), arithmetic.end());
     args.insert(args.end(), extra.begin(), extra.end());
     return args;
   };
   std::vector<StageProcess> stages;
   std::vector<std::string> gateway_args = common;
+  gateway_args.insert(gateway_args.end(), arithmetic.begin(), arithmetic.end());
   gateway_args.insert(gateway_args.end(), {"--client-bind", endpoint, "--hub-bind", hub});
   if (!config.text("api-keys").empty())
     gateway_args.insert(gateway_args.end(),
@@ -498,18 +507,15 @@ int up(int argc, char** argv) {
   for (int i = 0; i < probes; ++i) {
     const std::string name = probes == 1 ? "probe" : "probe-" + std::to_string(i);
     const fs::path store = run_dir / (probes == 1 ? std::string("store") : "store-" + name);
-    stages.push_back(
-        {name, "probe",
-         worker({"--store-path", store.string(), "--quant-math", config.text("quant-math")})});
+    stages.push_back({name, "probe", worker({"--store-path", store.string()})});
   }
   // The node's expert pool: the offload manager creates it, the compute processes attach to it.
   std::vector<std::string> offload_args;
   if (!config.text("expert-budget").empty())
     offload_args = {"--expert-budget", config.text("expert-budget")};
   stages.push_back({"offload", "offload", worker(offload_args)});
-  std::vector<std::string> compute_args = {"--threads",    std::to_string(threads),
-                                           "--device",     config.text("device"),
-                                           "--quant-math", config.text("quant-math")};
+  std::vector<std::string> compute_args = {"--threads", std::to_string(threads), "--device",
+                                           config.text("device")};
   if (!config.text("device-expert-budget").empty()) {
     if (config.text("device") == "cpu")
       throw runtime::ConfigError("--device-expert-budget needs --device cuda");

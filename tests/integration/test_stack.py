@@ -68,13 +68,14 @@ def workload(vocab, count, seed):
     return requests
 
 
-def references(args, requests):
+def references(args, requests, extra=()):
     out = []
     for request in requests:
         out.append(reference(args.moeline, args.model, request["max_tokens"],
                              tokens=request.get("tokens"), prompt=request.get("prompt"),
                              temperature=request.get("temperature", 0.0),
-                             seed=request.get("seed"), ignore_eos=request.get("ignore_eos", False)))
+                             seed=request.get("seed"), ignore_eos=request.get("ignore_eos", False),
+                             extra=extra))
     return out
 
 
@@ -129,6 +130,59 @@ def case_parity(args):
                           for i in range(2)]
                 check(all(n > 0 for n in served), f"both decode replicas should serve: {served}")
             print(f"ok parity: 64 concurrent streams identical to moeline run, {decode} decode")
+
+
+def cpu_has_bf16_dot_product():
+    with open("/proc/cpuinfo") as f:
+        return " avx512_bf16" in f.read()
+
+
+def case_bf16fast(args):
+    """`stack up --bf16-math fast`: every stage computes with the BF16 fast mode (the settings hash
+    covers it), so streams are identical to `moeline run --bf16-math fast`, prompts served again
+    from the probe's store (prefill's KV continued by decode) too; a stage of the other mode is
+    refused at hello."""
+    from moeline_client import Client
+    requests = workload(vocab_of(args.model), 24, seed=11)
+    # Prompts that extend earlier ones: the probe serves the earlier KV's whole blocks and prefill
+    # computes the rest, continuing KV of the same mode.
+    requests += [dict(r, tokens=r["tokens"] + [5, 6, 7]) for r in requests
+                 if len(r.get("tokens") or []) >= 40][:8]
+    expected = references(args, requests, extra=["--bf16-math", "fast"])
+    run_dir = os.path.join(args.workdir, "bf16fast")
+    with Stack(args.moeline, args.model, run_dir, decode=2,
+               extra_args=["--bf16-math", "fast"]) as stack:
+        with Client(stack.endpoint, timeout=120) as client:
+            first = run_concurrently(client, requests[:24])
+            later = run_concurrently(client, requests[24:])
+            results = {**first, **{24 + i: result for i, result in later.items()}}
+        compare(results, requests, expected)
+        hits = stack.metric("probe", "moeline_probe_hits_total", level="prefix")
+        check(hits >= 1, f"the extended prompts should reuse a cached prefix: {hits} hits")
+        print(f"ok bf16fast: {len(requests)} streams identical to moeline run --bf16-math fast "
+              f"({hits:.0f} continued a cached prefix)")
+        with urllib.request.urlopen(f"http://127.0.0.1:{stack.http_port('prefill-0')}/healthz",
+                                    timeout=5) as response:
+            mode = json.loads(response.read())["kernels"]["bf16_math"]
+        want = "fast" if cpu_has_bf16_dot_product() else "exact (fast set; no AVX512_BF16)"
+        check(mode == want, f"prefill's /healthz bf16_math {mode!r}, want {want!r}")
+        print(f"ok bf16fast: prefill's /healthz says bf16_math={mode!r}")
+        # A decode process in the exact mode cannot join: it would continue fast-mode KV.
+        refused_before = stack.metric("gateway", "moeline_hub_hellos_refused_total",
+                                      created_on_first_event=True)
+        log_path = os.path.join(run_dir, "exact-decode.log")
+        with open(log_path, "w") as log:
+            odd = subprocess.Popen([args.moeline, "decode", "--model", args.model, "--hub",
+                                    stack.state()["hub"], "--replica", "exact-decode",
+                                    "--threads", "1"], stdout=log, stderr=subprocess.STDOUT)
+        try:
+            wait_for(lambda: stack.metric("gateway", "moeline_hub_hellos_refused_total",
+                                          created_on_first_event=True) > refused_before, 30,
+                     "a decode process in the exact mode should be refused at hello")
+        finally:
+            odd.kill()
+            odd.wait()
+        print("ok bf16fast: a decode process in the exact mode is refused at hello")
 
 
 def raw_socket(endpoint):
@@ -785,7 +839,7 @@ def case_isolation(args):
           f"{CONTROL_MIN_AUC}), {ISOLATION_PROBES} cached and {ISOLATION_PROBES} fresh probes")
 
 
-CASES = {"sampling": case_sampling, "isolation": case_isolation, "parity": case_parity, "errors": case_errors, "recovery": case_recovery,
+CASES = {"bf16fast": case_bf16fast, "sampling": case_sampling, "isolation": case_isolation, "parity": case_parity, "errors": case_errors, "recovery": case_recovery,
          "metrics": case_metrics, "cli": case_cli, "reuse": case_reuse}
 
 

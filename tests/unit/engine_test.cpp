@@ -1,8 +1,8 @@
 // Properties of the forward pass on tiny generated models (tests/CMakeLists.txt makes them with
 // scripts/make-model). Agreement with the independent NumPy reference is checked separately by
 // tests/reference/test_logits.py; here: cached decode equals recomputation, a sequence's logits do
-// not depend on its batch, kernel paths agree, BF16 stays within its rounding, observers see the
-// routing, and bad input is refused without side effects.
+// not depend on its batch, kernel paths agree, BF16 stays within its rounding (and the BF16 fast
+// mode within its own), observers see the routing, and bad input is refused without side effects.
 #include <gtest/gtest.h>
 
 #include <map>
@@ -13,6 +13,7 @@
 #include <numeric>
 #include <vector>
 
+#include "kernels/cpu/bf16_matmul.h"
 #include "kernels/cpu/cpu_features.h"
 #include "model/forward.h"
 #include "model/generator.h"
@@ -170,6 +171,62 @@ TEST(Engine, Bf16WeightsStayWithinBf16Rounding) {
     EXPECT_GT(error, 0.0) << "BF16 and F32 models should not be identical";
   }
 }
+
+// The BF16 fast mode (kernels/cpu/bf16_matmul.h) on whole models: cached decode equals a prefill
+// of the whole sequence bit for bit, as in the exact mode (exact prefix reuse joins KV that prefill
+// computed to tokens that decode computes), and the logits stay within the activations' rounding
+// of the exact mode's.
+class EngineBf16Fast : public ::testing::TestWithParam<const char*> {};
+
+// The AVX-512 path for the test's length, then the path and the mode as they were.
+class Avx512PathGuard {
+ public:
+  Avx512PathGuard() : saved_(kernels::active_isa()) {
+    EXPECT_TRUE(kernels::set_active_isa(kernels::Isa::kAvx512));
+  }
+  ~Avx512PathGuard() {
+    kernels::set_bf16_math(kernels::Bf16Math::kExact);
+    kernels::set_active_isa(saved_);
+  }
+
+ private:
+  kernels::Isa saved_;
+};
+
+TEST_P(EngineBf16Fast, DecodeEqualsPrefillAndStaysNearTheExactMode) {
+  if (!kernels::cpu_has_bf16_dot_product() || kernels::best_supported_isa() < kernels::Isa::kAvx512)
+    GTEST_SKIP() << "this CPU has no AVX512_BF16";
+  auto model = load(GetParam());
+  ASSERT_TRUE(model);
+  const int64_t vocab = model->config().vocab_size;
+  Harness h(*model);
+  std::vector<int32_t> tokens = prompt(13, 2, vocab);
+  Avx512PathGuard guard;
+  const std::vector<float> exact = prefill_logits(h, tokens);
+  kernels::set_bf16_math(kernels::Bf16Math::kFast);
+  ASSERT_TRUE(kernels::bf16_fast_in_use());
+  std::vector<float> logits = prefill_logits(h, tokens);
+  // Every activation rounded to BF16 (2^-9 relative each) moves the logits about as much as
+  // rounding the weights does (Bf16WeightsStayWithinBf16Rounding): the same 2% bound. Not zero:
+  // the mode must have rounded.
+  const double error = relative_l2(logits.data(), exact.data(), vocab);
+  EXPECT_LE(error, 2e-2);
+  EXPECT_GT(error, 0.0);
+  Sequence sequence(1, 0, 0);
+  SequenceInput input{&sequence, tokens, true};
+  ASSERT_TRUE(h.engine.forward(std::span(&input, 1), logits).ok());
+  for (int step = 0; step < 20; ++step) {
+    tokens.push_back(argmax(logits.data(), vocab));
+    input = {&sequence, std::span(&tokens.back(), 1), true};
+    ASSERT_TRUE(h.engine.forward(std::span(&input, 1), logits).ok());
+    const std::vector<float> full = prefill_logits(h, tokens);
+    ASSERT_LE(relative_l2(logits.data(), full.data(), vocab), 1e-6) << "step " << step;
+  }
+  sequence.release(h.cache.pool());
+}
+
+INSTANTIATE_TEST_SUITE_P(Bf16Models, EngineBf16Fast,
+                         ::testing::Values("mixtral-bf16", "qwen3-bf16", "deepseek3-bf16-fused"));
 
 TEST(Engine, StackedExpertLayoutGivesTheSameResults) {
   // Newer transformers versions save experts stacked (gate_up_proj, down_proj; Mixtral's router

@@ -6,6 +6,7 @@
 
 #include <cmath>
 #include <random>
+#include <tuple>
 #include <vector>
 
 #include "kernel_test_inputs.h"
@@ -121,6 +122,55 @@ TEST(Matmul, RowResultDoesNotDependOnBatchOrThreads) {
       }
     }
   }
+}
+
+// How decode streams its weights (one stream per thread or two, software prefetch or none: chosen
+// per host) never changes a bit of the results.
+TEST(Matmul, StreamTuningDoesNotChangeResults) {
+  const StreamTuning saved = stream_tuning();
+  for (Isa isa : supported_isas()) {
+    IsaGuard guard(isa);
+    for (DType dtype : {DType::kF32, DType::kBF16, DType::kF16}) {
+      for (auto [rows, cols, n, threads] :
+           {std::tuple{45, 131, 1, 1}, {200, 64, 1, 2}, {77, 259, 3, 2}, {300, 48, 6, 1}}) {
+        const Weights w = make_weights(dtype, rows, cols, 11);
+        const std::vector<float> x = gaussian_input(n, cols, 12);
+        ThreadPool pool(threads);
+        std::vector<float> reference;
+        for (const StreamTuning tuning : {StreamTuning{.decode_streams = 1, .prefetch_bytes = 1024},
+                                          StreamTuning{.decode_streams = 2, .prefetch_bytes = 0},
+                                          StreamTuning{.decode_streams = 2, .prefetch_bytes = 512},
+                                          StreamTuning{.decode_streams = 1, .prefetch_bytes = 0}}) {
+          set_stream_tuning(tuning);
+          std::vector<float> y(static_cast<size_t>(n * rows));
+          matmul(pool, MatmulTask{.x = x.data(), .n = n, .w = w.view(), .y = y.data()});
+          if (reference.empty())
+            reference = y;
+          else
+            ASSERT_EQ(y, reference)
+                << isa_name(isa) << ' ' << dtype_name(dtype) << " rows=" << rows << " n=" << n
+                << " streams=" << tuning.decode_streams << " prefetch=" << tuning.prefetch_bytes;
+        }
+      }
+    }
+  }
+  set_stream_tuning(saved);
+}
+
+TEST(Matmul, StreamTuningParsesItsTextAndRefusesAnythingElse) {
+  StreamTuning tuning{.decode_streams = 1, .prefetch_bytes = 1024};
+  EXPECT_TRUE(parse_stream_tuning("decode_streams=2,prefetch_bytes=0", tuning));
+  EXPECT_EQ(tuning.decode_streams, 2);
+  EXPECT_EQ(tuning.prefetch_bytes, 0);
+  EXPECT_TRUE(parse_stream_tuning("prefetch_bytes=2048", tuning));
+  EXPECT_EQ(tuning.decode_streams, 2);
+  EXPECT_EQ(tuning.prefetch_bytes, 2048);
+  for (const char* bad :
+       {"decode_streams=3", "prefetch_bytes=-1", "prefetch_bytes=1e3", "streams=2",
+        "decode_streams", "decode_streams=2,", "prefetch_bytes=9000"})
+    EXPECT_FALSE(parse_stream_tuning(bad, tuning)) << bad;
+  EXPECT_EQ(tuning.decode_streams, 2);  // a refused text changes nothing
+  EXPECT_EQ(tuning.prefetch_bytes, 2048);
 }
 
 TEST(Matmul, StridedInputAndOutput) {

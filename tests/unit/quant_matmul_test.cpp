@@ -213,7 +213,8 @@ TEST(KernelReport, NamesThePathTheCpuTheArithmeticAndTheTuning) {
         if (key == name) return value;
       return -1;
     };
-    EXPECT_EQ(tuning("wide_prefetch_bytes"), detail::kWidePrefetchBytes);
+    EXPECT_EQ(tuning("wide_prefetch_bytes"), stream_tuning().prefetch_bytes);
+    EXPECT_EQ(tuning("decode_streams"), stream_tuning().decode_streams);
     const bool avx512 = isa == Isa::kAvx512 || isa == Isa::kAvx512Vnni;
     EXPECT_EQ(tuning("q4_k_batch_from_tokens"), avx512 ? detail::kQ4KBatchFromTokens : -1);
     const auto fields = report_fields(report);

@@ -1,0 +1,162 @@
+// The BF16 fast mode on AVX512_BF16 (bf16_matmul.h): one vdpbf16ps per 32 weights of a row and
+// token, the weights loaded as stored. A tile of M rows × N tokens keeps M·N accumulators; every
+// (row, token) sum runs over the row's 32-value chunks in order, its ragged end through a masked
+// load, and is reduced once, so a row's result is the same in every tile shape.
+#include <immintrin.h>
+
+#include <algorithm>
+
+#include "kernels/cpu/bf16_matmul.h"
+#include "kernels/cpu/matmul.h"
+#include "kernels/cpu/quant_matmul.h"
+
+namespace moeline::kernels::detail {
+namespace {
+
+constexpr int64_t kChunk = 32;  // BF16 values per vdpbf16ps
+// Prefill tiles: 4 rows × 6 tokens = 24 accumulators, 4 weight registers and one activation
+// register of the 32 zmm registers. The weight rows are read from memory once per block of
+// tokens and stay in L1 while the block's token tiles pass (4 rows of 2816 BF16 are 22 KiB).
+constexpr int kRowTile = 4;
+constexpr int kTokenTile = 6;
+constexpr int64_t kTokenBlock = 64;
+// Fewer tokens (decode): rows one at a time, one memory stream per thread (matmul_impl.h).
+constexpr int64_t kRowTilesFromTokens = 2 * kTokenTile;
+
+template <int M, int N>
+void tile(const uint16_t* const* w_rows, const uint16_t* const* x_rows, int64_t K, float* y,
+          int64_t y_stride) {
+  __m512 acc[M][N];
+  for (int m = 0; m < M; ++m)
+    for (int t = 0; t < N; ++t) acc[m][t] = _mm512_setzero_ps();
+  const int64_t k_full = K - K % kChunk;
+  const int64_t prefetch_bytes = wide_prefetch_bytes();
+  for (int64_t k = 0; k < k_full; k += kChunk) {
+    __m512i w[M];
+    // A chunk is one cache line of each row: one prefetch per line, where the host wants them
+    // (matmul.h's StreamTuning).
+    if (prefetch_bytes > 0)
+      for (int m = 0; m < M; ++m)
+        _mm_prefetch(reinterpret_cast<const char*>(w_rows[m] + k) + prefetch_bytes, _MM_HINT_T0);
+    for (int m = 0; m < M; ++m) w[m] = _mm512_loadu_si512(w_rows[m] + k);
+    for (int t = 0; t < N; ++t) {
+      const __m512bh x = reinterpret_cast<__m512bh>(_mm512_loadu_si512(x_rows[t] + k));
+      for (int m = 0; m < M; ++m)
+        acc[m][t] = _mm512_dpbf16_ps(acc[m][t], reinterpret_cast<__m512bh>(w[m]), x);
+    }
+  }
+  if (k_full < K) {
+    // The activations are zero-padded; the weights past the row's end are masked off.
+    const __mmask32 mask = (__mmask32{1} << (K - k_full)) - 1;
+    __m512i w[M];
+    for (int m = 0; m < M; ++m) w[m] = _mm512_maskz_loadu_epi16(mask, w_rows[m] + k_full);
+    for (int t = 0; t < N; ++t) {
+      const __m512bh x = reinterpret_cast<__m512bh>(_mm512_loadu_si512(x_rows[t] + k_full));
+      for (int m = 0; m < M; ++m)
+        acc[m][t] = _mm512_dpbf16_ps(acc[m][t], reinterpret_cast<__m512bh>(w[m]), x);
+    }
+  }
+  for (int t = 0; t < N; ++t)
+    for (int m = 0; m < M; ++m) y[t * y_stride + m] = _mm512_reduce_add_ps(acc[m][t]);
+}
+
+const uint16_t* bf16_row(const MatrixView& w, int64_t r) {
+  return reinterpret_cast<const uint16_t*>(w.row(r));
+}
+
+// Software prefetch of a stream's first prefetch_bytes, which would otherwise be demand misses.
+void start_stream(const MatrixView& w, int64_t row) {
+  const char* start = reinterpret_cast<const char*>(w.row(row));
+  for (int64_t offset = 0; offset < wide_prefetch_bytes(); offset += 64)
+    _mm_prefetch(start + offset, _MM_HINT_T0);
+}
+
+// Rows [row, row + rows) times tokens [t_begin, t_end), in token tiles.
+void run_tokens(const MatrixView& w, const Bf16Activations& x, float* y, int64_t y_stride,
+                int64_t row, int64_t rows, int64_t t_begin, int64_t t_end) {
+  const uint16_t* w_rows[kRowTile];
+  for (int64_t m = 0; m < rows; ++m) w_rows[m] = bf16_row(w, row + m);
+  for (int64_t t = t_begin; t < t_end; t += kTokenTile) {
+    const uint16_t* x_rows[kTokenTile];
+    for (int64_t i = 0; i < std::min<int64_t>(kTokenTile, t_end - t); ++i) x_rows[i] = x.row(t + i);
+    float* out = y + t * y_stride + row;
+    with_token_count<kRowTile>(rows, [&](auto row_count) {
+      with_token_count<kTokenTile>(t_end - t, [&](auto token_count) {
+        tile<decltype(row_count)::value, decltype(token_count)::value>(w_rows, x_rows, w.cols, out,
+                                                                       y_stride);
+      });
+    });
+  }
+}
+
+}  // namespace
+
+void round_activations_to_bf16_avx512(const float* x, int64_t rows, int64_t cols, int64_t x_stride,
+                                      Bf16Activations& out) {
+  out.rows = rows;
+  out.cols = cols;
+  out.padded_cols = (cols + kChunk - 1) / kChunk * kChunk;
+  out.values.resize(static_cast<size_t>(rows * out.padded_cols));
+  for (int64_t r = 0; r < rows; ++r) {
+    const float* src = x + r * x_stride;
+    uint16_t* dst = out.values.data() + r * out.padded_cols;
+    for (int64_t k = 0; k < cols; k += kChunk) {
+      // Masked loads read nothing past the row and give zeros for the padding.
+      const int64_t rest = std::min<int64_t>(kChunk, cols - k);
+      const __mmask16 low = rest >= 16 ? __mmask16{0xffff} : (__mmask16{1} << rest) - 1;
+      const __mmask16 high = rest >= 32   ? __mmask16{0xffff}
+                             : rest <= 16 ? __mmask16{0}
+                                          : (__mmask16{1} << (rest - 16)) - 1;
+      const __m512bh rounded = _mm512_cvtne2ps_pbh(_mm512_maskz_loadu_ps(high, src + k + 16),
+                                                   _mm512_maskz_loadu_ps(low, src + k));
+      _mm512_storeu_si512(dst + k, reinterpret_cast<__m512i>(rounded));
+    }
+  }
+}
+
+void bf16_matmul_rows_avx512(const MatrixView& w, const Bf16Activations& x, float* y,
+                             int64_t y_stride, int64_t row_begin, int64_t row_end) {
+  if (row_begin >= row_end || x.rows == 0) return;
+  if (x.rows < kRowTilesFromTokens) {
+    start_stream(w, row_begin);
+    for (int64_t row = row_begin; row < row_end; ++row)
+      run_tokens(w, x, y, y_stride, row, 1, 0, x.rows);
+    return;
+  }
+  for (int64_t t0 = 0; t0 < x.rows; t0 += kTokenBlock) {
+    const int64_t t1 = std::min(x.rows, t0 + kTokenBlock);
+    for (int64_t row = row_begin; row < row_end; row += kRowTile)
+      run_tokens(w, x, y, y_stride, row, std::min<int64_t>(kRowTile, row_end - row), t0, t1);
+  }
+}
+
+void bf16_matmul_rows_two_streams_avx512(const MatrixView& w, const Bf16Activations& x, float* y,
+                                         int64_t y_stride, int64_t a_begin, int64_t a_end,
+                                         int64_t b_begin, int64_t b_end) {
+  // Rows a_begin + i and b_begin + i as one two-row tile (each row's sum is the one any tile
+  // computes), their outputs put back in place. Decode only: more tokens take the row tiles.
+  const int64_t common =
+      x.rows <= kTokenTile ? std::min(a_end - a_begin, b_end - b_begin) : int64_t{0};
+  if (common > 0) {
+    const uint16_t* x_rows[kTokenTile];
+    for (int64_t t = 0; t < x.rows; ++t) x_rows[t] = x.row(t);
+    start_stream(w, a_begin);
+    start_stream(w, b_begin);
+    float pair[2 * kTokenTile];
+    with_token_count<kTokenTile>(x.rows, [&](auto token_count) {
+      constexpr int kTokens = decltype(token_count)::value;
+      for (int64_t i = 0; i < common; ++i) {
+        const uint16_t* w_rows[2] = {bf16_row(w, a_begin + i), bf16_row(w, b_begin + i)};
+        tile<2, kTokens>(w_rows, x_rows, w.cols, pair, 2);
+        for (int t = 0; t < kTokens; ++t) {
+          y[t * y_stride + a_begin + i] = pair[2 * t];
+          y[t * y_stride + b_begin + i] = pair[2 * t + 1];
+        }
+      }
+    });
+  }
+  bf16_matmul_rows_avx512(w, x, y, y_stride, a_begin + common, a_end);
+  bf16_matmul_rows_avx512(w, x, y, y_stride, b_begin + common, b_end);
+}
+
+}  // namespace moeline::kernels::detail
