@@ -4,6 +4,7 @@
 #include <cmath>
 #include <vector>
 
+#include "kernels/cpu/cpu_features.h"
 #include "kernels/cpu/ops.h"
 
 namespace moeline::kernels {
@@ -79,6 +80,11 @@ void paged_attention(ThreadPool& pool, const PagedKvLayer& kv,
   const int64_t work = groups * chunks_per_group;
   // Items first, first + stride, ...: strided, not contiguous, because causal queries late in a
   // prompt cost more than early ones.
+  // The AVX-512 paths reduce 16 dot products at once (attention_avx512.cpp); its bits differ from
+  // the portable loop's, so every query of a process takes the same one.
+  const Isa isa = active_isa();
+  const auto attend =
+      isa == Isa::kAvx512 || isa == Isa::kAvx512Vnni ? detail::attend_heads_avx512 : attend_heads;
   auto attend_items = [&](int64_t first, int64_t stride) {
     thread_local std::vector<float> scores;
     for (int64_t item = first; item < work; item += stride) {
@@ -88,8 +94,8 @@ void paged_attention(ThreadPool& pool, const PagedKvLayer& kv,
           (within / chunks_per_group) * group + (within % chunks_per_group) * chunk;
       const int64_t head_end =
           std::min(head_begin + chunk, (within / chunks_per_group + 1) * group);
-      attend_heads(kv, queries[static_cast<size_t>(query)], head_begin, head_end, group, scale,
-                   sliding_window, scores);
+      attend(kv, queries[static_cast<size_t>(query)], head_begin, head_end, group, scale,
+             sliding_window, scores);
     }
   };
   int64_t keys = 0;

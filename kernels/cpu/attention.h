@@ -10,6 +10,7 @@
 
 #include <cstdint>
 #include <span>
+#include <vector>
 
 #include "kernels/cpu/thread_pool.h"
 
@@ -42,5 +43,13 @@ struct AttentionQuery {
 void paged_attention(ThreadPool& pool, const PagedKvLayer& kv,
                      std::span<const AttentionQuery> queries, int64_t heads, float scale,
                      int64_t sliding_window);
+
+namespace detail {
+// One query's heads [head_begin, head_end) of one KV head, on AVX-512 (attention_avx512.cpp);
+// `scores` is the calling thread's scratch.
+void attend_heads_avx512(const PagedKvLayer& kv, const AttentionQuery& query, int64_t head_begin,
+                         int64_t head_end, int64_t group, float scale, int64_t sliding_window,
+                         std::vector<float>& scores);
+}  // namespace detail
 
 }  // namespace moeline::kernels

@@ -10,6 +10,8 @@
 #include <random>
 #include <vector>
 
+#include "kernel_test_inputs.h"
+#include "kernels/cpu/cpu_features.h"
 #include "kernels/cpu/ops.h"
 #include "kernels/cpu/rope.h"
 
@@ -96,8 +98,21 @@ struct Shape {
 
 class PagedAttention : public ::testing::TestWithParam<Shape> {};
 
+void check_paged_attention(const Shape& shape);
+
+// On each kernel path this CPU runs (the AVX-512 paths reduce 16 dot products at once and have
+// bits of their own).
 TEST_P(PagedAttention, MatchesPlainAttentionWhateverTheThreadsAndCompany) {
-  const Shape shape = GetParam();
+  const Isa saved = active_isa();
+  for (Isa isa : test::supported_isas()) {
+    SCOPED_TRACE(std::string(isa_name(isa)));
+    ASSERT_TRUE(set_active_isa(isa));
+    check_paged_attention(GetParam());
+  }
+  set_active_isa(saved);
+}
+
+void check_paged_attention(const Shape& shape) {
   std::mt19937 rng(11);
   const int64_t positions = 300;
   Cache cache(positions, shape.kv_heads, shape.key_dim, shape.value_dim, shape.latent, rng);
