@@ -3,8 +3,7 @@
 // bit and a query's result does not depend on its company:
 //   score(i) = scale · Σ_lanes (Σ_chunks q[chunk] ⊙ k_i[chunk]), the 16 lanes summed by the same
 //              tree whichever 16 keys are reduced together;
-//   p(i)     = exp(score(i) - max), exp computed by one vectorized formula (range reduction to
-//              [-ln2/2, ln2/2], a degree-6 polynomial, within 2 ulp of the exact value);
+//   p(i)     = exp(score(i) - max), by exp_avx512.h's vectorized formula;
 //   out      = Σ_i (p(i) / Σ p) v_i, one fused multiply-add per key in key order.
 // The per-key horizontal sums of the portable path (16 scalar additions per dot product) were
 // most of a prefill's attention; here 16 dot products share one transposing reduction.
@@ -17,6 +16,7 @@
 #include <vector>
 
 #include "kernels/cpu/attention.h"
+#include "kernels/cpu/exp_avx512.h"
 
 namespace moeline::kernels::detail {
 namespace {
@@ -45,27 +45,6 @@ __m512 sum_lanes_of_16(__m512 a[16]) {
                                        _mm512_shuffle_f32x4(quads[2], quads[3], 0xdd));
   return _mm512_add_ps(_mm512_shuffle_f32x4(halves0, halves1, 0x88),
                        _mm512_shuffle_f32x4(halves0, halves1, 0xdd));
-}
-
-// e^x for x <= 0 (scores minus their maximum); 0 below the smallest normal result.
-__m512 exp_non_positive(__m512 x) {
-  const __m512 log2e = _mm512_set1_ps(1.44269504088896341f);
-  const __m512 ln2_hi = _mm512_set1_ps(0.693359375f), ln2_lo = _mm512_set1_ps(-2.12194440e-4f);
-  const __m512 clamped = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
-  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(clamped, log2e),
-                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m512 r = _mm512_fnmadd_ps(n, ln2_hi, clamped);
-  r = _mm512_fnmadd_ps(n, ln2_lo, r);
-  // Cephes' expf polynomial on [-ln2/2, ln2/2].
-  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
-  p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
-  const __m512 result = _mm512_scalef_ps(p, n);
-  return _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(x, _mm512_set1_ps(-87.0f), _CMP_GE_OQ), result);
 }
 
 __mmask16 first_lanes(int64_t count) {
@@ -178,8 +157,8 @@ void attend_heads_avx512(const PagedKvLayer& kv, const AttentionQuery& query, in
     __m512d sum_low = _mm512_setzero_pd(), sum_high = _mm512_setzero_pd();
     for (int64_t i0 = 0; i0 < count; i0 += kLanes) {
       const __mmask16 mask = first_lanes(count - i0);
-      const __m512 p = _mm512_maskz_mov_ps(
-          mask, exp_non_positive(_mm512_sub_ps(_mm512_loadu_ps(row + i0), max_v)));
+      const __m512 p =
+          _mm512_maskz_mov_ps(mask, exp16(_mm512_sub_ps(_mm512_loadu_ps(row + i0), max_v)));
       _mm512_storeu_ps(row + i0, p);
       sum_low = _mm512_add_pd(sum_low, _mm512_cvtps_pd(_mm512_castps512_ps256(p)));
       sum_high = _mm512_add_pd(sum_high, _mm512_cvtps_pd(_mm512_extractf32x8_ps(p, 1)));

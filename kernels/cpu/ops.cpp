@@ -3,6 +3,8 @@
 #include <algorithm>
 #include <cmath>
 
+#include "kernels/cpu/cpu_features.h"
+
 namespace moeline::kernels {
 
 // Not under ThreadSanitizer: the clones' ifunc resolvers run during relocation, before its
@@ -37,8 +39,16 @@ void softmax(float* x, int64_t n) {
   for (int64_t i = 0; i < n; ++i) x[i] *= inv;
 }
 
-MOELINE_CLONES void silu_mul(float* gate, const float* up, int64_t n) {
+namespace {
+MOELINE_CLONES void silu_mul_portable(float* gate, const float* up, int64_t n) {
   for (int64_t i = 0; i < n; ++i) gate[i] = gate[i] / (1.0f + std::exp(-gate[i])) * up[i];
+}
+}  // namespace
+
+void silu_mul(float* gate, const float* up, int64_t n) {
+  const Isa isa = active_isa();
+  if (isa == Isa::kAvx512 || isa == Isa::kAvx512Vnni) return detail::silu_mul_avx512(gate, up, n);
+  silu_mul_portable(gate, up, n);
 }
 
 MOELINE_CLONES void axpy(float a, const float* x, float* y, int64_t n) {

@@ -29,4 +29,8 @@ float dot(const float* a, const float* b, int64_t n);
 void dot_rows(const float* a, int64_t a_stride, int64_t count, const float* b, int64_t n,
               float* out);
 
+namespace detail {
+void silu_mul_avx512(float* gate, const float* up, int64_t n);  // ops_avx512.cpp
+}  // namespace detail
+
 }  // namespace moeline::kernels

@@ -35,6 +35,35 @@ TEST(Ops, DotRowsIsDotBitForBit) {
   }
 }
 
+// silu(g) * u against its definition in double on every path, over the range activations take
+// and past both ends of exp's range (each path's exp: the C library's, or exp_avx512.h's formula
+// within 2 ulp); ragged lengths take the vector tails.
+TEST(Ops, SiluMulMatchesItsDefinitionOnEveryPath) {
+  std::mt19937 rng(5);
+  std::uniform_real_distribution<float> uniform(-30.0f, 30.0f);
+  std::vector<float> gate(1000), up(1000);
+  for (float& x : gate) x = uniform(rng);
+  for (float& x : up) x = uniform(rng);
+  const float extremes[] = {-200.0f, -88.0f, -87.5f, -20.0f, -1e-30f,
+                            0.0f,    1e-30f, 0.5f,   88.0f,  200.0f};
+  std::copy(std::begin(extremes), std::end(extremes), gate.begin());
+  const Isa saved = active_isa();
+  for (Isa isa : test::supported_isas()) {
+    ASSERT_TRUE(set_active_isa(isa));
+    for (int64_t n : {int64_t{1}, int64_t{15}, int64_t{17}, int64_t{1000}}) {
+      std::vector<float> out(gate.begin(), gate.begin() + n);
+      silu_mul(out.data(), up.data(), n);
+      for (int64_t i = 0; i < n; ++i) {
+        const double g = gate[static_cast<size_t>(i)], u = up[static_cast<size_t>(i)];
+        const double want = g / (1.0 + std::exp(-g)) * u;
+        ASSERT_NEAR(out[static_cast<size_t>(i)], want, 4e-7 * std::abs(want) + 1e-37)
+            << isa_name(isa) << " n=" << n << " gate=" << g;
+      }
+    }
+  }
+  set_active_isa(saved);
+}
+
 struct Cache {
   int64_t block_size = 16, kv_heads, key_dim, value_dim;
   bool latent;  // MLA: values are the first value_dim floats of each key row
