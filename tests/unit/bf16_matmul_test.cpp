@@ -6,6 +6,7 @@
 
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <random>
@@ -163,6 +164,41 @@ TEST(Bf16FastMath, StreamTuningDoesNotChangeResults) {
         reference = y;
       else
         ASSERT_EQ(y, reference) << "rows=" << rows << " n=" << n;
+    }
+  }
+  set_stream_tuning(saved);
+}
+
+// Rows that do not start on a cache line are read with aligned loads and a permute (decode
+// without software prefetch): the same values, so the same bits as rows that do, at any offset.
+TEST(Bf16FastMath, RowsAtAnyOffsetFromACacheLineGiveTheSameBits) {
+  if (!fast_mode_runs_here()) GTEST_SKIP() << "this CPU has no AVX512_BF16";
+  ModeGuard guard(Isa::kAvx512, Bf16Math::kFast);
+  const StreamTuning saved = stream_tuning();
+  set_stream_tuning({.decode_streams = 2, .prefetch_bytes = 0});
+  ThreadPool pool(1);
+  for (int64_t cols : {96, 100, 1024}) {
+    const int64_t rows = 40;
+    const std::vector<uint16_t> w = bf16_weights(rows, cols, 17);
+    for (int64_t n : {1, 2, 5}) {
+      const std::vector<float> x = gaussian_input(n, cols, 18);
+      std::vector<float> reference;
+      for (size_t offset_bytes : {0, 2, 16, 46, 62}) {
+        // A buffer on a cache line, the weights `offset_bytes` into it.
+        std::vector<uint64_t> storage(static_cast<size_t>(rows * cols) / 4 + 32);
+        auto* line = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(storage.data()) + 63) &
+                                                ~uintptr_t{63});
+        auto* placed = reinterpret_cast<uint16_t*>(line + offset_bytes);
+        std::copy(w.begin(), w.end(), placed);
+        std::vector<float> y(static_cast<size_t>(n * rows));
+        matmul(pool,
+               MatmulTask{
+                   .x = x.data(), .n = n, .w = {placed, DType::kBF16, rows, cols}, .y = y.data()});
+        if (reference.empty())
+          reference = y;
+        else
+          ASSERT_EQ(y, reference) << "cols=" << cols << " n=" << n << " offset=" << offset_bytes;
+      }
     }
   }
   set_stream_tuning(saved);
