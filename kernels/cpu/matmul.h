@@ -42,8 +42,8 @@ void matmul_rows_two_streams(const MatmulTask& task, int64_t a_begin, int64_t a_
 // ("decode_streams=2,prefetch_bytes=0"), and shown by the kernel report. Neither changes results.
 struct StreamTuning {
   // Weight streams per thread when a task has few tokens: 1, or 2 (a thread's rows in two halves,
-  // read side by side). Intel (the Xeon tuned on): 1; AMD Zen 4/5: 2 (one stream reads 75% of the
-  // bandwidth a plain read gets there, two streams 95%).
+  // read side by side). Intel (the Xeon tuned on): 1; AMD (a Zen 5 core): 2 (a dot product over one
+  // stream read 27-34 GB/s there, over two 37-40, a plain read 33-40).
   int decode_streams = 1;
   // How far ahead along a weight row the F32/BF16/F16 kernels prefetch; 0: no software prefetch,
   // the hardware prefetchers alone. Intel: 1024 (its prefetchers stop at 4 KiB pages; 512-2048
