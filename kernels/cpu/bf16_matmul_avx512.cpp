@@ -21,7 +21,8 @@ constexpr int64_t kChunk = 32;  // BF16 values per vdpbf16ps
 constexpr int kRowTile = 4;
 constexpr int kTokenTile = 6;
 constexpr int64_t kTokenBlock = 64;
-// Fewer tokens (decode): rows one at a time, one memory stream per thread (matmul_impl.h).
+// Fewer tokens (decode): rows one at a time, or two at a time from a thread's two streams
+// (matmul.h's StreamTuning).
 constexpr int64_t kRowTilesFromTokens = 2 * kTokenTile;
 
 // A tile's ragged end (the activations are zero-padded; the weights past the row's end are
