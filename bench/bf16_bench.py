@@ -24,7 +24,7 @@ import sys
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
-from quant_bench import drop_cache  # noqa: E402
+from quant_bench import drop_cache, llama_cpp  # noqa: E402
 
 
 def moeline(args, model, threads, mode):
@@ -33,19 +33,6 @@ def moeline(args, model, threads, mode):
                           "512", "--decode", "128", "--repeat", "3", "--bf16-math", mode],
                          capture_output=True, text=True, check=True, timeout=1800)
     return json.loads(out.stdout)
-
-
-def llama_cpp(args, gguf, threads):
-    drop_cache(gguf)
-    env = dict(os.environ, NODE_PATH=os.path.join(args.llama_node, "node_modules"))
-    out = subprocess.run(["node", os.path.join(args.llama_node, "llama_cpp_node.mjs"), gguf,
-                          str(threads), "512", "128", "3"], capture_output=True, text=True,
-                         timeout=1800, env=env, cwd=args.llama_node)
-    if out.returncode != 0:
-        print(f"bf16_bench: llama.cpp failed: {out.stderr[-400:]}", file=sys.stderr)
-        return None
-    runs = json.loads(out.stdout.strip().splitlines()[-1])
-    return {("prefill" if r["n_prompt"] else "decode"): r["avg_ts"] for r in runs}
 
 
 def gguf_of(args, model):

@@ -39,6 +39,16 @@ double seconds_since(Clock::time_point start) {
   return std::chrono::duration<double>(Clock::now() - start).count();
 }
 
+// The eight accumulators' lanes, added up (the value only keeps the reads from being elided).
+__attribute__((target("avx512f"))) float sum_accumulators(__m512 (&acc)[8]) {
+  for (int j = 1; j < 8; ++j) acc[0] = _mm512_add_ps(acc[0], acc[j]);
+  alignas(64) float lanes[16];
+  _mm512_store_ps(lanes, acc[0]);
+  float sum = 0;
+  for (float lane : lanes) sum += lane;
+  return sum;
+}
+
 // Sums a buffer with wide loads and independent accumulators: the read rate a well-vectorised
 // kernel can reach, which is what the weights-streaming decode competes with.
 __attribute__((target("avx512f"))) float sum_avx512(const float* data, size_t count) {
@@ -46,12 +56,7 @@ __attribute__((target("avx512f"))) float sum_avx512(const float* data, size_t co
   for (auto& a : acc) a = _mm512_setzero_ps();
   for (size_t i = 0; i + 128 <= count; i += 128)
     for (int j = 0; j < 8; ++j) acc[j] = _mm512_add_ps(acc[j], _mm512_loadu_ps(data + i + 16 * j));
-  for (int j = 1; j < 8; ++j) acc[0] = _mm512_add_ps(acc[0], acc[j]);
-  alignas(64) float lanes[16];
-  _mm512_store_ps(lanes, acc[0]);
-  float sum = 0;
-  for (float lane : lanes) sum += lane;
-  return sum;
+  return sum_accumulators(acc);
 }
 
 // The same over two halves read side by side: two memory streams, which on some hosts (AMD Zen 5)
@@ -66,12 +71,7 @@ __attribute__((target("avx512f"))) float sum_two_streams_avx512(const float* dat
       acc[j] = _mm512_add_ps(acc[j], _mm512_loadu_ps(data + i + 16 * j));
       acc[4 + j] = _mm512_add_ps(acc[4 + j], _mm512_loadu_ps(second + i + 16 * j));
     }
-  for (int j = 1; j < 8; ++j) acc[0] = _mm512_add_ps(acc[0], acc[j]);
-  alignas(64) float lanes[16];
-  _mm512_store_ps(lanes, acc[0]);
-  float sum = 0;
-  for (float lane : lanes) sum += lane;
-  return sum;
+  return sum_accumulators(acc);
 }
 
 __attribute__((target("avx2"))) float sum_avx2(const float* data, size_t count) {

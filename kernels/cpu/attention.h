@@ -45,6 +45,13 @@ void paged_attention(ThreadPool& pool, const PagedKvLayer& kv,
                      int64_t sliding_window);
 
 namespace detail {
+// The first key a query sees: 0, or with a sliding window of W only the last W up to its own.
+inline int64_t first_visible_key(const AttentionQuery& query, int64_t sliding_window) {
+  return sliding_window > 0 && query.position - sliding_window + 1 > 0
+             ? query.position - sliding_window + 1
+             : 0;
+}
+
 // One query's heads [head_begin, head_end) of one KV head, on AVX-512 (attention_avx512.cpp);
 // `scores` is the calling thread's scratch.
 void attend_heads_avx512(const PagedKvLayer& kv, const AttentionQuery& query, int64_t head_begin,

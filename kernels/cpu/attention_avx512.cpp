@@ -104,8 +104,7 @@ void attend_heads_avx512(const PagedKvLayer& kv, const AttentionQuery& query, in
                          int64_t head_end, int64_t group, float scale, int64_t sliding_window,
                          std::vector<float>& scores) {
   const int64_t kv_head = head_begin / group;
-  const int64_t first =
-      sliding_window > 0 ? std::max<int64_t>(0, query.position - sliding_window + 1) : 0;
+  const int64_t first = detail::first_visible_key(query, sliding_window);
   const int64_t count = query.position - first + 1;
   const int64_t heads = head_end - head_begin;
   const int64_t padded = (count + kLanes - 1) / kLanes * kLanes;

@@ -126,13 +126,6 @@ const uint16_t* bf16_row(const MatrixView& w, int64_t r) {
   return reinterpret_cast<const uint16_t*>(w.row(r));
 }
 
-// Software prefetch of a stream's first prefetch_bytes, which would otherwise be demand misses.
-void start_stream(const MatrixView& w, int64_t row) {
-  const char* start = reinterpret_cast<const char*>(w.row(row));
-  for (int64_t offset = 0; offset < wide_prefetch_bytes(); offset += 64)
-    _mm_prefetch(start + offset, _MM_HINT_T0);
-}
-
 // Rows [row, row + rows) times tokens [t_begin, t_end), in token tiles.
 void run_tokens(const MatrixView& w, const Bf16Activations& x, float* y, int64_t y_stride,
                 int64_t row, int64_t rows, int64_t t_begin, int64_t t_end) {
@@ -180,7 +173,7 @@ void bf16_matmul_rows_avx512(const MatrixView& w, const Bf16Activations& x, floa
                              int64_t y_stride, int64_t row_begin, int64_t row_end) {
   if (row_begin >= row_end || x.rows == 0) return;
   if (x.rows < kRowTilesFromTokens) {
-    start_stream(w, row_begin);
+    start_stream(w.row(row_begin));
     for (int64_t row = row_begin; row < row_end; ++row)
       run_tokens(w, x, y, y_stride, row, 1, 0, x.rows);
     return;
@@ -202,8 +195,8 @@ void bf16_matmul_rows_two_streams_avx512(const MatrixView& w, const Bf16Activati
   if (common > 0) {
     const uint16_t* x_rows[kTokenTile];
     for (int64_t t = 0; t < x.rows; ++t) x_rows[t] = x.row(t);
-    start_stream(w, a_begin);
-    start_stream(w, b_begin);
+    start_stream(w.row(a_begin));
+    start_stream(w.row(b_begin));
     float pair[2 * kTokenTile];
     with_token_count<kTokenTile>(x.rows, [&](auto token_count) {
       constexpr int kTokens = decltype(token_count)::value;

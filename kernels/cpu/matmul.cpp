@@ -87,6 +87,12 @@ namespace detail {
 int64_t wide_prefetch_bytes() {
   return prefetch_bytes_setting().load(std::memory_order_relaxed);
 }
+
+void start_stream(const void* row) {
+  const char* start = static_cast<const char*>(row);
+  for (int64_t offset = 0; offset < wide_prefetch_bytes(); offset += 64)
+    __builtin_prefetch(start + offset, 0, 3);
+}
 }  // namespace detail
 
 void matmul_rows_two_streams(const MatmulTask& task, int64_t a_begin, int64_t a_end,

@@ -60,6 +60,9 @@ bool parse_stream_tuning(const char* text, StreamTuning& tuning);
 namespace detail {
 // StreamTuning::prefetch_bytes, read by the kernels once per tile.
 int64_t wide_prefetch_bytes();
+// Prefetches the first wide_prefetch_bytes() of a weight stream starting at `row`, which would
+// otherwise be demand misses before the kernels' own prefetches run ahead of it.
+void start_stream(const void* row);
 
 void matmul_rows_portable(const MatmulTask& task, int64_t row_begin, int64_t row_end);
 void matmul_rows_avx2(const MatmulTask& task, int64_t row_begin, int64_t row_end);

@@ -14,6 +14,7 @@ struct Avx2 {
   static constexpr int kMR = 2;
   static constexpr int kDirectRows = 2;
   static constexpr int kNR = 4;
+  static constexpr bool kPrefetches = true;
   static void prefetch(const char* p) { _mm_prefetch(p, _MM_HINT_T0); }
   static V zero() { return _mm256_setzero_ps(); }
   static V load_f32(const float* p) { return _mm256_loadu_ps(p); }

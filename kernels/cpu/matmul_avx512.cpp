@@ -14,6 +14,7 @@ struct Avx512 {
   static constexpr int kMR = 4;
   static constexpr int kDirectRows = 1;
   static constexpr int kNR = 6;
+  static constexpr bool kPrefetches = true;
   static void prefetch(const char* p) { _mm_prefetch(p, _MM_HINT_T0); }
   static V zero() { return _mm512_setzero_ps(); }
   static V load_f32(const float* p) { return _mm512_loadu_ps(p); }

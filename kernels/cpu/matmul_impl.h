@@ -170,12 +170,9 @@ struct MatmulKernel {
     }
   }
 
-  // Starts a stream with software prefetch: the first prefetch_bytes of the range would
-  // otherwise be demand misses.
-  static void start_stream(const MatmulTask& task, int64_t row) {
-    const char* start = reinterpret_cast<const char*>(task.w.row(row));
-    for (int64_t offset = 0; offset < wide_prefetch_bytes(); offset += 64)
-      Simd::prefetch(start + offset);
+  // The stream start's prefetch (matmul.h), on the paths that prefetch at all.
+  static void begin_stream(const void* row) {
+    if constexpr (Simd::kPrefetches) start_stream(row);
   }
 
   // Decode over two row ranges read side by side: rows a_begin + i and b_begin + i form one
@@ -192,8 +189,8 @@ struct MatmulKernel {
       const TileFn tile_fn = pick(task.w.dtype, 2, static_cast<int>(task.n));
       const float* x_rows[kNR];
       for (int t = 0; t < task.n; ++t) x_rows[t] = task.x + t * x_stride;
-      start_stream(task, a_begin);
-      start_stream(task, b_begin);
+      begin_stream(task.w.row(a_begin));
+      begin_stream(task.w.row(b_begin));
       float pair[2 * kNR];
       for (int64_t i = 0; i < common; ++i) {
         const void* w_rows[2] = {task.w.row(a_begin + i), task.w.row(b_begin + i)};
@@ -219,7 +216,7 @@ struct MatmulKernel {
     const bool pack = widened_before_use(task.w.dtype) ||
                       (task.w.dtype != DType::kF32 && task.n >= kPackFromTokens);
     const void* w_rows[kMR];
-    if (!pack) start_stream(task, row_begin);
+    if (!pack) begin_stream(task.w.row(row_begin));
     if (!pack && kDirectRows == 1 && task.n <= kNR) {
       // The decode case: one tile kernel for every row, called directly.
       const TileFn tile_fn = pick(task.w.dtype, 1, static_cast<int>(task.n));

@@ -12,6 +12,7 @@ struct Portable {
   static constexpr int kMR = 4;
   static constexpr int kDirectRows = 1;
   static constexpr int kNR = 4;
+  static constexpr bool kPrefetches = false;
   static void prefetch(const char*) {}
   static V zero() { return 0.0f; }
   static V load_f32(const float* p) { return *p; }

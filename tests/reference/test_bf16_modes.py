@@ -17,13 +17,13 @@ Exits 77 (skipped) on a CPU without AVX512_BF16, where the fast mode runs the ex
 import argparse
 import json
 import os
-import subprocess
 import sys
 
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import moe_reference as ref  # noqa: E402
+from test_quant_modes import run  # noqa: E402
 
 EXACT_RTOL = 1e-4
 # Every BF16-weight matmul's input rounded to BF16 (2^-9 relative per value): through a few layers
@@ -38,14 +38,6 @@ LENGTHS = (5, 17, 40)
 PROMPTS = ["volcano:", "to swim:", "bread:", "mountain: a land mass", "ocean:",
            "the router sends each token to"]
 STEPS = 32
-TIMEOUT_S = 300
-
-
-def run(cmd):
-    done = subprocess.run(cmd, capture_output=True, text=True, timeout=TIMEOUT_S)
-    if done.returncode != 0:
-        raise RuntimeError(f"{' '.join(cmd)} exited {done.returncode}: {done.stderr[-800:]}")
-    return done.stdout
 
 
 def logits(args, model_dir, tokens, math, path):
