@@ -50,7 +50,7 @@ KernelReport kernel_report() {
   report.tuning = {{"wide_prefetch_bytes", streams.prefetch_bytes},
                    {"decode_streams", streams.decode_streams}};
   if (isa != Isa::kPortable)
-    report.tuning.emplace_back("quant_prefetch_bytes", detail::kPrefetchBytes);
+    report.tuning.emplace_back("quant_prefetch_bytes", streams.quant_prefetch_bytes);
   if (isa == Isa::kAvx512 || isa == Isa::kAvx512Vnni)
     report.tuning.emplace_back("q4_k_batch_from_tokens", detail::kQ4KBatchFromTokens);
   return report;

@@ -29,7 +29,8 @@ namespace {
 StreamTuning default_stream_tuning() {
   StreamTuning tuning;
   __builtin_cpu_init();
-  if (__builtin_cpu_is("amd")) tuning = {.decode_streams = 2, .prefetch_bytes = 0};
+  if (__builtin_cpu_is("amd"))
+    tuning = {.decode_streams = 2, .prefetch_bytes = 0, .quant_prefetch_bytes = 0};
   if (const char* text = env::get(env::kKernelTuning)) {
     StreamTuning overridden = tuning;
     if (parse_stream_tuning(text, overridden)) tuning = overridden;
@@ -45,17 +46,23 @@ std::atomic<int64_t>& prefetch_bytes_setting() {
   static std::atomic<int64_t> bytes{default_stream_tuning().prefetch_bytes};
   return bytes;
 }
+std::atomic<int64_t>& quant_prefetch_bytes_setting() {
+  static std::atomic<int64_t> bytes{default_stream_tuning().quant_prefetch_bytes};
+  return bytes;
+}
 
 }  // namespace
 
 StreamTuning stream_tuning() {
   return {.decode_streams = decode_streams_setting().load(std::memory_order_relaxed),
-          .prefetch_bytes = prefetch_bytes_setting().load(std::memory_order_relaxed)};
+          .prefetch_bytes = prefetch_bytes_setting().load(std::memory_order_relaxed),
+          .quant_prefetch_bytes = quant_prefetch_bytes_setting().load(std::memory_order_relaxed)};
 }
 
 void set_stream_tuning(const StreamTuning& tuning) {
   decode_streams_setting().store(tuning.decode_streams, std::memory_order_relaxed);
   prefetch_bytes_setting().store(tuning.prefetch_bytes, std::memory_order_relaxed);
+  quant_prefetch_bytes_setting().store(tuning.quant_prefetch_bytes, std::memory_order_relaxed);
 }
 
 bool parse_stream_tuning(const char* text, StreamTuning& tuning) {
@@ -76,6 +83,8 @@ bool parse_stream_tuning(const char* text, StreamTuning& tuning) {
       parsed.decode_streams = static_cast<int>(number);
     else if (name == "prefetch_bytes" && number >= 0 && number <= 8192)
       parsed.prefetch_bytes = number;
+    else if (name == "quant_prefetch_bytes" && number >= 0 && number <= 8192)
+      parsed.quant_prefetch_bytes = number;
     else
       return false;
   }
@@ -84,6 +93,10 @@ bool parse_stream_tuning(const char* text, StreamTuning& tuning) {
 }
 
 namespace detail {
+int64_t quant_prefetch_bytes() {
+  return quant_prefetch_bytes_setting().load(std::memory_order_relaxed);
+}
+
 int64_t wide_prefetch_bytes() {
   return prefetch_bytes_setting().load(std::memory_order_relaxed);
 }

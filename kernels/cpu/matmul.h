@@ -39,7 +39,8 @@ void matmul_rows_two_streams(const MatmulTask& task, int64_t a_begin, int64_t a_
 
 // How decode streams weights from memory, chosen per host from the CPU's vendor (measured with
 // bench/ on each: docs/PERFORMANCE.md), overridden by MOELINE_KERNEL_TUNING
-// ("decode_streams=2,prefetch_bytes=0"), and shown by the kernel report. Neither changes results.
+// ("decode_streams=2,prefetch_bytes=0,quant_prefetch_bytes=0"), and shown by the kernel report.
+// Neither changes results.
 struct StreamTuning {
   // Weight streams per thread when a task has few tokens: 1, or 2 (a thread's rows in two halves,
   // read side by side). Intel (the Xeon tuned on): 1; AMD (a Zen 5 core): 2 (a dot product over one
@@ -49,12 +50,15 @@ struct StreamTuning {
   // the hardware prefetchers alone. Intel: 1024 (its prefetchers stop at 4 KiB pages; 512-2048
   // tried); AMD Zen 4/5: 0 (software prefetches there cost more bandwidth than they gain).
   int64_t prefetch_bytes = 1024;
+  // The same for the block-quantized kernels (quant_matmul.h), whose rows are denser in weights.
+  // Intel: 2048; AMD Zen 5: 0 (mini Q8_0 decode on one thread: docs/PERFORMANCE.md).
+  int64_t quant_prefetch_bytes = 2048;
 };
 StreamTuning stream_tuning();
 // For benchmarks and tests; the default is chosen once at start.
 void set_stream_tuning(const StreamTuning& tuning);
-// "decode_streams=N,prefetch_bytes=N" (either or both) over `tuning`; false when malformed or out
-// of range (streams 1-2, prefetch 0-8192).
+// "decode_streams=N,prefetch_bytes=N,quant_prefetch_bytes=N" (any of them) over `tuning`; false
+// when malformed or out of range (streams 1-2, prefetch 0-8192).
 bool parse_stream_tuning(const char* text, StreamTuning& tuning);
 
 namespace detail {

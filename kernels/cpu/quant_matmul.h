@@ -104,15 +104,29 @@ void for_each_token_tile(const QuantizedActivations& x, Body&& body) {
   }
 }
 
+// Calls body(tile, first, last) for runs of at most 16 rows of [row_begin, row_end) and, within
+// each run, every tile of tokens (for_each_token_tile): a kernel's row loop then sits inside one
+// tile, so a decode step's rows pay no per-row tile setup, and a run's rows stay in cache for the
+// next tile of a batch.
+template <int kMax, class Body>
+void for_each_row_run(const QuantizedActivations& x, int64_t row_begin, int64_t row_end,
+                      Body&& body) {
+  constexpr int64_t kRowRun = 16;
+  for (int64_t first = row_begin; first < row_end; first += kRowRun) {
+    const int64_t last = first + kRowRun < row_end ? first + kRowRun : row_end;
+    for_each_token_tile<kMax>(x, [&](const auto& tile) { body(tile, first, last); });
+  }
+}
+
 // From this many tokens on, the AVX-512 paths take Q4_K rows sixteen at a time, unpacked once for
 // every token of the batch (fewer: the unpacking is not repaid; moeline_quant_kernel_bench on an
 // AMD EPYC, CPUID family 26).
 constexpr int64_t kQ4KBatchFromTokens = 4;
 
-// How far ahead along a row the SIMD paths prefetch weights: decode reads each weight once, and
-// the hardware prefetchers stop at page boundaries (mini Q8_0 on one Zen 4 thread: 1024 bytes 90
-// t/s, 2048 97, 4096 97).
-constexpr int64_t kPrefetchBytes = 2048;
+// How far ahead along a row the SIMD paths prefetch weights (StreamTuning::quant_prefetch_bytes,
+// matmul.h; 0: none), read once per call: decode reads each weight once, and the hardware
+// prefetchers stop at page boundaries on some hosts.
+int64_t quant_prefetch_bytes();
 
 // The cache lines that start in [p, p + bytes) (prefetching never faults, so p may lie past the
 // end of the weights).
@@ -123,11 +137,11 @@ inline void prefetch_lines(const uint8_t* p, int64_t bytes) {
     __builtin_prefetch(reinterpret_cast<const void*>(line), 0, 3);
 }
 
-// The cache lines that start in [p, p + bytes), kPrefetchBytes ahead: consecutive blocks then
-// prefetch every line of a row exactly once (blocks are not line multiples: a Q8_0 pair is 68
-// bytes, a Q4_K super-block 144, so one prefetch per block would skip lines).
-inline void prefetch_ahead(const uint8_t* p, int64_t bytes) {
-  prefetch_lines(p + kPrefetchBytes, bytes);
+// The cache lines that start in [p, p + bytes), `ahead` bytes ahead (none when 0): consecutive
+// blocks then prefetch every line of a row exactly once (blocks are not line multiples: a Q8_0
+// pair is 68 bytes, a Q4_K super-block 144, so one prefetch per block would skip lines).
+inline void prefetch_ahead(const uint8_t* p, int64_t bytes, int64_t ahead) {
+  if (ahead > 0) prefetch_lines(p + ahead, bytes);
 }
 
 void quant_matmul_rows_portable(const MatrixView& w, const QuantizedActivations& x, float* y,

@@ -4,6 +4,7 @@
 // gives 16 32-bit sums, and a super-block is converted and scaled once.
 #include <immintrin.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <type_traits>
@@ -144,12 +145,16 @@ using Q5KDot = PairDot;
 using Q6KDot = PairDot;
 #endif
 
-void rows_q8_q4_0(const MatrixView& w, const QuantizedActivations& x, float* y, int64_t y_stride,
+// Rows of a Q8_0 or Q4_0 matrix against one tile of tokens. The row loop is inside the tile so
+// that a decode step's per-row work is the blocks alone (with the rows outside, each row paid the
+// tile's setup and reloaded the lane indices: 20% of a one-token Q8_0 row at 1024 columns).
+template <bool q8, int kTokens>
+void q8_q4_0_tile(const MatrixView& w, const TokenTile<kTokens>& tile, float* y, int64_t y_stride,
                   int64_t row_begin, int64_t row_end) {
-  const bool q8 = w.dtype == DType::kQ8_0;
-  const int64_t bytes = q8 ? 34 : 18, blocks = w.cols / 32;
-  auto weights = [&](const uint8_t* block) {
-    if (q8) return load256(block + 2);
+  constexpr int64_t bytes = q8 ? 34 : 18;
+  const int64_t blocks = w.cols / 32, ahead = quant_prefetch_bytes();
+  auto weights = [](const uint8_t* block) {
+    if constexpr (q8) return load256(block + 2);
     const __m128i packed = _mm_loadu_si128(reinterpret_cast<const __m128i*>(block + 2));
     const __m256i both = _mm256_set_m128i(_mm_srli_epi16(packed, 4), packed);
     return _mm256_sub_epi8(low_nibbles(both), _mm256_set1_epi8(8));
@@ -159,69 +164,75 @@ void rows_q8_q4_0(const MatrixView& w, const QuantizedActivations& x, float* y, 
     pair_index[p] = _mm512_inserti64x4(_mm512_set1_epi32(2 * p), _mm256_set1_epi32(2 * p + 1), 1);
   for (int64_t r = row_begin; r < row_end; ++r) {
     const auto* row = reinterpret_cast<const uint8_t*>(w.row(r));
-    for_each_token_tile<kTokenTile>(x, [&](const auto& tile) {
-      constexpr int tokens = std::remove_cvref_t<decltype(tile)>::kCount;
-      __m512 acc[kTokenTile];
-      for (int t = 0; t < tokens; ++t) acc[t] = _mm512_setzero_ps();
-      int64_t b = 0;
-      // Groups of 8 blocks: their weight scales converted together and multiplied by each
-      // token's 8 activation scales in one instruction (the same products d_w * d_x as the
-      // pairs below compute one by one, so a row's result does not depend on the route).
-      for (; b + 8 <= blocks; b += 8) {
-        const uint8_t* group = row + b * bytes;
-        __m128i bits = _mm_cvtsi32_si128(u16_at(group));
-        bits = _mm_insert_epi16(bits, u16_at(group + bytes), 1);
-        bits = _mm_insert_epi16(bits, u16_at(group + 2 * bytes), 2);
-        bits = _mm_insert_epi16(bits, u16_at(group + 3 * bytes), 3);
-        bits = _mm_insert_epi16(bits, u16_at(group + 4 * bytes), 4);
-        bits = _mm_insert_epi16(bits, u16_at(group + 5 * bytes), 5);
-        bits = _mm_insert_epi16(bits, u16_at(group + 6 * bytes), 6);
-        bits = _mm_insert_epi16(bits, u16_at(group + 7 * bytes), 7);
-        const __m256 dw = _mm256_cvtph_ps(bits);
-        __m512 scales[kTokenTile];
-        for (int t = 0; t < tokens; ++t)
-          scales[t] =
-              _mm512_castps256_ps512(_mm256_mul_ps(dw, _mm256_loadu_ps(tile.scales(t) + b)));
-        for (int p = 0; p < 4; ++p) {
-          const uint8_t* first = group + 2 * p * bytes;
-          prefetch_ahead(first, 2 * bytes);
-          const __m512i q = join(weights(first), weights(first + bytes));
-          for (int t = 0; t < tokens; ++t) {
-            const __m512i sums = dot_signed(q, load512(tile.q(t) + (b + 2 * p) * 32));
-            acc[t] = _mm512_fmadd_ps(_mm512_permutexvar_ps(pair_index[p], scales[t]),
-                                     _mm512_cvtepi32_ps(sums), acc[t]);
-          }
-        }
-      }
-      for (; b + 2 <= blocks; b += 2) {
-        const uint8_t* first = row + b * bytes;
-        prefetch_ahead(first, 2 * bytes);
+    __m512 acc[kTokens];
+    for (int t = 0; t < kTokens; ++t) acc[t] = _mm512_setzero_ps();
+    int64_t b = 0;
+    // Groups of 8 blocks: their weight scales converted together and multiplied by each
+    // token's 8 activation scales in one instruction (the same products d_w * d_x as the
+    // pairs below compute one by one, so a row's result does not depend on the route).
+    for (; b + 8 <= blocks; b += 8) {
+      const uint8_t* group = row + b * bytes;
+      __m128i bits = _mm_cvtsi32_si128(u16_at(group));
+      bits = _mm_insert_epi16(bits, u16_at(group + bytes), 1);
+      bits = _mm_insert_epi16(bits, u16_at(group + 2 * bytes), 2);
+      bits = _mm_insert_epi16(bits, u16_at(group + 3 * bytes), 3);
+      bits = _mm_insert_epi16(bits, u16_at(group + 4 * bytes), 4);
+      bits = _mm_insert_epi16(bits, u16_at(group + 5 * bytes), 5);
+      bits = _mm_insert_epi16(bits, u16_at(group + 6 * bytes), 6);
+      bits = _mm_insert_epi16(bits, u16_at(group + 7 * bytes), 7);
+      const __m256 dw = _mm256_cvtph_ps(bits);
+      __m512 scales[kTokens];
+      for (int t = 0; t < kTokens; ++t)
+        scales[t] = _mm512_castps256_ps512(_mm256_mul_ps(dw, _mm256_loadu_ps(tile.scales(t) + b)));
+#pragma GCC unroll 4
+      for (int p = 0; p < 4; ++p) {
+        const uint8_t* first = group + 2 * p * bytes;
+        prefetch_ahead(first, 2 * bytes, ahead);
         const __m512i q = join(weights(first), weights(first + bytes));
-        const float d0 = half_at(first), d1 = half_at(first + bytes);
-        for (int t = 0; t < tokens; ++t) {
-          const float* dx = tile.scales(t) + b;
-          const __m512i sums = dot_signed(q, load512(tile.q(t) + b * 32));
-          const __m512 scale =
-              _mm512_insertf32x8(_mm512_set1_ps(d0 * dx[0]), _mm256_set1_ps(d1 * dx[1]), 1);
-          acc[t] = _mm512_fmadd_ps(scale, _mm512_cvtepi32_ps(sums), acc[t]);
+        for (int t = 0; t < kTokens; ++t) {
+          const __m512i sums = dot_signed(q, load512(tile.q(t) + (b + 2 * p) * 32));
+          acc[t] = _mm512_fmadd_ps(_mm512_permutexvar_ps(pair_index[p], scales[t]),
+                                   _mm512_cvtepi32_ps(sums), acc[t]);
         }
       }
-      for (; b < blocks; ++b) {  // an odd last block, in the low half
-        const uint8_t* block = row + b * bytes;
-        const __m512i q = _mm512_castsi256_si512(weights(block));
-        const float d = half_at(block);
-        for (int t = 0; t < tokens; ++t) {
-          const __m512i xq = _mm512_castsi256_si512(load256(tile.q(t) + b * 32));
-          const __m512i sums =
-              dot_signed(_mm512_maskz_mov_epi64(0x0F, q), _mm512_maskz_mov_epi64(0x0F, xq));
-          acc[t] = _mm512_fmadd_ps(_mm512_set1_ps(d * tile.scales(t)[b]), _mm512_cvtepi32_ps(sums),
-                                   acc[t]);
-        }
+    }
+    for (; b + 2 <= blocks; b += 2) {
+      const uint8_t* first = row + b * bytes;
+      prefetch_ahead(first, 2 * bytes, ahead);
+      const __m512i q = join(weights(first), weights(first + bytes));
+      const float d0 = half_at(first), d1 = half_at(first + bytes);
+      for (int t = 0; t < kTokens; ++t) {
+        const float* dx = tile.scales(t) + b;
+        const __m512i sums = dot_signed(q, load512(tile.q(t) + b * 32));
+        const __m512 scale =
+            _mm512_insertf32x8(_mm512_set1_ps(d0 * dx[0]), _mm256_set1_ps(d1 * dx[1]), 1);
+        acc[t] = _mm512_fmadd_ps(scale, _mm512_cvtepi32_ps(sums), acc[t]);
       }
-      for (int t = 0; t < tokens; ++t)
-        y[(tile.first + t) * y_stride + r] = _mm512_reduce_add_ps(acc[t]);
-    });
+    }
+    for (; b < blocks; ++b) {  // an odd last block, in the low half
+      const uint8_t* block = row + b * bytes;
+      const __m512i q = _mm512_castsi256_si512(weights(block));
+      const float d = half_at(block);
+      for (int t = 0; t < kTokens; ++t) {
+        const __m512i xq = _mm512_castsi256_si512(load256(tile.q(t) + b * 32));
+        const __m512i sums =
+            dot_signed(_mm512_maskz_mov_epi64(0x0F, q), _mm512_maskz_mov_epi64(0x0F, xq));
+        acc[t] = _mm512_fmadd_ps(_mm512_set1_ps(d * tile.scales(t)[b]), _mm512_cvtepi32_ps(sums),
+                                 acc[t]);
+      }
+    }
+    for (int t = 0; t < kTokens; ++t)
+      y[(tile.first + t) * y_stride + r] = _mm512_reduce_add_ps(acc[t]);
   }
+}
+
+template <bool q8>
+void rows_q8_q4_0(const MatrixView& w, const QuantizedActivations& x, float* y, int64_t y_stride,
+                  int64_t row_begin, int64_t row_end) {
+  for_each_row_run<kTokenTile>(x, row_begin, row_end,
+                               [&](const auto& tile, int64_t first, int64_t last) {
+                                 q8_q4_0_tile<q8>(w, tile, y, y_stride, first, last);
+                               });
 }
 
 // A Q4_K super-block's two integer sums for one row and token, Σ sc q x (16 lanes of partial
@@ -340,55 +351,60 @@ void k_quant_indices(__m512i index[Dot::kRegisters]) {
 }
 
 // min_pairs: Q4_K's (q4_k_min_pairs of x); Q5_K's arithmetic keeps 16 lanes and does not use them.
-template <bool fifth, class Dot>
-void rows_q45_k(const MatrixView& w, const QuantizedActivations& x, float* y, int64_t y_stride,
-                int64_t row_begin, int64_t row_end, const int32_t* min_pairs = nullptr) {
-  const int64_t bytes = fifth ? 176 : 144, blocks = w.cols / 256;
+template <bool fifth, class Dot, int kTokens>
+void q45_k_tile(const MatrixView& w, const TokenTile<kTokens>& tile, float* y, int64_t y_stride,
+                int64_t row_begin, int64_t row_end, const int32_t* min_pairs) {
+  const int64_t bytes = fifth ? 176 : 144, blocks = w.cols / 256, ahead = quant_prefetch_bytes();
   __m512i index[Dot::kRegisters];
   k_quant_indices<Dot>(index);
   for (int64_t r = row_begin; r < row_end; ++r) {
     const auto* row = reinterpret_cast<const uint8_t*>(w.row(r));
-    for_each_token_tile<kTokenTile>(x, [&](const auto& tile) {
-      constexpr int tokens = std::remove_cvref_t<decltype(tile)>::kCount;
-      // Q4_K: k_block_step's scalar chain, which the 16-row kernels repeat for 16 rows at a
-      // time; Q5_K (no 16-row kernel): 16 lanes converted and scaled, folded at the end.
-      __m512 lanes[kTokenTile];
-      float acc[kTokenTile];
-      for (int t = 0; t < tokens; ++t) {
-        lanes[t] = _mm512_setzero_ps();
-        acc[t] = 0.0f;
-      }
-      for (int64_t b = 0; b < blocks; ++b) {
-        const uint8_t* block = row + b * bytes;
-        prefetch_ahead(block, bytes);
-        const KQuantBlock<fifth, Dot> k(block, index);
-        for (int t = 0; t < tokens; ++t) {
-          const int8_t* xb = tile.q(t) + b * 256;
-          const __m512i sumi = Dot::add(_mm512_setzero_si512(), k.q, xb, k.sc);
-          const float dx = tile.scales(t)[b];
-          if constexpr (fifth) {
-            // Σ_j m_j Σ_{i∈j} x_i, lane by lane (|a 16-sum| ≤ 16 · 127 fits 16 bits).
-            const __m512i summ = _mm512_madd_epi16(load512(tile.sums(t) + b * 16), k.mins);
-            lanes[t] =
-                _mm512_fmadd_ps(_mm512_set1_ps(k.d * dx), _mm512_cvtepi32_ps(sumi), lanes[t]);
-            lanes[t] =
-                _mm512_fnmadd_ps(_mm512_set1_ps(k.dmin * dx), _mm512_cvtepi32_ps(summ), lanes[t]);
-          } else {
-            const __m128i pairs = _mm_loadu_si128(reinterpret_cast<const __m128i*>(
-                min_pairs + (tile.first + t) * blocks * 4 + b * 4));
-            acc[t] = k_block_step(acc[t], k.d, k.dmin, dx,
-                                  fold_k_sums(sumi, _mm_madd_epi16(pairs, k.min_pairs)));
-          }
+    // Q4_K: k_block_step's scalar chain, which the 16-row kernels repeat for 16 rows at a
+    // time; Q5_K (no 16-row kernel): 16 lanes converted and scaled, folded at the end.
+    __m512 lanes[kTokens];
+    float acc[kTokens];
+    for (int t = 0; t < kTokens; ++t) {
+      lanes[t] = _mm512_setzero_ps();
+      acc[t] = 0.0f;
+    }
+    for (int64_t b = 0; b < blocks; ++b) {
+      const uint8_t* block = row + b * bytes;
+      prefetch_ahead(block, bytes, ahead);
+      const KQuantBlock<fifth, Dot> k(block, index);
+      for (int t = 0; t < kTokens; ++t) {
+        const int8_t* xb = tile.q(t) + b * 256;
+        const __m512i sumi = Dot::add(_mm512_setzero_si512(), k.q, xb, k.sc);
+        const float dx = tile.scales(t)[b];
+        if constexpr (fifth) {
+          // Σ_j m_j Σ_{i∈j} x_i, lane by lane (|a 16-sum| ≤ 16 · 127 fits 16 bits).
+          const __m512i summ = _mm512_madd_epi16(load512(tile.sums(t) + b * 16), k.mins);
+          lanes[t] = _mm512_fmadd_ps(_mm512_set1_ps(k.d * dx), _mm512_cvtepi32_ps(sumi), lanes[t]);
+          lanes[t] =
+              _mm512_fnmadd_ps(_mm512_set1_ps(k.dmin * dx), _mm512_cvtepi32_ps(summ), lanes[t]);
+        } else {
+          const __m128i pairs = _mm_loadu_si128(
+              reinterpret_cast<const __m128i*>(min_pairs + (tile.first + t) * blocks * 4 + b * 4));
+          acc[t] = k_block_step(acc[t], k.d, k.dmin, dx,
+                                fold_k_sums(sumi, _mm_madd_epi16(pairs, k.min_pairs)));
         }
       }
-      for (int t = 0; t < tokens; ++t) {
-        if constexpr (fifth)
-          y[(tile.first + t) * y_stride + r] = _mm512_reduce_add_ps(lanes[t]);
-        else
-          y[(tile.first + t) * y_stride + r] = acc[t];
-      }
-    });
+    }
+    for (int t = 0; t < kTokens; ++t) {
+      if constexpr (fifth)
+        y[(tile.first + t) * y_stride + r] = _mm512_reduce_add_ps(lanes[t]);
+      else
+        y[(tile.first + t) * y_stride + r] = acc[t];
+    }
   }
+}
+
+template <bool fifth, class Dot>
+void rows_q45_k(const MatrixView& w, const QuantizedActivations& x, float* y, int64_t y_stride,
+                int64_t row_begin, int64_t row_end, const int32_t* min_pairs = nullptr) {
+  for_each_row_run<kTokenTile>(
+      x, row_begin, row_end, [&](const auto& tile, int64_t first, int64_t last) {
+        q45_k_tile<fifth, Dot>(w, tile, y, y_stride, first, last, min_pairs);
+      });
 }
 
 // Sixteen registers of 16 lanes summed lane-wise into one: lane 4L + m of the result is the sum
@@ -624,10 +640,10 @@ void rows_q4_k_batch(const MatrixView& w, const QuantizedActivations& x, float* 
   if (r < row_end) rows_q45_k<false, Dot>(w, x, y, y_stride, r, row_end, min_pairs);
 }
 
-template <class Dot>
-void rows_q6_k(const MatrixView& w, const QuantizedActivations& x, float* y, int64_t y_stride,
+template <class Dot, int kTokens>
+void q6_k_tile(const MatrixView& w, const TokenTile<kTokens>& tile, float* y, int64_t y_stride,
                int64_t row_begin, int64_t row_end) {
-  const int64_t blocks = w.cols / 256;
+  const int64_t blocks = w.cols / 256, ahead = quant_prefetch_bytes();
   // 16-bit shift counts per 256-bit half that bring quarter k's two top bits (2k, 2k+1) to bits
   // 4, 5: left by 4 | 2 for quarters 0 | 1, right by 0 | 2 for quarters 2 | 3.
   const __m512i shift01 = join(_mm256_set1_epi16(4), _mm256_set1_epi16(2));
@@ -638,57 +654,62 @@ void rows_q6_k(const MatrixView& w, const QuantizedActivations& x, float* y, int
   Dot::indices([](int r, int lane) { return 4 * (r % 2) + lane / 4; }, index);
   for (int64_t r = row_begin; r < row_end; ++r) {
     const auto* row = reinterpret_cast<const uint8_t*>(w.row(r));
-    for_each_token_tile<kTokenTile>(x, [&](const auto& tile) {
-      constexpr int tokens = std::remove_cvref_t<decltype(tile)>::kCount;
-      __m512 acc[kTokenTile];
-      for (int t = 0; t < tokens; ++t) acc[t] = _mm512_setzero_ps();
-      for (int64_t b = 0; b < blocks; ++b) {
-        const uint8_t* block = row + b * 210;
-        prefetch_ahead(block, 210);
-        const auto* sc8 = reinterpret_cast<const int8_t*>(block + 192);
-        const __m256i scales16 =
-            _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sc8)));
-        const float d = half_at(block + 208);
-        __m512i q[4], sc[Dot::kRegisters];  // pairs of quarters: weights 64p .. 64p + 63
-        for (int h = 0; h < 2; ++h) {
-          // 64 low-bit bytes: their low nibbles are quarters 0 and 1 of the half (weights 0-63),
-          // their high nibbles quarters 2 and 3; quarter k's top two bits are bits 2k, 2k+1 of
-          // the half's 32 high-bit bytes, moved to bits 4, 5 (bits that cross into the next byte
-          // of a 16-bit lane fall outside the 0x30 mask).
-          const __m512i low = load512(block + 64 * h);
-          const __m512i high = _mm512_broadcast_i64x4(load256(block + 128 + 32 * h));
-          const __m512i nibble = _mm512_set1_epi8(0x0F), top_bits = _mm512_set1_epi8(0x30);
-          const __m512i top01 = _mm512_and_si512(_mm512_sllv_epi16(high, shift01), top_bits);
-          const __m512i top23 = _mm512_and_si512(_mm512_srlv_epi16(high, shift23), top_bits);
-          q[2 * h] = _mm512_or_si512(_mm512_and_si512(low, nibble), top01);
-          q[2 * h + 1] =
-              _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(low, 4), nibble), top23);
-          const __m128i half_scales =
-              h == 0 ? _mm256_castsi256_si128(scales16) : _mm256_extracti128_si256(scales16, 1);
-          constexpr int kPerHalf = Dot::kRegisters / 2;
-          for (int s = h * kPerHalf; s < (h + 1) * kPerHalf; ++s)
-            sc[s] = spread(half_scales, index[s]);
-        }
-        // Σ sc (q - 32) x = Σ sc q x + Σ_s (-32 sc_s) Σ_{i∈s} x_i: the offset taken lane by lane,
-        // -32 sc_s (|.| ≤ 4096) as the low half of a 32-bit lane with the high half zero, so that
-        // a madd with the activations' 16-sums (which fit 16 bits) multiplies the two exactly.
-        const __m512i scales32 =
-            _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sc8)));
-        const __m512i offset_scale = _mm512_and_si512(
-            _mm512_sub_epi32(_mm512_setzero_si512(), _mm512_slli_epi32(scales32, 5)),
-            _mm512_set1_epi32(0xFFFF));
-        for (int t = 0; t < tokens; ++t) {
-          const int8_t* xb = tile.q(t) + b * 256;
-          __m512i sumi = Dot::add(_mm512_setzero_si512(), q, xb, sc);
-          sumi = add_scaled_pairs(sumi, load512(tile.sums(t) + b * 16), offset_scale);
-          const float dx = tile.scales(t)[b];
-          acc[t] = _mm512_fmadd_ps(_mm512_set1_ps(d * dx), _mm512_cvtepi32_ps(sumi), acc[t]);
-        }
+    __m512 acc[kTokens];
+    for (int t = 0; t < kTokens; ++t) acc[t] = _mm512_setzero_ps();
+    for (int64_t b = 0; b < blocks; ++b) {
+      const uint8_t* block = row + b * 210;
+      prefetch_ahead(block, 210, ahead);
+      const auto* sc8 = reinterpret_cast<const int8_t*>(block + 192);
+      const __m256i scales16 =
+          _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sc8)));
+      const float d = half_at(block + 208);
+      __m512i q[4], sc[Dot::kRegisters];  // pairs of quarters: weights 64p .. 64p + 63
+      for (int h = 0; h < 2; ++h) {
+        // 64 low-bit bytes: their low nibbles are quarters 0 and 1 of the half (weights 0-63),
+        // their high nibbles quarters 2 and 3; quarter k's top two bits are bits 2k, 2k+1 of
+        // the half's 32 high-bit bytes, moved to bits 4, 5 (bits that cross into the next byte
+        // of a 16-bit lane fall outside the 0x30 mask).
+        const __m512i low = load512(block + 64 * h);
+        const __m512i high = _mm512_broadcast_i64x4(load256(block + 128 + 32 * h));
+        const __m512i nibble = _mm512_set1_epi8(0x0F), top_bits = _mm512_set1_epi8(0x30);
+        const __m512i top01 = _mm512_and_si512(_mm512_sllv_epi16(high, shift01), top_bits);
+        const __m512i top23 = _mm512_and_si512(_mm512_srlv_epi16(high, shift23), top_bits);
+        q[2 * h] = _mm512_or_si512(_mm512_and_si512(low, nibble), top01);
+        q[2 * h + 1] = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(low, 4), nibble), top23);
+        const __m128i half_scales =
+            h == 0 ? _mm256_castsi256_si128(scales16) : _mm256_extracti128_si256(scales16, 1);
+        constexpr int kPerHalf = Dot::kRegisters / 2;
+        for (int s = h * kPerHalf; s < (h + 1) * kPerHalf; ++s)
+          sc[s] = spread(half_scales, index[s]);
       }
-      for (int t = 0; t < tokens; ++t)
-        y[(tile.first + t) * y_stride + r] = _mm512_reduce_add_ps(acc[t]);
-    });
+      // Σ sc (q - 32) x = Σ sc q x + Σ_s (-32 sc_s) Σ_{i∈s} x_i: the offset taken lane by lane,
+      // -32 sc_s (|.| ≤ 4096) as the low half of a 32-bit lane with the high half zero, so that
+      // a madd with the activations' 16-sums (which fit 16 bits) multiplies the two exactly.
+      const __m512i scales32 =
+          _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sc8)));
+      const __m512i offset_scale =
+          _mm512_and_si512(_mm512_sub_epi32(_mm512_setzero_si512(), _mm512_slli_epi32(scales32, 5)),
+                           _mm512_set1_epi32(0xFFFF));
+      for (int t = 0; t < kTokens; ++t) {
+        const int8_t* xb = tile.q(t) + b * 256;
+        __m512i sumi = Dot::add(_mm512_setzero_si512(), q, xb, sc);
+        sumi = add_scaled_pairs(sumi, load512(tile.sums(t) + b * 16), offset_scale);
+        const float dx = tile.scales(t)[b];
+        acc[t] = _mm512_fmadd_ps(_mm512_set1_ps(d * dx), _mm512_cvtepi32_ps(sumi), acc[t]);
+      }
+    }
+    for (int t = 0; t < kTokens; ++t)
+      y[(tile.first + t) * y_stride + r] = _mm512_reduce_add_ps(acc[t]);
   }
+}
+
+template <class Dot>
+void rows_q6_k(const MatrixView& w, const QuantizedActivations& x, float* y, int64_t y_stride,
+               int64_t row_begin, int64_t row_end) {
+  for_each_row_run<kTokenTile>(x, row_begin, row_end,
+                               [&](const auto& tile, int64_t first, int64_t last) {
+                                 q6_k_tile<Dot>(w, tile, y, y_stride, first, last);
+                               });
 }
 
 }  // namespace
@@ -697,8 +718,9 @@ void MOELINE_QUANT_AVX512_ENTRY(const MatrixView& w, const QuantizedActivations&
                                 int64_t y_stride, int64_t row_begin, int64_t row_end) {
   switch (w.dtype) {
     case DType::kQ8_0:
+      return rows_q8_q4_0<true>(w, x, y, y_stride, row_begin, row_end);
     case DType::kQ4_0:
-      return rows_q8_q4_0(w, x, y, y_stride, row_begin, row_end);
+      return rows_q8_q4_0<false>(w, x, y, y_stride, row_begin, row_end);
     case DType::kQ4_K:
       if (x.rows >= kQ4KBatchFromTokens)
         return rows_q4_k_batch<Q4KDot>(w, x, y, y_stride, row_begin, row_end);

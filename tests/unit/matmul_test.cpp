@@ -165,12 +165,16 @@ TEST(Matmul, StreamTuningParsesItsTextAndRefusesAnythingElse) {
   EXPECT_TRUE(parse_stream_tuning("prefetch_bytes=2048", tuning));
   EXPECT_EQ(tuning.decode_streams, 2);
   EXPECT_EQ(tuning.prefetch_bytes, 2048);
-  for (const char* bad :
-       {"decode_streams=3", "prefetch_bytes=-1", "prefetch_bytes=1e3", "streams=2",
-        "decode_streams", "decode_streams=2,", "prefetch_bytes=9000"})
+  EXPECT_TRUE(parse_stream_tuning("quant_prefetch_bytes=0", tuning));
+  EXPECT_EQ(tuning.quant_prefetch_bytes, 0);
+  EXPECT_EQ(tuning.prefetch_bytes, 2048);
+  for (const char* bad : {"decode_streams=3", "prefetch_bytes=-1", "prefetch_bytes=1e3",
+                          "streams=2", "decode_streams", "decode_streams=2,", "prefetch_bytes=9000",
+                          "quant_prefetch_bytes=9000", "quant_prefetch=512"})
     EXPECT_FALSE(parse_stream_tuning(bad, tuning)) << bad;
   EXPECT_EQ(tuning.decode_streams, 2);  // a refused text changes nothing
   EXPECT_EQ(tuning.prefetch_bytes, 2048);
+  EXPECT_EQ(tuning.quant_prefetch_bytes, 0);
 }
 
 TEST(Matmul, StridedInputAndOutput) {

@@ -142,6 +142,16 @@ TEST(QuantMatmul, RowResultDoesNotDependOnBatchOrThreads) {
       const std::vector<float> x = gaussian_input(n, cols, 6);
       ThreadPool two(2), one(1);
       const std::vector<float> batched = run(two, w, x, n);
+      // How far ahead the kernels prefetch (StreamTuning, chosen per host) changes no bit.
+      const StreamTuning host = stream_tuning();
+      for (const int64_t ahead : {0, 512, 2048}) {
+        set_stream_tuning({.decode_streams = host.decode_streams,
+                           .prefetch_bytes = host.prefetch_bytes,
+                           .quant_prefetch_bytes = ahead});
+        ASSERT_EQ(run(two, w, x, n), batched)
+            << isa_name(isa) << ' ' << dtype_name(dtype) << " quant_prefetch_bytes=" << ahead;
+      }
+      set_stream_tuning(host);
       for (int64_t t = 0; t < n; ++t) {
         const std::vector<float> single(x.begin() + t * cols, x.begin() + (t + 1) * cols);
         const std::vector<float> alone = run(one, w, single, 1);
@@ -215,6 +225,8 @@ TEST(KernelReport, NamesThePathTheCpuTheArithmeticAndTheTuning) {
     };
     EXPECT_EQ(tuning("wide_prefetch_bytes"), stream_tuning().prefetch_bytes);
     EXPECT_EQ(tuning("decode_streams"), stream_tuning().decode_streams);
+    EXPECT_EQ(tuning("quant_prefetch_bytes"),
+              isa == Isa::kPortable ? -1 : stream_tuning().quant_prefetch_bytes);
     const bool avx512 = isa == Isa::kAvx512 || isa == Isa::kAvx512Vnni;
     EXPECT_EQ(tuning("q4_k_batch_from_tokens"), avx512 ? detail::kQ4KBatchFromTokens : -1);
     const auto fields = report_fields(report);
