@@ -194,6 +194,10 @@ void matmul(ThreadPool& pool, std::span<const MatmulTask> tasks) {
   };
   auto two_streams = [&](size_t t, int64_t a_begin, int64_t a_end, int64_t b_begin, int64_t b_end) {
     const MatmulTask& task = tasks[t];
+    if (fast && is_quantized(task.w.dtype))
+      return quant_matmul_rows_two_streams(task.w, activations[t], task.y,
+                                           task.y_stride ? task.y_stride : task.w.rows, a_begin,
+                                           a_end, b_begin, b_end);
     if (bf16_fast && task.w.dtype == DType::kBF16)
       return bf16_matmul_rows_two_streams(task.w, bf16_activations[t], task.y,
                                           task.y_stride ? task.y_stride : task.w.rows, a_begin,
@@ -215,7 +219,8 @@ void matmul(ThreadPool& pool, std::span<const MatmulTask> tasks) {
   auto streams_of = [&](const MatmulTask& task) {
     const bool wide =
         task.w.dtype == DType::kF32 || task.w.dtype == DType::kBF16 || task.w.dtype == DType::kF16;
-    return wide && task.n <= kStreamTokens ? decode_streams : 1;
+    const bool streamed = wide || (fast && quant_two_streams(task.w.dtype));
+    return streamed && task.n <= kStreamTokens ? decode_streams : 1;
   };
   const size_t slots = tasks.size() * static_cast<size_t>(threads) * 2;
   thread_local std::vector<RowShare> shares;

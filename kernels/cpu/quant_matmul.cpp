@@ -201,4 +201,26 @@ void quant_matmul_rows(const MatrixView& w, const QuantizedActivations& x, float
   }
 }
 
+bool quant_two_streams(DType weights) {
+  const Isa isa = active_isa();
+  return (isa == Isa::kAvx512 || isa == Isa::kAvx512Vnni) &&
+         (weights == DType::kQ8_0 || weights == DType::kQ4_0);
+}
+
+void quant_matmul_rows_two_streams(const MatrixView& w, const QuantizedActivations& x, float* y,
+                                   int64_t y_stride, int64_t a_begin, int64_t a_end,
+                                   int64_t b_begin, int64_t b_end) {
+  switch (active_isa()) {
+    case Isa::kAvx512Vnni:
+      return detail::quant_matmul_rows_two_streams_avx512_vnni(w, x, y, y_stride, a_begin, a_end,
+                                                               b_begin, b_end);
+    case Isa::kAvx512:
+      return detail::quant_matmul_rows_two_streams_avx512(w, x, y, y_stride, a_begin, a_end,
+                                                          b_begin, b_end);
+    default:
+      quant_matmul_rows(w, x, y, y_stride, a_begin, a_end);
+      quant_matmul_rows(w, x, y, y_stride, b_begin, b_end);
+  }
+}
+
 }  // namespace moeline::kernels

@@ -56,6 +56,15 @@ void quantize_activations(const float* x, int64_t rows, int64_t cols, int64_t x_
 void quant_matmul_rows(const MatrixView& w, const QuantizedActivations& x, float* y,
                        int64_t y_stride, int64_t row_begin, int64_t row_end);
 
+// Rows [a_begin, a_end) and [b_begin, b_end) together, row a_begin + i beside b_begin + i: two
+// memory streams for decode (StreamTuning::decode_streams), where quant_two_streams(w.dtype);
+// otherwise the two ranges one after the other. The same results as quant_matmul_rows on each.
+void quant_matmul_rows_two_streams(const MatrixView& w, const QuantizedActivations& x, float* y,
+                                   int64_t y_stride, int64_t a_begin, int64_t a_end,
+                                   int64_t b_begin, int64_t b_end);
+// Whether the active path reads weights of this type in two streams (Q8_0 and Q4_0 on AVX-512).
+bool quant_two_streams(DType weights);
+
 namespace detail {
 // Calls body(std::integral_constant<int, n>) for n = min(remaining, kMax): a tile's token count
 // as a constant, so that its accumulators stay in registers (with a run-time count the compiler
@@ -153,6 +162,12 @@ void quant_matmul_rows_avx512(const MatrixView& w, const QuantizedActivations& x
 // The same kernels compiled with AVX512_VNNI (quant_matmul_avx512_vnni.cpp): identical results.
 void quant_matmul_rows_avx512_vnni(const MatrixView& w, const QuantizedActivations& x, float* y,
                                    int64_t y_stride, int64_t row_begin, int64_t row_end);
+void quant_matmul_rows_two_streams_avx512(const MatrixView& w, const QuantizedActivations& x,
+                                          float* y, int64_t y_stride, int64_t a_begin,
+                                          int64_t a_end, int64_t b_begin, int64_t b_end);
+void quant_matmul_rows_two_streams_avx512_vnni(const MatrixView& w, const QuantizedActivations& x,
+                                               float* y, int64_t y_stride, int64_t a_begin,
+                                               int64_t a_end, int64_t b_begin, int64_t b_end);
 
 // A K-quant super-block's eight 6-bit scales then eight mins, from its 12 packed bytes (quant.h):
 // scales 0-3 and mins 0-3 are the low 6 bits of bytes 0-3 and 4-7; scales and mins 4-7 take

@@ -4,4 +4,5 @@
 // translation unit keeps VNNI instructions out of the code that runs on AVX-512 CPUs without it
 // (Skylake-X); cpu_features selects this build only where the CPU has VNNI.
 #define MOELINE_QUANT_AVX512_ENTRY quant_matmul_rows_avx512_vnni
+#define MOELINE_QUANT_AVX512_TWO_STREAMS_ENTRY quant_matmul_rows_two_streams_avx512_vnni
 #include "quant_matmul_avx512.cpp"  // NOLINT(bugprone-suspicious-include)

@@ -163,6 +163,48 @@ TEST(QuantMatmul, RowResultDoesNotDependOnBatchOrThreads) {
   }
 }
 
+// Decode's weight streams (StreamTuning: one per thread, or a thread's rows in two halves read
+// side by side, which the Q8_0/Q4_0 kernels do on AVX-512) and prefetch distances change no bit:
+// each row equals the same row computed alone in one stream. Matrices large enough to leave the
+// inline path (over 256 KiB), row counts whose halves are uneven, 1 to 6 tokens, 1 and 2 threads.
+TEST(QuantMatmul, TwoStreamsGiveTheOneStreamBits) {
+  const StreamTuning saved = stream_tuning();
+  for (Isa isa : supported_isas()) {
+    ModeGuard guard(isa, QuantMath::kFast);
+    for (DType dtype : kQuantized) {
+      for (auto [rows, cols, n, threads] :
+           {std::tuple{1001, 512, 1, 1}, {777, 768, 2, 2}, {613, 1024, 5, 2}, {999, 256, 6, 1}}) {
+        const std::vector<uint8_t> bytes = random_quantized_rows(dtype, rows, cols, 41);
+        const MatrixView w{bytes.data(), dtype, rows, cols};
+        std::vector<float> x = gaussian_input(n, cols, 43);
+        for (int64_t k = 0; k < 64; ++k) x[static_cast<size_t>(k)] = k % 2 ? 90.0f : -90.0f;
+        ThreadPool pool(threads);
+        set_stream_tuning({.decode_streams = 1, .prefetch_bytes = 1024, .quant_prefetch_bytes = 0});
+        const std::vector<float> one_stream = run(pool, w, x, n);
+        for (const StreamTuning tuning :
+             {StreamTuning{.decode_streams = 2, .prefetch_bytes = 0, .quant_prefetch_bytes = 0},
+              StreamTuning{
+                  .decode_streams = 2, .prefetch_bytes = 0, .quant_prefetch_bytes = 2048}}) {
+          set_stream_tuning(tuning);
+          ASSERT_EQ(run(pool, w, x, n), one_stream)
+              << isa_name(isa) << ' ' << dtype_name(dtype) << " rows=" << rows << " n=" << n
+              << " threads=" << threads << " quant_prefetch=" << tuning.quant_prefetch_bytes;
+        }
+        // And the kernel on its own: the two ranges side by side equal each range alone.
+        QuantizedActivations xq;
+        quantize_activations(x.data(), n, cols, cols, activation_block(dtype), xq);
+        std::vector<float> apart(static_cast<size_t>(n * rows)), together(apart.size());
+        const int64_t a_end = rows / 3, b_begin = rows / 2;
+        quant_matmul_rows(w, xq, apart.data(), rows, 0, a_end);
+        quant_matmul_rows(w, xq, apart.data(), rows, b_begin, rows);
+        quant_matmul_rows_two_streams(w, xq, together.data(), rows, 0, a_end, b_begin, rows);
+        ASSERT_EQ(together, apart) << isa_name(isa) << ' ' << dtype_name(dtype);
+      }
+    }
+  }
+  set_stream_tuning(saved);
+}
+
 // Batches large enough for the kernels that unpack a group of rows once for all tokens (the
 // interleaved Q4_K kernel takes 16 rows and 8 tokens or more): every row of every token equals,
 // bit for bit, the same row computed for that token alone, and the sum over the dequantized
