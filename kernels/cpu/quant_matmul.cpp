@@ -204,7 +204,7 @@ void quant_matmul_rows(const MatrixView& w, const QuantizedActivations& x, float
 bool quant_two_streams(DType weights) {
   const Isa isa = active_isa();
   return (isa == Isa::kAvx512 || isa == Isa::kAvx512Vnni) &&
-         (weights == DType::kQ8_0 || weights == DType::kQ4_0);
+         (weights == DType::kQ8_0 || weights == DType::kQ4_0 || weights == DType::kQ6_K);
 }
 
 void quant_matmul_rows_two_streams(const MatrixView& w, const QuantizedActivations& x, float* y,

@@ -62,7 +62,8 @@ void quant_matmul_rows(const MatrixView& w, const QuantizedActivations& x, float
 void quant_matmul_rows_two_streams(const MatrixView& w, const QuantizedActivations& x, float* y,
                                    int64_t y_stride, int64_t a_begin, int64_t a_end,
                                    int64_t b_begin, int64_t b_end);
-// Whether the active path reads weights of this type in two streams (Q8_0 and Q4_0 on AVX-512).
+// Whether the active path reads weights of this type in two streams (Q8_0, Q4_0 and Q6_K on
+// AVX-512).
 bool quant_two_streams(DType weights);
 
 namespace detail {

@@ -146,17 +146,86 @@ using Q5KDot = PairDot;
 using Q6KDot = PairDot;
 #endif
 
-// One Q8_0 or Q4_0 row against a tile of tokens, a group of 8 blocks (or a pair, or one block)
-// at a time. The kernels below drive one row, or two rows from distant parts of the matrix side
-// by side (two memory streams, StreamTuning::decode_streams); each row's operations are the same
-// in either, so its result is the same bits.
+// Row kernels for one or two memory streams. A Row holds one weight row's accumulators for a tile
+// of tokens: Row(context, row) starts it, step(context, tile, s) adds step s of the row (s <
+// context.steps), finish(context, tile, y, y_stride, r) adds what the steps left and writes y.
+// rows_in_one_stream drives rows one after the other; rows_in_two_streams two rows from distant
+// parts of the matrix side by side (StreamTuning::decode_streams: on an AMD core one dot-product
+// stream read 38-42 GB/s from memory, two 49-53, a one-token Q8_0 kernel alone over 24 matrices
+// of 2816 x 1024; rows next to each other read in step are no second stream, the hardware
+// prefetchers then fall to 14 GB/s). A row's operations are the same in either, and so its bits.
+template <class Row, class Context, class Tile>
+__attribute__((always_inline)) inline void rows_in_one_stream(const MatrixView& w,
+                                                              const Context& context,
+                                                              const Tile& tile, float* y,
+                                                              int64_t y_stride, int64_t row_begin,
+                                                              int64_t row_end) {
+  const int64_t steps = context.steps;
+  for (int64_t r = row_begin; r < row_end; ++r) {
+    Row row(context, reinterpret_cast<const uint8_t*>(w.row(r)));
+    for (int64_t s = 0; s < steps; ++s) row.step(context, tile, s);
+    row.finish(context, tile, y, y_stride, r);
+  }
+}
+
+template <class Row, class Context, class Tile>
+__attribute__((always_inline)) inline void rows_in_two_streams(const MatrixView& w,
+                                                               const Context& context,
+                                                               const Tile& tile, float* y,
+                                                               int64_t y_stride, int64_t a_begin,
+                                                               int64_t b_begin, int64_t count) {
+  const int64_t steps = context.steps;
+  for (int64_t i = 0; i < count; ++i) {
+    Row a(context, reinterpret_cast<const uint8_t*>(w.row(a_begin + i)));
+    Row b(context, reinterpret_cast<const uint8_t*>(w.row(b_begin + i)));
+    for (int64_t s = 0; s < steps; ++s) {
+      a.step(context, tile, s);
+      b.step(context, tile, s);
+    }
+    a.finish(context, tile, y, y_stride, a_begin + i);
+    b.finish(context, tile, y, y_stride, b_begin + i);
+  }
+}
+
+// Tokens per tile of the two-stream kernels: two rows' accumulators and scales in registers.
+constexpr int kTwoStreamTokenTile = 4;
+
+// Runs of row pairs from [a_begin, a_end) and [b_begin, b_end), each run through every tile of
+// tokens while its rows are in cache, by kernel(tile, a_first, b_first, count); then what one
+// range has beyond the other by one_stream(a_or_b_begin, end).
+template <class Kernel, class OneStream>
+void two_stream_runs(const QuantizedActivations& x, int64_t a_begin, int64_t a_end, int64_t b_begin,
+                     int64_t b_end, Kernel&& kernel, OneStream&& one_stream) {
+  const int64_t both = std::min(a_end - a_begin, b_end - b_begin);
+  for_each_row_run<kTwoStreamTokenTile>(
+      x, 0, both, [&](const auto& tile, int64_t first, int64_t last) {
+        kernel(tile, a_begin + first, b_begin + first, last - first);
+      });
+  if (a_begin + both < a_end) one_stream(a_begin + both, a_end);
+  if (b_begin + both < b_end) one_stream(b_begin + both, b_end);
+}
+
+// Q8_0 and Q4_0: a step is a group of 8 blocks, whose weight scales are converted together and
+// multiplied by each token's 8 activation scales in one instruction (the same products d_w * d_x
+// as the pairs in finish() compute one by one, so a row's result does not depend on the route).
+struct Q8Context {
+  int64_t blocks, steps, ahead;
+  __m512i pair_index[4];  // lanes 0-7: block 2p of a group of 8, lanes 8-15: block 2p + 1
+
+  explicit Q8Context(const MatrixView& w)
+      : blocks(w.cols / 32), steps(w.cols / 256), ahead(quant_prefetch_bytes()) {
+    for (int p = 0; p < 4; ++p)
+      pair_index[p] = _mm512_inserti64x4(_mm512_set1_epi32(2 * p), _mm256_set1_epi32(2 * p + 1), 1);
+  }
+};
+
 template <bool q8, int kTokens>
 struct Q8Row {
   static constexpr int64_t kBytes = q8 ? 34 : 18;
   const uint8_t* row;
   __m512 acc[kTokens];
 
-  explicit Q8Row(const uint8_t* start) : row(start) {
+  Q8Row(const Q8Context&, const uint8_t* start) : row(start) {
     for (int t = 0; t < kTokens; ++t) acc[t] = _mm512_setzero_ps();
   }
   static __m256i weights(const uint8_t* block) {
@@ -165,11 +234,9 @@ struct Q8Row {
     const __m256i both = _mm256_set_m128i(_mm_srli_epi16(packed, 4), packed);
     return _mm256_sub_epi8(low_nibbles(both), _mm256_set1_epi8(8));
   }
-  // Blocks b .. b + 7: their weight scales converted together and multiplied by each token's 8
-  // activation scales in one instruction (the same products d_w * d_x as pair() computes one by
-  // one, so a row's result does not depend on the route).
-  __attribute__((always_inline)) void group(int64_t b, const TokenTile<kTokens>& tile,
-                                            const __m512i pair_index[4], int64_t ahead) {
+  __attribute__((always_inline)) void step(const Q8Context& c, const TokenTile<kTokens>& tile,
+                                           int64_t s) {
+    const int64_t b = 8 * s;
     const uint8_t* first_block = row + b * kBytes;
     __m128i bits = _mm_cvtsi32_si128(u16_at(first_block));
     bits = _mm_insert_epi16(bits, u16_at(first_block + kBytes), 1);
@@ -186,21 +253,22 @@ struct Q8Row {
 #pragma GCC unroll 4
     for (int p = 0; p < 4; ++p) {
       const uint8_t* first = first_block + 2 * p * kBytes;
-      prefetch_ahead(first, 2 * kBytes, ahead);
+      prefetch_ahead(first, 2 * kBytes, c.ahead);
       const __m512i q = join(weights(first), weights(first + kBytes));
       for (int t = 0; t < kTokens; ++t) {
         const __m512i sums = dot_signed(q, load512(tile.q(t) + (b + 2 * p) * 32));
-        acc[t] = _mm512_fmadd_ps(_mm512_permutexvar_ps(pair_index[p], scales[t]),
+        acc[t] = _mm512_fmadd_ps(_mm512_permutexvar_ps(c.pair_index[p], scales[t]),
                                  _mm512_cvtepi32_ps(sums), acc[t]);
       }
     }
   }
-  // The blocks from `b` on that groups did not take (fewer than 8), then the row's sums to y.
-  void finish(int64_t b, int64_t blocks, const TokenTile<kTokens>& tile, int64_t ahead, float* y,
-              int64_t y_stride, int64_t r) {
-    for (; b + 2 <= blocks; b += 2) {
+  // The blocks the groups did not take (fewer than 8): pairs, then an odd last block.
+  __attribute__((always_inline)) void finish(const Q8Context& c, const TokenTile<kTokens>& tile,
+                                             float* y, int64_t y_stride, int64_t r) {
+    int64_t b = 8 * c.steps;
+    for (; b + 2 <= c.blocks; b += 2) {
       const uint8_t* first = row + b * kBytes;
-      prefetch_ahead(first, 2 * kBytes, ahead);
+      prefetch_ahead(first, 2 * kBytes, c.ahead);
       const __m512i q = join(weights(first), weights(first + kBytes));
       const float d0 = half_at(first), d1 = half_at(first + kBytes);
       for (int t = 0; t < kTokens; ++t) {
@@ -211,7 +279,7 @@ struct Q8Row {
         acc[t] = _mm512_fmadd_ps(scale, _mm512_cvtepi32_ps(sums), acc[t]);
       }
     }
-    for (; b < blocks; ++b) {  // an odd last block, in the low half
+    for (; b < c.blocks; ++b) {  // in the low half
       const uint8_t* block = row + b * kBytes;
       const __m512i q = _mm512_castsi256_si512(weights(block));
       const float d = half_at(block);
@@ -228,75 +296,33 @@ struct Q8Row {
   }
 };
 
-inline void q8_pair_indices(__m512i pair_index[4]) {
-  for (int p = 0; p < 4; ++p)  // lanes 0-7: block 2p of a group of 8, lanes 8-15: block 2p + 1
-    pair_index[p] = _mm512_inserti64x4(_mm512_set1_epi32(2 * p), _mm256_set1_epi32(2 * p + 1), 1);
-}
-
-// Rows [row_begin, row_end) against one tile of tokens. The row loop is inside the tile so that
-// a decode step's per-row work is the blocks alone (with the rows outside, each row paid the
-// tile's setup and reloaded the lane indices: 20% of a one-token Q8_0 row at 1024 columns).
-template <bool q8, int kTokens>
-void q8_q4_0_tile(const MatrixView& w, const TokenTile<kTokens>& tile, float* y, int64_t y_stride,
-                  int64_t row_begin, int64_t row_end) {
-  const int64_t blocks = w.cols / 32, groups_end = blocks / 8 * 8, ahead = quant_prefetch_bytes();
-  __m512i pair_index[4];
-  q8_pair_indices(pair_index);
-  for (int64_t r = row_begin; r < row_end; ++r) {
-    Q8Row<q8, kTokens> row(reinterpret_cast<const uint8_t*>(w.row(r)));
-    for (int64_t b = 0; b < groups_end; b += 8) row.group(b, tile, pair_index, ahead);
-    row.finish(groups_end, blocks, tile, ahead, y, y_stride, r);
-  }
-}
-
+// The row loop is inside each tile of tokens (for_each_row_run) so that a decode step's per-row
+// work is the blocks alone (with the rows outside, each row paid the tile's setup and reloaded the
+// lane indices: 20% of a one-token Q8_0 row at 1024 columns).
 template <bool q8>
 void rows_q8_q4_0(const MatrixView& w, const QuantizedActivations& x, float* y, int64_t y_stride,
                   int64_t row_begin, int64_t row_end) {
-  for_each_row_run<kTokenTile>(x, row_begin, row_end,
-                               [&](const auto& tile, int64_t first, int64_t last) {
-                                 q8_q4_0_tile<q8>(w, tile, y, y_stride, first, last);
-                               });
+  for_each_row_run<kTokenTile>(
+      x, row_begin, row_end, [&](const auto& tile, int64_t first, int64_t last) {
+        constexpr int kTokens = std::remove_cvref_t<decltype(tile)>::kCount;
+        const Q8Context context(w);
+        rows_in_one_stream<Q8Row<q8, kTokens>>(w, context, tile, y, y_stride, first, last);
+      });
 }
-
-// Rows a_begin + i and b_begin + i side by side: on an AMD core one dot-product stream reads
-// 38-42 GB/s from memory, two 49-53 (a one-token Q8_0 kernel alone, 24 matrices of 2816 x 1024).
-// Rows next to each other read in step are no second stream: the hardware prefetchers then fall
-// to 14 GB/s.
-template <bool q8, int kTokens>
-void q8_q4_0_two_streams_tile(const MatrixView& w, const TokenTile<kTokens>& tile, float* y,
-                              int64_t y_stride, int64_t a_begin, int64_t b_begin, int64_t count) {
-  const int64_t blocks = w.cols / 32, groups_end = blocks / 8 * 8, ahead = quant_prefetch_bytes();
-  __m512i pair_index[4];
-  q8_pair_indices(pair_index);
-  for (int64_t i = 0; i < count; ++i) {
-    Q8Row<q8, kTokens> a(reinterpret_cast<const uint8_t*>(w.row(a_begin + i)));
-    Q8Row<q8, kTokens> b(reinterpret_cast<const uint8_t*>(w.row(b_begin + i)));
-    for (int64_t block = 0; block < groups_end; block += 8) {
-      a.group(block, tile, pair_index, ahead);
-      b.group(block, tile, pair_index, ahead);
-    }
-    a.finish(groups_end, blocks, tile, ahead, y, y_stride, a_begin + i);
-    b.finish(groups_end, blocks, tile, ahead, y, y_stride, b_begin + i);
-  }
-}
-
-// Tokens per tile of the two-stream kernel: two rows' accumulators and scales in registers.
-constexpr int kTwoStreamTokenTile = 4;
 
 template <bool q8>
 void rows_q8_q4_0_two_streams(const MatrixView& w, const QuantizedActivations& x, float* y,
                               int64_t y_stride, int64_t a_begin, int64_t a_end, int64_t b_begin,
                               int64_t b_end) {
-  const int64_t both = std::min(a_end - a_begin, b_end - b_begin);
-  // Runs of row pairs, each through every tile of tokens while its rows are in cache.
-  for_each_row_run<kTwoStreamTokenTile>(
-      x, 0, both, [&](const auto& tile, int64_t first, int64_t last) {
-        q8_q4_0_two_streams_tile<q8>(w, tile, y, y_stride, a_begin + first, b_begin + first,
-                                     last - first);
-      });
-  // What one range has beyond the other, as one stream.
-  if (a_begin + both < a_end) rows_q8_q4_0<q8>(w, x, y, y_stride, a_begin + both, a_end);
-  if (b_begin + both < b_end) rows_q8_q4_0<q8>(w, x, y, y_stride, b_begin + both, b_end);
+  two_stream_runs(
+      x, a_begin, a_end, b_begin, b_end,
+      [&](const auto& tile, int64_t a_first, int64_t b_first, int64_t count) {
+        constexpr int kTokens = std::remove_cvref_t<decltype(tile)>::kCount;
+        const Q8Context context(w);
+        rows_in_two_streams<Q8Row<q8, kTokens>>(w, context, tile, y, y_stride, a_first, b_first,
+                                                count);
+      },
+      [&](int64_t begin, int64_t end) { rows_q8_q4_0<q8>(w, x, y, y_stride, begin, end); });
 }
 
 // A Q4_K super-block's two integer sums for one row and token, Σ sc q x (16 lanes of partial
@@ -704,76 +730,108 @@ void rows_q4_k_batch(const MatrixView& w, const QuantizedActivations& x, float* 
   if (r < row_end) rows_q45_k<false, Dot>(w, x, y, y_stride, r, row_end, min_pairs);
 }
 
-template <class Dot, int kTokens>
-void q6_k_tile(const MatrixView& w, const TokenTile<kTokens>& tile, float* y, int64_t y_stride,
-               int64_t row_begin, int64_t row_end) {
-  const int64_t blocks = w.cols / 256, ahead = quant_prefetch_bytes();
+// Q6_K: a step is one super-block.
+template <class Dot>
+struct Q6KContext {
+  int64_t steps, ahead;
   // 16-bit shift counts per 256-bit half that bring quarter k's two top bits (2k, 2k+1) to bits
   // 4, 5: left by 4 | 2 for quarters 0 | 1, right by 0 | 2 for quarters 2 | 3.
-  const __m512i shift01 = join(_mm256_set1_epi16(4), _mm256_set1_epi16(2));
-  const __m512i shift23 = join(_mm256_set1_epi16(0), _mm256_set1_epi16(2));
+  __m512i shift01, shift23;
   // Weight register r holds weights 64r .. 64r + 63: 16-weight sub-blocks 4 (r % 2) .. + 3 of
   // half r / 2 (four 32-bit lanes each), whose 8 scales are spread half by half.
   __m512i index[Dot::kRegisters];
-  Dot::indices([](int r, int lane) { return 4 * (r % 2) + lane / 4; }, index);
-  for (int64_t r = row_begin; r < row_end; ++r) {
-    const auto* row = reinterpret_cast<const uint8_t*>(w.row(r));
-    __m512 acc[kTokens];
+
+  explicit Q6KContext(const MatrixView& w)
+      : steps(w.cols / 256),
+        ahead(quant_prefetch_bytes()),
+        shift01(join(_mm256_set1_epi16(4), _mm256_set1_epi16(2))),
+        shift23(join(_mm256_set1_epi16(0), _mm256_set1_epi16(2))) {
+    Dot::indices([](int r, int lane) { return 4 * (r % 2) + lane / 4; }, index);
+  }
+};
+
+template <class Dot, int kTokens>
+struct Q6KRow {
+  const uint8_t* row;
+  __m512 acc[kTokens];
+
+  Q6KRow(const Q6KContext<Dot>&, const uint8_t* start) : row(start) {
     for (int t = 0; t < kTokens; ++t) acc[t] = _mm512_setzero_ps();
-    for (int64_t b = 0; b < blocks; ++b) {
-      const uint8_t* block = row + b * 210;
-      prefetch_ahead(block, 210, ahead);
-      const auto* sc8 = reinterpret_cast<const int8_t*>(block + 192);
-      const __m256i scales16 =
-          _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sc8)));
-      const float d = half_at(block + 208);
-      __m512i q[4], sc[Dot::kRegisters];  // pairs of quarters: weights 64p .. 64p + 63
-      for (int h = 0; h < 2; ++h) {
-        // 64 low-bit bytes: their low nibbles are quarters 0 and 1 of the half (weights 0-63),
-        // their high nibbles quarters 2 and 3; quarter k's top two bits are bits 2k, 2k+1 of
-        // the half's 32 high-bit bytes, moved to bits 4, 5 (bits that cross into the next byte
-        // of a 16-bit lane fall outside the 0x30 mask).
-        const __m512i low = load512(block + 64 * h);
-        const __m512i high = _mm512_broadcast_i64x4(load256(block + 128 + 32 * h));
-        const __m512i nibble = _mm512_set1_epi8(0x0F), top_bits = _mm512_set1_epi8(0x30);
-        const __m512i top01 = _mm512_and_si512(_mm512_sllv_epi16(high, shift01), top_bits);
-        const __m512i top23 = _mm512_and_si512(_mm512_srlv_epi16(high, shift23), top_bits);
-        q[2 * h] = _mm512_or_si512(_mm512_and_si512(low, nibble), top01);
-        q[2 * h + 1] = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(low, 4), nibble), top23);
-        const __m128i half_scales =
-            h == 0 ? _mm256_castsi256_si128(scales16) : _mm256_extracti128_si256(scales16, 1);
-        constexpr int kPerHalf = Dot::kRegisters / 2;
-        for (int s = h * kPerHalf; s < (h + 1) * kPerHalf; ++s)
-          sc[s] = spread(half_scales, index[s]);
-      }
-      // Σ sc (q - 32) x = Σ sc q x + Σ_s (-32 sc_s) Σ_{i∈s} x_i: the offset taken lane by lane,
-      // -32 sc_s (|.| ≤ 4096) as the low half of a 32-bit lane with the high half zero, so that
-      // a madd with the activations' 16-sums (which fit 16 bits) multiplies the two exactly.
-      const __m512i scales32 =
-          _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sc8)));
-      const __m512i offset_scale =
-          _mm512_and_si512(_mm512_sub_epi32(_mm512_setzero_si512(), _mm512_slli_epi32(scales32, 5)),
-                           _mm512_set1_epi32(0xFFFF));
-      for (int t = 0; t < kTokens; ++t) {
-        const int8_t* xb = tile.q(t) + b * 256;
-        __m512i sumi = Dot::add(_mm512_setzero_si512(), q, xb, sc);
-        sumi = add_scaled_pairs(sumi, load512(tile.sums(t) + b * 16), offset_scale);
-        const float dx = tile.scales(t)[b];
-        acc[t] = _mm512_fmadd_ps(_mm512_set1_ps(d * dx), _mm512_cvtepi32_ps(sumi), acc[t]);
-      }
+  }
+  __attribute__((always_inline)) void step(const Q6KContext<Dot>& c, const TokenTile<kTokens>& tile,
+                                           int64_t b) {
+    const uint8_t* block = row + b * 210;
+    prefetch_ahead(block, 210, c.ahead);
+    const auto* sc8 = reinterpret_cast<const int8_t*>(block + 192);
+    const __m256i scales16 =
+        _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sc8)));
+    const float d = half_at(block + 208);
+    __m512i q[4], sc[Dot::kRegisters];  // pairs of quarters: weights 64p .. 64p + 63
+    for (int h = 0; h < 2; ++h) {
+      // 64 low-bit bytes: their low nibbles are quarters 0 and 1 of the half (weights 0-63),
+      // their high nibbles quarters 2 and 3; quarter k's top two bits are bits 2k, 2k+1 of
+      // the half's 32 high-bit bytes, moved to bits 4, 5 (bits that cross into the next byte
+      // of a 16-bit lane fall outside the 0x30 mask).
+      const __m512i low = load512(block + 64 * h);
+      const __m512i high = _mm512_broadcast_i64x4(load256(block + 128 + 32 * h));
+      const __m512i nibble = _mm512_set1_epi8(0x0F), top_bits = _mm512_set1_epi8(0x30);
+      const __m512i top01 = _mm512_and_si512(_mm512_sllv_epi16(high, c.shift01), top_bits);
+      const __m512i top23 = _mm512_and_si512(_mm512_srlv_epi16(high, c.shift23), top_bits);
+      q[2 * h] = _mm512_or_si512(_mm512_and_si512(low, nibble), top01);
+      q[2 * h + 1] = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(low, 4), nibble), top23);
+      const __m128i half_scales =
+          h == 0 ? _mm256_castsi256_si128(scales16) : _mm256_extracti128_si256(scales16, 1);
+      constexpr int kPerHalf = Dot::kRegisters / 2;
+      for (int s = h * kPerHalf; s < (h + 1) * kPerHalf; ++s)
+        sc[s] = spread(half_scales, c.index[s]);
     }
+    // Σ sc (q - 32) x = Σ sc q x + Σ_s (-32 sc_s) Σ_{i∈s} x_i: the offset taken lane by lane,
+    // -32 sc_s (|.| ≤ 4096) as the low half of a 32-bit lane with the high half zero, so that
+    // a madd with the activations' 16-sums (which fit 16 bits) multiplies the two exactly.
+    const __m512i scales32 =
+        _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sc8)));
+    const __m512i offset_scale =
+        _mm512_and_si512(_mm512_sub_epi32(_mm512_setzero_si512(), _mm512_slli_epi32(scales32, 5)),
+                         _mm512_set1_epi32(0xFFFF));
+    for (int t = 0; t < kTokens; ++t) {
+      const int8_t* xb = tile.q(t) + b * 256;
+      __m512i sumi = Dot::add(_mm512_setzero_si512(), q, xb, sc);
+      sumi = add_scaled_pairs(sumi, load512(tile.sums(t) + b * 16), offset_scale);
+      const float dx = tile.scales(t)[b];
+      acc[t] = _mm512_fmadd_ps(_mm512_set1_ps(d * dx), _mm512_cvtepi32_ps(sumi), acc[t]);
+    }
+  }
+  __attribute__((always_inline)) void finish(const Q6KContext<Dot>&, const TokenTile<kTokens>& tile,
+                                             float* y, int64_t y_stride, int64_t r) {
     for (int t = 0; t < kTokens; ++t)
       y[(tile.first + t) * y_stride + r] = _mm512_reduce_add_ps(acc[t]);
   }
-}
+};
 
 template <class Dot>
 void rows_q6_k(const MatrixView& w, const QuantizedActivations& x, float* y, int64_t y_stride,
                int64_t row_begin, int64_t row_end) {
-  for_each_row_run<kTokenTile>(x, row_begin, row_end,
-                               [&](const auto& tile, int64_t first, int64_t last) {
-                                 q6_k_tile<Dot>(w, tile, y, y_stride, first, last);
-                               });
+  for_each_row_run<kTokenTile>(
+      x, row_begin, row_end, [&](const auto& tile, int64_t first, int64_t last) {
+        constexpr int kTokens = std::remove_cvref_t<decltype(tile)>::kCount;
+        const Q6KContext<Dot> context(w);
+        rows_in_one_stream<Q6KRow<Dot, kTokens>>(w, context, tile, y, y_stride, first, last);
+      });
+}
+
+template <class Dot>
+void rows_q6_k_two_streams(const MatrixView& w, const QuantizedActivations& x, float* y,
+                           int64_t y_stride, int64_t a_begin, int64_t a_end, int64_t b_begin,
+                           int64_t b_end) {
+  two_stream_runs(
+      x, a_begin, a_end, b_begin, b_end,
+      [&](const auto& tile, int64_t a_first, int64_t b_first, int64_t count) {
+        constexpr int kTokens = std::remove_cvref_t<decltype(tile)>::kCount;
+        const Q6KContext<Dot> context(w);
+        rows_in_two_streams<Q6KRow<Dot, kTokens>>(w, context, tile, y, y_stride, a_first, b_first,
+                                                  count);
+      },
+      [&](int64_t begin, int64_t end) { rows_q6_k<Dot>(w, x, y, y_stride, begin, end); });
 }
 
 }  // namespace
@@ -806,6 +864,8 @@ void MOELINE_QUANT_AVX512_TWO_STREAMS_ENTRY(const MatrixView& w, const Quantized
       return rows_q8_q4_0_two_streams<true>(w, x, y, y_stride, a_begin, a_end, b_begin, b_end);
     case DType::kQ4_0:
       return rows_q8_q4_0_two_streams<false>(w, x, y, y_stride, a_begin, a_end, b_begin, b_end);
+    case DType::kQ6_K:
+      return rows_q6_k_two_streams<Q6KDot>(w, x, y, y_stride, a_begin, a_end, b_begin, b_end);
     default:
       MOELINE_QUANT_AVX512_ENTRY(w, x, y, y_stride, a_begin, a_end);
       MOELINE_QUANT_AVX512_ENTRY(w, x, y, y_stride, b_begin, b_end);
