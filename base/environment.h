@@ -20,8 +20,9 @@ inline constexpr Variable kKernels{
     "forces a CPU kernel path: portable, avx2, avx512 or avx512_vnni (when the CPU has it)"};
 inline constexpr Variable kKernelTuning{
     "MOELINE_KERNEL_TUNING",
-    "overrides how the CPU kernels stream weights: decode_streams=1|2,prefetch_bytes=0..8192 "
-    "(default: chosen from the CPU's vendor; the kernel report shows it)"};
+    "overrides how the CPU kernels stream weights: decode_streams=1|2,prefetch_bytes=0..8192,"
+    "quant_prefetch_bytes=0..8192 (default: chosen from the CPU's vendor; the kernel report shows "
+    "it)"};
 inline constexpr Variable kEndpoint{"MOELINE_ENDPOINT",
                                     "the gateway's client endpoint for `moeline client`"};
 inline constexpr Variable kApiKey{"MOELINE_API_KEY", "the API key `moeline client` presents"};
