@@ -5,6 +5,7 @@
 #include <immintrin.h>
 
 #include <algorithm>
+#include <climits>
 #include <cmath>
 #include <cstring>
 #include <type_traits>
@@ -383,6 +384,22 @@ inline __m512i sums_of_quarters(const __m512i quarters[4]) {
                           _mm512_castps_si512(_mm512_shuffle_ps(a, b, _MM_SHUFFLE(3, 1, 3, 1))));
 }
 
+// A Q4_K or Q5_K super-block's 256 packed nibbles (`qs`) as four registers in sub-block order
+// (register g: sub-blocks 2g and 2g + 1). 64 packed bytes at a time: their low nibbles are
+// sub-blocks 4h and 4h + 2, their high nibbles 4h + 1 and 4h + 3; one 128-bit-lane shuffle per
+// pair puts each register in sub-block order (two 32-byte loads and an insert per register cost
+// more instructions).
+inline void unpack_k_nibbles(const uint8_t* qs, __m512i q[4]) {
+  const __m512i nibble = _mm512_set1_epi8(0x0F);
+  for (int h = 0; h < 2; ++h) {
+    const __m512i packed = load512(qs + 64 * h);
+    const __m512i lo = _mm512_and_si512(packed, nibble);
+    const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(packed, 4), nibble);
+    q[2 * h] = _mm512_shuffle_i64x2(lo, hi, 0x44);
+    q[2 * h + 1] = _mm512_shuffle_i64x2(lo, hi, 0xEE);
+  }
+}
+
 // One Q4_K or Q5_K super-block of a row, unpacked for the row-at-a-time kernels: the weights in
 // four registers (register g: sub-blocks 2g and 2g + 1), the sub-block scales spread over the
 // lanes the Dot multiplies, and the mins in the form each type's arithmetic takes.
@@ -405,18 +422,7 @@ struct KQuantBlock {
     } else {
       min_pairs = _mm_cvtepu8_epi16(min_bytes);
     }
-    // 64 packed bytes at a time: their low nibbles are sub-blocks 4h and 4h + 2, their high
-    // nibbles 4h + 1 and 4h + 3; one 128-bit-lane shuffle per pair puts each register in
-    // sub-block order (two 32-byte loads and an insert per register cost more instructions).
-    const uint8_t* qs = block + (fifth ? 48 : 16);
-    const __m512i nibble = _mm512_set1_epi8(0x0F);
-    for (int h = 0; h < 2; ++h) {
-      const __m512i packed = load512(qs + 64 * h);
-      const __m512i lo = _mm512_and_si512(packed, nibble);
-      const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(packed, 4), nibble);
-      q[2 * h] = _mm512_shuffle_i64x2(lo, hi, 0x44);
-      q[2 * h + 1] = _mm512_shuffle_i64x2(lo, hi, 0xEE);
-    }
+    unpack_k_nibbles(block + (fifth ? 48 : 16), q);
     if constexpr (fifth) {  // sub-block j's fifth bits: bit j of the 32 high-bit bytes
       const __m256i qh = load256(block + 16), one = _mm256_set1_epi8(1);
       for (int g = 0; g < 4; ++g) {
@@ -512,56 +518,123 @@ inline __m512i transposed_sums(const __m512i v[16]) {
 }
 
 // Q4_K for a few tokens (decode), rows sixteen at a time as the file stores them: each row's
-// super-block is multiplied as in rows_q45_k, but the sums of 16 rows are folded together
+// weights are multiplied as in rows_q45_k, but the sums of 16 rows are folded together
 // (transposed_sums) and one k_block_step serves the 16, where the row kernel folds and scales
-// each row on its own. The same integers and float steps, so the same bits.
+// each row on its own. Each super-block's 16-byte heads (d, dmin and the packed scales and mins)
+// of the 16 rows are gathered into 16 lanes, one row per lane in transposed_sums' lane order, and
+// unpacked there for all 16 rows at once: per row then only a broadcast and a byte shuffle spread
+// its scales (the per-row unpacking had been about a third of the kernel's instructions), and
+// the mins' products are taken for 16 rows by four vpdpwssd. The same integers and float steps as
+// the other Q4_K kernels, so the same bits.
 constexpr int kGroupedTokenTile = static_cast<int>(kQ4KBatchFromTokens) - 1;
+
+// Where a Dot's scale registers take their scales from, for 16-row lanes of packed scale bytes:
+// register s spreads 16-bit scales from the four bytes of scales 0-3 (half 0) or 4-7 (half 1) of
+// one row, broadcast to every 32-bit lane, by a byte shuffle (its control in `control[s]`).
+template <class Dot>
+struct ScaleSpread {
+  __m512i control[Dot::kRegisters];
+  int half[Dot::kRegisters];
+
+  ScaleSpread() {
+    __m512i index[Dot::kRegisters];
+    k_quant_indices<Dot>(index);
+    for (int s = 0; s < Dot::kRegisters; ++s) {
+      alignas(64) int16_t scale[32];
+      alignas(64) int8_t bytes[64];
+      _mm512_store_si512(scale, index[s]);
+      half[s] = scale[0] / 4;  // every lane of a register reads the same half (k_quant_indices)
+      for (int l = 0; l < 32; ++l) {
+        bytes[2 * l] = static_cast<int8_t>(scale[l] % 4);
+        bytes[2 * l + 1] = -128;  // zero: the high byte of the 16-bit scale
+      }
+      control[s] = _mm512_load_si512(bytes);
+    }
+  }
+};
 
 template <class Dot>
 void rows_q4_k_grouped(const MatrixView& w, const QuantizedActivations& x, float* y,
                        int64_t y_stride, int64_t row_begin, int64_t row_end,
                        const int32_t* min_pairs) {
   const int64_t blocks = w.cols / 256;
-  __m512i index[Dot::kRegisters];
-  k_quant_indices<Dot>(index);
+  const auto row_bytes = static_cast<int64_t>(w.row_bytes());
+  if (row_bytes > INT32_MAX / 16) {  // the gathers' offsets are 32-bit
+    rows_q45_k<false, Dot>(w, x, y, y_stride, row_begin, row_end, min_pairs);
+    return;
+  }
+  const ScaleSpread<Dot> spread_by;
   // Lane l of transposed_sums holds row 4 (l % 4) + l / 4; the map is its own inverse.
   alignas(64) static constexpr int32_t kTransposed[16] = {0, 4, 8,  12, 1, 5, 9,  13,
                                                           2, 6, 10, 14, 3, 7, 11, 15};
   const __m512i transposed = _mm512_load_si512(kTransposed);
+  const __m512i row_offsets =
+      _mm512_mullo_epi32(transposed, _mm512_set1_epi32(static_cast<int32_t>(row_bytes)));
+  const __m512i k6 = _mm512_set1_epi32(0x3f3f3f3f), k4 = _mm512_set1_epi32(0x0f0f0f0f),
+                k2 = _mm512_set1_epi32(0x03030303), low_byte = _mm512_set1_epi32(0xFF),
+                third_byte = _mm512_set1_epi32(0xFF0000);
   int64_t first = row_begin;
   for (; first + 16 <= row_end; first += 16) {
-    const auto* next_group = reinterpret_cast<const uint8_t*>(w.row(first + 16));
+    const auto* group = reinterpret_cast<const uint8_t*>(w.row(first));
+    const uint8_t* next_group = group + 16 * row_bytes;
     for_each_token_tile<kGroupedTokenTile>(x, [&](const auto& tile) {
       constexpr int tokens = std::remove_cvref_t<decltype(tile)>::kCount;
       __m512 acc[tokens];
       for (int t = 0; t < tokens; ++t) acc[t] = _mm512_setzero_ps();
       for (int64_t b = 0; b < blocks; ++b) {
+        // The 16 rows' heads (k_scales in quant_matmul.h, 16 rows at a time): scales and mins
+        // 0-3 are the low 6 bits of words 1 and 2, 4-7 take their low bits from word 3's
+        // nibbles and their top two from the top of words 1 and 2.
+        const uint8_t* heads = group + b * 144;
+        const __m512i d_dmin = _mm512_i32gather_epi32(row_offsets, heads, 1);
+        const __m512i w0 = _mm512_i32gather_epi32(row_offsets, heads + 4, 1);
+        const __m512i w1 = _mm512_i32gather_epi32(row_offsets, heads + 8, 1);
+        const __m512i w2 = _mm512_i32gather_epi32(row_offsets, heads + 12, 1);
+        alignas(64) int32_t scales[2][16];
+        _mm512_store_si512(scales[0], _mm512_and_si512(w0, k6));
+        _mm512_store_si512(
+            scales[1],
+            _mm512_or_si512(_mm512_and_si512(w2, k4),
+                            _mm512_slli_epi32(_mm512_and_si512(_mm512_srli_epi32(w0, 6), k2), 4)));
+        const __m512i mins_low = _mm512_and_si512(w1, k6);
+        const __m512i mins_high =
+            _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi32(w2, 4), k4),
+                            _mm512_slli_epi32(_mm512_and_si512(_mm512_srli_epi32(w1, 6), k2), 4));
+        // Mins 2p and 2p + 1 as the two 16-bit halves of each lane, for q4_k_min_pairs' sums.
+        __m512i min_pair[4];
+        for (int h = 0; h < 2; ++h) {
+          const __m512i m = h == 0 ? mins_low : mins_high;
+          min_pair[2 * h] = _mm512_or_si512(_mm512_and_si512(m, low_byte),
+                                            _mm512_and_si512(_mm512_slli_epi32(m, 8), third_byte));
+          min_pair[2 * h + 1] =
+              _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi32(m, 16), low_byte),
+                              _mm512_and_si512(_mm512_srli_epi32(m, 8), third_byte));
+        }
+        const __m512 d_lanes = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(d_dmin));
+        const __m512 dmin_lanes =
+            _mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_srli_epi32(d_dmin, 16)));
         __m512i scaled[tokens][16];
-        alignas(64) int32_t mins[tokens][16][4];
-        alignas(64) float d[16], dmin[16];
         for (int r = 0; r < 16; ++r) {
-          const uint8_t* block = reinterpret_cast<const uint8_t*>(w.row(first + r)) + b * 144;
+          const uint8_t* block = group + r * row_bytes + b * 144;
           // The 16 rows are one contiguous span read in a strided order, which the hardware
           // prefetchers do not follow: the next group's span is prefetched in step with this one.
           prefetch_lines(next_group + (b * 16 + r) * 144, 144);
-          const KQuantBlock<false, Dot> k(block, index);
-          d[r] = k.d;
-          dmin[r] = k.dmin;
-          for (int t = 0; t < tokens; ++t) {
-            scaled[t][r] = Dot::add(_mm512_setzero_si512(), k.q, tile.q(t) + b * 256, k.sc);
-            const __m128i pairs = _mm_loadu_si128(reinterpret_cast<const __m128i*>(
-                min_pairs + (tile.first + t) * blocks * 4 + b * 4));
-            _mm_store_si128(reinterpret_cast<__m128i*>(mins[t][r]),
-                            _mm_madd_epi16(pairs, k.min_pairs));
-          }
+          __m512i q[4], sc[Dot::kRegisters];
+          unpack_k_nibbles(block + 16, q);
+          const int lane = kTransposed[r];
+          for (int s = 0; s < Dot::kRegisters; ++s)
+            sc[s] = _mm512_shuffle_epi8(_mm512_set1_epi32(scales[spread_by.half[s]][lane]),
+                                        spread_by.control[s]);
+          for (int t = 0; t < tokens; ++t)
+            scaled[t][r] = Dot::add(_mm512_setzero_si512(), q, tile.q(t) + b * 256, sc);
         }
-        const __m512 d_lanes = _mm512_permutexvar_ps(transposed, _mm512_load_ps(d));
-        const __m512 dmin_lanes = _mm512_permutexvar_ps(transposed, _mm512_load_ps(dmin));
         for (int t = 0; t < tokens; ++t) {
-          __m512i quarters[4];  // rows 4k .. 4k + 3, one per 128-bit lane
-          for (int k = 0; k < 4; ++k) quarters[k] = _mm512_load_si512(mins[t][4 * k]);
+          const int32_t* pairs = min_pairs + (tile.first + t) * blocks * 4 + b * 4;
+          __m512i min_sum = _mm512_setzero_si512();
+          for (int p = 0; p < 4; ++p)
+            min_sum = add_scaled_pairs(min_sum, min_pair[p], _mm512_set1_epi32(pairs[p]));
           acc[t] = k_block_step(acc[t], d_lanes, dmin_lanes, _mm512_set1_ps(tile.scales(t)[b]),
-                                transposed_sums(scaled[t]), sums_of_quarters(quarters));
+                                transposed_sums(scaled[t]), min_sum);
         }
       }
       for (int t = 0; t < tokens; ++t)
