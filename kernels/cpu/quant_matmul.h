@@ -129,9 +129,10 @@ void for_each_row_run(const QuantizedActivations& x, int64_t row_begin, int64_t 
 }
 
 // From this many tokens on, the AVX-512 paths take Q4_K rows sixteen at a time, unpacked once for
-// every token of the batch (fewer: the unpacking is not repaid; moeline_quant_kernel_bench on an
-// AMD EPYC, CPUID family 26).
-constexpr int64_t kQ4KBatchFromTokens = 4;
+// every token of the batch (fewer: the decode kernel, which gathers the 16 rows' heads, is faster;
+// moeline_quant_kernel_bench on an AMD EPYC, CPUID family 26: 4-6 tokens 61-76 GB/s-tokens in
+// cache against the unpacking kernel's 49-65, 7 tokens 66 against 72).
+constexpr int64_t kQ4KBatchFromTokens = 7;
 
 // How far ahead along a row the SIMD paths prefetch weights (StreamTuning::quant_prefetch_bytes,
 // matmul.h; 0: none), read once per call: decode reads each weight once, and the hardware

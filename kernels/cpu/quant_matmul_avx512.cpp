@@ -526,7 +526,9 @@ inline __m512i transposed_sums(const __m512i v[16]) {
 // its scales (the per-row unpacking had been about a third of the kernel's instructions), and
 // the mins' products are taken for 16 rows by four vpdpwssd. The same integers and float steps as
 // the other Q4_K kernels, so the same bits.
-constexpr int kGroupedTokenTile = static_cast<int>(kQ4KBatchFromTokens) - 1;
+// Tokens per pass of the decode kernel over a group of 16 rows (batches of 4-6 tokens take two
+// passes, still faster than the unpacking kernel: kQ4KBatchFromTokens).
+constexpr int kGroupedTokenTile = 3;
 
 // Where a Dot's scale registers take their scales from, for 16-row lanes of packed scale bytes:
 // register s spreads 16-bit scales from the four bytes of scales 0-3 (half 0) or 4-7 (half 1) of

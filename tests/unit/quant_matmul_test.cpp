@@ -206,7 +206,8 @@ TEST(QuantMatmul, TwoStreamsGiveTheOneStreamBits) {
 }
 
 // Batches large enough for the kernels that unpack a group of rows once for all tokens (the
-// interleaved Q4_K kernel takes 16 rows and 8 tokens or more): every row of every token equals,
+// interleaved Q4_K kernel takes 16 rows and kQ4KBatchFromTokens tokens or more; fewer take the
+// decode kernel in passes of up to 3 tokens): every row of every token equals,
 // bit for bit, the same row computed for that token alone, and the sum over the dequantized
 // weights within a few ulps of its magnitude. Rows not a multiple of the group, extreme
 // activations (±127 after quantization) and both thread counts.
@@ -217,7 +218,7 @@ TEST(QuantMatmul, BatchKernelsGiveTheSingleTokenBits) {
     for (DType dtype : {DType::kQ4_K, DType::kQ5_K, DType::kQ6_K, DType::kQ8_0}) {
       const std::vector<uint8_t> bytes = random_quantized_rows(dtype, rows, cols, 31);
       const MatrixView w{bytes.data(), dtype, rows, cols};
-      for (int64_t n : {8, 13, 40}) {
+      for (int64_t n : {5, 8, 13, 40}) {
         std::vector<float> x = gaussian_input(n, cols, 37);
         for (int64_t k = 0; k < 256; ++k) x[static_cast<size_t>(k)] = k % 3 == 0 ? 90.0f : -90.0f;
         for (int threads : {1, 2}) {
