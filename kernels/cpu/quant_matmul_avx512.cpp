@@ -191,19 +191,42 @@ __attribute__((always_inline)) inline void rows_in_two_streams(const MatrixView&
 // Tokens per tile of the two-stream kernels: two rows' accumulators and scales in registers.
 constexpr int kTwoStreamTokenTile = 4;
 
-// Runs of row pairs from [a_begin, a_end) and [b_begin, b_end), each run through every tile of
-// tokens while its rows are in cache, by kernel(tile, a_first, b_first, count); then what one
-// range has beyond the other by one_stream(a_or_b_begin, end).
-template <class Kernel, class OneStream>
-void two_stream_runs(const QuantizedActivations& x, int64_t a_begin, int64_t a_end, int64_t b_begin,
-                     int64_t b_end, Kernel&& kernel, OneStream&& one_stream) {
+// A row kernel's two types: Kernel::Context, what every row of a call shares, built from the
+// matrix; Kernel::Row<kTokens>, one row's state for a tile of kTokens tokens.
+//
+// kernel_rows: rows [row_begin, row_end) in one stream, the row loop inside each tile of tokens
+// (for_each_row_run) so that a decode step's per-row work is the blocks alone (with the rows
+// outside, each row paid the tile's setup and reloaded the lane indices: 20% of a one-token Q8_0
+// row at 1024 columns).
+template <class Kernel>
+void kernel_rows(const MatrixView& w, const QuantizedActivations& x, float* y, int64_t y_stride,
+                 int64_t row_begin, int64_t row_end) {
+  for_each_row_run<kTokenTile>(
+      x, row_begin, row_end, [&](const auto& tile, int64_t first, int64_t last) {
+        constexpr int kTokens = std::remove_cvref_t<decltype(tile)>::kCount;
+        const typename Kernel::Context context(w);
+        rows_in_one_stream<typename Kernel::template Row<kTokens>>(w, context, tile, y, y_stride,
+                                                                   first, last);
+      });
+}
+
+// kernel_rows_two_streams: runs of row pairs from [a_begin, a_end) and [b_begin, b_end), each run
+// through every tile of tokens while its rows are in cache; then what one range has beyond the
+// other in one stream.
+template <class Kernel>
+void kernel_rows_two_streams(const MatrixView& w, const QuantizedActivations& x, float* y,
+                             int64_t y_stride, int64_t a_begin, int64_t a_end, int64_t b_begin,
+                             int64_t b_end) {
   const int64_t both = std::min(a_end - a_begin, b_end - b_begin);
   for_each_row_run<kTwoStreamTokenTile>(
       x, 0, both, [&](const auto& tile, int64_t first, int64_t last) {
-        kernel(tile, a_begin + first, b_begin + first, last - first);
+        constexpr int kTokens = std::remove_cvref_t<decltype(tile)>::kCount;
+        const typename Kernel::Context context(w);
+        rows_in_two_streams<typename Kernel::template Row<kTokens>>(
+            w, context, tile, y, y_stride, a_begin + first, b_begin + first, last - first);
       });
-  if (a_begin + both < a_end) one_stream(a_begin + both, a_end);
-  if (b_begin + both < b_end) one_stream(b_begin + both, b_end);
+  if (a_begin + both < a_end) kernel_rows<Kernel>(w, x, y, y_stride, a_begin + both, a_end);
+  if (b_begin + both < b_end) kernel_rows<Kernel>(w, x, y, y_stride, b_begin + both, b_end);
 }
 
 // Q8_0 and Q4_0: a step is a group of 8 blocks, whose weight scales are converted together and
@@ -297,34 +320,12 @@ struct Q8Row {
   }
 };
 
-// The row loop is inside each tile of tokens (for_each_row_run) so that a decode step's per-row
-// work is the blocks alone (with the rows outside, each row paid the tile's setup and reloaded the
-// lane indices: 20% of a one-token Q8_0 row at 1024 columns).
 template <bool q8>
-void rows_q8_q4_0(const MatrixView& w, const QuantizedActivations& x, float* y, int64_t y_stride,
-                  int64_t row_begin, int64_t row_end) {
-  for_each_row_run<kTokenTile>(
-      x, row_begin, row_end, [&](const auto& tile, int64_t first, int64_t last) {
-        constexpr int kTokens = std::remove_cvref_t<decltype(tile)>::kCount;
-        const Q8Context context(w);
-        rows_in_one_stream<Q8Row<q8, kTokens>>(w, context, tile, y, y_stride, first, last);
-      });
-}
-
-template <bool q8>
-void rows_q8_q4_0_two_streams(const MatrixView& w, const QuantizedActivations& x, float* y,
-                              int64_t y_stride, int64_t a_begin, int64_t a_end, int64_t b_begin,
-                              int64_t b_end) {
-  two_stream_runs(
-      x, a_begin, a_end, b_begin, b_end,
-      [&](const auto& tile, int64_t a_first, int64_t b_first, int64_t count) {
-        constexpr int kTokens = std::remove_cvref_t<decltype(tile)>::kCount;
-        const Q8Context context(w);
-        rows_in_two_streams<Q8Row<q8, kTokens>>(w, context, tile, y, y_stride, a_first, b_first,
-                                                count);
-      },
-      [&](int64_t begin, int64_t end) { rows_q8_q4_0<q8>(w, x, y, y_stride, begin, end); });
-}
+struct Q8Kernel {
+  using Context = Q8Context;
+  template <int kTokens>
+  using Row = Q8Row<q8, kTokens>;
+};
 
 // A Q4_K super-block's two integer sums for one row and token, Σ sc q x (16 lanes of partial
 // sums) and Σ m Σx (4 lanes), folded to one value each and converted: lane 0 and lane 2. The
@@ -884,30 +885,11 @@ struct Q6KRow {
 };
 
 template <class Dot>
-void rows_q6_k(const MatrixView& w, const QuantizedActivations& x, float* y, int64_t y_stride,
-               int64_t row_begin, int64_t row_end) {
-  for_each_row_run<kTokenTile>(
-      x, row_begin, row_end, [&](const auto& tile, int64_t first, int64_t last) {
-        constexpr int kTokens = std::remove_cvref_t<decltype(tile)>::kCount;
-        const Q6KContext<Dot> context(w);
-        rows_in_one_stream<Q6KRow<Dot, kTokens>>(w, context, tile, y, y_stride, first, last);
-      });
-}
-
-template <class Dot>
-void rows_q6_k_two_streams(const MatrixView& w, const QuantizedActivations& x, float* y,
-                           int64_t y_stride, int64_t a_begin, int64_t a_end, int64_t b_begin,
-                           int64_t b_end) {
-  two_stream_runs(
-      x, a_begin, a_end, b_begin, b_end,
-      [&](const auto& tile, int64_t a_first, int64_t b_first, int64_t count) {
-        constexpr int kTokens = std::remove_cvref_t<decltype(tile)>::kCount;
-        const Q6KContext<Dot> context(w);
-        rows_in_two_streams<Q6KRow<Dot, kTokens>>(w, context, tile, y, y_stride, a_first, b_first,
-                                                  count);
-      },
-      [&](int64_t begin, int64_t end) { rows_q6_k<Dot>(w, x, y, y_stride, begin, end); });
-}
+struct Q6KKernel {
+  using Context = Q6KContext<Dot>;
+  template <int kTokens>
+  using Row = Q6KRow<Dot, kTokens>;
+};
 
 }  // namespace
 
@@ -915,9 +897,9 @@ void MOELINE_QUANT_AVX512_ENTRY(const MatrixView& w, const QuantizedActivations&
                                 int64_t y_stride, int64_t row_begin, int64_t row_end) {
   switch (w.dtype) {
     case DType::kQ8_0:
-      return rows_q8_q4_0<true>(w, x, y, y_stride, row_begin, row_end);
+      return kernel_rows<Q8Kernel<true>>(w, x, y, y_stride, row_begin, row_end);
     case DType::kQ4_0:
-      return rows_q8_q4_0<false>(w, x, y, y_stride, row_begin, row_end);
+      return kernel_rows<Q8Kernel<false>>(w, x, y, y_stride, row_begin, row_end);
     case DType::kQ4_K:
       if (x.rows >= kQ4KBatchFromTokens)
         return rows_q4_k_batch<Q4KDot>(w, x, y, y_stride, row_begin, row_end);
@@ -925,7 +907,7 @@ void MOELINE_QUANT_AVX512_ENTRY(const MatrixView& w, const QuantizedActivations&
     case DType::kQ5_K:
       return rows_q45_k<true, Q5KDot>(w, x, y, y_stride, row_begin, row_end);
     case DType::kQ6_K:
-      return rows_q6_k<Q6KDot>(w, x, y, y_stride, row_begin, row_end);
+      return kernel_rows<Q6KKernel<Q6KDot>>(w, x, y, y_stride, row_begin, row_end);
     default:
       return quant_matmul_rows_portable(w, x, y, y_stride, row_begin, row_end);
   }
@@ -936,11 +918,14 @@ void MOELINE_QUANT_AVX512_TWO_STREAMS_ENTRY(const MatrixView& w, const Quantized
                                             int64_t a_end, int64_t b_begin, int64_t b_end) {
   switch (w.dtype) {
     case DType::kQ8_0:
-      return rows_q8_q4_0_two_streams<true>(w, x, y, y_stride, a_begin, a_end, b_begin, b_end);
+      return kernel_rows_two_streams<Q8Kernel<true>>(w, x, y, y_stride, a_begin, a_end, b_begin,
+                                                     b_end);
     case DType::kQ4_0:
-      return rows_q8_q4_0_two_streams<false>(w, x, y, y_stride, a_begin, a_end, b_begin, b_end);
+      return kernel_rows_two_streams<Q8Kernel<false>>(w, x, y, y_stride, a_begin, a_end, b_begin,
+                                                      b_end);
     case DType::kQ6_K:
-      return rows_q6_k_two_streams<Q6KDot>(w, x, y, y_stride, a_begin, a_end, b_begin, b_end);
+      return kernel_rows_two_streams<Q6KKernel<Q6KDot>>(w, x, y, y_stride, a_begin, a_end, b_begin,
+                                                        b_end);
     default:
       MOELINE_QUANT_AVX512_ENTRY(w, x, y, y_stride, a_begin, a_end);
       MOELINE_QUANT_AVX512_ENTRY(w, x, y, y_stride, b_begin, b_end);
