@@ -3,10 +3,12 @@
 // memory, as decode reads them) multiplied by 1 token (decode) and by tiles of tokens (prefill).
 // Prints one JSON object per (type, shape, tokens): weights per second, weight bytes per second
 // and ns per weight, best of --repeat. This isolates the kernels from the rest of a decode step
-// for A/B runs of kernel changes (engine_bench measures the whole step).
+// for A/B runs of kernel changes (engine_bench measures the whole step). --claim-rows N calls the
+// kernel on N rows at a time, as matmul's threads claim them in decode (16); 0, the whole matrix.
 //
 //   moeline_quant_kernel_bench [--types q8_0,q4_0,q4_k,q5_k,q6_k] [--tokens 1,8,64]
 //                              [--rows 2816] [--cols 1024] [--matrices 24] [--repeat 5]
+//                              [--claim-rows 0]
 #include <algorithm>
 #include <chrono>
 #include <cstdint>
@@ -51,11 +53,15 @@ int main(int argc, char** argv) {
                                          {"--rows", "2816"},
                                          {"--cols", "1024"},
                                          {"--matrices", "24"},
-                                         {"--repeat", "5"}});
+                                         {"--repeat", "5"},
+                                         {"--claim-rows", "0"}});
   const int64_t rows = std::stoll(flags.at("--rows")), cols = std::stoll(flags.at("--cols"));
   const int matrices = std::stoi(flags.at("--matrices")), repeat = std::stoi(flags.at("--repeat"));
-  if (cols % 256 != 0 || rows <= 0 || matrices <= 0 || repeat <= 0) {
-    std::cerr << "--cols must be a multiple of 256; --rows, --matrices, --repeat positive\n";
+  const int64_t claim = std::stoll(flags.at("--claim-rows"));
+  const int64_t claim_rows = claim > 0 ? claim : rows;
+  if (cols % 256 != 0 || rows <= 0 || matrices <= 0 || repeat <= 0 || claim < 0) {
+    std::cerr << "--cols must be a multiple of 256; --rows, --matrices, --repeat positive; "
+                 "--claim-rows not negative\n";
     return 2;
   }
   std::mt19937 random(7);
@@ -92,7 +98,9 @@ int main(int argc, char** argv) {
       for (int pass = 0; pass < repeat; ++pass) {
         const auto start = std::chrono::steady_clock::now();
         for (const auto& view : views)
-          kernels::quant_matmul_rows(view, activations, y.data(), rows, 0, rows);
+          for (int64_t first = 0; first < rows; first += claim_rows)
+            kernels::quant_matmul_rows(view, activations, y.data(), rows, first,
+                                       std::min(rows, first + claim_rows));
         best = std::min(
             best, std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count());
       }
@@ -100,7 +108,8 @@ int main(int argc, char** argv) {
       const double bytes = static_cast<double>(rows * row_bytes) * matrices;
       std::cout << "{\"type\":\"" << type_name << "\",\"isa\":\""
                 << kernels::isa_name(kernels::active_isa()) << "\",\"rows\":" << rows
-                << ",\"cols\":" << cols << ",\"matrices\":" << matrices << ",\"tokens\":" << tokens
+                << ",\"cols\":" << cols << ",\"claim_rows\":" << claim
+                << ",\"matrices\":" << matrices << ",\"tokens\":" << tokens
                 << ",\"seconds\":" << best << ",\"weight_gb_per_second\":" << bytes / best / 1e9
                 << ",\"ns_per_weight_per_token\":" << best * 1e9 / weight_count / tokens
                 << ",\"checksum\":" << y[0] << "}" << std::endl;

@@ -64,6 +64,25 @@ void quantize_activations(const float* x, int64_t rows, int64_t cols, int64_t x_
       sums[s] = sum;
     }
   }
+  if (block != 256) {
+    out.q_nibble_order.clear();
+    out.min_pairs.clear();
+    return;
+  }
+  out.min_pairs.resize(out.sums.size() / 4);
+  for (size_t i = 0; i < out.min_pairs.size(); ++i) {
+    const int32_t* sums = out.sums.data() + 4 * i;
+    const int32_t low = sums[0] + sums[1], high = sums[2] + sums[3];
+    out.min_pairs[i] =
+        static_cast<int32_t>(static_cast<uint16_t>(low) | static_cast<uint32_t>(high) << 16);
+  }
+  out.q_nibble_order.resize(out.q.size());
+  // Quarter i of every 128 values in the nibble order is quarter kQuarterOf[i] of q.
+  constexpr int kQuarterOf[4] = {0, 2, 1, 3};
+  for (size_t half = 0; half < out.q.size(); half += 128)
+    for (int i = 0; i < 4; ++i)
+      std::memcpy(out.q_nibble_order.data() + half + 32 * i,
+                  out.q.data() + half + 32 * kQuarterOf[i], 32);
 }
 
 namespace detail {

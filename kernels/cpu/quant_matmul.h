@@ -37,10 +37,20 @@ struct QuantizedActivations {
   std::vector<int8_t> q;      // [rows, cols]
   std::vector<float> scale;   // [rows, cols / block]
   std::vector<int32_t> sums;  // [rows, cols / 16]: Σ q of every 16 values
+  // Block 256 only: q again, with the 32-value quarters 1 and 2 of every 128 values swapped. That
+  // is the order in which a Q4_K super-block's nibbles come out of 64-byte loads split into low
+  // and high halves, so the Q4_K decode kernel multiplies them without reordering its weights.
+  std::vector<int8_t> q_nibble_order;  // [rows, cols]
+  // Block 256 only: the sums of the 32-value sub-blocks 2p and 2p + 1 as the two 16-bit halves of
+  // one int32 (|a sum of 32| ≤ 32 · 127 fits), so that one madd multiplies them by a Q4_K row's
+  // two mins. Made here, once per matmul, not by every kernel call (decode calls a kernel per 16
+  // rows).
+  std::vector<int32_t> min_pairs;  // [rows, cols / 64]
 
   const int8_t* row(int64_t r) const { return q.data() + r * cols; }
   const float* row_scales(int64_t r) const { return scale.data() + r * (cols / block); }
   const int32_t* row_sums(int64_t r) const { return sums.data() + r * (cols / 16); }
+  const int8_t* row_in_nibble_order(int64_t r) const { return q_nibble_order.data() + r * cols; }
   // The value activation (r, k) stands for: scale * q.
   float value(int64_t r, int64_t k) const { return row_scales(r)[k / block] * row(r)[k]; }
 };

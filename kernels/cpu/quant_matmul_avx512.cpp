@@ -355,24 +355,6 @@ inline __m512 k_block_step(__m512 acc, __m512 d, __m512 dmin, __m512 dx, __m512i
   return _mm512_fmadd_ps(dx, _mm512_fmsub_ps(d, _mm512_cvtepi32_ps(scaled_sum), mins), acc);
 }
 
-// Q4_K's activation sums over pairs of sub-blocks (min_pairs below), for every token of x: for
-// token t, super-block b and p < 4, sub-blocks 2p and 2p + 1 as the two 16-bit halves of an int32
-// (|a sum of 32| ≤ 32 · 127 fits), so that one madd multiplies them by a row's two mins.
-const int32_t* q4_k_min_pairs(const QuantizedActivations& x) {
-  thread_local std::vector<int32_t> pairs;
-  const int64_t count = x.cols / 64;
-  pairs.resize(static_cast<size_t>(x.rows * count));
-  for (int64_t t = 0; t < x.rows; ++t) {
-    const int32_t* sums = x.row_sums(t);
-    for (int64_t i = 0; i < count; ++i) {
-      const int32_t low = sums[4 * i] + sums[4 * i + 1], high = sums[4 * i + 2] + sums[4 * i + 3];
-      pairs[static_cast<size_t>(t * count + i)] =
-          static_cast<int32_t>(static_cast<uint16_t>(low) | static_cast<uint32_t>(high) << 16);
-    }
-  }
-  return pairs.data();
-}
-
 // quarters[k], 128-bit lane L: four partial sums of item 4k + L. Lane 4L + m of the result: the
 // sum of item 4m + L.
 inline __m512i sums_of_quarters(const __m512i quarters[4]) {
@@ -401,13 +383,26 @@ inline void unpack_k_nibbles(const uint8_t* qs, __m512i q[4]) {
   }
 }
 
+// The same nibbles as they split, not reordered: register 2h holds the low nibbles of bytes 64h ..
+// 64h + 63 (sub-blocks 4h and 4h + 2), register 2h + 1 their high nibbles (4h + 1 and 4h + 3),
+// for activations in QuantizedActivations' nibble order.
+inline void split_k_nibbles(const uint8_t* qs, __m512i q[4]) {
+  const __m512i nibble = _mm512_set1_epi8(0x0F);
+  for (int h = 0; h < 2; ++h) {
+    const __m512i packed = load512(qs + 64 * h);
+    q[2 * h] = _mm512_and_si512(packed, nibble);
+    q[2 * h + 1] = _mm512_and_si512(_mm512_srli_epi16(packed, 4), nibble);
+  }
+}
+
 // One Q4_K or Q5_K super-block of a row, unpacked for the row-at-a-time kernels: the weights in
 // four registers (register g: sub-blocks 2g and 2g + 1), the sub-block scales spread over the
 // lanes the Dot multiplies, and the mins in the form each type's arithmetic takes.
 template <bool fifth, class Dot>
 struct KQuantBlock {
   __m512i q[4], sc[Dot::kRegisters];
-  __m128i min_pairs;  // Q4_K: the mins as 16-bit pairs (m_2p, m_2p+1), for q4_k_min_pairs
+  __m128i min_pairs;  // Q4_K: the mins as 16-bit pairs (m_2p, m_2p+1), for
+                      // QuantizedActivations::min_pairs
   __m512i mins;       // Q5_K: each min beside the two 16-sums of its sub-block
   float d, dmin;
 
@@ -446,8 +441,14 @@ template <class Dot>
 void k_quant_indices(__m512i index[Dot::kRegisters]) {
   Dot::indices([](int g, int lane) { return 2 * g + lane / 8; }, index);
 }
+// The same for split_k_nibbles' registers (register g: sub-blocks 4 (g / 2) + g % 2 and two more).
+template <class Dot>
+void split_k_indices(__m512i index[Dot::kRegisters]) {
+  Dot::indices([](int g, int lane) { return 4 * (g / 2) + g % 2 + 2 * (lane / 8); }, index);
+}
 
-// min_pairs: Q4_K's (q4_k_min_pairs of x); Q5_K's arithmetic keeps 16 lanes and does not use them.
+// min_pairs: Q4_K's (QuantizedActivations::min_pairs); Q5_K's arithmetic keeps 16 lanes and does
+// not use them.
 template <bool fifth, class Dot, int kTokens>
 void q45_k_tile(const MatrixView& w, const TokenTile<kTokens>& tile, float* y, int64_t y_stride,
                 int64_t row_begin, int64_t row_end, const int32_t* min_pairs) {
@@ -525,8 +526,10 @@ inline __m512i transposed_sums(const __m512i v[16]) {
 // of the 16 rows are gathered into 16 lanes, one row per lane in transposed_sums' lane order, and
 // unpacked there for all 16 rows at once: per row then only a broadcast and a byte shuffle spread
 // its scales (the per-row unpacking had been about a third of the kernel's instructions), and
-// the mins' products are taken for 16 rows by four vpdpwssd. The same integers and float steps as
-// the other Q4_K kernels, so the same bits.
+// the mins' products are taken for 16 rows by four vpdpwssd. The weights' nibbles are multiplied
+// in the order they split (split_k_nibbles), with the activations in that order (quantized so
+// once per matmul), saving four cross-lane shuffles per row and super-block. The same integers
+// and float steps as the other Q4_K kernels, so the same bits.
 // Tokens per pass of the decode kernel over a group of 16 rows (batches of 4-6 tokens take two
 // passes, still faster than the unpacking kernel: kQ4KBatchFromTokens).
 constexpr int kGroupedTokenTile = 3;
@@ -541,7 +544,7 @@ struct ScaleSpread {
 
   ScaleSpread() {
     __m512i index[Dot::kRegisters];
-    k_quant_indices<Dot>(index);
+    split_k_indices<Dot>(index);
     for (int s = 0; s < Dot::kRegisters; ++s) {
       alignas(64) int16_t scale[32];
       alignas(64) int8_t bytes[64];
@@ -583,7 +586,11 @@ void rows_q4_k_grouped(const MatrixView& w, const QuantizedActivations& x, float
     for_each_token_tile<kGroupedTokenTile>(x, [&](const auto& tile) {
       constexpr int tokens = std::remove_cvref_t<decltype(tile)>::kCount;
       __m512 acc[tokens];
-      for (int t = 0; t < tokens; ++t) acc[t] = _mm512_setzero_ps();
+      const int8_t* xq[tokens];
+      for (int t = 0; t < tokens; ++t) {
+        acc[t] = _mm512_setzero_ps();
+        xq[t] = x.row_in_nibble_order(tile.first + t);
+      }
       for (int64_t b = 0; b < blocks; ++b) {
         // The 16 rows' heads (k_scales in quant_matmul.h, 16 rows at a time): scales and mins
         // 0-3 are the low 6 bits of words 1 and 2, 4-7 take their low bits from word 3's
@@ -603,7 +610,8 @@ void rows_q4_k_grouped(const MatrixView& w, const QuantizedActivations& x, float
         const __m512i mins_high =
             _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi32(w2, 4), k4),
                             _mm512_slli_epi32(_mm512_and_si512(_mm512_srli_epi32(w1, 6), k2), 4));
-        // Mins 2p and 2p + 1 as the two 16-bit halves of each lane, for q4_k_min_pairs' sums.
+        // Mins 2p and 2p + 1 as the two 16-bit halves of each lane, for
+        // QuantizedActivations::min_pairs' sums.
         __m512i min_pair[4];
         for (int h = 0; h < 2; ++h) {
           const __m512i m = h == 0 ? mins_low : mins_high;
@@ -623,13 +631,13 @@ void rows_q4_k_grouped(const MatrixView& w, const QuantizedActivations& x, float
           // prefetchers do not follow: the next group's span is prefetched in step with this one.
           prefetch_lines(next_group + (b * 16 + r) * 144, 144);
           __m512i q[4], sc[Dot::kRegisters];
-          unpack_k_nibbles(block + 16, q);
+          split_k_nibbles(block + 16, q);
           const int lane = kTransposed[r];
           for (int s = 0; s < Dot::kRegisters; ++s)
             sc[s] = _mm512_shuffle_epi8(_mm512_set1_epi32(scales[spread_by.half[s]][lane]),
                                         spread_by.control[s]);
           for (int t = 0; t < tokens; ++t)
-            scaled[t][r] = Dot::add(_mm512_setzero_si512(), q, tile.q(t) + b * 256, sc);
+            scaled[t][r] = Dot::add(_mm512_setzero_si512(), q, xq[t] + b * 256, sc);
         }
         for (int t = 0; t < tokens; ++t) {
           const int32_t* pairs = min_pairs + (tile.first + t) * blocks * 4 + b * 4;
@@ -794,7 +802,7 @@ void rows_q4_k_batch(const MatrixView& w, const QuantizedActivations& x, float* 
   const int64_t blocks = w.cols / 256;
   thread_local std::vector<InterleavedQ4K> unpacked;
   if (unpacked.size() < static_cast<size_t>(blocks)) unpacked.resize(static_cast<size_t>(blocks));
-  const int32_t* min_pairs = q4_k_min_pairs(x);
+  const int32_t* min_pairs = x.min_pairs.data();
   int64_t r = row_begin;
   for (; r + kInterleavedRows <= row_end; r += kInterleavedRows) {
     interleave_q4_k(w, r, blocks, unpacked.data());
@@ -903,7 +911,7 @@ void MOELINE_QUANT_AVX512_ENTRY(const MatrixView& w, const QuantizedActivations&
     case DType::kQ4_K:
       if (x.rows >= kQ4KBatchFromTokens)
         return rows_q4_k_batch<Q4KDot>(w, x, y, y_stride, row_begin, row_end);
-      return rows_q4_k_grouped<Q4KDot>(w, x, y, y_stride, row_begin, row_end, q4_k_min_pairs(x));
+      return rows_q4_k_grouped<Q4KDot>(w, x, y, y_stride, row_begin, row_end, x.min_pairs.data());
     case DType::kQ5_K:
       return rows_q45_k<true, Q5KDot>(w, x, y, y_stride, row_begin, row_end);
     case DType::kQ6_K:
