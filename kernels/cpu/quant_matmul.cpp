@@ -36,6 +36,30 @@ int64_t activation_block(DType weights) {
   return dtype_block(weights).elements == 32 ? 32 : 256;
 }
 
+namespace {
+
+// One activation row: per block d = max|x| / 127, q = x / d rounded to nearest even, and the sum
+// of every 16 q (detail::quantize_activation_row_avx512 gives the same bytes, scales and sums).
+void quantize_activation_row(const float* src, int64_t cols, int64_t block, int8_t* q,
+                             float* scales, int32_t* sums) {
+  for (int64_t b = 0; b < cols / block; ++b) {
+    float amax = 0.0f;
+    for (int64_t i = 0; i < block; ++i) amax = std::max(amax, std::fabs(src[b * block + i]));
+    const float d = amax / 127.0f;
+    const float inverse = d > 0.0f ? 1.0f / d : 0.0f;
+    for (int64_t i = 0; i < block; ++i)
+      q[b * block + i] = static_cast<int8_t>(std::lrintf(src[b * block + i] * inverse));
+    scales[b] = d;
+  }
+  for (int64_t s = 0; s < cols / 16; ++s) {
+    int32_t sum = 0;
+    for (int i = 0; i < 16; ++i) sum += q[s * 16 + i];
+    sums[s] = sum;
+  }
+}
+
+}  // namespace
+
 void quantize_activations(const float* x, int64_t rows, int64_t cols, int64_t x_stride,
                           int64_t block, QuantizedActivations& out) {
   out.rows = rows;
@@ -44,26 +68,13 @@ void quantize_activations(const float* x, int64_t rows, int64_t cols, int64_t x_
   out.q.resize(static_cast<size_t>(rows * cols));
   out.scale.resize(static_cast<size_t>(rows * (cols / block)));
   out.sums.resize(static_cast<size_t>(rows * (cols / 16)));
-  for (int64_t r = 0; r < rows; ++r) {
-    const float* src = x + r * x_stride;
-    int8_t* q = out.q.data() + r * cols;
-    float* scales = out.scale.data() + r * (cols / block);
-    int32_t* sums = out.sums.data() + r * (cols / 16);
-    for (int64_t b = 0; b < cols / block; ++b) {
-      float amax = 0.0f;
-      for (int64_t i = 0; i < block; ++i) amax = std::max(amax, std::fabs(src[b * block + i]));
-      const float d = amax / 127.0f;
-      const float inverse = d > 0.0f ? 1.0f / d : 0.0f;
-      for (int64_t i = 0; i < block; ++i)
-        q[b * block + i] = static_cast<int8_t>(std::lrintf(src[b * block + i] * inverse));
-      scales[b] = d;
-    }
-    for (int64_t s = 0; s < cols / 16; ++s) {
-      int32_t sum = 0;
-      for (int i = 0; i < 16; ++i) sum += q[s * 16 + i];
-      sums[s] = sum;
-    }
-  }
+  const Isa isa = active_isa();
+  const auto row = isa == Isa::kAvx512 || isa == Isa::kAvx512Vnni
+                       ? detail::quantize_activation_row_avx512
+                       : quantize_activation_row;
+  for (int64_t r = 0; r < rows; ++r)
+    row(x + r * x_stride, cols, block, out.q.data() + r * cols,
+        out.scale.data() + r * (cols / block), out.sums.data() + r * (cols / 16));
   if (block != 256) {
     out.q_nibble_order.clear();
     out.min_pairs.clear();

@@ -6,6 +6,7 @@
 
 #include <gtest/gtest.h>
 
+#include <bit>
 #include <cmath>
 #include <random>
 #include <vector>
@@ -102,6 +103,54 @@ TEST(QuantMatmul, ActivationsRoundToTheirBlockScale) {
       EXPECT_EQ(xq.sums[static_cast<size_t>(s)], sum);
     }
   }
+}
+
+// Every path quantizes activations to the same bytes, scales and sums (the AVX-512 form is a
+// separate implementation), including ties between two integers (rounded to even), zero blocks,
+// NaN and infinities, and the Q4_K kernels' nibble order and min pairs.
+TEST(QuantMatmul, ActivationsQuantizeToTheSameBytesOnEveryPath) {
+  const int64_t rows = 3, cols = 1024;
+  std::vector<float> x = gaussian_input(rows, cols, 5);
+  for (int64_t k = 0; k < 256; ++k) x[static_cast<size_t>(k)] = 0.0f;  // a zero block
+  for (int64_t k = 256; k < 512; ++k)  // -127 .. 126.5, so a scale of 1: every x.5 is a tie
+    x[static_cast<size_t>(k)] = static_cast<float>((k % 254) - 127) + (k % 2 ? 0.5f : 0.0f);
+  x[600] = std::nanf("");
+  x[767] = std::nanf("");  // the last value a lane of the block maximum sees
+  x[700] = INFINITY;
+  x[1500] = -INFINITY;
+  x[2100] = 3e38f;
+  for (int64_t block : {32, 256}) {
+    QuantizedActivations reference;
+    {
+      ModeGuard guard(Isa::kPortable, QuantMath::kFast);
+      quantize_activations(x.data(), rows, cols, cols, block, reference);
+    }
+    for (Isa isa : supported_isas()) {
+      ModeGuard guard(isa, QuantMath::kFast);
+      QuantizedActivations xq;
+      quantize_activations(x.data(), rows, cols, cols, block, xq);
+      EXPECT_EQ(xq.q, reference.q) << isa_name(isa) << " block " << block;
+      EXPECT_EQ(xq.sums, reference.sums) << isa_name(isa) << " block " << block;
+      EXPECT_EQ(xq.q_nibble_order, reference.q_nibble_order) << isa_name(isa);
+      EXPECT_EQ(xq.min_pairs, reference.min_pairs) << isa_name(isa);
+      ASSERT_EQ(xq.scale.size(), reference.scale.size());
+      for (size_t i = 0; i < xq.scale.size(); ++i)  // bit equality (NaN and inf included)
+        EXPECT_EQ(std::bit_cast<uint32_t>(xq.scale[i]), std::bit_cast<uint32_t>(reference.scale[i]))
+            << isa_name(isa) << " block " << block << " scale " << i;
+    }
+  }
+  // The ties went to even (the scale of that block is exactly 1).
+  QuantizedActivations xq;
+  quantize_activations(x.data(), rows, cols, cols, 256, xq);
+  EXPECT_EQ(xq.row_scales(0)[1], 1.0f);
+  EXPECT_EQ(xq.q[257], -124);  // -123.5
+  EXPECT_EQ(xq.q[259], -122);  // -121.5
+  EXPECT_EQ(xq.q[383], 2);     // 2.5
+  EXPECT_EQ(xq.q[385], 4);     // 4.5
+  // Nibble order: quarters 1 and 2 of every 128 values swapped.
+  EXPECT_EQ(xq.q_nibble_order[32], xq.q[64]);
+  EXPECT_EQ(xq.q_nibble_order[64 + 5], xq.q[32 + 5]);
+  EXPECT_EQ(xq.q_nibble_order[128 + 96], xq.q[128 + 96]);
 }
 
 TEST(QuantMatmul, FastStaysWithinEightBitRoundingOfExact) {
