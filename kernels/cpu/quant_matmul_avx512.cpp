@@ -523,15 +523,15 @@ inline __m512i transposed_sums(const __m512i v[16]) {
 // weights are multiplied as in rows_q45_k, but the sums of 16 rows are folded together
 // (transposed_sums) and one k_block_step serves the 16, where the row kernel folds and scales
 // each row on its own. Each super-block's 16-byte heads (d, dmin and the packed scales and mins)
-// of the 16 rows are gathered into 16 lanes, one row per lane in transposed_sums' lane order, and
-// unpacked there for all 16 rows at once: per row then only a broadcast and a byte shuffle spread
-// its scales (the per-row unpacking had been about a third of the kernel's instructions), and
-// the mins' products are taken for 16 rows by four vpdpwssd. The weights' nibbles are multiplied
-// in the order they split (split_k_nibbles), with the activations in that order (quantized so
-// once per matmul), saving four cross-lane shuffles per row and super-block. The same integers
-// and float steps as the other Q4_K kernels, so the same bits.
-// Tokens per pass of the decode kernel over a group of 16 rows (batches of 4-6 tokens take two
-// passes, still faster than the unpacking kernel: kQ4KBatchFromTokens).
+// of the 16 rows are gathered (gather_k_heads) into 16 lanes, one row per lane in transposed_sums'
+// lane order, and unpacked there for all 16 rows at once: per row then only a broadcast and a byte
+// shuffle spread its scales (the per-row unpacking had been about a third of the kernel's
+// instructions), and the mins' products are taken for 16 rows by four vpdpwssd. The weights'
+// nibbles are multiplied in the order they split (split_k_nibbles), with the activations in that
+// order (quantized so once per matmul), saving four cross-lane shuffles per row and super-block.
+// The same integers and float steps as the other Q4_K kernels, so the same bits. Tokens per pass of
+// the decode kernel over a group of 16 rows (batches of 4-6 tokens take two passes, still faster
+// than the unpacking kernel: kQ4KBatchFromTokens).
 constexpr int kGroupedTokenTile = 3;
 
 // Where a Dot's scale registers take their scales from, for 16-row lanes of packed scale bytes:
@@ -559,23 +559,43 @@ struct ScaleSpread {
   }
 };
 
+// The 16-byte heads of 16 rows (at `heads`, `row_bytes` apart) as four registers of 16 lanes, one
+// per 32-bit word of a head, lane l holding row 4 (l % 4) + l / 4 (transposed_sums' order): four
+// rows' heads loaded into the 128-bit lanes of each of four registers, then a 4x4 transpose of
+// words inside each 128-bit lane. Fewer operations than four 16-lane gathers (vpgatherdd).
+inline void gather_k_heads(const uint8_t* heads, int64_t row_bytes, __m512i& word0, __m512i& word1,
+                           __m512i& word2, __m512i& word3) {
+  auto head = [&](int r) {
+    return _mm_loadu_si128(reinterpret_cast<const __m128i*>(heads + r * row_bytes));
+  };
+  __m512i rows[4];  // rows[k], 128-bit lane L: the head of row 4k + L
+  for (int k = 0; k < 4; ++k)
+    rows[k] = _mm512_inserti32x4(
+        _mm512_inserti32x4(
+            _mm512_inserti32x4(_mm512_castsi128_si512(head(4 * k)), head(4 * k + 1), 1),
+            head(4 * k + 2), 2),
+        head(4 * k + 3), 3);
+  const __m512i low01 = _mm512_unpacklo_epi32(rows[0], rows[1]),
+                high01 = _mm512_unpackhi_epi32(rows[0], rows[1]),
+                low23 = _mm512_unpacklo_epi32(rows[2], rows[3]),
+                high23 = _mm512_unpackhi_epi32(rows[2], rows[3]);
+  word0 = _mm512_unpacklo_epi64(low01, low23);  // lane 4L + k: word 0 of row 4k + L
+  word1 = _mm512_unpackhi_epi64(low01, low23);
+  word2 = _mm512_unpacklo_epi64(high01, high23);
+  word3 = _mm512_unpackhi_epi64(high01, high23);
+}
+
 template <class Dot>
 void rows_q4_k_grouped(const MatrixView& w, const QuantizedActivations& x, float* y,
                        int64_t y_stride, int64_t row_begin, int64_t row_end,
                        const int32_t* min_pairs) {
   const int64_t blocks = w.cols / 256;
   const auto row_bytes = static_cast<int64_t>(w.row_bytes());
-  if (row_bytes > INT32_MAX / 16) {  // the gathers' offsets are 32-bit
-    rows_q45_k<false, Dot>(w, x, y, y_stride, row_begin, row_end, min_pairs);
-    return;
-  }
   const ScaleSpread<Dot> spread_by;
   // Lane l of transposed_sums holds row 4 (l % 4) + l / 4; the map is its own inverse.
   alignas(64) static constexpr int32_t kTransposed[16] = {0, 4, 8,  12, 1, 5, 9,  13,
                                                           2, 6, 10, 14, 3, 7, 11, 15};
   const __m512i transposed = _mm512_load_si512(kTransposed);
-  const __m512i row_offsets =
-      _mm512_mullo_epi32(transposed, _mm512_set1_epi32(static_cast<int32_t>(row_bytes)));
   const __m512i k6 = _mm512_set1_epi32(0x3f3f3f3f), k4 = _mm512_set1_epi32(0x0f0f0f0f),
                 k2 = _mm512_set1_epi32(0x03030303), low_byte = _mm512_set1_epi32(0xFF),
                 third_byte = _mm512_set1_epi32(0xFF0000);
@@ -595,11 +615,8 @@ void rows_q4_k_grouped(const MatrixView& w, const QuantizedActivations& x, float
         // The 16 rows' heads (k_scales in quant_matmul.h, 16 rows at a time): scales and mins
         // 0-3 are the low 6 bits of words 1 and 2, 4-7 take their low bits from word 3's
         // nibbles and their top two from the top of words 1 and 2.
-        const uint8_t* heads = group + b * 144;
-        const __m512i d_dmin = _mm512_i32gather_epi32(row_offsets, heads, 1);
-        const __m512i w0 = _mm512_i32gather_epi32(row_offsets, heads + 4, 1);
-        const __m512i w1 = _mm512_i32gather_epi32(row_offsets, heads + 8, 1);
-        const __m512i w2 = _mm512_i32gather_epi32(row_offsets, heads + 12, 1);
+        __m512i d_dmin, w0, w1, w2;
+        gather_k_heads(group + b * 144, row_bytes, d_dmin, w0, w1, w2);
         alignas(64) int32_t scales[2][16];
         _mm512_store_si512(scales[0], _mm512_and_si512(w0, k6));
         _mm512_store_si512(
