@@ -43,8 +43,8 @@ struct QuantizedActivations {
   std::vector<int8_t> q_nibble_order;  // [rows, cols]
   // Block 256 only: the sums of the 32-value sub-blocks 2p and 2p + 1 as the two 16-bit halves of
   // one int32 (|a sum of 32| ≤ 32 · 127 fits), so that one madd multiplies them by a Q4_K row's
-  // two mins. Made here, once per matmul, not by every kernel call (decode calls a kernel per 16
-  // rows).
+  // two mins. Made here, once per matmul, not by every kernel call (decode calls a kernel per
+  // claim of rows).
   std::vector<int32_t> min_pairs;  // [rows, cols / 64]
 
   const int8_t* row(int64_t r) const { return q.data() + r * cols; }
