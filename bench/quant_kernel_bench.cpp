@@ -4,7 +4,8 @@
 // Prints one JSON object per (type, shape, tokens): weights per second, weight bytes per second
 // and ns per weight, best of --repeat. This isolates the kernels from the rest of a decode step
 // for A/B runs of kernel changes (engine_bench measures the whole step). --claim-rows N calls the
-// kernel on N rows at a time, as matmul's threads claim them in decode (16); 0, the whole matrix.
+// kernel on N rows at a time, as matmul's threads claim them in decode (16, or 64 for Q4_K); 0,
+// the whole matrix.
 //
 //   moeline_quant_kernel_bench [--types q8_0,q4_0,q4_k,q5_k,q6_k] [--tokens 1,8,64]
 //                              [--rows 2816] [--cols 1024] [--matrices 24] [--repeat 5]

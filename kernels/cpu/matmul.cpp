@@ -23,9 +23,9 @@ constexpr size_t kInlineBytes = 256 << 10;
 // tokens), in StreamTuning::decode_streams streams per thread.
 constexpr int64_t kStreamTokens = 6;
 // Rows per claim in decode. The Q4_K decode kernel reads rows in groups of 16 and sets up per call
-// and per group, so its claims are four groups (mini Q4_K_M decode, two threads: 397-417 -> 430-468
-// t/s against 16-row claims; one thread the same or a little faster); the other kernels read row by
-// row and their claims stay at 16 rows (larger ones made Q8_0 decode a few percent slower, BF16 no
+// and per group, so its claims are four groups (mini Q4_K_M decode, two threads: 396-417 -> 424-468
+// t/s against 16-row claims; one thread within the noise); the other kernels read row by row and
+// their claims stay at 16 rows (larger ones made Q8_0 decode a few percent slower, BF16 no
 // faster).
 int64_t decode_claim_rows(DType weights) {
   return weights == DType::kQ4_K ? 64 : 16;

@@ -529,9 +529,10 @@ inline __m512i transposed_sums(const __m512i v[16]) {
 // instructions), and the mins' products are taken for 16 rows by four vpdpwssd. The weights'
 // nibbles are multiplied in the order they split (split_k_nibbles), with the activations in that
 // order (quantized so once per matmul), saving four cross-lane shuffles per row and super-block.
-// The same integers and float steps as the other Q4_K kernels, so the same bits. Tokens per pass of
-// the decode kernel over a group of 16 rows (batches of 4-6 tokens take two passes, still faster
-// than the unpacking kernel: kQ4KBatchFromTokens).
+// The same integers and float steps as the other Q4_K kernels, so the same bits.
+//
+// Tokens per pass of the decode kernel over a group of 16 rows (batches of 4-6 tokens take two
+// passes, still faster than the unpacking kernel: kQ4KBatchFromTokens).
 constexpr int kGroupedTokenTile = 3;
 
 // Where a Dot's scale registers take their scales from, for 16-row lanes of packed scale bytes:
@@ -549,7 +550,7 @@ struct ScaleSpread {
       alignas(64) int16_t scale[32];
       alignas(64) int8_t bytes[64];
       _mm512_store_si512(scale, index[s]);
-      half[s] = scale[0] / 4;  // every lane of a register reads the same half (k_quant_indices)
+      half[s] = scale[0] / 4;  // every lane of a register reads the same half (split_k_indices)
       for (int l = 0; l < 32; ++l) {
         bytes[2 * l] = static_cast<int8_t>(scale[l] % 4);
         bytes[2 * l + 1] = -128;  // zero: the high byte of the 16-bit scale
