@@ -367,31 +367,27 @@ inline __m512i sums_of_quarters(const __m512i quarters[4]) {
                           _mm512_castps_si512(_mm512_shuffle_ps(a, b, _MM_SHUFFLE(3, 1, 3, 1))));
 }
 
-// A Q4_K or Q5_K super-block's 256 packed nibbles (`qs`) as four registers in sub-block order
-// (register g: sub-blocks 2g and 2g + 1). 64 packed bytes at a time: their low nibbles are
-// sub-blocks 4h and 4h + 2, their high nibbles 4h + 1 and 4h + 3; one 128-bit-lane shuffle per
-// pair puts each register in sub-block order (two 32-byte loads and an insert per register cost
-// more instructions).
-inline void unpack_k_nibbles(const uint8_t* qs, __m512i q[4]) {
-  const __m512i nibble = _mm512_set1_epi8(0x0F);
-  for (int h = 0; h < 2; ++h) {
-    const __m512i packed = load512(qs + 64 * h);
-    const __m512i lo = _mm512_and_si512(packed, nibble);
-    const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(packed, 4), nibble);
-    q[2 * h] = _mm512_shuffle_i64x2(lo, hi, 0x44);
-    q[2 * h + 1] = _mm512_shuffle_i64x2(lo, hi, 0xEE);
-  }
-}
-
-// The same nibbles as they split, not reordered: register 2h holds the low nibbles of bytes 64h ..
-// 64h + 63 (sub-blocks 4h and 4h + 2), register 2h + 1 their high nibbles (4h + 1 and 4h + 3),
-// for activations in QuantizedActivations' nibble order.
+// A Q4_K or Q5_K super-block's 256 packed nibbles (`qs`) as they split: register 2h holds the low
+// nibbles of bytes 64h .. 64h + 63 (sub-blocks 4h and 4h + 2), register 2h + 1 their high nibbles
+// (4h + 1 and 4h + 3), for activations in QuantizedActivations' nibble order.
 inline void split_k_nibbles(const uint8_t* qs, __m512i q[4]) {
   const __m512i nibble = _mm512_set1_epi8(0x0F);
   for (int h = 0; h < 2; ++h) {
     const __m512i packed = load512(qs + 64 * h);
     q[2 * h] = _mm512_and_si512(packed, nibble);
     q[2 * h + 1] = _mm512_and_si512(_mm512_srli_epi16(packed, 4), nibble);
+  }
+}
+
+// The same in sub-block order (register g: sub-blocks 2g and 2g + 1): one 128-bit-lane shuffle
+// per pair of split registers (two 32-byte loads and an insert per register cost more
+// instructions).
+inline void unpack_k_nibbles(const uint8_t* qs, __m512i q[4]) {
+  split_k_nibbles(qs, q);
+  for (int h = 0; h < 2; ++h) {
+    const __m512i lo = q[2 * h], hi = q[2 * h + 1];
+    q[2 * h] = _mm512_shuffle_i64x2(lo, hi, 0x44);
+    q[2 * h + 1] = _mm512_shuffle_i64x2(lo, hi, 0xEE);
   }
 }
 
@@ -588,8 +584,8 @@ inline void gather_k_heads(const uint8_t* heads, int64_t row_bytes, __m512i& wor
 
 template <class Dot>
 void rows_q4_k_grouped(const MatrixView& w, const QuantizedActivations& x, float* y,
-                       int64_t y_stride, int64_t row_begin, int64_t row_end,
-                       const int32_t* min_pairs) {
+                       int64_t y_stride, int64_t row_begin, int64_t row_end) {
+  const int32_t* min_pairs = x.min_pairs.data();
   const int64_t blocks = w.cols / 256;
   const auto row_bytes = static_cast<int64_t>(w.row_bytes());
   const ScaleSpread<Dot> spread_by;
@@ -929,7 +925,7 @@ void MOELINE_QUANT_AVX512_ENTRY(const MatrixView& w, const QuantizedActivations&
     case DType::kQ4_K:
       if (x.rows >= kQ4KBatchFromTokens)
         return rows_q4_k_batch<Q4KDot>(w, x, y, y_stride, row_begin, row_end);
-      return rows_q4_k_grouped<Q4KDot>(w, x, y, y_stride, row_begin, row_end, x.min_pairs.data());
+      return rows_q4_k_grouped<Q4KDot>(w, x, y, y_stride, row_begin, row_end);
     case DType::kQ5_K:
       return rows_q45_k<true, Q5KDot>(w, x, y, y_stride, row_begin, row_end);
     case DType::kQ6_K:
