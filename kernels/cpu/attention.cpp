@@ -19,7 +19,7 @@ constexpr int64_t kMaxHeadsPerItem = 16;
 // attending alone: the same dot products, the same softmax, the same accumulation order.
 void attend_heads(const PagedKvLayer& kv, const AttentionQuery& query, int64_t head_begin,
                   int64_t head_end, int64_t group, float scale, int64_t sliding_window,
-                  std::vector<float>& scores) {
+                  bool prefetch_kv, std::vector<float>& scores) {
   const int64_t kv_head = head_begin / group;
   const int64_t first = detail::first_visible_key(query, sliding_window);
   const int64_t count = query.position - first + 1;
@@ -28,9 +28,15 @@ void attend_heads(const PagedKvLayer& kv, const AttentionQuery& query, int64_t h
     scores.resize(static_cast<size_t>(heads * count));
   float max_score[kMaxHeadsPerItem];
   std::fill(max_score, max_score + heads, -INFINITY);
-  for (int64_t i = 0; i < count; ++i) {
-    const int64_t pos = first + i;
-    const float* k = kv.key(query.block_table[pos / kv.block_size], kv_head, pos % kv.block_size);
+  const int64_t key_ahead = detail::kv_prefetch_rows(kv.key_dim, count, prefetch_kv);
+  detail::SlotCursor at(kv, query.block_table, first),
+      ahead(kv, query.block_table, first + key_ahead);
+  for (int64_t i = 0; i < count; ++i, at.advance()) {
+    if (i + key_ahead < count) {
+      detail::prefetch_floats(kv.key(ahead.block(), kv_head, ahead.slot), kv.key_dim);
+      ahead.advance();
+    }
+    const float* k = kv.key(at.block(), kv_head, at.slot);
     float dots[kMaxHeadsPerItem];
     dot_rows(query.q + head_begin * kv.key_dim, kv.key_dim, heads, k, kv.key_dim, dots);
     for (int64_t h = 0; h < heads; ++h) {
@@ -51,9 +57,15 @@ void attend_heads(const PagedKvLayer& kv, const AttentionQuery& query, int64_t h
     float* out = query.out + (head_begin + h) * kv.value_dim;
     std::fill(out, out + kv.value_dim, 0.0f);
   }
-  for (int64_t i = 0; i < count; ++i) {
-    const int64_t pos = first + i;
-    const float* v = kv.value(query.block_table[pos / kv.block_size], kv_head, pos % kv.block_size);
+  const int64_t value_ahead = detail::kv_prefetch_rows(kv.value_dim, count, prefetch_kv);
+  detail::SlotCursor value_at(kv, query.block_table, first),
+      value_next(kv, query.block_table, first + value_ahead);
+  for (int64_t i = 0; i < count; ++i, value_at.advance()) {
+    if (i + value_ahead < count) {
+      detail::prefetch_floats(kv.value(value_next.block(), kv_head, value_next.slot), kv.value_dim);
+      value_next.advance();
+    }
+    const float* v = kv.value(value_at.block(), kv_head, value_at.slot);
     for (int64_t h = 0; h < heads; ++h)
       axpy(scores[static_cast<size_t>(h * count + i)] * weight_scale[h], v,
            query.out + (head_begin + h) * kv.value_dim, kv.value_dim);
@@ -84,6 +96,14 @@ void paged_attention(ThreadPool& pool, const PagedKvLayer& kv,
   const Isa isa = active_isa();
   const auto attend =
       isa == Isa::kAvx512 || isa == Isa::kAvx512Vnni ? detail::attend_heads_avx512 : attend_heads;
+  // A query whose neighbours in the call read other sequences' caches (a decode step) reads its
+  // keys and values from memory and prefetches them; a prompt's queries share theirs.
+  auto alone = [&](int64_t query) {
+    const int32_t* table = queries[static_cast<size_t>(query)].block_table;
+    return (query == 0 || queries[static_cast<size_t>(query - 1)].block_table != table) &&
+           (query + 1 == query_count ||
+            queries[static_cast<size_t>(query + 1)].block_table != table);
+  };
   auto attend_items = [&](int64_t first, int64_t stride) {
     thread_local std::vector<float> scores;
     for (int64_t item = first; item < work; item += stride) {
@@ -94,7 +114,7 @@ void paged_attention(ThreadPool& pool, const PagedKvLayer& kv,
       const int64_t head_end =
           std::min(head_begin + chunk, (within / chunks_per_group + 1) * group);
       attend(kv, queries[static_cast<size_t>(query)], head_begin, head_end, group, scale,
-             sliding_window, scores);
+             sliding_window, alone(query), scores);
     }
   };
   int64_t keys = 0;

@@ -63,10 +63,12 @@ void with_count(int64_t count, Body&& body) {
 
 // One block of the weighted sum of values: kHeads heads × kChunks 16-column chunks, from column
 // chunk `first_chunk` on, accumulated in registers over the keys in order.
-template <class ValueRow>
 struct WeightedValues {
   const PagedKvLayer& kv;
-  const ValueRow& value_row;
+  const int32_t* block_table;
+  int64_t kv_head;
+  int64_t first_position;
+  bool prefetch;
   const float* weights;  // [head][padded]: e^(s - max) of the block's first head
   int64_t padded;
   const float* weight_scale;  // 1 / Σ of each head
@@ -82,8 +84,17 @@ struct WeightedValues {
     __m512 acc[kHeads][kChunks];
     for (int h = 0; h < kHeads; ++h)
       for (int c = 0; c < kChunks; ++c) acc[h][c] = _mm512_setzero_ps();
-    for (int64_t i = 0; i < count; ++i) {
-      const float* v = value_row(i) + first_chunk * kLanes;
+    const int64_t floats = std::min<int64_t>(kChunks * kLanes, kv.value_dim - first_chunk * kLanes);
+    SlotCursor at(kv, block_table, first_position);
+    const int64_t ahead_rows = kv_prefetch_rows(floats, count, prefetch);
+    SlotCursor ahead(kv, block_table, first_position + ahead_rows);
+    for (int64_t i = 0; i < count; ++i, at.advance()) {
+      if (i + ahead_rows < count) {
+        prefetch_floats(kv.value(ahead.block(), kv_head, ahead.slot) + first_chunk * kLanes,
+                        floats);
+        ahead.advance();
+      }
+      const float* v = kv.value(at.block(), kv_head, at.slot) + first_chunk * kLanes;
       __m512 chunk[kChunks];
       for (int c = 0; c < kChunks; ++c) chunk[c] = _mm512_maskz_loadu_ps(masks[c], v + c * kLanes);
       for (int h = 0; h < kHeads; ++h) {
@@ -102,7 +113,7 @@ struct WeightedValues {
 
 void attend_heads_avx512(const PagedKvLayer& kv, const AttentionQuery& query, int64_t head_begin,
                          int64_t head_end, int64_t group, float scale, int64_t sliding_window,
-                         std::vector<float>& scores) {
+                         bool prefetch_kv, std::vector<float>& scores) {
   const int64_t kv_head = head_begin / group;
   const int64_t first = detail::first_visible_key(query, sliding_window);
   const int64_t count = query.position - first + 1;
@@ -110,26 +121,27 @@ void attend_heads_avx512(const PagedKvLayer& kv, const AttentionQuery& query, in
   const int64_t padded = (count + kLanes - 1) / kLanes * kLanes;
   if (static_cast<int64_t>(scores.size()) < heads * padded)
     scores.resize(static_cast<size_t>(heads * padded));
-  auto key_row = [&](int64_t i) {
-    const int64_t pos = first + i;
-    return kv.key(query.block_table[pos / kv.block_size], kv_head, pos % kv.block_size);
-  };
-  auto value_row = [&](int64_t i) {
-    const int64_t pos = first + i;
-    return kv.value(query.block_table[pos / kv.block_size], kv_head, pos % kv.block_size);
-  };
-
   // Scores, 16 keys at a time: each key row is read once for all heads.
   const int64_t key_chunks = (kv.key_dim + kLanes - 1) / kLanes;
   const __mmask16 key_tail = first_lanes(kv.key_dim - (key_chunks - 1) * kLanes);
   __m512 max_score[kMaxHeads];
   for (int64_t h = 0; h < heads; ++h) max_score[h] = _mm512_set1_ps(-INFINITY);
   const __m512 scale_v = _mm512_set1_ps(scale);
+  SlotCursor at(kv, query.block_table, first);
+  const int64_t ahead_rows = kv_prefetch_rows(kv.key_dim, count, prefetch_kv);
+  SlotCursor ahead(kv, query.block_table, first + ahead_rows);
   for (int64_t i0 = 0; i0 < count; i0 += kLanes) {
     const int64_t keys = std::min(kLanes, count - i0);
     // Past the last key the last row stands in (its lanes are never used): every pass is 16.
     const float* rows[kLanes];
-    for (int64_t j = 0; j < kLanes; ++j) rows[j] = key_row(i0 + std::min(j, keys - 1));
+    for (int64_t j = 0; j < keys; ++j, at.advance()) {
+      rows[j] = kv.key(at.block(), kv_head, at.slot);
+      if (i0 + j + ahead_rows < count) {
+        prefetch_floats(kv.key(ahead.block(), kv_head, ahead.slot), kv.key_dim);
+        ahead.advance();
+      }
+    }
+    for (int64_t j = keys; j < kLanes; ++j) rows[j] = rows[keys - 1];
     for (int64_t h = 0; h < heads; ++h) {
       const float* q = query.q + (head_begin + h) * kv.key_dim;
       __m512 partial[kLanes];
@@ -174,14 +186,17 @@ void attend_heads_avx512(const PagedKvLayer& kv, const AttentionQuery& query, in
   const int64_t value_chunks = (kv.value_dim + kLanes - 1) / kLanes;
   for (int64_t h0 = 0; h0 < heads; h0 += 4) {
     for (int64_t c0 = 0; c0 < value_chunks; c0 += 4) {
-      const WeightedValues block{kv,
-                                 value_row,
-                                 scores.data() + h0 * padded,
-                                 padded,
-                                 weight_scale + h0,
-                                 count,
-                                 c0,
-                                 query.out + (head_begin + h0) * kv.value_dim};
+      const WeightedValues block{.kv = kv,
+                                 .block_table = query.block_table,
+                                 .kv_head = kv_head,
+                                 .first_position = first,
+                                 .prefetch = prefetch_kv,
+                                 .weights = scores.data() + h0 * padded,
+                                 .padded = padded,
+                                 .weight_scale = weight_scale + h0,
+                                 .count = count,
+                                 .first_chunk = c0,
+                                 .out = query.out + (head_begin + h0) * kv.value_dim};
       with_count<4>(heads - h0, [&](auto head_count) {
         with_count<4>(value_chunks - c0, [&](auto chunk_count) {
           block.template run<decltype(head_count)::value, decltype(chunk_count)::value>();

@@ -93,15 +93,15 @@ struct Cache {
   }
 };
 
-// softmax(q·k * scale) · v over positions 0..position, in double.
+// softmax(q·k * scale) · v over positions first..position, in double.
 std::vector<double> reference(PagedKvLayer kv, const float* q, int64_t heads, const int32_t* table,
-                              int64_t position, float scale) {
+                              int64_t position, float scale, int64_t first = 0) {
   const int64_t group = heads / kv.kv_heads;
   std::vector<double> out(static_cast<size_t>(heads * kv.value_dim), 0.0);
   for (int64_t h = 0; h < heads; ++h) {
-    std::vector<double> score(static_cast<size_t>(position + 1));
+    std::vector<double> score(static_cast<size_t>(position + 1), -INFINITY);
     double max_score = -INFINITY, sum = 0;
-    for (int64_t p = 0; p <= position; ++p) {
+    for (int64_t p = first; p <= position; ++p) {
       const float* k = kv.key(table[p / kv.block_size], h / group, p % kv.block_size);
       double s = 0;
       for (int64_t d = 0; d < kv.key_dim; ++d) s += double(q[h * kv.key_dim + d]) * k[d];
@@ -109,7 +109,7 @@ std::vector<double> reference(PagedKvLayer kv, const float* q, int64_t heads, co
       max_score = std::max(max_score, s * scale);
     }
     for (double& s : score) sum += (s = std::exp(s - max_score));
-    for (int64_t p = 0; p <= position; ++p) {
+    for (int64_t p = first; p <= position; ++p) {
       const float* v = kv.value(table[p / kv.block_size], h / group, p % kv.block_size);
       for (int64_t d = 0; d < kv.value_dim; ++d)
         out[static_cast<size_t>(h * kv.value_dim + d)] +=
@@ -152,14 +152,14 @@ void check_paged_attention(const Shape& shape) {
   std::vector<float> q(at.size() * static_cast<size_t>(shape.heads * shape.key_dim));
   for (float& x : q) x = normal(rng) * 0.3f;
   const float scale = 1.0f / std::sqrt(static_cast<float>(shape.key_dim));
-  auto run = [&](ThreadPool& pool, const std::vector<size_t>& which) {
+  auto run = [&](ThreadPool& pool, const std::vector<size_t>& which, int64_t window = 0) {
     std::vector<float> out(at.size() * static_cast<size_t>(shape.heads * shape.value_dim), -1.0f);
     std::vector<AttentionQuery> queries;
     for (size_t i : which)
       queries.push_back({q.data() + i * static_cast<size_t>(shape.heads * shape.key_dim),
                          out.data() + i * static_cast<size_t>(shape.heads * shape.value_dim),
                          cache.table.data(), at[i]});
-    paged_attention(pool, kv, queries, shape.heads, scale, 0);
+    paged_attention(pool, kv, queries, shape.heads, scale, window);
     return out;
   };
   ThreadPool one(1), four(4);
@@ -185,6 +185,21 @@ void check_paged_attention(const Shape& shape) {
       norm += want[d] * want[d];
     }
     EXPECT_LE(std::sqrt(diff / norm), 1e-5) << "query at " << at[i];
+  }
+  // A sliding window of 37 starts inside a block (and, deep in the cache, in a later block than
+  // the first): only the last 37 keys count.
+  constexpr int64_t kWindow = 37;
+  const std::vector<float> windowed = run(four, all, kWindow);
+  for (size_t i = 0; i < at.size(); ++i) {
+    const std::vector<double> want =
+        reference(kv, q.data() + i * static_cast<size_t>(shape.heads * shape.key_dim), shape.heads,
+                  cache.table.data(), at[i], scale, std::max<int64_t>(0, at[i] - kWindow + 1));
+    double diff = 0, norm = 0;
+    for (size_t d = 0; d < width; ++d) {
+      diff += std::pow(windowed[i * width + d] - want[d], 2);
+      norm += want[d] * want[d];
+    }
+    EXPECT_LE(std::sqrt(diff / norm), 1e-5) << "windowed query at " << at[i];
   }
 }
 
