@@ -5,6 +5,7 @@
 #include <cstring>
 
 #include "base/environment.h"
+#include "kernels/cpu/attention.h"
 #include "kernels/cpu/bf16_matmul.h"
 #include "kernels/cpu/cpu_features.h"
 #include "kernels/cpu/matmul.h"
@@ -51,6 +52,7 @@ KernelReport kernel_report() {
                    {"decode_streams", streams.decode_streams}};
   if (isa != Isa::kPortable)
     report.tuning.emplace_back("quant_prefetch_bytes", streams.quant_prefetch_bytes);
+  report.tuning.emplace_back("kv_prefetch_bytes", detail::kKvPrefetchBytes);
   if (isa == Isa::kAvx512 || isa == Isa::kAvx512Vnni)
     report.tuning.emplace_back("q4_k_batch_from_tokens", detail::kQ4KBatchFromTokens);
   return report;

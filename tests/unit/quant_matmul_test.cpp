@@ -12,6 +12,7 @@
 #include <vector>
 
 #include "kernel_test_inputs.h"
+#include "kernels/cpu/attention.h"
 #include "kernels/cpu/cpu_features.h"
 #include "kernels/cpu/kernel_report.h"
 #include "kernels/cpu/matmul.h"
@@ -321,6 +322,7 @@ TEST(KernelReport, NamesThePathTheCpuTheArithmeticAndTheTuning) {
               isa == Isa::kPortable ? -1 : stream_tuning().quant_prefetch_bytes);
     const bool avx512 = isa == Isa::kAvx512 || isa == Isa::kAvx512Vnni;
     EXPECT_EQ(tuning("q4_k_batch_from_tokens"), avx512 ? detail::kQ4KBatchFromTokens : -1);
+    EXPECT_EQ(tuning("kv_prefetch_bytes"), detail::kKvPrefetchBytes);  // attention, every path
     const auto fields = report_fields(report);
     ASSERT_GE(fields.size(), 4u);
     EXPECT_EQ(fields[0], std::make_pair(std::string("isa"), report.isa));
