@@ -28,15 +28,9 @@ void attend_heads(const PagedKvLayer& kv, const AttentionQuery& query, int64_t h
     scores.resize(static_cast<size_t>(heads * count));
   float max_score[kMaxHeadsPerItem];
   std::fill(max_score, max_score + heads, -INFINITY);
-  const int64_t key_ahead = detail::kv_prefetch_rows(kv.key_dim, count, prefetch_kv);
-  detail::SlotCursor at(kv, query.block_table, first),
-      ahead(kv, query.block_table, first + key_ahead);
-  for (int64_t i = 0; i < count; ++i, at.advance()) {
-    if (i + key_ahead < count) {
-      detail::prefetch_floats(kv.key(ahead.block(), kv_head, ahead.slot), kv.key_dim);
-      ahead.advance();
-    }
-    const float* k = kv.key(at.block(), kv_head, at.slot);
+  detail::KeyWalk keys(kv, query.block_table, kv_head, first, count, 0, kv.key_dim, prefetch_kv);
+  for (int64_t i = 0; i < count; ++i) {
+    const float* k = keys.next();
     float dots[kMaxHeadsPerItem];
     dot_rows(query.q + head_begin * kv.key_dim, kv.key_dim, heads, k, kv.key_dim, dots);
     for (int64_t h = 0; h < heads; ++h) {
@@ -57,15 +51,10 @@ void attend_heads(const PagedKvLayer& kv, const AttentionQuery& query, int64_t h
     float* out = query.out + (head_begin + h) * kv.value_dim;
     std::fill(out, out + kv.value_dim, 0.0f);
   }
-  const int64_t value_ahead = detail::kv_prefetch_rows(kv.value_dim, count, prefetch_kv);
-  detail::SlotCursor value_at(kv, query.block_table, first),
-      value_next(kv, query.block_table, first + value_ahead);
-  for (int64_t i = 0; i < count; ++i, value_at.advance()) {
-    if (i + value_ahead < count) {
-      detail::prefetch_floats(kv.value(value_next.block(), kv_head, value_next.slot), kv.value_dim);
-      value_next.advance();
-    }
-    const float* v = kv.value(value_at.block(), kv_head, value_at.slot);
+  detail::ValueWalk values(kv, query.block_table, kv_head, first, count, 0, kv.value_dim,
+                           prefetch_kv);
+  for (int64_t i = 0; i < count; ++i) {
+    const float* v = values.next();
     for (int64_t h = 0; h < heads; ++h)
       axpy(scores[static_cast<size_t>(h * count + i)] * weight_scale[h], v,
            query.out + (head_begin + h) * kv.value_dim, kv.value_dim);

@@ -73,28 +73,63 @@ struct SlotCursor {
   int32_t block() const { return block_table[index]; }
 };
 
-// How many positions ahead a pass over `count` keys or values prefetches rows of `floats` each:
-// about 8 KiB ahead, or with `enabled` false none (`count`: no position is that far ahead). The
-// cache is read block by block (16 rows of one KV head, 4 KiB on `mini`), the blocks scattered
-// over the cache, and the hardware prefetchers start over at every block: without this, decode at
-// depth 2048 read the keys and values at about 7 GB/s on an AMD EPYC (Zen 5). A prompt's queries
-// share their keys, which stay in cache from one query to the next: there it costs 5% of prefill.
+// How far ahead a walk over a query's keys or values prefetches its rows. The cache is read block
+// by block (16 rows of one KV head, 4 KiB on `mini`), the blocks scattered over the cache, and the
+// hardware prefetchers start over at every block: without this, decode at depth 2048 read the
+// keys and values at about 7 GB/s on an AMD EPYC (Zen 5).
 constexpr int64_t kKvPrefetchBytes = 8192;
-inline int64_t kv_prefetch_rows(int64_t floats, int64_t count, bool enabled) {
-  if (!enabled) return count;
-  return std::min(count, std::max<int64_t>(
-                             4, kKvPrefetchBytes / (floats * static_cast<int64_t>(sizeof(float)))));
-}
 
-inline void prefetch_floats(const float* row, int64_t floats) {
-  const auto* bytes = reinterpret_cast<const char*>(row);
-  for (int64_t at = 0; at < floats * static_cast<int64_t>(sizeof(float)); at += 64)
-    __builtin_prefetch(bytes + at, 0, 3);
-}
+// The rows of one KV head's keys or values (`kRowOf`: &PagedKvLayer::key or ::value), from column
+// `column` on, at positions first .. first + count - 1 in order; with `prefetch`, `floats` of each
+// row are prefetched about kKvPrefetchBytes ahead of their use (at least 4 rows). A prompt's
+// queries share their keys, which stay in cache from one query to the next: they walk without.
+template <float* (PagedKvLayer::*kRowOf)(int32_t, int64_t, int64_t) const>
+class KvRowWalk {
+ public:
+  KvRowWalk(const PagedKvLayer& kv, const int32_t* block_table, int64_t kv_head, int64_t first,
+            int64_t count, int64_t column, int64_t floats, bool prefetch)
+      : kv_(kv),
+        kv_head_(kv_head),
+        column_(column),
+        floats_(floats),
+        prefetches_left_(count - rows_ahead(floats, count, prefetch)),
+        at_(kv, block_table, first),
+        ahead_(kv, block_table, first + count - prefetches_left_) {}
+
+  // The next position's row; first the prefetch of the row rows_ahead() positions further on.
+  const float* next() {
+    if (prefetches_left_ > 0) {
+      const auto* bytes = reinterpret_cast<const char*>(row(ahead_));
+      for (int64_t at = 0; at < floats_ * static_cast<int64_t>(sizeof(float)); at += 64)
+        __builtin_prefetch(bytes + at, 0, 3);
+      ahead_.advance();
+      --prefetches_left_;
+    }
+    const float* current = row(at_);
+    at_.advance();
+    return current;
+  }
+
+ private:
+  static int64_t rows_ahead(int64_t floats, int64_t count, bool prefetch) {
+    const int64_t bytes = floats * static_cast<int64_t>(sizeof(float));
+    return prefetch ? std::min(count, std::max<int64_t>(4, kKvPrefetchBytes / bytes)) : count;
+  }
+  const float* row(const SlotCursor& cursor) const {
+    return (kv_.*kRowOf)(cursor.block(), kv_head_, cursor.slot) + column_;
+  }
+
+  const PagedKvLayer& kv_;
+  int64_t kv_head_, column_, floats_, prefetches_left_;
+  SlotCursor at_, ahead_;
+};
+
+using KeyWalk = KvRowWalk<&PagedKvLayer::key>;
+using ValueWalk = KvRowWalk<&PagedKvLayer::value>;
 
 // One query's heads [head_begin, head_end) of one KV head, on AVX-512 (attention_avx512.cpp);
 // `scores` is the calling thread's scratch; `prefetch_kv`: the query's keys and values are not
-// read by the other queries of the call (kv_prefetch_rows).
+// read by the other queries of the call (KvRowWalk).
 void attend_heads_avx512(const PagedKvLayer& kv, const AttentionQuery& query, int64_t head_begin,
                          int64_t head_end, int64_t group, float scale, int64_t sliding_window,
                          bool prefetch_kv, std::vector<float>& scores);

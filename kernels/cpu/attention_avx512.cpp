@@ -84,17 +84,11 @@ struct WeightedValues {
     __m512 acc[kHeads][kChunks];
     for (int h = 0; h < kHeads; ++h)
       for (int c = 0; c < kChunks; ++c) acc[h][c] = _mm512_setzero_ps();
-    const int64_t floats = std::min<int64_t>(kChunks * kLanes, kv.value_dim - first_chunk * kLanes);
-    SlotCursor at(kv, block_table, first_position);
-    const int64_t ahead_rows = kv_prefetch_rows(floats, count, prefetch);
-    SlotCursor ahead(kv, block_table, first_position + ahead_rows);
-    for (int64_t i = 0; i < count; ++i, at.advance()) {
-      if (i + ahead_rows < count) {
-        prefetch_floats(kv.value(ahead.block(), kv_head, ahead.slot) + first_chunk * kLanes,
-                        floats);
-        ahead.advance();
-      }
-      const float* v = kv.value(at.block(), kv_head, at.slot) + first_chunk * kLanes;
+    ValueWalk values(kv, block_table, kv_head, first_position, count, first_chunk * kLanes,
+                     std::min<int64_t>(kChunks * kLanes, kv.value_dim - first_chunk * kLanes),
+                     prefetch);
+    for (int64_t i = 0; i < count; ++i) {
+      const float* v = values.next();
       __m512 chunk[kChunks];
       for (int c = 0; c < kChunks; ++c) chunk[c] = _mm512_maskz_loadu_ps(masks[c], v + c * kLanes);
       for (int h = 0; h < kHeads; ++h) {
@@ -127,20 +121,12 @@ void attend_heads_avx512(const PagedKvLayer& kv, const AttentionQuery& query, in
   __m512 max_score[kMaxHeads];
   for (int64_t h = 0; h < heads; ++h) max_score[h] = _mm512_set1_ps(-INFINITY);
   const __m512 scale_v = _mm512_set1_ps(scale);
-  SlotCursor at(kv, query.block_table, first);
-  const int64_t ahead_rows = kv_prefetch_rows(kv.key_dim, count, prefetch_kv);
-  SlotCursor ahead(kv, query.block_table, first + ahead_rows);
+  KeyWalk key_rows(kv, query.block_table, kv_head, first, count, 0, kv.key_dim, prefetch_kv);
   for (int64_t i0 = 0; i0 < count; i0 += kLanes) {
     const int64_t keys = std::min(kLanes, count - i0);
     // Past the last key the last row stands in (its lanes are never used): every pass is 16.
     const float* rows[kLanes];
-    for (int64_t j = 0; j < keys; ++j, at.advance()) {
-      rows[j] = kv.key(at.block(), kv_head, at.slot);
-      if (i0 + j + ahead_rows < count) {
-        prefetch_floats(kv.key(ahead.block(), kv_head, ahead.slot), kv.key_dim);
-        ahead.advance();
-      }
-    }
+    for (int64_t j = 0; j < keys; ++j) rows[j] = key_rows.next();
     for (int64_t j = keys; j < kLanes; ++j) rows[j] = rows[keys - 1];
     for (int64_t h = 0; h < heads; ++h) {
       const float* q = query.q + (head_begin + h) * kv.key_dim;
