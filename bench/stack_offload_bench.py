@@ -8,10 +8,17 @@ its candidates and Belady's bound, each overall and per process kind).
 
   stack_offload_bench.py --moeline BIN --model DIR --workdir DIR [--budgets 50%,25%]
                          [--prompts 32,256] [--streams 8] [--duration-s 15] [--max-tokens 64]
-                         [--prefetch-depth N] [--json]
+                         [--decode 2] [--prefetch-depth N] [--json]
+
+With two or more decode processes it also replays the same accesses as if the decoders had
+stepped in phase ("in phase" columns): each decode step of decode-1, decode-2, ... is re-timed to
+run layer by layer beside decode-0's step that started nearest to it (within one median step), the
+prefill's accesses and every unmatched step left where they were. That is what a setting aligning
+the decoders' steps could gain at best, before paying for it in latency.
 """
 
 import argparse
+import bisect
 import json
 import os
 import subprocess
@@ -23,7 +30,86 @@ sys.path.insert(0, os.path.join(ROOT, "tests", "integration"))
 from stack_harness import Stack  # noqa: E402
 
 POLICIES = "lru,distance,distance-stream,distance-all"
-PROCESSES = ("prefill-0", "decode-0", "decode-1")
+
+
+def processes(decoders):
+    return ["prefill-0"] + [f"decode-{i}" for i in range(decoders)]
+
+
+def read_trace(path):
+    """(header line, [(layer, expert, t_ns, streaming), ...]) of a v2 trace."""
+    with open(path) as f:
+        header = f.readline()
+        rows = [tuple(int(v) for v in line.split()) for line in f
+                if line.strip() and not line.startswith("#")]
+    return header, rows
+
+
+def decode_steps(rows):
+    """Index lists of a trace's decode steps: runs of decode accesses whose layer never falls."""
+    steps, current, last = [], [], -1
+    for i, (layer, _, _, streaming) in enumerate(rows):
+        if streaming:
+            continue
+        if current and layer < last:
+            steps.append(current)
+            current = []
+        current.append(i)
+        last = layer
+    if current:
+        steps.append(current)
+    return steps
+
+
+def write_in_phase(traces, out_dir):
+    """The decoders' traces re-timed as if stepped in phase with decode-0 (module docstring);
+    returns the new paths (prefill's unchanged) and the share of steps that found a partner."""
+    os.makedirs(out_dir, exist_ok=True)
+    prefill, leader, followers = traces[0], traces[1], traces[2:]
+    header0, rows0 = read_trace(leader)
+    steps0 = decode_steps(rows0)
+    starts0 = [rows0[s[0]][2] for s in steps0]
+    spans = sorted(rows0[s[-1]][2] - rows0[s[0]][2] for s in steps0)
+    median_step = spans[len(spans) // 2] if spans else 0
+    paths, matched, total_steps = [prefill, leader], 0, 0
+    for path in followers:
+        header, rows = read_trace(path)
+        taken = set()
+        for step in decode_steps(rows):
+            total_steps += 1
+            t = rows[step[0]][2]
+            k = bisect.bisect_left(starts0, t)
+            near = [c for c in (k - 1, k) if 0 <= c < len(steps0) and c not in taken]
+            if not near:
+                continue
+            partner = min(near, key=lambda c: abs(starts0[c] - t))
+            if abs(starts0[partner] - t) > median_step:
+                continue
+            taken.add(partner)
+            matched += 1
+            layer_start = {}
+            for i in steps0[partner]:
+                layer_start.setdefault(rows0[i][0], rows0[i][2])
+            for n, i in enumerate(step):
+                layer, expert, _, streaming = rows[i]
+                if layer in layer_start:
+                    rows[i] = (layer, expert, layer_start[layer] + 1 + n, streaming)
+        out = os.path.join(out_dir, os.path.basename(path))
+        with open(out, "w") as f:
+            f.write(header)
+            for row in sorted(rows, key=lambda r: r[2]):
+                f.write(" ".join(map(str, row)) + "\n")
+        paths.append(out)
+    return paths, matched / total_steps if total_steps else None
+
+
+def replay(args, traces, budget):
+    done = subprocess.run([args.moeline, "experts", "replay", "--trace", ",".join(traces),
+                           "--budgets", budget, "--policies", POLICIES, "--json"],
+                          capture_output=True, text=True, timeout=1800)
+    if done.returncode != 0:
+        sys.exit(f"stack_offload_bench: replay failed: {done.stderr[-2000:]}")
+    return json.loads(done.stdout)["budgets"][0]
 
 
 def histogram_quantile(metrics, name, q):
@@ -51,14 +137,14 @@ def one_case(args, budget, prompt):
     run = os.path.join(args.workdir, f"stack-{budget.rstrip('%')}-{prompt}")
     pattern = os.path.join(run + "-traces", "{replica}.trace")
     os.makedirs(os.path.dirname(pattern), exist_ok=True)
-    for name in PROCESSES:
+    for name in processes(args.decode):
         path = pattern.replace("{replica}", name)
         if os.path.exists(path):
             os.remove(path)
     config = {"prefill": {"expert-trace": pattern}, "decode": {"expert-trace": pattern}}
     if args.prefetch_depth is not None:
         config["offload"] = {"prefetch-depth": args.prefetch_depth}
-    with Stack(args.moeline, args.model, run, prefill=1, decode=2, config=config,
+    with Stack(args.moeline, args.model, run, prefill=1, decode=args.decode, config=config,
                expert_budget=budget) as stack:
         before = stack.metrics("offload")
         load = subprocess.run(
@@ -77,16 +163,15 @@ def one_case(args, budget, prompt):
     stall = total(after, "moeline_offload_stall_seconds_total") - total(
         before, "moeline_offload_stall_seconds_total")
     out_tokens = report["output_tokens_per_s"] * report["duration_s"]
-    traces = [pattern.replace("{replica}", name) for name in PROCESSES]
+    traces = [pattern.replace("{replica}", name) for name in processes(args.decode)]
     missing = [t for t in traces if not os.path.exists(t)]
     if missing:
         sys.exit(f"stack_offload_bench: no trace from {missing}")
-    replay = subprocess.run([args.moeline, "experts", "replay", "--trace", ",".join(traces),
-                             "--budgets", budget, "--policies", POLICIES, "--json"],
-                            capture_output=True, text=True, timeout=1800)
-    if replay.returncode != 0:
-        sys.exit(f"stack_offload_bench: replay failed: {replay.stderr[-2000:]}")
-    row = json.loads(replay.stdout)["budgets"][0]
+    row = replay(args, traces, budget)
+    in_phase, paired = None, None
+    if args.decode >= 2:
+        phased, paired = write_in_phase(traces, run + "-in-phase")
+        in_phase = replay(args, phased, budget)
     load_p50 = histogram_quantile(after, "moeline_offload_expert_load_seconds", 0.5)
     load_p95 = histogram_quantile(after, "moeline_offload_expert_load_seconds", 0.95)
     return {
@@ -101,6 +186,9 @@ def one_case(args, budget, prompt):
         "load_p95_ms": load_p95 * 1e3 if load_p95 is not None else None,
         "replay": {policy: row[policy] for policy in POLICIES.split(",") + ["belady"]},
         "replay_by_kind": row.get("by_kind", {}),
+        "in_phase": ({policy: in_phase[policy] for policy in POLICIES.split(",") + ["belady"]}
+                     if in_phase else None),
+        "in_phase_steps_paired": paired,
     }
 
 
@@ -118,9 +206,12 @@ def main():
     ap.add_argument("--streams", type=int, default=8)
     ap.add_argument("--duration-s", type=float, default=15)
     ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("--decode", type=int, default=2, help="decode processes")
     ap.add_argument("--prefetch-depth", type=int)
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
+    if args.decode < 1:
+        ap.error("--decode must be at least 1")
     os.makedirs(args.workdir, exist_ok=True)
     rows = [one_case(args, budget, int(prompt)) for budget in args.budgets.split(",")
             for prompt in args.prompts.split(",")]
@@ -128,14 +219,17 @@ def main():
         print(json.dumps(rows, indent=2))
         return 0
     print("| budget | prompt | pool hit ratio | replay: distance | distance-stream | distance-all "
-          "| Belady | Belady decode / prefill | decode tok/s | stall ms/token | load p50 / p95 ms |")
-    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+          "| Belady | Belady decode / prefill | in phase: distance-all / Belady (steps paired) "
+          "| decode tok/s | stall ms/token | load p50 / p95 ms |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     for r in rows:
-        rp, kind = r["replay"], r["replay_by_kind"]
+        rp, kind, phased = r["replay"], r["replay_by_kind"], r["in_phase"] or {}
         print(f"| {r['budget']} | {r['prompt_tokens']} | {fmt(r['hit_ratio'])} | "
               f"{fmt(rp['distance'])} | {fmt(rp['distance-stream'])} | {fmt(rp['distance-all'])} | "
               f"{fmt(rp['belady'])} | {fmt(kind.get('decode', {}).get('belady'))} / "
-              f"{fmt(kind.get('prefill', {}).get('belady'))} | {fmt(r['output_tokens_per_s'], 1)} | "
+              f"{fmt(kind.get('prefill', {}).get('belady'))} | "
+              f"{fmt(phased.get('distance-all'))} / {fmt(phased.get('belady'))} "
+              f"({fmt(r['in_phase_steps_paired'], 2)}) | {fmt(r['output_tokens_per_s'], 1)} | "
               f"{fmt(r['stall_ms_per_token'])} | {fmt(r['load_p50_ms'])} / {fmt(r['load_p95_ms'])} |")
     return 0
 
