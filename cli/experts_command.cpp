@@ -47,7 +47,9 @@ replay     expert access traces (--expert-trace of `moeline run` or of a stack's
   --policies LIST lru, lru2, lfu, distance (the pool's: expected reuse distance over the
                   cycle of layers), distance-stream (prefill's acquisitions neither counted nor
                   kept warm: they enter at the cold end), distance-all (that, with distances from
-                  every decode process's layer) (default: all six)
+                  every decode process's layer), distance-area (distance-all with prefill's
+                  acquisitions in a streaming area of an eighth of the slots) (default: all
+                  seven)
   --json          one JSON object
 )";
 
@@ -241,7 +243,7 @@ int show(const std::vector<std::string>& args) {
 int replay_command(const std::vector<std::string>& args) {
   std::vector<std::string> trace_paths;
   std::string budgets = "100%,50%,25%",
-              policies = "lru,lru2,lfu,distance,distance-stream,distance-all";
+              policies = "lru,lru2,lfu,distance,distance-stream,distance-all,distance-area";
   bool json = false;
   for (size_t i = 0; i < args.size(); ++i) {
     auto value = [&]() -> std::string {
@@ -266,7 +268,7 @@ int replay_command(const std::vector<std::string>& args) {
     auto policy = offload::replay_policy_from(name);
     if (!policy || *policy == offload::ReplayPolicy::kBelady)
       usage_error("--policies: unknown policy '" + name +
-                  "' (lru, lru2, lfu, distance, distance-stream, distance-all)");
+                  "' (lru, lru2, lfu, distance, distance-stream, distance-all, distance-area)");
     chosen.push_back(*policy);
   }
   std::vector<offload::ExpertTrace> traces;

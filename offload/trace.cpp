@@ -157,6 +157,8 @@ const char* replay_policy_name(ReplayPolicy policy) {
       return "distance-stream";
     case ReplayPolicy::kDistanceAll:
       return "distance-all";
+    case ReplayPolicy::kDistanceArea:
+      return "distance-area";
     case ReplayPolicy::kBelady:
       return "belady";
   }
@@ -166,7 +168,8 @@ const char* replay_policy_name(ReplayPolicy policy) {
 std::optional<ReplayPolicy> replay_policy_from(const std::string& name) {
   for (ReplayPolicy p :
        {ReplayPolicy::kLru, ReplayPolicy::kLru2, ReplayPolicy::kLfu, ReplayPolicy::kDistance,
-        ReplayPolicy::kDistanceStream, ReplayPolicy::kDistanceAll, ReplayPolicy::kBelady})
+        ReplayPolicy::kDistanceStream, ReplayPolicy::kDistanceAll, ReplayPolicy::kDistanceArea,
+        ReplayPolicy::kBelady})
     if (name == replay_policy_name(p)) return p;
   return std::nullopt;
 }
@@ -240,8 +243,15 @@ ReplayResult replay(std::span<const ExpertAccess> accesses, uint64_t slots, Repl
   };
   std::unordered_map<uint64_t, State> cached;
   uint64_t tick = 0;
-  const bool stream_aware =
-      policy == ReplayPolicy::kDistanceStream || policy == ReplayPolicy::kDistanceAll;
+  const bool stream_aware = policy == ReplayPolicy::kDistanceStream ||
+                            policy == ReplayPolicy::kDistanceAll ||
+                            policy == ReplayPolicy::kDistanceArea;
+  // kDistanceArea: a streaming area of an eighth of the slots (at least one) takes what prefill
+  // brings in, least recently used first out; decode's experts keep the rest.
+  const uint64_t area_slots =
+      policy == ReplayPolicy::kDistanceArea && slots >= 2 ? std::max<uint64_t>(1, slots / 8) : 0;
+  const uint64_t main_slots = slots - area_slots;
+  std::unordered_map<uint64_t, uint64_t> area;  // expert -> tick of its last use
   // The distance policies: the layers run in a cycle; an expert's next use is expected when its
   // layer next runs, or 1/p cycles later, p being how often its layer's visits used it. A visit
   // is a process's pass through a layer (as the pool counts them: each client its own).
@@ -296,11 +306,32 @@ ReplayResult replay(std::span<const ExpertAccess> accesses, uint64_t slots, Repl
                  : nearest;
     };
     auto it = cached.find(k);
+    bool promoted = false;  // found in the streaming area by a decode step: moves to the main part
+    if (it == cached.end() && area_slots > 0) {
+      auto in_area = area.find(k);
+      if (in_area != area.end()) {
+        hit(a);
+        if (a.streaming) {
+          in_area->second = tick;
+          continue;
+        }
+        area.erase(in_area);
+        promoted = true;
+      } else if (a.streaming) {
+        ++result.loads;
+        if (area.size() >= area_slots)
+          area.erase(std::min_element(area.begin(), area.end(), [](const auto& x, const auto& y) {
+            return x.second < y.second;
+          }));
+        area.emplace(k, tick);
+        continue;
+      }
+    }
     if (it != cached.end()) {
       hit(a);
     } else {
-      ++result.loads;
-      if (cached.size() >= slots) {
+      if (!promoted) ++result.loads;
+      if (cached.size() >= main_slots) {
         auto victim = cached.begin();
         for (auto c = cached.begin(); c != cached.end(); ++c) {
           const State& s = c->second;
@@ -323,7 +354,8 @@ ReplayResult replay(std::span<const ExpertAccess> accesses, uint64_t slots, Repl
                 break;
               case ReplayPolicy::kDistance:
               case ReplayPolicy::kDistanceStream:
-              case ReplayPolicy::kDistanceAll: {
+              case ReplayPolicy::kDistanceAll:
+              case ReplayPolicy::kDistanceArea: {
                 // Ties go to the least recently used, as in the pool.
                 const double candidate = distance(c->first), incumbent = distance(victim->first);
                 better = candidate > incumbent || (candidate == incumbent && s.last < v.last);

@@ -91,7 +91,19 @@ class TraceRecorder final : public ExpertProvider {
 // warm an expert: one they bring in enters at the cold end, first to go unless a decode step uses
 // it. kDistanceAll: that, with distances measured from every decode process's current layer (the
 // nearest one ahead of an expert's layer), as a pool that sees every process would.
-enum class ReplayPolicy { kLru, kLru2, kLfu, kDistance, kDistanceStream, kDistanceAll, kBelady };
+// kDistanceArea: kDistanceAll with prefill's acquisitions in a streaming area of their own (an
+// eighth of the slots, least recently used out first) instead of at the cold end of the whole
+// pool; a decode step that finds its expert there moves it to the main part without a load.
+enum class ReplayPolicy {
+  kLru,
+  kLru2,
+  kLfu,
+  kDistance,
+  kDistanceStream,
+  kDistanceAll,
+  kDistanceArea,
+  kBelady
+};
 const char* replay_policy_name(ReplayPolicy policy);
 std::optional<ReplayPolicy> replay_policy_from(const std::string& name);
 

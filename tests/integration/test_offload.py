@@ -331,7 +331,8 @@ def case_trace(args):
         check(report["accesses"] > 0, f"{kinds}: an empty trace")
         check(len(report["processes"]) == len(paths), f"{kinds}: {report['processes']}")
         for row in report["budgets"]:
-            for policy in ("lru", "lru2", "lfu", "distance", "distance-stream", "distance-all"):
+            for policy in ("lru", "lru2", "lfu", "distance", "distance-stream", "distance-all",
+                           "distance-area"):
                 check(row[policy] <= row["belady"] + 1e-12,
                       f"{kinds} {row['budget']}: {policy} {row[policy]} beats Belady {row['belady']}")
             if len(paths) == 3:

@@ -522,7 +522,7 @@ TEST(ExpertTraceReplay, MultiProcessStreamsAreBoundedByBeladyAndCountedByProcess
     const ReplayResult best = replay(trace, slots, ReplayPolicy::kBelady);
     for (ReplayPolicy p :
          {ReplayPolicy::kLru, ReplayPolicy::kLru2, ReplayPolicy::kLfu, ReplayPolicy::kDistance,
-          ReplayPolicy::kDistanceStream, ReplayPolicy::kDistanceAll}) {
+          ReplayPolicy::kDistanceStream, ReplayPolicy::kDistanceAll, ReplayPolicy::kDistanceArea}) {
       const ReplayResult r = replay(trace, slots, p);
       EXPECT_LE(r.hits, best.hits) << replay_policy_name(p) << " " << slots;
       ASSERT_EQ(r.process_hits.size(), 3u);
@@ -553,6 +553,36 @@ TEST(ExpertTraceReplay, AStreamingSweepDoesNotFlushDecodesExperts) {
   EXPECT_EQ(stream.process_hits[1], 13u);
   EXPECT_EQ(stream.process_hits[0], 0u);
   EXPECT_LE(stream.hits, replay(trace, 2, ReplayPolicy::kBelady).hits);
+}
+
+TEST(ExpertTraceReplay, AStreamingAreaKeepsPrefillOutOfDecodesSlots) {
+  // 16 slots. Decode cycles over 15 experts (8 of layer 0, 7 of layer 1); after each of its steps
+  // a prefill reads the same two experts of layer 2. With a streaming area (2 slots) the prefill
+  // hits after its two first loads and decode, left 14 slots, misses every step; at the cold end
+  // of the whole pool (distance-all) decode keeps its 15 and the prefill's two take turns in the
+  // one slot left, missing every time.
+  std::vector<ExpertAccess> trace;
+  uint64_t t = 0;
+  for (int step = 0; step < 20; ++step) {
+    for (int layer = 0; layer < 2; ++layer)
+      for (int e = 0; e < 8 - layer; ++e) trace.push_back({layer, e, ++t, 1, false});
+    for (int e : {0, 1}) trace.push_back({2, e, ++t, 0, true});
+  }
+  const ReplayResult area = replay(trace, 16, ReplayPolicy::kDistanceArea);
+  EXPECT_EQ(area.process_hits[0], 20u * 2u - 2u);
+  EXPECT_LT(area.process_hits[1], 20u * 15u - 15u - 19u);
+  const ReplayResult cold_end = replay(trace, 16, ReplayPolicy::kDistanceAll);
+  EXPECT_EQ(cold_end.process_hits[0], 0u);
+  EXPECT_EQ(cold_end.process_hits[1], 20u * 15u - 15u);
+  EXPECT_LE(area.hits, replay(trace, 16, ReplayPolicy::kBelady).hits);
+  // A decode step that finds its expert in the area takes it without a load.
+  const std::vector<ExpertAccess> handed = {{3, 0, 1, 0, true}, {3, 0, 2, 1, false}};
+  const ReplayResult moved = replay(handed, 16, ReplayPolicy::kDistanceArea);
+  EXPECT_EQ(moved.loads, 1u);
+  EXPECT_EQ(moved.process_hits[1], 1u);
+  // Below two slots there is no area: the policy is distance-all's.
+  EXPECT_EQ(replay(trace, 1, ReplayPolicy::kDistanceArea).hits,
+            replay(trace, 1, ReplayPolicy::kDistanceAll).hits);
 }
 
 TEST(ExpertTraceReplay, TracesOfProcessesMergeByTime) {
