@@ -5,11 +5,13 @@
 // and ns per weight, best of --repeat. This isolates the kernels from the rest of a decode step
 // for A/B runs of kernel changes (engine_bench measures the whole step). --claim-rows N calls the
 // kernel on N rows at a time, as matmul's threads claim them in decode (16, or 64 for Q4_K); 0,
-// the whole matrix.
+// the whole matrix. --streams 2 reads each matrix as decode's matmul does on a host with two
+// decode streams per thread (StreamTuning): a claim from each half side by side, for the types
+// that have a two-stream kernel (quant_two_streams).
 //
 //   moeline_quant_kernel_bench [--types q8_0,q4_0,q4_k,q5_k,q6_k] [--tokens 1,8,64]
 //                              [--rows 2816] [--cols 1024] [--matrices 24] [--repeat 5]
-//                              [--claim-rows 0]
+//                              [--claim-rows 0] [--streams 1]
 #include <algorithm>
 #include <chrono>
 #include <cstdint>
@@ -55,14 +57,17 @@ int main(int argc, char** argv) {
                                          {"--cols", "1024"},
                                          {"--matrices", "24"},
                                          {"--repeat", "5"},
-                                         {"--claim-rows", "0"}});
+                                         {"--claim-rows", "0"},
+                                         {"--streams", "1"}});
   const int64_t rows = std::stoll(flags.at("--rows")), cols = std::stoll(flags.at("--cols"));
   const int matrices = std::stoi(flags.at("--matrices")), repeat = std::stoi(flags.at("--repeat"));
   const int64_t claim = std::stoll(flags.at("--claim-rows"));
   const int64_t claim_rows = claim > 0 ? claim : rows;
-  if (cols % 256 != 0 || rows <= 0 || matrices <= 0 || repeat <= 0 || claim < 0) {
+  const int streams = std::stoi(flags.at("--streams"));
+  if (cols % 256 != 0 || rows <= 0 || matrices <= 0 || repeat <= 0 || claim < 0 ||
+      (streams != 1 && streams != 2)) {
     std::cerr << "--cols must be a multiple of 256; --rows, --matrices, --repeat positive; "
-                 "--claim-rows not negative\n";
+                 "--claim-rows not negative; --streams 1 or 2\n";
     return 2;
   }
   std::mt19937 random(7);
@@ -98,10 +103,26 @@ int main(int argc, char** argv) {
       double best = 1e30;
       for (int pass = 0; pass < repeat; ++pass) {
         const auto start = std::chrono::steady_clock::now();
-        for (const auto& view : views)
+        for (const auto& view : views) {
+          if (streams == 2 && kernels::quant_two_streams(dtype)) {
+            const int64_t half = (rows / 2 + 7) / 8 * 8;  // matmul's split, rows of 8
+            for (int64_t a = 0, b = half; a < half || b < rows; a += claim_rows, b += claim_rows) {
+              const int64_t a_end = std::min(half, a + claim_rows),
+                            b_end = std::min(rows, b + claim_rows);
+              if (a < half && b < rows)
+                kernels::quant_matmul_rows_two_streams(view, activations, y.data(), rows, a, a_end,
+                                                       b, b_end);
+              else if (a < half)
+                kernels::quant_matmul_rows(view, activations, y.data(), rows, a, a_end);
+              else
+                kernels::quant_matmul_rows(view, activations, y.data(), rows, b, b_end);
+            }
+            continue;
+          }
           for (int64_t first = 0; first < rows; first += claim_rows)
             kernels::quant_matmul_rows(view, activations, y.data(), rows, first,
                                        std::min(rows, first + claim_rows));
+        }
         best = std::min(
             best, std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count());
       }
@@ -110,6 +131,7 @@ int main(int argc, char** argv) {
       std::cout << "{\"type\":\"" << type_name << "\",\"isa\":\""
                 << kernels::isa_name(kernels::active_isa()) << "\",\"rows\":" << rows
                 << ",\"cols\":" << cols << ",\"claim_rows\":" << claim
+                << ",\"streams\":" << (streams == 2 && kernels::quant_two_streams(dtype) ? 2 : 1)
                 << ",\"matrices\":" << matrices << ",\"tokens\":" << tokens
                 << ",\"seconds\":" << best << ",\"weight_gb_per_second\":" << bytes / best / 1e9
                 << ",\"ns_per_weight_per_token\":" << best * 1e9 / weight_count / tokens
