@@ -46,7 +46,7 @@ def moeline(args, model, threads, depth):
     return json.loads(out.stdout)
 
 
-def llama_cpp(args, model, threads, depth):
+def llama_cpp(args, model, threads, depth=0):
     if not args.llama_node:
         return None
     drop_cache(model)
