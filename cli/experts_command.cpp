@@ -242,8 +242,16 @@ int show(const std::vector<std::string>& args) {
 
 int replay_command(const std::vector<std::string>& args) {
   std::vector<std::string> trace_paths;
-  std::string budgets = "100%,50%,25%",
-              policies = "lru,lru2,lfu,distance,distance-stream,distance-all,distance-area";
+  // Every policy by default, and their names for an unknown one.
+  std::string budgets = "100%,50%,25%", policies, known;
+  for (offload::ReplayPolicy policy : offload::kReplayPolicies) {
+    if (!policies.empty()) {
+      policies.append(",");
+      known.append(", ");
+    }
+    policies.append(offload::replay_policy_name(policy));
+    known.append(offload::replay_policy_name(policy));
+  }
   bool json = false;
   for (size_t i = 0; i < args.size(); ++i) {
     auto value = [&]() -> std::string {
@@ -267,8 +275,7 @@ int replay_command(const std::vector<std::string>& args) {
   for (const std::string& name : split(policies)) {
     auto policy = offload::replay_policy_from(name);
     if (!policy || *policy == offload::ReplayPolicy::kBelady)
-      usage_error("--policies: unknown policy '" + name +
-                  "' (lru, lru2, lfu, distance, distance-stream, distance-all, distance-area)");
+      usage_error("--policies: unknown policy '" + name + "' (" + known + ")");
     chosen.push_back(*policy);
   }
   std::vector<offload::ExpertTrace> traces;

@@ -166,11 +166,9 @@ const char* replay_policy_name(ReplayPolicy policy) {
 }
 
 std::optional<ReplayPolicy> replay_policy_from(const std::string& name) {
-  for (ReplayPolicy p :
-       {ReplayPolicy::kLru, ReplayPolicy::kLru2, ReplayPolicy::kLfu, ReplayPolicy::kDistance,
-        ReplayPolicy::kDistanceStream, ReplayPolicy::kDistanceAll, ReplayPolicy::kDistanceArea,
-        ReplayPolicy::kBelady})
+  for (ReplayPolicy p : kReplayPolicies)
     if (name == replay_policy_name(p)) return p;
+  if (name == replay_policy_name(ReplayPolicy::kBelady)) return ReplayPolicy::kBelady;
   return std::nullopt;
 }
 

@@ -104,6 +104,12 @@ enum class ReplayPolicy {
   kDistanceArea,
   kBelady
 };
+// The policies a replay can be asked for, in the order reports list them; Belady's bound is
+// reported beside every replay.
+inline constexpr ReplayPolicy kReplayPolicies[] = {
+    ReplayPolicy::kLru,         ReplayPolicy::kLru2,           ReplayPolicy::kLfu,
+    ReplayPolicy::kDistance,    ReplayPolicy::kDistanceStream, ReplayPolicy::kDistanceAll,
+    ReplayPolicy::kDistanceArea};
 const char* replay_policy_name(ReplayPolicy policy);
 std::optional<ReplayPolicy> replay_policy_from(const std::string& name);
 

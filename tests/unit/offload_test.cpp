@@ -520,9 +520,7 @@ TEST(ExpertTraceReplay, MultiProcessStreamsAreBoundedByBeladyAndCountedByProcess
   }
   for (uint64_t slots : {2u, 8u, 16u, 24u}) {
     const ReplayResult best = replay(trace, slots, ReplayPolicy::kBelady);
-    for (ReplayPolicy p :
-         {ReplayPolicy::kLru, ReplayPolicy::kLru2, ReplayPolicy::kLfu, ReplayPolicy::kDistance,
-          ReplayPolicy::kDistanceStream, ReplayPolicy::kDistanceAll, ReplayPolicy::kDistanceArea}) {
+    for (ReplayPolicy p : kReplayPolicies) {
       const ReplayResult r = replay(trace, slots, p);
       EXPECT_LE(r.hits, best.hits) << replay_policy_name(p) << " " << slots;
       ASSERT_EQ(r.process_hits.size(), 3u);
