@@ -78,6 +78,7 @@ int main(int argc, char** argv) {
   for (const auto& type_name : bench::parse_list<std::string>(flags.at("--types"))) {
     const kernels::DType dtype = parse_type(type_name);
     const auto row_bytes = static_cast<int64_t>(kernels::stored_bytes(dtype, cols));
+    const bool two_streams = streams == 2 && kernels::quant_two_streams(dtype);
     // One quantized matrix copied `matrices` times: the copies are distinct memory, so a pass
     // over all of them reads every byte from beyond the caches, as decode reads its experts.
     std::vector<uint8_t> matrix(static_cast<size_t>(rows * row_bytes));
@@ -104,7 +105,7 @@ int main(int argc, char** argv) {
       for (int pass = 0; pass < repeat; ++pass) {
         const auto start = std::chrono::steady_clock::now();
         for (const auto& view : views) {
-          if (streams == 2 && kernels::quant_two_streams(dtype)) {
+          if (two_streams) {
             const int64_t half = (rows / 2 + 7) / 8 * 8;  // matmul's split, rows of 8
             for (int64_t a = 0, b = half; a < half || b < rows; a += claim_rows, b += claim_rows) {
               const int64_t a_end = std::min(half, a + claim_rows),
@@ -131,9 +132,9 @@ int main(int argc, char** argv) {
       std::cout << "{\"type\":\"" << type_name << "\",\"isa\":\""
                 << kernels::isa_name(kernels::active_isa()) << "\",\"rows\":" << rows
                 << ",\"cols\":" << cols << ",\"claim_rows\":" << claim
-                << ",\"streams\":" << (streams == 2 && kernels::quant_two_streams(dtype) ? 2 : 1)
-                << ",\"matrices\":" << matrices << ",\"tokens\":" << tokens
-                << ",\"seconds\":" << best << ",\"weight_gb_per_second\":" << bytes / best / 1e9
+                << ",\"streams\":" << (two_streams ? 2 : 1) << ",\"matrices\":" << matrices
+                << ",\"tokens\":" << tokens << ",\"seconds\":" << best
+                << ",\"weight_gb_per_second\":" << bytes / best / 1e9
                 << ",\"ns_per_weight_per_token\":" << best * 1e9 / weight_count / tokens
                 << ",\"checksum\":" << y[0] << "}" << std::endl;
     }

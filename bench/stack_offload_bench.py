@@ -30,6 +30,7 @@ sys.path.insert(0, os.path.join(ROOT, "tests", "integration"))
 from stack_harness import Stack  # noqa: E402
 
 POLICIES = "lru,distance,distance-stream,distance-all,distance-area"
+REPORTED = POLICIES.split(",") + ["belady"]  # what each replay's row gives
 
 
 def processes(decoders):
@@ -66,7 +67,7 @@ def write_in_phase(traces, out_dir):
     returns the new paths (prefill's unchanged) and the share of steps that found a partner."""
     os.makedirs(out_dir, exist_ok=True)
     prefill, leader, followers = traces[0], traces[1], traces[2:]
-    header0, rows0 = read_trace(leader)
+    _, rows0 = read_trace(leader)
     steps0 = decode_steps(rows0)
     starts0 = [rows0[s[0]][2] for s in steps0]
     spans = sorted(rows0[s[-1]][2] - rows0[s[0]][2] for s in steps0)
@@ -184,10 +185,9 @@ def one_case(args, budget, prompt):
         "stall_ms_per_token": 1e3 * stall / out_tokens if out_tokens else None,
         "load_p50_ms": load_p50 * 1e3 if load_p50 is not None else None,
         "load_p95_ms": load_p95 * 1e3 if load_p95 is not None else None,
-        "replay": {policy: row[policy] for policy in POLICIES.split(",") + ["belady"]},
+        "replay": {policy: row[policy] for policy in REPORTED},
         "replay_by_kind": row.get("by_kind", {}),
-        "in_phase": ({policy: in_phase[policy] for policy in POLICIES.split(",") + ["belady"]}
-                     if in_phase else None),
+        "in_phase": {policy: in_phase[policy] for policy in REPORTED} if in_phase else None,
         "in_phase_steps_paired": paired,
     }
 
