@@ -17,8 +17,8 @@
 #include <cstdint>
 #include <vector>
 
-#include "kernels/cpu/cache_line_vector.h"
 #include "kernels/cpu/dtype.h"
+#include "kernels/cpu/scratch_vector.h"
 
 namespace moeline::kernels {
 
@@ -38,7 +38,7 @@ bool cpu_has_bf16_dot_product();
 struct Bf16Activations {
   int64_t rows = 0, cols = 0;
   int64_t padded_cols = 0;
-  CacheLineVector<uint16_t> values;  // [rows, padded_cols]
+  ScratchVector<uint16_t> values;  // [rows, padded_cols]
 
   const uint16_t* row(int64_t r) const { return values.data() + r * padded_cols; }
 };

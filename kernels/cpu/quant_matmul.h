@@ -18,8 +18,8 @@
 #include <utility>
 #include <vector>
 
-#include "kernels/cpu/cache_line_vector.h"
 #include "kernels/cpu/dtype.h"
+#include "kernels/cpu/scratch_vector.h"
 
 namespace moeline::kernels {
 
@@ -35,18 +35,18 @@ bool parse_quant_math(const char* text, QuantMath& math);
 struct QuantizedActivations {
   int64_t rows = 0, cols = 0;
   int64_t block = 32;
-  CacheLineVector<int8_t> q;  // [rows, cols]
-  std::vector<float> scale;   // [rows, cols / block]
-  std::vector<int32_t> sums;  // [rows, cols / 16]: Σ q of every 16 values
+  ScratchVector<int8_t> q;      // [rows, cols]
+  ScratchVector<float> scale;   // [rows, cols / block]
+  ScratchVector<int32_t> sums;  // [rows, cols / 16]: Σ q of every 16 values
   // Block 256 only: q again, with the 32-value quarters 1 and 2 of every 128 values swapped. That
   // is the order in which a Q4_K super-block's nibbles come out of 64-byte loads split into low
   // and high halves, so the Q4_K decode kernel multiplies them without reordering its weights.
-  CacheLineVector<int8_t> q_nibble_order;  // [rows, cols]
+  ScratchVector<int8_t> q_nibble_order;  // [rows, cols]
   // Block 256 only: the sums of the 32-value sub-blocks 2p and 2p + 1 as the two 16-bit halves of
   // one int32 (|a sum of 32| ≤ 32 · 127 fits), so that one madd multiplies them by a Q4_K row's
   // two mins. Made here, once per matmul, not by every kernel call (decode calls a kernel per
   // claim of rows).
-  std::vector<int32_t> min_pairs;  // [rows, cols / 64]
+  ScratchVector<int32_t> min_pairs;  // [rows, cols / 64]
 
   const int8_t* row(int64_t r) const { return q.data() + r * cols; }
   const float* row_scales(int64_t r) const { return scale.data() + r * (cols / block); }

@@ -204,6 +204,34 @@ TEST(Bf16FastMath, RowsAtAnyOffsetFromACacheLineGiveTheSameBits) {
   set_stream_tuning(saved);
 }
 
+// The rounded activations are reused from matmul to matmul and grow without being zeroed
+// (scratch_vector.h): every element a kernel reads, the padding of a ragged row included, must be
+// written by the rounding itself. A copy grown over NaN garbage gives the bits a fresh one gives.
+TEST(Bf16FastMath, AReusedActivationCopyGivesTheBitsOfAFreshOne) {
+  if (!fast_mode_runs_here()) GTEST_SKIP() << "this CPU has no AVX512_BF16";
+  ModeGuard guard(Isa::kAvx512, Bf16Math::kFast);
+  const int64_t rows = 24;
+  for (int64_t cols : {40, 100, 1030}) {
+    const std::vector<uint16_t> w = bf16_weights(rows, cols, 21);
+    const MatrixView view{w.data(), DType::kBF16, rows, cols};
+    for (int64_t n : {1, 7, 13}) {
+      const std::vector<float> x = gaussian_input(n, cols, 22);
+      Bf16Activations fresh;
+      round_activations_to_bf16(x.data(), n, cols, cols, fresh);
+      Bf16Activations reused;
+      const std::vector<float> garbage(static_cast<size_t>(2 * n * (cols + 64)), NAN);
+      round_activations_to_bf16(garbage.data(), 2 * n, cols + 64, cols + 64, reused);
+      reused.values.resize(1);  // shrink, so that the next call grows over what was there
+      round_activations_to_bf16(x.data(), n, cols, cols, reused);
+      std::vector<float> expected(static_cast<size_t>(n * rows)), y(expected.size());
+      bf16_matmul_rows(view, fresh, expected.data(), rows, 0, rows);
+      bf16_matmul_rows(view, reused, y.data(), rows, 0, rows);
+      for (float value : y) ASSERT_FALSE(std::isnan(value)) << "cols=" << cols << " n=" << n;
+      EXPECT_EQ(y, expected) << "cols=" << cols << " n=" << n;
+    }
+  }
+}
+
 TEST(Bf16FastMath, WithoutTheInstructionTheExactKernelsRun) {
   // A forced AVX2 path stands for a CPU without AVX512_BF16: fast set, exact computed.
   if (best_supported_isa() < Isa::kAvx2) GTEST_SKIP() << "no AVX2";
