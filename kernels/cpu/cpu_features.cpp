@@ -5,6 +5,8 @@
 #include <cstdlib>
 #include <cstring>
 
+#include <unistd.h>
+
 namespace moeline::kernels {
 namespace {
 
@@ -64,6 +66,14 @@ std::string_view isa_name(Isa isa) {
       return "avx512_vnni";
   }
   return "?";
+}
+
+int64_t l1_data_cache_bytes() {
+  static const int64_t bytes = [] {
+    const long reported = sysconf(_SC_LEVEL1_DCACHE_SIZE);
+    return reported >= 4096 ? static_cast<int64_t>(reported) : int64_t{48} << 10;
+  }();
+  return bytes;
 }
 
 }  // namespace moeline::kernels

@@ -125,23 +125,27 @@ TEST(Bf16FastMath, MatchesTheReferenceOfBf16RoundedActivations) {
 TEST(Bf16FastMath, RowResultDoesNotDependOnBatchTileOrThreads) {
   if (!fast_mode_runs_here()) GTEST_SKIP() << "this CPU has no AVX512_BF16";
   ModeGuard guard(Isa::kAvx512, Bf16Math::kFast);
-  const int64_t rows = 45, cols = 131, n = 70;  // row tiles, a second token block, ragged ends
-  const std::vector<uint16_t> w = bf16_weights(rows, cols, 3);
-  const MatrixView view{w.data(), DType::kBF16, rows, cols};
-  const std::vector<float> x = gaussian_input(n, cols, 4);
-  ThreadPool two(2), one(1);
-  std::vector<float> batched(static_cast<size_t>(n * rows));
-  matmul(two, MatmulTask{.x = x.data(), .n = n, .w = view, .y = batched.data()});
-  for (int64_t t = 0; t < n; ++t) {
-    std::vector<float> alone(static_cast<size_t>(rows));
-    matmul(one, MatmulTask{.x = x.data() + t * cols, .n = 1, .w = view, .y = alone.data()});
-    for (int64_t r = 0; r < rows; ++r)
-      ASSERT_EQ(batched[t * rows + r], alone[r]) << "t=" << t << " r=" << r;
+  // Row tiles, a second token block, ragged ends; rows long enough (4.7 KiB) that the prefill
+  // tiles take fewer tokens to stay in L1.
+  for (int64_t cols : {131, 2400}) {
+    const int64_t rows = 45, n = 70;
+    const std::vector<uint16_t> w = bf16_weights(rows, cols, 3);
+    const MatrixView view{w.data(), DType::kBF16, rows, cols};
+    const std::vector<float> x = gaussian_input(n, cols, 4);
+    ThreadPool two(2), one(1);
+    std::vector<float> batched(static_cast<size_t>(n * rows));
+    matmul(two, MatmulTask{.x = x.data(), .n = n, .w = view, .y = batched.data()});
+    for (int64_t t = 0; t < n; ++t) {
+      std::vector<float> alone(static_cast<size_t>(rows));
+      matmul(one, MatmulTask{.x = x.data() + t * cols, .n = 1, .w = view, .y = alone.data()});
+      for (int64_t r = 0; r < rows; ++r)
+        ASSERT_EQ(batched[t * rows + r], alone[r]) << "cols=" << cols << " t=" << t << " r=" << r;
+    }
+    // A few tokens (the row-at-a-time route) give the same bits as the row tiles.
+    std::vector<float> three(static_cast<size_t>(3 * rows));
+    matmul(two, MatmulTask{.x = x.data() + 10 * cols, .n = 3, .w = view, .y = three.data()});
+    for (int64_t i = 0; i < 3 * rows; ++i) ASSERT_EQ(three[i], batched[10 * rows + i]);
   }
-  // A few tokens (the row-at-a-time route) give the same bits as the row tiles.
-  std::vector<float> three(static_cast<size_t>(3 * rows));
-  matmul(two, MatmulTask{.x = x.data() + 10 * cols, .n = 3, .w = view, .y = three.data()});
-  for (int64_t i = 0; i < 3 * rows; ++i) ASSERT_EQ(three[i], batched[10 * rows + i]);
 }
 
 TEST(Bf16FastMath, StreamTuningDoesNotChangeResults) {
