@@ -69,19 +69,17 @@ void store_sums(__m512 (&acc)[M][N], float* y, int64_t y_stride) {
   constexpr int kCount = M * N;
   const __m512* v = &acc[0][0];  // v[m * N + t]
   auto put = [&](int index, float sum) { y[(index % N) * y_stride + index / N] = sum; };
-  alignas(64) float sums[16];
   int done = 0;
-  for (; done + 16 <= kCount; done += 16) {
-    _mm512_store_ps(sums, sums_of_16(v + done));
+  // A group of `size` sums from v + done: lane 4q + e holds accumulator done + q + 4e.
+  auto put_group = [&](__m512 group, int size) {
+    alignas(64) float sums[16];
+    _mm512_store_ps(sums, group);
     for (int q = 0; q < 4; ++q)
-      for (int e = 0; e < 4; ++e) put(done + q + 4 * e, sums[4 * q + e]);
-  }
-  if (done + 8 <= kCount) {
-    _mm512_store_ps(sums, sums_of_8(v + done));
-    for (int q = 0; q < 4; ++q)
-      for (int e = 0; e < 2; ++e) put(done + q + 4 * e, sums[4 * q + e]);
-    done += 8;
-  }
+      for (int e = 0; e < size / 4; ++e) put(done + q + 4 * e, sums[4 * q + e]);
+    done += size;
+  };
+  while (done + 16 <= kCount) put_group(sums_of_16(v + done), 16);
+  if (done + 8 <= kCount) put_group(sums_of_8(v + done), 8);
   for (; done < kCount; ++done) put(done, _mm512_reduce_add_ps(v[done]));
 }
 
