@@ -83,13 +83,42 @@ void rows_q8_q4_0(const MatrixView& w, const QuantizedActivations& x, float* y, 
       });
 }
 
+// Byte-shuffle controls that fill each 128-bit lane with one 16-bit word of that lane (scales
+// spread by one in-lane shuffle where a broadcast per scale from memory cost three operations):
+// control i of kSameWord takes word i in both lanes, control k of kWordPair word 2k in the low
+// lane and 2k + 1 in the high one.
+struct WordControls {
+  alignas(32) int8_t bytes[8][32];
+};
+constexpr WordControls word_controls(bool pair) {
+  WordControls controls{};
+  for (int i = 0; i < 8; ++i)
+    for (int b = 0; b < 32; ++b) {
+      const int word = pair ? 2 * (i % 4) + b / 16 : i;
+      controls.bytes[i][b] = static_cast<int8_t>(2 * word + b % 2);
+    }
+  return controls;
+}
+constexpr WordControls kSameWord = word_controls(false);
+constexpr WordControls kWordPair = word_controls(true);
+
+inline __m256i spread_word(__m256i words, const WordControls& controls, int i) {
+  return _mm256_shuffle_epi8(words, load(controls.bytes[i]));
+}
+
+// Q4_K and Q5_K. Per super-block of a row: its scales spread by shuffles, its 256 weights unpacked
+// 32 at a time and multiplied by every token of the tile while in a register (no spills of eight
+// unpacked registers); the mins' products taken from QuantizedActivations::min_pairs (the
+// activations' sums of two sub-blocks as 16-bit halves), one madd for the eight mins.
+template <bool fifth>
 void rows_q45_k(const MatrixView& w, const QuantizedActivations& x, float* y, int64_t y_stride,
                 int64_t row_begin, int64_t row_end) {
-  const bool fifth = w.dtype == DType::kQ5_K;
   const int64_t bytes = fifth ? 176 : 144, blocks = w.cols / 256, ahead = quant_prefetch_bytes();
+  const int64_t pair_stride = w.cols / 64;
   for_each_row_run<kTokenTile>(
       x, row_begin, row_end, [&](const auto& tile, int64_t first, int64_t last) {
         constexpr int tokens = std::remove_cvref_t<decltype(tile)>::kCount;
+        const int32_t* min_pairs = x.min_pairs.data() + tile.first * pair_stride;
         for (int64_t r = first; r < last; ++r) {
           const auto* row = reinterpret_cast<const uint8_t*>(w.row(r));
           __m256 acc[kTokenTile];
@@ -97,48 +126,41 @@ void rows_q45_k(const MatrixView& w, const QuantizedActivations& x, float* y, in
           for (int64_t b = 0; b < blocks; ++b) {
             const uint8_t* block = row + b * bytes;
             prefetch_ahead(block, bytes, ahead);
-            alignas(16) uint8_t scales[16];
-            _mm_store_si128(reinterpret_cast<__m128i*>(scales), k_scales_vector(block + 4));
-            const uint8_t* sc = scales;
-            const uint8_t* mn = scales + 8;
+            const __m128i scales_mins = k_scales_vector(block + 4);
+            const __m256i scales = _mm256_broadcastsi128_si256(_mm_cvtepu8_epi16(scales_mins));
+            // Mins 2p and 2p + 1 as the two 16-bit halves of 32-bit lane p, as min_pairs holds
+            // the sums they multiply.
+            const __m128i mins = _mm_cvtepu8_epi16(_mm_unpackhi_epi64(scales_mins, scales_mins));
             const float d = half_at(block), dmin = half_at(block + 2);
-            // Each min beside the two 16-sums of its sub-block, one per 32-bit lane with its high
-            // half zero, so a madd_epi16 with the (small) sums multiplies them exactly.
-            const __m128i min_pairs =
-                _mm_shuffle_epi8(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(mn)),
-                                 _mm_setr_epi8(0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7));
-            const __m256i mins_low = _mm256_cvtepu8_epi32(min_pairs);
-            const __m256i mins_high = _mm256_cvtepu8_epi32(_mm_srli_si128(min_pairs, 8));
-            // The super-block's 256 weights as eight registers of 32 (0-15 or 0-31).
-            __m256i q[8];
             const uint8_t* qs = block + (fifth ? 48 : 16);
-            const __m256i qh = fifth ? load(block + 16) : _mm256_setzero_si256();
-            for (int g = 0; g < 4; ++g) {
+            __m256i sumi[kTokenTile];
+            for (int t = 0; t < tokens; ++t) sumi[t] = _mm256_setzero_si256();
+            for (int g = 0; g < 4; ++g) {  // 32 packed bytes: sub-blocks 2g (low) and 2g + 1
               const __m256i packed = load(qs + 32 * g);
-              q[2 * g] = low_nibbles(packed);
-              q[2 * g + 1] = high_nibbles(packed);
-              if (fifth) {
-                const __m256i one = _mm256_set1_epi8(1);
-                const __m256i bit_lo =
-                    _mm256_and_si256(_mm256_srli_epi16(qh, 2 * g), one);  // bit 2g of each byte
-                const __m256i bit_hi = _mm256_and_si256(_mm256_srli_epi16(qh, 2 * g + 1), one);
-                q[2 * g] = _mm256_or_si256(q[2 * g], _mm256_slli_epi16(bit_lo, 4));
-                q[2 * g + 1] = _mm256_or_si256(q[2 * g + 1], _mm256_slli_epi16(bit_hi, 4));
+              __m256i low = low_nibbles(packed), high = high_nibbles(packed);
+              if constexpr (fifth) {  // sub-block j's fifth bits: bit j of the 32 high-bit bytes
+                const __m256i qh = load(block + 16), one = _mm256_set1_epi8(1);
+                low = _mm256_or_si256(
+                    low, _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 2 * g), one), 4));
+                high = _mm256_or_si256(
+                    high,
+                    _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 2 * g + 1), one), 4));
+              }
+              const __m256i scale_low = spread_word(scales, kSameWord, 2 * g);
+              const __m256i scale_high = spread_word(scales, kSameWord, 2 * g + 1);
+              for (int t = 0; t < tokens; ++t) {
+                const int8_t* xb = tile.q(t) + b * 256 + 64 * g;
+                sumi[t] = _mm256_add_epi32(sumi[t], dot_scaled(low, load(xb), scale_low));
+                sumi[t] = _mm256_add_epi32(sumi[t], dot_scaled(high, load(xb + 32), scale_high));
               }
             }
             for (int t = 0; t < tokens; ++t) {
-              const int8_t* xb = tile.q(t) + b * 256;
-              __m256i sumi = _mm256_setzero_si256();
-              for (int j = 0; j < 8; ++j)
-                sumi = _mm256_add_epi32(sumi,
-                                        dot_scaled(q[j], load(xb + 32 * j),
-                                                   _mm256_set1_epi16(static_cast<short>(sc[j]))));
-              // Σ_j m_j Σ_{i∈j} x_i, lane by lane (|a 16-sum| ≤ 16 · 127 fits 16 bits).
-              const int32_t* sums = tile.sums(t) + b * 16;
-              const __m256i summ = _mm256_add_epi32(_mm256_madd_epi16(load(sums), mins_low),
-                                                    _mm256_madd_epi16(load(sums + 8), mins_high));
+              // Σ_j m_j Σ_{i∈j} x_i in four lanes (|a 32-sum| ≤ 32 · 127 fits 16 bits).
+              const __m128i pairs = _mm_loadu_si128(
+                  reinterpret_cast<const __m128i*>(min_pairs + t * pair_stride + b * 4));
+              const __m256i summ = _mm256_zextsi128_si256(_mm_madd_epi16(pairs, mins));
               const float dx = tile.scales(t)[b];
-              acc[t] = _mm256_fmadd_ps(_mm256_set1_ps(d * dx), _mm256_cvtepi32_ps(sumi), acc[t]);
+              acc[t] = _mm256_fmadd_ps(_mm256_set1_ps(d * dx), _mm256_cvtepi32_ps(sumi[t]), acc[t]);
               acc[t] =
                   _mm256_fnmadd_ps(_mm256_set1_ps(dmin * dx), _mm256_cvtepi32_ps(summ), acc[t]);
             }
@@ -148,10 +170,13 @@ void rows_q45_k(const MatrixView& w, const QuantizedActivations& x, float* y, in
       });
 }
 
+// Q6_K. Per super-block of a row: the 16 scales spread by shuffles (two 16-weight sub-blocks per
+// register, one per 128-bit lane), the weights' top two bits moved into place with one shift and
+// one mask each, and each 32 weights multiplied by every token of the tile while in a register.
 void rows_q6_k(const MatrixView& w, const QuantizedActivations& x, float* y, int64_t y_stride,
                int64_t row_begin, int64_t row_end) {
   const int64_t blocks = w.cols / 256, ahead = quant_prefetch_bytes();
-  const __m256i mask2 = _mm256_set1_epi8(3);
+  const __m256i top_bits = _mm256_set1_epi8(0x30);
   for_each_row_run<kTokenTile>(
       x, row_begin, row_end, [&](const auto& tile, int64_t first, int64_t last) {
         constexpr int tokens = std::remove_cvref_t<decltype(tile)>::kCount;
@@ -162,44 +187,52 @@ void rows_q6_k(const MatrixView& w, const QuantizedActivations& x, float* y, int
           for (int64_t b = 0; b < blocks; ++b) {
             const uint8_t* block = row + b * 210;
             prefetch_ahead(block, 210, ahead);
-            const auto* sc = reinterpret_cast<const int8_t*>(block + 192);
             const float d = half_at(block + 208);
+            const __m128i scale_bytes =
+                _mm_loadu_si128(reinterpret_cast<const __m128i*>(block + 192));
+            // Scales 8h .. 8h + 7 as 16-bit words in both lanes of half_scales[h].
+            const __m256i scales16 = _mm256_cvtepi8_epi16(scale_bytes);
+            const __m256i half_scales[2] = {_mm256_permute2x128_si256(scales16, scales16, 0x00),
+                                            _mm256_permute2x128_si256(scales16, scales16, 0x11)};
             // The 16 scales as the low halves of 32-bit lanes (high halves zero), for madd_epi16.
-            const __m128i scale_bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(sc));
             const __m256i low_halves = _mm256_set1_epi32(0xFFFF);
             const __m256i offset_low =
                 _mm256_and_si256(_mm256_cvtepi8_epi32(scale_bytes), low_halves);
             const __m256i offset_high =
                 _mm256_and_si256(_mm256_cvtepi8_epi32(_mm_srli_si128(scale_bytes, 8)), low_halves);
-            __m256i q[8], scales[8];  // weights 32k .. 32k + 31 and their two 16-weight scales
+            __m256i sumi[kTokenTile];
+            for (int t = 0; t < tokens; ++t) sumi[t] = _mm256_setzero_si256();
             for (int h = 0; h < 2; ++h) {
               const __m256i low0 = load(block + 64 * h), low1 = load(block + 64 * h + 32);
               const __m256i high = load(block + 128 + 32 * h);
-              const __m256i parts[4] = {low_nibbles(low0), low_nibbles(low1), high_nibbles(low0),
-                                        high_nibbles(low1)};
-              for (int k = 0; k < 4; ++k) {
-                const __m256i top =
-                    _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(high, 2 * k), mask2), 4);
-                q[4 * h + k] = _mm256_or_si256(parts[k], top);
-                const int s = 8 * h + 2 * k;
-                scales[4 * h + k] =
-                    _mm256_set_m128i(_mm_set1_epi16(sc[s + 1]), _mm_set1_epi16(sc[s]));
+              // Quarter k's top two bits are bits 2k, 2k + 1 of the high bytes, wanted at bits 4
+              // and 5 (bits a 16-bit shift moves into the next byte fall outside the mask).
+              const __m256i q[4] = {
+                  _mm256_or_si256(low_nibbles(low0),
+                                  _mm256_and_si256(_mm256_slli_epi16(high, 4), top_bits)),
+                  _mm256_or_si256(low_nibbles(low1),
+                                  _mm256_and_si256(_mm256_slli_epi16(high, 2), top_bits)),
+                  _mm256_or_si256(high_nibbles(low0), _mm256_and_si256(high, top_bits)),
+                  _mm256_or_si256(high_nibbles(low1),
+                                  _mm256_and_si256(_mm256_srli_epi16(high, 2), top_bits))};
+              for (int k = 0; k < 4; ++k) {  // weights 128h + 32k: scales 8h + 2k and + 1
+                const __m256i scales = spread_word(half_scales[h], kWordPair, k);
+                for (int t = 0; t < tokens; ++t)
+                  sumi[t] = _mm256_add_epi32(
+                      sumi[t],
+                      dot_scaled(q[k], load(tile.q(t) + b * 256 + 128 * h + 32 * k), scales));
               }
             }
             for (int t = 0; t < tokens; ++t) {
-              const int8_t* xb = tile.q(t) + b * 256;
-              __m256i sumi = _mm256_setzero_si256();
-              for (int j = 0; j < 8; ++j)
-                sumi = _mm256_add_epi32(sumi, dot_scaled(q[j], load(xb + 32 * j), scales[j]));
               // Σ sc (q - 32) x = Σ sc q x - 32 Σ sc Σx, the offset taken lane by lane (sc_s times
               // the 16-sum s, which fits 16 bits) before converting.
               const int32_t* sums = tile.sums(t) + b * 16;
               const __m256i offset =
                   _mm256_add_epi32(_mm256_madd_epi16(load(sums), offset_low),
                                    _mm256_madd_epi16(load(sums + 8), offset_high));
-              sumi = _mm256_sub_epi32(sumi, _mm256_slli_epi32(offset, 5));
+              const __m256i total = _mm256_sub_epi32(sumi[t], _mm256_slli_epi32(offset, 5));
               const float dx = tile.scales(t)[b];
-              acc[t] = _mm256_fmadd_ps(_mm256_set1_ps(d * dx), _mm256_cvtepi32_ps(sumi), acc[t]);
+              acc[t] = _mm256_fmadd_ps(_mm256_set1_ps(d * dx), _mm256_cvtepi32_ps(total), acc[t]);
             }
           }
           for (int t = 0; t < tokens; ++t) y[(tile.first + t) * y_stride + r] = reduce(acc[t]);
@@ -216,8 +249,9 @@ void quant_matmul_rows_avx2(const MatrixView& w, const QuantizedActivations& x, 
     case DType::kQ4_0:
       return rows_q8_q4_0(w, x, y, y_stride, row_begin, row_end);
     case DType::kQ4_K:
+      return rows_q45_k<false>(w, x, y, y_stride, row_begin, row_end);
     case DType::kQ5_K:
-      return rows_q45_k(w, x, y, y_stride, row_begin, row_end);
+      return rows_q45_k<true>(w, x, y, y_stride, row_begin, row_end);
     case DType::kQ6_K:
       return rows_q6_k(w, x, y, y_stride, row_begin, row_end);
     default:
