@@ -32,9 +32,9 @@ struct MatmulKernel {
   // Unpacked (few tokens: decode) the weights stream from memory once, kDirectRows rows at a time.
   // On AVX-512 one row: a single stream per thread keeps more of the memory bandwidth busy than
   // several interleaved short ones (measured: 1 row 15.0 GB/s, 2 rows 12.9, 4 rows 12.2 on one
-  // core, against 15.3 for a plain read). With 8 lanes one row's chain of dependent FMAs is too
-  // slow to keep up with memory, so AVX2 takes more rows. Each row's sum is the same whatever the
-  // tile, so results do not change.
+  // core, against 15.3 for a plain read); AVX2 too, with 16 lanes in two registers so that one
+  // row's sums run in two chains of FMAs. Each row's sum is the same whatever the tile, so
+  // results do not change.
   static constexpr int kDirectRows = Simd::kDirectRows;
 
   static V load(const void* row, DType dtype, int64_t k) {
