@@ -48,6 +48,7 @@ MOELINE_CLONES void silu_mul_portable(float* gate, const float* up, int64_t n) {
 void silu_mul(float* gate, const float* up, int64_t n) {
   const Isa isa = active_isa();
   if (isa == Isa::kAvx512 || isa == Isa::kAvx512Vnni) return detail::silu_mul_avx512(gate, up, n);
+  if (isa == Isa::kAvx2) return detail::silu_mul_avx2(gate, up, n);
   silu_mul_portable(gate, up, n);
 }
 

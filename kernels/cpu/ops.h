@@ -31,6 +31,7 @@ void dot_rows(const float* a, int64_t a_stride, int64_t count, const float* b, i
 
 namespace detail {
 void silu_mul_avx512(float* gate, const float* up, int64_t n);  // ops_avx512.cpp
+void silu_mul_avx2(float* gate, const float* up, int64_t n);    // ops_avx2.cpp
 }  // namespace detail
 
 }  // namespace moeline::kernels

@@ -71,7 +71,8 @@ void quantize_activations(const float* x, int64_t rows, int64_t cols, int64_t x_
   const Isa isa = active_isa();
   const auto row = isa == Isa::kAvx512 || isa == Isa::kAvx512Vnni
                        ? detail::quantize_activation_row_avx512
-                       : quantize_activation_row;
+                   : isa == Isa::kAvx2 ? detail::quantize_activation_row_avx2
+                                       : quantize_activation_row;
   for (int64_t r = 0; r < rows; ++r)
     row(x + r * x_stride, cols, block, out.q.data() + r * cols,
         out.scale.data() + r * (cols / block), out.sums.data() + r * (cols / 16));

@@ -166,10 +166,12 @@ inline void prefetch_ahead(const uint8_t* p, int64_t bytes, int64_t ahead) {
   if (ahead > 0) prefetch_lines(p + ahead, bytes);
 }
 
-// One activation row quantized as quantize_activations does (ops_avx512.cpp): the same bytes,
-// scales and sums, 16 values at a time.
+// One activation row quantized as quantize_activations does (ops_avx512.cpp, ops_avx2.cpp): the
+// same bytes, scales and sums, 16 or 8 values at a time.
 void quantize_activation_row_avx512(const float* src, int64_t cols, int64_t block, int8_t* q,
                                     float* scales, int32_t* sums);
+void quantize_activation_row_avx2(const float* src, int64_t cols, int64_t block, int8_t* q,
+                                  float* scales, int32_t* sums);
 
 void quant_matmul_rows_portable(const MatrixView& w, const QuantizedActivations& x, float* y,
                                 int64_t y_stride, int64_t row_begin, int64_t row_end);
