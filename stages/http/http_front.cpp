@@ -3,6 +3,7 @@
 #include <httplib.h>
 #include <sys/socket.h>
 
+#include <atomic>
 #include <chrono>
 #include <ctime>
 #include <memory>
@@ -117,12 +118,16 @@ class HttpFront {
     if (!server.bind_to_port(host, port)) throw std::runtime_error("cannot listen on " + listen);
     if (listener >= 0 && ::listen(listener, SOMAXCONN) != 0)
       log_.warn("listen_backlog", {{"detail", "cannot raise the listen backlog"}});
+    std::atomic<bool> listen_returned{false};
     std::thread stopper([&] {
       while (!runtime::StageService::stop_requested() &&
-             !runtime::StageService::drain_requested()) {
+             !runtime::StageService::drain_requested() && !listen_returned.load()) {
         service_.tick();  // the loop of this stage is the server: alive while it listens
         std::this_thread::sleep_for(std::chrono::milliseconds(100));
       }
+      // stop() does nothing until listening has begun (StageService::stop_http).
+      while (!server.is_running() && !listen_returned.load())
+        std::this_thread::sleep_for(std::chrono::microseconds(100));
       server.stop();
     });
     log_.info("listening", {{"address", listen},
@@ -131,6 +136,7 @@ class HttpFront {
                                                               : std::string("none")},
                             {"max_connections", static_cast<int64_t>(threads)}});
     server.listen_after_bind();
+    listen_returned.store(true);
     stopper.join();
   }
 

@@ -4,7 +4,9 @@
 #include <signal.h>
 #include <unistd.h>
 
+#include <chrono>
 #include <fstream>
+#include <thread>
 
 namespace moeline::runtime {
 namespace {
@@ -39,8 +41,15 @@ StageService::~StageService() {
 
 void StageService::stop_http() {
   stopping_.store(true);
-  if (server_) server_->stop();
-  if (http_thread_.joinable()) http_thread_.join();
+  if (http_thread_.joinable()) {
+    // cpp-httplib's stop() does nothing until the listening thread has begun: a stop that came
+    // first (a stage whose setup failed just after start_http) would leave it serving and this
+    // join waiting forever. So wait for it to begin (or to have ended) before stopping it.
+    while (!server_->is_running() && !http_thread_done_.load())
+      std::this_thread::sleep_for(std::chrono::microseconds(100));
+    server_->stop();
+    http_thread_.join();
+  }
   if (liveness_thread_.joinable()) liveness_thread_.join();
 }
 
@@ -149,7 +158,10 @@ void StageService::start_http(const std::string& address, const std::string& por
     std::ofstream(temporary) << port_ << '\n';
     std::rename(temporary.c_str(), port_file.c_str());
   }
-  http_thread_ = std::thread([this] { server_->listen_after_bind(); });
+  http_thread_ = std::thread([this] {
+    server_->listen_after_bind();
+    http_thread_done_.store(true);
+  });
   if (!port_file.empty())
     liveness_thread_ = std::thread([this, path = port_file + ".alive"] { liveness_loop(path); });
   log.info("http_listening", {{"address", host + ":" + std::to_string(port_)}});

@@ -110,6 +110,7 @@ class StageService {
   std::unique_ptr<httplib::Server> server_;
   std::thread http_thread_, liveness_thread_;
   std::atomic<bool> stopping_{false};
+  std::atomic<bool> http_thread_done_{false};  // listen_after_bind returned
   uint16_t port_ = 0;
   std::atomic<int64_t> last_tick_ns_;
   std::atomic<bool> ticked_{false};

@@ -8,7 +8,9 @@
 #include <sys/socket.h>
 #include <unistd.h>
 
+#include <atomic>
 #include <chrono>
+#include <cstdio>
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
@@ -552,6 +554,29 @@ std::pair<int, std::string> http_get(uint16_t port, const std::string& path) {
           body == std::string::npos ? "" : response.substr(body + 4)};
 }
 }  // namespace
+
+// A stage whose setup fails right after its HTTP server starts (a bad --device found after the
+// model loaded) must still exit with its error: cpp-httplib's stop() does nothing until the
+// listening thread has begun, so a stop that came first left that thread serving and the join
+// waiting for it forever (seen under CI load: the stage answered 503 until `stack up` gave up).
+TEST(StageHealth, StoppingRightAfterStartingReturns) {
+  std::atomic<bool> finished{false};
+  std::thread watchdog([&finished] {
+    for (int waited_ms = 0; waited_ms < 30000 && !finished.load(); waited_ms += 10)
+      std::this_thread::sleep_for(std::chrono::milliseconds(10));
+    if (!finished.load()) {
+      std::fprintf(stderr, "stop_http right after start_http did not return within 30 s\n");
+      std::_Exit(1);
+    }
+  });
+  for (int i = 0; i < 200; ++i) {
+    moeline::runtime::StageService service("probe", "probe-0");
+    service.start_http("127.0.0.1:0", "");
+    service.stop_http();
+  }
+  finished.store(true);
+  watchdog.join();
+}
 
 TEST(StageHealth, LiveWhileStartingReadyOnceJoinedStalledPastTheWatchdog) {
   moeline::runtime::StageService service("probe", "probe-0");
