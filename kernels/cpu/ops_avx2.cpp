@@ -2,30 +2,26 @@
 // the fast quantized matmul's activation quantizing (quant_matmul.cpp dispatches).
 #include <immintrin.h>
 
+#include "kernels/cpu/exp_polynomial.h"
 #include "kernels/cpu/ops.h"
 #include "kernels/cpu/quant_matmul.h"
 
 namespace moeline::kernels::detail {
 namespace {
 
-// e^x on 8 lanes: exp16's formula (exp_avx512.h: the same reduction, polynomial and limits), with
+// e^x on 8 lanes: exp16's formula (exp_avx512.h; the constants of exp_polynomial.h), with
 // 2^n built from exponent bits in two halves (n reaches 128 at the upper limit, one past what an
 // exponent field holds); multiplying by powers of two is exact there, so the value is p 2^n.
 inline __m256 exp8(__m256 x) {
-  const __m256 log2e = _mm256_set1_ps(1.44269504088896341f);
-  const __m256 ln2_hi = _mm256_set1_ps(0.693359375f), ln2_lo = _mm256_set1_ps(-2.12194440e-4f);
-  const __m256 low = _mm256_set1_ps(-87.0f), high = _mm256_set1_ps(88.7f);
+  using namespace exp_polynomial;
+  const __m256 low = _mm256_set1_ps(kLowest), high = _mm256_set1_ps(kHighest);
   const __m256 clamped = _mm256_min_ps(_mm256_max_ps(x, low), high);
-  const __m256 n =
-      _mm256_round_ps(_mm256_mul_ps(clamped, log2e), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m256 r = _mm256_fnmadd_ps(n, ln2_hi, clamped);
-  r = _mm256_fnmadd_ps(n, ln2_lo, r);
-  __m256 p = _mm256_set1_ps(1.9875691500e-4f);
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
+  const __m256 n = _mm256_round_ps(_mm256_mul_ps(clamped, _mm256_set1_ps(kLog2e)),
+                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(kLn2High), clamped);
+  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(kLn2Low), r);
+  __m256 p = _mm256_set1_ps(kCoefficients[0]);
+  for (int i = 1; i < 6; ++i) p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(kCoefficients[i]));
   p = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
   const __m256i exponent = _mm256_cvtps_epi32(n);
   const __m256i half = _mm256_srai_epi32(exponent, 1);

@@ -8,6 +8,7 @@
 #include <type_traits>
 
 #include "kernels/cpu/k_scales_vector.h"
+#include "kernels/cpu/q8_blocks_vector.h"
 #include "kernels/cpu/quant_matmul.h"
 
 namespace moeline::kernels::detail {
@@ -18,12 +19,6 @@ constexpr int kTokenTile = 4;
 // accumulators to the stack but pay the unpacking half as often (Zen 3, 64-token prefill: Q4_K
 // +18%, Q6_K +9% against tiles of 4; tiles of 3, which fit the 16 registers, were 9% slower).
 constexpr int kKQuantTokenTile = 8;
-
-inline int u16_at(const uint8_t* p) {
-  uint16_t bits;
-  std::memcpy(&bits, p, sizeof bits);
-  return bits;
-}
 
 float half_at(const uint8_t* p) {
   uint16_t bits;
@@ -86,12 +81,6 @@ void rows_q8_q4_0(const MatrixView& w, const QuantizedActivations& x, float* y, 
   constexpr int64_t kBytes = q8 ? 34 : 18;
   const int64_t blocks = w.cols / 32, groups = blocks / 8, ahead = quant_prefetch_bytes();
   const __m256i ones = _mm256_set1_epi16(1);
-  auto weights = [](const uint8_t* block) {
-    if constexpr (q8) return load(block + 2);
-    const __m128i packed = _mm_loadu_si128(reinterpret_cast<const __m128i*>(block + 2));
-    const __m256i both = _mm256_set_m128i(_mm_srli_epi16(packed, 4), packed);
-    return _mm256_sub_epi8(low_nibbles(both), _mm256_set1_epi8(8));
-  };
   for_each_row_run<kTokenTile>(
       x, row_begin, row_end, [&](const auto& tile, int64_t first, int64_t last) {
         constexpr int tokens = std::remove_cvref_t<decltype(tile)>::kCount;
@@ -101,20 +90,13 @@ void rows_q8_q4_0(const MatrixView& w, const QuantizedActivations& x, float* y, 
           for (int t = 0; t < tokens; ++t) acc[t] = _mm256_setzero_ps();
           for (int64_t g = 0; g < groups; ++g) {
             const uint8_t* group = row + 8 * g * kBytes;
-            __m128i bits = _mm_cvtsi32_si128(u16_at(group));
-            bits = _mm_insert_epi16(bits, u16_at(group + kBytes), 1);
-            bits = _mm_insert_epi16(bits, u16_at(group + 2 * kBytes), 2);
-            bits = _mm_insert_epi16(bits, u16_at(group + 3 * kBytes), 3);
-            bits = _mm_insert_epi16(bits, u16_at(group + 4 * kBytes), 4);
-            bits = _mm_insert_epi16(bits, u16_at(group + 5 * kBytes), 5);
-            bits = _mm_insert_epi16(bits, u16_at(group + 6 * kBytes), 6);
-            bits = _mm_insert_epi16(bits, u16_at(group + 7 * kBytes), 7);
-            const __m256 dw = _mm256_cvtph_ps(bits);
+            const __m256 dw = eight_block_scales(group, kBytes);
             __m256i pairs[4][kTokenTile];
             for (int p = 0; p < 4; ++p) {
               const uint8_t* block = group + 2 * p * kBytes;
               prefetch_ahead(block, 2 * kBytes, ahead);
-              const __m256i q0 = weights(block), q1 = weights(block + kBytes);
+              const __m256i q0 = q8_q4_0_weights<q8>(block),
+                            q1 = q8_q4_0_weights<q8>(block + kBytes);
               const __m256i magnitude0 = _mm256_sign_epi8(q0, q0);
               const __m256i magnitude1 = _mm256_sign_epi8(q1, q1);
               for (int t = 0; t < tokens; ++t) {
@@ -134,7 +116,7 @@ void rows_q8_q4_0(const MatrixView& w, const QuantizedActivations& x, float* y, 
           }
           for (int64_t b = 8 * groups; b < blocks; ++b) {
             const uint8_t* block = row + b * kBytes;
-            const __m256i q = weights(block);
+            const __m256i q = q8_q4_0_weights<q8>(block);
             const float d = half_at(block);
             for (int t = 0; t < tokens; ++t) {
               const __m256i sums = dot_signed(q, load(tile.q(t) + b * 32));
@@ -197,13 +179,14 @@ void rows_q45_k(const MatrixView& w, const QuantizedActivations& x, float* y, in
             const __m128i mins = _mm_cvtepu8_epi16(_mm_unpackhi_epi64(scales_mins, scales_mins));
             const float d = half_at(block), dmin = half_at(block + 2);
             const uint8_t* qs = block + (fifth ? 48 : 16);
+            const __m256i qh = fifth ? load(block + 16) : _mm256_setzero_si256();
             __m256i sumi[kKQuantTokenTile];
             for (int t = 0; t < tokens; ++t) sumi[t] = _mm256_setzero_si256();
             for (int g = 0; g < 4; ++g) {  // 32 packed bytes: sub-blocks 2g (low) and 2g + 1
               const __m256i packed = load(qs + 32 * g);
               __m256i low = low_nibbles(packed), high = high_nibbles(packed);
               if constexpr (fifth) {  // sub-block j's fifth bits: bit j of the 32 high-bit bytes
-                const __m256i qh = load(block + 16), one = _mm256_set1_epi8(1);
+                const __m256i one = _mm256_set1_epi8(1);
                 low = _mm256_or_si256(
                     low, _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 2 * g), one), 4));
                 high = _mm256_or_si256(

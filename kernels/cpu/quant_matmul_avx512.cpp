@@ -12,6 +12,7 @@
 #include <vector>
 
 #include "kernels/cpu/k_scales_vector.h"
+#include "kernels/cpu/q8_blocks_vector.h"
 #include "kernels/cpu/quant_matmul.h"
 
 // quant_matmul_avx512_vnni.cpp compiles this file again with AVX512_VNNI under another name.
@@ -33,11 +34,6 @@ float half_at(const uint8_t* p) {
   return _cvtsh_ss(bits);
 }
 
-inline int u16_at(const uint8_t* p) {
-  uint16_t bits;
-  std::memcpy(&bits, p, sizeof bits);
-  return bits;
-}
 inline __m256i load256(const void* p) {
   return _mm256_loadu_si256(static_cast<const __m256i*>(p));
 }
@@ -46,9 +42,6 @@ inline __m512i load512(const void* p) {
 }
 inline __m512i join(__m256i low, __m256i high) {
   return _mm512_inserti64x4(_mm512_castsi256_si512(low), high, 1);
-}
-inline __m256i low_nibbles(__m256i b) {
-  return _mm256_and_si256(b, _mm256_set1_epi8(0x0F));
 }
 
 // Σ w x in 32-bit lanes for signed weight bytes: |w| times x negated where w < 0.
@@ -252,25 +245,12 @@ struct Q8Row {
   Q8Row(const Q8Context&, const uint8_t* start) : row(start) {
     for (int t = 0; t < kTokens; ++t) acc[t] = _mm512_setzero_ps();
   }
-  static __m256i weights(const uint8_t* block) {
-    if constexpr (q8) return load256(block + 2);
-    const __m128i packed = _mm_loadu_si128(reinterpret_cast<const __m128i*>(block + 2));
-    const __m256i both = _mm256_set_m128i(_mm_srli_epi16(packed, 4), packed);
-    return _mm256_sub_epi8(low_nibbles(both), _mm256_set1_epi8(8));
-  }
+  static __m256i weights(const uint8_t* block) { return q8_q4_0_weights<q8>(block); }
   __attribute__((always_inline)) void step(const Q8Context& c, const TokenTile<kTokens>& tile,
                                            int64_t s) {
     const int64_t b = 8 * s;
     const uint8_t* first_block = row + b * kBytes;
-    __m128i bits = _mm_cvtsi32_si128(u16_at(first_block));
-    bits = _mm_insert_epi16(bits, u16_at(first_block + kBytes), 1);
-    bits = _mm_insert_epi16(bits, u16_at(first_block + 2 * kBytes), 2);
-    bits = _mm_insert_epi16(bits, u16_at(first_block + 3 * kBytes), 3);
-    bits = _mm_insert_epi16(bits, u16_at(first_block + 4 * kBytes), 4);
-    bits = _mm_insert_epi16(bits, u16_at(first_block + 5 * kBytes), 5);
-    bits = _mm_insert_epi16(bits, u16_at(first_block + 6 * kBytes), 6);
-    bits = _mm_insert_epi16(bits, u16_at(first_block + 7 * kBytes), 7);
-    const __m256 dw = _mm256_cvtph_ps(bits);
+    const __m256 dw = eight_block_scales(first_block, kBytes);
     __m512 scales[kTokens];
     for (int t = 0; t < kTokens; ++t)
       scales[t] = _mm512_castps256_ps512(_mm256_mul_ps(dw, _mm256_loadu_ps(tile.scales(t) + b)));
