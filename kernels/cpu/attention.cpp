@@ -80,11 +80,13 @@ void paged_attention(ThreadPool& pool, const PagedKvLayer& kv,
   const int64_t work = groups * chunks_per_group;
   // Items first, first + stride, ...: strided, not contiguous, because causal queries late in a
   // prompt cost more than early ones.
-  // The AVX-512 paths reduce 16 dot products at once (attention_avx512.cpp); its bits differ from
-  // the portable loop's, so every query of a process takes the same one.
+  // The AVX-512 and AVX2 paths reduce 16 or 8 dot products at once (attention_avx512.cpp,
+  // attention_avx2.cpp); their bits differ from the portable loop's, so every query of a process
+  // takes the same one.
   const Isa isa = active_isa();
-  const auto attend =
-      isa == Isa::kAvx512 || isa == Isa::kAvx512Vnni ? detail::attend_heads_avx512 : attend_heads;
+  const auto attend = isa == Isa::kAvx512 || isa == Isa::kAvx512Vnni ? detail::attend_heads_avx512
+                      : isa == Isa::kAvx2                            ? detail::attend_heads_avx2
+                                                                     : attend_heads;
   // A query whose neighbours in the call read other sequences' caches (a decode step) reads its
   // keys and values from memory and prefetches them; a prompt's queries share theirs.
   auto alone = [&](int64_t query) {

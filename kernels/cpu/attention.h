@@ -135,6 +135,10 @@ using ValueWalk = KvRowWalk<&PagedKvLayer::value>;
 void attend_heads_avx512(const PagedKvLayer& kv, const AttentionQuery& query, int64_t head_begin,
                          int64_t head_end, int64_t group, float scale, int64_t sliding_window,
                          bool prefetch_kv, std::vector<float>& scores);
+// The same on AVX2 (attention_avx2.cpp), 8 keys reduced at a time.
+void attend_heads_avx2(const PagedKvLayer& kv, const AttentionQuery& query, int64_t head_begin,
+                       int64_t head_end, int64_t group, float scale, int64_t sliding_window,
+                       bool prefetch_kv, std::vector<float>& scores);
 }  // namespace detail
 
 }  // namespace moeline::kernels
