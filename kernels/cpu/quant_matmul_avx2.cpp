@@ -4,6 +4,7 @@
 // into 32-bit sums, and a whole block or super-block is converted to float and scaled once.
 #include <immintrin.h>
 
+#include <algorithm>
 #include <cstring>
 #include <type_traits>
 
@@ -74,58 +75,103 @@ inline __m256i fold8(__m256i p01, __m256i p23, __m256i p45, __m256i p67) {
 // with the 8 blocks' scales (d_w d_x, 8 at once) where each block cost a conversion, a scalar
 // product, a broadcast and a multiply-add, and the multiply-adds of a token no longer wait on one
 // another block after block. The blocks past the last whole group, one at a time, lane-wise.
+// One row of a tile of tokens: Q8Row(row) starts it, step(g) adds group g, finish() adds the
+// blocks past the last group and writes y (rows_in_one_stream / rows_in_two_streams drive it).
+template <bool q8, int kTokens>
+struct Q8Row {
+  static constexpr int64_t kBytes = q8 ? 34 : 18;
+  const uint8_t* row;
+  __m256 acc[kTokens];
+
+  explicit Q8Row(const uint8_t* row_bytes) : row(row_bytes) {
+    for (int t = 0; t < kTokens; ++t) acc[t] = _mm256_setzero_ps();
+  }
+
+  template <class Tile>
+  __attribute__((always_inline)) void step(const Tile& tile, int64_t g, int64_t ahead) {
+    const __m256i ones = _mm256_set1_epi16(1);
+    const uint8_t* group = row + 8 * g * kBytes;
+    const __m256 dw = eight_block_scales(group, kBytes);
+    __m256i pairs[4][kTokens];
+    for (int p = 0; p < 4; ++p) {
+      const uint8_t* block = group + 2 * p * kBytes;
+      prefetch_ahead(block, 2 * kBytes, ahead);
+      const __m256i q0 = q8_q4_0_weights<q8>(block), q1 = q8_q4_0_weights<q8>(block + kBytes);
+      const __m256i magnitude0 = _mm256_sign_epi8(q0, q0);
+      const __m256i magnitude1 = _mm256_sign_epi8(q1, q1);
+      for (int t = 0; t < kTokens; ++t) {
+        const int8_t* xb = tile.q(t) + (8 * g + 2 * p) * 32;
+        const __m256i s0 = _mm256_madd_epi16(
+            _mm256_maddubs_epi16(magnitude0, _mm256_sign_epi8(load(xb), q0)), ones);
+        const __m256i s1 = _mm256_madd_epi16(
+            _mm256_maddubs_epi16(magnitude1, _mm256_sign_epi8(load(xb + 32), q1)), ones);
+        pairs[p][t] = fold_pair(s0, s1);
+      }
+    }
+    for (int t = 0; t < kTokens; ++t) {
+      const __m256 scales = _mm256_mul_ps(dw, _mm256_loadu_ps(tile.scales(t) + 8 * g));
+      const __m256i sums = fold8(pairs[0][t], pairs[1][t], pairs[2][t], pairs[3][t]);
+      acc[t] = _mm256_fmadd_ps(scales, _mm256_cvtepi32_ps(sums), acc[t]);
+    }
+  }
+
+  template <class Tile>
+  void finish(const Tile& tile, int64_t groups, int64_t blocks, float* y, int64_t y_stride,
+              int64_t r) {
+    for (int64_t b = 8 * groups; b < blocks; ++b) {
+      const uint8_t* block = row + b * kBytes;
+      const __m256i q = q8_q4_0_weights<q8>(block);
+      const float d = half_at(block);
+      for (int t = 0; t < kTokens; ++t) {
+        const __m256i sums = dot_signed(q, load(tile.q(t) + b * 32));
+        acc[t] = _mm256_fmadd_ps(_mm256_set1_ps(d * tile.scales(t)[b]), _mm256_cvtepi32_ps(sums),
+                                 acc[t]);
+      }
+    }
+    for (int t = 0; t < kTokens; ++t) y[(tile.first + t) * y_stride + r] = reduce(acc[t]);
+  }
+};
+
 template <bool q8>
 void rows_q8_q4_0(const MatrixView& w, const QuantizedActivations& x, float* y, int64_t y_stride,
                   int64_t row_begin, int64_t row_end) {
-  constexpr int64_t kBytes = q8 ? 34 : 18;
   const int64_t blocks = w.cols / 32, groups = blocks / 8, ahead = quant_prefetch_bytes();
-  const __m256i ones = _mm256_set1_epi16(1);
   for_each_row_run<kTokenTile>(
       x, row_begin, row_end, [&](const auto& tile, int64_t first, int64_t last) {
         constexpr int tokens = std::remove_cvref_t<decltype(tile)>::kCount;
         for (int64_t r = first; r < last; ++r) {
-          const auto* row = reinterpret_cast<const uint8_t*>(w.row(r));
-          __m256 acc[kTokenTile];
-          for (int t = 0; t < tokens; ++t) acc[t] = _mm256_setzero_ps();
-          for (int64_t g = 0; g < groups; ++g) {
-            const uint8_t* group = row + 8 * g * kBytes;
-            const __m256 dw = eight_block_scales(group, kBytes);
-            __m256i pairs[4][kTokenTile];
-            for (int p = 0; p < 4; ++p) {
-              const uint8_t* block = group + 2 * p * kBytes;
-              prefetch_ahead(block, 2 * kBytes, ahead);
-              const __m256i q0 = q8_q4_0_weights<q8>(block),
-                            q1 = q8_q4_0_weights<q8>(block + kBytes);
-              const __m256i magnitude0 = _mm256_sign_epi8(q0, q0);
-              const __m256i magnitude1 = _mm256_sign_epi8(q1, q1);
-              for (int t = 0; t < tokens; ++t) {
-                const int8_t* xb = tile.q(t) + (8 * g + 2 * p) * 32;
-                const __m256i s0 = _mm256_madd_epi16(
-                    _mm256_maddubs_epi16(magnitude0, _mm256_sign_epi8(load(xb), q0)), ones);
-                const __m256i s1 = _mm256_madd_epi16(
-                    _mm256_maddubs_epi16(magnitude1, _mm256_sign_epi8(load(xb + 32), q1)), ones);
-                pairs[p][t] = fold_pair(s0, s1);
-              }
-            }
-            for (int t = 0; t < tokens; ++t) {
-              const __m256 scales = _mm256_mul_ps(dw, _mm256_loadu_ps(tile.scales(t) + 8 * g));
-              const __m256i sums = fold8(pairs[0][t], pairs[1][t], pairs[2][t], pairs[3][t]);
-              acc[t] = _mm256_fmadd_ps(scales, _mm256_cvtepi32_ps(sums), acc[t]);
-            }
-          }
-          for (int64_t b = 8 * groups; b < blocks; ++b) {
-            const uint8_t* block = row + b * kBytes;
-            const __m256i q = q8_q4_0_weights<q8>(block);
-            const float d = half_at(block);
-            for (int t = 0; t < tokens; ++t) {
-              const __m256i sums = dot_signed(q, load(tile.q(t) + b * 32));
-              acc[t] = _mm256_fmadd_ps(_mm256_set1_ps(d * tile.scales(t)[b]),
-                                       _mm256_cvtepi32_ps(sums), acc[t]);
-            }
-          }
-          for (int t = 0; t < tokens; ++t) y[(tile.first + t) * y_stride + r] = reduce(acc[t]);
+          Q8Row<q8, tokens> row(reinterpret_cast<const uint8_t*>(w.row(r)));
+          for (int64_t g = 0; g < groups; ++g) row.step(tile, g, ahead);
+          row.finish(tile, groups, blocks, y, y_stride, r);
         }
       });
+}
+
+// Two rows from distant parts of the matrix side by side, group by group (StreamTuning::
+// decode_streams): two memory streams for the hardware prefetchers where one row at a time is
+// one. A row's operations are those of rows_q8_q4_0, and so its bits. Then what one range has
+// beyond the other in one stream.
+template <bool q8>
+void rows_q8_q4_0_two_streams(const MatrixView& w, const QuantizedActivations& x, float* y,
+                              int64_t y_stride, int64_t a_begin, int64_t a_end, int64_t b_begin,
+                              int64_t b_end) {
+  const int64_t blocks = w.cols / 32, groups = blocks / 8, ahead = quant_prefetch_bytes();
+  const int64_t both = std::min(a_end - a_begin, b_end - b_begin);
+  for_each_row_run<kTokenTile>(x, 0, both, [&](const auto& tile, int64_t first, int64_t last) {
+    constexpr int tokens = std::remove_cvref_t<decltype(tile)>::kCount;
+    for (int64_t i = first; i < last; ++i) {
+      Q8Row<q8, tokens> a(reinterpret_cast<const uint8_t*>(w.row(a_begin + i)));
+      Q8Row<q8, tokens> b(reinterpret_cast<const uint8_t*>(w.row(b_begin + i)));
+      for (int64_t g = 0; g < groups; ++g) {
+        a.step(tile, g, ahead);
+        b.step(tile, g, ahead);
+      }
+      a.finish(tile, groups, blocks, y, y_stride, a_begin + i);
+      b.finish(tile, groups, blocks, y, y_stride, b_begin + i);
+    }
+  });
+  if (a_begin + both < a_end) rows_q8_q4_0<q8>(w, x, y, y_stride, a_begin + both, a_end);
+  if (b_begin + both < b_end) rows_q8_q4_0<q8>(w, x, y, y_stride, b_begin + both, b_end);
 }
 
 // Byte-shuffle controls that fill each 128-bit lane with one 16-bit word of that lane (scales
@@ -390,6 +436,20 @@ void rows_q6_k(const MatrixView& w, const QuantizedActivations& x, float* y, int
 }
 
 }  // namespace
+
+void quant_matmul_rows_two_streams_avx2(const MatrixView& w, const QuantizedActivations& x,
+                                        float* y, int64_t y_stride, int64_t a_begin, int64_t a_end,
+                                        int64_t b_begin, int64_t b_end) {
+  switch (w.dtype) {
+    case DType::kQ8_0:
+      return rows_q8_q4_0_two_streams<true>(w, x, y, y_stride, a_begin, a_end, b_begin, b_end);
+    case DType::kQ4_0:
+      return rows_q8_q4_0_two_streams<false>(w, x, y, y_stride, a_begin, a_end, b_begin, b_end);
+    default:
+      quant_matmul_rows_avx2(w, x, y, y_stride, a_begin, a_end);
+      quant_matmul_rows_avx2(w, x, y, y_stride, b_begin, b_end);
+  }
+}
 
 void quant_matmul_rows_avx2(const MatrixView& w, const QuantizedActivations& x, float* y,
                             int64_t y_stride, int64_t row_begin, int64_t row_end) {
