@@ -29,7 +29,7 @@ ROOT = os.path.dirname(HERE)
 sys.path.insert(0, os.path.join(ROOT, "tests", "integration"))
 from stack_harness import Stack  # noqa: E402
 
-POLICIES = "lru,distance,distance-stream,distance-all,distance-area"
+POLICIES = "lru,distance,distance-stream,distance-all,distance-area,step-oracle"
 REPORTED = POLICIES.split(",") + ["belady"]  # what each replay's row gives
 
 
@@ -219,14 +219,14 @@ def main():
         print(json.dumps(rows, indent=2))
         return 0
     print("| budget | prompt | pool hit ratio | replay: distance | distance-stream | distance-all "
-          "| distance-area | Belady | Belady decode / prefill | in phase: distance-all / Belady (steps paired) "
+          "| distance-area | step-oracle bound | Belady | Belady decode / prefill | in phase: distance-all / Belady (steps paired) "
           "| decode tok/s | stall ms/token | load p50 / p95 ms |")
-    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+    print("| --- " * 14 + "|")
     for r in rows:
         rp, kind, phased = r["replay"], r["replay_by_kind"], r["in_phase"] or {}
         print(f"| {r['budget']} | {r['prompt_tokens']} | {fmt(r['hit_ratio'])} | "
               f"{fmt(rp['distance'])} | {fmt(rp['distance-stream'])} | {fmt(rp['distance-all'])} | "
-              f"{fmt(rp['distance-area'])} | "
+              f"{fmt(rp['distance-area'])} | {fmt(rp['step-oracle'])} | "
               f"{fmt(rp['belady'])} | {fmt(kind.get('decode', {}).get('belady'))} / "
               f"{fmt(kind.get('prefill', {}).get('belady'))} | "
               f"{fmt(phased.get('distance-all'))} / {fmt(phased.get('belady'))} "

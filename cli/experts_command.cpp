@@ -48,8 +48,9 @@ replay     expert access traces (--expert-trace of `moeline run` or of a stack's
                   cycle of layers), distance-stream (prefill's acquisitions neither counted nor
                   kept warm: they enter at the cold end), distance-all (that, with distances from
                   every decode process's layer), distance-area (distance-all with prefill's
-                  acquisitions in a streaming area of an eighth of the slots) (default: all
-                  seven)
+                  acquisitions in a streaming area of an eighth of the slots), step-oracle (a
+                  bound: distance-all told which experts the rest of each running decode step
+                  takes) (default: all eight)
   --json          one JSON object
 )";
 

@@ -159,6 +159,8 @@ const char* replay_policy_name(ReplayPolicy policy) {
       return "distance-all";
     case ReplayPolicy::kDistanceArea:
       return "distance-area";
+    case ReplayPolicy::kStepOracle:
+      return "step-oracle";
     case ReplayPolicy::kBelady:
       return "belady";
   }
@@ -241,9 +243,29 @@ ReplayResult replay(std::span<const ExpertAccess> accesses, uint64_t slots, Repl
   };
   std::unordered_map<uint64_t, State> cached;
   uint64_t tick = 0;
-  const bool stream_aware = policy == ReplayPolicy::kDistanceStream ||
-                            policy == ReplayPolicy::kDistanceAll ||
-                            policy == ReplayPolicy::kDistanceArea;
+  const bool stream_aware =
+      policy == ReplayPolicy::kDistanceStream || policy == ReplayPolicy::kDistanceAll ||
+      policy == ReplayPolicy::kDistanceArea || policy == ReplayPolicy::kStepOracle;
+  // kStepOracle: each process's decode steps (runs of its decode accesses whose layer never
+  // falls), and while one runs, the experts the rest of it will take (with multiplicity).
+  const bool oracle = policy == ReplayPolicy::kStepOracle;
+  std::vector<uint8_t> step_starts;
+  std::vector<size_t> next_decode;  // the same process's next decode access (n: none)
+  std::vector<std::unordered_map<uint64_t, int>> step_rest(oracle ? processes : 0);
+  if (oracle) {
+    step_starts.assign(n, 0);
+    next_decode.assign(n, n);
+    std::vector<int32_t> last_layer(processes, -1);
+    std::vector<size_t> last_index(processes, n);
+    for (size_t i = 0; i < n; ++i) {
+      const ExpertAccess& a = accesses[i];
+      if (a.streaming) continue;
+      step_starts[i] = last_layer[a.process] < 0 || a.layer < last_layer[a.process];
+      last_layer[a.process] = a.layer;
+      if (last_index[a.process] != n) next_decode[last_index[a.process]] = i;
+      last_index[a.process] = i;
+    }
+  }
   // kDistanceArea: a streaming area of an eighth of the slots (at least one) takes what prefill
   // brings in, least recently used first out; decode's experts keep the rest.
   const uint64_t area_slots =
@@ -263,9 +285,19 @@ ReplayResult replay(std::span<const ExpertAccess> accesses, uint64_t slots, Repl
   std::vector<uint64_t> process_seen(processes, 0);
   std::vector<bool> decodes(processes, false);
   int32_t decode_layer = 0;  // kDistanceStream: the layer of the latest decode access
-  for (const ExpertAccess& a : accesses) {
+  for (size_t i = 0; i < n; ++i) {
+    const ExpertAccess& a = accesses[i];
     const uint64_t k = key(a);
     ++tick;
+    if (oracle && !a.streaming) {
+      auto& rest = step_rest[a.process];
+      if (step_starts[i]) {
+        rest.clear();
+        for (size_t j = i; j != n && (j == i || !step_starts[j]); j = next_decode[j])
+          ++rest[key(accesses[j])];
+      }
+      if (auto it = rest.find(k); it != rest.end() && --it->second == 0) rest.erase(it);
+    }
     const bool counted = !(stream_aware && a.streaming);
     if (counted) {
       const auto layer = static_cast<size_t>(a.layer);
@@ -296,6 +328,12 @@ ReplayResult replay(std::span<const ExpertAccess> accesses, uint64_t slots, Repl
       for (size_t p = 0; p < processes; ++p) {
         if (!decodes[p] || process_layer[p] < 0 || a.t_ns > process_seen[p] + kDecodeIdleNs)
           continue;
+        if (oracle && step_rest[p].contains(expert)) {
+          // Due in this step: when its layer comes (now, for the layer running).
+          const int32_t ahead = layer - process_layer[p];
+          nearest = std::min(nearest, static_cast<double>(ahead < 0 ? ahead + cycle : ahead));
+          continue;
+        }
         nearest = std::min(
             nearest, expected_reuse_distance(layer, process_layer[p], cycle, u.uses, layer_visits));
       }
@@ -353,7 +391,8 @@ ReplayResult replay(std::span<const ExpertAccess> accesses, uint64_t slots, Repl
               case ReplayPolicy::kDistance:
               case ReplayPolicy::kDistanceStream:
               case ReplayPolicy::kDistanceAll:
-              case ReplayPolicy::kDistanceArea: {
+              case ReplayPolicy::kDistanceArea:
+              case ReplayPolicy::kStepOracle: {
                 // Ties go to the least recently used, as in the pool.
                 const double candidate = distance(c->first), incumbent = distance(victim->first);
                 better = candidate > incumbent || (candidate == incumbent && s.last < v.last);

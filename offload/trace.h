@@ -94,6 +94,9 @@ class TraceRecorder final : public ExpertProvider {
 // kDistanceArea: kDistanceAll with prefill's acquisitions in a streaming area of their own (an
 // eighth of the slots, least recently used out first) instead of at the cold end of the whole
 // pool; a decode step that finds its expert there moves it to the main part without a load.
+// kStepOracle is a bound, not a policy: kDistanceAll told exactly which experts the rest of each
+// running decode step will take (what a perfect router-based prediction of the next layers would
+// know; not which experts the next tokens pick), each of them due when its layer comes.
 enum class ReplayPolicy {
   kLru,
   kLru2,
@@ -102,14 +105,15 @@ enum class ReplayPolicy {
   kDistanceStream,
   kDistanceAll,
   kDistanceArea,
+  kStepOracle,
   kBelady
 };
 // The policies a replay can be asked for, in the order reports list them; Belady's bound is
 // reported beside every replay.
 inline constexpr ReplayPolicy kReplayPolicies[] = {
-    ReplayPolicy::kLru,         ReplayPolicy::kLru2,           ReplayPolicy::kLfu,
-    ReplayPolicy::kDistance,    ReplayPolicy::kDistanceStream, ReplayPolicy::kDistanceAll,
-    ReplayPolicy::kDistanceArea};
+    ReplayPolicy::kLru,          ReplayPolicy::kLru2,           ReplayPolicy::kLfu,
+    ReplayPolicy::kDistance,     ReplayPolicy::kDistanceStream, ReplayPolicy::kDistanceAll,
+    ReplayPolicy::kDistanceArea, ReplayPolicy::kStepOracle};
 const char* replay_policy_name(ReplayPolicy policy);
 std::optional<ReplayPolicy> replay_policy_from(const std::string& name);
 

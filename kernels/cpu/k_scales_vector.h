@@ -1,6 +1,7 @@
 #pragma once
-// A K-quant super-block's scales and mins unpacked in one SSSE3 register, for the AVX2 and
-// AVX-512 kernels (only translation units compiled with those instructions include this).
+// A K-quant super-block's scales and mins unpacked in one SSSE3 register, for the AVX-512 kernels
+// (only translation units compiled with those instructions include this; the AVX2 kernels unpack
+// the heads of 8 rows at once instead).
 #include <immintrin.h>
 
 #include <cstdint>

@@ -332,7 +332,7 @@ def case_trace(args):
         check(len(report["processes"]) == len(paths), f"{kinds}: {report['processes']}")
         for row in report["budgets"]:
             for policy in ("lru", "lru2", "lfu", "distance", "distance-stream", "distance-all",
-                           "distance-area"):
+                           "distance-area", "step-oracle"):
                 check(row[policy] <= row["belady"] + 1e-12,
                       f"{kinds} {row['budget']}: {policy} {row[policy]} beats Belady {row['belady']}")
             if len(paths) == 3:

@@ -531,6 +531,29 @@ TEST(ExpertTraceReplay, MultiProcessStreamsAreBoundedByBeladyAndCountedByProcess
   }
 }
 
+// The step oracle is distance-all told which experts the rest of each running decode step takes:
+// on steps of random experts (two decoders, a few of each layer's 8 per step) that knowledge wins
+// hits the frequency estimate cannot, and it stays a demand policy, under Belady's bound.
+TEST(ExpertTraceReplay, KnowingTheRestOfEachStepBeatsTheEstimateAndStaysUnderBelady) {
+  std::mt19937 rng(5);
+  std::discrete_distribution<int> expert({5, 4, 3, 3, 2, 2, 1, 1});
+  const int layers = 6;
+  std::vector<ExpertAccess> trace;
+  uint64_t t = 0;
+  for (int step = 0; step < 300; ++step)
+    for (int layer = 0; layer < layers; ++layer)
+      for (uint16_t decoder : {uint16_t{0}, uint16_t{1}})
+        for (int pick = 0; pick < 2; ++pick)
+          trace.push_back({(layer + 3 * decoder) % layers, expert(rng), t += 1000, decoder, false});
+  for (uint64_t slots : {12u, 24u}) {
+    const uint64_t estimate = replay(trace, slots, ReplayPolicy::kDistanceAll).hits;
+    const uint64_t oracle = replay(trace, slots, ReplayPolicy::kStepOracle).hits;
+    EXPECT_GT(oracle, estimate + trace.size() / 50) << slots;  // at least 2 points more
+    EXPECT_LE(oracle, replay(trace, slots, ReplayPolicy::kBelady).hits) << slots;
+  }
+  EXPECT_EQ(replay_policy_from("step-oracle"), ReplayPolicy::kStepOracle);
+}
+
 TEST(ExpertTraceReplay, AStreamingSweepDoesNotFlushDecodesExperts) {
   // Decode uses experts 0 and 1 of layer 0 over and over; a prefill sweeps the layer's other six
   // once, between two of its steps. Two slots. Counting the sweep like decode, the pool's policy
