@@ -179,9 +179,6 @@ void quant_matmul_rows_avx2(const MatrixView& w, const QuantizedActivations& x, 
                             int64_t y_stride, int64_t row_begin, int64_t row_end);
 void quant_matmul_rows_avx512(const MatrixView& w, const QuantizedActivations& x, float* y,
                               int64_t y_stride, int64_t row_begin, int64_t row_end);
-void quant_matmul_rows_two_streams_avx2(const MatrixView& w, const QuantizedActivations& x,
-                                        float* y, int64_t y_stride, int64_t a_begin, int64_t a_end,
-                                        int64_t b_begin, int64_t b_end);
 // The same kernels compiled with AVX512_VNNI (quant_matmul_avx512_vnni.cpp): identical results.
 void quant_matmul_rows_avx512_vnni(const MatrixView& w, const QuantizedActivations& x, float* y,
                                    int64_t y_stride, int64_t row_begin, int64_t row_end);
