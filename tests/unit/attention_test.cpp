@@ -207,7 +207,9 @@ INSTANTIATE_TEST_SUITE_P(Caches, PagedAttention,
                          ::testing::Values(Shape{"gqa", 8, 2, 32, 32, false},
                                            Shape{"mha", 4, 4, 16, 16, false},
                                            Shape{"mla", 16, 1, 72, 64, true},
-                                           Shape{"mla_wide", 20, 1, 96, 80, true}),
+                                           Shape{"mla_wide", 20, 1, 96, 80, true},
+                                           // Widths no vector divides: the paths' ragged ends.
+                                           Shape{"ragged", 6, 2, 20, 13, false}),
                          [](const auto& test) { return std::string(test.param.name); });
 
 // Interleaved pairs (2i, 2i+1) and rotate-half pairs (i, i + d/2) are the same rotation on
