@@ -77,6 +77,11 @@ inline __m256i fold8(__m256i p01, __m256i p23, __m256i p45, __m256i p67) {
 // another block after block. The blocks past the last whole group, one at a time, lane-wise.
 // One row of a tile of tokens: start(row) starts it, step(g) adds group g, finish() adds the
 // blocks past the last group and writes y.
+// Decode's kernels read rows in lockstep groups of this many, for tiles of at most this many
+// tokens.
+constexpr int kLockstepRows = 8;
+constexpr int kLockstepTokens = 2;
+
 template <bool q8, int kTokens>
 struct Q8Row {
   static constexpr int64_t kBytes = q8 ? 34 : 18;
@@ -92,12 +97,17 @@ struct Q8Row {
   __attribute__((always_inline)) void step(const Tile& tile, int64_t g, int64_t ahead) {
     const __m256i ones = _mm256_set1_epi16(1);
     const uint8_t* group = row + 8 * g * kBytes;
-    const __m256 dw = eight_block_scales(group, kBytes);
+    // Batches take the helpers forced inline, decode as the compiler likes (q8_blocks_vector.h).
+    constexpr bool kBatch = kTokens > kLockstepTokens;
+    const __m256 dw =
+        kBatch ? eight_block_scales_inlined(group, kBytes) : eight_block_scales(group, kBytes);
     __m256i pairs[4][kTokens];
     for (int p = 0; p < 4; ++p) {
       const uint8_t* block = group + 2 * p * kBytes;
       prefetch_ahead(block, 2 * kBytes, ahead);
-      const __m256i q0 = q8_q4_0_weights<q8>(block), q1 = q8_q4_0_weights<q8>(block + kBytes);
+      const __m256i q0 = kBatch ? q8_q4_0_weights_inlined<q8>(block) : q8_q4_0_weights<q8>(block);
+      const __m256i q1 = kBatch ? q8_q4_0_weights_inlined<q8>(block + kBytes)
+                                : q8_q4_0_weights<q8>(block + kBytes);
       const __m256i magnitude0 = _mm256_sign_epi8(q0, q0);
       const __m256i magnitude1 = _mm256_sign_epi8(q1, q1);
       for (int t = 0; t < kTokens; ++t) {
@@ -132,11 +142,6 @@ struct Q8Row {
     for (int t = 0; t < kTokens; ++t) y[(tile.first + t) * y_stride + r] = reduce(acc[t]);
   }
 };
-
-// Decode's kernels read rows in lockstep groups of this many, for tiles of at most this many
-// tokens.
-constexpr int kLockstepRows = 8;
-constexpr int kLockstepTokens = 2;
 
 // Rows [first, last) of a run through Row's steps. For decode's tiles (at most kLockstepTokens
 // tokens) kLockstepRows rows at a time in lockstep, step by step, each step also prefetching its
