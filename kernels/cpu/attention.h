@@ -11,6 +11,8 @@
 #include <algorithm>
 #include <cstdint>
 #include <span>
+#include <type_traits>
+#include <utility>
 #include <vector>
 
 #include "kernels/cpu/thread_pool.h"
@@ -47,6 +49,17 @@ void paged_attention(ThreadPool& pool, const PagedKvLayer& kv,
 
 namespace detail {
 // The first key a query sees: 0, or with a sliding window of W only the last W up to its own.
+// Calls body(std::integral_constant<int, n>) for n = min(count, kMax), 1 <= n: the SIMD paths'
+// register blocks of weighted values, sized at compile time.
+template <int kMax, class Body>
+void with_count(int64_t count, Body&& body) {
+  const int64_t n = std::min<int64_t>(count, kMax);
+  [&]<int... N>(std::integer_sequence<int, N...>) {
+    ((n == N + 1 ? (body(std::integral_constant<int, N + 1>{}), true) : false) || ...);
+  }
+  (std::make_integer_sequence<int, kMax>{});
+}
+
 inline int64_t first_visible_key(const AttentionQuery& query, int64_t sliding_window) {
   return sliding_window > 0 && query.position - sliding_window + 1 > 0
              ? query.position - sliding_window + 1

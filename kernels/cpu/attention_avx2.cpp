@@ -50,16 +50,6 @@ __m256i first_lanes(int64_t count) {
   return _mm256_cmpgt_epi32(_mm256_set1_epi32(n), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
 }
 
-// Calls body(std::integral_constant<int, n>) for n = min(count, kMax), 1 <= n.
-template <int kMax, class Body>
-void with_count(int64_t count, Body&& body) {
-  const int64_t n = std::min<int64_t>(count, kMax);
-  [&]<int... N>(std::integer_sequence<int, N...>) {
-    ((n == N + 1 ? (body(std::integral_constant<int, N + 1>{}), true) : false) || ...);
-  }
-  (std::make_integer_sequence<int, kMax>{});
-}
-
 // One block of the weighted sum of values: kHeads heads × kChunks 8-column chunks, from column
 // chunk `first_chunk` on, accumulated in registers over the keys in order.
 struct WeightedValues {

@@ -51,16 +51,6 @@ __mmask16 first_lanes(int64_t count) {
   return count >= kLanes ? __mmask16{0xffff} : static_cast<__mmask16>((1u << count) - 1);
 }
 
-// Calls body(std::integral_constant<int, n>) for n = min(count, kMax), 1 <= n.
-template <int kMax, class Body>
-void with_count(int64_t count, Body&& body) {
-  const int64_t n = std::min<int64_t>(count, kMax);
-  [&]<int... N>(std::integer_sequence<int, N...>) {
-    ((n == N + 1 ? (body(std::integral_constant<int, N + 1>{}), true) : false) || ...);
-  }
-  (std::make_integer_sequence<int, kMax>{});
-}
-
 // One block of the weighted sum of values: kHeads heads × kChunks 16-column chunks, from column
 // chunk `first_chunk` on, accumulated in registers over the keys in order.
 struct WeightedValues {
