@@ -82,9 +82,10 @@ inline __m256i fold8(__m256i p01, __m256i p23, __m256i p45, __m256i p67) {
 constexpr int kLockstepRows = 8;
 constexpr int kLockstepTokens = 2;
 
-template <bool q8, int kTokens>
-struct Q8Row {
-  static constexpr int64_t kBytes = q8 ? 34 : 18;
+// What run_rows' row kernels (Q8Row, Q6Row) hold for one row and a tile of kTokens tokens: where
+// the row starts and one accumulator per token; store() writes the tile's sums of the row.
+template <int kTokens>
+struct RowSums {
   const uint8_t* row = nullptr;
   __m256 acc[kTokens];
 
@@ -92,6 +93,17 @@ struct Q8Row {
     row = row_bytes;
     for (int t = 0; t < kTokens; ++t) acc[t] = _mm256_setzero_ps();
   }
+  template <class Tile>
+  void store(const Tile& tile, float* y, int64_t y_stride, int64_t r) const {
+    for (int t = 0; t < kTokens; ++t) y[(tile.first + t) * y_stride + r] = reduce(acc[t]);
+  }
+};
+
+template <bool q8, int kTokens>
+struct Q8Row : RowSums<kTokens> {
+  static constexpr int64_t kBytes = q8 ? 34 : 18;
+  using RowSums<kTokens>::row;
+  using RowSums<kTokens>::acc;
 
   template <class Tile>
   __attribute__((always_inline)) void step(const Tile& tile, int64_t g, int64_t ahead) {
@@ -139,7 +151,7 @@ struct Q8Row {
                                  acc[t]);
       }
     }
-    for (int t = 0; t < kTokens; ++t) y[(tile.first + t) * y_stride + r] = reduce(acc[t]);
+    this->store(tile, y, y_stride, r);
   }
 };
 
@@ -394,16 +406,11 @@ void rows_q45_k(const MatrixView& w, const QuantizedActivations& x, float* y, in
 // Q6_K. Per super-block of a row: the 16 scales spread by shuffles (two 16-weight sub-blocks per
 // register, one per 128-bit lane), the weights' top two bits moved into place with one shift and
 // one mask each, and each 32 weights multiplied by every token of the tile while in a register.
-// One row of a tile of tokens: start(row), step(b) for super-block b, finish() writes y.
+// One row of a tile of tokens: start(row), step(b) for super-block b, store() writes y.
 template <int kTokens>
-struct Q6Row {
-  const uint8_t* row = nullptr;
-  __m256 acc[kTokens];
-
-  void start(const uint8_t* row_bytes) {
-    row = row_bytes;
-    for (int t = 0; t < kTokens; ++t) acc[t] = _mm256_setzero_ps();
-  }
+struct Q6Row : RowSums<kTokens> {
+  using RowSums<kTokens>::row;
+  using RowSums<kTokens>::acc;
 
   template <class Tile>
   __attribute__((always_inline)) void step(const Tile& tile, int64_t b, int64_t ahead) {
@@ -454,11 +461,6 @@ struct Q6Row {
       acc[t] = _mm256_fmadd_ps(_mm256_set1_ps(d * dx), _mm256_cvtepi32_ps(total), acc[t]);
     }
   }
-
-  template <class Tile>
-  void finish(const Tile& tile, float* y, int64_t y_stride, int64_t r) {
-    for (int t = 0; t < kTokens; ++t) y[(tile.first + t) * y_stride + r] = reduce(acc[t]);
-  }
 };
 
 void rows_q6_k(const MatrixView& w, const QuantizedActivations& x, float* y, int64_t y_stride,
@@ -467,7 +469,7 @@ void rows_q6_k(const MatrixView& w, const QuantizedActivations& x, float* y, int
   for_each_row_run<kKQuantTokenTile>(
       x, row_begin, row_end, [&](const auto& tile, int64_t first, int64_t last) {
         run_rows<Q6Row>(w, tile, first, last, blocks, 210, ahead,
-                        [&](auto& row, int64_t r) { row.finish(tile, y, y_stride, r); });
+                        [&](auto& row, int64_t r) { row.store(tile, y, y_stride, r); });
       });
 }
 
