@@ -73,6 +73,9 @@ class Stack:
 
     def __exit__(self, exc_type, exc, tb):
         if exc_type is not None:
+            # The cause first: CI keeps the head and the tail of a long output, and the logs
+            # below would push the failed check out of both.
+            print(f"FAILED: {exc_type.__name__}: {exc}", file=sys.stderr)
             self.dump_logs()
         out = subprocess.run([self.moeline, "stack", "down", "--run-dir", self.run_dir],
                              capture_output=True, text=True, timeout=60)

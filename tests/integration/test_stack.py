@@ -122,14 +122,20 @@ def case_parity(args):
                                    kind="batch")
             singles = stack.metric("gateway", "moeline_gateway_stream_messages_total",
                                    kind="event")
-            check(batches > 0 and batches + singles <= events / 2,
+            # Each decode replica's step reaches the gateway as its own message, so with two
+            # replicas a loop turn holds fewer events than with one: measured 0.29 messages per
+            # event with one replica and 0.42-0.46 with two on an idle host, and above 0.5 on a
+            # busy CI host. Sending every event alone (the defect this guards) gives 1.0.
+            bound = 0.5 if decode == 1 else 0.75
+            check(batches > 0 and batches + singles <= events * bound,
                   f"stream events should leave in batches: {events} events, {batches} batches, "
-                  f"{singles} single messages")
+                  f"{singles} single messages (at most {bound} messages per event)")
             if decode == 2:
                 served = [stack.metric(f"decode-{i}", "moeline_decode_tokens_total")
                           for i in range(2)]
                 check(all(n > 0 for n in served), f"both decode replicas should serve: {served}")
-            print(f"ok parity: 64 concurrent streams identical to moeline run, {decode} decode")
+            print(f"ok parity: 64 concurrent streams identical to moeline run, {decode} decode "
+                  f"({(batches + singles) / events:.2f} messages per stream event)")
 
 
 def cpu_has_bf16_dot_product():
