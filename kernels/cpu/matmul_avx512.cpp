@@ -13,6 +13,8 @@ struct Avx512 {
   static constexpr int kLanes = 16;
   static constexpr int kMR = 4;
   static constexpr int kDirectRows = 1;
+  // Packed rows in one pass (K-blocking measured only on the AVX2 path so far).
+  static constexpr int64_t kKBlock = 0;
   static constexpr int kNR = 6;
   static constexpr bool kPrefetches = true;
   static void prefetch(const char* p) { _mm_prefetch(p, _MM_HINT_T0); }

@@ -36,6 +36,8 @@ struct MatmulKernel {
   // row's sums run in two chains of FMAs. Each row's sum is the same whatever the tile, so
   // results do not change.
   static constexpr int kDirectRows = Simd::kDirectRows;
+  // Columns of k per pass over a token block for packed rows (0: the whole row in one pass).
+  static_assert(Simd::kKBlock % kLanes == 0);
 
   static V load(const void* row, DType dtype, int64_t k) {
     switch (dtype) {
@@ -96,16 +98,37 @@ struct MatmulKernel {
     }
   }
 
-  template <int M, int N, DType W>
-  static void tile(const void* const* w_rows, const float* const* x_rows, int64_t K, float* y,
-                   int64_t y_stride) {
+  // The part of k one tile call covers. The whole row (decode, and packed rows that fit the
+  // cache) in one call; packed rows longer than Simd::kKBlock in blocks, each tile's
+  // accumulators kept in `partial` from one block to the next, which leaves every lane's chain
+  // of multiply-adds, and so the result, exactly as in one call.
+  struct KSpan {
+    int64_t cols = 0;            // the row length
+    int64_t begin = 0, end = 0;  // end == cols on the last block
+    float* partial = nullptr;    // M * N accumulators of kLanes; nullptr: the whole row at once
+  };
+
+  // Streamed rows (decode, read once from memory) are prefetched ahead where the host wants it;
+  // packed rows are in the cache already. The loops over the tile's accumulators are unrolled
+  // by pragma: GCC 12 leaves the ones that save and restore them rolled, which indexes the
+  // accumulators at run time and so keeps them on the stack (a store per accumulator per step of
+  // the k loop, 30% slower).
+  template <int M, int N, DType W, bool kStreamed>
+  static void tile(const void* const* w_rows, const float* const* x_rows, const KSpan& span,
+                   float* y, int64_t y_stride) {
+    const int64_t K = span.cols;
     V acc[M][N];
+    const bool resume = span.partial != nullptr && span.begin > 0;
+#pragma GCC unroll 16
     for (int m = 0; m < M; ++m)
-      for (int t = 0; t < N; ++t) acc[m][t] = Simd::zero();
+#pragma GCC unroll 16
+      for (int t = 0; t < N; ++t)
+        acc[m][t] = resume ? Simd::load_f32(span.partial + (m * N + t) * kLanes) : Simd::zero();
     const int64_t k_full = K - K % kLanes;
+    const int64_t k_stop = std::min(span.end, k_full);
     constexpr int64_t element_bytes = static_cast<int64_t>(dtype_size(W));
-    const int64_t prefetch_bytes = wide_prefetch_bytes();
-    for (int64_t k = 0; k < k_full; k += kLanes) {
+    const int64_t prefetch_bytes = kStreamed ? wide_prefetch_bytes() : 0;
+    for (int64_t k = span.begin; k < k_stop; k += kLanes) {
       V w[M];
       // One prefetch per cache line of each weight row, prefetch_bytes ahead where the host
       // wants it (StreamTuning): Intel's hardware prefetchers stop at 4 KiB page boundaries, and
@@ -118,6 +141,13 @@ struct MatmulKernel {
         const V x = Simd::load_f32(x_rows[t] + k);
         for (int m = 0; m < M; ++m) acc[m][t] = Simd::fmadd(w[m], x, acc[m][t]);
       }
+    }
+    if (span.end < K) {
+#pragma GCC unroll 16
+      for (int m = 0; m < M; ++m)
+#pragma GCC unroll 16
+        for (int t = 0; t < N; ++t) Simd::store(span.partial + (m * N + t) * kLanes, acc[m][t]);
+      return;
     }
     if (k_full < K) {
       const int64_t rest = K - k_full;
@@ -132,42 +162,55 @@ struct MatmulKernel {
       for (int m = 0; m < M; ++m) y[t * y_stride + m] = Simd::reduce(acc[m][t]);
   }
 
-  using TileFn = void (*)(const void* const*, const float* const*, int64_t, float*, int64_t);
+  using TileFn = void (*)(const void* const*, const float* const*, const KSpan&, float*, int64_t);
 
-  template <DType W, int M, int... Ns>
+  template <DType W, bool kStreamed, int M, int... Ns>
   static constexpr std::array<TileFn, kNR> tiles_for_rows(std::integer_sequence<int, Ns...>) {
-    return {&tile<M, Ns + 1, W>...};
+    return {&tile<M, Ns + 1, W, kStreamed>...};
   }
-  template <DType W, int... Ms>
+  template <DType W, bool kStreamed, int... Ms>
   static constexpr std::array<std::array<TileFn, kNR>, kMR> tile_table(
       std::integer_sequence<int, Ms...>) {
-    return {tiles_for_rows<W, Ms + 1>(std::make_integer_sequence<int, kNR>{})...};
+    return {tiles_for_rows<W, kStreamed, Ms + 1>(std::make_integer_sequence<int, kNR>{})...};
   }
-  template <DType W>
-  static constexpr auto kTiles = tile_table<W>(std::make_integer_sequence<int, kMR>{});
+  template <DType W, bool kStreamed>
+  static constexpr auto kTiles = tile_table<W, kStreamed>(std::make_integer_sequence<int, kMR>{});
 
+  // Rows as stored (streamed from memory), or rows already widened into the packed F32 tile.
   static TileFn pick(DType dtype, int rows, int tokens) {
     switch (dtype) {
       case DType::kF32:
-        return kTiles<DType::kF32>[rows - 1][tokens - 1];
+        return kTiles<DType::kF32, true>[rows - 1][tokens - 1];
       case DType::kBF16:
-        return kTiles<DType::kBF16>[rows - 1][tokens - 1];
+        return kTiles<DType::kBF16, true>[rows - 1][tokens - 1];
       case DType::kF16:
-        return kTiles<DType::kF16>[rows - 1][tokens - 1];
+        return kTiles<DType::kF16, true>[rows - 1][tokens - 1];
       default:
         return nullptr;
     }
   }
+  static TileFn pick_packed(int rows, int tokens) {
+    return kTiles<DType::kF32, false>[rows - 1][tokens - 1];
+  }
 
-  static void run_tokens(const void* const* w_rows, DType dtype, int rows, const MatmulTask& task,
-                         int64_t x_stride, int64_t y_stride, int64_t row, int64_t t_begin,
-                         int64_t t_end) {
+  // Token tiles [t_begin, t_end) of one row tile over the k span [k_begin, k_end): a tile's
+  // accumulators go to `partials` (kMR * kNR per token tile) when the span ends before the row.
+  static void run_tokens(const void* const* w_rows, TileFn (*picker)(DType, int, int), DType dtype,
+                         int rows, const MatmulTask& task, int64_t x_stride, int64_t y_stride,
+                         int64_t row, int64_t t_begin, int64_t t_end, int64_t k_begin = 0,
+                         int64_t k_end = -1, float* partials = nullptr) {
     const float* x_rows[kNR];
+    const int64_t K = task.w.cols;
     for (int64_t t = t_begin; t < t_end; t += kNR) {
       const int tokens = static_cast<int>(std::min<int64_t>(kNR, t_end - t));
       for (int i = 0; i < tokens; ++i) x_rows[i] = task.x + (t + i) * x_stride;
-      pick(dtype, rows, tokens)(w_rows, x_rows, task.w.cols, task.y + t * y_stride + row, y_stride);
+      const KSpan span{K, k_begin, k_end < 0 ? K : k_end,
+                       partials ? partials + (t - t_begin) / kNR * (kMR * kNR * kLanes) : nullptr};
+      picker(dtype, rows, tokens)(w_rows, x_rows, span, task.y + t * y_stride + row, y_stride);
     }
+  }
+  static TileFn pick_packed_any(DType, int rows, int tokens) {
+    return pick_packed(rows, tokens);
   }
 
   // The stream start's prefetch (matmul.h), on the paths that prefetch at all.
@@ -187,6 +230,7 @@ struct MatmulKernel {
       const int64_t x_stride = task.x_stride ? task.x_stride : K;
       const int64_t y_stride = task.y_stride ? task.y_stride : task.w.rows;
       const TileFn tile_fn = pick(task.w.dtype, 2, static_cast<int>(task.n));
+      const KSpan whole_rows{K, 0, K};
       const float* x_rows[kNR];
       for (int t = 0; t < task.n; ++t) x_rows[t] = task.x + t * x_stride;
       begin_stream(task.w.row(a_begin));
@@ -194,7 +238,7 @@ struct MatmulKernel {
       float pair[2 * kNR];
       for (int64_t i = 0; i < common; ++i) {
         const void* w_rows[2] = {task.w.row(a_begin + i), task.w.row(b_begin + i)};
-        tile_fn(w_rows, x_rows, K, pair, 2);
+        tile_fn(w_rows, x_rows, whole_rows, pair, 2);
         for (int64_t t = 0; t < task.n; ++t) {
           task.y[t * y_stride + a_begin + i] = pair[2 * t];
           task.y[t * y_stride + b_begin + i] = pair[2 * t + 1];
@@ -220,11 +264,12 @@ struct MatmulKernel {
     if (!pack && kDirectRows == 1 && task.n <= kNR) {
       // The decode case: one tile kernel for every row, called directly.
       const TileFn tile_fn = pick(task.w.dtype, 1, static_cast<int>(task.n));
+      const KSpan whole_rows{K, 0, K};
       const float* x_rows[kNR];
       for (int t = 0; t < task.n; ++t) x_rows[t] = task.x + t * x_stride;
       for (int64_t row = row_begin; row < row_end; ++row) {
         w_rows[0] = task.w.row(row);
-        tile_fn(w_rows, x_rows, K, task.y + row, y_stride);
+        tile_fn(w_rows, x_rows, whole_rows, task.y + row, y_stride);
       }
       return;
     }
@@ -232,12 +277,19 @@ struct MatmulKernel {
       for (int64_t row = row_begin; row < row_end; row += kDirectRows) {
         const int rows = static_cast<int>(std::min<int64_t>(kDirectRows, row_end - row));
         for (int m = 0; m < rows; ++m) w_rows[m] = task.w.row(row + m);
-        run_tokens(w_rows, task.w.dtype, rows, task, x_stride, y_stride, row, 0, task.n);
+        run_tokens(w_rows, &pick, task.w.dtype, rows, task, x_stride, y_stride, row, 0, task.n);
       }
       return;
     }
     thread_local std::vector<float> packed;
     if (packed.size() < static_cast<size_t>(kMR * K)) packed.resize(static_cast<size_t>(kMR * K));
+    // Rows longer than kKBlock are multiplied a block of k at a time, so that the block of the
+    // packed tile stays in L1 while every token of the token block passes (mini's down
+    // projection, 2816 columns: 4 packed rows are 45 KiB; measured in docs/PERFORMANCE.md).
+    const int64_t k_block = Simd::kKBlock > 0 && K > Simd::kKBlock ? Simd::kKBlock : K;
+    thread_local std::vector<float> partials;
+    if (k_block < K)
+      partials.resize(static_cast<size_t>((kTokenBlock + kNR - 1) / kNR) * kMR * kNR * kLanes);
     for (int64_t t0 = 0; t0 < task.n; t0 += kTokenBlock) {
       const int64_t t1 = std::min(task.n, t0 + kTokenBlock);
       for (int64_t row = row_begin; row < row_end; row += kMR) {
@@ -247,7 +299,9 @@ struct MatmulKernel {
           widen_row(task.w, row + m, dst);
           w_rows[m] = dst;
         }
-        run_tokens(w_rows, DType::kF32, rows, task, x_stride, y_stride, row, t0, t1);
+        for (int64_t k0 = 0; k0 < K; k0 += k_block)
+          run_tokens(w_rows, &pick_packed_any, DType::kF32, rows, task, x_stride, y_stride, row, t0,
+                     t1, k0, std::min(K, k0 + k_block), partials.data());
       }
     }
   }

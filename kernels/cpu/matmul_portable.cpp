@@ -11,6 +11,7 @@ struct Portable {
   static constexpr int kLanes = 1;
   static constexpr int kMR = 4;
   static constexpr int kDirectRows = 1;
+  static constexpr int64_t kKBlock = 0;
   static constexpr int kNR = 4;
   static constexpr bool kPrefetches = false;
   static void prefetch(const char*) {}

@@ -77,9 +77,10 @@ TEST(Matmul, MatchesDoubleReferenceOnEveryPathAndDtype) {
   for (Isa isa : supported_isas()) {
     IsaGuard guard(isa);
     for (DType dtype : {DType::kF32, DType::kBF16, DType::kF16}) {
-      // Shapes with ragged rows (not a multiple of any tile) and ragged K (not a lane multiple).
+      // Shapes with ragged rows (not a multiple of any tile) and ragged K (not a lane multiple),
+      // and one with rows long enough to be multiplied in k blocks.
       for (auto [rows, cols, n] :
-           {std::tuple{7, 37, 1}, {33, 64, 5}, {19, 100, 13}, {64, 259, 40}}) {
+           {std::tuple{7, 37, 1}, {33, 64, 5}, {19, 100, 13}, {64, 259, 40}, {5, 2085, 9}}) {
         const Weights w = make_weights(dtype, rows, cols, 7);
         const std::vector<float> x = gaussian_input(n, cols, 9);
         std::vector<float> y(static_cast<size_t>(n * rows));
@@ -107,8 +108,13 @@ TEST(Matmul, MatchesDoubleReferenceOnEveryPathAndDtype) {
 TEST(Matmul, RowResultDoesNotDependOnBatchOrThreads) {
   for (Isa isa : supported_isas()) {
     IsaGuard guard(isa);
-    for (DType dtype : {DType::kF32, DType::kBF16}) {
-      const int64_t rows = 45, cols = 131, n = 29;  // n large enough to take the packed route
+    // n large enough to take the packed route; 2085 columns: packed rows multiplied in k blocks
+    // (two of 1024 and a ragged tail on AVX2) and 70 tokens: two token blocks.
+    for (auto [dtype, rows, cols, n] :
+         std::vector<std::tuple<DType, int64_t, int64_t, int64_t>>{{DType::kF32, 45, 131, 29},
+                                                                   {DType::kBF16, 45, 131, 29},
+                                                                   {DType::kBF16, 9, 2085, 70},
+                                                                   {DType::kF16, 6, 1040, 7}}) {
       const Weights w = make_weights(dtype, rows, cols, 3);
       const std::vector<float> x = gaussian_input(n, cols, 4);
       ThreadPool two(2), one(1);
@@ -118,7 +124,9 @@ TEST(Matmul, RowResultDoesNotDependOnBatchOrThreads) {
         std::vector<float> alone(static_cast<size_t>(rows));
         matmul(one, MatmulTask{.x = x.data() + t * cols, .n = 1, .w = w.view(), .y = alone.data()});
         for (int64_t r = 0; r < rows; ++r)
-          ASSERT_EQ(batched[t * rows + r], alone[r]) << isa_name(isa) << " t=" << t << " r=" << r;
+          ASSERT_EQ(batched[t * rows + r], alone[r])
+              << isa_name(isa) << ' ' << dtype_name(dtype) << " cols=" << cols << " t=" << t
+              << " r=" << r;
       }
     }
   }
