@@ -55,6 +55,7 @@ KernelReport kernel_report() {
   report.tuning.emplace_back("kv_prefetch_bytes", detail::kKvPrefetchBytes);
   if (isa == Isa::kAvx512 || isa == Isa::kAvx512Vnni)
     report.tuning.emplace_back("q4_k_batch_from_tokens", detail::kQ4KBatchFromTokens);
+  if (isa == Isa::kAvx2) report.tuning.emplace_back("packed_k_block", detail::kAvx2PackedKBlock);
   // What sizes the BF16 fast mode's prefill tiles (bf16_matmul_avx512.cpp).
   if (bf16_fast_in_use()) report.tuning.emplace_back("l1_data_bytes", l1_data_cache_bytes());
   return report;

@@ -64,6 +64,10 @@ bool parse_stream_tuning(const char* text, StreamTuning& tuning);
 namespace detail {
 // StreamTuning::prefetch_bytes, read by the kernels once per tile.
 int64_t wide_prefetch_bytes();
+// Columns per pass of the AVX2 path's packed prefill tile over a token block (matmul_avx2.cpp):
+// longer rows are multiplied a block at a time so that it stays in L1; the other paths take a
+// whole row per pass.
+constexpr int64_t kAvx2PackedKBlock = 1024;
 // Prefetches the first wide_prefetch_bytes() of a weight stream starting at `row`, which would
 // otherwise be demand misses before the kernels' own prefetches run ahead of it.
 void start_stream(const void* row);

@@ -25,7 +25,7 @@ struct Avx2 {
   static constexpr int kDirectRows = 1;
   // Packed rows in blocks of 1024 columns (4 rows: 16 KiB of the 32 KiB L1): mini's down
   // projection (2816 columns, 64 tokens) 34-35 -> 45-47 GFLOP/s on Zen 3; 768 and 1536 slower.
-  static constexpr int64_t kKBlock = 1024;
+  static constexpr int64_t kKBlock = kAvx2PackedKBlock;
   static constexpr int kNR = 1;
   static constexpr bool kPrefetches = true;
   static void prefetch(const char* p) { _mm_prefetch(p, _MM_HINT_T0); }

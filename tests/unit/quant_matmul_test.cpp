@@ -323,6 +323,7 @@ TEST(KernelReport, NamesThePathTheCpuTheArithmeticAndTheTuning) {
     const bool avx512 = isa == Isa::kAvx512 || isa == Isa::kAvx512Vnni;
     EXPECT_EQ(tuning("q4_k_batch_from_tokens"), avx512 ? detail::kQ4KBatchFromTokens : -1);
     EXPECT_EQ(tuning("kv_prefetch_bytes"), detail::kKvPrefetchBytes);  // attention, every path
+    EXPECT_EQ(tuning("packed_k_block"), isa == Isa::kAvx2 ? detail::kAvx2PackedKBlock : -1);
     const auto fields = report_fields(report);
     ASSERT_GE(fields.size(), 4u);
     EXPECT_EQ(fields[0], std::make_pair(std::string("isa"), report.isa));
