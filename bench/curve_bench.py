@@ -12,7 +12,13 @@ Prints a markdown table of medians and the overhead of on over off.
 
   curve_bench.py --moeline BIN --model DIR --workdir DIR [--rounds 3] [--requests 40]
                  [--concurrency 8] [--duration-s 10] [--prompt-tokens 32] [--max-tokens 32]
-                 [--variants off,on,on/io2]
+                 [--variants off,on,on/io2] [--from-json LOG [LOG ...]]
+
+Besides the medians, each variant gets the geometric mean of its rounds' ratios to the baseline's
+run of the same round and a 95% bootstrap interval of it: on this 2-vCPU VM a saturated
+percentile moves by a third between rounds, and the interval says what a run can resolve.
+--from-json prints the table again from the results that earlier runs printed last (their whole
+stderr logs will do), pooling their rounds; the variants must match.
 
 A variant is `off` or `on`, optionally with `/ioN`: the stages' ZeroMQ I/O threads
 (--io-threads, through MOELINE_IO_THREADS), and optionally `@alt`: the stack and the load client
@@ -21,7 +27,9 @@ of another build (--alt-moeline BIN), to compare two builds round by round in on
 
 import argparse
 import json
+import math
 import os
+import random
 import resource
 import statistics
 import subprocess
@@ -134,9 +142,9 @@ def cpu_ms_per_request(load, prefix="cpu_s_"):
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--moeline", required=True)
-    ap.add_argument("--model", required=True)
-    ap.add_argument("--workdir", required=True)
+    ap.add_argument("--moeline")
+    ap.add_argument("--model")
+    ap.add_argument("--workdir")
     ap.add_argument("--python-build", default=os.path.join(ROOT, "build", "python"))
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--requests", type=int, default=40)
@@ -148,7 +156,11 @@ def main():
                     help="comma-separated: off, on, optionally /ioN, optionally @alt (the first "
                          "is the baseline)")
     ap.add_argument("--alt-moeline", help="the build that variants ending in @alt run")
+    ap.add_argument("--from-json", nargs="+", metavar="LOG",
+                    help="no runs: pool the rounds that these earlier runs printed")
     args = ap.parse_args()
+    if not args.from_json and not (args.moeline and args.model and args.workdir):
+        ap.error("--moeline, --model and --workdir are required (except with --from-json)")
     variants = args.variants.split(",")
     for v in variants:
         spec, _, build = v.partition("@")
@@ -160,7 +172,16 @@ def main():
             ap.error(f"--variants: {v!r} needs --alt-moeline")
     add_python_paths(args.python_build, os.path.join(ROOT, "sdk", "python"))
     results = {v: [] for v in variants}
-    for r in range(args.rounds):
+    if args.from_json:
+        for path in args.from_json:
+            with open(path) as f:
+                saved = json.loads(next(line for line in f if line.startswith('{"')))
+            if sorted(saved) != sorted(variants):
+                ap.error(f"--from-json: {path} has variants {sorted(saved)}, not {variants}")
+            for v in variants:
+                results[v] += saved[v]
+        args.rounds = len(results[variants[0]])
+    for r in range(0 if args.from_json else args.rounds):
         for v in variants:
             print(f"curve bench: round {r + 1} variant {v}", file=sys.stderr)
             results[v].append(one_round(args, v))
@@ -204,10 +225,22 @@ def main():
                   if get(b) != 0]
         return statistics.median(ratios) - 1 if ratios else float("nan")
 
+    # The geometric mean of the rounds' ratios and its 95% bootstrap interval (fixed seed, so a
+    # table printed again from the same results is the same table).
+    def interval(v, get):
+        logs = [math.log(get(x) / get(b)) for x, b in zip(results[v], results[base])
+                if get(b) > 0 and get(x) > 0]
+        if not logs:
+            return "–"
+        rng = random.Random(1)
+        means = sorted(statistics.fmean(rng.choices(logs, k=len(logs))) for _ in range(10000))
+        pct = lambda x: f"{100 * (math.exp(x) - 1):+.1f}%"  # noqa: E731
+        return (f"{pct(statistics.fmean(logs))} ({pct(means[249])} to {pct(means[9749])})")
+
     base = variants[0]
     header = [f"measure (median of {args.rounds} rounds)", name(base)]
     for v in variants[1:]:
-        header += [name(v), f"vs {base}", "paired"]
+        header += [name(v), f"vs {base}", "paired", "paired mean (95% interval)"]
     print("| " + " | ".join(header) + " |")
     print("|" + " --- |" * len(header))
     for label, get in rows:
@@ -215,9 +248,11 @@ def main():
         cells = [label, f"{b:.2f}"]
         for v in variants[1:]:
             x = med(v, get)
-            cells += [f"{x:.2f}", f"{100 * (x - b) / b:+.1f}%", f"{100 * paired(v, get):+.1f}%"]
+            cells += [f"{x:.2f}", f"{100 * (x - b) / b:+.1f}%", f"{100 * paired(v, get):+.1f}%",
+                      interval(v, get)]
         print("| " + " | ".join(cells) + " |")
-    print(json.dumps(results), file=sys.stderr)
+    if not args.from_json:
+        print(json.dumps(results), file=sys.stderr)
 
 
 if __name__ == "__main__":
