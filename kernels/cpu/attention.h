@@ -48,7 +48,6 @@ void paged_attention(ThreadPool& pool, const PagedKvLayer& kv,
                      int64_t sliding_window);
 
 namespace detail {
-// The first key a query sees: 0, or with a sliding window of W only the last W up to its own.
 // Calls body(std::integral_constant<int, n>) for n = min(count, kMax), 1 <= n: the SIMD paths'
 // register blocks of weighted values, sized at compile time.
 template <int kMax, class Body>
@@ -60,6 +59,7 @@ void with_count(int64_t count, Body&& body) {
   (std::make_integer_sequence<int, kMax>{});
 }
 
+// The first key a query sees: 0, or with a sliding window of W only the last W up to its own.
 inline int64_t first_visible_key(const AttentionQuery& query, int64_t sliding_window) {
   return sliding_window > 0 && query.position - sliding_window + 1 > 0
              ? query.position - sliding_window + 1

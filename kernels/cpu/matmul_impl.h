@@ -193,12 +193,13 @@ struct MatmulKernel {
     return kTiles<DType::kF32, false>[rows - 1][tokens - 1];
   }
 
-  // Token tiles [t_begin, t_end) of one row tile over the k span [k_begin, k_end): a tile's
-  // accumulators go to `partials` (kMR * kNR per token tile) when the span ends before the row.
-  static void run_tokens(const void* const* w_rows, TileFn (*picker)(DType, int, int), DType dtype,
-                         int rows, const MatmulTask& task, int64_t x_stride, int64_t y_stride,
-                         int64_t row, int64_t t_begin, int64_t t_end, int64_t k_begin = 0,
-                         int64_t k_end = -1, float* partials = nullptr) {
+  // Token tiles [t_begin, t_end) of one row tile (rows as stored in `dtype`, or packed F32) over
+  // the k span [k_begin, k_end): a tile's accumulators go to `partials` (kMR * kNR per token
+  // tile) when the span ends before the row.
+  static void run_tokens(const void* const* w_rows, bool packed, DType dtype, int rows,
+                         const MatmulTask& task, int64_t x_stride, int64_t y_stride, int64_t row,
+                         int64_t t_begin, int64_t t_end, int64_t k_begin = 0, int64_t k_end = -1,
+                         float* partials = nullptr) {
     const float* x_rows[kNR];
     const int64_t K = task.w.cols;
     for (int64_t t = t_begin; t < t_end; t += kNR) {
@@ -206,11 +207,9 @@ struct MatmulKernel {
       for (int i = 0; i < tokens; ++i) x_rows[i] = task.x + (t + i) * x_stride;
       const KSpan span{K, k_begin, k_end < 0 ? K : k_end,
                        partials ? partials + (t - t_begin) / kNR * (kMR * kNR * kLanes) : nullptr};
-      picker(dtype, rows, tokens)(w_rows, x_rows, span, task.y + t * y_stride + row, y_stride);
+      const TileFn tile_fn = packed ? pick_packed(rows, tokens) : pick(dtype, rows, tokens);
+      tile_fn(w_rows, x_rows, span, task.y + t * y_stride + row, y_stride);
     }
-  }
-  static TileFn pick_packed_any(DType, int rows, int tokens) {
-    return pick_packed(rows, tokens);
   }
 
   // The stream start's prefetch (matmul.h), on the paths that prefetch at all.
@@ -277,7 +276,7 @@ struct MatmulKernel {
       for (int64_t row = row_begin; row < row_end; row += kDirectRows) {
         const int rows = static_cast<int>(std::min<int64_t>(kDirectRows, row_end - row));
         for (int m = 0; m < rows; ++m) w_rows[m] = task.w.row(row + m);
-        run_tokens(w_rows, &pick, task.w.dtype, rows, task, x_stride, y_stride, row, 0, task.n);
+        run_tokens(w_rows, false, task.w.dtype, rows, task, x_stride, y_stride, row, 0, task.n);
       }
       return;
     }
@@ -300,8 +299,8 @@ struct MatmulKernel {
           w_rows[m] = dst;
         }
         for (int64_t k0 = 0; k0 < K; k0 += k_block)
-          run_tokens(w_rows, &pick_packed_any, DType::kF32, rows, task, x_stride, y_stride, row, t0,
-                     t1, k0, std::min(K, k0 + k_block), partials.data());
+          run_tokens(w_rows, true, DType::kF32, rows, task, x_stride, y_stride, row, t0, t1, k0,
+                     std::min(K, k0 + k_block), partials.data());
       }
     }
   }
