@@ -264,6 +264,22 @@ def recovery_errors(results, retried, label):
     return len(given_up)
 
 
+def until_the_stop_lands(attempt, label, tries=5):
+    """Runs attempt() until the stop it makes (a cancel, a disconnect) reaches the pipeline before
+    the request's last token. The demo model decodes its whole context in a fraction of a second,
+    so on a busy machine a client may read its first token only after the last one was made: such
+    a try says nothing about the stop and is repeated. attempt() returns (landed, description) and
+    raises on any other failure; a stop that never lands fails after the last try. Returns the
+    descriptions of the tries."""
+    seen = []
+    for _ in range(tries):
+        landed, description = attempt()
+        seen.append(description)
+        if landed:
+            return seen
+    raise AssertionError(f"{label}: the request ran to its end on every try: {'; '.join(seen)}")
+
+
 def percentile(values, q):
     """The q-quantile (0..1) of values, linearly interpolated."""
     values = sorted(values)

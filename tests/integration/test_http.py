@@ -35,7 +35,7 @@ from urllib.parse import urlparse
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
-from stack_harness import Stack, reference, run_cases  # noqa: E402
+from stack_harness import Stack, reference, run_cases, until_the_stop_lands  # noqa: E402
 
 LONG_PROMPT = "(botany) a plant"  # the demo model's greedy answer: 21 tokens of a gloss
 
@@ -281,24 +281,31 @@ def case_api(args):
         check_logprobs_and_penalties(args, stack)
 
         # A client that disconnects mid-stream: its request is cancelled in the pipeline.
-        before = stack.metric("gateway", "moeline_gateway_requests_total", outcome="cancelled")
-        url = urlparse(stack.state()["http"])
-        body = json.dumps({"prompt": [5, 6, 7], "max_tokens": 500, "ignore_eos": True,
-                           "temperature": 0, "stream": True}).encode()
-        sock = socket.create_connection((url.hostname, url.port), timeout=30)
-        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: "
-                     b"application/json\r\nContent-Length: " + str(len(body)).encode() +
-                     b"\r\n\r\n" + body)
-        first = sock.recv(4096)
-        check(b"200" in first.split(b"\r\n")[0], f"stream start: {first[:200]}")
-        sock.close()
-        deadline = time.time() + 20
-        cancelled = before
-        while time.time() < deadline and cancelled <= before:
-            time.sleep(0.2)
-            cancelled = stack.metric("gateway", "moeline_gateway_requests_total",
-                                     outcome="cancelled")
-        check(cancelled > before, "a client that disconnected mid-stream must cancel its request")
+        def disconnect_mid_stream():
+            def outcome(name):
+                return stack.metric("gateway", "moeline_gateway_requests_total", outcome=name)
+
+            before = (outcome("cancelled"), outcome("length"))
+            url = urlparse(stack.state()["http"])
+            body = json.dumps({"prompt": [5, 6, 7], "max_tokens": 500, "ignore_eos": True,
+                               "temperature": 0, "stream": True}).encode()
+            sock = socket.create_connection((url.hostname, url.port), timeout=30)
+            sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: "
+                         b"application/json\r\nContent-Length: " + str(len(body)).encode() +
+                         b"\r\n\r\n" + body)
+            first = sock.recv(4096)
+            check(b"200" in first.split(b"\r\n")[0], f"stream start: {first[:200]}")
+            sock.close()
+            deadline = time.time() + 20
+            now = before
+            while time.time() < deadline and now[0] <= before[0] and now[1] <= before[1]:
+                time.sleep(0.2)
+                now = (outcome("cancelled"), outcome("length"))
+            check(now[0] > before[0] or now[1] > before[1],
+                  "a client that disconnected mid-stream must cancel its request")
+            return now[0] > before[0], f"cancelled {now[0]} length {now[1]}"
+
+        until_the_stop_lands(disconnect_mid_stream, "http disconnect")
         print("ok api: a client that disconnects mid-stream cancels its request")
 
 

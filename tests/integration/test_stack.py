@@ -37,7 +37,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(os.path.dirname(HERE))
 sys.path.insert(0, HERE)
 from stack_harness import (Stack, recovery_errors, reference, roc_auc, run_cases,  # noqa: E402
-                           run_concurrently)
+                           run_concurrently, until_the_stop_lands)
 
 FAST_FAILURE = {"heartbeat-ms": 100, "peer-timeout-ms": 1500}
 WORDS = ["to swim:", "to eat:", "mountain:", "bread:", "ocean:", "a small dog:", "to run fast:",
@@ -233,18 +233,25 @@ def case_errors(args):
     with Stack(args.moeline, args.model, run_dir, config=config) as stack:
         with Client(stack.endpoint, timeout=60) as client:
             # Cancel mid-stream: the stream ends "cancelled" and decode frees the sequence.
-            crid = client.start(tokens=[1, 2, 3], max_tokens=480, ignore_eos=True)
-            seen = 0
-            while True:
-                event = client.next_event(timeout=30)
-                if event.kind == "delta":
-                    seen += 1
-                    if seen == 3:
+            def cancel_at_first_token():
+                crid = client.start(tokens=[1, 2, 3], max_tokens=480, ignore_eos=True)
+                cancelled = False
+                while True:
+                    event = client.next_event(timeout=30)
+                    if event.kind == "delta" and not cancelled:
                         client.cancel(crid)
-                if event.terminal:
-                    break
-            check(event.kind == "finished" and event.finish_reason == "cancelled",
-                  f"cancel: ended with {event.kind} {event.finish_reason}")
+                        cancelled = True
+                    if event.terminal:
+                        break
+                ended = f"{event.kind} {event.finish_reason}"
+                if ended == "finished length":
+                    return False, ended
+                check(ended == "finished cancelled", f"cancel: ended with {ended}")
+                cancel_at_first_token.event = event
+                return True, ended
+
+            until_the_stop_lands(cancel_at_first_token, "cancel")
+            event = cancel_at_first_token.event
             check(event.usage["completion_tokens"] < 480, "cancel: the request ran to the end")
             wait_for(lambda: stack.metric("decode-0", "moeline_decode_active_sequences") == 0 and
                      stack.metric("decode-0", "moeline_decode_kv_blocks", state="used") == 0,
@@ -287,14 +294,28 @@ def case_errors(args):
 
         # A client that disconnects mid-stream: the gateway notices (its next token cannot be
         # delivered) and stops the work.
-        socket = raw_socket(stack.endpoint)
-        socket.send_multipart(encode_generate(7, tokens=[9, 8, 7], max_tokens=480, ignore_eos=True))
-        for _ in range(3):
-            socket.recv_multipart()  # Accepted, then deltas
-        socket.close(linger=0)
-        wait_for(lambda: stack.metric("gateway", "moeline_gateway_requests_total",
-                                      outcome="client_gone") >= 1, 10,
-                 "a vanished client's request was not stopped")
+        def disconnect_after_first_token():
+            gone = stack.metric("gateway", "moeline_gateway_requests_total", outcome="client_gone")
+            ran_out = stack.metric("gateway", "moeline_gateway_requests_total", outcome="length")
+            socket = raw_socket(stack.endpoint)
+            socket.send_multipart(encode_generate(7, tokens=[9, 8, 7], max_tokens=480,
+                                                  ignore_eos=True))
+            for _ in range(2):
+                socket.recv_multipart()  # Accepted, then the first delta
+            socket.close(linger=0)
+            now = {}
+
+            def ended():
+                now["gone"] = stack.metric("gateway", "moeline_gateway_requests_total",
+                                           outcome="client_gone")
+                now["length"] = stack.metric("gateway", "moeline_gateway_requests_total",
+                                             outcome="length")
+                return now["gone"] > gone or now["length"] > ran_out
+
+            wait_for(ended, 10, "a vanished client's request was not stopped")
+            return now["gone"] > gone, f"client_gone {now['gone']} length {now['length']}"
+
+        until_the_stop_lands(disconnect_after_first_token, "disconnect")
         wait_for(lambda: stack.metric("decode-0", "moeline_decode_active_sequences") == 0, 10,
                  "decode still runs a vanished client's request")
         print("ok errors: a client that disconnects mid-stream: its request is stopped")
