@@ -29,7 +29,8 @@ ROOT = os.path.dirname(HERE)
 sys.path.insert(0, os.path.join(ROOT, "tests", "integration"))
 from stack_harness import Stack  # noqa: E402
 
-POLICIES = "lru,distance,distance-stream,distance-all,distance-area,step-oracle"
+POLICIES = ("lru,distance,distance-stream,distance-all,distance-area,distance-layer,distance-hinted,"
+            "step-oracle")
 REPORTED = POLICIES.split(",") + ["belady"]  # what each replay's row gives
 
 
@@ -38,7 +39,7 @@ def processes(decoders):
 
 
 def read_trace(path):
-    """(header line, [(layer, expert, t_ns, streaming), ...]) of a v2 trace."""
+    """(header line, [(layer, expert, t_ns, streaming, hint), ...]) of a v3 trace."""
     with open(path) as f:
         header = f.readline()
         rows = [tuple(int(v) for v in line.split()) for line in f
@@ -46,10 +47,15 @@ def read_trace(path):
     return header, rows
 
 
+def acquisitions(rows):
+    """The rows that are acquisitions, not predictions (hint 0)."""
+    return [row for row in rows if row[4] == 0]
+
+
 def decode_steps(rows):
     """Index lists of a trace's decode steps: runs of decode accesses whose layer never falls."""
     steps, current, last = [], [], -1
-    for i, (layer, _, _, streaming) in enumerate(rows):
+    for i, (layer, _, _, streaming, _) in enumerate(rows):
         if streaming:
             continue
         if current and layer < last:
@@ -68,6 +74,7 @@ def write_in_phase(traces, out_dir):
     os.makedirs(out_dir, exist_ok=True)
     prefill, leader, followers = traces[0], traces[1], traces[2:]
     _, rows0 = read_trace(leader)
+    rows0 = acquisitions(rows0)
     steps0 = decode_steps(rows0)
     starts0 = [rows0[s[0]][2] for s in steps0]
     spans = sorted(rows0[s[-1]][2] - rows0[s[0]][2] for s in steps0)
@@ -75,6 +82,7 @@ def write_in_phase(traces, out_dir):
     paths, matched, total_steps = [prefill, leader], 0, 0
     for path in followers:
         header, rows = read_trace(path)
+        rows = acquisitions(rows)  # a follower's predictions are not re-timed: dropped
         taken = set()
         for step in decode_steps(rows):
             total_steps += 1
@@ -92,9 +100,9 @@ def write_in_phase(traces, out_dir):
             for i in steps0[partner]:
                 layer_start.setdefault(rows0[i][0], rows0[i][2])
             for n, i in enumerate(step):
-                layer, expert, _, streaming = rows[i]
+                layer, expert, _, streaming, hint = rows[i]
                 if layer in layer_start:
-                    rows[i] = (layer, expert, layer_start[layer] + 1 + n, streaming)
+                    rows[i] = (layer, expert, layer_start[layer] + 1 + n, streaming, hint)
         out = os.path.join(out_dir, os.path.basename(path))
         with open(out, "w") as f:
             f.write(header)
@@ -219,14 +227,16 @@ def main():
         print(json.dumps(rows, indent=2))
         return 0
     print("| budget | prompt | pool hit ratio | replay: distance | distance-stream | distance-all "
-          "| distance-area | step-oracle bound | Belady | Belady decode / prefill | in phase: distance-all / Belady (steps paired) "
+          "| distance-area | distance-layer (the pool's) | distance-hinted | step-oracle bound | Belady | Belady decode / prefill | in phase: distance-all / Belady (steps paired) "
           "| decode tok/s | stall ms/token | load p50 / p95 ms |")
-    print("| --- " * 14 + "|")
+    print("| --- " * 16 + "|")
     for r in rows:
         rp, kind, phased = r["replay"], r["replay_by_kind"], r["in_phase"] or {}
         print(f"| {r['budget']} | {r['prompt_tokens']} | {fmt(r['hit_ratio'])} | "
               f"{fmt(rp['distance'])} | {fmt(rp['distance-stream'])} | {fmt(rp['distance-all'])} | "
-              f"{fmt(rp['distance-area'])} | {fmt(rp['step-oracle'])} | "
+              f"{fmt(rp['distance-area'])} | {fmt(rp['distance-layer'])} | "
+              f"{fmt(rp['distance-hinted'])} | "
+              f"{fmt(rp['step-oracle'])} | "
               f"{fmt(rp['belady'])} | {fmt(kind.get('decode', {}).get('belady'))} / "
               f"{fmt(kind.get('prefill', {}).get('belady'))} | "
               f"{fmt(phased.get('distance-all'))} / {fmt(phased.get('belady'))} "

@@ -48,9 +48,12 @@ replay     expert access traces (--expert-trace of `moeline run` or of a stack's
                   cycle of layers), distance-stream (prefill's acquisitions neither counted nor
                   kept warm: they enter at the cold end), distance-all (that, with distances from
                   every decode process's layer), distance-area (distance-all with prefill's
-                  acquisitions in a streaming area of an eighth of the slots), step-oracle (a
-                  bound: distance-all told which experts the rest of each running decode step
-                  takes) (default: all eight)
+                  acquisitions in a streaming area of an eighth of the slots), distance-layer
+                  (the pool's today: distance-all keeping what each process has still to take
+                  of the layer it runs), distance-hinted (distance-layer weighing the decode
+                  steps' predictions of their next layers, recorded in the traces, by how often
+                  they came true), step-oracle (a bound: distance-all told which experts the
+                  rest of each running decode step takes) (default: all ten)
   --json          one JSON object
 )";
 
@@ -292,6 +295,7 @@ int replay_command(const std::vector<std::string>& args) {
   nlohmann::json out = {{"traces", trace_paths},
                         {"processes", processes},
                         {"accesses", trace.accesses.size()},
+                        {"hints", trace.hints.size()},
                         {"slot_bytes", trace.slot_bytes},
                         {"expert_bytes", trace.expert_bytes},
                         {"budgets", nlohmann::json::array()}};
@@ -309,7 +313,7 @@ int replay_command(const std::vector<std::string>& args) {
     const uint64_t slots = bytes / trace.slot_bytes;
     nlohmann::json row = {{"budget", budget}, {"bytes", bytes}, {"slots", slots}};
     auto add = [&](offload::ReplayPolicy policy) {
-      const offload::ReplayResult r = offload::replay(trace.accesses, slots, policy);
+      const offload::ReplayResult r = offload::replay(trace.accesses, slots, policy, trace.hints);
       const char* name = offload::replay_policy_name(policy);
       row[name] = r.hit_ratio();
       if (!json)

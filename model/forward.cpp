@@ -597,6 +597,13 @@ void Engine::moe_block(int64_t layer, int64_t n) {
   std::vector<MatmulTask>& tasks = expert_tasks_;
   std::vector<offload::ExpertWeights>& acquired = acquired_experts_;
   acquired.assign(static_cast<size_t>(E), {});
+  // Tell the provider the whole list first: a shared cache then keeps the ones it holds until
+  // they are taken, rather than evict one of this layer's experts to load another.
+  std::vector<int32_t>& wanted = expert_group_;
+  wanted.clear();
+  for (int64_t x = 0; x < E; ++x)
+    if (offsets[x + 1] != offsets[x]) wanted.push_back(static_cast<int32_t>(x));
+  experts_.expect(static_cast<int>(layer), wanted);
   // The experts run in groups of whatever the provider lets this call pin at once: all of them
   // when every expert is resident; fewer when a small pool is shared. The first of a group waits
   // for its expert (nothing is pinned then); the others are taken only if they need no wait on

@@ -28,7 +28,7 @@ namespace moeline::offload {
 namespace {
 
 constexpr uint64_t kMagic = 0x4c4f4f504c454f4dULL;  // "MOELPOOL"
-constexpr uint32_t kVersion = 2;                    // 2: streamed entries, the clients' layers
+constexpr uint32_t kVersion = 3;  // 2: streamed entries, the clients' layers; 3: wanted experts
 constexpr size_t kPage = 4096;
 constexpr size_t kMatrixAlign = 64;
 
@@ -75,15 +75,19 @@ struct PoolClientSlot {
   // Where its decode steps are: the layer of its last decode acquisition and when (0: none yet).
   // Every client's eviction choice measures distances from all of them.
   int32_t decode_layer;
-  uint32_t pad;
+  // The layer its forward pass runs and the experts of it that pass has still to acquire
+  // (PoolClient::expect; the bits are in client_wanted), and when it said so: evicted last.
+  int32_t wanted_layer;
   uint64_t decode_layer_ns;
+  uint64_t wanted_ns;
 };
 constexpr uint32_t kMaxClients = 64;
 
 // The shared header; the tables follow it in the same mapping:
 // PoolEntry entries[entries]; int32_t slot_owner[slots]; uint64_t layer_hits[layers],
 // layer_misses[layers]; double layer_visits[layers] (forward passes through each layer);
-// PoolClientSlot clients[kMaxClients]; uint16_t client_pins[kMaxClients][entries].
+// PoolClientSlot clients[kMaxClients]; uint16_t client_pins[kMaxClients][entries];
+// uint64_t client_wanted[kMaxClients][wanted_words] (a bit per expert of one layer).
 struct PoolLayout {
   uint64_t magic;
   uint32_t version;
@@ -114,12 +118,20 @@ struct PoolLayout {
   uint16_t* client_pins(uint32_t client) {
     return reinterpret_cast<uint16_t*>(clients() + kMaxClients) + size_t{client} * entries;
   }
+  uint32_t wanted_words() const { return (experts_per_layer + 63) / 64; }
+  uint64_t* client_wanted(uint32_t client) {
+    return reinterpret_cast<uint64_t*>(
+               round_up(reinterpret_cast<uintptr_t>(client_pins(kMaxClients)), alignof(uint64_t))) +
+           size_t{client} * wanted_words();
+  }
 
-  static size_t bytes_for(uint32_t entries, uint64_t slots, uint32_t layers) {
+  static size_t bytes_for(uint32_t entries, uint64_t slots, uint32_t layers,
+                          uint32_t experts_per_layer) {
     return round_up(sizeof(PoolLayout) + entries * sizeof(PoolEntry) + slots * sizeof(int32_t) +
                         alignof(uint64_t) + 2 * layers * sizeof(uint64_t) +
                         layers * sizeof(double) + kMaxClients * sizeof(PoolClientSlot) +
-                        size_t{kMaxClients} * entries * sizeof(uint16_t),
+                        size_t{kMaxClients} * entries * sizeof(uint16_t) + alignof(uint64_t) +
+                        size_t{kMaxClients} * ((experts_per_layer + 63) / 64) * sizeof(uint64_t),
                     kPage);
   }
 };
@@ -359,7 +371,8 @@ std::unique_ptr<ExpertPool> ExpertPool::create_or_throw(const ExpertCatalog& cat
   const auto entries =
       static_cast<uint32_t>(catalog.layers) * static_cast<uint32_t>(catalog.experts_per_layer);
   const size_t layout_bytes =
-      PoolLayout::bytes_for(entries, slots, static_cast<uint32_t>(catalog.layers));
+      PoolLayout::bytes_for(entries, slots, static_cast<uint32_t>(catalog.layers),
+                            static_cast<uint32_t>(catalog.experts_per_layer));
   const size_t data_bytes = slots * slot_bytes;
 
   std::unique_ptr<ExpertPool> pool(new ExpertPool());
@@ -704,6 +717,8 @@ std::unique_ptr<PoolClient> PoolClient::attach_or_throw(const std::string& name,
       l->clients()[c].heartbeat_ns = now_ns();
       l->clients()[c].decode_layer = -1;
       l->clients()[c].decode_layer_ns = 0;
+      l->clients()[c].wanted_layer = -1;
+      std::fill_n(l->client_wanted(c), l->wanted_words(), uint64_t{0});
       client->generation_ = ++l->clients()[c].generation;
       std::fill_n(l->client_pins(c), l->entries, uint16_t{0});
       client->client_ = static_cast<int32_t>(c);
@@ -816,6 +831,34 @@ double entry_distance(PoolLayout* l, uint32_t index, const DecodePositions& from
   return nearest;
 }
 
+// The clients that have said which experts of the layer they run they have still to acquire
+// (PoolClient::expect), recently enough to be running it.
+struct WantedNow {
+  uint32_t clients[kMaxClients];
+  uint32_t count = 0;
+};
+WantedNow wanted_now(PoolLayout* l) {
+  WantedNow out;
+  const uint64_t now = now_ns();
+  for (uint32_t c = 0; c < kMaxClients; ++c) {
+    const PoolClientSlot& client = l->clients()[c];
+    if (client.in_use && client.wanted_layer >= 0 && client.wanted_ns + kDecodeIdleNs > now)
+      out.clients[out.count++] = c;
+  }
+  return out;
+}
+
+bool is_wanted(PoolLayout* l, const WantedNow& wanted, uint32_t index) {
+  const uint32_t layer = index / l->experts_per_layer, expert = index % l->experts_per_layer;
+  for (uint32_t i = 0; i < wanted.count; ++i) {
+    const uint32_t c = wanted.clients[i];
+    if (static_cast<uint32_t>(l->clients()[c].wanted_layer) == layer &&
+        (l->client_wanted(c)[expert / 64] >> (expert % 64) & 1u))
+      return true;
+  }
+  return false;
+}
+
 // A slot: a free one, or the unpinned resident expert whose next use is expected farthest ahead
 // (expected_reuse_distance: decode runs the layers in a cycle, so the experts of the layer that
 // just ran are the last needed again). A prefetch never evicts another prefetch that has not been
@@ -826,15 +869,21 @@ int64_t reserve_slot(PoolLayout* l, int32_t current, bool for_prefetch, double a
   int64_t victim = -1;
   double victim_distance = 0;
   const DecodePositions from = decode_positions(l, current);
+  const WantedNow wanted = wanted_now(l);
   for (uint64_t s = 0; s < l->slots; ++s) {
     if (owner[s] < 0) return static_cast<int64_t>(s);
     const PoolEntry& e = entries[owner[s]];
     if (e.state != kResident || e.pins > 0) continue;
     if (for_prefetch && e.prefetched) continue;
-    // What a prefill batch brought in and no decode step has used since sits at the cold end:
-    // evicted before anything decode uses (the least recent of them first).
-    const double distance = e.streamed ? std::numeric_limits<double>::infinity()
-                                       : entry_distance(l, static_cast<uint32_t>(owner[s]), from);
+    // What a forward pass is about to acquire of the layer it runs goes last (distance 0, below
+    // any other): by the estimate alone the experts of a layer running look a whole cycle away,
+    // and were evicted between two acquisitions of that layer. What a prefill batch brought in and
+    // no decode step has used since sits at the cold end: evicted before anything decode uses
+    // (the least recent of them first).
+    const auto index = static_cast<uint32_t>(owner[s]);
+    const double distance = is_wanted(l, wanted, index) ? -1.0
+                            : e.streamed                ? std::numeric_limits<double>::infinity()
+                                                        : entry_distance(l, index, from);
     if (for_prefetch && distance <= at_most) continue;
     if (victim < 0 || distance > victim_distance ||
         (distance == victim_distance && e.last_use < entries[owner[victim]].last_use)) {
@@ -922,6 +971,10 @@ std::optional<ExpertWeights> PoolClient::acquire_or_fail(int layer, int expert, 
           StatusCode::kUnavailable);
     if (e.state == kResident) {
       if (!streaming) e.streamed = 0;
+      PoolClientSlot& self = l->clients()[client_];
+      if (self.wanted_layer == layer && owns_row())
+        l->client_wanted(static_cast<uint32_t>(client_))[expert / 64] &=
+            ~(uint64_t{1} << (expert % 64));
       ++e.pins;
       ++pins_held_;
       ++l->client_pins(static_cast<uint32_t>(client_))[index];
@@ -996,6 +1049,22 @@ void PoolClient::release(int layer, int expert) {
   --mine;
   --pins_held_;
   if (e.pins > 0 && --e.pins == 0) notify(&layout_->changed);
+}
+
+void PoolClient::expect(int layer, std::span<const int32_t> experts) {
+  if (layer < 0 || layer >= catalog_.layers) return;
+  PoolLock lock(layout_);
+  PoolLayout* l = layout_;
+  if (!owns_row()) return;
+  const auto c = static_cast<uint32_t>(client_);
+  uint64_t* bits = l->client_wanted(c);
+  std::fill_n(bits, l->wanted_words(), uint64_t{0});
+  for (int32_t expert : experts)
+    if (catalog_.has(layer, expert))
+      bits[static_cast<uint32_t>(expert) / 64] |= uint64_t{1}
+                                                  << (static_cast<uint32_t>(expert) % 64);
+  l->clients()[c].wanted_layer = layer;
+  l->clients()[c].wanted_ns = now_ns();
 }
 
 void PoolClient::prefetch(int layer, std::span<const int32_t> experts) {

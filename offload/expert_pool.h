@@ -217,6 +217,7 @@ class PoolClient final : public PoolMapping, public ExpertProvider {
   ExpertWeights acquire(int layer, int expert) override;
   std::optional<ExpertWeights> try_acquire(int layer, int expert) override;
   void release(int layer, int expert) override;
+  void expect(int layer, std::span<const int32_t> experts) override;
   void prefetch(int layer, std::span<const int32_t> experts) override;
   int prefetch_depth() const override { return prefetch_depth_; }
   // A prefill batch's acquisitions are not counted in the usage estimates, and what they bring in

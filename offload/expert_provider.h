@@ -39,6 +39,10 @@ class ExpertProvider {
     return acquire(layer, expert);
   }
   virtual void release(int layer, int expert) = 0;
+  // What a forward pass will acquire of the layer it runs now (its tokens routed): a cache keeps
+  // them until they are acquired, rather than evict one for another of the same layer. Replaces
+  // the previous call's list. Never waits.
+  virtual void expect(int /*layer*/, std::span<const int32_t> /*experts*/) {}
   // A hint: these experts of `layer` will probably be acquired soon. Never waits.
   virtual void prefetch(int /*layer*/, std::span<const int32_t> /*experts*/) {}
   // How many MoE layers ahead the forward pass should predict and prefetch (0: never; the

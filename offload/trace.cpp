@@ -16,7 +16,8 @@ namespace moeline::offload {
 
 namespace {
 constexpr const char* kHeaderV1 = "# moeline expert trace v1";
-constexpr const char* kHeader = "# moeline expert trace v2";
+constexpr const char* kHeaderV2 = "# moeline expert trace v2";
+constexpr const char* kHeader = "# moeline expert trace v3";
 
 uint64_t monotonic_ns() {
   timespec ts{};
@@ -40,7 +41,9 @@ bool ExpertTrace::write(const std::string& path) const {
       << " slot_bytes=" << slot_bytes << " expert_bytes=" << expert_bytes
       << " process=" << processes[0] << " kind=" << kinds[0] << '\n';
   for (const ExpertAccess& a : accesses)
-    out << a.layer << ' ' << a.expert << ' ' << a.t_ns << ' ' << (a.streaming ? 1 : 0) << '\n';
+    out << a.layer << ' ' << a.expert << ' ' << a.t_ns << ' ' << (a.streaming ? 1 : 0) << " 0\n";
+  for (const ExpertHint& h : hints)
+    out << h.layer << ' ' << h.expert << ' ' << h.t_ns << ' ' << (h.streaming ? 1 : 0) << " 1\n";
   return static_cast<bool>(out);
 }
 
@@ -49,8 +52,12 @@ ExpertTrace ExpertTrace::read(const std::string& path) {
   if (!in) throw std::runtime_error("cannot read expert trace " + path);
   ExpertTrace trace;
   std::string line;
-  const bool v1 = std::getline(in, line) && line.rfind(kHeaderV1, 0) == 0;
-  if (!v1 && line.rfind(kHeader, 0) != 0)
+  std::getline(in, line);
+  const int version = line.rfind(kHeaderV1, 0) == 0   ? 1
+                      : line.rfind(kHeaderV2, 0) == 0 ? 2
+                      : line.rfind(kHeader, 0) == 0   ? 3
+                                                      : 0;
+  if (version == 0)
     throw std::runtime_error(path + ":1: not an expert trace (expected '" + kHeader + " ...')");
   std::istringstream header(line.substr(std::string(kHeader).size()));
   for (std::string field; header >> field;) {
@@ -71,24 +78,33 @@ ExpertTrace ExpertTrace::read(const std::string& path) {
   }
   if (trace.layers <= 0 || trace.experts_per_layer <= 0 || trace.slot_bytes == 0)
     throw std::runtime_error(path + ":1: the header needs layers, experts and slot_bytes");
+  const char* expected = version == 1   ? "layer expert"
+                         : version == 2 ? "layer expert t_ns streaming"
+                                        : "layer expert t_ns streaming hint";
   size_t number = 1;
   while (std::getline(in, line)) {
     ++number;
     if (line.empty()) continue;
     std::istringstream row(line);
     ExpertAccess a;
-    int streaming = 0;
+    int streaming = 0, hint = 0;
     std::string rest;
-    const bool fields = v1 ? static_cast<bool>(row >> a.layer >> a.expert)
-                           : static_cast<bool>(row >> a.layer >> a.expert >> a.t_ns >> streaming);
+    bool fields = static_cast<bool>(row >> a.layer >> a.expert);
+    if (fields && version >= 2) fields = static_cast<bool>(row >> a.t_ns >> streaming);
+    if (fields && version >= 3) fields = static_cast<bool>(row >> hint);
     if (!fields || (row >> rest) || a.layer < 0 || a.layer >= trace.layers || a.expert < 0 ||
-        a.expert >= trace.experts_per_layer || (streaming != 0 && streaming != 1))
-      throw std::runtime_error(path + ":" + std::to_string(number) + ": expected '" +
-                               (v1 ? "layer expert" : "layer expert t_ns streaming") +
+        a.expert >= trace.experts_per_layer || (streaming != 0 && streaming != 1) ||
+        (hint != 0 && hint != 1))
+      throw std::runtime_error(path + ":" + std::to_string(number) + ": expected '" + expected +
                                "' within the header's shape, got '" + line + "'");
     a.streaming = streaming == 1;
-    trace.accesses.push_back(a);
+    if (hint == 1)
+      trace.hints.push_back({a.layer, a.expert, a.t_ns, 0, a.streaming});
+    else
+      trace.accesses.push_back(a);
   }
+  std::stable_sort(trace.hints.begin(), trace.hints.end(),
+                   [](const ExpertHint& a, const ExpertHint& b) { return a.t_ns < b.t_ns; });
   return trace;
 }
 
@@ -98,6 +114,7 @@ ExpertTrace ExpertTrace::merge(std::vector<ExpertTrace> traces) {
   merged.processes.clear();
   merged.kinds.clear();
   merged.accesses.clear();
+  merged.hints.clear();
   for (ExpertTrace& t : traces) {
     if (t.layers != merged.layers || t.experts_per_layer != merged.experts_per_layer ||
         t.slot_bytes != merged.slot_bytes || t.expert_bytes != merged.expert_bytes)
@@ -110,17 +127,29 @@ ExpertTrace ExpertTrace::merge(std::vector<ExpertTrace> traces) {
       a.process = static_cast<uint16_t>(first + a.process);
       merged.accesses.push_back(a);
     }
+    for (ExpertHint h : t.hints) {
+      h.process = static_cast<uint16_t>(first + h.process);
+      merged.hints.push_back(h);
+    }
     merged.processes.insert(merged.processes.end(), t.processes.begin(), t.processes.end());
     merged.kinds.insert(merged.kinds.end(), t.kinds.begin(), t.kinds.end());
   }
   std::stable_sort(merged.accesses.begin(), merged.accesses.end(),
                    [](const ExpertAccess& a, const ExpertAccess& b) { return a.t_ns < b.t_ns; });
+  std::stable_sort(merged.hints.begin(), merged.hints.end(),
+                   [](const ExpertHint& a, const ExpertHint& b) { return a.t_ns < b.t_ns; });
   return merged;
 }
 
 void TraceRecorder::record(int layer, int expert) {
-  if (trace_.accesses.size() < limit_)
-    trace_.accesses.push_back({layer, expert, monotonic_ns(), 0, streaming_});
+  if (!full()) trace_.accesses.push_back({layer, expert, monotonic_ns(), 0, streaming_});
+}
+
+void TraceRecorder::prefetch(int layer, std::span<const int32_t> experts) {
+  const uint64_t now = monotonic_ns();
+  for (int32_t expert : experts)
+    if (!full()) trace_.hints.push_back({layer, expert, now, 0, streaming_});
+  inner_.prefetch(layer, experts);
 }
 
 TraceRecorder::TraceRecorder(ExpertProvider& inner, const ExpertCatalog& catalog, size_t limit)
@@ -159,6 +188,10 @@ const char* replay_policy_name(ReplayPolicy policy) {
       return "distance-all";
     case ReplayPolicy::kDistanceArea:
       return "distance-area";
+    case ReplayPolicy::kDistanceLayer:
+      return "distance-layer";
+    case ReplayPolicy::kDistanceHinted:
+      return "distance-hinted";
     case ReplayPolicy::kStepOracle:
       return "step-oracle";
     case ReplayPolicy::kBelady:
@@ -180,7 +213,102 @@ struct ExpertUse {
 };
 }  // namespace
 
-ReplayResult replay(std::span<const ExpertAccess> accesses, uint64_t slots, ReplayPolicy policy) {
+namespace {
+// kDistanceHinted's knowledge: each decoding process's latest prediction for each layer of the
+// step it runs, what the step has used, and how often predictions made d layers ahead turned out
+// right (by d).
+class HintBook {
+ public:
+  HintBook(size_t processes, int32_t layers, int32_t experts)
+      : layers_(layers), experts_(experts), processes_(processes) {
+    for (Process& p : processes_) {
+      p.sets.assign(static_cast<size_t>(layers), {});
+      p.used.assign(static_cast<size_t>(layers * experts), 0);
+    }
+    outcomes_.assign(static_cast<size_t>(layers + 1), {});
+  }
+
+  void hint(const ExpertHint& h) {
+    if (h.streaming) return;  // prefill's predictions: its acquisitions do not warm experts
+    Process& p = processes_[h.process];
+    Set& set = p.sets[static_cast<size_t>(h.layer)];
+    // A layer not after the one running is predicted for the process's next step.
+    const bool next_step = h.layer <= p.layer;
+    if (set.t_ns != h.t_ns || set.step != p.step + next_step) {  // a newer prediction replaces it
+      set.t_ns = h.t_ns;
+      set.step = p.step + next_step;
+      set.ahead =
+          std::clamp(next_step ? h.layer + layers_ - p.layer : h.layer - p.layer, 1, layers_);
+      set.hinted.assign(static_cast<size_t>(experts_), 0);
+    }
+    set.hinted[static_cast<size_t>(h.expert)] = 1;
+  }
+
+  // A decode access of process `process`: a step starts when its layer falls; a layer it leaves
+  // has its prediction scored.
+  void access(uint16_t process, int32_t layer, int32_t expert) {
+    Process& p = processes_[process];
+    if (layer != p.layer) {
+      if (p.layer >= 0) score(p, p.layer);
+      if (layer < p.layer) ++p.step;
+      p.layer = layer;
+      std::fill_n(p.used.begin() + layer * experts_, experts_, 0);
+    }
+    p.used[static_cast<size_t>(layer * experts_ + expert)] = 1;
+  }
+
+  // The probability that `process` uses `expert` of `layer` when that layer next runs in its
+  // current step, when it predicted that layer (nullopt: no prediction for it).
+  std::optional<double> chance(size_t process, int32_t layer, int32_t expert) const {
+    const Process& p = processes_[process];
+    const Set& set = p.sets[static_cast<size_t>(layer)];
+    if (set.step != p.step || set.t_ns == 0 || layer <= p.layer) return std::nullopt;
+    const Outcomes& o = outcomes_[static_cast<size_t>(set.ahead)];
+    return set.hinted[static_cast<size_t>(expert)] ? (o.hinted_used + 1.0) / (o.hinted + 2.0)
+                                                   : (o.other_used + 0.5) / (o.other + 1.0);
+  }
+
+ private:
+  struct Set {
+    uint64_t t_ns = 0, step = 0;
+    int32_t ahead = 1;
+    std::vector<uint8_t> hinted;
+  };
+  struct Process {
+    int32_t layer = -1;
+    uint64_t step = 0;
+    std::vector<Set> sets;      // by layer
+    std::vector<uint8_t> used;  // by layer * experts + expert, this step
+  };
+  struct Outcomes {
+    double hinted = 0, hinted_used = 0, other = 0, other_used = 0;
+  };
+
+  void score(Process& p, int32_t layer) {
+    Set& set = p.sets[static_cast<size_t>(layer)];
+    if (set.t_ns == 0 || set.step != p.step) return;
+    Outcomes& o = outcomes_[static_cast<size_t>(set.ahead)];
+    for (int32_t e = 0; e < experts_; ++e) {
+      const bool used = p.used[static_cast<size_t>(layer * experts_ + e)] != 0;
+      if (set.hinted[static_cast<size_t>(e)]) {
+        o.hinted += 1;
+        o.hinted_used += used;
+      } else {
+        o.other += 1;
+        o.other_used += used;
+      }
+    }
+    set.t_ns = 0;
+  }
+
+  int32_t layers_, experts_;
+  std::vector<Process> processes_;
+  std::vector<Outcomes> outcomes_;  // by layers ahead
+};
+}  // namespace
+
+ReplayResult replay(std::span<const ExpertAccess> accesses, uint64_t slots, ReplayPolicy policy,
+                    std::span<const ExpertHint> hints) {
   ReplayResult result;
   result.accesses = accesses.size();
   size_t processes = 1;
@@ -245,22 +373,29 @@ ReplayResult replay(std::span<const ExpertAccess> accesses, uint64_t slots, Repl
   uint64_t tick = 0;
   const bool stream_aware =
       policy == ReplayPolicy::kDistanceStream || policy == ReplayPolicy::kDistanceAll ||
-      policy == ReplayPolicy::kDistanceArea || policy == ReplayPolicy::kStepOracle;
+      policy == ReplayPolicy::kDistanceArea || policy == ReplayPolicy::kDistanceLayer ||
+      policy == ReplayPolicy::kDistanceHinted || policy == ReplayPolicy::kStepOracle;
   // kStepOracle: each process's decode steps (runs of its decode accesses whose layer never
   // falls), and while one runs, the experts the rest of it will take (with multiplicity).
+  // kDistanceLayer and kDistanceHinted know what every process still takes of the layer it runs
+  // (the engine routes a layer's tokens before it acquires their experts, and tells the pool):
+  // the rest of each run of a process's accesses to one layer, prefill's as well as decode's.
   const bool oracle = policy == ReplayPolicy::kStepOracle;
-  std::vector<uint8_t> step_starts;
-  std::vector<size_t> next_decode;  // the same process's next decode access (n: none)
-  std::vector<std::unordered_map<uint64_t, int>> step_rest(oracle ? processes : 0);
-  if (oracle) {
-    step_starts.assign(n, 0);
+  const bool hinted = policy == ReplayPolicy::kDistanceHinted;
+  const bool knows_layer = hinted || policy == ReplayPolicy::kDistanceLayer;
+  std::vector<uint8_t> run_starts;
+  std::vector<size_t> next_decode;  // the same process's next access of the run's kind (n: none)
+  std::vector<std::unordered_map<uint64_t, int>> known_rest(oracle || knows_layer ? processes : 0);
+  if (oracle || knows_layer) {
+    run_starts.assign(n, 0);
     next_decode.assign(n, n);
     std::vector<int32_t> last_layer(processes, -1);
     std::vector<size_t> last_index(processes, n);
     for (size_t i = 0; i < n; ++i) {
       const ExpertAccess& a = accesses[i];
-      if (a.streaming) continue;
-      step_starts[i] = last_layer[a.process] < 0 || a.layer < last_layer[a.process];
+      if (a.streaming && oracle) continue;
+      const int32_t last = last_layer[a.process];
+      run_starts[i] = last < 0 || (oracle ? a.layer < last : a.layer != last);
       last_layer[a.process] = a.layer;
       if (last_index[a.process] != n) next_decode[last_index[a.process]] = i;
       last_index[a.process] = i;
@@ -275,8 +410,19 @@ ReplayResult replay(std::span<const ExpertAccess> accesses, uint64_t slots, Repl
   // The distance policies: the layers run in a cycle; an expert's next use is expected when its
   // layer next runs, or 1/p cycles later, p being how often its layer's visits used it. A visit
   // is a process's pass through a layer (as the pool counts them: each client its own).
-  int32_t cycle = 1;
-  for (const ExpertAccess& a : accesses) cycle = std::max(cycle, a.layer + 1);
+  int32_t cycle = 1, experts = 1;
+  for (const ExpertAccess& a : accesses) {
+    cycle = std::max(cycle, a.layer + 1);
+    experts = std::max(experts, a.expert + 1);
+  }
+  for (const ExpertHint& h : hints) {
+    cycle = std::max(cycle, h.layer + 1);
+    experts = std::max(experts, h.expert + 1);
+  }
+  for (const ExpertHint& h : hints) processes = std::max<size_t>(processes, h.process + 1u);
+  std::optional<HintBook> book;
+  if (hinted) book.emplace(processes, cycle, experts);
+  size_t next_hint = 0;
   std::unordered_map<uint64_t, ExpertUse> usage;
   std::vector<double> visits(static_cast<size_t>(cycle), 0.0);
   std::vector<int32_t> process_layer(processes, -1);
@@ -289,11 +435,11 @@ ReplayResult replay(std::span<const ExpertAccess> accesses, uint64_t slots, Repl
     const ExpertAccess& a = accesses[i];
     const uint64_t k = key(a);
     ++tick;
-    if (oracle && !a.streaming) {
-      auto& rest = step_rest[a.process];
-      if (step_starts[i]) {
+    if ((oracle && !a.streaming) || knows_layer) {
+      auto& rest = known_rest[a.process];
+      if (run_starts[i]) {
         rest.clear();
-        for (size_t j = i; j != n && (j == i || !step_starts[j]); j = next_decode[j])
+        for (size_t j = i; j != n && (j == i || !run_starts[j]); j = next_decode[j])
           ++rest[key(accesses[j])];
       }
       if (auto it = rest.find(k); it != rest.end() && --it->second == 0) rest.erase(it);
@@ -316,6 +462,11 @@ ReplayResult replay(std::span<const ExpertAccess> accesses, uint64_t slots, Repl
       process_seen[a.process] = a.t_ns;
       decode_layer = a.layer;
     }
+    if (book) {
+      for (; next_hint < hints.size() && hints[next_hint].t_ns <= a.t_ns; ++next_hint)
+        book->hint(hints[next_hint]);
+      if (!a.streaming) book->access(a.process, a.layer, a.expert);
+    }
     auto distance = [&](uint64_t expert) {
       const auto layer = static_cast<int32_t>(expert >> 32);
       const ExpertUse& u = usage[expert];
@@ -328,11 +479,20 @@ ReplayResult replay(std::span<const ExpertAccess> accesses, uint64_t slots, Repl
       for (size_t p = 0; p < processes; ++p) {
         if (!decodes[p] || process_layer[p] < 0 || a.t_ns > process_seen[p] + kDecodeIdleNs)
           continue;
-        if (oracle && step_rest[p].contains(expert)) {
+        if (oracle && known_rest[p].contains(expert)) {
           // Due in this step: when its layer comes (now, for the layer running).
           const int32_t ahead = layer - process_layer[p];
           nearest = std::min(nearest, static_cast<double>(ahead < 0 ? ahead + cycle : ahead));
           continue;
+        }
+        if (book) {
+          if (auto chance = book->chance(p, layer, static_cast<int32_t>(expert & 0xFFFFFFFFu))) {
+            // Used when its layer comes with that chance, else the estimate's cycles after it.
+            const double picked = (u.uses + 0.5) / (layer_visits + 1.0);
+            nearest = std::min(nearest, (layer - process_layer[p]) +
+                                            (1.0 - *chance) * static_cast<double>(cycle) / picked);
+            continue;
+          }
         }
         nearest = std::min(
             nearest, expected_reuse_distance(layer, process_layer[p], cycle, u.uses, layer_visits));
@@ -340,6 +500,12 @@ ReplayResult replay(std::span<const ExpertAccess> accesses, uint64_t slots, Repl
       return std::isinf(nearest)
                  ? expected_reuse_distance(layer, decode_layer, cycle, u.uses, layer_visits)
                  : nearest;
+    };
+    // Wanted now: what a process has still to take of the layer it runs (knows_layer).
+    auto wanted_now = [&](uint64_t expert) {
+      for (const auto& rest : known_rest)
+        if (rest.contains(expert)) return true;
+      return false;
     };
     auto it = cached.find(k);
     bool promoted = false;  // found in the streaming area by a decode step: moves to the main part
@@ -373,7 +539,10 @@ ReplayResult replay(std::span<const ExpertAccess> accesses, uint64_t slots, Repl
           const State& s = c->second;
           const State& v = victim->second;
           bool better = false;
-          if (s.streamed != v.streamed) {
+          const bool wanted = knows_layer && wanted_now(c->first);
+          if (knows_layer && wanted != wanted_now(victim->first)) {
+            better = !wanted;  // about to be taken: evicted only when nothing else may go
+          } else if (s.streamed != v.streamed) {
             better = s.streamed;  // what streaming brought in goes first
           } else if (s.streamed) {
             better = s.last < v.last;
@@ -392,6 +561,8 @@ ReplayResult replay(std::span<const ExpertAccess> accesses, uint64_t slots, Repl
               case ReplayPolicy::kDistanceStream:
               case ReplayPolicy::kDistanceAll:
               case ReplayPolicy::kDistanceArea:
+              case ReplayPolicy::kDistanceLayer:
+              case ReplayPolicy::kDistanceHinted:
               case ReplayPolicy::kStepOracle: {
                 // Ties go to the least recently used, as in the pool.
                 const double candidate = distance(c->first), incumbent = distance(victim->first);

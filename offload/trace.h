@@ -5,11 +5,13 @@
 //
 // A trace is the sequence of (layer, expert) acquisitions a process's forward passes made, recorded
 // by wrapping the engine's ExpertProvider (`moeline run` and the compute stages, --expert-trace).
-// File (v2): a header line "# moeline expert trace v2 layers=L experts=E slot_bytes=B
-// expert_bytes=T process=NAME kind=KIND", then "layer expert t_ns streaming" per line: when it was
-// acquired (CLOCK_MONOTONIC, so the traces of the processes of one host merge into the order the
-// shared pool saw) and whether a prefill batch acquired it (1) or a decode step (0). v1 files (no
-// process, "layer expert" lines) are still read.
+// File (v3): a header line "# moeline expert trace v3 layers=L experts=E slot_bytes=B
+// expert_bytes=T process=NAME kind=KIND", then "layer expert t_ns streaming hint" per line: when it
+// was acquired or predicted (CLOCK_MONOTONIC, so the traces of the processes of one host merge into
+// the order the shared pool saw), whether a prefill batch (1) or a decode step (0) did it, and
+// whether the line is an acquisition (0) or a prediction (1: the prefetch hints the engine
+// computes, a later layer's router applied to the current hidden state). v2 files (no hint column)
+// and v1 files (no process, "layer expert" lines) are still read.
 //
 // The traces of several processes sharing a pool are merged by time (`merge`) and replayed as one
 // stream against one cache, each access's hit counted for its process.
@@ -33,6 +35,15 @@ struct ExpertAccess {
   bool operator==(const ExpertAccess&) const = default;
 };
 
+// A prediction that `expert` of `layer` will be acquired: what ExpertProvider::prefetch was told.
+struct ExpertHint {
+  int32_t layer = 0, expert = 0;
+  uint64_t t_ns = 0;
+  uint16_t process = 0;
+  bool streaming = false;  // made by a prefill batch
+  bool operator==(const ExpertHint&) const = default;
+};
+
 struct ExpertTrace {
   int layers = 0, experts_per_layer = 0;
   uint64_t slot_bytes = 0;    // one pool slot (an expert with alignment): budget / slot_bytes slots
@@ -41,6 +52,7 @@ struct ExpertTrace {
   // "run"); one for a trace read from a file, more once merged.
   std::vector<std::string> processes = {"run"}, kinds = {"run"};
   std::vector<ExpertAccess> accesses;
+  std::vector<ExpertHint> hints;  // in the order of their times
 
   // Writes a one-process trace (a merged one is written per process: not here).
   bool write(const std::string& path) const;
@@ -51,7 +63,8 @@ struct ExpertTrace {
   static ExpertTrace merge(std::vector<ExpertTrace> traces);
 };
 
-// Passes every call through to `inner` and records each acquisition (the first `limit`).
+// Passes every call through to `inner` and records each acquisition and each prediction it is
+// told (prefetch), the first `limit` of them together.
 class TraceRecorder final : public ExpertProvider {
  public:
   TraceRecorder(ExpertProvider& inner, const ExpertCatalog& catalog,
@@ -61,9 +74,10 @@ class TraceRecorder final : public ExpertProvider {
   ExpertWeights acquire(int layer, int expert) override;
   std::optional<ExpertWeights> try_acquire(int layer, int expert) override;
   void release(int layer, int expert) override { inner_.release(layer, expert); }
-  void prefetch(int layer, std::span<const int32_t> experts) override {
-    inner_.prefetch(layer, experts);
+  void expect(int layer, std::span<const int32_t> experts) override {
+    inner_.expect(layer, experts);
   }
+  void prefetch(int layer, std::span<const int32_t> experts) override;
   int prefetch_depth() const override { return inner_.prefetch_depth(); }
   void set_streaming(bool streaming) override {
     streaming_ = streaming;
@@ -80,6 +94,7 @@ class TraceRecorder final : public ExpertProvider {
 
  private:
   void record(int layer, int expert);
+  bool full() const { return trace_.accesses.size() + trace_.hints.size() >= limit_; }
   ExpertProvider& inner_;
   ExpertTrace trace_;
   size_t limit_;
@@ -94,6 +109,15 @@ class TraceRecorder final : public ExpertProvider {
 // kDistanceArea: kDistanceAll with prefill's acquisitions in a streaming area of their own (an
 // eighth of the slots, least recently used out first) instead of at the cold end of the whole
 // pool; a decode step that finds its expert there moves it to the main part without a load.
+// kDistanceLayer: kDistanceAll told which experts each process has still to take of the layer it
+// runs (the engine has routed that layer's tokens and tells the pool, ExpertProvider::expect):
+// those go last. Without it the experts of the layer running look the farthest from their next use
+// (a whole cycle away) and are evicted between two acquisitions of the same layer.
+// kDistanceHinted: kDistanceLayer given the trace's hints: an expert a decoding process predicted
+// for a layer it has still to run in this step counts as used there with the probability its
+// predictions at that many layers ahead have turned out right so far (and one it did not predict
+// for a predicted layer with the share of such experts used); the expected distance is then
+// "when its layer comes" with that probability, else the estimate's cycles after it.
 // kStepOracle is a bound, not a policy: kDistanceAll told exactly which experts the rest of each
 // running decode step will take (what a perfect router-based prediction of the next layers would
 // know; not which experts the next tokens pick), each of them due when its layer comes.
@@ -105,6 +129,8 @@ enum class ReplayPolicy {
   kDistanceStream,
   kDistanceAll,
   kDistanceArea,
+  kDistanceLayer,
+  kDistanceHinted,
   kStepOracle,
   kBelady
 };
@@ -113,7 +139,8 @@ enum class ReplayPolicy {
 inline constexpr ReplayPolicy kReplayPolicies[] = {
     ReplayPolicy::kLru,          ReplayPolicy::kLru2,           ReplayPolicy::kLfu,
     ReplayPolicy::kDistance,     ReplayPolicy::kDistanceStream, ReplayPolicy::kDistanceAll,
-    ReplayPolicy::kDistanceArea, ReplayPolicy::kStepOracle};
+    ReplayPolicy::kDistanceArea, ReplayPolicy::kDistanceLayer,  ReplayPolicy::kDistanceHinted,
+    ReplayPolicy::kStepOracle};
 const char* replay_policy_name(ReplayPolicy policy);
 std::optional<ReplayPolicy> replay_policy_from(const std::string& name);
 
@@ -126,7 +153,9 @@ struct ReplayResult {
   }
 };
 
-// A cache of `slots` experts serving the accesses one at a time, filled on demand.
-ReplayResult replay(std::span<const ExpertAccess> accesses, uint64_t slots, ReplayPolicy policy);
+// A cache of `slots` experts serving the accesses one at a time, filled on demand. `hints` (in the
+// order of their times) are what kDistanceHinted knows; the other policies ignore them.
+ReplayResult replay(std::span<const ExpertAccess> accesses, uint64_t slots, ReplayPolicy policy,
+                    std::span<const ExpertHint> hints = {});
 
 }  // namespace moeline::offload

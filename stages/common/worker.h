@@ -72,6 +72,9 @@ class PlannedExperts final : public offload::ExpertProvider {
     return target().try_acquire(layer, expert);
   }
   void release(int layer, int expert) override { target().release(layer, expert); }
+  void expect(int layer, std::span<const int32_t> experts) override {
+    target().expect(layer, experts);
+  }
   void prefetch(int layer, std::span<const int32_t> experts) override {
     target().prefetch(layer, experts);
   }

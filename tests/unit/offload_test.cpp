@@ -258,6 +258,37 @@ TEST(ExpertPool, APrefillSweepIsEvictedBeforeDecodesExperts) {
   EXPECT_EQ(pool->stats().hits - hits, 1u);
 }
 
+TEST(ExpertPool, WhatAPassWillTakeOfItsLayerIsEvictedLast) {
+  // Three slots holding expert 0 of layer 1 and experts 0 and 1 of layer 0. A pass through layer 0
+  // that needs experts 0, 1 and 2 loads 2 first: by the estimate alone layer 0's own experts, a
+  // whole cycle from their next use, are the victims, and the pass then misses one of them; told
+  // the pass's list (expect), the pool evicts layer 1's expert and the pass hits both.
+  auto m = load("mixtral-f32");
+  ASSERT_TRUE(m);
+  const ExpertCatalog catalog = m->expert_catalog();
+  ASSERT_GE(catalog.layers, 2);
+  ASSERT_GE(catalog.experts_per_layer, 3);
+  for (const bool told : {false, true}) {
+    auto pool = pool_of_slots(catalog, told ? "expect-told" : "expect-not", 3);
+    auto client = must(PoolClient::attach(pool->name(), catalog));
+    auto use = [&](int layer, int expert) {
+      client->acquire(layer, expert);
+      client->release(layer, expert);
+    };
+    use(1, 0);
+    use(0, 0);
+    use(0, 1);
+    const std::vector<int32_t> pass = {0, 1, 2};
+    if (told) client->expect(0, pass);
+    use(0, 2);
+    const uint64_t hits = pool->stats().hits;
+    use(0, 0);
+    use(0, 1);
+    // Not told, the two loads the pass then needs each evict the other expert of layer 0.
+    EXPECT_EQ(pool->stats().hits - hits, told ? 2u : 0u) << (told ? "told" : "not told");
+  }
+}
+
 TEST(ExpertPool, PrefetchIsCountedByKindAndSwitchedOffPerKind) {
   auto m = load("mixtral-f32");
   ASSERT_TRUE(m);
@@ -554,6 +585,55 @@ TEST(ExpertTraceReplay, KnowingTheRestOfEachStepBeatsTheEstimateAndStaysUnderBel
   EXPECT_EQ(replay_policy_from("step-oracle"), ReplayPolicy::kStepOracle);
 }
 
+// Knowing what each pass has still to take of the layer it runs, and predictions of a step's next
+// layers (as the engine's prefetch hints make them) weighed by how often they came true: right ones
+// win hits the frequency estimate cannot (towards the step oracle), and ones no better than chance
+// cost next to nothing, their measured precision being the estimate's own. Two decoders, each
+// step's picks drawn first so that the hints can name them.
+TEST(ExpertTraceReplay, TheLayerRunningAndWeighedPredictionsHelpAndWrongOnesCostLittle) {
+  std::mt19937 rng(9);
+  std::discrete_distribution<int> expert({5, 4, 3, 3, 2, 2, 1, 1});
+  const int layers = 6, picks = 2;
+  std::vector<ExpertAccess> trace;
+  std::vector<ExpertHint> right, noise;
+  uint64_t t = 0;
+  for (int step = 0; step < 300; ++step) {
+    int chosen[2][layers][picks];
+    for (auto& decoder : chosen)
+      for (auto& layer : decoder)
+        for (int& e : layer) e = expert(rng);
+    for (int layer = 0; layer < layers; ++layer)
+      for (uint16_t decoder : {uint16_t{0}, uint16_t{1}}) {
+        for (int pick = 0; pick < picks; ++pick)
+          trace.push_back({layer, chosen[decoder][layer][pick], t += 1000, decoder, false});
+        // After each layer, a prediction of every later layer of the step (what depth 5 makes).
+        t += 10;
+        for (int later = layer + 1; later < layers; ++later)
+          for (int pick = 0; pick < picks; ++pick) {
+            right.push_back({later, chosen[decoder][later][pick], t, decoder, false});
+            noise.push_back({later, expert(rng), t, decoder, false});
+          }
+      }
+  }
+  for (uint64_t slots : {12u, 24u}) {
+    // Knowing what each step has still to take of the layer it runs (each layer's two picks come
+    // one after the other) keeps the second from being evicted to load the first.
+    const uint64_t estimate = replay(trace, slots, ReplayPolicy::kDistanceAll).hits;
+    const uint64_t layer = replay(trace, slots, ReplayPolicy::kDistanceLayer).hits;
+    EXPECT_GT(layer, estimate) << slots;
+    EXPECT_EQ(replay(trace, slots, ReplayPolicy::kDistanceHinted).hits, layer)
+        << "without hints the policy is distance-layer's";
+    // Right predictions win at least a third of what knowing the rest of each step wins.
+    const uint64_t told = replay(trace, slots, ReplayPolicy::kDistanceHinted, right).hits;
+    const uint64_t oracle = replay(trace, slots, ReplayPolicy::kStepOracle).hits;
+    EXPECT_GE(3 * (told - std::min(told, layer)), oracle - std::min(oracle, layer)) << slots;
+    EXPECT_LE(told, replay(trace, slots, ReplayPolicy::kBelady, right).hits) << slots;
+    const uint64_t misled = replay(trace, slots, ReplayPolicy::kDistanceHinted, noise).hits;
+    EXPECT_GE(misled + trace.size() / 100, layer) << slots;  // within a point
+  }
+  EXPECT_EQ(replay_policy_from("distance-hinted"), ReplayPolicy::kDistanceHinted);
+}
+
 TEST(ExpertTraceReplay, AStreamingSweepDoesNotFlushDecodesExperts) {
   // Decode uses experts 0 and 1 of layer 0 over and over; a prefill sweeps the layer's other six
   // once, between two of its steps. Two slots. Counting the sweep like decode, the pool's policy
@@ -615,7 +695,10 @@ TEST(ExpertTraceReplay, TracesOfProcessesMergeByTime) {
   decode.processes = {"decode-0"};
   decode.kinds = {"decode"};
   decode.accesses = {{1, 3, 20, 0, false}, {0, 0, 40, 0, false}};
+  decode.hints = {{1, 3, 15, 0, false}};
+  prefill.hints = {{1, 2, 5, 0, true}};
   const ExpertTrace merged = ExpertTrace::merge({prefill, decode});
+  EXPECT_EQ(merged.hints, (std::vector<ExpertHint>{{1, 2, 5, 0, true}, {1, 3, 15, 1, false}}));
   EXPECT_EQ(merged.processes, (std::vector<std::string>{"prefill-0", "decode-0"}));
   EXPECT_EQ(merged.kinds, (std::vector<std::string>{"prefill", "decode"}));
   const std::vector<ExpertAccess> expected = {
@@ -721,6 +804,27 @@ TEST(ExpertTraceReplay, TracesRoundTripAndBadFilesAreClearErrors) {
   EXPECT_EQ(v2.accesses, trace.accesses);
   EXPECT_EQ(v2.processes, trace.processes);
   EXPECT_EQ(v2.kinds, trace.kinds);
+  // v3: the predictions too (the prefetch hints), read back in the order of their times.
+  trace.hints = {{1, 3, 1500, 0, false}, {1, 2, 1500, 0, false}, {0, 4, 2500, 0, true}};
+  ASSERT_TRUE(trace.write(path));
+  const ExpertTrace v3 = ExpertTrace::read(path);
+  EXPECT_EQ(v3.accesses, trace.accesses);
+  EXPECT_EQ(v3.hints, trace.hints);
+  {
+    std::ofstream out(path);  // a v2 file: no hint column
+    out << "# moeline expert trace v2 layers=2 experts=8 slot_bytes=4096 process=d kind=decode\n"
+           "0 1 1000 0\n1 7 2000 1\n";
+  }
+  const ExpertTrace old = ExpertTrace::read(path);
+  EXPECT_EQ(old.accesses,
+            (std::vector<ExpertAccess>{{0, 1, 1000, 0, false}, {1, 7, 2000, 0, true}}));
+  EXPECT_TRUE(old.hints.empty());
+  {
+    std::ofstream out(path);  // a hint column that is neither 0 nor 1
+    out << "# moeline expert trace v3 layers=2 experts=8 slot_bytes=4096\n0 1 1000 0 2\n";
+  }
+  EXPECT_THROW(ExpertTrace::read(path), std::runtime_error);
+  trace.hints.clear();
   trace.processes = {"a name"};  // one header field: no spaces
   EXPECT_FALSE(trace.write(path));
   {
