@@ -9,6 +9,7 @@
 #include <fstream>
 #include <iostream>
 #include <nlohmann/json.hpp>
+#include <optional>
 #include <stdexcept>
 #include <string>
 #include <vector>
@@ -26,7 +27,7 @@ namespace {
 constexpr const char* kUsage =
     R"(usage: moeline experts --run-dir DIR [--png FILE] [--json]
        moeline experts replay --trace FILE [--trace FILE ...] [--budgets 100%,50%,25%]
-                              [--policies lru,distance] [--json]
+                              [--policies lru,distance] [--relabel SEED] [--json]
 
 (default)  the router health of a running stack, from its offload manager: per MoE layer, the
            share of recent tokens each expert received as a heat map, the load imbalance
@@ -54,6 +55,10 @@ replay     expert access traces (--expert-trace of `moeline run` or of a stack's
                   steps' predictions of their next layers, recorded in the traces, by how often
                   they came true), step-oracle (a bound: distance-all told which experts the
                   rest of each running decode step takes) (default: all ten)
+  --relabel SEED  replay the traces with each visit of a process to a layer given a random
+                  relabelling of that layer's experts (what each visit takes stays; what it
+                  shares with other visits is left to chance): Belady's lead over a policy on
+                  such a trace is what no online policy can close
   --json          one JSON object
 )";
 
@@ -257,6 +262,7 @@ int replay_command(const std::vector<std::string>& args) {
     known.append(offload::replay_policy_name(policy));
   }
   bool json = false;
+  std::optional<uint64_t> relabel_seed;
   for (size_t i = 0; i < args.size(); ++i) {
     auto value = [&]() -> std::string {
       if (i + 1 >= args.size()) usage_error(args[i] + " needs a value");
@@ -270,6 +276,15 @@ int replay_command(const std::vector<std::string>& args) {
       policies = value();
     } else if (args[i] == "--json") {
       json = true;
+    } else if (args[i] == "--relabel") {
+      const std::string text = value();
+      try {
+        size_t used = 0;
+        relabel_seed = std::stoull(text, &used);
+        if (used != text.size()) throw std::invalid_argument(text);
+      } catch (const std::exception&) {
+        usage_error("--relabel needs a seed (a non-negative integer), got '" + text + "'");
+      }
     } else {
       usage_error(unknown_option(args[i], kUsage));
     }
@@ -284,7 +299,8 @@ int replay_command(const std::vector<std::string>& args) {
   }
   std::vector<offload::ExpertTrace> traces;
   for (const std::string& path : trace_paths) traces.push_back(offload::ExpertTrace::read(path));
-  const offload::ExpertTrace trace = offload::ExpertTrace::merge(std::move(traces));
+  offload::ExpertTrace trace = offload::ExpertTrace::merge(std::move(traces));
+  if (relabel_seed) trace = offload::relabel_visits(trace, *relabel_seed);
   // The kinds of process in the traces, in order of appearance, and each process's kind.
   std::vector<std::string> kinds;
   for (const std::string& kind : trace.kinds)
@@ -292,13 +308,15 @@ int replay_command(const std::vector<std::string>& args) {
   nlohmann::json processes = nlohmann::json::array();
   for (size_t p = 0; p < trace.processes.size(); ++p)
     processes.push_back({{"process", trace.processes[p]}, {"kind", trace.kinds[p]}});
-  nlohmann::json out = {{"traces", trace_paths},
-                        {"processes", processes},
-                        {"accesses", trace.accesses.size()},
-                        {"hints", trace.hints.size()},
-                        {"slot_bytes", trace.slot_bytes},
-                        {"expert_bytes", trace.expert_bytes},
-                        {"budgets", nlohmann::json::array()}};
+  nlohmann::json out = {
+      {"traces", trace_paths},
+      {"processes", processes},
+      {"accesses", trace.accesses.size()},
+      {"hints", trace.hints.size()},
+      {"relabel_seed", relabel_seed ? nlohmann::json(*relabel_seed) : nlohmann::json()},
+      {"slot_bytes", trace.slot_bytes},
+      {"expert_bytes", trace.expert_bytes},
+      {"budgets", nlohmann::json::array()}};
   const bool by_kind = kinds.size() > 1;
   if (!json) {
     std::printf("%-10s %6s %15s %9s", "budget", "slots", "policy", "hit ratio");

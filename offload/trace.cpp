@@ -7,7 +7,9 @@
 #include <fstream>
 #include <limits>
 #include <map>
+#include <numeric>
 #include <queue>
+#include <random>
 #include <sstream>
 #include <stdexcept>
 #include <unordered_map>
@@ -170,6 +172,30 @@ std::optional<ExpertWeights> TraceRecorder::try_acquire(int layer, int expert) {
   // A refused try is retried with acquire (recorded then): one access either way.
   if (got) record(layer, expert);
   return got;
+}
+
+ExpertTrace relabel_visits(const ExpertTrace& trace, uint64_t seed) {
+  ExpertTrace out = trace;
+  out.hints.clear();
+  std::mt19937_64 rng(seed);
+  const auto experts = static_cast<size_t>(std::max(trace.experts_per_layer, 1));
+  std::vector<int32_t> last_layer(trace.processes.size() + 1, -1);
+  std::vector<std::vector<int32_t>> labels(trace.processes.size() + 1,
+                                           std::vector<int32_t>(experts));
+  for (ExpertAccess& a : out.accesses) {
+    if (a.process >= labels.size()) {
+      labels.resize(a.process + 1u, std::vector<int32_t>(experts));
+      last_layer.resize(a.process + 1u, -1);
+    }
+    std::vector<int32_t>& relabel = labels[a.process];
+    if (a.layer != last_layer[a.process]) {  // a new visit: a new permutation of the layer
+      last_layer[a.process] = a.layer;
+      std::iota(relabel.begin(), relabel.end(), 0);
+      std::shuffle(relabel.begin(), relabel.end(), rng);
+    }
+    if (static_cast<size_t>(a.expert) < experts) a.expert = relabel[static_cast<size_t>(a.expert)];
+  }
+  return out;
 }
 
 const char* replay_policy_name(ReplayPolicy policy) {

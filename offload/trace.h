@@ -153,6 +153,14 @@ struct ReplayResult {
   }
 };
 
+// The trace with each visit of a process to a layer (a run of its accesses to one layer) given a
+// random relabelling of that layer's experts, drawn anew for every visit (seeded): what each visit
+// takes, how many experts and how often each, stays; which experts a visit shares with another
+// is left to chance. Belady's bound on such a trace, against a policy's hit ratio on it, is what
+// knowing the future picks of routers with nothing to learn is worth — the part of the gap no
+// online policy can close. The hints are dropped (they would name the old labels).
+ExpertTrace relabel_visits(const ExpertTrace& trace, uint64_t seed);
+
 // A cache of `slots` experts serving the accesses one at a time, filled on demand. `hints` (in the
 // order of their times) are what kDistanceHinted knows; the other policies ignore them.
 ReplayResult replay(std::span<const ExpertAccess> accesses, uint64_t slots, ReplayPolicy policy,

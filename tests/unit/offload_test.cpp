@@ -13,6 +13,7 @@
 #include <cstring>
 #include <fstream>
 #include <random>
+#include <set>
 #include <thread>
 
 #include "model/forward.h"
@@ -632,6 +633,40 @@ TEST(ExpertTraceReplay, TheLayerRunningAndWeighedPredictionsHelpAndWrongOnesCost
     EXPECT_GE(misled + trace.size() / 100, layer) << slots;  // within a point
   }
   EXPECT_EQ(replay_policy_from("distance-hinted"), ReplayPolicy::kDistanceHinted);
+}
+
+// Relabelling each visit of a process to a layer keeps what the visit takes (its layer, how many
+// experts, how often each) and leaves to chance what it shares with other visits: an expert used
+// by every decode step becomes one picked at random, and Belady, which kept it, loses its lead.
+TEST(ExpertTraceReplay, RelabellingKeepsEachVisitsShapeAndForgetsWhatVisitsShare) {
+  ExpertTrace trace{.layers = 2, .experts_per_layer = 16, .slot_bytes = 4096, .accesses = {}};
+  trace.processes = {"decode-0", "decode-1"};
+  trace.kinds = {"decode", "decode"};
+  uint64_t t = 0;
+  for (int step = 0; step < 200; ++step)
+    for (int layer = 0; layer < 2; ++layer)
+      for (uint16_t p : {uint16_t{0}, uint16_t{1}})
+        for (int e : {3, 3, 7}) trace.accesses.push_back({layer, e, ++t, p, false});
+  trace.hints = {{1, 3, 5, 0, false}};
+  const ExpertTrace relabelled = relabel_visits(trace, 42);
+  ASSERT_EQ(relabelled.accesses.size(), trace.accesses.size());
+  EXPECT_TRUE(relabelled.hints.empty());
+  std::set<int32_t> firsts;
+  for (size_t i = 0; i < trace.accesses.size(); i += 3) {
+    const ExpertAccess* visit = &relabelled.accesses[i];
+    for (int j = 0; j < 3; ++j) {
+      EXPECT_EQ(visit[j].layer, trace.accesses[i + j].layer);
+      EXPECT_EQ(visit[j].process, trace.accesses[i + j].process);
+    }
+    EXPECT_EQ(visit[0].expert, visit[1].expert);  // the same expert twice, as before
+    EXPECT_NE(visit[0].expert, visit[2].expert);
+    firsts.insert(visit[0].expert);
+  }
+  EXPECT_GT(firsts.size(), 8u) << "the visits should no longer share their experts";
+  EXPECT_EQ(relabel_visits(trace, 42).accesses, relabelled.accesses) << "seeded";
+  // Four slots hold the original's four experts: every access hits after the first of each.
+  EXPECT_EQ(replay(trace.accesses, 4, ReplayPolicy::kBelady).loads, 4u);
+  EXPECT_GT(replay(relabelled.accesses, 4, ReplayPolicy::kBelady).loads, 200u);
 }
 
 TEST(ExpertTraceReplay, AStreamingSweepDoesNotFlushDecodesExperts) {
