@@ -28,7 +28,7 @@ namespace moeline::offload {
 namespace {
 
 constexpr uint64_t kMagic = 0x4c4f4f504c454f4dULL;  // "MOELPOOL"
-constexpr uint32_t kVersion = 3;  // 2: streamed entries, the clients' layers; 3: wanted experts
+constexpr uint32_t kVersion = 4;  // 2: streamed entries, clients' layers; 3: wanted; 4: joined
 constexpr size_t kPage = 4096;
 constexpr size_t kMatrixAlign = 64;
 
@@ -943,6 +943,9 @@ std::optional<ExpertWeights> PoolClient::acquire_or_fail(int layer, int expert, 
   PoolCounters& c = l->counters;
   uint64_t waited_since = 0;
   bool missed = false;
+  // A load another caller started (demand or prefetch) that this one waits for: a miss, but one
+  // that reads nothing (what a replay of the traces, which has no loads in flight, calls a hit).
+  const bool already_loading = e.state == kQueued || e.state == kReading;
   // A new pass through this layer (by this client), and this expert's use in it. A prefill
   // batch's sweep is not counted: it would make every expert look as often picked as any other.
   const bool streaming = streaming_.load(std::memory_order_relaxed);
@@ -1016,6 +1019,7 @@ std::optional<ExpertWeights> PoolClient::acquire_or_fail(int layer, int expert, 
     if (!missed && e.state != kAbsent) {
       missed = true;
       ++c.misses;
+      if (already_loading) ++c.joined;
       ++l->layer_misses()[layer];
     }
     if (!waited_since) waited_since = now_ns();

@@ -38,6 +38,7 @@ class PoolMetrics {
     const runtime::Labels host = {{"tier", "host"}};
     hits_ = &metrics.counter(offload_metric::kExpertHitsTotal, host);
     misses_ = &metrics.counter(offload_metric::kExpertMissesTotal, host);
+    joined_ = &metrics.counter(offload_metric::kExpertJoinedTotal, host);
     loads_ = &metrics.counter(offload_metric::kExpertLoadsTotal, host);
     evictions_ = &metrics.counter(offload_metric::kExpertEvictionsTotal, host);
     bytes_ =
@@ -74,6 +75,7 @@ class PoolMetrics {
     };
     delta(hits_, s.hits, last_.hits);
     delta(misses_, s.misses, last_.misses);
+    delta(joined_, s.joined, last_.joined);
     delta(loads_, s.loads, last_.loads);
     delta(evictions_, s.evictions, last_.evictions);
     delta(bytes_, s.bytes_loaded, last_.bytes_loaded);
@@ -117,8 +119,9 @@ class PoolMetrics {
 
  private:
   offload::PoolStats last_;
-  runtime::Counter *hits_, *misses_, *loads_, *evictions_, *bytes_, *load_seconds_, *stall_seconds_,
-      *prefetch_requests_, *prefetch_used_, *prefetch_late_, *prefetch_dropped_, *reclaimed_;
+  runtime::Counter *hits_, *misses_, *joined_, *loads_, *evictions_, *bytes_, *load_seconds_,
+      *stall_seconds_, *prefetch_requests_, *prefetch_used_, *prefetch_late_, *prefetch_dropped_,
+      *reclaimed_;
   runtime::Gauge *hit_ratio_, *precision_, *resident_, *slots_, *direct_, *recall_,
       *bytes_per_token_, *stall_per_token_, *experts_per_token_;
   runtime::Histogram* load_time_;

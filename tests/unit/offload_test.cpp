@@ -287,6 +287,9 @@ TEST(ExpertPool, WhatAPassWillTakeOfItsLayerIsEvictedLast) {
     use(0, 1);
     // Not told, the two loads the pass then needs each evict the other expert of layer 0.
     EXPECT_EQ(pool->stats().hits - hits, told ? 2u : 0u) << (told ? "told" : "not told");
+    // One caller, one load at a time: every miss loaded its own expert.
+    EXPECT_EQ(pool->stats().joined, 0u);
+    EXPECT_EQ(pool->stats().misses, pool->stats().loads);
   }
 }
 
@@ -334,7 +337,11 @@ TEST(ExpertPool, ConcurrentEnginesOnTheSmallestPoolMatchResident) {
   tb.join();
   EXPECT_EQ(got_a.tokens, expected_a.tokens);
   EXPECT_EQ(got_b.tokens, expected_b.tokens);
-  EXPECT_EQ(pool->stats().pinned, 0u);
+  const PoolStats stats = pool->stats();
+  EXPECT_EQ(stats.pinned, 0u);
+  // A miss that joined another caller's load read nothing: demand loads are the other misses.
+  EXPECT_LE(stats.joined, stats.misses);
+  EXPECT_LE(stats.misses - stats.joined, stats.loads);
 }
 
 // Real processes sharing one pool: each child attaches by name and generates.
