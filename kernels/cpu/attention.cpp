@@ -20,12 +20,8 @@ constexpr int64_t kMaxHeadsPerItem = 16;
 void attend_heads(const PagedKvLayer& kv, const AttentionQuery& query, int64_t head_begin,
                   int64_t head_end, int64_t group, float scale, int64_t sliding_window,
                   bool prefetch_kv, std::vector<float>& scores) {
-  const int64_t kv_head = head_begin / group;
-  const int64_t first = detail::first_visible_key(query, sliding_window);
-  const int64_t count = query.position - first + 1;
-  const int64_t heads = head_end - head_begin;
-  if (static_cast<int64_t>(scores.size()) < heads * count)
-    scores.resize(static_cast<size_t>(heads * count));
+  const auto [kv_head, first, count, heads, padded] =
+      detail::HeadsOfOneQuery(query, head_begin, head_end, group, sliding_window, 1, scores);
   float max_score[kMaxHeadsPerItem];
   std::fill(max_score, max_score + heads, -INFINITY);
   detail::KeyWalk keys(kv, query.block_table, kv_head, first, count, 0, kv.key_dim, prefetch_kv);

@@ -66,6 +66,23 @@ inline int64_t first_visible_key(const AttentionQuery& query, int64_t sliding_wi
              : 0;
 }
 
+// One work item of the attention kernels: heads [head_begin, head_end) of one query, all of one KV
+// head (`group` query heads per KV head), over the keys the query sees; the scores buffer holds a
+// row per head, padded to whole vectors of `lanes`.
+struct HeadsOfOneQuery {
+  int64_t kv_head, first, count, heads, padded;
+  HeadsOfOneQuery(const AttentionQuery& query, int64_t head_begin, int64_t head_end, int64_t group,
+                  int64_t sliding_window, int64_t lanes, std::vector<float>& scores)
+      : kv_head(head_begin / group),
+        first(first_visible_key(query, sliding_window)),
+        count(query.position - first + 1),
+        heads(head_end - head_begin),
+        padded((count + lanes - 1) / lanes * lanes) {
+    if (static_cast<int64_t>(scores.size()) < heads * padded)
+      scores.resize(static_cast<size_t>(heads * padded));
+  }
+};
+
 // Cache positions p, p + 1, ... of one sequence as (block, slot), with a division only at the
 // start: a decode step at depth walks thousands of positions per layer and KV head.
 struct SlotCursor {

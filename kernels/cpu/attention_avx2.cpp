@@ -97,13 +97,8 @@ struct WeightedValues {
 void attend_heads_avx2(const PagedKvLayer& kv, const AttentionQuery& query, int64_t head_begin,
                        int64_t head_end, int64_t group, float scale, int64_t sliding_window,
                        bool prefetch_kv, std::vector<float>& scores) {
-  const int64_t kv_head = head_begin / group;
-  const int64_t first = detail::first_visible_key(query, sliding_window);
-  const int64_t count = query.position - first + 1;
-  const int64_t heads = head_end - head_begin;
-  const int64_t padded = (count + kLanes - 1) / kLanes * kLanes;
-  if (static_cast<int64_t>(scores.size()) < heads * padded)
-    scores.resize(static_cast<size_t>(heads * padded));
+  const auto [kv_head, first, count, heads, padded] =
+      HeadsOfOneQuery(query, head_begin, head_end, group, sliding_window, kLanes, scores);
   // Scores, 8 keys at a time: each key row is read once for all heads.
   const int64_t key_chunks = (kv.key_dim + kLanes - 1) / kLanes;
   const __m256i key_tail = first_lanes(kv.key_dim - (key_chunks - 1) * kLanes);
