@@ -943,9 +943,10 @@ std::optional<ExpertWeights> PoolClient::acquire_or_fail(int layer, int expert, 
   PoolCounters& c = l->counters;
   uint64_t waited_since = 0;
   bool missed = false;
-  // A load another caller started (demand or prefetch) that this one waits for: a miss, but one
-  // that reads nothing (what a replay of the traces, which has no loads in flight, calls a hit).
-  const bool already_loading = e.state == kQueued || e.state == kReading;
+  // A load another caller's demand started, which this one waits for: a miss, but one that reads
+  // nothing (what a replay of the traces, which has no loads in flight, calls a hit). Waiting for
+  // a prefetch no demand has joined yet is counted as late prefetch instead.
+  const bool already_loading = (e.state == kQueued || e.state == kReading) && e.demanded;
   // A new pass through this layer (by this client), and this expert's use in it. A prefill
   // batch's sweep is not counted: it would make every expert look as often picked as any other.
   const bool streaming = streaming_.load(std::memory_order_relaxed);

@@ -98,7 +98,7 @@ inline const char* prefetch_kind_name(PrefetchKind kind) {
 // Node-wide counters (monotonic), kept in the pool's shared header.
 struct PoolCounters {
   uint64_t hits = 0, misses = 0;  // demand acquisitions that found the expert resident / not
-  uint64_t joined = 0;  // of the misses, those that found it loading for another caller already
+  uint64_t joined = 0;  // of the misses, those that found it loading for another caller's demand
   uint64_t loads = 0, evictions = 0;  // loads completed (demand and prefetch), slots reclaimed
   uint64_t bytes_loaded = 0;          // from disk into the pool
   uint64_t load_ns = 0;               // total time the loaders spent reading

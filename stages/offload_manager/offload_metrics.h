@@ -14,7 +14,7 @@ inline constexpr MetricName kExpertMissesTotal{"moeline_offload_expert_misses_to
                                                "Expert acquisitions that waited for a load"};
 inline constexpr MetricName kExpertJoinedTotal{
     "moeline_offload_expert_joined_total",
-    "Expert misses that waited for a load another caller had started (read nothing)"};
+    "Expert misses that waited for a load another caller's demand had started (read nothing)"};
 inline constexpr MetricName kExpertLoadsTotal{"moeline_offload_expert_loads_total",
                                               "Experts read into the tier"};
 inline constexpr MetricName kExpertEvictionsTotal{"moeline_offload_expert_evictions_total",
