@@ -23,151 +23,14 @@
 #include <system_error>
 #include <thread>
 
+#include "offload/pool_eviction.h"
+#include "offload/pool_layout.h"
+
 namespace moeline::offload {
 
-namespace {
-
-constexpr uint64_t kMagic = 0x4c4f4f504c454f4dULL;  // "MOELPOOL"
-constexpr uint32_t kVersion = 4;  // 2: streamed entries, clients' layers; 3: wanted; 4: joined
-constexpr size_t kPage = 4096;
-constexpr size_t kMatrixAlign = 64;
-
-enum EntryState : uint8_t { kAbsent, kQueued, kReading, kResident, kFailed };
-
-size_t round_up(size_t n, size_t to) {
-  return (n + to - 1) / to * to;
-}
-
-uint64_t now_ns() {
-  return static_cast<uint64_t>(std::chrono::duration_cast<std::chrono::nanoseconds>(
-                                   std::chrono::steady_clock::now().time_since_epoch())
-                                   .count());
-}
-
-std::string errno_text(int error) {
-  return std::string(std::strerror(error));
-}
-
-}  // namespace
-
-// One expert's row of the page table.
-struct PoolEntry {
-  int32_t slot;
-  uint8_t state;
-  uint8_t prefetched;  // 1 + the PrefetchKind that brought it in (or queued it), unused since; or 0
-  uint8_t demanded;    // a caller waits for it: loaded before any prefetch
-  uint8_t streamed;    // brought in by a prefill batch and not used by a decode step since
-  uint32_t pins;
-  int32_t error;                    // errno of a failed read (state kFailed)
-  uint64_t last_use, previous_use;  // ties of the eviction score go to the least recent
-  uint64_t request_tick;            // queue order
-  double uses;       // visits of its layer that used it (the estimate of how often it is picked)
-  double use_visit;  // its layer's visit count when it was last used
-};
-
-// A compute process attached to the pool: its heartbeat, so that the owner can take back the pins
-// of one that died mid-forward (kill -9), which would otherwise hold their slots forever.
-struct PoolClientSlot {
-  uint32_t in_use;
-  int32_t pid;  // in the attaching process's PID namespace
-  uint64_t heartbeat_ns;
-  uint64_t generation;  // bumped at each attach: a client whose row was taken back notices
-  // Where its decode steps are: the layer of its last decode acquisition and when (0: none yet).
-  // Every client's eviction choice measures distances from all of them.
-  int32_t decode_layer;
-  // The layer its forward pass runs and the experts of it that pass has still to acquire
-  // (PoolClient::expect; the bits are in client_wanted), and when it said so: evicted last.
-  int32_t wanted_layer;
-  uint64_t decode_layer_ns;
-  uint64_t wanted_ns;
-};
-constexpr uint32_t kMaxClients = 64;
-
-// The shared header; the tables follow it in the same mapping:
-// PoolEntry entries[entries]; int32_t slot_owner[slots]; uint64_t layer_hits[layers],
-// layer_misses[layers]; double layer_visits[layers] (forward passes through each layer);
-// PoolClientSlot clients[kMaxClients]; uint16_t client_pins[kMaxClients][entries];
-// uint64_t client_wanted[kMaxClients][wanted_words] (a bit per expert of one layer).
-struct PoolLayout {
-  uint64_t magic;
-  uint32_t version;
-  uint32_t layers, experts_per_layer, entries;
-  uint64_t slots, slot_bytes, model_id, layout_bytes, data_bytes;
-  int32_t owner_pid;
-  uint32_t stopping;
-  // CLOCK_MONOTONIC of the owner's last sign of life (its heartbeat thread, every 100 ms): how
-  // clients in other PID namespaces (containers sharing IPC) know the owner is alive.
-  uint64_t heartbeat_ns;
-  pthread_mutex_t mutex;
-  // Futex words, bumped on every change: not process-shared condition variables, whose state a
-  // waiter killed mid-wait leaves behind (glibc's broadcast then blocks for ever, under the lock).
-  uint32_t changed;   // a load finished, a pin was released
-  uint32_t requests;  // a load was queued
-  uint64_t tick;
-  PoolCounters counters;
-
-  PoolEntry* entry_table() { return reinterpret_cast<PoolEntry*>(this + 1); }
-  int32_t* slot_owner() { return reinterpret_cast<int32_t*>(entry_table() + entries); }
-  uint64_t* layer_hits() {
-    return reinterpret_cast<uint64_t*>(
-        round_up(reinterpret_cast<uintptr_t>(slot_owner() + slots), alignof(uint64_t)));
-  }
-  uint64_t* layer_misses() { return layer_hits() + layers; }
-  double* layer_visits() { return reinterpret_cast<double*>(layer_misses() + layers); }
-  PoolClientSlot* clients() { return reinterpret_cast<PoolClientSlot*>(layer_visits() + layers); }
-  uint16_t* client_pins(uint32_t client) {
-    return reinterpret_cast<uint16_t*>(clients() + kMaxClients) + size_t{client} * entries;
-  }
-  uint32_t wanted_words() const { return (experts_per_layer + 63) / 64; }
-  uint64_t* client_wanted(uint32_t client) {
-    return reinterpret_cast<uint64_t*>(
-               round_up(reinterpret_cast<uintptr_t>(client_pins(kMaxClients)), alignof(uint64_t))) +
-           size_t{client} * wanted_words();
-  }
-
-  static size_t bytes_for(uint32_t entries, uint64_t slots, uint32_t layers,
-                          uint32_t experts_per_layer) {
-    return round_up(sizeof(PoolLayout) + entries * sizeof(PoolEntry) + slots * sizeof(int32_t) +
-                        alignof(uint64_t) + 2 * layers * sizeof(uint64_t) +
-                        layers * sizeof(double) + kMaxClients * sizeof(PoolClientSlot) +
-                        size_t{kMaxClients} * entries * sizeof(uint16_t) + alignof(uint64_t) +
-                        size_t{kMaxClients} * ((experts_per_layer + 63) / 64) * sizeof(uint64_t),
-                    kPage);
-  }
-};
+using namespace pool_detail;
 
 namespace {
-
-// The pool's robust, process-shared mutex: a process that died holding it leaves it consistent
-// again for the next (the tables are only ever changed in whole steps under it).
-class PoolLock {
- public:
-  explicit PoolLock(PoolLayout* layout) : layout_(layout) {
-    const int rc = pthread_mutex_lock(&layout_->mutex);
-    if (rc == EOWNERDEAD) {
-      pthread_mutex_consistent(&layout_->mutex);
-    } else if (rc != 0) {
-      throw std::runtime_error("expert pool lock: " + errno_text(rc));
-    }
-  }
-  ~PoolLock() { pthread_mutex_unlock(&layout_->mutex); }
-  PoolLock(const PoolLock&) = delete;
-  PoolLock& operator=(const PoolLock&) = delete;
-
-  // Unlocks, waits until `word` changes (notify) or `ms` milliseconds pass, locks again. The
-  // word is read under the lock, so a notify after the unlock is never missed.
-  void wait(uint32_t* word, int ms) {
-    const uint32_t seen = __atomic_load_n(word, __ATOMIC_ACQUIRE);
-    pthread_mutex_unlock(&layout_->mutex);
-    timespec timeout{ms / 1000, static_cast<long>(ms % 1000) * 1000000L};
-    syscall(SYS_futex, word, FUTEX_WAIT, seen, &timeout, nullptr, 0);
-    const int rc = pthread_mutex_lock(&layout_->mutex);
-    if (rc == EOWNERDEAD) pthread_mutex_consistent(&layout_->mutex);
-  }
-
- private:
-  PoolLayout* layout_;
-};
 
 void init_sync(PoolLayout* layout) {
   pthread_mutexattr_t mutex_attr;
@@ -176,12 +39,6 @@ void init_sync(PoolLayout* layout) {
   pthread_mutexattr_setrobust(&mutex_attr, PTHREAD_MUTEX_ROBUST);
   pthread_mutex_init(&layout->mutex, &mutex_attr);
   pthread_mutexattr_destroy(&mutex_attr);
-}
-
-// Wakes every process waiting on `word` (PoolLock::wait).
-void notify(uint32_t* word) {
-  __atomic_add_fetch(word, 1, __ATOMIC_RELEASE);
-  syscall(SYS_futex, word, FUTEX_WAKE, INT32_MAX, nullptr, nullptr, 0);
 }
 
 // Offsets of gate, up and down inside a slot.
@@ -286,13 +143,6 @@ double expert_budget_fraction(const std::string& text, uint64_t total_expert_byt
   return static_cast<double>(parse_expert_budget(text, total_expert_bytes)) /
          static_cast<double>(std::max<uint64_t>(total_expert_bytes, 1));
 }
-
-namespace {
-// Layer steps from `current` forward to `layer` in a cycle of `cycle` layers (0 for the same).
-int32_t layers_until(int32_t layer, int32_t current, int32_t cycle) {
-  return ((layer - current) % cycle + cycle) % cycle;
-}
-}  // namespace
 
 double expected_reuse_distance(int32_t layer, int32_t current, int32_t cycle, double uses,
                                double visits) {
@@ -796,136 +646,6 @@ ExpertWeights PoolClient::views(uint32_t entry, int32_t slot) const {
   w.down.data = base + offsets_[entry][2];
   return w;
 }
-
-namespace {
-
-// How far ahead, in layer steps, an entry's next use is expected while `current` runs.
-// The layers the clients' decode steps are at now (those seen within kDecodeIdleNs), or `current`
-// when none is decoding: what an expert's next use is measured from. A prefill's own position
-// says nothing of when decode needs an expert again.
-struct DecodePositions {
-  int32_t layers[kMaxClients];
-  uint32_t count = 0;
-};
-DecodePositions decode_positions(PoolLayout* l, int32_t current) {
-  DecodePositions out;
-  const uint64_t now = now_ns();
-  for (uint32_t c = 0; c < kMaxClients; ++c) {
-    const PoolClientSlot& client = l->clients()[c];
-    if (client.in_use && client.decode_layer >= 0 && client.decode_layer_ns + kDecodeIdleNs > now)
-      out.layers[out.count++] = client.decode_layer;
-  }
-  if (out.count == 0) out.layers[out.count++] = current;
-  return out;
-}
-
-// The nearest expected next use of the entry from any of those positions.
-double entry_distance(PoolLayout* l, uint32_t index, const DecodePositions& from) {
-  const PoolEntry& e = l->entry_table()[index];
-  const auto layer = static_cast<int32_t>(index / l->experts_per_layer);
-  double nearest = std::numeric_limits<double>::infinity();
-  for (uint32_t i = 0; i < from.count; ++i)
-    nearest = std::min(
-        nearest, expected_reuse_distance(layer, from.layers[i], static_cast<int32_t>(l->layers),
-                                         e.uses, l->layer_visits()[layer]));
-  return nearest;
-}
-
-// The clients that have said which experts of the layer they run they have still to acquire
-// (PoolClient::expect), recently enough to be running it.
-struct WantedNow {
-  uint32_t clients[kMaxClients];
-  uint32_t count = 0;
-};
-WantedNow wanted_now(PoolLayout* l) {
-  WantedNow out;
-  const uint64_t now = now_ns();
-  for (uint32_t c = 0; c < kMaxClients; ++c) {
-    const PoolClientSlot& client = l->clients()[c];
-    if (client.in_use && client.wanted_layer >= 0 && client.wanted_ns + kDecodeIdleNs > now)
-      out.clients[out.count++] = c;
-  }
-  return out;
-}
-
-bool is_wanted(PoolLayout* l, const WantedNow& wanted, uint32_t index) {
-  const uint32_t layer = index / l->experts_per_layer, expert = index % l->experts_per_layer;
-  for (uint32_t i = 0; i < wanted.count; ++i) {
-    const uint32_t c = wanted.clients[i];
-    if (static_cast<uint32_t>(l->clients()[c].wanted_layer) == layer &&
-        (l->client_wanted(c)[expert / 64] >> (expert % 64) & 1u))
-      return true;
-  }
-  return false;
-}
-
-// A slot: a free one, or the unpinned resident expert whose next use is expected farthest ahead
-// (expected_reuse_distance: decode runs the layers in a cycle, so the experts of the layer that
-// just ran are the last needed again). A prefetch never evicts another prefetch that has not been
-// used yet, nor an expert expected sooner than the one it brings in (`at_most`). -1: none.
-int64_t reserve_slot(PoolLayout* l, int32_t current, bool for_prefetch, double at_most) {
-  int32_t* owner = l->slot_owner();
-  PoolEntry* entries = l->entry_table();
-  int64_t victim = -1;
-  double victim_distance = 0;
-  const DecodePositions from = decode_positions(l, current);
-  const WantedNow wanted = wanted_now(l);
-  for (uint64_t s = 0; s < l->slots; ++s) {
-    if (owner[s] < 0) return static_cast<int64_t>(s);
-    const PoolEntry& e = entries[owner[s]];
-    if (e.state != kResident || e.pins > 0) continue;
-    if (for_prefetch && e.prefetched) continue;
-    // What a forward pass is about to acquire of the layer it runs goes last (distance 0, below
-    // any other): by the estimate alone the experts of a layer running look a whole cycle away,
-    // and were evicted between two acquisitions of that layer. What a prefill batch brought in and
-    // no decode step has used since sits at the cold end: evicted before anything decode uses
-    // (the least recent of them first).
-    const auto index = static_cast<uint32_t>(owner[s]);
-    const double distance = is_wanted(l, wanted, index) ? -1.0
-                            : e.streamed                ? std::numeric_limits<double>::infinity()
-                                                        : entry_distance(l, index, from);
-    if (for_prefetch && distance <= at_most) continue;
-    if (victim < 0 || distance > victim_distance ||
-        (distance == victim_distance && e.last_use < entries[owner[victim]].last_use)) {
-      victim = static_cast<int64_t>(s);
-      victim_distance = distance;
-    }
-  }
-  if (victim >= 0) {
-    PoolEntry& evicted = entries[owner[victim]];
-    if (evicted.prefetched) ++l->counters.prefetch_by_kind[evicted.prefetched - 1u].wasted;
-    evicted.state = kAbsent;
-    evicted.slot = -1;
-    evicted.prefetched = 0;
-    evicted.streamed = 0;
-    owner[victim] = -1;
-    ++l->counters.evictions;
-  }
-  return victim;
-}
-
-// `prefetched`: 0 for a demand load, else 1 + the PrefetchKind that asked for it.
-void queue_load(PoolLayout* l, uint32_t index, int64_t slot, uint8_t prefetched, bool streamed) {
-  PoolEntry& e = l->entry_table()[index];
-  l->slot_owner()[slot] = static_cast<int32_t>(index);
-  e.slot = static_cast<int32_t>(slot);
-  e.state = kQueued;
-  e.demanded = prefetched == 0 ? 1 : 0;
-  e.prefetched = prefetched;
-  e.streamed = streamed ? 1 : 0;
-  e.request_tick = ++l->tick;
-  notify(&l->requests);
-}
-
-// How many pins one client may hold before try_acquire refuses more: half the slots, split
-// among the clients attached now (at least one).
-int64_t pin_share(PoolLayout* l) {
-  int64_t clients = 0;
-  for (uint32_t c = 0; c < kMaxClients; ++c) clients += l->clients()[c].in_use ? 1 : 0;
-  return std::max<int64_t>(1, static_cast<int64_t>(l->slots) / (2 * std::max<int64_t>(clients, 1)));
-}
-
-}  // namespace
 
 std::optional<ExpertWeights> PoolClient::acquire_or_fail(int layer, int expert, bool may_wait) {
   if (!catalog_.has(layer, expert))
