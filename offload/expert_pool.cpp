@@ -150,7 +150,7 @@ double expected_reuse_distance(int32_t layer, int32_t current, int32_t cycle, do
   // that are not pinned were not needed this time), then whole cycles while the expert is not
   // picked, with p estimated as (uses + 1/2) / (visits + 1).
   const int32_t until = layer == current ? cycle : layers_until(layer, current, cycle);
-  const double p = (uses + 0.5) / (visits + 1.0);
+  const double p = pick_probability(uses, visits);
   return static_cast<double>(until) + static_cast<double>(cycle) * (1.0 / p - 1.0);
 }
 
@@ -697,8 +697,7 @@ std::optional<ExpertWeights> PoolClient::acquire_or_fail(int layer, int expert, 
       if (!streaming) e.streamed = 0;
       PoolClientSlot& self = l->clients()[client_];
       if (self.wanted_layer == layer && owns_row())
-        l->client_wanted(static_cast<uint32_t>(client_))[expert / 64] &=
-            ~(uint64_t{1} << (expert % 64));
+        l->set_wanted(static_cast<uint32_t>(client_), static_cast<uint32_t>(expert), false);
       ++e.pins;
       ++pins_held_;
       ++l->client_pins(static_cast<uint32_t>(client_))[index];
@@ -782,12 +781,9 @@ void PoolClient::expect(int layer, std::span<const int32_t> experts) {
   PoolLayout* l = layout_;
   if (!owns_row()) return;
   const auto c = static_cast<uint32_t>(client_);
-  uint64_t* bits = l->client_wanted(c);
-  std::fill_n(bits, l->wanted_words(), uint64_t{0});
+  std::fill_n(l->client_wanted(c), l->wanted_words(), uint64_t{0});
   for (int32_t expert : experts)
-    if (catalog_.has(layer, expert))
-      bits[static_cast<uint32_t>(expert) / 64] |= uint64_t{1}
-                                                  << (static_cast<uint32_t>(expert) % 64);
+    if (catalog_.has(layer, expert)) l->set_wanted(c, static_cast<uint32_t>(expert), true);
   l->clients()[c].wanted_layer = layer;
   l->clients()[c].wanted_ns = now_ns();
 }

@@ -78,6 +78,10 @@ uint64_t pool_slot_bytes(const ExpertCatalog& catalog);
 // The pool evicts the largest; moeline experts replay compares it with Belady's bound.
 double expected_reuse_distance(int32_t layer, int32_t current, int32_t cycle, double uses,
                                double visits);
+// The estimate's chance that an expert is picked when its layer runs: (uses + 1/2) / (visits + 1).
+inline double pick_probability(double uses, double visits) {
+  return (uses + 0.5) / (visits + 1.0);
+}
 // A process whose decode steps have not acquired an expert for this long has none in flight: its
 // last layer no longer pulls experts closer (the pool's policy, and its replay).
 inline constexpr uint64_t kDecodeIdleNs = 100'000'000;

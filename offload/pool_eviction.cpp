@@ -63,8 +63,7 @@ bool is_wanted(PoolLayout* l, const WantedNow& wanted, uint32_t index) {
   const uint32_t layer = index / l->experts_per_layer, expert = index % l->experts_per_layer;
   for (uint32_t i = 0; i < wanted.count; ++i) {
     const uint32_t c = wanted.clients[i];
-    if (static_cast<uint32_t>(l->clients()[c].wanted_layer) == layer &&
-        (l->client_wanted(c)[expert / 64] >> (expert % 64) & 1u))
+    if (static_cast<uint32_t>(l->clients()[c].wanted_layer) == layer && l->wanted_by(c, expert))
       return true;
   }
   return false;

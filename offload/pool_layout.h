@@ -117,11 +117,23 @@ struct PoolLayout {
   uint16_t* client_pins(uint32_t client) {
     return reinterpret_cast<uint16_t*>(clients() + kMaxClients) + size_t{client} * entries;
   }
-  uint32_t wanted_words() const { return (experts_per_layer + 63) / 64; }
+  // A client's wanted experts: a bit per expert of the layer it runs, in 64-bit words.
+  static uint32_t wanted_words_for(uint32_t experts_per_layer) {
+    return (experts_per_layer + 63) / 64;
+  }
+  uint32_t wanted_words() const { return wanted_words_for(experts_per_layer); }
   uint64_t* client_wanted(uint32_t client) {
     return reinterpret_cast<uint64_t*>(pool_detail::round_up(
                reinterpret_cast<uintptr_t>(client_pins(kMaxClients)), alignof(uint64_t))) +
            size_t{client} * wanted_words();
+  }
+  bool wanted_by(uint32_t client, uint32_t expert) {
+    return (client_wanted(client)[expert / 64] >> (expert % 64)) & 1u;
+  }
+  void set_wanted(uint32_t client, uint32_t expert, bool wanted) {
+    uint64_t& word = client_wanted(client)[expert / 64];
+    const uint64_t bit = uint64_t{1} << (expert % 64);
+    word = wanted ? word | bit : word & ~bit;
   }
 
   static size_t bytes_for(uint32_t entries, uint64_t slots, uint32_t layers,
@@ -131,7 +143,7 @@ struct PoolLayout {
             alignof(uint64_t) + 2 * layers * sizeof(uint64_t) + layers * sizeof(double) +
             kMaxClients * sizeof(PoolClientSlot) +
             size_t{kMaxClients} * entries * sizeof(uint16_t) + alignof(uint64_t) +
-            size_t{kMaxClients} * ((experts_per_layer + 63) / 64) * sizeof(uint64_t),
+            size_t{kMaxClients} * wanted_words_for(experts_per_layer) * sizeof(uint64_t),
         pool_detail::kPage);
   }
 };

@@ -444,8 +444,8 @@ ReplayResult replay(std::span<const ExpertAccess> accesses, uint64_t slots, Repl
   for (const ExpertHint& h : hints) {
     cycle = std::max(cycle, h.layer + 1);
     experts = std::max(experts, h.expert + 1);
+    processes = std::max<size_t>(processes, h.process + 1u);
   }
-  for (const ExpertHint& h : hints) processes = std::max<size_t>(processes, h.process + 1u);
   std::optional<HintBook> book;
   if (hinted) book.emplace(processes, cycle, experts);
   size_t next_hint = 0;
@@ -514,7 +514,7 @@ ReplayResult replay(std::span<const ExpertAccess> accesses, uint64_t slots, Repl
         if (book) {
           if (auto chance = book->chance(p, layer, static_cast<int32_t>(expert & 0xFFFFFFFFu))) {
             // Used when its layer comes with that chance, else the estimate's cycles after it.
-            const double picked = (u.uses + 0.5) / (layer_visits + 1.0);
+            const double picked = pick_probability(u.uses, layer_visits);
             nearest = std::min(nearest, (layer - process_layer[p]) +
                                             (1.0 - *chance) * static_cast<double>(cycle) / picked);
             continue;
