@@ -2,6 +2,7 @@
 // RocksDB disk tier's throughput next to plain files, printed as one JSON object.
 //
 //   moeline_reuse_bench [--blocks 2000] [--block-kib 96] [--dir DIR] [--requests 2000]
+//                       [--sustained-mib 0] [--sustained-budget-mib 1024]
 //
 // (a) Policy: 20 "system prompts" of 32 blocks drawn by Zipf (s = 1.1), each followed by a unique
 // user suffix of 2-8 blocks, interleaved with bursts of one-off 64-block prompts (scans, ~30% of
@@ -12,7 +13,14 @@
 // (b) Disk: N blocks written through the store's disk tier (a 1-byte RAM tier: every put spills),
 // read back with get() after reopening (cold RAM tier), against one file per block written and
 // read with POSIX calls. Neither side syncs or drops the page cache.
+// (c) Sustained (with --sustained-mib N): N MiB of 192 KiB values (a 32-token prompt's KV on the
+// demo model) spilled through a disk tier of --sustained-budget-mib with the probe's default
+// reserve, as a probe under load spills them; per 256 MiB written, the CPU the process spent
+// (RocksDB's background compactions included), the wall time, and the tier's size on disk. A
+// store whose cost per spill grows with what it holds shows here, long before a stage runs
+// for days.
 #include <fcntl.h>
+#include <sys/resource.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
@@ -58,13 +66,15 @@ struct Flags {
   int64_t blocks = 2000;
   int64_t block_kib = 96;
   int64_t requests = 2000;
+  int64_t sustained_mib = 0;
+  int64_t sustained_budget_mib = 1024;
   std::string dir;
 };
 
 [[noreturn]] void usage(const std::string& problem) {
   std::cerr << "moeline_reuse_bench: " << problem
             << "\nusage: moeline_reuse_bench [--blocks N] [--block-kib K] [--dir DIR] "
-               "[--requests R]\n";
+               "[--requests R] [--sustained-mib N] [--sustained-budget-mib B]\n";
   std::exit(2);
 }
 
@@ -81,6 +91,10 @@ Flags parse_flags(int argc, char** argv) {
         flags.block_kib = std::stoll(value);
       else if (name == "--requests")
         flags.requests = std::stoll(value);
+      else if (name == "--sustained-mib")
+        flags.sustained_mib = std::stoll(value);
+      else if (name == "--sustained-budget-mib")
+        flags.sustained_budget_mib = std::stoll(value);
       else if (name == "--dir")
         flags.dir = value;
       else
@@ -89,8 +103,9 @@ Flags parse_flags(int argc, char** argv) {
       usage("bad value for " + name + ": " + value);
     }
   }
-  if (flags.blocks <= 0 || flags.block_kib <= 0 || flags.requests <= 0)
-    usage("--blocks, --block-kib and --requests must be positive");
+  if (flags.blocks <= 0 || flags.block_kib <= 0 || flags.requests <= 0 || flags.sustained_mib < 0 ||
+      flags.sustained_budget_mib <= 0)
+    usage("--blocks, --block-kib, --requests and --sustained-budget-mib must be positive");
   return flags;
 }
 
@@ -314,6 +329,72 @@ nlohmann::json disk_section(const Flags& flags) {
           {"unit", "MiB/s, page cache not dropped, no fsync"}};
 }
 
+// --- (c) sustained spilling ------------------------------------------------------------------
+
+double process_cpu_seconds() {
+  rusage usage{};
+  ::getrusage(RUSAGE_SELF, &usage);
+  return static_cast<double>(usage.ru_utime.tv_sec + usage.ru_stime.tv_sec) +
+         1e-6 * static_cast<double>(usage.ru_utime.tv_usec + usage.ru_stime.tv_usec);
+}
+
+uint64_t directory_bytes(const std::string& path) {
+  uint64_t total = 0;
+  std::error_code ec;
+  for (const auto& entry : fs::recursive_directory_iterator(path, ec))
+    if (entry.is_regular_file(ec)) total += entry.file_size(ec);
+  return total;
+}
+
+nlohmann::json sustained_section(const Flags& flags) {
+  const std::string root =
+      make_temp_dir(flags.dir.empty() ? fs::temp_directory_path().string() : flags.dir);
+  constexpr size_t kValueBytes = 192 * 1024;
+  constexpr uint64_t kWindowBytes = uint64_t{256} << 20;
+  StoreOptions options;
+  options.ram_bytes = 1;  // every put spills, as the probe's RAM tier does once it is full
+  options.disk_bytes = static_cast<uint64_t>(flags.sustained_budget_mib) << 20;
+  options.disk_reserve_bytes = uint64_t{64} << 20;  // the probe's default
+  options.disk_path = root + "/rocksdb";
+  std::mt19937_64 rng(11);
+  std::string pattern(kValueBytes, '\0');
+  for (size_t i = 0; i + 8 <= pattern.size(); i += 8) {
+    const uint64_t word = rng();
+    std::memcpy(pattern.data() + i, &word, 8);
+  }
+  nlohmann::json windows = nlohmann::json::array();
+  {
+    auto store_opened = opened_store(options);
+    SnapshotStore& store = *store_opened;
+    const uint64_t total = static_cast<uint64_t>(flags.sustained_mib) << 20;
+    uint64_t written = 0, key = 0;
+    while (written < total) {
+      const double cpu_before = process_cpu_seconds();
+      const auto start = Clock::now();
+      uint64_t spills = 0;
+      for (uint64_t in_window = 0; in_window < kWindowBytes && written < total;
+           in_window += kValueBytes, written += kValueBytes, ++spills) {
+        std::string value = pattern;  // distinct values: the key in the first word
+        const uint64_t id = mix(++key);
+        std::memcpy(value.data(), &id, 8);
+        store.put(id, std::move(value));
+      }
+      const double wall_s = seconds_since(start);
+      const double cpu_s = process_cpu_seconds() - cpu_before;
+      windows.push_back({{"written_mib", written >> 20},
+                         {"cpu_ms_per_spill", 1000 * cpu_s / static_cast<double>(spills)},
+                         {"spill_mb_s", static_cast<double>(spills * kValueBytes) / 1e6 / wall_s},
+                         {"disk_mib", directory_bytes(options.disk_path) >> 20},
+                         {"held_mib", store.stats().disk_bytes >> 20}});
+    }
+    if (store.stats().spill_failures != 0) throw std::runtime_error("a spill failed");
+  }
+  fs::remove_all(root);
+  return {{"value_kib", kValueBytes / 1024},
+          {"budget_mib", flags.sustained_budget_mib},
+          {"windows", windows}};
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -322,6 +403,7 @@ int main(int argc, char** argv) {
     nlohmann::json out;
     out["policy"] = policy_section(flags);
     out["disk"] = disk_section(flags);
+    if (flags.sustained_mib > 0) out["sustained"] = sustained_section(flags);
     std::cout << out.dump() << "\n";
   } catch (const std::exception& error) {
     std::cerr << "moeline_reuse_bench: " << error.what() << "\n";
