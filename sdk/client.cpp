@@ -196,6 +196,16 @@ bool Client::still_in_flight(const Event& event) {
   return true;
 }
 
+namespace {
+
+// Rounded up: truncated, a wait of under a millisecond left became a poll that returns at once,
+// and a caller waiting in 1 ms steps (moeline load at a --rate) spun a whole core.
+std::chrono::milliseconds milliseconds_left(Clock::time_point until) {
+  return std::chrono::ceil<std::chrono::milliseconds>(until - Clock::now());
+}
+
+}  // namespace
+
 std::optional<Event> Client::receive(std::chrono::milliseconds timeout) {
   const auto until = Clock::now() + timeout;
   while (true) {
@@ -204,7 +214,7 @@ std::optional<Event> Client::receive(std::chrono::milliseconds timeout) {
       unread_.pop_front();
       return event;
     }
-    const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(until - Clock::now());
+    const auto left = milliseconds_left(until);
     zmq::pollitem_t items[] = {{socket_->handle(), 0, ZMQ_POLLIN, 0},
                                {monitor_->handle(), 0, ZMQ_POLLIN, 0},
                                {nullptr, wake_fd_, ZMQ_POLLIN, 0}};
@@ -368,7 +378,7 @@ std::string Client::control(const std::string& command, const std::string& argum
     ~Reset() { flag = false; }
   } reset{awaiting_control_};
   while (control_replies_.empty()) {
-    const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(until - Clock::now());
+    const auto left = milliseconds_left(until);
     if (left.count() <= 0) {
       reconnect();
       throw TimeoutError("no answer from " + endpoint_ + " within " +

@@ -703,6 +703,15 @@ TEST_F(SdkTest, NextEventReturnsNothingAfterItsTimeout) {
   EXPECT_EQ(client().in_flight(), 1u) << "next_event's timeout leaves the request in flight";
 }
 
+// A wait of a millisecond is a millisecond, not a poll that returns at once: truncated to whole
+// milliseconds, what was left of it became zero, and a caller waiting in 1 ms steps spun a core.
+TEST_F(SdkTest, NextEventWaitsItsWholeTimeout) {
+  client().start({.prompt = "silent"});
+  const auto start = std::chrono::steady_clock::now();
+  for (int i = 0; i < 100; ++i) ASSERT_FALSE(client().next_event(milliseconds(1)).has_value());
+  EXPECT_GE(std::chrono::steady_clock::now() - start, milliseconds(100));
+}
+
 // --- replies the client must refuse --------------------------------------------------------------
 
 TEST_F(SdkTest, ReplyWithWrongMagicThrows) {
