@@ -11,8 +11,8 @@ hops between them: where Curve acts), and the stages' CPU time per request is re
 Prints a markdown table of medians and the overhead of on over off.
 
   curve_bench.py --moeline BIN --model DIR --workdir DIR [--rounds 3] [--requests 40]
-                 [--concurrency 8] [--duration-s 10] [--prompt-tokens 32] [--max-tokens 32]
-                 [--variants off,on,on/io2] [--from-json LOG [LOG ...]]
+                 [--concurrency 8 | --rate R] [--duration-s 10] [--prompt-tokens 32] [--max-tokens 32]
+                 [--variants off,on,on/io2] [--interleave WINDOWS] [--from-json LOG [LOG ...]]
 
 Besides the medians, each variant gets the geometric mean of its rounds' ratios to the baseline's
 run of the same round and a 95% bootstrap interval of it: on this 2-vCPU VM a saturated
@@ -20,12 +20,17 @@ percentile moves by a third between rounds, and the interval says what a run can
 --from-json prints the table again from the results that earlier runs printed last (their whole
 stderr logs will do), pooling their rounds; the variants must match.
 
+--interleave WINDOWS starts every variant's stack at once and measures them in turn in short
+windows (ABBA), each window's pair then a "round" of the table: the VM's slow spells, which last
+minutes, hit both sides of a pair alike, so a small difference is resolved in fewer minutes.
+
 A variant is `off` or `on`, optionally with `/ioN`: the stages' ZeroMQ I/O threads
 (--io-threads, through MOELINE_IO_THREADS), and optionally `@alt`: the stack and the load client
 of another build (--alt-moeline BIN), to compare two builds round by round in one run.
 """
 
 import argparse
+import contextlib
 import json
 import math
 import os
@@ -41,8 +46,8 @@ sys.path.insert(0, os.path.join(ROOT, "tests", "integration"))
 from stack_harness import Stack, add_python_paths  # noqa: E402
 
 
-def one_round(args, variant):
-    from moeline_client import Client
+def start_stack(args, variant):
+    """The stack of one variant, not yet entered."""
     variant, _, build = variant.partition("@")
     moeline = args.alt_moeline if build == "alt" else args.moeline
     curve, _, io = variant.partition("/")
@@ -52,42 +57,73 @@ def one_round(args, variant):
         os.environ.pop("MOELINE_IO_THREADS", None)
     run = os.path.join(args.workdir, f"curve-{variant.replace('/', '-')}{'-alt' if build else ''}")
     extra = ["--transport", "tcp", "--curve", curve]
-    with Stack(moeline, args.model, run, extra_args=extra, endpoint_prefix="tcp://",
-               threads=1) as stack:
-        server_key = stack.state().get("server_key", "")
-        ttft, per_token = [], []
-        with Client(stack.endpoint, timeout=120, server_key=server_key) as client:
-            for i in range(args.requests + 5):
-                tokens = [(i * 13 + j) % 500 + 3 for j in range(args.prompt_tokens)]
-                if i == 5:
-                    single_before = server_side(stack)
-                result = client.generate(tokens=tokens, max_tokens=args.max_tokens, ignore_eos=True,
-                                         reuse="none")
-                if i < 5:
-                    continue  # warm-up
-                t = result.timings
-                ttft.append(t["ttft_ms"])
-                per_token.append((t["total_ms"] - t["ttft_ms"]) / max(1, len(result.ids) - 1))
-            single = difference(server_side(stack), single_before)
-        cmd = [moeline, "load", "--endpoint", stack.endpoint, "--model", args.model,
-               "--concurrency", str(args.concurrency), "--duration-s", str(args.duration_s),
-               "--prompt-tokens", str(args.prompt_tokens), "--max-tokens", str(args.max_tokens),
-               "--json"]
-        env = dict(os.environ, MOELINE_SERVER_KEY=server_key) if server_key else None
-        before = server_side(stack)
-        client_before = resource.getrusage(resource.RUSAGE_CHILDREN)
-        out = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env)
-        client_after = resource.getrusage(resource.RUSAGE_CHILDREN)
-        after = server_side(stack)
-        if out.returncode != 0 and not out.stdout.strip():
-            raise RuntimeError(f"moeline load failed: {out.stderr[-400:]}")
-        load = json.loads(out.stdout.strip().splitlines()[-1])
+    return moeline, Stack(moeline, args.model, run, extra_args=extra, endpoint_prefix="tcp://",
+                          threads=1)
+
+
+def one_round(args, variant):
+    moeline, stack = start_stack(args, variant)
+    with stack:
+        return measure(args, moeline, stack, args.requests, args.duration_s)
+
+
+def measure(args, moeline, stack, requests, duration_s):
+    """Sequential single requests, then `moeline load`, on a stack that is up."""
+    from moeline_client import Client
+    server_key = stack.state().get("server_key", "")
+    ttft, per_token = [], []
+    with Client(stack.endpoint, timeout=120, server_key=server_key) as client:
+        for i in range(requests + 5):
+            tokens = [(i * 13 + j) % 500 + 3 for j in range(args.prompt_tokens)]
+            if i == 5:
+                single_before = server_side(stack)
+            result = client.generate(tokens=tokens, max_tokens=args.max_tokens, ignore_eos=True,
+                                     reuse="none")
+            if i < 5:
+                continue  # warm-up
+            t = result.timings
+            ttft.append(t["ttft_ms"])
+            per_token.append((t["total_ms"] - t["ttft_ms"]) / max(1, len(result.ids) - 1))
+        single = difference(server_side(stack), single_before)
+    pace = ["--rate", str(args.rate)] if args.rate else ["--concurrency", str(args.concurrency)]
+    cmd = [moeline, "load", "--endpoint", stack.endpoint, "--model", args.model, *pace,
+           "--duration-s", str(duration_s),
+           "--prompt-tokens", str(args.prompt_tokens), "--max-tokens", str(args.max_tokens),
+           "--json"]
+    env = dict(os.environ, MOELINE_SERVER_KEY=server_key) if server_key else None
+    before = server_side(stack)
+    client_before = resource.getrusage(resource.RUSAGE_CHILDREN)
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env)
+    client_after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    after = server_side(stack)
+    if out.returncode != 0 and not out.stdout.strip():
+        raise RuntimeError(f"moeline load failed: {out.stderr[-400:]}")
+    load = json.loads(out.stdout.strip().splitlines()[-1])
     load["server"] = difference(after, before)
     # The load client shares the two cores with the stack: its CPU is part of what saturates them.
     load["server"]["client_cpu_s"] = (client_after.ru_utime + client_after.ru_stime -
                                       client_before.ru_utime - client_before.ru_stime)
     return {"ttft_ms": statistics.median(ttft), "tpot_ms": statistics.median(per_token),
             "server": single, "load": load}
+
+
+def interleaved_windows(args, variants, results):
+    """Every variant's stack up at once, idle but for the one measured: short windows, each
+    variant in turn (ABBA order, so neither always follows the other). A slow spell of the VM
+    (they last minutes) then hits both sides of a pair alike, which whole rounds a minute apart
+    do not."""
+    with contextlib.ExitStack() as stacks:
+        up = {}
+        for v in variants:
+            moeline, stack = start_stack(args, v)
+            up[v] = (moeline, stacks.enter_context(stack))
+        for v in variants:  # warm every stack before the first window counts
+            measure(args, *up[v], 2, min(args.duration_s, 2))
+        for w in range(args.interleave):
+            order = variants if w % 2 == 0 else variants[::-1]
+            for v in order:
+                print(f"curve bench: window {w + 1} variant {v}", file=sys.stderr)
+                results[v].append(measure(args, *up[v], args.requests, args.duration_s))
 
 
 # The stages' own clocks, differenced over a window: the gateway's TTFT (so the load client's
@@ -149,6 +185,8 @@ def main():
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--requests", type=int, default=40)
     ap.add_argument("--concurrency", type=int, default=8)
+    ap.add_argument("--rate", type=float, default=0,
+                    help="requests per second, open loop, instead of --concurrency streams")
     ap.add_argument("--duration-s", type=float, default=10)
     ap.add_argument("--prompt-tokens", type=int, default=32)
     ap.add_argument("--max-tokens", type=int, default=32)
@@ -156,6 +194,10 @@ def main():
                     help="comma-separated: off, on, optionally /ioN, optionally @alt (the first "
                          "is the baseline)")
     ap.add_argument("--alt-moeline", help="the build that variants ending in @alt run")
+    ap.add_argument("--interleave", type=int, metavar="WINDOWS",
+                    help="instead of rounds that each start a stack: every variant's stack up at "
+                         "once and WINDOWS short measurements of each in turn (use a small "
+                         "--requests and --duration-s)")
     ap.add_argument("--from-json", nargs="+", metavar="LOG",
                     help="no runs: pool the rounds that these earlier runs printed")
     args = ap.parse_args()
@@ -181,10 +223,15 @@ def main():
             for v in variants:
                 results[v] += saved[v]
         args.rounds = len(results[variants[0]])
-    for r in range(0 if args.from_json else args.rounds):
+    if args.interleave and not args.from_json:
+        interleaved_windows(args, variants, results)
+        args.rounds = args.interleave
+    for r in range(0 if args.from_json or args.interleave else args.rounds):
         for v in variants:
             print(f"curve bench: round {r + 1} variant {v}", file=sys.stderr)
             results[v].append(one_round(args, v))
+
+    load_label = f"load at {args.rate:g}/s" if args.rate else f"load x{args.concurrency}"
 
     def med(curve, get):
         return statistics.median(get(x) for x in results[curve])
@@ -195,20 +242,20 @@ def main():
          lambda x: server_mean_ms(x["server"], "prefill_ttft")),
         ("single: outside prefill's compute, mean (ms)", lambda x: outside_prefill_ms(x["server"])),
         ("single request per-token (ms)", lambda x: x["tpot_ms"]),
-        (f"load x{args.concurrency}: TTFT p50 (ms)", lambda x: x["load"]["ttft_ms"]["p50"]),
-        (f"load x{args.concurrency}: gateway TTFT mean (ms)",
+        (f"{load_label}: TTFT p50 (ms)", lambda x: x["load"]["ttft_ms"]["p50"]),
+        (f"{load_label}: gateway TTFT mean (ms)",
          lambda x: server_mean_ms(x["load"]["server"], "gw_ttft")),
-        (f"load x{args.concurrency}: in prefill (queue + compute), mean (ms)",
+        (f"{load_label}: in prefill (queue + compute), mean (ms)",
          lambda x: server_mean_ms(x["load"]["server"], "prefill_ttft")),
-        (f"load x{args.concurrency}: outside prefill, mean (ms)",
+        (f"{load_label}: outside prefill, mean (ms)",
          lambda x: outside_prefill_ms(x["load"]["server"])),
-        (f"load x{args.concurrency}: per-token p50 (ms)", lambda x: x["load"]["tpot_ms"]["p50"]),
-        (f"load x{args.concurrency}: output tokens/s", lambda x: x["load"]["output_tokens_per_s"]),
-        (f"load x{args.concurrency}: stages' CPU per request (ms)",
+        (f"{load_label}: per-token p50 (ms)", lambda x: x["load"]["tpot_ms"]["p50"]),
+        (f"{load_label}: output tokens/s", lambda x: x["load"]["output_tokens_per_s"]),
+        (f"{load_label}: stages' CPU per request (ms)",
          lambda x: cpu_ms_per_request(x["load"])),
-        (f"load x{args.concurrency}: gateway CPU per request (ms)",
+        (f"{load_label}: gateway CPU per request (ms)",
          lambda x: cpu_ms_per_request(x["load"], "cpu_s_gateway")),
-        (f"load x{args.concurrency}: load client CPU per request (ms)",
+        (f"{load_label}: load client CPU per request (ms)",
          lambda x: cpu_ms_per_request(x["load"], "client_cpu_s")),
     ]
     def name(v):
@@ -238,7 +285,8 @@ def main():
         return (f"{pct(statistics.fmean(logs))} ({pct(means[249])} to {pct(means[9749])})")
 
     base = variants[0]
-    header = [f"measure (median of {args.rounds} rounds)", name(base)]
+    unit = "windows" if args.interleave else "rounds"
+    header = [f"measure (median of {args.rounds} {unit})", name(base)]
     for v in variants[1:]:
         header += [name(v), f"vs {base}", "paired", "paired mean (95% interval)"]
     print("| " + " | ".join(header) + " |")
