@@ -11,7 +11,10 @@ first and last quarter of the windows (the first window is warm-up and left out)
 of the two: a stage whose CPU per request or memory keeps rising shows there.
 
   endurance.py --moeline BIN --model DIR --workdir DIR [--minutes 10] [--window-s 10]
-               [--concurrency 8] [--prompt-tokens 32] [--max-tokens 32] [--threads 1]
+               [--concurrency 8] [--prompt-tokens 32] [--max-tokens 32] [--threads 1] [--http]
+
+--http drives the stack through its OpenAI-compatible front (`moeline load --http`) instead of
+the ZeroMQ client, so the HTTP stage is watched too.
 
 Each window is also printed to stderr as one JSON line as it ends.
 """
@@ -60,7 +63,8 @@ def directory_mib(path):
 
 def one_window(args, stack):
     before = stage_usage(stack)
-    cmd = [args.moeline, "load", "--endpoint", stack.endpoint, "--model", args.model,
+    target = ["--http", stack.state()["http"]] if args.http else ["--endpoint", stack.endpoint]
+    cmd = [args.moeline, "load", *target, "--model", args.model,
            "--concurrency", str(args.concurrency), "--duration-s", str(args.window_s),
            "--prompt-tokens", str(args.prompt_tokens), "--max-tokens", str(args.max_tokens),
            "--json"]
@@ -93,11 +97,13 @@ def main():
     ap.add_argument("--prompt-tokens", type=int, default=32)
     ap.add_argument("--max-tokens", type=int, default=32)
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--http", action="store_true",
+                    help="load through the OpenAI-compatible front instead of the ZeroMQ client")
     args = ap.parse_args()
 
     windows = []
     with Stack(args.moeline, args.model, os.path.join(args.workdir, "stack"),
-               threads=args.threads) as stack:
+               threads=args.threads, http_port=0 if args.http else "off") as stack:
         end = time.monotonic() + 60 * args.minutes
         while time.monotonic() < end or len(windows) < 5:
             window = one_window(args, stack)
