@@ -63,23 +63,28 @@ std::vector<int> RouterHealth::add(std::span<const uint64_t> counts,
     double seen = 0;
     for (double c : h.counts) seen += c;
     if (seen >= options_.min_tokens) {
+      // A state already held is kept until its measure clears the threshold by the hysteresis.
+      const double lower = 1 - options_.hysteresis, raise = 1 + options_.hysteresis;
+      const double critical =
+          options_.imbalance_critical * (h.state == HealthState::kCritical ? lower : 1);
+      const double warning = options_.imbalance_warning * (h.state != HealthState::kOk ? lower : 1);
+      const double confident =
+          options_.confidence_warning * (h.state != HealthState::kOk ? raise : 1);
       char text[96];
       const double imbalance = h.imbalance();
-      if (imbalance >= options_.imbalance_critical) {
+      if (imbalance >= critical) {
         state = HealthState::kCritical;
-        std::snprintf(text, sizeof(text), "imbalance %.2f >= %.2f", imbalance,
-                      options_.imbalance_critical);
+        std::snprintf(text, sizeof(text), "imbalance %.2f >= %.2f", imbalance, critical);
         reason = text;
-      } else if (imbalance >= options_.imbalance_warning) {
+      } else if (imbalance >= warning) {
         state = HealthState::kWarning;
-        std::snprintf(text, sizeof(text), "imbalance %.2f >= %.2f", imbalance,
-                      options_.imbalance_warning);
+        std::snprintf(text, sizeof(text), "imbalance %.2f >= %.2f", imbalance, warning);
         reason = text;
       }
-      if (h.tokens >= options_.min_tokens && h.confidence() < options_.confidence_warning) {
+      if (h.tokens >= options_.min_tokens && h.confidence() < confident) {
         if (state == HealthState::kOk) state = HealthState::kWarning;
         std::snprintf(text, sizeof(text), "%sconfidence %.2f < %.2f", reason.empty() ? "" : "; ",
-                      h.confidence(), options_.confidence_warning);
+                      h.confidence(), confident);
         reason += text;
       }
     }

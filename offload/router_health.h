@@ -8,7 +8,9 @@
 // A layer is critical when its imbalance reaches `imbalance_critical`; a warning when it reaches
 // `imbalance_warning` or its confidence falls below `confidence_warning`. Skewed routing makes a
 // few experts hot (offload helps, one expert's compute becomes the bottleneck); low confidence
-// means routing flips on small changes (prefetch predictions and reuse signatures degrade).
+// means routing flips on small changes (prefetch predictions and reuse signatures degrade). A state
+// is entered at its threshold and left only once the measure has cleared it by `hysteresis` (a
+// share of the threshold), so that a layer hovering at one does not flip, and log, every report.
 
 #include <cstdint>
 #include <span>
@@ -23,6 +25,7 @@ struct RouterHealthOptions {
   double confidence_warning = 1.5;
   double decay = 0.95;
   double min_tokens = 64;  // a layer is judged once this many (decayed) tokens were seen
+  double hysteresis = 0.1;
 };
 
 enum class HealthState : uint8_t { kOk, kWarning, kCritical };

@@ -28,7 +28,10 @@ OffloadSettings OffloadSettings::from(const runtime::Config& config) {
     throw runtime::ConfigError("--prefetch-retry-s must be > 0");
   s.router_health = {.imbalance_warning = config.number("imbalance-warning"),
                      .imbalance_critical = config.number("imbalance-critical"),
-                     .confidence_warning = config.number("confidence-warning")};
+                     .confidence_warning = config.number("confidence-warning"),
+                     .hysteresis = config.number("router-hysteresis")};
+  if (!(s.router_health.hysteresis >= 0 && s.router_health.hysteresis < 1))
+    throw runtime::ConfigError("--router-hysteresis must be in [0, 1)");
   return s;
 }
 
@@ -55,6 +58,9 @@ std::vector<runtime::ConfigKey> offload_keys() {
   keys.push_back({"imbalance-critical", "0.5", "router health: critical at this imbalance"});
   keys.push_back({"confidence-warning", "1.5",
                   "router health: warn when a layer's mean ln(top-1/top-2) falls below this"});
+  keys.push_back({"router-hysteresis", "0.1",
+                  "router health: a state is left only once its measure clears the threshold by "
+                  "this share of it (a layer hovering at one does not flip every report)"});
   for (const runtime::ConfigKey& key : intake_keys()) keys.push_back(key);
   keys.push_back({"direct-io", "true",
                   "read experts with O_DIRECT, so the page cache does not become a second pool"});

@@ -926,5 +926,41 @@ TEST(RouterHealth, ThresholdsAndRecoveryFollowRecentTraffic) {
   EXPECT_NE(health.layers()[0].reason.find("confidence"), std::string::npos);
 }
 
+// A layer whose measure hovers at a threshold must not flip state on every report (each change is
+// a log line and a metric flip an alert would follow: the demo model's layer 5 logged 1,048
+// changes in 10 minutes between warning and critical). A state is entered at its threshold and
+// left only once the measure has cleared it by the hysteresis.
+TEST(RouterHealth, AStateIsLeftOnlyPastItsThresholdByTheHysteresis) {
+  RouterHealth health(1, 2, RouterHealthOptions{.decay = 0.0, .min_tokens = 10});
+  int changes = 0;
+  // decay 0: each report alone decides; imbalance of (a, b) is |a - b| / (a + b).
+  auto report = [&](uint64_t a, uint64_t b, double confidence) {
+    changes +=
+        static_cast<int>(health
+                             .add(std::vector<uint64_t>{a, b}, std::vector<uint64_t>{a + b},
+                                  std::vector<double>{confidence * static_cast<double>(a + b)},
+                                  std::vector<double>{0.0})
+                             .size());
+    return health.layers()[0].state;
+  };
+  EXPECT_EQ(report(755, 245, 3.0), HealthState::kCritical);  // 0.51
+  for (int i = 0; i < 10; ++i) {
+    report(745, 255, 3.0);  // 0.49: under the threshold, not past it by 10%
+    report(755, 245, 3.0);
+  }
+  EXPECT_EQ(changes, 1);
+  EXPECT_EQ(report(770, 230, 3.0), HealthState::kCritical);  // 0.54
+  EXPECT_EQ(report(730, 270, 3.0), HealthState::kCritical);  // 0.46: still over 0.45
+  EXPECT_EQ(report(720, 280, 3.0), HealthState::kWarning);   // 0.44
+  EXPECT_EQ(report(685, 315, 3.0), HealthState::kWarning);   // 0.37: over 0.36
+  EXPECT_EQ(report(650, 350, 3.0), HealthState::kOk);        // 0.30
+  // Confidence: a warning under 1.5, left only above 1.65.
+  EXPECT_EQ(report(500, 500, 1.4), HealthState::kWarning);
+  EXPECT_EQ(report(500, 500, 1.6), HealthState::kWarning);
+  EXPECT_EQ(report(500, 500, 1.7), HealthState::kOk);
+  // Entering still takes only the threshold itself.
+  EXPECT_EQ(report(500, 500, 1.49), HealthState::kWarning);
+}
+
 }  // namespace
 }  // namespace moeline::offload
