@@ -12,6 +12,7 @@ of the two: a stage whose CPU per request or memory keeps rising shows there.
 
   endurance.py --moeline BIN --model DIR --workdir DIR [--minutes 10] [--window-s 10]
                [--concurrency 8] [--prompt-tokens 32] [--max-tokens 32] [--threads 1] [--http]
+               [--decode 1] [--expert-budget 50%]
 
 --http drives the stack through its OpenAI-compatible front (`moeline load --http`) instead of
 the ZeroMQ client, so the HTTP stage is watched too.
@@ -97,13 +98,16 @@ def main():
     ap.add_argument("--prompt-tokens", type=int, default=32)
     ap.add_argument("--max-tokens", type=int, default=32)
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--decode", type=int, default=1, help="decode replicas")
+    ap.add_argument("--expert-budget", help="the shared expert pool's budget (e.g. 50%%)")
     ap.add_argument("--http", action="store_true",
                     help="load through the OpenAI-compatible front instead of the ZeroMQ client")
     args = ap.parse_args()
 
     windows = []
     with Stack(args.moeline, args.model, os.path.join(args.workdir, "stack"),
-               threads=args.threads, http_port=0 if args.http else "off") as stack:
+               threads=args.threads, http_port=0 if args.http else "off", decode=args.decode,
+               expert_budget=args.expert_budget) as stack:
         end = time.monotonic() + 60 * args.minutes
         while time.monotonic() < end or len(windows) < 5:
             window = one_window(args, stack)
