@@ -117,8 +117,13 @@ class Hub {
   // Everything that crosses the hub, by direction and message type (what the gateway carries:
   // with bulk data peer to peer, a request's share no longer grows with its prompt's KV).
   static std::pair<uint16_t, size_t> type_and_size(const std::vector<zmq::message_t>& frames);
+  // Bytes and messages through the hub, by direction and message type.
   void count_bytes(bool in, uint16_t type, size_t bytes);
-  std::map<std::pair<bool, uint16_t>, Counter*> bytes_;
+  struct TypeCounters {
+    Counter* bytes = nullptr;
+    Counter* messages = nullptr;
+  };
+  std::map<std::pair<bool, uint16_t>, TypeCounters> bytes_;
 };
 
 }  // namespace moeline::runtime

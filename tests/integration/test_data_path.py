@@ -109,6 +109,16 @@ def case_handover(args, shared_memory=True):
         with Client(stack.endpoint, timeout=120) as client:
             results = run_concurrently(client, requests)
             compare(results, requests, expected)
+            # The hub counts messages by type: a prefill job carries one or more requests, and
+            # each is answered by one PrefillDone.
+            jobs = sample(stack, "gateway", "moeline_hub_messages_total", direction="out",
+                          type="PrefillJob")
+            done = sample(stack, "gateway", "moeline_hub_messages_total", direction="in",
+                          type="PrefillDone")
+            print(f"hub messages: {jobs:.0f} PrefillJob out, {done:.0f} PrefillDone in, "
+                  f"{len(requests)} requests")
+            check(1 <= jobs <= len(requests) and done == len(requests),
+                  f"{jobs:.0f} PrefillJob and {done:.0f} PrefillDone for {len(requests)} requests")
             accepted = handed_over(stack, 2)
             check(accepted == continuing, f"{accepted} hand-overs accepted for {continuing} "
                   "requests that went on past their first token")
