@@ -124,7 +124,7 @@ std::optional<Hub::Incoming> Hub::receive() {
     frames->erase(frames->begin());
     {
       const auto [type, bytes] = type_and_size(*frames);
-      count_bytes(true, type, bytes);
+      count_traffic(true, type, bytes);
     }
     wire::Decoded decoded = wire::decode(std::move(*frames));
     if (decoded.error) {
@@ -242,7 +242,7 @@ bool Hub::send(const std::string& identity, std::vector<zmq::message_t>& frames,
     return false;
   }
   if (job && it->second.credits > 0) --it->second.credits;
-  count_bytes(false, type, bytes);
+  count_traffic(false, type, bytes);
   return true;
 }
 
@@ -255,8 +255,8 @@ std::pair<uint16_t, size_t> Hub::type_and_size(const std::vector<zmq::message_t>
   return {type, bytes};
 }
 
-void Hub::count_bytes(bool in, uint16_t type, size_t bytes) {
-  TypeCounters& counters = bytes_[{in, type}];
+void Hub::count_traffic(bool in, uint16_t type, size_t bytes) {
+  TypeCounters& counters = traffic_[{in, type}];
   if (counters.bytes == nullptr) {
     const char* name = wire::message_type_name(static_cast<wire::MessageType>(type));
     const Labels labels = {{"direction", in ? "in" : "out"}, {"type", name}};

@@ -118,12 +118,12 @@ class Hub {
   // with bulk data peer to peer, a request's share no longer grows with its prompt's KV).
   static std::pair<uint16_t, size_t> type_and_size(const std::vector<zmq::message_t>& frames);
   // Bytes and messages through the hub, by direction and message type.
-  void count_bytes(bool in, uint16_t type, size_t bytes);
+  void count_traffic(bool in, uint16_t type, size_t bytes);
   struct TypeCounters {
     Counter* bytes = nullptr;
     Counter* messages = nullptr;
   };
-  std::map<std::pair<bool, uint16_t>, TypeCounters> bytes_;
+  std::map<std::pair<bool, uint16_t>, TypeCounters> traffic_;
 };
 
 }  // namespace moeline::runtime
