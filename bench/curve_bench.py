@@ -43,7 +43,7 @@ import sys
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 sys.path.insert(0, os.path.join(ROOT, "tests", "integration"))
-from stack_harness import Stack, add_python_paths  # noqa: E402
+from stack_harness import Stack, add_python_paths, process_cpu_seconds  # noqa: E402
 
 
 def start_stack(args, variant):
@@ -57,18 +57,17 @@ def start_stack(args, variant):
         os.environ.pop("MOELINE_IO_THREADS", None)
     run = os.path.join(args.workdir, f"curve-{variant.replace('/', '-')}{'-alt' if build else ''}")
     extra = ["--transport", "tcp", "--curve", curve]
-    return moeline, Stack(moeline, args.model, run, extra_args=extra, endpoint_prefix="tcp://",
-                          threads=1)
+    return Stack(moeline, args.model, run, extra_args=extra, endpoint_prefix="tcp://", threads=1)
 
 
 def one_round(args, variant):
-    moeline, stack = start_stack(args, variant)
-    with stack:
-        return measure(args, moeline, stack, args.requests, args.duration_s)
+    with start_stack(args, variant) as stack:
+        return measure(args, stack, args.requests, args.duration_s)
 
 
-def measure(args, moeline, stack, requests, duration_s):
-    """Sequential single requests, then `moeline load`, on a stack that is up."""
+def measure(args, stack, requests, duration_s):
+    """Sequential single requests, then the stack's own build's `moeline load`, on a stack that
+    is up."""
     from moeline_client import Client
     server_key = stack.state().get("server_key", "")
     ttft, per_token = [], []
@@ -86,7 +85,7 @@ def measure(args, moeline, stack, requests, duration_s):
             per_token.append((t["total_ms"] - t["ttft_ms"]) / max(1, len(result.ids) - 1))
         single = difference(server_side(stack), single_before)
     pace = ["--rate", str(args.rate)] if args.rate else ["--concurrency", str(args.concurrency)]
-    cmd = [moeline, "load", "--endpoint", stack.endpoint, "--model", args.model, *pace,
+    cmd = [stack.moeline, "load", "--endpoint", stack.endpoint, "--model", args.model, *pace,
            "--duration-s", str(duration_s),
            "--prompt-tokens", str(args.prompt_tokens), "--max-tokens", str(args.max_tokens),
            "--json"]
@@ -113,17 +112,14 @@ def interleaved_windows(args, variants, results):
     (they last minutes) then hits both sides of a pair alike, which whole rounds a minute apart
     do not."""
     with contextlib.ExitStack() as stacks:
-        up = {}
-        for v in variants:
-            moeline, stack = start_stack(args, v)
-            up[v] = (moeline, stacks.enter_context(stack))
+        up = {v: stacks.enter_context(start_stack(args, v)) for v in variants}
         for v in variants:  # warm every stack before the first window counts
-            measure(args, *up[v], 2, min(args.duration_s, 2))
+            measure(args, up[v], 2, min(args.duration_s, 2))
         for w in range(args.interleave):
             order = variants if w % 2 == 0 else variants[::-1]
             for v in order:
                 print(f"curve bench: window {w + 1} variant {v}", file=sys.stderr)
-                results[v].append(measure(args, *up[v], args.requests, args.duration_s))
+                results[v].append(measure(args, up[v], args.requests, args.duration_s))
 
 
 # The stages' own clocks, differenced over a window: the gateway's TTFT (so the load client's
@@ -151,12 +147,9 @@ def server_side(stack):
             out[f"{key}_{part}"] = sum(
                 v for stage, samples in metrics.items() if stage.startswith(stage_prefix)
                 for (sample, _), v in samples.items() if sample == f"{name}_{part}")
-    ticks = os.sysconf("SC_CLK_TCK")
     for stage in stack.state()["stages"]:
         try:
-            with open(f"/proc/{stage['pid']}/stat") as f:
-                fields = f.read().rsplit(")", 1)[1].split()
-            out[f"cpu_s_{stage['name']}"] = (int(fields[11]) + int(fields[12])) / ticks
+            out[f"cpu_s_{stage['name']}"] = process_cpu_seconds(stage["pid"])
         except (OSError, IndexError, ValueError):
             out[f"cpu_s_{stage['name']}"] = 0.0
     return out

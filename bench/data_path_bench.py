@@ -29,7 +29,7 @@ import time
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 sys.path.insert(0, os.path.join(ROOT, "tests", "integration"))
-from stack_harness import Stack, add_python_paths, percentile  # noqa: E402
+from stack_harness import Stack, add_python_paths, percentile, process_cpu_seconds  # noqa: E402,E501
 
 
 def long_context_model(workdir, context):
@@ -58,19 +58,14 @@ def process_counters(pid):
             for field in line.split():
                 if field.startswith(("bytes_sent:", "bytes_received:")):
                     total += int(field.split(":", 1)[1])
-    with open(f"/proc/{pid}/stat") as f:
-        fields = f.read().rsplit(")", 1)[1].split()
-    ticks = os.sysconf("SC_CLK_TCK")
-    return {"bytes": total, "cpu_s": (int(fields[11]) + int(fields[12])) / ticks}
+    return {"bytes": total, "cpu_s": process_cpu_seconds(pid)}
 
 
 def process_cpu_s(pid):
     try:
-        with open(f"/proc/{pid}/stat") as f:
-            fields = f.read().rsplit(")", 1)[1].split()
+        return process_cpu_seconds(pid)
     except OSError:
         return 0.0
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def cpu_by_kind(before, after, n):

@@ -31,23 +31,21 @@ import time
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 sys.path.insert(0, os.path.join(ROOT, "tests", "integration"))
-from stack_harness import Stack  # noqa: E402
+from stack_harness import Stack, process_cpu_seconds  # noqa: E402
 
 
 def stage_usage(stack):
     """{stage: (pid, cpu seconds, resident MiB)} from /proc."""
-    ticks = os.sysconf("SC_CLK_TCK")
     out = {}
     for stage in stack.state()["stages"]:
         pid = stage["pid"]
         try:
-            with open(f"/proc/{pid}/stat") as f:
-                fields = f.read().rsplit(")", 1)[1].split()
+            cpu = process_cpu_seconds(pid)
             with open(f"/proc/{pid}/status") as f:
                 rss_kib = next(int(line.split()[1]) for line in f if line.startswith("VmRSS:"))
         except (OSError, StopIteration, IndexError, ValueError):
             continue
-        out[stage["name"]] = (pid, (int(fields[11]) + int(fields[12])) / ticks, rss_kib / 1024)
+        out[stage["name"]] = (pid, cpu, rss_kib / 1024)
     return out
 
 

@@ -280,6 +280,13 @@ def until_the_stop_lands(attempt, label, tries=5):
     raise AssertionError(f"{label}: the request ran to its end on every try: {'; '.join(seen)}")
 
 
+def process_cpu_seconds(pid):
+    """User and system CPU time of a process, all its threads (OSError when it is gone)."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def percentile(values, q):
     """The q-quantile (0..1) of values, linearly interpolated."""
     values = sorted(values)
