@@ -2,7 +2,8 @@
 """A bad handler table must not compile.
 
 tests/unit/dispatch_test.cpp holds, behind MOELINE_BAD_TABLE, a table that lists a type twice, one
-with a value the wire does not define, and one that declares more rows than it lists. Each is
+with a value the wire does not define, one that declares more rows than it lists, and one with a
+row whose handler is nullptr. Each is
 compiled with the flags the build uses for that file (compile_commands.json) and must be refused
 with HandlerTable's own message; the file without a bad table must compile.
 """
@@ -19,6 +20,7 @@ CASES = {
     1: "a message type listed twice",
     2: "not a message type of the wire",
     3: "not a message type of the wire",  # the row not listed has no type (nor a handler)
+    4: "use of deleted function",  # a row whose handler is nullptr (Route's deleted constructor)
 }
 
 

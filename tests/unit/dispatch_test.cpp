@@ -47,6 +47,11 @@ constexpr HandlerTable<Recorder, 3, int&> kShort({
     {wire::MessageType::PrefillJob, &Recorder::on_job},
     {wire::MessageType::CancelJob, &Recorder::on_cancel},
 });
+#elif MOELINE_BAD_TABLE == 4
+// A row without a handler.
+constexpr HandlerTable<Recorder, 1, int&> kNoHandler({
+    {wire::MessageType::PrefillJob, nullptr},
+});
 #endif
 
 TEST(HandlerTable, SendsEachTypeToItsHandlerAndNothingElse) {
