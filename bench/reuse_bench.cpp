@@ -338,14 +338,6 @@ double process_cpu_seconds() {
          1e-6 * static_cast<double>(usage.ru_utime.tv_usec + usage.ru_stime.tv_usec);
 }
 
-uint64_t directory_bytes(const std::string& path) {
-  uint64_t total = 0;
-  std::error_code ec;
-  for (const auto& entry : fs::recursive_directory_iterator(path, ec))
-    if (entry.is_regular_file(ec)) total += entry.file_size(ec);
-  return total;
-}
-
 nlohmann::json sustained_section(const Flags& flags) {
   const std::string root =
       make_temp_dir(flags.dir.empty() ? fs::temp_directory_path().string() : flags.dir);
@@ -384,7 +376,7 @@ nlohmann::json sustained_section(const Flags& flags) {
       windows.push_back({{"written_mib", written >> 20},
                          {"cpu_ms_per_spill", 1000 * cpu_s / static_cast<double>(spills)},
                          {"spill_mb_s", static_cast<double>(spills * kValueBytes) / 1e6 / wall_s},
-                         {"disk_mib", directory_bytes(options.disk_path) >> 20},
+                         {"disk_mib", store.disk_file_bytes() >> 20},
                          {"held_mib", store.stats().disk_bytes >> 20}});
     }
     if (store.stats().spill_failures != 0) throw std::runtime_error("a spill failed");

@@ -56,6 +56,20 @@ uint64_t free_disk_bytes(const std::string& path) {
   return static_cast<uint64_t>(info.f_bavail) * static_cast<uint64_t>(info.f_frsize);
 }
 
+// RocksDB deletes files while the walk runs: a file gone between listing and size counts nothing
+// (file_size reports an error as the largest value).
+uint64_t bytes_of_files_under(const std::string& path) {
+  uint64_t total = 0;
+  std::error_code ec;
+  for (const auto& entry : std::filesystem::recursive_directory_iterator(path, ec)) {
+    std::error_code entry_error;
+    if (!entry.is_regular_file(entry_error)) continue;
+    const uintmax_t size = entry.file_size(entry_error);
+    if (!entry_error) total += size;
+  }
+  return total;
+}
+
 uint64_t read_u64(const char* p) {
   uint64_t value;
   std::memcpy(&value, p, 8);
@@ -175,6 +189,10 @@ std::vector<uint64_t> SnapshotStore::keys() const {
   for (const auto& [key, entry] : disk_)
     if (!ram_.count(key)) out.push_back(key);
   return out;
+}
+
+uint64_t SnapshotStore::disk_file_bytes() const {
+  return db_ ? bytes_of_files_under(options_.disk_path) : 0;
 }
 
 bool SnapshotStore::contains(uint64_t key) const {

@@ -89,6 +89,11 @@ class SnapshotStore {
   std::vector<uint64_t> keys() const;
   const StoreStats& stats() const { return stats_; }
   const StoreOptions& options() const { return options_; }
+  // What the disk tier's files take on their file system, as `du` counts them: the values and
+  // whatever RocksDB has not yet dropped (flushed files a compaction has not counted, its log).
+  // stats().disk_bytes is the values alone, which the budget bounds; this shows what the budget
+  // costs the disk. A walk of the tier's directory: call it seldom. 0 without a disk tier.
+  uint64_t disk_file_bytes() const;
 
  private:
   explicit SnapshotStore(StoreOptions options);

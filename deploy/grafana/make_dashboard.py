@@ -80,6 +80,9 @@ ROWS = [
         ("Approximate requests by outcome", "reqps", [
             ('sum by (outcome) (rate(moeline_gateway_approximate_requests_total'
              '[$__rate_interval]))', "{{outcome}}")]),
+        ("Snapshot store: bytes held and files on disk", "bytes", [
+            ("sum by (tier) (moeline_probe_store_bytes)", "held: {{tier}}"),
+            ("sum by (store) (moeline_probe_store_disk_file_bytes)", "on disk: {{store}}")]),
     ]),
     ("Experts", [
         ("Expert pool hit ratio", "percentunit", [

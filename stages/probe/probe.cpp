@@ -130,6 +130,13 @@ class Probe {
     metrics_.store_counters["disk_evictions"]->set(static_cast<double>(s.disk_evictions));
     metrics_.store_counters["corrupt_entries"]->set(static_cast<double>(s.corrupt));
     metrics_.store_counters["spill_failures"]->set(static_cast<double>(s.spill_failures));
+    // A directory walk each: every few seconds, not every turn of the loop.
+    if (const auto now = Clock::now(); now >= next_disk_walk_) {
+      next_disk_walk_ = now + kDiskWalkInterval;
+      metrics_.disk_file_bytes["snapshots"]->set(static_cast<double>(store_->disk_file_bytes()));
+      metrics_.disk_file_bytes["signatures"]->set(
+          static_cast<double>(approximate_->signatures().disk_file_bytes()));
+    }
     // A failed spill drops its entry (the disk refused it); said once per new failure, at most
     // once a second.
     const uint64_t failures = s.spill_failures + approximate_->signatures().stats().spill_failures;
@@ -266,6 +273,8 @@ class Probe {
   std::unique_ptr<ProbeAnswers> answers_;
   runtime::RateLimited spill_failure_log_;
   uint64_t spill_failures_logged_ = 0;
+  static constexpr auto kDiskWalkInterval = std::chrono::seconds(5);
+  Clock::time_point next_disk_walk_{};
 };
 
 int probe_body(const runtime::Config& config) {

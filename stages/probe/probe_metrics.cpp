@@ -32,6 +32,11 @@ ProbeMetrics::ProbeMetrics(runtime::Registry& registry) {
     entries[tier] = &registry.gauge("moeline_probe_store_entries", "Snapshot store entries by tier",
                                     {{"tier", tier}});
   }
+  for (const char* store : {"snapshots", "signatures"})
+    disk_file_bytes[store] = &registry.gauge(
+        "moeline_probe_store_disk_file_bytes",
+        "Bytes a store's disk tier takes on its file system (its files, as du counts them)",
+        {{"store", store}});
   using wire::ApproximateOutcome;
   for (const ApproximateOutcome outcome :
        {ApproximateOutcome::Response, ApproximateOutcome::Blend, ApproximateOutcome::Shadow,

@@ -21,6 +21,8 @@ struct ProbeMetrics {
   runtime::Gauge* queue_depth;
   // The snapshot store, by tier ("ram", "disk"), and its totals by name.
   std::map<std::string, runtime::Gauge*> bytes, entries, store_counters;
+  // What each store's disk tier takes on its file system ("snapshots", "signatures").
+  std::map<std::string, runtime::Gauge*> disk_file_bytes;
   // Approximate reuse.
   std::map<wire::ApproximateOutcome, runtime::Counter*> approximate;
   std::map<std::string, runtime::Counter*> candidates, served, checks, top1;

@@ -752,6 +752,11 @@ def case_reuse(args):
 
         spills = stack.metric("probe", "moeline_probe_store_spills")
         check(spills > 0, "nothing spilled to the disk tier")
+        # What the tier's files take, refreshed every 5 s: at least the values it holds.
+        wait_for(lambda: stack.metric("probe", "moeline_probe_store_disk_file_bytes",
+                                      store="snapshots") >=
+                 stack.metric("probe", "moeline_probe_store_bytes", tier="disk") > 0, 15,
+                 "the probe does not report its disk tier's files")
         old = stack.kill("probe")
         stack.wait_restarted("probe", old)
         wait_for(lambda: subprocess.run([args.moeline, "stack", "status", "--run-dir", run_dir],
