@@ -105,14 +105,17 @@ void finish_tile(__m512 (&acc)[M][N], const uint16_t* const* w_rows, const uint1
 // load across two lines costs two (safetensors data starts 8-byte aligned; a decode stream of such
 // loads read 27 GB/s on a Zen 5 core against 37-40 aligned) while the exact kernels' 32-byte loads
 // split half as often and were not slowed. Each chunk is two aligned lines, the second kept for
-// the next chunk, joined by one permute: the same 32 values, so the same sums.
+// the next chunk, joined by one permute: the same 32 values, so the same sums. The row's first and
+// last lines are read masked, only the row's own elements: the lanes outside it are never selected,
+// and a read outside the row, harmless inside a line, is one AddressSanitizer rightly reports.
 template <int M>
 struct AlignedRows {
   const uint16_t* line[M];  // the cache line each row starts in
   __m512i index[M];         // permutex2var indices: the row's offset in its line + lane
   __m512i low[M];           // the line the next chunk starts in
+  int64_t end[M];           // where the row ends, counted in elements from `line`
 
-  bool set(const uint16_t* const* rows) {
+  bool set(const uint16_t* const* rows, int64_t K) {
     for (int m = 0; m < M; ++m) {
       const auto address = reinterpret_cast<uintptr_t>(rows[m]);
       const auto shift = static_cast<int16_t>((address & 63) / 2);
@@ -123,13 +126,22 @@ struct AlignedRows {
           _mm512_set1_epi16(shift),
           _mm512_set_epi16(31, 30, 29, 28, 27, 26, 25, 24, 23, 22, 21, 20, 19, 18, 17, 16, 15, 14,
                            13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0));
-      low[m] = _mm512_load_si512(line[m]);
+      end[m] = shift + K;
+      low[m] = _mm512_maskz_loadu_epi16(~__mmask32{0} << shift, line[m]);
     }
     return true;
   }
-  // Chunk k of row m (the chunks in order, k counting elements); its last line is the row's.
-  __m512i chunk(int m, int64_t k) {
-    const __m512i high = _mm512_load_si512(line[m] + k + kChunk);
+  // Chunk k of row m (the chunks in order, k counting elements, all but the last).
+  __m512i chunk(int m, int64_t k) { return joined(m, _mm512_load_si512(line[m] + k + kChunk)); }
+  // The last whole chunk, whose second line holds the row's end.
+  __m512i last_chunk(int m, int64_t k) {
+    const int64_t in_row = end[m] - (k + kChunk);
+    const __mmask32 mask = in_row >= kChunk ? ~__mmask32{0} : (__mmask32{1} << in_row) - 1;
+    return joined(m, _mm512_maskz_loadu_epi16(mask, line[m] + k + kChunk));
+  }
+
+ private:
+  __m512i joined(int m, __m512i high) {
     const __m512i values = _mm512_permutex2var_epi16(low[m], index[m], high);
     low[m] = high;
     return values;
@@ -148,16 +160,19 @@ void tile(const uint16_t* const* w_rows, const uint16_t* const* x_rows, int64_t 
   // loads cost less than the permutes.
   if constexpr (M <= 2) {
     AlignedRows<M> aligned;
-    if (prefetch_bytes == 0 && k_full > 0 && aligned.set(w_rows)) {
-      for (int64_t k = 0; k < k_full; k += kChunk) {
+    if (prefetch_bytes == 0 && k_full > 0 && aligned.set(w_rows, K)) {
+      auto step = [&](int64_t k, bool last) {
         __m512i w[M];
-        for (int m = 0; m < M; ++m) w[m] = aligned.chunk(m, k);
+        for (int m = 0; m < M; ++m) w[m] = last ? aligned.last_chunk(m, k) : aligned.chunk(m, k);
         for (int t = 0; t < N; ++t) {
           const __m512bh x = reinterpret_cast<__m512bh>(_mm512_loadu_si512(x_rows[t] + k));
           for (int m = 0; m < M; ++m)
             acc[m][t] = _mm512_dpbf16_ps(acc[m][t], reinterpret_cast<__m512bh>(w[m]), x);
         }
-      }
+      };
+      int64_t k = 0;
+      for (; k + kChunk < k_full; k += kChunk) step(k, false);
+      step(k, true);
       finish_tile<M, N>(acc, w_rows, x_rows, K, k_full, y, y_stride);
       return;
     }

@@ -61,6 +61,9 @@ ALLOWED["moeline_cli"] = ALLOWED["moeline_stage_common"] | {"stage_common", "sdk
                                                              "cli_args", "picture"}
 
 INCLUDE = re.compile(r'^\s*#\s*include\s+"([^"]+)"', re.M)
+# An include under `#ifdef NAME` (model/cuda_engine.h under MOELINE_HAVE_CUDA) counts only where
+# the file is compiled with NAME defined: a build without CUDA does not link that library.
+IFDEF_BLOCK = re.compile(r'^\s*#\s*ifdef\s+(\w+)\s*$(.*?)^\s*#\s*endif', re.M | re.S)
 GETENV = re.compile(r"\bgetenv\s*\(")
 
 
@@ -126,7 +129,9 @@ def main():
                 and not source.endswith(os.path.join("base", "environment.cpp")):
             failures.append(f"{target}: {os.path.relpath(source, source_dir)} calls getenv; "
                             f"read environment variables through base/environment.h")
-        for header in INCLUDE.findall(text):
+        defined = {f[2:].split("=")[0] for f in flags_by_target[target] if f.startswith("-D")}
+        compiled = IFDEF_BLOCK.sub(lambda m: m.group(0) if m.group(1) in defined else "", text)
+        for header in INCLUDE.findall(compiled):
             checked_includes += 1
             candidates = [os.path.dirname(source)] + dirs
             if not any(os.path.exists(os.path.join(d, header)) for d in candidates):
