@@ -122,8 +122,8 @@ Backend* Backends::find(const std::string& model) {
   return nullptr;
 }
 
-Attempt Backends::begin(const CompletionRequest& request, const std::string& api_key,
-                        Backend& backend, Clock::time_point wait_until) {
+Attempt Backends::submit(const CompletionRequest& request, const std::string& api_key,
+                         Backend& backend) {
   Attempt attempt;
   attempt.backend = &backend;
   auto built = to_options(request, api_key, backend);
@@ -132,7 +132,14 @@ Attempt Backends::begin(const CompletionRequest& request, const std::string& api
     return attempt;
   }
   attempt.channel = backend.bridge->start(std::move(std::get<sdk::GenerateOptions>(built)));
-  attempt.first = next_event(*attempt.channel, wait_until, attempt.prompt_tokens);
+  return attempt;
+}
+
+Attempt Backends::begin(const CompletionRequest& request, const std::string& api_key,
+                        Backend& backend, Clock::time_point wait_until) {
+  Attempt attempt = submit(request, api_key, backend);
+  if (!attempt.refused)
+    attempt.first = next_event(*attempt.channel, wait_until, attempt.prompt_tokens);
   return attempt;
 }
 

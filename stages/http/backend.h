@@ -73,6 +73,9 @@ class Backends {
   // cancelled), goes to the fallback instead (counted by why).
   Attempt start(const CompletionRequest& request, const std::string& api_key, Backend& backend,
                 Clock::time_point received, Clock::time_point deadline);
+  // Sends the request to `backend` without waiting for its first event (first stays empty): a
+  // further choice of a request whose first choice start() placed there.
+  Attempt submit(const CompletionRequest& request, const std::string& api_key, Backend& backend);
 
  private:
   Attempt begin(const CompletionRequest& request, const std::string& api_key, Backend& backend,

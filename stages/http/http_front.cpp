@@ -8,6 +8,8 @@
 #include <ctime>
 #include <memory>
 #include <string>
+#include <variant>
+#include <vector>
 
 #include <nlohmann/json.hpp>
 
@@ -213,6 +215,55 @@ class HttpFront {
         .inc();
   }
 
+  // A choice's request: choice i samples with seed + i where a seed is given (as vLLM), so that
+  // the n choices differ and each is reproducible on its own.
+  static CompletionRequest choice_request(const CompletionRequest& request, int64_t choice) {
+    CompletionRequest one = request;
+    if (one.seed) *one.seed += static_cast<uint64_t>(choice);
+    return one;
+  }
+
+  // A choice on its way: its request's events and the first of them.
+  struct Started {
+    std::shared_ptr<http::RequestChannel> channel;
+    sdk::Event first;
+  };
+
+  // Choices 1 .. n-1, sent to the backend that took choice 0 once choice 0 has its first token
+  // (its prompt is then in the pipeline's reuse store, so theirs is not computed again); each
+  // waited for up to its first event. An error of any is the response's.
+  std::optional<ApiError> start_more_choices(const CompletionRequest& request,
+                                             const std::string& api_key, Backend& backend,
+                                             Clock::time_point deadline,
+                                             std::vector<Started>& started) {
+    std::vector<std::shared_ptr<http::RequestChannel>> sent;
+    for (int64_t i = 1; i < request.n; ++i) {
+      http::Attempt attempt = backends_.submit(choice_request(request, i), api_key, backend);
+      if (attempt.refused) {
+        for (const auto& channel : sent) backend.bridge->cancel(channel);
+        return attempt.refused;
+      }
+      sent.push_back(attempt.channel);
+    }
+    for (size_t i = 0; i < sent.size(); ++i) {
+      uint32_t prompt_tokens = 0;
+      std::optional<sdk::Event> first = http::next_event(*sent[i], deadline, prompt_tokens);
+      std::optional<ApiError> error;
+      if (!first)
+        error = ApiError{504, "no first token within the request timeout", "timeout_error", "", ""};
+      else if (first->kind == sdk::EventKind::kError)
+        error = http::gateway_error(first->error_code, first->error_name, first->error_message);
+      if (error) {
+        // The failed choice's request is over unless it timed out; the later ones are cancelled
+        // here, the earlier ones (in `started`) by the caller.
+        for (size_t j = i + (first ? 1 : 0); j < sent.size(); ++j) backend.bridge->cancel(sent[j]);
+        return error;
+      }
+      started.push_back({sent[i], std::move(*first)});
+    }
+    return std::nullopt;
+  }
+
   void handle(Endpoint endpoint, const httplib::Request& request, httplib::Response& response) {
     const auto received = Clock::now();
     auto parsed = http::parse_request(endpoint, request.body);
@@ -230,21 +281,21 @@ class HttpFront {
       return respond_error(endpoint, error, response);
     }
     const auto deadline = received + request_timeout_;
+    const std::string api_key = bearer_key(request);
     in_flight_->add(1);
     // Wait for the first token (or an error) before answering: an early error gets its own
     // status instead of a 200 that carries it in the stream.
     http::Attempt attempt =
-        backends_.start(api_request, bearer_key(request), *backend, received, deadline);
+        backends_.start(choice_request(api_request, 0), api_key, *backend, received, deadline);
     if (attempt.refused) {
       in_flight_->add(-1);
       return respond_error(endpoint, *attempt.refused, response);
     }
     http::GatewayBridge* bridge = attempt.backend->bridge.get();
-    std::shared_ptr<http::RequestChannel> channel = attempt.channel;
     std::optional<sdk::Event>& first = attempt.first;
-    uint32_t prompt_tokens = attempt.prompt_tokens;
+    const uint32_t prompt_tokens = attempt.prompt_tokens;
     if (!first) {
-      bridge->cancel(channel);
+      bridge->cancel(attempt.channel);
       in_flight_->add(-1);
       ApiError error;
       error.status = 504;
@@ -259,79 +310,109 @@ class HttpFront {
           response);
     }
     ttft_->observe(std::chrono::duration<double>(Clock::now() - received).count());
+    std::vector<Started> started;
+    started.push_back({attempt.channel, std::move(*first)});
+    if (auto error =
+            start_more_choices(api_request, api_key, *attempt.backend, deadline, started)) {
+      for (const Started& choice : started) bridge->cancel(choice.channel);
+      in_flight_->add(-1);
+      return respond_error(endpoint, *error, response);
+    }
 
-    auto completion = std::make_shared<http::Completion>();
-    completion->id = http::new_completion_id(endpoint);
-    completion->created = static_cast<int64_t>(std::time(nullptr));
-    completion->model = attempt.backend->name;
-    completion->fallback =
-        attempt.backend == backends_.fallback() && backend == &backends_.primary();
+    http::Completion base;
+    base.id = http::new_completion_id(endpoint);
+    base.created = static_cast<int64_t>(std::time(nullptr));
+    base.model = attempt.backend->name;
+    base.fallback = attempt.backend == backends_.fallback() && backend == &backends_.primary();
     if (api_request.stream && endpoint != Endpoint::kGenerate)
-      return stream(endpoint, api_request, *attempt.backend, channel, std::move(*first),
-                    prompt_tokens, completion, deadline, response);
+      return stream(endpoint, api_request, *attempt.backend, std::move(started), prompt_tokens,
+                    base, deadline, response);
 
+    std::vector<http::Completion> choices;
+    for (size_t i = 0; i < started.size(); ++i) {
+      auto choice = collect(endpoint, api_request, *attempt.backend, started[i], prompt_tokens,
+                            deadline, base);
+      if (auto* error = std::get_if<ApiError>(&choice)) {
+        for (size_t j = i + 1; j < started.size(); ++j) bridge->cancel(started[j].channel);
+        in_flight_->add(-1);
+        return respond_error(endpoint, *error, response);
+      }
+      choices.push_back(std::move(std::get<http::Completion>(choice)));
+      choices.back().index = static_cast<int64_t>(i);
+    }
+    in_flight_->add(-1);
+    if (endpoint == Endpoint::kGenerate) {
+      response.set_content(http::to_text(json{{"text", choices.front().text}}), "application/json");
+    } else {
+      response.set_content(http::to_text(http::completion_response(endpoint, choices)),
+                           "application/json");
+    }
+    count(endpoint, 200);
+  }
+
+  // One choice, not streamed: its events up to the end (a stop string cancels the rest).
+  std::variant<http::Completion, ApiError> collect(Endpoint endpoint,
+                                                   const CompletionRequest& api_request,
+                                                   const Backend& backend, Started& started,
+                                                   uint32_t prompt_tokens,
+                                                   Clock::time_point deadline,
+                                                   const http::Completion& base) {
     http::StopMatcher stops(api_request.stop);
     Outcome outcome;
     outcome.usage.prompt_tokens = prompt_tokens;
-    bool over = http::absorb(*first, stops, outcome, outcome.text);
+    bool over = http::absorb(started.first, stops, outcome, outcome.text);
     while (!over) {
-      std::optional<sdk::Event> event = http::next_event(*channel, deadline, prompt_tokens);
+      uint32_t ignored = 0;
+      std::optional<sdk::Event> event = http::next_event(*started.channel, deadline, ignored);
       if (!event) {
         outcome.error = ApiError{504, "the request timed out", "timeout_error", "", ""};
         break;
       }
       over = http::absorb(*event, stops, outcome, outcome.text);
     }
-    if (stops.stopped() || outcome.error) bridge->cancel(channel);
-    in_flight_->add(-1);
-    if (outcome.error) return respond_error(endpoint, *outcome.error, response);
-    completion->text = std::move(outcome.text);
-    completion->finish_reason = outcome.finish_reason;
-    completion->usage = outcome.usage;
-    completion->usage.completion_tokens = outcome.completion_tokens;
-    completion->timings = outcome.timings;
+    if (stops.stopped() || outcome.error) backend.bridge->cancel(started.channel);
+    if (outcome.error) return *outcome.error;
+    http::Completion completion = base;
+    completion.text = std::move(outcome.text);
+    completion.finish_reason = outcome.finish_reason;
+    completion.usage = outcome.usage;
+    completion.usage.completion_tokens = outcome.completion_tokens;
+    completion.timings = outcome.timings;
     if (api_request.logprobs) {
       size_t offset = 0;
-      completion->logprobs = http::LogprobsWriter(endpoint, *attempt.backend->tokenizer)
-                                 .object(outcome.ids, outcome.logprobs, offset);
+      completion.logprobs = http::LogprobsWriter(endpoint, *backend.tokenizer)
+                                .object(outcome.ids, outcome.logprobs, offset);
     }
-    if (endpoint == Endpoint::kGenerate) {
-      response.set_content(http::to_text(json{{"text", completion->text}}), "application/json");
-    } else {
-      response.set_content(http::to_text(http::completion_response(endpoint, *completion)),
-                           "application/json");
-    }
-    count(endpoint, 200);
+    return completion;
   }
 
   void stream(Endpoint endpoint, const CompletionRequest& api_request, const Backend& backend,
-              std::shared_ptr<http::RequestChannel> channel, sdk::Event first,
-              uint32_t prompt_tokens, std::shared_ptr<http::Completion> completion,
+              std::vector<Started> started, uint32_t prompt_tokens, const http::Completion& base,
               Clock::time_point deadline, httplib::Response& response) {
     count(endpoint, 200);
     response.set_header("Cache-Control", "no-cache");
-    auto tokens = std::make_shared<http::TokenStream>(endpoint, api_request, backend, completion,
-                                                      prompt_tokens, token_delay_, write_failures_);
-    auto pending = std::make_shared<sdk::Event>(std::move(first));
+    std::vector<http::StreamedResponse::Choice> choices;
+    for (size_t i = 0; i < started.size(); ++i) {
+      auto completion = std::make_shared<http::Completion>(base);
+      completion->index = static_cast<int64_t>(i);
+      choices.push_back(
+          {started[i].channel, std::move(started[i].first),
+           std::make_unique<http::TokenStream>(endpoint, api_request, backend, completion,
+                                               prompt_tokens, token_delay_, write_failures_)});
+    }
+    auto streamed = std::make_shared<http::StreamedResponse>(endpoint, std::move(choices),
+                                                             api_request.include_usage);
     http::GatewayBridge* bridge = backend.bridge.get();
     response.set_chunked_content_provider(
         "text/event-stream",
-        [channel, tokens, pending, deadline](size_t, httplib::DataSink& sink) {
-          // The first event here; the rest written by the bridge thread as they arrive.
-          if (tokens->on_event(*pending, Clock::now(), sink)) {
-            channel->attach([&](const sdk::Event& event, Clock::time_point arrived) {
-              return tokens->on_event(event, arrived, sink);
-            });
-            if (!channel->wait_consumed(deadline)) tokens->time_out();
-          }
-          // A client that went away: false, and the releaser cancels the request.
-          if (tokens->client_gone()) return false;
-          tokens->finish(sink);
+        [streamed, deadline](size_t, httplib::DataSink& sink) {
+          // A client that went away: false, and the releaser cancels the requests.
+          if (!streamed->write(sink, deadline)) return false;
           sink.done();
           return true;
         },
-        [this, bridge, channel, tokens](bool) {
-          if (!tokens->pipeline_ended()) bridge->cancel(channel);
+        [this, bridge, streamed](bool) {
+          for (const auto& channel : streamed->unfinished()) bridge->cancel(channel);
           in_flight_->add(-1);
         });
   }

@@ -168,11 +168,16 @@ std::optional<ApiError> read_stop(const json& body, std::vector<std::string>& ou
   return std::nullopt;
 }
 
-// n > 1 is not implemented: refused rather than answered with one choice.
-std::optional<ApiError> refuse_unimplemented(const json& body) {
+// n: 1 .. kMaxChoices choices (/generate answers one text: n > 1 is refused there).
+std::optional<ApiError> read_choices(Endpoint endpoint, const json& body, int64_t& out) {
   std::optional<int64_t> n;
   if (auto error = read_integer(body, "n", 1, n)) return error;
-  if (n && *n != 1) return unsupported("n", "n > 1");
+  if (!n) return std::nullopt;
+  if (*n > 1 && endpoint == Endpoint::kGenerate) return unsupported("n", "n > 1 on /generate");
+  if (*n > kMaxChoices)
+    return bad(
+        "n", "'n' must be at most " + std::to_string(kMaxChoices) + ", got " + std::to_string(*n));
+  out = *n;
   return std::nullopt;
 }
 
@@ -267,7 +272,7 @@ std::optional<ApiError> read_all(Endpoint endpoint, const json& body, Completion
   } else if (auto error = read_prompt(body, out)) {
     return error;
   }
-  if (auto error = refuse_unimplemented(body)) return error;
+  if (auto error = read_choices(endpoint, body, out.n)) return error;
   if (auto error = read_sampling(body, out)) return error;
   if (auto error = read_penalties(body, out)) return error;
   if (endpoint != Endpoint::kGenerate)
@@ -366,25 +371,39 @@ json extension_json(const Completion& completion) {
   return extension;
 }
 
-json completion_response(Endpoint endpoint, const Completion& completion) {
-  json choice = {
-      {"index", 0}, {"logprobs", completion.logprobs}, {"finish_reason", completion.finish_reason}};
-  if (endpoint == Endpoint::kChat)
-    choice["message"] = {{"role", "assistant"}, {"content", completion.text}};
-  else
-    choice["text"] = completion.text;
-  return {{"id", completion.id},
+sdk::Usage combined_usage(std::span<const Completion> choices) {
+  sdk::Usage usage = choices.front().usage;
+  usage.completion_tokens = 0;
+  for (const Completion& choice : choices)
+    usage.completion_tokens += choice.usage.completion_tokens;
+  return usage;
+}
+
+json completion_response(Endpoint endpoint, std::span<const Completion> choices) {
+  json listed = json::array();
+  for (const Completion& completion : choices) {
+    json choice = {{"index", completion.index},
+                   {"logprobs", completion.logprobs},
+                   {"finish_reason", completion.finish_reason}};
+    if (endpoint == Endpoint::kChat)
+      choice["message"] = {{"role", "assistant"}, {"content", completion.text}};
+    else
+      choice["text"] = completion.text;
+    listed.push_back(std::move(choice));
+  }
+  const Completion& first = choices.front();
+  return {{"id", first.id},
           {"object", endpoint == Endpoint::kChat ? "chat.completion" : "text_completion"},
-          {"created", completion.created},
-          {"model", completion.model},
-          {"choices", json::array({choice})},
-          {"usage", usage_json(completion.usage)},
-          {"moeline", extension_json(completion)}};
+          {"created", first.created},
+          {"model", first.model},
+          {"choices", std::move(listed)},
+          {"usage", usage_json(combined_usage(choices))},
+          {"moeline", extension_json(first)}};
 }
 
 json stream_chunk(Endpoint endpoint, const Completion& completion, const std::string& text,
                   bool first, const std::string& finish_reason, const json& logprobs) {
-  json choice = {{"index", 0},
+  json choice = {{"index", completion.index},
                  {"logprobs", logprobs},
                  {"finish_reason", finish_reason.empty() ? json(nullptr) : json(finish_reason)}};
   if (endpoint == Endpoint::kChat) {

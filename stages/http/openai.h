@@ -5,6 +5,7 @@
 
 #include <cstdint>
 #include <optional>
+#include <span>
 #include <string>
 #include <variant>
 #include <vector>
@@ -17,6 +18,10 @@
 namespace moeline::stages::http {
 
 enum class Endpoint { kChat, kCompletions, kGenerate };
+
+// The most choices (OpenAI's `n`) one request may ask for: each is a request in the pipeline, in
+// flight beside the others and counted against the tenant's limits.
+constexpr int64_t kMaxChoices = 16;
 
 // {"error": {"message", "type", "param", "code"}} with its HTTP status.
 struct ApiError {
@@ -51,6 +56,8 @@ struct CompletionRequest {
   bool stream = false;
   bool include_usage = false;
   std::string user;
+  // Choices to generate (`n`): choice i samples with seed + i when a seed is given (as vLLM).
+  int64_t n = 1;
   // Chat template switches (chat_template_kwargs, as vLLM and SGLang take them).
   tokenizer::ChatOptions chat;
 };
@@ -60,9 +67,11 @@ std::variant<CompletionRequest, ApiError> parse_request(Endpoint endpoint, const
 // What the gateway's error code means over HTTP (status, OpenAI error type).
 ApiError gateway_error(int code, const std::string& name, const std::string& message);
 
-// One finished or streamed completion as the response builders need it.
+// One finished or streamed choice of a completion as the response builders need it; the choices
+// of one response share its id, creation time and model.
 struct Completion {
-  std::string id;  // chatcmpl-... or cmpl-...
+  std::string id;     // chatcmpl-... or cmpl-...
+  int64_t index = 0;  // the choice's index (n > 1)
   int64_t created = 0;
   std::string model;
   std::string text;
@@ -77,7 +86,12 @@ nlohmann::json usage_json(const sdk::Usage& usage);
 // moeline's own fields (reuse level, approximate outcome, timings, whether the fallback model
 // served it) in one extension object.
 nlohmann::json extension_json(const Completion& completion);
-nlohmann::json completion_response(Endpoint endpoint, const Completion& completion);
+// The response's usage: the prompt counted once (the first choice's), the completion tokens of
+// every choice.
+sdk::Usage combined_usage(std::span<const Completion> choices);
+// The whole response: one choice per Completion, in their order, the envelope and moeline's
+// extension from the first.
+nlohmann::json completion_response(Endpoint endpoint, std::span<const Completion> choices);
 // A stream chunk: `delta` text (chat: with the role on the first chunk), or the final chunk with
 // the finish reason.
 nlohmann::json stream_chunk(Endpoint endpoint, const Completion& completion,
@@ -95,7 +109,8 @@ class TokenEvents {
   std::string prefix_, suffix_;
 };
 
-// The usage chunk of stream_options.include_usage: no choices.
+// The usage chunk of stream_options.include_usage: no choices; `completion` carries the
+// combined usage.
 nlohmann::json usage_chunk(Endpoint endpoint, const Completion& completion);
 
 std::string new_completion_id(Endpoint endpoint);

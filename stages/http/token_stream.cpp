@@ -23,7 +23,6 @@ TokenStream::TokenStream(Endpoint endpoint, const CompletionRequest& request,
       completion_(std::move(completion)),
       stops_(request.stop),
       token_events_(endpoint, *completion_),
-      include_usage_(request.include_usage),
       token_delay_(token_delay),
       write_failures_(write_failures) {
   if (request.logprobs) logprobs_.emplace(endpoint, *backend.tokenizer);
@@ -72,18 +71,88 @@ void TokenStream::time_out() {
     outcome_.error = ApiError{504, "the request timed out", "timeout_error", "", ""};
 }
 
-void TokenStream::finish(httplib::DataSink& sink) {
-  if (outcome_.error) {
-    send(sink, server_event(outcome_.error->body()));
-  } else {
-    completion_->usage = outcome_.usage;
-    completion_->usage.completion_tokens = outcome_.completion_tokens;
-    completion_->timings = outcome_.timings;
-    send(sink,
-         server_event(stream_chunk(endpoint_, *completion_, "", false, outcome_.finish_reason)));
-    if (include_usage_) send(sink, server_event(usage_chunk(endpoint_, *completion_)));
+void TokenStream::finish_choice(httplib::DataSink& sink) {
+  completion_->usage = outcome_.usage;
+  completion_->usage.completion_tokens = outcome_.completion_tokens;
+  completion_->timings = outcome_.timings;
+  send(sink,
+       server_event(stream_chunk(endpoint_, *completion_, "", false, outcome_.finish_reason)));
+}
+
+StreamedResponse::StreamedResponse(Endpoint endpoint, std::vector<Choice> choices,
+                                   bool include_usage)
+    : endpoint_(endpoint),
+      choices_(std::move(choices)),
+      include_usage_(include_usage),
+      ended_(choices_.size(), false),
+      open_(choices_.size()) {}
+
+bool StreamedResponse::deliver(size_t i, const sdk::Event& event, Clock::time_point arrived,
+                               httplib::DataSink& sink) {
+  if (stopped_ || ended_[i]) return false;
+  TokenStream& tokens = *choices_[i].tokens;
+  if (tokens.on_event(event, arrived, sink)) return true;
+  ended_[i] = true;
+  --open_;
+  if (tokens.error() || tokens.client_gone())
+    stopped_ = true;
+  else
+    tokens.finish_choice(sink);
+  changed_.notify_all();
+  return false;
+}
+
+bool StreamedResponse::write(httplib::DataSink& sink, Clock::time_point deadline) {
+  // A consumer runs holding its channel's lock and then takes mutex_: so mutex_ is never held
+  // here while a channel's lock is taken (attach, and the detaching wait_consumed).
+  for (size_t i = 0; i < choices_.size(); ++i) {
+    bool more = false;
+    {
+      std::lock_guard lock(mutex_);
+      more = deliver(i, choices_[i].first, Clock::now(), sink);
+    }
+    if (more)
+      choices_[i].channel->attach([this, i, &sink](const sdk::Event& event, Clock::time_point at) {
+        std::lock_guard lock(mutex_);
+        return deliver(i, event, at, sink);
+      });
   }
-  send(sink, "data: [DONE]\n\n");
+  {
+    std::unique_lock lock(mutex_);
+    if (!changed_.wait_until(lock, deadline, [&] { return open_ == 0 || stopped_; })) {
+      for (size_t i = 0; i < choices_.size(); ++i)
+        if (!ended_[i]) choices_[i].tokens->time_out();
+      stopped_ = true;
+    }
+  }
+  // Detached: no consumer is called after this (those still attached belong to choices that
+  // the failure or the deadline ended, and are cancelled by the caller).
+  for (Choice& choice : choices_) choice.channel->wait_consumed(Clock::now());
+  std::lock_guard lock(mutex_);
+  for (const Choice& choice : choices_)
+    if (choice.tokens->client_gone()) return false;
+  TokenStream& first = *choices_.front().tokens;
+  const auto failed = std::find_if(choices_.begin(), choices_.end(),
+                                   [](const Choice& choice) { return choice.tokens->error(); });
+  std::string closing;
+  if (failed != choices_.end()) {
+    closing = server_event(failed->tokens->error()->body());
+  } else if (include_usage_) {
+    std::vector<Completion> completions;
+    for (const Choice& choice : choices_) completions.push_back(choice.tokens->completion());
+    Completion combined = first.completion();
+    combined.usage = combined_usage(completions);
+    closing = server_event(usage_chunk(endpoint_, combined));
+  }
+  closing += "data: [DONE]\n\n";
+  return first.send(sink, closing);
+}
+
+std::vector<std::shared_ptr<RequestChannel>> StreamedResponse::unfinished() const {
+  std::vector<std::shared_ptr<RequestChannel>> channels;
+  for (const Choice& choice : choices_)
+    if (!choice.tokens->pipeline_ended()) channels.push_back(choice.channel);
+  return channels;
 }
 
 }  // namespace moeline::stages::http

@@ -6,10 +6,13 @@
 // response's own thread.
 
 #include <chrono>
+#include <condition_variable>
 #include <cstdint>
 #include <memory>
+#include <mutex>
 #include <optional>
 #include <string>
+#include <vector>
 
 #include <httplib.h>
 
@@ -35,27 +38,67 @@ class TokenStream {
   bool on_event(const sdk::Event& event, Clock::time_point arrived, httplib::DataSink& sink);
   // No event within the request's deadline: the stream ends with a 504 error object.
   void time_out();
-  // The closing events: the error object, or the finish chunk (and usage); then [DONE].
-  void finish(httplib::DataSink& sink);
+  // The choice is over without an error: its usage and timings into the completion, and its
+  // finish chunk.
+  void finish_choice(httplib::DataSink& sink);
+  // The error that ended the choice, if one did.
+  const std::optional<ApiError>& error() const { return outcome_.error; }
+  const Completion& completion() const { return *completion_; }
 
   bool client_gone() const { return client_gone_; }
   // The pipeline ended the request (finished or failed): nothing left to cancel.
   bool pipeline_ended() const { return pipeline_ended_; }
-
- private:
+  // Writes `text` unless the client is gone; a failed write marks it gone (and is counted).
   bool send(httplib::DataSink& sink, const std::string& text);
 
+ private:
   Endpoint endpoint_;
   std::shared_ptr<Completion> completion_;
   StopMatcher stops_;
   std::optional<LogprobsWriter> logprobs_;
   TokenEvents token_events_;
-  bool include_usage_;
   runtime::Histogram* token_delay_;
   runtime::Counter* write_failures_;
   Outcome outcome_;
   size_t text_offset_ = 0;  // completions' logprobs.text_offset
   bool first_chunk_ = true, client_gone_ = false, pipeline_ended_ = false;
+};
+
+// The stream of a whole response: its choices' events (n of them, OpenAI's `n`) interleaved in
+// one sink as they arrive, each choice's finish chunk when it ends; then, once every choice is
+// over, the usage chunk where asked and [DONE]. A choice that fails ends the response with its
+// error object (the other choices are cancelled), as does the deadline.
+class StreamedResponse {
+ public:
+  using Clock = std::chrono::steady_clock;
+  struct Choice {
+    std::shared_ptr<RequestChannel> channel;
+    sdk::Event first;
+    std::unique_ptr<TokenStream> tokens;
+  };
+  StreamedResponse(Endpoint endpoint, std::vector<Choice> choices, bool include_usage);
+
+  // Writes the response to `sink`, the first events on this thread and the rest on the bridge's
+  // as they arrive; false when the client went away.
+  bool write(httplib::DataSink& sink, Clock::time_point deadline);
+  // The choices' requests the pipeline has not ended (to cancel).
+  std::vector<std::shared_ptr<RequestChannel>> unfinished() const;
+
+ private:
+  // With mutex_ held: one event of choice i; false once the choice is over or the response is.
+  bool deliver(size_t i, const sdk::Event& event, Clock::time_point arrived,
+               httplib::DataSink& sink);
+
+  Endpoint endpoint_;
+  std::vector<Choice> choices_;
+  bool include_usage_;
+  // Serialises the writes of the choices (each choice's events come on the bridge thread, the
+  // first ones on the response's) and guards what follows.
+  std::mutex mutex_;
+  std::condition_variable changed_;
+  std::vector<bool> ended_;
+  size_t open_ = 0;
+  bool stopped_ = false;  // a choice failed or the client went away: nothing more is written
 };
 
 }  // namespace moeline::stages::http

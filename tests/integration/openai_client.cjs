@@ -51,6 +51,19 @@ async function main() {
   out.completion = { text: completion.choices[0].text,
                      finish_reason: completion.choices[0].finish_reason };
 
+  // n choices, whole and streamed (the library gathers a stream's chunks by choice index).
+  const several = await client.completions.create({ model, prompt: "(botany) a plant", n: 2,
+                                                    temperature: 0.9, seed: 7, max_tokens: 12 });
+  const streamed = ["", ""];
+  const choices = await client.completions.create({ model, prompt: "(botany) a plant", n: 2,
+                                                    temperature: 0.9, seed: 7, max_tokens: 12,
+                                                    stream: true });
+  for await (const chunk of choices)
+    for (const choice of chunk.choices) streamed[choice.index] += choice.text;
+  out.choices = { texts: several.choices.map((c) => c.text),
+                  indices: several.choices.map((c) => c.index), streamed,
+                  completion_tokens: several.usage.completion_tokens };
+
   try {
     await client.chat.completions.create({ model: "no-such-model", messages });
     out.unknown_model = { status: 200 };

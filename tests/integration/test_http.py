@@ -8,7 +8,8 @@ Cases (--case, one per CTest entry):
         server-sent events (the role first, the finish reason last, usage when asked for, then
         [DONE]); stop strings cut where they start, across token boundaries, streamed or not;
         /generate; errors with OpenAI's error object and the right status (bad JSON, wrong types,
-        out-of-range values, an unknown model, n > 1); penalties and log-probabilities (OpenAI's
+        out-of-range values, an unknown model, n over 16); n choices (each moeline run's sample
+        with seed + index; streamed and not); penalties and log-probabilities (OpenAI's
         chat and completions shapes, streamed and not) as `moeline run` computes them; a client
         that disconnects mid-stream cancels its request in the pipeline.
   auth  with the gateway's API keys: no key and a wrong key are 401, a valid key is served.
@@ -16,8 +17,8 @@ Cases (--case, one per CTest entry):
         Retry-After; with a second stack as the fallback (--fallback-endpoint), that request is
         served by the fallback, says so (model, moeline.fallback) and is counted.
   openai  the official `openai` npm client (Node.js) against the front: models, chat, a streamed
-        chat with usage, a penalty with log-probabilities, a completion with a stop string, and
-        its error classes for an unknown model and a wrong type; skipped (77) when the package
+        chat with usage, a penalty with log-probabilities, a completion with a stop string, n=2
+        choices whole and streamed, and its error classes for an unknown model and a wrong type; skipped (77) when the package
         is not installed.
   slow_client  a streaming client that stops reading is cut off after --write-timeout-ms (and
         counted), while another stream completes.
@@ -260,8 +261,10 @@ def case_api(args):
                  what="stream a string")
         error_is(post(stack, "/v1/completions", {"model": "gpt-4", "prompt": "x"}), 404, "model",
                  "model_not_found", what="unknown model")
-        error_is(post(stack, "/v1/completions", {"prompt": "x", "n": 2}), 400, "n",
-                 what="n > 1")
+        error_is(post(stack, "/v1/completions", {"prompt": "x", "n": 17}), 400, "n",
+                 what="n over the limit")
+        error_is(post(stack, "/generate", {"prompt": "x", "n": 2}), 400, "n",
+                 what="n > 1 on /generate")
         error_is(post(stack, "/v1/completions", {"prompt": "x", "presence_penalty": 2.5}), 400,
                  "presence_penalty", what="a penalty out of range")
         error_is(post(stack, "/v1/chat/completions",
@@ -274,11 +277,12 @@ def case_api(args):
                                 "some_future_field": {"x": 1}})
         check(status == 200 and body["choices"][0]["text"] == expected["text"],
               f"unknown field: {status} {body}")
-        print("ok api: bad JSON, wrong types, out-of-range values, unknown model, n > 1 and "
+        print("ok api: bad JSON, wrong types, out-of-range values, unknown model, n over 16 and "
               "unsupported parameters are errors with OpenAI's error object; unknown fields are "
               "ignored")
 
         check_logprobs_and_penalties(args, stack)
+        check_choices(args, stack)
 
         # A client that disconnects mid-stream: its request is cancelled in the pipeline.
         def disconnect_mid_stream():
@@ -307,6 +311,58 @@ def case_api(args):
 
         until_the_stop_lands(disconnect_mid_stream, "http disconnect")
         print("ok api: a client that disconnects mid-stream cancels its request")
+
+
+def check_choices(args, stack):
+    """n choices: choice i samples with seed + i, so each equals `moeline run --seed` with that
+    seed; streamed, the choices' chunks interleave by index, each ends with its own finish
+    reason, and the usage counts the prompt once and every choice's tokens."""
+    seed, n, max_tokens = 4242, 3, 16
+    refs = [reference(args.moeline, args.model, max_tokens, prompt=LONG_PROMPT, temperature=0.9,
+                      seed=seed + i) for i in range(n)]
+    check(len({r["text"] for r in refs}) > 1, "the seeds must give different samples")
+    request = {"prompt": LONG_PROMPT, "max_tokens": max_tokens, "temperature": 0.9, "seed": seed,
+               "n": n}
+    status, body, _ = post(stack, "/v1/completions", request)
+    check(status == 200 and [c["index"] for c in body["choices"]] == list(range(n)),
+          f"n={n}: {status} {body}")
+    for choice, ref in zip(body["choices"], refs):
+        check(choice["text"] == ref["text"] and choice["finish_reason"] == ref["finish_reason"],
+              f"choice {choice['index']}: {choice['text']!r} want {ref['text']!r}")
+    usage = body["usage"]
+    check(usage["prompt_tokens"] == refs[0]["usage"]["prompt_tokens"] and
+          usage["completion_tokens"] == sum(len(r["ids"]) for r in refs),
+          f"n={n} usage: {usage}")
+
+    events, done = stream(stack, "/v1/completions",
+                          dict(request, stream=True, stream_options={"include_usage": True}))
+    check(done, "the stream must end with data: [DONE]")
+    chunks = [e for e in events if e["choices"]]
+    texts, finishes = [""] * n, [[] for _ in range(n)]
+    for chunk in chunks:
+        check(len(chunk["choices"]) == 1 and chunk["id"] == chunks[0]["id"],
+              f"one choice per chunk, one id: {chunk}")
+        choice = chunk["choices"][0]
+        check(not finishes[choice["index"]], f"a chunk after choice {choice['index']} finished")
+        texts[choice["index"]] += choice["text"]
+        if choice["finish_reason"] is not None:
+            finishes[choice["index"]].append(choice["finish_reason"])
+    check(texts == [r["text"] for r in refs], f"streamed choices {texts} want "
+          f"{[r['text'] for r in refs]}")
+    check(finishes == [[r["finish_reason"]] for r in refs], f"finish reasons {finishes}")
+    usage_events = [e for e in events if not e["choices"]]
+    check(len(usage_events) == 1 and usage_events[0]["usage"] == usage,
+          f"the usage chunk: {usage_events} want {usage}")
+
+    # Chat: the choices of a greedy request are the same text.
+    status, body, _ = post(stack, "/v1/chat/completions",
+                           {"messages": [{"role": "user", "content": "a person who"}],
+                            "max_tokens": 8, "temperature": 0, "n": 2})
+    contents = [c["message"]["content"] for c in body.get("choices", [])]
+    check(status == 200 and len(contents) == 2 and contents[0] == contents[1] and contents[0],
+          f"greedy chat n=2: {status} {body}")
+    print(f"ok api: n={n} choices, each equal to moeline run with seed + index, streamed "
+          "interleaved with a finish reason each, usage over every choice")
 
 
 # Both sides report float32 log-probabilities of the same logits, computed in double.
@@ -399,6 +455,8 @@ def case_openai(args):
     scored_ref = run_chat(args, "a person who", 12,
                           ["--presence-penalty", "0.6", "--logprobs", "2"])
     expected = reference(args.moeline, args.model, 40, prompt=LONG_PROMPT)
+    sampled = [reference(args.moeline, args.model, 12, prompt=LONG_PROMPT, temperature=0.9,
+                         seed=7 + i) for i in range(2)]
     with Stack(args.moeline, args.model, run, http_port=0) as stack:
         out = subprocess.run(["node", os.path.join(HERE, "openai_client.cjs"), node_modules,
                               stack.state()["http"] + "/v1", name],
@@ -424,6 +482,11 @@ def case_openai(args):
     full = expected["text"]
     check(got["completion"]["text"] == full[:full.index("Acanth")] and
           got["completion"]["finish_reason"] == "stop", f"completion with stop: {got['completion']}")
+    choices = got["choices"]
+    check(choices["indices"] == [0, 1] and choices["texts"] == [r["text"] for r in sampled] and
+          choices["streamed"] == choices["texts"] and
+          choices["completion_tokens"] == sum(len(r["ids"]) for r in sampled),
+          f"n=2 through the openai client: {choices} want {[r['text'] for r in sampled]}")
     check(got["unknown_model"]["status"] == 404 and got["unknown_model"]["code"] ==
           "model_not_found" and got["unknown_model"]["name"] == "NotFoundError",
           f"unknown model through the openai client: {got['unknown_model']}")
@@ -432,7 +495,8 @@ def case_openai(args):
           f"wrong type through the openai client: {got['wrong_type']}")
     print("ok openai: the official openai npm client lists the model, chats (greedy output "
           "identical to moeline run --chat), streams with usage, takes a penalty and "
-          "logprobs (moeline run's), completes up to a stop string, and raises NotFoundError / BadRequestError with OpenAI's fields")
+          "logprobs (moeline run's), completes up to a stop string, takes n=2 whole and "
+          "streamed (moeline run's samples with seeds 7 and 8), and raises NotFoundError / BadRequestError with OpenAI's fields")
 
 
 def case_slow_client(args):

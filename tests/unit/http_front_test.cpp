@@ -148,6 +148,11 @@ TEST(OpenAiRequest, DefaultsAreOpenAis) {
                  R"({"prompt": "p", "max_tokens": 3, "max_completion_tokens": 9, "top_k": -1})");
   EXPECT_EQ(both.max_tokens, 3);
   EXPECT_EQ(both.top_k, 0);
+  EXPECT_EQ(r.n, 1);
+  EXPECT_EQ(request_of(Endpoint::kChat, R"({"messages": [{"role": "user", "content": "x"}],
+                                             "n": 16})")
+                .n,
+            16);
 }
 
 TEST(OpenAiRequest, WrongTypesAndValuesNameTheirParameter) {
@@ -181,7 +186,10 @@ TEST(OpenAiRequest, WrongTypesAndValuesNameTheirParameter) {
       {Endpoint::kCompletions, R"({"prompt": "p", "stream": 1})", "stream"},
       {Endpoint::kCompletions, R"({"prompt": "p", "stream_options": {"include_usage": true}})",
        "stream_options"},
-      {Endpoint::kCompletions, R"({"prompt": "p", "n": 3})", "n"},
+      {Endpoint::kCompletions, R"({"prompt": "p", "n": 0})", "n"},
+      {Endpoint::kCompletions, R"({"prompt": "p", "n": 17})", "n"},
+      {Endpoint::kCompletions, R"({"prompt": "p", "n": 2.5})", "n"},
+      {Endpoint::kGenerate, R"({"prompt": "p", "n": 2})", "n"},
       {Endpoint::kCompletions, R"({"prompt": "p", "logprobs": 21})", "logprobs"},
       {Endpoint::kCompletions, R"({"prompt": "p", "logprobs": true})", "logprobs"},
       {Endpoint::kChat, R"({"messages": [], "logprobs": true})", "messages"},
@@ -238,13 +246,13 @@ TEST(OpenAiResponse, ChatAndCompletionShapes) {
   c.usage.prompt_tokens = 3;
   c.usage.completion_tokens = 2;
   c.usage.reused_tokens = 1;
-  const nlohmann::json chat = completion_response(Endpoint::kChat, c);
+  const nlohmann::json chat = completion_response(Endpoint::kChat, {&c, 1});
   EXPECT_EQ(chat["object"], "chat.completion");
   EXPECT_EQ(chat["choices"][0]["message"],
             (nlohmann::json{{"role", "assistant"}, {"content", "hi"}}));
   EXPECT_EQ(chat["usage"]["total_tokens"], 5);
   EXPECT_EQ(chat["usage"]["prompt_tokens_details"]["cached_tokens"], 1);
-  const nlohmann::json text = completion_response(Endpoint::kCompletions, c);
+  const nlohmann::json text = completion_response(Endpoint::kCompletions, {&c, 1});
   EXPECT_EQ(text["object"], "text_completion");
   EXPECT_EQ(text["choices"][0]["text"], "hi");
   const nlohmann::json first = stream_chunk(Endpoint::kChat, c, "h", true, "");
@@ -266,6 +274,24 @@ TEST(OpenAiResponse, ChatAndCompletionShapes) {
                 "data: " + stream_chunk(endpoint, c, piece, false, "").dump() + "\n\n")
           << piece;
   }
+  // n choices: one entry each with its index, the prompt counted once, every choice's tokens.
+  Completion second = c;
+  second.index = 1;
+  second.text = "ho";
+  second.finish_reason = "length";
+  second.usage.completion_tokens = 4;
+  const Completion both[] = {c, second};
+  const nlohmann::json two = completion_response(Endpoint::kChat, both);
+  ASSERT_EQ(two["choices"].size(), 2u);
+  EXPECT_EQ(two["choices"][1]["index"], 1);
+  EXPECT_EQ(two["choices"][1]["message"]["content"], "ho");
+  EXPECT_EQ(two["choices"][1]["finish_reason"], "length");
+  EXPECT_EQ(two["usage"]["prompt_tokens"], 3);
+  EXPECT_EQ(two["usage"]["completion_tokens"], 6);
+  EXPECT_EQ(two["usage"]["total_tokens"], 9);
+  EXPECT_EQ(stream_chunk(Endpoint::kCompletions, second, "x", false, "")["choices"][0]["index"], 1);
+  EXPECT_EQ(TokenEvents(Endpoint::kChat, second).event("x"),
+            "data: " + stream_chunk(Endpoint::kChat, second, "x", false, "").dump() + "\n\n");
   EXPECT_EQ(new_completion_id(Endpoint::kChat).rfind("chatcmpl-", 0), 0u);
   EXPECT_NE(new_completion_id(Endpoint::kChat), new_completion_id(Endpoint::kChat));
 }
