@@ -181,6 +181,45 @@ std::optional<ApiError> read_choices(Endpoint endpoint, const json& body, int64_
   return std::nullopt;
 }
 
+bool present(const json& body, const char* key) {
+  return body.contains(key) && !body[key].is_null();
+}
+
+// What OpenAI's API can ask for and this server does not do: refused when it would change the
+// answer (a client that sends the neutral value, `"tools": []`, `"echo": false`, is served), so
+// that nobody gets an answer that silently ignores it.
+std::optional<ApiError> refuse_unserved(const json& body, int64_t n) {
+  for (const char* key : {"tools", "functions"}) {
+    if (!present(body, key)) continue;
+    if (!body[key].is_array()) return wrong_type(key, body[key], "an array");
+    const bool no_calls = present(body, "tool_choice") && body["tool_choice"] == "none";
+    if (!body[key].empty() && !no_calls) return unsupported(key, "tool calling");
+  }
+  if (present(body, "response_format")) {
+    const json& format = body["response_format"];
+    if (!format.is_object()) return wrong_type("response_format", format, "an object");
+    if (format.contains("type") && format["type"] != "text")
+      return unsupported("response_format", "response_format " + format["type"].dump());
+  }
+  if (present(body, "logit_bias")) {
+    if (!body["logit_bias"].is_object())
+      return wrong_type("logit_bias", body["logit_bias"], "an object");
+    if (!body["logit_bias"].empty()) return unsupported("logit_bias", "logit_bias");
+  }
+  bool echo = false;
+  if (auto error = read_bool(body, "echo", echo)) return error;
+  if (echo) return unsupported("echo", "echo");
+  if (present(body, "suffix")) {
+    if (!body["suffix"].is_string()) return wrong_type("suffix", body["suffix"], "a string");
+    if (!body["suffix"].get<std::string>().empty()) return unsupported("suffix", "suffix");
+  }
+  std::optional<int64_t> best_of;
+  if (auto error = read_integer(body, "best_of", 1, best_of)) return error;
+  if (best_of && *best_of < n) return bad("best_of", "'best_of' must be at least 'n'");
+  if (best_of && *best_of > n) return unsupported("best_of", "best_of greater than n");
+  return std::nullopt;
+}
+
 // Chat: "logprobs" true/false and "top_logprobs" 0..20; completions: "logprobs" N, the number
 // of alternatives (0: only the chosen token's).
 std::optional<ApiError> read_logprobs(Endpoint endpoint, const json& body, CompletionRequest& out) {
@@ -273,6 +312,7 @@ std::optional<ApiError> read_all(Endpoint endpoint, const json& body, Completion
     return error;
   }
   if (auto error = read_choices(endpoint, body, out.n)) return error;
+  if (auto error = refuse_unserved(body, out.n)) return error;
   if (auto error = read_sampling(body, out)) return error;
   if (auto error = read_penalties(body, out)) return error;
   if (endpoint != Endpoint::kGenerate)

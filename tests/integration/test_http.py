@@ -265,6 +265,12 @@ def case_api(args):
                  what="n over the limit")
         error_is(post(stack, "/generate", {"prompt": "x", "n": 2}), 400, "n",
                  what="n > 1 on /generate")
+        error_is(post(stack, "/v1/chat/completions",
+                      {"messages": [{"role": "user", "content": "x"}],
+                       "tools": [{"type": "function", "function": {"name": "f"}}]}), 400,
+                 "tools", "unsupported_parameter", what="tools, which the server does not call")
+        error_is(post(stack, "/v1/completions", {"prompt": "x", "logit_bias": {"5": -100}}), 400,
+                 "logit_bias", "unsupported_parameter", what="a logit bias")
         error_is(post(stack, "/v1/completions", {"prompt": "x", "presence_penalty": 2.5}), 400,
                  "presence_penalty", what="a penalty out of range")
         error_is(post(stack, "/v1/chat/completions",

@@ -149,6 +149,19 @@ TEST(OpenAiRequest, DefaultsAreOpenAis) {
   EXPECT_EQ(both.max_tokens, 3);
   EXPECT_EQ(both.top_k, 0);
   EXPECT_EQ(r.n, 1);
+  // The neutral values of what the server does not do are served.
+  EXPECT_EQ(request_of(Endpoint::kChat, R"({"messages": [{"role": "user", "content": "x"}],
+      "tools": [], "logit_bias": {}, "response_format": {"type": "text"}})")
+                .messages.size(),
+            1u);
+  EXPECT_EQ(request_of(Endpoint::kChat, R"({"messages": [{"role": "user", "content": "x"}],
+      "tools": [{"type": "function"}], "tool_choice": "none"})")
+                .messages.size(),
+            1u);
+  EXPECT_EQ(request_of(Endpoint::kCompletions,
+                       R"({"prompt": "p", "echo": false, "suffix": "", "n": 2, "best_of": 2})")
+                .n,
+            2);
   EXPECT_EQ(request_of(Endpoint::kChat, R"({"messages": [{"role": "user", "content": "x"}],
                                              "n": 16})")
                 .n,
@@ -190,6 +203,21 @@ TEST(OpenAiRequest, WrongTypesAndValuesNameTheirParameter) {
       {Endpoint::kCompletions, R"({"prompt": "p", "n": 17})", "n"},
       {Endpoint::kCompletions, R"({"prompt": "p", "n": 2.5})", "n"},
       {Endpoint::kGenerate, R"({"prompt": "p", "n": 2})", "n"},
+      {Endpoint::kChat, R"({"messages": [{"role": "user"}], "tools": [{"type": "function"}]})",
+       "tools"},
+      {Endpoint::kChat, R"({"messages": [{"role": "user"}], "tools": {}})", "tools"},
+      {Endpoint::kChat, R"({"messages": [{"role": "user"}], "functions": [{"name": "f"}]})",
+       "functions"},
+      {Endpoint::kChat,
+       R"({"messages": [{"role": "user"}], "response_format": {"type": "json_object"}})",
+       "response_format"},
+      {Endpoint::kChat, R"({"messages": [{"role": "user"}], "logit_bias": {"50256": -100}})",
+       "logit_bias"},
+      {Endpoint::kChat, R"({"messages": [{"role": "user"}], "logit_bias": [1]})", "logit_bias"},
+      {Endpoint::kCompletions, R"({"prompt": "p", "echo": true})", "echo"},
+      {Endpoint::kCompletions, R"({"prompt": "p", "suffix": "end"})", "suffix"},
+      {Endpoint::kCompletions, R"({"prompt": "p", "best_of": 3})", "best_of"},
+      {Endpoint::kCompletions, R"({"prompt": "p", "n": 2, "best_of": 1})", "best_of"},
       {Endpoint::kCompletions, R"({"prompt": "p", "logprobs": 21})", "logprobs"},
       {Endpoint::kCompletions, R"({"prompt": "p", "logprobs": true})", "logprobs"},
       {Endpoint::kChat, R"({"messages": [], "logprobs": true})", "messages"},
