@@ -9,9 +9,15 @@
 // decode streams per thread (StreamTuning): a claim from each half side by side, for the types
 // that have a two-stream kernel (quant_two_streams).
 //
+// --tunings "A;B;..." compares kernel tunings in one process (MOELINE_KERNEL_TUNING's syntax
+// each, over the host's default; "" is the default itself): the passes alternate between them,
+// so that a VM's slow and fast spells fall on every tuning alike, and each tuning's line adds its
+// median pass and the median of its passes' ratios to the first tuning's pass of the same round.
+// A tuning's decode_streams sets its streams (--streams is then ignored).
+//
 //   moeline_quant_kernel_bench [--types q8_0,q4_0,q4_k,q5_k,q6_k] [--tokens 1,8,64]
 //                              [--rows 2816] [--cols 1024] [--matrices 24] [--repeat 5]
-//                              [--claim-rows 0] [--streams 1]
+//                              [--claim-rows 0] [--streams 1] [--tunings "A;B"]
 #include <algorithm>
 #include <chrono>
 #include <cstdint>
@@ -23,6 +29,7 @@
 #include "bench_args.h"
 #include "kernels/cpu/cpu_features.h"
 #include "kernels/cpu/dtype.h"
+#include "kernels/cpu/matmul.h"
 #include "kernels/cpu/quant_matmul.h"
 #include "kernels/cpu/quantize.h"
 
@@ -47,6 +54,39 @@ kernels::DType parse_type(const std::string& name) {
   std::exit(2);
 }
 
+struct Tuning {
+  std::string text;  // as given ("" for the host's default)
+  kernels::StreamTuning tuning;
+};
+
+std::vector<Tuning> parse_tunings(const std::string& list, int streams) {
+  const kernels::StreamTuning host = kernels::stream_tuning();
+  if (list.empty()) {
+    kernels::StreamTuning only = host;
+    only.decode_streams = streams;
+    return {{"", only}};
+  }
+  std::vector<Tuning> tunings;
+  size_t start = 0;
+  while (start <= list.size()) {
+    const size_t end = std::min(list.find(';', start), list.size());
+    Tuning tuning{list.substr(start, end - start), host};
+    if (!tuning.text.empty() && !kernels::parse_stream_tuning(tuning.text.c_str(), tuning.tuning)) {
+      std::cerr << "--tunings: cannot read \"" << tuning.text << "\"\n";
+      std::exit(2);
+    }
+    tunings.push_back(tuning);
+    start = end + 1;
+  }
+  return tunings;
+}
+
+double median(std::vector<double> values) {
+  std::sort(values.begin(), values.end());
+  const size_t n = values.size();
+  return n % 2 ? values[n / 2] : 0.5 * (values[n / 2 - 1] + values[n / 2]);
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -58,7 +98,8 @@ int main(int argc, char** argv) {
                                          {"--matrices", "24"},
                                          {"--repeat", "5"},
                                          {"--claim-rows", "0"},
-                                         {"--streams", "1"}});
+                                         {"--streams", "1"},
+                                         {"--tunings", ""}});
   const int64_t rows = std::stoll(flags.at("--rows")), cols = std::stoll(flags.at("--cols"));
   const int matrices = std::stoi(flags.at("--matrices")), repeat = std::stoi(flags.at("--repeat"));
   const int64_t claim = std::stoll(flags.at("--claim-rows"));
@@ -70,6 +111,7 @@ int main(int argc, char** argv) {
                  "--claim-rows not negative; --streams 1 or 2\n";
     return 2;
   }
+  const std::vector<Tuning> tunings = parse_tunings(flags.at("--tunings"), streams);
   std::mt19937 random(7);
   std::normal_distribution<float> normal(0.0f, 0.02f);
   std::vector<float> weights(static_cast<size_t>(rows * cols));
@@ -78,7 +120,6 @@ int main(int argc, char** argv) {
   for (const auto& type_name : bench::parse_list<std::string>(flags.at("--types"))) {
     const kernels::DType dtype = parse_type(type_name);
     const auto row_bytes = static_cast<int64_t>(kernels::stored_bytes(dtype, cols));
-    const bool two_streams = streams == 2 && kernels::quant_two_streams(dtype);
     // One quantized matrix copied `matrices` times: the copies are distinct memory, so a pass
     // over all of them reads every byte from beyond the caches, as decode reads its experts.
     std::vector<uint8_t> matrix(static_cast<size_t>(rows * row_bytes));
@@ -101,8 +142,8 @@ int main(int argc, char** argv) {
       kernels::quantize_activations(x.data(), tokens, cols, cols, kernels::activation_block(dtype),
                                     activations);
       std::vector<float> y(static_cast<size_t>(tokens * rows));
-      double best = 1e30;
-      for (int pass = 0; pass < repeat; ++pass) {
+      // One pass over every matrix, as decode's matmul reads them with `two_streams` or not.
+      auto pass = [&](bool two_streams) {
         const auto start = std::chrono::steady_clock::now();
         for (const auto& view : views) {
           if (two_streams) {
@@ -124,19 +165,40 @@ int main(int argc, char** argv) {
             kernels::quant_matmul_rows(view, activations, y.data(), rows, first,
                                        std::min(rows, first + claim_rows));
         }
-        best = std::min(
-            best, std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count());
-      }
+        return std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+      };
+      std::vector<std::vector<double>> seconds(tunings.size());
+      for (int round = 0; round < repeat; ++round)
+        for (size_t t = 0; t < tunings.size(); ++t) {
+          kernels::set_stream_tuning(tunings[t].tuning);
+          seconds[t].push_back(
+              pass(tunings[t].tuning.decode_streams == 2 && kernels::quant_two_streams(dtype)));
+        }
+      kernels::set_stream_tuning(parse_tunings("", streams).front().tuning);
       const double weight_count = static_cast<double>(rows * cols) * matrices;
       const double bytes = static_cast<double>(rows * row_bytes) * matrices;
-      std::cout << "{\"type\":\"" << type_name << "\",\"isa\":\""
-                << kernels::isa_name(kernels::active_isa()) << "\",\"rows\":" << rows
-                << ",\"cols\":" << cols << ",\"claim_rows\":" << claim
-                << ",\"streams\":" << (two_streams ? 2 : 1) << ",\"matrices\":" << matrices
-                << ",\"tokens\":" << tokens << ",\"seconds\":" << best
-                << ",\"weight_gb_per_second\":" << bytes / best / 1e9
-                << ",\"ns_per_weight_per_token\":" << best * 1e9 / weight_count / tokens
-                << ",\"checksum\":" << y[0] << "}" << std::endl;
+      for (size_t t = 0; t < tunings.size(); ++t) {
+        const double best = *std::min_element(seconds[t].begin(), seconds[t].end());
+        const bool two_streams =
+            tunings[t].tuning.decode_streams == 2 && kernels::quant_two_streams(dtype);
+        std::cout << "{\"type\":\"" << type_name << "\",\"isa\":\""
+                  << kernels::isa_name(kernels::active_isa()) << "\",\"rows\":" << rows
+                  << ",\"cols\":" << cols << ",\"claim_rows\":" << claim
+                  << ",\"streams\":" << (two_streams ? 2 : 1) << ",\"matrices\":" << matrices
+                  << ",\"tokens\":" << tokens << ",\"seconds\":" << best
+                  << ",\"weight_gb_per_second\":" << bytes / best / 1e9
+                  << ",\"ns_per_weight_per_token\":" << best * 1e9 / weight_count / tokens;
+        if (tunings.size() > 1) {
+          std::vector<double> ratios;
+          for (int round = 0; round < repeat; ++round)
+            ratios.push_back(seconds[0][static_cast<size_t>(round)] /
+                             seconds[t][static_cast<size_t>(round)]);
+          std::cout << ",\"tuning\":\"" << tunings[t].text
+                    << "\",\"median_gb_per_second\":" << bytes / median(seconds[t]) / 1e9
+                    << ",\"median_speed_vs_first\":" << median(ratios);
+        }
+        std::cout << ",\"checksum\":" << y[0] << "}" << std::endl;
+      }
     }
   }
   return 0;

@@ -95,9 +95,9 @@ bool parse_stream_tuning(const char* text, StreamTuning& tuning) {
     if (error != std::errc() || end != value.data() + value.size()) return false;
     if (name == "decode_streams" && number >= 1 && number <= 2)
       parsed.decode_streams = static_cast<int>(number);
-    else if (name == "prefetch_bytes" && number >= 0 && number <= 8192)
+    else if (name == "prefetch_bytes" && number >= 0 && number <= 65536)
       parsed.prefetch_bytes = number;
-    else if (name == "quant_prefetch_bytes" && number >= 0 && number <= 8192)
+    else if (name == "quant_prefetch_bytes" && number >= 0 && number <= 65536)
       parsed.quant_prefetch_bytes = number;
     else
       return false;

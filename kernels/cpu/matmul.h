@@ -58,7 +58,7 @@ StreamTuning stream_tuning();
 // For benchmarks and tests; the default is chosen once at start.
 void set_stream_tuning(const StreamTuning& tuning);
 // "decode_streams=N,prefetch_bytes=N,quant_prefetch_bytes=N" (any of them) over `tuning`; false
-// when malformed or out of range (streams 1-2, prefetch 0-8192).
+// when malformed or out of range (streams 1-2, prefetch 0-65536).
 bool parse_stream_tuning(const char* text, StreamTuning& tuning);
 
 namespace detail {
