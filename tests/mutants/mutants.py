@@ -134,4 +134,10 @@ MUTANTS = [
          new="",
          why="the streaming detokenizer's output for random ids goes missing (compared: nothing)",
          tests=r"^tokenizer_parity$"),
+    # The HTTP front.
+    dict(name="http-choices-share-a-seed", file="stages/http/http_front.cpp",
+         old="if (one.seed) *one.seed += static_cast<uint64_t>(choice);",
+         new="(void)choice;",
+         why="the n choices of a seeded request all sample with its seed: n copies of one answer",
+         tests=r"^stack_http_api$"),
 ]
