@@ -10,6 +10,7 @@
 #include <stdexcept>
 #include <string>
 #include <type_traits>
+#include <utility>
 #include <vector>
 
 namespace moeline::cli {
@@ -42,6 +43,27 @@ inline std::vector<int32_t> parse_id_list(const std::string& flag, const std::st
   return ids;
 }
 
+// "42=-100, 7=2.5" -> {(42, -100), (7, 2.5)}: token ids and their logit bias.
+inline std::vector<std::pair<int32_t, float>> parse_logit_bias(const std::string& flag,
+                                                               const std::string& text) {
+  std::vector<std::pair<int32_t, float>> entries;
+  size_t start = 0;
+  while (start <= text.size()) {
+    size_t comma = text.find(',', start);
+    if (comma == std::string::npos) comma = text.size();
+    std::string item = text.substr(start, comma - start);
+    item.erase(0, item.find_first_not_of(' '));
+    item.erase(item.find_last_not_of(' ') + 1);
+    const size_t equals = item.find('=');
+    if (equals == std::string::npos)
+      throw std::invalid_argument(flag + " expects TOKEN=BIAS pairs, got '" + item + "'");
+    entries.emplace_back(parse_number<int32_t>(flag, item.substr(0, equals)),
+                         parse_number<float>(flag, item.substr(equals + 1)));
+    start = comma + 1;
+  }
+  return entries;
+}
+
 // The sampling flags `moeline run` and `moeline client generate` both take (true: it has a value).
 inline const std::map<std::string, bool>& sampling_flags() {
   static const std::map<std::string, bool> flags = {{"--max-tokens", true},
@@ -55,7 +77,8 @@ inline const std::map<std::string, bool>& sampling_flags() {
                                                     {"--presence-penalty", true},
                                                     {"--frequency-penalty", true},
                                                     {"--repetition-penalty", true},
-                                                    {"--logprobs", true}};
+                                                    {"--logprobs", true},
+                                                    {"--logit-bias", true}};
   return flags;
 }
 
@@ -88,6 +111,10 @@ bool parse_sampling_flag(const std::string& flag, const std::string& value, Opti
   else if (flag == "--logprobs") {
     options.logprobs = true;
     options.top_logprobs = parse_number<decltype(options.top_logprobs)>(flag, value);
+  } else if (flag == "--logit-bias") {
+    options.logit_bias.clear();
+    for (const auto& [token, bias] : parse_logit_bias(flag, value))
+      options.logit_bias.push_back({token, bias});
   } else {
     return false;
   }

@@ -56,8 +56,8 @@ an operator key where the gateway has a keys file.
   --seed S             sampling seed
   --stop-ids IDS       extra stop token ids
   --ignore-eos         do not stop at end-of-sequence tokens
-  --min-p P, --presence-penalty X, --frequency-penalty X, --repetition-penalty R
-                       as `moeline run` takes them
+  --min-p P, --presence-penalty X, --frequency-penalty X, --repetition-penalty R,
+  --logit-bias T=B,... as `moeline run` takes them
   --logprobs N         with --json: each token's log-probability and the N (0..20) most likely
                        tokens' ("logprobs": [{"logprob", "top": [[id, logprob], ...]}])
   --no-special         do not add the tokenizer's special tokens (BOS) to --prompt

@@ -69,6 +69,8 @@ Loads a Hugging Face checkpoint (Mixtral, Qwen3-MoE, DeepSeek-V2/V3) and generat
                        negative), as Hugging Face and vLLM (default 1 = off)
   --logprobs N         with --json: each token's log-probability and the N (0..20) most likely
                        tokens' ("logprobs": [{"logprob", "top": [[id, logprob], ...]}])
+  --logit-bias T=B,... OpenAI's logit_bias: B in [-100, 100] added to token T's logit before the
+                       penalties and the choice (greedy too)
   --stop-ids IDS       extra stop token ids, comma-separated (end-of-sequence ids always stop)
   --ignore-eos         do not stop at the model's end-of-sequence tokens
   --threads N          compute threads (default: all cores)

@@ -52,7 +52,7 @@ Expected<std::vector<GenerationResult>> Generator::generate(
   const int64_t vocab = config.vocab_size;
   for (const GenerationRequest& request : requests) {
     if (request.prompt.empty()) return Error{"the prompt is empty"};
-    if (Status status = request.sampling.validate(); !status.ok()) return status.error();
+    if (Status status = request.sampling.validate(vocab); !status.ok()) return status.error();
   }
 
   SequenceSet set{engine_.blocks(), {}};

@@ -13,7 +13,7 @@ Status range_error(const char* name, const std::string& range, double value) {
 
 }  // namespace
 
-Status SamplingParams::validate() const {
+Status SamplingParams::validate(int64_t vocab) const {
   if (!std::isfinite(temperature) || temperature < 0.0)
     return range_error("temperature", "a finite number >= 0 (0 means greedy)", temperature);
   if (top_k < 0)
@@ -34,6 +34,22 @@ Status SamplingParams::validate() const {
     return Error{"top_logprobs must be in [0, " + std::to_string(kMaxTopLogprobs) + "], got " +
                  std::to_string(top_logprobs)};
   if (top_logprobs > 0 && !logprobs) return Error{"top_logprobs needs logprobs"};
+  if (logit_bias.size() > kMaxLogitBias)
+    return Error{"logit_bias may bias at most " + std::to_string(kMaxLogitBias) + " tokens, got " +
+                 std::to_string(logit_bias.size())};
+  std::vector<int32_t> tokens;
+  for (const TokenBias& entry : logit_bias) {
+    if (entry.token < 0 || (vocab > 0 && entry.token >= vocab))
+      return Error{"logit_bias token id " + std::to_string(entry.token) +
+                   (vocab > 0 ? " is outside the vocabulary [0, " + std::to_string(vocab) + ")"
+                              : std::string(" is negative"))};
+    if (!std::isfinite(entry.bias) || std::abs(entry.bias) > kMaxBias)
+      return range_error("a logit_bias value", "in [-100, 100]", entry.bias);
+    tokens.push_back(entry.token);
+  }
+  std::sort(tokens.begin(), tokens.end());
+  if (const auto twice = std::adjacent_find(tokens.begin(), tokens.end()); twice != tokens.end())
+    return Error{"logit_bias names token id " + std::to_string(*twice) + " twice"};
   return Status::ok_status();
 }
 
@@ -79,14 +95,20 @@ int32_t argmax(const float* logits, int64_t vocab) {
 
 int32_t Sampler::sample(const float* raw_logits, int64_t vocab) {
   const float* logits = raw_logits;
-  if (params_.penalized() && !generated_.empty()) {
+  const bool penalize = params_.penalized() && !generated_.empty();
+  if (!params_.logit_bias.empty() || penalize) {
     adjusted_.assign(raw_logits, raw_logits + vocab);
+    logits = adjusted_.data();
+  }
+  // The bias first, in float, then the penalties on the biased logits (vLLM's order).
+  for (const TokenBias& entry : params_.logit_bias)
+    if (entry.token >= 0 && entry.token < vocab) adjusted_[entry.token] += entry.bias;
+  if (penalize) {
     // Each token's adjustment is independent of the others': the list is rebuilt in place, in
     // the map's order.
     penalized_.clear();
     for (const auto& [token, count] : generated_) penalized_.push_back({token, count});
     apply_penalties(adjusted_.data(), vocab, penalized_, params_);
-    logits = adjusted_.data();
   }
   int32_t token = 0;
   if (params_.temperature == 0.0) {

@@ -20,6 +20,16 @@ namespace moeline::model {
 // The most alternatives a request may ask log-probabilities for (OpenAI's limit).
 inline constexpr int64_t kMaxTopLogprobs = 20;
 
+// OpenAI's logit_bias: `bias` (in [-100, 100]) added to the logit of `token`.
+struct TokenBias {
+  int32_t token = 0;
+  float bias = 0.0f;
+  bool operator==(const TokenBias&) const = default;
+};
+// The most tokens one request may bias.
+inline constexpr size_t kMaxLogitBias = 1024;
+inline constexpr double kMaxBias = 100.0;
+
 struct SamplingParams {
   double temperature = 0.0;  // 0: greedy
   int64_t top_k = 0;         // 0: no limit
@@ -40,13 +50,17 @@ struct SamplingParams {
   // Report the chosen token's log-probability, and those of the top_logprobs most likely tokens.
   bool logprobs = false;
   int64_t top_logprobs = 0;
+  // Added to the logits before the penalties and the choice (vLLM's order; greedy included). The
+  // log-probabilities stay those of the raw logits. Each token at most once.
+  std::vector<TokenBias> logit_bias;
 
   bool deterministic() const { return temperature == 0.0 || seed.has_value(); }
   bool penalized() const {
     return presence_penalty != 0.0 || frequency_penalty != 0.0 || repetition_penalty != 1.0;
   }
-  // Checks ranges; the message names the parameter and the accepted range.
-  Status validate() const;
+  // Checks ranges; the message names the parameter and the accepted range. `vocab` > 0: the
+  // biased tokens must lie inside it.
+  Status validate(int64_t vocab = 0) const;
 };
 
 // A token the penalties apply to: in the prompt or the output so far, and how often it was
@@ -81,7 +95,7 @@ class Sampler {
   std::mt19937_64 rng_;
   std::vector<int32_t> order_;
   std::vector<double> probabilities_;
-  std::vector<float> adjusted_;
+  std::vector<float> adjusted_;  // the logits biased and penalized, when they are
   std::vector<PenalizedToken> penalized_;
   std::unordered_map<int32_t, int32_t> generated_;  // penalized runs only: token -> count
 };

@@ -1,5 +1,7 @@
 #include "reuse/records.h"
 
+#include <algorithm>
+
 #include <xxhash.h>
 
 #include <cstring>
@@ -139,6 +141,19 @@ uint64_t result_entry(uint64_t key, const model::SamplingParams& s) {
     const double knobs[] = {greedy ? 0.0 : s.min_p, s.presence_penalty, s.frequency_penalty,
                             s.repetition_penalty};
     material.append(reinterpret_cast<const char*>(knobs), sizeof(knobs));
+  }
+  // A logit bias changes greedy tokens too; its entries in token order, so that the same bias
+  // given in another order finds the same result.
+  if (!s.logit_bias.empty()) {
+    std::vector<model::TokenBias> bias = s.logit_bias;
+    std::sort(bias.begin(), bias.end(), [](const model::TokenBias& a, const model::TokenBias& b) {
+      return a.token < b.token;
+    });
+    material.push_back('b');
+    for (const model::TokenBias& entry : bias) {
+      material.append(reinterpret_cast<const char*>(&entry.token), 4);
+      material.append(reinterpret_cast<const char*>(&entry.bias), 4);
+    }
   }
   return tagged(XXH3_64bits(material.data(), material.size()), 'R');
 }

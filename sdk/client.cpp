@@ -150,11 +150,17 @@ uint64_t Client::start(const GenerateOptions& options) {
   const uint64_t id = next_id_++;
   flatbuffers::FlatBufferBuilder builder(256 + options.prompt.size() + options.tokens.size() * 4);
   auto stops = builder.CreateVector(options.stop_token_ids);
+  flatbuffers::Offset<flatbuffers::Vector<const wire::TokenBias*>> bias = 0;
+  if (!options.logit_bias.empty()) {
+    std::vector<wire::TokenBias> entries;
+    for (const auto& [token, value] : options.logit_bias) entries.emplace_back(token, value);
+    bias = builder.CreateVectorOfStructs(entries);
+  }
   auto sampling = wire::CreateSamplingParams(
       builder, options.temperature, options.top_k, options.top_p, options.seed.value_or(0),
       options.seed.has_value(), options.max_tokens, stops, options.ignore_eos, options.min_p,
       options.presence_penalty, options.frequency_penalty, options.repetition_penalty,
-      options.logprobs, options.top_logprobs);
+      options.logprobs, options.top_logprobs, bias);
   auto prompt = options.prompt.empty() ? 0 : builder.CreateString(options.prompt);
   auto tokens = options.tokens.empty() ? 0 : builder.CreateVector(options.tokens);
   auto tenant = builder.CreateString(options.tenant);

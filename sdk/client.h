@@ -25,6 +25,7 @@
 #include <optional>
 #include <stdexcept>
 #include <string>
+#include <utility>
 #include <vector>
 #include <zmq.hpp>
 
@@ -48,6 +49,9 @@ struct GenerateOptions {
   // tokens' with it.
   bool logprobs = false;
   int32_t top_logprobs = 0;
+  // OpenAI's logit_bias: (token id, bias in [-100, 100]) added to that token's logit before the
+  // penalties and the choice, greedy included; each token at most once.
+  std::vector<std::pair<int32_t, float>> logit_bias;
   std::string tenant;
   uint32_t deadline_ms = 0;  // 0: the gateway's default
   bool add_special_tokens = true;

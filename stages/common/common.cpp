@@ -35,17 +35,27 @@ model::SamplingParams from_wire(const wire::SamplingParams* sampling) {
   params.repetition_penalty = sampling->repetition_penalty();
   params.logprobs = sampling->logprobs();
   params.top_logprobs = sampling->top_logprobs();
+  if (const auto* bias = sampling->logit_bias())
+    for (const wire::TokenBias* entry : *bias)
+      params.logit_bias.push_back({entry->token(), entry->bias()});
   return params;
 }
 
 flatbuffers::Offset<wire::SamplingParams> to_wire(flatbuffers::FlatBufferBuilder& builder,
                                                   const model::SamplingParams& sampling) {
   auto stops = builder.CreateVector(sampling.stop_token_ids);
+  flatbuffers::Offset<flatbuffers::Vector<const wire::TokenBias*>> bias = 0;
+  if (!sampling.logit_bias.empty()) {
+    std::vector<wire::TokenBias> entries;
+    for (const model::TokenBias& entry : sampling.logit_bias)
+      entries.emplace_back(entry.token, entry.bias);
+    bias = builder.CreateVectorOfStructs(entries);
+  }
   return wire::CreateSamplingParams(
       builder, sampling.temperature, sampling.top_k, sampling.top_p, sampling.seed.value_or(0),
       sampling.seed.has_value(), sampling.max_tokens, stops, sampling.ignore_eos, sampling.min_p,
       sampling.presence_penalty, sampling.frequency_penalty, sampling.repetition_penalty,
-      sampling.logprobs, static_cast<int32_t>(sampling.top_logprobs));
+      sampling.logprobs, static_cast<int32_t>(sampling.top_logprobs), bias);
 }
 
 flatbuffers::Offset<wire::TokenLogprobs> logprobs_to_wire(flatbuffers::FlatBufferBuilder& builder,

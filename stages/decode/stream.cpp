@@ -36,7 +36,9 @@ std::variant<Stream, StreamRefusal> read_stream(wire::Message& message, const Co
   else if (prompt == 0 || static_cast<int64_t>(prompt) >= context)
     problem = "a prompt of " + std::to_string(prompt) + " tokens does not fit the context of " +
               std::to_string(context);
-  else if (moeline::Status valid = from_wire(done->sampling()).validate(); !valid.ok())
+  else if (moeline::Status valid =
+               from_wire(done->sampling()).validate(worker.model->config().vocab_size);
+           !valid.ok())
     problem = valid.error().message;
   else if (done->first_token() < 0 || done->first_token() >= worker.model->config().vocab_size)
     problem = "first token " + std::to_string(done->first_token()) + " is outside the vocabulary";

@@ -120,7 +120,7 @@ std::variant<ValidRequest, Refusal> RequestValidator::validate(
   ValidRequest valid;
   if (auto refused = check_tenant(request, valid.tenant, valid.limits)) return *refused;
   valid.sampling = from_wire(request.sampling());
-  if (moeline::Status status = valid.sampling.validate(); !status.ok())
+  if (moeline::Status status = valid.sampling.validate(vocab_); !status.ok())
     return Refusal{wire::ErrorCode::InvalidSampling, "invalid_sampling", status.error().message};
   // No request can use more tokens than the context holds: past it, max_tokens is an error
   // (within it, it is capped below to what the prompt leaves).

@@ -82,6 +82,7 @@ std::variant<sdk::GenerateOptions, ApiError> to_options(const CompletionRequest&
   options.presence_penalty = request.presence_penalty;
   options.frequency_penalty = request.frequency_penalty;
   options.repetition_penalty = request.repetition_penalty;
+  options.logit_bias = request.logit_bias;
   if (request.logprobs && !backend.tokenizer) {
     ApiError error;
     error.param = "logprobs";

@@ -1,5 +1,6 @@
 #include "stages/http/openai.h"
 
+#include <charconv>
 #include <chrono>
 #include <random>
 
@@ -201,11 +202,6 @@ std::optional<ApiError> refuse_unserved(const json& body, int64_t n) {
     if (format.contains("type") && format["type"] != "text")
       return unsupported("response_format", "response_format " + format["type"].dump());
   }
-  if (present(body, "logit_bias")) {
-    if (!body["logit_bias"].is_object())
-      return wrong_type("logit_bias", body["logit_bias"], "an object");
-    if (!body["logit_bias"].empty()) return unsupported("logit_bias", "logit_bias");
-  }
   bool echo = false;
   if (auto error = read_bool(body, "echo", echo)) return error;
   if (echo) return unsupported("echo", "echo");
@@ -237,6 +233,29 @@ std::optional<ApiError> read_logprobs(Endpoint endpoint, const json& body, Compl
     return bad(endpoint == Endpoint::kChat ? "top_logprobs" : "logprobs",
                "at most " + std::to_string(model::kMaxTopLogprobs) + " log-probabilities");
   out.top_logprobs = top.value_or(0);
+  return std::nullopt;
+}
+
+// {"token id": bias in [-100, 100], ...}, as OpenAI takes it (the ids as the object's keys).
+std::optional<ApiError> read_logit_bias(const json& body, CompletionRequest& out) {
+  if (!present(body, "logit_bias")) return std::nullopt;
+  const json& bias = body["logit_bias"];
+  if (!bias.is_object()) return wrong_type("logit_bias", bias, "an object");
+  if (bias.size() > model::kMaxLogitBias)
+    return bad("logit_bias", "'logit_bias' may bias at most " +
+                                 std::to_string(model::kMaxLogitBias) + " tokens");
+  for (const auto& [key, value] : bias.items()) {
+    int64_t token = -1;
+    const auto [end, error] = std::from_chars(key.data(), key.data() + key.size(), token);
+    if (error != std::errc() || end != key.data() + key.size() || token < 0 || token > INT32_MAX)
+      return bad("logit_bias", "'logit_bias' keys must be token ids, got \"" + key + "\"");
+    if (!value.is_number()) return wrong_type("logit_bias", value, "a number");
+    const double x = value.get<double>();
+    if (!(x >= -model::kMaxBias && x <= model::kMaxBias))
+      return bad("logit_bias", "'logit_bias' values must be between -100 and 100, got " +
+                                   value.dump());
+    out.logit_bias.emplace_back(static_cast<int32_t>(token), static_cast<float>(x));
+  }
   return std::nullopt;
 }
 
@@ -315,6 +334,7 @@ std::optional<ApiError> read_all(Endpoint endpoint, const json& body, Completion
   if (auto error = refuse_unserved(body, out.n)) return error;
   if (auto error = read_sampling(body, out)) return error;
   if (auto error = read_penalties(body, out)) return error;
+  if (auto error = read_logit_bias(body, out)) return error;
   if (endpoint != Endpoint::kGenerate)
     if (auto error = read_logprobs(endpoint, body, out)) return error;
   if (auto error = read_bool(body, "ignore_eos", out.ignore_eos)) return error;

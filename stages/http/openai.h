@@ -50,6 +50,8 @@ struct CompletionRequest {
   double presence_penalty = 0.0;
   double frequency_penalty = 0.0;
   double repetition_penalty = 1.0;
+  // OpenAI's logit_bias: (token id, bias in [-100, 100]).
+  std::vector<std::pair<int32_t, float>> logit_bias;
   // Chat: logprobs true and top_logprobs 0..20; completions: logprobs N (0..20) alternatives.
   bool logprobs = false;
   int64_t top_logprobs = 0;

@@ -33,7 +33,7 @@ Expected<Job> JobIntake::read(wire::Message& message) {
   for (int32_t token : job.tokens)
     if (token < 0 || token >= vocab)
       return Error{"token id " + std::to_string(token) + " out of range"};
-  if (moeline::Status status = job.sampling.validate(); !status.ok()) return status.error();
+  if (moeline::Status status = job.sampling.validate(vocab); !status.ok()) return status.error();
   job.store_levels = wire_job.store_levels();
   job.decode_route = Route::from(wire_job.decode_route());
   job.store_route = Route::from(wire_job.store_route());

@@ -72,8 +72,10 @@ std::vector<zmq::message_t> error_reply() {
 std::vector<zmq::message_t> generate_request() {
   FlatBufferBuilder b;
   const std::vector<int32_t> stop = {2, 32000};
-  const auto sampling = wire::CreateSamplingParamsDirect(b, 0.7, 40, 0.9, 1234, true, 64, &stop,
-                                                         true, 0.05, 0.5, -0.25, 1.1, true, 3);
+  // 1.12: logit_bias.
+  const std::vector<wire::TokenBias> bias = {{50256, -100.0f}, {7, 2.5f}};
+  const auto sampling = wire::CreateSamplingParamsDirect(
+      b, 0.7, 40, 0.9, 1234, true, 64, &stop, true, 0.05, 0.5, -0.25, 1.1, true, 3, &bias);
   const std::vector<int32_t> tokens = {1, 2, 3, 4};
   // 1.11: batch_events.
   b.Finish(

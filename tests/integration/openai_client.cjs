@@ -1,10 +1,10 @@
 // The official `openai` client library (npm) against moeline's HTTP front: what an application
 // that speaks OpenAI sees. Prints one JSON object of results for test_http.py to check.
 //
-//   node openai_client.cjs NODE_MODULES BASE_URL MODEL
+//   node openai_client.cjs NODE_MODULES BASE_URL MODEL BIASED_TOKEN
 const path = require("path");
 
-const [nodeModules, baseURL, model] = process.argv.slice(2);
+const [nodeModules, baseURL, model, biasedToken] = process.argv.slice(2);
 const library = require(path.join(nodeModules, "openai"));
 const OpenAI = library.OpenAI || library.default || library;
 
@@ -50,6 +50,12 @@ async function main() {
                                                        stop: ["Acanth"] });
   out.completion = { text: completion.choices[0].text,
                      finish_reason: completion.choices[0].finish_reason };
+
+  // A logit bias that pushes BIASED_TOKEN out.
+  const biased = await client.completions.create({ model, prompt: "(botany) a plant",
+                                                   temperature: 0, max_tokens: 12,
+                                                   logit_bias: { [biasedToken]: -100 } });
+  out.biased = { text: biased.choices[0].text };
 
   // n choices, whole and streamed (the library gathers a stream's chunks by choice index).
   const several = await client.completions.create({ model, prompt: "(botany) a plant", n: 2,

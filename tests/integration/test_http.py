@@ -18,7 +18,7 @@ Cases (--case, one per CTest entry):
         served by the fallback, says so (model, moeline.fallback) and is counted.
   openai  the official `openai` npm client (Node.js) against the front: models, chat, a streamed
         chat with usage, a penalty with log-probabilities, a completion with a stop string, n=2
-        choices whole and streamed, and its error classes for an unknown model and a wrong type; skipped (77) when the package
+        choices whole and streamed, a logit_bias, and its error classes for an unknown model and a wrong type; skipped (77) when the package
         is not installed.
   slow_client  a streaming client that stops reading is cut off after --write-timeout-ms (and
         counted), while another stream completes.
@@ -269,8 +269,10 @@ def case_api(args):
                       {"messages": [{"role": "user", "content": "x"}],
                        "tools": [{"type": "function", "function": {"name": "f"}}]}), 400,
                  "tools", "unsupported_parameter", what="tools, which the server does not call")
-        error_is(post(stack, "/v1/completions", {"prompt": "x", "logit_bias": {"5": -100}}), 400,
-                 "logit_bias", "unsupported_parameter", what="a logit bias")
+        error_is(post(stack, "/v1/completions", {"prompt": "x", "logit_bias": {"5": 101}}), 400,
+                 "logit_bias", what="a logit bias past 100")
+        error_is(post(stack, "/v1/completions", {"prompt": "x", "logit_bias": {"99999999": 1}}),
+                 400, what="a logit bias on a token outside the vocabulary")
         error_is(post(stack, "/v1/completions", {"prompt": "x", "presence_penalty": 2.5}), 400,
                  "presence_penalty", what="a penalty out of range")
         error_is(post(stack, "/v1/chat/completions",
@@ -289,6 +291,7 @@ def case_api(args):
 
         check_logprobs_and_penalties(args, stack)
         check_choices(args, stack)
+        check_logit_bias(args, stack)
 
         # A client that disconnects mid-stream: its request is cancelled in the pipeline.
         def disconnect_mid_stream():
@@ -317,6 +320,33 @@ def case_api(args):
 
         until_the_stop_lands(disconnect_mid_stream, "http disconnect")
         print("ok api: a client that disconnects mid-stream cancels its request")
+
+
+def check_logit_bias(args, stack):
+    """logit_bias: greedy and seeded output equal to `moeline run --logit-bias` with the same
+    bias, where the bias changes the answer (the greedy first token pushed out, another pulled
+    in), streamed and not."""
+    plain = reference(args.moeline, args.model, 12, prompt=LONG_PROMPT)
+    first = plain["ids"][0]
+    cases = [({first: -100}, 0.0, None), ({first: -100, 7: 6.5}, 0.0, None),
+             ({first: -100}, 0.8, 99)]
+    for bias, temperature, seed in cases:
+        flag = ",".join(f"{t}={b}" for t, b in bias.items())
+        ref = reference(args.moeline, args.model, 12, prompt=LONG_PROMPT, temperature=temperature,
+                        seed=seed, extra=["--logit-bias", flag])
+        check(ref["ids"][0] != first, f"the bias {flag} must change the first token")
+        request = {"prompt": LONG_PROMPT, "max_tokens": 12, "temperature": temperature,
+                   "logit_bias": {str(t): b for t, b in bias.items()}}
+        if seed is not None:
+            request["seed"] = seed
+        status, body, _ = post(stack, "/v1/completions", request)
+        check(status == 200 and body["choices"][0]["text"] == ref["text"],
+              f"logit_bias {flag}: {status} {body} want {ref['text']!r}")
+        events, _ = stream(stack, "/v1/completions", dict(request, stream=True))
+        text = "".join(e["choices"][0]["text"] for e in events if e["choices"])
+        check(text == ref["text"], f"logit_bias {flag} streamed: {text!r} want {ref['text']!r}")
+    print(f"ok api: logit_bias as moeline run --logit-bias computes it (greedy and seeded; the "
+          f"greedy first token {first} pushed out), streamed and not")
 
 
 def check_choices(args, stack):
@@ -463,9 +493,12 @@ def case_openai(args):
     expected = reference(args.moeline, args.model, 40, prompt=LONG_PROMPT)
     sampled = [reference(args.moeline, args.model, 12, prompt=LONG_PROMPT, temperature=0.9,
                          seed=7 + i) for i in range(2)]
+    pushed = expected["ids"][0]
+    biased = reference(args.moeline, args.model, 12, prompt=LONG_PROMPT,
+                       extra=["--logit-bias", f"{pushed}=-100"])
     with Stack(args.moeline, args.model, run, http_port=0) as stack:
         out = subprocess.run(["node", os.path.join(HERE, "openai_client.cjs"), node_modules,
-                              stack.state()["http"] + "/v1", name],
+                              stack.state()["http"] + "/v1", name, str(pushed)],
                              capture_output=True, text=True, timeout=120)
         check(out.returncode == 0, f"openai client: {out.stderr[-2000:]}")
         got = json.loads(out.stdout.strip().splitlines()[-1])
@@ -488,6 +521,8 @@ def case_openai(args):
     full = expected["text"]
     check(got["completion"]["text"] == full[:full.index("Acanth")] and
           got["completion"]["finish_reason"] == "stop", f"completion with stop: {got['completion']}")
+    check(got["biased"]["text"] == biased["text"] and biased["ids"][0] != pushed,
+          f"logit_bias through the openai client: {got['biased']} want {biased['text']!r}")
     choices = got["choices"]
     check(choices["indices"] == [0, 1] and choices["texts"] == [r["text"] for r in sampled] and
           choices["streamed"] == choices["texts"] and
@@ -502,7 +537,7 @@ def case_openai(args):
     print("ok openai: the official openai npm client lists the model, chats (greedy output "
           "identical to moeline run --chat), streams with usage, takes a penalty and "
           "logprobs (moeline run's), completes up to a stop string, takes n=2 whole and "
-          "streamed (moeline run's samples with seeds 7 and 8), and raises NotFoundError / BadRequestError with OpenAI's fields")
+          "streamed (moeline run's samples with seeds 7 and 8) and a logit_bias, and raises NotFoundError / BadRequestError with OpenAI's fields")
 
 
 def case_slow_client(args):

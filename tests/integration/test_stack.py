@@ -782,6 +782,8 @@ SAMPLING_SETTINGS = [
      ["--presence-penalty", "1.2", "--frequency-penalty", "0.6"]),
     ("sampled-min-p", {"temperature": 0.9, "seed": 21, "min_p": 0.05, "frequency_penalty": 0.4},
      ["--temperature", "0.9", "--seed", "21", "--min-p", "0.05", "--frequency-penalty", "0.4"]),
+    ("logit-bias", {"logit_bias": {42: 3.5, 300: -100.0}, "repetition_penalty": 1.3},
+     ["--logit-bias", "42=3.5,300=-100", "--repetition-penalty", "1.3"]),
 ]
 # Both sides report float32 log-probabilities of the same logits, computed in double.
 STACK_LOGPROB_ATOL = 1e-4
@@ -822,7 +824,12 @@ def case_sampling(args):
             events = list(bad)
             check(events[-1].kind == "error" and "presence_penalty" in events[-1].error_message,
                   f"an out-of-range penalty: {events[-1]}")
-            print("ok sampling: an out-of-range penalty is refused with its name")
+            vocab = vocab_of(args.model)
+            events = list(client.stream(tokens=prompt, max_tokens=4, logit_bias={vocab: 1.0}))
+            check(events[-1].kind == "error" and "logit_bias" in events[-1].error_message,
+                  f"a bias on a token outside the vocabulary: {events[-1]}")
+            print("ok sampling: an out-of-range penalty and a bias outside the vocabulary are "
+                  "refused with their names")
 
 
 # Isolation: 24 prompts cached by tenant a, then the 24 and 24 fresh ones sent by tenant b and

@@ -64,17 +64,21 @@ class MT19937_64:
 
 
 def penalize(logits, prompt, output, params):
-    """float32 logits after the repetition, frequency and presence penalties."""
+    """float32 logits after OpenAI's logit_bias (added in float32, first, as vLLM orders it) and
+    then the repetition, frequency and presence penalties (on the biased values)."""
     rep = params.get("repetition_penalty", 1.0)
     freq = params.get("frequency_penalty", 0.0)
     pres = params.get("presence_penalty", 0.0)
     adjusted = np.array(logits, dtype=np.float32)
+    for token, bias in params.get("logit_bias", {}).items():
+        adjusted[token] = adjusted[token] + np.float32(bias)
+    biased = adjusted.copy()
     counts = Counter(output)
     tokens = set(counts)
     if rep != 1.0:
         tokens |= set(prompt)
     for token in tokens:
-        value = float(logits[token])
+        value = float(biased[token])
         value = value / rep if value > 0.0 else value * rep
         c = counts.get(token, 0)
         value = value - freq * c - pres * (1.0 if c > 0 else 0.0)

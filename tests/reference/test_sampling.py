@@ -4,12 +4,12 @@
   test_sampling.py --moeline PATH --model DIR --workdir DIR
 
 For each sampling setting (greedy and seeded draws; top-k, top-p, min-p; repetition, frequency
-and presence penalties, alone and together) `moeline run --json --logprobs 5 --step-logits-out`
+and presence penalties, alone and together; OpenAI's logit_bias, alone and under the penalties) `moeline run --json --logprobs 5 --step-logits-out`
 gives the generated ids, their log-probabilities and the raw logits each was drawn from. The
 reference, fed the same rows, must draw exactly the same ids (it reproduces the penalised logits
 bit for bit and the same mt19937_64 draws, so any difference is a bug, not rounding), and the
-log-probabilities must agree within LOGPROB_ATOL. The penalties must also change the output of a
-greedy run, so that a sampler that ignored them cannot pass.
+log-probabilities must agree within LOGPROB_ATOL. The penalties and the bias must also change the
+output of a greedy run, so that a sampler that ignored them cannot pass.
 """
 
 import argparse
@@ -42,11 +42,19 @@ SETTINGS = [
     ("sampled-all", {"temperature": 1.1, "seed": 5, "top_k": 50, "top_p": 0.95, "min_p": 0.02,
                      "repetition_penalty": 1.3, "frequency_penalty": 0.5,
                      "presence_penalty": 0.4}),
+    ("greedy-bias", {"temperature": 0.0, "logit_bias": {54: -100.0, 64: 1.5, 273: 1.25}}),
+    # The penalty applies to the biased logit ((x + b) / r, not x / r + b): the orders draw apart.
+    ("greedy-bias-repetition", {"temperature": 0.0, "logit_bias": {64: 3.0, 30: 2.0},
+                                "repetition_penalty": 2.0}),
+    ("sampled-bias-penalties", {"temperature": 0.9, "seed": 13, "top_k": 40,
+                                "logit_bias": {64: 4.0, 99: -3.5}, "repetition_penalty": 1.4,
+                                "presence_penalty": 0.6}),
 ]
 
 FLAGS = {"temperature": "--temperature", "seed": "--seed", "top_k": "--top-k", "top_p": "--top-p",
          "min_p": "--min-p", "repetition_penalty": "--repetition-penalty",
-         "frequency_penalty": "--frequency-penalty", "presence_penalty": "--presence-penalty"}
+         "frequency_penalty": "--frequency-penalty", "presence_penalty": "--presence-penalty",
+         "logit_bias": "--logit-bias"}
 
 
 def run(moeline, model, params, logits_path):
@@ -54,6 +62,8 @@ def run(moeline, model, params, logits_path):
                "--max-tokens", str(STEPS), "--ignore-eos", "--json", "--logprobs", str(TOP),
                "--step-logits-out", logits_path, "--threads", "2"]
     for key, value in params.items():
+        if key == "logit_bias":
+            value = ",".join(f"{token}={bias}" for token, bias in value.items())
         command += [FLAGS[key], str(value)]
     out = subprocess.run(command, capture_output=True, text=True, timeout=300)
     if out.returncode != 0:
@@ -101,7 +111,8 @@ def main():
         case_failures = check(name, params, result, step_logits)
         failures += case_failures
         print(f"{name}: {'FAIL' if case_failures else 'ok'} ids={result['ids']}")
-    for penalized in ("greedy-repetition", "greedy-presence-frequency", "greedy-negative"):
+    for penalized in ("greedy-repetition", "greedy-presence-frequency", "greedy-negative",
+                      "greedy-bias"):
         if outputs[penalized] == outputs["greedy"]:
             failures.append(f"{penalized}: the same ids as plain greedy (the penalty did nothing)")
     for failure in failures:

@@ -703,12 +703,30 @@ std::map<std::string, Expectation> v1_11() {
   return e;
 }
 
+// 1.12: OpenAI's logit_bias in SamplingParams.
+std::map<std::string, Expectation> v1_12() {
+  std::map<std::string, Expectation> e = v1_11();
+  for (auto& [stem, expectation] : e) expectation.minor = 12;
+  auto before = e.at("GenerateRequest").check;
+  e.at("GenerateRequest").check = [before](const Message& m) {
+    before(m);
+    const auto* bias = m.as<GenerateRequest>()->sampling()->logit_bias();
+    ASSERT_NE(bias, nullptr);
+    ASSERT_EQ(bias->size(), 2u);
+    EXPECT_EQ(bias->Get(0)->token(), 50256);
+    EXPECT_EQ(bias->Get(0)->bias(), -100.0f);
+    EXPECT_EQ(bias->Get(1)->token(), 7);
+    EXPECT_EQ(bias->Get(1)->bias(), 2.5f);
+  };
+  return e;
+}
+
 // Every released version: directory name -> file stem -> expectation.
 const std::map<std::string, std::map<std::string, Expectation>>& released() {
   static const std::map<std::string, std::map<std::string, Expectation>> versions = {
-      {"v1.0", v1_0()}, {"v1.1", v1_1()}, {"v1.2", v1_2()},   {"v1.3", v1_3()},
-      {"v1.4", v1_4()}, {"v1.5", v1_5()}, {"v1.6", v1_6()},   {"v1.7", v1_7()},
-      {"v1.8", v1_8()}, {"v1.9", v1_9()}, {"v1.10", v1_10()}, {"v1.11", v1_11()}};
+      {"v1.0", v1_0()},   {"v1.1", v1_1()},   {"v1.2", v1_2()},  {"v1.3", v1_3()}, {"v1.4", v1_4()},
+      {"v1.5", v1_5()},   {"v1.6", v1_6()},   {"v1.7", v1_7()},  {"v1.8", v1_8()}, {"v1.9", v1_9()},
+      {"v1.10", v1_10()}, {"v1.11", v1_11()}, {"v1.12", v1_12()}};
   return versions;
 }
 
@@ -800,7 +818,7 @@ TEST(WireCompat, Version1_0CoversEveryMessageTypeOfThatVersion) {
 // What the typed fields replace reads the same through wire/vocabulary.h from the strings of every
 // version before 1.9 (no typed field in those files) and from the typed fields of 1.9.
 TEST(WireCompat, TheStringsOfOlderVersionsReadAsTheTypedValues) {
-  for (const std::string version : {"v1.2", "v1.8", "v1.9", "v1.10", "v1.11"}) {
+  for (const std::string version : {"v1.2", "v1.8", "v1.9", "v1.10", "v1.11", "v1.12"}) {
     SCOPED_TRACE(version);
     auto read = [&](const std::string& stem) {
       auto frames = read_frames(kCompatDir / version / (stem + ".bin"));
@@ -810,7 +828,8 @@ TEST(WireCompat, TheStringsOfOlderVersionsReadAsTheTypedValues) {
           << stem << ": " << (decoded.error ? decoded.error->detail : "");
       return std::move(*decoded.message);
     };
-    const bool typed = version == "v1.9" || version == "v1.10" || version == "v1.11";
+    const bool typed =
+        version == "v1.9" || version == "v1.10" || version == "v1.11" || version == "v1.12";
     const Message event = read("StreamEvent");
     const StreamEvent* e = event.as<StreamEvent>();
     EXPECT_EQ(e->finish().has_value(), typed);

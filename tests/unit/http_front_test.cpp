@@ -149,6 +149,10 @@ TEST(OpenAiRequest, DefaultsAreOpenAis) {
   EXPECT_EQ(both.max_tokens, 3);
   EXPECT_EQ(both.top_k, 0);
   EXPECT_EQ(r.n, 1);
+  EXPECT_EQ(request_of(Endpoint::kCompletions,
+                       R"({"prompt": "p", "logit_bias": {"50256": -100, "7": 2.5}})")
+                .logit_bias,
+            (std::vector<std::pair<int32_t, float>>{{50256, -100.0f}, {7, 2.5f}}));
   // The neutral values of what the server does not do are served.
   EXPECT_EQ(request_of(Endpoint::kChat, R"({"messages": [{"role": "user", "content": "x"}],
       "tools": [], "logit_bias": {}, "response_format": {"type": "text"}})")
@@ -211,9 +215,11 @@ TEST(OpenAiRequest, WrongTypesAndValuesNameTheirParameter) {
       {Endpoint::kChat,
        R"({"messages": [{"role": "user"}], "response_format": {"type": "json_object"}})",
        "response_format"},
-      {Endpoint::kChat, R"({"messages": [{"role": "user"}], "logit_bias": {"50256": -100}})",
-       "logit_bias"},
       {Endpoint::kChat, R"({"messages": [{"role": "user"}], "logit_bias": [1]})", "logit_bias"},
+      {Endpoint::kCompletions, R"({"prompt": "p", "logit_bias": {"x": 1}})", "logit_bias"},
+      {Endpoint::kCompletions, R"({"prompt": "p", "logit_bias": {"-3": 1}})", "logit_bias"},
+      {Endpoint::kCompletions, R"({"prompt": "p", "logit_bias": {"5": 101}})", "logit_bias"},
+      {Endpoint::kCompletions, R"({"prompt": "p", "logit_bias": {"5": "up"}})", "logit_bias"},
       {Endpoint::kCompletions, R"({"prompt": "p", "echo": true})", "echo"},
       {Endpoint::kCompletions, R"({"prompt": "p", "suffix": "end"})", "suffix"},
       {Endpoint::kCompletions, R"({"prompt": "p", "best_of": 3})", "best_of"},

@@ -501,6 +501,16 @@ TEST(ReuseKeys, ResultKeyDependsOnWhatDecidesTheCompletion) {
   changed.ignore_eos = true;
   EXPECT_NE(result_entry(base, changed), key);
   EXPECT_NE(result_entry(base + 1, greedy), key);
+  // A logit bias changes greedy tokens; the same bias in another order is the same request.
+  auto biased = greedy;
+  biased.logit_bias = {{7, 2.5f}, {3, -100.0f}};
+  EXPECT_NE(result_entry(base, biased), key);
+  auto reordered = greedy;
+  reordered.logit_bias = {{3, -100.0f}, {7, 2.5f}};
+  EXPECT_EQ(result_entry(base, reordered), result_entry(base, biased));
+  auto other_bias = greedy;
+  other_bias.logit_bias = {{7, 2.0f}, {3, -100.0f}};
+  EXPECT_NE(result_entry(base, other_bias), result_entry(base, biased));
 }
 
 TEST(ReuseRecords, PromptRecordRoundTripsAndRejectsBadSizes) {

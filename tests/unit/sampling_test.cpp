@@ -88,6 +88,20 @@ TEST(Sampling, InvalidParametersAreRejectedWithTheirName) {
   EXPECT_NE(message({.logprobs = true, .top_logprobs = 21}).find("top_logprobs"),
             std::string::npos);
   EXPECT_NE(message({.top_logprobs = 3}).find("logprobs"), std::string::npos);
+  auto bias_message = [](std::vector<TokenBias> bias, int64_t vocab) {
+    SamplingParams params;
+    params.logit_bias = std::move(bias);
+    Status status = params.validate(vocab);
+    return status.ok() ? std::string() : status.error().message;
+  };
+  EXPECT_EQ(bias_message({{0, -100.0f}, {5, 100.0f}}, 6), "");
+  EXPECT_NE(bias_message({{6, 1.0f}}, 6).find("outside the vocabulary"), std::string::npos);
+  EXPECT_NE(bias_message({{-1, 1.0f}}, 0).find("logit_bias"), std::string::npos);
+  EXPECT_NE(bias_message({{1, 100.5f}}, 6).find("logit_bias"), std::string::npos);
+  EXPECT_NE(bias_message({{1, NAN}}, 6).find("logit_bias"), std::string::npos);
+  EXPECT_NE(bias_message({{2, 1.0f}, {4, 0.0f}, {2, -1.0f}}, 6).find("twice"), std::string::npos);
+  EXPECT_NE(bias_message(std::vector<TokenBias>(kMaxLogitBias + 1), 0).find("at most"),
+            std::string::npos);
   EXPECT_EQ(message({.min_p = 0.1,
                      .presence_penalty = -2,
                      .frequency_penalty = 2,
@@ -107,6 +121,33 @@ TEST(Sampling, PenaltiesFollowTheirDefinitions) {
   EXPECT_FLOAT_EQ(logits[1], -1.0f * 2 - 0.5f - 0.25f);
   EXPECT_FLOAT_EQ(logits[2], 0.5f / 2);
   EXPECT_FLOAT_EQ(logits[3], 3.0f);  // never seen
+}
+
+// The bias is added first and the penalties act on the biased logit (vLLM's order); greedy
+// follows it; the raw logits are left as they were (log-probabilities come from them).
+TEST(Sampling, LogitBiasComesBeforeThePenaltiesAndSteersGreedy) {
+  std::vector<float> logits = kLogits;
+  SamplingParams params{.repetition_penalty = 2.0};
+  params.logit_bias = {{0, 2.5f}, {1, -100.0f}};
+  Sampler sampler(params);
+  const std::vector<int32_t> prompt = {0};
+  sampler.set_prompt(prompt);
+  // Token 0: (kLogits[0] + 2.5) / 2 against the unbiased rest; token 1 is out.
+  const float zero = (kLogits[0] + 2.5f) / 2.0f;
+  int32_t best = 0;
+  float best_value = zero;
+  for (int32_t t = 2; t < 6; ++t)
+    if (kLogits[static_cast<size_t>(t)] > best_value) {
+      best = t;
+      best_value = kLogits[static_cast<size_t>(t)];
+    }
+  EXPECT_EQ(sampler.sample(logits.data(), 6), best);
+  EXPECT_EQ(logits, kLogits);
+  SamplingParams push{};
+  push.logit_bias = {{4, 100.0f}};
+  Sampler pushed(push);
+  EXPECT_EQ(pushed.sample(kLogits.data(), 6), 4);
+  EXPECT_EQ(pushed.sample(kLogits.data(), 6), 4);
 }
 
 TEST(Sampling, GreedyWithARepetitionPenaltyAvoidsThePrompt) {

@@ -36,6 +36,7 @@ from moeline.wire import ErrorReply as _error_reply
 from moeline.wire import Feedback as _feedback
 from moeline.wire import GenerateRequest as _generate
 from moeline.wire import SamplingParams as _sampling
+from moeline.wire import TokenBias as _token_bias
 from moeline.wire import StreamEvent as _stream_event
 from moeline.wire import StreamEventBatch as _stream_event_batch
 from moeline.wire.ErrorCode import ErrorCode
@@ -187,6 +188,7 @@ def encode_generate(client_request_id: int, prompt: Optional[str] = None,
                     api_key: str = "", min_p: float = 0.0, presence_penalty: float = 0.0,
                     frequency_penalty: float = 0.0, repetition_penalty: float = 1.0,
                     logprobs: bool = False, top_logprobs: int = 0,
+                    logit_bias: Optional[Dict[int, float]] = None,
                     batch_events: bool = False) -> List[bytes]:
     """A GenerateRequest, framed. The keywords are those of Client.start/stream/generate.
 
@@ -195,6 +197,8 @@ def encode_generate(client_request_id: int, prompt: Optional[str] = None,
     safe; usage["approximate"] says what became of it), "response" or "blend" (one mode only).
     logprobs: each delta event's `logprobs` gives its tokens' log-probabilities, each with the
     top_logprobs (0..20) most likely tokens' as (id, logprob) pairs.
+    logit_bias: OpenAI's, {token id: bias in [-100, 100]} added to those tokens' logits before the
+    penalties and the choice (greedy too).
     batch_events: the reader takes StreamEventBatch messages (schema 1.11), so the gateway may send
     this request's events together with those of the connection's other requests (Client does).
     """
@@ -211,6 +215,12 @@ def encode_generate(client_request_id: int, prompt: Optional[str] = None,
     reuse_off = b.CreateString(reuse) if reuse else None
     api_key_off = b.CreateString(api_key) if api_key else None
     stops_off = _int_vector(b, list(stop_token_ids)) if stop_token_ids else None
+    bias_off = None
+    if logit_bias:
+        _sampling.StartLogitBiasVector(b, len(logit_bias))
+        for token, bias in reversed(list(logit_bias.items())):
+            _token_bias.CreateTokenBias(b, int(token), float(bias))
+        bias_off = b.EndVector()
     _sampling.Start(b)
     _sampling.AddTemperature(b, float(temperature))
     _sampling.AddTopK(b, int(top_k))
@@ -228,6 +238,8 @@ def encode_generate(client_request_id: int, prompt: Optional[str] = None,
     _sampling.AddRepetitionPenalty(b, float(repetition_penalty))
     _sampling.AddLogprobs(b, bool(logprobs))
     _sampling.AddTopLogprobs(b, int(top_logprobs))
+    if bias_off is not None:
+        _sampling.AddLogitBias(b, bias_off)
     sampling_off = _sampling.End(b)
     _generate.Start(b)
     _generate.AddClientRequestId(b, client_request_id)
