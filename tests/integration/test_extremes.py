@@ -61,8 +61,9 @@ def check(condition, message):
 
 
 def parse_schemas(folder):
-    """{table: (identifier, [(field, type, id)])}, {enum: underlying scalar type}."""
-    tables, enums = {}, {}
+    """{table: (identifier, [(field, type, id)])}, {enum: underlying scalar type},
+    {struct: [(field, scalar type)]}."""
+    tables, enums, structs = {}, {}, {}
     for name in sorted(os.listdir(folder)):
         if not name.endswith(".fbs"):
             continue
@@ -77,19 +78,43 @@ def parse_schemas(folder):
             fields = [(field, ftype, int(fid)) for field, ftype, fid in re.findall(
                 r"(\w+)\s*:\s*(\[?\w+\]?)[^;(]*\(\s*id:\s*(\d+)[^)]*\)\s*;", body)]
             tables[table] = (identifier.group(1).encode() if identifier else b"", fields)
-    return tables, enums
+        for struct, body in re.findall(r"struct\s+(\w+)\s*\{([^}]*)\}", text):
+            structs[struct] = re.findall(r"(\w+)\s*:\s*(\w+)\s*;", body)
+    return tables, enums, structs
 
 
 class Generator:
-    def __init__(self, tables, enums):
-        self.tables, self.enums = tables, enums
+    def __init__(self, tables, enums, structs):
+        self.tables, self.enums, self.structs = tables, enums, structs
 
     def scalar(self, ftype):
         return SCALARS[self.enums.get(ftype, ftype)]
 
+    def struct_layout(self, name):
+        """(size, alignment) of a struct of scalars laid out without padding (as they are here)."""
+        offset, align = 0, 1
+        for _, ftype in self.structs[name]:
+            size = self.scalar(ftype)[1]
+            if offset % size:
+                raise ValueError(f"struct {name}: padding is not supported here")
+            offset, align = offset + size, max(align, size)
+        return offset, align
+
+    def struct_extremes(self, name):
+        """Tuples of a struct's fields: each field at each of its extremes, the others 0."""
+        fields = self.structs[name]
+        out = []
+        for i, (_, ftype) in enumerate(fields):
+            for value in self.extremes(ftype):
+                out.append(tuple(value if j == i else 0 for j in range(len(fields))))
+        return out
+
     def extremes(self, ftype, depth=0):
         if ftype.startswith("["):
             inner = ftype[1:-1]
+            if inner in self.structs:
+                elements = self.struct_extremes(inner)
+                return [[], [elements[-1]] * 5000, elements]
             if inner in self.tables:
                 element = self.extremes(inner, depth + 1)
                 if not element:
@@ -117,6 +142,14 @@ class Generator:
             return builder.CreateString(value)
         if ftype.startswith("["):
             inner = ftype[1:-1]
+            if inner in self.structs:
+                size, align = self.struct_layout(inner)
+                builder.StartVector(size, len(value), align)
+                for element in reversed(value):
+                    builder.Prep(align, size)
+                    for (_, ftype), v in reversed(list(zip(self.structs[inner], element))):
+                        getattr(builder, "Prepend" + self.scalar(ftype)[0])(v)
+                return builder.EndVector()
             if inner in self.tables or inner == "string":
                 offsets = [self.build(builder, inner, v) for v in value]
                 builder.StartVector(4, len(offsets), 4)

@@ -177,8 +177,8 @@ TEST(Matmul, StreamTuningParsesItsTextAndRefusesAnythingElse) {
   EXPECT_EQ(tuning.quant_prefetch_bytes, 0);
   EXPECT_EQ(tuning.prefetch_bytes, 2048);
   for (const char* bad : {"decode_streams=3", "prefetch_bytes=-1", "prefetch_bytes=1e3",
-                          "streams=2", "decode_streams", "decode_streams=2,", "prefetch_bytes=9000",
-                          "quant_prefetch_bytes=9000", "quant_prefetch=512"})
+                          "streams=2", "decode_streams", "decode_streams=2,", "prefetch_bytes=65537",
+                          "quant_prefetch_bytes=65537", "quant_prefetch=512"})
     EXPECT_FALSE(parse_stream_tuning(bad, tuning)) << bad;
   EXPECT_EQ(tuning.decode_streams, 2);  // a refused text changes nothing
   EXPECT_EQ(tuning.prefetch_bytes, 2048);
