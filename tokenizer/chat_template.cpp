@@ -1,5 +1,6 @@
 #include "tokenizer/chat_template.h"
 
+#include <algorithm>
 #include <filesystem>
 #include <fstream>
 #include <nlohmann/json.hpp>
@@ -90,6 +91,7 @@ Expected<ChatTemplate> ChatTemplate::from_template(const std::string& source, st
   if (!parsed) return Error{"chat template: " + parsed.error().message};
   ChatTemplate chat(Format::kJinja, std::move(bos), std::move(eos));
   chat.jinja_ = std::make_shared<const jinja::Template>(std::move(*parsed));
+  chat.hermes_tool_calls_ = source.find("<tool_call>") != std::string::npos;
   return chat;
 }
 
@@ -99,10 +101,34 @@ ChatTemplate ChatTemplate::builtin(Format format, std::string bos, std::string e
 
 Expected<std::string> ChatTemplate::render_jinja(const std::vector<ChatMessage>& messages,
                                                  const ChatOptions& options) const {
-  nlohmann::ordered_json context;
-  nlohmann::ordered_json list = nlohmann::ordered_json::array();
-  for (const ChatMessage& m : messages) list.push_back({{"role", m.role}, {"content", m.content}});
+  using Json = nlohmann::ordered_json;
+  Json context;
+  Json list = Json::array();
+  for (const ChatMessage& m : messages) {
+    Json message = {{"role", m.role}, {"content", m.content}};
+    if (!m.tool_calls.empty()) {
+      // As vLLM passes them: arguments as the object they encode, where they are JSON (the
+      // templates write them with tojson), the text as given otherwise.
+      Json calls = Json::array();
+      for (const ToolCall& call : m.tool_calls) {
+        Json arguments = Json::parse(call.arguments, nullptr, /*allow_exceptions=*/false);
+        if (arguments.is_discarded()) arguments = call.arguments;
+        calls.push_back({{"id", call.id},
+                         {"type", "function"},
+                         {"function", {{"name", call.name}, {"arguments", std::move(arguments)}}}});
+      }
+      message["tool_calls"] = std::move(calls);
+    }
+    if (!m.tool_call_id.empty()) message["tool_call_id"] = m.tool_call_id;
+    if (!m.name.empty()) message["name"] = m.name;
+    list.push_back(std::move(message));
+  }
   context["messages"] = std::move(list);
+  if (!options.tools_json.empty()) {
+    Json tools = Json::parse(options.tools_json, nullptr, /*allow_exceptions=*/false);
+    if (!tools.is_array()) return Error{"chat template: tools must be a JSON array"};
+    context["tools"] = std::move(tools);
+  }
   context["add_generation_prompt"] = options.add_generation_prompt;
   context["bos_token"] = bos_;
   context["eos_token"] = eos_;
@@ -166,6 +192,14 @@ Expected<ChatTemplate> ChatTemplate::load(const std::string& path) {
 Expected<std::string> ChatTemplate::render(const std::vector<ChatMessage>& messages,
                                            const ChatOptions& options) const {
   if (messages.empty()) return Error{"a chat needs at least one message"};
+  if (format_ != Format::kJinja) {
+    const bool calls = std::any_of(messages.begin(), messages.end(),
+                                   [](const ChatMessage& m) { return !m.tool_calls.empty(); });
+    if (!options.tools_json.empty() || calls)
+      return Error{std::string("the built-in ") + format_name() +
+                   " chat format does not write tools or tool calls (the model's "
+                   "tokenizer_config.json needs a chat template that does)"};
+  }
   std::string out;
   switch (format_) {
     case Format::kJinja:

@@ -29,14 +29,27 @@ class Template;
 
 namespace moeline::tokenizer {
 
+// A function call an assistant turn made (OpenAI's tool_calls entry).
+struct ToolCall {
+  std::string id;
+  std::string name;
+  std::string arguments;  // JSON text, as OpenAI's API carries it
+};
+
 struct ChatMessage {
   std::string role;  // system, user, assistant (qwen3 and chatml also take tool)
   std::string content;
+  std::vector<ToolCall> tool_calls;  // assistant: the calls it made
+  std::string tool_call_id;          // tool: the call this message answers
+  std::string name;                  // tool: the function's name, where given
 };
 
 struct ChatOptions {
   bool add_generation_prompt = true;
   std::optional<bool> enable_thinking;  // qwen3 only; unset = the template's default
+  // The tools a request offers: a JSON array of OpenAI tool definitions, as its body gave them
+  // (empty: none). A Jinja template gets them as `tools`; the built-in formats refuse them.
+  std::string tools_json;
 };
 
 class ChatTemplate {
@@ -57,6 +70,9 @@ class ChatTemplate {
                                const ChatOptions& options = {}) const;
   Format format() const { return format_; }
   const char* format_name() const;
+  // Whether the template writes tool calls as Hermes-style <tool_call>{json}</tool_call> blocks
+  // (Qwen2.5 and Qwen3), the format the HTTP front reads calls back from.
+  bool hermes_tool_calls() const { return hermes_tool_calls_; }
 
  private:
   ChatTemplate(Format format, std::string bos, std::string eos)
@@ -65,6 +81,7 @@ class ChatTemplate {
                                      const ChatOptions& options) const;
   Format format_;
   std::shared_ptr<const jinja::Template> jinja_;  // kJinja
+  bool hermes_tool_calls_ = false;
   std::string bos_;
   std::string eos_;
 };

@@ -50,6 +50,15 @@ std::variant<sdk::GenerateOptions, ApiError> to_options(const CompletionRequest&
           "the model '" + backend.name + "' has no chat template: " + backend.chat_error;
       return error;
     }
+    if (!request.chat.tools_json.empty() && !backend.chat->hermes_tool_calls()) {
+      ApiError error;
+      error.param = "tools";
+      error.code = "unsupported_parameter";
+      error.message = "the model '" + backend.name +
+                      "' has no chat template that writes tool calls in a format this server "
+                      "reads back (Qwen's <tool_call> blocks)";
+      return error;
+    }
     auto rendered = backend.chat->render(request.messages, request.chat);
     if (!rendered) {
       ApiError error;

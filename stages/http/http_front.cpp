@@ -22,6 +22,7 @@
 #include "stages/http/openai.h"
 #include "stages/http/stop_matcher.h"
 #include "stages/http/token_stream.h"
+#include "stages/http/tool_calls.h"
 #include "stages/runtime/service.h"
 
 namespace moeline::stages {
@@ -375,6 +376,12 @@ class HttpFront {
     http::Completion completion = base;
     completion.text = std::move(outcome.text);
     completion.finish_reason = outcome.finish_reason;
+    if (!api_request.chat.tools_json.empty())
+      if (auto parsed = http::parse_hermes_tool_calls(completion.text)) {
+        completion.text = std::move(parsed->content);
+        completion.tool_calls = std::move(parsed->calls);
+        completion.finish_reason = "tool_calls";
+      }
     completion.usage = outcome.usage;
     completion.usage.completion_tokens = outcome.completion_tokens;
     completion.timings = outcome.timings;

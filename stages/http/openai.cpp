@@ -103,6 +103,48 @@ std::optional<ApiError> read_content(const json& content, const std::string& par
   return std::nullopt;
 }
 
+std::optional<ApiError> read_string(const json& object, const char* key, const std::string& at,
+                                    std::string& out) {
+  if (!object.contains(key) || object[key].is_null()) return std::nullopt;
+  if (!object[key].is_string()) return wrong_type(at + "." + key, object[key], "a string");
+  out = object[key].get<std::string>();
+  return std::nullopt;
+}
+
+// An assistant turn's tool_calls ([{id, type: function, function: {name, arguments}}]) and a
+// tool turn's tool_call_id and name, for the chat template.
+std::optional<ApiError> read_tool_fields(const json& message, const std::string& at,
+                                         tokenizer::ChatMessage& out) {
+  if (auto error = read_string(message, "tool_call_id", at, out.tool_call_id)) return error;
+  if (auto error = read_string(message, "name", at, out.name)) return error;
+  if (!message.contains("tool_calls") || message["tool_calls"].is_null()) return std::nullopt;
+  const json& calls = message["tool_calls"];
+  if (!calls.is_array()) return wrong_type(at + ".tool_calls", calls, "an array");
+  for (size_t i = 0; i < calls.size(); ++i) {
+    const std::string call_at = at + ".tool_calls[" + std::to_string(i) + "]";
+    const json& call = calls[i];
+    if (!call.is_object()) return wrong_type(call_at, call, "an object");
+    if (call.contains("type") && call["type"] != "function")
+      return unsupported(call_at + ".type", "a tool call other than a function");
+    if (!call.contains("function") || !call["function"].is_object())
+      return bad(call_at + ".function", "a tool call needs 'function' (an object)");
+    const json& function = call["function"];
+    tokenizer::ToolCall parsed;
+    if (auto error = read_string(call, "id", call_at, parsed.id)) return error;
+    if (!function.contains("name") || !function["name"].is_string())
+      return bad(call_at + ".function.name", "a tool call needs the function's 'name'");
+    parsed.name = function["name"].get<std::string>();
+    if (function.contains("arguments") && !function["arguments"].is_null()) {
+      const json& arguments = function["arguments"];
+      parsed.arguments = arguments.is_string() ? arguments.get<std::string>() : arguments.dump();
+    } else {
+      parsed.arguments = "{}";
+    }
+    out.tool_calls.push_back(std::move(parsed));
+  }
+  return std::nullopt;
+}
+
 std::optional<ApiError> read_messages(const json& body, std::vector<tokenizer::ChatMessage>& out) {
   if (!body.contains("messages")) return bad("messages", "'messages' is required");
   const json& messages = body["messages"];
@@ -122,6 +164,7 @@ std::optional<ApiError> read_messages(const json& body, std::vector<tokenizer::C
     if (message.contains("content"))
       if (auto error = read_content(message["content"], at + ".content", parsed.content))
         return error;
+    if (auto error = read_tool_fields(message, at, parsed)) return error;
     out.push_back(std::move(parsed));
   }
   return std::nullopt;
@@ -190,11 +233,10 @@ bool present(const json& body, const char* key) {
 // answer (a client that sends the neutral value, `"tools": []`, `"echo": false`, is served), so
 // that nobody gets an answer that silently ignores it.
 std::optional<ApiError> refuse_unserved(const json& body, int64_t n) {
-  for (const char* key : {"tools", "functions"}) {
-    if (!present(body, key)) continue;
-    if (!body[key].is_array()) return wrong_type(key, body[key], "an array");
-    const bool no_calls = present(body, "tool_choice") && body["tool_choice"] == "none";
-    if (!body[key].empty() && !no_calls) return unsupported(key, "tool calling");
+  if (present(body, "functions")) {
+    if (!body["functions"].is_array())
+      return wrong_type("functions", body["functions"], "an array");
+    if (!body["functions"].empty()) return unsupported("functions", "functions (use tools)");
   }
   if (present(body, "response_format")) {
     const json& format = body["response_format"];
@@ -213,6 +255,49 @@ std::optional<ApiError> refuse_unserved(const json& body, int64_t n) {
   if (auto error = read_integer(body, "best_of", 1, best_of)) return error;
   if (best_of && *best_of < n) return bad("best_of", "'best_of' must be at least 'n'");
   if (best_of && *best_of > n) return unsupported("best_of", "best_of greater than n");
+  return std::nullopt;
+}
+
+// Chat: the tools on offer ([{type: function, function: {name, description, parameters}}]) and
+// tool_choice "auto" (the default) or "none" (the tools are then not shown to the model); a forced
+// call ("required", or a named function) would need constrained decoding, which this server does
+// not do. The tools go to the chat template as the body wrote them (its key order kept).
+std::optional<ApiError> read_tools(const json& body, const std::string& text,
+                                   CompletionRequest& out) {
+  std::string choice = "auto";
+  if (present(body, "tool_choice")) {
+    const json& tool_choice = body["tool_choice"];
+    if (tool_choice.is_object()) return unsupported("tool_choice", "a named tool_choice");
+    if (!tool_choice.is_string())
+      return wrong_type("tool_choice", tool_choice, "\"auto\", \"none\" or an object");
+    choice = tool_choice.get<std::string>();
+    if (choice == "required") return unsupported("tool_choice", "tool_choice \"required\"");
+    if (choice != "auto" && choice != "none")
+      return bad("tool_choice",
+                 "'tool_choice' must be \"auto\" or \"none\", got \"" + choice + "\"");
+  }
+  if (!present(body, "tools")) return std::nullopt;
+  const json& tools = body["tools"];
+  if (!tools.is_array()) return wrong_type("tools", tools, "an array");
+  for (size_t i = 0; i < tools.size(); ++i) {
+    const std::string at = "tools[" + std::to_string(i) + "]";
+    const json& tool = tools[i];
+    if (!tool.is_object()) return wrong_type(at, tool, "an object");
+    if (tool.contains("type") && tool["type"] != "function")
+      return unsupported(at + ".type", "a tool other than a function");
+    if (!tool.contains("function") || !tool["function"].is_object())
+      return bad(at + ".function", "a tool needs 'function' (an object)");
+    const json& function = tool["function"];
+    if (!function.contains("name") || !function["name"].is_string() ||
+        function["name"].get<std::string>().empty())
+      return bad(at + ".function.name", "a tool's function needs a 'name'");
+    if (function.contains("parameters") && !function["parameters"].is_null() &&
+        !function["parameters"].is_object())
+      return wrong_type(at + ".function.parameters", function["parameters"], "an object");
+  }
+  if (tools.empty() || choice == "none") return std::nullopt;
+  out.chat.tools_json =
+      nlohmann::ordered_json::parse(text, nullptr, /*allow_exceptions=*/false)["tools"].dump();
   return std::nullopt;
 }
 
@@ -242,8 +327,8 @@ std::optional<ApiError> read_logit_bias(const json& body, CompletionRequest& out
   const json& bias = body["logit_bias"];
   if (!bias.is_object()) return wrong_type("logit_bias", bias, "an object");
   if (bias.size() > model::kMaxLogitBias)
-    return bad("logit_bias", "'logit_bias' may bias at most " +
-                                 std::to_string(model::kMaxLogitBias) + " tokens");
+    return bad("logit_bias",
+               "'logit_bias' may bias at most " + std::to_string(model::kMaxLogitBias) + " tokens");
   for (const auto& [key, value] : bias.items()) {
     int64_t token = -1;
     const auto [end, error] = std::from_chars(key.data(), key.data() + key.size(), token);
@@ -252,8 +337,8 @@ std::optional<ApiError> read_logit_bias(const json& body, CompletionRequest& out
     if (!value.is_number()) return wrong_type("logit_bias", value, "a number");
     const double x = value.get<double>();
     if (!(x >= -model::kMaxBias && x <= model::kMaxBias))
-      return bad("logit_bias", "'logit_bias' values must be between -100 and 100, got " +
-                                   value.dump());
+      return bad("logit_bias",
+                 "'logit_bias' values must be between -100 and 100, got " + value.dump());
     out.logit_bias.emplace_back(static_cast<int32_t>(token), static_cast<float>(x));
   }
   return std::nullopt;
@@ -315,7 +400,8 @@ std::optional<ApiError> read_chat_options(const json& body, CompletionRequest& o
   return std::nullopt;
 }
 
-std::optional<ApiError> read_all(Endpoint endpoint, const json& body, CompletionRequest& out) {
+std::optional<ApiError> read_all(Endpoint endpoint, const json& body, const std::string& text,
+                                 CompletionRequest& out) {
   if (body.contains("model") && !body["model"].is_null()) {
     if (!body["model"].is_string()) return wrong_type("model", body["model"], "a string");
     out.model = body["model"].get<std::string>();
@@ -326,6 +412,7 @@ std::optional<ApiError> read_all(Endpoint endpoint, const json& body, Completion
   }
   if (endpoint == Endpoint::kChat) {
     if (auto error = read_messages(body, out.messages)) return error;
+    if (auto error = read_tools(body, text, out)) return error;
     if (auto error = read_chat_options(body, out)) return error;
   } else if (auto error = read_prompt(body, out)) {
     return error;
@@ -359,7 +446,7 @@ std::variant<CompletionRequest, ApiError> parse_request(Endpoint endpoint,
   if (!parsed.is_object()) return bad("", "the body must be a JSON object");
   CompletionRequest request;
   request.endpoint = endpoint;
-  if (auto error = read_all(endpoint, parsed, request)) return *error;
+  if (auto error = read_all(endpoint, parsed, body, request)) return *error;
   return request;
 }
 
@@ -445,10 +532,21 @@ json completion_response(Endpoint endpoint, std::span<const Completion> choices)
     json choice = {{"index", completion.index},
                    {"logprobs", completion.logprobs},
                    {"finish_reason", completion.finish_reason}};
-    if (endpoint == Endpoint::kChat)
+    if (endpoint == Endpoint::kChat) {
       choice["message"] = {{"role", "assistant"}, {"content", completion.text}};
-    else
+      if (!completion.tool_calls.empty()) {
+        // OpenAI's shape: content null where the turn is only calls.
+        if (completion.text.empty()) choice["message"]["content"] = nullptr;
+        json calls = json::array();
+        for (const ToolCallOut& call : completion.tool_calls)
+          calls.push_back({{"id", call.id},
+                           {"type", "function"},
+                           {"function", {{"name", call.name}, {"arguments", call.arguments}}}});
+        choice["message"]["tool_calls"] = std::move(calls);
+      }
+    } else {
       choice["text"] = completion.text;
+    }
     listed.push_back(std::move(choice));
   }
   const Completion& first = choices.front();
@@ -494,6 +592,26 @@ TokenEvents::TokenEvents(Endpoint endpoint, const Completion& completion) {
 
 std::string TokenEvents::event(const std::string& text) const {
   return prefix_ + to_text(json(text)) + suffix_;
+}
+
+json tool_calls_chunk(const Completion& completion) {
+  json calls = json::array();
+  for (size_t i = 0; i < completion.tool_calls.size(); ++i) {
+    const ToolCallOut& call = completion.tool_calls[i];
+    calls.push_back({{"index", i},
+                     {"id", call.id},
+                     {"type", "function"},
+                     {"function", {{"name", call.name}, {"arguments", call.arguments}}}});
+  }
+  json choice = {{"index", completion.index},
+                 {"logprobs", nullptr},
+                 {"finish_reason", nullptr},
+                 {"delta", {{"tool_calls", std::move(calls)}}}};
+  return {{"id", completion.id},
+          {"object", "chat.completion.chunk"},
+          {"created", completion.created},
+          {"model", completion.model},
+          {"choices", json::array({choice})}};
 }
 
 json usage_chunk(Endpoint endpoint, const Completion& completion) {

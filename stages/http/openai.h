@@ -13,6 +13,7 @@
 #include <nlohmann/json.hpp>
 
 #include "sdk/client.h"
+#include "stages/http/tool_calls.h"
 #include "tokenizer/chat_template.h"
 
 namespace moeline::stages::http {
@@ -82,6 +83,7 @@ struct Completion {
   sdk::Timings timings;
   bool fallback = false;    // served by the fallback model (the primary was overloaded or slow)
   nlohmann::json logprobs;  // the choice's logprobs object (null unless asked for)
+  std::vector<ToolCallOut> tool_calls;  // chat: the calls read from the text (then not in it)
 };
 
 nlohmann::json usage_json(const sdk::Usage& usage);
@@ -110,6 +112,9 @@ class TokenEvents {
  private:
   std::string prefix_, suffix_;
 };
+
+// A stream chunk with the choice's tool calls, each whole (the clients gather them by index).
+nlohmann::json tool_calls_chunk(const Completion& completion);
 
 // The usage chunk of stream_options.include_usage: no choices; `completion` carries the
 // combined usage.

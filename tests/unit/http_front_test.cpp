@@ -14,6 +14,7 @@
 #include "stages/http/connection_threads.h"
 #include "stages/http/openai.h"
 #include "stages/http/stop_matcher.h"
+#include "stages/http/token_stream.h"
 
 namespace moeline::stages::http {
 namespace {
@@ -159,7 +160,7 @@ TEST(OpenAiRequest, DefaultsAreOpenAis) {
                 .messages.size(),
             1u);
   EXPECT_EQ(request_of(Endpoint::kChat, R"({"messages": [{"role": "user", "content": "x"}],
-      "tools": [{"type": "function"}], "tool_choice": "none"})")
+      "tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": "none"})")
                 .messages.size(),
             1u);
   EXPECT_EQ(request_of(Endpoint::kCompletions,
@@ -208,8 +209,28 @@ TEST(OpenAiRequest, WrongTypesAndValuesNameTheirParameter) {
       {Endpoint::kCompletions, R"({"prompt": "p", "n": 2.5})", "n"},
       {Endpoint::kGenerate, R"({"prompt": "p", "n": 2})", "n"},
       {Endpoint::kChat, R"({"messages": [{"role": "user"}], "tools": [{"type": "function"}]})",
-       "tools"},
+       "tools[0].function"},
       {Endpoint::kChat, R"({"messages": [{"role": "user"}], "tools": {}})", "tools"},
+      {Endpoint::kChat,
+       R"({"messages": [{"role": "user"}], "tools": [{"type": "function", "function": {}}]})",
+       "tools[0].function.name"},
+      {Endpoint::kChat, R"({"messages": [{"role": "user"}], "tools": [{"type": "retrieval"}]})",
+       "tools[0].type"},
+      {Endpoint::kChat, R"({"messages": [{"role": "user"}], "tool_choice": "required"})",
+       "tool_choice"},
+      {Endpoint::kChat, R"({"messages": [{"role": "user"}], "tool_choice": "sometimes"})",
+       "tool_choice"},
+      {Endpoint::kChat,
+       R"({"messages": [{"role": "user"}], "tool_choice": {"type": "function", "function": {"name": "f"}}})",
+       "tool_choice"},
+      {Endpoint::kChat,
+       R"({"messages": [{"role": "assistant", "tool_calls": [{"type": "function"}]}]})",
+       "messages[0].tool_calls[0].function"},
+      {Endpoint::kChat,
+       R"({"messages": [{"role": "assistant", "tool_calls": [{"function": {"arguments": "{}"}}]}]})",
+       "messages[0].tool_calls[0].function.name"},
+      {Endpoint::kChat, R"({"messages": [{"role": "tool", "tool_call_id": 5}]})",
+       "messages[0].tool_call_id"},
       {Endpoint::kChat, R"({"messages": [{"role": "user"}], "functions": [{"name": "f"}]})",
        "functions"},
       {Endpoint::kChat,
@@ -328,6 +349,183 @@ TEST(OpenAiResponse, ChatAndCompletionShapes) {
             "data: " + stream_chunk(Endpoint::kChat, second, "x", false, "").dump() + "\n\n");
   EXPECT_EQ(new_completion_id(Endpoint::kChat).rfind("chatcmpl-", 0), 0u);
   EXPECT_NE(new_completion_id(Endpoint::kChat), new_completion_id(Endpoint::kChat));
+}
+
+TEST(ToolCalls, HermesBlocksAreReadAsCallsAndAnythingElseStaysText) {
+  const auto one = parse_hermes_tool_calls(
+      "Let me look.\n<tool_call>\n{\"name\": \"get_weather\", \"arguments\": {\"city\": "
+      "\"Paris\", \"days\": 2}}\n</tool_call>");
+  ASSERT_TRUE(one.has_value());
+  EXPECT_EQ(one->content, "Let me look.");
+  ASSERT_EQ(one->calls.size(), 1u);
+  EXPECT_EQ(one->calls[0].name, "get_weather");
+  EXPECT_EQ(one->calls[0].arguments, R"({"city":"Paris","days":2})");  // key order kept
+  EXPECT_EQ(one->calls[0].id.rfind("call_", 0), 0u);
+  // Two calls, whitespace between; arguments given as a string; a last call without its
+  // closing tag (generation ended first) whose JSON is whole.
+  const auto two = parse_hermes_tool_calls(
+      "<tool_call>{\"name\": \"a\", \"arguments\": \"{\\\"x\\\": 1}\"}</tool_call>\n\n"
+      "<tool_call>{\"name\": \"b\"}");
+  ASSERT_TRUE(two.has_value());
+  EXPECT_EQ(two->content, "");
+  ASSERT_EQ(two->calls.size(), 2u);
+  EXPECT_EQ(two->calls[0].arguments, R"({"x": 1})");
+  EXPECT_EQ(two->calls[1].name, "b");
+  EXPECT_EQ(two->calls[1].arguments, "{}");
+  EXPECT_NE(two->calls[0].id, two->calls[1].id);
+  // Not calls: no block, JSON that is not an object with a name, text after a call.
+  EXPECT_FALSE(parse_hermes_tool_calls("plain text").has_value());
+  EXPECT_FALSE(parse_hermes_tool_calls("<tool_call>{\"name\": 3}</tool_call>").has_value());
+  EXPECT_FALSE(parse_hermes_tool_calls("<tool_call>{\"na</tool_call>").has_value());
+  EXPECT_FALSE(
+      parse_hermes_tool_calls("<tool_call>{\"name\": \"a\"}</tool_call> and more").has_value());
+}
+
+TEST(ToolCalls, AStreamHoldsBackFromWhereACallMayBegin) {
+  ToolCallHold hold;
+  std::string content;
+  for (const char* delta :
+       {"Sure", ", <", "to", "ol_c", "all>\n{\"name\"", ": \"f\"}", "</tool_call>"})
+    content += hold.feed(delta);
+  EXPECT_EQ(content, "Sure, ");
+  EXPECT_EQ(hold.held(), "<tool_call>\n{\"name\": \"f\"}</tool_call>");
+  // A "<" that does not become the marker is released when the text shows it.
+  ToolCallHold plain;
+  EXPECT_EQ(plain.feed("a <"), "a ");
+  EXPECT_EQ(plain.feed("b> c"), "<b> c");
+  EXPECT_EQ(plain.feed("<tool"), "");
+  EXPECT_EQ(plain.held(), "<tool");
+}
+
+sdk::Event event_of(sdk::EventKind kind, const std::string& text, int32_t token) {
+  sdk::Event event;
+  event.kind = kind;
+  event.text = text;
+  event.token_ids = {token};
+  if (kind == sdk::EventKind::kFinished) {
+    event.finish_reason = "stop";
+    event.usage.prompt_tokens = 3;  // the gateway's count, on the last event
+  }
+  return event;
+}
+
+// A streamed response of two choices (n = 2) with tools on offer: choice 0 writes text and then
+// a call split over two events, choice 1 plain text. Each choice's chunks carry its index; choice
+// 0 gets its text up to the call, the call whole in one chunk, and finish_reason tool_calls; the
+// usage counts both choices' tokens; [DONE] ends it.
+TEST(StreamedResponse, ChoicesInterleaveAndACallComesWholeWithItsFinishReason) {
+  CompletionRequest request;
+  request.endpoint = Endpoint::kChat;
+  request.stream = true;
+  request.include_usage = true;
+  request.chat.tools_json = R"([{"type": "function", "function": {"name": "f"}}])";
+  Backend backend;
+  runtime::Histogram delay({1.0});
+  runtime::Counter failures;
+  Completion base;
+  base.id = "chatcmpl-1";
+  base.model = "m";
+  std::vector<StreamedResponse::Choice> choices;
+  for (int64_t i = 0; i < 2; ++i) {
+    auto completion = std::make_shared<Completion>(base);
+    completion->index = i;
+    choices.push_back({std::make_shared<RequestChannel>(),
+                       event_of(sdk::EventKind::kDelta, i == 0 ? "Sure, <tool" : "plain", 1),
+                       std::make_unique<TokenStream>(Endpoint::kChat, request, backend, completion,
+                                                     3, &delay, &failures)});
+  }
+  choices[0].channel->push(event_of(sdk::EventKind::kDelta,
+                                    "_call>\n{\"name\": \"f\", \"arguments\": {\"a\": 1}}\n", 2));
+  choices[0].channel->push(event_of(sdk::EventKind::kFinished, "</tool_call>", 3));
+  choices[1].channel->push(event_of(sdk::EventKind::kFinished, " text", 4));
+  StreamedResponse response(Endpoint::kChat, std::move(choices), true);
+  std::string written;
+  httplib::DataSink sink;
+  sink.write = [&written](const char* data, size_t size) {
+    written.append(data, size);
+    return true;
+  };
+  ASSERT_TRUE(response.write(sink, std::chrono::steady_clock::now() + std::chrono::seconds(5)));
+  std::string content[2], finish[2];
+  std::vector<nlohmann::json> calls;
+  nlohmann::json usage;
+  size_t at = 0;
+  std::vector<std::string> data;
+  while ((at = written.find("data: ", at)) != std::string::npos) {
+    const size_t end = written.find("\n\n", at);
+    data.push_back(written.substr(at + 6, end - at - 6));
+    at = end;
+  }
+  ASSERT_FALSE(data.empty()) << written;
+  EXPECT_EQ(data.back(), "[DONE]");
+  data.pop_back();
+  for (const std::string& text : data) {
+    const auto chunk = nlohmann::json::parse(text);
+    if (chunk["choices"].empty()) {
+      usage = chunk["usage"];
+      continue;
+    }
+    const auto& choice = chunk["choices"][0];
+    const int64_t index = choice["index"];
+    ASSERT_TRUE(index == 0 || index == 1) << text;
+    EXPECT_TRUE(finish[index].empty()) << "a chunk after the finish: " << text;
+    if (choice["delta"].contains("content")) content[index] += choice["delta"]["content"];
+    if (choice["delta"].contains("tool_calls"))
+      for (const auto& call : choice["delta"]["tool_calls"]) calls.push_back(call);
+    if (!choice["finish_reason"].is_null()) finish[index] = choice["finish_reason"];
+  }
+  EXPECT_EQ(content[0], "Sure, ");
+  EXPECT_EQ(content[1], "plain text");
+  ASSERT_EQ(calls.size(), 1u);
+  EXPECT_EQ(calls[0]["index"], 0);
+  EXPECT_EQ(calls[0]["function"]["name"], "f");
+  EXPECT_EQ(calls[0]["function"]["arguments"], R"({"a":1})");
+  EXPECT_EQ(finish[0], "tool_calls");
+  EXPECT_EQ(finish[1], "stop");
+  EXPECT_EQ(usage["completion_tokens"], 5);
+  EXPECT_EQ(usage["prompt_tokens"], 3);
+}
+
+TEST(OpenAiResponse, ToolCallsInOpenAisMessageShape) {
+  Completion c;
+  c.id = "chatcmpl-1";
+  c.finish_reason = "tool_calls";
+  c.tool_calls = {{"call_1", "get_weather", R"({"city":"Paris"})"}};
+  const nlohmann::json only_calls = completion_response(Endpoint::kChat, {&c, 1});
+  const auto& message = only_calls["choices"][0]["message"];
+  EXPECT_TRUE(message["content"].is_null());
+  EXPECT_EQ(message["tool_calls"],
+            nlohmann::json::parse(R"([{"id": "call_1", "type": "function", "function":
+                {"name": "get_weather", "arguments": "{\"city\":\"Paris\"}"}}])"));
+  EXPECT_EQ(only_calls["choices"][0]["finish_reason"], "tool_calls");
+  c.text = "Let me look.";
+  EXPECT_EQ(completion_response(Endpoint::kChat, {&c, 1})["choices"][0]["message"]["content"],
+            "Let me look.");
+}
+
+TEST(OpenAiRequest, ToolsAndToolTurnsAreReadForTheTemplate) {
+  const CompletionRequest r = request_of(Endpoint::kChat, R"({
+    "messages": [
+      {"role": "user", "content": "weather?"},
+      {"role": "assistant", "content": null, "tool_calls": [{"id": "call_1", "type": "function",
+        "function": {"name": "get_weather", "arguments": "{\"city\": \"Paris\"}"}}]},
+      {"role": "tool", "tool_call_id": "call_1", "content": "sunny"}],
+    "tools": [{"type": "function", "function": {"name": "get_weather",
+      "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}}]})");
+  ASSERT_EQ(r.messages.size(), 3u);
+  ASSERT_EQ(r.messages[1].tool_calls.size(), 1u);
+  EXPECT_EQ(r.messages[1].tool_calls[0].id, "call_1");
+  EXPECT_EQ(r.messages[1].tool_calls[0].name, "get_weather");
+  EXPECT_EQ(r.messages[1].tool_calls[0].arguments, R"({"city": "Paris"})");
+  EXPECT_EQ(r.messages[2].tool_call_id, "call_1");
+  // The tools as the body wrote them: "type" before "function", "parameters" in its order.
+  EXPECT_EQ(r.chat.tools_json,
+            R"([{"type":"function","function":{"name":"get_weather","parameters":{"type":)"
+            R"("object","properties":{"city":{"type":"string"}}}}}])");
+  // tool_choice "none": the tools are not shown to the model.
+  EXPECT_TRUE(request_of(Endpoint::kChat, R"({"messages": [{"role": "user", "content": "x"}],
+      "tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": "none"})")
+                  .chat.tools_json.empty());
 }
 
 TEST(ConnectionThreads, HoldsAConnectionPerThreadUpToTheLimitThenQueues) {

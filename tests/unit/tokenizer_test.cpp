@@ -198,6 +198,42 @@ TEST(ChatTemplate, BuiltInFormatsAreTheFallbackAndRefuseUnknownRoles) {
   EXPECT_FALSE(mistral.render({{"tool", "x"}}).ok());
   EXPECT_FALSE(mistral.render({}).ok());
   EXPECT_EQ(*mistral.render({{"user", "hi"}, {"assistant", "yo"}}), "<s>[INST] hi [/INST]yo</s>");
+  // Tools need the model's own template: the built-in formats do not write them.
+  auto qwen3 = ChatTemplate::builtin(ChatTemplate::Format::kQwen3, "", "<|im_end|>");
+  const auto with_tools = qwen3.render({{"user", "hi"}}, {.tools_json = "[]"});
+  ASSERT_FALSE(with_tools.ok());
+  EXPECT_NE(with_tools.error().message.find("tools"), std::string::npos);
+  ChatMessage called{"assistant", ""};
+  called.tool_calls = {{"call_1", "f", "{}"}};
+  EXPECT_FALSE(qwen3.render({{"user", "hi"}, called}).ok());
+  EXPECT_FALSE(qwen3.hermes_tool_calls());
+}
+
+// A Jinja template gets the tools, the calls (their arguments as objects where they are JSON,
+// as vLLM passes them) and the tool turns' ids; a template that writes <tool_call> blocks says so.
+TEST(ChatTemplate, ToolsAndCallsReachAJinjaTemplate) {
+  auto chat = ChatTemplate::from_template(
+      "{% for t in tools %}[{{ t.function.name }}]{% endfor %}"
+      "{% for m in messages %}{{ m.role }}:{{ m.content }}"
+      "{% for c in m.tool_calls %}<tool_call>{{ c.function.name }} {{ c.function.arguments.city }}"
+      " {{ c.id }}</tool_call>{% endfor %}"
+      "{% if m.tool_call_id is defined %}({{ m.tool_call_id }}){% endif %};{% endfor %}",
+      "", "");
+  ASSERT_TRUE(chat.ok()) << chat.error().message;
+  EXPECT_TRUE(chat->hermes_tool_calls());
+  ChatMessage called{"assistant", ""};
+  called.tool_calls = {{"call_1", "get_weather", R"({"city": "Paris"})"}};
+  ChatMessage answer{"tool", "sunny"};
+  answer.tool_call_id = "call_1";
+  auto text = chat->render(
+      {{"user", "hi"}, called, answer},
+      {.tools_json = R"([{"type": "function", "function": {"name": "get_weather"}}])"});
+  ASSERT_TRUE(text.ok()) << text.error().message;
+  EXPECT_EQ(*text,
+            "[get_weather]user:hi;assistant:<tool_call>get_weather Paris call_1</tool_call>;"
+            "tool:sunny(call_1);");
+  EXPECT_FALSE(
+      ChatTemplate::from_template("{{ messages[0].content }}", "", "")->hermes_tool_calls());
 }
 
 }  // namespace
