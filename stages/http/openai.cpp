@@ -160,6 +160,9 @@ std::optional<ApiError> read_messages(const json& body, std::vector<tokenizer::C
     if (role == "developer") role = "system";  // OpenAI's newer name for the system role
     if (role != "system" && role != "user" && role != "assistant" && role != "tool")
       return bad(at + ".role", "unknown role '" + role + "'");
+    // Content null or absent (an assistant turn that only calls tools) reaches the template as
+    // "", as vLLM passes it: Qwen3's template tests `'</think>' in message.content`, which fails
+    // on none (tried: jinja2 raises TypeError there, so transformers does too).
     tokenizer::ChatMessage parsed{role, {}};
     if (message.contains("content"))
       if (auto error = read_content(message["content"], at + ".content", parsed.content))
