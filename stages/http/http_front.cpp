@@ -216,18 +216,26 @@ class HttpFront {
         .inc();
   }
 
-  // A choice's request: choice i samples with seed + i where a seed is given (as vLLM), so that
-  // the n choices differ and each is reproducible on its own.
+  // A choice's request: choice i answers prompt i / n (of a batch of prompts) and samples with
+  // seed + i % n where a seed is given (as vLLM), so that the n choices of a prompt differ and
+  // each is reproducible on its own.
   static CompletionRequest choice_request(const CompletionRequest& request, int64_t choice) {
     CompletionRequest one = request;
-    if (one.seed) *one.seed += static_cast<uint64_t>(choice);
+    const auto prompt = static_cast<size_t>(choice / request.n);
+    if (!request.batch_prompts.empty()) one.prompt = request.batch_prompts[prompt];
+    if (!request.batch_prompt_tokens.empty())
+      one.prompt_tokens = request.batch_prompt_tokens[prompt];
+    one.batch_prompts.clear();
+    one.batch_prompt_tokens.clear();
+    if (one.seed) *one.seed += static_cast<uint64_t>(choice % request.n);
     return one;
   }
 
-  // A choice on its way: its request's events and the first of them.
+  // A choice on its way: its request's events, the first of them, its prompt's length.
   struct Started {
     std::shared_ptr<http::RequestChannel> channel;
     sdk::Event first;
+    uint32_t prompt_tokens = 0;
   };
 
   // Choices 1 .. n-1, sent to the backend that took choice 0 once choice 0 has its first token
@@ -238,7 +246,7 @@ class HttpFront {
                                              Clock::time_point deadline,
                                              std::vector<Started>& started) {
     std::vector<std::shared_ptr<http::RequestChannel>> sent;
-    for (int64_t i = 1; i < request.n; ++i) {
+    for (int64_t i = 1; i < request.n * request.prompt_count(); ++i) {
       http::Attempt attempt = backends_.submit(choice_request(request, i), api_key, backend);
       if (attempt.refused) {
         for (const auto& channel : sent) backend.bridge->cancel(channel);
@@ -260,7 +268,7 @@ class HttpFront {
         for (size_t j = i + (first ? 1 : 0); j < sent.size(); ++j) backend.bridge->cancel(sent[j]);
         return error;
       }
-      started.push_back({sent[i], std::move(*first)});
+      started.push_back({sent[i], std::move(*first), prompt_tokens});
     }
     return std::nullopt;
   }
@@ -312,7 +320,7 @@ class HttpFront {
     }
     ttft_->observe(std::chrono::duration<double>(Clock::now() - received).count());
     std::vector<Started> started;
-    started.push_back({attempt.channel, std::move(*first)});
+    started.push_back({attempt.channel, std::move(*first), prompt_tokens});
     if (auto error =
             start_more_choices(api_request, api_key, *attempt.backend, deadline, started)) {
       for (const Started& choice : started) bridge->cancel(choice.channel);
@@ -326,13 +334,12 @@ class HttpFront {
     base.model = attempt.backend->name;
     base.fallback = attempt.backend == backends_.fallback() && backend == &backends_.primary();
     if (api_request.stream && endpoint != Endpoint::kGenerate)
-      return stream(endpoint, api_request, *attempt.backend, std::move(started), prompt_tokens,
-                    base, deadline, response);
+      return stream(endpoint, api_request, *attempt.backend, std::move(started), base, deadline,
+                    response);
 
     std::vector<http::Completion> choices;
     for (size_t i = 0; i < started.size(); ++i) {
-      auto choice = collect(endpoint, api_request, *attempt.backend, started[i], prompt_tokens,
-                            deadline, base);
+      auto choice = collect(endpoint, api_request, *attempt.backend, started[i], deadline, base);
       if (auto* error = std::get_if<ApiError>(&choice)) {
         for (size_t j = i + 1; j < started.size(); ++j) bridge->cancel(started[j].channel);
         in_flight_->add(-1);
@@ -345,8 +352,9 @@ class HttpFront {
     if (endpoint == Endpoint::kGenerate) {
       response.set_content(http::to_text(json{{"text", choices.front().text}}), "application/json");
     } else {
-      response.set_content(http::to_text(http::completion_response(endpoint, choices)),
-                           "application/json");
+      response.set_content(
+          http::to_text(http::completion_response(endpoint, choices, api_request.n)),
+          "application/json");
     }
     count(endpoint, 200);
   }
@@ -355,12 +363,11 @@ class HttpFront {
   std::variant<http::Completion, ApiError> collect(Endpoint endpoint,
                                                    const CompletionRequest& api_request,
                                                    const Backend& backend, Started& started,
-                                                   uint32_t prompt_tokens,
                                                    Clock::time_point deadline,
                                                    const http::Completion& base) {
     http::StopMatcher stops(api_request.stop);
     Outcome outcome;
-    outcome.usage.prompt_tokens = prompt_tokens;
+    outcome.usage.prompt_tokens = started.prompt_tokens;
     bool over = http::absorb(started.first, stops, outcome, outcome.text);
     while (!over) {
       uint32_t ignored = 0;
@@ -394,7 +401,7 @@ class HttpFront {
   }
 
   void stream(Endpoint endpoint, const CompletionRequest& api_request, const Backend& backend,
-              std::vector<Started> started, uint32_t prompt_tokens, const http::Completion& base,
+              std::vector<Started> started, const http::Completion& base,
               Clock::time_point deadline, httplib::Response& response) {
     count(endpoint, 200);
     response.set_header("Cache-Control", "no-cache");
@@ -402,13 +409,13 @@ class HttpFront {
     for (size_t i = 0; i < started.size(); ++i) {
       auto completion = std::make_shared<http::Completion>(base);
       completion->index = static_cast<int64_t>(i);
-      choices.push_back(
-          {started[i].channel, std::move(started[i].first),
-           std::make_unique<http::TokenStream>(endpoint, api_request, backend, completion,
-                                               prompt_tokens, token_delay_, write_failures_)});
+      choices.push_back({started[i].channel, std::move(started[i].first),
+                         std::make_unique<http::TokenStream>(endpoint, api_request, backend,
+                                                             completion, started[i].prompt_tokens,
+                                                             token_delay_, write_failures_)});
     }
-    auto streamed = std::make_shared<http::StreamedResponse>(endpoint, std::move(choices),
-                                                             api_request.include_usage);
+    auto streamed = std::make_shared<http::StreamedResponse>(
+        endpoint, std::move(choices), api_request.include_usage, api_request.n);
     http::GatewayBridge* bridge = backend.bridge.get();
     response.set_chunked_content_provider(
         "text/event-stream",

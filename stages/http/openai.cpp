@@ -180,12 +180,36 @@ std::optional<ApiError> read_prompt(const json& body, CompletionRequest& out) {
     out.prompt = prompt.get<std::string>();
     return std::nullopt;
   }
-  if (prompt.is_array() && prompt.size() == 1 && prompt[0].is_string()) {
-    out.prompt = prompt[0].get<std::string>();
+  if (prompt.is_array() && !prompt.empty() && (prompt[0].is_string() || prompt[0].is_array())) {
+    // A batch: strings, or token-id lists (one of them is the plain single prompt).
+    if (prompt.size() > static_cast<size_t>(kMaxChoices))
+      return bad("prompt", "at most " + std::to_string(kMaxChoices) + " prompts per request");
+    for (const json& one : prompt) {
+      if (one.is_string() && prompt[0].is_string()) {
+        out.batch_prompts.push_back(one.get<std::string>());
+        continue;
+      }
+      if (!one.is_array() || !prompt[0].is_array() || one.empty())
+        return bad("prompt",
+                   "a list of prompts must be all strings or all non-empty lists of token ids");
+      std::vector<int32_t>& ids = out.batch_prompt_tokens.emplace_back();
+      for (const json& id : one) {
+        if (!id.is_number_integer() || id.get<int64_t>() < 0 || id.get<int64_t>() > INT32_MAX)
+          return bad("prompt", "a token id must be an integer in [0, 2^31)");
+        ids.push_back(static_cast<int32_t>(id.get<int64_t>()));
+      }
+    }
+    // One of them is the plain single prompt.
+    if (out.batch_prompts.size() == 1) {
+      out.prompt = std::move(out.batch_prompts[0]);
+      out.batch_prompts.clear();
+    }
+    if (out.batch_prompt_tokens.size() == 1) {
+      out.prompt_tokens = std::move(out.batch_prompt_tokens[0]);
+      out.batch_prompt_tokens.clear();
+    }
     return std::nullopt;
   }
-  if (prompt.is_array() && !prompt.empty() && prompt[0].is_string())
-    return unsupported("prompt", "more than one prompt per request");
   if (prompt.is_array() && !prompt.empty()) {
     for (const json& id : prompt) {
       if (!id.is_number_integer() || id.get<int64_t>() < 0 || id.get<int64_t>() > INT32_MAX)
@@ -421,6 +445,8 @@ std::optional<ApiError> read_all(Endpoint endpoint, const json& body, const std:
     return error;
   }
   if (auto error = read_choices(endpoint, body, out.n)) return error;
+  if (endpoint == Endpoint::kGenerate && out.prompt_count() > 1)
+    return unsupported("prompt", "more than one prompt on /generate");
   if (auto error = refuse_unserved(body, out.n)) return error;
   if (auto error = read_sampling(body, out)) return error;
   if (auto error = read_penalties(body, out)) return error;
@@ -521,15 +547,20 @@ json extension_json(const Completion& completion) {
   return extension;
 }
 
-sdk::Usage combined_usage(std::span<const Completion> choices) {
+sdk::Usage combined_usage(std::span<const Completion> choices, int64_t n) {
   sdk::Usage usage = choices.front().usage;
-  usage.completion_tokens = 0;
-  for (const Completion& choice : choices)
-    usage.completion_tokens += choice.usage.completion_tokens;
+  usage.prompt_tokens = usage.completion_tokens = usage.reused_tokens = 0;
+  for (size_t i = 0; i < choices.size(); ++i) {
+    const sdk::Usage& one = choices[i].usage;
+    usage.completion_tokens += one.completion_tokens;
+    if (static_cast<int64_t>(i) % std::max<int64_t>(1, n) != 0) continue;  // its prompt's again
+    usage.prompt_tokens += one.prompt_tokens;
+    usage.reused_tokens += one.reused_tokens;
+  }
   return usage;
 }
 
-json completion_response(Endpoint endpoint, std::span<const Completion> choices) {
+json completion_response(Endpoint endpoint, std::span<const Completion> choices, int64_t n) {
   json listed = json::array();
   for (const Completion& completion : choices) {
     json choice = {{"index", completion.index},
@@ -558,7 +589,7 @@ json completion_response(Endpoint endpoint, std::span<const Completion> choices)
           {"created", first.created},
           {"model", first.model},
           {"choices", std::move(listed)},
-          {"usage", usage_json(combined_usage(choices))},
+          {"usage", usage_json(combined_usage(choices, n))},
           {"moeline", extension_json(first)}};
 }
 

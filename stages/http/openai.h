@@ -3,6 +3,7 @@
 // OpenAI's error object, unknown fields are ignored as OpenAI does), and the responses and
 // stream chunks built exactly as OpenAI's clients expect them.
 
+#include <algorithm>
 #include <cstdint>
 #include <optional>
 #include <span>
@@ -40,7 +41,11 @@ struct CompletionRequest {
   std::vector<tokenizer::ChatMessage> messages;  // chat
   std::string prompt;                            // completions, generate
   std::vector<int32_t> prompt_tokens;            // completions: a prompt given as token ids
-  std::optional<int64_t> max_tokens;             // absent: up to the context
+  // Completions: several prompts in one request (a list of strings, or of token-id lists, up to
+  // kMaxChoices), each answered with n choices: choice index = prompt index * n + sample.
+  std::vector<std::string> batch_prompts;
+  std::vector<std::vector<int32_t>> batch_prompt_tokens;
+  std::optional<int64_t> max_tokens;  // absent: up to the context
   double temperature = 1.0;
   double top_p = 1.0;
   int64_t top_k = 0;
@@ -59,8 +64,13 @@ struct CompletionRequest {
   bool stream = false;
   bool include_usage = false;
   std::string user;
-  // Choices to generate (`n`): choice i samples with seed + i when a seed is given (as vLLM).
+  // Choices to generate (`n`) per prompt: choice i samples with seed + i when a seed is given
+  // (as vLLM).
   int64_t n = 1;
+  int64_t prompt_count() const {
+    return std::max<int64_t>(
+        1, static_cast<int64_t>(std::max(batch_prompts.size(), batch_prompt_tokens.size())));
+  }
   // Chat template switches (chat_template_kwargs, as vLLM and SGLang take them).
   tokenizer::ChatOptions chat;
 };
@@ -90,12 +100,13 @@ nlohmann::json usage_json(const sdk::Usage& usage);
 // moeline's own fields (reuse level, approximate outcome, timings, whether the fallback model
 // served it) in one extension object.
 nlohmann::json extension_json(const Completion& completion);
-// The response's usage: the prompt counted once (the first choice's), the completion tokens of
-// every choice.
-sdk::Usage combined_usage(std::span<const Completion> choices);
+// The response's usage: each prompt counted once (the first of its n choices: choice i answers
+// prompt i / n), the completion tokens of every choice.
+sdk::Usage combined_usage(std::span<const Completion> choices, int64_t n);
 // The whole response: one choice per Completion, in their order, the envelope and moeline's
 // extension from the first.
-nlohmann::json completion_response(Endpoint endpoint, std::span<const Completion> choices);
+nlohmann::json completion_response(Endpoint endpoint, std::span<const Completion> choices,
+                                   int64_t n = 1);
 // A stream chunk: `delta` text (chat: with the role on the first chunk), or the final chunk with
 // the finish reason.
 nlohmann::json stream_chunk(Endpoint endpoint, const Completion& completion,

@@ -93,10 +93,11 @@ void TokenStream::finish_choice(httplib::DataSink& sink) {
 }
 
 StreamedResponse::StreamedResponse(Endpoint endpoint, std::vector<Choice> choices,
-                                   bool include_usage)
+                                   bool include_usage, int64_t n)
     : endpoint_(endpoint),
       choices_(std::move(choices)),
       include_usage_(include_usage),
+      n_(n),
       ended_(choices_.size(), false),
       open_(choices_.size()) {}
 
@@ -154,7 +155,7 @@ bool StreamedResponse::write(httplib::DataSink& sink, Clock::time_point deadline
     std::vector<Completion> completions;
     for (const Choice& choice : choices_) completions.push_back(choice.tokens->completion());
     Completion combined = first.completion();
-    combined.usage = combined_usage(completions);
+    combined.usage = combined_usage(completions, n_);
     closing = server_event(usage_chunk(endpoint_, combined));
   }
   closing += "data: [DONE]\n\n";

@@ -78,7 +78,9 @@ class StreamedResponse {
     sdk::Event first;
     std::unique_ptr<TokenStream> tokens;
   };
-  StreamedResponse(Endpoint endpoint, std::vector<Choice> choices, bool include_usage);
+  // `n`: choices per prompt (choice i answers prompt i / n), for the usage.
+  StreamedResponse(Endpoint endpoint, std::vector<Choice> choices, bool include_usage,
+                   int64_t n = 1);
 
   // Writes the response to `sink`, the first events on this thread and the rest on the bridge's
   // as they arrive; false when the client went away.
@@ -94,6 +96,7 @@ class StreamedResponse {
   Endpoint endpoint_;
   std::vector<Choice> choices_;
   bool include_usage_;
+  int64_t n_;
   // Serialises the writes of the choices (each choice's events come on the bridge thread, the
   // first ones on the response's) and guards what follows.
   std::mutex mutex_;

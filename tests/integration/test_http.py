@@ -9,7 +9,7 @@ Cases (--case, one per CTest entry):
         [DONE]); stop strings cut where they start, across token boundaries, streamed or not;
         /generate; errors with OpenAI's error object and the right status (bad JSON, wrong types,
         out-of-range values, an unknown model, n over 16); n choices (each moeline run's sample
-        with seed + index; streamed and not); penalties and log-probabilities (OpenAI's
+        with seed + index; streamed and not), and for a batch of prompts; penalties and log-probabilities (OpenAI's
         chat and completions shapes, streamed and not) as `moeline run` computes them; a client
         that disconnects mid-stream cancels its request in the pipeline.
   auth  with the gateway's API keys: no key and a wrong key are 401, a valid key is served.
@@ -393,6 +393,26 @@ def check_choices(args, stack):
     check(len(usage_events) == 1 and usage_events[0]["usage"] == usage,
           f"the usage chunk: {usage_events} want {usage}")
 
+    # A batch of prompts with n choices each: choice i answers prompt i // n with seed + i % n.
+    prompts = [LONG_PROMPT, "a person who"]
+    batch_refs = [reference(args.moeline, args.model, max_tokens, prompt=prompts[i // 2],
+                            temperature=0.9, seed=seed + i % 2) for i in range(4)]
+    batch = dict(request, prompt=prompts, n=2)
+    status, body, _ = post(stack, "/v1/completions", batch)
+    check(status == 200 and [c["text"] for c in body["choices"]] ==
+          [r["text"] for r in batch_refs] and [c["index"] for c in body["choices"]] == [0, 1, 2, 3],
+          f"a batch of prompts: {status} {body} want {[r['text'] for r in batch_refs]}")
+    check(body["usage"]["prompt_tokens"] == sum(batch_refs[i]["usage"]["prompt_tokens"]
+                                                 for i in (0, 2)) and
+          body["usage"]["completion_tokens"] == sum(len(r["ids"]) for r in batch_refs),
+          f"a batch's usage counts each prompt once: {body['usage']}")
+    events, done = stream(stack, "/v1/completions", dict(batch, stream=True))
+    texts = [""] * 4
+    for event in events:
+        for choice in event["choices"]:
+            texts[choice["index"]] += choice["text"]
+    check(done and texts == [r["text"] for r in batch_refs], f"a streamed batch: {texts}")
+
     # Chat: the choices of a greedy request are the same text.
     status, body, _ = post(stack, "/v1/chat/completions",
                            {"messages": [{"role": "user", "content": "a person who"}],
@@ -401,7 +421,8 @@ def check_choices(args, stack):
     check(status == 200 and len(contents) == 2 and contents[0] == contents[1] and contents[0],
           f"greedy chat n=2: {status} {body}")
     print(f"ok api: n={n} choices, each equal to moeline run with seed + index, streamed "
-          "interleaved with a finish reason each, usage over every choice")
+          "interleaved with a finish reason each, usage over every choice; a batch of two "
+          "prompts with n=2, whole and streamed")
 
 
 # Both sides report float32 log-probabilities of the same logits, computed in double.

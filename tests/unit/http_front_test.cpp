@@ -150,6 +150,16 @@ TEST(OpenAiRequest, DefaultsAreOpenAis) {
   EXPECT_EQ(both.max_tokens, 3);
   EXPECT_EQ(both.top_k, 0);
   EXPECT_EQ(r.n, 1);
+  // A batch of prompts: strings, or token-id lists; a list of one is the plain prompt.
+  const CompletionRequest batch =
+      request_of(Endpoint::kCompletions, R"({"prompt": ["a", "b", "c"], "n": 2})");
+  EXPECT_EQ(batch.batch_prompts, (std::vector<std::string>{"a", "b", "c"}));
+  EXPECT_EQ(batch.prompt_count(), 3);
+  const CompletionRequest ids = request_of(Endpoint::kCompletions, R"({"prompt": [[1, 2], [3]]})");
+  EXPECT_EQ(ids.batch_prompt_tokens, (std::vector<std::vector<int32_t>>{{1, 2}, {3}}));
+  EXPECT_EQ(request_of(Endpoint::kCompletions, R"({"prompt": [[4, 5]]})").prompt_tokens,
+            (std::vector<int32_t>{4, 5}));
+  EXPECT_EQ(request_of(Endpoint::kCompletions, R"({"prompt": ["one"]})").prompt_count(), 1);
   EXPECT_EQ(request_of(Endpoint::kCompletions,
                        R"({"prompt": "p", "logit_bias": {"50256": -100, "7": 2.5}})")
                 .logit_bias,
@@ -188,7 +198,9 @@ TEST(OpenAiRequest, WrongTypesAndValuesNameTheirParameter) {
       {Endpoint::kChat, R"({"messages": [{"role": "user", "content": [{"type": "image_url"}]}]})",
        "messages[0].content[0].type"},
       {Endpoint::kCompletions, R"({"prompt": 5})", "prompt"},
-      {Endpoint::kCompletions, R"({"prompt": ["a", "b"]})", "prompt"},
+      {Endpoint::kCompletions,
+       R"({"prompt": ["a", "b", "c", "d", "e", "f", "g", "h", "i", "j", "k", "l", "m", "n", "o", "p", "q"]})",
+       "prompt"},
       {Endpoint::kCompletions, R"({"prompt": [1, -2]})", "prompt"},
       {Endpoint::kCompletions, R"({"prompt": "p", "max_tokens": "10"})", "max_tokens"},
       {Endpoint::kCompletions, R"({"prompt": "p", "max_tokens": 0})", "max_tokens"},
@@ -208,6 +220,11 @@ TEST(OpenAiRequest, WrongTypesAndValuesNameTheirParameter) {
       {Endpoint::kCompletions, R"({"prompt": "p", "n": 17})", "n"},
       {Endpoint::kCompletions, R"({"prompt": "p", "n": 2.5})", "n"},
       {Endpoint::kGenerate, R"({"prompt": "p", "n": 2})", "n"},
+      {Endpoint::kCompletions, R"({"prompt": ["a", [1]]})", "prompt"},
+      {Endpoint::kCompletions, R"({"prompt": [[1], "a"]})", "prompt"},
+      {Endpoint::kCompletions, R"({"prompt": [[1], []]})", "prompt"},
+      {Endpoint::kCompletions, R"({"prompt": [[1, -2]]})", "prompt"},
+      {Endpoint::kGenerate, R"({"prompt": ["a", "b"]})", "prompt"},
       {Endpoint::kChat, R"({"messages": [{"role": "user"}], "tools": [{"type": "function"}]})",
        "tools[0].function"},
       {Endpoint::kChat, R"({"messages": [{"role": "user"}], "tools": {}})", "tools"},
@@ -336,7 +353,7 @@ TEST(OpenAiResponse, ChatAndCompletionShapes) {
   second.finish_reason = "length";
   second.usage.completion_tokens = 4;
   const Completion both[] = {c, second};
-  const nlohmann::json two = completion_response(Endpoint::kChat, both);
+  const nlohmann::json two = completion_response(Endpoint::kChat, both, 2);
   ASSERT_EQ(two["choices"].size(), 2u);
   EXPECT_EQ(two["choices"][1]["index"], 1);
   EXPECT_EQ(two["choices"][1]["message"]["content"], "ho");
@@ -438,7 +455,7 @@ TEST(StreamedResponse, ChoicesInterleaveAndACallComesWholeWithItsFinishReason) {
                                     "_call>\n{\"name\": \"f\", \"arguments\": {\"a\": 1}}\n", 2));
   choices[0].channel->push(event_of(sdk::EventKind::kFinished, "</tool_call>", 3));
   choices[1].channel->push(event_of(sdk::EventKind::kFinished, " text", 4));
-  StreamedResponse response(Endpoint::kChat, std::move(choices), true);
+  StreamedResponse response(Endpoint::kChat, std::move(choices), true, 2);
   std::string written;
   httplib::DataSink sink;
   sink.write = [&written](const char* data, size_t size) {
