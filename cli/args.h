@@ -27,9 +27,9 @@ T parse_number(const std::string& flag, const std::string& text) {
   return value;
 }
 
-// "1, 2,3" -> {1, 2, 3}
-inline std::vector<int32_t> parse_id_list(const std::string& flag, const std::string& text) {
-  std::vector<int32_t> ids;
+// "a, b ,c" -> {"a", "b", "c"}: a comma-separated list, each item without its surrounding spaces.
+inline std::vector<std::string> split_list(const std::string& text) {
+  std::vector<std::string> items;
   size_t start = 0;
   while (start <= text.size()) {
     size_t comma = text.find(',', start);
@@ -37,9 +37,16 @@ inline std::vector<int32_t> parse_id_list(const std::string& flag, const std::st
     std::string item = text.substr(start, comma - start);
     item.erase(0, item.find_first_not_of(' '));
     item.erase(item.find_last_not_of(' ') + 1);
-    ids.push_back(parse_number<int32_t>(flag, item));
+    items.push_back(std::move(item));
     start = comma + 1;
   }
+  return items;
+}
+
+// "1, 2,3" -> {1, 2, 3}
+inline std::vector<int32_t> parse_id_list(const std::string& flag, const std::string& text) {
+  std::vector<int32_t> ids;
+  for (const std::string& item : split_list(text)) ids.push_back(parse_number<int32_t>(flag, item));
   return ids;
 }
 
@@ -47,19 +54,12 @@ inline std::vector<int32_t> parse_id_list(const std::string& flag, const std::st
 inline std::vector<std::pair<int32_t, float>> parse_logit_bias(const std::string& flag,
                                                                const std::string& text) {
   std::vector<std::pair<int32_t, float>> entries;
-  size_t start = 0;
-  while (start <= text.size()) {
-    size_t comma = text.find(',', start);
-    if (comma == std::string::npos) comma = text.size();
-    std::string item = text.substr(start, comma - start);
-    item.erase(0, item.find_first_not_of(' '));
-    item.erase(item.find_last_not_of(' ') + 1);
+  for (const std::string& item : split_list(text)) {
     const size_t equals = item.find('=');
     if (equals == std::string::npos)
       throw std::invalid_argument(flag + " expects TOKEN=BIAS pairs, got '" + item + "'");
     entries.emplace_back(parse_number<int32_t>(flag, item.substr(0, equals)),
                          parse_number<float>(flag, item.substr(equals + 1)));
-    start = comma + 1;
   }
   return entries;
 }

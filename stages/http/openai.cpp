@@ -45,10 +45,15 @@ ApiError wrong_type(const std::string& param, const json& value, const char* wan
   return bad(param, "'" + param + "' must be " + want + ", not " + type_name(value));
 }
 
+// A field that is there and not null.
+bool present(const json& body, const char* key) {
+  return body.contains(key) && !body[key].is_null();
+}
+
 // Reads an optional field: absent or null leaves `out` as it is.
 std::optional<ApiError> read_number(const json& body, const char* key, double low, double high,
                                     double& out) {
-  if (!body.contains(key) || body[key].is_null()) return std::nullopt;
+  if (!present(body, key)) return std::nullopt;
   const json& value = body[key];
   if (!value.is_number()) return wrong_type(key, value, "a number");
   const double x = value.get<double>();
@@ -61,7 +66,7 @@ std::optional<ApiError> read_number(const json& body, const char* key, double lo
 
 std::optional<ApiError> read_integer(const json& body, const char* key, int64_t low,
                                      std::optional<int64_t>& out) {
-  if (!body.contains(key) || body[key].is_null()) return std::nullopt;
+  if (!present(body, key)) return std::nullopt;
   const json& value = body[key];
   if (!value.is_number_integer()) return wrong_type(key, value, "an integer");
   if (value.is_number_unsigned() && value.get<uint64_t>() > uint64_t{INT64_MAX})
@@ -75,7 +80,7 @@ std::optional<ApiError> read_integer(const json& body, const char* key, int64_t 
 }
 
 std::optional<ApiError> read_bool(const json& body, const char* key, bool& out) {
-  if (!body.contains(key) || body[key].is_null()) return std::nullopt;
+  if (!present(body, key)) return std::nullopt;
   if (!body[key].is_boolean()) return wrong_type(key, body[key], "a boolean");
   out = body[key].get<bool>();
   return std::nullopt;
@@ -105,10 +110,22 @@ std::optional<ApiError> read_content(const json& content, const std::string& par
 
 std::optional<ApiError> read_string(const json& object, const char* key, const std::string& at,
                                     std::string& out) {
-  if (!object.contains(key) || object[key].is_null()) return std::nullopt;
+  if (!present(object, key)) return std::nullopt;
   if (!object[key].is_string()) return wrong_type(at + "." + key, object[key], "a string");
   out = object[key].get<std::string>();
   return std::nullopt;
+}
+
+// OpenAI's {type: "function", function: {...}} around a tool or a tool call (`what`): the
+// function object, or the error naming where the wrapper is wrong.
+std::variant<const json*, ApiError> function_of(const json& item, const std::string& at,
+                                                const std::string& what) {
+  if (!item.is_object()) return wrong_type(at, item, "an object");
+  if (item.contains("type") && item["type"] != "function")
+    return unsupported(at + ".type", what + " other than a function");
+  if (!item.contains("function") || !item["function"].is_object())
+    return bad(at + ".function", what + " needs 'function' (an object)");
+  return &item["function"];
 }
 
 // An assistant turn's tool_calls ([{id, type: function, function: {name, arguments}}]) and a
@@ -123,12 +140,9 @@ std::optional<ApiError> read_tool_fields(const json& message, const std::string&
   for (size_t i = 0; i < calls.size(); ++i) {
     const std::string call_at = at + ".tool_calls[" + std::to_string(i) + "]";
     const json& call = calls[i];
-    if (!call.is_object()) return wrong_type(call_at, call, "an object");
-    if (call.contains("type") && call["type"] != "function")
-      return unsupported(call_at + ".type", "a tool call other than a function");
-    if (!call.contains("function") || !call["function"].is_object())
-      return bad(call_at + ".function", "a tool call needs 'function' (an object)");
-    const json& function = call["function"];
+    auto wrapped = function_of(call, call_at, "a tool call");
+    if (auto* error = std::get_if<ApiError>(&wrapped)) return *error;
+    const json& function = *std::get<const json*>(wrapped);
     tokenizer::ToolCall parsed;
     if (auto error = read_string(call, "id", call_at, parsed.id)) return error;
     if (!function.contains("name") || !function["name"].is_string())
@@ -252,10 +266,6 @@ std::optional<ApiError> read_choices(Endpoint endpoint, const json& body, int64_
   return std::nullopt;
 }
 
-bool present(const json& body, const char* key) {
-  return body.contains(key) && !body[key].is_null();
-}
-
 // What OpenAI's API can ask for and this server does not do: refused when it would change the
 // answer (a client that sends the neutral value, `"tools": []`, `"echo": false`, is served), so
 // that nobody gets an answer that silently ignores it.
@@ -308,13 +318,9 @@ std::optional<ApiError> read_tools(const json& body, const std::string& text,
   if (!tools.is_array()) return wrong_type("tools", tools, "an array");
   for (size_t i = 0; i < tools.size(); ++i) {
     const std::string at = "tools[" + std::to_string(i) + "]";
-    const json& tool = tools[i];
-    if (!tool.is_object()) return wrong_type(at, tool, "an object");
-    if (tool.contains("type") && tool["type"] != "function")
-      return unsupported(at + ".type", "a tool other than a function");
-    if (!tool.contains("function") || !tool["function"].is_object())
-      return bad(at + ".function", "a tool needs 'function' (an object)");
-    const json& function = tool["function"];
+    auto wrapped = function_of(tools[i], at, "a tool");
+    if (auto* error = std::get_if<ApiError>(&wrapped)) return *error;
+    const json& function = *std::get<const json*>(wrapped);
     if (!function.contains("name") || !function["name"].is_string() ||
         function["name"].get<std::string>().empty())
       return bad(at + ".function.name", "a tool's function needs a 'name'");
@@ -662,12 +668,16 @@ std::string to_text(const json& value) {
   return value.dump(-1, ' ', false, json::error_handler_t::replace);
 }
 
-std::string new_completion_id(Endpoint endpoint) {
+std::string random_id(const std::string& prefix) {
   thread_local std::mt19937_64 random(std::random_device{}());
   static const char* hex = "0123456789abcdef";
-  std::string id = endpoint == Endpoint::kChat ? "chatcmpl-" : "cmpl-";
+  std::string id = prefix;
   for (int i = 0; i < 24; ++i) id += hex[random() % 16];
   return id;
+}
+
+std::string new_completion_id(Endpoint endpoint) {
+  return random_id(endpoint == Endpoint::kChat ? "chatcmpl-" : "cmpl-");
 }
 
 }  // namespace moeline::stages::http

@@ -131,6 +131,8 @@ nlohmann::json tool_calls_chunk(const Completion& completion);
 // combined usage.
 nlohmann::json usage_chunk(Endpoint endpoint, const Completion& completion);
 
+// `prefix` and 24 random hex digits: the ids of completions (chatcmpl-, cmpl-) and tool calls.
+std::string random_id(const std::string& prefix);
 std::string new_completion_id(Endpoint endpoint);
 
 // JSON text for the wire; invalid UTF-8 (which nothing should produce) becomes U+FFFD instead of

@@ -1,23 +1,16 @@
 #include "stages/http/tool_calls.h"
 
-#include <random>
 #include <string_view>
 
 #include <nlohmann/json.hpp>
+
+#include "stages/http/openai.h"
 
 namespace moeline::stages::http {
 namespace {
 
 constexpr std::string_view kOpen = "<tool_call>";
 constexpr std::string_view kClose = "</tool_call>";
-
-std::string call_id() {
-  thread_local std::mt19937_64 random(std::random_device{}());
-  static const char* hex = "0123456789abcdef";
-  std::string id = "call_";
-  for (int i = 0; i < 24; ++i) id += hex[random() % 16];
-  return id;
-}
 
 bool blank(std::string_view text) {
   return text.find_first_not_of(" \t\r\n") == std::string_view::npos;
@@ -54,7 +47,7 @@ std::optional<ToolCallOutput> parse_hermes_tool_calls(const std::string& text) {
         nlohmann::ordered_json::parse(json_text, nullptr, /*allow_exceptions=*/false);
     if (!call.is_object() || !call.contains("name") || !call["name"].is_string())
       return std::nullopt;
-    ToolCallOut parsed{call_id(), call["name"].get<std::string>(), "{}"};
+    ToolCallOut parsed{random_id("call_"), call["name"].get<std::string>(), "{}"};
     if (call.contains("arguments")) {
       const auto& arguments = call["arguments"];
       parsed.arguments = arguments.is_string() ? arguments.get<std::string>() : arguments.dump();
