@@ -78,6 +78,7 @@ inline const std::map<std::string, bool>& sampling_flags() {
                                                     {"--frequency-penalty", true},
                                                     {"--repetition-penalty", true},
                                                     {"--logprobs", true},
+                                                    {"--prompt-logprobs", true},
                                                     {"--logit-bias", true}};
   return flags;
 }
@@ -110,6 +111,9 @@ bool parse_sampling_flag(const std::string& flag, const std::string& value, Opti
     options.repetition_penalty = parse_number<double>(flag, value);
   else if (flag == "--logprobs") {
     options.logprobs = true;
+    options.top_logprobs = parse_number<decltype(options.top_logprobs)>(flag, value);
+  } else if (flag == "--prompt-logprobs") {
+    options.prompt_logprobs = true;
     options.top_logprobs = parse_number<decltype(options.top_logprobs)>(flag, value);
   } else if (flag == "--logit-bias") {
     options.logit_bias.clear();

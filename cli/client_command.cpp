@@ -60,6 +60,8 @@ an operator key where the gateway has a keys file.
   --logit-bias T=B,... as `moeline run` takes them
   --logprobs N         with --json: each token's log-probability and the N (0..20) most likely
                        tokens' ("logprobs": [{"logprob", "top": [[id, logprob], ...]}])
+  --prompt-logprobs N  with --json: the same for every prompt token after the first
+                       ("prompt_logprobs"; the prompt is computed in full, without reuse)
   --no-special         do not add the tokenizer's special tokens (BOS) to --prompt
   --tenant NAME        tenant (default: "default")
   --reuse MODE         exact (default), none, or approximate: also reuse the work of a nearly
@@ -159,15 +161,17 @@ int generate(int argc, char** argv) {
                             {"finish_reason", result.finish_reason},
                             {"usage", usage_json(result.usage)},
                             {"timings", timings_json(result.timings)}};
-      if (options.logprobs) {
+      auto logprobs_json = [](const std::vector<TokenLogprob>& entries) {
         nlohmann::json logprobs = nlohmann::json::array();
-        for (const TokenLogprob& token : result.logprobs) {
+        for (const TokenLogprob& token : entries) {
           nlohmann::json top = nlohmann::json::array();
           for (const auto& [id, logprob] : token.top) top.push_back({id, logprob});
           logprobs.push_back({{"logprob", token.logprob}, {"top", top}});
         }
-        out["logprobs"] = std::move(logprobs);
-      }
+        return logprobs;
+      };
+      if (options.logprobs) out["logprobs"] = logprobs_json(result.logprobs);
+      if (options.prompt_logprobs) out["prompt_logprobs"] = logprobs_json(result.prompt_logprobs);
       std::cout << out.dump(-1, ' ', false, nlohmann::json::error_handler_t::replace) << '\n';
     } else {
       std::cout << '\n';

@@ -69,6 +69,8 @@ Loads a Hugging Face checkpoint (Mixtral, Qwen3-MoE, DeepSeek-V2/V3) and generat
                        negative), as Hugging Face and vLLM (default 1 = off)
   --logprobs N         with --json: each token's log-probability and the N (0..20) most likely
                        tokens' ("logprobs": [{"logprob", "top": [[id, logprob], ...]}])
+  --prompt-logprobs N  with --json: the same for every prompt token after the first, under the
+                       tokens before it ("prompt_logprobs"; N as --logprobs, which shares it)
   --logit-bias T=B,... OpenAI's logit_bias: B in [-100, 100] added to token T's logit before the
                        penalties and the choice (greedy too)
   --stop-ids IDS       extra stop token ids, comma-separated (end-of-sequence ids always stop)
@@ -405,16 +407,19 @@ int run_command(int argc, char** argv) {
           {"prefill_tokens_per_second", prefill_rate},
           {"decode_tokens_per_second", decode_rate}}}};
     if (tokenizer) out["text"] = text;
-    if (options.sampling.logprobs) {
+    auto logprobs_json = [](const std::vector<model::TokenLogprobs>& entries) {
       nlohmann::json logprobs = nlohmann::json::array();
-      for (const model::TokenLogprobs& lp : result.logprobs) {
+      for (const model::TokenLogprobs& lp : entries) {
         nlohmann::json top = nlohmann::json::array();
         for (size_t k = 0; k < lp.top_ids.size(); ++k)
           top.push_back({lp.top_ids[k], lp.top_logprobs[k]});
         logprobs.push_back({{"logprob", lp.logprob}, {"top", top}});
       }
-      out["logprobs"] = std::move(logprobs);
-    }
+      return logprobs;
+    };
+    if (options.sampling.logprobs) out["logprobs"] = logprobs_json(result.logprobs);
+    if (options.sampling.prompt_logprobs)
+      out["prompt_logprobs"] = logprobs_json(result.prompt_logprobs);
     if (pool_client) {
       const offload::PoolStats s = pool_client->stats();
       out["experts"] = {{"budget", options.expert_budget},

@@ -5,6 +5,8 @@
 #include <memory>
 #include <string_view>
 
+#include "model/prompt_logprobs.h"
+
 namespace moeline::model {
 namespace {
 
@@ -69,9 +71,22 @@ Expected<std::vector<GenerationResult>> Generator::generate(
   std::vector<SequenceInput> batch;
   std::vector<float> logits;
   auto start = std::chrono::steady_clock::now();
-  for (size_t i = 0; i < requests.size(); ++i)
-    batch.push_back({set.sequences[i].get(), requests[i].prompt, true});
-  if (Status status = engine_.forward(batch, logits); !status.ok()) return status.error();
+  // A request that scores its prompt runs alone, in chunks (model/prompt_logprobs.h); the others
+  // are prefilled together, their logits rows in `logits` in request order.
+  std::vector<PromptScore> scores(requests.size());
+  for (size_t i = 0; i < requests.size(); ++i) {
+    if (!requests[i].sampling.prompt_logprobs) {
+      batch.push_back({set.sequences[i].get(), requests[i].prompt, true});
+      continue;
+    }
+    if (Status status = score_prompt(engine_, *set.sequences[i], requests[i].prompt,
+                                     requests[i].sampling.top_logprobs, scores[i]);
+        !status.ok())
+      return status.error();
+    results[i].prompt_logprobs = std::move(scores[i].logprobs);
+  }
+  if (!batch.empty())
+    if (Status status = engine_.forward(batch, logits); !status.ok()) return status.error();
   const double prefill_seconds = seconds_since(start);
 
   std::vector<size_t> active;
@@ -92,8 +107,10 @@ Expected<std::vector<GenerationResult>> Generator::generate(
     if (finish == "stop") results[i].finish_reason = FinishReason::kStop;
     return finish.empty();
   };
-  for (size_t i = 0; i < requests.size(); ++i) {
-    const float* row = logits.data() + static_cast<int64_t>(i) * vocab;
+  for (size_t i = 0, batched = 0; i < requests.size(); ++i) {
+    const float* row = requests[i].sampling.prompt_logprobs
+                           ? scores[i].last_logits.data()
+                           : logits.data() + static_cast<int64_t>(batched++) * vocab;
     results[i].prompt_logits.assign(row, row + vocab);
     results[i].prefill_seconds = prefill_seconds;
     if (take(i, row)) active.push_back(i);

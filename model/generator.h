@@ -27,6 +27,8 @@ struct GenerationResult {
   std::vector<int32_t> tokens;  // generated tokens, the stop token included when one ended it
   FinishReason finish_reason = FinishReason::kLength;
   std::vector<float> prompt_logits;  // logits at the last prompt position
+  // Where the request asked (SamplingParams::prompt_logprobs): one per prompt token after the first.
+  std::vector<TokenLogprobs> prompt_logprobs;
   // Where the request asked: each generated token's log-probabilities (SamplingParams::logprobs),
   // and the raw logits it was drawn from, [tokens][vocab] (keep_step_logits).
   std::vector<TokenLogprobs> logprobs;

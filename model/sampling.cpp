@@ -33,7 +33,8 @@ Status SamplingParams::validate(int64_t vocab) const {
   if (top_logprobs < 0 || top_logprobs > kMaxTopLogprobs)
     return Error{"top_logprobs must be in [0, " + std::to_string(kMaxTopLogprobs) + "], got " +
                  std::to_string(top_logprobs)};
-  if (top_logprobs > 0 && !logprobs) return Error{"top_logprobs needs logprobs"};
+  if (top_logprobs > 0 && !logprobs && !prompt_logprobs)
+    return Error{"top_logprobs needs logprobs or prompt_logprobs"};
   if (logit_bias.size() > kMaxLogitBias)
     return Error{"logit_bias may bias at most " + std::to_string(kMaxLogitBias) + " tokens, got " +
                  std::to_string(logit_bias.size())};

@@ -50,6 +50,10 @@ struct SamplingParams {
   // Report the chosen token's log-probability, and those of the top_logprobs most likely tokens.
   bool logprobs = false;
   int64_t top_logprobs = 0;
+  // Report every prompt token's log-probability after the first, under the tokens before it,
+  // with the top_logprobs most likely tokens' (OpenAI's echo with logprobs). The prompt is then
+  // computed in full, reusing no cached work.
+  bool prompt_logprobs = false;
   // Added to the logits before the penalties and the choice (vLLM's order; greedy included). The
   // log-probabilities stay those of the raw logits. Each token at most once.
   std::vector<TokenBias> logit_bias;

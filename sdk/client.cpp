@@ -34,16 +34,20 @@ Event to_event(const wire::StreamEvent& e) {
   }
   if (e.text()) event.text = e.text()->str();
   if (e.token_ids()) event.token_ids.assign(e.token_ids()->begin(), e.token_ids()->end());
-  if (e.logprobs()) {
-    for (const wire::TokenLogprobs* lp : *e.logprobs()) {
-      TokenLogprob& token = event.logprobs.emplace_back();
+  auto read_logprobs = [](const flatbuffers::Vector<flatbuffers::Offset<wire::TokenLogprobs>>* from,
+                          std::vector<TokenLogprob>& to) {
+    if (from == nullptr) return;
+    for (const wire::TokenLogprobs* lp : *from) {
+      TokenLogprob& token = to.emplace_back();
       token.logprob = lp->logprob();
       if (lp->top_ids() && lp->top_logprobs())
         for (flatbuffers::uoffset_t k = 0;
              k < std::min(lp->top_ids()->size(), lp->top_logprobs()->size()); ++k)
           token.top.emplace_back(lp->top_ids()->Get(k), lp->top_logprobs()->Get(k));
     }
-  }
+  };
+  read_logprobs(e.logprobs(), event.logprobs);
+  read_logprobs(e.prompt_logprobs(), event.prompt_logprobs);
   event.finish_reason = wire::name(wire::finish_reason_of(e));
   if (const auto* usage = e.usage()) {
     event.usage = {usage->prompt_tokens(),
@@ -160,7 +164,7 @@ uint64_t Client::start(const GenerateOptions& options) {
       builder, options.temperature, options.top_k, options.top_p, options.seed.value_or(0),
       options.seed.has_value(), options.max_tokens, stops, options.ignore_eos, options.min_p,
       options.presence_penalty, options.frequency_penalty, options.repetition_penalty,
-      options.logprobs, options.top_logprobs, bias);
+      options.logprobs, options.top_logprobs, bias, options.prompt_logprobs);
   auto prompt = options.prompt.empty() ? 0 : builder.CreateString(options.prompt);
   auto tokens = options.tokens.empty() ? 0 : builder.CreateVector(options.tokens);
   auto tenant = builder.CreateString(options.tenant);
@@ -311,6 +315,7 @@ Result Client::generate(const GenerateOptions& options,
       case EventKind::kDelta:
         result.ids.insert(result.ids.end(), event.token_ids.begin(), event.token_ids.end());
         result.logprobs.insert(result.logprobs.end(), event.logprobs.begin(), event.logprobs.end());
+        if (!event.prompt_logprobs.empty()) result.prompt_logprobs = event.prompt_logprobs;
         result.text += event.text;
         return false;
       case EventKind::kFinished:

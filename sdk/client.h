@@ -49,6 +49,10 @@ struct GenerateOptions {
   // tokens' with it.
   bool logprobs = false;
   int32_t top_logprobs = 0;
+  // Every prompt token's log-probability after the first, under the tokens before it, with the
+  // top_logprobs most likely tokens' (Event::prompt_logprobs; OpenAI's echo with logprobs). The
+  // prompt is then computed in full: no cached work is reused for it.
+  bool prompt_logprobs = false;
   // OpenAI's logit_bias: (token id, bias in [-100, 100]) added to that token's logit before the
   // penalties and the choice, greedy included; each token at most once.
   std::vector<std::pair<int32_t, float>> logit_bias;
@@ -93,6 +97,8 @@ struct Event {
   std::string text;
   std::vector<int32_t> token_ids;
   std::vector<TokenLogprob> logprobs;  // one per token id, where the request asked
+  // On the first Delta, where the request asked: one per prompt token after the first.
+  std::vector<TokenLogprob> prompt_logprobs;
   std::string finish_reason;
   Usage usage;
   Timings timings;
@@ -106,6 +112,7 @@ struct Result {
   uint64_t request_id = 0;
   std::vector<int32_t> ids;
   std::vector<TokenLogprob> logprobs;
+  std::vector<TokenLogprob> prompt_logprobs;  // where the request asked
   std::string text;
   std::string finish_reason;
   Usage usage;

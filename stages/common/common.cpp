@@ -35,6 +35,7 @@ model::SamplingParams from_wire(const wire::SamplingParams* sampling) {
   params.repetition_penalty = sampling->repetition_penalty();
   params.logprobs = sampling->logprobs();
   params.top_logprobs = sampling->top_logprobs();
+  params.prompt_logprobs = sampling->prompt_logprobs();
   if (const auto* bias = sampling->logit_bias())
     for (const wire::TokenBias* entry : *bias)
       params.logit_bias.push_back({entry->token(), entry->bias()});
@@ -55,7 +56,8 @@ flatbuffers::Offset<wire::SamplingParams> to_wire(flatbuffers::FlatBufferBuilder
       builder, sampling.temperature, sampling.top_k, sampling.top_p, sampling.seed.value_or(0),
       sampling.seed.has_value(), sampling.max_tokens, stops, sampling.ignore_eos, sampling.min_p,
       sampling.presence_penalty, sampling.frequency_penalty, sampling.repetition_penalty,
-      sampling.logprobs, static_cast<int32_t>(sampling.top_logprobs), bias);
+      sampling.logprobs, static_cast<int32_t>(sampling.top_logprobs), bias,
+      sampling.prompt_logprobs);
 }
 
 flatbuffers::Offset<wire::TokenLogprobs> logprobs_to_wire(flatbuffers::FlatBufferBuilder& builder,
@@ -63,8 +65,12 @@ flatbuffers::Offset<wire::TokenLogprobs> logprobs_to_wire(flatbuffers::FlatBuffe
                                                           int32_t token,
                                                           const model::SamplingParams& sampling) {
   if (!sampling.logprobs) return 0;
-  const model::TokenLogprobs lp =
-      model::token_logprobs(logits, vocab, token, sampling.top_logprobs);
+  return logprobs_to_wire(builder,
+                          model::token_logprobs(logits, vocab, token, sampling.top_logprobs));
+}
+
+flatbuffers::Offset<wire::TokenLogprobs> logprobs_to_wire(flatbuffers::FlatBufferBuilder& builder,
+                                                          const model::TokenLogprobs& lp) {
   auto ids = lp.top_ids.empty() ? 0 : builder.CreateVector(lp.top_ids);
   auto values = lp.top_logprobs.empty() ? 0 : builder.CreateVector(lp.top_logprobs);
   return wire::CreateTokenLogprobs(builder, lp.logprob, ids, values);

@@ -30,6 +30,9 @@ flatbuffers::Offset<wire::TokenLogprobs> logprobs_to_wire(flatbuffers::FlatBuffe
                                                           const float* logits, int64_t vocab,
                                                           int32_t token,
                                                           const model::SamplingParams& sampling);
+// Log-probabilities already computed, for the wire (the prompt's, prompt_logprobs).
+flatbuffers::Offset<wire::TokenLogprobs> logprobs_to_wire(flatbuffers::FlatBufferBuilder& builder,
+                                                          const model::TokenLogprobs& logprobs);
 // `from` rebuilt in `builder` (0 for null): forwarding a stage's log-probabilities to a client.
 flatbuffers::Offset<wire::TokenLogprobs> copy_logprobs(flatbuffers::FlatBufferBuilder& builder,
                                                        const wire::TokenLogprobs* from);

@@ -190,19 +190,24 @@ bool ClientChannel::send(const std::string& client, std::vector<zmq::message_t>&
 
 namespace {
 
-flatbuffers::Offset<wire::StreamEvent> build_event(flatbuffers::FlatBufferBuilder& builder,
-                                                   const EventTo& to, wire::EventKind kind,
-                                                   const std::string& text,
-                                                   const std::vector<int32_t>& tokens,
-                                                   wire::FinishReason finish, wire::ErrorCode code,
-                                                   const std::string& error, const Request* done,
-                                                   const wire::TokenLogprobs* logprobs) {
+flatbuffers::Offset<wire::StreamEvent> build_event(
+    flatbuffers::FlatBufferBuilder& builder, const EventTo& to, wire::EventKind kind,
+    const std::string& text, const std::vector<int32_t>& tokens, wire::FinishReason finish,
+    wire::ErrorCode code, const std::string& error, const Request* done, TokenScores scores) {
   auto text_offset = builder.CreateString(text);
   auto tokens_offset = builder.CreateVector(tokens);
   flatbuffers::Offset<flatbuffers::Vector<flatbuffers::Offset<wire::TokenLogprobs>>>
       logprobs_offset = 0;
-  if (logprobs != nullptr)
-    logprobs_offset = builder.CreateVector(std::vector{copy_logprobs(builder, logprobs)});
+  if (scores.token != nullptr)
+    logprobs_offset = builder.CreateVector(std::vector{copy_logprobs(builder, scores.token)});
+  decltype(logprobs_offset) prompt_offset = 0;
+  if (scores.prompt != nullptr) {
+    std::vector<flatbuffers::Offset<wire::TokenLogprobs>> entries;
+    entries.reserve(scores.prompt->size());
+    for (const wire::TokenLogprobs* entry : *scores.prompt)
+      entries.push_back(copy_logprobs(builder, entry));
+    prompt_offset = builder.CreateVector(entries);
+  }
   // The deprecated strings next to the typed fields (schema 1.9), for clients of 1.8 and older.
   auto finish_offset = builder.CreateString(wire::name(finish));
   auto error_offset = builder.CreateString(error);
@@ -226,7 +231,8 @@ flatbuffers::Offset<wire::StreamEvent> build_event(flatbuffers::FlatBufferBuilde
   return wire::CreateStreamEvent(
       builder, to.client_request_id, to.request_id, kind, text_offset, tokens_offset, finish_offset,
       usage, timings, code, error_offset, logprobs_offset,
-      finish == wire::FinishReason::None ? flatbuffers::Optional<wire::FinishReason>() : finish);
+      finish == wire::FinishReason::None ? flatbuffers::Optional<wire::FinishReason>() : finish,
+      prompt_offset);
 }
 
 }  // namespace
@@ -234,7 +240,7 @@ flatbuffers::Offset<wire::StreamEvent> build_event(flatbuffers::FlatBufferBuilde
 bool ClientChannel::send_event(const EventTo& to, wire::EventKind kind, const std::string& text,
                                const std::vector<int32_t>& tokens, wire::FinishReason finish,
                                wire::ErrorCode code, const std::string& error, const Request* done,
-                               const wire::TokenLogprobs* logprobs) {
+                               TokenScores scores) {
   if (runtime::request_tracing())
     runtime::trace_message(log_,
                            ("StreamEvent:" + std::string(wire::EnumNameEventKind(kind))).c_str(),
@@ -243,7 +249,7 @@ bool ClientChannel::send_event(const EventTo& to, wire::EventKind kind, const st
   if (holding_ && to.batch) {
     Held& held = held_[to.client];
     held.events.push_back(
-        build_event(held.builder, to, kind, text, tokens, finish, code, error, done, logprobs));
+        build_event(held.builder, to, kind, text, tokens, finish, code, error, done, scores));
     held.request_ids.push_back(to.request_id);
     if (held.events.size() >= kMaxHeldEvents || held.builder.GetSize() >= kMaxHeldBytes)
       send_held(to.client, held);
@@ -251,7 +257,7 @@ bool ClientChannel::send_event(const EventTo& to, wire::EventKind kind, const st
   }
   metrics_.stream_messages_single->inc();
   flatbuffers::FlatBufferBuilder builder(256 + text.size());
-  builder.Finish(build_event(builder, to, kind, text, tokens, finish, code, error, done, logprobs),
+  builder.Finish(build_event(builder, to, kind, text, tokens, finish, code, error, done, scores),
                  wire::GenerateRequestIdentifier());
   return send(to.client, wire::encode(wire::MessageType::StreamEvent, builder));
 }

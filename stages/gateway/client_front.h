@@ -100,6 +100,14 @@ struct EventTo {
 // connection is one message instead of eight, which under CurveZMQ is also one encryption (and one
 // decryption in the client) instead of eight. Each request's events keep their order; a lone
 // event leaves as a plain StreamEvent.
+// What a Delta reports beside its tokens, where the request asked: the token's log-probabilities,
+// and on the first, the prompt's (one per prompt token after the first).
+using PromptLogprobs = flatbuffers::Vector<flatbuffers::Offset<wire::TokenLogprobs>>;
+struct TokenScores {
+  const wire::TokenLogprobs* token = nullptr;
+  const PromptLogprobs* prompt = nullptr;
+};
+
 class ClientChannel {
  public:
   // Binds --client-bind; with Curve, a Curve server that admits any client key (the channel is
@@ -116,7 +124,7 @@ class ClientChannel {
                   const std::vector<int32_t>& tokens = {},
                   wire::FinishReason finish = wire::FinishReason::None,
                   wire::ErrorCode code = wire::ErrorCode::None, const std::string& error = {},
-                  const Request* done = nullptr, const wire::TokenLogprobs* logprobs = nullptr);
+                  const Request* done = nullptr, TokenScores scores = {});
   void reply_error(const std::string& client, wire::ErrorCode code, const std::string& text,
                    uint64_t client_request_id = 0);
   void reply_control(const std::string& client, bool ok, const std::string& text,

@@ -95,7 +95,9 @@ void ClientRequests::on_generate(const std::string& client, wire::Message& messa
                                                       r.client_deterministic, r.sampling.logprobs);
   r.cache_namespace = std::move(admitted.cache_namespace);
   r.namespace_levels = admitted.namespace_levels;
-  r.allowed_levels = admitted.allowed_levels;
+  // The prompt's log-probabilities come only from computing all of it: nothing cached is looked
+  // up (nor stored: the same prompt without them will compute and store it).
+  r.allowed_levels = r.sampling.prompt_logprobs ? 0 : admitted.allowed_levels;
   if (!admitted.approximate_refused.empty()) {
     r.approximate = wire::parse_approximate_outcome(admitted.approximate_refused)
                         .value_or(wire::ApproximateOutcome::NotAllowed);

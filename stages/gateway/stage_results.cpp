@@ -200,7 +200,8 @@ void StageResults::on_prefill_done(runtime::Hub::Incoming& incoming) {
     if (r->handover_confirmed) r->decode_reserved = false;
     r->handover_since = Clock::now();
   }
-  tracker_.on_token(*r, done->first_token(), finish, done->first_logprobs());
+  tracker_.on_token(*r, done->first_token(), finish, done->first_logprobs(),
+                    done->prompt_logprobs());
   if (!finished && !carries_kv) replay_early(id, attempt);
   // A PrefillDone with the KV (a full hit answered by the probe): relayed to a decode replica.
   if (!finished && carries_kv && tracker_.find(id, attempt) != nullptr)

@@ -117,7 +117,8 @@ void RequestTracker::fail(Request& r, wire::ErrorCode code, const std::string& o
 // A token of the current attempt. Tokens the client already has (from an attempt that died)
 // must match; new ones are streamed.
 void RequestTracker::on_token(Request& r, int32_t token, wire::FinishReason finish_reason,
-                              const wire::TokenLogprobs* logprobs) {
+                              const wire::TokenLogprobs* logprobs,
+                              const PromptLogprobs* prompt_logprobs) {
   const size_t index = r.position++;
   if (index < r.sent.size()) {
     if (r.sent[index] != token)
@@ -139,8 +140,15 @@ void RequestTracker::on_token(Request& r, int32_t token, wire::FinishReason fini
     if (r.sampling.logprobs && logprobs == nullptr)
       return fail(r, wire::ErrorCode::StageFailed, "stage_failed",
                   "a stage sent a token without the log-probabilities the request asked for");
-    if (!client_.send_event(EventTo::of(r), wire::EventKind::Delta, delta, {token}, {},
-                            wire::ErrorCode::None, {}, nullptr, logprobs))
+    // The prompt's go with the first token only, one per prompt token after the first.
+    const bool first = index == 0;
+    if (first && r.sampling.prompt_logprobs &&
+        (prompt_logprobs == nullptr || prompt_logprobs->size() + 1 != r.prompt.size()))
+      return fail(r, wire::ErrorCode::StageFailed, "stage_failed",
+                  "a stage sent the first token without the prompt's log-probabilities");
+    if (!client_.send_event(
+            EventTo::of(r), wire::EventKind::Delta, delta, {token}, {}, wire::ErrorCode::None, {},
+            nullptr, {logprobs, first && r.sampling.prompt_logprobs ? prompt_logprobs : nullptr}))
       return on_client_gone(r.id);
   }
   if (finish_reason != wire::FinishReason::None) {

@@ -65,7 +65,8 @@ class RequestTracker {
 
   // A token of the current attempt, with the finish reason of the last one.
   void on_token(Request& r, int32_t token, wire::FinishReason finish_reason,
-                const wire::TokenLogprobs* logprobs = nullptr);
+                const wire::TokenLogprobs* logprobs = nullptr,
+                const PromptLogprobs* prompt_logprobs = nullptr);
   void finish(Request& r, wire::FinishReason reason);
   void fail(Request& r, wire::ErrorCode code, const std::string& outcome, const std::string& text);
   void fail_all(wire::ErrorCode code, const std::string& outcome, const std::string& text);

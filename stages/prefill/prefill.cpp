@@ -6,6 +6,7 @@
 #include <memory>
 
 #include "model/generator.h"
+#include "model/prompt_logprobs.h"
 #include "model/sampling.h"
 #include "reuse/records.h"
 #include "reuse/signature.h"
@@ -191,6 +192,21 @@ class PrefillStage {
     return true;
   }
 
+  // A job that asked for its prompt's log-probabilities runs alone, its prompt in chunks that
+  // each give every position's logits (model/prompt_logprobs.h); it reuses nothing (the gateway
+  // asks for no reuse, and a reused prefix is refused by score_prompt).
+  void run_scored(const Job& job, model::Sequence& sequence) {
+    model::PromptScore score;
+    const auto start = std::chrono::steady_clock::now();
+    const moeline::Status status = model::score_prompt(*worker_.forward, sequence, job.tokens,
+                                                       job.sampling.top_logprobs, score);
+    if (!status.ok())
+      return results_->fail(job, wire::error_code_for(status.code()), status.error().message);
+    finish_job(job, sequence, score.last_logits.data(),
+               std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count(),
+               &score.logprobs);
+  }
+
   void run_batch() {
     // FIFO: take jobs while the batch stays within the token budget (always at least one).
     std::vector<Job> batch;
@@ -231,6 +247,11 @@ class PrefillStage {
         }
         continue;
       }
+      if (job.sampling.prompt_logprobs) {
+        run_scored(job, *sequence);
+        sequence->release(pool);
+        continue;
+      }
       if (job.store_levels & reuse::kApproximateLevels)
         signatures_->watch(sequence->id(), static_cast<int64_t>(job.reused), /*per_block=*/true);
       runnable.push_back(std::move(job));
@@ -260,7 +281,8 @@ class PrefillStage {
   }
 
   void finish_job(const Job& job, const model::Sequence& sequence, const float* logits,
-                  double forward_seconds) {
+                  double forward_seconds,
+                  const std::vector<model::TokenLogprobs>* prompt_logprobs = nullptr) {
     const model::ModelConfig& cfg = worker_.model->config();
     model::Sampler sampler(job.sampling);
     sampler.set_prompt(job.tokens);
@@ -288,7 +310,9 @@ class PrefillStage {
       results_->put_snapshots(job, sequence.id(), exported, logits);
     }
 
-    if (!results_->deliver(job, {first, finish, forward_seconds, logits}, exported)) return;
+    if (!results_->deliver(job, {first, finish, forward_seconds, logits, prompt_logprobs},
+                           exported))
+      return;
     const double total =
         std::chrono::duration<double>(std::chrono::steady_clock::now() - job.received).count();
     metrics_.tpot->observe(total);

@@ -91,6 +91,15 @@ std::vector<zmq::message_t> JobResults::prefill_done(
   auto logprobs =
       logprobs_to_wire(builder, result.logits, cfg.vocab_size, result.first, job.sampling);
   auto signed_ticket = ticket ? builder.CreateVector(*ticket) : 0;
+  // The prompt's log-probabilities go to the gateway (which streams them), not to decode.
+  flatbuffers::Offset<flatbuffers::Vector<flatbuffers::Offset<wire::TokenLogprobs>>> prompt = 0;
+  if (result.prompt_logprobs != nullptr && ticket == nullptr) {
+    std::vector<flatbuffers::Offset<wire::TokenLogprobs>> entries;
+    entries.reserve(result.prompt_logprobs->size());
+    for (const model::TokenLogprobs& entry : *result.prompt_logprobs)
+      entries.push_back(logprobs_to_wire(builder, entry));
+    prompt = builder.CreateVector(entries);
+  }
   builder.Finish(
       wire::CreatePrefillDone(
           builder, job.request_id, job.attempt, tokens, result.first, finish_text, sampling,
@@ -98,7 +107,7 @@ std::vector<zmq::message_t> JobResults::prefill_done(
           level_text, reused, static_cast<uint32_t>(job.blend ? job.recomputed : 0), checked,
           static_cast<float>(kl), top1, logprobs, signed_ticket,
           finish == wire::FinishReason::None ? flatbuffers::Optional<wire::FinishReason>() : finish,
-          level),
+          level, prompt),
       wire::PrefillJobIdentifier());
   return wire::encode(wire::MessageType::PrefillDone, builder, std::move(bulk));
 }

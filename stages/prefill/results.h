@@ -21,6 +21,8 @@ struct PrefillResult {
   std::string finish;  // "" while the sequence goes on, "stop" or "length"
   double forward_seconds;
   const float* logits;
+  // Where the job asked (SamplingParams::prompt_logprobs): one per prompt token after the first.
+  const std::vector<model::TokenLogprobs>* prompt_logprobs = nullptr;
 };
 
 class JobResults {

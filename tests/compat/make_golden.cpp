@@ -74,8 +74,9 @@ std::vector<zmq::message_t> generate_request() {
   const std::vector<int32_t> stop = {2, 32000};
   // 1.12: logit_bias.
   const std::vector<wire::TokenBias> bias = {{50256, -100.0f}, {7, 2.5f}};
+  // 1.13: prompt_logprobs.
   const auto sampling = wire::CreateSamplingParamsDirect(
-      b, 0.7, 40, 0.9, 1234, true, 64, &stop, true, 0.05, 0.5, -0.25, 1.1, true, 3, &bias);
+      b, 0.7, 40, 0.9, 1234, true, 64, &stop, true, 0.05, 0.5, -0.25, 1.1, true, 3, &bias, true);
   const std::vector<int32_t> tokens = {1, 2, 3, 4};
   // 1.11: batch_events.
   b.Finish(
@@ -115,11 +116,14 @@ std::vector<zmq::message_t> stream_event() {
                               wire::ApproximateOutcome::Shadow);
   const auto timings = wire::CreateTimings(b, 1.5, 20.25, 22.0, 80.125);
   const std::vector<int32_t> token_ids = {0, 13};
-  b.Finish(
-      wire::CreateStreamEventDirect(b, 1001, 555, wire::EventKind::Finished, "!", &token_ids,
-                                    "stop", usage, timings, wire::ErrorCode::Cancelled,
-                                    "cancelled by the client", &logprobs, wire::FinishReason::Stop),
-      wire::GenerateRequestIdentifier());
+  // 1.13: the prompt's log-probabilities (three of them).
+  const std::vector<flatbuffers::Offset<wire::TokenLogprobs>> prompt = {
+      golden_logprobs(b), golden_logprobs(b), golden_logprobs(b)};
+  b.Finish(wire::CreateStreamEventDirect(b, 1001, 555, wire::EventKind::Finished, "!", &token_ids,
+                                         "stop", usage, timings, wire::ErrorCode::Cancelled,
+                                         "cancelled by the client", &logprobs,
+                                         wire::FinishReason::Stop, &prompt),
+           wire::GenerateRequestIdentifier());
   return wire::encode(wire::MessageType::StreamEvent, b);
 }
 
@@ -241,10 +245,13 @@ std::vector<zmq::message_t> prefill_done() {
       wire::CreateBulkFrame(b, kv.size(), wire::checksum(kv))};
   const std::vector<int32_t> tokens = {1, 15043, 29892};
   const std::vector<uint8_t> ticket = golden_bytes(32, 0x10);  // 1.7: the hand-over's ticket
+  // 1.13: the prompt's log-probabilities, one per token after the first.
+  const std::vector<flatbuffers::Offset<wire::TokenLogprobs>> prompt = {golden_logprobs(b),
+                                                                        golden_logprobs(b)};
   b.Finish(wire::CreatePrefillDoneDirect(b, 555, 2, &tokens, 306, "", sampling, "acme/ns", layout,
                                          &frames, 12345, "prefill-0", "prefix", 2, 1, true, 0.125f,
                                          true, golden_logprobs(b), &ticket, flatbuffers::nullopt,
-                                         wire::ReuseLevel::Prefix),
+                                         wire::ReuseLevel::Prefix, &prompt),
            wire::PrefillJobIdentifier());
   std::vector<zmq::message_t> bulk;
   bulk.emplace_back(kv.data(), kv.size());

@@ -451,6 +451,18 @@ std::map<std::string, Expectation> v1_5() {
   return e;
 }
 
+// The log-probabilities make_golden writes wherever a version has them (1.6 on).
+void expect_golden_logprobs(const TokenLogprobs* lp) {
+  ASSERT_NE(lp, nullptr);
+  EXPECT_EQ(lp->logprob(), -0.25f);
+  ASSERT_NE(lp->top_ids(), nullptr);
+  ASSERT_NE(lp->top_logprobs(), nullptr);
+  EXPECT_EQ(std::vector<int32_t>(lp->top_ids()->begin(), lp->top_ids()->end()),
+            (std::vector<int32_t>{13, 7}));
+  EXPECT_EQ(std::vector<float>(lp->top_logprobs()->begin(), lp->top_logprobs()->end()),
+            (std::vector<float>{-0.25f, -1.5f}));
+}
+
 // Schema 1.6 (the OpenAI front's sampling): every 1.5 type again, with minor 6; GenerateRequest
 // sets min-p, the penalties and log-probabilities, and StreamEvent, PrefillDone and TokenBatch
 // carry log-probabilities. (Files before 1.6 read the neutral values: repetition_penalty 1.)
@@ -470,16 +482,7 @@ std::map<std::string, Expectation> v1_6() {
     EXPECT_TRUE(s->logprobs());
     EXPECT_EQ(s->top_logprobs(), 3);
   };
-  auto golden = [](const TokenLogprobs* lp) {
-    ASSERT_NE(lp, nullptr);
-    EXPECT_EQ(lp->logprob(), -0.25f);
-    ASSERT_NE(lp->top_ids(), nullptr);
-    ASSERT_NE(lp->top_logprobs(), nullptr);
-    EXPECT_EQ(std::vector<int32_t>(lp->top_ids()->begin(), lp->top_ids()->end()),
-              (std::vector<int32_t>{13, 7}));
-    EXPECT_EQ(std::vector<float>(lp->top_logprobs()->begin(), lp->top_logprobs()->end()),
-              (std::vector<float>{-0.25f, -1.5f}));
-  };
+  auto golden = expect_golden_logprobs;
   auto event = e.at("StreamEvent").check;
   e["StreamEvent"].check = [event, golden](const Message& m) {
     event(m);
@@ -721,12 +724,42 @@ std::map<std::string, Expectation> v1_12() {
   return e;
 }
 
+// 1.13: the prompt's log-probabilities (echo): asked for in SamplingParams, carried by the
+// gateway's PrefillDone and the client's StreamEvent.
+std::map<std::string, Expectation> v1_13() {
+  std::map<std::string, Expectation> e = v1_12();
+  for (auto& [stem, expectation] : e) expectation.minor = 13;
+  auto request = e.at("GenerateRequest").check;
+  e.at("GenerateRequest").check = [request](const Message& m) {
+    request(m);
+    EXPECT_TRUE(m.as<GenerateRequest>()->sampling()->prompt_logprobs());
+  };
+  auto prompt_entries = [](const flatbuffers::Vector<flatbuffers::Offset<TokenLogprobs>>* entries,
+                           size_t count) {
+    ASSERT_NE(entries, nullptr);
+    ASSERT_EQ(entries->size(), count);
+    for (const TokenLogprobs* lp : *entries) expect_golden_logprobs(lp);
+  };
+  auto event = e.at("StreamEvent").check;
+  e.at("StreamEvent").check = [event, prompt_entries](const Message& m) {
+    event(m);
+    prompt_entries(m.as<StreamEvent>()->prompt_logprobs(), 3);
+  };
+  auto done = e.at("PrefillDone").check;
+  e.at("PrefillDone").check = [done, prompt_entries](const Message& m) {
+    done(m);
+    prompt_entries(m.as<PrefillDone>()->prompt_logprobs(), 2);
+  };
+  return e;
+}
+
 // Every released version: directory name -> file stem -> expectation.
 const std::map<std::string, std::map<std::string, Expectation>>& released() {
   static const std::map<std::string, std::map<std::string, Expectation>> versions = {
-      {"v1.0", v1_0()},   {"v1.1", v1_1()},   {"v1.2", v1_2()},  {"v1.3", v1_3()}, {"v1.4", v1_4()},
-      {"v1.5", v1_5()},   {"v1.6", v1_6()},   {"v1.7", v1_7()},  {"v1.8", v1_8()}, {"v1.9", v1_9()},
-      {"v1.10", v1_10()}, {"v1.11", v1_11()}, {"v1.12", v1_12()}};
+      {"v1.0", v1_0()},   {"v1.1", v1_1()},  {"v1.2", v1_2()},   {"v1.3", v1_3()},
+      {"v1.4", v1_4()},   {"v1.5", v1_5()},  {"v1.6", v1_6()},   {"v1.7", v1_7()},
+      {"v1.8", v1_8()},   {"v1.9", v1_9()},  {"v1.10", v1_10()}, {"v1.11", v1_11()},
+      {"v1.12", v1_12()}, {"v1.13", v1_13()}};
   return versions;
 }
 
@@ -818,7 +851,7 @@ TEST(WireCompat, Version1_0CoversEveryMessageTypeOfThatVersion) {
 // What the typed fields replace reads the same through wire/vocabulary.h from the strings of every
 // version before 1.9 (no typed field in those files) and from the typed fields of 1.9.
 TEST(WireCompat, TheStringsOfOlderVersionsReadAsTheTypedValues) {
-  for (const std::string version : {"v1.2", "v1.8", "v1.9", "v1.10", "v1.11", "v1.12"}) {
+  for (const std::string version : {"v1.2", "v1.8", "v1.9", "v1.10", "v1.11", "v1.12", "v1.13"}) {
     SCOPED_TRACE(version);
     auto read = [&](const std::string& stem) {
       auto frames = read_frames(kCompatDir / version / (stem + ".bin"));
@@ -828,8 +861,8 @@ TEST(WireCompat, TheStringsOfOlderVersionsReadAsTheTypedValues) {
           << stem << ": " << (decoded.error ? decoded.error->detail : "");
       return std::move(*decoded.message);
     };
-    const bool typed =
-        version == "v1.9" || version == "v1.10" || version == "v1.11" || version == "v1.12";
+    const bool typed = version == "v1.9" || version == "v1.10" || version == "v1.11" ||
+                       version == "v1.12" || version == "v1.13";
     const Message event = read("StreamEvent");
     const StreamEvent* e = event.as<StreamEvent>();
     EXPECT_EQ(e->finish().has_value(), typed);
