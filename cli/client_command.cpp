@@ -171,7 +171,10 @@ int generate(int argc, char** argv) {
         return logprobs;
       };
       if (options.logprobs) out["logprobs"] = logprobs_json(result.logprobs);
-      if (options.prompt_logprobs) out["prompt_logprobs"] = logprobs_json(result.prompt_logprobs);
+      if (options.prompt_logprobs) {
+        out["prompt_ids"] = result.prompt_ids;
+        out["prompt_logprobs"] = logprobs_json(result.prompt_logprobs);
+      }
       std::cout << out.dump(-1, ' ', false, nlohmann::json::error_handler_t::replace) << '\n';
     } else {
       std::cout << '\n';

@@ -48,6 +48,8 @@ Event to_event(const wire::StreamEvent& e) {
   };
   read_logprobs(e.logprobs(), event.logprobs);
   read_logprobs(e.prompt_logprobs(), event.prompt_logprobs);
+  if (e.prompt_token_ids())
+    event.prompt_token_ids.assign(e.prompt_token_ids()->begin(), e.prompt_token_ids()->end());
   event.finish_reason = wire::name(wire::finish_reason_of(e));
   if (const auto* usage = e.usage()) {
     event.usage = {usage->prompt_tokens(),
@@ -315,7 +317,10 @@ Result Client::generate(const GenerateOptions& options,
       case EventKind::kDelta:
         result.ids.insert(result.ids.end(), event.token_ids.begin(), event.token_ids.end());
         result.logprobs.insert(result.logprobs.end(), event.logprobs.begin(), event.logprobs.end());
-        if (!event.prompt_logprobs.empty()) result.prompt_logprobs = event.prompt_logprobs;
+        if (!event.prompt_token_ids.empty()) {
+          result.prompt_ids = event.prompt_token_ids;
+          result.prompt_logprobs = event.prompt_logprobs;
+        }
         result.text += event.text;
         return false;
       case EventKind::kFinished:

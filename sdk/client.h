@@ -97,7 +97,9 @@ struct Event {
   std::string text;
   std::vector<int32_t> token_ids;
   std::vector<TokenLogprob> logprobs;  // one per token id, where the request asked
-  // On the first Delta, where the request asked: one per prompt token after the first.
+  // On the first Delta, where the request asked: the prompt's token ids as the gateway read them
+  // (tokenized there from a text prompt), and one entry per prompt token after the first.
+  std::vector<int32_t> prompt_token_ids;
   std::vector<TokenLogprob> prompt_logprobs;
   std::string finish_reason;
   Usage usage;
@@ -112,7 +114,8 @@ struct Result {
   uint64_t request_id = 0;
   std::vector<int32_t> ids;
   std::vector<TokenLogprob> logprobs;
-  std::vector<TokenLogprob> prompt_logprobs;  // where the request asked
+  std::vector<int32_t> prompt_ids;            // where the request asked for prompt_logprobs
+  std::vector<TokenLogprob> prompt_logprobs;  // one per prompt id after the first
   std::string text;
   std::string finish_reason;
   Usage usage;

@@ -208,6 +208,9 @@ flatbuffers::Offset<wire::StreamEvent> build_event(
       entries.push_back(copy_logprobs(builder, entry));
     prompt_offset = builder.CreateVector(entries);
   }
+  flatbuffers::Offset<flatbuffers::Vector<int32_t>> prompt_ids = 0;
+  if (scores.prompt != nullptr && scores.prompt_ids != nullptr)
+    prompt_ids = builder.CreateVector(*scores.prompt_ids);
   // The deprecated strings next to the typed fields (schema 1.9), for clients of 1.8 and older.
   auto finish_offset = builder.CreateString(wire::name(finish));
   auto error_offset = builder.CreateString(error);
@@ -232,7 +235,7 @@ flatbuffers::Offset<wire::StreamEvent> build_event(
       builder, to.client_request_id, to.request_id, kind, text_offset, tokens_offset, finish_offset,
       usage, timings, code, error_offset, logprobs_offset,
       finish == wire::FinishReason::None ? flatbuffers::Optional<wire::FinishReason>() : finish,
-      prompt_offset);
+      prompt_offset, prompt_ids);
 }
 
 }  // namespace

@@ -101,11 +101,12 @@ struct EventTo {
 // decryption in the client) instead of eight. Each request's events keep their order; a lone
 // event leaves as a plain StreamEvent.
 // What a Delta reports beside its tokens, where the request asked: the token's log-probabilities,
-// and on the first, the prompt's (one per prompt token after the first).
+// and on the first, the prompt's (one per prompt token after the first) with the prompt's ids.
 using PromptLogprobs = flatbuffers::Vector<flatbuffers::Offset<wire::TokenLogprobs>>;
 struct TokenScores {
   const wire::TokenLogprobs* token = nullptr;
   const PromptLogprobs* prompt = nullptr;
+  const std::vector<int32_t>* prompt_ids = nullptr;
 };
 
 class ClientChannel {

@@ -148,7 +148,8 @@ void RequestTracker::on_token(Request& r, int32_t token, wire::FinishReason fini
                   "a stage sent the first token without the prompt's log-probabilities");
     if (!client_.send_event(
             EventTo::of(r), wire::EventKind::Delta, delta, {token}, {}, wire::ErrorCode::None, {},
-            nullptr, {logprobs, first && r.sampling.prompt_logprobs ? prompt_logprobs : nullptr}))
+            nullptr,
+            {logprobs, first && r.sampling.prompt_logprobs ? prompt_logprobs : nullptr, &r.prompt}))
       return on_client_gone(r.id);
   }
   if (finish_reason != wire::FinishReason::None) {

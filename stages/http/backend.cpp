@@ -38,6 +38,12 @@ std::unique_ptr<Backend> make_backend(const std::filesystem::path& model_dir, st
   return backend;
 }
 
+std::string echo_text(const CompletionRequest& request, const Backend& backend) {
+  if (request.prompt_tokens.empty() || !backend.tokenizer) return request.prompt;
+  auto text = backend.tokenizer->decode(request.prompt_tokens);
+  return text ? std::move(*text) : std::string();
+}
+
 std::variant<sdk::GenerateOptions, ApiError> to_options(const CompletionRequest& request,
                                                         const std::string& api_key,
                                                         const Backend& backend) {
@@ -100,8 +106,18 @@ std::variant<sdk::GenerateOptions, ApiError> to_options(const CompletionRequest&
                     backend.tokenizer_error;
     return error;
   }
+  if (request.echo && !request.prompt_tokens.empty() && !backend.tokenizer) {
+    ApiError error;
+    error.param = "echo";
+    error.message =
+        "the model '" + backend.name +
+        "' has no tokenizer here to echo a prompt of token ids: " + backend.tokenizer_error;
+    return error;
+  }
   options.logprobs = request.logprobs;
   options.top_logprobs = static_cast<int32_t>(request.top_logprobs);
+  // Echo with logprobs: the prompt's too (computed in full, without reuse).
+  options.prompt_logprobs = request.echo && request.logprobs;
   return options;
 }
 

@@ -22,6 +22,10 @@ bool absorb(const sdk::Event& event, StopMatcher& stops, Outcome& outcome, std::
     outcome.error = gateway_error(event.error_code, event.error_name, event.error_message);
     return true;
   }
+  if (!event.prompt_token_ids.empty()) {
+    outcome.prompt_ids = event.prompt_token_ids;
+    outcome.prompt_logprobs = event.prompt_logprobs;
+  }
   outcome.completion_tokens += static_cast<uint32_t>(event.token_ids.size());
   outcome.ids.insert(outcome.ids.end(), event.token_ids.begin(), event.token_ids.end());
   outcome.logprobs.insert(outcome.logprobs.end(), event.logprobs.begin(), event.logprobs.end());

@@ -25,6 +25,10 @@ struct Outcome {
   // Every token and, where the request asked, its log-probabilities.
   std::vector<int32_t> ids;
   std::vector<sdk::TokenLogprob> logprobs;
+  // Where the request asked for the prompt's (echo with logprobs): its ids and one entry per id
+  // after the first.
+  std::vector<int32_t> prompt_ids;
+  std::vector<sdk::TokenLogprob> prompt_logprobs;
   std::optional<ApiError> error;
 };
 

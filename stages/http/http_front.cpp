@@ -339,7 +339,8 @@ class HttpFront {
 
     std::vector<http::Completion> choices;
     for (size_t i = 0; i < started.size(); ++i) {
-      auto choice = collect(endpoint, api_request, *attempt.backend, started[i], deadline, base);
+      auto choice = collect(endpoint, choice_request(api_request, static_cast<int64_t>(i)),
+                            *attempt.backend, started[i], deadline, base);
       if (auto* error = std::get_if<ApiError>(&choice)) {
         for (size_t j = i + 1; j < started.size(); ++j) bridge->cancel(started[j].channel);
         in_flight_->add(-1);
@@ -359,7 +360,8 @@ class HttpFront {
     count(endpoint, 200);
   }
 
-  // One choice, not streamed: its events up to the end (a stop string cancels the rest).
+  // One choice (`api_request` is the choice's: its own prompt), not streamed: its events up to the
+  // end (a stop string cancels the rest).
   std::variant<http::Completion, ApiError> collect(Endpoint endpoint,
                                                    const CompletionRequest& api_request,
                                                    const Backend& backend, Started& started,
@@ -392,10 +394,18 @@ class HttpFront {
     completion.usage = outcome.usage;
     completion.usage.completion_tokens = outcome.completion_tokens;
     completion.timings = outcome.timings;
+    if (api_request.echo) completion.text = http::echo_text(api_request, backend) + completion.text;
     if (api_request.logprobs) {
-      size_t offset = 0;
-      completion.logprobs = http::LogprobsWriter(endpoint, *backend.tokenizer)
-                                .object(outcome.ids, outcome.logprobs, offset);
+      size_t offset = 0;  // the prompt's entries first, where echoed
+      const http::LogprobsWriter writer(endpoint, *backend.tokenizer);
+      json echoed = api_request.echo
+                        ? writer.prompt_object(outcome.prompt_ids, outcome.prompt_logprobs, offset)
+                        : json(nullptr);
+      completion.logprobs = writer.object(outcome.ids, outcome.logprobs, offset);
+      if (api_request.echo) {
+        http::LogprobsWriter::append(echoed, completion.logprobs);
+        completion.logprobs = std::move(echoed);
+      }
     }
     return completion;
   }
@@ -409,10 +419,11 @@ class HttpFront {
     for (size_t i = 0; i < started.size(); ++i) {
       auto completion = std::make_shared<http::Completion>(base);
       completion->index = static_cast<int64_t>(i);
-      choices.push_back({started[i].channel, std::move(started[i].first),
-                         std::make_unique<http::TokenStream>(endpoint, api_request, backend,
-                                                             completion, started[i].prompt_tokens,
-                                                             token_delay_, write_failures_)});
+      choices.push_back(
+          {started[i].channel, std::move(started[i].first),
+           std::make_unique<http::TokenStream>(
+               endpoint, choice_request(api_request, static_cast<int64_t>(i)), backend, completion,
+               started[i].prompt_tokens, token_delay_, write_failures_)});
     }
     auto streamed = std::make_shared<http::StreamedResponse>(
         endpoint, std::move(choices), api_request.include_usage, api_request.n);

@@ -6,6 +6,17 @@ namespace moeline::stages::http {
 
 using nlohmann::json;
 
+namespace {
+
+json empty_completions_object() {
+  return {{"tokens", json::array()},
+          {"token_logprobs", json::array()},
+          {"top_logprobs", json::array()},
+          {"text_offset", json::array()}};
+}
+
+}  // namespace
+
 std::string LogprobsWriter::text_of(int32_t id) const {
   auto text = tokenizer_->decode({id});
   return text ? std::move(*text) : std::string();
@@ -32,27 +43,51 @@ json LogprobsWriter::object(std::span<const int32_t> ids,
     }
     return {{"content", std::move(content)}, {"refusal", nullptr}};
   }
-  json tokens = json::array(), token_logprobs = json::array(), top_logprobs = json::array(),
-       text_offset = json::array();
-  for (size_t i = 0; i < count; ++i) {
-    const std::string text = text_of(ids[i]);
-    tokens.push_back(text);
-    token_logprobs.push_back(logprobs[i].logprob);
+  json object = empty_completions_object();
+  for (size_t i = 0; i < count; ++i) add_entry(object, ids[i], &logprobs[i], offset);
+  return object;
+}
+
+void LogprobsWriter::add_entry(json& object, int32_t id, const sdk::TokenLogprob* logprob,
+                               size_t& offset) const {
+  const std::string text = text_of(id);
+  object["tokens"].push_back(text);
+  if (logprob == nullptr) {
+    object["token_logprobs"].push_back(nullptr);
+    object["top_logprobs"].push_back(nullptr);
+  } else {
+    object["token_logprobs"].push_back(logprob->logprob);
     // The alternatives, and the chosen token among them (as vLLM and OpenAI list it).
     json top = json::object();
-    for (const auto& [id, logprob] : logprobs[i].top) top.emplace(text_of(id), logprob);
-    top.emplace(text, logprobs[i].logprob);
-    top_logprobs.push_back(std::move(top));
-    text_offset.push_back(offset);
-    // In characters, as OpenAI counts them (a UTF-8 continuation byte starts none).
-    offset += static_cast<size_t>(std::count_if(text.begin(), text.end(), [](char c) {
-      return (static_cast<unsigned char>(c) & 0xC0) != 0x80;
-    }));
+    for (const auto& [alternative, value] : logprob->top) top.emplace(text_of(alternative), value);
+    top.emplace(text, logprob->logprob);
+    object["top_logprobs"].push_back(std::move(top));
   }
-  return {{"tokens", std::move(tokens)},
-          {"token_logprobs", std::move(token_logprobs)},
-          {"top_logprobs", std::move(top_logprobs)},
-          {"text_offset", std::move(text_offset)}};
+  object["text_offset"].push_back(offset);
+  // In characters, as OpenAI counts them (a UTF-8 continuation byte starts none).
+  offset += static_cast<size_t>(std::count_if(text.begin(), text.end(), [](char c) {
+    return (static_cast<unsigned char>(c) & 0xC0) != 0x80;
+  }));
+}
+
+json LogprobsWriter::prompt_object(std::span<const int32_t> ids,
+                                   std::span<const sdk::TokenLogprob> logprobs,
+                                   size_t& offset) const {
+  json object = empty_completions_object();
+  for (size_t i = 0; i < ids.size(); ++i)
+    add_entry(object, ids[i], i > 0 && i - 1 < logprobs.size() ? &logprobs[i - 1] : nullptr,
+              offset);
+  return object;
+}
+
+void LogprobsWriter::append(json& object, const json& more) {
+  for (const char* key : {"tokens", "token_logprobs", "top_logprobs", "text_offset"})
+    for (const json& entry : more[key]) object[key].push_back(entry);
+}
+
+std::string LogprobsWriter::text_of(std::span<const int32_t> ids) const {
+  auto text = tokenizer_->decode(std::vector<int32_t>(ids.begin(), ids.end()));
+  return text ? std::move(*text) : std::string();
 }
 
 }  // namespace moeline::stages::http

@@ -27,9 +27,21 @@ class LogprobsWriter {
   // text_offset counts characters from `offset`, which moves past their text.
   nlohmann::json object(std::span<const int32_t> ids, std::span<const sdk::TokenLogprob> logprobs,
                         size_t& offset) const;
+  // Echo (completions shape only): the prompt's tokens, the first with a null log-probability and
+  // null alternatives (nothing precedes it), each later one with `logprobs[i - 1]`; then, joined
+  // onto it, the completion's object.
+  nlohmann::json prompt_object(std::span<const int32_t> ids,
+                               std::span<const sdk::TokenLogprob> logprobs, size_t& offset) const;
+  static void append(nlohmann::json& object, const nlohmann::json& more);
+  // The text a prompt of token ids echoes: the ids decoded, special tokens included.
+  std::string text_of(std::span<const int32_t> ids) const;
 
  private:
   std::string text_of(int32_t id) const;
+  // One completions-shape entry: the token's text and offset, its log-probability and
+  // alternatives (both null without `logprob`).
+  void add_entry(nlohmann::json& object, int32_t id, const sdk::TokenLogprob* logprob,
+                 size_t& offset) const;
   nlohmann::json chat_entry(int32_t id, float logprob) const;
 
   Endpoint endpoint_;

@@ -267,7 +267,7 @@ std::optional<ApiError> read_choices(Endpoint endpoint, const json& body, int64_
 }
 
 // What OpenAI's API can ask for and this server does not do: refused when it would change the
-// answer (a client that sends the neutral value, `"tools": []`, `"echo": false`, is served), so
+// answer (a client that sends the neutral value, `"tools": []`, `"suffix": ""`, is served), so
 // that nobody gets an answer that silently ignores it.
 std::optional<ApiError> refuse_unserved(const json& body, int64_t n) {
   if (present(body, "functions")) {
@@ -281,9 +281,6 @@ std::optional<ApiError> refuse_unserved(const json& body, int64_t n) {
     if (format.contains("type") && format["type"] != "text")
       return unsupported("response_format", "response_format " + format["type"].dump());
   }
-  bool echo = false;
-  if (auto error = read_bool(body, "echo", echo)) return error;
-  if (echo) return unsupported("echo", "echo");
   if (present(body, "suffix")) {
     if (!body["suffix"].is_string()) return wrong_type("suffix", body["suffix"], "a string");
     if (!body["suffix"].get<std::string>().empty()) return unsupported("suffix", "suffix");
@@ -459,6 +456,9 @@ std::optional<ApiError> read_all(Endpoint endpoint, const json& body, const std:
   if (auto error = read_logit_bias(body, out)) return error;
   if (endpoint != Endpoint::kGenerate)
     if (auto error = read_logprobs(endpoint, body, out)) return error;
+  if (auto error = read_bool(body, "echo", out.echo)) return error;
+  if (out.echo && endpoint != Endpoint::kCompletions)
+    return unsupported("echo", "echo outside /v1/completions");
   if (auto error = read_bool(body, "ignore_eos", out.ignore_eos)) return error;
   if (endpoint == Endpoint::kGenerate) return std::nullopt;
   return read_stream(body, out);

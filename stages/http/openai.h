@@ -61,6 +61,9 @@ struct CompletionRequest {
   // Chat: logprobs true and top_logprobs 0..20; completions: logprobs N (0..20) alternatives.
   bool logprobs = false;
   int64_t top_logprobs = 0;
+  // Completions: the prompt's text before the completion's, and with logprobs the prompt tokens'
+  // log-probabilities before the completion's (the first token's null), as OpenAI's echo.
+  bool echo = false;
   bool stream = false;
   bool include_usage = false;
   std::string user;

@@ -26,6 +26,7 @@ TokenStream::TokenStream(Endpoint endpoint, const CompletionRequest& request,
       token_delay_(token_delay),
       write_failures_(write_failures) {
   if (request.logprobs) logprobs_.emplace(endpoint, *backend.tokenizer);
+  if (request.echo) echo_ = echo_text(request, backend);
   if (endpoint == Endpoint::kChat && !request.chat.tools_json.empty()) tool_calls_.emplace();
   outcome_.usage.prompt_tokens = prompt_tokens;
 }
@@ -47,6 +48,18 @@ bool TokenStream::on_event(const sdk::Event& event, Clock::time_point arrived,
   // Ended by the pipeline (finished, failed); a stop string still needs a cancel.
   pipeline_ended_ = over && !stops_.stopped();
   if (outcome_.error) return false;
+  // Echo: the prompt's chunk (with its tokens' log-probabilities) before the first token's.
+  if (echo_ && event.kind != sdk::EventKind::kError) {
+    const json prompt_logprobs =
+        logprobs_
+            ? logprobs_->prompt_object(outcome_.prompt_ids, outcome_.prompt_logprobs, text_offset_)
+            : json(nullptr);
+    if (!send(sink, server_event(stream_chunk(endpoint_, *completion_, *echo_, first_chunk_, "",
+                                              prompt_logprobs))))
+      return false;
+    first_chunk_ = false;
+    echo_.reset();
+  }
   if (tool_calls_) text = tool_calls_->feed(text);
   // With log-probabilities, every token's chunk carries them, text or not.
   json token_logprobs = nullptr;

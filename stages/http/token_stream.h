@@ -62,7 +62,8 @@ class TokenStream {
   runtime::Histogram* token_delay_;
   runtime::Counter* write_failures_;
   Outcome outcome_;
-  size_t text_offset_ = 0;  // completions' logprobs.text_offset
+  std::optional<std::string> echo_;  // the prompt's text, until echoed before the first token
+  size_t text_offset_ = 0;           // completions' logprobs.text_offset
   bool first_chunk_ = true, client_gone_ = false, pipeline_ended_ = false;
 };
 

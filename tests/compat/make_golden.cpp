@@ -116,13 +116,14 @@ std::vector<zmq::message_t> stream_event() {
                               wire::ApproximateOutcome::Shadow);
   const auto timings = wire::CreateTimings(b, 1.5, 20.25, 22.0, 80.125);
   const std::vector<int32_t> token_ids = {0, 13};
-  // 1.13: the prompt's log-probabilities (three of them).
+  // 1.13: the prompt's ids and log-probabilities (one for each id after the first).
   const std::vector<flatbuffers::Offset<wire::TokenLogprobs>> prompt = {
       golden_logprobs(b), golden_logprobs(b), golden_logprobs(b)};
+  const std::vector<int32_t> prompt_ids = {1, 15043, 29892, 3186};
   b.Finish(wire::CreateStreamEventDirect(b, 1001, 555, wire::EventKind::Finished, "!", &token_ids,
                                          "stop", usage, timings, wire::ErrorCode::Cancelled,
                                          "cancelled by the client", &logprobs,
-                                         wire::FinishReason::Stop, &prompt),
+                                         wire::FinishReason::Stop, &prompt, &prompt_ids),
            wire::GenerateRequestIdentifier());
   return wire::encode(wire::MessageType::StreamEvent, b);
 }

@@ -744,6 +744,10 @@ std::map<std::string, Expectation> v1_13() {
   e.at("StreamEvent").check = [event, prompt_entries](const Message& m) {
     event(m);
     prompt_entries(m.as<StreamEvent>()->prompt_logprobs(), 3);
+    const auto* ids = m.as<StreamEvent>()->prompt_token_ids();
+    ASSERT_NE(ids, nullptr);
+    EXPECT_EQ(std::vector<int32_t>(ids->begin(), ids->end()),
+              (std::vector<int32_t>{1, 15043, 29892, 3186}));
   };
   auto done = e.at("PrefillDone").check;
   e.at("PrefillDone").check = [done, prompt_entries](const Message& m) {

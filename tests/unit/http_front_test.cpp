@@ -177,6 +177,13 @@ TEST(OpenAiRequest, DefaultsAreOpenAis) {
                        R"({"prompt": "p", "echo": false, "suffix": "", "n": 2, "best_of": 2})")
                 .n,
             2);
+  // Echo (completions): the prompt before the completion, with logprobs N its tokens' too.
+  const CompletionRequest echoed =
+      request_of(Endpoint::kCompletions, R"({"prompt": "p", "echo": true, "logprobs": 2})");
+  EXPECT_TRUE(echoed.echo);
+  EXPECT_TRUE(echoed.logprobs);
+  EXPECT_EQ(echoed.top_logprobs, 2);
+  EXPECT_FALSE(request_of(Endpoint::kCompletions, R"({"prompt": "p"})").echo);
   EXPECT_EQ(request_of(Endpoint::kChat, R"({"messages": [{"role": "user", "content": "x"}],
                                              "n": 16})")
                 .n,
@@ -258,7 +265,9 @@ TEST(OpenAiRequest, WrongTypesAndValuesNameTheirParameter) {
       {Endpoint::kCompletions, R"({"prompt": "p", "logit_bias": {"-3": 1}})", "logit_bias"},
       {Endpoint::kCompletions, R"({"prompt": "p", "logit_bias": {"5": 101}})", "logit_bias"},
       {Endpoint::kCompletions, R"({"prompt": "p", "logit_bias": {"5": "up"}})", "logit_bias"},
-      {Endpoint::kCompletions, R"({"prompt": "p", "echo": true})", "echo"},
+      {Endpoint::kChat, R"({"messages": [{"role": "user", "content": "x"}], "echo": true})",
+       "echo"},
+      {Endpoint::kCompletions, R"({"prompt": "p", "echo": "yes"})", "echo"},
       {Endpoint::kCompletions, R"({"prompt": "p", "suffix": "end"})", "suffix"},
       {Endpoint::kCompletions, R"({"prompt": "p", "best_of": 3})", "best_of"},
       {Endpoint::kCompletions, R"({"prompt": "p", "n": 2, "best_of": 1})", "best_of"},
