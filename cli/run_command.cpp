@@ -70,7 +70,8 @@ Loads a Hugging Face checkpoint (Mixtral, Qwen3-MoE, DeepSeek-V2/V3) and generat
   --logprobs N         with --json: each token's log-probability and the N (0..20) most likely
                        tokens' ("logprobs": [{"logprob", "top": [[id, logprob], ...]}])
   --prompt-logprobs N  with --json: the same for every prompt token after the first, under the
-                       tokens before it ("prompt_logprobs"; N as --logprobs, which shares it)
+                       tokens before it ("prompt_ids", "prompt_logprobs"; N as --logprobs, which
+                       shares it)
   --logit-bias T=B,... OpenAI's logit_bias: B in [-100, 100] added to token T's logit before the
                        penalties and the choice (greedy too)
   --stop-ids IDS       extra stop token ids, comma-separated (end-of-sequence ids always stop)
@@ -418,8 +419,10 @@ int run_command(int argc, char** argv) {
       return logprobs;
     };
     if (options.sampling.logprobs) out["logprobs"] = logprobs_json(result.logprobs);
-    if (options.sampling.prompt_logprobs)
+    if (options.sampling.prompt_logprobs) {
+      out["prompt_ids"] = options.tokens;
       out["prompt_logprobs"] = logprobs_json(result.prompt_logprobs);
+    }
     if (pool_client) {
       const offload::PoolStats s = pool_client->stats();
       out["experts"] = {{"budget", options.expert_budget},

@@ -70,6 +70,13 @@ async function main() {
                   indices: several.choices.map((c) => c.index), streamed,
                   completion_tokens: several.usage.completion_tokens };
 
+  // Echo with logprobs (how lm-evaluation-harness scores a continuation).
+  const echoed = await client.completions.create({ model, prompt: "(botany) a plant",
+                                                   temperature: 0, max_tokens: 1, echo: true,
+                                                   logprobs: 1 });
+  out.echo = { text: echoed.choices[0].text,
+               token_logprobs: echoed.choices[0].logprobs.token_logprobs };
+
   try {
     await client.chat.completions.create({ model: "no-such-model", messages });
     out.unknown_model = { status: 200 };

@@ -10,7 +10,8 @@ Cases (--case, one per CTest entry):
         /generate; errors with OpenAI's error object and the right status (bad JSON, wrong types,
         out-of-range values, an unknown model, n over 16); n choices (each moeline run's sample
         with seed + index; streamed and not), and for a batch of prompts; penalties and log-probabilities (OpenAI's
-        chat and completions shapes, streamed and not) as `moeline run` computes them; a client
+        chat and completions shapes, streamed and not) as `moeline run` computes them; echo, with
+        the prompt's log-probabilities as `moeline run --prompt-logprobs` computes them; a client
         that disconnects mid-stream cancels its request in the pipeline.
   auth  with the gateway's API keys: no key and a wrong key are 401, a valid key is served.
   fallback  a stack whose gateway takes one request at a time answers a second one 429 with
@@ -18,7 +19,7 @@ Cases (--case, one per CTest entry):
         served by the fallback, says so (model, moeline.fallback) and is counted.
   openai  the official `openai` npm client (Node.js) against the front: models, chat, a streamed
         chat with usage, a penalty with log-probabilities, a completion with a stop string, n=2
-        choices whole and streamed, a logit_bias, and its error classes for an unknown model and a wrong type; skipped (77) when the package
+        choices whole and streamed, a logit_bias, echo with logprobs, and its error classes for an unknown model and a wrong type; skipped (77) when the package
         is not installed.
   tools  Qwen3's chat template over a tool, a call and its answer: the prompt as jinja2 renders it,
         the answer as `moeline run` gives it (skipped without python3-jinja2 or the npm package).
@@ -295,6 +296,7 @@ def case_api(args):
         check_logprobs_and_penalties(args, stack)
         check_choices(args, stack)
         check_logit_bias(args, stack)
+        check_echo(args, stack)
 
         # A client that disconnects mid-stream: its request is cancelled in the pipeline.
         def disconnect_mid_stream():
@@ -350,6 +352,68 @@ def check_logit_bias(args, stack):
         check(text == ref["text"], f"logit_bias {flag} streamed: {text!r} want {ref['text']!r}")
     print(f"ok api: logit_bias as moeline run --logit-bias computes it (greedy and seeded; the "
           f"greedy first token {first} pushed out), streamed and not")
+
+
+def check_echo(args, stack):
+    """Echo: the prompt's text before the completion's; with logprobs N, the prompt tokens'
+    log-probabilities (the first null) before the completion's, as `moeline run --prompt-logprobs`
+    computes them, streamed and not. The prompt is computed in full even where its prefix is
+    cached (a plain request for it goes first). One request is lm-evaluation-harness's
+    loglikelihood request: token ids, max_tokens 1, echo, logprobs 1."""
+    ids = [11, 42, 300, 7, 19, 88, 5, 1000, 64, 3, 250, 17, 900, 33, 2, 71, 12]
+    cases = [({"prompt": ids}, {"tokens": ids}, 1, 1),
+             ({"prompt": LONG_PROMPT}, {"prompt": LONG_PROMPT}, 6, 3)]
+    for prompt, run_prompt, max_tokens, top in cases:
+        post(stack, "/v1/completions", {**prompt, "max_tokens": 2, "temperature": 0})  # cached
+        want = reference(args.moeline, args.model, max_tokens, **run_prompt,
+                         extra=["--prompt-logprobs", str(top), "--logprobs", str(top)])
+        prompt_ids = want["prompt_ids"]
+        prompt_text = prompt["prompt"] if isinstance(prompt["prompt"], str) else \
+            detokenize(args, prompt_ids)
+        request = {**prompt, "max_tokens": max_tokens, "temperature": 0, "echo": True,
+                   "logprobs": top}
+        status, body, _ = post(stack, "/v1/completions", request)
+        check(status == 200, f"echo: {status} {body}")
+        choice = body["choices"][0]
+        check(choice["text"] == prompt_text + detokenize(args, want["ids"]),
+              f"echo text {choice['text']!r}, want the prompt then {want['ids']}")
+        check(body["moeline"]["reused_tokens"] == 0, f"echo reused cached work: {body['moeline']}")
+        logprobs = choice["logprobs"]
+        count = len(prompt_ids) + len(want["ids"])
+        check(all(len(logprobs[key]) == count for key in logprobs),
+              f"echo logprobs: {count} entries expected in each of {logprobs}")
+        check(logprobs["token_logprobs"][0] is None and logprobs["top_logprobs"][0] is None,
+              f"the first prompt token has no log-probability: {logprobs['token_logprobs'][:2]}")
+        expected = [entry["logprob"] for entry in want["prompt_logprobs"] + want["logprobs"]]
+        for position, (mine, theirs) in enumerate(zip(logprobs["token_logprobs"][1:], expected)):
+            check(abs(mine - theirs) <= LOGPROB_ATOL,
+                  f"echo token {position + 1}: {mine} != moeline run's {theirs}")
+            check(len(logprobs["top_logprobs"][position + 1]) in (top, top + 1),
+                  f"echo token {position + 1}: {logprobs['top_logprobs'][position + 1]}")
+        offsets = [0]
+        for token in logprobs["tokens"][:-1]:
+            offsets.append(offsets[-1] + len(token))
+        check(logprobs["text_offset"] == offsets, f"echo text_offset {logprobs['text_offset']}")
+
+        events, done = stream(stack, "/v1/completions", {**request, "stream": True})
+        chunks = [event["choices"][0] for event in events if event["choices"]]
+        text = "".join(chunk["text"] for chunk in chunks)
+        streamed = [value for chunk in chunks if chunk.get("logprobs")
+                    for value in chunk["logprobs"]["token_logprobs"]]
+        check(done and text == choice["text"] and chunks[0]["text"] == prompt_text and
+              streamed == logprobs["token_logprobs"],
+              f"echo streamed: {text!r} {streamed} want {choice['text']!r} "
+              f"{logprobs['token_logprobs']}")
+    # Echo alone: the text only, nothing scored.
+    status, body, _ = post(stack, "/v1/completions",
+                           {"prompt": LONG_PROMPT, "max_tokens": 3, "temperature": 0, "echo": True})
+    plain = reference(args.moeline, args.model, 3, prompt=LONG_PROMPT)
+    check(status == 200 and body["choices"][0]["text"] == LONG_PROMPT + plain["text"] and
+          body["choices"][0]["logprobs"] is None, f"echo without logprobs: {status} {body}")
+    print(f"ok api: echo (the prompt's text, and with logprobs its {len(ids) - 1} and "
+          f"{len(want['prompt_ids']) - 1} token log-probabilities as moeline run "
+          f"--prompt-logprobs computes them, computed in full past a cached prefix), streamed "
+          f"and not, lm-evaluation-harness's loglikelihood request included")
 
 
 def check_choices(args, stack):
@@ -552,6 +616,15 @@ def case_openai(args):
           choices["streamed"] == choices["texts"] and
           choices["completion_tokens"] == sum(len(r["ids"]) for r in sampled),
           f"n=2 through the openai client: {choices} want {[r['text'] for r in sampled]}")
+    echo_ref = reference(args.moeline, args.model, 1, prompt=LONG_PROMPT,
+                         extra=["--prompt-logprobs", "1", "--logprobs", "1"])
+    echo_want = [None] + [e["logprob"] for e in echo_ref["prompt_logprobs"] + echo_ref["logprobs"]]
+    echoed = got["echo"]
+    check(echoed["text"] == LONG_PROMPT + echo_ref["text"] and
+          len(echoed["token_logprobs"]) == len(echo_want) and echoed["token_logprobs"][0] is None
+          and all(abs(a - b) <= LOGPROB_ATOL for a, b in zip(echoed["token_logprobs"][1:],
+                                                             echo_want[1:])),
+          f"echo through the openai client: {echoed} want {echo_want}")
     check(got["unknown_model"]["status"] == 404 and got["unknown_model"]["code"] ==
           "model_not_found" and got["unknown_model"]["name"] == "NotFoundError",
           f"unknown model through the openai client: {got['unknown_model']}")
@@ -561,7 +634,9 @@ def case_openai(args):
     print("ok openai: the official openai npm client lists the model, chats (greedy output "
           "identical to moeline run --chat), streams with usage, takes a penalty and "
           "logprobs (moeline run's), completes up to a stop string, takes n=2 whole and "
-          "streamed (moeline run's samples with seeds 7 and 8) and a logit_bias, and raises NotFoundError / BadRequestError with OpenAI's fields")
+          "streamed (moeline run's samples with seeds 7 and 8), a logit_bias and echo with "
+          "logprobs (moeline run --prompt-logprobs), and raises NotFoundError / "
+          "BadRequestError with OpenAI's fields")
 
 
 def case_tools(args):

@@ -830,6 +830,23 @@ def case_sampling(args):
                   f"a bias on a token outside the vocabulary: {events[-1]}")
             print("ok sampling: an out-of-range penalty and a bias outside the vocabulary are "
                   "refused with their names")
+            # The prompt's log-probabilities: computed in full although the prompt's work is in
+            # the store by now, as `moeline run --prompt-logprobs` computes them.
+            want = reference(args.moeline, args.model, 4, tokens=prompt, ignore_eos=True,
+                             extra=["--prompt-logprobs", "2"])
+            got = client.generate(tokens=prompt, max_tokens=4, ignore_eos=True,
+                                  prompt_logprobs=True, top_logprobs=2)
+            check(got.prompt_ids == prompt and got.ids == want["ids"] and
+                  got.usage["reuse_level"] == "none" and
+                  len(got.prompt_logprobs) == len(prompt) - 1 and not got.logprobs,
+                  f"prompt_logprobs: {got} want {want}")
+            for position, (mine, theirs) in enumerate(zip(got.prompt_logprobs,
+                                                          want["prompt_logprobs"])):
+                check(abs(mine["logprob"] - theirs["logprob"]) <= STACK_LOGPROB_ATOL and
+                      [t[0] for t in mine["top"]] == [t[0] for t in theirs["top"]],
+                      f"prompt token {position + 1}: {mine} != run's {theirs}")
+            print("ok sampling: the prompt's log-probabilities (Python SDK) are moeline run's, "
+                  "computed in full past a cached prompt")
 
 
 # Isolation: 24 prompts cached by tenant a, then the 24 and 24 fresh ones sent by tenant b and

@@ -189,6 +189,7 @@ def encode_generate(client_request_id: int, prompt: Optional[str] = None,
                     frequency_penalty: float = 0.0, repetition_penalty: float = 1.0,
                     logprobs: bool = False, top_logprobs: int = 0,
                     logit_bias: Optional[Dict[int, float]] = None,
+                    prompt_logprobs: bool = False,
                     batch_events: bool = False) -> List[bytes]:
     """A GenerateRequest, framed. The keywords are those of Client.start/stream/generate.
 
@@ -199,6 +200,10 @@ def encode_generate(client_request_id: int, prompt: Optional[str] = None,
     top_logprobs (0..20) most likely tokens' as (id, logprob) pairs.
     logit_bias: OpenAI's, {token id: bias in [-100, 100]} added to those tokens' logits before the
     penalties and the choice (greedy too).
+    prompt_logprobs: the first delta event gives the prompt's token ids (`prompt_ids`) and, for
+    each after the first, its log-probability under the tokens before it with the top_logprobs
+    most likely tokens' (`prompt_logprobs`; OpenAI's echo). The prompt is then computed in full,
+    reusing no cached work.
     batch_events: the reader takes StreamEventBatch messages (schema 1.11), so the gateway may send
     this request's events together with those of the connection's other requests (Client does).
     """
@@ -238,6 +243,8 @@ def encode_generate(client_request_id: int, prompt: Optional[str] = None,
     _sampling.AddRepetitionPenalty(b, float(repetition_penalty))
     _sampling.AddLogprobs(b, bool(logprobs))
     _sampling.AddTopLogprobs(b, int(top_logprobs))
+    if prompt_logprobs:
+        _sampling.AddPromptLogprobs(b, True)
     if bias_off is not None:
         _sampling.AddLogitBias(b, bias_off)
     sampling_off = _sampling.End(b)
@@ -271,6 +278,10 @@ class Event:
     token_ids: List[int] = dataclasses.field(default_factory=list)
     # Where the request asked: per token {"logprob": float, "top": [(id, logprob), ...]}.
     logprobs: List[Dict[str, object]] = dataclasses.field(default_factory=list)
+    # On the first delta where the request asked for prompt_logprobs: the prompt's ids and one
+    # entry (as in logprobs) per id after the first.
+    prompt_ids: List[int] = dataclasses.field(default_factory=list)
+    prompt_logprobs: List[Dict[str, object]] = dataclasses.field(default_factory=list)
     finish_reason: str = ""
     usage: Optional[Dict[str, object]] = None
     timings: Optional[Dict[str, float]] = None
@@ -292,12 +303,15 @@ class Result:
     request_id: int
     client_request_id: int
     logprobs: List[Dict[str, object]] = dataclasses.field(default_factory=list)
+    prompt_ids: List[int] = dataclasses.field(default_factory=list)
+    prompt_logprobs: List[Dict[str, object]] = dataclasses.field(default_factory=list)
 
 
-def _parse_logprobs(e) -> List[Dict[str, object]]:
+def _parse_logprobs(e, prompt: bool = False) -> List[Dict[str, object]]:
     out = []
-    for i in range(e.LogprobsLength()):
-        lp = e.Logprobs(i)
+    count = e.PromptLogprobsLength() if prompt else e.LogprobsLength()
+    for i in range(count):
+        lp = e.PromptLogprobs(i) if prompt else e.Logprobs(i)
         pairs = min(lp.TopIdsLength(), lp.TopLogprobsLength())
         out.append({"logprob": lp.Logprob(),
                     "top": [(lp.TopIds(k), lp.TopLogprobs(k)) for k in range(pairs)]})
@@ -340,7 +354,9 @@ def _parse_stream_event(e) -> Event:
     return Event(kind=_KIND_NAMES[kind], client_request_id=e.ClientRequestId(),
                  request_id=e.RequestId(), text=_text(e.Text()),
                  token_ids=[e.TokenIds(i) for i in range(e.TokenIdsLength())],
-                 logprobs=_parse_logprobs(e), finish_reason=_typed_or_text(e.Finish(), e.FinishReason(), _FINISH_REASONS), usage=usage, timings=timings,
+                 logprobs=_parse_logprobs(e),
+                 prompt_ids=[e.PromptTokenIds(i) for i in range(e.PromptTokenIdsLength())],
+                 prompt_logprobs=_parse_logprobs(e, prompt=True), finish_reason=_typed_or_text(e.Finish(), e.FinishReason(), _FINISH_REASONS), usage=usage, timings=timings,
                  error_code=e.ErrorCode(), error_message=_text(e.ErrorMessage()))
 
 
@@ -350,6 +366,8 @@ class _Collected:
     def __init__(self) -> None:
         self.ids: List[int] = []
         self.logprobs: List[Dict[str, object]] = []
+        self.prompt_ids: List[int] = []
+        self.prompt_logprobs: List[Dict[str, object]] = []
         self.text: List[str] = []
         self.request_id = 0
 
@@ -359,6 +377,8 @@ class _Collected:
         if event.kind == "delta":
             self.ids.extend(event.token_ids)
             self.logprobs.extend(event.logprobs)
+            if event.prompt_ids:
+                self.prompt_ids, self.prompt_logprobs = event.prompt_ids, event.prompt_logprobs
             self.text.append(event.text)
         elif event.kind == "error":
             raise GenerateError(event.error_code, event.error_message, event.client_request_id)
@@ -367,7 +387,8 @@ class _Collected:
             return Result(ids=self.ids, text="".join(self.text), finish_reason=event.finish_reason,
                           usage=event.usage or {}, timings=event.timings or {},
                           request_id=self.request_id, client_request_id=event.client_request_id,
-                          logprobs=self.logprobs)
+                          logprobs=self.logprobs, prompt_ids=self.prompt_ids,
+                          prompt_logprobs=self.prompt_logprobs)
         return None
 
 
