@@ -202,6 +202,7 @@ class PrefillStage {
                                                        job.sampling.top_logprobs, score);
     if (!status.ok())
       return results_->fail(job, wire::error_code_for(status.code()), status.error().message);
+    metrics_.scored_tokens->inc(static_cast<double>(job.tokens.size()));
     finish_job(job, sequence, score.last_logits.data(),
                std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count(),
                &score.logprobs);

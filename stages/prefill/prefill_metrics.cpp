@@ -25,6 +25,7 @@ PrefillMetrics::PrefillMetrics(runtime::Registry& registry) {
   blend_refused = &registry.counter(kBlendRefused);
   handover_failures = &registry.counter(kHandoverFailures);
   puts_dropped = &registry.counter(kPutsDropped);
+  scored_tokens = &registry.counter(kScoredTokens);
 }
 
 }  // namespace moeline::stages::prefill

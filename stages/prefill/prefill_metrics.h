@@ -38,6 +38,9 @@ inline constexpr MetricName kBlendRefused{"moeline_prefill_blend_refused_total",
 inline constexpr MetricName kHandoverFailures{
     "moeline_prefill_handover_failures_total",
     "Prompts whose KV the decode replica did not take (the gateway retries them)"};
+inline constexpr MetricName kScoredTokens{
+    "moeline_prefill_scored_prompt_tokens_total",
+    "Prompt tokens of jobs that asked for their prompt's log-probabilities (computed in full)"};
 inline constexpr MetricName kPutsDropped{"moeline_prefill_snapshot_puts_dropped_total",
                                          "Snapshot puts the probe could not take (lost as cache)"};
 }  // namespace metric
@@ -52,7 +55,7 @@ struct PrefillMetrics {
   runtime::Gauge *kv_used, *kv_free, *queue_depth;
   runtime::Histogram *batch_size, *batch_tokens, *ttft, *tpot, *e2e;
   runtime::Counter *tokens, *reused_tokens, *blend_jobs, *blend_recomputed, *blend_tokens,
-      *blend_shadows, *blend_refused, *handover_failures, *puts_dropped;
+      *blend_shadows, *blend_refused, *handover_failures, *puts_dropped, *scored_tokens;
   runtime::Counter* outcomes[5];
 };
 

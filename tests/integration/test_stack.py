@@ -845,8 +845,10 @@ def case_sampling(args):
                 check(abs(mine["logprob"] - theirs["logprob"]) <= STACK_LOGPROB_ATOL and
                       [t[0] for t in mine["top"]] == [t[0] for t in theirs["top"]],
                       f"prompt token {position + 1}: {mine} != run's {theirs}")
+            scored = stack.metric("prefill-0", "moeline_prefill_scored_prompt_tokens_total")
+            check(scored == len(prompt), f"scored prompt tokens counted: {scored}")
             print("ok sampling: the prompt's log-probabilities (Python SDK) are moeline run's, "
-                  "computed in full past a cached prompt")
+                  "computed in full past a cached prompt, and counted")
 
 
 # Isolation: 24 prompts cached by tenant a, then the 24 and 24 fresh ones sent by tenant b and
