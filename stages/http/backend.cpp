@@ -87,7 +87,7 @@ std::variant<sdk::GenerateOptions, ApiError> to_options(const CompletionRequest&
     return error;
   }
   // No max_tokens: up to the context (the gateway caps it at what the prompt leaves).
-  options.max_tokens = request.max_tokens.value_or(backend.context);
+  options.max_tokens = request.score_only() ? 1 : request.max_tokens.value_or(backend.context);
   options.temperature = request.temperature;
   options.top_p = request.top_p;
   options.top_k = request.top_k;

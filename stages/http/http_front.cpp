@@ -394,6 +394,13 @@ class HttpFront {
     completion.usage = outcome.usage;
     completion.usage.completion_tokens = outcome.completion_tokens;
     completion.timings = outcome.timings;
+    if (api_request.score_only()) {  // the token drawn for it is left out
+      completion.text.clear();
+      completion.finish_reason = "length";
+      completion.usage.completion_tokens = 0;
+      outcome.ids.clear();
+      outcome.logprobs.clear();
+    }
     if (api_request.echo) completion.text = http::echo_text(api_request, backend) + completion.text;
     if (api_request.logprobs) {
       size_t offset = 0;  // the prompt's entries first, where echoed

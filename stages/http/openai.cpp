@@ -388,8 +388,9 @@ std::optional<ApiError> read_penalties(const json& body, CompletionRequest& out)
 
 std::optional<ApiError> read_sampling(const json& body, CompletionRequest& out) {
   std::optional<int64_t> max_tokens;
-  if (auto error = read_integer(body, "max_tokens", 1, max_tokens)) return error;
-  if (auto error = read_integer(body, "max_completion_tokens", 1, out.max_tokens)) return error;
+  // 0 only with echo (checked once echo is read): the prompt scored, nothing generated.
+  if (auto error = read_integer(body, "max_tokens", 0, max_tokens)) return error;
+  if (auto error = read_integer(body, "max_completion_tokens", 0, out.max_tokens)) return error;
   if (max_tokens) out.max_tokens = max_tokens;
   if (auto error = read_number(body, "temperature", 0.0, 2.0, out.temperature)) return error;
   if (auto error = read_number(body, "top_p", 0.0, 1.0, out.top_p)) return error;
@@ -459,6 +460,10 @@ std::optional<ApiError> read_all(Endpoint endpoint, const json& body, const std:
   if (auto error = read_bool(body, "echo", out.echo)) return error;
   if (out.echo && endpoint != Endpoint::kCompletions)
     return unsupported("echo", "echo outside /v1/completions");
+  if (out.max_tokens == 0 && !out.echo)
+    return bad("max_tokens",
+               "'max_tokens' must be at least 1, got 0 (0 only with echo: the prompt alone, "
+               "scored with logprobs)");
   if (auto error = read_bool(body, "ignore_eos", out.ignore_eos)) return error;
   if (endpoint == Endpoint::kGenerate) return std::nullopt;
   return read_stream(body, out);

@@ -65,6 +65,9 @@ struct CompletionRequest {
   // log-probabilities before the completion's (the first token's null), as OpenAI's echo.
   bool echo = false;
   bool stream = false;
+  // Echo with max_tokens 0 (OpenAI's legacy scoring request): the prompt and its log-probabilities
+  // only. The pipeline still draws one token, which the response leaves out.
+  bool score_only() const { return echo && max_tokens == 0; }
   bool include_usage = false;
   std::string user;
   // Choices to generate (`n`) per prompt: choice i samples with seed + i when a seed is given

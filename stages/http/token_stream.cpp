@@ -27,6 +27,7 @@ TokenStream::TokenStream(Endpoint endpoint, const CompletionRequest& request,
       write_failures_(write_failures) {
   if (request.logprobs) logprobs_.emplace(endpoint, *backend.tokenizer);
   if (request.echo) echo_ = echo_text(request, backend);
+  score_only_ = request.score_only();
   if (endpoint == Endpoint::kChat && !request.chat.tools_json.empty()) tool_calls_.emplace();
   outcome_.usage.prompt_tokens = prompt_tokens;
 }
@@ -60,6 +61,7 @@ bool TokenStream::on_event(const sdk::Event& event, Clock::time_point arrived,
     first_chunk_ = false;
     echo_.reset();
   }
+  if (score_only_) return !over;
   if (tool_calls_) text = tool_calls_->feed(text);
   // With log-probabilities, every token's chunk carries them, text or not.
   json token_logprobs = nullptr;
@@ -88,9 +90,9 @@ void TokenStream::time_out() {
 
 void TokenStream::finish_choice(httplib::DataSink& sink) {
   completion_->usage = outcome_.usage;
-  completion_->usage.completion_tokens = outcome_.completion_tokens;
+  completion_->usage.completion_tokens = score_only_ ? 0 : outcome_.completion_tokens;
   completion_->timings = outcome_.timings;
-  std::string finish_reason = outcome_.finish_reason;
+  std::string finish_reason = score_only_ ? "length" : outcome_.finish_reason;
   if (tool_calls_ && !tool_calls_->held().empty()) {
     if (auto parsed = parse_hermes_tool_calls(tool_calls_->held())) {
       completion_->tool_calls = std::move(parsed->calls);

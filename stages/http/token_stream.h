@@ -63,6 +63,7 @@ class TokenStream {
   runtime::Counter* write_failures_;
   Outcome outcome_;
   std::optional<std::string> echo_;  // the prompt's text, until echoed before the first token
+  bool score_only_ = false;          // echo with max_tokens 0: no token of the completion shown
   size_t text_offset_ = 0;           // completions' logprobs.text_offset
   bool first_chunk_ = true, client_gone_ = false, pipeline_ended_ = false;
 };

@@ -363,11 +363,13 @@ def check_echo(args, stack):
     ids = [11, 42, 300, 7, 19, 88, 5, 1000, 64, 3, 250, 17, 900, 33, 2, 71, 12]
     cases = [({"prompt": ids}, {"tokens": ids}, 1, 1),
              ({"prompt": LONG_PROMPT}, {"prompt": LONG_PROMPT}, 6, 3)]
+    scored = []
     for prompt, run_prompt, max_tokens, top in cases:
         post(stack, "/v1/completions", {**prompt, "max_tokens": 2, "temperature": 0})  # cached
         want = reference(args.moeline, args.model, max_tokens, **run_prompt,
                          extra=["--prompt-logprobs", str(top), "--logprobs", str(top)])
         prompt_ids = want["prompt_ids"]
+        scored.append(len(prompt_ids) - 1)
         prompt_text = prompt["prompt"] if isinstance(prompt["prompt"], str) else \
             detokenize(args, prompt_ids)
         request = {**prompt, "max_tokens": max_tokens, "temperature": 0, "echo": True,
@@ -404,16 +406,36 @@ def check_echo(args, stack):
               streamed == logprobs["token_logprobs"],
               f"echo streamed: {text!r} {streamed} want {choice['text']!r} "
               f"{logprobs['token_logprobs']}")
+    # max_tokens 0 with echo (OpenAI's legacy scoring request): the prompt alone, scored.
+    want = reference(args.moeline, args.model, 1, tokens=ids, extra=["--prompt-logprobs", "0"])
+    request = {"prompt": ids, "max_tokens": 0, "temperature": 0, "echo": True, "logprobs": 0}
+    status, body, _ = post(stack, "/v1/completions", request)
+    check(status == 200, f"echo with max_tokens 0: {status} {body}")
+    choice = body["choices"][0]
+    scores = choice["logprobs"]["token_logprobs"]
+    check(choice["text"] == detokenize(args, ids) and choice["finish_reason"] == "length" and
+          body["usage"]["completion_tokens"] == 0 and len(scores) == len(ids) and
+          scores[0] is None and all(abs(a - b["logprob"]) <= LOGPROB_ATOL
+                                    for a, b in zip(scores[1:], want["prompt_logprobs"])),
+          f"echo with max_tokens 0: {body} want {want['prompt_logprobs']}")
+    events, done = stream(stack, "/v1/completions", {**request, "stream": True})
+    chunks = [event["choices"][0] for event in events if event["choices"]]
+    check(done and "".join(chunk["text"] for chunk in chunks) == choice["text"] and
+          [v for chunk in chunks if chunk.get("logprobs")
+           for v in chunk["logprobs"]["token_logprobs"]] == scores and
+          chunks[-1]["finish_reason"] == "length",
+          f"echo with max_tokens 0, streamed: {chunks}")
     # Echo alone: the text only, nothing scored.
     status, body, _ = post(stack, "/v1/completions",
                            {"prompt": LONG_PROMPT, "max_tokens": 3, "temperature": 0, "echo": True})
     plain = reference(args.moeline, args.model, 3, prompt=LONG_PROMPT)
     check(status == 200 and body["choices"][0]["text"] == LONG_PROMPT + plain["text"] and
           body["choices"][0]["logprobs"] is None, f"echo without logprobs: {status} {body}")
-    print(f"ok api: echo (the prompt's text, and with logprobs its {len(ids) - 1} and "
-          f"{len(want['prompt_ids']) - 1} token log-probabilities as moeline run "
+    print(f"ok api: echo (the prompt's text, and with logprobs its {scored[0]} and "
+          f"{scored[1]} token log-probabilities as moeline run "
           f"--prompt-logprobs computes them, computed in full past a cached prefix), streamed "
-          f"and not, lm-evaluation-harness's loglikelihood request included")
+          f"and not, lm-evaluation-harness's loglikelihood request and the legacy max_tokens 0 "
+          f"scoring request included")
 
 
 def check_choices(args, stack):

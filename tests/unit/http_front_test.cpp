@@ -184,6 +184,11 @@ TEST(OpenAiRequest, DefaultsAreOpenAis) {
   EXPECT_TRUE(echoed.logprobs);
   EXPECT_EQ(echoed.top_logprobs, 2);
   EXPECT_FALSE(request_of(Endpoint::kCompletions, R"({"prompt": "p"})").echo);
+  EXPECT_FALSE(echoed.score_only());
+  // max_tokens 0 with echo: the prompt scored, nothing generated (OpenAI's legacy scoring).
+  EXPECT_TRUE(request_of(Endpoint::kCompletions,
+                         R"({"prompt": "p", "echo": true, "logprobs": 0, "max_tokens": 0})")
+                  .score_only());
   EXPECT_EQ(request_of(Endpoint::kChat, R"({"messages": [{"role": "user", "content": "x"}],
                                              "n": 16})")
                 .n,
@@ -211,6 +216,9 @@ TEST(OpenAiRequest, WrongTypesAndValuesNameTheirParameter) {
       {Endpoint::kCompletions, R"({"prompt": [1, -2]})", "prompt"},
       {Endpoint::kCompletions, R"({"prompt": "p", "max_tokens": "10"})", "max_tokens"},
       {Endpoint::kCompletions, R"({"prompt": "p", "max_tokens": 0})", "max_tokens"},
+      {Endpoint::kCompletions, R"({"prompt": "p", "max_tokens": -1, "echo": true})", "max_tokens"},
+      {Endpoint::kChat, R"({"messages": [{"role": "user", "content": "x"}], "max_tokens": 0})",
+       "max_tokens"},
       {Endpoint::kCompletions, R"({"prompt": "p", "max_tokens": 1.5})", "max_tokens"},
       {Endpoint::kCompletions, R"({"prompt": "p", "max_tokens": 18446744073709551615})",
        "max_tokens"},
