@@ -41,11 +41,11 @@ std::unique_ptr<Backend> make_backend(const std::filesystem::path& model_dir, st
                                       const std::string& endpoint, const std::string& server_key,
                                       runtime::Logger& log);
 
-// The SDK request for one backend, or why the request cannot go to it.
 // The prompt text a completion echoes (OpenAI's echo): the prompt as given, or a prompt of token
 // ids decoded (to_options refuses echo of ids without a tokenizer).
 std::string echo_text(const CompletionRequest& request, const Backend& backend);
 
+// The SDK request for one backend, or why the request cannot go to it.
 std::variant<sdk::GenerateOptions, ApiError> to_options(const CompletionRequest& request,
                                                         const std::string& api_key,
                                                         const Backend& backend);

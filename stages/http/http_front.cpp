@@ -22,6 +22,7 @@
 #include "stages/http/openai.h"
 #include "stages/http/stop_matcher.h"
 #include "stages/http/token_stream.h"
+#include "stages/http/tokenize.h"
 #include "stages/http/tool_calls.h"
 #include "stages/runtime/service.h"
 
@@ -163,6 +164,16 @@ class HttpFront {
       response.set_content(http::to_text(json{{"object", "list"}, {"data", data}}),
                            "application/json");
     });
+    // vLLM's tokenizer endpoints: answered here, from the model folder (stages/http/tokenize.h).
+    server.Post("/tokenize", [this](const httplib::Request& request, httplib::Response& response) {
+      answer_locally("tokenize", request, response, http::parse_tokenize, http::tokenize,
+                     [](const auto& parsed) { return parsed.text.model; });
+    });
+    server.Post("/detokenize",
+                [this](const httplib::Request& request, httplib::Response& response) {
+                  answer_locally("detokenize", request, response, http::parse_detokenize,
+                                 http::detokenize, [](const auto& parsed) { return parsed.model; });
+                });
     for (const auto& [path, endpoint] : {std::pair{"/v1/chat/completions", Endpoint::kChat},
                                          std::pair{"/v1/completions", Endpoint::kCompletions},
                                          std::pair{"/generate", Endpoint::kGenerate}}) {
@@ -203,17 +214,48 @@ class HttpFront {
   }
 
   void respond_error(Endpoint endpoint, const ApiError& error, httplib::Response& response) {
+    respond_error(endpoint_label(endpoint), error, response);
+  }
+  void respond_error(const char* label, const ApiError& error, httplib::Response& response) {
     response.status = error.status;
     if (error.status == 429) response.set_header("Retry-After", "1");
     response.set_content(http::to_text(error.body()), "application/json");
-    count(endpoint, error.status);
+    count(label, error.status);
   }
 
-  void count(Endpoint endpoint, int status) {
+  void count(Endpoint endpoint, int status) { count(endpoint_label(endpoint), status); }
+  void count(const char* label, int status) {
     service_.metrics
         .counter("moeline_http_requests_total", "HTTP requests by endpoint and status",
-                 {{"endpoint", endpoint_label(endpoint)}, {"status", std::to_string(status)}})
+                 {{"endpoint", label}, {"status", std::to_string(status)}})
         .inc();
+  }
+
+  // An endpoint the HTTP stage answers from a backend's model folder: the body parsed by `parse`,
+  // the backend named by its model (`model_of`), the answer from `answer`.
+  template <class Parse, class Answer, class ModelOf>
+  void answer_locally(const char* label, const httplib::Request& request,
+                      httplib::Response& response, Parse parse, Answer answer, ModelOf model_of) {
+    auto parsed = parse(request.body);
+    if (auto* error = std::get_if<ApiError>(&parsed)) return respond_error(label, *error, response);
+    const auto& body = std::get<0>(parsed);
+    const Backend* backend = backends_.find(model_of(body));
+    if (backend == nullptr) return respond_error(label, unknown_model(model_of(body)), response);
+    auto answered = answer(*backend, body);
+    if (auto* error = std::get_if<ApiError>(&answered))
+      return respond_error(label, *error, response);
+    response.set_content(http::to_text(std::get<json>(answered)), "application/json");
+    count(label, 200);
+  }
+
+  ApiError unknown_model(const std::string& model) {
+    ApiError error;
+    error.status = 404;
+    error.param = "model";
+    error.code = "model_not_found";
+    error.message = "The model '" + model + "' does not exist (this server serves '" +
+                    backends_.primary().name + "')";
+    return error;
   }
 
   // A choice's request: choice i answers prompt i / n (of a batch of prompts) and samples with
@@ -280,15 +322,8 @@ class HttpFront {
       return respond_error(endpoint, *error, response);
     const CompletionRequest& api_request = std::get<CompletionRequest>(parsed);
     Backend* backend = backends_.find(api_request.model);
-    if (backend == nullptr) {
-      ApiError error;
-      error.status = 404;
-      error.param = "model";
-      error.code = "model_not_found";
-      error.message = "The model '" + api_request.model + "' does not exist (this server serves '" +
-                      backends_.primary().name + "')";
-      return respond_error(endpoint, error, response);
-    }
+    if (backend == nullptr)
+      return respond_error(endpoint, unknown_model(api_request.model), response);
     const auto deadline = received + request_timeout_;
     const std::string api_key = bearer_key(request);
     in_flight_->add(1);

@@ -2,6 +2,7 @@
 
 #include <charconv>
 #include <chrono>
+#include <limits>
 #include <random>
 
 #include "model/sampling.h"
@@ -431,12 +432,23 @@ std::optional<ApiError> read_chat_options(const json& body, CompletionRequest& o
   return std::nullopt;
 }
 
+std::variant<json, ApiError> parse_object(const std::string& body) {
+  json parsed = json::parse(body, nullptr, /*allow_exceptions=*/false);
+  if (parsed.is_discarded()) return bad("", "the body is not valid JSON");
+  if (!parsed.is_object()) return bad("", "the body must be a JSON object");
+  return parsed;
+}
+
+std::optional<ApiError> read_model(const json& body, std::string& out) {
+  if (!present(body, "model")) return std::nullopt;
+  if (!body["model"].is_string()) return wrong_type("model", body["model"], "a string");
+  out = body["model"].get<std::string>();
+  return std::nullopt;
+}
+
 std::optional<ApiError> read_all(Endpoint endpoint, const json& body, const std::string& text,
                                  CompletionRequest& out) {
-  if (body.contains("model") && !body["model"].is_null()) {
-    if (!body["model"].is_string()) return wrong_type("model", body["model"], "a string");
-    out.model = body["model"].get<std::string>();
-  }
+  if (auto error = read_model(body, out.model)) return error;
   if (body.contains("user") && !body["user"].is_null()) {
     if (!body["user"].is_string()) return wrong_type("user", body["user"], "a string");
     out.user = body["user"].get<std::string>();
@@ -481,13 +493,54 @@ json ApiError::body() const {
 
 std::variant<CompletionRequest, ApiError> parse_request(Endpoint endpoint,
                                                         const std::string& body) {
-  const json parsed = json::parse(body, nullptr, /*allow_exceptions=*/false);
-  if (parsed.is_discarded()) return bad("", "the body is not valid JSON");
-  if (!parsed.is_object()) return bad("", "the body must be a JSON object");
+  auto parsed = parse_object(body);
+  if (auto* error = std::get_if<ApiError>(&parsed)) return *error;
   CompletionRequest request;
   request.endpoint = endpoint;
-  if (auto error = read_all(endpoint, parsed, body, request)) return *error;
+  if (auto error = read_all(endpoint, std::get<json>(parsed), body, request)) return *error;
   return request;
+}
+
+std::variant<TokenizeRequest, ApiError> parse_tokenize(const std::string& body) {
+  auto parsed = parse_object(body);
+  if (auto* error = std::get_if<ApiError>(&parsed)) return *error;
+  const json& object = std::get<json>(parsed);
+  TokenizeRequest out;
+  if (auto error = read_model(object, out.text.model)) return *error;
+  out.chat = present(object, "messages");
+  if (out.chat) {
+    out.text.endpoint = Endpoint::kChat;
+    out.add_special_tokens = false;
+    if (auto error = read_messages(object, out.text.messages)) return *error;
+    if (auto error = read_tools(object, body, out.text)) return *error;
+    if (auto error = read_chat_options(object, out.text)) return *error;
+  } else {
+    out.text.endpoint = Endpoint::kCompletions;
+    if (!present(object, "prompt")) return bad("prompt", "'prompt' or 'messages' is required");
+    if (!object["prompt"].is_string()) return wrong_type("prompt", object["prompt"], "a string");
+    out.text.prompt = object["prompt"].get<std::string>();
+  }
+  if (auto error = read_bool(object, "add_special_tokens", out.add_special_tokens)) return *error;
+  if (auto error = read_bool(object, "return_token_strs", out.return_token_strs)) return *error;
+  return out;
+}
+
+std::variant<DetokenizeRequest, ApiError> parse_detokenize(const std::string& body) {
+  auto parsed = parse_object(body);
+  if (auto* error = std::get_if<ApiError>(&parsed)) return *error;
+  const json& object = std::get<json>(parsed);
+  DetokenizeRequest out;
+  if (auto error = read_model(object, out.model)) return *error;
+  if (!present(object, "tokens")) return bad("tokens", "'tokens' is required");
+  const json& tokens = object["tokens"];
+  if (!tokens.is_array()) return wrong_type("tokens", tokens, "an array of token ids");
+  for (const json& id : tokens) {
+    if (!id.is_number_integer() || id.get<int64_t>() < 0 ||
+        id.get<int64_t>() > std::numeric_limits<int32_t>::max())
+      return bad("tokens", "'tokens' must hold token ids (integers >= 0), got " + id.dump());
+    out.tokens.push_back(static_cast<int32_t>(id.get<int64_t>()));
+  }
+  return out;
 }
 
 ApiError gateway_error(int code, const std::string& name, const std::string& message) {

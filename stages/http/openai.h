@@ -83,6 +83,23 @@ struct CompletionRequest {
 
 std::variant<CompletionRequest, ApiError> parse_request(Endpoint endpoint, const std::string& body);
 
+// vLLM's /tokenize body: a text `prompt` (encoded with add_special_tokens, default true) or chat
+// `messages` (rendered with the chat template and its options, add_generation_prompt default
+// true, then encoded with add_special_tokens default false, as vLLM), and return_token_strs.
+struct TokenizeRequest {
+  CompletionRequest text;  // model, and the prompt or the messages with their chat options
+  bool chat = false;
+  bool add_special_tokens = true;
+  bool return_token_strs = false;
+};
+std::variant<TokenizeRequest, ApiError> parse_tokenize(const std::string& body);
+// vLLM's /detokenize body: {"model"?, "tokens": [ids]}.
+struct DetokenizeRequest {
+  std::string model;
+  std::vector<int32_t> tokens;
+};
+std::variant<DetokenizeRequest, ApiError> parse_detokenize(const std::string& body);
+
 // What the gateway's error code means over HTTP (status, OpenAI error type).
 ApiError gateway_error(int code, const std::string& name, const std::string& message);
 

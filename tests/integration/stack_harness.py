@@ -139,6 +139,12 @@ class Stack:
         raise AssertionError(f"{name} was not restarted within {timeout} s")
 
 
+def vocab_of(model):
+    """The vocabulary size in a model folder's config.json."""
+    with open(os.path.join(model, "config.json")) as f:
+        return json.load(f)["vocab_size"]
+
+
 def reference(moeline, model, max_tokens, tokens=None, prompt=None, temperature=0.0, seed=None,
               ignore_eos=False, extra=()):
     """`moeline run` in one process: the correctness baseline. `extra`: more of its flags."""

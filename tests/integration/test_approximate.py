@@ -23,7 +23,8 @@ import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
-from stack_harness import Stack, reference, run_cases, run_concurrently  # noqa: E402
+from stack_harness import (Stack, reference, run_cases, run_concurrently,  # noqa: E402
+                           vocab_of)
 
 # Every cached prompt of the tenant is a candidate (cosine > -0.99), and no error bound holds a
 # candidate back (delta 1): the tests choose what is served by what they put in each tenant.
@@ -34,11 +35,6 @@ OPEN_RULE = {"approximate-threshold": -0.99, "approximate-max-error": 1,
 def check(condition, message):
     if not condition:
         raise AssertionError(message)
-
-
-def vocab_of(model):
-    with open(os.path.join(model, "config.json")) as f:
-        return json.load(f)["vocab_size"]
 
 
 def status(moeline, endpoint):

@@ -11,7 +11,8 @@ Cases (--case, one per CTest entry):
         out-of-range values, an unknown model, n over 16); n choices (each moeline run's sample
         with seed + index; streamed and not), and for a batch of prompts; penalties and log-probabilities (OpenAI's
         chat and completions shapes, streamed and not) as `moeline run` computes them; echo, with
-        the prompt's log-probabilities as `moeline run --prompt-logprobs` computes them; a client
+        the prompt's log-probabilities as `moeline run --prompt-logprobs` computes them; vLLM's
+        /tokenize and /detokenize as `moeline tokenize` and `chat-template` give them; a client
         that disconnects mid-stream cancels its request in the pipeline.
   auth  with the gateway's API keys: no key and a wrong key are 401, a valid key is served.
   fallback  a stack whose gateway takes one request at a time answers a second one 429 with
@@ -39,7 +40,8 @@ from urllib.parse import urlparse
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
-from stack_harness import Stack, reference, run_cases, until_the_stop_lands  # noqa: E402
+from stack_harness import (Stack, reference, run_cases, until_the_stop_lands,  # noqa: E402
+                           vocab_of)
 
 LONG_PROMPT = "(botany) a plant"  # the demo model's greedy answer: 21 tokens of a gloss
 
@@ -297,6 +299,7 @@ def case_api(args):
         check_choices(args, stack)
         check_logit_bias(args, stack)
         check_echo(args, stack)
+        check_tokenize(args, stack)
 
         # A client that disconnects mid-stream: its request is cancelled in the pipeline.
         def disconnect_mid_stream():
@@ -436,6 +439,45 @@ def check_echo(args, stack):
           f"--prompt-logprobs computes them, computed in full past a cached prefix), streamed "
           f"and not, lm-evaluation-harness's loglikelihood request and the legacy max_tokens 0 "
           f"scoring request included")
+
+
+def cli(args, command, stdin, *flags):
+    out = subprocess.run([args.moeline, command, "--tokenizer", args.model, *flags], input=stdin,
+                         capture_output=True, text=True, timeout=60)
+    check(out.returncode == 0, out.stderr)
+    return out.stdout
+
+
+def check_tokenize(args, stack):
+    """vLLM's /tokenize and /detokenize: the ids `moeline tokenize` gives, for a prompt and for
+    messages through the chat template (`moeline chat-template`, then without special tokens, as
+    vLLM tokenizes a chat); the decoded text back; errors named."""
+    want = json.loads(cli(args, "tokenize", LONG_PROMPT))
+    status, body, _ = post(stack, "/tokenize", {"prompt": LONG_PROMPT, "return_token_strs": True})
+    conn = connect(stack)
+    conn.request("GET", "/v1/models")
+    models = json.loads(conn.getresponse().read())
+    conn.close()
+    check(status == 200 and body["tokens"] == want and body["count"] == len(want) and
+          body["max_model_len"] == models["data"][0]["max_model_len"] and
+          len(body["token_strs"]) == len(want), f"/tokenize: {status} {body} want {want}")
+    messages = [{"role": "user", "content": "a volcano is"}]
+    rendered = cli(args, "chat-template", json.dumps(messages))
+    want_chat = json.loads(cli(args, "tokenize", rendered, "--no-special"))
+    status, body, _ = post(stack, "/tokenize", {"messages": messages})
+    check(status == 200 and body["tokens"] == want_chat and body["token_strs"] is None,
+          f"/tokenize of messages: {status} {body} want {want_chat}")
+    status, body, _ = post(stack, "/detokenize", {"tokens": want})
+    check(status == 200 and body == {"prompt": LONG_PROMPT}, f"/detokenize: {status} {body}")
+    error_is(post(stack, "/detokenize", {"tokens": [vocab_of(args.model)]}), 400, "tokens",
+             what="/detokenize of an id outside the vocabulary")
+    error_is(post(stack, "/detokenize", {"tokens": "1,2"}), 400, "tokens",
+             what="/detokenize of a string")
+    error_is(post(stack, "/tokenize", {"prompt": 5}), 400, "prompt", what="/tokenize of a number")
+    error_is(post(stack, "/tokenize", {"model": "nope", "prompt": "x"}), 404, "model",
+             code="model_not_found", what="/tokenize for an unknown model")
+    print(f"ok api: /tokenize ({len(want)} ids, and {len(want_chat)} for a chat through its "
+          f"template) and /detokenize as moeline tokenize and chat-template give them; errors named")
 
 
 def check_choices(args, stack):

@@ -37,7 +37,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(os.path.dirname(HERE))
 sys.path.insert(0, HERE)
 from stack_harness import (Stack, recovery_errors, reference, roc_auc, run_cases,  # noqa: E402
-                           run_concurrently, until_the_stop_lands)
+                           run_concurrently, until_the_stop_lands, vocab_of)
 
 FAST_FAILURE = {"heartbeat-ms": 100, "peer-timeout-ms": 1500}
 WORDS = ["to swim:", "to eat:", "mountain:", "bread:", "ocean:", "a small dog:", "to run fast:",
@@ -98,11 +98,6 @@ def compare(results, requests, expected, allow_errors=False):
                   f"{want['text']!r}")
         completed += 1
     return completed
-
-
-def vocab_of(model):
-    with open(os.path.join(model, "config.json")) as f:
-        return json.load(f)["vocab_size"]
 
 
 def case_parity(args):

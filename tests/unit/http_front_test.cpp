@@ -306,6 +306,49 @@ TEST(OpenAiRequest, WrongTypesAndValuesNameTheirParameter) {
   }
 }
 
+TEST(OpenAiRequest, TokenizeAndDetokenizeBodiesAsVllmTakesThem) {
+  auto prompt = parse_tokenize(R"({"prompt": "a b", "return_token_strs": true})");
+  ASSERT_TRUE(std::holds_alternative<TokenizeRequest>(prompt));
+  const TokenizeRequest& text = std::get<TokenizeRequest>(prompt);
+  EXPECT_FALSE(text.chat);
+  EXPECT_EQ(text.text.prompt, "a b");
+  EXPECT_TRUE(text.add_special_tokens);  // vLLM's default for a prompt
+  EXPECT_TRUE(text.return_token_strs);
+  auto chat = parse_tokenize(
+      R"({"model": "m", "messages": [{"role": "user", "content": "x"}],
+          "add_generation_prompt": false})");
+  ASSERT_TRUE(std::holds_alternative<TokenizeRequest>(chat));
+  const TokenizeRequest& messages = std::get<TokenizeRequest>(chat);
+  EXPECT_TRUE(messages.chat);
+  EXPECT_EQ(messages.text.model, "m");
+  EXPECT_EQ(messages.text.messages.size(), 1u);
+  EXPECT_FALSE(messages.add_special_tokens);  // the template carries them
+  EXPECT_FALSE(messages.text.chat.add_generation_prompt);
+  auto ids = parse_detokenize(R"({"tokens": [1, 2, 3]})");
+  ASSERT_TRUE(std::holds_alternative<DetokenizeRequest>(ids));
+  EXPECT_EQ(std::get<DetokenizeRequest>(ids).tokens, (std::vector<int32_t>{1, 2, 3}));
+  struct Case {
+    const char* body;
+    const char* param;
+    bool detokenize;
+  };
+  for (const Case& c :
+       {Case{R"({})", "prompt", false}, Case{R"({"prompt": 1})", "prompt", false},
+        Case{R"({"prompt": "x", "model": 3})", "model", false},
+        Case{R"({"messages": "x"})", "messages", false},
+        Case{R"({"prompt": "x", "add_special_tokens": 1})", "add_special_tokens", false},
+        Case{R"({})", "tokens", true}, Case{R"({"tokens": [-1]})", "tokens", true},
+        Case{R"({"tokens": [1.5]})", "tokens", true},
+        Case{R"({"tokens": [4294967296]})", "tokens", true},
+        Case{R"({"tokens": {}})", "tokens", true}}) {
+    const ApiError error = c.detokenize ? std::get<ApiError>(parse_detokenize(c.body))
+                                        : std::get<ApiError>(parse_tokenize(c.body));
+    EXPECT_EQ(error.status, 400) << c.body;
+    EXPECT_EQ(error.param, c.param) << c.body << ": " << error.message;
+  }
+  EXPECT_TRUE(std::holds_alternative<ApiError>(parse_tokenize("not json")));
+}
+
 TEST(OpenAiError, HasOpenAisShapeAndGatewayCodesMapToStatuses) {
   ApiError error;
   error.message = "m";
