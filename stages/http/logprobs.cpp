@@ -85,9 +85,4 @@ void LogprobsWriter::append(json& object, const json& more) {
     for (const json& entry : more[key]) object[key].push_back(entry);
 }
 
-std::string LogprobsWriter::text_of(std::span<const int32_t> ids) const {
-  auto text = tokenizer_->decode(std::vector<int32_t>(ids.begin(), ids.end()));
-  return text ? std::move(*text) : std::string();
-}
-
 }  // namespace moeline::stages::http

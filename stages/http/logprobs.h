@@ -33,8 +33,6 @@ class LogprobsWriter {
   nlohmann::json prompt_object(std::span<const int32_t> ids,
                                std::span<const sdk::TokenLogprob> logprobs, size_t& offset) const;
   static void append(nlohmann::json& object, const nlohmann::json& more);
-  // The text a prompt of token ids echoes: the ids decoded, special tokens included.
-  std::string text_of(std::span<const int32_t> ids) const;
 
  private:
   std::string text_of(int32_t id) const;
