@@ -103,6 +103,16 @@ def make_model(make_model_path, out_dir, arch, seed, extra):
         raise RuntimeError(f"make-model failed ({r.returncode}): {' '.join(cmd)}\n{r.stderr}")
 
 
+def case_models(make_model_path, workdir, cases):
+    """For each (name, arch, seed, extra) case: (name, seed, its generated checkpoint folder, the
+    reference's model of it, its vocabulary size)."""
+    for name, arch, seed, extra in cases:
+        model_dir = os.path.join(workdir, name)
+        make_model(make_model_path, model_dir, arch, seed, extra)
+        model = ref.load_model(model_dir)
+        yield name, seed, model_dir, model, model.config["vocab_size"]
+
+
 def rel_l2(a, b):
     return float(np.linalg.norm(a - b) / np.linalg.norm(b))
 
@@ -165,11 +175,7 @@ def eos_set(config):
 def run_engine_matrix(args):
     runner = Runner(args.moeline)
     failures, n_checks = [], 0
-    for name, arch, seed, extra in CASES:
-        model_dir = os.path.join(args.workdir, name)
-        make_model(args.make_model, model_dir, arch, seed, extra)
-        model = ref.load_model(model_dir)
-        vocab = model.config["vocab_size"]
+    for name, seed, model_dir, model, vocab in case_models(args.make_model, args.workdir, CASES):
         for length in PROMPT_LENGTHS:
             case = f"{name} len={length}"
             tokens = prompt_tokens(seed, length, vocab)

@@ -24,7 +24,7 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import moe_reference as ref  # noqa: E402
-from test_logits import make_model, prompt_tokens  # noqa: E402
+from test_logits import case_models, prompt_tokens  # noqa: E402
 
 # The engine's logits match the reference to a relative L2 of ~1e-6 (test_logits.py bounds it
 # by 1e-4); a log-probability is a logit minus the log-sum-exp, so its absolute error is about
@@ -88,11 +88,7 @@ def main(argv):
     os.makedirs(args.workdir)
 
     failures, checked, worst = [], 0, 0.0
-    for name, arch, seed, extra in CASES:
-        model_dir = os.path.join(args.workdir, name)
-        make_model(args.make_model, model_dir, arch, seed, extra)
-        model = ref.load_model(model_dir)
-        vocab = model.config["vocab_size"]
+    for name, seed, model_dir, model, vocab in case_models(args.make_model, args.workdir, CASES):
         for length in PROMPT_LENGTHS:
             tokens = prompt_tokens(seed, length, vocab)
             got = run_engine(args.moeline, model_dir, tokens)
