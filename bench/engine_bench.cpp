@@ -129,6 +129,34 @@ long proc_field_bytes(const char* file, const std::string& key) {
   return 0;
 }
 
+// With several threads, where decode's time goes besides the ops' own work: the share of the decode
+// time outside the pool's ops (one thread alone: norms, routing, sampling), the share the caller
+// spent waiting for the others at the end of ops, the distribution of one wait, and how much of
+// the waiting the slowest 1% of waits hold (a few long waits are a thread descheduled, many
+// short ones imbalance).
+void add_pool_timings(nlohmann::json& out, ThreadPool::Timings timings, double decode_seconds,
+                      double decoded_steps) {
+  std::vector<float>& waits = timings.waits;
+  if (waits.empty() || decode_seconds <= 0.0) return;
+  std::sort(waits.begin(), waits.end());
+  auto quantile_us = [&](double q) {
+    return 1e6 * waits[std::min(waits.size() - 1, static_cast<size_t>(q * waits.size()))];
+  };
+  double total = 0.0, slowest = 0.0;
+  const size_t slowest_from = waits.size() - std::max<size_t>(1, waits.size() / 100);
+  for (size_t i = 0; i < waits.size(); ++i) {
+    total += waits[i];
+    if (i >= slowest_from) slowest += waits[i];
+  }
+  out["pool_ops_per_decode_step"] = static_cast<double>(waits.size()) / decoded_steps;
+  out["decode_fraction_outside_pool_ops"] = 1.0 - timings.in_ops / decode_seconds;
+  out["pool_wait_fraction_of_decode"] = total / decode_seconds;
+  out["pool_wait_p50_us"] = quantile_us(0.5);
+  out["pool_wait_p99_us"] = quantile_us(0.99);
+  out["pool_wait_p999_us"] = quantile_us(0.999);
+  out["pool_wait_share_of_slowest_1pct"] = total > 0.0 ? slowest / total : 0.0;
+}
+
 struct Options {
   std::string model_dir;
   int threads = 1;
@@ -212,6 +240,9 @@ int main(int argc, char** argv) {
   // one at a time from a one-token context, each step greedy on the previous step's logits.
   double bandwidth = 0.0;
   long peak_rss = 0;
+  // The pool's ops during the measured decode steps (with several threads).
+  ThreadPool::Timings decode_timings;
+  double measured_decode_seconds = 0.0;
   // Prefill at a depth (llama-bench's pp512 @ dN) continues a sequence that already holds `depth`
   // tokens: the prompt attends over them too.
   std::vector<int32_t> depth_tokens(static_cast<size_t>(options.depth));
@@ -248,6 +279,7 @@ int main(int argc, char** argv) {
     if (!engine.forward(inputs, logits).ok()) return 1;
     for (int b = 0; b < options.batch; ++b)
       next[static_cast<size_t>(b)] = model::argmax(logits.data() + b * vocab, vocab);
+    pool.record_timings(r > 0);
     start = Clock::now();
     for (int step = 0; step < options.decode; ++step) {
       for (int b = 0; b < options.batch; ++b)
@@ -258,6 +290,14 @@ int main(int argc, char** argv) {
         next[static_cast<size_t>(b)] = model::argmax(logits.data() + b * vocab, vocab);
     }
     const double decode = seconds_since(start);
+    pool.record_timings(false);
+    if (r > 0) {
+      const ThreadPool::Timings timings = pool.take_timings();
+      decode_timings.waits.insert(decode_timings.waits.end(), timings.waits.begin(),
+                                  timings.waits.end());
+      decode_timings.in_ops += timings.in_ops;
+      measured_decode_seconds += decode;
+    }
     for (auto& sequence : decoded) sequence->release(cache.pool());
     // The engine's resident set: mapped weights touched, KV cache, activations.
     peak_rss = std::max(peak_rss, proc_field_bytes("/proc/self/status", "VmRSS:"));
@@ -297,6 +337,9 @@ int main(int argc, char** argv) {
       {"kv_naive_bytes_per_token", model::KvCache::naive_bytes_per_token(m.config())},
       {"weights_mapped_with_huge_pages_bytes", huge_mapped},
       {"peak_rss_bytes", peak_rss}};
+  if (options.threads > 1)
+    add_pool_timings(out, decode_timings, measured_decode_seconds,
+                     static_cast<double>(options.decode) * options.repeat);
   std::cout << out.dump() << '\n';
   return 0;
 }

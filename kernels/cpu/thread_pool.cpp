@@ -1,6 +1,8 @@
 #include "kernels/cpu/thread_pool.h"
 
 #include <algorithm>
+#include <chrono>
+#include <utility>
 
 #if defined(__x86_64__)
 #include <immintrin.h>
@@ -38,11 +40,14 @@ void ThreadPool::run(const std::function<void(int, int)>& fn) {
     fn(0, 1);
     return;
   }
+  using Clock = std::chrono::steady_clock;
+  const Clock::time_point start = record_timings_ ? Clock::now() : Clock::time_point{};
   job_ = &fn;
   pending_.store(threads - 1, std::memory_order_relaxed);
   generation_.fetch_add(1, std::memory_order_release);
   generation_.notify_all();
   fn(0, threads);
+  const Clock::time_point own_done = record_timings_ ? Clock::now() : Clock::time_point{};
   for (int spin = 0; pending_.load(std::memory_order_acquire) != 0; ++spin) {
     if (spin < kWaitSpinsBeforeYield) {
       MOELINE_CPU_RELAX();
@@ -50,6 +55,19 @@ void ThreadPool::run(const std::function<void(int, int)>& fn) {
       std::this_thread::yield();
     }
   }
+  if (record_timings_) {
+    const Clock::time_point end = Clock::now();
+    timings_.waits.push_back(std::chrono::duration<float>(end - own_done).count());
+    timings_.in_ops += std::chrono::duration<double>(end - start).count();
+  }
+}
+
+void ThreadPool::record_timings(bool on) {
+  record_timings_ = on;
+}
+
+ThreadPool::Timings ThreadPool::take_timings() {
+  return std::exchange(timings_, {});
 }
 
 void ThreadPool::worker_loop(int index) {

@@ -27,6 +27,17 @@ class ThreadPool {
   // Splits [0, n) into `threads` contiguous ranges whose boundaries are multiples of `align`.
   static std::pair<int64_t, int64_t> split(int64_t n, int thread, int threads, int64_t align = 1);
 
+  // While on, every run() with more than one thread records how long it took and how long the
+  // caller then waited for the other threads after finishing its own share: the cost of
+  // imbalance, of waking the workers and of a worker descheduled mid-op (benchmarks report it;
+  // off by default, since two clock reads per op are not free).
+  struct Timings {
+    std::vector<float> waits;  // seconds, one per op
+    double in_ops = 0.0;       // seconds inside run(), all ops
+  };
+  void record_timings(bool on);
+  Timings take_timings();
+
  private:
   void worker_loop(int index);
 
@@ -35,6 +46,8 @@ class ThreadPool {
   std::atomic<uint64_t> generation_{0};
   std::atomic<int> pending_{0};
   std::atomic<bool> stopping_{false};
+  bool record_timings_ = false;
+  Timings timings_;
 };
 
 }  // namespace moeline::kernels
