@@ -4,6 +4,8 @@
 #include <cmath>
 #include <string>
 
+#include "kernels/cpu/ops.h"
+
 namespace moeline::model {
 namespace {
 
@@ -91,7 +93,7 @@ void Sampler::resume(std::span<const int32_t> output) {
 }
 
 int32_t argmax(const float* logits, int64_t vocab) {
-  return static_cast<int32_t>(std::max_element(logits, logits + vocab) - logits);
+  return static_cast<int32_t>(kernels::first_max_index(logits, vocab));
 }
 
 int32_t Sampler::sample(const float* raw_logits, int64_t vocab) {

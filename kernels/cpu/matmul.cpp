@@ -184,14 +184,33 @@ void matmul(ThreadPool& pool, std::span<const MatmulTask> tasks) {
   thread_local std::vector<Bf16Activations> per_thread_bf16;
   std::vector<Bf16Activations>& bf16_activations = per_thread_bf16;
   const bool bf16_fast = bf16_fast_in_use();
+  // Which task's quantized activations a task reads: its own, or an earlier task's of the same
+  // input and block (q, k and v share theirs, as do an expert's gate and up): quantizing is work
+  // done on the calling thread alone while the others wait, so each input is quantized once.
+  thread_local std::vector<size_t> quantized_by_task;
+  std::vector<size_t>& quantized_by = quantized_by_task;
+  quantized_by.resize(tasks.size());
+  auto same_input = [&](const MatmulTask& a, const MatmulTask& b) {
+    return a.x == b.x && a.n == b.n && a.w.cols == b.w.cols &&
+           (a.x_stride ? a.x_stride : a.w.cols) == (b.x_stride ? b.x_stride : b.w.cols) &&
+           activation_block(a.w.dtype) == activation_block(b.w.dtype);
+  };
   for (size_t t = 0; t < tasks.size(); ++t) {
     const MatmulTask& task = tasks[t];
+    quantized_by[t] = t;
     if (task.n <= 0) continue;
     const int64_t x_stride = task.x_stride ? task.x_stride : task.w.cols;
     if (fast && is_quantized(task.w.dtype)) {
       if (activations.size() < tasks.size()) activations.resize(tasks.size());
-      quantize_activations(task.x, task.n, task.w.cols, x_stride, activation_block(task.w.dtype),
-                           activations[t]);
+      for (size_t earlier = 0; earlier < t; ++earlier)
+        if (quantized_by[earlier] == earlier && tasks[earlier].n > 0 &&
+            is_quantized(tasks[earlier].w.dtype) && same_input(tasks[earlier], task)) {
+          quantized_by[t] = earlier;
+          break;
+        }
+      if (quantized_by[t] == t)
+        quantize_activations(task.x, task.n, task.w.cols, x_stride, activation_block(task.w.dtype),
+                             activations[t]);
     } else if (bf16_fast && task.w.dtype == DType::kBF16) {
       if (bf16_activations.size() < tasks.size()) bf16_activations.resize(tasks.size());
       round_activations_to_bf16(task.x, task.n, task.w.cols, x_stride, bf16_activations[t]);
@@ -201,7 +220,7 @@ void matmul(ThreadPool& pool, std::span<const MatmulTask> tasks) {
     const MatmulTask& task = tasks[t];
     const int64_t y_stride = task.y_stride ? task.y_stride : task.w.rows;
     if (fast && is_quantized(task.w.dtype))
-      return quant_matmul_rows(task.w, activations[t], task.y, y_stride, begin, end);
+      return quant_matmul_rows(task.w, activations[quantized_by[t]], task.y, y_stride, begin, end);
     if (bf16_fast && task.w.dtype == DType::kBF16)
       return bf16_matmul_rows(task.w, bf16_activations[t], task.y, y_stride, begin, end);
     matmul_rows(task, begin, end);
@@ -209,7 +228,7 @@ void matmul(ThreadPool& pool, std::span<const MatmulTask> tasks) {
   auto two_streams = [&](size_t t, int64_t a_begin, int64_t a_end, int64_t b_begin, int64_t b_end) {
     const MatmulTask& task = tasks[t];
     if (fast && is_quantized(task.w.dtype))
-      return quant_matmul_rows_two_streams(task.w, activations[t], task.y,
+      return quant_matmul_rows_two_streams(task.w, activations[quantized_by[t]], task.y,
                                            task.y_stride ? task.y_stride : task.w.rows, a_begin,
                                            a_end, b_begin, b_end);
     if (bf16_fast && task.w.dtype == DType::kBF16)

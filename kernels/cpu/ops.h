@@ -16,6 +16,10 @@ void rms_norm(const float* x, int64_t n, int64_t dim, int64_t x_stride, VectorVi
 // In-place softmax over n values, computed stably (max subtracted).
 void softmax(float* x, int64_t n);
 
+// std::max_element's index (the first maximum; a NaN never wins unless it comes first; 0 for
+// n <= 0), vectorized: greedy decoding takes it over the whole vocabulary every step.
+int64_t first_max_index(const float* x, int64_t n);
+
 // gate[i] = silu(gate[i]) * up[i]
 void silu_mul(float* gate, const float* up, int64_t n);
 
@@ -31,6 +35,7 @@ void dot_rows(const float* a, int64_t a_stride, int64_t count, const float* b, i
 
 namespace detail {
 void silu_mul_avx512(float* gate, const float* up, int64_t n);  // ops_avx512.cpp
+int64_t first_max_index_avx512(const float* x, int64_t n);      // ops_avx512.cpp, x[0] not NaN
 void silu_mul_avx2(float* gate, const float* up, int64_t n);    // ops_avx2.cpp
 }  // namespace detail
 

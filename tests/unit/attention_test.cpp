@@ -6,6 +6,7 @@
 
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <random>
 #include <vector>
@@ -33,6 +34,44 @@ TEST(Ops, DotRowsIsDotBitForBit) {
             << "n " << n << " row " << j << " of " << count;
     }
   }
+}
+
+// first_max_index (greedy decoding's argmax) is std::max_element's answer on every path and input:
+// the first maximum, wherever it lies (in a block of 16 or the tail), ties and signed zeros to the
+// first, NaN skipped unless it comes first, infinities, and vocabularies shorter than a block.
+TEST(Ops, FirstMaxIndexIsMaxElementsAnswerOnEveryPath) {
+  const float nan = std::nanf(""), inf = INFINITY;
+  std::vector<std::vector<float>> cases = {
+      {7.0f},
+      {nan, 1.0f, 2.0f},
+      {1.0f, nan, 5.0f, nan},
+      {-inf, -inf, -inf},
+      {-inf, nan, -inf},
+      {0.0f, -0.0f, 0.0f},
+      {-0.0f, 0.0f},
+      {1.0f, inf, 2.0f, inf},
+  };
+  std::mt19937 rng(11);
+  std::uniform_int_distribution<int> small(-3, 3);
+  for (int64_t size : {15, 16, 17, 31, 32, 33, 100, 32000}) {
+    for (int trial = 0; trial < 20; ++trial) {
+      std::vector<float> logits(static_cast<size_t>(size));
+      for (float& v : logits) v = static_cast<float>(small(rng));  // many ties
+      if (trial % 4 == 1) logits[static_cast<size_t>(rng() % size)] = nan;
+      if (trial % 4 == 2) logits.back() = 9.0f;  // the maximum in the tail
+      cases.push_back(std::move(logits));
+    }
+  }
+  const Isa saved = active_isa();
+  for (Isa isa : test::supported_isas()) {
+    ASSERT_TRUE(set_active_isa(isa));
+    for (const std::vector<float>& logits : cases) {
+      const auto expected = std::max_element(logits.begin(), logits.end()) - logits.begin();
+      ASSERT_EQ(first_max_index(logits.data(), static_cast<int64_t>(logits.size())), expected)
+          << isa_name(isa) << " size " << logits.size();
+    }
+  }
+  ASSERT_TRUE(set_active_isa(saved));
 }
 
 // silu(g) * u against its definition in double on every path, over the range activations take

@@ -182,6 +182,38 @@ TEST(QuantMatmul, FastStaysWithinEightBitRoundingOfExact) {
   }
 }
 
+// Tasks of one matmul call that read the same input share its quantization (q, k and v; an
+// expert's gate and up): every task still gives the bits it gives alone, whether its weights take
+// the same activation blocks (Q4_K, Q6_K: 256) or not (Q8_0: 32), and a task on another input
+// between them is not mixed up with them.
+TEST(QuantMatmul, TasksOnOneInputGiveTheirOwnBits) {
+  const int64_t rows = 40, cols = 512;
+  for (Isa isa : supported_isas()) {
+    ModeGuard guard(isa, QuantMath::kFast);
+    for (int64_t n : {1, 3, 9}) {
+      const std::vector<float> x = gaussian_input(n, cols, 8), other = gaussian_input(n, cols, 9);
+      const DType types[] = {DType::kQ4_K, DType::kQ8_0, DType::kQ6_K, DType::kQ4_K};
+      std::vector<std::vector<uint8_t>> bytes;
+      std::vector<MatrixView> weights;
+      for (size_t i = 0; i < std::size(types); ++i) {
+        bytes.push_back(random_quantized_rows(types[i], rows, cols, 50 + static_cast<int>(i)));
+        weights.push_back({bytes.back().data(), types[i], rows, cols});
+      }
+      ThreadPool pool(2);
+      std::vector<std::vector<float>> together(std::size(types),
+                                               std::vector<float>(static_cast<size_t>(n * rows)));
+      std::vector<MatmulTask> tasks;
+      for (size_t i = 0; i < std::size(types); ++i)  // the third task reads the other input
+        tasks.push_back(
+            {.x = (i == 2 ? other : x).data(), .n = n, .w = weights[i], .y = together[i].data()});
+      matmul(pool, tasks);
+      for (size_t i = 0; i < std::size(types); ++i)
+        ASSERT_EQ(together[i], run(pool, weights[i], i == 2 ? other : x, n))
+            << isa_name(isa) << " task " << i << ' ' << dtype_name(types[i]) << " n=" << n;
+    }
+  }
+}
+
 TEST(QuantMatmul, RowResultDoesNotDependOnBatchOrThreads) {
   const int64_t rows = 37, cols = 256, n = 19;
   for (Isa isa : supported_isas()) {
