@@ -55,24 +55,27 @@ void rms_norm(const float* x, int64_t n, int64_t dim, int64_t x_stride, VectorVi
   }
 }
 
-// The portable form: the largest value in 16 independent chains (std::max keeps the chain's value
-// where the candidate is NaN), then the first value equal to it. std::max_element's
-// compare-and-branch chain took ~18 µs over a 32000-token vocabulary, on the thread the others
-// wait for; the AVX-512 form takes both passes 16 lanes at a time.
+// The largest value (16 lanes at a time on AVX-512; 16 independent chains elsewhere, std::max
+// keeping the chain's value where the candidate is NaN), then the first value equal to it: one
+// search for every path, so the tie rule is one line. std::max_element's compare-and-branch
+// chain took ~18 µs over a 32000-token vocabulary, on the thread the others wait for.
 int64_t first_max_index(const float* x, int64_t n) {
   if (n <= 0 || std::isnan(x[0])) return 0;
   const Isa isa = active_isa();
-  if (isa == Isa::kAvx512 || isa == Isa::kAvx512Vnni) return detail::first_max_index_avx512(x, n);
-  constexpr int64_t kChains = 16;
-  float chains[kChains];
-  std::fill(chains, chains + kChains, x[0]);
-  int64_t i = 0;
-  for (; i + kChains <= n; i += kChains)
-    for (int64_t c = 0; c < kChains; ++c) chains[c] = std::max(chains[c], x[i + c]);
-  float best = *std::max_element(chains, chains + kChains);
-  for (; i < n; ++i) best = std::max(best, x[i]);
-  for (i = 0; x[i] != best;) ++i;
-  return i;
+  float best = x[0];
+  if (isa == Isa::kAvx512 || isa == Isa::kAvx512Vnni) {
+    best = detail::largest_avx512(x, n);
+  } else {
+    constexpr int64_t kChains = 16;
+    float chains[kChains];
+    std::fill(chains, chains + kChains, x[0]);
+    int64_t i = 0;
+    for (; i + kChains <= n; i += kChains)
+      for (int64_t c = 0; c < kChains; ++c) chains[c] = std::max(chains[c], x[i + c]);
+    best = *std::max_element(chains, chains + kChains);
+    for (; i < n; ++i) best = std::max(best, x[i]);
+  }
+  return std::find(x, x + n, best) - x;
 }
 
 void softmax(float* x, int64_t n) {

@@ -35,7 +35,7 @@ void dot_rows(const float* a, int64_t a_stride, int64_t count, const float* b, i
 
 namespace detail {
 void silu_mul_avx512(float* gate, const float* up, int64_t n);  // ops_avx512.cpp
-int64_t first_max_index_avx512(const float* x, int64_t n);      // ops_avx512.cpp, x[0] not NaN
+float largest_avx512(const float* x, int64_t n);                // ops_avx512.cpp, x[0] not NaN
 void silu_mul_avx2(float* gate, const float* up, int64_t n);    // ops_avx2.cpp
 }  // namespace detail
 

@@ -8,25 +8,16 @@
 
 namespace moeline::kernels::detail {
 
-// first_max_index (ops.h) for x[0] not NaN: the largest value 16 lanes at a time (vmaxps keeps
-// the lane's value where the candidate is NaN), then the first ordered-equal value.
-int64_t first_max_index_avx512(const float* x, int64_t n) {
-  auto tail = [&](int64_t i) {
-    return n - i >= 16 ? __mmask16{0xffff} : static_cast<__mmask16>((1u << (n - i)) - 1);
-  };
+// first_max_index's largest value (ops.h), x[0] not NaN, 16 lanes at a time: vmaxps keeps the
+// lane's value where the candidate is NaN.
+float largest_avx512(const float* x, int64_t n) {
   __m512 lanes = _mm512_set1_ps(x[0]);
   for (int64_t i = 0; i < n; i += 16) {
-    const __mmask16 mask = tail(i);
+    const __mmask16 mask =
+        n - i >= 16 ? __mmask16{0xffff} : static_cast<__mmask16>((1u << (n - i)) - 1);
     lanes = _mm512_mask_max_ps(lanes, mask, _mm512_maskz_loadu_ps(mask, x + i), lanes);
   }
-  const __m512 best = _mm512_set1_ps(_mm512_reduce_max_ps(lanes));
-  for (int64_t i = 0; i < n; i += 16) {
-    const __mmask16 mask = tail(i);
-    const __mmask16 equal =
-        _mm512_mask_cmp_ps_mask(mask, _mm512_maskz_loadu_ps(mask, x + i), best, _CMP_EQ_OQ);
-    if (equal != 0) return i + __builtin_ctz(equal);
-  }
-  return 0;  // not reached: the largest value is one of x
+  return _mm512_reduce_max_ps(lanes);
 }
 
 // gate / (1 + e^-gate) * up, 16 values at a time; each value's result depends on it alone.
