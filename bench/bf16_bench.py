@@ -71,7 +71,7 @@ def table(args, model):
             bandwidth = max(r["read_bandwidth_gb_per_second"] for r in mine)
             cells = [threads, f"moeline {mode}", f"{prefill:.1f}", f"{decode:.1f}",
                      f"{bandwidth:.1f}",
-                     f"{decode * best['weight_bytes_per_decoded_token'] / (bandwidth * 1e9):.0%}"]
+                     f"{decode * best.get('decode_bytes_per_token', best['weight_bytes_per_decoded_token']) / (bandwidth * 1e9):.0%}"]
             if best_llama and len(runs["llama.cpp"]) == len(mine):
                 paired = [(m["prefill_tokens_per_second"] / t["prefill"],
                            m["decode_tokens_per_second"] / t["decode"])

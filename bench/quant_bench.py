@@ -106,7 +106,8 @@ def main(argv):
         theirs = llama_cpp(args, path, threads, depth) if path.endswith(".gguf") else None
 
         cells = [label, threads, depth, f"{mine['mapped_weight_bytes'] / 1e9:.2f}",
-                 f"{mine['weight_bytes_per_decoded_token'] / 1e6:.1f}",
+                 # Weights and, at depth, the KV cache a token reads (the roofline's bytes).
+                 f"{mine.get('decode_bytes_per_token', mine['weight_bytes_per_decoded_token']) / 1e6:.1f}",
                  f"{mine['prefill_tokens_per_second']:.1f}",
                  f"{mine['decode_tokens_per_second']:.1f}",
                  f"{mine['read_bandwidth_gb_per_second']:.1f}",

@@ -47,7 +47,9 @@ def main(path):
     first = next(iter(ours.values()))
     print(f"\nModel {first['model']} ({first['weights']}), prompt {first['prompt_tokens']} tokens, "
           f"decode {first['decode_tokens']} tokens, kernels {first['isa']}, "
-          f"{first['weight_bytes_per_decoded_token'] / 1e6:.1f} MB of weights per decoded token.")
+          f"{first['weight_bytes_per_decoded_token'] / 1e6:.1f} MB of weights per decoded token "
+          f"(the roofline adds the KV cache each token reads: "
+          f"{first.get('kv_bytes_read_per_decoded_token', 0) / 1e6:.1f} MB at depth {first.get('decode_depth', 0)}).")
 
 
 if __name__ == "__main__":
