@@ -80,6 +80,7 @@ std::vector<std::pair<std::string, std::string>> report_fields(const KernelRepor
   fields.emplace_back("cpu", report.cpu);
   fields.emplace_back("quant_math", report.quant_math);
   fields.emplace_back("bf16_math", report.bf16_math);
+  fields.emplace_back("arithmetic_revision", std::to_string(report.arithmetic_revision));
   for (const auto& [name, value] : report.tuning) fields.emplace_back(name, std::to_string(value));
   return fields;
 }

@@ -10,6 +10,7 @@
 
 #include "base/environment.h"
 #include "kernels/cpu/bf16_matmul.h"
+#include "kernels/cpu/kernel_report.h"
 #include "kernels/cpu/quant_matmul.h"
 #include "model/kv_cache.h"
 #include "stages/runtime/service.h"
@@ -115,9 +116,12 @@ bool kv_layout_matches(const wire::KvLayout* layout, const model::ModelConfig& c
 }
 
 uint64_t settings_hash(uint64_t model_id) {
-  const uint64_t parts[5] = {model_id, static_cast<uint64_t>(model::kBlockTokens), sizeof(float),
+  const uint64_t parts[6] = {model_id,
+                             static_cast<uint64_t>(model::kBlockTokens),
+                             sizeof(float),
                              static_cast<uint64_t>(kernels::quant_math()),
-                             static_cast<uint64_t>(kernels::bf16_math())};
+                             static_cast<uint64_t>(kernels::bf16_math()),
+                             kernels::kArithmeticRevision};
   return XXH3_64bits(parts, sizeof parts);
 }
 

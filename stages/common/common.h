@@ -43,10 +43,17 @@ bool kv_layout_matches(const wire::KvLayout* layout, const model::ModelConfig& c
                        size_t blocks);
 
 // Hash of what every process of a stack must agree on: the model (its id covers config.json and
-// the tensor headers), the KV block size, the KV dtype and the arithmetic of the kernels
-// (configure_arithmetic: prefill and decode of one sequence must compute alike, or exact reuse
-// would join KV of two modes).
+// the tensor headers), the KV block size, the KV dtype and the arithmetic of the kernels (the
+// modes configure_arithmetic sets and kernels::kArithmeticRevision: prefill and decode of one
+// sequence must compute alike, or exact reuse would join KV of two arithmetics).
 uint64_t settings_hash(uint64_t model_id);
+
+// The model's part of every reuse key (block chains, prompt keys): the settings hash, so that
+// activations a persisted store kept from another --quant-math, --bf16-math or kernel revision
+// are never found, rather than joined to this arithmetic's.
+inline uint64_t reuse_model_key(uint64_t model_id) {
+  return settings_hash(model_id);
+}
 
 // Keys of every stage (model, http, port-file, replica, heartbeat-ms, peer-timeout-ms,
 // watchdog-ms) and of every worker stage (hub).

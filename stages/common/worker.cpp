@@ -23,6 +23,7 @@ nlohmann::json kernels_json(const kernels::KernelReport& report) {
                          {"cpu", report.cpu},
                          {"quant_math", report.quant_math},
                          {"bf16_math", report.bf16_math},
+                         {"arithmetic_revision", report.arithmetic_revision},
                          {"tuning", tuning}};
   if (!report.forced.empty()) body["forced"] = report.forced;
   return body;

@@ -7,6 +7,7 @@
 #include "reuse/policy.h"
 #include "reuse/records.h"
 #include "schemas/vocabulary.h"
+#include "stages/common/common.h"
 #include "stages/runtime/dispatch.h"
 #include "stages/runtime/security.h"
 #include "stages/runtime/trace.h"
@@ -104,8 +105,9 @@ void ClientRequests::on_generate(const std::string& client, wire::Message& messa
     p_.metrics.approximate(admitted.approximate_refused).inc();
   }
   const uint64_t ns = model::namespace_id(r.cache_namespace);
-  r.prompt_key = reuse::prompt_key(r.prompt, reuse::block_chain(r.prompt, model_.model_id, ns),
-                                   model_.model_id, ns);
+  const uint64_t model_key = reuse_model_key(model_.model_id);
+  r.prompt_key =
+      reuse::prompt_key(r.prompt, reuse::block_chain(r.prompt, model_key, ns), model_key, ns);
   r.received = Clock::now();
   r.deadline = r.received + valid.deadline;
   r.text = std::make_unique<tokenizer::DecodeStream>(

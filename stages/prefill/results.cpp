@@ -117,7 +117,7 @@ void JobResults::put_snapshots(const Job& job, uint64_t sequence_id,
                                const float* logits) {
   if (job.store_levels == 0) return;
   const size_t block_bytes = worker_.forward->kv_block_bytes();
-  const uint64_t model_id = worker_.model->model_id();
+  const uint64_t model_id = reuse_model_key(worker_.model->model_id());
   const uint64_t ns = model::namespace_id(job.cache_namespace);
   const std::vector<uint64_t> chain = reuse::block_chain(job.tokens, model_id, ns);
   flatbuffers::FlatBufferBuilder builder(1024);

@@ -120,7 +120,8 @@ void ApproximateLookup::put_signature(const std::string& bytes) {
   // The block sums are for lookups over this prompt's prefixes: kept in memory, not stored.
   if (!record->block_sums.empty()) {
     const uint64_t ns = model::namespace_id(record->cache_namespace);
-    const std::vector<uint64_t> chain = reuse::block_chain(record->tokens, model_.model_id(), ns);
+    const std::vector<uint64_t> chain =
+        reuse::block_chain(record->tokens, reuse_model_key(model_.model_id()), ns);
     for (const auto& [block, sums] : record->block_sums)
       if (block < chain.size() && sums.sums.size() == signatures_engine_->block_sums_width())
         signatures_engine_->remember_block_sums(chain[block], sums);
@@ -132,8 +133,9 @@ void ApproximateLookup::put_signature(const std::string& bytes) {
 
 uint64_t ApproximateLookup::donor_key(const reuse::SignatureRecord& record) const {
   const uint64_t ns = model::namespace_id(record.cache_namespace);
-  const std::vector<uint64_t> chain = reuse::block_chain(record.tokens, model_.model_id(), ns);
-  return reuse::prompt_key(record.tokens, chain, model_.model_id(), ns);
+  const uint64_t model_key = reuse_model_key(model_.model_id());
+  const std::vector<uint64_t> chain = reuse::block_chain(record.tokens, model_key, ns);
+  return reuse::prompt_key(record.tokens, chain, model_key, ns);
 }
 
 bool ApproximateLookup::index_signature(const reuse::SignatureRecord& record) {
@@ -336,7 +338,8 @@ void ApproximateLookup::blend_kv(const std::vector<int32_t>& tokens, int64_t fro
       model::kBlockTokens)
     return;
   const uint64_t ns = model::namespace_id(donor.cache_namespace);
-  const std::vector<uint64_t> chain = reuse::block_chain(donor.tokens, model_.model_id(), ns);
+  const std::vector<uint64_t> chain =
+      reuse::block_chain(donor.tokens, reuse_model_key(model_.model_id()), ns);
   std::vector<reuse::Value> blocks = cached_prefix(store_, chain, chain.size(), block_bytes_);
   if (blocks.size() != chain.size()) return;
   if (donor.tokens.size() % model::kBlockTokens != 0) {

@@ -175,7 +175,7 @@ class Probe {
     if (job.tokens()) tokens.assign(job.tokens()->begin(), job.tokens()->end());
     const std::string name_space = job.cache_namespace() ? job.cache_namespace()->str() : "";
     const uint64_t ns = model::namespace_id(name_space);
-    const uint64_t model_id = model_->model_id();
+    const uint64_t model_id = reuse_model_key(model_->model_id());
     const std::vector<uint64_t> chain = reuse::block_chain(tokens, model_id, ns);
     const uint64_t key = reuse::prompt_key(tokens, chain, model_id, ns);
     const uint32_t allowed = job.allowed_levels();

@@ -64,7 +64,8 @@ void Hub::on_hello(const std::string& identity, const std::string& key,
               std::to_string(wire::kSchemaMajor);
   } else if (hello->settings_hash() != settings_hash_) {
     refusal = "settings hash " + std::to_string(hello->settings_hash()) +
-              " differs from the hub's (another model, KV layout or --quant-math / --bf16-math)";
+              " differs from the hub's (another model, KV layout, --quant-math / --bf16-math or "
+              "kernel arithmetic revision)";
   }
   // A new hand-over key for every new peer (a restarted process is a new identity); a peer that
   // says hello again keeps its key, or the tickets of the transfers already on their way to it

@@ -164,9 +164,13 @@ def case_bf16fast(args):
               f"({hits:.0f} continued a cached prefix)")
         with urllib.request.urlopen(f"http://127.0.0.1:{stack.http_port('prefill-0')}/healthz",
                                     timeout=5) as response:
-            mode = json.loads(response.read())["kernels"]["bf16_math"]
+            kernels = json.loads(response.read())["kernels"]
+        mode = kernels["bf16_math"]
         want = "fast" if cpu_has_bf16_dot_product() else "exact (fast set; no AVX512_BF16)"
         check(mode == want, f"prefill's /healthz bf16_math {mode!r}, want {want!r}")
+        revision = kernels.get("arithmetic_revision")
+        check(isinstance(revision, int) and revision >= 1,
+              f"prefill's /healthz should name its kernels' arithmetic revision: {revision!r}")
         print(f"ok bf16fast: prefill's /healthz says bf16_math={mode!r}")
         # A decode process in the exact mode cannot join: it would continue fast-mode KV.
         refused_before = stack.metric("gateway", "moeline_hub_hellos_refused_total",

@@ -12,6 +12,9 @@
 #include <chrono>
 #include <thread>
 
+#include "kernels/cpu/bf16_matmul.h"
+#include "kernels/cpu/quant_matmul.h"
+#include "stages/common/common.h"
 #include "stages/gateway/probe_ring.h"
 #include "stages/runtime/hub.h"
 #include "stages/runtime/intake.h"
@@ -19,6 +22,27 @@
 
 namespace moeline {
 namespace {
+
+// A stored activation is found only by the arithmetic that computed it: the model's part of
+// every reuse key changes with the model, with --quant-math and with --bf16-math (and, by
+// construction, with kernels::kArithmeticRevision), and is the same for the same settings.
+TEST(ReuseKeys, FollowTheModelAndTheArithmetic) {
+  const kernels::QuantMath quant = kernels::quant_math();
+  const kernels::Bf16Math bf16 = kernels::bf16_math();
+  kernels::set_quant_math(kernels::QuantMath::kFast);
+  kernels::set_bf16_math(kernels::Bf16Math::kExact);
+  const uint64_t key = stages::reuse_model_key(7);
+  EXPECT_EQ(stages::reuse_model_key(7), key);
+  EXPECT_NE(stages::reuse_model_key(8), key);
+  EXPECT_EQ(key, stages::settings_hash(7));  // what peers agree on at hello
+  kernels::set_quant_math(kernels::QuantMath::kExact);
+  EXPECT_NE(stages::reuse_model_key(7), key);
+  kernels::set_quant_math(kernels::QuantMath::kFast);
+  kernels::set_bf16_math(kernels::Bf16Math::kFast);
+  EXPECT_NE(stages::reuse_model_key(7), key);
+  kernels::set_quant_math(quant);
+  kernels::set_bf16_math(bf16);
+}
 
 std::vector<std::string> namespaces(int n) {
   std::vector<std::string> out;
