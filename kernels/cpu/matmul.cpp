@@ -203,8 +203,8 @@ void matmul(ThreadPool& pool, std::span<const MatmulTask> tasks) {
     if (fast && is_quantized(task.w.dtype)) {
       if (activations.size() < tasks.size()) activations.resize(tasks.size());
       for (size_t earlier = 0; earlier < t; ++earlier)
-        if (quantized_by[earlier] == earlier && tasks[earlier].n > 0 &&
-            is_quantized(tasks[earlier].w.dtype) && same_input(tasks[earlier], task)) {
+        if (quantized_by[earlier] == earlier && is_quantized(tasks[earlier].w.dtype) &&
+            same_input(tasks[earlier], task)) {
           quantized_by[t] = earlier;
           break;
         }

@@ -1,10 +1,8 @@
 #include "kernels/cpu/ops.h"
 
 #include <algorithm>
-#include <bit>
 #include <cmath>
 #include <cstdint>
-#include <cstring>
 
 #include "kernels/cpu/cpu_features.h"
 
