@@ -225,8 +225,11 @@ Decoded decode(std::vector<zmq::message_t>&& frames, const Limits& limits) {
   out.raw_type = read_u16(h + 8);
   const uint32_t body_bytes = read_u32(h + 12);
   // The only flag (the bulk is in shared memory) is resolved by the intake that takes it, before
-  // this; any flag that reaches here is one this peer does not speak.
-  if (const uint16_t flags = read_u16(h + 10); flags != 0)
+  // this; any flag that reaches here is one this peer does not speak, and so is credit (the high
+  // byte) anywhere but at a hub.
+  const uint16_t flags = read_u16(h + 10);
+  const uint32_t credits = flags >> 8;
+  if ((flags & 0xff) != 0 || (credits != 0 && !limits.accepts_credits))
     return fail("flags", "envelope flags " + std::to_string(flags) + " not understood here");
   if (major != kSchemaMajor)
     return fail("version", "schema major " + std::to_string(major) + " (this build speaks " +
@@ -247,6 +250,8 @@ Decoded decode(std::vector<zmq::message_t>&& frames, const Limits& limits) {
   Message message;
   message.type = static_cast<MessageType>(out.raw_type);
   message.minor = minor;
+  message.credits = credits;
+  if (credits != 0) std::memset(static_cast<uint8_t*>(frames[0].data()) + 10, 0, 2);
   message.header = AlignedFrame(std::move(frames[0]));
   message.body = AlignedFrame(std::move(frames[1]));
   bool known = false;
@@ -279,6 +284,14 @@ std::vector<zmq::message_t> encode(MessageType type, flatbuffers::FlatBufferBuil
       encode_with_version(type, builder, kSchemaMajor, kSchemaMinor);
   for (zmq::message_t& frame : bulk) frames.push_back(std::move(frame));
   return frames;
+}
+
+void set_envelope_credits(std::vector<zmq::message_t>& frames, uint32_t credits) {
+  if (frames.empty() || frames[0].size() != kHeaderBytes || credits > kMaxEnvelopeCredits)
+    throw std::logic_error(
+        "set_envelope_credits: not an envelope, or more than one byte of credit");
+  auto* flags = static_cast<uint8_t*>(frames[0].data()) + 10;
+  flags[1] = static_cast<uint8_t>(credits);  // little-endian u16: the high byte
 }
 
 bool send(zmq::socket_t& socket, std::vector<zmq::message_t>&& frames, const std::string* identity,

@@ -6,9 +6,12 @@
 // own frames, never copied into the body, and are described (size, xxHash) by the body.
 //
 // The header, little-endian: "MOEL", u16 schema major, u16 minor, u16 message type, u16 flags,
-// u32 body length. Flags are 0 but on a transfer to an intake of the same node whose bulk frames
-// went through shared memory (1.10, stages/runtime/shared_bulk.h), which that intake resolves
-// before decode(); decode() refuses any other.
+// u32 body length. The flags' low byte is 0 but on a transfer to an intake of the same node whose
+// bulk frames went through shared memory (1.10, stages/runtime/shared_bulk.h), which that intake
+// resolves before decode(); decode() refuses any other. The high byte (1.14) is flow-control
+// credit that a stage grants back with a message to the hub (the credit of the job it finished,
+// riding on its result instead of a Credit message of its own): only a hub decodes it
+// (Limits::accepts_credits), everyone else refuses it like an unknown flag.
 //
 // decode() checks everything before anyone reads a field of the body: frame count and sizes,
 // magic, schema major, a known type, and the FlatBuffers Verifier for exactly that type. Bulk
@@ -39,7 +42,7 @@ namespace moeline::wire {
 
 // Additive change bumps the minor, a break the major (peers of another major are refused).
 inline constexpr uint16_t kSchemaMajor = 1;
-inline constexpr uint16_t kSchemaMinor = 13;
+inline constexpr uint16_t kSchemaMinor = 14;
 inline constexpr char kMagic[4] = {'M', 'O', 'E', 'L'};
 
 // The values of GenerateRequest.reuse (client.fbs): "" is the tenant's exact levels. The gateway
@@ -58,7 +61,14 @@ struct Limits {
   size_t max_body_bytes = size_t{4} << 20;
   size_t max_bulk_frames = 4096;
   size_t max_bulk_bytes = size_t{8} << 30;
+  // Credits in the envelope's flags (1.14): the hub takes them, every other receiver refuses them.
+  bool accepts_credits = false;
 };
+
+// The most credit one envelope carries (its flags' high byte); more goes in a Credit message.
+inline constexpr uint32_t kMaxEnvelopeCredits = 255;
+// The first minor whose hub takes credits in the envelope.
+inline constexpr uint16_t kEnvelopeCreditsMinor = 14;
 
 // Why a message was refused; `reason` is the metric label, `detail` the log / error text.
 struct WireError {
@@ -86,6 +96,9 @@ class AlignedFrame {
 struct Message {
   MessageType type = MessageType::Hello;
   uint16_t minor = 0;
+  // Credit granted back in the envelope (only where Limits::accepts_credits; the header's flags
+  // are cleared once read, so a forwarded message does not carry them on).
+  uint32_t credits = 0;
   AlignedFrame header;
   AlignedFrame body;
   std::vector<AlignedFrame> bulk;
@@ -121,6 +134,9 @@ std::vector<zmq::message_t> encode(MessageType type, flatbuffers::FlatBufferBuil
 std::vector<zmq::message_t> encode_with_version(MessageType type,
                                                 flatbuffers::FlatBufferBuilder& builder,
                                                 uint16_t major, uint16_t minor);
+
+// Puts `credits` (at most kMaxEnvelopeCredits) in the envelope of an encoded message for the hub.
+void set_envelope_credits(std::vector<zmq::message_t>& frames, uint32_t credits);
 
 // Sends the frames (prefixed by `identity` when given, for ROUTER sockets). False when the socket
 // would block (ROUTER to a vanished peer) or is closed.

@@ -281,12 +281,13 @@ class DecodeStage {
                                           static_cast<uint32_t>(inputs_.size()),
                                           static_cast<uint32_t>(step_us)),
                    wire::PrefillJobIdentifier());
+    // The finished sequences' credit rides on the batch that finishes them.
+    worker_.link->grant(finished);
     worker_.link->send(wire::encode(wire::MessageType::TokenBatch, builder));
     metrics_.batch_size->observe(static_cast<double>(inputs_.size()));
     metrics_.step->observe(static_cast<double>(step_us) * 1e-6);
     metrics_.tokens->inc(static_cast<double>(inputs_.size()));
     active_streams_ = std::move(still);
-    worker_.link->grant(finished);
   }
 
   DecodeSettings settings_;

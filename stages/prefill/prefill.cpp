@@ -267,6 +267,8 @@ class PrefillStage {
     const auto done = std::chrono::steady_clock::now();
     metrics_.batch_size->observe(static_cast<double>(inputs.size()));
     metrics_.batch_tokens->observe(static_cast<double>(tokens));
+    // The batch's credit rides on its first result.
+    worker_.link->grant(taken);
     for (size_t i = 0; i < inputs.size(); ++i) {
       Job& job = batch[i];
       if (!status.ok()) {
@@ -278,7 +280,6 @@ class PrefillStage {
       signatures_->forget(sequences[i]->id());
       sequences[i]->release(pool);
     }
-    worker_.link->grant(taken);
   }
 
   void finish_job(const Job& job, const model::Sequence& sequence, const float* logits,

@@ -171,6 +171,9 @@ class Probe {
 
   void lookup(const wire::ProbeJob& job) {
     const auto start = Clock::now();
+    // The job's credit rides on its answer (or goes back when the probe next waits, whatever the
+    // lookup does, an exception included).
+    link_->grant(1);
     std::vector<int32_t> tokens;
     if (job.tokens()) tokens.assign(job.tokens()->begin(), job.tokens()->end());
     const std::string name_space = job.cache_namespace() ? job.cache_namespace()->str() : "";
@@ -246,7 +249,6 @@ class Probe {
   void done(wire::ReuseLevel level, size_t reused, Clock::time_point start,
             size_t prompt_tokens = 0) {
     const bool none = level == wire::ReuseLevel::None;
-    link_->grant(1);
     metrics_.hits[level]->inc();
     metrics_.outcomes[level]->inc();
     metrics_.hit_tokens[level]->inc(static_cast<double>(none ? prompt_tokens : reused));

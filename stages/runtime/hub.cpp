@@ -127,7 +127,12 @@ std::optional<Hub::Incoming> Hub::receive() {
       const auto [type, bytes] = type_and_size(*frames);
       count_traffic(true, type, bytes);
     }
-    wire::Decoded decoded = wire::decode(std::move(*frames));
+    static const wire::Limits kFromStages = [] {
+      wire::Limits limits;
+      limits.accepts_credits = true;
+      return limits;
+    }();
+    wire::Decoded decoded = wire::decode(std::move(*frames), kFromStages);
     if (decoded.error) {
       report_rejected_frame(metrics_, log_, log_limit_, "stage", *decoded.error);
       reply_error(identity, wire::ErrorCode::MalformedMessage, decoded.error->detail);
@@ -162,15 +167,27 @@ std::optional<Hub::Incoming> Hub::receive() {
       continue;
     }
     it->second.last_seen = std::chrono::steady_clock::now();
+    // A job's credit riding on its result (1.14), then the message itself.
+    if (message.credits > 0) add_credits(it->second, message.credits, "envelope");
     if (message.type == wire::MessageType::Credit) {
-      if (it->second.draining) continue;
-      const uint64_t credits = uint64_t{it->second.credits} + message.as<wire::Credit>()->credits();
-      it->second.credits = static_cast<uint32_t>(std::min<uint64_t>(credits, kMaxCredits));
+      add_credits(it->second, message.as<wire::Credit>()->credits(), "message");
       continue;
     }
     trace_received(log_, message, "hub");
     return Incoming{std::move(identity), std::move(message)};
   }
+}
+
+void Hub::add_credits(Peer& peer, uint32_t credits, const char* carried_by) {
+  metrics_
+      .counter("moeline_hub_credits_total",
+               "Credit stages granted back, by what carried it (a Credit message, or the envelope "
+               "of another message)",
+               {{"carried_by", carried_by}})
+      .inc(credits);
+  if (peer.draining) return;
+  peer.credits =
+      static_cast<uint32_t>(std::min<uint64_t>(uint64_t{peer.credits} + credits, kMaxCredits));
 }
 
 void Hub::refuse_peer(const std::string& identity, const std::string& reason) {

@@ -68,8 +68,9 @@ class Hub {
     std::string identity;
     wire::Message message;
   };
-  // One waiting message for the owner (non-blocking). Hellos, heartbeats and credits are handled
-  // here; refused frames are counted, logged and answered.
+  // One waiting message for the owner (non-blocking). Hellos, heartbeats and credits (Credit
+  // messages, and the credit in other messages' envelopes) are handled here; refused frames are
+  // counted, logged and answered.
   std::optional<Incoming> receive();
 
   Peer* peer(const std::string& identity);
@@ -101,6 +102,7 @@ class Hub {
   uint64_t picks_ = 0;
   void on_hello(const std::string& identity, const std::string& key, const wire::Message& message);
   void refuse_peer(const std::string& identity, const std::string& reason);
+  void add_credits(Peer& peer, uint32_t credits, const char* carried_by);
   void reply_error(const std::string& identity, wire::ErrorCode code, const std::string& text);
   void update_gauges();
 

@@ -4,6 +4,7 @@
 
 #include <unistd.h>
 
+#include <algorithm>
 #include <random>
 
 namespace moeline::runtime {
@@ -106,29 +107,47 @@ void HubLink::hello(uint32_t credits) {
   needs_hello_ = false;
   awaiting_reply_ = true;
   accepted_ = false;
+  // The hello states all the capacity free now: credit granted before it is in it.
+  pending_credits_ = 0;
+  hub_takes_envelope_credits_ = false;
   last_hub_message_ = std::chrono::steady_clock::now();
   log_.info("hello_sent", {{"hub", settings_.hub}, {"credits", credits}});
 }
 
 bool HubLink::send(std::vector<zmq::message_t>&& frames) {
-  return wire::send(socket_, std::move(frames));
+  const uint32_t riding =
+      hub_takes_envelope_credits_ ? std::min(pending_credits_, wire::kMaxEnvelopeCredits) : 0;
+  if (riding > 0) wire::set_envelope_credits(frames, riding);
+  const bool sent = wire::send(socket_, std::move(frames));
+  if (sent) pending_credits_ -= riding;
+  if (!hub_takes_envelope_credits_) flush_credits();
+  return sent;
+}
+
+void HubLink::flush_credits() {
+  if (pending_credits_ == 0) return;
+  flatbuffers::FlatBufferBuilder builder(64);
+  builder.Finish(wire::CreateCredit(builder, pending_credits_), wire::HelloIdentifier());
+  if (wire::send(socket_, wire::encode(wire::MessageType::Credit, builder))) pending_credits_ = 0;
 }
 
 void HubLink::drain() {
   if (draining_) return;
   draining_ = true;
-  hello(0);
+  hello(0);  // drops any credit not yet sent
   log_.info("draining", {{"hub", settings_.hub}});
 }
 
 void HubLink::grant(uint32_t credits) {
   if (credits == 0 || draining_) return;
-  flatbuffers::FlatBufferBuilder builder(64);
-  builder.Finish(wire::CreateCredit(builder, credits), wire::HelloIdentifier());
-  send(wire::encode(wire::MessageType::Credit, builder));
+  // The hub caps a peer's credit far below this; the sum only must not wrap.
+  pending_credits_ = static_cast<uint32_t>(
+      std::min<uint64_t>(uint64_t{pending_credits_} + credits, uint64_t{1} << 31));
 }
 
 std::optional<wire::Message> HubLink::receive(int timeout_ms, zmq::socket_t* also) {
+  // Before waiting: credit granted since the last message must not wait with the stage.
+  flush_credits();
   const auto until = std::chrono::steady_clock::now() + std::chrono::milliseconds(timeout_ms);
   while (true) {
     const auto now = std::chrono::steady_clock::now();
@@ -173,6 +192,7 @@ std::optional<wire::Message> HubLink::receive(int timeout_ms, zmq::socket_t* als
         return std::nullopt;
       }
       accepted_ = true;
+      hub_takes_envelope_credits_ = message.minor >= wire::kEnvelopeCreditsMinor;
       if (reply->handover_key() != nullptr && reply->handover_key()->size() == 32) {
         handover_key_.emplace();
         std::copy(reply->handover_key()->begin(), reply->handover_key()->end(),

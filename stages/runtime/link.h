@@ -56,7 +56,12 @@ class HubLink {
 
   // Says hello with `credits` jobs of capacity free now.
   void hello(uint32_t credits);
+  // Sends a message to the hub; credit granted and not yet sent rides in its envelope when the hub
+  // takes it there (1.14), or follows it as a Credit message (an older hub).
   bool send(std::vector<zmq::message_t>&& frames);
+  // Grants the hub `credits` more jobs: they go back with the next message sent, or in a Credit
+  // message of their own when the stage next waits in receive() with nothing sent. So a stage
+  // that grants a job's credit before sending its result sends one message, not two.
   void grant(uint32_t credits);
   // Tells the hub this stage is draining: no more jobs (a hello with no credit and the draining
   // flag, repeated after a reconnect); grant() does nothing from now on.
@@ -88,6 +93,8 @@ class HubLink {
 
  private:
   void heartbeat_loop();
+  // Sends the credit granted and not yet sent in a Credit message.
+  void flush_credits();
 
   zmq::context_t& context_;
   LinkSettings settings_;
@@ -98,6 +105,8 @@ class HubLink {
   bool draining_ = false;
   bool awaiting_reply_ = false;  // a hello is out and its HelloReply has not come
   bool accepted_ = false;
+  uint32_t pending_credits_ = 0;
+  bool hub_takes_envelope_credits_ = false;  // its HelloReply was 1.14 or later
   std::string reject_reason_;
   std::optional<std::array<uint8_t, 32>> handover_key_;
   std::chrono::steady_clock::time_point last_hub_message_;

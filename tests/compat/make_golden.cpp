@@ -265,7 +265,9 @@ std::vector<zmq::message_t> token_batch() {
       wire::CreateTokenUpdateDirect(b, 555, 2, 306, "", golden_logprobs(b)),
       wire::CreateTokenUpdateDirect(b, 556, 1, 2, "stop", 0, wire::FinishReason::Stop)};
   b.Finish(wire::CreateTokenBatchDirect(b, &updates, 2, 850), wire::PrefillJobIdentifier());
-  return wire::encode(wire::MessageType::TokenBatch, b);
+  std::vector<zmq::message_t> frames = wire::encode(wire::MessageType::TokenBatch, b);
+  wire::set_envelope_credits(frames, 3);  // 1.14: two finished sequences' credit, and one more
+  return frames;
 }
 
 std::vector<zmq::message_t> job_failed() {

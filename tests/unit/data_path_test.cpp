@@ -185,6 +185,127 @@ TEST_F(HubAndLinks, AHelloAgainKeepsTheHandoverKeyAndANewPeerGetsAnother) {
   EXPECT_NE(*other->handover_key(), first);
 }
 
+std::vector<zmq::message_t> empty_token_batch() {
+  flatbuffers::FlatBufferBuilder builder;
+  builder.Finish(wire::CreateTokenBatchDirect(builder, nullptr, 0, 0),
+                 wire::PrefillJobIdentifier());
+  return wire::encode(wire::MessageType::TokenBatch, builder);
+}
+
+// How much credit the hub holds for `link`, and how much it took by each carrier, once `ready`
+// holds (the hub runs on its own thread).
+struct HubView {
+  uint32_t credits = 0;
+  double in_envelopes = 0, in_messages = 0;
+};
+
+TEST_F(HubAndLinks, AJobsCreditRidesOnTheMessageThatFinishesIt) {
+  auto decode = link("decode-0");
+  say_hello(*decode);  // one credit
+  auto view = [&] {
+    std::lock_guard<std::mutex> lock(mutex_);
+    HubView v;
+    if (const runtime::Peer* peer = hub_->peer(decode->identity())) v.credits = peer->credits;
+    v.in_envelopes =
+        metrics_.counter("moeline_hub_credits_total", "", {{"carried_by", "envelope"}}).value();
+    v.in_messages =
+        metrics_.counter("moeline_hub_credits_total", "", {{"carried_by", "message"}}).value();
+    return v;
+  };
+  auto wait_for = [&](uint32_t credits) {
+    const auto until = std::chrono::steady_clock::now() + std::chrono::seconds(5);
+    while (view().credits != credits && std::chrono::steady_clock::now() < until)
+      std::this_thread::sleep_for(std::chrono::milliseconds(5));
+    return view();
+  };
+  // Granted, then the result sent: one message carries both.
+  decode->grant(2);
+  ASSERT_TRUE(decode->send(empty_token_batch()));
+  HubView v = wait_for(3);
+  EXPECT_EQ(v.credits, 3u);
+  EXPECT_EQ(v.in_envelopes, 2);
+  EXPECT_EQ(v.in_messages, 0);
+  // Granted with nothing to send: it goes back in a Credit message when the stage next waits.
+  decode->grant(4);
+  decode->receive(0);
+  v = wait_for(7);
+  EXPECT_EQ(v.credits, 7u);
+  EXPECT_EQ(v.in_envelopes, 2);
+  EXPECT_EQ(v.in_messages, 4);
+  // More than an envelope holds: the rest follows when the stage waits.
+  decode->grant(300);
+  ASSERT_TRUE(decode->send(empty_token_batch()));
+  decode->receive(0);
+  v = wait_for(307);
+  EXPECT_EQ(v.credits, 307u);
+  EXPECT_EQ(v.in_envelopes, 2 + wire::kMaxEnvelopeCredits);
+  EXPECT_EQ(v.in_messages, 4 + 300 - wire::kMaxEnvelopeCredits);
+  // A hello states all the capacity free: credit granted before it is not sent on top of it.
+  decode->grant(5);
+  say_hello(*decode);
+  ASSERT_TRUE(decode->send(empty_token_batch()));
+  decode->receive(0);
+  std::this_thread::sleep_for(std::chrono::milliseconds(100));
+  EXPECT_EQ(view().credits, 1u);
+}
+
+// A hub of schema 1.13 refuses credit in the envelope: a link whose hello it answered gets each
+// grant in a Credit message, right after the message it followed (the order of 1.13).
+TEST(HubLinkToAnOlderHub, SendsCreditAsCreditMessages) {
+  zmq::context_t context(1);
+  runtime::Logger log("test", "test");
+  runtime::Registry metrics;
+  const std::string endpoint = "ipc:///tmp/moeline-oldhub-" + std::to_string(::getpid()) + ".sock";
+  zmq::socket_t old_hub(context, zmq::socket_type::router);
+  old_hub.set(zmq::sockopt::linger, 0);
+  old_hub.bind(endpoint);
+  runtime::LinkSettings settings;
+  settings.hub = endpoint;
+  settings.stage = wire::StageKind::Decode;
+  settings.replica = "decode-0";
+  settings.settings_hash = 42;
+  runtime::HubLink link(context, settings, log, metrics);
+  // What the old hub receives from the link's main connection (heartbeats come on another).
+  auto next = [&]() -> std::optional<wire::Message> {
+    const auto until = std::chrono::steady_clock::now() + std::chrono::seconds(5);
+    while (std::chrono::steady_clock::now() < until) {
+      auto frames = wire::receive(old_hub, true);
+      if (!frames) {
+        std::this_thread::sleep_for(std::chrono::milliseconds(2));
+        continue;
+      }
+      const std::string from = frames->front().to_string();
+      frames->erase(frames->begin());
+      if (from != link.identity()) continue;
+      wire::Decoded decoded = wire::decode(std::move(*frames));  // 1.13: no credit in envelopes
+      EXPECT_FALSE(decoded.error.has_value()) << decoded.error->detail;
+      return std::move(decoded.message);
+    }
+    return std::nullopt;
+  };
+  link.hello(1);
+  ASSERT_EQ(next()->type, wire::MessageType::Hello);
+  flatbuffers::FlatBufferBuilder builder;
+  builder.Finish(wire::CreateHelloReplyDirect(builder, true, "", 42), wire::HelloIdentifier());
+  const std::string identity = link.identity();
+  wire::send(old_hub,
+             wire::encode_with_version(wire::MessageType::HelloReply, builder, wire::kSchemaMajor,
+                                       wire::kEnvelopeCreditsMinor - 1),
+             &identity);
+  const auto until = std::chrono::steady_clock::now() + std::chrono::seconds(5);
+  while (!link.accepted() && std::chrono::steady_clock::now() < until) link.receive(20);
+  ASSERT_TRUE(link.accepted());
+  link.grant(2);
+  ASSERT_TRUE(link.send(empty_token_batch()));
+  auto batch = next();
+  ASSERT_TRUE(batch.has_value());
+  EXPECT_EQ(batch->type, wire::MessageType::TokenBatch);
+  auto credit = next();
+  ASSERT_TRUE(credit.has_value());
+  ASSERT_EQ(credit->type, wire::MessageType::Credit);
+  EXPECT_EQ(credit->as<wire::Credit>()->credits(), 2u);
+}
+
 TEST_F(HubAndLinks, AStageBusyLongerThanThePeerTimeoutDoesNotThinkTheHubSilent) {
   auto decode = link("decode-0");
   say_hello(*decode);

@@ -475,6 +475,36 @@ TEST(WireDecode, EnvelopeFlagsAreRefused) {
   }
 }
 
+// 1.14: a stage's credit rides in the flags' high byte of a message to the hub. Only a hub reads
+// it (a client's message, or one forwarded to another stage, must not carry credit along), and it
+// is read once: the header comes out without it.
+TEST(WireDecode, EnvelopeCreditIsForTheHubOnly) {
+  const Limits hub{.accepts_credits = true};
+  for (const uint32_t credits : {1u, 2u, kMaxEnvelopeCredits}) {
+    SCOPED_TRACE(credits);
+    std::vector<zmq::message_t> frames = make_token_batch();
+    set_envelope_credits(frames, credits);
+    EXPECT_EQ(bytes_of(frames[1]), bytes_of(make_token_batch()[1]));  // the body is untouched
+    std::vector<zmq::message_t> copy;
+    for (const zmq::message_t& frame : frames) copy.emplace_back(frame.data(), frame.size());
+    refused(std::move(copy), "flags");
+    Message m = decode_ok(std::move(frames), hub);
+    EXPECT_EQ(m.credits, credits);
+    EXPECT_EQ(m.as<TokenBatch>()->updates()->size(), 3u);
+    const std::vector<zmq::message_t> forwarded = m.release_frames();
+    EXPECT_EQ(bytes_of(forwarded[0]), bytes_of(make_token_batch()[0]));
+  }
+  // A message without credit reads the same either way.
+  EXPECT_EQ(decode_ok(make_token_batch(), hub).credits, 0u);
+  // The low byte stays a flag no reader here speaks, credit or not.
+  std::vector<zmq::message_t> flagged = make_token_batch();
+  const uint16_t flags = 0x0301;
+  std::memcpy(static_cast<uint8_t*>(flagged[0].data()) + 10, &flags, 2);
+  refused(std::move(flagged), "flags", hub);
+  std::vector<zmq::message_t> frames = make_token_batch();
+  EXPECT_THROW(set_envelope_credits(frames, kMaxEnvelopeCredits + 1), std::logic_error);
+}
+
 TEST(WireDecode, BadMagic) {
   std::vector<zmq::message_t> frames = make_hello();
   static_cast<uint8_t*>(frames[0].data())[0] = 'X';
