@@ -119,6 +119,19 @@ def case_handover(args, shared_memory=True):
                   f"{len(requests)} requests")
             check(1 <= jobs <= len(requests) and done == len(requests),
                   f"{jobs:.0f} PrefillJob and {done:.0f} PrefillDone for {len(requests)} requests")
+            # A job's credit rides on its result (schema 1.14): the probe's, prefill's and
+            # decode's finished jobs hand theirs back without a Credit message of their own (the
+            # few left: what the compute stages free at start, once their expert plan is in).
+            credit_messages = sample(stack, "gateway", "moeline_hub_messages_total",
+                                     direction="in", type="Credit")
+            in_envelopes = sample(stack, "gateway", "moeline_hub_credits_total",
+                                  carried_by="envelope")
+            print(f"credit: {in_envelopes:.0f} in envelopes, {credit_messages:.0f} Credit "
+                  f"messages, {len(requests)} requests")
+            check(in_envelopes >= jobs + continuing,
+                  f"{in_envelopes:.0f} credits in envelopes for {len(requests)} requests")
+            check(credit_messages < len(requests) / 2,
+                  f"{credit_messages:.0f} Credit messages for {len(requests)} requests")
             accepted = handed_over(stack, 2)
             check(accepted == continuing, f"{accepted} hand-overs accepted for {continuing} "
                   "requests that went on past their first token")
