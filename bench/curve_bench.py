@@ -147,6 +147,14 @@ def server_side(stack):
             out[f"{key}_{part}"] = sum(
                 v for stage, samples in metrics.items() if stage.startswith(stage_prefix)
                 for (sample, _), v in samples.items() if sample == f"{name}_{part}")
+    # Messages through the gateway: to and from the stages (the hub, heartbeats included), and to
+    # the clients (stream events, single or batched); each an encryption or a decryption under
+    # Curve.
+    gateway = metrics["gateway"]
+    out["gw_hub_messages"] = sum(v for (sample, _), v in gateway.items()
+                                 if sample == "moeline_hub_messages_total")
+    out["gw_client_messages"] = sum(v for (sample, _), v in gateway.items()
+                                    if sample == "moeline_gateway_stream_messages_total")
     for stage in stack.state()["stages"]:
         try:
             out[f"cpu_s_{stage['name']}"] = process_cpu_seconds(stage["pid"])
@@ -167,6 +175,11 @@ def cpu_ms_per_request(load, prefix="cpu_s_"):
     server = load["server"]
     return 1000 * sum(v for k, v in server.items() if k.startswith(prefix)) / max(
         1, server["gw_ttft_count"])
+
+
+def per_request(load, key):
+    server = load["server"]
+    return server.get(key, 0.0) / max(1, server["gw_ttft_count"])
 
 
 def main():
@@ -250,6 +263,10 @@ def main():
          lambda x: cpu_ms_per_request(x["load"], "cpu_s_gateway")),
         (f"{load_label}: load client CPU per request (ms)",
          lambda x: cpu_ms_per_request(x["load"], "client_cpu_s")),
+        (f"{load_label}: gateway's messages to and from stages per request",
+         lambda x: per_request(x["load"], "gw_hub_messages")),
+        (f"{load_label}: gateway's messages to clients per request",
+         lambda x: per_request(x["load"], "gw_client_messages")),
     ]
     def name(v):
         spec, _, build = v.partition("@")
@@ -289,8 +306,9 @@ def main():
         cells = [label, f"{b:.2f}"]
         for v in variants[1:]:
             x = med(v, get)
-            cells += [f"{x:.2f}", f"{100 * (x - b) / b:+.1f}%", f"{100 * paired(v, get):+.1f}%",
-                      interval(v, get)]
+            # (b is 0 for a measure that runs of an older curve_bench did not record.)
+            versus = f"{100 * (x - b) / b:+.1f}%" if b else "–"
+            cells += [f"{x:.2f}", versus, f"{100 * paired(v, get):+.1f}%", interval(v, get)]
         print("| " + " | ".join(cells) + " |")
     if not args.from_json:
         print(json.dumps(results), file=sys.stderr)
