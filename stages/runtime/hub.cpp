@@ -168,9 +168,9 @@ std::optional<Hub::Incoming> Hub::receive() {
     }
     it->second.last_seen = std::chrono::steady_clock::now();
     // A job's credit riding on its result (1.14), then the message itself.
-    if (message.credits > 0) add_credits(it->second, message.credits, "envelope");
+    if (message.credits > 0) add_credits(it->second, message.credits, /*in_envelope=*/true);
     if (message.type == wire::MessageType::Credit) {
-      add_credits(it->second, message.as<wire::Credit>()->credits(), "message");
+      add_credits(it->second, message.as<wire::Credit>()->credits(), /*in_envelope=*/false);
       continue;
     }
     trace_received(log_, message, "hub");
@@ -178,13 +178,18 @@ std::optional<Hub::Incoming> Hub::receive() {
   }
 }
 
-void Hub::add_credits(Peer& peer, uint32_t credits, const char* carried_by) {
-  metrics_
-      .counter("moeline_hub_credits_total",
-               "Credit stages granted back, by what carried it (a Credit message, or the envelope "
-               "of another message)",
-               {{"carried_by", carried_by}})
-      .inc(credits);
+Counter& Hub::credits_counter(bool in_envelope) {
+  Counter*& counter = in_envelope ? credits_in_envelopes_ : credits_in_messages_;
+  if (counter == nullptr)
+    counter = &metrics_.counter("moeline_hub_credits_total",
+                                "Credit stages granted back, by what carried it (a Credit message, "
+                                "or the envelope of another message)",
+                                {{"carried_by", in_envelope ? "envelope" : "message"}});
+  return *counter;
+}
+
+void Hub::add_credits(Peer& peer, uint32_t credits, bool in_envelope) {
+  credits_counter(in_envelope).inc(credits);
   if (peer.draining) return;
   peer.credits =
       static_cast<uint32_t>(std::min<uint64_t>(uint64_t{peer.credits} + credits, kMaxCredits));

@@ -102,7 +102,12 @@ class Hub {
   uint64_t picks_ = 0;
   void on_hello(const std::string& identity, const std::string& key, const wire::Message& message);
   void refuse_peer(const std::string& identity, const std::string& reason);
-  void add_credits(Peer& peer, uint32_t credits, const char* carried_by);
+  // Credit granted back by a peer (counted by carrier, looked up once: it comes with most
+  // results).
+  void add_credits(Peer& peer, uint32_t credits, bool in_envelope);
+  Counter& credits_counter(bool in_envelope);
+  Counter* credits_in_envelopes_ = nullptr;
+  Counter* credits_in_messages_ = nullptr;
   void reply_error(const std::string& identity, wire::ErrorCode code, const std::string& text);
   void update_gauges();
 
