@@ -146,4 +146,11 @@ MUTANTS = [
          new="out.logprobs.push_back(token_logprobs(row, vocab, tokens[next - 1], top));",
          why="each prompt token is scored as the token that produced its own position (one off)",
          tests=r"^(reference_prompt_logprobs|stack_http_api)$"),
+    # Flow control (schema 1.14: a job's credit rides in its result's envelope).
+    dict(name="hub-drops-envelope-credit", file="stages/runtime/hub.cpp",
+         old="if (message.credits > 0) add_credits(it->second, message.credits, /*in_envelope=*/true);",
+         new="(void)0;",
+         why="the hub never gets back the credit of finished jobs: every stage stalls once its "
+             "first grant is spent",
+         tests=r"^(HubAndLinks\.AJobsCreditRidesOnTheMessageThatFinishesIt|stack_data_path_handover)$"),
 ]
