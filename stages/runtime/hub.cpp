@@ -6,6 +6,11 @@
 #include <cstring>
 
 namespace moeline::runtime {
+namespace {
+constexpr const char* kCreditsHelp =
+    "Credit stages granted back, by what carried it (a Credit message, or the envelope of another "
+    "message)";
+}  // namespace
 
 Hub::Hub(zmq::context_t& context, const std::string& bind, uint64_t settings_hash, int heartbeat_ms,
          int peer_timeout_ms, Logger& log, Registry& metrics, HubSecurity security)
@@ -14,7 +19,11 @@ Hub::Hub(zmq::context_t& context, const std::string& bind, uint64_t settings_has
       heartbeat_(heartbeat_ms),
       timeout_(peer_timeout_ms),
       log_(log),
-      metrics_(metrics) {
+      metrics_(metrics),
+      credits_in_envelopes_(
+          metrics.counter("moeline_hub_credits_total", kCreditsHelp, {{"carried_by", "envelope"}})),
+      credits_in_messages_(
+          metrics.counter("moeline_hub_credits_total", kCreditsHelp, {{"carried_by", "message"}})) {
   socket_.set(zmq::sockopt::router_mandatory, true);
   socket_.set(zmq::sockopt::linger, 0);
   socket_.set(zmq::sockopt::sndhwm, 0);
@@ -127,11 +136,7 @@ std::optional<Hub::Incoming> Hub::receive() {
       const auto [type, bytes] = type_and_size(*frames);
       count_traffic(true, type, bytes);
     }
-    static const wire::Limits kFromStages = [] {
-      wire::Limits limits;
-      limits.accepts_credits = true;
-      return limits;
-    }();
+    static constexpr wire::Limits kFromStages{.accepts_credits = true};
     wire::Decoded decoded = wire::decode(std::move(*frames), kFromStages);
     if (decoded.error) {
       report_rejected_frame(metrics_, log_, log_limit_, "stage", *decoded.error);
@@ -178,18 +183,8 @@ std::optional<Hub::Incoming> Hub::receive() {
   }
 }
 
-Counter& Hub::credits_counter(bool in_envelope) {
-  Counter*& counter = in_envelope ? credits_in_envelopes_ : credits_in_messages_;
-  if (counter == nullptr)
-    counter = &metrics_.counter("moeline_hub_credits_total",
-                                "Credit stages granted back, by what carried it (a Credit message, "
-                                "or the envelope of another message)",
-                                {{"carried_by", in_envelope ? "envelope" : "message"}});
-  return *counter;
-}
-
 void Hub::add_credits(Peer& peer, uint32_t credits, bool in_envelope) {
-  credits_counter(in_envelope).inc(credits);
+  (in_envelope ? credits_in_envelopes_ : credits_in_messages_).inc(credits);
   if (peer.draining) return;
   peer.credits =
       static_cast<uint32_t>(std::min<uint64_t>(uint64_t{peer.credits} + credits, kMaxCredits));

@@ -102,12 +102,8 @@ class Hub {
   uint64_t picks_ = 0;
   void on_hello(const std::string& identity, const std::string& key, const wire::Message& message);
   void refuse_peer(const std::string& identity, const std::string& reason);
-  // Credit granted back by a peer (counted by carrier, looked up once: it comes with most
-  // results).
+  // Credit granted back by a peer, counted by what carried it.
   void add_credits(Peer& peer, uint32_t credits, bool in_envelope);
-  Counter& credits_counter(bool in_envelope);
-  Counter* credits_in_envelopes_ = nullptr;
-  Counter* credits_in_messages_ = nullptr;
   void reply_error(const std::string& identity, wire::ErrorCode code, const std::string& text);
   void update_gauges();
 
@@ -116,6 +112,8 @@ class Hub {
   std::chrono::milliseconds heartbeat_, timeout_;
   Logger& log_;
   Registry& metrics_;
+  Counter& credits_in_envelopes_;
+  Counter& credits_in_messages_;
   std::map<std::string, Peer> peers_;
   std::vector<std::string> unreachable_;
   std::chrono::steady_clock::time_point last_heartbeat_;
