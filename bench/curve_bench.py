@@ -1,6 +1,7 @@
 #!/usr/bin/env python3
 """What CurveZMQ costs: the same stack over loopback tcp:// with Curve off and on, in one run,
-alternating (off, on, off, on, ...) so that drift in the machine hits both alike.
+alternating (off, on, on, off, off, on, ...: every other round reversed, so neither variant always
+runs after the other) so that drift in the machine hits both alike.
 
 Each round starts a stack (`moeline stack up --transport tcp --curve off|on`), warms it up, then
 measures (a) TTFT and per-token time of sequential single requests (the SDK's timings: the
@@ -130,7 +131,12 @@ def interleaved_windows(args, variants, results):
 # TTFT with it, so the split shows Curve's share apart from that drift.
 HISTOGRAMS = {"gw_ttft": ("gateway", "moeline_gateway_ttft_seconds"),
               "gw_queue": ("gateway", "moeline_gateway_queue_seconds"),
-              "prefill_ttft": ("prefill-", "moeline_prefill_ttft_seconds")}
+              "prefill_ttft": ("prefill-", "moeline_prefill_ttft_seconds"),
+              # Decode's steps: a step's cost, and how many sequences share it. At saturation a
+              # closed loop feeds back on itself: a request that waits longer for prefill joins
+              # decode later, decode steps run smaller batches, and each token costs more.
+              "decode_step": ("decode-", "moeline_decode_step_seconds"),
+              "decode_batch": ("decode-", "moeline_decode_batch_size")}
 
 
 def difference(after, before):
@@ -140,7 +146,7 @@ def difference(after, before):
 def server_side(stack):
     stages = [stage["name"] for stage in stack.state()["stages"]]
     metrics = {name: stack.metrics(name) for name in stages
-               if name == "gateway" or name.startswith("prefill-")}
+               if name == "gateway" or name.startswith(("prefill-", "decode-"))}
     out = {}
     for key, (stage_prefix, name) in HISTOGRAMS.items():
         for part in ("sum", "count"):
@@ -164,7 +170,15 @@ def server_side(stack):
 
 
 def server_mean_ms(server, key):
-    return 1000 * server[f"{key}_sum"] / max(1, server[f"{key}_count"])
+    return 1000 * server_ratio(server, key)
+
+
+def server_ratio(server, key):
+    """A histogram's mean over the window (NaN where an older run did not record it: such rounds
+    are left out of that measure when runs are pooled)."""
+    if f"{key}_count" not in server:
+        return math.nan
+    return server[f"{key}_sum"] / max(1, server[f"{key}_count"])
 
 
 def outside_prefill_ms(server):
@@ -204,6 +218,9 @@ def main():
                     help="instead of rounds that each start a stack: every variant's stack up at "
                          "once and WINDOWS short measurements of each in turn (use a small "
                          "--requests and --duration-s)")
+    ap.add_argument("--fixed-order", action="store_true",
+                    help="run the variants in the order given in every round (before 2026-12-06 "
+                         "the only order) instead of reversing it every other round")
     ap.add_argument("--from-json", nargs="+", metavar="LOG",
                     help="no runs: pool the rounds that these earlier runs printed")
     args = ap.parse_args()
@@ -233,14 +250,18 @@ def main():
         interleaved_windows(args, variants, results)
         args.rounds = args.interleave
     for r in range(0 if args.from_json or args.interleave else args.rounds):
-        for v in variants:
+        # ABBA: a variant that always ran second would always meet the state the first one's
+        # stack left behind (its exit, the page cache, the VM's drift within a round).
+        order = variants if args.fixed_order or r % 2 == 0 else variants[::-1]
+        for v in order:
             print(f"curve bench: round {r + 1} variant {v}", file=sys.stderr)
             results[v].append(one_round(args, v))
 
     load_label = f"load at {args.rate:g}/s" if args.rate else f"load x{args.concurrency}"
 
     def med(curve, get):
-        return statistics.median(get(x) for x in results[curve])
+        values = [value for value in map(get, results[curve]) if not math.isnan(value)]
+        return statistics.median(values) if values else math.nan
 
     rows = [
         ("single request TTFT (ms)", lambda x: x["ttft_ms"]),
@@ -256,6 +277,10 @@ def main():
         (f"{load_label}: outside prefill, mean (ms)",
          lambda x: outside_prefill_ms(x["load"]["server"])),
         (f"{load_label}: per-token p50 (ms)", lambda x: x["load"]["tpot_ms"]["p50"]),
+        (f"{load_label}: decode step, mean (ms)",
+         lambda x: server_mean_ms(x["load"]["server"], "decode_step")),
+        (f"{load_label}: sequences per decode step, mean",
+         lambda x: server_ratio(x["load"]["server"], "decode_batch")),
         # A closed loop's whole request: where TTFT and per-token time trade places (the two
         # cores shared between prefill and decode), this is what a stream waits in all.
         (f"{load_label}: request latency p50 (ms)", lambda x: x["load"]["e2e_ms"]["p50"]),
@@ -263,6 +288,10 @@ def main():
         (f"{load_label}: output tokens/s", lambda x: x["load"]["output_tokens_per_s"]),
         (f"{load_label}: stages' CPU per request (ms)",
          lambda x: cpu_ms_per_request(x["load"])),
+        (f"{load_label}: prefill CPU per request (ms)",
+         lambda x: cpu_ms_per_request(x["load"], "cpu_s_prefill-")),
+        (f"{load_label}: decode CPU per request (ms)",
+         lambda x: cpu_ms_per_request(x["load"], "cpu_s_decode-")),
         (f"{load_label}: gateway CPU per request (ms)",
          lambda x: cpu_ms_per_request(x["load"], "cpu_s_gateway")),
         (f"{load_label}: load client CPU per request (ms)",
@@ -283,7 +312,7 @@ def main():
     # round) move less.
     def paired(v, get):
         ratios = [get(x) / get(b) for x, b in zip(results[v], results[base])
-                  if get(b) != 0]
+                  if get(b) != 0 and not math.isnan(get(b) + get(x))]
         return statistics.median(ratios) - 1 if ratios else float("nan")
 
     # The geometric mean of the rounds' ratios and its 95% bootstrap interval (fixed seed, so a
@@ -307,12 +336,16 @@ def main():
     print("|" + " --- |" * len(header))
     for label, get in rows:
         b = med(base, get)
+        if math.isnan(b):
+            continue  # no pooled run recorded it
         cells = [label, f"{b:.2f}"]
         for v in variants[1:]:
             x = med(v, get)
             # (b is 0 for a measure that runs of an older curve_bench did not record.)
             versus = f"{100 * (x - b) / b:+.1f}%" if b else "–"
-            cells += [f"{x:.2f}", versus, f"{100 * paired(v, get):+.1f}%", interval(v, get)]
+            pair = paired(v, get)
+            cells += [f"{x:.2f}", versus, "–" if math.isnan(pair) else f"{100 * pair:+.1f}%",
+                      interval(v, get)]
         print("| " + " | ".join(cells) + " |")
     if not args.from_json:
         print(json.dumps(results), file=sys.stderr)
