@@ -1,9 +1,12 @@
-// The fast quantized matmul alone (kernels/cpu/quant_matmul.h), on one thread: for each weight
-// type, a set of matrices shaped like `mini`'s experts (large enough together to be read from
-// memory, as decode reads them) multiplied by 1 token (decode) and by tiles of tokens (prefill).
-// Prints one JSON object per (type, shape, tokens): weights per second, weight bytes per second
-// and ns per weight, best of --repeat. This isolates the kernels from the rest of a decode step
-// for A/B runs of kernel changes (engine_bench measures the whole step). --claim-rows N calls the
+// The fast quantized matmul alone (kernels/cpu/quant_matmul.h), or the exact F32/BF16/F16 one
+// (matmul.h) for those types, on one thread: for each weight type, a set of matrices shaped like
+// `mini`'s experts (large enough together to be read from memory, as decode reads them) multiplied
+// by 1 token (decode) and by tiles of tokens (prefill). Prints one JSON object per (type, shape,
+// tokens): weights per second, weight bytes per second and ns per weight, best of --repeat, and
+// beside them a plain read of the same bytes timed in the same rounds (read_gb_per_second, and
+// the kernel's fraction_of_read: how close a decode kernel comes to what one core can read at
+// all). This isolates the kernels from the rest of a decode step for A/B runs of kernel changes
+// (engine_bench measures the whole step). --claim-rows N calls the
 // kernel on N rows at a time, as matmul's threads claim them in decode (16, or 64 for Q4_K); 0,
 // the whole matrix. --streams 2 reads each matrix as decode's matmul does on a host with two
 // decode streams per thread (StreamTuning): a claim from each half side by side, for the types
@@ -15,12 +18,15 @@
 // median pass and the median of its passes' ratios to the first tuning's pass of the same round.
 // A tuning's decode_streams sets its streams (--streams is then ignored).
 //
-//   moeline_quant_kernel_bench [--types q8_0,q4_0,q4_k,q5_k,q6_k] [--tokens 1,8,64]
-//                              [--rows 2816] [--cols 1024] [--matrices 24] [--repeat 5]
+//   moeline_quant_kernel_bench [--types q8_0,q4_0,q4_k,q5_k,q6_k,bf16,f16,f32] [--tokens 1,8,64]
+//                              [--rows 2816] [--cols 1024] [--matrices 0] [--repeat 5]
 //                              [--claim-rows 0] [--streams 1] [--tunings "A;B"]
+#include <immintrin.h>
+
 #include <algorithm>
 #include <chrono>
 #include <cstdint>
+#include <cstring>
 #include <iostream>
 #include <random>
 #include <string>
@@ -43,14 +49,14 @@ struct NamedType {
 };
 
 kernels::DType parse_type(const std::string& name) {
-  static const std::vector<NamedType> kTypes = {{"q8_0", kernels::DType::kQ8_0},
-                                                {"q4_0", kernels::DType::kQ4_0},
-                                                {"q4_k", kernels::DType::kQ4_K},
-                                                {"q5_k", kernels::DType::kQ5_K},
-                                                {"q6_k", kernels::DType::kQ6_K}};
+  static const std::vector<NamedType> kTypes = {
+      {"q8_0", kernels::DType::kQ8_0}, {"q4_0", kernels::DType::kQ4_0},
+      {"q4_k", kernels::DType::kQ4_K}, {"q5_k", kernels::DType::kQ5_K},
+      {"q6_k", kernels::DType::kQ6_K}, {"bf16", kernels::DType::kBF16},
+      {"f16", kernels::DType::kF16},   {"f32", kernels::DType::kF32}};
   for (const auto& type : kTypes)
     if (type.name == name) return type.dtype;
-  std::cerr << "unknown type " << name << " (q8_0, q4_0, q4_k, q5_k, q6_k)\n";
+  std::cerr << "unknown type " << name << " (q8_0, q4_0, q4_k, q5_k, q6_k, bf16, f16, f32)\n";
   std::exit(2);
 }
 
@@ -81,6 +87,42 @@ std::vector<Tuning> parse_tunings(const std::string& list, int streams) {
   return tunings;
 }
 
+// Every byte of the matrices read once, in order, with nothing computed but a sum in 8 independent
+// chains, so that the loop is bound by the memory system alone: the read a decode kernel over the
+// same bytes would reach if its arithmetic were free. 256-bit loads where the CPU has them (two
+// per cache line, as moeline_bench's read probe: narrower loads keep fewer lines in flight).
+__attribute__((target("avx2"))) uint64_t read_avx2(const uint8_t* bytes, size_t size) {
+  __m256i sums[8];
+  for (auto& sum : sums) sum = _mm256_setzero_si256();
+  for (size_t i = 0; i + 256 <= size; i += 256)
+    for (int lane = 0; lane < 8; ++lane)
+      sums[lane] = _mm256_add_epi64(
+          sums[lane], _mm256_loadu_si256(reinterpret_cast<const __m256i*>(bytes + i + 32 * lane)));
+  for (int lane = 1; lane < 8; ++lane) sums[0] = _mm256_add_epi64(sums[0], sums[lane]);
+  return static_cast<uint64_t>(_mm256_extract_epi64(sums[0], 0));
+}
+
+uint64_t read_portable(const uint8_t* bytes, size_t size) {
+  uint64_t sums[8] = {};
+  for (size_t i = 0; i + 64 <= size; i += 64)
+    for (int lane = 0; lane < 8; ++lane) {
+      uint64_t word;
+      std::memcpy(&word, bytes + i + 8 * lane, sizeof word);
+      sums[lane] += word;
+    }
+  uint64_t total = 0;
+  for (const uint64_t sum : sums) total += sum;
+  return total;
+}
+
+uint64_t read_all(const std::vector<std::vector<uint8_t>>& copies) {
+  static const bool avx2 = __builtin_cpu_supports("avx2");
+  uint64_t total = 0;
+  for (const auto& copy : copies)
+    total += avx2 ? read_avx2(copy.data(), copy.size()) : read_portable(copy.data(), copy.size());
+  return total;
+}
+
 double median(std::vector<double> values) {
   std::sort(values.begin(), values.end());
   const size_t n = values.size();
@@ -95,7 +137,7 @@ int main(int argc, char** argv) {
                                          {"--tokens", "1,8,64"},
                                          {"--rows", "2816"},
                                          {"--cols", "1024"},
-                                         {"--matrices", "24"},
+                                         {"--matrices", "0"},
                                          {"--repeat", "5"},
                                          {"--claim-rows", "0"},
                                          {"--streams", "1"},
@@ -105,9 +147,10 @@ int main(int argc, char** argv) {
   const int64_t claim = std::stoll(flags.at("--claim-rows"));
   const int64_t claim_rows = claim > 0 ? claim : rows;
   const int streams = std::stoi(flags.at("--streams"));
-  if (cols % 256 != 0 || rows <= 0 || matrices <= 0 || repeat <= 0 || claim < 0 ||
+  if (cols % 256 != 0 || rows <= 0 || matrices < 0 || repeat <= 0 || claim < 0 ||
       (streams != 1 && streams != 2)) {
-    std::cerr << "--cols must be a multiple of 256; --rows, --matrices, --repeat positive; "
+    std::cerr << "--cols must be a multiple of 256; --rows, --repeat positive; --matrices not "
+                 "negative; "
                  "--claim-rows not negative; --streams 1 or 2\n";
     return 2;
   }
@@ -119,13 +162,23 @@ int main(int argc, char** argv) {
 
   for (const auto& type_name : bench::parse_list<std::string>(flags.at("--types"))) {
     const kernels::DType dtype = parse_type(type_name);
+    const bool quantized = kernels::is_quantized(dtype);
+    // Which types matmul reads in two streams per thread when the tuning asks for two.
+    const bool has_two_streams = !quantized || kernels::quant_two_streams(dtype);
     const auto row_bytes = static_cast<int64_t>(kernels::stored_bytes(dtype, cols));
-    // One quantized matrix copied `matrices` times: the copies are distinct memory, so a pass
+    // One quantized matrix copied again and again: the copies are distinct memory, so a pass
     // over all of them reads every byte from beyond the caches, as decode reads its experts.
     std::vector<uint8_t> matrix(static_cast<size_t>(rows * row_bytes));
     for (int64_t r = 0; r < rows; ++r)
       kernels::quantize_row(dtype, weights.data() + r * cols, cols, matrix.data() + r * row_bytes);
-    std::vector<std::vector<uint8_t>> copies(static_cast<size_t>(matrices), matrix);
+    // --matrices 0: enough copies for 256 MiB (at least 24), far past any last-level cache (24
+    // Q4_K matrices of the default shape are 39 MB, of which a 32 MiB L3 kept a share between
+    // passes).
+    const int copy_count =
+        matrices > 0 ? matrices
+                     : static_cast<int>(std::max<int64_t>(
+                           24, ((int64_t{256} << 20) + rows * row_bytes - 1) / (rows * row_bytes)));
+    std::vector<std::vector<uint8_t>> copies(static_cast<size_t>(copy_count), matrix);
     std::vector<kernels::MatrixView> views;
     for (auto& copy : copies) {
       kernels::MatrixView view;
@@ -139,9 +192,24 @@ int main(int argc, char** argv) {
       std::vector<float> x(static_cast<size_t>(tokens * cols));
       for (float& value : x) value = normal(random) * 50.0f;
       kernels::QuantizedActivations activations;
-      kernels::quantize_activations(x.data(), tokens, cols, cols, kernels::activation_block(dtype),
-                                    activations);
+      if (quantized)
+        kernels::quantize_activations(x.data(), tokens, cols, cols,
+                                      kernels::activation_block(dtype), activations);
       std::vector<float> y(static_cast<size_t>(tokens * rows));
+      // Rows [begin, end) of one matrix, and two ranges side by side, by the kernel for the type.
+      auto rows_of = [&](const kernels::MatrixView& view, int64_t begin, int64_t end) {
+        if (quantized)
+          return kernels::quant_matmul_rows(view, activations, y.data(), rows, begin, end);
+        kernels::matmul_rows({.x = x.data(), .n = tokens, .w = view, .y = y.data()}, begin, end);
+      };
+      auto two_rows_of = [&](const kernels::MatrixView& view, int64_t a, int64_t a_end, int64_t b,
+                             int64_t b_end) {
+        if (quantized)
+          return kernels::quant_matmul_rows_two_streams(view, activations, y.data(), rows, a, a_end,
+                                                        b, b_end);
+        kernels::matmul_rows_two_streams({.x = x.data(), .n = tokens, .w = view, .y = y.data()}, a,
+                                         a_end, b, b_end);
+      };
       // One pass over every matrix, as decode's matmul reads them with `two_streams` or not.
       auto pass = [&](bool two_streams) {
         const auto start = std::chrono::steady_clock::now();
@@ -152,42 +220,48 @@ int main(int argc, char** argv) {
               const int64_t a_end = std::min(half, a + claim_rows),
                             b_end = std::min(rows, b + claim_rows);
               if (a < half && b < rows)
-                kernels::quant_matmul_rows_two_streams(view, activations, y.data(), rows, a, a_end,
-                                                       b, b_end);
+                two_rows_of(view, a, a_end, b, b_end);
               else if (a < half)
-                kernels::quant_matmul_rows(view, activations, y.data(), rows, a, a_end);
+                rows_of(view, a, a_end);
               else
-                kernels::quant_matmul_rows(view, activations, y.data(), rows, b, b_end);
+                rows_of(view, b, b_end);
             }
             continue;
           }
           for (int64_t first = 0; first < rows; first += claim_rows)
-            kernels::quant_matmul_rows(view, activations, y.data(), rows, first,
-                                       std::min(rows, first + claim_rows));
+            rows_of(view, first, std::min(rows, first + claim_rows));
         }
         return std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
       };
       std::vector<std::vector<double>> seconds(tunings.size());
-      for (int round = 0; round < repeat; ++round)
+      double read_seconds = 1e30;
+      uint64_t read_sum = 0;
+      for (int round = 0; round < repeat; ++round) {
         for (size_t t = 0; t < tunings.size(); ++t) {
           kernels::set_stream_tuning(tunings[t].tuning);
-          seconds[t].push_back(
-              pass(tunings[t].tuning.decode_streams == 2 && kernels::quant_two_streams(dtype)));
+          seconds[t].push_back(pass(tunings[t].tuning.decode_streams == 2 && has_two_streams));
         }
+        const auto start = std::chrono::steady_clock::now();
+        read_sum += read_all(copies);
+        read_seconds = std::min(
+            read_seconds,
+            std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count());
+      }
       kernels::set_stream_tuning(parse_tunings("", streams).front().tuning);
-      const double weight_count = static_cast<double>(rows * cols) * matrices;
-      const double bytes = static_cast<double>(rows * row_bytes) * matrices;
+      const double weight_count = static_cast<double>(rows * cols) * copy_count;
+      const double bytes = static_cast<double>(rows * row_bytes) * copy_count;
       for (size_t t = 0; t < tunings.size(); ++t) {
         const double best = *std::min_element(seconds[t].begin(), seconds[t].end());
-        const bool two_streams =
-            tunings[t].tuning.decode_streams == 2 && kernels::quant_two_streams(dtype);
+        const bool two_streams = tunings[t].tuning.decode_streams == 2 && has_two_streams;
         std::cout << "{\"type\":\"" << type_name << "\",\"isa\":\""
                   << kernels::isa_name(kernels::active_isa()) << "\",\"rows\":" << rows
                   << ",\"cols\":" << cols << ",\"claim_rows\":" << claim
-                  << ",\"streams\":" << (two_streams ? 2 : 1) << ",\"matrices\":" << matrices
+                  << ",\"streams\":" << (two_streams ? 2 : 1) << ",\"matrices\":" << copy_count
                   << ",\"tokens\":" << tokens << ",\"seconds\":" << best
                   << ",\"weight_gb_per_second\":" << bytes / best / 1e9
-                  << ",\"ns_per_weight_per_token\":" << best * 1e9 / weight_count / tokens;
+                  << ",\"ns_per_weight_per_token\":" << best * 1e9 / weight_count / tokens
+                  << ",\"read_gb_per_second\":" << bytes / read_seconds / 1e9
+                  << ",\"fraction_of_read\":" << read_seconds / best;
         if (tunings.size() > 1) {
           std::vector<double> ratios;
           for (int round = 0; round < repeat; ++round)
@@ -197,7 +271,8 @@ int main(int argc, char** argv) {
                     << "\",\"median_gb_per_second\":" << bytes / median(seconds[t]) / 1e9
                     << ",\"median_speed_vs_first\":" << median(ratios);
         }
-        std::cout << ",\"checksum\":" << y[0] << "}" << std::endl;
+        std::cout << ",\"checksum\":" << y[0] << ",\"read_checksum\":" << read_sum % 1000 << "}"
+                  << std::endl;
       }
     }
   }
