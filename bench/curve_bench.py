@@ -132,9 +132,8 @@ def interleaved_windows(args, variants, results):
 HISTOGRAMS = {"gw_ttft": ("gateway", "moeline_gateway_ttft_seconds"),
               "gw_queue": ("gateway", "moeline_gateway_queue_seconds"),
               "prefill_ttft": ("prefill-", "moeline_prefill_ttft_seconds"),
-              # Decode's steps: a step's cost, and how many sequences share it. At saturation a
-              # closed loop feeds back on itself: a request that waits longer for prefill joins
-              # decode later, decode steps run smaller batches, and each token costs more.
+              # Decode's steps: a step's cost, and how many sequences share it, so that a change
+              # in per-token time reads as slower steps or as smaller batches.
               "decode_step": ("decode-", "moeline_decode_step_seconds"),
               "decode_batch": ("decode-", "moeline_decode_batch_size")}
 
