@@ -333,23 +333,6 @@ class Supervisor {
   runtime::Logger log_;
 };
 
-// A port the kernel says is free now on 127.0.0.1 (the gateway binds it a moment later).
-int free_loopback_port() {
-  const int fd = ::socket(AF_INET, SOCK_STREAM, 0);
-  if (fd < 0) throw std::runtime_error("cannot open a socket to find a free port");
-  sockaddr_in address{};
-  address.sin_family = AF_INET;
-  address.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  socklen_t size = sizeof address;
-  int port = 0;
-  if (::bind(fd, reinterpret_cast<sockaddr*>(&address), sizeof address) == 0 &&
-      ::getsockname(fd, reinterpret_cast<sockaddr*>(&address), &size) == 0)
-    port = ntohs(address.sin_port);
-  ::close(fd);
-  if (port == 0) throw std::runtime_error("no free port on 127.0.0.1");
-  return port;
-}
-
 pid_t supervisor_pid(const fs::path& run_dir) {
   std::ifstream in(run_dir / "supervisor.pid");
   pid_t pid = 0;
@@ -453,6 +436,10 @@ int up(int argc, char** argv) {
   fs::remove(run_dir / "stack.json");
   nlohmann::json access = {{"transport", transport}};
   std::string hub, endpoint;
+  // Loopback ports chosen together, so that they differ: asked for one at a time, the kernel once
+  // gave the hub and the client endpoint the same port, and the gateway could not start. The
+  // third is the HTTP front's when it asks for any port.
+  const std::vector<int> ports = free_loopback_ports(3);
   std::vector<std::string> common = {"--model", fs::absolute(model).string()};
   if (transport == "ipc") {
     // ipc:// paths are limited to ~107 bytes by the socket address.
@@ -461,8 +448,8 @@ int up(int argc, char** argv) {
     if (endpoint.size() > 100) throw runtime::ConfigError("--run-dir path is too long for ipc://");
   } else {
     // Loopback tcp:// with Curve: the path a multi-host deployment takes, keys made here.
-    hub = "tcp://127.0.0.1:" + std::to_string(free_loopback_port());
-    endpoint = "tcp://127.0.0.1:" + std::to_string(free_loopback_port());
+    hub = "tcp://127.0.0.1:" + std::to_string(ports[0]);
+    endpoint = "tcp://127.0.0.1:" + std::to_string(ports[1]);
     if (config.text("curve") == "on") {
       const fs::path keys_dir = run_dir / "keys";
       runtime::init_key_directory(keys_dir, false);  // kept across `stack up`s of this directory
@@ -532,7 +519,7 @@ int up(int argc, char** argv) {
     }
     if (port < 0 || port > 65535)
       throw runtime::ConfigError("--http-port must be a port number, 0 or off");
-    if (port == 0) port = free_loopback_port();
+    if (port == 0) port = ports[2];
     const std::string listen = config.text("http-bind") + ":" + std::to_string(port);
     std::vector<std::string> http_args = common;
     http_args.insert(http_args.end(), {"--gateway", endpoint, "--listen", listen});
@@ -719,6 +706,33 @@ nlohmann::json stack_stage_detail(const std::filesystem::path& run_dir, const st
   for (const StageHealth& h : stage_health(fs::absolute(run_dir)))
     if (h.name == stage && h.detail.is_object()) return h.detail;
   return nullptr;
+}
+
+std::vector<int> free_loopback_ports(int count) {
+  std::vector<int> sockets, ports;
+  auto close_all = [&] {
+    for (const int fd : sockets) ::close(fd);
+  };
+  for (int i = 0; i < count; ++i) {
+    const int fd = ::socket(AF_INET, SOCK_STREAM, 0);
+    if (fd < 0) {
+      close_all();
+      throw std::runtime_error("cannot open a socket to find a free port");
+    }
+    sockets.push_back(fd);
+    sockaddr_in address{};
+    address.sin_family = AF_INET;
+    address.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+    socklen_t size = sizeof address;
+    if (::bind(fd, reinterpret_cast<sockaddr*>(&address), sizeof address) != 0 ||
+        ::getsockname(fd, reinterpret_cast<sockaddr*>(&address), &size) != 0) {
+      close_all();
+      throw std::runtime_error("no free port on 127.0.0.1");
+    }
+    ports.push_back(ntohs(address.sin_port));
+  }
+  close_all();
+  return ports;
 }
 
 int stack_command(int argc, char** argv) {

@@ -19,6 +19,7 @@
 #include <nlohmann/json.hpp>
 #include <optional>
 #include <regex>
+#include <set>
 #include <stdexcept>
 #include <string>
 #include <thread>
@@ -29,6 +30,7 @@
 #include "stages/runtime/metrics.h"
 #include "stages/runtime/process_metrics.h"
 #include "stages/runtime/service.h"
+#include "stages/stack/stack.h"
 
 namespace moeline::runtime {
 namespace {
@@ -669,4 +671,29 @@ TEST(Logs, LevelAndFormat) {
   EXPECT_THROW(parse_log_level("debug"), std::invalid_argument);
   EXPECT_THROW(parse_log_format("xml"), std::invalid_argument);
   EXPECT_EQ(parse_log_level("error"), LogLevel::kError);
+}
+
+// `stack up --transport tcp` binds its hub, client and HTTP endpoints on ports chosen here: chosen
+// one at a time, a port just closed could come back, and the gateway once got the same port for
+// its hub and its clients and could not start.
+TEST(StackPorts, LoopbackPortsChosenTogetherDifferAndAreFree) {
+  const std::vector<int> ports = moeline::stages::free_loopback_ports(64);
+  ASSERT_EQ(ports.size(), 64u);
+  std::set<int> distinct(ports.begin(), ports.end());
+  EXPECT_EQ(distinct.size(), ports.size());
+  for (const int port : ports) {
+    ASSERT_GT(port, 0);
+    ASSERT_LE(port, 65535);
+    // Free once chosen: a listener can have it (another process may race for it, as for any
+    // port; on a test machine none does in this moment).
+    const int fd = ::socket(AF_INET, SOCK_STREAM, 0);
+    ASSERT_GE(fd, 0);
+    sockaddr_in address{};
+    address.sin_family = AF_INET;
+    address.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+    address.sin_port = htons(static_cast<uint16_t>(port));
+    EXPECT_EQ(::bind(fd, reinterpret_cast<sockaddr*>(&address), sizeof address), 0) << port;
+    ::close(fd);
+  }
+  EXPECT_TRUE(moeline::stages::free_loopback_ports(0).empty());
 }
