@@ -166,8 +166,9 @@ int main(int argc, char** argv) {
     // Which types matmul reads in two streams per thread when the tuning asks for two.
     const bool has_two_streams = !quantized || kernels::quant_two_streams(dtype);
     const auto row_bytes = static_cast<int64_t>(kernels::stored_bytes(dtype, cols));
-    // One quantized matrix copied again and again: the copies are distinct memory, so a pass
-    // over all of them reads every byte from beyond the caches, as decode reads its experts.
+    // One matrix (quantized, or converted to the wide type) copied again and again: the copies are
+    // distinct memory, so a pass over all of them reads every byte from beyond the caches, as
+    // decode reads its experts.
     std::vector<uint8_t> matrix(static_cast<size_t>(rows * row_bytes));
     for (int64_t r = 0; r < rows; ++r)
       kernels::quantize_row(dtype, weights.data() + r * cols, cols, matrix.data() + r * row_bytes);

@@ -533,13 +533,18 @@ TEST(Logger, LevelsAndPlainValues) {
 // The health endpoints an orchestrator and a load balancer read: /livez says the loop is not
 // wedged (a stage still starting is alive), /readyz (and /healthz) that it takes work.
 namespace {
-// One GET over a plain socket: the status code and the body.
-std::pair<int, std::string> http_get(uint16_t port, const std::string& path) {
-  const int fd = ::socket(AF_INET, SOCK_STREAM, 0);
+sockaddr_in loopback_address(uint16_t port) {
   sockaddr_in address{};
   address.sin_family = AF_INET;
   address.sin_port = htons(port);
   address.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  return address;
+}
+
+// One GET over a plain socket: the status code and the body.
+std::pair<int, std::string> http_get(uint16_t port, const std::string& path) {
+  const int fd = ::socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in address = loopback_address(port);
   if (::connect(fd, reinterpret_cast<sockaddr*>(&address), sizeof address) != 0) {
     ::close(fd);
     return {0, ""};
@@ -688,10 +693,7 @@ TEST(StackPorts, LoopbackPortsChosenTogetherDifferAndAreFree) {
     // port; on a test machine none does in this moment).
     const int fd = ::socket(AF_INET, SOCK_STREAM, 0);
     ASSERT_GE(fd, 0);
-    sockaddr_in address{};
-    address.sin_family = AF_INET;
-    address.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-    address.sin_port = htons(static_cast<uint16_t>(port));
+    sockaddr_in address = loopback_address(static_cast<uint16_t>(port));
     EXPECT_EQ(::bind(fd, reinterpret_cast<sockaddr*>(&address), sizeof address), 0) << port;
     ::close(fd);
   }
