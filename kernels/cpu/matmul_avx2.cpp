@@ -11,9 +11,12 @@ namespace {
 // Two 8-lane registers as one 16-lane vector: every (row, token) sum runs in two independent
 // chains of multiply-adds, so that decode's one-row tile is not held to one FMA per latency (a
 // Zen 3 core read BF16 rows at 11-14 GB/s with one chain per row, 17 with two, against 21 for a
-// plain read; two or four rows side by side, one chain each, read 9-14). Packed tiles are 4 rows
-// x 1 token (mini BF16 prefill on Zen 3: 145 t/s; 2 x 2 87, 2 x 3 88, 4 x 2 82, 6 x 1 90, 3 x 1
-// 133, where 8 lanes in 2 x 4 tiles gave 139-143); decode reads one row at a time.
+// plain read; two or four rows side by side, one chain each, read 9-14); decode reads one row at a
+// time. Packed tiles are 6 rows x 1 token: 12 accumulators, one activation load (from L2, where the
+// token block lives) for 12 multiply-adds whose packed rows come from L1 as memory operands. On
+// Zen 3, mini's shapes in one process (BF16 rows from memory, 64 and 512 tokens): 6 x 1 with the
+// next tile prefetched 61.6-71.5 GFLOP/s, 4 x 1 57.3-67.8, 5 x 1 59.8-70.6; 2 x 2, with a clean
+// register loop, lost 10-25% in the model: four activation loads from L2 per 8 multiply-adds.
 struct Lanes16 {
   __m256 low, high;
 };
@@ -21,13 +24,17 @@ struct Lanes16 {
 struct Avx2 {
   using V = Lanes16;
   static constexpr int kLanes = 16;
-  static constexpr int kMR = 4;
+  static constexpr int kMR = 6;
   static constexpr int kDirectRows = 1;
-  // Packed rows in blocks of 1024 columns (4 rows: 16 KiB of the 32 KiB L1): mini's down
-  // projection (2816 columns, 64 tokens) 34-35 -> 45-47 GFLOP/s on Zen 3; 768 and 1536 slower.
+  // Packed rows in blocks of 1024 columns (6 rows: 24 KiB of the 32 KiB L1): mini's down
+  // projection (2816 columns, 64 tokens) 34-35 -> 45-47 GFLOP/s on Zen 3 with 4-row tiles; 768 and
+  // 1536 slower (6 rows in blocks of 768 lost 10% on 1024-column rows, split 768 + 256).
   static constexpr int64_t kKBlock = kAvx2PackedKBlock;
   static constexpr int kNR = 1;
   static constexpr bool kPrefetches = true;
+  // The next packed tile's stored rows are prefetched while this tile runs: +1-4% on 1024-column
+  // rows (their widening waited on memory), no change on 2816.
+  static constexpr bool kPrefetchesNextTile = true;
   static void prefetch(const char* p) { _mm_prefetch(p, _MM_HINT_T0); }
   static V zero() { return {_mm256_setzero_ps(), _mm256_setzero_ps()}; }
   static V load_f32(const float* p) { return {_mm256_loadu_ps(p), _mm256_loadu_ps(p + 8)}; }

@@ -17,6 +17,7 @@ struct Avx512 {
   static constexpr int64_t kKBlock = 0;
   static constexpr int kNR = 6;
   static constexpr bool kPrefetches = true;
+  static constexpr bool kPrefetchesNextTile = false;
   static void prefetch(const char* p) { _mm_prefetch(p, _MM_HINT_T0); }
   static V zero() { return _mm512_setzero_ps(); }
   static V load_f32(const float* p) { return _mm512_loadu_ps(p); }

@@ -16,6 +16,7 @@
 #include <vector>
 
 #include "kernels/cpu/matmul.h"
+#include "kernels/cpu/scratch_vector.h"
 
 namespace moeline::kernels::detail {
 
@@ -196,13 +197,28 @@ struct MatmulKernel {
   // Token tiles [t_begin, t_end) of one row tile (rows as stored in `dtype`, or packed F32) over
   // the k span [k_begin, k_end): a tile's accumulators go to `partials` (kMR * kNR per token
   // tile) when the span ends before the row.
+  // The stored bytes of the next row tile, prefetched a share at a time while the current tile's
+  // tokens run, so that widening them finds them in cache instead of waiting on memory.
+  struct NextTilePrefetch {
+    const char* next = nullptr;
+    const char* end = nullptr;
+    int64_t bytes_per_tile_call = 0;
+    void step() {
+      if constexpr (Simd::kPrefetchesNextTile) {
+        const char* stop = std::min(end, next + bytes_per_tile_call);
+        for (; next < stop; next += kCacheLineBytes) Simd::prefetch(next);
+      }
+    }
+  };
+
   static void run_tokens(const void* const* w_rows, bool packed, DType dtype, int rows,
                          const MatmulTask& task, int64_t x_stride, int64_t y_stride, int64_t row,
                          int64_t t_begin, int64_t t_end, int64_t k_begin = 0, int64_t k_end = -1,
-                         float* partials = nullptr) {
+                         float* partials = nullptr, NextTilePrefetch* next_tile = nullptr) {
     const float* x_rows[kNR];
     const int64_t K = task.w.cols;
     for (int64_t t = t_begin; t < t_end; t += kNR) {
+      if (next_tile) next_tile->step();
       const int tokens = static_cast<int>(std::min<int64_t>(kNR, t_end - t));
       for (int i = 0; i < tokens; ++i) x_rows[i] = task.x + (t + i) * x_stride;
       const KSpan span{K, k_begin, k_end < 0 ? K : k_end,
@@ -280,13 +296,13 @@ struct MatmulKernel {
       }
       return;
     }
-    thread_local std::vector<float> packed;
+    thread_local ScratchVector<float> packed;
     if (packed.size() < static_cast<size_t>(kMR * K)) packed.resize(static_cast<size_t>(kMR * K));
     // Rows longer than kKBlock are multiplied a block of k at a time, so that the block of the
     // packed tile stays in L1 while every token of the token block passes (mini's down
     // projection, 2816 columns: 4 packed rows are 45 KiB; measured in docs/PERFORMANCE.md).
     const int64_t k_block = Simd::kKBlock > 0 && K > Simd::kKBlock ? Simd::kKBlock : K;
-    thread_local std::vector<float> partials;
+    thread_local ScratchVector<float> partials;
     if (k_block < K)
       partials.resize(static_cast<size_t>((kTokenBlock + kNR - 1) / kNR) * kMR * kNR * kLanes);
     for (int64_t t0 = 0; t0 < task.n; t0 += kTokenBlock) {
@@ -298,9 +314,18 @@ struct MatmulKernel {
           widen_row(task.w, row + m, dst);
           w_rows[m] = dst;
         }
+        NextTilePrefetch next_tile;
+        const int64_t next_rows = std::min<int64_t>(kMR, row_end - row - rows);
+        if (next_rows > 0) {
+          next_tile.next = reinterpret_cast<const char*>(task.w.row(row + rows));
+          next_tile.end = next_tile.next + next_rows * static_cast<int64_t>(task.w.row_bytes());
+          const int64_t calls = (K + k_block - 1) / k_block * ((t1 - t0 + kNR - 1) / kNR);
+          next_tile.bytes_per_tile_call =
+              ((next_tile.end - next_tile.next) / calls + kCacheLineBytes) & ~(kCacheLineBytes - 1);
+        }
         for (int64_t k0 = 0; k0 < K; k0 += k_block)
           run_tokens(w_rows, true, DType::kF32, rows, task, x_stride, y_stride, row, t0, t1, k0,
-                     std::min(K, k0 + k_block), partials.data());
+                     std::min(K, k0 + k_block), partials.data(), &next_tile);
       }
     }
   }

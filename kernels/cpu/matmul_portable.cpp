@@ -14,6 +14,7 @@ struct Portable {
   static constexpr int64_t kKBlock = 0;
   static constexpr int kNR = 4;
   static constexpr bool kPrefetches = false;
+  static constexpr bool kPrefetchesNextTile = false;
   static void prefetch(const char*) {}
   static V zero() { return 0.0f; }
   static V load_f32(const float* p) { return *p; }
