@@ -37,10 +37,11 @@ namespace {
 StreamTuning default_stream_tuning() {
   StreamTuning tuning;
   __builtin_cpu_init();
-  // AMD: two decode streams per thread. Without AVX-512 (Zen 3 and earlier: the AVX2 path) the
-  // wide kernels' one-row-at-a-time decode also prefetches 1 KiB ahead: `mini` BF16 decode on one
-  // thread 33-35 -> 41-44 t/s, 70-71% -> 79-85% of the read roofline (512 B: 68%, 2 KiB 72-76%,
-  // 4 KiB 66%; DeepSeek-V3 `mini` 68-70 -> 75-80 t/s; two threads +4%).
+  // AMD: two decode streams per thread (the AVX2 path's wide kernels read them since session 39:
+  // before, it read one). Without AVX-512 (Zen 3 and earlier: the AVX2 path) the wide kernels'
+  // decode also prefetches 1 KiB ahead: `mini` BF16 decode on one thread, one stream, 33-35 ->
+  // 41-44 t/s (512 B: 68% of the roofline, 2 KiB 72-76%, 4 KiB 66%); with two streams 1 KiB was
+  // again the fastest (median 20.8 GB/s; none 19.6, 512 B 19.5, 2 KiB 17.7).
   if (__builtin_cpu_is("amd"))
     tuning = {.decode_streams = 2,
               .prefetch_bytes = __builtin_cpu_supports("avx512f") ? 0 : 1024,
@@ -126,6 +127,8 @@ void matmul_rows_two_streams(const MatmulTask& task, int64_t a_begin, int64_t a_
                              int64_t b_begin, int64_t b_end) {
   if (active_isa() == Isa::kAvx512 || active_isa() == Isa::kAvx512Vnni)
     return detail::matmul_rows_two_streams_avx512(task, a_begin, a_end, b_begin, b_end);
+  if (active_isa() == Isa::kAvx2)
+    return detail::matmul_rows_two_streams_avx2(task, a_begin, a_end, b_begin, b_end);
   matmul_rows(task, a_begin, a_end);
   matmul_rows(task, b_begin, b_end);
 }

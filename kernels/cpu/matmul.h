@@ -43,8 +43,9 @@ void matmul_rows_two_streams(const MatmulTask& task, int64_t a_begin, int64_t a_
 // Neither changes results.
 struct StreamTuning {
   // Weight streams per thread when a task has few tokens: 1, or 2 (a thread's rows in two halves,
-  // read side by side). Intel (the Xeon tuned on): 1; AMD (a Zen 5 core): 2 (a dot product over one
-  // stream read 27-34 GB/s there, over two 37-40, a plain read 33-40).
+  // read side by side). Intel (the Xeon tuned on): 1; AMD: 2 (a Zen 5 core's dot product over one
+  // stream read 27-34 GB/s, over two 37-40, a plain read 33-40; a Zen 3 core's BF16 decode on the
+  // AVX2 path 15.9 -> 20.8 GB/s median, mini on one thread 37-44 -> 54-59 t/s).
   int decode_streams = 1;
   // How far ahead along a weight row the F32/BF16/F16 kernels prefetch; 0: no software prefetch,
   // the hardware prefetchers alone. Intel: 1024 (its prefetchers stop at 4 KiB pages; 512-2048
@@ -74,6 +75,8 @@ void start_stream(const void* row);
 
 void matmul_rows_portable(const MatmulTask& task, int64_t row_begin, int64_t row_end);
 void matmul_rows_avx2(const MatmulTask& task, int64_t row_begin, int64_t row_end);
+void matmul_rows_two_streams_avx2(const MatmulTask& task, int64_t a_begin, int64_t a_end,
+                                  int64_t b_begin, int64_t b_end);
 void matmul_rows_avx512(const MatmulTask& task, int64_t row_begin, int64_t row_end);
 void matmul_rows_two_streams_avx512(const MatmulTask& task, int64_t a_begin, int64_t a_end,
                                     int64_t b_begin, int64_t b_end);

@@ -31,6 +31,14 @@ struct Avx2 {
   // 1536 slower (6 rows in blocks of 768 lost 10% on 1024-column rows, split 768 + 256).
   static constexpr int64_t kKBlock = kAvx2PackedKBlock;
   static constexpr int kNR = 1;
+  // Decode's batches of up to 6 tokens stream their rows unpacked, 4 tokens a call (8 accumulators)
+  // or 2 with two rows side by side, where packing 6 rows for so few tokens waited on memory.
+  // Zen 3, BF16 rows from memory, two streams (moeline_quant_kernel_bench --types bf16): 2 tokens
+  // 9.5 -> 18.8-19.3 GB/s, 3 11.4 -> 12.8, 5 7.3 -> 8.7, 6 6.8 -> 7.9; wider two-row tiles
+  // (2 x 3) spill and were no faster.
+  static constexpr int kStreamedTileTokens = 4;
+  static constexpr int kTwoStreamTileTokens = 2;
+  static constexpr int kDirectTokens = 6;
   static constexpr bool kPrefetches = true;
   // The next packed tile's stored rows are prefetched while this tile runs: +1-4% on 1024-column
   // rows (their widening waited on memory), no change on 2816.
@@ -82,6 +90,11 @@ struct Avx2 {
 
 void matmul_rows_avx2(const MatmulTask& task, int64_t row_begin, int64_t row_end) {
   MatmulKernel<Avx2>::run(task, row_begin, row_end);
+}
+
+void matmul_rows_two_streams_avx2(const MatmulTask& task, int64_t a_begin, int64_t a_end,
+                                  int64_t b_begin, int64_t b_end) {
+  MatmulKernel<Avx2>::run_two_streams(task, a_begin, a_end, b_begin, b_end);
 }
 
 }  // namespace moeline::kernels::detail

@@ -28,8 +28,33 @@ struct MatmulKernel {
   static constexpr int kNR = Simd::kNR;
   // Tokens per block when packing: the block's x rows stay in L2 while every row tile passes.
   static constexpr int64_t kTokenBlock = 64;
+  // Streamed (unpacked) rows, read from memory as stored and widened in registers: a tile call
+  // takes one row (decode) or two (two streams) and up to kStreamedTileTokens tokens, or
+  // kTwoStreamTileTokens with two rows (a path with few registers sets its own; kNR otherwise).
+  // Up to kDirectTokens tokens (decode's batches) every row streams so, its tokens taken in
+  // chunks of a tile call: the first chunk reads the row from memory, the others from L1.
+  template <int kDefault>
+  static constexpr int setting(auto get) {
+    if constexpr (requires { get(Simd{}); })
+      return get(Simd{});
+    else
+      return kDefault;
+  }
+  static constexpr int kStreamedTileTokens =
+      setting<kNR>([](auto simd) -> decltype(simd.kStreamedTileTokens) {
+        return decltype(simd)::kStreamedTileTokens;
+      });
+  static constexpr int kTwoStreamTileTokens =
+      setting<kNR>([](auto simd) -> decltype(simd.kTwoStreamTileTokens) {
+        return decltype(simd)::kTwoStreamTileTokens;
+      });
+  static constexpr int kDirectTokens = setting<kNR>(
+      [](auto simd) -> decltype(simd.kDirectTokens) { return decltype(simd)::kDirectTokens; });
   // From this many tokens on, widening the weight tile once beats widening it per token tile.
-  static constexpr int64_t kPackFromTokens = 2 * kNR;
+  static constexpr int64_t kPackFromTokens = std::max(2 * kNR, kDirectTokens + 1);
+  static constexpr int kStreamedRows = 2;
+  static_assert(Simd::kDirectRows <= kStreamedRows && kTwoStreamTileTokens <= kStreamedTileTokens &&
+                kNR <= kStreamedTileTokens);
   // Unpacked (few tokens: decode) the weights stream from memory once, kDirectRows rows at a time.
   // On AVX-512 one row: a single stream per thread keeps more of the memory bandwidth busy than
   // several interleaved short ones (measured: 1 row 15.0 GB/s, 2 rows 12.9, 4 rows 12.2 on one
@@ -165,33 +190,35 @@ struct MatmulKernel {
 
   using TileFn = void (*)(const void* const*, const float* const*, const KSpan&, float*, int64_t);
 
-  template <DType W, bool kStreamed, int M, int... Ns>
-  static constexpr std::array<TileFn, kNR> tiles_for_rows(std::integer_sequence<int, Ns...>) {
+  template <DType W, bool kStreamed, int Tokens, int M, int... Ns>
+  static constexpr std::array<TileFn, Tokens> tiles_for_rows(std::integer_sequence<int, Ns...>) {
     return {&tile<M, Ns + 1, W, kStreamed>...};
   }
-  template <DType W, bool kStreamed, int... Ms>
-  static constexpr std::array<std::array<TileFn, kNR>, kMR> tile_table(
+  template <DType W, bool kStreamed, int Tokens, int... Ms>
+  static constexpr std::array<std::array<TileFn, Tokens>, sizeof...(Ms)> tile_table(
       std::integer_sequence<int, Ms...>) {
-    return {tiles_for_rows<W, kStreamed, Ms + 1>(std::make_integer_sequence<int, kNR>{})...};
+    return {
+        tiles_for_rows<W, kStreamed, Tokens, Ms + 1>(std::make_integer_sequence<int, Tokens>{})...};
   }
-  template <DType W, bool kStreamed>
-  static constexpr auto kTiles = tile_table<W, kStreamed>(std::make_integer_sequence<int, kMR>{});
+  template <DType W, bool kStreamed, int Rows, int Tokens>
+  static constexpr auto kTiles =
+      tile_table<W, kStreamed, Tokens>(std::make_integer_sequence<int, Rows>{});
 
   // Rows as stored (streamed from memory), or rows already widened into the packed F32 tile.
   static TileFn pick(DType dtype, int rows, int tokens) {
     switch (dtype) {
       case DType::kF32:
-        return kTiles<DType::kF32, true>[rows - 1][tokens - 1];
+        return kTiles<DType::kF32, true, kStreamedRows, kStreamedTileTokens>[rows - 1][tokens - 1];
       case DType::kBF16:
-        return kTiles<DType::kBF16, true>[rows - 1][tokens - 1];
+        return kTiles<DType::kBF16, true, kStreamedRows, kStreamedTileTokens>[rows - 1][tokens - 1];
       case DType::kF16:
-        return kTiles<DType::kF16, true>[rows - 1][tokens - 1];
+        return kTiles<DType::kF16, true, kStreamedRows, kStreamedTileTokens>[rows - 1][tokens - 1];
       default:
         return nullptr;
     }
   }
   static TileFn pick_packed(int rows, int tokens) {
-    return kTiles<DType::kF32, false>[rows - 1][tokens - 1];
+    return kTiles<DType::kF32, false, kMR, kNR>[rows - 1][tokens - 1];
   }
 
   // Token tiles [t_begin, t_end) of one row tile (rows as stored in `dtype`, or packed F32) over
@@ -238,22 +265,25 @@ struct MatmulKernel {
   static void run_two_streams(const MatmulTask& task, int64_t a_begin, int64_t a_end,
                               int64_t b_begin, int64_t b_end) {
     const bool direct = kDirectRows == 1 && !widened_before_use(task.w.dtype) &&
-                        (task.w.dtype == DType::kF32 || task.n < kPackFromTokens) && task.n <= kNR;
+                        (task.w.dtype == DType::kF32 || task.n < kPackFromTokens) &&
+                        task.n <= kDirectTokens;
     const int64_t common = direct ? std::min(a_end - a_begin, b_end - b_begin) : 0;
     if (common > 0) {
       const int64_t K = task.w.cols;
       const int64_t x_stride = task.x_stride ? task.x_stride : K;
       const int64_t y_stride = task.y_stride ? task.y_stride : task.w.rows;
-      const TileFn tile_fn = pick(task.w.dtype, 2, static_cast<int>(task.n));
       const KSpan whole_rows{K, 0, K};
-      const float* x_rows[kNR];
+      const float* x_rows[kDirectTokens];
       for (int t = 0; t < task.n; ++t) x_rows[t] = task.x + t * x_stride;
       begin_stream(task.w.row(a_begin));
       begin_stream(task.w.row(b_begin));
-      float pair[2 * kNR];
+      float pair[2 * kDirectTokens];
       for (int64_t i = 0; i < common; ++i) {
         const void* w_rows[2] = {task.w.row(a_begin + i), task.w.row(b_begin + i)};
-        tile_fn(w_rows, x_rows, whole_rows, pair, 2);
+        for (int64_t t = 0; t < task.n; t += kTwoStreamTileTokens) {
+          const int tokens = static_cast<int>(std::min<int64_t>(kTwoStreamTileTokens, task.n - t));
+          pick(task.w.dtype, 2, tokens)(w_rows, x_rows + t, whole_rows, pair + 2 * t, 2);
+        }
         for (int64_t t = 0; t < task.n; ++t) {
           task.y[t * y_stride + a_begin + i] = pair[2 * t];
           task.y[t * y_stride + b_begin + i] = pair[2 * t + 1];
@@ -276,15 +306,18 @@ struct MatmulKernel {
                       (task.w.dtype != DType::kF32 && task.n >= kPackFromTokens);
     const void* w_rows[kMR];
     if (!pack) begin_stream(task.w.row(row_begin));
-    if (!pack && kDirectRows == 1 && task.n <= kNR) {
-      // The decode case: one tile kernel for every row, called directly.
-      const TileFn tile_fn = pick(task.w.dtype, 1, static_cast<int>(task.n));
+    if (!pack && kDirectRows == 1 && task.n <= kDirectTokens) {
+      // The decode case: one tile kernel for every row (and chunk of tokens), called directly.
       const KSpan whole_rows{K, 0, K};
-      const float* x_rows[kNR];
+      const float* x_rows[kDirectTokens];
       for (int t = 0; t < task.n; ++t) x_rows[t] = task.x + t * x_stride;
       for (int64_t row = row_begin; row < row_end; ++row) {
         w_rows[0] = task.w.row(row);
-        tile_fn(w_rows, x_rows, whole_rows, task.y + row, y_stride);
+        for (int64_t t = 0; t < task.n; t += kStreamedTileTokens) {
+          const int tokens = static_cast<int>(std::min<int64_t>(kStreamedTileTokens, task.n - t));
+          pick(task.w.dtype, 1, tokens)(w_rows, x_rows + t, whole_rows, task.y + t * y_stride + row,
+                                        y_stride);
+        }
       }
       return;
     }

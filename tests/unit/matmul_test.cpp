@@ -109,12 +109,17 @@ TEST(Matmul, RowResultDoesNotDependOnBatchOrThreads) {
   for (Isa isa : supported_isas()) {
     IsaGuard guard(isa);
     // n large enough to take the packed route; 2085 columns: packed rows multiplied in k blocks
-    // (two of 1024 and a ragged tail on AVX2) and 70 tokens: two token blocks.
+    // (two of 1024 and a ragged tail on AVX2) and 70 tokens: two token blocks. Decode's batches
+    // (2-6 tokens) stream their rows unpacked, in chunks of tokens per tile call.
     for (auto [dtype, rows, cols, n] :
          std::vector<std::tuple<DType, int64_t, int64_t, int64_t>>{{DType::kF32, 45, 131, 29},
                                                                    {DType::kBF16, 45, 131, 29},
                                                                    {DType::kBF16, 9, 2085, 70},
-                                                                   {DType::kF16, 6, 1040, 7}}) {
+                                                                   {DType::kF16, 6, 1040, 7},
+                                                                   {DType::kBF16, 45, 131, 2},
+                                                                   {DType::kBF16, 77, 259, 5},
+                                                                   {DType::kF16, 33, 64, 6},
+                                                                   {DType::kF32, 19, 100, 3}}) {
       const Weights w = make_weights(dtype, rows, cols, 3);
       const std::vector<float> x = gaussian_input(n, cols, 4);
       ThreadPool two(2), one(1);
@@ -176,9 +181,10 @@ TEST(Matmul, StreamTuningParsesItsTextAndRefusesAnythingElse) {
   EXPECT_TRUE(parse_stream_tuning("quant_prefetch_bytes=0", tuning));
   EXPECT_EQ(tuning.quant_prefetch_bytes, 0);
   EXPECT_EQ(tuning.prefetch_bytes, 2048);
-  for (const char* bad : {"decode_streams=3", "prefetch_bytes=-1", "prefetch_bytes=1e3",
-                          "streams=2", "decode_streams", "decode_streams=2,", "prefetch_bytes=65537",
-                          "quant_prefetch_bytes=65537", "quant_prefetch=512"})
+  for (const char* bad :
+       {"decode_streams=3", "prefetch_bytes=-1", "prefetch_bytes=1e3", "streams=2",
+        "decode_streams", "decode_streams=2,", "prefetch_bytes=65537", "quant_prefetch_bytes=65537",
+        "quant_prefetch=512"})
     EXPECT_FALSE(parse_stream_tuning(bad, tuning)) << bad;
   EXPECT_EQ(tuning.decode_streams, 2);  // a refused text changes nothing
   EXPECT_EQ(tuning.prefetch_bytes, 2048);
