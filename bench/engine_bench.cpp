@@ -11,7 +11,6 @@
 // sliding window), averaged over the decode steps: the speed at which decode would only wait for
 // memory. decode_fraction_of_weight_roofline leaves the KV reads out (the definition before
 // 2026-12-06, and what depth-0 runs read within 1%).
-#include <immintrin.h>
 #include <sys/mman.h>
 
 #include <algorithm>
@@ -33,6 +32,7 @@
 #include "model/model.h"
 #include "model/sampling.h"
 #include "offload/resident_provider.h"
+#include "read_probe.h"
 
 namespace {
 
@@ -41,54 +41,6 @@ using moeline::kernels::ThreadPool;
 
 double seconds_since(Clock::time_point start) {
   return std::chrono::duration<double>(Clock::now() - start).count();
-}
-
-// The eight accumulators' lanes, added up (the value only keeps the reads from being elided).
-__attribute__((target("avx512f"))) float sum_accumulators(__m512 (&acc)[8]) {
-  for (int j = 1; j < 8; ++j) acc[0] = _mm512_add_ps(acc[0], acc[j]);
-  alignas(64) float lanes[16];
-  _mm512_store_ps(lanes, acc[0]);
-  float sum = 0;
-  for (float lane : lanes) sum += lane;
-  return sum;
-}
-
-// Sums a buffer with wide loads and independent accumulators: the read rate a well-vectorised
-// kernel can reach, which is what the weights-streaming decode competes with.
-__attribute__((target("avx512f"))) float sum_avx512(const float* data, size_t count) {
-  __m512 acc[8];
-  for (auto& a : acc) a = _mm512_setzero_ps();
-  for (size_t i = 0; i + 128 <= count; i += 128)
-    for (int j = 0; j < 8; ++j) acc[j] = _mm512_add_ps(acc[j], _mm512_loadu_ps(data + i + 16 * j));
-  return sum_accumulators(acc);
-}
-
-// The same over two halves read side by side: two memory streams, which on some hosts (AMD Zen 5)
-// read faster than one (kernels/cpu/matmul.h's StreamTuning).
-__attribute__((target("avx512f"))) float sum_two_streams_avx512(const float* data, size_t count) {
-  const size_t half = count / 2 / 64 * 64;
-  const float* second = data + half;
-  __m512 acc[8];
-  for (auto& a : acc) a = _mm512_setzero_ps();
-  for (size_t i = 0; i + 64 <= half; i += 64)
-    for (int j = 0; j < 4; ++j) {
-      acc[j] = _mm512_add_ps(acc[j], _mm512_loadu_ps(data + i + 16 * j));
-      acc[4 + j] = _mm512_add_ps(acc[4 + j], _mm512_loadu_ps(second + i + 16 * j));
-    }
-  return sum_accumulators(acc);
-}
-
-__attribute__((target("avx2"))) float sum_avx2(const float* data, size_t count) {
-  __m256 acc[8];
-  for (auto& a : acc) a = _mm256_setzero_ps();
-  for (size_t i = 0; i + 64 <= count; i += 64)
-    for (int j = 0; j < 8; ++j) acc[j] = _mm256_add_ps(acc[j], _mm256_loadu_ps(data + i + 8 * j));
-  for (int j = 1; j < 8; ++j) acc[0] = _mm256_add_ps(acc[0], acc[j]);
-  alignas(32) float lanes[8];
-  _mm256_store_ps(lanes, acc[0]);
-  float sum = 0;
-  for (float lane : lanes) sum += lane;
-  return sum;
 }
 
 // GB/s reading 1 GiB with every thread of the pool, each thread's share as one stream and as two
@@ -102,22 +54,19 @@ double read_bandwidth(ThreadPool& pool) {
   if (mapped == MAP_FAILED) return 0.0;
   auto* buffer = static_cast<float*>(mapped);
   std::fill(buffer, buffer + count, 1.0f);
-  const bool avx512 = moeline::kernels::best_supported_isa() >= moeline::kernels::Isa::kAvx512;
   double best = 0.0;
-  volatile float sink = 0.0f;
+  volatile uint64_t sink = 0;
   for (int pass = 0; pass < 5; ++pass) {
-    std::vector<float> partial(static_cast<size_t>(pool.size()));
-    const bool two_streams = avx512 && pass % 2 == 0;
+    std::vector<uint64_t> partial(static_cast<size_t>(pool.size()));
+    const bool two_streams = pass % 2 == 0;
     const auto start = Clock::now();
     pool.run([&](int thread, int threads) {
       auto [begin, end] = ThreadPool::split(static_cast<int64_t>(count), thread, threads, 1024);
-      const size_t n = static_cast<size_t>(end - begin);
-      partial[static_cast<size_t>(thread)] = two_streams ? sum_two_streams_avx512(buffer + begin, n)
-                                             : avx512    ? sum_avx512(buffer + begin, n)
-                                                         : sum_avx2(buffer + begin, n);
+      partial[static_cast<size_t>(thread)] = moeline::bench::read_sum(
+          buffer + begin, static_cast<size_t>(end - begin) * sizeof(float), two_streams);
     });
     const double seconds = seconds_since(start);
-    for (float p : partial) sink = sink + p;
+    for (uint64_t p : partial) sink = sink + p;
     if (pass > 0) best = std::max(best, static_cast<double>(bytes) / seconds / 1e9);
   }
   munmap(mapped, bytes);

@@ -3,13 +3,13 @@
 // `mini`'s experts (large enough together to be read from memory, as decode reads them) multiplied
 // by 1 token (decode) and by tiles of tokens (prefill). Prints one JSON object per (type, shape,
 // tokens): weights per second, weight bytes per second and ns per weight, best of --repeat, and
-// beside them a plain read of the same bytes timed in the same rounds (read_gb_per_second, and
-// the kernel's fraction_of_read: how close a decode kernel comes to what one core can read at
-// all). This isolates the kernels from the rest of a decode step for A/B runs of kernel changes
-// (engine_bench measures the whole step). --claim-rows N calls the
-// kernel on N rows at a time, as matmul's threads claim them in decode (16, or 64 for Q4_K); 0,
-// the whole matrix. --streams 2 reads each matrix as decode's matmul does on a host with two
-// decode streams per thread (StreamTuning): a claim from each half side by side, for the types
+// beside them a plain read of the same bytes timed in the same rounds, as one stream and as two
+// in turn (read_gb_per_second, the faster, and the kernel's fraction_of_read: how close a decode
+// kernel comes to what one core can read at all). This isolates the kernels from the rest of a
+// decode step for A/B runs of kernel changes (engine_bench measures the whole step). --claim-rows N
+// calls the kernel on N rows at a time, as matmul's threads claim them in decode (16, or 64 for
+// Q4_K); 0, the whole matrix. --streams 2 reads each matrix as decode's matmul does on a host with
+// two decode streams per thread (StreamTuning): a claim from each half side by side, for the types
 // that have a two-stream kernel (quant_two_streams).
 //
 // --tunings "A;B;..." compares kernel tunings in one process (MOELINE_KERNEL_TUNING's syntax
@@ -21,8 +21,6 @@
 //   moeline_quant_kernel_bench [--types q8_0,q4_0,q4_k,q5_k,q6_k,bf16,f16,f32] [--tokens 1,8,64]
 //                              [--rows 2816] [--cols 1024] [--matrices 0] [--repeat 5]
 //                              [--claim-rows 0] [--streams 1] [--tunings "A;B"]
-#include <immintrin.h>
-
 #include <algorithm>
 #include <chrono>
 #include <cstdint>
@@ -38,6 +36,7 @@
 #include "kernels/cpu/matmul.h"
 #include "kernels/cpu/quant_matmul.h"
 #include "kernels/cpu/quantize.h"
+#include "read_probe.h"
 
 namespace {
 
@@ -87,39 +86,11 @@ std::vector<Tuning> parse_tunings(const std::string& list, int streams) {
   return tunings;
 }
 
-// Every byte of the matrices read once, in order, with nothing computed but a sum in 8 independent
-// chains, so that the loop is bound by the memory system alone: the read a decode kernel over the
-// same bytes would reach if its arithmetic were free. 256-bit loads where the CPU has them (two
-// per cache line, as moeline_bench's read probe: narrower loads keep fewer lines in flight).
-__attribute__((target("avx2"))) uint64_t read_avx2(const uint8_t* bytes, size_t size) {
-  __m256i sums[8];
-  for (auto& sum : sums) sum = _mm256_setzero_si256();
-  for (size_t i = 0; i + 256 <= size; i += 256)
-    for (int lane = 0; lane < 8; ++lane)
-      sums[lane] = _mm256_add_epi64(
-          sums[lane], _mm256_loadu_si256(reinterpret_cast<const __m256i*>(bytes + i + 32 * lane)));
-  for (int lane = 1; lane < 8; ++lane) sums[0] = _mm256_add_epi64(sums[0], sums[lane]);
-  return static_cast<uint64_t>(_mm256_extract_epi64(sums[0], 0));
-}
-
-uint64_t read_portable(const uint8_t* bytes, size_t size) {
-  uint64_t sums[8] = {};
-  for (size_t i = 0; i + 64 <= size; i += 64)
-    for (int lane = 0; lane < 8; ++lane) {
-      uint64_t word;
-      std::memcpy(&word, bytes + i + 8 * lane, sizeof word);
-      sums[lane] += word;
-    }
-  uint64_t total = 0;
-  for (const uint64_t sum : sums) total += sum;
-  return total;
-}
-
-uint64_t read_all(const std::vector<std::vector<uint8_t>>& copies) {
-  static const bool avx2 = __builtin_cpu_supports("avx2");
+// Every byte of the matrices read once, in order (bench/read_probe.h), as one stream or two.
+uint64_t read_all(const std::vector<std::vector<uint8_t>>& copies, bool two_streams) {
   uint64_t total = 0;
   for (const auto& copy : copies)
-    total += avx2 ? read_avx2(copy.data(), copy.size()) : read_portable(copy.data(), copy.size());
+    total += moeline::bench::read_sum(copy.data(), copy.size(), two_streams);
   return total;
 }
 
@@ -243,7 +214,7 @@ int main(int argc, char** argv) {
           seconds[t].push_back(pass(tunings[t].tuning.decode_streams == 2 && has_two_streams));
         }
         const auto start = std::chrono::steady_clock::now();
-        read_sum += read_all(copies);
+        read_sum += read_all(copies, round % 2 == 1);
         read_seconds = std::min(
             read_seconds,
             std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count());
