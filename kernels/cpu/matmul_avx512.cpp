@@ -16,7 +16,12 @@ struct Avx512 {
   // Packed rows in one pass (K-blocking measured only on the AVX2 path so far).
   static constexpr int64_t kKBlock = 0;
   static constexpr int kNR = 6;
+  // Decode's tokens all in one tile call, with one row or two.
+  static constexpr int kStreamedTileTokens = kNR;
+  static constexpr int kTwoStreamTileTokens = kNR;
+  static constexpr int kDirectTokens = kNR;
   static constexpr bool kPrefetches = true;
+  // The next packed tile's rows are prefetched on the AVX2 path only (measured only there).
   static constexpr bool kPrefetchesNextTile = false;
   static void prefetch(const char* p) { _mm_prefetch(p, _MM_HINT_T0); }
   static V zero() { return _mm512_setzero_ps(); }

@@ -30,26 +30,12 @@ struct MatmulKernel {
   static constexpr int64_t kTokenBlock = 64;
   // Streamed (unpacked) rows, read from memory as stored and widened in registers: a tile call
   // takes one row (decode) or two (two streams) and up to kStreamedTileTokens tokens, or
-  // kTwoStreamTileTokens with two rows (a path with few registers sets its own; kNR otherwise).
-  // Up to kDirectTokens tokens (decode's batches) every row streams so, its tokens taken in
-  // chunks of a tile call: the first chunk reads the row from memory, the others from L1.
-  template <int kDefault>
-  static constexpr int setting(auto get) {
-    if constexpr (requires { get(Simd{}); })
-      return get(Simd{});
-    else
-      return kDefault;
-  }
-  static constexpr int kStreamedTileTokens =
-      setting<kNR>([](auto simd) -> decltype(simd.kStreamedTileTokens) {
-        return decltype(simd)::kStreamedTileTokens;
-      });
-  static constexpr int kTwoStreamTileTokens =
-      setting<kNR>([](auto simd) -> decltype(simd.kTwoStreamTileTokens) {
-        return decltype(simd)::kTwoStreamTileTokens;
-      });
-  static constexpr int kDirectTokens = setting<kNR>(
-      [](auto simd) -> decltype(simd.kDirectTokens) { return decltype(simd)::kDirectTokens; });
+  // kTwoStreamTileTokens with two rows. Up to kDirectTokens tokens (decode's batches) every row
+  // streams so, its tokens taken in chunks of a tile call: the first chunk reads the row from
+  // memory, the others from L1.
+  static constexpr int kStreamedTileTokens = Simd::kStreamedTileTokens;
+  static constexpr int kTwoStreamTileTokens = Simd::kTwoStreamTileTokens;
+  static constexpr int kDirectTokens = Simd::kDirectTokens;
   // From this many tokens on, widening the weight tile once beats widening it per token tile.
   static constexpr int64_t kPackFromTokens = std::max(2 * kNR, kDirectTokens + 1);
   static constexpr int kStreamedRows = 2;

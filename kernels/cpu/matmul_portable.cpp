@@ -13,7 +13,11 @@ struct Portable {
   static constexpr int kDirectRows = 1;
   static constexpr int64_t kKBlock = 0;
   static constexpr int kNR = 4;
+  static constexpr int kStreamedTileTokens = kNR;
+  static constexpr int kTwoStreamTileTokens = kNR;
+  static constexpr int kDirectTokens = kNR;
   static constexpr bool kPrefetches = false;
+  // The next packed tile's rows are prefetched on the AVX2 path only (measured only there).
   static constexpr bool kPrefetchesNextTile = false;
   static void prefetch(const char*) {}
   static V zero() { return 0.0f; }
