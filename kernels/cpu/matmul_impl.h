@@ -203,6 +203,14 @@ struct MatmulKernel {
         return nullptr;
     }
   }
+  // The streamed tile for each chunk of n tokens taken `chunk` at a time, `rows` rows a call:
+  // looked up once per task rather than once per row. Returns the number of chunks.
+  static int pick_chunks(DType dtype, int rows, int64_t n, int chunk, TileFn* tiles) {
+    int count = 0;
+    for (int64_t t = 0; t < n; t += chunk)
+      tiles[count++] = pick(dtype, rows, static_cast<int>(std::min<int64_t>(chunk, n - t)));
+    return count;
+  }
   static TileFn pick_packed(int rows, int tokens) {
     return kTiles<DType::kF32, false, kMR, kNR>[rows - 1][tokens - 1];
   }
@@ -264,12 +272,13 @@ struct MatmulKernel {
       begin_stream(task.w.row(a_begin));
       begin_stream(task.w.row(b_begin));
       float pair[2 * kDirectTokens];
+      TileFn tiles[kDirectTokens];
+      const int chunks = pick_chunks(task.w.dtype, 2, task.n, kTwoStreamTileTokens, tiles);
       for (int64_t i = 0; i < common; ++i) {
         const void* w_rows[2] = {task.w.row(a_begin + i), task.w.row(b_begin + i)};
-        for (int64_t t = 0; t < task.n; t += kTwoStreamTileTokens) {
-          const int tokens = static_cast<int>(std::min<int64_t>(kTwoStreamTileTokens, task.n - t));
-          pick(task.w.dtype, 2, tokens)(w_rows, x_rows + t, whole_rows, pair + 2 * t, 2);
-        }
+        for (int c = 0; c < chunks; ++c)
+          tiles[c](w_rows, x_rows + c * kTwoStreamTileTokens, whole_rows,
+                   pair + 2 * c * kTwoStreamTileTokens, 2);
         for (int64_t t = 0; t < task.n; ++t) {
           task.y[t * y_stride + a_begin + i] = pair[2 * t];
           task.y[t * y_stride + b_begin + i] = pair[2 * t + 1];
@@ -297,13 +306,13 @@ struct MatmulKernel {
       const KSpan whole_rows{K, 0, K};
       const float* x_rows[kDirectTokens];
       for (int t = 0; t < task.n; ++t) x_rows[t] = task.x + t * x_stride;
+      TileFn tiles[kDirectTokens];
+      const int chunks = pick_chunks(task.w.dtype, 1, task.n, kStreamedTileTokens, tiles);
       for (int64_t row = row_begin; row < row_end; ++row) {
         w_rows[0] = task.w.row(row);
-        for (int64_t t = 0; t < task.n; t += kStreamedTileTokens) {
-          const int tokens = static_cast<int>(std::min<int64_t>(kStreamedTileTokens, task.n - t));
-          pick(task.w.dtype, 1, tokens)(w_rows, x_rows + t, whole_rows, task.y + t * y_stride + row,
-                                        y_stride);
-        }
+        for (int c = 0; c < chunks; ++c)
+          tiles[c](w_rows, x_rows + c * kStreamedTileTokens, whole_rows,
+                   task.y + c * kStreamedTileTokens * y_stride + row, y_stride);
       }
       return;
     }

@@ -119,8 +119,8 @@ MUTANTS = [
          why="the AVX-512 matmul widens BF16 weights into wrong floats",
          tests=r"^Matmul\.MatchesDoubleReferenceOnEveryPathAndDtype$"),
     dict(name="streamed-token-chunk-offset", file="kernels/cpu/matmul_impl.h",
-         old="pick(task.w.dtype, 1, tokens)(w_rows, x_rows + t, whole_rows",
-         new="pick(task.w.dtype, 1, tokens)(w_rows, x_rows, whole_rows",
+         old="tiles[c](w_rows, x_rows + c * kStreamedTileTokens, whole_rows",
+         new="tiles[c](w_rows, x_rows, whole_rows",
          why="a decode batch longer than one tile call multiplies every chunk of tokens by the "
              "first chunk's activations (the AVX2 path takes 4 tokens a call)",
          tests=r"^Matmul\.RowResultDoesNotDependOnBatchOrThreads$"),
