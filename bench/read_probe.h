@@ -14,24 +14,21 @@
 
 namespace moeline::bench {
 
+// kStreams parts of the buffer read side by side, 8 / kStreams chains each: every turn reads the
+// next kChains vectors of each part.
+template <int kStreams>
 __attribute__((target("avx512f"))) inline uint64_t read_sum_avx512(const uint8_t* bytes,
-                                                                   size_t size, bool two_streams) {
+                                                                   size_t size) {
+  constexpr int kChains = 8 / kStreams;
+  constexpr size_t kTurn = 64 * kChains;
+  const size_t part = size / kStreams / kTurn * kTurn;
   __m512i sums[8];
   for (auto& sum : sums) sum = _mm512_setzero_si512();
-  if (two_streams) {
-    const size_t half = size / 2 / 256 * 256;
-    const uint8_t* second = bytes + half;
-    for (size_t i = 0; i + 256 <= half; i += 256)
-      for (int lane = 0; lane < 4; ++lane) {
-        sums[lane] = _mm512_add_epi64(sums[lane], _mm512_loadu_si512(bytes + i + 64 * lane));
-        sums[4 + lane] =
-            _mm512_add_epi64(sums[4 + lane], _mm512_loadu_si512(second + i + 64 * lane));
-      }
-  } else {
-    for (size_t i = 0; i + 512 <= size; i += 512)
-      for (int lane = 0; lane < 8; ++lane)
-        sums[lane] = _mm512_add_epi64(sums[lane], _mm512_loadu_si512(bytes + i + 64 * lane));
-  }
+  for (size_t i = 0; i < part; i += kTurn)
+    for (int s = 0; s < kStreams; ++s)
+      for (int c = 0; c < kChains; ++c)
+        sums[s * kChains + c] = _mm512_add_epi64(sums[s * kChains + c],
+                                                 _mm512_loadu_si512(bytes + s * part + i + 64 * c));
   for (int lane = 1; lane < 8; ++lane) sums[0] = _mm512_add_epi64(sums[0], sums[lane]);
   alignas(64) uint64_t lanes[8];
   _mm512_store_si512(lanes, sums[0]);
@@ -40,29 +37,19 @@ __attribute__((target("avx512f"))) inline uint64_t read_sum_avx512(const uint8_t
   return total;
 }
 
-__attribute__((target("avx2"))) inline uint64_t read_sum_avx2(const uint8_t* bytes, size_t size,
-                                                              bool two_streams) {
+template <int kStreams>
+__attribute__((target("avx2"))) inline uint64_t read_sum_avx2(const uint8_t* bytes, size_t size) {
+  constexpr int kChains = 8 / kStreams;
+  constexpr size_t kTurn = 32 * kChains;
+  const size_t part = size / kStreams / kTurn * kTurn;
   __m256i sums[8];
   for (auto& sum : sums) sum = _mm256_setzero_si256();
-  if (two_streams) {
-    const size_t half = size / 2 / 128 * 128;
-    const uint8_t* second = bytes + half;
-    for (size_t i = 0; i + 128 <= half; i += 128)
-      for (int lane = 0; lane < 4; ++lane) {
-        sums[lane] = _mm256_add_epi64(
-            sums[lane],
-            _mm256_loadu_si256(reinterpret_cast<const __m256i*>(bytes + i + 32 * lane)));
-        sums[4 + lane] = _mm256_add_epi64(
-            sums[4 + lane],
-            _mm256_loadu_si256(reinterpret_cast<const __m256i*>(second + i + 32 * lane)));
-      }
-  } else {
-    for (size_t i = 0; i + 256 <= size; i += 256)
-      for (int lane = 0; lane < 8; ++lane)
-        sums[lane] = _mm256_add_epi64(
-            sums[lane],
-            _mm256_loadu_si256(reinterpret_cast<const __m256i*>(bytes + i + 32 * lane)));
-  }
+  for (size_t i = 0; i < part; i += kTurn)
+    for (int s = 0; s < kStreams; ++s)
+      for (int c = 0; c < kChains; ++c)
+        sums[s * kChains + c] = _mm256_add_epi64(
+            sums[s * kChains + c],
+            _mm256_loadu_si256(reinterpret_cast<const __m256i*>(bytes + s * part + i + 32 * c)));
   for (int lane = 1; lane < 8; ++lane) sums[0] = _mm256_add_epi64(sums[0], sums[lane]);
   return static_cast<uint64_t>(_mm256_extract_epi64(sums[0], 0));
 }
@@ -85,8 +72,9 @@ inline uint64_t read_sum(const void* data, size_t size, bool two_streams) {
   static const bool avx512 = __builtin_cpu_supports("avx512f");
   static const bool avx2 = __builtin_cpu_supports("avx2");
   const auto* bytes = static_cast<const uint8_t*>(data);
-  if (avx512) return read_sum_avx512(bytes, size, two_streams);
-  if (avx2) return read_sum_avx2(bytes, size, two_streams);
+  if (avx512)
+    return two_streams ? read_sum_avx512<2>(bytes, size) : read_sum_avx512<1>(bytes, size);
+  if (avx2) return two_streams ? read_sum_avx2<2>(bytes, size) : read_sum_avx2<1>(bytes, size);
   return read_sum_portable(bytes, size);
 }
 
