@@ -12,11 +12,12 @@ namespace {
 // chains of multiply-adds, so that decode's one-row tile is not held to one FMA per latency (a
 // Zen 3 core read BF16 rows at 11-14 GB/s with one chain per row, 17 with two, against 21 for a
 // plain read; two or four rows side by side, one chain each, read 9-14); decode reads one row at a
-// time. Packed tiles are 6 rows x 1 token: 12 accumulators, one activation load (from L2, where the
-// token block lives) for 12 multiply-adds whose packed rows come from L1 as memory operands. On
-// Zen 3, mini's shapes in one process (BF16 rows from memory, 64 and 512 tokens): 6 x 1 with the
-// next tile prefetched 61.6-71.5 GFLOP/s, 4 x 1 57.3-67.8, 5 x 1 59.8-70.6; 2 x 2, with a clean
-// register loop, lost 10-25% in the model: four activation loads from L2 per 8 multiply-adds.
+// time per stream (two streams: rows from two halves side by side, two chains each). Packed tiles
+// are 6 rows x 1 token: 12 accumulators, one activation load (from L2, where the token block lives)
+// for 12 multiply-adds whose packed rows come from L1 as memory operands. On Zen 3, mini's shapes
+// in one process (BF16 rows from memory, 64 and 512 tokens): 6 x 1 with the next tile
+// prefetched 61.6-71.5 GFLOP/s, 4 x 1 57.3-67.8, 5 x 1 59.8-70.6; 2 x 2, with a clean register
+// loop, lost 10-25% in the model: four activation loads from L2 per 8 multiply-adds.
 struct Lanes16 {
   __m256 low, high;
 };

@@ -215,9 +215,6 @@ struct MatmulKernel {
     return kTiles<DType::kF32, false, kMR, kNR>[rows - 1][tokens - 1];
   }
 
-  // Token tiles [t_begin, t_end) of one row tile (rows as stored in `dtype`, or packed F32) over
-  // the k span [k_begin, k_end): a tile's accumulators go to `partials` (kMR * kNR per token
-  // tile) when the span ends before the row.
   // The stored bytes of the next row tile, prefetched a share at a time while the current tile's
   // tokens run, so that widening them finds them in cache instead of waiting on memory.
   struct NextTilePrefetch {
@@ -232,6 +229,10 @@ struct MatmulKernel {
     }
   };
 
+  // Token tiles [t_begin, t_end) of one row tile (rows as stored in `dtype`, or packed F32) over
+  // the k span [k_begin, k_end): a tile's accumulators go to `partials` (kMR * kNR per token
+  // tile) when the span ends before the row; `next_tile`, where given, is prefetched a share per
+  // tile call.
   static void run_tokens(const void* const* w_rows, bool packed, DType dtype, int rows,
                          const MatmulTask& task, int64_t x_stride, int64_t y_stride, int64_t row,
                          int64_t t_begin, int64_t t_end, int64_t k_begin = 0, int64_t k_end = -1,
