@@ -153,6 +153,7 @@ void ComputeWorker::open_intake(const runtime::Config& config) {
   intake = stages::open_intake(context, config, link_settings_, service.log.stage(), service.log,
                                service.metrics, zap.get());
   link->set_intake(intake->endpoint(), intake->public_key(), intake->node());
+  service.advertise("intake", intake->endpoint());
 }
 
 ComputeWorker::~ComputeWorker() {

@@ -368,6 +368,7 @@ int offload_body(const runtime::Config& config) {
     zap = std::make_unique<runtime::ZapHandler>(context, service.log, service.metrics);
   std::unique_ptr<runtime::Intake> intake =
       open_intake(context, config, settings, "offload", service.log, metrics, zap.get());
+  service.advertise("intake", intake->endpoint());
   const runtime::HandoverKey usage_key = runtime::new_handover_key();
   ExpertRequests requests(
       link, health, plans,

@@ -79,6 +79,7 @@ class Probe {
       zap_ = std::make_unique<runtime::ZapHandler>(context_, service_.log, registry_);
     intake_ = open_intake(context_, config, link, "probe", service_.log, registry_, zap_.get());
     link_->set_intake(intake_->endpoint(), intake_->public_key(), intake_->node());
+    service_.advertise("intake", intake_->endpoint());
     peers_ = std::make_unique<runtime::PeerSender>(
         context_, link.curve_keys, shared_bulk_settings(config), registry_, service_.log);
     router_ = std::make_unique<PlanRouter>(*link_, *peers_, *intake_);

@@ -88,6 +88,11 @@ bool StageService::healthy() const {
   return ready_.load() && idle_ms <= watchdog_ms_;
 }
 
+void StageService::advertise(const std::string& name, const std::string& endpoint) {
+  std::lock_guard lock(endpoints_mutex_);
+  endpoints_[name] = endpoint;
+}
+
 void StageService::start_http(const std::string& address, const std::string& port_file,
                               std::function<nlohmann::json()> health_detail) {
   const auto colon = address.rfind(':');
@@ -113,6 +118,7 @@ void StageService::start_http(const std::string& address, const std::string& por
                            {"ready", ready_.load()},
                            {"loop_idle_ms", idle_ms},
                            {"pid", ::getpid()}};
+    if (std::lock_guard lock(endpoints_mutex_); !endpoints_.empty()) body["endpoints"] = endpoints_;
     if (health_detail) body.update(health_detail());
     if (!ready_.load()) {
       body["phase"] = phase_.load();

@@ -10,7 +10,9 @@
 #include <atomic>
 #include <chrono>
 #include <functional>
+#include <map>
 #include <memory>
+#include <mutex>
 #include <nlohmann/json.hpp>
 #include <string>
 #include <thread>
@@ -45,6 +47,10 @@ class StageService {
   void start_http(const std::string& address, const std::string& port_file,
                   std::function<nlohmann::json()> health_detail = {});
   uint16_t http_port() const { return port_; }
+  // An endpoint this process serves besides the hub link and HTTP (its intake): /healthz lists
+  // it under "endpoints", and `stack status --json` with the stack's own, so an operator sees
+  // every port a stack opens. Any thread.
+  void advertise(const std::string& name, const std::string& endpoint);
   // Stops the HTTP and liveness threads (idempotent; the destructor calls it too). A stage whose
   // `health_detail` reads objects that die before this service calls it first: the HTTP thread
   // must not read them while they are destroyed.
@@ -121,6 +127,8 @@ class StageService {
   int64_t watchdog_ms_ = 30000;
   RateLimited handler_error_log_;
   ProcessMetrics process_metrics_{metrics};
+  mutable std::mutex endpoints_mutex_;
+  std::map<std::string, std::string> endpoints_;  // advertise()'s, read by the HTTP thread
 };
 
 // "moeline-<stage>-<hostname>-<pid>": unique per process, stable in logs.

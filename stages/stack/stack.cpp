@@ -629,8 +629,14 @@ int status(int argc, char** argv) {
   out["endpoints"] = {{"client", out["endpoint"]},
                       {"hub", out.value("hub", nlohmann::json())},
                       {"http", out.value("http", nlohmann::json())}};
+  // Each stage's own endpoints besides the hub link (its intake, where peers send it bulk data
+  // directly), as its /healthz advertises them.
+  nlohmann::json intakes = nlohmann::json::object();
   for (const StageHealth& h : health) {
     healthy = healthy && h.http == 200;
+    if (h.detail.is_object() && h.detail.contains("endpoints") &&
+        h.detail["endpoints"].is_object() && h.detail["endpoints"].contains("intake"))
+      intakes[h.name] = h.detail["endpoints"]["intake"];
     if (h.name == "offload" && h.detail.is_object() && h.detail.contains("expert_pool"))
       out["expert_pool"] = h.detail["expert_pool"];
     out["stages"].push_back({{"name", h.name},
@@ -639,6 +645,7 @@ int status(int argc, char** argv) {
                              {"http_port", h.port},
                              {"healthy", h.http == 200}});
   }
+  out["endpoints"]["intakes"] = intakes;
   out["healthy"] = healthy;
   // The gateway knows whether approximate reuse is on (the rollback controller's state).
   for (const StageHealth& h : health)

@@ -14,7 +14,8 @@ Cases (--case, one per CTest entry):
   curve    `stack up --transport tcp`: Curve on every tcp:// socket; a client with the server key
            is served identically to `moeline run`; a stage key not on the allow-list, and an
            allowed key saying hello as another stage, are refused and learn nothing; a snapshot put
-           from a non-prefill stage is dropped.
+           from a non-prefill stage is dropped, and one sent straight to the probe's intake without
+           the gateway's ticket too.
   apikeys  `stack up --api-keys FILE`: no key and a wrong key are Unauthenticated, a key used for
            another tenant is Forbidden, a user key may not run operator commands, tenants' caches
            stay apart, and a tenant over its in-flight limit is refused while another is served.
@@ -281,6 +282,13 @@ def case_ipc(args):
             print("ok ipc: modes checked (not root: the other-user connect is not tried)")
 
 
+def stack_status(args, run):
+    """`moeline stack status --json` of the stack in `run`."""
+    return json.loads(subprocess.run(
+        [args.moeline, "stack", "status", "--run-dir", run, "--json"], capture_output=True,
+        text=True, timeout=30).stdout)
+
+
 def keys_dir(stack):
     return os.path.join(stack.run_dir, "keys")
 
@@ -301,9 +309,7 @@ def case_curve(args):
         state = stack.state()
         check(state["transport"] == "tcp" and state["hub"].startswith("tcp://127.0.0.1:"),
               f"stack.json: {state}")
-        status = json.loads(subprocess.run(
-            [args.moeline, "stack", "status", "--run-dir", run, "--json"], capture_output=True,
-            text=True, timeout=30).stdout)
+        status = stack_status(args, run)
         check(status["endpoints"]["hub"] == state["hub"] and status["endpoints"]["client"] ==
               stack.endpoint, f"stack status --json should list every endpoint: {status}")
         server_key = os.path.join(keys_dir(stack), "gateway.pub")
@@ -366,6 +372,28 @@ def case_curve(args):
                  "a snapshot put from a decode stage was not refused")
         impostor.close()
         print("ok curve: a snapshot put from a decode stage is dropped and counted")
+
+        # Puts travel peer to peer, straight to the probe's intake, which any Curve key may reach
+        # (senders are whichever stages the gateway picks): what admits one there is the
+        # gateway's ticket for its job. A put sent to it with no ticket, by a key no allow-list
+        # holds: refused and counted.
+        status = stack_status(args, run)
+        intakes = status["endpoints"]["intakes"]
+        kinds = {name.split("-")[0] for name in intakes}
+        check(kinds == {"probe", "prefill", "decode", "offload"} and "probe" in intakes and
+              all(e.startswith("tcp://") for e in intakes.values()),
+              f"stack status --json should list every stage's intake: {intakes}")
+        probe_key = read_key(os.path.join(keys_dir(stack), "probe.key"))["public"].encode()
+        public, secret = zmq.curve_keypair()
+        forger = dealer(intakes["probe"], identity=b"forger", curve=(probe_key, public, secret))
+        forger.send_multipart(snapshot_put(54321))
+        wait_for(lambda: stack.metric("probe", "moeline_intake_refused_total",
+                                      created_on_first_event=True, reason="bad_ticket",
+                                      type="SnapshotPut") >= 1, 10,
+                 "a snapshot put without a ticket at the probe's intake was not refused")
+        forger.close()
+        print("ok curve: a snapshot put at the probe's intake without a ticket is dropped and "
+              "counted")
         after = Client(stack.endpoint, timeout=10, server_key=server_key).control("status")
         check(len(after["peers"]) >= before, "real stages were dropped")
 
@@ -460,9 +488,7 @@ def case_apikeys(args):
         check(over_count >= 1, f"the refusal should be counted per tenant: {over_count}")
         print(f"ok apikeys: beta over its limit -> Overloaded ({over.error_message}); acme served")
 
-        status = json.loads(subprocess.run(
-            [args.moeline, "stack", "status", "--run-dir", run, "--json"], capture_output=True,
-            text=True, timeout=30).stdout)
+        status = stack_status(args, run)
         check(status["open"] is False, f"stack status should say keys are required: {status}")
 
 

@@ -585,6 +585,18 @@ TEST(StageHealth, StoppingRightAfterStartingReturns) {
   watchdog.join();
 }
 
+TEST(StageHealth, HealthzListsTheEndpointsTheStageAdvertises) {
+  moeline::runtime::StageService service("probe", "probe-0");
+  service.start_http("127.0.0.1:0", "");
+  const uint16_t port = service.http_port();
+  // None advertised: no "endpoints" at all.
+  EXPECT_EQ(http_get(port, "/healthz").second.find("\"endpoints\""), std::string::npos);
+  service.advertise("intake", "tcp://127.0.0.1:40001");
+  service.advertise("intake", "tcp://127.0.0.1:40002");  // the latest wins
+  const auto body = nlohmann::json::parse(http_get(port, "/healthz").second);
+  EXPECT_EQ(body["endpoints"], nlohmann::json({{"intake", "tcp://127.0.0.1:40002"}})) << body;
+}
+
 TEST(StageHealth, LiveWhileStartingReadyOnceJoinedStalledPastTheWatchdog) {
   moeline::runtime::StageService service("probe", "probe-0");
   service.set_watchdog_limit(std::chrono::milliseconds(300));
