@@ -14,8 +14,9 @@ Cases (--case, one per CTest entry):
   curve    `stack up --transport tcp`: Curve on every tcp:// socket; a client with the server key
            is served identically to `moeline run`; a stage key not on the allow-list, and an
            allowed key saying hello as another stage, are refused and learn nothing; a snapshot put
-           from a non-prefill stage is dropped, and one sent straight to the probe's intake without
-           the gateway's ticket too.
+           from a non-prefill stage is dropped; a stage whose settings hash differs is refused; a
+           job, hand-over or put sent straight to a stage's intake with a ticket the gateway did
+           not sign is dropped and counted.
   apikeys  `stack up --api-keys FILE`: no key and a wrong key are Unauthenticated, a key used for
            another tenant is Forbidden, a user key may not run operator commands, tenants' caches
            stay apart, and a tenant over its in-flight limit is refused while another is served.
@@ -100,6 +101,24 @@ def snapshot_put(key):
     SnapshotPut.AddEntries(b, entries)
     b.Finish(SnapshotPut.End(b), file_identifier=b"MLPL")
     return encode_message(MessageType.MessageType.SnapshotPut, b.Output())
+
+
+def forged(kind, request_id=7, attempt=1):
+    """A `kind` message (one an intake takes: PrefillJob, PrefillDone, SnapshotPut) for a job this
+    test was never given, with a ticket of the right length that no gateway signed."""
+    import importlib
+    import flatbuffers
+    from moeline_client import encode_message
+    from moeline.wire import MessageType
+    table = importlib.import_module(f"moeline.wire.{kind}")
+    b = flatbuffers.Builder(128)
+    ticket = b.CreateByteVector(os.urandom(32))
+    table.Start(b)
+    table.AddRequestId(b, request_id)
+    table.AddAttempt(b, attempt)
+    table.AddTicket(b, ticket)
+    b.Finish(table.End(b), file_identifier=b"MLPL")
+    return encode_message(getattr(MessageType.MessageType, kind), b.Output())
 
 
 def hello_reply(sock):
@@ -358,6 +377,14 @@ def case_curve(args):
               str(reply[2]) not in reply[1], f"the impostor's refusal: {reply}")
         print(f"ok curve: a decode key saying hello as prefill is refused ({reply[1]!r}), "
               "no settings hash handed out")
+        # As itself but with settings other than the stack's (another model, KV layout or
+        # arithmetic): refused, and the refusal does not hand out the hub's hash.
+        impostor.send_multipart(hello(K.Decode, settings_hash(stack) ^ 1, credits=0))
+        reply = hello_reply(impostor)
+        check(reply is not None and not reply[0] and "settings hash" in reply[1] and
+              str(settings_hash(stack)) not in reply[1] and reply[2] == 0,
+              f"a decode stage with another settings hash: {reply}")
+        print("ok curve: a stage whose settings hash differs is refused, the hub's not handed out")
         # As itself (a decode stage) it is accepted, but may not store snapshots: puts go to a
         # probe's intake with the gateway's ticket, and the gateway relays none.
         impostor.send_multipart(hello(K.Decode, settings_hash(stack), credits=0))
@@ -373,27 +400,30 @@ def case_curve(args):
         impostor.close()
         print("ok curve: a snapshot put from a decode stage is dropped and counted")
 
-        # Puts travel peer to peer, straight to the probe's intake, which any Curve key may reach
-        # (senders are whichever stages the gateway picks): what admits one there is the
-        # gateway's ticket for its job. A put sent to it with no ticket, by a key no allow-list
-        # holds: refused and counted.
+        # Jobs, hand-overs and puts travel peer to peer, straight to a stage's intake, which any
+        # Curve key may reach (senders are whichever stages the gateway picks): what admits a
+        # message there is the gateway's ticket for its job. Each intake sent what it takes, with
+        # a forged ticket, by a key no allow-list holds: refused and counted.
         status = stack_status(args, run)
         intakes = status["endpoints"]["intakes"]
         kinds = {name.split("-")[0] for name in intakes}
         check(kinds == {"probe", "prefill", "decode", "offload"} and "probe" in intakes and
               all(e.startswith("tcp://") for e in intakes.values()),
               f"stack status --json should list every stage's intake: {intakes}")
-        probe_key = read_key(os.path.join(keys_dir(stack), "probe.key"))["public"].encode()
         public, secret = zmq.curve_keypair()
-        forger = dealer(intakes["probe"], identity=b"forger", curve=(probe_key, public, secret))
-        forger.send_multipart(snapshot_put(54321))
-        wait_for(lambda: stack.metric("probe", "moeline_intake_refused_total",
-                                      created_on_first_event=True, reason="bad_ticket",
-                                      type="SnapshotPut") >= 1, 10,
-                 "a snapshot put without a ticket at the probe's intake was not refused")
-        forger.close()
-        print("ok curve: a snapshot put at the probe's intake without a ticket is dropped and "
-              "counted")
+        for stage, kind in (("probe", "SnapshotPut"), ("prefill-0", "PrefillJob"),
+                            ("decode-0", "PrefillDone")):
+            role = stage.split("-")[0]
+            stage_key = read_key(os.path.join(keys_dir(stack), role + ".key"))["public"].encode()
+            forger = dealer(intakes[stage], identity=b"forger", curve=(stage_key, public, secret))
+            forger.send_multipart(forged(kind))
+            wait_for(lambda: stack.metric(stage, "moeline_intake_refused_total",
+                                          created_on_first_event=True, reason="bad_ticket",
+                                          type=kind) >= 1, 10,
+                     f"a {kind} with a forged ticket at {stage}'s intake was not refused")
+            forger.close()
+            print(f"ok curve: a {kind} with a forged ticket at {stage}'s intake is dropped and "
+                  "counted")
         after = Client(stack.endpoint, timeout=10, server_key=server_key).control("status")
         check(len(after["peers"]) >= before, "real stages were dropped")
 

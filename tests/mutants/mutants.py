@@ -215,4 +215,33 @@ MUTANTS = [
          new="_mm256_sub_epi32(sumi[t], _mm256_slli_epi32(offset, 4))",
          why="the AVX2 Q6_K kernel takes 16 instead of 32 off every weight",
          tests=r"^QuantMatmul\.Fast"),
+    dict(name="prefill-job-without-ticket", file="stages/prefill/prefill.cpp",
+         old="    if (!runtime::has_valid_ticket(worker_.link->handover_key(), *message.as<wire::PrefillJob>()))",
+         new="    if (worker_.link->handover_key() && false)",
+         why="prefill runs a job sent straight to its intake by anyone, ticket or not",
+         tests=r"^stack_security_curve$"),
+    dict(name="decode-handover-without-ticket", file="stages/decode/decode.cpp",
+         old="    if (!runtime::has_valid_ticket(worker_.link->handover_key(), *done)) {",
+         new="    if (worker_.link->handover_key() && false) {",
+         why="decode takes a prompt's KV from anyone who reaches its intake, ticket or not",
+         tests=r"^stack_security_curve$"),
+    dict(name="hello-any-settings-hash", file="stages/runtime/hub.cpp",
+         old="  } else if (hello->settings_hash() != settings_hash_) {",
+         new="  } else if (hello->settings_hash() != settings_hash_ && false) {",
+         why="the hub accepts a stage whose model, KV layout or arithmetic differs from its own",
+         tests=r"^stack_security_curve$"),
+    dict(name="every-tenant-in-the-shared-namespace", file="reuse/policy.cpp",
+         old='''"shared"
+                                                                         : "tenant:" + tenant;''',
+         new='''"shared"
+                                                                         : std::string("shared");''',
+         why="every tenant's prompts are cached in one namespace: tenants see each other's cached "
+             "results and timing",
+         tests=r"^(ReusePolicy\.|stack_security_apikeys$)"),
+    dict(name="prompt-bytes-unchecked", file="stages/gateway/client_front.cpp",
+         old="    if (request.prompt()->size() > max_prompt_bytes_)",
+         new="    if (request.prompt()->size() > max_prompt_bytes_ && false)",
+         why="a prompt of any size is tokenized before its length is checked (a few 1 MiB prompts "
+             "stall the gateway)",
+         tests=r"^stack_security_input$"),
 ]
