@@ -93,6 +93,16 @@ class Stack:
         with open(os.path.join(self.run_dir, "stack.json")) as f:
             return json.load(f)
 
+    def status(self):
+        """`moeline stack status --json`: every endpoint, each stage's health."""
+        return json.loads(subprocess.run(
+            [self.moeline, "stack", "status", "--run-dir", self.run_dir, "--json"],
+            capture_output=True, text=True, timeout=30, check=True).stdout)
+
+    def intakes(self):
+        """{stage name: intake endpoint}, as the stages advertise them."""
+        return self.status()["endpoints"]["intakes"]
+
     def stage(self, name):
         for stage in self.state()["stages"]:
             if stage["name"] == name:

@@ -69,17 +69,6 @@ def hub_bytes(stack):
                if name == "moeline_hub_bytes_total" and dict(labels).get("type") in REQUEST_TYPES)
 
 
-def intake_of(stack, name):
-    """The intake endpoint a stage logged when it bound it."""
-    with open(os.path.join(stack.run_dir, "logs", name + ".log")) as f:
-        for line in f:
-            if "event=intake_bound" in line:
-                for field in line.split():
-                    if field.startswith("advertised="):
-                        return field.split("=", 1)[1].strip('"')
-    raise AssertionError(f"{name} logged no intake")
-
-
 def handed_over(stack, decodes):
     return sum(sample(stack, f"decode-{i}", "moeline_decode_handovers_total", outcome="accepted")
                for i in range(decodes))
@@ -305,9 +294,9 @@ def case_forged(args):
     expected = reference(args.moeline, args.model, 40, tokens=victim["tokens"], ignore_eos=True)
     run_dir = os.path.join(args.workdir, "forged")
     with Stack(args.moeline, args.model, run_dir) as stack:
-        decode = dealer(intake_of(stack, "decode-0"))
-        probe = dealer(intake_of(stack, "probe"))
-        offload = dealer(intake_of(stack, "offload"))
+        decode = dealer(stack.intakes()["decode-0"])
+        probe = dealer(stack.intakes()["probe"])
+        offload = dealer(stack.intakes()["offload"])
         with Client(stack.endpoint, timeout=60) as client:
             crid = client.start(**victim)
             # Request ids are small integers: a rogue tries them all, with no ticket and with a

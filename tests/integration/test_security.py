@@ -301,13 +301,6 @@ def case_ipc(args):
             print("ok ipc: modes checked (not root: the other-user connect is not tried)")
 
 
-def stack_status(args, run):
-    """`moeline stack status --json` of the stack in `run`."""
-    return json.loads(subprocess.run(
-        [args.moeline, "stack", "status", "--run-dir", run, "--json"], capture_output=True,
-        text=True, timeout=30).stdout)
-
-
 def keys_dir(stack):
     return os.path.join(stack.run_dir, "keys")
 
@@ -328,7 +321,7 @@ def case_curve(args):
         state = stack.state()
         check(state["transport"] == "tcp" and state["hub"].startswith("tcp://127.0.0.1:"),
               f"stack.json: {state}")
-        status = stack_status(args, run)
+        status = stack.status()
         check(status["endpoints"]["hub"] == state["hub"] and status["endpoints"]["client"] ==
               stack.endpoint, f"stack status --json should list every endpoint: {status}")
         server_key = os.path.join(keys_dir(stack), "gateway.pub")
@@ -404,8 +397,7 @@ def case_curve(args):
         # Curve key may reach (senders are whichever stages the gateway picks): what admits a
         # message there is the gateway's ticket for its job. Each intake sent what it takes, with
         # a forged ticket, by a key no allow-list holds: refused and counted.
-        status = stack_status(args, run)
-        intakes = status["endpoints"]["intakes"]
+        intakes = stack.intakes()
         kinds = {name.split("-")[0] for name in intakes}
         check(kinds == {"probe", "prefill", "decode", "offload"} and "probe" in intakes and
               all(e.startswith("tcp://") for e in intakes.values()),
@@ -518,7 +510,7 @@ def case_apikeys(args):
         check(over_count >= 1, f"the refusal should be counted per tenant: {over_count}")
         print(f"ok apikeys: beta over its limit -> Overloaded ({over.error_message}); acme served")
 
-        status = stack_status(args, run)
+        status = stack.status()
         check(status["open"] is False, f"stack status should say keys are required: {status}")
 
 
