@@ -263,4 +263,23 @@ MUTANTS = [
          new="",
          why="config.json's num_hidden_layers 2^31 is accepted, and loading allocates without end",
          tests=r"^load_errors$"),
+    dict(name="top-p-draws-over-the-whole-mass", file="model/sampling.cpp",
+         old="""      kept = nucleus;
+      total = 0.0;
+      for (int64_t i = 0; i < kept; ++i) total += probabilities_[static_cast<size_t>(i)];""",
+         new="      kept = nucleus;",
+         why="top-p keeps the nucleus but draws against the whole distribution's mass: the "
+             "nucleus's last token takes what fell outside it",
+         tests=r"^Sampling\."),
+    dict(name="min-p-halved", file="model/sampling.cpp",
+         old="probabilities_[static_cast<size_t>(above)] >= params_.min_p) ++above;",
+         new="probabilities_[static_cast<size_t>(above)] >= 0.5 * params_.min_p) ++above;",
+         why="min-p keeps tokens down to half the asked share of the best one",
+         tests=r"^Sampling\."),
+    dict(name="fp8-scales-ignore-row-offset", file="kernels/cpu/dtype.h",
+         old="return block_scales + (first_row + r) / scale_block_rows * column_blocks;",
+         new="return block_scales + r / scale_block_rows * column_blocks;",
+         why="an FP8 matrix split into row ranges (threads' claims, experts' halves) takes the "
+             "first range's block scales for every range",
+         tests=r"^Matmul\.|^reference_"),
 ]

@@ -2,6 +2,7 @@
 
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <map>
 #include <vector>
@@ -67,6 +68,72 @@ TEST(Sampling, TopKAndTopPRestrictTheCandidates) {
   EXPECT_TRUE(seen_nucleus.count(1) && seen_nucleus.count(5));
   Sampler tiny_p(SamplingParams{.temperature = 1.0, .top_p = 1e-6, .seed = 3});
   EXPECT_EQ(tiny_p.sample(kLogits.data(), 6), 1);
+}
+
+// What `params` should draw from kLogits, written from the definitions rather than from the
+// sampler: the top_k best logits (ties to the lower id), of those the ones whose probability is at
+// least min_p times the best one's, of those the smallest best-first prefix whose share of their
+// mass reaches top_p; the survivors' softmax at `temperature`, renormalised over them alone.
+std::vector<double> truncated_softmax(const SamplingParams& params) {
+  const int n = static_cast<int>(kLogits.size());
+  std::vector<int> order(static_cast<size_t>(n));
+  for (int i = 0; i < n; ++i) order[static_cast<size_t>(i)] = i;
+  std::stable_sort(order.begin(), order.end(),
+                   [](int a, int b) { return kLogits[a] > kLogits[b]; });
+  int kept = params.top_k > 0 ? static_cast<int>(std::min<int64_t>(params.top_k, n)) : n;
+  std::vector<double> weight(static_cast<size_t>(n), 0.0);
+  for (int i = 0; i < kept; ++i)
+    weight[static_cast<size_t>(i)] =
+        std::exp((kLogits[order[static_cast<size_t>(i)]] - kLogits[order[0]]) / params.temperature);
+  int above = 1;
+  while (above < kept && weight[static_cast<size_t>(above)] >= params.min_p) ++above;
+  kept = above;
+  double mass = 0.0;
+  for (int i = 0; i < kept; ++i) mass += weight[static_cast<size_t>(i)];
+  if (params.top_p < 1.0) {
+    double share = 0.0;
+    int nucleus = 0;
+    while (nucleus < kept && share < params.top_p)
+      share += weight[static_cast<size_t>(nucleus++)] / mass;
+    kept = nucleus;
+  }
+  double total = 0.0;
+  for (int i = 0; i < kept; ++i) total += weight[static_cast<size_t>(i)];
+  std::vector<double> p(static_cast<size_t>(n), 0.0);
+  for (int i = 0; i < kept; ++i)
+    p[static_cast<size_t>(order[static_cast<size_t>(i)])] = weight[static_cast<size_t>(i)] / total;
+  return p;
+}
+
+TEST(Sampling, TruncatedFrequenciesFollowTheRenormalisedSoftmax) {
+  // Each truncation, and all of them together, at temperatures other than 1: a sampler that cuts
+  // the right candidates but draws from the wrong mass (or cuts one too many or too few) fails.
+  const std::vector<SamplingParams> cases = {
+      {.temperature = 0.8, .top_k = 3, .seed = 11},
+      {.temperature = 1.0, .top_p = 0.7, .seed = 12},
+      {.temperature = 1.3, .top_p = 0.9, .seed = 13},
+      {.temperature = 1.0, .seed = 14, .min_p = 0.2},
+      {.temperature = 1.2, .top_k = 5, .top_p = 0.85, .seed = 15, .min_p = 0.05},
+  };
+  const int draws = 100000;
+  for (const SamplingParams& params : cases) {
+    Sampler sampler(params);
+    std::vector<int> counts(kLogits.size(), 0);
+    for (int i = 0; i < draws; ++i)
+      ++counts[static_cast<size_t>(sampler.sample(kLogits.data(), 6))];
+    const std::vector<double> expected = truncated_softmax(params);
+    for (size_t i = 0; i < kLogits.size(); ++i) {
+      const double p = expected[i];
+      // 5 standard deviations of a binomial proportion, as above; a cut token is never drawn.
+      EXPECT_NEAR(counts[i] / static_cast<double>(draws), p,
+                  5 * std::sqrt(p * (1 - p) / draws) + 1e-4)
+          << "token " << i << " with T " << params.temperature << " top_k " << params.top_k
+          << " top_p " << params.top_p << " min_p " << params.min_p;
+      if (p == 0.0) {
+        EXPECT_EQ(counts[i], 0) << "token " << i << " was cut";
+      }
+    }
+  }
 }
 
 TEST(Sampling, InvalidParametersAreRejectedWithTheirName) {
