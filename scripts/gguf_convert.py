@@ -342,7 +342,7 @@ def tokenizer_keys(tokenizer_path, config_path=None, pre=None):
     return keys
 
 
-def convert(folder, out, type_name, legacy_mla=False):
+def convert(folder, out, type_name, legacy_mla=False, extra_u32=()):
     with open(os.path.join(folder, "config.json")) as f:
         c = json.load(f)
     mt = c["model_type"]
@@ -360,6 +360,10 @@ def convert(folder, out, type_name, legacy_mla=False):
                 ("general.quantization_version", gw.U32, 2)]
     metadata += hparams(c, arch, legacy_mla) + tokenizer_keys(
         os.path.join(folder, "tokenizer.json"), os.path.join(folder, "tokenizer_config.json"))
+    # Keys given on the command line replace the converter's own.
+    extra = dict(extra_u32)
+    metadata = [m for m in metadata if m[0] not in extra]
+    metadata += [(key, gw.U32, value) for key, value in extra.items()]
     tensors = []
     with TerminalProgress(f"quantizing to {type_name}", "tensors") as progress:
         for name, array in tensor_plan(c, ckpt, legacy_mla):
@@ -377,9 +381,18 @@ def main(argv):
     ap.add_argument("--type", required=True, help=", ".join(FILE_TYPE))
     ap.add_argument("--legacy-mla", action="store_true",
                     help="deepseek2: keep attn_kv_b whole (files converted before 2025-04)")
+    ap.add_argument("--u32", action="append", default=[], metavar="KEY=N",
+                    help="add (or replace) a U32 metadata key, e.g. "
+                         "tokenizer.ggml.eot_token_id=5; repeatable")
     args = ap.parse_args(argv)
     try:
-        kinds = convert(args.model, args.out, args.type, args.legacy_mla)
+        extra = []
+        for item in args.u32:
+            key, _, value = item.partition("=")
+            if not key or not value.isdigit():
+                raise ValueError(f"--u32 {item!r}: expected KEY=N")
+            extra.append((key, int(value)))
+        kinds = convert(args.model, args.out, args.type, args.legacy_mla, extra)
     except (OSError, KeyError, ValueError) as e:
         print(f"gguf_convert: error: {e}", file=sys.stderr)
         return 2

@@ -153,6 +153,34 @@ def case_approximate(args):
             print("ok approximate: blends recomputing everything equal `moeline run` exactly "
                   "(shifted, over an exact prefix, four at once over one template); none with "
                   "less than a block of the donor past the prefix")
+            # A served blend is approximate: nothing of it enters the exact store, so the same
+            # prompt asked with exact reuse alone is computed (no full or result hit).
+            exact_again = client.generate(tokens=shifted, max_tokens=8, tenant="t1", reuse="exact")
+            check(exact_again.usage["reuse_level"] == "none",
+                  f"a blended prompt came back from the exact store: {exact_again.usage}")
+            print("ok approximate: a served blend stores nothing the exact levels would serve")
+
+            # Of several candidates, the one whose tokens differ least from the prompt's is
+            # served: a query one token from donor A and four from B gets A's answer. (B is A with
+            # three tokens changed, chosen so that their answers differ.)
+            first = [rng.randrange(vocab) for _ in range(40)]
+            for _ in range(20):
+                second = list(first)
+                for position in rng.sample(range(4, 36), 3):
+                    second[position] = rng.randrange(vocab)
+                if (reference(args.moeline, args.model, 8, tokens=second)["ids"] !=
+                        reference(args.moeline, args.model, 8, tokens=first)["ids"]):
+                    break
+            else:
+                raise AssertionError("no second donor with another answer in 20 tries")
+            answer_first = generate_donor(stack, client, tokens=first, max_tokens=8, tenant="t4")
+            generate_donor(stack, client, tokens=second, max_tokens=8, tenant="t4")
+            query = list(first)
+            query[38] = (query[38] + 1) % vocab
+            nearest = client.generate(tokens=query, max_tokens=8, tenant="t4", reuse="response")
+            check(nearest.usage["approximate"] == "response" and nearest.ids == answer_first.ids,
+                  f"the nearer donor's answer was not served: {nearest.usage}")
+            print("ok approximate: of two candidates, the one nearer the prompt is served")
 
             # The CLI says which level served the request.
             out = subprocess.run([args.moeline, "client", "generate", "--endpoint", stack.endpoint,

@@ -823,7 +823,7 @@ def case_slow_client(args):
               f"in {took:.1f} s")
 
 
-def concurrently(stack, bodies, gap_s=0.02):
+def concurrently(stack, bodies, gap_s=0.02, headers=None):
     """POSTs each body to /v1/completions on its own connection, `gap_s` apart; the results in
     order. The gap must stay well under a long request's time (480 tokens of the demo model took
     less than 0.2 s on an AVX-512 core once decode streamed two rows per thread): a second
@@ -832,7 +832,7 @@ def concurrently(stack, bodies, gap_s=0.02):
     results = [None] * len(bodies)
 
     def one(i):
-        results[i] = post(stack, "/v1/completions", bodies[i])
+        results[i] = post(stack, "/v1/completions", bodies[i], headers=headers)
 
     threads = []
     for i in range(len(bodies)):
@@ -847,10 +847,20 @@ def concurrently(stack, bodies, gap_s=0.02):
 def case_fallback(args):
     long_request = {"prompt": [5, 6, 7], "max_tokens": 480, "ignore_eos": True, "temperature": 0}
     one_at_a_time = {"gateway": {"max-in-flight": 1}}
+    # Both gateways take the same API keys: the overflow request must reach the fallback with its
+    # client's key (without it, the fallback answers 401).
+    keys_file = os.path.join(args.workdir, "fallback-keys.json")
+    if os.path.exists(keys_file):
+        os.remove(keys_file)
+    os.makedirs(args.workdir, exist_ok=True)
+    out = subprocess.run([args.moeline, "keys", "add", "--file", keys_file, "--tenant", "acme"],
+                         capture_output=True, text=True, timeout=30)
+    check(out.returncode == 0, out.stderr)
+    keyed = {"Authorization": f"Bearer {out.stdout.strip()}"}
     with Stack(args.moeline, args.model, os.path.join(args.workdir, "small"), http_port=0,
-               config=one_at_a_time) as small:
+               config=one_at_a_time, extra_args=["--api-keys", keys_file]) as small:
         # Whichever reaches the gateway second (a slow run may reorder them) is the overflow.
-        results = concurrently(small, [long_request, long_request])
+        results = concurrently(small, [long_request, long_request], headers=keyed)
         first, second = sorted(results, key=lambda r: r[0] != 200)
         check(first[0] == 200, f"one request must be served: {results}")
         error_is(second, 429, what="a request over the gateway's in-flight limit")
@@ -861,13 +871,13 @@ def case_fallback(args):
                   "http": {"fallback-endpoint": small.endpoint, "fallback-model": args.model,
                            "fallback-model-name": "demo-fallback"}}
         with Stack(args.moeline, args.model, os.path.join(args.workdir, "primary"), http_port=0,
-                   config=config) as primary:
+                   config=config, extra_args=["--api-keys", keys_file]) as primary:
             conn = connect(primary)
-            conn.request("GET", "/v1/models")
+            conn.request("GET", "/v1/models", headers=keyed)
             listed = [m["id"] for m in json.loads(conn.getresponse().read())["data"]]
             conn.close()
             check("demo-fallback" in listed, f"/v1/models lists the fallback: {listed}")
-            results = concurrently(primary, [long_request, long_request])
+            results = concurrently(primary, [long_request, long_request], headers=keyed)
             first, second = sorted(results, key=lambda r: r[1].get("model") == "demo-fallback")
             check(first[0] == 200 and first[1]["model"] != "demo-fallback" and
                   first[1]["moeline"]["fallback"] is False, f"the first request: {first[1]}")
@@ -877,8 +887,8 @@ def case_fallback(args):
                   f"the overflow request must be served by the fallback: {second}")
             counted = primary.metric("http", "moeline_http_fallbacks_total", reason="overloaded")
             check(counted >= 1, f"fallbacks counted: {counted}")
-        print("ok fallback: an overloaded primary's request is served by the fallback model, "
-              "marked as such and counted")
+        print("ok fallback: an overloaded primary's request is served by the fallback model "
+              "(with its client's API key), marked as such and counted")
 
 
 CASES = {"api": case_api, "auth": case_auth, "fallback": case_fallback, "openai": case_openai,

@@ -699,6 +699,10 @@ def case_reuse(args):
                                                       "max_tokens": 12}, "prefix", 48),
                 ("partial overlap (one block)", {"tokens": system[:20] + suffix(20),
                                                  "max_tokens": 12}, "prefix", 16),
+                # Whole blocks only, all of them cached, never a prompt of its own: every block
+                # but the last is reused (the last token's logits must be computed).
+                ("block-aligned prompt, every block cached", {"tokens": list(system),
+                                                              "max_tokens": 12}, "prefix", 32),
             ]
             for label, request, level, reused in cases:
                 usage = generate(request).usage

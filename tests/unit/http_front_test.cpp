@@ -3,6 +3,9 @@
 // tests/integration/test_http.py).
 #include <gtest/gtest.h>
 
+#include <algorithm>
+#include <utility>
+
 #include <atomic>
 #include <chrono>
 #include <future>
@@ -12,6 +15,7 @@
 #include <vector>
 
 #include "stages/http/connection_threads.h"
+#include "stages/http/events.h"
 #include "stages/http/openai.h"
 #include "stages/http/stop_matcher.h"
 #include "stages/http/token_stream.h"
@@ -62,6 +66,46 @@ TEST(StopMatcher, TheEarliestOfSeveralStopStringsWinsAndNothingFollows) {
   EXPECT_EQ(matcher.feed("hi! there"), "hi");
   EXPECT_EQ(matcher.feed("more"), "");
   EXPECT_EQ(matcher.flush(), "");
+}
+
+// What a completion with `stops` returns when its whole text is `text`: generation ends as soon
+// as any stop string is complete, so the text is cut where the first one to complete starts (of
+// several completing at the same character, the longest), and whether one did.
+std::pair<std::string, bool> cut_at_first_stop(const std::string& text,
+                                               const std::vector<std::string>& stops) {
+  for (size_t end = 1; end <= text.size(); ++end) {
+    size_t start = std::string::npos;
+    for (const std::string& stop : stops)
+      if (!stop.empty() && stop.size() <= end &&
+          text.compare(end - stop.size(), stop.size(), stop) == 0)
+        start = std::min(start, end - stop.size());
+    if (start != std::string::npos) return {text.substr(0, start), true};
+  }
+  return {text, false};
+}
+
+TEST(StopMatcher, SeveralStopStringsAgreeWithTheWholeTextUnderEverySplit) {
+  // Stop strings that overlap one another's starts and ends, so that what one holds back is
+  // longer or shorter than what another would: every split into three deltas gives what cutting
+  // the whole text at the first stop string to complete gives. (None is inside another: where one
+  // is, which of two stops first can depend on how the text is split into tokens.)
+  const std::vector<std::vector<std::string>> stop_sets = {
+      {"abc", "bz"}, {"bz", "abc"}, {"abx", "bcq", "cy"}, {"ca", "ab"}, {"aab", "bb"}};
+  const std::vector<std::string> texts = {"xabc",   "xxabzq", "aaab",    "xabcyz",
+                                          "abcabq", "zzabcq", "abababx", "no stop here"};
+  for (const auto& stops : stop_sets)
+    for (const std::string& text : texts) {
+      const auto [want, want_stopped] = cut_at_first_stop(text, stops);
+      for (size_t i = 0; i <= text.size(); ++i)
+        for (size_t j = i; j <= text.size(); ++j) {
+          bool stopped = false;
+          EXPECT_EQ(
+              run(stops, {text.substr(0, i), text.substr(i, j - i), text.substr(j)}, &stopped),
+              want)
+              << text << " split at " << i << ", " << j << " stops " << stops[0] << "...";
+          EXPECT_EQ(stopped, want_stopped) << text << " split at " << i << ", " << j;
+        }
+    }
 }
 
 TEST(StopMatcher, NoStopStringsPassEverythingThrough) {
@@ -484,6 +528,55 @@ sdk::Event event_of(sdk::EventKind kind, const std::string& text, int32_t token)
     event.usage.prompt_tokens = 3;  // the gateway's count, on the last event
   }
   return event;
+}
+
+sdk::Event finished_by(const std::string& text, const std::string& reason) {
+  sdk::Event event = event_of(sdk::EventKind::kFinished, text, 8);
+  event.finish_reason = reason;
+  return event;
+}
+
+TEST(Absorb, TextHeldForAStopStringIsReleasedWhenTheStreamFinishesWithoutOne) {
+  // The answer ends on the first characters of a stop string: held back while it could still
+  // become one, then part of the answer when the stream finishes.
+  StopMatcher stops({"\n\n", "END"});
+  Outcome outcome;
+  std::string emitted;
+  EXPECT_FALSE(absorb(event_of(sdk::EventKind::kDelta, "one line\n", 7), stops, outcome, emitted));
+  EXPECT_EQ(emitted, "one line");
+  EXPECT_TRUE(absorb(finished_by("the E", "length"), stops, outcome, emitted));
+  EXPECT_EQ(emitted, "one line\nthe E");
+  EXPECT_EQ(outcome.finish_reason, "length");
+  EXPECT_EQ(outcome.ids, (std::vector<int32_t>{7, 8}));
+  // Found in the last delta: cut there, and the request ends by it.
+  StopMatcher found({"END"});
+  Outcome cut;
+  std::string kept;
+  EXPECT_TRUE(absorb(finished_by("doneEND more", "eos"), found, cut, kept));
+  EXPECT_EQ(kept, "done");
+  EXPECT_EQ(cut.finish_reason, "stop");
+}
+
+TEST(TokenStream, AStreamAStopStringEndsIsStillRunningInThePipeline) {
+  // Cut by a stop string, the stream is over for its client but not for the gateway, which goes
+  // on decoding unless the front cancels it: pipeline_ended() must say so.
+  CompletionRequest request;
+  request.endpoint = Endpoint::kCompletions;
+  request.stream = true;
+  request.stop = {"END"};
+  Backend backend;
+  runtime::Histogram delay({1.0});
+  runtime::Counter failures;
+  auto completion = std::make_shared<Completion>();
+  httplib::DataSink sink;
+  sink.write = [](const char*, size_t) { return true; };
+  TokenStream cut(Endpoint::kCompletions, request, backend, completion, 3, &delay, &failures);
+  EXPECT_TRUE(cut.on_event(event_of(sdk::EventKind::kDelta, "some", 1), {}, sink));
+  EXPECT_FALSE(cut.on_event(event_of(sdk::EventKind::kDelta, " textEND", 2), {}, sink));
+  EXPECT_FALSE(cut.pipeline_ended());
+  TokenStream finished(Endpoint::kCompletions, request, backend, completion, 3, &delay, &failures);
+  EXPECT_FALSE(finished.on_event(event_of(sdk::EventKind::kFinished, "all", 1), {}, sink));
+  EXPECT_TRUE(finished.pipeline_ended());
 }
 
 // A streamed response of two choices (n = 2) with tools on offer: choice 0 writes text and then
