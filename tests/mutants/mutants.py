@@ -374,11 +374,11 @@ MUTANTS = [
          old='if (!streaming) e.streamed = 0;',
          new='',
          why="an expert a prefill brought in stays at the cold end of the pool however often decode uses it: every later prefill sweep evicts decode's working set first",
-         tests='^ExpertPool\\.APrefillSweepIsEvictedBeforeDecodesExperts$'),
+         tests='^ExpertPool\\.(APrefillSweepIsEvictedBeforeDecodesExperts|AnExpertAPrefillBroughtInIsDecodesOnceDecodeUsesIt)$'),
     dict(name='prefetch-switch-needs-late-and-wasted',
          file='stages/offload_manager/prefetch_switch.cpp',
          old='if (late <= settings_.bad_share && wasted <= settings_.bad_share) continue;',
          new='if (late <= settings_.bad_share || wasted <= settings_.bad_share) continue;',
          why='prefetch that is always late but never wasted (or the reverse) is never switched off: the offload manager keeps paying for it',
-         tests='^stack_offload_prefetch_switch$'),
+         tests='^(PrefetchSwitch\\.|stack_offload_prefetch_switch$)'),
 ]

@@ -216,6 +216,13 @@ def main():
         gguf = os.path.join(args.workdir, f"{name}.gguf")
         gguf_writer.write_gguf(gguf, gguf_convert.tokenizer_keys(path, pre=pre), [])
         tokenizers.append((f"{name}-gguf", path, gguf))
+    # Llama 2's GGUF as older conversions wrote it, without tokenizer.ggml.add_bos_token: an SPM
+    # vocabulary adds <s> unless the file says otherwise (llama.cpp's default).
+    llama2 = npm_file(args.node_modules, "llama2")
+    gguf = os.path.join(args.workdir, "llama2-no-add-bos.gguf")
+    gguf_writer.write_gguf(gguf, [key for key in gguf_convert.tokenizer_keys(llama2)
+                                  if key[0] != "tokenizer.ggml.add_bos_token"], [])
+    tokenizers.append(("llama2-no-add-bos-gguf", llama2, gguf))
 
     failures, checked = [], 0
     for name, path, ours_path in tokenizers:

@@ -23,6 +23,7 @@
 #include "offload/router_health.h"
 #include "offload/slot_policy.h"
 #include "offload/trace.h"
+#include "stages/offload_manager/prefetch_switch.h"
 
 namespace moeline::offload {
 namespace {
@@ -257,6 +258,64 @@ TEST(ExpertPool, APrefillSweepIsEvictedBeforeDecodesExperts) {
   const uint64_t hits = pool->stats().hits;
   for (int expert : {0, 1}) use(expert);
   EXPECT_EQ(pool->stats().hits - hits, 1u);
+}
+
+TEST(ExpertPool, AnExpertAPrefillBroughtInIsDecodesOnceDecodeUsesIt) {
+  // Three slots. Decode uses experts 0 and 1; a prefill brings in 2, which decode then uses as
+  // often as the others, last of all. The next prefill sweep (expert 3) must evict one of 0 and 1,
+  // not 2: decode's use took 2 off the cold end where the first prefill had put it.
+  auto m = load("mixtral-f32");
+  ASSERT_TRUE(m);
+  const ExpertCatalog catalog = m->expert_catalog();
+  ASSERT_GE(catalog.experts_per_layer, 4);
+  auto pool = pool_of_slots(catalog, "adopted", 3);
+  auto client = must(PoolClient::attach(pool->name(), catalog));
+  auto use = [&](int expert) {
+    client->acquire(0, expert);
+    client->release(0, expert);
+  };
+  for (int expert : {0, 1}) use(expert);
+  client->set_streaming(true);
+  use(2);
+  client->set_streaming(false);
+  for (int step = 0; step < 3; ++step)
+    for (int expert : {0, 1, 2}) use(expert);
+  client->set_streaming(true);
+  use(3);
+  client->set_streaming(false);
+  const uint64_t hits = pool->stats().hits;
+  use(2);
+  EXPECT_EQ(pool->stats().hits - hits, 1u) << "decode's expert 2 was evicted by the sweep";
+}
+
+TEST(PrefetchSwitch, LateAloneOrWastedAloneSwitchesAKindOffAndNeitherKeepsItOn) {
+  // One window of 10 decode prefetches: 8 late and none wasted, or none late and 8 wasted, is
+  // over the 0.5 threshold either way; 4 of each is under it on both counts.
+  auto m = load("mixtral-f32");
+  ASSERT_TRUE(m);
+  const ExpertCatalog catalog = m->expert_catalog();
+  runtime::Logger log("offload", "offload-test");
+  runtime::Registry metrics;
+  struct Window {
+    uint64_t late, wasted;
+    bool switched_off;
+  };
+  for (const Window& window : {Window{8, 0, true}, Window{0, 8, true}, Window{4, 4, false}}) {
+    auto pool = pool_of_slots(catalog, "switch", 2);
+    stages::PrefetchSwitch prefetch_switch({.bad_share = 0.5, .min_requests = 10, .retry_s = 300},
+                                           true, log, metrics);
+    PoolStats stats;
+    auto& decode = stats.prefetch_by_kind[static_cast<size_t>(PrefetchKind::kDecode)];
+    decode = {.requests = 10,
+              .used = 10 - window.late - window.wasted,
+              .late = window.late,
+              .wasted = window.wasted};
+    prefetch_switch.update(stats, *pool, stages::PrefetchSwitch::Clock::now());
+    EXPECT_EQ(pool->stats().prefetch_off[static_cast<size_t>(PrefetchKind::kDecode)],
+              window.switched_off ? 1u : 0u)
+        << window.late << " late, " << window.wasted << " wasted of 10";
+    EXPECT_EQ(pool->stats().prefetch_off[static_cast<size_t>(PrefetchKind::kPrefill)], 0u);
+  }
 }
 
 TEST(ExpertPool, WhatAPassWillTakeOfItsLayerIsEvictedLast) {
