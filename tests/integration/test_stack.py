@@ -129,6 +129,12 @@ def case_parity(args):
                 served = [stack.metric(f"decode-{i}", "moeline_decode_tokens_total")
                           for i in range(2)]
                 check(all(n > 0 for n in served), f"both decode replicas should serve: {served}")
+            # Every stream over: no replica holds a sequence or a KV block any more.
+            for i in range(decode):
+                wait_for(lambda: stack.metric(f"decode-{i}", "moeline_decode_active_sequences") == 0
+                         and stack.metric(f"decode-{i}", "moeline_decode_kv_blocks",
+                                          state="used") == 0,
+                         10, f"decode-{i} still holds sequences or KV blocks after every stream")
             print(f"ok parity: 64 concurrent streams identical to moeline run, {decode} decode "
                   f"({(batches + singles) / events:.2f} messages per stream event)")
 
@@ -259,6 +265,14 @@ def case_errors(args):
                   "cancel: decode did not count a cancelled sequence")
             print(f"ok errors: cancel after {event.usage['completion_tokens']} tokens freed the "
                   "sequence and its KV blocks")
+            # What a cancel cut short is no completion: asked again, the same greedy request is
+            # computed to its end, not replayed from the store as the cut-off answer.
+            again = client.generate(tokens=[1, 2, 3], max_tokens=480, ignore_eos=True)
+            # (An earlier try that the cancel missed may have stored the whole answer: a hit on
+            # that is right.)
+            check(len(again.ids) == 480 and again.finish_reason == "length",
+                  f"the cancelled request asked again: {len(again.ids)} tokens, "
+                  f"{again.finish_reason}, {again.usage}")
 
             # Deadline.
             try:
@@ -530,6 +544,16 @@ def case_metrics(args):
                           f"{name}/healthz: no kernel report: {body}")
                     print(f"ok kernels: {name} /healthz reports isa={kernels.get('isa')} "
                           f"cpu={kernels.get('cpu')!r} tuning={kernels.get('tuning')}")
+        # The gateway's KV figures are what the decode replicas report in their heartbeats (twice
+        # a second): idle, the two sides agree block for block.
+        decodes = [st["name"] for st in stack.state()["stages"] if st["name"].startswith("decode")]
+        for state in ("used", "free"):
+            wait_for(lambda: stack.metric("gateway", "moeline_gateway_kv_blocks", state=state) ==
+                     sum(stack.metric(d, "moeline_decode_kv_blocks", state=state)
+                         for d in decodes), 5,
+                     f"the gateway's {state} KV blocks are not the decode replicas' own")
+        check(stack.metric("gateway", "moeline_gateway_kv_blocks", state="free") > 0,
+              "no free KV blocks reported")
         # What operators are given to watch (alert rules, dashboard) names only what a stack
         # exports: a renamed or dropped metric fails here, not silently in a dashboard.
         exported = set()
@@ -689,8 +713,7 @@ def case_reuse(args):
                           f"reuse changed the output ({result.usage}): {result.ids} != {want['ids']}")
                 return result
 
-            for request in first_wave:
-                generate(request)
+            first_results = [generate(request) for request in first_wave]
             cases = [
                 ("exact greedy repeat", base, "result", len(base["tokens"])),
                 ("same prompt, other max_tokens", {**base, "max_tokens": 7}, "full",
@@ -705,9 +728,14 @@ def case_reuse(args):
                                                               "max_tokens": 12}, "prefix", 32),
             ]
             for label, request, level, reused in cases:
-                usage = generate(request).usage
+                result = generate(request)
+                usage = result.usage
                 check(usage["reuse_level"] == level and usage["reused_tokens"] == reused,
                       f"{label}: {usage}, want {level} with {reused} tokens")
+                if level == "result":  # a replayed completion ends as the one it replays
+                    check(result.finish_reason == first_results[0].finish_reason,
+                          f"{label}: finish {result.finish_reason}, stored with "
+                          f"{first_results[0].finish_reason}")
                 print(f"ok reuse: {label} -> {level}, {reused} tokens reused, identical to run")
 
             # Many jobs on the same cached prefix at once: one prefill batch shares its blocks.

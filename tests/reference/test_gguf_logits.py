@@ -227,6 +227,20 @@ def main(argv):
             subprocess.run([args.moeline, "quantize", "--model", folder, "--out", gguf, "--type",
                             type_name], check=True, capture_output=True, timeout=TIMEOUT_S)
             files.append((f"moeline-quantize-{type_name}", gguf))
+        # The Q4_K_M mix (which tensors of which layers get more bits) is llama.cpp's rule, written
+        # twice: moeline quantize's must give every tensor the converter's type. (DeepSeek's
+        # attention splits differently in the two writers, so its files are left out here.)
+        by_name = dict(files)
+        if "q4_k_m" in by_name and "moeline-quantize-q4_k_m" in by_name and \
+                arch in ("mixtral", "qwen3_moe"):
+            kinds = [{name: entry[0] for name, entry in gref.read_gguf(by_name[key])[1].items()}
+                     for key in ("q4_k_m", "moeline-quantize-q4_k_m")]
+            differ = sorted(n for n in set(kinds[0]) | set(kinds[1])
+                            if kinds[0].get(n) != kinds[1].get(n))
+            if differ:
+                failures.append(f"{case}: moeline quantize's Q4_K_M types differ from the "
+                                f"converter's for {differ}")
+            checked += 1
         for type_name, gguf in files:
             _, tensors = gref.read_gguf(gguf)
             model = WeightsModel(config, hf_weights(config, tensors))

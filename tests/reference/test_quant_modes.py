@@ -17,6 +17,7 @@ The demo model (a trained Qwen3-MoE, BF16) is converted to Q8_0 and to the Q4_K_
 
 import argparse
 import json
+from math import exp as math_exp
 import os
 import subprocess
 import sys
@@ -46,10 +47,18 @@ def greedy(args, model, prompt, math):
 
 
 def perplexity(args, model, math="fast"):
-    out = run([args.moeline, "perplexity", "--model", model, "--text",
-               os.path.join(args.model, "eval", "heldout.txt"), "--context", "128", "--json",
-               "--quant-math", math])
-    return json.loads(out)["ppl"]
+    out = json.loads(run([args.moeline, "perplexity", "--model", model, "--text",
+                          os.path.join(args.model, "eval", "heldout.txt"), "--context", "128",
+                          "--json", "--quant-math", math]))
+    # llama.cpp's definition: each chunk of 128 scores the tokens after its first half, the last
+    # position having no next token (63 a chunk); the final figure is the last running estimate,
+    # and exp of the mean negative log-likelihood.
+    context = out["context"]
+    if (out["scored_tokens"] != out["chunks"] * (context - context // 2 - 1) or
+            abs(out["ppl"] - out["per_chunk"][-1]) > 1e-9 * out["ppl"] or
+            abs(out["ppl"] - math_exp(out["mean_nll"])) > 1e-9 * out["ppl"]):
+        raise AssertionError(f"perplexity of {model}: inconsistent figures {out}")
+    return out["ppl"]
 
 
 def main(argv):

@@ -153,6 +153,23 @@ INSTANTIATE_TEST_SUITE_P(TinyModels, EngineOnModel,
                                            "deepseek2-f32", "deepseek3-f32", "deepseek3-bf16-fused",
                                            "qwen3-fp8", "deepseek3-fp8"));
 
+TEST(Engine, AFullContextPromptGivesTheSameLogitsOnOneThreadAndOnTwo) {
+  // 512 tokens through a dense layer of 128 (Qwen3's mlp_only_layers, DeepSeek's first dense
+  // layers): 65536 activations, where the SwiGLU is spread over the pool's threads. Every kernel
+  // keeps each row's bits whatever the threads, so the logits are identical.
+  for (const char* name : {"qwen3-bf16", "deepseek3-f32"}) {
+    SCOPED_TRACE(name);
+    auto model = load(name);
+    ASSERT_TRUE(model);
+    const int64_t length = model->config().max_position_embeddings;
+    ASSERT_GE(length * 128, int64_t{1} << 16);
+    const std::vector<int32_t> tokens =
+        prompt(static_cast<int>(length), 3, model->config().vocab_size);
+    Harness one(*model, 1), two(*model, 2);
+    EXPECT_EQ(prefill_logits(one, tokens), prefill_logits(two, tokens));
+  }
+}
+
 TEST(Engine, Bf16WeightsStayWithinBf16Rounding) {
   // mixtral-bf16 has the same seed as mixtral-f32: the same weights rounded to BF16 (relative
   // error ≤ 2^-9 ≈ 0.2% each). Through 2 layers of random rounding errors the logits move by about
@@ -347,6 +364,13 @@ TEST(Generator, StopsAtStopTokensAndMaxTokensAndReturnsBlocks) {
   EXPECT_LE(tokens.size(), 3u);
   EXPECT_EQ(tokens.back(), (*first)[0].tokens[2]);
   EXPECT_EQ(h.cache.pool().free_blocks(), h.cache.pool().capacity());
+  // A stop token that is also the last token max_tokens allows: the model stopped, "stop".
+  request.sampling.max_tokens = static_cast<int64_t>(tokens.size());
+  auto both_limits = generator.generate({request});
+  ASSERT_TRUE(both_limits.ok());
+  EXPECT_EQ((*both_limits)[0].tokens, tokens);
+  EXPECT_EQ((*both_limits)[0].finish_reason, FinishReason::kStop);
+  request.sampling.max_tokens = 9;
 
   // Batched generation gives each request what it gets alone.
   GenerationRequest other{

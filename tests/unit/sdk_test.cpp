@@ -393,6 +393,14 @@ TEST_F(SdkTest, GenerateRequestCarriesTheOptions) {
                      .seed = 0,  // a seed of 0 is still a seed
                      .stop_token_ids = {5, 6},
                      .ignore_eos = true,
+                     .min_p = 0.05,
+                     .presence_penalty = 0.25,
+                     .frequency_penalty = -0.5,
+                     .repetition_penalty = 1.125,
+                     .logprobs = true,
+                     .top_logprobs = 3,
+                     .prompt_logprobs = true,
+                     .logit_bias = {{11, -2.5f}, {12, 4.0f}},
                      .tenant = "acme",
                      .deadline_ms = 1500,
                      .add_special_tokens = false,
@@ -428,6 +436,20 @@ TEST_F(SdkTest, GenerateRequestCarriesTheOptions) {
   EXPECT_EQ(std::vector<int32_t>(s->stop_token_ids()->begin(), s->stop_token_ids()->end()),
             (std::vector<int32_t>{5, 6}));
   EXPECT_TRUE(s->ignore_eos());
+  // Every other sampling field, each at a value no other field has.
+  EXPECT_EQ(s->min_p(), 0.05);
+  EXPECT_EQ(s->presence_penalty(), 0.25);
+  EXPECT_EQ(s->frequency_penalty(), -0.5);
+  EXPECT_EQ(s->repetition_penalty(), 1.125);
+  EXPECT_TRUE(s->logprobs());
+  EXPECT_EQ(s->top_logprobs(), 3);
+  EXPECT_TRUE(s->prompt_logprobs());
+  ASSERT_NE(s->logit_bias(), nullptr);
+  ASSERT_EQ(s->logit_bias()->size(), 2u);
+  EXPECT_EQ(s->logit_bias()->Get(0)->token(), 11);
+  EXPECT_EQ(s->logit_bias()->Get(0)->bias(), -2.5f);
+  EXPECT_EQ(s->logit_bias()->Get(1)->token(), 12);
+  EXPECT_EQ(s->logit_bias()->Get(1)->bias(), 4.0f);
 
   // Token ids instead of a prompt, every other option at its default.
   r = sent[1].as<wire::GenerateRequest>();

@@ -101,18 +101,23 @@ std::vector<zmq::message_t> make_stream_event_batch() {
   return encode(MessageType::StreamEventBatch, b);
 }
 
-std::vector<zmq::message_t> make_prefill_done(const std::vector<uint8_t>& kv) {
+// A PrefillDone carrying each of `kvs` as a bulk frame, described by its size and checksum.
+std::vector<zmq::message_t> make_prefill_done(const std::vector<std::vector<uint8_t>>& kvs) {
   FlatBufferBuilder b;
   const auto layout = CreateKvLayoutDirect(b, 2, 2, 8, 16, "bf16", 3);
-  const std::vector<flatbuffers::Offset<BulkFrame>> frames = {
-      CreateBulkFrame(b, kv.size(), checksum(kv))};
+  std::vector<flatbuffers::Offset<BulkFrame>> frames;
+  for (const auto& kv : kvs) frames.push_back(CreateBulkFrame(b, kv.size(), checksum(kv)));
   const std::vector<int32_t> tokens = {1, 2, 3, 4, 5};
   b.Finish(CreatePrefillDoneDirect(b, 9000, 1, &tokens, 77, nullptr, 0, "ns", layout, &frames, 4321,
                                    "prefill-1"),
            PrefillJobIdentifier());
   std::vector<zmq::message_t> bulk;
-  bulk.emplace_back(kv.data(), kv.size());
+  for (const auto& kv : kvs) bulk.emplace_back(kv.data(), kv.size());
   return encode(MessageType::PrefillDone, b, std::move(bulk));
+}
+
+std::vector<zmq::message_t> make_prefill_done(const std::vector<uint8_t>& kv) {
+  return make_prefill_done(std::vector<std::vector<uint8_t>>{kv});
 }
 
 std::vector<zmq::message_t> make_token_batch() {
@@ -634,6 +639,30 @@ TEST(WireBulk, CheckBulkCatchesCountSizeAndChecksumMismatches) {
   std::vector<AlignedFrame> stray;
   stray.emplace_back(zmq::message_t(size_t{4}));
   EXPECT_TRUE(check_bulk(nullptr, stray).has_value());
+}
+
+TEST(WireBulk, EveryFrameOfSeveralIsChecked) {
+  // Three KV blocks: the last one damaged, or the middle one cut short, is named; none of them is
+  // taken on the strength of the first.
+  const std::vector<std::vector<uint8_t>> kvs = {pattern(128, 1), pattern(192, 2), pattern(64, 3)};
+  const Message whole = decode_ok(make_prefill_done(kvs));
+  EXPECT_EQ(check_bulk(whole.as<PrefillDone>()->frames(), whole.bulk), std::nullopt);
+  {
+    std::vector<zmq::message_t> frames = make_prefill_done(kvs);
+    static_cast<uint8_t*>(frames[4].data())[10] ^= 0x01;  // header, body, then the bulk frames
+    Message m = decode_ok(std::move(frames));
+    const auto error = check_bulk(m.as<PrefillDone>()->frames(), m.bulk);
+    ASSERT_TRUE(error.has_value());
+    EXPECT_NE(error->find("bulk frame 2 fails its checksum"), std::string::npos) << *error;
+  }
+  {
+    std::vector<zmq::message_t> frames = make_prefill_done(kvs);
+    frames[3] = zmq::message_t(kvs[1].data(), kvs[1].size() - 1);
+    Message m = decode_ok(std::move(frames));
+    const auto error = check_bulk(m.as<PrefillDone>()->frames(), m.bulk);
+    ASSERT_TRUE(error.has_value());
+    EXPECT_NE(error->find("bulk frame 1 has"), std::string::npos) << *error;
+  }
 }
 
 TEST(WireBulk, ChecksumIsXxh3OfTheBytes) {
