@@ -406,6 +406,21 @@ def case_errors(args):
               "a stage restarted after bad input")
         print("ok errors: bad input counted in metrics; no stage restarted; the stack serves")
 
+    # A decode replica with KV room for two of these at a time (40 blocks of 16 tokens; each
+    # request needs 20 for its 20-token prompt and 300 tokens): four sent at once are admitted as
+    # room frees, none fails for a full pool, and every one is `moeline run`'s.
+    vocab = vocab_of(args.model)
+    requests = [{"tokens": [(31 * i + 7 * k + 5) % vocab for k in range(20)], "max_tokens": 300,
+                 "ignore_eos": True} for i in range(4)]
+    expected = references(args, requests)
+    with Stack(args.moeline, args.model, os.path.join(args.workdir, "errors-kv"),
+               config={"decode": {"kv-blocks": 40}}) as stack:
+        with Client(stack.endpoint, timeout=120) as client:
+            results = run_concurrently(client, requests)
+        check(compare(results, requests, expected) == len(requests),
+              "requests through a decode pool with room for two at a time")
+    print("ok errors: four requests through a KV pool with room for two complete as run's")
+
 
 def case_recovery(args):
     from moeline_client import Client
@@ -429,6 +444,10 @@ def case_recovery(args):
         expected = references(args, requests)
         run_dir = os.path.join(args.workdir, f"recovery-{victim}")
         config = {**FAST_FAILURE}
+        if victim == "decode-0" and not stop_only:
+            # One retry is all a request killed once needs (the other replica is alive): with
+            # --max-retries 1 every one of them is retried, none gives up for want of a retry.
+            config["gateway"] = {"max-retries": 1}
         with Stack(args.moeline, args.model, run_dir, prefill=2, decode=2, config=config) as stack:
             with Client(stack.endpoint, timeout=120) as client:
                 killed = {}
@@ -737,6 +756,16 @@ def case_reuse(args):
                           f"{label}: finish {result.finish_reason}, stored with "
                           f"{first_results[0].finish_reason}")
                 print(f"ok reuse: {label} -> {level}, {reused} tokens reused, identical to run")
+            # A completion that max_tokens ended, replayed: still "length", not "stop".
+            cut = {"tokens": suffix(24), "max_tokens": 5, "ignore_eos": True}
+            stored = client.generate(**cut)
+            replayed = client.generate(**cut)
+            check(replayed.ids == stored.ids, "a replayed completion differs from the stored one")
+            check(stored.finish_reason == "length" and replayed.usage["reuse_level"] == "result"
+                  and replayed.finish_reason == "length",
+                  f"a replayed length-limited completion: {replayed.finish_reason}, "
+                  f"{replayed.usage}")
+            print("ok reuse: a replayed length-limited completion still ends by length")
 
             # Many jobs on the same cached prefix at once: one prefill batch shares its blocks.
             wave = [{"tokens": system + suffix(6 + i), "max_tokens": 12} for i in range(6)]
@@ -851,6 +880,25 @@ def case_sampling(args):
                               f"{name}: the repeat was served as {got.usage['reuse_level']}, not "
                               "from the store (a replayed result has no log-probabilities)")
                 print(f"ok sampling {name}: computed and full-hit answers match moeline run")
+            # In company: decode batches a request that asks for log-probabilities behind one that
+            # does not (the long plain stream first in the batch); each keeps its own settings.
+            plain_crid = client.start(tokens=[3, 1, 4, 1, 5], max_tokens=400, ignore_eos=True)
+            first = client.next_event(timeout=60)
+            while first.kind == "accepted":  # until a token: the plain stream is in decode
+                first = client.next_event(timeout=60)
+            check(first.client_request_id == plain_crid and first.kind == "delta", f"{first}")
+            want = reference(args.moeline, args.model, 12, tokens=prompt[:6], ignore_eos=True,
+                             extra=["--logprobs", "2"])
+            with Client(stack.endpoint, timeout=120) as other:
+                got = other.generate(tokens=prompt[:6], max_tokens=12, ignore_eos=True,
+                                     logprobs=True, top_logprobs=2, reuse="none")
+            check(got.ids == want["ids"] and len(got.logprobs) == len(got.ids) and
+                  all(abs(m["logprob"] - t["logprob"]) <= STACK_LOGPROB_ATOL
+                      for m, t in zip(got.logprobs, want["logprobs"])),
+                  f"log-probabilities batched behind a plain stream: {got.logprobs}")
+            while not client.next_event(timeout=60).terminal:
+                pass
+            print("ok sampling: log-probabilities of a request batched behind a plain one")
             bad = client.stream(tokens=prompt, max_tokens=4, presence_penalty=3.0)
             events = list(bad)
             check(events[-1].kind == "error" and "presence_penalty" in events[-1].error_message,
