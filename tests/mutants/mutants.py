@@ -490,7 +490,10 @@ MUTANTS = [
 # does not run these, so its smoke stays a check that passes). Each needs a test of a fault the
 # suite does not yet make: an unseeded sampled request retried after its replica dies, a
 # replica drained under --max-retries 0, a stage killed again and again (the supervisor's
-# back-off). Move one into MUTANTS with the test that kills it.
+# back-off). Move one into MUTANTS with the test that kills it. (Tried for the drain: the
+# no-grace run of stack_faults_drain under --max-retries 0 fails with the code as it is, since a
+# job on its way to the replica as it exits is lost and needs a real retry; the killer needs a
+# grace long enough that every sequence is handed back, and none is in flight.)
 KNOWN_SURVIVORS = [
     dict(name='sampled-request-left-unseeded',
          file='stages/gateway/client_requests.cpp',
