@@ -168,16 +168,20 @@ class PagedAttention : public ::testing::TestWithParam<Shape> {};
 
 void check_paged_attention(const Shape& shape, float query_scale, double tolerance);
 
-// On each kernel path this CPU runs (the AVX-512 paths reduce 16 dot products at once and have
-// bits of their own).
-TEST_P(PagedAttention, MatchesPlainAttentionWhateverTheThreadsAndCompany) {
+// check_paged_attention on each kernel path this CPU runs (the AVX-512 paths reduce 16 dot
+// products at once and have bits of their own).
+void check_on_every_path(const Shape& shape, float query_scale, double tolerance) {
   const Isa saved = active_isa();
   for (Isa isa : test::supported_isas()) {
     SCOPED_TRACE(std::string(isa_name(isa)));
     ASSERT_TRUE(set_active_isa(isa));
-    check_paged_attention(GetParam(), 0.3f, 1e-5);
+    check_paged_attention(shape, query_scale, tolerance);
   }
   set_active_isa(saved);
+}
+
+TEST_P(PagedAttention, MatchesPlainAttentionWhateverTheThreadsAndCompany) {
+  check_on_every_path(GetParam(), 0.3f, 1e-5);
 }
 
 // Scores far past where exp overflows in f32 (about 88): a softmax that does not take each row's
@@ -185,13 +189,7 @@ TEST_P(PagedAttention, MatchesPlainAttentionWhateverTheThreadsAndCompany) {
 // carries about S * 2^-24 * sqrt(n) of rounding, which exp makes a relative error of each weight:
 // under 1e-4 for S ~ 150 and n <= 96.
 TEST_P(PagedAttention, ScoresPastTheRangeOfExpStayExact) {
-  const Isa saved = active_isa();
-  for (Isa isa : test::supported_isas()) {
-    SCOPED_TRACE(std::string(isa_name(isa)));
-    ASSERT_TRUE(set_active_isa(isa));
-    check_paged_attention(GetParam(), 40.0f, 1e-3);
-  }
-  set_active_isa(saved);
+  check_on_every_path(GetParam(), 40.0f, 1e-3);
 }
 
 void check_paged_attention(const Shape& shape, float query_scale, double tolerance) {
