@@ -284,12 +284,14 @@ def until_the_stop_lands(attempt, label, tries=5):
     """Runs attempt() until the stop it makes (a cancel, a disconnect) reaches the pipeline before
     the request's last token. The demo model decodes its whole context in a fraction of a second,
     so on a busy machine a client may read its first token only after the last one was made: such
-    a try says nothing about the stop and is repeated. attempt() returns (landed, description) and
-    raises on any other failure; a stop that never lands fails after the last try. Returns the
-    descriptions of the tries."""
+    a try says nothing about the stop and is repeated. attempt(try_number) returns (landed,
+    description) and raises on any other failure; a stop that never lands fails after the last
+    try. Each try must ask a prompt of its own (try_number is there to vary it): a try the stop
+    missed stored its whole answer, and the same request asked again is replayed from the store,
+    far too fast for any stop. Returns the descriptions of the tries."""
     seen = []
-    for _ in range(tries):
-        landed, description = attempt()
+    for try_number in range(tries):
+        landed, description = attempt(try_number)
         seen.append(description)
         if landed:
             return seen

@@ -302,13 +302,13 @@ def case_api(args):
         check_tokenize(args, stack)
 
         # A client that disconnects mid-stream: its request is cancelled in the pipeline.
-        def disconnect_mid_stream():
+        def disconnect_mid_stream(try_number):
             def outcome(name):
                 return stack.metric("gateway", "moeline_gateway_requests_total", outcome=name)
 
             before = (outcome("cancelled"), outcome("length"))
             url = urlparse(stack.state()["http"])
-            body = json.dumps({"prompt": [5, 6, 7], "max_tokens": 500, "ignore_eos": True,
+            body = json.dumps({"prompt": [5, 6, 7 + try_number], "max_tokens": 500, "ignore_eos": True,
                                "temperature": 0, "stream": True}).encode()
             sock = socket.create_connection((url.hostname, url.port), timeout=30)
             sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: "

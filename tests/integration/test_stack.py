@@ -238,8 +238,10 @@ def case_errors(args):
     with Stack(args.moeline, args.model, run_dir, config=config) as stack:
         with Client(stack.endpoint, timeout=60) as client:
             # Cancel mid-stream: the stream ends "cancelled" and decode frees the sequence.
-            def cancel_at_first_token():
-                crid = client.start(tokens=[1, 2, 3], max_tokens=480, ignore_eos=True)
+            def cancel_at_first_token(try_number):
+                cancel_at_first_token.prompt = [1, 2, 3 + try_number]
+                crid = client.start(tokens=cancel_at_first_token.prompt, max_tokens=480,
+                                    ignore_eos=True)
                 cancelled = False
                 while True:
                     event = client.next_event(timeout=30)
@@ -267,9 +269,8 @@ def case_errors(args):
                   "sequence and its KV blocks")
             # What a cancel cut short is no completion: asked again, the same greedy request is
             # computed to its end, not replayed from the store as the cut-off answer.
-            again = client.generate(tokens=[1, 2, 3], max_tokens=480, ignore_eos=True)
-            # (An earlier try that the cancel missed may have stored the whole answer: a hit on
-            # that is right.)
+            again = client.generate(tokens=cancel_at_first_token.prompt, max_tokens=480,
+                                    ignore_eos=True)
             check(len(again.ids) == 480 and again.finish_reason == "length",
                   f"the cancelled request asked again: {len(again.ids)} tokens, "
                   f"{again.finish_reason}, {again.usage}")
@@ -307,11 +308,11 @@ def case_errors(args):
 
         # A client that disconnects mid-stream: the gateway notices (its next token cannot be
         # delivered) and stops the work.
-        def disconnect_after_first_token():
+        def disconnect_after_first_token(try_number):
             gone = stack.metric("gateway", "moeline_gateway_requests_total", outcome="client_gone")
             ran_out = stack.metric("gateway", "moeline_gateway_requests_total", outcome="length")
             socket = raw_socket(stack.endpoint)
-            socket.send_multipart(encode_generate(7, tokens=[9, 8, 7], max_tokens=480,
+            socket.send_multipart(encode_generate(7, tokens=[9, 8, 7 + try_number], max_tokens=480,
                                                   ignore_eos=True))
             for _ in range(2):
                 socket.recv_multipart()  # Accepted, then the first delta
