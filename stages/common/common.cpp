@@ -274,6 +274,10 @@ bool Drain::expired() const {
   return until_ && std::chrono::steady_clock::now() >= *until_;
 }
 
+bool Drain::overdue() const {
+  return until_ && std::chrono::steady_clock::now() >= *until_ + std::chrono::seconds(5);
+}
+
 void send_job_failed(runtime::HubLink& link, uint64_t request_id, uint32_t attempt,
                      wire::ErrorCode code, const std::string& text) {
   flatbuffers::FlatBufferBuilder builder(128 + text.size());

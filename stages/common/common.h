@@ -110,6 +110,9 @@ class Drain {
   // True while draining; begins the drain on the first call after SIGTERM.
   bool active(runtime::HubLink& link, runtime::Logger& log);
   bool expired() const;
+  // True five seconds past the grace period: time to leave even if work keeps arriving (it is
+  // handed back as it comes, but a peer that keeps sending must not keep the stage alive).
+  bool overdue() const;
   // True once the stage has held nothing (`empty`) for half a second in a row.
   bool idle(bool empty);
 

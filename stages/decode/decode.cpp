@@ -62,22 +62,19 @@ class DecodeStage {
       }
       while (auto handover = worker_.intake->receive())
         worker_.service.guard("decode", [&] { on_handover(*handover); });
+      // Draining: what was handed over before the hub knew still joins and runs. Past the grace
+      // period what is held goes back to be decoded elsewhere, and so does whatever still
+      // arrives. Either way the stage leaves only once it has held nothing for a moment, so a
+      // hand-over already on its way is handed back rather than lost (which would cost the
+      // request one of its retries).
+      const bool draining = drain_.active(*worker_.link, log);
+      if (draining && drain_.expired()) give_back_everything();
       admit();
       if (!active_streams_.empty()) step();
       update_gauges();
-      // Draining: what was handed over before the hub knew still joins and runs (the stage
-      // leaves once it has held nothing for a moment, so a hand-over already on its way is not
-      // lost); at the end of the grace period what is left goes back to be decoded elsewhere.
-      if (drain_.active(*worker_.link, log) &&
-          (drain_.idle(active_streams_.empty() && waiting_.empty()) || drain_.expired())) {
-        for (Stream& stream : active_streams_) {
-          stream.sequence->release(worker_.forward->blocks());
-          give_back(stream);
-        }
-        for (const Stream& stream : waiting_) give_back(stream);
-        waiting_.clear();
+      if (draining && (drain_.idle(held() == 0) || drain_.overdue())) {
+        give_back_everything();
         log.info("drained", {{"handed_back", metrics_.handed_back->value()}});
-        active_streams_.clear();
         return 0;
       }
     }
@@ -122,6 +119,16 @@ class DecodeStage {
   void give_back(const Stream& stream) {
     hand_back(*worker_.link, stream.request_id, stream.attempt);
     metrics_.handed_back->inc();
+  }
+
+  void give_back_everything() {
+    for (Stream& stream : active_streams_) {
+      stream.sequence->release(worker_.forward->blocks());
+      give_back(stream);
+    }
+    active_streams_.clear();
+    for (const Stream& stream : waiting_) give_back(stream);
+    waiting_.clear();
   }
 
   void job_failed(uint64_t request_id, uint32_t attempt, wire::ErrorCode code,

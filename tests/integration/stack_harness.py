@@ -129,6 +129,17 @@ class Stack:
                 out[(sample.name, labels)] = sample.value
         return out
 
+    def metrics_once(self, name, ready, timeout=15):
+        """self.metrics(name) once ready(metrics) holds, or the last read after `timeout` seconds
+        (for the caller's checks to fail on): what a stage publishes every half second or so,
+        such as the expert pool's counters, reaches /metrics a little after the work it counts."""
+        deadline = time.time() + timeout
+        while True:
+            metrics = self.metrics(name)
+            if ready(metrics) or time.time() > deadline:
+                return metrics
+            time.sleep(0.1)
+
     def metric(self, name, sample, created_on_first_event=False, **labels):
         return sample_value(self.metrics(name), sample, name, created_on_first_event, **labels)
 
@@ -278,6 +289,17 @@ def recovery_errors(results, retried, label):
     require(len(given_up) <= retried,
             f"{label}: requests {given_up} gave up but only {retried} requests were retried")
     return len(given_up)
+
+
+def wait_for(predicate, timeout, message, poll_s=0.05):
+    """Polls predicate() until it holds; after `timeout` seconds fails with `message` (a string, or
+    a function giving one, to say what was seen last)."""
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        if predicate():
+            return
+        time.sleep(poll_s)
+    raise AssertionError(message() if callable(message) else message)
 
 
 def until_the_stop_lands(attempt, label, tries=5):

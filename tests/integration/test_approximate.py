@@ -24,7 +24,7 @@ import time
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 from stack_harness import (Stack, reference, run_cases, run_concurrently,  # noqa: E402
-                           vocab_of)
+                           vocab_of, wait_for)
 
 # Every cached prompt of the tenant is a candidate (cosine > -0.99), and no error bound holds a
 # candidate back (delta 1): the tests choose what is served by what they put in each tenant.
@@ -202,8 +202,15 @@ def case_approximate(args):
             except ValueError:
                 pass
 
-        # A graceful restart of the probe: the index comes back from the disk tier.
-        entries = stack.metric("probe", "moeline_probe_index_entries")
+        # A graceful restart of the probe: the index comes back from the disk tier. (The last
+        # request's signature reaches the probe after its answer: the count is read once it has
+        # stayed the same for a second.)
+        entries, steady_since, deadline = -1, time.time(), time.time() + 15
+        while time.time() < deadline and time.time() - steady_since < 1.0:
+            now = stack.metric("probe", "moeline_probe_index_entries")
+            if now != entries:
+                entries, steady_since = now, time.time()
+            time.sleep(0.1)
         check(entries >= 2, f"index holds {entries} entries")
         old = stack.kill("probe", signal.SIGTERM)
         stack.wait_restarted("probe", old)
@@ -213,8 +220,11 @@ def case_approximate(args):
                               capture_output=True).returncode == 0:
                 break
             time.sleep(0.1)
-        check(stack.metric("probe", "moeline_probe_index_entries") == entries,
-              "the restarted probe did not rebuild its index from disk")
+        rebuilt = {}
+        wait_for(lambda: rebuilt.update(n=stack.metric("probe", "moeline_probe_index_entries"))
+                 or rebuilt["n"] == entries, 10,
+                 lambda: f"the restarted probe did not rebuild its index from disk: "
+                 f"{rebuilt.get('n')} entries, {entries} before")
         with Client(stack.endpoint, timeout=120) as client:
             again = list(near)
             again[35] = (again[35] + 1) % vocab

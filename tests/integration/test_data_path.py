@@ -214,7 +214,11 @@ def case_handover_lost(args):
                   f"reference, {given_up} gave up, {int(retries)} retried")
             stack.wait_restarted("decode-0", stopped)
 
-            # After: decode-1 is killed once it has taken hand-overs and streams them.
+            # After: decode-1 is killed once it has taken hand-overs and streams them. Long
+            # streams (prompt and answer within the context of 512), so that on a busy machine
+            # decode-1 is still streaming when the harness has seen a token of every request.
+            requests = [dict(r, max_tokens=300) for r in requests]
+            expected = references(args, requests)
             accepted_before = sample(stack, "decode-1", "moeline_decode_handovers_total",
                                      outcome="accepted")
             killed = {}

@@ -484,17 +484,8 @@ MUTANTS = [
          new='return layer < layers / 8 || layer > 7 * layers / 8 || (layer - layers / 8) % 3 == 2;',
          why="moeline quantize's Q4_K_M/Q5_K_M mix leaves the first layer of the last eighth (its ffn_down, and an attn_v) at the base type where llama.cpp uses Q6_K: a different, lower-quality file than llama.cpp's mix",
          tests='^reference_gguf_logits$'),
-]
-
-# Planted bugs that no default test catches yet (found by the same reading; scripts/mutants
-# does not run these, so its smoke stays a check that passes). Each needs a test of a fault the
-# suite does not yet make: an unseeded sampled request retried after its replica dies, a
-# replica drained under --max-retries 0, a stage killed again and again (the supervisor's
-# back-off). Move one into MUTANTS with the test that kills it. (Tried for the drain: the
-# no-grace run of stack_faults_drain under --max-retries 0 fails with the code as it is, since a
-# job on its way to the replica as it exits is lost and needs a real retry; the killer needs a
-# grace long enough that every sequence is handed back, and none is in flight.)
-KNOWN_SURVIVORS = [
+    # Recovery and drain: faults the suite makes on purpose (a replica killed under a sampled
+    # request, a drain under --max-retries 0, a stage killed again and again).
     dict(name='sampled-request-left-unseeded',
          file='stages/gateway/client_requests.cpp',
          old='  if (sampling.temperature > 0 && !sampling.seed) sampling.seed = seed_source_();',
@@ -514,3 +505,5 @@ KNOWN_SURVIVORS = [
          why="the supervisor forgets a stage's recent starts instead of its old ones: a stage that keeps dying is restarted in a tight loop, never backed off",
          tests='^stack_recovery$'),
 ]
+
+KNOWN_SURVIVORS = []  # none today: a planted bug that survives gets its test (tests/README.md)
