@@ -181,12 +181,14 @@ def case_budgets(args):
             with Client(stack.endpoint, timeout=120) as client:
                 results = run_concurrently(client, requests)
             compare(results, expected, label)
-            # The manager publishes the pool's counters every 0.5 s.
+            # The manager publishes the pool's counters every 0.5 s, and bytes per token once
+            # the processes' expert usage (about once a second) has counted the tokens.
             def published(m):
                 loads = host_counter(m, "loads")
                 return loads > 0 and (label == "100%" or host_counter(m, "evictions") > 0) and \
                     loads == sample_value(m, "moeline_offload_expert_load_seconds_count",
-                                          "offload", tier="host")
+                                          "offload", tier="host") and \
+                    sample_value(m, "moeline_offload_bytes_per_token", "offload", tier="host") > 0
             metrics = stack.metrics_once("offload", published)
             hits, misses, loads, evictions = (host_counter(metrics, what)
                                               for what in ("hits", "misses", "loads", "evictions"))

@@ -633,7 +633,7 @@ def case_metrics(args):
         for state in ("used", "free"):
             wait_for(lambda: stack.metric("gateway", "moeline_gateway_kv_blocks", state=state) ==
                      sum(stack.metric(d, "moeline_decode_kv_blocks", state=state)
-                         for d in decodes), 5,
+                         for d in decodes), 15,
                      f"the gateway's {state} KV blocks are not the decode replicas' own")
         check(stack.metric("gateway", "moeline_gateway_kv_blocks", state="free") > 0,
               "no free KV blocks reported")
