@@ -41,7 +41,7 @@ from urllib.parse import urlparse
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 from stack_harness import (Stack, reference, run_cases, until_the_stop_lands,  # noqa: E402
-                           vocab_of)
+                           vocab_of, wait_for)
 
 LONG_PROMPT = "(botany) a plant"  # the demo model's greedy answer: 21 tokens of a gloss
 
@@ -110,6 +110,34 @@ def detokenize(args, ids):
                          input=json.dumps(ids), capture_output=True, text=True, timeout=60)
     check(out.returncode == 0, out.stderr)
     return out.stdout
+
+
+def token_bytes(model):
+    """{id: the token's bytes} of a byte-level BPE tokenizer.json (GPT-2's map of bytes to
+    printable characters, undone), read here rather than asked of moeline."""
+    printable = (list(range(ord("!"), ord("~") + 1)) + list(range(ord("\u00a1"), ord("\u00ac") + 1)) +
+                 list(range(ord("\u00ae"), ord("\u00ff") + 1)))
+    byte_of, extra = {chr(b): b for b in printable}, 0
+    for b in range(256):
+        if b not in printable:
+            byte_of[chr(256 + extra)] = b
+            extra += 1
+    with open(os.path.join(model, "tokenizer.json"), encoding="utf-8") as f:
+        spec = json.load(f)
+    raw = {i: bytes(byte_of[c] for c in text) for text, i in spec["model"]["vocab"].items()}
+    # Added tokens (the end of text, the chat markers) are stored as their text.
+    raw.update({t["id"]: t["content"].encode() for t in spec.get("added_tokens", [])})
+    return raw
+
+
+def text_offsets(raw, ids):
+    """OpenAI's text_offset: each token's position in the text, in characters, counting what the
+    tokens before it wrote (a character split over two tokens belongs to the first)."""
+    offsets, before = [], b""
+    for token in ids:
+        offsets.append(len(before.decode("utf-8", "replace")))
+        before += raw[token]
+    return offsets
 
 
 def error_is(result, status, param=None, code=None, what=""):
@@ -226,15 +254,39 @@ def case_api(args):
         status, body, _ = post(stack, "/v1/completions",
                                {"prompt": LONG_PROMPT, "max_tokens": 40, "temperature": 0,
                                 "stop": ["never appears", stop]})
+        prompt_tokens = expected["usage"]["prompt_tokens"]
         check(status == 200 and body["choices"][0]["text"] == want and
-              body["choices"][0]["finish_reason"] == "stop", f"stop {stop!r}: {body} want {want!r}")
+              body["choices"][0]["finish_reason"] == "stop" and
+              body["usage"]["prompt_tokens"] == prompt_tokens and
+              body["usage"]["total_tokens"] == prompt_tokens + body["usage"]["completion_tokens"],
+              f"stop {stop!r}: {body} want {want!r} after {prompt_tokens} prompt tokens")
         events, done = stream(stack, "/v1/completions",
                               {"prompt": LONG_PROMPT, "max_tokens": 40, "temperature": 0,
-                               "stop": stop, "stream": True})
+                               "stop": stop, "stream": True,
+                               "stream_options": {"include_usage": True}})
         text = "".join(e["choices"][0]["text"] for e in events if e["choices"])
-        check(done and text == want and events[-1]["choices"][0]["finish_reason"] == "stop",
-              f"streamed stop: {text!r} want {want!r}")
-        print(f"ok api: stop string {stop!r} ends the text before it, streamed or not")
+        usage = [e["usage"] for e in events if not e["choices"]]
+        check(done and text == want and events[-2]["choices"][0]["finish_reason"] == "stop" and
+              len(usage) == 1 and usage[0]["prompt_tokens"] == prompt_tokens,
+              f"streamed stop: {text!r} want {want!r}, usage {usage}")
+        # What a stop string ended is cancelled in the pipeline, not decoded on for nobody (a
+        # long request, so that the cancel lands before its end; tried with another length if
+        # a busy machine let it finish first).
+        def cancelled_by_stop(try_number):
+            before = stack.metric("gateway", "moeline_gateway_requests_total", outcome="cancelled")
+            status, body, _ = post(stack, "/v1/completions",
+                                   {"prompt": LONG_PROMPT, "max_tokens": 400 + try_number,
+                                    "temperature": 0, "ignore_eos": True, "stop": stop})
+            check(status == 200 and body["choices"][0]["text"] == want, f"long stop: {body}")
+            try:
+                wait_for(lambda: stack.metric("gateway", "moeline_gateway_requests_total",
+                                              outcome="cancelled") > before, 10, "")
+                return True, "cancelled"
+            except AssertionError:
+                return False, "not cancelled"
+        until_the_stop_lands(cancelled_by_stop, "a request a stop string ended", tries=3)
+        print(f"ok api: stop string {stop!r} ends the text before it, streamed or not, counts "
+              "the prompt, and cancels the rest of the request")
 
         # /generate: the plain shape.
         status, body, _ = post(stack, "/generate",
@@ -364,8 +416,12 @@ def check_echo(args, stack):
     cached (a plain request for it goes first). One request is lm-evaluation-harness's
     loglikelihood request: token ids, max_tokens 1, echo, logprobs 1."""
     ids = [11, 42, 300, 7, 19, 88, 5, 1000, 64, 3, 250, 17, 900, 33, 2, 71, 12]
+    # (The third prompt's characters outside ASCII are split over byte tokens: text_offset counts
+    # characters, not bytes.)
+    accents = "Un caf\u00e9 \u00e0 Z\u00fcrich \U0001f937: "
     cases = [({"prompt": ids}, {"tokens": ids}, 1, 1),
              ({"prompt": LONG_PROMPT}, {"prompt": LONG_PROMPT}, 6, 3)]
+    raw = token_bytes(args.model)
     scored = []
     for prompt, run_prompt, max_tokens, top in cases:
         post(stack, "/v1/completions", {**prompt, "max_tokens": 2, "temperature": 0})  # cached
@@ -395,10 +451,9 @@ def check_echo(args, stack):
                   f"echo token {position + 1}: {mine} != moeline run's {theirs}")
             check(len(logprobs["top_logprobs"][position + 1]) in (top, top + 1),
                   f"echo token {position + 1}: {logprobs['top_logprobs'][position + 1]}")
-        offsets = [0]
-        for token in logprobs["tokens"][:-1]:
-            offsets.append(offsets[-1] + len(token))
-        check(logprobs["text_offset"] == offsets, f"echo text_offset {logprobs['text_offset']}")
+        offsets = text_offsets(raw, prompt_ids + want["ids"])
+        check(logprobs["text_offset"] == offsets,
+              f"echo text_offset {logprobs['text_offset']}, want {offsets}")
 
         events, done = stream(stack, "/v1/completions", {**request, "stream": True})
         chunks = [event["choices"][0] for event in events if event["choices"]]
@@ -575,13 +630,16 @@ def check_logprobs_and_penalties(args, stack):
     check(response["choices"][0]["text"] == detokenize(args, want["ids"]) and
           len(logprobs["tokens"]) == len(want["ids"]),
           f"completions with penalties: {response} want {want['ids']}")
-    offsets = [0]
-    for token in logprobs["tokens"][:-1]:
-        offsets.append(offsets[-1] + len(token))
+    offsets = text_offsets(token_bytes(args.model), want["ids"])
     check(logprobs["text_offset"] == offsets, f"text_offset {logprobs['text_offset']}")
     for step, (mine, theirs) in enumerate(zip(logprobs["token_logprobs"], want["logprobs"])):
         check(abs(mine - theirs["logprob"]) <= LOGPROB_ATOL, f"step {step}: {mine} != {theirs}")
         alternatives = logprobs["top_logprobs"][step]
+        # The chosen token is among them with its own log-probability (OpenAI lists it even
+        # where it is not among the most likely).
+        chosen = logprobs["tokens"][step]
+        check(chosen in alternatives and abs(alternatives[chosen] - mine) <= LOGPROB_ATOL,
+              f"step {step}: the chosen token {chosen!r} ({mine}) not in {alternatives}")
         check(3 <= len(alternatives) <= 4 and
               abs(max(alternatives.values()) - theirs["top"][0][1]) <= LOGPROB_ATOL,
               f"step {step} top_logprobs {alternatives} != {theirs['top']}")

@@ -53,6 +53,46 @@ def run(cmd, stdin=None, env=None):
     return r.stdout
 
 
+# `moeline perplexity` against llama.cpp's definition computed here on the reference's logits:
+# the text tokenized whole, cut into chunks of PPL_CONTEXT tokens, each chunk's positions from
+# its middle to its next-to-last scored on the token after them; the estimate is exp of the mean
+# negative log-likelihood, its error ppl * sqrt(var(nll) / (n - 1)). Both sides' logits agree to
+# LOGITS_RTOL, which moves a token's NLL by about 1e-4 nats: 1e-3 on the mean NLL and 1% on the
+# error leave a margin, and an NLL scored against the wrong token or an error not carried through
+# exp moves them by far more.
+PPL_CONTEXT = 64
+PPL_CHUNKS = 3
+
+
+def check_perplexity_command(moeline, model_dir, model):
+    text = os.path.join(model_dir, "eval", "heldout.txt")
+    with open(text, encoding="utf-8") as f:
+        ids = json.loads(run([moeline, "tokenize", "--tokenizer", model_dir], f.read().encode()))
+    got = json.loads(run([moeline, "perplexity", "--model", model_dir, "--text", text,
+                          "--context", str(PPL_CONTEXT), "--chunks", str(PPL_CHUNKS), "--json"]))
+    nlls, running = [], []
+    for c in range(PPL_CHUNKS):
+        chunk = ids[c * PPL_CONTEXT:(c + 1) * PPL_CONTEXT]
+        logits = ref.forward_logits(model, chunk, {})
+        logits = logits - logits.max(axis=-1, keepdims=True)
+        logp = logits - np.log(np.exp(logits).sum(axis=-1, keepdims=True))
+        for j in range(PPL_CONTEXT // 2, PPL_CONTEXT - 1):
+            nlls.append(-float(logp[j, chunk[j + 1]]))
+        running.append(math.exp(sum(nlls) / len(nlls)))
+    nll = np.array(nlls)
+    mean = float(nll.mean())
+    ppl = math.exp(mean)
+    error = ppl * math.sqrt(float((nll ** 2).mean() - mean ** 2) / (len(nll) - 1))
+    check(f"moeline perplexity on {PPL_CHUNKS} chunks of {PPL_CONTEXT}: the figures of its "
+          "definition on the reference's logits",
+          got["scored_tokens"] == len(nll) and abs(got["mean_nll"] - mean) <= 1e-3 and
+          abs(got["ppl_error"] - error) <= 1e-2 * error and
+          all(abs(a - b) <= 1e-3 * b for a, b in zip(got["per_chunk"], running)),
+          f"moeline ppl {got['ppl']:.4f} +/- {got['ppl_error']:.4f} over {got['scored_tokens']} "
+          f"tokens, per chunk {got['per_chunk']}; reference {ppl:.4f} +/- {error:.4f} over "
+          f"{len(nll)}, per chunk {running}")
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--moeline", required=True)
@@ -114,6 +154,8 @@ def main():
               f"  imbalance {np.std(counts[layer]) / np.mean(counts[layer]):.3f}")
     check(f"every expert gets at least {MIN_SHARE:.0%} of the selections (smallest {worst:.2%})",
           worst >= MIN_SHARE)
+
+    check_perplexity_command(m, model_dir, model)
 
     # Without --model, moeline runs the embedded model (this one, when the test runs on it) or the
     # one $MOELINE_MODEL names.

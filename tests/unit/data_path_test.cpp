@@ -130,7 +130,9 @@ class HubAndLinks : public ::testing::Test {
  protected:
   void SetUp() override {
     endpoint_ = "ipc:///tmp/moeline-hubtest-" + std::to_string(::getpid()) + ".sock";
-    hub_ = std::make_unique<runtime::Hub>(context_, endpoint_, 42, 50, 300, log_, metrics_);
+    // The hub waits 5 s for a silent peer (a busy machine can hold the links' heartbeat thread
+    // back for longer than 300 ms); the links' own 300 ms is what AStageBusy... checks.
+    hub_ = std::make_unique<runtime::Hub>(context_, endpoint_, 42, 50, 5000, log_, metrics_);
     serving_ = std::thread([this] {
       while (!stop_) {
         std::lock_guard<std::mutex> lock(mutex_);

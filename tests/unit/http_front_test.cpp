@@ -465,6 +465,8 @@ TEST(OpenAiResponse, ChatAndCompletionShapes) {
   EXPECT_EQ(two["usage"]["prompt_tokens"], 3);
   EXPECT_EQ(two["usage"]["completion_tokens"], 6);
   EXPECT_EQ(two["usage"]["total_tokens"], 9);
+  // The prompt's cached tokens are counted once too, never more than the prompt.
+  EXPECT_EQ(two["usage"]["prompt_tokens_details"]["cached_tokens"], 1);
   EXPECT_EQ(stream_chunk(Endpoint::kCompletions, second, "x", false, "")["choices"][0]["index"], 1);
   EXPECT_EQ(TokenEvents(Endpoint::kChat, second).event("x"),
             "data: " + stream_chunk(Endpoint::kChat, second, "x", false, "").dump() + "\n\n");
@@ -579,10 +581,11 @@ TEST(TokenStream, AStreamAStopStringEndsIsStillRunningInThePipeline) {
   EXPECT_TRUE(finished.pipeline_ended());
 }
 
-// A streamed response of two choices (n = 2) with tools on offer: choice 0 writes text and then
-// a call split over two events, choice 1 plain text. Each choice's chunks carry its index; choice
-// 0 gets its text up to the call, the call whole in one chunk, and finish_reason tool_calls; the
-// usage counts both choices' tokens; [DONE] ends it.
+// A streamed response of two choices (n = 2) with tools on offer: choice 1 writes text and then
+// a call split over two events, choice 0 plain text. Each choice's chunks carry its index; choice
+// 1 gets its text up to the call, the call whole in one chunk (its index among the choice's
+// calls: 0, not the choice's), and finish_reason tool_calls; the usage counts both choices'
+// tokens; [DONE] ends it.
 TEST(StreamedResponse, ChoicesInterleaveAndACallComesWholeWithItsFinishReason) {
   CompletionRequest request;
   request.endpoint = Endpoint::kChat;
@@ -600,14 +603,14 @@ TEST(StreamedResponse, ChoicesInterleaveAndACallComesWholeWithItsFinishReason) {
     auto completion = std::make_shared<Completion>(base);
     completion->index = i;
     choices.push_back({std::make_shared<RequestChannel>(),
-                       event_of(sdk::EventKind::kDelta, i == 0 ? "Sure, <tool" : "plain", 1),
+                       event_of(sdk::EventKind::kDelta, i == 1 ? "Sure, <tool" : "plain", 1),
                        std::make_unique<TokenStream>(Endpoint::kChat, request, backend, completion,
                                                      3, &delay, &failures)});
   }
-  choices[0].channel->push(event_of(sdk::EventKind::kDelta,
+  choices[1].channel->push(event_of(sdk::EventKind::kDelta,
                                     "_call>\n{\"name\": \"f\", \"arguments\": {\"a\": 1}}\n", 2));
-  choices[0].channel->push(event_of(sdk::EventKind::kFinished, "</tool_call>", 3));
-  choices[1].channel->push(event_of(sdk::EventKind::kFinished, " text", 4));
+  choices[1].channel->push(event_of(sdk::EventKind::kFinished, "</tool_call>", 3));
+  choices[0].channel->push(event_of(sdk::EventKind::kFinished, " text", 4));
   StreamedResponse response(Endpoint::kChat, std::move(choices), true, 2);
   std::string written;
   httplib::DataSink sink;
@@ -644,14 +647,14 @@ TEST(StreamedResponse, ChoicesInterleaveAndACallComesWholeWithItsFinishReason) {
       for (const auto& call : choice["delta"]["tool_calls"]) calls.push_back(call);
     if (!choice["finish_reason"].is_null()) finish[index] = choice["finish_reason"];
   }
-  EXPECT_EQ(content[0], "Sure, ");
-  EXPECT_EQ(content[1], "plain text");
+  EXPECT_EQ(content[1], "Sure, ");
+  EXPECT_EQ(content[0], "plain text");
   ASSERT_EQ(calls.size(), 1u);
   EXPECT_EQ(calls[0]["index"], 0);
   EXPECT_EQ(calls[0]["function"]["name"], "f");
   EXPECT_EQ(calls[0]["function"]["arguments"], R"({"a":1})");
-  EXPECT_EQ(finish[0], "tool_calls");
-  EXPECT_EQ(finish[1], "stop");
+  EXPECT_EQ(finish[1], "tool_calls");
+  EXPECT_EQ(finish[0], "stop");
   EXPECT_EQ(usage["completion_tokens"], 5);
   EXPECT_EQ(usage["prompt_tokens"], 3);
 }
@@ -712,19 +715,19 @@ TEST(ConnectionThreads, HoldsAConnectionPerThreadUpToTheLimitThenQueues) {
         ++done;
       });
     // Four run at once (threads started on demand past the one ready); two wait their turn.
-    for (int i = 0; i < 500 && running.load() < 4; ++i)
+    for (int i = 0; i < 5000 && running.load() < 4; ++i)
       std::this_thread::sleep_for(std::chrono::milliseconds(2));
     std::this_thread::sleep_for(std::chrono::milliseconds(20));
     EXPECT_EQ(running.load(), 4);
     EXPECT_EQ(threads.started(), 4u);
     release.set_value();
-    for (int i = 0; i < 500 && done.load() < 6; ++i)
+    for (int i = 0; i < 5000 && done.load() < 6; ++i)
       std::this_thread::sleep_for(std::chrono::milliseconds(2));
     EXPECT_EQ(done.load(), 6);
     // An idle thread takes the next connection: no new thread.
     std::atomic<bool> ran{false};
     threads.enqueue([&] { ran = true; });
-    for (int i = 0; i < 500 && !ran.load(); ++i)
+    for (int i = 0; i < 5000 && !ran.load(); ++i)
       std::this_thread::sleep_for(std::chrono::milliseconds(2));
     EXPECT_TRUE(ran.load());
     EXPECT_EQ(threads.started(), 4u);

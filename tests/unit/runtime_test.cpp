@@ -461,7 +461,8 @@ TEST(Registry, HelpTextIsEscaped) {
 // --- RateLimited ---------------------------------------------------------------------------------
 
 TEST(RateLimited, AllowsOncePerIntervalAndCountsWhatItSuppressed) {
-  constexpr std::chrono::milliseconds kInterval{150};
+  // Long enough that the calls meant to fall inside one interval do on a busy machine.
+  constexpr std::chrono::milliseconds kInterval{1500};
   RateLimited limit(kInterval);
   uint64_t suppressed = 99;
   ASSERT_TRUE(limit.allow(suppressed)) << "the first call";
@@ -599,7 +600,9 @@ TEST(StageHealth, HealthzListsTheEndpointsTheStageAdvertises) {
 
 TEST(StageHealth, LiveWhileStartingReadyOnceJoinedStalledPastTheWatchdog) {
   moeline::runtime::StageService service("probe", "probe-0");
-  service.set_watchdog_limit(std::chrono::milliseconds(300));
+  // Long enough that a request right after a tick is answered within it on a busy machine; each
+  // answer that must be 200 follows a tick of its own.
+  service.set_watchdog_limit(std::chrono::milliseconds(1500));
   service.start_http("127.0.0.1:0", "");
   const uint16_t port = service.http_port();
   // Starting: alive, not ready (the model may still be loading).
@@ -627,10 +630,13 @@ TEST(StageHealth, LiveWhileStartingReadyOnceJoinedStalledPastTheWatchdog) {
   service.tick();
   service.set_ready(true);
   EXPECT_EQ(http_get(port, "/livez").first, 200);
+  service.tick();
   EXPECT_EQ(http_get(port, "/readyz").first, 200);
+  service.tick();
   EXPECT_EQ(http_get(port, "/healthz").first, 200);
   // The loop stops ticking past the watchdog: neither, and it says why.
-  std::this_thread::sleep_for(std::chrono::milliseconds(450));
+  service.tick();
+  std::this_thread::sleep_for(std::chrono::milliseconds(1800));
   const auto [live, body] = http_get(port, "/livez");
   EXPECT_EQ(live, 503);
   EXPECT_NE(body.find("\"stalled\""), std::string::npos) << body;
@@ -638,6 +644,7 @@ TEST(StageHealth, LiveWhileStartingReadyOnceJoinedStalledPastTheWatchdog) {
   // It ticks again: alive and ready again.
   service.tick();
   EXPECT_EQ(http_get(port, "/livez").first, 200);
+  service.tick();
   EXPECT_EQ(http_get(port, "/readyz").first, 200);
   service.stop_http();
 }

@@ -198,6 +198,10 @@ TEST(ChatTemplate, BuiltInFormatsAreTheFallbackAndRefuseUnknownRoles) {
   EXPECT_FALSE(mistral.render({{"tool", "x"}}).ok());
   EXPECT_FALSE(mistral.render({}).ok());
   EXPECT_EQ(*mistral.render({{"user", "hi"}, {"assistant", "yo"}}), "<s>[INST] hi [/INST]yo</s>");
+  // A system message goes before the first user turn's text, inside its [INST].
+  EXPECT_EQ(
+      *mistral.render({{"system", "sys"}, {"user", "hi"}, {"assistant", "yo"}, {"user", "ok"}}),
+      "<s>[INST] sys\n\nhi [/INST]yo</s>[INST] ok [/INST]");
   // Tools need the model's own template: the built-in formats do not write them.
   auto qwen3 = ChatTemplate::builtin(ChatTemplate::Format::kQwen3, "", "<|im_end|>");
   const auto with_tools = qwen3.render({{"user", "hi"}}, {.tools_json = "[]"});
