@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <array>
+#include <charconv>
 #include <fstream>
 #include <sstream>
 #include <tuple>
@@ -487,6 +488,33 @@ bool Tokenizer::is_special(std::int32_t id) const {
 
 bool Tokenizer::is_fallback_byte(std::int32_t id) const {
   return !impl_->added_by_id.count(id) && impl_->model->is_fallback_byte(id);
+}
+
+std::optional<std::string> Tokenizer::partial_character_bytes(std::int32_t id) const {
+  static constexpr std::string_view kReplacement = "\xEF\xBF\xBD";
+  if (impl_->added_by_id.count(id)) return std::nullopt;
+  const auto piece = impl_->token_text(id);
+  auto alone = decode({id});
+  // Only a token whose decode replaced something its own text does not hold.
+  if (!piece || !alone || alone->find(kReplacement) == std::string::npos ||
+      piece->find(kReplacement) != std::string::npos)
+    return std::nullopt;
+  if (is_fallback_byte(id)) {
+    const std::string& t = *piece;  // "<0xXX>"
+    unsigned byte = 0;
+    if (t.size() != 6 || std::from_chars(t.data() + 3, t.data() + 5, byte, 16).ptr != t.data() + 5)
+      return std::nullopt;
+    return std::string(1, static_cast<char>(byte));
+  }
+  // A byte-level piece: each of its characters stands for one byte.
+  std::string bytes;
+  for (std::size_t i = 0; i < piece->size();) {
+    const int b = text::byte_level_byte(text::next_code_point(*piece, i));
+    if (b < 0) return std::nullopt;
+    bytes.push_back(static_cast<char>(b));
+  }
+  if (text::find_invalid_utf8(bytes) == std::string_view::npos) return std::nullopt;
+  return bytes;
 }
 
 // ---------------------------------------------------------------------------------------------

@@ -49,6 +49,11 @@ class Tokenizer {
   bool is_special(std::int32_t id) const;
   // A byte-fallback token (<0xXX>): its text depends on the bytes around it.
   bool is_fallback_byte(std::int32_t id) const;
+  // The bytes of a token that stands for part of a character (a byte-level piece of a multi-byte
+  // character, or a byte-fallback <0xXX>), which decode() of the token alone cannot give: it
+  // replaces an incomplete character with U+FFFD. nullopt for every other token, whose decode()
+  // is its bytes.
+  std::optional<std::string> partial_character_bytes(std::int32_t id) const;
 
   const TokenizerImpl& impl() const { return *impl_; }
 

@@ -22,11 +22,15 @@ std::string LogprobsWriter::text_of(int32_t id) const {
   return text ? std::move(*text) : std::string();
 }
 
+std::string LogprobsWriter::bytes_of(int32_t id) const {
+  auto partial = tokenizer_->partial_character_bytes(id);
+  return partial ? std::move(*partial) : text_of(id);
+}
+
 json LogprobsWriter::chat_entry(int32_t id, float logprob) const {
-  const std::string text = text_of(id);
   json bytes = json::array();
-  for (unsigned char byte : text) bytes.push_back(byte);
-  return {{"token", text}, {"logprob", logprob}, {"bytes", std::move(bytes)}};
+  for (unsigned char byte : bytes_of(id)) bytes.push_back(byte);
+  return {{"token", text_of(id)}, {"logprob", logprob}, {"bytes", std::move(bytes)}};
 }
 
 json LogprobsWriter::object(std::span<const int32_t> ids,
@@ -64,8 +68,10 @@ void LogprobsWriter::add_entry(json& object, int32_t id, const sdk::TokenLogprob
     object["top_logprobs"].push_back(std::move(top));
   }
   object["text_offset"].push_back(offset);
-  // In characters, as OpenAI counts them (a UTF-8 continuation byte starts none).
-  offset += static_cast<size_t>(std::count_if(text.begin(), text.end(), [](char c) {
+  // In characters of the text, as OpenAI counts them: a token holding part of a character counts
+  // it where the character starts (a UTF-8 continuation byte starts none).
+  const std::string bytes = bytes_of(id);
+  offset += static_cast<size_t>(std::count_if(bytes.begin(), bytes.end(), [](char c) {
     return (static_cast<unsigned char>(c) & 0xC0) != 0x80;
   }));
 }

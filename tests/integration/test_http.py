@@ -420,7 +420,8 @@ def check_echo(args, stack):
     # characters, not bytes.)
     accents = "Un caf\u00e9 \u00e0 Z\u00fcrich \U0001f937: "
     cases = [({"prompt": ids}, {"tokens": ids}, 1, 1),
-             ({"prompt": LONG_PROMPT}, {"prompt": LONG_PROMPT}, 6, 3)]
+             ({"prompt": LONG_PROMPT}, {"prompt": LONG_PROMPT}, 6, 3),
+             ({"prompt": accents}, {"prompt": accents}, 3, 1)]
     raw = token_bytes(args.model)
     scored = []
     for prompt, run_prompt, max_tokens, top in cases:

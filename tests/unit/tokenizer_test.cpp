@@ -44,6 +44,36 @@ TEST(Tokenizer, ByteLevelRoundTripsEveryValidText) {
   }
 }
 
+// Token by token, a text's bytes come back whole: a token that holds part of a character gives
+// that part (decode() of it alone replaces it with U+FFFD), every other token its decode().
+TEST(Tokenizer, PartialCharacterBytesJoinBackIntoTheText) {
+  auto tok = Tokenizer::load(model_tokenizer("qwen3-f32"));
+  ASSERT_TRUE(tok.ok()) << tok.error().message;
+  size_t partial = 0;
+  for (const std::string& s : kSamples) {
+    auto ids = tok->encode(s, {.add_special_tokens = false});
+    ASSERT_TRUE(ids.ok());
+    std::string joined;
+    for (int32_t id : *ids) {
+      const auto bytes = tok->partial_character_bytes(id);
+      partial += bytes.has_value();
+      joined += bytes ? *bytes : *tok->decode({id});
+    }
+    EXPECT_EQ(joined, s);
+  }
+  EXPECT_GT(partial, 0u) << "no sample split a character: the check above saw no partial token";
+  // Byte fallback: the <0xXX> tokens of a character outside the vocabulary give its bytes.
+  auto fallback = Tokenizer::load(model_tokenizer("mixtral-f32"));
+  ASSERT_TRUE(fallback.ok()) << fallback.error().message;
+  auto ids = fallback->encode("\xF0\x9F\xA4\xB7", {.add_special_tokens = false});
+  ASSERT_TRUE(ids.ok());
+  std::string bytes;
+  for (int32_t id : *ids)
+    if (auto part = fallback->partial_character_bytes(id)) bytes += *part;
+  EXPECT_EQ(bytes, "\xF0\x9F\xA4\xB7");
+  EXPECT_FALSE(fallback->partial_character_bytes(1).has_value()) << "<s> is a whole token";
+}
+
 TEST(Tokenizer, ByteFallbackRoundTripsAndAddsBos) {
   auto tok = Tokenizer::load(model_tokenizer("mixtral-f32"));
   ASSERT_TRUE(tok.ok()) << tok.error().message;
