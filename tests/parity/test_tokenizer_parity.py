@@ -223,6 +223,12 @@ def main():
     gguf_writer.write_gguf(gguf, [key for key in gguf_convert.tokenizer_keys(llama2)
                                   if key[0] != "tokenizer.ggml.add_bos_token"], [])
     tokenizers.append(("llama2-no-add-bos-gguf", llama2, gguf))
+    # And as llama.cpp's converter writes it today, saying tokenizer.ggml.add_space_prefix true
+    # (SentencePiece's add_dummy_prefix): the same tokenizer as without the key.
+    gguf = os.path.join(args.workdir, "llama2-add-space-prefix.gguf")
+    gguf_writer.write_gguf(gguf, gguf_convert.tokenizer_keys(llama2) +
+                           [("tokenizer.ggml.add_space_prefix", gguf_writer.BOOL, True)], [])
+    tokenizers.append(("llama2-add-space-prefix-gguf", llama2, gguf))
 
     failures, checked = [], 0
     for name, path, ours_path in tokenizers:
