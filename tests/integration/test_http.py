@@ -645,6 +645,20 @@ def check_logprobs_and_penalties(args, stack):
               abs(max(alternatives.values()) - theirs["top"][0][1]) <= LOGPROB_ATOL,
               f"step {step} top_logprobs {alternatives} != {theirs['top']}")
     check(len(logprobs["token_logprobs"]) == len(want["ids"]), "one log-probability per token")
+    # Sampled, where the chosen token is often not the most likely: it is still listed among the
+    # alternatives, with its own log-probability, beside the most likely one.
+    status, response, _ = post(stack, "/v1/completions",
+                               {"prompt": prompt, "max_tokens": 16, "temperature": 1.5, "seed": 5,
+                                "ignore_eos": True, "logprobs": 1})
+    check(status == 200, f"sampled completions with logprobs: {status} {response}")
+    sampled = response["choices"][0]["logprobs"]
+    unlikely = 0
+    for chosen, mine, alternatives in zip(sampled["tokens"], sampled["token_logprobs"],
+                                          sampled["top_logprobs"]):
+        check(chosen in alternatives and abs(alternatives[chosen] - mine) <= LOGPROB_ATOL and
+              1 <= len(alternatives) <= 2, f"sampled: {chosen!r} ({mine}) among {alternatives}")
+        unlikely += len(alternatives) == 2
+    check(unlikely >= 1, f"no sampled token was other than the most likely: {sampled}")
     print("ok api: completions with penalties and logprobs: moeline run's tokens and "
           "log-probabilities, in OpenAI's completions shape")
 

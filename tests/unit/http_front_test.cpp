@@ -19,6 +19,7 @@
 #include "stages/http/openai.h"
 #include "stages/http/stop_matcher.h"
 #include "stages/http/token_stream.h"
+#include "stages/http/tokenize.h"
 
 namespace moeline::stages::http {
 namespace {
@@ -472,6 +473,29 @@ TEST(OpenAiResponse, ChatAndCompletionShapes) {
             "data: " + stream_chunk(Endpoint::kChat, second, "x", false, "").dump() + "\n\n");
   EXPECT_EQ(new_completion_id(Endpoint::kChat).rfind("chatcmpl-", 0), 0u);
   EXPECT_NE(new_completion_id(Endpoint::kChat), new_completion_id(Endpoint::kChat));
+}
+
+// /tokenize adds the tokenizer's special tokens (Mixtral's <s>) unless the request says
+// add_special_tokens false, as vLLM's does.
+TEST(Tokenize, AddsTheSpecialTokensUnlessAskedNotTo) {
+  auto loaded =
+      tokenizer::Tokenizer::load(std::string(MOELINE_TEST_MODELS) + "/mixtral-f32/tokenizer.json");
+  ASSERT_TRUE(loaded.ok()) << loaded.error().message;
+  Backend backend;
+  backend.name = "mixtral-f32";
+  backend.tokenizer = std::make_unique<tokenizer::Tokenizer>(std::move(*loaded));
+  TokenizeRequest request;
+  request.text.prompt = "hello world";
+  const auto with = tokenize(backend, request);
+  request.add_special_tokens = false;
+  const auto without = tokenize(backend, request);
+  ASSERT_TRUE(std::holds_alternative<nlohmann::json>(with));
+  ASSERT_TRUE(std::holds_alternative<nlohmann::json>(without));
+  const auto& a = std::get<nlohmann::json>(with);
+  const auto& b = std::get<nlohmann::json>(without);
+  EXPECT_EQ(a["tokens"][0], 1) << a;
+  EXPECT_EQ(a["count"].get<int64_t>(), b["count"].get<int64_t>() + 1) << a << b;
+  EXPECT_NE(b["tokens"][0], 1) << b;
 }
 
 TEST(ToolCalls, HermesBlocksAreReadAsCallsAndAnythingElseStaysText) {
