@@ -955,9 +955,11 @@ std::optional<std::string_view> Bpe::id_to_token(std::int32_t id) const {
   return tokens_[id];
 }
 
-bool Bpe::is_fallback_byte(std::int32_t id) const {
-  if (!options_.byte_fallback || id < 0) return false;
-  return std::find(byte_ids_.begin(), byte_ids_.end(), id) != byte_ids_.end();
+std::optional<unsigned char> Bpe::fallback_byte(std::int32_t id) const {
+  if (!options_.byte_fallback || id < 0) return std::nullopt;
+  const auto found = std::find(byte_ids_.begin(), byte_ids_.end(), id);
+  if (found == byte_ids_.end()) return std::nullopt;
+  return static_cast<unsigned char>(found - byte_ids_.begin());
 }
 
 void Bpe::tokenize(std::string_view piece, std::vector<std::int32_t>& out) const {

@@ -95,7 +95,9 @@ class Bpe {
   std::size_t id_count() const { return tokens_.size(); }
   std::size_t vocab_entries() const { return vocab_.size(); }
   // Whether `id` is one of the <0xXX> tokens byte fallback produces.
-  bool is_fallback_byte(std::int32_t id) const;
+  bool is_fallback_byte(std::int32_t id) const { return fallback_byte(id).has_value(); }
+  // The byte such a token stands for; nullopt for any other token.
+  std::optional<unsigned char> fallback_byte(std::int32_t id) const;
 
  private:
   void merge_word(std::string_view piece, std::vector<std::int32_t>& out) const;

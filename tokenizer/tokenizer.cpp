@@ -2,7 +2,6 @@
 
 #include <algorithm>
 #include <array>
-#include <charconv>
 #include <fstream>
 #include <sstream>
 #include <tuple>
@@ -499,13 +498,8 @@ std::optional<std::string> Tokenizer::partial_character_bytes(std::int32_t id) c
   if (!piece || !alone || alone->find(kReplacement) == std::string::npos ||
       piece->find(kReplacement) != std::string::npos)
     return std::nullopt;
-  if (is_fallback_byte(id)) {
-    const std::string& t = *piece;  // "<0xXX>"
-    unsigned byte = 0;
-    if (t.size() != 6 || std::from_chars(t.data() + 3, t.data() + 5, byte, 16).ptr != t.data() + 5)
-      return std::nullopt;
-    return std::string(1, static_cast<char>(byte));
-  }
+  if (const auto byte = impl_->model->fallback_byte(id))
+    return std::string(1, static_cast<char>(*byte));
   // A byte-level piece: each of its characters stands for one byte.
   std::string bytes;
   for (std::size_t i = 0; i < piece->size();) {

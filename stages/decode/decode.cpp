@@ -73,7 +73,6 @@ class DecodeStage {
       if (!active_streams_.empty()) step();
       update_gauges();
       if (draining && (drain_.idle(held() == 0) || drain_.overdue())) {
-        give_back_everything();
         log.info("drained", {{"handed_back", metrics_.handed_back->value()}});
         return 0;
       }

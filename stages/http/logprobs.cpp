@@ -22,15 +22,18 @@ std::string LogprobsWriter::text_of(int32_t id) const {
   return text ? std::move(*text) : std::string();
 }
 
-std::string LogprobsWriter::bytes_of(int32_t id) const {
+std::string LogprobsWriter::bytes_of(int32_t id, const std::string& text) const {
+  // Only a replaced text can hide part of a character: the rest need no second look.
+  if (text.find("\xEF\xBF\xBD") == std::string::npos) return text;
   auto partial = tokenizer_->partial_character_bytes(id);
-  return partial ? std::move(*partial) : text_of(id);
+  return partial ? std::move(*partial) : text;
 }
 
 json LogprobsWriter::chat_entry(int32_t id, float logprob) const {
+  const std::string text = text_of(id);
   json bytes = json::array();
-  for (unsigned char byte : bytes_of(id)) bytes.push_back(byte);
-  return {{"token", text_of(id)}, {"logprob", logprob}, {"bytes", std::move(bytes)}};
+  for (unsigned char byte : bytes_of(id, text)) bytes.push_back(byte);
+  return {{"token", text}, {"logprob", logprob}, {"bytes", std::move(bytes)}};
 }
 
 json LogprobsWriter::object(std::span<const int32_t> ids,
@@ -70,7 +73,7 @@ void LogprobsWriter::add_entry(json& object, int32_t id, const sdk::TokenLogprob
   object["text_offset"].push_back(offset);
   // In characters of the text, as OpenAI counts them: a token holding part of a character counts
   // it where the character starts (a UTF-8 continuation byte starts none).
-  const std::string bytes = bytes_of(id);
+  const std::string bytes = bytes_of(id, text);
   offset += static_cast<size_t>(std::count_if(bytes.begin(), bytes.end(), [](char c) {
     return (static_cast<unsigned char>(c) & 0xC0) != 0x80;
   }));

@@ -36,8 +36,9 @@ class LogprobsWriter {
 
  private:
   std::string text_of(int32_t id) const;
-  // The token's own bytes: its text, or the part of a character it stands for.
-  std::string bytes_of(int32_t id) const;
+  // The token's own bytes: its text (text_of), or the part of a character it stands for where
+  // that text is U+FFFD in its place.
+  std::string bytes_of(int32_t id, const std::string& text) const;
   // One completions-shape entry: the token's text and offset, its log-probability and
   // alternatives (both null without `logprob`).
   void add_entry(nlohmann::json& object, int32_t id, const sdk::TokenLogprob* logprob,
