@@ -99,6 +99,14 @@ class Stack:
             [self.moeline, "stack", "status", "--run-dir", self.run_dir, "--json"],
             capture_output=True, text=True, timeout=30, check=True).stdout)
 
+    def healthy(self):
+        """`moeline stack status` says every stage is up and ready (exit status 0)."""
+        return subprocess.run([self.moeline, "stack", "status", "--run-dir", self.run_dir],
+                              capture_output=True, timeout=30).returncode == 0
+
+    def wait_healthy(self, timeout, message):
+        wait_for(self.healthy, timeout, message)
+
     def intakes(self):
         """{stage name: intake endpoint}, as the stages advertise them."""
         return self.status()["endpoints"]["intakes"]

@@ -214,12 +214,7 @@ def case_approximate(args):
         check(entries >= 2, f"index holds {entries} entries")
         old = stack.kill("probe", signal.SIGTERM)
         stack.wait_restarted("probe", old)
-        deadline = time.time() + 30
-        while time.time() < deadline:
-            if subprocess.run([args.moeline, "stack", "status", "--run-dir", run_dir],
-                              capture_output=True).returncode == 0:
-                break
-            time.sleep(0.1)
+        stack.wait_healthy(30, "the stack did not become healthy after the probe's restart")
         rebuilt = {}
         wait_for(lambda: rebuilt.update(n=stack.metric("probe", "moeline_probe_index_entries"))
                  or rebuilt["n"] == entries, 10,

@@ -500,13 +500,7 @@ def case_restart(args):
             stack.wait_restarted("offload", stack.kill("offload"))
             for name, pid in old.items():
                 stack.wait_restarted(name, pid, timeout=30)
-            deadline = time.time() + 60
-            while time.time() < deadline:
-                status = subprocess.run([args.moeline, "stack", "status", "--run-dir", run_dir],
-                                        capture_output=True, text=True, timeout=30)
-                if status.returncode == 0:
-                    break
-                time.sleep(0.3)
+            stack.wait_healthy(60, "the stack did not become healthy after the offload restart")
             # Computed again (not replayed from the store), on the new pool.
             computed = [dict(r, reuse="none") for r in requests]
             compare(run_concurrently(client, computed), expected, "after")
@@ -543,9 +537,7 @@ def case_restart(args):
             while time.time() < deadline:
                 pool = pool_status(args, stack)
                 if pool and pool.get("pinned") == 0 and pool.get("clients_reclaimed", 0) >= 1 \
-                        and subprocess.run(
-                        [args.moeline, "stack", "status", "--run-dir", run_dir],
-                        capture_output=True, timeout=30).returncode == 0:
+                        and stack.healthy():
                     break
                 time.sleep(0.3)
             check(pool and pool.get("pinned") == 0, f"pins still held after the kill: {pool}")

@@ -469,19 +469,17 @@ def case_recovery(args):
                   f"the reference (retried ones included), {given_up} gave up after their "
                   f"retries, no other error, 0 hung; {int(retries)} retried; restarted by the "
                   "supervisor")
-            wait_for(lambda: subprocess.run([args.moeline, "stack", "status", "--run-dir", run_dir],
-                                            capture_output=True).returncode == 0, 30,
-                     "the stack did not become healthy again")
+            stack.wait_healthy(30, "the stack did not become healthy again")
             with Client(stack.endpoint, timeout=60) as client:
                 check(len(client.generate(tokens=[1, 2], max_tokens=2).ids) >= 1,
                       "the stack does not serve after the restart")
             if victim == "decode-0" and not stop_only:
-                check_an_unseeded_sample_survives_its_replica(args, stack, run_dir)
+                check_an_unseeded_sample_survives_its_replica(stack)
             if victim == "prefill-0":
                 check_the_supervisor_backs_off(stack, "probe")
 
 
-def check_an_unseeded_sample_survives_its_replica(args, stack, run_dir):
+def check_an_unseeded_sample_survives_its_replica(stack):
     """A sampled request without a seed whose decode replica is killed mid-stream finishes whole.
     The gateway gives every sampled request a seed, so the retry draws the tokens the client
     already has again and goes on from there; drawn without one, the retry would diverge from them
@@ -517,9 +515,7 @@ def check_an_unseeded_sample_survives_its_replica(args, stack, run_dir):
         return landed, f"{killed[0]} killed after {killed[2]} tokens"
 
     tries = until_the_stop_lands(kill_its_replica, "unseeded sample, replica killed")
-    wait_for(lambda: subprocess.run([args.moeline, "stack", "status", "--run-dir", run_dir],
-                                    capture_output=True).returncode == 0, 30,
-             "the stack did not become healthy again after the second kill")
+    stack.wait_healthy(30, "the stack did not become healthy again after the second kill")
     print(f"ok recovery: a sampled request without a seed whose decode replica was killed "
           f"mid-stream ({tries[-1]}) was retried and finished whole, no divergence")
 
@@ -883,9 +879,7 @@ def case_reuse(args):
                  "the probe does not report its disk tier's files")
         old = stack.kill("probe")
         stack.wait_restarted("probe", old)
-        wait_for(lambda: subprocess.run([args.moeline, "stack", "status", "--run-dir", run_dir],
-                                        capture_output=True).returncode == 0, 30,
-                 "the stack did not recover after kill -9 of the probe")
+        stack.wait_healthy(30, "the stack did not recover after kill -9 of the probe")
         with Client(stack.endpoint, timeout=120) as client:
             request = {"tokens": system + suffix(13), "max_tokens": 12}
             result = client.generate(**request)
