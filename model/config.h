@@ -15,7 +15,7 @@ namespace moeline::model {
 
 class GgufFile;
 
-enum class Family { kMixtral, kQwen3Moe, kDeepseekV2, kDeepseekV3 };
+enum class Family { kMixtral, kQwen2Moe, kQwen3Moe, kDeepseekV2, kDeepseekV3 };
 
 // How a router turns its logits into scores, and which experts its top-k may pick from.
 enum class RouterScoring { kSoftmax, kSigmoid };
@@ -78,9 +78,11 @@ struct ModelConfig {
   bool scale_normalised_weights = false;
   // DeepSeek-V3: a per-expert bias added to the scores for choosing experts only.
   bool router_correction_bias = false;
-  // Shared experts (DeepSeek): one always-used SwiGLU of this width per MoE layer (0: none),
-  // added to the routed experts' output with weight 1.
+  // Shared experts (DeepSeek, Qwen2-MoE): one always-used SwiGLU of this width per MoE layer (0:
+  // none), added to the routed experts' output with weight 1, or with weight sigmoid(x · g) when
+  // shared_expert_gate (Qwen2-MoE's per-layer [1, hidden] shared_expert_gate).
   int64_t shared_intermediate_size = 0;
+  bool shared_expert_gate = false;
 
   // FP8 checkpoints (config.json's quantization_config, quant_method "fp8", fmt "e4m3"): the
   // [rows, columns] of the blocks that share one `weight_scale_inv` entry; {0, 0} when the

@@ -682,6 +682,10 @@ Expected<std::unique_ptr<CudaEngine>> CudaEngine::create(const Model& model,
     return Error{
         "the CUDA engine does not run GGUF models yet (its quantized kernels are to come); "
         "run this model on the CPU"};
+  if (c.shared_expert_gate)
+    return Error{
+        "the CUDA engine does not run Qwen2-MoE's gated shared expert yet; run this model on "
+        "the CPU"};
   if (c.fp8_block_rows > 0)
     return Error{
         "the CUDA engine does not run FP8 checkpoints yet (its block-scaled kernels are to "

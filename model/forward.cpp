@@ -449,6 +449,17 @@ void Engine::swiglu(const float* x, int64_t n, const kernels::MatrixView& gate_w
   kernels::matmul(pool_, MatmulTask{.x = gate, .n = n, .w = down_w, .y = y});
 }
 
+void Engine::add_gated_rows(const float* x, const float* rows, int64_t n,
+                            const kernels::MatrixView& gate_w, float* y) {
+  const int64_t H = gate_w.cols;
+  float* gate = grow(shared_gate_, n);
+  kernels::matmul(pool_, MatmulTask{.x = x, .n = n, .w = gate_w, .y = gate});
+  for (int64_t t = 0; t < n; ++t) {
+    const float weight = 1.0f / (1.0f + std::exp(-gate[t]));
+    kernels::axpy(weight, rows + t * H, y + t * H, H);
+  }
+}
+
 void Engine::dense_mlp_block(int64_t layer, int64_t n) {
   const ModelConfig& c = model_.config();
   const LayerWeights& w = model_.layer(layer);
@@ -672,7 +683,11 @@ void Engine::moe_block(int64_t layer, int64_t n) {
   if (c.shared_intermediate_size > 0) {
     float* shared = grow(expert_out_, n * H);
     swiglu(normed, n, w.shared_gate, w.shared_up, w.shared_down, shared);
-    add_rows(moe_out, shared, n * H);
+    if (c.shared_expert_gate) {
+      add_gated_rows(normed, shared, n, w.shared_expert_gate, moe_out);
+    } else {
+      add_rows(moe_out, shared, n * H);
+    }
   }
   add_rows(hidden_.data(), moe_out, n * H);
 }

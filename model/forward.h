@@ -125,6 +125,9 @@ class Engine : public ForwardPass {
   // y = down(silu(gate(x)) * up(x)) for `tokens` rows: dense MLP layers and shared experts.
   void swiglu(const float* x, int64_t tokens, const kernels::MatrixView& gate,
               const kernels::MatrixView& up, const kernels::MatrixView& down, float* y);
+  // y += sigmoid(x · gate) * rows, per token: Qwen2-MoE's gated shared expert.
+  void add_gated_rows(const float* x, const float* rows, int64_t tokens,
+                      const kernels::MatrixView& gate, float* y);
   void moe_block(int64_t layer, int64_t tokens);
   // Tells the expert provider which experts the next MoE layers' routers would pick for the
   // current residual stream (as many layers as the provider's prefetch depth; none for depth 0).
@@ -157,7 +160,7 @@ class Engine : public ForwardPass {
   std::vector<int32_t> group_order_;
   // MoE scratch.
   std::vector<float> router_scores_, chosen_weights_, expert_in_, expert_gate_, expert_up_,
-      expert_out_, moe_out_;
+      expert_out_, moe_out_, shared_gate_;
   std::vector<float> expert_row_weights_;
   std::vector<int64_t> logit_rows_;
   std::vector<int32_t> chosen_experts_, expert_offsets_, expert_rows_, expert_cursor_;

@@ -334,6 +334,14 @@ class Planner {
     }
     if (c_.mla) split_kv_b(l);
     if (c_.layer_is_moe[static_cast<size_t>(l)]) experts(l);
+    if (c_.shared_expert_gate && c_.layer_is_moe[static_cast<size_t>(l)]) {
+      // [1, hidden] in the checkpoint, a vector in llama.cpp's files.
+      const TensorInfo* gate = &need(arch::tensor_name(hf_.shared_expert_gate, l));
+      const TensorSource source = source_;
+      plan_.push_back({arch::tensor_name(gguf_.shared_expert_gate, l), {c_.hidden_size}, [=] {
+                         return source.floats(*gate);
+                       }});
+    }
   }
 
   // kv_b_proj [heads * (nope + v), kv_lora] -> attn_k_b [heads, kv_lora, nope] (each head's key
@@ -439,18 +447,27 @@ void architecture_keys(GgufHeader& h, const ModelConfig& c, const json& raw,
     h.u32(key("feed_forward_length"), c.expert_intermediate_size);
     return;
   }
-  if (c.family == Family::kQwen3Moe) {
+  if (c.family == Family::kQwen2Moe || c.family == Family::kQwen3Moe) {
+    const bool qwen2 = c.family == Family::kQwen2Moe;
     no_window();
     if (std::find(c.layer_is_moe.begin(), c.layer_is_moe.end(), false) != c.layer_is_moe.end())
+      throw StatusError(std::string("a ") + (qwen2 ? "Qwen2" : "Qwen3") +
+                        "-MoE with dense layers cannot be written as GGUF (llama.cpp's " + arch +
+                        " has experts in every layer)");
+    if (qwen2 && c.norm_topk_prob)
       throw StatusError(
-          "a Qwen3-MoE with dense layers cannot be written as GGUF (llama.cpp's "
-          "qwen3moe has experts in every layer)");
+          "a Qwen2-MoE with norm_topk_prob true cannot be written as GGUF (llama.cpp's "
+          "qwen2moe never renormalises the chosen experts' weights)");
     h.u32(key("attention.head_count_kv"), c.num_kv_heads);
     h.u32(key("attention.key_length"), c.head_dim);
     h.u32(key("attention.value_length"), c.head_dim);
     h.u32(key("feed_forward_length"), c.dense_intermediate_size);
     h.u32(key("expert_feed_forward_length"), c.expert_intermediate_size);
-    h.boolean(key("expert_weights_norm"), c.norm_topk_prob);
+    if (qwen2) {
+      h.u32(key("expert_shared_feed_forward_length"), c.shared_intermediate_size);
+    } else {
+      h.boolean(key("expert_weights_norm"), c.norm_topk_prob);
+    }
     return;
   }
   // DeepSeek-V2/V3: MLA in its absorbed form, as llama.cpp writes it since 2025-04.

@@ -42,6 +42,15 @@ class TensorBinder {
                         " with stacked experts; FP8 is supported for one matrix per tensor");
     return MatrixView{tensor->data, dtype, count * rows, cols};
   }
+  // A [1, size] weight, stored as such or 1-D (llama.cpp writes a one-row matrix as a vector).
+  MatrixView row(const std::string& name, int64_t size) {
+    const TensorInfo* stored = checkpoint_.find(name);
+    if (stored && stored->shape.size() == 1) {
+      const TensorInfo* tensor = find(name, {size});
+      return MatrixView{tensor->data, supported_dtype(*tensor), 1, size};
+    }
+    return matrix(name, 1, size);
+  }
   bool has(const std::string& name) const { return checkpoint_.find(name) != nullptr; }
   VectorView vector(const std::string& name, int64_t size) {
     const TensorInfo* tensor = find(name, {size});
@@ -241,7 +250,7 @@ void Model::load_weights(const arch::TensorNames& names, const Progress& progres
       layer.q_bias = bind.vector(name(names.q_bias), q_width);
       layer.k_bias = bind.vector(name(names.k_bias), kv_width);
       layer.v_bias = bind.vector(name(names.v_bias), kv_width);
-      layer.o_bias = bind.vector(name(names.o_bias), c.hidden_size);
+      if (!names.o_bias.empty()) layer.o_bias = bind.vector(name(names.o_bias), c.hidden_size);
     }
     if (c.qk_norm) {
       layer.q_norm = bind.vector(name(names.q_norm), c.head_dim);
@@ -267,6 +276,8 @@ void Model::load_weights(const arch::TensorNames& names, const Progress& progres
       layer.shared_gate = bind.matrix(name(names.shared_gate), shared, c.hidden_size);
       layer.shared_up = bind.matrix(name(names.shared_up), shared, c.hidden_size);
       layer.shared_down = bind.matrix(name(names.shared_down), c.hidden_size, shared);
+      if (c.shared_expert_gate)
+        layer.shared_expert_gate = bind.row(name(names.shared_expert_gate), c.hidden_size);
     }
     auto& experts = experts_[static_cast<size_t>(l)];
     const int64_t inter = c.expert_intermediate_size;
@@ -372,7 +383,7 @@ size_t Model::bytes_touched_per_token() const {
     if (layer.is_moe) {
       bytes +=
           layer.router.bytes() + layer.shared_gate.bytes() + layer.shared_up.bytes() +
-          layer.shared_down.bytes() +
+          layer.shared_down.bytes() + layer.shared_expert_gate.bytes() +
           static_cast<size_t>(c.experts_per_token) * experts_[static_cast<size_t>(l)][0].bytes();
     } else {
       bytes += layer.dense_gate.bytes() + layer.dense_up.bytes() + layer.dense_down.bytes();

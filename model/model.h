@@ -56,6 +56,7 @@ struct LayerWeights {
   }
   kernels::VectorView router_bias;                          // [experts], V3's correction bias
   kernels::MatrixView shared_gate, shared_up, shared_down;  // shared experts, when configured
+  kernels::MatrixView shared_expert_gate;                   // [1, hidden], Qwen2-MoE's
 };
 
 class Model {

@@ -284,6 +284,7 @@ Expected<ChatTemplate> load_model_chat_template(const fs::path& model) {
     const json& architecture = gguf.value("general.architecture");
     const std::pair<const char*, ChatTemplate::Format> families[] = {
         {"llama", ChatTemplate::Format::kMistral},
+        {"qwen2moe", ChatTemplate::Format::kChatML},
         {"qwen3moe", ChatTemplate::Format::kQwen3},
         {"deepseek2", ChatTemplate::Format::kDeepSeekV3}};
     for (const auto& [name, format] : families)

@@ -1,6 +1,6 @@
 #!/usr/bin/python3
-"""Convert a Hugging Face MoE checkpoint (Mixtral, Qwen3-MoE, DeepSeek-V2/V3) to GGUF as llama.cpp's
-convert_hf_to_gguf.py lays it out, quantizing the matrices.
+"""Convert a Hugging Face MoE checkpoint (Mixtral, Qwen2-MoE, Qwen3-MoE, DeepSeek-V2/V3) to GGUF as
+llama.cpp's convert_hf_to_gguf.py lays it out, quantizing the matrices.
 
   scripts/gguf_convert.py --model DIR --out FILE.gguf --type TYPE [--legacy-mla]
 
@@ -31,7 +31,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import gguf_writer as gw  # noqa: E402
 from terminal_progress import TerminalProgress  # noqa: E402
 
-ARCH = {"mixtral": "llama", "qwen3_moe": "qwen3moe", "deepseek_v2": "deepseek2",
+ARCH = {"mixtral": "llama", "qwen2_moe": "qwen2moe", "qwen3_moe": "qwen3moe", "deepseek_v2": "deepseek2",
         "deepseek_v3": "deepseek2"}
 # llama_ftype of each --type, for general.file_type.
 FILE_TYPE = {"f32": 0, "f16": 1, "q4_0": 2, "q8_0": 7, "q4_k": 15, "q5_k": 17, "q6_k": 18,
@@ -185,9 +185,13 @@ def moe_tensors(c, ckpt, layer, p, b):
     for part, hf in zip(("gate", "up", "down"), names):
         out.append((b + f"ffn_{part}_exps.weight",
                     np.stack([ckpt.get(moe + f"experts.{e}.{hf}.weight") for e in range(experts)])))
-    if ckpt.has(moe + "shared_experts.gate_proj.weight"):
-        out += [(b + f"ffn_{part}_shexp.weight", ckpt.get(moe + f"shared_experts.{hf}.weight"))
-                for part, hf in zip(("gate", "up", "down"), names)]
+    for shared in ("shared_experts.", "shared_expert."):  # DeepSeek's, Qwen2-MoE's
+        if ckpt.has(moe + shared + "gate_proj.weight"):
+            out += [(b + f"ffn_{part}_shexp.weight", ckpt.get(moe + f"{shared}{hf}.weight"))
+                    for part, hf in zip(("gate", "up", "down"), names)]
+    if ckpt.has(moe + "shared_expert_gate.weight"):  # [1, hidden]: a vector in llama.cpp's files
+        out.append((b + "ffn_gate_inp_shexp.weight",
+                    ckpt.get(moe + "shared_expert_gate.weight").reshape(-1)))
     return out
 
 
@@ -216,13 +220,16 @@ def hparams(c, arch, legacy_mla):
         put("rope.dimension_count", gw.U32, head_dim)
         put("feed_forward_length", gw.U32, c["intermediate_size"])
         put("expert_count", gw.U32, c["num_local_experts"])
-    elif mt == "qwen3_moe":
+    elif mt in ("qwen2_moe", "qwen3_moe"):
+        head_dim = c.get("head_dim") or c["hidden_size"] // heads
         put("attention.head_count_kv", gw.U32, c.get("num_key_value_heads", heads))
-        put("attention.key_length", gw.U32, c["head_dim"])
-        put("attention.value_length", gw.U32, c["head_dim"])
+        put("attention.key_length", gw.U32, head_dim)
+        put("attention.value_length", gw.U32, head_dim)
         put("feed_forward_length", gw.U32, c.get("intermediate_size", 0))
         put("expert_feed_forward_length", gw.U32, c["moe_intermediate_size"])
         put("expert_count", gw.U32, c["num_experts"])
+        if mt == "qwen2_moe":
+            put("expert_shared_feed_forward_length", gw.U32, c["shared_expert_intermediate_size"])
     else:
         v3 = mt == "deepseek_v3"
         nope, rope, vd, kv_lora = (c["qk_nope_head_dim"], c["qk_rope_head_dim"], c["v_head_dim"],

@@ -38,6 +38,8 @@ struct TensorNames {
   std::string_view kv_b_key_t, kv_b_value;
   std::string_view router_bias;
   std::string_view shared_gate, shared_up, shared_down;
+  // Qwen2-MoE's scalar gate on the shared expert: [1, hidden] (a GGUF's is 1-D, [hidden]).
+  std::string_view shared_expert_gate;
 };
 
 // A GGUF file's metadata, read through the keys of one architecture ("{arch}.block_count").
@@ -99,19 +101,25 @@ double rope_theta_or(const nlohmann::json& config, double fallback);
 void parse_common(const nlohmann::json& config, ModelConfig& out, bool rope_scaling_parsed = false);
 
 void parse_mixtral(const nlohmann::json& config, ModelConfig& out);
+void parse_qwen2_moe(const nlohmann::json& config, ModelConfig& out);
 void parse_qwen3_moe(const nlohmann::json& config, ModelConfig& out);
+// The Qwen families' choice of dense and MoE layers (mlp_only_layers, decoder_sparse_step).
+void parse_qwen_sparse_layers(const nlohmann::json& config, ModelConfig& out);
 void parse_deepseek_v2(const nlohmann::json& config, ModelConfig& out);
 void parse_deepseek_v3(const nlohmann::json& config, ModelConfig& out);
 nlohmann::json gguf_config_mixtral(const GgufMetadata& metadata);
 void gguf_adjust_mixtral(const GgufMetadata& metadata, ModelConfig& out);
+nlohmann::json gguf_config_qwen2_moe(const GgufMetadata& metadata);
 nlohmann::json gguf_config_qwen3_moe(const GgufMetadata& metadata);
 nlohmann::json gguf_config_deepseek(const GgufMetadata& metadata);
 // The config.json keys every family shares, from the GGUF keys every llama.cpp architecture has.
 nlohmann::json gguf_common_config(const GgufMetadata& metadata, std::string_view model_type);
 extern const TensorNames kMixtralNames;
+extern const TensorNames kQwen2MoeNames;
 extern const TensorNames kQwen3MoeNames;
 extern const TensorNames kDeepseekNames;
 extern const TensorNames kMixtralGgufNames;
+extern const TensorNames kQwen2MoeGgufNames;
 extern const TensorNames kQwen3MoeGgufNames;
 extern const TensorNames kDeepseekGgufNames;
 

@@ -95,7 +95,10 @@ void parse_qwen3_moe(const nlohmann::json& config, ModelConfig& out) {
   out.norm_topk_prob = bool_or(config, "norm_topk_prob", false);
   out.sliding_window =
       bool_or(config, "use_sliding_window", false) ? int_or(config, "sliding_window", 0) : 0;
+  parse_qwen_sparse_layers(config, out);
+}
 
+void parse_qwen_sparse_layers(const nlohmann::json& config, ModelConfig& out) {
   const int64_t sparse_step = int_or(config, "decoder_sparse_step", 1);
   if (sparse_step < 1) throw StatusError("config.json: decoder_sparse_step must be >= 1");
   std::vector<int64_t> mlp_only;

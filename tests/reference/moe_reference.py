@@ -1,10 +1,12 @@
 #!/usr/bin/python3
-"""Independent NumPy reference forward pass for Mixtral, Qwen3-MoE and DeepSeek-V2/V3 checkpoints.
+"""Independent NumPy reference forward pass for Mixtral, Qwen2-MoE, Qwen3-MoE and DeepSeek-V2/V3
+checkpoints.
 
 This is the oracle the moeline engine is tested against, so it is deliberately simple: no KV
 cache, no batching, every step recomputes the whole sequence in float64 from the stored weights
 (which are upcast exactly, so the engine and the oracle see identical parameters). Semantics
-follow transformers' modeling_mixtral.py / modeling_qwen3_moe.py (eager attention path) and, for
+follow transformers' modeling_mixtral.py / modeling_qwen2_moe.py / modeling_qwen3_moe.py (eager
+attention path) and, for
 DeepSeek, the modeling_deepseek.py shipped with the official checkpoints: multi-head latent
 attention in its plain form (every head's key and value expanded from the latent, nothing
 absorbed, no cache), YaRN RoPE, and the V2 / V3 gates.
@@ -203,9 +205,9 @@ def normalise_config(raw, where):
         if raw.get("hidden_act", "silu") != "silu":
             raise ModelError(f"{where}: unsupported hidden_act {raw['hidden_act']!r} (only silu)")
         return normalise_deepseek(dict(raw), where)
-    if model_type not in ("mixtral", "qwen3_moe"):
+    if model_type not in ("mixtral", "qwen2_moe", "qwen3_moe"):
         raise ModelError(f"{where}: unsupported model_type {model_type!r} "
-                         "(expected mixtral, qwen3_moe, deepseek_v2 or deepseek_v3)")
+                         "(expected mixtral, qwen2_moe, qwen3_moe, deepseek_v2 or deepseek_v3)")
     c = dict(raw)
     if c.get("hidden_act", "silu") != "silu":
         raise ModelError(f"{where}: unsupported hidden_act {c['hidden_act']!r} (only silu)")
@@ -244,6 +246,23 @@ def normalise_config(raw, where):
         c["mlp_only_layers"] = []
         c["decoder_sparse_step"] = 1
         c["moe_intermediate_size"] = c["intermediate_size"]
+    elif model_type == "qwen2_moe":
+        # Qwen2MoeAttention: q, k and v with bias (qkv_bias, default true), o_proj without.
+        c["biased_projections"] = ("q_proj", "k_proj", "v_proj") if c.get("qkv_bias", True) else ()
+        c.setdefault("norm_topk_prob", False)
+        c.setdefault("decoder_sparse_step", 1)
+        if c.get("mlp_only_layers") is None:
+            c["mlp_only_layers"] = []
+        c["qk_norm"] = False
+        # The window slides in the layers layer_types names, else in those from max_window_layers
+        # on, and only with use_sliding_window (Qwen2MoeConfig).
+        layers = c["num_hidden_layers"]
+        window = c.get("sliding_window") if c.get("use_sliding_window", False) else None
+        kinds = c.get("layer_types") or [
+            "sliding_attention" if window is not None and i >= c.get("max_window_layers", 28)
+            else "full_attention" for i in range(layers)]
+        c["layer_windows"] = [window if kind == "sliding_attention" else None for kind in kinds]
+        c["window"] = None
     else:
         c.setdefault("attention_bias", False)
         c.setdefault("norm_topk_prob", False)
@@ -253,6 +272,8 @@ def normalise_config(raw, where):
         if "num_experts" not in c and "num_local_experts" in c:
             c["num_experts"] = c["num_local_experts"]
         c["qk_norm"] = True
+        c["biased_projections"] = (("q_proj", "k_proj", "v_proj", "o_proj")
+                                   if c["attention_bias"] else ())
         # Qwen3MoeConfig drops sliding_window unless use_sliding_window is set.
         c["window"] = c.get("sliding_window") if c.get("use_sliding_window", False) else None
     return c
@@ -352,11 +373,11 @@ def attention(model, layer, x, c, cos, sin):
     p = f"model.layers.{layer}.self_attn."
     n, h = x.shape
     hd, nh, nkv = c["head_dim"], c["num_attention_heads"], c["num_key_value_heads"]
-    bias = c["attention_bias"]
+    biased = c.get("biased_projections", ())
 
     def proj(name, out_f, in_f, inp):
         y = inp @ model.get(p + name + ".weight", (out_f, in_f)).T
-        if bias:
+        if name in biased:
             y = y + model.get(p + name + ".bias", (out_f,))
         return y
 
@@ -374,7 +395,8 @@ def attention(model, layer, x, c, cos, sin):
     k = np.repeat(k, group, axis=0)
     v = np.repeat(v, group, axis=0)
     scores = q @ k.transpose(0, 2, 1) * c["softmax_scale"]
-    scores = np.where(attention_mask(n, c["window"])[None], scores, -np.inf)
+    window = c["layer_windows"][layer] if "layer_windows" in c else c["window"]
+    scores = np.where(attention_mask(n, window)[None], scores, -np.inf)
     scores -= scores.max(axis=-1, keepdims=True)
     probs = np.exp(scores)
     probs /= probs.sum(axis=-1, keepdims=True)
@@ -416,7 +438,14 @@ def moe(model, layer, x, c, stats):
         gap = float(np.min(kth - nxt))
         stats["min_router_gap"] = min(stats.get("min_router_gap", np.inf), gap)
 
-    return routed_experts(model, layer, prefix, names, x, top, weights, ne, inter, stats)
+    out = routed_experts(model, layer, prefix, names, x, top, weights, ne, inter, stats)
+    if c["model_type"] == "qwen2_moe":
+        # Qwen2MoeSparseMoeBlock: + sigmoid(shared_expert_gate(x)) * shared_expert(x).
+        shared = swiglu(model, prefix + "shared_expert.", names, x, h,
+                        c["shared_expert_intermediate_size"])
+        gate = x @ model.get(prefix + "shared_expert_gate.weight", (1, h)).T
+        out += 1.0 / (1.0 + np.exp(-gate)) * shared
+    return out
 
 
 def routed_experts(model, layer, prefix, names, x, top, weights, ne, inter, stats):

@@ -50,6 +50,10 @@ CASES = [
                                         "head_dim=64"], []),
     ("qwen3", "qwen3_moe", 32, _WIDE + ["moe_intermediate_size=256", "num_attention_heads=4",
                                         "num_key_value_heads=2", "head_dim=64"], []),
+    # Biases on q, k and v, and a gated shared expert (ffn_*_shexp, ffn_gate_inp_shexp).
+    ("qwen2", "qwen2_moe", 36, _WIDE + ["moe_intermediate_size=256", "num_attention_heads=4",
+                                        "num_key_value_heads=2",
+                                        "shared_expert_intermediate_size=512"], []),
     ("deepseek_v2-legacy", "deepseek_v2", 33,
      _WIDE + ["num_hidden_layers=3", "moe_intermediate_size=256", "kv_lora_rank=256",
               "qk_nope_head_dim=32", "qk_rope_head_dim=32", "v_head_dim=64"], ["--legacy-mla"]),
@@ -109,6 +113,10 @@ def hf_weights(c, tensors):
             if mt == "qwen3_moe":
                 w[a + "q_norm.weight"] = get(b + "attn_q_norm.weight")
                 w[a + "k_norm.weight"] = get(b + "attn_k_norm.weight")
+            for gguf, hf in (("attn_q", "q_proj"), ("attn_k", "k_proj"), ("attn_v", "v_proj"),
+                             ("attn_output", "o_proj")):
+                if b + gguf + ".bias" in tensors:
+                    w[a + hf + ".bias"] = get(b + gguf + ".bias")
         if mt == "mixtral":
             moe, parts = p + "block_sparse_moe.", ("w1", "w3", "w2")
         else:
@@ -124,7 +132,10 @@ def hf_weights(c, tensors):
             for e, matrix in enumerate(get(b + f"ffn_{gguf}_exps.weight")):
                 w[moe + f"experts.{e}.{hf}.weight"] = matrix
             if b + f"ffn_{gguf}_shexp.weight" in tensors:
-                w[moe + f"shared_experts.{hf}.weight"] = get(b + f"ffn_{gguf}_shexp.weight")
+                shared = "shared_expert." if mt == "qwen2_moe" else "shared_experts."
+                w[moe + f"{shared}{hf}.weight"] = get(b + f"ffn_{gguf}_shexp.weight")
+        if b + "ffn_gate_inp_shexp.weight" in tensors:
+            w[moe + "shared_expert_gate.weight"] = get(b + "ffn_gate_inp_shexp.weight").reshape(1, -1)
     return w
 
 
@@ -232,7 +243,7 @@ def main(argv):
         # attention splits differently in the two writers, so its files are left out here.)
         by_name = dict(files)
         if "q4_k_m" in by_name and "moeline-quantize-q4_k_m" in by_name and \
-                arch in ("mixtral", "qwen3_moe"):
+                arch in ("mixtral", "qwen2_moe", "qwen3_moe"):
             kinds = [{name: entry[0] for name, entry in gref.read_gguf(by_name[key])[1].items()}
                      for key in ("q4_k_m", "moeline-quantize-q4_k_m")]
             differ = sorted(n for n in set(kinds[0]) | set(kinds[1])

@@ -53,6 +53,16 @@ CASES = [
     ("mixtral-bf16", "mixtral", 8, ["--dtype", "bf16"]),
     ("mixtral-f16", "mixtral", 9, ["--dtype", "f16"]),
     ("mixtral-mqa-top1", "mixtral", 10, ["--set", "num_key_value_heads=1", "--set", "num_experts_per_tok=1"]),
+    # Qwen2-MoE: biases on q, k, v (not o), no q/k norm, unnormalised top-k, a shared expert
+    # scaled per token by sigmoid(x · shared_expert_gate).
+    ("qwen2-s1", "qwen2_moe", 33, []),
+    ("qwen2-norm-topk-bf16", "qwen2_moe", 34, ["--set", "norm_topk_prob=true", "--dtype", "bf16"]),
+    ("qwen2-sparse-step2-mha", "qwen2_moe", 35,
+     ["--set", "num_hidden_layers=4", "--set", "decoder_sparse_step=2", "--set", "num_key_value_heads=4"]),
+    # Every layer slides (max_window_layers 0), as Qwen2MoeConfig's layer_types then say.
+    ("qwen2-window5-tied", "qwen2_moe", 36,
+     ["--set", "use_sliding_window=true", "--set", "sliding_window=5", "--set", "max_window_layers=0",
+      "--set", "tie_word_embeddings=true"]),
     ("qwen3-s1", "qwen3_moe", 11, []),  # head_dim 32 != hidden/heads 16
     ("qwen3-s2", "qwen3_moe", 12, []),
     ("qwen3-headdim8", "qwen3_moe", 13, ["--set", "head_dim=8"]),
@@ -228,6 +238,7 @@ def naive_decode_logits(model, tokens):
     inv_freq = [c["rope_theta"] ** (-(2.0 * i) / hd) for i in range(half)]
     cache = [([], []) for _ in range(c["num_hidden_layers"])]
     embed = model.get("model.embed_tokens.weight", (c["vocab_size"], h))
+    qwen2 = c["model_type"] == "qwen2_moe"
     rows = []
 
     def norm(v, w):
@@ -250,7 +261,9 @@ def naive_decode_logits(model, tokens):
 
             def lin(name, out_f, in_f, v):
                 y = model.get(p + f"self_attn.{name}.weight", (out_f, in_f)) @ v
-                if c["attention_bias"]:
+                # Qwen2-MoE: q, k and v carry biases (qkv_bias), o_proj none.
+                qwen2_bias = qwen2 and c.get("qkv_bias", True) and name != "o_proj"
+                if qwen2_bias or (not qwen2 and c["attention_bias"]):
                     y = y + model.get(p + f"self_attn.{name}.bias", (out_f,))
                 return y
 
@@ -266,7 +279,8 @@ def naive_decode_logits(model, tokens):
             keys, vals = cache[layer]
             keys.append(k)
             vals.append(v)
-            first = 0 if c["window"] is None else max(0, pos - c["window"] + 1)
+            window = c["layer_windows"][layer] if qwen2 else c["window"]
+            first = 0 if window is None else max(0, pos - window + 1)
             heads = []
             for i in range(nh):
                 g = i // (nh // nkv)
@@ -293,6 +307,14 @@ def naive_decode_logits(model, tokens):
                     uv = model.get(q_ + up + ".weight", (inter, h)) @ m
                     act = gv / (1.0 + np.exp(-gv)) * uv
                     x = x + (prob[e] / total) * (model.get(q_ + down + ".weight", (h, inter)) @ act)
+                if qwen2:
+                    si = c["shared_expert_intermediate_size"]
+                    s_ = pre + "shared_expert."
+                    gv = model.get(s_ + "gate_proj.weight", (si, h)) @ m
+                    uv = model.get(s_ + "up_proj.weight", (si, h)) @ m
+                    shared = model.get(s_ + "down_proj.weight", (h, si)) @ (gv / (1.0 + np.exp(-gv)) * uv)
+                    scale = model.get(pre + "shared_expert_gate.weight", (1, h))[0] @ m
+                    x = x + shared / (1.0 + np.exp(-scale))
             else:
                 inter = c["intermediate_size"]
                 gv = model.get(p + "mlp.gate_proj.weight", (inter, h)) @ m

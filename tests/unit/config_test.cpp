@@ -162,6 +162,54 @@ TEST(Config, DenseLayersOfQwen3) {
   EXPECT_EQ(load(c).layer_is_moe, (std::vector<bool>{false, true, false, false}));
 }
 
+// Qwen1.5-MoE-A2.7B's config.json, shrunk: no head_dim, no qkv_bias (transformers' default: biases
+// on q, k and v), one shared expert.
+json qwen2() {
+  json c = qwen3();
+  c["model_type"] = "qwen2_moe";
+  c["shared_expert_intermediate_size"] = 96;
+  c["use_sliding_window"] = false;
+  c["sliding_window"] = 32;
+  c["max_window_layers"] = 1;
+  return c;
+}
+
+TEST(Config, Qwen2MoeResolvesLikeTransformers) {
+  const ModelConfig q = load(qwen2());
+  EXPECT_EQ(q.family, Family::kQwen2Moe);
+  EXPECT_EQ(q.head_dim, 16);
+  EXPECT_TRUE(q.attention_bias);  // qkv_bias defaults to true
+  EXPECT_FALSE(q.qk_norm);
+  EXPECT_FALSE(q.norm_topk_prob);  // Qwen2MoeConfig's default
+  EXPECT_EQ(q.shared_intermediate_size, 96);
+  EXPECT_TRUE(q.shared_expert_gate);
+  EXPECT_EQ(q.sliding_window, 0);  // use_sliding_window false: no layer slides
+  EXPECT_DOUBLE_EQ(q.rope_theta, 10000.0);
+
+  json c = qwen2();
+  c["qkv_bias"] = false;
+  EXPECT_FALSE(load(c).attention_bias);
+  c["use_sliding_window"] = true;
+  c["max_window_layers"] = 0;  // every layer slides
+  EXPECT_EQ(load(c).sliding_window, 32);
+  c["max_window_layers"] = 2;  // no layer slides (layers 2 and on, of 2)
+  EXPECT_EQ(load(c).sliding_window, 0);
+  c["layer_types"] =
+      json::array({"sliding_attention", "sliding_attention"});  // what transformers 4.53+ writes
+  EXPECT_EQ(load(c).sliding_window, 32);
+}
+
+TEST(Config, Qwen2MoeSettingsItCannotHonourAreNamed) {
+  json c = qwen2();
+  c["use_sliding_window"] = true;  // layer 1 slides, layer 0 does not
+  EXPECT_NE(error_of(c).find("max_window_layers"), std::string::npos) << error_of(c);
+  c = qwen2();
+  c.erase("shared_expert_intermediate_size");
+  EXPECT_NE(error_of(c).find("shared_expert_intermediate_size"), std::string::npos) << error_of(c);
+  c["shared_expert_intermediate_size"] = 0;
+  EXPECT_NE(error_of(c).find("shared_expert_intermediate_size"), std::string::npos) << error_of(c);
+}
+
 TEST(Config, StopTokensPreferGenerationConfig) {
   json c = mixtral();
   c["eos_token_id"] = 2;

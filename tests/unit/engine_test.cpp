@@ -150,8 +150,8 @@ TEST_P(EngineOnModel, KernelPathsAgree) {
 
 INSTANTIATE_TEST_SUITE_P(TinyModels, EngineOnModel,
                          ::testing::Values("mixtral-f32", "qwen3-f32", "mixtral-bf16", "qwen3-bf16",
-                                           "deepseek2-f32", "deepseek3-f32", "deepseek3-bf16-fused",
-                                           "qwen3-fp8", "deepseek3-fp8"));
+                                           "qwen2-bf16", "deepseek2-f32", "deepseek3-f32",
+                                           "deepseek3-bf16-fused", "qwen3-fp8", "deepseek3-fp8"));
 
 TEST(Engine, AFullContextPromptGivesTheSameLogitsOnOneThreadAndOnTwo) {
   // 512 tokens through a dense layer of 128 (Qwen3's mlp_only_layers, DeepSeek's first dense
@@ -243,7 +243,8 @@ TEST_P(EngineBf16Fast, DecodeEqualsPrefillAndStaysNearTheExactMode) {
 }
 
 INSTANTIATE_TEST_SUITE_P(Bf16Models, EngineBf16Fast,
-                         ::testing::Values("mixtral-bf16", "qwen3-bf16", "deepseek3-bf16-fused"));
+                         ::testing::Values("mixtral-bf16", "qwen3-bf16", "qwen2-bf16",
+                                           "deepseek3-bf16-fused"));
 
 TEST(Engine, StackedExpertLayoutGivesTheSameResults) {
   // Newer transformers versions save experts stacked (gate_up_proj, down_proj; Mixtral's router
