@@ -15,7 +15,7 @@ namespace moeline::model {
 
 class GgufFile;
 
-enum class Family { kMixtral, kQwen2Moe, kQwen3Moe, kDeepseekV2, kDeepseekV3 };
+enum class Family { kMixtral, kOlmoe, kQwen2Moe, kQwen3Moe, kDeepseekV2, kDeepseekV3 };
 
 // How a router turns its logits into scores, and which experts its top-k may pick from.
 enum class RouterScoring { kSoftmax, kSigmoid };
@@ -40,6 +40,8 @@ struct ModelConfig {
   bool tie_word_embeddings = false;
   bool attention_bias = false;
   bool qk_norm = false;        // Qwen3: RMSNorm over each head of q and k before RoPE
+  bool qk_norm_whole = false;  // OLMoE: over the whole projection (all heads at once) instead
+  float clip_qkv = 0;          // OLMoE: q, k and v clamped to [-clip_qkv, clip_qkv] (0: none)
   int64_t sliding_window = 0;  // 0: full causal attention
   // Resolved at load: 1/sqrt(the query-key width) unless the family sets it (DeepSeek's YaRN
   // multiplies it by mscale²).

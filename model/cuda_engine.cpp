@@ -682,6 +682,10 @@ Expected<std::unique_ptr<CudaEngine>> CudaEngine::create(const Model& model,
     return Error{
         "the CUDA engine does not run GGUF models yet (its quantized kernels are to come); "
         "run this model on the CPU"};
+  if (c.qk_norm_whole || c.clip_qkv > 0)
+    return Error{
+        "the CUDA engine does not run OLMoE's whole-projection q/k norms yet; run this model on "
+        "the CPU"};
   if (c.shared_expert_gate)
     return Error{
         "the CUDA engine does not run Qwen2-MoE's gated shared expert yet; run this model on "

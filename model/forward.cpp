@@ -21,6 +21,10 @@ void add_bias(float* rows, int64_t n, const kernels::VectorView& bias) {
     for (int64_t i = 0; i < bias.size; ++i) rows[t * bias.size + i] += bias[i];
 }
 
+void clamp(float* values, int64_t count, float limit) {
+  for (int64_t i = 0; i < count; ++i) values[i] = std::clamp(values[i], -limit, limit);
+}
+
 void add_rows(float* dst, const float* src, int64_t count) {
   for (int64_t i = 0; i < count; ++i) dst[i] += src[i];
 }
@@ -309,11 +313,19 @@ void Engine::attention_block(int64_t layer, int64_t n) {
   add_bias(q, n, w.q_bias);
   add_bias(k, n, w.k_bias);
   add_bias(v, n, w.v_bias);
-  if (c.qk_norm) {
+  if (c.qk_norm_whole) {
+    kernels::rms_norm(q, n, q_width, q_width, w.q_norm, c.rms_norm_eps, q, q_width);
+    kernels::rms_norm(k, n, kv_width, kv_width, w.k_norm, c.rms_norm_eps, k, kv_width);
+  } else if (c.qk_norm) {
     kernels::rms_norm(q, n * c.num_heads, head_dim, head_dim, w.q_norm, c.rms_norm_eps, q,
                       head_dim);
     kernels::rms_norm(k, n * c.num_kv_heads, head_dim, head_dim, w.k_norm, c.rms_norm_eps, k,
                       head_dim);
+  }
+  if (c.clip_qkv > 0) {
+    clamp(q, n * q_width, c.clip_qkv);
+    clamp(k, n * kv_width, c.clip_qkv);
+    clamp(v, n * kv_width, c.clip_qkv);
   }
 
   const kernels::PagedKvLayer kv = cache_.layer(layer);

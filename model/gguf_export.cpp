@@ -618,6 +618,9 @@ Expected<GgufExportReport> export_gguf(const fs::path& checkpoint_dir, const fs:
 
     GgufHeader header;
     const std::string arch(family.gguf_architecture);
+    if (arch.empty())
+      return Error{"model_type " + config.model_type +
+                   " cannot be written as GGUF yet (no llama.cpp architecture is mapped for it)"};
     header.string("general.architecture", arch);
     header.string("general.name", fs::absolute(checkpoint_dir).filename().string());
     header.u32("general.file_type", choice->file_type);

@@ -250,11 +250,11 @@ void Model::load_weights(const arch::TensorNames& names, const Progress& progres
       layer.q_bias = bind.vector(name(names.q_bias), q_width);
       layer.k_bias = bind.vector(name(names.k_bias), kv_width);
       layer.v_bias = bind.vector(name(names.v_bias), kv_width);
-      if (!names.o_bias.empty()) layer.o_bias = bind.vector(name(names.o_bias), c.hidden_size);
+      layer.o_bias = bind.vector(name(names.o_bias), c.hidden_size);
     }
     if (c.qk_norm) {
-      layer.q_norm = bind.vector(name(names.q_norm), c.head_dim);
-      layer.k_norm = bind.vector(name(names.k_norm), c.head_dim);
+      layer.q_norm = bind.vector(name(names.q_norm), c.qk_norm_whole ? q_width : c.head_dim);
+      layer.k_norm = bind.vector(name(names.k_norm), c.qk_norm_whole ? kv_width : c.head_dim);
     }
     layer.is_moe = c.layer_is_moe[static_cast<size_t>(l)];
     if (!layer.is_moe) {

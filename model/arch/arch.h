@@ -101,6 +101,7 @@ double rope_theta_or(const nlohmann::json& config, double fallback);
 void parse_common(const nlohmann::json& config, ModelConfig& out, bool rope_scaling_parsed = false);
 
 void parse_mixtral(const nlohmann::json& config, ModelConfig& out);
+void parse_olmoe(const nlohmann::json& config, ModelConfig& out);
 void parse_qwen2_moe(const nlohmann::json& config, ModelConfig& out);
 void parse_qwen3_moe(const nlohmann::json& config, ModelConfig& out);
 // The Qwen families' choice of dense and MoE layers (mlp_only_layers, decoder_sparse_step).

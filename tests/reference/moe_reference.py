@@ -1,12 +1,12 @@
 #!/usr/bin/python3
-"""Independent NumPy reference forward pass for Mixtral, Qwen2-MoE, Qwen3-MoE and DeepSeek-V2/V3
-checkpoints.
+"""Independent NumPy reference forward pass for Mixtral, OLMoE, Qwen2-MoE, Qwen3-MoE and
+DeepSeek-V2/V3 checkpoints.
 
 This is the oracle the moeline engine is tested against, so it is deliberately simple: no KV
 cache, no batching, every step recomputes the whole sequence in float64 from the stored weights
 (which are upcast exactly, so the engine and the oracle see identical parameters). Semantics
-follow transformers' modeling_mixtral.py / modeling_qwen2_moe.py / modeling_qwen3_moe.py (eager
-attention path) and, for
+follow transformers' modeling_mixtral.py / modeling_olmoe.py / modeling_qwen2_moe.py /
+modeling_qwen3_moe.py (eager attention path) and, for
 DeepSeek, the modeling_deepseek.py shipped with the official checkpoints: multi-head latent
 attention in its plain form (every head's key and value expanded from the latent, nothing
 absorbed, no cache), YaRN RoPE, and the V2 / V3 gates.
@@ -205,9 +205,9 @@ def normalise_config(raw, where):
         if raw.get("hidden_act", "silu") != "silu":
             raise ModelError(f"{where}: unsupported hidden_act {raw['hidden_act']!r} (only silu)")
         return normalise_deepseek(dict(raw), where)
-    if model_type not in ("mixtral", "qwen2_moe", "qwen3_moe"):
-        raise ModelError(f"{where}: unsupported model_type {model_type!r} "
-                         "(expected mixtral, qwen2_moe, qwen3_moe, deepseek_v2 or deepseek_v3)")
+    if model_type not in ("mixtral", "olmoe", "qwen2_moe", "qwen3_moe"):
+        raise ModelError(f"{where}: unsupported model_type {model_type!r} (expected mixtral, "
+                         "olmoe, qwen2_moe, qwen3_moe, deepseek_v2 or deepseek_v3)")
     c = dict(raw)
     if c.get("hidden_act", "silu") != "silu":
         raise ModelError(f"{where}: unsupported hidden_act {c['hidden_act']!r} (only silu)")
@@ -243,6 +243,20 @@ def normalise_config(raw, where):
         c["attention_bias"] = False
         c["qk_norm"] = False
         c["window"] = c.get("sliding_window")
+        c["mlp_only_layers"] = []
+        c["decoder_sparse_step"] = 1
+        c["moe_intermediate_size"] = c["intermediate_size"]
+    elif model_type == "olmoe":
+        # OlmoeAttention: bias on all four projections with attention_bias; RMSNorm over the whole
+        # q and k projections; q, k, v clamped with clip_qkv. Every layer is MoE.
+        c.setdefault("attention_bias", False)
+        c["biased_projections"] = (("q_proj", "k_proj", "v_proj", "o_proj")
+                                   if c["attention_bias"] else ())
+        c.setdefault("norm_topk_prob", False)
+        c.setdefault("rms_norm_eps", 1e-5)
+        c["qk_norm"] = False
+        c["qk_norm_whole"] = True
+        c["window"] = None
         c["mlp_only_layers"] = []
         c["decoder_sparse_step"] = 1
         c["moe_intermediate_size"] = c["intermediate_size"]
@@ -381,9 +395,16 @@ def attention(model, layer, x, c, cos, sin):
             y = y + model.get(p + name + ".bias", (out_f,))
         return y
 
-    q = proj("q_proj", nh * hd, h, x).reshape(n, nh, hd).transpose(1, 0, 2)
-    k = proj("k_proj", nkv * hd, h, x).reshape(n, nkv, hd).transpose(1, 0, 2)
-    v = proj("v_proj", nkv * hd, h, x).reshape(n, nkv, hd).transpose(1, 0, 2)
+    q, k, v = proj("q_proj", nh * hd, h, x), proj("k_proj", nkv * hd, h, x), proj("v_proj", nkv * hd, h, x)
+    if c.get("qk_norm_whole"):
+        # OLMoE: one RMSNorm over all heads of the projection.
+        q = rms_norm(q, model.get(p + "q_norm.weight", (nh * hd,)), c["rms_norm_eps"])
+        k = rms_norm(k, model.get(p + "k_norm.weight", (nkv * hd,)), c["rms_norm_eps"])
+    if c.get("clip_qkv") is not None:
+        q, k, v = (np.clip(t, -c["clip_qkv"], c["clip_qkv"]) for t in (q, k, v))
+    q = q.reshape(n, nh, hd).transpose(1, 0, 2)
+    k = k.reshape(n, nkv, hd).transpose(1, 0, 2)
+    v = v.reshape(n, nkv, hd).transpose(1, 0, 2)
     if c["qk_norm"]:
         # Qwen3: RMSNorm over each head's vector, before RoPE.
         q = rms_norm(q, model.get(p + "q_norm.weight", (hd,)), c["rms_norm_eps"])

@@ -63,6 +63,11 @@ CASES = [
     ("qwen2-window5-tied", "qwen2_moe", 36,
      ["--set", "use_sliding_window=true", "--set", "sliding_window=5", "--set", "max_window_layers=0",
       "--set", "tie_word_embeddings=true"]),
+    # OLMoE: q/k RMSNorm over the whole projection, unnormalised top-k, every layer MoE.
+    ("olmoe-s1", "olmoe", 37, []),
+    ("olmoe-gqa-clip-bias-bf16", "olmoe", 38,
+     ["--set", "num_key_value_heads=2", "--set", "clip_qkv=0.8", "--set", "attention_bias=true",
+      "--set", "norm_topk_prob=true", "--dtype", "bf16"]),
     ("qwen3-s1", "qwen3_moe", 11, []),  # head_dim 32 != hidden/heads 16
     ("qwen3-s2", "qwen3_moe", 12, []),
     ("qwen3-headdim8", "qwen3_moe", 13, ["--set", "head_dim=8"]),
@@ -267,9 +272,14 @@ def naive_decode_logits(model, tokens):
                     y = y + model.get(p + f"self_attn.{name}.bias", (out_f,))
                 return y
 
-            q = lin("q_proj", nh * hd, h, a).reshape(nh, hd)
-            k = lin("k_proj", nkv * hd, h, a).reshape(nkv, hd)
-            v = lin("v_proj", nkv * hd, h, a).reshape(nkv, hd)
+            q, k, v = lin("q_proj", nh * hd, h, a), lin("k_proj", nkv * hd, h, a), lin("v_proj", nkv * hd, h, a)
+            if c["model_type"] == "olmoe":
+                q = norm(q, model.get(p + "self_attn.q_norm.weight", (nh * hd,)))
+                k = norm(k, model.get(p + "self_attn.k_norm.weight", (nkv * hd,)))
+                clip = c.get("clip_qkv")
+                if clip is not None:
+                    q, k, v = (np.minimum(np.maximum(t, -clip), clip) for t in (q, k, v))
+            q, k, v = q.reshape(nh, hd), k.reshape(nkv, hd), v.reshape(nkv, hd)
             if c["qk_norm"]:
                 qn, kn = model.get(p + "self_attn.q_norm.weight", (hd,)), model.get(p + "self_attn.k_norm.weight", (hd,))
                 q = np.stack([norm(q[i], qn) for i in range(nh)])

@@ -210,6 +210,25 @@ TEST(Config, Qwen2MoeSettingsItCannotHonourAreNamed) {
   EXPECT_NE(error_of(c).find("shared_expert_intermediate_size"), std::string::npos) << error_of(c);
 }
 
+TEST(Config, OlmoeResolvesLikeTransformers) {
+  json c = qwen3();
+  c["model_type"] = "olmoe";
+  c["intermediate_size"] = 32;  // each expert's width: OLMoE has no moe_intermediate_size
+  c["clip_qkv"] = nullptr;
+  const ModelConfig o = load(c);
+  EXPECT_EQ(o.family, Family::kOlmoe);
+  EXPECT_TRUE(o.qk_norm && o.qk_norm_whole);
+  EXPECT_EQ(o.clip_qkv, 0.0f);
+  EXPECT_EQ(o.expert_intermediate_size, 32);
+  EXPECT_FALSE(o.norm_topk_prob);
+  EXPECT_FLOAT_EQ(o.rms_norm_eps, 1e-5f);  // OlmoeConfig's default
+  EXPECT_EQ(o.layer_is_moe, (std::vector<bool>{true, true}));
+  c["clip_qkv"] = 8;
+  EXPECT_EQ(load(c).clip_qkv, 8.0f);
+  c["clip_qkv"] = -1;
+  EXPECT_NE(error_of(c).find("clip_qkv"), std::string::npos) << error_of(c);
+}
+
 TEST(Config, StopTokensPreferGenerationConfig) {
   json c = mixtral();
   c["eos_token_id"] = 2;

@@ -150,8 +150,9 @@ TEST_P(EngineOnModel, KernelPathsAgree) {
 
 INSTANTIATE_TEST_SUITE_P(TinyModels, EngineOnModel,
                          ::testing::Values("mixtral-f32", "qwen3-f32", "mixtral-bf16", "qwen3-bf16",
-                                           "qwen2-bf16", "deepseek2-f32", "deepseek3-f32",
-                                           "deepseek3-bf16-fused", "qwen3-fp8", "deepseek3-fp8"));
+                                           "qwen2-bf16", "olmoe-f32", "deepseek2-f32",
+                                           "deepseek3-f32", "deepseek3-bf16-fused", "qwen3-fp8",
+                                           "deepseek3-fp8"));
 
 TEST(Engine, AFullContextPromptGivesTheSameLogitsOnOneThreadAndOnTwo) {
   // 512 tokens through a dense layer of 128 (Qwen3's mlp_only_layers, DeepSeek's first dense
