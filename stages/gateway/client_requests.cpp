@@ -1,5 +1,6 @@
 #include "stages/gateway/client_requests.h"
 
+#include <algorithm>
 #include <memory>
 #include <utility>
 
@@ -13,6 +14,12 @@
 #include "stages/runtime/trace.h"
 
 namespace moeline::stages {
+
+uint64_t first_request_id(std::chrono::system_clock::time_point started) {
+  const auto seconds =
+      std::chrono::duration_cast<std::chrono::seconds>(started.time_since_epoch()).count();
+  return (static_cast<uint64_t>(std::max<int64_t>(seconds, 0)) << 20) + 1;
+}
 
 void ClientRequests::reject(const std::string& client, uint64_t client_request_id,
                             wire::ErrorCode code, const std::string& reason,

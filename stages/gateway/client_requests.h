@@ -5,6 +5,7 @@
 // to the reuse policy, an operator's command to the control commands. Every refusal is an Error
 // event to the client, counted by reason.
 
+#include <chrono>
 #include <cstdint>
 #include <random>
 #include <string>
@@ -23,6 +24,14 @@
 #include "stages/runtime/metrics.h"
 
 namespace moeline::stages {
+
+// The first request id of a gateway started at `started`. Decode and prefill replicas outlive a
+// gateway that dies: the sequences its requests left there go on streaming to the next one, so a
+// restarted gateway must never hand out an id its previous life did (their tokens would be
+// taken for the new request's). Ids begin at the start second times 2^20: an earlier life would
+// have had to issue over a million requests for every second it ran to reach them, and ids stay
+// below 2^53 (exact in JSON readers that use doubles) for two centuries.
+uint64_t first_request_id(std::chrono::system_clock::time_point started);
 
 class ClientRequests {
  public:
@@ -60,7 +69,7 @@ class ClientRequests {
   size_t max_in_flight_;
   bool draining_ = false;
   std::mt19937_64 seed_source_{std::random_device{}()};
-  uint64_t next_request_id_ = 1;
+  uint64_t next_request_id_ = first_request_id(std::chrono::system_clock::now());
   runtime::RateLimited reject_log_, frame_log_;
 };
 

@@ -15,6 +15,7 @@
 #include "kernels/cpu/bf16_matmul.h"
 #include "kernels/cpu/quant_matmul.h"
 #include "stages/common/common.h"
+#include "stages/gateway/client_requests.h"
 #include "stages/gateway/probe_ring.h"
 #include "stages/runtime/hub.h"
 #include "stages/runtime/intake.h"
@@ -48,6 +49,19 @@ std::vector<std::string> namespaces(int n) {
   std::vector<std::string> out;
   for (int i = 0; i < n; ++i) out.push_back("tenant:t" + std::to_string(i));
   return out;
+}
+
+TEST(GatewayRequestIds, ARestartedGatewayNeverReusesAnIdOfItsPreviousLife) {
+  // The stale sequences of a killed gateway's requests still stream from decode; a restarted
+  // gateway counting from 1 again took their tokens for its own first requests.
+  using std::chrono::seconds;
+  const auto start = std::chrono::system_clock::time_point(seconds(1'796'000'000));
+  const uint64_t first_life = stages::first_request_id(start);
+  // A life of 2 s at 100,000 requests a second, and the next one started 2 s later.
+  const uint64_t last_of_first_life = first_life + 200'000;
+  EXPECT_GT(stages::first_request_id(start + seconds(2)), last_of_first_life);
+  EXPECT_GT(first_life, 0u);
+  EXPECT_LT(stages::first_request_id(start + seconds(86'400LL * 365 * 200)), uint64_t{1} << 53);
 }
 
 TEST(ProbeRing, ANamespaceAlwaysLandsOnTheSameReplica) {
