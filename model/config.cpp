@@ -343,7 +343,8 @@ namespace {
 constexpr Family kFamilies[] = {
     {"mixtral", &parse_mixtral, &kMixtralNames, "llama", &gguf_config_mixtral, &gguf_adjust_mixtral,
      &kMixtralGgufNames},
-    {"olmoe", &parse_olmoe, &kQwen3MoeNames, "", nullptr, nullptr, nullptr},
+    {"olmoe", &parse_olmoe, &kQwen3MoeNames, "olmoe", &gguf_config_olmoe, nullptr,
+     &kQwen3MoeGgufNames},
     {"qwen2_moe", &parse_qwen2_moe, &kQwen2MoeNames, "qwen2moe", &gguf_config_qwen2_moe, nullptr,
      &kQwen2MoeGgufNames},
     {"qwen3_moe", &parse_qwen3_moe, &kQwen3MoeNames, "qwen3moe", &gguf_config_qwen3_moe, nullptr,

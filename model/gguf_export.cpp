@@ -447,6 +447,22 @@ void architecture_keys(GgufHeader& h, const ModelConfig& c, const json& raw,
     h.u32(key("feed_forward_length"), c.expert_intermediate_size);
     return;
   }
+  if (c.family == Family::kOlmoe) {
+    // llama.cpp's olmoe sizes both q/k norms {n_embd} (multi-head attention only), has no biases,
+    // no clamp and no renormalisation.
+    const auto refuse = [&](const std::string& what) {
+      throw StatusError("an OLMoE with " + what +
+                        " cannot be written as GGUF (llama.cpp's olmoe "
+                        "has no such setting)");
+    };
+    if (c.num_kv_heads != c.num_heads) refuse("grouped-query attention");
+    if (c.attention_bias) refuse("attention biases");
+    if (c.clip_qkv > 0) refuse("clip_qkv");
+    if (c.norm_topk_prob) refuse("norm_topk_prob true");
+    h.u32(key("attention.head_count_kv"), c.num_kv_heads);
+    h.u32(key("feed_forward_length"), c.expert_intermediate_size);
+    return;
+  }
   if (c.family == Family::kQwen2Moe || c.family == Family::kQwen3Moe) {
     const bool qwen2 = c.family == Family::kQwen2Moe;
     no_window();
@@ -618,9 +634,6 @@ Expected<GgufExportReport> export_gguf(const fs::path& checkpoint_dir, const fs:
 
     GgufHeader header;
     const std::string arch(family.gguf_architecture);
-    if (arch.empty())
-      return Error{"model_type " + config.model_type +
-                   " cannot be written as GGUF yet (no llama.cpp architecture is mapped for it)"};
     header.string("general.architecture", arch);
     header.string("general.name", fs::absolute(checkpoint_dir).filename().string());
     header.u32("general.file_type", choice->file_type);

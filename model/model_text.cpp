@@ -69,10 +69,12 @@ std::pair<json, json> byte_level_family(const std::string& pre, const std::strin
     steps.push_back(byte_level(false));
     return {nullptr, json{{"type", "Sequence"}, {"pretokenizers", std::move(steps)}}};
   }
-  if (pre == "gpt-2" || pre == "default" || pre.empty()) return {nullptr, byte_level(true)};
+  // llama.cpp splits "olmo" (GPT-NeoX's vocabulary) with GPT-2's expression.
+  if (pre == "gpt-2" || pre == "olmo" || pre == "default" || pre.empty())
+    return {nullptr, byte_level(true)};
   throw StatusError(file + ": GGUF metadata 'tokenizer.ggml.pre' is \"" + pre +
                     "\", which moeline does not map to a pre-tokenizer (supported: qwen2, "
-                    "deepseek-r1-qwen, deepseek-v3, llama-bpe, gpt-2, default)");
+                    "deepseek-r1-qwen, deepseek-v3, llama-bpe, gpt-2, olmo, default)");
 }
 
 // The merges a SentencePiece vocabulary implies, as transformers' SentencePieceExtractor derives

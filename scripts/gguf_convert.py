@@ -1,6 +1,6 @@
 #!/usr/bin/python3
-"""Convert a Hugging Face MoE checkpoint (Mixtral, Qwen2-MoE, Qwen3-MoE, DeepSeek-V2/V3) to GGUF as
-llama.cpp's convert_hf_to_gguf.py lays it out, quantizing the matrices.
+"""Convert a Hugging Face MoE checkpoint (Mixtral, OLMoE, Qwen2-MoE, Qwen3-MoE, DeepSeek-V2/V3) to
+GGUF as llama.cpp's convert_hf_to_gguf.py lays it out, quantizing the matrices.
 
   scripts/gguf_convert.py --model DIR --out FILE.gguf --type TYPE [--legacy-mla]
 
@@ -31,7 +31,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import gguf_writer as gw  # noqa: E402
 from terminal_progress import TerminalProgress  # noqa: E402
 
-ARCH = {"mixtral": "llama", "qwen2_moe": "qwen2moe", "qwen3_moe": "qwen3moe", "deepseek_v2": "deepseek2",
+ARCH = {"mixtral": "llama", "olmoe": "olmoe", "qwen2_moe": "qwen2moe", "qwen3_moe": "qwen3moe", "deepseek_v2": "deepseek2",
         "deepseek_v3": "deepseek2"}
 # llama_ftype of each --type, for general.file_type.
 FILE_TYPE = {"f32": 0, "f16": 1, "q4_0": 2, "q8_0": 7, "q4_k": 15, "q5_k": 17, "q6_k": 18,
@@ -157,7 +157,7 @@ def tensor_plan(c, ckpt, legacy_mla):
                 if ckpt.has(a + f"{bias}_proj.bias"):
                     gguf = {"q": "attn_q", "k": "attn_k", "v": "attn_v", "o": "attn_output"}[bias]
                     out.append((b + gguf + ".bias", ckpt.get(a + f"{bias}_proj.bias")))
-            if mt == "qwen3_moe":
+            if mt in ("olmoe", "qwen3_moe"):
                 out += [(b + "attn_q_norm.weight", ckpt.get(a + "q_norm.weight")),
                         (b + "attn_k_norm.weight", ckpt.get(a + "k_norm.weight"))]
         out.append((b + "ffn_norm.weight", ckpt.get(p + "post_attention_layernorm.weight")))
@@ -220,6 +220,10 @@ def hparams(c, arch, legacy_mla):
         put("rope.dimension_count", gw.U32, head_dim)
         put("feed_forward_length", gw.U32, c["intermediate_size"])
         put("expert_count", gw.U32, c["num_local_experts"])
+    elif mt == "olmoe":
+        put("attention.head_count_kv", gw.U32, c.get("num_key_value_heads", heads))
+        put("feed_forward_length", gw.U32, c["intermediate_size"])
+        put("expert_count", gw.U32, c["num_experts"])
     elif mt in ("qwen2_moe", "qwen3_moe"):
         head_dim = c.get("head_dim") or c["hidden_size"] // heads
         put("attention.head_count_kv", gw.U32, c.get("num_key_value_heads", heads))

@@ -110,6 +110,7 @@ void parse_deepseek_v2(const nlohmann::json& config, ModelConfig& out);
 void parse_deepseek_v3(const nlohmann::json& config, ModelConfig& out);
 nlohmann::json gguf_config_mixtral(const GgufMetadata& metadata);
 void gguf_adjust_mixtral(const GgufMetadata& metadata, ModelConfig& out);
+nlohmann::json gguf_config_olmoe(const GgufMetadata& metadata);
 nlohmann::json gguf_config_qwen2_moe(const GgufMetadata& metadata);
 nlohmann::json gguf_config_qwen3_moe(const GgufMetadata& metadata);
 nlohmann::json gguf_config_deepseek(const GgufMetadata& metadata);

@@ -2,11 +2,27 @@
 // k projections (all heads at once, before RoPE) and, when clip_qkv is set, q, k and v clamped to
 // [-clip_qkv, clip_qkv]; a softmax router over every layer's experts, renormalised only when
 // norm_topk_prob. Its checkpoints use Qwen3-MoE's tensor names (mlp.gate, mlp.experts.{E}.*,
-// self_attn.q_norm / k_norm), with the norms as wide as the projections.
+// self_attn.q_norm / k_norm), with the norms as wide as the projections; so do llama.cpp's
+// `olmoe` files (rotate-half RoPE, as the checkpoint: the converter does not permute q and k).
 #include "base/status.h"
 #include "model/arch/arch.h"
 
 namespace moeline::model::arch {
+
+nlohmann::json gguf_config_olmoe(const GgufMetadata& m) {
+  nlohmann::json config = gguf_common_config(m, "olmoe");
+  config["num_experts"] = m.require_int("expert_count");
+  config["num_experts_per_tok"] = m.require_int("expert_used_count");
+  // llama.cpp's olmoe: experts feed_forward_length wide, never renormalised, no clamp.
+  config["intermediate_size"] = m.require_int("feed_forward_length");
+  config["norm_topk_prob"] = false;
+  const double scale = m.number_or("expert_weights_scale", 0.0);
+  if (scale != 0.0 && scale != 1.0)
+    m.fail("expert_weights_scale",
+           "is " + std::to_string(scale) + "; OLMoE does not scale its experts");
+  if (!m.has("rope.freq_base")) config["rope_theta"] = 10000.0;
+  return config;
+}
 
 void parse_olmoe(const nlohmann::json& config, ModelConfig& out) {
   out.family = model::Family::kOlmoe;

@@ -212,6 +212,17 @@ def main():
         gguf_sources += [(f"make-model-{arch}-tiny", os.path.join(
             args.workdir, f"made-{arch}-tiny", "tokenizer.json"), None)
             for arch in ("mixtral", "qwen3_moe")]
+    # tokenizer.ggml.pre "olmo" (OLMoE's GGUF files): llama.cpp splits it with GPT-2's expression,
+    # i.e. a byte-level pre-tokenizer with its regex and no normalizer; Qwen3's vocabulary split so.
+    with open(npm_file(args.node_modules, "qwen3"), encoding="utf-8") as f:
+        doc = json.load(f)
+    doc["normalizer"] = None
+    doc["pre_tokenizer"] = {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": True,
+                            "use_regex": True}
+    olmo = os.path.join(args.workdir, "qwen3-gpt2-split.json")
+    with open(olmo, "w", encoding="utf-8") as f:
+        json.dump(doc, f, ensure_ascii=False)
+    gguf_sources.append(("qwen3-gpt2-split", olmo, "olmo"))
     for name, path, pre in gguf_sources:
         gguf = os.path.join(args.workdir, f"{name}.gguf")
         gguf_writer.write_gguf(gguf, gguf_convert.tokenizer_keys(path, pre=pre), [])

@@ -54,6 +54,9 @@ CASES = [
     ("qwen2", "qwen2_moe", 36, _WIDE + ["moe_intermediate_size=256", "num_attention_heads=4",
                                         "num_key_value_heads=2",
                                         "shared_expert_intermediate_size=512"], []),
+    # Q/K norms over the whole projections, experts intermediate_size wide (llama.cpp's olmoe:
+    # multi-head attention only).
+    ("olmoe", "olmoe", 37, _WIDE + ["num_attention_heads=4", "num_key_value_heads=4"], []),
     ("deepseek_v2-legacy", "deepseek_v2", 33,
      _WIDE + ["num_hidden_layers=3", "moe_intermediate_size=256", "kv_lora_rank=256",
               "qk_nope_head_dim=32", "qk_rope_head_dim=32", "v_head_dim=64"], ["--legacy-mla"]),
@@ -110,7 +113,7 @@ def hf_weights(c, tensors):
             w[a + "q_proj.weight"], w[a + "k_proj.weight"] = q, k
             w[a + "v_proj.weight"] = get(b + "attn_v.weight")
             w[a + "o_proj.weight"] = get(b + "attn_output.weight")
-            if mt == "qwen3_moe":
+            if mt in ("olmoe", "qwen3_moe"):
                 w[a + "q_norm.weight"] = get(b + "attn_q_norm.weight")
                 w[a + "k_norm.weight"] = get(b + "attn_k_norm.weight")
             for gguf, hf in (("attn_q", "q_proj"), ("attn_k", "k_proj"), ("attn_v", "v_proj"),
@@ -243,7 +246,7 @@ def main(argv):
         # attention splits differently in the two writers, so its files are left out here.)
         by_name = dict(files)
         if "q4_k_m" in by_name and "moeline-quantize-q4_k_m" in by_name and \
-                arch in ("mixtral", "qwen2_moe", "qwen3_moe"):
+                arch in ("mixtral", "olmoe", "qwen2_moe", "qwen3_moe"):
             kinds = [{name: entry[0] for name, entry in gref.read_gguf(by_name[key])[1].items()}
                      for key in ("q4_k_m", "moeline-quantize-q4_k_m")]
             differ = sorted(n for n in set(kinds[0]) | set(kinds[1])
