@@ -104,8 +104,10 @@ void parse_mixtral(const nlohmann::json& config, ModelConfig& out);
 void parse_olmoe(const nlohmann::json& config, ModelConfig& out);
 void parse_qwen2_moe(const nlohmann::json& config, ModelConfig& out);
 void parse_qwen3_moe(const nlohmann::json& config, ModelConfig& out);
-// The Qwen families' choice of dense and MoE layers (mlp_only_layers, decoder_sparse_step).
-void parse_qwen_sparse_layers(const nlohmann::json& config, ModelConfig& out);
+// The Qwen families' experts and their choice of dense and MoE layers (mlp_only_layers,
+// decoder_sparse_step), and the config.json keys a Qwen GGUF's metadata amounts to.
+void parse_qwen_moe_layers(const nlohmann::json& config, ModelConfig& out);
+nlohmann::json gguf_qwen_moe_config(const GgufMetadata& metadata, std::string_view model_type);
 void parse_deepseek_v2(const nlohmann::json& config, ModelConfig& out);
 void parse_deepseek_v3(const nlohmann::json& config, ModelConfig& out);
 nlohmann::json gguf_config_mixtral(const GgufMetadata& metadata);

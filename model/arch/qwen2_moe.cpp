@@ -34,23 +34,13 @@ const TensorNames kQwen2MoeGgufNames = [] {
 }();
 
 nlohmann::json gguf_config_qwen2_moe(const GgufMetadata& m) {
-  nlohmann::json config = gguf_common_config(m, "qwen2_moe");
-  const int64_t heads = m.require_int("attention.head_count");
-  if (m.has("attention.key_length"))
-    config["head_dim"] = m.require_int("attention.key_length");
-  else if (heads > 0)
-    config["head_dim"] = m.require_int("embedding_length") / heads;
-  config["num_experts"] = m.require_int("expert_count");
-  config["num_experts_per_tok"] = m.require_int("expert_used_count");
-  config["moe_intermediate_size"] = m.require_int("expert_feed_forward_length");
-  config["intermediate_size"] = m.int_or("feed_forward_length", 0);
+  nlohmann::json config = gguf_qwen_moe_config(m, "qwen2_moe");
   // llama.cpp's qwen2moe: the shared expert's width when written, else feed_forward_length; the
   // chosen experts' weights are never renormalised (whatever expert_weights_norm might say).
   config["shared_expert_intermediate_size"] =
       m.int_or("expert_shared_feed_forward_length", m.int_or("feed_forward_length", 0));
   config["norm_topk_prob"] = false;
   config["qkv_bias"] = true;
-  if (!m.has("rope.freq_base")) config["rope_theta"] = 10000.0;
   return config;
 }
 
@@ -84,17 +74,12 @@ void parse_qwen2_moe(const nlohmann::json& config, ModelConfig& out) {
   out.family = model::Family::kQwen2Moe;
   parse_common(config, out);
   out.attention_bias = bool_or(config, "qkv_bias", true);
-  out.num_experts = require_int(config, "num_experts");
-  out.experts_per_token = require_int(config, "num_experts_per_tok");
-  out.expert_intermediate_size = require_int(config, "moe_intermediate_size");
-  out.dense_intermediate_size = int_or(config, "intermediate_size", 0);
-  out.norm_topk_prob = bool_or(config, "norm_topk_prob", false);
   out.shared_intermediate_size = require_int(config, "shared_expert_intermediate_size");
   if (out.shared_intermediate_size <= 0)
     throw StatusError("config.json: shared_expert_intermediate_size must be positive");
   out.shared_expert_gate = true;
   out.sliding_window = uniform_sliding_window(config, out.num_layers);
-  parse_qwen_sparse_layers(config, out);
+  parse_qwen_moe_layers(config, out);
 }
 
 }  // namespace moeline::model::arch

@@ -68,8 +68,8 @@ const TensorNames kQwen3MoeGgufNames = {
     .dense_down = "blk.{L}.ffn_down.weight",
 };
 
-nlohmann::json gguf_config_qwen3_moe(const GgufMetadata& m) {
-  nlohmann::json config = gguf_common_config(m, "qwen3_moe");
+nlohmann::json gguf_qwen_moe_config(const GgufMetadata& m, std::string_view model_type) {
+  nlohmann::json config = gguf_common_config(m, model_type);
   const int64_t heads = m.require_int("attention.head_count");
   config["head_dim"] =
       m.int_or("attention.key_length", heads > 0 ? m.require_int("embedding_length") / heads : 0);
@@ -77,9 +77,14 @@ nlohmann::json gguf_config_qwen3_moe(const GgufMetadata& m) {
   config["num_experts_per_tok"] = m.require_int("expert_used_count");
   config["moe_intermediate_size"] = m.require_int("expert_feed_forward_length");
   config["intermediate_size"] = m.int_or("feed_forward_length", 0);
+  if (!m.has("rope.freq_base")) config["rope_theta"] = 10000.0;
+  return config;
+}
+
+nlohmann::json gguf_config_qwen3_moe(const GgufMetadata& m) {
+  nlohmann::json config = gguf_qwen_moe_config(m, "qwen3_moe");
   // llama.cpp renormalises Qwen3-MoE's chosen experts always (the released models' setting).
   config["norm_topk_prob"] = m.bool_or("expert_weights_norm", true);
-  if (!m.has("rope.freq_base")) config["rope_theta"] = 10000.0;
   return config;
 }
 
@@ -88,17 +93,17 @@ void parse_qwen3_moe(const nlohmann::json& config, ModelConfig& out) {
   parse_common(config, out);
   out.qk_norm = true;
   out.attention_bias = bool_or(config, "attention_bias", false);
+  out.sliding_window =
+      bool_or(config, "use_sliding_window", false) ? int_or(config, "sliding_window", 0) : 0;
+  parse_qwen_moe_layers(config, out);
+}
+
+void parse_qwen_moe_layers(const nlohmann::json& config, ModelConfig& out) {
   out.num_experts = require_int(config, "num_experts");
   out.experts_per_token = require_int(config, "num_experts_per_tok");
   out.expert_intermediate_size = require_int(config, "moe_intermediate_size");
   out.dense_intermediate_size = int_or(config, "intermediate_size", 0);
   out.norm_topk_prob = bool_or(config, "norm_topk_prob", false);
-  out.sliding_window =
-      bool_or(config, "use_sliding_window", false) ? int_or(config, "sliding_window", 0) : 0;
-  parse_qwen_sparse_layers(config, out);
-}
-
-void parse_qwen_sparse_layers(const nlohmann::json& config, ModelConfig& out) {
   const int64_t sparse_step = int_or(config, "decoder_sparse_step", 1);
   if (sparse_step < 1) throw StatusError("config.json: decoder_sparse_step must be >= 1");
   std::vector<int64_t> mlp_only;
