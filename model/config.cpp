@@ -64,10 +64,6 @@ double rope_theta_or(const json& config, double fallback) {
   const json* type = present(*parameters, "rope_type");
   if (type && *type != "default")
     bad_key("rope_parameters", "has rope_type " + type->dump() + "; only \"default\" is supported");
-  if (const json* partial = present(*parameters, "partial_rotary_factor");
-      partial && (!partial->is_number() || partial->get<double>() != 1.0))
-    bad_key("rope_parameters",
-            "has partial_rotary_factor " + partial->dump() + "; only 1 is supported");
   if (const json* theta = present(*parameters, "rope_theta")) {
     if (!theta->is_number()) bad_key("rope_parameters", "has a rope_theta that is not a number");
     return theta->get<double>();
@@ -77,7 +73,42 @@ double rope_theta_or(const json& config, double fallback) {
 
 void parse_quantization(const json& quantization, ModelConfig& out);
 
-void parse_common(const json& config, ModelConfig& out, bool rope_scaling_parsed) {
+namespace {
+
+// partial_rotary_factor: top-level (transformers 4) or in rope_parameters (transformers 5).
+const json* partial_rotary_factor(const json& config) {
+  const json* parameters = present(config, "rope_parameters");
+  if (const json* inner = parameters && parameters->is_object()
+                              ? present(*parameters, "partial_rotary_factor")
+                              : nullptr)
+    return inner;
+  return present(config, "partial_rotary_factor");
+}
+
+// How many dimensions of each head RoPE turns: int(head_dim * factor), as transformers sizes its
+// frequency table; 0 (all of them) when the factor is 1.
+int64_t parse_rotary_dim(const json& config, int64_t head_dim, double family_default) {
+  const json* given = partial_rotary_factor(config);
+  if (given && !given->is_number()) bad_key("partial_rotary_factor", "must be a number");
+  const double factor = given ? given->get<double>() : family_default > 0 ? family_default : 1.0;
+  if (factor == 1.0) return 0;
+  if (family_default == 0)
+    bad_key(
+        "partial_rotary_factor",
+        "is " + given->dump() + "; this model family rotates whole heads (only 1 is supported)");
+  if (!(factor > 0 && factor < 1)) bad_key("partial_rotary_factor", "must be in (0, 1]");
+  const auto dim = static_cast<int64_t>(static_cast<double>(head_dim) * factor);
+  if (dim < 2 || dim % 2 != 0)
+    bad_key("partial_rotary_factor", "leaves " + std::to_string(dim) + " of head_dim " +
+                                         std::to_string(head_dim) +
+                                         " rotated; RoPE needs an even number, at least 2");
+  return dim;
+}
+
+}  // namespace
+
+void parse_common(const json& config, ModelConfig& out, const CommonKeys& keys) {
+  const bool rope_scaling_parsed = keys.rope_scaling_parsed;
   out.vocab_size = require_int(config, "vocab_size");
   out.hidden_size = require_int(config, "hidden_size");
   out.num_layers = require_int(config, "num_hidden_layers");
@@ -90,6 +121,7 @@ void parse_common(const json& config, ModelConfig& out, bool rope_scaling_parsed
       bad_key("hidden_size", "is not a multiple of num_attention_heads and head_dim is not set");
     out.head_dim = out.hidden_size / out.num_heads;
   }
+  out.rotary_dim = parse_rotary_dim(config, out.head_dim, keys.partial_rotary_default);
   out.max_position_embeddings = int_or(config, "max_position_embeddings", 0);
   if (!rope_scaling_parsed) out.rope_theta = rope_theta_or(config, 10000.0);
   out.rms_norm_eps = static_cast<float>(number_or(config, "rms_norm_eps", 1e-6));
@@ -201,6 +233,10 @@ void validate(const ModelConfig& c) {
   if (c.experts_per_token > c.num_experts)
     throw StatusError("config.json: num_experts_per_tok exceeds the number of experts");
   if (c.sliding_window < 0) throw StatusError("config.json: sliding_window must be positive");
+  if (c.rotary_dim < 0 || c.rotary_dim > c.head_dim || c.rotary_dim % 2 != 0)
+    throw StatusError("config.json: partial_rotary_factor gives " + std::to_string(c.rotary_dim) +
+                      " rotated dimensions of head_dim " + std::to_string(c.head_dim) +
+                      "; RoPE needs an even number, at most head_dim");
 }
 
 }  // namespace
@@ -256,7 +292,7 @@ ModelConfig ModelConfig::from_gguf(const GgufFile& gguf) {
   if (!family)
     throw StatusError(file + ": GGUF architecture \"" + name + "\" is not supported (supported: " +
                       arch::supported_gguf_architectures() + ")");
-  const arch::GgufMetadata metadata(gguf.metadata(), name, file);
+  const arch::GgufMetadata metadata(gguf.metadata(), name, file, &gguf);
   const json config = family->gguf_config(metadata);
   ModelConfig out;
   out.model_type = config.at("model_type").get<std::string>();
@@ -306,7 +342,9 @@ KvShape kv_shape(const ModelConfig& config) {
 }
 
 kernels::Rope make_rope(const ModelConfig& config) {
-  const int64_t dim = config.mla ? config.qk_rope_head_dim : config.head_dim;
+  const int64_t dim = config.mla              ? config.qk_rope_head_dim
+                      : config.rotary_dim > 0 ? config.rotary_dim
+                                              : config.head_dim;
   if (config.rope_yarn_factor <= 0 && !config.rope_interleaved)
     return kernels::Rope(dim, config.rope_theta);
   // YaRN (DeepseekV3YarnRotaryEmbedding): dimensions that rotate more than beta_fast times over
@@ -353,6 +391,8 @@ constexpr Family kFamilies[] = {
      nullptr, &kDeepseekGgufNames},
     {"deepseek_v3", &parse_deepseek_v3, &kDeepseekNames, "deepseek2", &gguf_config_deepseek,
      nullptr, &kDeepseekGgufNames},
+    {"glm4_moe", &parse_glm4_moe, &kGlm4MoeNames, "glm4moe", &gguf_config_glm4_moe, nullptr,
+     &kGlm4MoeGgufNames},
 };
 }  // namespace
 

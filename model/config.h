@@ -15,7 +15,7 @@ namespace moeline::model {
 
 class GgufFile;
 
-enum class Family { kMixtral, kOlmoe, kQwen2Moe, kQwen3Moe, kDeepseekV2, kDeepseekV3 };
+enum class Family { kMixtral, kOlmoe, kQwen2Moe, kQwen3Moe, kDeepseekV2, kDeepseekV3, kGlm4Moe };
 
 // How a router turns its logits into scores, and which experts its top-k may pick from.
 enum class RouterScoring { kSoftmax, kSigmoid };
@@ -43,6 +43,9 @@ struct ModelConfig {
   bool qk_norm_whole = false;  // OLMoE: over the whole projection (all heads at once) instead
   float clip_qkv = 0;          // OLMoE: q, k and v clamped to [-clip_qkv, clip_qkv] (0: none)
   int64_t sliding_window = 0;  // 0: full causal attention
+  // GLM-4.5 (partial_rotary_factor): RoPE turns only the first rotary_dim dimensions of each
+  // head, the rest pass through; 0: all of head_dim.
+  int64_t rotary_dim = 0;
   // Resolved at load: 1/sqrt(the query-key width) unless the family sets it (DeepSeek's YaRN
   // multiplies it by mscale²).
   double softmax_scale = 0.0;

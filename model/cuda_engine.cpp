@@ -962,8 +962,8 @@ void enqueue_forward(CudaEngine::State& s, int64_t n, int64_t wanted) {
         v = k + kv_heads * hd;
         s.blas->matmul(normed, n, w.qkv, q);
         // k's heads follow q's in each token's row: one rotation for both.
-        cu::rope(q, n, heads + kv_heads, q_stride, hd, hd, s.cos_sin.get(), s.rope.interleaved(),
-                 stream);
+        cu::rope(q, n, heads + kv_heads, q_stride, hd, s.rope.dim(), s.cos_sin.get(),
+                 s.rope.interleaved(), stream);
       } else {
         q = s.q.grow(n * heads * hd);
         k = s.k.grow(n * kv_heads * hd);
@@ -980,9 +980,10 @@ void enqueue_forward(CudaEngine::State& s, int64_t n, int64_t wanted) {
           cu::rms_norm(k, n * kv_heads, hd, hd, w.k_norm.data, w.k_norm.dtype, c.rms_norm_eps, k,
                        hd, stream);
         }
-        cu::rope(q, n, heads, heads * hd, hd, hd, s.cos_sin.get(), s.rope.interleaved(), stream);
-        cu::rope(k, n, kv_heads, kv_heads * hd, hd, hd, s.cos_sin.get(), s.rope.interleaved(),
+        cu::rope(q, n, heads, heads * hd, hd, s.rope.dim(), s.cos_sin.get(), s.rope.interleaved(),
                  stream);
+        cu::rope(k, n, kv_heads, kv_heads * hd, hd, s.rope.dim(), s.cos_sin.get(),
+                 s.rope.interleaved(), stream);
       }
       float* cache_keys = s.kv + static_cast<size_t>(l) * (s.key_part + s.value_part);
       float* cache_values = cache_keys + s.key_part;

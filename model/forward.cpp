@@ -331,7 +331,7 @@ void Engine::attention_block(int64_t layer, int64_t n) {
   const kernels::PagedKvLayer kv = cache_.layer(layer);
   queries_.clear();
   for (int64_t t = 0; t < n; ++t) {
-    const float* angles = rope_.data() + t * head_dim;
+    const float* angles = rope_.data() + t * rope_table_.dim();
     rope_table_.rotate(q + t * q_width, c.num_heads, head_dim, angles);
     rope_table_.rotate(k + t * kv_width, c.num_kv_heads, head_dim, angles);
     const int64_t position = token_refs_[static_cast<size_t>(t)].position;

@@ -59,7 +59,8 @@ std::pair<json, json> byte_level_family(const std::string& pre, const std::strin
     return {json{{"type", "NFC"}},
             json{{"type", "Sequence"},
                  {"pretokenizers", json::array({split(kQwen2Split), byte_level(false)})}}};
-  if (pre == "llama-bpe" || pre == "llama3")
+  // llama.cpp's chatglm4 expression ("glm4": GLM-4.5) is Llama 3's, its (?i:...) spelt out.
+  if (pre == "llama-bpe" || pre == "llama3" || pre == "glm4" || pre == "chatglm-bpe")
     return {nullptr,
             json{{"type", "Sequence"},
                  {"pretokenizers", json::array({split(kLlama3Split), byte_level(false)})}}};
@@ -74,7 +75,7 @@ std::pair<json, json> byte_level_family(const std::string& pre, const std::strin
     return {nullptr, byte_level(true)};
   throw StatusError(file + ": GGUF metadata 'tokenizer.ggml.pre' is \"" + pre +
                     "\", which moeline does not map to a pre-tokenizer (supported: qwen2, "
-                    "deepseek-r1-qwen, deepseek-v3, llama-bpe, gpt-2, olmo, default)");
+                    "deepseek-r1-qwen, deepseek-v3, llama-bpe, glm4, gpt-2, olmo, default)");
 }
 
 // The merges a SentencePiece vocabulary implies, as transformers' SentencePieceExtractor derives

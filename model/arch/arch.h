@@ -46,8 +46,12 @@ struct TensorNames {
 // Every failure throws StatusError naming the file and the key.
 class GgufMetadata {
  public:
-  GgufMetadata(const nlohmann::json& metadata, std::string architecture, std::string file_name)
-      : metadata_(metadata), architecture_(std::move(architecture)), file_(std::move(file_name)) {}
+  GgufMetadata(const nlohmann::json& metadata, std::string architecture, std::string file_name,
+               const GgufFile* gguf = nullptr)
+      : metadata_(metadata),
+        architecture_(std::move(architecture)),
+        file_(std::move(file_name)),
+        gguf_(gguf) {}
 
   const std::string& architecture() const { return architecture_; }
   // `key` under the architecture's prefix ("block_count" -> "llama.block_count").
@@ -59,12 +63,16 @@ class GgufMetadata {
   std::string string_or(const std::string& key, const std::string& fallback) const;
   // A key without the architecture prefix ("tokenizer.ggml.tokens"); null when absent.
   const nlohmann::json& global(const std::string& key) const;
+  // Whether the file holds a tensor of this name (what llama.cpp decides some settings by, such as
+  // whether a GLM-4.5 file has attention biases); false when read without the file.
+  bool has_tensor(const std::string& name) const;
   [[noreturn]] void fail(const std::string& key, const std::string& why) const;
 
  private:
   const nlohmann::json& at(const std::string& key) const;
   const nlohmann::json& metadata_;
   std::string architecture_, file_;
+  const GgufFile* gguf_;
 };
 
 struct Family {
@@ -96,9 +104,15 @@ double number_or(const nlohmann::json& config, const char* key, double fallback)
 bool bool_or(const nlohmann::json& config, const char* key, bool fallback);
 // rope_parameters.rope_theta (transformers 5), else the top-level rope_theta, else `fallback`.
 double rope_theta_or(const nlohmann::json& config, double fallback);
-// The keys every family shares. RoPE scaling is refused unless `rope_scaling_parsed` (the family
-// reads it itself).
-void parse_common(const nlohmann::json& config, ModelConfig& out, bool rope_scaling_parsed = false);
+// What parse_common leaves to the family.
+struct CommonKeys {
+  bool rope_scaling_parsed = false;  // the family reads rope_scaling itself (else only default)
+  // The family's partial_rotary_factor when config.json gives none; 0 for a family that rotates
+  // whole heads, whose config may then only say 1.
+  double partial_rotary_default = 0;
+};
+// The keys every family shares.
+void parse_common(const nlohmann::json& config, ModelConfig& out, const CommonKeys& keys = {});
 
 void parse_mixtral(const nlohmann::json& config, ModelConfig& out);
 void parse_olmoe(const nlohmann::json& config, ModelConfig& out);
@@ -110,21 +124,37 @@ void parse_qwen_moe_layers(const nlohmann::json& config, ModelConfig& out);
 nlohmann::json gguf_qwen_moe_config(const GgufMetadata& metadata, std::string_view model_type);
 void parse_deepseek_v2(const nlohmann::json& config, ModelConfig& out);
 void parse_deepseek_v3(const nlohmann::json& config, ModelConfig& out);
+// DeepSeekMoE's keys (n_routed_experts, n_shared_experts, first_k_dense_replace, the groups, the
+// scoring, norm_topk_prob, routed_scaling_factor), with the defaults of the family that reads them:
+// DeepSeek-V2's by default; v3_routing chooses sigmoid, noaux_tc and scaled normalised weights.
+struct DeepseekMoeDefaults {
+  int64_t shared_experts = 0, first_dense = 0, n_group = 1, topk_group = 1;
+  double routed_scaling_factor = 1.0;
+  bool v3_routing = false;
+  // DeepSeek's hub code renormalises only a choice of several experts; GLM's one of any size.
+  bool renormalise_single_expert = false;
+};
+void parse_deepseek_moe(const nlohmann::json& config, ModelConfig& out,
+                        const DeepseekMoeDefaults& defaults);
+void parse_glm4_moe(const nlohmann::json& config, ModelConfig& out);
 nlohmann::json gguf_config_mixtral(const GgufMetadata& metadata);
 void gguf_adjust_mixtral(const GgufMetadata& metadata, ModelConfig& out);
 nlohmann::json gguf_config_olmoe(const GgufMetadata& metadata);
 nlohmann::json gguf_config_qwen2_moe(const GgufMetadata& metadata);
 nlohmann::json gguf_config_qwen3_moe(const GgufMetadata& metadata);
 nlohmann::json gguf_config_deepseek(const GgufMetadata& metadata);
+nlohmann::json gguf_config_glm4_moe(const GgufMetadata& metadata);
 // The config.json keys every family shares, from the GGUF keys every llama.cpp architecture has.
 nlohmann::json gguf_common_config(const GgufMetadata& metadata, std::string_view model_type);
 extern const TensorNames kMixtralNames;
 extern const TensorNames kQwen2MoeNames;
 extern const TensorNames kQwen3MoeNames;
 extern const TensorNames kDeepseekNames;
+extern const TensorNames kGlm4MoeNames;
 extern const TensorNames kMixtralGgufNames;
 extern const TensorNames kQwen2MoeGgufNames;
 extern const TensorNames kQwen3MoeGgufNames;
 extern const TensorNames kDeepseekGgufNames;
+extern const TensorNames kGlm4MoeGgufNames;
 
 }  // namespace moeline::model::arch

@@ -171,7 +171,7 @@ void parse_deepseek(const json& config, ModelConfig& out, bool v3) {
   out.qk_nope_head_dim = require_int(config, "qk_nope_head_dim");
   out.qk_rope_head_dim = require_int(config, "qk_rope_head_dim");
   out.v_head_dim = require_int(config, "v_head_dim");
-  parse_common(config, out, /*rope_scaling_parsed=*/true);
+  parse_common(config, out, {.rope_scaling_parsed = true});
   for (const char* key : {"kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim"})
     if (require_int(config, key) <= 0) bad(key, "must be positive");
   if (out.q_lora_rank < 0) bad("q_lora_rank", "must be positive or null");
@@ -182,13 +182,26 @@ void parse_deepseek(const json& config, ModelConfig& out, bool v3) {
   if (bool_or(config, "attention_bias", false))
     bad("attention_bias", "is true; biased DeepSeek attention projections are not supported");
   parse_rope(config, out);
+  parse_deepseek_moe(config, out,
+                     v3 ? DeepseekMoeDefaults{.shared_experts = 1,
+                                              .first_dense = 3,
+                                              .n_group = 8,
+                                              .topk_group = 4,
+                                              .routed_scaling_factor = 2.5,
+                                              .v3_routing = true}
+                        : DeepseekMoeDefaults{});
+}
 
+}  // namespace
+
+void parse_deepseek_moe(const json& config, ModelConfig& out, const DeepseekMoeDefaults& defaults) {
+  const bool v3 = defaults.v3_routing;
   out.num_experts = require_int(config, "n_routed_experts");
   out.experts_per_token = require_int(config, "num_experts_per_tok");
   out.expert_intermediate_size = require_int(config, "moe_intermediate_size");
   out.dense_intermediate_size = int_or(config, "intermediate_size", 0);
   out.shared_intermediate_size =
-      out.expert_intermediate_size * int_or(config, "n_shared_experts", v3 ? 1 : 0);
+      out.expert_intermediate_size * int_or(config, "n_shared_experts", defaults.shared_experts);
   if (out.shared_intermediate_size < 0) bad("n_shared_experts", "must not be negative");
 
   const std::string scoring = string_or(config, "scoring_func", v3 ? "sigmoid" : "softmax");
@@ -210,8 +223,8 @@ void parse_deepseek(const json& config, ModelConfig& out, bool v3) {
   } else {
     bad("topk_method", "is \"" + method + "\"; supported: greedy, group_limited_greedy, noaux_tc");
   }
-  out.n_group = int_or(config, "n_group", v3 ? 8 : 1);
-  out.topk_group = int_or(config, "topk_group", v3 ? 4 : 1);
+  out.n_group = int_or(config, "n_group", defaults.n_group);
+  out.topk_group = int_or(config, "topk_group", defaults.topk_group);
   if (out.n_group <= 0 || out.num_experts % out.n_group != 0)
     bad("n_group", "must divide n_routed_experts");
   if (out.topk_group <= 0 || out.topk_group > out.n_group)
@@ -223,11 +236,13 @@ void parse_deepseek(const json& config, ModelConfig& out, bool v3) {
   if (out.group_limit != GroupLimit::kNone && out.experts_per_token > group_size * out.topk_group)
     bad("num_experts_per_tok", "exceeds the experts of the topk_group groups kept");
   // The hub gates renormalise only when choosing more than one expert; V3 then always scales.
-  out.norm_topk_prob = bool_or(config, "norm_topk_prob", v3) && out.experts_per_token > 1;
-  out.routed_scaling_factor = number_or(config, "routed_scaling_factor", v3 ? 2.5 : 1.0);
+  out.norm_topk_prob = bool_or(config, "norm_topk_prob", v3) &&
+                       (out.experts_per_token > 1 || defaults.renormalise_single_expert);
+  out.routed_scaling_factor =
+      number_or(config, "routed_scaling_factor", defaults.routed_scaling_factor);
   out.scale_normalised_weights = v3;
 
-  const int64_t first_dense = int_or(config, "first_k_dense_replace", v3 ? 3 : 0);
+  const int64_t first_dense = int_or(config, "first_k_dense_replace", defaults.first_dense);
   const int64_t frequency = int_or(config, "moe_layer_freq", 1);
   if (frequency < 1) bad("moe_layer_freq", "must be >= 1");
   out.layer_is_moe.resize(static_cast<size_t>(out.num_layers));
@@ -240,8 +255,6 @@ void parse_deepseek(const json& config, ModelConfig& out, bool v3) {
   if (any_dense && out.dense_intermediate_size <= 0)
     bad("intermediate_size", "is needed for the dense MLP layers");
 }
-
-}  // namespace
 
 json gguf_config_deepseek(const GgufMetadata& m) {
   const int64_t gating = m.int_or("expert_gating_func", kGatingSoftmax);

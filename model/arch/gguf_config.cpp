@@ -5,6 +5,7 @@
 
 #include "base/status.h"
 #include "model/arch/arch.h"
+#include "model/gguf.h"
 
 namespace moeline::model::arch {
 
@@ -14,6 +15,10 @@ const json& GgufMetadata::global(const std::string& key) const {
   static const json kNull;
   const auto it = metadata_.find(key);
   return it == metadata_.end() ? kNull : *it;
+}
+
+bool GgufMetadata::has_tensor(const std::string& name) const {
+  return gguf_ && gguf_->find(name) != nullptr;
 }
 
 const json& GgufMetadata::at(const std::string& key) const {

@@ -1,12 +1,12 @@
 #!/usr/bin/python3
-"""Independent NumPy reference forward pass for Mixtral, OLMoE, Qwen2-MoE, Qwen3-MoE and
-DeepSeek-V2/V3 checkpoints.
+"""Independent NumPy reference forward pass for Mixtral, OLMoE, Qwen2-MoE, Qwen3-MoE,
+DeepSeek-V2/V3 and GLM-4.5 checkpoints.
 
 This is the oracle the moeline engine is tested against, so it is deliberately simple: no KV
 cache, no batching, every step recomputes the whole sequence in float64 from the stored weights
 (which are upcast exactly, so the engine and the oracle see identical parameters). Semantics
 follow transformers' modeling_mixtral.py / modeling_olmoe.py / modeling_qwen2_moe.py /
-modeling_qwen3_moe.py (eager attention path) and, for
+modeling_qwen3_moe.py / modeling_glm4_moe.py (eager attention path) and, for
 DeepSeek, the modeling_deepseek.py shipped with the official checkpoints: multi-head latent
 attention in its plain form (every head's key and value expanded from the latent, nothing
 absorbed, no cache), YaRN RoPE, and the V2 / V3 gates.
@@ -199,8 +199,40 @@ def normalise_deepseek(c, where):
     return c
 
 
+def normalise_glm4(c, where):
+    """GLM-4.5: resolve defaults as Glm4MoeConfig does."""
+    c.setdefault("partial_rotary_factor", 0.5)
+    c.setdefault("attention_bias", False)
+    c.setdefault("use_qk_norm", False)
+    c.setdefault("rms_norm_eps", 1e-5)
+    c.setdefault("rope_theta", 10000.0)
+    c.setdefault("tie_word_embeddings", False)
+    for key, default in (("n_shared_experts", 1), ("first_k_dense_replace", 1), ("n_group", 1),
+                         ("topk_group", 1), ("routed_scaling_factor", 1.0), ("norm_topk_prob", True)):
+        c.setdefault(key, default)
+    if c.get("rope_scaling") is not None:
+        raise ModelError(f"{where}: unsupported rope_scaling {json.dumps(c['rope_scaling'])}")
+    if c.get("head_dim") is None:
+        c["head_dim"] = c["hidden_size"] // c["num_attention_heads"]
+    if c.get("num_key_value_heads") is None:
+        c["num_key_value_heads"] = c["num_attention_heads"]
+    # Glm4MoeRotaryEmbedding: a table for int(head_dim * factor) dimensions; apply_rotary_pos_emb
+    # rotates that many leading dimensions of each head (rotate_half within them).
+    c["rotary_dim"] = int(c["head_dim"] * c["partial_rotary_factor"])
+    c["softmax_scale"] = c["head_dim"] ** -0.5
+    # Glm4MoeAttention: q, k, v biased with attention_bias, o_proj never.
+    c["biased_projections"] = ("q_proj", "k_proj", "v_proj") if c["attention_bias"] else ()
+    c["qk_norm"] = c["use_qk_norm"]
+    c["window"] = None
+    return c
+
+
 def normalise_config(raw, where):
     model_type = raw.get("model_type")
+    if model_type == "glm4_moe":
+        if raw.get("hidden_act", "silu") != "silu":
+            raise ModelError(f"{where}: unsupported hidden_act {raw['hidden_act']!r} (only silu)")
+        return normalise_glm4(dict(raw), where)
     if model_type in ("deepseek_v2", "deepseek_v3"):
         if raw.get("hidden_act", "silu") != "silu":
             raise ModelError(f"{where}: unsupported hidden_act {raw['hidden_act']!r} (only silu)")
@@ -294,6 +326,8 @@ def normalise_config(raw, where):
 
 
 def is_sparse_layer(c, layer):
+    if c["model_type"] == "glm4_moe":
+        return layer >= c["first_k_dense_replace"]  # Glm4MoeDecoderLayer
     if c["model_type"].startswith("deepseek"):
         return (c.get("n_routed_experts") is not None and layer >= c["first_k_dense_replace"]
                 and layer % c["moe_layer_freq"] == 0)
@@ -409,8 +443,10 @@ def attention(model, layer, x, c, cos, sin):
         # Qwen3: RMSNorm over each head's vector, before RoPE.
         q = rms_norm(q, model.get(p + "q_norm.weight", (hd,)), c["rms_norm_eps"])
         k = rms_norm(k, model.get(p + "k_norm.weight", (hd,)), c["rms_norm_eps"])
-    q = apply_rope(q, cos, sin)
-    k = apply_rope(k, cos, sin)
+    # The leading rotary_dim dimensions of each head turn (all of them but in GLM-4.5).
+    r = c.get("rotary_dim", hd)
+    q = np.concatenate([apply_rope(q[..., :r], cos, sin), q[..., r:]], axis=-1)
+    k = np.concatenate([apply_rope(k[..., :r], cos, sin), k[..., r:]], axis=-1)
 
     group = nh // nkv  # query head i uses kv head i // group (repeat_kv)
     k = np.repeat(k, group, axis=0)
@@ -601,15 +637,41 @@ def deepseek_route(c, logits, bias):
     return top, weights, choice, order
 
 
+def glm4_route(c, logits, bias):
+    """Glm4MoeMoE.route_tokens_to_experts: sigmoid scores, chosen on score + bias within the
+    topk_group groups whose best two (biased) scores sum highest, other groups' experts masked
+    to 0; weighted by the unbiased scores, renormalised with norm_topk_prob (whatever top_k is),
+    then scaled by routed_scaling_factor."""
+    n, ne = logits.shape
+    k, groups, keep = c["num_experts_per_tok"], c["n_group"], c["topk_group"]
+    scores = 1.0 / (1.0 + np.exp(-logits))
+    choice = scores + bias
+    group_scores = np.sort(choice.reshape(n, groups, ne // groups), axis=-1)[..., -2:].sum(axis=-1)
+    kept = np.argsort(-group_scores, axis=-1, kind="stable")[:, :keep]
+    mask = np.zeros((n, groups), dtype=bool)
+    np.put_along_axis(mask, kept, True, axis=-1)
+    choice = np.where(np.repeat(mask, ne // groups, axis=-1), choice, 0.0)
+    order = np.argsort(-choice, axis=-1, kind="stable")
+    top = order[:, :k]
+    weights = np.take_along_axis(scores, top, axis=-1)
+    if c["norm_topk_prob"]:
+        weights = weights / (weights.sum(axis=-1, keepdims=True) + 1e-20)
+    return top, weights * c["routed_scaling_factor"], choice, order
+
+
 def deepseek_moe(model, layer, x, c, stats):
     n, h = x.shape
     prefix = f"model.layers.{layer}.mlp."
     ne, k, inter = c["n_routed_experts"], c["num_experts_per_tok"], c["moe_intermediate_size"]
     logits = x @ model.get(prefix + "gate.weight", (ne, h)).T
-    bias = None
-    if c["topk_method"] == "noaux_tc":
+    if c["model_type"] == "glm4_moe":
         bias = model.get(prefix + "gate.e_score_correction_bias", (ne,))
-    top, weights, choice, order = deepseek_route(c, logits, bias)
+        top, weights, choice, order = glm4_route(c, logits, bias)
+    else:
+        bias = None
+        if c["topk_method"] == "noaux_tc":
+            bias = model.get(prefix + "gate.e_score_correction_bias", (ne,))
+        top, weights, choice, order = deepseek_route(c, logits, bias)
     if stats is not None and k < ne:
         kth = np.take_along_axis(choice, order[:, k - 1:k], axis=-1)
         nxt = np.take_along_axis(choice, order[:, k:k + 1], axis=-1)
@@ -638,7 +700,7 @@ def forward_logits(model, tokens, stats=None):
     eps = c["rms_norm_eps"]
     n = tokens.size
     if not c["model_type"].startswith("deepseek"):
-        cos, sin = rope_tables(n, c["head_dim"], c["rope_theta"])
+        cos, sin = rope_tables(n, c.get("rotary_dim", c["head_dim"]), c["rope_theta"])
     if stats is not None:
         stats.setdefault("min_router_gap", np.inf)
 
@@ -654,7 +716,8 @@ def forward_logits(model, tokens, stats=None):
             x = x + attention(model, layer, hn, c, cos, sin)
         hn = rms_norm(x, model.get(p + "post_attention_layernorm.weight", (h,)), eps)
         if is_sparse_layer(c, layer):
-            x = x + (deepseek_moe if deepseek else moe)(model, layer, hn, c, stats)
+            deepseek_experts = deepseek or c["model_type"] == "glm4_moe"
+            x = x + (deepseek_moe if deepseek_experts else moe)(model, layer, hn, c, stats)
         else:
             x = x + swiglu(model, p + "mlp.", ("gate_proj", "up_proj", "down_proj"), hn, h,
                            c["intermediate_size"])

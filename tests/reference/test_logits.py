@@ -68,6 +68,22 @@ CASES = [
     ("olmoe-gqa-clip-bias-bf16", "olmoe", 38,
      ["--set", "num_key_value_heads=2", "--set", "clip_qkv=0.8", "--set", "attention_bias=true",
       "--set", "norm_topk_prob=true", "--dtype", "bf16"]),
+    # GLM-4.5: RoPE over the first half of each head, biases on q/k/v (not o), DeepSeek-V3's
+    # routing (one group here, scaled by 2.5), one shared expert, layer 0 dense, and a
+    # multi-token-prediction layer in the checkpoint that inference must leave unread.
+    ("glm4-s1", "glm4_moe", 39, []),
+    ("glm4-qk-norm-groups-bf16", "glm4_moe", 40,
+     ["--set", "use_qk_norm=true", "--set", "n_group=4", "--set", "topk_group=2",
+      "--set", "routed_scaling_factor=1.0", "--dtype", "bf16"]),
+    # Top-1 renormalised to weight 1 (GLM renormalises one expert too), whole-head RoPE.
+    ("glm4-top1-full-rotary-tied", "glm4_moe", 41,
+     ["--set", "num_experts_per_tok=1", "--set", "partial_rotary_factor=1.0",
+      "--set", "routed_scaling_factor=1.0",
+      "--set", "tie_word_embeddings=true", "--set", "attention_bias=false",
+      "--set", "num_nextn_predict_layers=0"]),
+    ("glm4-quarter-rotary-no-shared", "glm4_moe", 42,
+     ["--set", "partial_rotary_factor=0.25", "--set", "n_shared_experts=0",
+      "--set", "first_k_dense_replace=0", "--set", "norm_topk_prob=false"]),
     ("qwen3-s1", "qwen3_moe", 11, []),  # head_dim 32 != hidden/heads 16
     ("qwen3-s2", "qwen3_moe", 12, []),
     ("qwen3-headdim8", "qwen3_moe", 13, ["--set", "head_dim=8"]),
@@ -239,11 +255,14 @@ def naive_decode_logits(model, tokens):
     c = model.config
     h, hd = c["hidden_size"], c["head_dim"]
     nh, nkv, eps = c["num_attention_heads"], c["num_key_value_heads"], c["rms_norm_eps"]
-    half = hd // 2
-    inv_freq = [c["rope_theta"] ** (-(2.0 * i) / hd) for i in range(half)]
+    # GLM-4.5 turns only the first rotary_dim dimensions of each head.
+    rotated = c.get("rotary_dim", hd)
+    half = rotated // 2
+    inv_freq = [c["rope_theta"] ** (-(2.0 * i) / rotated) for i in range(half)]
     cache = [([], []) for _ in range(c["num_hidden_layers"])]
     embed = model.get("model.embed_tokens.weight", (c["vocab_size"], h))
     qwen2 = c["model_type"] == "qwen2_moe"
+    glm4 = c["model_type"] == "glm4_moe"
     rows = []
 
     def norm(v, w):
@@ -267,8 +286,10 @@ def naive_decode_logits(model, tokens):
             def lin(name, out_f, in_f, v):
                 y = model.get(p + f"self_attn.{name}.weight", (out_f, in_f)) @ v
                 # Qwen2-MoE: q, k and v carry biases (qkv_bias), o_proj none.
+                # GLM-4.5: q, k and v with attention_bias, o_proj never.
                 qwen2_bias = qwen2 and c.get("qkv_bias", True) and name != "o_proj"
-                if qwen2_bias or (not qwen2 and c["attention_bias"]):
+                glm4_bias = glm4 and c["attention_bias"] and name != "o_proj"
+                if qwen2_bias or glm4_bias or (not qwen2 and not glm4 and c["attention_bias"]):
                     y = y + model.get(p + f"self_attn.{name}.bias", (out_f,))
                 return y
 
@@ -301,7 +322,9 @@ def naive_decode_logits(model, tokens):
             x = x + lin("o_proj", h, nh * hd, np.concatenate(heads))
 
             m = norm(x, model.get(p + "post_attention_layernorm.weight", (h,)))
-            if ref.is_sparse_layer(c, layer):
+            if glm4 and ref.is_sparse_layer(c, layer):
+                x = x + glm4_moe_one_token(model, p + "mlp.", m, c)
+            elif ref.is_sparse_layer(c, layer):
                 mixtral = c["model_type"] == "mixtral"
                 pre = p + ("block_sparse_moe." if mixtral else "mlp.")
                 gate, up, down = ("w1", "w3", "w2") if mixtral else ("gate_proj", "up_proj", "down_proj")
@@ -334,6 +357,37 @@ def naive_decode_logits(model, tokens):
         head = embed if c["tie_word_embeddings"] else model.get("lm_head.weight", (c["vocab_size"], h))
         rows.append(head @ f)
     return np.stack(rows)
+
+
+def glm4_moe_one_token(model, pre, m, c):
+    """GLM-4.5's MoE block for one token, as loops: sigmoid scores, each group scored by its two
+    best biased scores, the topk_group best groups kept, top-k experts of those by biased score,
+    weighted by unbiased scores (renormalised with norm_topk_prob), times routed_scaling_factor,
+    plus the shared experts."""
+    h = c["hidden_size"]
+    ne, topk, inter = c["n_routed_experts"], c["num_experts_per_tok"], c["moe_intermediate_size"]
+    logit = model.get(pre + "gate.weight", (ne, h)) @ m
+    score = [1.0 / (1.0 + np.exp(-v)) for v in logit]
+    bias = model.get(pre + "gate.e_score_correction_bias", (ne,))
+    biased = [score[e] + bias[e] for e in range(ne)]
+    size = ne // c["n_group"]
+    group_score = [sum(sorted(biased[g * size:(g + 1) * size])[-2:]) for g in range(c["n_group"])]
+    kept = sorted(range(c["n_group"]), key=lambda g: (-group_score[g], g))[:c["topk_group"]]
+    eligible = [e for e in range(ne) if e // size in kept]
+    chosen = sorted(eligible, key=lambda e: (-biased[e], e))[:topk]
+    total = sum(score[e] for e in chosen) + 1e-20 if c["norm_topk_prob"] else 1.0
+    out = np.zeros(h)
+
+    def swiglu(prefix, width):
+        g = model.get(prefix + "gate_proj.weight", (width, h)) @ m
+        u = model.get(prefix + "up_proj.weight", (width, h)) @ m
+        return model.get(prefix + "down_proj.weight", (h, width)) @ (g / (1.0 + np.exp(-g)) * u)
+
+    for e in chosen:
+        out += score[e] / total * c["routed_scaling_factor"] * swiglu(f"{pre}experts.{e}.", inter)
+    if c["n_shared_experts"]:
+        out += swiglu(pre + "shared_experts.", inter * c["n_shared_experts"])
+    return out
 
 
 def latent_decode_logits(model, tokens):
@@ -550,7 +604,11 @@ def main(argv):
     ap.add_argument("--workdir", required=True, help="scratch folder for generated models")
     ap.add_argument("--reference-only", action="store_true",
                     help="validate the reference and make-model without an engine")
+    ap.add_argument("--only", metavar="TEXT",
+                    help="run only the cases whose name contains TEXT (while developing)")
     args = ap.parse_args(argv)
+    if args.only:
+        CASES[:] = [case for case in CASES if args.only in case[0]]
     if not args.reference_only and not args.moeline:
         ap.error("--moeline is required unless --reference-only")
     os.makedirs(args.workdir, exist_ok=True)

@@ -229,6 +229,81 @@ TEST(Config, OlmoeResolvesLikeTransformers) {
   EXPECT_NE(error_of(c).find("clip_qkv"), std::string::npos) << error_of(c);
 }
 
+// GLM-4.5-Air's config.json, shrunk (the keys it sets; Glm4MoeConfig's defaults for the rest).
+json glm4() {
+  return {
+      {"model_type", "glm4_moe"}, {"vocab_size", 256},           {"hidden_size", 64},
+      {"intermediate_size", 128}, {"moe_intermediate_size", 16}, {"num_hidden_layers", 3},
+      {"num_attention_heads", 4}, {"num_key_value_heads", 2},    {"head_dim", 32},
+      {"n_routed_experts", 8},    {"num_experts_per_tok", 2},    {"num_nextn_predict_layers", 1}};
+}
+
+TEST(Config, Glm4MoeResolvesLikeTransformers) {
+  const ModelConfig g = load(glm4());
+  EXPECT_EQ(g.family, Family::kGlm4Moe);
+  EXPECT_EQ(g.rotary_dim, 16);  // partial_rotary_factor 0.5 by default
+  EXPECT_EQ(make_rope(g).dim(), 16);
+  EXPECT_FALSE(make_rope(g).interleaved());
+  EXPECT_FALSE(g.attention_bias);
+  EXPECT_FALSE(g.qk_norm);
+  EXPECT_FLOAT_EQ(g.rms_norm_eps, 1e-5f);
+  EXPECT_DOUBLE_EQ(g.softmax_scale, 1.0 / std::sqrt(32.0));  // head_dim, rotated or not
+  // DeepSeek-V3's routing with Glm4MoeConfig's defaults.
+  EXPECT_EQ(g.router_scoring, RouterScoring::kSigmoid);
+  EXPECT_EQ(g.group_limit, GroupLimit::kGroupTopTwo);
+  EXPECT_TRUE(g.router_correction_bias);
+  EXPECT_EQ(g.n_group, 1);
+  EXPECT_EQ(g.topk_group, 1);
+  EXPECT_TRUE(g.norm_topk_prob);
+  EXPECT_TRUE(g.scale_normalised_weights);
+  EXPECT_DOUBLE_EQ(g.routed_scaling_factor, 1.0);
+  EXPECT_EQ(g.shared_intermediate_size, 16);                          // one shared expert
+  EXPECT_EQ(g.layer_is_moe, (std::vector<bool>{false, true, true}));  // first_k_dense_replace 1
+  EXPECT_EQ(g.num_layers, 3);  // the multi-token-prediction layer is not run
+
+  json c = glm4();
+  c["partial_rotary_factor"] = 1.0;
+  EXPECT_EQ(load(c).rotary_dim, 0);  // whole heads
+  EXPECT_EQ(make_rope(load(c)).dim(), 32);
+  c["partial_rotary_factor"] = 0.25;
+  EXPECT_EQ(load(c).rotary_dim, 8);
+  c.erase("partial_rotary_factor");
+  c["rope_parameters"] = {
+      {"rope_type", "default"}, {"rope_theta", 1e6}, {"partial_rotary_factor", 0.25}};
+  EXPECT_EQ(load(c).rotary_dim, 8);  // transformers 5 keeps it among the RoPE settings
+  EXPECT_DOUBLE_EQ(load(c).rope_theta, 1e6);
+  c = glm4();
+  c["num_experts_per_tok"] = 1;  // GLM renormalises a single expert too (DeepSeek does not)
+  EXPECT_TRUE(load(c).norm_topk_prob);
+  c["attention_bias"] = true;
+  c["use_qk_norm"] = true;
+  c["routed_scaling_factor"] = 2.5;
+  c["n_group"] = 4;
+  c["topk_group"] = 2;
+  const ModelConfig big = load(c);
+  EXPECT_TRUE(big.attention_bias && big.qk_norm);
+  EXPECT_DOUBLE_EQ(big.routed_scaling_factor, 2.5);
+  EXPECT_EQ(big.n_group, 4);
+}
+
+TEST(Config, Glm4MoeSettingsItCannotHonourAreNamed) {
+  json c = glm4();
+  for (const double factor : {0.03, 0.3, 1.5, -0.5}) {  // 0.96, 9.6 dims, beyond the head
+    c["partial_rotary_factor"] = factor;
+    EXPECT_NE(error_of(c).find("partial_rotary_factor"), std::string::npos) << factor;
+  }
+  c = glm4();
+  c["n_group"] = 3;  // does not divide 8 experts
+  EXPECT_NE(error_of(c).find("n_group"), std::string::npos) << error_of(c);
+  c = glm4();
+  c["rope_scaling"] = {{"rope_type", "yarn"}, {"factor", 4.0}};
+  EXPECT_NE(error_of(c).find("rope_scaling"), std::string::npos) << error_of(c);
+  // Families that rotate whole heads refuse a partial rotation rather than ignore it.
+  c = qwen3();
+  c["partial_rotary_factor"] = 0.5;
+  EXPECT_NE(error_of(c).find("partial_rotary_factor"), std::string::npos) << error_of(c);
+}
+
 TEST(Config, StopTokensPreferGenerationConfig) {
   json c = mixtral();
   c["eos_token_id"] = 2;

@@ -1,0 +1,107 @@
+// GLM-4.5 and GLM-4.6 (modeling_glm4_moe.py: GLM-4.5, GLM-4.5-Air, GLM-4.6):
+// - attention: grouped-query, biases on q, k and v when attention_bias (none on o), an RMSNorm
+//   over each head of q and k when use_qk_norm, and RoPE over only the first
+//   head_dim * partial_rotary_factor dimensions of each head (rotate-half within them; default
+//   factor 0.5), the others passed through;
+// - experts: DeepSeek-V3's routing (sigmoid scores, chosen on score + e_score_correction_bias
+//   within the topk_group best groups, weighted by the unbiased scores, renormalised when
+//   norm_topk_prob, then times routed_scaling_factor), n_shared_experts always-on experts, and
+//   the first first_k_dense_replace layers dense. The hub code masks the experts of dropped groups
+//   with 0 where DeepSeek's masks them with -inf; the two choose alike unless fewer than top-k
+//   kept experts score above 0, which sigmoid scores plus the released biases never do.
+// - the checkpoints carry num_nextn_predict_layers multi-token-prediction layers after the last
+//   decoder layer (model.layers.{num_hidden_layers}...), which inference does not run: they are
+//   left unread, as transformers leaves them.
+#include <string>
+
+#include "base/status.h"
+#include "model/arch/arch.h"
+
+namespace moeline::model::arch {
+
+// Qwen3-MoE's attention names (biases, per-head q/k norms) less the output bias, and DeepSeek's
+// expert, router-bias and shared-expert names.
+const TensorNames kGlm4MoeNames = [] {
+  TensorNames names = kQwen3MoeNames;
+  names.o_bias = "";
+  names.router_bias = kDeepseekNames.router_bias;
+  names.shared_gate = kDeepseekNames.shared_gate;
+  names.shared_up = kDeepseekNames.shared_up;
+  names.shared_down = kDeepseekNames.shared_down;
+  return names;
+}();
+
+// llama.cpp's glm4moe: its post-attention norm is post_attention_norm, not ffn_norm.
+const TensorNames kGlm4MoeGgufNames = [] {
+  TensorNames names = kQwen3MoeGgufNames;
+  names.o_bias = "";
+  names.post_attention_norm = "blk.{L}.post_attention_norm.weight";
+  names.router_bias = kDeepseekGgufNames.router_bias;
+  names.shared_gate = kDeepseekGgufNames.shared_gate;
+  names.shared_up = kDeepseekGgufNames.shared_up;
+  names.shared_down = kDeepseekGgufNames.shared_down;
+  return names;
+}();
+
+namespace {
+
+// llama_expert_gating_func_type
+constexpr int64_t kGatingSigmoid = 2;
+
+}  // namespace
+
+nlohmann::json gguf_config_glm4_moe(const GgufMetadata& m) {
+  nlohmann::json config = gguf_common_config(m, "glm4_moe");
+  // block_count counts the multi-token-prediction layers the file carries after the decoder's.
+  const int64_t blocks = m.require_int("block_count");
+  const int64_t next_token_layers = m.int_or("nextn_predict_layers", 0);
+  if (next_token_layers < 0 || next_token_layers >= blocks)
+    m.fail("nextn_predict_layers", "must be at least 0 and below block_count");
+  config["num_hidden_layers"] = blocks - next_token_layers;
+  const int64_t heads = m.require_int("attention.head_count");
+  const int64_t head_dim =
+      m.int_or("attention.key_length", heads > 0 ? m.require_int("embedding_length") / heads : 0);
+  config["head_dim"] = head_dim;
+  if (head_dim > 0)
+    config["partial_rotary_factor"] =
+        static_cast<double>(m.int_or("rope.dimension_count", head_dim)) /
+        static_cast<double>(head_dim);
+  if (!m.has("rope.freq_base")) config["rope_theta"] = 10000.0;
+  // llama.cpp reads the biases and q/k norms when the file has them; so does moeline.
+  config["attention_bias"] = m.has_tensor("blk.0.attn_q.bias");
+  config["use_qk_norm"] = m.has_tensor("blk.0.attn_q_norm.weight");
+  const int64_t gating = m.int_or("expert_gating_func", kGatingSigmoid);
+  if (gating != kGatingSigmoid)
+    m.fail("expert_gating_func",
+           "is " + std::to_string(gating) + "; GLM-4.5 gates with 2 (sigmoid)");
+  config["n_routed_experts"] = m.require_int("expert_count");
+  config["num_experts_per_tok"] = m.require_int("expert_used_count");
+  config["moe_intermediate_size"] = m.require_int("expert_feed_forward_length");
+  config["intermediate_size"] = m.int_or("feed_forward_length", 0);
+  config["n_shared_experts"] = m.int_or("expert_shared_count", 0);
+  config["first_k_dense_replace"] = m.int_or("leading_dense_block_count", 0);
+  config["routed_scaling_factor"] = m.number_or("expert_weights_scale", 1.0);
+  config["norm_topk_prob"] = m.bool_or("expert_weights_norm", false);
+  const int64_t groups = m.int_or("expert_group_count", 1);
+  config["n_group"] = groups;
+  config["topk_group"] = m.int_or("expert_group_used_count", groups);
+  return config;
+}
+
+void parse_glm4_moe(const nlohmann::json& config, ModelConfig& out) {
+  out.family = model::Family::kGlm4Moe;
+  parse_common(config, out, {.partial_rotary_default = 0.5});
+  out.rms_norm_eps = static_cast<float>(number_or(config, "rms_norm_eps", 1e-5));
+  out.attention_bias = bool_or(config, "attention_bias", false);
+  out.qk_norm = bool_or(config, "use_qk_norm", false);
+  parse_deepseek_moe(config, out,
+                     {.shared_experts = 1,
+                      .first_dense = 1,
+                      .n_group = 1,
+                      .topk_group = 1,
+                      .routed_scaling_factor = 1.0,
+                      .v3_routing = true,
+                      .renormalise_single_expert = true});
+}
+
+}  // namespace moeline::model::arch
