@@ -486,15 +486,45 @@ void architecture_keys(GgufHeader& h, const ModelConfig& c, const json& raw,
     }
     return;
   }
+  // DeepSeekMoE's keys (DeepSeek-V2/V3, GLM-4.5): leading dense layers, shared experts, the gate.
+  const auto deepseek_moe_keys = [&] {
+    int64_t leading_dense = 0;
+    while (leading_dense < c.num_layers && !c.layer_is_moe[static_cast<size_t>(leading_dense)])
+      ++leading_dense;
+    for (int64_t l = leading_dense; l < c.num_layers; ++l)
+      if (!c.layer_is_moe[static_cast<size_t>(l)])
+        throw StatusError(
+            "dense layers after the first MoE layer (moe_layer_freq > 1) cannot be "
+            "written as GGUF (llama.cpp's " +
+            arch + " has leading dense layers only)");
+    h.u32(key("feed_forward_length"), c.dense_intermediate_size);
+    h.u32(key("expert_feed_forward_length"), c.expert_intermediate_size);
+    h.u32(key("expert_shared_count"), c.shared_intermediate_size / c.expert_intermediate_size);
+    h.u32(key("leading_dense_block_count"), leading_dense);
+    // llama.cpp scales whenever the key is set; moeline's config scales renormalised weights
+    // only for V3 and GLM: write the factor where it applies.
+    const bool scaled = !c.norm_topk_prob || c.scale_normalised_weights;
+    h.f32(key("expert_weights_scale"), scaled ? c.routed_scaling_factor : 1.0);
+    h.boolean(key("expert_weights_norm"), c.norm_topk_prob);
+    h.u32(key("expert_gating_func"), c.router_scoring == RouterScoring::kSigmoid ? 2 : 1);
+    if (c.group_limit != GroupLimit::kNone && c.n_group > 1) {
+      h.u32(key("expert_group_count"), c.n_group);
+      h.u32(key("expert_group_used_count"), c.topk_group);
+    }
+  };
+  if (c.family == Family::kGlm4Moe) {
+    // Grouped-query attention with RoPE over rope.dimension_count leading dimensions of each
+    // head (rotate-half: llama.cpp's glm4moe is NEOX); no multi-token-prediction layer written.
+    no_window();
+    h.u32(key("attention.head_count_kv"), c.num_kv_heads);
+    h.u32(key("attention.key_length"), c.head_dim);
+    h.u32(key("attention.value_length"), c.head_dim);
+    h.u32(key("rope.dimension_count"), c.rotary_dim > 0 ? c.rotary_dim : c.head_dim);
+    h.u32(key("nextn_predict_layers"), 0);
+    deepseek_moe_keys();
+    return;
+  }
   // DeepSeek-V2/V3: MLA in its absorbed form, as llama.cpp writes it since 2025-04.
-  int64_t leading_dense = 0;
-  while (leading_dense < c.num_layers && !c.layer_is_moe[static_cast<size_t>(leading_dense)])
-    ++leading_dense;
-  for (int64_t l = leading_dense; l < c.num_layers; ++l)
-    if (!c.layer_is_moe[static_cast<size_t>(l)])
-      throw StatusError(
-          "dense layers after the first MoE layer (moe_layer_freq > 1) cannot be "
-          "written as GGUF (llama.cpp's deepseek2 has leading dense layers only)");
   h.u32(key("attention.head_count_kv"), 1);
   h.u32(key("attention.key_length"), c.kv_lora_rank + c.qk_rope_head_dim);
   h.u32(key("attention.value_length"), c.kv_lora_rank);
@@ -503,20 +533,7 @@ void architecture_keys(GgufHeader& h, const ModelConfig& c, const json& raw,
   if (c.q_lora_rank > 0) h.u32(key("attention.q_lora_rank"), c.q_lora_rank);
   h.u32(key("attention.kv_lora_rank"), c.kv_lora_rank);
   h.u32(key("rope.dimension_count"), c.qk_rope_head_dim);
-  h.u32(key("feed_forward_length"), c.dense_intermediate_size);
-  h.u32(key("expert_feed_forward_length"), c.expert_intermediate_size);
-  h.u32(key("expert_shared_count"), c.shared_intermediate_size / c.expert_intermediate_size);
-  h.u32(key("leading_dense_block_count"), leading_dense);
-  // llama.cpp scales whenever the key is set; moeline's config scales renormalised weights only
-  // for V3: write the factor where it applies.
-  const bool scaled = !c.norm_topk_prob || c.scale_normalised_weights;
-  h.f32(key("expert_weights_scale"), scaled ? c.routed_scaling_factor : 1.0);
-  h.boolean(key("expert_weights_norm"), c.norm_topk_prob);
-  h.u32(key("expert_gating_func"), c.router_scoring == RouterScoring::kSigmoid ? 2 : 1);
-  if (c.group_limit != GroupLimit::kNone && c.n_group > 1) {
-    h.u32(key("expert_group_count"), c.n_group);
-    h.u32(key("expert_group_used_count"), c.topk_group);
-  }
+  deepseek_moe_keys();
   if (c.rope_yarn_factor > 0) {
     const json& scaling = raw.contains("rope_scaling") && raw["rope_scaling"].is_object()
                               ? raw["rope_scaling"]

@@ -1,6 +1,6 @@
 #!/usr/bin/python3
-"""Convert a Hugging Face MoE checkpoint (Mixtral, OLMoE, Qwen2-MoE, Qwen3-MoE, DeepSeek-V2/V3) to
-GGUF as llama.cpp's convert_hf_to_gguf.py lays it out, quantizing the matrices.
+"""Convert a Hugging Face MoE checkpoint (Mixtral, OLMoE, Qwen2-MoE, Qwen3-MoE, DeepSeek-V2/V3,
+GLM-4.5) to GGUF as llama.cpp's convert_hf_to_gguf.py lays it out, quantizing the matrices.
 
   scripts/gguf_convert.py --model DIR --out FILE.gguf --type TYPE [--legacy-mla]
 
@@ -14,6 +14,9 @@ Q8_0), then to F16. What follows the converter:
   * llama (Mixtral): attn_q and attn_k rows permuted per head from rotate-half to adjacent pairs;
   * deepseek2: kv_b_proj split per head into attn_k_b (transposed) and attn_v_b, with
     key_length_mla / value_length_mla (--legacy-mla keeps attn_kv_b, as files before 2025-04);
+  * glm4moe: post_attention_norm for the post-attention norm, and the multi-token-prediction
+    layers kept after the decoder's (block_count counts them, nextn_predict_layers says how
+    many; their extra tensors as blk.N.nextn.*);
   * the tokenizer as tokenizer.ggml.* (gpt2 byte-level BPE, or llama's SentencePiece-style vocab
     with byte tokens), its chat template as tokenizer.chat_template.
 
@@ -32,7 +35,11 @@ import gguf_writer as gw  # noqa: E402
 from terminal_progress import TerminalProgress  # noqa: E402
 
 ARCH = {"mixtral": "llama", "olmoe": "olmoe", "qwen2_moe": "qwen2moe", "qwen3_moe": "qwen3moe", "deepseek_v2": "deepseek2",
-        "deepseek_v3": "deepseek2"}
+        "deepseek_v3": "deepseek2", "glm4_moe": "glm4moe"}
+# GLM-4.5's multi-token-prediction tensors, Hugging Face -> GGUF (under blk.N.).
+NEXTN = (("eh_proj", "nextn.eh_proj"), ("enorm", "nextn.enorm"), ("hnorm", "nextn.hnorm"),
+         ("embed_tokens", "nextn.embed_tokens"), ("shared_head.head", "nextn.shared_head_head"),
+         ("shared_head.norm", "nextn.shared_head_norm"))
 # llama_ftype of each --type, for general.file_type.
 FILE_TYPE = {"f32": 0, "f16": 1, "q4_0": 2, "q8_0": 7, "q4_k": 15, "q5_k": 17, "q6_k": 18,
              "bf16": 32, "q4_k_m": 15, "q5_k_m": 17}
@@ -118,13 +125,21 @@ class TypePolicy:
         return gw.F32
 
 
+def nextn_layers(c):
+    """GLM-4.5's multi-token-prediction layers, which the GGUF keeps after the decoder's."""
+    return c.get("num_nextn_predict_layers", 0) if c["model_type"] == "glm4_moe" else 0
+
+
 def tensor_plan(c, ckpt, legacy_mla):
     """[(gguf name, array)] in llama.cpp's order, with the HF tensors reshaped as GGUF wants."""
     mt = c["model_type"]
     out = [("token_embd.weight", ckpt.get("model.embed_tokens.weight"))]
     heads, kv_heads = c["num_attention_heads"], c.get("num_key_value_heads", c["num_attention_heads"])
-    for layer in range(c["num_hidden_layers"]):
+    for layer in range(c["num_hidden_layers"] + nextn_layers(c)):
         p, b = f"model.layers.{layer}.", f"blk.{layer}."
+        if layer >= c["num_hidden_layers"]:
+            out += [(f"{b}{gguf}.weight", ckpt.get(f"{p}{hf}.weight")) for hf, gguf in NEXTN
+                    if ckpt.has(f"{p}{hf}.weight")]
         out.append((b + "attn_norm.weight", ckpt.get(p + "input_layernorm.weight")))
         if mt.startswith("deepseek"):
             a = p + "self_attn."
@@ -157,10 +172,11 @@ def tensor_plan(c, ckpt, legacy_mla):
                 if ckpt.has(a + f"{bias}_proj.bias"):
                     gguf = {"q": "attn_q", "k": "attn_k", "v": "attn_v", "o": "attn_output"}[bias]
                     out.append((b + gguf + ".bias", ckpt.get(a + f"{bias}_proj.bias")))
-            if mt in ("olmoe", "qwen3_moe"):
+            if mt in ("olmoe", "qwen3_moe") or ckpt.has(a + "q_norm.weight"):
                 out += [(b + "attn_q_norm.weight", ckpt.get(a + "q_norm.weight")),
                         (b + "attn_k_norm.weight", ckpt.get(a + "k_norm.weight"))]
-        out.append((b + "ffn_norm.weight", ckpt.get(p + "post_attention_layernorm.weight")))
+        post_norm = "post_attention_norm" if mt == "glm4_moe" else "ffn_norm"
+        out.append((b + post_norm + ".weight", ckpt.get(p + "post_attention_layernorm.weight")))
         out += moe_tensors(c, ckpt, layer, p, b)
     out.append(("output_norm.weight", ckpt.get("model.norm.weight")))
     if not c.get("tie_word_embeddings", False):
@@ -206,7 +222,7 @@ def hparams(c, arch, legacy_mla):
     heads = c["num_attention_heads"]
     put("context_length", gw.U32, c["max_position_embeddings"])
     put("embedding_length", gw.U32, c["hidden_size"])
-    put("block_count", gw.U32, c["num_hidden_layers"])
+    put("block_count", gw.U32, c["num_hidden_layers"] + nextn_layers(c))
     put("attention.head_count", gw.U32, heads)
     put("attention.layer_norm_rms_epsilon", gw.F32V, c.get("rms_norm_eps", 1e-6))
     put("rope.freq_base", gw.F32V, c.get("rope_theta", 10000.0))
@@ -234,6 +250,24 @@ def hparams(c, arch, legacy_mla):
         put("expert_count", gw.U32, c["num_experts"])
         if mt == "qwen2_moe":
             put("expert_shared_feed_forward_length", gw.U32, c["shared_expert_intermediate_size"])
+    elif mt == "glm4_moe":
+        head_dim = c.get("head_dim") or c["hidden_size"] // heads
+        put("attention.head_count_kv", gw.U32, c.get("num_key_value_heads", heads))
+        put("attention.key_length", gw.U32, head_dim)
+        put("attention.value_length", gw.U32, head_dim)
+        put("rope.dimension_count", gw.U32, int(head_dim * c.get("partial_rotary_factor", 0.5)))
+        put("feed_forward_length", gw.U32, c["intermediate_size"])
+        put("expert_count", gw.U32, c["n_routed_experts"])
+        put("expert_feed_forward_length", gw.U32, c["moe_intermediate_size"])
+        put("expert_shared_count", gw.U32, c.get("n_shared_experts", 1))
+        put("leading_dense_block_count", gw.U32, c.get("first_k_dense_replace", 1))
+        put("expert_gating_func", gw.U32, 2)
+        put("expert_weights_scale", gw.F32V, c.get("routed_scaling_factor", 1.0))
+        put("expert_weights_norm", gw.BOOL, bool(c.get("norm_topk_prob", True)))
+        put("nextn_predict_layers", gw.U32, nextn_layers(c))
+        if c.get("n_group", 1) > 1:
+            put("expert_group_count", gw.U32, c["n_group"])
+            put("expert_group_used_count", gw.U32, c["topk_group"])
     else:
         v3 = mt == "deepseek_v3"
         nope, rope, vd, kv_lora = (c["qk_nope_head_dim"], c["qk_rope_head_dim"], c["v_head_dim"],

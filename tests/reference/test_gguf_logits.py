@@ -3,8 +3,9 @@
 
   test_gguf_logits.py --moeline PATH --make-model PATH --convert PATH --workdir DIR
 
-For each family (Mixtral as llama.cpp's `llama`, Qwen3-MoE, DeepSeek-V2 with the legacy attn_kv_b,
-DeepSeek-V3 with the split attn_k_b / attn_v_b) a small checkpoint, shaped so that rows are whole
+For each family (Mixtral as llama.cpp's `llama`, Qwen2-MoE, Qwen3-MoE, OLMoE, DeepSeek-V2 with the
+legacy attn_kv_b, DeepSeek-V3 with the split attn_k_b / attn_v_b, GLM-4.5 with its
+multi-token-prediction layer in the file) a small checkpoint, shaped so that rows are whole
 256-weight super-blocks, is converted to GGUF once per tensor type (F16, BF16, Q8_0, Q4_0, Q4_K,
 Q5_K, Q6_K and the Q4_K_M mix; rows that are not whole blocks fall back as llama.cpp's do) by
 scripts/gguf_convert.py, once by `make-model --gguf`, and for five types by `moeline quantize`
@@ -57,6 +58,13 @@ CASES = [
     # Q/K norms over the whole projections, experts intermediate_size wide (llama.cpp's olmoe:
     # multi-head attention only).
     ("olmoe", "olmoe", 37, _WIDE + ["num_attention_heads=4", "num_key_value_heads=4"], []),
+    # RoPE over half of each head, q/k norms, biases on q/k/v, DeepSeek-V3's routing within 2 of
+    # 4 groups (expert_group_count), a shared expert, layer 0 dense; the converter keeps the
+    # multi-token-prediction layer (block_count 4, nextn_predict_layers 1), moeline quantize not.
+    ("glm4", "glm4_moe", 38, _WIDE + ["num_hidden_layers=3", "moe_intermediate_size=256",
+                                      "num_attention_heads=4", "num_key_value_heads=2",
+                                      "head_dim=64", "use_qk_norm=true", "n_group=4",
+                                      "topk_group=2"], []),
     ("deepseek_v2-legacy", "deepseek_v2", 33,
      _WIDE + ["num_hidden_layers=3", "moe_intermediate_size=256", "kv_lora_rank=256",
               "qk_nope_head_dim=32", "qk_rope_head_dim=32", "v_head_dim=64"], ["--legacy-mla"]),
@@ -91,7 +99,8 @@ def hf_weights(c, tensors):
         b, p = f"blk.{layer}.", f"model.layers.{layer}."
         a = p + "self_attn."
         w[p + "input_layernorm.weight"] = get(b + "attn_norm.weight")
-        w[p + "post_attention_layernorm.weight"] = get(b + "ffn_norm.weight")
+        post_norm = "post_attention_norm" if mt == "glm4_moe" else "ffn_norm"
+        w[p + "post_attention_layernorm.weight"] = get(b + post_norm + ".weight")
         if mt.startswith("deepseek"):
             for gguf, hf in (("attn_q", "q_proj"), ("attn_q_a", "q_a_proj"),
                              ("attn_q_a_norm", "q_a_layernorm"), ("attn_q_b", "q_b_proj"),
@@ -113,7 +122,7 @@ def hf_weights(c, tensors):
             w[a + "q_proj.weight"], w[a + "k_proj.weight"] = q, k
             w[a + "v_proj.weight"] = get(b + "attn_v.weight")
             w[a + "o_proj.weight"] = get(b + "attn_output.weight")
-            if mt in ("olmoe", "qwen3_moe"):
+            if mt in ("olmoe", "qwen3_moe") or b + "attn_q_norm.weight" in tensors:
                 w[a + "q_norm.weight"] = get(b + "attn_q_norm.weight")
                 w[a + "k_norm.weight"] = get(b + "attn_k_norm.weight")
             for gguf, hf in (("attn_q", "q_proj"), ("attn_k", "k_proj"), ("attn_v", "v_proj"),
@@ -208,7 +217,10 @@ def main(argv):
     ap.add_argument("--make-model", required=True)
     ap.add_argument("--convert", required=True)
     ap.add_argument("--workdir", required=True)
+    ap.add_argument("--only", metavar="CASE", help="run only this case (while developing)")
     args = ap.parse_args(argv)
+    if args.only:
+        CASES[:] = [case for case in CASES if case[0] == args.only]
     os.makedirs(args.workdir, exist_ok=True)
     failures, checked = [], 0
     for case, arch, seed, settings, flags in CASES:
@@ -243,14 +255,15 @@ def main(argv):
             files.append((f"moeline-quantize-{type_name}", gguf))
         # The Q4_K_M mix (which tensors of which layers get more bits) is llama.cpp's rule, written
         # twice: moeline quantize's must give every tensor the converter's type. (DeepSeek's
-        # attention splits differently in the two writers, so its files are left out here.)
+        # attention splits differently in the two writers, so its files are left out here; GLM's
+        # multi-token-prediction layer is the converter's alone, so GLM compares what both hold.)
         by_name = dict(files)
         if "q4_k_m" in by_name and "moeline-quantize-q4_k_m" in by_name and \
-                arch in ("mixtral", "olmoe", "qwen2_moe", "qwen3_moe"):
+                arch in ("mixtral", "olmoe", "qwen2_moe", "qwen3_moe", "glm4_moe"):
             kinds = [{name: entry[0] for name, entry in gref.read_gguf(by_name[key])[1].items()}
                      for key in ("q4_k_m", "moeline-quantize-q4_k_m")]
-            differ = sorted(n for n in set(kinds[0]) | set(kinds[1])
-                            if kinds[0].get(n) != kinds[1].get(n))
+            names = set(kinds[1]) if arch == "glm4_moe" else set(kinds[0]) | set(kinds[1])
+            differ = sorted(n for n in names if kinds[0].get(n) != kinds[1].get(n))
             if differ:
                 failures.append(f"{case}: moeline quantize's Q4_K_M types differ from the "
                                 f"converter's for {differ}")
