@@ -691,7 +691,7 @@ TEST_P(CudaModel, HandsKvToAndFromTheCpuEngineAndReportsRouting) {
 
 INSTANTIATE_TEST_SUITE_P(TinyModels, CudaModel,
                          ::testing::Values("mixtral-f32", "qwen3-f32", "mixtral-bf16", "qwen3-bf16",
-                                           "deepseek2-f32", "deepseek3-f32",
+                                           "glm4-bf16", "deepseek2-f32", "deepseek3-f32",
                                            "deepseek3-bf16-fused"));
 
 TEST(CudaEngine, RefusesABudgetThatIsNotOne) {

@@ -223,6 +223,9 @@ def main():
     with open(olmo, "w", encoding="utf-8") as f:
         json.dump(doc, f, ensure_ascii=False)
     gguf_sources.append(("qwen3-gpt2-split", olmo, "olmo"))
+    # tokenizer.ggml.pre "glm4" (GLM-4.5's GGUF files): llama.cpp's chatglm4 expression, Llama 3's
+    # with its case-insensitive group spelt out; Llama 3's vocabulary split so.
+    gguf_sources.append(("llama3-as-glm4", npm_file(args.node_modules, "llama3"), "glm4"))
     for name, path, pre in gguf_sources:
         gguf = os.path.join(args.workdir, f"{name}.gguf")
         gguf_writer.write_gguf(gguf, gguf_convert.tokenizer_keys(path, pre=pre), [])

@@ -150,7 +150,7 @@ TEST_P(EngineOnModel, KernelPathsAgree) {
 
 INSTANTIATE_TEST_SUITE_P(TinyModels, EngineOnModel,
                          ::testing::Values("mixtral-f32", "qwen3-f32", "mixtral-bf16", "qwen3-bf16",
-                                           "qwen2-bf16", "olmoe-f32", "deepseek2-f32",
+                                           "qwen2-bf16", "olmoe-f32", "glm4-bf16", "deepseek2-f32",
                                            "deepseek3-f32", "deepseek3-bf16-fused", "qwen3-fp8",
                                            "deepseek3-fp8"));
 
@@ -244,7 +244,7 @@ TEST_P(EngineBf16Fast, DecodeEqualsPrefillAndStaysNearTheExactMode) {
 }
 
 INSTANTIATE_TEST_SUITE_P(Bf16Models, EngineBf16Fast,
-                         ::testing::Values("mixtral-bf16", "qwen3-bf16", "qwen2-bf16",
+                         ::testing::Values("mixtral-bf16", "qwen3-bf16", "qwen2-bf16", "glm4-bf16",
                                            "deepseek3-bf16-fused"));
 
 TEST(Engine, StackedExpertLayoutGivesTheSameResults) {

@@ -221,8 +221,9 @@ TEST_P(PoolOnModel, PrefetchNamesTheExpertsTheNextLayerTakes) {
 
 INSTANTIATE_TEST_SUITE_P(Models, PoolOnModel,
                          ::testing::Values("mixtral-f32", "qwen3-bf16", "mixtral-f32-fused",
-                                           "qwen3-bf16-fused", "qwen2-bf16", "deepseek3-f32",
-                                           "deepseek3-bf16-fused", "qwen3-fp8", "deepseek3-fp8"));
+                                           "qwen3-bf16-fused", "qwen2-bf16", "glm4-bf16",
+                                           "deepseek3-f32", "deepseek3-bf16-fused", "qwen3-fp8",
+                                           "deepseek3-fp8"));
 
 TEST(ExpertPool, APinnedExpertIsNeverEvictedAndPinHoldersNeverWait) {
   auto m = load("mixtral-f32");
