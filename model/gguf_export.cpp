@@ -4,6 +4,7 @@
 #include <cstring>
 #include <fstream>
 #include <functional>
+#include <iterator>
 #include <map>
 #include <nlohmann/json.hpp>
 #include <set>
@@ -627,8 +628,14 @@ void tokenizer_keys(GgufHeader& h, const fs::path& dir) {
     if (const auto id = token_id(key)) h.u32(gguf, static_cast<uint64_t>(*id));
   h.boolean("tokenizer.ggml.add_bos_token",
             config.is_object() && config.value("add_bos_token", false));
-  if (config.is_object() && config.contains("chat_template") && config["chat_template"].is_string())
+  // A chat_template.jinja beside it wins over tokenizer_config.json's, as in transformers.
+  if (std::ifstream jinja(dir / "chat_template.jinja"); jinja) {
+    h.string("tokenizer.chat_template",
+             std::string(std::istreambuf_iterator<char>(jinja), std::istreambuf_iterator<char>()));
+  } else if (config.is_object() && config.contains("chat_template") &&
+             config["chat_template"].is_string()) {
     h.string("tokenizer.chat_template", config["chat_template"].get<std::string>());
+  }
 }
 
 }  // namespace

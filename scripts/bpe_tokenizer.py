@@ -248,8 +248,10 @@ MISTRAL_TEMPLATE = (
     "{%- endfor %}")
 
 
-def write(out_dir, style, vocab_size, corpus_path=None, max_length=4096):
-    """Writes tokenizer.json and tokenizer_config.json; returns the special ids and statistics."""
+def write(out_dir, style, vocab_size, corpus_path=None, max_length=4096, template_file=False):
+    """Writes tokenizer.json and tokenizer_config.json; returns the special ids and statistics.
+    template_file: the chat template goes to chat_template.jinja instead of tokenizer_config.json
+    (as newer releases, GLM-4.5's among them, store it)."""
     text, source = read_corpus(corpus_path)
     doc, info = (build_byte_level if style == "byte_level" else build_metaspace)(vocab_size, text)
     with open(os.path.join(out_dir, "tokenizer.json"), "w", encoding="utf-8") as f:
@@ -263,6 +265,12 @@ def write(out_dir, style, vocab_size, corpus_path=None, max_length=4096):
         "chat_template": CHATML_TEMPLATE if style == "byte_level" else MISTRAL_TEMPLATE,
         "moeline_corpus": source,
     }
+    jinja = os.path.join(out_dir, "chat_template.jinja")
+    if template_file:
+        with open(jinja, "w", encoding="utf-8") as f:
+            f.write(config.pop("chat_template"))
+    elif os.path.exists(jinja):
+        os.remove(jinja)  # from an earlier run: it would win over the config's
     with open(os.path.join(out_dir, "tokenizer_config.json"), "w", encoding="utf-8") as f:
         json.dump(config, f, ensure_ascii=False, indent=2)
         f.write("\n")

@@ -382,7 +382,13 @@ def tokenizer_keys(tokenizer_path, config_path=None, pre=None):
             keys.append((f"tokenizer.ggml.{gguf}", gw.U32, token_id(key)))
     add_bos = config.get("add_bos_token", leading is not None)
     keys.append(("tokenizer.ggml.add_bos_token", gw.BOOL, bool(add_bos)))
-    if config.get("chat_template"):
+    # A chat_template.jinja beside tokenizer.json wins over tokenizer_config.json's, as in
+    # transformers (GLM-4.5's release keeps its template only there).
+    jinja = os.path.join(os.path.dirname(tokenizer_path), "chat_template.jinja")
+    if os.path.exists(jinja):
+        with open(jinja, encoding="utf-8") as f:
+            keys.append(("tokenizer.chat_template", gw.STRING, f.read()))
+    elif config.get("chat_template"):
         keys.append(("tokenizer.chat_template", gw.STRING, config["chat_template"]))
     return keys
 

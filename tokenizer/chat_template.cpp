@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <filesystem>
 #include <fstream>
+#include <iterator>
 #include <nlohmann/json.hpp>
 
 #include "tokenizer/jinja/template.h"
@@ -149,6 +150,15 @@ Expected<ChatTemplate> ChatTemplate::load(const std::string& path) {
   }
   if (!config.is_object()) return Error{path + ": expected a JSON object"};
   std::string source;
+  const auto jinja_path = std::filesystem::path(path).parent_path() / "chat_template.jinja";
+  if (std::ifstream jinja_in(jinja_path); jinja_in) {
+    source.assign(std::istreambuf_iterator<char>(jinja_in), std::istreambuf_iterator<char>());
+    if (jinja_in.bad()) return Error{jinja_path.string() + ": cannot read"};
+    auto t =
+        from_template(source, token_string(config, "bos_token"), token_string(config, "eos_token"));
+    if (!t.ok()) return Error{jinja_path.string() + ": " + t.error().message};
+    return t;
+  }
   const auto it = config.find("chat_template");
   if (it == config.end() || it->is_null()) {
     // No template of its own: the built-in format of its family, if it is one moeline knows.

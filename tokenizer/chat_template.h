@@ -56,10 +56,11 @@ class ChatTemplate {
  public:
   enum class Format { kJinja, kChatML, kQwen3, kDeepSeekV3, kMistral };
 
-  // Reads tokenizer_config.json: its chat_template (a string, or a list of named templates whose
-  // "default" is used) and its bos/eos token strings. Without a chat_template, the built-in
-  // format of the model_type in the config.json beside it (qwen2_moe: chatml, qwen3_moe: qwen3,
-  // deepseek_v2/v3: deepseek_v3, mixtral/mistral: mistral).
+  // Reads tokenizer_config.json: its bos/eos token strings, and its chat_template (a string, or a
+  // list of named templates whose "default" is used) unless a chat_template.jinja lies beside it,
+  // which wins as in transformers (newer releases, GLM-4.5's among them, keep the template only
+  // there). Without either, the built-in format of the model_type in the config.json beside it
+  // (qwen2_moe: chatml, qwen3_moe: qwen3, deepseek_v2/v3: deepseek_v3, mixtral/mistral: mistral).
   static Expected<ChatTemplate> load(const std::string& tokenizer_config_path);
   // A Jinja template (parsed once; an unsupported construct is an error naming it).
   static Expected<ChatTemplate> from_template(const std::string& jinja_source,

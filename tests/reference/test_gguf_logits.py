@@ -268,8 +268,17 @@ def main(argv):
                 failures.append(f"{case}: moeline quantize's Q4_K_M types differ from the "
                                 f"converter's for {differ}")
             checked += 1
+        jinja = os.path.join(folder, "chat_template.jinja")
         for type_name, gguf in files:
-            _, tensors = gref.read_gguf(gguf)
+            metadata, tensors = gref.read_gguf(gguf)
+            if os.path.exists(jinja):
+                # A release that keeps its template in chat_template.jinja (GLM-4.5's) has it
+                # embedded as the file's tokenizer.chat_template by both writers.
+                with open(jinja, encoding="utf-8") as f:
+                    checked += 1
+                    if metadata.get("tokenizer.chat_template") != f.read():
+                        failures.append(f"{case} {type_name}: chat_template.jinja is not the "
+                                        "file's tokenizer.chat_template")
             model = WeightsModel(config, hf_weights(config, tensors))
             for prompt in PROMPTS:
                 name = f"{case} {type_name} prompt of {len(prompt)}"

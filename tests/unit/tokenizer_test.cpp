@@ -3,6 +3,9 @@
 // tokenizers.
 #include <gtest/gtest.h>
 
+#include <unistd.h>
+
+#include <filesystem>
 #include <fstream>
 #include <iostream>
 #include <iterator>
@@ -268,6 +271,41 @@ TEST(ChatTemplate, ToolsAndCallsReachAJinjaTemplate) {
             "tool:sunny(call_1);");
   EXPECT_FALSE(
       ChatTemplate::from_template("{{ messages[0].content }}", "", "")->hermes_tool_calls());
+}
+
+// Newer releases (GLM-4.5's) keep the template in chat_template.jinja beside tokenizer_config.json;
+// transformers reads it first, over any chat_template in the JSON, and so does moeline.
+TEST(ChatTemplate, AChatTemplateJinjaBesideTheConfigWins) {
+  namespace fs = std::filesystem;
+  const fs::path dir =
+      fs::temp_directory_path() / ("moeline-chat-jinja-" + std::to_string(::getpid()));
+  fs::create_directories(dir);
+  const auto write = [&](const char* name, const std::string& text) {
+    std::ofstream(dir / name) << text;
+  };
+  const std::string config = (dir / "tokenizer_config.json").string();
+  write("config.json", R"({"model_type": "glm4_moe"})");
+  write("tokenizer_config.json", R"({"eos_token": "<|endoftext|>"})");
+  // No template anywhere, and no built-in format for the family: a clear error.
+  auto none = ChatTemplate::load(config);
+  ASSERT_FALSE(none.ok());
+  EXPECT_NE(none.error().message.find("chat_template"), std::string::npos);
+  write("chat_template.jinja",
+        "[gMASK]<sop>{% for m in messages %}<|{{ m.role }}|>{{ m.content }}{% endfor %}"
+        "{% if add_generation_prompt %}<|assistant|>{% endif %}{{ eos_token }}");
+  auto from_file = ChatTemplate::load(config);
+  ASSERT_TRUE(from_file.ok()) << from_file.error().message;
+  EXPECT_EQ(*from_file->render({{"user", "hi"}}),
+            "[gMASK]<sop><|user|>hi<|assistant|><|endoftext|>");
+  write("tokenizer_config.json", R"({"chat_template": "{{ 'from the JSON' }}"})");
+  EXPECT_EQ(*ChatTemplate::load(config)->render({{"user", "hi"}}),
+            "[gMASK]<sop><|user|>hi<|assistant|>");
+  write("chat_template.jinja", "{% extends 'base.html' %}");
+  auto broken = ChatTemplate::load(config);
+  ASSERT_FALSE(broken.ok());
+  EXPECT_NE(broken.error().message.find("chat_template.jinja"), std::string::npos)
+      << broken.error().message;
+  fs::remove_all(dir);
 }
 
 }  // namespace
