@@ -14,9 +14,10 @@ namespace {
 constexpr const char* kUsage =
     R"(usage: moeline quantize --model DIR --type TYPE --out FILE.gguf
 
-Writes a Hugging Face checkpoint (Mixtral, OLMoE, Qwen2-MoE, Qwen3-MoE, DeepSeek-V2/V3; F32, BF16
-or F16 safetensors) as a GGUF file laid out as llama.cpp's converter writes it, so moeline and llama.cpp
-both read it: llama.cpp's tensor names and metadata, the tokenizer and chat template embedded.
+Writes a Hugging Face checkpoint (Mixtral, OLMoE, Qwen2-MoE, Qwen3-MoE, DeepSeek-V2/V3, GLM-4.5;
+F32, BF16 or F16 safetensors) as a GGUF file laid out as llama.cpp's converter writes it, so
+moeline and llama.cpp both read it: llama.cpp's tensor names and metadata, the tokenizer and chat
+template embedded.
 
   --type TYPE   q8_0, q4_k_m, q5_k_m (llama.cpp's mixes), or one type for every matrix: f32, f16,
                 bf16, q8_0, q4_0, q4_k, q5_k, q6_k. Norms, routers and biases stay F32.

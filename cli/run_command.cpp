@@ -46,8 +46,8 @@ namespace {
 constexpr const char* kUsage =
     R"(usage: moeline run --model DIR (--prompt TEXT [--chat] | --tokens 1,2,3) [options]
 
-Loads a Hugging Face checkpoint (Mixtral, OLMoE, Qwen2-MoE, Qwen3-MoE, DeepSeek-V2/V3) or a GGUF
-file and generates in this process.
+Loads a Hugging Face checkpoint (Mixtral, OLMoE, Qwen2-MoE, Qwen3-MoE, DeepSeek-V2/V3, GLM-4.5)
+or a GGUF file and generates in this process.
 
   --model DIR|FILE     checkpoint folder (config.json + safetensors + tokenizer.json), or a GGUF
                        file (config, tokenizer, chat template from its metadata); default:
