@@ -92,7 +92,10 @@ Expected<ChatTemplate> ChatTemplate::from_template(const std::string& source, st
   if (!parsed) return Error{"chat template: " + parsed.error().message};
   ChatTemplate chat(Format::kJinja, std::move(bos), std::move(eos));
   chat.jinja_ = std::make_shared<const jinja::Template>(std::move(*parsed));
-  chat.hermes_tool_calls_ = source.find("<tool_call>") != std::string::npos;
+  if (source.find("<tool_call>") != std::string::npos)
+    chat.tool_call_format_ = source.find("<arg_key>") != std::string::npos
+                                 ? ToolCallFormat::kGlm45
+                                 : ToolCallFormat::kHermes;
   return chat;
 }
 

@@ -52,6 +52,14 @@ struct ChatOptions {
   std::string tools_json;
 };
 
+// How a chat template writes an assistant's tool calls, which is how the model was trained to
+// write them (and so how the server reads them back from its output).
+enum class ToolCallFormat {
+  kNone,    // the template writes no tool calls
+  kHermes,  // <tool_call>{"name": ..., "arguments": {...}}</tool_call> (Qwen2.5, Qwen3)
+  kGlm45,   // <tool_call>name<arg_key>k</arg_key><arg_value>v</arg_value>...</tool_call> (GLM-4.5)
+};
+
 class ChatTemplate {
  public:
   enum class Format { kJinja, kChatML, kQwen3, kDeepSeekV3, kMistral };
@@ -71,9 +79,8 @@ class ChatTemplate {
                                const ChatOptions& options = {}) const;
   Format format() const { return format_; }
   const char* format_name() const;
-  // Whether the template writes tool calls as Hermes-style <tool_call>{json}</tool_call> blocks
-  // (Qwen2.5 and Qwen3), the format the HTTP front reads calls back from.
-  bool hermes_tool_calls() const { return hermes_tool_calls_; }
+  // The format the template writes tool calls in (kNone for the built-in formats).
+  ToolCallFormat tool_call_format() const { return tool_call_format_; }
 
  private:
   ChatTemplate(Format format, std::string bos, std::string eos)
@@ -82,7 +89,7 @@ class ChatTemplate {
                                      const ChatOptions& options) const;
   Format format_;
   std::shared_ptr<const jinja::Template> jinja_;  // kJinja
-  bool hermes_tool_calls_ = false;
+  ToolCallFormat tool_call_format_ = ToolCallFormat::kNone;
   std::string bos_;
   std::string eos_;
 };

@@ -56,13 +56,14 @@ std::variant<sdk::GenerateOptions, ApiError> to_options(const CompletionRequest&
           "the model '" + backend.name + "' has no chat template: " + backend.chat_error;
       return error;
     }
-    if (!request.chat.tools_json.empty() && !backend.chat->hermes_tool_calls()) {
+    if (!request.chat.tools_json.empty() &&
+        backend.chat->tool_call_format() == tokenizer::ToolCallFormat::kNone) {
       ApiError error;
       error.param = "tools";
       error.code = "unsupported_parameter";
       error.message = "the model '" + backend.name +
                       "' has no chat template that writes tool calls in a format this server "
-                      "reads back (Qwen's <tool_call> blocks)";
+                      "reads back (Qwen's <tool_call> JSON blocks, GLM-4.5's <arg_key> blocks)";
       return error;
     }
     auto rendered = backend.chat->render(request.messages, request.chat);

@@ -421,7 +421,10 @@ class HttpFront {
     completion.text = std::move(outcome.text);
     completion.finish_reason = outcome.finish_reason;
     if (!api_request.chat.tools_json.empty())
-      if (auto parsed = http::parse_hermes_tool_calls(completion.text)) {
+      if (auto parsed = http::parse_tool_calls(
+              completion.text,
+              backend.chat ? backend.chat->tool_call_format() : tokenizer::ToolCallFormat::kNone,
+              api_request.chat.tools_json)) {
         completion.text = std::move(parsed->content);
         completion.tool_calls = std::move(parsed->calls);
         completion.finish_reason = "tool_calls";

@@ -28,7 +28,11 @@ TokenStream::TokenStream(Endpoint endpoint, const CompletionRequest& request,
   if (request.logprobs) logprobs_.emplace(endpoint, *backend.tokenizer);
   if (request.echo) echo_ = echo_text(request, backend);
   score_only_ = request.score_only();
-  if (endpoint == Endpoint::kChat && !request.chat.tools_json.empty()) tool_calls_.emplace();
+  if (endpoint == Endpoint::kChat && !request.chat.tools_json.empty()) {
+    tool_calls_.emplace();
+    if (backend.chat) tool_call_format_ = backend.chat->tool_call_format();
+    tools_json_ = request.chat.tools_json;
+  }
   outcome_.usage.prompt_tokens = prompt_tokens;
 }
 
@@ -94,7 +98,7 @@ void TokenStream::finish_choice(httplib::DataSink& sink) {
   completion_->timings = outcome_.timings;
   std::string finish_reason = score_only_ ? "length" : outcome_.finish_reason;
   if (tool_calls_ && !tool_calls_->held().empty()) {
-    if (auto parsed = parse_hermes_tool_calls(tool_calls_->held())) {
+    if (auto parsed = parse_tool_calls(tool_calls_->held(), tool_call_format_, tools_json_)) {
       completion_->tool_calls = std::move(parsed->calls);
       send(sink, server_event(tool_calls_chunk(*completion_)));
       finish_reason = "tool_calls";

@@ -57,7 +57,9 @@ class TokenStream {
   std::shared_ptr<Completion> completion_;
   StopMatcher stops_;
   std::optional<LogprobsWriter> logprobs_;
-  std::optional<ToolCallHold> tool_calls_;  // chat with tools on offer
+  std::optional<ToolCallHold> tool_calls_;  // chat with tools on offer: held, then read as
+  tokenizer::ToolCallFormat tool_call_format_ = tokenizer::ToolCallFormat::kNone;  // the template's
+  std::string tools_json_;                                                         // the request's
   TokenEvents token_events_;
   runtime::Histogram* token_delay_;
   runtime::Counter* write_failures_;

@@ -11,6 +11,8 @@ namespace {
 
 constexpr std::string_view kOpen = "<tool_call>";
 constexpr std::string_view kClose = "</tool_call>";
+constexpr std::string_view kKeyOpen = "<arg_key>", kKeyClose = "</arg_key>";
+constexpr std::string_view kValueOpen = "<arg_value>", kValueClose = "</arg_value>";
 
 bool blank(std::string_view text) {
   return text.find_first_not_of(" \t\r\n") == std::string_view::npos;
@@ -23,9 +25,15 @@ size_t partial_marker(std::string_view text, std::string_view marker) {
   return 0;
 }
 
-}  // namespace
+std::string_view trimmed(std::string_view text) {
+  const size_t first = text.find_first_not_of(" \t\r\n");
+  if (first == std::string_view::npos) return {};
+  return text.substr(first, text.find_last_not_of(" \t\r\n") - first + 1);
+}
 
-std::optional<ToolCallOutput> parse_hermes_tool_calls(const std::string& text) {
+// Each block of `text` (from its first <tool_call>), read by `read_call`; the content before it.
+template <typename ReadCall>
+std::optional<ToolCallOutput> parse_blocks(const std::string& text, ReadCall read_call) {
   const size_t first = text.find(kOpen);
   if (first == std::string::npos) return std::nullopt;
   ToolCallOutput out;
@@ -41,10 +49,92 @@ std::optional<ToolCallOutput> parse_hermes_tool_calls(const std::string& text) {
     const size_t body = at + kOpen.size();
     size_t end = text.find(kClose, body);
     // A last call cut off before its closing tag (max_tokens, or an end token first) is still
-    // read when its JSON is whole, as vLLM does.
-    const std::string json_text = text.substr(body, end == std::string::npos ? end : end - body);
+    // read when it is whole, as vLLM does.
+    std::optional<ToolCallOut> call = read_call(std::string_view(text).substr(
+        body, end == std::string::npos ? std::string::npos : end - body));
+    if (!call) return std::nullopt;
+    out.calls.push_back(std::move(*call));
+    if (end == std::string::npos) break;
+    at = end + kClose.size();
+    at = text.find_first_not_of(" \t\r\n", at);
+  }
+  return out;
+}
+
+// The JSON type the request's tools give parameter `key` of function `name` ("" when unsaid).
+std::string parameter_type(const nlohmann::json& tools, const std::string& name,
+                           const std::string& key) {
+  if (!tools.is_array()) return "";
+  for (const auto& tool : tools) {
+    const auto& function = tool.is_object() && tool.contains("function") ? tool["function"] : tool;
+    if (!function.is_object() || function.value("name", "") != name) continue;
+    const auto& parameters = function.value("parameters", nlohmann::json::object());
+    if (!parameters.is_object() || !parameters.contains("properties") ||
+        !parameters["properties"].is_object() || !parameters["properties"].contains(key))
+      return "";
+    const auto& property = parameters["properties"][key];
+    return property.is_object() && property.contains("type") && property["type"].is_string()
+               ? property["type"].get<std::string>()
+               : "";
+  }
+  return "";
+}
+
+}  // namespace
+
+std::optional<ToolCallOutput> parse_glm45_tool_calls(const std::string& text,
+                                                     const std::string& tools_json) {
+  const auto tools = nlohmann::json::parse(tools_json, nullptr, /*allow_exceptions=*/false);
+  return parse_blocks(text, [&](std::string_view body) -> std::optional<ToolCallOut> {
+    const size_t first_key = body.find(kKeyOpen);
+    const std::string name(trimmed(body.substr(0, first_key)));
+    if (name.empty() || name.find_first_of("<>\n") != std::string::npos) return std::nullopt;
+    nlohmann::ordered_json arguments = nlohmann::ordered_json::object();
+    size_t at = first_key;
+    while (at != std::string_view::npos) {
+      // <arg_key>K</arg_key> (whitespace) <arg_value>V</arg_value>, then whitespace or the next.
+      const size_t key_end = body.find(kKeyClose, at);
+      if (key_end == std::string_view::npos) return std::nullopt;
+      const std::string key(
+          trimmed(body.substr(at + kKeyOpen.size(), key_end - at - kKeyOpen.size())));
+      size_t value_at = body.find_first_not_of(" \t\r\n", key_end + kKeyClose.size());
+      if (value_at == std::string_view::npos ||
+          body.compare(value_at, kValueOpen.size(), kValueOpen) != 0)
+        return std::nullopt;
+      value_at += kValueOpen.size();
+      const size_t value_end = body.find(kValueClose, value_at);
+      if (value_end == std::string_view::npos) return std::nullopt;
+      const std::string value(body.substr(value_at, value_end - value_at));
+      const auto parsed = parameter_type(tools, name, key) == "string"
+                              ? nlohmann::ordered_json(nlohmann::json::value_t::discarded)
+                              : nlohmann::ordered_json::parse(value, nullptr, false);
+      arguments[key] = parsed.is_discarded() ? nlohmann::ordered_json(value) : parsed;
+      at = body.find_first_not_of(" \t\r\n", value_end + kValueClose.size());
+      if (at != std::string_view::npos && body.compare(at, kKeyOpen.size(), kKeyOpen) != 0)
+        return std::nullopt;
+    }
+    return ToolCallOut{random_id("call_"), name, arguments.dump()};
+  });
+}
+
+std::optional<ToolCallOutput> parse_tool_calls(const std::string& text,
+                                               tokenizer::ToolCallFormat format,
+                                               const std::string& tools_json) {
+  switch (format) {
+    case tokenizer::ToolCallFormat::kHermes:
+      return parse_hermes_tool_calls(text);
+    case tokenizer::ToolCallFormat::kGlm45:
+      return parse_glm45_tool_calls(text, tools_json);
+    case tokenizer::ToolCallFormat::kNone:
+      break;
+  }
+  return std::nullopt;
+}
+
+std::optional<ToolCallOutput> parse_hermes_tool_calls(const std::string& text) {
+  return parse_blocks(text, [](std::string_view body) -> std::optional<ToolCallOut> {
     const nlohmann::ordered_json call =
-        nlohmann::ordered_json::parse(json_text, nullptr, /*allow_exceptions=*/false);
+        nlohmann::ordered_json::parse(body, nullptr, /*allow_exceptions=*/false);
     if (!call.is_object() || !call.contains("name") || !call["name"].is_string())
       return std::nullopt;
     ToolCallOut parsed{random_id("call_"), call["name"].get<std::string>(), "{}"};
@@ -52,12 +142,8 @@ std::optional<ToolCallOutput> parse_hermes_tool_calls(const std::string& text) {
       const auto& arguments = call["arguments"];
       parsed.arguments = arguments.is_string() ? arguments.get<std::string>() : arguments.dump();
     }
-    out.calls.push_back(std::move(parsed));
-    if (end == std::string::npos) break;
-    at = end + kClose.size();
-    at = text.find_first_not_of(" \t\r\n", at);
-  }
-  return out;
+    return parsed;
+  });
 }
 
 std::string ToolCallHold::feed(const std::string& delta) {

@@ -1,17 +1,23 @@
 #pragma once
-// Tool calls read back from generated text, in the Hermes format that Qwen2.5 and Qwen3 are
-// trained on (their chat templates write a call as one, and vLLM's "hermes" parser reads it):
+// Tool calls read back from generated text, in the format the model's chat template writes them
+// (tokenizer::ToolCallFormat), as vLLM's "hermes" and "glm45" parsers read them:
 //
-//   optional text<tool_call>
-//   {"name": "get_weather", "arguments": {"city": "Paris"}}
-//   </tool_call><tool_call>...</tool_call>
+//   Hermes (Qwen2.5, Qwen3):  optional text<tool_call>
+//                             {"name": "get_weather", "arguments": {"city": "Paris"}}
+//                             </tool_call><tool_call>...</tool_call>
+//   GLM-4.5:                  optional text<tool_call>get_weather
+//                             <arg_key>city</arg_key>
+//                             <arg_value>Paris</arg_value>
+//                             </tool_call><tool_call>...</tool_call>
 //
 // The text before the first <tool_call> is the message's content. A block that is not a call
-// (not JSON, no name) leaves the whole text as content, as vLLM's parser does.
+// (not JSON, no name) leaves the whole text as content, as vLLM's parsers do.
 
 #include <optional>
 #include <string>
 #include <vector>
+
+#include "tokenizer/chat_template.h"
 
 namespace moeline::stages::http {
 
@@ -28,6 +34,15 @@ struct ToolCallOutput {
 
 // The calls in `text`; nullopt when it has none, or a block that is not a call.
 std::optional<ToolCallOutput> parse_hermes_tool_calls(const std::string& text);
+// GLM-4.5's calls in `text`. Its values are text; `tools_json` (the request's tools) says which
+// are strings: a parameter its schema types "string" stays text, any other value is read as JSON
+// where it is JSON (3, true, [1, 2], {"a": 1}) and stays text where it is not.
+std::optional<ToolCallOutput> parse_glm45_tool_calls(const std::string& text,
+                                                     const std::string& tools_json);
+// The calls in `text` in the template's `format` (none for kNone).
+std::optional<ToolCallOutput> parse_tool_calls(const std::string& text,
+                                               tokenizer::ToolCallFormat format,
+                                               const std::string& tools_json);
 
 // A streamed text with tools on offer: the content is written as it comes until a call may
 // begin; from the first "<tool_call>" (or what could still become one at the end of the text so

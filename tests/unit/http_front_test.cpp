@@ -498,6 +498,57 @@ TEST(Tokenize, AddsTheSpecialTokensUnlessAskedNotTo) {
   EXPECT_NE(b["tokens"][0], 1) << b;
 }
 
+// GLM-4.5 writes each argument as <arg_key>/<arg_value> (its chat template's format); a value is
+// text unless JSON, and text whatever it looks like where the tool's schema says string.
+TEST(ToolCalls, Glm45BlocksAreReadAsCallsWithTheSchemasTypes) {
+  const std::string tools = R"([{"type": "function", "function": {"name": "get_weather",
+      "parameters": {"type": "object", "properties": {"city": {"type": "string"},
+      "days": {"type": "integer"}, "zip": {"type": "string"}}}}}])";
+  const auto one = parse_glm45_tool_calls(
+      "Checking.\n<tool_call>get_weather\n<arg_key>city</arg_key>\n<arg_value>Paris</arg_value>\n"
+      "<arg_key>days</arg_key>\n<arg_value>2</arg_value>\n<arg_key>zip</arg_key>\n"
+      "<arg_value>75001</arg_value>\n</tool_call>",
+      tools);
+  ASSERT_TRUE(one.has_value());
+  EXPECT_EQ(one->content, "Checking.");
+  ASSERT_EQ(one->calls.size(), 1u);
+  EXPECT_EQ(one->calls[0].name, "get_weather");
+  // days is JSON (an integer); zip stays the string its schema says, though it reads as a number.
+  EXPECT_EQ(one->calls[0].arguments, R"({"city":"Paris","days":2,"zip":"75001"})");
+  EXPECT_EQ(one->calls[0].id.rfind("call_", 0), 0u);
+  // Two calls; an unknown tool's values read as JSON where they are; a call without arguments;
+  // the last one cut off before its closing tag.
+  const auto two = parse_glm45_tool_calls(
+      "<tool_call>lookup<arg_key>q</arg_key><arg_value>[1, 2]</arg_value><arg_key>s</arg_key>"
+      "<arg_value>free text</arg_value></tool_call>\n<tool_call>now\n",
+      tools);
+  ASSERT_TRUE(two.has_value());
+  ASSERT_EQ(two->calls.size(), 2u);
+  EXPECT_EQ(two->calls[0].arguments, R"({"q":[1,2],"s":"free text"})");
+  EXPECT_EQ(two->calls[1].name, "now");
+  EXPECT_EQ(two->calls[1].arguments, "{}");
+  // Not calls: no name, a key without its value, text between the arguments or after the call.
+  EXPECT_FALSE(parse_glm45_tool_calls("<tool_call>\n<arg_key>a</arg_key><arg_value>1</arg_value>"
+                                      "</tool_call>",
+                                      tools)
+                   .has_value());
+  EXPECT_FALSE(
+      parse_glm45_tool_calls("<tool_call>f<arg_key>a</arg_key></tool_call>", tools).has_value());
+  EXPECT_FALSE(parse_glm45_tool_calls(
+                   "<tool_call>f<arg_key>a</arg_key><arg_value>1</arg_value>so</tool_call>", tools)
+                   .has_value());
+  EXPECT_FALSE(parse_glm45_tool_calls("<tool_call>f</tool_call> and more", tools).has_value());
+  // The template's format chooses the reader.
+  EXPECT_TRUE(parse_tool_calls("<tool_call>f\n</tool_call>", tokenizer::ToolCallFormat::kGlm45, "")
+                  .has_value());
+  EXPECT_FALSE(
+      parse_tool_calls("<tool_call>f\n</tool_call>", tokenizer::ToolCallFormat::kHermes, "")
+          .has_value());
+  EXPECT_FALSE(parse_tool_calls("<tool_call>{\"name\": \"f\"}</tool_call>",
+                                tokenizer::ToolCallFormat::kNone, "")
+                   .has_value());
+}
+
 TEST(ToolCalls, HermesBlocksAreReadAsCallsAndAnythingElseStaysText) {
   const auto one = parse_hermes_tool_calls(
       "Let me look.\n<tool_call>\n{\"name\": \"get_weather\", \"arguments\": {\"city\": "
@@ -617,6 +668,9 @@ TEST(StreamedResponse, ChoicesInterleaveAndACallComesWholeWithItsFinishReason) {
   request.include_usage = true;
   request.chat.tools_json = R"([{"type": "function", "function": {"name": "f"}}])";
   Backend backend;
+  // A template that writes Hermes <tool_call> blocks: the format the calls are read back in.
+  backend.chat = std::make_unique<tokenizer::ChatTemplate>(
+      *tokenizer::ChatTemplate::from_template("<tool_call>{{ messages[0].content }}", "", ""));
   runtime::Histogram delay({1.0});
   runtime::Counter failures;
   Completion base;

@@ -243,7 +243,7 @@ TEST(ChatTemplate, BuiltInFormatsAreTheFallbackAndRefuseUnknownRoles) {
   ChatMessage called{"assistant", ""};
   called.tool_calls = {{"call_1", "f", "{}"}};
   EXPECT_FALSE(qwen3.render({{"user", "hi"}, called}).ok());
-  EXPECT_FALSE(qwen3.hermes_tool_calls());
+  EXPECT_EQ(qwen3.tool_call_format(), ToolCallFormat::kNone);
 }
 
 // A Jinja template gets the tools, the calls (their arguments as objects where they are JSON,
@@ -257,7 +257,7 @@ TEST(ChatTemplate, ToolsAndCallsReachAJinjaTemplate) {
       "{% if m.tool_call_id is defined %}({{ m.tool_call_id }}){% endif %};{% endfor %}",
       "", "");
   ASSERT_TRUE(chat.ok()) << chat.error().message;
-  EXPECT_TRUE(chat->hermes_tool_calls());
+  EXPECT_EQ(chat->tool_call_format(), ToolCallFormat::kHermes);
   ChatMessage called{"assistant", ""};
   called.tool_calls = {{"call_1", "get_weather", R"({"city": "Paris"})"}};
   ChatMessage answer{"tool", "sunny"};
@@ -269,8 +269,16 @@ TEST(ChatTemplate, ToolsAndCallsReachAJinjaTemplate) {
   EXPECT_EQ(*text,
             "[get_weather]user:hi;assistant:<tool_call>get_weather Paris call_1</tool_call>;"
             "tool:sunny(call_1);");
-  EXPECT_FALSE(
-      ChatTemplate::from_template("{{ messages[0].content }}", "", "")->hermes_tool_calls());
+  EXPECT_EQ(ChatTemplate::from_template("{{ messages[0].content }}", "", "")->tool_call_format(),
+            ToolCallFormat::kNone);
+  // GLM-4.5's template writes each argument as <arg_key>/<arg_value> inside the block.
+  EXPECT_EQ(ChatTemplate::from_template(
+                "{% for c in messages[0].tool_calls %}<tool_call>{{ c.function.name }}"
+                "{% for k, v in c.function.arguments.items() %}<arg_key>{{ k }}</arg_key>"
+                "<arg_value>{{ v }}</arg_value>{% endfor %}</tool_call>{% endfor %}",
+                "", "")
+                ->tool_call_format(),
+            ToolCallFormat::kGlm45);
 }
 
 // Newer releases (GLM-4.5's) keep the template in chat_template.jinja beside tokenizer_config.json;
