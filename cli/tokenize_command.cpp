@@ -10,7 +10,6 @@
 
 #include "base/suggest.h"
 #include "model/model_text.h"
-#include "stages/http/openai.h"
 #include "tokenizer/chat_template.h"
 #include "tokenizer/tokenizer.h"
 
@@ -38,11 +37,8 @@ Reads a JSON array of token ids on stdin and prints the decoded text.
 constexpr const char* kChatTemplateUsage =
     R"(usage: moeline chat-template --tokenizer PATH [--no-generation-prompt] [--no-thinking]
 
-Reads a JSON array of messages ([{"role": "user", "content": "..."}, ...]) on stdin, or a chat
-request's body ({"messages": [...], "tools": [...], "chat_template_kwargs": {...}}), and prints
-the prompt the model's chat template makes of them. Messages are read as the HTTP front reads them:
-content as a string or a list of text parts, an assistant's tool_calls, a tool turn's
-tool_call_id and name.
+Reads a JSON array of messages ([{"role": "user", "content": "..."}, ...]) on stdin and prints the
+prompt the model's chat template makes of them.
 
   --tokenizer PATH         tokenizer_config.json, a model folder that holds one, or a GGUF model
   --no-generation-prompt   do not end with the opening of the assistant's turn
@@ -193,22 +189,22 @@ int chat_template_command(int argc, char** argv) {
   if (!chat.ok()) {
     return fail(chat.error().message);
   }
-  // What the server would render: the body goes through the HTTP front's /tokenize reading.
-  const std::string input = read_stdin();
-  const auto parsed = nlohmann::json::parse(input, nullptr, /*allow_exceptions=*/false);
-  if (parsed.is_discarded()) return fail("stdin: not valid JSON");
-  if (!parsed.is_array() && !(parsed.is_object() && parsed.contains("messages")))
-    return fail("stdin: expected a JSON array of messages or an object with \"messages\"");
-  auto request = stages::http::parse_tokenize(
-      parsed.is_array() ? nlohmann::json{{"messages", parsed}}.dump() : input);
-  if (const auto* error = std::get_if<stages::http::ApiError>(&request))
-    return fail("stdin: " + (error->param.empty() ? "" : error->param + ": ") + error->message);
-  const stages::http::CompletionRequest& body =
-      std::get<stages::http::TokenizeRequest>(request).text;
-  tokenizer::ChatOptions chosen = body.chat;
-  if (!options.add_generation_prompt) chosen.add_generation_prompt = false;
-  if (options.enable_thinking) chosen.enable_thinking = options.enable_thinking;
-  auto text = chat->render(body.messages, chosen);
+  std::vector<tokenizer::ChatMessage> messages;
+  try {
+    const auto parsed = nlohmann::json::parse(read_stdin());
+    if (!parsed.is_array()) throw std::invalid_argument("expected a JSON array of messages");
+    for (const auto& m : parsed) {
+      if (!m.is_object() || !m.contains("role") || !m["role"].is_string() ||
+          !m.contains("content") || !m["content"].is_string()) {
+        throw std::invalid_argument("each message needs string \"role\" and \"content\", got " +
+                                    m.dump());
+      }
+      messages.push_back({m["role"].get<std::string>(), m["content"].get<std::string>()});
+    }
+  } catch (const std::exception& e) {
+    return fail(std::string("stdin: ") + e.what());
+  }
+  auto text = chat->render(messages, options);
   if (!text.ok()) {
     return fail(text.error().message);
   }

@@ -24,16 +24,6 @@ from jinja_cases import TEXT_CONVERSATIONS as CONVERSATIONS  # noqa: E402
 TOOL_CONVERSATIONS = [
     [U("weather?"), A("calling"), T("sunny"), T("22C"), U("thanks")],
     [U("q"), A("x"), U("<tool_response>\nr\n</tool_response>")],
-    # An assistant turn that calls tools (arguments as an object and as JSON text), read by
-    # `moeline chat-template` as the HTTP front reads a request.
-    [U("weather in Paris and Rome?"),
-     {"role": "assistant", "content": "",
-      "tool_calls": [{"id": "call_1", "type": "function",
-                      "function": {"name": "get_weather", "arguments": {"city": "Paris"}}},
-                     {"id": "call_2", "type": "function",
-                      "function": {"name": "get_weather", "arguments": {"city": "Rome", "days": 2}}}]},
-     {"role": "tool", "content": "sunny", "tool_call_id": "call_1"},
-     {"role": "tool", "content": "rain", "tool_call_id": "call_2"}, U("thanks")],
 ]
 
 
