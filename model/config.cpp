@@ -391,8 +391,8 @@ constexpr Family kFamilies[] = {
      nullptr, &kDeepseekGgufNames},
     {"deepseek_v3", &parse_deepseek_v3, &kDeepseekNames, "deepseek2", &gguf_config_deepseek,
      nullptr, &kDeepseekGgufNames},
-    {"glm4_moe", &parse_glm4_moe, &kGlm4MoeNames, "glm4moe", &gguf_config_glm4_moe, nullptr,
-     &kGlm4MoeGgufNames},
+    {"glm4_moe", &parse_glm4_moe, &kGlm4MoeNames, "glm4moe", &gguf_config_glm4_moe,
+     &gguf_adjust_glm4_moe, &kGlm4MoeGgufNames},
 };
 }  // namespace
 

@@ -144,6 +144,7 @@ nlohmann::json gguf_config_qwen2_moe(const GgufMetadata& metadata);
 nlohmann::json gguf_config_qwen3_moe(const GgufMetadata& metadata);
 nlohmann::json gguf_config_deepseek(const GgufMetadata& metadata);
 nlohmann::json gguf_config_glm4_moe(const GgufMetadata& metadata);
+void gguf_adjust_glm4_moe(const GgufMetadata& metadata, ModelConfig& out);
 // The config.json keys every family shares, from the GGUF keys every llama.cpp architecture has.
 nlohmann::json gguf_common_config(const GgufMetadata& metadata, std::string_view model_type);
 extern const TensorNames kMixtralNames;

@@ -230,9 +230,11 @@ void parse_deepseek_moe(const json& config, ModelConfig& out, const DeepseekMoeD
   if (out.topk_group <= 0 || out.topk_group > out.n_group)
     bad("topk_group", "must be between 1 and n_group");
   const int64_t group_size = out.num_experts / out.n_group;
-  if (out.group_limit == GroupLimit::kGroupTopTwo && group_size < 2 && out.n_group > 1)
+  // One group of one expert too: the score of a group is the sum of its best two.
+  if (out.group_limit == GroupLimit::kGroupTopTwo && group_size < 2)
     bad("n_group",
-        "leaves groups of one expert, which noaux_tc's top-two group score needs two of");
+        "leaves groups of one expert (n_routed_experts / n_group), which noaux_tc's top-two "
+        "group score needs two of");
   if (out.group_limit != GroupLimit::kNone && out.experts_per_token > group_size * out.topk_group)
     bad("num_experts_per_tok", "exceeds the experts of the topk_group groups kept");
   // The hub gates renormalise only when choosing more than one expert; V3 then always scales.

@@ -62,10 +62,9 @@ nlohmann::json gguf_config_glm4_moe(const GgufMetadata& m) {
   const int64_t head_dim =
       m.int_or("attention.key_length", heads > 0 ? m.require_int("embedding_length") / heads : 0);
   config["head_dim"] = head_dim;
-  if (head_dim > 0)
-    config["partial_rotary_factor"] =
-        static_cast<double>(m.int_or("rope.dimension_count", head_dim)) /
-        static_cast<double>(head_dim);
+  // The rotated width is the file's own integer (gguf_adjust_glm4_moe): a factor computed from it
+  // and multiplied back could truncate one short.
+  config["partial_rotary_factor"] = 1.0;
   if (!m.has("rope.freq_base")) config["rope_theta"] = 10000.0;
   // llama.cpp reads the biases and q/k norms when the file has them; so does moeline.
   config["attention_bias"] = m.has_tensor("blk.0.attn_q.bias");
@@ -86,6 +85,16 @@ nlohmann::json gguf_config_glm4_moe(const GgufMetadata& m) {
   config["n_group"] = groups;
   config["topk_group"] = m.int_or("expert_group_used_count", groups);
   return config;
+}
+
+void gguf_adjust_glm4_moe(const GgufMetadata& m, ModelConfig& out) {
+  const int64_t rotated = m.int_or("rope.dimension_count", out.head_dim);
+  if (rotated < 2 || rotated > out.head_dim || rotated % 2 != 0)
+    m.fail("rope.dimension_count", "is " + std::to_string(rotated) +
+                                       "; RoPE needs an even number of dimensions, at least 2 "
+                                       "and at most the head's " +
+                                       std::to_string(out.head_dim));
+  out.rotary_dim = rotated == out.head_dim ? 0 : rotated;
 }
 
 void parse_glm4_moe(const nlohmann::json& config, ModelConfig& out) {

@@ -25,13 +25,42 @@ size_t partial_marker(std::string_view text, std::string_view marker) {
   return 0;
 }
 
+// Writing JSON back (dump) recurses once per level: generated text that nests deeper than any
+// tool's arguments would is left as text rather than risk the stack.
+constexpr int kMaxNesting = 64;
+
+// Whether the brackets of `text` (outside its strings) nest at most kMaxNesting deep.
+bool shallow(std::string_view text) {
+  int depth = 0;
+  bool in_string = false, escaped = false;
+  for (const char c : text) {
+    if (in_string) {
+      if (escaped) {
+        escaped = false;
+      } else if (c == '\\') {
+        escaped = true;
+      } else if (c == '"') {
+        in_string = false;
+      }
+    } else if (c == '"') {
+      in_string = true;
+    } else if (c == '[' || c == '{') {
+      if (++depth > kMaxNesting) return false;
+    } else if (c == ']' || c == '}') {
+      --depth;
+    }
+  }
+  return true;
+}
+
 std::string_view trimmed(std::string_view text) {
   const size_t first = text.find_first_not_of(" \t\r\n");
   if (first == std::string_view::npos) return {};
   return text.substr(first, text.find_last_not_of(" \t\r\n") - first + 1);
 }
 
-// Each block of `text` (from its first <tool_call>), read by `read_call`; the content before it.
+// Each block of `text` (from its first <tool_call>), read by `read_call(body, closed)`; the
+// content before it.
 template <typename ReadCall>
 std::optional<ToolCallOutput> parse_blocks(const std::string& text, ReadCall read_call) {
   const size_t first = text.find(kOpen);
@@ -48,10 +77,10 @@ std::optional<ToolCallOutput> parse_blocks(const std::string& text, ReadCall rea
     }
     const size_t body = at + kOpen.size();
     size_t end = text.find(kClose, body);
-    // A last call cut off before its closing tag (max_tokens, or an end token first) is still
-    // read when it is whole, as vLLM does.
-    std::optional<ToolCallOut> call = read_call(std::string_view(text).substr(
-        body, end == std::string::npos ? std::string::npos : end - body));
+    std::optional<ToolCallOut> call =
+        read_call(std::string_view(text).substr(
+                      body, end == std::string::npos ? std::string::npos : end - body),
+                  end != std::string::npos);
     if (!call) return std::nullopt;
     out.calls.push_back(std::move(*call));
     if (end == std::string::npos) break;
@@ -85,7 +114,10 @@ std::string parameter_type(const nlohmann::json& tools, const std::string& name,
 std::optional<ToolCallOutput> parse_glm45_tool_calls(const std::string& text,
                                                      const std::string& tools_json) {
   const auto tools = nlohmann::json::parse(tools_json, nullptr, /*allow_exceptions=*/false);
-  return parse_blocks(text, [&](std::string_view body) -> std::optional<ToolCallOut> {
+  return parse_blocks(text, [&](std::string_view body, bool closed) -> std::optional<ToolCallOut> {
+    // A block cut off before its closing tag (max_tokens) may have lost arguments, or part of its
+    // name: not a call, as vLLM's glm45 parser reads it.
+    if (!closed) return std::nullopt;
     const size_t first_key = body.find(kKeyOpen);
     const std::string name(trimmed(body.substr(0, first_key)));
     if (name.empty() || name.find_first_of("<>\n") != std::string::npos) return std::nullopt;
@@ -104,8 +136,8 @@ std::optional<ToolCallOutput> parse_glm45_tool_calls(const std::string& text,
       value_at += kValueOpen.size();
       const size_t value_end = body.find(kValueClose, value_at);
       if (value_end == std::string_view::npos) return std::nullopt;
-      const std::string value(body.substr(value_at, value_end - value_at));
-      const auto parsed = parameter_type(tools, name, key) == "string"
+      const std::string value(trimmed(body.substr(value_at, value_end - value_at)));
+      const auto parsed = parameter_type(tools, name, key) == "string" || !shallow(value)
                               ? nlohmann::ordered_json(nlohmann::json::value_t::discarded)
                               : nlohmann::ordered_json::parse(value, nullptr, false);
       arguments[key] = parsed.is_discarded() ? nlohmann::ordered_json(value) : parsed;
@@ -132,7 +164,10 @@ std::optional<ToolCallOutput> parse_tool_calls(const std::string& text,
 }
 
 std::optional<ToolCallOutput> parse_hermes_tool_calls(const std::string& text) {
-  return parse_blocks(text, [](std::string_view body) -> std::optional<ToolCallOut> {
+  // A last call cut off before its closing tag (max_tokens, or an end token first) is still read
+  // when its JSON is whole, as vLLM's hermes parser does.
+  return parse_blocks(text, [](std::string_view body, bool) -> std::optional<ToolCallOut> {
+    if (!shallow(body)) return std::nullopt;
     const nlohmann::ordered_json call =
         nlohmann::ordered_json::parse(body, nullptr, /*allow_exceptions=*/false);
     if (!call.is_object() || !call.contains("name") || !call["name"].is_string())

@@ -211,6 +211,24 @@ def check_end_of_turn(args, folder, failures):
         print(f"ok end of turn: eot_token_id {ids[at]} ends the answer at its step {at + 1}")
 
 
+def check_rope_width_refused(args, folder, failures):
+    """A glm4moe file whose rope.dimension_count no head can rotate (odd, or wider than the head)
+    is refused naming the key, not run with a rounded width."""
+    for width in (63, 66):
+        gguf = os.path.join(args.workdir, f"glm4-rope-{width}.gguf")
+        subprocess.run([sys.executable, args.convert, "--model", folder, "--out", gguf, "--type",
+                        "f16", "--u32", f"glm4moe.rope.dimension_count={width}"], check=True,
+                       capture_output=True, timeout=TIMEOUT_S)
+        done = subprocess.run([args.moeline, "run", "--model", gguf, "--tokens", "1,2",
+                               "--max-tokens", "1"], capture_output=True, text=True,
+                              timeout=TIMEOUT_S)
+        if done.returncode == 0 or "rope.dimension_count" not in done.stderr:
+            failures.append(f"rope.dimension_count {width}: expected a refusal naming the key, got "
+                            f"exit {done.returncode}: {done.stderr.strip()[-300:]}")
+        else:
+            print(f"ok rope.dimension_count {width} refused: {done.stderr.strip()[-120:]}")
+
+
 def main(argv):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--moeline", required=True)
@@ -295,6 +313,8 @@ def main(argv):
                 if error > LOGITS_RTOL:
                     failures.append(f"{name}: logits rel L2 {error:.3e} > {LOGITS_RTOL}")
     check_end_of_turn(args, os.path.join(args.workdir, CASES[0][0]), failures)
+    if any(case[0] == "glm4" for case in CASES):
+        check_rope_width_refused(args, os.path.join(args.workdir, "glm4"), failures)
     for failure in failures:
         print("FAIL " + failure, file=sys.stderr)
     print(f"{checked} comparisons, {len(failures)} failures")

@@ -516,17 +516,32 @@ TEST(ToolCalls, Glm45BlocksAreReadAsCallsWithTheSchemasTypes) {
   // days is JSON (an integer); zip stays the string its schema says, though it reads as a number.
   EXPECT_EQ(one->calls[0].arguments, R"({"city":"Paris","days":2,"zip":"75001"})");
   EXPECT_EQ(one->calls[0].id.rfind("call_", 0), 0u);
-  // Two calls; an unknown tool's values read as JSON where they are; a call without arguments;
-  // the last one cut off before its closing tag.
+  // Two calls; an unknown tool's values read as JSON where they are (and trimmed, as vLLM's);
+  // a call without arguments.
   const auto two = parse_glm45_tool_calls(
       "<tool_call>lookup<arg_key>q</arg_key><arg_value>[1, 2]</arg_value><arg_key>s</arg_key>"
-      "<arg_value>free text</arg_value></tool_call>\n<tool_call>now\n",
+      "<arg_value>\nfree text\n</arg_value></tool_call>\n<tool_call>now\n</tool_call>",
       tools);
   ASSERT_TRUE(two.has_value());
   ASSERT_EQ(two->calls.size(), 2u);
   EXPECT_EQ(two->calls[0].arguments, R"({"q":[1,2],"s":"free text"})");
   EXPECT_EQ(two->calls[1].name, "now");
   EXPECT_EQ(two->calls[1].arguments, "{}");
+  // A call cut off before its closing tag may have lost arguments or part of its name: text.
+  EXPECT_FALSE(parse_glm45_tool_calls("<tool_call>get_wea", tools).has_value());
+  EXPECT_FALSE(
+      parse_glm45_tool_calls(
+          "<tool_call>get_weather<arg_key>city</arg_key><arg_value>Paris</arg_value>\n", tools)
+          .has_value());
+  // Values nested deeper than any tool's arguments stay text (writing them back would recurse).
+  const std::string deep = std::string(100, '[') + std::string(100, ']');
+  const auto nested = parse_glm45_tool_calls(
+      "<tool_call>f<arg_key>a</arg_key><arg_value>" + deep + "</arg_value></tool_call>", tools);
+  ASSERT_TRUE(nested.has_value());
+  EXPECT_EQ(nested->calls[0].arguments, nlohmann::json({{"a", deep}}).dump());
+  EXPECT_FALSE(parse_hermes_tool_calls(
+                   "<tool_call>{\"name\": \"f\", \"arguments\": {\"a\": " + deep + "}}</tool_call>")
+                   .has_value());
   // Not calls: no name, a key without its value, text between the arguments or after the call.
   EXPECT_FALSE(parse_glm45_tool_calls("<tool_call>\n<arg_key>a</arg_key><arg_value>1</arg_value>"
                                       "</tool_call>",
@@ -538,6 +553,12 @@ TEST(ToolCalls, Glm45BlocksAreReadAsCallsWithTheSchemasTypes) {
                    "<tool_call>f<arg_key>a</arg_key><arg_value>1</arg_value>so</tool_call>", tools)
                    .has_value());
   EXPECT_FALSE(parse_glm45_tool_calls("<tool_call>f</tool_call> and more", tools).has_value());
+  // Without the request's tools (no schema), every value that is JSON reads as JSON.
+  EXPECT_EQ(parse_glm45_tool_calls(
+                "<tool_call>f<arg_key>n</arg_key><arg_value>7</arg_value></tool_call>", "")
+                ->calls[0]
+                .arguments,
+            R"({"n":7})");
   // The template's format chooses the reader.
   EXPECT_TRUE(parse_tool_calls("<tool_call>f\n</tool_call>", tokenizer::ToolCallFormat::kGlm45, "")
                   .has_value());
