@@ -293,6 +293,10 @@ TEST(Config, Glm4MoeSettingsItCannotHonourAreNamed) {
     EXPECT_NE(error_of(c).find("partial_rotary_factor"), std::string::npos) << factor;
   }
   c = glm4();
+  c["n_routed_experts"] = 1;  // a group's score is the sum of its best two experts
+  c["num_experts_per_tok"] = 1;
+  EXPECT_NE(error_of(c).find("n_group"), std::string::npos) << error_of(c);
+  c = glm4();
   c["n_group"] = 3;  // does not divide 8 experts
   EXPECT_NE(error_of(c).find("n_group"), std::string::npos) << error_of(c);
   c = glm4();
