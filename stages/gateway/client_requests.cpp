@@ -16,9 +16,9 @@
 namespace moeline::stages {
 
 uint64_t first_request_id(std::chrono::system_clock::time_point started) {
-  const auto seconds =
-      std::chrono::duration_cast<std::chrono::seconds>(started.time_since_epoch()).count();
-  return (static_cast<uint64_t>(std::max<int64_t>(seconds, 0)) << 20) + 1;
+  const auto milliseconds =
+      std::chrono::duration_cast<std::chrono::milliseconds>(started.time_since_epoch()).count();
+  return (static_cast<uint64_t>(std::max<int64_t>(milliseconds, 0)) << 11) + 1;
 }
 
 void ClientRequests::reject(const std::string& client, uint64_t client_request_id,

@@ -28,9 +28,10 @@ namespace moeline::stages {
 // The first request id of a gateway started at `started`. Decode and prefill replicas outlive a
 // gateway that dies: the sequences its requests left there go on streaming to the next one, so a
 // restarted gateway must never hand out an id its previous life did (their tokens would be
-// taken for the new request's). Ids begin at the start second times 2^20: an earlier life would
-// have had to issue over a million requests for every second it ran to reach them, and ids stay
-// below 2^53 (exact in JSON readers that use doubles) for two centuries.
+// taken for the new request's). Ids begin at the start millisecond times 2^11: an earlier life
+// would have had to issue over two million requests for every second it ran to reach them (a
+// restart within the second of the last start included, which a start second could not tell
+// apart), and ids stay below 2^53 (exact in JSON readers that use doubles) until 2109.
 uint64_t first_request_id(std::chrono::system_clock::time_point started);
 
 class ClientRequests {

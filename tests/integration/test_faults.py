@@ -174,6 +174,7 @@ def case_gateway(args):
         # (Streams as long as the context allows; one that a busy machine lets finish before the
         # kill has nothing to lose and is left out, as long as most are still open.)
         with Client(stack.endpoint, timeout=60) as client:
+            first_life_id = client.generate(tokens=[1, 2, 3], max_tokens=1).request_id
             crids = [client.start(tokens=[3 + i, 4, 5], max_tokens=500, ignore_eos=True)
                      for i in range(8)]
             started, finished_early = set(), set()
@@ -220,8 +221,15 @@ def case_gateway(args):
               f"kill ({report['completed']} completed, {report['errors']} explicit errors)")
         wait_for(lambda: healthy(stack, "gateway"), 60, "the gateway did not come back")
         with Client(stack.endpoint, timeout=60) as client:
-            check(len(client.generate(tokens=[1, 2, 3], max_tokens=3).ids) > 0, "not serving")
-        print("ok gateway: the restarted gateway serves")
+            served = client.generate(tokens=[1, 2, 3], max_tokens=3)
+            check(len(served.ids) > 0, "not serving")
+        # Decode replicas outlive the gateway and stream its dead requests' sequences to the next
+        # one: a restarted gateway must not hand out an id an earlier life did.
+        check(served.request_id > first_life_id + 1000,
+              f"the third life's request id {served.request_id} is not past the first life's "
+              f"{first_life_id}")
+        print(f"ok gateway: the restarted gateway serves, with request ids past its first life's "
+              f"({first_life_id} -> {served.request_id})")
 
 
 def stream_all(stack, prompts, max_tokens, on_started):
