@@ -143,6 +143,9 @@ nlohmann::json gguf_config_olmoe(const GgufMetadata& metadata);
 nlohmann::json gguf_config_qwen2_moe(const GgufMetadata& metadata);
 nlohmann::json gguf_config_qwen3_moe(const GgufMetadata& metadata);
 nlohmann::json gguf_config_deepseek(const GgufMetadata& metadata);
+// The DeepSeekMoE keys of a deepseek2 or glm4moe file (expert counts and widths, shared experts,
+// leading dense layers, the weights' scale and norm, the groups) as config.json's.
+void gguf_deepseek_moe_config(const GgufMetadata& metadata, nlohmann::json& config);
 nlohmann::json gguf_config_glm4_moe(const GgufMetadata& metadata);
 void gguf_adjust_glm4_moe(const GgufMetadata& metadata, ModelConfig& out);
 // The config.json keys every family shares, from the GGUF keys every llama.cpp architecture has.

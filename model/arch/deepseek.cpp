@@ -258,6 +258,20 @@ void parse_deepseek_moe(const json& config, ModelConfig& out, const DeepseekMoeD
     bad("intermediate_size", "is needed for the dense MLP layers");
 }
 
+void gguf_deepseek_moe_config(const GgufMetadata& m, json& config) {
+  config["n_routed_experts"] = m.require_int("expert_count");
+  config["num_experts_per_tok"] = m.require_int("expert_used_count");
+  config["moe_intermediate_size"] = m.require_int("expert_feed_forward_length");
+  config["intermediate_size"] = m.int_or("feed_forward_length", 0);
+  config["n_shared_experts"] = m.int_or("expert_shared_count", 0);
+  config["first_k_dense_replace"] = m.int_or("leading_dense_block_count", 0);
+  config["routed_scaling_factor"] = m.number_or("expert_weights_scale", 1.0);
+  config["norm_topk_prob"] = m.bool_or("expert_weights_norm", false);
+  const int64_t groups = m.int_or("expert_group_count", 1);
+  config["n_group"] = groups;
+  config["topk_group"] = m.int_or("expert_group_used_count", groups);
+}
+
 json gguf_config_deepseek(const GgufMetadata& m) {
   const int64_t gating = m.int_or("expert_gating_func", kGatingSoftmax);
   if (gating != kGatingSoftmax && gating != kGatingSigmoid)
@@ -277,19 +291,10 @@ json gguf_config_deepseek(const GgufMetadata& m) {
   config["v_head_dim"] = m.has("attention.value_length_mla")
                              ? m.require_int("attention.value_length_mla")
                              : m.require_int("attention.value_length");
-  config["n_routed_experts"] = m.require_int("expert_count");
-  config["num_experts_per_tok"] = m.require_int("expert_used_count");
-  config["moe_intermediate_size"] = m.require_int("expert_feed_forward_length");
-  config["intermediate_size"] = m.int_or("feed_forward_length", 0);
-  config["n_shared_experts"] = m.int_or("expert_shared_count", 0);
-  config["first_k_dense_replace"] = m.int_or("leading_dense_block_count", 0);
-  config["routed_scaling_factor"] = m.number_or("expert_weights_scale", 1.0);
-  config["norm_topk_prob"] = m.bool_or("expert_weights_norm", false);
+  gguf_deepseek_moe_config(m, config);
   config["scoring_func"] = v3 ? "sigmoid" : "softmax";
-  const int64_t groups = m.int_or("expert_group_count", 1);
-  config["n_group"] = groups;
-  config["topk_group"] = m.int_or("expert_group_used_count", groups);
-  config["topk_method"] = v3 ? "noaux_tc" : (groups > 1 ? "group_limited_greedy" : "greedy");
+  config["topk_method"] =
+      v3 ? "noaux_tc" : (config["n_group"] > 1 ? "group_limited_greedy" : "greedy");
   if (config.contains("rope_scaling") && config["rope_scaling"]["type"] == "yarn") {
     // llama.cpp keeps 0.1 * mscale_all_dim as yarn_log_multiplier and assumes mscale equals it.
     const double mscale = m.number_or("rope.scaling.yarn_log_multiplier", 0.0) / 0.1;

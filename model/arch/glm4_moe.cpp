@@ -19,27 +19,28 @@
 
 namespace moeline::model::arch {
 
+namespace {
+
 // Qwen3-MoE's attention names (biases, per-head q/k norms) less the output bias, and DeepSeek's
-// expert, router-bias and shared-expert names.
-const TensorNames kGlm4MoeNames = [] {
-  TensorNames names = kQwen3MoeNames;
-  names.o_bias = "";
-  names.router_bias = kDeepseekNames.router_bias;
-  names.shared_gate = kDeepseekNames.shared_gate;
-  names.shared_up = kDeepseekNames.shared_up;
-  names.shared_down = kDeepseekNames.shared_down;
-  return names;
-}();
+// router-bias and shared-expert names: the same pairing for Hugging Face's names and GGUF's. (The
+// tables read are constants, set before any code runs.)
+TensorNames glm4_names(TensorNames qwen3, const TensorNames& deepseek) {
+  qwen3.o_bias = "";
+  qwen3.router_bias = deepseek.router_bias;
+  qwen3.shared_gate = deepseek.shared_gate;
+  qwen3.shared_up = deepseek.shared_up;
+  qwen3.shared_down = deepseek.shared_down;
+  return qwen3;
+}
+
+}  // namespace
+
+const TensorNames kGlm4MoeNames = glm4_names(kQwen3MoeNames, kDeepseekNames);
 
 // llama.cpp's glm4moe: its post-attention norm is post_attention_norm, not ffn_norm.
 const TensorNames kGlm4MoeGgufNames = [] {
-  TensorNames names = kQwen3MoeGgufNames;
-  names.o_bias = "";
+  TensorNames names = glm4_names(kQwen3MoeGgufNames, kDeepseekGgufNames);
   names.post_attention_norm = "blk.{L}.post_attention_norm.weight";
-  names.router_bias = kDeepseekGgufNames.router_bias;
-  names.shared_gate = kDeepseekGgufNames.shared_gate;
-  names.shared_up = kDeepseekGgufNames.shared_up;
-  names.shared_down = kDeepseekGgufNames.shared_down;
   return names;
 }();
 
@@ -73,17 +74,7 @@ nlohmann::json gguf_config_glm4_moe(const GgufMetadata& m) {
   if (gating != kGatingSigmoid)
     m.fail("expert_gating_func",
            "is " + std::to_string(gating) + "; GLM-4.5 gates with 2 (sigmoid)");
-  config["n_routed_experts"] = m.require_int("expert_count");
-  config["num_experts_per_tok"] = m.require_int("expert_used_count");
-  config["moe_intermediate_size"] = m.require_int("expert_feed_forward_length");
-  config["intermediate_size"] = m.int_or("feed_forward_length", 0);
-  config["n_shared_experts"] = m.int_or("expert_shared_count", 0);
-  config["first_k_dense_replace"] = m.int_or("leading_dense_block_count", 0);
-  config["routed_scaling_factor"] = m.number_or("expert_weights_scale", 1.0);
-  config["norm_topk_prob"] = m.bool_or("expert_weights_norm", false);
-  const int64_t groups = m.int_or("expert_group_count", 1);
-  config["n_group"] = groups;
-  config["topk_group"] = m.int_or("expert_group_used_count", groups);
+  gguf_deepseek_moe_config(m, config);
   return config;
 }
 
