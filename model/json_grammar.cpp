@@ -1,0 +1,772 @@
+#include "model/json_grammar.h"
+
+#include <algorithm>
+#include <map>
+#include <numeric>
+#include <set>
+
+namespace moeline::model {
+
+// The ordered document keeps an object's keys in the schema's order, which is the order the
+// generated document gives its properties.
+using json = nlohmann::ordered_json;
+using Kind = JsonGrammar::Kind;
+
+namespace {
+
+constexpr uint8_t kMaxWhitespace = 20;
+constexpr uint64_t kMaxIntegerDigits = 19;
+constexpr uint64_t kMaxFractionDigits = 20;
+constexpr uint64_t kMaxExponentDigits = 3;
+constexpr size_t kMaxDepth = 32;
+constexpr size_t kMaxNodes = 4096;
+constexpr size_t kMaxLiterals = 1024;
+constexpr size_t kMaxProperties = 256;
+// Forks of a union that are followed at once: beyond this the schema is too ambiguous to serve.
+constexpr size_t kMaxStacks = 64;
+
+// Assertions outside the subset: refused by name.
+const std::set<std::string, std::less<>> kUnsupported = {"pattern",
+                                                         "patternProperties",
+                                                         "minimum",
+                                                         "maximum",
+                                                         "exclusiveMinimum",
+                                                         "exclusiveMaximum",
+                                                         "multipleOf",
+                                                         "uniqueItems",
+                                                         "contains",
+                                                         "minContains",
+                                                         "maxContains",
+                                                         "prefixItems",
+                                                         "minProperties",
+                                                         "maxProperties",
+                                                         "propertyNames",
+                                                         "dependentRequired",
+                                                         "dependentSchemas",
+                                                         "dependencies",
+                                                         "if",
+                                                         "then",
+                                                         "else",
+                                                         "not",
+                                                         "unevaluatedProperties",
+                                                         "unevaluatedItems",
+                                                         "additionalItems",
+                                                         "$dynamicRef",
+                                                         "$recursiveRef",
+                                                         "contentSchema"};
+
+enum FrameKind : uint8_t {
+  kRoot,
+  kObjectFrame,
+  kMapFrame,
+  kArrayFrame,
+  kStringFrame,
+  kNumberFrame,
+  kLiteralFrame
+};
+// Container phases.
+enum Phase : uint8_t { kOpen, kKey, kColon, kValueNext, kValue, kAfterValue, kComma, kDone };
+// Number states.
+enum NumberState : uint8_t { kMinus, kZero, kInt, kDot, kFraction, kE, kExponentSign, kExponent };
+// String escape states (Frame::a): 0 none, 1 after '\', 2..5 reading the 4 hex digits of \u.
+// Frame::extra: the first continuation byte's range after a UTF-8 lead (0: 80-BF, 1: A0-BF,
+// 2: 80-9F, 3: 90-BF, 4: 80-8F); Frame::b: continuation bytes still to come; Frame::c: code
+// points so far.
+
+bool is_whitespace(uint8_t byte) {
+  return byte == ' ' || byte == '\n' || byte == '\t' || byte == '\r';
+}
+bool is_digit(uint8_t byte) {
+  return byte >= '0' && byte <= '9';
+}
+bool is_hex(uint8_t byte) {
+  return is_digit(byte) || (byte >= 'a' && byte <= 'f') || (byte >= 'A' && byte <= 'F');
+}
+
+std::string pointer_child(const std::string& where, const std::string& key) {
+  std::string escaped;
+  for (char c : key) {
+    if (c == '~')
+      escaped += "~0";
+    else if (c == '/')
+      escaped += "~1";
+    else
+      escaped += c;
+  }
+  return where + "/" + escaped;
+}
+
+}  // namespace
+
+class JsonSchemaCompiler {
+ public:
+  explicit JsonSchemaCompiler(const json& root)
+      : root_(root), grammar_(std::make_shared<JsonGrammar>()) {}
+
+  std::shared_ptr<const JsonGrammar> any_object() {
+    add_builtins();
+    grammar_->root_ = any_map_;
+    return grammar_;
+  }
+
+  std::shared_ptr<const JsonGrammar> run() {
+    add_builtins();
+    grammar_->root_ = compile(root_, "", 0);
+    check_reachable_end();
+    return grammar_;
+  }
+
+ private:
+  [[noreturn]] static void fail(const std::string& where, const std::string& what) {
+    throw StatusError("json_schema at " + (where.empty() ? std::string("the root") : where) + ": " +
+                      what);
+  }
+
+  uint32_t add(JsonGrammar::Node node) {
+    if (grammar_->nodes_.size() >= kMaxNodes)
+      throw StatusError("json_schema is too large: more than " + std::to_string(kMaxNodes) +
+                        " parts");
+    grammar_->nodes_.push_back(std::move(node));
+    return static_cast<uint32_t>(grammar_->nodes_.size() - 1);
+  }
+
+  uint32_t literals(std::vector<std::pair<std::string, uint32_t>> texts) {
+    std::sort(texts.begin(), texts.end());
+    texts.erase(std::unique(texts.begin(), texts.end(),
+                            [](const auto& a, const auto& b) { return a.first == b.first; }),
+                texts.end());
+    JsonGrammar::Node node;
+    node.kind = Kind::kLiterals;
+    for (auto& [text, tag] : texts) {
+      node.literals.push_back(std::move(text));
+      node.tags.push_back(tag);
+    }
+    return add(std::move(node));
+  }
+
+  void add_builtins() {
+    // any = object | array | string | number | true | false | null
+    any_ = add({});
+    any_map_ = add({.kind = Kind::kMap, .child = any_});
+    const uint32_t any_array = add({.kind = Kind::kArray, .child = any_});
+    grammar_->any_string_ = add({.kind = Kind::kString});
+    const uint32_t number = add({.kind = Kind::kNumber});
+    const uint32_t words = literals({{"true", 0}, {"false", 0}, {"null", 0}});
+    grammar_->nodes_[any_].alternatives = {any_map_, any_array, grammar_->any_string_, number,
+                                           words};
+  }
+
+  uint32_t compile(const json& schema, const std::string& where, int depth) {
+    if (depth > 64) fail(where, "nested more than 64 deep");
+    if (schema.is_boolean()) {
+      if (!schema.get<bool>()) fail(where, "the schema false accepts nothing");
+      return any_;
+    }
+    if (!schema.is_object()) fail(where, "a schema must be an object or a boolean");
+    for (const auto& [key, value] : schema.items())
+      if (kUnsupported.contains(key))
+        fail(pointer_child(where, key), "the keyword '" + key + "' is not supported");
+
+    if (auto ref = schema.find("$ref"); ref != schema.end()) return reference(*ref, where, depth);
+    if (auto all = schema.find("allOf"); all != schema.end()) {
+      if (!all->is_array() || all->size() != 1)
+        fail(pointer_child(where, "allOf"), "only an allOf of one schema is supported");
+      if (schema.contains("type") || schema.contains("anyOf") || schema.contains("oneOf") ||
+          schema.contains("enum") || schema.contains("const") || schema.contains("properties"))
+        fail(pointer_child(where, "allOf"), "allOf beside other assertions is not supported");
+      return compile((*all)[0], pointer_child(where, "allOf") + "/0", depth + 1);
+    }
+    if (auto value = schema.find("const"); value != schema.end())
+      return literals({{value->dump(), 0}});
+    if (auto values = schema.find("enum"); values != schema.end()) {
+      if (!values->is_array() || values->empty())
+        fail(pointer_child(where, "enum"), "enum must be a non-empty array");
+      if (values->size() > kMaxLiterals)
+        fail(pointer_child(where, "enum"),
+             "enum may list at most " + std::to_string(kMaxLiterals) + " values");
+      std::vector<std::pair<std::string, uint32_t>> texts;
+      for (const json& value : *values) texts.emplace_back(value.dump(), 0);
+      return literals(std::move(texts));
+    }
+    for (const char* keyword : {"anyOf", "oneOf"}) {
+      auto options = schema.find(keyword);
+      if (options == schema.end()) continue;
+      const std::string at = pointer_child(where, keyword);
+      if (!options->is_array() || options->empty()) fail(at, "must be a non-empty array");
+      if (schema.contains("type") || schema.contains("properties"))
+        fail(at, std::string(keyword) + " beside type or properties is not supported");
+      JsonGrammar::Node node;
+      for (size_t i = 0; i < options->size(); ++i)
+        node.alternatives.push_back(
+            compile((*options)[i], at + "/" + std::to_string(i), depth + 1));
+      return add(std::move(node));
+    }
+
+    std::vector<std::string> types;
+    if (auto type = schema.find("type"); type != schema.end()) {
+      if (type->is_string()) {
+        types.push_back(type->get<std::string>());
+      } else if (type->is_array() && !type->empty()) {
+        for (const json& name : *type) {
+          if (!name.is_string()) fail(pointer_child(where, "type"), "type names are strings");
+          types.push_back(name.get<std::string>());
+        }
+      } else {
+        fail(pointer_child(where, "type"), "type must be a name or a non-empty list of names");
+      }
+    } else if (schema.contains("properties") || schema.contains("required") ||
+               schema.contains("additionalProperties")) {
+      types.push_back("object");
+    } else if (schema.contains("items") || schema.contains("minItems") ||
+               schema.contains("maxItems")) {
+      types.push_back("array");
+    } else if (schema.contains("minLength") || schema.contains("maxLength")) {
+      types.push_back("string");
+    } else {
+      return any_;
+    }
+    std::vector<uint32_t> typed;
+    for (const std::string& type : types) typed.push_back(typed_node(schema, type, where, depth));
+    if (typed.size() == 1) return typed[0];
+    return add({.alternatives = std::move(typed)});
+  }
+
+  uint32_t reference(const json& ref, const std::string& where, int depth) {
+    const std::string at = pointer_child(where, "$ref");
+    if (!ref.is_string()) fail(at, "$ref must be a string");
+    const std::string target = ref.get<std::string>();
+    if (auto known = references_.find(target); known != references_.end()) return known->second;
+    const json* resolved = nullptr;
+    if (target == "#") {
+      resolved = &root_;
+    } else {
+      for (const char* prefix : {"#/$defs/", "#/definitions/"}) {
+        const std::string_view p(prefix);
+        if (target.rfind(p, 0) != 0) continue;
+        const std::string name = target.substr(p.size());
+        auto defs = root_.find(std::string(p.substr(2, p.size() - 3)));
+        if (defs == root_.end() || !defs->is_object()) continue;
+        if (auto found = defs->find(name); found != defs->end()) resolved = &*found;
+      }
+    }
+    if (resolved == nullptr)
+      fail(at, "'" + target +
+                   "' is not a reference to '#', '#/$defs/NAME' or '#/definitions/NAME' "
+                   "that this schema defines");
+    // A placeholder first, so that a schema that refers to itself ends.
+    const uint32_t placeholder = add({});
+    references_[target] = placeholder;
+    const uint32_t compiled = compile(*resolved, target.substr(1), depth + 1);
+    grammar_->nodes_[placeholder].alternatives = {compiled};
+    return placeholder;
+  }
+
+  uint64_t bound(const json& schema, const char* keyword, uint64_t fallback,
+                 const std::string& where) {
+    auto value = schema.find(keyword);
+    if (value == schema.end()) return fallback;
+    if (!value->is_number_integer() || value->get<int64_t>() < 0)
+      fail(pointer_child(where, keyword), "must be a non-negative integer");
+    return value->get<uint64_t>();
+  }
+
+  uint32_t typed_node(const json& schema, const std::string& type, const std::string& where,
+                      int depth) {
+    if (type == "object") return object_node(schema, where, depth);
+    if (type == "array") {
+      JsonGrammar::Node node{.kind = Kind::kArray};
+      if (auto items = schema.find("items"); items != schema.end()) {
+        if (items->is_array())
+          fail(pointer_child(where, "items"), "a list of item schemas is not supported");
+        node.child = compile(*items, pointer_child(where, "items"), depth + 1);
+      } else {
+        node.child = any_;
+      }
+      node.min = bound(schema, "minItems", 0, where);
+      node.max = bound(schema, "maxItems", UINT64_MAX, where);
+      if (node.min > node.max) fail(where, "minItems is above maxItems");
+      if (node.min > 1024) fail(pointer_child(where, "minItems"), "at most 1024 is supported");
+      return add(std::move(node));
+    }
+    if (type == "string") {
+      JsonGrammar::Node node{.kind = Kind::kString};
+      node.min = bound(schema, "minLength", 0, where);
+      node.max = bound(schema, "maxLength", UINT64_MAX, where);
+      if (node.min > node.max) fail(where, "minLength is above maxLength");
+      return add(std::move(node));
+    }
+    if (type == "number") return add({.kind = Kind::kNumber});
+    if (type == "integer") return add({.kind = Kind::kInteger});
+    if (type == "boolean") return literals({{"true", 0}, {"false", 0}});
+    if (type == "null") return literals({{"null", 0}});
+    fail(pointer_child(where, "type"), "unknown type '" + type + "'");
+  }
+
+  uint32_t object_node(const json& schema, const std::string& where, int depth) {
+    const json properties = schema.value("properties", json::object());
+    if (!properties.is_object()) fail(pointer_child(where, "properties"), "must be an object");
+    std::set<std::string> required;
+    if (auto names = schema.find("required"); names != schema.end()) {
+      if (!names->is_array()) fail(pointer_child(where, "required"), "must be a list of names");
+      for (const json& name : *names) {
+        if (!name.is_string() || !properties.contains(name.get<std::string>()))
+          fail(pointer_child(where, "required"),
+               "names " + name.dump() + ", which is not one of the properties");
+        required.insert(name.get<std::string>());
+      }
+    }
+    const json additional = schema.value("additionalProperties", json(true));
+    if (properties.empty() && !(additional.is_boolean() && !additional.get<bool>())) {
+      // A map: any keys, every value of one schema.
+      const uint32_t values =
+          compile(additional, pointer_child(where, "additionalProperties"), depth + 1);
+      return add({.kind = Kind::kMap, .child = values});
+    }
+    if (properties.size() > kMaxProperties)
+      fail(pointer_child(where, "properties"),
+           "at most " + std::to_string(kMaxProperties) + " properties are supported");
+    JsonGrammar::Node node{.kind = Kind::kObject};
+    std::vector<std::string> keys;
+    for (const auto& [name, property] : properties.items()) {
+      node.properties.push_back(
+          {compile(property, pointer_child(pointer_child(where, "properties"), name), depth + 1),
+           required.contains(name)});
+      keys.push_back(json(name).dump());
+    }
+    const size_t n = node.properties.size();
+    node.required_from.assign(n + 1, false);
+    for (size_t i = n; i-- > 0;)
+      node.required_from[i] = node.required_from[i + 1] || node.properties[i].required;
+    for (size_t i = 0; i < n; ++i) {
+      std::vector<std::pair<std::string, uint32_t>> choices;
+      for (size_t j = i; j < n; ++j) {
+        choices.emplace_back(keys[j], static_cast<uint32_t>(j));
+        if (node.properties[j].required) break;
+      }
+      node.key_choices.push_back(literals(std::move(choices)));
+    }
+    return add(std::move(node));
+  }
+
+  // A schema whose every document must go on forever (an object that requires itself) has no
+  // document the matcher could finish; it is refused here rather than found out mid-answer.
+  void check_reachable_end() {
+    std::vector<bool> finite(grammar_->nodes_.size(), false);
+    for (bool changed = true; changed;) {
+      changed = false;
+      for (size_t i = 0; i < finite.size(); ++i) {
+        if (finite[i]) continue;
+        const JsonGrammar::Node& node = grammar_->nodes_[i];
+        bool ok = false;
+        switch (node.kind) {
+          case Kind::kUnion:
+            ok = std::any_of(node.alternatives.begin(), node.alternatives.end(),
+                             [&](uint32_t a) { return finite[a]; });
+            break;
+          case Kind::kObject:
+            ok = std::all_of(
+                node.properties.begin(), node.properties.end(),
+                [&](const JsonGrammar::Property& p) { return !p.required || finite[p.node]; });
+            break;
+          case Kind::kArray:
+            ok = node.min == 0 || finite[node.child];
+            break;
+          default:
+            ok = true;
+        }
+        if (ok) finite[i] = changed = true;
+      }
+    }
+    if (!finite[grammar_->root_]) throw StatusError("json_schema has no finite document");
+  }
+
+  const json& root_;
+  std::shared_ptr<JsonGrammar> grammar_;
+  std::map<std::string, uint32_t> references_;
+  uint32_t any_ = 0;
+  uint32_t any_map_ = 0;
+};
+
+std::shared_ptr<const JsonGrammar> JsonGrammar::any_object() {
+  static const std::shared_ptr<const JsonGrammar> grammar = [] {
+    const json empty = json::object();
+    return JsonSchemaCompiler(empty).any_object();
+  }();
+  return grammar;
+}
+
+Expected<std::shared_ptr<const JsonGrammar>> JsonGrammar::compile_document(const json& schema) {
+  try {
+    return JsonSchemaCompiler(schema).run();
+  } catch (const StatusError& error) {
+    return error.error();
+  } catch (const json::exception& error) {
+    return Error{std::string("json_schema: ") + error.what()};
+  }
+}
+
+Expected<std::shared_ptr<const JsonGrammar>> JsonGrammar::compile(std::string_view schema_text) {
+  if (schema_text.size() > kMaxJsonSchemaBytes)
+    return Error{"json_schema is " + std::to_string(schema_text.size()) + " bytes; at most " +
+                 std::to_string(kMaxJsonSchemaBytes) + " are accepted"};
+  const json schema = json::parse(schema_text, nullptr, false);
+  if (schema.is_discarded()) return Error{"json_schema is not valid JSON"};
+  return compile_document(schema);
+}
+
+// ---------------------------------------------------------------------------------------------
+
+JsonMatcher::JsonMatcher(std::shared_ptr<const JsonGrammar> grammar)
+    : grammar_(std::move(grammar)) {
+  Frame root;
+  root.kind = kRoot;
+  root.phase = kValueNext;
+  root.node = grammar_->root();
+  stacks_.push_back({root});
+}
+
+bool JsonMatcher::complete(const Frame& frame) const {
+  switch (frame.kind) {
+    case kObjectFrame:
+    case kMapFrame:
+    case kArrayFrame:
+    case kStringFrame:
+      return frame.phase == kDone;
+    case kNumberFrame:
+      return frame.phase == kZero || frame.phase == kInt || frame.phase == kFraction ||
+             frame.phase == kExponent;
+    case kLiteralFrame: {
+      const JsonGrammar::Node& node = grammar_->node(frame.node);
+      return frame.a < frame.b && node.literals[frame.a].size() == frame.c;
+    }
+    default:
+      return false;
+  }
+}
+
+void JsonMatcher::child_done(Frame& parent, const Frame& child) const {
+  if (parent.phase == kKey) {
+    if (parent.kind == kObjectFrame) {
+      const JsonGrammar::Node& keys = grammar_->node(child.node);
+      const uint32_t property = keys.tags[child.a];
+      parent.a = property + 1;
+      parent.b = grammar_->node(parent.node).properties[property].node;
+    }
+    parent.phase = kColon;
+  } else {
+    parent.phase = kAfterValue;
+    if (parent.kind == kArrayFrame) ++parent.a;
+  }
+  parent.whitespace = 0;
+}
+
+void JsonMatcher::open(Stack stack, uint32_t node_index, uint8_t byte,
+                       std::vector<Stack>& out) const {
+  const JsonGrammar::Node& node = grammar_->node(node_index);
+  Frame frame;
+  frame.node = node_index;
+  switch (node.kind) {
+    case Kind::kUnion:
+      for (uint32_t alternative : node.alternatives) open(stack, alternative, byte, out);
+      return;
+    case Kind::kObject:
+    case Kind::kMap:
+      if (byte != '{' || stack.size() >= kMaxDepth) return;
+      frame.kind = node.kind == Kind::kObject ? kObjectFrame : kMapFrame;
+      frame.phase = kOpen;
+      break;
+    case Kind::kArray:
+      if (byte != '[' || stack.size() >= kMaxDepth) return;
+      frame.kind = kArrayFrame;
+      frame.phase = kOpen;
+      break;
+    case Kind::kString:
+      if (byte != '"') return;
+      frame.kind = kStringFrame;
+      frame.phase = kOpen;
+      break;
+    case Kind::kNumber:
+    case Kind::kInteger:
+      frame.kind = kNumberFrame;
+      if (byte == '-')
+        frame.phase = kMinus;
+      else if (byte == '0')
+        frame.phase = kZero;
+      else if (is_digit(byte))
+        frame.phase = kInt, frame.a = 1;
+      else
+        return;
+      break;
+    case Kind::kLiterals:
+      frame.kind = kLiteralFrame;
+      frame.a = 0;
+      frame.b = node.literals.size();
+      frame.c = 0;
+      stack.push_back(frame);
+      consume(stack, byte, out);
+      return;
+  }
+  stack.push_back(frame);
+  out.push_back(std::move(stack));
+}
+
+void JsonMatcher::consume(const Stack& stack, uint8_t byte, std::vector<Stack>& out) const {
+  const Frame& top = stack.back();
+  const JsonGrammar::Node& node = grammar_->node(top.node);
+  auto with = [&](auto change) {
+    Stack next = stack;
+    change(next.back());
+    out.push_back(std::move(next));
+  };
+  // Whitespace between tokens, in the phases that allow it.
+  auto whitespace = [&]() {
+    if (top.whitespace >= kMaxWhitespace) return;
+    with([](Frame& f) { ++f.whitespace; });
+  };
+  auto open_value = [&](uint32_t child) {
+    Stack next = stack;
+    next.back().phase = kValue;
+    next.back().whitespace = 0;
+    open(std::move(next), child, byte, out);
+  };
+  auto open_key = [&]() {
+    Stack next = stack;
+    next.back().phase = kKey;
+    next.back().whitespace = 0;
+    open(std::move(next),
+         top.kind == kObjectFrame ? node.key_choices[top.a] : grammar_->any_string(), byte, out);
+  };
+
+  switch (top.kind) {
+    case kRoot:
+      if (is_whitespace(byte)) return whitespace();
+      if (top.phase == kValueNext) open_value(top.node);
+      return;
+
+    case kObjectFrame:
+    case kMapFrame: {
+      const bool map = top.kind == kMapFrame;
+      const bool may_close = map || !node.required_from[top.a];
+      const uint32_t value = map ? node.child : static_cast<uint32_t>(top.b);
+      switch (top.phase) {
+        case kOpen:
+        case kComma:
+          if (is_whitespace(byte)) return whitespace();
+          if (byte == '}' && top.phase == kOpen && may_close)
+            return with([](Frame& f) { f.phase = kDone; });
+          if (byte == '"' && (map || top.a < node.properties.size())) open_key();
+          return;
+        case kColon:
+          if (is_whitespace(byte)) return whitespace();
+          if (byte == ':') with([](Frame& f) { f.phase = kValueNext, f.whitespace = 0; });
+          return;
+        case kValueNext:
+          if (is_whitespace(byte)) return whitespace();
+          open_value(value);
+          return;
+        case kAfterValue:
+          if (is_whitespace(byte)) return whitespace();
+          if (byte == ',' && (map || top.a < node.properties.size()))
+            return with([](Frame& f) { f.phase = kComma, f.whitespace = 0; });
+          if (byte == '}' && may_close) with([](Frame& f) { f.phase = kDone; });
+          return;
+        default:
+          return;
+      }
+    }
+
+    case kArrayFrame:
+      switch (top.phase) {
+        case kOpen:
+          if (is_whitespace(byte)) return whitespace();
+          if (byte == ']') {
+            if (node.min == 0) with([](Frame& f) { f.phase = kDone; });
+            return;
+          }
+          if (node.max > 0) open_value(node.child);
+          return;
+        case kValueNext:
+          if (is_whitespace(byte)) return whitespace();
+          open_value(node.child);
+          return;
+        case kAfterValue:
+          if (is_whitespace(byte)) return whitespace();
+          if (byte == ',' && top.a < node.max)
+            return with([](Frame& f) { f.phase = kValueNext, f.whitespace = 0; });
+          if (byte == ']' && top.a >= node.min) with([](Frame& f) { f.phase = kDone; });
+          return;
+        default:
+          return;
+      }
+
+    case kStringFrame: {
+      if (top.phase == kDone) return;
+      if (top.b > 0) {  // inside a UTF-8 sequence
+        static constexpr uint8_t kLow[] = {0x80, 0xA0, 0x80, 0x90, 0x80};
+        static constexpr uint8_t kHigh[] = {0xBF, 0xBF, 0x9F, 0xBF, 0x8F};
+        if (byte < kLow[top.extra] || byte > kHigh[top.extra]) return;
+        return with([](Frame& f) { --f.b, f.extra = 0; });
+      }
+      if (top.a == 1) {  // after a backslash
+        if (byte == 'u') return with([](Frame& f) { f.a = 2; });
+        if (std::string_view("\"\\/bfnrt").find(static_cast<char>(byte)) == std::string_view::npos)
+          return;
+        return with([](Frame& f) { f.a = 0, ++f.c; });
+      }
+      if (top.a >= 2) {  // the hex digits of \u; no surrogates (D800-DFFF)
+        if (!is_hex(byte)) return;
+        const uint8_t lower = static_cast<uint8_t>(byte | 0x20);
+        if (top.a == 3 && top.extra == 1 && lower >= '8') return;
+        return with([&](Frame& f) {
+          if (f.a == 2) f.extra = lower == 'd' ? 1 : 0;
+          if (++f.a == 6) f.a = 0, f.extra = 0, ++f.c;
+        });
+      }
+      if (byte == '"') {
+        if (top.c >= node.min) with([](Frame& f) { f.phase = kDone; });
+        return;
+      }
+      if (byte < 0x20 || top.c >= node.max) return;
+      if (byte == '\\') return with([](Frame& f) { f.a = 1; });
+      if (byte < 0x80) return with([](Frame& f) { ++f.c; });
+      uint8_t continuation = 0, range = 0;
+      if (byte >= 0xC2 && byte <= 0xDF)
+        continuation = 1;
+      else if (byte == 0xE0)
+        continuation = 2, range = 1;
+      else if (byte == 0xED)
+        continuation = 2, range = 2;
+      else if (byte >= 0xE1 && byte <= 0xEF)
+        continuation = 2;
+      else if (byte == 0xF0)
+        continuation = 3, range = 3;
+      else if (byte >= 0xF1 && byte <= 0xF3)
+        continuation = 3;
+      else if (byte == 0xF4)
+        continuation = 3, range = 4;
+      else
+        return;
+      return with([&](Frame& f) { f.b = continuation, f.extra = range, ++f.c; });
+    }
+
+    case kNumberFrame: {
+      const bool integer = node.kind == Kind::kInteger;
+      auto to = [&](uint8_t phase, uint64_t digits) {
+        with([&](Frame& f) { f.phase = phase, f.a = digits; });
+      };
+      switch (top.phase) {
+        case kMinus:
+          if (byte == '0')
+            to(kZero, 1);
+          else if (is_digit(byte))
+            to(kInt, 1);
+          return;
+        case kZero:
+        case kInt:
+          if (top.phase == kInt && is_digit(byte) && top.a < kMaxIntegerDigits)
+            return to(kInt, top.a + 1);
+          if (integer) return;
+          if (byte == '.')
+            to(kDot, 0);
+          else if (byte == 'e' || byte == 'E')
+            to(kE, 0);
+          return;
+        case kDot:
+          if (is_digit(byte)) to(kFraction, 1);
+          return;
+        case kFraction:
+          if (is_digit(byte) && top.a < kMaxFractionDigits) return to(kFraction, top.a + 1);
+          if (byte == 'e' || byte == 'E') to(kE, 0);
+          return;
+        case kE:
+          if (byte == '+' || byte == '-')
+            to(kExponentSign, 0);
+          else if (is_digit(byte))
+            to(kExponent, 1);
+          return;
+        case kExponentSign:
+          if (is_digit(byte)) to(kExponent, 1);
+          return;
+        case kExponent:
+          if (is_digit(byte) && top.a < kMaxExponentDigits) to(kExponent, top.a + 1);
+          return;
+        default:
+          return;
+      }
+    }
+
+    case kLiteralFrame: {
+      // The literals in [a, b) share the first c bytes; keep those whose next byte is this one.
+      uint64_t lo = top.a;
+      while (lo < top.b && (node.literals[lo].size() <= top.c ||
+                            static_cast<uint8_t>(node.literals[lo][top.c]) != byte))
+        ++lo;
+      if (lo == top.b) return;
+      uint64_t hi = lo;
+      while (hi < top.b && node.literals[hi].size() > top.c &&
+             static_cast<uint8_t>(node.literals[hi][top.c]) == byte)
+        ++hi;
+      with([&](Frame& f) { f.a = lo, f.b = hi, ++f.c; });
+      return;
+    }
+  }
+}
+
+void JsonMatcher::step(Stack stack, uint8_t byte, std::vector<Stack>& out) const {
+  consume(stack, byte, out);
+  // A complete value may also end here, and the byte then belongs to what holds it.
+  if (stack.size() > 1 && complete(stack.back())) {
+    const Frame child = stack.back();
+    stack.pop_back();
+    child_done(stack.back(), child);
+    step(std::move(stack), byte, out);
+  }
+}
+
+bool JsonMatcher::advance_byte(uint8_t byte) {
+  scratch_.clear();
+  for (const Stack& stack : stacks_) step(stack, byte, scratch_);
+  if (scratch_.empty()) return false;
+  // Forks that met again are one.
+  std::vector<Stack> unique;
+  for (Stack& stack : scratch_)
+    if (std::find(unique.begin(), unique.end(), stack) == unique.end())
+      unique.push_back(std::move(stack));
+  if (unique.size() > kMaxStacks) unique.resize(kMaxStacks);
+  stacks_ = std::move(unique);
+  return true;
+}
+
+bool JsonMatcher::advance(std::string_view bytes) {
+  if (bytes.size() == 1) return advance_byte(static_cast<uint8_t>(bytes[0]));
+  std::vector<Stack> saved = stacks_;
+  for (char c : bytes)
+    if (!advance_byte(static_cast<uint8_t>(c))) {
+      stacks_ = std::move(saved);
+      return false;
+    }
+  return true;
+}
+
+bool JsonMatcher::can_end() const {
+  for (Stack stack : stacks_) {
+    while (stack.size() > 1 && complete(stack.back())) {
+      const Frame child = stack.back();
+      stack.pop_back();
+      child_done(stack.back(), child);
+    }
+    if (stack.size() == 1 && stack[0].phase == kAfterValue) return true;
+  }
+  return false;
+}
+
+std::optional<uint64_t> JsonMatcher::plain_string_room() const {
+  if (stacks_.size() != 1) return std::nullopt;
+  const Frame& top = stacks_[0].back();
+  if (top.kind != kStringFrame || top.phase == kDone || top.a != 0 || top.b != 0)
+    return std::nullopt;
+  const uint64_t max = grammar_->node(top.node).max;
+  return max - std::min(max, top.c);
+}
+
+}  // namespace moeline::model
