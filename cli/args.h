@@ -5,7 +5,9 @@
 
 #include <charconv>
 #include <cstdint>
+#include <fstream>
 #include <iostream>
+#include <iterator>
 #include <map>
 #include <stdexcept>
 #include <string>
@@ -79,7 +81,9 @@ inline const std::map<std::string, bool>& sampling_flags() {
                                                     {"--repetition-penalty", true},
                                                     {"--logprobs", true},
                                                     {"--prompt-logprobs", true},
-                                                    {"--logit-bias", true}};
+                                                    {"--logit-bias", true},
+                                                    {"--json-object", false},
+                                                    {"--json-schema", true}};
   return flags;
 }
 
@@ -115,6 +119,14 @@ bool parse_sampling_flag(const std::string& flag, const std::string& value, Opti
   } else if (flag == "--prompt-logprobs") {
     options.prompt_logprobs = true;
     options.top_logprobs = parse_number<decltype(options.top_logprobs)>(flag, value);
+  } else if (flag == "--json-object") {
+    options.structured = decltype(options.structured)::kJsonObject;
+  } else if (flag == "--json-schema") {
+    std::ifstream file(value);
+    if (!file) throw std::invalid_argument(flag + " cannot read '" + value + "'");
+    options.structured = decltype(options.structured)::kJsonSchema;
+    options.json_schema.assign(std::istreambuf_iterator<char>(file),
+                               std::istreambuf_iterator<char>());
   } else if (flag == "--logit-bias") {
     options.logit_bias.clear();
     for (const auto& [token, bias] : parse_logit_bias(flag, value))

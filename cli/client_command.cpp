@@ -57,7 +57,8 @@ an operator key where the gateway has a keys file.
   --stop-ids IDS       extra stop token ids
   --ignore-eos         do not stop at end-of-sequence tokens
   --min-p P, --presence-penalty X, --frequency-penalty X, --repetition-penalty R,
-  --logit-bias T=B,... as `moeline run` takes them
+  --logit-bias T=B,..., --json-object, --json-schema FILE
+                       as `moeline run` takes them
   --logprobs N         with --json: each token's log-probability and the N (0..20) most likely
                        tokens' ("logprobs": [{"logprob", "top": [[id, logprob], ...]}])
   --prompt-logprobs N  with --json: the same for every prompt token after the first

@@ -75,6 +75,9 @@ or a GGUF file and generates in this process.
                        shares it)
   --logit-bias T=B,... OpenAI's logit_bias: B in [-100, 100] added to token T's logit before the
                        penalties and the choice (greedy too)
+  --json-object        structured output: the answer is a JSON object (OpenAI's json_object)
+  --json-schema FILE   structured output: a document the JSON Schema in FILE accepts
+                       (properties in the schema's order; README "Structured output")
   --stop-ids IDS       extra stop token ids, comma-separated (end-of-sequence ids always stop)
   --ignore-eos         do not stop at the model's end-of-sequence tokens
   --threads N          compute threads (default: all cores)

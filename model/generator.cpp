@@ -6,6 +6,7 @@
 #include <string_view>
 
 #include "model/prompt_logprobs.h"
+#include "model/token_constraint.h"
 
 namespace moeline::model {
 namespace {
@@ -65,6 +66,10 @@ Expected<std::vector<GenerationResult>> Generator::generate(
         next_sequence_id_++, engine_.model().model_id(), namespace_id(request.cache_namespace)));
     samplers.emplace_back(request.sampling);
     samplers.back().set_prompt(request.prompt);
+    if (Status constrained =
+            constrain_sampler(samplers.back(), request.sampling, engine_.model().dir(), vocab, eos);
+        !constrained.ok())
+      return constrained.error();
   }
 
   std::vector<GenerationResult> results(requests.size());

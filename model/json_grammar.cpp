@@ -14,7 +14,10 @@ using Kind = JsonGrammar::Kind;
 
 namespace {
 
-constexpr uint8_t kMaxWhitespace = 20;
+// Whitespace between tokens as llama.cpp's JSON grammars allow it: none, one space, or a newline
+// and up to 20 spaces or tabs of indentation. Frame::whitespace: 0 none yet, 1 after the one
+// space, 2 + n after the newline and n indents.
+constexpr uint8_t kMaxIndent = 20;
 constexpr uint64_t kMaxIntegerDigits = 19;
 constexpr uint64_t kMaxFractionDigits = 20;
 constexpr uint64_t kMaxExponentDigits = 3;
@@ -74,7 +77,7 @@ enum NumberState : uint8_t { kMinus, kZero, kInt, kDot, kFraction, kE, kExponent
 // points so far.
 
 bool is_whitespace(uint8_t byte) {
-  return byte == ' ' || byte == '\n' || byte == '\t' || byte == '\r';
+  return byte == ' ' || byte == '\n' || byte == '\t';
 }
 bool is_digit(uint8_t byte) {
   return byte >= '0' && byte <= '9';
@@ -520,8 +523,13 @@ void JsonMatcher::consume(const Stack& stack, uint8_t byte, std::vector<Stack>& 
   };
   // Whitespace between tokens, in the phases that allow it.
   auto whitespace = [&]() {
-    if (top.whitespace >= kMaxWhitespace) return;
-    with([](Frame& f) { ++f.whitespace; });
+    uint8_t next = 0;
+    if (top.whitespace == 0)
+      next = byte == ' ' ? 1 : byte == '\n' ? 2 : 0;
+    else if (top.whitespace >= 2 && byte != '\n' && top.whitespace < 2 + kMaxIndent)
+      next = static_cast<uint8_t>(top.whitespace + 1);
+    if (next == 0) return;
+    with([next](Frame& f) { f.whitespace = next; });
   };
   auto open_value = [&](uint32_t child) {
     Stack next = stack;

@@ -19,7 +19,8 @@
 //
 // What the matcher generates, like vLLM's and llama.cpp's grammars: an object's properties in
 // the schema's order, each at most once, none that the schema does not list (unless it has no
-// properties and allows any); at most 20 bytes of whitespace between tokens; integers of at most
+// properties and allows any); between tokens no whitespace, one space, or a newline and up to 20
+// spaces or tabs (as json.dumps writes with and without indent); integers of at most
 // 19 digits, fractions of at most 20, exponents of at most 3; nesting at most 32 deep; strings of
 // valid UTF-8 with escapes, no \u surrogates; a const or enum value written as compact JSON
 // (json.dumps with separators (",", ":")), which matters only for objects and arrays.

@@ -5,6 +5,8 @@
 #include <string>
 
 #include "kernels/cpu/ops.h"
+#include "model/json_grammar.h"
+#include "model/token_constraint.h"
 
 namespace moeline::model {
 namespace {
@@ -53,6 +55,19 @@ Status SamplingParams::validate(int64_t vocab) const {
   std::sort(tokens.begin(), tokens.end());
   if (const auto twice = std::adjacent_find(tokens.begin(), tokens.end()); twice != tokens.end())
     return Error{"logit_bias names token id " + std::to_string(*twice) + " twice"};
+  switch (structured) {
+    case StructuredOutput::kNone:
+    case StructuredOutput::kJsonObject:
+      if (!json_schema.empty())
+        return Error{"json_schema is given without structured output json_schema"};
+      break;
+    case StructuredOutput::kJsonSchema:
+      if (auto grammar = JsonGrammar::compile(json_schema); !grammar) return grammar.error();
+      break;
+    default:
+      return Error{"structured output kind " + std::to_string(static_cast<int>(structured)) +
+                   " is unknown"};
+  }
   return Status::ok_status();
 }
 
@@ -84,6 +99,7 @@ void Sampler::set_prompt(std::span<const int32_t> prompt) {
 
 void Sampler::record(int32_t token) {
   if (params_.penalized()) ++generated_[token];
+  if (constraint_) constraint_->accept(token);
 }
 
 // Each sample draws exactly one uniform when sampling, none when greedy.
@@ -99,7 +115,7 @@ int32_t argmax(const float* logits, int64_t vocab) {
 int32_t Sampler::sample(const float* raw_logits, int64_t vocab) {
   const float* logits = raw_logits;
   const bool penalize = params_.penalized() && !generated_.empty();
-  if (!params_.logit_bias.empty() || penalize) {
+  if (!params_.logit_bias.empty() || penalize || constraint_) {
     adjusted_.assign(raw_logits, raw_logits + vocab);
     logits = adjusted_.data();
   }
@@ -113,6 +129,7 @@ int32_t Sampler::sample(const float* raw_logits, int64_t vocab) {
     for (const auto& [token, count] : generated_) penalized_.push_back({token, count});
     apply_penalties(adjusted_.data(), vocab, penalized_, params_);
   }
+  if (constraint_) constraint_->mask(adjusted_.data(), vocab);
   int32_t token = 0;
   if (params_.temperature == 0.0) {
     token = argmax(logits, vocab);

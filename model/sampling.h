@@ -7,9 +7,11 @@
 // and Hugging Face apply them; log-probabilities are reported from the raw logits.
 
 #include <cstdint>
+#include <memory>
 #include <optional>
 #include <random>
 #include <span>
+#include <string>
 #include <unordered_map>
 #include <vector>
 
@@ -29,6 +31,16 @@ struct TokenBias {
 // The most tokens one request may bias.
 inline constexpr size_t kMaxLogitBias = 1024;
 inline constexpr double kMaxBias = 100.0;
+
+// Structured output (OpenAI's response_format): the answer is constrained, token by token, to a
+// JSON document (model/token_constraint.h).
+enum class StructuredOutput : uint8_t {
+  kNone = 0,
+  kJsonObject = 1,  // any JSON object
+  kJsonSchema = 2,  // a document that the JSON Schema in SamplingParams::json_schema accepts
+};
+
+class TokenConstraint;
 
 struct SamplingParams {
   double temperature = 0.0;  // 0: greedy
@@ -57,6 +69,11 @@ struct SamplingParams {
   // Added to the logits before the penalties and the choice (vLLM's order; greedy included). The
   // log-probabilities stay those of the raw logits. Each token at most once.
   std::vector<TokenBias> logit_bias;
+  // The answer's grammar: tokens that would leave it are never drawn, and the end of the answer
+  // (an end-of-sequence or stop token) comes only where the document is complete. Applied after
+  // the bias and the penalties; log-probabilities stay those of the raw logits.
+  StructuredOutput structured = StructuredOutput::kNone;
+  std::string json_schema;  // kJsonSchema: the schema's text
 
   bool deterministic() const { return temperature == 0.0 || seed.has_value(); }
   bool penalized() const {
@@ -88,8 +105,12 @@ class Sampler {
   int32_t sample(const float* logits, int64_t vocab);
   // Continues after `output`, tokens another process drew with the same parameters (decode
   // after prefill): the generator advances as that many sample() calls would, and the penalties
-  // count them.
+  // and the constraint count them.
   void resume(std::span<const int32_t> output);
+  // Draws only what `constraint` allows from here on (model/token_constraint.h).
+  void constrain(std::shared_ptr<TokenConstraint> constraint) {
+    constraint_ = std::move(constraint);
+  }
 
  private:
   double uniform();
@@ -102,6 +123,7 @@ class Sampler {
   std::vector<float> adjusted_;  // the logits biased and penalized, when they are
   std::vector<PenalizedToken> penalized_;
   std::unordered_map<int32_t, int32_t> generated_;  // penalized runs only: token -> count
+  std::shared_ptr<TokenConstraint> constraint_;
 };
 
 int32_t argmax(const float* logits, int64_t vocab);

@@ -155,6 +155,12 @@ uint64_t result_entry(uint64_t key, const model::SamplingParams& s) {
       material.append(reinterpret_cast<const char*>(&entry.bias), 4);
     }
   }
+  // A grammar changes greedy tokens too.
+  if (s.structured != model::StructuredOutput::kNone) {
+    material.push_back('s');
+    material.push_back(static_cast<char>(s.structured));
+    material += s.json_schema;
+  }
   return tagged(XXH3_64bits(material.data(), material.size()), 'R');
 }
 

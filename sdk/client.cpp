@@ -162,11 +162,13 @@ uint64_t Client::start(const GenerateOptions& options) {
     for (const auto& [token, value] : options.logit_bias) entries.emplace_back(token, value);
     bias = builder.CreateVectorOfStructs(entries);
   }
+  auto schema = options.json_schema.empty() ? 0 : builder.CreateString(options.json_schema);
   auto sampling = wire::CreateSamplingParams(
       builder, options.temperature, options.top_k, options.top_p, options.seed.value_or(0),
       options.seed.has_value(), options.max_tokens, stops, options.ignore_eos, options.min_p,
       options.presence_penalty, options.frequency_penalty, options.repetition_penalty,
-      options.logprobs, options.top_logprobs, bias, options.prompt_logprobs);
+      options.logprobs, options.top_logprobs, bias, options.prompt_logprobs,
+      static_cast<wire::StructuredOutput>(options.structured), schema);
   auto prompt = options.prompt.empty() ? 0 : builder.CreateString(options.prompt);
   auto tokens = options.tokens.empty() ? 0 : builder.CreateVector(options.tokens);
   auto tenant = builder.CreateString(options.tenant);

@@ -31,6 +31,13 @@
 
 namespace moeline::sdk {
 
+// Structured output (OpenAI's response_format).
+enum class StructuredOutput : uint8_t {
+  kNone,        // free text
+  kJsonObject,  // any JSON object
+  kJsonSchema,  // a document the JSON Schema in GenerateOptions::json_schema accepts
+};
+
 struct GenerateOptions {
   std::string prompt;           // text, tokenized by the gateway; or
   std::vector<int32_t> tokens;  // token ids
@@ -56,6 +63,11 @@ struct GenerateOptions {
   // OpenAI's logit_bias: (token id, bias in [-100, 100]) added to that token's logit before the
   // penalties and the choice, greedy included; each token at most once.
   std::vector<std::pair<int32_t, float>> logit_bias;
+  // The answer is constrained token by token to a JSON document: properties in the schema's
+  // order, the end only where the document is complete (the gateway refuses a schema outside
+  // the supported subset with InvalidRequest, naming the keyword).
+  StructuredOutput structured = StructuredOutput::kNone;
+  std::string json_schema;  // the schema's text, for kJsonSchema
   std::string tenant;
   uint32_t deadline_ms = 0;  // 0: the gateway's default
   bool add_special_tokens = true;

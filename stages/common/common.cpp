@@ -40,6 +40,9 @@ model::SamplingParams from_wire(const wire::SamplingParams* sampling) {
   if (const auto* bias = sampling->logit_bias())
     for (const wire::TokenBias* entry : *bias)
       params.logit_bias.push_back({entry->token(), entry->bias()});
+  // An unknown kind stays as sent, for validate() to refuse by number.
+  params.structured = static_cast<model::StructuredOutput>(sampling->structured());
+  if (sampling->json_schema()) params.json_schema = sampling->json_schema()->str();
   return params;
 }
 
@@ -53,12 +56,13 @@ flatbuffers::Offset<wire::SamplingParams> to_wire(flatbuffers::FlatBufferBuilder
       entries.emplace_back(entry.token, entry.bias);
     bias = builder.CreateVectorOfStructs(entries);
   }
+  auto schema = sampling.json_schema.empty() ? 0 : builder.CreateString(sampling.json_schema);
   return wire::CreateSamplingParams(
       builder, sampling.temperature, sampling.top_k, sampling.top_p, sampling.seed.value_or(0),
       sampling.seed.has_value(), sampling.max_tokens, stops, sampling.ignore_eos, sampling.min_p,
       sampling.presence_penalty, sampling.frequency_penalty, sampling.repetition_penalty,
       sampling.logprobs, static_cast<int32_t>(sampling.top_logprobs), bias,
-      sampling.prompt_logprobs);
+      sampling.prompt_logprobs, static_cast<wire::StructuredOutput>(sampling.structured), schema);
 }
 
 flatbuffers::Offset<wire::TokenLogprobs> logprobs_to_wire(flatbuffers::FlatBufferBuilder& builder,

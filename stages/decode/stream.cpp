@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <span>
 
+#include "model/token_constraint.h"
 #include "stages/common/common.h"
 
 namespace moeline::stages::decode {
@@ -55,6 +56,12 @@ std::variant<Stream, StreamRefusal> read_stream(wire::Message& message, const Co
       model::namespace_id(done->cache_namespace() ? done->cache_namespace()->str() : ""));
   stream.sampler = std::make_unique<model::Sampler>(stream.sampling);
   stream.sampler->set_prompt(stream.prompt);
+  const model::ModelConfig& config = worker.model->config();
+  const std::vector<int32_t> eos(config.eos_token_ids.begin(), config.eos_token_ids.end());
+  if (moeline::Status constrained = model::constrain_sampler(
+          *stream.sampler, stream.sampling, worker.model->dir(), config.vocab_size, eos);
+      !constrained.ok())
+    return StreamRefusal{wire::error_code_for(constrained.code()), constrained.error().message};
   // The first token was drawn by prefill from the same generator.
   stream.sampler->resume(std::span(&stream.next_token, 1));
   stream.joined = Clock::now();

@@ -8,6 +8,7 @@
 #include "model/generator.h"
 #include "model/prompt_logprobs.h"
 #include "model/sampling.h"
+#include "model/token_constraint.h"
 #include "reuse/records.h"
 #include "reuse/signature.h"
 #include "stages/common/common.h"
@@ -288,6 +289,11 @@ class PrefillStage {
     const model::ModelConfig& cfg = worker_.model->config();
     model::Sampler sampler(job.sampling);
     sampler.set_prompt(job.tokens);
+    if (moeline::Status constrained = model::constrain_sampler(
+            sampler, job.sampling, worker_.model->dir(), cfg.vocab_size, eos_);
+        !constrained.ok())
+      return results_->fail(job, wire::error_code_for(constrained.code()),
+                            constrained.error().message);
     const int32_t first = sampler.sample(logits, cfg.vocab_size);
     const auto sampled = std::chrono::steady_clock::now();
     metrics_.ttft->observe(std::chrono::duration<double>(sampled - job.received).count());

@@ -2,6 +2,7 @@
 
 #include "model/generator.h"
 #include "model/sampling.h"
+#include "model/token_constraint.h"
 #include "schemas/vocabulary.h"
 #include "stages/common/common.h"
 #include "stages/probe/stored_kv.h"
@@ -81,13 +82,15 @@ void ProbeAnswers::send_blend(const wire::ProbeJob& job, ApproximateResult& a,
 }
 
 // A full hit: what prefill would have answered, from the store.
-void ProbeAnswers::answer_full(const wire::ProbeJob& job, const std::vector<int32_t>& tokens,
+bool ProbeAnswers::answer_full(const wire::ProbeJob& job, const std::vector<int32_t>& tokens,
                                const model::SamplingParams& sampling,
                                const reuse::PromptRecord& prompt,
                                std::vector<reuse::Value> blocks) {
   const model::ModelConfig& cfg = model_.config();
   model::Sampler sampler(sampling);
   sampler.set_prompt(tokens);
+  if (!model::constrain_sampler(sampler, sampling, model_.dir(), cfg.vocab_size, eos_).ok())
+    return false;
   const int32_t first = sampler.sample(prompt.logits.data(), cfg.vocab_size);
   const wire::FinishReason finish =
       wire::parse_finish_reason(model::finish_after(first, 1, static_cast<int64_t>(tokens.size()),
@@ -134,6 +137,7 @@ void ProbeAnswers::answer_full(const wire::ProbeJob& job, const std::vector<int3
     return wire::encode(wire::MessageType::PrefillDone, builder, std::move(bulk));
   };
   router_.send_done(job, goes_on, build);
+  return true;
 }
 
 // A plan that needs a forward pass: the cached prefix's KV (if any) for prefill to continue from,

@@ -38,7 +38,8 @@ class ProbeAnswers {
   void answer_result(const wire::ProbeJob& job, const std::vector<int32_t>& tokens,
                      const reuse::ResultRecord& result,
                      const ApproximateResult* approximate = nullptr);
-  void answer_full(const wire::ProbeJob& job, const std::vector<int32_t>& tokens,
+  // False where the request's structured output cannot be set up here (the job then goes on).
+  bool answer_full(const wire::ProbeJob& job, const std::vector<int32_t>& tokens,
                    const model::SamplingParams& sampling, const reuse::PromptRecord& prompt,
                    std::vector<reuse::Value> blocks);
   // `prefix`: the exact prefix's blocks; `affinity`: the key that sends related jobs to one

@@ -204,10 +204,9 @@ class Probe {
         std::vector<reuse::Value> blocks =
             prompt ? cached_prefix(*store_, chain, chain.size(), block_bytes_)
                    : std::vector<reuse::Value>{};
-        if (prompt && blocks.size() == chain.size()) {
-          answers_->answer_full(job, tokens, sampling, *prompt, std::move(blocks));
+        if (prompt && blocks.size() == chain.size() &&
+            answers_->answer_full(job, tokens, sampling, *prompt, std::move(blocks)))
           return done(ReuseLevel::Full, tokens.size(), start);
-        }
       }
     }
     size_t reused_blocks = 0;

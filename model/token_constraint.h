@@ -1,0 +1,75 @@
+#pragma once
+// Structured output at the level of tokens: which tokens may come next so that the text stays a
+// prefix of a document the request's grammar (model/json_grammar.h) accepts, and the end of the
+// answer (an end-of-sequence or stop token) only where the document is complete.
+//
+// The vocabulary is walked as a sorted list of the tokens' bytes, so that tokens sharing a prefix
+// are matched once and a prefix the grammar refuses drops every token under it. Inside a string,
+// the tokens of plain text (no quote, backslash or control byte; whole characters) are taken
+// without a walk. Special tokens never stand for text.
+
+#include <cstdint>
+#include <filesystem>
+#include <memory>
+#include <span>
+#include <string>
+#include <vector>
+
+#include "base/status.h"
+#include "model/json_grammar.h"
+#include "model/sampling.h"
+#include "tokenizer/tokenizer.h"
+
+namespace moeline::model {
+
+class TokenVocabulary {
+ public:
+  static std::shared_ptr<const TokenVocabulary> build(const tokenizer::Tokenizer& tokenizer,
+                                                      int64_t vocab);
+  // The model's, built once per process from its tokenizer.
+  static Expected<std::shared_ptr<const TokenVocabulary>> for_model(
+      const std::filesystem::path& model, int64_t vocab);
+
+  int64_t size() const { return static_cast<int64_t>(bytes_.size()); }
+  // The text a token writes after other text; empty for special tokens.
+  const std::string& bytes(int32_t id) const { return bytes_[static_cast<size_t>(id)]; }
+
+ private:
+  friend class TokenConstraint;
+  std::vector<std::string> bytes_;
+  std::vector<int32_t> by_bytes_;   // tokens with text, sorted by it
+  std::vector<int32_t> not_plain_;  // of those, the ones that are not plain string text
+  std::vector<int32_t> plain_;      // the plain ones, and their code points
+  std::vector<uint32_t> plain_characters_;
+};
+
+class TokenConstraint {
+ public:
+  TokenConstraint(std::shared_ptr<const TokenVocabulary> vocabulary,
+                  std::shared_ptr<const JsonGrammar> grammar, std::vector<int32_t> end_tokens);
+
+  // Sets the logit of every token that cannot come next to -infinity. Where nothing else can
+  // come, the end tokens stay.
+  void mask(float* logits, int64_t vocab);
+  // The token chosen.
+  void accept(int32_t token);
+  bool complete() const { return matcher_.can_end(); }
+
+ private:
+  void walk(const std::vector<int32_t>& sorted, size_t lo, size_t hi, size_t depth,
+            const JsonMatcher& matcher);
+
+  std::shared_ptr<const TokenVocabulary> vocabulary_;
+  std::vector<int32_t> end_tokens_;
+  JsonMatcher matcher_;
+  bool ended_ = false;  // an end token was taken, or a token the grammar refuses
+  std::vector<uint8_t> allowed_;
+};
+
+// Gives `sampler` the constraint its parameters ask for (none: nothing to do), with the model's
+// vocabulary and its end-of-sequence ids (the parameters' stop tokens end it too).
+Status constrain_sampler(Sampler& sampler, const SamplingParams& params,
+                         const std::filesystem::path& model, int64_t vocab,
+                         std::span<const int32_t> eos);
+
+}  // namespace moeline::model
