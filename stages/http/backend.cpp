@@ -99,6 +99,8 @@ std::variant<sdk::GenerateOptions, ApiError> to_options(const CompletionRequest&
   options.frequency_penalty = request.frequency_penalty;
   options.repetition_penalty = request.repetition_penalty;
   options.logit_bias = request.logit_bias;
+  options.structured = request.structured;
+  options.json_schema = request.json_schema;
   if (request.logprobs && !backend.tokenizer) {
     ApiError error;
     error.param = "logprobs";

@@ -5,6 +5,7 @@
 #include <limits>
 #include <random>
 
+#include "model/json_grammar.h"
 #include "model/sampling.h"
 
 namespace moeline::stages::http {
@@ -276,12 +277,6 @@ std::optional<ApiError> refuse_unserved(const json& body, int64_t n) {
       return wrong_type("functions", body["functions"], "an array");
     if (!body["functions"].empty()) return unsupported("functions", "functions (use tools)");
   }
-  if (present(body, "response_format")) {
-    const json& format = body["response_format"];
-    if (!format.is_object()) return wrong_type("response_format", format, "an object");
-    if (format.contains("type") && format["type"] != "text")
-      return unsupported("response_format", "response_format " + format["type"].dump());
-  }
   if (present(body, "suffix")) {
     if (!body["suffix"].is_string()) return wrong_type("suffix", body["suffix"], "a string");
     if (!body["suffix"].get<std::string>().empty()) return unsupported("suffix", "suffix");
@@ -432,6 +427,41 @@ std::optional<ApiError> read_chat_options(const json& body, CompletionRequest& o
   return std::nullopt;
 }
 
+// OpenAI's response_format: {"type": "text"}, {"type": "json_object"}, or {"type":
+// "json_schema", "json_schema": {"name", "description", "schema", "strict"}}. The schema is read
+// from the body's text so that its properties keep their order, and compiled here so that a
+// schema outside the supported subset is a 400 that names the keyword.
+std::optional<ApiError> read_response_format(const json& body, const std::string& text,
+                                             CompletionRequest& out) {
+  if (!present(body, "response_format")) return std::nullopt;
+  const json& format = body["response_format"];
+  if (!format.is_object()) return wrong_type("response_format", format, "an object");
+  if (!format.contains("type") || !format["type"].is_string())
+    return bad("response_format.type",
+               "'response_format.type' must be \"text\", \"json_object\" or \"json_schema\"");
+  const std::string type = format["type"].get<std::string>();
+  if (type == "text") return std::nullopt;
+  if (type == "json_object") {
+    out.structured = sdk::StructuredOutput::kJsonObject;
+    return std::nullopt;
+  }
+  if (type != "json_schema")
+    return unsupported("response_format.type", "response_format " + format["type"].dump());
+  if (!format.contains("json_schema") || !format["json_schema"].is_object())
+    return bad("response_format.json_schema",
+               "'response_format.json_schema' must be an object with the schema in 'schema'");
+  const json& spec = format["json_schema"];
+  if (!spec.contains("schema") || !(spec["schema"].is_object() || spec["schema"].is_boolean()))
+    return bad("response_format.json_schema.schema",
+               "'response_format.json_schema.schema' must be a JSON Schema (an object)");
+  const auto ordered = nlohmann::ordered_json::parse(text, nullptr, /*allow_exceptions=*/false);
+  out.structured = sdk::StructuredOutput::kJsonSchema;
+  out.json_schema = ordered["response_format"]["json_schema"]["schema"].dump();
+  if (auto grammar = model::JsonGrammar::compile(out.json_schema); !grammar)
+    return bad("response_format.json_schema.schema", grammar.error().message);
+  return std::nullopt;
+}
+
 std::variant<json, ApiError> parse_object(const std::string& body) {
   json parsed = json::parse(body, nullptr, /*allow_exceptions=*/false);
   if (parsed.is_discarded()) return bad("", "the body is not valid JSON");
@@ -464,6 +494,7 @@ std::optional<ApiError> read_all(Endpoint endpoint, const json& body, const std:
   if (endpoint == Endpoint::kGenerate && out.prompt_count() > 1)
     return unsupported("prompt", "more than one prompt on /generate");
   if (auto error = refuse_unserved(body, out.n)) return error;
+  if (auto error = read_response_format(body, text, out)) return error;
   if (auto error = read_sampling(body, out)) return error;
   if (auto error = read_penalties(body, out)) return error;
   if (auto error = read_logit_bias(body, out)) return error;

@@ -58,6 +58,10 @@ struct CompletionRequest {
   double repetition_penalty = 1.0;
   // OpenAI's logit_bias: (token id, bias in [-100, 100]).
   std::vector<std::pair<int32_t, float>> logit_bias;
+  // OpenAI's response_format: json_object, or json_schema with the schema's text (its key order
+  // kept, which is the order the answer gives the properties).
+  sdk::StructuredOutput structured = sdk::StructuredOutput::kNone;
+  std::string json_schema;
   // Chat: logprobs true and top_logprobs 0..20; completions: logprobs N (0..20) alternatives.
   bool logprobs = false;
   int64_t top_logprobs = 0;

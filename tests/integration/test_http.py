@@ -12,7 +12,9 @@ Cases (--case, one per CTest entry):
         with seed + index; streamed and not), and for a batch of prompts; penalties and log-probabilities (OpenAI's
         chat and completions shapes, streamed and not) as `moeline run` computes them; echo, with
         the prompt's log-probabilities as `moeline run --prompt-logprobs` computes them; vLLM's
-        /tokenize and /detokenize as `moeline tokenize` and `chat-template` give them; a client
+        /tokenize and /detokenize as `moeline tokenize` and `chat-template` give them;
+        response_format json_schema as `moeline run --json-schema` computes it, its answers
+        valid for Python's jsonschema, and json_object; a client
         that disconnects mid-stream cancels its request in the pipeline.
   auth  with the gateway's API keys: no key and a wrong key are 401, a valid key is served.
   fallback  a stack whose gateway takes one request at a time answers a second one 429 with
@@ -350,6 +352,7 @@ def case_api(args):
         check_logprobs_and_penalties(args, stack)
         check_choices(args, stack)
         check_logit_bias(args, stack)
+        check_structured_output(args, stack)
         check_echo(args, stack)
         check_tokenize(args, stack)
 
@@ -407,6 +410,76 @@ def check_logit_bias(args, stack):
         check(text == ref["text"], f"logit_bias {flag} streamed: {text!r} want {ref['text']!r}")
     print(f"ok api: logit_bias as moeline run --logit-bias computes it (greedy and seeded; the "
           f"greedy first token {first} pushed out), streamed and not")
+
+
+STRUCTURED_SCHEMA = {
+    "type": "object",
+    "properties": {"city": {"enum": ["Paris", "Rome", "Oslo"]}, "hot": {"type": "boolean"},
+                   "note": {"type": "string", "maxLength": 12}, "rank": {"type": "integer"}},
+    "required": ["city", "hot", "note", "rank"],
+}
+
+
+def check_structured_output(args, stack):
+    """response_format: json_schema answers equal to `moeline run --chat --json-schema` (greedy,
+    then seeded on the same prompt, which the probe answers from the stored prompt's logits),
+    streamed and not, n=2 choices each a document the schema accepts (Python's jsonschema);
+    json_object on a completion; a schema outside the subset is a 400 naming the keyword."""
+    import jsonschema
+    schema_file = os.path.join(args.workdir, "structured_schema.json")
+    with open(schema_file, "w") as f:
+        json.dump(STRUCTURED_SCHEMA, f)
+    validator = jsonschema.Draft202012Validator(STRUCTURED_SCHEMA)
+    format_ = {"type": "json_schema", "json_schema": {"name": "weather", "strict": True,
+                                                       "schema": STRUCTURED_SCHEMA}}
+    levels = []
+    for temperature, seed in ((0.0, None), (0.7, 5)):
+        flags = ["--json-schema", schema_file, "--temperature", str(temperature)]
+        if seed is not None:
+            flags += ["--seed", str(seed)]
+        ref = run_chat(args, "volcano", 80, flags)
+        request = {"messages": [{"role": "user", "content": "volcano"}], "max_tokens": 80,
+                   "temperature": temperature, "response_format": format_}
+        if seed is not None:
+            request["seed"] = seed
+        status, body, _ = post(stack, "/v1/chat/completions", request)
+        check(status == 200, f"response_format json_schema: {status} {body}")
+        choice = body["choices"][0]
+        check(choice["message"]["content"] == ref["text"],
+              f"json_schema (T={temperature}): {choice['message']['content']!r} want "
+              f"{ref['text']!r}")
+        check(choice["finish_reason"] == "stop", f"json_schema answer did not end: {choice}")
+        validator.validate(json.loads(choice["message"]["content"]))
+        levels.append(body["moeline"]["reuse_level"])
+        events, _ = stream(stack, "/v1/chat/completions", dict(request, stream=True))
+        text = "".join(e["choices"][0]["delta"].get("content") or "" for e in events
+                       if e["choices"])
+        check(text == ref["text"], f"json_schema streamed: {text!r} want {ref['text']!r}")
+    # The seeded answer's prompt was stored by the greedy one: the probe drew its first token.
+    check(levels[1] == "full", f"the seeded json_schema request's reuse levels: {levels}")
+    status, body, _ = post(stack, "/v1/chat/completions",
+                           {"messages": [{"role": "user", "content": "a person who"}],
+                            "max_tokens": 80, "temperature": 1.0, "seed": 11, "n": 2,
+                            "response_format": format_})
+    check(status == 200 and len(body["choices"]) == 2, f"json_schema n=2: {status} {body}")
+    for choice in body["choices"]:
+        if choice["finish_reason"] == "stop":
+            validator.validate(json.loads(choice["message"]["content"]))
+    status, body, _ = post(stack, "/v1/completions",
+                           {"prompt": "volcano", "max_tokens": 60, "temperature": 0,
+                            "response_format": {"type": "json_object"}})
+    check(status == 200, f"json_object: {status} {body}")
+    text = body["choices"][0]["text"]
+    check(text.lstrip().startswith("{"), f"json_object: {text!r}")
+    if body["choices"][0]["finish_reason"] == "stop":
+        check(isinstance(json.loads(text), dict), f"json_object: {text!r}")
+    bad = dict(format_, json_schema={"schema": {"type": "string", "pattern": "^a"}})
+    error_is(post(stack, "/v1/chat/completions",
+                  {"messages": [{"role": "user", "content": "x"}], "response_format": bad}), 400,
+             "response_format.json_schema.schema", what="a schema with pattern")
+    print("ok api: response_format json_schema as moeline run --json-schema computes it (greedy "
+          "and seeded, streamed and not), n=2 answers valid for jsonschema, json_object, and a "
+          "schema outside the subset refused by keyword")
 
 
 def check_echo(args, stack):

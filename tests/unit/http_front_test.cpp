@@ -222,6 +222,19 @@ TEST(OpenAiRequest, DefaultsAreOpenAis) {
                        R"({"prompt": "p", "echo": false, "suffix": "", "n": 2, "best_of": 2})")
                 .n,
             2);
+  // Structured output: json_object, and json_schema with the schema's text in its own key order.
+  EXPECT_EQ(request_of(Endpoint::kChat, R"({"messages": [{"role": "user", "content": "x"}],
+      "response_format": {"type": "json_object"}})")
+                .structured,
+            sdk::StructuredOutput::kJsonObject);
+  const CompletionRequest schema = request_of(Endpoint::kChat, R"({"messages": [{"role": "user",
+      "content": "x"}], "response_format": {"type": "json_schema", "json_schema": {"name": "p",
+      "strict": true, "schema": {"type": "object", "properties": {"z": {"type": "integer"},
+      "a": {"type": "string"}}, "required": ["z", "a"]}}}})");
+  EXPECT_EQ(schema.structured, sdk::StructuredOutput::kJsonSchema);
+  EXPECT_EQ(schema.json_schema,
+            R"({"type":"object","properties":{"z":{"type":"integer"},"a":{"type":"string"}},)"
+            R"("required":["z","a"]})");
   // Echo (completions): the prompt before the completion, with logprobs N its tokens' too.
   const CompletionRequest echoed =
       request_of(Endpoint::kCompletions, R"({"prompt": "p", "echo": true, "logprobs": 2})");
@@ -310,9 +323,23 @@ TEST(OpenAiRequest, WrongTypesAndValuesNameTheirParameter) {
        "messages[0].tool_call_id"},
       {Endpoint::kChat, R"({"messages": [{"role": "user"}], "functions": [{"name": "f"}]})",
        "functions"},
-      {Endpoint::kChat,
-       R"({"messages": [{"role": "user"}], "response_format": {"type": "json_object"}})",
+      {Endpoint::kChat, R"({"messages": [{"role": "user"}], "response_format": "json"})",
        "response_format"},
+      {Endpoint::kChat, R"({"messages": [{"role": "user"}], "response_format": {}})",
+       "response_format.type"},
+      {Endpoint::kChat, R"({"messages": [{"role": "user"}], "response_format": {"type": "regex"}})",
+       "response_format.type"},
+      {Endpoint::kChat,
+       R"({"messages": [{"role": "user"}], "response_format": {"type": "json_schema"}})",
+       "response_format.json_schema"},
+      {Endpoint::kChat,
+       R"({"messages": [{"role": "user"}], "response_format": {"type": "json_schema",
+           "json_schema": {"name": "n"}}})",
+       "response_format.json_schema.schema"},
+      {Endpoint::kChat,
+       R"({"messages": [{"role": "user"}], "response_format": {"type": "json_schema",
+           "json_schema": {"schema": {"type": "string", "pattern": "a+"}}}})",
+       "response_format.json_schema.schema"},
       {Endpoint::kChat, R"({"messages": [{"role": "user"}], "logit_bias": [1]})", "logit_bias"},
       {Endpoint::kCompletions, R"({"prompt": "p", "logit_bias": {"x": 1}})", "logit_bias"},
       {Endpoint::kCompletions, R"({"prompt": "p", "logit_bias": {"-3": 1}})", "logit_bias"},
