@@ -65,7 +65,7 @@ struct GenerateOptions {
   std::vector<std::pair<int32_t, float>> logit_bias;
   // The answer is constrained token by token to a JSON document: properties in the schema's
   // order, the end only where the document is complete (the gateway refuses a schema outside
-  // the supported subset with InvalidRequest, naming the keyword).
+  // the supported subset with InvalidSampling, naming the keyword).
   StructuredOutput structured = StructuredOutput::kNone;
   std::string json_schema;  // the schema's text, for kJsonSchema
   std::string tenant;

@@ -902,8 +902,16 @@ SAMPLING_SETTINGS = [
      ["--temperature", "0.9", "--seed", "21", "--min-p", "0.05", "--frequency-penalty", "0.4"]),
     ("logit-bias", {"logit_bias": {42: 3.5, 300: -100.0}, "repetition_penalty": 1.3},
      ["--logit-bias", "42=3.5,300=-100", "--repetition-penalty", "1.3"]),
+    # Structured output (SCHEMA_FLAG: a file holding the schema): prefill, decode and the probe's
+    # full hit each mask the tokens with the grammar, the decode replica after replaying the
+    # tokens before its own.
+    ("json-schema", {"json_schema": {"type": "object", "properties": {
+        "ok": {"type": "boolean"}, "n": {"type": "integer"}}, "required": ["ok", "n"]},
+        "temperature": 0.8, "seed": 4},
+     ["--json-schema", "SCHEMA_FLAG", "--temperature", "0.8", "--seed", "4"]),
 ]
-OWN_LAST_TOKEN = {"presence-frequency": [75], "sampled-min-p": [62], "logit-bias": [63]}
+OWN_LAST_TOKEN = {"presence-frequency": [75], "sampled-min-p": [62], "logit-bias": [63],
+                  "json-schema": [91]}
 # Both sides report float32 log-probabilities of the same logits, computed in double.
 STACK_LOGPROB_ATOL = 1e-4
 
@@ -913,11 +921,16 @@ def case_sampling(args):
     token, decode continues (its sampler resumes with the prompt and that token counted), the
     probe answers a repeated prompt from the store (a full hit): every path gives `moeline run`'s
     ids and log-probabilities."""
-    from moeline_client import Client
+    from moeline_client import Client, error_code_name
     prompt = [11, 42, 42, 7, 300, 42, 19, 7, 5, 88]
     with Stack(args.moeline, args.model, os.path.join(args.workdir, "sampling"), decode=1) as stack:
         with Client(stack.endpoint, timeout=120) as client:
             for name, keywords, flags in SAMPLING_SETTINGS:
+                if "json_schema" in keywords:
+                    schema_file = os.path.join(args.workdir, "sampling-schema.json")
+                    with open(schema_file, "w") as f:
+                        json.dump(keywords["json_schema"], f)
+                    flags = [schema_file if flag == "SCHEMA_FLAG" else flag for flag in flags]
                 # A prompt of each setting's own (the first keeps `prompt`, which the checks
                 # below need in the store), so that its first answer is computed, its first token
                 # drawn by prefill under the setting, not found in the store. (Each last token
@@ -984,8 +997,13 @@ def case_sampling(args):
             events = list(client.stream(tokens=prompt, max_tokens=4, logit_bias={vocab: 1.0}))
             check(events[-1].kind == "error" and "logit_bias" in events[-1].error_message,
                   f"a bias on a token outside the vocabulary: {events[-1]}")
-            print("ok sampling: an out-of-range penalty and a bias outside the vocabulary are "
-                  "refused with their names")
+            events = list(client.stream(tokens=prompt, max_tokens=4,
+                                        json_schema={"type": "string", "pattern": "^a"}))
+            check(events[-1].kind == "error" and "pattern" in events[-1].error_message and
+                  error_code_name(events[-1].error_code) == "InvalidSampling",
+                  f"a schema with an unsupported keyword: {events[-1]}")
+            print("ok sampling: an out-of-range penalty, a bias outside the vocabulary and a "
+                  "schema outside the structured-output subset are refused with their names")
             # The prompt's log-probabilities: computed in full although the prompt's work is in
             # the store by now, as `moeline run --prompt-logprobs` computes them.
             want = reference(args.moeline, args.model, 4, tokens=prompt, ignore_eos=True,

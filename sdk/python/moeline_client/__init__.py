@@ -24,7 +24,7 @@ import json
 import os
 import struct
 import time
-from typing import Deque, Dict, Iterator, List, NamedTuple, Optional, Sequence
+from typing import Deque, Dict, Iterator, List, NamedTuple, Optional, Sequence, Union
 
 import flatbuffers
 import zmq
@@ -42,6 +42,7 @@ from moeline.wire import StreamEventBatch as _stream_event_batch
 from moeline.wire.ErrorCode import ErrorCode
 from moeline.wire.EventKind import EventKind
 from moeline.wire.MessageType import MessageType
+from moeline.wire.StructuredOutput import StructuredOutput as _StructuredOutput
 
 __all__ = [
     "Client", "Event", "Result", "Message", "MoelineError", "ProtocolError", "GenerateError",
@@ -190,6 +191,8 @@ def encode_generate(client_request_id: int, prompt: Optional[str] = None,
                     logprobs: bool = False, top_logprobs: int = 0,
                     logit_bias: Optional[Dict[int, float]] = None,
                     prompt_logprobs: bool = False,
+                    json_schema: Optional[Union[dict, bool, str]] = None,
+                    json_object: bool = False,
                     batch_events: bool = False) -> List[bytes]:
     """A GenerateRequest, framed. The keywords are those of Client.start/stream/generate.
 
@@ -204,6 +207,10 @@ def encode_generate(client_request_id: int, prompt: Optional[str] = None,
     each after the first, its log-probability under the tokens before it with the top_logprobs
     most likely tokens' (`prompt_logprobs`; OpenAI's echo). The prompt is then computed in full,
     reusing no cached work.
+    json_schema: structured output: the answer is a JSON document this JSON Schema (a dict, or its
+    text) accepts, its properties in the schema's order; json_object: the answer is a JSON object
+    (OpenAI's response_format json_object). A schema outside the supported subset is refused by
+    the gateway (GenerateError InvalidSampling, naming the keyword).
     batch_events: the reader takes StreamEventBatch messages (schema 1.11), so the gateway may send
     this request's events together with those of the connection's other requests (Client does).
     """
@@ -220,6 +227,12 @@ def encode_generate(client_request_id: int, prompt: Optional[str] = None,
     reuse_off = b.CreateString(reuse) if reuse else None
     api_key_off = b.CreateString(api_key) if api_key else None
     stops_off = _int_vector(b, list(stop_token_ids)) if stop_token_ids else None
+    if json_schema is not None and json_object:
+        raise ValueError("give json_schema or json_object, not both")
+    schema_off = None
+    if json_schema is not None:
+        text = json_schema if isinstance(json_schema, str) else json.dumps(json_schema)
+        schema_off = b.CreateString(text)
     bias_off = None
     if logit_bias:
         _sampling.StartLogitBiasVector(b, len(logit_bias))
@@ -247,6 +260,11 @@ def encode_generate(client_request_id: int, prompt: Optional[str] = None,
         _sampling.AddPromptLogprobs(b, True)
     if bias_off is not None:
         _sampling.AddLogitBias(b, bias_off)
+    if schema_off is not None:
+        _sampling.AddStructured(b, _StructuredOutput.JsonSchema)
+        _sampling.AddJsonSchema(b, schema_off)
+    elif json_object:
+        _sampling.AddStructured(b, _StructuredOutput.JsonObject)
     sampling_off = _sampling.End(b)
     _generate.Start(b)
     _generate.AddClientRequestId(b, client_request_id)
