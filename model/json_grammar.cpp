@@ -607,54 +607,13 @@ void JsonMatcher::consume(const Stack& stack, uint8_t byte, std::vector<Stack>& 
           return;
       }
 
-    case kStringFrame: {
+    case kStringFrame:
       if (top.phase == kDone) return;
-      if (top.b > 0) {  // inside a UTF-8 sequence
-        static constexpr uint8_t kLow[] = {0x80, 0xA0, 0x80, 0x90, 0x80};
-        static constexpr uint8_t kHigh[] = {0xBF, 0xBF, 0x9F, 0xBF, 0x8F};
-        if (byte < kLow[top.extra] || byte > kHigh[top.extra]) return;
-        return with([](Frame& f) { --f.b, f.extra = 0; });
-      }
-      if (top.a == 1) {  // after a backslash
-        if (byte == 'u') return with([](Frame& f) { f.a = 2; });
-        if (std::string_view("\"\\/bfnrt").find(static_cast<char>(byte)) == std::string_view::npos)
-          return;
-        return with([](Frame& f) { f.a = 0, ++f.c; });
-      }
-      if (top.a >= 2) {  // the hex digits of \u; no surrogates (D800-DFFF)
-        if (!is_hex(byte)) return;
-        const uint8_t lower = static_cast<uint8_t>(byte | 0x20);
-        if (top.a == 3 && top.extra == 1 && lower >= '8') return;
-        return with([&](Frame& f) {
-          if (f.a == 2) f.extra = lower == 'd' ? 1 : 0;
-          if (++f.a == 6) f.a = 0, f.extra = 0, ++f.c;
-        });
-      }
-      if (byte == '"') {
-        if (top.c >= node.min) with([](Frame& f) { f.phase = kDone; });
-        return;
-      }
-      if (byte < 0x20 || top.c >= node.max) return;
-      if (byte == '\\') return with([](Frame& f) { f.a = 1; });
-      if (byte < 0x80) return with([](Frame& f) { ++f.c; });
-      uint8_t continuation = 0, range = 0;
-      if (byte >= 0xC2 && byte <= 0xDF)
-        continuation = 1;
-      else if (byte == 0xE0)
-        continuation = 2, range = 1;
-      else if (byte == 0xED)
-        continuation = 2, range = 2;
-      else if (byte >= 0xE1 && byte <= 0xEF)
-        continuation = 2;
-      else if (byte == 0xF0)
-        continuation = 3, range = 3;
-      else if (byte >= 0xF1 && byte <= 0xF3)
-        continuation = 3;
-      else if (byte == 0xF4)
-        continuation = 3, range = 4;
-      else
-        return;
-      return with([&](Frame& f) { f.b = continuation, f.extra = range, ++f.c; });
+      [[fallthrough]];
+    case kLiteralFrame: {
+      Frame next = top;
+      if (step_in_place(next, byte)) with([&next](Frame& f) { f = next; });
+      return;
     }
 
     case kNumberFrame: {
@@ -702,22 +661,82 @@ void JsonMatcher::consume(const Stack& stack, uint8_t byte, std::vector<Stack>& 
           return;
       }
     }
-
-    case kLiteralFrame: {
-      // The literals in [a, b) share the first c bytes; keep those whose next byte is this one.
-      uint64_t lo = top.a;
-      while (lo < top.b && (node.literals[lo].size() <= top.c ||
-                            static_cast<uint8_t>(node.literals[lo][top.c]) != byte))
-        ++lo;
-      if (lo == top.b) return;
-      uint64_t hi = lo;
-      while (hi < top.b && node.literals[hi].size() > top.c &&
-             static_cast<uint8_t>(node.literals[hi][top.c]) == byte)
-        ++hi;
-      with([&](Frame& f) { f.a = lo, f.b = hi, ++f.c; });
-      return;
-    }
   }
+}
+
+bool JsonMatcher::step_in_place(Frame& f, uint8_t byte) const {
+  const JsonGrammar::Node& node = grammar_->node(f.node);
+  if (f.kind == kLiteralFrame) {
+    // The literals in [a, b) share the first c bytes; keep those whose next byte is this one.
+    uint64_t lo = f.a;
+    while (lo < f.b && (node.literals[lo].size() <= f.c ||
+                        static_cast<uint8_t>(node.literals[lo][f.c]) != byte))
+      ++lo;
+    if (lo == f.b) return false;
+    uint64_t hi = lo;
+    while (hi < f.b && node.literals[hi].size() > f.c &&
+           static_cast<uint8_t>(node.literals[hi][f.c]) == byte)
+      ++hi;
+    f.a = lo, f.b = hi, ++f.c;
+    return true;
+  }
+  // A string, before its closing quote.
+  if (f.b > 0) {  // inside a UTF-8 sequence
+    static constexpr uint8_t kLow[] = {0x80, 0xA0, 0x80, 0x90, 0x80};
+    static constexpr uint8_t kHigh[] = {0xBF, 0xBF, 0x9F, 0xBF, 0x8F};
+    if (byte < kLow[f.extra] || byte > kHigh[f.extra]) return false;
+    --f.b, f.extra = 0;
+    return true;
+  }
+  if (f.a == 1) {  // after a backslash
+    if (byte == 'u') {
+      f.a = 2;
+      return true;
+    }
+    if (std::string_view("\"\\/bfnrt").find(static_cast<char>(byte)) == std::string_view::npos)
+      return false;
+    f.a = 0, ++f.c;
+    return true;
+  }
+  if (f.a >= 2) {  // the hex digits of \u; no surrogates (D800-DFFF)
+    if (!is_hex(byte)) return false;
+    const uint8_t lower = static_cast<uint8_t>(byte | 0x20);
+    if (f.a == 3 && f.extra == 1 && lower >= '8') return false;
+    if (f.a == 2) f.extra = lower == 'd' ? 1 : 0;
+    if (++f.a == 6) f.a = 0, f.extra = 0, ++f.c;
+    return true;
+  }
+  if (byte == '"') {
+    if (f.c < node.min) return false;
+    f.phase = kDone;
+    return true;
+  }
+  if (byte < 0x20 || f.c >= node.max) return false;
+  if (byte == '\\') {
+    f.a = 1;
+    return true;
+  }
+  uint8_t continuation = 0, range = 0;
+  if (byte < 0x80)
+    continuation = 0;
+  else if (byte >= 0xC2 && byte <= 0xDF)
+    continuation = 1;
+  else if (byte == 0xE0)
+    continuation = 2, range = 1;
+  else if (byte == 0xED)
+    continuation = 2, range = 2;
+  else if (byte >= 0xE1 && byte <= 0xEF)
+    continuation = 2;
+  else if (byte == 0xF0)
+    continuation = 3, range = 3;
+  else if (byte >= 0xF1 && byte <= 0xF3)
+    continuation = 3;
+  else if (byte == 0xF4)
+    continuation = 3, range = 4;
+  else
+    return false;
+  f.b = continuation, f.extra = range, ++f.c;
+  return true;
 }
 
 void JsonMatcher::step(Stack stack, uint8_t byte, std::vector<Stack>& out) const {
@@ -732,6 +751,18 @@ void JsonMatcher::step(Stack stack, uint8_t byte, std::vector<Stack>& out) const
 }
 
 bool JsonMatcher::advance_byte(uint8_t byte) {
+  // Most bytes of a document are a string's or a literal's before its end, where nothing can
+  // pop or fork: taken in place (the general step below gives the same frame).
+  if (stacks_.size() == 1) {
+    Frame& top = stacks_[0].back();
+    if ((top.kind == kStringFrame && top.phase != kDone) ||
+        (top.kind == kLiteralFrame && !complete(top))) {
+      Frame next = top;
+      if (!step_in_place(next, byte)) return false;
+      top = next;
+      return true;
+    }
+  }
   scratch_.clear();
   for (const Stack& stack : stacks_) step(stack, byte, scratch_);
   if (scratch_.empty()) return false;

@@ -94,6 +94,13 @@ class JsonGrammar {
 class JsonMatcher {
  public:
   explicit JsonMatcher(std::shared_ptr<const JsonGrammar> grammar);
+  // Copies the position only (the scratch space stays), reusing this matcher's storage.
+  JsonMatcher(const JsonMatcher& other) : grammar_(other.grammar_), stacks_(other.stacks_) {}
+  JsonMatcher& operator=(const JsonMatcher& other) {
+    if (grammar_ != other.grammar_) grammar_ = other.grammar_;
+    stacks_ = other.stacks_;
+    return *this;
+  }
 
   // Takes the bytes if every one of them can come next; otherwise returns false and the
   // matcher is unchanged.
@@ -120,6 +127,8 @@ class JsonMatcher {
   void step(Stack stack, uint8_t byte, std::vector<Stack>& out) const;
   void consume(const Stack& stack, uint8_t byte, std::vector<Stack>& out) const;
   void open(Stack stack, uint32_t node, uint8_t byte, std::vector<Stack>& out) const;
+  // A string's byte, or a literal's: the frame changes, nothing is pushed, popped or forked.
+  bool step_in_place(Frame& frame, uint8_t byte) const;
   bool complete(const Frame& frame) const;
   void child_done(Frame& parent, const Frame& child) const;
   bool advance_byte(uint8_t byte);

@@ -46,6 +46,42 @@ std::optional<uint32_t> plain_characters(const std::string& text) {
   return characters;
 }
 
+// The trie of `sorted` (ids in the order of their texts), each node's range split by the next
+// byte into its children.
+TokenVocabulary::Trie make_trie(const std::vector<std::string>& bytes,
+                                const std::vector<int32_t>& sorted) {
+  TokenVocabulary::Trie trie;
+  trie.tokens = sorted;
+  trie.nodes.emplace_back();
+  struct Pending {
+    uint32_t node;
+    size_t lo, hi, depth;
+  };
+  std::vector<Pending> stack = {{0, 0, sorted.size(), 0}};
+  auto text = [&](size_t i) -> const std::string& { return bytes[static_cast<size_t>(sorted[i])]; };
+  while (!stack.empty()) {
+    const Pending p = stack.back();
+    stack.pop_back();
+    size_t lo = p.lo;
+    while (lo < p.hi && text(lo).size() == p.depth) ++lo;
+    trie.nodes[p.node].first_token = static_cast<uint32_t>(p.lo);
+    trie.nodes[p.node].tokens = static_cast<uint32_t>(lo - p.lo);
+    trie.nodes[p.node].first_child = static_cast<uint32_t>(trie.nodes.size());
+    uint32_t children = 0;
+    while (lo < p.hi) {
+      const char byte = text(lo)[p.depth];
+      size_t end = lo + 1;
+      while (end < p.hi && text(end)[p.depth] == byte) ++end;
+      stack.push_back({static_cast<uint32_t>(trie.nodes.size()), lo, end, p.depth + 1});
+      trie.nodes.push_back({.byte = static_cast<uint8_t>(byte)});
+      ++children;
+      lo = end;
+    }
+    trie.nodes[p.node].children = children;
+  }
+  return trie;
+}
+
 }  // namespace
 
 std::shared_ptr<const TokenVocabulary> TokenVocabulary::build(const tokenizer::Tokenizer& tokenizer,
@@ -79,20 +115,29 @@ std::shared_ptr<const TokenVocabulary> TokenVocabulary::build(const tokenizer::T
     auto text = tokenizer.decode({token});
     if (text) bytes = *text;
   }
+  std::vector<int32_t> sorted, not_plain;
   for (int64_t id = 0; id < vocab; ++id)
-    if (!out->bytes_[static_cast<size_t>(id)].empty())
-      out->by_bytes_.push_back(static_cast<int32_t>(id));
-  std::sort(out->by_bytes_.begin(), out->by_bytes_.end(), [&](int32_t a, int32_t b) {
+    if (!out->bytes_[static_cast<size_t>(id)].empty()) sorted.push_back(static_cast<int32_t>(id));
+  std::sort(sorted.begin(), sorted.end(), [&](int32_t a, int32_t b) {
     return out->bytes_[static_cast<size_t>(a)] < out->bytes_[static_cast<size_t>(b)];
   });
-  for (int32_t id : out->by_bytes_) {
+  std::vector<std::pair<uint32_t, int32_t>> plain;
+  out->plain_mask_.assign(static_cast<size_t>(vocab), 0);
+  for (int32_t id : sorted) {
     if (auto characters = plain_characters(out->bytes_[static_cast<size_t>(id)])) {
-      out->plain_.push_back(id);
-      out->plain_characters_.push_back(*characters);
+      plain.emplace_back(*characters, id);
+      out->plain_mask_[static_cast<size_t>(id)] = 1;
     } else {
-      out->not_plain_.push_back(id);
+      not_plain.push_back(id);
     }
   }
+  std::sort(plain.begin(), plain.end());
+  for (const auto& [characters, id] : plain) {
+    out->plain_.push_back(id);
+    out->plain_characters_.push_back(characters);
+  }
+  out->all_ = make_trie(out->bytes_, sorted);
+  out->not_plain_ = make_trie(out->bytes_, not_plain);
   return out;
 }
 
@@ -115,41 +160,54 @@ TokenConstraint::TokenConstraint(std::shared_ptr<const TokenVocabulary> vocabula
       end_tokens_(std::move(end_tokens)),
       matcher_(std::move(grammar)) {}
 
-void TokenConstraint::walk(const std::vector<int32_t>& sorted, size_t lo, size_t hi, size_t depth,
-                           const JsonMatcher& matcher) {
-  // [lo, hi) share their first `depth` bytes, which the matcher has taken; the tokens that end
-  // there come first.
-  auto text = [&](size_t i) -> const std::string& { return vocabulary_->bytes(sorted[i]); };
-  while (lo < hi && text(lo).size() == depth) allowed_[static_cast<size_t>(sorted[lo++])] = 1;
-  while (lo < hi) {
-    const char byte = text(lo)[depth];
-    size_t end = lo + 1;
-    while (end < hi && text(end)[depth] == byte) ++end;
-    JsonMatcher next = matcher;
-    if (next.advance(std::string_view(&byte, 1))) walk(sorted, lo, end, depth + 1, next);
-    lo = end;
+// at_depth_[depth] has taken the text of `node`: the tokens that end there are allowed, and the
+// children whose byte it takes next are walked.
+void TokenConstraint::walk(const TokenVocabulary::Trie& trie, uint32_t node, size_t depth) {
+  const TokenVocabulary::Trie::Node& here = trie.nodes[node];
+  for (uint32_t i = 0; i < here.tokens; ++i)
+    allowed_[static_cast<size_t>(trie.tokens[here.first_token + i])] = 1;
+  any_allowed_ = any_allowed_ || here.tokens > 0;
+  if (here.children == 0) return;
+  if (at_depth_.size() <= depth + 1) at_depth_.push_back(at_depth_[depth]);
+  for (uint32_t c = 0; c < here.children; ++c) {
+    const uint32_t child = here.first_child + c;
+    at_depth_[depth + 1] = at_depth_[depth];
+    const auto byte = static_cast<char>(trie.nodes[child].byte);
+    if (at_depth_[depth + 1].advance(std::string_view(&byte, 1))) walk(trie, child, depth + 1);
   }
 }
 
 void TokenConstraint::mask(float* logits, int64_t vocab) {
+  const TokenVocabulary& words = *vocabulary_;
+  vocab = std::min(vocab, words.size());
   allowed_.assign(static_cast<size_t>(vocab), 0);
+  any_allowed_ = false;
   if (!ended_) {
-    const std::vector<int32_t>* walked = &vocabulary_->by_bytes_;
+    const TokenVocabulary::Trie* walked = &words.all_;
     if (std::optional<uint64_t> room = matcher_.plain_string_room()) {
-      const std::vector<int32_t>& plain = vocabulary_->plain_;
-      for (size_t i = 0; i < plain.size(); ++i)
-        if (vocabulary_->plain_characters_[i] <= *room && plain[i] < vocab)
-          allowed_[static_cast<size_t>(plain[i])] = 1;
-      walked = &vocabulary_->not_plain_;
+      // Plain text, in the order of its length in characters: those that fit are a prefix.
+      const auto fit = static_cast<size_t>(std::upper_bound(words.plain_characters_.begin(),
+                                                            words.plain_characters_.end(),
+                                                            std::min<uint64_t>(*room, UINT32_MAX)) -
+                                           words.plain_characters_.begin());
+      if (fit == words.plain_.size()) {
+        std::copy(words.plain_mask_.begin(), words.plain_mask_.begin() + vocab, allowed_.begin());
+      } else {
+        for (size_t i = 0; i < fit; ++i) allowed_[static_cast<size_t>(words.plain_[i])] = 1;
+      }
+      any_allowed_ = fit > 0;
+      walked = &words.not_plain_;
     }
-    walk(*walked, 0, walked->size(), 0, matcher_);
+    if (at_depth_.empty()) at_depth_.push_back(matcher_);
+    at_depth_[0] = matcher_;
+    walk(*walked, 0, 0);
   }
-  const bool nothing_else = std::find(allowed_.begin(), allowed_.end(), 1) == allowed_.end();
-  if (ended_ || nothing_else || matcher_.can_end())
+  if (ended_ || !any_allowed_ || matcher_.can_end())
     for (int32_t token : end_tokens_)
       if (token >= 0 && token < vocab) allowed_[static_cast<size_t>(token)] = 1;
-  for (int64_t i = 0; i < vocab; ++i)
-    if (!allowed_[static_cast<size_t>(i)]) logits[i] = -std::numeric_limits<float>::infinity();
+  constexpr float kNever = -std::numeric_limits<float>::infinity();
+  const uint8_t* allowed = allowed_.data();
+  for (int64_t i = 0; i < vocab; ++i) logits[i] = allowed[i] ? logits[i] : kNever;
 }
 
 void TokenConstraint::accept(int32_t token) {

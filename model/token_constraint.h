@@ -3,8 +3,8 @@
 // prefix of a document the request's grammar (model/json_grammar.h) accepts, and the end of the
 // answer (an end-of-sequence or stop token) only where the document is complete.
 //
-// The vocabulary is walked as a sorted list of the tokens' bytes, so that tokens sharing a prefix
-// are matched once and a prefix the grammar refuses drops every token under it. Inside a string,
+// The vocabulary is walked as a trie of the tokens' bytes, so that tokens sharing a prefix are
+// matched once and a prefix the grammar refuses drops every token under it. Inside a string,
 // the tokens of plain text (no quote, backslash or control byte; whole characters) are taken
 // without a walk. Special tokens never stand for text.
 
@@ -24,6 +24,18 @@ namespace moeline::model {
 
 class TokenVocabulary {
  public:
+  // The tokens' texts as a trie: a node's children are contiguous, and so are the tokens whose
+  // text ends at it (indices into `tokens`).
+  struct Trie {
+    struct Node {
+      uint32_t first_child = 0, children = 0;
+      uint32_t first_token = 0, tokens = 0;
+      uint8_t byte = 0;
+    };
+    std::vector<Node> nodes;  // nodes[0] is the root (the empty text)
+    std::vector<int32_t> tokens;
+  };
+
   static std::shared_ptr<const TokenVocabulary> build(const tokenizer::Tokenizer& tokenizer,
                                                       int64_t vocab);
   // The model's, built once per process from its tokenizer.
@@ -37,10 +49,12 @@ class TokenVocabulary {
  private:
   friend class TokenConstraint;
   std::vector<std::string> bytes_;
-  std::vector<int32_t> by_bytes_;   // tokens with text, sorted by it
-  std::vector<int32_t> not_plain_;  // of those, the ones that are not plain string text
-  std::vector<int32_t> plain_;      // the plain ones, and their code points
+  Trie all_;        // every token with text
+  Trie not_plain_;  // those that are not plain string text
+  // The plain ones in the order of their length in code points, and those lengths; as a mask.
+  std::vector<int32_t> plain_;
   std::vector<uint32_t> plain_characters_;
+  std::vector<uint8_t> plain_mask_;
 };
 
 class TokenConstraint {
@@ -56,14 +70,15 @@ class TokenConstraint {
   bool complete() const { return matcher_.can_end(); }
 
  private:
-  void walk(const std::vector<int32_t>& sorted, size_t lo, size_t hi, size_t depth,
-            const JsonMatcher& matcher);
+  void walk(const TokenVocabulary::Trie& trie, uint32_t node, size_t depth);
 
   std::shared_ptr<const TokenVocabulary> vocabulary_;
   std::vector<int32_t> end_tokens_;
   JsonMatcher matcher_;
   bool ended_ = false;  // an end token was taken, or a token the grammar refuses
   std::vector<uint8_t> allowed_;
+  bool any_allowed_ = false;
+  std::vector<JsonMatcher> at_depth_;  // the walk's matchers, one per depth, reused
 };
 
 // Gives `sampler` the constraint its parameters ask for (none: nothing to do), with the model's
