@@ -551,6 +551,18 @@ TEST(ReuseKeys, ResultKeyDependsOnWhatDecidesTheCompletion) {
   auto other_bias = greedy;
   other_bias.logit_bias = {{7, 2.0f}, {3, -100.0f}};
   EXPECT_NE(result_entry(base, other_bias), result_entry(base, biased));
+  // A grammar changes greedy tokens: each kind, and each schema, has results of its own.
+  auto object = greedy;
+  object.structured = moeline::model::StructuredOutput::kJsonObject;
+  EXPECT_NE(result_entry(base, object), key);
+  auto schema = greedy;
+  schema.structured = moeline::model::StructuredOutput::kJsonSchema;
+  schema.json_schema = R"({"type": "integer"})";
+  EXPECT_NE(result_entry(base, schema), key);
+  EXPECT_NE(result_entry(base, schema), result_entry(base, object));
+  auto other_schema = schema;
+  other_schema.json_schema = R"({"type": "string"})";
+  EXPECT_NE(result_entry(base, other_schema), result_entry(base, schema));
 }
 
 TEST(ReuseRecords, PromptRecordRoundTripsAndRejectsBadSizes) {
