@@ -68,7 +68,18 @@ enum FrameKind : uint8_t {
   kLiteralFrame
 };
 // Container phases.
-enum Phase : uint8_t { kOpen, kKey, kColon, kValueNext, kValue, kAfterValue, kComma, kDone };
+enum Phase : uint8_t {
+  kOpen,
+  kKey,
+  kColon,
+  kValueNext,
+  kValue,
+  kAfterValue,
+  kComma,
+  kDone,
+  kPrefix,
+  kSuffix,  // the root, inside the text around the document
+};
 // Number states.
 enum NumberState : uint8_t { kMinus, kZero, kInt, kDot, kFraction, kE, kExponentSign, kExponent };
 // String escape states (Frame::a): 0 none, 1 after '\', 2..5 reading the 4 hex digits of \u.
@@ -112,10 +123,12 @@ class JsonSchemaCompiler {
     return grammar_;
   }
 
-  std::shared_ptr<const JsonGrammar> run() {
+  std::shared_ptr<const JsonGrammar> run(std::string_view prefix, std::string_view suffix) {
     add_builtins();
     grammar_->root_ = compile(root_, "", 0);
     check_reachable_end();
+    if (!prefix.empty()) grammar_->prefix_ = literals({{std::string(prefix), 0}});
+    if (!suffix.empty()) grammar_->suffix_ = literals({{std::string(suffix), 0}});
     return grammar_;
   }
 
@@ -400,7 +413,7 @@ std::shared_ptr<const JsonGrammar> JsonGrammar::any_object() {
 
 Expected<std::shared_ptr<const JsonGrammar>> JsonGrammar::compile_document(const json& schema) {
   try {
-    return JsonSchemaCompiler(schema).run();
+    return JsonSchemaCompiler(schema).run({}, {});
   } catch (const StatusError& error) {
     return error.error();
   } catch (const json::exception& error) {
@@ -408,13 +421,21 @@ Expected<std::shared_ptr<const JsonGrammar>> JsonGrammar::compile_document(const
   }
 }
 
-Expected<std::shared_ptr<const JsonGrammar>> JsonGrammar::compile(std::string_view schema_text) {
+Expected<std::shared_ptr<const JsonGrammar>> JsonGrammar::compile(std::string_view schema_text,
+                                                                  std::string_view prefix,
+                                                                  std::string_view suffix) {
   if (schema_text.size() > kMaxJsonSchemaBytes)
     return Error{"json_schema is " + std::to_string(schema_text.size()) + " bytes; at most " +
                  std::to_string(kMaxJsonSchemaBytes) + " are accepted"};
   const json schema = json::parse(schema_text, nullptr, false);
   if (schema.is_discarded()) return Error{"json_schema is not valid JSON"};
-  return compile_document(schema);
+  try {
+    return JsonSchemaCompiler(schema).run(prefix, suffix);
+  } catch (const StatusError& error) {
+    return error.error();
+  } catch (const json::exception& error) {
+    return Error{std::string("json_schema: ") + error.what()};
+  }
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -425,7 +446,16 @@ JsonMatcher::JsonMatcher(std::shared_ptr<const JsonGrammar> grammar)
   root.kind = kRoot;
   root.phase = kValueNext;
   root.node = grammar_->root();
-  stacks_.push_back({root});
+  Stack stack = {root};
+  if (grammar_->prefix() != JsonGrammar::kNoText) {
+    stack[0].phase = kPrefix;
+    Frame text;
+    text.kind = kLiteralFrame;
+    text.node = grammar_->prefix();
+    text.b = 1;
+    stack.push_back(text);
+  }
+  stacks_.push_back(std::move(stack));
 }
 
 bool JsonMatcher::complete(const Frame& frame) const {
@@ -456,6 +486,8 @@ void JsonMatcher::child_done(Frame& parent, const Frame& child) const {
       parent.b = grammar_->node(parent.node).properties[property].node;
     }
     parent.phase = kColon;
+  } else if (parent.kind == kRoot && parent.phase != kValue) {
+    parent.phase = parent.phase == kPrefix ? kValueNext : kDone;  // after the prefix, the suffix
   } else {
     parent.phase = kAfterValue;
     if (parent.kind == kArrayFrame) ++parent.a;
@@ -547,8 +579,15 @@ void JsonMatcher::consume(const Stack& stack, uint8_t byte, std::vector<Stack>& 
 
   switch (top.kind) {
     case kRoot:
+      if (top.phase != kValueNext && top.phase != kAfterValue) return;
       if (is_whitespace(byte)) return whitespace();
-      if (top.phase == kValueNext) open_value(top.node);
+      if (top.phase == kValueNext) {
+        open_value(top.node);
+      } else if (grammar_->suffix() != JsonGrammar::kNoText) {
+        Stack next = stack;
+        next.back().phase = kSuffix;
+        open(std::move(next), grammar_->suffix(), byte, out);
+      }
       return;
 
     case kObjectFrame:
@@ -794,7 +833,9 @@ bool JsonMatcher::can_end() const {
       stack.pop_back();
       child_done(stack.back(), child);
     }
-    if (stack.size() == 1 && stack[0].phase == kAfterValue) return true;
+    if (stack.size() != 1) continue;
+    const bool suffix = grammar_->suffix() != JsonGrammar::kNoText;
+    if (stack[0].phase == (suffix ? kDone : kAfterValue)) return true;
   }
   return false;
 }

@@ -49,7 +49,11 @@ class JsonGrammar {
   // ordered document (or the text) keeps the properties in the order the schema writes them.
   static Expected<std::shared_ptr<const JsonGrammar>> compile_document(
       const nlohmann::ordered_json& schema);
-  static Expected<std::shared_ptr<const JsonGrammar>> compile(std::string_view schema_text);
+  // With `prefix` and `suffix`: the document between those texts (a tool call's tags), with
+  // whitespace allowed inside them.
+  static Expected<std::shared_ptr<const JsonGrammar>> compile(std::string_view schema_text,
+                                                              std::string_view prefix = {},
+                                                              std::string_view suffix = {});
 
   enum class Kind : uint8_t {
     kUnion,
@@ -83,12 +87,17 @@ class JsonGrammar {
   const Node& node(uint32_t index) const { return nodes_[index]; }
   uint32_t root() const { return root_; }
   uint32_t any_string() const { return any_string_; }
+  static constexpr uint32_t kNoText = UINT32_MAX;
+  uint32_t prefix() const { return prefix_; }  // kLiterals nodes, or kNoText
+  uint32_t suffix() const { return suffix_; }
 
  private:
   friend class JsonSchemaCompiler;
   std::vector<Node> nodes_;
   uint32_t root_ = 0;
   uint32_t any_string_ = 0;
+  uint32_t prefix_ = kNoText;
+  uint32_t suffix_ = kNoText;
 };
 
 class JsonMatcher {

@@ -62,6 +62,7 @@ Status SamplingParams::validate(int64_t vocab) const {
         return Error{"json_schema is given without structured output json_schema"};
       break;
     case StructuredOutput::kJsonSchema:
+    case StructuredOutput::kHermesToolCall:
       if (auto grammar = JsonGrammar::compile(json_schema); !grammar) return grammar.error();
       break;
     default:

@@ -38,6 +38,9 @@ enum class StructuredOutput : uint8_t {
   kNone = 0,
   kJsonObject = 1,  // any JSON object
   kJsonSchema = 2,  // a document that the JSON Schema in SamplingParams::json_schema accepts
+  // That document inside Qwen's (Hermes-style) <tool_call> and </tool_call> tags: a forced tool
+  // call (OpenAI's tool_choice "required" or a named function).
+  kHermesToolCall = 3,
 };
 
 class TokenConstraint;

@@ -230,7 +230,10 @@ Status constrain_sampler(Sampler& sampler, const SamplingParams& params,
   if (params.structured == StructuredOutput::kJsonObject) {
     grammar = JsonGrammar::any_object();
   } else {
-    auto compiled = JsonGrammar::compile(params.json_schema);
+    const bool tool_call = params.structured == StructuredOutput::kHermesToolCall;
+    auto compiled = JsonGrammar::compile(params.json_schema,
+                                         tool_call ? kHermesToolCallOpen : std::string_view(),
+                                         tool_call ? kHermesToolCallClose : std::string_view());
     if (!compiled) return compiled.error();
     grammar = *compiled;
   }

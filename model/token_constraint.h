@@ -13,6 +13,7 @@
 #include <memory>
 #include <span>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include "base/status.h"
@@ -80,6 +81,10 @@ class TokenConstraint {
   bool any_allowed_ = false;
   std::vector<JsonMatcher> at_depth_;  // the walk's matchers, one per depth, reused
 };
+
+// The tags around a Hermes-style tool call (Qwen2.5, Qwen3).
+inline constexpr std::string_view kHermesToolCallOpen = "<tool_call>";
+inline constexpr std::string_view kHermesToolCallClose = "</tool_call>";
 
 // Gives `sampler` the constraint its parameters ask for (none: nothing to do), with the model's
 // vocabulary and its end-of-sequence ids (the parameters' stop tokens end it too).

@@ -36,6 +36,9 @@ enum class StructuredOutput : uint8_t {
   kNone,        // free text
   kJsonObject,  // any JSON object
   kJsonSchema,  // a document the JSON Schema in GenerateOptions::json_schema accepts
+  // That document inside Qwen's <tool_call> tags: a forced tool call (the HTTP front's
+  // tool_choice "required" or a named function, for templates that write Hermes-style calls).
+  kHermesToolCall,
 };
 
 struct GenerateOptions {

@@ -1,8 +1,10 @@
 #include "stages/http/backend.h"
 
 #include "model/config.h"
+#include "model/json_grammar.h"
 #include "model/model_text.h"
 #include "stages/http/events.h"
+#include "stages/http/tool_calls.h"
 
 namespace moeline::stages::http {
 
@@ -66,6 +68,31 @@ std::variant<sdk::GenerateOptions, ApiError> to_options(const CompletionRequest&
                       "reads back (Qwen's <tool_call> JSON blocks, GLM-4.5's <arg_key> blocks)";
       return error;
     }
+    if (request.tool_choice == CompletionRequest::ToolChoice::kRequired ||
+        request.tool_choice == CompletionRequest::ToolChoice::kFunction) {
+      ApiError error;
+      error.param = "tool_choice";
+      if (backend.chat->tool_call_format() != tokenizer::ToolCallFormat::kHermes) {
+        error.code = "unsupported_parameter";
+        error.message =
+            "a forced tool call is decoded as Qwen's <tool_call> JSON blocks; the model '" +
+            backend.name + "' writes its calls in another format";
+        return error;
+      }
+      if (request.structured != sdk::StructuredOutput::kNone) {
+        error.message = "'response_format' and a forced 'tool_choice' cannot be combined";
+        return error;
+      }
+      options.structured = sdk::StructuredOutput::kHermesToolCall;
+      options.json_schema =
+          forced_call_schema(request.chat.tools_json, request.tool_choice_function);
+      if (auto grammar = model::JsonGrammar::compile(options.json_schema); !grammar) {
+        error.param = "tools";
+        error.message =
+            "the tools' parameters cannot be decoded as a forced call: " + grammar.error().message;
+        return error;
+      }
+    }
     auto rendered = backend.chat->render(request.messages, request.chat);
     if (!rendered) {
       ApiError error;
@@ -99,8 +126,10 @@ std::variant<sdk::GenerateOptions, ApiError> to_options(const CompletionRequest&
   options.frequency_penalty = request.frequency_penalty;
   options.repetition_penalty = request.repetition_penalty;
   options.logit_bias = request.logit_bias;
-  options.structured = request.structured;
-  options.json_schema = request.json_schema;
+  if (options.structured == sdk::StructuredOutput::kNone) {
+    options.structured = request.structured;
+    options.json_schema = request.json_schema;
+  }
   if (request.logprobs && !backend.tokenizer) {
     ApiError error;
     error.param = "logprobs";

@@ -289,24 +289,44 @@ std::optional<ApiError> refuse_unserved(const json& body, int64_t n) {
 }
 
 // Chat: the tools on offer ([{type: function, function: {name, description, parameters}}]) and
-// tool_choice "auto" (the default) or "none" (the tools are then not shown to the model); a forced
-// call ("required", or a named function) would need constrained decoding, which this server does
-// not do. The tools go to the chat template as the body wrote them (its key order kept).
+// tool_choice: "auto" (the default), "none" (the tools are then not shown to the model),
+// "required" (a call to one of them) or {"type": "function", "function": {"name"}} (a call to
+// that one), the forced ones decoded under the calls' grammar. The tools go to the chat template
+// as the body wrote them (its key order kept).
 std::optional<ApiError> read_tools(const json& body, const std::string& text,
                                    CompletionRequest& out) {
+  using ToolChoice = CompletionRequest::ToolChoice;
   std::string choice = "auto";
   if (present(body, "tool_choice")) {
     const json& tool_choice = body["tool_choice"];
-    if (tool_choice.is_object()) return unsupported("tool_choice", "a named tool_choice");
-    if (!tool_choice.is_string())
-      return wrong_type("tool_choice", tool_choice, "\"auto\", \"none\" or an object");
-    choice = tool_choice.get<std::string>();
-    if (choice == "required") return unsupported("tool_choice", "tool_choice \"required\"");
-    if (choice != "auto" && choice != "none")
-      return bad("tool_choice",
-                 "'tool_choice' must be \"auto\" or \"none\", got \"" + choice + "\"");
+    if (tool_choice.is_object()) {
+      const json* function = tool_choice.contains("function") ? &tool_choice["function"] : nullptr;
+      if (tool_choice.value("type", json()) != "function" || function == nullptr ||
+          !function->is_object() || !function->contains("name") || !(*function)["name"].is_string())
+        return bad("tool_choice",
+                   "a named 'tool_choice' is {\"type\": \"function\", \"function\": {\"name\": "
+                   "NAME}}");
+      out.tool_choice = ToolChoice::kFunction;
+      out.tool_choice_function = (*function)["name"].get<std::string>();
+    } else if (!tool_choice.is_string()) {
+      return wrong_type("tool_choice", tool_choice,
+                        "\"auto\", \"none\", \"required\" or an object");
+    } else {
+      choice = tool_choice.get<std::string>();
+      if (choice != "auto" && choice != "none" && choice != "required")
+        return bad(
+            "tool_choice",
+            "'tool_choice' must be \"auto\", \"none\" or \"required\", got \"" + choice + "\"");
+      if (choice == "none") out.tool_choice = ToolChoice::kNone;
+      if (choice == "required") out.tool_choice = ToolChoice::kRequired;
+    }
   }
-  if (!present(body, "tools")) return std::nullopt;
+  const bool forced =
+      out.tool_choice == ToolChoice::kRequired || out.tool_choice == ToolChoice::kFunction;
+  if (!present(body, "tools") || (body["tools"].is_array() && body["tools"].empty())) {
+    if (forced) return bad("tool_choice", "'tool_choice' forces a call, but there are no 'tools'");
+    if (!present(body, "tools")) return std::nullopt;
+  }
   const json& tools = body["tools"];
   if (!tools.is_array()) return wrong_type("tools", tools, "an array");
   for (size_t i = 0; i < tools.size(); ++i) {
@@ -321,6 +341,12 @@ std::optional<ApiError> read_tools(const json& body, const std::string& text,
         !function["parameters"].is_object())
       return wrong_type(at + ".function.parameters", function["parameters"], "an object");
   }
+  if (out.tool_choice == ToolChoice::kFunction &&
+      std::none_of(tools.begin(), tools.end(), [&](const json& tool) {
+        return tool["function"]["name"] == out.tool_choice_function;
+      }))
+    return bad("tool_choice", "'tool_choice' names the function '" + out.tool_choice_function +
+                                  "', which is not one of the 'tools'");
   if (tools.empty() || choice == "none") return std::nullopt;
   out.chat.tools_json =
       nlohmann::ordered_json::parse(text, nullptr, /*allow_exceptions=*/false)["tools"].dump();

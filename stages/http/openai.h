@@ -81,6 +81,11 @@ struct CompletionRequest {
     return std::max<int64_t>(
         1, static_cast<int64_t>(std::max(batch_prompts.size(), batch_prompt_tokens.size())));
   }
+  // Chat: tool_choice. A forced call ("required", or a named function) is decoded under a grammar
+  // of the tools' calls (README "Structured output").
+  enum class ToolChoice { kAuto, kNone, kRequired, kFunction };
+  ToolChoice tool_choice = ToolChoice::kAuto;
+  std::string tool_choice_function;  // kFunction: the function's name
   // Chat template switches (chat_template_kwargs, as vLLM and SGLang take them).
   tokenizer::ChatOptions chat;
 };

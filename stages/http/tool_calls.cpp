@@ -197,4 +197,24 @@ std::string ToolCallHold::feed(const std::string& delta) {
   return text.substr(0, text.size() - keep);
 }
 
+std::string forced_call_schema(const std::string& tools_json, const std::string& function) {
+  using ordered = nlohmann::ordered_json;
+  const ordered tools = ordered::parse(tools_json, nullptr, /*allow_exceptions=*/false);
+  ordered alternatives = ordered::array();
+  for (const ordered& tool : tools.is_array() ? tools : ordered::array()) {
+    const ordered& spec = tool["function"];
+    const std::string name = spec["name"].get<std::string>();
+    if (!function.empty() && name != function) continue;
+    ordered parameters = spec.contains("parameters") && spec["parameters"].is_object()
+                             ? spec["parameters"]
+                             : ordered{{"type", "object"}};
+    ordered call = {{"type", "object"},
+                    {"properties", {{"name", {{"const", name}}}, {"arguments", parameters}}},
+                    {"required", {"name", "arguments"}}};
+    alternatives.push_back(std::move(call));
+  }
+  if (alternatives.size() == 1) return alternatives[0].dump();
+  return ordered{{"anyOf", alternatives}}.dump();
+}
+
 }  // namespace moeline::stages::http

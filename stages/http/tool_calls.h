@@ -44,6 +44,11 @@ std::optional<ToolCallOutput> parse_tool_calls(const std::string& text,
                                                tokenizer::ToolCallFormat format,
                                                const std::string& tools_json);
 
+// A forced call's document, as a JSON Schema (text): {"name": one of the tools' names (only
+// `function` where it is given), "arguments": that tool's parameters (an object where it has
+// none)}, one alternative per tool, the properties in that order as Hermes calls write them.
+std::string forced_call_schema(const std::string& tools_json, const std::string& function);
+
 // A streamed text with tools on offer: the content is written as it comes until a call may
 // begin; from the first "<tool_call>" (or what could still become one at the end of the text so
 // far) it is held back, and at the end parsed as calls or, if it is not one, written as text.

@@ -25,7 +25,9 @@ Cases (--case, one per CTest entry):
         choices whole and streamed, a logit_bias, echo with logprobs, and its error classes for an unknown model and a wrong type; skipped (77) when the package
         is not installed.
   tools  Qwen3's chat template over a tool, a call and its answer: the prompt as jinja2 renders it,
-        the answer as `moeline run` gives it (skipped without python3-jinja2 or the npm package).
+        the answer as `moeline run` gives it; forced calls (tool_choice "required" and a named
+        function) answered with a call the tool's schema accepts (skipped without python3-jinja2
+        or the npm package).
   slow_client  a streaming client that stops reading is cut off after --write-timeout-ms (and
         counted), while another stream completes.
 """
@@ -925,9 +927,54 @@ def case_tools(args):
                                 dict(request, tool_choice="none"))
         check(status == 200 and plain["usage"]["prompt_tokens"] < len(ids),
               f"tool_choice none shows no tools: {plain}")
+        check_forced_calls(stack)
     print(f"ok tools: a tool, a call and its answer rendered as jinja2 renders Qwen3's template "
           f"({len(ids)} tokens), answered as moeline run answers them, whole and streamed; "
-          "tool_choice none leaves the tools out")
+          "tool_choice none leaves the tools out; forced calls (required, named) decoded under "
+          "the calls' grammar, whole and streamed")
+
+
+def check_forced_calls(stack):
+    """tool_choice "required" and a named function: the demo model, which never writes calls of
+    its own, answers with a call whose name and arguments the tools' schemas accept (Python's
+    jsonschema), finish_reason tool_calls, whole and streamed; a name not among the tools and a
+    forced call without tools are 400s."""
+    import jsonschema
+    tools = [{"type": "function", "function": {
+                 "name": "get_weather", "parameters": {
+                     "type": "object", "properties": {"city": {"enum": ["Paris", "Rome"]},
+                                                      "celsius": {"type": "boolean"}},
+                     "required": ["city", "celsius"]}}},
+             {"type": "function", "function": {"name": "get_time", "parameters": {
+                 "type": "object", "properties": {"zone": {"enum": ["UTC", "CET"]}},
+                 "required": ["zone"]}}}]
+    schemas = {t["function"]["name"]: t["function"]["parameters"] for t in tools}
+    messages = [{"role": "user", "content": "What is the weather in Paris?"}]
+    for choice in ("required", {"type": "function", "function": {"name": "get_time"}}):
+        request = {"messages": messages, "tools": tools, "tool_choice": choice,
+                   "max_tokens": 100, "temperature": 0}
+        status, body, _ = post(stack, "/v1/chat/completions", request)
+        check(status == 200, f"tool_choice {choice}: {status} {body}")
+        answer = body["choices"][0]
+        check(answer["finish_reason"] == "tool_calls" and
+              len(answer["message"].get("tool_calls") or []) == 1,
+              f"tool_choice {choice}: {answer}")
+        call = answer["message"]["tool_calls"][0]["function"]
+        if isinstance(choice, dict):
+            check(call["name"] == "get_time", f"the named tool_choice called {call['name']}")
+        jsonschema.validate(json.loads(call["arguments"]), schemas[call["name"]])
+        events, done = stream(stack, "/v1/chat/completions", dict(request, stream=True))
+        streamed = [c for e in events if e["choices"]
+                    for c in e["choices"][0]["delta"].get("tool_calls") or []]
+        check(done and len(streamed) == 1 and streamed[0]["function"] == call,
+              f"tool_choice {choice} streamed: {streamed} want {call}")
+    error_is(post(stack, "/v1/chat/completions",
+                  {"messages": messages, "tools": tools,
+                   "tool_choice": {"type": "function", "function": {"name": "nope"}}}),
+             400, "tool_choice", what="a named tool_choice that is not a tool")
+    error_is(post(stack, "/v1/chat/completions",
+                  {"messages": messages, "tool_choice": "required"}),
+             400, "tool_choice", what="a forced call without tools")
 
 
 def case_slow_client(args):

@@ -797,6 +797,16 @@ MUTANTS = [
          new="if (false) {",
          why="a constrained request is answered with the stored result of the same prompt without a grammar",
          tests=r"^ReuseRecords\.|^stack_http_api$"),
+    dict(name="tool-call-ends-before-its-tag", file="model/json_grammar.cpp",
+         old="if (stack[0].phase == (suffix ? kDone : kAfterValue)) return true;",
+         new="if (stack[0].phase == kAfterValue) return true;",
+         why="a forced tool call may end before its closing </tool_call>",
+         tests=r"^JsonGrammarAround\."),
+    dict(name="forced-tool-call-unconstrained", file="stages/http/backend.cpp",
+         old="options.structured = sdk::StructuredOutput::kHermesToolCall;",
+         new="options.structured = sdk::StructuredOutput::kJsonSchema;",
+         why="a forced tool call is decoded as a bare JSON document, without its <tool_call> tags",
+         tests=r"^stack_http_tools$"),
 ]
 
 KNOWN_SURVIVORS = []  # none today: a planted bug that survives gets its test (tests/README.md)

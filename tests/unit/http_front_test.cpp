@@ -20,6 +20,7 @@
 #include "stages/http/stop_matcher.h"
 #include "stages/http/token_stream.h"
 #include "stages/http/tokenize.h"
+#include "stages/http/tool_calls.h"
 
 namespace moeline::stages::http {
 namespace {
@@ -222,6 +223,26 @@ TEST(OpenAiRequest, DefaultsAreOpenAis) {
                        R"({"prompt": "p", "echo": false, "suffix": "", "n": 2, "best_of": 2})")
                 .n,
             2);
+  // Forced tool calls: "required", and a named function among the tools.
+  const std::string tools = R"("tools": [{"type": "function", "function": {"name": "f"}},
+      {"type": "function", "function": {"name": "g", "parameters": {"type": "object"}}}])";
+  EXPECT_EQ(request_of(Endpoint::kChat, R"({"messages": [{"role": "user", "content": "x"}],
+      "tool_choice": "required", )" + tools +
+                                            "}")
+                .tool_choice,
+            CompletionRequest::ToolChoice::kRequired);
+  const CompletionRequest named =
+      request_of(Endpoint::kChat, R"({"messages": [{"role": "user", "content": "x"}],
+      "tool_choice": {"type": "function", "function": {"name": "g"}}, )" +
+                                      tools + "}");
+  EXPECT_EQ(named.tool_choice, CompletionRequest::ToolChoice::kFunction);
+  EXPECT_EQ(named.tool_choice_function, "g");
+  // The grammar of a forced call: {"name", "arguments"} for each tool, or only the named one.
+  EXPECT_EQ(forced_call_schema(named.chat.tools_json, "g"),
+            R"({"type":"object","properties":{"name":{"const":"g"},"arguments":{"type":"object"}},)"
+            R"("required":["name","arguments"]})");
+  EXPECT_EQ(
+      forced_call_schema(named.chat.tools_json, "").rfind(R"({"anyOf":[{"type":"object",)", 0), 0u);
   // Structured output: json_object, and json_schema with the schema's text in its own key order.
   EXPECT_EQ(request_of(Endpoint::kChat, R"({"messages": [{"role": "user", "content": "x"}],
       "response_format": {"type": "json_object"}})")
@@ -307,6 +328,17 @@ TEST(OpenAiRequest, WrongTypesAndValuesNameTheirParameter) {
       {Endpoint::kChat, R"({"messages": [{"role": "user"}], "tools": [{"type": "retrieval"}]})",
        "tools[0].type"},
       {Endpoint::kChat, R"({"messages": [{"role": "user"}], "tool_choice": "required"})",
+       "tool_choice"},
+      {Endpoint::kChat,
+       R"({"messages": [{"role": "user"}], "tool_choice": "required", "tools": []})",
+       "tool_choice"},
+      {Endpoint::kChat,
+       R"({"messages": [{"role": "user"}], "tool_choice": {"type": "function",
+           "function": {"name": "g"}}, "tools": [{"type": "function", "function": {"name": "f"}}]})",
+       "tool_choice"},
+      {Endpoint::kChat,
+       R"({"messages": [{"role": "user"}], "tool_choice": {"type": "function"},
+           "tools": [{"type": "function", "function": {"name": "f"}}]})",
        "tool_choice"},
       {Endpoint::kChat, R"({"messages": [{"role": "user"}], "tool_choice": "sometimes"})",
        "tool_choice"},

@@ -194,6 +194,32 @@ INSTANTIATE_TEST_SUITE_P(
                             fs::path(MOELINE_TEST_MODELS) / "mixtral-f32" / "tokenizer.json"}),
     [](const auto& param_info) { return param_info.param.name; });
 
+// A forced tool call: the document between Qwen's tags, whitespace allowed inside them, and the
+// end only after the closing tag.
+TEST(JsonGrammarAround, TheDocumentBetweenTheTags) {
+  auto grammar = JsonGrammar::compile(R"({"type": "object", "properties": {"name": {"const": "f"}},
+                                          "required": ["name"]})",
+                                      kHermesToolCallOpen, kHermesToolCallClose);
+  ASSERT_TRUE(grammar) << grammar.error().message;
+  auto accepts = [&](std::string_view text) {
+    JsonMatcher matcher(*grammar);
+    return matcher.advance(text) && matcher.can_end();
+  };
+  EXPECT_TRUE(accepts("<tool_call>\n{\"name\": \"f\"}\n</tool_call>"));
+  EXPECT_TRUE(accepts("<tool_call>{\"name\":\"f\"}</tool_call>"));
+  EXPECT_FALSE(accepts("{\"name\": \"f\"}"));
+  EXPECT_FALSE(accepts("<tool_call>\n{\"name\": \"f\"}\n"));
+  EXPECT_FALSE(accepts("<tool_call>\n{\"name\": \"g\"}\n</tool_call>"));
+  EXPECT_FALSE(accepts("<tool_call>\n{\"name\": \"f\"}\n</tool_call> "));
+  EXPECT_FALSE(accepts(" <tool_call>{\"name\": \"f\"}</tool_call>"));
+  JsonMatcher matcher(*grammar);
+  ASSERT_TRUE(matcher.advance("<tool_call>\n{\"name\": \"f\"}\n</tool_"));
+  EXPECT_FALSE(matcher.can_end());
+  EXPECT_FALSE(matcher.advance("x"));
+  EXPECT_TRUE(matcher.advance("call>"));
+  EXPECT_TRUE(matcher.can_end());
+}
+
 // What a request may ask for is checked where it enters: the gateway's validate() refuses a
 // schema outside the subset by name, and a schema without the kind that uses it.
 TEST(StructuredOutputParams, ValidateRefusesWhatCannotBeServed) {
@@ -215,6 +241,10 @@ TEST(StructuredOutputParams, ValidateRefusesWhatCannotBeServed) {
   params.json_schema.clear();
   EXPECT_FALSE(params.validate().ok());
   params.structured = model::StructuredOutput::kJsonObject;
+  EXPECT_TRUE(params.validate().ok());
+  params.structured = model::StructuredOutput::kHermesToolCall;
+  EXPECT_FALSE(params.validate().ok()) << "a tool call needs its schema";
+  params.json_schema = R"({"type": "object"})";
   EXPECT_TRUE(params.validate().ok());
 }
 
