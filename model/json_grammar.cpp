@@ -25,6 +25,7 @@ constexpr size_t kMaxDepth = 32;
 constexpr size_t kMaxNodes = 4096;
 constexpr size_t kMaxLiterals = 1024;
 constexpr size_t kMaxProperties = 256;
+constexpr int kMaxSchemaNesting = 128;
 // Forks of a union that are followed at once: beyond this the schema is too ambiguous to serve.
 constexpr size_t kMaxStacks = 64;
 
@@ -127,6 +128,7 @@ class JsonSchemaCompiler {
     add_builtins();
     grammar_->root_ = compile(root_, "", 0);
     check_reachable_end();
+    check_no_left_recursion();
     if (!prefix.empty()) grammar_->prefix_ = literals({{std::string(prefix), 0}});
     if (!suffix.empty()) grammar_->suffix_ = literals({{std::string(suffix), 0}});
     return grammar_;
@@ -396,6 +398,36 @@ class JsonSchemaCompiler {
     if (!finite[grammar_->root_]) throw StatusError("json_schema has no finite document");
   }
 
+  // A union that reaches itself through unions alone ({"$defs": {"a": {"anyOf": [{"$ref":
+  // "#/$defs/a"}, ...]}}}) would be opened without end at the first byte: refused.
+  void check_no_left_recursion() {
+    const auto& nodes = grammar_->nodes_;
+    std::vector<uint8_t> state(nodes.size(), 0);  // 0 unseen, 1 on the path, 2 done
+    std::vector<std::pair<uint32_t, size_t>> path;
+    for (uint32_t start = 0; start < nodes.size(); ++start) {
+      if (state[start] != 0 || nodes[start].kind != Kind::kUnion) continue;
+      path = {{start, 0}};
+      state[start] = 1;
+      while (!path.empty()) {
+        auto& [node, next] = path.back();
+        const std::vector<uint32_t>& alternatives = nodes[node].alternatives;
+        if (next == alternatives.size()) {
+          state[node] = 2;
+          path.pop_back();
+          continue;
+        }
+        const uint32_t alternative = alternatives[next++];
+        if (nodes[alternative].kind != Kind::kUnion || state[alternative] == 2) continue;
+        if (state[alternative] == 1)
+          throw StatusError(
+              "json_schema refers to itself with no value in between (a $ref that is its own "
+              "first alternative): no document could begin");
+        state[alternative] = 1;
+        path.emplace_back(alternative, 0);
+      }
+    }
+  }
+
   const json& root_;
   std::shared_ptr<JsonGrammar> grammar_;
   std::map<std::string, uint32_t> references_;
@@ -411,22 +443,33 @@ std::shared_ptr<const JsonGrammar> JsonGrammar::any_object() {
   return grammar;
 }
 
-Expected<std::shared_ptr<const JsonGrammar>> JsonGrammar::compile_document(const json& schema) {
-  try {
-    return JsonSchemaCompiler(schema).run({}, {});
-  } catch (const StatusError& error) {
-    return error.error();
-  } catch (const json::exception& error) {
-    return Error{std::string("json_schema: ") + error.what()};
-  }
-}
-
 Expected<std::shared_ptr<const JsonGrammar>> JsonGrammar::compile(std::string_view schema_text,
                                                                   std::string_view prefix,
                                                                   std::string_view suffix) {
   if (schema_text.size() > kMaxJsonSchemaBytes)
     return Error{"json_schema is " + std::to_string(schema_text.size()) + " bytes; at most " +
                  std::to_string(kMaxJsonSchemaBytes) + " are accepted"};
+  // Nesting is bounded before the parse: values are copied and written back (enum, const)
+  // recursively.
+  int depth = 0;
+  bool in_string = false;
+  for (size_t i = 0; i < schema_text.size(); ++i) {
+    const char c = schema_text[i];
+    if (in_string) {
+      if (c == '\\')
+        ++i;
+      else if (c == '"')
+        in_string = false;
+    } else if (c == '"') {
+      in_string = true;
+    } else if (c == '{' || c == '[') {
+      if (++depth > kMaxSchemaNesting)
+        return Error{"json_schema is nested more than " + std::to_string(kMaxSchemaNesting) +
+                     " deep"};
+    } else if (c == '}' || c == ']') {
+      --depth;
+    }
+  }
   const json schema = json::parse(schema_text, nullptr, false);
   if (schema.is_discarded()) return Error{"json_schema is not valid JSON"};
   try {

@@ -46,9 +46,7 @@ class JsonGrammar {
   // Any JSON object (OpenAI's response_format json_object).
   static std::shared_ptr<const JsonGrammar> any_object();
   // The schema's grammar; an Error names the keyword and where it is (a JSON pointer). The
-  // ordered document (or the text) keeps the properties in the order the schema writes them.
-  static Expected<std::shared_ptr<const JsonGrammar>> compile_document(
-      const nlohmann::ordered_json& schema);
+  // properties keep the order the text writes them in.
   // With `prefix` and `suffix`: the document between those texts (a tool call's tags), with
   // whitespace allowed inside them.
   static Expected<std::shared_ptr<const JsonGrammar>> compile(std::string_view schema_text,

@@ -107,6 +107,9 @@ REFUSED = {
     "$ref": {"$ref": "https://example.com/schema"},
     "no finite document": {"type": "object", "properties": {"next": {"$ref": "#"}},
                            "required": ["next"]},
+    "no value in between": {"$defs": {"a": {"anyOf": [{"$ref": "#/$defs/a"}, {"type": "null"}]}},
+                            "$ref": "#/$defs/a"},
+    "nested more than": {"enum": [json.loads("[" * 200 + "]" * 200)]},
 }
 
 
