@@ -24,7 +24,9 @@ Params::Params(const char* function, CallArgs& args, std::initializer_list<const
     }
   }
   for (auto& [key, value] : args.keyword) {
-    auto it = std::find_if(list.begin(), list.end(), [&](const char* n) { return key == n; });
+    // The name as a plain reference: clang 14 (scripts/fuzz) cannot capture a structured binding.
+    const std::string& name = key;
+    auto it = std::find_if(list.begin(), list.end(), [&](const char* n) { return name == n; });
     if (it == list.end())
       fail(std::string(function) + "() got an unexpected keyword argument '" + key + "'");
     size_t i = static_cast<size_t>(it - list.begin());
