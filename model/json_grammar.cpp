@@ -21,7 +21,12 @@ constexpr uint8_t kMaxIndent = 20;
 constexpr uint64_t kMaxIntegerDigits = 19;
 constexpr uint64_t kMaxFractionDigits = 20;
 constexpr uint64_t kMaxExponentDigits = 3;
-constexpr size_t kMaxDepth = 32;
+// Nesting: a free-form value's objects and arrays (json_object mode, a property without a
+// schema) at most 32 deep, which is never a dead end (they can always close); a schema's own up
+// to 256, so that a recursive schema that requires its next level is not cut short where the
+// answer still has room.
+constexpr size_t kMaxFreeDepth = 32;
+constexpr size_t kMaxDepth = 256;
 constexpr size_t kMaxNodes = 4096;
 constexpr size_t kMaxLiterals = 1024;
 constexpr size_t kMaxProperties = 256;
@@ -167,6 +172,7 @@ class JsonSchemaCompiler {
     any_ = add({});
     any_map_ = add({.kind = Kind::kMap, .child = any_});
     const uint32_t any_array = add({.kind = Kind::kArray, .child = any_});
+    grammar_->free_containers_ = {any_map_, any_array};
     grammar_->any_string_ = add({.kind = Kind::kString});
     const uint32_t number = add({.kind = Kind::kNumber});
     const uint32_t words = literals({{"true", 0}, {"false", 0}, {"null", 0}});
@@ -501,6 +507,10 @@ JsonMatcher::JsonMatcher(std::shared_ptr<const JsonGrammar> grammar)
   stacks_.push_back(std::move(stack));
 }
 
+size_t JsonMatcher::depth_limit(uint32_t container) const {
+  return grammar_->free_container(container) ? kMaxFreeDepth : kMaxDepth;
+}
+
 bool JsonMatcher::complete(const Frame& frame) const {
   switch (frame.kind) {
     case kObjectFrame:
@@ -549,12 +559,12 @@ void JsonMatcher::open(Stack stack, uint32_t node_index, uint8_t byte,
       return;
     case Kind::kObject:
     case Kind::kMap:
-      if (byte != '{' || stack.size() >= kMaxDepth) return;
+      if (byte != '{' || stack.size() >= depth_limit(node_index)) return;
       frame.kind = node.kind == Kind::kObject ? kObjectFrame : kMapFrame;
       frame.phase = kOpen;
       break;
     case Kind::kArray:
-      if (byte != '[' || stack.size() >= kMaxDepth) return;
+      if (byte != '[' || stack.size() >= depth_limit(node_index)) return;
       frame.kind = kArrayFrame;
       frame.phase = kOpen;
       break;

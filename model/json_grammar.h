@@ -20,11 +20,13 @@
 // What the matcher generates, like vLLM's and llama.cpp's grammars: an object's properties in
 // the schema's order, each at most once, none that the schema does not list (unless it has no
 // properties and allows any); between tokens no whitespace, one space, or a newline and up to 20
-// spaces or tabs (as json.dumps writes with and without indent); integers of at most
-// 19 digits, fractions of at most 20, exponents of at most 3; nesting at most 32 deep; strings of
+// spaces or tabs (as json.dumps writes with and without indent); free-form values nested at most
+// 32 deep, a schema's own objects and arrays 256; integers of at most
+// 19 digits, fractions of at most 20, exponents of at most 3; strings of
 // valid UTF-8 with escapes, no \u surrogates; a const or enum value written as compact JSON
 // (json.dumps with separators (",", ":")), which matters only for objects and arrays.
 
+#include <algorithm>
 #include <cstdint>
 #include <memory>
 #include <optional>
@@ -87,6 +89,11 @@ class JsonGrammar {
   uint32_t any_string() const { return any_string_; }
   static constexpr uint32_t kNoText = UINT32_MAX;
   uint32_t prefix() const { return prefix_; }  // kLiterals nodes, or kNoText
+  // The free-form value's object or array (nested at most 32 deep, a schema's own 256).
+  bool free_container(uint32_t node) const {
+    return std::find(free_containers_.begin(), free_containers_.end(), node) !=
+           free_containers_.end();
+  }
   uint32_t suffix() const { return suffix_; }
 
  private:
@@ -94,6 +101,7 @@ class JsonGrammar {
   std::vector<Node> nodes_;
   uint32_t root_ = 0;
   uint32_t any_string_ = 0;
+  std::vector<uint32_t> free_containers_;  // the free-form value's object and array
   uint32_t prefix_ = kNoText;
   uint32_t suffix_ = kNoText;
 };
@@ -137,6 +145,8 @@ class JsonMatcher {
   // A string's byte, or a literal's: the frame changes, nothing is pushed, popped or forked.
   bool step_in_place(Frame& frame, uint8_t byte) const;
   bool complete(const Frame& frame) const;
+  // How deep the stack may be when `container` opens.
+  size_t depth_limit(uint32_t container) const;
   void child_done(Frame& parent, const Frame& child) const;
   bool advance_byte(uint8_t byte);
 

@@ -64,6 +64,19 @@ TREE = {
     "required": ["value"],
 }
 
+# Each level requires the next (an empty array ends it): 40 levels, past the 32 that free-form
+# values may nest, must still be accepted.
+CHAIN = {"type": "object", "properties": {"c": {"type": "array", "items": {"$ref": "#"},
+                                                "maxItems": 1}}, "required": ["c"]}
+
+
+def chain(levels):
+    value = {"c": []}
+    for _ in range(levels - 1):
+        value = {"c": [value]}
+    return value
+
+
 SCHEMAS = {
     "person": (PERSON,
                [{"name": "Ada", "age": 36},
@@ -98,6 +111,10 @@ SCHEMAS = {
                 ['"abcd"', 'null', '{"k": [1]}'], [{"k": [1, 2]}]),
     "any": (True, [None, 1, "x", [1, {"a": []}], {"b": {"c": None}}], []),
     "json_object": ("-object", [{}, {"a": [1, None, "z", {"b": True}]}], ['[1]', '"x"', '1']),
+    # (Deeper than 20 levels, json.dumps' indent passes the 20 indents the grammar allows: compact
+    # only. The walks differ only in depth and whitespace: few distinct values.)
+    "chain": (CHAIN, [chain(1), chain(3)], ['{"c": [{}]}', '{"c": [{"c": []}, {"c": []}]}'],
+              [chain(40)], 3),
 }
 
 REFUSED = {
@@ -141,7 +158,9 @@ def main():
     os.makedirs(args.workdir, exist_ok=True)
     failures = []
 
-    for name, (schema, good, bad, *compact_only) in SCHEMAS.items():
+    for name, (schema, good, bad, *extra) in SCHEMAS.items():
+        compact_only = extra[:1]
+        least_distinct = extra[1] if len(extra) > 1 else 20
         path = write_schema(args.workdir, name, schema)
         out = subprocess.run([args.walk, "walk", path, str(args.walks), "7"], check=True,
                              capture_output=True, text=True).stdout.splitlines()
@@ -168,7 +187,7 @@ def main():
             failures.append(f"{name}: invalid documents, e.g. {invalid[:3]}")
         if len(finished) < 0.9 * args.walks:
             failures.append(f"{name}: only {len(finished)} of {args.walks} walks ended")
-        if shapes < min(20, len(finished) // 4):
+        if shapes < min(least_distinct, len(finished) // 4):
             failures.append(f"{name}: the walks gave only {shapes} distinct values")
 
         texts = []
