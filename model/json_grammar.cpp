@@ -1,6 +1,8 @@
 #include "model/json_grammar.h"
 
 #include <algorithm>
+#include <cmath>
+#include <functional>
 #include <map>
 #include <numeric>
 #include <set>
@@ -30,10 +32,17 @@ constexpr size_t kMaxDepth = 256;
 constexpr size_t kMaxNodes = 4096;
 constexpr size_t kMaxLiterals = 1024;
 constexpr size_t kMaxProperties = 256;
-constexpr int kMaxSchemaNesting = 128;
+constexpr size_t kMaxSchemaNesting = 128;
+constexpr size_t kMaxAlternatives = 256;
 // Forks of a union that are followed at once: beyond this the schema is too ambiguous to serve.
 constexpr size_t kMaxStacks = 64;
 
+// The assertions of the subset (annotations and unknown keywords are ignored).
+const std::set<std::string, std::less<>> kAssertions = {
+    "type",      "properties", "required", "additionalProperties",
+    "items",     "minItems",   "maxItems", "minLength",
+    "maxLength", "enum",       "const",    "anyOf",
+    "oneOf",     "allOf",      "$ref"};
 // Assertions outside the subset: refused by name.
 const std::set<std::string, std::less<>> kUnsupported = {"pattern",
                                                          "patternProperties",
@@ -132,8 +141,10 @@ class JsonSchemaCompiler {
   std::shared_ptr<const JsonGrammar> run(std::string_view prefix, std::string_view suffix) {
     add_builtins();
     grammar_->root_ = compile(root_, "", 0);
-    check_reachable_end();
     check_no_left_recursion();
+    flatten_unions();
+    check_reachable_end();
+    check_one_ofs();
     if (!prefix.empty()) grammar_->prefix_ = literals({{std::string(prefix), 0}});
     if (!suffix.empty()) grammar_->suffix_ = literals({{std::string(suffix), 0}});
     return grammar_;
@@ -191,25 +202,38 @@ class JsonSchemaCompiler {
       if (kUnsupported.contains(key))
         fail(pointer_child(where, key), "the keyword '" + key + "' is not supported");
 
+    // The keywords that combine or replace a schema take no other assertion beside them: it
+    // would be ignored, and the document might then fail it.
+    for (const char* keyword : {"$ref", "allOf", "anyOf", "oneOf", "const", "enum"}) {
+      if (!schema.contains(keyword)) continue;
+      const bool values =
+          std::string_view(keyword) == "const" || std::string_view(keyword) == "enum";
+      for (const auto& [key, value] : schema.items())
+        if (kAssertions.contains(key) && key != keyword && !(values && key == "type"))
+          fail(pointer_child(where, key),
+               "'" + key + "' beside '" + keyword + "' is not supported");
+    }
     if (auto ref = schema.find("$ref"); ref != schema.end()) return reference(*ref, where, depth);
     if (auto all = schema.find("allOf"); all != schema.end()) {
       if (!all->is_array() || all->size() != 1)
         fail(pointer_child(where, "allOf"), "only an allOf of one schema is supported");
-      if (schema.contains("type") || schema.contains("anyOf") || schema.contains("oneOf") ||
-          schema.contains("enum") || schema.contains("const") || schema.contains("properties"))
-        fail(pointer_child(where, "allOf"), "allOf beside other assertions is not supported");
       return compile((*all)[0], pointer_child(where, "allOf") + "/0", depth + 1);
     }
-    if (auto value = schema.find("const"); value != schema.end())
-      return literals({{value->dump(), 0}});
-    if (auto values = schema.find("enum"); values != schema.end()) {
-      if (!values->is_array() || values->empty())
-        fail(pointer_child(where, "enum"), "enum must be a non-empty array");
-      if (values->size() > kMaxLiterals)
-        fail(pointer_child(where, "enum"),
-             "enum may list at most " + std::to_string(kMaxLiterals) + " values");
+    for (const char* keyword : {"const", "enum"}) {
+      auto found = schema.find(keyword);
+      if (found == schema.end()) continue;
+      const std::string at = pointer_child(where, keyword);
+      const bool one = std::string_view(keyword) == "const";
+      if (!one && (!found->is_array() || found->empty()))
+        fail(at, "enum must be a non-empty array");
+      if (!one && found->size() > kMaxLiterals)
+        fail(at, "enum may list at most " + std::to_string(kMaxLiterals) + " values");
+      // Beside a type, only the values of that type.
       std::vector<std::pair<std::string, uint32_t>> texts;
-      for (const json& value : *values) texts.emplace_back(value.dump(), 0);
+      for (const json& value : one ? json::array({*found}) : *found)
+        if (!schema.contains("type") || of_type(value, schema["type"], where))
+          texts.emplace_back(value.dump(), 0);
+      if (texts.empty()) fail(at, "no value has the type beside it");
       return literals(std::move(texts));
     }
     for (const char* keyword : {"anyOf", "oneOf"}) {
@@ -217,13 +241,15 @@ class JsonSchemaCompiler {
       if (options == schema.end()) continue;
       const std::string at = pointer_child(where, keyword);
       if (!options->is_array() || options->empty()) fail(at, "must be a non-empty array");
-      if (schema.contains("type") || schema.contains("properties"))
-        fail(at, std::string(keyword) + " beside type or properties is not supported");
       JsonGrammar::Node node;
       for (size_t i = 0; i < options->size(); ++i)
         node.alternatives.push_back(
             compile((*options)[i], at + "/" + std::to_string(i), depth + 1));
-      return add(std::move(node));
+      const uint32_t index = add(std::move(node));
+      // oneOf: a document must match exactly one branch, which the grammar cannot count; served
+      // where no document can match two (branches of different JSON types, or different values).
+      if (std::string_view(keyword) == "oneOf") one_ofs_.emplace_back(index, at);
+      return index;
     }
 
     std::vector<std::string> types;
@@ -253,6 +279,27 @@ class JsonSchemaCompiler {
     for (const std::string& type : types) typed.push_back(typed_node(schema, type, where, depth));
     if (typed.size() == 1) return typed[0];
     return add({.alternatives = std::move(typed)});
+  }
+
+  // Whether `value` has one of the JSON types `type` names.
+  static bool of_type(const json& value, const json& type, const std::string& where) {
+    std::vector<std::string> names;
+    if (type.is_string())
+      names.push_back(type.get<std::string>());
+    else if (type.is_array())
+      for (const json& name : type)
+        if (name.is_string()) names.push_back(name.get<std::string>());
+    if (names.empty()) fail(pointer_child(where, "type"), "type must be a name or a list of names");
+    for (const std::string& name : names) {
+      if ((name == "string" && value.is_string()) || (name == "number" && value.is_number()) ||
+          (name == "integer" &&
+           (value.is_number_integer() ||
+            (value.is_number_float() && value.get<double>() == std::floor(value.get<double>())))) ||
+          (name == "boolean" && value.is_boolean()) || (name == "null" && value.is_null()) ||
+          (name == "object" && value.is_object()) || (name == "array" && value.is_array()))
+        return true;
+    }
+    return false;
   }
 
   uint32_t reference(const json& ref, const std::string& where, int depth) {
@@ -350,26 +397,33 @@ class JsonSchemaCompiler {
       fail(pointer_child(where, "properties"),
            "at most " + std::to_string(kMaxProperties) + " properties are supported");
     JsonGrammar::Node node{.kind = Kind::kObject};
-    std::vector<std::string> keys;
     for (const auto& [name, property] : properties.items()) {
       node.properties.push_back(
           {compile(property, pointer_child(pointer_child(where, "properties"), name), depth + 1),
-           required.contains(name)});
-      keys.push_back(json(name).dump());
+           required.contains(name), json(name).dump()});
     }
     const size_t n = node.properties.size();
     node.required_from.assign(n + 1, false);
     for (size_t i = n; i-- > 0;)
       node.required_from[i] = node.required_from[i + 1] || node.properties[i].required;
-    for (size_t i = 0; i < n; ++i) {
-      std::vector<std::pair<std::string, uint32_t>> choices;
-      for (size_t j = i; j < n; ++j) {
-        choices.emplace_back(keys[j], static_cast<uint32_t>(j));
-        if (node.properties[j].required) break;
-      }
-      node.key_choices.push_back(literals(std::move(choices)));
-    }
+    node.key_choices = key_choices(node.properties, std::vector<bool>(n, true));
     return add(std::move(node));
+  }
+
+  // For each next-property index i, the keys that may come next: the offered properties from i
+  // up to the first required one.
+  std::vector<uint32_t> key_choices(std::vector<JsonGrammar::Property> properties,
+                                    const std::vector<bool>& offered) {
+    std::vector<uint32_t> out;
+    for (size_t i = 0; i < properties.size(); ++i) {
+      std::vector<std::pair<std::string, uint32_t>> choices;
+      for (size_t j = i; j < properties.size(); ++j) {
+        if (offered[j]) choices.emplace_back(properties[j].key, static_cast<uint32_t>(j));
+        if (properties[j].required) break;
+      }
+      out.push_back(literals(std::move(choices)));
+    }
+    return out;
   }
 
   // A schema whose every document must go on forever (an object that requires itself) has no
@@ -402,6 +456,138 @@ class JsonSchemaCompiler {
       }
     }
     if (!finite[grammar_->root_]) throw StatusError("json_schema has no finite document");
+    // What could never end is never offered: a union's endless alternatives, an optional
+    // property whose value has no end, the items of an array that may be empty, a map's values.
+    auto& nodes = grammar_->nodes_;
+    for (size_t i = 0; i < finite.size(); ++i) {
+      if (!finite[i]) continue;
+      if (nodes[i].kind == Kind::kUnion) {
+        std::erase_if(nodes[i].alternatives, [&](uint32_t a) { return !finite[a]; });
+      } else if (nodes[i].kind == Kind::kArray && !finite[nodes[i].child]) {
+        nodes[i].max = 0;
+      } else if (nodes[i].kind == Kind::kMap && !finite[nodes[i].child]) {
+        nodes[i] = JsonGrammar::Node{.kind = Kind::kObject, .required_from = {false}};
+      } else if (nodes[i].kind == Kind::kObject) {
+        std::vector<bool> offered;
+        for (const JsonGrammar::Property& property : nodes[i].properties)
+          offered.push_back(finite[property.node]);
+        if (std::find(offered.begin(), offered.end(), false) != offered.end()) {
+          // (key_choices adds nodes: no reference into `nodes` is held across it.)
+          std::vector<uint32_t> choices = key_choices(nodes[i].properties, offered);
+          nodes[i].key_choices = std::move(choices);
+        }
+      }
+    }
+  }
+
+  // Every union's alternatives become the containers and scalars it reaches through unions
+  // (nested anyOf, $ref placeholders), each once: the matcher then forks once per real choice,
+  // never through a chain of unions (which shared $refs could make exponential).
+  void flatten_unions() {
+    auto& nodes = grammar_->nodes_;
+    std::vector<std::vector<uint32_t>> leaves(nodes.size());
+    std::vector<bool> done(nodes.size(), false);
+    // Unions reach unions only without a cycle (checked before): depth-first, children first.
+    std::function<void(uint32_t)> visit = [&](uint32_t u) {
+      if (done[u]) return;
+      std::vector<uint32_t> out;
+      for (uint32_t a : nodes[u].alternatives) {
+        if (nodes[a].kind == Kind::kUnion) {
+          visit(a);
+          out.insert(out.end(), leaves[a].begin(), leaves[a].end());
+        } else {
+          out.push_back(a);
+        }
+      }
+      std::sort(out.begin(), out.end());
+      out.erase(std::unique(out.begin(), out.end()), out.end());
+      if (out.size() > kMaxAlternatives)
+        throw StatusError("json_schema has a union of more than " +
+                          std::to_string(kMaxAlternatives) +
+                          " alternatives (nested anyOf and $ref counted)");
+      leaves[u] = std::move(out);
+      done[u] = true;
+    };
+    for (uint32_t u = 0; u < nodes.size(); ++u)
+      if (nodes[u].kind == Kind::kUnion) visit(u);
+    for (uint32_t u = 0; u < nodes.size(); ++u)
+      if (nodes[u].kind == Kind::kUnion) nodes[u].alternatives = leaves[u];
+  }
+
+  // What a node's documents begin with, for oneOf: the JSON types it produces, and for literals
+  // their texts.
+  struct Shape {
+    std::set<std::string> types;
+    std::set<std::string> literals;
+  };
+  Shape shape_of(uint32_t index) const {
+    const JsonGrammar::Node& node = grammar_->nodes_[index];
+    Shape shape;
+    switch (node.kind) {
+      case Kind::kUnion:
+        for (uint32_t a : node.alternatives) {
+          Shape inner = shape_of(a);
+          shape.types.insert(inner.types.begin(), inner.types.end());
+          shape.literals.insert(inner.literals.begin(), inner.literals.end());
+        }
+        break;
+      case Kind::kObject:
+      case Kind::kMap:
+        shape.types = {"object"};
+        break;
+      case Kind::kArray:
+        shape.types = {"array"};
+        break;
+      case Kind::kString:
+        shape.types = {"string"};
+        break;
+      case Kind::kNumber:
+      case Kind::kInteger:
+        shape.types = {"number"};
+        break;
+      case Kind::kLiterals:
+        shape.literals.insert(node.literals.begin(), node.literals.end());
+        break;
+    }
+    return shape;
+  }
+  static std::string type_of_literal(const std::string& text) {
+    switch (text[0]) {
+      case '"':
+        return "string";
+      case '{':
+        return "object";
+      case '[':
+        return "array";
+      case 't':
+      case 'f':
+        return "boolean";
+      case 'n':
+        return "null";
+      default:
+        return "number";
+    }
+  }
+  void check_one_ofs() const {
+    for (const auto& [index, where] : one_ofs_) {
+      const auto& branches = grammar_->nodes_[index].alternatives;
+      std::vector<Shape> shapes;
+      for (uint32_t b : branches) shapes.push_back(shape_of(b));
+      for (size_t i = 0; i < shapes.size(); ++i)
+        for (size_t j = i + 1; j < shapes.size(); ++j) {
+          bool overlap = false;
+          for (const std::string& t : shapes[i].types) overlap |= shapes[j].types.contains(t);
+          for (const std::string& l : shapes[i].literals)
+            overlap |=
+                shapes[j].literals.contains(l) || shapes[j].types.contains(type_of_literal(l));
+          for (const std::string& l : shapes[j].literals)
+            overlap |= shapes[i].types.contains(type_of_literal(l));
+          if (overlap)
+            fail(where,
+                 "oneOf branches that one document could match both are not supported "
+                 "(anyOf is)");
+        }
+    }
   }
 
   // A union that reaches itself through unions alone ({"$defs": {"a": {"anyOf": [{"$ref":
@@ -437,6 +623,7 @@ class JsonSchemaCompiler {
   const json& root_;
   std::shared_ptr<JsonGrammar> grammar_;
   std::map<std::string, uint32_t> references_;
+  std::vector<std::pair<uint32_t, std::string>> one_ofs_;  // oneOf unions, and where they are
   uint32_t any_ = 0;
   uint32_t any_map_ = 0;
 };
@@ -457,25 +644,8 @@ Expected<std::shared_ptr<const JsonGrammar>> JsonGrammar::compile(std::string_vi
                  std::to_string(kMaxJsonSchemaBytes) + " are accepted"};
   // Nesting is bounded before the parse: values are copied and written back (enum, const)
   // recursively.
-  int depth = 0;
-  bool in_string = false;
-  for (size_t i = 0; i < schema_text.size(); ++i) {
-    const char c = schema_text[i];
-    if (in_string) {
-      if (c == '\\')
-        ++i;
-      else if (c == '"')
-        in_string = false;
-    } else if (c == '"') {
-      in_string = true;
-    } else if (c == '{' || c == '[') {
-      if (++depth > kMaxSchemaNesting)
-        return Error{"json_schema is nested more than " + std::to_string(kMaxSchemaNesting) +
-                     " deep"};
-    } else if (c == '}' || c == ']') {
-      --depth;
-    }
-  }
+  if (json_text_depth(schema_text) > kMaxSchemaNesting)
+    return Error{"json_schema is nested more than " + std::to_string(kMaxSchemaNesting) + " deep"};
   const json schema = json::parse(schema_text, nullptr, false);
   if (schema.is_discarded()) return Error{"json_schema is not valid JSON"};
   try {
@@ -485,6 +655,27 @@ Expected<std::shared_ptr<const JsonGrammar>> JsonGrammar::compile(std::string_vi
   } catch (const json::exception& error) {
     return Error{std::string("json_schema: ") + error.what()};
   }
+}
+
+size_t json_text_depth(std::string_view text) {
+  size_t depth = 0, deepest = 0;
+  bool in_string = false;
+  for (size_t i = 0; i < text.size(); ++i) {
+    const char c = text[i];
+    if (in_string) {
+      if (c == '\\')
+        ++i;
+      else if (c == '"')
+        in_string = false;
+    } else if (c == '"') {
+      in_string = true;
+    } else if (c == '{' || c == '[') {
+      deepest = std::max(deepest, ++depth);
+    } else if ((c == '}' || c == ']') && depth > 0) {
+      --depth;
+    }
+  }
+  return deepest;
 }
 
 // ---------------------------------------------------------------------------------------------

@@ -40,6 +40,10 @@
 
 namespace moeline::model {
 
+// How deeply the objects and arrays of a JSON text nest (strings skipped; the text need not be
+// valid): checked before a parse whose result is walked recursively.
+size_t json_text_depth(std::string_view text);
+
 // The longest schema text a request may carry.
 inline constexpr size_t kMaxJsonSchemaBytes = 64 * 1024;
 
@@ -68,6 +72,7 @@ class JsonGrammar {
   struct Property {
     uint32_t node = 0;
     bool required = false;
+    std::string key;  // the name as a JSON string
   };
   struct Node {
     Kind kind = Kind::kUnion;

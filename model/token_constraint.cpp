@@ -1,6 +1,7 @@
 #include "model/token_constraint.h"
 
 #include <algorithm>
+#include <cstring>
 #include <limits>
 #include <map>
 #include <mutex>
@@ -166,7 +167,6 @@ void TokenConstraint::walk(const TokenVocabulary::Trie& trie, uint32_t node, siz
   const TokenVocabulary::Trie::Node& here = trie.nodes[node];
   for (uint32_t i = 0; i < here.tokens; ++i)
     allowed_[static_cast<size_t>(trie.tokens[here.first_token + i])] = 1;
-  any_allowed_ = any_allowed_ || here.tokens > 0;
   if (here.children == 0) return;
   if (at_depth_.size() <= depth + 1) at_depth_.push_back(at_depth_[depth]);
   for (uint32_t c = 0; c < here.children; ++c) {
@@ -179,9 +179,9 @@ void TokenConstraint::walk(const TokenVocabulary::Trie& trie, uint32_t node, siz
 
 void TokenConstraint::mask(float* logits, int64_t vocab) {
   const TokenVocabulary& words = *vocabulary_;
-  vocab = std::min(vocab, words.size());
-  allowed_.assign(static_cast<size_t>(vocab), 0);
-  any_allowed_ = false;
+  // Rows past the tokenizer's vocabulary (padding) are never drawn.
+  const int64_t known = std::min(vocab, words.size());
+  allowed_.assign(static_cast<size_t>(known), 0);
   if (!ended_) {
     const TokenVocabulary::Trie* walked = &words.all_;
     if (std::optional<uint64_t> room = matcher_.plain_string_room()) {
@@ -191,23 +191,31 @@ void TokenConstraint::mask(float* logits, int64_t vocab) {
                                                             std::min<uint64_t>(*room, UINT32_MAX)) -
                                            words.plain_characters_.begin());
       if (fit == words.plain_.size()) {
-        std::copy(words.plain_mask_.begin(), words.plain_mask_.begin() + vocab, allowed_.begin());
+        std::copy(words.plain_mask_.begin(), words.plain_mask_.begin() + known, allowed_.begin());
       } else {
         for (size_t i = 0; i < fit; ++i) allowed_[static_cast<size_t>(words.plain_[i])] = 1;
       }
-      any_allowed_ = fit > 0;
       walked = &words.not_plain_;
     }
     if (at_depth_.empty()) at_depth_.push_back(matcher_);
     at_depth_[0] = matcher_;
     walk(*walked, 0, 0);
   }
-  if (ended_ || !any_allowed_ || matcher_.can_end())
+  // An end token that is also text (a stop token the request named) would end the answer here,
+  // whatever the grammar took it for: only where the document is complete.
+  const bool complete = matcher_.can_end();
+  if (!complete)
     for (int32_t token : end_tokens_)
-      if (token >= 0 && token < vocab) allowed_[static_cast<size_t>(token)] = 1;
+      if (token >= 0 && token < known) allowed_[static_cast<size_t>(token)] = 0;
+  // Where nothing can come (a dead end the grammar did not foresee), the answer ends.
+  const bool any = std::memchr(allowed_.data(), 1, allowed_.size()) != nullptr;
+  if (ended_ || !any || complete)
+    for (int32_t token : end_tokens_)
+      if (token >= 0 && token < known) allowed_[static_cast<size_t>(token)] = 1;
   constexpr float kNever = -std::numeric_limits<float>::infinity();
   const uint8_t* allowed = allowed_.data();
-  for (int64_t i = 0; i < vocab; ++i) logits[i] = allowed[i] ? logits[i] : kNever;
+  for (int64_t i = 0; i < known; ++i) logits[i] = allowed[i] ? logits[i] : kNever;
+  for (int64_t i = known; i < vocab; ++i) logits[i] = kNever;
 }
 
 void TokenConstraint::accept(int32_t token) {

@@ -78,7 +78,6 @@ class TokenConstraint {
   JsonMatcher matcher_;
   bool ended_ = false;  // an end token was taken, or a token the grammar refuses
   std::vector<uint8_t> allowed_;
-  bool any_allowed_ = false;
   std::vector<JsonMatcher> at_depth_;  // the walk's matchers, one per depth, reused
 };
 

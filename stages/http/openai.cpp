@@ -20,6 +20,8 @@ ApiError bad(const std::string& param, const std::string& message) {
   return error;
 }
 
+constexpr size_t kMaxBodyNesting = 256;
+
 ApiError unsupported(const std::string& param, const std::string& what) {
   ApiError error = bad(param, what + " is not supported by this server yet");
   error.code = "unsupported_parameter";
@@ -489,6 +491,9 @@ std::optional<ApiError> read_response_format(const json& body, const std::string
 }
 
 std::variant<json, ApiError> parse_object(const std::string& body) {
+  // Parts of the body (tools, a schema) are written back as text, which recurses.
+  if (model::json_text_depth(body) > kMaxBodyNesting)
+    return bad("", "the body is nested more than " + std::to_string(kMaxBodyNesting) + " deep");
   json parsed = json::parse(body, nullptr, /*allow_exceptions=*/false);
   if (parsed.is_discarded()) return bad("", "the body is not valid JSON");
   if (!parsed.is_object()) return bad("", "the body must be a JSON object");

@@ -197,24 +197,72 @@ std::string ToolCallHold::feed(const std::string& delta) {
   return text.substr(0, text.size() - keep);
 }
 
+namespace {
+
+using ordered = nlohmann::ordered_json;
+
+// A tool's parameters inside the call's schema: its own "#" and "#/$defs/NAME" (or
+// "#/definitions/NAME") references become references to `prefix` and `prefix`_NAME in the call
+// schema's $defs, where its definitions move. True if it has any.
+bool move_references(ordered& schema, const std::string& prefix) {
+  bool found = false;
+  if (schema.is_object()) {
+    if (auto ref = schema.find("$ref"); ref != schema.end() && ref->is_string()) {
+      const std::string target = ref->get<std::string>();
+      found = true;
+      if (target == "#") {
+        *ref = "#/$defs/" + prefix;
+      } else {
+        for (const char* from : {"#/$defs/", "#/definitions/"})
+          if (target.rfind(from, 0) == 0)
+            *ref = "#/$defs/" + prefix + "_" + target.substr(std::string_view(from).size());
+      }
+    }
+    for (auto& [key, value] : schema.items()) found = move_references(value, prefix) || found;
+  } else if (schema.is_array()) {
+    for (ordered& value : schema) found = move_references(value, prefix) || found;
+  }
+  return found;
+}
+
+}  // namespace
+
 std::string forced_call_schema(const std::string& tools_json, const std::string& function) {
-  using ordered = nlohmann::ordered_json;
   const ordered tools = ordered::parse(tools_json, nullptr, /*allow_exceptions=*/false);
   ordered alternatives = ordered::array();
+  ordered definitions = ordered::object();
+  size_t index = 0;
   for (const ordered& tool : tools.is_array() ? tools : ordered::array()) {
     const ordered& spec = tool["function"];
     const std::string name = spec["name"].get<std::string>();
+    const std::string prefix = "tool" + std::to_string(index++);
     if (!function.empty() && name != function) continue;
     ordered parameters = spec.contains("parameters") && spec["parameters"].is_object()
                              ? spec["parameters"]
                              : ordered{{"type", "object"}};
+    // The tool's own definitions and references, moved under the call schema's $defs.
+    ordered own = ordered::object();
+    for (const char* key : {"$defs", "definitions"}) {
+      if (parameters.contains(key) && parameters[key].is_object())
+        for (auto& [def, body] : parameters[key].items()) own[prefix + "_" + def] = body;
+      parameters.erase(key);
+    }
+    bool referenced = move_references(parameters, prefix);
+    for (auto& [def, body] : own.items()) referenced = move_references(body, prefix) || referenced;
+    ordered arguments = parameters;
+    if (referenced || !own.empty()) {
+      for (auto& [def, body] : own.items()) definitions[def] = body;
+      definitions[prefix] = parameters;
+      arguments = {{"$ref", "#/$defs/" + prefix}};
+    }
     ordered call = {{"type", "object"},
-                    {"properties", {{"name", {{"const", name}}}, {"arguments", parameters}}},
+                    {"properties", {{"name", {{"const", name}}}, {"arguments", arguments}}},
                     {"required", {"name", "arguments"}}};
     alternatives.push_back(std::move(call));
   }
-  if (alternatives.size() == 1) return alternatives[0].dump();
-  return ordered{{"anyOf", alternatives}}.dump();
+  ordered schema = alternatives.size() == 1 ? alternatives[0] : ordered{{"anyOf", alternatives}};
+  if (!definitions.empty()) schema["$defs"] = definitions;
+  return schema.dump();
 }
 
 }  // namespace moeline::stages::http

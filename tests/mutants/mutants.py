@@ -763,7 +763,7 @@ MUTANTS = [
          tests=r"^ChatTemplate\.BuiltInFormatsAreTheFallbackAndRefuseUnknownRoles$"),
     # Structured output.
     dict(name="grammar-required-property-skippable", file="model/json_grammar.cpp",
-         old="        if (node.properties[j].required) break;",
+         old="        if (properties[j].required) break;",
          new="",
          why="an object's required properties may be left out: documents the schema rejects",
          tests=r"^json_grammar$"),
@@ -773,7 +773,7 @@ MUTANTS = [
          why="an array may take one item more than maxItems",
          tests=r"^json_grammar$"),
     dict(name="mask-ends-anywhere", file="model/token_constraint.cpp",
-         old="if (ended_ || !any_allowed_ || matcher_.can_end())",
+         old="if (ended_ || !any || complete)",
          new="if (true)",
          why="the end of the answer is allowed before the document is complete",
          tests=r"StructuredOutput\.TheMaskIsTheGrammarTokenByToken"),

@@ -20,9 +20,10 @@ import tempfile
 
 import jsonschema
 
-# Marks a document the schema accepts and the grammar refuses by design (properties out of the
-# schema's order).
-ORDER = "order:"
+# Marks a refused document that is not checked against jsonschema first: one the schema accepts
+# and the grammar refuses by design (properties out of the schema's order), or one jsonschema
+# would take too long to judge.
+ORDER = "unchecked:"
 
 PERSON = {
     "type": "object",
@@ -77,6 +78,17 @@ def chain(levels):
     return value
 
 
+# Thirty levels of unions, each of four references to the level below: shared $refs, whose
+# paths number 4^30 (the grammar must follow the one integer they all lead to).
+SHARED = {"$defs": {"a0": {"type": "integer"}}, "$ref": "#/$defs/a30"}
+for level in range(1, 31):
+    SHARED["$defs"][f"a{level}"] = {"anyOf": [{"$ref": f"#/$defs/a{level - 1}"}] * 4}
+
+# "x" could never end (each level requires the next): only {} is a document.
+ENDLESS_OPTIONAL = {"type": "object", "properties": {"x": {"$ref": "#/$defs/l"}},
+                    "$defs": {"l": {"type": "object", "properties": {"y": {"$ref": "#/$defs/l"}},
+                                    "required": ["y"]}}}
+
 SCHEMAS = {
     "person": (PERSON,
                [{"name": "Ada", "age": 36},
@@ -111,6 +123,13 @@ SCHEMAS = {
                 ['"abcd"', 'null', '{"k": [1]}'], [{"k": [1, 2]}]),
     "any": (True, [None, 1, "x", [1, {"a": []}], {"b": {"c": None}}], []),
     "json_object": ("-object", [{}, {"a": [1, None, "z", {"b": True}]}], ['[1]', '"x"', '1']),
+    # (The refused documents are not checked with jsonschema first: it would try all 4^30 paths.)
+    "shared_refs": (SHARED, [0, -17, 123456], [ORDER + '"x"', ORDER + '1.5', ORDER + 'null'],
+                    [], 5),
+    "endless_optional": (ENDLESS_OPTIONAL, [{}], ['{"x": {}}'], [], 1),
+    "one_of": ({"oneOf": [{"type": "string"}, {"type": "integer"}, {"const": None},
+                          {"enum": [True]}]},
+               ["a", 3, None, True], ['false', '1.5']),
     # (Deeper than 20 levels, json.dumps' indent passes the 20 indents the grammar allows: compact
     # only. The walks differ only in depth and whitespace: few distinct values.)
     "chain": (CHAIN, [chain(1), chain(3)], ['{"c": [{}]}', '{"c": [{"c": []}, {"c": []}]}'],
@@ -124,6 +143,12 @@ REFUSED = {
     "$ref": {"$ref": "https://example.com/schema"},
     "no finite document": {"type": "object", "properties": {"next": {"$ref": "#"}},
                            "required": ["next"]},
+    "beside '$ref'": {"$defs": {"s": {"type": "string"}}, "$ref": "#/$defs/s", "maxLength": 2},
+    "beside 'anyOf'": {"anyOf": [{"type": "string"}, {"type": "null"}], "maxLength": 3},
+    "beside 'allOf'": {"allOf": [{"type": "string"}], "maxLength": 2},
+    "beside 'const'": {"enum": ["a", "b"], "const": "a"},
+    "could match both": {"oneOf": [{"type": "integer"}, {"type": "number"}]},
+    "no value has the type": {"type": "string", "enum": [1, 2]},
     "no value in between": {"$defs": {"a": {"anyOf": [{"$ref": "#/$defs/a"}, {"type": "null"}]}},
                             "$ref": "#/$defs/a"},
     "nested more than": {"enum": [json.loads("[" * 200 + "]" * 200)]},

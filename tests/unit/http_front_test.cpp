@@ -14,6 +14,7 @@
 #include <variant>
 #include <vector>
 
+#include "model/json_grammar.h"
 #include "stages/http/connection_threads.h"
 #include "stages/http/events.h"
 #include "stages/http/openai.h"
@@ -243,6 +244,29 @@ TEST(OpenAiRequest, DefaultsAreOpenAis) {
             R"("required":["name","arguments"]})");
   EXPECT_EQ(
       forced_call_schema(named.chat.tools_json, "").rfind(R"({"anyOf":[{"type":"object",)", 0), 0u);
+  // A tool whose parameters refer to their own definitions (Pydantic's nested models) and to
+  // themselves: the references follow the definitions into the call's schema.
+  const std::string nested = forced_call_schema(
+      R"([{"type": "function", "function": {"name": "f", "parameters": {"type": "object",
+          "properties": {"a": {"$ref": "#/$defs/A"}, "more": {"anyOf": [{"$ref": "#"},
+          {"type": "null"}]}}, "required": ["a"], "$defs": {"A": {"type": "object",
+          "properties": {"n": {"type": "integer"}}, "required": ["n"]}}}}}])",
+      "");
+  auto grammar = model::JsonGrammar::compile(nested);
+  ASSERT_TRUE(grammar) << grammar.error().message << "\n" << nested;
+  model::JsonMatcher call(*grammar);
+  EXPECT_TRUE(call.advance(R"({"name": "f", "arguments": {"a": {"n": 1}, "more": {"a": {"n": 2},)"
+                           R"( "more": null}}})") &&
+              call.can_end())
+      << nested;
+  model::JsonMatcher wrapper(*grammar);
+  EXPECT_FALSE(wrapper.advance(R"({"name": "f", "arguments": {"a": {"n": 1}, "more": {"name")"))
+      << "'#' is the tool's parameters, not the call";
+  // A body nested past 256 is refused before it is parsed (parts of it are written back).
+  const ApiError deep =
+      error_of(Endpoint::kCompletions,
+               R"({"prompt": "p", "x": )" + std::string(300, '[') + std::string(300, ']') + "}");
+  EXPECT_EQ(deep.status, 400);
   // Structured output: json_object, and json_schema with the schema's text in its own key order.
   EXPECT_EQ(request_of(Endpoint::kChat, R"({"messages": [{"role": "user", "content": "x"}],
       "response_format": {"type": "json_object"}})")

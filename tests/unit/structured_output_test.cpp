@@ -187,6 +187,34 @@ TEST_P(StructuredOutput, SampledAnswersAreCompleteDocuments) {
   EXPECT_GE(ended, 30) << "most answers should end within 400 tokens";
 }
 
+// A stop token that is also text ("}" here) would end the answer wherever it is drawn: it is
+// offered only where the document is complete, though the grammar could take its text.
+TEST_P(StructuredOutput, AStopTokenThatIsTextOnlyEndsACompleteDocument) {
+  const std::optional<int32_t> brace = tokenizer_->token_to_id("}");
+  if (!brace) GTEST_SKIP() << "no token for '}'";
+  auto grammar = JsonGrammar::compile(R"({"type": "object", "properties": {"a": {"type": "object"}},
+                                          "required": ["a"]})");
+  ASSERT_TRUE(grammar) << grammar.error().message;
+  TokenConstraint constraint(vocabulary_, *grammar, {*brace});
+  JsonMatcher matcher(*grammar);
+  tokenizer::EncodeOptions options;
+  options.add_special_tokens = false;
+  auto ids = tokenizer_->encode("{\"a\": {", options);
+  ASSERT_TRUE(ids);
+  std::vector<float> logits(static_cast<size_t>(vocab_));
+  for (int32_t id : *ids) {
+    std::fill(logits.begin(), logits.end(), 0.0f);
+    constraint.mask(logits.data(), vocab_);
+    ASSERT_TRUE(std::isfinite(logits[static_cast<size_t>(id)])) << vocabulary_->bytes(id);
+    constraint.accept(id);
+    ASSERT_TRUE(matcher.advance(vocabulary_->bytes(id)));
+  }
+  ASSERT_TRUE(JsonMatcher(matcher).advance("}")) << "the grammar takes '}' here";
+  std::fill(logits.begin(), logits.end(), 0.0f);
+  constraint.mask(logits.data(), vocab_);
+  EXPECT_FALSE(std::isfinite(logits[static_cast<size_t>(*brace)]));
+}
+
 INSTANTIATE_TEST_SUITE_P(
     Tokenizers, StructuredOutput,
     ::testing::Values(Vocab{"byte_level_bpe", fs::path(MOELINE_DEMO_MODEL) / "tokenizer.json"},
