@@ -9,13 +9,16 @@
 // completed.
 //
 // The schema subset (draft 2020-12 and draft 7 spellings):
-//   type (a name or a list), enum, const, anyOf, oneOf (read as anyOf), allOf of one schema,
-//   $ref to "#", "#/$defs/NAME" or "#/definitions/NAME" (recursion allowed),
+//   type (a name or a list), enum and const (beside type: the values of that type), anyOf,
+//   oneOf (where no document can match two branches), allOf of one schema, $ref to "#",
+//   "#/$defs/NAME" or "#/definitions/NAME" (recursion allowed; unions flattened at compile time),
 //   object: properties, required, additionalProperties (a schema where there are no properties),
 //   array: items, minItems, maxItems; string: minLength, maxLength (in code points).
 // Annotations (title, description, default, examples, format, ...) are ignored, as validators do.
-// An assertion outside the subset (pattern, minimum, uniqueItems, ...) is refused by name rather
-// than ignored, since ignoring it could give a document the schema rejects.
+// An assertion outside the subset (pattern, minimum, uniqueItems, ...), or beside $ref, allOf,
+// anyOf, oneOf, enum or const, is refused by name rather than ignored, since ignoring it could
+// give a document the schema rejects. What could never end (a property whose value requires
+// itself, say) is not offered.
 //
 // What the matcher generates, like vLLM's and llama.cpp's grammars: an object's properties in
 // the schema's order, each at most once, none that the schema does not list (unless it has no
