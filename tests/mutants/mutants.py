@@ -774,7 +774,7 @@ MUTANTS = [
          tests=r"^json_grammar$"),
     dict(name="mask-ends-anywhere", file="model/token_constraint.cpp",
          old="if (ended_ || !any || complete)",
-         new="if (true)",
+         new="if (ended_ || !any || complete || end_tokens_.size() > 0)",
          why="the end of the answer is allowed before the document is complete",
          tests=r"StructuredOutput\.TheMaskIsTheGrammarTokenByToken"),
     dict(name="mask-ignores-max-length", file="model/token_constraint.cpp",
