@@ -1084,6 +1084,20 @@ bool JsonMatcher::can_end() const {
   return false;
 }
 
+std::optional<uint64_t> JsonMatcher::plain_string_characters(std::string_view text) {
+  static const JsonMatcher matcher(JsonGrammar::any_object());
+  Frame string;
+  string.kind = kStringFrame;
+  string.node = matcher.grammar_->any_string();
+  for (char c : text) {
+    const auto byte = static_cast<uint8_t>(c);
+    // A quote would end the string and a backslash begin an escape: not plain text.
+    if (byte == '"' || byte == '\\' || !matcher.step_in_place(string, byte)) return std::nullopt;
+  }
+  if (string.b != 0) return std::nullopt;  // a character split at the end
+  return string.c;
+}
+
 std::optional<uint64_t> JsonMatcher::plain_string_room() const {
   if (stacks_.size() != 1) return std::nullopt;
   const Frame& top = stacks_[0].back();

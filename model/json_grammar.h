@@ -134,6 +134,9 @@ class JsonMatcher {
   // backslash or control byte; whole UTF-8 sequences) of at most this many code points may come
   // next, and leaves the matcher inside the string. nullopt elsewhere.
   std::optional<uint64_t> plain_string_room() const;
+  // The code points of `text` if a string takes it as plain text (no quote, backslash or control
+  // byte; whole characters, by the same rules as the matcher's strings); nullopt otherwise.
+  static std::optional<uint64_t> plain_string_characters(std::string_view text);
 
   struct Frame {
     uint32_t node = 0;

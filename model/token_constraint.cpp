@@ -12,41 +12,6 @@ namespace moeline::model {
 
 namespace {
 
-// Plain string text: bytes a JSON string takes as they are, in whole UTF-8 characters; the
-// number of characters, or nullopt.
-std::optional<uint32_t> plain_characters(const std::string& text) {
-  uint32_t characters = 0;
-  for (size_t i = 0; i < text.size();) {
-    const auto byte = static_cast<uint8_t>(text[i]);
-    size_t length = 0;
-    if (byte < 0x20 || byte == '"' || byte == '\\') return std::nullopt;
-    if (byte < 0x80)
-      length = 1;
-    else if (byte >= 0xC2 && byte <= 0xDF)
-      length = 2;
-    else if (byte >= 0xE0 && byte <= 0xEF)
-      length = 3;
-    else if (byte >= 0xF0 && byte <= 0xF4)
-      length = 4;
-    else
-      return std::nullopt;
-    if (i + length > text.size()) return std::nullopt;
-    for (size_t k = 1; k < length; ++k)
-      if ((static_cast<uint8_t>(text[i + k]) & 0xC0) != 0x80) return std::nullopt;
-    // Overlong forms and surrogates, which the grammar refuses too.
-    if (length == 3) {
-      const auto next = static_cast<uint8_t>(text[i + 1]);
-      if ((byte == 0xE0 && next < 0xA0) || (byte == 0xED && next > 0x9F)) return std::nullopt;
-    } else if (length == 4) {
-      const auto next = static_cast<uint8_t>(text[i + 1]);
-      if ((byte == 0xF0 && next < 0x90) || (byte == 0xF4 && next > 0x8F)) return std::nullopt;
-    }
-    i += length;
-    ++characters;
-  }
-  return characters;
-}
-
 // The trie of `sorted` (ids in the order of their texts), each node's range split by the next
 // byte into its children.
 TokenVocabulary::Trie make_trie(const std::vector<std::string>& bytes,
@@ -125,8 +90,9 @@ std::shared_ptr<const TokenVocabulary> TokenVocabulary::build(const tokenizer::T
   std::vector<std::pair<uint32_t, int32_t>> plain;
   out->plain_mask_.assign(static_cast<size_t>(vocab), 0);
   for (int32_t id : sorted) {
-    if (auto characters = plain_characters(out->bytes_[static_cast<size_t>(id)])) {
-      plain.emplace_back(*characters, id);
+    if (auto characters =
+            JsonMatcher::plain_string_characters(out->bytes_[static_cast<size_t>(id)])) {
+      plain.emplace_back(static_cast<uint32_t>(*characters), id);
       out->plain_mask_[static_cast<size_t>(id)] = 1;
     } else {
       not_plain.push_back(id);
