@@ -37,8 +37,8 @@ Reads a JSON array of token ids on stdin and prints the decoded text.
 constexpr const char* kChatTemplateUsage =
     R"(usage: moeline chat-template --tokenizer PATH [--no-generation-prompt] [--no-thinking]
 
-Reads a JSON array of messages ([{"role": "user", "content": "..."}, ...]) on stdin and prints the
-prompt the model's chat template makes of them.
+Reads a JSON array of messages ([{"role": "user", "content": "..."}, ...]; an assistant's may
+carry "reasoning_content") on stdin and prints the prompt the model's chat template makes of them.
 
   --tokenizer PATH         tokenizer_config.json, a model folder that holds one, or a GGUF model
   --no-generation-prompt   do not end with the opening of the assistant's turn
@@ -200,6 +200,10 @@ int chat_template_command(int argc, char** argv) {
                                     m.dump());
       }
       messages.push_back({m["role"].get<std::string>(), m["content"].get<std::string>()});
+      tokenizer::ChatMessage& message = messages.back();
+      // An answer's reasoning as the HTTP front gives it out (and takes it back).
+      if (m.contains("reasoning_content") && m["reasoning_content"].is_string())
+        message.reasoning_content = m["reasoning_content"].get<std::string>();
     }
   } catch (const std::exception& e) {
     return fail(std::string("stdin: ") + e.what());

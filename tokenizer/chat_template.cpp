@@ -96,11 +96,14 @@ Expected<ChatTemplate> ChatTemplate::from_template(const std::string& source, st
     chat.tool_call_format_ = source.find("<arg_key>") != std::string::npos
                                  ? ToolCallFormat::kGlm45
                                  : ToolCallFormat::kHermes;
+  chat.writes_reasoning_ = source.find("</think>") != std::string::npos;
   return chat;
 }
 
 ChatTemplate ChatTemplate::builtin(Format format, std::string bos, std::string eos) {
-  return ChatTemplate(format, std::move(bos), std::move(eos));
+  ChatTemplate chat(format, std::move(bos), std::move(eos));
+  chat.writes_reasoning_ = format == Format::kQwen3;
+  return chat;
 }
 
 Expected<std::string> ChatTemplate::render_jinja(const std::vector<ChatMessage>& messages,
@@ -125,6 +128,7 @@ Expected<std::string> ChatTemplate::render_jinja(const std::vector<ChatMessage>&
     }
     if (!m.tool_call_id.empty()) message["tool_call_id"] = m.tool_call_id;
     if (!m.name.empty()) message["name"] = m.name;
+    if (!m.reasoning_content.empty()) message["reasoning_content"] = m.reasoning_content;
     list.push_back(std::move(message));
   }
   context["messages"] = std::move(list);
@@ -247,8 +251,10 @@ Expected<std::string> ChatTemplate::render(const std::vector<ChatMessage>& messa
           out += "<|im_start|>" + m.role + "\n" + m.content + "<|im_end|>\n";
         } else if (m.role == "assistant") {
           std::string content = m.content;
-          std::string reasoning;
-          if (contains(m.content, "</think>")) {
+          // As Qwen3's template: the reasoning the message carries, or the block its content
+          // begins with.
+          std::string reasoning = m.reasoning_content;
+          if (reasoning.empty() && contains(m.content, "</think>")) {
             content = lstrip(after_last(m.content, "</think>"), "\n");
             reasoning = lstrip(
                 after_last(rstrip(before_first(m.content, "</think>"), "\n"), "<think>"), "\n");

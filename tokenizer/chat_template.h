@@ -42,6 +42,10 @@ struct ChatMessage {
   std::vector<ToolCall> tool_calls;  // assistant: the calls it made
   std::string tool_call_id;          // tool: the call this message answers
   std::string name;                  // tool: the function's name, where given
+  // assistant: the reasoning its answer began with (reasoning_content, as the server gave it
+  // out), which Qwen3's templates put back in a <think> block for the turns after the last
+  // user message.
+  std::string reasoning_content;
 };
 
 struct ChatOptions {
@@ -81,6 +85,9 @@ class ChatTemplate {
   const char* format_name() const;
   // The format the template writes tool calls in (kNone for the built-in formats).
   ToolCallFormat tool_call_format() const { return tool_call_format_; }
+  // Whether the model thinks in <think> ... </think> blocks before it answers (the template
+  // writes them: Qwen3, DeepSeek-R1, GLM-4.5), which the server then reads out of the answer.
+  bool writes_reasoning() const { return writes_reasoning_; }
 
  private:
   ChatTemplate(Format format, std::string bos, std::string eos)
@@ -90,6 +97,7 @@ class ChatTemplate {
   Format format_;
   std::shared_ptr<const jinja::Template> jinja_;  // kJinja
   ToolCallFormat tool_call_format_ = ToolCallFormat::kNone;
+  bool writes_reasoning_ = false;
   std::string bos_;
   std::string eos_;
 };

@@ -153,14 +153,27 @@ std::variant<sdk::GenerateOptions, ApiError> to_options(const CompletionRequest&
   return options;
 }
 
+ReasoningStart reasoning_start(const CompletionRequest& request, const Backend& backend,
+                               const sdk::GenerateOptions& options) {
+  if (request.endpoint != Endpoint::kChat || !backend.reads_reasoning || !backend.chat ||
+      options.structured != sdk::StructuredOutput::kNone)
+    return ReasoningStart::kOff;
+  if (prompt_opens_reasoning(options.prompt)) return ReasoningStart::kOpen;
+  return backend.chat->writes_reasoning() ? ReasoningStart::kAtStart : ReasoningStart::kOff;
+}
+
 Backends::Backends(const runtime::Config& config, runtime::StageService& service)
     : service_(service) {
+  const std::string parser = config.text("reasoning-parser");
+  if (parser != "auto" && parser != "none")
+    throw runtime::ConfigError("--reasoning-parser: \"" + parser + "\" is neither auto nor none");
   // A Curve key directory (as every stage takes) gives the gateway's public key.
   std::string server_key = config.text("server-key");
   if (server_key.empty() && !config.text("curve-dir").empty())
     server_key = (std::filesystem::path(config.text("curve-dir")) / "gateway.pub").string();
   primary_ = make_backend(config.text("model"), config.text("served-model-name"),
                           config.text("gateway"), server_key, service.log);
+  primary_->reads_reasoning = parser == "auto";
   if (config.text("fallback-endpoint").empty()) return;
   if (config.text("fallback-model").empty())
     throw runtime::ConfigError(
@@ -171,6 +184,7 @@ Backends::Backends(const runtime::Config& config, runtime::StageService& service
   fallback_ = make_backend(config.text("fallback-model"), config.text("fallback-model-name"),
                            config.text("fallback-endpoint"), fallback_key, service.log);
   if (fallback_->name == primary_->name) fallback_->name += "-fallback";
+  fallback_->reads_reasoning = parser == "auto";
   fallback_ttft_ = std::chrono::milliseconds(config.integer("fallback-ttft-ms"));
 }
 
@@ -189,7 +203,9 @@ Attempt Backends::submit(const CompletionRequest& request, const std::string& ap
     attempt.refused = *error;
     return attempt;
   }
-  attempt.channel = backend.bridge->start(std::move(std::get<sdk::GenerateOptions>(built)));
+  auto& options = std::get<sdk::GenerateOptions>(built);
+  attempt.reasoning = reasoning_start(request, backend, options);
+  attempt.channel = backend.bridge->start(std::move(options));
   return attempt;
 }
 

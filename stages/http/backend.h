@@ -13,6 +13,7 @@
 #include "sdk/client.h"
 #include "stages/http/bridge.h"
 #include "stages/http/openai.h"
+#include "stages/http/reasoning.h"
 #include "stages/runtime/config.h"
 #include "stages/runtime/log.h"
 #include "stages/runtime/service.h"
@@ -32,6 +33,8 @@ struct Backend {
   std::unique_ptr<tokenizer::Tokenizer> tokenizer;
   std::string tokenizer_error;
   std::unique_ptr<http::GatewayBridge> bridge;
+  // Chat answers' <think> blocks read out as reasoning_content (--reasoning-parser auto).
+  bool reads_reasoning = true;
 };
 
 // Reads the backend's model folder (config.json for the context, tokenizer_config.json for the
@@ -50,6 +53,13 @@ std::variant<sdk::GenerateOptions, ApiError> to_options(const CompletionRequest&
                                                         const std::string& api_key,
                                                         const Backend& backend);
 
+// Where a chat answer's reasoning can be, for the request built as `options`: nowhere for other
+// endpoints, a backend that does not read reasoning out, or structured output (its grammar holds
+// from the first token, so the answer is the document); inside a block the rendered prompt left
+// open; at the start of the answer where the model's template thinks in <think> blocks.
+ReasoningStart reasoning_start(const CompletionRequest& request, const Backend& backend,
+                               const sdk::GenerateOptions& options);
+
 // A request on its way: the backend serving it and its first event.
 struct Attempt {
   Backend* backend = nullptr;
@@ -57,6 +67,7 @@ struct Attempt {
   std::optional<sdk::Event> first;  // nullopt: none by the time asked for
   uint32_t prompt_tokens = 0;
   std::optional<ApiError> refused;  // the request could not be built for this backend
+  ReasoningStart reasoning = ReasoningStart::kOff;
 };
 
 // The gateways one HTTP replica sends requests to: the primary model's (--gateway, --model), and

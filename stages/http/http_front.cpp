@@ -278,6 +278,7 @@ class HttpFront {
     std::shared_ptr<http::RequestChannel> channel;
     sdk::Event first;
     uint32_t prompt_tokens = 0;
+    http::ReasoningStart reasoning = http::ReasoningStart::kOff;
   };
 
   // Choices 1 .. n-1, sent to the backend that took choice 0 once choice 0 has its first token
@@ -288,6 +289,7 @@ class HttpFront {
                                              Clock::time_point deadline,
                                              std::vector<Started>& started) {
     std::vector<std::shared_ptr<http::RequestChannel>> sent;
+    std::vector<http::ReasoningStart> reasoning;
     for (int64_t i = 1; i < request.n * request.prompt_count(); ++i) {
       http::Attempt attempt = backends_.submit(choice_request(request, i), api_key, backend);
       if (attempt.refused) {
@@ -295,6 +297,7 @@ class HttpFront {
         return attempt.refused;
       }
       sent.push_back(attempt.channel);
+      reasoning.push_back(attempt.reasoning);
     }
     for (size_t i = 0; i < sent.size(); ++i) {
       uint32_t prompt_tokens = 0;
@@ -310,7 +313,7 @@ class HttpFront {
         for (size_t j = i + (first ? 1 : 0); j < sent.size(); ++j) backend.bridge->cancel(sent[j]);
         return error;
       }
-      started.push_back({sent[i], std::move(*first), prompt_tokens});
+      started.push_back({sent[i], std::move(*first), prompt_tokens, reasoning[i]});
     }
     return std::nullopt;
   }
@@ -355,7 +358,7 @@ class HttpFront {
     }
     ttft_->observe(std::chrono::duration<double>(Clock::now() - received).count());
     std::vector<Started> started;
-    started.push_back({attempt.channel, std::move(*first), prompt_tokens});
+    started.push_back({attempt.channel, std::move(*first), prompt_tokens, attempt.reasoning});
     if (auto error =
             start_more_choices(api_request, api_key, *attempt.backend, deadline, started)) {
       for (const Started& choice : started) bridge->cancel(choice.channel);
@@ -420,6 +423,11 @@ class HttpFront {
     http::Completion completion = base;
     completion.text = std::move(outcome.text);
     completion.finish_reason = outcome.finish_reason;
+    if (started.reasoning != http::ReasoningStart::kOff) {
+      http::ReasoningParts parts = http::split_reasoning(completion.text, started.reasoning);
+      completion.reasoning = std::move(parts.reasoning);
+      completion.text = std::move(parts.content);
+    }
     if (!api_request.chat.tools_json.empty())
       if (auto parsed = http::parse_tool_calls(
               completion.text,
@@ -468,7 +476,7 @@ class HttpFront {
           {started[i].channel, std::move(started[i].first),
            std::make_unique<http::TokenStream>(
                endpoint, choice_request(api_request, static_cast<int64_t>(i)), backend, completion,
-               started[i].prompt_tokens, token_delay_, write_failures_)});
+               started[i].prompt_tokens, token_delay_, write_failures_, started[i].reasoning)});
     }
     auto streamed = std::make_shared<http::StreamedResponse>(
         endpoint, std::move(choices), api_request.include_usage, api_request.n);
@@ -538,6 +546,10 @@ std::vector<runtime::ConfigKey> http_keys() {
   keys.push_back({"fallback-ttft-ms", "0",
                   "with a fallback: the primary's longest time to first token before the "
                   "request goes to the fallback (0: only Overloaded falls back)"});
+  keys.push_back({"reasoning-parser", "auto",
+                  "auto: a chat answer's <think> block (Qwen3, DeepSeek-R1, GLM-4.5: the models "
+                  "whose chat template thinks) is given out as the message's reasoning_content, "
+                  "not in its content; none: answers as generated"});
   keys.push_back({"max-body-bytes", "8MiB", "largest request body accepted"});
   keys.push_back({"send-buffer-bytes", "0",
                   "each connection's socket send buffer (SO_SNDBUF; 0: the system's, which grows "

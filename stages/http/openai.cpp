@@ -186,6 +186,11 @@ std::optional<ApiError> read_messages(const json& body, std::vector<tokenizer::C
       if (auto error = read_content(message["content"], at + ".content", parsed.content))
         return error;
     if (auto error = read_tool_fields(message, at, parsed)) return error;
+    // An earlier answer's reasoning, as this server gave it out (`reasoning_content`; vLLM's
+    // newer name `reasoning` too), for the templates that write it back.
+    for (const char* key : {"reasoning_content", "reasoning"})
+      if (parsed.reasoning_content.empty() && present(message, key))
+        if (auto error = read_string(message, key, at, parsed.reasoning_content)) return error;
     out.push_back(std::move(parsed));
   }
   return std::nullopt;
@@ -694,6 +699,8 @@ json completion_response(Endpoint endpoint, std::span<const Completion> choices,
                    {"finish_reason", completion.finish_reason}};
     if (endpoint == Endpoint::kChat) {
       choice["message"] = {{"role", "assistant"}, {"content", completion.text}};
+      if (!completion.reasoning.empty())
+        choice["message"]["reasoning_content"] = completion.reasoning;
       if (!completion.tool_calls.empty()) {
         // OpenAI's shape: content null where the turn is only calls.
         if (completion.text.empty()) choice["message"]["content"] = nullptr;
@@ -720,14 +727,16 @@ json completion_response(Endpoint endpoint, std::span<const Completion> choices,
 }
 
 json stream_chunk(Endpoint endpoint, const Completion& completion, const std::string& text,
-                  bool first, const std::string& finish_reason, const json& logprobs) {
+                  bool first, const std::string& finish_reason, const json& logprobs,
+                  DeltaField field) {
   json choice = {{"index", completion.index},
                  {"logprobs", logprobs},
                  {"finish_reason", finish_reason.empty() ? json(nullptr) : json(finish_reason)}};
   if (endpoint == Endpoint::kChat) {
     json delta = json::object();
     if (first) delta["role"] = "assistant";
-    if (finish_reason.empty() || !text.empty()) delta["content"] = text;
+    if (finish_reason.empty() || !text.empty())
+      delta[field == DeltaField::kReasoning ? "reasoning_content" : "content"] = text;
     choice["delta"] = std::move(delta);
   } else {
     choice["text"] = text;
@@ -739,11 +748,12 @@ json stream_chunk(Endpoint endpoint, const Completion& completion, const std::st
           {"choices", json::array({choice})}};
 }
 
-TokenEvents::TokenEvents(Endpoint endpoint, const Completion& completion) {
+TokenEvents::TokenEvents(Endpoint endpoint, const Completion& completion, DeltaField field) {
   // stream_chunk's keys in nlohmann::json's (sorted) order, with the text cut out.
   const std::string marker = "\x01";
   const std::string whole =
-      "data: " + to_text(stream_chunk(endpoint, completion, marker, false, "")) + "\n\n";
+      "data: " + to_text(stream_chunk(endpoint, completion, marker, false, "", nullptr, field)) +
+      "\n\n";
   const std::string quoted = json(marker).dump();
   const size_t at = whole.find(quoted);
   prefix_ = whole.substr(0, at);

@@ -126,6 +126,7 @@ struct Completion {
   bool fallback = false;    // served by the fallback model (the primary was overloaded or slow)
   nlohmann::json logprobs;  // the choice's logprobs object (null unless asked for)
   std::vector<ToolCallOut> tool_calls;  // chat: the calls read from the text (then not in it)
+  std::string reasoning;  // chat: the reasoning read out of the text (reasoning.h; then not in it)
 };
 
 nlohmann::json usage_json(const sdk::Usage& usage);
@@ -139,17 +140,22 @@ sdk::Usage combined_usage(std::span<const Completion> choices, int64_t n);
 // extension from the first.
 nlohmann::json completion_response(Endpoint endpoint, std::span<const Completion> choices,
                                    int64_t n = 1);
+// Which field of a chat chunk's delta carries its text: the answer's content, or its reasoning
+// (`reasoning_content`, as DeepSeek's API, vLLM, SGLang and llama.cpp stream it).
+enum class DeltaField { kContent, kReasoning };
 // A stream chunk: `delta` text (chat: with the role on the first chunk), or the final chunk with
 // the finish reason.
 nlohmann::json stream_chunk(Endpoint endpoint, const Completion& completion,
                             const std::string& text, bool first, const std::string& finish_reason,
-                            const nlohmann::json& logprobs = nullptr);
+                            const nlohmann::json& logprobs = nullptr,
+                            DeltaField field = DeltaField::kContent);
 // The server-sent event of one token's text after the first: stream_chunk's bytes, built from a
 // prefix and suffix made once per stream (a JSON document per token would cost more than the
 // rest of the path).
 class TokenEvents {
  public:
-  TokenEvents(Endpoint endpoint, const Completion& completion);
+  TokenEvents(Endpoint endpoint, const Completion& completion,
+              DeltaField field = DeltaField::kContent);
   std::string event(const std::string& text) const;
 
  private:

@@ -18,7 +18,7 @@ std::string server_event(const json& data) {
 TokenStream::TokenStream(Endpoint endpoint, const CompletionRequest& request,
                          const Backend& backend, std::shared_ptr<Completion> completion,
                          uint32_t prompt_tokens, runtime::Histogram* token_delay,
-                         runtime::Counter* write_failures)
+                         runtime::Counter* write_failures, ReasoningStart reasoning)
     : endpoint_(endpoint),
       completion_(std::move(completion)),
       stops_(request.stop),
@@ -28,6 +28,10 @@ TokenStream::TokenStream(Endpoint endpoint, const CompletionRequest& request,
   if (request.logprobs) logprobs_.emplace(endpoint, *backend.tokenizer);
   if (request.echo) echo_ = echo_text(request, backend);
   score_only_ = request.score_only();
+  if (endpoint == Endpoint::kChat && reasoning != ReasoningStart::kOff) {
+    reasoning_.emplace(reasoning);
+    reasoning_events_.emplace(endpoint, *completion_, DeltaField::kReasoning);
+  }
   if (endpoint == Endpoint::kChat && !request.chat.tools_json.empty()) {
     tool_calls_.emplace();
     if (backend.chat) tool_call_format_ = backend.chat->tool_call_format();
@@ -66,6 +70,12 @@ bool TokenStream::on_event(const sdk::Event& event, Clock::time_point arrived,
     echo_.reset();
   }
   if (score_only_) return !over;
+  std::string reasoning;
+  if (reasoning_) {
+    ReasoningParts parts = reasoning_->feed(text);
+    reasoning = std::move(parts.reasoning);
+    text = std::move(parts.content);
+  }
   if (tool_calls_) text = tool_calls_->feed(text);
   // With log-probabilities, every token's chunk carries them, text or not.
   json token_logprobs = nullptr;
@@ -74,17 +84,35 @@ bool TokenStream::on_event(const sdk::Event& event, Clock::time_point arrived,
         std::span(outcome_.ids).subspan(known),
         std::span(outcome_.logprobs).subspan(std::min(known, outcome_.logprobs.size())),
         text_offset_);
-  if (!text.empty() || first_chunk_ || !token_logprobs.is_null()) {
-    const bool plain = !first_chunk_ && token_logprobs.is_null();
-    if (!send(sink, plain ? token_events_.event(text)
-                          : server_event(stream_chunk(endpoint_, *completion_, text, first_chunk_,
-                                                      "", token_logprobs))))
+  const bool first = first_chunk_;
+  bool wrote = false;
+  if (!reasoning.empty()) {
+    // The token's log-probabilities go with its content where it has any.
+    if (!send_delta(sink, reasoning, text.empty() ? token_logprobs : json(nullptr),
+                    DeltaField::kReasoning))
       return false;
-    if (!first_chunk_ && event.kind == sdk::EventKind::kDelta)
-      token_delay_->observe(std::chrono::duration<double>(Clock::now() - arrived).count());
-    first_chunk_ = false;
+    if (text.empty()) token_logprobs = nullptr;
+    wrote = true;
   }
+  if (!text.empty() || first_chunk_ || !token_logprobs.is_null()) {
+    if (!send_delta(sink, text, token_logprobs, DeltaField::kContent)) return false;
+    wrote = true;
+  }
+  if (wrote && !first && event.kind == sdk::EventKind::kDelta)
+    token_delay_->observe(std::chrono::duration<double>(Clock::now() - arrived).count());
   return !over;
+}
+
+bool TokenStream::send_delta(httplib::DataSink& sink, const std::string& text, const json& logprobs,
+                             DeltaField field) {
+  const bool plain = !first_chunk_ && logprobs.is_null();
+  const TokenEvents& events = field == DeltaField::kReasoning ? *reasoning_events_ : token_events_;
+  const bool sent =
+      send(sink, plain ? events.event(text)
+                       : server_event(stream_chunk(endpoint_, *completion_, text, first_chunk_, "",
+                                                   logprobs, field)));
+  first_chunk_ = false;
+  return sent;
 }
 
 void TokenStream::time_out() {
@@ -97,6 +125,12 @@ void TokenStream::finish_choice(httplib::DataSink& sink) {
   completion_->usage.completion_tokens = score_only_ ? 0 : outcome_.completion_tokens;
   completion_->timings = outcome_.timings;
   std::string finish_reason = score_only_ ? "length" : outcome_.finish_reason;
+  if (reasoning_ && !score_only_) {  // what was held back for the markers and whitespace
+    ReasoningParts rest = reasoning_->finish();
+    if (!rest.reasoning.empty()) send_delta(sink, rest.reasoning, nullptr, DeltaField::kReasoning);
+    if (tool_calls_) rest.content = tool_calls_->feed(rest.content);
+    if (!rest.content.empty()) send_delta(sink, rest.content, nullptr, DeltaField::kContent);
+  }
   if (tool_calls_ && !tool_calls_->held().empty()) {
     if (auto parsed = parse_tool_calls(tool_calls_->held(), tool_call_format_, tools_json_)) {
       completion_->tool_calls = std::move(parsed->calls);

@@ -21,6 +21,7 @@
 #include "stages/http/events.h"
 #include "stages/http/logprobs.h"
 #include "stages/http/openai.h"
+#include "stages/http/reasoning.h"
 #include "stages/http/stop_matcher.h"
 #include "stages/http/tool_calls.h"
 #include "stages/runtime/metrics.h"
@@ -32,7 +33,8 @@ class TokenStream {
   using Clock = std::chrono::steady_clock;
   TokenStream(Endpoint endpoint, const CompletionRequest& request, const Backend& backend,
               std::shared_ptr<Completion> completion, uint32_t prompt_tokens,
-              runtime::Histogram* token_delay, runtime::Counter* write_failures);
+              runtime::Histogram* token_delay, runtime::Counter* write_failures,
+              ReasoningStart reasoning = ReasoningStart::kOff);
 
   // Writes what `event` adds (it reached this process at `arrived`); false when the stream is
   // over: finished, failed, cut by a stop string, or its client gone.
@@ -40,7 +42,8 @@ class TokenStream {
   // No event within the request's deadline: the stream ends with a 504 error object.
   void time_out();
   // The choice is over without an error: its usage and timings into the completion, the text
-  // held back for tool calls (as calls, or as text if it is none), and its finish chunk.
+  // held back for reasoning and tool calls (as reasoning, calls, or as text if it is none), and
+  // its finish chunk.
   void finish_choice(httplib::DataSink& sink);
   // The error that ended the choice, if one did.
   const std::optional<ApiError>& error() const { return outcome_.error; }
@@ -53,11 +56,18 @@ class TokenStream {
   bool send(httplib::DataSink& sink, const std::string& text);
 
  private:
+  // One chunk of text in `field` of the delta (with the role on the first chunk, and the tokens'
+  // log-probabilities where given).
+  bool send_delta(httplib::DataSink& sink, const std::string& text, const nlohmann::json& logprobs,
+                  DeltaField field);
+
   Endpoint endpoint_;
   std::shared_ptr<Completion> completion_;
   StopMatcher stops_;
   std::optional<LogprobsWriter> logprobs_;
-  std::optional<ToolCallHold> tool_calls_;  // chat with tools on offer: held, then read as
+  std::optional<ReasoningStream> reasoning_;     // chat answers of a model that thinks
+  std::optional<TokenEvents> reasoning_events_;  // their reasoning_content deltas
+  std::optional<ToolCallHold> tool_calls_;       // chat with tools on offer: held, then read as
   tokenizer::ToolCallFormat tool_call_format_ = tokenizer::ToolCallFormat::kNone;  // the template's
   std::string tools_json_;                                                         // the request's
   TokenEvents token_events_;

@@ -4,6 +4,7 @@
 
 #include <nlohmann/json.hpp>
 
+#include "stages/http/markers.h"
 #include "stages/http/openai.h"
 
 namespace moeline::stages::http {
@@ -16,13 +17,6 @@ constexpr std::string_view kValueOpen = "<arg_value>", kValueClose = "</arg_valu
 
 bool blank(std::string_view text) {
   return text.find_first_not_of(" \t\r\n") == std::string_view::npos;
-}
-
-// The length of the longest suffix of `text` that is a proper prefix of `marker`.
-size_t partial_marker(std::string_view text, std::string_view marker) {
-  for (size_t n = std::min(text.size(), marker.size() - 1); n > 0; --n)
-    if (text.substr(text.size() - n) == marker.substr(0, n)) return n;
-  return 0;
 }
 
 // Writing JSON back (dump) recurses once per level: generated text that nests deeper than any

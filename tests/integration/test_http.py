@@ -884,6 +884,13 @@ def case_tools(args):
         config = json.load(f)
     with open(qwen3, encoding="utf-8") as f:
         template = json.load(f)["chat_template"]
+    # As Qwen3's thinking releases do, enable_thinking=true here opens the <think> block in the
+    # generation prompt (the reasoning check below); without it the template renders as Qwen3's.
+    no_thinking = "{%- if enable_thinking is defined and enable_thinking is false %}"
+    check(no_thinking in template, "Qwen3's template has its enable_thinking=false branch")
+    template = template.replace(
+        no_thinking, "{%- if enable_thinking is defined and enable_thinking is true %}"
+        "{{- '<think>\\n' }}{%- endif %}\n" + no_thinking)
     config["chat_template"] = template
     with open(os.path.join(model, "tokenizer_config.json"), "w", encoding="utf-8") as f:
         json.dump(config, f)
@@ -928,10 +935,62 @@ def case_tools(args):
         check(status == 200 and plain["usage"]["prompt_tokens"] < len(ids),
               f"tool_choice none shows no tools: {plain}")
         check_forced_calls(stack)
+        check_reasoning(args, stack, model, template, config)
     print(f"ok tools: a tool, a call and its answer rendered as jinja2 renders Qwen3's template "
           f"({len(ids)} tokens), answered as moeline run answers them, whole and streamed; "
           "tool_choice none leaves the tools out; forced calls (required, named) decoded under "
-          "the calls' grammar, whole and streamed")
+          "the calls' grammar, whole and streamed; an answer inside the <think> block the prompt "
+          "opened is its reasoning_content, whole and streamed")
+
+
+def split_reasoning(text):
+    """The reasoning parser's rule for an answer that begins inside a <think> block: up to
+    </think> (all of it if none) is the reasoning, the rest the content, the whitespace around
+    both dropped."""
+    space = " \t\r\n"
+    reasoning, closed, content = text.partition("</think>")
+    return reasoning.strip(space), content.lstrip(space) if closed else ""
+
+
+def check_reasoning(args, stack, model, template, config):
+    """A chat whose prompt opens the <think> block (enable_thinking=true on this template): the
+    greedy answer of `moeline run` on that prompt (rendered by jinja2), split by the reasoning
+    rule, is the message's reasoning_content and content, whole and streamed (reasoning first);
+    the same chat under a grammar (response_format) is the document, all content."""
+    from test_jinja_parity import hf_environment
+    messages = [{"role": "user", "content": "Why is the sky blue?"}]
+    text = hf_environment().from_string(template).render(
+        messages=messages, add_generation_prompt=True, enable_thinking=True, bos_token="",
+        eos_token=config["eos_token"])
+    check(text.endswith("<think>\n"), f"the prompt opens the block: {text!r}")
+    out = subprocess.run([args.moeline, "tokenize", "--tokenizer", model, "--no-special"],
+                         input=text, capture_output=True, text=True, timeout=60)
+    check(out.returncode == 0, out.stderr)
+    ids = json.loads(out.stdout)
+    want = reference(args.moeline, model, 12, tokens=ids)
+    reasoning, content = split_reasoning(detokenize(args, want["ids"]))
+    check(reasoning, f"the demo model's answer has text to read as reasoning: {want}")
+    request = {"messages": messages, "max_tokens": 12, "temperature": 0,
+               "chat_template_kwargs": {"enable_thinking": True}}
+    status, body, _ = post(stack, "/v1/chat/completions", request)
+    check(status == 200 and body["usage"]["prompt_tokens"] == len(ids), f"{status} {body}")
+    message = body["choices"][0]["message"]
+    check(message.get("reasoning_content") == reasoning and message["content"] == content,
+          f"reasoning read out: {message} want {reasoning!r} then {content!r}")
+    events, done = stream(stack, "/v1/chat/completions", dict(request, stream=True))
+    deltas = [e["choices"][0]["delta"] for e in events if e["choices"]]
+    streamed_reasoning = "".join(d.get("reasoning_content", "") for d in deltas)
+    streamed_content = "".join(d.get("content") or "" for d in deltas)
+    first_content = next((i for i, d in enumerate(deltas) if d.get("content")), len(deltas))
+    check(done and streamed_reasoning == reasoning and streamed_content == content and
+          not any("reasoning_content" in d for d in deltas[first_content:]),
+          f"streamed reasoning: {deltas}")
+    status, body, _ = post(stack, "/v1/chat/completions",
+                           dict(request, response_format={"type": "json_object"}))
+    message = body["choices"][0]["message"] if status == 200 else {}
+    check(status == 200 and "reasoning_content" not in message and
+          message["content"].lstrip().startswith("{"),
+          f"under a grammar the answer is the document: {status} {body}")
 
 
 def check_forced_calls(stack):

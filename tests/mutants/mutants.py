@@ -807,6 +807,32 @@ MUTANTS = [
          new="options.structured = sdk::StructuredOutput::kJsonSchema;",
          why="a forced tool call is decoded as a bare JSON document, without its <tool_call> tags",
          tests=r"^stack_http_tools$"),
+    # Reasoning read out of the answer (stages/http/reasoning.cpp).
+    dict(name="reasoning-block-anywhere", file="stages/http/reasoning.cpp",
+         old="        state_ = State::kContent;  // no reasoning block: the text as it is",
+         new="        if (text.find(kThinkOpen) != std::string_view::npos) {\n"
+             "          text = text.substr(text.find(kThinkOpen) + kThinkOpen.size());\n"
+             "          state_ = State::kReasoning;\n"
+             "          continue;\n"
+             "        }\n"
+             "        state_ = State::kContent;",
+         why="a <think> block later in the answer is taken out of the content as reasoning",
+         tests=r"^Reasoning\."),
+    dict(name="reasoning-close-held-whole", file="stages/http/reasoning.cpp",
+         old="size_t keep = partial_marker(text, kThinkClose);",
+         new="size_t keep = 0;",
+         why="a </think> split across two deltas is given out as reasoning text",
+         tests=r"^Reasoning\.|^StreamedResponse\."),
+    dict(name="reasoning-ignores-an-opened-prompt", file="stages/http/backend.cpp",
+         old="if (prompt_opens_reasoning(options.prompt)) return ReasoningStart::kOpen;",
+         new="",
+         why="the answer to a prompt that opened the <think> block is all content",
+         tests=r"^Reasoning\.|^stack_http_tools$"),
+    dict(name="reasoning-content-not-sent-back", file="tokenizer/chat_template.cpp",
+         old="std::string reasoning = m.reasoning_content;",
+         new="std::string reasoning;",
+         why="an assistant turn's reasoning_content is dropped from Qwen3's built-in format",
+         tests=r"^chat_template$"),
 ]
 
 KNOWN_SURVIVORS = []  # none today: a planted bug that survives gets its test (tests/README.md)

@@ -21,6 +21,15 @@ sys.path.insert(0, HERE)
 from jinja_cases import A, T, U  # noqa: E402
 from jinja_cases import TEXT_CONVERSATIONS as CONVERSATIONS  # noqa: E402
 
+# An assistant turn with the reasoning the HTTP front gave out beside its content: written back
+# in a <think> block where it follows the last user message, dropped before it.
+REASONING = lambda r, c: {"role": "assistant", "content": c, "reasoning_content": r}  # noqa: E731
+REASONING_CONVERSATIONS = [
+    [U("q"), REASONING("because", "yes")],
+    [U("q"), REASONING("\nbecause\n", "\n\nyes"), U("more")],
+    [U("q"), REASONING("look it up", "calling"), T("sunny")],
+]
+
 TOOL_CONVERSATIONS = [
     [U("weather?"), A("calling"), T("sunny"), T("22C"), U("thanks")],
     [U("q"), A("x"), U("<tool_response>\nr\n</tool_response>")],
@@ -36,6 +45,8 @@ def cases_for(name):
     convs = list(CONVERSATIONS)
     if name.startswith("qwen") or name.endswith("qwen3_moe"):
         convs += TOOL_CONVERSATIONS
+    if "qwen3" in name:
+        convs += REASONING_CONVERSATIONS
     out = []
     for conv in convs:
         for gen in (True, False):

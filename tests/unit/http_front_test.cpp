@@ -18,6 +18,7 @@
 #include "stages/http/connection_threads.h"
 #include "stages/http/events.h"
 #include "stages/http/openai.h"
+#include "stages/http/reasoning.h"
 #include "stages/http/stop_matcher.h"
 #include "stages/http/token_stream.h"
 #include "stages/http/tokenize.h"
@@ -145,14 +146,18 @@ TEST(OpenAiRequest, ReadsEveryField) {
                                {"role": "user", "content": [{"type": "text", "text": "a"},
                                                             {"type": "text", "text": "b"}]},
                                {"role": "assistant", "content": null},
-                               {"role": "developer", "content": "d"}],
+                               {"role": "developer", "content": "d"},
+                               {"role": "assistant", "content": "c", "reasoning_content": "r"},
+                               {"role": "assistant", "content": "c", "reasoning": "vllm's"}],
     "max_completion_tokens": 7, "temperature": 0.5, "top_p": 0.9, "top_k": 5, "seed": -3,
     "stop": ["x", "y"], "stream": true, "stream_options": {"include_usage": true},
     "user": "u", "chat_template_kwargs": {"enable_thinking": false}, "unknown": [1, {"x": 2}],
     "min_p": 0.05, "presence_penalty": -1.5, "frequency_penalty": 2, "repetition_penalty": 1.1,
     "logprobs": true, "top_logprobs": 4})");
-  ASSERT_EQ(r.messages.size(), 4u);
+  ASSERT_EQ(r.messages.size(), 6u);
   EXPECT_EQ(r.messages[1].content, "ab");
+  EXPECT_EQ(r.messages[4].reasoning_content, "r");
+  EXPECT_EQ(r.messages[5].reasoning_content, "vllm's");
   EXPECT_EQ(r.messages[2].content, "");
   EXPECT_EQ(r.messages[3].role, "system");
   EXPECT_EQ(r.max_tokens, 7);
@@ -839,6 +844,186 @@ TEST(StreamedResponse, ChoicesInterleaveAndACallComesWholeWithItsFinishReason) {
   EXPECT_EQ(finish[0], "stop");
   EXPECT_EQ(usage["completion_tokens"], 5);
   EXPECT_EQ(usage["prompt_tokens"], 3);
+}
+
+// Answers of models that think, and how they split: a block only at the start (after
+// whitespace), the whitespace around the reasoning and before the content dropped, an answer cut
+// off inside the block all reasoning, a prompt that opened the block (kOpen) read from the first
+// character, and anything that is not a block left exactly as generated.
+struct ReasoningCase {
+  const char* text;
+  ReasoningStart start;
+  const char* reasoning;
+  const char* content;
+};
+const ReasoningCase kReasoningCases[] = {
+    {"<think>\nWhy 42?\n</think>\n\nThe answer is 42.", ReasoningStart::kAtStart, "Why 42?",
+     "The answer is 42."},
+    {"  \n<think>a\n\nb</think>c", ReasoningStart::kAtStart, "a\n\nb", "c"},
+    {"<think>\n\n</think>\n\nHi", ReasoningStart::kAtStart, "", "Hi"},
+    {"<think>cut off in the middle \n", ReasoningStart::kAtStart, "cut off in the middle", ""},
+    {"<think>ends on </thi", ReasoningStart::kAtStart, "ends on </thi", ""},
+    {"<think>a </thinking> b</think> c", ReasoningStart::kAtStart, "a </thinking> b", "c"},
+    {"Hi <think>not a block</think>", ReasoningStart::kAtStart, "",
+     "Hi <think>not a block</think>"},
+    {"  <thin", ReasoningStart::kAtStart, "", "  <thin"},
+    {"  plain\n", ReasoningStart::kAtStart, "", "  plain\n"},
+    {"", ReasoningStart::kAtStart, "", ""},
+    {"\nOpened by the prompt.\n</think>\n\nAnswer <think>x</think>", ReasoningStart::kOpen,
+     "Opened by the prompt.", "Answer <think>x</think>"},
+    {"<think>x</think>y", ReasoningStart::kOpen, "<think>x", "y"},
+    {"never closed", ReasoningStart::kOpen, "never closed", ""},
+    {"<think>x</think>y", ReasoningStart::kOff, "", "<think>x</think>y"},
+};
+
+TEST(Reasoning, ABlockAtTheStartIsReasoningAndTheRestIsContent) {
+  for (const ReasoningCase& c : kReasoningCases) {
+    const ReasoningParts parts = split_reasoning(c.text, c.start);
+    EXPECT_EQ(parts.reasoning, c.reasoning) << c.text;
+    EXPECT_EQ(parts.content, c.content) << c.text;
+  }
+}
+
+TEST(Reasoning, AStreamAgreesWithTheWholeTextUnderEverySplit) {
+  // Every split of each answer into three deltas gives out the same reasoning and content as
+  // the whole text, and never gives out reasoning after content.
+  for (const ReasoningCase& c : kReasoningCases) {
+    const std::string text = c.text;
+    for (size_t i = 0; i <= text.size(); ++i)
+      for (size_t j = i; j <= text.size(); ++j) {
+        ReasoningStream stream(c.start);
+        std::string reasoning, content;
+        for (const std::string& delta :
+             {text.substr(0, i), text.substr(i, j - i), text.substr(j), std::string()}) {
+          const ReasoningParts parts = stream.feed(delta);
+          if (!content.empty()) {
+            EXPECT_TRUE(parts.reasoning.empty()) << text << " split " << i << "," << j;
+          }
+          reasoning += parts.reasoning;
+          content += parts.content;
+        }
+        const ReasoningParts rest = stream.finish();
+        if (!content.empty()) {
+          EXPECT_TRUE(rest.reasoning.empty()) << text;
+        }
+        EXPECT_EQ(reasoning + rest.reasoning, c.reasoning) << text << " split " << i << "," << j;
+        EXPECT_EQ(content + rest.content, c.content) << text << " split " << i << "," << j;
+      }
+  }
+}
+
+TEST(Reasoning, APromptThatEndsInAnOpenBlockStartsTheAnswerInside) {
+  EXPECT_TRUE(prompt_opens_reasoning("<|im_start|>assistant\n<think>\n"));
+  EXPECT_TRUE(prompt_opens_reasoning("<｜Assistant｜><think>"));
+  EXPECT_FALSE(prompt_opens_reasoning("<|im_start|>assistant\n<think>\n\n</think>\n\n"));
+  EXPECT_FALSE(prompt_opens_reasoning("<|im_start|>assistant\n"));
+  EXPECT_FALSE(prompt_opens_reasoning(""));
+}
+
+TEST(Reasoning, OnlyChatAnswersOfAThinkingTemplateWithoutAGrammarAreRead) {
+  Backend backend;
+  backend.chat = std::make_unique<tokenizer::ChatTemplate>(
+      tokenizer::ChatTemplate::builtin(tokenizer::ChatTemplate::Format::kQwen3, "", "<|im_end|>"));
+  CompletionRequest chat;
+  sdk::GenerateOptions options;
+  options.prompt = "<|im_start|>assistant\n";
+  EXPECT_EQ(reasoning_start(chat, backend, options), ReasoningStart::kAtStart);
+  options.prompt = "<|im_start|>assistant\n<think>\n";
+  EXPECT_EQ(reasoning_start(chat, backend, options), ReasoningStart::kOpen);
+  sdk::GenerateOptions structured = options;
+  structured.structured = sdk::StructuredOutput::kJsonObject;
+  EXPECT_EQ(reasoning_start(chat, backend, structured), ReasoningStart::kOff);
+  CompletionRequest completions;
+  completions.endpoint = Endpoint::kCompletions;
+  EXPECT_EQ(reasoning_start(completions, backend, options), ReasoningStart::kOff);
+  backend.reads_reasoning = false;  // --reasoning-parser none
+  EXPECT_EQ(reasoning_start(chat, backend, options), ReasoningStart::kOff);
+  // A template that does not think: only a prompt that opens a block makes one.
+  Backend plain;
+  plain.chat = std::make_unique<tokenizer::ChatTemplate>(
+      *tokenizer::ChatTemplate::from_template("{{ messages[0].content }}", "", ""));
+  EXPECT_EQ(reasoning_start(chat, plain, options), ReasoningStart::kOpen);
+  options.prompt = "<|im_start|>assistant\n";
+  EXPECT_EQ(reasoning_start(chat, plain, options), ReasoningStart::kOff);
+}
+
+// A streamed chat answer that thinks, split mid-marker across events, with tools on offer: the
+// reasoning comes as reasoning_content deltas (the role on the first chunk), the text after the
+// block as content, and the call after it read from the content; log-probabilities go with
+// each token's chunk.
+TEST(StreamedResponse, ReasoningComesAsReasoningContentBeforeTheContent) {
+  CompletionRequest request;
+  request.endpoint = Endpoint::kChat;
+  request.stream = true;
+  request.chat.tools_json = R"([{"type": "function", "function": {"name": "f"}}])";
+  Backend backend;
+  backend.chat = std::make_unique<tokenizer::ChatTemplate>(
+      *tokenizer::ChatTemplate::from_template("<tool_call>{{ messages[0].content }}", "", ""));
+  runtime::Histogram delay({1.0});
+  runtime::Counter failures;
+  Completion base;
+  base.id = "chatcmpl-1";
+  auto completion = std::make_shared<Completion>(base);
+  std::vector<StreamedResponse::Choice> choices;
+  choices.push_back({std::make_shared<RequestChannel>(),
+                     event_of(sdk::EventKind::kDelta, "<think>\nLet me", 1),
+                     std::make_unique<TokenStream>(Endpoint::kChat, request, backend, completion, 3,
+                                                   &delay, &failures, ReasoningStart::kAtStart)});
+  for (const char* text : {" think. \n</thi", "nk>\n\nCalling", " it.<tool_call>\n",
+                           "{\"name\": \"f\", \"arguments\": {}}\n"})
+    choices[0].channel->push(event_of(sdk::EventKind::kDelta, text, 2));
+  choices[0].channel->push(event_of(sdk::EventKind::kFinished, "</tool_call>", 3));
+  StreamedResponse response(Endpoint::kChat, std::move(choices), false);
+  std::string written;
+  httplib::DataSink sink;
+  sink.write = [&written](const char* data, size_t size) {
+    written.append(data, size);
+    return true;
+  };
+  ASSERT_TRUE(response.write(sink, std::chrono::steady_clock::now() + std::chrono::seconds(5)));
+  std::string reasoning, content, finish;
+  std::vector<nlohmann::json> calls;
+  bool role_first = false, content_seen = false;
+  size_t at = 0, chunks = 0;
+  while ((at = written.find("data: ", at)) != std::string::npos) {
+    const size_t end = written.find("\n\n", at);
+    const std::string data = written.substr(at + 6, end - at - 6);
+    at = end;
+    if (data == "[DONE]") break;
+    const auto delta = nlohmann::json::parse(data)["choices"][0]["delta"];
+    if (chunks++ == 0) role_first = delta.value("role", "") == "assistant";
+    if (delta.contains("reasoning_content")) {
+      EXPECT_FALSE(content_seen) << "reasoning after the content: " << data;
+      reasoning += delta["reasoning_content"];
+    }
+    if (delta.contains("content")) {
+      content += delta["content"];
+      content_seen = content_seen || !delta["content"].get<std::string>().empty();
+    }
+    if (delta.contains("tool_calls"))
+      for (const auto& call : delta["tool_calls"]) calls.push_back(call);
+    const auto reason = nlohmann::json::parse(data)["choices"][0]["finish_reason"];
+    if (!reason.is_null()) finish = reason;
+  }
+  EXPECT_TRUE(role_first) << written;
+  EXPECT_EQ(reasoning, "Let me think.");
+  EXPECT_EQ(content, "Calling it.");
+  ASSERT_EQ(calls.size(), 1u) << written;
+  EXPECT_EQ(calls[0]["function"]["name"], "f");
+  EXPECT_EQ(finish, "tool_calls");
+}
+
+TEST(OpenAiResponse, ReasoningContentBesideTheContent) {
+  Completion c;
+  c.id = "chatcmpl-1";
+  c.finish_reason = "stop";
+  c.text = "42.";
+  EXPECT_FALSE(completion_response(Endpoint::kChat, {&c, 1})["choices"][0]["message"].contains(
+      "reasoning_content"));
+  c.reasoning = "Six times seven.";
+  const auto message = completion_response(Endpoint::kChat, {&c, 1})["choices"][0]["message"];
+  EXPECT_EQ(message["reasoning_content"], "Six times seven.");
+  EXPECT_EQ(message["content"], "42.");
 }
 
 TEST(OpenAiResponse, ToolCallsInOpenAisMessageShape) {
