@@ -86,6 +86,13 @@ const char* ChatTemplate::format_name() const {
   return "?";
 }
 
+bool reserved_template_variable(std::string_view name) {
+  for (const std::string_view reserved :
+       {"messages", "tools", "add_generation_prompt", "bos_token", "eos_token", "enable_thinking"})
+    if (name == reserved) return true;
+  return false;
+}
+
 Expected<ChatTemplate> ChatTemplate::from_template(const std::string& source, std::string bos,
                                                    std::string eos) {
   auto parsed = jinja::Template::parse(source);
@@ -136,6 +143,13 @@ Expected<std::string> ChatTemplate::render_jinja(const std::vector<ChatMessage>&
     Json tools = Json::parse(options.tools_json, nullptr, /*allow_exceptions=*/false);
     if (!tools.is_array()) return Error{"chat template: tools must be a JSON array"};
     context["tools"] = std::move(tools);
+  }
+  if (!options.template_kwargs_json.empty()) {
+    Json kwargs = Json::parse(options.template_kwargs_json, nullptr, /*allow_exceptions=*/false);
+    if (!kwargs.is_object())
+      return Error{"chat template: chat_template_kwargs must be a JSON object"};
+    for (auto& [name, value] : kwargs.items())
+      if (!reserved_template_variable(name)) context[name] = std::move(value);
   }
   context["add_generation_prompt"] = options.add_generation_prompt;
   context["bos_token"] = bos_;

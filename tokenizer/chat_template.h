@@ -1,7 +1,8 @@
 #pragma once
 // Chat prompts: the model's own chat template (the Jinja `chat_template` of tokenizer_config.json)
 // rendered by moeline's Jinja engine (tokenizer/jinja/) as transformers' apply_chat_template
-// renders it, with messages, add_generation_prompt, bos_token, eos_token and enable_thinking;
+// renders it, with messages, add_generation_prompt, bos_token, eos_token, enable_thinking and the
+// request's other template variables (chat_template_kwargs);
 // checked against Python's jinja2 and @huggingface/jinja on real models' templates (tests/parity).
 // A template that uses something the engine does not support is an error naming the construct.
 //
@@ -19,6 +20,7 @@
 #include <memory>
 #include <optional>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include "base/status.h"
@@ -54,7 +56,16 @@ struct ChatOptions {
   // The tools a request offers: a JSON array of OpenAI tool definitions, as its body gave them
   // (empty: none). A Jinja template gets them as `tools`; the built-in formats refuse them.
   std::string tools_json;
+  // The request's other variables for a Jinja template (chat_template_kwargs, as vLLM passes
+  // them: DeepSeek-V3.1's `thinking`, gpt-oss's `reasoning_effort`, ...), a JSON object as text
+  // (empty: none); the built-in formats have no variables and ignore them. None of them may be
+  // one of the variables the renderer sets itself (reserved_template_variable).
+  std::string template_kwargs_json;
 };
+
+// Whether `name` is a variable the renderer sets itself (messages, tools, add_generation_prompt,
+// bos_token, eos_token, enable_thinking), which a request's chat_template_kwargs may not set.
+bool reserved_template_variable(std::string_view name);
 
 // How a chat template writes an assistant's tool calls, which is how the model was trained to
 // write them (and so how the server reads them back from its output).

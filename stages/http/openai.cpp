@@ -457,6 +457,17 @@ std::optional<ApiError> read_chat_options(const json& body, CompletionRequest& o
     if (auto error = read_bool(kwargs, "enable_thinking", thinking)) return error;
     out.chat.enable_thinking = thinking;
   }
+  // The others go to the template as they are (a Jinja template reads what it uses), except
+  // the variables the renderer sets, which a request may not replace.
+  json others = json::object();
+  for (const auto& [name, value] : kwargs.items()) {
+    if (name == "enable_thinking") continue;
+    if (tokenizer::reserved_template_variable(name))
+      return bad("chat_template_kwargs." + name,
+                 "'" + name + "' is set by the server, not by chat_template_kwargs");
+    others[name] = value;
+  }
+  if (!others.empty()) out.chat.template_kwargs_json = others.dump();
   return std::nullopt;
 }
 

@@ -833,6 +833,11 @@ MUTANTS = [
          new="std::string reasoning;",
          why="an assistant turn's reasoning_content is dropped from Qwen3's built-in format",
          tests=r"^chat_template$"),
+    dict(name="template-kwargs-replace-the-renderers", file="tokenizer/chat_template.cpp",
+         old="if (!reserved_template_variable(name)) context[name] = std::move(value);",
+         new="context[name] = std::move(value);",
+         why="a request's chat_template_kwargs replace the messages the template renders",
+         tests=r"^ChatTemplate\."),
 ]
 
 KNOWN_SURVIVORS = []  # none today: a planted bug that survives gets its test (tests/README.md)

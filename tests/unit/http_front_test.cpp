@@ -169,6 +169,14 @@ TEST(OpenAiRequest, ReadsEveryField) {
   EXPECT_TRUE(r.stream && r.include_usage);
   EXPECT_EQ(r.user, "u");
   EXPECT_EQ(r.chat.enable_thinking, false);
+  EXPECT_TRUE(r.chat.template_kwargs_json.empty());
+  // The other chat_template_kwargs go to the template; the renderer's own variables are refused.
+  const CompletionRequest kwargs = request_of(Endpoint::kChat, R"({"messages": [{"role": "user",
+      "content": "x"}], "chat_template_kwargs": {"thinking": true, "reasoning_effort": "low",
+      "enable_thinking": true}})");
+  EXPECT_EQ(nlohmann::json::parse(kwargs.chat.template_kwargs_json),
+            nlohmann::json::parse(R"({"thinking": true, "reasoning_effort": "low"})"));
+  EXPECT_EQ(kwargs.chat.enable_thinking, true);
   EXPECT_DOUBLE_EQ(r.min_p, 0.05);
   EXPECT_DOUBLE_EQ(r.presence_penalty, -1.5);
   EXPECT_DOUBLE_EQ(r.frequency_penalty, 2);
@@ -315,6 +323,12 @@ TEST(OpenAiRequest, WrongTypesAndValuesNameTheirParameter) {
       {Endpoint::kChat, R"({"messages": [7]})", "messages[0]"},
       {Endpoint::kChat, R"({"messages": [{"content": "x"}]})", "messages[0].role"},
       {Endpoint::kChat, R"({"messages": [{"role": "user", "content": 5}]})", "messages[0].content"},
+      {Endpoint::kChat,
+       R"({"messages": [{"role": "user", "content": "x"}], "chat_template_kwargs": {"messages": []}})",
+       "chat_template_kwargs.messages"},
+      {Endpoint::kChat,
+       R"({"messages": [{"role": "user", "content": "x", "reasoning_content": 1}]})",
+       "messages[0].reasoning_content"},
       {Endpoint::kChat, R"({"messages": [{"role": "user", "content": [{"type": "image_url"}]}]})",
        "messages[0].content[0].type"},
       {Endpoint::kCompletions, R"({"prompt": 5})", "prompt"},

@@ -214,6 +214,21 @@ TEST(ChatTemplate, JinjaTemplatesRenderAndUnsupportedConstructsAreNamed) {
   EXPECT_EQ(
       *chat->render({{"user", "hi"}}, {.add_generation_prompt = false, .enable_thinking = false}),
       "<s><user>hi/no_think");
+  // A request's other template variables (chat_template_kwargs) reach the template; the ones the
+  // renderer sets itself are not replaced by them.
+  auto thinking = ChatTemplate::from_template(
+      "{% if thinking %}<think>{% endif %}{{ effort | default('none') }}{{ bos_token }}"
+      "{{ messages | length }}",
+      "<s>", "");
+  ASSERT_TRUE(thinking.ok());
+  EXPECT_EQ(*thinking->render({{"user", "hi"}},
+                              {.template_kwargs_json = R"({"thinking": true, "effort": "high"})"}),
+            "<think>high<s>1");
+  EXPECT_EQ(*thinking->render({{"user", "hi"}}), "none<s>1");
+  EXPECT_EQ(*thinking->render({{"user", "hi"}},
+                              {.template_kwargs_json = R"({"bos_token": "X", "messages": []})"}),
+            "none<s>1");
+  EXPECT_FALSE(thinking->render({{"user", "hi"}}, {.template_kwargs_json = "[1]"}).ok());
   auto unsupported = ChatTemplate::from_template("{% extends 'base.html' %}", "", "");
   ASSERT_FALSE(unsupported.ok());
   EXPECT_NE(unsupported.error().message.find("extends"), std::string::npos)
