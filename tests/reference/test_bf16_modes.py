@@ -4,8 +4,8 @@ against the NumPy reference and against the exact mode.
 
   test_bf16_modes.py --moeline PATH --make-model PATH --models DIR --demo DIR --workdir DIR
 
-  * last-position logits of tiny BF16 models (Mixtral and Qwen3-MoE from tests/CMakeLists.txt's
-    --models, a DeepSeek-V3 generated here) for prompts of 5, 17 and 40 tokens: the exact mode within 1e-4 of the float64 reference (as test_logits.py), the fast mode
+  * last-position logits of tiny BF16 models (Mixtral, Qwen3-MoE, Qwen2-MoE and GLM-4.5 from
+    tests/CMakeLists.txt's --models, a DeepSeek-V3 generated here) for prompts of 5, 17 and 40 tokens: the exact mode within 1e-4 of the float64 reference (as test_logits.py), the fast mode
     within FAST_RTOL and further from it than the exact mode (the mode is in use);
   * the demo model (a trained Qwen3-MoE, BF16): greedy decoding of the first 32 tokens of several
     prompts identical in both modes up to the first step where the exact mode's best two tokens
@@ -33,7 +33,7 @@ EXACT_RTOL = 1e-4
 FAST_RTOL = 5e-2
 NEAR_TIE = 0.1
 PPL_BOUND = 0.005
-MODELS = ("mixtral-bf16", "qwen3-bf16", "deepseek3-bf16")
+MODELS = ("mixtral-bf16", "qwen3-bf16", "deepseek3-bf16", "glm4-bf16", "qwen2-bf16")
 LENGTHS = (5, 17, 40)
 PROMPTS = ["volcano:", "to swim:", "bread:", "mountain: a land mass", "ocean:",
            "the router sends each token to"]
