@@ -83,7 +83,8 @@ inline const std::map<std::string, bool>& sampling_flags() {
                                                     {"--prompt-logprobs", true},
                                                     {"--logit-bias", true},
                                                     {"--json-object", false},
-                                                    {"--json-schema", true}};
+                                                    {"--json-schema", true},
+                                                    {"--reasoning", true}};
   return flags;
 }
 
@@ -127,6 +128,16 @@ bool parse_sampling_flag(const std::string& flag, const std::string& value, Opti
     options.structured = decltype(options.structured)::kJsonSchema;
     options.json_schema.assign(std::istreambuf_iterator<char>(file),
                                std::istreambuf_iterator<char>());
+  } else if (flag == "--reasoning") {
+    using Block = decltype(options.reasoning);
+    if (value == "may-open")
+      options.reasoning = Block::kMayOpen;
+    else if (value == "open")
+      options.reasoning = Block::kOpen;
+    else if (value == "none")
+      options.reasoning = Block::kNone;
+    else
+      throw std::invalid_argument(flag + " expects none, may-open or open, got '" + value + "'");
   } else if (flag == "--logit-bias") {
     options.logit_bias.clear();
     for (const auto& [token, bias] : parse_logit_bias(flag, value))

@@ -57,7 +57,7 @@ an operator key where the gateway has a keys file.
   --stop-ids IDS       extra stop token ids
   --ignore-eos         do not stop at end-of-sequence tokens
   --min-p P, --presence-penalty X, --frequency-penalty X, --repetition-penalty R,
-  --logit-bias T=B,..., --json-object, --json-schema FILE
+  --logit-bias T=B,..., --json-object, --json-schema FILE, --reasoning may-open|open
                        as `moeline run` takes them
   --logprobs N         with --json: each token's log-probability and the N (0..20) most likely
                        tokens' ("logprobs": [{"logprob", "top": [[id, logprob], ...]}])

@@ -78,6 +78,10 @@ or a GGUF file and generates in this process.
   --json-object        structured output: the answer is a JSON object (OpenAI's json_object)
   --json-schema FILE   structured output: a document the JSON Schema in FILE accepts
                        (properties in the schema's order; README "Structured output")
+  --reasoning may-open|open
+                       structured output on a model that thinks: the grammar holds after a
+                       <think> block the answer may open (may-open) or that the prompt opened
+                       (open), any text up to "</think>" (default none: from the first token)
   --stop-ids IDS       extra stop token ids, comma-separated (end-of-sequence ids always stop)
   --ignore-eos         do not stop at the model's end-of-sequence tokens
   --threads N          compute threads (default: all cores)

@@ -93,8 +93,16 @@ enum Phase : uint8_t {
   kComma,
   kDone,
   kPrefix,
-  kSuffix,  // the root, inside the text around the document
+  kSuffix,          // the root, inside the text around the document
+  kThinkOpening,    // the root, inside "<think>" (Frame::a: its bytes so far)
+  kReasoning,       // the root, inside the reasoning (Frame::a: the bytes of "</think>" so far)
+  kAfterReasoning,  // the root, in the whitespace after "</think>" (Frame::a: its bytes)
 };
+// The whitespace the document (or its prefix text) may follow "</think>" by: the models write
+// "\n\n" there.
+constexpr uint64_t kMaxReasoningGap = 4;
+constexpr std::string_view kThinkOpenText = "<think>";
+constexpr std::string_view kThinkCloseText = "</think>";
 // Number states.
 enum NumberState : uint8_t { kMinus, kZero, kInt, kDot, kFraction, kE, kExponentSign, kExponent };
 // String escape states (Frame::a): 0 none, 1 after '\', 2..5 reading the 4 hex digits of \u.
@@ -680,8 +688,19 @@ size_t json_text_depth(std::string_view text) {
 
 // ---------------------------------------------------------------------------------------------
 
-JsonMatcher::JsonMatcher(std::shared_ptr<const JsonGrammar> grammar)
+JsonMatcher::JsonMatcher(std::shared_ptr<const JsonGrammar> grammar, ReasoningBlock reasoning)
     : grammar_(std::move(grammar)) {
+  if (reasoning != ReasoningBlock::kNone) {
+    Frame root;
+    root.kind = kRoot;
+    root.node = grammar_->root();
+    root.phase = reasoning == ReasoningBlock::kOpen ? kReasoning : kThinkOpening;
+    stacks_.push_back({root});
+  }
+  if (reasoning != ReasoningBlock::kOpen) stacks_.push_back(document_start());
+}
+
+JsonMatcher::Stack JsonMatcher::document_start() const {
   Frame root;
   root.kind = kRoot;
   root.phase = kValueNext;
@@ -695,7 +714,42 @@ JsonMatcher::JsonMatcher(std::shared_ptr<const JsonGrammar> grammar)
     text.b = 1;
     stack.push_back(text);
   }
-  stacks_.push_back(std::move(stack));
+  return stack;
+}
+
+void JsonMatcher::reason(const Stack& stack, uint8_t byte, std::vector<Stack>& out) const {
+  const Frame& root = stack.back();
+  Stack next = stack;
+  if (root.phase == kThinkOpening) {
+    if (byte != static_cast<uint8_t>(kThinkOpenText[root.a])) return;
+    if (++next.back().a == kThinkOpenText.size()) next.back().phase = kReasoning, next.back().a = 0;
+    out.push_back(std::move(next));
+    return;
+  }
+  // The bytes of "</think>" so far ('<' begins it again: it occurs only first).
+  uint64_t matched = byte == static_cast<uint8_t>(kThinkCloseText[root.a]) ? root.a + 1
+                           : byte == '<'                                         ? 1
+                                                                                 : 0;
+  if (matched == kThinkCloseText.size()) next.back().phase = kAfterReasoning, matched = 0;
+  next.back().a = matched;
+  out.push_back(std::move(next));
+}
+
+void JsonMatcher::after_reasoning(const Stack& stack, uint8_t byte, std::vector<Stack>& out) const {
+  if (is_whitespace(byte) || byte == '\r') {
+    if (stack.back().a >= kMaxReasoningGap) return;
+    Stack next = stack;
+    ++next.back().a;
+    out.push_back(std::move(next));
+    return;
+  }
+  step(document_start(), byte, out);
+}
+
+bool JsonMatcher::in_reasoning_text() const {
+  if (stacks_.size() != 1 || stacks_[0].size() != 1) return false;
+  const Frame& root = stacks_[0][0];
+  return root.phase == kReasoning && root.a == 0;
 }
 
 size_t JsonMatcher::depth_limit(uint32_t container) const {
@@ -823,6 +877,8 @@ void JsonMatcher::consume(const Stack& stack, uint8_t byte, std::vector<Stack>& 
 
   switch (top.kind) {
     case kRoot:
+      if (top.phase == kThinkOpening || top.phase == kReasoning) return reason(stack, byte, out);
+      if (top.phase == kAfterReasoning) return after_reasoning(stack, byte, out);
       if (top.phase != kValueNext && top.phase != kAfterValue) return;
       if (is_whitespace(byte)) return whitespace();
       if (top.phase == kValueNext) {
@@ -1038,6 +1094,8 @@ bool JsonMatcher::advance_byte(uint8_t byte) {
   // pop or fork: taken in place (the general step below gives the same frame).
   if (stacks_.size() == 1) {
     Frame& top = stacks_[0].back();
+    if (top.kind == kRoot && top.phase == kReasoning && byte != '<' && top.a == 0)
+      return true;  // reasoning text: nothing changes until a '<'
     if ((top.kind == kStringFrame && top.phase != kDone) ||
         (top.kind == kLiteralFrame && !complete(top))) {
       Frame next = top;

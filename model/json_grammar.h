@@ -40,6 +40,7 @@
 #include <nlohmann/json.hpp>
 
 #include "base/status.h"
+#include "model/sampling.h"
 
 namespace moeline::model {
 
@@ -116,7 +117,8 @@ class JsonGrammar {
 
 class JsonMatcher {
  public:
-  explicit JsonMatcher(std::shared_ptr<const JsonGrammar> grammar);
+  explicit JsonMatcher(std::shared_ptr<const JsonGrammar> grammar,
+                       ReasoningBlock reasoning = ReasoningBlock::kNone);
   // Copies the position only (the scratch space stays), reusing this matcher's storage.
   JsonMatcher(const JsonMatcher& other) : grammar_(other.grammar_), stacks_(other.stacks_) {}
   JsonMatcher& operator=(const JsonMatcher& other) {
@@ -137,6 +139,9 @@ class JsonMatcher {
   // The code points of `text` if a string takes it as plain text (no quote, backslash or control
   // byte; whole characters, by the same rules as the matcher's strings); nullopt otherwise.
   static std::optional<uint64_t> plain_string_characters(std::string_view text);
+  // Inside the reasoning block, where any text without '<' may come next and leaves the
+  // matcher there.
+  bool in_reasoning_text() const;
 
   struct Frame {
     uint32_t node = 0;
@@ -150,6 +155,12 @@ class JsonMatcher {
   using Stack = std::vector<Frame>;
 
  private:
+  // Where the document begins: the root, inside the prefix text where the grammar has one.
+  Stack document_start() const;
+  // A byte of the reasoning block (or of the "<think>" that opens it).
+  void reason(const Stack& stack, uint8_t byte, std::vector<Stack>& out) const;
+  // A byte after "</think>": whitespace (a few bytes), or the document's first.
+  void after_reasoning(const Stack& stack, uint8_t byte, std::vector<Stack>& out) const;
   void step(Stack stack, uint8_t byte, std::vector<Stack>& out) const;
   void consume(const Stack& stack, uint8_t byte, std::vector<Stack>& out) const;
   void open(Stack stack, uint32_t node, uint8_t byte, std::vector<Stack>& out) const;

@@ -69,6 +69,10 @@ Status SamplingParams::validate(int64_t vocab) const {
       return Error{"structured output kind " + std::to_string(static_cast<int>(structured)) +
                    " is unknown"};
   }
+  if (static_cast<uint8_t>(reasoning) > static_cast<uint8_t>(ReasoningBlock::kOpen))
+    return Error{"reasoning block " + std::to_string(static_cast<int>(reasoning)) + " is unknown"};
+  if (reasoning != ReasoningBlock::kNone && structured == StructuredOutput::kNone)
+    return Error{"a reasoning block is given without structured output"};
   return Status::ok_status();
 }
 

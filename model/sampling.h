@@ -43,6 +43,15 @@ enum class StructuredOutput : uint8_t {
   kHermesToolCall = 3,
 };
 
+// A thinking model's reasoning before the document (structured output on a model that thinks
+// in <think> blocks): the grammar holds once "</think>" has closed the block, as vLLM enforces
+// structured output after its reasoning parsers' end marker.
+enum class ReasoningBlock : uint8_t {
+  kNone = 0,     // the document from the first byte
+  kMayOpen = 1,  // "<think>", any text, "</think>", then the document; or the document at once
+  kOpen = 2,     // the prompt opened the block: any text up to "</think>", then the document
+};
+
 class TokenConstraint;
 
 struct SamplingParams {
@@ -77,6 +86,8 @@ struct SamplingParams {
   // the bias and the penalties; log-probabilities stay those of the raw logits.
   StructuredOutput structured = StructuredOutput::kNone;
   std::string json_schema;  // kJsonSchema: the schema's text
+  // Where the grammar begins: after the model's reasoning block, or at once (kNone).
+  ReasoningBlock reasoning = ReasoningBlock::kNone;
 
   bool deterministic() const { return temperature == 0.0 || seed.has_value(); }
   bool penalized() const {

@@ -88,7 +88,15 @@ std::shared_ptr<const TokenVocabulary> TokenVocabulary::build(const tokenizer::T
     return out->bytes_[static_cast<size_t>(a)] < out->bytes_[static_cast<size_t>(b)];
   });
   std::vector<std::pair<uint32_t, int32_t>> plain;
+  std::vector<int32_t> with_angle;
   out->plain_mask_.assign(static_cast<size_t>(vocab), 0);
+  out->without_angle_mask_.assign(static_cast<size_t>(vocab), 0);
+  for (int32_t id : sorted) {
+    if (out->bytes_[static_cast<size_t>(id)].find('<') == std::string::npos)
+      out->without_angle_mask_[static_cast<size_t>(id)] = 1;
+    else
+      with_angle.push_back(id);
+  }
   for (int32_t id : sorted) {
     if (auto characters =
             JsonMatcher::plain_string_characters(out->bytes_[static_cast<size_t>(id)])) {
@@ -105,6 +113,7 @@ std::shared_ptr<const TokenVocabulary> TokenVocabulary::build(const tokenizer::T
   }
   out->all_ = make_trie(out->bytes_, sorted);
   out->not_plain_ = make_trie(out->bytes_, not_plain);
+  out->with_angle_ = make_trie(out->bytes_, with_angle);
   return out;
 }
 
@@ -122,10 +131,10 @@ Expected<std::shared_ptr<const TokenVocabulary>> TokenVocabulary::for_model(
 
 TokenConstraint::TokenConstraint(std::shared_ptr<const TokenVocabulary> vocabulary,
                                  std::shared_ptr<const JsonGrammar> grammar,
-                                 std::vector<int32_t> end_tokens)
+                                 std::vector<int32_t> end_tokens, ReasoningBlock reasoning)
     : vocabulary_(std::move(vocabulary)),
       end_tokens_(std::move(end_tokens)),
-      matcher_(std::move(grammar)) {}
+      matcher_(std::move(grammar), reasoning) {}
 
 // at_depth_[depth] has taken the text of `node`: the tokens that end there are allowed, and the
 // children whose byte it takes next are walked.
@@ -162,6 +171,11 @@ void TokenConstraint::mask(float* logits, int64_t vocab) {
         for (size_t i = 0; i < fit; ++i) allowed_[static_cast<size_t>(words.plain_[i])] = 1;
       }
       walked = &words.not_plain_;
+    } else if (matcher_.in_reasoning_text()) {
+      // Text without '<' stays reasoning: only the tokens with one need the walk.
+      std::copy(words.without_angle_mask_.begin(), words.without_angle_mask_.begin() + known,
+                allowed_.begin());
+      walked = &words.with_angle_;
     }
     if (at_depth_.empty()) at_depth_.push_back(matcher_);
     at_depth_[0] = matcher_;
@@ -215,8 +229,8 @@ Status constrain_sampler(Sampler& sampler, const SamplingParams& params,
   if (!vocabulary) return vocabulary.error();
   std::vector<int32_t> end_tokens(eos.begin(), eos.end());
   end_tokens.insert(end_tokens.end(), params.stop_token_ids.begin(), params.stop_token_ids.end());
-  sampler.constrain(
-      std::make_shared<TokenConstraint>(*vocabulary, std::move(grammar), std::move(end_tokens)));
+  sampler.constrain(std::make_shared<TokenConstraint>(*vocabulary, std::move(grammar),
+                                                      std::move(end_tokens), params.reasoning));
   return {};
 }
 

@@ -56,12 +56,17 @@ class TokenVocabulary {
   std::vector<int32_t> plain_;
   std::vector<uint32_t> plain_characters_;
   std::vector<uint8_t> plain_mask_;
+  // Reasoning text (a thinking model's block before the document): the tokens without '<', which
+  // cannot begin its closing "</think>", as a mask, and the trie of those with one.
+  std::vector<uint8_t> without_angle_mask_;
+  Trie with_angle_;
 };
 
 class TokenConstraint {
  public:
   TokenConstraint(std::shared_ptr<const TokenVocabulary> vocabulary,
-                  std::shared_ptr<const JsonGrammar> grammar, std::vector<int32_t> end_tokens);
+                  std::shared_ptr<const JsonGrammar> grammar, std::vector<int32_t> end_tokens,
+                  ReasoningBlock reasoning = ReasoningBlock::kNone);
 
   // Sets the logit of every token that cannot come next to -infinity. Where nothing else can
   // come, the end tokens stay.

@@ -159,6 +159,7 @@ uint64_t result_entry(uint64_t key, const model::SamplingParams& s) {
   if (s.structured != model::StructuredOutput::kNone) {
     material.push_back('s');
     material.push_back(static_cast<char>(s.structured));
+    material.push_back(static_cast<char>(s.reasoning));
     material += s.json_schema;
   }
   return tagged(XXH3_64bits(material.data(), material.size()), 'R');

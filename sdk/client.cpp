@@ -168,7 +168,8 @@ uint64_t Client::start(const GenerateOptions& options) {
       options.seed.has_value(), options.max_tokens, stops, options.ignore_eos, options.min_p,
       options.presence_penalty, options.frequency_penalty, options.repetition_penalty,
       options.logprobs, options.top_logprobs, bias, options.prompt_logprobs,
-      static_cast<wire::StructuredOutput>(options.structured), schema);
+      static_cast<wire::StructuredOutput>(options.structured), schema,
+      static_cast<wire::ReasoningBlock>(options.reasoning));
   auto prompt = options.prompt.empty() ? 0 : builder.CreateString(options.prompt);
   auto tokens = options.tokens.empty() ? 0 : builder.CreateVector(options.tokens);
   auto tenant = builder.CreateString(options.tenant);

@@ -41,6 +41,14 @@ enum class StructuredOutput : uint8_t {
   kHermesToolCall,
 };
 
+// Where structured output's grammar begins on a model that thinks in <think> blocks (Qwen3,
+// DeepSeek-R1): at once, or after the reasoning block ("</think>" ends it; any text before).
+enum class ReasoningBlock : uint8_t {
+  kNone,     // the document from the first token
+  kMayOpen,  // after a block the answer may open at its start, or at once if it opens none
+  kOpen,     // after the block the prompt opened (its template ends the prompt with <think>)
+};
+
 struct GenerateOptions {
   std::string prompt;           // text, tokenized by the gateway; or
   std::vector<int32_t> tokens;  // token ids
@@ -70,7 +78,8 @@ struct GenerateOptions {
   // order, the end only where the document is complete (the gateway refuses a schema outside
   // the supported subset with InvalidSampling, naming the keyword).
   StructuredOutput structured = StructuredOutput::kNone;
-  std::string json_schema;  // the schema's text, for kJsonSchema
+  std::string json_schema;                           // the schema's text, for kJsonSchema
+  ReasoningBlock reasoning = ReasoningBlock::kNone;  // with structured output only
   std::string tenant;
   uint32_t deadline_ms = 0;  // 0: the gateway's default
   bool add_special_tokens = true;

@@ -43,6 +43,7 @@ model::SamplingParams from_wire(const wire::SamplingParams* sampling) {
   // An unknown kind stays as sent, for validate() to refuse by number.
   params.structured = static_cast<model::StructuredOutput>(sampling->structured());
   if (sampling->json_schema()) params.json_schema = sampling->json_schema()->str();
+  params.reasoning = static_cast<model::ReasoningBlock>(sampling->reasoning());
   return params;
 }
 
@@ -62,7 +63,8 @@ flatbuffers::Offset<wire::SamplingParams> to_wire(flatbuffers::FlatBufferBuilder
       sampling.seed.has_value(), sampling.max_tokens, stops, sampling.ignore_eos, sampling.min_p,
       sampling.presence_penalty, sampling.frequency_penalty, sampling.repetition_penalty,
       sampling.logprobs, static_cast<int32_t>(sampling.top_logprobs), bias,
-      sampling.prompt_logprobs, static_cast<wire::StructuredOutput>(sampling.structured), schema);
+      sampling.prompt_logprobs, static_cast<wire::StructuredOutput>(sampling.structured), schema,
+      static_cast<wire::ReasoningBlock>(sampling.reasoning));
 }
 
 flatbuffers::Offset<wire::TokenLogprobs> logprobs_to_wire(flatbuffers::FlatBufferBuilder& builder,

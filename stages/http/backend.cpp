@@ -155,10 +155,10 @@ std::variant<sdk::GenerateOptions, ApiError> to_options(const CompletionRequest&
 
 ReasoningStart reasoning_start(const CompletionRequest& request, const Backend& backend,
                                const sdk::GenerateOptions& options) {
-  if (request.endpoint != Endpoint::kChat || !backend.reads_reasoning || !backend.chat ||
-      options.structured != sdk::StructuredOutput::kNone)
+  if (request.endpoint != Endpoint::kChat || !backend.reads_reasoning || !backend.chat)
     return ReasoningStart::kOff;
   if (prompt_opens_reasoning(options.prompt)) return ReasoningStart::kOpen;
+  if (prompt_closes_reasoning(options.prompt)) return ReasoningStart::kOff;
   return backend.chat->writes_reasoning() ? ReasoningStart::kAtStart : ReasoningStart::kOff;
 }
 
@@ -205,6 +205,12 @@ Attempt Backends::submit(const CompletionRequest& request, const std::string& ap
   }
   auto& options = std::get<sdk::GenerateOptions>(built);
   attempt.reasoning = reasoning_start(request, backend, options);
+  // Structured output on a model that thinks: the grammar holds after the reasoning block.
+  if (options.structured != sdk::StructuredOutput::kNone)
+    options.reasoning = attempt.reasoning == ReasoningStart::kOpen ? sdk::ReasoningBlock::kOpen
+                        : attempt.reasoning == ReasoningStart::kAtStart
+                            ? sdk::ReasoningBlock::kMayOpen
+                            : sdk::ReasoningBlock::kNone;
   attempt.channel = backend.bridge->start(std::move(options));
   return attempt;
 }

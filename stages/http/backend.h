@@ -54,9 +54,10 @@ std::variant<sdk::GenerateOptions, ApiError> to_options(const CompletionRequest&
                                                         const Backend& backend);
 
 // Where a chat answer's reasoning can be, for the request built as `options`: nowhere for other
-// endpoints, a backend that does not read reasoning out, or structured output (its grammar holds
-// from the first token, so the answer is the document); inside a block the rendered prompt left
-// open; at the start of the answer where the model's template thinks in <think> blocks.
+// endpoints, a backend that does not read reasoning out, or a prompt that closed the block itself
+// (thinking off); inside a block the rendered prompt left open; at the start of the answer where
+// the model's template thinks in <think> blocks.
+// Structured output's grammar then holds after that block (Backends::submit).
 ReasoningStart reasoning_start(const CompletionRequest& request, const Backend& backend,
                                const sdk::GenerateOptions& options);
 

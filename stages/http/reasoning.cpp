@@ -22,6 +22,10 @@ bool prompt_opens_reasoning(std::string_view prompt) {
   return trim_right(prompt).ends_with(kThinkOpen);
 }
 
+bool prompt_closes_reasoning(std::string_view prompt) {
+  return trim_right(prompt).ends_with(kThinkClose);
+}
+
 ReasoningStream::ReasoningStream(ReasoningStart start)
     : state_(start == ReasoningStart::kOff    ? State::kContent
              : start == ReasoningStart::kOpen ? State::kReasoning

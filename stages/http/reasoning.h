@@ -35,6 +35,9 @@ enum class ReasoningStart {
 // Whether a rendered prompt leaves a <think> block open for the answer: it ends with "<think>"
 // and whitespace.
 bool prompt_opens_reasoning(std::string_view prompt);
+// Whether it closed the block itself (Qwen3's enable_thinking=false writes an empty one): it ends
+// with "</think>" and whitespace, and the answer does not think.
+bool prompt_closes_reasoning(std::string_view prompt);
 
 struct ReasoningParts {
   std::string reasoning;

@@ -934,7 +934,7 @@ TEST(Reasoning, APromptThatEndsInAnOpenBlockStartsTheAnswerInside) {
   EXPECT_FALSE(prompt_opens_reasoning(""));
 }
 
-TEST(Reasoning, OnlyChatAnswersOfAThinkingTemplateWithoutAGrammarAreRead) {
+TEST(Reasoning, OnlyChatAnswersOfAThinkingTemplateAreRead) {
   Backend backend;
   backend.chat = std::make_unique<tokenizer::ChatTemplate>(
       tokenizer::ChatTemplate::builtin(tokenizer::ChatTemplate::Format::kQwen3, "", "<|im_end|>"));
@@ -942,11 +942,13 @@ TEST(Reasoning, OnlyChatAnswersOfAThinkingTemplateWithoutAGrammarAreRead) {
   sdk::GenerateOptions options;
   options.prompt = "<|im_start|>assistant\n";
   EXPECT_EQ(reasoning_start(chat, backend, options), ReasoningStart::kAtStart);
+  options.prompt = "<|im_start|>assistant\n<think>\n\n</think>\n\n";  // enable_thinking false
+  EXPECT_EQ(reasoning_start(chat, backend, options), ReasoningStart::kOff);
   options.prompt = "<|im_start|>assistant\n<think>\n";
   EXPECT_EQ(reasoning_start(chat, backend, options), ReasoningStart::kOpen);
-  sdk::GenerateOptions structured = options;
+  sdk::GenerateOptions structured = options;  // its grammar then begins after the block
   structured.structured = sdk::StructuredOutput::kJsonObject;
-  EXPECT_EQ(reasoning_start(chat, backend, structured), ReasoningStart::kOff);
+  EXPECT_EQ(reasoning_start(chat, backend, structured), ReasoningStart::kOpen);
   CompletionRequest completions;
   completions.endpoint = Endpoint::kCompletions;
   EXPECT_EQ(reasoning_start(completions, backend, options), ReasoningStart::kOff);

@@ -136,6 +136,65 @@ TEST_P(StructuredOutput, TheMaskIsTheGrammarTokenByToken) {
   EXPECT_GT(string_steps, 0) << "no step was inside a string: the plain-text path went unchecked";
 }
 
+// On a model that thinks: through a reasoning block (any text, '<' and JSON-looking text
+// included) and then the document, the mask allows exactly the tokens the matcher takes next, the
+// end tokens only once the document is complete; the reasoning is taken in the longest tokens
+// that write it, the document drawn at random.
+TEST_P(StructuredOutput, AfterTheReasoningTheMaskIsTheGrammar) {
+  const std::vector<int32_t> end = {end_};
+  std::mt19937_64 rng(17);
+  std::normal_distribution<float> normal(0.0f, 2.0f);
+  std::vector<float> logits(static_cast<size_t>(vocab_));
+  int reasoning_steps = 0, document_steps = 0;
+  for (const ReasoningBlock reasoning : {ReasoningBlock::kMayOpen, ReasoningBlock::kOpen}) {
+    TokenConstraint constraint(vocabulary_, grammar_, end, reasoning);
+    JsonMatcher matcher(grammar_, reasoning);
+    std::string thought = "Let me see: a < b, </b> and {\"x\": 1} </thin k>.</think>\n";
+    if (reasoning == ReasoningBlock::kMayOpen) thought = "<think>" + thought;
+    for (int step = 0; step < 200; ++step) {
+      for (float& logit : logits) logit = normal(rng);
+      const bool in_reasoning = !thought.empty();
+      constraint.mask(logits.data(), vocab_);
+      for (int32_t id = 0; id < vocab_; ++id) {
+        bool expected = false;
+        if (id == end[0]) {
+          expected = matcher.can_end();
+        } else if (!vocabulary_->bytes(id).empty()) {
+          JsonMatcher probe = matcher;
+          expected = probe.advance(vocabulary_->bytes(id));
+        }
+        ASSERT_EQ(std::isfinite(logits[static_cast<size_t>(id)]), expected)
+            << "token " << id << " '" << vocabulary_->bytes(id) << "' at step " << step;
+      }
+      int32_t chosen = -1;
+      if (in_reasoning) {  // the longest token that writes the thought on
+        ++reasoning_steps;
+        EXPECT_FALSE(matcher.can_end()) << "the document cannot end inside the reasoning";
+        size_t longest = 0;
+        for (int32_t id = 0; id < vocab_; ++id) {
+          const std::string& bytes = vocabulary_->bytes(id);
+          if (!bytes.empty() && bytes.size() > longest && thought.starts_with(bytes))
+            chosen = id, longest = bytes.size();
+        }
+        ASSERT_GE(chosen, 0) << "no token writes " << thought;
+        ASSERT_TRUE(std::isfinite(logits[static_cast<size_t>(chosen)])) << thought;
+        thought.erase(0, longest);
+      } else {
+        ++document_steps;
+        std::vector<int32_t> choices;
+        for (int32_t id = 0; id < vocab_; ++id)
+          if (id != end_ && std::isfinite(logits[static_cast<size_t>(id)])) choices.push_back(id);
+        if (choices.empty() || document_steps > 40) break;
+        chosen = choices[rng() % choices.size()];
+      }
+      constraint.accept(chosen);
+      ASSERT_TRUE(matcher.advance(vocabulary_->bytes(chosen)));
+    }
+  }
+  EXPECT_GT(reasoning_steps, 10);
+  EXPECT_GT(document_steps, 20);
+}
+
 // Sampling at a high temperature over random logits with the constraint: every answer that ends
 // is a document the schema accepts (checked here on the parsed value), and greedy answers too.
 TEST_P(StructuredOutput, SampledAnswersAreCompleteDocuments) {
@@ -248,6 +307,48 @@ TEST(JsonGrammarAround, TheDocumentBetweenTheTags) {
   EXPECT_TRUE(matcher.can_end());
 }
 
+// The reasoning block before the document: any text up to the first "</think>" (a '<', a
+// partial marker, JSON-looking text are reasoning), then whitespace and the document; the block
+// opened by the answer itself (kMayOpen, which also takes the document at once) or already open.
+TEST(JsonGrammarAround, TheDocumentAfterTheReasoning) {
+  auto grammar =
+      JsonGrammar::compile(R"({"type": "object", "properties": {"a": {"type": "integer"}},
+                                          "required": ["a"]})");
+  ASSERT_TRUE(grammar) << grammar.error().message;
+  auto accepts = [&](ReasoningBlock reasoning, std::string_view text) {
+    JsonMatcher matcher(*grammar, reasoning);
+    return matcher.advance(text) && matcher.can_end();
+  };
+  using enum ReasoningBlock;
+  EXPECT_TRUE(accepts(kOpen, "a < b, {\"a\": 2} </thi </think>\n{\"a\": 1}"));
+  EXPECT_TRUE(accepts(kOpen, "</think>{\"a\": 1}"));
+  EXPECT_TRUE(accepts(kOpen, "a <</think>\n\n{\"a\": 1}")) << "a '<' before the marker's";
+  EXPECT_FALSE(accepts(kOpen, "a</think>\n\n\n\n\n{\"a\": 1}")) << "at most 4 bytes between";
+  EXPECT_FALSE(accepts(kOpen, "{\"a\": 1}")) << "still reasoning";
+  EXPECT_FALSE(accepts(kOpen, "x</think>{\"a\": 1}</think>"));
+  EXPECT_TRUE(accepts(kMayOpen, "<think>why</think>\n{\"a\": 1}"));
+  EXPECT_TRUE(accepts(kMayOpen, "{\"a\": 1}"));
+  EXPECT_FALSE(accepts(kMayOpen, "why</think>{\"a\": 1}"));
+  EXPECT_FALSE(accepts(kNone, "<think>why</think>{\"a\": 1}"));
+  JsonMatcher matcher(*grammar, kOpen);
+  ASSERT_TRUE(matcher.advance("a"));
+  EXPECT_TRUE(matcher.in_reasoning_text());
+  ASSERT_TRUE(matcher.advance("</th"));
+  EXPECT_FALSE(matcher.in_reasoning_text()) << "inside the marker";
+  EXPECT_FALSE(matcher.can_end());
+  ASSERT_TRUE(matcher.advance("ink>"));
+  EXPECT_FALSE(matcher.in_reasoning_text());
+  EXPECT_FALSE(matcher.advance("x")) << "after the block, only the document";
+  // A forced tool call after the reasoning: the tags around the document.
+  auto call =
+      JsonGrammar::compile(R"({"type": "object"})", kHermesToolCallOpen, kHermesToolCallClose);
+  ASSERT_TRUE(call);
+  JsonMatcher tool(*call, kMayOpen);
+  EXPECT_TRUE(tool.advance("<think>ok</think>\n<tool_call>{}</tool_call>") && tool.can_end());
+  JsonMatcher direct(*call, kMayOpen);
+  EXPECT_TRUE(direct.advance("<tool_call>{}</tool_call>") && direct.can_end());
+}
+
 // What a request may ask for is checked where it enters: the gateway's validate() refuses a
 // schema outside the subset by name, and a schema without the kind that uses it.
 TEST(StructuredOutputParams, ValidateRefusesWhatCannotBeServed) {
@@ -274,6 +375,14 @@ TEST(StructuredOutputParams, ValidateRefusesWhatCannotBeServed) {
   EXPECT_FALSE(params.validate().ok()) << "a tool call needs its schema";
   params.json_schema = R"({"type": "object"})";
   EXPECT_TRUE(params.validate().ok());
+  params.reasoning = ReasoningBlock::kOpen;
+  EXPECT_TRUE(params.validate().ok());
+  params.reasoning = static_cast<ReasoningBlock>(3);
+  EXPECT_FALSE(params.validate().ok());
+  params.reasoning = ReasoningBlock::kMayOpen;
+  params.structured = model::StructuredOutput::kNone;
+  params.json_schema.clear();
+  EXPECT_FALSE(params.validate().ok()) << "a reasoning block without a grammar";
 }
 
 }  // namespace

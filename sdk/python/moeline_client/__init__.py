@@ -42,6 +42,7 @@ from moeline.wire import StreamEventBatch as _stream_event_batch
 from moeline.wire.ErrorCode import ErrorCode
 from moeline.wire.EventKind import EventKind
 from moeline.wire.MessageType import MessageType
+from moeline.wire.ReasoningBlock import ReasoningBlock as _ReasoningBlock
 from moeline.wire.StructuredOutput import StructuredOutput as _StructuredOutput
 
 __all__ = [
@@ -192,7 +193,7 @@ def encode_generate(client_request_id: int, prompt: Optional[str] = None,
                     logit_bias: Optional[Dict[int, float]] = None,
                     prompt_logprobs: bool = False,
                     json_schema: Optional[Union[dict, bool, str]] = None,
-                    json_object: bool = False,
+                    json_object: bool = False, reasoning: str = "",
                     batch_events: bool = False) -> List[bytes]:
     """A GenerateRequest, framed. The keywords are those of Client.start/stream/generate.
 
@@ -211,6 +212,9 @@ def encode_generate(client_request_id: int, prompt: Optional[str] = None,
     text) accepts, its properties in the schema's order; json_object: the answer is a JSON object
     (OpenAI's response_format json_object). A schema outside the supported subset is refused by
     the gateway (GenerateError InvalidSampling, naming the keyword).
+    reasoning: with json_schema or json_object, on a model that thinks in <think> blocks: the
+    grammar holds after the block the answer may open ("may-open") or that the prompt opened
+    ("open"), any text up to "</think>"; "" or "none": from the first token.
     batch_events: the reader takes StreamEventBatch messages (schema 1.11), so the gateway may send
     this request's events together with those of the connection's other requests (Client does).
     """
@@ -229,6 +233,12 @@ def encode_generate(client_request_id: int, prompt: Optional[str] = None,
     stops_off = _int_vector(b, list(stop_token_ids)) if stop_token_ids else None
     if json_schema is not None and json_object:
         raise ValueError("give json_schema or json_object, not both")
+    blocks = {"": None, "none": None, "may-open": _ReasoningBlock.MayOpen,
+              "open": _ReasoningBlock.Open}
+    if reasoning not in blocks:
+        raise ValueError(f"reasoning must be may-open, open or none, not {reasoning!r}")
+    if blocks[reasoning] is not None and json_schema is None and not json_object:
+        raise ValueError("reasoning applies to structured output: give json_schema or json_object")
     schema_off = None
     if json_schema is not None:
         text = json_schema if isinstance(json_schema, str) else json.dumps(json_schema)
@@ -265,6 +275,8 @@ def encode_generate(client_request_id: int, prompt: Optional[str] = None,
         _sampling.AddJsonSchema(b, schema_off)
     elif json_object:
         _sampling.AddStructured(b, _StructuredOutput.JsonObject)
+    if blocks[reasoning] is not None:
+        _sampling.AddReasoning(b, blocks[reasoning])
     sampling_off = _sampling.End(b)
     _generate.Start(b)
     _generate.AddClientRequestId(b, client_request_id)
