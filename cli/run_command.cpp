@@ -81,7 +81,8 @@ or a GGUF file and generates in this process.
   --reasoning may-open|open
                        structured output on a model that thinks: the grammar holds after a
                        <think> block the answer may open (may-open) or that the prompt opened
-                       (open), any text up to "</think>" (default none: from the first token)
+                       (open): any text up to "</think>", then at most 4 bytes of whitespace
+                       (default none: from the first token)
   --stop-ids IDS       extra stop token ids, comma-separated (end-of-sequence ids always stop)
   --ignore-eos         do not stop at the model's end-of-sequence tokens
   --threads N          compute threads (default: all cores)

@@ -98,8 +98,8 @@ enum Phase : uint8_t {
   kReasoning,       // the root, inside the reasoning (Frame::a: the bytes of "</think>" so far)
   kAfterReasoning,  // the root, in the whitespace after "</think>" (Frame::a: its bytes)
 };
-// The whitespace the document (or its prefix text) may follow "</think>" by: the models write
-// "\n\n" there.
+// The whitespace the document (or its prefix text) may follow "</think>" by (the models write
+// "\n\n" there), and "<think>" the start of the answer.
 constexpr uint64_t kMaxReasoningGap = 4;
 constexpr std::string_view kThinkOpenText = "<think>";
 constexpr std::string_view kThinkCloseText = "</think>";
@@ -721,6 +721,13 @@ void JsonMatcher::reason(const Stack& stack, uint8_t byte, std::vector<Stack>& o
   const Frame& root = stack.back();
   Stack next = stack;
   if (root.phase == kThinkOpening) {
+    // GLM-4.5 begins its answer with "\n<think>": a few bytes of whitespace may come first.
+    if (root.a == 0 && (is_whitespace(byte) || byte == '\r')) {
+      if (root.whitespace >= kMaxReasoningGap) return;
+      ++next.back().whitespace;
+      out.push_back(std::move(next));
+      return;
+    }
     if (byte != static_cast<uint8_t>(kThinkOpenText[root.a])) return;
     if (++next.back().a == kThinkOpenText.size()) next.back().phase = kReasoning, next.back().a = 0;
     out.push_back(std::move(next));
@@ -728,8 +735,8 @@ void JsonMatcher::reason(const Stack& stack, uint8_t byte, std::vector<Stack>& o
   }
   // The bytes of "</think>" so far ('<' begins it again: it occurs only first).
   uint64_t matched = byte == static_cast<uint8_t>(kThinkCloseText[root.a]) ? root.a + 1
-                           : byte == '<'                                         ? 1
-                                                                                 : 0;
+                     : byte == '<'                                         ? 1
+                                                                           : 0;
   if (matched == kThinkCloseText.size()) next.back().phase = kAfterReasoning, matched = 0;
   next.back().a = matched;
   out.push_back(std::move(next));
@@ -746,10 +753,11 @@ void JsonMatcher::after_reasoning(const Stack& stack, uint8_t byte, std::vector<
   step(document_start(), byte, out);
 }
 
-bool JsonMatcher::in_reasoning_text() const {
-  if (stacks_.size() != 1 || stacks_[0].size() != 1) return false;
+std::optional<char> JsonMatcher::reasoning_text() const {
+  if (stacks_.size() != 1 || stacks_[0].size() != 1) return std::nullopt;
   const Frame& root = stacks_[0][0];
-  return root.phase == kReasoning && root.a == 0;
+  if (root.phase != kReasoning) return std::nullopt;
+  return root.a == 0 ? '\0' : kThinkCloseText[root.a];
 }
 
 size_t JsonMatcher::depth_limit(uint32_t container) const {

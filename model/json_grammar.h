@@ -139,9 +139,10 @@ class JsonMatcher {
   // The code points of `text` if a string takes it as plain text (no quote, backslash or control
   // byte; whole characters, by the same rules as the matcher's strings); nullopt otherwise.
   static std::optional<uint64_t> plain_string_characters(std::string_view text);
-  // Inside the reasoning block, where any text without '<' may come next and leaves the
-  // matcher there.
-  bool in_reasoning_text() const;
+  // Inside the reasoning block (one stack): '\0' where any text without '<' leaves the matcher as
+  // it is; else the next byte of the "</think>" its text so far began, where text without '<'
+  // that begins with another byte leaves it as at '\0'. nullopt elsewhere.
+  std::optional<char> reasoning_text() const;
 
   struct Frame {
     uint32_t node = 0;

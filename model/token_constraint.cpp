@@ -114,6 +114,18 @@ std::shared_ptr<const TokenVocabulary> TokenVocabulary::build(const tokenizer::T
   out->all_ = make_trie(out->bytes_, sorted);
   out->not_plain_ = make_trie(out->bytes_, not_plain);
   out->with_angle_ = make_trie(out->bytes_, with_angle);
+  const TokenVocabulary::Trie::Node& root = out->all_.nodes[0];
+  for (uint32_t c = 0; c < root.children; ++c)
+    out->first_byte_node_[out->all_.nodes[root.first_child + c].byte] = root.first_child + c;
+  for (size_t i = 0; i < sorted.size();) {
+    const auto byte = static_cast<uint8_t>(out->bytes_[static_cast<size_t>(sorted[i])][0]);
+    size_t end = i;
+    while (end < sorted.size() &&
+           static_cast<uint8_t>(out->bytes_[static_cast<size_t>(sorted[end])][0]) == byte)
+      ++end;
+    out->first_byte_tokens_[byte] = {static_cast<uint32_t>(i), static_cast<uint32_t>(end)};
+    i = end;
+  }
   return out;
 }
 
@@ -171,11 +183,25 @@ void TokenConstraint::mask(float* logits, int64_t vocab) {
         for (size_t i = 0; i < fit; ++i) allowed_[static_cast<size_t>(words.plain_[i])] = 1;
       }
       walked = &words.not_plain_;
-    } else if (matcher_.in_reasoning_text()) {
-      // Text without '<' stays reasoning: only the tokens with one need the walk.
+    } else if (std::optional<char> marker = matcher_.reasoning_text()) {
+      // Text without '<' stays reasoning: only the tokens with one need the walk, and, where the
+      // text so far began "</think>", those that begin with its next byte.
       std::copy(words.without_angle_mask_.begin(), words.without_angle_mask_.begin() + known,
                 allowed_.begin());
       walked = &words.with_angle_;
+      if (*marker != '\0') {
+        const auto byte = static_cast<uint8_t>(*marker);
+        const auto [begin, end] = words.first_byte_tokens_[byte];
+        for (uint32_t i = begin; i < end; ++i) {
+          const auto id = static_cast<size_t>(words.all_.tokens[i]);
+          if (id < allowed_.size()) allowed_[id] = 0;
+        }
+        if (const uint32_t node = words.first_byte_node_[byte]; node != 0) {
+          if (at_depth_.size() < 2) at_depth_.resize(2, matcher_);
+          at_depth_[1] = matcher_;
+          if (at_depth_[1].advance(std::string_view(&*marker, 1))) walk(words.all_, node, 1);
+        }
+      }
     }
     if (at_depth_.empty()) at_depth_.push_back(matcher_);
     at_depth_[0] = matcher_;

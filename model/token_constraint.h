@@ -8,6 +8,7 @@
 // the tokens of plain text (no quote, backslash or control byte; whole characters) are taken
 // without a walk. Special tokens never stand for text.
 
+#include <array>
 #include <cstdint>
 #include <filesystem>
 #include <memory>
@@ -60,6 +61,10 @@ class TokenVocabulary {
   // cannot begin its closing "</think>", as a mask, and the trie of those with one.
   std::vector<uint8_t> without_angle_mask_;
   Trie with_angle_;
+  // The tokens of all_ (contiguous in its order) whose text begins with each byte, and the node
+  // of all_ for that byte (0: none).
+  std::array<std::pair<uint32_t, uint32_t>, 256> first_byte_tokens_{};
+  std::array<uint32_t, 256> first_byte_node_{};
 };
 
 class TokenConstraint {
