@@ -779,6 +779,24 @@ TEST(TokenStream, AStreamAStopStringEndsIsStillRunningInThePipeline) {
   EXPECT_TRUE(finished.pipeline_ended());
 }
 
+// The data of each server-sent event `response` writes, in order ("[DONE]" last).
+std::vector<std::string> written_events(StreamedResponse& response) {
+  std::string written;
+  httplib::DataSink sink;
+  sink.write = [&written](const char* data, size_t size) {
+    written.append(data, size);
+    return true;
+  };
+  EXPECT_TRUE(response.write(sink, std::chrono::steady_clock::now() + std::chrono::seconds(5)));
+  std::vector<std::string> data;
+  for (size_t at = 0; (at = written.find("data: ", at)) != std::string::npos;) {
+    const size_t end = written.find("\n\n", at);
+    data.push_back(written.substr(at + 6, end - at - 6));
+    at = end;
+  }
+  return data;
+}
+
 // A streamed response of two choices (n = 2) with tools on offer: choice 1 writes text and then
 // a call split over two events, choice 0 plain text. Each choice's chunks carry its index; choice
 // 1 gets its text up to the call, the call whole in one chunk (its index among the choice's
@@ -813,24 +831,11 @@ TEST(StreamedResponse, ChoicesInterleaveAndACallComesWholeWithItsFinishReason) {
   choices[1].channel->push(event_of(sdk::EventKind::kFinished, "</tool_call>", 3));
   choices[0].channel->push(event_of(sdk::EventKind::kFinished, " text", 4));
   StreamedResponse response(Endpoint::kChat, std::move(choices), true, 2);
-  std::string written;
-  httplib::DataSink sink;
-  sink.write = [&written](const char* data, size_t size) {
-    written.append(data, size);
-    return true;
-  };
-  ASSERT_TRUE(response.write(sink, std::chrono::steady_clock::now() + std::chrono::seconds(5)));
+  std::vector<std::string> data = written_events(response);
   std::string content[2], finish[2];
   std::vector<nlohmann::json> calls;
   nlohmann::json usage;
-  size_t at = 0;
-  std::vector<std::string> data;
-  while ((at = written.find("data: ", at)) != std::string::npos) {
-    const size_t end = written.find("\n\n", at);
-    data.push_back(written.substr(at + 6, end - at - 6));
-    at = end;
-  }
-  ASSERT_FALSE(data.empty()) << written;
+  ASSERT_FALSE(data.empty());
   EXPECT_EQ(data.back(), "[DONE]");
   data.pop_back();
   for (const std::string& text : data) {
@@ -990,21 +995,13 @@ TEST(StreamedResponse, ReasoningComesAsReasoningContentBeforeTheContent) {
     choices[0].channel->push(event_of(sdk::EventKind::kDelta, text, 2));
   choices[0].channel->push(event_of(sdk::EventKind::kFinished, "</tool_call>", 3));
   StreamedResponse response(Endpoint::kChat, std::move(choices), false);
-  std::string written;
-  httplib::DataSink sink;
-  sink.write = [&written](const char* data, size_t size) {
-    written.append(data, size);
-    return true;
-  };
-  ASSERT_TRUE(response.write(sink, std::chrono::steady_clock::now() + std::chrono::seconds(5)));
+  const std::vector<std::string> events = written_events(response);
+  ASSERT_FALSE(events.empty());
   std::string reasoning, content, finish;
   std::vector<nlohmann::json> calls;
   bool role_first = false, content_seen = false;
-  size_t at = 0, chunks = 0;
-  while ((at = written.find("data: ", at)) != std::string::npos) {
-    const size_t end = written.find("\n\n", at);
-    const std::string data = written.substr(at + 6, end - at - 6);
-    at = end;
+  size_t chunks = 0;
+  for (const std::string& data : events) {
     if (data == "[DONE]") break;
     const auto delta = nlohmann::json::parse(data)["choices"][0]["delta"];
     if (chunks++ == 0) role_first = delta.value("role", "") == "assistant";
@@ -1021,10 +1018,10 @@ TEST(StreamedResponse, ReasoningComesAsReasoningContentBeforeTheContent) {
     const auto reason = nlohmann::json::parse(data)["choices"][0]["finish_reason"];
     if (!reason.is_null()) finish = reason;
   }
-  EXPECT_TRUE(role_first) << written;
+  EXPECT_TRUE(role_first) << events.front();
   EXPECT_EQ(reasoning, "Let me think.");
   EXPECT_EQ(content, "Calling it.");
-  ASSERT_EQ(calls.size(), 1u) << written;
+  ASSERT_EQ(calls.size(), 1u) << events.size() << " events";
   EXPECT_EQ(calls[0]["function"]["name"], "f");
   EXPECT_EQ(finish, "tool_calls");
 }

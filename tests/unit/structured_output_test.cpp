@@ -58,6 +58,26 @@ class StructuredOutput : public ::testing::TestWithParam<Vocab> {
     grammar_ = *grammar;
   }
 
+  // The mask `logits` came out of allows exactly the tokens `matcher` takes next (each tried), and
+  // the end token exactly where it can end; counts the allowed ones.
+  void expect_mask_is_the_matcher(const std::vector<float>& logits, const JsonMatcher& matcher,
+                                  int step, int* allowed_count) const {
+    *allowed_count = 0;
+    for (int32_t id = 0; id < vocab_; ++id) {
+      const bool allowed = std::isfinite(logits[static_cast<size_t>(id)]);
+      bool expected = false;
+      if (id == end_) {
+        expected = matcher.can_end();
+      } else if (!vocabulary_->bytes(id).empty()) {
+        JsonMatcher probe = matcher;
+        expected = probe.advance(vocabulary_->bytes(id));
+      }
+      ASSERT_EQ(allowed, expected)
+          << "token " << id << " '" << vocabulary_->bytes(id) << "' at step " << step;
+      *allowed_count += allowed;
+    }
+  }
+
   std::unique_ptr<tokenizer::Tokenizer> tokenizer_;
   int64_t vocab_ = 0;
   int32_t end_ = -1;  // a special token, standing for end-of-sequence
@@ -107,19 +127,7 @@ TEST_P(StructuredOutput, TheMaskIsTheGrammarTokenByToken) {
       if (matcher.plain_string_room()) ++string_steps;
       constraint.mask(logits.data(), vocab_);
       int allowed_count = 0;
-      for (int32_t id = 0; id < vocab_; ++id) {
-        const bool allowed = std::isfinite(logits[static_cast<size_t>(id)]);
-        bool expected = false;
-        if (id == end[0]) {
-          expected = matcher.can_end();
-        } else if (!vocabulary_->bytes(id).empty()) {
-          JsonMatcher probe = matcher;
-          expected = probe.advance(vocabulary_->bytes(id));
-        }
-        ASSERT_EQ(allowed, expected)
-            << "token " << id << " '" << vocabulary_->bytes(id) << "' at step " << step;
-        allowed_count += allowed;
-      }
+      ASSERT_NO_FATAL_FAILURE(expect_mask_is_the_matcher(logits, matcher, step, &allowed_count));
       ASSERT_GT(allowed_count, 0);
       ++checked_steps;
       // Draw among the allowed, avoiding the end so that the answer goes deep.
@@ -155,17 +163,8 @@ TEST_P(StructuredOutput, AfterTheReasoningTheMaskIsTheGrammar) {
       for (float& logit : logits) logit = normal(rng);
       const bool in_reasoning = !thought.empty();
       constraint.mask(logits.data(), vocab_);
-      for (int32_t id = 0; id < vocab_; ++id) {
-        bool expected = false;
-        if (id == end[0]) {
-          expected = matcher.can_end();
-        } else if (!vocabulary_->bytes(id).empty()) {
-          JsonMatcher probe = matcher;
-          expected = probe.advance(vocabulary_->bytes(id));
-        }
-        ASSERT_EQ(std::isfinite(logits[static_cast<size_t>(id)]), expected)
-            << "token " << id << " '" << vocabulary_->bytes(id) << "' at step " << step;
-      }
+      int allowed_count = 0;
+      ASSERT_NO_FATAL_FAILURE(expect_mask_is_the_matcher(logits, matcher, step, &allowed_count));
       int32_t chosen = -1;
       if (in_reasoning) {  // the longest token that writes the thought on
         ++reasoning_steps;
