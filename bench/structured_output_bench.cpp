@@ -2,9 +2,13 @@
 // grammar (model/token_constraint.h) at every step of a document, split by where the step is
 // (inside a string, where plain text is taken without a walk, or between tokens of the
 // structure), and the one-off cost of reading the vocabulary's bytes. Prints one JSON object.
-//   moeline_structured_output_bench --tokenizer FILE [--repeat N]
+//   moeline_structured_output_bench --tokenizer FILE [--repeat N] [--reasoning]
 // The document is teacher-forced: its own tokens (the tokenizer's encoding) are accepted one by
-// one after each mask, as a model that answered it would have them drawn.
+// one after each mask, as a model that answered it would have them drawn. With --reasoning the
+// answer first thinks in a <think> block (ReasoningBlock::kMayOpen, as a thinking model's
+// structured output is asked), whose steps are reported apart: inside the block the mask takes
+// text without '<' from a precomputed mask and walks only the tokens that could start or
+// continue "</think>".
 #include <algorithm>
 #include <chrono>
 #include <cmath>
@@ -37,6 +41,15 @@ const char* kSchema = R"({
   "required": ["name", "age", "address", "summary"]
 })";
 
+// Reasoning with the byte the mask works hardest on there: '<' (a comparison, a tag, a partial
+// "</th..."), each of which makes the next step walk the tokens that could go on with the marker.
+const char* kReasoning =
+    "<think>\nThe user wants a JSON record for Ada Lovelace. Her age at death was 36, so age < 40 "
+    "holds; the address is 12 St James's Square, and the city must be one of the enum's values "
+    "<Paris|Rome|Oslo|Lisbon>, so I pick Paris. Scores: at most 8 numbers, e.g. 9.5 and 7.25 "
+    "(a <= b is not required). The summary stays under 400 characters; a </th is not the end "
+    "of this block, only the whole marker is.\n</think>\n\n";
+
 const char* kDocument =
     R"({"name": "Ada Lovelace", "age": 36, "email": null, "address": {"street": "12 St James's )"
     R"(Square", "city": "Paris", "zip": "SW1Y 4JH"}, "scores": [9.5, 7.25, -3e2], "summary": )"
@@ -65,15 +78,21 @@ nlohmann::json summary(const std::vector<double>& us) {
 int main(int argc, char** argv) {
   std::string tokenizer_path;
   int repeat = 3;
-  for (int i = 1; i + 1 < argc; i += 2) {
+  bool reasoning = false;
+  for (int i = 1; i < argc; ++i) {
     const std::string flag = argv[i];
-    if (flag == "--tokenizer")
-      tokenizer_path = argv[i + 1];
-    else if (flag == "--repeat")
-      repeat = std::max(1, std::stoi(argv[i + 1]));
+    if (flag == "--reasoning")
+      reasoning = true;
+    else if (flag == "--tokenizer" && i + 1 < argc)
+      tokenizer_path = argv[++i];
+    else if (flag == "--repeat" && i + 1 < argc)
+      repeat = std::max(1, std::stoi(argv[++i]));
+    else
+      tokenizer_path.clear(), i = argc;
   }
   if (tokenizer_path.empty()) {
-    std::cerr << "usage: moeline_structured_output_bench --tokenizer FILE [--repeat N]\n";
+    std::cerr
+        << "usage: moeline_structured_output_bench --tokenizer FILE [--repeat N] [--reasoning]\n";
     return 2;
   }
   auto tokenizer = moeline::tokenizer::Tokenizer::load(tokenizer_path);
@@ -93,7 +112,8 @@ int main(int argc, char** argv) {
   }
   moeline::tokenizer::EncodeOptions options;
   options.add_special_tokens = false;
-  auto ids = tokenizer->encode(kDocument, options);
+  const std::string answer = reasoning ? std::string(kReasoning) + kDocument : kDocument;
+  auto ids = tokenizer->encode(answer, options);
   if (!ids) {
     std::cerr << ids.error().message << "\n";
     return 1;
@@ -105,14 +125,17 @@ int main(int argc, char** argv) {
       break;
     }
 
-  std::vector<double> in_string, structural, all;
+  const auto block =
+      reasoning ? moeline::model::ReasoningBlock::kMayOpen : moeline::model::ReasoningBlock::kNone;
+  std::vector<double> in_reasoning, in_string, structural, all;
   std::vector<float> logits(static_cast<size_t>(vocab));
   bool complete = false;
   for (int r = 0; r < repeat; ++r) {
-    moeline::model::TokenConstraint constraint(vocabulary, *grammar, {end_token});
-    moeline::model::JsonMatcher matcher(*grammar);
+    moeline::model::TokenConstraint constraint(vocabulary, *grammar, {end_token}, block);
+    moeline::model::JsonMatcher matcher(*grammar, block);
     for (int32_t id : *ids) {
       std::fill(logits.begin(), logits.end(), 0.0f);
+      const bool reasoning_step = matcher.reasoning_text().has_value();
       const bool string_step = matcher.plain_string_room().has_value();
       const auto start = Clock::now();
       constraint.mask(logits.data(), vocab);
@@ -122,7 +145,7 @@ int main(int argc, char** argv) {
                   << "' was masked\n";
         return 1;
       }
-      (string_step ? in_string : structural).push_back(us);
+      (reasoning_step ? in_reasoning : string_step ? in_string : structural).push_back(us);
       all.push_back(us);
       constraint.accept(id);
       matcher.advance(vocabulary->bytes(id));
@@ -132,8 +155,10 @@ int main(int argc, char** argv) {
   nlohmann::json out = {{"vocab", vocab},
                         {"vocabulary_build_ms", build_ms},
                         {"document_tokens", ids->size()},
+                        {"repeat", repeat},
                         {"document_complete", complete},
                         {"all", summary(all)},
+                        {"in_reasoning", summary(in_reasoning)},
                         {"in_string", summary(in_string)},
                         {"structural", summary(structural)}};
   std::cout << out.dump() << "\n";
