@@ -43,6 +43,15 @@ void Broker::cancel_at_owner(Request& r) {
   r.owner.clear();
 }
 
+void Broker::cancel_orphan(const std::string& peer, uint64_t id, uint32_t attempt) {
+  const runtime::Peer* replica = hub_.peer(peer);
+  if (replica == nullptr || replica->stage != wire::StageKind::Decode) return;
+  flatbuffers::FlatBufferBuilder builder(64);
+  builder.Finish(wire::CreateCancelJob(builder, id, attempt), wire::PrefillJobIdentifier());
+  hub_.send(peer, wire::encode(wire::MessageType::CancelJob, builder), false);
+  metrics_.orphan_streams_cancelled->inc();
+}
+
 // The prefill credit held for a job the probe was to send on. `may_still_come`: the probe may
 // yet send it (the request was retried, bypassed or cancelled meanwhile); prefill will then
 // return a credit for it that was already given back here, which its result takes again.

@@ -50,6 +50,10 @@ class Broker {
   void settle_stale_prefill(uint64_t id, uint32_t attempt, const std::string& from);
   void release_reservations(Request& r);
   void cancel_at_owner(Request& r);
+  // Tells a decode replica that streams tokens for an attempt no request here has (a previous
+  // gateway life's, which the replicas outlive, or an attempt since retried or ended) to drop it,
+  // so that it frees the sequence's slot and KV instead of decoding for nobody.
+  void cancel_orphan(const std::string& peer, uint64_t id, uint32_t attempt);
 
   // ---- entitlement ----
   bool from_stage(const std::string& from, wire::MessageType type,

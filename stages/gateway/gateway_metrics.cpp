@@ -32,6 +32,7 @@ GatewayMetrics::GatewayMetrics(runtime::Registry& registry) : registry_(registry
   retries = counter(kRetries);
   handover_timeouts = counter(kHandoverTimeouts);
   handed_back = counter(kHandedBack);
+  orphan_streams_cancelled = counter(kOrphanStreamsCancelled);
   probe_bypassed = counter(kProbeBypassed);
   feedback = counter(kFeedback);
   stream_events = counter(kStreamEvents);

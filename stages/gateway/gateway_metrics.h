@@ -36,6 +36,10 @@ inline constexpr MetricName kHandoverTimeouts{
     "Hand-overs a decode replica did not confirm in time (retried)"};
 inline constexpr MetricName kHandedBack{"moeline_gateway_handed_back_total",
                                         "Jobs handed back by draining replicas (sent to another)"};
+inline constexpr MetricName kOrphanStreamsCancelled{
+    "moeline_gateway_orphan_streams_cancelled_total",
+    "Decode sequences no request here owns (a previous gateway's, or an attempt since retried or "
+    "ended) that their replica was told to drop"};
 inline constexpr MetricName kProbeBypassed{
     "moeline_gateway_probe_bypassed_total",
     "Requests sent to prefill without reuse because no probe answered in --probe-timeout-ms"};
@@ -95,6 +99,7 @@ class GatewayMetrics {
   runtime::Gauge *approximate_enabled, *shadow_agreement, *authenticated;
   runtime::Histogram *batch_size, *ttft, *tpot, *e2e, *queue_time, *probe_fraction;
   runtime::Counter *retries, *handover_timeouts, *handed_back, *probe_bypassed, *feedback;
+  runtime::Counter* orphan_streams_cancelled;
   runtime::Counter *stream_events, *stream_messages_single, *stream_messages_batch;
 
  private:

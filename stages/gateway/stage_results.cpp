@@ -250,9 +250,13 @@ void StageResults::on_token_batch(runtime::Hub::Incoming& incoming) {
       tracker_.retry_or_fail(*early, "decode sent tokens before prefill's first token");
       continue;
     }
+    if (tracker_.find(update->request_id(), update->attempt()) == nullptr) {
+      broker_.cancel_orphan(incoming.identity, update->request_id(), update->attempt());
+      continue;
+    }
     Request* r =
         tracker_.owned(update->request_id(), update->attempt(), incoming.identity, message.type);
-    if (r == nullptr) continue;  // cancelled or retried meanwhile, or not this peer's
+    if (r == nullptr) continue;  // not this peer's
     tracker_.on_token(*r, update->token(), wire::finish_reason_of(*update), update->logprobs());
   }
 }

@@ -121,13 +121,11 @@ def forged(kind, request_id=7, attempt=1):
     return encode_message(getattr(MessageType.MessageType, kind), b.Output())
 
 
-def hello_reply(sock, timeout=10):
-    """(accepted, reason, settings hash) of the hub's answer, or None when it said nothing within
-    `timeout` seconds (long enough for a Curve handshake on a busy machine where an answer is
-    expected; the caller that expects none may wait less)."""
+def receive(sock, message_type, table, wanted=lambda body: True, timeout=10):
+    """The body (as `table`) of the first message of `message_type` that `wanted` accepts, or None
+    when none came within `timeout` seconds; other messages are skipped."""
     import zmq
     from moeline_client import decode_message
-    from moeline.wire import HelloReply, MessageType
     deadline = time.time() + timeout
     usual_timeout = sock.getsockopt(zmq.RCVTIMEO)
     try:
@@ -137,12 +135,25 @@ def hello_reply(sock, timeout=10):
                 message = decode_message(sock.recv_multipart())
             except zmq.Again:
                 return None
-            if message.type == MessageType.MessageType.HelloReply:
-                reply = HelloReply.HelloReply.GetRootAs(message.body, 0)
-                return reply.Accepted(), (reply.Reason() or b"").decode(), reply.SettingsHash()
+            if message.type == message_type:
+                body = table.GetRootAs(message.body, 0)
+                if wanted(body):
+                    return body
         return None
     finally:
         sock.setsockopt(zmq.RCVTIMEO, usual_timeout)
+
+
+def hello_reply(sock, timeout=10):
+    """(accepted, reason, settings hash) of the hub's answer, or None when it said nothing within
+    `timeout` seconds (long enough for a Curve handshake on a busy machine where an answer is
+    expected; the caller that expects none may wait less)."""
+    from moeline.wire import HelloReply, MessageType
+    reply = receive(sock, MessageType.MessageType.HelloReply, HelloReply.HelloReply,
+                    timeout=timeout)
+    if reply is None:
+        return None
+    return reply.Accepted(), (reply.Reason() or b"").decode(), reply.SettingsHash()
 
 
 def rss_kib(pid):
@@ -263,6 +274,24 @@ def case_input(args):
         check(refused >= 1, f"forged results should be counted, got {refused}")
         print(f"ok input: forged tokens from a peer that did not hold the job dropped "
               f"({refused:.0f} counted); the stream is the reference's")
+
+        # Tokens for a request this gateway never had: what decode replicas that outlive a killed
+        # gateway stream to the next one. The replica is told to drop the sequence (it decoded
+        # for nobody until its max_tokens), and nothing else happens.
+        from moeline.wire import CancelJob, MessageType
+        orphan = request_id + (1 << 40)
+        rogue.send_multipart(hello(K.Decode, settings_hash(stack), credits=0))
+        hello_reply(rogue)
+        rogue.send_multipart(token_batch([(orphan, 2, 3)]))
+        cancel = receive(rogue, MessageType.MessageType.CancelJob, CancelJob.CancelJob,
+                         lambda c: c.RequestId() == orphan, timeout=10)
+        check(cancel is not None and cancel.Attempt() == 2,
+              "a decode replica streaming a request the gateway does not have was not told to "
+              "drop it")
+        cancelled = stack.metric("gateway", "moeline_gateway_orphan_streams_cancelled_total")
+        check(cancelled >= 1, f"orphan sequences cancelled should be counted, got {cancelled}")
+        print(f"ok input: tokens for a request the gateway does not have are answered with its "
+              f"cancel ({cancelled:.0f} counted)")
         rogue.close()
 
         check(pids(stack) == before and not any(restarts(stack).values()),
