@@ -853,6 +853,11 @@ MUTANTS = [
          new="context[name] = std::move(value);",
          why="a request's chat_template_kwargs replace the messages the template renders",
          tests=r"^ChatTemplate\."),
+    dict(name="orphan-sequences-not-cancelled", file="stages/gateway/broker.cpp",
+         old="hub_.send(peer, wire::encode(wire::MessageType::CancelJob, builder), false);",
+         new="(void)builder;",
+         why="decode replicas that outlive a killed gateway decode its requests for nobody",
+         tests=r"^stack_security_input$"),
 ]
 
 KNOWN_SURVIVORS = []  # none today: a planted bug that survives gets its test (tests/README.md)
