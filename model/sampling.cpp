@@ -1,6 +1,7 @@
 #include "model/sampling.h"
 
 #include <algorithm>
+#include <bit>
 #include <cmath>
 #include <string>
 
@@ -13,6 +14,34 @@ namespace {
 
 Status range_error(const char* name, const std::string& range, double value) {
   return Error{std::string(name) + " must be " + range + ", got " + std::to_string(value)};
+}
+
+// A logit's bits as an unsigned key that orders as the logits do, greatest first.
+uint32_t descending_key(float logit) {
+  const uint32_t bits = std::bit_cast<uint32_t>(logit);
+  return bits & 0x80000000u ? bits : ~(bits | 0x80000000u);
+}
+
+// Sorts keys whose upper 32 bits are descending_key(logit) and lower 32 bits the token id, given
+// in id order: by logit, greatest first, ties in id order. Least significant digit first, three
+// stable passes of 11 bits over the upper half (the ids stay in order within equal logits), for
+// a vocabulary's worth of keys several times faster than a comparison sort.
+void sort_by_logit(std::vector<uint64_t>& keys, std::vector<uint64_t>& scratch) {
+  if (keys.size() < 4096) {
+    std::sort(keys.begin(), keys.end());
+    return;
+  }
+  constexpr int kDigitBits = 11;
+  constexpr size_t kBuckets = size_t{1} << kDigitBits;
+  scratch.resize(keys.size());
+  for (int shift = 32; shift < 64; shift += kDigitBits) {
+    size_t starts[kBuckets] = {};
+    for (const uint64_t key : keys) ++starts[(key >> shift) & (kBuckets - 1)];
+    size_t next = 0;
+    for (size_t& start : starts) next += std::exchange(start, next);
+    for (const uint64_t key : keys) scratch[starts[(key >> shift) & (kBuckets - 1)]++] = key;
+    keys.swap(scratch);
+  }
 }
 
 }  // namespace
@@ -117,6 +146,30 @@ int32_t argmax(const float* logits, int64_t vocab) {
   return static_cast<int32_t>(kernels::first_max_index(logits, vocab));
 }
 
+// A draw weighs each token by w = exp((logit - best) / temperature) and sums the weights best
+// first from the best's 1, so a weight under 2^-53 changes no sum (it is under half a unit in
+// the last place of a total of at least 1): such tokens are left out rather than sorted with the
+// rest (weights under min_p too, which the min-p cut would drop), and the draw is the one over
+// the whole vocabulary except in the 2^-53-rare case where rounding would have let the walk run
+// past every token that weighs anything. With a flat distribution (random weights) nearly every
+// token counts; a trained model's at temperature <= 1 leaves most of a large vocabulary out.
+int64_t Sampler::order_candidates(const float* logits, int64_t vocab) {
+  const double best = logits[argmax(logits, vocab)];
+  // exp(-37.5) < 2^-53 (= exp(-36.74)), with a margin for the rounding of x.
+  double cutoff = -37.5;
+  if (params_.min_p > 0.0) cutoff = std::max(cutoff, std::log(params_.min_p) - 1e-6);
+  const double inverse_temperature = 1.0 / params_.temperature;
+  keys_.clear();
+  for (int64_t i = 0; i < vocab; ++i)
+    if ((static_cast<double>(logits[i]) - best) * inverse_temperature >= cutoff)
+      keys_.push_back(static_cast<uint64_t>(descending_key(logits[i])) << 32 |
+                      static_cast<uint32_t>(i));
+  sort_by_logit(keys_, sorted_keys_);
+  order_.resize(keys_.size());
+  for (size_t i = 0; i < keys_.size(); ++i) order_[i] = static_cast<int32_t>(keys_[i]);
+  return static_cast<int64_t>(order_.size());
+}
+
 int32_t Sampler::sample(const float* raw_logits, int64_t vocab) {
   const float* logits = raw_logits;
   const bool penalize = params_.penalized() && !generated_.empty();
@@ -140,17 +193,23 @@ int32_t Sampler::sample(const float* raw_logits, int64_t vocab) {
     token = argmax(logits, vocab);
   } else {
     // Candidates, best first (ties: lower id first, so the order is reproducible).
-    order_.resize(static_cast<size_t>(vocab));
-    for (int64_t i = 0; i < vocab; ++i) order_[static_cast<size_t>(i)] = static_cast<int32_t>(i);
-    auto better = [logits](int32_t a, int32_t b) {
-      return logits[a] > logits[b] || (logits[a] == logits[b] && a < b);
-    };
     int64_t kept = vocab;
     if (params_.top_k > 0 && params_.top_k < vocab) {
+      order_.resize(static_cast<size_t>(vocab));
+      for (int64_t i = 0; i < vocab; ++i) order_[static_cast<size_t>(i)] = static_cast<int32_t>(i);
+      auto better = [logits](int32_t a, int32_t b) {
+        return logits[a] > logits[b] || (logits[a] == logits[b] && a < b);
+      };
       kept = params_.top_k;
       std::partial_sort(order_.begin(), order_.begin() + kept, order_.end(), better);
     } else {
-      std::sort(order_.begin(), order_.end(), better);
+      kept = order_candidates(logits, vocab);
+      if (kept == 0) {  // every logit -inf or NaN: nothing to weigh, but the draw is made
+        uniform();
+        token = argmax(logits, vocab);
+        record(token);
+        return token;
+      }
     }
 
     // Probabilities relative to the best candidate's (which is 1).

@@ -129,10 +129,14 @@ class Sampler {
  private:
   double uniform();
   void record(int32_t token);
+  // order_ := the tokens a draw at temperature can end on, best first (ties: lower id first);
+  // returns how many.
+  int64_t order_candidates(const float* logits, int64_t vocab);
 
   SamplingParams params_;
   std::mt19937_64 rng_;
   std::vector<int32_t> order_;
+  std::vector<uint64_t> keys_, sorted_keys_;  // order_candidates' sort
   std::vector<double> probabilities_;
   std::vector<float> adjusted_;  // the logits biased and penalized, when they are
   std::vector<PenalizedToken> penalized_;

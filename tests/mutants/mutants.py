@@ -858,6 +858,16 @@ MUTANTS = [
          new="(void)builder;",
          why="decode replicas that outlive a killed gateway decode its requests for nobody",
          tests=r"^stack_security_input$"),
+    dict(name="sampling-cut-too-close", file="model/sampling.cpp",
+         old="double cutoff = -37.5;",
+         new="double cutoff = -20.0;",
+         why="tokens that still weigh in a draw (exp(-20) of the best's) are left out of it",
+         tests=r"^Sampling\."),
+    dict(name="sampling-radix-one-pass-short", file="model/sampling.cpp",
+         old="for (int shift = 32; shift < 64; shift += kDigitBits) {",
+         new="for (int shift = 43; shift < 64; shift += kDigitBits) {",
+         why="a large vocabulary's candidates sorted on their logits' upper bits only",
+         tests=r"^Sampling\."),
 ]
 
 KNOWN_SURVIVORS = []  # none today: a planted bug that survives gets its test (tests/README.md)

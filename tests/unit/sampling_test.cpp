@@ -5,6 +5,8 @@
 #include <algorithm>
 #include <cmath>
 #include <map>
+#include <random>
+#include <tuple>
 #include <vector>
 
 namespace moeline::model {
@@ -243,6 +245,83 @@ TEST(Sampling, MinPDropsUnlikelyTokens) {
   // p/p_max >= 0.5: ids 1 (1.0), 5 (e^-0.1), 2 (e^-0.5 ≈ 0.61); not 0 (e^-2) nor 4, 3.
   EXPECT_EQ(seen.size(), 3u);
   EXPECT_TRUE(seen.count(1) && seen.count(5) && seen.count(2));
+}
+
+// The draw as the definition states it (and tests/reference/sampling_reference.py computes it):
+// every token sorted best first, ties by id, weighed, cut by min-p and top-p, walked.
+int32_t draw_over_every_token(const std::vector<float>& logits, const SamplingParams& params,
+                              double u) {
+  const auto vocab = static_cast<int64_t>(logits.size());
+  std::vector<int32_t> order(logits.size());
+  for (int32_t i = 0; i < static_cast<int32_t>(vocab); ++i) order[i] = i;
+  std::stable_sort(order.begin(), order.end(),
+                   [&](int32_t a, int32_t b) { return logits[a] > logits[b]; });
+  const double best = logits[order[0]];
+  std::vector<double> weights(order.size());
+  for (size_t i = 0; i < order.size(); ++i)
+    weights[i] = std::exp((logits[order[i]] - best) / params.temperature);
+  int64_t kept = vocab;
+  if (params.min_p > 0.0) {
+    int64_t above = 1;
+    while (above < kept && weights[above] >= params.min_p) ++above;
+    kept = above;
+  }
+  double total = 0.0;
+  for (int64_t i = 0; i < kept; ++i) total += weights[i];
+  if (params.top_p < 1.0) {
+    double mass = 0.0;
+    int64_t nucleus = 0;
+    while (nucleus < kept) {
+      mass += weights[nucleus++] / total;
+      if (mass >= params.top_p) break;
+    }
+    kept = nucleus;
+    total = 0.0;
+    for (int64_t i = 0; i < kept; ++i) total += weights[i];
+  }
+  const double target = u * total;
+  double cumulative = 0.0;
+  for (int64_t i = 0; i < kept; ++i) {
+    cumulative += weights[i];
+    if (target < cumulative) return order[i];
+  }
+  return order[kept - 1];
+}
+
+// The sampler leaves out the tokens too unlikely to change a draw (under 2^-53 of the best's
+// weight, or under min-p) and sorts the rest by their bits: every draw must still be the one over
+// the whole vocabulary. Large vocabularies (the radix sort), logits spread far beyond the cut,
+// ties, masked (-inf) tokens, and each cut.
+TEST(Sampling, TokensLeftOutOfTheSortChangeNoDraw) {
+  std::mt19937 random(5);
+  for (const int64_t vocab : {int64_t{300}, int64_t{5000}, int64_t{70000}}) {
+    std::vector<float> logits(static_cast<size_t>(vocab));
+    std::normal_distribution<float> spread(0.0f, 12.0f);
+    for (float& logit : logits) logit = spread(random);
+    for (size_t i = 5; i < logits.size(); i += 5) logits[i] = logits[i - 3];  // ties
+    for (int64_t i = 0; i < vocab; i += 7) logits[static_cast<size_t>(i)] = -INFINITY;
+    logits[static_cast<size_t>(vocab / 3)] = 60.0f;  // a clear best, far above most
+    for (const auto& [temperature, top_p, min_p] :
+         std::vector<std::tuple<double, double, double>>{{1.0, 1.0, 0.0},
+                                                         {0.7, 0.9, 0.0},
+                                                         {2.0, 1.0, 0.0},
+                                                         {1.5, 0.95, 1e-9},
+                                                         {8.0, 0.5, 0.0}}) {
+      SamplingParams params;
+      params.temperature = temperature;
+      params.top_p = top_p;
+      params.min_p = min_p;
+      params.seed = 11;
+      Sampler sampler(params);
+      std::mt19937_64 same_draws(11);  // the sampler's generator and its raw-bits uniform
+      for (int draw = 0; draw < 40; ++draw) {
+        const double u = static_cast<double>(same_draws() >> 11) * 0x1.0p-53;
+        ASSERT_EQ(sampler.sample(logits.data(), vocab), draw_over_every_token(logits, params, u))
+            << "vocab " << vocab << " temperature " << temperature << " top_p " << top_p
+            << " min_p " << min_p << " draw " << draw;
+      }
+    }
+  }
 }
 
 TEST(Sampling, LogprobsAreTheRawLogSoftmax) {
