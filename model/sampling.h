@@ -136,7 +136,7 @@ class Sampler {
   SamplingParams params_;
   std::mt19937_64 rng_;
   std::vector<int32_t> order_;
-  std::vector<uint64_t> keys_, sorted_keys_;  // order_candidates' sort
+  std::vector<uint64_t> keys_, sorted_keys_;  // order_candidates' sort, a vocabulary each
   std::vector<double> probabilities_;
   std::vector<float> adjusted_;  // the logits biased and penalized, when they are
   std::vector<PenalizedToken> penalized_;
