@@ -121,6 +121,9 @@ class Sampler {
   // after prefill): the generator advances as that many sample() calls would, and the penalties
   // and the constraint count them.
   void resume(std::span<const int32_t> output);
+  // Whether a draw sorts or masks the vocabulary (temperature, or a grammar): hundreds of
+  // microseconds or more on a large vocabulary, where greedy is a few.
+  bool heavy() const { return params_.temperature != 0.0 || constraint_ != nullptr; }
   // Draws only what `constraint` allows from here on (model/token_constraint.h).
   void constrain(std::shared_ptr<TokenConstraint> constraint) {
     constraint_ = std::move(constraint);

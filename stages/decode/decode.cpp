@@ -229,6 +229,30 @@ class DecodeStage {
     }
   }
 
+  // Each active stream's next token from this step's logits. Spread over the pool's threads when
+  // more than one draw sorts or masks the vocabulary (0.2-2.5 ms each on a 152k vocabulary at
+  // temperature: docs/PERFORMANCE.md), one after the other otherwise; each sampler is its own
+  // sequence's, so the tokens are the same either way.
+  void draw_tokens(int64_t vocab) {
+    const size_t count = active_streams_.size();
+    drawn_.resize(count);
+    auto draw = [&](size_t i) {
+      drawn_[i] = active_streams_[i].sampler->sample(
+          logits_.data() + static_cast<int64_t>(i) * vocab, vocab);
+    };
+    const auto heavy = std::count_if(active_streams_.begin(), active_streams_.end(),
+                                     [](const Stream& s) { return s.sampler->heavy(); });
+    kernels::ThreadPool* pool = worker_.pool.get();
+    if (heavy < 2 || pool == nullptr || pool->size() < 2) {
+      for (size_t i = 0; i < count; ++i) draw(i);
+      return;
+    }
+    pool->run([&](int thread, int threads) {
+      for (size_t i = static_cast<size_t>(thread); i < count; i += static_cast<size_t>(threads))
+        draw(i);
+    });
+  }
+
   void step() {
     const model::ModelConfig& cfg = worker_.model->config();
     inputs_.clear();
@@ -246,6 +270,7 @@ class DecodeStage {
       active_streams_.clear();
       return;
     }
+    draw_tokens(cfg.vocab_size);
     flatbuffers::FlatBufferBuilder builder(64 + active_streams_.size() * 48);
     std::vector<flatbuffers::Offset<wire::TokenUpdate>> updates;
     std::vector<Stream> still;
@@ -254,7 +279,7 @@ class DecodeStage {
     for (size_t i = 0; i < active_streams_.size(); ++i) {
       Stream& stream = active_streams_[i];
       const float* row = logits_.data() + static_cast<int64_t>(i) * cfg.vocab_size;
-      const int32_t token = stream.sampler->sample(row, cfg.vocab_size);
+      const int32_t token = drawn_[i];
       ++stream.generated;
       stream.next_token = token;
       metrics_.tpot->observe(std::chrono::duration<double>(now - stream.last_token).count());
@@ -306,6 +331,7 @@ class DecodeStage {
   std::vector<Stream> active_streams_;
   std::vector<model::SequenceInput> inputs_;
   std::vector<float> logits_;
+  std::vector<int32_t> drawn_;  // this step's token of each active stream
 };
 
 int decode_body(const runtime::Config& config) {

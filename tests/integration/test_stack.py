@@ -107,7 +107,9 @@ def case_parity(args):
     expected = references(args, requests)
     for decode in (1, 2):
         run_dir = os.path.join(args.workdir, f"parity-{decode}")
-        with Stack(args.moeline, args.model, run_dir, decode=decode) as stack:
+        # One replica with two threads: the seeded draws of a step's batch are spread over them.
+        with Stack(args.moeline, args.model, run_dir, decode=decode,
+                   threads=2 if decode == 1 else 1) as stack:
             with Client(stack.endpoint, timeout=120) as client:
                 results = run_concurrently(client, requests)
             compare(results, requests, expected)

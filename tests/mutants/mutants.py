@@ -868,6 +868,11 @@ MUTANTS = [
          new="for (int shift = 40; shift < 64; shift += 8) {",
          why="a large vocabulary's candidates sorted on their logits' upper bits only",
          tests=r"^Sampling\."),
+    dict(name="parallel-draws-skip-streams", file="stages/decode/decode.cpp",
+         old="for (size_t i = static_cast<size_t>(thread); i < count; i += static_cast<size_t>(threads))",
+         new="for (size_t i = static_cast<size_t>(thread); i < count; i += 2 * static_cast<size_t>(threads))",
+         why="a decode step spread over threads leaves some streams' tokens from the step before",
+         tests=r"^stack_parity$"),
 ]
 
 KNOWN_SURVIVORS = []  # none today: a planted bug that survives gets its test (tests/README.md)
