@@ -245,6 +245,16 @@ TEST(Sampling, MinPDropsUnlikelyTokens) {
   // p/p_max >= 0.5: ids 1 (1.0), 5 (e^-0.1), 2 (e^-0.5 ≈ 0.61); not 0 (e^-2) nor 4, 3.
   EXPECT_EQ(seen.size(), 3u);
   EXPECT_TRUE(seen.count(1) && seen.count(5) && seen.count(2));
+  // min_p 0.2 keeps the same three and not id 0 (e^-2 ≈ 0.135), with top-k too: its candidates
+  // come from a partial sort of the top k, not from the min-p floor the draw without top-k
+  // applies before sorting, so the cut itself is what keeps id 0 out.
+  for (const int64_t top_k : {int64_t{0}, int64_t{5}}) {
+    Sampler cut(SamplingParams{.temperature = 1.0, .top_k = top_k, .seed = 4, .min_p = 0.2});
+    std::map<int32_t, int> drawn;
+    for (int i = 0; i < 4000; ++i) ++drawn[cut.sample(kLogits.data(), 6)];
+    EXPECT_EQ(drawn.size(), 3u) << "top_k " << top_k;
+    EXPECT_TRUE(drawn.count(1) && drawn.count(5) && drawn.count(2)) << "top_k " << top_k;
+  }
 }
 
 // The draw as the definition states it (and tests/reference/sampling_reference.py computes it):
