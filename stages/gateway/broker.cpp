@@ -37,19 +37,21 @@ void Broker::cancel_at_owner(Request& r) {
     r.owner.clear();
     return;
   }
-  flatbuffers::FlatBufferBuilder builder(64);
-  builder.Finish(wire::CreateCancelJob(builder, r.id, r.attempt), wire::PrefillJobIdentifier());
-  hub_.send(r.owner, wire::encode(wire::MessageType::CancelJob, builder), false);
+  send_cancel(r.owner, r.id, r.attempt);
   r.owner.clear();
 }
 
 void Broker::cancel_orphan(const std::string& peer, uint64_t id, uint32_t attempt) {
   const runtime::Peer* replica = hub_.peer(peer);
   if (replica == nullptr || replica->stage != wire::StageKind::Decode) return;
+  send_cancel(peer, id, attempt);
+  metrics_.orphan_streams_cancelled->inc();
+}
+
+void Broker::send_cancel(const std::string& peer, uint64_t id, uint32_t attempt) {
   flatbuffers::FlatBufferBuilder builder(64);
   builder.Finish(wire::CreateCancelJob(builder, id, attempt), wire::PrefillJobIdentifier());
   hub_.send(peer, wire::encode(wire::MessageType::CancelJob, builder), false);
-  metrics_.orphan_streams_cancelled->inc();
 }
 
 // The prefill credit held for a job the probe was to send on. `may_still_come`: the probe may

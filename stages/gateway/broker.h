@@ -67,6 +67,8 @@ class Broker {
   void forward_to_offload(wire::Message& message);
 
  private:
+  void send_cancel(const std::string& peer, uint64_t id, uint32_t attempt);
+
   runtime::Hub& hub_;
   GatewayMetrics& metrics_;
   runtime::Logger& log_;

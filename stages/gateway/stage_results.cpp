@@ -236,22 +236,21 @@ void StageResults::on_token_batch(runtime::Hub::Incoming& incoming) {
   metrics_.batch_size->observe(batch->batch_size());
   if (batch->updates() == nullptr) return;
   for (const wire::TokenUpdate* update : *batch->updates()) {
-    if (Request* early = tracker_.find(update->request_id(), update->attempt());
-        early != nullptr && early->decode_target == incoming.identity &&
-        early->owner != incoming.identity) {
+    Request* known = tracker_.find(update->request_id(), update->attempt());
+    if (known == nullptr) {
+      broker_.cancel_orphan(incoming.identity, update->request_id(), update->attempt());
+      continue;
+    }
+    if (known->decode_target == incoming.identity && known->owner != incoming.identity) {
       // Decode's tokens overtook prefill's PrefillDone (the first token): kept until it comes.
       // Past a bound (a decode replica sending tokens for a sequence it was never handed) the
       // attempt starts again.
-      if (early->early_updates.size() < kMaxEarlyUpdates) {
-        early->early_updates.push_back(one_update(*update));
+      if (known->early_updates.size() < kMaxEarlyUpdates) {
+        known->early_updates.push_back(one_update(*update));
         continue;
       }
-      broker_.cancel_at_owner(*early);
-      tracker_.retry_or_fail(*early, "decode sent tokens before prefill's first token");
-      continue;
-    }
-    if (tracker_.find(update->request_id(), update->attempt()) == nullptr) {
-      broker_.cancel_orphan(incoming.identity, update->request_id(), update->attempt());
+      broker_.cancel_at_owner(*known);
+      tracker_.retry_or_fail(*known, "decode sent tokens before prefill's first token");
       continue;
     }
     Request* r =

@@ -854,9 +854,10 @@ MUTANTS = [
          why="a request's chat_template_kwargs replace the messages the template renders",
          tests=r"^ChatTemplate\."),
     dict(name="orphan-sequences-not-cancelled", file="stages/gateway/broker.cpp",
-         old="hub_.send(peer, wire::encode(wire::MessageType::CancelJob, builder), false);",
-         new="(void)builder;",
-         why="decode replicas that outlive a killed gateway decode its requests for nobody",
+         old="  send_cancel(peer, id, attempt);\n  metrics_.orphan_streams_cancelled->inc();",
+         new="  send_cancel(peer, id, attempt + 1);\n  metrics_.orphan_streams_cancelled->inc();",
+         why="the orphan's cancel names another attempt: decode replicas that outlive a killed "
+             "gateway decode its requests for nobody",
          tests=r"^stack_security_input$"),
     dict(name="sampling-cut-too-close", file="model/sampling.cpp",
          old="double cutoff = -37.5;",
