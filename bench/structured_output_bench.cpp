@@ -87,8 +87,10 @@ int main(int argc, char** argv) {
       tokenizer_path = argv[++i];
     else if (flag == "--repeat" && i + 1 < argc)
       repeat = std::max(1, std::stoi(argv[++i]));
-    else
-      tokenizer_path.clear(), i = argc;
+    else {
+      tokenizer_path.clear();  // an unknown flag: the usage below
+      break;
+    }
   }
   if (tokenizer_path.empty()) {
     std::cerr
