@@ -126,6 +126,7 @@ std::variant<sdk::GenerateOptions, ApiError> to_options(const CompletionRequest&
   options.frequency_penalty = request.frequency_penalty;
   options.repetition_penalty = request.repetition_penalty;
   options.logit_bias = request.logit_bias;
+  options.deadline_ms = backend.request_deadline_ms;
   if (options.structured == sdk::StructuredOutput::kNone) {
     options.structured = request.structured;
     options.json_schema = request.json_schema;
@@ -174,6 +175,10 @@ Backends::Backends(const runtime::Config& config, runtime::StageService& service
   primary_ = make_backend(config.text("model"), config.text("served-model-name"),
                           config.text("gateway"), server_key, service.log);
   primary_->reads_reasoning = parser == "auto";
+  const int64_t max_request_s = config.integer("max-request-s");
+  if (max_request_s < 1 || max_request_s > 86400)
+    throw runtime::ConfigError("--max-request-s must be 1 to 86400");
+  primary_->request_deadline_ms = static_cast<uint32_t>(max_request_s * 1000);
   if (config.text("fallback-endpoint").empty()) return;
   if (config.text("fallback-model").empty())
     throw runtime::ConfigError(
@@ -184,6 +189,7 @@ Backends::Backends(const runtime::Config& config, runtime::StageService& service
   fallback_ = make_backend(config.text("fallback-model"), config.text("fallback-model-name"),
                            config.text("fallback-endpoint"), fallback_key, service.log);
   if (fallback_->name == primary_->name) fallback_->name += "-fallback";
+  fallback_->request_deadline_ms = primary_->request_deadline_ms;
   fallback_->reads_reasoning = parser == "auto";
   fallback_ttft_ = std::chrono::milliseconds(config.integer("fallback-ttft-ms"));
 }
@@ -216,21 +222,22 @@ Attempt Backends::submit(const CompletionRequest& request, const std::string& ap
 }
 
 Attempt Backends::begin(const CompletionRequest& request, const std::string& api_key,
-                        Backend& backend, Clock::time_point wait_until) {
+                        Backend& backend, Clock::time_point wait_until, ClientLink& client) {
   Attempt attempt = submit(request, api_key, backend);
   if (!attempt.refused)
-    attempt.first = next_event(*attempt.channel, wait_until, attempt.prompt_tokens);
+    attempt.first = next_event(*attempt.channel, wait_until, attempt.prompt_tokens, &client);
   return attempt;
 }
 
 Attempt Backends::start(const CompletionRequest& request, const std::string& api_key,
-                        Backend& backend, Clock::time_point received, Clock::time_point deadline) {
+                        Backend& backend, Clock::time_point received, Clock::time_point deadline,
+                        ClientLink& client) {
   const bool may_fall_back = fallback_ && &backend == primary_.get();
   const auto first_by = may_fall_back && fallback_ttft_.count() > 0
                             ? std::min(deadline, received + fallback_ttft_)
                             : deadline;
-  Attempt attempt = begin(request, api_key, backend, first_by);
-  if (!may_fall_back || attempt.refused) return attempt;
+  Attempt attempt = begin(request, api_key, backend, first_by, client);
+  if (!may_fall_back || attempt.refused || (!attempt.first && client.gone())) return attempt;
   const char* reason = nullptr;
   if (!attempt.first) {
     reason = "slow_first_token";
@@ -243,7 +250,7 @@ Attempt Backends::start(const CompletionRequest& request, const std::string& api
       .counter("moeline_http_fallbacks_total", "Requests served by the fallback model, by why",
                {{"reason", reason}})
       .inc();
-  return begin(request, api_key, *fallback_, deadline);
+  return begin(request, api_key, *fallback_, deadline, client);
 }
 
 }  // namespace moeline::stages::http

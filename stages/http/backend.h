@@ -12,6 +12,7 @@
 
 #include "sdk/client.h"
 #include "stages/http/bridge.h"
+#include "stages/http/client_link.h"
 #include "stages/http/openai.h"
 #include "stages/http/reasoning.h"
 #include "stages/runtime/config.h"
@@ -35,6 +36,8 @@ struct Backend {
   std::unique_ptr<http::GatewayBridge> bridge;
   // Chat answers' <think> blocks read out as reasoning_content (--reasoning-parser auto).
   bool reads_reasoning = true;
+  // The longest a request may run in all, at the gateway (--max-request-s; 0: its default).
+  uint32_t request_deadline_ms = 0;
 };
 
 // Reads the backend's model folder (config.json for the context, tokenizer_config.json for the
@@ -86,16 +89,17 @@ class Backends {
   Backend* find(const std::string& model);
   // Sends the request to `backend` and waits for its first event; a request to the primary that
   // it refuses as Overloaded, or leaves without a first token past --fallback-ttft-ms (then
-  // cancelled), goes to the fallback instead (counted by why).
+  // cancelled), goes to the fallback instead (counted by why). No first event and `client` gone:
+  // the caller cancels.
   Attempt start(const CompletionRequest& request, const std::string& api_key, Backend& backend,
-                Clock::time_point received, Clock::time_point deadline);
+                Clock::time_point received, Clock::time_point deadline, ClientLink& client);
   // Sends the request to `backend` without waiting for its first event (first stays empty): a
   // further choice of a request whose first choice start() placed there.
   Attempt submit(const CompletionRequest& request, const std::string& api_key, Backend& backend);
 
  private:
   Attempt begin(const CompletionRequest& request, const std::string& api_key, Backend& backend,
-                Clock::time_point wait_until);
+                Clock::time_point wait_until, ClientLink& client);
 
   runtime::StageService& service_;
   std::unique_ptr<Backend> primary_, fallback_;

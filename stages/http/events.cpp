@@ -1,17 +1,23 @@
 #include "stages/http/events.h"
 
+#include <algorithm>
+
 namespace moeline::stages::http {
 
 std::optional<sdk::Event> next_event(RequestChannel& channel,
                                      std::chrono::steady_clock::time_point deadline,
-                                     uint32_t& prompt_tokens) {
+                                     uint32_t& prompt_tokens, ClientLink* client) {
   using Clock = std::chrono::steady_clock;
   while (true) {
     const auto left =
         std::chrono::duration_cast<std::chrono::milliseconds>(deadline - Clock::now());
     if (left.count() <= 0) return std::nullopt;
-    std::optional<sdk::Event> event = channel.next(left);
-    if (!event) return std::nullopt;
+    std::optional<sdk::Event> event =
+        channel.next(client ? std::min(left, ClientLink::kCheckInterval) : left);
+    if (!event) {
+      if (client && client->gone()) return std::nullopt;
+      continue;  // the deadline is looked at again above
+    }
     if (event->kind != sdk::EventKind::kAccepted) return event;
     prompt_tokens = event->usage.prompt_tokens;
   }

@@ -10,6 +10,7 @@
 
 #include "sdk/client.h"
 #include "stages/http/bridge.h"
+#include "stages/http/client_link.h"
 #include "stages/http/openai.h"
 #include "stages/http/stop_matcher.h"
 
@@ -33,10 +34,10 @@ struct Outcome {
 };
 
 // The next event that is not the gateway's Accepted (whose prompt token count goes to
-// `prompt_tokens`); nullopt at the deadline.
+// `prompt_tokens`); nullopt at the deadline, or as soon as `client` (where given) is seen gone.
 std::optional<sdk::Event> next_event(RequestChannel& channel,
                                      std::chrono::steady_clock::time_point deadline,
-                                     uint32_t& prompt_tokens);
+                                     uint32_t& prompt_tokens, ClientLink* client = nullptr);
 
 // Folds one event into the outcome, appending the text now certain to `emitted`; true when the
 // request is over (finished, failed, or ended by a stop string).

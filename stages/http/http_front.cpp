@@ -3,7 +3,9 @@
 #include <httplib.h>
 #include <sys/socket.h>
 
+#include <algorithm>
 #include <atomic>
+#include <cctype>
 #include <chrono>
 #include <ctime>
 #include <memory>
@@ -16,6 +18,7 @@
 #include "stages/common/common.h"
 #include "stages/http/backend.h"
 #include "stages/http/bridge.h"
+#include "stages/http/client_link.h"
 #include "stages/http/connection_threads.h"
 #include "stages/http/events.h"
 #include "stages/http/logprobs.h"
@@ -49,12 +52,27 @@ const char* endpoint_label(Endpoint endpoint) {
   return "other";
 }
 
+// What a request whose client left is recorded as (nginx's 499): nobody reads the answer.
+ApiError client_closed() {
+  return ApiError{499, "the client closed the connection", "client_closed", "", ""};
+}
+
+ApiError timed_out(const char* what) {
+  return ApiError{504, what, "timeout_error", "", ""};
+}
+
+// "Bearer KEY", the scheme's name in any case (RFC 7235) and spaces around the key ignored.
 std::string bearer_key(const httplib::Request& request) {
   const std::string header = request.get_header_value("Authorization");
-  constexpr std::string_view kBearer = "Bearer ";
-  if (header.size() > kBearer.size() && header.compare(0, kBearer.size(), kBearer) == 0)
-    return header.substr(kBearer.size());
-  return {};
+  constexpr std::string_view kBearer = "bearer";
+  if (header.size() <= kBearer.size() ||
+      !std::equal(kBearer.begin(), kBearer.end(), header.begin(),
+                  [](char a, char b) { return a == std::tolower(static_cast<unsigned char>(b)); }))
+    return {};
+  const size_t start = header.find_first_not_of(' ', kBearer.size());
+  if (start == kBearer.size() || start == std::string::npos) return {};  // "BearerX", "Bearer "
+  const size_t end = header.find_last_not_of(' ');
+  return header.substr(start, end + 1 - start);
 }
 
 class HttpFront {
@@ -64,6 +82,11 @@ class HttpFront {
     request_timeout_ =
         std::chrono::seconds(std::max<int64_t>(1, config.integer("request-timeout-s")));
     max_body_bytes_ = runtime::parse_bytes(config.text("max-body-bytes"));
+    for (std::string origin : runtime::parse_list(config.text("allowed-origins"))) {
+      origin.erase(0, origin.find_first_not_of(' '));
+      while (!origin.empty() && (origin.back() == '/' || origin.back() == ' ')) origin.pop_back();
+      if (!origin.empty()) allowed_origins_.push_back(origin);
+    }
     threads_ =
         static_cast<size_t>(std::clamp<int64_t>(config.integer("max-connections"), 4, 65536));
     write_timeout_ms_ = std::clamp<int64_t>(config.integer("write-timeout-ms"), 10, 600000);
@@ -77,6 +100,11 @@ class HttpFront {
         "moeline_http_stream_write_failures_total",
         "Streams cut off because a write failed: the client went away, or let its socket stay "
         "full for --write-timeout-ms");
+    client_disconnects_ = &service.metrics.counter(
+        "moeline_http_client_disconnects_total",
+        "Requests cancelled because their client closed the connection while nothing was being "
+        "written to it (waiting for a token, or for a held-back tool call or stop string); "
+        "failed writes are moeline_http_stream_write_failures_total");
     token_delay_ = &service.metrics.histogram(
         "moeline_http_token_delay_seconds",
         "A streamed token's event received from the gateway to its chunk written to the client "
@@ -145,7 +173,40 @@ class HttpFront {
   }
 
  private:
+  // Browsers' cross-origin rules (CORS), for the origins of --allowed-origins only: a web page of
+  // another origin may call the API, with its key, only when the operator said so.
+  std::string allowed_origin(const httplib::Request& request) const {
+    const std::string origin = request.get_header_value("Origin");
+    if (origin.empty()) return {};
+    for (const std::string& allowed : allowed_origins_)
+      if (allowed == "*" || allowed == origin) return allowed == "*" ? "*" : origin;
+    return {};
+  }
+
+  void cors(httplib::Server& server) {
+    if (allowed_origins_.empty()) return;
+    server.set_post_routing_handler(
+        [this](const httplib::Request& request, httplib::Response& response) {
+          const std::string origin = allowed_origin(request);
+          if (origin.empty()) return;
+          response.set_header("Access-Control-Allow-Origin", origin);
+          if (origin != "*") response.set_header("Vary", "Origin");
+        });
+    // A preflight: what a cross-origin POST with a key and a JSON body may send.
+    server.Options(".*", [this](const httplib::Request& request, httplib::Response& response) {
+      if (allowed_origin(request).empty()) {
+        response.status = 403;
+        return;
+      }
+      response.status = 204;
+      response.set_header("Access-Control-Allow-Methods", "GET, POST, OPTIONS");
+      response.set_header("Access-Control-Allow-Headers", "Authorization, Content-Type");
+      response.set_header("Access-Control-Max-Age", "600");
+    });
+  }
+
   void routes(httplib::Server& server) {
+    cors(server);
     server.Get("/health", [this](const httplib::Request&, httplib::Response& response) {
       const bool up = backends_.primary().bridge->connected();
       response.status = up ? 200 : 503;
@@ -217,6 +278,7 @@ class HttpFront {
     respond_error(endpoint_label(endpoint), error, response);
   }
   void respond_error(const char* label, const ApiError& error, httplib::Response& response) {
+    if (error.status == 499) client_disconnects_->inc();
     response.status = error.status;
     if (error.status == 429) response.set_header("Retry-After", "1");
     response.set_content(http::to_text(error.body()), "application/json");
@@ -286,7 +348,7 @@ class HttpFront {
   // waited for up to its first event. An error of any is the response's.
   std::optional<ApiError> start_more_choices(const CompletionRequest& request,
                                              const std::string& api_key, Backend& backend,
-                                             Clock::time_point deadline,
+                                             http::ClientLink& client,
                                              std::vector<Started>& started) {
     std::vector<std::shared_ptr<http::RequestChannel>> sent;
     std::vector<http::ReasoningStart> reasoning;
@@ -301,15 +363,17 @@ class HttpFront {
     }
     for (size_t i = 0; i < sent.size(); ++i) {
       uint32_t prompt_tokens = 0;
-      std::optional<sdk::Event> first = http::next_event(*sent[i], deadline, prompt_tokens);
+      std::optional<sdk::Event> first =
+          http::next_event(*sent[i], Clock::now() + request_timeout_, prompt_tokens, &client);
       std::optional<ApiError> error;
       if (!first)
-        error = ApiError{504, "no first token within the request timeout", "timeout_error", "", ""};
+        error = client.gone() ? client_closed()
+                              : timed_out("no first token within the request timeout");
       else if (first->kind == sdk::EventKind::kError)
         error = http::gateway_error(first->error_code, first->error_name, first->error_message);
       if (error) {
-        // The failed choice's request is over unless it timed out; the later ones are cancelled
-        // here, the earlier ones (in `started`) by the caller.
+        // The failed choice's request is over unless it timed out or its client left; the later
+        // ones are cancelled here, the earlier ones (in `started`) by the caller.
         for (size_t j = i + (first ? 1 : 0); j < sent.size(); ++j) backend.bridge->cancel(sent[j]);
         return error;
       }
@@ -327,13 +391,13 @@ class HttpFront {
     Backend* backend = backends_.find(api_request.model);
     if (backend == nullptr)
       return respond_error(endpoint, unknown_model(api_request.model), response);
-    const auto deadline = received + request_timeout_;
     const std::string api_key = bearer_key(request);
+    http::ClientLink client(request);
     in_flight_->add(1);
     // Wait for the first token (or an error) before answering: an early error gets its own
     // status instead of a 200 that carries it in the stream.
-    http::Attempt attempt =
-        backends_.start(choice_request(api_request, 0), api_key, *backend, received, deadline);
+    http::Attempt attempt = backends_.start(choice_request(api_request, 0), api_key, *backend,
+                                            received, received + request_timeout_, client);
     if (attempt.refused) {
       in_flight_->add(-1);
       return respond_error(endpoint, *attempt.refused, response);
@@ -344,11 +408,10 @@ class HttpFront {
     if (!first) {
       bridge->cancel(attempt.channel);
       in_flight_->add(-1);
-      ApiError error;
-      error.status = 504;
-      error.type = "timeout_error";
-      error.message = "no first token within the request timeout";
-      return respond_error(endpoint, error, response);
+      return respond_error(
+          endpoint,
+          client.gone() ? client_closed() : timed_out("no first token within the request timeout"),
+          response);
     }
     if (first->kind == sdk::EventKind::kError) {
       in_flight_->add(-1);
@@ -359,8 +422,7 @@ class HttpFront {
     ttft_->observe(std::chrono::duration<double>(Clock::now() - received).count());
     std::vector<Started> started;
     started.push_back({attempt.channel, std::move(*first), prompt_tokens, attempt.reasoning});
-    if (auto error =
-            start_more_choices(api_request, api_key, *attempt.backend, deadline, started)) {
+    if (auto error = start_more_choices(api_request, api_key, *attempt.backend, client, started)) {
       for (const Started& choice : started) bridge->cancel(choice.channel);
       in_flight_->add(-1);
       return respond_error(endpoint, *error, response);
@@ -372,13 +434,13 @@ class HttpFront {
     base.model = attempt.backend->name;
     base.fallback = attempt.backend == backends_.fallback() && backend == &backends_.primary();
     if (api_request.stream && endpoint != Endpoint::kGenerate)
-      return stream(endpoint, api_request, *attempt.backend, std::move(started), base, deadline,
-                    response);
+      return stream(endpoint, api_request, *attempt.backend, std::move(started), base, response,
+                    std::move(client));
 
     std::vector<http::Completion> choices;
     for (size_t i = 0; i < started.size(); ++i) {
       auto choice = collect(endpoint, choice_request(api_request, static_cast<int64_t>(i)),
-                            *attempt.backend, started[i], deadline, base);
+                            *attempt.backend, started[i], client, base);
       if (auto* error = std::get_if<ApiError>(&choice)) {
         for (size_t j = i + 1; j < started.size(); ++j) bridge->cancel(started[j].channel);
         in_flight_->add(-1);
@@ -399,11 +461,12 @@ class HttpFront {
   }
 
   // One choice (`api_request` is the choice's: its own prompt), not streamed: its events up to the
-  // end (a stop string cancels the rest).
+  // end (a stop string, a silence past the request timeout or the client's leaving cancels the
+  // rest).
   std::variant<http::Completion, ApiError> collect(Endpoint endpoint,
                                                    const CompletionRequest& api_request,
                                                    const Backend& backend, Started& started,
-                                                   Clock::time_point deadline,
+                                                   http::ClientLink& client,
                                                    const http::Completion& base) {
     http::StopMatcher stops(api_request.stop);
     Outcome outcome;
@@ -411,9 +474,10 @@ class HttpFront {
     bool over = http::absorb(started.first, stops, outcome, outcome.text);
     while (!over) {
       uint32_t ignored = 0;
-      std::optional<sdk::Event> event = http::next_event(*started.channel, deadline, ignored);
+      std::optional<sdk::Event> event =
+          http::next_event(*started.channel, Clock::now() + request_timeout_, ignored, &client);
       if (!event) {
-        outcome.error = ApiError{504, "the request timed out", "timeout_error", "", ""};
+        outcome.error = client.gone() ? client_closed() : timed_out("the request timed out");
         break;
       }
       over = http::absorb(*event, stops, outcome, outcome.text);
@@ -432,7 +496,7 @@ class HttpFront {
       if (auto parsed = http::parse_tool_calls(
               completion.text,
               backend.chat ? backend.chat->tool_call_format() : tokenizer::ToolCallFormat::kNone,
-              api_request.chat.tools_json)) {
+              api_request.chat.tools_json, api_request.parallel_tool_calls)) {
         completion.text = std::move(parsed->content);
         completion.tool_calls = std::move(parsed->calls);
         completion.finish_reason = "tool_calls";
@@ -465,7 +529,7 @@ class HttpFront {
 
   void stream(Endpoint endpoint, const CompletionRequest& api_request, const Backend& backend,
               std::vector<Started> started, const http::Completion& base,
-              Clock::time_point deadline, httplib::Response& response) {
+              httplib::Response& response, http::ClientLink client) {
     count(endpoint, 200);
     response.set_header("Cache-Control", "no-cache");
     std::vector<http::StreamedResponse::Choice> choices;
@@ -481,11 +545,15 @@ class HttpFront {
     auto streamed = std::make_shared<http::StreamedResponse>(
         endpoint, std::move(choices), api_request.include_usage, api_request.n);
     http::GatewayBridge* bridge = backend.bridge.get();
+    auto link = std::make_shared<http::ClientLink>(std::move(client));
     response.set_chunked_content_provider(
         "text/event-stream",
-        [streamed, deadline](size_t, httplib::DataSink& sink) {
+        [this, streamed, link](size_t, httplib::DataSink& sink) {
           // A client that went away: false, and the releaser cancels the requests.
-          if (!streamed->write(sink, deadline)) return false;
+          if (!streamed->write(sink, request_timeout_, *link)) {
+            if (link->gone()) client_disconnects_->inc();
+            return false;
+          }
           sink.done();
           return true;
         },
@@ -500,6 +568,7 @@ class HttpFront {
   http::Backends backends_;
   int64_t created_ = 0;
   std::chrono::seconds request_timeout_{600};
+  std::vector<std::string> allowed_origins_;
   size_t max_body_bytes_ = 0;
   size_t threads_ = 1024;
   int64_t write_timeout_ms_ = 1000;
@@ -508,6 +577,7 @@ class HttpFront {
   runtime::Gauge* in_flight_ = nullptr;
   runtime::Histogram* token_delay_ = nullptr;
   runtime::Counter* write_failures_ = nullptr;
+  runtime::Counter* client_disconnects_ = nullptr;
 };
 
 int http_body(const runtime::Config& config) {
@@ -533,7 +603,12 @@ std::vector<runtime::ConfigKey> http_keys() {
                   "the model name clients ask for (default: the checkpoint folder's name)"});
   keys.push_back({"max-connections", "1024",
                   "connections served at once (a thread each; a stream holds its thread)"});
-  keys.push_back({"request-timeout-s", "600", "a request with no answer this long is a 504"});
+  keys.push_back({"request-timeout-s", "600",
+                  "a request that waits this long for its first token, or for any next one, "
+                  "ends with a 504 (a request that keeps producing tokens is never cut by it)"});
+  keys.push_back({"max-request-s", "3600",
+                  "the longest a request may run in all (its deadline at the gateway, which caps "
+                  "it at its own --max-deadline-ms)"});
   keys.push_back({"fallback-endpoint", "",
                   "a second gateway serving a smaller model: a request the primary answers "
                   "Overloaded, or gives no first token within --fallback-ttft-ms, is served by it "
@@ -551,6 +626,10 @@ std::vector<runtime::ConfigKey> http_keys() {
                   "whose chat template thinks) is given out as the message's reasoning_content, "
                   "not in its content; none: answers as generated"});
   keys.push_back({"max-body-bytes", "8MiB", "largest request body accepted"});
+  keys.push_back({"allowed-origins", "",
+                  "web origins whose pages may call the API from a browser (CORS), comma-separated "
+                  "(https://app.example.com), or * for any; empty: none (browsers refuse "
+                  "cross-origin calls)"});
   keys.push_back({"send-buffer-bytes", "0",
                   "each connection's socket send buffer (SO_SNDBUF; 0: the system's, which grows "
                   "up to net.ipv4.tcp_wmem's maximum): the unsent output a stream may hold in "

@@ -303,6 +303,7 @@ std::optional<ApiError> refuse_unserved(const json& body, int64_t n) {
 std::optional<ApiError> read_tools(const json& body, const std::string& text,
                                    CompletionRequest& out) {
   using ToolChoice = CompletionRequest::ToolChoice;
+  if (auto error = read_bool(body, "parallel_tool_calls", out.parallel_tool_calls)) return error;
   std::string choice = "auto";
   if (present(body, "tool_choice")) {
     const json& tool_choice = body["tool_choice"];

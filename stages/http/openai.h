@@ -86,6 +86,8 @@ struct CompletionRequest {
   enum class ToolChoice { kAuto, kNone, kRequired, kFunction };
   ToolChoice tool_choice = ToolChoice::kAuto;
   std::string tool_choice_function;  // kFunction: the function's name
+  // false: at most one call in the answer (the first the model wrote).
+  bool parallel_tool_calls = true;
   // Chat template switches (chat_template_kwargs, as vLLM and SGLang take them).
   tokenizer::ChatOptions chat;
 };

@@ -36,16 +36,20 @@ TokenStream::TokenStream(Endpoint endpoint, const CompletionRequest& request,
     tool_calls_.emplace();
     if (backend.chat) tool_call_format_ = backend.chat->tool_call_format();
     tools_json_ = request.chat.tools_json;
+    parallel_tool_calls_ = request.parallel_tool_calls;
   }
   outcome_.usage.prompt_tokens = prompt_tokens;
 }
 
 bool TokenStream::send(httplib::DataSink& sink, const std::string& text) {
-  if (!client_gone_ && !sink.write(text.data(), text.size())) {
+  if (client_gone_) return false;
+  if (!sink.write(text.data(), text.size())) {
     client_gone_ = true;
     write_failures_->inc();
+    return false;
   }
-  return !client_gone_;
+  last_write_ = Clock::now();
+  return true;
 }
 
 bool TokenStream::on_event(const sdk::Event& event, Clock::time_point arrived,
@@ -132,7 +136,8 @@ void TokenStream::finish_choice(httplib::DataSink& sink) {
     if (!rest.content.empty()) send_delta(sink, rest.content, nullptr, DeltaField::kContent);
   }
   if (tool_calls_ && !tool_calls_->held().empty()) {
-    if (auto parsed = parse_tool_calls(tool_calls_->held(), tool_call_format_, tools_json_)) {
+    if (auto parsed = parse_tool_calls(tool_calls_->held(), tool_call_format_, tools_json_,
+                                       parallel_tool_calls_)) {
       completion_->tool_calls = std::move(parsed->calls);
       send(sink, server_event(tool_calls_chunk(*completion_)));
       finish_reason = "tool_calls";
@@ -157,6 +162,7 @@ StreamedResponse::StreamedResponse(Endpoint endpoint, std::vector<Choice> choice
 bool StreamedResponse::deliver(size_t i, const sdk::Event& event, Clock::time_point arrived,
                                httplib::DataSink& sink) {
   if (stopped_ || ended_[i]) return false;
+  last_event_ = std::max(last_event_, arrived);
   TokenStream& tokens = *choices_[i].tokens;
   if (tokens.on_event(event, arrived, sink)) return true;
   ended_[i] = true;
@@ -169,7 +175,8 @@ bool StreamedResponse::deliver(size_t i, const sdk::Event& event, Clock::time_po
   return false;
 }
 
-bool StreamedResponse::write(httplib::DataSink& sink, Clock::time_point deadline) {
+bool StreamedResponse::write(httplib::DataSink& sink, std::chrono::milliseconds idle_timeout,
+                             ClientLink& client) {
   // A consumer runs holding its channel's lock and then takes mutex_: so mutex_ is never held
   // here while a channel's lock is taken (attach, and the detaching wait_consumed).
   for (size_t i = 0; i < choices_.size(); ++i) {
@@ -186,16 +193,35 @@ bool StreamedResponse::write(httplib::DataSink& sink, Clock::time_point deadline
   }
   {
     std::unique_lock lock(mutex_);
-    if (!changed_.wait_until(lock, deadline, [&] { return open_ == 0 || stopped_; })) {
-      for (size_t i = 0; i < choices_.size(); ++i)
-        if (!ended_[i]) choices_[i].tokens->time_out();
-      stopped_ = true;
+    const auto over = [&] { return open_ == 0 || stopped_; };
+    while (!over()) {
+      const auto silent_until = last_event_ + idle_timeout;
+      if (changed_.wait_until(
+              lock, std::min(silent_until, Clock::now() + ClientLink::kCheckInterval), over))
+        break;
+      if (Clock::now() >= last_event_ + idle_timeout) {
+        for (size_t i = 0; i < choices_.size(); ++i)
+          if (!ended_[i]) choices_[i].tokens->time_out();
+        stopped_ = true;
+        break;
+      }
+      // Nothing written for a while (a tool call or a stop string held back, a slow step): no
+      // write fails to tell that the client left, so look.
+      Clock::time_point last_write = Clock::time_point::min();
+      for (const Choice& choice : choices_)
+        last_write = std::max(last_write, choice.tokens->last_write());
+      if (Clock::now() - last_write < ClientLink::kCheckInterval) continue;
+      lock.unlock();
+      const bool gone = client.gone();
+      lock.lock();
+      if (gone) client_gone_ = stopped_ = true;
     }
   }
   // Detached: no consumer is called after this (those still attached belong to choices that
   // the failure or the deadline ended, and are cancelled by the caller).
   for (Choice& choice : choices_) choice.channel->wait_consumed(Clock::now());
   std::lock_guard lock(mutex_);
+  if (client_gone_) return false;
   for (const Choice& choice : choices_)
     if (choice.tokens->client_gone()) return false;
   TokenStream& first = *choices_.front().tokens;

@@ -18,6 +18,7 @@
 
 #include "sdk/client.h"
 #include "stages/http/backend.h"
+#include "stages/http/client_link.h"
 #include "stages/http/events.h"
 #include "stages/http/logprobs.h"
 #include "stages/http/openai.h"
@@ -39,7 +40,7 @@ class TokenStream {
   // Writes what `event` adds (it reached this process at `arrived`); false when the stream is
   // over: finished, failed, cut by a stop string, or its client gone.
   bool on_event(const sdk::Event& event, Clock::time_point arrived, httplib::DataSink& sink);
-  // No event within the request's deadline: the stream ends with a 504 error object.
+  // No event within the request's timeout: the stream ends with a 504 error object.
   void time_out();
   // The choice is over without an error: its usage and timings into the completion, the text
   // held back for reasoning and tool calls (as reasoning, calls, or as text if it is none), and
@@ -50,6 +51,8 @@ class TokenStream {
   const Completion& completion() const { return *completion_; }
 
   bool client_gone() const { return client_gone_; }
+  // When a write last succeeded (the stream's start before any).
+  Clock::time_point last_write() const { return last_write_; }
   // The pipeline ended the request (finished or failed): nothing left to cancel.
   bool pipeline_ended() const { return pipeline_ended_; }
   // Writes `text` unless the client is gone; a failed write marks it gone (and is counted).
@@ -70,6 +73,7 @@ class TokenStream {
   std::optional<ToolCallHold> tool_calls_;       // chat with tools on offer: held, then read as
   tokenizer::ToolCallFormat tool_call_format_ = tokenizer::ToolCallFormat::kNone;  // the template's
   std::string tools_json_;                                                         // the request's
+  bool parallel_tool_calls_ = true;
   TokenEvents token_events_;
   runtime::Histogram* token_delay_;
   runtime::Counter* write_failures_;
@@ -78,12 +82,14 @@ class TokenStream {
   bool score_only_ = false;          // echo with max_tokens 0: no token of the completion shown
   size_t text_offset_ = 0;           // completions' logprobs.text_offset
   bool first_chunk_ = true, client_gone_ = false, pipeline_ended_ = false;
+  Clock::time_point last_write_ = Clock::now();
 };
 
 // The stream of a whole response: its choices' events (n of them, OpenAI's `n`) interleaved in
 // one sink as they arrive, each choice's finish chunk when it ends; then, once every choice is
 // over, the usage chunk where asked and [DONE]. A choice that fails ends the response with its
-// error object (the other choices are cancelled), as does the deadline.
+// error object (the other choices are cancelled), as does a silence of the whole response longer
+// than the request timeout; a client seen gone while nothing is written ends it too.
 class StreamedResponse {
  public:
   using Clock = std::chrono::steady_clock;
@@ -97,8 +103,10 @@ class StreamedResponse {
                    int64_t n = 1);
 
   // Writes the response to `sink`, the first events on this thread and the rest on the bridge's
-  // as they arrive; false when the client went away.
-  bool write(httplib::DataSink& sink, Clock::time_point deadline);
+  // as they arrive; false when the client went away (a failed write, or `client` seen gone).
+  // `idle_timeout`: the longest wait for an event of any choice (a stream that keeps producing is
+  // never cut for its length).
+  bool write(httplib::DataSink& sink, std::chrono::milliseconds idle_timeout, ClientLink& client);
   // The choices' requests the pipeline has not ended (to cancel).
   std::vector<std::shared_ptr<RequestChannel>> unfinished() const;
 
@@ -117,7 +125,9 @@ class StreamedResponse {
   std::condition_variable changed_;
   std::vector<bool> ended_;
   size_t open_ = 0;
-  bool stopped_ = false;  // a choice failed or the client went away: nothing more is written
+  bool stopped_ = false;      // a choice failed or the client went away: nothing more is written
+  bool client_gone_ = false;  // seen gone while waiting (not by a failed write)
+  Clock::time_point last_event_ = Clock::now();
 };
 
 }  // namespace moeline::stages::http

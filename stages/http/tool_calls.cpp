@@ -145,16 +145,20 @@ std::optional<ToolCallOutput> parse_glm45_tool_calls(const std::string& text,
 
 std::optional<ToolCallOutput> parse_tool_calls(const std::string& text,
                                                tokenizer::ToolCallFormat format,
-                                               const std::string& tools_json) {
+                                               const std::string& tools_json, bool parallel) {
+  std::optional<ToolCallOutput> parsed;
   switch (format) {
     case tokenizer::ToolCallFormat::kHermes:
-      return parse_hermes_tool_calls(text);
+      parsed = parse_hermes_tool_calls(text);
+      break;
     case tokenizer::ToolCallFormat::kGlm45:
-      return parse_glm45_tool_calls(text, tools_json);
+      parsed = parse_glm45_tool_calls(text, tools_json);
+      break;
     case tokenizer::ToolCallFormat::kNone:
       break;
   }
-  return std::nullopt;
+  if (parsed && !parallel && parsed->calls.size() > 1) parsed->calls.resize(1);
+  return parsed;
 }
 
 std::optional<ToolCallOutput> parse_hermes_tool_calls(const std::string& text) {

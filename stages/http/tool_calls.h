@@ -39,10 +39,11 @@ std::optional<ToolCallOutput> parse_hermes_tool_calls(const std::string& text);
 // where it is JSON (3, true, [1, 2], {"a": 1}) and stays text where it is not.
 std::optional<ToolCallOutput> parse_glm45_tool_calls(const std::string& text,
                                                      const std::string& tools_json);
-// The calls in `text` in the template's `format` (none for kNone).
+// The calls in `text` in the template's `format` (none for kNone); with `parallel` false only the
+// first (OpenAI's parallel_tool_calls: false).
 std::optional<ToolCallOutput> parse_tool_calls(const std::string& text,
                                                tokenizer::ToolCallFormat format,
-                                               const std::string& tools_json);
+                                               const std::string& tools_json, bool parallel = true);
 
 // A forced call's document, as a JSON Schema (text): {"name": one of the tools' names (only
 // `function` where it is given), "arguments": that tool's parameters (an object where it has

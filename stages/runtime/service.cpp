@@ -67,7 +67,10 @@ void StageService::liveness_loop(std::string path) {
           << '\n';
     }
     std::rename(temporary.c_str(), path.c_str());
-    for (int slept = 0; slept < 500 && !stopping_.load(); slept += 50)
+    // By the clock, not by naps counted: a process that was stopped (SIGSTOP) and runs again
+    // says so at once, rather than after another half second of running.
+    const auto next = std::chrono::steady_clock::now() + std::chrono::milliseconds(500);
+    while (!stopping_.load() && std::chrono::steady_clock::now() < next)
       std::this_thread::sleep_for(std::chrono::milliseconds(50));
   }
 }

@@ -30,6 +30,10 @@ Cases (--case, one per CTest entry):
         or the npm package).
   slow_client  a streaming client that stops reading is cut off after --write-timeout-ms (and
         counted), while another stream completes.
+  client_gone  a client that closes its connection while nothing is being written to it (a
+        request waiting for its first token, a whole answer not streamed, a stream between two
+        tokens) has its request cancelled in the pipeline within a second or so, counted as a 499;
+        --request-timeout-s bounds the silence between tokens, not a stream's length.
 """
 
 import http.client
@@ -38,6 +42,7 @@ import os
 import shutil
 import socket
 import subprocess
+import signal
 import sys
 import time
 from urllib.parse import urlparse
@@ -773,8 +778,9 @@ def case_auth(args):
                          capture_output=True, text=True, timeout=30)
     check(out.returncode == 0, out.stderr)
     key = out.stdout.strip()
-    with Stack(args.moeline, args.model, run, http_port=0,
-               extra_args=["--api-keys", keys_file]) as stack:
+    app = "https://app.example"
+    with Stack(args.moeline, args.model, run, http_port=0, extra_args=["--api-keys", keys_file],
+               config={"http": {"allowed-origins": app}}) as stack:
         request = {"prompt": LONG_PROMPT, "max_tokens": 8, "temperature": 0}
         error_is(post(stack, "/v1/completions", request), 401, code="invalid_api_key",
                  what="no key")
@@ -783,7 +789,40 @@ def case_auth(args):
         status, body, _ = post(stack, "/v1/completions", request,
                                headers={"Authorization": f"Bearer {key}"})
         check(status == 200 and body["choices"][0]["text"], f"a valid key: {status} {body}")
+        # The scheme's name in any case, as RFC 7235 has it.
+        status, body, _ = post(stack, "/v1/completions", request,
+                               headers={"Authorization": f"bearer  {key}"})
+        check(status == 200, f"'bearer' in lower case: {status} {body}")
         print("ok auth: no key and a wrong key are 401; a valid key is served")
+
+        # A browser page of an allowed origin (--allowed-origins) may call the API; others not.
+        def preflight(origin):
+            conn = connect(stack)
+            conn.request("OPTIONS", "/v1/completions", headers={
+                "Origin": origin, "Access-Control-Request-Method": "POST",
+                "Access-Control-Request-Headers": "authorization, content-type"})
+            response = conn.getresponse()
+            response.read()
+            conn.close()
+            return response.status, {k.lower(): v for k, v in response.getheaders()}
+
+        status, headers = preflight(app)
+        check(status == 204 and headers.get("access-control-allow-origin") == app and
+              "authorization" in headers.get("access-control-allow-headers", "").lower() and
+              "POST" in headers.get("access-control-allow-methods", ""),
+              f"a preflight from an allowed origin: {status} {headers}")
+        status, headers = preflight("https://evil.example")
+        check(status == 403 and "access-control-allow-origin" not in headers,
+              f"a preflight from another origin: {status} {headers}")
+        for origin, allowed in ((app, True), ("https://evil.example", False)):
+            status, body, headers = post(stack, "/v1/completions", request, headers={
+                "Authorization": f"Bearer {key}", "Origin": origin})
+            headers = {k.lower(): v for k, v in headers.items()}
+            check(status == 200 and
+                  (headers.get("access-control-allow-origin") == origin) == allowed,
+                  f"a call from {origin}: {status} {headers}")
+        print("ok auth: CORS for the allowed origin only (preflight 204 with its headers, "
+              "another origin 403 and no Access-Control-Allow-Origin)")
 
 
 def case_openai(args):
@@ -1089,6 +1128,117 @@ def case_slow_client(args):
               f"in {took:.1f} s")
 
 
+def send_raw(stack, body):
+    """A request written on a socket of its own (to close it at will)."""
+    url = urlparse(stack.state()["http"])
+    data = json.dumps(body).encode()
+    sock = socket.create_connection((url.hostname, url.port), timeout=30)
+    sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: "
+                 b"application/json\r\nContent-Length: " + str(len(data)).encode() +
+                 b"\r\n\r\n" + data)
+    return sock
+
+
+def case_client_gone(args):
+    """Requests whose clients leave while the pipeline is silent (a stage stopped with SIGSTOP)
+    are cancelled long before --request-timeout-s (3 s here) would end them; a stream slowed to
+    longer than that timeout, but never silent for as long, completes."""
+    timeout_s = 3
+    config = {"http": {"request-timeout-s": timeout_s}}
+    with Stack(args.moeline, args.model, os.path.join(args.workdir, "gone"), http_port=0,
+               config=config) as stack:
+        def disconnects():
+            return stack.metric("http", "moeline_http_client_disconnects_total")
+
+        def gateway_outcome(name):
+            return stack.metric("gateway", "moeline_gateway_requests_total", outcome=name)
+
+        def leave_while_stopped(stage, body, label, read_first=False):
+            before = (disconnects(), gateway_outcome("cancelled"))
+            pid = stack.kill(stage, signal.SIGSTOP)
+            try:
+                sock = send_raw(stack, body)
+                if read_first:  # the stream's head and first token, then silence
+                    first = sock.recv(4096)
+                    check(b" 200 " in first.split(b"\r\n")[0], f"{label}: {first[:200]}")
+                else:
+                    time.sleep(0.3)
+                closed = time.time()
+                sock.close()
+                wait_for(lambda: disconnects() > before[0], timeout_s - 0.5,
+                         f"{label}: the client's leaving is not seen before the request timeout")
+                seen_s = time.time() - closed
+            finally:
+                os.kill(pid, signal.SIGCONT)
+            wait_for(lambda: gateway_outcome("cancelled") > before[1], 20,
+                     f"{label}: the request is not cancelled at the gateway")
+            return seen_s
+
+        prompt = [11, 12, 13]
+        waiting = leave_while_stopped(
+            "prefill-0", {"prompt": prompt, "max_tokens": 64, "temperature": 0}, "first token")
+        whole = leave_while_stopped(
+            "decode-0", {"prompt": prompt + [14], "max_tokens": 400, "ignore_eos": True,
+                       "temperature": 0}, "whole answer")
+        between = leave_while_stopped(
+            "decode-0", {"prompt": prompt + [15], "max_tokens": 400, "ignore_eos": True,
+                       "temperature": 0, "stream": True}, "stream", read_first=True)
+        closed = stack.metric("http", "moeline_http_requests_total", endpoint="completions",
+                              status="499")
+        # The stream's 200 was counted when it began.
+        check(closed == 2, f"the two requests not streamed are counted as 499: {closed}")
+        print(f"ok client_gone: a client leaving is seen {waiting:.2f} s after (waiting for the "
+              f"first token), {whole:.2f} s (a whole answer), {between:.2f} s (a stream between "
+              f"tokens), and each request cancelled in the pipeline")
+
+        # A stream slowed down past the timeout, in steps shorter than it: it completes.
+        import threading
+        result = {}
+
+        def read_stream():
+            started = time.time()
+            result["events"], result["done"] = stream(
+                stack, "/v1/completions", {"prompt": prompt + [16], "max_tokens": 480,
+                                           "ignore_eos": True, "temperature": 0, "stream": True})
+            result["took"] = time.time() - started
+
+        reader = threading.Thread(target=read_stream)
+        reader.start()
+        decode_pid = stack.stage("decode-0")["pid"]
+        slowed_until = time.time() + timeout_s + 1.5
+        while reader.is_alive() and time.time() < slowed_until:
+            os.kill(decode_pid, signal.SIGSTOP)
+            time.sleep(0.6)
+            os.kill(decode_pid, signal.SIGCONT)
+            time.sleep(0.01)
+        reader.join()
+        events = result["events"]
+        check(result["done"] and events[-1]["choices"][0]["finish_reason"] == "length",
+              f"a slow stream that keeps producing must complete: {events[-1] if events else None}")
+        check(result["took"] > timeout_s,
+              f"the stream should have lasted longer than the timeout: {result['took']:.1f} s")
+        # Silent for longer than the timeout: ended with a timeout error.
+        pid = stack.kill("decode-0", signal.SIGSTOP)
+        try:
+            sock = send_raw(stack, {"prompt": prompt + [17], "max_tokens": 400, "ignore_eos": True,
+                                    "temperature": 0, "stream": True})
+            sock.settimeout(timeout_s + 10)
+            received = b""
+            while b"data: [DONE]" not in received:
+                data = sock.recv(65536)
+                if not data:
+                    break
+                received += data
+            sock.close()
+        finally:
+            os.kill(pid, signal.SIGCONT)
+        check(b"timeout_error" in received,
+              f"a stream silent past the timeout ends with its error: {received[-300:]}")
+        print(f"ok client_gone: a stream slowed to {result['took']:.1f} s by pauses of 0.6 s "
+              f"completes under a {timeout_s} s timeout; one silent past it ends with "
+              f"timeout_error")
+
+
 def concurrently(stack, bodies, gap_s=0.02, headers=None):
     """POSTs each body to /v1/completions on its own connection, `gap_s` apart; the results in
     order. The gap must stay well under a long request's time (480 tokens of the demo model took
@@ -1173,7 +1323,7 @@ def case_fallback(args):
 
 
 CASES = {"api": case_api, "auth": case_auth, "fallback": case_fallback, "openai": case_openai,
-         "slow_client": case_slow_client, "tools": case_tools}
+         "slow_client": case_slow_client, "tools": case_tools, "client_gone": case_client_gone}
 
 
 def main():

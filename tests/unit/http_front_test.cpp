@@ -14,7 +14,13 @@
 #include <variant>
 #include <vector>
 
+#include <arpa/inet.h>
+#include <netinet/in.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
 #include "model/json_grammar.h"
+#include "stages/http/client_link.h"
 #include "stages/http/connection_threads.h"
 #include "stages/http/events.h"
 #include "stages/http/openai.h"
@@ -702,6 +708,23 @@ TEST(ToolCalls, HermesBlocksAreReadAsCallsAndAnythingElseStaysText) {
       parse_hermes_tool_calls("<tool_call>{\"name\": \"a\"}</tool_call> and more").has_value());
 }
 
+TEST(ToolCalls, WithoutParallelCallsOnlyTheFirstIsGiven) {
+  const std::string text =
+      "<tool_call>{\"name\": \"a\"}</tool_call>\n<tool_call>{\"name\": \"b\"}</tool_call>";
+  const auto all = parse_tool_calls(text, tokenizer::ToolCallFormat::kHermes, "");
+  ASSERT_TRUE(all.has_value());
+  EXPECT_EQ(all->calls.size(), 2u);
+  const auto first = parse_tool_calls(text, tokenizer::ToolCallFormat::kHermes, "", false);
+  ASSERT_TRUE(first.has_value());
+  ASSERT_EQ(first->calls.size(), 1u);
+  EXPECT_EQ(first->calls[0].name, "a");
+  EXPECT_FALSE(request_of(Endpoint::kChat, R"({"messages": [{"role": "user", "content": "x"}],
+      "tools": [{"type": "function", "function": {"name": "f"}}], "parallel_tool_calls": false})")
+                   .parallel_tool_calls);
+  EXPECT_TRUE(request_of(Endpoint::kChat, R"({"messages": [{"role": "user", "content": "x"}]})")
+                  .parallel_tool_calls);
+}
+
 TEST(ToolCalls, AStreamHoldsBackFromWhereACallMayBegin) {
   ToolCallHold hold;
   std::string content;
@@ -787,7 +810,8 @@ std::vector<std::string> written_events(StreamedResponse& response) {
     written.append(data, size);
     return true;
   };
-  EXPECT_TRUE(response.write(sink, std::chrono::steady_clock::now() + std::chrono::seconds(5)));
+  ClientLink no_socket("", -1, -1);
+  EXPECT_TRUE(response.write(sink, std::chrono::seconds(5), no_socket));
   std::vector<std::string> data;
   for (size_t at = 0; (at = written.find("data: ", at)) != std::string::npos;) {
     const size_t end = written.find("\n\n", at);
@@ -1079,6 +1103,93 @@ TEST(OpenAiRequest, ToolsAndToolTurnsAreReadForTheTemplate) {
   EXPECT_TRUE(request_of(Endpoint::kChat, R"({"messages": [{"role": "user", "content": "x"}],
       "tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": "none"})")
                   .chat.tools_json.empty());
+}
+
+// A loopback TCP connection: the server's side (accepted) and the client's, with the addresses a
+// server's handler is told (the client's address and port, the server's port).
+struct Loopback {
+  int server = -1, client = -1;
+  std::string client_address;
+  int client_port = -1, server_port = -1;
+  Loopback() {
+    const int listener = ::socket(AF_INET, SOCK_STREAM, 0);
+    sockaddr_in address{};
+    address.sin_family = AF_INET;
+    address.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+    socklen_t length = sizeof(address);
+    EXPECT_EQ(::bind(listener, reinterpret_cast<sockaddr*>(&address), sizeof(address)), 0);
+    EXPECT_EQ(::listen(listener, 1), 0);
+    ::getsockname(listener, reinterpret_cast<sockaddr*>(&address), &length);
+    server_port = ntohs(address.sin_port);
+    client = ::socket(AF_INET, SOCK_STREAM, 0);
+    EXPECT_EQ(::connect(client, reinterpret_cast<sockaddr*>(&address), sizeof(address)), 0);
+    server = ::accept(listener, nullptr, nullptr);
+    ::close(listener);
+    sockaddr_in mine{};
+    length = sizeof(mine);
+    ::getsockname(client, reinterpret_cast<sockaddr*>(&mine), &length);
+    client_port = ntohs(mine.sin_port);
+    client_address = "127.0.0.1";
+  }
+  ~Loopback() {
+    if (client >= 0) ::close(client);
+    if (server >= 0) ::close(server);
+  }
+  ClientLink link() const { return ClientLink(client_address, client_port, server_port); }
+};
+
+TEST(ClientLink, FindsTheConnectionByItsAddressesAndSeesItsClientLeave) {
+  Loopback connection;
+  ClientLink link = connection.link();
+  EXPECT_FALSE(link.gone());
+  // A pipelined request waiting to be read is a client still there.
+  ASSERT_EQ(::write(connection.client, "GET", 3), 3);
+  EXPECT_FALSE(link.gone());
+  char read_back[3];
+  ASSERT_EQ(::recv(connection.server, read_back, 3, MSG_WAITALL), 3);
+  ::close(connection.client);
+  connection.client = -1;
+  EXPECT_TRUE(link.gone());
+  EXPECT_TRUE(link.gone());  // and it stays gone
+  // Another connection's addresses, or none (not TCP): never taken for gone.
+  Loopback other;
+  ClientLink wrong(other.client_address, other.client_port + 1, other.server_port);
+  ::close(other.client);
+  other.client = -1;
+  EXPECT_FALSE(wrong.gone());
+  ClientLink none("", -1, -1);
+  EXPECT_FALSE(none.gone());
+}
+
+// A stream between two tokens (nothing to write, so no write can fail) ends once its client is
+// seen gone, well before its timeout.
+TEST(StreamedResponse, AClientThatLeavesWhileNothingIsWrittenEndsTheStream) {
+  CompletionRequest request;
+  request.endpoint = Endpoint::kCompletions;
+  request.stream = true;
+  Backend backend;
+  runtime::Histogram delay({1.0});
+  runtime::Counter failures;
+  std::vector<StreamedResponse::Choice> choices;
+  choices.push_back(
+      {std::make_shared<RequestChannel>(), event_of(sdk::EventKind::kDelta, "first", 1),
+       std::make_unique<TokenStream>(Endpoint::kCompletions, request, backend,
+                                     std::make_shared<Completion>(), 3, &delay, &failures)});
+  StreamedResponse response(Endpoint::kCompletions, std::move(choices), false);
+  Loopback connection;
+  ClientLink link = connection.link();
+  httplib::DataSink sink;
+  sink.write = [](const char*, size_t) { return true; };
+  std::thread leave([&] {
+    std::this_thread::sleep_for(std::chrono::milliseconds(100));
+    ::shutdown(connection.client, SHUT_RDWR);
+  });
+  const auto start = std::chrono::steady_clock::now();
+  EXPECT_FALSE(response.write(sink, std::chrono::seconds(60), link));
+  leave.join();
+  EXPECT_LT(std::chrono::steady_clock::now() - start, std::chrono::seconds(30));
+  EXPECT_TRUE(link.gone());
+  EXPECT_EQ(failures.value(), 0);  // seen, not a failed write
 }
 
 TEST(ConnectionThreads, HoldsAConnectionPerThreadUpToTheLimitThenQueues) {
