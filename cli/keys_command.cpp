@@ -30,8 +30,8 @@ Stage keys (CurveZMQ on every tcp:// socket; give each stage --curve-dir DIR):
                                public key stays allowed until `prune`: restart its replicas with
                                the new key, then prune. A new gateway key needs every stage and
                                client restarted with the new gateway.pub.
-  prune  --dir DIR --role R    allow only the current key of R on the hub (the gateway rereads
-                               stages.allow within a second)
+  prune  --dir DIR --role R    allow only the current key of R on the hub (the gateway reads
+                               stages.allow when it starts: restart it)
 
 Client API keys (the gateway's --api-keys FILE; reread within a second of a change):
   add    --file FILE --tenant NAME [--role user|operator] [--max-in-flight N]
@@ -168,7 +168,11 @@ int remove(int argc, char** argv) {
 }  // namespace
 
 int keys_command(int argc, char** argv) {
-  if (argc < 1 || std::strcmp(argv[0], "--help") == 0) {
+  // `moeline stack up --help` as well as `moeline stack --help`: the usage, and nothing run.
+  const bool help = std::any_of(argv, argv + argc, [](const char* arg) {
+    return std::strcmp(arg, "--help") == 0 || std::strcmp(arg, "-h") == 0;
+  });
+  if (argc < 1 || help) {
     std::cout << kUsage;
     return argc < 1 ? 2 : 0;
   }

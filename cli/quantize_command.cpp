@@ -15,7 +15,7 @@ constexpr const char* kUsage =
     R"(usage: moeline quantize --model DIR --type TYPE --out FILE.gguf
 
 Writes a Hugging Face checkpoint (Mixtral, OLMoE, Qwen2-MoE, Qwen3-MoE, DeepSeek-V2/V3, GLM-4.5;
-F32, BF16 or F16 safetensors) as a GGUF file laid out as llama.cpp's converter writes it, so
+F32, BF16 or F16 safetensors, or FP8 with block scales) as a GGUF file laid out as llama.cpp's converter writes it, so
 moeline and llama.cpp both read it: llama.cpp's tensor names and metadata, the tokenizer and chat
 template embedded.
 

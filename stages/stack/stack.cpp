@@ -10,6 +10,7 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cstring>
 #include <filesystem>
@@ -743,7 +744,11 @@ std::vector<int> free_loopback_ports(int count) {
 }
 
 int stack_command(int argc, char** argv) {
-  if (argc < 1 || std::strcmp(argv[0], "--help") == 0) {
+  // `moeline stack up --help` as well as `moeline stack --help`: the usage, and nothing run.
+  const bool help = std::any_of(argv, argv + argc, [](const char* arg) {
+    return std::strcmp(arg, "--help") == 0 || std::strcmp(arg, "-h") == 0;
+  });
+  if (argc < 1 || help) {
     std::cout << kUsage;
     return argc < 1 ? 2 : 0;
   }

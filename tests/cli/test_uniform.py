@@ -70,6 +70,11 @@ def main():
         usage = run(m, name, "--help")
         check(f"{name} --help: its usage, exit 0",
               usage.returncode == 0 and "usage:" in usage.stdout, usage.stderr[-200:])
+        if len(words) > 1:  # a subcommand's --help too, with nothing else it requires
+            sub_usage = run(m, *words, "--help")
+            check(f"{' '.join(words)} --help: its usage, exit 0",
+                  sub_usage.returncode == 0 and "usage:" in sub_usage.stdout,
+                  sub_usage.stderr[-200:])
         for bogus in ("--no-such-flag", "--no-such-flag=1"):
             out = run(m, *words, bogus)
             lines = error_lines(out)
