@@ -9,6 +9,8 @@
 #include <chrono>
 #include <ctime>
 #include <memory>
+#include <mutex>
+#include <optional>
 #include <string>
 #include <variant>
 #include <vector>
@@ -27,6 +29,7 @@
 #include "stages/http/token_stream.h"
 #include "stages/http/tokenize.h"
 #include "stages/http/tool_calls.h"
+#include "stages/runtime/api_keys.h"
 #include "stages/runtime/service.h"
 
 namespace moeline::stages {
@@ -82,6 +85,7 @@ class HttpFront {
     request_timeout_ =
         std::chrono::seconds(std::max<int64_t>(1, config.integer("request-timeout-s")));
     max_body_bytes_ = runtime::parse_bytes(config.text("max-body-bytes"));
+    if (!config.text("api-keys").empty()) api_keys_.emplace(config.text("api-keys"));
     for (std::string origin : runtime::parse_list(config.text("allowed-origins"))) {
       origin.erase(0, origin.find_first_not_of(' '));
       while (!origin.empty() && (origin.back() == '/' || origin.back() == ' ')) origin.pop_back();
@@ -205,6 +209,22 @@ class HttpFront {
     });
   }
 
+  // The endpoints answered here, without the gateway (which checks the keys of everything it
+  // serves): with --api-keys, a valid key too. A key's tenant and role do not matter here.
+  std::optional<ApiError> refuse_without_key(const httplib::Request& request) {
+    if (!api_keys_) return std::nullopt;
+    std::lock_guard lock(api_keys_mutex_);
+    if (auto error = api_keys_->reload_if_changed())
+      log_.warn("api_keys_reload", {{"error", *error}});
+    if (api_keys_->authenticate(bearer_key(request)) != nullptr) return std::nullopt;
+    ApiError error;
+    error.status = 401;
+    error.type = "authentication_error";
+    error.code = "invalid_api_key";
+    error.message = "a valid API key is required (Authorization: Bearer KEY)";
+    return error;
+  }
+
   void routes(httplib::Server& server) {
     cors(server);
     server.Get("/health", [this](const httplib::Request&, httplib::Response& response) {
@@ -213,7 +233,9 @@ class HttpFront {
       response.set_content(http::to_text(json{{"status", up ? "ok" : "gateway unreachable"}}),
                            "application/json");
     });
-    server.Get("/v1/models", [this](const httplib::Request&, httplib::Response& response) {
+    server.Get("/v1/models", [this](const httplib::Request& request, httplib::Response& response) {
+      if (auto error = refuse_without_key(request))
+        return respond_error("models", *error, response);
       json data = json::array();
       for (const Backend* backend : {&backends_.primary(), backends_.fallback()})
         if (backend != nullptr)
@@ -298,6 +320,7 @@ class HttpFront {
   template <class Parse, class Answer, class ModelOf>
   void answer_locally(const char* label, const httplib::Request& request,
                       httplib::Response& response, Parse parse, Answer answer, ModelOf model_of) {
+    if (auto error = refuse_without_key(request)) return respond_error(label, *error, response);
     auto parsed = parse(request.body);
     if (auto* error = std::get_if<ApiError>(&parsed)) return respond_error(label, *error, response);
     const auto& body = std::get<0>(parsed);
@@ -569,6 +592,8 @@ class HttpFront {
   int64_t created_ = 0;
   std::chrono::seconds request_timeout_{600};
   std::vector<std::string> allowed_origins_;
+  std::optional<runtime::ApiKeys> api_keys_;  // --api-keys: the local endpoints' check
+  std::mutex api_keys_mutex_;                 // ApiKeys is not thread-safe
   size_t max_body_bytes_ = 0;
   size_t threads_ = 1024;
   int64_t write_timeout_ms_ = 1000;
@@ -626,6 +651,9 @@ std::vector<runtime::ConfigKey> http_keys() {
                   "whose chat template thinks) is given out as the message's reasoning_content, "
                   "not in its content; none: answers as generated"});
   keys.push_back({"max-body-bytes", "8MiB", "largest request body accepted"});
+  keys.push_back({"api-keys", "",
+                  "the gateway's API keys file: /v1/models, /tokenize and /detokenize, answered "
+                  "here, then need a valid key too (the gateway checks every other request)"});
   keys.push_back({"allowed-origins", "",
                   "web origins whose pages may call the API from a browser (CORS), comma-separated "
                   "(https://app.example.com), or * for any; empty: none (browsers refuse "

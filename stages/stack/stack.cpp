@@ -524,6 +524,9 @@ int up(int argc, char** argv) {
     const std::string listen = config.text("http-bind") + ":" + std::to_string(port);
     std::vector<std::string> http_args = common;
     http_args.insert(http_args.end(), {"--gateway", endpoint, "--listen", listen});
+    if (!config.text("api-keys").empty())  // for what it answers itself (models, tokenize)
+      http_args.insert(http_args.end(),
+                       {"--api-keys", fs::absolute(config.text("api-keys")).string()});
     stages.push_back({"http", "http", http_args});
     access["http"] = "http://" + listen;
   }

@@ -793,7 +793,27 @@ def case_auth(args):
         status, body, _ = post(stack, "/v1/completions", request,
                                headers={"Authorization": f"bearer  {key}"})
         check(status == 200, f"'bearer' in lower case: {status} {body}")
-        print("ok auth: no key and a wrong key are 401; a valid key is served")
+        # What the HTTP stage answers itself needs the key too.
+        conn = connect(stack)
+        conn.request("GET", "/v1/models")
+        response = conn.getresponse()
+        models = json.loads(response.read())
+        conn.close()
+        check(response.status == 401 and models["error"]["code"] == "invalid_api_key",
+              f"/v1/models without a key: {response.status} {models}")
+        conn = connect(stack)
+        conn.request("GET", "/v1/models", headers={"Authorization": f"Bearer {key}"})
+        response = conn.getresponse()
+        models = json.loads(response.read())
+        conn.close()
+        check(response.status == 200 and models["data"], f"/v1/models with a key: {models}")
+        error_is(post(stack, "/tokenize", {"prompt": "a volcano"}), 401, code="invalid_api_key",
+                 what="/tokenize without a key")
+        status, body, _ = post(stack, "/tokenize", {"prompt": "a volcano"},
+                               headers={"Authorization": f"Bearer {key}"})
+        check(status == 200 and body.get("tokens"), f"/tokenize with a key: {status} {body}")
+        print("ok auth: no key and a wrong key are 401 (the stage's own /v1/models and /tokenize "
+              "too); a valid key is served")
 
         # A browser page of an allowed origin (--allowed-origins) may call the API; others not.
         def preflight(origin):

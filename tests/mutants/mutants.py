@@ -874,6 +874,27 @@ MUTANTS = [
          new="for (size_t i = static_cast<size_t>(thread); i < count; i += 2 * static_cast<size_t>(threads))",
          why="a decode step spread over threads leaves some streams' tokens from the step before",
          tests=r"^stack_parity$"),
+    dict(name="http-wait-ignores-a-gone-client", file="stages/http/events.cpp",
+         old="if (client && client->gone()) return std::nullopt;",
+         new="if (client && false) return std::nullopt;",
+         why="a request whose client left waits for its tokens, generated for nobody, up to the "
+             "request timeout",
+         tests=r"^stack_http_client_gone$"),
+    dict(name="http-stream-silence-not-checked", file="stages/http/token_stream.cpp",
+         old="if (gone) client_gone_ = stopped_ = true;",
+         new="if (gone && false) client_gone_ = stopped_ = true;",
+         why="a stream between two tokens does not see its client leave until a write fails",
+         tests=r"^(stack_http_client_gone|StreamedResponse\..*)$"),
+    dict(name="http-timeout-counts-the-whole-stream", file="stages/http/token_stream.cpp",
+         old="last_event_ = std::max(last_event_, arrived);",
+         new="(void)arrived;",
+         why="--request-timeout-s cuts a stream that keeps producing tokens",
+         tests=r"^stack_http_client_gone$"),
+    dict(name="parallel-tool-calls-ignored", file="stages/http/tool_calls.cpp",
+         old="if (parsed && !parallel && parsed->calls.size() > 1) parsed->calls.resize(1);",
+         new="(void)parallel;",
+         why="parallel_tool_calls: false still answers with several calls",
+         tests=r"^ToolCalls\."),
 ]
 
 KNOWN_SURVIVORS = []  # none today: a planted bug that survives gets its test (tests/README.md)
