@@ -238,15 +238,21 @@ class HttpFront {
         return respond_error("models", *error, response);
       json data = json::array();
       for (const Backend* backend : {&backends_.primary(), backends_.fallback()})
-        if (backend != nullptr)
-          data.push_back({{"id", backend->name},
-                          {"object", "model"},
-                          {"created", created_},
-                          {"owned_by", "moeline"},
-                          {"max_model_len", backend->context}});
+        if (backend != nullptr) data.push_back(model_object(*backend));
       response.set_content(http::to_text(json{{"object", "list"}, {"data", data}}),
                            "application/json");
     });
+    // One model by its id (the SDKs' models.retrieve); ids may hold slashes ("org/name").
+    server.Get(R"(/v1/models/(.+))",
+               [this](const httplib::Request& request, httplib::Response& response) {
+                 if (auto error = refuse_without_key(request))
+                   return respond_error("models", *error, response);
+                 const std::string id = request.matches[1];
+                 const Backend* backend = backends_.find(id);
+                 if (id.empty() || backend == nullptr)
+                   return respond_error("models", unknown_model(id), response);
+                 response.set_content(http::to_text(model_object(*backend)), "application/json");
+               });
     // vLLM's tokenizer endpoints: answered here, from the model folder (stages/http/tokenize.h).
     server.Post("/tokenize", [this](const httplib::Request& request, httplib::Response& response) {
       answer_locally("tokenize", request, response, http::parse_tokenize, http::tokenize,
@@ -331,6 +337,14 @@ class HttpFront {
       return respond_error(label, *error, response);
     response.set_content(http::to_text(std::get<json>(answered)), "application/json");
     count(label, 200);
+  }
+
+  json model_object(const Backend& backend) const {
+    return {{"id", backend.name},
+            {"object", "model"},
+            {"created", created_},
+            {"owned_by", "moeline"},
+            {"max_model_len", backend.context}};
   }
 
   ApiError unknown_model(const std::string& model) {

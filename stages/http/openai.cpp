@@ -176,6 +176,8 @@ std::optional<ApiError> read_messages(const json& body, std::vector<tokenizer::C
       return bad(at + ".role", "each message needs a 'role' (a string)");
     std::string role = message["role"].get<std::string>();
     if (role == "developer") role = "system";  // OpenAI's newer name for the system role
+    if (role == "function")
+      return unsupported(at + ".role", "the deprecated 'function' role (use 'tool' messages)");
     if (role != "system" && role != "user" && role != "assistant" && role != "tool")
       return bad(at + ".role", "unknown role '" + role + "'");
     // Content null or absent (an assistant turn that only calls tools) reaches the template as
@@ -424,10 +426,13 @@ std::optional<ApiError> read_sampling(const json& body, CompletionRequest& out) 
   if (max_tokens) out.max_tokens = max_tokens;
   if (auto error = read_number(body, "temperature", 0.0, 2.0, out.temperature)) return error;
   if (auto error = read_number(body, "top_p", 0.0, 1.0, out.top_p)) return error;
-  if (out.top_p <= 0) return bad("top_p", "'top_p' must be greater than 0");
   std::optional<int64_t> top_k;
   if (auto error = read_integer(body, "top_k", -1, top_k)) return error;
   out.top_k = top_k && *top_k > 0 ? *top_k : 0;  // -1 and 0: no top-k (vLLM's convention)
+  if (out.top_p <= 0) {  // OpenAI takes 0: the smallest nucleus, the most likely token alone
+    out.top_p = 1.0;
+    out.top_k = 1;
+  }
   if (body.contains("seed") && !body["seed"].is_null()) {
     if (!body["seed"].is_number_integer()) return wrong_type("seed", body["seed"], "an integer");
     out.seed = body["seed"].is_number_unsigned()
@@ -496,7 +501,11 @@ std::optional<ApiError> read_response_format(const json& body, const std::string
     return bad("response_format.json_schema",
                "'response_format.json_schema' must be an object with the schema in 'schema'");
   const json& spec = format["json_schema"];
-  if (!spec.contains("schema") || !(spec["schema"].is_object() || spec["schema"].is_boolean()))
+  if (!present(spec, "schema")) {  // optional in OpenAI's API: a JSON object, as json_object
+    out.structured = sdk::StructuredOutput::kJsonObject;
+    return std::nullopt;
+  }
+  if (!(spec["schema"].is_object() || spec["schema"].is_boolean()))
     return bad("response_format.json_schema.schema",
                "'response_format.json_schema.schema' must be a JSON Schema (an object)");
   const auto ordered = nlohmann::ordered_json::parse(text, nullptr, /*allow_exceptions=*/false);

@@ -173,6 +173,16 @@ def case_api(args):
         models = json.loads(response.read())
         check(response.status == 200 and models["object"] == "list" and
               [m["id"] for m in models["data"]] == [name], f"/v1/models: {models}")
+        # One model by its id (openai's models.retrieve); another id is a 404.
+        conn.request("GET", f"/v1/models/{name}")
+        response = conn.getresponse()
+        one = json.loads(response.read())
+        check(response.status == 200 and one == models["data"][0], f"/v1/models/{name}: {one}")
+        conn.request("GET", "/v1/models/gpt-4")
+        response = conn.getresponse()
+        other = json.loads(response.read())
+        check(response.status == 404 and other["error"]["code"] == "model_not_found",
+              f"/v1/models/gpt-4: {response.status} {other}")
         conn.request("GET", "/health")
         response = conn.getresponse()
         response.read()
@@ -313,6 +323,9 @@ def case_api(args):
         error_is(post(stack, "/v1/chat/completions",
                       {"messages": [{"role": "wizard", "content": "x"}]}), 400,
                  "messages[0].role", what="unknown role")
+        error_is(post(stack, "/v1/chat/completions",
+                      {"messages": [{"role": "function", "name": "f", "content": "x"}]}), 400,
+                 "messages[0].role", "unsupported_parameter", what="the deprecated function role")
         error_is(post(stack, "/v1/completions", {"prompt": "x", "max_tokens": "ten"}), 400,
                  "max_tokens", what="max_tokens a string")
         error_is(post(stack, "/v1/completions", {"prompt": "x", "max_tokens": 2**70}), 400,

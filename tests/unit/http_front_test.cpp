@@ -206,6 +206,16 @@ TEST(OpenAiRequest, DefaultsAreOpenAis) {
   EXPECT_DOUBLE_EQ(r.temperature, 1.0);
   EXPECT_DOUBLE_EQ(r.top_p, 1.0);
   EXPECT_FALSE(r.stream);
+  // top_p 0, which OpenAI takes: the most likely token alone.
+  const CompletionRequest nucleus_of_one =
+      request_of(Endpoint::kCompletions, R"({"prompt": "p", "top_p": 0, "top_k": 7})");
+  EXPECT_EQ(nucleus_of_one.top_k, 1);
+  EXPECT_DOUBLE_EQ(nucleus_of_one.top_p, 1.0);
+  // json_schema without its (optional) schema: a JSON object, as json_object.
+  EXPECT_EQ(request_of(Endpoint::kChat, R"({"messages": [{"role": "user", "content": "x"}],
+      "response_format": {"type": "json_schema", "json_schema": {"name": "n"}}})")
+                .structured,
+            sdk::StructuredOutput::kJsonObject);
   EXPECT_EQ(request_of(Endpoint::kCompletions, R"({"prompt": [1, 2, 3]})").prompt_tokens,
             (std::vector<int32_t>{1, 2, 3}));
   EXPECT_EQ(request_of(Endpoint::kCompletions, R"({"prompt": ["one"]})").prompt, "one");
@@ -352,7 +362,7 @@ TEST(OpenAiRequest, WrongTypesAndValuesNameTheirParameter) {
        "max_tokens"},
       {Endpoint::kCompletions, R"({"prompt": "p", "temperature": -1})", "temperature"},
       {Endpoint::kCompletions, R"({"prompt": "p", "temperature": "hot"})", "temperature"},
-      {Endpoint::kCompletions, R"({"prompt": "p", "top_p": 0})", "top_p"},
+      {Endpoint::kCompletions, R"({"prompt": "p", "top_p": -0.1})", "top_p"},
       {Endpoint::kCompletions, R"({"prompt": "p", "seed": "s"})", "seed"},
       {Endpoint::kCompletions, R"({"prompt": "p", "stop": [1]})", "stop"},
       {Endpoint::kCompletions, R"({"prompt": "p", "stop": ["a","b","c","d","e"]})", "stop"},
@@ -415,7 +425,7 @@ TEST(OpenAiRequest, WrongTypesAndValuesNameTheirParameter) {
        "response_format.json_schema"},
       {Endpoint::kChat,
        R"({"messages": [{"role": "user"}], "response_format": {"type": "json_schema",
-           "json_schema": {"name": "n"}}})",
+           "json_schema": {"name": "n", "schema": 3}}})",
        "response_format.json_schema.schema"},
       {Endpoint::kChat,
        R"({"messages": [{"role": "user"}], "response_format": {"type": "json_schema",
