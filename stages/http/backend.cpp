@@ -231,13 +231,19 @@ Attempt Backends::begin(const CompletionRequest& request, const std::string& api
 
 Attempt Backends::start(const CompletionRequest& request, const std::string& api_key,
                         Backend& backend, Clock::time_point received, Clock::time_point deadline,
-                        ClientLink& client) {
+                        ClientLink& client, Clock::time_point answer_by) {
   const bool may_fall_back = fallback_ && &backend == primary_.get();
-  const auto first_by = may_fall_back && fallback_ttft_.count() > 0
-                            ? std::min(deadline, received + fallback_ttft_)
-                            : deadline;
-  Attempt attempt = begin(request, api_key, backend, first_by, client);
-  if (!may_fall_back || attempt.refused || (!attempt.first && client.gone())) return attempt;
+  const bool slow_falls_back = may_fall_back && fallback_ttft_.count() > 0;
+  const auto first_by = slow_falls_back ? std::min(deadline, received + fallback_ttft_) : deadline;
+  // The fallback's decision comes first: a request is not answered before it is taken.
+  if (slow_falls_back) answer_by = std::max(answer_by, first_by);
+  Attempt attempt = begin(request, api_key, backend, std::min(first_by, answer_by), client);
+  if (attempt.refused || (!attempt.first && client.gone())) return attempt;
+  if (!attempt.first && Clock::now() < first_by) {
+    attempt.pending = true;
+    return attempt;
+  }
+  if (!may_fall_back) return attempt;
   const char* reason = nullptr;
   if (!attempt.first) {
     reason = "slow_first_token";

@@ -72,6 +72,9 @@ struct Attempt {
   uint32_t prompt_tokens = 0;
   std::optional<ApiError> refused;  // the request could not be built for this backend
   ReasoningStart reasoning = ReasoningStart::kOff;
+  // No first event by start()'s `answer_by`, the request still running: the caller answers
+  // without it (a stream's head, then its tokens as they come).
+  bool pending = false;
 };
 
 // The gateways one HTTP replica sends requests to: the primary model's (--gateway, --model), and
@@ -90,9 +93,11 @@ class Backends {
   // Sends the request to `backend` and waits for its first event; a request to the primary that
   // it refuses as Overloaded, or leaves without a first token past --fallback-ttft-ms (then
   // cancelled), goes to the fallback instead (counted by why). No first event and `client` gone:
-  // the caller cancels.
+  // the caller cancels. No first event by `answer_by` (after any fallback decision) and the
+  // request still within `deadline`: returned pending.
   Attempt start(const CompletionRequest& request, const std::string& api_key, Backend& backend,
-                Clock::time_point received, Clock::time_point deadline, ClientLink& client);
+                Clock::time_point received, Clock::time_point deadline, ClientLink& client,
+                Clock::time_point answer_by = Clock::time_point::max());
   // Sends the request to `backend` without waiting for its first event (first stays empty): a
   // further choice of a request whose first choice start() placed there.
   Attempt submit(const CompletionRequest& request, const std::string& api_key, Backend& backend);

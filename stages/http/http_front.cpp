@@ -84,6 +84,10 @@ class HttpFront {
       : service_(service), log_(service.log), backends_(config, service) {
     request_timeout_ =
         std::chrono::seconds(std::max<int64_t>(1, config.integer("request-timeout-s")));
+    const double stream_head_s = config.number("stream-head-s");
+    if (!(stream_head_s >= 0 && stream_head_s <= 3600))
+      throw runtime::ConfigError("--stream-head-s must be 0 to 3600");
+    stream_head_ = std::chrono::milliseconds(static_cast<int64_t>(stream_head_s * 1000));
     max_body_bytes_ = runtime::parse_bytes(config.text("max-body-bytes"));
     if (!config.text("api-keys").empty()) api_keys_.emplace(config.text("api-keys"));
     for (std::string origin : runtime::parse_list(config.text("allowed-origins"))) {
@@ -375,7 +379,7 @@ class HttpFront {
   // A choice on its way: its request's events, the first of them, its prompt's length.
   struct Started {
     std::shared_ptr<http::RequestChannel> channel;
-    sdk::Event first;
+    std::optional<sdk::Event> first;  // none yet: a stream's head went out before it
     uint32_t prompt_tokens = 0;
     http::ReasoningStart reasoning = http::ReasoningStart::kOff;
   };
@@ -432,9 +436,15 @@ class HttpFront {
     http::ClientLink client(request);
     in_flight_->add(1);
     // Wait for the first token (or an error) before answering: an early error gets its own
-    // status instead of a 200 that carries it in the stream.
-    http::Attempt attempt = backends_.start(choice_request(api_request, 0), api_key, *backend,
-                                            received, received + request_timeout_, client);
+    // status instead of a 200 that carries it in the stream. A stream of one choice waits up to
+    // --stream-head-s: then its head goes out and keep-alive comments until the first token, so
+    // that a proxy does not cut a long prefill.
+    const bool head_early = api_request.stream && endpoint != Endpoint::kGenerate &&
+                            api_request.n * api_request.prompt_count() == 1 &&
+                            stream_head_.count() > 0;
+    http::Attempt attempt = backends_.start(
+        choice_request(api_request, 0), api_key, *backend, received, received + request_timeout_,
+        client, head_early ? received + stream_head_ : Clock::time_point::max());
     if (attempt.refused) {
       in_flight_->add(-1);
       return respond_error(endpoint, *attempt.refused, response);
@@ -442,6 +452,13 @@ class HttpFront {
     http::GatewayBridge* bridge = attempt.backend->bridge.get();
     std::optional<sdk::Event>& first = attempt.first;
     const uint32_t prompt_tokens = attempt.prompt_tokens;
+    if (attempt.pending) {
+      std::vector<Started> started;
+      started.push_back({attempt.channel, std::nullopt, prompt_tokens, attempt.reasoning});
+      return stream(endpoint, api_request, *attempt.backend, std::move(started),
+                    completion_base(endpoint, attempt, *backend), response, std::move(client),
+                    received);
+    }
     if (!first) {
       bridge->cancel(attempt.channel);
       in_flight_->add(-1);
@@ -465,11 +482,7 @@ class HttpFront {
       return respond_error(endpoint, *error, response);
     }
 
-    http::Completion base;
-    base.id = http::new_completion_id(endpoint);
-    base.created = static_cast<int64_t>(std::time(nullptr));
-    base.model = attempt.backend->name;
-    base.fallback = attempt.backend == backends_.fallback() && backend == &backends_.primary();
+    const http::Completion base = completion_base(endpoint, attempt, *backend);
     if (api_request.stream && endpoint != Endpoint::kGenerate)
       return stream(endpoint, api_request, *attempt.backend, std::move(started), base, response,
                     std::move(client));
@@ -497,6 +510,18 @@ class HttpFront {
     count(endpoint, 200);
   }
 
+  // What every choice of the response shares: its id, time and model (the fallback's where it
+  // served the request asked of `asked`).
+  http::Completion completion_base(Endpoint endpoint, const http::Attempt& attempt,
+                                   const Backend& asked) {
+    http::Completion base;
+    base.id = http::new_completion_id(endpoint);
+    base.created = static_cast<int64_t>(std::time(nullptr));
+    base.model = attempt.backend->name;
+    base.fallback = attempt.backend == backends_.fallback() && &asked == &backends_.primary();
+    return base;
+  }
+
   // One choice (`api_request` is the choice's: its own prompt), not streamed: its events up to the
   // end (a stop string, a silence past the request timeout or the client's leaving cancels the
   // rest).
@@ -508,7 +533,7 @@ class HttpFront {
     http::StopMatcher stops(api_request.stop);
     Outcome outcome;
     outcome.usage.prompt_tokens = started.prompt_tokens;
-    bool over = http::absorb(started.first, stops, outcome, outcome.text);
+    bool over = http::absorb(*started.first, stops, outcome, outcome.text);
     while (!over) {
       uint32_t ignored = 0;
       std::optional<sdk::Event> event =
@@ -564,9 +589,12 @@ class HttpFront {
     return completion;
   }
 
+  // `received`: where the stream's head went out before its first token, when the request came
+  // (its time to first token is observed when that token arrives).
   void stream(Endpoint endpoint, const CompletionRequest& api_request, const Backend& backend,
               std::vector<Started> started, const http::Completion& base,
-              httplib::Response& response, http::ClientLink client) {
+              httplib::Response& response, http::ClientLink client,
+              std::optional<Clock::time_point> received = std::nullopt) {
     count(endpoint, 200);
     response.set_header("Cache-Control", "no-cache");
     std::vector<http::StreamedResponse::Choice> choices;
@@ -581,13 +609,20 @@ class HttpFront {
     }
     auto streamed = std::make_shared<http::StreamedResponse>(
         endpoint, std::move(choices), api_request.include_usage, api_request.n);
+    if (received)
+      streamed->on_first_event([this, at = *received] {
+        ttft_->observe(std::chrono::duration<double>(Clock::now() - at).count());
+      });
     http::GatewayBridge* bridge = backend.bridge.get();
     auto link = std::make_shared<http::ClientLink>(std::move(client));
     response.set_chunked_content_provider(
         "text/event-stream",
         [this, streamed, link](size_t, httplib::DataSink& sink) {
           // A client that went away: false, and the releaser cancels the requests.
-          if (!streamed->write(sink, request_timeout_, *link)) {
+          // Keep-alive comments as often as the head goes out early (the proxy's patience).
+          const auto keep_alive =
+              stream_head_.count() > 0 ? stream_head_ : std::chrono::milliseconds(10000);
+          if (!streamed->write(sink, request_timeout_, *link, keep_alive)) {
             if (link->gone()) client_disconnects_->inc();
             return false;
           }
@@ -605,6 +640,7 @@ class HttpFront {
   http::Backends backends_;
   int64_t created_ = 0;
   std::chrono::seconds request_timeout_{600};
+  std::chrono::milliseconds stream_head_{10000};
   std::vector<std::string> allowed_origins_;
   std::optional<runtime::ApiKeys> api_keys_;  // --api-keys: the local endpoints' check
   std::mutex api_keys_mutex_;                 // ApiKeys is not thread-safe
@@ -645,6 +681,11 @@ std::vector<runtime::ConfigKey> http_keys() {
   keys.push_back({"request-timeout-s", "600",
                   "a request that waits this long for its first token, or for any next one, "
                   "ends with a 504 (a request that keeps producing tokens is never cut by it)"});
+  keys.push_back({"stream-head-s", "10",
+                  "a streamed request with no first token this long gets its response's head "
+                  "(200), and a stream silent this long a keep-alive comment, so that a proxy "
+                  "does not cut a long prefill; an error after the head comes as the stream's "
+                  "error event (0: the head waits for the first token; comments every 10 s)"});
   keys.push_back({"max-request-s", "3600",
                   "the longest a request may run in all (its deadline at the gateway, which caps "
                   "it at its own --max-deadline-ms)"});

@@ -163,6 +163,10 @@ bool StreamedResponse::deliver(size_t i, const sdk::Event& event, Clock::time_po
                                httplib::DataSink& sink) {
   if (stopped_ || ended_[i]) return false;
   last_event_ = std::max(last_event_, arrived);
+  if (on_first_event_ && event.kind != sdk::EventKind::kAccepted) {
+    on_first_event_();
+    on_first_event_ = nullptr;
+  }
   TokenStream& tokens = *choices_[i].tokens;
   if (tokens.on_event(event, arrived, sink)) return true;
   ended_[i] = true;
@@ -176,14 +180,14 @@ bool StreamedResponse::deliver(size_t i, const sdk::Event& event, Clock::time_po
 }
 
 bool StreamedResponse::write(httplib::DataSink& sink, std::chrono::milliseconds idle_timeout,
-                             ClientLink& client) {
+                             ClientLink& client, std::chrono::milliseconds keep_alive) {
   // A consumer runs holding its channel's lock and then takes mutex_: so mutex_ is never held
   // here while a channel's lock is taken (attach, and the detaching wait_consumed).
   for (size_t i = 0; i < choices_.size(); ++i) {
-    bool more = false;
-    {
+    bool more = true;
+    if (choices_[i].first) {
       std::lock_guard lock(mutex_);
-      more = deliver(i, choices_[i].first, Clock::now(), sink);
+      more = deliver(i, *choices_[i].first, Clock::now(), sink);
     }
     if (more)
       choices_[i].channel->attach([this, i, &sink](const sdk::Event& event, Clock::time_point at) {
@@ -210,6 +214,11 @@ bool StreamedResponse::write(httplib::DataSink& sink, std::chrono::milliseconds 
       Clock::time_point last_write = Clock::time_point::min();
       for (const Choice& choice : choices_)
         last_write = std::max(last_write, choice.tokens->last_write());
+      if (Clock::now() - last_write >= keep_alive &&
+          !choices_.front().tokens->send(sink, ": keep-alive\n\n")) {
+        stopped_ = true;  // the failed write marked the client gone
+        break;
+      }
       if (Clock::now() - last_write < ClientLink::kCheckInterval) continue;
       lock.unlock();
       const bool gone = client.gone();

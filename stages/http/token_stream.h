@@ -8,6 +8,7 @@
 #include <chrono>
 #include <condition_variable>
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <mutex>
 #include <optional>
@@ -95,9 +96,10 @@ class StreamedResponse {
   using Clock = std::chrono::steady_clock;
   struct Choice {
     std::shared_ptr<RequestChannel> channel;
-    sdk::Event first;
+    std::optional<sdk::Event> first;  // none yet: the stream began before its first token
     std::unique_ptr<TokenStream> tokens;
   };
+
   // `n`: choices per prompt (choice i answers prompt i / n), for the usage.
   StreamedResponse(Endpoint endpoint, std::vector<Choice> choices, bool include_usage,
                    int64_t n = 1);
@@ -105,10 +107,16 @@ class StreamedResponse {
   // Writes the response to `sink`, the first events on this thread and the rest on the bridge's
   // as they arrive; false when the client went away (a failed write, or `client` seen gone).
   // `idle_timeout`: the longest wait for an event of any choice (a stream that keeps producing is
-  // never cut for its length).
-  bool write(httplib::DataSink& sink, std::chrono::milliseconds idle_timeout, ClientLink& client);
+  // never cut for its length). A stream with nothing written for `keep_alive` writes an SSE
+  // comment (": keep-alive"), which clients skip and proxies count as traffic (nginx and cloud
+  // load balancers cut a connection idle for 60 s by default).
+  bool write(httplib::DataSink& sink, std::chrono::milliseconds idle_timeout, ClientLink& client,
+             std::chrono::milliseconds keep_alive = std::chrono::seconds(10));
   // The choices' requests the pipeline has not ended (to cancel).
   std::vector<std::shared_ptr<RequestChannel>> unfinished() const;
+  // Called once, on the first event of any choice (with the response's lock held): for a stream
+  // that began before its first token, the time to first token.
+  void on_first_event(std::function<void()> callback) { on_first_event_ = std::move(callback); }
 
  private:
   // With mutex_ held: one event of choice i; false once the choice is over or the response is.
@@ -127,6 +135,7 @@ class StreamedResponse {
   size_t open_ = 0;
   bool stopped_ = false;      // a choice failed or the client went away: nothing more is written
   bool client_gone_ = false;  // seen gone while waiting (not by a failed write)
+  std::function<void()> on_first_event_;
   Clock::time_point last_event_ = Clock::now();
 };
 

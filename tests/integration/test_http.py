@@ -33,7 +33,9 @@ Cases (--case, one per CTest entry):
   client_gone  a client that closes its connection while nothing is being written to it (a
         request waiting for its first token, a whole answer not streamed, a stream between two
         tokens) has its request cancelled in the pipeline within a second or so, counted as a 499;
-        --request-timeout-s bounds the silence between tokens, not a stream's length.
+        --request-timeout-s bounds the silence between tokens, not a stream's length; a stream
+        whose first token is slow gets its head after --stream-head-s and keep-alive comments
+        until the token comes.
 """
 
 import http.client
@@ -93,7 +95,8 @@ def stream(stack, path, body):
     events, done = [], False
     for line in response.read().decode().split("\n"):
         if not line.startswith("data: "):
-            check(line == "", f"unexpected stream line {line!r}")
+            # SSE comments (keep-alives) are skipped, as every client does.
+            check(line == "" or line.startswith(":"), f"unexpected stream line {line!r}")
             continue
         data = line[len("data: "):]
         if data == "[DONE]":
@@ -1177,7 +1180,7 @@ def case_client_gone(args):
     are cancelled long before --request-timeout-s (3 s here) would end them; a stream slowed to
     longer than that timeout, but never silent for as long, completes."""
     timeout_s = 3
-    config = {"http": {"request-timeout-s": timeout_s}}
+    config = {"http": {"request-timeout-s": timeout_s, "stream-head-s": 1}}
     with Stack(args.moeline, args.model, os.path.join(args.workdir, "gone"), http_port=0,
                config=config) as stack:
         def disconnects():
@@ -1267,6 +1270,40 @@ def case_client_gone(args):
             os.kill(pid, signal.SIGCONT)
         check(b"timeout_error" in received,
               f"a stream silent past the timeout ends with its error: {received[-300:]}")
+        # A slow first token (prefill stopped): the head after --stream-head-s (1 s), keep-alive
+        # comments while it waits, then the stream as usual.
+        pid = stack.kill("prefill-0", signal.SIGSTOP)
+        try:
+            sock = send_raw(stack, {"prompt": prompt + [18], "max_tokens": 16, "ignore_eos": True,
+                                    "temperature": 0, "stream": True})
+            sock.settimeout(10)
+            waited = time.time()
+            head = b""
+            while b"\r\n\r\n" not in head:
+                data = sock.recv(4096)
+                check(data, "the connection closed before the stream's head")
+                head += data
+            head_s = time.time() - waited
+            check(b" 200 " in head.split(b"\r\n")[0] and b"data: " not in head,
+                  f"the head before any token: {head[:300]}")
+            body = head.split(b"\r\n\r\n", 1)[1]
+            while b": keep-alive" not in body:
+                data = sock.recv(4096)
+                check(data, "the connection closed before a keep-alive")
+                body += data
+            check(b"data: " not in body, f"a keep-alive, still no token: {body[:300]}")
+        finally:
+            os.kill(pid, signal.SIGCONT)
+        while b"data: [DONE]" not in body:
+            data = sock.recv(65536)
+            if not data:
+                break
+            body += data
+        sock.close()
+        check(b"data: [DONE]" in body and b'"finish_reason":"length"' in body,
+              f"the stream goes on once its first token comes: {body[-300:]}")
+        print(f"ok client_gone: a stream waiting for its first token got its head after "
+              f"{head_s:.1f} s and keep-alive comments, then its tokens")
         print(f"ok client_gone: a stream slowed to {result['took']:.1f} s by pauses of 0.6 s "
               f"completes under a {timeout_s} s timeout; one silent past it ends with "
               f"timeout_error")
