@@ -11,7 +11,15 @@ void RequestChannel::push(sdk::Event event) {
   {
     std::lock_guard lock(mutex_);
     if (consumer_) {
-      if (consumed_ || consumer_(event, Clock::now())) return;
+      if (consumed_) return;
+      bool more = false;
+      try {
+        more = consumer_(event, Clock::now());
+      } catch (const std::exception&) {
+        // The consumer's response is over (StreamedResponse ends it with an error itself); the
+        // bridge thread goes on with every other request.
+      }
+      if (more) return;
       consumed_ = true;
     } else {
       events_.emplace_back(std::move(event), Clock::now());

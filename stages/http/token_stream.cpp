@@ -124,6 +124,11 @@ void TokenStream::time_out() {
     outcome_.error = ApiError{504, "the request timed out", "timeout_error", "", ""};
 }
 
+void TokenStream::fail(const std::string& what) {
+  if (!outcome_.error)
+    outcome_.error = ApiError{500, "internal error: " + what, "server_error", "", ""};
+}
+
 void TokenStream::finish_choice(httplib::DataSink& sink) {
   completion_->usage = outcome_.usage;
   completion_->usage.completion_tokens = score_only_ ? 0 : outcome_.completion_tokens;
@@ -168,13 +173,24 @@ bool StreamedResponse::deliver(size_t i, const sdk::Event& event, Clock::time_po
     on_first_event_ = nullptr;
   }
   TokenStream& tokens = *choices_[i].tokens;
-  if (tokens.on_event(event, arrived, sink)) return true;
-  ended_[i] = true;
-  --open_;
-  if (tokens.error() || tokens.client_gone())
+  // Runs on the gateway bridge's thread for every stream: what goes wrong in one response ends
+  // that response (an error event), never the bridge and the other streams with it.
+  try {
+    if (tokens.on_event(event, arrived, sink)) return true;
+    ended_[i] = true;
+    --open_;
+    if (tokens.error() || tokens.client_gone())
+      stopped_ = true;
+    else
+      tokens.finish_choice(sink);
+  } catch (const std::exception& e) {
+    if (!ended_[i]) {
+      ended_[i] = true;
+      --open_;
+    }
+    tokens.fail(e.what());
     stopped_ = true;
-  else
-    tokens.finish_choice(sink);
+  }
   changed_.notify_all();
   return false;
 }

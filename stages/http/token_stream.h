@@ -43,6 +43,8 @@ class TokenStream {
   bool on_event(const sdk::Event& event, Clock::time_point arrived, httplib::DataSink& sink);
   // No event within the request's timeout: the stream ends with a 504 error object.
   void time_out();
+  // Writing the choice failed here (a bug, not the client): it ends with a 500 error object.
+  void fail(const std::string& what);
   // The choice is over without an error: its usage and timings into the completion, the text
   // held back for reasoning and tool calls (as reasoning, calls, or as text if it is none), and
   // its finish chunk.

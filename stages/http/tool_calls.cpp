@@ -139,7 +139,10 @@ std::optional<ToolCallOutput> parse_glm45_tool_calls(const std::string& text,
       if (at != std::string_view::npos && body.compare(at, kKeyOpen.size(), kKeyOpen) != 0)
         return std::nullopt;
     }
-    return ToolCallOut{random_id("call_"), name, arguments.dump()};
+    // A model's text is not always valid UTF-8 (a byte token alone): replaced, as in every other
+    // text of a response, rather than thrown on.
+    return ToolCallOut{random_id("call_"), name,
+                       arguments.dump(-1, ' ', false, nlohmann::json::error_handler_t::replace)};
   });
 }
 

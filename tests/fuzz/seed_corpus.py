@@ -96,6 +96,41 @@ def main():
                            ("general.alignment", gguf.U32, 32),
                            ("a", gguf.ARRAY, (gguf.ARRAY, [(gguf.I32, [1, 2])]))], tensors)
     write("records", "quality", b"\x03" + struct.pack("<i?f", 3, True, 0.01))
+    openai_seeds()
+
+
+def openai_seeds():
+    """Request bodies of each endpoint and answers in pieces (fuzz_openai.cpp's layout)."""
+    def framed(flags, body, *pieces):
+        out = bytes([flags])
+        for part in (body, *pieces):
+            data = part.encode()
+            out += struct.pack("<H", len(data)) + data
+        return out
+
+    tool = {"type": "function", "function": {"name": "get_weather", "parameters": {
+        "type": "object", "properties": {"city": {"type": "string"}, "days": {"type": "integer"}}}}}
+    chat = json.dumps({"model": "m", "messages": [
+        {"role": "system", "content": "be brief"},
+        {"role": "user", "content": [{"type": "text", "text": "weather?"}]},
+        {"role": "assistant", "content": None, "tool_calls": [{"id": "c1", "type": "function",
+            "function": {"name": "get_weather", "arguments": "{\"city\": \"Paris\"}"}}]},
+        {"role": "tool", "tool_call_id": "c1", "content": "sunny"}],
+        "tools": [tool], "tool_choice": "auto", "stream": True,
+        "stream_options": {"include_usage": True}, "stop": ["END"], "logprobs": True,
+        "top_logprobs": 2, "response_format": {"type": "json_object"}, "seed": 1, "n": 2})
+    write("openai", "chat-hermes", framed(0, chat, "<think>\nhm</thi", "nk>\n\n<tool_",
+                                          "call>\n{\"name\": \"get_weather\", \"argu",
+                                          "ments\": {\"city\": \"Paris\"}}\n</tool_call>"))
+    write("openai", "chat-glm", framed(4 | 16, chat, "Sure.<tool_call>get_weather\n<arg_key>",
+                                       "days</arg_key><arg_value>3</arg_value></tool_call>"))
+    completion = json.dumps({"prompt": ["a", "b"], "max_tokens": 8, "echo": True, "logprobs": 3,
+                             "logit_bias": {"5": -100}, "best_of": 2, "n": 2, "top_p": 0.9,
+                             "response_format": {"type": "json_schema", "json_schema": {
+                                 "name": "n", "schema": {"type": "object"}}}})
+    write("openai", "completion", framed(1, completion, "some text", " END more"))
+    write("openai", "generate", framed(2, json.dumps({"prompt": "x", "max_tokens": 4}), "y"))
+    write("openai", "tokenize", framed(3, json.dumps({"prompt": "x", "tokens": [1, 2]})))
 
 
 if __name__ == "__main__":

@@ -622,6 +622,14 @@ TEST(ToolCalls, Glm45BlocksAreReadAsCallsWithTheSchemasTypes) {
   const std::string tools = R"([{"type": "function", "function": {"name": "get_weather",
       "parameters": {"type": "object", "properties": {"city": {"type": "string"},
       "days": {"type": "integer"}, "zip": {"type": "string"}}}}}])";
+  // A value that is not valid UTF-8 (a model's byte token alone, found by fuzz_openai): its bad
+  // byte replaced, as everywhere else in a response, not thrown on (which, streamed, took down
+  // the gateway bridge and every other stream with it).
+  const auto bad_bytes = parse_glm45_tool_calls(
+      "<tool_call>get_weather\n<arg_key>city</arg_key><arg_value>Par\xd4is</arg_value></tool_call>",
+      tools);
+  ASSERT_TRUE(bad_bytes.has_value());
+  EXPECT_EQ(bad_bytes->calls.at(0).arguments, "{\"city\":\"Par\xef\xbf\xbdis\"}");
   const auto one = parse_glm45_tool_calls(
       "Checking.\n<tool_call>get_weather\n<arg_key>city</arg_key>\n<arg_value>Paris</arg_value>\n"
       "<arg_key>days</arg_key>\n<arg_value>2</arg_value>\n<arg_key>zip</arg_key>\n"

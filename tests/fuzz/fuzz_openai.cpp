@@ -1,0 +1,59 @@
+// What the HTTP front reads from the network and from a model: any request body parses to a
+// request or an OpenAI error object, and any answer, in any pieces, splits into reasoning,
+// content, stop strings and tool calls, without a crash, an endless loop or a deep recursion.
+// The input: a flags byte (bits 0-1: the endpoint, 3 for vLLM's /tokenize and /detokenize; bit 2:
+// GLM-4.5's call format instead of Hermes'; bit 3: a prompt that opened the reasoning block;
+// bit 4: at most one call), then frames (fuzz.h): the body, then pieces of an answer.
+#include <string>
+#include <variant>
+#include <vector>
+
+#include "fuzz.h"
+#include "stages/http/openai.h"
+#include "stages/http/reasoning.h"
+#include "stages/http/stop_matcher.h"
+#include "stages/http/tool_calls.h"
+
+extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
+  using namespace moeline::stages::http;
+  if (size == 0) return 0;
+  const uint8_t flags = data[0];
+  const auto parts = moeline::fuzz::frames(data + 1, size - 1);
+  if (parts.empty()) return 0;
+  const std::string body(parts[0]);
+  std::string tools_json;
+  std::vector<std::string> stops = {"</s>", "\n\n"};
+  if ((flags & 3) == 3) {
+    (void)parse_tokenize(body);
+    (void)parse_detokenize(body);
+  } else {
+    const auto endpoint = static_cast<Endpoint>(flags & 3);
+    auto parsed = parse_request(endpoint, body);
+    if (auto* request = std::get_if<CompletionRequest>(&parsed)) {
+      tools_json = request->chat.tools_json;
+      if (!request->stop.empty()) stops = request->stop;
+    } else {
+      (void)std::get<ApiError>(parsed).body();
+    }
+  }
+  const auto format = (flags & 4) != 0 ? moeline::tokenizer::ToolCallFormat::kGlm45
+                                       : moeline::tokenizer::ToolCallFormat::kHermes;
+  const auto start = (flags & 8) != 0 ? ReasoningStart::kOpen : ReasoningStart::kAtStart;
+  // The answer as a stream would deliver it, and whole.
+  std::string whole;
+  ReasoningStream reasoning(start);
+  ToolCallHold held;
+  StopMatcher matcher(stops);
+  for (size_t i = 1; i < parts.size(); ++i) {
+    const std::string piece(parts[i]);
+    whole += piece;
+    (void)held.feed(reasoning.feed(piece).content);
+    if (!matcher.stopped()) (void)matcher.feed(piece);
+  }
+  (void)held.feed(reasoning.finish().content);
+  (void)matcher.flush();
+  (void)parse_tool_calls(held.held(), format, tools_json, (flags & 16) == 0);
+  const ReasoningParts split = split_reasoning(whole, start);
+  (void)parse_tool_calls(split.content, format, tools_json, (flags & 16) == 0);
+  return 0;
+}
