@@ -4,11 +4,15 @@
 // out retries, so the abandoned generations would pile up against the tenant's limits).
 //
 // cpp-httplib 0.11 gives a handler no way to ask: its Request carries the connection's
-// addresses, not its socket. While a handler runs the server reads nothing from that socket, so it
-// is found once among the process's open files by its two addresses and peeked at: a peer that
-// closed (or reset) the connection reads as end of file, one that is waiting reads as nothing.
+// addresses, not its socket. So the kernel is asked for the TCP state of the connection with those
+// addresses (sock_diag, one netlink round trip, about 9 µs, no search): established is there;
+// CLOSE_WAIT (the client closed its side) is gone, and so is a connection the kernel no longer has
+// (reset) once it has been found before. A kernel that will not answer is settled on the socket
+// itself: found once among the process's open files by its addresses (about 2 µs per open file)
+// and peeked at, where end of file or an error is gone and data or nothing yet is there.
 
 #include <chrono>
+#include <optional>
 #include <string>
 
 #include <httplib.h>
@@ -22,20 +26,27 @@ class ClientLink {
   static constexpr std::chrono::milliseconds kCheckInterval{500};
 
   explicit ClientLink(const httplib::Request& request);
-  ClientLink(std::string remote_address, int remote_port, int local_port);
+  ClientLink(std::string remote_address, int remote_port, std::string local_address,
+             int local_port);
 
-  // True once the client has closed or reset the connection (it stays true). A connection whose
-  // socket cannot be found (not TCP, or already gone) is taken as open.
+  // True once the client has closed or reset the connection (it stays true). A connection that
+  // cannot be looked up (not TCP, no such socket here) is taken as open.
   bool gone();
 
  private:
+  // The kernel's TCP state of the connection (netinet/tcp.h's TCP_*), 0 where the kernel has no
+  // such connection, nullopt where it cannot say.
+  std::optional<int> kernel_state() const;
+  bool socket_says_gone();
   int socket();  // -1 when not found
 
   std::string remote_address_;
   int remote_port_ = -1;
+  std::string local_address_;
   int local_port_ = -1;
   int socket_ = -1;
   bool searched_ = false;
+  bool seen_established_ = false;  // the kernel's lookup has found this connection
   bool gone_ = false;
 };
 

@@ -828,7 +828,7 @@ std::vector<std::string> written_events(StreamedResponse& response) {
     written.append(data, size);
     return true;
   };
-  ClientLink no_socket("", -1, -1);
+  ClientLink no_socket("", -1, "", -1);
   EXPECT_TRUE(response.write(sink, std::chrono::seconds(5), no_socket));
   std::vector<std::string> data;
   for (size_t at = 0; (at = written.find("data: ", at)) != std::string::npos;) {
@@ -1153,7 +1153,9 @@ struct Loopback {
     if (client >= 0) ::close(client);
     if (server >= 0) ::close(server);
   }
-  ClientLink link() const { return ClientLink(client_address, client_port, server_port); }
+  ClientLink link() const {
+    return ClientLink(client_address, client_port, "127.0.0.1", server_port);
+  }
 };
 
 TEST(ClientLink, FindsTheConnectionByItsAddressesAndSeesItsClientLeave) {
@@ -1169,13 +1171,22 @@ TEST(ClientLink, FindsTheConnectionByItsAddressesAndSeesItsClientLeave) {
   connection.client = -1;
   EXPECT_TRUE(link.gone());
   EXPECT_TRUE(link.gone());  // and it stays gone
+  // A client that resets the connection (the kernel no longer has it; its socket says so).
+  Loopback reset;
+  ClientLink reset_link = reset.link();
+  EXPECT_FALSE(reset_link.gone());
+  const linger abort_on_close{1, 0};
+  ::setsockopt(reset.client, SOL_SOCKET, SO_LINGER, &abort_on_close, sizeof(abort_on_close));
+  ::close(reset.client);
+  reset.client = -1;
+  EXPECT_TRUE(reset_link.gone());
   // Another connection's addresses, or none (not TCP): never taken for gone.
   Loopback other;
-  ClientLink wrong(other.client_address, other.client_port + 1, other.server_port);
+  ClientLink wrong(other.client_address, other.client_port + 1, "127.0.0.1", other.server_port);
   ::close(other.client);
   other.client = -1;
   EXPECT_FALSE(wrong.gone());
-  ClientLink none("", -1, -1);
+  ClientLink none("", -1, "", -1);
   EXPECT_FALSE(none.gone());
 }
 
