@@ -1177,9 +1177,12 @@ def send_raw(stack, body):
 
 def case_client_gone(args):
     """Requests whose clients leave while the pipeline is silent (a stage stopped with SIGSTOP)
-    are cancelled long before --request-timeout-s (3 s here) would end them; a stream slowed to
-    longer than that timeout, but never silent for as long, completes."""
-    timeout_s = 3
+    are cancelled long before --request-timeout-s (2 s here) would end them; a stream that waits
+    past --stream-head-s (1 s) for its first token gets its head and keep-alives; one silent past
+    the timeout ends with timeout_error. (Every stop stays under the gateway's 3 s heartbeat
+    timeout, which would take the stage for lost. That a stream that keeps producing outlives the
+    timeout is StreamedResponse.TheTimeoutBoundsEachWaitNotTheStream.)"""
+    timeout_s = 2
     config = {"http": {"request-timeout-s": timeout_s, "stream-head-s": 1}}
     with Stack(args.moeline, args.model, os.path.join(args.workdir, "gone"), http_port=0,
                config=config) as stack:
@@ -1201,7 +1204,7 @@ def case_client_gone(args):
                     time.sleep(0.3)
                 closed = time.time()
                 sock.close()
-                wait_for(lambda: disconnects() > before[0], timeout_s - 0.5,
+                wait_for(lambda: disconnects() > before[0], timeout_s - 0.2,
                          f"{label}: the client's leaving is not seen before the request timeout")
                 seen_s = time.time() - closed
             finally:
@@ -1227,32 +1230,6 @@ def case_client_gone(args):
               f"first token), {whole:.2f} s (a whole answer), {between:.2f} s (a stream between "
               f"tokens), and each request cancelled in the pipeline")
 
-        # A stream slowed down past the timeout, in steps shorter than it: it completes.
-        import threading
-        result = {}
-
-        def read_stream():
-            started = time.time()
-            result["events"], result["done"] = stream(
-                stack, "/v1/completions", {"prompt": prompt + [16], "max_tokens": 480,
-                                           "ignore_eos": True, "temperature": 0, "stream": True})
-            result["took"] = time.time() - started
-
-        reader = threading.Thread(target=read_stream)
-        reader.start()
-        decode_pid = stack.stage("decode-0")["pid"]
-        slowed_until = time.time() + timeout_s + 1.5
-        while reader.is_alive() and time.time() < slowed_until:
-            os.kill(decode_pid, signal.SIGSTOP)
-            time.sleep(0.6)
-            os.kill(decode_pid, signal.SIGCONT)
-            time.sleep(0.01)
-        reader.join()
-        events = result["events"]
-        check(result["done"] and events[-1]["choices"][0]["finish_reason"] == "length",
-              f"a slow stream that keeps producing must complete: {events[-1] if events else None}")
-        check(result["took"] > timeout_s,
-              f"the stream should have lasted longer than the timeout: {result['took']:.1f} s")
         # Silent for longer than the timeout: ended with a timeout error.
         pid = stack.kill("decode-0", signal.SIGSTOP)
         try:
@@ -1304,8 +1281,7 @@ def case_client_gone(args):
               f"the stream goes on once its first token comes: {body[-300:]}")
         print(f"ok client_gone: a stream waiting for its first token got its head after "
               f"{head_s:.1f} s and keep-alive comments, then its tokens")
-        print(f"ok client_gone: a stream slowed to {result['took']:.1f} s by pauses of 0.6 s "
-              f"completes under a {timeout_s} s timeout; one silent past it ends with "
+        print(f"ok client_gone: a stream silent past the {timeout_s} s timeout ends with "
               f"timeout_error")
 
 

@@ -1221,6 +1221,53 @@ TEST(StreamedResponse, AClientThatLeavesWhileNothingIsWrittenEndsTheStream) {
   EXPECT_EQ(failures.value(), 0);  // seen, not a failed write
 }
 
+// --request-timeout-s bounds each wait for an event, not the stream: a stream whose events keep
+// coming (every 50 ms, 600 ms in all) outlives a 400 ms timeout; one that falls silent for longer
+// ends with a timeout error. (Margins of 8x: a loaded machine stretches the gaps, not past them.)
+TEST(StreamedResponse, TheTimeoutBoundsEachWaitNotTheStream) {
+  CompletionRequest request;
+  request.endpoint = Endpoint::kCompletions;
+  request.stream = true;
+  Backend backend;
+  runtime::Histogram delay({1.0});
+  runtime::Counter failures;
+  ClientLink no_socket("", -1, "", -1);
+  for (const bool falls_silent : {false, true}) {
+    auto channel = std::make_shared<RequestChannel>();
+    std::vector<StreamedResponse::Choice> choices;
+    choices.push_back(
+        {channel, event_of(sdk::EventKind::kDelta, "0", 1),
+         std::make_unique<TokenStream>(Endpoint::kCompletions, request, backend,
+                                       std::make_shared<Completion>(), 3, &delay, &failures)});
+    StreamedResponse response(Endpoint::kCompletions, std::move(choices), false);
+    std::thread producer([&] {
+      for (int i = 1; i <= 12; ++i) {
+        std::this_thread::sleep_for(std::chrono::milliseconds(50));
+        channel->push(event_of(sdk::EventKind::kDelta, std::to_string(i), i + 1));
+      }
+      if (!falls_silent) channel->push(event_of(sdk::EventKind::kFinished, "", 14));
+    });
+    std::string written;
+    httplib::DataSink sink;
+    sink.write = [&written](const char* data, size_t size) {
+      written.append(data, size);
+      return true;
+    };
+    const auto start = std::chrono::steady_clock::now();
+    EXPECT_TRUE(response.write(sink, std::chrono::milliseconds(400), no_socket));
+    const auto took = std::chrono::steady_clock::now() - start;
+    producer.join();
+    EXPECT_NE(written.find("data: [DONE]"), std::string::npos);
+    if (falls_silent) {
+      EXPECT_NE(written.find("timeout_error"), std::string::npos) << written;
+    } else {
+      EXPECT_GE(took, std::chrono::milliseconds(600));
+      EXPECT_EQ(written.find("timeout_error"), std::string::npos) << written;
+      EXPECT_NE(written.find("\"text\":\"12\""), std::string::npos) << written;
+    }
+  }
+}
+
 TEST(ConnectionThreads, HoldsAConnectionPerThreadUpToTheLimitThenQueues) {
   // Each job holds its thread (as a streaming response does) until released.
   std::promise<void> release;
