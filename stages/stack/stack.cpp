@@ -17,8 +17,10 @@
 #include <fstream>
 #include <iostream>
 #include <nlohmann/json.hpp>
+#include <random>
 #include <sstream>
 #include <thread>
+#include <utility>
 
 #include "base/environment.h"
 #include "cli/args.h"
@@ -719,28 +721,65 @@ nlohmann::json stack_stage_detail(const std::filesystem::path& run_dir, const st
   return nullptr;
 }
 
+namespace {
+
+// The kernel's ephemeral range, from which it gives every outgoing connection its local port.
+std::pair<int, int> ephemeral_port_range() {
+  std::ifstream file("/proc/sys/net/ipv4/ip_local_port_range");
+  int low = 0, high = 0;
+  if (file >> low >> high && 0 < low && low <= high && high <= 65535) return {low, high};
+  return {32768, 60999};  // Linux's default
+}
+
+// Binds `fd` to 127.0.0.1:`port` (0: any port the kernel picks); the bound port, or 0.
+int bind_loopback(int fd, int port) {
+  sockaddr_in address{};
+  address.sin_family = AF_INET;
+  address.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  address.sin_port = htons(static_cast<uint16_t>(port));
+  socklen_t size = sizeof address;
+  if (::bind(fd, reinterpret_cast<sockaddr*>(&address), sizeof address) != 0 ||
+      ::getsockname(fd, reinterpret_cast<sockaddr*>(&address), &size) != 0)
+    return 0;
+  return ntohs(address.sin_port);
+}
+
+}  // namespace
+
 std::vector<int> free_loopback_ports(int count) {
+  // Chosen outside the ephemeral range: a port from it can be handed to an outgoing connection
+  // between the choice and the gateway's bind (CI saw a gateway restart on "Address already in
+  // use" until the test gave up), and a stage connecting to a hub port of that range before the
+  // hub listens can even be connected to itself. Ports below the range are never given out by
+  // the kernel; only a listener started by hand can take one, which the bind here rules out.
+  const auto [ephemeral_low, ephemeral_high] = ephemeral_port_range();
+  std::vector<std::pair<int, int>> ranges;  // [first, last] to choose from
+  if (ephemeral_low > 10'000 + 1'000) ranges.emplace_back(10'000, ephemeral_low - 1);
+  if (ephemeral_high < 65'535 - 1'000) ranges.emplace_back(ephemeral_high + 1, 65'535);
+  std::mt19937 rng(std::random_device{}());
   std::vector<int> sockets, ports;
   auto close_all = [&] {
     for (const int fd : sockets) ::close(fd);
   };
-  for (int i = 0; i < count; ++i) {
+  while (static_cast<int>(ports.size()) < count) {
     const int fd = ::socket(AF_INET, SOCK_STREAM, 0);
     if (fd < 0) {
       close_all();
       throw std::runtime_error("cannot open a socket to find a free port");
     }
     sockets.push_back(fd);
-    sockaddr_in address{};
-    address.sin_family = AF_INET;
-    address.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-    socklen_t size = sizeof address;
-    if (::bind(fd, reinterpret_cast<sockaddr*>(&address), sizeof address) != 0 ||
-        ::getsockname(fd, reinterpret_cast<sockaddr*>(&address), &size) != 0) {
+    int port = 0;
+    for (int attempt = 0; attempt < 64 && port == 0 && !ranges.empty(); ++attempt) {
+      const auto [first, last] = ranges[rng() % ranges.size()];
+      port = bind_loopback(fd, std::uniform_int_distribution<int>(first, last)(rng));
+    }
+    // A host whose whole port space is ephemeral, or crowded: any port the kernel gives.
+    if (port == 0) port = bind_loopback(fd, 0);
+    if (port == 0) {
       close_all();
       throw std::runtime_error("no free port on 127.0.0.1");
     }
-    ports.push_back(ntohs(address.sin_port));
+    ports.push_back(port);
   }
   close_all();
   return ports;

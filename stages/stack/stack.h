@@ -16,7 +16,8 @@ int stack_command(int argc, char** argv);
 // The /healthz body (JSON) of one stage of the stack in `run_dir`; null when the stack or the
 // stage is not running or does not answer.
 nlohmann::json stack_stage_detail(const std::filesystem::path& run_dir, const std::string& stage);
-// `count` ports the kernel says are free now on 127.0.0.1, all different: each stays bound until
-// every one is chosen (the stages bind them a moment later). Throws when none can be had.
+// `count` ports free now on 127.0.0.1, all different and outside the kernel's ephemeral range
+// where it has room (so no outgoing connection can take one before the stages bind it): each
+// stays bound until every one is chosen. Throws when none can be had.
 std::vector<int> free_loopback_ports(int count);
 }  // namespace moeline::stages

@@ -666,7 +666,7 @@ def free_port_range(count, attempts=50):
     import socket
     rng = random.Random()
     for _ in range(attempts):
-        base = rng.randrange(20000, 60000 - count)
+        base = rng.randrange(10000, 32000 - count)  # below the ephemeral range
         sockets = []
         try:
             for port in range(base, base + count):
