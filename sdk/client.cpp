@@ -180,7 +180,7 @@ uint64_t Client::start(const GenerateOptions& options) {
   // streams gets one message per decode step rather than one per stream.
   builder.Finish(wire::CreateGenerateRequest(builder, id, prompt, tokens, sampling, tenant,
                                              options.deadline_ms, options.add_special_tokens, reuse,
-                                             api_key, true),
+                                             api_key, true, options.skip_special_tokens),
                  wire::GenerateRequestIdentifier());
   if (!wire::send(*socket_, wire::encode(wire::MessageType::GenerateRequest, builder)))
     throw std::runtime_error("cannot send to " + endpoint_);

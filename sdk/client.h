@@ -83,6 +83,9 @@ struct GenerateOptions {
   std::string tenant;
   uint32_t deadline_ms = 0;  // 0: the gateway's default
   bool add_special_tokens = true;
+  // false: the events' text keeps the special tokens the model writes (the stopping token aside);
+  // a gateway older than schema 1.17 skips them regardless.
+  bool skip_special_tokens = true;
   // Which reuse the request opts into: "" (the tenant's exact levels), "exact", "none",
   // "approximate" (also response and blended reuse, where the tenant allows them), "response",
   // "blend".

@@ -103,6 +103,10 @@ Expected<ChatTemplate> ChatTemplate::from_template(const std::string& source, st
     chat.tool_call_format_ = source.find("<arg_key>") != std::string::npos
                                  ? ToolCallFormat::kGlm45
                                  : ToolCallFormat::kHermes;
+  else if (source.find("tool▁calls▁begin") != std::string::npos)
+    chat.tool_call_format_ = ToolCallFormat::kDeepSeek;
+  else if (source.find("[TOOL_CALLS]") != std::string::npos)
+    chat.tool_call_format_ = ToolCallFormat::kMistral;
   chat.writes_reasoning_ = source.find("</think>") != std::string::npos;
   return chat;
 }
@@ -122,10 +126,14 @@ Expected<std::string> ChatTemplate::render_jinja(const std::vector<ChatMessage>&
     Json message = {{"role", m.role}, {"content", m.content}};
     if (!m.tool_calls.empty()) {
       // As vLLM passes them: arguments as the object they encode, where they are JSON (the
-      // templates write them with tojson), the text as given otherwise.
+      // templates write them with tojson), the text as given otherwise. DeepSeek's templates add
+      // them to strings with '+', which takes the text (as transformers passes the OpenAI
+      // message through).
       Json calls = Json::array();
       for (const ToolCall& call : m.tool_calls) {
-        Json arguments = Json::parse(call.arguments, nullptr, /*allow_exceptions=*/false);
+        Json arguments = tool_call_format_ == ToolCallFormat::kDeepSeek
+                             ? Json(nlohmann::json::value_t::discarded)
+                             : Json::parse(call.arguments, nullptr, /*allow_exceptions=*/false);
         if (arguments.is_discarded()) arguments = call.arguments;
         calls.push_back({{"id", call.id},
                          {"type", "function"},

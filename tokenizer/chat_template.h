@@ -73,6 +73,9 @@ enum class ToolCallFormat {
   kNone,    // the template writes no tool calls
   kHermes,  // <tool_call>{"name": ..., "arguments": {...}}</tool_call> (Qwen2.5, Qwen3)
   kGlm45,   // <tool_call>name<arg_key>k</arg_key><arg_value>v</arg_value>...</tool_call> (GLM-4.5)
+  kDeepSeek,  // <｜tool▁calls▁begin｜><｜tool▁call▁begin｜>...<｜tool▁sep｜>... (DeepSeek V3, R1,
+              // V3.1)
+  kMistral,  // [TOOL_CALLS] [{"name": ..., "arguments": {...}}] or [TOOL_CALLS]name[ARGS]{...}
 };
 
 class ChatTemplate {

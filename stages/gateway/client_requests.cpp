@@ -95,6 +95,7 @@ void ClientRequests::on_generate(const std::string& client, wire::Message& messa
   r.tenant = valid.tenant;
   r.client_request_id = crid;
   r.batch_events = request.batch_events();
+  r.keep_special_tokens = !request.skip_special_tokens();
   r.prompt = std::move(valid.prompt);
   r.sampling = std::move(sampling);
   // Server-derived: a client names its tenant, never the namespace its cache entries live in.
@@ -118,7 +119,8 @@ void ClientRequests::on_generate(const std::string& client, wire::Message& messa
   r.received = Clock::now();
   r.deadline = r.received + valid.deadline;
   r.text = std::make_unique<tokenizer::DecodeStream>(
-      p_.validator.tokenizer(), tokenizer::DecodeOptions{.skip_special_tokens = true});
+      p_.validator.tokenizer(),
+      tokenizer::DecodeOptions{.skip_special_tokens = !r.keep_special_tokens});
   // With its usage: the prompt's token count, which a front end that ends the request itself
   // (an HTTP stop string) still reports.
   p_.client.send_event(EventTo::of(r), wire::EventKind::Accepted, {}, {}, {}, wire::ErrorCode::None,

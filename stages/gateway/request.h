@@ -35,6 +35,7 @@ struct Request {
   std::string tenant;  // admitted by the tenant limiter until erased
   uint64_t client_request_id = 0;
   bool batch_events = false;  // the client reads StreamEventBatch (GenerateRequest.batch_events)
+  bool keep_special_tokens = false;  // !GenerateRequest.skip_special_tokens
   std::vector<int32_t> prompt;
   model::SamplingParams sampling;
   std::string cache_namespace;

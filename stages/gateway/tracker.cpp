@@ -132,7 +132,10 @@ void RequestTracker::on_token(Request& r, int32_t token, wire::FinishReason fini
       metrics_.ttft->observe(std::chrono::duration<double>(r.first_token - r.received).count());
     }
     std::string delta;
-    if (tokenizer_.id_to_token(token)) {
+    // Kept special tokens are written out, but not the one that stopped the request (its end of
+    // sequence or stop token id), as vLLM leaves it out.
+    const bool stopping = finish_reason == wire::FinishReason::Stop;
+    if (tokenizer_.id_to_token(token) && !(r.keep_special_tokens && stopping)) {
       auto piece = r.text->step(token);
       if (piece) delta = std::move(*piece);
     }

@@ -65,7 +65,8 @@ std::variant<sdk::GenerateOptions, ApiError> to_options(const CompletionRequest&
       error.code = "unsupported_parameter";
       error.message = "the model '" + backend.name +
                       "' has no chat template that writes tool calls in a format this server "
-                      "reads back (Qwen's <tool_call> JSON blocks, GLM-4.5's <arg_key> blocks)";
+                      "reads back (Qwen's <tool_call> JSON blocks, GLM-4.5's <arg_key> blocks, "
+                      "DeepSeek's <｜tool▁calls▁begin｜>, Mistral's [TOOL_CALLS])";
       return error;
     }
     if (request.tool_choice == CompletionRequest::ToolChoice::kRequired ||
@@ -121,6 +122,16 @@ std::variant<sdk::GenerateOptions, ApiError> to_options(const CompletionRequest&
   options.top_k = request.top_k;
   options.seed = request.seed;
   options.ignore_eos = request.ignore_eos;
+  options.skip_special_tokens = request.skip_special_tokens;
+  // A tool-call marker that the vocabulary marks special would be dropped from the text before
+  // the front reads the calls out of it: such a model's answers keep their special tokens (as
+  // vLLM's Mistral parser, and since 2025 its Hermes parser, ask for them).
+  if (request.endpoint == Endpoint::kChat && !request.chat.tools_json.empty() && backend.chat &&
+      backend.tokenizer) {
+    const auto marker = backend.tokenizer->token_to_id(
+        std::string(tool_call_marker(backend.chat->tool_call_format())));
+    if (marker && backend.tokenizer->is_special(*marker)) options.skip_special_tokens = false;
+  }
   options.min_p = request.min_p;
   options.presence_penalty = request.presence_penalty;
   options.frequency_penalty = request.frequency_penalty;

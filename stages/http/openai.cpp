@@ -565,6 +565,7 @@ std::optional<ApiError> read_all(Endpoint endpoint, const json& body, const std:
                "'max_tokens' must be at least 1, got 0 (0 only with echo: the prompt alone, "
                "scored with logprobs)");
   if (auto error = read_bool(body, "ignore_eos", out.ignore_eos)) return error;
+  if (auto error = read_bool(body, "skip_special_tokens", out.skip_special_tokens)) return error;
   if (endpoint == Endpoint::kGenerate) return std::nullopt;
   return read_stream(body, out);
 }

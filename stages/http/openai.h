@@ -52,6 +52,9 @@ struct CompletionRequest {
   std::optional<uint64_t> seed;
   std::vector<std::string> stop;
   bool ignore_eos = false;  // vLLM's extension: generate max_tokens whatever the model says
+  // vLLM's extension: false keeps the special tokens the model writes in the text (the one that
+  // stops it aside).
+  bool skip_special_tokens = true;
   double min_p = 0.0;
   double presence_penalty = 0.0;
   double frequency_penalty = 0.0;

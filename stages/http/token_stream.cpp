@@ -33,8 +33,8 @@ TokenStream::TokenStream(Endpoint endpoint, const CompletionRequest& request,
     reasoning_events_.emplace(endpoint, *completion_, DeltaField::kReasoning);
   }
   if (endpoint == Endpoint::kChat && !request.chat.tools_json.empty()) {
-    tool_calls_.emplace();
     if (backend.chat) tool_call_format_ = backend.chat->tool_call_format();
+    tool_calls_.emplace(tool_call_marker(tool_call_format_));
     tools_json_ = request.chat.tools_json;
     parallel_tool_calls_ = request.parallel_tool_calls;
   }

@@ -1,5 +1,6 @@
 #include "stages/http/tool_calls.h"
 
+#include <random>
 #include <string_view>
 
 #include <nlohmann/json.hpp>
@@ -12,6 +13,15 @@ namespace {
 
 constexpr std::string_view kOpen = "<tool_call>";
 constexpr std::string_view kClose = "</tool_call>";
+// DeepSeek's markers (U+FF5C fullwidth bars, U+2581 lower blocks), as its tokenizer spells them.
+constexpr std::string_view kDeepSeekCallsBegin = "<｜tool▁calls▁begin｜>";
+constexpr std::string_view kDeepSeekCallsEnd = "<｜tool▁calls▁end｜>";
+constexpr std::string_view kDeepSeekCallBegin = "<｜tool▁call▁begin｜>";
+constexpr std::string_view kDeepSeekCallEnd = "<｜tool▁call▁end｜>";
+constexpr std::string_view kDeepSeekSep = "<｜tool▁sep｜>";
+constexpr std::string_view kMistralCalls = "[TOOL_CALLS]";
+constexpr std::string_view kMistralArgs = "[ARGS]";
+constexpr std::string_view kMistralCallId = "[CALL_ID]";
 constexpr std::string_view kKeyOpen = "<arg_key>", kKeyClose = "</arg_key>";
 constexpr std::string_view kValueOpen = "<arg_value>", kValueClose = "</arg_value>";
 
@@ -146,6 +156,164 @@ std::optional<ToolCallOutput> parse_glm45_tool_calls(const std::string& text,
   });
 }
 
+namespace {
+
+// A call's arguments as the JSON text of an object: `value` where it is an object, the object a
+// string holds where it holds one; nullopt otherwise.
+std::optional<std::string> arguments_text(const nlohmann::ordered_json& value) {
+  if (value.is_object())
+    return value.dump(-1, ' ', false, nlohmann::json::error_handler_t::replace);
+  if (!value.is_string()) return std::nullopt;
+  const std::string& text = value.get_ref<const std::string&>();
+  if (!shallow(text)) return std::nullopt;
+  const auto parsed = nlohmann::ordered_json::parse(text, nullptr, /*allow_exceptions=*/false);
+  if (!parsed.is_object()) return std::nullopt;
+  return parsed.dump(-1, ' ', false, nlohmann::json::error_handler_t::replace);
+}
+
+std::optional<std::string> arguments_text(std::string_view text) {
+  if (!shallow(text)) return std::nullopt;
+  const auto parsed = nlohmann::ordered_json::parse(text, nullptr, /*allow_exceptions=*/false);
+  if (parsed.is_discarded()) return std::nullopt;
+  return arguments_text(parsed);
+}
+
+// A name as models write it: one line, no markup.
+bool plausible_name(std::string_view name) {
+  return !name.empty() && name.find_first_of("<>[]{}\n\r\t ") == std::string_view::npos;
+}
+
+// The text before `marker` at `at`, without its trailing whitespace.
+std::string content_before(const std::string& text, size_t at) {
+  std::string content = text.substr(0, at);
+  content.erase(content.find_last_not_of(" \t\r\n") + 1);
+  return content;
+}
+
+// Mistral's call ids: nine letters and digits (its templates refuse any other id when the call
+// comes back in the next turn).
+std::string mistral_call_id() {
+  thread_local std::mt19937_64 random(std::random_device{}());
+  static constexpr std::string_view kAlphabet =
+      "ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789";
+  std::string id;
+  for (int i = 0; i < 9; ++i) id += kAlphabet[random() % kAlphabet.size()];
+  return id;
+}
+
+}  // namespace
+
+std::optional<ToolCallOutput> parse_deepseek_tool_calls(const std::string& text) {
+  const size_t first = text.find(kDeepSeekCallsBegin);
+  if (first == std::string::npos) return std::nullopt;
+  ToolCallOutput out;
+  out.content = content_before(text, first);
+  const std::string_view all(text);
+  size_t at = all.find_first_not_of(" \t\r\n", first + kDeepSeekCallsBegin.size());
+  while (at != std::string_view::npos &&
+         all.compare(at, kDeepSeekCallBegin.size(), kDeepSeekCallBegin) == 0) {
+    // A call cut off before its end marker (max_tokens) may have lost arguments: not a call, as
+    // vLLM's deepseek_v3 parser reads it.
+    const size_t body = at + kDeepSeekCallBegin.size();
+    const size_t end = all.find(kDeepSeekCallEnd, body);
+    if (end == std::string_view::npos) return std::nullopt;
+    const std::string_view call = all.substr(body, end - body);
+    const size_t sep = call.find(kDeepSeekSep);
+    if (sep == std::string_view::npos) return std::nullopt;
+    const std::string_view head = trimmed(call.substr(0, sep));
+    const std::string_view tail = call.substr(sep + kDeepSeekSep.size());
+    ToolCallOut parsed{random_id("call_"), "", ""};
+    std::optional<std::string> arguments;
+    if (const size_t fence = tail.find("```json"); fence != std::string_view::npos) {
+      // V3 and R1: TYPE<sep>NAME\n```json\nARGUMENTS\n```
+      parsed.name = std::string(trimmed(tail.substr(0, fence)));
+      std::string_view json = tail.substr(fence + 7);
+      const size_t close = json.rfind("```");
+      if (close == std::string_view::npos) return std::nullopt;
+      arguments = arguments_text(trimmed(json.substr(0, close)));
+    } else {
+      // V3.1: NAME<sep>ARGUMENTS
+      parsed.name = std::string(head);
+      arguments = arguments_text(trimmed(tail));
+    }
+    if (!plausible_name(parsed.name) || !arguments) return std::nullopt;
+    parsed.arguments = std::move(*arguments);
+    out.calls.push_back(std::move(parsed));
+    at = all.find_first_not_of(" \t\r\n", end + kDeepSeekCallEnd.size());
+  }
+  if (out.calls.empty()) return std::nullopt;
+  // Then the end marker, or nothing (an end of sequence may come first); nothing else.
+  if (at != std::string_view::npos) {
+    if (all.compare(at, kDeepSeekCallsEnd.size(), kDeepSeekCallsEnd) != 0) return std::nullopt;
+    if (!blank(all.substr(at + kDeepSeekCallsEnd.size()))) return std::nullopt;
+  }
+  return out;
+}
+
+std::optional<ToolCallOutput> parse_mistral_tool_calls(const std::string& text) {
+  const size_t first = text.find(kMistralCalls);
+  if (first == std::string::npos) return std::nullopt;
+  ToolCallOutput out;
+  out.content = content_before(text, first);
+  const std::string_view all(text);
+  const std::string_view rest = trimmed(all.substr(first + kMistralCalls.size()));
+  if (!rest.empty() && (rest.front() == '[' || rest.front() == '{')) {
+    // v3 tokenizers (Mixtral 8x22B, Mistral 7B v0.3): [TOOL_CALLS] [{"name": ..., "arguments":
+    // {...}}, ...], or a single object.
+    if (!shallow(rest)) return std::nullopt;
+    auto calls = nlohmann::ordered_json::parse(rest, nullptr, /*allow_exceptions=*/false);
+    if (calls.is_object()) calls = nlohmann::ordered_json::array({calls});
+    if (!calls.is_array() || calls.empty()) return std::nullopt;
+    for (const auto& call : calls) {
+      if (!call.is_object() || !call.contains("name") || !call["name"].is_string())
+        return std::nullopt;
+      ToolCallOut parsed{mistral_call_id(), call["name"].get<std::string>(), "{}"};
+      if (call.contains("arguments")) {
+        auto arguments = arguments_text(call["arguments"]);
+        if (!arguments) return std::nullopt;
+        parsed.arguments = std::move(*arguments);
+      }
+      out.calls.push_back(std::move(parsed));
+    }
+    return out;
+  }
+  // v11 and later: [TOOL_CALLS]NAME[ARGS]{...} (a [CALL_ID]ID between them in some), once per
+  // call.
+  size_t at = first;
+  while (at != std::string_view::npos) {
+    const size_t body = at + kMistralCalls.size();
+    const size_t next = all.find(kMistralCalls, body);
+    const std::string_view call =
+        all.substr(body, next == std::string_view::npos ? std::string_view::npos : next - body);
+    const size_t args = call.find(kMistralArgs);
+    if (args == std::string_view::npos) return std::nullopt;
+    std::string_view name = call.substr(0, args);
+    if (const size_t id = name.find(kMistralCallId); id != std::string_view::npos)
+      name = name.substr(0, id);
+    name = trimmed(name);
+    auto arguments = arguments_text(trimmed(call.substr(args + kMistralArgs.size())));
+    if (!plausible_name(name) || !arguments) return std::nullopt;
+    out.calls.push_back({mistral_call_id(), std::string(name), std::move(*arguments)});
+    at = next;
+  }
+  return out;
+}
+
+std::string_view tool_call_marker(tokenizer::ToolCallFormat format) {
+  switch (format) {
+    case tokenizer::ToolCallFormat::kHermes:
+    case tokenizer::ToolCallFormat::kGlm45:
+      return kOpen;
+    case tokenizer::ToolCallFormat::kDeepSeek:
+      return kDeepSeekCallsBegin;
+    case tokenizer::ToolCallFormat::kMistral:
+      return kMistralCalls;
+    case tokenizer::ToolCallFormat::kNone:
+      break;
+  }
+  return {};
+}
+
 std::optional<ToolCallOutput> parse_tool_calls(const std::string& text,
                                                tokenizer::ToolCallFormat format,
                                                const std::string& tools_json, bool parallel) {
@@ -156,6 +324,12 @@ std::optional<ToolCallOutput> parse_tool_calls(const std::string& text,
       break;
     case tokenizer::ToolCallFormat::kGlm45:
       parsed = parse_glm45_tool_calls(text, tools_json);
+      break;
+    case tokenizer::ToolCallFormat::kDeepSeek:
+      parsed = parse_deepseek_tool_calls(text);
+      break;
+    case tokenizer::ToolCallFormat::kMistral:
+      parsed = parse_mistral_tool_calls(text);
       break;
     case tokenizer::ToolCallFormat::kNone:
       break;
@@ -188,12 +362,12 @@ std::string ToolCallHold::feed(const std::string& delta) {
     return {};
   }
   const std::string text = held_ + delta;
-  if (const size_t open = text.find(kOpen); open != std::string::npos) {
+  if (const size_t open = text.find(marker_); open != std::string::npos) {
     in_call_ = true;
     held_ = text.substr(open);
     return text.substr(0, open);
   }
-  const size_t keep = partial_marker(text, kOpen);
+  const size_t keep = partial_marker(text, marker_);
   held_ = text.substr(text.size() - keep);
   return text.substr(0, text.size() - keep);
 }

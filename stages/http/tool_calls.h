@@ -15,6 +15,7 @@
 
 #include <optional>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include "tokenizer/chat_template.h"
@@ -34,6 +35,14 @@ struct ToolCallOutput {
 
 // The calls in `text`; nullopt when it has none, or a block that is not a call.
 std::optional<ToolCallOutput> parse_hermes_tool_calls(const std::string& text);
+// DeepSeek's calls in `text`: V3 and R1's <｜tool▁call▁begin｜>function<｜tool▁sep｜>NAME then the
+// arguments in a ```json fence, and V3.1's <｜tool▁call▁begin｜>NAME<｜tool▁sep｜>ARGUMENTS, each
+// ended by <｜tool▁call▁end｜>, all inside <｜tool▁calls▁begin｜> ... <｜tool▁calls▁end｜>.
+std::optional<ToolCallOutput> parse_deepseek_tool_calls(const std::string& text);
+// Mistral's calls in `text`: [TOOL_CALLS] then a JSON list of {"name", "arguments"} (v3
+// tokenizers: Mixtral 8x22B), or [TOOL_CALLS]NAME[ARGS]{...} once per call (v11 and later). Their
+// ids are nine letters and digits, the only ids Mistral's templates take back.
+std::optional<ToolCallOutput> parse_mistral_tool_calls(const std::string& text);
 // GLM-4.5's calls in `text`. Its values are text; `tools_json` (the request's tools) says which
 // are strings: a parameter its schema types "string" stays text, any other value is read as JSON
 // where it is JSON (3, true, [1, 2], {"a": 1}) and stays text where it is not.
@@ -50,17 +59,23 @@ std::optional<ToolCallOutput> parse_tool_calls(const std::string& text,
 // none)}, one alternative per tool, the properties in that order as Hermes calls write them.
 std::string forced_call_schema(const std::string& tools_json, const std::string& function);
 
+// The text that opens a format's calls ("<tool_call>", "<｜tool▁calls▁begin｜>", "[TOOL_CALLS]";
+// empty for kNone).
+std::string_view tool_call_marker(tokenizer::ToolCallFormat format);
+
 // A streamed text with tools on offer: the content is written as it comes until a call may
-// begin; from the first "<tool_call>" (or what could still become one at the end of the text so
-// far) it is held back, and at the end parsed as calls or, if it is not one, written as text.
+// begin; from the format's first marker (or what could still become one at the end of the text
+// so far) it is held back, and at the end parsed as calls or, if it is not one, written as text.
 class ToolCallHold {
  public:
+  explicit ToolCallHold(std::string_view marker = "<tool_call>") : marker_(marker) {}
   // The part of `delta` that is certain to be content.
   std::string feed(const std::string& delta);
   // Everything held back (the calls' text, or an unfinished prefix of the marker).
   const std::string& held() const { return held_; }
 
  private:
+  std::string marker_;
   std::string held_;
   bool in_call_ = false;
 };

@@ -81,10 +81,10 @@ std::vector<zmq::message_t> generate_request() {
       wire::StructuredOutput::JsonSchema,
       R"({"type":"object","properties":{"a":{"type":"integer"}}})", wire::ReasoningBlock::Open);
   const std::vector<int32_t> tokens = {1, 2, 3, 4};
-  // 1.11: batch_events.
+  // 1.11: batch_events. 1.17: special tokens kept in the text.
   b.Finish(
       wire::CreateGenerateRequestDirect(b, 1001, "Hello, world", &tokens, sampling, "acme", 30000,
-                                        false, "approximate", "ml_0123abcd_secret", true),
+                                        false, "approximate", "ml_0123abcd_secret", true, false),
       wire::GenerateRequestIdentifier());
   return wire::encode(wire::MessageType::GenerateRequest, b);
 }

@@ -434,6 +434,34 @@ def check_logit_bias(args, stack):
     print(f"ok api: logit_bias as moeline run --logit-bias computes it (greedy and seeded; the "
           f"greedy first token {first} pushed out), streamed and not")
 
+    # vLLM's skip_special_tokens: a special token the model writes (pulled in by a bias) is left
+    # out of the text by default and kept when asked, which is how a tool-call marker that a
+    # vocabulary marks special reaches the parser; the token that stops the request (the end of
+    # sequence) is left out either way.
+    with open(os.path.join(args.model, "tokenizer.json"), encoding="utf-8") as f:
+        added = [t for t in json.load(f)["added_tokens"] if t["special"]]
+    with open(os.path.join(args.model, "config.json"), encoding="utf-8") as f:
+        eos = json.load(f)["eos_token_id"]
+    special = next(t for t in added if t["id"] != eos)
+    for skip, want in ((True, ""), (False, special["content"] * 3)):
+        request = {"prompt": "x", "max_tokens": 3, "temperature": 0,
+                   "logit_bias": {str(special["id"]): 100}, "skip_special_tokens": skip}
+        status, body, _ = post(stack, "/v1/completions", request)
+        check(status == 200 and body["choices"][0]["text"] == want and
+              body["usage"]["completion_tokens"] == 3,
+              f"skip_special_tokens {skip}: {status} {body} want {want!r}")
+        events, _ = stream(stack, "/v1/completions", dict(request, stream=True))
+        text = "".join(e["choices"][0]["text"] for e in events if e["choices"])
+        check(text == want, f"skip_special_tokens {skip} streamed: {text!r} want {want!r}")
+    status, body, _ = post(stack, "/v1/completions",
+                           {"prompt": "x", "max_tokens": 3, "temperature": 0,
+                            "logit_bias": {str(eos): 100}, "skip_special_tokens": False})
+    check(status == 200 and body["choices"][0]["text"] == "" and
+          body["choices"][0]["finish_reason"] == "stop" and body["usage"]["completion_tokens"] == 1,
+          f"the stopping token is not text: {status} {body}")
+    print(f"ok api: skip_special_tokens false keeps {special['content']} in the text, streamed and "
+          "not; the end of sequence stays out of it")
+
 
 STRUCTURED_SCHEMA = {
     "type": "object",

@@ -7,7 +7,9 @@
 #include <utility>
 
 #include <atomic>
+#include <cctype>
 #include <chrono>
+#include <fstream>
 #include <future>
 #include <string>
 #include <thread>
@@ -743,6 +745,98 @@ TEST(ToolCalls, WithoutParallelCallsOnlyTheFirstIsGiven) {
                   .parallel_tool_calls);
 }
 
+// DeepSeek V3 and R1 write TYPE<sep>NAME and the arguments in a ```json fence; V3.1 NAME<sep>
+// ARGUMENTS (the formats vLLM's deepseek_v3 and deepseek_v31 parsers read).
+TEST(ToolCalls, DeepSeekCallsAreReadInBothVersions) {
+  const auto v3 = parse_deepseek_tool_calls(
+      "Checking.<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>get_weather\n"
+      "```json\n{\"city\": \"Paris\", \"days\": 2}\n```<｜tool▁call▁end｜>\n"
+      "<｜tool▁call▁begin｜>function<｜tool▁sep｜>now\n```json\n{}\n```<｜tool▁call▁end｜>"
+      "<｜tool▁calls▁end｜>");
+  ASSERT_TRUE(v3.has_value());
+  EXPECT_EQ(v3->content, "Checking.");
+  ASSERT_EQ(v3->calls.size(), 2u);
+  EXPECT_EQ(v3->calls[0].name, "get_weather");
+  EXPECT_EQ(v3->calls[0].arguments, R"({"city":"Paris","days":2})");  // key order kept
+  EXPECT_EQ(v3->calls[0].id.rfind("call_", 0), 0u);
+  EXPECT_EQ(v3->calls[1].name, "now");
+  EXPECT_EQ(v3->calls[1].arguments, "{}");
+  EXPECT_NE(v3->calls[0].id, v3->calls[1].id);
+  // V3.1, without the closing marker (the end of sequence came first).
+  const auto v31 = parse_deepseek_tool_calls(
+      "<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>get_weather<｜tool▁sep｜>{\"city\": \"Oslo\"}"
+      "<｜tool▁call▁end｜>");
+  ASSERT_TRUE(v31.has_value());
+  EXPECT_EQ(v31->content, "");
+  ASSERT_EQ(v31->calls.size(), 1u);
+  EXPECT_EQ(v31->calls[0].name, "get_weather");
+  EXPECT_EQ(v31->calls[0].arguments, R"({"city":"Oslo"})");
+  EXPECT_TRUE(parse_tool_calls("<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>f<｜tool▁sep｜>{}"
+                               "<｜tool▁call▁end｜><｜tool▁calls▁end｜>",
+                               tokenizer::ToolCallFormat::kDeepSeek, "")
+                  .has_value());
+  // Not calls: a call cut off before its end, no separator, arguments that are not an object,
+  // no call inside the markers, text after them, a name that is markup.
+  for (const char* text :
+       {"<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>f<｜tool▁sep｜>{\"a\": 1",
+        "<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>f {}<｜tool▁call▁end｜>",
+        "<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>f<｜tool▁sep｜>[1]<｜tool▁call▁end｜>",
+        "<｜tool▁calls▁begin｜><｜tool▁calls▁end｜>",
+        "<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>f<｜tool▁sep｜>{}<｜tool▁call▁end｜>"
+        "<｜tool▁calls▁end｜> and more",
+        "<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜><b>\n```json\n{}\n```"
+        "<｜tool▁call▁end｜>",
+        "no call at all"})
+    EXPECT_FALSE(parse_deepseek_tool_calls(text).has_value()) << text;
+}
+
+// Mistral: a JSON list after [TOOL_CALLS] (v3 tokenizers, Mixtral 8x22B), or [TOOL_CALLS]NAME
+// [ARGS]{...} once per call (v11 and later); call ids of nine letters and digits, the only ids
+// Mistral's templates take back in the next turn.
+TEST(ToolCalls, MistralCallsAreReadInBothForms) {
+  auto nine_alphanumerics = [](const std::string& id) {
+    return id.size() == 9 &&
+           std::all_of(id.begin(), id.end(), [](unsigned char c) { return std::isalnum(c) != 0; });
+  };
+  const auto list = parse_mistral_tool_calls(
+      "Let me see. [TOOL_CALLS] [{\"name\": \"get_weather\", \"arguments\": {\"city\": "
+      "\"Paris\"}}, {\"name\": \"now\", \"arguments\": \"{\\\"tz\\\": 1}\"}]");
+  ASSERT_TRUE(list.has_value());
+  EXPECT_EQ(list->content, "Let me see.");
+  ASSERT_EQ(list->calls.size(), 2u);
+  EXPECT_EQ(list->calls[0].name, "get_weather");
+  EXPECT_EQ(list->calls[0].arguments, R"({"city":"Paris"})");
+  EXPECT_EQ(list->calls[1].name, "now");
+  EXPECT_EQ(list->calls[1].arguments, R"({"tz":1})");
+  EXPECT_TRUE(nine_alphanumerics(list->calls[0].id)) << list->calls[0].id;
+  EXPECT_NE(list->calls[0].id, list->calls[1].id);
+  const auto single = parse_mistral_tool_calls("[TOOL_CALLS]{\"name\": \"now\"}");
+  ASSERT_TRUE(single.has_value());
+  ASSERT_EQ(single->calls.size(), 1u);
+  EXPECT_EQ(single->calls[0].arguments, "{}");
+  const auto v11 = parse_mistral_tool_calls(
+      "[TOOL_CALLS]get_weather[ARGS]{\"city\": "
+      "\"Paris\"}[TOOL_CALLS]now[CALL_ID]a1b2c3d4e[ARGS]{}");
+  ASSERT_TRUE(v11.has_value());
+  EXPECT_EQ(v11->content, "");
+  ASSERT_EQ(v11->calls.size(), 2u);
+  EXPECT_EQ(v11->calls[0].name, "get_weather");
+  EXPECT_EQ(v11->calls[0].arguments, R"({"city":"Paris"})");
+  EXPECT_EQ(v11->calls[1].name, "now");
+  EXPECT_TRUE(nine_alphanumerics(v11->calls[1].id)) << v11->calls[1].id;
+  EXPECT_EQ(parse_tool_calls("[TOOL_CALLS]a[ARGS]{}[TOOL_CALLS]b[ARGS]{}",
+                             tokenizer::ToolCallFormat::kMistral, "", false)
+                ->calls.size(),
+            1u);
+  // Not calls: JSON cut off, a call without a name, arguments that are not an object, a name
+  // without [ARGS], an empty list.
+  for (const char* text :
+       {"[TOOL_CALLS] [{\"name\": \"f\", \"argu", "[TOOL_CALLS] [{\"arguments\": {}}]",
+        "[TOOL_CALLS] [{\"name\": \"f\", \"arguments\": 3}]", "[TOOL_CALLS]f{}",
+        "[TOOL_CALLS]f[ARGS]not json", "[TOOL_CALLS] []", "plain text"})
+    EXPECT_FALSE(parse_mistral_tool_calls(text).has_value()) << text;
+}
+
 TEST(ToolCalls, AStreamHoldsBackFromWhereACallMayBegin) {
   ToolCallHold hold;
   std::string content;
@@ -757,6 +851,66 @@ TEST(ToolCalls, AStreamHoldsBackFromWhereACallMayBegin) {
   EXPECT_EQ(plain.feed("b> c"), "<b> c");
   EXPECT_EQ(plain.feed("<tool"), "");
   EXPECT_EQ(plain.held(), "<tool");
+  // The format's own marker: DeepSeek's, split inside a multi-byte character.
+  const std::string marker(tool_call_marker(tokenizer::ToolCallFormat::kDeepSeek));
+  ToolCallHold deepseek(marker);
+  std::string said = deepseek.feed("Sure <" + marker.substr(0, 2));
+  said += deepseek.feed(marker.substr(2, 8));
+  said += deepseek.feed(marker.substr(10) + "<｜tool▁call▁begin｜>f");
+  EXPECT_EQ(said, "Sure <");
+  EXPECT_EQ(deepseek.held(), marker + "<｜tool▁call▁begin｜>f");
+  ToolCallHold mistral(tool_call_marker(tokenizer::ToolCallFormat::kMistral));
+  EXPECT_EQ(mistral.feed("a <tool_call> [TOOL"), "a <tool_call> ");
+  EXPECT_EQ(mistral.feed("_CALLS] [{"), "");
+  EXPECT_EQ(mistral.held(), "[TOOL_CALLS] [{");
+}
+
+// A model whose vocabulary marks its tool-call marker special would lose the marker from the
+// text it streams (the gateway drops special tokens by default), and with it every call: with
+// tools on offer its answers keep their special tokens, as vLLM's parsers ask for them.
+TEST(ToolCalls, AMarkerTheVocabularyMarksSpecialIsKeptInTheText) {
+  std::ifstream file(std::string(MOELINE_TEST_MODELS) + "/mixtral-f32/tokenizer.json");
+  ASSERT_TRUE(file.good());
+  nlohmann::json vocabulary = nlohmann::json::parse(file);
+  auto backend_with = [&](bool special) {
+    nlohmann::json copy = vocabulary;
+    copy["added_tokens"].push_back({{"id", 32000},
+                                    {"content", "[TOOL_CALLS]"},
+                                    {"single_word", false},
+                                    {"lstrip", false},
+                                    {"rstrip", false},
+                                    {"normalized", false},
+                                    {"special", special}});
+    auto loaded = tokenizer::Tokenizer::from_json(copy.dump(), "test");
+    EXPECT_TRUE(loaded.ok()) << loaded.error().message;
+    auto chat = tokenizer::ChatTemplate::from_template(
+        "{% for m in messages %}[INST]{{ m.content }}[/INST]{% if m.tool_calls %}[TOOL_CALLS] "
+        "{{ m.tool_calls | tojson }}{% endif %}{% endfor %}",
+        "<s>", "</s>");
+    EXPECT_TRUE(chat.ok());
+    auto backend = std::make_unique<Backend>();
+    backend->name = "mistral";
+    backend->context = 4096;
+    backend->tokenizer = std::make_unique<tokenizer::Tokenizer>(std::move(*loaded));
+    backend->chat = std::make_unique<tokenizer::ChatTemplate>(std::move(*chat));
+    return backend;
+  };
+  auto skips = [](const Backend& backend, const std::string& body) {
+    const auto options = to_options(request_of(Endpoint::kChat, body), "", backend);
+    EXPECT_TRUE(std::holds_alternative<sdk::GenerateOptions>(options));
+    return std::get<sdk::GenerateOptions>(options).skip_special_tokens;
+  };
+  const std::string with_tools = R"({"messages": [{"role": "user", "content": "x"}],
+      "tools": [{"type": "function", "function": {"name": "f"}}]})";
+  const std::string without_tools = R"({"messages": [{"role": "user", "content": "x"}]})";
+  const auto special = backend_with(true);
+  EXPECT_EQ(special->chat->tool_call_format(), tokenizer::ToolCallFormat::kMistral);
+  EXPECT_FALSE(skips(*special, with_tools));
+  EXPECT_TRUE(skips(*special, without_tools));
+  EXPECT_TRUE(skips(*backend_with(false), with_tools));
+  // vLLM's skip_special_tokens, asked for by the request.
+  EXPECT_FALSE(skips(*special, R"({"messages": [{"role": "user", "content": "x"}],
+      "skip_special_tokens": false})"));
 }
 
 sdk::Event event_of(sdk::EventKind kind, const std::string& text, int32_t token) {

@@ -296,6 +296,34 @@ TEST(ChatTemplate, ToolsAndCallsReachAJinjaTemplate) {
             ToolCallFormat::kGlm45);
 }
 
+// DeepSeek's templates write its <｜tool▁calls▁begin｜> markers and add the arguments to strings
+// with '+' (the text, as the OpenAI message gives it); Mistral's write [TOOL_CALLS].
+TEST(ChatTemplate, DeepSeekAndMistralTemplatesSayTheirFormat) {
+  auto deepseek = ChatTemplate::from_template(
+      "{% for m in messages %}{% for c in m.tool_calls %}"
+      "{{ '<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>' + c.type + '<｜tool▁sep｜>' + "
+      "c.function.name + '\\n```json\\n' + c.function.arguments + '\\n```<｜tool▁call▁end｜>' }}"
+      "{% endfor %}{% endfor %}",
+      "", "");
+  ASSERT_TRUE(deepseek.ok()) << deepseek.error().message;
+  EXPECT_EQ(deepseek->tool_call_format(), ToolCallFormat::kDeepSeek);
+  ChatMessage called{"assistant", ""};
+  called.tool_calls = {{"call_1", "get_weather", R"({"city": "Paris"})"}};
+  auto text = deepseek->render({called});
+  ASSERT_TRUE(text.ok()) << text.error().message;
+  EXPECT_EQ(
+      *text,
+      "<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>get_weather\n```json\n"
+      "{\"city\": \"Paris\"}\n```<｜tool▁call▁end｜>");
+  EXPECT_EQ(
+      ChatTemplate::from_template(
+          "{% for m in messages %}{% if m.tool_calls %}[TOOL_CALLS] {{ m.tool_calls | tojson }}"
+          "{% endif %}{% endfor %}",
+          "", "")
+          ->tool_call_format(),
+      ToolCallFormat::kMistral);
+}
+
 // Newer releases (GLM-4.5's) keep the template in chat_template.jinja beside tokenizer_config.json;
 // transformers reads it first, over any chat_template in the JSON, and so does moeline.
 TEST(ChatTemplate, AChatTemplateJinjaBesideTheConfigWins) {

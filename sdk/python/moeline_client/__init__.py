@@ -194,6 +194,7 @@ def encode_generate(client_request_id: int, prompt: Optional[str] = None,
                     prompt_logprobs: bool = False,
                     json_schema: Optional[Union[dict, bool, str]] = None,
                     json_object: bool = False, reasoning: str = "",
+                    skip_special_tokens: bool = True,
                     batch_events: bool = False) -> List[bytes]:
     """A GenerateRequest, framed. The keywords are those of Client.start/stream/generate.
 
@@ -295,6 +296,8 @@ def encode_generate(client_request_id: int, prompt: Optional[str] = None,
         _generate.AddApiKey(b, api_key_off)
     if batch_events:
         _generate.AddBatchEvents(b, True)
+    if not skip_special_tokens:  # schema 1.17
+        _generate.AddSkipSpecialTokens(b, False)
     return _finish(b, _generate.End(b), MessageType.GenerateRequest)
 
 
