@@ -1,9 +1,10 @@
 // What the HTTP front reads from the network and from a model: any request body parses to a
 // request or an OpenAI error object, and any answer, in any pieces, splits into reasoning,
 // content, stop strings and tool calls, without a crash, an endless loop or a deep recursion.
-// The input: a flags byte (bits 0-1: the endpoint, 3 for vLLM's /tokenize and /detokenize; bit 2:
-// GLM-4.5's call format instead of Hermes'; bit 3: a prompt that opened the reasoning block;
-// bit 4: at most one call), then frames (fuzz.h): the body, then pieces of an answer.
+// The input: a flags byte (bits 0-1: the endpoint, 3 for vLLM's /tokenize and /detokenize; bits 2
+// and 5: the call format, Hermes, GLM-4.5, DeepSeek or Mistral; bit 3: a prompt that opened the
+// reasoning block; bit 4: at most one call), then frames (fuzz.h): the body, then pieces of an
+// answer.
 #include <string>
 #include <variant>
 #include <vector>
@@ -36,13 +37,16 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
       (void)std::get<ApiError>(parsed).body();
     }
   }
-  const auto format = (flags & 4) != 0 ? moeline::tokenizer::ToolCallFormat::kGlm45
-                                       : moeline::tokenizer::ToolCallFormat::kHermes;
+  using moeline::tokenizer::ToolCallFormat;
+  static constexpr ToolCallFormat kFormats[] = {ToolCallFormat::kHermes, ToolCallFormat::kGlm45,
+                                                ToolCallFormat::kDeepSeek,
+                                                ToolCallFormat::kMistral};
+  const auto format = kFormats[((flags >> 2) & 1) | (((flags >> 5) & 1) << 1)];
   const auto start = (flags & 8) != 0 ? ReasoningStart::kOpen : ReasoningStart::kAtStart;
   // The answer as a stream would deliver it, and whole.
   std::string whole;
   ReasoningStream reasoning(start);
-  ToolCallHold held;
+  ToolCallHold held(tool_call_marker(format));
   StopMatcher matcher(stops);
   for (size_t i = 1; i < parts.size(); ++i) {
     const std::string piece(parts[i]);

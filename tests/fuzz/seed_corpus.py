@@ -124,6 +124,16 @@ def openai_seeds():
                                           "ments\": {\"city\": \"Paris\"}}\n</tool_call>"))
     write("openai", "chat-glm", framed(4 | 16, chat, "Sure.<tool_call>get_weather\n<arg_key>",
                                        "days</arg_key><arg_value>3</arg_value></tool_call>"))
+    write("openai", "chat-deepseek", framed(
+        32, chat, "Sure.<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool",
+        "▁sep｜>get_weather\n```json\n{\"city\": \"Paris\"}\n```<｜tool▁call▁end｜>",
+        "<｜tool▁call▁begin｜>now<｜tool▁sep｜>{}<｜tool▁call▁end｜><｜tool▁calls▁end｜>"))
+    write("openai", "chat-mistral", framed(
+        32 | 4, chat, "Sure. [TOOL_", "CALLS] [{\"name\": \"get_weather\", \"arguments\": ",
+        "{\"city\": \"Paris\"}}]"))
+    write("openai", "chat-mistral-v11", framed(
+        32 | 4 | 16, chat, "[TOOL_CALLS]get_weather[CALL_ID]a1b2c3d4e[ARGS]{\"city\": ",
+        "\"Paris\"}[TOOL_CALLS]now[ARGS]{}"))
     completion = json.dumps({"prompt": ["a", "b"], "max_tokens": 8, "echo": True, "logprobs": 3,
                              "logit_bias": {"5": -100}, "best_of": 2, "n": 2, "top_p": 0.9,
                              "response_format": {"type": "json_schema", "json_schema": {
