@@ -209,14 +209,16 @@ Expected<ChatTemplate> ChatTemplate::load(const std::string& path) {
     return Error{path + ": has no chat_template (and model_type \"" + type +
                  "\" has no built-in chat format)"};
   }
+  std::string tool_use;
   if (it->is_string()) {
     source = it->get<std::string>();
   } else if (it->is_array()) {
     for (const auto& entry : *it) {
-      if (entry.is_object() && entry.value("name", "") == "default" && entry.contains("template") &&
-          entry["template"].is_string()) {
-        source = entry["template"].get<std::string>();
-      }
+      if (!entry.is_object() || !entry.contains("template") || !entry["template"].is_string())
+        continue;
+      const std::string name = entry.value("name", "");
+      if (name == "default") source = entry["template"].get<std::string>();
+      if (name == "tool_use") tool_use = entry["template"].get<std::string>();
     }
     if (source.empty()) return Error{path + ": chat_template list has no \"default\" entry"};
   } else {
@@ -225,12 +227,21 @@ Expected<ChatTemplate> ChatTemplate::load(const std::string& path) {
   auto t =
       from_template(source, token_string(config, "bos_token"), token_string(config, "eos_token"));
   if (!t.ok()) return Error{path + ": " + t.error().message};
+  if (!tool_use.empty()) {
+    // transformers renders a chat that offers tools with the "tool_use" template where the list
+    // has one (Mistral's and Cohere's releases keep their tool format only there).
+    auto tools = from_template(tool_use, token_string(config, "bos_token"),
+                               token_string(config, "eos_token"));
+    if (!tools.ok()) return Error{path + ": the \"tool_use\" template: " + tools.error().message};
+    t->tool_use_ = std::make_shared<const ChatTemplate>(std::move(*tools));
+  }
   return t;
 }
 
 Expected<std::string> ChatTemplate::render(const std::vector<ChatMessage>& messages,
                                            const ChatOptions& options) const {
   if (messages.empty()) return Error{"a chat needs at least one message"};
+  if (tool_use_ && !options.tools_json.empty()) return tool_use_->render(messages, options);
   if (format_ != Format::kJinja) {
     const bool calls = std::any_of(messages.begin(), messages.end(),
                                    [](const ChatMessage& m) { return !m.tool_calls.empty(); });

@@ -83,10 +83,11 @@ class ChatTemplate {
   enum class Format { kJinja, kChatML, kQwen3, kDeepSeekV3, kMistral };
 
   // Reads tokenizer_config.json: its bos/eos token strings, and its chat_template (a string, or a
-  // list of named templates whose "default" is used) unless a chat_template.jinja lies beside it,
-  // which wins as in transformers (newer releases, GLM-4.5's among them, keep the template only
-  // there). Without either, the built-in format of the model_type in the config.json beside it
-  // (qwen2_moe: chatml, qwen3_moe: qwen3, deepseek_v2/v3: deepseek_v3, mixtral/mistral: mistral).
+  // list of named templates whose "default" is used, and "tool_use" for chats with tools) unless a
+  // chat_template.jinja lies beside it, which wins as in transformers (newer releases, GLM-4.5's
+  // among them, keep the template only there). Without either, the built-in format of the
+  // model_type in the config.json beside it (qwen2_moe: chatml, qwen3_moe: qwen3, deepseek_v2/v3:
+  // deepseek_v3, mixtral/mistral: mistral).
   static Expected<ChatTemplate> load(const std::string& tokenizer_config_path);
   // A Jinja template (parsed once; an unsupported construct is an error naming it).
   static Expected<ChatTemplate> from_template(const std::string& jinja_source,
@@ -97,8 +98,11 @@ class ChatTemplate {
                                const ChatOptions& options = {}) const;
   Format format() const { return format_; }
   const char* format_name() const;
-  // The format the template writes tool calls in (kNone for the built-in formats).
-  ToolCallFormat tool_call_format() const { return tool_call_format_; }
+  // The format the template writes tool calls in (kNone for the built-in formats); the "tool_use"
+  // template's, where the config names one (a chat that offers tools is rendered with it).
+  ToolCallFormat tool_call_format() const {
+    return tool_use_ ? tool_use_->tool_call_format_ : tool_call_format_;
+  }
   // Whether the model thinks in <think> ... </think> blocks before it answers (the template
   // writes them: Qwen3, DeepSeek-R1, GLM-4.5), which the server then reads out of the answer.
   bool writes_reasoning() const { return writes_reasoning_; }
@@ -111,6 +115,7 @@ class ChatTemplate {
   Format format_;
   std::shared_ptr<const jinja::Template> jinja_;  // kJinja
   ToolCallFormat tool_call_format_ = ToolCallFormat::kNone;
+  std::shared_ptr<const ChatTemplate> tool_use_;  // a list's "tool_use" template, if it has one
   bool writes_reasoning_ = false;
   std::string bos_;
   std::string eos_;

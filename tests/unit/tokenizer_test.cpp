@@ -359,6 +359,32 @@ TEST(ChatTemplate, AChatTemplateJinjaBesideTheConfigWins) {
   fs::remove_all(dir);
 }
 
+// A list of named templates (Mixtral 8x22B's tokenizer_config.json): "default" renders a chat,
+// and "tool_use", where there is one, a chat that offers tools, as transformers chooses; the
+// calls are read back in the format the "tool_use" template writes.
+TEST(ChatTemplate, AChatWithToolsIsRenderedWithTheToolUseTemplate) {
+  namespace fs = std::filesystem;
+  const fs::path dir =
+      fs::temp_directory_path() / ("moeline-chat-tool-use-" + std::to_string(::getpid()));
+  fs::create_directories(dir);
+  const std::string config = (dir / "tokenizer_config.json").string();
+  std::ofstream(config) << R"({"bos_token": "<s>", "chat_template": [
+      {"name": "default", "template": "{% for m in messages %}[INST]{{ m.content }}{% endfor %}"},
+      {"name": "tool_use", "template": "[AVAILABLE_TOOLS]{{ tools | length }}[/AVAILABLE_TOOLS]{% for m in messages %}[INST]{{ m.content }}{% if m.tool_calls %}[TOOL_CALLS]{% endif %}{% endfor %}"}]})";
+  auto chat = ChatTemplate::load(config);
+  ASSERT_TRUE(chat.ok()) << chat.error().message;
+  EXPECT_EQ(chat->tool_call_format(), ToolCallFormat::kMistral);
+  EXPECT_EQ(*chat->render({{"user", "hi"}}), "[INST]hi");
+  EXPECT_EQ(*chat->render({{"user", "hi"}}, {.tools_json = R"([{"type": "function"}])"}),
+            "[AVAILABLE_TOOLS]1[/AVAILABLE_TOOLS][INST]hi");
+  std::ofstream(config) << R"({"chat_template": [{"name": "default", "template": "x"},
+      {"name": "tool_use", "template": "{% if %}"}]})";
+  auto broken = ChatTemplate::load(config);
+  ASSERT_FALSE(broken.ok());
+  EXPECT_NE(broken.error().message.find("tool_use"), std::string::npos) << broken.error().message;
+  fs::remove_all(dir);
+}
+
 }  // namespace
 }  // namespace moeline::tokenizer
 
