@@ -86,6 +86,22 @@ const char* ChatTemplate::format_name() const {
   return "?";
 }
 
+const char* tool_call_format_name(ToolCallFormat format) {
+  switch (format) {
+    case ToolCallFormat::kNone:
+      return "none";
+    case ToolCallFormat::kHermes:
+      return "hermes";
+    case ToolCallFormat::kGlm45:
+      return "glm45";
+    case ToolCallFormat::kDeepSeek:
+      return "deepseek";
+    case ToolCallFormat::kMistral:
+      return "mistral";
+  }
+  return "?";
+}
+
 bool reserved_template_variable(std::string_view name) {
   for (const std::string_view reserved :
        {"messages", "tools", "add_generation_prompt", "bos_token", "eos_token", "enable_thinking"})

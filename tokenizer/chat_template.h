@@ -77,6 +77,8 @@ enum class ToolCallFormat {
               // V3.1)
   kMistral,  // [TOOL_CALLS] [{"name": ..., "arguments": {...}}] or [TOOL_CALLS]name[ARGS]{...}
 };
+// "none", "hermes", "glm45", "deepseek", "mistral" (as the HTTP stage logs it).
+const char* tool_call_format_name(ToolCallFormat format);
 
 class ChatTemplate {
  public:
@@ -93,6 +95,11 @@ class ChatTemplate {
   static Expected<ChatTemplate> from_template(const std::string& jinja_source,
                                               std::string bos_token, std::string eos_token);
   static ChatTemplate builtin(Format format, std::string bos_token, std::string eos_token);
+  // Another Jinja template with this one's BOS and EOS (a template file given instead of the
+  // checkpoint's own).
+  Expected<ChatTemplate> with_source(const std::string& jinja_source) const {
+    return from_template(jinja_source, bos_, eos_);
+  }
 
   Expected<std::string> render(const std::vector<ChatMessage>& messages,
                                const ChatOptions& options = {}) const;

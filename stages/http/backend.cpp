@@ -1,5 +1,8 @@
 #include "stages/http/backend.h"
 
+#include <fstream>
+#include <iterator>
+
 #include "model/config.h"
 #include "model/json_grammar.h"
 #include "model/model_text.h"
@@ -10,7 +13,8 @@ namespace moeline::stages::http {
 
 std::unique_ptr<Backend> make_backend(const std::filesystem::path& model_dir, std::string name,
                                       const std::string& endpoint, const std::string& server_key,
-                                      runtime::Logger& log) {
+                                      runtime::Logger& log,
+                                      const std::filesystem::path& chat_template) {
   auto backend = std::make_unique<Backend>();
   const model::ModelConfig model_config = model::ModelConfig::load(model_dir);
   backend->context =
@@ -22,6 +26,23 @@ std::unique_ptr<Backend> make_backend(const std::filesystem::path& model_dir, st
         (model::is_gguf_model(model_dir) ? model_dir.stem() : model_dir.filename()).string();
   if (backend->name.empty()) backend->name = model_dir.parent_path().filename().string();
   auto chat = model::load_model_chat_template(model_dir);
+  if (!chat_template.empty()) {
+    std::ifstream in(chat_template);
+    if (!in)
+      throw runtime::ConfigError("--chat-template " + chat_template.string() + ": cannot read");
+    const std::string source((std::istreambuf_iterator<char>(in)),
+                             std::istreambuf_iterator<char>());
+    auto replaced =
+        chat ? chat->with_source(source) : tokenizer::ChatTemplate::from_template(source, "", "");
+    if (!replaced)
+      throw runtime::ConfigError("--chat-template " + chat_template.string() + ": " +
+                                 replaced.error().message);
+    chat = std::move(replaced);
+    log.info("chat_template",
+             {{"model", backend->name},
+              {"file", chat_template.string()},
+              {"tool_calls", tokenizer::tool_call_format_name(chat->tool_call_format())}});
+  }
   if (chat) {
     backend->chat = std::make_unique<tokenizer::ChatTemplate>(std::move(*chat));
   } else {
@@ -183,8 +204,9 @@ Backends::Backends(const runtime::Config& config, runtime::StageService& service
   std::string server_key = config.text("server-key");
   if (server_key.empty() && !config.text("curve-dir").empty())
     server_key = (std::filesystem::path(config.text("curve-dir")) / "gateway.pub").string();
-  primary_ = make_backend(config.text("model"), config.text("served-model-name"),
-                          config.text("gateway"), server_key, service.log);
+  primary_ =
+      make_backend(config.text("model"), config.text("served-model-name"), config.text("gateway"),
+                   server_key, service.log, config.text("chat-template"));
   primary_->reads_reasoning = parser == "auto";
   const int64_t max_request_s = config.integer("max-request-s");
   if (max_request_s < 1 || max_request_s > 86400)

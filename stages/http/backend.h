@@ -42,10 +42,13 @@ struct Backend {
 
 // Reads the backend's model folder (config.json for the context, tokenizer_config.json for the
 // chat template, tokenizer.json for the tokens' text; a missing template or tokenizer is logged
-// and the requests that need it are refused) and connects.
+// and the requests that need it are refused) and connects. `chat_template`: a Jinja file used
+// instead of the checkpoint's template (with its BOS and EOS), as vLLM's --chat-template; an
+// unreadable or unparsable file is a ConfigError.
 std::unique_ptr<Backend> make_backend(const std::filesystem::path& model_dir, std::string name,
                                       const std::string& endpoint, const std::string& server_key,
-                                      runtime::Logger& log);
+                                      runtime::Logger& log,
+                                      const std::filesystem::path& chat_template = {});
 
 // The prompt text a completion echoes (OpenAI's echo): the prompt as given, or a prompt of token
 // ids decoded (to_options refuses echo of ids without a tokenizer).

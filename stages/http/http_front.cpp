@@ -676,6 +676,10 @@ std::vector<runtime::ConfigKey> http_keys() {
                   "tcp:// gateway with Curve on (default with --curve-dir: its gateway.pub)"});
   keys.push_back({"served-model-name", "",
                   "the model name clients ask for (default: the checkpoint folder's name)"});
+  keys.push_back({"chat-template", "",
+                  "a Jinja chat template file used instead of the checkpoint's (as vLLM's "
+                  "--chat-template: a template that writes the tools, where the model's own does "
+                  "not); its tool-call format is read from it"});
   keys.push_back({"max-connections", "1024",
                   "connections served at once (a thread each; a stream holds its thread)"});
   keys.push_back({"request-timeout-s", "600",

@@ -837,6 +837,30 @@ TEST(ToolCalls, MistralCallsAreReadInBothForms) {
     EXPECT_FALSE(parse_mistral_tool_calls(text).has_value()) << text;
 }
 
+// --chat-template FILE (vLLM's): a template that writes the tools, where the checkpoint's own
+// does not (DeepSeek-V3's), replaces it, with the checkpoint's BOS and EOS; the calls are read in
+// the format it writes. A file that cannot be read or parsed stops the stage with its name.
+TEST(ChatTemplateFile, ReplacesTheCheckpointsTemplate) {
+  namespace fs = std::filesystem;
+  const fs::path model = fs::path(MOELINE_TEST_MODELS) / "mixtral-f32";
+  const fs::path file =
+      fs::temp_directory_path() / ("moeline-template-" + std::to_string(::getpid()) + ".jinja");
+  std::ofstream(file) << "{{ bos_token }}{% for t in tools %}<tools>{{ t.function.name }}</tools>"
+                         "{% endfor %}{% for m in messages %}{{ m.content }}{% endfor %}"
+                         "{% if false %}<｜tool▁calls▁begin｜>{% endif %}";
+  runtime::Logger log("http", "http-test");
+  const auto backend = make_backend(model, "", "tcp://127.0.0.1:9", "", log, file);
+  ASSERT_NE(backend->chat, nullptr);
+  EXPECT_EQ(backend->chat->tool_call_format(), tokenizer::ToolCallFormat::kDeepSeek);
+  EXPECT_EQ(*backend->chat->render({{"user", "hi"}}, {.tools_json = R"([{"type": "function",
+      "function": {"name": "get_weather"}}])"}),
+            "<s><tools>get_weather</tools>hi");
+  std::ofstream(file) << "{% if %}";
+  EXPECT_THROW(make_backend(model, "", "tcp://127.0.0.1:9", "", log, file), runtime::ConfigError);
+  fs::remove(file);
+  EXPECT_THROW(make_backend(model, "", "tcp://127.0.0.1:9", "", log, file), runtime::ConfigError);
+}
+
 TEST(ToolCalls, AStreamHoldsBackFromWhereACallMayBegin) {
   ToolCallHold hold;
   std::string content;
