@@ -1266,12 +1266,7 @@ def case_client_gone(args):
             sock = send_raw(stack, {"prompt": prompt + [17], "max_tokens": 400, "ignore_eos": True,
                                     "temperature": 0, "stream": True})
             sock.settimeout(timeout_s + 10)
-            received = b""
-            while b"data: [DONE]" not in received:
-                data = sock.recv(65536)
-                if not data:
-                    break
-                received += data
+            received = read_until(sock, b"data: [DONE]")
             sock.close()
         finally:
             os.kill(pid, signal.SIGCONT)
@@ -1285,27 +1280,16 @@ def case_client_gone(args):
                                     "temperature": 0, "stream": True})
             sock.settimeout(10)
             waited = time.time()
-            head = b""
-            while b"\r\n\r\n" not in head:
-                data = sock.recv(4096)
-                check(data, "the connection closed before the stream's head")
-                head += data
+            head = read_until(sock, b"\r\n\r\n", "the connection closed before the stream's head")
             head_s = time.time() - waited
             check(b" 200 " in head.split(b"\r\n")[0] and b"data: " not in head,
                   f"the head before any token: {head[:300]}")
-            body = head.split(b"\r\n\r\n", 1)[1]
-            while b": keep-alive" not in body:
-                data = sock.recv(4096)
-                check(data, "the connection closed before a keep-alive")
-                body += data
+            body = read_until(sock, b": keep-alive", "the connection closed before a keep-alive",
+                              head.split(b"\r\n\r\n", 1)[1])
             check(b"data: " not in body, f"a keep-alive, still no token: {body[:300]}")
         finally:
             os.kill(pid, signal.SIGCONT)
-        while b"data: [DONE]" not in body:
-            data = sock.recv(65536)
-            if not data:
-                break
-            body += data
+        body = read_until(sock, b"data: [DONE]", received=body)
         sock.close()
         check(b"data: [DONE]" in body and b'"finish_reason":"length"' in body,
               f"the stream goes on once its first token comes: {body[-300:]}")
@@ -1313,6 +1297,18 @@ def case_client_gone(args):
               f"{head_s:.1f} s and keep-alive comments, then its tokens")
         print(f"ok client_gone: a stream silent past the {timeout_s} s timeout ends with "
               f"timeout_error")
+
+
+def read_until(sock, marker, closed_early=None, received=b""):
+    """What `sock` sends until `marker` is in it (after `received`), or until it closes: a check
+    fails with `closed_early` where that is given."""
+    while marker not in received:
+        data = sock.recv(65536)
+        if not data:
+            check(closed_early is None, closed_early)
+            break
+        received += data
+    return received
 
 
 def concurrently(stack, bodies, gap_s=0.02, headers=None):

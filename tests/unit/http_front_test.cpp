@@ -1368,21 +1368,33 @@ TEST(ClientLink, FindsTheConnectionByItsAddressesAndSeesItsClientLeave) {
   EXPECT_FALSE(none.gone());
 }
 
+// A streamed completion of one choice: its first event, then what comes on its channel.
+struct OneChoiceStream {
+  OneChoiceStream() {
+    request.endpoint = Endpoint::kCompletions;
+    request.stream = true;
+  }
+  std::unique_ptr<StreamedResponse> response(std::shared_ptr<RequestChannel> channel,
+                                             sdk::Event first) {
+    std::vector<StreamedResponse::Choice> choices;
+    choices.push_back(
+        {std::move(channel), std::move(first),
+         std::make_unique<TokenStream>(Endpoint::kCompletions, request, backend,
+                                       std::make_shared<Completion>(), 3, &delay, &failures)});
+    return std::make_unique<StreamedResponse>(Endpoint::kCompletions, std::move(choices), false);
+  }
+  CompletionRequest request;
+  Backend backend;
+  runtime::Histogram delay{{1.0}};
+  runtime::Counter failures;
+};
+
 // A stream between two tokens (nothing to write, so no write can fail) ends once its client is
 // seen gone, well before its timeout.
 TEST(StreamedResponse, AClientThatLeavesWhileNothingIsWrittenEndsTheStream) {
-  CompletionRequest request;
-  request.endpoint = Endpoint::kCompletions;
-  request.stream = true;
-  Backend backend;
-  runtime::Histogram delay({1.0});
-  runtime::Counter failures;
-  std::vector<StreamedResponse::Choice> choices;
-  choices.push_back(
-      {std::make_shared<RequestChannel>(), event_of(sdk::EventKind::kDelta, "first", 1),
-       std::make_unique<TokenStream>(Endpoint::kCompletions, request, backend,
-                                     std::make_shared<Completion>(), 3, &delay, &failures)});
-  StreamedResponse response(Endpoint::kCompletions, std::move(choices), false);
+  OneChoiceStream stream;
+  auto response = stream.response(std::make_shared<RequestChannel>(),
+                                  event_of(sdk::EventKind::kDelta, "first", 1));
   Loopback connection;
   ClientLink link = connection.link();
   httplib::DataSink sink;
@@ -1392,32 +1404,22 @@ TEST(StreamedResponse, AClientThatLeavesWhileNothingIsWrittenEndsTheStream) {
     ::shutdown(connection.client, SHUT_RDWR);
   });
   const auto start = std::chrono::steady_clock::now();
-  EXPECT_FALSE(response.write(sink, std::chrono::seconds(60), link));
+  EXPECT_FALSE(response->write(sink, std::chrono::seconds(60), link));
   leave.join();
   EXPECT_LT(std::chrono::steady_clock::now() - start, std::chrono::seconds(30));
   EXPECT_TRUE(link.gone());
-  EXPECT_EQ(failures.value(), 0);  // seen, not a failed write
+  EXPECT_EQ(stream.failures.value(), 0);  // seen, not a failed write
 }
 
 // --request-timeout-s bounds each wait for an event, not the stream: a stream whose events keep
 // coming (every 50 ms, 600 ms in all) outlives a 400 ms timeout; one that falls silent for longer
 // ends with a timeout error. (Margins of 8x: a loaded machine stretches the gaps, not past them.)
 TEST(StreamedResponse, TheTimeoutBoundsEachWaitNotTheStream) {
-  CompletionRequest request;
-  request.endpoint = Endpoint::kCompletions;
-  request.stream = true;
-  Backend backend;
-  runtime::Histogram delay({1.0});
-  runtime::Counter failures;
+  OneChoiceStream stream;
   ClientLink no_socket("", -1, "", -1);
   for (const bool falls_silent : {false, true}) {
     auto channel = std::make_shared<RequestChannel>();
-    std::vector<StreamedResponse::Choice> choices;
-    choices.push_back(
-        {channel, event_of(sdk::EventKind::kDelta, "0", 1),
-         std::make_unique<TokenStream>(Endpoint::kCompletions, request, backend,
-                                       std::make_shared<Completion>(), 3, &delay, &failures)});
-    StreamedResponse response(Endpoint::kCompletions, std::move(choices), false);
+    auto response = stream.response(channel, event_of(sdk::EventKind::kDelta, "0", 1));
     std::thread producer([&] {
       for (int i = 1; i <= 12; ++i) {
         std::this_thread::sleep_for(std::chrono::milliseconds(50));
@@ -1432,7 +1434,7 @@ TEST(StreamedResponse, TheTimeoutBoundsEachWaitNotTheStream) {
       return true;
     };
     const auto start = std::chrono::steady_clock::now();
-    EXPECT_TRUE(response.write(sink, std::chrono::milliseconds(400), no_socket));
+    EXPECT_TRUE(response->write(sink, std::chrono::milliseconds(400), no_socket));
     const auto took = std::chrono::steady_clock::now() - start;
     producer.join();
     EXPECT_NE(written.find("data: [DONE]"), std::string::npos);
