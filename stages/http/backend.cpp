@@ -61,6 +61,13 @@ std::unique_ptr<Backend> make_backend(const std::filesystem::path& model_dir, st
   return backend;
 }
 
+bool forces_bare_json_call(const CompletionRequest& request, const Backend& backend) {
+  const bool forced = request.tool_choice == CompletionRequest::ToolChoice::kRequired ||
+                      request.tool_choice == CompletionRequest::ToolChoice::kFunction;
+  return forced && backend.chat &&
+         backend.chat->tool_call_format() != tokenizer::ToolCallFormat::kHermes;
+}
+
 std::string echo_text(const CompletionRequest& request, const Backend& backend) {
   if (request.prompt_tokens.empty() || !backend.tokenizer) return request.prompt;
   auto text = backend.tokenizer->decode(request.prompt_tokens);
@@ -94,18 +101,15 @@ std::variant<sdk::GenerateOptions, ApiError> to_options(const CompletionRequest&
         request.tool_choice == CompletionRequest::ToolChoice::kFunction) {
       ApiError error;
       error.param = "tool_choice";
-      if (backend.chat->tool_call_format() != tokenizer::ToolCallFormat::kHermes) {
-        error.code = "unsupported_parameter";
-        error.message =
-            "a forced tool call is decoded as Qwen's <tool_call> JSON blocks; the model '" +
-            backend.name + "' writes its calls in another format";
-        return error;
-      }
       if (request.structured != sdk::StructuredOutput::kNone) {
         error.message = "'response_format' and a forced 'tool_choice' cannot be combined";
         return error;
       }
-      options.structured = sdk::StructuredOutput::kHermesToolCall;
+      // Hermes-style templates get the call in their own <tool_call> tags; any other format the
+      // bare document, as vLLM decodes forced calls whatever the model's format.
+      options.structured = forces_bare_json_call(request, backend)
+                               ? sdk::StructuredOutput::kJsonSchema
+                               : sdk::StructuredOutput::kHermesToolCall;
       options.json_schema =
           forced_call_schema(request.chat.tools_json, request.tool_choice_function);
       if (auto grammar = model::JsonGrammar::compile(options.json_schema); !grammar) {

@@ -50,6 +50,11 @@ std::unique_ptr<Backend> make_backend(const std::filesystem::path& model_dir, st
                                       runtime::Logger& log,
                                       const std::filesystem::path& chat_template = {});
 
+// A forced call (tool_choice required or a named function) on a template whose calls are not
+// Hermes-style <tool_call> blocks: decoded under the call's grammar alone, as the bare JSON
+// document {"name", "arguments"}, and read back as that (parse_forced_call).
+bool forces_bare_json_call(const CompletionRequest& request, const Backend& backend);
+
 // The prompt text a completion echoes (OpenAI's echo): the prompt as given, or a prompt of token
 // ids decoded (to_options refuses echo of ids without a tokenizer).
 std::string echo_text(const CompletionRequest& request, const Backend& backend);

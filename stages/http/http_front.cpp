@@ -558,7 +558,8 @@ class HttpFront {
       if (auto parsed = http::parse_tool_calls(
               completion.text,
               backend.chat ? backend.chat->tool_call_format() : tokenizer::ToolCallFormat::kNone,
-              api_request.chat.tools_json, api_request.parallel_tool_calls)) {
+              api_request.chat.tools_json, api_request.parallel_tool_calls,
+              http::forces_bare_json_call(api_request, backend))) {
         completion.text = std::move(parsed->content);
         completion.tool_calls = std::move(parsed->calls);
         completion.finish_reason = "tool_calls";

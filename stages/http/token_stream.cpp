@@ -34,7 +34,9 @@ TokenStream::TokenStream(Endpoint endpoint, const CompletionRequest& request,
   }
   if (endpoint == Endpoint::kChat && !request.chat.tools_json.empty()) {
     if (backend.chat) tool_call_format_ = backend.chat->tool_call_format();
-    tool_calls_.emplace(tool_call_marker(tool_call_format_));
+    bare_json_call_ = forces_bare_json_call(request, backend);
+    // A bare forced call is held from its first character.
+    tool_calls_.emplace(bare_json_call_ ? std::string_view() : tool_call_marker(tool_call_format_));
     tools_json_ = request.chat.tools_json;
     parallel_tool_calls_ = request.parallel_tool_calls;
   }
@@ -142,7 +144,7 @@ void TokenStream::finish_choice(httplib::DataSink& sink) {
   }
   if (tool_calls_ && !tool_calls_->held().empty()) {
     if (auto parsed = parse_tool_calls(tool_calls_->held(), tool_call_format_, tools_json_,
-                                       parallel_tool_calls_)) {
+                                       parallel_tool_calls_, bare_json_call_)) {
       completion_->tool_calls = std::move(parsed->calls);
       send(sink, server_event(tool_calls_chunk(*completion_)));
       finish_reason = "tool_calls";

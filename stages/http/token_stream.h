@@ -77,6 +77,7 @@ class TokenStream {
   tokenizer::ToolCallFormat tool_call_format_ = tokenizer::ToolCallFormat::kNone;  // the template's
   std::string tools_json_;                                                         // the request's
   bool parallel_tool_calls_ = true;
+  bool bare_json_call_ = false;  // forces_bare_json_call
   TokenEvents token_events_;
   runtime::Histogram* token_delay_;
   runtime::Counter* write_failures_;

@@ -299,6 +299,22 @@ std::optional<ToolCallOutput> parse_mistral_tool_calls(const std::string& text) 
   return out;
 }
 
+std::optional<ToolCallOutput> parse_forced_call(const std::string& text,
+                                                tokenizer::ToolCallFormat format) {
+  const std::string_view document = trimmed(text);
+  if (!shallow(document)) return std::nullopt;
+  const auto call = nlohmann::ordered_json::parse(document, nullptr, /*allow_exceptions=*/false);
+  if (!call.is_object() || !call.contains("name") || !call["name"].is_string()) return std::nullopt;
+  std::optional<std::string> arguments = std::string("{}");
+  if (call.contains("arguments")) arguments = arguments_text(call["arguments"]);
+  if (!arguments) return std::nullopt;
+  ToolCallOutput out;
+  out.calls.push_back(
+      {format == tokenizer::ToolCallFormat::kMistral ? mistral_call_id() : random_id("call_"),
+       call["name"].get<std::string>(), std::move(*arguments)});
+  return out;
+}
+
 std::string_view tool_call_marker(tokenizer::ToolCallFormat format) {
   switch (format) {
     case tokenizer::ToolCallFormat::kHermes:
@@ -316,7 +332,9 @@ std::string_view tool_call_marker(tokenizer::ToolCallFormat format) {
 
 std::optional<ToolCallOutput> parse_tool_calls(const std::string& text,
                                                tokenizer::ToolCallFormat format,
-                                               const std::string& tools_json, bool parallel) {
+                                               const std::string& tools_json, bool parallel,
+                                               bool bare_json) {
+  if (bare_json) return parse_forced_call(text, format);
   std::optional<ToolCallOutput> parsed;
   switch (format) {
     case tokenizer::ToolCallFormat::kHermes:

@@ -48,11 +48,17 @@ std::optional<ToolCallOutput> parse_mistral_tool_calls(const std::string& text);
 // where it is JSON (3, true, [1, 2], {"a": 1}) and stays text where it is not.
 std::optional<ToolCallOutput> parse_glm45_tool_calls(const std::string& text,
                                                      const std::string& tools_json);
-// The calls in `text` in the template's `format` (none for kNone); with `parallel` false only the
+// A forced call decoded as the bare document {"name": ..., "arguments": {...}} (with surrounding
+// whitespace), its id as `format`'s calls have them; nullopt for any other text.
+std::optional<ToolCallOutput> parse_forced_call(const std::string& text,
+                                                tokenizer::ToolCallFormat format);
+// The calls in `text` in the template's `format` (none for kNone), or with `bare_json` the one
+// call of a forced call's bare document (forces_bare_json_call); with `parallel` false only the
 // first (OpenAI's parallel_tool_calls: false).
 std::optional<ToolCallOutput> parse_tool_calls(const std::string& text,
                                                tokenizer::ToolCallFormat format,
-                                               const std::string& tools_json, bool parallel = true);
+                                               const std::string& tools_json, bool parallel = true,
+                                               bool bare_json = false);
 
 // A forced call's document, as a JSON Schema (text): {"name": one of the tools' names (only
 // `function` where it is given), "arguments": that tool's parameters (an object where it has
@@ -66,6 +72,7 @@ std::string_view tool_call_marker(tokenizer::ToolCallFormat format);
 // A streamed text with tools on offer: the content is written as it comes until a call may
 // begin; from the format's first marker (or what could still become one at the end of the text
 // so far) it is held back, and at the end parsed as calls or, if it is not one, written as text.
+// With an empty marker (a forced call's bare document) all of it is held.
 class ToolCallHold {
  public:
   explicit ToolCallHold(std::string_view marker = "<tool_call>") : marker_(marker) {}

@@ -28,6 +28,10 @@ Cases (--case, one per CTest entry):
         the answer as `moeline run` gives it; forced calls (tool_choice "required" and a named
         function) answered with a call the tool's schema accepts (skipped without python3-jinja2
         or the npm package).
+  tool_formats  `moeline http --chat-template` with a DeepSeek-style template (its calls in
+        <｜tool▁calls▁begin｜> blocks) on the demo model: the file's prompt is what the front sends,
+        and forced calls (tool_choice "required" and a named function) come back as calls the
+        tools' schemas accept, decoded as the bare JSON document.
   slow_client  a streaming client that stops reading is cut off after --write-timeout-ms (and
         counted), while another stream completes.
   client_gone  a client that closes its connection while nothing is being written to it (a
@@ -1147,6 +1151,61 @@ def check_forced_calls(stack):
              400, "tool_choice", what="a forced call without tools")
 
 
+DEEPSEEK_STYLE_TEMPLATE = (
+    "{{ bos_token }}{% if tools %}## Tools{% for t in tools %}\n{{ t.function.name }}: "
+    "{{ t.function.parameters | tojson }}{% endfor %}\n{% endif %}{% for m in messages %}"
+    "{% if m.role == 'user' %}<｜User｜>{{ m.content }}{% elif m.role == 'assistant' %}"
+    "<｜Assistant｜>{% if m.tool_calls %}<｜tool▁calls▁begin｜>{% for c in m.tool_calls %}"
+    "<｜tool▁call▁begin｜>function<｜tool▁sep｜>{{ c.function.name }}\n```json\n"
+    "{{ c.function.arguments }}\n```<｜tool▁call▁end｜>{% endfor %}<｜tool▁calls▁end｜>"
+    "{% else %}{{ m.content }}{% endif %}{% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}<｜Assistant｜>{% endif %}")
+
+
+def case_tool_formats(args):
+    """A template given with --chat-template (through `stack up --config`, as an operator would)
+    that writes DeepSeek's call blocks: the prompt of a chat with tools is that file rendered by
+    Python's jinja2 (the usage counts its tokens, /tokenize gives the same), and forced calls come
+    back as calls, decoded as the bare JSON document whatever the template's own format."""
+    sys.path.insert(0, os.path.join(os.path.dirname(HERE), "parity"))
+    from test_jinja_parity import hf_environment  # exits 77 without python3-jinja2
+    run = os.path.join(args.workdir, "tool_formats")
+    os.makedirs(run, exist_ok=True)
+    template = os.path.join(args.workdir, "deepseek-style.jinja")
+    with open(template, "w", encoding="utf-8") as f:
+        f.write(DEEPSEEK_STYLE_TEMPLATE)
+    with Stack(args.moeline, args.model, run, http_port=0,
+               config={"http": {"chat-template": template}}) as stack:
+        tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {
+            "type": "object", "properties": {"city": {"type": "string"}}}}}]
+        messages = [{"role": "user", "content": "Weather in Paris?"},
+                    {"role": "assistant", "content": None, "tool_calls": [
+                        {"id": "call_1", "type": "function", "function": {
+                            "name": "get_weather", "arguments": "{\"city\": \"Paris\"}"}}]}]
+        with open(os.path.join(args.model, "tokenizer_config.json"), encoding="utf-8") as f:
+            bos = json.load(f).get("bos_token") or ""
+        bos = bos["content"] if isinstance(bos, dict) else bos
+        # The arguments as the text the client sent (DeepSeek's templates add them to strings).
+        want = hf_environment().from_string(DEEPSEEK_STYLE_TEMPLATE).render(
+            messages=messages, tools=tools, add_generation_prompt=True, bos_token=bos)
+        check("```json\n{\"city\": \"Paris\"}\n```" in want, f"the reference prompt: {want!r}")
+        status, tokenized, _ = post(stack, "/tokenize", {"messages": messages, "tools": tools})
+        status_text, by_text, _ = post(stack, "/tokenize", {"prompt": want,
+                                                            "add_special_tokens": False})
+        check(status == 200 and status_text == 200 and tokenized["tokens"] == by_text["tokens"],
+              f"the prompt of the file: {tokenized} want {by_text}")
+        status, body, _ = post(stack, "/v1/chat/completions",
+                               {"messages": messages, "tools": tools, "max_tokens": 4,
+                                "temperature": 0})
+        check(status == 200 and body["usage"]["prompt_tokens"] == len(by_text["tokens"]),
+              f"a chat with tools through the file: {status} {body}")
+        print(f"ok tool_formats: --chat-template's DeepSeek-style prompt as jinja2 renders it "
+              f"({len(by_text['tokens'])} tokens)")
+        check_forced_calls(stack)
+        print("ok tool_formats: forced calls (required, named) on a DeepSeek-style template come "
+              "back as calls the tools' schemas accept, whole and streamed")
+
+
 def case_slow_client(args):
     """A streaming client that stops reading: once its socket has stayed full for
     --write-timeout-ms the server cuts it off (counted), while another stream, written by the
@@ -1395,7 +1454,8 @@ def case_fallback(args):
 
 
 CASES = {"api": case_api, "auth": case_auth, "fallback": case_fallback, "openai": case_openai,
-         "slow_client": case_slow_client, "tools": case_tools, "client_gone": case_client_gone}
+         "slow_client": case_slow_client, "tools": case_tools, "client_gone": case_client_gone,
+         "tool_formats": case_tool_formats}
 
 
 def main():

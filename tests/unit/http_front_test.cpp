@@ -861,6 +861,44 @@ TEST(ChatTemplateFile, ReplacesTheCheckpointsTemplate) {
   EXPECT_THROW(make_backend(model, "", "tcp://127.0.0.1:9", "", log, file), runtime::ConfigError);
 }
 
+// A call forced on a template whose calls are not Hermes blocks is decoded as the bare document
+// {"name", "arguments"} (as vLLM decodes forced calls), and read back as that, its id as the
+// template's calls have them.
+TEST(ToolCalls, AForcedCallsBareDocumentIsReadAsTheCall) {
+  const std::string document =
+      "\n{\"name\": \"get_weather\", \"arguments\": {\"city\": \"Paris\"}} ";
+  const auto deepseek =
+      parse_tool_calls(document, tokenizer::ToolCallFormat::kDeepSeek, "", true, true);
+  ASSERT_TRUE(deepseek.has_value());
+  EXPECT_EQ(deepseek->content, "");
+  ASSERT_EQ(deepseek->calls.size(), 1u);
+  EXPECT_EQ(deepseek->calls[0].name, "get_weather");
+  EXPECT_EQ(deepseek->calls[0].arguments, R"({"city":"Paris"})");
+  EXPECT_EQ(deepseek->calls[0].id.rfind("call_", 0), 0u);
+  const auto mistral = parse_forced_call(document, tokenizer::ToolCallFormat::kMistral);
+  ASSERT_TRUE(mistral.has_value());
+  EXPECT_EQ(mistral->calls[0].id.size(), 9u);
+  // Without bare_json the same text is no call of the format's; other text is no forced call.
+  EXPECT_FALSE(parse_tool_calls(document, tokenizer::ToolCallFormat::kDeepSeek, "").has_value());
+  for (const char* text :
+       {"", "{\"name\": 1}", "{\"name\": \"f\", \"arguments\": [1]}", "{\"name\": \"f\"} and more"})
+    EXPECT_FALSE(parse_forced_call(text, tokenizer::ToolCallFormat::kGlm45).has_value()) << text;
+  // The front decodes it so for every format but Hermes.
+  Backend backend;
+  backend.chat = std::make_unique<tokenizer::ChatTemplate>(
+      *tokenizer::ChatTemplate::from_template("<｜tool▁calls▁begin｜>", "", ""));
+  CompletionRequest request = request_of(Endpoint::kChat, R"({"messages": [{"role": "user",
+      "content": "x"}], "tools": [{"type": "function", "function": {"name": "f"}}],
+      "tool_choice": "required"})");
+  EXPECT_TRUE(forces_bare_json_call(request, backend));
+  request.tool_choice = CompletionRequest::ToolChoice::kAuto;
+  EXPECT_FALSE(forces_bare_json_call(request, backend));
+  request.tool_choice = CompletionRequest::ToolChoice::kRequired;
+  backend.chat = std::make_unique<tokenizer::ChatTemplate>(
+      *tokenizer::ChatTemplate::from_template("<tool_call>", "", ""));
+  EXPECT_FALSE(forces_bare_json_call(request, backend));
+}
+
 TEST(ToolCalls, AStreamHoldsBackFromWhereACallMayBegin) {
   ToolCallHold hold;
   std::string content;
