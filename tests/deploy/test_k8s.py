@@ -12,7 +12,8 @@ what the manifests say about moeline is what the binary has:
   the autoscalers read are exposed by the prometheus-adapter rules (whose metric names the
   stack_metrics test checks against a real stack);
 - drain fits: terminationGracePeriodSeconds exceeds --drain-grace-ms;
-- the Curve key files mounted are those `moeline keys init` writes; one image throughout.
+- the Curve key files mounted are those `moeline keys init` writes; every file a flag names lies in
+  a mounted volume; the HTTP front checks API keys where the gateway does; one image throughout.
 
   test_k8s.py --moeline BUILD/stages/moeline [--kubectl kubectl]
 """
@@ -87,6 +88,7 @@ def check_overlay(name, objects, moeline, adapter_metrics):
                        check=True, timeout=60)
         keys_files = set(os.listdir(keys_dir))
     stages_seen = set()
+    api_keys_of = {}
     for wname, workload in workloads.items():
         pod = workload["spec"]["template"]
         spec = pod["spec"]
@@ -149,12 +151,25 @@ def check_overlay(name, objects, moeline, adapter_metrics):
             if stage == "http":
                 check(port_of(settings["listen"]) == ports.get("api"),
                       f"{where}: --listen {settings['listen']} is not the api port")
+            # Every file a flag names is in a volume the container mounts.
+            mounts = [m["mountPath"] for m in container.get("volumeMounts", [])]
+            for flag in ("api-keys", "server-key", "curve-dir"):
+                if settings.get(flag):
+                    check(any(settings[flag] == m or settings[flag].startswith(m.rstrip("/") + "/")
+                              for m in mounts),
+                          f"{where}: --{flag} {settings[flag]} is in no mounted volume {mounts}")
+            api_keys_of[stage] = settings.get("api-keys")
             grace = int(settings.get("drain-grace-ms") or 30000) / 1000
             check(spec.get("terminationGracePeriodSeconds", 30) > grace,
                   f"{where}: terminationGracePeriodSeconds does not exceed the drain grace "
                   f"({grace} s)")
     check(stages_seen >= {"gateway", "probe", "offload", "prefill", "decode", "http"},
           f"{name}: stages {sorted(stages_seen)}")
+    # With keys at the gateway, the HTTP front checks them too, or /v1/models, /tokenize and
+    # /detokenize answer anyone.
+    check(bool(api_keys_of.get("gateway")) == bool(api_keys_of.get("http")),
+          f"{name}: --api-keys at the gateway {api_keys_of.get('gateway')} but at the HTTP front "
+          f"{api_keys_of.get('http')}")
     bases = {image.split(":")[0] for image in images}
     check(len(bases) == 1 and bases <= {"moeline", "moeline-cuda"},
           f"{name}: images {sorted(images)}")
