@@ -25,6 +25,7 @@
 #include "stages/http/events.h"
 #include "stages/http/logprobs.h"
 #include "stages/http/openai.h"
+#include "stages/http/responses.h"
 #include "stages/http/stop_matcher.h"
 #include "stages/http/token_stream.h"
 #include "stages/http/tokenize.h"
@@ -276,6 +277,10 @@ class HttpFront {
                     handle(which, request, response);
                   });
     }
+    server.Post("/v1/responses",
+                [this](const httplib::Request& request, httplib::Response& response) {
+                  respond(request, response);
+                });
     // What the server itself refuses (no such path, a body over --max-body-bytes, a method not
     // served) in OpenAI's error shape too.
     server.set_error_handler([](const httplib::Request& request, httplib::Response& response) {
@@ -421,6 +426,42 @@ class HttpFront {
       started.push_back({sent[i], std::move(*first), prompt_tokens, reasoning[i]});
     }
     return std::nullopt;
+  }
+
+  // POST /v1/responses: served as the chat completion it translates to (and counted as one in
+  // moeline_http_requests_total), its answer or its stream translated back. An error is the same
+  // object in both APIs.
+  void respond(const httplib::Request& request, httplib::Response& response) {
+    auto parsed = http::parse_responses_request(request.body);
+    if (auto* error = std::get_if<ApiError>(&parsed))
+      return respond_error("responses", *error, response);
+    http::ResponsesRequest& asked = std::get<http::ResponsesRequest>(parsed);
+    httplib::Request as_chat = request;
+    as_chat.body = asked.chat_body;
+    handle(Endpoint::kChat, as_chat, response);
+    if (response.status != -1 && response.status != 200) return;
+    if (!asked.stream) {
+      const json chat = json::parse(response.body, nullptr, /*allow_exceptions=*/false);
+      if (chat.is_object() && chat.contains("choices"))
+        response.set_content(http::to_text(http::response_from_chat(asked, chat)),
+                             "application/json");
+      return;
+    }
+    if (!response.content_provider_) return;
+    auto chat_stream = std::move(response.content_provider_);
+    auto translator = std::make_shared<http::ResponsesStream>(std::move(asked));
+    response.content_provider_ = [chat_stream = std::move(chat_stream), translator](
+                                     size_t offset, size_t length, httplib::DataSink& sink) {
+      // The chat stream writes into this sink (and waits until it is over), each write turned
+      // into the Responses events it means.
+      httplib::DataSink chat;
+      chat.write = [&](const char* data, size_t size) {
+        return translator->feed(data, size, sink);
+      };
+      chat.done = [&] { sink.done(); };
+      chat.is_writable = [&] { return !sink.is_writable || sink.is_writable(); };
+      return chat_stream(offset, length, chat);
+    };
   }
 
   void handle(Endpoint endpoint, const httplib::Request& request, httplib::Response& response) {

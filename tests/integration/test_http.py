@@ -382,6 +382,7 @@ def case_api(args):
         check_structured_output(args, stack)
         check_echo(args, stack)
         check_tokenize(args, stack)
+        check_responses(stack)
 
         # A client that disconnects mid-stream: its request is cancelled in the pipeline.
         def disconnect_mid_stream(try_number):
@@ -410,6 +411,87 @@ def case_api(args):
 
         until_the_stop_lands(disconnect_mid_stream, "http disconnect")
         print("ok api: a client that disconnects mid-stream cancels its request")
+
+
+def responses_stream(stack, body):
+    """The events of a streamed /v1/responses request: [(event name, parsed data)]."""
+    conn = connect(stack)
+    conn.request("POST", "/v1/responses", body=json.dumps(dict(body, stream=True)),
+                 headers={"Content-Type": "application/json"})
+    response = conn.getresponse()
+    check(response.status == 200, f"/v1/responses streamed: {response.status}")
+    events = []
+    for block in response.read().decode().split("\n\n"):
+        lines = [line for line in block.split("\n") if line and not line.startswith(":")]
+        if not lines:
+            continue
+        check(len(lines) == 2 and lines[0].startswith("event: ") and
+              lines[1].startswith("data: "), f"a Responses event is 'event:' then 'data:': {block!r}")
+        data = json.loads(lines[1][len("data: "):])
+        check(data["type"] == lines[0][len("event: "):], f"the event's name is its type: {block!r}")
+        events.append((data["type"], data))
+    conn.close()
+    return events
+
+
+def check_responses(stack):
+    """OpenAI's Responses API: the same answer as the chat completion of the same messages (the
+    instructions a system message), as output items (reasoning, message), with its usage and an
+    incomplete status where max_output_tokens ended it; streamed, the events in order with their
+    sequence numbers, the text deltas adding up to the same text; what it does not serve (stored
+    responses, hosted tools) is a 400 naming the field."""
+    asked = {"instructions": "Answer briefly.", "max_output_tokens": 12, "temperature": 0,
+             "input": [{"role": "user", "content": [{"type": "input_text", "text": "to swim:"}]}]}
+    status, chat, _ = post(stack, "/v1/chat/completions", {
+        "messages": [{"role": "system", "content": "Answer briefly."},
+                     {"role": "user", "content": "to swim:"}],
+        "max_tokens": 12, "temperature": 0})
+    check(status == 200, f"chat: {status} {chat}")
+    message = chat["choices"][0]["message"]
+    status, body, _ = post(stack, "/v1/responses", asked)
+    check(status == 200 and body["object"] == "response" and body["id"].startswith("resp_"),
+          f"/v1/responses: {status} {body}")
+    items = {item["type"]: item for item in body["output"]}
+    text = items["message"]["content"][0]["text"]
+    check(text == (message["content"] or "") and items["message"]["role"] == "assistant",
+          f"the response's text {text!r} is the chat's {message['content']!r}")
+    reasoning = message.get("reasoning_content") or ""
+    check(reasoning == "".join(c["text"] for c in items.get("reasoning", {}).get("content", [])),
+          f"the response's reasoning is the chat's: {body['output']} {message}")
+    length = chat["choices"][0]["finish_reason"] == "length"
+    check(body["status"] == ("incomplete" if length else "completed") and
+          (body["incomplete_details"] == {"reason": "max_output_tokens"}) == length,
+          f"status and incomplete_details: {body}")
+    check(body["usage"]["input_tokens"] == chat["usage"]["prompt_tokens"] and
+          body["usage"]["output_tokens"] == chat["usage"]["completion_tokens"] and
+          body["instructions"] == "Answer briefly." and body["max_output_tokens"] == 12,
+          f"usage and the request's echo: {body}")
+    events = responses_stream(stack, asked)
+    types = [t for t, _ in events]
+    check(types[:2] == ["response.created", "response.in_progress"] and
+          types[-1] == ("response.incomplete" if length else "response.completed"),
+          f"the events' order: {types}")
+    check([e["sequence_number"] for _, e in events] == list(range(len(events))),
+          "sequence numbers count from 0")
+    deltas = "".join(e["delta"] for t, e in events if t == "response.output_text.delta")
+    done = events[-1][1]["response"]
+    check(deltas == text and done["usage"] == body["usage"] and
+          [i["type"] for i in done["output"]] == [i["type"] for i in body["output"]],
+          f"streamed: {deltas!r} want {text!r}; {done}")
+    for item_type in ("message",) + (("reasoning",) if reasoning else ()):
+        check(types.count("response.output_item.added") >= 1 and
+              any(t == "response.output_item.done" and e["item"]["type"] == item_type
+                  for t, e in events), f"the {item_type} item is added and done: {types}")
+    for bad, param in (({"input": "x", "previous_response_id": "resp_1"}, "previous_response_id"),
+                       ({"model": "x"}, "input"),
+                       ({"input": "x", "tools": [{"type": "web_search"}]}, "tools[0]"),
+                       ({"input": [{"type": "input_image"}]}, "input[0].type")):
+        status, error, _ = post(stack, "/v1/responses", bad)
+        check(status == 400 and error["error"]["param"] == param,
+              f"{bad}: {status} {error} want a 400 naming {param}")
+    print(f"ok api: /v1/responses answers as the chat does ({body['status']}, "
+          f"{len(body['output'])} output items), streamed in {len(events)} events; stored "
+          "responses and hosted tools are 400s")
 
 
 def check_logit_bias(args, stack):
@@ -1204,6 +1286,35 @@ def case_tool_formats(args):
         check_forced_calls(stack)
         print("ok tool_formats: forced calls (required, named) on a DeepSeek-style template come "
               "back as calls the tools' schemas accept, whole and streamed")
+        # The same through the Responses API: its flat function tools, a call as a function_call
+        # output item, and the call and its output sent back as input items.
+        flat = [{"type": "function", "name": "get_weather", "parameters": {
+            "type": "object", "properties": {"city": {"enum": ["Paris", "Rome"]}},
+            "required": ["city"]}}]
+        asked = {"input": "Weather in Paris?", "tools": flat, "tool_choice": "required",
+                 "max_output_tokens": 60, "temperature": 0}
+        status, body, _ = post(stack, "/v1/responses", asked)
+        calls = [i for i in body.get("output", []) if i["type"] == "function_call"]
+        check(status == 200 and len(calls) == 1 and calls[0]["name"] == "get_weather" and
+              json.loads(calls[0]["arguments"])["city"] in ("Paris", "Rome") and
+              calls[0]["call_id"] and body["tool_choice"] == "required",
+              f"/v1/responses forced call: {status} {body}")
+        events = responses_stream(stack, asked)
+        streamed = [e["arguments"] for t, e in events
+                    if t == "response.function_call_arguments.done"]
+        check(streamed == [calls[0]["arguments"]],
+              f"streamed call arguments {streamed} want {calls[0]['arguments']}")
+        follow = {"input": ["Weather in Paris?",
+                            {"type": "function_call", "call_id": calls[0]["call_id"],
+                             "name": "get_weather", "arguments": calls[0]["arguments"]},
+                            {"type": "function_call_output", "call_id": calls[0]["call_id"],
+                             "output": "sunny"}],
+                  "tools": flat, "max_output_tokens": 4, "temperature": 0}
+        follow["input"][0] = {"role": "user", "content": "Weather in Paris?"}
+        status, body, _ = post(stack, "/v1/responses", follow)
+        check(status == 200 and body["output"], f"a call and its output as input: {status} {body}")
+        print("ok tool_formats: /v1/responses with function tools: a forced call as a "
+              "function_call item, whole and streamed, and the call and its output as input")
 
 
 def case_slow_client(args):
