@@ -77,6 +77,25 @@ async function main() {
   out.echo = { text: echoed.choices[0].text,
                token_logprobs: echoed.choices[0].logprobs.token_logprobs };
 
+  // The Responses API: whole, as raw events, and through the library's stream helper, which
+  // rebuilds the response from the events and throws on any it cannot place.
+  const response = await client.responses.create({ model, input: "a person who", temperature: 0,
+                                                   max_output_tokens: 40 });
+  const events = await client.responses.create({ model, input: "a person who", temperature: 0,
+                                                 max_output_tokens: 40, stream: true });
+  let deltas = "";
+  const types = [];
+  for await (const event of events) {
+    types.push(event.type);
+    if (event.type === "response.output_text.delta") deltas += event.delta;
+  }
+  const helper = client.responses.stream({ model, input: "a person who", temperature: 0,
+                                           max_output_tokens: 40 });
+  const rebuilt = await helper.finalResponse();
+  out.responses = { output_text: response.output_text, status: response.status,
+                    usage: response.usage, deltas, first: types[0], last: types[types.length - 1],
+                    rebuilt_text: rebuilt.output_text, rebuilt_status: rebuilt.status };
+
   try {
     await client.chat.completions.create({ model: "no-such-model", messages });
     out.unknown_model = { status: 200 };

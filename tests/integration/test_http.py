@@ -22,7 +22,8 @@ Cases (--case, one per CTest entry):
         served by the fallback, says so (model, moeline.fallback) and is counted.
   openai  the official `openai` npm client (Node.js) against the front: models, chat, a streamed
         chat with usage, a penalty with log-probabilities, a completion with a stop string, n=2
-        choices whole and streamed, a logit_bias, echo with logprobs, and its error classes for an unknown model and a wrong type; skipped (77) when the package
+        choices whole and streamed, a logit_bias, echo with logprobs, the Responses API (whole, as
+        events, and rebuilt by its stream helper), and its error classes for an unknown model and a wrong type; skipped (77) when the package
         is not installed.
   tools  Qwen3's chat template over a tool, a call and its answer: the prompt as jinja2 renders it,
         the answer as `moeline run` gives it; forced calls (tool_choice "required" and a named
@@ -1035,6 +1036,13 @@ def case_openai(args):
     check(got["unknown_model"]["status"] == 404 and got["unknown_model"]["code"] ==
           "model_not_found" and got["unknown_model"]["name"] == "NotFoundError",
           f"unknown model through the openai client: {got['unknown_model']}")
+    answered = got["responses"]
+    check(answered["output_text"] == chat_ref["text"] == answered["deltas"] ==
+          answered["rebuilt_text"] and answered["status"] == answered["rebuilt_status"] and
+          answered["usage"]["output_tokens"] == len(chat_ref["ids"]) and
+          answered["first"] == "response.created" and
+          answered["last"] in ("response.completed", "response.incomplete"),
+          f"responses through the openai client: {answered} want {chat_ref['text']!r}")
     check(got["wrong_type"]["status"] == 400 and got["wrong_type"]["param"] == "max_tokens" and
           got["wrong_type"]["name"] == "BadRequestError",
           f"wrong type through the openai client: {got['wrong_type']}")
