@@ -175,10 +175,7 @@ json response_with(const ResponsesRequest& request, const std::string& model, in
   return response;
 }
 
-}  // namespace
-
-std::variant<ResponsesRequest, ApiError> parse_responses_request(const std::string& text) {
-  const json body = json::parse(text, nullptr, /*allow_exceptions=*/false);
+std::variant<ResponsesRequest, ApiError> translate(const json& body) {
   if (!body.is_object()) return invalid("", "the request body must be a JSON object");
   if (body.contains("previous_response_id") && !body["previous_response_id"].is_null())
     return unsupported("previous_response_id",
@@ -263,9 +260,22 @@ std::variant<ResponsesRequest, ApiError> parse_responses_request(const std::stri
     chat["stream"] = true;
     chat["stream_options"] = {{"include_usage", true}};  // response.completed carries the usage
   }
-  out.chat_body = chat.dump();
+  out.chat_body = chat.dump(-1, ' ', false, json::error_handler_t::replace);
   out.echo = std::move(echo);
   return out;
+}
+
+}  // namespace
+
+std::variant<ResponsesRequest, ApiError> parse_responses_request(const std::string& text) {
+  const json body = json::parse(text, nullptr, /*allow_exceptions=*/false);
+  // A field of another JSON type than the API's (a number for a role, a string for stream)
+  // throws where it is read: the caller's error, named.
+  try {
+    return translate(body);
+  } catch (const json::exception& e) {
+    return invalid("", std::string("a field of the request has the wrong type (") + e.what() + ")");
+  }
 }
 
 json response_from_chat(const ResponsesRequest& request, const json& chat) {
@@ -295,7 +305,13 @@ bool ResponsesStream::feed(const char* data, size_t size, httplib::DataSink& sin
   while ((end = pending_.find("\n\n")) != std::string::npos) {
     const std::string event = pending_.substr(0, end);
     pending_.erase(0, end + 2);
-    if (!on_event(event, sink)) return false;
+    // The chat stream is this server's own, so a field of an unexpected type is a bug here: the
+    // event is left out rather than thrown on (on the thread that delivers every stream).
+    try {
+      if (!on_event(event, sink)) return false;
+    } catch (const json::exception&) {
+      continue;
+    }
   }
   return true;
 }

@@ -3,8 +3,9 @@
 // content, stop strings and tool calls, without a crash, an endless loop or a deep recursion.
 // The input: a flags byte (bits 0-1: the endpoint, 3 for vLLM's /tokenize and /detokenize; bits 2
 // and 5: the call format, Hermes, GLM-4.5, DeepSeek or Mistral; bit 3: a prompt that opened the
-// reasoning block; bit 4: at most one call), then frames (fuzz.h): the body, then pieces of an
-// answer.
+// reasoning block; bit 4: at most one call; bit 6: the body to the Responses API's parser too, and
+// the pieces as a chat stream to its translation), then frames (fuzz.h): the body, then pieces of
+// an answer.
 #include <string>
 #include <variant>
 #include <vector>
@@ -12,6 +13,7 @@
 #include "fuzz.h"
 #include "stages/http/openai.h"
 #include "stages/http/reasoning.h"
+#include "stages/http/responses.h"
 #include "stages/http/stop_matcher.h"
 #include "stages/http/tool_calls.h"
 
@@ -42,6 +44,16 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
                                                 ToolCallFormat::kDeepSeek,
                                                 ToolCallFormat::kMistral};
   const auto format = kFormats[((flags >> 2) & 1) | (((flags >> 5) & 1) << 1)];
+  if ((flags & 64) != 0) {
+    auto asked = parse_responses_request(body);
+    if (auto* request = std::get_if<ResponsesRequest>(&asked)) {
+      ResponsesStream translated(*request);
+      httplib::DataSink sink;
+      sink.write = [](const char*, size_t) { return true; };
+      for (size_t i = 1; i < parts.size(); ++i)
+        (void)translated.feed(parts[i].data(), parts[i].size(), sink);
+    }
+  }
   const auto start = (flags & 8) != 0 ? ReasoningStart::kOpen : ReasoningStart::kAtStart;
   // The answer as a stream would deliver it, and whole.
   std::string whole;

@@ -128,6 +128,22 @@ def openai_seeds():
         32, chat, "Sure.<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool",
         "▁sep｜>get_weather\n```json\n{\"city\": \"Paris\"}\n```<｜tool▁call▁end｜>",
         "<｜tool▁call▁begin｜>now<｜tool▁sep｜>{}<｜tool▁call▁end｜><｜tool▁calls▁end｜>"))
+    write("openai", "responses", framed(
+        64, json.dumps({"input": [{"role": "developer", "content": "Be brief."},
+                                  {"role": "user", "content": [{"type": "input_text",
+                                                                "text": "hi"}]},
+                                  {"type": "function_call", "call_id": "c1", "name": "f",
+                                   "arguments": "{}"},
+                                  {"type": "function_call_output", "call_id": "c1",
+                                   "output": "ok"}],
+                        "tools": [{"type": "function", "name": "f"}], "tool_choice": "auto",
+                        "text": {"format": {"type": "json_object"}}, "stream": True}),
+        'data: {"id":"c","object":"chat.completion.chunk","created":1,"model":"m","choices":[{"ind',
+        'ex":0,"delta":{"role":"assistant","reasoning_content":"hm"},"finish_reason":null}]}\n\n',
+        'data: {"choices":[{"index":0,"delta":{"content":"Hi"},"finish_reason":null}]}\n\n: k\n\n',
+        'data: {"choices":[{"index":0,"delta":{"tool_calls":[{"id":"c2","function":{"name":"f",'
+        '"arguments":"{}"}}]},"finish_reason":"tool_calls"}]}\n\ndata: {"choices":[],"usage":'
+        '{"prompt_tokens":3,"completion_tokens":2}}\n\ndata: [DONE]\n\n'))
     write("openai", "chat-mistral", framed(
         32 | 4, chat, "Sure. [TOOL_", "CALLS] [{\"name\": \"get_weather\", \"arguments\": ",
         "{\"city\": \"Paris\"}}]"))
