@@ -27,6 +27,7 @@
 #include "stages/http/events.h"
 #include "stages/http/openai.h"
 #include "stages/http/reasoning.h"
+#include "stages/http/responses.h"
 #include "stages/http/stop_matcher.h"
 #include "stages/http/token_stream.h"
 #include "stages/http/tokenize.h"
@@ -897,6 +898,126 @@ TEST(ToolCalls, AForcedCallsBareDocumentIsReadAsTheCall) {
   backend.chat = std::make_unique<tokenizer::ChatTemplate>(
       *tokenizer::ChatTemplate::from_template("<tool_call>", "", ""));
   EXPECT_FALSE(forces_bare_json_call(request, backend));
+}
+
+// A Responses request as the chat request that serves it: the instructions a system message,
+// developer a system role, text parts joined, calls one after another one assistant turn, a call's
+// output a tool message, flat function tools nested as chat's.
+TEST(ResponsesApi, InputItemsBecomeTheChatMessages) {
+  const auto parsed = parse_responses_request(R"({"model": "m", "instructions": "Be brief.",
+      "input": [{"role": "developer", "content": "Use tools."},
+                {"role": "user", "content": [{"type": "input_text", "text": "Weather "},
+                                             {"type": "input_text", "text": "in Paris?"}]},
+                {"type": "function_call", "call_id": "c1", "name": "f", "arguments": "{}"},
+                {"type": "function_call", "call_id": "c2", "name": "g", "arguments": "{\"a\": 1}"},
+                {"type": "function_call_output", "call_id": "c1", "output": "sunny"}],
+      "tools": [{"type": "function", "name": "f", "parameters": {"type": "object"}}],
+      "tool_choice": {"type": "function", "name": "f"}, "max_output_tokens": 9,
+      "text": {"format": {"type": "json_schema", "name": "w", "schema": {"type": "object"}}}})");
+  ASSERT_TRUE(std::holds_alternative<ResponsesRequest>(parsed));
+  const auto& request = std::get<ResponsesRequest>(parsed);
+  EXPECT_EQ(request.id.rfind("resp_", 0), 0u);
+  const auto chat = nlohmann::json::parse(request.chat_body);
+  const auto& messages = chat["messages"];
+  ASSERT_EQ(messages.size(), 5u) << chat;
+  EXPECT_EQ(messages[0], (nlohmann::json{{"role", "system"}, {"content", "Be brief."}}));
+  EXPECT_EQ(messages[1]["role"], "system");
+  EXPECT_EQ(messages[2]["content"], "Weather in Paris?");
+  EXPECT_EQ(messages[3]["role"], "assistant");
+  ASSERT_EQ(messages[3]["tool_calls"].size(), 2u);
+  EXPECT_EQ(messages[3]["tool_calls"][1]["function"]["arguments"], "{\"a\": 1}");
+  EXPECT_EQ(messages[4],
+            (nlohmann::json{{"role", "tool"}, {"tool_call_id", "c1"}, {"content", "sunny"}}));
+  EXPECT_EQ(chat["tools"][0]["function"]["name"], "f");
+  EXPECT_EQ(chat["tool_choice"]["function"]["name"], "f");
+  EXPECT_EQ(chat["max_tokens"], 9);
+  EXPECT_EQ(chat["response_format"]["json_schema"]["name"], "w");
+  // The chat request it becomes is one the chat parser takes.
+  EXPECT_TRUE(
+      std::holds_alternative<CompletionRequest>(parse_request(Endpoint::kChat, request.chat_body)));
+  // Refused by name: stored responses, hosted tools, images, a field of the wrong type.
+  for (const auto& [body, param] : std::vector<std::pair<std::string, std::string>>{
+           {R"({"input": "x", "previous_response_id": "resp_1"})", "previous_response_id"},
+           {R"({"input": "x", "tools": [{"type": "file_search"}]})", "tools[0]"},
+           {R"({"input": [{"role": "user", "content": [{"type": "input_image"}]}]})",
+            "input[0].content"},
+           {R"({"input": [{"role": 7, "content": "x"}]})", ""},
+           {R"({"input": "x", "stream": "yes"})", ""},
+           {R"({"model": "m"})", "input"}}) {
+    const auto refused = parse_responses_request(body);
+    ASSERT_TRUE(std::holds_alternative<ApiError>(refused)) << body;
+    EXPECT_EQ(std::get<ApiError>(refused).param, param) << body;
+    EXPECT_EQ(std::get<ApiError>(refused).status, 400) << body;
+  }
+}
+
+// A streamed chat answer (cut anywhere) as the Responses events: created, the reasoning and the
+// message as items with their deltas, a call as a function_call item, completed with the usage;
+// every event named by its type and numbered.
+TEST(ResponsesApi, AChatStreamBecomesTheResponsesEvents) {
+  const auto parsed = parse_responses_request(R"({"input": "x", "stream": true})");
+  ResponsesStream translated(std::get<ResponsesRequest>(parsed));
+  std::string written;
+  httplib::DataSink sink;
+  sink.write = [&written](const char* data, size_t size) {
+    written.append(data, size);
+    return true;
+  };
+  const std::string chat =
+      R"(data: {"id":"c","model":"m","created":5,"choices":[{"index":0,"delta":{"role":"assistant","reasoning_content":"hm"},"finish_reason":null}]})"
+      "\n\n: keep-alive\n\n"
+      R"(data: {"choices":[{"index":0,"delta":{"content":"It is "},"finish_reason":null}]})"
+      "\n\n"
+      R"(data: {"choices":[{"index":0,"delta":{"content":"sunny."},"finish_reason":null}]})"
+      "\n\n"
+      R"(data: {"choices":[{"index":0,"delta":{"tool_calls":[{"id":"call_1","type":"function","function":{"name":"f","arguments":"{}"}}]},"finish_reason":null}]})"
+      "\n\n"
+      R"(data: {"choices":[{"index":0,"delta":{},"finish_reason":"tool_calls"}]})"
+      "\n\n"
+      R"(data: {"choices":[],"usage":{"prompt_tokens":3,"completion_tokens":4}})"
+      "\n\ndata: [DONE]\n\n";
+  for (size_t at = 0; at < chat.size(); at += 7)
+    ASSERT_TRUE(translated.feed(chat.data() + at, std::min<size_t>(7, chat.size() - at), sink));
+  std::vector<std::string> types;
+  std::vector<nlohmann::json> events;
+  size_t at = 0;
+  while ((at = written.find("event: ", at)) != std::string::npos) {
+    const size_t line = written.find('\n', at);
+    types.push_back(written.substr(at + 7, line - at - 7));
+    const size_t data = line + 1 + 6;  // "data: "
+    events.push_back(nlohmann::json::parse(written.substr(data, written.find('\n', data) - data)));
+    EXPECT_EQ(events.back()["type"], types.back());
+    EXPECT_EQ(events.back()["sequence_number"], static_cast<int64_t>(events.size() - 1));
+    at = line;
+  }
+  EXPECT_NE(written.find(": keep-alive\n\n"), std::string::npos);
+  const std::vector<std::string> want = {"response.created",
+                                         "response.in_progress",
+                                         "response.output_item.added",
+                                         "response.reasoning_text.delta",
+                                         "response.reasoning_text.done",
+                                         "response.output_item.done",
+                                         "response.output_item.added",
+                                         "response.content_part.added",
+                                         "response.output_text.delta",
+                                         "response.output_text.delta",
+                                         "response.output_text.done",
+                                         "response.content_part.done",
+                                         "response.output_item.done",
+                                         "response.output_item.added",
+                                         "response.function_call_arguments.delta",
+                                         "response.function_call_arguments.done",
+                                         "response.output_item.done",
+                                         "response.completed"};
+  ASSERT_EQ(types, want);
+  const auto& done = events.back()["response"];
+  EXPECT_EQ(done["status"], "completed");
+  EXPECT_EQ(done["model"], "m");
+  ASSERT_EQ(done["output"].size(), 3u);
+  EXPECT_EQ(done["output"][0]["content"][0]["text"], "hm");
+  EXPECT_EQ(done["output"][1]["content"][0]["text"], "It is sunny.");
+  EXPECT_EQ(done["output"][2]["call_id"], "call_1");
+  EXPECT_EQ(done["usage"]["total_tokens"], 7);
 }
 
 TEST(ToolCalls, AStreamHoldsBackFromWhereACallMayBegin) {
