@@ -1,5 +1,6 @@
 #include "stages/http/responses.h"
 
+#include <algorithm>
 #include <ctime>
 #include <string_view>
 #include <utility>
@@ -324,6 +325,11 @@ bool ResponsesStream::on_event(const std::string& event, httplib::DataSink& sink
   if (event.rfind("data: ", 0) != 0 || ended_) return true;
   const std::string_view data = std::string_view(event).substr(6);
   if (data == "[DONE]") {
+    // An answer of no text and no call still has its (empty) message, as the whole response.
+    const bool answered = std::any_of(output_.begin(), output_.end(), [](const json& item) {
+      return item["type"] == "message" || item["type"] == "function_call";
+    });
+    if (!answered && open_ != Open::kMessage && !open_message(sink)) return false;
     if (!close_item(sink)) return false;
     ended_ = true;
     json done = {
@@ -360,7 +366,9 @@ bool ResponsesStream::on_chunk(const json& chunk, httplib::DataSink& sink) {
   const json& choice = chunk["choices"][0];
   const json delta = choice.value("delta", json::object());
   const auto index = [this] { return static_cast<int64_t>(output_.size()); };
-  if (delta.contains("reasoning_content") && delta["reasoning_content"].is_string()) {
+  // Empty deltas (the first chunk's, with the role) open no item.
+  if (delta.contains("reasoning_content") && delta["reasoning_content"].is_string() &&
+      !delta["reasoning_content"].get_ref<const std::string&>().empty()) {
     if (open_ != Open::kReasoning) {
       if (!close_item(sink)) return false;
       open_ = Open::kReasoning;
@@ -384,24 +392,9 @@ bool ResponsesStream::on_chunk(const json& chunk, httplib::DataSink& sink) {
               sink))
       return false;
   }
-  if (delta.contains("content") && delta["content"].is_string()) {
-    if (open_ != Open::kMessage) {
-      if (!close_item(sink)) return false;
-      open_ = Open::kMessage;
-      open_id_ = random_id("msg_");
-      open_text_.clear();
-      json item = message_item(open_id_, "", "in_progress");
-      item["content"] = json::array();
-      if (!emit("response.output_item.added",
-                {{"output_index", index()}, {"item", std::move(item)}}, sink) ||
-          !emit("response.content_part.added",
-                {{"item_id", open_id_},
-                 {"output_index", index()},
-                 {"content_index", 0},
-                 {"part", text_part("")}},
-                sink))
-        return false;
-    }
+  if (delta.contains("content") && delta["content"].is_string() &&
+      !delta["content"].get_ref<const std::string&>().empty()) {
+    if (open_ != Open::kMessage && !open_message(sink)) return false;
     const std::string piece = delta["content"];
     open_text_ += piece;
     if (!emit("response.output_text.delta",
@@ -436,6 +429,24 @@ bool ResponsesStream::on_chunk(const json& chunk, httplib::DataSink& sink) {
   if (choice.contains("finish_reason") && choice["finish_reason"].is_string())
     finish_reason_ = choice["finish_reason"];
   return true;
+}
+
+bool ResponsesStream::open_message(httplib::DataSink& sink) {
+  if (!close_item(sink)) return false;
+  open_ = Open::kMessage;
+  open_id_ = random_id("msg_");
+  open_text_.clear();
+  const int64_t index = static_cast<int64_t>(output_.size());
+  json item = message_item(open_id_, "", "in_progress");
+  item["content"] = json::array();
+  return emit("response.output_item.added", {{"output_index", index}, {"item", std::move(item)}},
+              sink) &&
+         emit("response.content_part.added",
+              {{"item_id", open_id_},
+               {"output_index", index},
+               {"content_index", 0},
+               {"part", text_part("")}},
+              sink);
 }
 
 bool ResponsesStream::close_item(httplib::DataSink& sink) {

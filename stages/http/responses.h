@@ -45,6 +45,8 @@ class ResponsesStream {
   bool emit(const char* type, nlohmann::json event, httplib::DataSink& sink);
   // The output item open now (reasoning or message) closed, with its done events.
   bool close_item(httplib::DataSink& sink);
+  // A message item opened (the one open before closed), with its added events.
+  bool open_message(httplib::DataSink& sink);
   nlohmann::json response_object(const char* status) const;
 
   ResponsesRequest request_;

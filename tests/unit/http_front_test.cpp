@@ -1018,6 +1018,24 @@ TEST(ResponsesApi, AChatStreamBecomesTheResponsesEvents) {
   EXPECT_EQ(done["output"][1]["content"][0]["text"], "It is sunny.");
   EXPECT_EQ(done["output"][2]["call_id"], "call_1");
   EXPECT_EQ(done["usage"]["total_tokens"], 7);
+  // An answer of no text (the first chunk's empty delta, then the end) still has its message, as
+  // the whole response has, and no reasoning item.
+  ResponsesStream empty(std::get<ResponsesRequest>(parsed));
+  written.clear();
+  const std::string nothing =
+      R"(data: {"model":"m","choices":[{"index":0,"delta":{"role":"assistant","content":""},"finish_reason":null}]})"
+      "\n\n"
+      R"(data: {"choices":[{"index":0,"delta":{},"finish_reason":"length"}]})"
+      "\n\ndata: [DONE]\n\n";
+  ASSERT_TRUE(empty.feed(nothing.data(), nothing.size(), sink));
+  const size_t last = written.rfind("data: ") + 6;
+  const auto incomplete =
+      nlohmann::json::parse(written.substr(last, written.find('\n', last) - last));
+  EXPECT_EQ(incomplete["type"], "response.incomplete");
+  ASSERT_EQ(incomplete["response"]["output"].size(), 1u) << incomplete;
+  EXPECT_EQ(incomplete["response"]["output"][0]["type"], "message");
+  EXPECT_EQ(incomplete["response"]["output"][0]["status"], "incomplete");
+  EXPECT_EQ(incomplete["response"]["incomplete_details"]["reason"], "max_output_tokens");
 }
 
 TEST(ToolCalls, AStreamHoldsBackFromWhereACallMayBegin) {
