@@ -260,6 +260,10 @@ def check_encoding(mc, wire):
     check("tokens request: ids, no prompt, defaults (no seed, top_p 1, max 16, specials on)",
           ([r.Tokens(i) for i in range(r.TokensLength())], r.Prompt(), s.HasSeed(), s.TopP(),
            s.MaxTokens(), r.AddSpecialTokens()) == ([9, 8, 7], None, False, 1.0, 16, True))
+    check("skip_special_tokens: left at the schema's default (true) unless false is asked",
+          (wire.GenerateRequest.GenerateRequest.GetRootAs(
+              mc.encode_generate(9, "x", skip_special_tokens=False)[1], 0).SkipSpecialTokens(),
+           r.SkipSpecialTokens()) == (False, True))
     check("prompt and tokens together are refused",
           isinstance(raises(lambda: mc.encode_generate(1, "a", [1]), ValueError), ValueError))
     check("neither prompt nor tokens is refused",

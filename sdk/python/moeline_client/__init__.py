@@ -54,7 +54,7 @@ __all__ = [
 # Must match schemas/wire.h: a peer of another major is refused, a newer minor is read as far as
 # this code knows (fields are only ever added).
 SCHEMA_MAJOR = 1
-SCHEMA_MINOR = 11  # schema 1.11 (1.9: typed reuse level, approximate outcome and finish reason; 1.10 changed only stage-to-stage messages; 1.11: StreamEventBatch); a client of any 1.x speaks to any 1.x gateway
+SCHEMA_MINOR = 17  # schema 1.17 (1.9: typed reuse level, approximate outcome and finish reason; 1.10 and 1.14 changed only stage-to-stage messages; 1.11: StreamEventBatch; 1.12-1.16: logit_bias, prompt_logprobs, structured output, reasoning; 1.17: skip_special_tokens); a client of any 1.x speaks to any 1.x gateway
 MAGIC = b"MOEL"
 _HEADER = struct.Struct("<4sHHHHI")
 if _HEADER.size != 16:  # the wire header is 16 bytes (an explicit check: asserts vanish under -O)
