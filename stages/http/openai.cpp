@@ -820,11 +820,10 @@ std::string to_text(const json& value) {
   return value.dump(-1, ' ', false, json::error_handler_t::replace);
 }
 
-std::string random_id(const std::string& prefix) {
+std::string random_id(const std::string& prefix, size_t length, std::string_view alphabet) {
   thread_local std::mt19937_64 random(std::random_device{}());
-  static const char* hex = "0123456789abcdef";
   std::string id = prefix;
-  for (int i = 0; i < 24; ++i) id += hex[random() % 16];
+  for (size_t i = 0; i < length; ++i) id += alphabet[random() % alphabet.size()];
   return id;
 }
 

@@ -174,8 +174,10 @@ nlohmann::json tool_calls_chunk(const Completion& completion);
 // combined usage.
 nlohmann::json usage_chunk(Endpoint endpoint, const Completion& completion);
 
-// `prefix` and 24 random hex digits: the ids of completions (chatcmpl-, cmpl-) and tool calls.
-std::string random_id(const std::string& prefix);
+// `prefix` and `length` random characters of `alphabet` (24 hex digits by default): the ids of
+// completions (chatcmpl-, cmpl-), responses and their items, and tool calls.
+std::string random_id(const std::string& prefix, size_t length = 24,
+                      std::string_view alphabet = "0123456789abcdef");
 std::string new_completion_id(Endpoint endpoint);
 
 // JSON text for the wire; invalid UTF-8 (which nothing should produce) becomes U+FFFD instead of

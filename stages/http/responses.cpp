@@ -329,7 +329,7 @@ bool ResponsesStream::on_event(const std::string& event, httplib::DataSink& sink
     const bool answered = std::any_of(output_.begin(), output_.end(), [](const json& item) {
       return item["type"] == "message" || item["type"] == "function_call";
     });
-    if (!answered && open_ != Open::kMessage && !open_message(sink)) return false;
+    if (!answered && open_ != Open::kMessage && !open_item(Open::kMessage, sink)) return false;
     if (!close_item(sink)) return false;
     ended_ = true;
     json done = {
@@ -367,45 +367,11 @@ bool ResponsesStream::on_chunk(const json& chunk, httplib::DataSink& sink) {
   const json delta = choice.value("delta", json::object());
   const auto index = [this] { return static_cast<int64_t>(output_.size()); };
   // Empty deltas (the first chunk's, with the role) open no item.
-  if (delta.contains("reasoning_content") && delta["reasoning_content"].is_string() &&
-      !delta["reasoning_content"].get_ref<const std::string&>().empty()) {
-    if (open_ != Open::kReasoning) {
-      if (!close_item(sink)) return false;
-      open_ = Open::kReasoning;
-      open_id_ = random_id("rs_");
-      open_text_.clear();
-      json item = {{"type", "reasoning"},
-                   {"id", open_id_},
-                   {"summary", json::array()},
-                   {"content", json::array()}};
-      if (!emit("response.output_item.added",
-                {{"output_index", index()}, {"item", std::move(item)}}, sink))
-        return false;
-    }
-    const std::string piece = delta["reasoning_content"];
-    open_text_ += piece;
-    if (!emit("response.reasoning_text.delta",
-              {{"item_id", open_id_},
-               {"output_index", index()},
-               {"content_index", 0},
-               {"delta", piece}},
-              sink))
+  for (const auto& [field, kind] :
+       {std::pair{"reasoning_content", Open::kReasoning}, std::pair{"content", Open::kMessage}})
+    if (delta.contains(field) && delta[field].is_string() &&
+        !delta[field].get_ref<const std::string&>().empty() && !add_text(kind, delta[field], sink))
       return false;
-  }
-  if (delta.contains("content") && delta["content"].is_string() &&
-      !delta["content"].get_ref<const std::string&>().empty()) {
-    if (open_ != Open::kMessage && !open_message(sink)) return false;
-    const std::string piece = delta["content"];
-    open_text_ += piece;
-    if (!emit("response.output_text.delta",
-              {{"item_id", open_id_},
-               {"output_index", index()},
-               {"content_index", 0},
-               {"delta", piece},
-               {"logprobs", json::array()}},
-              sink))
-      return false;
-  }
   if (delta.contains("tool_calls") && delta["tool_calls"].is_array()) {
     if (!close_item(sink)) return false;
     for (const json& call : delta["tool_calls"]) {  // each comes whole (token_stream.h)
@@ -431,22 +397,37 @@ bool ResponsesStream::on_chunk(const json& chunk, httplib::DataSink& sink) {
   return true;
 }
 
-bool ResponsesStream::open_message(httplib::DataSink& sink) {
+bool ResponsesStream::open_item(Open kind, httplib::DataSink& sink) {
   if (!close_item(sink)) return false;
-  open_ = Open::kMessage;
-  open_id_ = random_id("msg_");
+  open_ = kind;
+  open_id_ = random_id(kind == Open::kMessage ? "msg_" : "rs_");
   open_text_.clear();
   const int64_t index = static_cast<int64_t>(output_.size());
-  json item = message_item(open_id_, "", "in_progress");
+  json item = kind == Open::kMessage ? message_item(open_id_, "", "in_progress")
+                                     : reasoning_item(open_id_, "");
   item["content"] = json::array();
-  return emit("response.output_item.added", {{"output_index", index}, {"item", std::move(item)}},
-              sink) &&
-         emit("response.content_part.added",
-              {{"item_id", open_id_},
-               {"output_index", index},
-               {"content_index", 0},
-               {"part", text_part("")}},
-              sink);
+  if (!emit("response.output_item.added", {{"output_index", index}, {"item", std::move(item)}},
+            sink))
+    return false;
+  return kind != Open::kMessage || emit("response.content_part.added",
+                                        {{"item_id", open_id_},
+                                         {"output_index", index},
+                                         {"content_index", 0},
+                                         {"part", text_part("")}},
+                                        sink);
+}
+
+bool ResponsesStream::add_text(Open kind, const std::string& piece, httplib::DataSink& sink) {
+  if (open_ != kind && !open_item(kind, sink)) return false;
+  open_text_ += piece;
+  json event = {{"item_id", open_id_},
+                {"output_index", static_cast<int64_t>(output_.size())},
+                {"content_index", 0},
+                {"delta", piece}};
+  if (kind == Open::kMessage) event["logprobs"] = json::array();
+  return emit(
+      kind == Open::kMessage ? "response.output_text.delta" : "response.reasoning_text.delta",
+      std::move(event), sink);
 }
 
 bool ResponsesStream::close_item(httplib::DataSink& sink) {

@@ -45,8 +45,11 @@ class ResponsesStream {
   bool emit(const char* type, nlohmann::json event, httplib::DataSink& sink);
   // The output item open now (reasoning or message) closed, with its done events.
   bool close_item(httplib::DataSink& sink);
-  // A message item opened (the one open before closed), with its added events.
-  bool open_message(httplib::DataSink& sink);
+  enum class Open { kNone, kReasoning, kMessage };
+  // An item of `kind` opened (the one open before closed), with its added events.
+  bool open_item(Open kind, httplib::DataSink& sink);
+  // `piece` added to the open item of `kind` (opened first where another is open), as its delta.
+  bool add_text(Open kind, const std::string& piece, httplib::DataSink& sink);
   nlohmann::json response_object(const char* status) const;
 
   ResponsesRequest request_;
@@ -56,7 +59,7 @@ class ResponsesStream {
   std::string model_;
   int64_t created_ = 0;
   nlohmann::json output_ = nlohmann::json::array();  // the items done so far
-  enum class Open { kNone, kReasoning, kMessage } open_ = Open::kNone;
+  Open open_ = Open::kNone;
   std::string open_id_, open_text_;
   std::string finish_reason_;
   nlohmann::json usage_;

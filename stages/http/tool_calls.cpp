@@ -1,6 +1,5 @@
 #include "stages/http/tool_calls.h"
 
-#include <random>
 #include <string_view>
 
 #include <nlohmann/json.hpp>
@@ -63,6 +62,13 @@ std::string_view trimmed(std::string_view text) {
   return text.substr(first, text.find_last_not_of(" \t\r\n") - first + 1);
 }
 
+// The text before the calls that begin at `at`, without its trailing whitespace.
+std::string content_before(const std::string& text, size_t at) {
+  std::string content = text.substr(0, at);
+  content.erase(content.find_last_not_of(" \t\r\n") + 1);
+  return content;
+}
+
 // Each block of `text` (from its first <tool_call>), read by `read_call(body, closed)`; the
 // content before it.
 template <typename ReadCall>
@@ -70,8 +76,7 @@ std::optional<ToolCallOutput> parse_blocks(const std::string& text, ReadCall rea
   const size_t first = text.find(kOpen);
   if (first == std::string::npos) return std::nullopt;
   ToolCallOutput out;
-  out.content = text.substr(0, first);
-  out.content.erase(out.content.find_last_not_of(" \t\r\n") + 1);
+  out.content = content_before(text, first);
   size_t at = first;
   while (at != std::string::npos && at < text.size()) {
     if (text.compare(at, kOpen.size(), kOpen) != 0) {
@@ -183,22 +188,20 @@ bool plausible_name(std::string_view name) {
   return !name.empty() && name.find_first_of("<>[]{}\n\r\t ") == std::string_view::npos;
 }
 
-// The text before `marker` at `at`, without its trailing whitespace.
-std::string content_before(const std::string& text, size_t at) {
-  std::string content = text.substr(0, at);
-  content.erase(content.find_last_not_of(" \t\r\n") + 1);
-  return content;
-}
-
 // Mistral's call ids: nine letters and digits (its templates refuse any other id when the call
 // comes back in the next turn).
 std::string mistral_call_id() {
-  thread_local std::mt19937_64 random(std::random_device{}());
-  static constexpr std::string_view kAlphabet =
-      "ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789";
-  std::string id;
-  for (int i = 0; i < 9; ++i) id += kAlphabet[random() % kAlphabet.size()];
-  return id;
+  return random_id("", 9, "ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789");
+}
+
+// A call written as the JSON object {"name": ..., "arguments": {...} or its text} (arguments
+// optional), with id `id`; nullopt for any other value.
+std::optional<ToolCallOut> call_from_object(const nlohmann::ordered_json& call, std::string id) {
+  if (!call.is_object() || !call.contains("name") || !call["name"].is_string()) return std::nullopt;
+  std::optional<std::string> arguments = std::string("{}");
+  if (call.contains("arguments")) arguments = arguments_text(call["arguments"]);
+  if (!arguments) return std::nullopt;
+  return ToolCallOut{std::move(id), call["name"].get<std::string>(), std::move(*arguments)};
 }
 
 }  // namespace
@@ -265,15 +268,9 @@ std::optional<ToolCallOutput> parse_mistral_tool_calls(const std::string& text) 
     if (calls.is_object()) calls = nlohmann::ordered_json::array({calls});
     if (!calls.is_array() || calls.empty()) return std::nullopt;
     for (const auto& call : calls) {
-      if (!call.is_object() || !call.contains("name") || !call["name"].is_string())
-        return std::nullopt;
-      ToolCallOut parsed{mistral_call_id(), call["name"].get<std::string>(), "{}"};
-      if (call.contains("arguments")) {
-        auto arguments = arguments_text(call["arguments"]);
-        if (!arguments) return std::nullopt;
-        parsed.arguments = std::move(*arguments);
-      }
-      out.calls.push_back(std::move(parsed));
+      auto parsed = call_from_object(call, mistral_call_id());
+      if (!parsed) return std::nullopt;
+      out.calls.push_back(std::move(*parsed));
     }
     return out;
   }
@@ -303,15 +300,12 @@ std::optional<ToolCallOutput> parse_forced_call(const std::string& text,
                                                 tokenizer::ToolCallFormat format) {
   const std::string_view document = trimmed(text);
   if (!shallow(document)) return std::nullopt;
-  const auto call = nlohmann::ordered_json::parse(document, nullptr, /*allow_exceptions=*/false);
-  if (!call.is_object() || !call.contains("name") || !call["name"].is_string()) return std::nullopt;
-  std::optional<std::string> arguments = std::string("{}");
-  if (call.contains("arguments")) arguments = arguments_text(call["arguments"]);
-  if (!arguments) return std::nullopt;
+  auto call = call_from_object(
+      nlohmann::ordered_json::parse(document, nullptr, /*allow_exceptions=*/false),
+      format == tokenizer::ToolCallFormat::kMistral ? mistral_call_id() : random_id("call_"));
+  if (!call) return std::nullopt;
   ToolCallOutput out;
-  out.calls.push_back(
-      {format == tokenizer::ToolCallFormat::kMistral ? mistral_call_id() : random_id("call_"),
-       call["name"].get<std::string>(), std::move(*arguments)});
+  out.calls.push_back(std::move(*call));
   return out;
 }
 
