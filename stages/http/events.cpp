@@ -38,6 +38,7 @@ bool absorb(const sdk::Event& event, StopMatcher& stops, Outcome& outcome, std::
   emitted += stops.feed(event.text);
   if (stops.stopped()) {
     outcome.finish_reason = "stop";
+    outcome.stop_reason = stops.matched();
     return true;
   }
   if (event.kind == sdk::EventKind::kFinished) {

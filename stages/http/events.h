@@ -20,6 +20,7 @@ namespace moeline::stages::http {
 struct Outcome {
   std::string text;
   std::string finish_reason;
+  std::string stop_reason;  // the stop string that ended it (empty: none did)
   sdk::Usage usage;
   sdk::Timings timings;
   uint32_t completion_tokens = 0;

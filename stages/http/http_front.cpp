@@ -24,6 +24,7 @@
 #include "stages/http/connection_threads.h"
 #include "stages/http/events.h"
 #include "stages/http/logprobs.h"
+#include "stages/http/messages.h"
 #include "stages/http/openai.h"
 #include "stages/http/responses.h"
 #include "stages/http/stop_matcher.h"
@@ -65,10 +66,12 @@ ApiError timed_out(const char* what) {
   return ApiError{504, what, "timeout_error", "", ""};
 }
 
-// "Bearer KEY", the scheme's name in any case (RFC 7235) and spaces around the key ignored.
-std::string bearer_key(const httplib::Request& request) {
+// The request's API key: "Authorization: Bearer KEY" (the scheme's name in any case, RFC 7235,
+// and spaces around the key ignored), or else "x-api-key: KEY", as Anthropic's clients send it.
+std::string api_key_of(const httplib::Request& request) {
   const std::string header = request.get_header_value("Authorization");
   constexpr std::string_view kBearer = "bearer";
+  if (header.empty()) return request.get_header_value("x-api-key");
   if (header.size() <= kBearer.size() ||
       !std::equal(kBearer.begin(), kBearer.end(), header.begin(),
                   [](char a, char b) { return a == std::tolower(static_cast<unsigned char>(b)); }))
@@ -209,7 +212,9 @@ class HttpFront {
       }
       response.status = 204;
       response.set_header("Access-Control-Allow-Methods", "GET, POST, OPTIONS");
-      response.set_header("Access-Control-Allow-Headers", "Authorization, Content-Type");
+      response.set_header("Access-Control-Allow-Headers",
+                          "Authorization, Content-Type, x-api-key, anthropic-version, "
+                          "anthropic-beta");
       response.set_header("Access-Control-Max-Age", "600");
     });
   }
@@ -221,12 +226,12 @@ class HttpFront {
     std::lock_guard lock(api_keys_mutex_);
     if (auto error = api_keys_->reload_if_changed())
       log_.warn("api_keys_reload", {{"error", *error}});
-    if (api_keys_->authenticate(bearer_key(request)) != nullptr) return std::nullopt;
+    if (api_keys_->authenticate(api_key_of(request)) != nullptr) return std::nullopt;
     ApiError error;
     error.status = 401;
     error.type = "authentication_error";
     error.code = "invalid_api_key";
-    error.message = "a valid API key is required (Authorization: Bearer KEY)";
+    error.message = "a valid API key is required (Authorization: Bearer KEY, or x-api-key: KEY)";
     return error;
   }
 
@@ -280,6 +285,14 @@ class HttpFront {
     server.Post("/v1/responses",
                 [this](const httplib::Request& request, httplib::Response& response) {
                   respond(request, response);
+                });
+    server.Post("/v1/messages",
+                [this](const httplib::Request& request, httplib::Response& response) {
+                  answer_message(request, response);
+                });
+    server.Post("/v1/messages/count_tokens",
+                [this](const httplib::Request& request, httplib::Response& response) {
+                  count_message_tokens(request, response);
                 });
     // What the server itself refuses (no such path, a body over --max-body-bytes, a method not
     // served) in OpenAI's error shape too.
@@ -428,32 +441,82 @@ class HttpFront {
     return std::nullopt;
   }
 
-  // POST /v1/responses: served as the chat completion it translates to (and counted as one in
-  // moeline_http_requests_total), its answer or its stream translated back. An error is the same
+  // POST /v1/responses: served as the chat completion it translates to. An error is the same
   // object in both APIs.
   void respond(const httplib::Request& request, httplib::Response& response) {
     auto parsed = http::parse_responses_request(request.body);
     if (auto* error = std::get_if<ApiError>(&parsed))
       return respond_error("responses", *error, response);
-    http::ResponsesRequest& asked = std::get<http::ResponsesRequest>(parsed);
+    const http::ResponsesRequest& asked = std::get<http::ResponsesRequest>(parsed);
+    serve_as_chat(request, response, asked.chat_body,
+                  std::make_shared<http::ResponsesStream>(asked),
+                  [&asked](const json& chat) { return http::response_from_chat(asked, chat); });
+  }
+
+  // POST /v1/messages (Anthropic's Messages API): served as the chat completion it translates
+  // to; its errors, before the stream or in it, in Anthropic's shape.
+  void answer_message(const httplib::Request& request, httplib::Response& response) {
+    auto parsed = http::parse_messages_request(request.body, http::MessagesUse::kGenerate);
+    if (auto* error = std::get_if<ApiError>(&parsed)) {
+      respond_error("messages", *error, response);
+    } else {
+      const http::MessagesRequest& asked = std::get<http::MessagesRequest>(parsed);
+      serve_as_chat(request, response, asked.chat_body,
+                    std::make_shared<http::MessagesStream>(asked),
+                    [&asked](const json& chat) { return http::message_from_chat(asked, chat); });
+    }
+    in_anthropic_shape(response);
+  }
+
+  // POST /v1/messages/count_tokens: the prompt's tokens as /tokenize counts the chat it
+  // translates to (its system prompt, messages and tools through the chat template).
+  void count_message_tokens(const httplib::Request& request, httplib::Response& response) {
+    auto parsed = http::parse_messages_request(request.body, http::MessagesUse::kCountTokens);
+    if (auto* error = std::get_if<ApiError>(&parsed)) {
+      respond_error("count_tokens", *error, response);
+    } else {
+      httplib::Request as_tokenize = request;
+      as_tokenize.body = std::get<http::MessagesRequest>(parsed).chat_body;
+      answer_locally("count_tokens", as_tokenize, response, http::parse_tokenize, http::tokenize,
+                     [](const auto& body) { return body.text.model; });
+      const json counted = json::parse(response.body, nullptr, /*allow_exceptions=*/false);
+      if (response.status == 200 && counted.is_object() && counted.contains("count"))
+        response.set_content(http::to_text(json{{"input_tokens", counted["count"]}}),
+                             "application/json");
+    }
+    in_anthropic_shape(response);
+  }
+
+  // An error answered in OpenAI's shape, put in Anthropic's.
+  static void in_anthropic_shape(httplib::Response& response) {
+    if (response.status < 400) return;
+    const json body = json::parse(response.body, nullptr, /*allow_exceptions=*/false);
+    response.set_content(http::to_text(http::anthropic_error_from(response.status, body)),
+                         "application/json");
+  }
+
+  // A request of another API served as the chat completion `chat_body` (and counted as one in
+  // moeline_http_requests_total): the answer translated by `whole` (a chat.completion to that
+  // API's object), the stream's events by `translator` (a ResponsesStream or MessagesStream).
+  template <class Translator, class Whole>
+  void serve_as_chat(const httplib::Request& request, httplib::Response& response,
+                     const std::string& chat_body, std::shared_ptr<Translator> translator,
+                     Whole whole) {
     httplib::Request as_chat = request;
-    as_chat.body = asked.chat_body;
+    as_chat.body = chat_body;
     handle(Endpoint::kChat, as_chat, response);
     if (response.status != -1 && response.status != 200) return;
-    if (!asked.stream) {
+    if (!response.content_provider_) {
       const json chat = json::parse(response.body, nullptr, /*allow_exceptions=*/false);
       if (chat.is_object() && chat.contains("choices"))
-        response.set_content(http::to_text(http::response_from_chat(asked, chat)),
-                             "application/json");
+        response.set_content(http::to_text(whole(chat)), "application/json");
       return;
     }
-    if (!response.content_provider_) return;
     auto chat_stream = std::move(response.content_provider_);
-    auto translator = std::make_shared<http::ResponsesStream>(std::move(asked));
     response.content_provider_ = [chat_stream = std::move(chat_stream), translator](
                                      size_t offset, size_t length, httplib::DataSink& sink) {
       // The chat stream writes into this sink (and waits until it is over), each write turned
-      // into the Responses events it means.
+      // into the events of the API it is translated to.
       httplib::DataSink chat;
       chat.write = [&](const char* data, size_t size) {
         return translator->feed(data, size, sink);
@@ -473,7 +536,7 @@ class HttpFront {
     Backend* backend = backends_.find(api_request.model);
     if (backend == nullptr)
       return respond_error(endpoint, unknown_model(api_request.model), response);
-    const std::string api_key = bearer_key(request);
+    const std::string api_key = api_key_of(request);
     http::ClientLink client(request);
     in_flight_->add(1);
     // Wait for the first token (or an error) before answering: an early error gets its own
@@ -590,6 +653,7 @@ class HttpFront {
     http::Completion completion = base;
     completion.text = std::move(outcome.text);
     completion.finish_reason = outcome.finish_reason;
+    completion.stop_reason = outcome.stop_reason;
     if (started.reasoning != http::ReasoningStart::kOff) {
       http::ReasoningParts parts = http::split_reasoning(completion.text, started.reasoning);
       completion.reasoning = std::move(parts.reasoning);
@@ -604,6 +668,7 @@ class HttpFront {
         completion.text = std::move(parsed->content);
         completion.tool_calls = std::move(parsed->calls);
         completion.finish_reason = "tool_calls";
+        completion.stop_reason.clear();
       }
     completion.usage = outcome.usage;
     completion.usage.completion_tokens = outcome.completion_tokens;

@@ -9,24 +9,25 @@
 #include "model/sampling.h"
 
 namespace moeline::stages::http {
-namespace {
 
 using nlohmann::json;
 
-ApiError bad(const std::string& param, const std::string& message) {
+ApiError invalid_field(const std::string& param, const std::string& message) {
   ApiError error;
   error.param = param;
   error.message = message;
   return error;
 }
 
-constexpr size_t kMaxBodyNesting = 256;
-
-ApiError unsupported(const std::string& param, const std::string& what) {
-  ApiError error = bad(param, what + " is not supported by this server yet");
+ApiError unsupported_field(const std::string& param, const std::string& what) {
+  ApiError error = invalid_field(param, what + " is not supported by this server yet");
   error.code = "unsupported_parameter";
   return error;
 }
+
+namespace {
+
+constexpr size_t kMaxBodyNesting = 256;
 
 const char* type_name(const json& value) {
   switch (value.type()) {
@@ -46,7 +47,7 @@ const char* type_name(const json& value) {
 }
 
 ApiError wrong_type(const std::string& param, const json& value, const char* want) {
-  return bad(param, "'" + param + "' must be " + want + ", not " + type_name(value));
+  return invalid_field(param, "'" + param + "' must be " + want + ", not " + type_name(value));
 }
 
 // A field that is there and not null.
@@ -62,8 +63,8 @@ std::optional<ApiError> read_number(const json& body, const char* key, double lo
   if (!value.is_number()) return wrong_type(key, value, "a number");
   const double x = value.get<double>();
   if (!(x >= low && x <= high))
-    return bad(key, "'" + std::string(key) + "' must be between " + std::to_string(low) + " and " +
-                        std::to_string(high) + ", got " + value.dump());
+    return invalid_field(key, "'" + std::string(key) + "' must be between " + std::to_string(low) +
+                                  " and " + std::to_string(high) + ", got " + value.dump());
   out = x;
   return std::nullopt;
 }
@@ -74,11 +75,11 @@ std::optional<ApiError> read_integer(const json& body, const char* key, int64_t 
   const json& value = body[key];
   if (!value.is_number_integer()) return wrong_type(key, value, "an integer");
   if (value.is_number_unsigned() && value.get<uint64_t>() > uint64_t{INT64_MAX})
-    return bad(key, "'" + std::string(key) + "' is too large");
+    return invalid_field(key, "'" + std::string(key) + "' is too large");
   const int64_t x = value.get<int64_t>();
   if (x < low)
-    return bad(key, "'" + std::string(key) + "' must be at least " + std::to_string(low) +
-                        ", got " + std::to_string(x));
+    return invalid_field(key, "'" + std::string(key) + "' must be at least " + std::to_string(low) +
+                                  ", got " + std::to_string(x));
   out = x;
   return std::nullopt;
 }
@@ -104,9 +105,9 @@ std::optional<ApiError> read_content(const json& content, const std::string& par
     const std::string at = param + "[" + std::to_string(i) + "]";
     if (!part.is_object()) return wrong_type(at, part, "an object");
     if (!part.contains("type") || part["type"] != "text")
-      return unsupported(at + ".type", "a content part other than text");
+      return unsupported_field(at + ".type", "a content part other than text");
     if (!part.contains("text") || !part["text"].is_string())
-      return bad(at + ".text", "a text part needs 'text' (a string)");
+      return invalid_field(at + ".text", "a text part needs 'text' (a string)");
     out += part["text"].get<std::string>();
   }
   return std::nullopt;
@@ -126,9 +127,9 @@ std::variant<const json*, ApiError> function_of(const json& item, const std::str
                                                 const std::string& what) {
   if (!item.is_object()) return wrong_type(at, item, "an object");
   if (item.contains("type") && item["type"] != "function")
-    return unsupported(at + ".type", what + " other than a function");
+    return unsupported_field(at + ".type", what + " other than a function");
   if (!item.contains("function") || !item["function"].is_object())
-    return bad(at + ".function", what + " needs 'function' (an object)");
+    return invalid_field(at + ".function", what + " needs 'function' (an object)");
   return &item["function"];
 }
 
@@ -150,7 +151,7 @@ std::optional<ApiError> read_tool_fields(const json& message, const std::string&
     tokenizer::ToolCall parsed;
     if (auto error = read_string(call, "id", call_at, parsed.id)) return error;
     if (!function.contains("name") || !function["name"].is_string())
-      return bad(call_at + ".function.name", "a tool call needs the function's 'name'");
+      return invalid_field(call_at + ".function.name", "a tool call needs the function's 'name'");
     parsed.name = function["name"].get<std::string>();
     if (function.contains("arguments") && !function["arguments"].is_null()) {
       const json& arguments = function["arguments"];
@@ -164,22 +165,23 @@ std::optional<ApiError> read_tool_fields(const json& message, const std::string&
 }
 
 std::optional<ApiError> read_messages(const json& body, std::vector<tokenizer::ChatMessage>& out) {
-  if (!body.contains("messages")) return bad("messages", "'messages' is required");
+  if (!body.contains("messages")) return invalid_field("messages", "'messages' is required");
   const json& messages = body["messages"];
   if (!messages.is_array()) return wrong_type("messages", messages, "an array");
-  if (messages.empty()) return bad("messages", "'messages' must not be empty");
+  if (messages.empty()) return invalid_field("messages", "'messages' must not be empty");
   for (size_t i = 0; i < messages.size(); ++i) {
     const json& message = messages[i];
     const std::string at = "messages[" + std::to_string(i) + "]";
     if (!message.is_object()) return wrong_type(at, message, "an object");
     if (!message.contains("role") || !message["role"].is_string())
-      return bad(at + ".role", "each message needs a 'role' (a string)");
+      return invalid_field(at + ".role", "each message needs a 'role' (a string)");
     std::string role = message["role"].get<std::string>();
     if (role == "developer") role = "system";  // OpenAI's newer name for the system role
     if (role == "function")
-      return unsupported(at + ".role", "the deprecated 'function' role (use 'tool' messages)");
+      return unsupported_field(at + ".role",
+                               "the deprecated 'function' role (use 'tool' messages)");
     if (role != "system" && role != "user" && role != "assistant" && role != "tool")
-      return bad(at + ".role", "unknown role '" + role + "'");
+      return invalid_field(at + ".role", "unknown role '" + role + "'");
     // Content null or absent (an assistant turn that only calls tools) reaches the template as
     // "", as vLLM passes it: Qwen3's template tests `'</think>' in message.content`, which fails
     // on none (tried: jinja2 raises TypeError there, so transformers does too).
@@ -199,7 +201,7 @@ std::optional<ApiError> read_messages(const json& body, std::vector<tokenizer::C
 }
 
 std::optional<ApiError> read_prompt(const json& body, CompletionRequest& out) {
-  if (!body.contains("prompt")) return bad("prompt", "'prompt' is required");
+  if (!body.contains("prompt")) return invalid_field("prompt", "'prompt' is required");
   const json& prompt = body["prompt"];
   if (prompt.is_string()) {
     out.prompt = prompt.get<std::string>();
@@ -208,19 +210,20 @@ std::optional<ApiError> read_prompt(const json& body, CompletionRequest& out) {
   if (prompt.is_array() && !prompt.empty() && (prompt[0].is_string() || prompt[0].is_array())) {
     // A batch: strings, or token-id lists (one of them is the plain single prompt).
     if (prompt.size() > static_cast<size_t>(kMaxChoices))
-      return bad("prompt", "at most " + std::to_string(kMaxChoices) + " prompts per request");
+      return invalid_field("prompt",
+                           "at most " + std::to_string(kMaxChoices) + " prompts per request");
     for (const json& one : prompt) {
       if (one.is_string() && prompt[0].is_string()) {
         out.batch_prompts.push_back(one.get<std::string>());
         continue;
       }
       if (!one.is_array() || !prompt[0].is_array() || one.empty())
-        return bad("prompt",
-                   "a list of prompts must be all strings or all non-empty lists of token ids");
+        return invalid_field(
+            "prompt", "a list of prompts must be all strings or all non-empty lists of token ids");
       std::vector<int32_t>& ids = out.batch_prompt_tokens.emplace_back();
       for (const json& id : one) {
         if (!id.is_number_integer() || id.get<int64_t>() < 0 || id.get<int64_t>() > INT32_MAX)
-          return bad("prompt", "a token id must be an integer in [0, 2^31)");
+          return invalid_field("prompt", "a token id must be an integer in [0, 2^31)");
         ids.push_back(static_cast<int32_t>(id.get<int64_t>()));
       }
     }
@@ -238,9 +241,9 @@ std::optional<ApiError> read_prompt(const json& body, CompletionRequest& out) {
   if (prompt.is_array() && !prompt.empty()) {
     for (const json& id : prompt) {
       if (!id.is_number_integer() || id.get<int64_t>() < 0 || id.get<int64_t>() > INT32_MAX)
-        return bad("prompt",
-                   "'prompt' must be a string, a list of one string or a list of "
-                   "token ids");
+        return invalid_field("prompt",
+                             "'prompt' must be a string, a list of one string or a list of "
+                             "token ids");
       out.prompt_tokens.push_back(static_cast<int32_t>(id.get<int64_t>()));
     }
     return std::nullopt;
@@ -256,7 +259,7 @@ std::optional<ApiError> read_stop(const json& body, std::vector<std::string>& ou
     return std::nullopt;
   }
   if (!stop.is_array()) return wrong_type("stop", stop, "a string or an array of strings");
-  if (stop.size() > 4) return bad("stop", "at most 4 stop sequences");
+  if (stop.size() > 4) return invalid_field("stop", "at most 4 stop sequences");
   for (const json& s : stop) {
     if (!s.is_string()) return wrong_type("stop", s, "a string");
     out.push_back(s.get<std::string>());
@@ -269,9 +272,10 @@ std::optional<ApiError> read_choices(Endpoint endpoint, const json& body, int64_
   std::optional<int64_t> n;
   if (auto error = read_integer(body, "n", 1, n)) return error;
   if (!n) return std::nullopt;
-  if (*n > 1 && endpoint == Endpoint::kGenerate) return unsupported("n", "n > 1 on /generate");
+  if (*n > 1 && endpoint == Endpoint::kGenerate)
+    return unsupported_field("n", "n > 1 on /generate");
   if (*n > kMaxChoices)
-    return bad(
+    return invalid_field(
         "n", "'n' must be at most " + std::to_string(kMaxChoices) + ", got " + std::to_string(*n));
   out = *n;
   return std::nullopt;
@@ -284,16 +288,16 @@ std::optional<ApiError> refuse_unserved(const json& body, int64_t n) {
   if (present(body, "functions")) {
     if (!body["functions"].is_array())
       return wrong_type("functions", body["functions"], "an array");
-    if (!body["functions"].empty()) return unsupported("functions", "functions (use tools)");
+    if (!body["functions"].empty()) return unsupported_field("functions", "functions (use tools)");
   }
   if (present(body, "suffix")) {
     if (!body["suffix"].is_string()) return wrong_type("suffix", body["suffix"], "a string");
-    if (!body["suffix"].get<std::string>().empty()) return unsupported("suffix", "suffix");
+    if (!body["suffix"].get<std::string>().empty()) return unsupported_field("suffix", "suffix");
   }
   std::optional<int64_t> best_of;
   if (auto error = read_integer(body, "best_of", 1, best_of)) return error;
-  if (best_of && *best_of < n) return bad("best_of", "'best_of' must be at least 'n'");
-  if (best_of && *best_of > n) return unsupported("best_of", "best_of greater than n");
+  if (best_of && *best_of < n) return invalid_field("best_of", "'best_of' must be at least 'n'");
+  if (best_of && *best_of > n) return unsupported_field("best_of", "best_of greater than n");
   return std::nullopt;
 }
 
@@ -313,9 +317,10 @@ std::optional<ApiError> read_tools(const json& body, const std::string& text,
       const json* function = tool_choice.contains("function") ? &tool_choice["function"] : nullptr;
       if (tool_choice.value("type", json()) != "function" || function == nullptr ||
           !function->is_object() || !function->contains("name") || !(*function)["name"].is_string())
-        return bad("tool_choice",
-                   "a named 'tool_choice' is {\"type\": \"function\", \"function\": {\"name\": "
-                   "NAME}}");
+        return invalid_field(
+            "tool_choice",
+            "a named 'tool_choice' is {\"type\": \"function\", \"function\": {\"name\": "
+            "NAME}}");
       out.tool_choice = ToolChoice::kFunction;
       out.tool_choice_function = (*function)["name"].get<std::string>();
     } else if (!tool_choice.is_string()) {
@@ -324,7 +329,7 @@ std::optional<ApiError> read_tools(const json& body, const std::string& text,
     } else {
       choice = tool_choice.get<std::string>();
       if (choice != "auto" && choice != "none" && choice != "required")
-        return bad(
+        return invalid_field(
             "tool_choice",
             "'tool_choice' must be \"auto\", \"none\" or \"required\", got \"" + choice + "\"");
       if (choice == "none") out.tool_choice = ToolChoice::kNone;
@@ -334,7 +339,8 @@ std::optional<ApiError> read_tools(const json& body, const std::string& text,
   const bool forced =
       out.tool_choice == ToolChoice::kRequired || out.tool_choice == ToolChoice::kFunction;
   if (!present(body, "tools") || (body["tools"].is_array() && body["tools"].empty())) {
-    if (forced) return bad("tool_choice", "'tool_choice' forces a call, but there are no 'tools'");
+    if (forced)
+      return invalid_field("tool_choice", "'tool_choice' forces a call, but there are no 'tools'");
     if (!present(body, "tools")) return std::nullopt;
   }
   const json& tools = body["tools"];
@@ -346,7 +352,7 @@ std::optional<ApiError> read_tools(const json& body, const std::string& text,
     const json& function = *std::get<const json*>(wrapped);
     if (!function.contains("name") || !function["name"].is_string() ||
         function["name"].get<std::string>().empty())
-      return bad(at + ".function.name", "a tool's function needs a 'name'");
+      return invalid_field(at + ".function.name", "a tool's function needs a 'name'");
     if (function.contains("parameters") && !function["parameters"].is_null() &&
         !function["parameters"].is_object())
       return wrong_type(at + ".function.parameters", function["parameters"], "an object");
@@ -355,8 +361,9 @@ std::optional<ApiError> read_tools(const json& body, const std::string& text,
       std::none_of(tools.begin(), tools.end(), [&](const json& tool) {
         return tool["function"]["name"] == out.tool_choice_function;
       }))
-    return bad("tool_choice", "'tool_choice' names the function '" + out.tool_choice_function +
-                                  "', which is not one of the 'tools'");
+    return invalid_field("tool_choice", "'tool_choice' names the function '" +
+                                            out.tool_choice_function +
+                                            "', which is not one of the 'tools'");
   if (tools.empty() || choice == "none") return std::nullopt;
   out.chat.tools_json =
       nlohmann::ordered_json::parse(text, nullptr, /*allow_exceptions=*/false)["tools"].dump();
@@ -371,14 +378,15 @@ std::optional<ApiError> read_logprobs(Endpoint endpoint, const json& body, Compl
     if (auto error = read_bool(body, "logprobs", out.logprobs)) return error;
     if (auto error = read_integer(body, "top_logprobs", 0, top)) return error;
     if (top && *top > 0 && !out.logprobs)
-      return bad("top_logprobs", "'top_logprobs' needs \"logprobs\": true");
+      return invalid_field("top_logprobs", "'top_logprobs' needs \"logprobs\": true");
   } else {
     if (auto error = read_integer(body, "logprobs", 0, top)) return error;
     out.logprobs = top.has_value();
   }
   if (top && *top > model::kMaxTopLogprobs)
-    return bad(endpoint == Endpoint::kChat ? "top_logprobs" : "logprobs",
-               "at most " + std::to_string(model::kMaxTopLogprobs) + " log-probabilities");
+    return invalid_field(
+        endpoint == Endpoint::kChat ? "top_logprobs" : "logprobs",
+        "at most " + std::to_string(model::kMaxTopLogprobs) + " log-probabilities");
   out.top_logprobs = top.value_or(0);
   return std::nullopt;
 }
@@ -389,18 +397,19 @@ std::optional<ApiError> read_logit_bias(const json& body, CompletionRequest& out
   const json& bias = body["logit_bias"];
   if (!bias.is_object()) return wrong_type("logit_bias", bias, "an object");
   if (bias.size() > model::kMaxLogitBias)
-    return bad("logit_bias",
-               "'logit_bias' may bias at most " + std::to_string(model::kMaxLogitBias) + " tokens");
+    return invalid_field("logit_bias", "'logit_bias' may bias at most " +
+                                           std::to_string(model::kMaxLogitBias) + " tokens");
   for (const auto& [key, value] : bias.items()) {
     int64_t token = -1;
     const auto [end, error] = std::from_chars(key.data(), key.data() + key.size(), token);
     if (error != std::errc() || end != key.data() + key.size() || token < 0 || token > INT32_MAX)
-      return bad("logit_bias", "'logit_bias' keys must be token ids, got \"" + key + "\"");
+      return invalid_field("logit_bias",
+                           "'logit_bias' keys must be token ids, got \"" + key + "\"");
     if (!value.is_number()) return wrong_type("logit_bias", value, "a number");
     const double x = value.get<double>();
     if (!(x >= -model::kMaxBias && x <= model::kMaxBias))
-      return bad("logit_bias",
-                 "'logit_bias' values must be between -100 and 100, got " + value.dump());
+      return invalid_field("logit_bias",
+                           "'logit_bias' values must be between -100 and 100, got " + value.dump());
     out.logit_bias.emplace_back(static_cast<int32_t>(token), static_cast<float>(x));
   }
   return std::nullopt;
@@ -414,7 +423,7 @@ std::optional<ApiError> read_penalties(const json& body, CompletionRequest& out)
   if (auto error = read_number(body, "repetition_penalty", 0.0, 1e9, out.repetition_penalty))
     return error;
   if (out.repetition_penalty <= 0)
-    return bad("repetition_penalty", "'repetition_penalty' must be greater than 0");
+    return invalid_field("repetition_penalty", "'repetition_penalty' must be greater than 0");
   return read_number(body, "min_p", 0.0, 1.0, out.min_p);
 }
 
@@ -447,8 +456,10 @@ std::optional<ApiError> read_stream(const json& body, CompletionRequest& out) {
   if (!body.contains("stream_options") || body["stream_options"].is_null()) return std::nullopt;
   const json& options = body["stream_options"];
   if (!options.is_object()) return wrong_type("stream_options", options, "an object");
-  if (!out.stream) return bad("stream_options", "'stream_options' needs \"stream\": true");
-  return read_bool(options, "include_usage", out.include_usage);
+  if (!out.stream)
+    return invalid_field("stream_options", "'stream_options' needs \"stream\": true");
+  if (auto error = read_bool(options, "include_usage", out.include_usage)) return error;
+  return read_bool(options, "continuous_usage_stats", out.continuous_usage);
 }
 
 std::optional<ApiError> read_chat_options(const json& body, CompletionRequest& out) {
@@ -469,8 +480,8 @@ std::optional<ApiError> read_chat_options(const json& body, CompletionRequest& o
   for (const auto& [name, value] : kwargs.items()) {
     if (name == "enable_thinking") continue;
     if (tokenizer::reserved_template_variable(name))
-      return bad("chat_template_kwargs." + name,
-                 "'" + name + "' is set by the server, not by chat_template_kwargs");
+      return invalid_field("chat_template_kwargs." + name,
+                           "'" + name + "' is set by the server, not by chat_template_kwargs");
     others[name] = value;
   }
   if (!others.empty()) out.chat.template_kwargs_json = others.dump();
@@ -487,8 +498,9 @@ std::optional<ApiError> read_response_format(const json& body, const std::string
   const json& format = body["response_format"];
   if (!format.is_object()) return wrong_type("response_format", format, "an object");
   if (!format.contains("type") || !format["type"].is_string())
-    return bad("response_format.type",
-               "'response_format.type' must be \"text\", \"json_object\" or \"json_schema\"");
+    return invalid_field(
+        "response_format.type",
+        "'response_format.type' must be \"text\", \"json_object\" or \"json_schema\"");
   const std::string type = format["type"].get<std::string>();
   if (type == "text") return std::nullopt;
   if (type == "json_object") {
@@ -496,33 +508,35 @@ std::optional<ApiError> read_response_format(const json& body, const std::string
     return std::nullopt;
   }
   if (type != "json_schema")
-    return unsupported("response_format.type", "response_format " + format["type"].dump());
+    return unsupported_field("response_format.type", "response_format " + format["type"].dump());
   if (!format.contains("json_schema") || !format["json_schema"].is_object())
-    return bad("response_format.json_schema",
-               "'response_format.json_schema' must be an object with the schema in 'schema'");
+    return invalid_field(
+        "response_format.json_schema",
+        "'response_format.json_schema' must be an object with the schema in 'schema'");
   const json& spec = format["json_schema"];
   if (!present(spec, "schema")) {  // optional in OpenAI's API: a JSON object, as json_object
     out.structured = sdk::StructuredOutput::kJsonObject;
     return std::nullopt;
   }
   if (!(spec["schema"].is_object() || spec["schema"].is_boolean()))
-    return bad("response_format.json_schema.schema",
-               "'response_format.json_schema.schema' must be a JSON Schema (an object)");
+    return invalid_field("response_format.json_schema.schema",
+                         "'response_format.json_schema.schema' must be a JSON Schema (an object)");
   const auto ordered = nlohmann::ordered_json::parse(text, nullptr, /*allow_exceptions=*/false);
   out.structured = sdk::StructuredOutput::kJsonSchema;
   out.json_schema = ordered["response_format"]["json_schema"]["schema"].dump();
   if (auto grammar = model::JsonGrammar::compile(out.json_schema); !grammar)
-    return bad("response_format.json_schema.schema", grammar.error().message);
+    return invalid_field("response_format.json_schema.schema", grammar.error().message);
   return std::nullopt;
 }
 
 std::variant<json, ApiError> parse_object(const std::string& body) {
   // Parts of the body (tools, a schema) are written back as text, which recurses.
   if (model::json_text_depth(body) > kMaxBodyNesting)
-    return bad("", "the body is nested more than " + std::to_string(kMaxBodyNesting) + " deep");
+    return invalid_field(
+        "", "the body is nested more than " + std::to_string(kMaxBodyNesting) + " deep");
   json parsed = json::parse(body, nullptr, /*allow_exceptions=*/false);
-  if (parsed.is_discarded()) return bad("", "the body is not valid JSON");
-  if (!parsed.is_object()) return bad("", "the body must be a JSON object");
+  if (parsed.is_discarded()) return invalid_field("", "the body is not valid JSON");
+  if (!parsed.is_object()) return invalid_field("", "the body must be a JSON object");
   return parsed;
 }
 
@@ -549,7 +563,7 @@ std::optional<ApiError> read_all(Endpoint endpoint, const json& body, const std:
   }
   if (auto error = read_choices(endpoint, body, out.n)) return error;
   if (endpoint == Endpoint::kGenerate && out.prompt_count() > 1)
-    return unsupported("prompt", "more than one prompt on /generate");
+    return unsupported_field("prompt", "more than one prompt on /generate");
   if (auto error = refuse_unserved(body, out.n)) return error;
   if (auto error = read_response_format(body, text, out)) return error;
   if (auto error = read_sampling(body, out)) return error;
@@ -559,11 +573,12 @@ std::optional<ApiError> read_all(Endpoint endpoint, const json& body, const std:
     if (auto error = read_logprobs(endpoint, body, out)) return error;
   if (auto error = read_bool(body, "echo", out.echo)) return error;
   if (out.echo && endpoint != Endpoint::kCompletions)
-    return unsupported("echo", "echo outside /v1/completions");
+    return unsupported_field("echo", "echo outside /v1/completions");
   if (out.max_tokens == 0 && !out.echo)
-    return bad("max_tokens",
-               "'max_tokens' must be at least 1, got 0 (0 only with echo: the prompt alone, "
-               "scored with logprobs)");
+    return invalid_field(
+        "max_tokens",
+        "'max_tokens' must be at least 1, got 0 (0 only with echo: the prompt alone, "
+        "scored with logprobs)");
   if (auto error = read_bool(body, "ignore_eos", out.ignore_eos)) return error;
   if (auto error = read_bool(body, "skip_special_tokens", out.skip_special_tokens)) return error;
   if (endpoint == Endpoint::kGenerate) return std::nullopt;
@@ -605,7 +620,8 @@ std::variant<TokenizeRequest, ApiError> parse_tokenize(const std::string& body) 
     if (auto error = read_chat_options(object, out.text)) return *error;
   } else {
     out.text.endpoint = Endpoint::kCompletions;
-    if (!present(object, "prompt")) return bad("prompt", "'prompt' or 'messages' is required");
+    if (!present(object, "prompt"))
+      return invalid_field("prompt", "'prompt' or 'messages' is required");
     if (!object["prompt"].is_string()) return wrong_type("prompt", object["prompt"], "a string");
     out.text.prompt = object["prompt"].get<std::string>();
   }
@@ -620,13 +636,14 @@ std::variant<DetokenizeRequest, ApiError> parse_detokenize(const std::string& bo
   const json& object = std::get<json>(parsed);
   DetokenizeRequest out;
   if (auto error = read_model(object, out.model)) return *error;
-  if (!present(object, "tokens")) return bad("tokens", "'tokens' is required");
+  if (!present(object, "tokens")) return invalid_field("tokens", "'tokens' is required");
   const json& tokens = object["tokens"];
   if (!tokens.is_array()) return wrong_type("tokens", tokens, "an array of token ids");
   for (const json& id : tokens) {
     if (!id.is_number_integer() || id.get<int64_t>() < 0 ||
         id.get<int64_t>() > std::numeric_limits<int32_t>::max())
-      return bad("tokens", "'tokens' must hold token ids (integers >= 0), got " + id.dump());
+      return invalid_field("tokens",
+                           "'tokens' must hold token ids (integers >= 0), got " + id.dump());
     out.tokens.push_back(static_cast<int32_t>(id.get<int64_t>()));
   }
   return out;
@@ -713,12 +730,21 @@ sdk::Usage combined_usage(std::span<const Completion> choices, int64_t n) {
   return usage;
 }
 
+namespace {
+
+json stop_reason_json(const Completion& completion) {
+  return completion.stop_reason.empty() ? json(nullptr) : json(completion.stop_reason);
+}
+
+}  // namespace
+
 json completion_response(Endpoint endpoint, std::span<const Completion> choices, int64_t n) {
   json listed = json::array();
   for (const Completion& completion : choices) {
     json choice = {{"index", completion.index},
                    {"logprobs", completion.logprobs},
-                   {"finish_reason", completion.finish_reason}};
+                   {"finish_reason", completion.finish_reason},
+                   {"stop_reason", stop_reason_json(completion)}};
     if (endpoint == Endpoint::kChat) {
       choice["message"] = {{"role", "assistant"}, {"content", completion.text}};
       if (!completion.reasoning.empty())
@@ -754,6 +780,7 @@ json stream_chunk(Endpoint endpoint, const Completion& completion, const std::st
   json choice = {{"index", completion.index},
                  {"logprobs", logprobs},
                  {"finish_reason", finish_reason.empty() ? json(nullptr) : json(finish_reason)}};
+  if (!finish_reason.empty()) choice["stop_reason"] = stop_reason_json(completion);
   if (endpoint == Endpoint::kChat) {
     json delta = json::object();
     if (first) delta["role"] = "assistant";

@@ -35,6 +35,11 @@ struct ApiError {
   nlohmann::json body() const;
 };
 
+// A 400 naming the field `param` (empty: the body as a whole).
+ApiError invalid_field(const std::string& param, const std::string& message);
+// A 400 for what this server does not do (`what`, as a noun), code unsupported_parameter.
+ApiError unsupported_field(const std::string& param, const std::string& what);
+
 struct CompletionRequest {
   Endpoint endpoint = Endpoint::kChat;
   std::string model;
@@ -76,6 +81,8 @@ struct CompletionRequest {
   // only. The pipeline still draws one token, which the response leaves out.
   bool score_only() const { return echo && max_tokens == 0; }
   bool include_usage = false;
+  // vLLM's stream_options.continuous_usage_stats: every chunk carries the usage so far.
+  bool continuous_usage = false;
   std::string user;
   // Choices to generate (`n`) per prompt: choice i samples with seed + i when a seed is given
   // (as vLLM).
@@ -126,6 +133,9 @@ struct Completion {
   std::string model;
   std::string text;
   std::string finish_reason;  // stop, length
+  // The stop string that ended the text, as vLLM's `stop_reason` (empty: null, as when the model
+  // ended it or max_tokens did).
+  std::string stop_reason;
   sdk::Usage usage;
   sdk::Timings timings;
   bool fallback = false;    // served by the fallback model (the primary was overloaded or slow)

@@ -10,30 +10,18 @@ namespace {
 
 using json = nlohmann::json;
 
-ApiError invalid(std::string param, std::string message) {
-  ApiError error;
-  error.param = std::move(param);
-  error.message = std::move(message);
-  return error;
-}
-
-ApiError unsupported(std::string param, const std::string& what) {
-  ApiError error = invalid(std::move(param), what + " is not supported by this server");
-  error.code = "unsupported_parameter";
-  return error;
-}
-
 // A message's content: a string, or parts whose text is joined (input_text, output_text, text).
 std::variant<std::string, ApiError> content_text(const json& content, const std::string& where) {
   if (content.is_string()) return content.get<std::string>();
-  if (!content.is_array()) return invalid(where, "'" + where + "' must be a string or a list");
+  if (!content.is_array())
+    return invalid_field(where, "'" + where + "' must be a string or a list");
   std::string text;
   for (const json& part : content) {
     const std::string type = part.is_object() ? part.value("type", "") : "";
     if (type != "input_text" && type != "output_text" && type != "text")
-      return unsupported(where, "a content part of type '" + type + "'");
+      return unsupported_field(where, "a content part of type '" + type + "'");
     if (!part.contains("text") || !part["text"].is_string())
-      return invalid(where, "a text part needs its 'text'");
+      return invalid_field(where, "a text part needs its 'text'");
     text += part["text"].get<std::string>();
   }
   return text;
@@ -46,27 +34,29 @@ std::optional<ApiError> add_input(const json& input, json& messages) {
     return std::nullopt;
   }
   if (!input.is_array() || input.empty())
-    return invalid("input", "'input' must be a string or a non-empty list of items");
+    return invalid_field("input", "'input' must be a string or a non-empty list of items");
   for (size_t i = 0; i < input.size(); ++i) {
     const json& item = input[i];
     const std::string where = "input[" + std::to_string(i) + "]";
-    if (!item.is_object()) return invalid(where, "an input item must be an object");
+    if (!item.is_object()) return invalid_field(where, "an input item must be an object");
     const std::string type = item.value("type", "message");
     if (type == "message") {
       std::string role = item.value("role", "");
       if (role == "developer") role = "system";
       if (role != "user" && role != "assistant" && role != "system")
-        return invalid(where + ".role",
-                       "a message's role must be user, assistant, system or "
-                       "developer");
-      if (!item.contains("content")) return invalid(where + ".content", "a message needs content");
+        return invalid_field(where + ".role",
+                             "a message's role must be user, assistant, system or "
+                             "developer");
+      if (!item.contains("content"))
+        return invalid_field(where + ".content", "a message needs content");
       auto text = content_text(item["content"], where + ".content");
       if (auto* error = std::get_if<ApiError>(&text)) return *error;
       messages.push_back({{"role", role}, {"content", std::get<std::string>(text)}});
     } else if (type == "function_call") {
       for (const char* key : {"call_id", "name", "arguments"})
         if (!item.contains(key) || !item[key].is_string())
-          return invalid(where + "." + key, std::string("a function_call needs its '") + key + "'");
+          return invalid_field(where + "." + key,
+                               std::string("a function_call needs its '") + key + "'");
       json call = {{"id", item["call_id"]},
                    {"type", "function"},
                    {"function", {{"name", item["name"]}, {"arguments", item["arguments"]}}}};
@@ -80,8 +70,9 @@ std::optional<ApiError> add_input(const json& input, json& messages) {
       }
     } else if (type == "function_call_output") {
       if (!item.contains("call_id") || !item["call_id"].is_string())
-        return invalid(where + ".call_id", "a function_call_output needs its 'call_id'");
-      if (!item.contains("output")) return invalid(where + ".output", "it needs its 'output'");
+        return invalid_field(where + ".call_id", "a function_call_output needs its 'call_id'");
+      if (!item.contains("output"))
+        return invalid_field(where + ".output", "it needs its 'output'");
       auto text = content_text(item["output"], where + ".output");
       if (auto* error = std::get_if<ApiError>(&text)) return *error;
       messages.push_back({{"role", "tool"},
@@ -90,7 +81,7 @@ std::optional<ApiError> add_input(const json& input, json& messages) {
     } else if (type == "reasoning") {
       continue;  // an earlier answer's reasoning: not shown to the model again (as chat drops it)
     } else {
-      return unsupported(where + ".type", "an input item of type '" + type + "'");
+      return unsupported_field(where + ".type", "an input item of type '" + type + "'");
     }
   }
   return std::nullopt;
@@ -98,13 +89,13 @@ std::optional<ApiError> add_input(const json& input, json& messages) {
 
 // Responses' function tools ({type, name, description, parameters}) as chat's.
 std::variant<json, ApiError> chat_tools(const json& tools) {
-  if (!tools.is_array()) return invalid("tools", "'tools' must be a list");
+  if (!tools.is_array()) return invalid_field("tools", "'tools' must be a list");
   json out = json::array();
   for (size_t i = 0; i < tools.size(); ++i) {
     const json& tool = tools[i];
     const std::string type = tool.is_object() ? tool.value("type", "") : "";
     if (type != "function")
-      return unsupported("tools[" + std::to_string(i) + "]", "a tool of type '" + type + "'");
+      return unsupported_field("tools[" + std::to_string(i) + "]", "a tool of type '" + type + "'");
     json function = {{"name", tool.value("name", json())}};
     for (const char* key : {"description", "parameters", "strict"})
       if (tool.contains(key) && !tool[key].is_null()) function[key] = tool[key];
@@ -177,12 +168,12 @@ json response_with(const ResponsesRequest& request, const std::string& model, in
 }
 
 std::variant<ResponsesRequest, ApiError> translate(const json& body) {
-  if (!body.is_object()) return invalid("", "the request body must be a JSON object");
+  if (!body.is_object()) return invalid_field("", "the request body must be a JSON object");
   if (body.contains("previous_response_id") && !body["previous_response_id"].is_null())
-    return unsupported("previous_response_id",
-                       "previous_response_id (responses are not stored: send the whole "
-                       "conversation as input items)");
-  if (body.value("background", false)) return unsupported("background", "background");
+    return unsupported_field("previous_response_id",
+                             "previous_response_id (responses are not stored: send the whole "
+                             "conversation as input items)");
+  if (body.value("background", false)) return unsupported_field("background", "background");
   ResponsesRequest out;
   out.id = random_id("resp_");
   json chat = json::object();
@@ -201,11 +192,11 @@ std::variant<ResponsesRequest, ApiError> translate(const json& body) {
                {"user", nullptr}};
   if (body.contains("instructions") && !body["instructions"].is_null()) {
     if (!body["instructions"].is_string())
-      return invalid("instructions", "'instructions' must be a string");
+      return invalid_field("instructions", "'instructions' must be a string");
     messages.push_back({{"role", "system"}, {"content", body["instructions"]}});
     echo["instructions"] = body["instructions"];
   }
-  if (!body.contains("input")) return invalid("input", "'input' is required");
+  if (!body.contains("input")) return invalid_field("input", "'input' is required");
   if (auto error = add_input(body["input"], messages)) return *error;
   chat["messages"] = std::move(messages);
   if (body.contains("model")) chat["model"] = body["model"];
@@ -230,9 +221,9 @@ std::variant<ResponsesRequest, ApiError> translate(const json& body) {
     const json& choice = body["tool_choice"];
     if (choice.is_object()) {
       if (choice.value("type", "") != "function" || !choice.contains("name"))
-        return invalid("tool_choice",
-                       "'tool_choice' must be auto, none, required or "
-                       "{\"type\": \"function\", \"name\": ...}");
+        return invalid_field("tool_choice",
+                             "'tool_choice' must be auto, none, required or "
+                             "{\"type\": \"function\", \"name\": ...}");
       chat["tool_choice"] = {{"type", "function"}, {"function", {{"name", choice["name"]}}}};
     } else {
       chat["tool_choice"] = choice;
@@ -250,9 +241,9 @@ std::variant<ResponsesRequest, ApiError> translate(const json& body) {
     } else if (type == "json_object") {
       chat["response_format"] = {{"type", "json_object"}};
     } else if (type != "text") {
-      return invalid("text.format",
-                     "'text.format' must be of type text, json_object or "
-                     "json_schema");
+      return invalid_field("text.format",
+                           "'text.format' must be of type text, json_object or "
+                           "json_schema");
     }
     echo["text"] = body["text"];
   }
@@ -275,7 +266,8 @@ std::variant<ResponsesRequest, ApiError> parse_responses_request(const std::stri
   try {
     return translate(body);
   } catch (const json::exception& e) {
-    return invalid("", std::string("a field of the request has the wrong type (") + e.what() + ")");
+    return invalid_field(
+        "", std::string("a field of the request has the wrong type (") + e.what() + ")");
   }
 }
 
@@ -301,20 +293,15 @@ json response_from_chat(const ResponsesRequest& request, const json& chat) {
 }
 
 bool ResponsesStream::feed(const char* data, size_t size, httplib::DataSink& sink) {
-  pending_.append(data, size);
-  size_t end = 0;
-  while ((end = pending_.find("\n\n")) != std::string::npos) {
-    const std::string event = pending_.substr(0, end);
-    pending_.erase(0, end + 2);
+  return events_.feed(data, size, [&](const std::string& event) {
     // The chat stream is this server's own, so a field of an unexpected type is a bug here: the
     // event is left out rather than thrown on (on the thread that delivers every stream).
     try {
-      if (!on_event(event, sink)) return false;
+      return on_event(event, sink);
     } catch (const json::exception&) {
-      continue;
+      return true;
     }
-  }
-  return true;
+  });
 }
 
 bool ResponsesStream::on_event(const std::string& event, httplib::DataSink& sink) {
@@ -478,9 +465,7 @@ json ResponsesStream::response_object(const char* status) const {
 bool ResponsesStream::emit(const char* type, json event, httplib::DataSink& sink) {
   event["type"] = type;
   event["sequence_number"] = sequence_++;
-  const std::string text = std::string("event: ") + type +
-                           "\ndata: " + event.dump(-1, ' ', false, json::error_handler_t::replace) +
-                           "\n\n";
+  const std::string text = named_event(type, event);
   return sink.write(text.data(), text.size());
 }
 

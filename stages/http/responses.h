@@ -13,6 +13,7 @@
 #include <nlohmann/json.hpp>
 
 #include "stages/http/openai.h"
+#include "stages/http/sse.h"
 
 namespace moeline::stages::http {
 
@@ -53,7 +54,7 @@ class ResponsesStream {
   nlohmann::json response_object(const char* status) const;
 
   ResponsesRequest request_;
-  std::string pending_;  // bytes of an event not yet complete
+  SseEvents events_;
   bool started_ = false, ended_ = false;
   int64_t sequence_ = 0;
   std::string model_;

@@ -14,9 +14,17 @@ std::string StopMatcher::feed(const std::string& delta) {
   pending_ += delta;
   // The earliest stop string wins (as the text would have been cut there).
   size_t cut = std::string::npos;
-  for (const std::string& stop : stops_) cut = std::min(cut, pending_.find(stop));
+  const std::string* earliest = nullptr;
+  for (const std::string& stop : stops_) {
+    const size_t at = pending_.find(stop);
+    if (at < cut) {
+      cut = at;
+      earliest = &stop;
+    }
+  }
   if (cut != std::string::npos) {
     stopped_ = true;
+    matched_ = *earliest;
     std::string out = pending_.substr(0, cut);
     pending_.clear();
     return out;

@@ -18,10 +18,14 @@ class StopMatcher {
   // The text still held back, when the stream ends without a stop string.
   std::string flush();
   bool stopped() const { return stopped_; }
+  // The stop string that ended the text (empty before one did): vLLM's and Anthropic's
+  // stop_reason / stop_sequence.
+  const std::string& matched() const { return matched_; }
 
  private:
   std::vector<std::string> stops_;
   std::string pending_;
+  std::string matched_;
   bool stopped_ = false;
 };
 

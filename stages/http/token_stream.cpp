@@ -41,6 +41,16 @@ TokenStream::TokenStream(Endpoint endpoint, const CompletionRequest& request,
     parallel_tool_calls_ = request.parallel_tool_calls;
   }
   outcome_.usage.prompt_tokens = prompt_tokens;
+  continuous_usage_ = request.continuous_usage;
+}
+
+std::string TokenStream::chunk_event(json chunk) const {
+  if (continuous_usage_) {
+    sdk::Usage usage = outcome_.usage;
+    usage.completion_tokens = score_only_ ? 0 : outcome_.completion_tokens;
+    chunk["usage"] = usage_json(usage);
+  }
+  return server_event(chunk);
 }
 
 bool TokenStream::send(httplib::DataSink& sink, const std::string& text) {
@@ -56,7 +66,11 @@ bool TokenStream::send(httplib::DataSink& sink, const std::string& text) {
 
 bool TokenStream::on_event(const sdk::Event& event, Clock::time_point arrived,
                            httplib::DataSink& sink) {
-  if (event.kind == sdk::EventKind::kAccepted) return true;  // a retry's: nothing to write
+  if (event.kind == sdk::EventKind::kAccepted) {  // nothing to write (a retry's, or the first's
+    // where the stream began before it)
+    if (event.usage.prompt_tokens > 0) outcome_.usage.prompt_tokens = event.usage.prompt_tokens;
+    return true;
+  }
   std::string text;
   const size_t known = outcome_.ids.size();
   const bool over = absorb(event, stops_, outcome_, text);
@@ -69,8 +83,8 @@ bool TokenStream::on_event(const sdk::Event& event, Clock::time_point arrived,
         logprobs_
             ? logprobs_->prompt_object(outcome_.prompt_ids, outcome_.prompt_logprobs, text_offset_)
             : json(nullptr);
-    if (!send(sink, server_event(stream_chunk(endpoint_, *completion_, *echo_, first_chunk_, "",
-                                              prompt_logprobs))))
+    if (!send(sink, chunk_event(stream_chunk(endpoint_, *completion_, *echo_, first_chunk_, "",
+                                             prompt_logprobs))))
       return false;
     first_chunk_ = false;
     echo_.reset();
@@ -111,12 +125,12 @@ bool TokenStream::on_event(const sdk::Event& event, Clock::time_point arrived,
 
 bool TokenStream::send_delta(httplib::DataSink& sink, const std::string& text, const json& logprobs,
                              DeltaField field) {
-  const bool plain = !first_chunk_ && logprobs.is_null();
+  const bool plain = !first_chunk_ && logprobs.is_null() && !continuous_usage_;
   const TokenEvents& events = field == DeltaField::kReasoning ? *reasoning_events_ : token_events_;
   const bool sent =
       send(sink, plain ? events.event(text)
-                       : server_event(stream_chunk(endpoint_, *completion_, text, first_chunk_, "",
-                                                   logprobs, field)));
+                       : chunk_event(stream_chunk(endpoint_, *completion_, text, first_chunk_, "",
+                                                  logprobs, field)));
   first_chunk_ = false;
   return sent;
 }
@@ -146,15 +160,16 @@ void TokenStream::finish_choice(httplib::DataSink& sink) {
     if (auto parsed = parse_tool_calls(tool_calls_->held(), tool_call_format_, tools_json_,
                                        parallel_tool_calls_, bare_json_call_)) {
       completion_->tool_calls = std::move(parsed->calls);
-      send(sink, server_event(tool_calls_chunk(*completion_)));
+      send(sink, chunk_event(tool_calls_chunk(*completion_)));
       finish_reason = "tool_calls";
     } else {
-      send(sink, server_event(
+      send(sink, chunk_event(
                      stream_chunk(endpoint_, *completion_, tool_calls_->held(), first_chunk_, "")));
       first_chunk_ = false;
     }
   }
-  send(sink, server_event(stream_chunk(endpoint_, *completion_, "", false, finish_reason)));
+  if (finish_reason != "tool_calls") completion_->stop_reason = outcome_.stop_reason;
+  send(sink, chunk_event(stream_chunk(endpoint_, *completion_, "", false, finish_reason)));
 }
 
 StreamedResponse::StreamedResponse(Endpoint endpoint, std::vector<Choice> choices,

@@ -62,6 +62,9 @@ class TokenStream {
   bool send(httplib::DataSink& sink, const std::string& text);
 
  private:
+  // A chunk's server-sent event, with the usage so far where the request asked for it in every
+  // chunk.
+  std::string chunk_event(nlohmann::json chunk) const;
   // One chunk of text in `field` of the delta (with the role on the first chunk, and the tokens'
   // log-probabilities where given).
   bool send_delta(httplib::DataSink& sink, const std::string& text, const nlohmann::json& logprobs,
@@ -77,7 +80,8 @@ class TokenStream {
   tokenizer::ToolCallFormat tool_call_format_ = tokenizer::ToolCallFormat::kNone;  // the template's
   std::string tools_json_;                                                         // the request's
   bool parallel_tool_calls_ = true;
-  bool bare_json_call_ = false;  // forces_bare_json_call
+  bool bare_json_call_ = false;    // forces_bare_json_call
+  bool continuous_usage_ = false;  // stream_options.continuous_usage_stats
   TokenEvents token_events_;
   runtime::Histogram* token_delay_;
   runtime::Counter* write_failures_;
