@@ -480,7 +480,8 @@ class HttpFront {
       answer_locally("count_tokens", as_tokenize, response, http::parse_tokenize, http::tokenize,
                      [](const auto& body) { return body.text.model; });
       const json counted = json::parse(response.body, nullptr, /*allow_exceptions=*/false);
-      if (response.status == 200 && counted.is_object() && counted.contains("count"))
+      // (The status is still unset, -1, where the answer is a 200.)
+      if (response.status < 400 && counted.is_object() && counted.contains("count"))
         response.set_content(http::to_text(json{{"input_tokens", counted["count"]}}),
                              "application/json");
     }

@@ -384,6 +384,7 @@ def case_api(args):
         check_echo(args, stack)
         check_tokenize(args, stack)
         check_responses(stack)
+        check_messages(stack)
 
         # A client that disconnects mid-stream: its request is cancelled in the pipeline.
         def disconnect_mid_stream(try_number):
@@ -412,27 +413,6 @@ def case_api(args):
 
         until_the_stop_lands(disconnect_mid_stream, "http disconnect")
         print("ok api: a client that disconnects mid-stream cancels its request")
-
-
-def responses_stream(stack, body):
-    """The events of a streamed /v1/responses request: [(event name, parsed data)]."""
-    conn = connect(stack)
-    conn.request("POST", "/v1/responses", body=json.dumps(dict(body, stream=True)),
-                 headers={"Content-Type": "application/json"})
-    response = conn.getresponse()
-    check(response.status == 200, f"/v1/responses streamed: {response.status}")
-    events = []
-    for block in response.read().decode().split("\n\n"):
-        lines = [line for line in block.split("\n") if line and not line.startswith(":")]
-        if not lines:
-            continue
-        check(len(lines) == 2 and lines[0].startswith("event: ") and
-              lines[1].startswith("data: "), f"a Responses event is 'event:' then 'data:': {block!r}")
-        data = json.loads(lines[1][len("data: "):])
-        check(data["type"] == lines[0][len("event: "):], f"the event's name is its type: {block!r}")
-        events.append((data["type"], data))
-    conn.close()
-    return events
 
 
 def check_responses(stack):
@@ -467,7 +447,7 @@ def check_responses(stack):
           body["usage"]["output_tokens"] == chat["usage"]["completion_tokens"] and
           body["instructions"] == "Answer briefly." and body["max_output_tokens"] == 12,
           f"usage and the request's echo: {body}")
-    events = responses_stream(stack, asked)
+    events = named_events(stack, "/v1/responses", asked)
     types = [t for t, _ in events]
     check(types[:2] == ["response.created", "response.in_progress"] and
           types[-1] == ("response.incomplete" if length else "response.completed"),
@@ -493,6 +473,115 @@ def check_responses(stack):
     print(f"ok api: /v1/responses answers as the chat does ({body['status']}, "
           f"{len(body['output'])} output items), streamed in {len(events)} events; stored "
           "responses and hosted tools are 400s")
+
+
+def named_events(stack, path, body, headers=None):
+    """The events of a stream whose events are named (`event: TYPE` then `data:`, as the
+    Responses and Anthropic's Messages APIs write them): [(event name, parsed data)]; a data's
+    type must be its event's name."""
+    conn = connect(stack)
+    conn.request("POST", path, body=json.dumps(dict(body, stream=True)),
+                 headers={"Content-Type": "application/json", **(headers or {})})
+    response = conn.getresponse()
+    check(response.status == 200, f"{path} streamed: {response.status}")
+    check(response.getheader("Content-Type", "").startswith("text/event-stream"),
+          f"{path} stream content type {response.getheader('Content-Type')}")
+    events = []
+    for block in response.read().decode().split("\n\n"):
+        lines = [line for line in block.split("\n") if line and not line.startswith(":")]
+        if not lines:
+            continue
+        check(len(lines) == 2 and lines[0].startswith("event: ") and
+              lines[1].startswith("data: "), f"an event is 'event:' then 'data:': {block!r}")
+        data = json.loads(lines[1][len("data: "):])
+        check(data["type"] == lines[0][len("event: "):], f"the event's name is its type: {block!r}")
+        events.append((data["type"], data))
+    conn.close()
+    return events
+
+
+def check_messages(stack):
+    """Anthropic's Messages API: the same answer as the chat completion of the same messages
+    (the system prompt a system message), as content blocks with Anthropic's stop_reason and
+    usage; a stop sequence named in stop_sequence; streamed, message_start to message_stop with
+    the text deltas adding up to the same text; count_tokens the chat's prompt tokens; errors
+    (a missing max_tokens, an unknown model, an image) in Anthropic's shape."""
+    messages = [{"role": "user", "content": [{"type": "text", "text": "to swim:"}]}]
+    chat_body = {"messages": [{"role": "system", "content": "Answer briefly."},
+                              {"role": "user", "content": "to swim:"}],
+                 "max_tokens": 12, "temperature": 0}
+    status, chat, _ = post(stack, "/v1/chat/completions", chat_body)
+    check(status == 200, f"chat: {status} {chat}")
+    message = chat["choices"][0]["message"]
+    length = chat["choices"][0]["finish_reason"] == "length"
+    asked = {"model": chat["model"], "max_tokens": 12, "temperature": 0,
+             "system": "Answer briefly.", "messages": messages}
+    status, body, _ = post(stack, "/v1/messages", asked,
+                           headers={"anthropic-version": "2023-06-01"})
+    check(status == 200 and body["type"] == "message" and body["id"].startswith("msg_") and
+          body["role"] == "assistant" and body["model"] == asked["model"],
+          f"/v1/messages: {status} {body}")
+    blocks = {block["type"]: block for block in body["content"]}
+    text = blocks.get("text", {}).get("text", "")
+    check(text == (message["content"] or ""), f"the message's text {text!r} is the chat's "
+          f"{message['content']!r}")
+    check(blocks.get("thinking", {}).get("thinking", "") == (message.get("reasoning_content") or
+                                                             ""),
+          f"the message's thinking is the chat's reasoning: {body} {message}")
+    check(body["stop_reason"] == ("max_tokens" if length else "end_turn") and
+          body["stop_sequence"] is None, f"stop_reason: {body}")
+    usage = body["usage"]
+    check(usage["input_tokens"] + usage["cache_read_input_tokens"] ==
+          chat["usage"]["prompt_tokens"] and
+          usage["output_tokens"] == chat["usage"]["completion_tokens"], f"usage: {body} {chat}")
+    # A stop sequence from inside the answer: the text up to it, and the sequence named.
+    if len(text) > 4:
+        stop = text[2:4]
+        status, cut, _ = post(stack, "/v1/messages", dict(asked, stop_sequences=["zzqq", stop]))
+        cut_text = "".join(b["text"] for b in cut["content"] if b["type"] == "text")
+        check(status == 200 and cut["stop_reason"] == "stop_sequence" and
+              cut["stop_sequence"] == stop and cut_text == text[:text.index(stop)],
+              f"stop_sequences [{stop!r}]: {status} {cut} want {text[:text.index(stop)]!r}")
+        status, chat_cut, _ = post(stack, "/v1/chat/completions", dict(chat_body, stop=[stop]))
+        check(chat_cut["choices"][0]["stop_reason"] == stop and
+              chat["choices"][0]["stop_reason"] is None,
+              f"the chat's stop_reason (vLLM's) names the stop string: {chat_cut} {chat}")
+    events = named_events(stack, "/v1/messages", asked)
+    types = [t for t, _ in events if t != "ping"]
+    check(types[0] == "message_start" and types[-2:] == ["message_delta", "message_stop"],
+          f"the events' order: {types}")
+    start = events[0][1]["message"]
+    check(start["usage"]["input_tokens"] + start["usage"]["cache_read_input_tokens"] ==
+          chat["usage"]["prompt_tokens"] and start["content"] == [] and
+          start["stop_reason"] is None, f"message_start: {start}")
+    deltas = "".join(e["delta"]["text"] for t, e in events
+                     if t == "content_block_delta" and e["delta"]["type"] == "text_delta")
+    final = [e for t, e in events if t == "message_delta"][0]
+    check(deltas == text and final["delta"]["stop_reason"] == body["stop_reason"] and
+          final["usage"]["output_tokens"] == usage["output_tokens"],
+          f"streamed: {deltas!r} want {text!r}; {final}")
+    opened = [e["index"] for t, e in events if t == "content_block_start"]
+    closed = [e["index"] for t, e in events if t == "content_block_stop"]
+    check(opened == closed == list(range(len(body["content"]))),
+          f"each block started and stopped in order: {opened} {closed}")
+    status, counted, _ = post(stack, "/v1/messages/count_tokens",
+                              {"model": asked["model"], "system": "Answer briefly.",
+                               "messages": messages})
+    check(status == 200 and counted == {"input_tokens": chat["usage"]["prompt_tokens"]},
+          f"count_tokens: {status} {counted} want {chat['usage']['prompt_tokens']}")
+    for bad, want_status, want_type in (
+            ({k: v for k, v in asked.items() if k != "max_tokens"}, 400, "invalid_request_error"),
+            (dict(asked, model="no-such-model"), 404, "not_found_error"),
+            (dict(asked, messages=[{"role": "user", "content": [{"type": "image",
+                                                                "source": {}}]}]),
+             400, "invalid_request_error")):
+        status, error, _ = post(stack, "/v1/messages", bad)
+        check(status == want_status and error.get("type") == "error" and
+              error["error"]["type"] == want_type and error["error"]["message"],
+              f"{bad}: {status} {error} want {want_status} {want_type} in Anthropic's shape")
+    print(f"ok api: /v1/messages answers as the chat does ({body['stop_reason']}, "
+          f"{len(body['content'])} blocks), names its stop sequence, streams in {len(events)} "
+          "events; count_tokens is the chat's prompt; errors in Anthropic's shape")
 
 
 def check_logit_bias(args, stack):
@@ -976,8 +1065,60 @@ def case_auth(args):
               "another origin 403 and no Access-Control-Allow-Origin)")
 
 
+NODE_MODULES = os.path.join(os.path.dirname(HERE), "parity", "node_modules")
+
+
+def anthropic_client(stack, model, mode):
+    """What anthropic_client.cjs (Anthropic's own client library) saw in `mode` (text, tools);
+    exits 77 where the library is not installed."""
+    if (not os.path.isdir(os.path.join(NODE_MODULES, "@anthropic-ai", "sdk")) or
+            not shutil.which("node")):
+        print("SKIP anthropic: the @anthropic-ai/sdk npm package is not installed "
+              "(scripts/setup installs it)")
+        sys.exit(77)
+    out = subprocess.run(["node", os.path.join(HERE, "anthropic_client.cjs"), NODE_MODULES,
+                          stack.state()["http"], model, mode],
+                         capture_output=True, text=True, timeout=120)
+    check(out.returncode == 0, f"anthropic client: {out.stderr[-2000:]}")
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def check_anthropic_text(stack, name, chat_ref):
+    """Anthropic's client library: a message greedy-identical to `moeline run --chat`, whole,
+    through its MessageStream and as raw events; countTokens the message's input; an unknown
+    model and a bad max_tokens raised as its NotFoundError and BadRequestError."""
+    got = anthropic_client(stack, name, "text")
+    stop_reason = "max_tokens" if chat_ref["finish_reason"] == "length" else "end_turn"
+    message = got["message"]
+    check(message["type"] == "message" and message["role"] == "assistant" and
+          message["text"] == chat_ref["text"] and message["stop_reason"] == stop_reason and
+          message["usage"]["output_tokens"] == len(chat_ref["ids"]),
+          f"a message through the anthropic client: {message} want {chat_ref['text']!r}")
+    streamed = got["stream"]
+    check(streamed["text"] == streamed["deltas"] == chat_ref["text"] and
+          streamed["stop_reason"] == stop_reason and streamed["usage"] == message["usage"],
+          f"a streamed message through the anthropic client: {streamed}")
+    events = got["events"]
+    check(events[0] == "message_start" and events[-2:] == ["message_delta", "message_stop"] and
+          "content_block_delta" in events, f"the raw events: {events}")
+    usage = message["usage"]
+    check(got["count"] == usage["input_tokens"] + usage["cache_read_input_tokens"],
+          f"countTokens {got['count']} want the message's input {usage}")
+    check(got["unknown_model"] and got["unknown_model"]["status"] == 404 and
+          got["unknown_model"]["name"] == "NotFoundError" and
+          got["unknown_model"]["type"] == "not_found_error",
+          f"unknown model through the anthropic client: {got['unknown_model']}")
+    check(got["bad_request"] and got["bad_request"]["status"] == 400 and
+          got["bad_request"]["name"] == "BadRequestError" and
+          got["bad_request"]["type"] == "invalid_request_error",
+          f"max_tokens 0 through the anthropic client: {got['bad_request']}")
+    print("ok openai: the official Anthropic client library gets the same greedy answer as a "
+          "message, through its MessageStream and as raw events, counts its tokens, and raises "
+          "NotFoundError / BadRequestError with Anthropic's error types")
+
+
 def case_openai(args):
-    node_modules = os.path.join(os.path.dirname(HERE), "parity", "node_modules")
+    node_modules = NODE_MODULES
     if not os.path.isdir(os.path.join(node_modules, "openai")) or not shutil.which("node"):
         print("SKIP openai: the openai npm package is not installed (scripts/setup installs it)")
         sys.exit(77)
@@ -998,6 +1139,7 @@ def case_openai(args):
                              capture_output=True, text=True, timeout=120)
         check(out.returncode == 0, f"openai client: {out.stderr[-2000:]}")
         got = json.loads(out.stdout.strip().splitlines()[-1])
+        check_anthropic_text(stack, name, chat_ref)
     check(got["models"] == [name], f"models.list: {got['models']}")
     check(got["chat"]["content"] == chat_ref["text"] and got["chat"]["role"] == "assistant" and
           got["chat"]["finish_reason"] == chat_ref["finish_reason"] and
@@ -1307,7 +1449,7 @@ def case_tool_formats(args):
               json.loads(calls[0]["arguments"])["city"] in ("Paris", "Rome") and
               calls[0]["call_id"] and body["tool_choice"] == "required",
               f"/v1/responses forced call: {status} {body}")
-        events = responses_stream(stack, asked)
+        events = named_events(stack, "/v1/responses", asked)
         streamed = [e["arguments"] for t, e in events
                     if t == "response.function_call_arguments.done"]
         check(streamed == [calls[0]["arguments"]],
@@ -1323,6 +1465,20 @@ def case_tool_formats(args):
         check(status == 200 and body["output"], f"a call and its output as input: {status} {body}")
         print("ok tool_formats: /v1/responses with function tools: a forced call as a "
               "function_call item, whole and streamed, and the call and its output as input")
+        # The same through Anthropic's client library: a tool_use block, whole and streamed
+        # (its input rebuilt from input_json_delta), and its tool_result sent back.
+        got = anthropic_client(stack, os.path.basename(os.path.normpath(args.model)), "tools")
+        call = got["call"]
+        check(got["stop_reason"] == "tool_use" and call and call["name"] == "get_weather" and
+              call["input"].get("city") in ("Paris", "Rome") and call["id"],
+              f"a forced tool_use through the anthropic client: {got}")
+        check(got["streamed"]["stop_reason"] == "tool_use" and
+              got["streamed"]["call"]["input"] == call["input"],
+              f"the streamed tool_use: {got['streamed']} want {call}")
+        check(got["follow"]["type"] == "message" and got["counts"][0] > got["counts"][1],
+              f"a tool_result sent back, and the tools counted: {got}")
+        print("ok tool_formats: Anthropic's client library: a forced tool_use, whole and "
+              "streamed, its tool_result sent back, the tools counted in countTokens")
 
 
 def case_slow_client(args):
