@@ -4,13 +4,14 @@
 // The input: a flags byte (bits 0-1: the endpoint, 3 for vLLM's /tokenize and /detokenize; bits 2
 // and 5: the call format, Hermes, GLM-4.5, DeepSeek or Mistral; bit 3: a prompt that opened the
 // reasoning block; bit 4: at most one call; bit 6: the body to the Responses API's parser too, and
-// the pieces as a chat stream to its translation), then frames (fuzz.h): the body, then pieces of
-// an answer.
+// the pieces as a chat stream to its translation; bit 7: the same for Anthropic's Messages API),
+// then frames (fuzz.h): the body, then pieces of an answer.
 #include <string>
 #include <variant>
 #include <vector>
 
 #include "fuzz.h"
+#include "stages/http/messages.h"
 #include "stages/http/openai.h"
 #include "stages/http/reasoning.h"
 #include "stages/http/responses.h"
@@ -52,6 +53,19 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
       sink.write = [](const char*, size_t) { return true; };
       for (size_t i = 1; i < parts.size(); ++i)
         (void)translated.feed(parts[i].data(), parts[i].size(), sink);
+    }
+  }
+  if ((flags & 128) != 0) {
+    (void)parse_messages_request(body, MessagesUse::kCountTokens);
+    auto asked = parse_messages_request(body, MessagesUse::kGenerate);
+    if (auto* request = std::get_if<MessagesRequest>(&asked)) {
+      MessagesStream translated(*request);
+      httplib::DataSink sink;
+      sink.write = [](const char*, size_t) { return true; };
+      for (size_t i = 1; i < parts.size(); ++i)
+        (void)translated.feed(parts[i].data(), parts[i].size(), sink);
+    } else {
+      (void)anthropic_error_from(400, std::get<ApiError>(asked).body());
     }
   }
   const auto start = (flags & 8) != 0 ? ReasoningStart::kOpen : ReasoningStart::kAtStart;

@@ -144,6 +144,25 @@ def openai_seeds():
         'data: {"choices":[{"index":0,"delta":{"tool_calls":[{"id":"c2","function":{"name":"f",'
         '"arguments":"{}"}}]},"finish_reason":"tool_calls"}]}\n\ndata: {"choices":[],"usage":'
         '{"prompt_tokens":3,"completion_tokens":2}}\n\ndata: [DONE]\n\n'))
+    write("openai", "messages", framed(
+        128, json.dumps({"model": "m", "max_tokens": 8, "system": [{"type": "text", "text": "Be"}],
+                         "messages": [{"role": "user", "content": "hi"},
+                                      {"role": "assistant", "content": [
+                                          {"type": "thinking", "thinking": "hm"},
+                                          {"type": "tool_use", "id": "t1", "name": "f",
+                                           "input": {"a": 1}}]},
+                                      {"role": "user", "content": [
+                                          {"type": "tool_result", "tool_use_id": "t1",
+                                           "content": [{"type": "text", "text": "ok"}]}]}],
+                         "tools": [{"name": "f", "input_schema": {"type": "object"}}],
+                         "tool_choice": {"type": "any"}, "thinking": {"type": "enabled"},
+                         "stop_sequences": ["END"], "stream": True}),
+        'data: {"id":"c","model":"m","choices":[{"index":0,"delta":{"role":"assistant","reasoni',
+        'ng_content":"hm"},"finish_reason":null}],"usage":{"prompt_tokens":3}}\n\n: k\n\n',
+        'data: {"choices":[{"index":0,"delta":{"content":"Hi"},"finish_reason":null}]}\n\n',
+        'data: {"choices":[{"index":0,"delta":{"tool_calls":[{"id":"c2","function":{"name":"f",'
+        '"arguments":"{}"}}]},"finish_reason":"stop","stop_reason":"END"}]}\n\ndata: {"error":'
+        '{"message":"x","type":"timeout_error"}}\n\ndata: [DONE]\n\n'))
     write("openai", "chat-mistral", framed(
         32 | 4, chat, "Sure. [TOOL_", "CALLS] [{\"name\": \"get_weather\", \"arguments\": ",
         "{\"city\": \"Paris\"}}]"))

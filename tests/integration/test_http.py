@@ -1032,8 +1032,19 @@ def case_auth(args):
         status, body, _ = post(stack, "/tokenize", {"prompt": "a volcano"},
                                headers={"Authorization": f"Bearer {key}"})
         check(status == 200 and body.get("tokens"), f"/tokenize with a key: {status} {body}")
+        # Anthropic's clients send the key as x-api-key, and read errors in Anthropic's shape.
+        asked = {"model": os.path.basename(os.path.normpath(args.model)), "max_tokens": 4,
+                 "messages": [{"role": "user", "content": "a volcano"}]}
+        for path in ("/v1/messages", "/v1/messages/count_tokens"):
+            status, body, _ = post(stack, path, asked, headers={"x-api-key": "ml_nope_nope"})
+            check(status == 401 and body.get("type") == "error" and
+                  body["error"]["type"] == "authentication_error",
+                  f"{path} with a wrong x-api-key: {status} {body}")
+            status, body, _ = post(stack, path, asked, headers={"x-api-key": key})
+            check(status == 200 and ("content" in body or "input_tokens" in body),
+                  f"{path} with a valid x-api-key: {status} {body}")
         print("ok auth: no key and a wrong key are 401 (the stage's own /v1/models and /tokenize "
-              "too); a valid key is served")
+              "too, and Anthropic's x-api-key in its error shape); a valid key is served")
 
         # A browser page of an allowed origin (--allowed-origins) may call the API; others not.
         def preflight(origin):
