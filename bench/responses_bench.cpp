@@ -1,33 +1,43 @@
-// What the Responses API adds to a streamed token (stages/http/responses.h): a chat chunk as the
-// front writes it for one token (a few characters of text) turned into the Responses event it
-// means, on the gateway bridge's thread. Median of 9 rounds of 20,000 tokens; one JSON line with
-// the time per token and the bytes the client gets per token.
+// What a streamed token costs the HTTP front in each API, on the gateway bridge's thread (the one
+// that writes every stream): the chat chunk written for one token (a few characters of text) by
+// the front's TokenStream, plain and with vLLM's continuous usage (which the Messages API asks
+// for: the usage in every chunk), and that chunk translated into the Responses event
+// (stages/http/responses.h) and into Anthropic's Messages event (stages/http/messages.h). Median
+// of 9 rounds of 20,000 tokens; one JSON line with the time per token and the bytes the client
+// gets per token.
 //
 //   moeline_responses_bench
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
+#include <functional>
+#include <memory>
 #include <string>
 #include <vector>
 
 #include <httplib.h>
 
+#include "stages/http/messages.h"
 #include "stages/http/responses.h"
+#include "stages/http/token_stream.h"
 
 namespace {
 
 using Clock = std::chrono::steady_clock;
-using moeline::stages::http::ResponsesRequest;
-using moeline::stages::http::ResponsesStream;
+namespace http = moeline::stages::http;
 
 constexpr int kTokens = 20000;
 
-std::string chunk(int i) {
+std::string chunk(int i, bool with_usage) {
+  const std::string usage =
+      with_usage ? R"(,"usage":{"completion_tokens":)" + std::to_string(i + 1) +
+                       R"(,"prompt_tokens":32,"total_tokens":)" + std::to_string(i + 33) + "}"
+                 : "";
   return R"(data: {"choices":[{"delta":{"content":" word)" + std::to_string(i % 97) +
          R"("},"finish_reason":null,"index":0,"logprobs":null}],"created":1765000000,)"
          R"("id":"chatcmpl-0123456789abcdef01234567","model":"demo-qwen3-moe",)"
-         R"("object":"chat.completion.chunk"})"
-         "\n\n";
+         R"("object":"chat.completion.chunk")" +
+         usage + "}\n\n";
 }
 
 double median(std::vector<double> values) {
@@ -35,35 +45,85 @@ double median(std::vector<double> values) {
   return values[values.size() / 2];
 }
 
-}  // namespace
+struct Measured {
+  double ns_per_token = 0;
+  double bytes_per_token = 0;
+};
 
-int main() {
-  std::vector<std::string> chunks;
-  for (int i = 0; i < kTokens; ++i) chunks.push_back(chunk(i));
+// `round(sink)` once per round over the kTokens tokens.
+Measured measure(const std::function<void(httplib::DataSink&)>& round) {
   size_t written = 0;
   httplib::DataSink sink;
   sink.write = [&written](const char*, size_t size) {
     written += size;
     return true;
   };
-  std::vector<double> responses_ns;
-  size_t chat_bytes = 0;
-  for (const std::string& c : chunks) chat_bytes += c.size();
-  for (int round = 0; round < 9; ++round) {
+  std::vector<double> ns;
+  for (int i = 0; i < 9; ++i) {
     written = 0;
-    ResponsesRequest request;
-    request.id = "resp_0";
-    request.stream = true;
-    ResponsesStream translated(request);
     const auto start = Clock::now();
-    for (const std::string& c : chunks) translated.feed(c.data(), c.size(), sink);
-    responses_ns.push_back(std::chrono::duration<double, std::nano>(Clock::now() - start).count() /
-                           kTokens);
+    round(sink);
+    ns.push_back(std::chrono::duration<double, std::nano>(Clock::now() - start).count() / kTokens);
   }
+  return {median(ns), static_cast<double>(written) / kTokens};
+}
+
+// The front's own chunks for kTokens one-token events.
+Measured chat_chunks(bool continuous_usage) {
+  http::CompletionRequest request;
+  request.endpoint = http::Endpoint::kChat;
+  request.stream = true;
+  request.continuous_usage = continuous_usage;
+  http::Backend backend;
+  moeline::runtime::Histogram delay({1.0});
+  moeline::runtime::Counter failures;
+  std::vector<moeline::sdk::Event> events(kTokens);
+  for (int i = 0; i < kTokens; ++i) {
+    events[i].kind = moeline::sdk::EventKind::kDelta;
+    events[i].text = " word" + std::to_string(i % 97);
+    events[i].token_ids = {i};
+  }
+  return measure([&](httplib::DataSink& sink) {
+    auto completion = std::make_shared<http::Completion>();
+    completion->id = "chatcmpl-0123456789abcdef01234567";
+    completion->model = "demo-qwen3-moe";
+    http::TokenStream stream(http::Endpoint::kChat, request, backend, completion, 32, &delay,
+                             &failures);
+    const auto now = Clock::now();
+    for (const auto& event : events) stream.on_event(event, now, sink);
+  });
+}
+
+template <class Translator, class Request>
+Measured translated(const Request& request, bool with_usage) {
+  std::vector<std::string> chunks;
+  for (int i = 0; i < kTokens; ++i) chunks.push_back(chunk(i, with_usage));
+  return measure([&](httplib::DataSink& sink) {
+    Translator translator(request);
+    for (const std::string& c : chunks) translator.feed(c.data(), c.size(), sink);
+  });
+}
+
+}  // namespace
+
+int main() {
+  const Measured plain = chat_chunks(false);
+  const Measured usage = chat_chunks(true);
+  http::ResponsesRequest responses;
+  responses.id = "resp_0";
+  responses.stream = true;
+  const Measured as_responses = translated<http::ResponsesStream>(responses, false);
+  http::MessagesRequest messages;
+  messages.id = "msg_0";
+  messages.stream = true;
+  const Measured as_messages = translated<http::MessagesStream>(messages, true);
   std::printf(
-      "{\"tokens\": %d, \"translation_ns_per_token\": %.0f, \"chat_bytes_per_token\": %.0f, "
-      "\"responses_bytes_per_token\": %.0f}\n",
-      kTokens, median(responses_ns), static_cast<double>(chat_bytes) / kTokens,
-      static_cast<double>(written) / kTokens);
+      "{\"tokens\": %d, \"chat_chunk_ns\": %.0f, \"chat_chunk_bytes\": %.0f, "
+      "\"chat_chunk_with_usage_ns\": %.0f, \"chat_chunk_with_usage_bytes\": %.0f, "
+      "\"responses_translation_ns\": %.0f, \"responses_event_bytes\": %.0f, "
+      "\"messages_translation_ns\": %.0f, \"messages_event_bytes\": %.0f}\n",
+      kTokens, plain.ns_per_token, plain.bytes_per_token, usage.ns_per_token, usage.bytes_per_token,
+      as_responses.ns_per_token, as_responses.bytes_per_token, as_messages.ns_per_token,
+      as_messages.bytes_per_token);
   return 0;
 }

@@ -809,8 +809,19 @@ TokenEvents::TokenEvents(Endpoint endpoint, const Completion& completion, DeltaF
   suffix_ = whole.substr(at + quoted.size());
 }
 
-std::string TokenEvents::event(const std::string& text) const {
-  return prefix_ + to_text(json(text)) + suffix_;
+std::string TokenEvents::event(const std::string& text, const sdk::Usage* usage) const {
+  std::string out = prefix_ + to_text(json(text)) + suffix_;
+  if (usage == nullptr) return out;
+  // "usage" sorts after the chunk's other keys: it goes before the closing brace ("}\n\n"),
+  // written as usage_json's (sorted) keys.
+  out.resize(out.size() - 3);
+  const auto number = [](uint64_t n) { return std::to_string(n); };
+  out += ",\"usage\":{\"completion_tokens\":" + number(usage->completion_tokens) +
+         ",\"prompt_tokens\":" + number(usage->prompt_tokens) +
+         ",\"prompt_tokens_details\":{\"cached_tokens\":" + number(usage->reused_tokens) +
+         "},\"total_tokens\":" + number(uint64_t{usage->prompt_tokens} + usage->completion_tokens) +
+         "}}\n\n";
+  return out;
 }
 
 json tool_calls_chunk(const Completion& completion) {

@@ -171,7 +171,8 @@ class TokenEvents {
  public:
   TokenEvents(Endpoint endpoint, const Completion& completion,
               DeltaField field = DeltaField::kContent);
-  std::string event(const std::string& text) const;
+  // With `usage` (continuous usage): the chunk's `usage` too, as usage_json writes it.
+  std::string event(const std::string& text, const sdk::Usage* usage = nullptr) const;
 
  private:
   std::string prefix_, suffix_;

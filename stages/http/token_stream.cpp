@@ -44,12 +44,14 @@ TokenStream::TokenStream(Endpoint endpoint, const CompletionRequest& request,
   continuous_usage_ = request.continuous_usage;
 }
 
+sdk::Usage TokenStream::usage_so_far() const {
+  sdk::Usage usage = outcome_.usage;
+  usage.completion_tokens = score_only_ ? 0 : outcome_.completion_tokens;
+  return usage;
+}
+
 std::string TokenStream::chunk_event(json chunk) const {
-  if (continuous_usage_) {
-    sdk::Usage usage = outcome_.usage;
-    usage.completion_tokens = score_only_ ? 0 : outcome_.completion_tokens;
-    chunk["usage"] = usage_json(usage);
-  }
+  if (continuous_usage_) chunk["usage"] = usage_json(usage_so_far());
   return server_event(chunk);
 }
 
@@ -125,10 +127,11 @@ bool TokenStream::on_event(const sdk::Event& event, Clock::time_point arrived,
 
 bool TokenStream::send_delta(httplib::DataSink& sink, const std::string& text, const json& logprobs,
                              DeltaField field) {
-  const bool plain = !first_chunk_ && logprobs.is_null() && !continuous_usage_;
+  const bool plain = !first_chunk_ && logprobs.is_null();
   const TokenEvents& events = field == DeltaField::kReasoning ? *reasoning_events_ : token_events_;
+  const sdk::Usage usage = continuous_usage_ ? usage_so_far() : sdk::Usage();
   const bool sent =
-      send(sink, plain ? events.event(text)
+      send(sink, plain ? events.event(text, continuous_usage_ ? &usage : nullptr)
                        : chunk_event(stream_chunk(endpoint_, *completion_, text, first_chunk_, "",
                                                   logprobs, field)));
   first_chunk_ = false;

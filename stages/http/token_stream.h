@@ -65,6 +65,7 @@ class TokenStream {
   // A chunk's server-sent event, with the usage so far where the request asked for it in every
   // chunk.
   std::string chunk_event(nlohmann::json chunk) const;
+  sdk::Usage usage_so_far() const;
   // One chunk of text in `field` of the delta (with the role on the first chunk, and the tokens'
   // log-probabilities where given).
   bool send_delta(httplib::DataSink& sink, const std::string& text, const nlohmann::json& logprobs,

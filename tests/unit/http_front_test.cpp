@@ -567,10 +567,15 @@ TEST(OpenAiResponse, ChatAndCompletionShapes) {
   // The per-token fast path writes exactly what the generic builder would.
   for (Endpoint endpoint : {Endpoint::kChat, Endpoint::kCompletions}) {
     const TokenEvents events(endpoint, c);
-    for (const std::string piece : {"a", "", "quote \" and \\ and \n", "ünï 🤷", "\x01"})
+    for (const std::string piece : {"a", "", "quote \" and \\ and \n", "ünï 🤷", "\x01"}) {
       EXPECT_EQ(events.event(piece),
                 "data: " + stream_chunk(endpoint, c, piece, false, "").dump() + "\n\n")
           << piece;
+      // With continuous usage: the chunk's usage as usage_json writes it.
+      nlohmann::json with_usage = stream_chunk(endpoint, c, piece, false, "");
+      with_usage["usage"] = usage_json(c.usage);
+      EXPECT_EQ(events.event(piece, &c.usage), "data: " + with_usage.dump() + "\n\n") << piece;
+    }
   }
   // n choices: one entry each with its index, the prompt counted once, every choice's tokens.
   Completion second = c;
