@@ -249,8 +249,11 @@ class HttpFront {
       json data = json::array();
       for (const Backend* backend : {&backends_.primary(), backends_.fallback()})
         if (backend != nullptr) data.push_back(model_object(*backend));
-      response.set_content(http::to_text(json{{"object", "list"}, {"data", data}}),
-                           "application/json");
+      // Anthropic's list fields beside OpenAI's (its clients page with has_more and the ids).
+      json list = {{"object", "list"}, {"data", data}, {"has_more", false}};
+      list["first_id"] = data.empty() ? json(nullptr) : data.front()["id"];
+      list["last_id"] = data.empty() ? json(nullptr) : data.back()["id"];
+      response.set_content(http::to_text(list), "application/json");
     });
     // One model by its id (the SDKs' models.retrieve); ids may hold slashes ("org/name").
     server.Get(R"(/v1/models/(.+))",
@@ -361,12 +364,21 @@ class HttpFront {
     count(label, 200);
   }
 
+  // OpenAI's model object, with Anthropic's fields beside (type, display_name, created_at).
   json model_object(const Backend& backend) const {
+    char created_at[32];
+    const std::time_t created = static_cast<std::time_t>(created_);
+    std::tm utc{};
+    gmtime_r(&created, &utc);
+    std::strftime(created_at, sizeof(created_at), "%Y-%m-%dT%H:%M:%SZ", &utc);
     return {{"id", backend.name},
             {"object", "model"},
             {"created", created_},
             {"owned_by", "moeline"},
-            {"max_model_len", backend.context}};
+            {"max_model_len", backend.context},
+            {"type", "model"},
+            {"display_name", backend.name},
+            {"created_at", created_at}};
   }
 
   ApiError unknown_model(const std::string& model) {

@@ -34,6 +34,8 @@ async function text(client) {
   const out = {
     message: { type: message.type, role: message.role, text: textOf(message),
                stop_reason: message.stop_reason, usage: message.usage } };
+  out.models = [];
+  for await (const listed of client.models.list()) out.models.push({ id: listed.id, type: listed.type });
   const stream = client.messages.stream(asked);
   let deltas = "";
   stream.on("text", (piece) => { deltas += piece; });

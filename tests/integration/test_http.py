@@ -1109,6 +1109,7 @@ def check_anthropic_text(stack, name, chat_ref):
     check(streamed["text"] == streamed["deltas"] == chat_ref["text"] and
           streamed["stop_reason"] == stop_reason and streamed["usage"] == message["usage"],
           f"a streamed message through the anthropic client: {streamed}")
+    check(got["models"] == [{"id": name, "type": "model"}], f"models.list: {got['models']}")
     events = got["events"]
     check(events[0] == "message_start" and events[-2:] == ["message_delta", "message_stop"] and
           "content_block_delta" in events, f"the raw events: {events}")
@@ -1123,8 +1124,8 @@ def check_anthropic_text(stack, name, chat_ref):
           got["bad_request"]["name"] == "BadRequestError" and
           got["bad_request"]["type"] == "invalid_request_error",
           f"max_tokens 0 through the anthropic client: {got['bad_request']}")
-    print("ok openai: the official Anthropic client library gets the same greedy answer as a "
-          "message, through its MessageStream and as raw events, counts its tokens, and raises "
+    print("ok openai: the official Anthropic client library lists the model, gets the same "
+          "greedy answer as a message, through its MessageStream and as raw events, counts its tokens, and raises "
           "NotFoundError / BadRequestError with Anthropic's error types")
 
 
