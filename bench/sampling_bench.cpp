@@ -3,7 +3,8 @@
 // before session 46). Two shapes of logits: "flat" (normal, sd 3: a random-weight model's, where
 // nearly every token weighs in) and "peaked" (sd 3 around -5, a few hundred tokens 15-25 above:
 // closer to a trained model's, where most of the vocabulary is too unlikely to matter). Prints
-// one JSON object per (vocabulary, shape, parameters).
+// one JSON object per (vocabulary, shape, parameters), and per (vocabulary, shape) what a token's
+// log-probabilities cost (logprobs_top5).
 //   moeline_sampling_bench [--draws N]
 #include <algorithm>
 #include <chrono>
@@ -97,6 +98,29 @@ int main(int argc, char** argv) {
         if (!sorted_us.empty()) std::cout << ",\"every_token_sorted_us\":" << median(sorted_us);
         std::cout << ",\"checksum\":" << checksum << "}\n";
       }
+      // A token's log-probability and its 5 best alternatives (what a request with logprobs
+      // costs per token, and echo with logprobs per prompt token), beside the normalizer alone as
+      // the definition reads it: a double exp per token, as token_logprobs took it until
+      // session 49.
+      std::vector<double> logprobs_us, double_exp_us;
+      double checksum = 0.0;
+      for (int d = 0; d < draws; ++d) {
+        auto start = Clock::now();
+        checksum += moeline::model::token_logprobs(logits.data(), vocab, 7, 5).logprob;
+        logprobs_us.push_back(
+            std::chrono::duration<double, std::micro>(Clock::now() - start).count());
+        start = Clock::now();
+        const double best = *std::max_element(logits.begin(), logits.end());
+        double sum = 0.0;
+        for (float logit : logits) sum += std::exp(static_cast<double>(logit) - best);
+        checksum += std::log(sum);
+        double_exp_us.push_back(
+            std::chrono::duration<double, std::micro>(Clock::now() - start).count());
+      }
+      std::cout << "{\"vocab\":" << vocab << ",\"logits\":\"" << (peaked ? "peaked" : "flat")
+                << "\",\"params\":\"logprobs_top5\",\"logprobs_us\":" << median(logprobs_us)
+                << ",\"double_exp_normalizer_us\":" << median(double_exp_us)
+                << ",\"checksum\":" << checksum << "}\n";
     }
   }
 }

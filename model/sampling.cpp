@@ -270,10 +270,9 @@ int32_t Sampler::sample(const float* raw_logits, int64_t vocab) {
 TokenLogprobs token_logprobs(const float* logits, int64_t vocab, int32_t token, int64_t top) {
   TokenLogprobs out;
   if (vocab <= 0) return out;
-  const double max_logit = *std::max_element(logits, logits + vocab);
-  double sum = 0.0;
-  for (int64_t i = 0; i < vocab; ++i) sum += std::exp(static_cast<double>(logits[i]) - max_logit);
-  const double log_normalizer = max_logit + std::log(sum);
+  const float max_logit = logits[kernels::first_max_index(logits, vocab)];
+  const double log_normalizer =
+      static_cast<double>(max_logit) + std::log(kernels::sum_exp_shifted(logits, vocab, max_logit));
   if (token >= 0 && token < vocab)
     out.logprob = static_cast<float>(static_cast<double>(logits[token]) - log_normalizer);
 
@@ -284,11 +283,26 @@ TokenLogprobs token_logprobs(const float* logits, int64_t vocab, int32_t token, 
   auto better = [logits](int32_t a, int32_t b) {
     return logits[a] > logits[b] || (logits[a] == logits[b] && a < b);
   };
+  // Once `top` are kept, a later token is better than the last kept only with a greater logit
+  // (an equal one has the greater id), so blocks of 16 whose largest logit is no greater are
+  // passed over at once (NaN is never better, and std::max keeps `cut` over it).
+  constexpr int64_t kBlock = 16;
+  float cut = 0.0f;
   for (int64_t i = 0; i < vocab && top > 0; ++i) {
+    const bool full = static_cast<int64_t>(best.size()) == top;
+    if (full && i % kBlock == 0 && i + kBlock <= vocab) {
+      float largest = cut;
+      for (int64_t k = 0; k < kBlock; ++k) largest = std::max(largest, logits[i + k]);
+      if (!(largest > cut)) {
+        i += kBlock - 1;
+        continue;
+      }
+    }
     const auto id = static_cast<int32_t>(i);
-    if (static_cast<int64_t>(best.size()) == top && !better(id, best.back())) continue;
+    if (full && !better(id, best.back())) continue;
     best.insert(std::upper_bound(best.begin(), best.end(), id, better), id);
     if (static_cast<int64_t>(best.size()) > top) best.pop_back();
+    if (static_cast<int64_t>(best.size()) == top) cut = logits[best.back()];
   }
   for (int32_t id : best)
     out.top_logprobs.push_back(

@@ -1,10 +1,12 @@
 #include "kernels/cpu/ops.h"
 
 #include <algorithm>
+#include <bit>
 #include <cmath>
 #include <cstdint>
 
 #include "kernels/cpu/cpu_features.h"
+#include "kernels/cpu/exp_polynomial.h"
 
 namespace moeline::kernels {
 
@@ -30,7 +32,39 @@ MOELINE_CLONES double sum_of_squares(const float* row, int64_t dim) {
   return ((chains[0] + chains[1]) + (chains[2] + chains[3])) +
          ((chains[4] + chains[5]) + (chains[6] + chains[7]));
 }
+// e^x for x <= 0, the vectorized kernels' formula (exp_polynomial.h) written without a branch
+// so that a loop of it vectorizes on every path: 2^n from the exponent's bits. Below -87 (where
+// e^x leaves float's normal range) it is e^-87, as are -inf and negative NaNs (the clamp is an
+// unsigned min of the bits: a more negative float has the greater bits).
+float exp_nonpositive(float x) {
+  using namespace detail::exp_polynomial;
+  x = std::bit_cast<float>(std::min(std::bit_cast<uint32_t>(x), std::bit_cast<uint32_t>(kLowest)));
+  const float n = (x * kLog2e + 12582912.0f) - 12582912.0f;  // to nearest: 1.5 * 2^23
+  const float r = (x - n * kLn2High) - n * kLn2Low;
+  float p = kCoefficients[0];
+  for (int i = 1; i < 6; ++i) p = p * r + kCoefficients[i];
+  p = p * (r * r) + (r + 1.0f);
+  return p * std::bit_cast<float>((static_cast<int32_t>(n) + 127) << 23);
+}
+
+MOELINE_CLONES double sum_exp_blocks(const float* x, int64_t n, float shift) {
+  constexpr int64_t kLanes = 16, kBlock = 1024;
+  double total = 0.0;
+  int64_t i = 0;
+  for (; i + kBlock <= n; i += kBlock) {
+    float lanes[kLanes] = {};
+    for (int64_t j = 0; j < kBlock; j += kLanes)
+      for (int64_t k = 0; k < kLanes; ++k) lanes[k] += exp_nonpositive(x[i + j + k] - shift);
+    for (float lane : lanes) total += lane;
+  }
+  for (; i < n; ++i) total += exp_nonpositive(x[i] - shift);
+  return total;
+}
 }  // namespace
+
+double sum_exp_shifted(const float* x, int64_t n, float shift) {
+  return sum_exp_blocks(x, n, shift);
+}
 
 void rms_norm(const float* x, int64_t n, int64_t dim, int64_t x_stride, VectorView weight,
               float eps, float* out, int64_t out_stride) {

@@ -20,6 +20,13 @@ void softmax(float* x, int64_t n);
 // n <= 0), vectorized: greedy decoding takes it over the whole vocabulary every step.
 int64_t first_max_index(const float* x, int64_t n);
 
+// Σ exp(x[i] - shift) for a `shift` no smaller than any x[i] (the softmax's normalizer: what a
+// token's log-probability needs over the whole vocabulary), vectorized: each exp in single
+// precision (relative error under 2e-7), summed in float lanes over blocks of 1024 and the blocks
+// in double. A whole vocabulary of double exps took ~0.6 ms at 152k tokens, per token asked for
+// with logprobs and per prompt token scored.
+double sum_exp_shifted(const float* x, int64_t n, float shift);
+
 // gate[i] = silu(gate[i]) * up[i]
 void silu_mul(float* gate, const float* up, int64_t n);
 

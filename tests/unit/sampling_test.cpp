@@ -344,5 +344,62 @@ TEST(Sampling, LogprobsAreTheRawLogSoftmax) {
   EXPECT_NEAR(lp.top_logprobs[0], 3.0 - std::log(total), 1e-6);
 }
 
+// The `top` best as the definition scans for them: every token in id order, kept where it is
+// better (a greater logit, or an equal one and a lower id) than the last kept.
+std::vector<int32_t> best_by_scan(const std::vector<float>& logits, int64_t top) {
+  auto better = [&logits](int32_t a, int32_t b) {
+    return logits[a] > logits[b] || (logits[a] == logits[b] && a < b);
+  };
+  std::vector<int32_t> best;
+  for (int32_t id = 0; id < static_cast<int32_t>(logits.size()) && top > 0; ++id) {
+    if (static_cast<int64_t>(best.size()) == top && !better(id, best.back())) continue;
+    best.insert(std::upper_bound(best.begin(), best.end(), id, better), id);
+    if (static_cast<int64_t>(best.size()) > top) best.pop_back();
+  }
+  return best;
+}
+
+// The top alternatives and the normalizer over whole vocabularies: the same tokens as the
+// definition's scan, which token_logprobs passes over 16 at a time once its `top` are kept (many
+// ties, NaN, infinities, the best in a block's middle and in the tail); each log-probability
+// within 1e-5 of the log-softmax in double (the normalizer's bound, 3.8e-6 relative, is under
+// 4e-6 of a log, and a float's rounding of a log-probability near -20 is 1e-6).
+TEST(Sampling, TopLogprobsAreTheDefinitionsOverWholeVocabularies) {
+  std::mt19937 rng(17);
+  std::uniform_int_distribution<int> small(-4, 4);
+  std::normal_distribution<float> spread(0.0f, 3.0f);
+  for (int64_t vocab : {5, 16, 17, 33, 100, 1000, 32000}) {
+    for (int trial = 0; trial < 8; ++trial) {
+      std::vector<float> logits(static_cast<size_t>(vocab));
+      for (float& v : logits)
+        v = trial % 2 == 0 ? static_cast<float>(small(rng)) : spread(rng);  // ties, or none
+      if (trial == 2) logits[static_cast<size_t>(rng() % vocab)] = std::nanf("");
+      if (trial == 3) logits.back() = 40.0f;  // the best in the tail
+      if (trial == 4) logits[static_cast<size_t>(rng() % vocab)] = -INFINITY;
+      if (trial == 5 && vocab > 20) logits[19] = logits[20] = 30.0f;  // mid-block, tied
+      for (int64_t top : {0, 1, 5, 20}) {
+        const TokenLogprobs lp = token_logprobs(logits.data(), vocab, 3, top);
+        ASSERT_EQ(lp.top_ids, best_by_scan(logits, std::min(top, vocab)))
+            << "vocab " << vocab << " trial " << trial << " top " << top;
+        if (trial == 2) continue;  // a NaN logit has no distribution
+        const double shift = *std::max_element(logits.begin(), logits.end());
+        double total = 0.0;
+        for (float v : logits) total += std::exp(static_cast<double>(v) - shift);
+        const double log_normalizer = shift + std::log(total);
+        const auto expect_logprob = [&](float got, float logit) {
+          const double want = logit - log_normalizer;
+          if (std::isinf(want))
+            EXPECT_EQ(got, want);  // a -inf logit's
+          else
+            EXPECT_NEAR(got, want, 1e-5);
+        };
+        expect_logprob(lp.logprob, logits[3]);
+        for (size_t i = 0; i < lp.top_ids.size(); ++i)
+          expect_logprob(lp.top_logprobs[i], logits[lp.top_ids[i]]);
+      }
+    }
+  }
+}
+
 }  // namespace
 }  // namespace moeline::model
