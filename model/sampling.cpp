@@ -73,6 +73,12 @@ Status SamplingParams::validate(int64_t vocab) const {
                  std::to_string(top_logprobs)};
   if (top_logprobs > 0 && !logprobs && !prompt_logprobs)
     return Error{"top_logprobs needs logprobs or prompt_logprobs"};
+  // Each generated token is looked up in the list: it is bounded like logit_bias.
+  if (stop_token_ids.size() > kMaxStopTokenIds)
+    return Error{"stop_token_ids may name at most " + std::to_string(kMaxStopTokenIds) +
+                 " tokens, got " + std::to_string(stop_token_ids.size())};
+  for (int32_t token : stop_token_ids)
+    if (token < 0) return Error{"stop_token_ids holds a negative id: " + std::to_string(token)};
   if (logit_bias.size() > kMaxLogitBias)
     return Error{"logit_bias may bias at most " + std::to_string(kMaxLogitBias) + " tokens, got " +
                  std::to_string(logit_bias.size())};

@@ -28,8 +28,9 @@ struct TokenBias {
   float bias = 0.0f;
   bool operator==(const TokenBias&) const = default;
 };
-// The most tokens one request may bias.
+// The most tokens one request may bias, and name as tokens that stop it.
 inline constexpr size_t kMaxLogitBias = 1024;
+inline constexpr size_t kMaxStopTokenIds = 1024;
 inline constexpr double kMaxBias = 100.0;
 
 // Structured output (OpenAI's response_format): the answer is constrained, token by token, to a

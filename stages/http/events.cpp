@@ -44,6 +44,10 @@ bool absorb(const sdk::Event& event, StopMatcher& stops, Outcome& outcome, std::
   if (event.kind == sdk::EventKind::kFinished) {
     emitted += stops.flush();
     outcome.finish_reason = event.finish_reason == "length" ? "length" : "stop";
+    // (The last token may have come with an earlier event than the end.)
+    if (outcome.finish_reason == "stop" && !outcome.ids.empty() &&
+        stops.stop_token(outcome.ids.back()))
+      outcome.stop_reason = outcome.ids.back();
     outcome.usage = event.usage;
     outcome.timings = event.timings;
     return true;

@@ -20,7 +20,9 @@ namespace moeline::stages::http {
 struct Outcome {
   std::string text;
   std::string finish_reason;
-  std::string stop_reason;  // the stop string that ended it (empty: none did)
+  // What ended it, as vLLM's stop_reason: the stop string, the stop token's id, or null (the
+  // model's end of sequence, max_tokens).
+  nlohmann::json stop_reason;
   sdk::Usage usage;
   sdk::Timings timings;
   uint32_t completion_tokens = 0;

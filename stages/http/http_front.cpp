@@ -647,7 +647,8 @@ class HttpFront {
                                                    const Backend& backend, Started& started,
                                                    http::ClientLink& client,
                                                    const http::Completion& base) {
-    http::StopMatcher stops(api_request.stop);
+    http::StopMatcher stops(api_request.stop, api_request.stop_token_ids,
+                            api_request.include_stop_str_in_output);
     Outcome outcome;
     outcome.usage.prompt_tokens = started.prompt_tokens;
     bool over = http::absorb(*started.first, stops, outcome, outcome.text);
@@ -681,7 +682,7 @@ class HttpFront {
         completion.text = std::move(parsed->content);
         completion.tool_calls = std::move(parsed->calls);
         completion.finish_reason = "tool_calls";
-        completion.stop_reason.clear();
+        completion.stop_reason = nullptr;
       }
     completion.usage = outcome.usage;
     completion.usage.completion_tokens = outcome.completion_tokens;

@@ -275,6 +275,7 @@ std::variant<MessagesRequest, ApiError> translate(const json& body, MessagesUse 
   return out;
 }
 
+// `stop_reason`: the stop string that ended the text (empty: none did).
 const char* stop_reason_of(const std::string& finish_reason, const std::string& stop_reason) {
   if (finish_reason == "length") return "max_tokens";
   if (finish_reason == "tool_calls") return "tool_use";

@@ -251,6 +251,24 @@ std::optional<ApiError> read_prompt(const json& body, CompletionRequest& out) {
   return wrong_type("prompt", prompt, "a string or an array");
 }
 
+// vLLM's stop_token_ids: token ids (at most model::kMaxStopTokenIds) that end the answer.
+std::optional<ApiError> read_stop_token_ids(const json& body, std::vector<int32_t>& out) {
+  if (!present(body, "stop_token_ids")) return std::nullopt;
+  const json& ids = body["stop_token_ids"];
+  if (!ids.is_array()) return wrong_type("stop_token_ids", ids, "an array of token ids");
+  if (ids.size() > model::kMaxStopTokenIds)
+    return invalid_field("stop_token_ids", "'stop_token_ids' may name at most " +
+                                               std::to_string(model::kMaxStopTokenIds) + " tokens");
+  for (const json& id : ids) {
+    if (!id.is_number_integer() || id.get<int64_t>() < 0 || id.get<int64_t>() > INT32_MAX)
+      return invalid_field(
+          "stop_token_ids",
+          "'stop_token_ids' must hold token ids (integers >= 0), got " + id.dump());
+    out.push_back(static_cast<int32_t>(id.get<int64_t>()));
+  }
+  return std::nullopt;
+}
+
 std::optional<ApiError> read_stop(const json& body, std::vector<std::string>& out) {
   if (!body.contains("stop") || body["stop"].is_null()) return std::nullopt;
   const json& stop = body["stop"];
@@ -581,6 +599,9 @@ std::optional<ApiError> read_all(Endpoint endpoint, const json& body, const std:
         "scored with logprobs)");
   if (auto error = read_bool(body, "ignore_eos", out.ignore_eos)) return error;
   if (auto error = read_bool(body, "skip_special_tokens", out.skip_special_tokens)) return error;
+  if (auto error = read_stop_token_ids(body, out.stop_token_ids)) return error;
+  if (auto error = read_bool(body, "include_stop_str_in_output", out.include_stop_str_in_output))
+    return error;
   if (endpoint == Endpoint::kGenerate) return std::nullopt;
   return read_stream(body, out);
 }
@@ -730,13 +751,7 @@ sdk::Usage combined_usage(std::span<const Completion> choices, int64_t n) {
   return usage;
 }
 
-namespace {
-
-json stop_reason_json(const Completion& completion) {
-  return completion.stop_reason.empty() ? json(nullptr) : json(completion.stop_reason);
-}
-
-}  // namespace
+namespace {}  // namespace
 
 json completion_response(Endpoint endpoint, std::span<const Completion> choices, int64_t n) {
   json listed = json::array();
@@ -744,7 +759,7 @@ json completion_response(Endpoint endpoint, std::span<const Completion> choices,
     json choice = {{"index", completion.index},
                    {"logprobs", completion.logprobs},
                    {"finish_reason", completion.finish_reason},
-                   {"stop_reason", stop_reason_json(completion)}};
+                   {"stop_reason", completion.stop_reason}};
     if (endpoint == Endpoint::kChat) {
       choice["message"] = {{"role", "assistant"}, {"content", completion.text}};
       if (!completion.reasoning.empty())
@@ -780,7 +795,7 @@ json stream_chunk(Endpoint endpoint, const Completion& completion, const std::st
   json choice = {{"index", completion.index},
                  {"logprobs", logprobs},
                  {"finish_reason", finish_reason.empty() ? json(nullptr) : json(finish_reason)}};
-  if (!finish_reason.empty()) choice["stop_reason"] = stop_reason_json(completion);
+  if (!finish_reason.empty()) choice["stop_reason"] = completion.stop_reason;
   if (endpoint == Endpoint::kChat) {
     json delta = json::object();
     if (first) delta["role"] = "assistant";

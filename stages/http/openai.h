@@ -56,6 +56,10 @@ struct CompletionRequest {
   int64_t top_k = 0;
   std::optional<uint64_t> seed;
   std::vector<std::string> stop;
+  // vLLM's stop_token_ids (their text kept unless special, as vLLM), and
+  // include_stop_str_in_output (the stop string that ended the text kept in it).
+  std::vector<int32_t> stop_token_ids;
+  bool include_stop_str_in_output = false;
   bool ignore_eos = false;  // vLLM's extension: generate max_tokens whatever the model says
   // vLLM's extension: false keeps the special tokens the model writes in the text (the one that
   // stops it aside).
@@ -133,9 +137,9 @@ struct Completion {
   std::string model;
   std::string text;
   std::string finish_reason;  // stop, length
-  // The stop string that ended the text, as vLLM's `stop_reason` (empty: null, as when the model
-  // ended it or max_tokens did).
-  std::string stop_reason;
+  // What ended the text, as vLLM's `stop_reason`: the stop string, or the id of the stop token
+  // (stop_token_ids); null where the model's end of sequence or max_tokens did.
+  nlohmann::json stop_reason;
   sdk::Usage usage;
   sdk::Timings timings;
   bool fallback = false;    // served by the fallback model (the primary was overloaded or slow)

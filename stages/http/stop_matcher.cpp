@@ -4,9 +4,15 @@
 
 namespace moeline::stages::http {
 
-StopMatcher::StopMatcher(std::vector<std::string> stops) {
+StopMatcher::StopMatcher(std::vector<std::string> stops, std::vector<int32_t> stop_tokens,
+                         bool include_stop)
+    : stop_tokens_(std::move(stop_tokens)), include_stop_(include_stop) {
   for (std::string& stop : stops)
     if (!stop.empty()) stops_.push_back(std::move(stop));
+}
+
+bool StopMatcher::stop_token(int32_t token) const {
+  return std::find(stop_tokens_.begin(), stop_tokens_.end(), token) != stop_tokens_.end();
 }
 
 std::string StopMatcher::feed(const std::string& delta) {
@@ -25,7 +31,7 @@ std::string StopMatcher::feed(const std::string& delta) {
   if (cut != std::string::npos) {
     stopped_ = true;
     matched_ = *earliest;
-    std::string out = pending_.substr(0, cut);
+    std::string out = pending_.substr(0, cut + (include_stop_ ? matched_.size() : 0));
     pending_.clear();
     return out;
   }

@@ -1,8 +1,10 @@
 #pragma once
 // OpenAI `stop` strings on a streamed completion: a stop string may arrive split over several
 // text deltas, so the tail of the text that could still begin one is held back until the next
-// delta decides; the stop string itself is never returned.
+// delta decides; the stop string itself is returned only where asked (vLLM's
+// include_stop_str_in_output). And which of vLLM's stop_token_ids ended an answer.
 
+#include <cstdint>
 #include <string>
 #include <vector>
 
@@ -10,7 +12,8 @@ namespace moeline::stages::http {
 
 class StopMatcher {
  public:
-  explicit StopMatcher(std::vector<std::string> stops);
+  explicit StopMatcher(std::vector<std::string> stops, std::vector<int32_t> stop_tokens = {},
+                       bool include_stop = false);
 
   // Takes the next delta; returns the text that is now certain to be output. After a stop string
   // is found, stopped() is true and nothing more is returned.
@@ -21,9 +24,13 @@ class StopMatcher {
   // The stop string that ended the text (empty before one did): vLLM's and Anthropic's
   // stop_reason / stop_sequence.
   const std::string& matched() const { return matched_; }
+  // Whether `token`, the last of an answer the pipeline stopped, is one of the stop tokens.
+  bool stop_token(int32_t token) const;
 
  private:
   std::vector<std::string> stops_;
+  std::vector<int32_t> stop_tokens_;
+  bool include_stop_ = false;
   std::string pending_;
   std::string matched_;
   bool stopped_ = false;

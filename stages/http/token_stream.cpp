@@ -21,7 +21,7 @@ TokenStream::TokenStream(Endpoint endpoint, const CompletionRequest& request,
                          runtime::Counter* write_failures, ReasoningStart reasoning)
     : endpoint_(endpoint),
       completion_(std::move(completion)),
-      stops_(request.stop),
+      stops_(request.stop, request.stop_token_ids, request.include_stop_str_in_output),
       token_events_(endpoint, *completion_),
       token_delay_(token_delay),
       write_failures_(write_failures) {

@@ -380,6 +380,7 @@ def case_api(args):
         check_logprobs_and_penalties(args, stack)
         check_choices(args, stack)
         check_logit_bias(args, stack)
+        check_stop_tokens(args, stack)
         check_structured_output(args, stack)
         check_echo(args, stack)
         check_tokenize(args, stack)
@@ -582,6 +583,46 @@ def check_messages(stack):
     print(f"ok api: /v1/messages answers as the chat does ({body['stop_reason']}, "
           f"{len(body['content'])} blocks), names its stop sequence, streams in {len(events)} "
           "events; count_tokens is the chat's prompt; errors in Anthropic's shape")
+
+
+def check_stop_tokens(args, stack):
+    """vLLM's stop_token_ids: the greedy answer ends at the first of its tokens named there (that
+    token's text kept, as vLLM keeps a stop token that is not special), finish_reason stop and
+    stop_reason the token's id, whole and streamed; include_stop_str_in_output keeps the stop
+    string that ended the text; bad ids are 400s naming the field."""
+    plain = reference(args.moeline, args.model, 16, prompt=LONG_PROMPT)
+    ids = plain["ids"]
+    at = next(k for k in range(2, len(ids)) if ids[k] not in ids[:k])
+    request = {"prompt": LONG_PROMPT, "max_tokens": 16, "temperature": 0,
+               "stop_token_ids": [ids[at], 999999]}
+    want = detokenize(args, ids[:at + 1])
+    status, body, _ = post(stack, "/v1/completions", request)
+    choice = body["choices"][0] if status == 200 else {}
+    check(status == 200 and choice["text"] == want and choice["finish_reason"] == "stop" and
+          choice["stop_reason"] == ids[at] and body["usage"]["completion_tokens"] == at + 1,
+          f"stop_token_ids [{ids[at]}]: {status} {body} want {want!r}")
+    events, _ = stream(stack, "/v1/completions", dict(request, stream=True))
+    text = "".join(e["choices"][0]["text"] for e in events if e["choices"])
+    last = [e["choices"][0] for e in events if e["choices"] and e["choices"][0]["finish_reason"]]
+    check(text == want and last and last[-1]["stop_reason"] == ids[at],
+          f"stop_token_ids streamed: {text!r} {last} want {want!r}")
+    full = plain["text"]
+    stop = next(full[i:i + 2] for i in range(3, len(full) - 2) if full[i:i + 2].strip() and
+                full.index(full[i:i + 2]) == i)
+    for include in (False, True):
+        status, body, _ = post(stack, "/v1/completions", {
+            "prompt": LONG_PROMPT, "max_tokens": 16, "temperature": 0, "stop": [stop],
+            "include_stop_str_in_output": include})
+        cut = full[:full.index(stop) + (len(stop) if include else 0)]
+        check(status == 200 and body["choices"][0]["text"] == cut and
+              body["choices"][0]["stop_reason"] == stop,
+              f"stop {stop!r} include_stop_str_in_output {include}: {body} want {cut!r}")
+    for bad in ("x", [-1], [1.5], list(range(1025))):
+        status, error, _ = post(stack, "/v1/completions", dict(request, stop_token_ids=bad))
+        check(status == 400 and error["error"]["param"] == "stop_token_ids",
+              f"stop_token_ids {str(bad)[:40]}: {status} {error}")
+    print(f"ok api: stop_token_ids end the answer at token {ids[at]} (its text kept, stop_reason "
+          f"its id), streamed and not; include_stop_str_in_output keeps {stop!r}; bad ids are 400s")
 
 
 def check_logit_bias(args, stack):

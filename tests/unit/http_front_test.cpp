@@ -162,7 +162,10 @@ TEST(OpenAiRequest, ReadsEveryField) {
     "stop": ["x", "y"], "stream": true, "stream_options": {"include_usage": true},
     "user": "u", "chat_template_kwargs": {"enable_thinking": false}, "unknown": [1, {"x": 2}],
     "min_p": 0.05, "presence_penalty": -1.5, "frequency_penalty": 2, "repetition_penalty": 1.1,
-    "logprobs": true, "top_logprobs": 4})");
+    "logprobs": true, "top_logprobs": 4, "stop_token_ids": [7, 0],
+    "include_stop_str_in_output": true})");
+  EXPECT_EQ(r.stop_token_ids, (std::vector<int32_t>{7, 0}));
+  EXPECT_TRUE(r.include_stop_str_in_output);
   ASSERT_EQ(r.messages.size(), 6u);
   EXPECT_EQ(r.messages[1].content, "ab");
   EXPECT_EQ(r.messages[4].reasoning_content, "r");
@@ -350,6 +353,11 @@ TEST(OpenAiRequest, WrongTypesAndValuesNameTheirParameter) {
        "messages[0].reasoning_content"},
       {Endpoint::kChat, R"({"messages": [{"role": "user", "content": [{"type": "image_url"}]}]})",
        "messages[0].content[0].type"},
+      {Endpoint::kCompletions, R"({"prompt": "p", "stop_token_ids": 5})", "stop_token_ids"},
+      {Endpoint::kCompletions, R"({"prompt": "p", "stop_token_ids": [-5]})", "stop_token_ids"},
+      {Endpoint::kCompletions, R"({"prompt": "p", "stop_token_ids": ["5"]})", "stop_token_ids"},
+      {Endpoint::kCompletions, R"({"prompt": "p", "include_stop_str_in_output": 1})",
+       "include_stop_str_in_output"},
       {Endpoint::kCompletions, R"({"prompt": 5})", "prompt"},
       {Endpoint::kCompletions,
        R"({"prompt": ["a", "b", "c", "d", "e", "f", "g", "h", "i", "j", "k", "l", "m", "n", "o", "p", "q"]})",
@@ -1156,6 +1164,38 @@ TEST(Absorb, TextHeldForAStopStringIsReleasedWhenTheStreamFinishesWithoutOne) {
   EXPECT_TRUE(absorb(finished_by("doneEND more", "eos"), found, cut, kept));
   EXPECT_EQ(kept, "done");
   EXPECT_EQ(cut.finish_reason, "stop");
+}
+
+// What ended an answer, as vLLM's stop_reason: a stop token (the last the pipeline gave, when
+// it is among stop_token_ids), the stop string (kept in the text with include_stop_str_in_output),
+// or nothing (the model's end of sequence).
+TEST(Absorb, TheStopTokenOrStringThatEndedTheAnswerIsNamed) {
+  StopMatcher tokens({}, {9, 8});
+  Outcome by_token;
+  std::string text;
+  EXPECT_TRUE(absorb(event_of(sdk::EventKind::kFinished, "end.", 8), tokens, by_token, text));
+  EXPECT_EQ(by_token.stop_reason, 8);
+  EXPECT_EQ(text, "end.");
+  // The stop token in a delta, the end in an event of its own.
+  Outcome apart;
+  EXPECT_FALSE(absorb(event_of(sdk::EventKind::kDelta, "a", 9), tokens, apart, text));
+  sdk::Event end = event_of(sdk::EventKind::kFinished, "", 0);
+  end.token_ids.clear();
+  EXPECT_TRUE(absorb(end, tokens, apart, text));
+  EXPECT_EQ(apart.stop_reason, 9);
+  Outcome by_eos;
+  EXPECT_TRUE(absorb(event_of(sdk::EventKind::kFinished, "", 2), tokens, by_eos, text));
+  EXPECT_TRUE(by_eos.stop_reason.is_null());
+  Outcome cut_short;
+  EXPECT_TRUE(absorb(finished_by("x", "length"), tokens, cut_short, text));  // token 8, length
+  EXPECT_TRUE(cut_short.stop_reason.is_null());
+  StopMatcher kept({"END"}, {}, /*include_stop=*/true);
+  Outcome by_string;
+  std::string shown;
+  EXPECT_FALSE(absorb(event_of(sdk::EventKind::kDelta, "done E", 1), kept, by_string, shown));
+  EXPECT_TRUE(absorb(event_of(sdk::EventKind::kDelta, "ND more", 2), kept, by_string, shown));
+  EXPECT_EQ(shown, "done END");
+  EXPECT_EQ(by_string.stop_reason, "END");
 }
 
 TEST(TokenStream, AStreamAStopStringEndsIsStillRunningInThePipeline) {

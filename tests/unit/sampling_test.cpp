@@ -171,6 +171,17 @@ TEST(Sampling, InvalidParametersAreRejectedWithTheirName) {
   EXPECT_NE(bias_message({{2, 1.0f}, {4, 0.0f}, {2, -1.0f}}, 6).find("twice"), std::string::npos);
   EXPECT_NE(bias_message(std::vector<TokenBias>(kMaxLogitBias + 1), 0).find("at most"),
             std::string::npos);
+  // Every generated token is looked up in stop_token_ids: bounded like logit_bias.
+  auto stops_message = [](std::vector<int32_t> stops) {
+    SamplingParams params;
+    params.stop_token_ids = std::move(stops);
+    Status status = params.validate(6);
+    return status.ok() ? std::string() : status.error().message;
+  };
+  EXPECT_EQ(stops_message({0, 5, 5}), "");
+  EXPECT_NE(stops_message({-1}).find("stop_token_ids"), std::string::npos);
+  EXPECT_NE(stops_message(std::vector<int32_t>(kMaxStopTokenIds + 1, 2)).find("at most"),
+            std::string::npos);
   EXPECT_EQ(message({.min_p = 0.1,
                      .presence_penalty = -2,
                      .frequency_penalty = 2,
