@@ -212,9 +212,12 @@ class HttpFront {
       }
       response.status = 204;
       response.set_header("Access-Control-Allow-Methods", "GET, POST, OPTIONS");
+      // The headers the page's request will carry, as it asks (an allowed origin's page may
+      // send what its client library sends: Anthropic's sends x-api-key, anthropic-version and
+      // its own x-stainless-* headers), or the API's own.
+      const std::string asked = request.get_header_value("Access-Control-Request-Headers");
       response.set_header("Access-Control-Allow-Headers",
-                          "Authorization, Content-Type, x-api-key, anthropic-version, "
-                          "anthropic-beta");
+                          asked.empty() ? "Authorization, Content-Type, x-api-key" : asked);
       response.set_header("Access-Control-Max-Age", "600");
     });
   }

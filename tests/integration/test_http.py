@@ -1088,11 +1088,11 @@ def case_auth(args):
               "too, and Anthropic's x-api-key in its error shape); a valid key is served")
 
         # A browser page of an allowed origin (--allowed-origins) may call the API; others not.
-        def preflight(origin):
+        def preflight(origin, asked="authorization, content-type"):
             conn = connect(stack)
             conn.request("OPTIONS", "/v1/completions", headers={
                 "Origin": origin, "Access-Control-Request-Method": "POST",
-                "Access-Control-Request-Headers": "authorization, content-type"})
+                "Access-Control-Request-Headers": asked})
             response = conn.getresponse()
             response.read()
             conn.close()
@@ -1103,6 +1103,11 @@ def case_auth(args):
               "authorization" in headers.get("access-control-allow-headers", "").lower() and
               "POST" in headers.get("access-control-allow-methods", ""),
               f"a preflight from an allowed origin: {status} {headers}")
+        # Anthropic's browser client sends its own headers: those the page asks for are allowed.
+        anthropic = "x-api-key, anthropic-version, content-type, x-stainless-os"
+        status, headers = preflight(app, anthropic)
+        check(status == 204 and headers.get("access-control-allow-headers") == anthropic,
+              f"a preflight for Anthropic's headers: {status} {headers}")
         status, headers = preflight("https://evil.example")
         check(status == 403 and "access-control-allow-origin" not in headers,
               f"a preflight from another origin: {status} {headers}")
