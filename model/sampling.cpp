@@ -8,6 +8,7 @@
 #include <utility>
 
 #include "kernels/cpu/ops.h"
+#include "kernels/cpu/thread_pool.h"
 #include "model/json_grammar.h"
 #include "model/token_constraint.h"
 
@@ -271,6 +272,25 @@ int32_t Sampler::sample(const float* raw_logits, int64_t vocab) {
   }
   record(token);
   return token;
+}
+
+void sample_rows(std::span<Sampler* const> samplers, const float* logits, int64_t vocab,
+                 kernels::ThreadPool* pool, std::span<int32_t> tokens) {
+  auto draw = [&](size_t i) {
+    if (samplers[i] != nullptr)
+      tokens[i] = samplers[i]->sample(logits + static_cast<int64_t>(i) * vocab, vocab);
+  };
+  const auto heavy = std::count_if(samplers.begin(), samplers.end(),
+                                   [](const Sampler* s) { return s != nullptr && s->heavy(); });
+  if (heavy < 2 || pool == nullptr || pool->size() < 2) {
+    for (size_t i = 0; i < samplers.size(); ++i) draw(i);
+    return;
+  }
+  pool->run([&](int thread, int threads) {
+    for (size_t i = static_cast<size_t>(thread); i < samplers.size();
+         i += static_cast<size_t>(threads))
+      draw(i);
+  });
 }
 
 TokenLogprobs token_logprobs(const float* logits, int64_t vocab, int32_t token, int64_t top) {

@@ -229,28 +229,13 @@ class DecodeStage {
     }
   }
 
-  // Each active stream's next token from this step's logits. Spread over the pool's threads when
-  // more than one draw sorts or masks the vocabulary (0.2-2.5 ms each on a 152k vocabulary at
-  // temperature: docs/PERFORMANCE.md), one after the other otherwise; each sampler is its own
-  // sequence's, so the tokens are the same either way.
+  // Each active stream's next token from this step's logits (model::sample_rows: on the pool's
+  // threads where several draws are heavy).
   void draw_tokens(int64_t vocab) {
-    const size_t count = active_streams_.size();
-    drawn_.resize(count);
-    auto draw = [&](size_t i) {
-      drawn_[i] = active_streams_[i].sampler->sample(
-          logits_.data() + static_cast<int64_t>(i) * vocab, vocab);
-    };
-    const auto heavy = std::count_if(active_streams_.begin(), active_streams_.end(),
-                                     [](const Stream& s) { return s.sampler->heavy(); });
-    kernels::ThreadPool* pool = worker_.pool.get();
-    if (heavy < 2 || pool == nullptr || pool->size() < 2) {
-      for (size_t i = 0; i < count; ++i) draw(i);
-      return;
-    }
-    pool->run([&](int thread, int threads) {
-      for (size_t i = static_cast<size_t>(thread); i < count; i += static_cast<size_t>(threads))
-        draw(i);
-    });
+    samplers_.clear();
+    for (Stream& stream : active_streams_) samplers_.push_back(stream.sampler.get());
+    drawn_.resize(samplers_.size());
+    model::sample_rows(samplers_, logits_.data(), vocab, worker_.pool.get(), drawn_);
   }
 
   void step() {
@@ -331,7 +316,8 @@ class DecodeStage {
   std::vector<Stream> active_streams_;
   std::vector<model::SequenceInput> inputs_;
   std::vector<float> logits_;
-  std::vector<int32_t> drawn_;  // this step's token of each active stream
+  std::vector<int32_t> drawn_;             // this step's token of each active stream
+  std::vector<model::Sampler*> samplers_;  // their samplers, in the same order
 };
 
 int decode_body(const runtime::Config& config) {

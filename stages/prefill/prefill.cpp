@@ -270,31 +270,72 @@ class PrefillStage {
     metrics_.batch_tokens->observe(static_cast<double>(tokens));
     // The batch's credit rides on its first result.
     worker_.link->grant(taken);
+    std::vector<FirstDraw> draws;
+    if (status.ok()) draws = draw_first_tokens(batch, logits.data());
     for (size_t i = 0; i < inputs.size(); ++i) {
       Job& job = batch[i];
       if (!status.ok()) {
         results_->fail(job, wire::error_code_for(status.code()), status.error().message);
       } else {
         finish_job(job, *sequences[i], logits.data() + static_cast<int64_t>(i) * cfg.vocab_size,
-                   std::chrono::duration<double>(done - start).count());
+                   std::chrono::duration<double>(done - start).count(), nullptr, &draws[i]);
       }
       signatures_->forget(sequences[i]->id());
       sequences[i]->release(pool);
     }
   }
 
+  // A job's first token: its sampler (with the job's grammar, where it has one) and the token
+  // drawn with it, or why none could be.
+  struct FirstDraw {
+    std::unique_ptr<model::Sampler> sampler;
+    moeline::Status status;
+    int32_t token = -1;
+  };
+
+  FirstDraw prepare_draw(const Job& job) const {
+    const model::ModelConfig& cfg = worker_.model->config();
+    FirstDraw draw;
+    draw.sampler = std::make_unique<model::Sampler>(job.sampling);
+    draw.sampler->set_prompt(job.tokens);
+    draw.status = model::constrain_sampler(*draw.sampler, job.sampling, worker_.model->dir(),
+                                           cfg.vocab_size, eos_);
+    return draw;
+  }
+
+  // The batch's first tokens (job i's logits at row i), drawn as decode draws a step's
+  // (model::sample_rows: on the pool's threads where several are heavy). The samplers are made
+  // one after another (a grammar's compile reads the model's tokenizer).
+  std::vector<FirstDraw> draw_first_tokens(const std::vector<Job>& batch, const float* logits) {
+    std::vector<FirstDraw> draws;
+    std::vector<model::Sampler*> samplers;
+    for (const Job& job : batch) {
+      draws.push_back(prepare_draw(job));
+      samplers.push_back(draws.back().status.ok() ? draws.back().sampler.get() : nullptr);
+    }
+    std::vector<int32_t> tokens(draws.size(), -1);
+    model::sample_rows(samplers, logits, worker_.model->config().vocab_size, worker_.pool.get(),
+                       tokens);
+    for (size_t i = 0; i < draws.size(); ++i) draws[i].token = tokens[i];
+    return draws;
+  }
+
+  // `drawn`: the job's first token where the batch drew it; otherwise it is drawn here.
   void finish_job(const Job& job, const model::Sequence& sequence, const float* logits,
                   double forward_seconds,
-                  const std::vector<model::TokenLogprobs>* prompt_logprobs = nullptr) {
+                  const std::vector<model::TokenLogprobs>* prompt_logprobs = nullptr,
+                  FirstDraw* drawn = nullptr) {
     const model::ModelConfig& cfg = worker_.model->config();
-    model::Sampler sampler(job.sampling);
-    sampler.set_prompt(job.tokens);
-    if (moeline::Status constrained = model::constrain_sampler(
-            sampler, job.sampling, worker_.model->dir(), cfg.vocab_size, eos_);
-        !constrained.ok())
-      return results_->fail(job, wire::error_code_for(constrained.code()),
-                            constrained.error().message);
-    const int32_t first = sampler.sample(logits, cfg.vocab_size);
+    FirstDraw own;
+    if (drawn == nullptr) {
+      own = prepare_draw(job);
+      if (own.status.ok()) own.token = own.sampler->sample(logits, cfg.vocab_size);
+      drawn = &own;
+    }
+    if (!drawn->status.ok())
+      return results_->fail(job, wire::error_code_for(drawn->status.code()),
+                            drawn->status.error().message);
+    const int32_t first = drawn->token;
     const auto sampled = std::chrono::steady_clock::now();
     metrics_.ttft->observe(std::chrono::duration<double>(sampled - job.received).count());
     metrics_.tokens->inc(static_cast<double>(job.computed()));

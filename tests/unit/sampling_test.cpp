@@ -5,9 +5,12 @@
 #include <algorithm>
 #include <cmath>
 #include <map>
+#include <memory>
 #include <random>
 #include <tuple>
 #include <vector>
+
+#include "kernels/cpu/thread_pool.h"
 
 namespace moeline::model {
 namespace {
@@ -353,6 +356,40 @@ TEST(Sampling, LogprobsAreTheRawLogSoftmax) {
   EXPECT_EQ(lp.top_ids, (std::vector<int32_t>{1, 5, 2}));
   ASSERT_EQ(lp.top_logprobs.size(), 3u);
   EXPECT_NEAR(lp.top_logprobs[0], 3.0 - std::log(total), 1e-6);
+}
+
+// Rows drawn on a pool are the draws one after another: seeded samplers at temperature (heavy,
+// so the pool is used), a greedy one among them, and a null one whose token stays as it was.
+TEST(Sampling, RowsDrawnOnThePoolAreTheSerialDraws) {
+  constexpr int64_t kVocab = 5000;
+  constexpr size_t kRows = 9;
+  std::mt19937 rng(23);
+  std::normal_distribution<float> spread(0.0f, 3.0f);
+  std::vector<float> logits(kRows * kVocab);
+  for (float& v : logits) v = spread(rng);
+  auto params_of = [](size_t row) {
+    SamplingParams params;
+    params.temperature = row == 4 ? 0.0 : 0.8;
+    params.seed = 100 + row;
+    return params;
+  };
+  kernels::ThreadPool pool(2);
+  for (int step = 0; step < 3; ++step) {
+    std::vector<std::unique_ptr<Sampler>> serial, spread_out;
+    std::vector<Sampler*> rows;
+    for (size_t i = 0; i < kRows; ++i) {
+      serial.push_back(std::make_unique<Sampler>(params_of(i)));
+      spread_out.push_back(std::make_unique<Sampler>(params_of(i)));
+      rows.push_back(i == 7 ? nullptr : spread_out.back().get());
+    }
+    std::vector<int32_t> tokens(kRows, -7);
+    sample_rows(rows, logits.data(), kVocab, &pool, tokens);
+    for (size_t i = 0; i < kRows; ++i) {
+      const int32_t want = i == 7 ? -7 : serial[i]->sample(logits.data() + i * kVocab, kVocab);
+      EXPECT_EQ(tokens[i], want) << "row " << i << " step " << step;
+    }
+    std::shuffle(logits.begin(), logits.end(), rng);
+  }
 }
 
 // The `top` best as the definition scans for them: every token in id order, kept where it is
