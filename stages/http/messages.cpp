@@ -409,15 +409,7 @@ json anthropic_error_from(int status, const json& openai_error) {
 }
 
 bool MessagesStream::feed(const char* data, size_t size, httplib::DataSink& sink) {
-  return events_.feed(data, size, [&](const std::string& event) {
-    // The chat stream is this server's own: an unexpected field is a bug here, and the event is
-    // left out rather than thrown on (on the thread that delivers every stream).
-    try {
-      return on_event(event, sink);
-    } catch (const json::exception&) {
-      return true;
-    }
-  });
+  return events_.feed(data, size, [&](const std::string& event) { return on_event(event, sink); });
 }
 
 bool MessagesStream::on_event(const std::string& event, httplib::DataSink& sink) {

@@ -293,15 +293,7 @@ json response_from_chat(const ResponsesRequest& request, const json& chat) {
 }
 
 bool ResponsesStream::feed(const char* data, size_t size, httplib::DataSink& sink) {
-  return events_.feed(data, size, [&](const std::string& event) {
-    // The chat stream is this server's own, so a field of an unexpected type is a bug here: the
-    // event is left out rather than thrown on (on the thread that delivers every stream).
-    try {
-      return on_event(event, sink);
-    } catch (const json::exception&) {
-      return true;
-    }
-  });
+  return events_.feed(data, size, [&](const std::string& event) { return on_event(event, sink); });
 }
 
 bool ResponsesStream::on_event(const std::string& event, httplib::DataSink& sink) {

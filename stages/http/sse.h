@@ -15,7 +15,9 @@ namespace moeline::stages::http {
 class SseEvents {
  public:
   // Appends `size` bytes, then passes each event now whole (its text without the blank line
-  // that ends it) to `on_event`; false as soon as that returns false.
+  // that ends it) to `on_event`; false as soon as that returns false. The chat stream is this
+  // server's own, so a field of an unexpected type is a bug here: an event whose handling throws
+  // a JSON error is left out rather than thrown on (on the thread that delivers every stream).
   template <class OnEvent>
   bool feed(const char* data, size_t size, OnEvent&& on_event) {
     pending_.append(data, size);
@@ -23,7 +25,11 @@ class SseEvents {
     while ((end = pending_.find("\n\n")) != std::string::npos) {
       const std::string event = pending_.substr(0, end);
       pending_.erase(0, end + 2);
-      if (!on_event(event)) return false;
+      try {
+        if (!on_event(event)) return false;
+      } catch (const nlohmann::json::exception&) {
+        continue;
+      }
     }
     return true;
   }
