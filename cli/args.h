@@ -75,6 +75,7 @@ inline const std::map<std::string, bool>& sampling_flags() {
                                                     {"--seed", true},
                                                     {"--stop-ids", true},
                                                     {"--ignore-eos", false},
+                                                    {"--min-tokens", true},
                                                     {"--min-p", true},
                                                     {"--presence-penalty", true},
                                                     {"--frequency-penalty", true},
@@ -106,6 +107,8 @@ bool parse_sampling_flag(const std::string& flag, const std::string& value, Opti
     options.stop_token_ids = parse_id_list(flag, value);
   else if (flag == "--ignore-eos")
     options.ignore_eos = true;
+  else if (flag == "--min-tokens")
+    options.min_tokens = parse_number<decltype(options.min_tokens)>(flag, value);
   else if (flag == "--min-p")
     options.min_p = parse_number<double>(flag, value);
   else if (flag == "--presence-penalty")

@@ -56,6 +56,7 @@ an operator key where the gateway has a keys file.
   --seed S             sampling seed
   --stop-ids IDS       extra stop token ids
   --ignore-eos         do not stop at end-of-sequence tokens
+  --min-tokens N       no end-of-sequence or stop token before N tokens
   --min-p P, --presence-penalty X, --frequency-penalty X, --repetition-penalty R,
   --logit-bias T=B,..., --json-object, --json-schema FILE, --reasoning may-open|open
                        as `moeline run` takes them

@@ -85,6 +85,7 @@ or a GGUF file and generates in this process.
                        (default none: from the first token)
   --stop-ids IDS       extra stop token ids, comma-separated (end-of-sequence ids always stop)
   --ignore-eos         do not stop at the model's end-of-sequence tokens
+  --min-tokens N       no end-of-sequence or stop token before N tokens (0)
   --threads N          compute threads (default: all cores)
   --quant-math exact|fast
                        quantized (GGUF) weights: fast (default; activations quantized to 8-bit

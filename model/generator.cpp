@@ -39,9 +39,13 @@ const char* finish_reason_name(FinishReason reason) {
 const char* finish_after(int32_t token, int64_t generated, int64_t prompt_tokens,
                          const SamplingParams& sampling, const std::vector<int32_t>& eos,
                          int64_t max_position) {
+  // Up to min_tokens the sampler masks the end tokens (Sampler::hold_end_tokens), so none can be
+  // drawn there unless every token was masked; the answer is not ended short then either.
+  const bool may_end = generated > sampling.min_tokens;
   const auto& stops = sampling.stop_token_ids;
-  if (std::find(stops.begin(), stops.end(), token) != stops.end()) return "stop";
-  if (!sampling.ignore_eos && std::find(eos.begin(), eos.end(), token) != eos.end()) return "stop";
+  if (may_end && std::find(stops.begin(), stops.end(), token) != stops.end()) return "stop";
+  if (may_end && !sampling.ignore_eos && std::find(eos.begin(), eos.end(), token) != eos.end())
+    return "stop";
   // The next step would feed this token at position prompt + generated - 1.
   if (generated >= sampling.max_tokens ||
       (max_position > 0 && prompt_tokens + generated > max_position))

@@ -27,7 +27,8 @@ struct GenerationResult {
   std::vector<int32_t> tokens;  // generated tokens, the stop token included when one ended it
   FinishReason finish_reason = FinishReason::kLength;
   std::vector<float> prompt_logits;  // logits at the last prompt position
-  // Where the request asked (SamplingParams::prompt_logprobs): one per prompt token after the first.
+  // Where the request asked (SamplingParams::prompt_logprobs): one per prompt token after the
+  // first.
   std::vector<TokenLogprobs> prompt_logprobs;
   // Where the request asked: each generated token's log-probabilities (SamplingParams::logprobs),
   // and the raw logits it was drawn from, [tokens][vocab] (keep_step_logits).
@@ -39,8 +40,9 @@ struct GenerationResult {
 
 // The stopping rule every path shares (this generator, the prefill, probe and decode stages): after
 // the `generated`-th token `token` of a `prompt_tokens`-token prompt, the request ends with "stop"
-// (a stop token: the request's, or an end-of-sequence id unless ignored), "length" (max_tokens,
-// or the next position would pass `max_position`, when > 0), or goes on ("").
+// (a stop token: the request's, or an end-of-sequence id unless ignored; only past min_tokens),
+// "length" (max_tokens, or the next position would pass `max_position`, when > 0), or goes on
+// ("").
 const char* finish_after(int32_t token, int64_t generated, int64_t prompt_tokens,
                          const SamplingParams& sampling, const std::vector<int32_t>& eos,
                          int64_t max_position);

@@ -80,6 +80,9 @@ Status SamplingParams::validate(int64_t vocab) const {
                  " tokens, got " + std::to_string(stop_token_ids.size())};
   for (int32_t token : stop_token_ids)
     if (token < 0) return Error{"stop_token_ids holds a negative id: " + std::to_string(token)};
+  if (min_tokens < 0 || min_tokens > max_tokens)
+    return Error{"min_tokens must be in [0, max_tokens = " + std::to_string(max_tokens) +
+                 "], got " + std::to_string(min_tokens)};
   if (logit_bias.size() > kMaxLogitBias)
     return Error{"logit_bias may bias at most " + std::to_string(kMaxLogitBias) + " tokens, got " +
                  std::to_string(logit_bias.size())};
@@ -143,7 +146,15 @@ void Sampler::set_prompt(std::span<const int32_t> prompt) {
   for (int32_t token : prompt) generated_.emplace(token, 0);
 }
 
+void Sampler::hold_end_tokens(std::span<const int32_t> eos) {
+  held_.clear();
+  if (params_.min_tokens <= 0) return;
+  if (!params_.ignore_eos) held_.assign(eos.begin(), eos.end());
+  held_.insert(held_.end(), params_.stop_token_ids.begin(), params_.stop_token_ids.end());
+}
+
 void Sampler::record(int32_t token) {
+  ++drawn_;
   if (params_.penalized()) ++generated_[token];
   if (constraint_) constraint_->accept(token);
 }
@@ -195,7 +206,8 @@ int64_t Sampler::order_candidates(const float* logits, int64_t vocab) {
 int32_t Sampler::sample(const float* raw_logits, int64_t vocab) {
   const float* logits = raw_logits;
   const bool penalize = params_.penalized() && !generated_.empty();
-  if (!params_.logit_bias.empty() || penalize || constraint_) {
+  const bool hold_end = drawn_ < params_.min_tokens && !held_.empty();
+  if (!params_.logit_bias.empty() || penalize || constraint_ || hold_end) {
     adjusted_.assign(raw_logits, raw_logits + vocab);
     logits = adjusted_.data();
   }
@@ -210,6 +222,9 @@ int32_t Sampler::sample(const float* raw_logits, int64_t vocab) {
     apply_penalties(adjusted_.data(), vocab, penalized_, params_);
   }
   if (constraint_) constraint_->mask(adjusted_.data(), vocab);
+  if (hold_end)
+    for (int32_t end : held_)
+      if (end >= 0 && end < vocab) adjusted_[end] = -INFINITY;
   int32_t token = 0;
   if (params_.temperature == 0.0) {
     token = argmax(logits, vocab);

@@ -67,6 +67,10 @@ struct SamplingParams {
   int64_t max_tokens = 16;
   std::vector<int32_t> stop_token_ids;  // in addition to the model's end-of-sequence ids
   bool ignore_eos = false;
+  // vLLM's min_tokens (0..max_tokens): the end-of-sequence ids (unless ignore_eos) and the stop
+  // token ids are never drawn before this many tokens are out; the answer is at least this long
+  // unless max_tokens or the context ends it.
+  int64_t min_tokens = 0;
   // Keep only tokens at least min_p times as likely as the most likely one (after temperature).
   double min_p = 0.0;
   // OpenAI's penalties, in [-2, 2]: subtracted from the logit of every token already generated,
@@ -133,6 +137,9 @@ class Sampler {
   void constrain(std::shared_ptr<TokenConstraint> constraint) {
     constraint_ = std::move(constraint);
   }
+  // The tokens that end the answer (the model's end-of-sequence ids): with min_tokens, they and
+  // the stop token ids are masked until min_tokens tokens are drawn.
+  void hold_end_tokens(std::span<const int32_t> eos);
 
  private:
   double uniform();
@@ -149,6 +156,8 @@ class Sampler {
   std::vector<float> adjusted_;  // the logits biased and penalized, when they are
   std::vector<PenalizedToken> penalized_;
   std::unordered_map<int32_t, int32_t> generated_;  // penalized runs only: token -> count
+  int64_t drawn_ = 0;                               // tokens of the output so far
+  std::vector<int32_t> held_;                       // masked while drawn_ < min_tokens
   std::shared_ptr<TokenConstraint> constraint_;
 };
 

@@ -239,6 +239,7 @@ void TokenConstraint::accept(int32_t token) {
 Status constrain_sampler(Sampler& sampler, const SamplingParams& params,
                          const std::filesystem::path& model, int64_t vocab,
                          std::span<const int32_t> eos) {
+  sampler.hold_end_tokens(eos);
   if (params.structured == StructuredOutput::kNone) return {};
   std::shared_ptr<const JsonGrammar> grammar;
   if (params.structured == StructuredOutput::kJsonObject) {

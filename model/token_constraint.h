@@ -95,8 +95,9 @@ class TokenConstraint {
 inline constexpr std::string_view kHermesToolCallOpen = "<tool_call>";
 inline constexpr std::string_view kHermesToolCallClose = "</tool_call>";
 
-// Gives `sampler` the constraint its parameters ask for (none: nothing to do), with the model's
-// vocabulary and its end-of-sequence ids (the parameters' stop tokens end it too).
+// Gives `sampler` what its parameters forbid: the end-of-sequence ids (`eos`) and stop tokens
+// before min_tokens, and the grammar of structured output, with the model's vocabulary (the
+// parameters' stop tokens end the document too).
 Status constrain_sampler(Sampler& sampler, const SamplingParams& params,
                          const std::filesystem::path& model, int64_t vocab,
                          std::span<const int32_t> eos);

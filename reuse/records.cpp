@@ -155,6 +155,11 @@ uint64_t result_entry(uint64_t key, const model::SamplingParams& s) {
       material.append(reinterpret_cast<const char*>(&entry.bias), 4);
     }
   }
+  // min_tokens masks the end tokens: an answer that would end earlier goes on differently.
+  if (s.min_tokens > 0) {
+    material.push_back('m');
+    material.append(reinterpret_cast<const char*>(&s.min_tokens), 8);
+  }
   // A grammar changes greedy tokens too.
   if (s.structured != model::StructuredOutput::kNone) {
     material.push_back('s');

@@ -42,7 +42,7 @@ namespace moeline::wire {
 
 // Additive change bumps the minor, a break the major (peers of another major are refused).
 inline constexpr uint16_t kSchemaMajor = 1;
-inline constexpr uint16_t kSchemaMinor = 17;
+inline constexpr uint16_t kSchemaMinor = 18;
 inline constexpr char kMagic[4] = {'M', 'O', 'E', 'L'};
 
 // The values of GenerateRequest.reuse (client.fbs): "" is the tenant's exact levels. The gateway

@@ -169,7 +169,7 @@ uint64_t Client::start(const GenerateOptions& options) {
       options.presence_penalty, options.frequency_penalty, options.repetition_penalty,
       options.logprobs, options.top_logprobs, bias, options.prompt_logprobs,
       static_cast<wire::StructuredOutput>(options.structured), schema,
-      static_cast<wire::ReasoningBlock>(options.reasoning));
+      static_cast<wire::ReasoningBlock>(options.reasoning), options.min_tokens);
   auto prompt = options.prompt.empty() ? 0 : builder.CreateString(options.prompt);
   auto tokens = options.tokens.empty() ? 0 : builder.CreateVector(options.tokens);
   auto tenant = builder.CreateString(options.tenant);

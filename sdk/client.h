@@ -59,6 +59,7 @@ struct GenerateOptions {
   std::optional<uint64_t> seed;
   std::vector<int32_t> stop_token_ids;
   bool ignore_eos = false;
+  int64_t min_tokens = 0;           // no end-of-sequence or stop token before this many (vLLM's)
   double min_p = 0.0;               // keep tokens at least min_p times as likely as the best
   double presence_penalty = 0.0;    // OpenAI's, in [-2, 2], on tokens already generated
   double frequency_penalty = 0.0;   // likewise, per occurrence

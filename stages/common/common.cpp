@@ -30,6 +30,7 @@ model::SamplingParams from_wire(const wire::SamplingParams* sampling) {
     params.stop_token_ids.assign(sampling->stop_token_ids()->begin(),
                                  sampling->stop_token_ids()->end());
   params.ignore_eos = sampling->ignore_eos();
+  params.min_tokens = sampling->min_tokens();
   params.min_p = sampling->min_p();
   params.presence_penalty = sampling->presence_penalty();
   params.frequency_penalty = sampling->frequency_penalty();
@@ -64,7 +65,7 @@ flatbuffers::Offset<wire::SamplingParams> to_wire(flatbuffers::FlatBufferBuilder
       sampling.presence_penalty, sampling.frequency_penalty, sampling.repetition_penalty,
       sampling.logprobs, static_cast<int32_t>(sampling.top_logprobs), bias,
       sampling.prompt_logprobs, static_cast<wire::StructuredOutput>(sampling.structured), schema,
-      static_cast<wire::ReasoningBlock>(sampling.reasoning));
+      static_cast<wire::ReasoningBlock>(sampling.reasoning), sampling.min_tokens);
 }
 
 flatbuffers::Offset<wire::TokenLogprobs> logprobs_to_wire(flatbuffers::FlatBufferBuilder& builder,

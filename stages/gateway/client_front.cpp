@@ -135,6 +135,7 @@ std::variant<ValidRequest, Refusal> RequestValidator::validate(
   // can get.
   valid.sampling.max_tokens = std::min<int64_t>(
       valid.sampling.max_tokens, context_ - static_cast<int64_t>(valid.prompt.size()));
+  valid.sampling.min_tokens = std::min(valid.sampling.min_tokens, valid.sampling.max_tokens);
   const std::optional<uint32_t> asked = reuse::ReusePolicy::requested_levels(
       request.reuse() ? request.reuse()->string_view() : std::string_view());
   if (!asked)

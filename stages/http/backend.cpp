@@ -147,6 +147,7 @@ std::variant<sdk::GenerateOptions, ApiError> to_options(const CompletionRequest&
   options.top_k = request.top_k;
   options.seed = request.seed;
   options.ignore_eos = request.ignore_eos;
+  options.min_tokens = request.score_only() ? 0 : request.min_tokens;
   options.stop_token_ids = request.stop_token_ids;
   options.skip_special_tokens = request.skip_special_tokens;
   // A tool-call marker that the vocabulary marks special would be dropped from the text before

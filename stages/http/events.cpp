@@ -35,7 +35,7 @@ bool absorb(const sdk::Event& event, StopMatcher& stops, Outcome& outcome, std::
   outcome.completion_tokens += static_cast<uint32_t>(event.token_ids.size());
   outcome.ids.insert(outcome.ids.end(), event.token_ids.begin(), event.token_ids.end());
   outcome.logprobs.insert(outcome.logprobs.end(), event.logprobs.begin(), event.logprobs.end());
-  emitted += stops.feed(event.text);
+  emitted += stops.feed(event.text, outcome.completion_tokens);
   if (stops.stopped()) {
     outcome.finish_reason = "stop";
     outcome.stop_reason = stops.matched();

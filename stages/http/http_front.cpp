@@ -651,7 +651,7 @@ class HttpFront {
                                                    http::ClientLink& client,
                                                    const http::Completion& base) {
     http::StopMatcher stops(api_request.stop, api_request.stop_token_ids,
-                            api_request.include_stop_str_in_output);
+                            api_request.include_stop_str_in_output, api_request.min_tokens);
     Outcome outcome;
     outcome.usage.prompt_tokens = started.prompt_tokens;
     bool over = http::absorb(*started.first, stops, outcome, outcome.text);

@@ -451,6 +451,13 @@ std::optional<ApiError> read_sampling(const json& body, CompletionRequest& out) 
   if (auto error = read_integer(body, "max_tokens", 0, max_tokens)) return error;
   if (auto error = read_integer(body, "max_completion_tokens", 0, out.max_tokens)) return error;
   if (max_tokens) out.max_tokens = max_tokens;
+  std::optional<int64_t> min_tokens;
+  if (auto error = read_integer(body, "min_tokens", 0, min_tokens)) return error;
+  out.min_tokens = min_tokens.value_or(0);
+  if (out.max_tokens && out.min_tokens > *out.max_tokens)
+    return invalid_field("min_tokens", "'min_tokens' must be at most max_tokens (" +
+                                           std::to_string(*out.max_tokens) + "), got " +
+                                           std::to_string(out.min_tokens));
   if (auto error = read_number(body, "temperature", 0.0, 2.0, out.temperature)) return error;
   if (auto error = read_number(body, "top_p", 0.0, 1.0, out.top_p)) return error;
   std::optional<int64_t> top_k;

@@ -61,6 +61,9 @@ struct CompletionRequest {
   std::vector<int32_t> stop_token_ids;
   bool include_stop_str_in_output = false;
   bool ignore_eos = false;  // vLLM's extension: generate max_tokens whatever the model says
+  // vLLM's extension: no end-of-sequence or stop token before this many tokens, and no stop
+  // string that ends within them.
+  int64_t min_tokens = 0;
   // vLLM's extension: false keeps the special tokens the model writes in the text (the one that
   // stops it aside).
   bool skip_special_tokens = true;

@@ -21,7 +21,8 @@ TokenStream::TokenStream(Endpoint endpoint, const CompletionRequest& request,
                          runtime::Counter* write_failures, ReasoningStart reasoning)
     : endpoint_(endpoint),
       completion_(std::move(completion)),
-      stops_(request.stop, request.stop_token_ids, request.include_stop_str_in_output),
+      stops_(request.stop, request.stop_token_ids, request.include_stop_str_in_output,
+             request.min_tokens),
       token_events_(endpoint, *completion_),
       token_delay_(token_delay),
       write_failures_(write_failures) {

@@ -75,11 +75,11 @@ std::vector<zmq::message_t> generate_request() {
   // 1.12: logit_bias.
   const std::vector<wire::TokenBias> bias = {{50256, -100.0f}, {7, 2.5f}};
   // 1.13: prompt_logprobs. 1.15: structured output with its schema. 1.16: after the reasoning
-  // block the prompt opened.
+  // block the prompt opened. 1.18: min_tokens.
   const auto sampling = wire::CreateSamplingParamsDirect(
       b, 0.7, 40, 0.9, 1234, true, 64, &stop, true, 0.05, 0.5, -0.25, 1.1, true, 3, &bias, true,
       wire::StructuredOutput::JsonSchema,
-      R"({"type":"object","properties":{"a":{"type":"integer"}}})", wire::ReasoningBlock::Open);
+      R"({"type":"object","properties":{"a":{"type":"integer"}}})", wire::ReasoningBlock::Open, 8);
   const std::vector<int32_t> tokens = {1, 2, 3, 4};
   // 1.11: batch_events. 1.17: special tokens kept in the text.
   b.Finish(

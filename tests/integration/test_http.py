@@ -381,6 +381,7 @@ def case_api(args):
         check_choices(args, stack)
         check_logit_bias(args, stack)
         check_stop_tokens(args, stack)
+        check_min_tokens(args, stack)
         check_structured_output(args, stack)
         check_echo(args, stack)
         check_tokenize(args, stack)
@@ -623,6 +624,56 @@ def check_stop_tokens(args, stack):
               f"stop_token_ids {str(bad)[:40]}: {status} {error}")
     print(f"ok api: stop_token_ids end the answer at token {ids[at]} (its text kept, stop_reason "
           f"its id), streamed and not; include_stop_str_in_output keeps {stop!r}; bad ids are 400s")
+
+
+def check_min_tokens(args, stack):
+    """vLLM's min_tokens: the stop token is not drawn among the first min_tokens tokens, which are
+    then the greedy answer with that token biased out (`moeline run --logit-bias ID=-100`), and
+    the rest is the free greedy continuation from there, up to the stop token (`moeline run` on
+    the prompt and those tokens), whole and streamed; a stop string that ends within the first
+    min_tokens tokens' text is passed over; min_tokens above max_tokens is a 400."""
+    prompt = [9, 8, 7, 6, 5]
+    plain = reference(args.moeline, args.model, 16, tokens=prompt, ignore_eos=True)["ids"]
+    at = next(k for k in range(1, len(plain)) if plain[k] not in plain[:k])
+    stop, held = plain[at], at + 3
+    first = reference(args.moeline, args.model, held, tokens=prompt, ignore_eos=True,
+                      extra=["--logit-bias", f"{stop}=-100"])["ids"]
+    rest = reference(args.moeline, args.model, 16 - held, tokens=prompt + first, ignore_eos=True,
+                     extra=["--stop-ids", str(stop)])["ids"]
+    want = first + rest
+    check(stop not in first and want[:at] == plain[:at],
+          f"the bias must take {stop} out of {first} and keep {plain[:at]}")
+    request = {"prompt": prompt, "max_tokens": 16, "temperature": 0, "ignore_eos": True,
+               "stop_token_ids": [stop], "min_tokens": held}
+    status, body, _ = post(stack, "/v1/completions", request)
+    choice = body["choices"][0] if status == 200 else {}
+    want_text = detokenize(args, want)
+    ended = "stop" if want[-1] == stop else "length"
+    check(status == 200 and choice["text"] == want_text and choice["finish_reason"] == ended and
+          body["usage"]["completion_tokens"] == len(want),
+          f"min_tokens {held} with stop token {stop}: {status} {body} want {want} {want_text!r}")
+    events, _ = stream(stack, "/v1/completions", dict(request, stream=True))
+    text = "".join(e["choices"][0]["text"] for e in events if e["choices"])
+    check(text == want_text, f"min_tokens streamed: {text!r} want {want_text!r}")
+    # A stop string inside the first tokens' text: passed over with min_tokens 16, not without.
+    whole = detokenize(args, plain)
+    early = detokenize(args, plain[:3])
+    string = next(early[i:i + 2] for i in range(len(early) - 1) if early[i:i + 2].strip())
+    free = {"prompt": prompt, "max_tokens": 16, "temperature": 0, "ignore_eos": True,
+            "stop": [string]}
+    status, body, _ = post(stack, "/v1/completions", free)
+    check(status == 200 and body["choices"][0]["text"] == whole[:whole.index(string)],
+          f"stop {string!r} without min_tokens: {status} {body}")
+    status, body, _ = post(stack, "/v1/completions", dict(free, min_tokens=16))
+    check(status == 200 and body["choices"][0]["text"] == whole and
+          body["choices"][0]["finish_reason"] == "length",
+          f"stop {string!r} with min_tokens 16: {status} {body} want {whole!r}")
+    status, error, _ = post(stack, "/v1/completions", dict(request, min_tokens=17))
+    check(status == 400 and error["error"]["param"] == "min_tokens",
+          f"min_tokens above max_tokens: {status} {error}")
+    print(f"ok api: min_tokens {held} holds stop token {stop} back ({len(want)} tokens, "
+          f"{ended}), streamed and not; a stop string within them is passed over; above "
+          f"max_tokens a 400")
 
 
 def check_logit_bias(args, stack):

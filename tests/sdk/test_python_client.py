@@ -264,6 +264,10 @@ def check_encoding(mc, wire):
           (wire.GenerateRequest.GenerateRequest.GetRootAs(
               mc.encode_generate(9, "x", skip_special_tokens=False)[1], 0).SkipSpecialTokens(),
            r.SkipSpecialTokens()) == (False, True))
+    check("min_tokens (schema 1.18): encoded where asked, 0 by default",
+          (wire.GenerateRequest.GenerateRequest.GetRootAs(
+              mc.encode_generate(9, "x", max_tokens=9, min_tokens=5)[1], 0).Sampling().MinTokens(),
+           s.MinTokens()) == (5, 0))
     check("prompt and tokens together are refused",
           isinstance(raises(lambda: mc.encode_generate(1, "a", [1]), ValueError), ValueError))
     check("neither prompt nor tokens is refused",

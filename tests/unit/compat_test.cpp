@@ -816,6 +816,18 @@ std::map<std::string, Expectation> v1_17() {
   return e;
 }
 
+// 1.18: vLLM's min_tokens in SamplingParams (older files read 0: no hold on the end tokens).
+std::map<std::string, Expectation> v1_18() {
+  std::map<std::string, Expectation> e = v1_17();
+  for (auto& [stem, expectation] : e) expectation.minor = 18;
+  auto request = e.at("GenerateRequest").check;
+  e.at("GenerateRequest").check = [request](const Message& m) {
+    request(m);
+    EXPECT_EQ(m.as<GenerateRequest>()->sampling()->min_tokens(), 8);
+  };
+  return e;
+}
+
 // As the hub reads them: the one reader of envelope credit (any other refuses it,
 // WireDecode.EnvelopeCreditIsForTheHubOnly).
 Decoded decode_as_hub(std::vector<zmq::message_t>&& frames) {
@@ -829,7 +841,7 @@ const std::map<std::string, std::map<std::string, Expectation>>& released() {
       {"v1.4", v1_4()},   {"v1.5", v1_5()},   {"v1.6", v1_6()},   {"v1.7", v1_7()},
       {"v1.8", v1_8()},   {"v1.9", v1_9()},   {"v1.10", v1_10()}, {"v1.11", v1_11()},
       {"v1.12", v1_12()}, {"v1.13", v1_13()}, {"v1.14", v1_14()}, {"v1.15", v1_15()},
-      {"v1.16", v1_16()}, {"v1.17", v1_17()}};
+      {"v1.16", v1_16()}, {"v1.17", v1_17()}, {"v1.18", v1_18()}};
   return versions;
 }
 
@@ -922,7 +934,7 @@ TEST(WireCompat, Version1_0CoversEveryMessageTypeOfThatVersion) {
 // version before 1.9 (no typed field in those files) and from the typed fields of 1.9.
 TEST(WireCompat, TheStringsOfOlderVersionsReadAsTheTypedValues) {
   for (const std::string version : {"v1.2", "v1.8", "v1.9", "v1.10", "v1.11", "v1.12", "v1.13",
-                                    "v1.14", "v1.15", "v1.16", "v1.17"}) {
+                                    "v1.14", "v1.15", "v1.16", "v1.17", "v1.18"}) {
     SCOPED_TRACE(version);
     auto read = [&](const std::string& stem) {
       auto frames = read_frames(kCompatDir / version / (stem + ".bin"));
@@ -934,7 +946,8 @@ TEST(WireCompat, TheStringsOfOlderVersionsReadAsTheTypedValues) {
     };
     const bool typed = version == "v1.9" || version == "v1.10" || version == "v1.11" ||
                        version == "v1.12" || version == "v1.13" || version == "v1.14" ||
-                       version == "v1.15" || version == "v1.16" || version == "v1.17";
+                       version == "v1.15" || version == "v1.16" || version == "v1.17" ||
+                       version == "v1.18";
     const Message event = read("StreamEvent");
     const StreamEvent* e = event.as<StreamEvent>();
     EXPECT_EQ(e->finish().has_value(), typed);

@@ -8,6 +8,7 @@
 #include <map>
 #include <set>
 
+#include <algorithm>
 #include <cmath>
 #include <memory>
 #include <numeric>
@@ -376,6 +377,26 @@ TEST(Generator, StopsAtStopTokensAndMaxTokensAndReturnsBlocks) {
   EXPECT_EQ((*both_limits)[0].tokens, tokens);
   EXPECT_EQ((*both_limits)[0].finish_reason, FinishReason::kStop);
   request.sampling.max_tokens = 9;
+
+  // min_tokens 4: the stop token is not drawn among the first four tokens (greedy takes the next
+  // best where it was the best), so the answer is the same up to its first place and at least
+  // five tokens long, ending at the stop token or at max_tokens.
+  request.sampling.min_tokens = 4;
+  auto held = generator.generate({request});
+  ASSERT_TRUE(held.ok());
+  const std::vector<int32_t>& free = (*first)[0].tokens;
+  const std::vector<int32_t>& held_tokens = (*held)[0].tokens;
+  const int32_t stop = free[2];
+  const auto first_stop =
+      static_cast<size_t>(std::find(free.begin(), free.end(), stop) - free.begin());
+  ASSERT_GE(held_tokens.size(), 5u);
+  for (size_t i = 0; i < first_stop; ++i) EXPECT_EQ(held_tokens[i], free[i]) << i;
+  for (size_t i = 0; i < 4; ++i) EXPECT_NE(held_tokens[i], stop) << i;
+  if (held_tokens.size() < 9u) {
+    EXPECT_EQ(held_tokens.back(), stop);
+    EXPECT_EQ((*held)[0].finish_reason, FinishReason::kStop);
+  }
+  request.sampling.min_tokens = 0;
 
   // Batched generation gives each request what it gets alone.
   GenerationRequest other{

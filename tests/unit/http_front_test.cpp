@@ -83,10 +83,12 @@ TEST(StopMatcher, TheEarliestOfSeveralStopStringsWinsAndNothingFollows) {
 
 // What a completion with `stops` returns when its whole text is `text`: generation ends as soon
 // as any stop string is complete, so the text is cut where the first one to complete starts (of
-// several completing at the same character, the longest), and whether one did.
+// several completing at the same character, the longest), and whether one did. No stop string
+// may end within the first `shielded` bytes (min_tokens' text).
 std::pair<std::string, bool> cut_at_first_stop(const std::string& text,
-                                               const std::vector<std::string>& stops) {
-  for (size_t end = 1; end <= text.size(); ++end) {
+                                               const std::vector<std::string>& stops,
+                                               size_t shielded = 0) {
+  for (size_t end = shielded + 1; end <= text.size(); ++end) {
     size_t start = std::string::npos;
     for (const std::string& stop : stops)
       if (!stop.empty() && stop.size() <= end &&
@@ -119,6 +121,38 @@ TEST(StopMatcher, SeveralStopStringsAgreeWithTheWholeTextUnderEverySplit) {
           EXPECT_EQ(stopped, want_stopped) << text << " split at " << i << ", " << j;
         }
     }
+}
+
+// vLLM's min_tokens: a stop string counts only where it ends past the text of the first
+// min_tokens tokens (it may begin inside it), for every min_tokens and stop set, the text fed a
+// token at a time as the events bring it.
+TEST(StopMatcher, MinTokensShieldsTheFirstTokensText) {
+  const std::vector<std::string> tokens = {"a", "b", "END", "c", "EN", "D", "bE", "ND"};
+  const std::vector<std::vector<std::string>> stop_sets = {{"END"}, {"bE", "D"}, {"Dc"}, {"x"}};
+  std::string whole;
+  for (const std::string& token : tokens) whole += token;
+  for (const auto& stops : stop_sets) {
+    for (int64_t min_tokens = 0; min_tokens <= static_cast<int64_t>(tokens.size()); ++min_tokens) {
+      SCOPED_TRACE(stops[0] + " min_tokens " + std::to_string(min_tokens));
+      size_t shielded = 0;
+      for (int64_t i = 0; i < min_tokens; ++i) shielded += tokens[static_cast<size_t>(i)].size();
+      StopMatcher matcher(stops, {}, false, min_tokens);
+      std::string out;
+      for (size_t i = 0; i < tokens.size(); ++i)
+        out += matcher.feed(tokens[i], static_cast<int64_t>(i + 1));
+      out += matcher.flush();
+      const auto [want, stopped] = cut_at_first_stop(whole, stops, shielded);
+      EXPECT_EQ(out, want);
+      EXPECT_EQ(matcher.stopped(), stopped);
+    }
+  }
+  // "END" in the first three tokens' text is passed over; the one that ends in token 6 stops it.
+  StopMatcher matcher({"END"}, {}, false, 3);
+  std::string out;
+  for (size_t i = 0; i < tokens.size(); ++i)
+    out += matcher.feed(tokens[i], static_cast<int64_t>(i + 1));
+  EXPECT_EQ(out, "abENDc");
+  EXPECT_EQ(matcher.matched(), "END");
 }
 
 TEST(StopMatcher, NoStopStringsPassEverythingThrough) {
@@ -163,8 +197,9 @@ TEST(OpenAiRequest, ReadsEveryField) {
     "user": "u", "chat_template_kwargs": {"enable_thinking": false}, "unknown": [1, {"x": 2}],
     "min_p": 0.05, "presence_penalty": -1.5, "frequency_penalty": 2, "repetition_penalty": 1.1,
     "logprobs": true, "top_logprobs": 4, "stop_token_ids": [7, 0],
-    "include_stop_str_in_output": true})");
+    "include_stop_str_in_output": true, "min_tokens": 7})");
   EXPECT_EQ(r.stop_token_ids, (std::vector<int32_t>{7, 0}));
+  EXPECT_EQ(r.min_tokens, 7);
   EXPECT_TRUE(r.include_stop_str_in_output);
   ASSERT_EQ(r.messages.size(), 6u);
   EXPECT_EQ(r.messages[1].content, "ab");
@@ -358,6 +393,13 @@ TEST(OpenAiRequest, WrongTypesAndValuesNameTheirParameter) {
       {Endpoint::kCompletions, R"({"prompt": "p", "stop_token_ids": ["5"]})", "stop_token_ids"},
       {Endpoint::kCompletions, R"({"prompt": "p", "include_stop_str_in_output": 1})",
        "include_stop_str_in_output"},
+      {Endpoint::kCompletions, R"({"prompt": "p", "min_tokens": -1})", "min_tokens"},
+      {Endpoint::kCompletions, R"({"prompt": "p", "min_tokens": 2.5})", "min_tokens"},
+      {Endpoint::kCompletions, R"({"prompt": "p", "max_tokens": 4, "min_tokens": 5})",
+       "min_tokens"},
+      {Endpoint::kChat,
+       R"({"messages": [{"role": "user", "content": "x"}], "max_completion_tokens": 2, "min_tokens": 3})",
+       "min_tokens"},
       {Endpoint::kCompletions, R"({"prompt": 5})", "prompt"},
       {Endpoint::kCompletions,
        R"({"prompt": ["a", "b", "c", "d", "e", "f", "g", "h", "i", "j", "k", "l", "m", "n", "o", "p", "q"]})",

@@ -185,6 +185,9 @@ TEST(Sampling, InvalidParametersAreRejectedWithTheirName) {
   EXPECT_NE(stops_message({-1}).find("stop_token_ids"), std::string::npos);
   EXPECT_NE(stops_message(std::vector<int32_t>(kMaxStopTokenIds + 1, 2)).find("at most"),
             std::string::npos);
+  EXPECT_NE(message({.max_tokens = 4, .min_tokens = 5}).find("min_tokens"), std::string::npos);
+  EXPECT_NE(message({.min_tokens = -1}).find("min_tokens"), std::string::npos);
+  EXPECT_EQ(message({.max_tokens = 4, .min_tokens = 4}), "");
   EXPECT_EQ(message({.min_p = 0.1,
                      .presence_penalty = -2,
                      .frequency_penalty = 2,
@@ -249,6 +252,48 @@ TEST(Sampling, ResumingDrawsWhatOneSamplerWouldHave) {
   resumed.resume(std::span(&first, 1));
   for (int i = 0; i < 32; ++i)
     EXPECT_EQ(whole.sample(kLogits.data(), 6), resumed.sample(kLogits.data(), 6)) << i;
+}
+
+// vLLM's min_tokens: the end tokens (the model's end-of-sequence ids unless ignored, and the stop
+// token ids) are never drawn before min_tokens tokens are out, and are drawn as before after.
+TEST(Sampling, MinTokensHoldsTheEndTokensBack) {
+  // Token 1 (3.0) is the best, 5 (2.9) the next, then 2 (2.5): 1 is the end of sequence, 5 a stop.
+  const std::vector<int32_t> eos = {1};
+  auto greedy = [&](SamplingParams params, std::span<const int32_t> resumed, int draws) {
+    Sampler sampler(params);
+    sampler.hold_end_tokens(eos);
+    sampler.resume(resumed);
+    std::vector<int32_t> out;
+    for (int i = 0; i < draws; ++i) out.push_back(sampler.sample(kLogits.data(), 6));
+    return out;
+  };
+  const SamplingParams held{.max_tokens = 8, .stop_token_ids = {5}, .min_tokens = 3};
+  EXPECT_EQ(greedy(held, {}, 4), (std::vector<int32_t>{2, 2, 2, 1}));
+  // Resumed after two tokens another process drew: one more is held.
+  const std::vector<int32_t> two = {2, 2};
+  EXPECT_EQ(greedy(held, two, 2), (std::vector<int32_t>{2, 1}));
+  // ignore_eos: the end of sequence is no end, so only the stop token is held.
+  SamplingParams ignored = held;
+  ignored.ignore_eos = true;
+  EXPECT_EQ(greedy(ignored, {}, 2), (std::vector<int32_t>{1, 1}));
+  // No min_tokens: nothing held.
+  EXPECT_EQ(greedy({.stop_token_ids = {5}}, {}, 1), (std::vector<int32_t>{1}));
+
+  // At a temperature: no end token among the held draws, both among the free ones.
+  SamplingParams hot = held;
+  hot.temperature = 1.0;
+  hot.seed = 3;
+  hot.max_tokens = hot.min_tokens = 2000;
+  Sampler sampler(hot);
+  sampler.hold_end_tokens(eos);
+  std::map<int32_t, int> counts;
+  for (int i = 0; i < 2000; ++i) ++counts[sampler.sample(kLogits.data(), 6)];
+  EXPECT_EQ(counts[1] + counts[5], 0);
+  EXPECT_GT(counts[2], 0);
+  counts.clear();
+  for (int i = 0; i < 200; ++i) ++counts[sampler.sample(kLogits.data(), 6)];
+  EXPECT_GT(counts[1], 0);
+  EXPECT_GT(counts[5], 0);
 }
 
 TEST(Sampling, MinPDropsUnlikelyTokens) {

@@ -54,7 +54,7 @@ __all__ = [
 # Must match schemas/wire.h: a peer of another major is refused, a newer minor is read as far as
 # this code knows (fields are only ever added).
 SCHEMA_MAJOR = 1
-SCHEMA_MINOR = 17  # schema 1.17 (1.9: typed reuse level, approximate outcome and finish reason; 1.10 and 1.14 changed only stage-to-stage messages; 1.11: StreamEventBatch; 1.12-1.16: logit_bias, prompt_logprobs, structured output, reasoning; 1.17: skip_special_tokens); a client of any 1.x speaks to any 1.x gateway
+SCHEMA_MINOR = 18  # schema 1.18 (1.9: typed reuse level, approximate outcome and finish reason; 1.10 and 1.14 changed only stage-to-stage messages; 1.11: StreamEventBatch; 1.12-1.16: logit_bias, prompt_logprobs, structured output, reasoning; 1.17: skip_special_tokens; 1.18: min_tokens); a client of any 1.x speaks to any 1.x gateway
 MAGIC = b"MOEL"
 _HEADER = struct.Struct("<4sHHHHI")
 if _HEADER.size != 16:  # the wire header is 16 bytes (an explicit check: asserts vanish under -O)
@@ -194,7 +194,7 @@ def encode_generate(client_request_id: int, prompt: Optional[str] = None,
                     prompt_logprobs: bool = False,
                     json_schema: Optional[Union[dict, bool, str]] = None,
                     json_object: bool = False, reasoning: str = "",
-                    skip_special_tokens: bool = True,
+                    skip_special_tokens: bool = True, min_tokens: int = 0,
                     batch_events: bool = False) -> List[bytes]:
     """A GenerateRequest, framed. The keywords are those of Client.start/stream/generate.
 
@@ -216,6 +216,8 @@ def encode_generate(client_request_id: int, prompt: Optional[str] = None,
     reasoning: with json_schema or json_object, on a model that thinks in <think> blocks: the
     grammar holds after the block the answer may open ("may-open") or that the prompt opened
     ("open"), any text up to "</think>"; "" or "none": from the first token.
+    min_tokens: vLLM's: no end-of-sequence or stop token before this many tokens (0..max_tokens;
+    schema 1.18, an older gateway ignores it).
     batch_events: the reader takes StreamEventBatch messages (schema 1.11), so the gateway may send
     this request's events together with those of the connection's other requests (Client does).
     """
@@ -278,6 +280,8 @@ def encode_generate(client_request_id: int, prompt: Optional[str] = None,
         _sampling.AddStructured(b, _StructuredOutput.JsonObject)
     if blocks[reasoning] is not None:
         _sampling.AddReasoning(b, blocks[reasoning])
+    if min_tokens:  # schema 1.18
+        _sampling.AddMinTokens(b, int(min_tokens))
     sampling_off = _sampling.End(b)
     _generate.Start(b)
     _generate.AddClientRequestId(b, client_request_id)
