@@ -554,6 +554,79 @@ std::optional<ApiError> read_response_format(const json& body, const std::string
   return std::nullopt;
 }
 
+// A schema as vLLM's guided decoding takes it: an object (or true/false), or its JSON text; its
+// text in its own key order (the answer's property order) is written to out.json_schema.
+std::optional<ApiError> read_guided_schema(const nlohmann::ordered_json& schema,
+                                           const std::string& param, CompletionRequest& out) {
+  nlohmann::ordered_json parsed = schema;
+  if (schema.is_string()) {
+    parsed = nlohmann::ordered_json::parse(schema.get<std::string>(), nullptr,
+                                           /*allow_exceptions=*/false);
+    if (parsed.is_discarded())
+      return invalid_field(param, "'" + param + "' is a string that is not JSON");
+  }
+  if (!(parsed.is_object() || parsed.is_boolean()))
+    return invalid_field(param, "'" + param + "' must be a JSON Schema (an object or its text)");
+  out.structured = sdk::StructuredOutput::kJsonSchema;
+  out.json_schema = parsed.dump();
+  if (auto grammar = model::JsonGrammar::compile(out.json_schema); !grammar)
+    return invalid_field(param, grammar.error().message);
+  return std::nullopt;
+}
+
+// vLLM's guided decoding: its older fields (guided_json, guided_regex, guided_choice,
+// guided_grammar, structural_tag) and its newer object (structured_outputs: json, json_object,
+// regex, choice, grammar, structural_tag). A JSON schema or object is served as response_format
+// is; the other kinds are refused rather than ignored (the answer would not be what was asked).
+// One kind per request, response_format included, as vLLM requires. Backend and whitespace
+// options (guided_decoding_backend, disable_any_whitespace, ...) change no answer's meaning and
+// are ignored.
+std::optional<ApiError> read_guided(const json& body, const std::string& text,
+                                    CompletionRequest& out) {
+  struct Kind {
+    std::string param;
+    const json* value;
+  };
+  std::vector<Kind> kinds;
+  for (const char* key : {"guided_json", "guided_regex", "guided_choice", "guided_grammar"})
+    if (present(body, key)) kinds.push_back({key, &body[key]});
+  const json* outputs = present(body, "structured_outputs") ? &body["structured_outputs"] : nullptr;
+  if (outputs) {
+    if (!outputs->is_object()) return wrong_type("structured_outputs", *outputs, "an object");
+    for (const char* key : {"json", "regex", "choice", "grammar", "structural_tag"})
+      if (present(*outputs, key))
+        kinds.push_back({std::string("structured_outputs.") + key, &(*outputs)[key]});
+    if (present(*outputs, "json_object")) {
+      const json& flag = (*outputs)["json_object"];
+      if (!flag.is_boolean())
+        return wrong_type("structured_outputs.json_object", flag, "a boolean");
+      if (flag.get<bool>()) kinds.push_back({"structured_outputs.json_object", &flag});
+    }
+  }
+  if (present(body, "structural_tag")) kinds.push_back({"structural_tag", &body["structural_tag"]});
+  if (kinds.empty()) return std::nullopt;
+  if (kinds.size() > 1 || out.structured != sdk::StructuredOutput::kNone)
+    return invalid_field(kinds.back().param,
+                         "only one kind of structured output per request: '" + kinds.back().param +
+                             "' with " +
+                             (kinds.size() > 1 ? "'" + kinds.front().param + "'"
+                                               : std::string("'response_format'")));
+  const Kind& kind = kinds.front();
+  if (kind.param == "structured_outputs.json_object") {
+    out.structured = sdk::StructuredOutput::kJsonObject;
+    return std::nullopt;
+  }
+  if (kind.param != "guided_json" && kind.param != "structured_outputs.json")
+    return unsupported_field(kind.param, kind.param +
+                                             " (structured output here is JSON: guided_json, "
+                                             "structured_outputs.json or response_format)");
+  // The schema's own key order, from the body's text.
+  const auto ordered = nlohmann::ordered_json::parse(text, nullptr, /*allow_exceptions=*/false);
+  const nlohmann::ordered_json& schema =
+      kind.param == "guided_json" ? ordered["guided_json"] : ordered["structured_outputs"]["json"];
+  return read_guided_schema(schema, kind.param, out);
+}
+
 std::variant<json, ApiError> parse_object(const std::string& body) {
   // Parts of the body (tools, a schema) are written back as text, which recurses.
   if (model::json_text_depth(body) > kMaxBodyNesting)
@@ -591,6 +664,7 @@ std::optional<ApiError> read_all(Endpoint endpoint, const json& body, const std:
     return unsupported_field("prompt", "more than one prompt on /generate");
   if (auto error = refuse_unserved(body, out.n)) return error;
   if (auto error = read_response_format(body, text, out)) return error;
+  if (auto error = read_guided(body, text, out)) return error;
   if (auto error = read_sampling(body, out)) return error;
   if (auto error = read_penalties(body, out)) return error;
   if (auto error = read_logit_bias(body, out)) return error;

@@ -758,11 +758,13 @@ def check_structured_output(args, stack):
                             "temperature": 0})
     check(status == 200, f"the unconstrained answer: {status} {body}")
     levels = []
+    greedy = None
     for temperature, seed in ((0.0, None), (0.7, 5)):
         flags = ["--json-schema", schema_file, "--temperature", str(temperature)]
         if seed is not None:
             flags += ["--seed", str(seed)]
         ref = run_chat(args, "volcano", 80, flags)
+        greedy = greedy or ref
         request = {"messages": [{"role": "user", "content": "volcano"}], "max_tokens": 80,
                    "temperature": temperature, "response_format": format_}
         if seed is not None:
@@ -798,13 +800,29 @@ def check_structured_output(args, stack):
     check(text.lstrip().startswith("{"), f"json_object: {text!r}")
     if body["choices"][0]["finish_reason"] == "stop":
         check(isinstance(json.loads(text), dict), f"json_object: {text!r}")
+    # vLLM's guided decoding fields: the same grammar, the same answer; the kinds that are not JSON
+    # are refused, as is a second kind in one request.
+    volcano = {"messages": [{"role": "user", "content": "volcano"}], "max_tokens": 80,
+               "temperature": 0}
+    for field in ({"guided_json": STRUCTURED_SCHEMA},
+                  {"structured_outputs": {"json": json.dumps(STRUCTURED_SCHEMA)}}):
+        status, body, _ = post(stack, "/v1/chat/completions", {**volcano, **field})
+        check(status == 200 and body["choices"][0]["message"]["content"] == greedy["text"],
+              f"{list(field)[0]}: {status} {body} want {greedy['text']!r}")
+    error_is(post(stack, "/v1/chat/completions", {**volcano, "guided_choice": ["yes", "no"]}),
+             400, "guided_choice", what="guided_choice")
+    error_is(post(stack, "/v1/chat/completions",
+                  {**volcano, "guided_json": STRUCTURED_SCHEMA,
+                   "response_format": {"type": "json_object"}}),
+             400, "guided_json", what="guided_json with response_format")
     bad = dict(format_, json_schema={"schema": {"type": "string", "pattern": "^a"}})
     error_is(post(stack, "/v1/chat/completions",
                   {"messages": [{"role": "user", "content": "x"}], "response_format": bad}), 400,
              "response_format.json_schema.schema", what="a schema with pattern")
     print("ok api: response_format json_schema as moeline run --json-schema computes it (greedy "
-          "and seeded, streamed and not), n=2 answers valid for jsonschema, json_object, and a "
-          "schema outside the subset refused by keyword")
+          "and seeded, streamed and not), and vLLM's guided_json and structured_outputs.json "
+          "alike; n=2 answers valid for jsonschema, json_object; guided_choice and two kinds in "
+          "one request refused; a schema outside the subset refused by keyword")
 
 
 def check_echo(args, stack):

@@ -350,6 +350,31 @@ TEST(OpenAiRequest, DefaultsAreOpenAis) {
   EXPECT_EQ(schema.json_schema,
             R"({"type":"object","properties":{"z":{"type":"integer"},"a":{"type":"string"}},)"
             R"("required":["z","a"]})");
+  // vLLM's guided decoding: guided_json (an object or its text) and structured_outputs.json as
+  // json_schema, in the schema's own key order; structured_outputs.json_object as json_object.
+  const std::string schema_text =
+      R"({"type":"object","properties":{"z":{"type":"integer"},"a":{"type":"string"}},)"
+      R"("required":["z","a"]})";
+  for (const std::string& field :
+       {R"("guided_json": )" + schema_text,
+        R"("guided_json": )" + nlohmann::json(schema_text).dump(),
+        R"("structured_outputs": {"json": )" + schema_text + "}",
+        R"("structured_outputs": {"json": )" + nlohmann::json(schema_text).dump() +
+            R"(, "disable_any_whitespace": true})",
+        R"("guided_json": )" + schema_text + R"(, "guided_decoding_backend": "xgrammar")"}) {
+    const CompletionRequest guided =
+        request_of(Endpoint::kCompletions, R"({"prompt": "p", )" + field + "}");
+    EXPECT_EQ(guided.structured, sdk::StructuredOutput::kJsonSchema) << field;
+    EXPECT_EQ(guided.json_schema, schema_text) << field;
+  }
+  EXPECT_EQ(request_of(Endpoint::kCompletions,
+                       R"({"prompt": "p", "structured_outputs": {"json_object": true}})")
+                .structured,
+            sdk::StructuredOutput::kJsonObject);
+  EXPECT_EQ(request_of(Endpoint::kCompletions,
+                       R"({"prompt": "p", "structured_outputs": {"json_object": false}})")
+                .structured,
+            sdk::StructuredOutput::kNone);
   // Echo (completions): the prompt before the completion, with logprobs N its tokens' too.
   const CompletionRequest echoed =
       request_of(Endpoint::kCompletions, R"({"prompt": "p", "echo": true, "logprobs": 2})");
@@ -469,6 +494,25 @@ TEST(OpenAiRequest, WrongTypesAndValuesNameTheirParameter) {
        "functions"},
       {Endpoint::kChat, R"({"messages": [{"role": "user"}], "response_format": "json"})",
        "response_format"},
+      {Endpoint::kCompletions, R"({"prompt": "p", "guided_regex": "a+"})", "guided_regex"},
+      {Endpoint::kCompletions, R"({"prompt": "p", "guided_choice": ["a", "b"]})", "guided_choice"},
+      {Endpoint::kCompletions, R"({"prompt": "p", "guided_grammar": "root ::= x"})",
+       "guided_grammar"},
+      {Endpoint::kCompletions, R"({"prompt": "p", "structured_outputs": {"choice": ["a"]}})",
+       "structured_outputs.choice"},
+      {Endpoint::kCompletions, R"({"prompt": "p", "structured_outputs": 3})", "structured_outputs"},
+      {Endpoint::kCompletions, R"({"prompt": "p", "structured_outputs": {"json_object": 1}})",
+       "structured_outputs.json_object"},
+      {Endpoint::kCompletions, R"({"prompt": "p", "guided_json": 5})", "guided_json"},
+      {Endpoint::kCompletions, R"({"prompt": "p", "guided_json": "{not json"})", "guided_json"},
+      {Endpoint::kCompletions,
+       R"({"prompt": "p", "guided_json": {"type": "string", "pattern": "a+"}})", "guided_json"},
+      {Endpoint::kCompletions,
+       R"({"prompt": "p", "guided_json": {"type": "object"}, "guided_choice": ["a"]})",
+       "guided_choice"},
+      {Endpoint::kCompletions,
+       R"({"prompt": "p", "guided_json": {}, "response_format": {"type": "json_object"}})",
+       "guided_json"},
       {Endpoint::kChat, R"({"messages": [{"role": "user"}], "response_format": {}})",
        "response_format.type"},
       {Endpoint::kChat, R"({"messages": [{"role": "user"}], "response_format": {"type": "regex"}})",
