@@ -3,6 +3,8 @@
 #include <string_view>
 #include <utility>
 
+#include "stages/http/stop_matcher.h"
+
 namespace moeline::stages::http {
 namespace {
 
@@ -258,7 +260,14 @@ std::variant<MessagesRequest, ApiError> translate(const json& body, MessagesUse 
       const json& stops = body["stop_sequences"];
       if (!stops.is_array())
         return invalid_field("stop_sequences", "'stop_sequences' must be a list of strings");
-      if (stops.size() > 4) return invalid_field("stop_sequences", "at most 4 stop_sequences");
+      if (stops.size() > kMaxStopStrings)
+        return invalid_field("stop_sequences",
+                             "at most " + std::to_string(kMaxStopStrings) + " stop_sequences");
+      for (const json& stop : stops)
+        if (!stop.is_string() || stop.get_ref<const std::string&>().size() > kMaxStopStringBytes)
+          return invalid_field("stop_sequences", "'stop_sequences' must be strings of at most " +
+                                                     std::to_string(kMaxStopStringBytes) +
+                                                     " bytes");
       chat["stop"] = stops;
     }
     if (body.contains("metadata") && body["metadata"].is_object() &&

@@ -7,6 +7,7 @@
 
 #include "model/json_grammar.h"
 #include "model/sampling.h"
+#include "stages/http/stop_matcher.h"
 
 namespace moeline::stages::http {
 
@@ -273,15 +274,24 @@ std::optional<ApiError> read_stop(const json& body, std::vector<std::string>& ou
   if (!body.contains("stop") || body["stop"].is_null()) return std::nullopt;
   const json& stop = body["stop"];
   if (stop.is_string()) {
+    if (stop.get_ref<const std::string&>().size() > kMaxStopStringBytes)
+      return invalid_field(
+          "stop", "a stop sequence is at most " + std::to_string(kMaxStopStringBytes) + " bytes");
     out.push_back(stop.get<std::string>());
     return std::nullopt;
   }
   if (!stop.is_array()) return wrong_type("stop", stop, "a string or an array of strings");
-  if (stop.size() > 4) return invalid_field("stop", "at most 4 stop sequences");
+  // vLLM takes more than OpenAI's 4 (evaluation harnesses send 5 or more).
+  if (stop.size() > kMaxStopStrings)
+    return invalid_field("stop", "at most " + std::to_string(kMaxStopStrings) + " stop sequences");
   for (const json& s : stop) {
     if (!s.is_string()) return wrong_type("stop", s, "a string");
     out.push_back(s.get<std::string>());
   }
+  for (const std::string& s : out)
+    if (s.size() > kMaxStopStringBytes)
+      return invalid_field(
+          "stop", "a stop sequence is at most " + std::to_string(kMaxStopStringBytes) + " bytes");
   return std::nullopt;
 }
 

@@ -7,51 +7,66 @@ namespace moeline::stages::http {
 StopMatcher::StopMatcher(std::vector<std::string> stops, std::vector<int32_t> stop_tokens,
                          bool include_stop, int64_t min_tokens)
     : stop_tokens_(std::move(stop_tokens)), include_stop_(include_stop), min_tokens_(min_tokens) {
-  for (std::string& stop : stops)
-    if (!stop.empty()) stops_.push_back(std::move(stop));
+  for (std::string& text : stops) {
+    if (text.empty()) continue;
+    Stop stop{std::move(text), {}, 0};
+    stop.border.assign(stop.text.size(), 0);
+    for (size_t i = 1, k = 0; i < stop.text.size(); ++i) {
+      while (k > 0 && stop.text[i] != stop.text[k]) k = stop.border[k - 1];
+      if (stop.text[i] == stop.text[k]) ++k;
+      stop.border[i] = static_cast<uint32_t>(k);
+    }
+    stops_.push_back(std::move(stop));
+  }
 }
 
 bool StopMatcher::stop_token(int32_t token) const {
   return std::find(stop_tokens_.begin(), stop_tokens_.end(), token) != stop_tokens_.end();
 }
 
+void StopMatcher::advance(Stop& stop, char byte) const {
+  size_t k = stop.state;
+  if (k == stop.text.size()) k = stop.border[k - 1];  // a match passed over: its overlaps go on
+  while (k > 0 && stop.text[k] != byte) k = stop.border[k - 1];
+  if (stop.text[k] == byte) ++k;
+  stop.state = k;
+}
+
 std::string StopMatcher::feed(const std::string& delta, int64_t tokens) {
   if (stopped_) return {};
+  const size_t start = fed_;
   pending_ += delta;
-  if (tokens <= min_tokens_) shielded_ = pending_.size();
-  // The earliest stop string wins (as the text would have been cut there).
-  size_t cut = std::string::npos;
-  const std::string* earliest = nullptr;
-  for (const std::string& stop : stops_) {
-    // A match must end past the shielded text: it begins at shielded_ - size + 1 or later.
-    const size_t from = shielded_ >= stop.size() ? shielded_ - stop.size() + 1 : 0;
-    const size_t at = pending_.find(stop, from);
-    if (at < cut) {
-      cut = at;
-      earliest = &stop;
+  fed_ += delta.size();
+  if (tokens <= min_tokens_) shielded_ = fed_;
+  for (size_t i = 0; i < delta.size(); ++i) {
+    const size_t end = start + i + 1;  // where a stop string completed by this byte ends
+    const Stop* completed = nullptr;
+    for (Stop& stop : stops_) {
+      advance(stop, delta[i]);
+      if (stop.state == stop.text.size() && end > shielded_ &&
+          (completed == nullptr || stop.text.size() > completed->text.size()))
+        completed = &stop;
     }
-  }
-  if (cut != std::string::npos) {
-    stopped_ = true;
-    matched_ = *earliest;
-    std::string out = pending_.substr(0, cut + (include_stop_ ? matched_.size() : 0));
-    pending_.clear();
-    return out;
+    if (completed != nullptr) {
+      stopped_ = true;
+      matched_ = completed->text;
+      // What is held back is the longest unfinished match, so the stop string begins in pending_.
+      const size_t begin = std::max(end - completed->text.size(), pending_from_);
+      const size_t keep = begin - pending_from_ + (include_stop_ ? completed->text.size() : 0);
+      std::string out = pending_.substr(0, keep);
+      pending_.clear();
+      return out;
+    }
   }
   // Hold back the longest tail that is a proper prefix of some stop string.
   size_t hold = 0;
-  for (const std::string& stop : stops_) {
-    const size_t longest = std::min(stop.size() - 1, pending_.size());
-    for (size_t n = longest; n > hold; --n) {
-      if (pending_.compare(pending_.size() - n, n, stop, 0, n) == 0) {
-        hold = n;
-        break;
-      }
-    }
-  }
-  std::string out = pending_.substr(0, pending_.size() - hold);
-  pending_.erase(0, pending_.size() - hold);
-  shielded_ -= std::min(shielded_, out.size());
+  for (const Stop& stop : stops_)  // (a match passed over in min_tokens' text holds its border)
+    hold = std::max<size_t>(
+        hold, stop.state == stop.text.size() ? stop.border[stop.state - 1] : stop.state);
+  const size_t release = pending_.size() - std::min(hold, pending_.size());
+  std::string out = pending_.substr(0, release);
+  pending_.erase(0, release);
+  pending_from_ += release;
   return out;
 }
 
@@ -59,6 +74,7 @@ std::string StopMatcher::flush() {
   if (stopped_) return {};
   std::string out;
   out.swap(pending_);
+  pending_from_ = fed_;
   return out;
 }
 

@@ -101,11 +101,11 @@ std::pair<std::string, bool> cut_at_first_stop(const std::string& text,
 
 TEST(StopMatcher, SeveralStopStringsAgreeWithTheWholeTextUnderEverySplit) {
   // Stop strings that overlap one another's starts and ends, so that what one holds back is
-  // longer or shorter than what another would: every split into three deltas gives what cutting
-  // the whole text at the first stop string to complete gives. (None is inside another: where one
-  // is, which of two stops first can depend on how the text is split into tokens.)
+  // longer or shorter than what another would, and stop strings inside others: every split into
+  // three deltas gives what cutting the whole text at the first stop string to complete gives.
   const std::vector<std::vector<std::string>> stop_sets = {
-      {"abc", "bz"}, {"bz", "abc"}, {"abx", "bcq", "cy"}, {"ca", "ab"}, {"aab", "bb"}};
+      {"abc", "bz"}, {"bz", "abc"},  {"abx", "bcq", "cy"}, {"ca", "ab"},
+      {"aab", "bb"}, {"abcy", "bc"}, {"bc", "zabc"},       {"aba", "bab", "b"}};
   const std::vector<std::string> texts = {"xabc",   "xxabzq", "aaab",    "xabcyz",
                                           "abcabq", "zzabcq", "abababx", "no stop here"};
   for (const auto& stops : stop_sets)
@@ -213,6 +213,10 @@ TEST(OpenAiRequest, ReadsEveryField) {
   EXPECT_EQ(r.top_k, 5);
   EXPECT_EQ(r.seed, static_cast<uint64_t>(-3));
   EXPECT_EQ(r.stop, (std::vector<std::string>{"x", "y"}));
+  // More than OpenAI's four stop strings, as vLLM takes them (evaluation harnesses send five).
+  EXPECT_EQ(request_of(Endpoint::kCompletions, R"({"prompt": "p", "stop": ["a","b","c","d","e"]})")
+                .stop.size(),
+            5u);
   EXPECT_TRUE(r.stream && r.include_usage);
   EXPECT_EQ(r.user, "u");
   EXPECT_EQ(r.chat.enable_thinking, false);
@@ -396,7 +400,7 @@ TEST(OpenAiRequest, DefaultsAreOpenAis) {
 TEST(OpenAiRequest, WrongTypesAndValuesNameTheirParameter) {
   struct Case {
     Endpoint endpoint;
-    const char* body;
+    std::string body;
     const char* param;
   };
   const Case cases[] = {
@@ -443,7 +447,16 @@ TEST(OpenAiRequest, WrongTypesAndValuesNameTheirParameter) {
       {Endpoint::kCompletions, R"({"prompt": "p", "top_p": -0.1})", "top_p"},
       {Endpoint::kCompletions, R"({"prompt": "p", "seed": "s"})", "seed"},
       {Endpoint::kCompletions, R"({"prompt": "p", "stop": [1]})", "stop"},
-      {Endpoint::kCompletions, R"({"prompt": "p", "stop": ["a","b","c","d","e"]})", "stop"},
+      {Endpoint::kCompletions,
+       R"({"prompt": "p", "stop": )" +
+           nlohmann::json(std::vector<std::string>(kMaxStopStrings + 1, "s")).dump() + "}",
+       "stop"},
+      {Endpoint::kCompletions,
+       R"({"prompt": "p", "stop": ")" + std::string(kMaxStopStringBytes + 1, 's') + R"("})",
+       "stop"},
+      {Endpoint::kCompletions,
+       R"({"prompt": "p", "stop": ["a", ")" + std::string(kMaxStopStringBytes + 1, 's') + R"("]})",
+       "stop"},
       {Endpoint::kCompletions, R"({"prompt": "p", "stream": 1})", "stream"},
       {Endpoint::kCompletions, R"({"prompt": "p", "stream_options": {"include_usage": true}})",
        "stream_options"},

@@ -130,8 +130,13 @@ TEST(MessagesApi, WhatCannotBeServedIsRefusedByName) {
             "tool_choice.type"},
            {R"({"model": "m", "max_tokens": 5, "thinking": {"type": "on"}, )" + user + "}",
             "thinking.type"},
-           {R"({"model": "m", "max_tokens": 5, "stop_sequences": ["a", "b", "c", "d", "e"], )" +
-                user + "}",
+           {R"({"model": "m", "max_tokens": 5, "stop_sequences": )" +
+                json(std::vector<std::string>(kMaxStopStrings + 1, "s")).dump() + ", " + user + "}",
+            "stop_sequences"},
+           {R"({"model": "m", "max_tokens": 5, "stop_sequences": [")" +
+                std::string(kMaxStopStringBytes + 1, 's') + R"("], )" + user + "}",
+            "stop_sequences"},
+           {R"({"model": "m", "max_tokens": 5, "stop_sequences": [5], )" + user + "}",
             "stop_sequences"},
            {R"({"model": "m", "max_tokens": 5, "mcp_servers": [{"url": "u"}], )" + user + "}",
             "mcp_servers"},
