@@ -257,6 +257,25 @@ Expected<ChatTemplate> ChatTemplate::load(const std::string& path) {
 Expected<std::string> ChatTemplate::render(const std::vector<ChatMessage>& messages,
                                            const ChatOptions& options) const {
   if (messages.empty()) return Error{"a chat needs at least one message"};
+  if (options.continue_final_message) {
+    // As transformers does it: the whole chat rendered, then cut after the final message's
+    // content (its last occurrence), whatever the template writes around it.
+    const std::string& final_content = messages.back().content;
+    if (strip(final_content, " \t\r\n").empty())
+      return Error{"continue_final_message needs a final message with content to continue"};
+    ChatOptions closed = options;
+    closed.continue_final_message = false;
+    closed.add_generation_prompt = false;
+    auto rendered = render(messages, closed);
+    if (!rendered) return rendered;
+    for (const std::string& needle : {final_content, strip(final_content, " \t\r\n")}) {
+      const size_t at = rendered->rfind(needle);
+      if (at != std::string::npos) return rendered->substr(0, at + needle.size());
+    }
+    return Error{
+        "continue_final_message: the final message's content does not appear in the chat the "
+        "template renders"};
+  }
   if (tool_use_ && !options.tools_json.empty()) return tool_use_->render(messages, options);
   if (format_ != Format::kJinja) {
     const bool calls = std::any_of(messages.begin(), messages.end(),

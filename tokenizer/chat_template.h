@@ -52,6 +52,12 @@ struct ChatMessage {
 
 struct ChatOptions {
   bool add_generation_prompt = true;
+  // vLLM's and transformers' continue_final_message: the chat ends inside the final message,
+  // which the model continues (an assistant's answer begun for it, as Anthropic's prefill): it
+  // is rendered without the generation prompt and cut after the final message's content. The
+  // content must be non-empty and appear in the rendered chat (stripped of surrounding
+  // whitespace if not as it is).
+  bool continue_final_message = false;
   std::optional<bool> enable_thinking;  // qwen3 only; unset = the template's default
   // The tools a request offers: a JSON array of OpenAI tool definitions, as its body gave them
   // (empty: none). A Jinja template gets them as `tools`; the built-in formats refuse them.

@@ -196,6 +196,15 @@ ReasoningStart reasoning_start(const CompletionRequest& request, const Backend& 
                                const sdk::GenerateOptions& options) {
   if (request.endpoint != Endpoint::kChat || !backend.reads_reasoning || !backend.chat)
     return ReasoningStart::kOff;
+  // A continued message goes on where it stopped: inside a block it opened and did not close,
+  // or in its answer.
+  if (request.chat.continue_final_message) {
+    const size_t open = options.prompt.rfind(kThinkOpen);
+    const size_t close = options.prompt.rfind(kThinkClose);
+    return open != std::string::npos && (close == std::string::npos || open > close)
+               ? ReasoningStart::kOpen
+               : ReasoningStart::kOff;
+  }
   if (prompt_opens_reasoning(options.prompt)) return ReasoningStart::kOpen;
   if (prompt_closes_reasoning(options.prompt)) return ReasoningStart::kOff;
   return backend.chat->writes_reasoning() ? ReasoningStart::kAtStart : ReasoningStart::kOff;

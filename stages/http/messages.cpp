@@ -1,5 +1,6 @@
 #include "stages/http/messages.h"
 
+#include <cctype>
 #include <string_view>
 #include <utility>
 
@@ -231,6 +232,17 @@ std::variant<MessagesRequest, ApiError> translate(const json& body, MessagesUse 
     messages.push_back({{"role", "system"}, {"content", std::get<std::string>(system)}});
   }
   if (auto error = add_messages(body, messages)) return *error;
+  // A final assistant turn with text is the start of the answer, which the model continues
+  // (Anthropic's prefill); like Anthropic, its text may not end in whitespace.
+  const json& last = messages.back();
+  if (last["role"] == "assistant" && !last.contains("tool_calls") &&
+      !last["content"].get_ref<const std::string&>().empty()) {
+    const std::string& text = last["content"].get_ref<const std::string&>();
+    if (std::isspace(static_cast<unsigned char>(text.back())))
+      return invalid_field("messages",
+                           "final assistant content cannot end with trailing whitespace");
+    chat["continue_final_message"] = true;
+  }
   chat["messages"] = std::move(messages);
   if (!body.contains("model")) return invalid_field("model", "'model' is required");
   chat["model"] = body["model"];

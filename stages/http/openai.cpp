@@ -500,6 +500,17 @@ std::optional<ApiError> read_stream(const json& body, CompletionRequest& out) {
 std::optional<ApiError> read_chat_options(const json& body, CompletionRequest& out) {
   if (auto error = read_bool(body, "add_generation_prompt", out.chat.add_generation_prompt))
     return error;
+  // vLLM's: the model continues the final message (an assistant's answer begun for it). Only
+  // an explicit add_generation_prompt true conflicts with it, as vLLM checks.
+  if (auto error = read_bool(body, "continue_final_message", out.chat.continue_final_message))
+    return error;
+  if (out.chat.continue_final_message) {
+    if (present(body, "add_generation_prompt") && out.chat.add_generation_prompt)
+      return invalid_field("continue_final_message",
+                           "'continue_final_message' and 'add_generation_prompt' cannot both be "
+                           "true");
+    out.chat.add_generation_prompt = false;
+  }
   if (!body.contains("chat_template_kwargs") || body["chat_template_kwargs"].is_null())
     return std::nullopt;
   const json& kwargs = body["chat_template_kwargs"];

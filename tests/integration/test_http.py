@@ -389,6 +389,7 @@ def case_api(args):
         check_tokenize(args, stack)
         check_responses(stack)
         check_messages(stack)
+        check_continued_message(args, stack)
 
         # A client that disconnects mid-stream: its request is cancelled in the pipeline.
         def disconnect_mid_stream(try_number):
@@ -502,6 +503,46 @@ def named_events(stack, path, body, headers=None):
         events.append((data["type"], data))
     conn.close()
     return events
+
+
+def check_continued_message(args, stack):
+    """vLLM's continue_final_message and Anthropic's prefill: the prompt ends inside the final
+    assistant message (vLLM's /tokenize with the same fields: its text ends with the message's
+    content), and the answer is what /v1/completions gives for those token ids, by chat and by
+    /v1/messages; continue_final_message with add_generation_prompt true, and a prefill that
+    ends in whitespace, are 400s."""
+    messages = [{"role": "user", "content": "to swim:"}, {"role": "assistant", "content": "The"}]
+    status, tokenized, _ = post(stack, "/tokenize",
+                                {"messages": messages, "continue_final_message": True})
+    check(status == 200, f"/tokenize continue_final_message: {status} {tokenized}")
+    ids = tokenized["tokens"]
+    check(detokenize(args, ids).endswith("The"),
+          f"the continued prompt {detokenize(args, ids)!r} must end with the message")
+    status, body, _ = post(stack, "/v1/completions",
+                           {"prompt": ids, "max_tokens": 10, "temperature": 0})
+    check(status == 200, f"the continued prompt's completion: {status} {body}")
+    want = body["choices"][0]["text"]
+    status, body, _ = post(stack, "/v1/chat/completions",
+                           {"messages": messages, "continue_final_message": True,
+                            "max_tokens": 10, "temperature": 0})
+    got = body["choices"][0]["message"]["content"] if status == 200 else None
+    check(got == want, f"continue_final_message: {status} {body} want {want!r}")
+    model = body["model"]
+    status, body, _ = post(stack, "/v1/messages",
+                           {"model": model, "max_tokens": 10, "temperature": 0,
+                            "messages": messages})
+    text = "".join(b.get("text", "") for b in body.get("content", []))
+    check(status == 200 and text == want, f"/v1/messages prefill: {status} {body} want {want!r}")
+    error_is(post(stack, "/v1/chat/completions",
+                  {"messages": messages, "continue_final_message": True,
+                   "add_generation_prompt": True}),
+             400, "continue_final_message", what="continue_final_message with a generation prompt")
+    status, body, _ = post(stack, "/v1/messages",
+                           {"model": model, "max_tokens": 10,
+                            "messages": [messages[0], {"role": "assistant", "content": "The "}]})
+    check(status == 400 and body["type"] == "error", f"a prefill ending in a space: {status} {body}")
+    print(f"ok api: continue_final_message and the Messages API's prefill continue 'The' with "
+          f"{want!r}, as the completion of /tokenize's ids; the conflicts are 400s")
 
 
 def check_messages(stack):

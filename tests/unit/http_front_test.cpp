@@ -228,6 +228,18 @@ TEST(OpenAiRequest, ReadsEveryField) {
   EXPECT_EQ(nlohmann::json::parse(kwargs.chat.template_kwargs_json),
             nlohmann::json::parse(R"({"thinking": true, "reasoning_effort": "low"})"));
   EXPECT_EQ(kwargs.chat.enable_thinking, true);
+  // vLLM's continue_final_message: no generation prompt then, unless it is asked for too (a 400).
+  const CompletionRequest continued = request_of(Endpoint::kChat, R"({"messages": [{"role":
+      "user", "content": "x"}, {"role": "assistant", "content": "y"}],
+      "continue_final_message": true})");
+  EXPECT_TRUE(continued.chat.continue_final_message);
+  EXPECT_FALSE(continued.chat.add_generation_prompt);
+  EXPECT_FALSE(r.chat.continue_final_message);
+  EXPECT_TRUE(r.chat.add_generation_prompt);
+  EXPECT_EQ(error_of(Endpoint::kChat, R"({"messages": [{"role": "user", "content": "x"}],
+      "continue_final_message": true, "add_generation_prompt": true})")
+                .param,
+            "continue_final_message");
   EXPECT_DOUBLE_EQ(r.min_p, 0.05);
   EXPECT_DOUBLE_EQ(r.presence_penalty, -1.5);
   EXPECT_DOUBLE_EQ(r.frequency_penalty, 2);

@@ -83,6 +83,11 @@ TEST(MessagesApi, ContentBlocksBecomeTheChatMessages) {
   EXPECT_EQ(chat["top_k"], 5);
   EXPECT_EQ(chat["user"], "u1");
   EXPECT_EQ(chat["stream_options"]["continuous_usage_stats"], true);
+  // The final assistant turn is the answer's start, which the model continues (the prefill).
+  EXPECT_EQ(chat["continue_final_message"], true);
+  EXPECT_FALSE(chat_of(R"({"model": "m", "max_tokens": 1, "messages": [{"role": "user",
+      "content": "x"}]})")
+                   .contains("continue_final_message"));
   // The chat request it becomes is one the chat parser takes.
   EXPECT_TRUE(
       std::holds_alternative<CompletionRequest>(parse_request(Endpoint::kChat, chat.dump())));
@@ -138,6 +143,9 @@ TEST(MessagesApi, WhatCannotBeServedIsRefusedByName) {
             "stop_sequences"},
            {R"({"model": "m", "max_tokens": 5, "stop_sequences": [5], )" + user + "}",
             "stop_sequences"},
+           {R"({"model": "m", "max_tokens": 5, "messages": [{"role": "user", "content": "x"},
+               {"role": "assistant", "content": "Sure, "}]})",
+            "messages"},
            {R"({"model": "m", "max_tokens": 5, "mcp_servers": [{"url": "u"}], )" + user + "}",
             "mcp_servers"},
            {R"({"model": "m", "max_tokens": 5, "stream": "yes", )" + user + "}", ""},

@@ -261,6 +261,41 @@ TEST(ChatTemplate, BuiltInFormatsAreTheFallbackAndRefuseUnknownRoles) {
   EXPECT_EQ(qwen3.tool_call_format(), ToolCallFormat::kNone);
 }
 
+// continue_final_message (vLLM's and transformers'): the chat rendered without the generation
+// prompt and cut after the final message's content, in every format; an empty final message, or
+// one the template does not write as it is (trimmed here), is an error, not a prompt that ends
+// after the turn.
+TEST(ChatTemplate, ContinuingTheFinalMessageEndsThePromptInsideIt) {
+  const ChatOptions continued{.add_generation_prompt = false, .continue_final_message = true};
+  const std::vector<ChatMessage> begun = {{"user", "hi"}, {"assistant", "Well, "}};
+  auto chatml = ChatTemplate::builtin(ChatTemplate::Format::kChatML, "", "<|im_end|>");
+  EXPECT_EQ(*chatml.render(begun, continued),
+            "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\nWell, ");
+  auto qwen3 = ChatTemplate::builtin(ChatTemplate::Format::kQwen3, "", "<|im_end|>");
+  EXPECT_EQ(*qwen3.render(begun, continued),
+            "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n<think>\n\n</think>\n\nWell, ");
+  auto mistral = ChatTemplate::builtin(ChatTemplate::Format::kMistral, "<s>", "</s>");
+  EXPECT_EQ(*mistral.render(begun, continued), "<s>[INST] hi [/INST]Well, ");
+  auto jinja = ChatTemplate::from_template(
+      "{% for m in messages %}<{{ m.role }}>{{ m.content | trim }}</{{ m.role }}>{% endfor %}"
+      "{% if add_generation_prompt %}<assistant>{% endif %}",
+      "", "");
+  ASSERT_TRUE(jinja.ok());
+  // The template trims "Well, ": the trimmed content is found instead.
+  EXPECT_EQ(*jinja->render(begun, continued), "<user>hi</user><assistant>Well,");
+  // The content's last occurrence: an earlier turn with the same words is not where it ends.
+  EXPECT_EQ(*jinja->render({{"user", "ok"}, {"assistant", "ok"}}, continued),
+            "<user>ok</user><assistant>ok");
+  const auto empty = chatml.render({{"user", "hi"}, {"assistant", " "}}, continued);
+  ASSERT_FALSE(empty.ok());
+  EXPECT_NE(empty.error().message.find("continue_final_message"), std::string::npos);
+  auto dropping = ChatTemplate::from_template(
+      "{% for m in messages %}{% if m.role == 'user' %}{{ m.content }}{% endif %}{% endfor %}", "",
+      "");
+  ASSERT_TRUE(dropping.ok());
+  EXPECT_FALSE(dropping->render(begun, continued).ok());
+}
+
 // A Jinja template gets the tools, the calls (their arguments as objects where they are JSON,
 // as vLLM passes them) and the tool turns' ids; a template that writes <tool_call> blocks says so.
 TEST(ChatTemplate, ToolsAndCallsReachAJinjaTemplate) {
