@@ -975,6 +975,18 @@ MUTANTS = [
          new="    hold = std::min<size_t>(",
          why="the tail that may begin a stop string is let out before the next delta decides",
          tests=r"^StopMatcher\..*$"),
+    dict(name="continued-message-closed", file="tokenizer/chat_template.cpp",
+         old="      if (at != std::string::npos) return rendered->substr(0, at + needle.size());",
+         new="      if (at != std::string::npos) return *rendered;",
+         why="continue_final_message renders the final message's turn closed: the model starts "
+             "after it instead of continuing it",
+         tests=r"^(ChatTemplate\..*|stack_http_api)$"),
+    dict(name="anthropic-prefill-answered-anew", file="stages/http/messages.cpp",
+         old="    chat[\"continue_final_message\"] = true;",
+         new="    chat[\"continue_final_message\"] = false;",
+         why="a Messages request's final assistant text is answered as a closed turn, not "
+             "continued",
+         tests=r"^(MessagesApi\..*|stack_http_api)$"),
     dict(name="min-tokens-not-held", file="model/sampling.cpp",
          old="const bool hold_end = drawn_ < params_.min_tokens && !held_.empty();",
          new="const bool hold_end = drawn_ < 0 && !held_.empty();",
