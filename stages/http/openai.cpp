@@ -157,6 +157,11 @@ std::optional<ApiError> read_tool_fields(const json& message, const std::string&
     if (function.contains("arguments") && !function["arguments"].is_null()) {
       const json& arguments = function["arguments"];
       parsed.arguments = arguments.is_string() ? arguments.get<std::string>() : arguments.dump();
+      // Text escapes the body's nesting limit, and the template is given it parsed.
+      if (model::json_text_depth(parsed.arguments) > kMaxBodyNesting)
+        return invalid_field(
+            call_at + ".function.arguments",
+            "the arguments are nested more than " + std::to_string(kMaxBodyNesting) + " deep");
     } else {
       parsed.arguments = "{}";
     }
@@ -581,6 +586,10 @@ std::optional<ApiError> read_guided_schema(const nlohmann::ordered_json& schema,
                                            const std::string& param, CompletionRequest& out) {
   nlohmann::ordered_json parsed = schema;
   if (schema.is_string()) {
+    // Text inside the body escapes the body's nesting limit: it is written back, which recurses.
+    if (model::json_text_depth(schema.get_ref<const std::string&>()) > kMaxBodyNesting)
+      return invalid_field(param, "'" + param + "' is nested more than " +
+                                      std::to_string(kMaxBodyNesting) + " deep");
     parsed = nlohmann::ordered_json::parse(schema.get<std::string>(), nullptr,
                                            /*allow_exceptions=*/false);
     if (parsed.is_discarded())

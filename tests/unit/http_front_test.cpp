@@ -531,6 +531,14 @@ TEST(OpenAiRequest, WrongTypesAndValuesNameTheirParameter) {
       {Endpoint::kCompletions, R"({"prompt": "p", "guided_json": 5})", "guided_json"},
       {Endpoint::kCompletions, R"({"prompt": "p", "guided_json": "{not json"})", "guided_json"},
       {Endpoint::kCompletions,
+       R"({"prompt": "p", "guided_json": ")" + std::string(100000, '[') + R"("})", "guided_json"},
+      // Arguments given as text are parsed for the template, which writes them back recursively.
+      {Endpoint::kChat,
+       R"({"messages": [{"role": "assistant", "tool_calls": [{"function": {"name": "f",
+           "arguments": ")" +
+           std::string(100000, '[') + R"("}}]}]})",
+       "messages[0].tool_calls[0].function.arguments"},
+      {Endpoint::kCompletions,
        R"({"prompt": "p", "guided_json": {"type": "string", "pattern": "a+"}})", "guided_json"},
       {Endpoint::kCompletions,
        R"({"prompt": "p", "guided_json": {"type": "object"}, "guided_choice": ["a"]})",
