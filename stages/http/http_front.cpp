@@ -700,7 +700,8 @@ class HttpFront {
     if (api_request.echo) completion.text = http::echo_text(api_request, backend) + completion.text;
     if (api_request.logprobs) {
       size_t offset = 0;  // the prompt's entries first, where echoed
-      const http::LogprobsWriter writer(endpoint, *backend.tokenizer);
+      const http::LogprobsWriter writer(endpoint, *backend.tokenizer,
+                                        api_request.return_tokens_as_token_ids);
       json echoed = api_request.echo
                         ? writer.prompt_object(outcome.prompt_ids, outcome.prompt_logprobs, offset)
                         : json(nullptr);

@@ -22,6 +22,10 @@ std::string LogprobsWriter::text_of(int32_t id) const {
   return text ? std::move(*text) : std::string();
 }
 
+std::string LogprobsWriter::label_of(int32_t id, const std::string& text) const {
+  return tokens_as_ids_ ? "token_id:" + std::to_string(id) : text;
+}
+
 std::string LogprobsWriter::bytes_of(int32_t id, const std::string& text) const {
   // Only a replaced text can hide part of a character: the rest need no second look.
   if (text.find("\xEF\xBF\xBD") == std::string::npos) return text;
@@ -31,9 +35,10 @@ std::string LogprobsWriter::bytes_of(int32_t id, const std::string& text) const 
 
 json LogprobsWriter::chat_entry(int32_t id, float logprob) const {
   const std::string text = text_of(id);
+  const std::string label = label_of(id, text);
   json bytes = json::array();
-  for (unsigned char byte : bytes_of(id, text)) bytes.push_back(byte);
-  return {{"token", text}, {"logprob", logprob}, {"bytes", std::move(bytes)}};
+  for (unsigned char byte : tokens_as_ids_ ? label : bytes_of(id, text)) bytes.push_back(byte);
+  return {{"token", label}, {"logprob", logprob}, {"bytes", std::move(bytes)}};
 }
 
 json LogprobsWriter::object(std::span<const int32_t> ids,
@@ -58,7 +63,8 @@ json LogprobsWriter::object(std::span<const int32_t> ids,
 void LogprobsWriter::add_entry(json& object, int32_t id, const sdk::TokenLogprob* logprob,
                                size_t& offset) const {
   const std::string text = text_of(id);
-  object["tokens"].push_back(text);
+  const std::string label = label_of(id, text);
+  object["tokens"].push_back(label);
   if (logprob == nullptr) {
     object["token_logprobs"].push_back(nullptr);
     object["top_logprobs"].push_back(nullptr);
@@ -66,8 +72,9 @@ void LogprobsWriter::add_entry(json& object, int32_t id, const sdk::TokenLogprob
     object["token_logprobs"].push_back(logprob->logprob);
     // The alternatives, and the chosen token among them (as vLLM and OpenAI list it).
     json top = json::object();
-    for (const auto& [alternative, value] : logprob->top) top.emplace(text_of(alternative), value);
-    top.emplace(text, logprob->logprob);
+    for (const auto& [alternative, value] : logprob->top)
+      top.emplace(label_of(alternative, text_of(alternative)), value);
+    top.emplace(label, logprob->logprob);
     object["top_logprobs"].push_back(std::move(top));
   }
   object["text_offset"].push_back(offset);

@@ -4,7 +4,9 @@
 // "refusal": null}) and the completions shape ({"tokens", "token_logprobs", "top_logprobs":
 // [{token: logprob}], "text_offset"}). A token's text is its own bytes as the tokenizer decodes
 // it alone ("bytes" has them exactly; "token" is that text with any incomplete UTF-8 character
-// replaced, as the response is JSON).
+// replaced, as the response is JSON). With vLLM's return_tokens_as_token_ids, "token" (and the
+// keys of the completions shape) is "token_id:N", and "bytes" that string's, as vLLM gives them;
+// text_offset still counts the text.
 
 #include <cstddef>
 #include <cstdint>
@@ -21,8 +23,9 @@ namespace moeline::stages::http {
 
 class LogprobsWriter {
  public:
-  LogprobsWriter(Endpoint endpoint, const tokenizer::Tokenizer& tokenizer)
-      : endpoint_(endpoint), tokenizer_(&tokenizer) {}
+  LogprobsWriter(Endpoint endpoint, const tokenizer::Tokenizer& tokenizer,
+                 bool tokens_as_ids = false)
+      : endpoint_(endpoint), tokenizer_(&tokenizer), tokens_as_ids_(tokens_as_ids) {}
   // The logprobs object of these tokens (one log-probability each); the completions shape's
   // text_offset counts characters from `offset`, which moves past their text.
   nlohmann::json object(std::span<const int32_t> ids, std::span<const sdk::TokenLogprob> logprobs,
@@ -36,6 +39,8 @@ class LogprobsWriter {
 
  private:
   std::string text_of(int32_t id) const;
+  // What names the token: its text, or "token_id:N".
+  std::string label_of(int32_t id, const std::string& text) const;
   // The token's own bytes: its text (text_of), or the part of a character it stands for where
   // that text is U+FFFD in its place.
   std::string bytes_of(int32_t id, const std::string& text) const;
@@ -47,6 +52,7 @@ class LogprobsWriter {
 
   Endpoint endpoint_;
   const tokenizer::Tokenizer* tokenizer_;
+  bool tokens_as_ids_ = false;
 };
 
 }  // namespace moeline::stages::http

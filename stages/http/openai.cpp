@@ -421,7 +421,7 @@ std::optional<ApiError> read_logprobs(Endpoint endpoint, const json& body, Compl
         endpoint == Endpoint::kChat ? "top_logprobs" : "logprobs",
         "at most " + std::to_string(model::kMaxTopLogprobs) + " log-probabilities");
   out.top_logprobs = top.value_or(0);
-  return std::nullopt;
+  return read_bool(body, "return_tokens_as_token_ids", out.return_tokens_as_token_ids);
 }
 
 // {"token id": bias in [-100, 100], ...}, as OpenAI takes it (the ids as the object's keys).

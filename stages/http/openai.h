@@ -80,6 +80,9 @@ struct CompletionRequest {
   // Chat: logprobs true and top_logprobs 0..20; completions: logprobs N (0..20) alternatives.
   bool logprobs = false;
   int64_t top_logprobs = 0;
+  // vLLM's: the log-probabilities name each token "token_id:N" (a token whose bytes are not
+  // text, or a client that wants the ids) instead of by its text.
+  bool return_tokens_as_token_ids = false;
   // Completions: the prompt's text before the completion's, and with logprobs the prompt tokens'
   // log-probabilities before the completion's (the first token's null), as OpenAI's echo.
   bool echo = false;

@@ -26,7 +26,8 @@ TokenStream::TokenStream(Endpoint endpoint, const CompletionRequest& request,
       token_events_(endpoint, *completion_),
       token_delay_(token_delay),
       write_failures_(write_failures) {
-  if (request.logprobs) logprobs_.emplace(endpoint, *backend.tokenizer);
+  if (request.logprobs)
+    logprobs_.emplace(endpoint, *backend.tokenizer, request.return_tokens_as_token_ids);
   if (request.echo) echo_ = echo_text(request, backend);
   score_only_ = request.score_only();
   if (endpoint == Endpoint::kChat && reasoning != ReasoningStart::kOff) {

@@ -1104,6 +1104,16 @@ def check_logprobs_and_penalties(args, stack):
               abs(max(alternatives.values()) - theirs["top"][0][1]) <= LOGPROB_ATOL,
               f"step {step} top_logprobs {alternatives} != {theirs['top']}")
     check(len(logprobs["token_logprobs"]) == len(want["ids"]), "one log-probability per token")
+    # vLLM's return_tokens_as_token_ids: the same entries named by the ids moeline run gave.
+    status, as_ids, _ = post(stack, "/v1/completions", {**body, "return_tokens_as_token_ids": True})
+    named = as_ids["choices"][0]["logprobs"] if status == 200 else {}
+    check(named.get("tokens") == [f"token_id:{i}" for i in want["ids"]] and
+          named["token_logprobs"] == logprobs["token_logprobs"] and
+          named["text_offset"] == offsets and
+          all(key.startswith("token_id:") and len(top) == len(theirs)
+              for top, theirs in zip(named["top_logprobs"], logprobs["top_logprobs"])
+              for key in top),
+          f"return_tokens_as_token_ids: {status} {named} want ids {want['ids']}")
     # Sampled, where the chosen token is often not the most likely: it is still listed among the
     # alternatives, with its own log-probability, beside the most likely one.
     status, response, _ = post(stack, "/v1/completions",
@@ -1138,7 +1148,18 @@ def check_logprobs_and_penalties(args, stack):
     check(done and [e["token"] for e in streamed] == [e["token"] for e in content] and all(
           abs(a["logprob"] - b["logprob"]) <= LOGPROB_ATOL for a, b in zip(streamed, content)),
           f"streamed chat logprobs {streamed} != {content}")
-    print("ok api: chat logprobs (token, logprob, bytes, top_logprobs), the same streamed")
+    status, as_ids, _ = post(stack, "/v1/chat/completions",
+                             {**chat, "return_tokens_as_token_ids": True})
+    named = as_ids["choices"][0]["logprobs"]["content"] if status == 200 else []
+    check(len(named) == len(content) and all(
+          entry["token"].startswith("token_id:") and
+          bytes(entry["bytes"]).decode() == entry["token"] and
+          entry["logprob"] == plain_entry["logprob"] and
+          all(top["token"].startswith("token_id:") for top in entry["top_logprobs"])
+          for entry, plain_entry in zip(named, content)),
+          f"chat return_tokens_as_token_ids: {status} {named}")
+    print("ok api: chat logprobs (token, logprob, bytes, top_logprobs), the same streamed; "
+          "return_tokens_as_token_ids names the tokens by id, completions and chat")
 
 
 def case_auth(args):
