@@ -248,20 +248,27 @@ bool StreamedResponse::write(httplib::DataSink& sink, std::chrono::milliseconds 
         break;
       }
       // Nothing written for a while (a tool call or a stop string held back, a slow step): no
-      // write fails to tell that the client left, so look.
-      Clock::time_point last_write = Clock::time_point::min();
-      for (const Choice& choice : choices_)
-        last_write = std::max(last_write, choice.tokens->last_write());
-      if (Clock::now() - last_write >= keep_alive &&
+      // write fails to tell that the client left, so look, before any keep-alive goes out (one
+      // written into a closed connection would end the stream as a failed write instead).
+      const auto last_write = [this] {
+        Clock::time_point last = Clock::time_point::min();
+        for (const Choice& choice : choices_) last = std::max(last, choice.tokens->last_write());
+        return last;
+      };
+      if (Clock::now() - last_write() < ClientLink::kCheckInterval) continue;
+      lock.unlock();
+      const bool gone = client.gone();
+      lock.lock();
+      if (gone) {
+        client_gone_ = stopped_ = true;
+        break;
+      }
+      if (over()) break;
+      if (Clock::now() - last_write() >= keep_alive &&
           !choices_.front().tokens->send(sink, ": keep-alive\n\n")) {
         stopped_ = true;  // the failed write marked the client gone
         break;
       }
-      if (Clock::now() - last_write < ClientLink::kCheckInterval) continue;
-      lock.unlock();
-      const bool gone = client.gone();
-      lock.lock();
-      if (gone) client_gone_ = stopped_ = true;
     }
   }
   // Detached: no consumer is called after this (those still attached belong to choices that

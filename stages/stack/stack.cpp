@@ -141,10 +141,12 @@ int health(int port, std::string* body = nullptr) {
 
 class Supervisor {
  public:
-  Supervisor(fs::path run_dir, std::vector<StageProcess> stages, nlohmann::json access)
+  Supervisor(fs::path run_dir, std::vector<StageProcess> stages, nlohmann::json access,
+             std::chrono::seconds stall_silence)
       : run_dir_(std::move(run_dir)),
         stages_(std::move(stages)),
         access_(std::move(access)),
+        stall_silence_(stall_silence),
         log_("stack", "supervisor") {}
 
   int run() {
@@ -199,7 +201,8 @@ class Supervisor {
   }
 
   // A stage whose loop stalled (past its watchdog) or that stopped updating its liveness file
-  // (SIGSTOP, a wedged process) for three checks in a row is killed; waitpid then restarts it.
+  // (SIGSTOP, a wedged process) for longer than --stall-silence-s, three checks a second apart in
+  // a row, is killed; waitpid then restarts it.
   // The check reads "<name>.port.alive" in the run directory (mode 0700), not the HTTP port: a
   // port any local user can fill with slow connections must not get a healthy stage killed. A
   // stage without the file yet is still starting (loading its model) and is left alone.
@@ -215,7 +218,7 @@ class Supervisor {
       const nlohmann::json state = nlohmann::json::parse(in, nullptr, false);
       const bool loop_stalled = state.is_object() && state.value("ready", false) &&
                                 state.value("loop_idle_ms", 0) > state.value("watchdog_ms", 30000);
-      const bool silent = age > std::chrono::seconds(2);
+      const bool silent = age > stall_silence_;
       const bool stalled = loop_stalled || silent;
       const int code = silent ? -1 : 503;
       stage.stalled_checks = stalled ? stage.stalled_checks + 1 : 0;
@@ -333,6 +336,7 @@ class Supervisor {
   std::vector<StageProcess> stages_;
   nlohmann::json last_targets_;
   nlohmann::json access_;  // endpoints, transport, keys: written into stack.json
+  std::chrono::seconds stall_silence_;
   runtime::Logger log_;
 };
 
@@ -380,6 +384,9 @@ int up(int argc, char** argv) {
       {"quant-math", "fast", "exact or fast"},
       {"bf16-math", "exact", "exact or fast"},
       {"timeout-s", "120", "seconds to wait for health"},
+      {"stall-silence-s", "2",
+       "a stage whose liveness file is older than this at three checks a second apart is killed "
+       "and restarted"},
       {"expert-budget", "", "host expert pool size"},
       {"device", "cpu", "where prefill and decode compute"},
       {"device-expert-budget", "", "GPU expert cache size"},
@@ -419,6 +426,10 @@ int up(int argc, char** argv) {
   if (probes < 1 || probes > 64) throw runtime::ConfigError("--probe must be in [1, 64]");
   if (!stage_config.empty() && !fs::exists(stage_config))
     throw runtime::ConfigError("config file " + stage_config + " does not exist");
+  const int64_t stall_silence_s = config.integer("stall-silence-s");
+  if (stall_silence_s < 1 || stall_silence_s > 3600)
+    throw runtime::ConfigError("--stall-silence-s must be 1 to 3600, got " +
+                               std::to_string(stall_silence_s));
   int threads = static_cast<int>(config.integer("threads"));
   if (threads <= 0)
     threads =
@@ -563,7 +574,9 @@ int up(int argc, char** argv) {
       ::dup2(fd, STDERR_FILENO);
     }
     std::ofstream(run_dir / "supervisor.pid") << ::getpid() << '\n';
-    ::_exit(Supervisor(run_dir, std::move(stages), access).run());
+    ::_exit(Supervisor(run_dir, std::move(stages), access,
+                       std::chrono::seconds(config.integer("stall-silence-s")))
+                .run());
   }
 
   const auto until = Clock::now() + std::chrono::seconds(config.integer("timeout-s"));

@@ -1730,15 +1730,17 @@ def send_raw(stack, body):
 
 def case_client_gone(args):
     """Requests whose clients leave while the pipeline is silent (a stage stopped with SIGSTOP)
-    are cancelled long before --request-timeout-s (2 s here) would end them; a stream that waits
+    are cancelled long before --request-timeout-s (5 s here) would end them; a stream that waits
     past --stream-head-s (1 s) for its first token gets its head and keep-alives; one silent past
-    the timeout ends with timeout_error. (Every stop stays under the gateway's 3 s heartbeat
-    timeout, which would take the stage for lost. That a stream that keeps producing outlives the
-    timeout is StreamedResponse.TheTimeoutBoundsEachWaitNotTheStream.)"""
-    timeout_s = 2
-    config = {"http": {"request-timeout-s": timeout_s, "stream-head-s": 1}}
+    the timeout ends with timeout_error. (The gateway's --peer-timeout-ms and the stack's
+    --stall-silence-s are 15 s here, past every stop, so that no stopped stage is taken for lost
+    or killed. That a stream that keeps producing outlives the timeout is
+    StreamedResponse.TheTimeoutBoundsEachWaitNotTheStream.)"""
+    timeout_s = 5
+    config = {"http": {"request-timeout-s": timeout_s, "stream-head-s": 1},
+              "gateway": {"peer-timeout-ms": 15000}}
     with Stack(args.moeline, args.model, os.path.join(args.workdir, "gone"), http_port=0,
-               config=config) as stack:
+               config=config, extra_args=["--stall-silence-s", "15"]) as stack:
         def disconnects():
             return stack.metric("http", "moeline_http_client_disconnects_total")
 
@@ -1751,16 +1753,24 @@ def case_client_gone(args):
             try:
                 sock = send_raw(stack, body)
                 if read_first:  # the stream's head and first token, then silence
-                    first = sock.recv(4096)
-                    check(b" 200 " in first.split(b"\r\n")[0], f"{label}: {first[:200]}")
+                    # Read whole: a close with data unread sends a reset, and the write that
+                    # meets it fails (a failed write, counted apart from a disconnect).
+                    head = read_until(sock, b"\r\n\r\n", f"{label}: closed before the head")
+                    check(b" 200 " in head.split(b"\r\n")[0], f"{label}: {head[:200]}")
+                    rest = read_until(sock, b"data: ", f"{label}: no first token",
+                                      head.split(b"\r\n\r\n", 1)[1])
+                    # The event, and the chunk's end after it.
+                    read_until(sock, b"\n\n\r\n", f"{label}: the first token cut",
+                               rest.split(b"data: ", 1)[1])
                 else:
                     time.sleep(0.3)
                 closed = time.time()
                 sock.close()
-                # Looked at every 0.5 s: seen well before the request timeout (2 s from the
-                # request, 1.7 s from the close) would end the request and see it then.
-                wait_for(lambda: disconnects() > before[0], 1.2,
-                         f"{label}: the client's leaving is not seen within 1.2 s")
+                # Looked at every 0.5 s: seen well before the request timeout (5 s from the
+                # request, 4.7 s from the close) would end the request and see it then; the bound
+                # leaves a loaded machine 2.5 s of lateness.
+                wait_for(lambda: disconnects() > before[0], 3.0,
+                         f"{label}: the client's leaving is not seen within 3 s")
                 seen_s = time.time() - closed
             finally:
                 os.kill(pid, signal.SIGCONT)
