@@ -83,6 +83,12 @@ Status SamplingParams::validate(int64_t vocab) const {
   if (min_tokens < 0 || min_tokens > max_tokens)
     return Error{"min_tokens must be in [0, max_tokens = " + std::to_string(max_tokens) +
                  "], got " + std::to_string(min_tokens)};
+  // A grammar ends the answer where the document is complete, which holding the end back would
+  // overrule (the answer would run on past its document).
+  if (min_tokens > 0 && structured != StructuredOutput::kNone)
+    return Error{
+        "min_tokens cannot be combined with structured output: the grammar decides where "
+        "the answer ends"};
   if (logit_bias.size() > kMaxLogitBias)
     return Error{"logit_bias may bias at most " + std::to_string(kMaxLogitBias) + " tokens, got " +
                  std::to_string(logit_bias.size())};

@@ -696,6 +696,10 @@ std::optional<ApiError> read_all(Endpoint endpoint, const json& body, const std:
   if (auto error = read_response_format(body, text, out)) return error;
   if (auto error = read_guided(body, text, out)) return error;
   if (auto error = read_sampling(body, out)) return error;
+  if (out.min_tokens > 0 && out.structured != sdk::StructuredOutput::kNone)
+    return invalid_field("min_tokens",
+                         "'min_tokens' cannot be combined with structured output: the grammar "
+                         "decides where the answer ends");
   if (auto error = read_penalties(body, out)) return error;
   if (auto error = read_logit_bias(body, out)) return error;
   if (endpoint != Endpoint::kGenerate)

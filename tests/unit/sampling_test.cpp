@@ -188,6 +188,9 @@ TEST(Sampling, InvalidParametersAreRejectedWithTheirName) {
   EXPECT_NE(message({.max_tokens = 4, .min_tokens = 5}).find("min_tokens"), std::string::npos);
   EXPECT_NE(message({.min_tokens = -1}).find("min_tokens"), std::string::npos);
   EXPECT_EQ(message({.max_tokens = 4, .min_tokens = 4}), "");
+  SamplingParams grammar{.max_tokens = 4, .min_tokens = 1};
+  grammar.structured = StructuredOutput::kJsonObject;
+  EXPECT_NE(message(grammar).find("min_tokens"), std::string::npos);
   EXPECT_EQ(message({.min_p = 0.1,
                      .presence_penalty = -2,
                      .frequency_penalty = 2,
