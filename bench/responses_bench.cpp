@@ -2,9 +2,12 @@
 // that writes every stream): the chat chunk written for one token (a few characters of text) by
 // the front's TokenStream, plain and with vLLM's continuous usage (which the Messages API asks
 // for: the usage in every chunk), and that chunk translated into the Responses event
-// (stages/http/responses.h) and into Anthropic's Messages event (stages/http/messages.h). Median
-// of 9 rounds of 20,000 tokens; one JSON line with the time per token and the bytes the client
-// gets per token.
+// (stages/http/responses.h) and into Anthropic's Messages event (stages/http/messages.h); and the
+// stop strings' matcher (stages/http/stop_matcher.h) over one token's text, with four ordinary
+// stop strings and at the request's bound, 64 stop strings of 4096 bytes that the text keeps
+// nearly matching (the matcher's worst case: every one holds back its longest partial match).
+// Median of 9 rounds of 20,000 tokens; one JSON line with the time per token and the bytes the
+// client gets per token.
 //
 //   moeline_responses_bench
 #include <algorithm>
@@ -19,6 +22,7 @@
 
 #include "stages/http/messages.h"
 #include "stages/http/responses.h"
+#include "stages/http/stop_matcher.h"
 #include "stages/http/token_stream.h"
 
 namespace {
@@ -104,6 +108,18 @@ Measured translated(const Request& request, bool with_usage) {
   });
 }
 
+// kTokens deltas through a StopMatcher with `stops`: token i's text is texts[i % size].
+Measured stop_matching(const std::vector<std::string>& stops,
+                       const std::vector<std::string>& texts) {
+  return measure([&](httplib::DataSink& sink) {
+    http::StopMatcher matcher(stops);
+    for (int i = 0; i < kTokens; ++i) {
+      const std::string out = matcher.feed(texts[static_cast<size_t>(i) % texts.size()]);
+      sink.write(out.data(), out.size());
+    }
+  });
+}
+
 }  // namespace
 
 int main() {
@@ -117,13 +133,21 @@ int main() {
   messages.id = "msg_0";
   messages.stream = true;
   const Measured as_messages = translated<http::MessagesStream>(messages, true);
+  std::vector<std::string> words;
+  for (int i = 0; i < 97; ++i) words.push_back(" word" + std::to_string(i));
+  const Measured ordinary_stops = stop_matching({"\n\nUser:", "</s>", "Question:", "###"}, words);
+  std::vector<std::string> longest;
+  for (size_t i = 0; i < http::kMaxStopStrings; ++i)
+    longest.push_back(std::string(http::kMaxStopStringBytes - 1, 'a') + static_cast<char>('0' + i));
+  const Measured bound_stops = stop_matching(longest, {"aaaaaa"});
   std::printf(
       "{\"tokens\": %d, \"chat_chunk_ns\": %.0f, \"chat_chunk_bytes\": %.0f, "
       "\"chat_chunk_with_usage_ns\": %.0f, \"chat_chunk_with_usage_bytes\": %.0f, "
       "\"responses_translation_ns\": %.0f, \"responses_event_bytes\": %.0f, "
-      "\"messages_translation_ns\": %.0f, \"messages_event_bytes\": %.0f}\n",
+      "\"messages_translation_ns\": %.0f, \"messages_event_bytes\": %.0f, "
+      "\"stop_strings_4_ns\": %.0f, \"stop_strings_64x4096_ns\": %.0f}\n",
       kTokens, plain.ns_per_token, plain.bytes_per_token, usage.ns_per_token, usage.bytes_per_token,
       as_responses.ns_per_token, as_responses.bytes_per_token, as_messages.ns_per_token,
-      as_messages.bytes_per_token);
+      as_messages.bytes_per_token, ordinary_stops.ns_per_token, bound_stops.ns_per_token);
   return 0;
 }

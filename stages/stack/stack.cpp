@@ -62,6 +62,9 @@ down     stop every stage and the supervisor
                     BF16 weights: exact (default; widened to F32) or fast (activations rounded
                     to BF16, the CPU's BF16 dot products where it has AVX512_BF16)
   --timeout-s S     how long `up` waits for the stack to be healthy (default 120)
+  --stall-silence-s S
+                    a stage whose liveness file goes unwritten longer than this (stopped,
+                    wedged) at three checks a second apart is killed and restarted (default 2)
   --expert-budget SIZE
                     keep the experts in one host pool of SIZE shared by every prefill and decode
                     process (a share of the experts, "25%", or a size, "512MiB"); experts are

@@ -761,6 +761,12 @@ def case_cli(args):
     check(out.returncode == 1 and "truncated or corrupt" in out.stderr,
           f"stack up on a corrupt checkpoint: {out.returncode} {out.stderr}")
     print("ok cli: stack up on a corrupt checkpoint fails at once with the stage's error")
+    out = subprocess.run([args.moeline, "stack", "up", "--model", args.model, "--run-dir",
+                          os.path.join(args.workdir, "no-patience"), "--http-port", "off",
+                          "--stall-silence-s", "0"], capture_output=True, text=True, timeout=60)
+    check(out.returncode != 0 and "--stall-silence-s must be 1 to 3600" in out.stderr,
+          f"stack up --stall-silence-s 0: {out.returncode} {out.stderr[-300:]}")
+    print("ok cli: a --stall-silence-s outside 1..3600 is refused")
 
 
 def case_reuse(args):
