@@ -789,7 +789,7 @@ MUTANTS = [
          why="with n > 1, cached_tokens adds every choice's reuse: larger than prompt_tokens",
          tests=r"^(OpenAiResponse\.ChatAndCompletionShapes|stack_http_api)$"),
     dict(name="completions-top-logprobs-omit-chosen", file="stages/http/logprobs.cpp",
-         old="    top.emplace(text, logprob->logprob);",
+         old="    top.emplace(label, logprob->logprob);",
          new="",
          why="completions' top_logprobs no longer list the chosen token (logprobs 0 gives {} entries)",
          tests=r"^stack_http_api$"),
