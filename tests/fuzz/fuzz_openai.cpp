@@ -27,6 +27,7 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   const std::string body(parts[0]);
   std::string tools_json;
   std::vector<std::string> stops = {"</s>", "\n\n"};
+  int64_t min_tokens = 0;
   if ((flags & 3) == 3) {
     (void)parse_tokenize(body);
     (void)parse_detokenize(body);
@@ -36,6 +37,7 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
     if (auto* request = std::get_if<CompletionRequest>(&parsed)) {
       tools_json = request->chat.tools_json;
       if (!request->stop.empty()) stops = request->stop;
+      min_tokens = request->min_tokens;
     } else {
       (void)std::get<ApiError>(parsed).body();
     }
@@ -73,12 +75,13 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   std::string whole;
   ReasoningStream reasoning(start);
   ToolCallHold held(tool_call_marker(format));
-  StopMatcher matcher(stops);
+  // A piece is one token's text here (min_tokens counts them).
+  StopMatcher matcher(stops, {}, (flags & 16) != 0, min_tokens);
   for (size_t i = 1; i < parts.size(); ++i) {
     const std::string piece(parts[i]);
     whole += piece;
     (void)held.feed(reasoning.feed(piece).content);
-    if (!matcher.stopped()) (void)matcher.feed(piece);
+    if (!matcher.stopped()) (void)matcher.feed(piece, static_cast<int64_t>(i));
   }
   (void)held.feed(reasoning.finish().content);
   (void)matcher.flush();

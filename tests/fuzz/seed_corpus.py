@@ -174,6 +174,17 @@ def openai_seeds():
                              "response_format": {"type": "json_schema", "json_schema": {
                                  "name": "n", "schema": {"type": "object"}}}})
     write("openai", "completion", framed(1, completion, "some text", " END more"))
+    # vLLM's fields: min_tokens beside five stop strings (one inside another), guided_json as
+    # text, continue_final_message, return_tokens_as_token_ids.
+    continued = json.dumps({"model": "m", "messages": [
+        {"role": "user", "content": "hi"}, {"role": "assistant", "content": "Sure"}],
+        "continue_final_message": True, "min_tokens": 2, "max_tokens": 8, "logprobs": True,
+        "return_tokens_as_token_ids": True, "stop": ["ab", "b", "END", "xEN", "\n\n"]})
+    write("openai", "chat-continued", framed(16, continued, "a", "b", "xE", "ND", "ab"))
+    guided = json.dumps({"prompt": "x", "max_tokens": 8, "guided_json": json.dumps(
+        {"type": "object", "properties": {"a": {"type": "integer"}}}),
+        "structured_outputs": {"disable_any_whitespace": True}})
+    write("openai", "completion-guided", framed(1, guided, "{\"a\": 1}"))
     write("openai", "generate", framed(2, json.dumps({"prompt": "x", "max_tokens": 4}), "y"))
     write("openai", "tokenize", framed(3, json.dumps({"prompt": "x", "tokens": [1, 2]})))
 
