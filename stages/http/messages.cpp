@@ -4,8 +4,6 @@
 #include <string_view>
 #include <utility>
 
-#include "stages/http/stop_matcher.h"
-
 namespace moeline::stages::http {
 namespace {
 
@@ -235,9 +233,8 @@ std::variant<MessagesRequest, ApiError> translate(const json& body, MessagesUse 
   // A final assistant turn with text is the start of the answer, which the model continues
   // (Anthropic's prefill); like Anthropic, its text may not end in whitespace.
   const json& last = messages.back();
-  if (last["role"] == "assistant" && !last.contains("tool_calls") &&
-      !last["content"].get_ref<const std::string&>().empty()) {
-    const std::string& text = last["content"].get_ref<const std::string&>();
+  const std::string& text = last["content"].get_ref<const std::string&>();
+  if (last["role"] == "assistant" && !last.contains("tool_calls") && !text.empty()) {
     if (std::isspace(static_cast<unsigned char>(text.back())))
       return invalid_field("messages",
                            "final assistant content cannot end with trailing whitespace");
@@ -272,14 +269,8 @@ std::variant<MessagesRequest, ApiError> translate(const json& body, MessagesUse 
       const json& stops = body["stop_sequences"];
       if (!stops.is_array())
         return invalid_field("stop_sequences", "'stop_sequences' must be a list of strings");
-      if (stops.size() > kMaxStopStrings)
-        return invalid_field("stop_sequences",
-                             "at most " + std::to_string(kMaxStopStrings) + " stop_sequences");
-      for (const json& stop : stops)
-        if (!stop.is_string() || stop.get_ref<const std::string&>().size() > kMaxStopStringBytes)
-          return invalid_field("stop_sequences", "'stop_sequences' must be strings of at most " +
-                                                     std::to_string(kMaxStopStringBytes) +
-                                                     " bytes");
+      std::vector<std::string> checked;
+      if (auto error = read_stop_strings(stops, "stop_sequences", checked)) return *error;
       chat["stop"] = stops;
     }
     if (body.contains("metadata") && body["metadata"].is_object() &&

@@ -30,6 +30,15 @@ namespace {
 
 constexpr size_t kMaxBodyNesting = 256;
 
+// JSON text nested past kMaxBodyNesting (the body, or JSON given as text inside it, which the
+// template and the grammar are given parsed and write back recursively): a 400 naming `param`.
+std::optional<ApiError> refuse_deep(std::string_view text, const std::string& param,
+                                    const std::string& what) {
+  if (model::json_text_depth(text) <= kMaxBodyNesting) return std::nullopt;
+  return invalid_field(param,
+                       what + " is nested more than " + std::to_string(kMaxBodyNesting) + " deep");
+}
+
 const char* type_name(const json& value) {
   switch (value.type()) {
     case json::value_t::null:
@@ -157,11 +166,9 @@ std::optional<ApiError> read_tool_fields(const json& message, const std::string&
     if (function.contains("arguments") && !function["arguments"].is_null()) {
       const json& arguments = function["arguments"];
       parsed.arguments = arguments.is_string() ? arguments.get<std::string>() : arguments.dump();
-      // Text escapes the body's nesting limit, and the template is given it parsed.
-      if (model::json_text_depth(parsed.arguments) > kMaxBodyNesting)
-        return invalid_field(
-            call_at + ".function.arguments",
-            "the arguments are nested more than " + std::to_string(kMaxBodyNesting) + " deep");
+      if (auto error =
+              refuse_deep(parsed.arguments, call_at + ".function.arguments", "the arguments"))
+        return error;
     } else {
       parsed.arguments = "{}";
     }
@@ -277,27 +284,7 @@ std::optional<ApiError> read_stop_token_ids(const json& body, std::vector<int32_
 
 std::optional<ApiError> read_stop(const json& body, std::vector<std::string>& out) {
   if (!body.contains("stop") || body["stop"].is_null()) return std::nullopt;
-  const json& stop = body["stop"];
-  if (stop.is_string()) {
-    if (stop.get_ref<const std::string&>().size() > kMaxStopStringBytes)
-      return invalid_field(
-          "stop", "a stop sequence is at most " + std::to_string(kMaxStopStringBytes) + " bytes");
-    out.push_back(stop.get<std::string>());
-    return std::nullopt;
-  }
-  if (!stop.is_array()) return wrong_type("stop", stop, "a string or an array of strings");
-  // vLLM takes more than OpenAI's 4 (evaluation harnesses send 5 or more).
-  if (stop.size() > kMaxStopStrings)
-    return invalid_field("stop", "at most " + std::to_string(kMaxStopStrings) + " stop sequences");
-  for (const json& s : stop) {
-    if (!s.is_string()) return wrong_type("stop", s, "a string");
-    out.push_back(s.get<std::string>());
-  }
-  for (const std::string& s : out)
-    if (s.size() > kMaxStopStringBytes)
-      return invalid_field(
-          "stop", "a stop sequence is at most " + std::to_string(kMaxStopStringBytes) + " bytes");
-  return std::nullopt;
+  return read_stop_strings(body["stop"], "stop", out);
 }
 
 // n: 1 .. kMaxChoices choices (/generate answers one text: n > 1 is refused there).
@@ -586,10 +573,8 @@ std::optional<ApiError> read_guided_schema(const nlohmann::ordered_json& schema,
                                            const std::string& param, CompletionRequest& out) {
   nlohmann::ordered_json parsed = schema;
   if (schema.is_string()) {
-    // Text inside the body escapes the body's nesting limit: it is written back, which recurses.
-    if (model::json_text_depth(schema.get_ref<const std::string&>()) > kMaxBodyNesting)
-      return invalid_field(param, "'" + param + "' is nested more than " +
-                                      std::to_string(kMaxBodyNesting) + " deep");
+    if (auto error = refuse_deep(schema.get_ref<const std::string&>(), param, "'" + param + "'"))
+      return error;
     parsed = nlohmann::ordered_json::parse(schema.get<std::string>(), nullptr,
                                            /*allow_exceptions=*/false);
     if (parsed.is_discarded())
@@ -659,9 +644,7 @@ std::optional<ApiError> read_guided(const json& body, const std::string& text,
 
 std::variant<json, ApiError> parse_object(const std::string& body) {
   // Parts of the body (tools, a schema) are written back as text, which recurses.
-  if (model::json_text_depth(body) > kMaxBodyNesting)
-    return invalid_field(
-        "", "the body is nested more than " + std::to_string(kMaxBodyNesting) + " deep");
+  if (auto error = refuse_deep(body, "", "the body")) return *error;
   json parsed = json::parse(body, nullptr, /*allow_exceptions=*/false);
   if (parsed.is_discarded()) return invalid_field("", "the body is not valid JSON");
   if (!parsed.is_object()) return invalid_field("", "the body must be a JSON object");
@@ -997,6 +980,27 @@ std::string random_id(const std::string& prefix, size_t length, std::string_view
 
 std::string new_completion_id(Endpoint endpoint) {
   return random_id(endpoint == Endpoint::kChat ? "chatcmpl-" : "cmpl-");
+}
+
+std::optional<ApiError> read_stop_strings(const json& value, const std::string& param,
+                                          std::vector<std::string>& out) {
+  if (value.is_string()) {
+    out.push_back(value.get<std::string>());
+  } else {
+    if (!value.is_array()) return wrong_type(param, value, "a string or an array of strings");
+    // vLLM takes more than OpenAI's 4 (evaluation harnesses send 5 or more).
+    if (value.size() > kMaxStopStrings)
+      return invalid_field(param, "at most " + std::to_string(kMaxStopStrings) + " stop sequences");
+    for (const json& s : value) {
+      if (!s.is_string()) return wrong_type(param, s, "a string");
+      out.push_back(s.get<std::string>());
+    }
+  }
+  for (const std::string& s : out)
+    if (s.size() > kMaxStopStringBytes)
+      return invalid_field(
+          param, "a stop sequence is at most " + std::to_string(kMaxStopStringBytes) + " bytes");
+  return std::nullopt;
 }
 
 }  // namespace moeline::stages::http

@@ -39,6 +39,10 @@ struct ApiError {
 ApiError invalid_field(const std::string& param, const std::string& message);
 // A 400 for what this server does not do (`what`, as a noun), code unsupported_parameter.
 ApiError unsupported_field(const std::string& param, const std::string& what);
+// Stop strings as a request gives them, a string or a list of strings, appended to `out`: at most
+// kMaxStopStrings, each at most kMaxStopStringBytes (stop_matcher.h); an error names `param`.
+std::optional<ApiError> read_stop_strings(const nlohmann::json& value, const std::string& param,
+                                          std::vector<std::string>& out);
 
 struct CompletionRequest {
   Endpoint endpoint = Endpoint::kChat;

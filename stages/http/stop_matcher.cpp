@@ -26,7 +26,6 @@ bool StopMatcher::stop_token(int32_t token) const {
 
 void StopMatcher::advance(Stop& stop, char byte) const {
   size_t k = stop.state;
-  if (k == stop.text.size()) k = stop.border[k - 1];  // a match passed over: its overlaps go on
   while (k > 0 && stop.text[k] != byte) k = stop.border[k - 1];
   if (stop.text[k] == byte) ++k;
   stop.state = k;
@@ -43,8 +42,10 @@ std::string StopMatcher::feed(const std::string& delta, int64_t tokens) {
     const Stop* completed = nullptr;
     for (Stop& stop : stops_) {
       advance(stop, delta[i]);
-      if (stop.state == stop.text.size() && end > shielded_ &&
-          (completed == nullptr || stop.text.size() > completed->text.size()))
+      if (stop.state < stop.text.size()) continue;
+      if (end <= shielded_)  // a match in min_tokens' text, passed over: its overlaps go on
+        stop.state = stop.border[stop.state - 1];
+      else if (completed == nullptr || stop.text.size() > completed->text.size())
         completed = &stop;
     }
     if (completed != nullptr) {
@@ -60,9 +61,7 @@ std::string StopMatcher::feed(const std::string& delta, int64_t tokens) {
   }
   // Hold back the longest tail that is a proper prefix of some stop string.
   size_t hold = 0;
-  for (const Stop& stop : stops_)  // (a match passed over in min_tokens' text holds its border)
-    hold = std::max<size_t>(
-        hold, stop.state == stop.text.size() ? stop.border[stop.state - 1] : stop.state);
+  for (const Stop& stop : stops_) hold = std::max(hold, stop.state);
   const size_t release = pending_.size() - std::min(hold, pending_.size());
   std::string out = pending_.substr(0, release);
   pending_.erase(0, release);

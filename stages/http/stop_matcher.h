@@ -44,7 +44,7 @@ class StopMatcher {
   struct Stop {
     std::string text;
     std::vector<uint32_t> border;  // border[i]: the longest proper border of text[0..i]
-    size_t state = 0;              // the longest prefix of text that the answer now ends with
+    size_t state = 0;  // the longest proper prefix of text that the answer now ends with
   };
   void advance(Stop& stop, char byte) const;
 
